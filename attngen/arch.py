@@ -1,0 +1,52 @@
+"""GPU targets as data.
+
+A new GPU target is a new row here, nothing else: the tiler reads its budgets, the spec accepts
+its name, and the build emits a module for it. This module is a leaf (the spec validates arch
+names against it), so it imports nothing from attngen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GpuArch:
+    """Budgets of one NVIDIA compute capability, as the tiler sees them.
+
+    Invariants: smem_per_block <= smem_per_sm; all sizes in bytes; counts are per SM unless named
+    otherwise. `sm_count` is that of the reference part named in `part`, used only for wave
+    quantization estimates (the runtime never relies on it).
+    """
+
+    name: str
+    compute_capability: int
+    part: str
+    sm_count: int
+    smem_per_block: int  # opt-in maximum dynamic shared memory for one block
+    smem_per_sm: int
+    regs_per_sm: int
+    max_regs_per_thread: int
+    max_threads_per_sm: int
+    has_wgmma: bool  # Hopper warpgroup MMA: Triton takes dot operand A from registers
+
+
+# One row per target. Numbers from NVIDIA's CUDA C++ Programming Guide, "Compute capabilities"
+# table (shared memory opt-in limits checked against the H200: 232448).
+ARCHS: dict[str, GpuArch] = {
+    arch.name: arch
+    for arch in (
+        # A100: 164 KiB shared per SM, 163 KiB opt-in per block.
+        GpuArch("sm80", 80, "A100", 108, 166_912, 167_936, 65_536, 255, 2048, False),
+        # GA10x (A10, RTX 3090): 100 KiB per SM, 99 KiB per block; fewer threads per SM.
+        GpuArch("sm86", 86, "A10", 72, 101_376, 102_400, 65_536, 255, 1536, False),
+        # Ada (L4, L40S, RTX 4090): same budgets as sm86.
+        GpuArch("sm89", 89, "L40S", 142, 101_376, 102_400, 65_536, 255, 1536, False),
+        # Hopper (H100, H200): 228 KiB per SM, 227 KiB per block.
+        GpuArch("sm90", 90, "H100/H200", 132, 232_448, 233_472, 65_536, 255, 2048, True),
+    )
+}
+
+
+def arch_names() -> tuple[str, ...]:
+    return tuple(ARCHS)

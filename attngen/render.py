@@ -1,0 +1,139 @@
+"""Rendering: a validated spec plus a derived tile config -> the text of a standalone module.
+
+Templates are package resources (`*.py.jinja`, partials prefixed `_`), rendered with
+StrictUndefined from a flat context of validated ints, bools and enum names. No user-provided
+text reaches a template: the only strings in the context are enum values, the validated
+identifier `name` (for the module name and docstring) and lines attngen writes itself. Every
+rendered module is parsed with `ast` and its imports and top-level names checked before it is
+returned (`check_module_source`).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from attngen import __version__
+from attngen.spec import AttnSpec, Dtype, KernelKind, module_name
+from attngen.tiling import Derivation, padded_head_dim
+
+# A generated module may import these and nothing else.
+ALLOWED_IMPORTS = frozenset({"contextlib", "math", "os", "torch", "triton", "triton.language"})
+TEMPLATE_FOR_KIND = {KernelKind.prefill: "prefill.py.jinja"}
+_DTYPE_NAMES = {Dtype.fp16: "float16", Dtype.bf16: "bfloat16", Dtype.fp32: "float32"}
+
+
+class RenderError(RuntimeError):
+    """A rendered module failed its safety gate: a bug in attngen, never a user mistake."""
+
+
+def template_dir() -> Path:
+    """The packaged templates (a wheel puts them in attngen/templates), else the source tree's."""
+    packaged = Path(__file__).with_name("templates")
+    return packaged if packaged.is_dir() else Path(__file__).parent.parent / "templates"
+
+
+@cache
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(template_dir())),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,  # Python source, not HTML; the context holds no user text
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+
+
+@cache
+def template_hash(template_name: str) -> str:
+    """Hash of a template and every partial: a change to any of them shows in the header."""
+    digest = hashlib.sha256()
+    for path in sorted(template_dir().glob("*.py.jinja")):
+        if path.name == template_name or path.name.startswith("_"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> dict[str, Any]:
+    """The flat context of one render: ints, bools, floats and attngen's own strings."""
+    config = derivation.chosen
+    if config is None:
+        raise RenderError(f"{spec.name} on {derivation.arch}: no feasible tile config to render")
+    window = spec.window or (0, 0)
+    return {
+        "attngen_version": __version__,
+        "template_name": TEMPLATE_FOR_KIND[kind],
+        "template_hash": template_hash(TEMPLATE_FOR_KIND[kind]),
+        "module_name": module_name(spec, kind),
+        "spec_hash": spec.spec_hash(),
+        "spec_lines": [f"{key}: {_yaml_value(value)}" for key, value in spec.canonical().items()],
+        "arch": derivation.arch,
+        "block_m": config.block_m,
+        "block_n": config.block_n,
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+        "config_source": derivation.source,
+        "derivation_lines": list(derivation.summary_lines()),
+        "dtype": spec.dtype.value,
+        "dtype_name": _DTYPE_NAMES[spec.dtype],
+        "head_dim": spec.head_dim,
+        "head_dim_v": spec.value_head_dim,
+        "block_d": padded_head_dim(spec.head_dim),
+        "block_dv": padded_head_dim(spec.value_head_dim),
+        "mask": spec.mask.value,
+        "causal_align": spec.causal_align.value if spec.causal_align else "none",
+        "bottom_right": spec.causal_align is not None and spec.causal_align.value == "bottom_right",
+        "window_left": window[0],
+        "window_right": window[1],
+        "softcap": float(spec.softcap),
+        "alibi": spec.alibi,
+    }
+
+
+def _yaml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, list):
+        return "[" + ", ".join(_yaml_value(v) for v in value) + "]"
+    return str(value)
+
+
+def render_module(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> str:
+    context = build_context(spec, kind, derivation)
+    source = _environment().get_template(TEMPLATE_FOR_KIND[kind]).render(**context)
+    check_module_source(source, context["module_name"])
+    return source
+
+
+def render_template(template_name: str, context: dict[str, Any]) -> str:
+    """Render any template from an explicit context (used by golden-file tests)."""
+    return _environment().get_template(template_name).render(**context)
+
+
+def check_module_source(source: str, name: str) -> None:
+    """The ast gate: the module parses, imports only ALLOWED_IMPORTS, and defines `attention`."""
+    try:
+        tree = ast.parse(source, filename=f"{name}.py")
+    except SyntaxError as exc:
+        raise RenderError(f"{name}: rendered module does not parse: {exc}") from None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            modules = [node.module or ""]
+        else:
+            continue
+        for module in modules:
+            if module not in ALLOWED_IMPORTS:
+                raise RenderError(f"{name}: rendered module imports {module!r}")
+    defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    if "attention" not in defined:
+        raise RenderError(f"{name}: rendered module defines no attention()")

@@ -1,0 +1,341 @@
+"""The attention spec: the validated, frozen description of one attention flavour.
+
+A spec file is untrusted input that ends up as executed Python, so everything about it is
+strict: YAML is read with a loader that knows only YAML 1.2's plain scalars (no `no` -> False,
+`010` -> 8, `12:30` -> 750, dates), duplicate keys, anchors and aliases are refused, and every
+field is checked by pydantic with exact types. An error names the file, the field, the value
+and what is allowed, as one line (`SpecError`).
+
+A file describes one model. Fields at the top level apply to every attention flavour of that
+model; a model with several flavours (Gemma-2 alternates sliding-window and global layers)
+lists them under `variants`, each a mapping of overrides whose name is appended to the model's:
+
+    name: gemma2_9b
+    ...common fields...
+    variants:
+      local: {mask: sliding_window, causal_align: bottom_right, window_left: 4095}
+      global: {mask: causal, causal_align: bottom_right}
+
+gives the specs `gemma2_9b_local` and `gemma2_9b_global`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import ValidationError as PydanticValidationError
+
+from attngen.arch import arch_names
+
+MAX_SPEC_BYTES = 64 * 1024  # a spec is a few hundred bytes; anything larger is a mistake
+NAME_PATTERN = r"^[a-z][a-z0-9_]{0,47}$"
+
+
+class SpecError(ValueError):
+    """A user mistake in a spec file; its message is the one line the CLI prints."""
+
+
+class Dtype(str, Enum):
+    fp16 = "fp16"
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self is Dtype.fp32 else 2
+
+
+class Mask(str, Enum):
+    none = "none"
+    causal = "causal"
+    sliding_window = "sliding_window"
+
+
+class CausalAlign(str, Enum):
+    """Where the causal diagonal sits when Nq != Nk (i' = i + (Nk - Nq) for bottom_right)."""
+
+    top_left = "top_left"  # SDPA's is_causal
+    bottom_right = "bottom_right"  # flash-attn >= 2.1, the KV-cache convention
+
+
+class KernelKind(str, Enum):
+    prefill = "prefill"
+
+
+ArchName = Annotated[StrictStr, Field(pattern=r"^sm[0-9]+$")]
+HeadDim = Annotated[StrictInt, Field(ge=16, le=256, multiple_of=8)]
+HeadCount = Annotated[StrictInt, Field(ge=1, le=1024)]
+WindowSize = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
+
+
+class AttnSpec(BaseModel):
+    """One attention flavour. Enum fields take their short YAML names; all else is exact-typed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+    name: Annotated[StrictStr, Field(pattern=NAME_PATTERN)]
+    archs: Annotated[tuple[ArchName, ...], Field(min_length=1)]
+    dtype: Dtype
+    head_dim: HeadDim
+    head_dim_v: HeadDim | None = None
+    num_q_heads: HeadCount
+    num_kv_heads: HeadCount
+    mask: Mask
+    causal_align: CausalAlign | None = None
+    window_left: WindowSize | None = None
+    window_right: WindowSize | None = None
+    softcap: Annotated[float, Field(ge=0.0, le=1e4, allow_inf_nan=False, strict=True)] = 0.0
+    alibi: StrictBool = False
+    kernels: Annotated[tuple[KernelKind, ...], Field(min_length=1)]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _softcap_accepts_ints(cls, data: Any) -> Any:
+        # `softcap: 50` is a number to any reader; strict float would refuse the int. Bools are
+        # ints in Python and must stay refused.
+        if isinstance(data, dict):
+            cap = data.get("softcap")
+            if isinstance(cap, int) and not isinstance(cap, bool):
+                data = {**data, "softcap": float(cap)}
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AttnSpec:
+        _check_unique("archs", self.archs)
+        _check_unique("kernels", [k.value for k in self.kernels])
+        for arch in self.archs:
+            if arch not in arch_names():
+                raise _field_error("archs", arch, f"one of {', '.join(arch_names())}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise _field_error(
+                "num_kv_heads",
+                self.num_kv_heads,
+                f"a divisor of num_q_heads={self.num_q_heads} (MHA, GQA or MQA)",
+            )
+        masked = self.mask is not Mask.none
+        if masked and self.causal_align is None:
+            raise _field_error("causal_align", None, "top_left or bottom_right (required with "
+                               f"mask {self.mask.value}: the diagonal is never guessed)")
+        if not masked and self.causal_align is not None:
+            raise _field_error("causal_align", self.causal_align.value, "absent with mask none")
+        windowed = self.mask is Mask.sliding_window
+        if windowed and self.window_left is None:
+            raise _field_error("window_left", None, "an int >= 0 (required with sliding_window)")
+        for field in ("window_left", "window_right"):
+            if not windowed and getattr(self, field) is not None:
+                raise _field_error(field, getattr(self, field), "absent unless sliding_window")
+        return self
+
+    # Resolved views: templates and the tiler read these, never the optional raw fields.
+    @property
+    def value_head_dim(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def window(self) -> tuple[int, int] | None:
+        if self.mask is not Mask.sliding_window:
+            return None
+        return (self.window_left or 0, self.window_right or 0)
+
+    def canonical(self) -> dict[str, Any]:
+        """Every field, defaults resolved, in declaration order: what the hash and headers use."""
+        data = self.model_dump(mode="json")
+        data["head_dim_v"] = self.value_head_dim
+        if self.mask is Mask.sliding_window:
+            data["window_right"] = self.window_right or 0
+        return data
+
+    def spec_hash(self) -> str:
+        text = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class _FieldError(ValueError):
+    def __init__(self, field: str, value: Any, allowed: str):
+        super().__init__(f"{field}: got {value!r}; allowed: {allowed}")
+        self.field, self.value, self.allowed = field, value, allowed
+
+
+def _field_error(field: str, value: Any, allowed: str) -> _FieldError:
+    return _FieldError(field, value, allowed)
+
+
+def _check_unique(field: str, values: Any) -> None:
+    seen: set[Any] = set()
+    for value in values:
+        if value in seen:
+            raise _field_error(field, value, "each entry at most once")
+        seen.add(value)
+
+
+def module_name(spec: AttnSpec, kernel: KernelKind) -> str:
+    """The one function that names a generated module; no tile sizes, so re-tuning keeps it.
+
+    Fixed field order: spec name, kernel, dtype, head dims, mask (with alignment and window),
+    softcap, alibi. Head counts are runtime arguments of the kernel, so they are not in it.
+    """
+    parts = [spec.name, kernel.value, spec.dtype.value, f"d{spec.head_dim}"]
+    if spec.value_head_dim != spec.head_dim:
+        parts.append(f"dv{spec.value_head_dim}")
+    if spec.mask is Mask.causal:
+        parts.append("causal")
+    elif spec.mask is Mask.sliding_window:
+        left, right = spec.window or (0, 0)
+        parts.append(f"win{left}x{right}")
+    if spec.causal_align is not None:
+        parts.append("tl" if spec.causal_align is CausalAlign.top_left else "br")
+    if spec.softcap:
+        parts.append("cap" + format(spec.softcap, "g").replace(".", "p").replace("+", ""))
+    if spec.alibi:
+        parts.append("alibi")
+    return "_".join(parts)
+
+
+# ---------------------------------------------------------------------------- YAML reading
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 core scalars only, no duplicate keys, no anchors or aliases."""
+
+    def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise SpecError(f"line {event.start_mark.line + 1}: YAML aliases are not allowed")
+        node = super().compose_node(parent, index)
+        if getattr(node, "anchor", None) is not None:  # pragma: no cover - anchors carry no alias
+            raise SpecError("YAML anchors are not allowed")
+        return node
+
+    def construct_mapping(self, node, deep=False):  # type: ignore[no-untyped-def]
+        keys: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, str):
+                raise SpecError(f"line {key_node.start_mark.line + 1}: key {key!r} is not a name")
+            if key in keys:
+                raise SpecError(f"line {key_node.start_mark.line + 1}: duplicate key {key!r}")
+            keys.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+# Replace PyYAML's YAML 1.1 implicit resolvers: only these plain scalars become non-strings.
+_StrictLoader.yaml_implicit_resolvers = {}
+for _tag, _regexp, _first in (
+    ("tag:yaml.org,2002:bool", r"^(?:true|false)$", "tf"),
+    ("tag:yaml.org,2002:int", r"^-?(?:0|[1-9][0-9]*)$", "-0123456789"),
+    ("tag:yaml.org,2002:float", r"^-?(?:0|[1-9][0-9]*)\.[0-9]+$", "-0123456789"),
+    ("tag:yaml.org,2002:null", r"^(?:~|null|)$", ["~", "n", ""]),
+):
+    _StrictLoader.add_implicit_resolver(_tag, re.compile(_regexp), list(_first))
+
+
+def parse_yaml(text: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        raise SpecError(f"{where}not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
+
+
+def specs_from_data(data: Any) -> tuple[AttnSpec, ...]:
+    """Validate one parsed spec file into its flavours (one, or one per variant)."""
+    if not isinstance(data, dict):
+        raise SpecError(f"the file must be a mapping of spec fields, got {type(data).__name__}")
+    variants = data.get("variants")
+    base = {k: v for k, v in data.items() if k != "variants"}
+    if variants is None:
+        return (_validate(base, prefix=""),)
+    if not isinstance(variants, dict) or not variants:
+        raise SpecError(f"variants: got {variants!r}; allowed: a non-empty mapping name -> fields")
+    specs = []
+    for variant, overrides in variants.items():
+        if not re.fullmatch(r"[a-z][a-z0-9_]{0,23}", variant):
+            raise SpecError(f"variants: got name {variant!r}; allowed: [a-z][a-z0-9_]*, "
+                            "at most 24 characters")
+        if not isinstance(overrides, dict):
+            raise SpecError(f"variants.{variant}: got {overrides!r}; allowed: a mapping of fields")
+        if "name" in overrides:
+            raise SpecError(f"variants.{variant}.name: not allowed; the variant's key names it")
+        merged = {**base, **overrides, "name": f"{base.get('name')}_{variant}"}
+        specs.append(_validate(merged, prefix=f"variants.{variant}."))
+    return tuple(specs)
+
+
+def _validate(data: dict[str, Any], prefix: str) -> AttnSpec:
+    try:
+        return AttnSpec.model_validate(data)
+    except PydanticValidationError as exc:
+        raise SpecError(prefix + _describe(exc.errors()[0])) from None
+
+
+def _describe(error: dict[str, Any]) -> str:
+    """One pydantic error as 'field: got VALUE; allowed: ...'."""
+    cause = error.get("ctx", {}).get("error")
+    if isinstance(cause, _FieldError):
+        return str(cause)
+    field = ".".join(str(part) for part in error["loc"]) or "spec"
+    value = error.get("input")
+    kind = error["type"]
+    if kind == "missing":
+        return f"{field}: missing; required"
+    if kind == "extra_forbidden":
+        known = ", ".join(AttnSpec.model_fields) + ", variants"
+        return f"{field}: unknown key (allowed keys: {known})"
+    if kind == "enum":
+        return f"{field}: got {value!r}; allowed: {error['ctx']['expected']}"
+    shown = repr(value)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    allowed = _ALLOWED.get(str(error["loc"][0]) if error["loc"] else "", None)
+    return f"{field}: got {shown} ({type(value).__name__}); allowed: " + (
+        allowed or _lower_first(error["msg"])
+    )
+
+
+# What each field accepts, in the words of an error message.
+_ALLOWED = {
+    "name": "a lower-case identifier [a-z][a-z0-9_]*, at most 48 characters",
+    "archs": f"a list of targets among {', '.join(arch_names())}",
+    "head_dim": "an int in 16..256 that is a multiple of 8",
+    "head_dim_v": "an int in 16..256 that is a multiple of 8",
+    "num_q_heads": "an int in 1..1024",
+    "num_kv_heads": "an int in 1..1024 that divides num_q_heads",
+    "window_left": "an int in 0..2147483647",
+    "window_right": "an int in 0..2147483647",
+    "softcap": "a number in 0..10000 (0 disables it); YAML 1.2 form such as 50 or 30.0",
+    "alibi": "true or false",
+    "kernels": "a list among prefill",
+}
+
+
+def _lower_first(text: str) -> str:
+    return text[:1].lower() + text[1:]
+
+
+def load_spec_file(path: str | Path) -> tuple[AttnSpec, ...]:
+    """Read and validate one spec file; every failure is a SpecError naming the file."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+        if len(raw) > MAX_SPEC_BYTES:
+            raise SpecError(f"{len(raw)} bytes; a spec file is at most {MAX_SPEC_BYTES} bytes")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise SpecError("not UTF-8 text") from None
+        return specs_from_data(parse_yaml(text))
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except SpecError as exc:
+        raise SpecError(f"{path}: {exc}") from None
+    except RecursionError:
+        raise SpecError(f"{path}: nested too deeply") from None
+
