@@ -23,7 +23,9 @@ from attngen.spec import AttnSpec, Dtype, KernelKind, module_name
 from attngen.tiling import Derivation, padded_head_dim
 
 # A generated module may import these and nothing else.
-ALLOWED_IMPORTS = frozenset({"contextlib", "math", "os", "torch", "triton", "triton.language"})
+ALLOWED_IMPORTS = frozenset(
+    {"contextlib", "math", "os", "torch", "triton", "triton.language", "triton.language.extra"}
+)
 TEMPLATE_FOR_KIND = {KernelKind.prefill: "prefill.py.jinja"}
 _DTYPE_NAMES = {Dtype.fp16: "float16", Dtype.bf16: "bfloat16", Dtype.fp32: "float32"}
 

@@ -6,7 +6,13 @@ must come out wrong there; then it runs here with the shim and must match torch.
 """
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # must precede `import triton`: @triton.jit picks the interpreter at decoration
+import pytest
+import torch
+
+if torch.cuda.is_available():  # these tests are about the CPU interpreter; a GPU run has none
+    pytest.skip("interpreter-only tests: CUDA is available", allow_module_level=True)
+# must precede `import triton`: @triton.jit picks the interpreter at decoration
+os.environ["TRITON_INTERPRET"] = "1"
 
 import json  # noqa: E402
 import pathlib  # noqa: E402
@@ -14,8 +20,6 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 

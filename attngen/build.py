@@ -1,0 +1,182 @@
+"""Build: spec files -> generated/<arch>/<module>.py and generated/index.json.
+
+Everything is validated and rendered in memory first; only then is anything written, so a bad
+spec (or a spec that no arch can serve) leaves the output folder untouched. Writes are atomic
+(a temporary file in the same folder, then os.replace) and skipped when the bytes are already
+there, so rebuilding is idempotent and concurrent builds of the same specs both succeed. The
+index is merged under a file lock: entries of modules built from other specs stay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from attngen import __version__
+from attngen.render import render_module
+from attngen.spec import AttnSpec, KernelKind, SpecError, load_spec_file, module_name
+from attngen.tiling import derive_tiles
+
+INDEX_NAME = "index.json"
+INDEX_SCHEMA = 1
+
+
+class BuildError(SpecError):
+    """A valid spec that cannot be built as asked (no feasible tiles, name collisions)."""
+
+
+@dataclass(frozen=True)
+class Artifact:
+    relative_path: str  # "<arch>/<module>.py", derived from validated names only
+    source: str
+    entry: dict[str, Any]
+
+
+def load_specs(paths: Iterable[str | Path]) -> list[AttnSpec]:
+    specs: list[AttnSpec] = []
+    for path in paths:
+        specs.extend(load_spec_file(path))
+    return specs
+
+
+def plan_build(specs: Iterable[AttnSpec]) -> list[Artifact]:
+    """Render every (spec, kernel, arch) in memory; raise BuildError before anything is written."""
+    artifacts: dict[str, Artifact] = {}
+    for spec in specs:
+        for kind in spec.kernels:
+            for arch in spec.archs:
+                artifact = _plan_one(spec, kind, arch)
+                previous = artifacts.get(artifact.relative_path)
+                if previous is not None and previous.source != artifact.source:
+                    raise BuildError(
+                        f"{artifact.relative_path}: two specs give this module different contents "
+                        f"(spec hashes {previous.entry['spec_hash']} and "
+                        f"{artifact.entry['spec_hash']}); give the specs different names"
+                    )
+                artifacts[artifact.relative_path] = artifact
+    return [artifacts[path] for path in sorted(artifacts)]
+
+
+def _plan_one(spec: AttnSpec, kind: KernelKind, arch: str) -> Artifact:
+    derivation = derive_tiles(spec, arch)
+    if derivation.chosen is None:
+        reasons = sorted({r for c in derivation.candidates for r in c.rejected})
+        raise BuildError(
+            f"{spec.name}: no {kind.value} tile config fits {arch} "
+            f"(every candidate rejected: {'; '.join(reasons[:3])}); "
+            "drop this arch from `archs` or use a smaller head_dim"
+        )
+    name = module_name(spec, kind)
+    relative_path = f"{arch}/{name}.py"
+    entry = {
+        "module": name,
+        "path": relative_path,
+        "arch": arch,
+        "kind": kind.value,
+        "spec_hash": spec.spec_hash(),
+        "spec": spec.canonical(),
+        "config": derivation.chosen.as_dict(),
+        "config_source": derivation.source,
+    }
+    return Artifact(relative_path, render_module(spec, kind, derivation), entry)
+
+
+def write_build(artifacts: list[Artifact], out_dir: str | Path) -> list[str]:
+    """Write modules and merge the index; returns the relative paths whose bytes changed."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    changed = []
+    for artifact in artifacts:
+        target = _confined(out, artifact.relative_path)
+        if write_if_different(target, artifact.source):
+            changed.append(artifact.relative_path)
+    with _locked(out / ".index.lock"):
+        entries = {entry["path"]: entry for entry in read_index(out)}
+        entries = {path: e for path, e in entries.items() if (out / path).is_file()}
+        entries.update({artifact.relative_path: artifact.entry for artifact in artifacts})
+        if write_if_different(out / INDEX_NAME, render_index(entries.values())):
+            changed.append(INDEX_NAME)
+    return changed
+
+
+def build(spec_paths: Iterable[str | Path], out_dir: str | Path) -> list[str]:
+    return write_build(plan_build(load_specs(spec_paths)), out_dir)
+
+
+def stale_paths(spec_paths: Iterable[str | Path], out_dir: str | Path) -> list[str]:
+    """Modules (and index entries) that a build would change: empty when out_dir is current."""
+    out = Path(out_dir)
+    artifacts = plan_build(load_specs(spec_paths))
+    stale = []
+    for artifact in artifacts:
+        target = out / artifact.relative_path
+        if not target.is_file() or target.read_text(encoding="utf-8") != artifact.source:
+            stale.append(artifact.relative_path)
+    indexed = {entry["path"]: entry for entry in read_index(out)}
+    if any(indexed.get(a.relative_path) != a.entry for a in artifacts):
+        stale.append(INDEX_NAME)
+    return stale
+
+
+def render_index(entries: Iterable[dict[str, Any]]) -> str:
+    ordered = sorted(entries, key=lambda entry: entry["path"])
+    index = {"attngen_version": __version__, "schema": INDEX_SCHEMA, "modules": ordered}
+    return json.dumps(index, indent=2, sort_keys=True) + "\n"
+
+
+def read_index(out_dir: Path) -> list[dict[str, Any]]:
+    path = out_dir / INDEX_NAME
+    if not path.is_file():
+        return []
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+        return list(index["modules"])
+    except (ValueError, KeyError, TypeError):
+        raise BuildError(f"{path}: not an attngen index; move it away or delete it") from None
+
+
+def write_if_different(path: Path, text: str) -> bool:
+    """Atomically replace `path` with `text` unless it already holds exactly that."""
+    data = text.encode("utf-8")
+    with contextlib.suppress(FileNotFoundError):
+        if path.read_bytes() == data:
+            return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return True
+
+
+def _confined(out: Path, relative_path: str) -> Path:
+    """Resolve a module path and make sure it stays inside the output folder."""
+    target = (out / relative_path).resolve()
+    if not target.is_relative_to(out.resolve()):  # pragma: no cover - names are validated
+        raise BuildError(f"{relative_path}: escapes the output folder {out}")
+    return target
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -1,0 +1,85 @@
+"""`attngen explain`: the tile derivation of each spec on each arch, in words and numbers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from attngen.arch import ARCHS
+from attngen.spec import AttnSpec
+from attngen.tiling import Candidate, Derivation, derive_tiles, padded_head_dim
+
+TOP_FEASIBLE = 6
+REJECTED_SAMPLE = 4
+
+
+def explain_lines(specs: Iterable[AttnSpec], archs: Iterable[str] | None = None) -> list[str]:
+    wanted = None if archs is None else set(archs)
+    lines: list[str] = []
+    for spec in specs:
+        for arch in spec.archs:
+            if wanted is None or arch in wanted:
+                lines += explain_one(spec, derive_tiles(spec, arch))
+                lines.append("")
+    return lines
+
+
+def explain_one(spec: AttnSpec, derivation: Derivation) -> list[str]:
+    arch = ARCHS[derivation.arch]
+    d, dv = padded_head_dim(spec.head_dim), padded_head_dim(spec.value_head_dim)
+    lines = [
+        f"== {spec.name} on {arch.name} ({arch.part}, {arch.sm_count} SMs, "
+        f"{arch.smem_per_block} B shared/block, {arch.regs_per_sm} registers/SM)",
+        f"   dtype {spec.dtype.value} (E = {spec.dtype.itemsize} B), head dims {spec.head_dim}/"
+        f"{spec.value_head_dim} padded to D = {d}, DV = {dv} for tl.dot",
+        "   model:",
+        f"     shared memory  = {derivation.expressions['smem']}",
+        f"     registers/thr ~= {derivation.expressions['regs']}",
+        f"     score          = {derivation.expressions['score']} x occupancy",
+        "   constraints:",
+        *(f"     {label}" for label in derivation.constraints),
+    ]
+    feasible = sorted((c for c in derivation.candidates if c.feasible),
+                      key=lambda c: (-c.score, c.smem_bytes))
+    rejected = [c for c in derivation.candidates if not c.feasible]
+    lines.append(f"   candidates: {len(derivation.candidates)} "
+                 f"({len(feasible)} feasible, {len(rejected)} rejected)")
+    lines.append("     BLOCK_M BLOCK_N warps stages   smem B  regs  prog/SM  score  verdict")
+    for cand in feasible[:TOP_FEASIBLE]:
+        verdict = "CHOSEN" if cand.config == derivation.chosen else "feasible"
+        lines.append(_row(cand, verdict))
+    for cand in _spread(rejected, REJECTED_SAMPLE):
+        lines.append(_row(cand, "rejected: " + "; ".join(cand.rejected)))
+    best = derivation.chosen_candidate
+    if best is None:
+        lines.append("   no config fits this arch: " + _nearest_miss(rejected))
+        return lines
+    lines += [
+        f"   chosen: BLOCK_M={best.config.block_m} BLOCK_N={best.config.block_n} "
+        f"num_warps={best.config.num_warps} num_stages={best.config.num_stages} "
+        f"(source: {derivation.source})",
+        f"   binding constraint: {derivation.binding}",
+        f"   headroom: {arch.smem_per_block - best.smem_bytes} B shared memory, "
+        f"{arch.max_regs_per_thread - best.regs_per_thread} registers/thread",
+    ]
+    return lines
+
+
+def _row(cand: Candidate, verdict: str) -> str:
+    c = cand.config
+    return (f"     {c.block_m:7d} {c.block_n:7d} {c.num_warps:5d} {c.num_stages:6d} "
+            f"{cand.smem_bytes:8d} {cand.regs_per_thread:5d} {cand.programs_per_sm:8d} "
+            f"{cand.score:6.3f}  {verdict}")
+
+
+def _spread(items: list[Candidate], count: int) -> list[Candidate]:
+    if len(items) <= count:
+        return items
+    step = len(items) / count
+    return [items[int(i * step)] for i in range(count)]
+
+
+def _nearest_miss(rejected: list[Candidate]) -> str:
+    closest = min(rejected, key=lambda c: c.smem_bytes)
+    return (f"the smallest candidate (BLOCK_M={closest.config.block_m}, "
+            f"BLOCK_N={closest.config.block_n}, num_stages={closest.config.num_stages}) is "
+            f"rejected: {'; '.join(closest.rejected)}")
