@@ -192,7 +192,10 @@ def module_name(spec: AttnSpec, kernel: KernelKind) -> str:
     if spec.causal_align is not None:
         parts.append("tl" if spec.causal_align is CausalAlign.top_left else "br")
     if spec.softcap:
-        parts.append("cap" + format(spec.softcap, "g").replace(".", "p").replace("+", ""))
+        # repr: the shortest text that round-trips, so distinct softcaps get distinct names
+        # (format "g" keeps 6 digits: 50.0000001 -> "50"); "-" of an exponent becomes "m".
+        cap = repr(spec.softcap).removesuffix(".0")
+        parts.append("cap" + cap.replace(".", "p").replace("-", "m").replace("+", ""))
     if spec.alibi:
         parts.append("alibi")
     return "_".join(parts)
@@ -205,13 +208,13 @@ class _StrictLoader(yaml.SafeLoader):
     """SafeLoader with YAML 1.2 core scalars only, no duplicate keys, no anchors or aliases."""
 
     def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
             raise SpecError(f"line {event.start_mark.line + 1}: YAML aliases are not allowed")
-        node = super().compose_node(parent, index)
-        if getattr(node, "anchor", None) is not None:  # pragma: no cover - anchors carry no alias
-            raise SpecError("YAML anchors are not allowed")
-        return node
+        # Nodes do not keep their anchor; the event that starts them does.
+        if getattr(event, "anchor", None) is not None:
+            raise SpecError(f"line {event.start_mark.line + 1}: YAML anchors are not allowed")
+        return super().compose_node(parent, index)
 
     def construct_mapping(self, node, deep=False):  # type: ignore[no-untyped-def]
         keys: set[Any] = set()
@@ -242,7 +245,11 @@ def parse_yaml(text: str) -> Any:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}: " if mark is not None else ""
-        raise SpecError(f"{where}not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
+        # One line: some PyYAML messages (ReaderError) span several. The context says what
+        # was expected ("expected a single document in the stream"), the problem what was found.
+        parts = [getattr(exc, "context", None), getattr(exc, "problem", None)]
+        problem = " ".join((", ".join(str(p) for p in parts if p) or str(exc)).split())
+        raise SpecError(f"{where}not valid YAML ({problem})") from None
 
 
 def specs_from_data(data: Any) -> tuple[AttnSpec, ...]:
@@ -264,7 +271,9 @@ def specs_from_data(data: Any) -> tuple[AttnSpec, ...]:
             raise SpecError(f"variants.{variant}: got {overrides!r}; allowed: a mapping of fields")
         if "name" in overrides:
             raise SpecError(f"variants.{variant}.name: not allowed; the variant's key names it")
-        merged = {**base, **overrides, "name": f"{base.get('name')}_{variant}"}
+        merged = {**base, **overrides}
+        if isinstance(base.get("name"), str):  # else the missing or mistyped name is reported
+            merged["name"] = f"{base['name']}_{variant}"
         specs.append(_validate(merged, prefix=f"variants.{variant}."))
     return tuple(specs)
 
@@ -324,9 +333,11 @@ def load_spec_file(path: str | Path) -> tuple[AttnSpec, ...]:
     """Read and validate one spec file; every failure is a SpecError naming the file."""
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        with path.open("rb") as handle:  # bounded: /dev/zero or a huge file is refused, not read
+            raw = handle.read(MAX_SPEC_BYTES + 1)
         if len(raw) > MAX_SPEC_BYTES:
-            raise SpecError(f"{len(raw)} bytes; a spec file is at most {MAX_SPEC_BYTES} bytes")
+            raise SpecError(f"more than {MAX_SPEC_BYTES} bytes; a spec file is at most "
+                            f"{MAX_SPEC_BYTES} bytes")
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:

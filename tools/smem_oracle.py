@@ -190,7 +190,9 @@ def run_oracle(jobs: list[tuple[AttnSpec | dict[str, Any], str, TileConfig]],
         try:
             if processes <= 1:
                 return [_job(job) for job in payload]
-            context = multiprocessing.get_context("spawn")
+            # fork: no re-import of the caller's __main__ (spawn would need a main guard there)
+            methods = multiprocessing.get_all_start_methods()
+            context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
             with context.Pool(processes) as pool:
                 return pool.map(_job, payload, chunksize=1)
         finally:

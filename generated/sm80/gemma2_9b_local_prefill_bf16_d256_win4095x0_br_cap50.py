@@ -20,7 +20,7 @@
 #
 # Target sm80: BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2 (source: heuristic).
 # Derivation:
-#   shared memory = BLOCK_M*BLOCK_N*E + BLOCK_M*D*E + BLOCK_N*E*(D + DV)*Max(1, S - 1)
+#   shared memory = BLOCK_M*D*E + BLOCK_N*E*(D + DV)*Max(1, S - 1) + Piecewise((0, Eq(E, 2) & (BLOCK_M >= 128) & (D <= 128)), (BLOCK_M*BLOCK_N*E, True)) + Piecewise((4*BLOCK_M, Eq(E, 4)), (0, True))
 #     = 106496 B of 166912 B per block
 #   registers/thread ~ 40 + (BLOCK_M*BLOCK_N + BLOCK_M*D*E/4 + BLOCK_M*DV)/(32*W)
 #     = 152 of 255
