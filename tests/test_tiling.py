@@ -1,0 +1,73 @@
+"""The tile derivation: feasibility, the choice, and the explanation, per arch."""
+
+from __future__ import annotations
+
+import pytest
+
+from attngen.arch import ARCHS
+from attngen.build import BuildError, plan_build
+from attngen.explain import explain_one
+from attngen.tiling import BM, BN, D, DV, E, S, derive_tiles, smem_expression
+from tests.kernel_harness import make_spec
+
+# (arch, dtype, D, BLOCK_M, BLOCK_N, stages) -> bytes Triton 3.6 reported for the compiled
+# template (launch-time specialization); the model must never be below these.
+COMPILED_SMEM = [
+    ("sm90", 2, 128, 128, 128, 3, 229376), ("sm90", 2, 128, 128, 64, 2, 98304),
+    ("sm90", 2, 256, 64, 128, 2, 294912), ("sm90", 2, 256, 64, 64, 2, 163840),
+    ("sm90", 2, 128, 32, 32, 2, 26624), ("sm80", 2, 128, 128, 64, 3, 98304),
+    ("sm80", 2, 128, 64, 128, 2, 98304), ("sm80", 2, 256, 128, 128, 2, 229376),
+    ("sm80", 4, 64, 128, 128, 2, 164352), ("sm86", 2, 128, 64, 64, 3, 90112),
+]
+
+
+@pytest.mark.parametrize("arch, e, d, bm, bn, s, compiled", COMPILED_SMEM)
+def test_smem_model_is_exact_or_above_the_compiler(arch, e, d, bm, bn, s, compiled):
+    predicted = int(smem_expression(ARCHS[arch]).subs({BM: bm, BN: bn, D: d, DV: d, E: e, S: s}))
+    assert compiled <= predicted <= compiled + bm * bn * e + 4 * bm
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("dtype, head_dim", [("bf16", 64), ("bf16", 128), ("fp16", 96),
+                                             ("bf16", 256), ("fp32", 128)])
+def test_chosen_config_is_feasible_and_best(arch, dtype, head_dim):
+    spec = make_spec(dtype=dtype, head_dim=head_dim, archs=[arch])
+    derivation = derive_tiles(spec, arch)
+    chosen = derivation.chosen_candidate
+    assert chosen is not None and chosen.feasible
+    assert chosen.smem_bytes <= ARCHS[arch].smem_per_block
+    assert chosen.regs_per_thread <= ARCHS[arch].max_regs_per_thread
+    assert all(c.score <= chosen.score for c in derivation.candidates if c.feasible)
+    for cand in derivation.candidates:
+        assert cand.feasible == (not cand.rejected)
+        if cand.smem_bytes > ARCHS[arch].smem_per_block:
+            assert any(r.startswith("smem") for r in cand.rejected)
+
+
+def test_smaller_budget_gives_smaller_tiles():
+    spec = make_spec(dtype="bf16", head_dim=256, archs=["sm86", "sm90"])
+    small, large = derive_tiles(spec, "sm86").chosen_candidate, derive_tiles(spec, "sm90").chosen_candidate
+    assert small.smem_bytes <= ARCHS["sm86"].smem_per_block < large.smem_bytes
+
+
+def test_explain_names_choice_binding_and_headroom():
+    spec = make_spec(dtype="bf16", head_dim=128, archs=["sm86"])
+    text = "\n".join(explain_one(spec, derive_tiles(spec, "sm86")))
+    chosen = derive_tiles(spec, "sm86").chosen
+    assert f"BLOCK_M={chosen.block_m} BLOCK_N={chosen.block_n}" in text
+    assert "binding constraint:" in text and "headroom:" in text and "rejected: smem" in text
+
+
+def test_spec_no_arch_can_serve_is_refused_before_rendering(monkeypatch):
+    import attngen.tiling as tiling
+
+    monkeypatch.setattr(tiling, "BLOCK_M_CHOICES", (128,))
+    monkeypatch.setattr(tiling, "BLOCK_N_CHOICES", (128,))
+    monkeypatch.setattr(tiling, "NUM_WARPS_CHOICES", (4,))
+    tiling.derive_tiles.cache_clear()
+    try:
+        spec = make_spec(dtype="fp32", head_dim=256, archs=["sm86"], name="huge")
+        with pytest.raises(BuildError, match="no prefill tile config fits sm86"):
+            plan_build([spec])
+    finally:
+        tiling.derive_tiles.cache_clear()
