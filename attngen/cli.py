@@ -63,7 +63,8 @@ def explain_command(
 ) -> None:
     """Print the tile derivation for each spec and arch: model, constraints, candidates, choice."""
     if arch is not None and arch not in arch_names():
-        raise typer.BadParameter(f"{arch!r}; allowed: {', '.join(arch_names())}", param_hint="--arch")
+        allowed = ", ".join(arch_names())
+        raise typer.BadParameter(f"{arch!r}; allowed: {allowed}", param_hint="--arch")
     try:
         lines = explain_lines(load_specs(specs), None if arch is None else [arch])
     except SpecError as exc:

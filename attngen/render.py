@@ -23,9 +23,8 @@ from attngen.spec import AttnSpec, Dtype, KernelKind, module_name
 from attngen.tiling import Derivation, padded_head_dim
 
 # A generated module may import these and nothing else.
-ALLOWED_IMPORTS = frozenset(
-    {"contextlib", "math", "os", "torch", "triton", "triton.language", "triton.language.extra"}
-)
+ALLOWED_IMPORTS = frozenset({"contextlib", "math", "os", "torch", "triton", "triton.language"})
+ALLOWED_FROM_IMPORTS = frozenset({("triton.language.extra", "libdevice")})
 TEMPLATE_FOR_KIND = {KernelKind.prefill: "prefill.py.jinja"}
 _DTYPE_NAMES = {Dtype.fp16: "float16", Dtype.bf16: "bfloat16", Dtype.fp32: "float32"}
 
@@ -121,21 +120,22 @@ def render_template(template_name: str, context: dict[str, Any]) -> str:
 
 
 def check_module_source(source: str, name: str) -> None:
-    """The ast gate: the module parses, imports only ALLOWED_IMPORTS, and defines `attention`."""
+    """The ast gate: the module parses, imports only what ALLOWED_IMPORTS and
+    ALLOWED_FROM_IMPORTS name, and defines `attention`."""
     try:
         tree = ast.parse(source, filename=f"{name}.py")
     except SyntaxError as exc:
         raise RenderError(f"{name}: rendered module does not parse: {exc}") from None
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            modules = [alias.name for alias in node.names]
+            for alias in node.names:
+                if alias.name not in ALLOWED_IMPORTS:
+                    raise RenderError(f"{name}: rendered module imports {alias.name!r}")
         elif isinstance(node, ast.ImportFrom):
-            modules = [node.module or ""]
-        else:
-            continue
-        for module in modules:
-            if module not in ALLOWED_IMPORTS:
-                raise RenderError(f"{name}: rendered module imports {module!r}")
+            for alias in node.names:
+                if node.level or (node.module, alias.name) not in ALLOWED_FROM_IMPORTS:
+                    raise RenderError(f"{name}: rendered module imports "
+                                      f"{node.module or ''!r} (name {alias.name!r})")
     defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
     if "attention" not in defined:
         raise RenderError(f"{name}: rendered module defines no attention()")

@@ -256,10 +256,10 @@ def specs_from_data(data: Any) -> tuple[AttnSpec, ...]:
     """Validate one parsed spec file into its flavours (one, or one per variant)."""
     if not isinstance(data, dict):
         raise SpecError(f"the file must be a mapping of spec fields, got {type(data).__name__}")
-    variants = data.get("variants")
     base = {k: v for k, v in data.items() if k != "variants"}
-    if variants is None:
+    if "variants" not in data:
         return (_validate(base, prefix=""),)
+    variants = data["variants"]
     if not isinstance(variants, dict) or not variants:
         raise SpecError(f"variants: got {variants!r}; allowed: a non-empty mapping name -> fields")
     specs = []

@@ -17,6 +17,7 @@ explain` and the module header print the same numbers.
 from __future__ import annotations
 
 import itertools
+import textwrap
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -81,28 +82,44 @@ class Derivation:
     candidates: tuple[Candidate, ...]
     chosen: TileConfig | None
     binding: str = ""
-    notes: tuple[str, ...] = field(default=())
+    worked: dict[str, str] = field(default_factory=dict)  # chosen config's formulas and values
 
     @property
     def chosen_candidate(self) -> Candidate | None:
         return next((c for c in self.candidates if c.config == self.chosen), None)
 
-    def summary_lines(self) -> tuple[str, ...]:
-        """What the module header records: the chosen config's shared memory, worked out."""
+    def summary_lines(self, width: int = 92) -> tuple[str, ...]:
+        """What the module header records: the formulas in force for the chosen config, worked
+        out, wrapped to `width` columns."""
         best = self.chosen_candidate
         if best is None:
             return ("no feasible config",)
         arch = ARCHS[self.arch]
         feasible = sum(c.feasible for c in self.candidates)
-        return (
-            f"shared memory = {self.expressions['smem']}",
+        lines = [
+            f"shared memory = {self.worked['smem']}",
+            f"  with {self.worked['values']}",
             f"  = {best.smem_bytes} B of {arch.smem_per_block} B per block",
-            f"registers/thread ~ {self.expressions['regs']}",
-            f"  = {best.regs_per_thread} of {arch.max_regs_per_thread}",
+            f"registers/thread ~ {self.worked['regs']} = {best.regs_per_thread} "
+            f"of {arch.max_regs_per_thread}",
             f"programs/SM {best.programs_per_sm}, score {best.score:.3f}, "
             f"{feasible} of {len(self.candidates)} candidates feasible",
             f"binding: {self.binding}",
-        )
+        ]
+        wrapped: list[str] = []
+        for line in lines:
+            wrapped += textwrap.wrap(line, width, subsequent_indent="    ")
+        return tuple(wrapped)
+
+
+def active_branch(expr: sympy.Expr, values: dict[sympy.Symbol, int]) -> sympy.Expr:
+    """The formula in force at `values`: every Piecewise replaced by its arm whose condition
+    holds there (the header shows this, not the whole case analysis)."""
+
+    def pick(piecewise: sympy.Piecewise) -> sympy.Expr:
+        return next(arm for arm, cond in piecewise.args if bool(cond.subs(values)))
+
+    return expr.replace(lambda e: isinstance(e, sympy.Piecewise), pick)
 
 
 def smem_expression(arch: GpuArch) -> sympy.Expr:
@@ -190,10 +207,18 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
     feasible = [c for c in candidates if c.feasible]
     chosen = None
     binding = "nothing fits"
+    worked: dict[str, str] = {}
     if feasible:
         best = max(feasible, key=lambda c: (c.score, -c.smem_bytes, c.config))
         chosen = best.config
-        binding = _binding_constraint(best, candidates, arch)
+        binding = _binding_constraint(best, candidates)
+        at = {**values, BM: chosen.block_m, BN: chosen.block_n, S: chosen.num_stages,
+              W: chosen.num_warps}
+        worked = {
+            "smem": str(active_branch(smem_expression(arch), at)),
+            "regs": str(regs_expression()),
+            "values": ", ".join(f"{symbol}={at[symbol]}" for symbol in (BM, BN, D, DV, E, S, W)),
+        }
     return Derivation(
         arch=arch_name,
         source="heuristic",
@@ -203,10 +228,11 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
         candidates=tuple(candidates),
         chosen=chosen,
         binding=binding,
+        worked=worked,
     )
 
 
-def _binding_constraint(best: Candidate, candidates: list[Candidate], arch: GpuArch) -> str:
+def _binding_constraint(best: Candidate, candidates: list[Candidate]) -> str:
     """What stops the chosen config from growing: each one-step larger neighbour and why not.
 
     A neighbour doubles BLOCK_M or BLOCK_N or adds a stage, at the same warps. One that is

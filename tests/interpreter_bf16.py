@@ -13,6 +13,7 @@ We keep the bit representation (so loads/stores stay untouched and bit-exact) an
 decode bf16 -> fp32 at each compute seam, rounding results back to bf16 with the same
 round-to-nearest-even bit trick torch uses.  Call `install()` before launching kernels.
 """
+
 import functools
 
 import numpy as np
@@ -32,7 +33,9 @@ def f32_to_bf16(x, rtz=False):
     """float32 -> bf16 bits, round-to-nearest-even (torch / cvt.rn.bf16.f32) or toward zero."""
     x = np.asarray(x).astype(np.float32)  # ints / fp16 / fp64 sources go through fp32 first
     u = x.view(np.uint32)
-    if not rtz:  # add 0x7FFF plus the lsb of the kept half: ties go to even; carries bump the exponent
+    if (
+        not rtz
+    ):  # add 0x7FFF plus the lsb of the kept half: ties go to even; carries bump the exponent
         u = u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))
     bits = (u >> 16).astype(np.uint16)
     # canonical quiet NaN; rounding could otherwise carry a NaN into inf or flip its sign
@@ -74,13 +77,16 @@ def _make_cast_impl(orig):
 
 
 def _make_fp_to_fp(orig):
-    # Reached for `.to(tl.bfloat16, fp_downcast_rounding="rtz"/"rtne")`; fp8 stays on the original path.
+    # Reached for `.to(tl.bfloat16, fp_downcast_rounding="rtz"/"rtne")`;
+    # fp8 stays on the original path.
     def create_fp_to_fp(self, src, dst_type, rounding_mode):
         s, d = src.dtype.scalar, dst_type.scalar
         if s.is_fp8() or d.is_fp8() or _BF16 not in (s, d):
             return orig(self, src, dst_type, rounding_mode)
         if d == _BF16:
-            return TensorHandle(f32_to_bf16(src.data, rtz=rounding_mode == _ir.ROUNDING_MODE.RTZ), _BF16)
+            return TensorHandle(
+                f32_to_bf16(src.data, rtz=rounding_mode == _ir.ROUNDING_MODE.RTZ), _BF16
+            )
         return orig(self, TensorHandle(bf16_to_f32(src.data), tl.float32), dst_type, rounding_mode)
 
     return create_fp_to_fp
@@ -98,9 +104,16 @@ def _sum_upcast(fn):
     def wrapped(self, input):
         if input.dtype != _BF16:
             return fn(self, input)
-        out = fn(self, tl.core.tensor(TensorHandle(bf16_to_f32(input.handle.data), tl.float32),
-                                      _retype(input.type, tl.float32)))
-        return tl.core.tensor(TensorHandle(f32_to_bf16(out.handle.data), _BF16), _retype(out.type, _BF16))
+        out = fn(
+            self,
+            tl.core.tensor(
+                TensorHandle(bf16_to_f32(input.handle.data), tl.float32),
+                _retype(input.type, tl.float32),
+            ),
+        )
+        return tl.core.tensor(
+            TensorHandle(f32_to_bf16(out.handle.data), _BF16), _retype(out.type, _BF16)
+        )
 
     return wrapped
 
@@ -111,10 +124,19 @@ def install():
     B = InterpreterBuilder
     if getattr(B, "_bf16_shim_installed", False):
         return
-    for name in ("binary_op", "unary_op", "create_fma", "create_clampf", "create_erf", "create_rsqrt"):
+    for name in (
+        "binary_op",
+        "unary_op",
+        "create_fma",
+        "create_clampf",
+        "create_erf",
+        "create_rsqrt",
+    ):
         setattr(B, name, _upcast(getattr(B, name)))
     B.create_dot = _upcast(B.create_dot, round_back=False)  # bf16 x bf16 -> fp32 accumulator
-    B.cast_impl = _make_cast_impl(B.cast_impl)  # create_fp_trunc/ext etc. are lambdas calling self.cast_impl
+    B.cast_impl = _make_cast_impl(
+        B.cast_impl
+    )  # create_fp_trunc/ext etc. are lambdas calling self.cast_impl
     B.create_fp_to_fp = _make_fp_to_fp(B.create_fp_to_fp)
     B.get_bf16 = lambda self, v: TensorHandle(f32_to_bf16(np.array([v], np.float32)), _BF16)
     ReduceOps.sum = _sum_upcast(ReduceOps.sum)

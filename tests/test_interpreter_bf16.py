@@ -4,6 +4,7 @@ Every bf16 case is first run WITHOUT the shim in a fresh subprocess (install() p
 interpreter globally, so the pristine behaviour can only be observed in another process) and
 must come out wrong there; then it runs here with the shim and must match torch.
 """
+
 import os
 
 import pytest
@@ -50,8 +51,17 @@ def elementwise_kernel(x_ptr, y_ptr, z_ptr, n: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def pv_kernel(p_ptr, v_ptr, o_ptr, pq_ptr, M: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
-              BLOCK_N: tl.constexpr, DT: tl.constexpr):
+def pv_kernel(
+    p_ptr,
+    v_ptr,
+    o_ptr,
+    pq_ptr,
+    M: tl.constexpr,
+    N: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DT: tl.constexpr,
+):
     # attention's P@V: fp32 probabilities cast to bf16 in-kernel, dotted with a bf16 V tile
     rm, rn, rd = tl.arange(0, M), tl.arange(0, BLOCK_N), tl.arange(0, D)
     acc = tl.zeros([M, D], dtype=tl.float32)
@@ -86,7 +96,10 @@ def misc_kernel(x_ptr, y_ptr, max_ptr, fma_ptr, gt_ptr, sum_ptr, n: tl.constexpr
 @triton.jit
 def full_kernel(o_ptr, n: tl.constexpr):
     # bf16 constant: semantic.scalar_constant calls builder.get_bf16, absent from the interpreter
-    tl.store(o_ptr + tl.arange(0, n), tl.full([n], 1.00390625, tl.bfloat16) + tl.full([n], -3.0, tl.bfloat16))
+    tl.store(
+        o_ptr + tl.arange(0, n),
+        tl.full([n], 1.00390625, tl.bfloat16) + tl.full([n], -3.0, tl.bfloat16),
+    )
 
 
 # ----------------------------------------------------------------------------- cases
@@ -96,7 +109,10 @@ def _bits(t):
 
 def _bitwise(out, ref):
     nan = torch.isnan(ref.float())
-    return bool(torch.equal(torch.isnan(out.float()), nan) and torch.equal(_bits(out)[~nan], _bits(ref)[~nan]))
+    return bool(
+        torch.equal(torch.isnan(out.float()), nan)
+        and torch.equal(_bits(out)[~nan], _bits(ref)[~nan])
+    )
 
 
 def _close(out, ref, rtol=1e-5):
@@ -108,7 +124,7 @@ def case_dot(dt):
     torch.manual_seed(0)
     a, b = torch.randn(32, 64).to(dt), torch.randn(64, 32).to(dt)
     c = torch.empty(32, 32)
-    dot_kernel[(1, )](a, b, c, 32, 64, 32)
+    dot_kernel[(1,)](a, b, c, 32, 64, 32)
     return _close(c, a.float() @ b.float())
 
 
@@ -116,7 +132,7 @@ def case_elementwise(dt):
     torch.manual_seed(1)
     x = (torch.randn(256) * 4).to(dt)
     y, z = torch.empty_like(x), torch.empty_like(x)
-    elementwise_kernel[(1, )](x, y, z, 256, TL[dt])
+    elementwise_kernel[(1,)](x, y, z, 256, TL[dt])
     y_ref = x * 1.5 + x  # torch rounds each bf16 op to bf16
     z_ref = torch.exp2(y_ref.float()).to(dt)
     return _bitwise(y, y_ref) and _bitwise(z, z_ref), f"y_mismatch={(y != y_ref).sum().item()}"
@@ -128,32 +144,53 @@ def case_pv(dt):
     p = torch.exp2(s - s.max(dim=1, keepdim=True).values)  # softmax numerators in (0, 1]
     v = torch.randn(128, 32).to(dt)
     o, pq = torch.empty(32, 32), torch.empty(32, 128, dtype=dt)
-    pv_kernel[(1, )](p, v, o, pq, 32, 128, 32, 64, TL[dt])
+    pv_kernel[(1,)](p, v, o, pq, 32, 128, 32, 64, TL[dt])
     pq_ref = p.to(dt)
     ok, msg = _close(o, pq_ref.float() @ v.float())
     return ok and _bitwise(pq, pq_ref), f"{msg} pq_bitwise={_bitwise(pq, pq_ref)}"
 
 
 def _cast_inputs():
-    special = np.array([
-        0x3F808000,  # 1 + 2^-8: exact tie -> even (down to 0x3F80)
-        0x3F818000,  # tie with odd kept lsb -> up to 0x3F82
-        0x3F808001, 0xBF808000, 0xBF818000, 0x7F7FFFFF,  # just above tie, negative ties, rounds to inf
-        0x7F800000, 0xFF800000, 0x80000000, 0x00000001, 0x00018000, 0x807FFFFF,  # inf, -0, subnormals
-        0x7FC00000, 0x7F800001, 0xFFFFFFFF,  # NaNs (incl. one whose payload is only in the low half)
-    ], dtype=np.uint32)
-    rand = np.random.default_rng(3).integers(0, 2**32, size=1024 - special.size, dtype=np.uint64).astype(np.uint32)
+    special = np.array(
+        [
+            0x3F808000,  # 1 + 2^-8: exact tie -> even (down to 0x3F80)
+            0x3F818000,  # tie with odd kept lsb -> up to 0x3F82
+            0x3F808001,
+            0xBF808000,
+            0xBF818000,
+            0x7F7FFFFF,  # just above tie, negative ties, rounds to inf
+            0x7F800000,
+            0xFF800000,
+            0x80000000,
+            0x00000001,
+            0x00018000,
+            0x807FFFFF,  # inf, -0, subnormals
+            0x7FC00000,
+            0x7F800001,
+            0xFFFFFFFF,  # NaNs (incl. one whose payload is only in the low half)
+        ],
+        dtype=np.uint32,
+    )
+    rand = (
+        np.random.default_rng(3)
+        .integers(0, 2**32, size=1024 - special.size, dtype=np.uint64)
+        .astype(np.uint32)
+    )
     return torch.from_numpy(np.concatenate([special, rand]).view(np.float32).copy())
 
 
 def case_cast(dt=torch.bfloat16):
     x = _cast_inputs()
     rne, rtz = torch.empty(x.numel(), dtype=dt), torch.empty(x.numel(), dtype=dt)
-    cast_kernel[(1, )](x, rne, rtz, x.numel())
+    cast_kernel[(1,)](x, rne, rtz, x.numel())
     u = x.view(torch.int32)
     rtz_ref = (u >> 16).to(torch.int16).view(torch.bfloat16)  # truncation == round toward zero ...
-    rtz_ref[torch.isnan(x)] = float("nan")  # ... except a NaN must stay NaN (0x7F800001 would truncate to inf)
-    return _bitwise(rne, x.to(dt)) and _bitwise(rtz, rtz_ref), f"rne_ok={_bitwise(rne, x.to(dt))} rtz_ok={_bitwise(rtz, rtz_ref)}"
+    rtz_ref[torch.isnan(x)] = float(
+        "nan"
+    )  # ... except a NaN must stay NaN (0x7F800001 would truncate to inf)
+    return _bitwise(rne, x.to(dt)) and _bitwise(
+        rtz, rtz_ref
+    ), f"rne_ok={_bitwise(rne, x.to(dt))} rtz_ok={_bitwise(rtz, rtz_ref)}"
 
 
 def case_misc(dt=torch.bfloat16):
@@ -161,23 +198,33 @@ def case_misc(dt=torch.bfloat16):
     x, y = torch.randn(128).to(dt), torch.randn(128).to(dt)
     mx, xyx, gt = torch.empty_like(x), torch.empty_like(x), torch.empty(128, dtype=torch.int8)
     sm = torch.empty(1, dtype=dt)
-    misc_kernel[(1, )](x, y, mx, xyx, gt, sm, 128)
-    checks = {"maximum*0.5": _bitwise(mx, torch.maximum(x, y) * 0.5),
-              "x*y+x": _bitwise(xyx, x * y + x),
-              "x>y": torch.equal(gt, (x > y).to(torch.int8)),
-              "sum": _bitwise(sm, x.float().sum().to(dt).reshape(1))}
+    misc_kernel[(1,)](x, y, mx, xyx, gt, sm, 128)
+    checks = {
+        "maximum*0.5": _bitwise(mx, torch.maximum(x, y) * 0.5),
+        "x*y+x": _bitwise(xyx, x * y + x),
+        "x>y": torch.equal(gt, (x > y).to(torch.int8)),
+        "sum": _bitwise(sm, x.float().sum().to(dt).reshape(1)),
+    }
     return all(checks.values()), str(checks)
 
 
 def case_full(dt=torch.bfloat16):
     o = torch.empty(16, dtype=dt)
-    full_kernel[(1, )](o, 16)
-    ref = torch.full((16, ), 1.00390625, dtype=dt) + torch.full((16, ), -3.0, dtype=dt)  # 1.0039 rounds to 1.0
+    full_kernel[(1,)](o, 16)
+    ref = torch.full((16,), 1.00390625, dtype=dt) + torch.full(
+        (16,), -3.0, dtype=dt
+    )  # 1.0039 rounds to 1.0
     return _bitwise(o, ref), f"got {o[0].item()} want {ref[0].item()}"
 
 
-BF16_CASES = {"dot": case_dot, "elementwise": case_elementwise, "pv": case_pv, "cast": case_cast, "misc": case_misc,
-              "full": case_full}
+BF16_CASES = {
+    "dot": case_dot,
+    "elementwise": case_elementwise,
+    "pv": case_pv,
+    "cast": case_cast,
+    "misc": case_misc,
+    "full": case_full,
+}
 
 
 def _report_without_shim():
@@ -196,12 +243,20 @@ def _report_without_shim():
 # ----------------------------------------------------------------------------- tests
 @pytest.fixture(scope="module")
 def without_shim():
-    code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_interpreter_bf16 as t; t._report_without_shim()"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    code = (
+        f"import sys; sys.path.insert(0, {str(HERE)!r}); "
+        "import test_interpreter_bf16 as t; t._report_without_shim()"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
-    return json.loads(line[-1][len("RESULT "):])
+    return json.loads(line[-1][len("RESULT ") :])
 
 
 @pytest.fixture(scope="module")
@@ -213,12 +268,16 @@ def shim():
 
 @pytest.mark.parametrize("name", list(BF16_CASES))
 def test_bf16_wrong_without_shim_right_with_it(name, without_shim, shim):
-    assert not without_shim[name]["ok"], f"{name} was already correct without the shim: {without_shim[name]}"
+    assert not without_shim[name]["ok"], (
+        f"{name} was already correct without the shim: {without_shim[name]}"
+    )
     ok, msg = BF16_CASES[name](torch.bfloat16)
     assert ok, f"{name} with shim: {msg} (without shim: {without_shim[name]['msg']})"
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # exp2(y) overflows fp16 to inf, as in torch
+@pytest.mark.filterwarnings(
+    "ignore:overflow encountered in cast:RuntimeWarning"
+)  # exp2(y) overflows fp16 to inf, as in torch
 @pytest.mark.parametrize("name", ["dot", "elementwise", "pv"])
 def test_fp16_still_exact_with_shim(name, shim):
     ok, msg = BF16_CASES[name](torch.float16)
@@ -240,4 +299,7 @@ def test_rne_helper_matches_torch_on_all_bf16_neighbourhoods(shim):
     ours = shim.f32_to_bf16(x).view(np.int16)
     ref = torch.from_numpy(x.copy()).to(torch.bfloat16).view(torch.int16).numpy()
     nan = np.isnan(x)
-    assert np.array_equal(ours[~nan], ref[~nan]) and np.isnan(shim.bf16_to_f32(ours.view(np.uint16))[nan]).all()
+    assert (
+        np.array_equal(ours[~nan], ref[~nan])
+        and np.isnan(shim.bf16_to_f32(ours.view(np.uint16))[nan]).all()
+    )

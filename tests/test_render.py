@@ -286,6 +286,7 @@ def _after_imports(source: str, line: str) -> str:
     (lambda s: _after_imports(s, "from attngen import render"), "imports 'attngen'"),
     (lambda s: _after_imports(s, "from . import sibling"), "imports ''"),
     (lambda s: _after_imports(s, "import importlib"), "imports 'importlib'"),
+    (lambda s: _after_imports(s, "from os import path"), "imports 'os'"),
     (lambda s: s + "\n\ndef _helper():\n    import subprocess\n    return subprocess\n",
      "imports 'subprocess'"),
     (lambda s: s.replace("def attention(", "def attend("), "defines no attention"),
@@ -353,10 +354,10 @@ def test_header_records_provenance(arch: str) -> None:
     assert (f"# Target {arch}: BLOCK_M={config.block_m}, BLOCK_N={config.block_n}, "
             f"num_warps={config.num_warps}, num_stages={config.num_stages} "
             f"(source: {derivation.source}).") in header
-    assert f"#   shared memory = {derivation.expressions['smem']}\n" in header
+    assert f"#   shared memory = {derivation.worked['smem']}\n" in header
     assert (f"#     = {chosen.smem_bytes} B of {ARCHS[arch].smem_per_block} B per block\n"
             in header)
-    assert f"#   binding: {derivation.binding}" in header
+    assert f"#   binding: {derivation.binding[:40]}" in header
     # The CONFIG the launcher uses is the one the header states.
     tree = ast.parse(source)
     configs = [node.value for node in tree.body if isinstance(node, ast.Assign)

@@ -7,7 +7,7 @@ import pytest
 from attngen.arch import ARCHS
 from attngen.build import BuildError, plan_build
 from attngen.explain import explain_one
-from attngen.tiling import BM, BN, D, DV, E, S, derive_tiles, smem_expression
+from attngen.tiling import BM, BN, DV, D, E, S, derive_tiles, smem_expression
 from tests.kernel_harness import make_spec
 
 # (arch, dtype, D, BLOCK_M, BLOCK_N, stages) -> bytes Triton 3.6 reported for the compiled
@@ -46,7 +46,8 @@ def test_chosen_config_is_feasible_and_best(arch, dtype, head_dim):
 
 def test_smaller_budget_gives_smaller_tiles():
     spec = make_spec(dtype="bf16", head_dim=256, archs=["sm86", "sm90"])
-    small, large = derive_tiles(spec, "sm86").chosen_candidate, derive_tiles(spec, "sm90").chosen_candidate
+    small = derive_tiles(spec, "sm86").chosen_candidate
+    large = derive_tiles(spec, "sm90").chosen_candidate
     assert small.smem_bytes <= ARCHS["sm86"].smem_per_block < large.smem_bytes
 
 

@@ -41,8 +41,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from attngen.arch import ARCHS  # noqa: E402
 from attngen.render import render_module  # noqa: E402
 from attngen.spec import AttnSpec, KernelKind, load_spec_file, specs_from_data  # noqa: E402
-from attngen.tiling import (BM, BN, D, DV, E, S, W, TileConfig, derive_tiles,  # noqa: E402
-                            padded_head_dim, regs_expression, smem_expression)
+from attngen.tiling import (  # noqa: E402
+    BM,
+    BN,
+    DV,
+    D,
+    E,
+    S,
+    TileConfig,
+    W,
+    derive_tiles,
+    padded_head_dim,
+    regs_expression,
+    smem_expression,
+)
 
 _POINTER_TYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 _UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od")

@@ -20,12 +20,13 @@
 #
 # Target sm80: BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2 (source: heuristic).
 # Derivation:
-#   shared memory = BLOCK_M*D*E + BLOCK_N*E*(D + DV)*Max(1, S - 1) + Piecewise((0, Eq(E, 2) & (BLOCK_M >= 128) & (D <= 128)), (BLOCK_M*BLOCK_N*E, True)) + Piecewise((4*BLOCK_M, Eq(E, 4)), (0, True))
+#   shared memory = BLOCK_M*BLOCK_N*E + BLOCK_M*D*E + BLOCK_N*E*(D + DV)*Max(1, S - 1)
+#     with BLOCK_M=64, BLOCK_N=64, D=256, DV=256, E=2, S=2, W=8
 #     = 106496 B of 166912 B per block
-#   registers/thread ~ 40 + (BLOCK_M*BLOCK_N + BLOCK_M*D*E/4 + BLOCK_M*DV)/(32*W)
-#     = 152 of 255
+#   registers/thread ~ 40 + (BLOCK_M*BLOCK_N + BLOCK_M*D*E/4 + BLOCK_M*DV)/(32*W) = 152 of 255
 #   programs/SM 1, score 0.450, 31 of 72 candidates feasible
-#   binding: regs, smem (larger tiles rejected)
+#   binding: BLOCK_M 64->128: regs 264 > 255; BLOCK_N 64->128: smem 180224 B > 166912 B;
+#       num_stages 2->3: smem 172032 B > 166912 B
 """Prefill (forward) attention, FlashAttention-2 style and exact.
 
 Module gemma2_9b_global_prefill_bf16_d256_causal_br_cap50.

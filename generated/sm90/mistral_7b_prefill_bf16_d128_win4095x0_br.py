@@ -20,12 +20,13 @@
 #
 # Target sm90: BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3 (source: heuristic).
 # Derivation:
-#   shared memory = Piecewise((BLOCK_M*D*E + BLOCK_N*E*S*(D + DV), Eq(E, 2) & (BLOCK_M >= 64)), (BLOCK_M*D*E + BLOCK_N*E*(D + DV)*Max(1, S - 1) + Piecewise((0, Eq(E, 2) & (BLOCK_M >= 128) & (D <= 128)), (BLOCK_M*BLOCK_N*E, True)) + Piecewise((4*BLOCK_M, Eq(E, 4)), (0, True)), True))
+#   shared memory = BLOCK_M*D*E + BLOCK_N*E*S*(D + DV)
+#     with BLOCK_M=128, BLOCK_N=128, D=128, DV=128, E=2, S=3, W=8
 #     = 229376 B of 232448 B per block
-#   registers/thread ~ 40 + (BLOCK_M*BLOCK_N + BLOCK_M*D*E/4 + BLOCK_M*DV)/(32*W)
-#     = 200 of 255
+#   registers/thread ~ 40 + (BLOCK_M*BLOCK_N + BLOCK_M*D*E/4 + BLOCK_M*DV)/(32*W) = 200 of 255
 #   programs/SM 1, score 1.000, 57 of 72 candidates feasible
-#   binding: none (the largest tile in the grid fits)
+#   binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 128->256: outside the
+#       candidate grid; num_stages 3->4: smem 294912 B > 232448 B
 """Prefill (forward) attention, FlashAttention-2 style and exact.
 
 Module mistral_7b_prefill_bf16_d128_win4095x0_br.
