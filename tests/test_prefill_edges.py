@@ -7,6 +7,9 @@ reuses these helpers at real sizes.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -129,6 +132,7 @@ def test_strided_transposed_and_offset_inputs_match_contiguous():
     got = run(spec, q_t, k_off, v_t)
     assert not k_off.is_contiguous() and k_off.storage_offset() > 0
     assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1])
+    print("far offsets ok")
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -164,3 +168,32 @@ def test_alibi_slopes_required_exactly_when_built_with_alibi():
         load_kernel(with_alibi, 16, 16).attention(q, k, v, alibi_slopes=slopes[:2])
     with pytest.raises(ValueError, match="alibi_slopes"):
         load_kernel(without, 16, 16).attention(q, k, v, alibi_slopes=slopes)
+
+
+def test_offsets_past_2_31_elements_do_not_wrap():
+    # A wrapped offset reads a wild address and can kill the interpreter, so the check runs in
+    # a child process: a crash there is a clean failure here.
+    code = "from tests.test_prefill_edges import check_far_offsets; check_far_offsets()"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert "far offsets ok" in child.stdout
+
+
+def check_far_offsets():
+    # Rows 2**26 elements apart: row 32 of K sits 2**31 elements from the start, so a row
+    # offset computed in int32 (key_pos * stride) would wrap. The storage is reserved but only
+    # the rows used are touched, so this needs a few pages of memory, not 6 GB.
+    spec = make_spec(dtype="fp16", head_dim=64, num_q_heads=1, num_kv_heads=1, **CAUSAL_BR)
+    q, k, v, _ = make_inputs(spec, 1, 40, 40, seed=8)
+    row = 2**26
+    storage = torch.empty(40 * row + 64, dtype=torch.float16)
+    k_far = storage.as_strided((1, 1, 40, 64), (40 * row, 40 * row, row, 1))
+    v_far = storage.as_strided((1, 1, 40, 64), (40 * row, 40 * row, row, 1), storage_offset=64)
+    assert k_far.stride(2) * 39 > 2**31
+    k_far.copy_(k)
+    v_far.copy_(v)
+    expected = run(spec, q, k, v)
+    got = run(spec, q, k_far, v_far)
+    assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1])
+    print("far offsets ok")

@@ -66,6 +66,16 @@ def case(draw):
     (dict(dtype="bf16", head_dim=80, mask="sliding_window", causal_align="top_left",
           window_left=1, window_right=3, num_kv_heads=1, num_q_heads=2, softcap=30.0,
           alibi=True), 32, 16, 2, 17, 31, 1.0, 1))
+@example(  # found by Hypothesis: the LSE's roundings in log2 units (see kernel_harness)
+    (dict(dtype="fp16", head_dim=128, mask="causal", num_kv_heads=1, num_q_heads=1,
+          causal_align="top_left", softcap=5.0, alibi=True), 16, 16, 1, 3, 3, 1.0, 0))
+@example(  # found by Hypothesis: a one-key window with ALiBi, LSE at a small magnitude
+    (dict(dtype="fp16", head_dim=64, mask="sliding_window", num_kv_heads=1, num_q_heads=1,
+          causal_align="top_left", window_left=0, window_right=0, alibi=True),
+     16, 16, 1, 3, 3, 1.0, 0))
+@example(  # found by Hypothesis: fp32 with large scores, the dot's sequential accumulation
+    (dict(dtype="fp32", head_dim=80, mask="none", head_dim_v=64, num_kv_heads=2, num_q_heads=2),
+     16, 16, 2, 3, 15, 8.0, 60))
 def test_prefill_matches_reference(params):
     fields, block_m, block_n, batch, seqlen_q, seqlen_k, scale, seed = params
     spec = make_spec(**fields)
