@@ -28,7 +28,13 @@ class GpuArch:
     regs_per_sm: int
     max_regs_per_thread: int
     max_threads_per_sm: int
-    has_wgmma: bool  # Hopper warpgroup MMA: Triton takes dot operand A from registers
+    has_wgmma: bool  # Hopper warpgroup MMA (Triton uses it for 16-bit dots with BLOCK_M >= 64)
+    smem_reserved: int = 0  # static shared memory ptxas puts in every cubin for this target
+
+    @property
+    def smem_budget(self) -> int:
+        """Dynamic shared memory one program may ask for: the opt-in limit minus the reserve."""
+        return self.smem_per_block - self.smem_reserved
 
 
 # One row per target. Numbers from NVIDIA's CUDA C++ Programming Guide, "Compute capabilities"
@@ -42,8 +48,9 @@ ARCHS: dict[str, GpuArch] = {
         GpuArch("sm86", 86, "A10", 72, 101_376, 102_400, 65_536, 255, 1536, False),
         # Ada (L4, L40S, RTX 4090): same budgets as sm86.
         GpuArch("sm89", 89, "L40S", 142, 101_376, 102_400, 65_536, 255, 1536, False),
-        # Hopper (H100, H200): 228 KiB per SM, 227 KiB per block.
-        GpuArch("sm90", 90, "H100/H200", 132, 232_448, 233_472, 65_536, 255, 2048, True),
+        # Hopper (H100, H200): 228 KiB per SM, 227 KiB per block, of which ptxas reserves
+        # 1 KiB of static shared memory in every Triton 3.6 cubin (tools/smem_oracle.py).
+        GpuArch("sm90", 90, "H100/H200", 132, 232_448, 233_472, 65_536, 255, 2048, True, 1024),
     )
 }
 

@@ -28,10 +28,10 @@ def explain_one(spec: AttnSpec, derivation: Derivation) -> list[str]:
     d, dv = padded_head_dim(spec.head_dim), padded_head_dim(spec.value_head_dim)
     lines = [
         f"== {spec.name} on {arch.name} ({arch.part}, {arch.sm_count} SMs, "
-        f"{arch.smem_per_block} B shared/block, {arch.regs_per_sm} registers/SM)",
+        f"{arch.smem_budget} B shared/block, {arch.regs_per_sm} registers/SM)",
         f"   dtype {spec.dtype.value} (E = {spec.dtype.itemsize} B), head dims {spec.head_dim}/"
         f"{spec.value_head_dim} padded to D = {d}, DV = {dv} for tl.dot",
-        "   model:",
+        f"   model (D={d}, DV={dv}, E={spec.dtype.itemsize} substituted):",
         f"     shared memory  = {derivation.expressions['smem']}",
         f"     registers/thr ~= {derivation.expressions['regs']}",
         f"     score          = {derivation.expressions['score']} x occupancy",
@@ -46,6 +46,8 @@ def explain_one(spec: AttnSpec, derivation: Derivation) -> list[str]:
     lines.append("     BLOCK_M BLOCK_N warps stages   smem B  regs  prog/SM  score  verdict")
     for cand in feasible[:TOP_FEASIBLE]:
         verdict = "CHOSEN" if cand.config == derivation.chosen else "feasible"
+        if cand.may_spill(arch):
+            verdict += " (may spill)"
         lines.append(_row(cand, verdict))
     for cand in _spread(rejected, REJECTED_SAMPLE):
         lines.append(_row(cand, "rejected: " + "; ".join(cand.rejected)))
@@ -58,7 +60,7 @@ def explain_one(spec: AttnSpec, derivation: Derivation) -> list[str]:
         f"num_warps={best.config.num_warps} num_stages={best.config.num_stages} "
         f"(source: {derivation.source})",
         f"   binding constraint: {derivation.binding}",
-        f"   headroom: {arch.smem_per_block - best.smem_bytes} B shared memory, "
+        f"   headroom: {arch.smem_budget - best.smem_bytes} B shared memory, "
         f"{arch.max_regs_per_thread - best.regs_per_thread} registers/thread",
     ]
     return lines

@@ -17,6 +17,7 @@ explain` and the module header print the same numbers.
 from __future__ import annotations
 
 import itertools
+import math
 import textwrap
 from dataclasses import dataclass, field
 from functools import cache
@@ -28,14 +29,14 @@ from attngen.spec import AttnSpec
 
 BM, BN, D, DV, E, S, W = sympy.symbols("BLOCK_M BLOCK_N D DV E S W", positive=True, integer=True)
 
-BLOCK_M_CHOICES = (32, 64, 128)
-BLOCK_N_CHOICES = (32, 64, 128)
+# The register model's rms error against ptxas is about 21: a config predicted within this
+# margin above the limit may not spill, so it stays feasible, behind the safe ones.
+REGISTER_MARGIN = 24
+
+BLOCK_M_CHOICES = (16, 32, 64, 128)
+BLOCK_N_CHOICES = (16, 32, 64, 128)
 NUM_WARPS_CHOICES = (4, 8)
 NUM_STAGES_CHOICES = (1, 2, 3, 4)
-
-# Registers the compiler needs beyond the tiles (addresses, loop state, masks), per thread.
-REGISTER_OVERHEAD = 40
-
 
 @dataclass(frozen=True, order=True)
 class TileConfig:
@@ -72,6 +73,11 @@ class Candidate:
     def feasible(self) -> bool:
         return not self.rejected
 
+    def may_spill(self, arch: GpuArch) -> bool:
+        """Within the register model's error margin above the limit: it may or may not spill.
+        Such configs are feasible (autotuning may try them) but the heuristic prefers others."""
+        return self.regs_per_thread > arch.max_regs_per_thread
+
 
 @dataclass(frozen=True)
 class Derivation:
@@ -99,7 +105,7 @@ class Derivation:
         lines = [
             f"shared memory = {self.worked['smem']}",
             f"  with {self.worked['values']}",
-            f"  = {best.smem_bytes} B of {arch.smem_per_block} B per block",
+            f"  = {best.smem_bytes} B of {arch.smem_budget} B available per block",
             f"registers/thread ~ {self.worked['regs']} = {best.regs_per_thread} "
             f"of {arch.max_regs_per_thread}",
             f"programs/SM {best.programs_per_sm}, score {best.score:.3f}, "
@@ -123,33 +129,48 @@ def active_branch(expr: sympy.Expr, values: dict[sympy.Symbol, int]) -> sympy.Ex
 
 
 def smem_expression(arch: GpuArch) -> sympy.Expr:
-    """Shared memory of one program in bytes, as Triton 3.6 allocates it for this template.
+    """Dynamic shared memory per program in bytes, as Triton 3.6 allocates it for this template.
 
-    Fitted to the compiler (`compiled.metadata.shared`, launch-time specialization: unit head-dim
-    strides, 16-divisible pointers and strides) on sm80/86/89/90; docs/tiling.md has the data.
-    - Hopper with wgmma (16-bit inputs, BLOCK_M >= 64: a warpgroup needs 64 rows): K and V are
-      buffered S times (TMA-style multi-buffering), Q once; P stays in registers.
-    - mma.sync (before Hopper, BLOCK_M < 64, or fp32 on the FMA path): K and V buffered
-      max(S - 1, 1) times, Q once, and P staged through shared memory to become P @ V's A
-      operand, except for 16-bit inputs with BLOCK_M = 128 and D <= 128, where the compiler
-      converts it in registers; fp32 adds a row-reduction scratch of 4 * BLOCK_M bytes.
-    On the 68 fitted configs the model is exact for 56 and over by at most one P tile (or the
-    scratch) for the rest; it is never under, so a config it calls feasible fits.
+    Fitted to the compiler on 584 configs (tools/smem_oracle.py; data and match rates in
+    docs/tiling.md): exact on 539, never under, over by at most 4 * BLOCK_M bytes (fp32
+    scratch) or one epilogue tile. Q is staged once; the key loops and the epilogue's
+    BLOCK_M x DV layout conversion reuse the same bytes.
+    - wgmma (Hopper, 16-bit, BLOCK_M >= 64): S buffers each of K and V; P stays in registers.
+    - mma.sync (16-bit otherwise): max(S - 1, 1) buffers; P goes through shared memory only
+      when the compiler splits warps along N, i.e. BLOCK_M < DV.
+    - fp32 (IEEE dot -> FMA, every arch): like mma.sync with P always staged, plus up to
+      4 * BLOCK_M bytes of row-reduction scratch (counted always: an upper bound).
+    - S == 1: no multi-buffering; P reuses K's bytes.
     """
-    in_registers = sympy.And(BM >= 128, D <= 128, sympy.Eq(E, 2))
-    staged_p = sympy.Piecewise((0, in_registers), (BM * BN * E, True))
-    scratch = sympy.Piecewise((4 * BM, sympy.Eq(E, 4)), (0, True))
-    mma_sync = BM * D * E + sympy.Max(S - 1, 1) * BN * (D + DV) * E + staged_p + scratch
-    if not arch.has_wgmma:
-        return mma_sync
-    wgmma = S * BN * (D + DV) * E + BM * D * E
-    return sympy.Piecewise((wgmma, sympy.And(BM >= 64, sympy.Eq(E, 2))), (mma_sync, True))
+    q, k, v = BM * D, BN * D, BN * DV
+    epilogue = BM * DV
+
+    def loop(p: sympy.Expr, buffers: sympy.Expr) -> sympy.Expr:
+        return sympy.Piecewise((q + v + sympy.Max(k, p), sympy.Eq(S, 1)),
+                               (q + buffers * (k + v) + p, True))
+
+    staged_p = sympy.Piecewise((0, BM >= DV), (BM * BN, True))
+    sixteen_bit = E * sympy.Max(loop(staged_p, sympy.Max(S - 1, 1)), epilogue)
+    if arch.has_wgmma:
+        wgmma = E * sympy.Max(q + S * (k + v), epilogue)
+        sixteen_bit = sympy.Piecewise((wgmma, BM >= 64), (sixteen_bit, True))
+    fp32 = E * sympy.Max(loop(BM * BN, sympy.Max(S - 1, 1)), epilogue) + 4 * BM
+    return sympy.Piecewise((fp32, sympy.Eq(E, 4)), (sixteen_bit, True))
 
 
-def regs_expression() -> sympy.Expr:
-    """fp32 registers per thread: the accumulator, the score tile and the Q tile, spread over
-    32 * W threads, plus a fixed overhead."""
-    return (BM * DV + BM * BN + BM * D * E / 4) / (32 * W) + REGISTER_OVERHEAD
+def regs_expression(arch: GpuArch) -> sympy.Expr:
+    """Registers per thread, approximate (rms error about 21 against ptxas on configs that do
+    not spill): the fp32 accumulator, the score tile and K/V addressing over 32 * W threads.
+    Where it exceeds 255 the compiler spills (flagged 146 of 150 spilling configs). For fp32
+    (FMA dots) it is a spill boundary rather than an estimate."""
+    threads = 32 * W
+    acc, scores = BM * DV / threads, BM * BN / threads
+    kv = BN * (D + DV) * E / (4 * threads)
+    sixteen_bit = 84 + sympy.Rational(5, 4) * acc + sympy.Rational(7, 5) * scores + kv / 4
+    if arch.has_wgmma:
+        wgmma = 56 + acc + scores + sympy.Rational(3, 4) * kv
+        sixteen_bit = sympy.Piecewise((wgmma, BM >= 64), (sixteen_bit, True))
+    return sympy.Piecewise((40 + 8 * (acc + scores), sympy.Eq(E, 4)), (sixteen_bit, True))
 
 
 def score_expression() -> sympy.Expr:
@@ -163,8 +184,11 @@ def score_expression() -> sympy.Expr:
 
 def constraint_labels(arch: GpuArch) -> tuple[str, ...]:
     return (
-        f"smem: shared memory <= {arch.smem_per_block} B (opt-in limit per block on {arch.name})",
-        f"regs: registers/thread <= {arch.max_regs_per_thread} (more would spill)",
+        f"smem: shared memory <= {arch.smem_budget} B (the opt-in limit per block on "
+        f"{arch.name}, {arch.smem_per_block} B, less {arch.smem_reserved} B ptxas reserves)",
+        f"regs: registers/thread <= {arch.max_regs_per_thread} + {REGISTER_MARGIN} (the "
+        "model's error margin; above the limit a config may spill, so the heuristic prefers "
+        "one below it)",
         f"occupancy: at least one program per SM ({arch.max_threads_per_sm} threads/SM)",
         "tile: BLOCK_M <= 32 * num_warps (at most one query row per thread)",
     )
@@ -181,20 +205,21 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
     values = {D: padded_head_dim(spec.head_dim), DV: padded_head_dim(spec.value_head_dim),
               E: spec.dtype.itemsize}
     smem_f = sympy.lambdify((BM, BN, S), smem_expression(arch).subs(values))
-    regs_f = sympy.lambdify((BM, BN, W), regs_expression().subs(values))
+    regs_f = sympy.lambdify((BM, BN, S, W), regs_expression(arch).subs(values))
     score_f = sympy.lambdify((BM, BN, S), score_expression().subs(values), modules="sympy")
     candidates = []
     for bm, bn, w, s in itertools.product(BLOCK_M_CHOICES, BLOCK_N_CHOICES, NUM_WARPS_CHOICES,
                                           NUM_STAGES_CHOICES):
         config = TileConfig(bm, bn, w, s)
-        smem, regs = int(smem_f(bm, bn, s)), int(sympy.ceiling(regs_f(bm, bn, w)))
+        smem, regs = int(smem_f(bm, bn, s)), int(math.ceil(regs_f(bm, bn, s, w)))
         reasons = []
-        if smem > arch.smem_per_block:
-            reasons.append(f"smem {smem} B > {arch.smem_per_block} B")
-        if regs > arch.max_regs_per_thread:
-            reasons.append(f"regs {regs} > {arch.max_regs_per_thread}")
-        by_smem = arch.smem_per_sm // max(smem, 1)
-        by_regs = arch.regs_per_sm // (max(regs, 1) * 32 * w)
+        if smem > arch.smem_budget:
+            reasons.append(f"smem {smem} B > {arch.smem_budget} B")
+        if regs > arch.max_regs_per_thread + REGISTER_MARGIN:
+            reasons.append(f"regs {regs} > {arch.max_regs_per_thread} + {REGISTER_MARGIN}")
+        by_smem = arch.smem_per_sm // (smem + arch.smem_reserved)
+        # ptxas caps registers at the limit (spilling the rest), so occupancy uses the cap.
+        by_regs = arch.regs_per_sm // (min(regs, arch.max_regs_per_thread) * 32 * w)
         by_threads = arch.max_threads_per_sm // (32 * w)
         per_sm = min(by_smem, by_regs, by_threads)
         if not reasons and per_sm < 1:
@@ -209,20 +234,23 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
     binding = "nothing fits"
     worked: dict[str, str] = {}
     if feasible:
-        best = max(feasible, key=lambda c: (c.score, -c.smem_bytes, c.config))
+        best = max(feasible, key=lambda c: (not c.may_spill(arch), c.score, -c.smem_bytes,
+                                            c.config))
         chosen = best.config
         binding = _binding_constraint(best, candidates)
         at = {**values, BM: chosen.block_m, BN: chosen.block_n, S: chosen.num_stages,
               W: chosen.num_warps}
         worked = {
             "smem": str(active_branch(smem_expression(arch), at)),
-            "regs": str(regs_expression()),
+            "regs": str(active_branch(regs_expression(arch), at)),
             "values": ", ".join(f"{symbol}={at[symbol]}" for symbol in (BM, BN, D, DV, E, S, W)),
         }
     return Derivation(
         arch=arch_name,
         source="heuristic",
-        expressions={"smem": str(smem_expression(arch)), "regs": str(regs_expression()),
+        # The formulas with this spec's dtype and head dims substituted: what explain prints.
+        expressions={"smem": str(smem_expression(arch).subs(values)),
+                     "regs": str(regs_expression(arch).subs(values)),
                      "score": str(score_expression())},
         constraints=constraint_labels(arch),
         candidates=tuple(candidates),

@@ -355,7 +355,7 @@ def test_header_records_provenance(arch: str) -> None:
             f"num_warps={config.num_warps}, num_stages={config.num_stages} "
             f"(source: {derivation.source}).") in header
     assert f"#   shared memory = {derivation.worked['smem']}\n" in header
-    assert (f"#     = {chosen.smem_bytes} B of {ARCHS[arch].smem_per_block} B per block\n"
+    assert (f"#     = {chosen.smem_bytes} B of {ARCHS[arch].smem_budget} B available per block\n"
             in header)
     assert f"#   binding: {derivation.binding[:40]}" in header
     # The CONFIG the launcher uses is the one the header states.

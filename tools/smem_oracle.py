@@ -8,10 +8,9 @@ target (PTX -> cubin with ptxas) and reports what the compiled program really ne
 - ``regs`` and ``stack``: from ``cuobjdump --dump-resource-usage`` (ptxas's log as fallback);
 - ``spill_stores`` / ``spill_loads``: bytes, from ptxas's ``-v`` log;
 
-next to attngen.tiling's prediction of the same numbers. The compile is launched the way the
-generated ``attention()`` launches it on contiguous tensors: unit head-dim strides are the
-constexpr 1 Triton specializes them to, pointers and row strides carry divisibility 16.
-Nothing is cached on disk: Triton's cache goes to a temporary directory removed afterwards.
+next to attngen.tiling's prediction. Compiled as ``attention()`` launches it on contiguous
+tensors (unit head-dim strides constexpr 1, pointers and row strides 16-divisible). Nothing is
+cached on disk: Triton's cache goes to a temporary directory, removed afterwards.
 
     python tools/smem_oracle.py SPEC.yaml --arch sm90 --config 128x64x8x3 --config 64x64x4x2
     python tools/smem_oracle.py SPEC.yaml --arch sm80 --all --json
@@ -23,6 +22,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib.util
+import inspect
 import io
 import json
 import multiprocessing
@@ -38,23 +38,11 @@ from typing import Any
 import sympy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from attngen import tiling  # noqa: E402
 from attngen.arch import ARCHS  # noqa: E402
 from attngen.render import render_module  # noqa: E402
 from attngen.spec import AttnSpec, KernelKind, load_spec_file, specs_from_data  # noqa: E402
-from attngen.tiling import (  # noqa: E402
-    BM,
-    BN,
-    DV,
-    D,
-    E,
-    S,
-    TileConfig,
-    W,
-    derive_tiles,
-    padded_head_dim,
-    regs_expression,
-    smem_expression,
-)
+from attngen.tiling import TileConfig, padded_head_dim  # noqa: E402
 
 _POINTER_TYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 _UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od")
@@ -74,7 +62,7 @@ def load_kernel(spec: AttnSpec) -> Any:
     """Render the prefill module, import it from a temporary file, return its JIT kernel."""
     key = spec.spec_hash()
     if key not in _kernels:
-        derivation = derive_tiles(spec, spec.archs[0])
+        derivation = tiling.derive_tiles(spec, spec.archs[0])
         if derivation.chosen is None:  # the kernel text does not depend on the config
             derivation = dataclasses.replace(derivation, chosen=TileConfig(64, 64, 4, 1))
         source = render_module(spec, KernelKind.prefill, derivation)
@@ -116,7 +104,6 @@ def kernel_source(spec: AttnSpec, kernel: Any, config: TileConfig) -> Any:
 
 def _tool(name: str) -> str | None:
     import triton
-
     path = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin", name)
     return path if os.path.exists(path) else None
 
@@ -138,13 +125,11 @@ def _resource_usage(cubin: bytes) -> dict[str, int]:
     if tool is None:
         return {}
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
-        handle.write(cubin)
-        handle.flush()
+        handle.write(cubin), handle.flush()
         text = subprocess.run([tool, "--dump-resource-usage", handle.name], check=True,
                               capture_output=True, text=True).stdout
-    found = dict(re.findall(r"\b(REG|STACK|SHARED):(\d+)", text))
     names = {"REG": "regs", "STACK": "stack", "SHARED": "static_shared"}
-    return {names[k]: int(v) for k, v in found.items()}
+    return {names[k]: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED):(\d+)", text)}
 
 
 def compile_one(spec: AttnSpec, arch: str, config: TileConfig) -> dict[str, Any]:
@@ -164,7 +149,7 @@ def compile_one(spec: AttnSpec, arch: str, config: TileConfig) -> dict[str, Any]
         with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
             knobs.nvidia.dump_ptxas_log = True  # ptxas -v already runs; keep its log
             compiled = triton.compile(source, target=target, options=options)
-        record.update({k: v for k, v in _parse_ptxas_log(log.getvalue()).items()})
+        record.update(_parse_ptxas_log(log.getvalue()))
         record.update(_resource_usage(compiled.asm["cubin"]))
         record["shared"] = compiled.metadata.shared
     except Exception as exc:  # noqa: BLE001 - recorded, the sweep goes on
@@ -174,11 +159,13 @@ def compile_one(spec: AttnSpec, arch: str, config: TileConfig) -> dict[str, Any]
 
 
 def model_prediction(spec: AttnSpec, arch: str, config: TileConfig) -> dict[str, int]:
-    values = {BM: config.block_m, BN: config.block_n, W: config.num_warps, S: config.num_stages,
-              D: padded_head_dim(spec.head_dim), DV: padded_head_dim(spec.value_head_dim),
-              E: spec.dtype.itemsize}
-    return {"model_smem": int(smem_expression(ARCHS[arch]).subs(values)),
-            "model_regs": int(sympy.ceiling(regs_expression().subs(values)))}
+    t, target = tiling, ARCHS[arch]
+    values = {t.BM: config.block_m, t.BN: config.block_n, t.W: config.num_warps,
+              t.S: config.num_stages, t.D: padded_head_dim(spec.head_dim),
+              t.DV: padded_head_dim(spec.value_head_dim), t.E: spec.dtype.itemsize}
+    regs = t.regs_expression(*[target][:len(inspect.signature(t.regs_expression).parameters)])
+    return {"model_smem": int(t.smem_expression(target).subs(values)),
+            "model_regs": int(sympy.ceiling(regs.subs(values)))}
 
 
 def _job(args: tuple[dict[str, Any], str, TileConfig]) -> dict[str, Any]:
@@ -187,7 +174,8 @@ def _job(args: tuple[dict[str, Any], str, TileConfig]) -> dict[str, Any]:
     return {"spec": spec.name, "arch": arch, "dtype": spec.dtype.value,
             "head_dim": spec.head_dim, "head_dim_v": spec.value_head_dim,
             "D": padded_head_dim(spec.head_dim), "DV": padded_head_dim(spec.value_head_dim),
-            "E": spec.dtype.itemsize, "mask": spec.mask.value, "softcap": spec.softcap,
+            "E": spec.dtype.itemsize, "mask": spec.mask.value, "window": spec.window,
+            "softcap": spec.softcap,
             "alibi": spec.alibi, **config.as_dict(), **compile_one(spec, arch, config),
             **model_prediction(spec, arch, config)}
 
@@ -227,8 +215,6 @@ def _parse_config(text: str) -> TileConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from attngen import tiling
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("spec", help="spec YAML file (every variant is compiled)")
     parser.add_argument("--arch", action="append", choices=sorted(ARCHS), required=True)
@@ -244,12 +230,10 @@ def main(argv: list[str] | None = None) -> int:
                     for s in tiling.NUM_STAGES_CHOICES]
     if not configs:
         parser.error("give --config BMxBNxWxS (repeatable) or --all")
-    jobs = [(spec, arch, c) for spec in load_spec_file(args.spec) for arch in args.arch
-            for c in configs]
-    records = run_oracle(jobs, args.processes)
+    records = run_oracle([(spec, arch, c) for spec in load_spec_file(args.spec)
+                          for arch in args.arch for c in configs], args.processes)
     if args.json:
-        print(json.dumps(records, indent=1))
-        return 0
+        return print(json.dumps(records, indent=1)) or 0
     print(f"{'spec':<20} {'arch':<5} {'BMxBNxWxS':<12} {'shared':>7} {'model':>7} "
           f"{'regs':>4} {'model':>5} {'spill st/ld':>11}  error")
     for r in records:

@@ -20,12 +20,14 @@
 #
 # Target sm80: BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2 (source: heuristic).
 # Derivation:
-#   shared memory = BLOCK_M*BLOCK_N*E + BLOCK_M*D*E + BLOCK_N*E*(D + DV)*Max(1, S - 1)
+#   shared memory = E*Max(BLOCK_M*DV, BLOCK_M*BLOCK_N + BLOCK_M*D + (BLOCK_N*D +
+#       BLOCK_N*DV)*Max(1, S - 1))
 #     with BLOCK_M=64, BLOCK_N=64, D=256, DV=256, E=2, S=2, W=8
-#     = 106496 B of 166912 B per block
-#   registers/thread ~ 40 + (BLOCK_M*BLOCK_N + BLOCK_M*D*E/4 + BLOCK_M*DV)/(32*W) = 152 of 255
-#   programs/SM 1, score 0.450, 31 of 72 candidates feasible
-#   binding: BLOCK_M 64->128: regs 264 > 255; BLOCK_N 64->128: smem 180224 B > 166912 B;
+#     = 106496 B of 166912 B available per block
+#   registers/thread ~ 7*BLOCK_M*BLOCK_N/(160*W) + 5*BLOCK_M*DV/(128*W) + BLOCK_N*E*(D +
+#       DV)/(512*W) + 84 = 203 of 255
+#   programs/SM 1, score 0.450, 74 of 128 candidates feasible
+#   binding: BLOCK_M 64->128: regs 305 > 255 + 24; BLOCK_N 64->128: smem 180224 B > 166912 B;
 #       num_stages 2->3: smem 172032 B > 166912 B
 """Prefill (forward) attention, FlashAttention-2 style and exact.
 

@@ -20,11 +20,12 @@
 #
 # Target sm80: BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3 (source: heuristic).
 # Derivation:
-#   shared memory = BLOCK_M*D*E + BLOCK_N*E*(D + DV)*Max(1, S - 1)
+#   shared memory = E*Max(BLOCK_M*DV, BLOCK_M*D + (BLOCK_N*D + BLOCK_N*DV)*Max(1, S - 1))
 #     with BLOCK_M=128, BLOCK_N=128, D=64, DV=64, E=2, S=3, W=8
-#     = 81920 B of 166912 B per block
-#   registers/thread ~ 40 + (BLOCK_M*BLOCK_N + BLOCK_M*D*E/4 + BLOCK_M*DV)/(32*W) = 152 of 255
-#   programs/SM 1, score 1.000, 68 of 72 candidates feasible
+#     = 81920 B of 166912 B available per block
+#   registers/thread ~ 7*BLOCK_M*BLOCK_N/(160*W) + 5*BLOCK_M*DV/(128*W) + BLOCK_N*E*(D +
+#       DV)/(512*W) + 84 = 222 of 255
+#   programs/SM 1, score 1.000, 124 of 128 candidates feasible
 #   binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 128->256: outside the
 #       candidate grid; num_stages 3->4: fits, lower score 1.000
 """Prefill (forward) attention, FlashAttention-2 style and exact.

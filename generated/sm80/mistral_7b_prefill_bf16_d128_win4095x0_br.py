@@ -18,15 +18,16 @@
 #   alibi: false
 #   kernels: [prefill]
 #
-# Target sm80: BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3 (source: heuristic).
+# Target sm80: BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3 (source: heuristic).
 # Derivation:
-#   shared memory = BLOCK_M*D*E + BLOCK_N*E*(D + DV)*Max(1, S - 1)
-#     with BLOCK_M=128, BLOCK_N=128, D=128, DV=128, E=2, S=3, W=8
-#     = 163840 B of 166912 B per block
-#   registers/thread ~ 40 + (BLOCK_M*BLOCK_N + BLOCK_M*D*E/4 + BLOCK_M*DV)/(32*W) = 200 of 255
-#   programs/SM 1, score 1.000, 55 of 72 candidates feasible
-#   binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 128->256: outside the
-#       candidate grid; num_stages 3->4: smem 229376 B > 166912 B
+#   shared memory = E*Max(BLOCK_M*DV, BLOCK_M*D + (BLOCK_N*D + BLOCK_N*DV)*Max(1, S - 1))
+#     with BLOCK_M=128, BLOCK_N=64, D=128, DV=128, E=2, S=3, W=8
+#     = 98304 B of 166912 B available per block
+#   registers/thread ~ 7*BLOCK_M*BLOCK_N/(160*W) + 5*BLOCK_M*DV/(128*W) + BLOCK_N*E*(D +
+#       DV)/(512*W) + 84 = 217 of 255
+#   programs/SM 1, score 0.667, 106 of 128 candidates feasible
+#   binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 64->128: fits, lower score
+#       1.000; num_stages 3->4: fits, lower score 0.667
 """Prefill (forward) attention, FlashAttention-2 style and exact.
 
 Module mistral_7b_prefill_bf16_d128_win4095x0_br.
@@ -56,7 +57,7 @@ CAUSAL_ALIGN = "bottom_right"
 WINDOW = (4095, 0)
 SOFTCAP = 0.0
 ALIBI = False
-CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _LOG2E = 1.4426950408889634

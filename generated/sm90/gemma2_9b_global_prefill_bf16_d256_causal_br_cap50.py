@@ -20,13 +20,14 @@
 #
 # Target sm90: BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=3 (source: heuristic).
 # Derivation:
-#   shared memory = BLOCK_M*D*E + BLOCK_N*E*S*(D + DV)
+#   shared memory = E*Max(BLOCK_M*DV, BLOCK_M*D + S*(BLOCK_N*D + BLOCK_N*DV))
 #     with BLOCK_M=64, BLOCK_N=64, D=256, DV=256, E=2, S=3, W=8
-#     = 229376 B of 232448 B per block
-#   registers/thread ~ 40 + (BLOCK_M*BLOCK_N + BLOCK_M*D*E/4 + BLOCK_M*DV)/(32*W) = 152 of 255
-#   programs/SM 1, score 0.500, 36 of 72 candidates feasible
-#   binding: BLOCK_M 64->128: smem 262144 B > 232448 B; BLOCK_N 64->128: smem 425984 B > 232448
-#       B; num_stages 3->4: smem 294912 B > 232448 B
+#     = 229376 B of 231424 B available per block
+#   registers/thread ~ BLOCK_M*BLOCK_N/(32*W) + BLOCK_M*DV/(32*W) + 3*BLOCK_N*E*(D + DV)/(512*W)
+#       + 56 = 184 of 255
+#   programs/SM 1, score 0.500, 86 of 128 candidates feasible
+#   binding: BLOCK_M 64->128: smem 262144 B > 231424 B; BLOCK_N 64->128: smem 425984 B > 231424
+#       B; num_stages 3->4: smem 294912 B > 231424 B
 """Prefill (forward) attention, FlashAttention-2 style and exact.
 
 Module gemma2_9b_global_prefill_bf16_d256_causal_br_cap50.

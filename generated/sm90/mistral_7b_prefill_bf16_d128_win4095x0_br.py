@@ -20,13 +20,14 @@
 #
 # Target sm90: BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3 (source: heuristic).
 # Derivation:
-#   shared memory = BLOCK_M*D*E + BLOCK_N*E*S*(D + DV)
+#   shared memory = E*Max(BLOCK_M*DV, BLOCK_M*D + S*(BLOCK_N*D + BLOCK_N*DV))
 #     with BLOCK_M=128, BLOCK_N=128, D=128, DV=128, E=2, S=3, W=8
-#     = 229376 B of 232448 B per block
-#   registers/thread ~ 40 + (BLOCK_M*BLOCK_N + BLOCK_M*D*E/4 + BLOCK_M*DV)/(32*W) = 200 of 255
-#   programs/SM 1, score 1.000, 57 of 72 candidates feasible
+#     = 229376 B of 231424 B available per block
+#   registers/thread ~ BLOCK_M*BLOCK_N/(32*W) + BLOCK_M*DV/(32*W) + 3*BLOCK_N*E*(D + DV)/(512*W)
+#       + 56 = 232 of 255
+#   programs/SM 1, score 1.000, 114 of 128 candidates feasible
 #   binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 128->256: outside the
-#       candidate grid; num_stages 3->4: smem 294912 B > 232448 B
+#       candidate grid; num_stages 3->4: smem 294912 B > 231424 B
 """Prefill (forward) attention, FlashAttention-2 style and exact.
 
 Module mistral_7b_prefill_bf16_d128_win4095x0_br.
