@@ -23,6 +23,7 @@ from attngen import __version__
 from attngen.render import render_module
 from attngen.spec import AttnSpec, KernelKind, SpecError, load_spec_file, module_name
 from attngen.tiling import derive_tiles
+from attngen.tuning import apply_tuning, lookup
 
 INDEX_NAME = "index.json"
 INDEX_SCHEMA = 1
@@ -46,13 +47,16 @@ def load_specs(paths: Iterable[str | Path]) -> list[AttnSpec]:
     return specs
 
 
-def plan_build(specs: Iterable[AttnSpec]) -> list[Artifact]:
-    """Render every (spec, kernel, arch) in memory; raise BuildError before anything is written."""
+def plan_build(specs: Iterable[AttnSpec], tuning_dir: Path | None = None) -> list[Artifact]:
+    """Render every (spec, kernel, arch) in memory; raise BuildError before anything is written.
+
+    With `tuning_dir`, configs measured by `attngen autotune` replace the heuristic's.
+    """
     artifacts: dict[str, Artifact] = {}
     for spec in specs:
         for kind in spec.kernels:
             for arch in spec.archs:
-                artifact = _plan_one(spec, kind, arch)
+                artifact = _plan_one(spec, kind, arch, tuning_dir)
                 previous = artifacts.get(artifact.relative_path)
                 if previous is not None and previous.source != artifact.source:
                     raise BuildError(
@@ -64,7 +68,7 @@ def plan_build(specs: Iterable[AttnSpec]) -> list[Artifact]:
     return [artifacts[path] for path in sorted(artifacts)]
 
 
-def _plan_one(spec: AttnSpec, kind: KernelKind, arch: str) -> Artifact:
+def _plan_one(spec: AttnSpec, kind: KernelKind, arch: str, tuning_dir: Path | None) -> Artifact:
     derivation = derive_tiles(spec, arch)
     if derivation.chosen is None:
         reasons = sorted({r for c in derivation.candidates for r in c.rejected})
@@ -73,6 +77,7 @@ def _plan_one(spec: AttnSpec, kind: KernelKind, arch: str) -> Artifact:
             f"(every candidate rejected: {'; '.join(reasons[:3])}); "
             "drop this arch from `archs` or use a smaller head_dim"
         )
+    derivation = apply_tuning(derivation, lookup(tuning_dir, spec, kind, arch))
     name = module_name(spec, kind)
     relative_path = f"{arch}/{name}.py"
     entry = {
@@ -106,14 +111,16 @@ def write_build(artifacts: list[Artifact], out_dir: str | Path) -> list[str]:
     return changed
 
 
-def build(spec_paths: Iterable[str | Path], out_dir: str | Path) -> list[str]:
-    return write_build(plan_build(load_specs(spec_paths)), out_dir)
+def build(spec_paths: Iterable[str | Path], out_dir: str | Path,
+          tuning_dir: Path | None = None) -> list[str]:
+    return write_build(plan_build(load_specs(spec_paths), tuning_dir), out_dir)
 
 
-def stale_paths(spec_paths: Iterable[str | Path], out_dir: str | Path) -> list[str]:
+def stale_paths(spec_paths: Iterable[str | Path], out_dir: str | Path,
+                tuning_dir: Path | None = None) -> list[str]:
     """Modules (and index entries) that a build would change: empty when out_dir is current."""
     out = Path(out_dir)
-    artifacts = plan_build(load_specs(spec_paths))
+    artifacts = plan_build(load_specs(spec_paths), tuning_dir)
     stale = []
     for artifact in artifacts:
         target = out / artifact.relative_path

@@ -3,23 +3,28 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 from attngen.arch import ARCHS
 from attngen.spec import AttnSpec
 from attngen.tiling import Candidate, Derivation, derive_tiles, padded_head_dim
+from attngen.tuning import apply_tuning, lookup
 
 TOP_FEASIBLE = 6
 REJECTED_SAMPLE = 4
 
 
-def explain_lines(specs: Iterable[AttnSpec], archs: Iterable[str] | None = None) -> list[str]:
+def explain_lines(specs: Iterable[AttnSpec], archs: Iterable[str] | None = None,
+                  tuning_dir: Path | None = None) -> list[str]:
     wanted = None if archs is None else set(archs)
     lines: list[str] = []
     for spec in specs:
         for arch in spec.archs:
             if wanted is None or arch in wanted:
-                lines += explain_one(spec, derive_tiles(spec, arch))
-                lines.append("")
+                for kind in spec.kernels:
+                    record = lookup(tuning_dir, spec, kind, arch)
+                    lines += explain_one(spec, apply_tuning(derive_tiles(spec, arch), record))
+                    lines.append("")
     return lines
 
 

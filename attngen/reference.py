@@ -115,3 +115,99 @@ def lowp_reference(spec: AttnSpec, q, k, v, **kwargs) -> tuple[torch.Tensor, tor
     """The same math in the kernel's precision; its error is the yardstick for the kernel's."""
     out, lse = reference_attention(spec, q, k, v, compute_dtype=torch.float32, **kwargs)
     return out.to(q.dtype), lse
+
+
+LOG2E = 1.4426950408889634
+_MANTISSA_BITS = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23}
+
+
+def ulp(dtype: torch.dtype, magnitude: float) -> float:
+    """The spacing of `dtype` numbers at `magnitude`."""
+    mantissa = _MANTISSA_BITS[dtype]
+    if magnitude <= 0 or not math.isfinite(magnitude):
+        return 2.0 ** -mantissa
+    return 2.0 ** (math.floor(math.log2(magnitude)) - mantissa)
+
+
+def compare_to_reference(spec: AttnSpec, out, lse, q, k, v, *, sm_scale=None,
+                         alibi_slopes=None) -> list[str]:
+    """What is wrong with a kernel's (out, lse), by the rule of shared/RELIABILITY.md; [] if
+    nothing. The error against the float64 golden may be at most 2x (3x with softcap) the error
+    of the same math in the kernel's dtype plus a floor of two ulps at the output's magnitude;
+    the mean error the same with factor 1.5; NaN and inf exactly where the golden has them;
+    rows that see no key exactly 0. References are computed where the inputs live."""
+    golden, golden_lse = reference_attention(spec, q, k, v, sm_scale=sm_scale,
+                                             alibi_slopes=alibi_slopes)
+    lowp, lowp_lse = lowp_reference(spec, q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes)
+    if out.shape != golden.shape or out.dtype != q.dtype:
+        return [f"out: shape {tuple(out.shape)} {out.dtype}, expected {tuple(golden.shape)} "
+                f"{q.dtype}"]
+    problems = []
+    if out.isnan().any():
+        problems.append("out: NaN where the golden has none")
+    factor = 3.0 if spec.softcap else 2.0
+    problems += _error_problems("out", out.double(), golden, lowp.double(), factor, out.dtype)
+    if not torch.equal(torch.isinf(lse), torch.isinf(golden_lse)) or lse.isnan().any():
+        problems.append("lse: the -inf (or NaN) pattern differs from the golden's")
+        return problems
+    finite = torch.isfinite(golden_lse)
+    if finite.any():
+        # Note: the kernel's LSE passes through about five fp32 roundings in log2 units (the
+        # scale x log2 e, the ALiBi bias x log2 e, the running max, log2 of the sum, the
+        # division by log2 e), at the magnitude of the scores x log2 e, which can exceed
+        # |LSE|. The fp32 reference rounds far less, so its error is no yardstick here: the
+        # LSE floor is four fp32 ulps at max(|LSE|, largest |visible score| x log2 e), about
+        # 5e-7 relative, far below what consumers of the LSE (backward, split-KV merges) resolve.
+        scores = attention_scores(spec, q, k, sm_scale=sm_scale, alibi_slopes=alibi_slopes)
+        visible = torch.isfinite(scores)
+        largest = scores[visible].abs().max().item() * LOG2E if visible.any() else 0.0
+        problems += _error_problems("lse", lse.double()[finite], golden_lse[finite],
+                                    lowp_lse.double()[finite], factor, torch.float32,
+                                    magnitude=largest, floor_ulps=4)
+    if (~finite).any() and not torch.all(out[~finite] == 0):
+        problems.append("out: a row that sees no key is not 0")
+    return problems
+
+
+def _error_problems(what, got, golden, lowp, factor, dtype, magnitude=0.0, floor_ulps=2):
+    if golden.numel() == 0:
+        return []
+    magnitude = max(golden.abs().max().item(), magnitude)
+    floor = floor_ulps * ulp(dtype, magnitude)
+    err = (got - golden).abs()
+    lowp_err = (lowp - golden).abs()
+    max_bound = factor * lowp_err.max().item() + floor
+    mean_bound = 1.5 * lowp_err.mean().item() + floor
+    problems = []
+    if not err.max().item() <= max_bound:
+        problems.append(f"{what}: max error {err.max().item():.3e} > {max_bound:.3e} "
+                        f"(lowp {lowp_err.max().item():.3e}, floor {floor:.1e})")
+    if not err.mean().item() <= mean_bound:
+        problems.append(f"{what}: mean error {err.mean().item():.3e} > {mean_bound:.3e} "
+                        f"(lowp {lowp_err.mean().item():.3e}, floor {floor:.1e})")
+    return problems
+
+
+def random_inputs(spec: AttnSpec, batch: int, seqlen_q: int, seqlen_k: int, *, seed: int,
+                  num_q_heads: int | None = None, num_kv_heads: int | None = None,
+                  scale: float = 1.0, device: str | torch.device = "cpu"):
+    """q, k, v in the spec's dtype (and ALiBi slopes when the spec has ALiBi) from a seed.
+
+    Normal(0, 1) entries; `scale` multiplies q, so scores grow by it. Slopes are the
+    geometric sequence of the ALiBi paper, 2 ** (-8 h / Hq) for h = 1..Hq.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    hq = num_q_heads or spec.num_q_heads
+    hkv = num_kv_heads or spec.num_kv_heads
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[spec.dtype.value]
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype).to(device)
+
+    q = randn(batch, hq, seqlen_q, spec.head_dim) * scale
+    k = randn(batch, hkv, seqlen_k, spec.head_dim)
+    v = randn(batch, hkv, seqlen_k, spec.value_head_dim)
+    slopes = None
+    if spec.alibi:
+        slopes = (2.0 ** (-8.0 * torch.arange(1, hq + 1, dtype=torch.float32) / hq)).to(device)
+    return q, k, v, slopes

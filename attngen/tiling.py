@@ -16,6 +16,7 @@ explain` and the module header print the same numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import textwrap
@@ -50,6 +51,12 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
+
+    @classmethod
+    def from_dict(cls, data: dict[str, int]) -> TileConfig:
+        """The inverse of as_dict (the launcher's CONFIG keys)."""
+        return cls(int(data["BLOCK_M"]), int(data["BLOCK_N"]), int(data["num_warps"]),
+                   int(data["num_stages"]))
 
     def as_dict(self) -> dict[str, int]:
         return {
@@ -89,6 +96,7 @@ class Derivation:
     chosen: TileConfig | None
     binding: str = ""
     worked: dict[str, str] = field(default_factory=dict)  # chosen config's formulas and values
+    dims: dict[str, int] = field(default_factory=dict)  # D, DV (padded) and E of the spec
 
     @property
     def chosen_candidate(self) -> Candidate | None:
@@ -229,23 +237,7 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
         occupancy = min(1.0, per_sm * w / 8)  # 8 resident warps hide most latency
         score = float(score_f(bm, bn, s)) * occupancy if not reasons else 0.0
         candidates.append(Candidate(config, smem, regs, per_sm, round(score, 6), tuple(reasons)))
-    feasible = [c for c in candidates if c.feasible]
-    chosen = None
-    binding = "nothing fits"
-    worked: dict[str, str] = {}
-    if feasible:
-        best = max(feasible, key=lambda c: (not c.may_spill(arch), c.score, -c.smem_bytes,
-                                            c.config))
-        chosen = best.config
-        binding = _binding_constraint(best, candidates)
-        at = {**values, BM: chosen.block_m, BN: chosen.block_n, S: chosen.num_stages,
-              W: chosen.num_warps}
-        worked = {
-            "smem": str(active_branch(smem_expression(arch), at)),
-            "regs": str(active_branch(regs_expression(arch), at)),
-            "values": ", ".join(f"{symbol}={at[symbol]}" for symbol in (BM, BN, D, DV, E, S, W)),
-        }
-    return Derivation(
+    derivation = Derivation(
         arch=arch_name,
         source="heuristic",
         # The formulas with this spec's dtype and head dims substituted: what explain prints.
@@ -254,10 +246,35 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
                      "score": str(score_expression())},
         constraints=constraint_labels(arch),
         candidates=tuple(candidates),
-        chosen=chosen,
-        binding=binding,
-        worked=worked,
+        chosen=None,
+        binding="nothing fits",
+        dims={str(symbol): value for symbol, value in values.items()},
     )
+    feasible = [c for c in candidates if c.feasible]
+    if not feasible:
+        return derivation
+    best = max(feasible, key=lambda c: (not c.may_spill(arch), c.score, -c.smem_bytes, c.config))
+    return choose(derivation, best.config, "heuristic")
+
+
+def choose(derivation: Derivation, config: TileConfig, source: str) -> Derivation:
+    """The derivation with `config` chosen (it must be a feasible candidate): the binding
+    constraint and the worked formulas are those of that config."""
+    arch = ARCHS[derivation.arch]
+    by_config = {c.config: c for c in derivation.candidates}
+    candidate = by_config.get(config)
+    if candidate is None or not candidate.feasible:
+        raise ValueError(f"{config} is not a feasible candidate on {arch.name}")
+    at = {D: derivation.dims["D"], DV: derivation.dims["DV"], E: derivation.dims["E"],
+          BM: config.block_m, BN: config.block_n, S: config.num_stages, W: config.num_warps}
+    worked = {
+        "smem": str(active_branch(smem_expression(arch), at)),
+        "regs": str(active_branch(regs_expression(arch), at)),
+        "values": ", ".join(f"{symbol}={at[symbol]}" for symbol in (BM, BN, D, DV, E, S, W)),
+    }
+    return dataclasses.replace(derivation, chosen=config, source=source,
+                               binding=_binding_constraint(candidate, list(derivation.candidates)),
+                               worked=worked)
 
 
 def _binding_constraint(best: Candidate, candidates: list[Candidate]) -> str:

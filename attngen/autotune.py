@@ -1,0 +1,238 @@
+"""`attngen autotune`: time the tiler's feasible configs on this GPU and record the winners.
+
+For each spec, the candidates are the feasible configs of `derive_tiles` for the GPU's arch
+(never one the model says cannot compile), best predicted first, at most `max_configs`, the
+heuristic's choice always among them. Each candidate must first pass the correctness gate
+(`compare_to_reference` on fresh inputs, Nq != Nk, lengths off the block grid), then is timed
+(median of `triton.testing.do_bench`, after warm-up) on shape buckets: a short sequence
+(N = 1024, 16 sequences) and a long one (N = 8192, 2 sequences). The winner has the lowest
+geometric mean over the buckets. Results go into tuning/<arch>.json (attngen.tuning); every
+measurement is also kept in tuning/.progress-<arch>.json, so an interrupted run resumes where
+it stopped, and the budget bounds the whole run.
+
+This module imports torch and triton; the build path never imports it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import math
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from attngen.arch import ARCHS
+from attngen.build import write_if_different
+from attngen.reference import compare_to_reference, random_inputs
+from attngen.render import render_module
+from attngen.spec import AttnSpec, KernelKind, SpecError, module_name
+from attngen.tiling import Candidate, TileConfig, derive_tiles
+from attngen.tuning import (
+    entry_key,
+    read_tuning_file,
+    render_tuning_file,
+    tuning_path,
+)
+
+PROGRESS_SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class Bucket:
+    name: str
+    batch: int
+    seqlen: int
+
+
+BUCKETS = (Bucket("short_n1024", 16, 1024), Bucket("long_n8192", 2, 8192))
+
+
+@dataclass
+class Outcome:
+    spec: AttnSpec
+    heuristic: TileConfig
+    winner: TileConfig | None
+    winner_ms: dict[str, float]
+    heuristic_ms: dict[str, float] | None
+    tried: int
+    candidates: int
+    complete: bool
+
+
+def detect_arch() -> str:
+    if not torch.cuda.is_available():
+        raise SpecError("autotune: no CUDA GPU here; autotune measures on the GPU it runs on")
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"sm{major}{minor}"
+    if arch not in ARCHS:
+        raise SpecError(f"autotune: this GPU is {arch}; attngen knows {', '.join(ARCHS)} "
+                        "(a new arch is a row in attngen/arch.py)")
+    return arch
+
+
+def _load_module(spec: AttnSpec, arch: str, folder: Path):
+    source = render_module(spec, KernelKind.prefill, derive_tiles(spec, arch))
+    name = f"autotune_{module_name(spec, KernelKind.prefill)}"
+    path = folder / f"{name}.py"
+    path.write_text(source)
+    loader_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[name] = module
+    loader_spec.loader.exec_module(module)
+    return module
+
+
+def _candidates(spec: AttnSpec, arch: str, max_configs: int) -> tuple[TileConfig, list[Candidate]]:
+    derivation = derive_tiles(spec, arch)
+    if derivation.chosen is None:
+        raise SpecError(f"{spec.name}: no feasible config on {arch} to tune")
+    feasible = sorted((c for c in derivation.candidates if c.feasible),
+                      key=lambda c: (-c.score, c.smem_bytes, c.config))
+    picked = feasible[:max_configs]
+    if derivation.chosen not in [c.config for c in picked]:
+        picked[-1:] = [derivation.chosen_candidate]
+    return derivation.chosen, picked
+
+
+def _config_key(config: TileConfig) -> str:
+    return f"{config.block_m}x{config.block_n}x{config.num_warps}x{config.num_stages}"
+
+
+def _median_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _measure(module, spec: AttnSpec, config: TileConfig, inputs, device, timer) -> dict:
+    """Gate, then time one config; failures are results too (recorded, never fatal)."""
+    module.CONFIG.update(config.as_dict())
+    try:
+        q, k, v, slopes = random_inputs(spec, 1, 200, 333, seed=7, device=device)
+        out, lse = module.attention(q, k, v, alibi_slopes=slopes, return_lse=True)
+        problems = compare_to_reference(spec, out, lse, q, k, v, alibi_slopes=slopes)
+        if problems:
+            return {"error": "incorrect: " + "; ".join(problems)[:300]}
+        times = {}
+        for bucket, args in inputs.items():
+            times[bucket] = timer(
+                lambda args=args: module.attention(*args[:3], alibi_slopes=args[3]))
+        return {"median_ms": times}
+    except Exception as exc:  # a config that fails to compile or launch is a result
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    finally:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+
+def _geomean(times: dict[str, float]) -> float:
+    return math.exp(sum(math.log(t) for t in times.values()) / len(times))
+
+
+def autotune(specs: list[AttnSpec], tuning_dir: Path, budget_s: float, max_configs: int,
+             arch: str | None = None, console: Console | None = None, *,
+             device: str = "cuda", buckets: tuple[Bucket, ...] = BUCKETS,
+             timer=_median_ms) -> list[Outcome]:
+    """Tune every spec's prefill kernel; `device`, `buckets` and `timer` let the CPU tests
+    drive the same loop under Triton's interpreter."""
+    console = console or Console(stderr=True)
+    arch = arch or detect_arch()
+    gpu = torch.cuda.get_device_name() if device == "cuda" else f"{device} (interpreter)"
+    version = triton.__version__
+    db_path = tuning_path(tuning_dir, arch)
+    progress_path = tuning_dir / f".progress-{arch}.json"
+    db = read_tuning_file(db_path)
+    progress = _read_progress(progress_path, gpu, version)
+    deadline = time.monotonic() + budget_s
+    outcomes = []
+    folder = Path(tempfile.mkdtemp(prefix="attngen-autotune-"))
+    plans = [(spec, *_candidates(spec, arch, max_configs)) for spec in specs]
+    total = sum(len(cands) for _, _, cands in plans)
+    with Progress(console=console, transient=False) as bar:
+        task = bar.add_task(f"autotune on {gpu} ({arch})", total=total)
+        for spec, heuristic, cands in plans:
+            module = _load_module(spec, arch, folder)
+            inputs = {b.name: random_inputs(spec, b.batch, b.seqlen, b.seqlen, seed=1,
+                                            device=device) for b in buckets}
+            results = progress["results"].setdefault(entry_key(spec, KernelKind.prefill), {})
+            for cand in cands:
+                key = _config_key(cand.config)
+                if key not in results:
+                    if time.monotonic() > deadline:
+                        break
+                    results[key] = _measure(module, spec, cand.config, inputs, device, timer)
+                    write_if_different(progress_path, render_tuning_file(progress))
+                bar.advance(task)
+            del inputs
+            outcomes.append(_record(db, spec, heuristic, cands, results, gpu, version,
+                                    buckets))
+            write_if_different(db_path, render_tuning_file(db))
+    _print_summary(console, outcomes, arch, gpu, buckets)
+    return outcomes
+
+
+def _record(db, spec, heuristic, cands, results, gpu, version, buckets) -> Outcome:
+    timed = {key: r["median_ms"] for key, r in results.items() if "median_ms" in r}
+    by_key = {_config_key(c.config): c.config for c in cands}
+    tried = sum(1 for c in cands if _config_key(c.config) in results)
+    outcome = Outcome(spec, heuristic, None, {}, timed.get(_config_key(heuristic)), tried,
+                      len(cands), tried == len(cands))
+    usable = {key: t for key, t in timed.items() if key in by_key}
+    if not usable:
+        return outcome
+    best = min(usable, key=lambda key: _geomean(usable[key]))
+    outcome.winner, outcome.winner_ms = by_key[best], usable[best]
+    db["entries"][entry_key(spec, KernelKind.prefill)] = {
+        "spec_name": spec.name,
+        "config": outcome.winner.as_dict(),
+        "gpu": gpu,
+        "triton": version,
+        "date": datetime.date.today().isoformat(),
+        "complete": outcome.complete,
+        "median_ms": outcome.winner_ms,
+        "buckets": {b.name: {"batch": b.batch, "seqlen": b.seqlen,
+                             "heads": [spec.num_q_heads, spec.num_kv_heads]} for b in buckets},
+        "candidates": {key: results[key] for key in sorted(results)},
+    }
+    return outcome
+
+
+def _read_progress(path: Path, gpu: str, version: str) -> dict:
+    """Earlier measurements on the same GPU and Triton, or a fresh record."""
+    fresh = {"schema": PROGRESS_SCHEMA, "gpu": gpu, "triton": version, "results": {}}
+    if not path.is_file():
+        return fresh
+    try:
+        data = json.loads(path.read_text())
+    except ValueError:
+        return fresh
+    same = (data.get("schema"), data.get("gpu"), data.get("triton")) == (PROGRESS_SCHEMA, gpu,
+                                                                          version)
+    return data if same and isinstance(data.get("results"), dict) else fresh
+
+
+def _print_summary(console: Console, outcomes: list[Outcome], arch: str, gpu: str,
+                   buckets: tuple[Bucket, ...]) -> None:
+    table = Table(title=f"attngen autotune: {gpu} ({arch})")
+    for column in ("spec", "heuristic", "winner", "tried", *[b.name + " ms" for b in buckets],
+                   "vs heuristic"):
+        table.add_column(column)
+    for o in outcomes:
+        gain = "-"
+        if o.winner_ms and o.heuristic_ms:
+            gain = f"{_geomean(o.heuristic_ms) / _geomean(o.winner_ms):.2f}x"
+        table.add_row(
+            o.spec.name, _config_key(o.heuristic),
+            _config_key(o.winner) if o.winner else "none passed",
+            f"{o.tried}/{o.candidates}" + ("" if o.complete else " (budget)"),
+            *[f"{o.winner_ms[b.name]:.3f}" if b.name in o.winner_ms else "-" for b in buckets],
+            gain)
+    console.print(table)

@@ -1,0 +1,205 @@
+"""The compiler as oracle: cross-compile the generated prefill kernel for any target, no GPU.
+
+For a spec, a target and a TileConfig, Triton compiles the rendered kernel (TTIR -> PTX ->
+cubin with the ptxas it ships) and the result says what the program really needs:
+
+- ``shared``: dynamic shared memory Triton requests at launch (``metadata.shared``), bytes;
+- ``static_shared``: shared memory ptxas reserves in the cubin itself (1024 B on sm90), bytes;
+- ``regs`` and ``stack``: from ``cuobjdump --dump-resource-usage`` (ptxas's log as fallback);
+- ``spill_stores`` / ``spill_loads``: bytes, from ptxas's ``-v`` log;
+- ``mma``: the matrix instruction family in the PTX (``wgmma``, ``mma.sync``, ``tcgen05`` or
+  ``fma`` when there is none), to check which code path the model assumes.
+
+The kernel is compiled as ``attention()`` launches it on contiguous tensors (unit head-dim
+strides constexpr 1, pointers and row strides 16-divisible). Triton is imported lazily, only
+here: the build path never loads this module. Triton's on-disk cache goes to a temporary
+folder, removed afterwards, so a run neither reads stale kernels nor leaves files behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import io
+import multiprocessing
+import os
+import re
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from attngen import tiling
+from attngen.arch import ARCHS
+from attngen.render import render_module
+from attngen.spec import AttnSpec, KernelKind, specs_from_data
+from attngen.tiling import TileConfig
+
+# What one compile measures; a record of the data file holds these next to its key.
+MEASURED_FIELDS = ("shared", "static_shared", "regs", "stack", "spill_stores", "spill_loads",
+                   "mma", "error", "compile_s")
+
+_POINTER_TYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
+_UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od")
+_kernels: dict[str, Any] = {}  # per process: spec hash -> imported JIT kernel (memory only)
+
+
+def triton_version() -> str:
+    """The installed Triton's version, read from package metadata (no import of triton)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("triton")
+    except PackageNotFoundError:
+        return "none"
+
+
+def load_kernel(spec: AttnSpec) -> Any:
+    """Render the prefill module, import it from a temporary file, return its JIT kernel.
+
+    The kernel text does not depend on the tile config (it only fills CONFIG and the header),
+    so one import per spec serves every config."""
+    key = spec.spec_hash()
+    if key not in _kernels:
+        derivation = tiling.derive_tiles(spec, spec.archs[0])
+        if derivation.chosen is None:  # still renderable: any config will do for the text
+            derivation = dataclasses.replace(derivation, chosen=TileConfig(64, 64, 4, 1))
+        source = render_module(spec, KernelKind.prefill, derivation)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / f"oracle_{key}.py"
+            path.write_text(source)
+            loader = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(module)  # JIT functions keep their source in memory
+        _kernels[key] = module._attn_fwd_kernel
+    return _kernels[key]
+
+
+def kernel_source(spec: AttnSpec, kernel: Any, config: TileConfig) -> Any:
+    """The ASTSource of one launch: signature, constexprs and divisibility as at runtime."""
+    from triton.compiler import ASTSource
+
+    constexprs: dict[str, Any] = {name: 1 for name in _UNIT_STRIDES}
+    constexprs.update(STORE_LSE=True, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
+    if spec.num_q_heads == spec.num_kv_heads:
+        constexprs["q_per_kv"] = 1  # Triton specializes an int argument equal to 1
+    aligned = spec.head_dim % 16 == 0 and spec.value_head_dim % 16 == 0
+    signature, attrs = {}, {}
+    for index, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in ("Q", "K", "V", "Out"):
+            signature[name] = _POINTER_TYPES[spec.dtype.value]
+        elif name in ("Lse", "Slopes"):
+            signature[name] = "*fp32"
+        else:
+            signature[name] = "fp32" if name == "qk_scale" else "i32"
+        stride = name.startswith("stride_")
+        batch_or_head_stride = stride and name.endswith(("b", "h"))
+        row_stride = stride and name.endswith(("m", "n"))
+        if signature[name].startswith("*") or batch_or_head_stride or (row_stride and aligned):
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    return ASTSource(fn=kernel, signature=signature, attrs=attrs,
+                     constexprs={(kernel.arg_names.index(n),): v for n, v in constexprs.items()})
+
+
+def _tool(name: str) -> str | None:
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin", name)
+    return path if os.path.exists(path) else None
+
+
+def _parse_ptxas_log(log: str) -> dict[str, int | None]:
+    def grab(pattern: str) -> int | None:
+        found = re.findall(pattern, log)
+        return int(found[-1]) if found else None
+
+    return {"regs": grab(r"Used (\d+) registers"), "stack": grab(r"(\d+) bytes stack frame"),
+            "spill_stores": grab(r"(\d+) bytes spill stores"),
+            "spill_loads": grab(r"(\d+) bytes spill loads"),
+            "static_shared": grab(r"(\d+) bytes smem")}
+
+
+def _resource_usage(cubin: bytes) -> dict[str, int]:
+    """REG, STACK and static SHARED of the kernel, per cuobjdump (empty when it is missing)."""
+    tool = _tool("cuobjdump")
+    if tool is None:
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", handle.name], check=True,
+                              capture_output=True, text=True).stdout
+    names = {"REG": "regs", "STACK": "stack", "SHARED": "static_shared"}
+    return {names[k]: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED):(\d+)", text)}
+
+
+def mma_family(ptx: str) -> str:
+    """Which matrix instructions the compiler chose: the model's per-target branch."""
+    for family, pattern in (("tcgen05", r"\btcgen05\.mma"), ("wgmma", r"\bwgmma\.mma_async"),
+                            ("mma.sync", r"\bmma\.sync")):
+        if re.search(pattern, ptx):
+            return family
+    return "fma"
+
+
+def compile_one(spec: AttnSpec, arch: str, config: TileConfig) -> dict[str, Any]:
+    """One cross-compile; a failure is recorded in ``error``, never raised."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+
+    record: dict[str, Any] = dict.fromkeys(MEASURED_FIELDS)
+    start = time.perf_counter()
+    log = io.StringIO()
+    try:
+        source = kernel_source(spec, load_kernel(spec), config)
+        target = GPUTarget("cuda", ARCHS[arch].compute_capability, 32)
+        options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+        with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+            knobs.nvidia.dump_ptxas_log = True  # ptxas -v already runs; keep its log
+            compiled = triton.compile(source, target=target, options=options)
+        record.update(_parse_ptxas_log(log.getvalue()))
+        record.update(_resource_usage(compiled.asm["cubin"]))
+        record["shared"] = compiled.metadata.shared
+        record["mma"] = mma_family(compiled.asm["ptx"])
+    except Exception as exc:  # noqa: BLE001 - recorded, the sweep goes on
+        record["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+    record["compile_s"] = round(time.perf_counter() - start, 1)
+    return record
+
+
+Job = tuple[AttnSpec, str, TileConfig]
+
+
+def _run_job(payload: tuple[dict[str, Any], str, TileConfig]) -> dict[str, Any]:
+    data, arch, config = payload
+    (spec,) = specs_from_data(data)
+    return compile_one(spec, arch, config)
+
+
+def compile_many(jobs: Sequence[Job], processes: int = 2) -> list[dict[str, Any]]:
+    """Compile every (spec, arch, config); one record per job, in order.
+
+    Workers are forked (spawn would re-import the caller's __main__), and each job carries its
+    spec as data, so a worker renders and imports the kernel itself."""
+    payload = [(spec.model_dump(mode="json"), arch, config) for spec, arch, config in jobs]
+    with tempfile.TemporaryDirectory(prefix="attngen-oracle-") as cache:
+        saved = os.environ.get("TRITON_CACHE_DIR")
+        os.environ["TRITON_CACHE_DIR"] = cache  # read at compile time, inherited by workers
+        try:
+            if processes <= 1 or len(payload) <= 1:
+                return [_run_job(job) for job in payload]
+            methods = multiprocessing.get_all_start_methods()
+            context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+            with context.Pool(min(processes, len(payload))) as pool:
+                return pool.map(_run_job, payload, chunksize=1)
+        finally:
+            if saved is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = saved

@@ -1,0 +1,102 @@
+"""The tuning database and the autotune loop (driven on the CPU interpreter with a fake timer)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from attngen.autotune import Bucket, autotune
+from attngen.build import plan_build
+from attngen.explain import explain_lines
+from attngen.spec import KernelKind
+from attngen.tiling import TileConfig, derive_tiles
+from attngen.tuning import TuningError, entry_key, lookup, read_tuning_file
+from tests.kernel_harness import make_spec
+
+SPEC = make_spec(dtype="fp16", head_dim=64, archs=["sm90"], name="tuned")
+TINY = (Bucket("tiny", 1, 40),)
+
+
+def _fake_timer(fn) -> float:
+    """Wall time of one call: enough to rank configs; CUDA events need a GPU."""
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def _write_entry(folder: Path, config: TileConfig, spec=SPEC) -> None:
+    folder.mkdir(exist_ok=True)
+    entry = {"config": config.as_dict(), "gpu": "NVIDIA H200", "triton": "3.6.0",
+             "date": "2026-11-30", "complete": True, "median_ms": {"tiny": 1.0}}
+    data = {"schema": 1, "arch": "sm90", "entries": {entry_key(spec, KernelKind.prefill): entry}}
+    (folder / "sm90.json").write_text(json.dumps(data))
+
+
+def test_build_uses_a_tuned_config_and_says_so(tmp_path):
+    heuristic = derive_tiles(SPEC, "sm90").chosen
+    tuned = next(c.config for c in derive_tiles(SPEC, "sm90").candidates
+                 if c.feasible and c.config != heuristic)
+    _write_entry(tmp_path, tuned)
+    (artifact,) = plan_build([SPEC], tmp_path)
+    assert f"BLOCK_M={tuned.block_m}, BLOCK_N={tuned.block_n}" in artifact.source
+    assert "source: tuning on NVIDIA H200, triton 3.6.0, 2026-11-30" in artifact.source
+    assert artifact.entry["config"] == tuned.as_dict()
+    assert artifact.entry["config_source"].startswith("tuning on NVIDIA H200")
+    text = "\n".join(explain_lines([SPEC], ["sm90"], tmp_path))
+    assert f"BLOCK_M={tuned.block_m} BLOCK_N={tuned.block_n}" in text and "tuning on" in text
+    # Without the database the heuristic stands.
+    (plain,) = plan_build([SPEC])
+    assert "source: heuristic" in plain.source
+
+
+def test_an_infeasible_tuned_config_is_refused_not_used(tmp_path):
+    infeasible = next(c.config for c in derive_tiles(SPEC, "sm90").candidates if not c.feasible)
+    _write_entry(tmp_path, infeasible)
+    with pytest.raises(TuningError, match="infeasible under the current model"):
+        plan_build([SPEC], tmp_path)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"schema": 99, "arch": "sm90", "entries": {}}', "schema 99"),
+    ("not json", "not JSON"),
+    ('{"schema": 1, "arch": "sm80", "entries": {}}', "expected arch 'sm90'"),
+])
+def test_unreadable_tuning_files_are_refused(tmp_path, text, message):
+    (tmp_path / "sm90.json").write_text(text)
+    with pytest.raises(TuningError, match=message):
+        lookup(tmp_path, SPEC, KernelKind.prefill, "sm90")
+
+
+def test_autotune_loop_records_a_winner_and_resumes(tmp_path):
+    console = Console(file=open(tmp_path / "log.txt", "w"), width=200)
+    outcomes = autotune([SPEC], tmp_path, budget_s=120, max_configs=3, arch="sm90",
+                        console=console, device="cpu", buckets=TINY, timer=_fake_timer)
+    (outcome,) = outcomes
+    assert outcome.winner is not None and outcome.tried == 3 and outcome.complete
+    db = read_tuning_file(tmp_path / "sm90.json")
+    entry = db["entries"][entry_key(SPEC, KernelKind.prefill)]
+    assert entry["config"] == outcome.winner.as_dict() and len(entry["candidates"]) == 3
+    assert all("median_ms" in result for result in entry["candidates"].values())
+    # The heuristic's choice is always among the candidates.
+    assert "x".join(map(str, derive_tiles(SPEC, "sm90").chosen.as_dict().values())) in \
+        entry["candidates"]
+    # A second run finds every measurement in the progress file and measures nothing.
+    calls = []
+    again = autotune([SPEC], tmp_path, budget_s=120, max_configs=3, arch="sm90",
+                     console=console, device="cpu", buckets=TINY,
+                     timer=lambda fn: calls.append(fn) or 1.0)
+    assert calls == [] and again[0].winner == outcome.winner
+    # And the build picks the winner up.
+    (artifact,) = plan_build([SPEC], tmp_path)
+    assert f"BLOCK_M={outcome.winner.block_m}, BLOCK_N={outcome.winner.block_n}" in artifact.source
+
+
+def test_autotune_budget_stops_early_and_marks_the_search_partial(tmp_path):
+    console = Console(file=open(tmp_path / "log.txt", "w"), width=200)
+    (outcome,) = autotune([SPEC], tmp_path, budget_s=0.0, max_configs=3, arch="sm90",
+                          console=console, device="cpu", buckets=TINY, timer=_fake_timer)
+    assert outcome.tried == 0 and not outcome.complete and outcome.winner is None
