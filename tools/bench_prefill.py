@@ -5,6 +5,10 @@ and ratios, never a comparison with numbers measured elsewhere. FLOPs = 4 * B * 
 halved when causal. Usage (on a CUDA machine, from the repository root):
 
     PYTHONPATH=. python tools/bench_prefill.py --out results/ [--quick] [--no-flex]
+
+attngen's modules are built as `attngen build` builds them, with the tuning database
+(tuning/<arch>.json) when it has an entry for the spec: the grid's specs are
+tools/bench_specs/*.yaml, the model shapes are examples/*.yaml.
 """
 
 from __future__ import annotations
@@ -22,9 +26,8 @@ import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attngen.render import render_module
-from attngen.spec import KernelKind, specs_from_data
-from attngen.tiling import derive_tiles
+from attngen.build import plan_build
+from attngen.spec import load_spec_file
 
 GRID_HEAD_DIMS = (64, 128, 256)
 GRID_SEQLENS = (1024, 4096, 16384)
@@ -33,8 +36,13 @@ SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_
                  "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
+ROOT = Path(__file__).resolve().parent.parent
+TUNING = ROOT / "tuning"
+
+
 def load_module(spec, arch="sm90"):
-    source = render_module(spec, KernelKind.prefill, derive_tiles(spec, arch))
+    artifacts = plan_build([spec], TUNING if TUNING.is_dir() else None)
+    source = next(a.source for a in artifacts if a.entry["arch"] == arch)
     folder = Path(tempfile.mkdtemp(prefix="attngen-bench-"))
     path = folder / f"{spec.name}.py"
     path.write_text(source)
@@ -51,33 +59,29 @@ def grid_cases(quick: bool):
         for seqlen in seqlens:
             for causal in (False, True):
                 heads = WIDTH // head_dim
-                yield dict(label=f"D{head_dim} N{seqlen} {'causal' if causal else 'full'}",
+                kind = "causal" if causal else "full"
+                yield dict(label=f"D{head_dim} N{seqlen} {kind}",
+                           spec_file=f"tools/bench_specs/grid_d{head_dim}_{kind}.yaml",
                            head_dim=head_dim, seqlen=seqlen, batch=TOKENS // seqlen,
                            q_heads=heads, kv_heads=heads, causal=causal, window=None, softcap=0.0)
 
 
 def model_cases():
     common = dict(seqlen=4096, batch=4, causal=True, softcap=0.0, window=None)
-    yield dict(common, label="llama3-8b GQA 32/8", head_dim=128, q_heads=32, kv_heads=8)
-    yield dict(common, label="qwen2.5-7b GQA 28/4", head_dim=128, q_heads=28, kv_heads=4)
-    yield dict(common, label="mistral-7b window 4095", head_dim=128, q_heads=32, kv_heads=8,
-               window=4095, seqlen=8192, batch=2)
-    yield dict(common, label="gemma2-9b softcap 50", head_dim=256, q_heads=16, kv_heads=8,
-               softcap=50.0)
+    yield dict(common, label="llama3-8b GQA 32/8", spec_file="examples/llama3_8b.yaml",
+               head_dim=128, q_heads=32, kv_heads=8)
+    yield dict(common, label="qwen2.5-7b GQA 28/4", spec_file="examples/qwen2_5_7b.yaml",
+               head_dim=128, q_heads=28, kv_heads=4)
+    yield dict(common, label="mistral-7b window 4095", spec_file="examples/mistral_7b.yaml",
+               head_dim=128, q_heads=32, kv_heads=8, window=4095, seqlen=8192, batch=2)
+    yield dict(common, label="gemma2-9b local softcap 50", spec_file="examples/gemma2_9b.yaml",
+               head_dim=256, q_heads=16, kv_heads=8, softcap=50.0, window=4095)
+    yield dict(common, label="gemma2-9b global softcap 50", spec_file="examples/gemma2_9b.yaml",
+               variant=1, head_dim=256, q_heads=16, kv_heads=8, softcap=50.0)
 
 
 def spec_for(case):
-    fields = dict(name="bench", archs=["sm90"], dtype="bf16", head_dim=case["head_dim"],
-                  num_q_heads=case["q_heads"], num_kv_heads=case["kv_heads"], kernels=["prefill"],
-                  softcap=case["softcap"])
-    if case["window"] is not None:
-        fields.update(mask="sliding_window", causal_align="bottom_right",
-                      window_left=case["window"], window_right=0)
-    elif case["causal"]:
-        fields.update(mask="causal", causal_align="top_left")
-    else:
-        fields.update(mask="none")
-    return specs_from_data(fields)[0]
+    return load_spec_file(ROOT / case["spec_file"])[case.get("variant", 0)]
 
 
 def flex_runner(case, q, k, v):
@@ -204,7 +208,7 @@ def print_summary(meta, results):
             if n in r["tflops"]:
                 ratio = ours / r["tflops"][n]
                 cells.append(f"{ratio:16.2f}")
-                if not r["label"].startswith(("llama", "qwen", "mistral", "gemma")):
+                if "spec_file" in r and "bench_specs" in r["spec_file"]:
                     ratios[n].append(ratio)
             else:
                 cells.append(f"{'-':>16s}")

@@ -1,0 +1,3 @@
+from attngen.cli import main
+
+main()

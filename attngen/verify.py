@@ -1,0 +1,299 @@
+"""`attngen verify-tiling`: the tiling model against Triton's compiler, config by config.
+
+For every spec x arch x candidate config that `derive_tiles` enumerates (feasible or not), the
+model's shared memory and registers are compared with what Triton 3.6 compiles. Measurements
+come from the committed data file (attngen/data/oracle_triton-<version>.json, keyed as
+attngen.oracle_data explains) or from a live cross-compile (attngen.oracle, lazily imported).
+
+The policy, per config (the numbers are constants below):
+
+- shared memory: the model must never be under the compiler (a config it calls feasible must
+  fit); over is allowed and counted, exact is the match rate.
+- a config the model calls feasible must fit: compiled shared <= the arch's budget, no
+  compile error.
+- spills: a feasible config predicted at or below the register limit ("safe") must not spill
+  more than SAFE_SPILL_BYTES; one predicted in the REGISTER_MARGIN above the limit ("may
+  spill") is allowed to spill, which is why the heuristic ranks it last.
+- a rejected config is "confirmed" when the compiler agrees (shared over the budget, or
+  spills for a register rejection) and "conservative" when it would in fact fit: reported,
+  never a failure. The tile rule (a query row per thread at most) is a design rule, not a
+  resource limit, so it has nothing to confirm.
+
+Any failure makes the command exit 1.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from attngen.arch import ARCHS
+from attngen.oracle_data import OracleData, OracleKey, oracle_key, spec_ref
+from attngen.spec import AttnSpec, Mask
+from attngen.tiling import REGISTER_MARGIN, Candidate, derive_tiles
+
+# ptxas keeps a few loop-carried values on the stack even well below 255 registers (8-64 B on
+# sm80 at 4 warps); that costs an L1 hit per iteration, not a spill worth avoiding.
+SAFE_SPILL_BYTES = 64
+# fp32 dots are FMA loops; ptxas needs minutes for the configs that spill tens of KiB, and
+# those are rejected by the register bound anyway. Above this prediction an fp32 config is
+# not compiled live (it is still checked when the data file has it).
+FP32_LIVE_MAX_REGS = 2 * 255
+
+
+@dataclass
+class Row:
+    """One deduplicated (arch, dtype, D, DV, config): the model's verdict and the compiler's."""
+
+    key: OracleKey
+    specs: list[str]
+    candidate: Candidate
+    may_spill: bool
+    measured: dict[str, Any] | None = None
+    source: str = "none"  # "data", "live" or "none" (not compiled)
+    problems: list[str] = field(default_factory=list)  # failures: exit 1
+    notes: list[str] = field(default_factory=list)  # findings that are not failures
+
+    @property
+    def smem_class(self) -> str:
+        if not self.measured or self.measured.get("shared") is None:
+            return "-"
+        delta = self.candidate.smem_bytes - self.measured["shared"]
+        return "exact" if delta == 0 else ("over" if delta > 0 else "UNDER")
+
+
+@dataclass
+class Plan:
+    rows: dict[OracleKey, Row]
+    representative: dict[OracleKey, AttnSpec]  # the spec a missing key is compiled from
+
+
+def representative_weight(spec: AttnSpec) -> int:
+    """More score code, more registers: a key is compiled from its heaviest spec, so spills
+    measured for it bound those of the lighter specs that share it."""
+    return (4 * (spec.softcap > 0) + 4 * spec.alibi + 2 * (spec.mask is Mask.sliding_window)
+            + (spec.mask is not Mask.none) + (spec.num_q_heads != spec.num_kv_heads))
+
+
+def plan_rows(specs: Iterable[AttnSpec], archs: Sequence[str] | None) -> Plan:
+    """Every candidate of every (spec, arch), deduplicated on the oracle key."""
+    rows: dict[OracleKey, Row] = {}
+    representative: dict[OracleKey, AttnSpec] = {}
+    for spec in specs:
+        for arch in archs or spec.archs:
+            for cand in derive_tiles(spec, arch).candidates:
+                key = oracle_key(spec, arch, cand.config)
+                row = rows.get(key)
+                if row is None:
+                    row = rows[key] = Row(key, [], cand, cand.may_spill(ARCHS[arch]))
+                if spec.name not in row.specs:
+                    row.specs.append(spec.name)
+                best = representative.get(key)
+                if best is None or representative_weight(spec) > representative_weight(best):
+                    representative[key] = spec
+    return Plan(rows, representative)
+
+
+def live_jobs(plan: Plan, data: OracleData, recompile: bool, sample: int,
+              seed: int) -> tuple[list[tuple[OracleKey, AttnSpec]], list[OracleKey]]:
+    """What to compile now (key and the spec to compile it from), and what to leave out.
+
+    Missing keys are compiled from the plan's heaviest spec; --recompile compiles every key
+    from the plan's specs; --sample N recompiles N random keys that the data has (half of them
+    configs the model rejects, 16-bit: fp32 is slow) from the spec each was recorded from, so
+    the result must equal the record exactly."""
+    jobs, skipped = [], []
+    for key, row in plan.rows.items():
+        if recompile or data.get(key) is None:
+            slow = key.dtype == "fp32" and row.candidate.regs_per_thread > FP32_LIVE_MAX_REGS
+            if slow and data.get(key) is None:
+                skipped.append(key)
+            else:
+                jobs.append((key, plan.representative[key]))
+    if sample and not recompile:
+        rng = random.Random(seed)
+        known = [k for k in sorted(plan.rows) if data.get(k) is not None and k.dtype != "fp32"]
+        rejected = [k for k in known if not plan.rows[k].candidate.feasible]
+        feasible = [k for k in known if plan.rows[k].candidate.feasible]
+        half = sample // 2
+        picked = rng.sample(rejected, min(half, len(rejected)))
+        picked += rng.sample(feasible, min(sample - len(picked), len(feasible)))
+        jobs += [(k, data.spec_of(k)) for k in picked]
+    return jobs, skipped
+
+
+def measure(data: OracleData, jobs: list[tuple[OracleKey, AttnSpec]],
+            processes: int) -> dict[OracleKey, list[str]]:
+    """Compile the jobs into `data` (replacing records); returns, per key, the fields whose
+    value changed against the record it replaced (all three compared when it was compiled from
+    the same spec, only shared memory otherwise)."""
+    if not jobs:
+        return {}
+    from attngen.oracle import compile_many  # imports triton
+
+    changed: dict[OracleKey, list[str]] = {}
+    records = compile_many([(spec, key.arch, key.config) for key, spec in jobs], processes)
+    for (key, spec), record in zip(jobs, records, strict=True):
+        before = data.get(key)
+        if before is not None:
+            same_spec = before["spec"] == spec_ref(spec)
+            fields = ("shared", "regs", "spill_stores") if same_spec else ("shared",)
+            changed[key] = [f"{f} {before.get(f)} -> {record.get(f)}" for f in fields
+                            if before.get(f) != record.get(f)]
+        else:
+            changed[key] = []
+        data.add(key, spec, record)
+    return changed
+
+
+def judge(plan: Plan, data: OracleData, changed: dict[OracleKey, list[str]]) -> None:
+    """Fill every row's measurement, failures and notes (the policy in the module docstring)."""
+    for key, row in plan.rows.items():
+        row.measured = data.get(key)
+        row.source = "live" if key in changed else ("data" if row.measured else "none")
+        if row.measured is None:
+            row.notes.append("not compiled (fp32, predicted far over the register file)")
+            continue
+        if changed.get(key):
+            row.problems.append("data file is stale: " + ", ".join(changed[key]))
+        _judge_one(row)
+
+
+def _judge_one(row: Row) -> None:
+    arch, cand, m = ARCHS[row.key.arch], row.candidate, row.measured
+    if m["error"]:
+        (row.problems if cand.feasible else row.notes).append(f"compile error: {m['error']}")
+        return
+    shared, spills = m["shared"], m["spill_stores"] or 0
+    if cand.smem_bytes < shared:
+        row.problems.append(f"smem predicted {cand.smem_bytes} < compiled {shared}")
+    if cand.feasible:
+        if shared > arch.smem_budget:
+            row.problems.append(f"feasible but compiled shared {shared} > {arch.smem_budget}")
+        if not row.may_spill and spills > SAFE_SPILL_BYTES:
+            row.problems.append(f"predicted {cand.regs_per_thread} regs (safe) but spills "
+                                f"{spills} B > {SAFE_SPILL_BYTES}")
+        elif row.may_spill:
+            row.notes.append(f"may spill: spills {spills} B")
+        return
+    for reason in cand.rejected:
+        if reason.startswith("smem"):
+            ok = shared > arch.smem_budget
+            row.notes.append(f"smem rejection {'confirmed' if ok else 'conservative'}: "
+                             f"compiled {shared} B")
+        elif reason.startswith("regs"):
+            ok = spills > SAFE_SPILL_BYTES
+            row.notes.append(f"regs rejection {'confirmed' if ok else 'conservative'}: "
+                             f"spills {spills} B")
+
+
+def expected_mma(key: OracleKey) -> str:
+    """The instruction family the model's branch assumes (see tiling.smem_expression)."""
+    if key.dtype == "fp32":
+        return "fma"
+    return "wgmma" if ARCHS[key.arch].has_wgmma and key.BLOCK_M >= 64 else "mma.sync"
+
+
+@dataclass
+class Summary:
+    """Counts over rows of one arch (or all): what the report table and the docs show."""
+
+    rows: int = 0
+    compiled: int = 0
+    exact: int = 0
+    over: int = 0
+    under: int = 0
+    feasible: int = 0
+    safe_ok: int = 0
+    safe: int = 0
+    may_spill: int = 0
+    may_spill_spilled: int = 0
+    rejected: int = 0
+    rejected_checked: int = 0
+    rejected_confirmed: int = 0
+    mma_agree: int = 0
+    failures: int = 0
+    regs_err: list[float] = field(default_factory=list)
+
+    @property
+    def exact_rate(self) -> float:
+        return self.exact / self.compiled if self.compiled else math.nan
+
+    @property
+    def regs_rms(self) -> float:
+        errs = self.regs_err
+        return math.sqrt(sum(e * e for e in errs) / len(errs)) if errs else math.nan
+
+
+def summarize(rows: Iterable[Row]) -> Summary:
+    s = Summary()
+    for row in rows:
+        s.rows += 1
+        s.failures += bool(row.problems)
+        cand, m = row.candidate, row.measured
+        s.feasible += cand.feasible
+        s.rejected += not cand.feasible
+        if not m or m.get("shared") is None:
+            continue
+        s.compiled += 1
+        s.exact += row.smem_class == "exact"
+        s.over += row.smem_class == "over"
+        s.under += row.smem_class == "UNDER"
+        s.mma_agree += m.get("mma") == expected_mma(row.key)
+        spills = m["spill_stores"] or 0
+        if not spills and m.get("regs"):
+            s.regs_err.append(cand.regs_per_thread - m["regs"])
+        if cand.feasible and row.may_spill:
+            s.may_spill += 1
+            s.may_spill_spilled += spills > SAFE_SPILL_BYTES
+        elif cand.feasible:
+            s.safe += 1
+            s.safe_ok += spills <= SAFE_SPILL_BYTES
+        else:
+            checkable = [n for n in row.notes if "rejection" in n]
+            s.rejected_checked += bool(checkable)
+            s.rejected_confirmed += bool(checkable) and any("confirmed" in n for n in checkable)
+    return s
+
+
+@dataclass
+class Report:
+    plan: Plan
+    skipped: list[OracleKey]
+    live: int
+    seconds: float
+    data_triton: str
+    data_template: str
+    template_hash: str
+
+    @property
+    def failed(self) -> list[Row]:
+        return [r for r in self.plan.rows.values() if r.problems]
+
+    def by_arch(self) -> dict[str, Summary]:
+        archs = sorted({k.arch for k in self.plan.rows}, key=list(ARCHS).index)
+        return {a: summarize(r for k, r in self.plan.rows.items() if k.arch == a)
+                for a in archs}
+
+
+def verify(specs: Sequence[AttnSpec], archs: Sequence[str] | None, data: OracleData, *,
+           recompile: bool = False, sample: int = 0, seed: int = 0, processes: int = 2,
+           template_hash: str = "") -> Report:
+    """Plan, measure (data first, compiler for what is missing or asked for), judge."""
+    import time
+
+    start = time.perf_counter()
+    plan = plan_rows(specs, archs)
+    jobs, skipped = live_jobs(plan, data, recompile, sample, seed)
+    changed = measure(data, jobs, processes)
+    judge(plan, data, changed)
+    return Report(plan, skipped, len(changed), time.perf_counter() - start, data.triton,
+                  data.template_hash, template_hash)
+
+
+def margin_note() -> str:
+    return (f"safe: predicted <= the register limit, must spill <= {SAFE_SPILL_BYTES} B; "
+            f"may spill: predicted within {REGISTER_MARGIN} above it, allowed to spill")
