@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from attngen import __version__
+from attngen.explain import nearest_alternative
 from attngen.render import render_module
 from attngen.spec import AttnSpec, KernelKind, SpecError, load_spec_file, module_name
 from attngen.tiling import derive_tiles
@@ -74,8 +75,9 @@ def _plan_one(spec: AttnSpec, kind: KernelKind, arch: str, tuning_dir: Path | No
         reasons = sorted({r for c in derivation.candidates for r in c.rejected})
         raise BuildError(
             f"{spec.name}: no {kind.value} tile config fits {arch} "
-            f"(every candidate rejected: {'; '.join(reasons[:3])}); "
-            "drop this arch from `archs` or use a smaller head_dim"
+            f"(every candidate rejected: {'; '.join(reasons[:3])}); nearest feasible "
+            f"alternative: {nearest_alternative(spec, arch)}; "
+            "drop this arch from `archs` or change the spec"
         )
     derivation = apply_tuning(derivation, lookup(tuning_dir, spec, kind, arch))
     name = module_name(spec, kind)

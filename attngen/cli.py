@@ -106,10 +106,104 @@ def autotune_command(
         outcomes = autotune(loaded, tuning, budget, max_configs, target)
     except SpecError as exc:
         raise _fail(str(exc)) from None
-    missing = [o.spec.name for o in outcomes if o.winner is None]
-    if missing:
-        raise _fail("no candidate passed the correctness gate for: " + ", ".join(missing))
+    untried = [o.spec.name for o in outcomes if o.winner is None and o.tried == 0]
+    failed = [o.spec.name for o in outcomes if o.winner is None and o.tried > 0]
+    if failed:
+        raise _fail("no candidate passed the correctness gate for: " + ", ".join(failed))
+    if untried:
+        raise _fail("the budget ran out before these were measured (run again to resume): "
+                    + ", ".join(untried))
     typer.echo(f"attngen: winners recorded in {tuning}; run `attngen build` to use them")
+
+
+@app.command("verify-tiling")
+def verify_tiling_command(
+    specs: Annotated[list[Path] | None, typer.Argument(
+        help="Spec files (YAML); default examples/*.yaml.", show_default=False)] = None,
+    arch: Annotated[list[str] | None, typer.Option(
+        help="Only this arch (repeatable); default every arch in attngen/arch.py.")] = None,
+    sample: Annotated[int, typer.Option(
+        help="Recompile N configs from the data file live (half rejected ones): the data "
+             "must be current for the installed Triton.")] = 0,
+    recompile: Annotated[bool, typer.Option(
+        help="Compile every config live instead of reading the data file.")] = False,
+    json_path: Annotated[Path | None, typer.Option(
+        "--json", help="Write every row and the summary as JSON.")] = None,
+    data: Annotated[Path | None, typer.Option(
+        help="Oracle data file; default attngen/data/oracle_triton-<installed version>.json.")]
+    = None,
+    save_data: Annotated[bool, typer.Option(
+        help="Write what was compiled live into the data file.")] = False,
+    rows: Annotated[bool, typer.Option(help="Print every config, not only failures.")] = False,
+    jobs: Annotated[int, typer.Option(help="Compile processes.")] = 2,
+    seed: Annotated[int, typer.Option(help="Seed of --sample.")] = 0,
+) -> None:
+    """Compare the tiling model with Triton's compiler on every candidate config; exit 1 on a
+    feasible config that does not fit or spills more than allowed (docs/tiling.md)."""
+    # Imported here: the other commands never need the oracle data or (lazily) triton.
+    from attngen.oracle import triton_version
+    from attngen.oracle_data import data_path, load_oracle_data
+    from attngen.render import TEMPLATE_FOR_KIND, template_hash
+    from attngen.spec import KernelKind
+    from attngen.verify import verify
+    from attngen.verify_report import dump_json, report_lines
+
+    unknown = [a for a in arch or [] if a not in arch_names()]
+    if unknown:
+        raise typer.BadParameter(f"{unknown[0]!r}; allowed: {', '.join(arch_names())}",
+                                 param_hint="--arch")
+    paths = specs or sorted(Path("examples").glob("*.yaml"))
+    if not paths:
+        raise _fail("no spec files given and none in examples/")
+    path = data or data_path(triton_version())
+    try:
+        loaded = load_specs(paths)
+        oracle = load_oracle_data(path)
+    except (SpecError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    current = template_hash(TEMPLATE_FOR_KIND[KernelKind.prefill])
+
+    def progress(message: str) -> None:
+        typer.echo(f"attngen: {message}", err=True)
+        if save_data:  # after every chunk, so an interrupted sweep keeps what it compiled
+            oracle.template_hash = current
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(oracle.dumps(), encoding="utf-8")
+
+    report = verify(loaded, arch, oracle, recompile=recompile, sample=sample, seed=seed,
+                    processes=jobs, template_hash=current, progress=progress,
+                    stale_fails=not save_data)
+    typer.echo("\n".join(report_lines(report, all_rows=rows)))
+    if json_path is not None:
+        json_path.write_text(dump_json(report), encoding="utf-8")
+    if save_data and report.live:
+        typer.echo(f"attngen: {report.live} record(s) written to {path}")
+    if report.failed:
+        raise typer.Exit(code=1)
+
+
+@app.command("capabilities")
+def capabilities_command(
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Write the Markdown here (docs/capabilities.md); default stdout.")] = None,
+    data: Annotated[Path | None, typer.Option(
+        help="Oracle data file for the compiled column; default the installed Triton's.")]
+    = None,
+) -> None:
+    """The capability matrix: arch x dtype x head dim x mask -> config, or why none fits."""
+    from attngen.build import write_if_different
+    from attngen.capabilities import capability_cells, render_capabilities
+    from attngen.oracle import triton_version
+    from attngen.oracle_data import data_path, load_oracle_data
+
+    text = render_capabilities(capability_cells(),
+                               load_oracle_data(data or data_path(triton_version())))
+    if out is None:
+        typer.echo(text, nl=False)
+    elif write_if_different(out, text):
+        typer.echo(f"attngen: {out} written")
+    else:
+        typer.echo(f"attngen: {out} is up to date")
 
 
 def main() -> None:  # pragma: no cover - console entry point

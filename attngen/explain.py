@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from attngen.arch import ARCHS
-from attngen.spec import AttnSpec
+from attngen.spec import AttnSpec, Dtype
 from attngen.tiling import Candidate, Derivation, derive_tiles, padded_head_dim
 from attngen.tuning import apply_tuning, lookup
 
@@ -56,19 +56,86 @@ def explain_one(spec: AttnSpec, derivation: Derivation) -> list[str]:
         lines.append(_row(cand, verdict))
     for cand in _spread(rejected, REJECTED_SAMPLE):
         lines.append(_row(cand, "rejected: " + "; ".join(cand.rejected)))
+    lines += feasible_set_lines(feasible)
+    safe = [c for c in feasible if not c.may_spill(arch)]
     best = derivation.chosen_candidate
     if best is None:
         lines.append("   no config fits this arch: " + _nearest_miss(rejected))
+        lines.append("   nearest feasible alternative: " + nearest_alternative(spec, arch.name))
         return lines
     lines += [
         f"   chosen: BLOCK_M={best.config.block_m} BLOCK_N={best.config.block_n} "
         f"num_warps={best.config.num_warps} num_stages={best.config.num_stages} "
         f"(source: {derivation.source})",
+        f"   rule: {_rule(derivation, len(safe), len(feasible))}",
         f"   binding constraint: {derivation.binding}",
-        f"   headroom: {arch.smem_budget - best.smem_bytes} B shared memory, "
-        f"{arch.max_regs_per_thread - best.regs_per_thread} registers/thread",
+        f"   headroom: {arch.smem_budget - best.smem_bytes} B shared memory "
+        f"({100 * (arch.smem_budget - best.smem_bytes) / arch.smem_budget:.0f}% of the "
+        f"budget), {arch.max_regs_per_thread - best.regs_per_thread} registers/thread",
     ]
     return lines
+
+
+def _rule(derivation: Derivation, safe: int, feasible: int) -> str:
+    if derivation.source != "heuristic":
+        return f"measured best ({derivation.source}), among the feasible candidates"
+    return (f"predicted not to spill first ({safe} feasible configs are, {feasible - safe} may "
+            "spill), then the best score, then less shared memory")
+
+
+def feasible_set_lines(feasible: list[Candidate]) -> list[str]:
+    """The whole feasible set, compactly: per tile shape, the warps and stages that fit."""
+    shapes: dict[tuple[int, int], dict[int, list[int]]] = {}
+    for cand in feasible:
+        c = cand.config
+        shapes.setdefault((c.block_m, c.block_n), {}).setdefault(c.num_warps, []).append(
+            c.num_stages)
+    parts = []
+    for (bm, bn), by_warps in sorted(shapes.items(), reverse=True):
+        warps = ", ".join(f"w{w} s{_span(sorted(st))}" for w, st in sorted(by_warps.items()))
+        parts.append(f"{bm}x{bn} ({warps})")
+    lines = [f"   feasible set ({len(feasible)}, BLOCK_M x BLOCK_N (warps, stages)):"
+             + ("" if parts else " empty")]
+    for part in parts:  # a shape's entry is never split across lines
+        if len(lines) == 1 or len(lines[-1]) + len(part) > 94:
+            lines.append("     " + part + ";")
+        else:
+            lines[-1] += " " + part + ";"
+    if parts:
+        lines[-1] = lines[-1].rstrip(";")
+    return lines
+
+
+def _span(stages: list[int]) -> str:
+    contiguous = stages == list(range(stages[0], stages[-1] + 1))
+    if contiguous and len(stages) > 1:
+        return f"{stages[0]}-{stages[-1]}"
+    return ",".join(map(str, stages))
+
+
+def nearest_alternative(spec: AttnSpec, arch: str) -> str:
+    """When nothing fits: the closest change to the spec that does, or why none exists.
+
+    Tried in the order a user would give ground: a smaller head dim (the model only sees the
+    padded power of two, so each tier down once), then a 16-bit dtype instead of fp32. Every
+    trial is a derivation, not a compile."""
+    trials: list[tuple[str, AttnSpec]] = []
+    padded = padded_head_dim(max(spec.head_dim, spec.value_head_dim))
+    tier = padded // 2
+    while tier >= 16:
+        update = {"head_dim": min(spec.head_dim, tier),
+                  "head_dim_v": min(spec.value_head_dim, tier)}
+        trials.append((f"head_dim <= {tier}", spec.model_copy(update=update)))
+        tier //= 2
+    if spec.dtype.itemsize == 4:
+        trials.insert(0, ("dtype bf16", spec.model_copy(update={"dtype": Dtype.bf16})))
+    for change, trial in trials:
+        chosen = derive_tiles(trial, arch).chosen
+        if chosen is not None:
+            return (f"{change} fits (BLOCK_M={chosen.block_m} BLOCK_N={chosen.block_n} "
+                    f"num_warps={chosen.num_warps} num_stages={chosen.num_stages})")
+    tried = "a smaller head dim" + (" or bf16" if spec.dtype.itemsize == 4 else "")
+    return f"none: {tried} does not fit {arch} either"
 
 
 def _row(cand: Candidate, verdict: str) -> str:

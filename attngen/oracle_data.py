@@ -15,11 +15,11 @@ Reading it needs neither torch nor triton.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from attngen.arch import ARCHS
 from attngen.spec import AttnSpec, specs_from_data
 from attngen.tiling import TileConfig, padded_head_dim
 
@@ -95,11 +95,17 @@ class OracleData:
                        for name in sorted(used)),
             "},",
             '"records": [',
-            ",\n".join(json.dumps(self.records[key]) for key in sorted(self.records)),
+            ",\n".join(json.dumps(self.records[key]) for key in sorted(self.records, key=_order)),
             "]",
             "}",
         ]
         return "\n".join(lines) + "\n"
+
+
+def _order(key: OracleKey) -> tuple[Any, ...]:
+    """Records in the arch table's order, then by dtype, dims and config."""
+    rank = list(ARCHS).index(key.arch) if key.arch in ARCHS else len(ARCHS)
+    return (rank, *key)
 
 
 def load_oracle_data(path: Path) -> OracleData:
@@ -112,12 +118,3 @@ def load_oracle_data(path: Path) -> OracleData:
         raise ValueError(f"{path}: oracle data schema {raw.get('schema')!r}, expected {SCHEMA}")
     records = {OracleKey(*(r[name] for name in OracleKey._fields)): r for r in raw["records"]}
     return OracleData(raw["triton"], raw["template_hash"], records, dict(raw["specs"]))
-
-
-def merge(data: OracleData, measured: Iterable[tuple[OracleKey, AttnSpec, dict[str, Any]]],
-          template_hash: str) -> OracleData:
-    """New measurements replace old ones with the same key; the template hash is updated."""
-    for key, spec, record in measured:
-        data.add(key, spec, record)
-    data.template_hash = template_hash
-    return data

@@ -136,6 +136,7 @@ def active_branch(expr: sympy.Expr, values: dict[sympy.Symbol, int]) -> sympy.Ex
     return expr.replace(lambda e: isinstance(e, sympy.Piecewise), pick)
 
 
+@cache  # sympy builds it slowly; one per arch serves every derivation
 def smem_expression(arch: GpuArch) -> sympy.Expr:
     """Dynamic shared memory per program in bytes, as Triton 3.6 allocates it for this template.
 
@@ -166,6 +167,7 @@ def smem_expression(arch: GpuArch) -> sympy.Expr:
     return sympy.Piecewise((fp32, sympy.Eq(E, 4)), (sixteen_bit, True))
 
 
+@cache
 def regs_expression(arch: GpuArch) -> sympy.Expr:
     """Registers per thread, approximate (rms error about 21 against ptxas on configs that do
     not spill): the fp32 accumulator, the score tile and K/V addressing over 32 * W threads.
@@ -181,6 +183,7 @@ def regs_expression(arch: GpuArch) -> sympy.Expr:
     return sympy.Piecewise((40 + 8 * (acc + scores), sympy.Eq(E, 4)), (sixteen_bit, True))
 
 
+@cache
 def score_expression() -> sympy.Expr:
     """Predicted efficiency in (0, 1]: tile reuse (larger tiles read K/V fewer times and feed
     the tensor cores longer) times a pipelining factor; occupancy is applied numerically."""

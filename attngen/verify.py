@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,8 @@ SAFE_SPILL_BYTES = 64
 # those are rejected by the register bound anyway. Above this prediction an fp32 config is
 # not compiled live (it is still checked when the data file has it).
 FP32_LIVE_MAX_REGS = 2 * 255
+CHUNK = 48  # live compiles per pool run
+SAMPLE_MAX_COMPILE_S = 3.0  # --sample draws configs that compiled this fast (tests stay quick)
 
 
 @dataclass
@@ -69,6 +71,7 @@ class Row:
 class Plan:
     rows: dict[OracleKey, Row]
     representative: dict[OracleKey, AttnSpec]  # the spec a missing key is compiled from
+    chosen: list[tuple[str, str, OracleKey | None]]  # (spec, arch, the chosen config's key)
 
 
 def representative_weight(spec: AttnSpec) -> int:
@@ -82,19 +85,24 @@ def plan_rows(specs: Iterable[AttnSpec], archs: Sequence[str] | None) -> Plan:
     """Every candidate of every (spec, arch), deduplicated on the oracle key."""
     rows: dict[OracleKey, Row] = {}
     representative: dict[OracleKey, AttnSpec] = {}
+    chosen: list[tuple[str, str, OracleKey | None]] = []
     for spec in specs:
         for arch in archs or spec.archs:
-            for cand in derive_tiles(spec, arch).candidates:
+            derivation = derive_tiles(spec, arch)
+            best = derivation.chosen
+            chosen.append((spec.name, arch, best and oracle_key(spec, arch, best)))
+            for cand in derivation.candidates:
                 key = oracle_key(spec, arch, cand.config)
                 row = rows.get(key)
                 if row is None:
                     row = rows[key] = Row(key, [], cand, cand.may_spill(ARCHS[arch]))
                 if spec.name not in row.specs:
                     row.specs.append(spec.name)
-                best = representative.get(key)
-                if best is None or representative_weight(spec) > representative_weight(best):
+                heaviest = representative.get(key)
+                if heaviest is None or (representative_weight(spec)
+                                        > representative_weight(heaviest)):
                     representative[key] = spec
-    return Plan(rows, representative)
+    return Plan(rows, representative, chosen)
 
 
 def live_jobs(plan: Plan, data: OracleData, recompile: bool, sample: int,
@@ -104,7 +112,8 @@ def live_jobs(plan: Plan, data: OracleData, recompile: bool, sample: int,
     Missing keys are compiled from the plan's heaviest spec; --recompile compiles every key
     from the plan's specs; --sample N recompiles N random keys that the data has (half of them
     configs the model rejects, 16-bit: fp32 is slow) from the spec each was recorded from, so
-    the result must equal the record exactly."""
+    the result must equal the record exactly (configs that took over SAMPLE_MAX_COMPILE_S to
+    compile are left to --recompile)."""
     jobs, skipped = [], []
     for key, row in plan.rows.items():
         if recompile or data.get(key) is None:
@@ -115,7 +124,8 @@ def live_jobs(plan: Plan, data: OracleData, recompile: bool, sample: int,
                 jobs.append((key, plan.representative[key]))
     if sample and not recompile:
         rng = random.Random(seed)
-        known = [k for k in sorted(plan.rows) if data.get(k) is not None and k.dtype != "fp32"]
+        known = [k for k in sorted(plan.rows) if data.get(k) is not None and k.dtype != "fp32"
+                 and data.get(k)["compile_s"] <= SAMPLE_MAX_COMPILE_S]
         rejected = [k for k in known if not plan.rows[k].candidate.feasible]
         feasible = [k for k in known if plan.rows[k].candidate.feasible]
         half = sample // 2
@@ -125,18 +135,29 @@ def live_jobs(plan: Plan, data: OracleData, recompile: bool, sample: int,
     return jobs, skipped
 
 
-def measure(data: OracleData, jobs: list[tuple[OracleKey, AttnSpec]],
-            processes: int) -> dict[OracleKey, list[str]]:
+def measure(data: OracleData, jobs: list[tuple[OracleKey, AttnSpec]], processes: int,
+            progress: Callable[[str], None] | None = None) -> dict[OracleKey, list[str]]:
     """Compile the jobs into `data` (replacing records); returns, per key, the fields whose
     value changed against the record it replaced (all three compared when it was compiled from
-    the same spec, only shared memory otherwise)."""
+    the same spec, only shared memory otherwise). `progress(message)` runs after each chunk of
+    CHUNK jobs (the CLI saves the data there, so a long sweep can be resumed)."""
     if not jobs:
         return {}
     from attngen.oracle import compile_many  # imports triton
 
     changed: dict[OracleKey, list[str]] = {}
-    records = compile_many([(spec, key.arch, key.config) for key, spec in jobs], processes)
-    for (key, spec), record in zip(jobs, records, strict=True):
+    for start in range(0, len(jobs), CHUNK):
+        chunk = jobs[start:start + CHUNK]
+        records = compile_many([(spec, key.arch, key.config) for key, spec in chunk], processes)
+        _merge_chunk(data, chunk, records, changed)
+        if progress is not None:
+            progress(f"compiled {start + len(chunk)} of {len(jobs)} configs live")
+    return changed
+
+
+def _merge_chunk(data: OracleData, chunk: list[tuple[OracleKey, AttnSpec]],
+                 records: list[dict[str, Any]], changed: dict[OracleKey, list[str]]) -> None:
+    for (key, spec), record in zip(chunk, records, strict=True):
         before = data.get(key)
         if before is not None:
             same_spec = before["spec"] == spec_ref(spec)
@@ -146,11 +167,13 @@ def measure(data: OracleData, jobs: list[tuple[OracleKey, AttnSpec]],
         else:
             changed[key] = []
         data.add(key, spec, record)
-    return changed
 
 
-def judge(plan: Plan, data: OracleData, changed: dict[OracleKey, list[str]]) -> None:
-    """Fill every row's measurement, failures and notes (the policy in the module docstring)."""
+def judge(plan: Plan, data: OracleData, changed: dict[OracleKey, list[str]],
+          stale_fails: bool = True) -> None:
+    """Fill every row's measurement, failures and notes (the policy in the module docstring).
+    A live result that differs from the data's record fails unless the data is being rewritten
+    (`stale_fails` false)."""
     for key, row in plan.rows.items():
         row.measured = data.get(key)
         row.source = "live" if key in changed else ("data" if row.measured else "none")
@@ -158,7 +181,8 @@ def judge(plan: Plan, data: OracleData, changed: dict[OracleKey, list[str]]) -> 
             row.notes.append("not compiled (fp32, predicted far over the register file)")
             continue
         if changed.get(key):
-            row.problems.append("data file is stale: " + ", ".join(changed[key]))
+            (row.problems if stale_fails else row.notes).append(
+                "data file is stale: " + ", ".join(changed[key]))
         _judge_one(row)
 
 
@@ -281,15 +305,16 @@ class Report:
 
 def verify(specs: Sequence[AttnSpec], archs: Sequence[str] | None, data: OracleData, *,
            recompile: bool = False, sample: int = 0, seed: int = 0, processes: int = 2,
-           template_hash: str = "") -> Report:
+           template_hash: str = "", progress: Callable[[str], None] | None = None,
+           stale_fails: bool = True) -> Report:
     """Plan, measure (data first, compiler for what is missing or asked for), judge."""
     import time
 
     start = time.perf_counter()
     plan = plan_rows(specs, archs)
     jobs, skipped = live_jobs(plan, data, recompile, sample, seed)
-    changed = measure(data, jobs, processes)
-    judge(plan, data, changed)
+    changed = measure(data, jobs, processes, progress)
+    judge(plan, data, changed, stale_fails)
     return Report(plan, skipped, len(changed), time.perf_counter() - start, data.triton,
                   data.template_hash, template_hash)
 

@@ -179,15 +179,16 @@ def main() -> None:
     args = parser.parse_args()
     torch._dynamo.config.cache_size_limit = 1000
     torch._dynamo.config.accumulated_cache_size_limit = 1000
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__, date=datetime.date.today().isoformat())
+    args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for case in [*grid_cases(args.quick), *model_cases()]:
         results.append(bench_case(case, use_flex=not args.no_flex))
         print_row(results[-1], flush=True)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, date=datetime.date.today().isoformat())
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_prefill.json").write_text(json.dumps(dict(meta=meta, results=results),
-                                                            indent=1))
+        # Written after every case, so a run cut short still leaves its numbers.
+        (args.out / "bench_prefill.json").write_text(
+            json.dumps(dict(meta=meta, results=results), indent=1))
     print_summary(meta, results)
 
 

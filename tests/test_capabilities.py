@@ -1,0 +1,27 @@
+"""docs/capabilities.md is what `attngen capabilities` generates from the tiling model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from attngen.capabilities import HEAD_DIMS, capability_cells, render_capabilities
+from attngen.oracle import triton_version
+from attngen.oracle_data import data_path, load_oracle_data
+from attngen.spec import Dtype, Mask
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMITTED = ROOT / "docs" / "capabilities.md"
+
+
+def test_committed_capability_matrix_is_current():
+    expected = render_capabilities(capability_cells(),
+                                   load_oracle_data(data_path(triton_version())))
+    assert COMMITTED.read_text(encoding="utf-8") == expected, (
+        "docs/capabilities.md is stale: run `attngen capabilities --out docs/capabilities.md`")
+
+
+def test_matrix_covers_every_arch_dtype_head_dim_and_mask():
+    cells = capability_cells(["sm86"])
+    assert len(cells) == len(Dtype) * len(HEAD_DIMS) * len(Mask)
+    for cell in cells:  # a config, or the reason there is none
+        assert (cell.config is None) == bool(cell.reason)

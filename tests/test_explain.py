@@ -1,0 +1,51 @@
+"""`attngen explain` and `build` when a spec cannot be served: said before any compile, with
+the nearest feasible alternative or the reason none exists."""
+
+from __future__ import annotations
+
+import pytest
+
+import attngen.tiling as tiling
+from attngen.build import BuildError, plan_build
+from attngen.explain import explain_one, nearest_alternative
+from attngen.tiling import derive_tiles
+from tests.kernel_harness import make_spec
+
+
+@pytest.fixture
+def only_128x128_tiles(monkeypatch):
+    """A grid of large tiles only, so that head dim 256 fits nowhere on sm86's 99 KiB."""
+    monkeypatch.setattr(tiling, "BLOCK_M_CHOICES", (128,))
+    monkeypatch.setattr(tiling, "BLOCK_N_CHOICES", (128,))
+    monkeypatch.setattr(tiling, "NUM_WARPS_CHOICES", (8,))
+    derive_tiles.cache_clear()
+    yield
+    derive_tiles.cache_clear()
+
+
+def test_nearest_alternative_is_a_smaller_head_dim(only_128x128_tiles):
+    spec = make_spec(dtype="bf16", head_dim=256, archs=["sm86"], name="wide")
+    assert derive_tiles(spec, "sm86").chosen is None
+    alternative = nearest_alternative(spec, "sm86")
+    assert alternative.startswith("head_dim <= 128 fits (BLOCK_M=128 BLOCK_N=128")
+    text = "\n".join(explain_one(spec, derive_tiles(spec, "sm86")))
+    assert "no config fits this arch" in text
+    assert f"nearest feasible alternative: {alternative}" in text
+    with pytest.raises(BuildError, match="nearest feasible alternative: head_dim <= 128 fits"):
+        plan_build([spec])
+
+
+def test_no_alternative_names_what_was_tried(only_128x128_tiles, monkeypatch):
+    monkeypatch.setattr(tiling, "NUM_WARPS_CHOICES", (4,))
+    spec = make_spec(dtype="fp32", head_dim=256, archs=["sm86"], name="huge")
+    assert nearest_alternative(spec, "sm86") == (
+        "none: a smaller head dim or bf16 does not fit sm86 either")
+
+
+def test_explain_shows_the_whole_feasible_set_and_the_rule():
+    spec = make_spec(dtype="bf16", head_dim=128, archs=["sm86"])
+    derivation = derive_tiles(spec, "sm86")
+    text = "\n".join(explain_one(spec, derivation))
+    feasible = sum(c.feasible for c in derivation.candidates)
+    assert f"feasible set ({feasible}, BLOCK_M x BLOCK_N (warps, stages)):" in text
+    assert "rule: predicted not to spill first" in text and "headroom:" in text

@@ -1,0 +1,115 @@
+"""The tiling model against Triton's compiler (attngen.verify, `attngen verify-tiling`).
+
+The full comparison reads the committed oracle data (no compile, seconds); a small live
+sample recompiles configs of that data to prove it is current for the installed Triton, and
+a few configs the model rejects are compiled to show they really do not fit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from attngen.arch import ARCHS
+from attngen.build import load_specs
+from attngen.cli import app
+from attngen.oracle import triton_version
+from attngen.oracle_data import data_path, load_oracle_data, oracle_key
+from attngen.tiling import derive_tiles
+from attngen.verify import judge, plan_rows, summarize, verify
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+ARCHES_OF_ISSUE = ("sm80", "sm86", "sm89", "sm90")
+DATA = data_path(triton_version())
+needs_data = pytest.mark.skipif(not DATA.is_file(),
+                                reason=f"no oracle data for triton {triton_version()}")
+
+
+@pytest.fixture(scope="module")
+def specs():
+    return load_specs(EXAMPLES)
+
+
+@needs_data
+@pytest.mark.parametrize("arch", [*ARCHES_OF_ISSUE, "sm120"])
+def test_every_candidate_of_every_example_matches_the_compiler_data(specs, arch):
+    data = load_oracle_data(DATA)
+    plan = plan_rows(specs, [arch])
+    missing = [key.label() for key in plan.rows if data.get(key) is None]
+    assert not missing, f"regenerate the data (attngen verify-tiling --save-data): {missing[:5]}"
+    judge(plan, data, {})
+    failures = {row.key.label(): row.problems for row in plan.rows.values() if row.problems}
+    assert not failures
+    summary = summarize(plan.rows.values())
+    assert summary.compiled == summary.rows == len(plan.rows)
+    assert summary.under == 0  # never below the compiler
+    assert summary.exact / summary.compiled >= 0.95
+    assert summary.mma_agree == summary.compiled  # the model's branch is the compiler's path
+    # every candidate of every spec is there: the whole grid per distinct (dtype, D, DV)
+    shapes = {oracle_key(s, arch, derive_tiles(s, arch).chosen)[1:4] for s in specs}
+    assert len(plan.rows) == len(shapes) * len(derive_tiles(specs[0], arch).candidates)
+
+
+@needs_data
+def test_live_sample_equals_the_data(specs):
+    """Ten random 16-bit configs of the data, recompiled now: same shared memory, registers
+    and spills, so the committed data is what this Triton and these templates produce."""
+    data = load_oracle_data(DATA)
+    report = verify(specs, ARCHES_OF_ISSUE, data, sample=10, seed=triton_seed(), processes=2)
+    assert report.live == 10
+    assert not report.failed, [(r.key.label(), r.problems) for r in report.failed]
+
+
+def triton_seed() -> int:
+    return sum(map(ord, triton_version()))  # fixed per Triton version, different across them
+
+
+@needs_data
+def test_rejected_configs_really_exceed_the_budget(specs):
+    """Configs rejected for shared memory, compiled now: the compiler needs more than the
+    arch allows, on each arch of the issue."""
+    from attngen.oracle import compile_many
+
+    data = load_oracle_data(DATA)
+    picks = []
+    for arch in ARCHES_OF_ISSUE:
+        plan = plan_rows(specs[:1], [arch])
+        rejected = sorted((r for r in plan.rows.values()
+                           if any(x.startswith("smem") for x in r.candidate.rejected)
+                           and data.get(r.key)["compile_s"] < 2),
+                          key=lambda r: r.candidate.smem_bytes)
+        picks.append(rejected[0])  # the closest to the budget: the sharpest test
+    records = compile_many([(data.spec_of(r.key), r.key.arch, r.key.config) for r in picks])
+    for row, record in zip(picks, records, strict=True):
+        assert record["error"] is None
+        assert record["shared"] > ARCHS[row.key.arch].smem_budget, row.key.label()
+
+
+@needs_data
+def test_cli_reads_the_data_and_writes_json(tmp_path):
+    out = tmp_path / "report.json"
+    result = CliRunner().invoke(app, ["verify-tiling", str(ROOT / "examples/gpt2.yaml"),
+                                      "--arch", "sm86", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "result: PASS" in result.output and "0 compiled live" in result.output
+    report = json.loads(out.read_text())
+    assert report["passed"] and len(report["rows"]) == 128
+
+
+@needs_data
+def test_cli_fails_on_a_feasible_config_the_compiler_cannot_fit(tmp_path, specs):
+    data = load_oracle_data(DATA)
+    gpt2 = next(s for s in specs if s.name == "gpt2")
+    plan = plan_rows([gpt2], ["sm86"])
+    feasible = next(r for r in plan.rows.values() if r.candidate.feasible)
+    data.records[feasible.key]["shared"] = ARCHS["sm86"].smem_budget + 16  # doctored
+    doctored = tmp_path / "oracle.json"
+    doctored.write_text(data.dumps())
+    result = CliRunner().invoke(app, ["verify-tiling", str(ROOT / "examples/gpt2.yaml"),
+                                      "--arch", "sm86", "--data", str(doctored)])
+    assert result.exit_code == 1
+    assert "FAILED: 1 config(s)" in result.output and feasible.key.label() in result.output
