@@ -7,12 +7,7 @@ set -u -o pipefail
 out=${1:?usage: tools/gpu_autotune.sh OUT_DIR [autotune options]}
 shift
 mkdir -p "$out"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/attngen-site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/attngen-site
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+source tools/gpu_env.sh
 python3 -m attngen autotune examples/*.yaml tools/bench_specs/*.yaml "$@" 2>&1 \
   | tee "$out/autotune.log"
 tune_rc=$?
