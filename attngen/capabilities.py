@@ -95,9 +95,12 @@ def render_capabilities(cells: Sequence[Cell], data: OracleData | None) -> str:
         "head dim and mask (BLOCK_M x BLOCK_N, num_warps, num_stages, predicted shared memory), "
         "or why no candidate fits. Head dims that are not powers of two are padded to the next "
         "one inside the kernel. \"compiled\" is what Triton "
-        f"{data.triton if data else '-'} reports for that config "
-        "(attngen/data; `attngen verify-tiling` checks it). \"may spill\": predicted within "
-        f"{REGISTER_MARGIN} registers above the limit, chosen only when nothing safer fits.",
+        f"{data.triton if data else '-'} reports for that config and padded head dim "
+        "(attngen/data: one spec's compile per arch, dtype, padded dims and config; registers "
+        "vary a little between specs, shared memory does not; `attngen verify-tiling` checks "
+        f"it). \"may spill\": predicted within {REGISTER_MARGIN} registers above the limit, or "
+        "fp32 (whose register use the model does not predict), chosen only when nothing safer "
+        "fits.",
         "",
         "Every mask was derived separately; where all three give the same config the row says "
         "\"all\" (the model has no mask term, and the compiler allocates the same shared memory "

@@ -127,6 +127,10 @@ def verify_tiling_command(
              "must be current for the installed Triton.")] = 0,
     recompile: Annotated[bool, typer.Option(
         help="Compile every config live instead of reading the data file.")] = False,
+    every_spec: Annotated[bool, typer.Option(
+        help="Also compile every other spec of each feasible config and hold it to the "
+             "spill policy (slow: about 2900 compiles for the examples); the data keeps one "
+             "record per config.")] = False,
     json_path: Annotated[Path | None, typer.Option(
         "--json", help="Write every row and the summary as JSON.")] = None,
     data: Annotated[Path | None, typer.Option(
@@ -170,9 +174,9 @@ def verify_tiling_command(
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(oracle.dumps(), encoding="utf-8")
 
-    report = verify(loaded, arch, oracle, recompile=recompile, sample=sample, seed=seed,
-                    processes=jobs, template_hash=current, progress=progress,
-                    stale_fails=not save_data)
+    report = verify(loaded, arch or arch_names(), oracle, recompile=recompile, sample=sample,
+                    seed=seed, processes=jobs, template_hash=current, progress=progress,
+                    stale_fails=not save_data, every_spec=every_spec)
     typer.echo("\n".join(report_lines(report, all_rows=rows)))
     if json_path is not None:
         json_path.write_text(dump_json(report), encoding="utf-8")

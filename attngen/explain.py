@@ -69,9 +69,10 @@ def explain_one(spec: AttnSpec, derivation: Derivation) -> list[str]:
         f"(source: {derivation.source})",
         f"   rule: {_rule(derivation, len(safe), len(feasible))}",
         f"   binding constraint: {derivation.binding}",
-        f"   headroom: {arch.smem_budget - best.smem_bytes} B shared memory "
+        f"   headroom: {arch.smem_budget - best.smem_bytes} B shared memory, "
+        f"{arch.max_regs_per_thread - best.regs_per_thread} registers/thread "
         f"({100 * (arch.smem_budget - best.smem_bytes) / arch.smem_budget:.0f}% of the "
-        f"budget), {arch.max_regs_per_thread - best.regs_per_thread} registers/thread",
+        "shared-memory budget)",
     ]
     return lines
 

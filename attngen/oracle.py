@@ -28,7 +28,7 @@ import re
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,7 @@ def load_kernel(spec: AttnSpec) -> Any:
         if derivation.chosen is None:  # still renderable: any config will do for the text
             derivation = dataclasses.replace(derivation, chosen=TileConfig(64, 64, 4, 1))
         source = render_module(spec, KernelKind.prefill, derivation)
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp, _compiled_not_interpreted():
             path = Path(tmp) / f"oracle_{key}.py"
             path.write_text(source)
             loader = importlib.util.spec_from_file_location(path.stem, path)
@@ -76,6 +76,23 @@ def load_kernel(spec: AttnSpec) -> Any:
             loader.loader.exec_module(module)  # JIT functions keep their source in memory
         _kernels[key] = module._attn_fwd_kernel
     return _kernels[key]
+
+
+@contextlib.contextmanager
+def _compiled_not_interpreted() -> Iterator[None]:
+    """Under TRITON_INTERPRET=1 (the CPU test suite) @triton.jit makes interpreter functions,
+    the module picks its interpreter code paths and code generation uses the interpreter's
+    builder; none of it compiles. Imports and compiles are done without it."""
+    from triton import knobs
+
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        with knobs.runtime.scope():
+            knobs.runtime.interpret = False
+            yield
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
 
 
 def kernel_source(spec: AttnSpec, kernel: Any, config: TileConfig) -> Any:
@@ -160,7 +177,7 @@ def compile_one(spec: AttnSpec, arch: str, config: TileConfig) -> dict[str, Any]
         source = kernel_source(spec, load_kernel(spec), config)
         target = GPUTarget("cuda", ARCHS[arch].compute_capability, 32)
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-        with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+        with _compiled_not_interpreted(), knobs.nvidia.scope(), contextlib.redirect_stdout(log):
             knobs.nvidia.dump_ptxas_log = True  # ptxas -v already runs; keep its log
             compiled = triton.compile(source, target=target, options=options)
         record.update(_parse_ptxas_log(log.getvalue()))
@@ -168,7 +185,8 @@ def compile_one(spec: AttnSpec, arch: str, config: TileConfig) -> dict[str, Any]
         record["shared"] = compiled.metadata.shared
         record["mma"] = mma_family(compiled.asm["ptx"])
     except Exception as exc:  # noqa: BLE001 - recorded, the sweep goes on
-        record["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        record["error"] = f"{type(exc).__name__}: {first_line[:300]}"
     record["compile_s"] = round(time.perf_counter() - start, 1)
     return record
 
@@ -182,24 +200,32 @@ def _run_job(payload: tuple[dict[str, Any], str, TileConfig]) -> dict[str, Any]:
     return compile_one(spec, arch, config)
 
 
-def compile_many(jobs: Sequence[Job], processes: int = 2) -> list[dict[str, Any]]:
-    """Compile every (spec, arch, config); one record per job, in order.
+def compile_iter(jobs: Sequence[Job], processes: int = 2) -> Iterator[dict[str, Any]]:
+    """Compile every (spec, arch, config); yields one record per job, in order, as they come.
 
-    Workers are forked (spawn would re-import the caller's __main__), and each job carries its
-    spec as data, so a worker renders and imports the kernel itself."""
+    Workers are spawned, not forked, with TRITON_INTERPRET removed from their environment:
+    a process that imported triton in interpreter mode (the CPU test suite) cannot compile,
+    because triton.language's own helpers are interpreter functions there. Each job carries
+    its spec as data, so a worker renders and imports the kernel itself."""
     payload = [(spec.model_dump(mode="json"), arch, config) for spec, arch, config in jobs]
+    if not payload:
+        return
+    saved = {name: os.environ.get(name) for name in ("TRITON_CACHE_DIR", "TRITON_INTERPRET")}
     with tempfile.TemporaryDirectory(prefix="attngen-oracle-") as cache:
-        saved = os.environ.get("TRITON_CACHE_DIR")
         os.environ["TRITON_CACHE_DIR"] = cache  # read at compile time, inherited by workers
+        os.environ.pop("TRITON_INTERPRET", None)
         try:
-            if processes <= 1 or len(payload) <= 1:
-                return [_run_job(job) for job in payload]
-            methods = multiprocessing.get_all_start_methods()
-            context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-            with context.Pool(min(processes, len(payload))) as pool:
-                return pool.map(_run_job, payload, chunksize=1)
+            context = multiprocessing.get_context("spawn")
+            with context.Pool(max(1, min(processes, len(payload)))) as pool:
+                yield from pool.imap(_run_job, payload, chunksize=1)
         finally:
-            if saved is None:
-                os.environ.pop("TRITON_CACHE_DIR", None)
-            else:
-                os.environ["TRITON_CACHE_DIR"] = saved
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+def compile_many(jobs: Sequence[Job], processes: int = 2) -> list[dict[str, Any]]:
+    """compile_iter, collected."""
+    return list(compile_iter(jobs, processes))

@@ -12,14 +12,16 @@ The policy, per config (the numbers are constants below):
 - a config the model calls feasible must fit: compiled shared <= the arch's budget, no
   compile error.
 - spills: a feasible config predicted at or below the register limit ("safe") must not spill
-  more than SAFE_SPILL_BYTES; one predicted in the REGISTER_MARGIN above the limit ("may
-  spill") is allowed to spill, which is why the heuristic ranks it last.
+  more than SAFE_SPILL_BYTES; one predicted in the REGISTER_MARGIN above the limit, or any
+  fp32 config ("may spill"), is allowed to spill, which is why the heuristic ranks it last.
 - a rejected config is "confirmed" when the compiler agrees (shared over the budget, or
   spills for a register rejection) and "conservative" when it would in fact fit: reported,
   never a failure. The tile rule (a query row per thread at most) is a design rule, not a
   resource limit, so it has nothing to confirm.
 
-Any failure makes the command exit 1.
+Shared memory does not depend on the spec beyond the key (checked on every example spec:
+`--every-spec`); registers do, a little, so the spill check holds for the spec each key was
+compiled from (its heaviest). Any failure makes the command exit 1.
 """
 
 from __future__ import annotations
@@ -38,11 +40,11 @@ from attngen.tiling import REGISTER_MARGIN, Candidate, derive_tiles
 # ptxas keeps a few loop-carried values on the stack even well below 255 registers (8-64 B on
 # sm80 at 4 warps); that costs an L1 hit per iteration, not a spill worth avoiding.
 SAFE_SPILL_BYTES = 64
-# fp32 dots are FMA loops; ptxas needs minutes for the configs that spill tens of KiB, and
-# those are rejected by the register bound anyway. Above this prediction an fp32 config is
-# not compiled live (it is still checked when the data file has it).
-FP32_LIVE_MAX_REGS = 2 * 255
-CHUNK = 48  # live compiles per pool run
+# fp32 dots are FMA loops; ptxas needs minutes for the configs that spill tens of KiB (all
+# predicted above 400), and those are rejected by the register bound anyway. Above this
+# prediction an fp32 config is not compiled live (it is still checked when the data has it).
+FP32_LIVE_MAX_REGS = 400
+CHUNK = 48  # live compiles between progress reports (and data saves)
 SAMPLE_MAX_COMPILE_S = 3.0  # --sample draws configs that compiled this fast (tests stay quick)
 
 
@@ -72,11 +74,13 @@ class Plan:
     rows: dict[OracleKey, Row]
     representative: dict[OracleKey, AttnSpec]  # the spec a missing key is compiled from
     chosen: list[tuple[str, str, OracleKey | None]]  # (spec, arch, the chosen config's key)
+    specs: dict[str, AttnSpec] = field(default_factory=dict)  # by name
 
 
 def representative_weight(spec: AttnSpec) -> int:
-    """More score code, more registers: a key is compiled from its heaviest spec, so spills
-    measured for it bound those of the lighter specs that share it."""
+    """More score code, more registers: a key is compiled from its heaviest spec. A guess,
+    not a bound: ptxas varies by up to +-75 registers between the example specs of one key
+    (`--every-spec` compiles them all; docs/tiling.md has what that found)."""
     return (4 * (spec.softcap > 0) + 4 * spec.alibi + 2 * (spec.mask is Mask.sliding_window)
             + (spec.mask is not Mask.none) + (spec.num_q_heads != spec.num_kv_heads))
 
@@ -86,7 +90,9 @@ def plan_rows(specs: Iterable[AttnSpec], archs: Sequence[str] | None) -> Plan:
     rows: dict[OracleKey, Row] = {}
     representative: dict[OracleKey, AttnSpec] = {}
     chosen: list[tuple[str, str, OracleKey | None]] = []
+    by_name: dict[str, AttnSpec] = {}
     for spec in specs:
+        by_name[spec.name] = spec
         for arch in archs or spec.archs:
             derivation = derive_tiles(spec, arch)
             best = derivation.chosen
@@ -102,21 +108,28 @@ def plan_rows(specs: Iterable[AttnSpec], archs: Sequence[str] | None) -> Plan:
                 if heaviest is None or (representative_weight(spec)
                                         > representative_weight(heaviest)):
                     representative[key] = spec
-    return Plan(rows, representative, chosen)
+    return Plan(rows, representative, chosen, by_name)
 
 
-def live_jobs(plan: Plan, data: OracleData, recompile: bool, sample: int,
-              seed: int) -> tuple[list[tuple[OracleKey, AttnSpec]], list[OracleKey]]:
+def live_jobs(plan: Plan, data: OracleData, recompile: bool, sample: int, seed: int,
+              every_spec: bool = False) -> tuple[list[tuple[OracleKey, AttnSpec]],
+                                                 list[OracleKey]]:
     """What to compile now (key and the spec to compile it from), and what to leave out.
 
     Missing keys are compiled from the plan's heaviest spec; --recompile compiles every key
-    from the plan's specs; --sample N recompiles N random keys that the data has (half of them
-    configs the model rejects, 16-bit: fp32 is slow) from the spec each was recorded from, so
-    the result must equal the record exactly (configs that took over SAMPLE_MAX_COMPILE_S to
-    compile are left to --recompile)."""
+    from the plan's specs; --every-spec also compiles every other spec of each feasible key
+    (held to the same policy; the data keeps one record per key); --sample N recompiles N
+    random keys that the data has (half of them configs the model rejects, 16-bit: fp32 is
+    slow) from the spec each was recorded from, so the result must equal the record exactly
+    (configs that took over SAMPLE_MAX_COMPILE_S to compile are left to --recompile)."""
     jobs, skipped = [], []
     for key, row in plan.rows.items():
-        if recompile or data.get(key) is None:
+        if every_spec and row.candidate.feasible:
+            first = plan.representative[key]  # the one a missing key is recorded from
+            recorded = (data.get(key) or {}).get("spec")
+            specs = [first, *(plan.specs[n] for n in row.specs if n != first.name)]
+            jobs += [(key, spec) for spec in specs if recompile or spec_ref(spec) != recorded]
+        elif recompile or data.get(key) is None:
             slow = key.dtype == "fp32" and row.candidate.regs_per_thread > FP32_LIVE_MAX_REGS
             if slow and data.get(key) is None:
                 skipped.append(key)
@@ -135,55 +148,78 @@ def live_jobs(plan: Plan, data: OracleData, recompile: bool, sample: int,
     return jobs, skipped
 
 
+Others = dict[OracleKey, list[tuple[str, dict[str, Any]]]]  # other specs' compiles of a key
+
+
 def measure(data: OracleData, jobs: list[tuple[OracleKey, AttnSpec]], processes: int,
-            progress: Callable[[str], None] | None = None) -> dict[OracleKey, list[str]]:
-    """Compile the jobs into `data` (replacing records); returns, per key, the fields whose
-    value changed against the record it replaced (all three compared when it was compiled from
-    the same spec, only shared memory otherwise). `progress(message)` runs after each chunk of
-    CHUNK jobs (the CLI saves the data there, so a long sweep can be resumed)."""
-    if not jobs:
-        return {}
-    from attngen.oracle import compile_many  # imports triton
-
+            progress: Callable[[str], None] | None = None,
+            replace_other: bool = False) -> tuple[dict[OracleKey, list[str]], Others]:
+    """Compile the jobs. A key's first record goes into `data`; a recompile from the recorded
+    spec replaces it and must equal it; one from another spec replaces it with
+    `replace_other` (--recompile), else (--every-spec) it is kept aside in `others`, to be
+    judged too. Returns, per compiled key, what contradicts the data (stale fields, or shared
+    memory that differs by spec), and the others. `progress(message)` runs every CHUNK jobs
+    (the CLI saves the data there, so a long sweep can be resumed)."""
     changed: dict[OracleKey, list[str]] = {}
-    for start in range(0, len(jobs), CHUNK):
-        chunk = jobs[start:start + CHUNK]
-        records = compile_many([(spec, key.arch, key.config) for key, spec in chunk], processes)
-        _merge_chunk(data, chunk, records, changed)
-        if progress is not None:
-            progress(f"compiled {start + len(chunk)} of {len(jobs)} configs live")
-    return changed
+    others: Others = {}
+    if not jobs:
+        return changed, others
+    from attngen.oracle import compile_iter  # imports triton
+
+    records = compile_iter([(spec, key.arch, key.config) for key, spec in jobs], processes)
+    for done, ((key, spec), record) in enumerate(zip(jobs, records, strict=True), start=1):
+        _merge(data, key, spec, record, changed, others, replace_other)
+        if progress is not None and (done % CHUNK == 0 or done == len(jobs)):
+            progress(f"compiled {done} of {len(jobs)} configs live")
+    return changed, others
 
 
-def _merge_chunk(data: OracleData, chunk: list[tuple[OracleKey, AttnSpec]],
-                 records: list[dict[str, Any]], changed: dict[OracleKey, list[str]]) -> None:
-    for (key, spec), record in zip(chunk, records, strict=True):
-        before = data.get(key)
-        if before is not None:
-            same_spec = before["spec"] == spec_ref(spec)
-            fields = ("shared", "regs", "spill_stores") if same_spec else ("shared",)
-            changed[key] = [f"{f} {before.get(f)} -> {record.get(f)}" for f in fields
-                            if before.get(f) != record.get(f)]
-        else:
-            changed[key] = []
+def _merge(data: OracleData, key: OracleKey, spec: AttnSpec, record: dict[str, Any],
+           changed: dict[OracleKey, list[str]], others: Others, replace_other: bool) -> None:
+    before = data.get(key)
+    changed.setdefault(key, [])
+    if before is None:
         data.add(key, spec, record)
+        return
+    if before["spec"] == spec_ref(spec):
+        changed[key] += [f"data file is stale: {f} {before.get(f)} -> {record.get(f)}"
+                         for f in ("shared", "regs", "spill_stores")
+                         if before.get(f) != record.get(f)]
+        data.add(key, spec, record)
+        return
+    if before["shared"] != record["shared"]:
+        changed[key].append(f"shared memory differs by spec: {before['shared']} for "
+                            f"{before['spec']}, {record['shared']} for {spec_ref(spec)}")
+    if replace_other:
+        data.add(key, spec, record)
+    else:
+        others.setdefault(key, []).append((spec_ref(spec), record))
 
 
 def judge(plan: Plan, data: OracleData, changed: dict[OracleKey, list[str]],
-          stale_fails: bool = True) -> None:
+          stale_fails: bool = True, others: Others | None = None) -> None:
     """Fill every row's measurement, failures and notes (the policy in the module docstring).
     A live result that differs from the data's record fails unless the data is being rewritten
-    (`stale_fails` false)."""
+    (`stale_fails` false); the other specs' compiles of a key (--every-spec) are held to the
+    same spill policy."""
     for key, row in plan.rows.items():
         row.measured = data.get(key)
         row.source = "live" if key in changed else ("data" if row.measured else "none")
         if row.measured is None:
             row.notes.append("not compiled (fp32, predicted far over the register file)")
             continue
-        if changed.get(key):
-            (row.problems if stale_fails else row.notes).append(
-                "data file is stale: " + ", ".join(changed[key]))
+        for message in changed.get(key, []):
+            stale = message.startswith("data file is stale")
+            (row.notes if stale and not stale_fails else row.problems).append(message)
         _judge_one(row)
+        for ref, record in (others or {}).get(key, []):
+            spills = record["spill_stores"] or 0
+            message = f"{ref}: {record['regs']} regs, spills {spills} B"
+            safe = row.candidate.feasible and not row.may_spill
+            if record["error"] or (safe and spills > SAFE_SPILL_BYTES):
+                row.problems.append(f"{message} {record['error'] or ''}".rstrip())
+            else:
+                row.notes.append(message)
 
 
 def _judge_one(row: Row) -> None:
@@ -306,15 +342,15 @@ class Report:
 def verify(specs: Sequence[AttnSpec], archs: Sequence[str] | None, data: OracleData, *,
            recompile: bool = False, sample: int = 0, seed: int = 0, processes: int = 2,
            template_hash: str = "", progress: Callable[[str], None] | None = None,
-           stale_fails: bool = True) -> Report:
+           stale_fails: bool = True, every_spec: bool = False) -> Report:
     """Plan, measure (data first, compiler for what is missing or asked for), judge."""
     import time
 
     start = time.perf_counter()
     plan = plan_rows(specs, archs)
-    jobs, skipped = live_jobs(plan, data, recompile, sample, seed)
-    changed = measure(data, jobs, processes, progress)
-    judge(plan, data, changed, stale_fails)
+    jobs, skipped = live_jobs(plan, data, recompile, sample, seed, every_spec)
+    changed, others = measure(data, jobs, processes, progress, replace_other=recompile)
+    judge(plan, data, changed, stale_fails, others)
     return Report(plan, skipped, len(changed), time.perf_counter() - start, data.triton,
                   data.template_hash, template_hash)
 

@@ -52,10 +52,11 @@ def report_lines(report: Report, all_rows: bool = False) -> list[str]:
     lines += ["", SUMMARY_HEADER]
     lines += [_summary_row(arch, s) for arch, s in report.by_arch().items()]
     lines.append(_summary_row("all", total))
-    lines += ["", *legend_lines(), "", *rate_lines(total, report)]
+    rates = rate_lines(total, report)
     if report.skipped:
-        lines.append(f"not compiled: {len(report.skipped)} fp32 configs predicted far over "
-                     "the register file (ptxas takes minutes each; the model rejects them)")
+        rates.insert(-1, f"not compiled: {len(report.skipped)} fp32 configs predicted far over "
+                         "the register file (ptxas takes minutes each; the model rejects them)")
+    lines += ["", *legend_lines(), "", *rates]
     failed = report.failed
     if failed:
         lines += ["", f"FAILED: {len(failed)} config(s)", ROW_HEADER,
@@ -106,8 +107,20 @@ def rate_lines(total: Summary, report: Report) -> list[str]:
         f"safe, {total.may_spill} may-spill ({total.may_spill_spilled} of them spilled)",
         f"rejected configs the compiler confirms: {total.rejected_confirmed} of "
         f"{total.rejected_checked} with a resource reason ({total.rejected} rejected in all)",
+        *live_lines(report),
         f"result: {'FAIL' if report.failed else 'PASS'} in {report.seconds:.1f} s",
     ]
+
+
+def live_lines(report: Report) -> list[str]:
+    """What this run compiled itself, apart from the data: the rejected ones above all."""
+    live = [r for r in report.plan.rows.values() if r.source == "live"]
+    if not live:
+        return []
+    s = summarize(live)
+    return [f"compiled live now: {len(live)} configs, {s.exact} with exactly the predicted "
+            f"shared memory; {s.rejected} the model rejects, of which the compiler confirms "
+            f"{s.rejected_confirmed} of {s.rejected_checked} with a resource reason"]
 
 
 def report_json(report: Report) -> dict[str, Any]:

@@ -20,8 +20,9 @@ from typer.testing import CliRunner
 from attngen.arch import arch_names
 from attngen.build import INDEX_NAME, load_specs, stale_paths
 from attngen.cli import app
-from attngen.spec import module_name
+from attngen.spec import KernelKind, module_name
 from attngen.tiling import derive_tiles
+from attngen.tuning import apply_tuning, lookup
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -116,7 +117,10 @@ def test_index_lists_every_module(built: Path) -> None:
         assert entry["path"] == f"{entry['arch']}/{entry['module']}.py"
         assert entry["module"] == module_name(spec, spec.kernels[0])
         assert entry["arch"] in spec.archs
-        assert entry["config"] == derive_tiles(spec, entry["arch"]).chosen.as_dict()
+        tuned = lookup(TUNING, spec, KernelKind.prefill, entry["arch"])
+        chosen = apply_tuning(derive_tiles(spec, entry["arch"]), tuned)
+        assert entry["config"] == chosen.chosen.as_dict()
+        assert entry["config_source"] == chosen.source
         header = (built / entry["path"]).read_text(encoding="utf-8").split('"""', 1)[0]
         config = entry["config"]
         assert (f"BLOCK_M={config['BLOCK_M']}, BLOCK_N={config['BLOCK_N']}, "
@@ -152,7 +156,7 @@ def test_second_spec_keeps_first_entries(tmp_path: Path) -> None:
     paths = [e["path"] for e in _index(out)["modules"]]
     assert set(paths) == _expected_paths([first, second]) == _modules(out)
     assert all(e in _index(out)["modules"] for e in first_entries)
-    assert stale_paths([first, second], out) == []
+    assert stale_paths([first, second], out, TUNING) == []
 
 
 def test_bad_spec_among_good_ones_writes_nothing(tmp_path: Path) -> None:

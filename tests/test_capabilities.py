@@ -25,3 +25,10 @@ def test_matrix_covers_every_arch_dtype_head_dim_and_mask():
     assert len(cells) == len(Dtype) * len(HEAD_DIMS) * len(Mask)
     for cell in cells:  # a config, or the reason there is none
         assert (cell.config is None) == bool(cell.reason)
+
+
+def test_fp32_configs_are_never_promised_not_to_spill():
+    """ptxas's fp32 (FMA) register use is not a function of the tile: the model says so."""
+    for cell in capability_cells(["sm80", "sm90"]):
+        if cell.config is not None:
+            assert cell.may_spill == (cell.dtype == "fp32")

@@ -352,8 +352,8 @@ def test_header_records_provenance(arch: str) -> None:
     assert len(build_context(spec, PREFILL, derivation)["spec_lines"]) == len(spec.canonical())
     assert "#   head_dim_v: 128" in header and "#   archs: [sm80, sm86, sm89, sm90]" in header
     assert (f"# Target {arch}: BLOCK_M={config.block_m}, BLOCK_N={config.block_n}, "
-            f"num_warps={config.num_warps}, num_stages={config.num_stages} "
-            f"(source: {derivation.source}).") in header
+            f"num_warps={config.num_warps}, num_stages={config.num_stages}.\n"
+            f"# Config source: {derivation.source}.") in header
     assert f"#   shared memory = {derivation.worked['smem']}\n" in header
     assert (f"#     = {chosen.smem_bytes} B of {ARCHS[arch].smem_budget} B available per block\n"
             in header)

@@ -43,14 +43,14 @@ def test_build_uses_a_tuned_config_and_says_so(tmp_path):
     _write_entry(tmp_path, tuned)
     (artifact,) = plan_build([SPEC], tmp_path)
     assert f"BLOCK_M={tuned.block_m}, BLOCK_N={tuned.block_n}" in artifact.source
-    assert "source: tuning on NVIDIA H200, triton 3.6.0, 2026-11-30" in artifact.source
+    assert "Config source: tuning on NVIDIA H200, triton 3.6.0, 2026-11-30." in artifact.source
     assert artifact.entry["config"] == tuned.as_dict()
     assert artifact.entry["config_source"].startswith("tuning on NVIDIA H200")
     text = "\n".join(explain_lines([SPEC], ["sm90"], tmp_path))
     assert f"BLOCK_M={tuned.block_m} BLOCK_N={tuned.block_n}" in text and "tuning on" in text
     # Without the database the heuristic stands.
     (plain,) = plan_build([SPEC])
-    assert "source: heuristic" in plain.source
+    assert "Config source: heuristic." in plain.source
 
 
 def test_an_infeasible_tuned_config_is_refused_not_used(tmp_path):

@@ -18,7 +18,8 @@
 #   alibi: false
 #   kernels: [prefill]
 #
-# Target sm90: BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3 (source: heuristic).
+# Target sm90: BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3.
+# Config source: heuristic.
 # Derivation:
 #   shared memory = BLOCK_M*D*E + BLOCK_N*E*(D + DV)*Max(1, S - 1)
 #     = 163840 B of 232448 B per block

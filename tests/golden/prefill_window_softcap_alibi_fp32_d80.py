@@ -18,7 +18,8 @@
 #   alibi: true
 #   kernels: [prefill]
 #
-# Target sm80: BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2 (source: heuristic).
+# Target sm80: BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2.
+# Config source: heuristic.
 # Derivation:
 #   shared memory = BLOCK_M*BLOCK_N*E + BLOCK_M*D*E + BLOCK_N*E*(D + DV)*Max(1, S - 1)
 #     = 163840 B of 166912 B per block
