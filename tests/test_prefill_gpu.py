@@ -128,3 +128,24 @@ def test_offsets_do_not_wrap_past_2_31_elements():
     out = kernel.attention(q, k[:, :, -256:], v[:, :, -256:])
     expected = kernel.attention(q, k[:, :, -256:].clone(), v[:, :, -256:].clone())
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k", [(0, 128, 128), (2, 0, 128), (0, 0, 0),
+                                                       (2, 64, 0)])
+def test_empty_batch_and_sequences(batch, seqlen_q, seqlen_k):
+    spec = make_spec(dtype="bf16", head_dim=128, mask="causal", causal_align="bottom_right")
+    q, k, v, _ = make_inputs(spec, batch, seqlen_q, seqlen_k, seed=0, device="cuda")
+    out, lse = load_kernel(spec).attention(q, k, v, return_lse=True)
+    torch.cuda.synchronize()
+    assert out.shape == (batch, 4, seqlen_q, 128) and lse.shape == (batch, 4, seqlen_q)
+    if out.numel():  # no keys: every row sees nothing
+        assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
+
+
+@pytest.mark.parametrize("seqlen", [127, 128, 129])
+def test_lengths_at_the_tuned_block_size(seqlen):
+    spec = make_spec(dtype="fp16", head_dim=64, num_q_heads=8, num_kv_heads=1,
+                     mask="causal", causal_align="bottom_right")
+    q, k, v, _ = make_inputs(spec, 2, seqlen, seqlen, seed=seqlen, device="cuda")
+    out, lse = load_kernel(spec).attention(q, k, v, return_lse=True)
+    assert_matches_reference(spec, out, lse, q, k, v)
