@@ -322,5 +322,6 @@ def _binding_constraint(best: Candidate, candidates: list[Candidate]) -> str:
         elif neighbour.rejected:
             parts.append(f"{label} {value}->{grown}: {neighbour.rejected[0]}")
         else:
-            parts.append(f"{label} {value}->{grown}: fits, lower score {neighbour.score:.3f}")
+            parts.append(f"{label} {value}->{grown}: fits, not chosen "
+                         f"(score {neighbour.score:.3f})")
     return "; ".join(parts)

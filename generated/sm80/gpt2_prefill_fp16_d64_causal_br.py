@@ -28,7 +28,7 @@
 #       DV)/(1280*W) + 72 = 196 of 255
 #   programs/SM 1, score 1.000, 124 of 128 candidates feasible
 #   binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 128->256: outside the
-#       candidate grid; num_stages 3->4: fits, lower score 1.000
+#       candidate grid; num_stages 3->4: fits, not chosen (score 1.000)
 """Prefill (forward) attention, FlashAttention-2 style and exact.
 
 Module gpt2_prefill_fp16_d64_causal_br.

@@ -27,8 +27,8 @@
 #   registers/thread ~ 9*BLOCK_M*BLOCK_N/(320*W) + 11*BLOCK_M*DV/(256*W) + 7*BLOCK_N*E*(D +
 #       DV)/(1280*W) + 72 = 212 of 255
 #   programs/SM 1, score 0.667, 106 of 128 candidates feasible
-#   binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 64->128: fits, lower score
-#       1.000; num_stages 3->4: fits, lower score 0.667
+#   binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 64->128: fits, not chosen
+#       (score 1.000); num_stages 3->4: fits, not chosen (score 0.667)
 """Prefill (forward) attention, FlashAttention-2 style and exact.
 
 Module mpt_7b_prefill_bf16_d128_causal_br_alibi.

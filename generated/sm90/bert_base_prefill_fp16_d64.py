@@ -27,8 +27,8 @@
 #   registers/thread ~ 3*BLOCK_M*BLOCK_N/(128*W) + BLOCK_M*DV/(32*W) + 5*BLOCK_N*E*(D +
 #       DV)/(768*W) + 66 = 136 of 255
 #   programs/SM 1, score 0.667, 124 of 128 candidates feasible
-#   binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 64->128: fits, lower score
-#       1.000; num_stages 3->4: fits, lower score 0.667
+#   binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 64->128: fits, not chosen
+#       (score 1.000); num_stages 3->4: fits, not chosen (score 0.667)
 """Prefill (forward) attention, FlashAttention-2 style and exact.
 
 Module bert_base_prefill_fp16_d64.
