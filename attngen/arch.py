@@ -30,6 +30,10 @@ class GpuArch:
     max_threads_per_sm: int
     has_wgmma: bool  # Hopper warpgroup MMA (Triton uses it for 16-bit dots with BLOCK_M >= 64)
     smem_reserved: int = 0  # static shared memory ptxas puts in every cubin for this target
+    # Shared memory the CUDA driver sets aside for every resident block on top of what the
+    # block asks for (cudaDevAttrReservedSharedMemoryPerBlock: 1 KiB since sm80). It does not
+    # count against the per-block limit, only against the SM's capacity, i.e. occupancy.
+    smem_block_reserve: int = 1024
 
     @property
     def smem_budget(self) -> int:

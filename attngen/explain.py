@@ -7,7 +7,13 @@ from pathlib import Path
 
 from attngen.arch import ARCHS
 from attngen.spec import AttnSpec, Dtype
-from attngen.tiling import Candidate, Derivation, derive_tiles, padded_head_dim
+from attngen.tiling import (
+    REFERENCE_TOKENS,
+    Candidate,
+    Derivation,
+    derive_tiles,
+    padded_head_dim,
+)
 from attngen.tuning import apply_tuning, lookup
 
 TOP_FEASIBLE = 6
@@ -39,7 +45,9 @@ def explain_one(spec: AttnSpec, derivation: Derivation) -> list[str]:
         f"   model (D={d}, DV={dv}, E={spec.dtype.itemsize} substituted):",
         f"     shared memory  = {derivation.expressions['smem']}",
         f"     registers/thr ~= {derivation.expressions['regs']}",
-        f"     score          = {derivation.expressions['score']} x occupancy",
+        f"     score          = {derivation.expressions['score']} x occupancy x waves",
+        f"     waves          = {derivation.expressions['waves']}  (batch 1, "
+        f"{REFERENCE_TOKENS} tokens, R programs/SM)",
         "   constraints:",
         *(f"     {label}" for label in derivation.constraints),
     ]
@@ -48,7 +56,7 @@ def explain_one(spec: AttnSpec, derivation: Derivation) -> list[str]:
     rejected = [c for c in derivation.candidates if not c.feasible]
     lines.append(f"   candidates: {len(derivation.candidates)} "
                  f"({len(feasible)} feasible, {len(rejected)} rejected)")
-    lines.append("     BLOCK_M BLOCK_N warps stages   smem B  regs  prog/SM  score  verdict")
+    lines.append("     BLOCK_M BLOCK_N warps stages   smem B  regs  prog/SM  waves  score  verdict")
     for cand in feasible[:TOP_FEASIBLE]:
         verdict = "CHOSEN" if cand.config == derivation.chosen else "feasible"
         if cand.may_spill(arch):
@@ -69,6 +77,7 @@ def explain_one(spec: AttnSpec, derivation: Derivation) -> list[str]:
         f"(source: {derivation.source})",
         f"   rule: {_rule(derivation, len(safe), len(feasible))}",
         f"   binding constraint: {derivation.binding}",
+        f"   waves: {derivation.worked['waves']}",
         f"   headroom: {arch.smem_budget - best.smem_bytes} B shared memory, "
         f"{arch.max_regs_per_thread - best.regs_per_thread} registers/thread "
         f"({100 * (arch.smem_budget - best.smem_bytes) / arch.smem_budget:.0f}% of the "
@@ -143,7 +152,7 @@ def _row(cand: Candidate, verdict: str) -> str:
     c = cand.config
     return (f"     {c.block_m:7d} {c.block_n:7d} {c.num_warps:5d} {c.num_stages:6d} "
             f"{cand.smem_bytes:8d} {cand.regs_per_thread:5d} {cand.programs_per_sm:8d} "
-            f"{cand.score:6.3f}  {verdict}")
+            f"{cand.wave_efficiency:6.3f} {cand.score:6.3f}  {verdict}")
 
 
 def _spread(items: list[Candidate], count: int) -> list[Candidate]:

@@ -6,7 +6,9 @@ padded head dims D and DV, element bytes E, num_stages S, num_warps W):
 - shared memory per program, per target family (Triton pipelines and lays out operands
   differently on Hopper, where wgmma takes the P operand from registers);
 - fp32 registers per thread for the accumulator, the score tile and the resident Q tile;
-- a predicted efficiency: K/V reuse of the tile, occupancy, and pipelining depth.
+- a predicted efficiency: K/V reuse of the tile, occupancy, pipelining depth, and wave
+  quantization over the SM count on a reference problem (the spec's query heads, batch 1,
+  REFERENCE_TOKENS queries: a long prompt).
 
 Every candidate of a fixed grid is evaluated against labelled constraints; a rejected one
 carries the reasons, a feasible one its score. The chosen config is the feasible one with the
@@ -29,6 +31,10 @@ from attngen.arch import ARCHS, GpuArch
 from attngen.spec import AttnSpec
 
 BM, BN, D, DV, E, S, W = sympy.symbols("BLOCK_M BLOCK_N D DV E S W", positive=True, integer=True)
+# Wave quantization: H query heads x REFERENCE_TOKENS rows in BLOCK_M tiles, R programs
+# resident per SM, SMS streaming multiprocessors.
+H, R, SMS = sympy.symbols("H R SMS", positive=True, integer=True)
+REFERENCE_TOKENS = 4096
 
 # The register model's rms error against ptxas is about 21: a config predicted within this
 # margin above the limit may not spill, so it stays feasible, behind the safe ones.
@@ -78,6 +84,7 @@ class Candidate:
     # False where the register count only bounds (fp32: FMA dots, see regs_expression): such a
     # config is never promised not to spill.
     regs_predictive: bool = True
+    wave_efficiency: float = 0.0  # wave_expression on the reference problem (0 if rejected)
 
     @property
     def feasible(self) -> bool:
@@ -100,7 +107,8 @@ class Derivation:
     chosen: TileConfig | None
     binding: str = ""
     worked: dict[str, str] = field(default_factory=dict)  # chosen config's formulas and values
-    dims: dict[str, int] = field(default_factory=dict)  # D, DV (padded) and E of the spec
+    # D, DV (padded), E of the spec; H (its query heads) and SMS (the arch's) for the waves
+    dims: dict[str, int] = field(default_factory=dict)
 
     @property
     def chosen_candidate(self) -> Candidate | None:
@@ -120,7 +128,8 @@ class Derivation:
             f"  = {best.smem_bytes} B of {arch.smem_budget} B available per block",
             f"registers/thread ~ {self.worked['regs']} = {best.regs_per_thread} "
             f"of {arch.max_regs_per_thread}",
-            f"programs/SM {best.programs_per_sm}, score {best.score:.3f}, "
+            f"programs/SM {best.programs_per_sm}, waves {self.worked['waves']}",
+            f"score {best.score:.3f}, "
             f"{feasible} of {len(self.candidates)} candidates feasible",
             f"binding: {self.binding}",
         ]
@@ -202,11 +211,20 @@ def regs_expression(arch: GpuArch) -> sympy.Expr:
 @cache
 def score_expression() -> sympy.Expr:
     """Predicted efficiency in (0, 1]: tile reuse (larger tiles read K/V fewer times and feed
-    the tensor cores longer) times a pipelining factor; occupancy is applied numerically."""
+    the tensor cores longer) times a pipelining factor; occupancy and waves multiply it."""
     reuse = (BM * BN / (BM + BN)) / sympy.Integer(64)  # 1 for a 128 x 128 tile
     pipelining = sympy.Piecewise((sympy.Rational(6, 10), sympy.Eq(S, 1)),
                                  (sympy.Rational(9, 10), sympy.Eq(S, 2)), (1, True))
     return sympy.Min(reuse, 1) * pipelining
+
+
+@cache
+def wave_expression() -> sympy.Expr:
+    """Wave efficiency in (0, 1] on the reference problem: the programs fill
+    ceiling(waves) rounds of SMS x R slots, of which the last is partly idle. A tile that
+    leaves 1.1 waves runs at 1.1 / 2 of the SMs' capacity; 7.9 waves at 7.9 / 8."""
+    waves = H * sympy.ceiling(sympy.Integer(REFERENCE_TOKENS) / BM) / (SMS * R)
+    return waves / sympy.ceiling(waves)
 
 
 def constraint_labels(arch: GpuArch) -> tuple[str, ...]:
@@ -216,7 +234,8 @@ def constraint_labels(arch: GpuArch) -> tuple[str, ...]:
         f"regs: registers/thread <= {arch.max_regs_per_thread} + {REGISTER_MARGIN} (the "
         "model's error margin; above the limit a config may spill, so the heuristic prefers "
         "one below it)",
-        f"occupancy: at least one program per SM ({arch.max_threads_per_sm} threads/SM)",
+        f"occupancy: at least one program per SM ({arch.max_threads_per_sm} threads/SM; "
+        f"each resident program also takes the driver's {arch.smem_block_reserve} B reserve)",
         "tile: BLOCK_M <= 32 * num_warps (at most one query row per thread)",
     )
 
@@ -234,6 +253,8 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
     smem_f = sympy.lambdify((BM, BN, S), smem_expression(arch).subs(values))
     regs_f = sympy.lambdify((BM, BN, S, W), regs_expression(arch).subs(values))
     score_f = sympy.lambdify((BM, BN, S), score_expression().subs(values), modules="sympy")
+    waves_at = {H: spec.num_q_heads, SMS: arch.sm_count}
+    waves_f = sympy.lambdify((BM, R), wave_expression().subs(waves_at), modules="sympy")
     candidates = []
     for bm, bn, w, s in itertools.product(BLOCK_M_CHOICES, BLOCK_N_CHOICES, NUM_WARPS_CHOICES,
                                           NUM_STAGES_CHOICES):
@@ -244,7 +265,7 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
             reasons.append(f"smem {smem} B > {arch.smem_budget} B")
         if regs > arch.max_regs_per_thread + REGISTER_MARGIN:
             reasons.append(f"regs {regs} > {arch.max_regs_per_thread} + {REGISTER_MARGIN}")
-        by_smem = arch.smem_per_sm // (smem + arch.smem_reserved)
+        by_smem = arch.smem_per_sm // (smem + arch.smem_reserved + arch.smem_block_reserve)
         # ptxas caps registers at the limit (spilling the rest), so occupancy uses the cap.
         by_regs = arch.regs_per_sm // (min(regs, arch.max_regs_per_thread) * 32 * w)
         by_threads = arch.max_threads_per_sm // (32 * w)
@@ -254,21 +275,26 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
         if bm > 32 * w:
             reasons.append(f"tile: BLOCK_M {bm} > 32 * num_warps (a row per thread at most)")
         occupancy = min(1.0, per_sm * w / 8)  # 8 resident warps hide most latency
-        score = float(score_f(bm, bn, s)) * occupancy if not reasons else 0.0
+        score = waves = 0.0
+        if not reasons:
+            waves = float(waves_f(bm, per_sm))
+            score = float(score_f(bm, bn, s)) * occupancy * waves
         candidates.append(Candidate(config, smem, regs, per_sm, round(score, 6), tuple(reasons),
-                                    regs_predictive=spec.dtype.itemsize != 4))
+                                    regs_predictive=spec.dtype.itemsize != 4,
+                                    wave_efficiency=round(waves, 4)))
     derivation = Derivation(
         arch=arch_name,
         source="heuristic",
         # The formulas with this spec's dtype and head dims substituted: what explain prints.
         expressions={"smem": str(smem_expression(arch).subs(values)),
                      "regs": str(regs_expression(arch).subs(values)),
-                     "score": str(score_expression())},
+                     "score": str(score_expression()),
+                     "waves": str(wave_expression().subs(waves_at))},
         constraints=constraint_labels(arch),
         candidates=tuple(candidates),
         chosen=None,
         binding="nothing fits",
-        dims={str(symbol): value for symbol, value in values.items()},
+        dims={str(symbol): value for symbol, value in {**values, **waves_at}.items()},
     )
     feasible = [c for c in candidates if c.feasible]
     if not feasible:
@@ -287,7 +313,12 @@ def choose(derivation: Derivation, config: TileConfig, source: str) -> Derivatio
         raise ValueError(f"{config} is not a feasible candidate on {arch.name}")
     at = {D: derivation.dims["D"], DV: derivation.dims["DV"], E: derivation.dims["E"],
           BM: config.block_m, BN: config.block_n, S: config.num_stages, W: config.num_warps}
+    waves = wave_expression().subs({H: derivation.dims["H"], SMS: derivation.dims["SMS"],
+                                    BM: config.block_m, R: candidate.programs_per_sm})
     worked = {
+        "waves": f"{waves} = {float(waves):.3f} ({derivation.dims['H']} heads x "
+                 f"{REFERENCE_TOKENS} tokens / {config.block_m} rows per program over "
+                 f"{derivation.dims['SMS']} SMs x {candidate.programs_per_sm} per SM)",
         "smem": str(active_branch(smem_expression(arch), at)),
         "regs": str(active_branch(regs_expression(arch), at)),
         "values": ", ".join(f"{symbol}={at[symbol]}" for symbol in (BM, BN, D, DV, E, S, W)),

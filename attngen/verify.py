@@ -21,7 +21,8 @@ The policy, per config (the numbers are constants below):
 
 Shared memory does not depend on the spec beyond the key (checked on every example spec:
 `--every-spec`); registers do, a little, so the spill check holds for the spec each key was
-compiled from (its heaviest). Any failure makes the command exit 1.
+compiled from (its heaviest), and OTHER_SPEC_SPILL_BYTES for every other spec of the key.
+Any failure makes the command exit 1.
 """
 
 from __future__ import annotations
@@ -40,6 +41,13 @@ from attngen.tiling import REGISTER_MARGIN, Candidate, derive_tiles
 # ptxas keeps a few loop-carried values on the stack even well below 255 registers (8-64 B on
 # sm80 at 4 warps); that costs an L1 hit per iteration, not a spill worth avoiding.
 SAFE_SPILL_BYTES = 64
+# The bound for the other specs that share a key (--every-spec). ptxas's allocation moves by up
+# to +-75 registers between specs of one config (a sliding window's two compares, a padded
+# head dim's masks), which no tile formula sees; over 2891 such compiles the worst safe config
+# spilled 112 B (phi3 and mistral near 255 registers; docs/tiling.md). 128 B is 32 fp32
+# values that round-trip through L1 once per key block: measurable only on a config the
+# heuristic would not pick first, so the promise is this bound, not zero, and it is enforced.
+OTHER_SPEC_SPILL_BYTES = 128
 # fp32 dots are FMA loops; ptxas needs minutes for the configs that spill tens of KiB (all
 # predicted above 400), and those are rejected by the register bound anyway. Above this
 # prediction an fp32 config is not compiled live (it is still checked when the data has it).
@@ -216,7 +224,7 @@ def judge(plan: Plan, data: OracleData, changed: dict[OracleKey, list[str]],
             spills = record["spill_stores"] or 0
             message = f"{ref}: {record['regs']} regs, spills {spills} B"
             safe = row.candidate.feasible and not row.may_spill
-            if record["error"] or (safe and spills > SAFE_SPILL_BYTES):
+            if record["error"] or (safe and spills > OTHER_SPEC_SPILL_BYTES):
                 row.problems.append(f"{message} {record['error'] or ''}".rstrip())
             else:
                 row.notes.append(message)

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from attngen.arch import ARCHS
 from attngen.build import BuildError, plan_build
 from attngen.explain import explain_one
-from attngen.tiling import BM, BN, DV, D, E, S, derive_tiles, smem_expression
+from attngen.tiling import (
+    BM,
+    BN,
+    DV,
+    REFERENCE_TOKENS,
+    D,
+    E,
+    S,
+    TileConfig,
+    derive_tiles,
+    smem_expression,
+)
 from tests.kernel_harness import make_spec
 
 # (arch, dtype, D, BLOCK_M, BLOCK_N, stages) -> bytes Triton 3.6 reported for the compiled
@@ -76,3 +89,37 @@ def test_spec_no_arch_can_serve_is_refused_before_rendering(monkeypatch):
             plan_build([spec])
     finally:
         tiling.derive_tiles.cache_clear()
+
+
+def test_wave_efficiency_counts_rounds_of_resident_programs():
+    # 32 heads x 4096 tokens on sm80's 108 SMs: 128-row tiles give 1024 programs, 9.48 rounds
+    # of 108 at one program per SM, so the tenth round is 48% busy; the score carries it.
+    spec = make_spec(dtype="bf16", head_dim=128, num_q_heads=32, num_kv_heads=8,
+                     archs=["sm80"])
+    arch = ARCHS["sm80"]
+    for cand in derive_tiles(spec, "sm80").candidates:
+        if not cand.feasible:
+            assert cand.wave_efficiency == 0.0
+            continue
+        programs = 32 * math.ceil(REFERENCE_TOKENS / cand.config.block_m)
+        waves = programs / (arch.sm_count * cand.programs_per_sm)
+        assert cand.wave_efficiency == pytest.approx(waves / math.ceil(waves), abs=1e-4)
+        assert 0 < cand.wave_efficiency <= 1
+    by_config = {c.config: c for c in derive_tiles(spec, "sm80").candidates}
+    chosen_before = by_config[TileConfig(128, 64, 8, 3)]
+    assert chosen_before.wave_efficiency == pytest.approx(1024 / 1080, abs=1e-4)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_occupancy_counts_the_driver_reserve_per_block(arch):
+    spec = make_spec(dtype="bf16", head_dim=64, archs=[arch])
+    target = ARCHS[arch]
+    per_block = target.smem_reserved + target.smem_block_reserve
+    assert target.smem_block_reserve == 1024
+    cut_by_reserve = 0
+    for cand in derive_tiles(spec, arch).candidates:
+        if cand.programs_per_sm:
+            assert cand.programs_per_sm * (cand.smem_bytes + per_block) <= target.smem_per_sm
+        without = target.smem_per_sm // (cand.smem_bytes + target.smem_reserved)
+        cut_by_reserve += without > target.smem_per_sm // (cand.smem_bytes + per_block)
+    assert cut_by_reserve  # some tile shapes lose a resident program to the reserve

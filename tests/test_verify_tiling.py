@@ -20,7 +20,7 @@ from attngen.cli import app
 from attngen.oracle import triton_version
 from attngen.oracle_data import data_path, load_oracle_data, oracle_key
 from attngen.tiling import derive_tiles
-from attngen.verify import judge, plan_rows, summarize, verify
+from attngen.verify import OTHER_SPEC_SPILL_BYTES, judge, plan_rows, summarize, verify
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -125,3 +125,20 @@ def test_cli_fails_on_a_feasible_config_the_compiler_cannot_fit(tmp_path, specs)
                                       "--arch", "sm86", "--data", str(doctored)])
     assert result.exit_code == 1
     assert "FAILED: 1 config(s)" in result.output and feasible.key.label() in result.output
+
+
+@needs_data
+def test_other_specs_of_a_key_are_held_to_their_spill_bound(specs):
+    """--every-spec: a safe config compiled for another spec of its key may spill up to
+    OTHER_SPEC_SPILL_BYTES (ptxas's per-spec register variance), not more."""
+    data = load_oracle_data(DATA)
+    plan = plan_rows(specs, ["sm86"])
+    row = next(r for r in plan.rows.values() if r.candidate.feasible and not r.may_spill)
+    record = dict(data.get(row.key))
+    within = {**record, "spill_stores": OTHER_SPEC_SPILL_BYTES}
+    beyond = {**record, "spill_stores": OTHER_SPEC_SPILL_BYTES + 8}
+    judge(plan, data, {}, others={row.key: [("phi3-within", within)]})
+    assert not row.problems and any("phi3-within" in n for n in row.notes)
+    row.notes.clear()
+    judge(plan, data, {}, others={row.key: [("phi3-beyond", beyond)]})
+    assert any("phi3-beyond" in p for p in row.problems)

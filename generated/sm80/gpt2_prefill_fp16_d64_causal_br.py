@@ -26,9 +26,11 @@
 #     = 81920 B of 166912 B available per block
 #   registers/thread ~ 9*BLOCK_M*BLOCK_N/(320*W) + 11*BLOCK_M*DV/(256*W) + 7*BLOCK_N*E*(D +
 #       DV)/(1280*W) + 72 = 196 of 255
-#   programs/SM 1, score 1.000, 124 of 128 candidates feasible
+#   programs/SM 1, waves 8/9 = 0.889 (12 heads x 4096 tokens / 128 rows per program over 108 SMs
+#       x 1 per SM)
+#   score 0.889, 124 of 128 candidates feasible
 #   binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 128->256: outside the
-#       candidate grid; num_stages 3->4: fits, not chosen (score 1.000)
+#       candidate grid; num_stages 3->4: fits, not chosen (score 0.889)
 """Prefill (forward) attention, FlashAttention-2 style and exact.
 
 Module gpt2_prefill_fp16_d64_causal_br.

@@ -18,17 +18,20 @@
 #   alibi: true
 #   kernels: [prefill]
 #
-# Target sm80: BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3.
+# Target sm80: BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3.
 # Config source: heuristic.
 # Derivation:
-#   shared memory = E*Max(BLOCK_M*DV, BLOCK_M*D + (BLOCK_N*D + BLOCK_N*DV)*Max(1, S - 1))
-#     with BLOCK_M=128, BLOCK_N=64, D=128, DV=128, E=2, S=3, W=8
-#     = 98304 B of 166912 B available per block
+#   shared memory = E*Max(BLOCK_M*DV, BLOCK_M*BLOCK_N + BLOCK_M*D + (BLOCK_N*D +
+#       BLOCK_N*DV)*Max(1, S - 1))
+#     with BLOCK_M=64, BLOCK_N=128, D=128, DV=128, E=2, S=3, W=8
+#     = 163840 B of 166912 B available per block
 #   registers/thread ~ 9*BLOCK_M*BLOCK_N/(320*W) + 11*BLOCK_M*DV/(256*W) + 7*BLOCK_N*E*(D +
-#       DV)/(1280*W) + 72 = 212 of 255
-#   programs/SM 1, score 0.667, 106 of 128 candidates feasible
-#   binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 64->128: fits, not chosen
-#       (score 1.000); num_stages 3->4: fits, not chosen (score 0.667)
+#       DV)/(1280*W) + 72 = 190 of 255
+#   programs/SM 1, waves 512/513 = 0.998 (32 heads x 4096 tokens / 64 rows per program over 108
+#       SMs x 1 per SM)
+#   score 0.665, 106 of 128 candidates feasible
+#   binding: BLOCK_M 64->128: fits, not chosen (score 0.948); BLOCK_N 128->256: outside the
+#       candidate grid; num_stages 3->4: smem 229376 B > 166912 B
 """Prefill (forward) attention, FlashAttention-2 style and exact.
 
 Module mpt_7b_prefill_bf16_d128_causal_br_alibi.
@@ -57,7 +60,7 @@ MASK = "causal"
 CAUSAL_ALIGN = "bottom_right"
 SOFTCAP = 0.0
 ALIBI = True
-CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _LOG2E = 1.4426950408889634

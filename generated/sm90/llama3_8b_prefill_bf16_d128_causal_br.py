@@ -26,9 +26,11 @@
 #     = 131072 B of 231424 B available per block
 #   registers/thread ~ 3*BLOCK_M*BLOCK_N/(128*W) + BLOCK_M*DV/(32*W) + 5*BLOCK_N*E*(D +
 #       DV)/(768*W) + 66 = 181 of 255
-#   programs/SM 1, score 0.667, 114 of 128 candidates feasible
+#   programs/SM 1, waves 32/33 = 0.970 (32 heads x 4096 tokens / 128 rows per program over 132
+#       SMs x 1 per SM)
+#   score 0.646, 114 of 128 candidates feasible
 #   binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 64->128: fits, not chosen
-#       (score 1.000); num_stages 3->4: fits, not chosen (score 0.667)
+#       (score 0.970); num_stages 3->4: fits, not chosen (score 0.646)
 """Prefill (forward) attention, FlashAttention-2 style and exact.
 
 Module llama3_8b_prefill_bf16_d128_causal_br.
