@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import importlib.util
 import io
 import multiprocessing
@@ -44,7 +45,7 @@ MEASURED_FIELDS = ("shared", "static_shared", "regs", "stack", "spill_stores", "
 
 _POINTER_TYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 _UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od")
-_kernels: dict[str, Any] = {}  # per process: spec hash -> imported JIT kernel (memory only)
+_kernels: dict[str, Any] = {}  # per process: kernel text hash -> JIT kernel (memory only)
 
 
 def triton_version() -> str:
@@ -57,19 +58,22 @@ def triton_version() -> str:
         return "none"
 
 
-def load_kernel(spec: AttnSpec) -> Any:
-    """Render the prefill module, import it from a temporary file, return its JIT kernel.
+def load_kernel(spec: AttnSpec, arch: str) -> Any:
+    """Render the prefill module for `arch`, import it from a temporary file, return its JIT
+    kernel.
 
-    The kernel text does not depend on the tile config (it only fills CONFIG and the header),
-    so one import per spec serves every config."""
-    key = spec.spec_hash()
+    The kernel text depends on the arch only through its code paths (TMA loads on Hopper),
+    not on the tile config (which fills CONFIG and the header), so one import per spec and
+    path serves every config."""
+    derivation = tiling.derive_tiles(spec, arch)
+    if derivation.chosen is None:  # still renderable: any config will do for the text
+        derivation = dataclasses.replace(derivation, chosen=TileConfig(64, 64, 4, 1))
+    source = render_module(spec, KernelKind.prefill, derivation)
+    kernels_text = source[source.index("@triton.jit"):source.index("def _check_inputs")]
+    key = hashlib.sha256(kernels_text.encode()).hexdigest()
     if key not in _kernels:
-        derivation = tiling.derive_tiles(spec, spec.archs[0])
-        if derivation.chosen is None:  # still renderable: any config will do for the text
-            derivation = dataclasses.replace(derivation, chosen=TileConfig(64, 64, 4, 1))
-        source = render_module(spec, KernelKind.prefill, derivation)
         with tempfile.TemporaryDirectory() as tmp, _compiled_not_interpreted():
-            path = Path(tmp) / f"oracle_{key}.py"
+            path = Path(tmp) / f"oracle_{spec.spec_hash()}_{arch}.py"
             path.write_text(source)
             loader = importlib.util.spec_from_file_location(path.stem, path)
             module = importlib.util.module_from_spec(loader)
@@ -101,6 +105,11 @@ def kernel_source(spec: AttnSpec, kernel: Any, config: TileConfig) -> Any:
 
     constexprs: dict[str, Any] = {name: 1 for name in _UNIT_STRIDES}
     constexprs.update(STORE_LSE=True, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
+    if "USE_TMA" in kernel.arg_names:  # Hopper modules: contiguous inputs take the TMA path
+        constexprs["USE_TMA"] = True
+    block_d = tiling.padded_head_dim(spec.head_dim)
+    block_dv = tiling.padded_head_dim(spec.value_head_dim)
+    descriptors = {"k_desc": block_d, "v_desc": block_dv}
     if spec.num_q_heads == spec.num_kv_heads:
         constexprs["q_per_kv"] = 1  # Triton specializes an int argument equal to 1
     aligned = spec.head_dim % 16 == 0 and spec.value_head_dim % 16 == 0
@@ -112,6 +121,9 @@ def kernel_source(spec: AttnSpec, kernel: Any, config: TileConfig) -> Any:
             signature[name] = _POINTER_TYPES[spec.dtype.value]
         elif name in ("Lse", "Slopes"):
             signature[name] = "*fp32"
+        elif name in descriptors:
+            element = _POINTER_TYPES[spec.dtype.value][1:]
+            signature[name] = f"tensordesc<{element}[1, 1, {config.block_n}, {descriptors[name]}]>"
         else:
             signature[name] = "fp32" if name == "qk_scale" else "i32"
         stride = name.startswith("stride_")
@@ -174,7 +186,7 @@ def compile_one(spec: AttnSpec, arch: str, config: TileConfig) -> dict[str, Any]
     start = time.perf_counter()
     log = io.StringIO()
     try:
-        source = kernel_source(spec, load_kernel(spec), config)
+        source = kernel_source(spec, load_kernel(spec, arch), config)
         target = GPUTarget("cuda", ARCHS[arch].compute_capability, 32)
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         with _compiled_not_interpreted(), knobs.nvidia.scope(), contextlib.redirect_stdout(log):

@@ -19,12 +19,14 @@ from typing import Any
 import jinja2
 
 from attngen import __version__
+from attngen.arch import ARCHS
 from attngen.spec import AttnSpec, Dtype, KernelKind, module_name
 from attngen.tiling import Derivation, padded_head_dim
 
 # A generated module may import these and nothing else.
 ALLOWED_IMPORTS = frozenset({"contextlib", "math", "os", "torch", "triton", "triton.language"})
-ALLOWED_FROM_IMPORTS = frozenset({("triton.language.extra", "libdevice")})
+ALLOWED_FROM_IMPORTS = frozenset({("triton.language.extra", "libdevice"),
+                                  ("triton.tools.tensor_descriptor", "TensorDescriptor")})
 TEMPLATE_FOR_KIND = {KernelKind.prefill: "prefill.py.jinja"}
 _DTYPE_NAMES = {Dtype.fp16: "float16", Dtype.bf16: "bfloat16", Dtype.fp32: "float32"}
 
@@ -94,6 +96,9 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
         "window_right": window[1],
         "softcap": float(spec.softcap),
         "alibi": spec.alibi,
+        # Hopper's tensor-memory accelerator for the unmasked K/V blocks (16-bit only: fp32
+        # dots are FMA loops, whose operands do not come from shared memory as TMA lays it).
+        "tma": ARCHS[derivation.arch].has_tma and spec.dtype.itemsize == 2,
     }
 
 

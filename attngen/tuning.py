@@ -1,17 +1,20 @@
 """The tuning database: measured winners, one JSON file per arch, kept in the repository.
 
 `attngen autotune` writes it on a GPU; `attngen build` reads it (this module imports neither
-torch nor triton). An entry is keyed by the spec hash and holds, per kernel kind, the winning
+torch nor triton). An entry is keyed by the hash of the spec fields the kernel depends on
+(TUNED_ON: not the name, the arch list or the other kernels a spec asks for, so adding
+`decode` to a spec keeps its prefill tuning) and holds, per kernel kind, the winning
 tile config, the times measured for every candidate tried, the GPU's name, Triton's version and
 the date. A file carries a schema version; a file of another schema is refused, not guessed at.
 
     tuning/sm90.json = {"schema": 1, "arch": "sm90",
-                        "entries": {"<spec hash>/prefill": {"config": {...}, ...}}}
+                        "entries": {"<kernel fields hash>/prefill": {"config": {...}, ...}}}
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from importlib import metadata
 from pathlib import Path
@@ -20,7 +23,10 @@ from typing import Any
 from attngen.spec import AttnSpec, KernelKind, SpecError
 from attngen.tiling import Derivation, TileConfig, choose
 
-TUNING_SCHEMA = 1
+TUNING_SCHEMA = 2  # 2: entries keyed by the kernel fields' hash (1: the whole spec's)
+# Spec fields that do not change what a prefill kernel computes or how fast.
+NOT_TUNED_ON = frozenset({"name", "archs", "kernels", "kv_layout", "page_size",
+                          "max_query_tokens"})
 DEFAULT_TUNING_DIR = Path("tuning")
 
 
@@ -43,7 +49,9 @@ class TuningRecord:
 
 
 def entry_key(spec: AttnSpec, kind: KernelKind) -> str:
-    return f"{spec.spec_hash()}/{kind.value}"
+    fields = {k: v for k, v in spec.canonical().items() if k not in NOT_TUNED_ON}
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return f"{hashlib.sha256(text.encode()).hexdigest()[:16]}/{kind.value}"
 
 
 def tuning_path(tuning_dir: Path, arch: str) -> Path:

@@ -30,7 +30,7 @@ GENERATED = ROOT / "generated"
 # generated/ is built with the committed tuning database, as `attngen build` does by default.
 TUNING = ROOT / "tuning" if (ROOT / "tuning").is_dir() else None
 ALLOWED_IMPORTS = {"contextlib", "math", "os", "torch", "triton", "triton.language",
-                   "triton.language.extra"}
+                   "triton.language.extra", "triton.tools.tensor_descriptor"}
 BAD_SPEC = """\
 name: bad
 archs: [sm80]

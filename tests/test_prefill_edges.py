@@ -197,3 +197,28 @@ def check_far_offsets():
     got = run(spec, q, k_far, v_far)
     assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1])
     print("far offsets ok")
+
+
+@pytest.mark.parametrize("mask", [dict(mask="none"), CAUSAL_BR])
+def test_hopper_modules_load_kv_by_tma_or_say_why_not(mask):
+    """sm90 modules read the unmasked K/V blocks through tensor descriptors when the layout
+    allows it, else through pointers; the module says which, and both paths are exact."""
+    spec = make_spec(head_dim=64, **mask)
+    kernel = load_kernel(spec, 16, 16)  # sm90
+    q, k, v, _ = make_inputs(spec, 2, 50, 70, seed=11)
+    assert kernel.kv_load_path(k, v) == "tma"
+    # Rows 68 elements (136 B) apart: not a 16-byte multiple, so no descriptor can describe it.
+    wide_k = torch.zeros(*k.shape[:3], 68, dtype=k.dtype)
+    wide_k[..., :64] = k
+    strided_k = wide_k[..., :64]
+    assert kernel.kv_load_path(strided_k, v).startswith("pointers: k strides")
+    assert kernel.kv_load_path(k.transpose(2, 3).contiguous().transpose(2, 3), v) == (
+        f"pointers: k head-dim stride is {k.shape[2]}, not 1")
+    assert kernel.kv_load_path(k[:, :, :0], v[:, :, :0]) == "pointers: k has no keys"
+    by_tma = kernel.attention(q, k, v, return_lse=True)
+    by_pointers = kernel.attention(q, strided_k, v, return_lse=True)
+    for out, lse in (by_tma, by_pointers):
+        assert_matches_reference(spec, out, lse, q, k, v)
+    assert torch.equal(by_tma[0], by_pointers[0])  # fp16 dots: the same products and sums
+    assert not hasattr(load_kernel(make_spec(head_dim=64, archs=["sm80"], **mask), 16, 16,
+                                   arch="sm80"), "kv_load_path")  # no TMA before Hopper

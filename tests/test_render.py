@@ -92,6 +92,7 @@ CAUSAL_BR_BF16_D128 = {
     "window_right": 0,
     "softcap": 0.0,
     "alibi": False,
+    "tma": True,
 }
 
 # Sliding window (top-left), softcap 30, ALiBi, fp32, D = DV = 80 padded to 128, on sm80.
@@ -144,6 +145,7 @@ WINDOW_SOFTCAP_ALIBI_FP32_D80 = {
     "window_right": 16,
     "softcap": 30.0,
     "alibi": True,
+    "tma": False,
 }
 
 GOLDEN = {

@@ -14,7 +14,7 @@ from attngen.build import plan_build
 from attngen.explain import explain_lines
 from attngen.spec import KernelKind
 from attngen.tiling import TileConfig, derive_tiles
-from attngen.tuning import TuningError, entry_key, lookup, read_tuning_file
+from attngen.tuning import TUNING_SCHEMA, TuningError, entry_key, lookup, read_tuning_file
 from tests.kernel_harness import make_spec
 
 SPEC = make_spec(dtype="fp16", head_dim=64, archs=["sm90"], name="tuned")
@@ -32,7 +32,7 @@ def _write_entry(folder: Path, config: TileConfig, spec=SPEC) -> None:
     folder.mkdir(exist_ok=True)
     entry = {"config": config.as_dict(), "gpu": "NVIDIA H200", "triton": "3.6.0",
              "date": "2026-11-30", "complete": True, "median_ms": {"tiny": 1.0}}
-    data = {"schema": 1, "arch": "sm90", "entries": {entry_key(spec, KernelKind.prefill): entry}}
+    data = {"schema": TUNING_SCHEMA, "arch": "sm90", "entries": {entry_key(spec, KernelKind.prefill): entry}}
     (folder / "sm90.json").write_text(json.dumps(data))
 
 
@@ -63,7 +63,7 @@ def test_an_infeasible_tuned_config_is_refused_not_used(tmp_path):
 @pytest.mark.parametrize("text, message", [
     ('{"schema": 99, "arch": "sm90", "entries": {}}', "schema 99"),
     ("not json", "not JSON"),
-    ('{"schema": 1, "arch": "sm80", "entries": {}}', "expected arch 'sm90'"),
+    ('{"schema": 2, "arch": "sm80", "entries": {}}', "expected arch 'sm90'"),
 ])
 def test_unreadable_tuning_files_are_refused(tmp_path, text, message):
     (tmp_path / "sm90.json").write_text(text)
@@ -100,3 +100,10 @@ def test_autotune_budget_stops_early_and_marks_the_search_partial(tmp_path):
     (outcome,) = autotune([SPEC], tmp_path, budget_s=0.0, max_configs=3, arch="sm90",
                           console=console, device="cpu", buckets=TINY, timer=_fake_timer)
     assert outcome.tried == 0 and not outcome.complete and outcome.winner is None
+
+
+def test_entry_key_ignores_fields_that_do_not_change_the_kernel():
+    renamed = make_spec(dtype="fp16", head_dim=64, archs=["sm80", "sm90"], name="other")
+    assert entry_key(renamed, KernelKind.prefill) == entry_key(SPEC, KernelKind.prefill)
+    wider = make_spec(dtype="fp16", head_dim=128, archs=["sm90"], name="tuned")
+    assert entry_key(wider, KernelKind.prefill) != entry_key(SPEC, KernelKind.prefill)

@@ -47,6 +47,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 HEAD_DIM = 128
 HEAD_DIM_V = 128
@@ -73,10 +74,11 @@ _LOG2E_C = tl.constexpr(_LOG2E)
 @triton.jit
 def _attn_fwd_inner(
     acc, l_i, m_i, q, q_pos, first_q_pos, last_q_pos,
-    k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, k_desc, v_desc, desc_b, desc_h,
     start_n, end_n, seqlen_k, qk_scale, slope_log2,
     MASKED: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, _BLOCK_D)
@@ -97,6 +99,11 @@ def _attn_fwd_inner(
             v_mask = key_live[:, None]
             k = tl.load(k_ptrs, mask=k_mask, other=0.0)
             v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+        elif USE_TMA:
+            # Every key of the block is visible: the tensor-memory accelerator copies the
+            # whole [BLOCK_N, D] tiles (head-dim padding beyond D comes back as zeros).
+            k = tl.trans(k_desc.load([desc_b, desc_h, start, 0]).reshape(BLOCK_N, _BLOCK_D))
+            v = v_desc.load([desc_b, desc_h, start, 0]).reshape(BLOCK_N, _BLOCK_DV)
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
@@ -126,7 +133,7 @@ def _attn_fwd_inner(
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse, Slopes,
+    Q, K, V, Out, Lse, Slopes, k_desc, v_desc,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -135,6 +142,7 @@ def _attn_fwd_kernel(
     STORE_LSE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     tl.static_assert(BLOCK_N % 16 == 0)
     tl.static_assert(BLOCK_M % 16 == 0)
@@ -150,6 +158,8 @@ def _attn_fwd_kernel(
     k_base = K + off_b * stride_kb + off_hkv * stride_kh
     v_base = V + off_b * stride_vb + off_hkv * stride_vh
     o_base = Out + off_b * stride_ob + off_h * stride_oh
+    desc_b = off_b.to(tl.int32)
+    desc_h = off_hkv.to(tl.int32)
 
     q_start = m_block * BLOCK_M
     offs_m = q_start + tl.arange(0, BLOCK_M)
@@ -175,16 +185,16 @@ def _attn_fwd_kernel(
     # keys every row of the tile sees: no mask
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, q_pos, first_q_pos, last_q_pos,
-        k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, k_desc, v_desc, desc_b, desc_h,
         full_lo, full_hi, seqlen_k, qk_scale, slope_log2,
-        MASKED=False, BLOCK_N=BLOCK_N,
+        MASKED=False, BLOCK_N=BLOCK_N, USE_TMA=USE_TMA,
     )
     # keys at the diagonal
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, q_pos, first_q_pos, last_q_pos,
-        k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, k_desc, v_desc, desc_b, desc_h,
         full_hi, hi, seqlen_k, qk_scale, slope_log2,
-        MASKED=True, BLOCK_N=BLOCK_N,
+        MASKED=True, BLOCK_N=BLOCK_N, USE_TMA=USE_TMA,
     )
     # -- epilogue -----------------------------------------------------------------------
     # Note: a fully masked row (no visible key) has l_i == 0 and m_i == -inf: it stores
@@ -240,6 +250,26 @@ def _check_inputs(q, k, v, alibi_slopes):
         raise ValueError("alibi_slopes: this kernel was built with alibi: false; pass None")
 
 
+
+def kv_load_path(k, v):
+    """How the kernel reads the K/V blocks that every query row of a tile sees: "tma" (tensor
+    descriptors, Hopper's copy engine) or "pointers: <why not>". Both are exact; blocks at
+    the causal diagonal, window edges and sequence end always use masked pointer loads. TMA
+    needs a unit head-dim stride, the base and the other strides 16-byte aligned (no
+    broadcast stride 0), and at least one key."""
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[2] == 0:
+            return f"pointers: {name} has no keys"
+        if t.stride(3) != 1:
+            return f"pointers: {name} head-dim stride is {t.stride(3)}, not 1"
+        if t.data_ptr() % 16:
+            return f"pointers: {name} base address is not 16-byte aligned"
+        for size, stride in zip(t.shape[:3], t.stride()[:3], strict=True):
+            if (stride * t.element_size()) % 16 or (stride == 0 and size > 1):
+                return f"pointers: {name} strides {tuple(t.stride())} are not 16-byte multiples"
+    return "tma"
+
+
 def attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False):
     """softmax(q @ k^T * sm_scale, masked) @ v.
 
@@ -272,15 +302,24 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False):
     # Unused pointer arguments (LSE without return_lse, slopes without ALiBi) get `out`.
     lse_arg = out if lse is None else lse
     slopes_arg = out if alibi_slopes is None else alibi_slopes
+    use_tma = kv_load_path(k, v) == "tma"
+    k_desc = v_desc = None
+    if use_tma:
+        block_n = CONFIG["BLOCK_N"]
+        k_desc = TensorDescriptor(k, list(k.shape), list(k.stride()),
+                                  [1, 1, block_n, 128])
+        v_desc = TensorDescriptor(v, list(v.shape), list(v.stride()),
+                                  [1, 1, block_n, 128])
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _attn_fwd_kernel[(num_programs,)](
-            q, k, v, out, lse_arg, slopes_arg,
+            q, k, v, out, lse_arg, slopes_arg, k_desc, v_desc,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, num_m_blocks,
             qk_scale,
             STORE_LSE=return_lse,
             BLOCK_M=CONFIG["BLOCK_M"],
             BLOCK_N=CONFIG["BLOCK_N"],
+            USE_TMA=use_tma,
             num_warps=CONFIG["num_warps"],
             num_stages=CONFIG["num_stages"],
         )

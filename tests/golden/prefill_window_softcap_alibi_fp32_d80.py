@@ -288,6 +288,7 @@ def _check_inputs(q, k, v, alibi_slopes):
         raise ValueError(f"alibi_slopes: expected device {q.device}, got {alibi_slopes.device}")
 
 
+
 def attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False):
     """softmax(q @ k^T * sm_scale, softcapped, ALiBi, masked) @ v.
 
