@@ -26,11 +26,17 @@ from attngen.runtime.dispatch import (
 from attngen.runtime.hf import register_transformers
 from attngen.runtime.kvcache import flash_attn_with_kvcache
 from attngen.runtime.ops import reset_run_counts, run_counts
-from attngen.runtime.registry import KernelEntry, Registry, RegistryError, load_kernels, registry
+from attngen.runtime.registry import (
+    KernelEntry,
+    Registry,
+    RegistryError,
+    current_registry,
+    load_kernels,
+)
 
 __all__ = [
     "Dispatch", "KernelEntry", "Need", "NoKernelError", "Registry", "RegistryError",
     "dispatch_log", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
-    "get_fallback", "last_dispatch", "load_kernels", "register_transformers", "registry",
+    "current_registry", "get_fallback", "last_dispatch", "load_kernels", "register_transformers",
     "reset_run_counts", "run_counts", "scaled_dot_product_attention", "set_fallback",
 ]

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from attngen.runtime.registry import KernelEntry, registry
+from attngen.runtime.registry import KernelEntry, current_registry
 
 FALLBACKS = ("error", "sdpa")
 INTERPRETER = "interpreter"  # CPU tensors under TRITON_INTERPRET=1: any arch's module runs
@@ -162,7 +162,7 @@ def _mask_text(spec: dict) -> str:
 def select(api: str, need: Need, fallback: str | None = None) -> Dispatch:
     """The module that serves `need`, recorded; or a fallback (warned), or NoKernelError."""
     mode = _fallback if fallback is None else _check_fallback(fallback, "fallback")
-    entries = registry().entries
+    entries = current_registry().entries
     serving = [e for e in entries if not mismatches(e, need)]
     if serving:
         # Prefer the module whose own mask is the asked one (a causal kernel over a window
@@ -202,7 +202,7 @@ def probe(api: str, fields: tuple, device_type: str, device_index: int | None
           ) -> Dispatch | None:
     """choose() for an optional route (the decode kind): the Dispatch, or None, no error."""
     need = Need(*fields[:9], device_arch(torch.device(device_type, device_index)), *fields[9:])
-    if not any(not mismatches(e, need) for e in registry().entries):
+    if not any(not mismatches(e, need) for e in current_registry().entries):
         return None
     return select(api, need)
 
@@ -226,7 +226,7 @@ def _no_kernel_message(need: Need, entries: list[KernelEntry]) -> str:
             shown.setdefault(entry.module, entry)
     nearest = "; ".join(f"{e.describe()} ({', '.join(mismatches(e, need))})"
                         for e in shown.values()) or "none: the registry is empty"
-    folders = ", ".join(str(f) for f in registry().folders)
+    folders = ", ".join(str(f) for f in current_registry().folders)
     return (f"no generated kernel serves {need.describe()} (kernels from {folders}); "
             f"nearest: {nearest}. Build a spec for it (attngen spec-from-hf, attngen build) "
             "and load it (attngen.runtime.load_kernels or ATTNGEN_KERNELS), or ask for "

@@ -36,8 +36,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     [B, Nq, HQ, DV] (and lse [B, HQ, Nq] with return_softmax_lse). Rotary embedding,
     cache_batch_idx and cache_leftpad are not supported (an error names them); num_splits and
     rotary_interleaved are accepted and ignored."""
-    given = dict(zip(_UNSUPPORTED, (rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad)))
-    for name, value in given.items():
+    given = (rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad)
+    for name, value in zip(_UNSUPPORTED, given, strict=True):
         if value is not None:
             raise ValueError(f"{name}: not supported by attngen's flash_attn_with_kvcache; "
                              "apply rotary embeddings and cache indexing before the call")

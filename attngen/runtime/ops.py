@@ -8,9 +8,9 @@ not asked for): an op's outputs cannot be optional.
 
     attngen::prefill  q [B, HQ, M, D], k/v [B, HKV, N, D]  -> out [B, HQ, M, DV], lse [B, HQ, M]
     attngen::varlen   q [Tq, HQ, D], k/v [Tk, HKV, D]       -> out [Tq, HQ, DV], lse [HQ, Tq]
-    attngen::decode   q [B, HQ, Nq, D], caches (contiguous [B, HKV, L, D] or paged
-                      [pages, page_size, HKV, D]); appends k_new/v_new into the caches in place
-                      (mutates_args)                           -> out [B, HQ, Nq, DV], lse [B, HQ, Nq]
+    attngen::decode   q [B, HQ, Nq, D], caches contiguous [B, HKV, L, D] or paged
+                      [pages, page_size, HKV, D]; appends k_new/v_new into the caches in
+                      place (mutates_args) -> out [B, HQ, Nq, DV], lse [B, HQ, Nq]
 
 `run_counts()` counts the kernel calls per module, including calls from compiled graphs.
 """
@@ -23,7 +23,7 @@ import threading
 import torch
 from torch import Tensor
 
-from attngen.runtime.registry import registry
+from attngen.runtime.registry import current_registry
 
 _counts: collections.Counter[str] = collections.Counter()
 _counts_lock = threading.Lock()
@@ -52,7 +52,7 @@ def _no_lse(q: Tensor) -> Tensor:
 @torch.library.custom_op("attngen::prefill", mutates_args=())
 def prefill(key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
             alibi_slopes: Tensor | None, return_lse: bool) -> tuple[Tensor, Tensor]:
-    module = registry().module(key)
+    module = current_registry().module(key)
     _ran(key)
     result = module.attention(q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
                               return_lse=return_lse)
@@ -72,7 +72,7 @@ def varlen(key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
            cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, sm_scale: float,
            alibi_slopes: Tensor | None, seqused_k: Tensor | None,
            return_lse: bool) -> tuple[Tensor, Tensor]:
-    module = registry().module(key)
+    module = current_registry().module(key)
     _ran(key)
     result = module.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
@@ -96,7 +96,7 @@ def decode(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
            return_lse: bool) -> tuple[Tensor, Tensor]:
     """The decode kind's `decode` entry point (issue 6's contract); appends k_new/v_new into
     the caches at cache_seqlens, in place, before attending."""
-    module = registry().module(key)
+    module = current_registry().module(key)
     _ran(key)
     result = module.decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
                            k_new=k_new, v_new=v_new, sm_scale=sm_scale,

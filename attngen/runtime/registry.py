@@ -116,7 +116,7 @@ def load_kernels(*folders: str | Path) -> Registry:
     return registry
 
 
-def registry() -> Registry:
+def current_registry() -> Registry:
     """The registry in use, loaded from the default folders on first use."""
     current = _current
     if current is None:
