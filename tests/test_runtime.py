@@ -15,7 +15,7 @@ from attngen.reference import compare_to_reference
 from attngen.runtime import ops
 from attngen.runtime.registry import current_registry, load_kernels
 from tests.kernel_harness import make_spec
-from tests.runtime_harness import build_fake_decode, toy_folder, toy_kernels  # noqa: F401
+from tests.runtime_harness import build_fake_decode
 from tests.test_varlen_properties import assert_each_sequence_matches, cu_seqlens
 
 TOY = make_spec(name="toy", dtype="fp32", head_dim=16, num_q_heads=4, num_kv_heads=2)
