@@ -1,3 +1,29 @@
-"""attngen: specialized FlashAttention-style Triton kernels generated from a YAML spec."""
+"""attngen: specialized FlashAttention-style Triton kernels generated from a YAML spec.
+
+The build path (spec -> generated/) imports neither torch nor triton, so the names that run
+kernels are loaded lazily, from attngen.runtime, on first access.
+"""
 
 __version__ = "0.1.0"
+
+_RUNTIME = frozenset({
+    "scaled_dot_product_attention", "flash_attn_func", "flash_attn_varlen_func",
+    "flash_attn_with_kvcache", "register_transformers", "last_dispatch", "dispatch_log",
+    "load_kernels", "set_fallback", "NoKernelError",
+})
+
+
+def __getattr__(name: str):
+    if name in _RUNTIME:
+        import attngen.runtime
+
+        return getattr(attngen.runtime, name)
+    if name == "spec_from_config":
+        from attngen.hf_spec import spec_from_config
+
+        return spec_from_config
+    raise AttributeError(f"module 'attngen' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_RUNTIME, "spec_from_config"})

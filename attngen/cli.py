@@ -14,7 +14,7 @@ import typer
 from attngen.arch import arch_names
 from attngen.build import build, load_specs, stale_paths
 from attngen.explain import explain_lines
-from attngen.spec import SpecError
+from attngen.spec import SpecError, specs_from_data
 from attngen.tuning import DEFAULT_TUNING_DIR
 
 app = typer.Typer(
@@ -62,6 +62,35 @@ def check_command(specs: SpecPaths, out: OutDir = Path("generated"),
     if stale:
         raise _fail(f"{out} is stale; run `attngen build`: " + ", ".join(stale))
     typer.echo(f"attngen: {out} is up to date")
+
+
+@app.command("spec-from-hf")
+def spec_from_hf_command(
+    config: Annotated[Path, typer.Argument(help="A transformers config.json, or its folder.",
+                                           show_default=False)],
+    archs: Annotated[str, typer.Option(help="Comma-separated targets.")] = "sm80,sm90",
+    name: Annotated[str | None, typer.Option(help="Spec name; default the model_type.")] = None,
+    dtype: Annotated[str | None, typer.Option(
+        help="fp16 | bf16 | fp32; default the config's dtype/torch_dtype.")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Write the spec here; default "
+                                             "stdout.")] = None,
+) -> None:
+    """Write the spec of a transformers model's attention (read as JSON; no transformers)."""
+    from attngen.build import write_if_different
+    from attngen.hf_spec import spec_data_from_config, spec_yaml
+
+    try:
+        data = spec_data_from_config(config, archs=[a for a in archs.split(",") if a],
+                                     name=name, dtype=dtype)
+        specs_from_data(data)  # validated before anything is written
+        text = spec_yaml(data)
+    except SpecError as exc:
+        raise _fail(str(exc)) from None
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        write_if_different(out, text)
+        typer.echo(f"attngen: {out} written")
 
 
 @app.command("explain")

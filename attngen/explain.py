@@ -27,10 +27,16 @@ def explain_lines(specs: Iterable[AttnSpec], archs: Iterable[str] | None = None,
     for spec in specs:
         for arch in spec.archs:
             if wanted is None or arch in wanted:
+                # Kinds that end with the same config (varlen shares prefill's key loop and,
+                # without its own tuning entry, prefill's tuned config) are explained once.
+                groups: dict[object, tuple[Derivation, list[str]]] = {}
                 for kind in spec.kernels:
                     record = lookup(tuning_dir, spec, kind, arch)
-                    lines += explain_one(spec, apply_tuning(derive_tiles(spec, arch), record))
-                    lines.append("")
+                    derivation = apply_tuning(derive_tiles(spec, arch), record)
+                    groups.setdefault(derivation.chosen, (derivation, []))[1].append(kind.value)
+                for derivation, kinds in groups.values():
+                    section = explain_one(spec, derivation)
+                    lines += [section[0], f"   kernels: {', '.join(kinds)}", *section[1:], ""]
     return lines
 
 

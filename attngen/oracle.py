@@ -69,7 +69,7 @@ def load_kernel(spec: AttnSpec, arch: str) -> Any:
     if derivation.chosen is None:  # still renderable: any config will do for the text
         derivation = dataclasses.replace(derivation, chosen=TileConfig(64, 64, 4, 1))
     source = render_module(spec, KernelKind.prefill, derivation)
-    kernels_text = source[source.index("@triton.jit"):source.index("def _check_inputs")]
+    kernels_text = source[source.index("@triton.jit"):source.index("\ndef _check")]
     key = hashlib.sha256(kernels_text.encode()).hexdigest()
     if key not in _kernels:
         with tempfile.TemporaryDirectory() as tmp, _compiled_not_interpreted():

@@ -27,7 +27,10 @@ from attngen.tiling import Derivation, padded_head_dim
 ALLOWED_IMPORTS = frozenset({"contextlib", "math", "os", "torch", "triton", "triton.language"})
 ALLOWED_FROM_IMPORTS = frozenset({("triton.language.extra", "libdevice"),
                                   ("triton.tools.tensor_descriptor", "TensorDescriptor")})
-TEMPLATE_FOR_KIND = {KernelKind.prefill: "prefill.py.jinja"}
+# varlen is the prefill template with its `varlen` flag set: one kernel, two ways to find a
+# sequence. Each kind's public entry point is what the runtime calls and the ast gate requires.
+TEMPLATE_FOR_KIND = {KernelKind.prefill: "prefill.py.jinja", KernelKind.varlen: "prefill.py.jinja"}
+ENTRY_POINTS = {KernelKind.prefill: "attention", KernelKind.varlen: "attention_varlen"}
 _DTYPE_NAMES = {Dtype.fp16: "float16", Dtype.bf16: "bfloat16", Dtype.fp32: "float32"}
 
 
@@ -96,9 +99,12 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
         "window_right": window[1],
         "softcap": float(spec.softcap),
         "alibi": spec.alibi,
-        # Hopper's tensor-memory accelerator for the unmasked K/V blocks (16-bit only: fp32
-        # dots are FMA loops, whose operands do not come from shared memory as TMA lays it).
-        "tma": ARCHS[derivation.arch].has_tma and spec.dtype.itemsize == 2,
+        "varlen": kind is KernelKind.varlen,
+        # Hopper's tensor-memory accelerator for the unmasked K/V blocks of padded batches
+        # (16-bit only: fp32 dots are FMA loops, which do not read operands as TMA lays them
+        # out; varlen's packed rows would need other descriptors).
+        "tma": (ARCHS[derivation.arch].has_tma and spec.dtype.itemsize == 2
+                and kind is not KernelKind.varlen),
     }
 
 
@@ -115,7 +121,7 @@ def _yaml_value(value: Any) -> str:
 def render_module(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> str:
     context = build_context(spec, kind, derivation)
     source = _environment().get_template(TEMPLATE_FOR_KIND[kind]).render(**context)
-    check_module_source(source, context["module_name"])
+    check_module_source(source, context["module_name"], ENTRY_POINTS[kind])
     return source
 
 
@@ -124,9 +130,9 @@ def render_template(template_name: str, context: dict[str, Any]) -> str:
     return _environment().get_template(template_name).render(**context)
 
 
-def check_module_source(source: str, name: str) -> None:
+def check_module_source(source: str, name: str, entry: str = "attention") -> None:
     """The ast gate: the module parses, imports only what ALLOWED_IMPORTS and
-    ALLOWED_FROM_IMPORTS name, and defines `attention`."""
+    ALLOWED_FROM_IMPORTS name, and defines its entry point (`attention` for prefill)."""
     try:
         tree = ast.parse(source, filename=f"{name}.py")
     except SyntaxError as exc:
@@ -142,5 +148,5 @@ def check_module_source(source: str, name: str) -> None:
                     raise RenderError(f"{name}: rendered module imports "
                                       f"{node.module or ''!r} (name {alias.name!r})")
     defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
-    if "attention" not in defined:
-        raise RenderError(f"{name}: rendered module defines no attention()")
+    if entry not in defined:
+        raise RenderError(f"{name}: rendered module defines no {entry}()")

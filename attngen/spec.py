@@ -66,7 +66,14 @@ class CausalAlign(str, Enum):
 
 
 class KernelKind(str, Enum):
+    """What a generated module computes; each kind has its own entry point (render.ENTRY_POINTS).
+
+    prefill: `attention`, padded batches [B, H, N, D]. varlen: `attention_varlen`, packed
+    sequences of different lengths [total, H, D] with cu_seqlens (flash-attn's varlen layout).
+    """
+
     prefill = "prefill"
+    varlen = "varlen"
 
 
 ArchName = Annotated[StrictStr, Field(pattern=r"^sm[0-9]+$")]
@@ -321,7 +328,7 @@ _ALLOWED = {
     "window_right": "an int in 0..2147483647",
     "softcap": "a number in 0..10000 (0 disables it); YAML 1.2 form such as 50 or 30.0",
     "alibi": "true or false",
-    "kernels": "a list among prefill",
+    "kernels": "a list among prefill, varlen (each at most once)",
 }
 
 

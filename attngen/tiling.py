@@ -178,8 +178,28 @@ def smem_expression(arch: GpuArch) -> sympy.Expr:
     if arch.has_wgmma:
         wgmma = E * sympy.Max(q + S * (k + v), epilogue)
         sixteen_bit = sympy.Piecewise((wgmma, BM >= 64), (sixteen_bit, True))
+    if arch.has_tma:
+        sixteen_bit = sixteen_bit + tma_barrier_expression()
     fp32 = E * sympy.Max(loop(BM * BN, sympy.Max(S - 1, 1)), epilogue) + 4 * sympy.Max(BM, 32)
     return sympy.Piecewise((fp32, sympy.Eq(E, 4)), (sixteen_bit, True))
+
+
+def tma_barrier_expression() -> sympy.Expr:
+    """What TMA loads (16-bit, Hopper: templates' `tma` flag) add to shared memory: two arrays
+    (K, V) of n 8-byte mbarriers, the first padded to 16 B, with n = S on the wgmma path and
+    S - 1 on mma.sync (its pipeline is one stage shorter); a single barrier (wgmma) or none
+    (mma.sync) at S = 1. On the wgmma path, when the stages of K and V outgrow Q
+    (S * BLOCK_N > BLOCK_M) the barriers land after the 1024-byte aligned swizzled buffers
+    instead: 1024 B of alignment plus one array. Fitted to all 256 16-bit sm90 configs of
+    the examples (D = DV = 64, 128, 256) and checked by verify-tiling."""
+    def arrays(n: sympy.Expr) -> sympy.Expr:
+        return 16 * sympy.ceiling(8 * n / sympy.Integer(16)) + 8 * n
+
+    wgmma = sympy.Piecewise(
+        (1024 + 8 * S * sympy.Piecewise((0, sympy.Eq(S, 1)), (1, True)), S * BN > BM),
+        (8, sympy.Eq(S, 1)), (arrays(S), True))
+    mma = sympy.Piecewise((0, sympy.Eq(S, 1)), (arrays(S - 1), True))
+    return sympy.Piecewise((wgmma, BM >= 64), (mma, True))
 
 
 @cache

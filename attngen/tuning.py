@@ -42,10 +42,12 @@ class TuningRecord:
     date: str
     complete: bool  # False when the budget ran out before every candidate was timed
     median_ms: dict[str, float]  # bucket -> the winner's median time
+    borrowed_from: str | None = None  # the kind whose entry this is, when not the asked kind
 
     def describe(self) -> str:
         partial = "" if self.complete else ", partial search"
-        return f"tuning on {self.gpu}, triton {self.triton}, {self.date}{partial}"
+        borrowed = f" (of the {self.borrowed_from} kernel)" if self.borrowed_from else ""
+        return f"tuning{borrowed} on {self.gpu}, triton {self.triton}, {self.date}{partial}"
 
 
 def entry_key(spec: AttnSpec, kind: KernelKind) -> str:
@@ -84,13 +86,20 @@ def lookup(tuning_dir: Path | None, spec: AttnSpec, kind: KernelKind, arch: str
            ) -> TuningRecord | None:
     if tuning_dir is None:
         return None
-    entry = read_tuning_file(tuning_path(tuning_dir, arch))["entries"].get(entry_key(spec, kind))
+    entries = read_tuning_file(tuning_path(tuning_dir, arch))["entries"]
+    entry = entries.get(entry_key(spec, kind))
+    borrowed = None
+    if entry is None and kind is KernelKind.varlen:
+        # The varlen kernel is the prefill kernel with another way to find its sequence: the
+        # same key loop, registers and shared memory. Until it is tuned on its own, it takes
+        # prefill's measured config, and its header says so.
+        entry, borrowed = entries.get(entry_key(spec, KernelKind.prefill)), "prefill"
     if entry is None:
         return None
     try:
         config = TileConfig.from_dict(entry["config"])
         return TuningRecord(config, str(entry["gpu"]), str(entry["triton"]), str(entry["date"]),
-                            bool(entry["complete"]), dict(entry["median_ms"]))
+                            bool(entry["complete"]), dict(entry["median_ms"]), borrowed)
     except (KeyError, TypeError, ValueError) as exc:
         raise TuningError(f"{tuning_path(tuning_dir, arch)}: entry {entry_key(spec, kind)} is "
                           f"malformed ({exc!r})") from None

@@ -44,3 +44,7 @@ settings.load_profile(os.environ.get("ATTNGEN_HYPOTHESIS_PROFILE",
 @pytest.fixture(scope="session")
 def device() -> str:
     return "cuda" if HAS_CUDA else "cpu"
+
+
+# The runtime's toy kernels (after TRITON_INTERPRET is set: loading them defines Triton kernels).
+from tests.runtime_harness import toy_folder, toy_kernels  # noqa: E402, F401

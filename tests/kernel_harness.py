@@ -34,13 +34,13 @@ def make_spec(**fields) -> AttnSpec:
 
 @cache
 def load_kernel(spec: AttnSpec, block_m: int | None = None, block_n: int | None = None,
-                arch: str = "sm90") -> ModuleType:
-    """Render the spec's prefill module to a real .py file and import it (the JIT needs a file).
-
-    block_m/block_n override the derived tiles, to put block boundaries where a test wants them.
+                arch: str = "sm90", kind: str = "prefill") -> ModuleType:
+    """Render the spec's module of `kind` to a real .py file and import it (the JIT needs a
+    file). block_m/block_n override the derived tiles, to put block boundaries where a test
+    wants them.
     """
-    source = render_module(spec, KernelKind.prefill, derive_tiles(spec, arch))
-    name = f"{module_name(spec, KernelKind.prefill)}_{next(_counter)}"
+    source = render_module(spec, KernelKind(kind), derive_tiles(spec, arch))
+    name = f"{module_name(spec, KernelKind(kind))}_{next(_counter)}"
     path = _MODULE_DIR / f"{name}.py"
     path.write_text(source)
     module_spec = importlib.util.spec_from_file_location(name, path)

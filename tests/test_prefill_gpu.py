@@ -36,7 +36,8 @@ def _example_specs():
 def _load_generated(spec):
     index = json.loads((GENERATED / "index.json").read_text())
     entry = next(e for e in index["modules"]
-                 if e["arch"] == "sm90" and e["spec_hash"] == spec.spec_hash())
+                 if e["arch"] == "sm90" and e["kind"] == "prefill"
+                 and e["spec_hash"] == spec.spec_hash())
     path = GENERATED / entry["path"]
     name = f"generated_{entry['module']}"
     module_spec = importlib.util.spec_from_file_location(name, path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import json
 import os
 import re
 import shutil
@@ -22,6 +23,7 @@ import pytest
 from attngen import __version__, render
 from attngen.arch import ARCHS
 from attngen.render import (
+    ENTRY_POINTS,
     RenderError,
     build_context,
     check_module_source,
@@ -92,6 +94,7 @@ CAUSAL_BR_BF16_D128 = {
     "window_right": 0,
     "softcap": 0.0,
     "alibi": False,
+    "varlen": False,
     "tma": True,
 }
 
@@ -145,10 +148,21 @@ WINDOW_SOFTCAP_ALIBI_FP32_D80 = {
     "window_right": 16,
     "softcap": 30.0,
     "alibi": True,
+    "varlen": False,
+    "tma": False,
+}
+
+# The same causal bf16 kernel as varlen: packed sequences, cu_seqlens, LSE [HQ, total_q].
+CAUSAL_BR_BF16_D128_VARLEN = {
+    **CAUSAL_BR_BF16_D128,
+    "module_name": "golden_causal_varlen_bf16_d128_causal_br",
+    "spec_lines": [*CAUSAL_BR_BF16_D128["spec_lines"][:-1], "kernels: [varlen]"],
+    "varlen": True,
     "tma": False,
 }
 
 GOLDEN = {
+    "varlen_causal_br_bf16_d128": CAUSAL_BR_BF16_D128_VARLEN,
     "prefill_causal_br_bf16_d128": CAUSAL_BR_BF16_D128,
     "prefill_window_softcap_alibi_fp32_d80": WINDOW_SOFTCAP_ALIBI_FP32_D80,
 }
@@ -191,8 +205,9 @@ def test_golden_contexts_mirror_build_context() -> None:
         for key, value in real.items():
             assert type(context[key]) is type(value), f"{name}.{key}"
         if not UPDATE:
+            kind = KernelKind.varlen if context["varlen"] else PREFILL
             assert context["module_name"] == module_name(
-                specs_from_data(_spec_from_lines(context["spec_lines"]))[0], PREFILL)
+                specs_from_data(_spec_from_lines(context["spec_lines"]))[0], kind)
 
 
 def _spec_from_lines(lines: list[str]) -> dict:
@@ -222,7 +237,8 @@ def test_golden_render(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(GOLDEN))
 def test_golden_files_pass_the_gate(name: str) -> None:
     source = (GOLDEN_DIR / f"{name}.py").read_text(encoding="utf-8")
-    check_module_source(source, GOLDEN[name]["module_name"])
+    entry = "attention_varlen" if GOLDEN[name]["varlen"] else "attention"
+    check_module_source(source, GOLDEN[name]["module_name"], entry)
     assert source.endswith("\n") and not source.endswith("\n\n")
     header = _header(source)
     context = GOLDEN[name]
@@ -310,16 +326,17 @@ def test_gate_accepts_every_rendered_module() -> None:
     for spec in VARIETY.values():
         for arch in spec.archs:
             check_module_source(_render(spec, arch), module_name(spec, PREFILL))
-    generated = sorted((ROOT / "generated").glob("*/*.py"))
-    assert generated
-    for path in generated:
-        check_module_source(path.read_text(encoding="utf-8"), path.stem)
+    generated = json.loads((ROOT / "generated" / "index.json").read_text())["modules"]
+    assert {entry["kind"] for entry in generated} == {"prefill", "varlen"}
+    for entry in generated:
+        source = (ROOT / "generated" / entry["path"]).read_text(encoding="utf-8")
+        check_module_source(source, entry["module"], ENTRY_POINTS[KernelKind(entry["kind"])])
 
 
 def test_render_module_runs_the_gate(monkeypatch: pytest.MonkeyPatch) -> None:
     seen = []
     monkeypatch.setattr(render, "check_module_source",
-                        lambda source, name: seen.append(name))
+                        lambda source, name, entry: seen.append(name))
     spec = VARIETY["causal_br"]
     _render(spec)
     assert seen == [module_name(spec, PREFILL)]

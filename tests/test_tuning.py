@@ -32,7 +32,8 @@ def _write_entry(folder: Path, config: TileConfig, spec=SPEC) -> None:
     folder.mkdir(exist_ok=True)
     entry = {"config": config.as_dict(), "gpu": "NVIDIA H200", "triton": "3.6.0",
              "date": "2026-11-30", "complete": True, "median_ms": {"tiny": 1.0}}
-    data = {"schema": TUNING_SCHEMA, "arch": "sm90", "entries": {entry_key(spec, KernelKind.prefill): entry}}
+    data = {"schema": TUNING_SCHEMA, "arch": "sm90",
+            "entries": {entry_key(spec, KernelKind.prefill): entry}}
     (folder / "sm90.json").write_text(json.dumps(data))
 
 

@@ -133,12 +133,13 @@ def _attn_fwd_inner(
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse, Slopes, k_desc, v_desc,
+    Q, K, V, Out, Lse, Slopes,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     num_q_heads, q_per_kv, seqlen_q, seqlen_k, num_m_blocks, qk_scale,
+    k_desc, v_desc,
     STORE_LSE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -211,12 +212,15 @@ def _attn_fwd_kernel(
         tl.store(lse_ptrs, lse, mask=row_ok)
 
 
-def _check_inputs(q, k, v, alibi_slopes):
+def _check_tensors(q, k, v, layout):
+    """Type, rank, dtype, device, head dims and head counts of q, k, v laid out as `layout`
+    ("[B, H, N, D]" or "[T, H, D]": heads on axis 1, head dim last, length on axis -2 / 0)."""
+    rank = layout.count(",") + 1
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name}: expected rank 4 [B, H, N, D], got {tuple(t.shape)}")
+        if t.dim() != rank:
+            raise ValueError(f"{name}: expected rank {rank} {layout}, got {tuple(t.shape)}")
         if t.dtype != DTYPE:
             raise ValueError(f"{name}: expected dtype {DTYPE}, got {t.dtype}")
         if t.device != q.device:
@@ -225,20 +229,17 @@ def _check_inputs(q, k, v, alibi_slopes):
         raise ValueError(
             f"q: expected CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), got {q.device}"
         )
-    if q.shape[3] != HEAD_DIM or k.shape[3] != HEAD_DIM:
+    if q.shape[-1] != HEAD_DIM or k.shape[-1] != HEAD_DIM:
         raise ValueError(
-            f"head dim: expected q and k with D={HEAD_DIM}, got {q.shape[3]} and {k.shape[3]}"
+            f"head dim: expected q and k with D={HEAD_DIM}, got {q.shape[-1]} and {k.shape[-1]}"
         )
-    if v.shape[3] != HEAD_DIM_V:
-        raise ValueError(f"v: expected head dim {HEAD_DIM_V}, got {v.shape[3]}")
-    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+    if v.shape[-1] != HEAD_DIM_V:
+        raise ValueError(f"v: expected head dim {HEAD_DIM_V}, got {v.shape[-1]}")
+    length = 0 if rank == 3 else 2
+    if k.shape[1] != v.shape[1] or k.shape[length] != v.shape[length]:
         raise ValueError(
-            f"batch: expected equal sizes, got q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}"
-        )
-    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
-        raise ValueError(
-            f"k and v: expected the same heads and length, got {tuple(k.shape[1:3])} "
-            f"and {tuple(v.shape[1:3])}"
+            f"k and v: expected the same heads and length, got {k.shape[1]}, {k.shape[length]} "
+            f"and {v.shape[1]}, {v.shape[length]}"
         )
     num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
     if num_kv_heads == 0 or num_q_heads % num_kv_heads:
@@ -246,9 +247,27 @@ def _check_inputs(q, k, v, alibi_slopes):
             "heads: expected q heads a multiple of k/v heads, "
             f"got {num_q_heads} and {num_kv_heads}"
         )
+
+
+def _check_alibi(alibi_slopes, num_q_heads, device):
     if alibi_slopes is not None:
         raise ValueError("alibi_slopes: this kernel was built with alibi: false; pass None")
 
+
+def _kernel_scale(sm_scale):
+    """The scale the kernel multiplies q.k by: log2 e folded in, or 1/softcap before tanh."""
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(HEAD_DIM)
+    elif isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
+        raise ValueError(f"sm_scale: expected a finite float > 0, got {sm_scale!r}")
+    elif not (math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale: expected a finite float > 0, got {sm_scale!r}")
+    return sm_scale * _LOG2E
+
+
+def _check_grid(num_programs):
+    if num_programs >= 2**31:
+        raise ValueError(f"shape: {num_programs} programs exceed the grid's 2**31 - 1")
 
 
 def kv_load_path(k, v):
@@ -279,15 +298,15 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False):
     log-sum-exp of the scores [B, HQ, M] in float32 (natural log; -inf for a row that sees
     no key, whose output is 0).
     """
-    _check_inputs(q, k, v, alibi_slopes)
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(HEAD_DIM)
-    elif isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
-        raise ValueError(f"sm_scale: expected a finite float > 0, got {sm_scale!r}")
-    elif not (math.isfinite(sm_scale) and sm_scale > 0):
-        raise ValueError(f"sm_scale: expected a finite float > 0, got {sm_scale!r}")
+    _check_tensors(q, k, v, "[B, H, N, D]")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(
+            f"batch: expected equal sizes, got q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}"
+        )
     batch, num_q_heads, seqlen_q, _ = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    _check_alibi(alibi_slopes, num_q_heads, q.device)
+    qk_scale = _kernel_scale(sm_scale)
     out = q.new_empty((batch, num_q_heads, seqlen_q, HEAD_DIM_V))
     lse = None
     if return_lse:
@@ -296,9 +315,7 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False):
         return (out, lse) if return_lse else out
     num_m_blocks = triton.cdiv(seqlen_q, CONFIG["BLOCK_M"])
     num_programs = num_m_blocks * batch * num_q_heads
-    if num_programs >= 2**31:
-        raise ValueError(f"shape: {num_programs} programs exceed the grid's 2**31 - 1")
-    qk_scale = sm_scale * _LOG2E
+    _check_grid(num_programs)
     # Unused pointer arguments (LSE without return_lse, slopes without ALiBi) get `out`.
     lse_arg = out if lse is None else lse
     slopes_arg = out if alibi_slopes is None else alibi_slopes
@@ -312,10 +329,10 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False):
                                   [1, 1, block_n, 128])
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _attn_fwd_kernel[(num_programs,)](
-            q, k, v, out, lse_arg, slopes_arg, k_desc, v_desc,
+            q, k, v, out, lse_arg, slopes_arg,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, num_m_blocks,
-            qk_scale,
+            qk_scale, k_desc, v_desc,
             STORE_LSE=return_lse,
             BLOCK_M=CONFIG["BLOCK_M"],
             BLOCK_N=CONFIG["BLOCK_N"],

@@ -1,0 +1,42 @@
+"""The runtime: generated kernels in real models (torch; never imported by the build path).
+
+    registry.py  which generated modules exist (index.json), imported by file path
+    dispatch.py  which module serves a call, and the record of why (or the warned fallback)
+    ops.py       torch.library custom ops around the modules' entry points
+    api.py       scaled_dot_product_attention, flash_attn_func, flash_attn_varlen_func
+    kvcache.py   flash_attn_with_kvcache (decode kind when built; varlen over the cache now)
+    hf.py        the transformers attention function ("attngen")
+    fallback.py  the torch implementation behind fallback="sdpa"
+"""
+
+from attngen.runtime.api import (
+    flash_attn_func,
+    flash_attn_varlen_func,
+    scaled_dot_product_attention,
+)
+from attngen.runtime.dispatch import (
+    Dispatch,
+    Need,
+    NoKernelError,
+    dispatch_log,
+    get_fallback,
+    last_dispatch,
+    set_fallback,
+)
+from attngen.runtime.hf import register_transformers
+from attngen.runtime.kvcache import flash_attn_with_kvcache
+from attngen.runtime.ops import reset_run_counts, run_counts
+from attngen.runtime.registry import (
+    KernelEntry,
+    Registry,
+    RegistryError,
+    current_registry,
+    load_kernels,
+)
+
+__all__ = [
+    "Dispatch", "KernelEntry", "Need", "NoKernelError", "Registry", "RegistryError",
+    "dispatch_log", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+    "current_registry", "get_fallback", "last_dispatch", "load_kernels", "register_transformers",
+    "reset_run_counts", "run_counts", "scaled_dot_product_attention", "set_fallback",
+]

@@ -1,0 +1,79 @@
+"""The torch fallback: what runs when a caller asked for fallback="sdpa" and no generated kernel
+serves the call. Same semantics as a generated kernel (masks by aligned position, softcap,
+ALiBi, GQA, a row that sees no key gives 0 and LSE -inf), in [B, H, N, D] layout.
+
+Plain SDPA when it can express the call (no softcap, no LSE asked for), else the explicit
+math in fp32. Only ever reached after a warning that names why.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def visible(mask: str, align: str | None, window, seqlen_q: int, seqlen_k: int, device):
+    """[Nq, Nk] bool, or None for no mask; i' = i + (Nk - Nq) under bottom_right."""
+    if mask == "none":
+        return None
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    i = i + (seqlen_k - seqlen_q if align == "bottom_right" else 0)
+    if mask == "causal":
+        return j <= i
+    left, right = window
+    return (j >= i - left) & (j <= i + right)
+
+
+def torch_attention(q, k, v, *, mask="none", align=None, window=None, softcap=0.0,
+                    alibi_slopes=None, scale=None, attn_mask=None, dropout_p=0.0,
+                    return_lse=False):
+    """out [B, HQ, Nq, DV] (and lse [B, HQ, Nq] fp32) for q [B, HQ, Nq, D], k/v [B, HKV, Nk, D]."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    seen = visible(mask, align, window, seqlen_q, seqlen_k, q.device)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        seen = attn_mask if seen is None else seen & attn_mask
+        attn_mask = None
+    bias = attn_mask.float() if attn_mask is not None else None
+    if alibi_slopes is not None:
+        i = torch.arange(seqlen_q, device=q.device)[:, None]
+        i = i + (seqlen_k - seqlen_q if align == "bottom_right" else 0)
+        distance = (i - torch.arange(seqlen_k, device=q.device)[None, :]).abs().float()
+        alibi = -alibi_slopes.float()[:, None, None] * distance
+        bias = alibi if bias is None else bias + alibi
+    if not softcap and not return_lse:
+        full = None if seen is None else torch.zeros(seen.shape, device=q.device).masked_fill(
+            ~seen, float("-inf"))
+        if bias is not None:
+            full = bias if full is None else full + bias
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=None if full is None else full.to(q.dtype), dropout_p=dropout_p,
+            scale=scale)
+        return _zero_unseen(out, seen)
+    if dropout_p:
+        raise ValueError("dropout_p: the fallback supports dropout only without softcap and LSE")
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    if bias is not None:
+        scores = scores + bias
+    if seen is not None:
+        scores = scores.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    out = (probs.to(v.dtype) @ v).to(q.dtype)
+    out = _zero_unseen(out, seen)
+    return (out, lse) if return_lse else out
+
+
+def _zero_unseen(out, seen):
+    """A row that sees no key is 0 (SDPA gives NaN there), as in the generated kernels."""
+    if seen is None:
+        return out
+    return out.masked_fill(~seen.any(-1)[:, None], 0.0)

@@ -1,0 +1,134 @@
+"""Hugging Face transformers: the attention function registered as "attngen".
+
+    attngen.register_transformers()
+    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="attngen")
+
+transformers calls `attngen_attention(module, q, k, v, attention_mask, ...)` in each layer
+with q [B, HQ, Nq, D] and k/v [B, HKV, Nk, D] (the KV cache already updated: the queries are
+the last Nq of the Nk positions, so the causal diagonal is bottom-right). The mask function
+registered with it hands over the 2D padding mask [B, Nk] (None without padding), as for
+flash-attention:
+- no padding: the prefill kind on the tensors as they are;
+- padding (batches of prompts of different lengths, and every decode step after them): the
+  tokens are unpadded into packed sequences and run through the varlen kind, as transformers'
+  own flash-attention path does; padded query rows get output 0.
+Packed-sequence kwargs (cu_seq_lens_q/k, max_length_q/k) go to the varlen kind directly.
+What no generated kernel can do (a 4D mask, dropout, attention sinks, output_attentions) is
+refused by name. A decode step is a prefill/varlen call with Nq = 1 for now; the decode kind
+(issue 6) can take these over once built.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from attngen.runtime.api import run_dense, run_varlen
+from attngen.runtime.dispatch import NoKernelError
+
+NAME = "attngen"
+API = "transformers"
+
+
+def register_transformers() -> str:
+    """Register the attention function and its mask function under "attngen"; returns it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(NAME, attngen_attention)
+    # flash-attention's mask function: the 2D padding mask, or None when nothing is padded.
+    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    return NAME
+
+
+def _mask_of(module, query, key, sliding_window, is_causal):
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if sliding_window:
+        # transformers keeps key j for query i when i - W < j (<= i if causal): left W - 1.
+        reach = sliding_window - 1
+        return "sliding_window", (reach, 0 if causal else reach)
+    return ("causal", None) if causal else ("none", None)
+
+
+def attngen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                      sliding_window=None, softcap=None, is_causal=None, **kwargs):
+    """transformers' attention-function contract: returns (out [B, Nq, HQ, DV], None)."""
+    for name in ("s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise NoKernelError(f"attngen: {name}: attention sinks are not in any spec")
+    if kwargs.get("output_attentions"):
+        raise NoKernelError("attngen: output_attentions=True: the kernels never form the "
+                            "attention probabilities; use attn_implementation='eager'")
+    refusal = None
+    if dropout:
+        refusal = f"dropout: got {dropout} (training mode); generated kernels are inference-only"
+    mask, window = _mask_of(module, query, key, sliding_window, is_causal)
+    common = dict(mask=mask, align="bottom_right", window=window, softcap=softcap,
+                  alibi_slopes=None, scale=scaling, return_lse=False, fallback=None,
+                  refusal=refusal)
+    batch, _, seqlen_q, _ = query.shape
+    seqlen_k = key.shape[2]
+    if kwargs.get("cu_seq_lens_q") is not None and attention_mask is None:
+        return _packed(query, key, value, kwargs, common), None
+    if attention_mask is None:
+        _refuse_packed_positions(kwargs.get("position_ids"), seqlen_q, seqlen_k)
+        out, _ = run_dense(API, query, key, value, dropout_p=dropout, **common)
+        return out.transpose(1, 2), None
+    if attention_mask.dim() != 2 or attention_mask.shape != (batch, seqlen_k):
+        raise NoKernelError(
+            f"attngen: attention_mask: got shape {tuple(attention_mask.shape)}; the 'attngen' "
+            f"implementation takes the 2D padding mask [{batch}, {seqlen_k}] (call "
+            "attngen.register_transformers() so transformers builds that one) or None")
+    return _unpadded(query, key, value, attention_mask.bool(), common), None
+
+
+def _unpadded(query, key, value, keep, common):
+    """Padded [B, H, N, D] -> packed varlen call -> padded [B, Nq, HQ, DV] (0 in padding)."""
+    batch, num_q_heads, seqlen_q, _ = query.shape
+    seqlen_k = key.shape[2]
+    keep_q = keep[:, seqlen_k - seqlen_q:]  # the queries are the last Nq positions
+    rows_k = keep.flatten().nonzero().squeeze(1)
+    cu_k = F.pad(keep.sum(-1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    if seqlen_q == seqlen_k:  # same lengths per sequence: one tensor (the alignments agree)
+        rows_q, cu_q = rows_k, cu_k
+    else:
+        rows_q = keep_q.flatten().nonzero().squeeze(1)
+        cu_q = F.pad(keep_q.sum(-1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+
+    def packed(t, rows):
+        return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]).index_select(0, rows)
+
+    # max_seqlen: the padded lengths bound every sequence's, so the host reads nothing more.
+    out, _ = run_varlen(API, packed(query, rows_q), packed(key, rows_k), packed(value, rows_k),
+                        cu_q, cu_k, seqlen_q, seqlen_k, **common)
+    full = out.new_zeros((batch * seqlen_q, num_q_heads, out.shape[-1]))
+    full.index_copy_(0, rows_q, out)
+    return full.view(batch, seqlen_q, num_q_heads, out.shape[-1])
+
+
+def _packed(query, key, value, kwargs, common):
+    """Sequences packed along one batch row, delimited by transformers' cu_seq_lens kwargs."""
+    if query.shape[0] != 1:
+        raise NoKernelError(f"attngen: cu_seq_lens_q with batch {query.shape[0]}; packed "
+                            "sequences come as one batch row")
+
+    def flat(t):
+        return t[0].transpose(0, 1)
+
+    out, _ = run_varlen(API, flat(query), flat(key), flat(value), kwargs["cu_seq_lens_q"],
+                        kwargs["cu_seq_lens_k"], int(kwargs["max_length_q"]),
+                        int(kwargs["max_length_k"]), **common)
+    return out[None]
+
+
+def _refuse_packed_positions(position_ids, seqlen_q, seqlen_k) -> None:
+    """Sequences packed into one row are marked only by position_ids restarting at 0; attending
+    across them as one sequence would be silently wrong, so it is refused."""
+    if position_ids is None or seqlen_q != seqlen_k or seqlen_q < 2:
+        return
+    if torch.compiler.is_compiling():  # the check reads the device; compiled prefill skips it
+        return
+    if bool((position_ids[..., 1:] < position_ids[..., :-1]).any()):
+        raise NoKernelError("attngen: position_ids restart inside a row (packed sequences) "
+                            "without cu_seq_lens_q/k; pass those (DataCollatorWithFlattening "
+                            "does) or an attention mask")

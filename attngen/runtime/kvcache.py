@@ -1,0 +1,116 @@
+"""flash_attn_with_kvcache: attention of a few new query tokens against a KV cache.
+
+Routing, in order:
+1. A generated module of kind `decode` (issue 6) that serves the call: the `attngen::decode`
+   op, which appends k/v into the caches in place and attends (its contract: q [B, HQ, Nq, D],
+   contiguous caches [B, HKV, L, D] or paged [pages, page_size, HKV, D], cache_seqlens int32).
+2. Otherwise the varlen kind, reading the cache in place: the new k/v are appended with torch
+   index writes, then each batch row b is one packed "sequence" whose keys start at row
+   b * L of the flattened cache, and `seqused_k` = cache_seqlens + Nnew says how many are
+   used. No host sync. Paged caches are gathered through block_table first (a copy).
+   TODO(issue 6): once decode modules are built for the examples, step 2 is only the fallback
+   of models without one; split-KV decode is where small-batch speed comes from (PERF.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attngen.runtime import ops
+from attngen.runtime.api import _flash_refusal, _scale, flash_mask, need_fields, run_varlen
+from attngen.runtime.dispatch import Dispatch, probe
+
+_UNSUPPORTED = ("rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad")
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    """flash-attn 2.x `flash_attn_with_kvcache`: q [B, Nq, HQ, D]; k_cache/v_cache
+    [B, L, HKV, D] or, with block_table int32 [B, max_pages], paged [pages, page_size, HKV, D];
+    k/v [B, Nnew, HKV, D] are written into the caches at cache_seqlens (int32 [B] or int;
+    None: the caches are full) before attending. Causal is bottom-right aligned. Returns out
+    [B, Nq, HQ, DV] (and lse [B, HQ, Nq] with return_softmax_lse). Rotary embedding,
+    cache_batch_idx and cache_leftpad are not supported (an error names them); num_splits and
+    rotary_interleaved are accepted and ignored."""
+    given = (rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad)
+    for name, value in zip(_UNSUPPORTED, given, strict=True):
+        if value is not None:
+            raise ValueError(f"{name}: not supported by attngen's flash_attn_with_kvcache; "
+                             "apply rotary embeddings and cache indexing before the call")
+    if (k is None) != (v is None):
+        raise ValueError("k, v: pass both new keys and values, or neither")
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    paged = block_table is not None
+    capacity = (block_table.shape[1] * k_cache.shape[1]) if paged else k_cache.shape[1]
+    cache_seqlens = _seqlens(cache_seqlens, batch, capacity, q.device)
+    mask, window = flash_mask(causal, window_size)
+    refusal = _flash_refusal(0.0, alibi_slopes)
+    new = 0 if k is None else k.shape[1]
+    decode = _decode_module(q, v_cache, mask, window, softcap, alibi_slopes, seqlen_q, capacity,
+                            "paged" if paged else "contiguous",
+                            k_cache.shape[1] if paged else None)
+    if decode is not None and refusal is None:
+        def heads_first(t):  # flash layout [B, N, H, D] -> the decode contract's [B, H, N, D]
+            return None if t is None else t.transpose(1, 2)
+        caches = (k_cache, v_cache) if paged else (heads_first(k_cache), heads_first(v_cache))
+        out, lse = ops.decode(decode.key, heads_first(q), *caches, cache_seqlens, block_table,
+                              heads_first(k), heads_first(v), _scale(softmax_scale, q),
+                              alibi_slopes, return_softmax_lse)
+        out = out.transpose(1, 2)
+        return (out, lse) if return_softmax_lse else out
+    if k is not None:
+        _append(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    if paged:  # TODO(issue 6): the decode kind reads pages in place; this gathers them
+        k_cache, v_cache = k_cache[block_table.long()], v_cache[block_table.long()]
+    keys = k_cache.reshape(batch * capacity, *k_cache.shape[-2:])
+    values = v_cache.reshape(batch * capacity, *v_cache.shape[-2:])
+    steps = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
+    out, lse = run_varlen(
+        "flash_attn_with_kvcache", q.reshape(batch * seqlen_q, *q.shape[2:]), keys, values,
+        steps * seqlen_q, steps * capacity, seqlen_q, capacity, mask=mask, align="bottom_right",
+        window=window, softcap=softcap, alibi_slopes=alibi_slopes, scale=softmax_scale,
+        return_lse=return_softmax_lse, fallback=None, refusal=refusal,
+        seqused_k=(cache_seqlens + new).to(torch.int32))
+    out = out.view(batch, seqlen_q, *out.shape[1:])
+    if not return_softmax_lse:
+        return out
+    return out, lse.view(lse.shape[0], batch, seqlen_q).transpose(0, 1)
+
+
+def _seqlens(cache_seqlens, batch, capacity, device) -> torch.Tensor:
+    if cache_seqlens is None:
+        return torch.full((batch,), capacity, dtype=torch.int32, device=device)
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+    if (not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.shape != (batch,)
+            or cache_seqlens.dtype != torch.int32):
+        got = (f"{tuple(cache_seqlens.shape)} {cache_seqlens.dtype}"
+               if isinstance(cache_seqlens, torch.Tensor) else repr(cache_seqlens))
+        raise ValueError(f"cache_seqlens: expected an int or int32 [{batch}], got {got}")
+    return cache_seqlens
+
+
+def _append(k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
+    """Write k/v [B, Nnew, HKV, D] at positions cache_seqlens[b] + t, in place."""
+    positions = cache_seqlens.long()[:, None] + torch.arange(k.shape[1], device=k.device)
+    if block_table is None:
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]
+        k_cache[rows, positions] = k
+        v_cache[rows, positions] = v
+    else:
+        page_size = k_cache.shape[1]
+        pages = block_table.long().gather(1, positions // page_size)
+        k_cache[pages, positions % page_size] = k
+        v_cache[pages, positions % page_size] = v
+
+
+def _decode_module(q, v_cache, mask, window, softcap, alibi_slopes, seqlen_q, capacity,
+                   layout, page_size) -> Dispatch | None:
+    """The decode-kind module that serves the call, recorded, or None (then step 2)."""
+    fields = need_fields("decode", q, v_cache, mask, "bottom_right", window, softcap,
+                         alibi_slopes, seqlen_q, capacity, False, layout, page_size)
+    return probe("flash_attn_with_kvcache", fields, q.device.type, q.device.index)

@@ -1,0 +1,86 @@
+"""Specs from transformers configs (attngen.spec_from_config, `attngen spec-from-hf`):
+plain dicts shaped like the config.json files of Llama, Mistral, Gemma-2 and Qwen2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import attngen
+from attngen.cli import app
+from attngen.hf_spec import spec_data_from_config
+from attngen.spec import SpecError, load_spec_file
+
+ROOT = Path(__file__).resolve().parent.parent
+
+LLAMA3_8B = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "torch_dtype": "bfloat16", "rope_theta": 500000.0}
+MISTRAL_7B = {"model_type": "mistral", "hidden_size": 4096, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "sliding_window": 4096, "torch_dtype": "bfloat16"}
+GEMMA2_9B = {"model_type": "gemma2", "hidden_size": 3584, "head_dim": 256,
+             "num_attention_heads": 16, "num_key_value_heads": 8, "sliding_window": 4096,
+             "attn_logit_softcapping": 50.0, "query_pre_attn_scalar": 256,
+             "torch_dtype": "bfloat16"}
+QWEN2_5_7B = {"model_type": "qwen2", "hidden_size": 3584, "num_attention_heads": 28,
+              "num_key_value_heads": 4, "sliding_window": 131072, "use_sliding_window": False,
+              "torch_dtype": "bfloat16"}
+
+
+def _same_attention(specs, example: str) -> None:
+    """The specs equal the example's in every field but name and archs."""
+    expected = load_spec_file(ROOT / "examples" / f"{example}.yaml")
+    assert len(specs) == len(expected)
+    for got, want in zip(specs, expected, strict=True):
+        ignore = {"name", "archs"}
+        assert ({k: v for k, v in got.canonical().items() if k not in ignore}
+                == {k: v for k, v in want.canonical().items() if k not in ignore})
+
+
+@pytest.mark.parametrize(("config", "example"), [
+    (LLAMA3_8B, "llama3_8b"), (MISTRAL_7B, "mistral_7b"), (GEMMA2_9B, "gemma2_9b"),
+    (QWEN2_5_7B, "qwen2_5_7b"),
+])
+def test_configs_give_the_example_specs(config, example) -> None:
+    _same_attention(attngen.spec_from_config(config), example)
+
+
+def test_layer_types_decide_the_variants() -> None:
+    mixed = {**MISTRAL_7B, "layer_types": ["sliding_attention", "full_attention"] * 2}
+    data = spec_data_from_config(mixed, name="hybrid")
+    assert set(data["variants"]) == {"local", "global"}
+    assert data["variants"]["local"]["window_left"] == 4095
+    full = {**MISTRAL_7B, "layer_types": ["full_attention"] * 4}
+    assert spec_data_from_config(full)["mask"] == "causal"
+
+
+def test_fields_and_errors() -> None:
+    data = spec_data_from_config({**LLAMA3_8B, "torch_dtype": None, "dtype": "float16"},
+                                 archs=["sm90"])
+    assert data["dtype"] == "fp16" and data["archs"] == ["sm90"] and data["name"] == "llama"
+    assert data["head_dim"] == 128 and data["kernels"] == ["prefill", "varlen"]
+    with pytest.raises(SpecError, match="dtype/torch_dtype: got None"):
+        spec_data_from_config({**LLAMA3_8B, "torch_dtype": None})
+    with pytest.raises(SpecError, match="num_attention_heads: got 0"):
+        spec_data_from_config({**LLAMA3_8B, "num_attention_heads": 0})
+    with pytest.raises(SpecError, match="head_dim"):  # 4096 / 5 is no spec head dim
+        attngen.spec_from_config({**LLAMA3_8B, "num_attention_heads": 5,
+                                  "num_key_value_heads": 5})
+
+
+def test_cli_writes_a_spec_that_builds(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA2_9B))
+    out = tmp_path / "gemma.yaml"
+    runner = CliRunner()
+    result = runner.invoke(app, ["spec-from-hf", str(tmp_path), "--name", "gemma2_9b",
+                                 "--archs", "sm90", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    _same_attention(load_spec_file(out), "gemma2_9b")
+    built = runner.invoke(app, ["build", str(out), "--out", str(tmp_path / "gen")])
+    assert built.exit_code == 0, built.output
+    assert (tmp_path / "gen" / "sm90" / "gemma2_9b_local_varlen_bf16_d256_win4095x0_br_cap50.py"
+            ).is_file()
+    bad = runner.invoke(app, ["spec-from-hf", str(tmp_path / "missing.json")])
+    assert bad.exit_code == 1 and "cannot read a config.json" in bad.stderr

@@ -1,0 +1,132 @@
+"""Generated kernels in a real model on the H200 (`pytest -m gpu`, tools/gpu_integrate.sh).
+
+- a Llama-3-8B-shaped model (2 layers, random bf16 weights) generates through the committed
+  generated/sm90 llama3_8b modules, prefill and decode, padded and unpadded, and agrees
+  with SDPA;
+- torch.compile(fullgraph=True) with Inductor traces through the attngen ops;
+- a CUDA graph captures an attngen call (prefill, and a KV-cache decode step) and replays it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import attngen
+from attngen.runtime import ops
+from attngen.runtime.registry import load_kernels
+from attngen.spec import load_spec_file
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; run on the H200"),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def repo_kernels():
+    load_kernels()  # the committed generated/ (or $ATTNGEN_KERNELS)
+
+
+def llama_config(layers: int):
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=8192, rope_theta=500000.0, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    import transformers
+
+    config = llama_config(2)
+    # the model's attention is the example's, so the committed llama3_8b modules serve it
+    spec = attngen.spec_from_config(config)[0].canonical()
+    example = load_spec_file(ROOT / "examples" / "llama3_8b.yaml")[0].canonical()
+    assert {k: v for k, v in spec.items() if k not in ("name", "archs")} == {
+        k: v for k, v in example.items() if k not in ("name", "archs")}
+    attngen.register_transformers()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    return model
+
+
+def _generate(model, impl, ids, mask, new_tokens=16):
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                              output_logits=True, return_dict_in_generate=True)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_llama_generate_agrees_with_sdpa(llama, padded):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(1, 128256, (4, 300), device="cuda", generator=gen)
+    mask = torch.ones_like(ids)
+    if padded:
+        for row, pad in enumerate((0, 17, 128, 299)):
+            ids[row, :pad], mask[row, :pad] = 0, 0
+    expected = _generate(llama, "sdpa", ids, mask)
+    ops.reset_run_counts()
+    with attngen.dispatch_log() as log:
+        got = _generate(llama, "attngen", ids, mask)
+    kind = "varlen" if padded else "prefill"
+    assert log and all(d.module == f"sm90/llama3_8b_{kind}_bf16_d128_causal_br" for d in log)
+    assert sum(ops.run_counts().values()) == len(log) == 2 * 16
+    # bf16: greedy tokens may part at a near-tie after many steps; compare the logits of every
+    # step up to the first token that differs. Both attentions are bf16 FlashAttention-style
+    # with fp32 softmax; the logits of this random model (|logit| up to about 1) agree within
+    # a few bf16 ulps of the hidden states, far below the 0.05 a wrongly masked key would
+    # exceed.
+    new_got, new_expected = got.sequences[:, 300:], expected.sequences[:, 300:]
+    same = (new_got == new_expected).all(0).int().cumprod(0)
+    steps = int(same.sum()) + (1 if int(same.sum()) < 16 else 0)
+    assert steps >= 1
+    for a, b in zip(got.logits[:steps], expected.logits[:steps], strict=True):
+        assert (a.float() - b.float()).abs().max().item() < 0.05
+
+
+def test_compile_fullgraph_inductor():
+    q = torch.randn(2, 32, 1024, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+
+    def layer(q, k, v):
+        return attngen.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                    enable_gqa=True) * 2
+
+    eager = layer(q, k, v)
+    compiled = torch.compile(layer, fullgraph=True, backend="inductor")(q, k, v)
+    assert torch.equal(compiled, eager)
+
+
+def test_cuda_graph_capture_of_attngen_calls():
+    q = torch.randn(8, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(8, 1024, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    k_new = torch.randn(8, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v_new = torch.randn_like(k_new)
+    seqlens = torch.randint(1, 1000, (8,), device="cuda", dtype=torch.int32)
+
+    def step():
+        return attngen.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                               cache_seqlens=seqlens, causal=True)
+
+    expected = step()  # warm-up: compiles the kernel outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    q.copy_(torch.randn_like(q))
+    eager = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager) and not torch.equal(out, expected)

@@ -1,0 +1,177 @@
+"""Model benchmark: a Llama-3-8B-shaped transformers model with attngen, SDPA and FlexAttention.
+
+The model is built from a LlamaConfig with Llama-3-8B's shapes (hidden 4096, 32 query / 8 KV
+heads, head dim 128, MLP 14336, vocab 128256) and random bf16 weights, with --layers layers
+(default 8 of the real 32, so that a run fits the GPU time; attention and MLP time both scale
+with layers, so per-layer figures transfer). For each attention implementation, in one process:
+
+- prefill latency at --prefill prompt lengths (batch 1, logits of the last token only) and
+  the peak memory of that forward above what was allocated before it;
+- decode throughput: greedy generate() of --new tokens after a --prompt-token prompt at batch
+  sizes --batches (static lengths, no padding): new tokens per second, prefill included.
+
+Every attngen measurement records which generated modules ran (the ops' run counts) and
+whether anything fell back (the dispatch log): a figure is only attngen's if its kernels ran.
+Writes bench_model.json under --out and prints a short table last. Usage, on the H200:
+
+    PYTHONPATH=. python tools/bench_model.py --out results/ [--layers 8] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import traceback
+from pathlib import Path
+
+import torch
+import transformers
+
+import attngen
+from attngen.runtime import ops
+
+IMPLS = ("attngen", "sdpa", "flex_attention")
+
+
+def llama_config(layers: int) -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=40960, rope_theta=500000.0, dtype="bfloat16")
+
+
+def timed(fn, repeats: int) -> list[float]:
+    """Milliseconds of each call after a warm-up call, measured with CUDA events."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def kernels_that_ran(run):
+    """Run `run` and return what attngen dispatched and which modules it ran, with counts."""
+    ops.reset_run_counts()
+    with attngen.dispatch_log() as log:
+        run()
+    fallbacks = sorted({d.reason for d in log if d.fallback})
+    counts = {Path(key).stem: n for key, n in ops.run_counts().items()}
+    return {"modules": counts, "dispatches": len(log), "fallbacks": fallbacks}
+
+
+def bench_prefill(model, impl, seqlen, repeats):
+    ids = torch.randint(1, model.config.vocab_size, (1, seqlen), device="cuda")
+
+    def forward():
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = timed(forward, repeats)
+    peak = torch.cuda.max_memory_allocated() - before
+    row = {"impl": impl, "phase": "prefill", "tokens": seqlen,
+           "median_ms": statistics.median(times), "times_ms": times,
+           "peak_mem_gib": peak / 2**30}
+    if impl == "attngen":
+        row["ran"] = kernels_that_ran(forward)
+    return row
+
+
+def bench_decode(model, impl, batch, prompt, new, repeats):
+    ids = torch.randint(1, model.config.vocab_size, (batch, prompt), device="cuda")
+
+    def generate():
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                           max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           pad_token_id=0)
+
+    times = timed(generate, repeats)
+    median = statistics.median(times)
+    row = {"impl": impl, "phase": "decode", "batch": batch, "prompt": prompt, "new": new,
+           "median_ms": median, "times_ms": times, "tokens_per_s": batch * new / median * 1e3}
+    if impl == "attngen":
+        row["ran"] = kernels_that_ran(generate)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--prefill", default="1024,8192,32768")
+    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    args = parser.parse_args()
+    prefill = [int(n) for n in args.prefill.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.quick:
+        prefill, batches, args.repeats, args.new = prefill[:2], batches[:2], 2, 16
+    # FlexAttention recompiles per shape; past dynamo's cache limit it silently runs eager.
+    torch._dynamo.config.cache_size_limit = 256
+    torch._dynamo.config.accumulated_cache_size_limit = 4096
+    attngen.load_kernels()
+    attngen.register_transformers()
+    config = llama_config(args.layers)
+    spec = attngen.spec_from_config(config, archs=["sm90"])[0]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    rows, errors = [], []
+    for impl in args.impls.split(","):
+        model.set_attn_implementation(impl)
+        cases = [("prefill", n) for n in prefill] + [("decode", b) for b in batches]
+        for phase, size in cases:
+            try:
+                if phase == "prefill":
+                    rows.append(bench_prefill(model, impl, size, args.repeats))
+                else:
+                    rows.append(bench_decode(model, impl, size, args.prompt, args.new,
+                                             args.repeats))
+            except Exception as exc:  # one failing case must not lose the others' figures
+                errors.append({"impl": impl, "phase": phase, "size": size,
+                               "error": f"{type(exc).__name__}: {exc}"[:2000],
+                               "traceback": traceback.format_exc()[-4000:]})
+                torch.cuda.empty_cache()
+    result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "transformers": transformers.__version__,
+              "layers": args.layers, "spec": spec.canonical(), "rows": rows, "errors": errors}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_model.json").write_text(json.dumps(result, indent=1))
+    print_table(rows, errors)
+
+
+def print_table(rows, errors) -> None:
+    print(f"\n{'impl':<15}{'phase':<9}{'size':>7}{'median ms':>11}{'tok/s':>10}{'peak GiB':>10}"
+          "  attngen modules (runs)")
+    for row in rows:
+        size = row.get("tokens", row.get("batch"))
+        ran = row.get("ran")
+        ran_text = ""
+        if ran:
+            ran_text = ", ".join(f"{m} ({n})" for m, n in ran["modules"].items())
+            if ran["fallbacks"]:
+                ran_text += f"; FALLBACK: {ran['fallbacks']}"
+        tps = f"{row['tokens_per_s']:.0f}" if "tokens_per_s" in row else ""
+        peak = f"{row['peak_mem_gib']:.2f}" if "peak_mem_gib" in row else ""
+        print(f"{row['impl']:<15}{row['phase']:<9}{size:>7}{row['median_ms']:>11.2f}{tps:>10}"
+              f"{peak:>10}  {ran_text}")
+    for error in errors:
+        print(f"ERROR {error['impl']} {error['phase']} {error['size']}: {error['error'][:200]}")
+
+
+if __name__ == "__main__":
+    main()
