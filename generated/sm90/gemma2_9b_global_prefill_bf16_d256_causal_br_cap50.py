@@ -21,16 +21,17 @@
 # Target sm90: BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2.
 # Config source: tuning on NVIDIA H200, triton 3.6.0, 2026-11-30.
 # Derivation:
-#   shared memory = E*Max(BLOCK_M*DV, BLOCK_M*D + S*(BLOCK_N*D + BLOCK_N*DV))
+#   shared memory = E*Max(BLOCK_M*DV, BLOCK_M*D + S*(BLOCK_N*D + BLOCK_N*DV)) + 8*S +
+#       16*ceiling(S/2)
 #     with BLOCK_M=128, BLOCK_N=64, D=256, DV=256, E=2, S=2, W=8
-#     = 196608 B of 231424 B available per block
+#     = 196640 B of 231424 B available per block
 #   registers/thread ~ 3*BLOCK_M*BLOCK_N/(128*W) + BLOCK_M*DV/(32*W) + 5*BLOCK_N*E*(D +
 #       DV)/(768*W) + 66 = 272 of 255
 #   programs/SM 1, waves 32/33 = 0.970 (16 heads x 4096 tokens / 128 rows per program over 132
 #       SMs x 1 per SM)
 #   score 0.582, 82 of 128 candidates feasible
-#   binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 64->128: smem 327680 B >
-#       231424 B; num_stages 2->3: smem 262144 B > 231424 B
+#   binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 64->128: smem 328720 B >
+#       231424 B; num_stages 2->3: smem 263192 B > 231424 B
 """Prefill (forward) attention, FlashAttention-2 style and exact.
 
 Module gemma2_9b_global_prefill_bf16_d256_causal_br_cap50.

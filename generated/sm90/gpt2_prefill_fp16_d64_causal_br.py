@@ -21,9 +21,9 @@
 # Target sm90: BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3.
 # Config source: tuning on NVIDIA H200, triton 3.6.0, 2026-11-30.
 # Derivation:
-#   shared memory = E*Max(BLOCK_M*DV, BLOCK_M*D + S*(BLOCK_N*D + BLOCK_N*DV))
+#   shared memory = E*Max(BLOCK_M*DV, BLOCK_M*D + S*(BLOCK_N*D + BLOCK_N*DV)) + 8*S + 1024
 #     with BLOCK_M=128, BLOCK_N=64, D=64, DV=64, E=2, S=3, W=8
-#     = 65536 B of 231424 B available per block
+#     = 66584 B of 231424 B available per block
 #   registers/thread ~ 3*BLOCK_M*BLOCK_N/(128*W) + BLOCK_M*DV/(32*W) + 5*BLOCK_N*E*(D +
 #       DV)/(768*W) + 66 = 136 of 255
 #   programs/SM 1, waves 32/33 = 0.970 (12 heads x 4096 tokens / 128 rows per program over 132
