@@ -43,7 +43,7 @@ class TuningRecord:
 
 
 def entry_key(spec: AttnSpec, kind: KernelKind) -> str:
-    return f"{spec.spec_hash()}/{kind.value}"
+    return f"{spec.kernel_hash(kind)}/{kind.value}"
 
 
 def tuning_path(tuning_dir: Path, arch: str) -> Path:
