@@ -18,14 +18,15 @@ from typing import Any
 
 import jinja2
 
-from attngen import __version__
+from attngen import __version__, decode_tiling
 from attngen.spec import AttnSpec, Dtype, KernelKind, module_name
 from attngen.tiling import Derivation, padded_head_dim
 
 # A generated module may import these and nothing else.
 ALLOWED_IMPORTS = frozenset({"contextlib", "math", "os", "torch", "triton", "triton.language"})
 ALLOWED_FROM_IMPORTS = frozenset({("triton.language.extra", "libdevice")})
-TEMPLATE_FOR_KIND = {KernelKind.prefill: "prefill.py.jinja"}
+TEMPLATE_FOR_KIND = {KernelKind.prefill: "prefill.py.jinja", KernelKind.decode: "decode.py.jinja"}
+ENTRY_POINT_FOR_KIND = {KernelKind.prefill: "attention", KernelKind.decode: "decode"}
 _DTYPE_NAMES = {Dtype.fp16: "float16", Dtype.bf16: "bfloat16", Dtype.fp32: "float32"}
 
 
@@ -67,7 +68,7 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
     if config is None:
         raise RenderError(f"{spec.name} on {derivation.arch}: no feasible tile config to render")
     window = spec.window or (0, 0)
-    return {
+    context = {
         "attngen_version": __version__,
         "template_name": TEMPLATE_FOR_KIND[kind],
         "template_hash": template_hash(TEMPLATE_FOR_KIND[kind]),
@@ -95,6 +96,17 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
         "softcap": float(spec.softcap),
         "alibi": spec.alibi,
     }
+    if kind is KernelKind.decode:
+        context.update({
+            "kv_layout": spec.kv_layout.value,
+            "page_size": spec.page_size or 0,
+            "max_query_tokens": spec.query_tokens,
+            "split_waves": decode_tiling.SPLIT_WAVES,
+            "min_blocks_per_split": decode_tiling.MIN_BLOCKS_PER_SPLIT,
+            "max_splits": decode_tiling.MAX_SPLITS,
+            "interpreter_sm_count": decode_tiling.INTERPRETER_SM_COUNT,
+        })
+    return context
 
 
 def _yaml_value(value: Any) -> str:
@@ -110,7 +122,7 @@ def _yaml_value(value: Any) -> str:
 def render_module(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> str:
     context = build_context(spec, kind, derivation)
     source = _environment().get_template(TEMPLATE_FOR_KIND[kind]).render(**context)
-    check_module_source(source, context["module_name"])
+    check_module_source(source, context["module_name"], ENTRY_POINT_FOR_KIND[kind])
     return source
 
 
@@ -119,9 +131,9 @@ def render_template(template_name: str, context: dict[str, Any]) -> str:
     return _environment().get_template(template_name).render(**context)
 
 
-def check_module_source(source: str, name: str) -> None:
+def check_module_source(source: str, name: str, entry_point: str = "attention") -> None:
     """The ast gate: the module parses, imports only what ALLOWED_IMPORTS and
-    ALLOWED_FROM_IMPORTS name, and defines `attention`."""
+    ALLOWED_FROM_IMPORTS name, and defines its entry point (`attention`, `decode`)."""
     try:
         tree = ast.parse(source, filename=f"{name}.py")
     except SyntaxError as exc:
@@ -137,5 +149,5 @@ def check_module_source(source: str, name: str) -> None:
                     raise RenderError(f"{name}: rendered module imports "
                                       f"{node.module or ''!r} (name {alias.name!r})")
     defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
-    if "attention" not in defined:
-        raise RenderError(f"{name}: rendered module defines no attention()")
+    if entry_point not in defined:
+        raise RenderError(f"{name}: rendered module defines no {entry_point}()")
