@@ -310,16 +310,20 @@ def test_gate_accepts_every_rendered_module() -> None:
     generated = sorted((ROOT / "generated").glob("*/*.py"))
     assert generated
     for path in generated:
-        check_module_source(path.read_text(encoding="utf-8"), path.stem)
+        entry = "decode" if "_decode_" in path.stem else "attention"
+        check_module_source(path.read_text(encoding="utf-8"), path.stem, entry)
+    with pytest.raises(RenderError, match="defines no decode"):
+        check_module_source(generated[0].read_text(encoding="utf-8").replace(
+            "def decode(", "def other(").replace("def attention(", "def other("), "m", "decode")
 
 
 def test_render_module_runs_the_gate(monkeypatch: pytest.MonkeyPatch) -> None:
     seen = []
     monkeypatch.setattr(render, "check_module_source",
-                        lambda source, name: seen.append(name))
+                        lambda source, name, entry: seen.append((name, entry)))
     spec = VARIETY["causal_br"]
     _render(spec)
-    assert seen == [module_name(spec, PREFILL)]
+    assert seen == [(module_name(spec, PREFILL), "attention")]
 
 
 # ------------------------------------------------------------------- determinism, headers
