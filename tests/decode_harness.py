@@ -42,6 +42,11 @@ class Cache:
     dense_k: list[torch.Tensor]  # per sequence [HKV, L_b, D]: what the cache holds
     dense_v: list[torch.Tensor]
 
+    def to(self, device) -> Cache:
+        table = None if self.block_table is None else self.block_table.to(device)
+        return Cache(self.k.to(device), self.v.to(device), table, self.lengths.to(device),
+                     self.dense_k, self.dense_v)
+
     def clone(self) -> Cache:
         table = None if self.block_table is None else self.block_table.clone()
         return Cache(self.k.clone(), self.v.clone(), table, self.lengths.clone(),

@@ -63,7 +63,7 @@ def decode_case(draw):
 
 
 def check_case(layout, page_size, fields, block_n, lengths, num_q_tokens, num_new, splits,
-               seed):
+               seed, device="cpu"):
     spec = make_decode_spec(layout, page_size, **fields)
     kernel = load_decode(spec, block_n)
     cache = make_cache(spec, lengths, seed=seed, room=num_new)
@@ -72,7 +72,10 @@ def check_case(layout, page_size, fields, block_n, lengths, num_q_tokens, num_ne
     before = cache.clone()
     kernel.FORCE_NUM_SPLITS = splits
     try:
-        out, lse = run_decode(kernel, cache, q, k_new, v_new, slopes)
+        on = cache.to(device)
+        args = [None if t is None else t.to(device) for t in (q, k_new, v_new, slopes)]
+        out, lse = (t.cpu() for t in run_decode(kernel, on, *args))
+        cache.k, cache.v = on.k.cpu(), on.v.cpu()
     finally:
         kernel.FORCE_NUM_SPLITS = None
     problems = decode_problems(spec, before, out, lse, q, k_new, v_new, slopes)
