@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from attngen import __version__
+from attngen.decode_tiling import derive_decode_tiles
 from attngen.explain import nearest_alternative
 from attngen.render import render_module
 from attngen.spec import AttnSpec, KernelKind, SpecError, load_spec_file, module_name
@@ -70,7 +71,8 @@ def plan_build(specs: Iterable[AttnSpec], tuning_dir: Path | None = None) -> lis
 
 
 def _plan_one(spec: AttnSpec, kind: KernelKind, arch: str, tuning_dir: Path | None) -> Artifact:
-    derivation = derive_tiles(spec, arch)
+    derivation = derive_decode_tiles(spec, arch) if kind is KernelKind.decode else (
+        derive_tiles(spec, arch))
     if derivation.chosen is None:
         reasons = sorted({r for c in derivation.candidates for r in c.rejected})
         raise BuildError(

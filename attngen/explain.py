@@ -6,7 +6,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from attngen.arch import ARCHS
-from attngen.spec import AttnSpec, Dtype
+from attngen.decode_tiling import derive_decode_tiles, split_lines
+from attngen.spec import AttnSpec, Dtype, KernelKind
 from attngen.tiling import (
     REFERENCE_TOKENS,
     Candidate,
@@ -31,12 +32,16 @@ def explain_lines(specs: Iterable[AttnSpec], archs: Iterable[str] | None = None,
                 # without its own tuning entry, prefill's tuned config) are explained once.
                 groups: dict[object, tuple[Derivation, list[str]]] = {}
                 for kind in spec.kernels:
+                    if kind is KernelKind.decode:
+                        continue
                     record = lookup(tuning_dir, spec, kind, arch)
                     derivation = apply_tuning(derive_tiles(spec, arch), record)
                     groups.setdefault(derivation.chosen, (derivation, []))[1].append(kind.value)
                 for derivation, kinds in groups.values():
                     section = explain_one(spec, derivation)
                     lines += [section[0], f"   kernels: {', '.join(kinds)}", *section[1:], ""]
+                if KernelKind.decode in spec.kernels:
+                    lines += [*explain_decode(spec, derive_decode_tiles(spec, arch)), ""]
     return lines
 
 
@@ -88,6 +93,49 @@ def explain_one(spec: AttnSpec, derivation: Derivation) -> list[str]:
         f"{arch.max_regs_per_thread - best.regs_per_thread} registers/thread "
         f"({100 * (arch.smem_budget - best.smem_bytes) / arch.smem_budget:.0f}% of the "
         "shared-memory budget)",
+    ]
+    return lines
+
+
+def explain_decode(spec: AttnSpec, derivation: Derivation) -> list[str]:
+    """The decode tile (same shared-memory and register model, a bandwidth score) and the
+    split rule worked out for reference problems on the arch's SM count."""
+    arch = ARCHS[derivation.arch]
+    ratio = spec.num_q_heads // spec.num_kv_heads
+    layout = spec.kv_layout.value + (f", page_size {spec.page_size}" if spec.page_size else "")
+    lines = [
+        f"== {spec.name} decode on {arch.name} ({arch.part}, {arch.sm_count} SMs, "
+        f"{arch.smem_budget} B shared/block)",
+        f"   KV layout {layout}; up to {spec.query_tokens} query token(s) per step; a program "
+        f"packs the {ratio} query head(s) of a KV head x the tokens into BLOCK_M = "
+        f"{derivation.candidates[0].config.block_m} rows (>= 16 for tl.dot)",
+        f"   model (the prefill loop's, BLOCK_M = the row tile; D={derivation.dims['D']}, "
+        f"DV={derivation.dims['DV']}, E={derivation.dims['E']} substituted):",
+        f"     shared memory  = {derivation.expressions['smem']}",
+        f"     registers/thr ~= {derivation.expressions['regs']}",
+        f"     score          = {derivation.expressions['score']}",
+        f"   candidates: {len(derivation.candidates)} "
+        f"({sum(c.feasible for c in derivation.candidates)} feasible)",
+        "     BLOCK_M BLOCK_N warps stages   smem B  regs  prog/SM  score  verdict",
+    ]
+    ranked = sorted(derivation.candidates, key=lambda c: (not c.feasible, -c.score,
+                                                           c.smem_bytes))
+    for cand in ranked[:TOP_FEASIBLE]:
+        verdict = "CHOSEN" if cand.config == derivation.chosen else (
+            "feasible" if cand.feasible else "rejected: " + "; ".join(cand.rejected))
+        lines.append(_row(cand, verdict))
+    best = derivation.chosen_candidate
+    if best is None:
+        return [*lines, "   no decode config fits this arch"]
+    c = best.config
+    lines += [
+        f"   decode tile: BLOCK_N={c.block_n} num_warps={c.num_warps} "
+        f"num_stages={c.num_stages}, query rows up to {c.block_m} "
+        f"(source: {derivation.source})",
+        "   rule: predicted not to spill first, then the score (bytes in flight), then "
+        "BLOCK_N 64, fewer warps, fewer stages, less shared memory",
+        f"   binding: {derivation.binding}",
+        *("   " + line for line in split_lines(spec, c, arch.sm_count)),
     ]
     return lines
 

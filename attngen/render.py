@@ -18,7 +18,7 @@ from typing import Any
 
 import jinja2
 
-from attngen import __version__
+from attngen import __version__, decode_tiling
 from attngen.arch import ARCHS
 from attngen.spec import AttnSpec, Dtype, KernelKind, module_name
 from attngen.tiling import Derivation, padded_head_dim
@@ -29,8 +29,10 @@ ALLOWED_FROM_IMPORTS = frozenset({("triton.language.extra", "libdevice"),
                                   ("triton.tools.tensor_descriptor", "TensorDescriptor")})
 # varlen is the prefill template with its `varlen` flag set: one kernel, two ways to find a
 # sequence. Each kind's public entry point is what the runtime calls and the ast gate requires.
-TEMPLATE_FOR_KIND = {KernelKind.prefill: "prefill.py.jinja", KernelKind.varlen: "prefill.py.jinja"}
-ENTRY_POINTS = {KernelKind.prefill: "attention", KernelKind.varlen: "attention_varlen"}
+TEMPLATE_FOR_KIND = {KernelKind.prefill: "prefill.py.jinja", KernelKind.varlen: "prefill.py.jinja",
+                     KernelKind.decode: "decode.py.jinja"}
+ENTRY_POINTS = {KernelKind.prefill: "attention", KernelKind.varlen: "attention_varlen",
+                KernelKind.decode: "decode"}
 _DTYPE_NAMES = {Dtype.fp16: "float16", Dtype.bf16: "bfloat16", Dtype.fp32: "float32"}
 
 
@@ -72,7 +74,7 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
     if config is None:
         raise RenderError(f"{spec.name} on {derivation.arch}: no feasible tile config to render")
     window = spec.window or (0, 0)
-    return {
+    context = {
         "attngen_version": __version__,
         "template_name": TEMPLATE_FOR_KIND[kind],
         "template_hash": template_hash(TEMPLATE_FOR_KIND[kind]),
@@ -100,12 +102,23 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
         "softcap": float(spec.softcap),
         "alibi": spec.alibi,
         "varlen": kind is KernelKind.varlen,
-        # Hopper's tensor-memory accelerator for the unmasked K/V blocks of padded batches
-        # (16-bit only: fp32 dots are FMA loops, which do not read operands as TMA lays them
-        # out; varlen's packed rows would need other descriptors).
+        # Hopper's tensor-memory accelerator for the unmasked K/V blocks of padded prefill
+        # batches (16-bit only: fp32 dots are FMA loops, which do not read operands as TMA
+        # lays them out; varlen's packed rows and decode's pages would need other descriptors).
         "tma": (ARCHS[derivation.arch].has_tma and spec.dtype.itemsize == 2
-                and kind is not KernelKind.varlen),
+                and kind is KernelKind.prefill),
     }
+    if kind is KernelKind.decode:
+        context.update({
+            "kv_layout": spec.kv_layout.value,
+            "page_size": spec.page_size or 0,
+            "max_query_tokens": spec.query_tokens,
+            "split_waves": decode_tiling.SPLIT_WAVES,
+            "min_blocks_per_split": decode_tiling.MIN_BLOCKS_PER_SPLIT,
+            "max_splits": decode_tiling.MAX_SPLITS,
+            "interpreter_sm_count": decode_tiling.INTERPRETER_SM_COUNT,
+        })
+    return context
 
 
 def _yaml_value(value: Any) -> str:

@@ -73,13 +73,30 @@ class KernelKind(str, Enum):
     """
 
     prefill = "prefill"
-    varlen = "varlen"
+    varlen = "varlen"  # packed sequences delimited by cu_seqlens (the prefill kernel's twin)
+    decode = "decode"  # one step of a few query tokens against a KV cache (split-KV)
+
+
+class KvLayout(str, Enum):
+    """How decode's KV cache is stored."""
+
+    contiguous = "contiguous"  # k_cache/v_cache [B, HKV, Lmax, D], any strides
+    paged = "paged"  # [num_pages, page_size, HKV, D] and a block table (vLLM/FlashInfer)
+
+
+# Decode-only fields: validated only with `decode` in kernels, absent from canonical() (and so
+# from the hash) otherwise, which keeps the hashes of prefill-only specs what they were.
+DECODE_FIELDS = ("kv_layout", "page_size", "max_query_tokens")
+MAX_PAGE_SIZE = 1024
+MAX_QUERY_TOKENS = 16
 
 
 ArchName = Annotated[StrictStr, Field(pattern=r"^sm[0-9]+$")]
 HeadDim = Annotated[StrictInt, Field(ge=16, le=256, multiple_of=8)]
 HeadCount = Annotated[StrictInt, Field(ge=1, le=1024)]
 WindowSize = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
+PageSize = Annotated[StrictInt, Field(ge=1, le=MAX_PAGE_SIZE)]
+QueryTokens = Annotated[StrictInt, Field(ge=1, le=MAX_QUERY_TOKENS)]
 
 
 class AttnSpec(BaseModel):
@@ -101,6 +118,9 @@ class AttnSpec(BaseModel):
     softcap: Annotated[float, Field(ge=0.0, le=1e4, allow_inf_nan=False, strict=True)] = 0.0
     alibi: StrictBool = False
     kernels: Annotated[tuple[KernelKind, ...], Field(min_length=1)]
+    kv_layout: KvLayout | None = None
+    page_size: PageSize | None = None
+    max_query_tokens: QueryTokens | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -138,12 +158,42 @@ class AttnSpec(BaseModel):
         for field in ("window_left", "window_right"):
             if not windowed and getattr(self, field) is not None:
                 raise _field_error(field, getattr(self, field), "absent unless sliding_window")
+        self._check_decode()
         return self
+
+    def _check_decode(self) -> None:
+        if KernelKind.decode not in self.kernels:
+            for field in DECODE_FIELDS:
+                value = getattr(self, field)
+                if value is not None:
+                    shown = value.value if isinstance(value, Enum) else value
+                    raise _field_error(field, shown, "absent unless kernels includes decode")
+            return
+        if self.kv_layout is None:
+            raise _field_error("kv_layout", None, "contiguous or paged (required with decode)")
+        paged = self.kv_layout is KvLayout.paged
+        if paged and self.page_size is None:
+            raise _field_error("page_size", None, _ALLOWED["page_size"] + " (required with "
+                               "kv_layout paged)")
+        if paged and self.page_size & (self.page_size - 1):
+            raise _field_error("page_size", self.page_size, _ALLOWED["page_size"])
+        if not paged and self.page_size is not None:
+            raise _field_error("page_size", self.page_size, "absent unless kv_layout is paged")
+        if self.causal_align is CausalAlign.top_left:
+            # A decode step's queries are the newest tokens of their sequences: the diagonal
+            # sits bottom-right by construction, so a top-left spec describes another kernel.
+            raise _field_error("causal_align", "top_left", "bottom_right with decode (the "
+                               "step's queries are the last tokens of each sequence)")
 
     # Resolved views: templates and the tiler read these, never the optional raw fields.
     @property
     def value_head_dim(self) -> int:
         return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def query_tokens(self) -> int:
+        """Decode's largest number of query tokens per step (max_query_tokens, default 1)."""
+        return self.max_query_tokens or 1
 
     @property
     def window(self) -> tuple[int, int] | None:
@@ -157,11 +207,34 @@ class AttnSpec(BaseModel):
         data["head_dim_v"] = self.value_head_dim
         if self.mask is Mask.sliding_window:
             data["window_right"] = self.window_right or 0
+        if KernelKind.decode in self.kernels:
+            data["max_query_tokens"] = self.query_tokens
+            if self.kv_layout is not KvLayout.paged:
+                del data["page_size"]
+        else:
+            for field in DECODE_FIELDS:
+                del data[field]
         return data
 
     def spec_hash(self) -> str:
-        text = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return _hash(self.canonical())
+
+    def kernel_hash(self, kind: KernelKind) -> str:
+        """The hash of what one kernel depends on: the canonical spec with `kernels: [kind]`
+        and, for prefill, no decode fields. A prefill kernel's hash (the tuning database's key)
+        so stays the same when decode is added to a spec, and equals spec_hash() for a
+        prefill-only spec."""
+        data = self.canonical()
+        data["kernels"] = [kind.value]
+        if kind is not KernelKind.decode:
+            for field in DECODE_FIELDS:
+                data.pop(field, None)
+        return _hash(data)
+
+
+def _hash(canonical: dict[str, Any]) -> str:
+    text = json.dumps(canonical, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class _FieldError(ValueError):
@@ -186,7 +259,8 @@ def module_name(spec: AttnSpec, kernel: KernelKind) -> str:
     """The one function that names a generated module; no tile sizes, so re-tuning keeps it.
 
     Fixed field order: spec name, kernel, dtype, head dims, mask (with alignment and window),
-    softcap, alibi. Head counts are runtime arguments of the kernel, so they are not in it.
+    softcap, alibi, and for decode the KV layout (page size) and max_query_tokens when > 1.
+    Head counts are runtime arguments of the kernel, so they are not in it.
     """
     parts = [spec.name, kernel.value, spec.dtype.value, f"d{spec.head_dim}"]
     if spec.value_head_dim != spec.head_dim:
@@ -205,6 +279,11 @@ def module_name(spec: AttnSpec, kernel: KernelKind) -> str:
         parts.append("cap" + cap.replace(".", "p").replace("-", "m").replace("+", ""))
     if spec.alibi:
         parts.append("alibi")
+    if kernel is KernelKind.decode:
+        paged = spec.kv_layout is KvLayout.paged
+        parts.append(f"paged{spec.page_size}" if paged else "contig")
+        if spec.query_tokens > 1:
+            parts.append(f"q{spec.query_tokens}")
     return "_".join(parts)
 
 
@@ -328,7 +407,10 @@ _ALLOWED = {
     "window_right": "an int in 0..2147483647",
     "softcap": "a number in 0..10000 (0 disables it); YAML 1.2 form such as 50 or 30.0",
     "alibi": "true or false",
-    "kernels": "a list among prefill, varlen (each at most once)",
+    "kernels": "a list among prefill, varlen, decode (each at most once)",
+    "kv_layout": "contiguous or paged",
+    "page_size": f"a power of two in 1..{MAX_PAGE_SIZE}",
+    "max_query_tokens": f"an int in 1..{MAX_QUERY_TOKENS} (query tokens per decode step)",
 }
 
 

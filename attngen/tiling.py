@@ -128,7 +128,8 @@ class Derivation:
             f"  = {best.smem_bytes} B of {arch.smem_budget} B available per block",
             f"registers/thread ~ {self.worked['regs']} = {best.regs_per_thread} "
             f"of {arch.max_regs_per_thread}",
-            f"programs/SM {best.programs_per_sm}, waves {self.worked['waves']}",
+            f"programs/SM {best.programs_per_sm}"
+            + (f", waves {self.worked['waves']}" if "waves" in self.worked else ""),
             f"score {best.score:.3f}, "
             f"{feasible} of {len(self.candidates)} candidates feasible",
             f"binding: {self.binding}",
@@ -150,7 +151,7 @@ def active_branch(expr: sympy.Expr, values: dict[sympy.Symbol, int]) -> sympy.Ex
 
 
 @cache  # sympy builds it slowly; one per arch serves every derivation
-def smem_expression(arch: GpuArch) -> sympy.Expr:
+def smem_expression(arch: GpuArch, tma: bool = True) -> sympy.Expr:
     """Dynamic shared memory per program in bytes, as Triton 3.6 allocates it for this template.
 
     Fitted to the compiler on 584 configs (docs/results/tiling_fit_set_584.json) and checked
@@ -178,7 +179,7 @@ def smem_expression(arch: GpuArch) -> sympy.Expr:
     if arch.has_wgmma:
         wgmma = E * sympy.Max(q + S * (k + v), epilogue)
         sixteen_bit = sympy.Piecewise((wgmma, BM >= 64), (sixteen_bit, True))
-    if arch.has_tma:
+    if arch.has_tma and tma:  # the prefill template's TMA loads (decode has none: tma=False)
         sixteen_bit = sixteen_bit + tma_barrier_expression()
     fp32 = E * sympy.Max(loop(BM * BN, sympy.Max(S - 1, 1)), epilogue) + 4 * sympy.Max(BM, 32)
     return sympy.Piecewise((fp32, sympy.Eq(E, 4)), (sixteen_bit, True))
@@ -333,13 +334,17 @@ def choose(derivation: Derivation, config: TileConfig, source: str) -> Derivatio
         raise ValueError(f"{config} is not a feasible candidate on {arch.name}")
     at = {D: derivation.dims["D"], DV: derivation.dims["DV"], E: derivation.dims["E"],
           BM: config.block_m, BN: config.block_n, S: config.num_stages, W: config.num_warps}
-    waves = wave_expression().subs({H: derivation.dims["H"], SMS: derivation.dims["SMS"],
-                                    BM: config.block_m, R: candidate.programs_per_sm})
-    worked = {
-        "waves": f"{waves} = {float(waves):.3f} ({derivation.dims['H']} heads x "
-                 f"{REFERENCE_TOKENS} tokens / {config.block_m} rows per program over "
-                 f"{derivation.dims['SMS']} SMs x {candidate.programs_per_sm} per SM)",
-        "smem": str(active_branch(smem_expression(arch), at)),
+    worked = {}
+    if "H" in derivation.dims:  # prefill's reference problem (decode has its own split rule)
+        waves = wave_expression().subs({H: derivation.dims["H"], SMS: derivation.dims["SMS"],
+                                        BM: config.block_m, R: candidate.programs_per_sm})
+        worked["waves"] = (f"{waves} = {float(waves):.3f} ({derivation.dims['H']} heads x "
+                           f"{REFERENCE_TOKENS} tokens / {config.block_m} rows per program "
+                           f"over {derivation.dims['SMS']} SMs x {candidate.programs_per_sm} "
+                           "per SM)")
+    worked |= {
+        "smem": str(active_branch(smem_expression(arch, derivation.dims.get("TMA", 1) == 1),
+                                  at)),
         "regs": str(active_branch(regs_expression(arch), at)),
         "values": ", ".join(f"{symbol}={at[symbol]}" for symbol in (BM, BN, D, DV, E, S, W)),
     }

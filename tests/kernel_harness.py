@@ -13,6 +13,7 @@ from types import ModuleType
 
 import torch
 
+from attngen.decode_tiling import derive_decode_tiles
 from attngen.reference import compare_to_reference, random_inputs
 from attngen.render import render_module
 from attngen.spec import AttnSpec, KernelKind, module_name, specs_from_data
@@ -34,13 +35,16 @@ def make_spec(**fields) -> AttnSpec:
 
 @cache
 def load_kernel(spec: AttnSpec, block_m: int | None = None, block_n: int | None = None,
-                arch: str = "sm90", kind: str = "prefill") -> ModuleType:
+                arch: str = "sm90", kind: KernelKind | str = KernelKind.prefill) -> ModuleType:
     """Render the spec's module of `kind` to a real .py file and import it (the JIT needs a
-    file). block_m/block_n override the derived tiles, to put block boundaries where a test
-    wants them.
+    file).
+
+    block_m/block_n override the derived tiles, to put block boundaries where a test wants them.
     """
-    source = render_module(spec, KernelKind(kind), derive_tiles(spec, arch))
-    name = f"{module_name(spec, KernelKind(kind))}_{next(_counter)}"
+    kind = KernelKind(kind)
+    derive = derive_decode_tiles if kind is KernelKind.decode else derive_tiles
+    source = render_module(spec, kind, derive(spec, arch))
+    name = f"{module_name(spec, kind)}_{next(_counter)}"
     path = _MODULE_DIR / f"{name}.py"
     path.write_text(source)
     module_spec = importlib.util.spec_from_file_location(name, path)

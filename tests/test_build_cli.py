@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from attngen.arch import arch_names
 from attngen.build import INDEX_NAME, load_specs, stale_paths
 from attngen.cli import app
+from attngen.decode_tiling import derive_decode_tiles
 from attngen.spec import KernelKind, module_name
 from attngen.tiling import derive_tiles
 from attngen.tuning import apply_tuning, lookup
@@ -97,8 +98,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_build_writes_every_kernel_and_arch(built: Path) -> None:
     expected = _expected_paths(EXAMPLES)
     # 9 specs (gemma2 has two) on two archs, llama3 on four; llama3, qwen2.5, mistral and
-    # both gemma2 variants also have the varlen kind
-    assert len(expected) == 32
+    # both gemma2 variants also have the varlen and decode kinds
+    assert len(expected) == 20 + 12 + 12
     assert _modules(built) == expected
     assert {p.name for p in built.iterdir() if p.is_dir()} <= set(arch_names())
     assert not list(built.rglob("*.tmp")), "temporary files left behind"
@@ -121,7 +122,8 @@ def test_index_lists_every_module(built: Path) -> None:
         assert entry["module"] == module_name(spec, kind)
         assert entry["arch"] in spec.archs
         tuned = lookup(TUNING, spec, kind, entry["arch"])
-        chosen = apply_tuning(derive_tiles(spec, entry["arch"]), tuned)
+        derive = derive_decode_tiles if kind is KernelKind.decode else derive_tiles
+        chosen = apply_tuning(derive(spec, entry["arch"]), tuned)
         assert entry["config"] == chosen.chosen.as_dict()
         assert entry["config_source"] == chosen.source
         header = (built / entry["path"]).read_text(encoding="utf-8").split('"""', 1)[0]
@@ -287,17 +289,38 @@ def test_explain_one_arch() -> None:
     assert "101376 B" in text  # the sm86 shared-memory budget
 
 
+def test_explain_decode_works_the_split_rule_out() -> None:
+    result = _cli("explain", ROOT / "examples" / "llama3_8b.yaml", "--arch", "sm90")
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    spec = load_specs([ROOT / "examples" / "llama3_8b.yaml"])[0]
+    config = derive_decode_tiles(spec, "sm90").chosen
+    assert "== llama3_8b decode on sm90 (H100/H200, 132 SMs" in text
+    assert "KV layout paged, page_size 16" in text
+    assert (f"decode tile: BLOCK_N={config.block_n} num_warps={config.num_warps} "
+            f"num_stages={config.num_stages}, query rows up to 16") in text
+    assert "num_splits rule (132 SMs, BLOCK_N=64)" in text
+    assert "B=1 L=4096: 8 programs, span 4096 keys = 64 blocks" in text
+    assert "-> 16 split(s) of 256 keys: 128 programs" in text
+    assert "B=8 L=32768: 64 programs" in text and "B=64 L=4096: 512 programs" in text
+    assert "(no combine: written directly)" in text
+
+
 def test_explain_all_archs() -> None:
     result = _cli("explain", ROOT / "examples" / "llama3_8b.yaml")
     assert result.exit_code == 0
-    sections = [line for line in result.stdout.splitlines() if line.startswith("== ")]
-    assert [s.split()[3] for s in sections] == ["sm80", "sm86", "sm89", "sm90"]
+    sections = [line.split()[2:4] for line in result.stdout.splitlines()
+                if line.startswith("== ")]
+    assert sections == [part for arch in ("sm80", "sm86", "sm89", "sm90")
+                        for part in (["on", arch], ["decode", "on"])]
     assert result.stdout.count("chosen: BLOCK_M=") == 4
     assert result.stdout.count("binding constraint: ") == 4
     both = _cli("explain", ROOT / "examples" / "gemma2_9b.yaml", ROOT / "examples" / "gpt2.yaml")
     heads = [line.split()[1:4] for line in both.stdout.splitlines() if line.startswith("== ")]
-    assert heads == [["gemma2_9b_local", "on", "sm80"], ["gemma2_9b_local", "on", "sm90"],
-                     ["gemma2_9b_global", "on", "sm80"], ["gemma2_9b_global", "on", "sm90"],
+    assert heads == [["gemma2_9b_local", "on", "sm80"], ["gemma2_9b_local", "decode", "on"],
+                     ["gemma2_9b_local", "on", "sm90"], ["gemma2_9b_local", "decode", "on"],
+                     ["gemma2_9b_global", "on", "sm80"], ["gemma2_9b_global", "decode", "on"],
+                     ["gemma2_9b_global", "on", "sm90"], ["gemma2_9b_global", "decode", "on"],
                      ["gpt2", "on", "sm80"], ["gpt2", "on", "sm90"]]
 
 

@@ -33,10 +33,9 @@ def _example_specs():
     return [spec for spec in load_specs(EXAMPLES) if "sm90" in spec.archs]
 
 
-def _load_generated(spec):
+def _load_generated(spec, kind="prefill"):
     index = json.loads((GENERATED / "index.json").read_text())
-    entry = next(e for e in index["modules"]
-                 if e["arch"] == "sm90" and e["kind"] == "prefill"
+    entry = next(e for e in index["modules"] if e["arch"] == "sm90" and e["kind"] == kind
                  and e["spec_hash"] == spec.spec_hash())
     path = GENERATED / entry["path"]
     name = f"generated_{entry['module']}"

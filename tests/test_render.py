@@ -327,19 +327,23 @@ def test_gate_accepts_every_rendered_module() -> None:
         for arch in spec.archs:
             check_module_source(_render(spec, arch), module_name(spec, PREFILL))
     generated = json.loads((ROOT / "generated" / "index.json").read_text())["modules"]
-    assert {entry["kind"] for entry in generated} == {"prefill", "varlen"}
+    assert {entry["kind"] for entry in generated} == {"prefill", "varlen", "decode"}
     for entry in generated:
         source = (ROOT / "generated" / entry["path"]).read_text(encoding="utf-8")
         check_module_source(source, entry["module"], ENTRY_POINTS[KernelKind(entry["kind"])])
+    first = (ROOT / "generated" / generated[0]["path"]).read_text(encoding="utf-8")
+    with pytest.raises(RenderError, match="defines no decode"):
+        check_module_source(first.replace("def decode(", "def other(").replace(
+            "def attention(", "def other("), "m", "decode")
 
 
 def test_render_module_runs_the_gate(monkeypatch: pytest.MonkeyPatch) -> None:
     seen = []
     monkeypatch.setattr(render, "check_module_source",
-                        lambda source, name, entry: seen.append(name))
+                        lambda source, name, entry: seen.append((name, entry)))
     spec = VARIETY["causal_br"]
     _render(spec)
-    assert seen == [module_name(spec, PREFILL)]
+    assert seen == [(module_name(spec, PREFILL), "attention")]
 
 
 # ------------------------------------------------------------------- determinism, headers

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from attngen.spec import (
+    DECODE_FIELDS,
     MAX_SPEC_BYTES,
     AttnSpec,
     KernelKind,
@@ -26,6 +27,7 @@ from attngen.spec import (
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 PREFILL = KernelKind.prefill
+DECODE = KernelKind.decode
 
 # A valid spec; `_with` replaces (or appends, or with None drops) one top-level line of it.
 BASE = """\
@@ -123,10 +125,36 @@ BAD_SPECS = [
     ("arch-duplicate", _with("archs", "[sm80, sm90, sm80]"),
      ["archs: got 'sm80'", "each entry at most once"]),
     ("arch-empty", _with("archs", "[]"), ["archs: got []", f"among {ALL_ARCHS}"]),
-    ("kernel-unknown", _with("kernels", "[backward]"), ["kernels.0: got 'backward'", "'prefill'"]),
+    ("kernel-unknown", _with("kernels", "[backward]"),
+     ["kernels.0: got 'backward'", "'prefill', 'varlen' or 'decode'"]),
     ("kernel-duplicate", _with("kernels", "[prefill, prefill]"),
      ["kernels: got 'prefill'", "at most once"]),
-    ("kernels-empty", _with("kernels", "[]"), ["kernels: got []", "a list among prefill"]),
+    ("kernels-empty", _with("kernels", "[]"),
+     ["kernels: got []", "a list among prefill, varlen, decode"]),
+    # decode fields
+    ("decode-no-layout", _with("kernels", "[prefill, decode]"),
+     ["kv_layout: got None", "contiguous or paged (required with decode)"]),
+    ("layout-without-decode", BASE + "kv_layout: paged\n",
+     ["kv_layout: got 'paged'", "absent unless kernels includes decode"]),
+    ("tokens-without-decode", BASE + "max_query_tokens: 2\n",
+     ["max_query_tokens: got 2", "absent unless kernels includes decode"]),
+    ("layout-unknown", _with("kernels", "[decode]") + "kv_layout: ragged\n",
+     ["kv_layout: got 'ragged'", "'contiguous' or 'paged'"]),
+    ("paged-no-page-size", _with("kernels", "[decode]") + "kv_layout: paged\n",
+     ["page_size: got None", "a power of two in 1..1024 (required with kv_layout paged)"]),
+    ("page-size-not-pow2", _with("kernels", "[decode]") + "kv_layout: paged\npage_size: 48\n",
+     ["page_size: got 48", "a power of two in 1..1024"]),
+    ("page-size-big", _with("kernels", "[decode]") + "kv_layout: paged\npage_size: 2048\n",
+     ["page_size: got 2048 (int)", "a power of two in 1..1024"]),
+    ("page-size-contiguous",
+     _with("kernels", "[decode]") + "kv_layout: contiguous\npage_size: 16\n",
+     ["page_size: got 16", "absent unless kv_layout is paged"]),
+    ("tokens-zero", _with("kernels", "[decode]") + "kv_layout: contiguous\nmax_query_tokens: 0\n",
+     ["max_query_tokens: got 0 (int)", "an int in 1..16"]),
+    ("tokens-17", _with("kernels", "[decode]") + "kv_layout: contiguous\nmax_query_tokens: 17\n",
+     ["max_query_tokens: got 17 (int)", "an int in 1..16"]),
+    ("decode-top-left", _with("causal_align", "top_left", _with("kernels", "[decode]"))
+     + "kv_layout: contiguous\n", ["causal_align: got 'top_left'", "bottom_right with decode"]),
     ("dtype-unknown", _with("dtype", "fp8"), ["dtype: got 'fp8'", "'fp16', 'bf16' or 'fp32'"]),
     ("mask-unknown", _with("mask", "diagonal"), ["mask: got 'diagonal'", "'sliding_window'"]),
     ("missing-field", _with("head_dim", None), ["head_dim: missing; required"]),
@@ -209,6 +237,14 @@ def test_example_loads(path: Path) -> None:
         assert spec.name.startswith(path.stem)
         # every example has prefill; the models a runtime serves batched have varlen too
         assert spec.kernels[0] is PREFILL and set(spec.kernels) <= set(KernelKind)
+        assert (DECODE in spec.kernels) == (spec.kv_layout is not None)
+
+
+def test_at_least_three_examples_have_decode() -> None:
+    specs = [spec for path in EXAMPLES for spec in load_spec_file(path)]
+    layouts = {spec.kv_layout.value for spec in specs if DECODE in spec.kernels}
+    assert sum(DECODE in spec.kernels for spec in specs) >= 3
+    assert layouts == {"contiguous", "paged"}
 
 
 def test_examples_are_all_found() -> None:
@@ -241,6 +277,41 @@ EXPECTED_MODULES = {
     "phi3_mini": "phi3_mini_prefill_bf16_d96_causal_br",
     "qwen2_5_7b": "qwen2_5_7b_prefill_bf16_d128_causal_br",
 }
+
+
+EXPECTED_DECODE_MODULES = {
+    "gemma2_9b_local": "gemma2_9b_local_decode_bf16_d256_win4095x0_br_cap50_contig",
+    "gemma2_9b_global": "gemma2_9b_global_decode_bf16_d256_causal_br_cap50_contig",
+    "llama3_8b": "llama3_8b_decode_bf16_d128_causal_br_paged16",
+    "mistral_7b": "mistral_7b_decode_bf16_d128_win4095x0_br_paged64",
+    "qwen2_5_7b": "qwen2_5_7b_decode_bf16_d128_causal_br_contig_q4",
+}
+
+
+def test_example_decode_module_names() -> None:
+    specs = [spec for path in EXAMPLES for spec in load_spec_file(path)]
+    names = {spec.name: module_name(spec, DECODE) for spec in specs if DECODE in spec.kernels}
+    assert names == EXPECTED_DECODE_MODULES
+
+
+def test_decode_fields_and_hashes() -> None:
+    decode = _spec(kernels=["prefill", "decode"], kv_layout="paged", page_size=16)
+    prefill_only = _spec()
+    assert decode.canonical()["kv_layout"] == "paged" and decode.query_tokens == 1
+    assert decode.canonical()["max_query_tokens"] == 1  # the default, resolved
+    assert "kv_layout" not in prefill_only.canonical()  # prefill-only hashes are unchanged
+    assert decode.kernel_hash(PREFILL) == prefill_only.spec_hash() == prefill_only.kernel_hash(
+        PREFILL)
+    assert decode.kernel_hash(DECODE) != decode.spec_hash() != prefill_only.spec_hash()
+    others = [_spec(kernels=["prefill", "decode"], kv_layout="paged", page_size=32),
+              _spec(kernels=["prefill", "decode"], kv_layout="contiguous"),
+              _spec(kernels=["prefill", "decode"], kv_layout="contiguous", max_query_tokens=4),
+              _spec(kernels=["decode"], kv_layout="paged", page_size=16)]
+    hashes = {spec.kernel_hash(DECODE) for spec in [decode, *others]}
+    assert len(hashes) == 4  # kernels [decode] alone has the decode kernel's hash
+    assert module_name(others[2], DECODE) == "t_decode_bf16_d128_causal_br_contig_q4"
+    assert _spec(kernels=["decode"], kv_layout="contiguous", mask="none",
+                 causal_align=None).kernels == (DECODE,)
 
 
 def test_example_module_names() -> None:
@@ -305,7 +376,9 @@ def test_distinct_softcaps_get_distinct_module_names() -> None:
 def test_spec_hash_is_stable() -> None:
     spec = load_spec_file(ROOT / "examples" / "llama3_8b.yaml")[0]
     # The value recorded in generated/; a change here means every module's header changes.
-    assert spec.spec_hash() == "038a629b90be4ffb"
+    assert spec.spec_hash() == "d4c0289571265e2a"
+    # Its prefill kernel's hash is what it was before varlen and decode were added.
+    assert spec.kernel_hash(PREFILL) == "0b49639ae754cf1a"
     again = load_spec_file(ROOT / "examples" / "llama3_8b.yaml")[0]
     assert again.spec_hash() == spec.spec_hash() and again == spec
     reordered = dict(reversed(list(spec.model_dump(mode="json").items())))
@@ -317,7 +390,7 @@ SLIDING_FIELDS = dict(name="t", archs=["sm80", "sm90"], dtype="bf16", head_dim=1
                       head_dim_v=128, num_q_heads=8, num_kv_heads=8, mask="sliding_window",
                       causal_align="bottom_right", window_left=16, window_right=0, softcap=0.0,
                       alibi=False, kernels=["prefill"])
-# One change per field (kernels has a single value today, so it cannot change).
+# One change per field; the decode fields change on a decode base (DECODE_CHANGES).
 FIELD_CHANGES = {
     "name": {"name": "u"},
     "archs": {"archs": ["sm80"]},
@@ -336,24 +409,44 @@ FIELD_CHANGES = {
 }
 
 
+DECODE_BASE = dict(kernels=["prefill", "decode"], kv_layout="paged", page_size=16,
+                   max_query_tokens=1)
+DECODE_CHANGES = {
+    "kernels": {"kernels": ["decode"]},
+    "kv_layout": {"kv_layout": "contiguous", "page_size": None},
+    "page_size": {"page_size": 32},
+    "max_query_tokens": {"max_query_tokens": 2},
+}
+
+
 def test_spec_hash_changes_with_every_field() -> None:
     def make(changes: dict) -> AttnSpec:
         fields = {**SLIDING_FIELDS, **changes}
         return specs_from_data({k: v for k, v in fields.items() if v is not None})[0]
 
     changed = {field for change in FIELD_CHANGES.values() for field in change}
-    assert changed >= set(AttnSpec.model_fields) - {"kernels"}
+    decode_fields = {field for change in DECODE_CHANGES.values() for field in change}
+    assert changed | decode_fields >= set(AttnSpec.model_fields)
     hashes = {"base": make({}).spec_hash()}
     for label, change in FIELD_CHANGES.items():
         hashes[label] = make(change).spec_hash()
     assert len(set(hashes.values())) == len(hashes), hashes
+    decode_base = {**SLIDING_FIELDS, **DECODE_BASE}
+    decode_hashes = {"base": specs_from_data(decode_base)[0].spec_hash()}
+    for label, change in DECODE_CHANGES.items():
+        fields = {**decode_base, **change}
+        spec = specs_from_data({k: v for k, v in fields.items() if v is not None})[0]
+        decode_hashes[label] = spec.spec_hash()
+    assert len(set(decode_hashes.values())) == len(decode_hashes), decode_hashes
+    assert not set(decode_hashes.values()) & set(hashes.values())
 
 
 def test_canonical_resolves_defaults() -> None:
     spec = _spec(mask="sliding_window", window_left=64)
     assert (spec.head_dim_v, spec.window_right) == (None, None)
     canonical = spec.canonical()
-    assert list(canonical) == list(AttnSpec.model_fields)
+    # Decode's fields appear only in specs with decode (prefill-only hashes stay as they were).
+    assert list(canonical) == [f for f in AttnSpec.model_fields if f not in DECODE_FIELDS]
     assert canonical["head_dim_v"] == 128 and canonical["window_right"] == 0
     assert canonical["window_left"] == 64 and canonical["softcap"] == 0.0
     assert canonical["archs"] == ["sm80"] and canonical["mask"] == "sliding_window"

@@ -1,0 +1,198 @@
+"""Decode tiles and the split-KV rule: what a decode program holds, and how many programs run.
+
+The decode kernel (templates/decode.py.jinja) is the prefill kernel's key loop with a packed
+query tile: one program takes ALL query heads of one KV head and all query tokens of the step
+(q_per_kv * Nq rows, padded to a power of two >= 16 for tl.dot), so every K/V byte crosses HBM
+once, and streams a range of the sequence's keys in BLOCK_N tiles. Its loop stages the same
+buffers as prefill's (a resident Q tile, K^T and V tiles, P where the compiler splits warps
+along N), so the shared-memory and register expressions of attngen.tiling apply with
+BLOCK_M = the row tile; tests/test_decode_tiling.py cross-compiles the chosen configs to hold
+the model to that.
+
+What differs is the goal. Decode does almost no arithmetic per byte, so a config is worth
+what it keeps in flight: by Little's law an SM needs about 72 KiB of outstanding loads to draw
+its share of HBM bandwidth (an H200's 4.8 TB/s x ~2 us loaded latency / 132 SMs; the target is
+96 KiB for margin). A pipelined program (S >= 2) has S - 1 K/V tile pairs in flight; without
+pipelining (S = 1) loads and math alternate, counted as half a tile pair. Score = min(1,
+in-flight bytes / 96 KiB) with at most SPLIT_WAVES programs counted per SM (the split rule
+below aims at about that many).
+
+The split rule (flash-decoding) runs on the host at every call, from shapes only (no device
+read, so a CUDA graph can capture the launch); the generated module carries the same rule with
+these constants (tests check both agree):
+
+    programs without splitting: B * HKV (* row blocks when the query tile exceeds BLOCK_M)
+    at most  = clamp(blocks // MIN_BLOCKS_PER_SPLIT, 1, MAX_SPLITS)   blocks = ceil(span / BLOCK_N)
+    wanted   = min(ceil(SPLIT_WAVES * SMs / programs), at most)     about two programs per SM
+    splits   = the count in wanted..min(2 * wanted, at most) whose programs fill their last
+               wave of SMs best (programs x splits / (SMs x waves), the first best), then
+               evened out so that no split is empty: per split = ceil(blocks / splits) blocks,
+               splits = ceil(blocks / per split)
+
+span is the cache capacity (Lmax, or max_pages * page_size) or, with a sliding window, at most
+window_left + query tokens + BLOCK_N keys: a split never covers keys no query can see.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from functools import cache
+
+from attngen.arch import ARCHS
+from attngen.spec import AttnSpec, KvLayout
+from attngen.tiling import (
+    BM,
+    BN,
+    DV,
+    REGISTER_MARGIN,
+    Candidate,
+    D,
+    Derivation,
+    E,
+    S,
+    TileConfig,
+    W,
+    choose,
+    constraint_labels,
+    padded_head_dim,
+    regs_expression,
+    smem_expression,
+)
+
+DECODE_BLOCK_N_CHOICES = (32, 64, 128)
+DECODE_WARPS_CHOICES = (4, 8)
+DECODE_STAGES_CHOICES = (1, 2, 3, 4)
+MAX_ROW_TILE = 64  # larger query groups are split into row blocks (registers: acc is rows x DV)
+IN_FLIGHT_TARGET = 96 * 1024  # bytes of outstanding loads per SM (see the module docstring)
+
+# The split rule's constants (rendered into the generated module).
+SPLIT_WAVES = 2
+MIN_BLOCKS_PER_SPLIT = 4
+MAX_SPLITS = 64
+INTERPRETER_SM_COUNT = 132  # what the generated module assumes without a GPU (an H100/H200)
+
+# Reference problems `attngen explain` works the split rule out for (batch, cache length).
+REFERENCE_PROBLEMS = ((1, 4096), (8, 32768), (64, 4096))
+SCORE_TEXT = (f"min(1, min(programs/SM, {SPLIT_WAVES}) * BLOCK_N*(D + DV)*E * (S - 1, or 1/2 "
+              f"for S = 1) / {IN_FLIGHT_TARGET}) (bytes in flight per SM)")
+
+
+def row_tile(num_q_heads: int, num_kv_heads: int, query_tokens: int) -> int:
+    """The packed query tile: q_per_kv * Nq rows, a power of two in 16..MAX_ROW_TILE."""
+    rows = (num_q_heads // num_kv_heads) * query_tokens
+    return min(MAX_ROW_TILE, max(16, 1 << (rows - 1).bit_length()))
+
+
+def decode_score(per_sm: int, block_n: int, d: int, dv: int, e: int, stages: int) -> float:
+    in_flight = min(per_sm, SPLIT_WAVES) * block_n * (d + dv) * e * (stages - 1 or 0.5)
+    return min(1.0, in_flight / IN_FLIGHT_TARGET)
+
+
+@cache
+def derive_decode_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
+    """Every decode candidate on `arch_name`, judged like prefill's, scored by bytes in flight.
+
+    The row tile is fixed by the spec (its head ratio and max_query_tokens): it is what a
+    program holds in the worst case the spec allows, so feasibility is judged there."""
+    arch = ARCHS[arch_name]
+    rows = row_tile(spec.num_q_heads, spec.num_kv_heads, spec.query_tokens)
+    d, dv = padded_head_dim(spec.head_dim), padded_head_dim(spec.value_head_dim)
+    values = {D: d, DV: dv, E: spec.dtype.itemsize, BM: rows}
+    smem = smem_expression(arch, tma=False).subs(values)  # decode loads through pointers
+    regs = regs_expression(arch).subs(values)
+    candidates = []
+    for bn, w, s in itertools.product(DECODE_BLOCK_N_CHOICES, DECODE_WARPS_CHOICES,
+                                      DECODE_STAGES_CHOICES):
+        at = {BN: bn, S: s, W: w}
+        smem_b, regs_t = int(smem.subs(at)), int(math.ceil(regs.subs(at)))
+        reasons = []
+        if smem_b > arch.smem_budget:
+            reasons.append(f"smem {smem_b} B > {arch.smem_budget} B")
+        if regs_t > arch.max_regs_per_thread + REGISTER_MARGIN:
+            reasons.append(f"regs {regs_t} > {arch.max_regs_per_thread} + {REGISTER_MARGIN}")
+        per_sm = min(arch.smem_per_sm // (smem_b + arch.smem_reserved + arch.smem_block_reserve),
+                     arch.regs_per_sm // (min(regs_t, arch.max_regs_per_thread) * 32 * w),
+                     arch.max_threads_per_sm // (32 * w))
+        if not reasons and per_sm < 1:
+            reasons.append("occupancy 0 programs/SM")
+        score = 0.0 if reasons else decode_score(per_sm, bn, d, dv, spec.dtype.itemsize, s)
+        candidates.append(Candidate(TileConfig(rows, bn, w, s), smem_b, regs_t, per_sm,
+                                    round(score, 6), tuple(reasons),
+                                    regs_predictive=spec.dtype.itemsize != 4))
+    derivation = Derivation(
+        arch=arch_name, source="heuristic",
+        expressions={"smem": str(smem), "regs": str(regs), "score": SCORE_TEXT},
+        constraints=constraint_labels(arch)[:3], candidates=tuple(candidates), chosen=None,
+        binding="nothing fits", dims={"D": d, "DV": dv, "E": spec.dtype.itemsize, "TMA": 0})
+    feasible = [c for c in candidates if c.feasible]
+    if not feasible:
+        return derivation
+    best = max(feasible, key=lambda c: _preference(c, arch))
+    return choose(derivation, best.config, "heuristic")
+
+
+def _preference(cand: Candidate, arch) -> tuple:
+    """Safe before may-spill, then the score; among equals BLOCK_N 64 (a K tile of 64 rows
+    already makes full 128-byte transactions, and finer tiles let splits be finer), then
+    fewer warps (more programs per SM), fewer stages and less shared memory."""
+    c = cand.config
+    return (not cand.may_spill(arch), cand.score, -abs(math.log2(c.block_n / 64)),
+            -c.num_warps, -c.num_stages, -cand.smem_bytes)
+
+
+def decode_config(spec: AttnSpec, arch: str) -> TileConfig | None:
+    return derive_decode_tiles(spec, arch).chosen
+
+
+def split_span(spec: AttnSpec, capacity: int, block_n: int, query_tokens: int) -> int:
+    """Keys a step can reach: the capacity, or with a window the window and the step."""
+    window = spec.window
+    if window is None:
+        return capacity
+    return min(capacity, window[0] + query_tokens + block_n)
+
+
+def num_splits(programs: int, span: int, block_n: int, sm_count: int) -> tuple[int, int]:
+    """(splits, keys per split) for `programs` (batch x KV heads x row blocks) over `span` keys;
+    the rule of the module docstring, mirrored by the generated module's `_num_splits`.
+    Integer arithmetic only, so both give the same answer."""
+    blocks = max(1, -(-span // block_n))
+    most = max(1, min(blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+    wanted = min(-(-SPLIT_WAVES * sm_count // max(programs, 1)), most)
+    best, best_total, best_waves = wanted, 0, 1
+    for splits in range(wanted, min(2 * wanted, most) + 1):
+        total = programs * splits
+        waves = -(-total // sm_count)
+        if total * best_waves > best_total * waves:  # a fuller last wave
+            best, best_total, best_waves = splits, total, waves
+    per_split = -(-blocks // best)
+    return -(-blocks // per_split), per_split * block_n
+
+
+def split_lines(spec: AttnSpec, config: TileConfig, sm_count: int) -> list[str]:
+    """The split rule worked out for REFERENCE_PROBLEMS with the spec's heads."""
+    ratio = spec.num_q_heads // spec.num_kv_heads
+    row_blocks = -(-ratio // config.block_m)  # one query token
+    lines = [f"num_splits rule ({sm_count} SMs, BLOCK_N={config.block_n}): programs = B x "
+             f"HKV{' x row blocks' if row_blocks > 1 else ''}; at most clamp(blocks // "
+             f"{MIN_BLOCKS_PER_SPLIT}, 1, {MAX_SPLITS}); wanted = ceil({SPLIT_WAVES} x SMs / "
+             "programs); the count in wanted..2 x wanted that fills its last wave best"]
+    for batch, length in REFERENCE_PROBLEMS:
+        capacity = length
+        if spec.kv_layout is KvLayout.paged:
+            capacity = -(-length // spec.page_size) * spec.page_size
+        span = split_span(spec, capacity, config.block_n, 1)
+        programs = batch * spec.num_kv_heads * row_blocks
+        splits, keys = num_splits(programs, span, config.block_n, sm_count)
+        blocks = -(-span // config.block_n)
+        wanted = -(-SPLIT_WAVES * sm_count // programs)
+        total = programs * splits
+        most = max(1, min(blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+        lines.append(
+            f"  B={batch} L={length}: {programs} programs, span {span} keys = {blocks} blocks, "
+            f"wanted {min(wanted, most)}, at most {most} -> {splits} "
+            f"split(s) of {keys} keys: {total} programs = {total / sm_count:.2f} per SM"
+            + ("" if splits > 1 else " (no combine: written directly)"))
+    return lines
+

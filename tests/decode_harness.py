@@ -1,0 +1,169 @@
+"""Helpers for the decode tests: specs, KV caches (contiguous or paged, poisoned where unused),
+and the float64 reference built by gathering each sequence's keys into a dense tensor.
+
+The reference for sequence b is prefill attention of its NQ queries over its L_b keys with the
+spec's mask aligned bottom-right (the decode step's queries are the last tokens), judged by
+attngen.reference.compare_to_reference (shared/RELIABILITY.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attngen.reference import compare_to_reference
+from attngen.spec import AttnSpec, CausalAlign, KernelKind
+from tests.kernel_harness import TORCH_DTYPES, load_kernel, make_spec
+
+DECODE = KernelKind.decode
+
+
+def make_decode_spec(layout: str = "paged", page_size: int | None = 16, **fields) -> AttnSpec:
+    fields.setdefault("kernels", ["prefill", "decode"])
+    fields["kv_layout"] = layout
+    if layout == "paged":
+        fields["page_size"] = page_size
+    return make_spec(**fields)
+
+
+def load_decode(spec: AttnSpec, block_n: int | None = None, arch: str = "sm90"):
+    return load_kernel(spec, None, block_n, arch, DECODE)
+
+
+@dataclass
+class Cache:
+    """A KV cache holding `lengths[b]` keys per sequence, and room for `room` more each."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    block_table: torch.Tensor | None
+    lengths: torch.Tensor  # int32 [B]: cache_seqlens
+    dense_k: list[torch.Tensor]  # per sequence [HKV, L_b, D]: what the cache holds
+    dense_v: list[torch.Tensor]
+
+    def to(self, device) -> Cache:
+        table = None if self.block_table is None else self.block_table.to(device)
+        return Cache(self.k.to(device), self.v.to(device), table, self.lengths.to(device),
+                     self.dense_k, self.dense_v)
+
+    def clone(self) -> Cache:
+        table = None if self.block_table is None else self.block_table.clone()
+        return Cache(self.k.clone(), self.v.clone(), table, self.lengths.clone(),
+                     self.dense_k, self.dense_v)
+
+
+def make_cache(spec: AttnSpec, lengths: list[int], *, seed: int, room: int = 0,
+               num_kv_heads: int | None = None, fill: float = float("nan"),
+               extra_capacity: int = 5) -> Cache:
+    """Random keys for each sequence's first lengths[b] positions; every other slot (past the
+    length, free slots of used pages, unused pages, the page unused block-table entries point
+    at) holds `fill`. Pages are assigned in a shuffled order."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = TORCH_DTYPES[spec.dtype.value]
+    hkv = num_kv_heads or spec.num_kv_heads
+    d, dv = spec.head_dim, spec.value_head_dim
+    batch = len(lengths)
+    dense_k = [torch.randn(hkv, n, d, generator=gen).to(dtype) for n in lengths]
+    dense_v = [torch.randn(hkv, n, dv, generator=gen).to(dtype) for n in lengths]
+    capacity = max([n + room for n in lengths], default=0) + extra_capacity
+    if spec.kv_layout.value == "contiguous":
+        k = torch.full((batch, hkv, capacity, d), fill, dtype=dtype)
+        v = torch.full((batch, hkv, capacity, dv), fill, dtype=dtype)
+        for b, n in enumerate(lengths):
+            k[b, :, :n], v[b, :, :n] = dense_k[b], dense_v[b]
+        table = None
+    else:
+        page = spec.page_size
+        max_pages = -(-capacity // page)
+        needed = [-(-(n + room) // page) for n in lengths]
+        num_pages = sum(needed) + 2  # two pages nobody owns; one is what unused entries name
+        order = torch.randperm(num_pages, generator=gen).to(torch.int32)
+        k = torch.full((num_pages, page, hkv, d), fill, dtype=dtype)
+        v = torch.full((num_pages, page, hkv, dv), fill, dtype=dtype)
+        table = torch.full((batch, max_pages), int(order[-1]), dtype=torch.int32)
+        used = 0
+        for b, n in enumerate(lengths):
+            table[b, :needed[b]] = order[used:used + needed[b]]
+            used += needed[b]
+            pos = torch.arange(n)
+            pages, slots = table[b, pos // page].long(), pos % page
+            k[pages, slots] = dense_k[b].transpose(0, 1)
+            v[pages, slots] = dense_v[b].transpose(0, 1)
+    return Cache(k, v, table, torch.tensor(lengths, dtype=torch.int32), dense_k, dense_v)
+
+
+def make_queries(spec: AttnSpec, batch: int, num_q_tokens: int, *, seed: int,
+                 num_q_heads: int | None = None, num_new: int = 0,
+                 num_kv_heads: int | None = None, scale: float = 1.0):
+    """q [B, HQ, NQ, D], new keys/values [B, HKV, NNEW, D] (None when NNEW is 0), slopes."""
+    gen = torch.Generator().manual_seed(seed + 7919)
+    dtype = TORCH_DTYPES[spec.dtype.value]
+    hq, hkv = num_q_heads or spec.num_q_heads, num_kv_heads or spec.num_kv_heads
+    q = (torch.randn(batch, hq, num_q_tokens, spec.head_dim, generator=gen) * scale).to(dtype)
+    k_new = v_new = None
+    if num_new:
+        k_new = torch.randn(batch, hkv, num_new, spec.head_dim, generator=gen).to(dtype)
+        v_new = torch.randn(batch, hkv, num_new, spec.value_head_dim, generator=gen).to(dtype)
+    slopes = None
+    if spec.alibi:
+        slopes = 2.0 ** (-8.0 * torch.arange(1, hq + 1, dtype=torch.float32) / hq)
+    return q, k_new, v_new, slopes
+
+
+def run_decode(kernel, cache: Cache, q, k_new=None, v_new=None, slopes=None, **kwargs):
+    return kernel.decode(q, cache.k, cache.v, cache.lengths, block_table=cache.block_table,
+                         k_new=k_new, v_new=v_new, alibi_slopes=slopes, return_lse=True,
+                         **kwargs)
+
+
+def reference_spec(spec: AttnSpec) -> AttnSpec:
+    """The spec the dense reference runs: decode's query positions are absolute (bottom-right)
+    for every mask, ALiBi's distance included, so the alignment is set even for mask none
+    (model_copy skips the validation that refuses an alignment without a mask)."""
+    return spec.model_copy(update={"causal_align": CausalAlign.bottom_right})
+
+
+def decode_problems(spec: AttnSpec, cache: Cache, out, lse, q, k_new=None, v_new=None,
+                    slopes=None, sm_scale=None) -> list[str]:
+    """Per sequence: the kernel's rows against the dense float64 reference."""
+    problems = []
+    ref_spec = reference_spec(spec)
+    # Note: an fp32 kernel rounds s * log2(e) to fp32 at the scores' magnitude before exp2
+    # (attention in the log2 domain); the fp32 reference takes exp(s - lse) and has no such
+    # rounding, so its error is no yardstick for that part: p is off by up to about
+    # |s| * log2(e) * 2**-24 relative, a few output ulps. Found by Hypothesis on a 16-key
+    # fp32 case (7 ulps, lowp 2.3 ulps) where the prefill kernel gives bitwise the same
+    # output; the floor is 4 ulps for fp32 instead of 2. 16-bit outputs keep 2.
+    floor_ulps = 4 if spec.dtype.value == "fp32" else 2
+    for b in range(q.shape[0]):
+        k, v = cache.dense_k[b], cache.dense_v[b]
+        if k_new is not None:
+            k, v = torch.cat([k, k_new[b]], dim=1), torch.cat([v, v_new[b]], dim=1)
+        found = compare_to_reference(ref_spec, out[b:b + 1], lse[b:b + 1], q[b:b + 1], k[None],
+                                     v[None], sm_scale=sm_scale, alibi_slopes=slopes,
+                                     floor_ulps=floor_ulps)
+        problems += [f"sequence {b} (L={k.shape[1]}): {p}" for p in found]
+    return problems
+
+
+def expected_cache_after_append(cache: Cache, k_new, v_new) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caches with the new keys written at cache_seqlens[b] + t, nothing else changed."""
+    k, v = cache.k.clone(), cache.v.clone()
+    for b in range(k_new.shape[0]):
+        pos = cache.lengths[b].item() + torch.arange(k_new.shape[2])
+        if cache.block_table is None:
+            k[b, :, pos], v[b, :, pos] = k_new[b], v_new[b]
+        else:
+            page = k.shape[1]
+            pages, slots = cache.block_table[b, pos // page].long(), pos % page
+            k[pages, slots], v[pages, slots] = k_new[b].transpose(0, 1), v_new[b].transpose(0, 1)
+    return k, v
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal, NaN included (torch.equal says NaN != NaN)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))

@@ -1,0 +1,86 @@
+"""The decode tile model against what Triton 3.6 compiles (attngen/data/decode_compile_*.json,
+written by tools/decode_compile_check.py by cross-compiling for sm80/86/89/90, no GPU).
+
+The shared-memory model is prefill's loop with BLOCK_M = the row tile; it is exact for
+contiguous caches and over for paged ones, where Triton 3.6 does not multi-buffer the K/V
+loads whose address comes from the block table (one buffer whatever num_stages): the model
+never promises less than the compiler needs, which is the direction that matters.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attngen.arch import ARCHS
+from attngen.build import load_specs
+from attngen.decode_tiling import derive_decode_tiles, num_splits, row_tile
+from attngen.oracle import triton_version
+from attngen.spec import KernelKind, KvLayout
+from attngen.tiling import TileConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "attngen" / "data" / f"decode_compile_triton-{triton_version()}.json"
+SAFE_SPILL_BYTES = 64
+
+
+def _decode_specs():
+    return [s for s in load_specs(sorted((ROOT / "examples").glob("*.yaml")))
+            if KernelKind.decode in s.kernels]
+
+
+def test_every_chosen_decode_config_fits_what_the_compiler_allocates():
+    assert DATA.is_file(), "regenerate: PYTHONPATH=. python tools/decode_compile_check.py"
+    rows = {(r["kernel_hash"], r["arch"]): r for r in json.loads(DATA.read_text())["rows"]}
+    archs = set()
+    for spec in _decode_specs():
+        for arch in spec.archs:
+            derivation = derive_decode_tiles(spec, arch)
+            row = rows[(spec.kernel_hash(KernelKind.decode), arch)]
+            assert TileConfig.from_dict(row["config"]) == derivation.chosen
+            budget = ARCHS[arch].smem_budget
+            model = derivation.chosen_candidate.smem_bytes
+            assert row["error"] is None and row["shared"] <= budget
+            assert row["shared"] <= model, (spec.name, arch)  # never under the compiler
+            if spec.kv_layout is KvLayout.contiguous:
+                assert row["shared"] == model, (spec.name, arch)  # exact where pipelined
+            assert (row["spill_stores"] or 0) <= SAFE_SPILL_BYTES
+            assert row["regs"] <= ARCHS[arch].max_regs_per_thread
+            archs.add(arch)
+    assert archs >= {"sm80", "sm86", "sm89", "sm90"}
+
+
+@pytest.mark.slow
+def test_compile_data_is_current():
+    # About 4 minutes on two cores: the examples' chosen configs compiled live.
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "decode_compile_check.py"),
+                             "--check"], capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+
+def test_row_tile_and_split_rule():
+    assert [row_tile(32, 8, n) for n in (1, 4, 16)] == [16, 16, 64]
+    assert row_tile(28, 4, 4) == 32 and row_tile(64, 1, 16) == 64  # capped: row blocks
+    assert num_splits(8, 4096, 64, 132) == (16, 256)  # B=1: 16 x 8 = 128 programs
+    assert num_splits(512, 4096, 64, 132) == (1, 4096)  # B=64: enough programs already
+    assert num_splits(64, 32768, 64, 132) == (6, 5504)  # a fuller last wave than 5
+    assert num_splits(8, 0, 64, 132) == (1, 64)
+    for programs in (1, 7, 64, 1000):
+        for span in (1, 100, 4096, 10**6):
+            splits, keys = num_splits(programs, span, 64, 132)
+            assert 1 <= splits <= 64 and keys % 64 == 0
+            assert splits * keys >= span > (splits - 1) * keys  # no empty split
+
+
+def test_decode_choice_is_safe_and_bandwidth_first():
+    for spec in _decode_specs():
+        for arch in spec.archs:
+            derivation = derive_decode_tiles(spec, arch)
+            best = derivation.chosen_candidate
+            assert best is not None and not best.may_spill(ARCHS[arch])
+            top = max(c.score for c in derivation.candidates if c.feasible)
+            assert best.score == top

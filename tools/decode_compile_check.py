@@ -1,0 +1,68 @@
+"""Cross-compile every example's chosen decode config on its archs (no GPU) and record what
+Triton allocates: attngen/data/decode_compile_triton-<version>.json, which
+tests/test_decode_tiling.py holds the decode tiling model to (`--check` compares instead).
+
+    PYTHONPATH=. python tools/decode_compile_check.py [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from attngen.build import load_specs  # noqa: E402
+from attngen.decode_tiling import derive_decode_tiles  # noqa: E402
+from attngen.oracle import triton_version  # noqa: E402
+from attngen.spec import KernelKind  # noqa: E402
+
+FIELDS = ("shared", "regs", "spill_stores", "mma", "error")
+
+
+def data_path(version: str) -> Path:
+    return ROOT / "attngen" / "data" / f"decode_compile_triton-{version}.json"
+
+
+def jobs():
+    specs = [s for s in load_specs(sorted((ROOT / "examples").glob("*.yaml")))
+             if KernelKind.decode in s.kernels]
+    return [(spec, arch, derive_decode_tiles(spec, arch).chosen)
+            for spec in specs for arch in spec.archs]
+
+
+def measure() -> list[dict]:
+    from attngen.decode_oracle import compile_decode_many
+
+    todo = jobs()
+    records = compile_decode_many(todo, processes=2)
+    rows = []
+    for (spec, arch, config), record in zip(todo, records, strict=True):
+        rows.append({"spec": spec.name, "kernel_hash": spec.kernel_hash(KernelKind.decode),
+                     "arch": arch, "config": config.as_dict(),
+                     **{f: record[f] for f in FIELDS}})
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare with the data file")
+    args = parser.parse_args()
+    rows = measure()
+    path = data_path(triton_version())
+    text = json.dumps({"triton": triton_version(), "rows": rows}, indent=1) + "\n"
+    if args.check:
+        recorded = json.loads(path.read_text())["rows"]
+        same = recorded == rows
+        print("decode compile data is current" if same else "decode compile data differs")
+        return 0 if same else 1
+    path.write_text(text)
+    for row in rows:
+        print(row)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
