@@ -42,7 +42,8 @@ TUNING = ROOT / "tuning"
 
 def load_module(spec, arch="sm90"):
     artifacts = plan_build([spec], TUNING if TUNING.is_dir() else None)
-    source = next(a.source for a in artifacts if a.entry["arch"] == arch)
+    source = next(a.source for a in artifacts
+                  if a.entry["arch"] == arch and a.entry["kind"] == "prefill")
     folder = Path(tempfile.mkdtemp(prefix="attngen-bench-"))
     path = folder / f"{spec.name}.py"
     path.write_text(source)
@@ -176,6 +177,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--quick", action="store_true", help="N = 1k and 4k only")
     parser.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention")
+    parser.add_argument("--models-only", action="store_true", help="the example model shapes")
     args = parser.parse_args()
     torch._dynamo.config.cache_size_limit = 1000
     torch._dynamo.config.accumulated_cache_size_limit = 1000
@@ -183,7 +185,8 @@ def main() -> None:
                 triton=triton.__version__, date=datetime.date.today().isoformat())
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
-    for case in [*grid_cases(args.quick), *model_cases()]:
+    grid = [] if args.models_only else list(grid_cases(args.quick))
+    for case in [*grid, *model_cases()]:
         results.append(bench_case(case, use_flex=not args.no_flex))
         print_row(results[-1], flush=True)
         # Written after every case, so a run cut short still leaves its numbers.

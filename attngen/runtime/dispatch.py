@@ -163,7 +163,7 @@ def select(api: str, need: Need, fallback: str | None = None) -> Dispatch:
     """The module that serves `need`, recorded; or a fallback (warned), or NoKernelError."""
     mode = _fallback if fallback is None else _check_fallback(fallback, "fallback")
     entries = current_registry().entries
-    serving = [e for e in entries if not mismatches(e, need)]
+    serving = [e for e in _same_kernel_fields(entries, need) if not mismatches(e, need)]
     if serving:
         # Prefer the module whose own mask is the asked one (a causal kernel over a window
         # kernel that equals causal at these lengths), then the newest arch, then the name.
@@ -180,6 +180,32 @@ def select(api: str, need: Need, fallback: str | None = None) -> Dispatch:
         raise NoKernelError(message)
     warnings.warn(f"attngen: falling back to torch SDPA: {message}", stacklevel=3)
     return _record(Dispatch(api, need, None, None, message, fallback=mode))
+
+
+_prefiltered: tuple[object, dict[tuple, list[KernelEntry]]] = (None, {})
+
+
+def _same_kernel_fields(entries, need: Need) -> list[KernelEntry]:
+    """The entries that agree with `need` on everything but the mask, cached per registry:
+    a decode loop asks once per layer and step with a new key length each time, so the scan
+    of every module (most of a call's host time) is done once per kind of call instead."""
+    global _prefiltered
+    if _prefiltered[0] is not entries:
+        _prefiltered = (entries, {})
+    key = (need.kind, need.arch, need.dtype, need.head_dim, need.head_dim_v, need.alibi,
+           float(need.softcap), need.kv_layout, need.page_size)
+    hit = _prefiltered[1].get(key)
+    if hit is None:
+        def agrees(entry: KernelEntry) -> bool:
+            spec = entry.spec
+            return (entry.kind == need.kind
+                    and (need.arch == INTERPRETER or entry.arch == need.arch)
+                    and (spec.get("dtype"), spec.get("head_dim"), spec.get("head_dim_v"),
+                         spec.get("alibi")) == (need.dtype, need.head_dim, need.head_dim_v,
+                                                need.alibi)
+                    and float(spec.get("softcap") or 0.0) == float(need.softcap))
+        hit = _prefiltered[1][key] = [e for e in entries if agrees(e)]
+    return hit
 
 
 @torch.compiler.assume_constant_result
@@ -202,7 +228,8 @@ def probe(api: str, fields: tuple, device_type: str, device_index: int | None
           ) -> Dispatch | None:
     """choose() for an optional route (the decode kind): the Dispatch, or None, no error."""
     need = Need(*fields[:9], device_arch(torch.device(device_type, device_index)), *fields[9:])
-    if not any(not mismatches(e, need) for e in current_registry().entries):
+    if not any(not mismatches(e, need)
+               for e in _same_kernel_fields(current_registry().entries, need)):
         return None
     return select(api, need)
 
