@@ -11,11 +11,13 @@ the model to that.
 
 What differs is the goal. Decode does almost no arithmetic per byte, so a config is worth
 what it keeps in flight: by Little's law an SM needs about 72 KiB of outstanding loads to draw
-its share of HBM bandwidth (an H200's 4.8 TB/s x ~2 us loaded latency / 132 SMs; the target is
-96 KiB for margin). A pipelined program (S >= 2) has S - 1 K/V tile pairs in flight; without
-pipelining (S = 1) loads and math alternate, counted as half a tile pair. Score = min(1,
-in-flight bytes / 96 KiB) with at most SPLIT_WAVES programs counted per SM (the split rule
-below aims at about that many).
+its share of HBM bandwidth (an H200's 4.8 TB/s x ~2 us loaded latency / 132 SMs). Measured on
+the H200 (tools/exp_decode.py), 64 KiB is enough: two stages read B=64 x 4096 keys at 0.99
+of the copy rate, where three stages (fewer programs per SM) fell to 0.87. A pipelined
+program (S >= 2) has S - 1 K/V tile pairs in flight; without pipelining (S = 1) loads and math
+alternate, counted as a quarter of a tile pair (one stage read a paged cache at 0.54 of the
+copy rate). Score = min(1, in-flight bytes / 64 KiB) with at most SPLIT_WAVES programs counted
+per SM (the split rule below aims at about that many); ties go to fewer stages.
 
 The split rule (flash-decoding) runs on the host at every call, from shapes only (no device
 read, so a CUDA graph can capture the launch); the generated module carries the same rule with
@@ -64,7 +66,10 @@ DECODE_BLOCK_N_CHOICES = (32, 64, 128)
 DECODE_WARPS_CHOICES = (4, 8)
 DECODE_STAGES_CHOICES = (1, 2, 3, 4)
 MAX_ROW_TILE = 64  # larger query groups are split into row blocks (registers: acc is rows x DV)
-IN_FLIGHT_TARGET = 96 * 1024  # bytes of outstanding loads per SM (see the module docstring)
+# Bytes of outstanding loads per SM that saturate HBM (module docstring; measured on the H200,
+# docs/results/exp_decode_2026-11-30.json).
+IN_FLIGHT_TARGET = 64 * 1024
+UNPIPELINED_SHARE = 0.25  # S = 1: the tile pairs in flight, as a share of one
 
 # The split rule's constants (rendered into the generated module).
 SPLIT_WAVES = 2
@@ -74,8 +79,8 @@ INTERPRETER_SM_COUNT = 132  # what the generated module assumes without a GPU (a
 
 # Reference problems `attngen explain` works the split rule out for (batch, cache length).
 REFERENCE_PROBLEMS = ((1, 4096), (8, 32768), (64, 4096))
-SCORE_TEXT = (f"min(1, min(programs/SM, {SPLIT_WAVES}) * BLOCK_N*(D + DV)*E * (S - 1, or 1/2 "
-              f"for S = 1) / {IN_FLIGHT_TARGET}) (bytes in flight per SM)")
+SCORE_TEXT = (f"min(1, min(programs/SM, {SPLIT_WAVES}) * BLOCK_N*(D + DV)*E * (S - 1, or "
+              f"{UNPIPELINED_SHARE} for S = 1) / {IN_FLIGHT_TARGET}) (bytes in flight per SM)")
 
 
 def row_tile(num_q_heads: int, num_kv_heads: int, query_tokens: int) -> int:
@@ -85,7 +90,8 @@ def row_tile(num_q_heads: int, num_kv_heads: int, query_tokens: int) -> int:
 
 
 def decode_score(per_sm: int, block_n: int, d: int, dv: int, e: int, stages: int) -> float:
-    in_flight = min(per_sm, SPLIT_WAVES) * block_n * (d + dv) * e * (stages - 1 or 0.5)
+    in_flight = (min(per_sm, SPLIT_WAVES) * block_n * (d + dv) * e
+                 * (stages - 1 or UNPIPELINED_SHARE))
     return min(1.0, in_flight / IN_FLIGHT_TARGET)
 
 

@@ -31,9 +31,9 @@
 #   registers/thread ~ 9*BLOCK_M*BLOCK_N/(320*W) + 11*BLOCK_M*DV/(256*W) + 7*BLOCK_N*E*(D +
 #       DV)/(1280*W) + 72 = 146 of 255
 #   programs/SM 2
-#   score 0.667, 18 of 24 candidates feasible
+#   score 1.000, 18 of 24 candidates feasible
 #   binding: BLOCK_M 16->32: outside the candidate grid; BLOCK_N 64->128: fits, not chosen
-#       (score 0.667); num_stages 2->3: fits, not chosen (score 0.667)
+#       (score 1.000); num_stages 2->3: fits, not chosen (score 1.000)
 """Decode attention against a paged KV cache: split-KV (flash-decoding), exact.
 
 Module llama3_8b_decode_bf16_d128_causal_br_paged16.

@@ -21,19 +21,19 @@
 #   page_size: 16
 #   max_query_tokens: 1
 #
-# Target sm90: BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3.
+# Target sm90: BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2.
 # Config source: heuristic.
 # Derivation:
 #   shared memory = E*Max(BLOCK_M*DV, BLOCK_M*BLOCK_N + BLOCK_M*D + (BLOCK_N*D +
 #       BLOCK_N*DV)*Max(1, S - 1))
-#     with BLOCK_M=16, BLOCK_N=64, D=128, DV=128, E=2, S=3, W=4
-#     = 71680 B of 231424 B available per block
+#     with BLOCK_M=16, BLOCK_N=64, D=128, DV=128, E=2, S=2, W=4
+#     = 38912 B of 231424 B available per block
 #   registers/thread ~ 9*BLOCK_M*BLOCK_N/(320*W) + 11*BLOCK_M*DV/(256*W) + 7*BLOCK_N*E*(D +
 #       DV)/(1280*W) + 72 = 146 of 255
 #   programs/SM 3
 #   score 1.000, 24 of 24 candidates feasible
 #   binding: BLOCK_M 16->32: outside the candidate grid; BLOCK_N 64->128: fits, not chosen
-#       (score 1.000); num_stages 3->4: fits, not chosen (score 1.000)
+#       (score 1.000); num_stages 2->3: fits, not chosen (score 1.000)
 """Decode attention against a paged KV cache: split-KV (flash-decoding), exact.
 
 Module llama3_8b_decode_bf16_d128_causal_br_paged16.
@@ -71,7 +71,7 @@ MASK = "causal"
 CAUSAL_ALIGN = "bottom_right"
 SOFTCAP = 0.0
 ALIBI = False
-CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 KV_LAYOUT = "paged"
 PAGE_SIZE = 16
 MAX_QUERY_TOKENS = 1
