@@ -10,25 +10,18 @@ this module); tests/test_decode_tiling.py holds every example's chosen config to
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
-import io
 import multiprocessing
 import os
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from attngen.arch import ARCHS
 from attngen.decode_tiling import derive_decode_tiles
 from attngen.oracle import (
-    MEASURED_FIELDS,
     _compiled_not_interpreted,
-    _parse_ptxas_log,
-    _resource_usage,
-    mma_family,
+    compile_source,
 )
 from attngen.render import render_module
 from attngen.spec import AttnSpec, KernelKind, specs_from_data
@@ -81,29 +74,8 @@ def decode_kernel_source(spec: AttnSpec, kernel: Any, config: TileConfig) -> Any
 
 def compile_decode(spec: AttnSpec, arch: str, config: TileConfig) -> dict[str, Any]:
     """One cross-compile of the split kernel; a failure is recorded in `error`."""
-    import triton
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
-
-    record: dict[str, Any] = dict.fromkeys(MEASURED_FIELDS)
-    start = time.perf_counter()
-    log = io.StringIO()
-    try:
-        source = decode_kernel_source(spec, _load_split_kernel(spec, arch), config)
-        target = GPUTarget("cuda", ARCHS[arch].compute_capability, 32)
-        options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-        with _compiled_not_interpreted(), knobs.nvidia.scope(), contextlib.redirect_stdout(log):
-            knobs.nvidia.dump_ptxas_log = True
-            compiled = triton.compile(source, target=target, options=options)
-        record.update(_parse_ptxas_log(log.getvalue()))
-        record.update(_resource_usage(compiled.asm["cubin"]))
-        record["shared"] = compiled.metadata.shared
-        record["mma"] = mma_family(compiled.asm["ptx"])
-    except Exception as exc:  # noqa: BLE001 - recorded
-        first_line = (str(exc).strip().splitlines() or [""])[0]
-        record["error"] = f"{type(exc).__name__}: {first_line[:300]}"
-    record["compile_s"] = round(time.perf_counter() - start, 1)
-    return record
+    return compile_source(
+        lambda: decode_kernel_source(spec, _load_split_kernel(spec, arch), config), arch, config)
 
 
 def _run_job(payload: tuple[dict[str, Any], str, TileConfig]) -> dict[str, Any]:

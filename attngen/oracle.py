@@ -177,7 +177,15 @@ def mma_family(ptx: str) -> str:
 
 
 def compile_one(spec: AttnSpec, arch: str, config: TileConfig) -> dict[str, Any]:
-    """One cross-compile; a failure is recorded in ``error``, never raised."""
+    """One cross-compile of the prefill kernel; a failure is recorded in ``error``."""
+    return compile_source(lambda: kernel_source(spec, load_kernel(spec, arch), config), arch,
+                          config)
+
+
+def compile_source(make_source: Any, arch: str, config: TileConfig) -> dict[str, Any]:
+    """Compile the ASTSource `make_source()` builds for `arch` and measure it (the fields of
+    MEASURED_FIELDS); any failure, building the source included, is recorded in ``error``,
+    never raised."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -186,7 +194,7 @@ def compile_one(spec: AttnSpec, arch: str, config: TileConfig) -> dict[str, Any]
     start = time.perf_counter()
     log = io.StringIO()
     try:
-        source = kernel_source(spec, load_kernel(spec, arch), config)
+        source = make_source()
         target = GPUTarget("cuda", ARCHS[arch].compute_capability, 32)
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         with _compiled_not_interpreted(), knobs.nvidia.scope(), contextlib.redirect_stdout(log):
