@@ -123,7 +123,7 @@ def explain_decode(spec: AttnSpec, derivation: Derivation) -> list[str]:
     for cand in ranked[:TOP_FEASIBLE]:
         verdict = "CHOSEN" if cand.config == derivation.chosen else (
             "feasible" if cand.feasible else "rejected: " + "; ".join(cand.rejected))
-        lines.append(_row(cand, verdict))
+        lines.append(_row(cand, verdict, waves=False))
     best = derivation.chosen_candidate
     if best is None:
         return [*lines, "   no decode config fits this arch"]
@@ -202,11 +202,13 @@ def nearest_alternative(spec: AttnSpec, arch: str) -> str:
     return f"none: {tried} does not fit {arch} either"
 
 
-def _row(cand: Candidate, verdict: str) -> str:
+def _row(cand: Candidate, verdict: str, waves: bool = True) -> str:
+    """A candidate's line; decode has no prefill reference problem, so no waves column."""
     c = cand.config
+    wave = f"{cand.wave_efficiency:6.3f} " if waves else ""
     return (f"     {c.block_m:7d} {c.block_n:7d} {c.num_warps:5d} {c.num_stages:6d} "
             f"{cand.smem_bytes:8d} {cand.regs_per_thread:5d} {cand.programs_per_sm:8d} "
-            f"{cand.wave_efficiency:6.3f} {cand.score:6.3f}  {verdict}")
+            f"{wave}{cand.score:6.3f}  {verdict}")
 
 
 def _spread(items: list[Candidate], count: int) -> list[Candidate]:
