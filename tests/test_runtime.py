@@ -15,7 +15,7 @@ from attngen.reference import compare_to_reference
 from attngen.runtime import ops
 from attngen.runtime.registry import current_registry, load_kernels
 from tests.kernel_harness import make_spec
-from tests.runtime_harness import build_fake_decode
+from tests.runtime_harness import build_fake_decode, build_folder
 from tests.test_varlen_properties import assert_each_sequence_matches, cu_seqlens
 
 TOY = make_spec(name="toy", dtype="fp32", head_dim=16, num_q_heads=4, num_kv_heads=2)
@@ -205,6 +205,40 @@ def test_kvcache_routes_to_a_decode_module_when_one_serves(toy_folder, tmp_path)
         assert attngen.last_dispatch().module == "sm90/toy_decode"
         assert module.CALLS == [torch.Size([2, 4, 2, 16])]  # [B, HQ, Nq, D], per the contract
         _check_cache_result(out, lse, q, k_cache, v_cache, k_new, v_new, seqlens)
+    finally:
+        load_kernels(*saved.folders)
+
+
+def test_kvcache_runs_the_generated_decode_kernels(tmp_path):
+    """The toy spec's real decode modules (issue 6), contiguous and paged: flash_attn_with_kvcache
+    hands the caches over in place (flash-attn's [B, N, H, D] caches as [B, H, N, D] views, or
+    its pages as they are), appends, and matches the reference."""
+    decode = dict(name="toy", dtype="fp32", head_dim=16, num_q_heads=4, num_kv_heads=2,
+                  mask="causal", causal_align="bottom_right", kernels=["decode"],
+                  max_query_tokens=2)
+    folder = build_folder(tmp_path / "decode", [
+        {**decode, "kv_layout": "contiguous"},
+        {**decode, "name": "toy_pages", "kv_layout": "paged", "page_size": 4}])
+    saved = current_registry()
+    try:
+        load_kernels(folder)
+        q, k_cache, v_cache, k_new, v_new, seqlens = _cache_case()
+        out, lse = attngen.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                                   cache_seqlens=seqlens, causal=True,
+                                                   return_softmax_lse=True)
+        assert attngen.last_dispatch().module == "sm90/toy_decode_fp32_d16_causal_br_contig_q2"
+        _check_cache_result(out, lse, q, k_cache, v_cache, k_new, v_new, seqlens)
+        q, k_flat, v_flat, k_new, v_new, seqlens = _cache_case()
+        order = torch.tensor([4, 1, 5, 0, 3, 2])
+        k_pages, v_pages = torch.empty(6, 4, 2, 16), torch.empty(6, 4, 2, 16)
+        k_pages[order], v_pages[order] = k_flat.reshape(6, 4, 2, 16), v_flat.reshape(6, 4, 2, 16)
+        paged, paged_lse = attngen.flash_attn_with_kvcache(
+            q, k_pages, v_pages, k_new, v_new, cache_seqlens=seqlens,
+            block_table=order.view(2, 3).to(torch.int32), causal=True, return_softmax_lse=True)
+        assert attngen.last_dispatch().module == (
+            "sm90/toy_pages_decode_fp32_d16_causal_br_paged4_q2")
+        _check_cache_result(paged, paged_lse, q, k_pages[order].reshape(2, 12, 2, 16),
+                            v_pages[order].reshape(2, 12, 2, 16), k_new, v_new, seqlens)
     finally:
         load_kernels(*saved.folders)
 
