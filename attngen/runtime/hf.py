@@ -14,8 +14,9 @@ flash-attention:
   own flash-attention path does; padded query rows get output 0.
 Packed-sequence kwargs (cu_seq_lens_q/k, max_length_q/k) go to the varlen kind directly.
 What no generated kernel can do (a 4D mask, dropout, attention sinks, output_attentions) is
-refused by name. A decode step is a prefill/varlen call with Nq = 1 for now; the decode kind
-(issue 6) can take these over once built.
+refused by name. A decode step is a prefill/varlen call with Nq = 1 against transformers' own
+cache; the decode kind (split-KV, for serving caches) is reached through
+flash_attn_with_kvcache.
 """
 
 from __future__ import annotations

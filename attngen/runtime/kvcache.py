@@ -8,8 +8,8 @@ Routing, in order:
    index writes, then each batch row b is one packed "sequence" whose keys start at row
    b * L of the flattened cache, and `seqused_k` = cache_seqlens + Nnew says how many are
    used. No host sync. Paged caches are gathered through block_table first (a copy).
-   TODO(issue 6): once decode modules are built for the examples, step 2 is only the fallback
-   of models without one; split-KV decode is where small-batch speed comes from (PERF.md).
+   This is the route of specs built without the decode kind; split-KV decode (route 1) is
+   where small-batch speed comes from (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         return (out, lse) if return_softmax_lse else out
     if k is not None:
         _append(k_cache, v_cache, k, v, cache_seqlens, block_table)
-    if paged:  # TODO(issue 6): the decode kind reads pages in place; this gathers them
+    if paged:  # only without a decode module, which reads the pages in place
         k_cache, v_cache = k_cache[block_table.long()], v_cache[block_table.long()]
     keys = k_cache.reshape(batch * capacity, *k_cache.shape[-2:])
     values = v_cache.reshape(batch * capacity, *v_cache.shape[-2:])
