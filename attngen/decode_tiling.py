@@ -130,7 +130,7 @@ def derive_decode_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
         arch=arch_name, source="heuristic",
         expressions={"smem": str(smem), "regs": str(regs), "score": SCORE_TEXT},
         constraints=constraint_labels(arch)[:3], candidates=tuple(candidates), chosen=None,
-        binding="nothing fits", dims={"D": d, "DV": dv, "E": spec.dtype.itemsize, "TMA": 0})
+        binding="nothing fits", dims={"D": d, "DV": dv, "E": spec.dtype.itemsize}, tma=False)
     feasible = [c for c in candidates if c.feasible]
     if not feasible:
         return derivation

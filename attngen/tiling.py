@@ -109,6 +109,7 @@ class Derivation:
     worked: dict[str, str] = field(default_factory=dict)  # chosen config's formulas and values
     # D, DV (padded), E of the spec; H (its query heads) and SMS (the arch's) for the waves
     dims: dict[str, int] = field(default_factory=dict)
+    tma: bool = True  # the kernel's loads may use TMA (prefill); decode's never do
 
     @property
     def chosen_candidate(self) -> Candidate | None:
@@ -343,8 +344,7 @@ def choose(derivation: Derivation, config: TileConfig, source: str) -> Derivatio
                            f"over {derivation.dims['SMS']} SMs x {candidate.programs_per_sm} "
                            "per SM)")
     worked |= {
-        "smem": str(active_branch(smem_expression(arch, derivation.dims.get("TMA", 1) == 1),
-                                  at)),
+        "smem": str(active_branch(smem_expression(arch, derivation.tma), at)),
         "regs": str(active_branch(regs_expression(arch), at)),
         "values": ", ".join(f"{symbol}={at[symbol]}" for symbol in (BM, BN, D, DV, E, S, W)),
     }

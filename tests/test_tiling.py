@@ -103,6 +103,7 @@ def test_wave_efficiency_counts_rounds_of_resident_programs():
             continue
         programs = 32 * math.ceil(REFERENCE_TOKENS / cand.config.block_m)
         waves = programs / (arch.sm_count * cand.programs_per_sm)
+        # Candidate.wave_efficiency is stored rounded to 4 decimals (error <= 5e-5 < 1e-4).
         assert cand.wave_efficiency == pytest.approx(waves / math.ceil(waves), abs=1e-4)
         assert 0 < cand.wave_efficiency <= 1
     by_config = {c.config: c for c in derive_tiles(spec, "sm80").candidates}

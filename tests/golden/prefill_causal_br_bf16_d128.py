@@ -249,7 +249,7 @@ def _check_tensors(q, k, v, layout):
         )
 
 
-def _check_alibi(alibi_slopes, num_q_heads, device):
+def _check_alibi(alibi_slopes, num_q_heads, q):
     if alibi_slopes is not None:
         raise ValueError("alibi_slopes: this kernel was built with alibi: false; pass None")
 
@@ -305,7 +305,7 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False):
         )
     batch, num_q_heads, seqlen_q, _ = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    _check_alibi(alibi_slopes, num_q_heads, q.device)
+    _check_alibi(alibi_slopes, num_q_heads, q)
     qk_scale = _kernel_scale(sm_scale)
     out = q.new_empty((batch, num_q_heads, seqlen_q, HEAD_DIM_V))
     lse = None

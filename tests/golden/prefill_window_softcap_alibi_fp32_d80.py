@@ -279,7 +279,7 @@ def _check_tensors(q, k, v, layout):
         )
 
 
-def _check_alibi(alibi_slopes, num_q_heads, device):
+def _check_alibi(alibi_slopes, num_q_heads, q):
     if not isinstance(alibi_slopes, torch.Tensor):
         raise ValueError("alibi_slopes: this kernel was built with alibi: true; pass [HQ] fp32")
     if alibi_slopes.shape != (num_q_heads,) or alibi_slopes.dtype != torch.float32:
@@ -287,8 +287,8 @@ def _check_alibi(alibi_slopes, num_q_heads, device):
             f"alibi_slopes: expected shape ({num_q_heads},) float32, "
             f"got {tuple(alibi_slopes.shape)} {alibi_slopes.dtype}"
         )
-    if alibi_slopes.device != device:
-        raise ValueError(f"alibi_slopes: expected device {device}, got {alibi_slopes.device}")
+    if alibi_slopes.device != q.device:
+        raise ValueError(f"alibi_slopes: expected device {q.device}, got {alibi_slopes.device}")
 
 
 def _kernel_scale(sm_scale):
@@ -323,7 +323,7 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False):
         )
     batch, num_q_heads, seqlen_q, _ = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    _check_alibi(alibi_slopes, num_q_heads, q.device)
+    _check_alibi(alibi_slopes, num_q_heads, q)
     qk_scale = _kernel_scale(sm_scale)
     out = q.new_empty((batch, num_q_heads, seqlen_q, HEAD_DIM_V))
     lse = None

@@ -258,7 +258,7 @@ def _check_tensors(q, k, v, layout):
         )
 
 
-def _check_alibi(alibi_slopes, num_q_heads, device):
+def _check_alibi(alibi_slopes, num_q_heads, q):
     if alibi_slopes is not None:
         raise ValueError("alibi_slopes: this kernel was built with alibi: false; pass None")
 
@@ -325,7 +325,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
     total_q, num_q_heads, _ = q.shape
     num_kv_heads = k.shape[1]
-    _check_alibi(alibi_slopes, num_q_heads, q.device)
+    _check_alibi(alibi_slopes, num_q_heads, q)
     qk_scale = _kernel_scale(sm_scale)
     batch = cu_seqlens_q.numel() - 1
     # Note: zero-filled, so that rows no sequence covers (packed padding) hold 0, not garbage.
