@@ -1,14 +1,20 @@
 """`attngen autotune`: time the tiler's feasible configs on this GPU and record the winners.
 
-For each spec, the candidates are the feasible configs of `derive_tiles` for the GPU's arch
-(never one the model says cannot compile), best predicted first, at most `max_configs`, the
-heuristic's choice always among them. Each candidate must first pass the correctness gate
+For each spec, the candidates are feasible configs of `derive_tiles` for the GPU's arch
+(never one the model says cannot compile), at most `max_configs`, the heuristic's choice always
+among them: the best-scoring config of each tile shape (BLOCK_M x BLOCK_N x warps), shapes in
+the order of their best score, each followed by its 3-stage config when the best has fewer
+(DEEP_STAGES). One per shape, because the score ranks stage counts within a
+shape well but not shapes against each other on Hopper: on the H200, 64x64 tiles with 4 warps
+beat the predicted 128x128 with 8 warps by 5-17% on causal D = 128 (tools/exp_prefill.py),
+a shape the first four by score never reached. Each candidate must first pass the correctness gate
 (`compare_to_reference` on fresh inputs, Nq != Nk, lengths off the block grid), then is timed
 (median of `triton.testing.do_bench`, after warm-up) on shape buckets: a short sequence
 (N = 1024, 16 sequences) and a long one (N = 8192, 2 sequences). The winner has the lowest
 geometric mean over the buckets. Results go into tuning/<arch>.json (attngen.tuning); every
-measurement is also kept in tuning/.progress-<arch>.json, so an interrupted run resumes where
-it stopped, and the budget bounds the whole run.
+measurement is also kept in tuning/.progress-<arch>.json, keyed by spec and by the kernel's
+text (a changed template is measured afresh), so an interrupted run resumes where it stopped,
+and the budget bounds the whole run.
 
 This module imports torch and triton; the build path never imports it.
 """
@@ -16,6 +22,7 @@ This module imports torch and triton; the build path never imports it.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib.util
 import json
 import math
@@ -44,7 +51,12 @@ from attngen.tuning import (
     tuning_path,
 )
 
-PROGRESS_SCHEMA = 1
+# Note: a shape whose best score has fewer stages is also tried at this many. Measured on the
+# H200 with TMA, three stages beat two in every shape tried (128x64x4 at D = 64: 272 against
+# 240 TFLOP/s; 64x64x4 at D = 128 causal: the fastest config at three, where the score,
+# counting two programs per SM at two stages against one at three, prefers two).
+DEEP_STAGES = 3
+PROGRESS_SCHEMA = 2  # 2: results keyed by spec and kernel text
 
 
 @dataclass(frozen=True)
@@ -92,13 +104,29 @@ def _load_module(spec: AttnSpec, arch: str, folder: Path):
     return module
 
 
+def _kernel_digest(module) -> str:
+    """A hash of the module's JIT functions: the text a template change alters."""
+    source = Path(module.__file__).read_text()
+    kernels = source[source.index("@triton.jit"):source.index("\ndef _check")]
+    return hashlib.sha256(kernels.encode()).hexdigest()[:16]
+
+
 def _candidates(spec: AttnSpec, arch: str, max_configs: int) -> tuple[TileConfig, list[Candidate]]:
     derivation = derive_tiles(spec, arch)
     if derivation.chosen is None:
         raise SpecError(f"{spec.name}: no feasible config on {arch} to tune")
     feasible = sorted((c for c in derivation.candidates if c.feasible),
                       key=lambda c: (-c.score, c.smem_bytes, c.config))
-    picked = feasible[:max_configs]
+    by_shape: dict[tuple[int, int, int], list[Candidate]] = {}
+    for cand in feasible:  # best score first within each shape too
+        by_shape.setdefault((cand.config.block_m, cand.config.block_n, cand.config.num_warps),
+                            []).append(cand)
+    picked = []
+    for same_shape in by_shape.values():
+        picked.append(same_shape[0])
+        if same_shape[0].config.num_stages < DEEP_STAGES:
+            picked += [c for c in same_shape if c.config.num_stages == DEEP_STAGES]
+    picked = picked[:max_configs]
     if derivation.chosen not in [c.config for c in picked]:
         picked[-1:] = [derivation.chosen_candidate]
     return derivation.chosen, picked
@@ -162,7 +190,8 @@ def autotune(specs: list[AttnSpec], tuning_dir: Path, budget_s: float, max_confi
             module = _load_module(spec, arch, folder)
             inputs = {b.name: random_inputs(spec, b.batch, b.seqlen, b.seqlen, seed=1,
                                             device=device) for b in buckets}
-            results = progress["results"].setdefault(entry_key(spec, KernelKind.prefill), {})
+            progress_key = f"{entry_key(spec, KernelKind.prefill)}/{_kernel_digest(module)}"
+            results = progress["results"].setdefault(progress_key, {})
             for cand in cands:
                 key = _config_key(cand.config)
                 if key not in results:

@@ -118,7 +118,7 @@ def autotune_command(
     arch: Annotated[str, typer.Option(help="GPU arch to tune for; auto = this machine's GPU.")]
     = "auto",
     budget: Annotated[float, typer.Option(help="Seconds for the whole run; resumable.")] = 600.0,
-    max_configs: Annotated[int, typer.Option(help="Candidates per spec, best predicted first.")]
+    max_configs: Annotated[int, typer.Option(help="Candidates per spec: the best config of each tile shape.")]
     = 16,
     tuning: TuningDir = DEFAULT_TUNING_DIR,
 ) -> None:

@@ -74,6 +74,8 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
     if config is None:
         raise RenderError(f"{spec.name} on {derivation.arch}: no feasible tile config to render")
     window = spec.window or (0, 0)
+    tma = (ARCHS[derivation.arch].has_tma and spec.dtype.itemsize == 2
+           and kind is KernelKind.prefill)
     context = {
         "attngen_version": __version__,
         "template_name": TEMPLATE_FOR_KIND[kind],
@@ -105,8 +107,11 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
         # Hopper's tensor-memory accelerator for the unmasked K/V blocks of padded prefill
         # batches (16-bit only: fp32 dots are FMA loops, which do not read operands as TMA
         # lays them out; varlen's packed rows and decode's pages would need other descriptors).
-        "tma": (ARCHS[derivation.arch].has_tma and spec.dtype.itemsize == 2
-                and kind is KernelKind.prefill),
+        "tma": tma,
+        # The masked (diagonal, window edge, tail) blocks through TMA as well, up to D = 128:
+        # 2-17% faster there with the smaller tiles it makes best, but at D = 256 the extra
+        # branch spills (68 B at 128x64, 8 warps) and cost 2-3% (tools/exp_prefill.py).
+        "tma_masked_blocks": tma and max(spec.head_dim, spec.value_head_dim) <= 128,
     }
     if kind is KernelKind.decode:
         context.update({

@@ -96,6 +96,7 @@ CAUSAL_BR_BF16_D128 = {
     "alibi": False,
     "varlen": False,
     "tma": True,
+    "tma_masked_blocks": True,
 }
 
 # Sliding window (top-left), softcap 30, ALiBi, fp32, D = DV = 80 padded to 128, on sm80.
@@ -150,6 +151,7 @@ WINDOW_SOFTCAP_ALIBI_FP32_D80 = {
     "alibi": True,
     "varlen": False,
     "tma": False,
+    "tma_masked_blocks": False,
 }
 
 # The same causal bf16 kernel as varlen: packed sequences, cu_seqlens, LSE [HQ, total_q].
@@ -159,6 +161,7 @@ CAUSAL_BR_BF16_D128_VARLEN = {
     "spec_lines": [*CAUSAL_BR_BF16_D128["spec_lines"][:-1], "kernels: [varlen]"],
     "varlen": True,
     "tma": False,
+    "tma_masked_blocks": False,
 }
 
 GOLDEN = {

@@ -108,3 +108,21 @@ def test_entry_key_ignores_fields_that_do_not_change_the_kernel():
     assert entry_key(renamed, KernelKind.prefill) == entry_key(SPEC, KernelKind.prefill)
     wider = make_spec(dtype="fp16", head_dim=128, archs=["sm90"], name="tuned")
     assert entry_key(wider, KernelKind.prefill) != entry_key(SPEC, KernelKind.prefill)
+
+
+def test_autotune_candidates_cover_tile_shapes_best_scoring_first():
+    from attngen.autotune import DEEP_STAGES, _candidates
+
+    heuristic, picked = _candidates(SPEC, "sm90", 8)
+    assert len(picked) == 8 and len(set(picked)) == 8
+    assert heuristic in [c.config for c in picked]
+    feasible = [c for c in derive_tiles(SPEC, "sm90").candidates if c.feasible]
+
+    def shape(c):
+        return (c.config.block_m, c.config.block_n, c.config.num_warps)
+
+    for cand in picked:  # each the shape's best, or that shape's DEEP_STAGES config
+        best = max(c.score for c in feasible if shape(c) == shape(cand))
+        assert cand.score == best or cand.config.num_stages == DEEP_STAGES
+    # Beyond the first four shapes by score, so smaller tiles with 4 warps get measured too.
+    assert any(c.config.num_warps == 4 and c.config.block_m == 64 for c in picked)
