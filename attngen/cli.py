@@ -118,8 +118,8 @@ def autotune_command(
     arch: Annotated[str, typer.Option(help="GPU arch to tune for; auto = this machine's GPU.")]
     = "auto",
     budget: Annotated[float, typer.Option(help="Seconds for the whole run; resumable.")] = 600.0,
-    max_configs: Annotated[int, typer.Option(help="Candidates per spec: the best config of each tile shape.")]
-    = 16,
+    max_configs: Annotated[int, typer.Option(
+        help="Candidates per spec: the best config of each tile shape.")] = 16,
     tuning: TuningDir = DEFAULT_TUNING_DIR,
 ) -> None:
     """Time the feasible tile configs on this GPU and record winners in TUNING/<arch>.json.

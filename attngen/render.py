@@ -21,7 +21,7 @@ import jinja2
 from attngen import __version__, decode_tiling
 from attngen.arch import ARCHS
 from attngen.spec import AttnSpec, Dtype, KernelKind, module_name
-from attngen.tiling import Derivation, padded_head_dim
+from attngen.tiling import TMA_MASKED_MAX_HEAD_DIM, Derivation, padded_head_dim
 
 # A generated module may import these and nothing else.
 ALLOWED_IMPORTS = frozenset({"contextlib", "math", "os", "torch", "triton", "triton.language"})
@@ -108,10 +108,8 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
         # batches (16-bit only: fp32 dots are FMA loops, which do not read operands as TMA
         # lays them out; varlen's packed rows and decode's pages would need other descriptors).
         "tma": tma,
-        # The masked (diagonal, window edge, tail) blocks through TMA as well, up to D = 128:
-        # 2-17% faster there with the smaller tiles it makes best, but at D = 256 the extra
-        # branch spills (68 B at 128x64, 8 warps) and cost 2-3% (tools/exp_prefill.py).
-        "tma_masked_blocks": tma and max(spec.head_dim, spec.value_head_dim) <= 128,
+        "tma_masked_blocks": tma and max(spec.head_dim,
+                                         spec.value_head_dim) <= TMA_MASKED_MAX_HEAD_DIM,
     }
     if kind is KernelKind.decode:
         context.update({

@@ -186,20 +186,33 @@ def smem_expression(arch: GpuArch, tma: bool = True) -> sympy.Expr:
     return sympy.Piecewise((fp32, sympy.Eq(E, 4)), (sixteen_bit, True))
 
 
+# Prefill modules on Hopper read the masked (diagonal, window edge, tail) K/V blocks through
+# TMA as well when both head dims are at most this and the tile is on the wgmma path: 2-17%
+# faster with the tiles it makes best; at D = 256 the extra branch spills (68 B at 128x64 with
+# 8 warps) and cost 2-3% (tools/exp_prefill.py, docs/performance.md).
+TMA_MASKED_MAX_HEAD_DIM = 128
+
+
 def tma_barrier_expression() -> sympy.Expr:
     """What TMA loads (16-bit, Hopper: templates' `tma` flag) add to shared memory: two arrays
     (K, V) of n 8-byte mbarriers, the first padded to 16 B, with n = S on the wgmma path and
     S - 1 on mma.sync (its pipeline is one stage shorter); a single barrier (wgmma) or none
     (mma.sync) at S = 1. On the wgmma path, when the stages of K and V outgrow Q
     (S * BLOCK_N > BLOCK_M) the barriers land after the 1024-byte aligned swizzled buffers
-    instead: 1024 B of alignment plus one array. Fitted to all 256 16-bit sm90 configs of
-    the examples (D = DV = 64, 128, 256) and checked by verify-tiling."""
+    instead: 1024 B of alignment plus one array, or none when the masked blocks are TMA
+    loads too. Fitted to all 256 16-bit sm90 configs of the examples (D = DV = 64, 128, 256)
+    and checked by verify-tiling."""
     def arrays(n: sympy.Expr) -> sympy.Expr:
         return 16 * sympy.ceiling(8 * n / sympy.Integer(16)) + 8 * n
 
-    wgmma = sympy.Piecewise(
-        (1024 + 8 * S * sympy.Piecewise((0, sympy.Eq(S, 1)), (1, True)), S * BN > BM),
-        (8, sympy.Eq(S, 1)), (arrays(S), True))
+    # The masked blocks' loads through TMA too (D, DV <= TMA_MASKED_MAX_HEAD_DIM) leave one
+    # pipeline for both key loops: the array after the aligned buffers goes (the compiler's
+    # count on all 66 such sm90 configs: 8 x S bytes fewer).
+    after_aligned = sympy.Piecewise((0, sympy.Eq(S, 1)),
+                                    (0, sympy.Max(D, DV) <= TMA_MASKED_MAX_HEAD_DIM),
+                                    (8 * S, True))
+    wgmma = sympy.Piecewise((1024 + after_aligned, S * BN > BM),
+                            (8, sympy.Eq(S, 1)), (arrays(S), True))
     mma = sympy.Piecewise((0, sympy.Eq(S, 1)), (arrays(S - 1), True))
     return sympy.Piecewise((wgmma, BM >= 64), (mma, True))
 

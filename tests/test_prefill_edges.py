@@ -19,8 +19,8 @@ from tests.kernel_harness import assert_matches_reference, load_kernel, make_inp
 CAUSAL_BR = dict(mask="causal", causal_align="bottom_right")
 
 
-def run(spec, q, k, v, slopes=None, **kwargs):
-    kernel = load_kernel(spec, 16, 16)
+def run(spec, q, k, v, slopes=None, blocks=(16, 16), **kwargs):
+    kernel = load_kernel(spec, *blocks)
     return kernel.attention(q, k, v, alibi_slopes=slopes, return_lse=True, **kwargs)
 
 
@@ -86,16 +86,19 @@ def test_scores_near_1e4_stay_finite(dtype):
     dict(mask="sliding_window", causal_align="bottom_right", window_left=5, window_right=0),
     dict(mask="none"),
 ])
-def test_nan_beyond_lengths_and_in_masked_keys_leaves_output_bitwise_unchanged(fields):
+# Blocks: 16-row tiles load masked blocks through pointers; 64-row tiles (Hopper's wgmma path)
+# through TMA, which reads the invisible keys too and must zero or mask them in registers.
+@pytest.mark.parametrize("blocks", [(16, 16), (64, 32)])
+def test_nan_beyond_lengths_and_in_masked_keys_leaves_output_bitwise_unchanged(fields, blocks):
     spec = make_spec(**fields)
     q, k, v, _ = make_inputs(spec, 1, 19, 35, seed=7)
-    clean = run(spec, q, k, v)
+    clean = run(spec, q, k, v, blocks=blocks)
     # The same tensors as views into NaN-padded buffers (beyond the logical lengths).
     k_pad = torch.full((1, 2, 64, 64), float("nan"), dtype=k.dtype)
     v_pad = torch.full((1, 2, 64, 64), float("nan"), dtype=v.dtype)
     k_pad[:, :, :35] = k
     v_pad[:, :, :35] = v
-    padded = run(spec, q, k_pad[:, :, :35], v_pad[:, :, :35])
+    padded = run(spec, q, k_pad[:, :, :35], v_pad[:, :, :35], blocks=blocks)
     assert torch.equal(clean[0], padded[0]) and torch.equal(clean[1], padded[1])
     # NaN in keys that no query row may see (top-left causal: keys past the last query row;
     # a window: keys left of every row's window) must not reach the output either.
@@ -106,7 +109,7 @@ def test_nan_beyond_lengths_and_in_masked_keys_leaves_output_bitwise_unchanged(f
         k_nan, v_nan = k.clone(), v.clone()
         k_nan[:, :, unseen] = float("nan")
         v_nan[:, :, unseen] = float("inf")
-        poisoned = run(spec, q, k_nan, v_nan)
+        poisoned = run(spec, q, k_nan, v_nan, blocks=blocks)
         assert torch.equal(clean[0], poisoned[0]) and torch.equal(clean[1], poisoned[1])
 
 

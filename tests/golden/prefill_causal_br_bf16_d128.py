@@ -77,6 +77,7 @@ def _attn_fwd_inner(
     k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, k_desc, v_desc, desc_b, desc_h,
     start_n, end_n, seqlen_k, qk_scale, slope_log2,
     MASKED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
@@ -95,7 +96,12 @@ def _attn_fwd_inner(
             # in the scores: a NaN stored there (padding, cache tails) would survive
             # 0 * NaN in P @ V.
             key_live = (key_pos <= last_q_pos) & (key_pos < seqlen_k)
-            if USE_TMA:
+            k_mask = key_live[None, :]
+            v_mask = key_live[:, None]
+            # Note: BLOCK_M >= 64 is Hopper's wgmma path. On mma.sync (smaller tiles) V
+            # zeroed in registers goes back to shared memory for the dot: a whole extra
+            # [BLOCK_N, DV] buffer (the compiler's count), so there these stay pointer loads.
+            if USE_TMA and BLOCK_M >= 64:
                 # The copy engine zero-fills rows past the sequence; keys inside it that no
                 # row sees get V zeroed here and K masked in the scores. Reading these
                 # blocks through TMA too lets both key loops share one pipeline: it made
@@ -104,8 +110,8 @@ def _attn_fwd_inner(
                 v = v_desc.load([desc_b, desc_h, start, 0]).reshape(BLOCK_N, _BLOCK_DV)
                 v = tl.where(key_live[:, None], v, 0.0)
             else:
-                k = tl.load(k_ptrs, mask=key_live[None, :], other=0.0)
-                v = tl.load(v_ptrs, mask=key_live[:, None], other=0.0)
+                k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+                v = tl.load(v_ptrs, mask=v_mask, other=0.0)
         elif USE_TMA:
             # Every key of the block is visible: the tensor-memory accelerator copies the
             # whole [BLOCK_N, D] tiles (head-dim padding beyond D comes back as zeros).
@@ -118,7 +124,7 @@ def _attn_fwd_inner(
         qk = tl.dot(q, k)
         # Note: plain scores stay unscaled; the scale is applied in the row max and in the
         # exponent's FMA (sm_scale > 0, so max(s x qk) = s x max(qk)): one multiply per
-        # score fewer, measured 2-5% faster on the H200 (tools/exp_prefill.py, variant fma).
+        # score fewer, 3-6% faster at D = 64 on the H200 (tools/exp_prefill.py, then "fma").
         scores = qk
         if MASKED:
             visible = key_pos[None, :] <= q_pos[:, None]
@@ -198,14 +204,14 @@ def _attn_fwd_kernel(
         acc, l_i, m_i, q, q_pos, first_q_pos, last_q_pos,
         k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, k_desc, v_desc, desc_b, desc_h,
         full_lo, full_hi, seqlen_k, qk_scale, slope_log2,
-        MASKED=False, BLOCK_N=BLOCK_N, USE_TMA=USE_TMA,
+        MASKED=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_TMA=USE_TMA,
     )
     # keys at the diagonal
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, q_pos, first_q_pos, last_q_pos,
         k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, k_desc, v_desc, desc_b, desc_h,
         full_hi, hi, seqlen_k, qk_scale, slope_log2,
-        MASKED=True, BLOCK_N=BLOCK_N, USE_TMA=USE_TMA,
+        MASKED=True, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_TMA=USE_TMA,
     )
     # -- epilogue -----------------------------------------------------------------------
     # Note: a fully masked row (no visible key) has l_i == 0 and m_i == -inf: it stores

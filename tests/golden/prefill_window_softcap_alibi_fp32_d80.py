@@ -97,6 +97,7 @@ def _attn_fwd_inner(
     k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
     start_n, end_n, seqlen_k, qk_scale, slope_log2,
     MASKED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
@@ -118,8 +119,10 @@ def _attn_fwd_inner(
                 & (key_pos <= last_q_pos + _WINDOW_RIGHT)
                 & (key_pos < seqlen_k)
             )
-            k = tl.load(k_ptrs, mask=key_live[None, :] & (offs_d < _HEAD_DIM)[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=key_live[:, None] & (offs_dv < _HEAD_DIM_V)[None, :], other=0.0)
+            k_mask = key_live[None, :] & (offs_d < _HEAD_DIM)[:, None]
+            v_mask = key_live[:, None] & (offs_dv < _HEAD_DIM_V)[None, :]
+            k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=v_mask, other=0.0)
         else:
             k = tl.load(k_ptrs, mask=(offs_d < _HEAD_DIM)[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=(offs_dv < _HEAD_DIM_V)[None, :], other=0.0)
@@ -209,21 +212,21 @@ def _attn_fwd_kernel(
         acc, l_i, m_i, q, q_pos, first_q_pos, last_q_pos,
         k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
         lo, full_lo, seqlen_k, qk_scale, slope_log2,
-        MASKED=True, BLOCK_N=BLOCK_N,
+        MASKED=True, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
     # keys every row of the tile sees: no mask
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, q_pos, first_q_pos, last_q_pos,
         k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
         full_lo, full_hi, seqlen_k, qk_scale, slope_log2,
-        MASKED=False, BLOCK_N=BLOCK_N,
+        MASKED=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
     # keys at the diagonal
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, q_pos, first_q_pos, last_q_pos,
         k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
         full_hi, hi, seqlen_k, qk_scale, slope_log2,
-        MASKED=True, BLOCK_N=BLOCK_N,
+        MASKED=True, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
     # -- epilogue -----------------------------------------------------------------------
     # Note: a fully masked row (no visible key) has l_i == 0 and m_i == -inf: it stores
