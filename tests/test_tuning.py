@@ -72,7 +72,7 @@ def test_unreadable_tuning_files_are_refused(tmp_path, text, message):
         lookup(tmp_path, SPEC, KernelKind.prefill, "sm90")
 
 
-def test_autotune_loop_records_a_winner_and_resumes(tmp_path):
+def test_autotune_loop_records_a_winner_and_resumes(tmp_path, monkeypatch):
     console = Console(file=open(tmp_path / "log.txt", "w"), width=200)
     outcomes = autotune([SPEC], tmp_path, budget_s=120, max_configs=3, arch="sm90",
                         console=console, device="cpu", buckets=TINY, timer=_fake_timer)
@@ -94,6 +94,13 @@ def test_autotune_loop_records_a_winner_and_resumes(tmp_path):
     # And the build picks the winner up.
     (artifact,) = plan_build([SPEC], tmp_path)
     assert f"BLOCK_M={outcome.winner.block_m}, BLOCK_N={outcome.winner.block_n}" in artifact.source
+    # Measurements belong to the kernel text they were taken on: after a template change (a
+    # different digest) every candidate is measured again.
+    monkeypatch.setattr("attngen.autotune._kernel_digest", lambda module: "changed-kernel")
+    calls = []
+    autotune([SPEC], tmp_path, budget_s=120, max_configs=3, arch="sm90", console=console,
+             device="cpu", buckets=TINY, timer=lambda fn: calls.append(fn) or 1.0)
+    assert len(calls) == 3 * len(TINY)
 
 
 def test_autotune_budget_stops_early_and_marks_the_search_partial(tmp_path):
