@@ -4,14 +4,17 @@ For each spec, the candidates are feasible configs of `derive_tiles` for the GPU
 (never one the model says cannot compile), at most `max_configs`, the heuristic's choice always
 among them: the best-scoring config of each tile shape (BLOCK_M x BLOCK_N x warps), shapes in
 the order of their best score, each followed by its 3-stage config when the best has fewer
-(DEEP_STAGES). One per shape, because the score ranks stage counts within a
-shape well but not shapes against each other on Hopper: on the H200, 64x64 tiles with 4 warps
-beat the predicted 128x128 with 8 warps by 5-17% on causal D = 128 (tools/exp_prefill.py),
-a shape the first four by score never reached. Each candidate must first pass the correctness gate
-(`compare_to_reference` on fresh inputs, Nq != Nk, lengths off the block grid), then is timed
-(median of `triton.testing.do_bench`, after warm-up) on shape buckets: a short sequence
-(N = 1024, 16 sequences) and a long one (N = 8192, 2 sequences). The winner has the lowest
-geometric mean over the buckets. Results go into tuning/<arch>.json (attngen.tuning); every
+(DEEP_STAGES). One per shape, because the score ranks stage counts within a shape well but not
+shapes against each other on Hopper: on the H200, 64x64 tiles with 4 warps beat the predicted
+128x128 with 8 warps by 5-17% on causal D = 128 (tools/exp_prefill.py), a shape the first
+four by score never reached.
+
+Each candidate must first pass the correctness gate (`compare_to_reference` on fresh inputs,
+Nq != Nk, lengths off the block grid), then is timed (median of `triton.testing.do_bench`,
+after warm-up) on shape buckets of 16k tokens: N = 1024 (16 sequences), 4096 (4) and 8192
+(2). The winner is the fastest on the longest bucket; a shorter bucket whose fastest config
+beats it there by SWITCH_GAIN gets that config for its lengths (`shorter` in the entry; the
+module picks by sequence length). Results go into tuning/<arch>.json (attngen.tuning); every
 measurement is also kept in tuning/.progress-<arch>.json, keyed by spec and by the kernel's
 text (a changed template is measured afresh), so an interrupted run resumes where it stopped,
 and the budget bounds the whole run.
@@ -66,7 +69,11 @@ class Bucket:
     seqlen: int
 
 
-BUCKETS = (Bucket("short_n1024", 16, 1024), Bucket("long_n8192", 2, 8192))
+BUCKETS = (Bucket("short_n1024", 16, 1024), Bucket("mid_n4096", 4, 4096),
+           Bucket("long_n8192", 2, 8192))
+# A shorter bucket gets its own config only when it is at least this much faster there than
+# the long bucket's winner: the same config timed in two H200 runs differed by 1-2%.
+SWITCH_GAIN = 0.03
 
 
 @dataclass
@@ -79,6 +86,7 @@ class Outcome:
     tried: int
     candidates: int
     complete: bool
+    shorter: tuple[tuple[int, TileConfig], ...] = ()
 
 
 def detect_arch() -> str:
@@ -214,12 +222,15 @@ def _record(db, spec, heuristic, cands, results, gpu, version, buckets) -> Outco
     tried = sum(1 for c in cands if _config_key(c.config) in results)
     outcome = Outcome(spec, heuristic, None, {}, timed.get(_config_key(heuristic)), tried,
                       len(cands), tried == len(cands))
-    usable = {key: t for key, t in timed.items() if key in by_key}
+    usable = {key: t for key, t in timed.items()
+              if key in by_key and all(b.name in t for b in buckets)}
     if not usable:
         return outcome
-    best = min(usable, key=lambda key: _geomean(usable[key]))
+    best, shorter = per_length_winners(usable, buckets)
     outcome.winner, outcome.winner_ms = by_key[best], usable[best]
+    outcome.shorter = tuple((up_to, by_key[key]) for up_to, key in shorter)
     db["entries"][entry_key(spec, KernelKind.prefill)] = {
+        "shorter": [{"up_to": up_to, "config": by_key[key].as_dict()} for up_to, key in shorter],
         "spec_name": spec.name,
         "config": outcome.winner.as_dict(),
         "gpu": gpu,
@@ -232,6 +243,28 @@ def _record(db, spec, heuristic, cands, results, gpu, version, buckets) -> Outco
         "candidates": {key: results[key] for key in sorted(results)},
     }
     return outcome
+
+
+def per_length_winners(times: dict[str, dict[str, float]], buckets: tuple[Bucket, ...]
+                       ) -> tuple[str, list[tuple[int, str]]]:
+    """The config for long sequences (fastest in the longest bucket) and, ascending, the
+    (longest sequence, config) pairs of shorter buckets whose fastest config beats it there by
+    SWITCH_GAIN or more. A bucket's config serves up to the power of two at or below the
+    geometric mean of its length and the next bucket's; equal neighbours merge."""
+    ordered = sorted(buckets, key=lambda b: b.seqlen)
+    longest = ordered[-1].name
+    default = min(times, key=lambda key: (times[key][longest], key))
+    shorter: list[tuple[int, str]] = []
+    for bucket, following in zip(ordered, ordered[1:], strict=False):
+        fastest = min(times, key=lambda key, b=bucket.name: (times[key][b], key))
+        if times[fastest][bucket.name] > (1 - SWITCH_GAIN) * times[default][bucket.name]:
+            continue
+        up_to = 2 ** int(math.log2(math.sqrt(bucket.seqlen * following.seqlen)))
+        if shorter and shorter[-1][1] == fastest:
+            shorter[-1] = (up_to, fastest)
+        else:
+            shorter.append((up_to, fastest))
+    return default, shorter
 
 
 def _read_progress(path: Path, gpu: str, version: str) -> dict:
@@ -258,9 +291,10 @@ def _print_summary(console: Console, outcomes: list[Outcome], arch: str, gpu: st
         gain = "-"
         if o.winner_ms and o.heuristic_ms:
             gain = f"{_geomean(o.heuristic_ms) / _geomean(o.winner_ms):.2f}x"
+        winner = _config_key(o.winner) if o.winner else "none passed"
+        winner += "".join(f"; <={up_to}: {_config_key(c)}" for up_to, c in o.shorter)
         table.add_row(
-            o.spec.name, _config_key(o.heuristic),
-            _config_key(o.winner) if o.winner else "none passed",
+            o.spec.name, _config_key(o.heuristic), winner,
             f"{o.tried}/{o.candidates}" + ("" if o.complete else " (budget)"),
             *[f"{o.winner_ms[b.name]:.3f}" if b.name in o.winner_ms else "-" for b in buckets],
             gain)

@@ -86,6 +86,9 @@ def explain_one(spec: AttnSpec, derivation: Derivation) -> list[str]:
         f"   chosen: BLOCK_M={best.config.block_m} BLOCK_N={best.config.block_n} "
         f"num_warps={best.config.num_warps} num_stages={best.config.num_stages} "
         f"(source: {derivation.source})",
+        *(f"   for sequences up to {up_to}: BLOCK_M={c.block_m} BLOCK_N={c.block_n} "
+          f"num_warps={c.num_warps} num_stages={c.num_stages} (measured faster there)"
+          for up_to, c in derivation.shorter),
         f"   rule: {_rule(derivation, len(safe), len(feasible))}",
         f"   binding constraint: {derivation.binding}",
         f"   waves: {derivation.worked['waves']}",

@@ -21,7 +21,7 @@ import jinja2
 from attngen import __version__, decode_tiling
 from attngen.arch import ARCHS
 from attngen.spec import AttnSpec, Dtype, KernelKind, module_name
-from attngen.tiling import TMA_MASKED_MAX_HEAD_DIM, Derivation, padded_head_dim
+from attngen.tiling import TMA_MASKED_MAX_HEAD_DIM, Derivation, TileConfig, padded_head_dim
 
 # A generated module may import these and nothing else.
 ALLOWED_IMPORTS = frozenset({"contextlib", "math", "os", "torch", "triton", "triton.language"})
@@ -89,6 +89,8 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
         "num_warps": config.num_warps,
         "num_stages": config.num_stages,
         "config_source": derivation.source,
+        # Python literals of (longest sequence, config) pairs, built here from ints only.
+        "shorter_configs": [f"({up_to}, {_config_literal(c)})" for up_to, c in derivation.shorter],
         "derivation_lines": list(derivation.summary_lines()),
         "dtype": spec.dtype.value,
         "dtype_name": _DTYPE_NAMES[spec.dtype],
@@ -122,6 +124,11 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
             "interpreter_sm_count": decode_tiling.INTERPRETER_SM_COUNT,
         })
     return context
+
+
+def _config_literal(config: TileConfig) -> str:
+    return (f'{{"BLOCK_M": {config.block_m}, "BLOCK_N": {config.block_n}, '
+            f'"num_warps": {config.num_warps}, "num_stages": {config.num_stages}}}')
 
 
 def _yaml_value(value: Any) -> str:

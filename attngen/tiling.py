@@ -110,6 +110,9 @@ class Derivation:
     # D, DV (padded), E of the spec; H (its query heads) and SMS (the arch's) for the waves
     dims: dict[str, int] = field(default_factory=dict)
     tma: bool = True  # the kernel's loads may use TMA (prefill); decode's never do
+    # Measured faster than `chosen` on shorter sequences (autotune's per-length winners):
+    # (longest sequence served, config), ascending; `chosen` serves everything longer.
+    shorter: tuple[tuple[int, TileConfig], ...] = ()
 
     @property
     def chosen_candidate(self) -> Candidate | None:
@@ -135,6 +138,8 @@ class Derivation:
             f"{feasible} of {len(self.candidates)} candidates feasible",
             f"binding: {self.binding}",
         ]
+        lines += [f"sequences up to {up_to}: {c.block_m}x{c.block_n}, {c.num_warps} warps, "
+                  f"{c.num_stages} stages (measured faster there)" for up_to, c in self.shorter]
         wrapped: list[str] = []
         for line in lines:
             wrapped += textwrap.wrap(line, width, subsequent_indent="    ")

@@ -5,7 +5,9 @@ torch nor triton). An entry is keyed by the hash of the spec fields the kernel d
 (TUNED_ON: not the name, the arch list or the other kernels a spec asks for, so adding
 `decode` to a spec keeps its prefill tuning) and holds, per kernel kind, the winning
 tile config, the times measured for every candidate tried, the GPU's name, Triton's version and
-the date. A file carries a schema version; a file of another schema is refused, not guessed at.
+the date; optionally `shorter`, configs measured faster on shorter sequences (`up_to`: the
+longest sequence each serves), which the module picks by length. A file carries a schema
+version; a file of another schema is refused, not guessed at.
 
     tuning/sm90.json = {"schema": 1, "arch": "sm90",
                         "entries": {"<kernel fields hash>/prefill": {"config": {...}, ...}}}
@@ -43,6 +45,8 @@ class TuningRecord:
     complete: bool  # False when the budget ran out before every candidate was timed
     median_ms: dict[str, float]  # bucket -> the winner's median time
     borrowed_from: str | None = None  # the kind whose entry this is, when not the asked kind
+    # (longest sequence, config) measured faster than `config` on shorter sequences, ascending
+    shorter: tuple[tuple[int, TileConfig], ...] = ()
 
     def describe(self) -> str:
         partial = "" if self.complete else ", partial search"
@@ -98,8 +102,14 @@ def lookup(tuning_dir: Path | None, spec: AttnSpec, kind: KernelKind, arch: str
         return None
     try:
         config = TileConfig.from_dict(entry["config"])
+        shorter = tuple((int(item["up_to"]), TileConfig.from_dict(item["config"]))
+                        for item in entry.get("shorter", []))
+        if [up_to for up_to, _ in shorter] != sorted({up_to for up_to, _ in shorter}) or any(
+                up_to < 1 for up_to, _ in shorter):
+            raise ValueError("'shorter' lengths must be positive and strictly ascending")
         return TuningRecord(config, str(entry["gpu"]), str(entry["triton"]), str(entry["date"]),
-                            bool(entry["complete"]), dict(entry["median_ms"]), borrowed)
+                            bool(entry["complete"]), dict(entry["median_ms"]), borrowed,
+                            shorter)
     except (KeyError, TypeError, ValueError) as exc:
         raise TuningError(f"{tuning_path(tuning_dir, arch)}: entry {entry_key(spec, kind)} is "
                           f"malformed ({exc!r})") from None
@@ -121,9 +131,12 @@ def apply_tuning(derivation: Derivation, record: TuningRecord | None) -> Derivat
     """
     if record is None:
         return derivation
-    candidate = next((c for c in derivation.candidates if c.config == record.config), None)
-    if candidate is None or not candidate.feasible:
-        why = "not a candidate" if candidate is None else "; ".join(candidate.rejected)
-        raise TuningError(f"tuned config {record.config.as_dict()} for {derivation.arch} is "
-                          f"infeasible under the current model ({why}); re-run attngen autotune")
-    return choose(derivation, record.config, record.describe())
+    for config in (record.config, *(c for _, c in record.shorter)):
+        candidate = next((c for c in derivation.candidates if c.config == config), None)
+        if candidate is None or not candidate.feasible:
+            why = "not a candidate" if candidate is None else "; ".join(candidate.rejected)
+            raise TuningError(f"tuned config {config.as_dict()} for {derivation.arch} is "
+                              f"infeasible under the current model ({why}); re-run attngen "
+                              "autotune")
+    chosen = choose(derivation, record.config, record.describe())
+    return dataclasses.replace(chosen, shorter=record.shorter)

@@ -72,6 +72,7 @@ CAUSAL_BR_BF16_D128 = {
     "block_n": 128,
     "num_warps": 8,
     "num_stages": 3,
+    "shorter_configs": [],
     "config_source": "heuristic",
     "derivation_lines": [
         "shared memory = BLOCK_M*D*E + BLOCK_N*E*(D + DV)*Max(1, S - 1)",
@@ -127,6 +128,7 @@ WINDOW_SOFTCAP_ALIBI_FP32_D80 = {
     "block_n": 64,
     "num_warps": 8,
     "num_stages": 2,
+    "shorter_configs": [],
     "config_source": "heuristic",
     "derivation_lines": [
         _SMEM_PRE_HOPPER,

@@ -133,3 +133,66 @@ def test_autotune_candidates_cover_tile_shapes_best_scoring_first():
         assert cand.score == best or cand.config.num_stages == DEEP_STAGES
     # Beyond the first four shapes by score, so smaller tiles with 4 warps get measured too.
     assert any(c.config.num_warps == 4 and c.config.block_m == 64 for c in picked)
+
+
+def test_per_length_winners_switch_only_on_a_clear_gain_and_merge_neighbours():
+    from attngen.autotune import BUCKETS, SWITCH_GAIN, per_length_winners
+
+    short, mid, long = (b.name for b in BUCKETS)
+    times = {"big": {short: 1.00, mid: 1.00, long: 1.00},
+             "small": {short: 0.90, mid: 1.05, long: 1.20},
+             "close": {short: 0.99, mid: 1 - SWITCH_GAIN / 2, long: 1.10}}
+    assert per_length_winners(times, BUCKETS) == ("big", [(2048, "small")])
+    times["small"][mid] = 0.95  # now also clearly faster at N = 4096: one range to 4096
+    assert per_length_winners(times, BUCKETS) == ("big", [(4096, "small")])
+    times["small"][short] = 0.99  # within the noise at N = 1024: only N = 4096 switches
+    assert per_length_winners(times, BUCKETS) == ("big", [(4096, "small")])
+    times["small"][mid] = 0.99
+    times["close"][long] = 0.98  # the longest bucket's fastest is the default
+    assert per_length_winners(times, BUCKETS) == ("close", [])
+    del times["small"], times["close"]
+    assert per_length_winners(times, BUCKETS) == ("big", [])
+
+
+def test_shorter_configs_reach_the_module_which_picks_by_length(tmp_path):
+    from tests.kernel_harness import assert_matches_reference, make_inputs
+
+    spec = make_spec(dtype="fp16", head_dim=64, archs=["sm90"], name="tuned",
+                     kernels=["prefill", "varlen"], mask="causal", causal_align="bottom_right")
+    long_config, short_config = TileConfig(32, 32, 4, 2), TileConfig(16, 16, 4, 2)
+    folder = tmp_path / "tuning"
+    folder.mkdir()
+    entry = {"config": long_config.as_dict(), "gpu": "NVIDIA H200", "triton": "3.6.0",
+             "date": "2026-11-30", "complete": True, "median_ms": {"tiny": 1.0},
+             "shorter": [{"up_to": 40, "config": short_config.as_dict()}]}
+    (folder / "sm90.json").write_text(json.dumps({
+        "schema": TUNING_SCHEMA, "arch": "sm90",
+        "entries": {entry_key(spec, KernelKind.prefill): entry}}))
+    artifacts = {a.entry["kind"]: a for a in plan_build([spec], folder)}
+    prefill = artifacts["prefill"]
+    assert "CONFIGS_BY_SEQLEN = [\n    (40, {\"BLOCK_M\": 16, \"BLOCK_N\": 16" in prefill.source
+    assert "sequences up to 40: 16x16, 4 warps, 2 stages" in prefill.source  # the header
+    assert "config_for" in artifacts["varlen"].source  # varlen borrows prefill's entry
+    text = "\n".join(explain_lines([spec], ["sm90"], folder))
+    assert "for sequences up to 40: BLOCK_M=16 BLOCK_N=16" in text
+    path = tmp_path / "tuned_prefill.py"
+    path.write_text(prefill.source)
+    import importlib.util
+
+    loader = importlib.util.spec_from_file_location("tuned_prefill_by_length", path)
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    assert module.config_for(40) == short_config.as_dict()
+    assert module.config_for(41) == module.CONFIG == long_config.as_dict()
+    for seqlen_q, seqlen_k in ((37, 40), (23, 57)):  # either side of the boundary
+        q, k, v, _ = make_inputs(spec, 1, seqlen_q, seqlen_k, seed=3)
+        out, lse = module.attention(q, k, v, return_lse=True)
+        assert_matches_reference(spec, out, lse, q, k, v)
+    # A shorter config the model calls infeasible is refused like the main one.
+    infeasible = next(c.config for c in derive_tiles(spec, "sm90").candidates if not c.feasible)
+    entry["shorter"][0]["config"] = infeasible.as_dict()
+    (folder / "sm90.json").write_text(json.dumps({
+        "schema": TUNING_SCHEMA, "arch": "sm90",
+        "entries": {entry_key(spec, KernelKind.prefill): entry}}))
+    with pytest.raises(TuningError, match="infeasible under the current model"):
+        plan_build([spec], folder)

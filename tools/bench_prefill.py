@@ -146,7 +146,9 @@ def bench_case(case, use_flex):
             runners[f"sdpa_{backend}"] = runner
     if use_flex:
         runners["flex"] = flex_runner(case, q, k, v)
-    result = dict(case, config=module.CONFIG, tflops={}, ms={}, errors={})
+    # The config this call launches with: a module with per-length configs picks by length.
+    config = getattr(module, "config_for", lambda n: module.CONFIG)(case["seqlen"])
+    result = dict(case, config=config, tflops={}, ms={}, errors={})
     reference = None
     for name, runner in runners.items():
         try:

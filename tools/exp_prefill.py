@@ -93,6 +93,7 @@ def load(source: str, name: str):
     spec.loader.exec_module(module)
     if name.endswith("_pointers"):
         module.kv_load_path = lambda k, v: "pointers: forced by the experiment"
+    module.CONFIGS_BY_SEQLEN = []  # per-length configs off: CONFIG decides every launch
     return module
 
 
