@@ -39,6 +39,19 @@ class GpuArch:
     has_tma: bool = False
 
     @property
+    def smem_block_cost(self) -> int:
+        """What a resident block takes from the SM's shared memory beyond what it asks for.
+
+        Where ptxas puts static shared memory in every cubin (sm90, sm120), that 1 KiB is taken
+        to be the driver's per-block reserve, not an addition to it. The evidence (H200): a
+        64x64, 4-warp, 3-stage causal D = 128 prefill asking for 115712 B took 0.200 ms at
+        N = 1024 where its variant asking for 115736 B took 0.297 ms (autotune, 2026-11-30).
+        Two blocks fit per SM only if the 1 KiB counts once: 2 x (115712 + 1024) is the SM's
+        228 KiB exactly, 24 bytes more is over; counted twice, neither would fit two.
+        """
+        return max(self.smem_reserved, self.smem_block_reserve)
+
+    @property
     def smem_budget(self) -> int:
         """Dynamic shared memory one program may ask for: the opt-in limit minus the reserve."""
         return self.smem_per_block - self.smem_reserved

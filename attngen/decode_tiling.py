@@ -117,7 +117,7 @@ def derive_decode_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
             reasons.append(f"smem {smem_b} B > {arch.smem_budget} B")
         if regs_t > arch.max_regs_per_thread + REGISTER_MARGIN:
             reasons.append(f"regs {regs_t} > {arch.max_regs_per_thread} + {REGISTER_MARGIN}")
-        per_sm = min(arch.smem_per_sm // (smem_b + arch.smem_reserved + arch.smem_block_reserve),
+        per_sm = min(arch.smem_per_sm // (smem_b + arch.smem_block_cost),
                      arch.regs_per_sm // (min(regs_t, arch.max_regs_per_thread) * 32 * w),
                      arch.max_threads_per_sm // (32 * w))
         if not reasons and per_sm < 1:

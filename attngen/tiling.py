@@ -275,7 +275,7 @@ def constraint_labels(arch: GpuArch) -> tuple[str, ...]:
         "model's error margin; above the limit a config may spill, so the heuristic prefers "
         "one below it)",
         f"occupancy: at least one program per SM ({arch.max_threads_per_sm} threads/SM; "
-        f"each resident program also takes the driver's {arch.smem_block_reserve} B reserve)",
+        f"each resident program also takes {arch.smem_block_cost} B, the driver's reserve)",
         "tile: BLOCK_M <= 32 * num_warps (at most one query row per thread)",
     )
 
@@ -305,7 +305,7 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
             reasons.append(f"smem {smem} B > {arch.smem_budget} B")
         if regs > arch.max_regs_per_thread + REGISTER_MARGIN:
             reasons.append(f"regs {regs} > {arch.max_regs_per_thread} + {REGISTER_MARGIN}")
-        by_smem = arch.smem_per_sm // (smem + arch.smem_reserved + arch.smem_block_reserve)
+        by_smem = arch.smem_per_sm // (smem + arch.smem_block_cost)
         # ptxas caps registers at the limit (spilling the rest), so occupancy uses the cap.
         by_regs = arch.regs_per_sm // (min(regs, arch.max_regs_per_thread) * 32 * w)
         by_threads = arch.max_threads_per_sm // (32 * w)

@@ -28,9 +28,9 @@
 #     = 115712 B of 231424 B available per block
 #   registers/thread ~ 3*BLOCK_M*BLOCK_N/(128*W) + BLOCK_M*DV/(32*W) + 5*BLOCK_N*E*(D +
 #       DV)/(768*W) + 66 = 208 of 255
-#   programs/SM 1, waves 32/33 = 0.970 (28 heads x 4096 tokens / 64 rows per program over 132
-#       SMs x 1 per SM)
-#   score 0.242, 114 of 128 candidates feasible
+#   programs/SM 2, waves 32/33 = 0.970 (28 heads x 4096 tokens / 64 rows per program over 132
+#       SMs x 2 per SM)
+#   score 0.485, 114 of 128 candidates feasible
 #   binding: BLOCK_M 64->128: regs 296 > 255 + 24; BLOCK_N 64->128: regs 285 > 255 + 24;
 #       num_stages 3->4: fits, not chosen (score 0.242)
 """Prefill (forward) attention, FlashAttention-2 style and exact.
