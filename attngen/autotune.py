@@ -229,10 +229,16 @@ def _record(db, spec, heuristic, cands, results, gpu, version, buckets) -> Outco
     best, shorter = per_length_winners(usable, buckets)
     outcome.winner, outcome.winner_ms = by_key[best], usable[best]
     outcome.shorter = tuple((up_to, by_key[key]) for up_to, key in shorter)
+    # The model's programs per SM for each winner, as measured: a later template that makes a
+    # winner lose one (a few bytes of shared memory can, at an occupancy edge) makes the build
+    # refuse the entry instead of using a config whose timing no longer holds.
+    programs = {_config_key(c.config): c.programs_per_sm for c in cands}
     db["entries"][entry_key(spec, KernelKind.prefill)] = {
-        "shorter": [{"up_to": up_to, "config": by_key[key].as_dict()} for up_to, key in shorter],
+        "shorter": [{"up_to": up_to, "config": by_key[key].as_dict(),
+                     "programs_per_sm": programs[key]} for up_to, key in shorter],
         "spec_name": spec.name,
         "config": outcome.winner.as_dict(),
+        "programs_per_sm": programs[best],
         "gpu": gpu,
         "triton": version,
         "date": datetime.date.today().isoformat(),

@@ -47,6 +47,9 @@ class TuningRecord:
     borrowed_from: str | None = None  # the kind whose entry this is, when not the asked kind
     # (longest sequence, config) measured faster than `config` on shorter sequences, ascending
     shorter: tuple[tuple[int, TileConfig], ...] = ()
+    # The model's programs per SM of each config when it was measured (entries since session
+    # 3; older ones do not say)
+    programs_per_sm: dict[TileConfig, int] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
         partial = "" if self.complete else ", partial search"
@@ -104,12 +107,14 @@ def lookup(tuning_dir: Path | None, spec: AttnSpec, kind: KernelKind, arch: str
         config = TileConfig.from_dict(entry["config"])
         shorter = tuple((int(item["up_to"]), TileConfig.from_dict(item["config"]))
                         for item in entry.get("shorter", []))
+        programs = {TileConfig.from_dict(item["config"]): int(item["programs_per_sm"])
+                    for item in [entry, *entry.get("shorter", [])] if "programs_per_sm" in item}
         if [up_to for up_to, _ in shorter] != sorted({up_to for up_to, _ in shorter}) or any(
                 up_to < 1 for up_to, _ in shorter):
             raise ValueError("'shorter' lengths must be positive and strictly ascending")
         return TuningRecord(config, str(entry["gpu"]), str(entry["triton"]), str(entry["date"]),
                             bool(entry["complete"]), dict(entry["median_ms"]), borrowed,
-                            shorter)
+                            shorter, programs)
     except (KeyError, TypeError, ValueError) as exc:
         raise TuningError(f"{tuning_path(tuning_dir, arch)}: entry {entry_key(spec, kind)} is "
                           f"malformed ({exc!r})") from None
@@ -138,5 +143,13 @@ def apply_tuning(derivation: Derivation, record: TuningRecord | None) -> Derivat
             raise TuningError(f"tuned config {config.as_dict()} for {derivation.arch} is "
                               f"infeasible under the current model ({why}); re-run attngen "
                               "autotune")
+        measured_at = record.programs_per_sm.get(config)
+        if measured_at is not None and candidate.programs_per_sm < measured_at:
+            raise TuningError(f"tuned config {config.as_dict()} for {derivation.arch} was "
+                              f"measured at {measured_at} programs per SM; the current "
+                              f"template fits {candidate.programs_per_sm} (it needs "
+                              f"{candidate.smem_bytes} B of shared memory, "
+                              f"{candidate.regs_per_thread} registers per thread), so its "
+                              "timing no longer holds; re-run attngen autotune")
     chosen = choose(derivation, record.config, record.describe())
     return dataclasses.replace(chosen, shorter=record.shorter)

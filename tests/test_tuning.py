@@ -82,6 +82,8 @@ def test_autotune_loop_records_a_winner_and_resumes(tmp_path, monkeypatch):
     entry = db["entries"][entry_key(SPEC, KernelKind.prefill)]
     assert entry["config"] == outcome.winner.as_dict() and len(entry["candidates"]) == 3
     assert all("median_ms" in result for result in entry["candidates"].values())
+    winner = next(c for c in derive_tiles(SPEC, "sm90").candidates if c.config == outcome.winner)
+    assert entry["programs_per_sm"] == winner.programs_per_sm  # the occupancy it ran at
     # The heuristic's choice is always among the candidates.
     assert "x".join(map(str, derive_tiles(SPEC, "sm90").chosen.as_dict().values())) in \
         entry["candidates"]
@@ -196,3 +198,21 @@ def test_shorter_configs_reach_the_module_which_picks_by_length(tmp_path):
         "entries": {entry_key(spec, KernelKind.prefill): entry}}))
     with pytest.raises(TuningError, match="infeasible under the current model"):
         plan_build([spec], folder)
+
+
+def test_a_tuned_config_that_lost_programs_per_sm_is_refused(tmp_path):
+    cand = next(c for c in derive_tiles(SPEC, "sm90").candidates if c.feasible)
+    entry = {"config": cand.config.as_dict(), "gpu": "NVIDIA H200", "triton": "3.6.0",
+             "date": "2026-11-30", "complete": True, "median_ms": {"tiny": 1.0},
+             "programs_per_sm": cand.programs_per_sm}
+    tmp_path.joinpath("sm90.json").write_text(json.dumps({
+        "schema": TUNING_SCHEMA, "arch": "sm90",
+        "entries": {entry_key(SPEC, KernelKind.prefill): entry}}))
+    (artifact,) = plan_build([SPEC], tmp_path)  # as measured: used
+    assert artifact.entry["config"] == cand.config.as_dict()
+    entry["programs_per_sm"] = cand.programs_per_sm + 1  # measured with more than fits now
+    tmp_path.joinpath("sm90.json").write_text(json.dumps({
+        "schema": TUNING_SCHEMA, "arch": "sm90",
+        "entries": {entry_key(SPEC, KernelKind.prefill): entry}}))
+    with pytest.raises(TuningError, match="programs per SM.*re-run attngen autotune"):
+        plan_build([SPEC], tmp_path)
