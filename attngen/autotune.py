@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import importlib.util
+import itertools
 import json
 import math
 import sys
@@ -44,7 +45,7 @@ from rich.table import Table
 from attngen.arch import ARCHS
 from attngen.build import write_if_different
 from attngen.reference import compare_to_reference, random_inputs
-from attngen.render import render_module
+from attngen.render import kernels_text, render_module
 from attngen.spec import AttnSpec, KernelKind, SpecError, module_name
 from attngen.tiling import Candidate, TileConfig, derive_tiles
 from attngen.tuning import (
@@ -114,9 +115,7 @@ def _load_module(spec: AttnSpec, arch: str, folder: Path):
 
 def _kernel_digest(module) -> str:
     """A hash of the module's JIT functions: the text a template change alters."""
-    source = Path(module.__file__).read_text()
-    kernels = source[source.index("@triton.jit"):source.index("\ndef _check")]
-    return hashlib.sha256(kernels.encode()).hexdigest()[:16]
+    return hashlib.sha256(kernels_text(Path(module.__file__).read_text()).encode()).hexdigest()[:16]
 
 
 def _candidates(spec: AttnSpec, arch: str, max_configs: int) -> tuple[TileConfig, list[Candidate]]:
@@ -261,7 +260,7 @@ def per_length_winners(times: dict[str, dict[str, float]], buckets: tuple[Bucket
     longest = ordered[-1].name
     default = min(times, key=lambda key: (times[key][longest], key))
     shorter: list[tuple[int, str]] = []
-    for bucket, following in zip(ordered, ordered[1:], strict=False):
+    for bucket, following in itertools.pairwise(ordered):
         fastest = min(times, key=lambda key, b=bucket.name: (times[key][b], key))
         if times[fastest][bucket.name] > (1 - SWITCH_GAIN) * times[default][bucket.name]:
             continue

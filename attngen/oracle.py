@@ -35,7 +35,7 @@ from typing import Any
 
 from attngen import tiling
 from attngen.arch import ARCHS
-from attngen.render import render_module
+from attngen.render import kernels_text, render_module
 from attngen.spec import AttnSpec, KernelKind, specs_from_data
 from attngen.tiling import TileConfig
 
@@ -69,8 +69,7 @@ def load_kernel(spec: AttnSpec, arch: str) -> Any:
     if derivation.chosen is None:  # still renderable: any config will do for the text
         derivation = dataclasses.replace(derivation, chosen=TileConfig(64, 64, 4, 1))
     source = render_module(spec, KernelKind.prefill, derivation)
-    kernels_text = source[source.index("@triton.jit"):source.index("\ndef _check")]
-    key = hashlib.sha256(kernels_text.encode()).hexdigest()
+    key = hashlib.sha256(kernels_text(source).encode()).hexdigest()
     if key not in _kernels:
         with tempfile.TemporaryDirectory() as tmp, _compiled_not_interpreted():
             path = Path(tmp) / f"oracle_{spec.spec_hash()}_{arch}.py"

@@ -148,6 +148,12 @@ def render_module(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> s
     return source
 
 
+def kernels_text(source: str) -> str:
+    """The JIT functions of a rendered prefill module (from the first @triton.jit to the host
+    checks): the part a template change alters, without the header and CONFIG."""
+    return source[source.index("@triton.jit"):source.index("\ndef _check")]
+
+
 def render_template(template_name: str, context: dict[str, Any]) -> str:
     """Render any template from an explicit context (used by golden-file tests)."""
     return _environment().get_template(template_name).render(**context)
