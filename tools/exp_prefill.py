@@ -13,10 +13,25 @@ Each variant is the committed module's source with a few lines substituted:
 - fast_exp: exp2 on bf16 pairs (`ex2.approx.ftz.bf16x2`, two per MUFU op) whose
   result is P as the P @ V dot consumes it; measures the headroom of the exponential (it
   rounds the exponent's argument to bf16, so it changes numerics: reported, not adopted).
+- softmax_overlap: the unmasked key loop rotated so that the softmax of block j runs while
+  the P @ V product of block j-1 is still on the tensor cores (FlashAttention-3's
+  intra-warpgroup overlap, in plain Triton): Q @ K^T of block j+1 is issued after the
+  softmax of block j, so the compiler's `wgmma.wait_group 0` that follows it is the first
+  wait on P @ V_{j-1}; the PTX of the committed loop waits on both before the exponentials.
+  Plain scores only (no softcap, no ALiBi); one more K tile of shared memory (the peeled
+  first block) and ~30 more registers.
+A config may carry a fifth number, maxnreg (registers per thread the compiler may use).
 Each variant is checked against the float64 reference by attngen's rule (one batch entry),
 then all are timed in alternation; `--sweep` also times more tile configs at D = 64.
 
 Session 2 measured pointers -> tma: +5% at D64, +6-12% at D128, +6% at D256.
+Session 4 (--compare; docs/results/exp_prefill_2026-11-30_s4_*.json), both rejected:
+- softmax_overlap: no config gains more than 4%, most lose (128x64x8x3 at D64 N4096: 323 vs
+  421 TFLOP/s: 142 registers leave one program per SM; with maxnreg 128, 429 vs 422); the
+  extra K tile pushes D128 64x64 past two programs per SM and 64x128 past the shared memory.
+- lazy_rescale: 5-35% slower everywhere (D64 N4096 128x64x8x3: 403 vs 422; D128 64x64x4x3:
+  298 vs 447): the tile-wide max is a shared-memory reduction with two bar.sync per block,
+  which costs more than the [BLOCK_M, DV] multiply it skips.
     PYTHONPATH=. python tools/exp_prefill.py --out DIR [--sweep]     # on the GPU
     TRITON_INTERPRET=1 PYTHONPATH=. python tools/exp_prefill.py --cpu-check   # here
     PYTHONPATH=. python tools/exp_prefill.py --compile-check          # here, sm90 compiles
@@ -69,14 +84,121 @@ FAST_EXP = [("        p = tl.math.exp2(scores * qk_scale - m_ref[:, None])\n",
 KEY_LOOP = "    for start in tl.range(start_n, end_n, BLOCK_N):\n"
 WARP_SPECIALIZE = [(KEY_LOOP, KEY_LOOP.replace("BLOCK_N)", "BLOCK_N, warp_specialize=True)"))]
 FLATTEN = [(KEY_LOOP, KEY_LOOP.replace("BLOCK_N)", "BLOCK_N, flatten=True)"))]
+OVERLAPPED_INNER = '''
+@triton.jit
+def _load_kv_block(k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, k_desc, v_desc,
+                   desc_b, desc_h, start, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
+                   WANT_K: tl.constexpr):
+    if USE_TMA:
+        if WANT_K:
+            return tl.trans(k_desc.load([desc_b, desc_h, start, 0]).reshape(BLOCK_N, _BLOCK_D))
+        return v_desc.load([desc_b, desc_h, start, 0]).reshape(BLOCK_N, _BLOCK_DV)
+    rows = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
+    if WANT_K:
+        return tl.load(k_base + rows[None, :] * stride_kn + tl.arange(0, _BLOCK_D)[:, None] * stride_kd)
+    return tl.load(v_base + rows[:, None] * stride_vn + tl.arange(0, _BLOCK_DV)[None, :] * stride_vd)
+
+
+@triton.jit
+def _attn_fwd_inner_overlapped(
+    acc, l_i, m_i, q, q_pos, first_q_pos, last_q_pos,
+    k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, k_desc, v_desc, desc_b, desc_h,
+    start_n, end_n, seqlen_k, qk_scale, slope_log2,
+    MASKED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    # Every block here is unmasked and full; m_i may be -inf only before the first block,
+    # whose row max is finite, so m_new is finite throughout.
+    if end_n > start_n:
+        k = _load_kv_block(k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, k_desc,
+                           v_desc, desc_b, desc_h, start_n, BLOCK_N, USE_TMA, True)
+        qk = tl.dot(q, k)
+        for start in tl.range(start_n, end_n - BLOCK_N, BLOCK_N):
+            start = tl.multiple_of(start, BLOCK_N)
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            k = _load_kv_block(k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                               k_desc, v_desc, desc_b, desc_h, start + BLOCK_N, BLOCK_N,
+                               USE_TMA, True)
+            qk = tl.dot(q, k)
+            acc = acc * alpha[:, None]
+            v = _load_kv_block(k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                               k_desc, v_desc, desc_b, desc_h, start, BLOCK_N, USE_TMA, False)
+            acc = tl.dot(p.to(q.dtype), v, acc)
+            m_i = m_new
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = _load_kv_block(k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, k_desc,
+                           v_desc, desc_b, desc_h, end_n - BLOCK_N, BLOCK_N, USE_TMA, False)
+        acc = tl.dot(p.to(q.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+'''
+KERNEL_DEF = "@triton.jit\ndef _attn_fwd_kernel("
+UNMASKED_CALL = ("    acc, l_i, m_i = _attn_fwd_inner(\n", "MASKED=False,")
+
+
+def overlapped_source(source: str) -> str | None:
+    """The committed source with the unmasked key loop replaced (plain scores only)."""
+    if "        scores = qk\n" not in source or source.count(KERNEL_DEF) != 1:
+        return None
+    head, _, kernel = source.partition(KERNEL_DEF)
+    flag = kernel.index(UNMASKED_CALL[1])
+    call = kernel.rindex(UNMASKED_CALL[0], 0, flag)
+    kernel = (kernel[:call] + UNMASKED_CALL[0].replace("_inner(", "_inner_overlapped(")
+              + kernel[call + len(UNMASKED_CALL[0]):])
+    return head + OVERLAPPED_INNER.lstrip("\n") + KERNEL_DEF + kernel
+
+
+# FlashAttention-4's conditional rescaling: in unmasked blocks the running max m_i is moved
+# (and acc, l_i rescaled) only when some row's max grew by more than 8 (log2 domain), so P
+# stays <= 2^8 (exact in bf16's exponent range) and the [BLOCK_M, DV] multiply by alpha is
+# skipped in nearly every block after the first. The decision is one tile-wide max.
+LAZY_RESCALE = [("""        p = tl.math.exp2(scores * qk_scale - m_ref[:, None])
+        alpha = tl.math.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(""", """        if MASKED:
+            p = tl.math.exp2(scores * qk_scale - m_ref[:, None])
+            alpha = tl.math.exp2(m_i - m_ref)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+        else:
+            if tl.max(m_new - m_i, 0) > 8.0:
+                alpha = tl.math.exp2(m_i - m_new)
+                l_i = l_i * alpha
+                acc = acc * alpha[:, None]
+            else:
+                m_new = m_i
+            p = tl.math.exp2(scores * qk_scale - m_new[:, None])
+            l_i = l_i + tl.sum(p, 1)
+        acc = tl.dot(""")]
+MAXNREG = [("            num_stages=CONFIG[\"num_stages\"],\n",
+            "            num_stages=CONFIG[\"num_stages\"],\n"
+            "            **({\"maxnreg\": CONFIG[\"maxnreg\"]} if CONFIG.get(\"maxnreg\") else {}),\n")]
 SUBSTITUTIONS = {"pointers": [], "tma": [], "scaled_first": SCALED_FIRST,
                  "masked_pointers": MASKED_POINTERS, "fast_exp": FAST_EXP,
-                 "warp_specialize": WARP_SPECIALIZE, "flatten": FLATTEN}
-INTERPRETABLE = ("pointers", "tma", "scaled_first", "masked_pointers")  # no inline PTX
+                 "warp_specialize": WARP_SPECIALIZE, "flatten": FLATTEN,
+                 "softmax_overlap": overlapped_source, "lazy_rescale": LAZY_RESCALE}
+INTERPRETABLE = ("pointers", "tma", "scaled_first", "masked_pointers",
+                 "softmax_overlap", "lazy_rescale")  # no inline PTX
 
 
 def variant_source(source: str, name: str) -> str | None:
     """The variant's text, or None where it does not apply (masked_pointers at D = 256)."""
+    for old, new in MAXNREG:  # every variant may be launched with a register cap
+        source = source.replace(old, new)
+    if callable(SUBSTITUTIONS[name]):
+        return SUBSTITUTIONS[name](source)
     for old, new in SUBSTITUTIONS[name]:
         if source.count(old) != 1:
             return None
@@ -164,7 +286,7 @@ def timed(module, q, k, v) -> float:
 def measure(spec, name, module, config, seqlen, inputs, rows, out_dir):
     q, k, v = inputs
     module.CONFIG.update(BLOCK_M=config[0], BLOCK_N=config[1], num_warps=config[2],
-                         num_stages=config[3])
+                         num_stages=config[3], maxnreg=config[4] if len(config) > 4 else None)
     flops = 4 * q.shape[0] * q.shape[1] * seqlen * seqlen * spec.head_dim
     flops /= 2 if spec.mask.value == "causal" else 1
     try:
@@ -172,7 +294,7 @@ def measure(spec, name, module, config, seqlen, inputs, rows, out_dir):
         problems = compare_to_reference(spec, out, lse, q[:1], k[:1], v[:1])
         tflops, error = flops / timed(module, q, k, v) / 1e9, None
     except Exception as exc:  # a variant that fails to compile is a result
-        tflops, problems, error = float("nan"), [], str(exc)[:160]
+        tflops, problems, error = float("nan"), [], str(exc)[:400]
     rows.append(dict(spec=spec.name, seqlen=seqlen, config=list(config), variant=name,
                      tflops=tflops, problems=problems, error=error))
     print(rows[-1], flush=True)
@@ -187,6 +309,41 @@ VARIANT_CASES = [("tools/bench_specs/grid_d64_causal.yaml", (1024, 4096)),
 SWEEP_CONFIGS = {64: [(128, 64, 4, 2), (128, 64, 4, 4), (64, 64, 4, 3), (128, 32, 4, 3),
                       (64, 128, 4, 3), (128, 128, 8, 3), (256, 64, 8, 3)],
                  128: [(64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 4)]}
+
+
+# --compare: one variant against the committed loop (tma), config by config. N <= 4096: the
+# float64 reference check of a 16k sequence would not fit in GPU memory.
+COMPARE_CASES = [("tools/bench_specs/grid_d64_full.yaml", (1024, 4096)),
+                 ("tools/bench_specs/grid_d64_causal.yaml", (1024, 4096)),
+                 ("tools/bench_specs/grid_d128_causal.yaml", (1024, 4096)),
+                 ("tools/bench_specs/grid_d128_full.yaml", (1024, 4096)),
+                 ("tools/bench_specs/grid_d256_causal.yaml", (1024, 4096)),
+                 ("tools/bench_specs/grid_d256_full.yaml", (1024,))]
+COMPARE_CONFIGS = {64: [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 4)],
+                   128: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
+                   256: [(128, 64, 8, 2), (64, 64, 4, 2)]}
+
+
+def compare_bench(out_dir: Path, variant: str) -> None:
+    """`variant` against the committed loop (tma) on the same inputs, per config."""
+    rows: list[dict] = []
+    for spec_file, seqlens in COMPARE_CASES:
+        spec, modules = modules_for(spec_file, ("tma", variant))
+        for seqlen in seqlens:
+            q, k, v, _ = random_inputs(spec, 16384 // seqlen, seqlen, seqlen, seed=0,
+                                       device="cuda")
+            for config in COMPARE_CONFIGS[spec.head_dim]:
+                for name, module in modules.items():
+                    measure(spec, name, module, config, seqlen, (q, k, v), rows, out_dir)
+    print_rows(rows)
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(f"\n{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    for r in rows:
+        status = r["error"] or ("; ".join(r["problems"]) or "ok")
+        print(f"{r['spec']:18s} N={r['seqlen']:5d} {str(r['config']):22s} {r['variant']:15s} "
+              f"{r['tflops']:7.1f} TFLOP/s  {status[:90]}")
 
 
 def gpu_bench(out_dir: Path, sweep: bool) -> None:
@@ -207,11 +364,7 @@ def gpu_bench(out_dir: Path, sweep: bool) -> None:
             if sweep and spec.head_dim in SWEEP_CONFIGS:
                 for other in SWEEP_CONFIGS[spec.head_dim]:
                     measure(spec, "tma", modules["tma"], other, seqlen, (q, k, v), rows, out_dir)
-    print(f"\n{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
-    for r in rows:
-        status = r["error"] or ("; ".join(r["problems"]) or "ok")
-        print(f"{r['spec']:18s} N={r['seqlen']:5d} {str(r['config']):18s} {r['variant']:15s} "
-              f"{r['tflops']:7.1f} TFLOP/s  {status[:90]}")
+    print_rows(rows)
 
 
 if __name__ == "__main__":
@@ -219,11 +372,15 @@ if __name__ == "__main__":
     parser.add_argument("--cpu-check", action="store_true")
     parser.add_argument("--compile-check", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="more tile configs at D64/D128")
+    parser.add_argument("--compare", choices=sorted(SUBSTITUTIONS),
+                        help="only this variant against tma, over COMPARE_CONFIGS")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     if args.cpu_check:
         cpu_check()
     elif args.compile_check:
         compile_check()
+    elif args.compare:
+        compare_bench(args.out, args.compare)
     else:
         gpu_bench(args.out, args.sweep)
