@@ -21,7 +21,14 @@ import jinja2
 from attngen import __version__, decode_tiling
 from attngen.arch import ARCHS
 from attngen.spec import AttnSpec, Dtype, KernelKind, module_name
-from attngen.tiling import TMA_MASKED_MAX_HEAD_DIM, Derivation, TileConfig, padded_head_dim
+from attngen.tiling import (
+    LPT_GROUP_HEADS,
+    LPT_MIN_HEAD_DIM,
+    TMA_MASKED_MAX_HEAD_DIM,
+    Derivation,
+    TileConfig,
+    padded_head_dim,
+)
 
 # A generated module may import these and nothing else.
 ALLOWED_IMPORTS = frozenset({"contextlib", "math", "os", "torch", "triton", "triton.language"})
@@ -112,6 +119,11 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
         "tma": tma,
         "tma_masked_blocks": tma and max(spec.head_dim,
                                          spec.value_head_dim) <= TMA_MASKED_MAX_HEAD_DIM,
+        # Heads per longest-processing-time group of the causal schedule (0: one head's blocks
+        # after another's); measured on Hopper's TMA modules only, so chosen there.
+        "lpt_group_heads": LPT_GROUP_HEADS if (
+            tma and spec.mask.value == "causal"
+            and max(spec.head_dim, spec.value_head_dim) >= LPT_MIN_HEAD_DIM) else 0,
     }
     if kind is KernelKind.decode:
         context.update({

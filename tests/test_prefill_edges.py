@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -225,3 +226,18 @@ def test_hopper_modules_load_kv_by_tma_or_say_why_not(mask):
     assert torch.equal(by_tma[0], by_pointers[0])  # fp16 dots: the same products and sums
     assert not hasattr(load_kernel(make_spec(head_dim=64, archs=["sm80"], **mask), 16, 16,
                                    arch="sm80"), "kv_load_path")  # no TMA before Hopper
+
+
+@pytest.mark.parametrize("batch", [1, 5])  # 4 heads: one partial group; 16 + 4 heads: two
+def test_grouped_causal_schedule_covers_every_tile_once(batch):
+    """Causal sm90 modules with D > 128 order programs longest-processing-time first in groups
+    of 16 heads; every (batch, head, query block) must still be computed once, the last group
+    short or not: a missed tile leaves torch.empty garbage, a doubled one races."""
+    spec = make_spec(head_dim=160, num_q_heads=4, num_kv_heads=2, **CAUSAL_BR)
+    kernel = load_kernel(spec, 16, 16)
+    assert "group_programs = 16 * num_m_blocks" in Path(kernel.__file__).read_text()
+    q, k, v, _ = make_inputs(spec, batch, 41, 57, seed=12)  # 3 query blocks, 4 key blocks
+    out, lse = kernel.attention(q, k, v, return_lse=True)
+    assert_matches_reference(spec, out, lse, q, k, v)
+    narrow = load_kernel(make_spec(head_dim=128, **CAUSAL_BR), 16, 16)
+    assert "group_programs" not in Path(narrow.__file__).read_text()  # D <= 128: head by head

@@ -98,6 +98,7 @@ CAUSAL_BR_BF16_D128 = {
     "varlen": False,
     "tma": True,
     "tma_masked_blocks": True,
+    "lpt_group_heads": 0,
 }
 
 # Sliding window (top-left), softcap 30, ALiBi, fp32, D = DV = 80 padded to 128, on sm80.
@@ -154,6 +155,7 @@ WINDOW_SOFTCAP_ALIBI_FP32_D80 = {
     "varlen": False,
     "tma": False,
     "tma_masked_blocks": False,
+    "lpt_group_heads": 0,
 }
 
 # The same causal bf16 kernel as varlen: packed sequences, cu_seqlens, LSE [HQ, total_q].
@@ -164,6 +166,7 @@ CAUSAL_BR_BF16_D128_VARLEN = {
     "varlen": True,
     "tma": False,
     "tma_masked_blocks": False,
+    "lpt_group_heads": 0,
 }
 
 GOLDEN = {

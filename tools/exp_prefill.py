@@ -32,6 +32,9 @@ Session 4 (--compare; docs/results/exp_prefill_2026-11-30_s4_*.json), both rejec
 - lazy_rescale: 5-35% slower everywhere (D64 N4096 128x64x8x3: 403 vs 422; D128 64x64x4x3:
   298 vs 447): the tile-wide max is a shared-memory reduction with two bar.sync per block,
   which costs more than the [BLOCK_M, DV] multiply it skips.
+- lpt_group16 (adopted for causal D > 128 on sm90, `lpt_group_heads` in the render context):
+  +6.9% at D256 N1024 causal, +6.4% at N4096; -1.6% to +1.4% at D64/D128; lpt_group1024
+  (all heads) 10-30% slower.
     PYTHONPATH=. python tools/exp_prefill.py --out DIR [--sweep]     # on the GPU
     TRITON_INTERPRET=1 PYTHONPATH=. python tools/exp_prefill.py --cpu-check   # here
     PYTHONPATH=. python tools/exp_prefill.py --compile-check          # here, sm90 compiles
@@ -95,8 +98,10 @@ def _load_kv_block(k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, k
         return v_desc.load([desc_b, desc_h, start, 0]).reshape(BLOCK_N, _BLOCK_DV)
     rows = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
     if WANT_K:
-        return tl.load(k_base + rows[None, :] * stride_kn + tl.arange(0, _BLOCK_D)[:, None] * stride_kd)
-    return tl.load(v_base + rows[:, None] * stride_vn + tl.arange(0, _BLOCK_DV)[None, :] * stride_vd)
+        dims = tl.arange(0, _BLOCK_D)
+        return tl.load(k_base + rows[None, :] * stride_kn + dims[:, None] * stride_kd)
+    dims = tl.arange(0, _BLOCK_DV)
+    return tl.load(v_base + rows[:, None] * stride_vn + dims[None, :] * stride_vd)
 
 
 @triton.jit
@@ -182,15 +187,38 @@ LAZY_RESCALE = [("""        p = tl.math.exp2(scores * qk_scale - m_ref[:, None])
             p = tl.math.exp2(scores * qk_scale - m_new[:, None])
             l_i = l_i + tl.sum(p, 1)
         acc = tl.dot(""")]
+# Causal schedules: the committed order runs the query blocks of one head as adjacent
+# programs, heaviest first (they share K/V in L2). lpt_groupG orders G heads at a time
+# heaviest block first across the group (longest-processing-time first, for a shorter tail
+# at few waves) while the group's K/V still fits in L2; G = 1 is the committed order.
+PROGRAM_ORDER = """    m_block = num_m_blocks - 1 - pid % num_m_blocks
+    batch_head = pid // num_m_blocks
+"""
+
+
+def lpt_group(size: int) -> list[tuple[str, str]]:
+    return [(PROGRAM_ORDER, f"""    group_programs = {size} * num_m_blocks
+    group_first = (pid // group_programs) * {size}
+    group_heads = tl.minimum({size}, tl.num_programs(0) // num_m_blocks - group_first)
+    rank = pid % group_programs
+    m_block = num_m_blocks - 1 - rank // group_heads
+    batch_head = group_first + rank % group_heads
+""")]
+
+
 MAXNREG = [("            num_stages=CONFIG[\"num_stages\"],\n",
             "            num_stages=CONFIG[\"num_stages\"],\n"
-            "            **({\"maxnreg\": CONFIG[\"maxnreg\"]} if CONFIG.get(\"maxnreg\") else {}),\n")]
+            "            **({\"maxnreg\": CONFIG[\"maxnreg\"]}"
+            " if CONFIG.get(\"maxnreg\") else {}),\n")]
 SUBSTITUTIONS = {"pointers": [], "tma": [], "scaled_first": SCALED_FIRST,
                  "masked_pointers": MASKED_POINTERS, "fast_exp": FAST_EXP,
                  "warp_specialize": WARP_SPECIALIZE, "flatten": FLATTEN,
-                 "softmax_overlap": overlapped_source, "lazy_rescale": LAZY_RESCALE}
+                 "softmax_overlap": overlapped_source, "lazy_rescale": LAZY_RESCALE,
+                 "lpt_group4": lpt_group(4), "lpt_group16": lpt_group(16),
+                 "lpt_group1024": lpt_group(1024)}
 INTERPRETABLE = ("pointers", "tma", "scaled_first", "masked_pointers",
-                 "softmax_overlap", "lazy_rescale")  # no inline PTX
+                 "softmax_overlap", "lazy_rescale", "lpt_group4", "lpt_group16",
+                 "lpt_group1024")  # no inline PTX
 
 
 def variant_source(source: str, name: str) -> str | None:
@@ -324,11 +352,13 @@ COMPARE_CONFIGS = {64: [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (64, 6
                    256: [(128, 64, 8, 2), (64, 64, 4, 2)]}
 
 
-def compare_bench(out_dir: Path, variant: str) -> None:
-    """`variant` against the committed loop (tma) on the same inputs, per config."""
+def compare_bench(out_dir: Path, variants: list[str], causal_only: bool = False) -> None:
+    """`variants` against the committed loop (tma) on the same inputs, per config."""
     rows: list[dict] = []
     for spec_file, seqlens in COMPARE_CASES:
-        spec, modules = modules_for(spec_file, ("tma", variant))
+        if causal_only and "causal" not in spec_file:
+            continue
+        spec, modules = modules_for(spec_file, ("tma", *variants))
         for seqlen in seqlens:
             q, k, v, _ = random_inputs(spec, 16384 // seqlen, seqlen, seqlen, seed=0,
                                        device="cuda")
@@ -372,8 +402,9 @@ if __name__ == "__main__":
     parser.add_argument("--cpu-check", action="store_true")
     parser.add_argument("--compile-check", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="more tile configs at D64/D128")
-    parser.add_argument("--compare", choices=sorted(SUBSTITUTIONS),
-                        help="only this variant against tma, over COMPARE_CONFIGS")
+    parser.add_argument("--compare", choices=sorted(SUBSTITUTIONS), nargs="+",
+                        help="only these variants against tma, over COMPARE_CONFIGS")
+    parser.add_argument("--causal-only", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     if args.cpu_check:
@@ -381,6 +412,6 @@ if __name__ == "__main__":
     elif args.compile_check:
         compile_check()
     elif args.compare:
-        compare_bench(args.out, args.compare)
+        compare_bench(args.out, args.compare, args.causal_only)
     else:
         gpu_bench(args.out, args.sweep)

@@ -151,9 +151,9 @@ def _attn_fwd_kernel(
 ):
     tl.static_assert(BLOCK_N % 16 == 0)
     tl.static_assert(BLOCK_M % 16 == 0)
+    pid = tl.program_id(0)
     # -- which tile: the query blocks of one head are adjacent programs, so they share
     # K/V in L2; the last (under causal the most expensive) block of a head goes first.
-    pid = tl.program_id(0)
     m_block = num_m_blocks - 1 - pid % num_m_blocks
     batch_head = pid // num_m_blocks
     off_b = batch_head // num_q_heads
