@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from attngen.arch import ARCHS
+from attngen.code_paths import code_paths
 from attngen.decode_tiling import derive_decode_tiles, split_lines
 from attngen.spec import AttnSpec, Dtype, KernelKind
 from attngen.tiling import (
@@ -39,7 +40,11 @@ def explain_lines(specs: Iterable[AttnSpec], archs: Iterable[str] | None = None,
                     groups.setdefault(derivation.chosen, (derivation, []))[1].append(kind.value)
                 for derivation, kinds in groups.values():
                     section = explain_one(spec, derivation)
-                    lines += [section[0], f"   kernels: {', '.join(kinds)}", *section[1:], ""]
+                    paths = [f"   code paths ({kind}): "
+                             f"{code_paths(spec, arch, KernelKind(kind)).describe()}"
+                             for kind in kinds]
+                    lines += [section[0], f"   kernels: {', '.join(kinds)}", *paths,
+                              *section[1:], ""]
                 if KernelKind.decode in spec.kernels:
                     lines += [*explain_decode(spec, derive_decode_tiles(spec, arch)), ""]
     return lines

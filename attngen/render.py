@@ -19,16 +19,9 @@ from typing import Any
 import jinja2
 
 from attngen import __version__, decode_tiling
-from attngen.arch import ARCHS
+from attngen.code_paths import code_paths
 from attngen.spec import AttnSpec, Dtype, KernelKind, module_name
-from attngen.tiling import (
-    LPT_GROUP_HEADS,
-    LPT_MIN_HEAD_DIM,
-    TMA_MASKED_MAX_HEAD_DIM,
-    Derivation,
-    TileConfig,
-    padded_head_dim,
-)
+from attngen.tiling import Derivation, TileConfig, padded_head_dim
 
 # A generated module may import these and nothing else.
 ALLOWED_IMPORTS = frozenset({"contextlib", "math", "os", "torch", "triton", "triton.language"})
@@ -81,8 +74,7 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
     if config is None:
         raise RenderError(f"{spec.name} on {derivation.arch}: no feasible tile config to render")
     window = spec.window or (0, 0)
-    tma = (ARCHS[derivation.arch].has_tma and spec.dtype.itemsize == 2
-           and kind is KernelKind.prefill)
+    paths = code_paths(spec, derivation.arch, kind)
     context = {
         "attngen_version": __version__,
         "template_name": TEMPLATE_FOR_KIND[kind],
@@ -113,17 +105,11 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
         "softcap": float(spec.softcap),
         "alibi": spec.alibi,
         "varlen": kind is KernelKind.varlen,
-        # Hopper's tensor-memory accelerator for the unmasked K/V blocks of padded prefill
-        # batches (16-bit only: fp32 dots are FMA loops, which do not read operands as TMA
-        # lays them out; varlen's packed rows and decode's pages would need other descriptors).
-        "tma": tma,
-        "tma_masked_blocks": tma and max(spec.head_dim,
-                                         spec.value_head_dim) <= TMA_MASKED_MAX_HEAD_DIM,
-        # Heads per longest-processing-time group of the causal schedule (0: one head's blocks
-        # after another's); measured on Hopper's TMA modules only, so chosen there.
-        "lpt_group_heads": LPT_GROUP_HEADS if (
-            tma and spec.mask.value == "causal"
-            and max(spec.head_dim, spec.value_head_dim) >= LPT_MIN_HEAD_DIM) else 0,
+        # Hopper's tensor-memory accelerator for K/V blocks, and the causal schedule: the
+        # choices and their measurements are in code_paths.py.
+        "tma": paths.tma,
+        "tma_masked_blocks": paths.tma_masked_blocks,
+        "lpt_group_heads": paths.lpt_group_heads,
     }
     if kind is KernelKind.decode:
         context.update({

@@ -197,15 +197,6 @@ def smem_expression(arch: GpuArch, tma: bool = True) -> sympy.Expr:
 # 8 warps) and cost 2-3% (tools/exp_prefill.py, docs/performance.md).
 TMA_MASKED_MAX_HEAD_DIM = 128
 
-# Causal prefill modules on Hopper with a head dim above this schedule groups of this many
-# heads longest-processing-time first (the heaviest query block of each head of the group,
-# then the next): +6-7% at D = 256 causal (N = 1024 and 4096) on the H200, while at D = 64 and
-# 128 the committed configs moved by -1.6% to +1.4% (tools/exp_prefill.py, "lpt_group16").
-# Sixteen heads of K/V (16 MB at D = 256, N = 1024) stay in the 50 MB L2; grouping every head
-# at once lost 10-30%.
-LPT_GROUP_HEADS = 16
-LPT_MIN_HEAD_DIM = 129
-
 
 def tma_barrier_expression() -> sympy.Expr:
     """What TMA loads (16-bit, Hopper: templates' `tma` flag) add to shared memory: two arrays

@@ -7,7 +7,9 @@ import pytest
 
 import attngen.tiling as tiling
 from attngen.build import BuildError, plan_build
-from attngen.explain import explain_one, nearest_alternative
+from attngen.explain import explain_lines, explain_one, nearest_alternative
+from attngen.render import build_context
+from attngen.spec import KernelKind
 from attngen.tiling import derive_tiles
 from tests.kernel_harness import make_spec
 
@@ -49,3 +51,29 @@ def test_explain_shows_the_whole_feasible_set_and_the_rule():
     feasible = sum(c.feasible for c in derivation.candidates)
     assert f"feasible set ({feasible}, BLOCK_M x BLOCK_N (warps, stages)):" in text
     assert "rule: predicted not to spill first" in text and "headroom:" in text
+
+
+@pytest.mark.parametrize("fields, arch, expected", [
+    (dict(dtype="bf16", head_dim=256), "sm90",
+     {"prefill": "K/V through TMA, masked blocks by pointer loads (D > 128: the extra branch "
+                 "spills); heaviest causal query blocks first, in groups of 16 heads",
+      "varlen": "K/V by pointer loads (varlen's packed rows would need other descriptors); "
+                "one head's query blocks after another's"}),
+    (dict(dtype="bf16", head_dim=128), "sm90",
+     {"prefill": "K/V through TMA, masked blocks too; one head's query blocks after another's"}),
+    (dict(dtype="bf16", head_dim=256, mask="none"), "sm90",
+     {"prefill": "K/V through TMA, masked blocks by pointer loads (D > 128: the extra branch "
+                 "spills); one head's"}),
+    (dict(dtype="fp32", head_dim=256), "sm90", {"prefill": "K/V by pointer loads (fp32 dots"}),
+    (dict(dtype="bf16", head_dim=256), "sm80",
+     {"prefill": "K/V by pointer loads (no TMA on sm80)"}),
+])
+def test_explain_names_the_code_paths_render_takes(fields, arch, expected):
+    """Each kernel kind's K/V loads and program order, as in its render context."""
+    spec = make_spec(archs=[arch], kernels=list(expected), **fields)
+    text = "\n".join(explain_lines([spec]))
+    for kind, words in expected.items():
+        assert f"code paths ({kind}): {words}" in text
+        context = build_context(spec, KernelKind(kind), derive_tiles(spec, arch))
+        assert ("groups of 16 heads" in text.split(f"code paths ({kind}):")[1].split("\n")[0]) \
+            == (context["lpt_group_heads"] == 16)

@@ -1,0 +1,66 @@
+"""The code paths a prefill or varlen module takes besides its tile config: how K/V blocks are
+loaded and in which order programs start. render puts them in the template context and
+`attngen explain` prints them. Each threshold is a measurement on the H200
+(tools/exp_prefill.py; docs/performance.md), so every path beyond the portable one is chosen
+only on Hopper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attngen.arch import ARCHS
+from attngen.spec import AttnSpec, KernelKind
+from attngen.tiling import TMA_MASKED_MAX_HEAD_DIM
+
+# Causal prefill modules on Hopper with a head dim above LPT_ABOVE_HEAD_DIM schedule
+# LPT_GROUP_HEADS heads at a time longest-processing-time first: the heaviest query block of
+# each head in the group first, then the next heaviest. Measured on the H200 with
+# tools/exp_prefill.py, "lpt_group16":
+# - D = 256 causal: +6.9% at N = 1024 and +6.4% at N = 4096;
+# - D = 64 and 128: the committed configs moved between -1.6% and +1.4%, so those stay
+#   head by head;
+# - grouping every head at once lost 10-30%.
+# Sixteen heads of K/V (16 MB at D = 256, N = 1024) stay in the 50 MB L2.
+LPT_GROUP_HEADS = 16
+LPT_ABOVE_HEAD_DIM = 128
+
+
+@dataclass(frozen=True)
+class CodePaths:
+    tma: bool  # unmasked K/V blocks through tensor descriptors (Hopper's copy engine)
+    tma_masked_blocks: bool  # the masked (diagonal, window edge, tail) blocks as well
+    lpt_group_heads: int  # heads per longest-first group of the causal schedule; 0: off
+    why_not_tma: str  # why K/V go through pointers, when they do
+
+    def describe(self) -> str:
+        if not self.tma:
+            loads = f"K/V by pointer loads ({self.why_not_tma})"
+        elif self.tma_masked_blocks:
+            loads = "K/V through TMA, masked blocks too"
+        else:
+            loads = (f"K/V through TMA, masked blocks by pointer loads (D > "
+                     f"{TMA_MASKED_MAX_HEAD_DIM}: the extra branch spills)")
+        if self.lpt_group_heads:
+            order = (f"heaviest causal query blocks first, in groups of {self.lpt_group_heads}"
+                     f" heads (causal, D > {LPT_ABOVE_HEAD_DIM})")
+        else:
+            order = "one head's query blocks after another's, the last block first"
+        return f"{loads}; {order}"
+
+
+def code_paths(spec: AttnSpec, arch: str, kind: KernelKind) -> CodePaths:
+    """The paths of `kind` (prefill or varlen) for `spec` on `arch`."""
+    widest = max(spec.head_dim, spec.value_head_dim)
+    if not ARCHS[arch].has_tma:
+        why_not = f"no TMA on {arch}"
+    elif spec.dtype.itemsize != 2:
+        why_not = "fp32 dots are FMA loops, which do not read operands as TMA lays them out"
+    elif kind is not KernelKind.prefill:
+        why_not = "varlen's packed rows would need other descriptors"
+    else:
+        why_not = ""
+    tma = not why_not
+    lpt = tma and spec.mask.value == "causal" and widest > LPT_ABOVE_HEAD_DIM
+    return CodePaths(tma=tma, tma_masked_blocks=tma and widest <= TMA_MASKED_MAX_HEAD_DIM,
+                     lpt_group_heads=LPT_GROUP_HEADS if lpt else 0, why_not_tma=why_not)
