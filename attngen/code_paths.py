@@ -28,10 +28,14 @@ LPT_ABOVE_HEAD_DIM = 128
 
 @dataclass(frozen=True)
 class CodePaths:
-    tma: bool  # unmasked K/V blocks through tensor descriptors (Hopper's copy engine)
-    tma_masked_blocks: bool  # the masked (diagonal, window edge, tail) blocks as well
+    why_not_tma: str  # why K/V go through pointers; empty when TMA loads them
+    tma_masked_blocks: bool  # the masked (diagonal, window edge, tail) blocks through TMA too
     lpt_group_heads: int  # heads per longest-first group of the causal schedule; 0: off
-    why_not_tma: str  # why K/V go through pointers, when they do
+
+    @property
+    def tma(self) -> bool:
+        """Unmasked K/V blocks through tensor descriptors (Hopper's copy engine)."""
+        return not self.why_not_tma
 
     def describe(self) -> str:
         if not self.tma:
@@ -62,5 +66,6 @@ def code_paths(spec: AttnSpec, arch: str, kind: KernelKind) -> CodePaths:
         why_not = ""
     tma = not why_not
     lpt = tma and spec.mask.value == "causal" and widest > LPT_ABOVE_HEAD_DIM
-    return CodePaths(tma=tma, tma_masked_blocks=tma and widest <= TMA_MASKED_MAX_HEAD_DIM,
-                     lpt_group_heads=LPT_GROUP_HEADS if lpt else 0, why_not_tma=why_not)
+    return CodePaths(why_not_tma=why_not,
+                     tma_masked_blocks=tma and widest <= TMA_MASKED_MAX_HEAD_DIM,
+                     lpt_group_heads=LPT_GROUP_HEADS if lpt else 0)
