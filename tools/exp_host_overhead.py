@@ -1,0 +1,206 @@
+"""Where a public call's host time goes, at a tiny shape (B 1, H 12, N 64, D 64, fp16).
+
+Host time per call = wall time of N back-to-back calls / N: at this shape the GPU work is a
+few microseconds, so the host is the bottleneck and the loop measures it. Rows:
+
+- anchors: torch SDPA (default dispatch) and a bare launch of a trivial Triton kernel;
+- the layers of an attngen call, from the outside in: flash_attn_func, the SDPA-shaped
+  function, the torch.library op, the generated module's attention(), Triton's
+  `kernel[grid](...)` with the module's arguments (pointers, and TMA descriptors built per
+  call), and the compiled kernel's launcher called directly (the floor a cached launcher can
+  reach);
+- decode: flash_attn_with_kvcache and the decode module's decode() at B 1, L 64;
+- a cProfile of flash_attn_func (top functions by own time).
+
+Usage on the GPU machine:  PYTHONPATH=. python3 tools/exp_host_overhead.py --out DIR
+Writes DIR/host_overhead.json and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import io
+import json
+import pstats
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import attngen
+from attngen.runtime import ops
+from attngen.runtime.registry import current_registry
+
+
+@triton.jit
+def _noop(X):
+    pass
+
+
+def host_us(fn, calls: int = 2000) -> float:
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+class Recorder:
+    """Stands in for a module's @triton.jit kernel and records one launch's grid and args."""
+
+    def __init__(self, real):
+        self.real, self.grid, self.args, self.kwargs = real, None, None, None
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.grid, self.args, self.kwargs = grid, args, kwargs
+            return self.real[grid](*args, **kwargs)
+        return launch
+
+
+def module_for(kind: str, name_part: str):
+    entry = next(e for e in current_registry().entries
+                 if e.kind == kind and e.arch == "sm90" and name_part in e.module)
+    return current_registry().module(entry.key), entry
+
+
+def direct_launcher(real, grid, args, kwargs):
+    """The compiled kernel and a zero-argument function that launches it without binding."""
+    compiled = real[grid](*args, **kwargs)
+    bound = real.signature.bind(*args, **{k: v for k, v in kwargs.items()
+                                          if k in real.arg_names})
+    bound.apply_defaults()
+    values = list(bound.arguments.values())
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    device = torch.cuda.current_device()
+
+    def launch():
+        stream = torch.cuda.current_stream(device).cuda_stream
+        compiled.run(grid[0], grid[1], grid[2], stream, compiled.function,
+                     compiled.packed_metadata, None, None, None, *values)
+    return compiled, launch
+
+
+def measure(rows: dict, name: str, fn) -> None:
+    try:
+        rows[name] = round(host_us(fn), 2)
+    except Exception as exc:  # report and go on: one broken row must not hide the others
+        rows[name] = f"error: {type(exc).__name__}: {exc}"
+        traceback.print_exc()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    dev = "cuda"
+    rows: dict[str, object] = {}
+    q = torch.randn(1, 12, 64, 64, device=dev, dtype=torch.float16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    qf, kf, vf = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # flash layout
+    x = torch.empty(16, device=dev)
+
+    measure(rows, "torch sdpa (default dispatch)", lambda: F.scaled_dot_product_attention(q, k, v))
+    measure(rows, "bare triton launch (1 arg)", lambda: _noop[(1,)](x))
+    measure(rows, "attngen.flash_attn_func", lambda: attngen.flash_attn_func(qf, kf, vf))
+    measure(rows, "attngen.scaled_dot_product_attention",
+            lambda: attngen.scaled_dot_product_attention(q, k, v))
+    module, entry = module_for("prefill", "bert_base")
+    measure(rows, "torch.ops.attngen.prefill (op only)",
+            lambda: ops.prefill(entry.key, q, k, v, 0.125, None, False))
+    measure(rows, "module attention()", lambda: module.attention(q, k, v))
+    from attngen.runtime.api import dispatch_call, need_fields
+    fields = need_fields("prefill", q, v, "none", None, None, 0.0, None, 64, 64, True)
+    measure(rows, "dispatch (choose) only",
+            lambda: dispatch_call("flash_attn_func", fields, q, None))
+
+    real = module._attn_fwd_kernel
+    recorder = Recorder(real)
+    module._attn_fwd_kernel = recorder
+    try:
+        module.attention(q, k, v)
+    finally:
+        module._attn_fwd_kernel = real
+    grid, kargs, kkw = recorder.grid, recorder.args, recorder.kwargs
+    tma = bool(kkw.get("USE_TMA"))
+    rows["module uses TMA at this shape"] = tma
+    measure(rows, "kernel[grid](...) as the module calls it", lambda: real[grid](*kargs, **kkw))
+    if tma:
+        desc_at = [i for i, a in enumerate(kargs) if type(a).__name__ == "TensorDescriptor"]
+        ptr_args = list(kargs)
+        for i in desc_at:
+            ptr_args[i] = None
+        ptr_kw = {**kkw, "USE_TMA": False}
+        measure(rows, "kernel[grid](...) with pointers (no TMA)",
+                lambda: real[grid](*ptr_args, **ptr_kw))
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        measure(rows, "TensorDescriptor x2 construction only",
+                lambda: [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 64, 64])
+                         for t in (k, v)])
+    else:
+        ptr_args, ptr_kw = kargs, kkw
+    try:
+        _, launch = direct_launcher(real, grid, ptr_args, ptr_kw)
+        measure(rows, "compiled.run direct (pointers)", launch)
+    except Exception as exc:
+        rows["compiled.run direct (pointers)"] = f"error: {exc}"
+        traceback.print_exc()
+    if tma:
+        try:
+            _, launch = direct_launcher(real, grid, kargs, kkw)
+            measure(rows, "compiled.run direct (TMA descriptors prebuilt)", launch)
+        except Exception as exc:
+            rows["compiled.run direct (TMA descriptors prebuilt)"] = f"error: {exc}"
+            traceback.print_exc()
+
+    # decode, B 1, 32/8 heads, D 128, bf16, contiguous cache of 64 keys
+    try:
+        dmod, dentry = module_for("decode", "qwen2_5_7b")
+        qd = torch.randn(1, 1, 28, 128, device=dev, dtype=torch.bfloat16)
+        heads_kv = 4
+        kc = torch.randn(1, 4096, heads_kv, 128, device=dev, dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        lens = torch.full((1,), 64, dtype=torch.int32, device=dev)
+        measure(rows, "attngen.flash_attn_with_kvcache (B1, L64)",
+                lambda: attngen.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=lens,
+                                                        causal=True))
+        measure(rows, "decode module decode() (B1, L64)",
+                lambda: dmod.decode(qd.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
+                                    lens))
+        rows["decode module"] = dentry.describe()
+    except Exception as exc:
+        rows["decode"] = f"error: {exc}"
+        traceback.print_exc()
+
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(2000):
+        attngen.flash_attn_func(qf, kf, vf)
+    torch.cuda.synchronize()
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
+    (args.out / "host_overhead_profile.txt").write_text(text.getvalue())
+
+    result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "triton": triton.__version__,
+              "shape": "B1 H12 N64 D64 fp16", "host_us": rows}
+    (args.out / "host_overhead.json").write_text(json.dumps(result, indent=1))
+    print(text.getvalue()[:6000])
+    print(f"\nhost time per call ({result['gpu']}, torch {torch.__version__}, "
+          f"triton {triton.__version__})")
+    for name, value in rows.items():
+        print(f"  {name:55s} {value}")
+
+
+if __name__ == "__main__":
+    main()
