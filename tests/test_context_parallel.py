@@ -87,7 +87,7 @@ def test_shard_and_unshard_round_trip(layout, world, seq_len):
     assert sorted(s.shape[2] for s in shards)[-1] - sorted(s.shape[2] for s in shards)[0] <= 2
     assert torch.equal(unshard_sequence(shards, layout=layout), x)
     chunks = rank_chunks(seq_len, world, layout)
-    for shard, rank in zip(shards, chunks):  # a shard holds its chunks' positions, in order
+    for shard, rank in zip(shards, chunks, strict=True):  # its chunks' positions, in order
         positions = [p for c in rank for p in range(c.start, c.stop)]
         assert shard.flatten().tolist() == positions
 
@@ -202,7 +202,7 @@ def test_ring_zigzag_causal_steps_are_one_call_each():
     """Zigzag's causal ring: the own shard in one causal call, then one unmasked call per
     step (an early chunk's keys for both query chunks, or both key chunks for the late one)."""
     plan = ring_plan(MaskRule("causal"), rank_chunks(32, 4, "zigzag"), ALIGNS)
-    for rank, steps in enumerate(plan):
+    for steps in plan:
         assert [c.mask for c in steps[0]] == ["causal"]
         for step in steps[1:]:
             assert [c.mask for c in step] == ["none"]
@@ -366,3 +366,22 @@ def test_empty_batch_gives_empty_output(single_group):
     out, lse = context_parallel_attention(q, k, v, causal=True, return_lse=True)
     assert out.shape == (0, 4, 12, harness.HEAD_DIM) and lse.shape == (0, 4, 12)
 
+
+
+def test_benchmark_script_runs_on_the_cpu(tmp_path):
+    """tools/bench_context_parallel.py's one-process path, at toy sizes under the interpreter
+    (the GPU run is the lead's; this keeps the script from rotting)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, str(root / "tools" / "bench_context_parallel.py"),
+                           "--smoke", "--worlds", "2", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (result,) = tmp_path.glob("bench_context_parallel_single_*.json")
+    data = json.loads(result.read_text())
+    assert [r["W"] for r in data["steps"]] == [2] and data["single"][0]["N"] == 64
+    assert {"merge_torch_ms", "merge_triton_ms", "kv_bytes_per_step"} <= set(data["steps"][0])
+    assert "| N | W | L |" in done.stdout

@@ -191,7 +191,7 @@ def gather_sequences(tensors, chunks: list[tuple[Chunk, ...]],
     for work in works:
         work.wait()
     result = []
-    for parts, x in zip(gathered, tensors):
+    for parts, x in zip(gathered, tensors, strict=True):
         if not pieces:
             result.append(x[:, :, :0])
             continue

@@ -98,7 +98,7 @@ def unshard_sequence(shards: list[torch.Tensor], *, layout: str = "zigzag",
         raise ValueError("shards: got an empty list; allowed: one tensor per rank")
     seq_len = sum(s.shape[dim] for s in shards)
     per_rank = rank_chunks(seq_len, len(shards), layout)
-    for rank, (shard, chunks) in enumerate(zip(shards, per_rank)):
+    for rank, (shard, chunks) in enumerate(zip(shards, per_rank, strict=True)):
         expected = sum(c.length for c in chunks)
         if shard.shape[dim] != expected:
             raise ValueError(
@@ -106,7 +106,8 @@ def unshard_sequence(shards: list[torch.Tensor], *, layout: str = "zigzag",
                 f"{layout!r} over {len(shards)} ranks of a {seq_len}-token sequence gives rank "
                 f"{rank} {expected} (shard with shard_sequence)")
     pieces = sorted(((c.start, shard.narrow(dim, c.local, c.length))
-                     for shard, chunks in zip(shards, per_rank) for c in chunks),
+                     for shard, chunks in zip(shards, per_rank, strict=True)
+                     for c in chunks),
                     key=lambda item: item[0])
     return torch.cat([piece for _, piece in pieces], dim=dim)
 
@@ -128,7 +129,7 @@ def gather_sequence(x: torch.Tensor, *, seq_len: int | None = None, layout: str 
     padded = _pad_along(x, dim, max(lengths)).contiguous()
     gathered = [torch.empty_like(padded) for _ in range(world_size)]
     dist.all_gather(gathered, padded, group=group)
-    return unshard_sequence([g.narrow(dim, 0, n) for g, n in zip(gathered, lengths)],
+    return unshard_sequence([g.narrow(dim, 0, n) for g, n in zip(gathered, lengths, strict=True)],
                             layout=layout, dim=dim)
 
 

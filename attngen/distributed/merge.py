@@ -6,9 +6,10 @@ Attention over keys K1 + K2 from the results over K1 and K2 alone (out_i, lse_i)
 
 computed as m = max(lse_1, lse_2), w_i = exp(lse_i - m), lse = m + log(w_1 + w_2),
 out = (w_1 out_1 + w_2 out_2) / (w_1 + w_2). A partial that saw no key (lse -inf, output 0)
-gets weight 0 (its stored output is never multiplied, so no 0 x NaN); when both did, m is taken as 0 so that no -inf - -inf = NaN appears, and the
-row stays output 0, LSE -inf. The accumulator is fp32 and updated in place; partials may be in
-any float dtype and any strides (views of a larger output).
+gets weight 0 (its stored output is never multiplied, so no 0 x NaN); when both did, m is
+taken as 0 so that no -inf - -inf = NaN appears, and the row stays output 0, LSE -inf. The
+accumulator is fp32 and updated in place; partials may be in any float dtype and any strides
+(views of a larger output).
 
 Two implementations of the same arithmetic: `merge_torch` (any device; five elementwise
 passes) and `merge_triton` (CUDA, or CPU under TRITON_INTERPRET=1; one pass that reads the
