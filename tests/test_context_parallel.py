@@ -42,27 +42,28 @@ def cp_folder(tmp_path_factory):
     return build_folder(tmp_path_factory.mktemp("cp_kernels"), specs)
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
-def group_results(request, cp_folder, tmp_path_factory):
-    """Every case of the harness, run once by a spawned gloo group of `world` processes."""
-    world = request.param
-    out_dir = tmp_path_factory.mktemp(f"cp_world{world}")
-    context = mp.spawn(harness.worker, args=(world, harness.free_port(), str(cp_folder),
-                                             str(out_dir)), nprocs=world, join=False)
+@pytest.fixture(scope="module")
+def group_results(cp_folder, tmp_path_factory) -> dict[int, dict]:
+    """{world size: {case name: result}}: every case of the harness, run by one spawned gloo
+    group of three processes and by two of them as a subgroup."""
+    out_dir = tmp_path_factory.mktemp("cp_groups")
+    context = mp.spawn(harness.worker, args=(3, harness.free_port(), str(cp_folder),
+                                             str(out_dir)), nprocs=3, join=False)
     deadline = time.monotonic() + SPAWN_DEADLINE_S
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
-            pytest.fail(f"the {world}-process group did not finish in {SPAWN_DEADLINE_S} s")
-    results = json.loads((out_dir / f"world{world}.json").read_text())
-    return world, {r["name"]: r for r in results}
+            pytest.fail(f"the process group did not finish in {SPAWN_DEADLINE_S} s")
+    return {world: {r["name"]: r for r in
+                    json.loads((out_dir / f"world{world}.json").read_text())}
+            for world in (2, 3)}
 
 
+@pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("case", harness.CASES, ids=[c["name"] for c in harness.CASES])
-def test_matches_reference_across_processes(group_results, case):
-    world, results = group_results
-    result = results[case["name"]]
+def test_matches_reference_across_processes(group_results, world, case):
+    result = group_results[world][case["name"]]
     refused = case.get("refused", {}).get(world)
     if refused:
         assert result.get("error") == refused, result

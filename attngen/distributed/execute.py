@@ -121,8 +121,9 @@ def ring_attention(q, k, v, steps: list[list[KernelCall]], lengths: list[int],
     """This rank's (out, lse): step s runs its calls on the K/V shard of rank (rank - s) mod W
     while the shard for step s + 1 arrives from rank - 1 (and this one leaves for rank + 1)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    send_to = dist.get_global_rank(group, (rank + 1) % world) if group else (rank + 1) % world
-    recv_from = dist.get_global_rank(group, (rank - 1) % world) if group else (rank - 1) % world
+    send_to, recv_from = (rank + 1) % world, (rank - 1) % world
+    if group is not None:  # P2POp takes global ranks
+        send_to, recv_from = (dist.get_global_rank(group, r) for r in (send_to, recv_from))
     every_call = [c for step in steps for c in step]
     acc = Accumulator(q, v.shape[-1], rows_covered_once(every_call, q.shape[2]))
     comm_stream = torch.cuda.Stream(q.device) if q.is_cuda else None
