@@ -69,9 +69,10 @@ def _merge_kernel():
                      s_ab, s_ah, s_am, s_ad, s_lab, s_lah, s_lam,
                      s_pb, s_ph, s_pm, s_pd, s_lpb, s_lph, s_lpm,
                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-        # One program: BLOCK_M rows of one (batch, head), all of the value head dim.
-        off_b = tl.program_id(1) // heads
-        off_h = tl.program_id(1) % heads
+        # One program: BLOCK_M rows of one (batch, head), all of the value head dim. Offsets
+        # in int64: a [1, 32, 1M, 128] accumulator has 2**32 elements.
+        off_b = (tl.program_id(1) // heads).to(tl.int64)
+        off_h = (tl.program_id(1) % heads).to(tl.int64)
         offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         offs_d = tl.arange(0, BLOCK_D)
         row_ok = offs_m < rows
