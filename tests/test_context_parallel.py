@@ -345,6 +345,12 @@ def test_refuses_bad_arguments_by_name(single_group, kwargs, message):
         context_parallel_attention(q, k, v, **kwargs)
 
 
+def test_refuses_without_a_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        context_parallel_attention(*toy_inputs(), causal=True)
+
+
 def test_refuses_mismatched_shapes_and_heads(single_group):
     q, k, v = toy_inputs()
     with pytest.raises(ValueError, match="expected the same batch and shard length"):

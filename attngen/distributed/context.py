@@ -16,6 +16,7 @@ Two strategies compute it (docs/context_parallel.md has the arithmetic behind th
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -86,13 +87,17 @@ def context_parallel_attention(q, k, v, *, causal=False, window=None, softcap=0.
     global _last
     scale = _check_inputs(q, k, v, causal, window, softcap, alibi_slopes, sm_scale, strategy)
     rule = _mask_rule(causal, window, alibi_slopes)
+    if not dist.is_initialized():
+        raise RuntimeError("context_parallel_attention: torch.distributed is not initialized; "
+                           "call torch.distributed.init_process_group first (one process "
+                           "works too: backend 'gloo', store=dist.HashStore(), world_size=1)")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     seq_len = _check_length(q, world, rank, check_layout(layout), seq_len)
     chunks = rank_chunks(seq_len, world, layout)
     options = execute.KernelOptions(float(softcap or 0.0), alibi_slopes, scale)
     aligns = _served_aligns(q, v, rule, options)
-    chosen, reason, all_calls, steps = _choose(strategy, rule, chunks, seq_len, aligns, rank,
-                                               q, k, v)
+    chosen, reason, all_calls, steps = _choose(strategy, rule, seq_len, world, layout, aligns,
+                                               rank, q, k, v)
     execute.check_served(all_calls, q, v, options)
     _last = ContextParallelPlan(chosen, reason, layout, world, rank, seq_len, rule,
                                 tuple(tuple(s) for s in steps))
@@ -129,12 +134,12 @@ class _ForwardOnly(torch.autograd.Function):
         raise RuntimeError(NO_BACKWARD)
 
 
-def _choose(strategy, rule, chunks, seq_len, aligns, rank, q, k, v):
+def _choose(strategy, rule, seq_len, world, layout, aligns, rank, q, k, v):
     """(strategy, reason, every rank's calls, this rank's steps) for the asked strategy."""
     ring, ring_error = None, None
     if strategy in ("auto", "ring"):
         try:
-            ring = plan.ring_plan(rule, chunks, aligns)
+            ring = _ring_plan(rule, seq_len, world, layout, aligns)
         except PlanError as err:
             ring_error = err
     if strategy == "ring":
@@ -148,14 +153,25 @@ def _choose(strategy, rule, chunks, seq_len, aligns, rank, q, k, v):
     elif ring_error:
         reason = f"the ring cannot: {ring_error}"
     else:
-        gathered, ring_bytes = _memory(q, k, v, chunks, seq_len)
+        gathered, ring_bytes = _memory(q, k, v, rank_chunks(seq_len, world, layout), seq_len)
         if gathered > max(ring_bytes, SHORT_KV_BYTES):
             return "ring", (f"gathered K/V ({gathered} B) would exceed the ring's buffers "
                             f"({ring_bytes} B) and {SHORT_KV_BYTES} B"), _flat(ring), ring[rank]
         reason = (f"gathered K/V ({gathered} B) within max(ring buffers {ring_bytes} B, "
                   f"{SHORT_KV_BYTES} B)")
-    gather = plan.gather_plan(rule, chunks, seq_len, aligns)
+    gather = _gather_plan(rule, seq_len, world, layout, aligns)
     return "allgather", reason, [c for calls in gather for c in calls], [gather[rank]]
+
+
+@functools.lru_cache(maxsize=64)
+def _ring_plan(rule, seq_len, world, layout, aligns):
+    """plan.ring_plan, once per shape of problem (a model calls with the same one per layer)."""
+    return plan.ring_plan(rule, rank_chunks(seq_len, world, layout), aligns)
+
+
+@functools.lru_cache(maxsize=64)
+def _gather_plan(rule, seq_len, world, layout, aligns):
+    return plan.gather_plan(rule, rank_chunks(seq_len, world, layout), seq_len, aligns)
 
 
 def _flat(ring_plan) -> list[KernelCall]:
