@@ -243,22 +243,24 @@ def bench_torch_cp(setup: Setup, q, k, v, single, backend: str, budget: float) -
     causal), its default K/V rotation; the output unsharded and compared with one GPU's."""
     import torch
     import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel
-    from torch.distributed.tensor.experimental._attention import (
-        _cp_options,
-        context_parallel_unshard,
-    )
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
-    if setup.mesh is None:  # one mesh (and its process group) for every measurement
-        setup.mesh = init_device_mesh(setup.device.type, (setup.world,))
-    mesh = setup.mesh
     group = setup.heads_q // setup.heads_kv
     qt, kt, vt = q.clone(), k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    result = {f"torch_{backend}_rotate": str(_cp_options.rotate_method)}
-    try:
+    result = {}
+    try:  # an API that moved between torch versions is recorded as an error, not a crash
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental._attention import (
+            _cp_options,
+            context_parallel_unshard,
+        )
+
+        result[f"torch_{backend}_rotate"] = str(_cp_options.rotate_method)
+        if setup.mesh is None:  # one mesh (and its process group) for every measurement
+            setup.mesh = init_device_mesh(setup.device.type, (setup.world,))
+        mesh = setup.mesh
         with sdpa_kernel([backends[backend]]), context_parallel(
                 mesh, buffers=[qt, kt, vt], buffer_seq_dims=[2, 2, 2],
                 no_restore_buffers={qt, kt, vt}):
