@@ -308,6 +308,32 @@ def test_one_rank_is_the_plain_kernel_bitwise(single_group, strategy):
     assert attngen.last_dispatch().module == "sm90/cp_causal_prefill_fp32_d16_causal_br"
 
 
+def test_strided_inputs_give_the_same_bytes(single_group):
+    """[B, N, H, D] tensors transposed to [B, H, N, D] views, as a model holds them."""
+    q, k, v = toy_inputs(seq_len=10)
+    strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+    assert not strided[0].is_contiguous()
+    for strategy in ("ring", "allgather"):
+        expected = context_parallel_attention(q, k, v, causal=True, strategy=strategy)
+        got = context_parallel_attention(*strided, causal=True, strategy=strategy)
+        assert torch.equal(got, expected), strategy
+
+
+@pytest.mark.parametrize("world, heads, expected", [
+    (2, (32, 8), "allgather"), (6, (32, 8), "allgather"), (8, (32, 8), "ring"),
+    (3, (32, 32), "allgather"), (4, (32, 32), "ring")])
+def test_auto_gathers_while_that_takes_no_more_memory_than_the_ring(world, heads, expected):
+    """docs/context_parallel.md's rule: Llama-3-8B heads gather up to 6 GPUs, MHA up to 3."""
+    from attngen.distributed.context import _choose
+
+    seq_len = world * 65536
+    q = torch.empty(1, heads[0], seq_len // world, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, heads[1], seq_len // world, 128, dtype=torch.bfloat16, device="meta")
+    chosen, reason, _, _ = _choose("auto", MaskRule("causal"), seq_len, world, "zigzag",
+                                   ALIGNS, 0, q, k, k)
+    assert chosen == expected, reason
+
+
 def test_backward_refuses_with_the_reason(single_group):
     q, k, v = toy_inputs(requires_grad=True)
     out = context_parallel_attention(q, k, v, causal=True)
