@@ -18,6 +18,10 @@ def __getattr__(name: str):
         import attngen.runtime
 
         return getattr(attngen.runtime, name)
+    if name == "context_parallel_attention":
+        from attngen.distributed import context_parallel_attention
+
+        return context_parallel_attention
     if name == "spec_from_config":
         from attngen.hf_spec import spec_from_config
 
@@ -26,4 +30,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_RUNTIME, "spec_from_config"})
+    return sorted({*globals(), *_RUNTIME, "spec_from_config", "context_parallel_attention"})

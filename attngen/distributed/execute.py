@@ -1,0 +1,201 @@
+"""Running a plan: the kernel calls through the runtime, K/V around the ring or gathered, and
+the exact merge of the partial results.
+
+Every call goes through attngen.runtime.api.run_dense, so dispatch picks (and records) the
+generated module for its mask, alignment and lengths, or raises NoKernelError naming what is
+missing. Before any communication, `check_served` asks the registry for every call of every
+rank, so a missing module stops all ranks at the same point instead of leaving the others
+waiting in a send.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from attngen.distributed.layout import Chunk
+from attngen.distributed.merge import merge_partial
+from attngen.distributed.plan import KernelCall, rows_covered_once
+from attngen.runtime import api
+from attngen.runtime.dispatch import Need, NoKernelError, device_arch, get_fallback, mismatches
+from attngen.runtime.registry import current_registry
+
+API_NAME = "context_parallel_attention"
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """What every call of one attention shares besides its rows, keys and mask."""
+
+    softcap: float
+    alibi_slopes: torch.Tensor | None
+    sm_scale: float
+
+
+class Accumulator:
+    """The shard's output and LSE. When each query row is computed by one call only, the
+    results are copied in place (no merge); otherwise an fp32 accumulator merges them."""
+
+    def __init__(self, q: torch.Tensor, dim_v: int, single: bool):
+        batch, heads, rows, _ = q.shape
+        self.single = single
+        dtype = q.dtype if single else torch.float32
+        self.out = q.new_zeros((batch, heads, rows, dim_v), dtype=dtype)
+        self.lse = torch.full((batch, heads, rows), float("-inf"), device=q.device)
+
+    def add(self, rows: tuple[int, int], out: torch.Tensor, lse: torch.Tensor) -> None:
+        acc, acc_lse = self.out[:, :, rows[0]:rows[1]], self.lse[:, :, rows[0]:rows[1]]
+        if self.single:
+            acc.copy_(out)
+            acc_lse.copy_(lse)
+        else:
+            merge_partial(acc, acc_lse, out, lse)
+
+    def result(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.out.to(dtype), self.lse
+
+
+def call_fields(call: KernelCall, q: torch.Tensor, v: torch.Tensor, options: KernelOptions
+                ) -> tuple:
+    """Need's fields of the kernel call (as run_dense builds them)."""
+    rows = call.num_rows + call.pad_front + call.pad_back
+    return api.need_fields("prefill", q, v, call.mask, call.align, call.window, options.softcap,
+                           options.alibi_slopes, rows, call.num_keys, rows == call.num_keys)
+
+
+def check_served(calls: list[KernelCall], q: torch.Tensor, v: torch.Tensor,
+                 options: KernelOptions) -> None:
+    """Raise NoKernelError (from dispatch, with its list of nearest modules) for the first call
+    no generated module serves, unless the fallback mode lets torch run it."""
+    if get_fallback() != "error":
+        return
+    arch = device_arch(q.device)
+    entries = current_registry().entries
+    for fields in dict.fromkeys(call_fields(c, q, v, options) for c in calls):
+        need = Need(*fields[:9], arch, *fields[9:])
+        if any(not mismatches(e, need) for e in entries):
+            continue
+        call = next(c for c in calls if call_fields(c, q, v, options) == fields)
+        try:
+            api.dispatch_call(API_NAME, fields, q, None)
+        except NoKernelError as err:
+            raise NoKernelError(f"context_parallel_attention needs a kernel for {call.describe()}"
+                                f" ({_why(call)}): {err}") from None
+
+
+def _why(call: KernelCall) -> str:
+    if call.mask == "none":
+        return "a key range every query of the chunk sees runs without a mask"
+    return f"a {call.mask} kernel aligned {call.align} places the chunk's global positions"
+
+
+def run_call(call: KernelCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             options: KernelOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the call's real query rows."""
+    q_rows = q[:, :, call.rows[0]:call.rows[1]]
+    if call.pad_front or call.pad_back:
+        batch, heads, _, dim = q.shape
+        q_rows = torch.cat([q.new_zeros(batch, heads, call.pad_front, dim), q_rows,
+                            q.new_zeros(batch, heads, call.pad_back, dim)], dim=2)
+    out, lse = api.run_dense(
+        API_NAME, q_rows, k[:, :, call.keys[0]:call.keys[1]], v[:, :, call.keys[0]:call.keys[1]],
+        mask=call.mask, align=call.align, window=call.window, softcap=options.softcap,
+        alibi_slopes=options.alibi_slopes, scale=options.sm_scale, return_lse=True,
+        fallback=None)
+    if call.pad_front or call.pad_back:
+        real = slice(call.pad_front, call.pad_front + call.num_rows)
+        out, lse = out[:, :, real], lse[:, :, real]
+    return out, lse
+
+
+def run_calls(calls, q, k, v, options: KernelOptions, acc: Accumulator) -> None:
+    for call in calls:
+        out, lse = run_call(call, q, k, v, options)
+        acc.add(call.rows, out, lse)
+
+
+def ring_attention(q, k, v, steps: list[list[KernelCall]], lengths: list[int],
+                   group: dist.ProcessGroup | None, options: KernelOptions):
+    """This rank's (out, lse): step s runs its calls on the K/V shard of rank (rank - s) mod W
+    while the shard for step s + 1 arrives from rank - 1 (and this one leaves for rank + 1)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    send_to, recv_from = (rank + 1) % world, (rank - 1) % world
+    if group is not None:  # P2POp takes global ranks
+        send_to, recv_from = (dist.get_global_rank(group, r) for r in (send_to, recv_from))
+    every_call = [c for step in steps for c in step]
+    acc = Accumulator(q, v.shape[-1], rows_covered_once(every_call, q.shape[2]))
+    comm_stream = torch.cuda.Stream(q.device) if q.is_cuda else None
+    k_cur, v_cur = k.contiguous(), v.contiguous()
+    for step in range(world):
+        pending, incoming = [], None
+        if step + 1 < world:
+            length = lengths[(rank - step - 1) % world]
+            incoming = (k_cur.new_empty(*k_cur.shape[:2], length, k_cur.shape[3]),
+                        v_cur.new_empty(*v_cur.shape[:2], length, v_cur.shape[3]))
+            pending = _exchange((k_cur, v_cur), incoming, send_to, recv_from, group, comm_stream)
+        run_calls(steps[step], q, k_cur, v_cur, options, acc)
+        for work in pending:
+            work.wait()  # on CUDA: the compute stream waits for the transfer, the host does not
+        if incoming is not None:
+            k_cur, v_cur = incoming
+    return acc.result(q.dtype)
+
+
+def _exchange(outgoing, incoming, send_to, recv_from, group, comm_stream) -> list:
+    """Start sending `outgoing` to `send_to` and receiving `incoming` from `recv_from`.
+
+    On CUDA the transfers are issued from a second stream that first waits for the compute
+    stream: the receive buffers must not be overwritten while the previous step's kernels may
+    still read memory they were carved from, and NCCL runs them concurrently with the kernels
+    issued next. Empty tensors are not sent (both ends know the lengths)."""
+    ops = [dist.P2POp(dist.isend, t, send_to, group) for t in outgoing if t.numel()]
+    ops += [dist.P2POp(dist.irecv, t, recv_from, group) for t in incoming if t.numel()]
+    if not ops:
+        return []
+    if comm_stream is None:
+        return dist.batch_isend_irecv(ops)
+    comm_stream.wait_stream(torch.cuda.current_stream(comm_stream.device))
+    with torch.cuda.stream(comm_stream):
+        return dist.batch_isend_irecv(ops)
+
+
+def gather_attention(q, k, v, calls: list[KernelCall], chunks: list[tuple[Chunk, ...]],
+                     group: dist.ProcessGroup | None, options: KernelOptions):
+    """This rank's (out, lse) from the calls against the whole gathered K/V sequence."""
+    k_all, v_all = gather_sequences((k, v), chunks, group)
+    acc = Accumulator(q, v.shape[-1], rows_covered_once(calls, q.shape[2]))
+    run_calls(calls, q, k_all, v_all, options, acc)
+    return acc.result(q.dtype)
+
+
+def gather_sequences(tensors, chunks: list[tuple[Chunk, ...]],
+                     group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """Each tensor's full sequence from every rank's shard, in position order. Shards are
+    padded to the longest for the collective (uneven lengths), then cut back."""
+    lengths = [sum(c.length for c in rank) for rank in chunks]
+    pieces = sorted(((c.start, r, c) for r, rank in enumerate(chunks) for c in rank
+                     if c.length), key=lambda item: item[0])
+    gathered, works = [], []
+    for x in tensors:
+        padded = x
+        if x.shape[2] < max(lengths):
+            pad = x.new_zeros(*x.shape[:2], max(lengths) - x.shape[2], x.shape[3])
+            padded = torch.cat([x, pad], dim=2)
+        padded = padded.contiguous()
+        if len(chunks) == 1:
+            gathered.append([padded])
+            continue
+        gathered.append([torch.empty_like(padded) for _ in chunks])
+        works.append(dist.all_gather(gathered[-1], padded, group=group, async_op=True))
+    for work in works:
+        work.wait()
+    result = []
+    for parts, x in zip(gathered, tensors, strict=True):
+        if not pieces:
+            result.append(x[:, :, :0])
+            continue
+        result.append(torch.cat([parts[r][:, :, c.local:c.local + c.length]
+                                 for _, r, c in pieces], dim=2))
+    return result

@@ -1,0 +1,420 @@
+"""Context parallelism (attngen.distributed) on the CPU: gloo groups of 2 and 3 processes against
+the float64 reference on the gathered sequence; the planner against a brute-force model of
+what each kernel call computes; the LSE merge; and, in a one-process group, the checks,
+autograd's refusal and torch.compile."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from attngen.distributed import (
+    context_parallel_attention,
+    last_plan,
+    rank_chunks,
+    shard_sequence,
+    unshard_sequence,
+)
+from attngen.distributed.merge import merge_torch, merge_triton
+from attngen.distributed.plan import (
+    ALIGNS,
+    MaskRule,
+    PlanError,
+    gather_plan,
+    ring_plan,
+)
+from tests import context_parallel_harness as harness
+from tests.runtime_harness import build_folder
+
+SPAWN_DEADLINE_S = 300
+
+
+@pytest.fixture(scope="module")
+def cp_folder(tmp_path_factory):
+    specs = [harness.spec_data(**s) for s in harness.TOY_SPECS]
+    return build_folder(tmp_path_factory.mktemp("cp_kernels"), specs)
+
+
+@pytest.fixture(scope="module")
+def group_results(cp_folder, tmp_path_factory) -> dict[int, dict]:
+    """{world size: {case name: result}}: every case of the harness, run by one spawned gloo
+    group of three processes and by two of them as a subgroup."""
+    out_dir = tmp_path_factory.mktemp("cp_groups")
+    context = mp.spawn(harness.worker, args=(3, harness.free_port(), str(cp_folder),
+                                             str(out_dir)), nprocs=3, join=False)
+    deadline = time.monotonic() + SPAWN_DEADLINE_S
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the process group did not finish in {SPAWN_DEADLINE_S} s")
+    return {world: {r["name"]: r for r in
+                    json.loads((out_dir / f"world{world}.json").read_text())}
+            for world in (2, 3)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", harness.CASES, ids=[c["name"] for c in harness.CASES])
+def test_matches_reference_across_processes(group_results, world, case):
+    result = group_results[world][case["name"]]
+    refused = case.get("refused", {}).get(world)
+    if refused:
+        assert result.get("error") == refused, result
+        assert "queries [" in result["text"], result["text"]  # names the pair it cannot do
+        return
+    assert "error" not in result, result.get("trace")
+    assert result["problems"] == [], result["plan"]
+    if case["strategy"] != "auto":
+        assert result["strategy"] == case["strategy"]
+    elif "expect" in case:
+        assert result["strategy"] == case["expect"], result["plan"]
+
+
+# ------------------------------------------------------------------------------- layout
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world, seq_len", [(1, 5), (2, 9), (3, 20), (4, 3)])
+def test_shard_and_unshard_round_trip(layout, world, seq_len):
+    x = torch.arange(seq_len).view(1, 1, seq_len, 1).float()
+    shards = [shard_sequence(x, world, r, layout=layout) for r in range(world)]
+    assert sorted(s.shape[2] for s in shards)[-1] - sorted(s.shape[2] for s in shards)[0] <= 2
+    assert torch.equal(unshard_sequence(shards, layout=layout), x)
+    chunks = rank_chunks(seq_len, world, layout)
+    for shard, rank in zip(shards, chunks, strict=True):  # its chunks' positions, in order
+        positions = [p for c in rank for p in range(c.start, c.stop)]
+        assert shard.flatten().tolist() == positions
+
+
+def test_zigzag_pairs_early_and_late_chunks():
+    chunks = rank_chunks(16, 2, "zigzag")
+    assert [[(c.start, c.stop) for c in r] for r in chunks] == [[(0, 4), (12, 16)],
+                                                                [(4, 8), (8, 12)]]
+
+
+def test_unshard_refuses_wrong_lengths():
+    with pytest.raises(ValueError, match=r"shards\[0\]: got 5 tokens .* gives rank 0 4"):
+        unshard_sequence([torch.zeros(1, 1, 5, 1), torch.zeros(1, 1, 3, 1)], layout="zigzag")
+    with pytest.raises(ValueError, match="layout: got 'ring'"):
+        shard_sequence(torch.zeros(1, 1, 4, 1), 2, 0, layout="ring")
+
+
+# ------------------------------------------------------------------------------ planner
+
+
+def kernel_sees(call, r, c, num_q, num_k) -> tuple[bool, int]:
+    """What the generated kernel does for call row r (padded) and key c: (visible, i' - c)."""
+    shift = num_k - num_q if call.align == "bottom_right" else 0
+    i_pos = r + shift
+    if call.mask == "none":
+        return True, i_pos - c
+    if call.mask == "causal":
+        return c <= i_pos, i_pos - c
+    left, right = call.window
+    return i_pos - left <= c <= i_pos + right, i_pos - c
+
+
+def globally_sees(rule, i, j) -> bool:
+    if rule.mask == "none":
+        return True
+    if rule.mask == "causal":
+        return j <= i
+    return i - rule.window[0] <= j <= i + rule.window[1]
+
+
+def positions(chunks) -> list[int]:
+    return [p for c in chunks for p in range(c.start, c.stop)]
+
+
+def check_calls(rule, calls_with_keys, query_positions, seen) -> None:
+    """Each (call, key positions): every pair the kernel sees is a pair the global mask sees,
+    at the same offset (what ALiBi needs), counted in `seen`."""
+    for call, key_positions in calls_with_keys:
+        num_q = call.num_rows + call.pad_front + call.pad_back
+        for row in range(*call.rows):
+            for key in range(*call.keys):
+                r, c = row - call.rows[0] + call.pad_front, key - call.keys[0]
+                visible, offset = kernel_sees(call, r, c, num_q, call.num_keys)
+                if not visible:
+                    continue
+                i, j = query_positions[row], key_positions[key]
+                assert globally_sees(rule, i, j), (call, i, j)
+                if rule.alibi:
+                    assert offset == i - j, (call, i, j, offset)
+                seen[(i, j)] = seen.get((i, j), 0) + 1
+
+
+@st.composite
+def planner_cases(draw):
+    world = draw(st.integers(1, 4))
+    seq_len = draw(st.integers(0, 24))
+    layout = draw(st.sampled_from(["zigzag", "contiguous"]))
+    mask = draw(st.sampled_from(["none", "causal", "sliding_window"]))
+    window = (draw(st.integers(0, 12)), draw(st.integers(0, 12))) if mask == "sliding_window" \
+        else None
+    rule = MaskRule(mask, window, draw(st.booleans()))
+    aligns = draw(st.sampled_from([ALIGNS, ("bottom_right",), ("top_left",)]))
+    return world, seq_len, layout, rule, aligns
+
+
+@given(planner_cases())
+@example((2, 16, "zigzag", MaskRule("causal"), ALIGNS))
+@example((3, 20, "zigzag", MaskRule("sliding_window", (5, 0)), ("bottom_right",)))
+def test_plans_compute_exactly_the_global_mask(case):
+    """Both strategies' calls, run as the kernels run them, cover every visible (query, key)
+    pair exactly once and nothing else, at the global offset; a plan that cannot is refused
+    (PlanError), which never happens without ALiBi when both alignments exist (all-gather) or
+    for causal and unmasked attention (ring)."""
+    world, seq_len, layout, rule, aligns = case
+    chunks = rank_chunks(seq_len, world, layout)
+    everything = {(i, j) for i in range(seq_len) for j in range(seq_len)
+                  if globally_sees(rule, i, j)}
+    try:
+        ring = ring_plan(rule, chunks, aligns)
+    except PlanError:
+        assert rule.alibi or rule.mask == "sliding_window"
+    else:
+        seen: dict = {}
+        for rank, steps in enumerate(ring):
+            for step, calls in enumerate(steps):
+                keys = positions(chunks[(rank - step) % world])
+                check_calls(rule, [(c, keys) for c in calls], positions(chunks[rank]), seen)
+        assert set(seen) == everything and set(seen.values()) <= {1}
+    try:
+        gather = gather_plan(rule, chunks, seq_len, aligns)
+    except PlanError:
+        assert rule.alibi or aligns != ALIGNS
+    else:
+        seen = {}
+        for rank, calls in enumerate(gather):
+            check_calls(rule, [(c, list(range(seq_len))) for c in calls],
+                        positions(chunks[rank]), seen)
+        assert set(seen) == everything and set(seen.values()) <= {1}
+
+
+def test_ring_zigzag_causal_steps_are_one_call_each():
+    """Zigzag's causal ring: the own shard in one causal call, then one unmasked call per
+    step (an early chunk's keys for both query chunks, or both key chunks for the late one)."""
+    plan = ring_plan(MaskRule("causal"), rank_chunks(32, 4, "zigzag"), ALIGNS)
+    for steps in plan:
+        assert [c.mask for c in steps[0]] == ["causal"]
+        for step in steps[1:]:
+            assert [c.mask for c in step] == ["none"]
+            assert step[0].num_rows * step[0].num_keys == 8 * 4  # balanced: 2 x 1 chunks
+
+
+def test_ring_refusal_names_the_pair_and_the_way_out():
+    with pytest.raises(PlanError, match=r"ring step 1, rank 0 .*queries \[12, 16\) against "
+                                        r"keys \[4, 8\)"):
+        ring_plan(MaskRule("sliding_window", (5, 0)), rank_chunks(16, 2, "zigzag"),
+                  ("bottom_right",))
+
+
+# -------------------------------------------------------------------------------- merge
+
+
+def reference_parts(seed, split):
+    """Attention over 12 keys in float64, whole and as partials over key ranges `split`;
+    queries 0-1 see no key of the first range, query 2 sees none at all."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 3, n, 8, generator=gen, dtype=torch.float64) for n in (5, 12, 12))
+    visible = torch.ones(5, 12, dtype=torch.bool)
+    visible[:2, : split[0][1]] = False
+    visible[2] = False
+    scores = (q @ k.transpose(-1, -2)).masked_fill(~visible, float("-inf"))
+
+    def attend(cols):
+        s = scores[..., cols[0]:cols[1]]
+        lse = torch.logsumexp(s, -1)
+        probs = torch.where(torch.isfinite(lse)[..., None], torch.exp(s - lse[..., None]), 0.0)
+        probs = probs.nan_to_num(0.0)
+        return probs @ v[..., cols[0]:cols[1], :], lse
+
+    return attend((0, 12)), [attend(cols) for cols in split]
+
+
+@pytest.mark.parametrize("merge", [merge_torch, merge_triton], ids=["torch", "triton"])
+def test_merge_is_exact_and_keeps_empty_rows_zero(merge):
+    (whole, whole_lse), parts = reference_parts(0, [(0, 5), (5, 6), (6, 12)])
+    acc = torch.zeros(2, 3, 5, 8)
+    acc_lse = torch.full((2, 3, 5), float("-inf"))
+    for out, lse in parts:
+        merge(acc, acc_lse, out.float(), lse.float())
+    assert not acc.isnan().any() and not acc_lse.isnan().any()
+    assert torch.equal(acc[:, :, 2], torch.zeros(2, 3, 8))
+    assert torch.equal(acc_lse[:, :, 2], torch.full((2, 3), float("-inf")))
+    # fp32 partials, merged in fp32: a few fp32 roundings of values of magnitude ~1.
+    assert torch.allclose(acc.double(), whole, atol=4e-6, rtol=0)
+    assert torch.allclose(acc_lse.double(), whole_lse, atol=4e-6, rtol=0)
+
+
+@pytest.mark.parametrize("merge", [merge_torch, merge_triton], ids=["torch", "triton"])
+def test_merge_into_strided_views_and_nan_propagates(merge):
+    (whole, _), parts = reference_parts(1, [(0, 6), (6, 12)])
+    acc = torch.zeros(2, 3, 9, 8)
+    acc_lse = torch.full((2, 3, 9), float("-inf"))
+    wide = torch.full((2, 3, 7, 8), float("nan"))
+    for out, lse in parts:
+        wide[:, :, 1:6] = out.float()  # a view with a storage offset and a wider row stride
+        merge(acc[:, :, 2:7], acc_lse[:, :, 2:7], wide[:, :, 1:6], lse.float())
+    assert torch.allclose(acc[:, :, 2:7].double(), whole, atol=4e-6, rtol=0)
+    assert torch.equal(acc[:, :, :2], torch.zeros(2, 3, 2, 8))
+    nan_lse = torch.full((2, 3, 5), float("nan"))
+    merge(acc[:, :, 2:7], acc_lse[:, :, 2:7], parts[0][0].float(), nan_lse)
+    assert acc[:, :, 2:7].isnan().all() and acc_lse[:, :, 2:7].isnan().all()
+
+
+# ------------------------------------------------------------------- one-process group
+
+
+@pytest.fixture()
+def single_group(cp_folder):
+    """A one-process gloo group and the toy kernels as the registry, for one test."""
+    from attngen.runtime import registry as registry_module
+    from attngen.runtime.registry import load_kernels
+
+    saved = registry_module._current
+    load_kernels(cp_folder)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    registry_module._current = saved
+
+
+def toy_inputs(seq_len=12, heads=(4, 2), seed=0, requires_grad=False):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, heads[0], seq_len, harness.HEAD_DIM, generator=gen)
+    k, v = (torch.randn(1, heads[1], seq_len, harness.HEAD_DIM, generator=gen) for _ in "kv")
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+def test_one_rank_is_the_plain_kernel_bitwise(single_group, strategy):
+    import attngen
+
+    q, k, v = toy_inputs()
+    out = context_parallel_attention(q, k, v, causal=True, layout="contiguous",
+                                     strategy=strategy)
+    plain = attngen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.equal(out, plain)
+    assert last_plan().strategy == strategy
+    assert attngen.last_dispatch().module == "sm90/cp_causal_prefill_fp32_d16_causal_br"
+
+
+def test_strided_inputs_give_the_same_bytes(single_group):
+    """[B, N, H, D] tensors transposed to [B, H, N, D] views, as a model holds them."""
+    q, k, v = toy_inputs(seq_len=10)
+    strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+    assert not strided[0].is_contiguous()
+    for strategy in ("ring", "allgather"):
+        expected = context_parallel_attention(q, k, v, causal=True, strategy=strategy)
+        got = context_parallel_attention(*strided, causal=True, strategy=strategy)
+        assert torch.equal(got, expected), strategy
+
+
+@pytest.mark.parametrize("world, heads, expected", [
+    (2, (32, 8), "allgather"), (6, (32, 8), "allgather"), (8, (32, 8), "ring"),
+    (3, (32, 32), "allgather"), (4, (32, 32), "ring")])
+def test_auto_gathers_while_that_takes_no_more_memory_than_the_ring(world, heads, expected):
+    """docs/context_parallel.md's rule: Llama-3-8B heads gather up to 6 GPUs, MHA up to 3."""
+    from attngen.distributed.context import _choose
+
+    seq_len = world * 65536
+    q = torch.empty(1, heads[0], seq_len // world, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, heads[1], seq_len // world, 128, dtype=torch.bfloat16, device="meta")
+    chosen, reason, _, _ = _choose("auto", MaskRule("causal"), seq_len, world, "zigzag",
+                                   ALIGNS, 0, q, k, k)
+    assert chosen == expected, reason
+
+
+def test_backward_refuses_with_the_reason(single_group):
+    q, k, v = toy_inputs(requires_grad=True)
+    out = context_parallel_attention(q, k, v, causal=True)
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match="no backward: attngen generates forward kernels"):
+        out.sum().backward()
+    with torch.no_grad():
+        assert not context_parallel_attention(q, k, v, causal=True).requires_grad
+
+
+def test_runs_eagerly_inside_torch_compile(single_group):
+    q, k, v = toy_inputs()
+
+    def layer(q, k, v):
+        return context_parallel_attention(q * 2, k, v, causal=True) + 1
+
+    compiled = torch.compile(layer, backend="eager")
+    assert torch.equal(compiled(q, k, v), layer(q, k, v))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(causal=True, window=(4, 0)), "causal: must be False with window"),
+    (dict(window=(4,)), r"window: got \(4,\)"),
+    (dict(softcap=-1.0), "softcap: got -1.0"),
+    (dict(sm_scale=0.0), "sm_scale: got 0.0"),
+    (dict(strategy="tree"), "strategy: got 'tree'"),
+    (dict(layout="striped"), "layout: got 'striped'"),
+    (dict(seq_len=13), r"q: rank 0 holds 12 tokens, but layout 'zigzag' over 1 ranks of a "
+                       r"13-token sequence gives it 13"),
+    (dict(alibi_slopes=torch.ones(3)), r"alibi_slopes: got \(3,\) torch.float32"),
+])
+def test_refuses_bad_arguments_by_name(single_group, kwargs, message):
+    q, k, v = toy_inputs()
+    with pytest.raises(ValueError, match=message):
+        context_parallel_attention(q, k, v, **kwargs)
+
+
+def test_refuses_without_a_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        context_parallel_attention(*toy_inputs(), causal=True)
+
+
+def test_refuses_mismatched_shapes_and_heads(single_group):
+    q, k, v = toy_inputs()
+    with pytest.raises(ValueError, match="expected the same batch and shard length"):
+        context_parallel_attention(q, k[:, :, :5], v[:, :, :5])
+    with pytest.raises(ValueError, match="q heads a multiple of k/v heads, got 4 and 3"):
+        context_parallel_attention(q, *toy_inputs(heads=(3, 3))[1:])
+
+
+def test_missing_kernel_names_the_call_that_needs_it(single_group):
+    from attngen.runtime import NoKernelError
+
+    q, k, v = toy_inputs()
+    with pytest.raises(NoKernelError, match=r"needs a kernel for .*sliding_window.*"
+                                            r"no generated kernel serves"):
+        context_parallel_attention(q, k, v, window=(7, 7))
+
+
+def test_empty_batch_gives_empty_output(single_group):
+    q, k, v = (t[:0] for t in toy_inputs())
+    out, lse = context_parallel_attention(q, k, v, causal=True, return_lse=True)
+    assert out.shape == (0, 4, 12, harness.HEAD_DIM) and lse.shape == (0, 4, 12)
+
+
+
+def test_benchmark_script_runs_on_the_cpu(tmp_path):
+    """tools/bench_context_parallel.py's one-process path, at toy sizes under the interpreter
+    (the GPU run is the lead's; this keeps the script from rotting)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, str(root / "tools" / "bench_context_parallel.py"),
+                           "--smoke", "--worlds", "2", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (result,) = tmp_path.glob("bench_context_parallel_single_*.json")
+    data = json.loads(result.read_text())
+    assert [r["W"] for r in data["steps"]] == [2] and data["single"][0]["N"] == 64
+    assert {"merge_torch_ms", "merge_triton_ms", "kv_bytes_per_step"} <= set(data["steps"][0])
+    assert "| N | W | L |" in done.stdout
