@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from attngen import __version__
-from attngen.decode_tiling import derive_decode_tiles
 from attngen.explain import nearest_alternative
 from attngen.render import render_module
 from attngen.spec import AttnSpec, KernelKind, SpecError, load_spec_file, module_name
-from attngen.tiling import derive_tiles
-from attngen.tuning import apply_tuning, lookup
+from attngen.tiling.decode import derive_decode_tiles
+from attngen.tiling.prefill import derive_tiles
+from attngen.tuning.database import apply_tuning, lookup
 
 INDEX_NAME = "index.json"
 INDEX_SCHEMA = 1

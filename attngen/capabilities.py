@@ -12,9 +12,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from attngen.arch import ARCHS
-from attngen.oracle_data import OracleData, OracleKey, oracle_key
 from attngen.spec import AttnSpec, Dtype, Mask, specs_from_data
-from attngen.tiling import REGISTER_MARGIN, TileConfig, derive_tiles
+from attngen.tiling.prefill import REGISTER_MARGIN, TileConfig, derive_tiles
+from attngen.verify.measurements import OracleData, OracleKey, oracle_key
 
 HEAD_DIMS = (64, 80, 96, 128, 160, 192, 200, 256)
 

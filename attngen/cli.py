@@ -15,7 +15,7 @@ from attngen.arch import arch_names
 from attngen.build import build, load_specs, stale_paths
 from attngen.explain import explain_lines
 from attngen.spec import SpecError, specs_from_data
-from attngen.tuning import DEFAULT_TUNING_DIR
+from attngen.tuning.database import DEFAULT_TUNING_DIR
 
 app = typer.Typer(
     add_completion=False,
@@ -126,7 +126,10 @@ def autotune_command(
 
     Then `attngen build` uses them (the module header says the config came from tuning)."""
     try:
-        from attngen.autotune import autotune, detect_arch  # torch/triton: not on the build path
+        from attngen.tuning.autotune import (  # torch/triton: not on the build path
+            autotune,
+            detect_arch,
+        )
 
         loaded = load_specs(specs)
         target = detect_arch() if arch == "auto" else arch
@@ -174,12 +177,12 @@ def verify_tiling_command(
     """Compare the tiling model with Triton's compiler on every candidate config; exit 1 on a
     feasible config that does not fit or spills more than allowed (docs/tiling.md)."""
     # Imported here: the other commands never need the oracle data or (lazily) triton.
-    from attngen.oracle import triton_version
-    from attngen.oracle_data import data_path, load_oracle_data
     from attngen.render import TEMPLATE_FOR_KIND, template_hash
     from attngen.spec import KernelKind
-    from attngen.verify import verify
-    from attngen.verify_report import dump_json, report_lines
+    from attngen.verify.check import verify
+    from attngen.verify.compiler import triton_version
+    from attngen.verify.measurements import data_path, load_oracle_data
+    from attngen.verify.report import dump_json, report_lines
 
     unknown = [a for a in arch or [] if a not in arch_names()]
     if unknown:
@@ -226,8 +229,8 @@ def capabilities_command(
     """The capability matrix: arch x dtype x head dim x mask -> config, or why none fits."""
     from attngen.build import write_if_different
     from attngen.capabilities import capability_cells, render_capabilities
-    from attngen.oracle import triton_version
-    from attngen.oracle_data import data_path, load_oracle_data
+    from attngen.verify.compiler import triton_version
+    from attngen.verify.measurements import data_path, load_oracle_data
 
     text = render_capabilities(capability_cells(),
                                load_oracle_data(data or data_path(triton_version())))

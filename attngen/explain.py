@@ -6,17 +6,17 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from attngen.arch import ARCHS
-from attngen.code_paths import code_paths
-from attngen.decode_tiling import derive_decode_tiles, split_lines
 from attngen.spec import AttnSpec, Dtype, KernelKind
-from attngen.tiling import (
+from attngen.tiling.code_paths import code_paths
+from attngen.tiling.decode import derive_decode_tiles, split_lines
+from attngen.tiling.prefill import (
     REFERENCE_TOKENS,
     Candidate,
     Derivation,
     derive_tiles,
     padded_head_dim,
 )
-from attngen.tuning import apply_tuning, lookup
+from attngen.tuning.database import apply_tuning, lookup
 
 TOP_FEASIBLE = 6
 REJECTED_SAMPLE = 4

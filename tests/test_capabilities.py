@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from attngen.capabilities import HEAD_DIMS, capability_cells, render_capabilities
-from attngen.oracle import triton_version
-from attngen.oracle_data import data_path, load_oracle_data
 from attngen.spec import Dtype, Mask
+from attngen.verify.compiler import triton_version
+from attngen.verify.measurements import data_path, load_oracle_data
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = ROOT / "docs" / "capabilities.md"

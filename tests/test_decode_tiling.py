@@ -18,13 +18,13 @@ import pytest
 
 from attngen.arch import ARCHS
 from attngen.build import load_specs
-from attngen.decode_tiling import derive_decode_tiles, num_splits, row_tile
-from attngen.oracle import triton_version
 from attngen.spec import KernelKind, KvLayout
-from attngen.tiling import TileConfig
+from attngen.tiling.decode import derive_decode_tiles, num_splits, row_tile
+from attngen.tiling.prefill import TileConfig
+from attngen.verify.compiler import triton_version
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "attngen" / "data" / f"decode_compile_triton-{triton_version()}.json"
+DATA = ROOT / "attngen" / "verify" / "data" / f"decode_compile_triton-{triton_version()}.json"
 SAFE_SPILL_BYTES = 64
 
 

@@ -1,4 +1,4 @@
-"""The tiling model against Triton's compiler (attngen.verify, `attngen verify-tiling`).
+"""The tiling model against Triton's compiler (attngen.verify.check, `attngen verify-tiling`).
 
 The full comparison reads the committed oracle data (no compile, seconds); a small live
 sample recompiles configs of that data to prove it is current for the installed Triton, and
@@ -17,10 +17,10 @@ from typer.testing import CliRunner
 from attngen.arch import ARCHS
 from attngen.build import load_specs
 from attngen.cli import app
-from attngen.oracle import triton_version
-from attngen.oracle_data import data_path, load_oracle_data, oracle_key
-from attngen.tiling import derive_tiles
-from attngen.verify import OTHER_SPEC_SPILL_BYTES, judge, plan_rows, summarize, verify
+from attngen.tiling.prefill import derive_tiles
+from attngen.verify.check import OTHER_SPEC_SPILL_BYTES, judge, plan_rows, summarize, verify
+from attngen.verify.compiler import triton_version
+from attngen.verify.measurements import data_path, load_oracle_data, oracle_key
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -83,7 +83,7 @@ def triton_seed() -> int:
 def test_rejected_configs_really_exceed_the_budget(specs):
     """Configs rejected for shared memory, compiled now: the compiler needs more than the
     arch allows, on each arch of the issue."""
-    from attngen.oracle import compile_many
+    from attngen.verify.compiler import compile_many
 
     data = load_oracle_data(DATA)
     llama = [s for s in specs if s.name == "llama3_8b"]

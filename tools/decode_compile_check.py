@@ -15,15 +15,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from attngen.build import load_specs  # noqa: E402
-from attngen.decode_tiling import derive_decode_tiles  # noqa: E402
-from attngen.oracle import triton_version  # noqa: E402
 from attngen.spec import KernelKind  # noqa: E402
+from attngen.tiling.decode import derive_decode_tiles  # noqa: E402
+from attngen.verify.compiler import triton_version  # noqa: E402
 
 FIELDS = ("shared", "regs", "spill_stores", "mma", "error")
 
 
 def data_path(version: str) -> Path:
-    return ROOT / "attngen" / "data" / f"decode_compile_triton-{version}.json"
+    return ROOT / "attngen" / "verify" / "data" / f"decode_compile_triton-{version}.json"
 
 
 def jobs():
@@ -34,7 +34,7 @@ def jobs():
 
 
 def measure() -> list[dict]:
-    from attngen.decode_oracle import compile_decode_many
+    from attngen.verify.decode_compiler import compile_decode_many
 
     todo = jobs()
     records = compile_decode_many(todo, processes=2)

@@ -282,8 +282,8 @@ def cpu_check() -> None:
 def compile_check() -> None:
     """Without the interpreter: compile every variant for sm90 at the committed config of each
     spec and print registers, spills and shared memory (or the error)."""
-    from attngen import oracle
-    from attngen.tiling import TileConfig
+    from attngen.tiling.prefill import TileConfig
+    from attngen.verify import compiler as oracle
 
     for spec_file, _ in VARIANT_CASES:
         spec, source = committed_source(spec_file)

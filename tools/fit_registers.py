@@ -24,9 +24,9 @@ from scipy.optimize import linprog
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from attngen.build import load_specs  # noqa: E402
-from attngen.oracle import triton_version  # noqa: E402
-from attngen.oracle_data import data_path, oracle_key  # noqa: E402
-from attngen.tiling import TileConfig  # noqa: E402
+from attngen.tiling.prefill import TileConfig  # noqa: E402
+from attngen.verify.compiler import triton_version  # noqa: E402
+from attngen.verify.measurements import data_path, oracle_key  # noqa: E402
 
 CUSHION = 4
 FEATURES = ("1", "acc", "scores", "kv")

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 
-from attngen.oracle import compile_many, triton_version
-from attngen.oracle_data import data_path, load_oracle_data
 from attngen.render import TEMPLATE_FOR_KIND, template_hash
 from attngen.spec import KernelKind
+from attngen.verify.compiler import compile_many, triton_version
+from attngen.verify.measurements import data_path, load_oracle_data
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ query tile: one program takes ALL query heads of one KV head and all query token
 (q_per_kv * Nq rows, padded to a power of two >= 16 for tl.dot), so every K/V byte crosses HBM
 once, and streams a range of the sequence's keys in BLOCK_N tiles. Its loop stages the same
 buffers as prefill's (a resident Q tile, K^T and V tiles, P where the compiler splits warps
-along N), so the shared-memory and register expressions of attngen.tiling apply with
+along N), so the shared-memory and register expressions of attngen.tiling.prefill apply with
 BLOCK_M = the row tile; tests/test_decode_tiling.py cross-compiles the chosen configs to hold
 the model to that.
 
@@ -43,7 +43,7 @@ from functools import cache
 
 from attngen.arch import ARCHS
 from attngen.spec import AttnSpec, KvLayout
-from attngen.tiling import (
+from attngen.tiling.prefill import (
     BM,
     BN,
     DV,

@@ -2,8 +2,9 @@
 
 For every spec x arch x candidate config that `derive_tiles` enumerates (feasible or not), the
 model's shared memory and registers are compared with what Triton 3.6 compiles. Measurements
-come from the committed data file (attngen/data/oracle_triton-<version>.json, keyed as
-attngen.oracle_data explains) or from a live cross-compile (attngen.oracle, lazily imported).
+come from the committed data file (attngen/verify/data/prefill_compile_triton-<version>.json,
+keyed as attngen.verify.measurements explains) or from a live cross-compile
+(attngen.verify.compiler, lazily imported).
 
 The policy, per config (the numbers are constants below):
 
@@ -34,9 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from attngen.arch import ARCHS
-from attngen.oracle_data import OracleData, OracleKey, oracle_key, spec_ref
 from attngen.spec import AttnSpec, Mask
-from attngen.tiling import REGISTER_MARGIN, Candidate, derive_tiles
+from attngen.tiling.prefill import REGISTER_MARGIN, Candidate, derive_tiles
+from attngen.verify.measurements import OracleData, OracleKey, oracle_key, spec_ref
 
 # ptxas keeps a few loop-carried values on the stack even well below 255 registers (8-64 B on
 # sm80 at 4 warps); that costs an L1 hit per iteration, not a spill worth avoiding.
@@ -172,7 +173,7 @@ def measure(data: OracleData, jobs: list[tuple[OracleKey, AttnSpec]], processes:
     others: Others = {}
     if not jobs:
         return changed, others
-    from attngen.oracle import compile_iter  # imports triton
+    from attngen.verify.compiler import compile_iter  # imports triton
 
     records = compile_iter([(spec, key.arch, key.config) for key, spec in jobs], processes)
     for done, ((key, spec), record) in enumerate(zip(jobs, records, strict=True), start=1):

@@ -3,8 +3,8 @@
 The decode split kernel is compiled as `decode()` launches it on contiguous caches (unit
 head-dim strides, 16-divisible pointers and row strides), with the row tile of the config
 (BLOCK_M) and the spec's largest split count's path (DIRECT=False, LSE stored). The record has
-the fields of attngen.oracle.compile_one (shared, regs, spills, mma); the combine and append
-kernels are tiny and are not modelled. Triton is imported lazily (the build path never loads
+the fields of attngen.verify.compiler.compile_one (shared, regs, spills, mma); the combine and
+append kernels are tiny and are not modelled. Triton is imported lazily (the build path never loads
 this module); tests/test_decode_tiling.py holds every example's chosen config to the model.
 """
 
@@ -18,14 +18,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from attngen.decode_tiling import derive_decode_tiles
-from attngen.oracle import (
+from attngen.render import render_module
+from attngen.spec import AttnSpec, KernelKind, specs_from_data
+from attngen.tiling.decode import derive_decode_tiles
+from attngen.tiling.prefill import TileConfig
+from attngen.verify.compiler import (
     _compiled_not_interpreted,
     compile_source,
 )
-from attngen.render import render_module
-from attngen.spec import AttnSpec, KernelKind, specs_from_data
-from attngen.tiling import TileConfig
 
 _POINTER_TYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 _UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od")
@@ -86,7 +86,7 @@ def _run_job(payload: tuple[dict[str, Any], str, TileConfig]) -> dict[str, Any]:
 
 def compile_decode_many(jobs: list[tuple[AttnSpec, str, TileConfig]],
                         processes: int = 2) -> list[dict[str, Any]]:
-    """Compile in spawned workers without TRITON_INTERPRET (see attngen.oracle.compile_iter)."""
+    """Compile in spawned workers without TRITON_INTERPRET (see compiler.compile_iter)."""
     payload = [(spec.model_dump(mode="json"), arch, config) for spec, arch, config in jobs]
     saved = {name: os.environ.get(name) for name in ("TRITON_CACHE_DIR", "TRITON_INTERPRET")}
     with tempfile.TemporaryDirectory(prefix="attngen-decode-oracle-") as cache:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from attngen.spec import AttnSpec, KernelKind, SpecError
-from attngen.tiling import Derivation, TileConfig, choose
+from attngen.tiling.prefill import Derivation, TileConfig, choose
 
 TUNING_SCHEMA = 2  # 2: entries keyed by the kernel fields' hash (1: the whole spec's)
 # Spec fields that do not change what a prefill kernel computes or how fast.

@@ -14,10 +14,10 @@ Nq != Nk, lengths off the block grid), then is timed (median of `triton.testing.
 after warm-up) on shape buckets of 16k tokens: N = 1024 (16 sequences), 4096 (4) and 8192
 (2). The winner is the fastest on the longest bucket; a shorter bucket whose fastest config
 beats it there by SWITCH_GAIN gets that config for its lengths (`shorter` in the entry; the
-module picks by sequence length). Results go into tuning/<arch>.json (attngen.tuning); every
-measurement is also kept in tuning/.progress-<arch>.json, keyed by spec and by the kernel's
-text (a changed template is measured afresh), so an interrupted run resumes where it stopped,
-and the budget bounds the whole run.
+module picks by sequence length). Results go into tuning/<arch>.json
+(attngen.tuning.database); every measurement is also kept in tuning/.progress-<arch>.json,
+keyed by spec and by the kernel's text (a changed template is measured afresh), so an
+interrupted run resumes where it stopped, and the budget bounds the whole run.
 
 This module imports torch and triton; the build path never imports it.
 """
@@ -47,8 +47,8 @@ from attngen.build import write_if_different
 from attngen.reference import compare_to_reference, random_inputs
 from attngen.render import kernels_text, render_module
 from attngen.spec import AttnSpec, KernelKind, SpecError, module_name
-from attngen.tiling import Candidate, TileConfig, derive_tiles
-from attngen.tuning import (
+from attngen.tiling.prefill import Candidate, TileConfig, derive_tiles
+from attngen.tuning.database import (
     entry_key,
     read_tuning_file,
     render_tuning_file,

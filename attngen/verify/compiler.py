@@ -33,11 +33,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from attngen import tiling
 from attngen.arch import ARCHS
 from attngen.render import kernels_text, render_module
 from attngen.spec import AttnSpec, KernelKind, specs_from_data
-from attngen.tiling import TileConfig
+from attngen.tiling import prefill as tiling
+from attngen.tiling.prefill import TileConfig
 
 # What one compile measures; a record of the data file holds these next to its key.
 MEASURED_FIELDS = ("shared", "static_shared", "regs", "stack", "spill_stores", "spill_loads",

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 from attngen.arch import ARCHS
 from attngen.spec import AttnSpec, specs_from_data
-from attngen.tiling import TileConfig, padded_head_dim
+from attngen.tiling.prefill import TileConfig, padded_head_dim
 
 DATA_DIR = Path(__file__).with_name("data")
 SCHEMA = 1
@@ -58,7 +58,7 @@ def spec_ref(spec: AttnSpec) -> str:
 
 
 def data_path(version: str) -> Path:
-    return DATA_DIR / f"oracle_triton-{version}.json"
+    return DATA_DIR / f"prefill_compile_triton-{version}.json"
 
 
 @dataclass
@@ -111,7 +111,7 @@ def _order(key: OracleKey) -> tuple[Any, ...]:
 def load_oracle_data(path: Path) -> OracleData:
     """Read a data file; a missing file reads as empty data for the version in its name."""
     if not path.is_file():
-        version = path.stem.removeprefix("oracle_triton-")
+        version = path.stem.removeprefix("prefill_compile_triton-")
         return OracleData(triton=version, template_hash="")
     raw = json.loads(path.read_text(encoding="utf-8"))
     if raw.get("schema") != SCHEMA:
