@@ -76,7 +76,7 @@ def spec_from_hf_command(
                                              "stdout.")] = None,
 ) -> None:
     """Write the spec of a transformers model's attention (read as JSON; no transformers)."""
-    from attngen.build import write_if_different
+    from attngen.files import write_if_different
     from attngen.hf_spec import spec_data_from_config, spec_yaml
 
     try:
@@ -227,8 +227,8 @@ def capabilities_command(
     = None,
 ) -> None:
     """The capability matrix: arch x dtype x head dim x mask -> config, or why none fits."""
-    from attngen.build import write_if_different
     from attngen.capabilities import capability_cells, render_capabilities
+    from attngen.files import write_if_different
     from attngen.verify.compiler import triton_version
     from attngen.verify.measurements import data_path, load_oracle_data
 

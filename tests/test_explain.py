@@ -7,9 +7,10 @@ import pytest
 
 import attngen.tiling.prefill as tiling
 from attngen.build import BuildError, plan_build
-from attngen.explain import explain_lines, explain_one, nearest_alternative
+from attngen.explain import explain_lines, explain_one
 from attngen.render import build_context
 from attngen.spec import KernelKind
+from attngen.tiling.alternatives import nearest_alternative
 from attngen.tiling.prefill import derive_tiles
 from tests.kernel_harness import make_spec
 

@@ -7,6 +7,7 @@
 - decode.py: the decode tile (the same model with a bandwidth score) and the split rule.
 - code_paths.py: the paths a prefill module takes besides its config (TMA loads, the causal
   schedule), chosen per arch from measurements.
+- alternatives.py: when nothing fits, the nearest change to the spec that does.
 
 Pure Python and sympy: nothing here imports torch or triton.
 """

@@ -43,7 +43,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from attngen.arch import ARCHS
-from attngen.build import write_if_different
+from attngen.files import write_if_different
 from attngen.reference import compare_to_reference, random_inputs
 from attngen.render import kernels_text, render_module
 from attngen.spec import AttnSpec, KernelKind, SpecError, module_name
