@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from attngen.arch import ARCHS
 from attngen.spec import AttnSpec, Dtype, Mask, specs_from_data
 from attngen.tiling.prefill import REGISTER_MARGIN, TileConfig, derive_tiles
-from attngen.verify.measurements import OracleData, OracleKey, oracle_key
+from attngen.verify.measurements import MeasurementKey, Measurements, measurement_key
 
 HEAD_DIMS = (64, 80, 96, 128, 160, 192, 200, 256)
 
@@ -31,7 +31,7 @@ class Cell:
     smem_bytes: int
     may_spill: bool
     reason: str  # empty when a config fits
-    key: OracleKey | None
+    key: MeasurementKey | None
 
     def text(self) -> str:
         if self.config is None:
@@ -73,10 +73,10 @@ def _cell(spec: AttnSpec, arch: str) -> Cell:
                     closest.smem_bytes, False, "; ".join(closest.rejected), None)
     return Cell(arch, spec.dtype.value, spec.head_dim, spec.mask.value, best.config,
                 best.smem_bytes, best.may_spill(ARCHS[arch]), "",
-                oracle_key(spec, arch, best.config))
+                measurement_key(spec, arch, best.config))
 
 
-def _compiled(cell: Cell, data: OracleData | None) -> str:
+def _compiled(cell: Cell, data: Measurements | None) -> str:
     record = data.get(cell.key) if data is not None and cell.key is not None else None
     if record is None or record.get("shared") is None:
         return "not compiled"
@@ -84,7 +84,7 @@ def _compiled(cell: Cell, data: OracleData | None) -> str:
     return f"{record['shared'] / 1024:.0f} KiB, {record['regs']} regs, {spills} B spilled"
 
 
-def render_capabilities(cells: Sequence[Cell], data: OracleData | None) -> str:
+def render_capabilities(cells: Sequence[Cell], data: Measurements | None) -> str:
     """Markdown: one table per arch, a row per (head dim, dtype); masks that agree share a row."""
     lines = [
         "# Capability matrix",

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 
 from attngen import __version__
-from attngen.spec import AttnSpec, Dtype, KernelKind, module_name
+from attngen.spec import AttnSpec, KernelKind, module_name
 from attngen.tiling import decode as decode_tiling
 from attngen.tiling.code_paths import code_paths
 from attngen.tiling.prefill import Derivation, TileConfig, padded_head_dim
@@ -37,7 +37,6 @@ TEMPLATE_FOR_KIND = {KernelKind.prefill: "prefill.py.jinja", KernelKind.varlen: 
                      KernelKind.decode: "decode.py.jinja"}
 ENTRY_POINTS = {KernelKind.prefill: "attention", KernelKind.varlen: "attention_varlen",
                 KernelKind.decode: "decode"}
-_DTYPE_NAMES = {Dtype.fp16: "float16", Dtype.bf16: "bfloat16", Dtype.fp32: "float32"}
 
 
 class RenderError(RuntimeError):
@@ -97,7 +96,7 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
         "shorter_configs": [f"({up_to}, {_config_literal(c)})" for up_to, c in derivation.shorter],
         "derivation_lines": list(derivation.summary_lines()),
         "dtype": spec.dtype.value,
-        "dtype_name": _DTYPE_NAMES[spec.dtype],
+        "dtype_name": spec.dtype.torch_name,
         "head_dim": spec.head_dim,
         "head_dim_v": spec.value_head_dim,
         "block_d": padded_head_dim(spec.head_dim),

@@ -43,6 +43,10 @@ class SpecError(ValueError):
 
 
 class Dtype(str, Enum):
+    """A kernel's input and output dtype. The value is the short name of YAML files, module
+    names and Triton's type strings; the properties are its other spellings, so that no module
+    keeps a map of its own."""
+
     fp16 = "fp16"
     bf16 = "bf16"
     fp32 = "fp32"
@@ -50,6 +54,34 @@ class Dtype(str, Enum):
     @property
     def itemsize(self) -> int:
         return 4 if self is Dtype.fp32 else 2
+
+    @property
+    def torch_name(self) -> str:
+        """The name under torch and triton.language (`torch.bfloat16`, `tl.bfloat16`)."""
+        return {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[self.value]
+
+    @property
+    def triton_pointer(self) -> str:
+        """The type of a pointer to this dtype in a Triton kernel signature (`*bf16`)."""
+        return f"*{self.value}"
+
+    @property
+    def mantissa_bits(self) -> int:
+        """Explicit mantissa bits: the spacing of numbers at magnitude m is
+        2 ** (floor(log2 m) - mantissa_bits), and eps is 2 ** -mantissa_bits."""
+        return {"fp16": 10, "bf16": 7, "fp32": 23}[self.value]
+
+    @property
+    def eps(self) -> float:
+        """The spacing of numbers just above 1.0."""
+        return 2.0 ** -self.mantissa_bits
+
+    @classmethod
+    def from_torch_name(cls, name: str) -> Dtype | None:
+        """The Dtype whose torch_name is `name` ("bfloat16"; a "torch." prefix is allowed),
+        or None for a dtype attngen has no kernels for."""
+        bare = name.removeprefix("torch.")
+        return next((dtype for dtype in cls if dtype.torch_name == bare), None)
 
 
 class Mask(str, Enum):

@@ -283,7 +283,7 @@ def compile_check() -> None:
     """Without the interpreter: compile every variant for sm90 at the committed config of each
     spec and print registers, spills and shared memory (or the error)."""
     from attngen.tiling.prefill import TileConfig
-    from attngen.verify import compiler as oracle
+    from attngen.verify import compiler
 
     for spec_file, _ in VARIANT_CASES:
         spec, source = committed_source(spec_file)
@@ -294,8 +294,9 @@ def compile_check() -> None:
             module = load(text, f"{spec.name}_{name}")
             config = TileConfig(*(module.CONFIG[key] for key in
                                   ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")))
-            record = oracle.compile_source(
-                lambda m=module, s=spec, c=config: oracle.kernel_source(s, m._attn_fwd_kernel, c),
+            record = compiler.compile_source(
+                lambda m=module, s=spec, c=config: compiler.kernel_source(s, m._attn_fwd_kernel,
+                                                                          c),
                 "sm90", config)
             print(spec.name, name, config, {k: record[k] for k in
                                             ("regs", "spill_stores", "shared", "mma", "error")})

@@ -161,9 +161,9 @@ def smem_expression(arch: GpuArch, tma: bool = True) -> sympy.Expr:
     """Dynamic shared memory per program in bytes, as Triton 3.6 allocates it for this template.
 
     Fitted to the compiler on 584 configs (docs/results/tiling_fit_set_584.json) and checked
-    by `attngen verify-tiling` (attngen/oracle.py, docs/tiling.md): exact on all 1920 16-bit
-    candidate configs of the example specs on sm80/86/89/90/120, never under; fp32 is over by
-    at most its row-reduction scratch (counted always). Q is staged once; the key loops and
+    by `attngen verify-tiling` (attngen/verify/compiler.py, docs/tiling.md): exact on all 1920
+    16-bit candidate configs of the example specs on sm80/86/89/90/120, never under; fp32 is
+    over by at most its row-reduction scratch (counted always). Q is staged once; the key loops and
     the epilogue's BLOCK_M x DV layout conversion reuse the same bytes.
     - wgmma (Hopper, 16-bit, BLOCK_M >= 64): S buffers each of K and V; P stays in registers.
     - mma.sync (16-bit otherwise): max(S - 1, 1) buffers; P goes through shared memory only

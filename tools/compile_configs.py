@@ -1,9 +1,9 @@
 """Cross-compile a spec at chosen tile configs and print what Triton allocates (no GPU needed).
 
-A thin command over attngen.verify.compiler, for poking at single configs; `attngen verify-tiling`
-is the full comparison with the tiling model.
+A thin command over attngen.verify.compiler, for poking at single configs; `attngen
+verify-tiling` is the full comparison with the tiling model.
 
-    python tools/smem_oracle.py SPEC.yaml --arch sm90 --config 128x64x8x3 --config 64x64x4x2
+    python tools/compile_configs.py SPEC.yaml --arch sm90 --config 128x64x8x3 --config 64x64x4x2
 """
 
 from __future__ import annotations
