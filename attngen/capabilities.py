@@ -1,9 +1,10 @@
 """The capability matrix: what the tiling model serves on each arch, and with which config.
 
 arch x dtype x head dim x mask -> the config `attngen build` would render, or why none fits.
-Every cell is a derivation (attngen.tiling.derive_tiles on a spec with those fields); the
-compiler's numbers for the chosen config are added from the oracle data file where it has
-them. docs/capabilities.md is this module's output, and a test fails when it is stale.
+Every cell is a derivation (attngen.tiling.prefill.derive_tiles on a spec with those fields);
+the compiler's numbers for the chosen config are added from the committed compiler
+measurements where they have them. docs/capabilities.md is this module's output, and a test
+fails when it is stale.
 """
 
 from __future__ import annotations
@@ -96,11 +97,11 @@ def render_capabilities(cells: Sequence[Cell], data: Measurements | None) -> str
         "or why no candidate fits. Head dims that are not powers of two are padded to the next "
         "one inside the kernel. \"compiled\" is what Triton "
         f"{data.triton if data else '-'} reports for that config and padded head dim "
-        "(attngen/data: one spec's compile per arch, dtype, padded dims and config; registers "
-        "vary a little between specs, shared memory does not; `attngen verify-tiling` checks "
-        f"it). \"may spill\": predicted within {REGISTER_MARGIN} registers above the limit, or "
-        "fp32 (whose register use the model does not predict), chosen only when nothing safer "
-        "fits.",
+        "(attngen/verify/data: one spec's compile per arch, dtype, padded dims and config; "
+        "registers vary a little between specs, shared memory does not; `attngen "
+        "verify-tiling` checks it). \"may spill\": predicted within "
+        f"{REGISTER_MARGIN} registers above the limit, or fp32 (whose register use the model "
+        "does not predict), chosen only when nothing safer fits.",
         "",
         "Every mask was derived separately; where all three give the same config the row says "
         "\"all\" (the model has no mask term, and the compiler allocates the same shared memory "

@@ -104,7 +104,7 @@ def representative_weight(spec: AttnSpec) -> int:
 
 
 def plan_rows(specs: Iterable[AttnSpec], archs: Sequence[str] | None) -> Plan:
-    """Every candidate of every (spec, arch), deduplicated on the oracle key."""
+    """Every candidate of every (spec, arch), deduplicated on the measurement key."""
     rows: dict[MeasurementKey, Row] = {}
     representative: dict[MeasurementKey, AttnSpec] = {}
     chosen: list[tuple[str, str, MeasurementKey | None]] = []
