@@ -4,6 +4,8 @@ The build path (spec -> generated/) imports neither torch nor triton, so the nam
 kernels are loaded lazily, from attngen.runtime, on first access.
 """
 
+from typing import Any
+
 __version__ = "0.1.0"
 
 _RUNTIME = frozenset({
@@ -13,7 +15,7 @@ _RUNTIME = frozenset({
 })
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _RUNTIME:
         import attngen.runtime
 

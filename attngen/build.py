@@ -81,6 +81,7 @@ def _plan_one(spec: AttnSpec, kind: KernelKind, arch: str, tuning_dir: Path | No
             "drop this arch from `archs` or change the spec"
         )
     derivation = apply_tuning(derivation, lookup(tuning_dir, spec, kind, arch))
+    assert derivation.chosen is not None  # apply_tuning replaces the choice, never drops it
     name = module_name(spec, kind)
     relative_path = f"{arch}/{name}.py"
     entry = {

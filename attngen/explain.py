@@ -111,7 +111,7 @@ def explain_decode(spec: AttnSpec, derivation: Derivation) -> list[str]:
     split rule worked out for reference problems on the arch's SM count."""
     arch = ARCHS[derivation.arch]
     ratio = spec.num_q_heads // spec.num_kv_heads
-    layout = spec.kv_layout.value + (f", page_size {spec.page_size}" if spec.page_size else "")
+    layout = spec.cache_layout.value + (f", page_size {spec.page_size}" if spec.page_size else "")
     lines = [
         f"== {spec.name} decode on {arch.name} ({arch.part}, {arch.sm_count} SMs, "
         f"{arch.smem_budget} B shared/block)",

@@ -117,7 +117,7 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
     }
     if kind is KernelKind.decode:
         context.update({
-            "kv_layout": spec.kv_layout.value,
+            "kv_layout": spec.cache_layout.value,
             "page_size": spec.page_size or 0,
             "max_query_tokens": spec.query_tokens,
             "split_waves": decode_tiling.SPLIT_WAVES,

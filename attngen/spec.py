@@ -31,6 +31,7 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 from pydantic import ValidationError as PydanticValidationError
+from pydantic_core import ErrorDetails
 
 from attngen.arch import arch_names
 
@@ -204,11 +205,12 @@ class AttnSpec(BaseModel):
         if self.kv_layout is None:
             raise _field_error("kv_layout", None, "contiguous or paged (required with decode)")
         paged = self.kv_layout is KvLayout.paged
-        if paged and self.page_size is None:
+        page_size = self.page_size
+        if paged and page_size is None:
             raise _field_error("page_size", None, _ALLOWED["page_size"] + " (required with "
                                "kv_layout paged)")
-        if paged and self.page_size & (self.page_size - 1):
-            raise _field_error("page_size", self.page_size, _ALLOWED["page_size"])
+        if paged and page_size is not None and page_size & (page_size - 1):
+            raise _field_error("page_size", page_size, _ALLOWED["page_size"])
         if not paged and self.page_size is not None:
             raise _field_error("page_size", self.page_size, "absent unless kv_layout is paged")
         if self.causal_align is CausalAlign.top_left:
@@ -221,6 +223,13 @@ class AttnSpec(BaseModel):
     @property
     def value_head_dim(self) -> int:
         return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def cache_layout(self) -> KvLayout:
+        """Decode's KV cache layout (kv_layout, which validation requires with decode)."""
+        if self.kv_layout is None:
+            raise ValueError(f"{self.name}: kv_layout is set only when kernels include decode")
+        return self.kv_layout
 
     @property
     def query_tokens(self) -> int:
@@ -326,12 +335,13 @@ class _StrictLoader(yaml.SafeLoader):
     """SafeLoader with YAML 1.2 core scalars only, no duplicate keys, no anchors or aliases."""
 
     def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
-        event = self.peek_event()
+        event = self.peek_event()  # type: ignore[no-untyped-call]
+        line = event.start_mark.line + 1  # the parser marks every event it makes
         if isinstance(event, yaml.AliasEvent):
-            raise SpecError(f"line {event.start_mark.line + 1}: YAML aliases are not allowed")
+            raise SpecError(f"line {line}: YAML aliases are not allowed")
         # Nodes do not keep their anchor; the event that starts them does.
         if getattr(event, "anchor", None) is not None:
-            raise SpecError(f"line {event.start_mark.line + 1}: YAML anchors are not allowed")
+            raise SpecError(f"line {line}: YAML anchors are not allowed")
         return super().compose_node(parent, index)
 
     def construct_mapping(self, node, deep=False):  # type: ignore[no-untyped-def]
@@ -403,7 +413,7 @@ def _validate(data: dict[str, Any], prefix: str) -> AttnSpec:
         raise SpecError(prefix + _describe(exc.errors()[0])) from None
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _describe(error: ErrorDetails) -> str:
     """One pydantic error as 'field: got VALUE; allowed: ...'."""
     cause = error.get("ctx", {}).get("error")
     if isinstance(cause, _FieldError):

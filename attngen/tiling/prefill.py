@@ -226,12 +226,12 @@ def tma_barrier_expression() -> sympy.Expr:
 def regs_expression(arch: GpuArch) -> sympy.Expr:
     """Registers per thread: the fp32 accumulator, the score tile and the K/V tiles, over
     32 * W threads. A bound more than an estimate (rms error 25 on configs that do not spill):
-    the 16-bit coefficients come from a linear program over the 16-bit configs in attngen/data
-    and the original 584-config fit set, constrained so that every config that spills more
-    than 64 B is predicted at 260 or more (never "safe") and the tuned winners in tuning/
-    stay feasible. ptxas varies by up to +-75 registers between specs that share a config
-    (mask, softcap, ALiBi, a padded head dim), which no tile formula sees; docs/tiling.md has
-    the numbers.
+    the 16-bit coefficients come from a linear program over the 16-bit configs in
+    attngen/verify/data and the original 584-config fit set, constrained so that every config
+    that spills more than 64 B is predicted at 260 or more (never "safe") and the tuned
+    winners in tuning/ stay feasible. ptxas varies by up to +-75 registers between specs that
+    share a config (mask, softcap, ALiBi, a padded head dim), which no tile formula sees;
+    docs/tiling.md has the numbers.
 
     fp32 (IEEE dots lower to FMA loops): ptxas's register use is not a function of the tile
     (on sm90, 32x32 tiles with 8 warps spill 500 B where 32x64 spill none), so the formula is

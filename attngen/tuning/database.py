@@ -82,7 +82,8 @@ def read_tuning_file(path: Path) -> dict[str, Any]:
                           f"{TUNING_SCHEMA} (re-run attngen autotune)")
     if data.get("arch") != arch or not isinstance(data.get("entries"), dict):
         raise TuningError(f"{path}: expected arch {arch!r} and an 'entries' mapping")
-    return data
+    checked: dict[str, Any] = data
+    return checked
 
 
 def render_tuning_file(data: dict[str, Any]) -> str:

@@ -114,7 +114,8 @@ def plan_rows(specs: Iterable[AttnSpec], archs: Sequence[str] | None) -> Plan:
         for arch in archs or spec.archs:
             derivation = derive_tiles(spec, arch)
             best = derivation.chosen
-            chosen.append((spec.name, arch, best and measurement_key(spec, arch, best)))
+            chosen.append((spec.name, arch,
+                           None if best is None else measurement_key(spec, arch, best)))
             for cand in derivation.candidates:
                 key = measurement_key(spec, arch, cand.config)
                 row = rows.get(key)
@@ -155,8 +156,8 @@ def live_jobs(plan: Plan, data: Measurements, recompile: bool, sample: int, seed
                 jobs.append((key, plan.representative[key]))
     if sample and not recompile:
         rng = random.Random(seed)
-        known = [k for k in sorted(plan.rows) if data.get(k) is not None and k.dtype != "fp32"
-                 and data.get(k)["compile_s"] <= SAMPLE_MAX_COMPILE_S]
+        known = [k for k in sorted(plan.rows) if (record := data.get(k)) is not None
+                 and k.dtype != "fp32" and record["compile_s"] <= SAMPLE_MAX_COMPILE_S]
         rejected = [k for k in known if not plan.rows[k].candidate.feasible]
         feasible = [k for k in known if plan.rows[k].candidate.feasible]
         half = sample // 2
@@ -229,7 +230,7 @@ def judge(plan: Plan, data: Measurements, changed: dict[MeasurementKey, list[str
         for message in changed.get(key, []):
             stale = message.startswith("data file is stale")
             (row.notes if stale and not stale_fails else row.problems).append(message)
-        _judge_one(row)
+        _judge_one(row, row.measured)
         for ref, record in (others or {}).get(key, []):
             spills = record["spill_stores"] or 0
             message = f"{ref}: {record['regs']} regs, spills {spills} B"
@@ -240,8 +241,8 @@ def judge(plan: Plan, data: Measurements, changed: dict[MeasurementKey, list[str
                 row.notes.append(message)
 
 
-def _judge_one(row: Row) -> None:
-    arch, cand, m = ARCHS[row.key.arch], row.candidate, row.measured
+def _judge_one(row: Row, m: dict[str, Any]) -> None:
+    arch, cand = ARCHS[row.key.arch], row.candidate
     if m["error"]:
         (row.problems if cand.feasible else row.notes).append(f"compile error: {m['error']}")
         return

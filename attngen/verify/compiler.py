@@ -79,6 +79,7 @@ def load_kernel(spec: AttnSpec, arch: str, kind: KernelKind = KernelKind.prefill
             path = Path(tmp) / f"compile_{kind.value}_{spec.spec_hash()}_{arch}.py"
             path.write_text(source)
             loader = importlib.util.spec_from_file_location(path.stem, path)
+            assert loader is not None and loader.loader is not None  # a .py file has one
             module = importlib.util.module_from_spec(loader)
             loader.loader.exec_module(module)  # JIT functions keep their source in memory
         _kernels[key] = getattr(module, _MEASURED_KERNEL[kind])
