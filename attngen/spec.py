@@ -1,9 +1,9 @@
 """The attention spec: the validated, frozen description of one attention flavour.
 
 A spec file is untrusted input that ends up as executed Python, so everything about it is
-strict: YAML is read with a loader that knows only YAML 1.2's plain scalars (no `no` -> False,
-`010` -> 8, `12:30` -> 750, dates), duplicate keys, anchors and aliases are refused, and every
-field is checked by pydantic with exact types. An error names the file, the field, the value
+strict: YAML is read by attngen.strict_yaml, which knows only YAML 1.2's plain scalars (no
+`no` -> False, `010` -> 8, `12:30` -> 750, dates) and refuses duplicate keys, anchors and
+aliases, and every field is checked by pydantic with exact types. An error names the file, the field, the value
 and what is allowed, as one line (`SpecError`).
 
 A file describes one model. Fields at the top level apply to every attention flavour of that
@@ -28,12 +28,12 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 from pydantic import ValidationError as PydanticValidationError
 from pydantic_core import ErrorDetails
 
 from attngen.arch import arch_names
+from attngen.strict_yaml import YamlError, load_yaml
 
 MAX_SPEC_BYTES = 64 * 1024  # a spec is a few hundred bytes; anything larger is a mistake
 NAME_PATTERN = r"^[a-z][a-z0-9_]{0,47}$"
@@ -328,56 +328,12 @@ def module_name(spec: AttnSpec, kernel: KernelKind) -> str:
     return "_".join(parts)
 
 
-# ---------------------------------------------------------------------------- YAML reading
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 core scalars only, no duplicate keys, no anchors or aliases."""
-
-    def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
-        event = self.peek_event()  # type: ignore[no-untyped-call]
-        line = event.start_mark.line + 1  # the parser marks every event it makes
-        if isinstance(event, yaml.AliasEvent):
-            raise SpecError(f"line {line}: YAML aliases are not allowed")
-        # Nodes do not keep their anchor; the event that starts them does.
-        if getattr(event, "anchor", None) is not None:
-            raise SpecError(f"line {line}: YAML anchors are not allowed")
-        return super().compose_node(parent, index)
-
-    def construct_mapping(self, node, deep=False):  # type: ignore[no-untyped-def]
-        keys: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if not isinstance(key, str):
-                raise SpecError(f"line {key_node.start_mark.line + 1}: key {key!r} is not a name")
-            if key in keys:
-                raise SpecError(f"line {key_node.start_mark.line + 1}: duplicate key {key!r}")
-            keys.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-# Replace PyYAML's YAML 1.1 implicit resolvers: only these plain scalars become non-strings.
-_StrictLoader.yaml_implicit_resolvers = {}
-for _tag, _regexp, _first in (
-    ("tag:yaml.org,2002:bool", r"^(?:true|false)$", "tf"),
-    ("tag:yaml.org,2002:int", r"^-?(?:0|[1-9][0-9]*)$", "-0123456789"),
-    ("tag:yaml.org,2002:float", r"^-?(?:0|[1-9][0-9]*)\.[0-9]+$", "-0123456789"),
-    ("tag:yaml.org,2002:null", r"^(?:~|null|)$", ["~", "n", ""]),
-):
-    _StrictLoader.add_implicit_resolver(_tag, re.compile(_regexp), list(_first))
-
-
 def parse_yaml(text: str) -> Any:
+    """`text` read as strict YAML (attngen.strict_yaml); a SpecError says what is wrong."""
     try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}: " if mark is not None else ""
-        # One line: some PyYAML messages (ReaderError) span several. The context says what
-        # was expected ("expected a single document in the stream"), the problem what was found.
-        parts = [getattr(exc, "context", None), getattr(exc, "problem", None)]
-        problem = " ".join((", ".join(str(p) for p in parts if p) or str(exc)).split())
-        raise SpecError(f"{where}not valid YAML ({problem})") from None
+        return load_yaml(text)
+    except YamlError as exc:
+        raise SpecError(str(exc)) from None
 
 
 def specs_from_data(data: Any) -> tuple[AttnSpec, ...]:
