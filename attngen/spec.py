@@ -3,8 +3,8 @@
 A spec file is untrusted input that ends up as executed Python, so everything about it is
 strict: YAML is read by attngen.strict_yaml, which knows only YAML 1.2's plain scalars (no
 `no` -> False, `010` -> 8, `12:30` -> 750, dates) and refuses duplicate keys, anchors and
-aliases, and every field is checked by pydantic with exact types. An error names the file, the field, the value
-and what is allowed, as one line (`SpecError`).
+aliases, and every field is checked by pydantic with exact types. An error names the file,
+the field, the value and what is allowed, as one line (`SpecError`).
 
 A file describes one model. Fields at the top level apply to every attention flavour of that
 model; a model with several flavours (Gemma-2 alternates sliding-window and global layers)
