@@ -1,8 +1,18 @@
 """attngen: specialized FlashAttention-style Triton kernels generated from a YAML spec.
 
+The modules follow the pipeline: spec (validated and frozen; strict_yaml reads the file) ->
+arch (GPU targets as data) -> tiling/ (the launch config, derived, and the code paths) ->
+render (templates/ and the config become a module's text) -> build (generated/<arch>/ and its
+index; files writes them). Beside it: tuning/ (measured configs that replace the heuristic's),
+verify/ (the tiling model against Triton's compiler), explain and capabilities (the
+derivations in words), cli (the command over all of it). runtime/ serves the generated
+kernels to models; reference is the float64 attention they are tested against.
+
 The build path (spec -> generated/) imports neither torch nor triton, so the names that run
 kernels are loaded lazily, from attngen.runtime, on first access.
 """
+
+from typing import Any
 
 __version__ = "0.1.0"
 
@@ -13,7 +23,7 @@ _RUNTIME = frozenset({
 })
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _RUNTIME:
         import attngen.runtime
 

@@ -12,20 +12,19 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import os
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from attngen import __version__
-from attngen.decode_tiling import derive_decode_tiles
-from attngen.explain import nearest_alternative
+from attngen.files import write_if_different
 from attngen.render import render_module
 from attngen.spec import AttnSpec, KernelKind, SpecError, load_spec_file, module_name
-from attngen.tiling import derive_tiles
-from attngen.tuning import apply_tuning, lookup
+from attngen.tiling.alternatives import nearest_alternative
+from attngen.tiling.decode import derive_decode_tiles
+from attngen.tiling.prefill import derive_tiles
+from attngen.tuning.database import apply_tuning, lookup
 
 INDEX_NAME = "index.json"
 INDEX_SCHEMA = 1
@@ -82,6 +81,7 @@ def _plan_one(spec: AttnSpec, kind: KernelKind, arch: str, tuning_dir: Path | No
             "drop this arch from `archs` or change the spec"
         )
     derivation = apply_tuning(derivation, lookup(tuning_dir, spec, kind, arch))
+    assert derivation.chosen is not None  # apply_tuning replaces the choice, never drops it
     name = module_name(spec, kind)
     relative_path = f"{arch}/{name}.py"
     entry = {
@@ -151,28 +151,6 @@ def read_index(out_dir: Path) -> list[dict[str, Any]]:
         return list(index["modules"])
     except (ValueError, KeyError, TypeError):
         raise BuildError(f"{path}: not an attngen index; move it away or delete it") from None
-
-
-def write_if_different(path: Path, text: str) -> bool:
-    """Atomically replace `path` with `text` unless it already holds exactly that."""
-    data = text.encode("utf-8")
-    with contextlib.suppress(FileNotFoundError):
-        if path.read_bytes() == data:
-            return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    return True
 
 
 def _confined(out: Path, relative_path: str) -> Path:

@@ -1,9 +1,10 @@
 """The capability matrix: what the tiling model serves on each arch, and with which config.
 
 arch x dtype x head dim x mask -> the config `attngen build` would render, or why none fits.
-Every cell is a derivation (attngen.tiling.derive_tiles on a spec with those fields); the
-compiler's numbers for the chosen config are added from the oracle data file where it has
-them. docs/capabilities.md is this module's output, and a test fails when it is stale.
+Every cell is a derivation (attngen.tiling.prefill.derive_tiles on a spec with those fields);
+the compiler's numbers for the chosen config are added from the committed compiler
+measurements where they have them. docs/capabilities.md is this module's output, and a test
+fails when it is stale.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from attngen.arch import ARCHS
-from attngen.oracle_data import OracleData, OracleKey, oracle_key
 from attngen.spec import AttnSpec, Dtype, Mask, specs_from_data
-from attngen.tiling import REGISTER_MARGIN, TileConfig, derive_tiles
+from attngen.tiling.prefill import REGISTER_MARGIN, TileConfig, derive_tiles
+from attngen.verify.measurements import MeasurementKey, Measurements, measurement_key
 
 HEAD_DIMS = (64, 80, 96, 128, 160, 192, 200, 256)
 
@@ -31,7 +32,7 @@ class Cell:
     smem_bytes: int
     may_spill: bool
     reason: str  # empty when a config fits
-    key: OracleKey | None
+    key: MeasurementKey | None
 
     def text(self) -> str:
         if self.config is None:
@@ -73,10 +74,10 @@ def _cell(spec: AttnSpec, arch: str) -> Cell:
                     closest.smem_bytes, False, "; ".join(closest.rejected), None)
     return Cell(arch, spec.dtype.value, spec.head_dim, spec.mask.value, best.config,
                 best.smem_bytes, best.may_spill(ARCHS[arch]), "",
-                oracle_key(spec, arch, best.config))
+                measurement_key(spec, arch, best.config))
 
 
-def _compiled(cell: Cell, data: OracleData | None) -> str:
+def _compiled(cell: Cell, data: Measurements | None) -> str:
     record = data.get(cell.key) if data is not None and cell.key is not None else None
     if record is None or record.get("shared") is None:
         return "not compiled"
@@ -84,7 +85,7 @@ def _compiled(cell: Cell, data: OracleData | None) -> str:
     return f"{record['shared'] / 1024:.0f} KiB, {record['regs']} regs, {spills} B spilled"
 
 
-def render_capabilities(cells: Sequence[Cell], data: OracleData | None) -> str:
+def render_capabilities(cells: Sequence[Cell], data: Measurements | None) -> str:
     """Markdown: one table per arch, a row per (head dim, dtype); masks that agree share a row."""
     lines = [
         "# Capability matrix",
@@ -96,11 +97,11 @@ def render_capabilities(cells: Sequence[Cell], data: OracleData | None) -> str:
         "or why no candidate fits. Head dims that are not powers of two are padded to the next "
         "one inside the kernel. \"compiled\" is what Triton "
         f"{data.triton if data else '-'} reports for that config and padded head dim "
-        "(attngen/data: one spec's compile per arch, dtype, padded dims and config; registers "
-        "vary a little between specs, shared memory does not; `attngen verify-tiling` checks "
-        f"it). \"may spill\": predicted within {REGISTER_MARGIN} registers above the limit, or "
-        "fp32 (whose register use the model does not predict), chosen only when nothing safer "
-        "fits.",
+        "(attngen/verify/data: one spec's compile per arch, dtype, padded dims and config; "
+        "registers vary a little between specs, shared memory does not; `attngen "
+        "verify-tiling` checks it). \"may spill\": predicted within "
+        f"{REGISTER_MARGIN} registers above the limit, or fp32 (whose register use the model "
+        "does not predict), chosen only when nothing safer fits.",
         "",
         "Every mask was derived separately; where all three give the same config the row says "
         "\"all\" (the model has no mask term, and the compiler allocates the same shared memory "

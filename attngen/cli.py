@@ -1,4 +1,4 @@
-"""The `attngen` command: a thin layer over attngen.build and attngen.explain.
+"""The `attngen` command: a thin layer over the library (build, explain, tuning, verify).
 
 User mistakes (bad specs, specs no arch can serve) print one line to stderr and exit 1; usage
 mistakes (unknown options, missing arguments) exit 2 through click. No tracebacks for either.
@@ -15,7 +15,7 @@ from attngen.arch import arch_names
 from attngen.build import build, load_specs, stale_paths
 from attngen.explain import explain_lines
 from attngen.spec import SpecError, specs_from_data
-from attngen.tuning import DEFAULT_TUNING_DIR
+from attngen.tuning.database import DEFAULT_TUNING_DIR
 
 app = typer.Typer(
     add_completion=False,
@@ -76,7 +76,7 @@ def spec_from_hf_command(
                                              "stdout.")] = None,
 ) -> None:
     """Write the spec of a transformers model's attention (read as JSON; no transformers)."""
-    from attngen.build import write_if_different
+    from attngen.files import write_if_different
     from attngen.hf_spec import spec_data_from_config, spec_yaml
 
     try:
@@ -126,7 +126,10 @@ def autotune_command(
 
     Then `attngen build` uses them (the module header says the config came from tuning)."""
     try:
-        from attngen.autotune import autotune, detect_arch  # torch/triton: not on the build path
+        from attngen.tuning.autotune import (  # torch/triton: not on the build path
+            autotune,
+            detect_arch,
+        )
 
         loaded = load_specs(specs)
         target = detect_arch() if arch == "auto" else arch
@@ -163,8 +166,8 @@ def verify_tiling_command(
     json_path: Annotated[Path | None, typer.Option(
         "--json", help="Write every row and the summary as JSON.")] = None,
     data: Annotated[Path | None, typer.Option(
-        help="Oracle data file; default attngen/data/oracle_triton-<installed version>.json.")]
-    = None,
+        help="Compiler measurements file; default "
+             "attngen/verify/data/prefill_compile_triton-<installed version>.json.")] = None,
     save_data: Annotated[bool, typer.Option(
         help="Write what was compiled live into the data file.")] = False,
     rows: Annotated[bool, typer.Option(help="Print every config, not only failures.")] = False,
@@ -173,13 +176,10 @@ def verify_tiling_command(
 ) -> None:
     """Compare the tiling model with Triton's compiler on every candidate config; exit 1 on a
     feasible config that does not fit or spills more than allowed (docs/tiling.md)."""
-    # Imported here: the other commands never need the oracle data or (lazily) triton.
-    from attngen.oracle import triton_version
-    from attngen.oracle_data import data_path, load_oracle_data
-    from attngen.render import TEMPLATE_FOR_KIND, template_hash
-    from attngen.spec import KernelKind
-    from attngen.verify import verify
-    from attngen.verify_report import dump_json, report_lines
+    # Imported here: the other commands never need the measurements or (lazily) triton.
+    from attngen.verify.check import verify_tiling
+    from attngen.verify.measurements import data_path, load_measurements, triton_version
+    from attngen.verify.report import dump_json, report_lines
 
     unknown = [a for a in arch or [] if a not in arch_names()]
     if unknown:
@@ -191,21 +191,13 @@ def verify_tiling_command(
     path = data or data_path(triton_version())
     try:
         loaded = load_specs(paths)
-        oracle = load_oracle_data(path)
+        measurements = load_measurements(path)
     except (SpecError, ValueError) as exc:
         raise _fail(str(exc)) from None
-    current = template_hash(TEMPLATE_FOR_KIND[KernelKind.prefill])
-
-    def progress(message: str) -> None:
-        typer.echo(f"attngen: {message}", err=True)
-        if save_data:  # after every chunk, so an interrupted sweep keeps what it compiled
-            oracle.template_hash = current
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(oracle.dumps(), encoding="utf-8")
-
-    report = verify(loaded, arch or arch_names(), oracle, recompile=recompile, sample=sample,
-                    seed=seed, processes=jobs, template_hash=current, progress=progress,
-                    stale_fails=not save_data, every_spec=every_spec)
+    report = verify_tiling(
+        loaded, arch or arch_names(), measurements, recompile=recompile, sample=sample,
+        seed=seed, processes=jobs, every_spec=every_spec, save_to=path if save_data else None,
+        progress=lambda message: typer.echo(f"attngen: {message}", err=True))
     typer.echo("\n".join(report_lines(report, all_rows=rows)))
     if json_path is not None:
         json_path.write_text(dump_json(report), encoding="utf-8")
@@ -220,17 +212,17 @@ def capabilities_command(
     out: Annotated[Path | None, typer.Option(
         "--out", help="Write the Markdown here (docs/capabilities.md); default stdout.")] = None,
     data: Annotated[Path | None, typer.Option(
-        help="Oracle data file for the compiled column; default the installed Triton's.")]
+        help="Compiler measurements file for the compiled column; default the installed "
+             "Triton's.")]
     = None,
 ) -> None:
     """The capability matrix: arch x dtype x head dim x mask -> config, or why none fits."""
-    from attngen.build import write_if_different
     from attngen.capabilities import capability_cells, render_capabilities
-    from attngen.oracle import triton_version
-    from attngen.oracle_data import data_path, load_oracle_data
+    from attngen.files import write_if_different
+    from attngen.verify.measurements import data_path, load_measurements, triton_version
 
     text = render_capabilities(capability_cells(),
-                               load_oracle_data(data or data_path(triton_version())))
+                               load_measurements(data or data_path(triton_version())))
     if out is None:
         typer.echo(text, nl=False)
     elif write_if_different(out, text):

@@ -6,17 +6,18 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from attngen.arch import ARCHS
-from attngen.code_paths import code_paths
-from attngen.decode_tiling import derive_decode_tiles, split_lines
-from attngen.spec import AttnSpec, Dtype, KernelKind
-from attngen.tiling import (
+from attngen.spec import AttnSpec, KernelKind
+from attngen.tiling.alternatives import nearest_alternative
+from attngen.tiling.code_paths import code_paths
+from attngen.tiling.decode import derive_decode_tiles, split_lines
+from attngen.tiling.prefill import (
     REFERENCE_TOKENS,
     Candidate,
     Derivation,
     derive_tiles,
     padded_head_dim,
 )
-from attngen.tuning import apply_tuning, lookup
+from attngen.tuning.database import apply_tuning, lookup
 
 TOP_FEASIBLE = 6
 REJECTED_SAMPLE = 4
@@ -110,7 +111,7 @@ def explain_decode(spec: AttnSpec, derivation: Derivation) -> list[str]:
     split rule worked out for reference problems on the arch's SM count."""
     arch = ARCHS[derivation.arch]
     ratio = spec.num_q_heads // spec.num_kv_heads
-    layout = spec.kv_layout.value + (f", page_size {spec.page_size}" if spec.page_size else "")
+    layout = spec.cache_layout.value + (f", page_size {spec.page_size}" if spec.page_size else "")
     lines = [
         f"== {spec.name} decode on {arch.name} ({arch.part}, {arch.sm_count} SMs, "
         f"{arch.smem_budget} B shared/block)",
@@ -183,31 +184,6 @@ def _span(stages: list[int]) -> str:
     if contiguous and len(stages) > 1:
         return f"{stages[0]}-{stages[-1]}"
     return ",".join(map(str, stages))
-
-
-def nearest_alternative(spec: AttnSpec, arch: str) -> str:
-    """When nothing fits: the closest change to the spec that does, or why none exists.
-
-    Tried in the order a user would give ground: a smaller head dim (the model only sees the
-    padded power of two, so each tier down once), then a 16-bit dtype instead of fp32. Every
-    trial is a derivation, not a compile."""
-    trials: list[tuple[str, AttnSpec]] = []
-    padded = padded_head_dim(max(spec.head_dim, spec.value_head_dim))
-    tier = padded // 2
-    while tier >= 16:
-        update = {"head_dim": min(spec.head_dim, tier),
-                  "head_dim_v": min(spec.value_head_dim, tier)}
-        trials.append((f"head_dim <= {tier}", spec.model_copy(update=update)))
-        tier //= 2
-    if spec.dtype.itemsize == 4:
-        trials.insert(0, ("dtype bf16", spec.model_copy(update={"dtype": Dtype.bf16})))
-    for change, trial in trials:
-        chosen = derive_tiles(trial, arch).chosen
-        if chosen is not None:
-            return (f"{change} fits (BLOCK_M={chosen.block_m} BLOCK_N={chosen.block_n} "
-                    f"num_warps={chosen.num_warps} num_stages={chosen.num_stages})")
-    tried = "a smaller head dim" + (" or bf16" if spec.dtype.itemsize == 4 else "")
-    return f"none: {tried} does not fit {arch} either"
 
 
 def _row(cand: Candidate, verdict: str, waves: bool = True) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +54,8 @@ def read_config(source: Any) -> dict[str, Any]:
                     "path or folder, or a transformers config")
 
 
-def spec_data_from_config(config: Any, *, archs=DEFAULT_ARCHS, name: str | None = None,
-                          dtype: str | None = None) -> dict[str, Any]:
+def spec_data_from_config(config: Any, *, archs: Sequence[str] = DEFAULT_ARCHS,
+                          name: str | None = None, dtype: str | None = None) -> dict[str, Any]:
     """The spec as YAML-ready data (with `variants` for alternating local/global layers)."""
     cfg = _text_config(read_config(config))
     heads = _int(cfg, "num_attention_heads")
@@ -88,7 +89,7 @@ def spec_data_from_config(config: Any, *, archs=DEFAULT_ARCHS, name: str | None 
     return {**data, **local}
 
 
-def spec_from_config(config: Any, *, archs=DEFAULT_ARCHS, name: str | None = None,
+def spec_from_config(config: Any, *, archs: Sequence[str] = DEFAULT_ARCHS, name: str | None = None,
                      dtype: str | None = None) -> tuple[AttnSpec, ...]:
     """The validated specs of a transformers config (one, or local and global variants)."""
     return specs_from_data(spec_data_from_config(config, archs=archs, name=name, dtype=dtype))

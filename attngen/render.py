@@ -13,15 +13,19 @@ from __future__ import annotations
 import ast
 import hashlib
 from functools import cache
-from pathlib import Path
-from typing import Any
+from importlib import resources
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 
-from attngen import __version__, decode_tiling
-from attngen.code_paths import code_paths
-from attngen.spec import AttnSpec, Dtype, KernelKind, module_name
-from attngen.tiling import Derivation, TileConfig, padded_head_dim
+from attngen import __version__
+from attngen.spec import AttnSpec, KernelKind, module_name
+from attngen.tiling import decode as decode_tiling
+from attngen.tiling.code_paths import code_paths
+from attngen.tiling.prefill import Derivation, TileConfig, padded_head_dim
+
+if TYPE_CHECKING:  # importlib.resources.abc is Python >= 3.11; only the annotation needs it
+    from importlib.resources.abc import Traversable
 
 # A generated module may import these and nothing else.
 ALLOWED_IMPORTS = frozenset({"contextlib", "math", "os", "torch", "triton", "triton.language"})
@@ -33,23 +37,21 @@ TEMPLATE_FOR_KIND = {KernelKind.prefill: "prefill.py.jinja", KernelKind.varlen: 
                      KernelKind.decode: "decode.py.jinja"}
 ENTRY_POINTS = {KernelKind.prefill: "attention", KernelKind.varlen: "attention_varlen",
                 KernelKind.decode: "decode"}
-_DTYPE_NAMES = {Dtype.fp16: "float16", Dtype.bf16: "bfloat16", Dtype.fp32: "float32"}
 
 
 class RenderError(RuntimeError):
     """A rendered module failed its safety gate: a bug in attngen, never a user mistake."""
 
 
-def template_dir() -> Path:
-    """The packaged templates (a wheel puts them in attngen/templates), else the source tree's."""
-    packaged = Path(__file__).with_name("templates")
-    return packaged if packaged.is_dir() else Path(__file__).parent.parent / "templates"
+def template_dir() -> Traversable:
+    """The templates, a resource of the attngen package (attngen/templates/)."""
+    return resources.files("attngen").joinpath("templates")
 
 
 @cache
 def _environment() -> jinja2.Environment:
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(template_dir())),
+        loader=jinja2.PackageLoader("attngen", "templates"),
         undefined=jinja2.StrictUndefined,
         autoescape=False,  # Python source, not HTML; the context holds no user text
         trim_blocks=True,
@@ -62,7 +64,9 @@ def _environment() -> jinja2.Environment:
 def template_hash(template_name: str) -> str:
     """Hash of a template and every partial: a change to any of them shows in the header."""
     digest = hashlib.sha256()
-    for path in sorted(template_dir().glob("*.py.jinja")):
+    for path in sorted(template_dir().iterdir(), key=lambda p: p.name):
+        if not path.name.endswith(".py.jinja"):
+            continue
         if path.name == template_name or path.name.startswith("_"):
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
@@ -92,7 +96,7 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
         "shorter_configs": [f"({up_to}, {_config_literal(c)})" for up_to, c in derivation.shorter],
         "derivation_lines": list(derivation.summary_lines()),
         "dtype": spec.dtype.value,
-        "dtype_name": _DTYPE_NAMES[spec.dtype],
+        "dtype_name": spec.dtype.torch_name,
         "head_dim": spec.head_dim,
         "head_dim_v": spec.value_head_dim,
         "block_d": padded_head_dim(spec.head_dim),
@@ -113,7 +117,7 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
     }
     if kind is KernelKind.decode:
         context.update({
-            "kv_layout": spec.kv_layout.value,
+            "kv_layout": spec.cache_layout.value,
             "page_size": spec.page_size or 0,
             "max_query_tokens": spec.query_tokens,
             "split_waves": decode_tiling.SPLIT_WAVES,

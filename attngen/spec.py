@@ -1,10 +1,10 @@
 """The attention spec: the validated, frozen description of one attention flavour.
 
 A spec file is untrusted input that ends up as executed Python, so everything about it is
-strict: YAML is read with a loader that knows only YAML 1.2's plain scalars (no `no` -> False,
-`010` -> 8, `12:30` -> 750, dates), duplicate keys, anchors and aliases are refused, and every
-field is checked by pydantic with exact types. An error names the file, the field, the value
-and what is allowed, as one line (`SpecError`).
+strict: YAML is read by attngen.strict_yaml, which knows only YAML 1.2's plain scalars (no
+`no` -> False, `010` -> 8, `12:30` -> 750, dates) and refuses duplicate keys, anchors and
+aliases, and every field is checked by pydantic with exact types. An error names the file,
+the field, the value and what is allowed, as one line (`SpecError`).
 
 A file describes one model. Fields at the top level apply to every attention flavour of that
 model; a model with several flavours (Gemma-2 alternates sliding-window and global layers)
@@ -28,11 +28,12 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 from pydantic import ValidationError as PydanticValidationError
+from pydantic_core import ErrorDetails
 
 from attngen.arch import arch_names
+from attngen.strict_yaml import YamlError, load_yaml
 
 MAX_SPEC_BYTES = 64 * 1024  # a spec is a few hundred bytes; anything larger is a mistake
 NAME_PATTERN = r"^[a-z][a-z0-9_]{0,47}$"
@@ -43,6 +44,10 @@ class SpecError(ValueError):
 
 
 class Dtype(str, Enum):
+    """A kernel's input and output dtype. The value is the short name of YAML files, module
+    names and Triton's type strings; the properties are its other spellings, so that no module
+    keeps a map of its own."""
+
     fp16 = "fp16"
     bf16 = "bf16"
     fp32 = "fp32"
@@ -50,6 +55,34 @@ class Dtype(str, Enum):
     @property
     def itemsize(self) -> int:
         return 4 if self is Dtype.fp32 else 2
+
+    @property
+    def torch_name(self) -> str:
+        """The name under torch and triton.language (`torch.bfloat16`, `tl.bfloat16`)."""
+        return {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[self.value]
+
+    @property
+    def triton_pointer(self) -> str:
+        """The type of a pointer to this dtype in a Triton kernel signature (`*bf16`)."""
+        return f"*{self.value}"
+
+    @property
+    def mantissa_bits(self) -> int:
+        """Explicit mantissa bits: the spacing of numbers at magnitude m is
+        2 ** (floor(log2 m) - mantissa_bits), and eps is 2 ** -mantissa_bits."""
+        return {"fp16": 10, "bf16": 7, "fp32": 23}[self.value]
+
+    @property
+    def eps(self) -> float:
+        """The spacing of numbers just above 1.0."""
+        return 2.0 ** -self.mantissa_bits
+
+    @classmethod
+    def from_torch_name(cls, name: str) -> Dtype | None:
+        """The Dtype whose torch_name is `name` ("bfloat16"; a "torch." prefix is allowed),
+        or None for a dtype attngen has no kernels for."""
+        bare = name.removeprefix("torch.")
+        return next((dtype for dtype in cls if dtype.torch_name == bare), None)
 
 
 class Mask(str, Enum):
@@ -172,11 +205,12 @@ class AttnSpec(BaseModel):
         if self.kv_layout is None:
             raise _field_error("kv_layout", None, "contiguous or paged (required with decode)")
         paged = self.kv_layout is KvLayout.paged
-        if paged and self.page_size is None:
+        page_size = self.page_size
+        if paged and page_size is None:
             raise _field_error("page_size", None, _ALLOWED["page_size"] + " (required with "
                                "kv_layout paged)")
-        if paged and self.page_size & (self.page_size - 1):
-            raise _field_error("page_size", self.page_size, _ALLOWED["page_size"])
+        if paged and page_size is not None and page_size & (page_size - 1):
+            raise _field_error("page_size", page_size, _ALLOWED["page_size"])
         if not paged and self.page_size is not None:
             raise _field_error("page_size", self.page_size, "absent unless kv_layout is paged")
         if self.causal_align is CausalAlign.top_left:
@@ -189,6 +223,13 @@ class AttnSpec(BaseModel):
     @property
     def value_head_dim(self) -> int:
         return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def cache_layout(self) -> KvLayout:
+        """Decode's KV cache layout (kv_layout, which validation requires with decode)."""
+        if self.kv_layout is None:
+            raise ValueError(f"{self.name}: kv_layout is set only when kernels include decode")
+        return self.kv_layout
 
     @property
     def query_tokens(self) -> int:
@@ -287,55 +328,12 @@ def module_name(spec: AttnSpec, kernel: KernelKind) -> str:
     return "_".join(parts)
 
 
-# ---------------------------------------------------------------------------- YAML reading
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 core scalars only, no duplicate keys, no anchors or aliases."""
-
-    def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
-        event = self.peek_event()
-        if isinstance(event, yaml.AliasEvent):
-            raise SpecError(f"line {event.start_mark.line + 1}: YAML aliases are not allowed")
-        # Nodes do not keep their anchor; the event that starts them does.
-        if getattr(event, "anchor", None) is not None:
-            raise SpecError(f"line {event.start_mark.line + 1}: YAML anchors are not allowed")
-        return super().compose_node(parent, index)
-
-    def construct_mapping(self, node, deep=False):  # type: ignore[no-untyped-def]
-        keys: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if not isinstance(key, str):
-                raise SpecError(f"line {key_node.start_mark.line + 1}: key {key!r} is not a name")
-            if key in keys:
-                raise SpecError(f"line {key_node.start_mark.line + 1}: duplicate key {key!r}")
-            keys.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-# Replace PyYAML's YAML 1.1 implicit resolvers: only these plain scalars become non-strings.
-_StrictLoader.yaml_implicit_resolvers = {}
-for _tag, _regexp, _first in (
-    ("tag:yaml.org,2002:bool", r"^(?:true|false)$", "tf"),
-    ("tag:yaml.org,2002:int", r"^-?(?:0|[1-9][0-9]*)$", "-0123456789"),
-    ("tag:yaml.org,2002:float", r"^-?(?:0|[1-9][0-9]*)\.[0-9]+$", "-0123456789"),
-    ("tag:yaml.org,2002:null", r"^(?:~|null|)$", ["~", "n", ""]),
-):
-    _StrictLoader.add_implicit_resolver(_tag, re.compile(_regexp), list(_first))
-
-
 def parse_yaml(text: str) -> Any:
+    """`text` read as strict YAML (attngen.strict_yaml); a SpecError says what is wrong."""
     try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}: " if mark is not None else ""
-        # One line: some PyYAML messages (ReaderError) span several. The context says what
-        # was expected ("expected a single document in the stream"), the problem what was found.
-        parts = [getattr(exc, "context", None), getattr(exc, "problem", None)]
-        problem = " ".join((", ".join(str(p) for p in parts if p) or str(exc)).split())
-        raise SpecError(f"{where}not valid YAML ({problem})") from None
+        return load_yaml(text)
+    except YamlError as exc:
+        raise SpecError(str(exc)) from None
 
 
 def specs_from_data(data: Any) -> tuple[AttnSpec, ...]:
@@ -371,7 +369,7 @@ def _validate(data: dict[str, Any], prefix: str) -> AttnSpec:
         raise SpecError(prefix + _describe(exc.errors()[0])) from None
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _describe(error: ErrorDetails) -> str:
     """One pydantic error as 'field: got VALUE; allowed: ...'."""
     cause = error.get("ctx", {}).get("error")
     if isinstance(cause, _FieldError):

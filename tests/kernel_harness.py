@@ -13,11 +13,11 @@ from types import ModuleType
 
 import torch
 
-from attngen.decode_tiling import derive_decode_tiles
 from attngen.reference import compare_to_reference, random_inputs
 from attngen.render import render_module
 from attngen.spec import AttnSpec, KernelKind, module_name, specs_from_data
-from attngen.tiling import derive_tiles
+from attngen.tiling.decode import derive_decode_tiles
+from attngen.tiling.prefill import derive_tiles
 
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _MODULE_DIR = Path(tempfile.mkdtemp(prefix="attngen-test-modules-"))

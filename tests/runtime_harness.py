@@ -55,7 +55,7 @@ def toy_kernels(toy_folder: Path):
 
 
 FAKE_DECODE = textwrap.dedent('''\
-    """A stand-in decode module honouring issue 6's contract, in torch (test only)."""
+    """A stand-in decode module honouring the decode kind's contract, in torch (test only)."""
     import math
 
     import torch

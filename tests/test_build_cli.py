@@ -20,10 +20,10 @@ from typer.testing import CliRunner
 from attngen.arch import arch_names
 from attngen.build import INDEX_NAME, load_specs, stale_paths
 from attngen.cli import app
-from attngen.decode_tiling import derive_decode_tiles
 from attngen.spec import KernelKind, module_name
-from attngen.tiling import derive_tiles
-from attngen.tuning import apply_tuning, lookup
+from attngen.tiling.decode import derive_decode_tiles
+from attngen.tiling.prefill import derive_tiles
+from attngen.tuning.database import apply_tuning, lookup
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from attngen.capabilities import HEAD_DIMS, capability_cells, render_capabilities
-from attngen.oracle import triton_version
-from attngen.oracle_data import data_path, load_oracle_data
 from attngen.spec import Dtype, Mask
+from attngen.verify.measurements import data_path, load_measurements, triton_version
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = ROOT / "docs" / "capabilities.md"
@@ -15,7 +14,7 @@ COMMITTED = ROOT / "docs" / "capabilities.md"
 
 def test_committed_capability_matrix_is_current():
     expected = render_capabilities(capability_cells(),
-                                   load_oracle_data(data_path(triton_version())))
+                                   load_measurements(data_path(triton_version())))
     assert COMMITTED.read_text(encoding="utf-8") == expected, (
         "docs/capabilities.md is stale: run `attngen capabilities --out docs/capabilities.md`")
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from attngen.decode_tiling import num_splits
+from attngen.tiling.decode import num_splits
 from tests.decode_harness import (
     decode_problems,
     expected_cache_after_append,

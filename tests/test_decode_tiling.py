@@ -1,5 +1,6 @@
-"""The decode tile model against what Triton 3.6 compiles (attngen/data/decode_compile_*.json,
-written by tools/decode_compile_check.py by cross-compiling for sm80/86/89/90, no GPU).
+"""The decode tile model against what Triton 3.6 compiles
+(attngen/verify/data/decode_compile_*.json, written by tools/decode_compile_check.py by
+cross-compiling for sm80/86/89/90, no GPU).
 
 The shared-memory model is prefill's loop with BLOCK_M = the row tile; it is exact for
 contiguous caches and over for paged ones, where Triton 3.6 does not multi-buffer the K/V
@@ -18,13 +19,13 @@ import pytest
 
 from attngen.arch import ARCHS
 from attngen.build import load_specs
-from attngen.decode_tiling import derive_decode_tiles, num_splits, row_tile
-from attngen.oracle import triton_version
 from attngen.spec import KernelKind, KvLayout
-from attngen.tiling import TileConfig
+from attngen.tiling.decode import derive_decode_tiles, num_splits, row_tile
+from attngen.tiling.prefill import TileConfig
+from attngen.verify.measurements import triton_version
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "attngen" / "data" / f"decode_compile_triton-{triton_version()}.json"
+DATA = ROOT / "attngen" / "verify" / "data" / f"decode_compile_triton-{triton_version()}.json"
 SAFE_SPILL_BYTES = 64
 
 
@@ -52,6 +53,21 @@ def test_every_chosen_decode_config_fits_what_the_compiler_allocates():
             assert row["regs"] <= ARCHS[arch].max_regs_per_thread
             archs.add(arch)
     assert archs >= {"sm80", "sm86", "sm89", "sm90"}
+
+
+def test_a_paged_decode_config_compiles_as_recorded():
+    """One live cross-compile (the full set is the slow test below): the decode kernel's launch
+    signature, as attngen.verify.compiler builds it, still gives the recorded allocation."""
+    from attngen.verify.compiler import compile_many  # a spawned worker: no interpreter there
+
+    spec = next(s for s in _decode_specs() if s.kv_layout is KvLayout.paged)
+    arch = "sm86"
+    rows = {(r["kernel_hash"], r["arch"]): r for r in json.loads(DATA.read_text())["rows"]}
+    row = rows[(spec.kernel_hash(KernelKind.decode), arch)]
+    config = derive_decode_tiles(spec, arch).chosen
+    (record,) = compile_many([(spec, arch, config)], kind=KernelKind.decode)
+    fields = ("shared", "regs", "spill_stores", "mma", "error")
+    assert {f: record[f] for f in fields} == {f: row[f] for f in fields}
 
 
 @pytest.mark.slow

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-import attngen.tiling as tiling
+import attngen.tiling.prefill as tiling
 from attngen.build import BuildError, plan_build
-from attngen.explain import explain_lines, explain_one, nearest_alternative
+from attngen.explain import explain_lines, explain_one
 from attngen.render import build_context
 from attngen.spec import KernelKind
-from attngen.tiling import derive_tiles
+from attngen.tiling.alternatives import nearest_alternative
+from attngen.tiling.prefill import derive_tiles
 from tests.kernel_harness import make_spec
 
 

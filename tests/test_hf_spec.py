@@ -13,7 +13,7 @@ import attngen
 from attngen.cli import app
 from attngen.hf_spec import spec_data_from_config
 from attngen.spec import SpecError, load_spec_file
-from attngen.tuning import NOT_TUNED_ON
+from attngen.tuning.database import NOT_TUNED_ON
 
 ROOT = Path(__file__).resolve().parent.parent
 

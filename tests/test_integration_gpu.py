@@ -18,7 +18,7 @@ import attngen
 from attngen.runtime import ops
 from attngen.runtime.registry import load_kernels
 from attngen.spec import load_spec_file
-from attngen.tuning import NOT_TUNED_ON
+from attngen.tuning.database import NOT_TUNED_ON
 
 ROOT = Path(__file__).resolve().parent.parent
 

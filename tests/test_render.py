@@ -32,7 +32,7 @@ from attngen.render import (
     template_hash,
 )
 from attngen.spec import AttnSpec, KernelKind, load_spec_file, module_name, specs_from_data
-from attngen.tiling import derive_tiles
+from attngen.tiling.prefill import derive_tiles
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"

@@ -213,7 +213,7 @@ def test_kvcache_routes_to_a_decode_module_when_one_serves(toy_folder, tmp_path)
 
 
 def test_kvcache_runs_the_generated_decode_kernels(tmp_path):
-    """The toy spec's real decode modules (issue 6), contiguous and paged: flash_attn_with_kvcache
+    """The toy spec's real decode modules, contiguous and paged: flash_attn_with_kvcache
     hands the caches over in place (flash-attn's [B, N, H, D] caches as [B, H, N, D] views, or
     its pages as they are), appends, and matches the reference."""
     decode = dict(name="toy", dtype="fp32", head_dim=16, num_q_heads=4, num_kv_heads=2,

@@ -554,3 +554,23 @@ def test_missing_file_and_directory(tmp_path: Path) -> None:
 
 def test_spec_error_is_a_value_error() -> None:
     assert issubclass(SpecError, ValueError)
+
+
+def test_dtype_spellings_are_torch_and_triton_ones() -> None:
+    """Dtype's properties are the build path's and the runtime's only dtype vocabulary: each
+    must be what torch and Triton call that dtype."""
+    import torch
+    import triton.language as tl
+
+    from attngen.spec import Dtype
+
+    for dtype in Dtype:
+        as_torch = getattr(torch, dtype.torch_name)
+        assert as_torch.itemsize == dtype.itemsize
+        assert torch.finfo(as_torch).eps == dtype.eps == 2.0 ** -dtype.mantissa_bits
+        as_triton = getattr(tl, dtype.torch_name)
+        assert str(as_triton) == dtype.value  # Triton's short name is the YAML name
+        assert tl.str_to_ty(dtype.triton_pointer, None) == tl.pointer_type(as_triton)
+        assert Dtype.from_torch_name(str(as_torch)) is dtype  # "torch.bfloat16"
+        assert Dtype.from_torch_name(dtype.torch_name) is dtype
+    assert Dtype.from_torch_name("float64") is None

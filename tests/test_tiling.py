@@ -9,7 +9,7 @@ import pytest
 from attngen.arch import ARCHS
 from attngen.build import BuildError, plan_build
 from attngen.explain import explain_one
-from attngen.tiling import (
+from attngen.tiling.prefill import (
     BM,
     BN,
     DV,
@@ -77,7 +77,7 @@ def test_explain_names_choice_binding_and_headroom():
 
 
 def test_spec_no_arch_can_serve_is_refused_before_rendering(monkeypatch):
-    import attngen.tiling as tiling
+    import attngen.tiling.prefill as tiling
 
     monkeypatch.setattr(tiling, "BLOCK_M_CHOICES", (128,))
     monkeypatch.setattr(tiling, "BLOCK_N_CHOICES", (128,))

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from attngen.autotune import Bucket, autotune
 from attngen.build import plan_build
 from attngen.explain import explain_lines
 from attngen.spec import KernelKind
-from attngen.tiling import TileConfig, derive_tiles
-from attngen.tuning import TUNING_SCHEMA, TuningError, entry_key, lookup, read_tuning_file
+from attngen.tiling.prefill import TileConfig, derive_tiles
+from attngen.tuning.autotune import Bucket, autotune
+from attngen.tuning.database import TUNING_SCHEMA, TuningError, entry_key, lookup, read_tuning_file
 from tests.kernel_harness import make_spec
 
 SPEC = make_spec(dtype="fp16", head_dim=64, archs=["sm90"], name="tuned")
@@ -98,7 +98,7 @@ def test_autotune_loop_records_a_winner_and_resumes(tmp_path, monkeypatch):
     assert f"BLOCK_M={outcome.winner.block_m}, BLOCK_N={outcome.winner.block_n}" in artifact.source
     # Measurements belong to the kernel text they were taken on: after a template change (a
     # different digest) every candidate is measured again.
-    monkeypatch.setattr("attngen.autotune._kernel_digest", lambda module: "changed-kernel")
+    monkeypatch.setattr("attngen.tuning.autotune._kernel_digest", lambda module: "changed-kernel")
     calls = []
     autotune([SPEC], tmp_path, budget_s=120, max_configs=3, arch="sm90", console=console,
              device="cpu", buckets=TINY, timer=lambda fn: calls.append(fn) or 1.0)
@@ -120,7 +120,7 @@ def test_entry_key_ignores_fields_that_do_not_change_the_kernel():
 
 
 def test_autotune_candidates_cover_tile_shapes_best_scoring_first():
-    from attngen.autotune import DEEP_STAGES, _candidates
+    from attngen.tuning.autotune import DEEP_STAGES, _candidates
 
     heuristic, picked = _candidates(SPEC, "sm90", 8)
     assert len(picked) == 8 and len(set(picked)) == 8
@@ -138,7 +138,7 @@ def test_autotune_candidates_cover_tile_shapes_best_scoring_first():
 
 
 def test_per_length_winners_switch_only_on_a_clear_gain_and_merge_neighbours():
-    from attngen.autotune import BUCKETS, SWITCH_GAIN, per_length_winners
+    from attngen.tuning.autotune import BUCKETS, SWITCH_GAIN, per_length_winners
 
     short, mid, long = (b.name for b in BUCKETS)
     times = {"big": {short: 1.00, mid: 1.00, long: 1.00},

@@ -1,6 +1,6 @@
-"""The tiling model against Triton's compiler (attngen.verify, `attngen verify-tiling`).
+"""The tiling model against Triton's compiler (attngen.verify.check, `attngen verify-tiling`).
 
-The full comparison reads the committed oracle data (no compile, seconds); a small live
+The full comparison reads the committed compiler measurements (no compile, seconds); a small live
 sample recompiles configs of that data to prove it is current for the installed Triton, and
 a few configs the model rejects are compiled to show they really do not fit.
 """
@@ -17,24 +17,31 @@ from typer.testing import CliRunner
 from attngen.arch import ARCHS
 from attngen.build import load_specs
 from attngen.cli import app
-from attngen.oracle import triton_version
-from attngen.oracle_data import data_path, load_oracle_data, oracle_key
-from attngen.tiling import derive_tiles
-from attngen.verify import OTHER_SPEC_SPILL_BYTES, judge, plan_rows, summarize, verify
+from attngen.tiling.prefill import derive_tiles
+from attngen.verify.check import OTHER_SPEC_SPILL_BYTES, judge, plan_rows, summarize, verify_tiling
+from attngen.verify.measurements import (
+    current_template_hash,
+    data_path,
+    load_measurements,
+    measurement_key,
+    save_measurements,
+    triton_version,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
-ARCHES_OF_ISSUE = ("sm80", "sm86", "sm89", "sm90")
+# The live compiles run on these; sm120 (sm86's budgets) is held to the committed data only.
+LIVE_ARCHS = ("sm80", "sm86", "sm89", "sm90")
 DATA = data_path(triton_version())
 
 
 def needs_data(test):
-    """The oracle data of the pinned Triton (the test extra pins 3.6.0) must be committed: a
+    """The measurements of the pinned Triton (the test extra pins 3.6.0) must be committed: a
     missing file is a failure to regenerate it (`attngen verify-tiling --save-data`), not a
     reason to skip the comparison."""
 
     def checked(*args, **kwargs):
-        assert DATA.is_file(), f"no oracle data for triton {triton_version()} at {DATA}"
+        assert DATA.is_file(), f"no compiler measurements for triton {triton_version()} at {DATA}"
         return test(*args, **kwargs)
 
     return functools.wraps(test)(checked)
@@ -46,9 +53,9 @@ def specs():
 
 
 @needs_data
-@pytest.mark.parametrize("arch", [*ARCHES_OF_ISSUE, "sm120"])
+@pytest.mark.parametrize("arch", [*LIVE_ARCHS, "sm120"])
 def test_every_candidate_of_every_example_matches_the_compiler_data(specs, arch):
-    data = load_oracle_data(DATA)
+    data = load_measurements(DATA)
     plan = plan_rows(specs, [arch])
     missing = [key.label() for key in plan.rows if data.get(key) is None]
     assert not missing, f"regenerate the data (attngen verify-tiling --save-data): {missing[:5]}"
@@ -61,7 +68,7 @@ def test_every_candidate_of_every_example_matches_the_compiler_data(specs, arch)
     assert summary.exact / summary.compiled >= 0.95
     assert summary.mma_agree == summary.compiled  # the model's branch is the compiler's path
     # every candidate of every spec is there: the whole grid per distinct (dtype, D, DV)
-    shapes = {oracle_key(s, arch, derive_tiles(s, arch).chosen)[1:4] for s in specs}
+    shapes = {measurement_key(s, arch, derive_tiles(s, arch).chosen)[1:4] for s in specs}
     assert len(plan.rows) == len(shapes) * len(derive_tiles(specs[0], arch).candidates)
 
 
@@ -69,8 +76,8 @@ def test_every_candidate_of_every_example_matches_the_compiler_data(specs, arch)
 def test_live_sample_equals_the_data(specs):
     """Ten random 16-bit configs of the data, recompiled now: same shared memory, registers
     and spills, so the committed data is what this Triton and these templates produce."""
-    data = load_oracle_data(DATA)
-    report = verify(specs, ARCHES_OF_ISSUE, data, sample=10, seed=triton_seed(), processes=2)
+    data = load_measurements(DATA)
+    report = verify_tiling(specs, LIVE_ARCHS, data, sample=10, seed=triton_seed(), processes=2)
     assert report.live == 10
     assert not report.failed, [(r.key.label(), r.problems) for r in report.failed]
 
@@ -82,13 +89,13 @@ def triton_seed() -> int:
 @needs_data
 def test_rejected_configs_really_exceed_the_budget(specs):
     """Configs rejected for shared memory, compiled now: the compiler needs more than the
-    arch allows, on each arch of the issue."""
-    from attngen.oracle import compile_many
+    arch allows, on each arch of LIVE_ARCHS."""
+    from attngen.verify.compiler import compile_many
 
-    data = load_oracle_data(DATA)
+    data = load_measurements(DATA)
     llama = [s for s in specs if s.name == "llama3_8b"]
     picks = []
-    for arch in ARCHES_OF_ISSUE:
+    for arch in LIVE_ARCHS:
         plan = plan_rows(llama, [arch])
         rejected = sorted((r for r in plan.rows.values()
                            if any(x.startswith("smem") for x in r.candidate.rejected)
@@ -114,12 +121,12 @@ def test_cli_reads_the_data_and_writes_json(tmp_path):
 
 @needs_data
 def test_cli_fails_on_a_feasible_config_the_compiler_cannot_fit(tmp_path, specs):
-    data = load_oracle_data(DATA)
+    data = load_measurements(DATA)
     gpt2 = next(s for s in specs if s.name == "gpt2")
     plan = plan_rows([gpt2], ["sm86"])
     feasible = next(r for r in plan.rows.values() if r.candidate.feasible)
     data.records[feasible.key]["shared"] = ARCHS["sm86"].smem_budget + 16  # doctored
-    doctored = tmp_path / "oracle.json"
+    doctored = tmp_path / "measurements.json"
     doctored.write_text(data.dumps())
     result = CliRunner().invoke(app, ["verify-tiling", str(ROOT / "examples/gpt2.yaml"),
                                       "--arch", "sm86", "--data", str(doctored)])
@@ -131,7 +138,7 @@ def test_cli_fails_on_a_feasible_config_the_compiler_cannot_fit(tmp_path, specs)
 def test_other_specs_of_a_key_are_held_to_their_spill_bound(specs):
     """--every-spec: a safe config compiled for another spec of its key may spill up to
     OTHER_SPEC_SPILL_BYTES (ptxas's per-spec register variance), not more."""
-    data = load_oracle_data(DATA)
+    data = load_measurements(DATA)
     plan = plan_rows(specs, ["sm86"])
     row = next(r for r in plan.rows.values() if r.candidate.feasible and not r.may_spill)
     record = dict(data.get(row.key))
@@ -142,3 +149,26 @@ def test_other_specs_of_a_key_are_held_to_their_spill_bound(specs):
     row.notes.clear()
     judge(plan, data, {}, others={row.key: [("phi3-beyond", beyond)]})
     assert any("phi3-beyond" in p for p in row.problems)
+
+
+@needs_data
+def test_a_missing_record_is_compiled_and_saved_with_the_template_hash(tmp_path, specs):
+    """verify_tiling(save_to=...) (`--save-data`): what it compiles live is written to the file
+    (atomically, stamped with the current templates' hash); the records it had stay."""
+    data = load_measurements(DATA)
+    gpt2 = next(s for s in specs if s.name == "gpt2")
+    key = measurement_key(gpt2, "sm86", derive_tiles(gpt2, "sm86").chosen)
+    recorded = data.records.pop(key)
+    kept = len(data.records)
+    path = tmp_path / "measurements.json"
+    report = verify_tiling([gpt2], ["sm86"], data, save_to=path)
+    assert report.live == 1 and not report.failed
+    saved = load_measurements(path)
+    assert saved.template_hash == current_template_hash() == report.template_hash
+    assert len(saved.records) == kept + 1
+    # the record may come from another spec of the key: only shared memory and the code path
+    # are the same for every spec
+    fields = ("shared", "mma", "error")
+    assert {f: saved.get(key)[f] for f in fields} == {f: recorded[f] for f in fields}
+    assert saved.get(key)["spec"].startswith("gpt2-")
+    assert not save_measurements(saved, path)  # the same bytes: nothing written

@@ -13,8 +13,8 @@ that layout (llama3_8b: paged 16), else rendered from the same spec with the lay
 
     PYTHONPATH=. python tools/bench_decode.py --out results/ [--no-flex] [--quick]
 
-Targets (issue 6): B=1 L=4096 <= 15 us; B=8 L=8192/32768 and B=64 L=4096 >= 90% of the copy
-rate; paged within 10% of contiguous at page >= 16.
+Targets (docs/performance.md): B=1 L=4096 <= 15 us; B=8 L=8192/32768 and B=64 L=4096 >= 90%
+of the copy rate; paged within 10% of contiguous at page >= 16.
 """
 
 from __future__ import annotations

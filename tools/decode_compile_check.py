@@ -1,5 +1,5 @@
 """Cross-compile every example's chosen decode config on its archs (no GPU) and record what
-Triton allocates: attngen/data/decode_compile_triton-<version>.json, which
+Triton allocates: attngen/verify/data/decode_compile_triton-<version>.json, which
 tests/test_decode_tiling.py holds the decode tiling model to (`--check` compares instead).
 
     PYTHONPATH=. python tools/decode_compile_check.py [--check]
@@ -15,15 +15,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from attngen.build import load_specs  # noqa: E402
-from attngen.decode_tiling import derive_decode_tiles  # noqa: E402
-from attngen.oracle import triton_version  # noqa: E402
 from attngen.spec import KernelKind  # noqa: E402
+from attngen.tiling.decode import derive_decode_tiles  # noqa: E402
+from attngen.verify.measurements import triton_version  # noqa: E402
 
 FIELDS = ("shared", "regs", "spill_stores", "mma", "error")
 
 
 def data_path(version: str) -> Path:
-    return ROOT / "attngen" / "data" / f"decode_compile_triton-{version}.json"
+    return ROOT / "attngen" / "verify" / "data" / f"decode_compile_triton-{version}.json"
 
 
 def jobs():
@@ -34,10 +34,10 @@ def jobs():
 
 
 def measure() -> list[dict]:
-    from attngen.decode_oracle import compile_decode_many
+    from attngen.verify.compiler import compile_many
 
     todo = jobs()
-    records = compile_decode_many(todo, processes=2)
+    records = compile_many(todo, processes=2, kind=KernelKind.decode)
     rows = []
     for (spec, arch, config), record in zip(todo, records, strict=True):
         rows.append({"spec": spec.name, "kernel_hash": spec.kernel_hash(KernelKind.decode),

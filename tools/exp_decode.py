@@ -1,7 +1,7 @@
 """Experiment (H200): which decode launch configs and split counts read the KV cache fastest?
 
 Sweeps BLOCK_N, num_warps, num_stages and the split count (the derived one, half, double) of
-the llama3_8b decode module (contiguous and paged 16) on the issue's cases, timed from CUDA
+the llama3_8b decode module (contiguous and paged 16) on bench_decode's cases, timed from CUDA
 graph replays as tools/bench_decode.py times them; prints the best per case and writes JSON.
     PYTHONPATH=. python tools/exp_decode.py --out DIR
 """

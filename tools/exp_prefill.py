@@ -1,13 +1,13 @@
 """Experiment (H200): variants of the sm90 prefill kernel's inner loop, on the same inputs.
 
 Each variant is the committed module's source with a few lines substituted:
-- pointers: TMA turned off (`kv_load_path` forced to pointers), the session-2 baseline;
+- pointers: TMA turned off (`kv_load_path` forced to pointers), TMA's baseline;
 - tma: the committed module (unmasked K/V blocks through tensor descriptors);
 - masked_pointers: the masked (diagonal, window edge, tail) blocks through masked pointer
-  loads, as before session 3 (the committed modules read them through TMA too up to D = 128:
-  that was variant "tma_diag" here);
-- scaled_first: every score scaled before the row max, as before session 3 (the committed
-  kernels apply the scale once, in the exponent's FMA; that was variant "fma" here);
+  loads, the committed path above D = 128 (up to D = 128 the committed modules read them
+  through TMA too: variant "tma_diag" when that was measured);
+- scaled_first: every score scaled before the row max (the committed kernels apply the scale
+  once, in the exponent's FMA: variant "fma" when that was measured);
 - warp_specialize, flatten: `tl.range(..., warp_specialize=True)` / `flatten=True` on the key
   loop (formerly tools/exp_warp_specialize.py);
 - fast_exp: exp2 on bf16 pairs (`ex2.approx.ftz.bf16x2`, two per MUFU op) whose
@@ -24,8 +24,9 @@ A config may carry a fifth number, maxnreg (registers per thread the compiler ma
 Each variant is checked against the float64 reference by attngen's rule (one batch entry),
 then all are timed in alternation; `--sweep` also times more tile configs at D = 64.
 
-Session 2 measured pointers -> tma: +5% at D64, +6-12% at D128, +6% at D256.
-Session 4 (--compare; docs/results/exp_prefill_2026-11-30_s4_*.json), both rejected:
+Measured on the H200 (docs/performance.md): pointers -> tma: +5% at D64, +6-12% at D128, +6%
+at D256. With --compare (docs/results/exp_prefill_2026-11-30_{softmax_overlap,lazy_rescale,
+lpt_order}.json), the first two rejected:
 - softmax_overlap: no config gains more than 4%, most lose (128x64x8x3 at D64 N4096: 323 vs
   421 TFLOP/s: 142 registers leave one program per SM; with maxnreg 128, 429 vs 422); the
   extra K tile pushes D128 64x64 past two programs per SM and 64x128 past the shared memory.
@@ -57,14 +58,14 @@ from attngen.reference import compare_to_reference, random_inputs
 from attngen.spec import load_spec_file
 
 ROOT = Path(__file__).resolve().parent.parent
-# The committed modules read masked blocks through TMA up to D = 128 (session 3, variant
-# "tma_diag" then); "masked_pointers" sends them through masked pointer loads again.
+# The committed modules read masked blocks through TMA up to D = 128 (variant "tma_diag" when
+# that was measured); "masked_pointers" sends them through masked pointer loads again.
 MASKED_POINTERS = [("            if USE_TMA and BLOCK_M >= 64:\n"
                     "                # The copy engine zero-fills",
                     "            if False:  # the experiment: masked blocks through pointers\n"
                     "                # The copy engine zero-fills")]
-# The committed kernels scale plain scores in the exponent (session 3, variant "fma" then);
-# "scaled_first" restores the earlier form, to measure the difference again.
+# The committed kernels scale plain scores in the exponent (variant "fma" when that was
+# measured); "scaled_first" restores the earlier form, to measure the difference again.
 SCALED_FIRST = [
     ("        # Note: plain scores stay unscaled; the scale is applied in the row max and in the\n"
      "        # exponent's FMA (sm_scale > 0, so max(s x qk) = s x max(qk)): one multiply per\n"
@@ -82,8 +83,8 @@ FAST_EXP = [("        p = tl.math.exp2(scores * qk_scale - m_ref[:, None])\n",
              "            dtype=tl.bfloat16, is_pure=True, pack=2)\n"),
             ("        l_i = l_i * alpha + tl.sum(p, 1)\n",
              "        l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)\n")]
-# The key loop with Triton's warp specialization or loop flattening (session 2 measured both
-# on pointer loads: nothing gained; the PTX had no setmaxnreg, so no specialization on sm90).
+# The key loop with Triton's warp specialization or loop flattening (both measured on pointer
+# loads: nothing gained; the PTX had no setmaxnreg, so no specialization on sm90).
 KEY_LOOP = "    for start in tl.range(start_n, end_n, BLOCK_N):\n"
 WARP_SPECIALIZE = [(KEY_LOOP, KEY_LOOP.replace("BLOCK_N)", "BLOCK_N, warp_specialize=True)"))]
 FLATTEN = [(KEY_LOOP, KEY_LOOP.replace("BLOCK_N)", "BLOCK_N, flatten=True)"))]
@@ -282,8 +283,8 @@ def cpu_check() -> None:
 def compile_check() -> None:
     """Without the interpreter: compile every variant for sm90 at the committed config of each
     spec and print registers, spills and shared memory (or the error)."""
-    from attngen import oracle
-    from attngen.tiling import TileConfig
+    from attngen.tiling.prefill import TileConfig
+    from attngen.verify import compiler
 
     for spec_file, _ in VARIANT_CASES:
         spec, source = committed_source(spec_file)
@@ -294,13 +295,14 @@ def compile_check() -> None:
             module = load(text, f"{spec.name}_{name}")
             config = TileConfig(*(module.CONFIG[key] for key in
                                   ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")))
-            record = oracle.compile_source(
-                lambda m=module, s=spec, c=config: oracle.kernel_source(s, m._attn_fwd_kernel, c),
+            record = compiler.compile_source(
+                lambda m=module, s=spec, c=config: compiler.kernel_source(s, m._attn_fwd_kernel,
+                                                                          c),
                 "sm90", config)
             print(spec.name, name, config, {k: record[k] for k in
                                             ("regs", "spill_stores", "shared", "mma", "error")})
-            # The committed kernel must compile; a variant that does not is a result (session
-            # 3: warp_specialize fails Triton 3.6's NVGPUWarpSpecialization pass on the causal
+            # The committed kernel must compile; a variant that does not is a result
+            # (warp_specialize fails Triton 3.6's NVGPUWarpSpecialization pass on the causal
             # D <= 128 kernels, whose two key loops both read through TMA; elsewhere it
             # compiles to the same registers and shared memory as without it).
             assert name != "tma" or record["error"] is None, record["error"]

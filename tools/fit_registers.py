@@ -1,9 +1,10 @@
-"""Refit the 16-bit register model of attngen/tiling.py (regs_expression) from compiler data.
+"""Refit the 16-bit register model of attngen/tiling/prefill.py (regs_expression) from the
+compiler measurements.
 
-Reads attngen/data/oracle_triton-<version>.json and the original 584-config fit set
-(docs/results/tiling_fit_set_584.json) and solves, per code path (mma.sync; wgmma on sm90 with
-BLOCK_M >= 64), the linear program of docs/tiling.md: minimise the absolute error against the
-registers a config needs (regs + spilled bytes / 4, capped at 400) subject to
+Reads attngen/verify/data/prefill_compile_triton-<version>.json and the original 584-config
+fit set (docs/results/tiling_fit_set_584.json) and solves, per code path (mma.sync; wgmma on
+sm90 with BLOCK_M >= 64), the linear program of docs/tiling.md: minimise the absolute error
+against the registers a config needs (regs + spilled bytes / 4, capped at 400) subject to
   * every config that spills more than 64 B is predicted at 256 + CUSHION or more;
   * every tuned winner in tuning/*.json is predicted at 279 or less (it stays feasible).
 The committed coefficients are these, rounded to simple fractions and re-checked by
@@ -24,9 +25,12 @@ from scipy.optimize import linprog
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from attngen.build import load_specs  # noqa: E402
-from attngen.oracle import triton_version  # noqa: E402
-from attngen.oracle_data import data_path, oracle_key  # noqa: E402
-from attngen.tiling import TileConfig  # noqa: E402
+from attngen.tiling.prefill import TileConfig  # noqa: E402
+from attngen.verify.measurements import (  # noqa: E402
+    data_path,
+    measurement_key,
+    triton_version,  # noqa: E402
+)
 
 CUSHION = 4
 FEATURES = ("1", "acc", "scores", "kv")
@@ -49,7 +53,7 @@ def tuned_keys() -> set[tuple]:
         for name, entry in table["entries"].items():
             spec = specs.get(name.split("/")[0])
             if spec is not None:
-                keys.add(tuple(oracle_key(spec, table["arch"],
+                keys.add(tuple(measurement_key(spec, table["arch"],
                                           TileConfig.from_dict(entry["config"]))))
     return keys
 

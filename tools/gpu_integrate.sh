@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 7 on the GPU, in one call: the integration tests (a Llama-3-8B-shaped transformers model
-# through generated kernels, torch.compile with Inductor, CUDA-graph capture), then the model
-# benchmark (attngen vs SDPA vs FlexAttention: prefill latency and memory, decode tokens/s).
+# The integration checks on the GPU, in one call: the integration tests (a Llama-3-8B-shaped
+# transformers model through generated kernels, torch.compile with Inductor, CUDA-graph
+# capture), then the model benchmark (attngen vs SDPA vs FlexAttention: prefill latency and
+# memory, decode tokens/s).
 # Usage on the H200 (torch 2.11, triton 3.6, transformers 5.17), from the repository root:
 #   source tools/gpu_env.sh; bash tools/gpu_integrate.sh OUT_DIR [bench_model.py args]
 set -u -o pipefail

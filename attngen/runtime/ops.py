@@ -94,7 +94,7 @@ def decode(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
            block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
            sm_scale: float, alibi_slopes: Tensor | None,
            return_lse: bool) -> tuple[Tensor, Tensor]:
-    """The decode kind's `decode` entry point (issue 6's contract); appends k_new/v_new into
+    """The decode kind's `decode` entry point (README's contract); appends k_new/v_new into
     the caches at cache_seqlens, in place, before attending."""
     module = current_registry().module(key)
     _ran(key)

@@ -1,9 +1,9 @@
 """Cross-compile a spec at chosen tile configs and print what Triton allocates (no GPU needed).
 
-A thin command over attngen.oracle, for poking at single configs; `attngen verify-tiling`
-is the full comparison with the tiling model.
+A thin command over attngen.verify.compiler, for poking at single configs; `attngen
+verify-tiling` is the full comparison with the tiling model.
 
-    python tools/smem_oracle.py SPEC.yaml --arch sm90 --config 128x64x8x3 --config 64x64x4x2
+    python tools/compile_configs.py SPEC.yaml --arch sm90 --config 128x64x8x3 --config 64x64x4x2
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from attngen.arch import ARCHS  # noqa: E402
-from attngen.oracle import compile_many  # noqa: E402
 from attngen.spec import load_spec_file  # noqa: E402
-from attngen.tiling import TileConfig, derive_tiles  # noqa: E402
+from attngen.tiling.prefill import TileConfig, derive_tiles  # noqa: E402
+from attngen.verify.compiler import compile_many  # noqa: E402
 
 
 def _parse_config(text: str) -> TileConfig:

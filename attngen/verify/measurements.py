@@ -1,4 +1,7 @@
-"""The committed compiler measurements: one JSON file per Triton version, keyed by what matters.
+"""The committed compiler measurements of the prefill kernel, keyed by what matters: one JSON
+file per Triton version, data/prefill_compile_triton-<version>.json. (The decode kernel's
+chosen configs are measured by tools/decode_compile_check.py into
+data/decode_compile_triton-<version>.json.)
 
 What Triton allocates for attngen's prefill kernel depends on the target, the dtype, the padded
 head dims and the launch config, and on nothing else the spec says: mask, window, softcap,
@@ -16,18 +19,29 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from attngen.arch import ARCHS
-from attngen.spec import AttnSpec, specs_from_data
-from attngen.tiling import TileConfig, padded_head_dim
+from attngen.files import write_if_different
+from attngen.render import TEMPLATE_FOR_KIND, template_hash
+from attngen.spec import AttnSpec, KernelKind, specs_from_data
+from attngen.tiling.prefill import TileConfig, padded_head_dim
 
 DATA_DIR = Path(__file__).with_name("data")
 SCHEMA = 1
 
 
-class OracleKey(NamedTuple):
+def triton_version() -> str:
+    """The installed Triton's version, read from package metadata (no import of triton)."""
+    try:
+        return metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+class MeasurementKey(NamedTuple):
     arch: str
     dtype: str
     D: int
@@ -46,10 +60,10 @@ class OracleKey(NamedTuple):
                 f"{self.BLOCK_M}x{self.BLOCK_N} w{self.num_warps} s{self.num_stages}")
 
 
-def oracle_key(spec: AttnSpec, arch: str, config: TileConfig) -> OracleKey:
-    return OracleKey(arch, spec.dtype.value, padded_head_dim(spec.head_dim),
-                     padded_head_dim(spec.value_head_dim), config.block_m, config.block_n,
-                     config.num_warps, config.num_stages)
+def measurement_key(spec: AttnSpec, arch: str, config: TileConfig) -> MeasurementKey:
+    return MeasurementKey(arch, spec.dtype.value, padded_head_dim(spec.head_dim),
+                          padded_head_dim(spec.value_head_dim), config.block_m, config.block_n,
+                          config.num_warps, config.num_stages)
 
 
 def spec_ref(spec: AttnSpec) -> str:
@@ -58,27 +72,29 @@ def spec_ref(spec: AttnSpec) -> str:
 
 
 def data_path(version: str) -> Path:
-    return DATA_DIR / f"oracle_triton-{version}.json"
+    """The measurements file of a Triton version (`data_path(triton_version())`: the installed
+    one's)."""
+    return DATA_DIR / f"prefill_compile_triton-{version}.json"
 
 
 @dataclass
-class OracleData:
+class Measurements:
     """Measurements by key, and the specs they were compiled from (name -> spec fields)."""
 
     triton: str
     template_hash: str
-    records: dict[OracleKey, dict[str, Any]] = field(default_factory=dict)
+    records: dict[MeasurementKey, dict[str, Any]] = field(default_factory=dict)
     specs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def get(self, key: OracleKey) -> dict[str, Any] | None:
+    def get(self, key: MeasurementKey) -> dict[str, Any] | None:
         return self.records.get(key)
 
-    def spec_of(self, key: OracleKey) -> AttnSpec:
+    def spec_of(self, key: MeasurementKey) -> AttnSpec:
         """The spec a record was compiled from, to compile it again."""
         (spec,) = specs_from_data(self.specs[self.records[key]["spec"]])
         return spec
 
-    def add(self, key: OracleKey, spec: AttnSpec, measured: dict[str, Any]) -> None:
+    def add(self, key: MeasurementKey, spec: AttnSpec, measured: dict[str, Any]) -> None:
         self.specs.setdefault(spec_ref(spec), spec.canonical())
         self.records[key] = {**key._asdict(), "spec": spec_ref(spec), **measured}
 
@@ -89,7 +105,7 @@ class OracleData:
             f'"schema": {SCHEMA},',
             f'"triton": {json.dumps(self.triton)},',
             f'"template_hash": {json.dumps(self.template_hash)},',
-            f'"key": {json.dumps(list(OracleKey._fields))},',
+            f'"key": {json.dumps(list(MeasurementKey._fields))},',
             '"specs": {',
             ",\n".join(f"{json.dumps(name)}: {json.dumps(self.specs[name], sort_keys=True)}"
                        for name in sorted(used)),
@@ -102,19 +118,33 @@ class OracleData:
         return "\n".join(lines) + "\n"
 
 
-def _order(key: OracleKey) -> tuple[Any, ...]:
+def _order(key: MeasurementKey) -> tuple[Any, ...]:
     """Records in the arch table's order, then by dtype, dims and config."""
     rank = list(ARCHS).index(key.arch) if key.arch in ARCHS else len(ARCHS)
     return (rank, *key)
 
 
-def load_oracle_data(path: Path) -> OracleData:
+def current_template_hash() -> str:
+    """The hash of the templates a compile renders now (prefill's and the partials): a data
+    file records the one its records were compiled from."""
+    return template_hash(TEMPLATE_FOR_KIND[KernelKind.prefill])
+
+
+def save_measurements(data: Measurements, path: Path) -> bool:
+    """Write `data` to `path` (atomically; False when the file already held it), stamped with
+    the current templates' hash (what its live compiles rendered)."""
+    data.template_hash = current_template_hash()
+    return write_if_different(path, data.dumps())
+
+
+def load_measurements(path: Path) -> Measurements:
     """Read a data file; a missing file reads as empty data for the version in its name."""
     if not path.is_file():
-        version = path.stem.removeprefix("oracle_triton-")
-        return OracleData(triton=version, template_hash="")
+        version = path.stem.removeprefix("prefill_compile_triton-")
+        return Measurements(triton=version, template_hash="")
     raw = json.loads(path.read_text(encoding="utf-8"))
     if raw.get("schema") != SCHEMA:
-        raise ValueError(f"{path}: oracle data schema {raw.get('schema')!r}, expected {SCHEMA}")
-    records = {OracleKey(*(r[name] for name in OracleKey._fields)): r for r in raw["records"]}
-    return OracleData(raw["triton"], raw["template_hash"], records, dict(raw["specs"]))
+        raise ValueError(f"{path}: measurements schema {raw.get('schema')!r}, expected {SCHEMA}")
+    fields = MeasurementKey._fields
+    records = {MeasurementKey(*(r[name] for name in fields)): r for r in raw["records"]}
+    return Measurements(raw["triton"], raw["template_hash"], records, dict(raw["specs"]))

@@ -1,11 +1,11 @@
 """Decode tiles and the split-KV rule: what a decode program holds, and how many programs run.
 
-The decode kernel (templates/decode.py.jinja) is the prefill kernel's key loop with a packed
+The decode kernel (attngen/templates/decode.py.jinja) is the prefill kernel's key loop with a packed
 query tile: one program takes ALL query heads of one KV head and all query tokens of the step
 (q_per_kv * Nq rows, padded to a power of two >= 16 for tl.dot), so every K/V byte crosses HBM
 once, and streams a range of the sequence's keys in BLOCK_N tiles. Its loop stages the same
 buffers as prefill's (a resident Q tile, K^T and V tiles, P where the compiler splits warps
-along N), so the shared-memory and register expressions of attngen.tiling apply with
+along N), so the shared-memory and register expressions of attngen.tiling.prefill apply with
 BLOCK_M = the row tile; tests/test_decode_tiling.py cross-compiles the chosen configs to hold
 the model to that.
 
@@ -41,9 +41,9 @@ import itertools
 import math
 from functools import cache
 
-from attngen.arch import ARCHS
-from attngen.spec import AttnSpec, KvLayout
-from attngen.tiling import (
+from attngen.arch import ARCHS, GpuArch
+from attngen.spec import AttnSpec
+from attngen.tiling.prefill import (
     BM,
     BN,
     DV,
@@ -138,7 +138,8 @@ def derive_decode_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
     return choose(derivation, best.config, "heuristic")
 
 
-def _preference(cand: Candidate, arch) -> tuple:
+def _preference(cand: Candidate, arch: GpuArch
+                ) -> tuple[bool, float, float, int, int, int]:
     """Safe before may-spill, then the score; among equals BLOCK_N 64 (a K tile of 64 rows
     already makes full 128-byte transactions, and finer tiles let splits be finer), then
     fewer warps (more programs per SM), fewer stages and less shared memory."""
@@ -186,7 +187,7 @@ def split_lines(spec: AttnSpec, config: TileConfig, sm_count: int) -> list[str]:
              "programs); the count in wanted..2 x wanted that fills its last wave best"]
     for batch, length in REFERENCE_PROBLEMS:
         capacity = length
-        if spec.kv_layout is KvLayout.paged:
+        if spec.page_size is not None:  # a paged cache: whole pages
             capacity = -(-length // spec.page_size) * spec.page_size
         span = split_span(spec, capacity, config.block_n, 1)
         programs = batch * spec.num_kv_heads * row_blocks

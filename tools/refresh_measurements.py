@@ -1,7 +1,7 @@
-"""Recompile the oracle data's records of one arch (all dtypes, or only 16-bit ones), with the
-spec each was compiled from, and rewrite them: after a template change that alters what the
+"""Recompile the compiler measurements' records of one arch (all dtypes, or only 16-bit ones),
+with the spec each was compiled from, and rewrite them: after a template change that alters what the
 compiler allocates on that arch (TMA on sm90), without a full `verify-tiling --recompile`.
-    python tools/refresh_oracle.py sm90 --sixteen-bit [--only-errors-and-matrix]
+    python tools/refresh_measurements.py sm90 --sixteen-bit [--only-errors-and-matrix]
         [--block-m-below 64] [--jobs 2]
 (--only-errors-and-matrix: the records that failed to compile and the capability matrix's.)
 """
@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 
-from attngen.oracle import compile_many, triton_version
-from attngen.oracle_data import data_path, load_oracle_data
-from attngen.render import TEMPLATE_FOR_KIND, template_hash
-from attngen.spec import KernelKind
+from attngen.verify.compiler import compile_many
+from attngen.verify.measurements import (
+    data_path,
+    load_measurements,
+    save_measurements,
+    triton_version,
+)
 
 
 def main() -> None:
@@ -26,7 +29,7 @@ def main() -> None:
                         help="only configs with a smaller BLOCK_M (a path the change touched)")
     args = parser.parse_args()
     path = data_path(triton_version())
-    data = load_oracle_data(path)
+    data = load_measurements(path)
     keys = [k for k in data.records if k.arch == args.arch
             and not (args.sixteen_bit and k.dtype == "fp32")
             and not (args.only_errors_and_matrix and not data.records[k]["error"]
@@ -39,8 +42,7 @@ def main() -> None:
         for key, (spec, _, _), record in zip(chunk, jobs, compile_many(jobs, args.jobs),
                                              strict=True):
             data.add(key, spec, record)
-        data.template_hash = template_hash(TEMPLATE_FOR_KIND[KernelKind.prefill])
-        path.write_text(data.dumps(), encoding="utf-8")
+        save_measurements(data, path)
         print(f"{start + len(chunk)} of {len(keys)}", flush=True)
 
 

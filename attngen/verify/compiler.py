@@ -1,7 +1,8 @@
-"""The compiler as oracle: cross-compile the generated prefill kernel for any target, no GPU.
+"""Cross-compile a generated kernel for any target without a GPU, and measure what it needs.
 
-For a spec, a target and a TileConfig, Triton compiles the rendered kernel (TTIR -> PTX ->
-cubin with the ptxas it ships) and the result says what the program really needs:
+For a spec, a target, a kernel kind and a TileConfig, Triton compiles the rendered kernel
+(TTIR -> PTX -> cubin with the ptxas it ships) and the record says what the program really
+needs:
 
 - ``shared``: dynamic shared memory Triton requests at launch (``metadata.shared``), bytes;
 - ``static_shared``: shared memory ptxas reserves in the cubin itself (1024 B on sm90), bytes;
@@ -10,10 +11,15 @@ cubin with the ptxas it ships) and the result says what the program really needs
 - ``mma``: the matrix instruction family in the PTX (``wgmma``, ``mma.sync``, ``tcgen05`` or
   ``fma`` when there is none), to check which code path the model assumes.
 
-The kernel is compiled as ``attention()`` launches it on contiguous tensors (unit head-dim
-strides constexpr 1, pointers and row strides 16-divisible). Triton is imported lazily, only
-here: the build path never loads this module. Triton's on-disk cache goes to a temporary
-folder, removed afterwards, so a run neither reads stale kernels nor leaves files behind.
+Each kernel is compiled as its entry point launches it on contiguous tensors (unit head-dim
+strides constexpr 1, pointers and row strides 16-divisible). For prefill (and varlen, the
+same key loop) that is ``attention()``'s kernel; for decode, the split kernel as ``decode()``
+launches it with the config's row tile (BLOCK_M) and the path of several splits (DIRECT=False,
+LSE stored): its combine and append kernels are tiny and are not modelled.
+
+Triton is imported lazily, only here: the build path never loads this module. Triton's on-disk
+cache goes to a temporary folder, removed afterwards, so a run neither reads stale kernels nor
+leaves files behind.
 """
 
 from __future__ import annotations
@@ -29,55 +35,54 @@ import re
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from attngen import tiling
 from attngen.arch import ARCHS
-from attngen.render import kernels_text, render_module
+from attngen.render import render_module
 from attngen.spec import AttnSpec, KernelKind, specs_from_data
-from attngen.tiling import TileConfig
+from attngen.tiling.decode import derive_decode_tiles
+from attngen.tiling.prefill import TileConfig, derive_tiles, padded_head_dim
 
 # What one compile measures; a record of the data file holds these next to its key.
 MEASURED_FIELDS = ("shared", "static_shared", "regs", "stack", "spill_stores", "spill_loads",
                    "mma", "error", "compile_s")
 
-_POINTER_TYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 _UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od")
-_kernels: dict[str, Any] = {}  # per process: kernel text hash -> JIT kernel (memory only)
+# The JIT function whose compile is measured, per kind (varlen is measured as prefill: the
+# same key loop, registers and shared memory).
+_MEASURED_KERNEL = {KernelKind.prefill: "_attn_fwd_kernel",
+                    KernelKind.decode: "_decode_split_kernel"}
+# A config that renders the module when none is feasible: the kernel text does not depend on
+# the config (it fills CONFIG and the header only).
+_ANY_CONFIG = {KernelKind.prefill: TileConfig(64, 64, 4, 1),
+               KernelKind.decode: TileConfig(16, 64, 4, 2)}
+_kernels: dict[str, Any] = {}  # per process: module source hash -> JIT kernel (memory only)
 
 
-def triton_version() -> str:
-    """The installed Triton's version, read from package metadata (no import of triton)."""
-    from importlib.metadata import PackageNotFoundError, version
+def load_kernel(spec: AttnSpec, arch: str, kind: KernelKind = KernelKind.prefill) -> Any:
+    """Render the `kind` module of `spec` for `arch`, import it from a temporary file, return
+    the JIT kernel whose compile is measured.
 
-    try:
-        return version("triton")
-    except PackageNotFoundError:
-        return "none"
-
-
-def load_kernel(spec: AttnSpec, arch: str) -> Any:
-    """Render the prefill module for `arch`, import it from a temporary file, return its JIT
-    kernel.
-
-    The kernel text depends on the arch only through its code paths (TMA loads on Hopper),
-    not on the tile config (which fills CONFIG and the header), so one import per spec and
-    path serves every config."""
-    derivation = tiling.derive_tiles(spec, arch)
-    if derivation.chosen is None:  # still renderable: any config will do for the text
-        derivation = dataclasses.replace(derivation, chosen=TileConfig(64, 64, 4, 1))
-    source = render_module(spec, KernelKind.prefill, derivation)
-    key = hashlib.sha256(kernels_text(source).encode()).hexdigest()
+    The module's text depends on the spec and the arch (its code paths and the chosen config
+    in its header), not on the config compiled, so one import per spec and arch serves every
+    config."""
+    derive = derive_decode_tiles if kind is KernelKind.decode else derive_tiles
+    derivation = derive(spec, arch)
+    if derivation.chosen is None:
+        derivation = dataclasses.replace(derivation, chosen=_ANY_CONFIG[kind])
+    source = render_module(spec, kind, derivation)
+    key = hashlib.sha256(source.encode()).hexdigest()
     if key not in _kernels:
         with tempfile.TemporaryDirectory() as tmp, _compiled_not_interpreted():
-            path = Path(tmp) / f"oracle_{spec.spec_hash()}_{arch}.py"
+            path = Path(tmp) / f"compile_{kind.value}_{spec.spec_hash()}_{arch}.py"
             path.write_text(source)
             loader = importlib.util.spec_from_file_location(path.stem, path)
+            assert loader is not None and loader.loader is not None  # a .py file has one
             module = importlib.util.module_from_spec(loader)
             loader.loader.exec_module(module)  # JIT functions keep their source in memory
-        _kernels[key] = module._attn_fwd_kernel
+        _kernels[key] = getattr(module, _MEASURED_KERNEL[kind])
     return _kernels[key]
 
 
@@ -98,37 +103,59 @@ def _compiled_not_interpreted() -> Iterator[None]:
             os.environ["TRITON_INTERPRET"] = saved
 
 
-def kernel_source(spec: AttnSpec, kernel: Any, config: TileConfig) -> Any:
+def kernel_source(spec: AttnSpec, kernel: Any, config: TileConfig,
+                  kind: KernelKind = KernelKind.prefill) -> Any:
     """The ASTSource of one launch: signature, constexprs and divisibility as at runtime."""
-    from triton.compiler import ASTSource
-
-    constexprs: dict[str, Any] = {name: 1 for name in _UNIT_STRIDES}
+    if kind is KernelKind.decode:
+        return _decode_source(spec, kernel, config)
+    constexprs: dict[str, Any] = dict.fromkeys(_UNIT_STRIDES, 1)
     constexprs.update(STORE_LSE=True, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
     if "USE_TMA" in kernel.arg_names:  # Hopper modules: contiguous inputs take the TMA path
         constexprs["USE_TMA"] = True
-    block_d = tiling.padded_head_dim(spec.head_dim)
-    block_dv = tiling.padded_head_dim(spec.value_head_dim)
-    descriptors = {"k_desc": block_d, "v_desc": block_dv}
     if spec.num_q_heads == spec.num_kv_heads:
         constexprs["q_per_kv"] = 1  # Triton specializes an int argument equal to 1
+    types = dict.fromkeys(("Q", "K", "V", "Out"), spec.dtype.triton_pointer)
+    types.update(Lse="*fp32", Slopes="*fp32")
+    for name, width in (("k_desc", spec.head_dim), ("v_desc", spec.value_head_dim)):
+        block = f"[1, 1, {config.block_n}, {padded_head_dim(width)}]"
+        types[name] = f"tensordesc<{spec.dtype.value}{block}>"
     aligned = spec.head_dim % 16 == 0 and spec.value_head_dim % 16 == 0
+
+    def divisible(name: str) -> bool:  # batch and head strides; row strides of aligned dims
+        stride = name.startswith("stride_")
+        return stride and (name.endswith(("b", "h")) or (aligned and name.endswith(("m", "n"))))
+
+    return _ast_source(kernel, constexprs, types, divisible)
+
+
+def _decode_source(spec: AttnSpec, kernel: Any, config: TileConfig) -> Any:
+    constexprs: dict[str, Any] = dict.fromkeys(_UNIT_STRIDES, 1)
+    constexprs.update(DIRECT=False, STORE_LSE=True, BLOCK_ROWS=config.block_m,
+                      BLOCK_N=config.block_n)
+    types = dict.fromkeys(("Q", "K", "V", "Out"), spec.dtype.triton_pointer)
+    types.update(dict.fromkeys(("SeqLens", "BlockTable"), "*i32"))
+    types.update(dict.fromkeys(("Lse", "PartOut", "PartLse", "Slopes"), "*fp32"))
+
+    def divisible(name: str) -> bool:  # every stride but the block table's
+        return name.startswith("stride_") and not name.startswith("stride_bt")
+
+    return _ast_source(kernel, constexprs, types, divisible)
+
+
+def _ast_source(kernel: Any, constexprs: dict[str, Any], types: dict[str, str],
+                divisible: Callable[[str], bool]) -> Any:
+    """The one signature builder: constexprs by name, `types` for the tensors (every other
+    argument is the fp32 qk_scale or an i32), and tt.divisibility 16 on every pointer and on
+    the arguments `divisible(name)` names."""
+    from triton.compiler import ASTSource
+
     signature, attrs = {}, {}
     for index, name in enumerate(kernel.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name in ("Q", "K", "V", "Out"):
-            signature[name] = _POINTER_TYPES[spec.dtype.value]
-        elif name in ("Lse", "Slopes"):
-            signature[name] = "*fp32"
-        elif name in descriptors:
-            element = _POINTER_TYPES[spec.dtype.value][1:]
-            signature[name] = f"tensordesc<{element}[1, 1, {config.block_n}, {descriptors[name]}]>"
         else:
-            signature[name] = "fp32" if name == "qk_scale" else "i32"
-        stride = name.startswith("stride_")
-        batch_or_head_stride = stride and name.endswith(("b", "h"))
-        row_stride = stride and name.endswith(("m", "n"))
-        if signature[name].startswith("*") or batch_or_head_stride or (row_stride and aligned):
+            signature[name] = types.get(name, "fp32" if name == "qk_scale" else "i32")
+        if signature[name].startswith("*") or divisible(name):
             attrs[(index,)] = [["tt.divisibility", 16]]
     return ASTSource(fn=kernel, signature=signature, attrs=attrs,
                      constexprs={(kernel.arg_names.index(n),): v for n, v in constexprs.items()})
@@ -175,10 +202,11 @@ def mma_family(ptx: str) -> str:
     return "fma"
 
 
-def compile_one(spec: AttnSpec, arch: str, config: TileConfig) -> dict[str, Any]:
-    """One cross-compile of the prefill kernel; a failure is recorded in ``error``."""
-    return compile_source(lambda: kernel_source(spec, load_kernel(spec, arch), config), arch,
-                          config)
+def compile_one(spec: AttnSpec, arch: str, config: TileConfig,
+                kind: KernelKind = KernelKind.prefill) -> dict[str, Any]:
+    """One cross-compile of the `kind` kernel; a failure is recorded in ``error``."""
+    return compile_source(lambda: kernel_source(spec, load_kernel(spec, arch, kind), config, kind),
+                          arch, config)
 
 
 def compile_source(make_source: Any, arch: str, config: TileConfig) -> dict[str, Any]:
@@ -213,24 +241,27 @@ def compile_source(make_source: Any, arch: str, config: TileConfig) -> dict[str,
 Job = tuple[AttnSpec, str, TileConfig]
 
 
-def _run_job(payload: tuple[dict[str, Any], str, TileConfig]) -> dict[str, Any]:
-    data, arch, config = payload
+def _run_job(payload: tuple[dict[str, Any], str, TileConfig, str]) -> dict[str, Any]:
+    data, arch, config, kind = payload
     (spec,) = specs_from_data(data)
-    return compile_one(spec, arch, config)
+    return compile_one(spec, arch, config, KernelKind(kind))
 
 
-def compile_iter(jobs: Sequence[Job], processes: int = 2) -> Iterator[dict[str, Any]]:
-    """Compile every (spec, arch, config); yields one record per job, in order, as they come.
+def compile_iter(jobs: Sequence[Job], processes: int = 2,
+                 kind: KernelKind = KernelKind.prefill) -> Iterator[dict[str, Any]]:
+    """Compile every (spec, arch, config) of `kind`; yields one record per job, in order, as
+    they come.
 
     Workers are spawned, not forked, with TRITON_INTERPRET removed from their environment:
     a process that imported triton in interpreter mode (the CPU test suite) cannot compile,
     because triton.language's own helpers are interpreter functions there. Each job carries
     its spec as data, so a worker renders and imports the kernel itself."""
-    payload = [(spec.model_dump(mode="json"), arch, config) for spec, arch, config in jobs]
+    payload = [(spec.model_dump(mode="json"), arch, config, kind.value)
+               for spec, arch, config in jobs]
     if not payload:
         return
     saved = {name: os.environ.get(name) for name in ("TRITON_CACHE_DIR", "TRITON_INTERPRET")}
-    with tempfile.TemporaryDirectory(prefix="attngen-oracle-") as cache:
+    with tempfile.TemporaryDirectory(prefix="attngen-compile-") as cache:
         os.environ["TRITON_CACHE_DIR"] = cache  # read at compile time, inherited by workers
         os.environ.pop("TRITON_INTERPRET", None)
         try:
@@ -245,6 +276,7 @@ def compile_iter(jobs: Sequence[Job], processes: int = 2) -> Iterator[dict[str, 
                     os.environ[name] = value
 
 
-def compile_many(jobs: Sequence[Job], processes: int = 2) -> list[dict[str, Any]]:
+def compile_many(jobs: Sequence[Job], processes: int = 2,
+                 kind: KernelKind = KernelKind.prefill) -> list[dict[str, Any]]:
     """compile_iter, collected."""
-    return list(compile_iter(jobs, processes))
+    return list(compile_iter(jobs, processes, kind))

@@ -161,9 +161,9 @@ def smem_expression(arch: GpuArch, tma: bool = True) -> sympy.Expr:
     """Dynamic shared memory per program in bytes, as Triton 3.6 allocates it for this template.
 
     Fitted to the compiler on 584 configs (docs/results/tiling_fit_set_584.json) and checked
-    by `attngen verify-tiling` (attngen/oracle.py, docs/tiling.md): exact on all 1920 16-bit
-    candidate configs of the example specs on sm80/86/89/90/120, never under; fp32 is over by
-    at most its row-reduction scratch (counted always). Q is staged once; the key loops and
+    by `attngen verify-tiling` (attngen/verify/compiler.py, docs/tiling.md): exact on all 1920
+    16-bit candidate configs of the example specs on sm80/86/89/90/120, never under; fp32 is
+    over by at most its row-reduction scratch (counted always). Q is staged once; the key loops and
     the epilogue's BLOCK_M x DV layout conversion reuse the same bytes.
     - wgmma (Hopper, 16-bit, BLOCK_M >= 64): S buffers each of K and V; P stays in registers.
     - mma.sync (16-bit otherwise): max(S - 1, 1) buffers; P goes through shared memory only
@@ -226,12 +226,12 @@ def tma_barrier_expression() -> sympy.Expr:
 def regs_expression(arch: GpuArch) -> sympy.Expr:
     """Registers per thread: the fp32 accumulator, the score tile and the K/V tiles, over
     32 * W threads. A bound more than an estimate (rms error 25 on configs that do not spill):
-    the 16-bit coefficients come from a linear program over the 16-bit configs in attngen/data
-    and the original 584-config fit set, constrained so that every config that spills more
-    than 64 B is predicted at 260 or more (never "safe") and the tuned winners in tuning/
-    stay feasible. ptxas varies by up to +-75 registers between specs that share a config
-    (mask, softcap, ALiBi, a padded head dim), which no tile formula sees; docs/tiling.md has
-    the numbers.
+    the 16-bit coefficients come from a linear program over the 16-bit configs in
+    attngen/verify/data and the original 584-config fit set, constrained so that every config
+    that spills more than 64 B is predicted at 260 or more (never "safe") and the tuned
+    winners in tuning/ stay feasible. ptxas varies by up to +-75 registers between specs that
+    share a config (mask, softcap, ALiBi, a padded head dim), which no tile formula sees;
+    docs/tiling.md has the numbers.
 
     fp32 (IEEE dots lower to FMA loops): ptxas's register use is not a function of the tile
     (on sm90, 32x32 tiles with 8 warps spill 500 B where 32x64 spill none), so the formula is

@@ -14,10 +14,10 @@ Nq != Nk, lengths off the block grid), then is timed (median of `triton.testing.
 after warm-up) on shape buckets of 16k tokens: N = 1024 (16 sequences), 4096 (4) and 8192
 (2). The winner is the fastest on the longest bucket; a shorter bucket whose fastest config
 beats it there by SWITCH_GAIN gets that config for its lengths (`shorter` in the entry; the
-module picks by sequence length). Results go into tuning/<arch>.json (attngen.tuning); every
-measurement is also kept in tuning/.progress-<arch>.json, keyed by spec and by the kernel's
-text (a changed template is measured afresh), so an interrupted run resumes where it stopped,
-and the budget bounds the whole run.
+module picks by sequence length). Results go into tuning/<arch>.json
+(attngen.tuning.database); every measurement is also kept in tuning/.progress-<arch>.json,
+keyed by spec and by the kernel's text (a changed template is measured afresh), so an
+interrupted run resumes where it stopped, and the budget bounds the whole run.
 
 This module imports torch and triton; the build path never imports it.
 """
@@ -43,12 +43,12 @@ from rich.progress import Progress
 from rich.table import Table
 
 from attngen.arch import ARCHS
-from attngen.build import write_if_different
+from attngen.files import write_if_different
 from attngen.reference import compare_to_reference, random_inputs
 from attngen.render import kernels_text, render_module
 from attngen.spec import AttnSpec, KernelKind, SpecError, module_name
-from attngen.tiling import Candidate, TileConfig, derive_tiles
-from attngen.tuning import (
+from attngen.tiling.prefill import Candidate, TileConfig, derive_tiles
+from attngen.tuning.database import (
     entry_key,
     read_tuning_file,
     render_tuning_file,
@@ -107,6 +107,7 @@ def _load_module(spec: AttnSpec, arch: str, folder: Path):
     path = folder / f"{name}.py"
     path.write_text(source)
     loader_spec = importlib.util.spec_from_file_location(name, path)
+    assert loader_spec is not None and loader_spec.loader is not None  # a .py file has one
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[name] = module
     loader_spec.loader.exec_module(module)
@@ -120,7 +121,8 @@ def _kernel_digest(module) -> str:
 
 def _candidates(spec: AttnSpec, arch: str, max_configs: int) -> tuple[TileConfig, list[Candidate]]:
     derivation = derive_tiles(spec, arch)
-    if derivation.chosen is None:
+    chosen = derivation.chosen_candidate
+    if chosen is None:
         raise SpecError(f"{spec.name}: no feasible config on {arch} to tune")
     feasible = sorted((c for c in derivation.candidates if c.feasible),
                       key=lambda c: (-c.score, c.smem_bytes, c.config))
@@ -128,15 +130,15 @@ def _candidates(spec: AttnSpec, arch: str, max_configs: int) -> tuple[TileConfig
     for cand in feasible:  # best score first within each shape too
         by_shape.setdefault((cand.config.block_m, cand.config.block_n, cand.config.num_warps),
                             []).append(cand)
-    picked = []
+    picked: list[Candidate] = []
     for same_shape in by_shape.values():
         picked.append(same_shape[0])
         if same_shape[0].config.num_stages < DEEP_STAGES:
             picked += [c for c in same_shape if c.config.num_stages == DEEP_STAGES]
     picked = picked[:max_configs]
-    if derivation.chosen not in [c.config for c in picked]:
-        picked[-1:] = [derivation.chosen_candidate]
-    return derivation.chosen, picked
+    if chosen.config not in [c.config for c in picked]:
+        picked[-1:] = [chosen]
+    return chosen.config, picked
 
 
 def _config_key(config: TileConfig) -> str:
@@ -258,10 +260,10 @@ def per_length_winners(times: dict[str, dict[str, float]], buckets: tuple[Bucket
     geometric mean of its length and the next bucket's; equal neighbours merge."""
     ordered = sorted(buckets, key=lambda b: b.seqlen)
     longest = ordered[-1].name
-    default = min(times, key=lambda key: (times[key][longest], key))
+    default = _fastest(times, longest)
     shorter: list[tuple[int, str]] = []
     for bucket, following in itertools.pairwise(ordered):
-        fastest = min(times, key=lambda key, b=bucket.name: (times[key][b], key))
+        fastest = _fastest(times, bucket.name)
         if times[fastest][bucket.name] > (1 - SWITCH_GAIN) * times[default][bucket.name]:
             continue
         up_to = 2 ** int(math.log2(math.sqrt(bucket.seqlen * following.seqlen)))
@@ -270,6 +272,11 @@ def per_length_winners(times: dict[str, dict[str, float]], buckets: tuple[Bucket
         else:
             shorter.append((up_to, fastest))
     return default, shorter
+
+
+def _fastest(times: dict[str, dict[str, float]], bucket: str) -> str:
+    """The config fastest in `bucket` (ties: the first key in order)."""
+    return min(times, key=lambda key: (times[key][bucket], key))
 
 
 def _read_progress(path: Path, gpu: str, version: str) -> dict:

@@ -18,12 +18,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from attngen.spec import AttnSpec, KernelKind, SpecError
-from attngen.tiling import Derivation, TileConfig, choose
+from attngen.tiling.prefill import Derivation, TileConfig, choose
 
 TUNING_SCHEMA = 2  # 2: entries keyed by the kernel fields' hash (1: the whole spec's)
 # Spec fields that do not change what a prefill kernel computes or how fast.
@@ -47,8 +46,9 @@ class TuningRecord:
     borrowed_from: str | None = None  # the kind whose entry this is, when not the asked kind
     # (longest sequence, config) measured faster than `config` on shorter sequences, ascending
     shorter: tuple[tuple[int, TileConfig], ...] = ()
-    # The model's programs per SM of each config when it was measured (entries since session
-    # 3; older ones do not say)
+    # The model's programs per SM of each config when it was measured; an entry may lack it
+    # (autotune wrote entries without it before it recorded occupancy), and then nothing is
+    # checked against it
     programs_per_sm: dict[TileConfig, int] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
@@ -82,7 +82,8 @@ def read_tuning_file(path: Path) -> dict[str, Any]:
                           f"{TUNING_SCHEMA} (re-run attngen autotune)")
     if data.get("arch") != arch or not isinstance(data.get("entries"), dict):
         raise TuningError(f"{path}: expected arch {arch!r} and an 'entries' mapping")
-    return data
+    checked: dict[str, Any] = data
+    return checked
 
 
 def render_tuning_file(data: dict[str, Any]) -> str:
@@ -118,14 +119,6 @@ def lookup(tuning_dir: Path | None, spec: AttnSpec, kind: KernelKind, arch: str
     except (KeyError, TypeError, ValueError) as exc:
         raise TuningError(f"{tuning_path(tuning_dir, arch)}: entry {entry_key(spec, kind)} is "
                           f"malformed ({exc!r})") from None
-
-
-def installed_triton_version() -> str | None:
-    """Triton's version from its package metadata: no import, so the build path stays light."""
-    try:
-        return metadata.version("triton")
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def apply_tuning(derivation: Derivation, record: TuningRecord | None) -> Derivation:

@@ -2,8 +2,9 @@
 
 For every spec x arch x candidate config that `derive_tiles` enumerates (feasible or not), the
 model's shared memory and registers are compared with what Triton 3.6 compiles. Measurements
-come from the committed data file (attngen/data/oracle_triton-<version>.json, keyed as
-attngen.oracle_data explains) or from a live cross-compile (attngen.oracle, lazily imported).
+come from the committed data file (attngen/verify/data/prefill_compile_triton-<version>.json,
+keyed as attngen.verify.measurements explains) or from a live cross-compile
+(attngen.verify.compiler, lazily imported).
 
 The policy, per config (the numbers are constants below):
 
@@ -29,14 +30,23 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from attngen.arch import ARCHS
-from attngen.oracle_data import OracleData, OracleKey, oracle_key, spec_ref
 from attngen.spec import AttnSpec, Mask
-from attngen.tiling import REGISTER_MARGIN, Candidate, derive_tiles
+from attngen.tiling.prefill import REGISTER_MARGIN, Candidate, derive_tiles
+from attngen.verify.measurements import (
+    MeasurementKey,
+    Measurements,
+    current_template_hash,
+    measurement_key,
+    save_measurements,
+    spec_ref,
+)
 
 # ptxas keeps a few loop-carried values on the stack even well below 255 registers (8-64 B on
 # sm80 at 4 warps); that costs an L1 hit per iteration, not a spill worth avoiding.
@@ -60,7 +70,7 @@ SAMPLE_MAX_COMPILE_S = 3.0  # --sample draws configs that compiled this fast (te
 class Row:
     """One deduplicated (arch, dtype, D, DV, config): the model's verdict and the compiler's."""
 
-    key: OracleKey
+    key: MeasurementKey
     specs: list[str]
     candidate: Candidate
     may_spill: bool
@@ -79,9 +89,9 @@ class Row:
 
 @dataclass
 class Plan:
-    rows: dict[OracleKey, Row]
-    representative: dict[OracleKey, AttnSpec]  # the spec a missing key is compiled from
-    chosen: list[tuple[str, str, OracleKey | None]]  # (spec, arch, the chosen config's key)
+    rows: dict[MeasurementKey, Row]
+    representative: dict[MeasurementKey, AttnSpec]  # the spec a missing key is compiled from
+    chosen: list[tuple[str, str, MeasurementKey | None]]  # (spec, arch, the chosen config's key)
     specs: dict[str, AttnSpec] = field(default_factory=dict)  # by name
 
 
@@ -94,19 +104,20 @@ def representative_weight(spec: AttnSpec) -> int:
 
 
 def plan_rows(specs: Iterable[AttnSpec], archs: Sequence[str] | None) -> Plan:
-    """Every candidate of every (spec, arch), deduplicated on the oracle key."""
-    rows: dict[OracleKey, Row] = {}
-    representative: dict[OracleKey, AttnSpec] = {}
-    chosen: list[tuple[str, str, OracleKey | None]] = []
+    """Every candidate of every (spec, arch), deduplicated on the measurement key."""
+    rows: dict[MeasurementKey, Row] = {}
+    representative: dict[MeasurementKey, AttnSpec] = {}
+    chosen: list[tuple[str, str, MeasurementKey | None]] = []
     by_name: dict[str, AttnSpec] = {}
     for spec in specs:
         by_name[spec.name] = spec
         for arch in archs or spec.archs:
             derivation = derive_tiles(spec, arch)
             best = derivation.chosen
-            chosen.append((spec.name, arch, best and oracle_key(spec, arch, best)))
+            chosen.append((spec.name, arch,
+                           None if best is None else measurement_key(spec, arch, best)))
             for cand in derivation.candidates:
-                key = oracle_key(spec, arch, cand.config)
+                key = measurement_key(spec, arch, cand.config)
                 row = rows.get(key)
                 if row is None:
                     row = rows[key] = Row(key, [], cand, cand.may_spill(ARCHS[arch]))
@@ -119,9 +130,9 @@ def plan_rows(specs: Iterable[AttnSpec], archs: Sequence[str] | None) -> Plan:
     return Plan(rows, representative, chosen, by_name)
 
 
-def live_jobs(plan: Plan, data: OracleData, recompile: bool, sample: int, seed: int,
-              every_spec: bool = False) -> tuple[list[tuple[OracleKey, AttnSpec]],
-                                                 list[OracleKey]]:
+def live_jobs(plan: Plan, data: Measurements, recompile: bool, sample: int, seed: int,
+              every_spec: bool = False) -> tuple[list[tuple[MeasurementKey, AttnSpec]],
+                                                 list[MeasurementKey]]:
     """What to compile now (key and the spec to compile it from), and what to leave out.
 
     Missing keys are compiled from the plan's heaviest spec; --recompile compiles every key
@@ -145,8 +156,8 @@ def live_jobs(plan: Plan, data: OracleData, recompile: bool, sample: int, seed: 
                 jobs.append((key, plan.representative[key]))
     if sample and not recompile:
         rng = random.Random(seed)
-        known = [k for k in sorted(plan.rows) if data.get(k) is not None and k.dtype != "fp32"
-                 and data.get(k)["compile_s"] <= SAMPLE_MAX_COMPILE_S]
+        known = [k for k in sorted(plan.rows) if (record := data.get(k)) is not None
+                 and k.dtype != "fp32" and record["compile_s"] <= SAMPLE_MAX_COMPILE_S]
         rejected = [k for k in known if not plan.rows[k].candidate.feasible]
         feasible = [k for k in known if plan.rows[k].candidate.feasible]
         half = sample // 2
@@ -156,23 +167,23 @@ def live_jobs(plan: Plan, data: OracleData, recompile: bool, sample: int, seed: 
     return jobs, skipped
 
 
-Others = dict[OracleKey, list[tuple[str, dict[str, Any]]]]  # other specs' compiles of a key
+Others = dict[MeasurementKey, list[tuple[str, dict[str, Any]]]]  # other specs' compiles of a key
 
 
-def measure(data: OracleData, jobs: list[tuple[OracleKey, AttnSpec]], processes: int,
+def measure(data: Measurements, jobs: list[tuple[MeasurementKey, AttnSpec]], processes: int,
             progress: Callable[[str], None] | None = None,
-            replace_other: bool = False) -> tuple[dict[OracleKey, list[str]], Others]:
+            replace_other: bool = False) -> tuple[dict[MeasurementKey, list[str]], Others]:
     """Compile the jobs. A key's first record goes into `data`; a recompile from the recorded
     spec replaces it and must equal it; one from another spec replaces it with
     `replace_other` (--recompile), else (--every-spec) it is kept aside in `others`, to be
     judged too. Returns, per compiled key, what contradicts the data (stale fields, or shared
     memory that differs by spec), and the others. `progress(message)` runs every CHUNK jobs
-    (the CLI saves the data there, so a long sweep can be resumed)."""
-    changed: dict[OracleKey, list[str]] = {}
+    (verify_tiling saves the data there, so a long sweep can be resumed)."""
+    changed: dict[MeasurementKey, list[str]] = {}
     others: Others = {}
     if not jobs:
         return changed, others
-    from attngen.oracle import compile_iter  # imports triton
+    from attngen.verify.compiler import compile_iter  # imports triton
 
     records = compile_iter([(spec, key.arch, key.config) for key, spec in jobs], processes)
     for done, ((key, spec), record) in enumerate(zip(jobs, records, strict=True), start=1):
@@ -182,8 +193,8 @@ def measure(data: OracleData, jobs: list[tuple[OracleKey, AttnSpec]], processes:
     return changed, others
 
 
-def _merge(data: OracleData, key: OracleKey, spec: AttnSpec, record: dict[str, Any],
-           changed: dict[OracleKey, list[str]], others: Others, replace_other: bool) -> None:
+def _merge(data: Measurements, key: MeasurementKey, spec: AttnSpec, record: dict[str, Any],
+           changed: dict[MeasurementKey, list[str]], others: Others, replace_other: bool) -> None:
     before = data.get(key)
     changed.setdefault(key, [])
     if before is None:
@@ -204,7 +215,7 @@ def _merge(data: OracleData, key: OracleKey, spec: AttnSpec, record: dict[str, A
         others.setdefault(key, []).append((spec_ref(spec), record))
 
 
-def judge(plan: Plan, data: OracleData, changed: dict[OracleKey, list[str]],
+def judge(plan: Plan, data: Measurements, changed: dict[MeasurementKey, list[str]],
           stale_fails: bool = True, others: Others | None = None) -> None:
     """Fill every row's measurement, failures and notes (the policy in the module docstring).
     A live result that differs from the data's record fails unless the data is being rewritten
@@ -219,7 +230,7 @@ def judge(plan: Plan, data: OracleData, changed: dict[OracleKey, list[str]],
         for message in changed.get(key, []):
             stale = message.startswith("data file is stale")
             (row.notes if stale and not stale_fails else row.problems).append(message)
-        _judge_one(row)
+        _judge_one(row, row.measured)
         for ref, record in (others or {}).get(key, []):
             spills = record["spill_stores"] or 0
             message = f"{ref}: {record['regs']} regs, spills {spills} B"
@@ -230,8 +241,8 @@ def judge(plan: Plan, data: OracleData, changed: dict[OracleKey, list[str]],
                 row.notes.append(message)
 
 
-def _judge_one(row: Row) -> None:
-    arch, cand, m = ARCHS[row.key.arch], row.candidate, row.measured
+def _judge_one(row: Row, m: dict[str, Any]) -> None:
+    arch, cand = ARCHS[row.key.arch], row.candidate
     if m["error"]:
         (row.problems if cand.feasible else row.notes).append(f"compile error: {m['error']}")
         return
@@ -258,7 +269,7 @@ def _judge_one(row: Row) -> None:
                              f"spills {spills} B")
 
 
-def expected_mma(key: OracleKey) -> str:
+def expected_mma(key: MeasurementKey) -> str:
     """The instruction family the model's branch assumes (see tiling.smem_expression)."""
     if key.dtype == "fp32":
         return "fma"
@@ -330,7 +341,7 @@ def summarize(rows: Iterable[Row]) -> Summary:
 @dataclass
 class Report:
     plan: Plan
-    skipped: list[OracleKey]
+    skipped: list[MeasurementKey]
     live: int
     seconds: float
     data_triton: str
@@ -347,20 +358,30 @@ class Report:
                 for a in archs}
 
 
-def verify(specs: Sequence[AttnSpec], archs: Sequence[str] | None, data: OracleData, *,
-           recompile: bool = False, sample: int = 0, seed: int = 0, processes: int = 2,
-           template_hash: str = "", progress: Callable[[str], None] | None = None,
-           stale_fails: bool = True, every_spec: bool = False) -> Report:
-    """Plan, measure (data first, compiler for what is missing or asked for), judge."""
-    import time
+def verify_tiling(specs: Sequence[AttnSpec], archs: Sequence[str] | None, data: Measurements,
+                  *, recompile: bool = False, sample: int = 0, seed: int = 0,
+                  processes: int = 2, progress: Callable[[str], None] | None = None,
+                  save_to: Path | None = None, every_spec: bool = False) -> Report:
+    """Plan, measure (data first, compiler for what is missing or asked for), judge.
 
+    `progress(message)` hears of the live compiles every CHUNK jobs. With `save_to`, `data`
+    and what was compiled live are saved there at the same points, so an interrupted sweep
+    keeps what it compiled, and a live result that contradicts a record replaces it instead of
+    failing the run."""
     start = time.perf_counter()
     plan = plan_rows(specs, archs)
     jobs, skipped = live_jobs(plan, data, recompile, sample, seed, every_spec)
-    changed, others = measure(data, jobs, processes, progress, replace_other=recompile)
-    judge(plan, data, changed, stale_fails, others)
+
+    def after_chunk(message: str) -> None:
+        if progress is not None:
+            progress(message)
+        if save_to is not None:
+            save_measurements(data, save_to)
+
+    changed, others = measure(data, jobs, processes, after_chunk, replace_other=recompile)
+    judge(plan, data, changed, stale_fails=save_to is None, others=others)
     return Report(plan, skipped, len(changed), time.perf_counter() - start, data.triton,
-                  data.template_hash, template_hash)
+                  data.template_hash, current_template_hash())
 
 
 def margin_note() -> str:

@@ -1,0 +1,13 @@
+"""Tiling: from a validated spec and a GPU target to a launch config, with the derivation.
+
+- prefill.py: the sympy model of what a config costs (shared memory, registers, a score),
+  every candidate of the grid with its verdict, and the choice. Its TileConfig, Candidate and
+  Derivation are the stage's vocabulary: decode reuses them, because the decode kernel runs
+  the prefill kernel's key loop.
+- decode.py: the decode tile (the same model with a bandwidth score) and the split rule.
+- code_paths.py: the paths a prefill module takes besides its config (TMA loads, the causal
+  schedule), chosen per arch from measurements.
+- alternatives.py: when nothing fits, the nearest change to the spec that does.
+
+Pure Python and sympy: nothing here imports torch or triton.
+"""

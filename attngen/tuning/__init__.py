@@ -1,0 +1,6 @@
+"""Tuning: measured tile configs that replace the heuristic's choice.
+
+- database.py: the tuning files (tuning/<arch>.json), read by the build; imports neither
+  torch nor triton.
+- autotune.py: the loop that fills them on a GPU (`attngen autotune`; torch and triton).
+"""
