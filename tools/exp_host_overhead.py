@@ -97,18 +97,10 @@ def measure(rows: dict, name: str, fn) -> None:
         traceback.print_exc()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    dev = "cuda"
-    rows: dict[str, object] = {}
-    q = torch.randn(1, 12, 64, 64, device=dev, dtype=torch.float16)
-    k, v = torch.randn_like(q), torch.randn_like(q)
+def measure_public(rows: dict, q, k, v) -> None:
+    """The anchors and the layers of a prefill call, outside in."""
     qf, kf, vf = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # flash layout
-    x = torch.empty(16, device=dev)
-
+    x = torch.empty(16, device=q.device)
     measure(rows, "torch sdpa (default dispatch)", lambda: F.scaled_dot_product_attention(q, k, v))
     measure(rows, "bare triton launch (1 arg)", lambda: _noop[(1,)](x))
     measure(rows, "attngen.flash_attn_func", lambda: attngen.flash_attn_func(qf, kf, vf))
@@ -123,6 +115,10 @@ def main() -> None:
     measure(rows, "dispatch (choose) only",
             lambda: dispatch_call("flash_attn_func", fields, q, None))
 
+
+def measure_launch(rows: dict, q, k, v) -> None:
+    """Triton's binding launcher against the compiled kernel's own, with the module's args."""
+    module, _ = module_for("prefill", "bert_base")
     real = module._attn_fwd_kernel
     recorder = Recorder(real)
     module._attn_fwd_kernel = recorder
@@ -134,42 +130,38 @@ def main() -> None:
     tma = bool(kkw.get("USE_TMA"))
     rows["module uses TMA at this shape"] = tma
     measure(rows, "kernel[grid](...) as the module calls it", lambda: real[grid](*kargs, **kkw))
+    ptr_args, ptr_kw = list(kargs), dict(kkw)
     if tma:
-        desc_at = [i for i, a in enumerate(kargs) if type(a).__name__ == "TensorDescriptor"]
-        ptr_args = list(kargs)
-        for i in desc_at:
-            ptr_args[i] = None
-        ptr_kw = {**kkw, "USE_TMA": False}
+        for i, arg in enumerate(kargs):
+            if type(arg).__name__ == "TensorDescriptor":
+                ptr_args[i] = None
+        ptr_kw["USE_TMA"] = False
         measure(rows, "kernel[grid](...) with pointers (no TMA)",
                 lambda: real[grid](*ptr_args, **ptr_kw))
         from triton.tools.tensor_descriptor import TensorDescriptor
         measure(rows, "TensorDescriptor x2 construction only",
                 lambda: [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 64, 64])
                          for t in (k, v)])
-    else:
-        ptr_args, ptr_kw = kargs, kkw
-    try:
-        _, launch = direct_launcher(real, grid, ptr_args, ptr_kw)
-        measure(rows, "compiled.run direct (pointers)", launch)
-    except Exception as exc:
-        rows["compiled.run direct (pointers)"] = f"error: {exc}"
-        traceback.print_exc()
-    if tma:
+    variants = [("pointers", ptr_args, ptr_kw)] + ([("TMA descriptors prebuilt", kargs, kkw)]
+                                                   if tma else [])
+    for label, a, kw in variants:
+        name = f"compiled.run direct ({label})"
         try:
-            _, launch = direct_launcher(real, grid, kargs, kkw)
-            measure(rows, "compiled.run direct (TMA descriptors prebuilt)", launch)
+            _, launch = direct_launcher(real, grid, a, kw)
+            measure(rows, name, launch)
         except Exception as exc:
-            rows["compiled.run direct (TMA descriptors prebuilt)"] = f"error: {exc}"
+            rows[name] = f"error: {exc}"
             traceback.print_exc()
 
-    # decode, B 1, 32/8 heads, D 128, bf16, contiguous cache of 64 keys
+
+def measure_decode(rows: dict) -> None:
+    """flash_attn_with_kvcache and decode() at B 1 against 64 cached keys (bf16, D 128)."""
     try:
         dmod, dentry = module_for("decode", "qwen2_5_7b")
-        qd = torch.randn(1, 1, 28, 128, device=dev, dtype=torch.bfloat16)
-        heads_kv = 4
-        kc = torch.randn(1, 4096, heads_kv, 128, device=dev, dtype=torch.bfloat16)
+        qd = torch.randn(1, 1, 28, 128, device="cuda", dtype=torch.bfloat16)
+        kc = torch.randn(1, 4096, 4, 128, device="cuda", dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
-        lens = torch.full((1,), 64, dtype=torch.int32, device=dev)
+        lens = torch.full((1,), 64, dtype=torch.int32, device="cuda")
         measure(rows, "attngen.flash_attn_with_kvcache (B1, L64)",
                 lambda: attngen.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=lens,
                                                         causal=True))
@@ -181,6 +173,9 @@ def main() -> None:
         rows["decode"] = f"error: {exc}"
         traceback.print_exc()
 
+
+def profile_flash_attn(q, k, v) -> str:
+    qf, kf, vf = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(2000):
@@ -189,13 +184,27 @@ def main() -> None:
     profile.disable()
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
-    (args.out / "host_overhead_profile.txt").write_text(text.getvalue())
+    return text.getvalue()
 
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, object] = {}
+    q = torch.randn(1, 12, 64, 64, device="cuda", dtype=torch.float16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    measure_public(rows, q, k, v)
+    measure_launch(rows, q, k, v)
+    measure_decode(rows)
+    profile = profile_flash_attn(q, k, v)
+    (args.out / "host_overhead_profile.txt").write_text(profile)
     result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "triton": triton.__version__,
               "shape": "B1 H12 N64 D64 fp16", "host_us": rows}
     (args.out / "host_overhead.json").write_text(json.dumps(result, indent=1))
-    print(text.getvalue()[:6000])
+    print(profile[:6000])
     print(f"\nhost time per call ({result['gpu']}, torch {torch.__version__}, "
           f"triton {triton.__version__})")
     for name, value in rows.items():
