@@ -82,7 +82,10 @@ def visibility(rule: MaskRule, qs: int, qe: int, ks: int, ke: int) -> str:
     """'none', 'all' or 'some': which keys of [ks, ke) the queries [qs, qe) see (non-empty)."""
     if rule.mask == "none":
         return "all"
-    left, right = rule.window if rule.mask == "sliding_window" else (None, 0)
+    left: int | None = None
+    right = 0
+    if rule.mask == "sliding_window" and rule.window is not None:
+        left, right = rule.window
     if ks > qe - 1 + right or (left is not None and ke - 1 < qs - left):
         return "none"
     if ke - 1 <= qs + right and (left is None or ks >= qe - 1 - left):
@@ -96,7 +99,7 @@ def key_span(rule: MaskRule, qs: int, qe: int, seq_len: int) -> tuple[int, int]:
         return 0, seq_len
     if rule.mask == "causal":
         return 0, min(qe, seq_len)
-    left, right = rule.window
+    left, right = rule.window or (0, 0)
     start, stop = max(0, qs - left), min(seq_len, qe + right)
     return (start, stop) if start < stop else (0, 0)
 
@@ -117,7 +120,7 @@ def express(rule: MaskRule, q_pos: tuple[int, int], k_pos: tuple[int, int],
     masked = rule.mask != "none"
     if (qs, qe) == (ks, ke):  # the same positions: any alignment is exact
         return KernelCall(rows, keys, rule.mask, aligns[0] if masked else None, rule.window)
-    options = []  # (fake rows, align, pad_front, pad_back)
+    options: list[tuple[int, str | None, int, int]] = []  # (fake rows, align, pads)
     if not masked:  # a mask-none kernel places rows top-left (its ALiBi distance is |i - j|)
         if ks <= qs:
             options.append((qs - ks, None, qs - ks, 0))
