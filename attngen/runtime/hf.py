@@ -101,7 +101,8 @@ def _unpadded(query, key, value, keep, common):
 
     # max_seqlen: the padded lengths bound every sequence's, so the host reads nothing more.
     out, _ = run_varlen(API, packed(query, rows_q), packed(key, rows_k), packed(value, rows_k),
-                        cu_q, cu_k, seqlen_q, seqlen_k, **common)
+                        cu_q, cu_k, seqlen_q, seqlen_k, length_bounds=(seqlen_q, seqlen_k),
+                        **common)
     full = out.new_zeros((batch * seqlen_q, num_q_heads, out.shape[-1]))
     full.index_copy_(0, rows_q, out)
     return full.view(batch, seqlen_q, num_q_heads, out.shape[-1])
