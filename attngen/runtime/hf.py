@@ -21,9 +21,9 @@ mask that the "attngen" mask function replaces by the padding mask), a config wi
 attention_chunk_size on such a layer, and kwargs that change the scores (s_aux/sinks,
 position_bias, sparse key indices). Multi-head latent attention (DeepSeek-V3) needs no
 refusal here: transformers hands over the decompressed q/k/v, plain attention with
-head_dim qk_nope + qk_rope and head_dim_v v_head_dim, and dispatch matches those dims. A decode step is a prefill/varlen call with Nq = 1 against transformers' own
-cache; the decode kind (split-KV, for serving caches) is reached through
-flash_attn_with_kvcache.
+head_dim qk_nope + qk_rope and head_dim_v v_head_dim, and dispatch matches those dims.
+A decode step is a prefill/varlen call with Nq = 1 against transformers' own cache; the decode
+kind (split-KV, for serving caches) is reached through flash_attn_with_kvcache.
 """
 
 from __future__ import annotations

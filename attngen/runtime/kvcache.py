@@ -1,7 +1,7 @@
 """flash_attn_with_kvcache: attention of a few new query tokens against a KV cache.
 
 Routing, in order:
-1. A generated module of kind `decode` (issue 6) that serves the call: the `attngen::decode`
+1. A generated module of kind `decode` that serves the call: the `attngen::decode`
    op, which appends k/v into the caches in place and attends (its contract: q [B, HQ, Nq, D],
    contiguous caches [B, HKV, L, D] or paged [pages, page_size, HKV, D], cache_seqlens int32).
 2. Otherwise the varlen kind, reading the cache in place: the new k/v are appended with torch

@@ -107,7 +107,7 @@ def read_folder(folder: str | Path) -> list[KernelEntry]:
                     "before attngen recorded them); rebuild the folder with `attngen build`")
             entries.append(KernelEntry(str(path), item["module"], item["arch"], item["kind"],
                                        dict(item["spec"]), digest))
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise RegistryError(f"{index}: not an attngen index ({exc!r})") from None
     return entries
 
