@@ -184,10 +184,12 @@ def _mask_text(spec: dict) -> str:
     return f"{spec['mask']}({spec.get('causal_align')}{window})"
 
 
-def select(api: str, need: Need, fallback: str | None = None) -> Dispatch:
-    """The module that serves `need`, recorded; or a fallback (warned), or NoKernelError."""
+def select(api: str, need: Need, fallback: str | None = None,
+           registry: Registry | None = None) -> Dispatch:
+    """The module that serves `need`, recorded; or a fallback (warned), or NoKernelError.
+    One registry (the current one unless given) answers every question of one selection."""
     mode = _fallback if fallback is None else _check_fallback(fallback, "fallback")
-    registry = current_registry()
+    registry = registry or current_registry()
     serving = [e for e in _same_kernel_fields(registry, need) if not mismatches(e, need)]
     if serving:
         # Prefer the module whose own mask is the asked one (a causal kernel over a window
@@ -248,9 +250,10 @@ def probe(api: str, fields: tuple, device_type: str, device_index: int | None
     need = Need(*fields[:9], device_arch(torch.device(device_type, device_index)), *fields[9:])
     if device_problem(api, need.arch, need.dtype):
         return None  # the route that follows refuses the call, with the reason
-    if not any(not mismatches(e, need) for e in _same_kernel_fields(current_registry(), need)):
+    registry = current_registry()
+    if not any(not mismatches(e, need) for e in _same_kernel_fields(registry, need)):
         return None
-    return select(api, need)
+    return select(api, need, registry=registry)
 
 
 def refuse(api: str, need: Need, why: str, fallback: str | None) -> Dispatch:
