@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -84,6 +85,7 @@ def _plan_one(spec: AttnSpec, kind: KernelKind, arch: str, tuning_dir: Path | No
     assert derivation.chosen is not None  # apply_tuning replaces the choice, never drops it
     name = module_name(spec, kind)
     relative_path = f"{arch}/{name}.py"
+    source = render_module(spec, kind, derivation)
     entry = {
         "module": name,
         "path": relative_path,
@@ -93,8 +95,10 @@ def _plan_one(spec: AttnSpec, kind: KernelKind, arch: str, tuning_dir: Path | No
         "spec": spec.canonical(),
         "config": derivation.chosen.as_dict(),
         "config_source": derivation.source,
+        # The runtime imports a module only if its bytes hash to this (runtime/integrity.py).
+        "sha256": hashlib.sha256(source.encode("utf-8")).hexdigest(),
     }
-    return Artifact(relative_path, render_module(spec, kind, derivation), entry)
+    return Artifact(relative_path, source, entry)
 
 
 def write_build(artifacts: list[Artifact], out_dir: str | Path) -> list[str]:
@@ -123,6 +127,19 @@ def build(spec_paths: Iterable[str | Path], out_dir: str | Path,
 def stale_paths(spec_paths: Iterable[str | Path], out_dir: str | Path,
                 tuning_dir: Path | None = None) -> list[str]:
     """Modules (and index entries) that a build would change: empty when out_dir is current."""
+    return check_folder(spec_paths, out_dir, tuning_dir)[0]
+
+
+def unproduced_paths(spec_paths: Iterable[str | Path], out_dir: str | Path,
+                     tuning_dir: Path | None = None) -> list[str]:
+    """Modules in out_dir (files `<arch>/*.py` or index entries) that none of the specs
+    produces: left over from another spec set or a renamed spec, or put there by hand."""
+    return check_folder(spec_paths, out_dir, tuning_dir)[1]
+
+
+def check_folder(spec_paths: Iterable[str | Path], out_dir: str | Path,
+                 tuning_dir: Path | None = None) -> tuple[list[str], list[str]]:
+    """(stale_paths, unproduced_paths) from one render of the specs (`attngen check`)."""
     out = Path(out_dir)
     artifacts = plan_build(load_specs(spec_paths), tuning_dir)
     stale = []
@@ -130,10 +147,14 @@ def stale_paths(spec_paths: Iterable[str | Path], out_dir: str | Path,
         target = out / artifact.relative_path
         if not target.is_file() or target.read_text(encoding="utf-8") != artifact.source:
             stale.append(artifact.relative_path)
-    indexed = {entry["path"]: entry for entry in read_index(out)}
+    index = read_index(out)
+    indexed = {entry.get("path"): entry for entry in index if isinstance(entry, dict)}
     if any(indexed.get(a.relative_path) != a.entry for a in artifacts):
         stale.append(INDEX_NAME)
-    return stale
+    present = {path.relative_to(out).as_posix() for path in out.glob("*/*.py")}
+    present |= {path for path in indexed if isinstance(path, str)}
+    produced = {artifact.relative_path for artifact in artifacts}
+    return stale, sorted(present - produced)
 
 
 def render_index(entries: Iterable[dict[str, Any]]) -> str:

@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from attngen.arch import arch_names
-from attngen.build import build, load_specs, stale_paths
+from attngen.build import build, check_folder, load_specs
 from attngen.explain import explain_lines
 from attngen.spec import SpecError, specs_from_data
 from attngen.tuning.database import DEFAULT_TUNING_DIR
@@ -54,13 +54,21 @@ def build_command(specs: SpecPaths, out: OutDir = Path("generated"),
 @app.command("check")
 def check_command(specs: SpecPaths, out: OutDir = Path("generated"),
                   tuning: TuningDir = DEFAULT_TUNING_DIR) -> None:
-    """Exit 1 when OUT differs from what `attngen build` would write for the specs."""
+    """Exit 1 when OUT differs from what `attngen build` would write for the specs, or holds
+    modules that none of the specs produces."""
     try:
-        stale = stale_paths(specs, out, _tuning(tuning))
+        stale, unproduced = check_folder(specs, out, _tuning(tuning))
     except SpecError as exc:
         raise _fail(str(exc)) from None
+    problems = []
     if stale:
-        raise _fail(f"{out} is stale; run `attngen build`: " + ", ".join(stale))
+        problems.append(f"{out} is stale; run `attngen build`: " + ", ".join(stale))
+    if unproduced:
+        problems.append(f"{out} holds modules that none of the given specs produces (pass "
+                        "their specs too, or delete them and their index entries): "
+                        + ", ".join(unproduced))
+    if problems:
+        raise _fail("; ".join(problems))
     typer.echo(f"attngen: {out} is up to date")
 
 

@@ -11,10 +11,21 @@ Fields, with transformers' names:
 - mask: causal, bottom_right (the KV-cache diagonal transformers uses); sliding_window W
   keeps key j for query i when i - W < j <= i, so window_left = W - 1 (examples/mistral_7b.yaml);
 - models whose layers alternate (layer_types with sliding_attention and full_attention, or
-  Gemma-2's sliding_window_pattern) get the variants `local` and `global`;
+  Gemma-2's sliding_window_pattern, or Qwen's max_window_layers) get the variants `local` and
+  `global`;
+- use_bidirectional_attention (Gemma-2/3 encoders): mask none, and a symmetric window;
 - kernels: prefill and varlen (varlen serves padded batches).
-The result is validated like a spec file (attngen.spec), so a config attngen cannot serve
-fails with the field that is out of range.
+The softmax scale is not a spec field: it is a call argument (transformers passes the
+module's `scaling`, which carries query_pre_attn_scalar, attention_multiplier and the like).
+
+A config whose attention no spec can express yet is refused by name, never turned into a spec
+that computes something else: attention_chunk_size (Llama 4), the multi-head latent attention
+dims (q_lora_rank, kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim: DeepSeek-V2/V3
+and others), learned attention sinks (gpt-oss and other model types in _SINK_MODELS), ALiBi
+(alibi, use_alibi, attn_config.alibi, Bloom), and layer types other than full_attention and
+sliding_attention (chunked, sparse, compressed ...; layers that are not attention, like
+linear_attention, are skipped). The result is validated like a spec file (attngen.spec), so
+a config attngen cannot serve fails with the field that is out of range.
 """
 
 from __future__ import annotations
@@ -30,6 +41,23 @@ from attngen.spec import AttnSpec, SpecError, specs_from_data
 DEFAULT_ARCHS = ("sm80", "sm90")
 _DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 _ALTERNATING = frozenset({"gemma2"})  # model types whose layers alternate local and global
+_MLA = ("multi-head latent attention (keys and values decompressed from a shared latent; "
+        "the spec has no such variant yet)")
+_ALIBI = ("ALiBi position biases (spec-from-hf does not map them; write the spec by hand "
+          "with alibi: true and pass the slopes at call time)")
+_UNEXPRESSED_FIELDS = {
+    "attention_chunk_size": "chunked attention (a query sees only the keys of its own chunk)",
+    "q_lora_rank": _MLA, "kv_lora_rank": _MLA, "qk_rope_head_dim": _MLA,
+    "qk_nope_head_dim": _MLA, "v_head_dim": _MLA,
+    "alibi": _ALIBI, "use_alibi": _ALIBI,
+}
+_SINK_MODELS = frozenset({"gpt_oss", "granite_swa", "granitemoe_swa", "hy_v4",
+                          "mimo_v2_flash", "openai_privacy_filter", "deepseek_v4"})
+_MODEL_FEATURES = {**{m: "learned attention sinks (an extra per-head logit in the softmax)"
+                      for m in _SINK_MODELS}, "bloom": _ALIBI}
+ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
+# Layer types that call no attention function: nothing of theirs goes into the spec.
+NON_ATTENTION_LAYERS = frozenset({"linear_attention", "conv", "moe", "sparse", "dense"})
 
 
 def read_config(source: Any) -> dict[str, Any]:
@@ -58,6 +86,7 @@ def spec_data_from_config(config: Any, *, archs: Sequence[str] = DEFAULT_ARCHS,
                           name: str | None = None, dtype: str | None = None) -> dict[str, Any]:
     """The spec as YAML-ready data (with `variants` for alternating local/global layers)."""
     cfg = _text_config(read_config(config))
+    refuse_unexpressed(cfg)
     heads = _int(cfg, "num_attention_heads")
     head_dim = cfg.get("head_dim") or _int(cfg, "hidden_size") // heads
     dtype_name = dtype or _dtype(cfg)
@@ -73,13 +102,17 @@ def spec_data_from_config(config: Any, *, archs: Sequence[str] = DEFAULT_ARCHS,
     if cap:
         data["softcap"] = float(cap)
     data["kernels"] = ["prefill", "varlen"]
-    causal = {"mask": "causal", "causal_align": "bottom_right"}
+    bidirectional = bool(cfg.get("use_bidirectional_attention"))
+    causal = ({"mask": "none"} if bidirectional
+              else {"mask": "causal", "causal_align": "bottom_right"})
     window = cfg.get("sliding_window")
-    kinds = set(cfg.get("layer_types") or ())
+    kinds = _layer_kinds(cfg) - NON_ATTENTION_LAYERS
     if not window or cfg.get("use_sliding_window") is False or kinds == {"full_attention"}:
         return {**data, **causal}
+    # Gemma's bidirectional window keeps |i - j| < W: W - 1 on both sides.
     local = {"mask": "sliding_window", "causal_align": "bottom_right",
-             "window_left": int(window) - 1, "window_right": 0}
+             "window_left": int(window) - 1, "window_right": int(window) - 1 if bidirectional
+             else 0}
     # Without layer_types (older config.json files), Gemma-2 alternates by architecture and
     # Gemma-3 and Cohere-2 say so with sliding_window_pattern.
     alternating = len(kinds) > 1 or (not kinds and (
@@ -87,6 +120,47 @@ def spec_data_from_config(config: Any, *, archs: Sequence[str] = DEFAULT_ARCHS,
     if alternating:
         return {**data, "variants": {"local": local, "global": causal}}
     return {**data, **local}
+
+
+def refuse_unexpressed(cfg: dict[str, Any]) -> None:
+    """SpecError naming the first attention feature of `cfg` that no spec expresses yet."""
+    kinds = _layer_kinds(cfg)
+    for field, what in _UNEXPRESSED_FIELDS.items():
+        value = cfg.get(field)
+        if field == "attention_chunk_size" and kinds and "chunked_attention" not in kinds:
+            continue  # set, but no layer is chunked
+        if field == "v_head_dim" and not cfg.get("kv_lora_rank"):
+            what = ("a value head dim of its own, which spec-from-hf does not map (write the "
+                    "spec by hand with head_dim_v)")
+        if value not in (None, False, 0):
+            raise SpecError(f"config {field}: got {value!r}; {what} is not expressible in an "
+                            "attngen spec yet, so no spec is written (one without it would "
+                            "compute different attention)")
+    attn_config = cfg.get("attn_config")
+    if isinstance(attn_config, dict) and attn_config.get("alibi"):
+        raise SpecError(f"config attn_config.alibi: got {attn_config['alibi']!r}; {_ALIBI}")
+    model_type = cfg.get("model_type")
+    if model_type in _MODEL_FEATURES:
+        raise SpecError(f"config model_type: got {model_type!r}; its attention has "
+                        f"{_MODEL_FEATURES[model_type]}, which is not expressible in an attngen "
+                        "spec yet, so no spec is written")
+    unknown = sorted(kinds - ATTENTION_LAYERS - NON_ATTENTION_LAYERS)
+    if unknown:
+        raise SpecError(f"config layer_types: got {', '.join(map(repr, unknown))} layers; "
+                        "attngen specs express full_attention and sliding_attention only, so "
+                        "no spec is written")
+
+
+def _layer_kinds(cfg: dict[str, Any]) -> set[str]:
+    """The layer types, from layer_types or, in older Qwen config.json files, derived as
+    transformers does: sliding from layer max_window_layers on, when use_sliding_window."""
+    kinds = cfg.get("layer_types")
+    if kinds:
+        return set(kinds)
+    layers, first = cfg.get("num_hidden_layers"), cfg.get("max_window_layers")
+    if cfg.get("use_sliding_window") and isinstance(layers, int) and isinstance(first, int):
+        return {"sliding_attention" if i >= first else "full_attention" for i in range(layers)}
+    return set()
 
 
 def spec_from_config(config: Any, *, archs: Sequence[str] = DEFAULT_ARCHS, name: str | None = None,

@@ -26,19 +26,29 @@ if not HAS_CUDA:
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-# CI sets CI=true, which makes Hypothesis load its derandomized `ci` profile; ours add limits.
-settings.register_profile(
-    "ci", max_examples=25, deadline=None, derandomize=True, database=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-settings.register_profile(
-    "dev", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-)
-settings.register_profile(
-    "gpu", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-)
-settings.load_profile(os.environ.get("ATTNGEN_HYPOTHESIS_PROFILE",
-                                     "ci" if os.environ.get("CI") else "dev"))
+# Profiles (ATTNGEN_HYPOTHESIS_PROFILE picks one; otherwise "ci" when CI is set, else "dev"):
+# - ci, dev: derandomized, no example database. A plain `python -m pytest` (the README's
+#   command) draws the same examples on every machine and every run, so a newcomer's first run
+#   cannot go red on a random draw, and no failure is written to .hypothesis/ to be replayed.
+#   dev draws more examples than ci (which keeps the suite fast on 2 CI cores).
+# - explore: random draws, failures kept in .hypothesis/ and replayed until fixed, for hunting
+#   bugs locally; keep every failure it finds as an @example in the test.
+# - gpu: random and larger, for the H200 runs.
+# Every profile starts from Hypothesis's "default" (random, with a database): with CI set,
+# Hypothesis's own defaults are its derandomized "ci" ones, which explore must not inherit.
+_QUIET = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow],
+              parent=settings.get_profile("default"))
+settings.register_profile("ci", max_examples=25, derandomize=True, database=None, **_QUIET)
+settings.register_profile("dev", max_examples=40, derandomize=True, database=None, **_QUIET)
+settings.register_profile("explore", max_examples=100, **_QUIET)
+settings.register_profile("gpu", max_examples=200, **_QUIET)
+
+
+def hypothesis_profile(environ) -> str:
+    return environ.get("ATTNGEN_HYPOTHESIS_PROFILE", "ci" if environ.get("CI") else "dev")
+
+
+settings.load_profile(hypothesis_profile(os.environ))
 
 
 @pytest.fixture(scope="session")

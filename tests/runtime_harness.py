@@ -7,6 +7,7 @@ use is restored afterwards, so other tests keep the default (the repository's ge
 
 from __future__ import annotations
 
+import hashlib
 import json
 import textwrap
 from pathlib import Path
@@ -55,11 +56,21 @@ def toy_kernels(toy_folder: Path):
 
 
 FAKE_DECODE = textwrap.dedent('''\
-    """A stand-in decode module honouring the decode kind's contract, in torch (test only)."""
+    """A stand-in decode module honouring the README's decode contract, in torch (test only)."""
     import math
 
     import torch
 
+    HEAD_DIM = 16
+    HEAD_DIM_V = 16
+    DTYPE = torch.float32
+    MASK = "causal"
+    CAUSAL_ALIGN = "bottom_right"
+    SOFTCAP = 0.0
+    ALIBI = False
+    KV_LAYOUT = "contiguous"
+    PAGE_SIZE = 0
+    MAX_QUERY_TOKENS = 4
     CALLS = []
 
 
@@ -98,6 +109,7 @@ def build_fake_decode(folder: Path) -> Path:
                 num_kv_heads=2, mask="causal", causal_align="bottom_right", softcap=0.0,
                 alibi=False, kv_layout="contiguous", page_size=None, max_query_tokens=4)
     entry = {"module": "toy_decode", "path": "sm90/toy_decode.py", "arch": "sm90",
-             "kind": "decode", "spec": spec}
+             "kind": "decode", "spec": spec,
+             "sha256": hashlib.sha256(FAKE_DECODE.encode()).hexdigest()}
     (folder / "index.json").write_text(json.dumps({"schema": 1, "modules": [entry]}))
     return folder

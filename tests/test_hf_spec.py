@@ -1,5 +1,7 @@
 """Specs from transformers configs (attngen.spec_from_config, `attngen spec-from-hf`):
-plain dicts shaped like the config.json files of Llama, Mistral, Gemma-2 and Qwen2."""
+plain dicts shaped like the config.json files of Llama, Mistral, Gemma-2 and Qwen2, and
+transformers' own config classes of each family whose attention a spec expresses or must refuse
+(Llama 4 chunking, DeepSeek-V2/V3 latent attention, gpt-oss sinks, ALiBi, unknown layer types)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typer.testing import CliRunner
 import attngen
 from attngen.cli import app
 from attngen.hf_spec import spec_data_from_config
-from attngen.spec import SpecError, load_spec_file
+from attngen.spec import SpecError, load_spec_file, specs_from_data
 from attngen.tuning.database import NOT_TUNED_ON
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,3 +89,65 @@ def test_cli_writes_a_spec_that_builds(tmp_path: Path) -> None:
             ).is_file()
     bad = runner.invoke(app, ["spec-from-hf", str(tmp_path / "missing.json")])
     assert bad.exit_code == 1 and "cannot read a config.json" in bad.stderr
+
+
+# ------------------------------------------------ config families (transformers' own classes)
+
+transformers = pytest.importorskip("transformers")
+
+
+def _spec_data(config):
+    return spec_data_from_config(config, archs=["sm90"], dtype="fp16", name="m")
+
+
+@pytest.mark.parametrize(("make", "field"), [
+    (lambda: transformers.Llama4TextConfig(attention_chunk_size=8192),
+     "config attention_chunk_size: got 8192; chunked attention"),
+    (lambda: transformers.Llama4Config(text_config={"attention_chunk_size": 8}),
+     "config attention_chunk_size: got 8"),
+    (lambda: transformers.DeepseekV3Config(), "config q_lora_rank: got 1536; multi-head latent"),
+    (lambda: transformers.DeepseekV2Config(q_lora_rank=None),
+     "config kv_lora_rank: got 512; multi-head latent"),
+    (lambda: transformers.GptOssConfig(), "model_type: got 'gpt_oss'; .* learned attention sinks"),
+    (lambda: {**LLAMA3_8B, "model_type": "falcon", "alibi": True}, "config alibi: got True"),
+    (lambda: {**LLAMA3_8B, "model_type": "mpt", "attn_config": {"alibi": True}},
+     "config attn_config.alibi"),
+    (lambda: {**LLAMA3_8B, "layer_types": ["full_attention", "deepseek_sparse_attention"]},
+     "config layer_types: got 'deepseek_sparse_attention' layers"),
+])
+def test_configs_with_attention_no_spec_expresses_are_refused_by_name(make, field) -> None:
+    with pytest.raises(SpecError, match=field):
+        _spec_data(make())
+
+
+def test_families_the_spec_expresses() -> None:
+    """Gemma-2/3 (softcap, alternating windows; query_pre_attn_scalar is the call's scale),
+    Qwen3 (sliding from max_window_layers on), Phi-3, Mistral, Cohere and Cohere-2."""
+    gemma2 = _spec_data(transformers.Gemma2Config())
+    assert gemma2["softcap"] == 50.0 and gemma2["head_dim"] == 256
+    assert gemma2["variants"]["local"]["window_left"] == 4095
+    gemma3 = _spec_data(transformers.Gemma3TextConfig(sliding_window=512))
+    assert gemma3["variants"] == {
+        "local": {"mask": "sliding_window", "causal_align": "bottom_right", "window_left": 511,
+                  "window_right": 0},
+        "global": {"mask": "causal", "causal_align": "bottom_right"}}
+    encoder = _spec_data(transformers.Gemma3TextConfig(sliding_window=512,
+                                                       use_bidirectional_attention=True))
+    assert encoder["variants"]["local"]["window_right"] == 511
+    assert encoder["variants"]["global"] == {"mask": "none"}
+    specs_from_data(encoder)  # a valid spec
+    assert _spec_data(transformers.Qwen3Config())["mask"] == "causal"
+    qwen3 = _spec_data(transformers.Qwen3Config(num_hidden_layers=4, use_sliding_window=True,
+                                                max_window_layers=2, sliding_window=1024))
+    assert set(qwen3["variants"]) == {"local", "global"}
+    raw_qwen = {**QWEN2_5_7B, "num_hidden_layers": 4, "use_sliding_window": True,
+                "max_window_layers": 4}  # a config.json without layer_types: no layer slides
+    assert spec_data_from_config(raw_qwen)["mask"] == "causal"
+    phi3 = _spec_data(transformers.Phi3Config(sliding_window=2047))
+    assert (phi3["mask"], phi3["window_left"], phi3["head_dim"]) == ("sliding_window", 2046, 96)
+    assert _spec_data(transformers.MistralConfig())["window_left"] == 4095
+    assert _spec_data(transformers.CohereConfig())["mask"] == "causal"
+    cohere2 = _spec_data(transformers.Cohere2Config(sliding_window=4096))
+    assert set(cohere2["variants"]) == {"local", "global"}
+    hybrid = {**LLAMA3_8B, "layer_types": ["linear_attention", "full_attention"]}
+    assert spec_data_from_config(hybrid)["mask"] == "causal"  # linear layers call no attention

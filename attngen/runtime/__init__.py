@@ -1,12 +1,16 @@
 """The runtime: generated kernels in real models (torch; never imported by the build path).
 
-    registry.py  which generated modules exist (index.json), imported by file path
-    dispatch.py  which module serves a call, and the record of why (or the warned fallback)
-    ops.py       torch.library custom ops around the modules' entry points
-    api.py       scaled_dot_product_attention, flash_attn_func, flash_attn_varlen_func
-    kvcache.py   flash_attn_with_kvcache (decode kind when built; varlen over the cache now)
-    hf.py        the transformers attention function ("attngen")
-    fallback.py  the torch implementation behind fallback="sdpa"
+    registry.py   which generated modules exist (index.json), imported by file path
+    integrity.py  a module runs only if its bytes and constants match its index entry
+    devices.py    the device's arch; CPU needs Triton's interpreter, bf16 correct math there
+    dispatch.py   which module serves a call, and the record of why (or the warned fallback)
+    ops.py        torch.library custom ops around the modules' entry points (forward-only)
+    api.py        scaled_dot_product_attention, flash_attn_func, flash_attn_varlen_func
+    kvcache.py    flash_attn_with_kvcache (decode kind when built, else varlen over the cache)
+    validate.py   shape checks in the caller's layout
+    hf.py         the transformers attention function ("attngen")
+    fallback.py   the torch implementation behind fallback="sdpa"
+    interpreter_probe.py  a bf16 probe kernel for Triton's interpreter
 """
 
 from attngen.runtime.api import (

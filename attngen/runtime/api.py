@@ -71,11 +71,16 @@ def run_dense(api, q, k, v, *, mask, align, window, softcap, alibi_slopes, scale
 
 def run_varlen(api, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, mask,
                align, window, softcap, alibi_slopes, scale, return_lse, fallback,
-               seqused_k=None, refusal=None, dropout_p=0.0):
-    """Packed [T, H, D] attention through the varlen kind; (out, lse [H, Tq] or None)."""
+               seqused_k=None, refusal=None, dropout_p=0.0, length_bounds=None):
+    """Packed [T, H, D] attention through the varlen kind; (out, lse [H, Tq] or None).
+
+    The kernel is chosen with lengths the tensors guarantee, never max_seqlen_q/k (the
+    caller's claim, which only sizes the grid): `length_bounds` (Nq, Nk) when the caller
+    knows tighter ones from shapes (a cache's capacity), else the packed totals."""
     same = cu_seqlens_q is cu_seqlens_k and seqused_k is None
+    bound_q, bound_k = length_bounds or (q.shape[0], k.shape[0])
     fields = need_fields("varlen", q, v, mask, align, window, softcap, alibi_slopes,
-                         max_seqlen_q, max_seqlen_k, same)
+                         bound_q, bound_k, same)
     dispatch = dispatch_call(api, fields, q, fallback, refusal)
     if dispatch.fallback:
         return _varlen_in_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, mask=mask,

@@ -7,29 +7,33 @@ the nearest modules with what differs, unless a fallback was asked for: then the
 "fallback" and a warning names the reason. Nothing falls back silently.
 
 Masks are compared by meaning at the call's lengths, not only by name: when Nq == Nk the two
-causal alignments are the same mask, and a sliding window whose reach covers every key is
-plain causal (or no mask). So SDPA's top-left `is_causal` on a square prefill runs on a
-bottom-right kernel, and Mistral's window kernel serves sequences shorter than its window.
+causal alignments are the same mask; a sliding window whose reach covers every key is plain
+causal (or no mask); and one query token at the bottom-right end sees every key under causal
+(flash_attn_with_kvcache's default causal=False decode step runs on a causal decode kernel).
+The lengths used are bounds the call's tensor shapes guarantee (padded lengths, packed
+totals, cache capacity), never a caller's max_seqlen claim: a wrong claim must not turn a
+causal call into a window kernel's call.
 
-Every Dispatch is recorded: `last_dispatch()` and, inside `with dispatch_log() as log:`, in
-`log`. Under torch.compile, selection runs while tracing, so it is recorded once per trace;
-the kernel runs themselves are counted by the ops (`attngen.runtime.ops.run_counts`).
+Every Dispatch is recorded, per thread: `last_dispatch()` is this thread's latest, and
+`with dispatch_log() as log:` collects this thread's dispatches inside the block (logs nest).
+Under torch.compile, selection runs while tracing, so it is recorded once per trace; the kernel
+runs themselves are counted by the ops (`attngen.runtime.ops.run_counts`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
+import threading
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from attngen.runtime.registry import KernelEntry, current_registry
+from attngen.runtime.devices import INTERPRETER, device_arch, device_problem
+from attngen.runtime.registry import KernelEntry, Registry, current_registry
 
 FALLBACKS = ("error", "sdpa")
-INTERPRETER = "interpreter"  # CPU tensors under TRITON_INTERPRET=1: any arch's module runs
 _fallback = "error"
 
 
@@ -39,7 +43,9 @@ class NoKernelError(RuntimeError):
 
 @dataclass(frozen=True)
 class Need:
-    """What a call needs from a kernel. Lengths are upper bounds (max_seqlen for varlen)."""
+    """What a call needs from a kernel. seqlen_q/seqlen_k bound every sequence's lengths and
+    must be guaranteed by the call's tensor shapes (padded lengths, packed totals, the cache's
+    capacity), not taken from a caller's max_seqlen: mask equivalence is decided with them."""
 
     kind: str
     dtype: str
@@ -98,20 +104,39 @@ def _check_fallback(mode: object, name: str) -> str:
     return str(mode)
 
 
-def effective_mask(spec_like: dict, need: Need) -> tuple:
-    """(mask, align, window) as it acts at the need's lengths: the form two masks compare in."""
+def effective_mask(spec_like: dict, need: Need, *, at_lengths: bool = True) -> tuple:
+    """(mask, align, window) as it acts at the need's lengths: the form two masks compare in.
+    With at_lengths=False, only what holds at every length (the alignments agree when every
+    sequence has Nq == Nk)."""
     mask, align = spec_like["mask"], spec_like.get("causal_align")
     window = spec_like.get("window")
-    if mask == "sliding_window":
-        left, right = window
-        reach = max(need.seqlen_q, need.seqlen_k) - 1  # the largest |i' - j| at these lengths
-        if left >= reach and right >= reach:
-            mask, window = "none", None
-        elif left >= reach and right == 0:
-            mask, window = "causal", None
+    if at_lengths and mask != "none":
+        mask, window = _mask_at_lengths(mask, align, window, need)
     if mask == "none" or need.same_lengths:
         align = None
     return mask, align, window
+
+
+def _mask_at_lengths(mask: str, align: str | None, window, need: Need) -> tuple:
+    # One query token at the bottom-right end sits at i' = Nk - 1: every key is at or before
+    # it, so a window's right side excludes nothing and causal excludes nothing. (Not with
+    # ALiBi: a mask-none module's bias distance is not the bottom-right one in every kind.)
+    last_query_only = (need.seqlen_q <= 1 and not need.alibi
+                       and (align == "bottom_right" or need.same_lengths))
+    if mask == "sliding_window":
+        left, right = window
+        if last_query_only:
+            right = 0
+        reach = max(need.seqlen_q, need.seqlen_k) - 1  # the largest |i' - j| at these lengths
+        if left >= reach and right >= reach:
+            return "none", None
+        if left >= reach and right == 0:
+            mask = "causal"
+        else:
+            return mask, (left, right)
+    if mask == "causal" and last_query_only:
+        return "none", None
+    return mask, None
 
 
 def _spec_view(entry: KernelEntry) -> dict:
@@ -159,53 +184,47 @@ def _mask_text(spec: dict) -> str:
     return f"{spec['mask']}({spec.get('causal_align')}{window})"
 
 
-def select(api: str, need: Need, fallback: str | None = None) -> Dispatch:
-    """The module that serves `need`, recorded; or a fallback (warned), or NoKernelError."""
+def select(api: str, need: Need, fallback: str | None = None,
+           registry: Registry | None = None) -> Dispatch:
+    """The module that serves `need`, recorded; or a fallback (warned), or NoKernelError.
+    One registry (the current one unless given) answers every question of one selection."""
     mode = _fallback if fallback is None else _check_fallback(fallback, "fallback")
-    entries = current_registry().entries
-    serving = [e for e in _same_kernel_fields(entries, need) if not mismatches(e, need)]
+    registry = registry or current_registry()
+    serving = [e for e in _same_kernel_fields(registry, need) if not mismatches(e, need)]
     if serving:
         # Prefer the module whose own mask is the asked one (a causal kernel over a window
         # kernel that equals causal at these lengths), then the newest arch, then the name.
-        # At lengths 0 no window reaches anything, so effective_mask leaves masks as named.
-        bare = replace(need, seqlen_q=0, seqlen_k=0)
         asked = effective_mask({"mask": need.mask, "causal_align": need.causal_align,
-                                "window": need.window}, bare)
-        best = min(serving, key=lambda e: (effective_mask(_spec_view(e), bare) != asked,
-                                           -int(e.arch[2:]), e.module))
+                                "window": need.window}, need, at_lengths=False)
+        best = min(serving, key=lambda e: (
+            effective_mask(_spec_view(e), need, at_lengths=False) != asked,
+            -int(e.arch[2:]), e.module))
         reason = f"{best.describe()} serves {need.describe()}"
         return _record(Dispatch(api, need, best.describe(), best.key, reason))
-    message = _no_kernel_message(need, entries)
+    message = _no_kernel_message(need, registry)
     if mode == "error":
         raise NoKernelError(message)
     warnings.warn(f"attngen: falling back to torch SDPA: {message}", stacklevel=3)
     return _record(Dispatch(api, need, None, None, message, fallback=mode))
 
 
-_prefiltered: tuple[object, dict[tuple, list[KernelEntry]]] = (None, {})
-
-
-def _same_kernel_fields(entries, need: Need) -> list[KernelEntry]:
-    """The entries that agree with `need` on everything but the mask, cached per registry:
+def _same_kernel_fields(registry: Registry, need: Need) -> list[KernelEntry]:
+    """The entries that agree with `need` on everything but the mask, cached on the registry:
     a decode loop asks once per layer and step with a new key length each time, so the scan
     of every module (most of a call's host time) is done once per kind of call instead."""
-    global _prefiltered
-    if _prefiltered[0] is not entries:
-        _prefiltered = (entries, {})
     key = (need.kind, need.arch, need.dtype, need.head_dim, need.head_dim_v, need.alibi,
            float(need.softcap), need.kv_layout, need.page_size)
-    hit = _prefiltered[1].get(key)
-    if hit is None:
-        def agrees(entry: KernelEntry) -> bool:
-            spec = entry.spec
-            return (entry.kind == need.kind
-                    and (need.arch == INTERPRETER or entry.arch == need.arch)
-                    and (spec.get("dtype"), spec.get("head_dim"), spec.get("head_dim_v"),
-                         spec.get("alibi")) == (need.dtype, need.head_dim, need.head_dim_v,
-                                                need.alibi)
-                    and float(spec.get("softcap") or 0.0) == float(need.softcap))
-        hit = _prefiltered[1][key] = [e for e in entries if agrees(e)]
-    return hit
+
+    def agrees(entry: KernelEntry) -> bool:
+        spec = entry.spec
+        return (entry.kind == need.kind
+                and (need.arch == INTERPRETER or entry.arch == need.arch)
+                and (spec.get("dtype"), spec.get("head_dim"), spec.get("head_dim_v"),
+                     spec.get("alibi")) == (need.dtype, need.head_dim, need.head_dim_v,
+                                            need.alibi)
+                and float(spec.get("softcap") or 0.0) == float(need.softcap))
+
+    return registry.matching(key, agrees)
 
 
 @torch.compiler.assume_constant_result
@@ -218,6 +237,7 @@ def choose(api: str, fields: tuple, device_type: str, device_index: int | None,
     graph holds the chosen module's key, and the selection code is never traced."""
     arch = device_arch(torch.device(device_type, device_index))
     need = Need(*fields[:9], arch, *fields[9:])
+    refusal = refusal or device_problem(api, need.arch, need.dtype)
     if refusal:
         return refuse(api, need, refusal, fallback)
     return select(api, need, fallback)
@@ -228,15 +248,18 @@ def probe(api: str, fields: tuple, device_type: str, device_index: int | None
           ) -> Dispatch | None:
     """choose() for an optional route (the decode kind): the Dispatch, or None, no error."""
     need = Need(*fields[:9], device_arch(torch.device(device_type, device_index)), *fields[9:])
-    if not any(not mismatches(e, need)
-               for e in _same_kernel_fields(current_registry().entries, need)):
+    if device_problem(api, need.arch, need.dtype):
+        return None  # the route that follows refuses the call, with the reason
+    registry = current_registry()
+    if not any(not mismatches(e, need) for e in _same_kernel_fields(registry, need)):
         return None
-    return select(api, need)
+    return select(api, need, registry=registry)
 
 
 def refuse(api: str, need: Need, why: str, fallback: str | None) -> Dispatch:
     """A call no generated kernel can serve for a reason outside the spec (a dense mask
-    tensor, dropout): NoKernelError, or a warned fallback."""
+    tensor, dropout, a device the kernels cannot run on): NoKernelError, or a warned
+    fallback."""
     mode = _fallback if fallback is None else _check_fallback(fallback, "fallback")
     if mode == "error":
         raise NoKernelError(f"attngen.{api}: {why}; pass fallback='sdpa' to run torch instead")
@@ -244,55 +267,55 @@ def refuse(api: str, need: Need, why: str, fallback: str | None) -> Dispatch:
     return _record(Dispatch(api, need, None, None, why, fallback=mode))
 
 
-def _no_kernel_message(need: Need, entries: list[KernelEntry]) -> str:
-    ranked = sorted(entries, key=lambda e: (len(mismatches(e, need)), e.kind != need.kind,
-                                            e.describe()))
+def _no_kernel_message(need: Need, registry: Registry) -> str:
+    ranked = sorted(registry.entries, key=lambda e: (len(mismatches(e, need)),
+                                                     e.kind != need.kind, e.describe()))
     shown: dict[str, KernelEntry] = {}
     for entry in ranked:  # one line per module name (its other archs would repeat it)
         if len(shown) < 3:
             shown.setdefault(entry.module, entry)
     nearest = "; ".join(f"{e.describe()} ({', '.join(mismatches(e, need))})"
                         for e in shown.values()) or "none: the registry is empty"
-    folders = ", ".join(str(f) for f in current_registry().folders)
+    folders = ", ".join(str(f) for f in registry.folders)
     return (f"no generated kernel serves {need.describe()} (kernels from {folders}); "
             f"nearest: {nearest}. Build a spec for it (attngen spec-from-hf, attngen build) "
             "and load it (attngen.runtime.load_kernels or ATTNGEN_KERNELS), or ask for "
             "fallback='sdpa'")
 
 
-_last: Dispatch | None = None
-_logs: list[list[Dispatch]] = []
+class _ThreadRecords(threading.local):
+    """Per thread: the latest Dispatch and the open dispatch_log() lists, innermost last."""
+
+    def __init__(self) -> None:
+        self.last: Dispatch | None = None
+        self.logs: list[list[Dispatch]] = []
+
+
+_records = _ThreadRecords()
 
 
 def _record(dispatch: Dispatch) -> Dispatch:
-    global _last
-    _last = dispatch
-    for log in _logs:
+    _records.last = dispatch
+    for log in _records.logs:
         log.append(dispatch)
     return dispatch
 
 
 def last_dispatch() -> Dispatch | None:
-    """The most recent Dispatch: which module served the last call and why (or the fallback)."""
-    return _last
+    """This thread's most recent Dispatch: which module served its last call and why (or the
+    fallback). Per thread, so a server's other threads never show up here."""
+    return _records.last
 
 
 @contextlib.contextmanager
 def dispatch_log() -> Iterator[list[Dispatch]]:
-    """Collect every Dispatch made inside the block, in order."""
+    """Collect every Dispatch this thread makes inside the block, in order. Logs nest: an
+    outer log also gets what an inner one collects."""
     log: list[Dispatch] = []
-    _logs.append(log)
+    logs = _records.logs
+    logs.append(log)
     try:
         yield log
     finally:
-        _logs.remove(log)
-
-
-def device_arch(device) -> str:
-    """sm<major><minor> of a CUDA device; INTERPRETER for CPU tensors under TRITON_INTERPRET."""
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"sm{major}{minor}"
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-        return INTERPRETER
-    return device.type
+        # By identity: two logs with equal contents (both empty, say) are different logs.
+        del logs[next(i for i, open_log in enumerate(logs) if open_log is log)]

@@ -4,6 +4,11 @@ ALiBi, GQA, a row that sees no key gives 0 and LSE -inf), in [B, H, N, D] layout
 
 Plain SDPA when it can express the call (no softcap, no LSE asked for), else the explicit
 math in fp32. Only ever reached after a warning that names why.
+
+A dense `attn_mask` (scaled_dot_product_attention's, run only here) follows torch SDPA: a
+bool mask (True = attend) or a float mask added to the scores, of any shape that broadcasts
+to [B, HQ, Nq, Nk] (2D [Nq, Nk], 3D [HQ or 1, Nq, Nk], 4D). A row whose keys are all masked
+(False, or -inf) gives 0, like the generated kernels, where SDPA gives NaN.
 """
 
 from __future__ import annotations
@@ -37,10 +42,13 @@ def torch_attention(q, k, v, *, mask="none", align=None, window=None, softcap=0.
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     seen = visible(mask, align, window, seqlen_q, seqlen_k, q.device)
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        seen = attn_mask if seen is None else seen & attn_mask
-        attn_mask = None
-    bias = attn_mask.float() if attn_mask is not None else None
+    bias = None
+    if attn_mask is not None:
+        # A float mask's -inf hides a key like a bool mask's False; its other values are bias.
+        allowed = attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf")
+        if attn_mask.dtype != torch.bool:
+            bias = attn_mask.float()
+        seen = allowed if seen is None else seen & allowed
     if alibi_slopes is not None:
         i = torch.arange(seqlen_q, device=q.device)[:, None]
         i = i + (seqlen_k - seqlen_q if align == "bottom_right" else 0)
@@ -73,7 +81,8 @@ def torch_attention(q, k, v, *, mask="none", align=None, window=None, softcap=0.
 
 
 def _zero_unseen(out, seen):
-    """A row that sees no key is 0 (SDPA gives NaN there), as in the generated kernels."""
+    """A row that sees no key is 0 (SDPA gives NaN there), as in the generated kernels.
+    `seen` is [..., Nq, Nk], broadcastable to [B, HQ, Nq, Nk]; out is [B, HQ, Nq, DV]."""
     if seen is None:
         return out
-    return out.masked_fill(~seen.any(-1)[:, None], 0.0)
+    return out.masked_fill(~seen.any(-1, keepdim=True), 0.0)

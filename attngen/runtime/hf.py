@@ -14,9 +14,16 @@ flash-attention:
   own flash-attention path does; padded query rows get output 0.
 Packed-sequence kwargs (cu_seq_lens_q/k, max_length_q/k) go to the varlen kind directly.
 What no generated kernel can do (a 4D mask, dropout, attention sinks, output_attentions) is
-refused by name. A decode step is a prefill/varlen call with Nq = 1 against transformers' own
-cache; the decode kind (split-KV, for serving caches) is reached through
-flash_attn_with_kvcache.
+refused by name, and so is a layer whose attention transformers defines through the mask or
+extra arguments that this function never sees applied: a layer type other than
+full_attention/sliding_attention (Llama 4's chunked_attention: its chunks live only in the
+mask that the "attngen" mask function replaces by the padding mask), a config with
+attention_chunk_size on such a layer, and kwargs that change the scores (s_aux/sinks,
+position_bias, sparse key indices). Multi-head latent attention (DeepSeek-V3) needs no
+refusal here: transformers hands over the decompressed q/k/v, plain attention with
+head_dim qk_nope + qk_rope and head_dim_v v_head_dim, and dispatch matches those dims.
+A decode step is a prefill/varlen call with Nq = 1 against transformers' own cache; the decode
+kind (split-KV, for serving caches) is reached through flash_attn_with_kvcache.
 """
 
 from __future__ import annotations
@@ -51,12 +58,47 @@ def _mask_of(module, query, key, sliding_window, is_causal):
     return ("causal", None) if causal else ("none", None)
 
 
+# kwargs some models pass that change the scores; no spec has them.
+_SCORE_KWARGS = {
+    "s_aux": "attention sinks (an extra per-head logit in the softmax)",
+    "sinks": "attention sinks (an extra per-head logit in the softmax)",
+    "position_bias": "a position bias added to the scores (T5-style relative attention)",
+    "indices": "sparse attention over selected keys",
+    "block_indices": "sparse attention over selected key blocks",
+    "topk_indices": "sparse attention over selected keys",
+}
+_LAYERS = ("full_attention", "sliding_attention")
+
+
+def _refuse_unexpressed(module, kwargs) -> None:
+    """NoKernelError naming what this layer's attention has that no spec expresses."""
+    for name, what in _SCORE_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise NoKernelError(f"attngen: {name}: {what} is not in any spec; use another "
+                                "attn_implementation for this model")
+    config = getattr(module, "config", None)
+    layer_type = getattr(module, "layer_type", None)
+    layer_types, layer_idx = getattr(config, "layer_types", None), getattr(module, "layer_idx",
+                                                                           None)
+    if layer_type is None and layer_types and isinstance(layer_idx, int) and (
+            0 <= layer_idx < len(layer_types)):
+        layer_type = layer_types[layer_idx]
+    if layer_type is not None and layer_type not in _LAYERS:
+        raise NoKernelError(
+            f"attngen: layer {layer_idx} is a {layer_type!r} layer; its mask is not the "
+            "causal/window/padding mask the 'attngen' implementation applies (attngen serves "
+            f"{' and '.join(_LAYERS)} layers), so it is refused rather than computed wrongly")
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk and layer_type is None:
+        raise NoKernelError(f"attngen: attention_chunk_size={chunk} in the config and no layer "
+                            "type says this layer is not chunked; chunked attention is not in "
+                            "any spec")
+
+
 def attngen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                       sliding_window=None, softcap=None, is_causal=None, **kwargs):
     """transformers' attention-function contract: returns (out [B, Nq, HQ, DV], None)."""
-    for name in ("s_aux", "sinks"):
-        if kwargs.get(name) is not None:
-            raise NoKernelError(f"attngen: {name}: attention sinks are not in any spec")
+    _refuse_unexpressed(module, kwargs)
     if kwargs.get("output_attentions"):
         raise NoKernelError("attngen: output_attentions=True: the kernels never form the "
                             "attention probabilities; use attn_implementation='eager'")
@@ -101,7 +143,8 @@ def _unpadded(query, key, value, keep, common):
 
     # max_seqlen: the padded lengths bound every sequence's, so the host reads nothing more.
     out, _ = run_varlen(API, packed(query, rows_q), packed(key, rows_k), packed(value, rows_k),
-                        cu_q, cu_k, seqlen_q, seqlen_k, **common)
+                        cu_q, cu_k, seqlen_q, seqlen_k, length_bounds=(seqlen_q, seqlen_k),
+                        **common)
     full = out.new_zeros((batch * seqlen_q, num_q_heads, out.shape[-1]))
     full.index_copy_(0, rows_q, out)
     return full.view(batch, seqlen_q, num_q_heads, out.shape[-1])

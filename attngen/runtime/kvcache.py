@@ -19,6 +19,7 @@ import torch
 from attngen.runtime import ops
 from attngen.runtime.api import _flash_refusal, _scale, flash_mask, need_fields, run_varlen
 from attngen.runtime.dispatch import Dispatch, probe
+from attngen.runtime.validate import check_kvcache_shapes
 
 _UNSUPPORTED = ("rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad")
 
@@ -41,8 +42,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if value is not None:
             raise ValueError(f"{name}: not supported by attngen's flash_attn_with_kvcache; "
                              "apply rotary embeddings and cache indexing before the call")
-    if (k is None) != (v is None):
-        raise ValueError("k, v: pass both new keys and values, or neither")
+    check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table)  # in the caller's layout
     batch, seqlen_q = q.shape[0], q.shape[1]
     paged = block_table is not None
     capacity = (block_table.shape[1] * k_cache.shape[1]) if paged else k_cache.shape[1]
@@ -74,7 +74,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         steps * seqlen_q, steps * capacity, seqlen_q, capacity, mask=mask, align="bottom_right",
         window=window, softcap=softcap, alibi_slopes=alibi_slopes, scale=softmax_scale,
         return_lse=return_softmax_lse, fallback=None, refusal=refusal,
-        seqused_k=(cache_seqlens + new).to(torch.int32))
+        seqused_k=(cache_seqlens + new).to(torch.int32), length_bounds=(seqlen_q, capacity))
     out = out.view(batch, seqlen_q, *out.shape[1:])
     if not return_softmax_lse:
         return out

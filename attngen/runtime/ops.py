@@ -13,6 +13,11 @@ not asked for): an op's outputs cannot be optional.
                       place (mutates_args) -> out [B, HQ, Nq, DV], lse [B, HQ, Nq]
 
 `run_counts()` counts the kernel calls per module, including calls from compiled graphs.
+
+The kernels are forward-only: backward through any op raises an error that says so (instead
+of torch's "no autograd formula"). prefill and varlen register that as their autograd
+formula; decode mutates its caches, which torch allows no formula for, so `decode()` wraps its
+outputs in a function whose backward raises the same error.
 """
 
 from __future__ import annotations
@@ -90,12 +95,12 @@ def _(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_s
 
 
 @torch.library.custom_op("attngen::decode", mutates_args=("k_cache", "v_cache"))
-def decode(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+def decode_op(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
            block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
            sm_scale: float, alibi_slopes: Tensor | None,
            return_lse: bool) -> tuple[Tensor, Tensor]:
-    """The decode kind's `decode` entry point (README's contract); appends k_new/v_new into
-    the caches at cache_seqlens, in place, before attending."""
+    """The decode kind's `decode` entry point (the README's decode contract); appends
+    k_new/v_new into the caches at cache_seqlens, in place, before attending."""
     module = current_registry().module(key)
     _ran(key)
     result = module.decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
@@ -104,10 +109,44 @@ def decode(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
     return result if return_lse else (result, _no_lse(q))
 
 
-@decode.register_fake
+@decode_op.register_fake
 def _(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sm_scale,
       alibi_slopes, return_lse):
     batch, heads, seqlen_q, _ = q.shape
     out = q.new_empty((batch, heads, seqlen_q, v_cache.shape[-1]))
     lse = q.new_empty((batch, heads, seqlen_q), dtype=torch.float32) if return_lse else _no_lse(q)
     return out, lse
+
+
+def decode(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sm_scale,
+           alibi_slopes, return_lse) -> tuple[Tensor, Tensor]:
+    """attngen::decode, with outputs whose backward raises (see the module's docstring)."""
+    out, lse = decode_op(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+                         sm_scale, alibi_slopes, return_lse)
+    inputs = (q, k_cache, v_cache, k_new, v_new)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        out, lse = _ForwardOnly.apply(out, lse)
+    return out, lse
+
+
+def _refuse_backward(op: str):
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            f"attngen::{op}: the generated kernels are forward-only (inference): no backward "
+            "kernel exists yet, so gradients cannot flow through attngen attention; train "
+            "with another attention implementation (torch SDPA, flash-attn)")
+    return backward
+
+
+class _ForwardOnly(torch.autograd.Function):
+    """Identity on decode's outputs whose backward raises; marks them as needing grad."""
+
+    @staticmethod
+    def forward(ctx, out, lse):
+        return out.view_as(out), lse.view_as(lse)
+
+    backward = staticmethod(_refuse_backward("decode"))
+
+
+torch.library.register_autograd("attngen::prefill", _refuse_backward("prefill"))
+torch.library.register_autograd("attngen::varlen", _refuse_backward("varlen"))

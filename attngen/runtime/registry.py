@@ -1,23 +1,24 @@
 """The kernel registry: which generated modules exist, and loading them by file path.
 
 A folder of generated kernels is what `attngen build` writes: `<arch>/<module>.py` files and
-an `index.json` describing each (kind, arch, spec). The registry reads the index only; a
-module is imported (importlib, from its file: Triton's JIT needs real source files) the first
-time a call is dispatched to it. Modules are identified by a key string, the absolute path of
-their file, which is what the torch.library ops take: selection happens outside the ops.
+an `index.json` describing each (kind, arch, spec, and the sha256 of the file's bytes). The
+registry reads the index only; a module is imported (from its file: Triton's JIT needs real
+source files) the first time a call is dispatched to it, after two checks (integrity.py): its
+bytes must hash to the index's sha256, and its own constants (HEAD_DIM, MASK, ...) must say
+what its index entry says. Modules are identified by a key string, the absolute path of their
+file, which is what the torch.library ops take: selection happens outside the ops.
 
 The default folder is `$ATTNGEN_KERNELS`, else the repository's `generated/` (present in a
-source checkout). `load_kernels(path, ...)` replaces the registry with other folders.
+source checkout). `load_kernels(path, ...)` replaces the registry with other folders; a key
+chosen from the registry it replaced is refused afterwards (RegistryError), never run.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import os
-import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -28,7 +29,7 @@ _REPO_GENERATED = Path(__file__).resolve().parent.parent.parent / "generated"
 
 
 class RegistryError(RuntimeError):
-    """The kernel folder is missing or is not an attngen build."""
+    """The kernel folder is missing, is not an attngen build, or a module fails its checks."""
 
 
 @dataclass(frozen=True)
@@ -40,26 +41,50 @@ class KernelEntry:
     arch: str  # sm80, sm90, ...
     kind: str  # prefill | varlen | decode
     spec: dict[str, Any]  # the canonical spec (dtype, head_dim, mask, ...)
+    sha256: str = ""  # of the module file's bytes, recorded by `attngen build`
 
     def describe(self) -> str:
         return f"{self.arch}/{self.module}"
 
 
 class Registry:
+    """The modules of some folders. Everything derived from the entries (the imported modules,
+    the dispatcher's prefiltered lists) is cached on the Registry itself, so a thread still
+    holding a replaced registry can only ever fill that registry's caches."""
+
     def __init__(self, folders: list[Path], entries: list[KernelEntry]):
         self.folders = folders
         self.entries = entries
+        self._by_key = {entry.key: entry for entry in entries}
         self._modules: dict[str, ModuleType] = {}
+        self._matching: dict[tuple, list[KernelEntry]] = {}
         self._lock = threading.Lock()
 
     def module(self, key: str) -> ModuleType:
-        """The imported module for a key (imported once, then cached)."""
+        """The imported, verified module for a key (imported once, then cached)."""
         module = self._modules.get(key)
         if module is None:
+            entry = self._by_key.get(key)
+            if entry is None:
+                raise RegistryError(
+                    f"{key}: not among the kernels loaded now ({_folder_list(self.folders)}); "
+                    "load_kernels replaced the registry after this call chose it (a compiled "
+                    "graph keeps its choice: recompile), so it is not run")
+            from attngen.runtime.integrity import import_verified  # torch: runtime only
+
             with self._lock:
-                module = self._modules.get(key) or _import_file(Path(key))
-                self._modules[key] = module
+                module = self._modules.get(key)
+                if module is None:
+                    module = self._modules[key] = import_verified(entry)
         return module
+
+    def matching(self, key: tuple, agrees: Callable[[KernelEntry], bool]) -> list[KernelEntry]:
+        """The entries for which `agrees` holds, computed once per `key` for this registry."""
+        hit = self._matching.get(key)
+        if hit is None:
+            hit = [entry for entry in self.entries if agrees(entry)]
+            self._matching[key] = hit  # a racing thread stores an equal list: harmless
+        return hit
 
 
 def read_folder(folder: str | Path) -> list[KernelEntry]:
@@ -75,26 +100,16 @@ def read_folder(folder: str | Path) -> list[KernelEntry]:
             path = (folder / item["path"]).resolve()
             if not path.is_relative_to(folder):
                 raise RegistryError(f"{index}: module path {item['path']!r} leaves the folder")
+            digest = item.get("sha256")
+            if not isinstance(digest, str) or len(digest) != 64:
+                raise RegistryError(
+                    f"{index}: {item['path']} has no sha256 of its bytes (an index written "
+                    "before attngen recorded them); rebuild the folder with `attngen build`")
             entries.append(KernelEntry(str(path), item["module"], item["arch"], item["kind"],
-                                       dict(item["spec"])))
-    except (ValueError, KeyError, TypeError) as exc:
+                                       dict(item["spec"]), digest))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise RegistryError(f"{index}: not an attngen index ({exc!r})") from None
     return entries
-
-
-def _import_file(path: Path) -> ModuleType:
-    if not path.is_file():
-        raise RegistryError(f"{path}: listed in index.json but missing; rebuild the folder")
-    # A unique, stable name per file: two folders may hold modules of the same name.
-    digest = hashlib.sha256(str(path).encode()).hexdigest()[:10]
-    name = f"attngen_kernels_{digest}_{path.stem}"
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    if module_spec is None or module_spec.loader is None:  # pragma: no cover
-        raise RegistryError(f"{path}: cannot be imported")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module  # Triton and inspect look modules up by name
-    module_spec.loader.exec_module(module)
-    return module
 
 
 _current: Registry | None = None
@@ -125,6 +140,10 @@ def current_registry() -> Registry:
         if current is None:
             current = load_kernels()
     return current
+
+
+def _folder_list(folders: list[Path]) -> str:
+    return ", ".join(str(f) for f in folders) or "no folders"
 
 
 def _default_folders() -> list[Path]:

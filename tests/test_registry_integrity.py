@@ -1,0 +1,100 @@
+"""The registry runs only the module its index entry describes: sha256 of the bytes recorded at
+build time, verified before import; the module's own constants compared with the entry; and
+`attngen check` names modules in the folder that no given spec produces."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from attngen.build import INDEX_NAME, plan_build, read_index, write_build
+from attngen.cli import app
+from attngen.runtime.registry import RegistryError, current_registry, load_kernels
+from attngen.spec import specs_from_data
+
+ROOT = Path(__file__).resolve().parent.parent
+TOY = dict(name="toy", archs=["sm90"], dtype="fp32", head_dim=16, num_q_heads=4,
+           num_kv_heads=2, mask="causal", causal_align="bottom_right", kernels=["prefill"])
+MODULE = "sm90/toy_prefill_fp32_d16_causal_br.py"
+
+
+def _build(folder: Path, *specs: dict) -> Path:
+    write_build(plan_build([s for data in specs for s in specs_from_data(data)]), folder)
+    return folder
+
+
+def _module_of(folder: Path):
+    registry = load_kernels(folder)
+    return registry.module(str((folder / MODULE).resolve()))
+
+
+@pytest.fixture()
+def restore_registry():
+    saved = current_registry()
+    yield
+    load_kernels(*saved.folders)
+
+
+def test_every_generated_module_has_its_sha256_in_the_index():
+    for entry in read_index(ROOT / "generated"):
+        data = (ROOT / "generated" / entry["path"]).read_bytes()
+        assert entry["sha256"] == hashlib.sha256(data).hexdigest(), entry["path"]
+
+
+def test_an_edited_module_is_refused_by_name(tmp_path, restore_registry):
+    folder = _build(tmp_path / "k", TOY)
+    assert _module_of(folder).MASK == "causal"
+    path = folder / MODULE
+    path.write_text(path.read_text().replace('MASK = "causal"', 'MASK = "none"'))
+    with pytest.raises(RegistryError, match=rf"{MODULE}: its bytes do not match the sha256"):
+        _module_of(folder)
+
+
+def test_a_module_whose_constants_disagree_with_its_entry_is_refused(tmp_path,
+                                                                      restore_registry):
+    """A module renamed over another (or an index entry edited) passes the hash only if the
+    index was rewritten too: then its constants still give it away."""
+    folder = _build(tmp_path / "k", TOY, {**TOY, "name": "other", "mask": "none",
+                                          "causal_align": None})
+    index = json.loads((folder / INDEX_NAME).read_text())
+    entry = next(e for e in index["modules"] if e["path"] == MODULE)
+    other = folder / "sm90/other_prefill_fp32_d16.py"
+    (folder / MODULE).write_bytes(other.read_bytes())  # the mask-none module under this name
+    entry["sha256"] = hashlib.sha256(other.read_bytes()).hexdigest()
+    (folder / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(RegistryError, match=r"MASK: module has 'none', index says 'causal'"):
+        _module_of(folder)
+
+
+def test_an_index_without_hashes_is_refused_at_load(tmp_path, restore_registry):
+    folder = _build(tmp_path / "k", TOY)
+    index = json.loads((folder / INDEX_NAME).read_text())
+    del index["modules"][0]["sha256"]
+    (folder / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(RegistryError, match=r"has no sha256 .* rebuild the folder"):
+        load_kernels(folder)
+
+
+def test_check_reports_modules_no_given_spec_produces(tmp_path):
+    spec_a, spec_b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    spec_a.write_text("name: toy\narchs: [sm90]\ndtype: fp32\nhead_dim: 16\nnum_q_heads: 4\n"
+                      "num_kv_heads: 2\nmask: causal\ncausal_align: bottom_right\n"
+                      "kernels: [prefill]\n")
+    spec_b.write_text(spec_a.read_text().replace("toy", "other"))
+    out = tmp_path / "out"
+    runner = CliRunner()
+    assert runner.invoke(app, ["build", str(spec_a), str(spec_b), "--out", str(out)]).exit_code == 0
+    assert runner.invoke(app, ["check", str(spec_a), str(spec_b), "--out", str(out)]).exit_code == 0
+    result = runner.invoke(app, ["check", str(spec_a), "--out", str(out)])
+    assert result.exit_code == 1
+    assert "none of the given specs produces" in result.stderr
+    assert "sm90/other_prefill_fp32_d16_causal_br.py" in result.stderr
+    assert "toy_prefill" not in result.stderr and result.stderr.count("\n") == 1
+    stray = out / "sm90" / "hand_written.py"  # a file the index does not list either
+    stray.write_text("x = 1\n")
+    result = runner.invoke(app, ["check", str(spec_a), str(spec_b), "--out", str(out)])
+    assert result.exit_code == 1 and "sm90/hand_written.py" in result.stderr
