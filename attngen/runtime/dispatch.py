@@ -20,6 +20,7 @@ graph holds the chosen module's key as a constant.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 
@@ -66,10 +67,11 @@ def kernel_dtype(dtype: torch.dtype) -> Dtype | None:
     """Dtype.from_torch_name, remembered per torch dtype (None: no kernels for it)."""
     if torch.compiler.is_compiling():  # dynamo folds this to a constant while tracing
         return Dtype.from_torch_name(str(dtype))
-    found = _kernel_dtypes.get(dtype, False)
-    if found is False:
+    try:
+        return _kernel_dtypes[dtype]
+    except KeyError:
         found = _kernel_dtypes[dtype] = Dtype.from_torch_name(str(dtype))
-    return found  # type: ignore[return-value]
+        return found
 
 
 @torch.compiler.assume_constant_result
@@ -86,7 +88,8 @@ def arch_of(device_type: str, device_index: int | None) -> str:
     if device_type == "cpu" and _interpreting:
         return INTERPRETER
     arch = device_arch(_device(device_type, device_index))
-    _interpreting = arch == INTERPRETER
+    if arch == INTERPRETER:
+        _interpreting = True
     return arch
 
 
@@ -133,9 +136,9 @@ def choose(api: str, need: Need, fallback: str | None = None,
 
 @torch.compiler.assume_constant_result
 def _choose_constant(api: str, fallback: str | None, refusal: str | None,
-                     **fields: object) -> Dispatch:
+                     **fields: Any) -> Dispatch:
     """choose() from plain constants, run (not traced) once while torch.compile traces."""
-    return _choose(api, Need(**fields), fallback, refusal)  # type: ignore[arg-type]
+    return _choose(api, Need(**fields), fallback, refusal)
 
 
 def _choose(api: str, need: Need, fallback: str | None, refusal: str | None) -> Dispatch:
@@ -164,7 +167,7 @@ def select(api: str, need: Need, fallback: str | None = None,
         message = no_kernel_message(need, registry)
         if mode == "error":
             raise NoKernelError(message)
-        warnings.warn(f"attngen: falling back to torch SDPA: {message}", stacklevel=4)
+        warnings.warn(f"attngen: falling back to torch SDPA: {message}", stacklevel=6)
         return record(Dispatch(api, need, None, None, message, fallback=mode))
     writes_out = getattr(registry.module(entry.key), ACCEPTS_OUT, False) is True
     reason = f"{entry.describe()} serves {need.describe()}" + (
@@ -186,8 +189,8 @@ def probe(api: str, need: Need) -> Dispatch | None:
 
 
 @torch.compiler.assume_constant_result
-def _probe_constant(api: str, **fields: object) -> Dispatch | None:
-    return _probe(api, Need(**fields))  # type: ignore[arg-type]
+def _probe_constant(api: str, **fields: Any) -> Dispatch | None:
+    return _probe(api, Need(**fields))
 
 
 def _probe(api: str, need: Need) -> Dispatch | None:
@@ -209,5 +212,5 @@ def refuse(api: str, need: Need, why: str, fallback: str | None) -> Dispatch:
     mode = _fallback if fallback is None else check_fallback(fallback, "fallback")
     if mode == "error":
         raise NoKernelError(f"attngen.{api}: {why}; pass fallback='sdpa' to run torch instead")
-    warnings.warn(f"attngen: falling back to torch SDPA: {why}", stacklevel=4)
+    warnings.warn(f"attngen: falling back to torch SDPA: {why}", stacklevel=6)
     return record(Dispatch(api, need, None, None, why, fallback=mode))
