@@ -36,10 +36,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from attngen.spec import AttnSpec, SpecError, specs_from_data
+from attngen.spec import AttnSpec, Dtype, SpecError, specs_from_data
 
 DEFAULT_ARCHS = ("sm80", "sm90")
-_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 _ALTERNATING = frozenset({"gemma2"})  # model types whose layers alternate local and global
 _MLA = ("multi-head latent attention (keys and values decompressed from a shared latent; "
         "the spec has no such variant yet)")
@@ -208,10 +207,12 @@ def _int(cfg: dict[str, Any], field: str) -> int:
 def _dtype(cfg: dict[str, Any]) -> str:
     value = cfg.get("dtype") or cfg.get("torch_dtype")
     value = str(value).removeprefix("torch.") if value is not None else None
-    if value not in _DTYPES:
+    dtype = Dtype.from_torch_name(value) if value is not None else None
+    if dtype is None:
         raise SpecError(f"config dtype/torch_dtype: got {value!r}; allowed: "
-                        f"{', '.join(_DTYPES)} (or pass --dtype fp16|bf16|fp32)")
-    return _DTYPES[value]
+                        f"{', '.join(d.torch_name for d in Dtype)} (or pass --dtype "
+                        f"{'|'.join(d.value for d in Dtype)})")
+    return dtype.value
 
 
 def _name(cfg: dict[str, Any]) -> str:

@@ -55,8 +55,12 @@ def toy_kernels(toy_folder: Path):
     registry_module._current = saved
 
 
-FAKE_DECODE = textwrap.dedent('''\
-    """A stand-in decode module honouring the README's decode contract, in torch (test only)."""
+# Stand-in modules honouring the README's entry-point contracts, in torch (test only), for
+# routes no toy kernel exercises: the decode kind with its in-place append, and entry points
+# that take `out=` (ACCEPTS_OUT), which today's templates do not have yet. Each records the
+# data_ptr of every out= it is given (None when none was) in WROTE.
+_STAND_IN = textwrap.dedent('''\
+    """A stand-in {kind} module honouring the README's {kind} contract, in torch (test only)."""
     import math
 
     import torch
@@ -71,45 +75,75 @@ FAKE_DECODE = textwrap.dedent('''\
     KV_LAYOUT = "contiguous"
     PAGE_SIZE = 0
     MAX_QUERY_TOKENS = 4
+    ACCEPTS_OUT = {accepts_out}
     CALLS = []
+    WROTE = []
+
+
+    def _attend(q, k, v, lengths, sm_scale):
+        """Causal bottom-right attention of q [HQ, M, D] over the first `lengths` keys."""
+        group = q.shape[0] // k.shape[0]
+        k = k[:, :lengths].repeat_interleave(group, 0).float()
+        v = v[:, :lengths].repeat_interleave(group, 0).float()
+        s = q.float() @ k.transpose(-1, -2) * (sm_scale or 1 / math.sqrt(q.shape[-1]))
+        i = torch.arange(q.shape[1])[:, None] + lengths - q.shape[1]
+        s = s.masked_fill(torch.arange(lengths)[None, :] > i, float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        return torch.nan_to_num(torch.softmax(s, -1)) @ v, lse
+
+
+    def _finish(result, lse, out, return_lse):
+        WROTE.append(None if out is None else out.data_ptr())
+        out = result if out is None else out.copy_(result)
+        return (out, lse) if return_lse else out
+
+
+    def attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False, out=None):
+        CALLS.append(q.shape)
+        pairs = [_attend(q[b], k[b], v[b], k.shape[2], sm_scale) for b in range(q.shape[0])]
+        result = torch.stack([o for o, _ in pairs]).to(q.dtype)
+        return _finish(result, torch.stack([lse for _, lse in pairs]), out, return_lse)
 
 
     def decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_new=None,
-               v_new=None, sm_scale=None, alibi_slopes=None, return_lse=False):
+               v_new=None, sm_scale=None, alibi_slopes=None, return_lse=False, out=None):
         CALLS.append(q.shape)
-        batch, heads, steps, dim = q.shape
-        if k_new is not None:
-            for b in range(batch):
-                start = int(cache_seqlens[b])
-                k_cache[b, :, start:start + k_new.shape[2]] = k_new[b]
-                v_cache[b, :, start:start + v_new.shape[2]] = v_new[b]
         new = 0 if k_new is None else k_new.shape[2]
-        out = torch.empty(batch, heads, steps, v_cache.shape[-1], dtype=q.dtype)
-        lse = torch.empty(batch, heads, steps)
-        group = heads // k_cache.shape[1]
-        for b in range(batch):
-            n = int(cache_seqlens[b]) + new
-            k = k_cache[b, :, :n].repeat_interleave(group, 0).float()
-            v = v_cache[b, :, :n].repeat_interleave(group, 0).float()
-            s = q[b].float() @ k.transpose(-1, -2) * (sm_scale or 1 / math.sqrt(dim))
-            i = torch.arange(steps)[:, None] + n - steps
-            s = s.masked_fill(torch.arange(n)[None, :] > i, float("-inf"))
-            lse[b] = torch.logsumexp(s, -1)
-            out[b] = (torch.softmax(s, -1) @ v).to(q.dtype)
-        return (out, lse) if return_lse else out
+        for b in range(q.shape[0] if new else 0):
+            start = int(cache_seqlens[b])
+            k_cache[b, :, start:start + new] = k_new[b]
+            v_cache[b, :, start:start + new] = v_new[b]
+        pairs = [_attend(q[b], k_cache[b], v_cache[b], int(cache_seqlens[b]) + new, sm_scale)
+                 for b in range(q.shape[0])]
+        result = torch.stack([o for o, _ in pairs]).to(q.dtype)
+        return _finish(result, torch.stack([lse for _, lse in pairs]), out, return_lse)
 ''')
+FAKE_DECODE = _STAND_IN.format(kind="decode", accepts_out=False)
+
+
+def build_stand_ins(folder: Path, kinds=("decode",), accepts_out: bool = False) -> Path:
+    """A folder of stand-in modules (fp32, d16, causal bottom-right, 4 q / 2 kv heads), one
+    per kind, named toy_<kind> (toy_<kind>_out with accepts_out); decode's has a contiguous
+    cache and up to 4 query tokens."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sm90").mkdir(exist_ok=True)
+    entries = []
+    for kind in kinds:
+        source = _STAND_IN.format(kind=kind, accepts_out=accepts_out)
+        name = f"toy_{kind}" + ("_out" if accepts_out else "")
+        (folder / "sm90" / f"{name}.py").write_text(source)
+        spec = dict(name="toy", dtype="fp32", head_dim=16, head_dim_v=16, num_q_heads=4,
+                    num_kv_heads=2, mask="causal", causal_align="bottom_right", softcap=0.0,
+                    alibi=False)
+        if kind == "decode":
+            spec.update(kv_layout="contiguous", page_size=None, max_query_tokens=4)
+        entries.append({"module": name, "path": f"sm90/{name}.py", "arch": "sm90",
+                        "kind": kind, "spec": spec,
+                        "sha256": hashlib.sha256(source.encode()).hexdigest()})
+    (folder / "index.json").write_text(json.dumps({"schema": 1, "modules": entries}))
+    return folder
 
 
 def build_fake_decode(folder: Path) -> Path:
     """A folder holding one decode-kind module (contiguous cache, fp32, d16, causal)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "sm90").mkdir(exist_ok=True)
-    (folder / "sm90" / "toy_decode.py").write_text(FAKE_DECODE)
-    spec = dict(name="toy", dtype="fp32", head_dim=16, head_dim_v=16, num_q_heads=4,
-                num_kv_heads=2, mask="causal", causal_align="bottom_right", softcap=0.0,
-                alibi=False, kv_layout="contiguous", page_size=None, max_query_tokens=4)
-    entry = {"module": "toy_decode", "path": "sm90/toy_decode.py", "arch": "sm90",
-             "kind": "decode", "spec": spec,
-             "sha256": hashlib.sha256(FAKE_DECODE.encode()).hexdigest()}
-    (folder / "index.json").write_text(json.dumps({"schema": 1, "modules": [entry]}))
-    return folder
+    return build_stand_ins(folder, ("decode",))

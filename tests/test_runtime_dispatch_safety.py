@@ -14,6 +14,8 @@ from attngen.reference import compare_to_reference
 from attngen.runtime import dispatch
 from attngen.runtime import registry as registry_module
 from attngen.runtime.registry import Registry, current_registry, load_kernels
+from attngen.runtime.selection import INTERPRETER, Need
+from attngen.spec import CausalAlign, Dtype, KernelKind, Mask
 from tests.kernel_harness import make_spec
 from tests.runtime_harness import build_fake_decode, build_folder
 from tests.test_runtime import _cache_case, qkv, rand
@@ -103,8 +105,10 @@ def test_a_thread_on_the_replaced_registry_never_fills_the_new_ones_cache(toy_fo
         name="other", dtype="fp32", head_dim=16, num_q_heads=4, num_kv_heads=2,
         mask="causal", causal_align="bottom_right", kernels=["prefill"])])
     saved = registry_module._current
-    need = dispatch.Need("prefill", "fp32", 16, 16, "causal", "bottom_right", None, 0.0, False,
-                         dispatch.INTERPRETER, 8, 8, True)
+    need = Need(kind=KernelKind.prefill, dtype=Dtype.fp32, head_dim=16, head_dim_v=16,
+                mask=Mask.causal, causal_align=CausalAlign.bottom_right, window=None,
+                softcap=0.0, alibi=False, arch=INTERPRETER, seqlen_q=8, seqlen_k=8,
+                same_lengths=True)
     chosen = {}
 
     def thread_b():

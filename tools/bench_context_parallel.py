@@ -174,7 +174,8 @@ def bench_steps(setup: Setup, worlds, budget: float) -> list[dict]:
     import torch
 
     from attngen.distributed.merge import merge_torch, merge_triton
-    from attngen.runtime.api import run_dense
+    from attngen.runtime.launch import run_dense
+    from attngen.spec import CausalAlign, Mask
 
     rows = []
     for seq_len in setup.seqlens:
@@ -183,10 +184,10 @@ def bench_steps(setup: Setup, worlds, budget: float) -> list[dict]:
             q, k, v = setup.inputs(local, seed=world)
             kwargs = dict(softcap=0.0, alibi_slopes=None, scale=None, return_lse=True,
                           fallback=None, window=None)
-            step0 = partial(run_dense, "bench", q, k, v, mask="causal", align="bottom_right",
-                            **kwargs)
+            step0 = partial(run_dense, "bench", q, k, v, mask=Mask.causal,
+                            align=CausalAlign.bottom_right, **kwargs)
             later = partial(run_dense, "bench", q, k[:, :, :local // 2], v[:, :, :local // 2],
-                            mask="none", align=None, **kwargs)
+                            mask=Mask.none, align=None, **kwargs)
             row = {"N": seq_len, "W": world, "L": local,
                    "kv_bytes_per_step": 2 * k.numel() * k.element_size(),
                    "step0_causal_ms": time_ms(setup, step0, budget),

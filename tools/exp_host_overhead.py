@@ -5,7 +5,8 @@ few microseconds, so the host is the bottleneck and the loop measures it. Rows:
 
 - anchors: torch SDPA (default dispatch) and a bare launch of a trivial Triton kernel;
 - the layers of an attngen call, from the outside in: flash_attn_func, the SDPA-shaped
-  function, the torch.library op, the generated module's attention(), Triton's
+  function, the torch.library op (which eager calls skip) and the direct call that replaces
+  it, dispatch alone (a cached choice), the generated module's attention(), Triton's
   `kernel[grid](...)` with the module's arguments (pointers, and TMA descriptors built per
   call), and the compiled kernel's launcher called directly (the floor a cached launcher can
   reach);
@@ -108,12 +109,19 @@ def measure_public(rows: dict, q, k, v) -> None:
             lambda: attngen.scaled_dot_product_attention(q, k, v))
     module, entry = module_for("prefill", "bert_base")
     measure(rows, "torch.ops.attngen.prefill (op only)",
+            lambda: ops.prefill_op(entry.key, q, k, v, 0.125, None, False, False))
+    measure(rows, "ops.prefill (eager: the module directly)",
             lambda: ops.prefill(entry.key, q, k, v, 0.125, None, False))
     measure(rows, "module attention()", lambda: module.attention(q, k, v))
-    from attngen.runtime.api import dispatch_call, need_fields
-    fields = need_fields("prefill", q, v, "none", None, None, 0.0, None, 64, 64, True)
-    measure(rows, "dispatch (choose) only",
-            lambda: dispatch_call("flash_attn_func", fields, q, None))
+    from attngen.runtime.dispatch import choose, need_for
+    from attngen.spec import KernelKind, Mask
+
+    def need():
+        return need_for(KernelKind.prefill, q, v, mask=Mask.none, align=None, window=None,
+                        softcap=0.0, alibi=False, seqlen_q=64, seqlen_k=64, same_lengths=True)
+    measure(rows, "need_for only", need)
+    asked = need()
+    measure(rows, "dispatch (choose, cached) only", lambda: choose("flash_attn_func", asked))
 
 
 def measure_launch(rows: dict, q, k, v) -> None:

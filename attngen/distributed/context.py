@@ -26,9 +26,10 @@ import torch.distributed as dist
 from attngen.distributed import execute, plan
 from attngen.distributed.layout import check_layout, rank_chunks
 from attngen.distributed.plan import ALIGNS, KernelCall, MaskRule, PlanError
-from attngen.runtime import api
-from attngen.runtime.dispatch import Need, device_arch, get_fallback, mismatches
+from attngen.runtime.dispatch import get_fallback, need_for
 from attngen.runtime.registry import current_registry
+from attngen.runtime.selection import mismatches
+from attngen.spec import CausalAlign, KernelKind, Mask
 
 STRATEGIES = ("auto", "ring", "allgather")
 SHORT_KV_BYTES = 64 * 2**20  # gathered K/V below this is "a short sequence": gather it
@@ -143,14 +144,14 @@ def _choose(strategy, rule, seq_len, world, layout, aligns, rank, q, k, v):
         except PlanError as err:
             ring_error = err
     if strategy == "ring":
-        if ring_error:
+        if ring is None:  # the plan failed with ring_error
             raise ValueError(f"strategy: 'ring' cannot compute this attention: {ring_error}; "
                              "strategy='allgather' can (one call per chunk over its whole key "
                              "range)") from None
         return "ring", "asked", _flat(ring), ring[rank]
     if strategy == "allgather":
         reason = "asked"
-    elif ring_error:
+    elif ring is None:  # strategy auto, and the plan failed with ring_error
         reason = f"the ring cannot: {ring_error}"
     else:
         gathered, ring_bytes = _memory(q, k, v, rank_chunks(seq_len, world, layout), seq_len)
@@ -194,12 +195,13 @@ def _served_aligns(q, v, rule: MaskRule, options) -> tuple[str, ...]:
     fallback mode lets torch run what no module serves."""
     if rule.mask == "none" or get_fallback() != "error":
         return ALIGNS
-    arch, entries = device_arch(q.device), current_registry().entries
+    entries = current_registry().entries
     served = []
     for align in ALIGNS:
-        fields = api.need_fields("prefill", q, v, rule.mask, align, rule.window, options.softcap,
-                                 options.alibi_slopes, 2**30, 2**30 + 1, False)
-        need = Need(*fields[:9], arch, *fields[9:])
+        need = need_for(KernelKind.prefill, q, v, mask=Mask(rule.mask), align=CausalAlign(align),
+                        window=rule.window, softcap=options.softcap,
+                        alibi=options.alibi_slopes is not None, seqlen_q=2**30,
+                        seqlen_k=2**30 + 1, same_lengths=False)
         if any(not mismatches(e, need) for e in entries):
             served.append(align)
     return tuple(served) or ALIGNS

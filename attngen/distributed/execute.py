@@ -1,7 +1,7 @@
 """Running a plan: the kernel calls through the runtime, K/V around the ring or gathered, and
 the exact merge of the partial results.
 
-Every call goes through attngen.runtime.api.run_dense, so dispatch picks (and records) the
+Every call goes through attngen.runtime.launch.run_dense, so dispatch picks (and records) the
 generated module for its mask, alignment and lengths, or raises NoKernelError naming what is
 missing. Before any communication, `check_served` asks the registry for every call of every
 rank, so a missing module stops all ranks at the same point instead of leaving the others
@@ -18,9 +18,11 @@ import torch.distributed as dist
 from attngen.distributed.layout import Chunk
 from attngen.distributed.merge import merge_partial
 from attngen.distributed.plan import KernelCall, rows_covered_once
-from attngen.runtime import api
-from attngen.runtime.dispatch import Need, NoKernelError, device_arch, get_fallback, mismatches
+from attngen.runtime.dispatch import choose, get_fallback, need_for
+from attngen.runtime.launch import run_dense
 from attngen.runtime.registry import current_registry
+from attngen.runtime.selection import Need, NoKernelError, mismatches
+from attngen.spec import CausalAlign, KernelKind, Mask
 
 API_NAME = "context_parallel_attention"
 
@@ -57,12 +59,18 @@ class Accumulator:
         return self.out.to(dtype), self.lse
 
 
-def call_fields(call: KernelCall, q: torch.Tensor, v: torch.Tensor, options: KernelOptions
-                ) -> tuple:
-    """Need's fields of the kernel call (as run_dense builds them)."""
+def call_need(call: KernelCall, q: torch.Tensor, v: torch.Tensor, options: KernelOptions
+              ) -> Need:
+    """The Need of the kernel call (as run_dense builds it)."""
     rows = call.num_rows + call.pad_front + call.pad_back
-    return api.need_fields("prefill", q, v, call.mask, call.align, call.window, options.softcap,
-                           options.alibi_slopes, rows, call.num_keys, rows == call.num_keys)
+    return need_for(KernelKind.prefill, q, v, mask=Mask(call.mask), align=_align(call),
+                    window=call.window, softcap=options.softcap,
+                    alibi=options.alibi_slopes is not None, seqlen_q=rows,
+                    seqlen_k=call.num_keys, same_lengths=rows == call.num_keys)
+
+
+def _align(call: KernelCall) -> CausalAlign | None:
+    return None if call.align is None else CausalAlign(call.align)
 
 
 def check_served(calls: list[KernelCall], q: torch.Tensor, v: torch.Tensor,
@@ -71,15 +79,13 @@ def check_served(calls: list[KernelCall], q: torch.Tensor, v: torch.Tensor,
     no generated module serves, unless the fallback mode lets torch run it."""
     if get_fallback() != "error":
         return
-    arch = device_arch(q.device)
     entries = current_registry().entries
-    for fields in dict.fromkeys(call_fields(c, q, v, options) for c in calls):
-        need = Need(*fields[:9], arch, *fields[9:])
+    for need in dict.fromkeys(call_need(c, q, v, options) for c in calls):
         if any(not mismatches(e, need) for e in entries):
             continue
-        call = next(c for c in calls if call_fields(c, q, v, options) == fields)
+        call = next(c for c in calls if call_need(c, q, v, options) == need)
         try:
-            api.dispatch_call(API_NAME, fields, q, None)
+            choose(API_NAME, need)
         except NoKernelError as err:
             raise NoKernelError(f"context_parallel_attention needs a kernel for {call.describe()}"
                                 f" ({_why(call)}): {err}") from None
@@ -99,9 +105,9 @@ def run_call(call: KernelCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         batch, heads, _, dim = q.shape
         q_rows = torch.cat([q.new_zeros(batch, heads, call.pad_front, dim), q_rows,
                             q.new_zeros(batch, heads, call.pad_back, dim)], dim=2)
-    out, lse = api.run_dense(
+    out, lse = run_dense(
         API_NAME, q_rows, k[:, :, call.keys[0]:call.keys[1]], v[:, :, call.keys[0]:call.keys[1]],
-        mask=call.mask, align=call.align, window=call.window, softcap=options.softcap,
+        mask=Mask(call.mask), align=_align(call), window=call.window, softcap=options.softcap,
         alibi_slopes=options.alibi_slopes, scale=options.sm_scale, return_lse=True,
         fallback=None)
     if call.pad_front or call.pad_back:

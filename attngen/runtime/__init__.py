@@ -3,12 +3,18 @@
     registry.py   which generated modules exist (index.json), imported by file path
     integrity.py  a module runs only if its bytes and constants match its index entry
     devices.py    the device's arch; CPU needs Triton's interpreter, bf16 correct math there
-    dispatch.py   which module serves a call, and the record of why (or the warned fallback)
-    ops.py        torch.library custom ops around the modules' entry points (forward-only)
+    selection.py  Need, Dispatch, and which module serves a Need (plain Python, no torch)
+    records.py    last_dispatch() and dispatch_log(), per thread
+    dispatch.py   a call's Need from its tensors; the choice, cached per registry, recorded
+    ops.py        the modules' entry points: direct in eager mode, torch.library ops under
+                  torch.compile or autograd (forward-only)
+    launch.py     run_dense / run_varlen: Need, dispatch, then the module or the fallback
+    arguments.py  argument conventions the public functions share (scale, flash masks)
     api.py        scaled_dot_product_attention, flash_attn_func, flash_attn_varlen_func
     kvcache.py    flash_attn_with_kvcache (decode kind when built, else varlen over the cache)
     validate.py   shape checks in the caller's layout
     hf.py         the transformers attention function ("attngen")
+    masks.py      which keys a query sees (the fallback's and the oracle's one definition)
     fallback.py   the torch implementation behind fallback="sdpa"
     interpreter_probe.py  a bf16 probe kernel for Triton's interpreter
 """
@@ -18,18 +24,11 @@ from attngen.runtime.api import (
     flash_attn_varlen_func,
     scaled_dot_product_attention,
 )
-from attngen.runtime.dispatch import (
-    Dispatch,
-    Need,
-    NoKernelError,
-    dispatch_log,
-    get_fallback,
-    last_dispatch,
-    set_fallback,
-)
+from attngen.runtime.dispatch import get_fallback, set_fallback
 from attngen.runtime.hf import register_transformers
 from attngen.runtime.kvcache import flash_attn_with_kvcache
 from attngen.runtime.ops import reset_run_counts, run_counts
+from attngen.runtime.records import dispatch_log, last_dispatch
 from attngen.runtime.registry import (
     KernelEntry,
     Registry,
@@ -37,6 +36,7 @@ from attngen.runtime.registry import (
     current_registry,
     load_kernels,
 )
+from attngen.runtime.selection import Dispatch, Need, NoKernelError
 
 __all__ = [
     "Dispatch", "KernelEntry", "Need", "NoKernelError", "Registry", "RegistryError",

@@ -20,7 +20,9 @@ import os
 
 import torch
 
-INTERPRETER = "interpreter"  # CPU tensors under TRITON_INTERPRET=1: any arch's module runs
+from attngen.runtime.selection import INTERPRETER
+from attngen.spec import Dtype
+
 _bf16_ok = False  # only a passed probe is remembered: a shim may be installed later
 
 
@@ -49,7 +51,7 @@ def device_arch(device) -> str:
     return device.type
 
 
-def device_problem(api: str, arch: str, dtype: str) -> str | None:
+def device_problem(api: str, arch: str, dtype: Dtype | None) -> str | None:
     """Why no generated kernel can run a call on this device (arch from device_arch), or
     None."""
     if arch == "cpu":
@@ -64,7 +66,7 @@ def device_problem(api: str, arch: str, dtype: str) -> str | None:
                 "imports triton (in the shell, or first thing in the script)")
     if arch != INTERPRETER and not arch.startswith("sm"):
         return f"q is on device type {arch!r}: generated kernels run on CUDA tensors"
-    if arch == INTERPRETER and dtype == "bf16" and not bf16_interpreter_ok():
+    if arch == INTERPRETER and dtype is Dtype.bf16 and not bf16_interpreter_ok():
         return ("dtype bf16 on CPU tensors: Triton's interpreter computes bfloat16 dots and "
                 "arithmetic on the raw bit patterns (Triton issue 11584) and returns garbage; "
                 "use fp16 or fp32 on the CPU, or CUDA for bf16")

@@ -18,18 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-
-def visible(mask: str, align: str | None, window, seqlen_q: int, seqlen_k: int, device):
-    """[Nq, Nk] bool, or None for no mask; i' = i + (Nk - Nq) under bottom_right."""
-    if mask == "none":
-        return None
-    i = torch.arange(seqlen_q, device=device)[:, None]
-    j = torch.arange(seqlen_k, device=device)[None, :]
-    i = i + (seqlen_k - seqlen_q if align == "bottom_right" else 0)
-    if mask == "causal":
-        return j <= i
-    left, right = window
-    return (j >= i - left) & (j <= i + right)
+from attngen.runtime.masks import visible
 
 
 def torch_attention(q, k, v, *, mask="none", align=None, window=None, softcap=0.0,

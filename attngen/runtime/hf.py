@@ -31,8 +31,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attngen.runtime.api import run_dense, run_varlen
-from attngen.runtime.dispatch import NoKernelError
+from attngen.runtime.launch import run_dense, run_varlen
+from attngen.runtime.selection import NoKernelError
+from attngen.spec import CausalAlign, Mask
 
 NAME = "attngen"
 API = "transformers"
@@ -54,8 +55,8 @@ def _mask_of(module, query, key, sliding_window, is_causal):
     if sliding_window:
         # transformers keeps key j for query i when i - W < j (<= i if causal): left W - 1.
         reach = sliding_window - 1
-        return "sliding_window", (reach, 0 if causal else reach)
-    return ("causal", None) if causal else ("none", None)
+        return Mask.sliding_window, (reach, 0 if causal else reach)
+    return (Mask.causal, None) if causal else (Mask.none, None)
 
 
 # kwargs some models pass that change the scores; no spec has them.
@@ -72,10 +73,11 @@ _LAYERS = ("full_attention", "sliding_attention")
 
 def _refuse_unexpressed(module, kwargs) -> None:
     """NoKernelError naming what this layer's attention has that no spec expresses."""
-    for name, what in _SCORE_KWARGS.items():
-        if kwargs.get(name) is not None:
-            raise NoKernelError(f"attngen: {name}: {what} is not in any spec; use another "
-                                "attn_implementation for this model")
+    if not _SCORE_KWARGS.keys().isdisjoint(kwargs):
+        for name, what in _SCORE_KWARGS.items():
+            if kwargs.get(name) is not None:
+                raise NoKernelError(f"attngen: {name}: {what} is not in any spec; use another "
+                                    "attn_implementation for this model")
     config = getattr(module, "config", None)
     layer_type = getattr(module, "layer_type", None)
     layer_types, layer_idx = getattr(config, "layer_types", None), getattr(module, "layer_idx",
@@ -106,7 +108,7 @@ def attngen_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if dropout:
         refusal = f"dropout: got {dropout} (training mode); generated kernels are inference-only"
     mask, window = _mask_of(module, query, key, sliding_window, is_causal)
-    common = dict(mask=mask, align="bottom_right", window=window, softcap=softcap,
+    common = dict(mask=mask, align=CausalAlign.bottom_right, window=window, softcap=softcap,
                   alibi_slopes=None, scale=scaling, return_lse=False, fallback=None,
                   refusal=refusal)
     batch, _, seqlen_q, _ = query.shape
@@ -115,8 +117,10 @@ def attngen_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         return _packed(query, key, value, kwargs, common), None
     if attention_mask is None:
         _refuse_packed_positions(kwargs.get("position_ids"), seqlen_q, seqlen_k)
-        out, _ = run_dense(API, query, key, value, dropout_p=dropout, **common)
-        return out.transpose(1, 2), None
+        # [B, Nq, HQ, DV] contiguous (in place with a module that takes out=): transformers
+        # reshapes it to [B, Nq, HQ * DV] next, which a transposed view would copy.
+        out, _ = run_dense(API, query, key, value, dropout_p=dropout, heads_last=True, **common)
+        return out, None
     if attention_mask.dim() != 2 or attention_mask.shape != (batch, seqlen_k):
         raise NoKernelError(
             f"attngen: attention_mask: got shape {tuple(attention_mask.shape)}; the 'attngen' "

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from attngen.runtime import ops
-from attngen.runtime.api import _flash_refusal, _scale, flash_mask, need_fields, run_varlen
-from attngen.runtime.dispatch import Dispatch, probe
+from attngen.runtime import arguments, ops
+from attngen.runtime.arguments import flash_mask, flash_refusal
+from attngen.runtime.dispatch import need_for, probe
+from attngen.runtime.launch import run_varlen
+from attngen.runtime.selection import Dispatch
 from attngen.runtime.validate import check_kvcache_shapes
+from attngen.spec import CausalAlign, KernelKind, KvLayout
 
 _UNSUPPORTED = ("rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad")
 
@@ -36,31 +39,30 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     None: the caches are full) before attending. Causal is bottom-right aligned. Returns out
     [B, Nq, HQ, DV] (and lse [B, HQ, Nq] with return_softmax_lse). Rotary embedding,
     cache_batch_idx and cache_leftpad are not supported (an error names them); num_splits and
-    rotary_interleaved are accepted and ignored."""
-    given = (rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad)
-    for name, value in zip(_UNSUPPORTED, given, strict=True):
-        if value is not None:
-            raise ValueError(f"{name}: not supported by attngen's flash_attn_with_kvcache; "
-                             "apply rotary embeddings and cache indexing before the call")
+    rotary_interleaved are accepted and ignored. The output is contiguous when the decode
+    module writes it in place (Dispatch.writes_out), else a [B, Nq, HQ, DV] view of the
+    kernel's [B, HQ, Nq, DV] output (no copy either way)."""
+    if not (rotary_cos is None and rotary_sin is None and cache_batch_idx is None
+            and cache_leftpad is None):
+        given = (rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad)
+        name = _UNSUPPORTED[next(i for i, value in enumerate(given) if value is not None)]
+        raise ValueError(f"{name}: not supported by attngen's flash_attn_with_kvcache; "
+                         "apply rotary embeddings and cache indexing before the call")
     check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table)  # in the caller's layout
     batch, seqlen_q = q.shape[0], q.shape[1]
     paged = block_table is not None
     capacity = (block_table.shape[1] * k_cache.shape[1]) if paged else k_cache.shape[1]
     cache_seqlens = _seqlens(cache_seqlens, batch, capacity, q.device)
     mask, window = flash_mask(causal, window_size)
-    refusal = _flash_refusal(0.0, alibi_slopes)
+    refusal = flash_refusal(0.0, alibi_slopes)
     new = 0 if k is None else k.shape[1]
     decode = _decode_module(q, v_cache, mask, window, softcap, alibi_slopes, seqlen_q, capacity,
-                            "paged" if paged else "contiguous",
+                            KvLayout.paged if paged else KvLayout.contiguous,
                             k_cache.shape[1] if paged else None)
     if decode is not None and refusal is None:
-        def heads_first(t):  # flash layout [B, N, H, D] -> the decode contract's [B, H, N, D]
-            return None if t is None else t.transpose(1, 2)
-        caches = (k_cache, v_cache) if paged else (heads_first(k_cache), heads_first(v_cache))
-        out, lse = ops.decode(decode.key, heads_first(q), *caches, cache_seqlens, block_table,
-                              heads_first(k), heads_first(v), _scale(softmax_scale, q),
-                              alibi_slopes, return_softmax_lse)
-        out = out.transpose(1, 2)
+        out, lse = _run_decode_module(decode, q, k_cache, v_cache, k, v, cache_seqlens,
+                                      block_table, arguments.softmax_scale(softmax_scale, q),
+                                      alibi_slopes, return_softmax_lse)
         return (out, lse) if return_softmax_lse else out
     if k is not None:
         _append(k_cache, v_cache, k, v, cache_seqlens, block_table)
@@ -71,14 +73,32 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     steps = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
     out, lse = run_varlen(
         "flash_attn_with_kvcache", q.reshape(batch * seqlen_q, *q.shape[2:]), keys, values,
-        steps * seqlen_q, steps * capacity, seqlen_q, capacity, mask=mask, align="bottom_right",
-        window=window, softcap=softcap, alibi_slopes=alibi_slopes, scale=softmax_scale,
+        steps * seqlen_q, steps * capacity, seqlen_q, capacity, mask=mask,
+        align=CausalAlign.bottom_right, window=window, softcap=softcap,
+        alibi_slopes=alibi_slopes, scale=softmax_scale,
         return_lse=return_softmax_lse, fallback=None, refusal=refusal,
         seqused_k=(cache_seqlens + new).to(torch.int32), length_bounds=(seqlen_q, capacity))
     out = out.view(batch, seqlen_q, *out.shape[1:])
     if not return_softmax_lse:
         return out
     return out, lse.view(lse.shape[0], batch, seqlen_q).transpose(0, 1)
+
+
+def _run_decode_module(decode: Dispatch, q, k_cache, v_cache, k, v, cache_seqlens,
+                       block_table, sm_scale: float, alibi_slopes, return_lse: bool):
+    """(out [B, Nq, HQ, DV], lse or None) from the decode module, which appends k/v and
+    reads the caches in place: the flash layout's [B, N, H, D] tensors are handed over as
+    [B, H, N, D] views (paged caches as they are)."""
+    def heads_first(t):
+        return None if t is None else t.transpose(1, 2)
+
+    assert decode.key is not None  # probe() answers served dispatches only
+    caches = (k_cache, v_cache) if block_table is not None else (
+        heads_first(k_cache), heads_first(v_cache))
+    out, lse = ops.decode(decode.key, heads_first(q), *caches, cache_seqlens, block_table,
+                          heads_first(k), heads_first(v), sm_scale, alibi_slopes, return_lse,
+                          decode.writes_out)
+    return (out if decode.writes_out else out.transpose(1, 2)), lse
 
 
 def _seqlens(cache_seqlens, batch, capacity, device) -> torch.Tensor:
@@ -111,6 +131,8 @@ def _append(k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
 def _decode_module(q, v_cache, mask, window, softcap, alibi_slopes, seqlen_q, capacity,
                    layout, page_size) -> Dispatch | None:
     """The decode-kind module that serves the call, recorded, or None (then step 2)."""
-    fields = need_fields("decode", q, v_cache, mask, "bottom_right", window, softcap,
-                         alibi_slopes, seqlen_q, capacity, False, layout, page_size)
-    return probe("flash_attn_with_kvcache", fields, q.device.type, q.device.index)
+    need = need_for(KernelKind.decode, q, v_cache, mask=mask, align=CausalAlign.bottom_right,
+                    window=window, softcap=softcap, alibi=alibi_slopes is not None,
+                    seqlen_q=seqlen_q, seqlen_k=capacity, same_lengths=False,
+                    kv_layout=layout, page_size=page_size)
+    return probe("flash_attn_with_kvcache", need)

@@ -1,10 +1,14 @@
-"""torch.library custom ops around the generated entry points (namespace `attngen`).
+"""Calling a generated module's entry point: directly in eager mode, through torch.library
+custom ops (namespace `attngen`) under torch.compile or autograd.
 
-Each op takes the module key chosen by dispatch (a string: selection happens outside the op,
-so a compiled graph holds a fixed module) and calls that module's entry point. Fake
-implementations give the output and LSE shapes, so torch.compile(fullgraph=True) traces
-through the ops without running a kernel. The LSE is always an output (an empty tensor when
-not asked for): an op's outputs cannot be optional.
+`prefill`, `varlen` and `decode` take the module key chosen by dispatch (a string: selection
+happens outside the ops, so a compiled graph holds a fixed module). An eager call with no
+input that needs a gradient calls the module's entry point itself: the op layer's own
+dispatch costs tens of microseconds per call, more than the rest of a small call's host time.
+Under torch.compile (and for inputs that need a gradient, or tensor subclasses) the call goes
+through the op, whose fake implementation gives the output shapes and strides, so
+torch.compile(fullgraph=True) traces through it without running a kernel. Either way
+`run_counts()` counts the kernel calls per module, including calls from compiled graphs.
 
     attngen::prefill  q [B, HQ, M, D], k/v [B, HKV, N, D]  -> out [B, HQ, M, DV], lse [B, HQ, M]
     attngen::varlen   q [Tq, HQ, D], k/v [Tk, HKV, D]       -> out [Tq, HQ, DV], lse [HQ, Tq]
@@ -12,7 +16,12 @@ not asked for): an op's outputs cannot be optional.
                       [pages, page_size, HKV, D]; appends k_new/v_new into the caches in
                       place (mutates_args) -> out [B, HQ, Nq, DV], lse [B, HQ, Nq]
 
-`run_counts()` counts the kernel calls per module, including calls from compiled graphs.
+`heads_last` (prefill, decode): the module writes a contiguous [B, M, HQ, DV] output
+(flash-attn's layout) in place through its `out=`, handed over as a [B, HQ, M, DV] view;
+callers ask for it only from a module that takes `out=` (Dispatch.writes_out). `prefill` and
+`decode` then return that [B, M, HQ, DV] tensor; the ops return the view (an op's output has
+the shape its fake implementation gives). The LSE is always an op output (an empty tensor when
+not asked for): an op's outputs cannot be optional; the functions here return None instead.
 
 The kernels are forward-only: backward through any op raises an error that says so (instead
 of torch's "no autograd formula"). prefill and varlen register that as their autograd
@@ -54,38 +63,112 @@ def _no_lse(q: Tensor) -> Tensor:
     return q.new_empty((0,), dtype=torch.float32)
 
 
-@torch.library.custom_op("attngen::prefill", mutates_args=())
-def prefill(key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
-            alibi_slopes: Tensor | None, return_lse: bool) -> tuple[Tensor, Tensor]:
+def _direct(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None) -> bool:
+    """Whether the module can be called without the op layer: eager mode, plain tensors and
+    no autograd to record (the op's formula is what refuses backward)."""
+    if torch.compiler.is_compiling():
+        return False
+    if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+            alibi_slopes is not None and alibi_slopes.requires_grad)):
+        return False
+    return True
+
+
+def _heads_last(q: Tensor, dim_v: int) -> Tensor:
+    """An uninitialized contiguous [B, M, HQ, DV] tensor for q [B, HQ, M, D]."""
+    batch, heads, rows, _ = q.shape
+    return q.new_empty((batch, rows, heads, dim_v))
+
+
+# -------------------------------------------------------------------------------- prefill
+
+
+def run_prefill(key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
+                alibi_slopes: Tensor | None, return_lse: bool,
+                heads_last: bool) -> tuple[Tensor, Tensor | None]:
+    """(out, lse or None); out [B, M, HQ, DV] with heads_last, else [B, HQ, M, DV]."""
     module = current_registry().module(key)
     _ran(key)
+    if heads_last:
+        out = _heads_last(q, v.shape[-1])
+        result = module.attention(q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
+                                  return_lse=return_lse, out=out.transpose(1, 2))
+        return out, (result[1] if return_lse else None)
     result = module.attention(q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
                               return_lse=return_lse)
-    return result if return_lse else (result, _no_lse(q))
+    return result if return_lse else (result, None)
 
 
-@prefill.register_fake
-def _(key, q, k, v, sm_scale, alibi_slopes, return_lse):
+def prefill(key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
+            alibi_slopes: Tensor | None, return_lse: bool,
+            heads_last: bool = False) -> tuple[Tensor, Tensor | None]:
+    """(out, lse or None) of the prefill module `key`; see the module docstring."""
+    if _direct(q, k, v, alibi_slopes):
+        return run_prefill(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last)
+    out, lse = prefill_op(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last)
+    return (out.transpose(1, 2) if heads_last else out), (lse if return_lse else None)
+
+
+@torch.library.custom_op("attngen::prefill", mutates_args=())
+def prefill_op(key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
+               alibi_slopes: Tensor | None, return_lse: bool,
+               heads_last: bool) -> tuple[Tensor, Tensor]:
+    out, lse = run_prefill(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last)
+    return (out.transpose(1, 2) if heads_last else out), (_no_lse(q) if lse is None else lse)
+
+
+@prefill_op.register_fake
+def _(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last):
     batch, heads, seqlen_q, _ = q.shape
-    out = q.new_empty((batch, heads, seqlen_q, v.shape[-1]))
+    if heads_last:
+        out = _heads_last(q, v.shape[-1]).transpose(1, 2)
+    else:
+        out = q.new_empty((batch, heads, seqlen_q, v.shape[-1]))
     lse = q.new_empty((batch, heads, seqlen_q), dtype=torch.float32) if return_lse else _no_lse(q)
     return out, lse
 
 
-@torch.library.custom_op("attngen::varlen", mutates_args=())
-def varlen(key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
-           cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, sm_scale: float,
-           alibi_slopes: Tensor | None, seqused_k: Tensor | None,
-           return_lse: bool) -> tuple[Tensor, Tensor]:
+# --------------------------------------------------------------------------------- varlen
+
+
+def run_varlen(key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+               cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, sm_scale: float,
+               alibi_slopes: Tensor | None, seqused_k: Tensor | None,
+               return_lse: bool) -> tuple[Tensor, Tensor | None]:
     module = current_registry().module(key)
     _ran(key)
     result = module.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
                                      return_lse=return_lse, seqused_k=seqused_k)
-    return result if return_lse else (result, _no_lse(q))
+    return result if return_lse else (result, None)
 
 
-@varlen.register_fake
+def varlen(key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+           cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, sm_scale: float,
+           alibi_slopes: Tensor | None, seqused_k: Tensor | None,
+           return_lse: bool) -> tuple[Tensor, Tensor | None]:
+    """(out, lse or None) of the varlen module `key`; see the module docstring."""
+    args = (key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,
+            alibi_slopes, seqused_k, return_lse)
+    if _direct(q, k, v, alibi_slopes):
+        return run_varlen(*args)
+    out, lse = varlen_op(*args)
+    return out, (lse if return_lse else None)
+
+
+@torch.library.custom_op("attngen::varlen", mutates_args=())
+def varlen_op(key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+              cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, sm_scale: float,
+              alibi_slopes: Tensor | None, seqused_k: Tensor | None,
+              return_lse: bool) -> tuple[Tensor, Tensor]:
+    out, lse = run_varlen(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          sm_scale, alibi_slopes, seqused_k, return_lse)
+    return out, (_no_lse(q) if lse is None else lse)
+
+
+@varlen_op.register_fake
 def _(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,
       alibi_slopes, seqused_k, return_lse):
     total_q, heads, _ = q.shape
@@ -94,39 +177,76 @@ def _(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_s
     return out, lse
 
 
-@torch.library.custom_op("attngen::decode", mutates_args=("k_cache", "v_cache"))
-def decode_op(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
-           block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
-           sm_scale: float, alibi_slopes: Tensor | None,
-           return_lse: bool) -> tuple[Tensor, Tensor]:
+# --------------------------------------------------------------------------------- decode
+
+
+def run_decode(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+               block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
+               sm_scale: float, alibi_slopes: Tensor | None, return_lse: bool,
+               heads_last: bool) -> tuple[Tensor, Tensor | None]:
     """The decode kind's `decode` entry point (the README's decode contract); appends
-    k_new/v_new into the caches at cache_seqlens, in place, before attending."""
+    k_new/v_new into the caches at cache_seqlens, in place, before attending. (out, lse or
+    None); out [B, Nq, HQ, DV] with heads_last, else [B, HQ, Nq, DV]."""
     module = current_registry().module(key)
     _ran(key)
+    if heads_last:
+        out = _heads_last(q, v_cache.shape[-1])
+        result = module.decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
+                               k_new=k_new, v_new=v_new, sm_scale=sm_scale,
+                               alibi_slopes=alibi_slopes, return_lse=return_lse,
+                               out=out.transpose(1, 2))
+        return out, (result[1] if return_lse else None)
     result = module.decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
                            k_new=k_new, v_new=v_new, sm_scale=sm_scale,
                            alibi_slopes=alibi_slopes, return_lse=return_lse)
-    return result if return_lse else (result, _no_lse(q))
+    return result if return_lse else (result, None)
+
+
+def decode(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+           block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
+           sm_scale: float, alibi_slopes: Tensor | None, return_lse: bool,
+           heads_last: bool = False) -> tuple[Tensor, Tensor | None]:
+    """(out, lse or None) of the decode module `key`; see the module docstring. Directly,
+    the caches' version counters are bumped as the op's mutates_args would."""
+    args = (key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sm_scale,
+            alibi_slopes, return_lse, heads_last)
+    news = (k_new, v_new) if k_new is not None and v_new is not None else None
+    if _direct(q, k_cache, v_cache, alibi_slopes) and (
+            news is None or _direct(q, news[0], news[1], None)):
+        result = run_decode(*args)
+        if news is not None:
+            torch.autograd.graph.increment_version((k_cache, v_cache))
+        return result
+    out, lse = decode_op(*args)
+    inputs = (q, k_cache, v_cache, k_new, v_new)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        out, lse = _ForwardOnly.apply(out, lse)
+    return (out.transpose(1, 2) if heads_last else out), (lse if return_lse else None)
+
+
+@torch.library.custom_op("attngen::decode", mutates_args=("k_cache", "v_cache"))
+def decode_op(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+              block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
+              sm_scale: float, alibi_slopes: Tensor | None, return_lse: bool,
+              heads_last: bool) -> tuple[Tensor, Tensor]:
+    out, lse = run_decode(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+                          sm_scale, alibi_slopes, return_lse, heads_last)
+    return (out.transpose(1, 2) if heads_last else out), (_no_lse(q) if lse is None else lse)
 
 
 @decode_op.register_fake
 def _(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sm_scale,
-      alibi_slopes, return_lse):
+      alibi_slopes, return_lse, heads_last):
     batch, heads, seqlen_q, _ = q.shape
-    out = q.new_empty((batch, heads, seqlen_q, v_cache.shape[-1]))
+    if heads_last:
+        out = _heads_last(q, v_cache.shape[-1]).transpose(1, 2)
+    else:
+        out = q.new_empty((batch, heads, seqlen_q, v_cache.shape[-1]))
     lse = q.new_empty((batch, heads, seqlen_q), dtype=torch.float32) if return_lse else _no_lse(q)
     return out, lse
 
 
-def decode(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sm_scale,
-           alibi_slopes, return_lse) -> tuple[Tensor, Tensor]:
-    """attngen::decode, with outputs whose backward raises (see the module's docstring)."""
-    out, lse = decode_op(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-                         sm_scale, alibi_slopes, return_lse)
-    inputs = (q, k_cache, v_cache, k_new, v_new)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-        out, lse = _ForwardOnly.apply(out, lse)
-    return out, lse
+# ------------------------------------------------------------------------ forward only
 
 
 def _refuse_backward(op: str):

@@ -22,7 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # selection imports this module's types
+    from attngen.runtime.selection import Dispatch, Need
 
 ENV_KERNELS = "ATTNGEN_KERNELS"
 _REPO_GENERATED = Path(__file__).resolve().parent.parent.parent / "generated"
@@ -58,6 +61,9 @@ class Registry:
         self._by_key = {entry.key: entry for entry in entries}
         self._modules: dict[str, ModuleType] = {}
         self._matching: dict[tuple, list[KernelEntry]] = {}
+        # dispatch.py's cache of served calls, (api, Need) -> Dispatch: it lives and dies with
+        # this registry, so a replaced registry's choices never serve a later call.
+        self.dispatches: dict[tuple[str, Need], Dispatch] = {}
         self._lock = threading.Lock()
 
     def module(self, key: str) -> ModuleType:

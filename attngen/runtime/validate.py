@@ -1,6 +1,9 @@
 """Shape checks in the caller's layout, before any transpose: an error names the tensor, the
 layout the caller passes (flash-attn's [batch, seqlen, nheads, headdim]), what was expected and
-what was given, never the [B, H, N, D] layout the kernels are called with."""
+what was given, never the [B, H, N, D] layout the kernels are called with.
+
+A call that passes is checked once, by comparisons only; the checks that name what is wrong
+(and build the message) run only when one fails."""
 
 from __future__ import annotations
 
@@ -11,6 +14,41 @@ def check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table) -> None:
     """flash_attn_with_kvcache's tensors: q [B, Nq, HQ, D]; caches [B, L, HKV, D] (or pages
     [num_pages, page_size, HKV, D] with block_table int32 [B, max_pages]); k/v
     [B, Nnew, HKV, D/DV]; one dtype and device; HQ a multiple of HKV."""
+    if not _kvcache_shapes_ok(q, k_cache, v_cache, k, v, block_table):
+        _name_kvcache_problem(q, k_cache, v_cache, k, v, block_table)
+
+
+def _kvcache_shapes_ok(q, k_cache, v_cache, k, v, block_table) -> bool:
+    """The success path of check_kvcache_shapes: True only when every check of
+    _name_kvcache_problem passes."""
+    tensor = torch.Tensor
+    if not (type(q) is tensor and type(k_cache) is tensor and type(v_cache) is tensor
+            and q.dim() == 4 and k_cache.dim() == 4 and v_cache.dim() == 4):
+        return False
+    batch, _, heads_q, dim = q.shape
+    outer, rows, heads_kv, dim_k = k_cache.shape
+    if block_table is None:
+        if outer != batch:
+            return False
+    elif not (type(block_table) is tensor and block_table.dim() == 2
+              and block_table.shape[0] == batch and block_table.dtype == torch.int32):
+        return False
+    dtype, device = q.dtype, q.device
+    if not (dim_k == dim and v_cache.shape[:3] == k_cache.shape[:3] and heads_kv != 0
+            and heads_q % heads_kv == 0 and k_cache.dtype == dtype and v_cache.dtype == dtype
+            and k_cache.device == device and v_cache.device == device):
+        return False
+    if k is None and v is None:
+        return True
+    return (type(k) is tensor and type(v) is tensor and k.dim() == 4 and v.dim() == 4
+            and k.shape[0] == batch and k.shape[2] == heads_kv and k.shape[3] == dim
+            and v.shape[:3] == k.shape[:3] and v.shape[3] == v_cache.shape[3]
+            and k.dtype == dtype and v.dtype == dtype and k.device == device
+            and v.device == device)
+
+
+def _name_kvcache_problem(q, k_cache, v_cache, k, v, block_table) -> None:
+    """Raise the error naming the first tensor check_kvcache_shapes refuses."""
     _rank4("q", q, "[batch, seqlen_q, nheads, headdim]")
     batch, _, heads_q, dim = q.shape
     paged = block_table is not None

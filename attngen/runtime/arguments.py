@@ -1,0 +1,87 @@
+"""Argument conventions the public functions share, each checked once per call.
+
+The softmax scale, flash-attn's (causal, window_size) as a spec mask, SDPA's causal_align,
+rank checks, and the refusals of features no generated kernel has. A check that passes
+builds no string: messages are formatted only when a check fails.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attngen.spec import CausalAlign, Mask
+
+INFINITE = 2**31 - 1  # flash-attn's -1 window side, as the spec's largest window
+_UNBOUNDED = (-1, -1)
+
+
+def softmax_scale(scale: object, q: torch.Tensor) -> float:
+    """The scale q.k is multiplied by: 1/sqrt(D) for None, else a finite float > 0."""
+    if scale is None:
+        return 1.0 / math.sqrt(q.shape[-1])
+    if (type(scale) is float or type(scale) is int) and math.isfinite(scale) and scale > 0:
+        return float(scale)
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool) and (
+            math.isfinite(scale) and scale > 0):
+        return float(scale)  # a subclass (numpy float64)
+    raise ValueError(f"scale: expected a finite float > 0 or None, got {scale!r}")
+
+
+def check_rank4(q: object, k: object, v: object) -> None:
+    """q, k and v are rank-4 tensors (the error names the first that is not)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: expected a rank-4 tensor, got {got}")
+
+
+def rank4(q: object, k: object, v: object) -> bool:
+    """The success path of check_rank4, without building its loop."""
+    return (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+            and q.dim() == 4 and k.dim() == 4 and v.dim() == 4)
+
+
+def check_causal_align(value: object) -> CausalAlign:
+    """SDPA's causal_align argument as the spec's alignment."""
+    if value == "top_left":
+        return CausalAlign.top_left
+    if value == "bottom_right":
+        return CausalAlign.bottom_right
+    allowed = ", ".join(a.value for a in CausalAlign)
+    raise ValueError(f"causal_align: got {value!r}; allowed: {allowed}")
+
+
+def window_pair(window: object, name: str) -> tuple[int, int]:
+    """(left, right), ints >= 0."""
+    if (isinstance(window, (tuple, list)) and len(window) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in window)):
+        return int(window[0]), int(window[1])
+    raise ValueError(f"{name}: got {window!r}; allowed: (left, right), ints >= 0")
+
+
+def flash_mask(causal: bool, window_size: object) -> tuple[Mask, tuple[int, int] | None]:
+    """flash-attn's (causal, window_size) as a spec mask; -1 is an unbounded side."""
+    if type(window_size) is tuple and window_size == _UNBOUNDED:
+        return (Mask.causal, None) if causal else (Mask.none, None)
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and w >= -1 for w in window_size)):
+        raise ValueError(f"window_size: got {window_size!r}; allowed: (left, right), ints >= -1 "
+                         "(-1: unbounded)")
+    left, right = int(window_size[0]), int(window_size[1])
+    if causal:
+        return (Mask.causal, None) if left < 0 else (Mask.sliding_window, (left, 0))
+    if left < 0 and right < 0:
+        return Mask.none, None
+    return Mask.sliding_window, (INFINITE if left < 0 else left, INFINITE if right < 0 else right)
+
+
+def flash_refusal(dropout_p: float, alibi_slopes: torch.Tensor | None) -> str | None:
+    """Why no generated kernel serves a flash-attn call's dropout or slopes, or None."""
+    if dropout_p:
+        return f"dropout_p: got {dropout_p}; generated kernels are inference-only (0.0)"
+    if alibi_slopes is not None and alibi_slopes.dim() != 1:
+        return (f"alibi_slopes: got shape {tuple(alibi_slopes.shape)}; generated kernels take "
+                "[nheads] fp32 (one slope per head for the whole batch)")
+    return None

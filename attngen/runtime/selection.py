@@ -1,0 +1,239 @@
+"""Selection: which generated module serves a request. Plain Python (no torch).
+
+A call states what it needs as a `Need` (kernel kind, dtype, head dims, mask, alignment,
+window, softcap, ALiBi, the device's arch, and lengths its tensors guarantee); `best_entry`
+finds the module that serves it, and `mismatches` says why any other one does not.
+
+Masks are compared by meaning at the call's lengths, not only by name: when Nq == Nk the two
+causal alignments are the same mask; a sliding window whose reach covers every key is plain
+causal (or no mask); and one query token at the bottom-right end sees every key under causal
+(flash_attn_with_kvcache's default causal=False decode step runs on a causal decode kernel).
+The lengths used are bounds the call's tensor shapes guarantee (padded lengths, packed
+totals, cache capacity), never a caller's max_seqlen claim: a wrong claim must not turn a
+causal call into a window kernel's call.
+
+dispatch.py is the torch side: it builds a Need from tensors, records the choice, caches it
+per registry and keeps torch.compile's trace free of this code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from attngen.runtime.registry import KernelEntry, Registry
+from attngen.spec import CausalAlign, Dtype, KernelKind, KvLayout, Mask
+
+INTERPRETER = "interpreter"  # CPU tensors under TRITON_INTERPRET=1: any arch's module runs
+FALLBACKS = ("error", "sdpa")
+
+
+class NoKernelError(RuntimeError):
+    """No generated module serves a call (and no fallback was asked for)."""
+
+
+class Need(NamedTuple):
+    """What a call needs from a kernel, in the spec's vocabulary; built by field name.
+
+    A NamedTuple: immutable, hashable at a tuple's cost (dispatch caches by it on every
+    call), and its fields are plain constants that torch.compile can hand to a function it
+    does not trace. seqlen_q/seqlen_k bound every sequence's lengths and must be guaranteed
+    by the call's tensor shapes (padded lengths, packed totals, the cache's capacity), not
+    taken from a caller's max_seqlen: mask equivalence is decided with them."""
+
+    kind: KernelKind
+    dtype: Dtype | None  # None: q's dtype has no generated kernels (the call is refused)
+    head_dim: int
+    head_dim_v: int
+    mask: Mask
+    causal_align: CausalAlign | None  # None with mask none
+    window: tuple[int, int] | None  # (left, right) with mask sliding_window
+    softcap: float
+    alibi: bool
+    arch: str  # sm<major><minor>, INTERPRETER, or the device type no kernel runs on
+    seqlen_q: int
+    seqlen_k: int
+    same_lengths: bool  # every sequence has Nq == Nk, so the alignments coincide
+    kv_layout: KvLayout | None = None  # decode only
+    page_size: int | None = None  # decode only, paged
+
+    def describe(self) -> str:
+        mask = self.mask.value
+        if self.mask is not Mask.none:
+            align = self.causal_align.value if self.causal_align else None
+            mask += f"({align}" + (f", window={self.window})" if self.window else ")")
+        dims = str(self.head_dim)
+        if self.head_dim_v != self.head_dim:
+            dims += f"/{self.head_dim_v}"
+        dtype = self.dtype.value if self.dtype else "unsupported"
+        text = (f"kind={self.kind.value} dtype={dtype} head_dim={dims} mask={mask} "
+                f"softcap={self.softcap:g} alibi={self.alibi} arch={self.arch}")
+        if self.kv_layout:
+            text += f" kv_layout={self.kv_layout.value}"
+        return text
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """What ran for one call: a generated module (key, name) or a fallback, and why."""
+
+    api: str  # the public function that was called
+    need: Need
+    module: str | None  # "<arch>/<module name>", None for a fallback
+    key: str | None  # the module file; what the ops take
+    reason: str
+    fallback: str | None = None  # "sdpa" when torch ran instead of a generated kernel
+    writes_out: bool = False  # the module writes a given output in place (its `out=`)
+
+
+def check_fallback(mode: object, name: str) -> str:
+    if mode not in FALLBACKS:
+        raise ValueError(f"{name}: got {mode!r}; allowed: {', '.join(map(repr, FALLBACKS))}")
+    return str(mode)
+
+
+# ------------------------------------------------------------------- masks by meaning
+
+
+def effective_mask(spec_like: dict[str, Any], need: Need, *, at_lengths: bool = True) -> tuple:
+    """(mask, align, window) as it acts at the need's lengths: the form two masks compare in.
+    With at_lengths=False, only what holds at every length (the alignments agree when every
+    sequence has Nq == Nk)."""
+    mask, align = spec_like["mask"], spec_like.get("causal_align")
+    window = spec_like.get("window")
+    if at_lengths and mask != "none":
+        mask, window = _mask_at_lengths(mask, align, window, need)
+    if mask == "none" or need.same_lengths:
+        align = None
+    return mask, align, window
+
+
+def _mask_at_lengths(mask: str, align: str | None, window: tuple[int, int] | None,
+                     need: Need) -> tuple[str, tuple[int, int] | None]:
+    # One query token at the bottom-right end sits at i' = Nk - 1: every key is at or before
+    # it, so a window's right side excludes nothing and causal excludes nothing. (Not with
+    # ALiBi: a mask-none module's bias distance is not the bottom-right one in every kind.)
+    last_query_only = (need.seqlen_q <= 1 and not need.alibi
+                       and (align == "bottom_right" or need.same_lengths))
+    if mask == "sliding_window" and window is not None:
+        left, right = window
+        if last_query_only:
+            right = 0
+        reach = max(need.seqlen_q, need.seqlen_k) - 1  # the largest |i' - j| at these lengths
+        if left >= reach and right >= reach:
+            return "none", None
+        if left >= reach and right == 0:
+            mask = "causal"
+        else:
+            return mask, (left, right)
+    if mask == "causal" and last_query_only:
+        return "none", None
+    return mask, None
+
+
+def spec_view(entry: KernelEntry) -> dict[str, Any]:
+    """The entry's spec with its window as one (left, right) value, like a Need's."""
+    spec = entry.spec
+    window = None
+    if spec["mask"] == "sliding_window":
+        window = (spec["window_left"], spec.get("window_right") or 0)
+    return {**spec, "window": window}
+
+
+def _asked(need: Need) -> dict[str, Any]:
+    return {"mask": need.mask, "causal_align": need.causal_align, "window": need.window}
+
+
+# ------------------------------------------------------------------------- selection
+
+
+def mismatches(entry: KernelEntry, need: Need) -> list[str]:
+    """Why `entry` cannot serve `need`: one 'field: needs X, module has Y' per difference."""
+    spec = spec_view(entry)
+    problems = []
+    if entry.kind != need.kind:
+        problems.append(f"kind: needs {need.kind.value}, module is {entry.kind}")
+    if need.arch != INTERPRETER and entry.arch != need.arch:
+        problems.append(f"arch: needs {need.arch}, module is for {entry.arch}")
+    dtype = need.dtype.value if need.dtype else "unsupported"
+    for field, value in (("dtype", dtype), ("head_dim", need.head_dim),
+                         ("head_dim_v", need.head_dim_v), ("alibi", need.alibi)):
+        if spec.get(field) != value:
+            problems.append(f"{field}: needs {value}, module has {spec.get(field)}")
+    if float(spec.get("softcap") or 0.0) != float(need.softcap):
+        problems.append(f"softcap: needs {need.softcap:g}, module has {spec.get('softcap'):g}")
+    if effective_mask(spec, need) != effective_mask(_asked(need), need):
+        problems.append(f"mask: needs {_mask_text(_asked(need))}, module has {_mask_text(spec)}")
+    if need.kind is KernelKind.decode:
+        problems += _decode_mismatches(spec, need)
+    return problems
+
+
+def _decode_mismatches(spec: dict[str, Any], need: Need) -> list[str]:
+    problems = []
+    layout = need.kv_layout.value if need.kv_layout else None
+    if spec.get("kv_layout") != layout:
+        problems.append(f"kv_layout: needs {layout}, module has {spec.get('kv_layout')}")
+    if need.kv_layout is KvLayout.paged and spec.get("page_size") != need.page_size:
+        problems.append(f"page_size: needs {need.page_size}, module has {spec.get('page_size')}")
+    if need.seqlen_q > int(spec.get("max_query_tokens") or 1):
+        problems.append(f"max_query_tokens: needs {need.seqlen_q}, module has "
+                        f"{spec.get('max_query_tokens')}")
+    return problems
+
+
+def _mask_text(spec: dict[str, Any]) -> str:
+    mask = str(getattr(spec["mask"], "value", spec["mask"]))
+    if mask == "none":
+        return "none"
+    align = spec.get("causal_align")
+    window = f" window={tuple(spec['window'])}" if spec.get("window") else ""
+    return f"{mask}({getattr(align, 'value', align)}{window})"
+
+
+def best_entry(registry: Registry, need: Need) -> KernelEntry | None:
+    """The module that serves `need`, or None. Among several, the one whose own mask is the
+    asked one (a causal kernel over a window kernel that equals causal at these lengths),
+    then the newest arch, then the name."""
+    serving = [e for e in same_kernel_fields(registry, need) if not mismatches(e, need)]
+    if not serving:
+        return None
+    asked = effective_mask(_asked(need), need, at_lengths=False)
+    return min(serving, key=lambda e: (
+        effective_mask(spec_view(e), need, at_lengths=False) != asked,
+        -int(e.arch[2:]), e.module))
+
+
+def same_kernel_fields(registry: Registry, need: Need) -> list[KernelEntry]:
+    """The entries that agree with `need` on everything but the mask, cached on the registry:
+    a decode loop asks with a new key length at each step, so the scan of every module is
+    done once per kind of call instead."""
+    key = (need.kind, need.arch, need.dtype, need.head_dim, need.head_dim_v, need.alibi,
+           float(need.softcap), need.kv_layout, need.page_size)
+    dtype = need.dtype.value if need.dtype else None
+
+    def agrees(entry: KernelEntry) -> bool:
+        spec = entry.spec
+        return (entry.kind == need.kind
+                and (need.arch == INTERPRETER or entry.arch == need.arch)
+                and (spec.get("dtype"), spec.get("head_dim"), spec.get("head_dim_v"),
+                     spec.get("alibi")) == (dtype, need.head_dim, need.head_dim_v, need.alibi)
+                and float(spec.get("softcap") or 0.0) == float(need.softcap))
+
+    return registry.matching(key, agrees)
+
+
+def no_kernel_message(need: Need, registry: Registry) -> str:
+    ranked = sorted(registry.entries, key=lambda e: (len(mismatches(e, need)),
+                                                     e.kind != need.kind, e.describe()))
+    shown: dict[str, KernelEntry] = {}
+    for entry in ranked:  # one line per module name (its other archs would repeat it)
+        if len(shown) < 3:
+            shown.setdefault(entry.module, entry)
+    nearest = "; ".join(f"{e.describe()} ({', '.join(mismatches(e, need))})"
+                        for e in shown.values()) or "none: the registry is empty"
+    folders = ", ".join(str(f) for f in registry.folders)
+    return (f"no generated kernel serves {need.describe()} (kernels from {folders}); "
+            f"nearest: {nearest}. Build a spec for it (attngen spec-from-hf, attngen build) "
+            "and load it (attngen.runtime.load_kernels or ATTNGEN_KERNELS), or ask for "
+            "fallback='sdpa'")

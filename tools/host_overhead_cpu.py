@@ -1,0 +1,195 @@
+"""The runtime's own Python overhead per public call, on the CPU, with the kernel stubbed out.
+
+Under Triton's interpreter a real kernel call is dominated by the interpreter, so this tool
+loads a registry of stand-in modules instead: each honours its kind's entry-point contract
+(the README's) and returns an output it allocates (or the `out=` it is given) without running
+anything. What a public call costs beyond the module's own entry point is the runtime's share
+of the host time (dispatch, argument checks, the op layer, layout handling, copies).
+
+Two registries are timed: modules as the templates render them today (no `out=`), and modules
+that advertise ACCEPTS_OUT and take `out=` (what the fast path is built for).
+
+Shape: B 1, H 12, N 64, D 64, fp16 (the H200 host-time shape of docs/performance.md); decode:
+B 1, one query token, a 64-token cache.
+
+    python tools/host_overhead_cpu.py [--calls 2000] [--repeat 7]
+
+Prints microseconds per call: the best of `repeat` runs of `calls` back-to-back calls (the best
+run is the one least disturbed by other processes on a shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import textwrap
+import timeit
+from pathlib import Path
+from types import SimpleNamespace
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors are served under the interpreter
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import attngen  # noqa: E402
+from attngen.runtime import ops  # noqa: E402
+from attngen.runtime.hf import attngen_attention  # noqa: E402
+from attngen.runtime.registry import load_kernels  # noqa: E402
+
+HEADS, SEQLEN, DIM = 12, 64, 64
+
+_CONSTANTS = """\
+    import torch
+
+    HEAD_DIM = 64
+    HEAD_DIM_V = 64
+    DTYPE = torch.float16
+    MASK = {mask!r}
+    CAUSAL_ALIGN = {align!r}
+    SOFTCAP = 0.0
+    ALIBI = False
+    KV_LAYOUT = "contiguous"
+    PAGE_SIZE = 0
+    MAX_QUERY_TOKENS = 1
+    ACCEPTS_OUT = {accepts_out}
+"""
+
+_ENTRY_POINTS = {
+    "prefill": """
+        def attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False{out}):
+            if out is None:
+                out = q.new_empty((*q.shape[:3], HEAD_DIM_V))
+            if return_lse:
+                return out, q.new_empty(q.shape[:3], dtype=torch.float32)
+            return out
+    """,
+    "varlen": """
+        def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                             sm_scale=None, alibi_slopes=None, return_lse=False,
+                             seqused_k=None{out}):
+            if out is None:
+                out = q.new_zeros((*q.shape[:2], HEAD_DIM_V))
+            if return_lse:
+                return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+            return out
+    """,
+    "decode": """
+        def decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_new=None,
+                   v_new=None, sm_scale=None, alibi_slopes=None, return_lse=False{out}):
+            if out is None:
+                out = q.new_empty((*q.shape[:3], HEAD_DIM_V))
+            if return_lse:
+                return out, q.new_empty(q.shape[:3], dtype=torch.float32)
+            return out
+    """,
+}
+
+# (module name, kind, mask, causal_align): what the timed calls ask for.
+_MODULES = [("stub_none", "prefill", "none", "none"),
+            ("stub_causal", "prefill", "causal", "bottom_right"),
+            ("stub_causal", "varlen", "causal", "bottom_right"),
+            ("stub_causal", "decode", "causal", "bottom_right")]
+
+
+def stub_source(kind: str, mask: str, align: str, accepts_out: bool) -> str:
+    entry = _ENTRY_POINTS[kind].replace(
+        "{out}", ", out=None" if accepts_out else "").replace(
+        "if out is None:", "if out is None:" if accepts_out else "if True:")
+    constants = _CONSTANTS.format(mask=mask, align=align, accepts_out=accepts_out)
+    return textwrap.dedent(constants) + textwrap.dedent(entry)
+
+
+def build_stub_folder(folder: Path, accepts_out: bool) -> Path:
+    """A kernel folder of stand-in modules, with the index `attngen build` would write."""
+    (folder / "sm90").mkdir(parents=True, exist_ok=True)
+    entries = []
+    for name, kind, mask, align in _MODULES:
+        source = stub_source(kind, mask, align, accepts_out)
+        path = f"sm90/{name}_{kind}.py"
+        (folder / path).write_text(source)
+        spec = dict(name=name, dtype="fp16", head_dim=DIM, head_dim_v=DIM, num_q_heads=HEADS,
+                    num_kv_heads=HEADS, mask=mask, softcap=0.0, alibi=False)
+        if mask != "none":
+            spec["causal_align"] = align
+        if kind == "decode":
+            spec.update(kv_layout="contiguous", page_size=None, max_query_tokens=1)
+        entries.append({"module": f"{name}_{kind}", "path": path, "arch": "sm90", "kind": kind,
+                        "spec": spec, "sha256": hashlib.sha256(source.encode()).hexdigest()})
+    (folder / "index.json").write_text(json.dumps({"schema": 1, "modules": entries}))
+    return folder
+
+
+def public_calls() -> dict[str, object]:
+    """name -> a zero-argument call at the tiny shape."""
+    q = torch.randn(1, HEADS, SEQLEN, DIM, dtype=torch.float16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    qf, kf, vf = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # flash layout
+    packed = [t.reshape(SEQLEN, HEADS, DIM) for t in (qf, kf, vf)]
+    cu = torch.tensor([0, SEQLEN], dtype=torch.int32)
+    q1 = torch.randn(1, 1, HEADS, DIM, dtype=torch.float16)
+    k_cache = torch.randn(1, 4096, HEADS, DIM, dtype=torch.float16)
+    v_cache = torch.randn_like(k_cache)
+    lens = torch.full((1,), 64, dtype=torch.int32)
+    layer = SimpleNamespace(is_causal=True)
+    stub = attngen.runtime.current_registry()
+    prefill_key = next(e.key for e in stub.entries if e.module == "stub_none_prefill")
+    module = stub.module(prefill_key)
+    # The torch.library op itself (named prefill_op where eager calls skip it).
+    op = getattr(ops, "prefill_op", ops.prefill)
+    op_args = (prefill_key, q, k, v, 0.125, None, False) + (
+        (False,) if op is not ops.prefill else ())
+    sdpa, flash, varlen = (attngen.scaled_dot_product_attention, attngen.flash_attn_func,
+                           attngen.flash_attn_varlen_func)
+    kvcache = attngen.flash_attn_with_kvcache
+    return {
+        "module attention() (the stub itself)": lambda: module.attention(q, k, v),
+        "attngen::prefill op (torch.library)": lambda: op(*op_args),
+        "scaled_dot_product_attention": lambda: sdpa(q, k, v),
+        "flash_attn_func": lambda: flash(qf, kf, vf),
+        "flash_attn_func causal": lambda: flash(qf, kf, vf, causal=True),
+        "flash_attn_varlen_func causal": lambda: varlen(*packed, cu, cu, SEQLEN, SEQLEN,
+                                                        causal=True),
+        "flash_attn_with_kvcache (decode, L 64)": lambda: kvcache(
+            q1, k_cache, v_cache, cache_seqlens=lens, causal=True),
+        "transformers attention (causal)": lambda: attngen_attention(layer, q, k, v, None),
+    }
+
+
+def time_us(call, calls: int, repeat: int) -> float:
+    call()  # first call: imports and caches
+    best = min(timeit.repeat(call, number=calls, repeat=repeat))
+    return best / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--repeat", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    results: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, accepts_out in (("today's modules", False), ("modules with out=", True)):
+            load_kernels(build_stub_folder(Path(tmp) / label.split()[0], accepts_out))
+            results[label] = {}
+            for name, call in public_calls().items():
+                try:
+                    results[label][name] = time_us(call, args.calls, args.repeat)
+                except Exception as exc:  # one broken row must not hide the others
+                    print(f"{label}: {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                    results[label][name] = float("nan")
+    labels = list(results)
+    print(f"Python overhead per call, us (torch {torch.__version__}, kernel stubbed out)")
+    print(f"  {'call':42s}" + "".join(f"{label:>20s}" for label in labels))
+    for name in results[labels[0]]:
+        print(f"  {name:42s}" + "".join(f"{results[label][name]:20.1f}" for label in labels))
+
+
+if __name__ == "__main__":
+    main()
