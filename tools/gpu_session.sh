@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# One GPU call that runs named sections, each under its own time limit, so that a device call
+# (10 minutes at most) does everything it can and one hung section cannot take the others with
+# it. Logs and JSON land in OUT/work and come back packed as OUT/results.tgz (the device tool
+# returns at most 8 files); OUT/summary.txt has one line per section and is printed last.
+#
+# Usage on a CUDA machine, from the repository root:
+#   bash tools/gpu_session.sh OUT SECTION[:SECONDS] ...        (default 300 s a section)
+# Sections: check, safety, decode_tests, prefill_tests, integration_tests, cp_tests, host,
+#   bench_decode, bench_prefill, bench_model, cp_bench, backward_tests, bench_backward,
+#   ondemand_tests, cold_start; `tools/gpu_session.sh OUT list` prints each one's command.
+set -u -o pipefail
+out=${1:?usage: tools/gpu_session.sh OUT SECTION[:SECONDS] ...}
+shift
+work="$out/work"
+mkdir -p "$work"
+source tools/gpu_env.sh
+pytest_gpu="python3 -m pytest -m gpu -q -p no:cacheprovider"
+
+section_command() {
+  case "$1" in
+    check) echo "python3 -m attngen check examples/*.yaml" ;;
+    safety) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_safety_gpu.py \
+      && bash tools/gpu_api.sh $work/api" ;;
+    decode_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_decode_gpu.py" ;;
+    prefill_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_prefill_gpu.py" ;;
+    integration_tests) echo "$pytest_gpu tests/test_integration_gpu.py" ;;
+    cp_tests) echo "$pytest_gpu tests/test_context_parallel_gpu.py" ;;
+    host) echo "python3 tools/exp_host_overhead.py --out $work" ;;
+    bench_decode) echo "python3 tools/bench_decode.py --out $work" ;;
+    bench_prefill) echo "python3 tools/bench_prefill.py --out $work" ;;
+    bench_model) echo "python3 tools/bench_model.py --out $work" ;;
+    cp_bench) echo "python3 tools/bench_context_parallel.py --out $work" ;;
+    backward_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_backward_gpu.py" ;;
+    bench_backward) echo "python3 tools/bench_backward.py --out $work" ;;
+    ondemand_tests) echo "$pytest_gpu tests/test_on_demand_gpu.py" ;;
+    cold_start) echo "python3 tools/cold_start.py --out $work" ;;
+    *) return 1 ;;
+  esac
+}
+
+if [ "${1:-}" = list ]; then
+  for name in check safety decode_tests prefill_tests integration_tests cp_tests host \
+      bench_decode bench_prefill bench_model cp_bench backward_tests bench_backward \
+      ondemand_tests cold_start; do
+    printf '%-18s %s\n' "$name" "$(section_command "$name")"
+  done
+  exit 0
+fi
+
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+  date -u +%Y-%m-%dT%H:%M:%SZ
+  git log -1 --format='commit %H' 2>/dev/null || true
+} > "$work/env.txt" 2>&1
+summary="$out/summary.txt"
+: > "$summary"
+failed=0
+for item in "$@"; do
+  name=${item%%:*}
+  limit=${item#*:}
+  [ "$limit" = "$item" ] && limit=300
+  command=$(section_command "$name") || { echo "$name: unknown section" >> "$summary"; failed=1; continue; }
+  start=$(date +%s)
+  timeout -k 10 "$limit" bash -c "$command" > "$work/$name.log" 2>&1
+  rc=$?
+  [ $rc -ne 0 ] && failed=1
+  last=$(grep -v '^\s*$' "$work/$name.log" | tail -n 1 | cut -c1-150)
+  echo "$name rc=$rc $(( $(date +%s) - start ))s | $last" >> "$summary"
+done
+cp "$summary" "$work/summary.txt"
+tar czf "$out/results.tgz" -C "$work" .
+cat "$work/env.txt" "$summary"
+exit $failed
