@@ -13,8 +13,6 @@ set -u -o pipefail
 out=${1:?usage: tools/gpu_session.sh OUT SECTION[:SECONDS] ...}
 shift
 work="$out/work"
-mkdir -p "$work"
-source tools/gpu_env.sh
 pytest_gpu="python3 -m pytest -m gpu -q -p no:cacheprovider"
 
 section_command() {
@@ -48,6 +46,8 @@ if [ "${1:-}" = list ]; then
   exit 0
 fi
 
+mkdir -p "$work"
+source tools/gpu_env.sh
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
