@@ -58,20 +58,16 @@ def get_fallback() -> str:
 # ------------------------------------------------------------------------ the request
 
 
-_kernel_dtypes: dict[torch.dtype, Dtype | None] = {}
+# The torch dtype of each Dtype, derived from the one vocabulary once at import: a plain dict
+# lookup, which torch.compile traces (dynamo 2.11 cannot iterate an Enum class while tracing).
+_KERNEL_DTYPES: dict[torch.dtype, Dtype] = {getattr(torch, d.torch_name): d for d in Dtype}
 _cuda_archs: dict[int | None, str] = {}
 _interpreting = False  # CPU tensors were found served by Triton's interpreter (see arch_of)
 
 
 def kernel_dtype(dtype: torch.dtype) -> Dtype | None:
-    """Dtype.from_torch_name, remembered per torch dtype (None: no kernels for it)."""
-    if torch.compiler.is_compiling():  # dynamo folds this to a constant while tracing
-        return Dtype.from_torch_name(str(dtype))
-    try:
-        return _kernel_dtypes[dtype]
-    except KeyError:
-        found = _kernel_dtypes[dtype] = Dtype.from_torch_name(str(dtype))
-        return found
+    """The Dtype of a torch dtype (None: no kernels for it)."""
+    return _KERNEL_DTYPES.get(dtype)
 
 
 @torch.compiler.assume_constant_result
