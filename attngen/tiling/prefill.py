@@ -22,13 +22,17 @@ import dataclasses
 import itertools
 import math
 import textwrap
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
+from typing import Any
 
 import sympy
 
 from attngen.arch import ARCHS, GpuArch
 from attngen.spec import AttnSpec
+from attngen.tiling.evaluate import LazyText, active_formula, compiled, exact_value
+from attngen.tiling.evaluate import active_branch as active_branch
 
 BM, BN, D, DV, E, S, W = sympy.symbols("BLOCK_M BLOCK_N D DV E S W", positive=True, integer=True)
 # Wave quantization: H query heads x REFERENCE_TOKENS rows in BLOCK_M tiles, R programs
@@ -101,7 +105,7 @@ class Candidate:
 class Derivation:
     arch: str
     source: str  # "heuristic" now; "tuning" once a tuning database supplies the config
-    expressions: dict[str, str]
+    expressions: Mapping[str, str]
     constraints: tuple[str, ...]
     candidates: tuple[Candidate, ...]
     chosen: TileConfig | None
@@ -144,16 +148,6 @@ class Derivation:
         for line in lines:
             wrapped += textwrap.wrap(line, width, subsequent_indent="    ")
         return tuple(wrapped)
-
-
-def active_branch(expr: sympy.Expr, values: dict[sympy.Symbol, int]) -> sympy.Expr:
-    """The formula in force at `values`: every Piecewise replaced by its arm whose condition
-    holds there (the header shows this, not the whole case analysis)."""
-
-    def pick(piecewise: sympy.Piecewise) -> sympy.Expr:
-        return next(arm for arm, cond in piecewise.args if bool(cond.subs(values)))
-
-    return expr.replace(lambda e: isinstance(e, sympy.Piecewise), pick)
 
 
 @cache  # sympy builds it slowly; one per arch serves every derivation
@@ -267,6 +261,39 @@ def wave_expression() -> sympy.Expr:
     return waves / sympy.ceiling(waves)
 
 
+# The symbols the compiled model takes, in this order.
+MODEL_SYMBOLS = (BM, BN, S, W, D, DV, E)
+
+
+def numeric_model(arch: GpuArch, tma: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """(shared memory, registers per thread) as Python functions of MODEL_SYMBOLS' values,
+    compiled once per arch (evaluate.py); the same numbers as substituting into the sympy
+    expressions."""
+    return (compiled(smem_expression(arch, tma), MODEL_SYMBOLS),
+            compiled(regs_expression(arch), MODEL_SYMBOLS))
+
+
+@cache
+def exact_waves(heads: int, sm_count: int, block_m: int, per_sm: int) -> sympy.Expr:
+    """wave_expression at these values, exactly."""
+    return exact_value(wave_expression(), {H: heads, SMS: sm_count, BM: block_m, R: per_sm})
+
+
+@cache
+def exact_score(block_m: int, block_n: int, stages: int) -> sympy.Expr:
+    """score_expression at these values, exactly."""
+    return exact_value(score_expression(), {BM: block_m, BN: block_n, S: stages})
+
+
+def tma_strides_aligned(spec: AttnSpec) -> bool:
+    """Whether K/V of the spec's head dims can be TMA loads at all: a tensor descriptor needs
+    16-byte aligned strides, and a contiguous [B, H, N, D] tensor's row stride is D elements,
+    so D * itemsize (and DV * itemsize) must be a multiple of 16. Other head dims (59, 111 in
+    fp16, any odd one) always use pointer loads, and the model counts no TMA barriers."""
+    size = spec.dtype.itemsize
+    return spec.head_dim * size % 16 == 0 and spec.value_head_dim * size % 16 == 0
+
+
 def constraint_labels(arch: GpuArch) -> tuple[str, ...]:
     return (
         f"smem: shared memory <= {arch.smem_budget} B (the opt-in limit per block on "
@@ -288,18 +315,18 @@ def padded_head_dim(head_dim: int) -> int:
 @cache
 def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
     arch = ARCHS[arch_name]
-    values = {D: padded_head_dim(spec.head_dim), DV: padded_head_dim(spec.value_head_dim),
-              E: spec.dtype.itemsize}
-    smem_f = sympy.lambdify((BM, BN, S), smem_expression(arch).subs(values))
-    regs_f = sympy.lambdify((BM, BN, S, W), regs_expression(arch).subs(values))
-    score_f = sympy.lambdify((BM, BN, S), score_expression().subs(values), modules="sympy")
+    tma = arch.has_tma and tma_strides_aligned(spec)
+    d, dv, e = padded_head_dim(spec.head_dim), padded_head_dim(spec.value_head_dim), (
+        spec.dtype.itemsize)
+    values = {D: d, DV: dv, E: e}
+    smem_f, regs_f = numeric_model(arch, tma)
     waves_at = {H: spec.num_q_heads, SMS: arch.sm_count}
-    waves_f = sympy.lambdify((BM, R), wave_expression().subs(waves_at), modules="sympy")
     candidates = []
     for bm, bn, w, s in itertools.product(BLOCK_M_CHOICES, BLOCK_N_CHOICES, NUM_WARPS_CHOICES,
                                           NUM_STAGES_CHOICES):
         config = TileConfig(bm, bn, w, s)
-        smem, regs = int(smem_f(bm, bn, s)), int(math.ceil(regs_f(bm, bn, s, w)))
+        smem = int(smem_f(bm, bn, s, w, d, dv, e))
+        regs = int(math.ceil(regs_f(bm, bn, s, w, d, dv, e)))
         reasons = []
         if smem > arch.smem_budget:
             reasons.append(f"smem {smem} B > {arch.smem_budget} B")
@@ -317,24 +344,27 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
         occupancy = min(1.0, per_sm * w / 8)  # 8 resident warps hide most latency
         score = waves = 0.0
         if not reasons:
-            waves = float(waves_f(bm, per_sm))
-            score = float(score_f(bm, bn, s)) * occupancy * waves
+            waves = float(exact_waves(spec.num_q_heads, arch.sm_count, bm, per_sm))
+            score = float(exact_score(bm, bn, s)) * occupancy * waves
         candidates.append(Candidate(config, smem, regs, per_sm, round(score, 6), tuple(reasons),
                                     regs_predictive=spec.dtype.itemsize != 4,
                                     wave_efficiency=round(waves, 4)))
     derivation = Derivation(
         arch=arch_name,
         source="heuristic",
-        # The formulas with this spec's dtype and head dims substituted: what explain prints.
-        expressions={"smem": str(smem_expression(arch).subs(values)),
-                     "regs": str(regs_expression(arch).subs(values)),
-                     "score": str(score_expression()),
-                     "waves": str(wave_expression().subs(waves_at))},
+        # The formulas with this spec's dtype and head dims substituted: what explain prints
+        # (sympy takes a while to simplify them, so only when read).
+        expressions=LazyText(lambda: {
+            "smem": str(smem_expression(arch, tma).subs(values)),
+            "regs": str(regs_expression(arch).subs(values)),
+            "score": str(score_expression()),
+            "waves": str(wave_expression().subs(waves_at))}),
         constraints=constraint_labels(arch),
         candidates=tuple(candidates),
         chosen=None,
         binding="nothing fits",
         dims={str(symbol): value for symbol, value in {**values, **waves_at}.items()},
+        tma=tma,
     )
     feasible = [c for c in candidates if c.feasible]
     if not feasible:
@@ -355,15 +385,15 @@ def choose(derivation: Derivation, config: TileConfig, source: str) -> Derivatio
           BM: config.block_m, BN: config.block_n, S: config.num_stages, W: config.num_warps}
     worked = {}
     if "H" in derivation.dims:  # prefill's reference problem (decode has its own split rule)
-        waves = wave_expression().subs({H: derivation.dims["H"], SMS: derivation.dims["SMS"],
-                                        BM: config.block_m, R: candidate.programs_per_sm})
+        waves = exact_waves(derivation.dims["H"], derivation.dims["SMS"], config.block_m,
+                            candidate.programs_per_sm)
         worked["waves"] = (f"{waves} = {float(waves):.3f} ({derivation.dims['H']} heads x "
                            f"{REFERENCE_TOKENS} tokens / {config.block_m} rows per program "
                            f"over {derivation.dims['SMS']} SMs x {candidate.programs_per_sm} "
                            "per SM)")
     worked |= {
-        "smem": str(active_branch(smem_expression(arch, derivation.tma), at)),
-        "regs": str(active_branch(regs_expression(arch), at)),
+        "smem": active_formula(smem_expression(arch, derivation.tma), at),
+        "regs": active_formula(regs_expression(arch), at),
         "values": ", ".join(f"{symbol}={at[symbol]}" for symbol in (BM, BN, D, DV, E, S, W)),
     }
     return dataclasses.replace(derivation, chosen=config, source=source,
