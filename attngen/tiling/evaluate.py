@@ -22,13 +22,15 @@ import sympy
 @cache
 def compiled(expr: sympy.Expr, symbols: tuple[sympy.Symbol, ...]) -> Callable[..., Any]:
     """`expr` as a Python function of `symbols`, in floats (the math module)."""
-    return sympy.lambdify(symbols, expr, modules="math")
+    function: Callable[..., Any] = sympy.lambdify(symbols, expr, modules="math")
+    return function
 
 
 def exact_value(expr: sympy.Expr, values: dict[sympy.Symbol, int]) -> sympy.Expr:
     """`expr` with every symbol replaced by an integer: an exact sympy number (xreplace skips
     the pattern matching of subs, so this takes a fraction of a millisecond)."""
-    return expr.xreplace({symbol: sympy.Integer(value) for symbol, value in values.items()})
+    value: sympy.Expr = expr.xreplace({s: sympy.Integer(v) for s, v in values.items()})
+    return value
 
 
 def _piecewise_nodes(expr: sympy.Expr) -> tuple[sympy.Piecewise, ...]:
