@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 _RUNTIME = frozenset({
     "scaled_dot_product_attention", "flash_attn_func", "flash_attn_varlen_func",
     "flash_attn_with_kvcache", "register_transformers", "last_dispatch", "dispatch_log",
-    "load_kernels", "set_fallback", "NoKernelError",
+    "load_kernels", "set_fallback", "NoKernelError", "configure", "loaded_kernels",
 })
 
 

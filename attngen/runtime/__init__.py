@@ -1,6 +1,9 @@
 """The runtime: generated kernels in real models (torch; never imported by the build path).
 
-    registry.py   which generated modules exist (index.json), imported by file path
+    registry.py   which generated modules exist (index.json; folders, the on-demand cache,
+                  the bundled generated/), imported by file path; configure()
+    kernel_cache.py  the on-demand settings and the cache's folders (plain Python)
+    ondemand.py   the module a call needs: its spec, rendered and cached (plain Python)
     integrity.py  a module runs only if its bytes and constants match its index entry
     devices.py    the device's arch; CPU needs Triton's interpreter, bf16 correct math there
     selection.py  Need, Dispatch, and which module serves a Need (plain Python, no torch)
@@ -31,15 +34,20 @@ from attngen.runtime.ops import reset_run_counts, run_counts
 from attngen.runtime.records import dispatch_log, last_dispatch
 from attngen.runtime.registry import (
     KernelEntry,
+    LoadedKernel,
     Registry,
     RegistryError,
+    configure,
     current_registry,
     load_kernels,
+    loaded_kernels,
+    use_registry,
 )
 from attngen.runtime.selection import Dispatch, Need, NoKernelError
 
 __all__ = [
-    "Dispatch", "KernelEntry", "Need", "NoKernelError", "Registry", "RegistryError",
+    "Dispatch", "KernelEntry", "LoadedKernel", "Need", "NoKernelError", "Registry",
+    "RegistryError", "configure", "loaded_kernels", "use_registry",
     "dispatch_log", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
     "current_registry", "get_fallback", "last_dispatch", "load_kernels", "register_transformers",
     "reset_run_counts", "run_counts", "scaled_dot_product_attention", "set_fallback",

@@ -135,4 +135,4 @@ def _decode_module(q, v_cache, mask, window, softcap, alibi_slopes, seqlen_q, ca
                     window=window, softcap=softcap, alibi=alibi_slopes is not None,
                     seqlen_q=seqlen_q, seqlen_k=capacity, same_lengths=False,
                     kv_layout=layout, page_size=page_size)
-    return probe("flash_attn_with_kvcache", need)
+    return probe("flash_attn_with_kvcache", need, (q.shape[2], v_cache.shape[2]))
