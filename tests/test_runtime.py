@@ -191,7 +191,7 @@ def test_flash_attn_with_kvcache_contiguous_and_paged(toy_kernels):
     # the pages hold what the contiguous cache holds, NaN tails included
     torch.testing.assert_close(k_pages[order].reshape(2, 12, 2, 16), k_cache, rtol=0, atol=0,
                                equal_nan=True)
-    with pytest.raises(ValueError, match="rotary_cos: not supported"):
+    with pytest.raises(ValueError, match="rotary_sin: pass rotary_cos and rotary_sin together"):
         attngen.flash_attn_with_kvcache(q, k_cache, v_cache, rotary_cos=torch.ones(1))
 
 
