@@ -66,8 +66,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _append(k_cache, v_cache, k, v, cache_seqlens, block_table, options.batch_idx)
     if paged:  # only without a decode module, which reads the pages in place
         k_cache, v_cache = k_cache[block_table.long()], v_cache[block_table.long()]
-    keys = k_cache.reshape(batch * capacity, *k_cache.shape[-2:])
-    values = v_cache.reshape(batch * capacity, *v_cache.shape[-2:])
+    keys = k_cache.reshape(-1, *k_cache.shape[-2:])  # rows of B (or cache_batch_idx) x L
+    values = v_cache.reshape(-1, *v_cache.shape[-2:])
     steps = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
     starts_k, used_k = key_layout(options, steps, capacity, cache_seqlens + new)
     out, lse = run_varlen(

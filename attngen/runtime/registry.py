@@ -81,9 +81,13 @@ class Registry:
     the dispatcher's prefiltered lists) is cached on the Registry itself, so a thread still
     holding a replaced registry can only ever fill that registry's caches."""
 
-    def __init__(self, folders: list[Path], entries: list[KernelEntry]):
+    def __init__(self, folders: list[Path], entries: list[KernelEntry],
+                 layers: tuple[list[Path], bool] | None = None):
         self.folders = folders
         self.entries = entries
+        # (explicit folders, whether generated/ is the last layer): what reload_kernels and
+        # use_registry restore; None for a registry made by hand (its folders, all explicit)
+        self.layers = layers if layers is not None else (list(folders), False)
         self._by_key = {entry.key: entry for entry in entries}
         self._modules: dict[str, ModuleType] = {}
         self._matching: dict[tuple, list[KernelEntry]] = {}
@@ -242,8 +246,11 @@ def _set_current(registry: Registry) -> None:
 
 
 def use_registry(registry: Registry) -> Registry:
-    """Make a registry (one current_registry() returned earlier) the one in use again."""
+    """Make a registry (one current_registry() returned earlier) the one in use again, with
+    its layers (what load_kernels adds to next)."""
+    global _explicit, _bundled
     with _current_lock:
+        _explicit, _bundled = list(registry.layers[0]), registry.layers[1]
         _set_current(registry)
     return registry
 
@@ -295,7 +302,7 @@ def _assemble(explicit: list[Path], bundled: bool) -> Registry:
                 raise
             # A cache index that does not parse is rebuilt by the next on-demand build
             # (ondemand.py); until then its folder serves nothing.
-    return Registry([folder.resolve() for folder, _ in layers], entries)
+    return Registry([folder.resolve() for folder, _ in layers], entries, (explicit, bundled))
 
 
 def _folder_list(folders: list[Path]) -> str:
