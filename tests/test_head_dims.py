@@ -8,7 +8,8 @@ import pytest
 
 from attngen.spec import KernelKind, module_name
 from attngen.tiling.code_paths import code_paths
-from attngen.tiling.prefill import derive_tiles, padded_head_dim, tma_strides_aligned
+from attngen.tiling.prefill import derive_tiles, padded_head_dim
+from attngen.tiling.rows import tma_strides_aligned
 from tests.decode_harness import (
     decode_problems,
     load_decode,
@@ -73,6 +74,12 @@ def test_tma_only_for_rows_of_16_byte_multiples():
     # the model leaves the TMA barriers out where the kernel has no TMA loads
     assert not derive_tiles(odd, "sm90").tma and derive_tiles(even, "sm90").tma
     assert derive_tiles(odd, "sm90").dims["D"] == padded_head_dim(59) == 64
+    # rows that are not 16-element aligned are read element by element, unbuffered: a stage
+    # more costs no shared memory (measured: tests/test_verify_tiling.py)
+    by_stages = {c.config.num_stages: c.smem_bytes for c in derive_tiles(odd, "sm80").candidates
+                 if (c.config.block_m, c.config.block_n, c.config.num_warps) == (64, 64, 4)}
+    assert len(set(by_stages.values())) == 1 and not derive_tiles(odd, "sm80").pipelined
+    assert derive_tiles(make_spec(head_dim=64), "sm80").pipelined
     assert padded_head_dim(1) == 16 and padded_head_dim(129) == 256
 
 

@@ -8,10 +8,12 @@ a call would, and runs each once on small inputs of the spec's head counts so th
 compiles it. Triton keeps compiled kernels in its cache (~/.triton/cache, or
 $TRITON_CACHE_DIR), so a later process loads them instead of compiling again.
 
-Triton specializes a kernel on whether its integer arguments are multiples of 16, so the
-inputs have 128 and then 127 tokens: the specializations of lengths that are and are not
-multiples of 16. Under Triton's interpreter (CPU tensors) nothing is compiled: the modules
-are built and imported, and each runs once (fp16 and fp32; bf16 is refused there).
+Triton specializes a kernel on whether its integer arguments (lengths and strides) are
+multiples of 16, so the inputs have 128 and then 127 tokens, and a prefill kernel runs on
+[B, H, N, D] tensors (SDPA's and transformers' layout) and on [B, N, H, D] ones
+(flash-attn's): the specializations calls in those layouts meet. Under Triton's interpreter
+(CPU tensors) nothing is compiled: the modules are built and imported, and each runs once
+(fp16 and fp32; bf16 is refused there).
 """
 
 from __future__ import annotations
@@ -123,6 +125,9 @@ def _run(module: Any, spec: AttnSpec, kind: KernelKind, device: torch.device) ->
         if kind is KernelKind.prefill:
             module.attention(rand(1, heads_q, n, d), rand(1, heads_kv, n, d),
                              rand(1, heads_kv, n, dv), alibi_slopes=slopes)
+            module.attention(rand(1, n, heads_q, d).transpose(1, 2),
+                             rand(1, n, heads_kv, d).transpose(1, 2),
+                             rand(1, n, heads_kv, dv).transpose(1, 2), alibi_slopes=slopes)
         else:
             cu = torch.tensor([0, n], dtype=torch.int32, device=device)
             module.attention_varlen(rand(n, heads_q, d), rand(n, heads_kv, d),

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from attngen.arch import ARCHS
 from attngen.spec import AttnSpec, KernelKind
-from attngen.tiling.prefill import TMA_MASKED_MAX_HEAD_DIM, tma_strides_aligned
+from attngen.tiling.prefill import TMA_MASKED_MAX_HEAD_DIM
+from attngen.tiling.rows import tma_strides_aligned
 
 # Causal prefill modules on Hopper with a head dim above LPT_ABOVE_HEAD_DIM schedule
 # LPT_GROUP_HEADS heads at a time longest-processing-time first: the heaviest query block of
