@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from attngen.build import BuildError
 from attngen.runtime import kernel_cache
 from attngen.runtime.devices import device_arch, device_problem
 from attngen.runtime.records import record
@@ -214,6 +213,7 @@ def build_on_demand(need: Need, heads: tuple[int, int] | None, registry: Registr
     if not kernel_cache.settings().on_demand:
         return None, False, ("On-demand builds are off (attngen.configure(on_demand=False) "
                              f"or {kernel_cache.ENV_ON_DEMAND}=0).")
+    from attngen.build import BuildError  # the build path (sympy, jinja): on first build only
     from attngen.runtime import ondemand
 
     try:
