@@ -202,3 +202,17 @@ def test_a_call_no_spec_states_is_refused_with_the_reason(on_demand):  # noqa: F
     q = torch.randn(1, 4, 2, 300).half()
     with pytest.raises(attngen.NoKernelError, match=r"Not built on demand: head_dim: got 300"):
         attngen.flash_attn_func(q, q, q)
+
+
+def test_warmup_builds_what_a_config_needs_so_the_first_call_renders_nothing(on_demand):  # noqa: F811
+    config = {"model_type": "llama", "num_attention_heads": 6, "num_key_value_heads": 2,
+              "hidden_size": 354, "head_dim": 59, "torch_dtype": "float16",
+              "num_hidden_layers": 2}
+    warmed = attngen.warmup(config)
+    assert [(w.kind, w.source, w.built, w.ran) for w in warmed] == [
+        ("prefill", "cache", True, True), ("varlen", "cache", True, True)]
+    renders = ondemand.render_count()
+    q, k, v = (torch.randn(1, 9, h, 59).half() for h in (6, 2, 2))
+    attngen.flash_attn_func(q, k, v, causal=True)
+    assert attngen.last_dispatch().module == warmed[0].module
+    assert ondemand.render_count() == renders

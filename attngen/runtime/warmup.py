@@ -8,12 +8,15 @@ a call would, and runs each once on small inputs of the spec's head counts so th
 compiles it. Triton keeps compiled kernels in its cache (~/.triton/cache, or
 $TRITON_CACHE_DIR), so a later process loads them instead of compiling again.
 
-Triton specializes a kernel on whether its integer arguments (lengths and strides) are
-multiples of 16, so the inputs have 128 and then 127 tokens, and a prefill kernel runs on
-[B, H, N, D] tensors (SDPA's and transformers' layout) and on [B, N, H, D] ones
-(flash-attn's): the specializations calls in those layouts meet. Under Triton's interpreter
-(CPU tensors) nothing is compiled: the modules are built and imported, and each runs once
-(fp16 and fp32; bf16 is refused there).
+Triton specializes a kernel on whether each integer argument (lengths, strides, the number
+of query blocks) is a multiple of 16, so on a GPU the inputs have 2048 and then 2047 tokens
+(lengths that are and are not multiples of 16, with a multiple of 16 query blocks for every
+BLOCK_M), and a prefill kernel runs on [B, H, N, D] tensors (SDPA's and transformers' layout)
+and on [B, N, H, D] ones (flash-attn's). A call whose lengths fall in another specialization
+(1000 tokens in 8 query blocks of 128, say) still compiles that variant on first use; telling
+Triton not to specialize the length arguments (`do_not_specialize` in the templates) would end
+that. Under Triton's interpreter (CPU tensors) nothing is compiled: the modules are built and
+imported, and each runs once, on 16 tokens (fp16 and fp32; bf16 is refused there).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from attngen.runtime.registry import current_registry
 from attngen.runtime.selection import Need
 from attngen.spec import AttnSpec, Dtype, KernelKind, KvLayout, SpecError, load_spec_file
 
-LENGTHS = (128, 127)  # a multiple of 16 and not: Triton's two specializations of a length
+LENGTHS = (2048, 2047)  # a multiple of 16 and not (module docstring)
+INTERPRETED_LENGTHS = (16,)  # nothing compiles under the interpreter: one small run
 DECODE_CACHE = 256  # keys of the cache a decode kernel is warmed on
 
 
@@ -121,7 +125,7 @@ def _run(module: Any, spec: AttnSpec, kind: KernelKind, device: torch.device) ->
     if kind is KernelKind.decode:
         _run_decode(module, spec, rand, slopes, device)
         return
-    for n in LENGTHS:
+    for n in LENGTHS if device.type == "cuda" else INTERPRETED_LENGTHS:
         if kind is KernelKind.prefill:
             module.attention(rand(1, heads_q, n, d), rand(1, heads_kv, n, d),
                              rand(1, heads_kv, n, dv), alibi_slopes=slopes)
