@@ -14,7 +14,6 @@ import ast
 import hashlib
 from functools import cache
 from importlib import resources
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jinja2
@@ -49,25 +48,8 @@ def template_dir() -> Traversable:
     return resources.files("attngen").joinpath("templates")
 
 
-_bytecode_folder: Path | None = None
-
-
-def use_bytecode_cache(folder: Path | None) -> None:
-    """Keep Jinja's compiled templates in `folder` (None: in memory only), so a process
-    renders its first module without compiling the templates again (about 25-50 ms of a
-    kernel built on demand; jinja2 checks each entry against the template's source)."""
-    global _bytecode_folder
-    if folder != _bytecode_folder:
-        _bytecode_folder = folder
-        _environment.cache_clear()
-
-
 @cache
 def _environment() -> jinja2.Environment:
-    bytecode = None
-    if _bytecode_folder is not None:
-        _bytecode_folder.mkdir(parents=True, exist_ok=True)
-        bytecode = jinja2.FileSystemBytecodeCache(str(_bytecode_folder))
     return jinja2.Environment(
         loader=jinja2.PackageLoader("attngen", "templates"),
         undefined=jinja2.StrictUndefined,
@@ -75,7 +57,6 @@ def _environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
         keep_trailing_newline=True,
-        bytecode_cache=bytecode,
     )
 
 

@@ -43,7 +43,6 @@ from typing import Any
 
 from attngen.build import Artifact, BuildError, plan_build, read_index, write_build
 from attngen.files import locked
-from attngen.render import use_bytecode_cache
 from attngen.runtime import kernel_cache
 from attngen.runtime.registry import RANK_STRIDE, SOURCES, KernelEntry, Registry
 from attngen.runtime.selection import INTERPRETER, Need
@@ -177,7 +176,6 @@ def _valid_item(folder: Path, relative: str, spec: AttnSpec, kind: KernelKind
 
 def _render(spec: AttnSpec, kind: KernelKind, arch: str) -> Artifact:
     global _renders
-    use_bytecode_cache(kernel_cache.settings().cache_root / "templates")
     try:
         (artifact,) = plan_build([spec], kernel_cache.tuning_dir())
     except TuningError as exc:
