@@ -9,17 +9,15 @@ index is merged under a file lock: entries of modules built from other specs sta
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from attngen import __version__
-from attngen.files import write_if_different
+from attngen.files import locked, write_if_different
 from attngen.render import render_module
 from attngen.spec import AttnSpec, KernelKind, SpecError, load_spec_file, module_name
 from attngen.tiling.alternatives import nearest_alternative
@@ -110,7 +108,7 @@ def write_build(artifacts: list[Artifact], out_dir: str | Path) -> list[str]:
         target = _confined(out, artifact.relative_path)
         if write_if_different(target, artifact.source):
             changed.append(artifact.relative_path)
-    with _locked(out / ".index.lock"):
+    with locked(out / ".index.lock"):
         entries = {entry["path"]: entry for entry in read_index(out)}
         entries = {path: e for path, e in entries.items() if (out / path).is_file()}
         entries.update({artifact.relative_path: artifact.entry for artifact in artifacts})
@@ -180,13 +178,3 @@ def _confined(out: Path, relative_path: str) -> Path:
     if not target.is_relative_to(out.resolve()):  # pragma: no cover - names are validated
         raise BuildError(f"{relative_path}: escapes the output folder {out}")
     return target
-
-
-@contextlib.contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    with open(lock_path, "a+b") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -3,14 +3,17 @@
 A write goes to a temporary file in the target's folder, is flushed to disk, then replaces the
 target with os.replace, so a reader (or a crash) never sees half a file; a target that already
 holds exactly the new bytes is left alone, so rebuilding is idempotent and leaves timestamps
-as they were.
+as they were. `locked` holds an exclusive lock file while a block runs (the index merge, a
+module built on demand), across threads and processes alike.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -35,3 +38,16 @@ def write_if_different(path: Path, text: str) -> bool:
             os.unlink(tmp)
         raise
     return True
+
+
+@contextlib.contextmanager
+def locked(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `lock_path` (created if missing) for the block. Each call
+    opens the file anew, so two threads of one process exclude each other as two processes
+    do."""
+    with open(lock_path, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

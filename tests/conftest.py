@@ -8,6 +8,7 @@ CUDA (the H200 run, `pytest -m gpu`), the interpreter stays off.
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
@@ -17,6 +18,13 @@ try:  # torch is a test dependency; the build-path tests would run without it
     HAS_CUDA = torch.cuda.is_available()
 except ImportError:  # pragma: no cover
     HAS_CUDA = False
+
+# On-demand builds (attngen/runtime/ondemand.py) are off for the suite: the runtime tests
+# assert which loaded module serves a call, or that none does. The tests of on-demand builds
+# (tests/ondemand_harness.py) turn them on for themselves, with a cache in a temporary folder;
+# nothing is written to the user's cache.
+os.environ["ATTNGEN_ON_DEMAND"] = "0"
+os.environ["ATTNGEN_CACHE"] = tempfile.mkdtemp(prefix="attngen-test-cache-")
 
 if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"

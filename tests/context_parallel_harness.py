@@ -95,7 +95,7 @@ def worker(rank: int, world: int, port: int, folder: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    load_kernels(Path(folder))
+    load_kernels(Path(folder), replace=True)
     try:
         groups = [(None, list(range(world)))]
         if world == 3:

@@ -51,7 +51,7 @@ def toy_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def toy_kernels(toy_folder: Path):
     """The toy kernels as the registry in use, for one test."""
     saved = registry_module._current
-    yield load_kernels(toy_folder)
+    yield load_kernels(toy_folder, replace=True)
     registry_module._current = saved
 
 

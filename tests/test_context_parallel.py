@@ -281,7 +281,7 @@ def single_group(cp_folder):
     from attngen.runtime.registry import load_kernels
 
     saved = registry_module._current
-    load_kernels(cp_folder)
+    load_kernels(cp_folder, replace=True)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()

@@ -68,7 +68,7 @@ def one_rank(llama_folder):
     from attngen.runtime.registry import load_kernels
 
     saved = registry_module._current
-    load_kernels(llama_folder)
+    load_kernels(llama_folder, replace=True)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
@@ -124,7 +124,7 @@ def two_gpu_worker(rank: int, port: int, folder: str, out_dir: str, seq_len: int
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, device_id=torch.device("cuda", rank))
-    load_kernels(Path(folder))
+    load_kernels(Path(folder), replace=True)
     q, k, v = llama_inputs(seq_len, "cuda", seed=3)
     shards = [shard_sequence(t, 2, rank, layout="zigzag") for t in (q, k, v)]
     report = {}

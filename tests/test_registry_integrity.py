@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from attngen.build import INDEX_NAME, plan_build, read_index, write_build
 from attngen.cli import app
-from attngen.runtime.registry import RegistryError, current_registry, load_kernels
+from attngen.runtime.registry import RegistryError, current_registry, load_kernels, use_registry
 from attngen.spec import specs_from_data
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,7 +28,7 @@ def _build(folder: Path, *specs: dict) -> Path:
 
 
 def _module_of(folder: Path):
-    registry = load_kernels(folder)
+    registry = load_kernels(folder, replace=True)
     return registry.module(str((folder / MODULE).resolve()))
 
 
@@ -36,7 +36,7 @@ def _module_of(folder: Path):
 def restore_registry():
     saved = current_registry()
     yield
-    load_kernels(*saved.folders)
+    use_registry(saved)
 
 
 def test_every_generated_module_has_its_sha256_in_the_index():
@@ -76,7 +76,7 @@ def test_an_index_without_hashes_is_refused_at_load(tmp_path, restore_registry):
     del index["modules"][0]["sha256"]
     (folder / INDEX_NAME).write_text(json.dumps(index))
     with pytest.raises(RegistryError, match=r"has no sha256 .* rebuild the folder"):
-        load_kernels(folder)
+        load_kernels(folder, replace=True)
 
 
 def test_check_reports_modules_no_given_spec_produces(tmp_path):

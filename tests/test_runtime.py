@@ -13,7 +13,7 @@ import torch
 import attngen
 from attngen.reference import compare_to_reference
 from attngen.runtime import ops
-from attngen.runtime.registry import current_registry, load_kernels
+from attngen.runtime.registry import current_registry, load_kernels, use_registry
 from tests.kernel_harness import make_spec
 from tests.runtime_harness import build_fake_decode, build_folder
 from tests.test_varlen_properties import assert_each_sequence_matches, cu_seqlens
@@ -191,14 +191,14 @@ def test_flash_attn_with_kvcache_contiguous_and_paged(toy_kernels):
     # the pages hold what the contiguous cache holds, NaN tails included
     torch.testing.assert_close(k_pages[order].reshape(2, 12, 2, 16), k_cache, rtol=0, atol=0,
                                equal_nan=True)
-    with pytest.raises(ValueError, match="rotary_cos: not supported"):
+    with pytest.raises(ValueError, match="rotary_sin: pass rotary_cos and rotary_sin together"):
         attngen.flash_attn_with_kvcache(q, k_cache, v_cache, rotary_cos=torch.ones(1))
 
 
 def test_kvcache_routes_to_a_decode_module_when_one_serves(toy_folder, tmp_path):
     saved = current_registry()
     try:
-        load_kernels(toy_folder, build_fake_decode(tmp_path / "decode"))
+        load_kernels(toy_folder, build_fake_decode(tmp_path / "decode"), replace=True)
         entries = current_registry().entries
         module = current_registry().module(next(e.key for e in entries if e.kind == "decode"))
         q, k_cache, v_cache, k_new, v_new, seqlens = _cache_case()
@@ -209,7 +209,7 @@ def test_kvcache_routes_to_a_decode_module_when_one_serves(toy_folder, tmp_path)
         assert module.CALLS == [torch.Size([2, 4, 2, 16])]  # [B, HQ, Nq, D], per the contract
         _check_cache_result(out, lse, q, k_cache, v_cache, k_new, v_new, seqlens)
     finally:
-        load_kernels(*saved.folders)
+        use_registry(saved)
 
 
 def test_kvcache_runs_the_generated_decode_kernels(tmp_path):
@@ -224,7 +224,7 @@ def test_kvcache_runs_the_generated_decode_kernels(tmp_path):
         {**decode, "name": "toy_pages", "kv_layout": "paged", "page_size": 4}])
     saved = current_registry()
     try:
-        load_kernels(folder)
+        load_kernels(folder, replace=True)
         q, k_cache, v_cache, k_new, v_new, seqlens = _cache_case()
         out, lse = attngen.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
                                                    cache_seqlens=seqlens, causal=True,
@@ -243,7 +243,7 @@ def test_kvcache_runs_the_generated_decode_kernels(tmp_path):
         _check_cache_result(paged, paged_lse, q, k_pages[order].reshape(2, 12, 2, 16),
                             v_pages[order].reshape(2, 12, 2, 16), k_new, v_new, seqlens)
     finally:
-        load_kernels(*saved.folders)
+        use_registry(saved)
 
 
 def test_ops_count_runs_and_compile_fullgraph(toy_kernels):

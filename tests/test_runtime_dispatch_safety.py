@@ -13,7 +13,7 @@ import attngen
 from attngen.reference import compare_to_reference
 from attngen.runtime import dispatch
 from attngen.runtime import registry as registry_module
-from attngen.runtime.registry import Registry, current_registry, load_kernels
+from attngen.runtime.registry import Registry, current_registry, load_kernels, use_registry
 from attngen.runtime.selection import INTERPRETER, Need
 from attngen.spec import CausalAlign, Dtype, KernelKind, Mask
 from tests.kernel_harness import make_spec
@@ -51,7 +51,7 @@ def test_one_query_token_without_causal_runs_on_the_causal_decode_kernel(toy_fol
     the end of the sequence, so causal (bottom-right) hides nothing from it."""
     saved = current_registry()
     try:
-        load_kernels(toy_folder, build_fake_decode(tmp_path / "decode"))
+        load_kernels(toy_folder, build_fake_decode(tmp_path / "decode"), replace=True)
         q, k_cache, v_cache, k_new, v_new, seqlens = _cache_case()
         q, k_new, v_new = q[:, :1], k_new[:, :1], v_new[:, :1]
         out, lse = attngen.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
@@ -68,7 +68,7 @@ def test_one_query_token_without_causal_runs_on_the_causal_decode_kernel(toy_fol
         with pytest.raises(attngen.NoKernelError, match="mask: needs none"):
             attngen.flash_attn_with_kvcache(q2, k_cache, v_cache, cache_seqlens=seqlens)
     finally:
-        load_kernels(*saved.folders)
+        use_registry(saved)
 
 
 def test_one_query_token_without_causal_on_the_varlen_route(toy_kernels):
@@ -112,7 +112,7 @@ def test_a_thread_on_the_replaced_registry_never_fills_the_new_ones_cache(toy_fo
     chosen = {}
 
     def thread_b():
-        load_kernels(other)
+        load_kernels(other, replace=True)
         chosen["b"] = dispatch.select("test", need).module
 
     def swap():
@@ -121,7 +121,7 @@ def test_a_thread_on_the_replaced_registry_never_fills_the_new_ones_cache(toy_fo
         worker.join()
 
     try:
-        old = load_kernels(toy_folder)
+        old = load_kernels(toy_folder, replace=True)
         entries = [replace(e, spec=_SwapDuringScan(e.spec, swap)) if i == 0 else e
                    for i, e in enumerate(old.entries)]
         registry_module._current = Registry(old.folders, entries)
@@ -140,7 +140,7 @@ def test_a_key_from_a_replaced_registry_is_refused(toy_kernels, tmp_path):
     key = attngen.last_dispatch().key
     load_kernels(build_folder(tmp_path / "other", [dict(
         name="other", dtype="fp32", head_dim=16, num_q_heads=4, num_kv_heads=2,
-        mask="causal", causal_align="bottom_right", kernels=["prefill"])]))
+        mask="causal", causal_align="bottom_right", kernels=["prefill"])]), replace=True)
     with pytest.raises(attngen.runtime.RegistryError, match="not among the kernels loaded now"):
         attngen.runtime.ops.prefill(key, q, k, v, 0.25, None, False)
 

@@ -18,7 +18,7 @@ from attngen.runtime import dispatch, ops
 from attngen.runtime.arguments import flash_mask
 from attngen.runtime.hf import attngen_attention
 from attngen.runtime.masks import visible
-from attngen.runtime.registry import current_registry, load_kernels
+from attngen.runtime.registry import current_registry, load_kernels, use_registry
 from attngen.spec import Mask
 from tests.kernel_harness import make_spec
 from tests.runtime_harness import build_folder, build_stand_ins
@@ -33,8 +33,8 @@ def out_modules(tmp_path):
     """Stand-in prefill and decode modules that take out= (ACCEPTS_OUT), as the registry."""
     saved = current_registry()
     yield load_kernels(build_stand_ins(tmp_path / "out", ("prefill", "decode"),
-                                       accepts_out=True))
-    load_kernels(*saved.folders)
+                                       accepts_out=True), replace=True)
+    use_registry(saved)
 
 
 def flash_qkv(batch, seqlen_q, seqlen_k, seed=0):
@@ -99,7 +99,7 @@ def test_kvcache_decode_output_in_place_or_a_view(out_modules, tmp_path):
     assert out.shape == (2, 2, 4, 16) and out.is_contiguous()
     assert module_of(chosen).WROTE == [out.data_ptr()]
     # A decode module without out=: the output is a view of its [B, HQ, Nq, DV] result.
-    load_kernels(build_stand_ins(tmp_path / "plain", ("decode",)))
+    load_kernels(build_stand_ins(tmp_path / "plain", ("decode",)), replace=True)
     q, k_cache, v_cache, k_new, v_new, seqlens = _cache_case()
     view = attngen.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
                                            cache_seqlens=seqlens, causal=True)
@@ -204,12 +204,12 @@ def test_a_replaced_registry_never_serves_from_its_cache(toy_folder, tmp_path):
     chosen = []
     try:
         for folder in (toy_folder, other, toy_folder):
-            load_kernels(folder)
+            load_kernels(folder, replace=True)
             for _ in range(2):
                 attngen.flash_attn_func(*heads_first(q, k, v), causal=True)
                 chosen.append(attngen.last_dispatch().module)
     finally:
-        load_kernels(*saved.folders)
+        use_registry(saved)
     toy, new = "sm90/toy_prefill_fp32_d16_causal_br", "sm90/other_prefill_fp32_d16_causal_br"
     assert chosen == [toy, toy, new, new, toy, toy]
 

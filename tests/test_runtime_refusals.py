@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import attngen
-from attngen.runtime.registry import current_registry, load_kernels
+from attngen.runtime.registry import current_registry, load_kernels, use_registry
 from tests.runtime_harness import build_fake_decode
 from tests.test_runtime import _cache_case, qkv, rand
 
@@ -167,7 +167,7 @@ def test_bf16_runs_under_the_interpreter_with_the_tests_shim(monkeypatch):
         with pytest.raises(attngen.NoKernelError, match="Triton issue 11584"):
             attngen.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True)
     finally:
-        load_kernels(*saved.folders)
+        use_registry(saved)
 
 
 # ------------------------------------------------------------------------------- backward
@@ -176,7 +176,7 @@ def test_bf16_runs_under_the_interpreter_with_the_tests_shim(monkeypatch):
 def test_backward_says_the_kernels_are_forward_only(toy_folder, tmp_path):
     saved = current_registry()
     try:
-        load_kernels(toy_folder, build_fake_decode(tmp_path / "decode"))
+        load_kernels(toy_folder, build_fake_decode(tmp_path / "decode"), replace=True)
         q, k, v = (t.requires_grad_() for t in qkv(1, 4, 4))
         out = attngen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         with pytest.raises(NotImplementedError, match="attngen::prefill: .* forward-only"):
@@ -196,7 +196,7 @@ def test_backward_says_the_kernels_are_forward_only(toy_folder, tmp_path):
             attngen.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
                                             causal=True)
     finally:
-        load_kernels(*saved.folders)
+        use_registry(saved)
 
 
 # ------------------------------------------------------------ kvcache shapes, user layout

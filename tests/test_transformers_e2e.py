@@ -17,7 +17,7 @@ import transformers
 import attngen
 from attngen.build import plan_build, write_build
 from attngen.runtime import ops
-from attngen.runtime.registry import current_registry, load_kernels
+from attngen.runtime.registry import current_registry, load_kernels, use_registry
 
 NEW_TOKENS = 6
 LAYERS = 2
@@ -33,12 +33,12 @@ def llama(tmp_path_factory):
     folder = tmp_path_factory.mktemp("llama_kernels")
     write_build(plan_build(specs), folder)
     saved = current_registry()
-    load_kernels(folder)
+    load_kernels(folder, replace=True)
     assert attngen.register_transformers() == "attngen"
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     yield model
-    load_kernels(*saved.folders)
+    use_registry(saved)
 
 
 def _generate(model, implementation, ids, mask):

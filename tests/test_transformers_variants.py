@@ -18,7 +18,7 @@ import transformers
 import attngen
 from attngen.build import plan_build, write_build
 from attngen.runtime.hf import attngen_attention
-from attngen.runtime.registry import current_registry, load_kernels
+from attngen.runtime.registry import current_registry, load_kernels, use_registry
 from attngen.spec import specs_from_data
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -36,10 +36,10 @@ def kernels(tmp_path):
                     causal_align="bottom_right", kernels=["prefill", "varlen"], **fields)
         folder = tmp_path / "kernels"
         write_build(plan_build(specs_from_data(data)), folder)
-        load_kernels(folder)
+        load_kernels(folder, replace=True)
 
     yield build
-    load_kernels(*saved.folders)
+    use_registry(saved)
 
 
 def _logits(model, implementation, ids):

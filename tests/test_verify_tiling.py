@@ -172,3 +172,38 @@ def test_a_missing_record_is_compiled_and_saved_with_the_template_hash(tmp_path,
     assert {f: saved.get(key)[f] for f in fields} == {f: recorded[f] for f in fields}
     assert saved.get(key)["spec"].startswith("gpt2-")
     assert not save_measurements(saved, path)  # the same bytes: nothing written
+
+
+ODD_DIMS = ROOT / "tools/verify_specs/odd_head_dims.yaml"
+
+
+@needs_data
+def test_odd_head_dims_match_the_compiler_data_on_hopper():
+    """Head dims 59 and 111 in fp16 (rows of 118 and 222 bytes): pointer loads without TMA and
+    without pipelining; every candidate on sm90 against the committed compiles. Shared memory
+    must be exact (a stage more buffers nothing) and the unaligned register model keep the
+    spill policy."""
+    data = load_measurements(DATA)
+    plan = plan_rows(load_specs([ODD_DIMS]), ["sm90"])
+    assert all(not key.tma and not key.aligned for key in plan.rows)
+    assert not [key.label() for key in plan.rows if data.get(key) is None]
+    judge(plan, data, {})
+    assert not {row.key.label(): row.problems for row in plan.rows.values() if row.problems}
+    summary = summarize(plan.rows.values())
+    assert summary.exact == summary.compiled == 256
+
+
+def test_odd_head_dims_compile_as_modelled_on_ampere():
+    """Live: two sm80 configs of head dim 59 (the chosen one and a 3-stage one) need the
+    shared memory the unaligned model says, and the chosen one does not spill."""
+    from attngen.verify.compiler import compile_many
+
+    spec = next(s for s in load_specs([ODD_DIMS]) if s.head_dim == 59)
+    derivation = derive_tiles(spec, "sm80")
+    chosen = derivation.chosen
+    staged = next(c for c in derivation.candidates if c.config.num_stages == 3
+                  and c.config.block_m == 64 and c.config.block_n == 64 and c.feasible)
+    records = compile_many([(spec, "sm80", chosen), (spec, "sm80", staged.config)])
+    model = {c.config: c.smem_bytes for c in derivation.candidates}
+    assert [r["shared"] for r in records] == [model[chosen], model[staged.config]]
+    assert records[0]["error"] is None and (records[0]["spill_stores"] or 0) <= 64

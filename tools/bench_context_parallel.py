@@ -114,7 +114,7 @@ def load_kernels_for(setup: Setup) -> str:
              for s in specs_from_data(data)]
     folder = Path(tempfile.mkdtemp(prefix="attngen-cp-bench-"))
     write_build(plan_build(specs, TUNING if TUNING.is_dir() else None), folder)
-    load_kernels(folder)
+    load_kernels(folder, replace=True)
     return arch
 
 

@@ -85,7 +85,7 @@ def check_served(calls: list[KernelCall], q: torch.Tensor, v: torch.Tensor,
             continue
         call = next(c for c in calls if call_need(c, q, v, options) == need)
         try:
-            choose(API_NAME, need)
+            choose(API_NAME, need, heads=(q.shape[1], v.shape[1]))  # may build on demand
         except NoKernelError as err:
             raise NoKernelError(f"context_parallel_attention needs a kernel for {call.describe()}"
                                 f" ({_why(call)}): {err}") from None

@@ -1,6 +1,9 @@
 """The runtime: generated kernels in real models (torch; never imported by the build path).
 
-    registry.py   which generated modules exist (index.json), imported by file path
+    registry.py   which generated modules exist (index.json; folders, the on-demand cache,
+                  the bundled generated/), imported by file path; configure()
+    kernel_cache.py  the on-demand settings and the cache's folders (plain Python)
+    ondemand.py   the module a call needs: its spec, rendered and cached (plain Python)
     integrity.py  a module runs only if its bytes and constants match its index entry
     devices.py    the device's arch; CPU needs Triton's interpreter, bf16 correct math there
     selection.py  Need, Dispatch, and which module serves a Need (plain Python, no torch)
@@ -11,9 +14,11 @@
     launch.py     run_dense / run_varlen: Need, dispatch, then the module or the fallback
     arguments.py  argument conventions the public functions share (scale, flash masks)
     api.py        scaled_dot_product_attention, flash_attn_func, flash_attn_varlen_func
+    packed.py     flash-attn's qkv/kv-packed forms of both, as views
     kvcache.py    flash_attn_with_kvcache (decode kind when built, else varlen over the cache)
     validate.py   shape checks in the caller's layout
     hf.py         the transformers attention function ("attngen")
+    warmup.py     warmup(): build and compile what a spec or model needs, before its first call
     masks.py      which keys a query sees (the fallback's and the oracle's one definition)
     fallback.py   the torch implementation behind fallback="sdpa"
     interpreter_probe.py  a bf16 probe kernel for Triton's interpreter
@@ -28,19 +33,33 @@ from attngen.runtime.dispatch import get_fallback, set_fallback
 from attngen.runtime.hf import register_transformers
 from attngen.runtime.kvcache import flash_attn_with_kvcache
 from attngen.runtime.ops import reset_run_counts, run_counts
+from attngen.runtime.packed import (
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
 from attngen.runtime.records import dispatch_log, last_dispatch
 from attngen.runtime.registry import (
     KernelEntry,
+    LoadedKernel,
     Registry,
     RegistryError,
+    configure,
     current_registry,
     load_kernels,
+    loaded_kernels,
+    use_registry,
 )
 from attngen.runtime.selection import Dispatch, Need, NoKernelError
+from attngen.runtime.warmup import Warmed, warmup
 
 __all__ = [
-    "Dispatch", "KernelEntry", "Need", "NoKernelError", "Registry", "RegistryError",
-    "dispatch_log", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+    "Dispatch", "KernelEntry", "LoadedKernel", "Need", "NoKernelError", "Registry",
+    "RegistryError", "Warmed", "configure", "loaded_kernels", "use_registry", "warmup",
+    "dispatch_log", "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache",
     "current_registry", "get_fallback", "last_dispatch", "load_kernels", "register_transformers",
     "reset_run_counts", "run_counts", "scaled_dot_product_attention", "set_fallback",
 ]

@@ -12,6 +12,12 @@ with it, so a replaced registry never serves a later call, and lengths enter the
 the Need has them (bounds the tensor shapes guarantee). Refusals and fallbacks are not
 cached: they warn or raise on every call.
 
+When no loaded module serves a call and on-demand builds are on (kernel_cache.py), `select`
+has ondemand.py build the module the call needs into the cache and add it to the registry:
+the Dispatch says so (source "cache", built=True, its key the file), and later calls find it
+like any loaded module. A call no spec can state, or a build that fails (no tile fits), is
+refused as before, with the reason added.
+
 Under torch.compile, `choose` hands the Need's fields to a function dynamo does not trace
 (`torch.compiler.assume_constant_result`): selection runs once while tracing and the compiled
 graph holds the chosen module's key as a constant.
@@ -19,14 +25,16 @@ graph holds the chosen module's key as a constant.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
 import torch
 
+from attngen.runtime import kernel_cache
 from attngen.runtime.devices import device_arch, device_problem
 from attngen.runtime.records import record
-from attngen.runtime.registry import Registry, current_registry
+from attngen.runtime.registry import KernelEntry, Registry, current_registry
 from attngen.runtime.selection import (
     INTERPRETER,
     Dispatch,
@@ -122,22 +130,24 @@ def unsupported_dtype(q: torch.Tensor) -> str:
 
 
 def choose(api: str, need: Need, fallback: str | None = None,
-           refusal: str | None = None) -> Dispatch:
+           refusal: str | None = None, heads: tuple[int, int] | None = None) -> Dispatch:
     """The Dispatch for a call (recorded); refusal names a feature no kernel has (a dense
-    mask tensor, dropout): then NoKernelError, or a warned fallback."""
+    mask tensor, dropout): then NoKernelError, or a warned fallback. heads (query, KV) are
+    the call's, for a module built on demand (ondemand.py)."""
     if torch.compiler.is_compiling():
-        return _choose_constant(api, fallback, refusal, **need._asdict())
-    return _choose(api, need, fallback, refusal)
+        return _choose_constant(api, fallback, refusal, heads, **need._asdict())
+    return _choose(api, need, fallback, refusal, heads)
 
 
 @torch.compiler.assume_constant_result
 def _choose_constant(api: str, fallback: str | None, refusal: str | None,
-                     **fields: Any) -> Dispatch:
+                     heads: tuple[int, int] | None, **fields: Any) -> Dispatch:
     """choose() from plain constants, run (not traced) once while torch.compile traces."""
-    return _choose(api, Need(**fields), fallback, refusal)
+    return _choose(api, Need(**fields), fallback, refusal, heads)
 
 
-def _choose(api: str, need: Need, fallback: str | None, refusal: str | None) -> Dispatch:
+def _choose(api: str, need: Need, fallback: str | None, refusal: str | None,
+            heads: tuple[int, int] | None) -> Dispatch:
     if fallback is not None and fallback != "error" and fallback != "sdpa":
         check_fallback(fallback, "fallback")  # raises, naming the value
     # Asked on every call, not cached: the device's answer may change (a bf16 shim).
@@ -148,57 +158,93 @@ def _choose(api: str, need: Need, fallback: str | None, refusal: str | None) -> 
     hit = registry.dispatches.get((api, need))
     if hit is not None:
         return record(hit)
-    return select(api, need, fallback, registry)
+    return select(api, need, fallback, registry, heads)
 
 
 def select(api: str, need: Need, fallback: str | None = None,
-           registry: Registry | None = None) -> Dispatch:
-    """The module that serves `need`, recorded and cached on the registry that chose it; or
-    a fallback (warned), or NoKernelError. One registry (the current one unless given)
-    answers every question of one selection."""
+           registry: Registry | None = None, heads: tuple[int, int] | None = None) -> Dispatch:
+    """The module that serves `need` (built on demand when none does and that is on),
+    recorded and cached on the registry that chose it; or a fallback (warned), or
+    NoKernelError. One registry (the current one unless given) answers every question of
+    one selection."""
     mode = _fallback if fallback is None else check_fallback(fallback, "fallback")
     registry = registry or current_registry()
-    entry = best_entry(registry, need)
+    entry, built = best_entry(registry, need), False
     if entry is None:
-        message = no_kernel_message(need, registry)
-        if mode == "error":
-            raise NoKernelError(message)
-        warnings.warn(f"attngen: falling back to torch SDPA: {message}", stacklevel=6)
-        return record(Dispatch(api, need, None, None, message, fallback=mode))
+        entry, built, not_built = build_on_demand(need, heads, registry)
+        if entry is None:
+            message = no_kernel_message(need, registry, not_built)
+            if mode == "error":
+                raise NoKernelError(message)
+            warnings.warn(f"attngen: falling back to torch SDPA: {message}", stacklevel=6)
+            return record(Dispatch(api, need, None, None, message, fallback=mode))
+    return served(api, need, registry, entry, built)
+
+
+def served(api: str, need: Need, registry: Registry, entry: KernelEntry,
+           built: bool) -> Dispatch:
+    """The Dispatch of `entry` serving `need`, recorded and cached on `registry`."""
     writes_out = getattr(registry.module(entry.key), ACCEPTS_OUT, False) is True
     reason = f"{entry.describe()} serves {need.describe()}" + (
         "; it writes the caller's output layout in place (out=)" if writes_out else
         "; its entry point takes no out=, so an output in another layout than the kernel's "
         "is copied")
-    dispatch = Dispatch(api, need, entry.describe(), entry.key, reason, writes_out=writes_out)
+    if entry.source == "cache":
+        reason += (f"; built on demand now into {entry.key}" if built else
+                   f"; built on demand earlier, from the cache: {entry.key}")
+    dispatch = Dispatch(api, need, entry.describe(), entry.key, reason, writes_out=writes_out,
+                        source=entry.source, built=built)
     if len(registry.dispatches) >= DISPATCH_CACHE_SIZE:
         registry.dispatches.clear()
-    registry.dispatches[(api, need)] = dispatch
+    # Later calls reuse the module; they did not build it.
+    registry.dispatches[(api, need)] = dataclasses.replace(dispatch, built=False) if built else (
+        dispatch)
     return record(dispatch)
 
 
-def probe(api: str, need: Need) -> Dispatch | None:
-    """choose() for an optional route (the decode kind): the Dispatch, or None, no error."""
+def build_on_demand(need: Need, heads: tuple[int, int] | None, registry: Registry
+                    ) -> tuple[KernelEntry | None, bool, str]:
+    """(entry, rendered now, "") for the module ondemand.py builds for `need`, or
+    (None, False, why not)."""
+    if not kernel_cache.settings().on_demand:
+        return None, False, ("On-demand builds are off (attngen.configure(on_demand=False) "
+                             f"or {kernel_cache.ENV_ON_DEMAND}=0).")
+    from attngen.build import BuildError  # the build path (sympy, jinja): on first build only
+    from attngen.runtime import ondemand
+
+    try:
+        entry, built = ondemand.build_for(need, heads, registry)
+    except (ondemand.NotExpressible, BuildError) as exc:
+        return None, False, f"Not built on demand: {exc}."
+    return entry, built, ""
+
+
+def probe(api: str, need: Need, heads: tuple[int, int] | None = None) -> Dispatch | None:
+    """choose() for an optional route (the decode kind): the Dispatch, or None, no error.
+    With on-demand builds on, a module the call needs is built when a spec can state it."""
     if torch.compiler.is_compiling():
-        return _probe_constant(api, **need._asdict())
-    return _probe(api, need)
+        return _probe_constant(api, heads, **need._asdict())
+    return _probe(api, need, heads)
 
 
 @torch.compiler.assume_constant_result
-def _probe_constant(api: str, **fields: Any) -> Dispatch | None:
-    return _probe(api, Need(**fields))
+def _probe_constant(api: str, heads: tuple[int, int] | None, **fields: Any) -> Dispatch | None:
+    return _probe(api, Need(**fields), heads)
 
 
-def _probe(api: str, need: Need) -> Dispatch | None:
+def _probe(api: str, need: Need, heads: tuple[int, int] | None) -> Dispatch | None:
     if device_problem(api, need.arch, need.dtype):
         return None  # the route that follows refuses the call, with the reason
     registry = current_registry()
     hit = registry.dispatches.get((api, need))
     if hit is not None:
         return record(hit)
-    if best_entry(registry, need) is None:
-        return None
-    return select(api, need, registry=registry)
+    entry, built = best_entry(registry, need), False
+    if entry is None:
+        entry, built, _ = build_on_demand(need, heads, registry)
+        if entry is None:
+            return None  # the route that follows serves the call, or says why not
+    return served(api, need, registry, entry, built)
 
 
 def refuse(api: str, need: Need, why: str, fallback: str | None) -> Dispatch:

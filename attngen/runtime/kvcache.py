@@ -9,7 +9,8 @@ Routing, in order:
    b * L of the flattened cache, and `seqused_k` = cache_seqlens + Nnew says how many are
    used. No host sync. Paged caches are gathered through block_table first (a copy).
    This is the route of specs built without the decode kind; split-KV decode (route 1) is
-   where small-batch speed comes from (docs/performance.md).
+   where small-batch speed comes from (docs/performance.md). Calls with cache_batch_idx,
+   cache_leftpad or num_splits=1 take it (kvcache_options.py: rotary, those, num_splits).
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ import torch
 from attngen.runtime import arguments, ops
 from attngen.runtime.arguments import flash_mask, flash_refusal
 from attngen.runtime.dispatch import need_for, probe
+from attngen.runtime.kvcache_options import cache_options, key_layout, rotate
 from attngen.runtime.launch import run_varlen
 from attngen.runtime.selection import Dispatch
 from attngen.runtime.validate import check_kvcache_shapes
-from attngen.spec import CausalAlign, KernelKind, KvLayout
-
-_UNSUPPORTED = ("rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad")
+from attngen.spec import CausalAlign, KernelKind, KvLayout, Mask
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
@@ -37,47 +37,46 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     [B, L, HKV, D] or, with block_table int32 [B, max_pages], paged [pages, page_size, HKV, D];
     k/v [B, Nnew, HKV, D] are written into the caches at cache_seqlens (int32 [B] or int;
     None: the caches are full) before attending. Causal is bottom-right aligned. Returns out
-    [B, Nq, HQ, DV] (and lse [B, HQ, Nq] with return_softmax_lse). Rotary embedding,
-    cache_batch_idx and cache_leftpad are not supported (an error names them); num_splits and
-    rotary_interleaved are accepted and ignored. The output is contiguous when the decode
+    [B, Nq, HQ, DV] (and lse [B, HQ, Nq] with return_softmax_lse). rotary_cos/rotary_sin,
+    cache_batch_idx, cache_leftpad and num_splits 0 or 1 as flash-attn's (kvcache_options.py;
+    num_splits above 1 is refused by name). The output is contiguous when the decode
     module writes it in place (Dispatch.writes_out), else a [B, Nq, HQ, DV] view of the
     kernel's [B, HQ, Nq, DV] output (no copy either way)."""
-    if not (rotary_cos is None and rotary_sin is None and cache_batch_idx is None
-            and cache_leftpad is None):
-        given = (rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad)
-        name = _UNSUPPORTED[next(i for i, value in enumerate(given) if value is not None)]
-        raise ValueError(f"{name}: not supported by attngen's flash_attn_with_kvcache; "
-                         "apply rotary embeddings and cache indexing before the call")
-    check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table)  # in the caller's layout
+    check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table,  # in the caller's layout
+                         any_cache_batch=cache_batch_idx is not None)
     batch, seqlen_q = q.shape[0], q.shape[1]
     paged = block_table is not None
     capacity = (block_table.shape[1] * k_cache.shape[1]) if paged else k_cache.shape[1]
+    options = cache_options(q, k, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
+                            block_table, rotary_interleaved, num_splits, capacity)
     cache_seqlens = _seqlens(cache_seqlens, batch, capacity, q.device)
     mask, window = flash_mask(causal, window_size)
+    q, k = rotate(q, k, options, cache_seqlens, mask is not Mask.none)
     refusal = flash_refusal(0.0, alibi_slopes)
     new = 0 if k is None else k.shape[1]
-    decode = _decode_module(q, v_cache, mask, window, softcap, alibi_slopes, seqlen_q, capacity,
-                            KvLayout.paged if paged else KvLayout.contiguous,
-                            k_cache.shape[1] if paged else None)
+    decode = None if not options.decode_route else _decode_module(
+        q, v_cache, mask, window, softcap, alibi_slopes, seqlen_q, capacity,
+        KvLayout.paged if paged else KvLayout.contiguous, k_cache.shape[1] if paged else None)
     if decode is not None and refusal is None:
         out, lse = _run_decode_module(decode, q, k_cache, v_cache, k, v, cache_seqlens,
                                       block_table, arguments.softmax_scale(softmax_scale, q),
                                       alibi_slopes, return_softmax_lse)
         return (out, lse) if return_softmax_lse else out
     if k is not None:
-        _append(k_cache, v_cache, k, v, cache_seqlens, block_table)
+        _append(k_cache, v_cache, k, v, cache_seqlens, block_table, options.batch_idx)
     if paged:  # only without a decode module, which reads the pages in place
         k_cache, v_cache = k_cache[block_table.long()], v_cache[block_table.long()]
-    keys = k_cache.reshape(batch * capacity, *k_cache.shape[-2:])
-    values = v_cache.reshape(batch * capacity, *v_cache.shape[-2:])
+    keys = k_cache.reshape(-1, *k_cache.shape[-2:])  # rows of B (or cache_batch_idx) x L
+    values = v_cache.reshape(-1, *v_cache.shape[-2:])
     steps = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
+    starts_k, used_k = key_layout(options, steps, capacity, cache_seqlens + new)
     out, lse = run_varlen(
         "flash_attn_with_kvcache", q.reshape(batch * seqlen_q, *q.shape[2:]), keys, values,
-        steps * seqlen_q, steps * capacity, seqlen_q, capacity, mask=mask,
+        steps * seqlen_q, starts_k, seqlen_q, capacity, mask=mask,
         align=CausalAlign.bottom_right, window=window, softcap=softcap,
         alibi_slopes=alibi_slopes, scale=softmax_scale,
         return_lse=return_softmax_lse, fallback=None, refusal=refusal,
-        seqused_k=(cache_seqlens + new).to(torch.int32), length_bounds=(seqlen_q, capacity))
+        seqused_k=used_k, length_bounds=(seqlen_q, capacity))
     out = out.view(batch, seqlen_q, *out.shape[1:])
     if not return_softmax_lse:
         return out
@@ -114,11 +113,13 @@ def _seqlens(cache_seqlens, batch, capacity, device) -> torch.Tensor:
     return cache_seqlens
 
 
-def _append(k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
-    """Write k/v [B, Nnew, HKV, D] at positions cache_seqlens[b] + t, in place."""
+def _append(k_cache, v_cache, k, v, cache_seqlens, block_table, batch_idx=None) -> None:
+    """Write k/v [B, Nnew, HKV, D] at positions cache_seqlens[b] + t of cache row
+    batch_idx[b] (else b), in place."""
     positions = cache_seqlens.long()[:, None] + torch.arange(k.shape[1], device=k.device)
     if block_table is None:
-        rows = torch.arange(k.shape[0], device=k.device)[:, None]
+        rows = (torch.arange(k.shape[0], device=k.device) if batch_idx is None
+                else batch_idx.long())[:, None]
         k_cache[rows, positions] = k
         v_cache[rows, positions] = v
     else:
@@ -135,4 +136,4 @@ def _decode_module(q, v_cache, mask, window, softcap, alibi_slopes, seqlen_q, ca
                     window=window, softcap=softcap, alibi=alibi_slopes is not None,
                     seqlen_q=seqlen_q, seqlen_k=capacity, same_lengths=False,
                     kv_layout=layout, page_size=page_size)
-    return probe("flash_attn_with_kvcache", need)
+    return probe("flash_attn_with_kvcache", need, (q.shape[2], v_cache.shape[2]))

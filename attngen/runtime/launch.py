@@ -31,7 +31,7 @@ def run_dense(api: str, q, k, v, *, mask: Mask, align: CausalAlign | None, windo
                     seqlen_k=seqlen_k, same_lengths=seqlen_q == seqlen_k)
     if need.dtype is None:
         refusal = refusal or unsupported_dtype(q)
-    dispatch = choose(api, need, fallback, refusal)
+    dispatch = choose(api, need, fallback, refusal, (q.shape[1], k.shape[1]))
     if dispatch.key is None:
         result = torch_attention(q, k, v, mask=mask, align=align, window=window, softcap=softcap,
                                  alibi_slopes=alibi_slopes, scale=scale, attn_mask=attn_mask,
@@ -62,7 +62,7 @@ def run_varlen(api: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                     seqlen_k=bound_k, same_lengths=same)
     if need.dtype is None:
         refusal = refusal or unsupported_dtype(q)
-    dispatch = choose(api, need, fallback, refusal)
+    dispatch = choose(api, need, fallback, refusal, (q.shape[1], k.shape[1]))
     if dispatch.key is None:
         return _varlen_in_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, mask=mask,
                                 align=align, window=window, softcap=softcap,

@@ -8,9 +8,18 @@ bytes must hash to the index's sha256, and its own constants (HEAD_DIM, MASK, ..
 what its index entry says. Modules are identified by a key string, the absolute path of their
 file, which is what the torch.library ops take: selection happens outside the ops.
 
-The default folder is `$ATTNGEN_KERNELS`, else the repository's `generated/` (present in a
-source checkout). `load_kernels(path, ...)` replaces the registry with other folders; a key
-chosen from the registry it replaced is refused afterwards (RegistryError), never run.
+The registry holds three layers of folders; where several modules serve a call, the first
+layer's wins (selection.best_entry):
+1. explicit folders: `load_kernels(folder, ...)` adds them (the most recently loaded first),
+   and `$ATTNGEN_KERNELS` (folders separated by os.pathsep) names the initial ones;
+2. the on-demand cache (kernel_cache.py), while on-demand builds are on: modules built for
+   calls nothing else served, by this process or an earlier one;
+3. the bundled `generated/` of a source checkout.
+`load_kernels(folder, replace=True)` keeps only the given folders (and the cache, while
+on-demand builds are on): what `load_kernels(folder)` did before it added. Every load builds a
+new Registry: a key chosen from the registry it replaced is refused afterwards
+(RegistryError), never run. A module built on demand is added to the registry in use
+(`Registry.add`); `loaded_kernels()` lists every module and where it came from.
 """
 
 from __future__ import annotations
@@ -29,6 +38,9 @@ if TYPE_CHECKING:  # selection imports this module's types
 
 ENV_KERNELS = "ATTNGEN_KERNELS"
 _REPO_GENERATED = Path(__file__).resolve().parent.parent.parent / "generated"
+# Where an entry's folder sits among the layers (the module docstring), best first.
+SOURCES = ("folder", "cache", "bundled")
+RANK_STRIDE = 10_000  # KernelEntry.rank = layer * RANK_STRIDE + the folder's place in it
 
 
 class RegistryError(RuntimeError):
@@ -45,9 +57,23 @@ class KernelEntry:
     kind: str  # prefill | varlen | decode
     spec: dict[str, Any]  # the canonical spec (dtype, head_dim, mask, ...)
     sha256: str = ""  # of the module file's bytes, recorded by `attngen build`
+    source: str = "folder"  # its layer: one of SOURCES
+    rank: int = 0  # layer, then folder order (RANK_STRIDE): lower wins among serving modules
 
     def describe(self) -> str:
         return f"{self.arch}/{self.module}"
+
+
+@dataclass(frozen=True)
+class LoadedKernel:
+    """One row of loaded_kernels(): a module the registry in use may run, and its origin."""
+
+    module: str
+    arch: str
+    kind: str
+    source: str  # "folder" (loaded explicitly), "cache" (built on demand) or "bundled"
+    path: str  # the module file
+    folder: str  # the build folder holding it (and its index.json)
 
 
 class Registry:
@@ -55,9 +81,13 @@ class Registry:
     the dispatcher's prefiltered lists) is cached on the Registry itself, so a thread still
     holding a replaced registry can only ever fill that registry's caches."""
 
-    def __init__(self, folders: list[Path], entries: list[KernelEntry]):
+    def __init__(self, folders: list[Path], entries: list[KernelEntry],
+                 layers: tuple[list[Path], bool] | None = None):
         self.folders = folders
         self.entries = entries
+        # (explicit folders, whether generated/ is the last layer): what reload_kernels and
+        # use_registry restore; None for a registry made by hand (its folders, all explicit)
+        self.layers = layers if layers is not None else (list(folders), False)
         self._by_key = {entry.key: entry for entry in entries}
         self._modules: dict[str, ModuleType] = {}
         self._matching: dict[tuple, list[KernelEntry]] = {}
@@ -67,7 +97,9 @@ class Registry:
         self._lock = threading.Lock()
 
     def module(self, key: str) -> ModuleType:
-        """The imported, verified module for a key (imported once, then cached)."""
+        """The imported, verified module for a key (imported once, then cached). A module of
+        the on-demand cache that fails its checks (changed or foreign bytes) is rebuilt and
+        the rebuilt one imported; one from any other folder is refused (RegistryError)."""
         module = self._modules.get(key)
         if module is None:
             entry = self._by_key.get(key)
@@ -81,19 +113,51 @@ class Registry:
             with self._lock:
                 module = self._modules.get(key)
                 if module is None:
-                    module = self._modules[key] = import_verified(entry)
+                    try:
+                        module = import_verified(entry)
+                    except RegistryError:
+                        if entry.source != "cache":
+                            raise
+                        from attngen.runtime.ondemand import rebuild
+
+                        entry = rebuild(entry)
+                        self._replace_entry(entry)
+                        module = import_verified(entry)
+                    self._modules[key] = module
         return module
+
+    def add(self, entry: KernelEntry, folder: Path) -> None:
+        """Serve `entry` (a module just built on demand into `folder`) from now on. The lists
+        derived from the entries start over, so every later selection sees it; the choices
+        already made stay valid (they were served before it existed)."""
+        with self._lock:
+            if entry.key in self._by_key:
+                self._replace_entry(entry)
+                return
+            if folder not in self.folders:
+                self.folders = [*self.folders, folder]
+            self._by_key[entry.key] = entry
+            self.entries = [*self.entries, entry]  # a new list: readers keep a whole one
+            self._matching = {}
+
+    def _replace_entry(self, entry: KernelEntry) -> None:
+        self._by_key[entry.key] = entry
+        self.entries = [entry if e.key == entry.key else e for e in self.entries]
+        self._matching = {}
 
     def matching(self, key: tuple, agrees: Callable[[KernelEntry], bool]) -> list[KernelEntry]:
         """The entries for which `agrees` holds, computed once per `key` for this registry."""
-        hit = self._matching.get(key)
+        # The cache is read before the entries: add() replaces the entries first, so a list
+        # computed from old entries can only land in a cache add() has already dropped.
+        cache = self._matching
+        hit = cache.get(key)
         if hit is None:
             hit = [entry for entry in self.entries if agrees(entry)]
-            self._matching[key] = hit  # a racing thread stores an equal list: harmless
+            cache[key] = hit  # a racing thread stores an equal list: harmless
         return hit
 
 
-def read_folder(folder: str | Path) -> list[KernelEntry]:
+def read_folder(folder: str | Path, source: str = "folder", rank: int = 0) -> list[KernelEntry]:
     folder = Path(folder).resolve()
     index = folder / "index.json"
     if not index.is_file():
@@ -112,7 +176,7 @@ def read_folder(folder: str | Path) -> list[KernelEntry]:
                     f"{index}: {item['path']} has no sha256 of its bytes (an index written "
                     "before attngen recorded them); rebuild the folder with `attngen build`")
             entries.append(KernelEntry(str(path), item["module"], item["arch"], item["kind"],
-                                       dict(item["spec"]), digest))
+                                       dict(item["spec"]), digest, source, rank))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise RegistryError(f"{index}: not an attngen index ({exc!r})") from None
     return entries
@@ -120,20 +184,74 @@ def read_folder(folder: str | Path) -> list[KernelEntry]:
 
 _current: Registry | None = None
 _current_lock = threading.Lock()
+_explicit: list[Path] | None = None  # None: $ATTNGEN_KERNELS
+_bundled = True  # whether the repository's generated/ is the last layer
 
 
-def load_kernels(*folders: str | Path) -> Registry:
-    """Use the generated kernels in these folders (each an `attngen build --out` folder).
+def load_kernels(*folders: str | Path, replace: bool = False) -> Registry:
+    """Serve the generated kernels in these folders (each an `attngen build --out` folder)
+    before those already loaded (the registry's layers: the module docstring).
 
-    Without arguments: `$ATTNGEN_KERNELS` (folders separated by os.pathsep), else the
-    repository's generated/. Replaces the registry in use and returns it.
+    replace=True: only these folders, without the bundled generated/ or folders loaded
+    before (the on-demand cache stays while on-demand builds are on). Without folders: back
+    to the defaults ($ATTNGEN_KERNELS, the cache, generated/). Builds a new registry, makes
+    it the one in use and returns it.
     """
-    global _current
-    paths = [Path(f) for f in folders] or _default_folders()
-    entries = [entry for path in paths for entry in read_folder(path)]
-    registry = Registry([p.resolve() for p in paths], entries)
+    global _explicit, _bundled
+    paths = [Path(f).resolve() for f in folders]
     with _current_lock:
-        _current = registry
+        if replace:
+            explicit, bundled = paths, False
+        elif paths:
+            earlier = _env_folders() if _explicit is None else _explicit
+            explicit, bundled = list(dict.fromkeys([*paths, *earlier])), _bundled
+        else:
+            explicit, bundled = _env_folders(), True
+        registry = _assemble(explicit, bundled)
+        _explicit, _bundled = explicit, bundled
+        _set_current(registry)
+    return registry
+
+
+def reload_kernels() -> Registry:
+    """Read the current layers' folders again into a new registry (configure() calls it when
+    the cache's settings change)."""
+    with _current_lock:
+        explicit = _env_folders() if _explicit is None else _explicit
+        registry = _assemble(explicit, _bundled)
+        _set_current(registry)
+    return registry
+
+
+def configure(*, on_demand: bool | None = None, cache_dir: str | Path | None = None
+              ) -> dict[str, object]:
+    """Runtime settings (None keeps a setting): on_demand=False builds no module a call
+    needs and reads no cache (only loaded folders run: for deployments that must run vetted
+    modules only; ATTNGEN_ON_DEMAND=0 does the same), cache_dir replaces $ATTNGEN_CACHE.
+    Returns the settings now in force. The registry is read again when the cache's settings
+    change it."""
+    from attngen.runtime import kernel_cache
+
+    before = kernel_cache.settings()
+    kernel_cache.set_overrides(on_demand, cache_dir)
+    now = kernel_cache.settings()
+    if now != before and _current is not None:
+        reload_kernels()
+    return {"on_demand": now.on_demand, "cache_dir": str(now.cache_root)}
+
+
+def _set_current(registry: Registry) -> None:
+    global _current
+    _current = registry
+
+
+def use_registry(registry: Registry) -> Registry:
+    """Make a registry (one current_registry() returned earlier) the one in use again, with
+    its layers (what load_kernels adds to next)."""
+    global _explicit, _bundled
+    with _current_lock:
+        _explicit, _bundled = list(registry.layers[0]), registry.layers[1]
+        _set_current(registry)
     return registry
 
 
@@ -144,20 +262,53 @@ def current_registry() -> Registry:
         with _current_lock:
             current = _current
         if current is None:
-            current = load_kernels()
+            current = reload_kernels()
     return current
+
+
+def loaded_kernels() -> list[LoadedKernel]:
+    """Every module the registry in use may run, in the order selection prefers them (layer,
+    then folder), with where each came from."""
+    rows = sorted(current_registry().entries, key=lambda e: (e.rank, e.kind, e.arch, e.module))
+    # A module file is <folder>/<arch>/<module>.py.
+    return [LoadedKernel(e.module, e.arch, e.kind, e.source, e.key, str(Path(e.key).parent.parent))
+            for e in rows]
+
+
+def _assemble(explicit: list[Path], bundled: bool) -> Registry:
+    """The registry of these explicit folders, the cache (while on) and generated/."""
+    from attngen.arch import arch_names
+    from attngen.runtime import kernel_cache
+
+    layers = [(folder, "folder") for folder in explicit]
+    on_demand = kernel_cache.settings().on_demand
+    if on_demand:
+        layers += [(folder, "cache")
+                   for folder in kernel_cache.existing_cache_folders(arch_names())]
+    if bundled and (_REPO_GENERATED / "index.json").is_file() and _REPO_GENERATED not in explicit:
+        layers.append((_REPO_GENERATED, "bundled"))
+    if not layers and not on_demand:
+        raise RegistryError(
+            f"no generated kernels: set {ENV_KERNELS} to a folder written by `attngen build "
+            "--out FOLDER`, call attngen.load_kernels(FOLDER), or turn on-demand builds on "
+            f"(attngen.configure(on_demand=True), {kernel_cache.ENV_ON_DEMAND}=1)")
+    entries = []
+    for place, (folder, source) in enumerate(layers):
+        rank = SOURCES.index(source) * RANK_STRIDE + place
+        try:
+            entries += read_folder(folder, source, rank)
+        except RegistryError:
+            if source != "cache":
+                raise
+            # A cache index that does not parse is rebuilt by the next on-demand build
+            # (ondemand.py); until then its folder serves nothing.
+    return Registry([folder.resolve() for folder, _ in layers], entries, (explicit, bundled))
 
 
 def _folder_list(folders: list[Path]) -> str:
     return ", ".join(str(f) for f in folders) or "no folders"
 
 
-def _default_folders() -> list[Path]:
+def _env_folders() -> list[Path]:
     env = os.environ.get(ENV_KERNELS)
-    if env:
-        return [Path(p) for p in env.split(os.pathsep) if p]
-    if (_REPO_GENERATED / "index.json").is_file():
-        return [_REPO_GENERATED]
-    raise RegistryError(
-        f"no generated kernels: set {ENV_KERNELS} to a folder written by `attngen build "
-        "--out FOLDER`, or call attngen.runtime.load_kernels(FOLDER)")
+    return [Path(p).resolve() for p in env.split(os.pathsep) if p] if env else []

@@ -84,6 +84,8 @@ class Dispatch:
     reason: str
     fallback: str | None = None  # "sdpa" when torch ran instead of a generated kernel
     writes_out: bool = False  # the module writes a given output in place (its `out=`)
+    source: str | None = None  # the module's layer: "folder", "cache" (on demand), "bundled"
+    built: bool = False  # this call rendered the module on demand (key: where it lives)
 
 
 def check_fallback(mode: object, name: str) -> str:
@@ -192,15 +194,16 @@ def _mask_text(spec: dict[str, Any]) -> str:
 
 
 def best_entry(registry: Registry, need: Need) -> KernelEntry | None:
-    """The module that serves `need`, or None. Among several, the one whose own mask is the
-    asked one (a causal kernel over a window kernel that equals causal at these lengths),
-    then the newest arch, then the name."""
+    """The module that serves `need`, or None. Among several, the one of the first layer and
+    folder (registry.py: explicit folders, the on-demand cache, generated/), then the one
+    whose own mask is the asked one (a causal kernel over a window kernel that equals causal
+    at these lengths), then the newest arch, then the name."""
     serving = [e for e in same_kernel_fields(registry, need) if not mismatches(e, need)]
     if not serving:
         return None
     asked = effective_mask(_asked(need), need, at_lengths=False)
     return min(serving, key=lambda e: (
-        effective_mask(spec_view(e), need, at_lengths=False) != asked,
+        e.rank, effective_mask(spec_view(e), need, at_lengths=False) != asked,
         -int(e.arch[2:]), e.module))
 
 
@@ -223,7 +226,7 @@ def same_kernel_fields(registry: Registry, need: Need) -> list[KernelEntry]:
     return registry.matching(key, agrees)
 
 
-def no_kernel_message(need: Need, registry: Registry) -> str:
+def no_kernel_message(need: Need, registry: Registry, not_built: str = "") -> str:
     ranked = sorted(registry.entries, key=lambda e: (len(mismatches(e, need)),
                                                      e.kind != need.kind, e.describe()))
     shown: dict[str, KernelEntry] = {}
@@ -234,6 +237,6 @@ def no_kernel_message(need: Need, registry: Registry) -> str:
                         for e in shown.values()) or "none: the registry is empty"
     folders = ", ".join(str(f) for f in registry.folders)
     return (f"no generated kernel serves {need.describe()} (kernels from {folders}); "
-            f"nearest: {nearest}. Build a spec for it (attngen spec-from-hf, attngen build) "
-            "and load it (attngen.runtime.load_kernels or ATTNGEN_KERNELS), or ask for "
-            "fallback='sdpa'")
+            f"nearest: {nearest}. {not_built or 'Not built on demand.'} Build a spec for it "
+            "(attngen spec-from-hf, attngen build) and load it (attngen.load_kernels or "
+            "ATTNGEN_KERNELS), or ask for fallback='sdpa'")

@@ -10,15 +10,17 @@ from __future__ import annotations
 import torch
 
 
-def check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table) -> None:
-    """flash_attn_with_kvcache's tensors: q [B, Nq, HQ, D]; caches [B, L, HKV, D] (or pages
+def check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table,
+                         any_cache_batch: bool = False) -> None:
+    """flash_attn_with_kvcache's tensors: q [B, Nq, HQ, D]; caches [B, L, HKV, D] (any
+    number of rows with any_cache_batch: cache_batch_idx picks them; or pages
     [num_pages, page_size, HKV, D] with block_table int32 [B, max_pages]); k/v
     [B, Nnew, HKV, D/DV]; one dtype and device; HQ a multiple of HKV."""
-    if not _kvcache_shapes_ok(q, k_cache, v_cache, k, v, block_table):
-        _name_kvcache_problem(q, k_cache, v_cache, k, v, block_table)
+    if not _kvcache_shapes_ok(q, k_cache, v_cache, k, v, block_table, any_cache_batch):
+        _name_kvcache_problem(q, k_cache, v_cache, k, v, block_table, any_cache_batch)
 
 
-def _kvcache_shapes_ok(q, k_cache, v_cache, k, v, block_table) -> bool:
+def _kvcache_shapes_ok(q, k_cache, v_cache, k, v, block_table, any_cache_batch) -> bool:
     """The success path of check_kvcache_shapes: True only when every check of
     _name_kvcache_problem passes."""
     tensor = torch.Tensor
@@ -28,7 +30,7 @@ def _kvcache_shapes_ok(q, k_cache, v_cache, k, v, block_table) -> bool:
     batch, _, heads_q, dim = q.shape
     outer, rows, heads_kv, dim_k = k_cache.shape
     if block_table is None:
-        if outer != batch:
+        if outer != batch and not any_cache_batch:
             return False
     elif not (type(block_table) is tensor and block_table.dim() == 2
               and block_table.shape[0] == batch and block_table.dtype == torch.int32):
@@ -47,7 +49,7 @@ def _kvcache_shapes_ok(q, k_cache, v_cache, k, v, block_table) -> bool:
             and v.device == device)
 
 
-def _name_kvcache_problem(q, k_cache, v_cache, k, v, block_table) -> None:
+def _name_kvcache_problem(q, k_cache, v_cache, k, v, block_table, any_cache_batch) -> None:
     """Raise the error naming the first tensor check_kvcache_shapes refuses."""
     _rank4("q", q, "[batch, seqlen_q, nheads, headdim]")
     batch, _, heads_q, dim = q.shape
@@ -62,9 +64,9 @@ def _name_kvcache_problem(q, k_cache, v_cache, k, v, block_table) -> None:
                 or block_table.shape[0] != batch or block_table.dtype != torch.int32):
             raise ValueError(f"block_table: expected an int32 tensor [batch={batch}, "
                              f"max_num_blocks_per_seq], got {_describe(block_table)}")
-    elif outer != batch:
+    elif outer != batch and not any_cache_batch:
         raise ValueError(f"k_cache: expected [batch={batch}, seqlen_cache, nheads_k, "
-                         f"headdim={dim}] (batch as q's; cache_batch_idx is not supported), "
+                         f"headdim={dim}] (batch as q's, or pass cache_batch_idx), "
                          f"got {list(k_cache.shape)}")
     _expect("k_cache", k_cache, [outer, rows, heads_kv, dim], cache_layout)
     _expect("v_cache", v_cache, [outer, rows, heads_kv, None],

@@ -3,6 +3,12 @@ loaded and in which order programs start. render puts them in the template conte
 `attngen explain` prints them. Each threshold is a measurement on the H200
 (tools/exp_prefill.py; docs/performance.md), so every path beyond the portable one is chosen
 only on Hopper.
+
+TMA needs 16-byte aligned strides: a head dim whose rows are not a multiple of 16 bytes
+(D * itemsize % 16 != 0, e.g. 59 or 111 in fp16) is read through pointer loads on every arch,
+and the tiling model leaves the TMA barriers out of its shared memory for it
+(prefill.tma_strides_aligned). The module also checks each call's strides and falls back to
+pointers for a layout TMA cannot read (its kv_load_path).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from dataclasses import dataclass
 from attngen.arch import ARCHS
 from attngen.spec import AttnSpec, KernelKind
 from attngen.tiling.prefill import TMA_MASKED_MAX_HEAD_DIM
+from attngen.tiling.rows import tma_strides_aligned
 
 # Causal prefill modules on Hopper with a head dim above LPT_ABOVE_HEAD_DIM schedule
 # LPT_GROUP_HEADS heads at a time longest-processing-time first: the heaviest query block of
@@ -62,6 +69,9 @@ def code_paths(spec: AttnSpec, arch: str, kind: KernelKind) -> CodePaths:
         why_not = "fp32 dots are FMA loops, which do not read operands as TMA lays them out"
     elif kind is not KernelKind.prefill:
         why_not = "varlen's packed rows would need other descriptors"
+    elif not tma_strides_aligned(spec):
+        why_not = (f"head dims {spec.head_dim}/{spec.value_head_dim} x {spec.dtype.itemsize} B "
+                   "are not multiples of 16 B, which a tensor descriptor's strides must be")
     else:
         why_not = ""
     tma = not why_not

@@ -43,20 +43,19 @@ from functools import cache
 
 from attngen.arch import ARCHS, GpuArch
 from attngen.spec import AttnSpec
+from attngen.tiling.evaluate import LazyText
 from attngen.tiling.prefill import (
     BM,
-    BN,
     DV,
     REGISTER_MARGIN,
     Candidate,
     D,
     Derivation,
     E,
-    S,
     TileConfig,
-    W,
     choose,
     constraint_labels,
+    numeric_model,
     padded_head_dim,
     regs_expression,
     smem_expression,
@@ -105,13 +104,12 @@ def derive_decode_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
     rows = row_tile(spec.num_q_heads, spec.num_kv_heads, spec.query_tokens)
     d, dv = padded_head_dim(spec.head_dim), padded_head_dim(spec.value_head_dim)
     values = {D: d, DV: dv, E: spec.dtype.itemsize, BM: rows}
-    smem = smem_expression(arch, tma=False).subs(values)  # decode loads through pointers
-    regs = regs_expression(arch).subs(values)
+    smem_f, regs_f = numeric_model(arch, tma=False)  # decode loads through pointers
     candidates = []
     for bn, w, s in itertools.product(DECODE_BLOCK_N_CHOICES, DECODE_WARPS_CHOICES,
                                       DECODE_STAGES_CHOICES):
-        at = {BN: bn, S: s, W: w}
-        smem_b, regs_t = int(smem.subs(at)), int(math.ceil(regs.subs(at)))
+        at = (rows, bn, s, w, d, dv, spec.dtype.itemsize)  # MODEL_SYMBOLS' order
+        smem_b, regs_t = int(smem_f(*at)), int(math.ceil(regs_f(*at)))
         reasons = []
         if smem_b > arch.smem_budget:
             reasons.append(f"smem {smem_b} B > {arch.smem_budget} B")
@@ -128,7 +126,9 @@ def derive_decode_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
                                     regs_predictive=spec.dtype.itemsize != 4))
     derivation = Derivation(
         arch=arch_name, source="heuristic",
-        expressions={"smem": str(smem), "regs": str(regs), "score": SCORE_TEXT},
+        expressions=LazyText(lambda: {
+            "smem": str(smem_expression(arch, tma=False).subs(values)),
+            "regs": str(regs_expression(arch).subs(values)), "score": SCORE_TEXT}),
         constraints=constraint_labels(arch)[:3], candidates=tuple(candidates), chosen=None,
         binding="nothing fits", dims={"D": d, "DV": dv, "E": spec.dtype.itemsize}, tma=False)
     feasible = [c for c in candidates if c.feasible]

@@ -22,13 +22,18 @@ import dataclasses
 import itertools
 import math
 import textwrap
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
+from typing import Any
 
 import sympy
 
 from attngen.arch import ARCHS, GpuArch
 from attngen.spec import AttnSpec
+from attngen.tiling.evaluate import LazyText, active_formula, compiled, exact_value
+from attngen.tiling.evaluate import active_branch as active_branch
+from attngen.tiling.rows import rows_aligned, tma_strides_aligned
 
 BM, BN, D, DV, E, S, W = sympy.symbols("BLOCK_M BLOCK_N D DV E S W", positive=True, integer=True)
 # Wave quantization: H query heads x REFERENCE_TOKENS rows in BLOCK_M tiles, R programs
@@ -101,7 +106,7 @@ class Candidate:
 class Derivation:
     arch: str
     source: str  # "heuristic" now; "tuning" once a tuning database supplies the config
-    expressions: dict[str, str]
+    expressions: Mapping[str, str]
     constraints: tuple[str, ...]
     candidates: tuple[Candidate, ...]
     chosen: TileConfig | None
@@ -110,6 +115,7 @@ class Derivation:
     # D, DV (padded), E of the spec; H (its query heads) and SMS (the arch's) for the waves
     dims: dict[str, int] = field(default_factory=dict)
     tma: bool = True  # the kernel's loads may use TMA (prefill); decode's never do
+    pipelined: bool = True  # K/V copies are asynchronous (rows_aligned or TMA)
     # Measured faster than `chosen` on shorter sequences (autotune's per-length winners):
     # (longest sequence served, config), ascending; `chosen` serves everything longer.
     shorter: tuple[tuple[int, TileConfig], ...] = ()
@@ -146,18 +152,8 @@ class Derivation:
         return tuple(wrapped)
 
 
-def active_branch(expr: sympy.Expr, values: dict[sympy.Symbol, int]) -> sympy.Expr:
-    """The formula in force at `values`: every Piecewise replaced by its arm whose condition
-    holds there (the header shows this, not the whole case analysis)."""
-
-    def pick(piecewise: sympy.Piecewise) -> sympy.Expr:
-        return next(arm for arm, cond in piecewise.args if bool(cond.subs(values)))
-
-    return expr.replace(lambda e: isinstance(e, sympy.Piecewise), pick)
-
-
 @cache  # sympy builds it slowly; one per arch serves every derivation
-def smem_expression(arch: GpuArch, tma: bool = True) -> sympy.Expr:
+def smem_expression(arch: GpuArch, tma: bool = True, pipelined: bool = True) -> sympy.Expr:
     """Dynamic shared memory per program in bytes, as Triton 3.6 allocates it for this template.
 
     Fitted to the compiler on 584 configs (docs/results/tiling_fit_set_584.json) and checked
@@ -172,6 +168,7 @@ def smem_expression(arch: GpuArch, tma: bool = True) -> sympy.Expr:
       4 * max(BLOCK_M, 32) bytes of row-reduction scratch (counted always: an upper bound;
       16-row tiles with 8 warps take 128 B).
     - S == 1: no multi-buffering; P reuses K's bytes.
+    - pipelined=False (pointer loads of rows that are not 16-element aligned): as S == 1.
     """
     q, k, v = BM * D, BN * D, BN * DV
     epilogue = BM * DV
@@ -188,7 +185,11 @@ def smem_expression(arch: GpuArch, tma: bool = True) -> sympy.Expr:
     if arch.has_tma and tma:  # the prefill template's TMA loads (decode has none: tma=False)
         sixteen_bit = sixteen_bit + tma_barrier_expression()
     fp32 = E * sympy.Max(loop(BM * BN, sympy.Max(S - 1, 1)), epilogue) + 4 * sympy.Max(BM, 32)
-    return sympy.Piecewise((fp32, sympy.Eq(E, 4)), (sixteen_bit, True))
+    expr = sympy.Piecewise((fp32, sympy.Eq(E, 4)), (sixteen_bit, True))
+    # Rows the compiler cannot prove 16-element aligned (rows_aligned) are loaded element by
+    # element: nothing is copied asynchronously, so no stage is buffered and the program
+    # needs what one stage does at any num_stages (all 256 such sm90 configs measured).
+    return expr if pipelined else expr.subs(S, 1)
 
 
 # Prefill modules on Hopper read the masked (diagonal, window edge, tail) K/V blocks through
@@ -223,7 +224,7 @@ def tma_barrier_expression() -> sympy.Expr:
 
 
 @cache
-def regs_expression(arch: GpuArch) -> sympy.Expr:
+def regs_expression(arch: GpuArch, pipelined: bool = True) -> sympy.Expr:
     """Registers per thread: the fp32 accumulator, the score tile and the K/V tiles, over
     32 * W threads. A bound more than an estimate (rms error 25 on configs that do not spill):
     the 16-bit coefficients come from a linear program over the 16-bit configs in
@@ -236,14 +237,23 @@ def regs_expression(arch: GpuArch) -> sympy.Expr:
     fp32 (IEEE dots lower to FMA loops): ptxas's register use is not a function of the tile
     (on sm90, 32x32 tiles with 8 warps spill 500 B where 32x64 spill none), so the formula is
     only a rejection bound (above 279 the configs spill) and every fp32 config is in the
-    may-spill class (Candidate.regs_predictive)."""
+    may-spill class (Candidate.regs_predictive).
+
+    pipelined=False (rows that are not 16-element aligned, loaded element by element, each
+    with its own address): the same linear program over the 64 distinct such configs measured
+    on sm90 (D = 64 and 128; num_stages changes nothing there), coefficients rounded up."""
     threads = 32 * W
     acc, scores = BM * DV / threads, BM * BN / threads
     kv = BN * (D + DV) * E / (4 * threads)
-    sixteen_bit = (72 + sympy.Rational(11, 8) * acc + sympy.Rational(9, 10) * scores
-                   + sympy.Rational(7, 10) * kv)
-    if arch.has_wgmma:
+    if pipelined:
+        sixteen_bit = (72 + sympy.Rational(11, 8) * acc + sympy.Rational(9, 10) * scores
+                       + sympy.Rational(7, 10) * kv)
         wgmma = 66 + acc + sympy.Rational(3, 4) * scores + sympy.Rational(5, 6) * kv
+    else:
+        sixteen_bit = 116 + sympy.Rational(8, 5) * acc + sympy.Rational(11, 5) * kv
+        wgmma = (136 + sympy.Rational(4, 3) * acc + sympy.Rational(1, 4) * scores
+                 + sympy.Rational(4, 3) * kv)
+    if arch.has_wgmma:
         sixteen_bit = sympy.Piecewise((wgmma, BM >= 64), (sixteen_bit, True))
     return sympy.Piecewise((40 + 8 * (acc + scores), sympy.Eq(E, 4)), (sixteen_bit, True))
 
@@ -267,6 +277,31 @@ def wave_expression() -> sympy.Expr:
     return waves / sympy.ceiling(waves)
 
 
+# The symbols the compiled model takes, in this order.
+MODEL_SYMBOLS = (BM, BN, S, W, D, DV, E)
+
+
+def numeric_model(arch: GpuArch, tma: bool, pipelined: bool = True
+                  ) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """(shared memory, registers per thread) as Python functions of MODEL_SYMBOLS' values,
+    compiled once per arch (evaluate.py); the same numbers as substituting into the sympy
+    expressions."""
+    return (compiled(smem_expression(arch, tma, pipelined), MODEL_SYMBOLS),
+            compiled(regs_expression(arch, pipelined), MODEL_SYMBOLS))
+
+
+@cache
+def exact_waves(heads: int, sm_count: int, block_m: int, per_sm: int) -> sympy.Expr:
+    """wave_expression at these values, exactly."""
+    return exact_value(wave_expression(), {H: heads, SMS: sm_count, BM: block_m, R: per_sm})
+
+
+@cache
+def exact_score(block_m: int, block_n: int, stages: int) -> sympy.Expr:
+    """score_expression at these values, exactly."""
+    return exact_value(score_expression(), {BM: block_m, BN: block_n, S: stages})
+
+
 def constraint_labels(arch: GpuArch) -> tuple[str, ...]:
     return (
         f"smem: shared memory <= {arch.smem_budget} B (the opt-in limit per block on "
@@ -288,18 +323,19 @@ def padded_head_dim(head_dim: int) -> int:
 @cache
 def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
     arch = ARCHS[arch_name]
-    values = {D: padded_head_dim(spec.head_dim), DV: padded_head_dim(spec.value_head_dim),
-              E: spec.dtype.itemsize}
-    smem_f = sympy.lambdify((BM, BN, S), smem_expression(arch).subs(values))
-    regs_f = sympy.lambdify((BM, BN, S, W), regs_expression(arch).subs(values))
-    score_f = sympy.lambdify((BM, BN, S), score_expression().subs(values), modules="sympy")
+    tma = arch.has_tma and tma_strides_aligned(spec)
+    pipelined = (tma and spec.dtype.itemsize == 2) or rows_aligned(spec)
+    d, dv, e = padded_head_dim(spec.head_dim), padded_head_dim(spec.value_head_dim), (
+        spec.dtype.itemsize)
+    values = {D: d, DV: dv, E: e}
+    smem_f, regs_f = numeric_model(arch, tma, pipelined)
     waves_at = {H: spec.num_q_heads, SMS: arch.sm_count}
-    waves_f = sympy.lambdify((BM, R), wave_expression().subs(waves_at), modules="sympy")
     candidates = []
     for bm, bn, w, s in itertools.product(BLOCK_M_CHOICES, BLOCK_N_CHOICES, NUM_WARPS_CHOICES,
                                           NUM_STAGES_CHOICES):
         config = TileConfig(bm, bn, w, s)
-        smem, regs = int(smem_f(bm, bn, s)), int(math.ceil(regs_f(bm, bn, s, w)))
+        smem = int(smem_f(bm, bn, s, w, d, dv, e))
+        regs = int(math.ceil(regs_f(bm, bn, s, w, d, dv, e)))
         reasons = []
         if smem > arch.smem_budget:
             reasons.append(f"smem {smem} B > {arch.smem_budget} B")
@@ -317,24 +353,28 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
         occupancy = min(1.0, per_sm * w / 8)  # 8 resident warps hide most latency
         score = waves = 0.0
         if not reasons:
-            waves = float(waves_f(bm, per_sm))
-            score = float(score_f(bm, bn, s)) * occupancy * waves
+            waves = float(exact_waves(spec.num_q_heads, arch.sm_count, bm, per_sm))
+            score = float(exact_score(bm, bn, s)) * occupancy * waves
         candidates.append(Candidate(config, smem, regs, per_sm, round(score, 6), tuple(reasons),
                                     regs_predictive=spec.dtype.itemsize != 4,
                                     wave_efficiency=round(waves, 4)))
     derivation = Derivation(
         arch=arch_name,
         source="heuristic",
-        # The formulas with this spec's dtype and head dims substituted: what explain prints.
-        expressions={"smem": str(smem_expression(arch).subs(values)),
-                     "regs": str(regs_expression(arch).subs(values)),
-                     "score": str(score_expression()),
-                     "waves": str(wave_expression().subs(waves_at))},
+        # The formulas with this spec's dtype and head dims substituted: what explain prints
+        # (sympy takes a while to simplify them, so only when read).
+        expressions=LazyText(lambda: {
+            "smem": str(smem_expression(arch, tma, pipelined).subs(values)),
+            "regs": str(regs_expression(arch, pipelined).subs(values)),
+            "score": str(score_expression()),
+            "waves": str(wave_expression().subs(waves_at))}),
         constraints=constraint_labels(arch),
         candidates=tuple(candidates),
         chosen=None,
         binding="nothing fits",
         dims={str(symbol): value for symbol, value in {**values, **waves_at}.items()},
+        tma=tma,
+        pipelined=pipelined,
     )
     feasible = [c for c in candidates if c.feasible]
     if not feasible:
@@ -355,15 +395,15 @@ def choose(derivation: Derivation, config: TileConfig, source: str) -> Derivatio
           BM: config.block_m, BN: config.block_n, S: config.num_stages, W: config.num_warps}
     worked = {}
     if "H" in derivation.dims:  # prefill's reference problem (decode has its own split rule)
-        waves = wave_expression().subs({H: derivation.dims["H"], SMS: derivation.dims["SMS"],
-                                        BM: config.block_m, R: candidate.programs_per_sm})
+        waves = exact_waves(derivation.dims["H"], derivation.dims["SMS"], config.block_m,
+                            candidate.programs_per_sm)
         worked["waves"] = (f"{waves} = {float(waves):.3f} ({derivation.dims['H']} heads x "
                            f"{REFERENCE_TOKENS} tokens / {config.block_m} rows per program "
                            f"over {derivation.dims['SMS']} SMs x {candidate.programs_per_sm} "
                            "per SM)")
     worked |= {
-        "smem": str(active_branch(smem_expression(arch, derivation.tma), at)),
-        "regs": str(active_branch(regs_expression(arch), at)),
+        "smem": active_formula(smem_expression(arch, derivation.tma, derivation.pipelined), at),
+        "regs": active_formula(regs_expression(arch, derivation.pipelined), at),
         "values": ", ".join(f"{symbol}={at[symbol]}" for symbol in (BM, BN, D, DV, E, S, W)),
     }
     return dataclasses.replace(derivation, chosen=config, source=source,

@@ -44,6 +44,7 @@ from attngen.render import render_module
 from attngen.spec import AttnSpec, KernelKind, specs_from_data
 from attngen.tiling.decode import derive_decode_tiles
 from attngen.tiling.prefill import TileConfig, derive_tiles, padded_head_dim
+from attngen.tiling.rows import rows_aligned
 
 # What one compile measures; a record of the data file holds these next to its key.
 MEASURED_FIELDS = ("shared", "static_shared", "regs", "stack", "spill_stores", "spill_loads",
@@ -119,7 +120,7 @@ def kernel_source(spec: AttnSpec, kernel: Any, config: TileConfig,
     for name, width in (("k_desc", spec.head_dim), ("v_desc", spec.value_head_dim)):
         block = f"[1, 1, {config.block_n}, {padded_head_dim(width)}]"
         types[name] = f"tensordesc<{spec.dtype.value}{block}>"
-    aligned = spec.head_dim % 16 == 0 and spec.value_head_dim % 16 == 0
+    aligned = rows_aligned(spec)
 
     def divisible(name: str) -> bool:  # batch and head strides; row strides of aligned dims
         stride = name.startswith("stride_")

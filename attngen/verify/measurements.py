@@ -4,12 +4,16 @@ chosen configs are measured by tools/decode_compile_check.py into
 data/decode_compile_triton-<version>.json.)
 
 What Triton allocates for attngen's prefill kernel depends on the target, the dtype, the padded
-head dims and the launch config, and on nothing else the spec says: mask, window, softcap,
-ALiBi and the head counts change no shared memory (checked on the 584 configs this model was
-fitted to, and re-checked by `attngen verify-tiling --recompile`). So a measurement is keyed by
-(arch, dtype, D, DV, BLOCK_M, BLOCK_N, num_warps, num_stages) and serves every spec with that
-key. Registers and spills do vary a little with the mask code; each record names the spec it
-was compiled from (its canonical fields are in the file), so it can be recompiled exactly.
+head dims, the launch config and how K/V rows are read (attngen/tiling/rows.py: `tma`, tensor
+descriptors on Hopper, which rows that are not a multiple of 16 bytes cannot use; `aligned`,
+rows of 16-element multiples, which pointer loads read vectorized and pipelined, and others
+element by element), and on nothing else the spec says: mask, window, softcap, ALiBi and the
+head counts change no shared memory (checked on the 584 configs this model was fitted to, and
+re-checked by `attngen verify-tiling --recompile`). So a measurement is keyed by (arch, dtype,
+D, DV, BLOCK_M, BLOCK_N, num_warps, num_stages, tma, aligned) and serves every spec with that
+key. Registers
+and spills do vary a little with the mask code; each record names the spec it was compiled from
+(its canonical fields are in the file), so it can be recompiled exactly.
 
 The file is written one record per line in a fixed order, so a regeneration diffs cleanly.
 Reading it needs neither torch nor triton.
@@ -27,7 +31,9 @@ from attngen.arch import ARCHS
 from attngen.files import write_if_different
 from attngen.render import TEMPLATE_FOR_KIND, template_hash
 from attngen.spec import AttnSpec, KernelKind, specs_from_data
+from attngen.tiling.code_paths import code_paths
 from attngen.tiling.prefill import TileConfig, padded_head_dim
+from attngen.tiling.rows import rows_aligned
 
 DATA_DIR = Path(__file__).with_name("data")
 SCHEMA = 1
@@ -50,20 +56,31 @@ class MeasurementKey(NamedTuple):
     BLOCK_N: int
     num_warps: int
     num_stages: int
+    tma: bool  # K/V through tensor descriptors (code_paths); pointer loads otherwise
+    aligned: bool  # rows of 16-element multiples (tiling.rows.rows_aligned)
 
     @property
     def config(self) -> TileConfig:
         return TileConfig(self.BLOCK_M, self.BLOCK_N, self.num_warps, self.num_stages)
 
     def label(self) -> str:
+        loads = " pointer loads" if not self.tma and usual_tma(self.arch, self.dtype) else ""
+        rows = "" if self.aligned else " unaligned rows"
         return (f"{self.arch} {self.dtype} D{self.D}/{self.DV} "
-                f"{self.BLOCK_M}x{self.BLOCK_N} w{self.num_warps} s{self.num_stages}")
+                f"{self.BLOCK_M}x{self.BLOCK_N} w{self.num_warps} s{self.num_stages}{loads}{rows}")
 
 
 def measurement_key(spec: AttnSpec, arch: str, config: TileConfig) -> MeasurementKey:
     return MeasurementKey(arch, spec.dtype.value, padded_head_dim(spec.head_dim),
                           padded_head_dim(spec.value_head_dim), config.block_m, config.block_n,
-                          config.num_warps, config.num_stages)
+                          config.num_warps, config.num_stages,
+                          code_paths(spec, arch, KernelKind.prefill).tma, rows_aligned(spec))
+
+
+def usual_tma(arch: str, dtype: str) -> bool:
+    """Whether a prefill kernel of this arch and dtype loads K/V through TMA when its head
+    dims allow it (what records written before the key had `tma` were compiled with)."""
+    return arch in ARCHS and ARCHS[arch].has_tma and dtype != "fp32"
 
 
 def spec_ref(spec: AttnSpec) -> str:
@@ -146,5 +163,9 @@ def load_measurements(path: Path) -> Measurements:
     if raw.get("schema") != SCHEMA:
         raise ValueError(f"{path}: measurements schema {raw.get('schema')!r}, expected {SCHEMA}")
     fields = MeasurementKey._fields
+    for record in raw["records"]:  # a file written before the key had `tma` and `aligned`
+        record.setdefault("tma", usual_tma(record["arch"], record["dtype"]))
+        spec = raw["specs"][record["spec"]]
+        record.setdefault("aligned", spec["head_dim"] % 16 == 0 and spec["head_dim_v"] % 16 == 0)
     records = {MeasurementKey(*(r[name] for name in fields)): r for r in raw["records"]}
     return Measurements(raw["triton"], raw["template_hash"], records, dict(raw["specs"]))

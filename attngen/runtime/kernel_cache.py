@@ -1,0 +1,160 @@
+"""Where kernels built on demand live, and whether they are built at all (plain Python).
+
+Settings: on-demand builds are on unless `attngen.configure(on_demand=False)` or
+`ATTNGEN_ON_DEMAND=0` turns them off (then neither are modules built nor is the cache read:
+only folders someone built and vetted run). The cache root is `configure(cache_dir=...)`,
+else `$ATTNGEN_CACHE`, else the user's cache directory (`$XDG_CACHE_HOME/attngen`, else
+`~/.cache/attngen`; `~/Library/Caches/attngen` on macOS, `%LOCALAPPDATA%\\attngen\\Cache` on
+Windows: the conventions platformdirs follows, without the dependency).
+
+Under the root, one folder per key, each an ordinary `attngen build` folder (index.json,
+<arch>/<module>.py, every module's sha256 in the index):
+
+    attngen-<version>_triton-<version>_<arch>_<fingerprint>/
+
+The fingerprint hashes what decides a rendered module's bytes besides its spec: the
+templates, the tiling model, render, build and naming code, the on-demand rules, and the
+arch's tuning file. A module is therefore never reused by an attngen, Triton or template
+that would render it differently; stale folders are left alone (delete the root to reclaim
+the space).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from attngen import __version__
+
+ENV_ON_DEMAND = "ATTNGEN_ON_DEMAND"
+ENV_CACHE = "ATTNGEN_CACHE"
+ENV_TUNING = "ATTNGEN_TUNING"
+_PACKAGE = Path(__file__).resolve().parent.parent
+_REPO_TUNING = _PACKAGE.parent / "tuning"
+# The package files that decide what a rendered module holds (besides its spec and config).
+_BUILD_SOURCES = ("templates/*.jinja", "tiling/*.py", "render.py", "build.py", "spec.py",
+                  "arch.py", "tuning/database.py", "runtime/ondemand.py")
+_OFF = frozenset({"0", "false", "no", "off"})
+_ON = frozenset({"1", "true", "yes", "on"})
+
+
+@dataclass(frozen=True)
+class Settings:
+    on_demand: bool
+    cache_root: Path
+
+
+_overrides: dict[str, object] = {}
+_lock = threading.Lock()
+
+
+def settings() -> Settings:
+    """The settings in force: configure()'s, else the environment's, else the defaults."""
+    on_demand = _overrides.get("on_demand")
+    if on_demand is None:
+        on_demand = _env_flag(ENV_ON_DEMAND, default=True)
+    root = _overrides.get("cache_dir") or os.environ.get(ENV_CACHE) or user_cache_dir()
+    return Settings(bool(on_demand), Path(str(root)).expanduser())
+
+
+def set_overrides(on_demand: bool | None, cache_dir: str | Path | None) -> None:
+    """Record configure()'s values (None leaves a setting as it is)."""
+    if on_demand is not None and not isinstance(on_demand, bool):
+        raise ValueError(f"on_demand: got {on_demand!r}; allowed: True or False")
+    if cache_dir is not None and not isinstance(cache_dir, (str, Path)):
+        raise ValueError(f"cache_dir: got {cache_dir!r}; allowed: a folder path")
+    with _lock:
+        if on_demand is not None:
+            _overrides["on_demand"] = on_demand
+        if cache_dir is not None:
+            _overrides["cache_dir"] = Path(cache_dir)
+
+
+def reset_overrides() -> None:
+    """Forget configure()'s values: the environment and defaults apply again."""
+    with _lock:
+        _overrides.clear()
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    if value.lower() in _OFF:
+        return False
+    if value.lower() in _ON:
+        return True
+    raise ValueError(f"${name}: got {value!r}; allowed: 1 or 0 (true/false, yes/no, on/off)")
+
+
+def user_cache_dir() -> Path:
+    """The user's cache directory for attngen, by the platform's convention."""
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / "attngen"
+    if os.name == "nt":
+        base = os.environ.get("LOCALAPPDATA") or str(Path.home() / "AppData" / "Local")
+        return Path(base) / "attngen" / "Cache"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "attngen"
+
+
+def tuning_dir() -> Path | None:
+    """The tuning database on-demand builds read: $ATTNGEN_TUNING, else the repository's
+    tuning/ (a source checkout), else none (the heuristic)."""
+    env = os.environ.get(ENV_TUNING)
+    if env:
+        return Path(env)
+    return _REPO_TUNING if _REPO_TUNING.is_dir() else None
+
+
+@cache
+def triton_version() -> str:
+    for distribution in ("triton", "pytorch-triton"):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "none"
+
+
+@cache
+def _code_fingerprint() -> str:
+    digest = hashlib.sha256()
+    for pattern in _BUILD_SOURCES:
+        for path in sorted(_PACKAGE.glob(pattern)):
+            digest.update(path.relative_to(_PACKAGE).as_posix().encode() + b"\0")
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def fingerprint(arch: str) -> str:
+    """12 hex digits of the build code's and the arch's tuning file's hash."""
+    return _fingerprint(arch, tuning_dir())
+
+
+@cache
+def _fingerprint(arch: str, tuning: Path | None) -> str:
+    digest = hashlib.sha256(_code_fingerprint().encode())
+    tuning_file = tuning / f"{arch}.json" if tuning is not None else None
+    if tuning_file is not None and tuning_file.is_file():
+        digest.update(tuning_file.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def cache_folder(arch: str, root: Path | None = None) -> Path:
+    """The cache folder of `arch` for this attngen, Triton and build code."""
+    root = settings().cache_root if root is None else root
+    return root / (f"attngen-{__version__}_triton-{triton_version()}_{arch}_"
+                   f"{fingerprint(arch)}")
+
+
+def existing_cache_folders(archs: tuple[str, ...]) -> list[Path]:
+    """The cache folders of these archs that hold an index (built before, by any process)."""
+    return [folder for arch in archs
+            if (folder := cache_folder(arch)).joinpath("index.json").is_file()]

@@ -1,0 +1,132 @@
+"""flash_attn_with_kvcache's options that the runtime serves without a kernel change.
+
+- rotary_cos/rotary_sin: flash-attn's rotary embedding of q and of the appended k (at
+  positions cache_seqlens[b] + t; q at cache_seqlens[b] for every token unless causal or
+  local), interleaved (pairs 0&1, 2&3, ...) or not (GPT-NeoX halves), on the first
+  2 * rotary_cos.shape[1] dims. Computed here in float32 and rounded to q's dtype, as
+  flash-attn's kernel does before it uses them; a new q and k are made (small), never a copy
+  of the cache, and the positions stay on the device (no host sync). Fusing it into the
+  decode kernel's append is the performance step that remains (docs/integration.md).
+- cache_batch_idx / cache_leftpad: which cache row holds sequence b, and where its keys
+  start. The varlen route reads the cache in place with sequence b's keys from
+  cache_batch_idx[b] * L + cache_leftpad[b] (its cu_seqlens_k start) and
+  cache_seqlens[b] + Nnew - cache_leftpad[b] of them (seqused_k); the new keys are written at
+  cache_seqlens[b] of row cache_batch_idx[b]. Device arithmetic only. The decode kind's
+  modules take neither, so such calls take the varlen route. Neither goes with block_table
+  (flash-attn refuses both combinations too).
+- num_splits: 0 lets the kernels decide; 1 asks for no split of the keys, which is the
+  varlen route (one program per query block attends to all keys). A count above 1 needs the
+  decode module to take a split count per call (a template change), so it is refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    rotary: tuple[torch.Tensor, torch.Tensor, bool] | None  # (cos, sin, interleaved)
+    batch_idx: torch.Tensor | None  # int32 [B]
+    leftpad: torch.Tensor | None  # int32 [B]
+    num_splits: int
+
+    @property
+    def decode_route(self) -> bool:
+        """Whether a decode-kind module may serve the call (it has none of these options)."""
+        return self.batch_idx is None and self.leftpad is None and self.num_splits != 1
+
+
+def cache_options(q, k, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
+                  rotary_interleaved, num_splits, capacity) -> CacheOptions:
+    """The options, checked; a ValueError names the argument and what is allowed."""
+    batch = q.shape[0]
+    if not (type(num_splits) is int and num_splits >= 0):
+        raise ValueError(f"num_splits: got {num_splits!r}; allowed: an int >= 0")
+    if num_splits > 1:
+        raise ValueError(
+            f"num_splits: got {num_splits}; attngen's decode kernels split the keys by their "
+            "own rule (0) or not at all (1): a forced count needs a per-call split argument "
+            "in the decode template")
+    for name, index in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if index is None:
+            continue
+        if block_table is not None:
+            raise ValueError(f"{name}: not supported with block_table (a paged cache), as in "
+                             "flash-attn")
+        if (not isinstance(index, torch.Tensor) or index.shape != (batch,)
+                or index.dtype != torch.int32 or index.device != q.device):
+            raise ValueError(f"{name}: expected an int32 tensor [{batch}] on {q.device}, got "
+                             f"{_describe(index)}")
+    rotary = None
+    if rotary_cos is not None or rotary_sin is not None:
+        _check_rotary(q, k, rotary_cos, rotary_sin, capacity)
+        rotary = (rotary_cos, rotary_sin, bool(rotary_interleaved))
+    return CacheOptions(rotary, cache_batch_idx, cache_leftpad, num_splits)
+
+
+def _check_rotary(q, k, cos, sin, capacity) -> None:
+    if cos is None or sin is None:
+        missing = "rotary_sin" if sin is None else "rotary_cos"
+        raise ValueError(f"{missing}: pass rotary_cos and rotary_sin together, or neither")
+    if k is None:
+        raise ValueError("rotary_cos: rotary embedding is applied to the appended k and q, so "
+                         "k and v must be passed with it (as in flash-attn)")
+    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if (not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape != cos.shape
+                or 2 * t.shape[1] > q.shape[-1] or t.shape[1] == 0 or t.shape[0] < capacity
+                or t.dtype != q.dtype or t.device != q.device):
+            raise ValueError(
+                f"{name}: expected a {q.dtype} tensor [seqlen_ro >= {capacity} (the cache's "
+                f"positions), rotary_dim / 2 <= {q.shape[-1] // 2}] on {q.device}, as "
+                f"rotary_cos, got {_describe(t)}")
+
+
+def rotate(q, k, options: CacheOptions, cache_seqlens, mask_bounded: bool):
+    """(q, k) with the rotary embedding applied (unchanged without rotary). mask_bounded:
+    causal or local (flash-attn's window other than (-1, -1)): a mask other than none, so
+    each query token has its own position."""
+    if options.rotary is None:
+        return q, k
+    cos, sin, interleaved = options.rotary
+    starts = cache_seqlens.long()[:, None]
+    positions_k = starts + torch.arange(k.shape[1], device=k.device)
+    positions_q = (starts + torch.arange(q.shape[1], device=q.device) if mask_bounded
+                   else starts.expand(-1, q.shape[1]))
+    return (_apply_rotary(q, cos, sin, positions_q, interleaved),
+            _apply_rotary(k, cos, sin, positions_k, interleaved))
+
+
+def _apply_rotary(x, cos, sin, positions, interleaved: bool):
+    """x [B, N, H, D] rotated at positions [B, N] on its first 2 * cos.shape[1] dims."""
+    half = cos.shape[1]
+    c = cos[positions].unsqueeze(2).float()  # [B, N, 1, half]
+    s = sin[positions].unsqueeze(2).float()
+    part = x[..., :2 * half].float()
+    if interleaved:
+        x1, x2 = part[..., 0::2], part[..., 1::2]
+        rotated = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = part[..., :half], part[..., half:]
+        rotated = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+def key_layout(options: CacheOptions, steps, capacity: int, used):
+    """(cu_seqlens_k, seqused_k) of the varlen route: sequence b's keys start in row
+    cache_batch_idx[b] (else b) at cache_leftpad[b] (else 0); `used` counts keys from 0."""
+    starts = steps * capacity
+    if options.batch_idx is not None:
+        starts = torch.cat((options.batch_idx * capacity, starts[-1:]))
+    if options.leftpad is not None:
+        starts = torch.cat((starts[:-1] + options.leftpad, starts[-1:]))
+        used = used - options.leftpad
+    return starts.to(torch.int32), used.to(torch.int32)
+
+
+def _describe(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{list(t.shape)} {t.dtype} on {t.device}"
+    return type(t).__name__

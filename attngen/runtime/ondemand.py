@@ -1,0 +1,224 @@
+"""Kernels on demand: the module a call needs, derived, rendered, cached and loaded.
+
+When no loaded module serves a call (dispatch.py asks, with the call's Need and head counts),
+`build_for` states the call as a spec, renders it through the build path (plan_build: the
+tiling model's choice, or the tuning database's config when it has one for this spec and
+arch), writes it into the on-demand cache (kernel_cache.py) as an ordinary build folder, and
+adds it to the registry in use. No torch here: the build path stays torch-free, and this is
+its glue.
+
+The spec of a call:
+- every field a kernel depends on comes from the Need (kind, dtype, head dims, mask and
+  alignment, window, softcap, ALiBi; for decode the KV layout, page size and the step's query
+  tokens as max_query_tokens). A window side of 2**31 - 1 (flash-attn's -1) is unbounded:
+  a window unbounded on both sides is no mask, and one unbounded left and closed right is
+  causal.
+- head counts are runtime arguments of every module, but the tiling model uses them (prefill
+  estimates waves from the query heads; decode's row tile is query heads per KV head times
+  query tokens) and so does the tuning database's key. The spec takes the call's own counts,
+  and so does its name, `auto_h<HQ>kv<HKV>`: a module is a function of its name, and any
+  module serves any head counts, so a later call with other counts uses it rather than
+  building again.
+- arch: the device's. Under Triton's interpreter (CPU tensors) it is INTERPRETER_ARCH, sm80:
+  the portable code path (pointer loads, no Hopper-only TMA or wgmma), which every arch
+  shares.
+
+Concurrency: one lock file per module (`<arch>/.<module>.lock`) held while it is looked up and
+built, so two processes (or threads) asking for one module render it once; every file is
+written atomically (attngen.files) and the index merged under its own lock (build.py). A
+module in the cache is used only if its bytes hash to its index entry's sha256 and the entry
+is the spec asked for; otherwise it is rendered again, replacing the file. The registry
+re-verifies the bytes when it imports them, and a cache module that fails there is rebuilt
+(`rebuild`), never run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+from attngen.build import Artifact, BuildError, plan_build, read_index, write_build
+from attngen.files import locked
+from attngen.runtime import kernel_cache
+from attngen.runtime.registry import RANK_STRIDE, SOURCES, KernelEntry, Registry
+from attngen.runtime.selection import INTERPRETER, Need
+from attngen.spec import AttnSpec, KernelKind, Mask, SpecError, module_name, specs_from_data
+from attngen.tuning.database import TuningError
+
+INTERPRETER_ARCH = "sm80"
+UNBOUNDED = 2**31 - 1  # flash-attn's -1 window side, as arguments.INFINITE
+NAME_PREFIX = "auto"
+_CACHE_RANK = SOURCES.index("cache") * RANK_STRIDE
+_renders = 0
+_renders_lock = threading.Lock()
+
+
+class NotExpressible(ValueError):
+    """A call no spec can state (its message says which field, and why)."""
+
+
+def render_count() -> int:
+    """How many modules this process has rendered on demand (a cached one is not rendered)."""
+    return _renders
+
+
+def build_for(need: Need, heads: tuple[int, int] | None, registry: Registry
+              ) -> tuple[KernelEntry, bool]:
+    """The cache's module for `need` (built now unless a valid one is there), added to
+    `registry`; (entry, whether this call rendered it). NotExpressible or BuildError say why
+    none can be built."""
+    spec, kind, arch = spec_for(need, heads)
+    entry, built = cached_module(spec, kind, arch)
+    registry.add(entry, kernel_cache.cache_folder(arch).resolve())
+    return entry, built
+
+
+def spec_for(need: Need, heads: tuple[int, int] | None) -> tuple[AttnSpec, KernelKind, str]:
+    """The spec, kind and arch that serve `need` (the module docstring), or NotExpressible."""
+    from attngen.arch import ARCHS
+
+    arch = INTERPRETER_ARCH if need.arch == INTERPRETER else need.arch
+    if arch not in ARCHS:
+        raise NotExpressible(f"arch: {need.arch} has no row in attngen/arch.py "
+                             f"(known: {', '.join(ARCHS)})")
+    if need.dtype is None:
+        raise NotExpressible("dtype: no generated kernels for q's dtype")
+    num_q, num_kv = _head_counts(heads)
+    fields: dict[str, Any] = {
+        "name": f"{NAME_PREFIX}_h{num_q}kv{num_kv}", "archs": [arch],
+        "dtype": need.dtype.value, "head_dim": need.head_dim, "head_dim_v": need.head_dim_v,
+        "num_q_heads": num_q, "num_kv_heads": num_kv, "softcap": float(need.softcap),
+        "alibi": need.alibi, "kernels": [need.kind.value], **_mask_fields(need)}
+    if need.kind is KernelKind.decode:
+        fields["kv_layout"] = need.kv_layout.value if need.kv_layout else None
+        if need.page_size is not None:
+            fields["page_size"] = need.page_size
+        fields["max_query_tokens"] = max(1, need.seqlen_q)
+    try:
+        (spec,) = specs_from_data(fields)
+    except SpecError as exc:
+        raise NotExpressible(str(exc)) from None
+    return spec, need.kind, arch
+
+
+def _head_counts(heads: tuple[int, int] | None) -> tuple[int, int]:
+    """The call's (query heads, KV heads) as valid spec fields: 1..1024 and a divisor."""
+    if heads is None:
+        return 1, 1
+    num_q, num_kv = heads
+    if num_kv < 1 or num_q < num_kv or num_q % num_kv:
+        return 1, 1  # the module itself refuses such a call, naming the head counts
+    ratio = num_q // num_kv
+    num_kv = max(1, min(num_kv, 1024 // min(ratio, 1024)))
+    return min(ratio, 1024) * num_kv, num_kv
+
+
+def _mask_fields(need: Need) -> dict[str, Any]:
+    mask, window = need.mask, need.window
+    if mask is Mask.sliding_window and window is not None:
+        left, right = window
+        if left >= UNBOUNDED and right >= UNBOUNDED:
+            mask = Mask.none
+        elif left >= UNBOUNDED and right == 0:
+            mask = Mask.causal
+    if mask is Mask.none:
+        return {"mask": "none"}
+    align = need.causal_align.value if need.causal_align else None
+    fields: dict[str, Any] = {"mask": mask.value, "causal_align": align}
+    if mask is Mask.sliding_window and window is not None:
+        fields.update(window_left=window[0], window_right=window[1])
+    return fields
+
+
+# ------------------------------------------------------------------------------ the cache
+
+
+_module_locks: dict[str, threading.Lock] = {}
+
+
+def cached_module(spec: AttnSpec, kind: KernelKind, arch: str) -> tuple[KernelEntry, bool]:
+    """The cache's entry for (spec, kind, arch), rendered and written unless a valid one is
+    there; (entry, whether it was rendered now)."""
+    folder = kernel_cache.cache_folder(arch)
+    name = module_name(spec, kind)
+    relative = f"{arch}/{name}.py"
+    (folder / arch).mkdir(parents=True, exist_ok=True)
+    thread_lock = _module_locks.setdefault(relative, threading.Lock())
+    with thread_lock, locked(folder / arch / f".{name}.lock"):
+        item = _valid_item(folder, relative, spec, kind)
+        if item is not None:
+            return _entry(folder, item), False
+        artifact = _render(spec, kind, arch)
+        _write(artifact, folder)
+        return _entry(folder, artifact.entry), True
+
+
+def _valid_item(folder: Path, relative: str, spec: AttnSpec, kind: KernelKind
+                ) -> dict[str, Any] | None:
+    """The index entry of `relative` if it is this spec's and the file's bytes hash to it."""
+    try:
+        items = read_index(folder)
+    except BuildError:
+        return None  # a corrupt index: _write sets it aside
+    item = next((i for i in items if isinstance(i, dict) and i.get("path") == relative), None)
+    if item is None or item.get("spec") != spec.canonical() or item.get("kind") != kind.value:
+        return None
+    try:
+        data = (folder / relative).read_bytes()
+    except OSError:
+        return None
+    return item if hashlib.sha256(data).hexdigest() == item.get("sha256") else None
+
+
+def _render(spec: AttnSpec, kind: KernelKind, arch: str) -> Artifact:
+    global _renders
+    try:
+        (artifact,) = plan_build([spec], kernel_cache.tuning_dir())
+    except TuningError as exc:
+        warnings.warn(f"attngen: the tuning database cannot serve {module_name(spec, kind)} on "
+                      f"{arch} ({exc}); built with the tiling model's config", stacklevel=2)
+        (artifact,) = plan_build([spec], None)
+    with _renders_lock:
+        _renders += 1
+    return artifact
+
+
+def _write(artifact: Artifact, folder: Path) -> None:
+    try:
+        write_build([artifact], folder)
+    except BuildError:
+        # index.json does not parse: set it aside (under the index lock, so no writer is
+        # between reading and replacing it) and merge into a fresh one. Its other modules
+        # are rebuilt when next asked for.
+        with locked(folder / ".index.lock"), contextlib.suppress(FileNotFoundError):
+            (folder / "index.json").replace(folder / "index.json.corrupt")
+        write_build([artifact], folder)
+
+
+def _entry(folder: Path, item: dict[str, Any]) -> KernelEntry:
+    path = (folder / item["path"]).resolve()
+    return KernelEntry(str(path), item["module"], item["arch"], item["kind"], dict(item["spec"]),
+                       item["sha256"], "cache", _CACHE_RANK)
+
+
+def rebuild(entry: KernelEntry) -> KernelEntry:
+    """A cache module that failed its checks, rendered again from its entry's spec (which
+    the spec validation reads like any spec) and written over the bad file."""
+    from attngen.runtime.registry import RegistryError
+
+    try:
+        (spec,) = specs_from_data(entry.spec)
+        kind = KernelKind(entry.kind)
+    except (SpecError, ValueError) as exc:
+        raise RegistryError(f"{entry.key}: a cached module whose index entry is not a spec "
+                            f"({exc}); not run") from None
+    fresh, _ = cached_module(spec, kind, entry.arch)
+    if fresh.key != entry.key:
+        raise RegistryError(f"{entry.key}: its index entry describes another module "
+                            f"({fresh.key}); not run")
+    return KernelEntry(fresh.key, fresh.module, fresh.arch, fresh.kind, fresh.spec,
+                       fresh.sha256, entry.source, entry.rank)

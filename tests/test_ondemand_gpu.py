@@ -1,0 +1,100 @@
+"""Kernels on demand on a CUDA GPU (`pytest -m gpu tests/test_ondemand_gpu.py` on the H200):
+the CPU tests' calls at real sizes, compiled by Triton, against the float64 reference; the
+cold start, phase by phase (tools/ondemand_cold_start.py); warmup() leaving nothing to compile
+for the first real call."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import attngen
+from attngen.reference import compare_to_reference
+from attngen.runtime import ondemand
+from tests.kernel_harness import make_spec
+from tests.ondemand_harness import on_demand  # noqa: F401
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parent.parent
+
+CASES = [  # (head dim, dtype, heads, mask, window, softcap)
+    (59, torch.float16, (6, 2), "causal", None, 0.0),
+    (72, torch.bfloat16, (6, 6), "sliding_window", (255, 0), 0.0),
+    (111, torch.float16, (6, 3), "none", None, 30.0),
+    (200, torch.bfloat16, (6, 6), "causal", None, 50.0),
+    (1, torch.float16, (6, 6), "causal", None, 0.0),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"d{c[0]}_{c[1]}_{c[3]}")
+@pytest.mark.parametrize("seqlen", [1000, 4096])
+def test_calls_build_on_demand_and_match_on_the_gpu(case, seqlen, on_demand):  # noqa: F811
+    dim, dtype, (hq, hkv), mask, window, softcap = case
+    gen = torch.Generator(device="cuda").manual_seed(dim)
+    q, k, v = (torch.randn(2, seqlen, h, dim, device="cuda", dtype=dtype, generator=gen)
+               for h in (hq, hkv, hkv))
+    kwargs = dict(causal=mask == "causal", window_size=window or (-1, -1), softcap=softcap,
+                  return_attn_probs=True)
+    renders = ondemand.render_count()
+    out, lse, _ = attngen.flash_attn_func(q, k, v, **kwargs)
+    assert attngen.last_dispatch().source == "cache"
+    fields = dict(dtype={torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype], head_dim=dim,
+                  num_q_heads=hq, num_kv_heads=hkv, mask=mask, softcap=softcap)
+    if window:
+        fields.update(window_left=window[0], window_right=window[1])
+    problems = compare_to_reference(make_spec(**fields), out.transpose(1, 2), lse,
+                                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    assert not problems, problems
+    attngen.flash_attn_func(q, k, v, **kwargs)
+    assert not attngen.last_dispatch().built and ondemand.render_count() <= renders + 1
+
+
+def test_decode_with_odd_head_dims_on_the_gpu(on_demand):  # noqa: F811
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    cache_k, cache_v = (torch.randn(4, 4096, 2, 59, device="cuda", dtype=torch.float16,
+                                    generator=gen) for _ in range(2))
+    q = torch.randn(4, 1, 8, 59, device="cuda", dtype=torch.float16, generator=gen)
+    lengths = torch.tensor([1, 100, 2000, 4095], dtype=torch.int32, device="cuda")
+    out = attngen.flash_attn_with_kvcache(q, cache_k, cache_v, cache_seqlens=lengths,
+                                          causal=True)
+    assert "_decode_fp16_d59_causal_br_contig" in attngen.last_dispatch().module
+    for b, n in enumerate(lengths.tolist()):
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[b:b + 1].transpose(1, 2).double(), cache_k[b:b + 1, :n].transpose(1, 2).double(),
+            cache_v[b:b + 1, :n].transpose(1, 2).double(), enable_gqa=True).transpose(1, 2)
+        torch.testing.assert_close(out[b:b + 1].double(), ref, atol=2e-3, rtol=0)
+
+
+def test_warmup_leaves_nothing_to_compile(on_demand):  # noqa: F811
+    spec = make_spec(head_dim=111, dtype="fp16", num_q_heads=6, num_kv_heads=2, mask="causal")
+    warmed = attngen.warmup(spec)
+    print("warmup:", warmed)
+    assert [w.kind for w in warmed] == ["prefill"] and warmed[0].ran
+    q = torch.randn(1, 4096, 6, 111, device="cuda", dtype=torch.float16)
+    k = torch.randn(1, 4096, 2, 111, device="cuda", dtype=torch.float16)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    attngen.flash_attn_func(q, k, k, causal=True)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - start
+    print(f"first call after warmup: {first * 1e3:.1f} ms")
+    assert first < 0.5  # a compile takes seconds; a launch of this size milliseconds
+
+
+def test_cold_start_phases(tmp_path):
+    out = Path(os.environ.get("ATTNGEN_GPU_OUT", tmp_path)) / "ondemand_cold_start.json"
+    proc = subprocess.run([sys.executable, "tools/ondemand_cold_start.py", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    print(json.dumps(result, indent=1))
+    later = result["phases"]["runs"][1:]  # sympy imported and the model compiled already
+    assert all(run["spec_to_written_s"] < 0.1 for run in later), later
+    assert result["first_call_new_process_same_caches"]["renders"] == 0
