@@ -31,10 +31,13 @@ def visible_mask(spec: AttnSpec, seqlen_q: int, seqlen_k: int, device=None) -> t
 
 
 def alibi_distance(spec: AttnSpec, seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
-    """[Nq, Nk] |i' - j|, the distance ALiBi's bias is proportional to."""
+    """[Nq, Nk] |i' - j|, the distance ALiBi's bias is proportional to. With a mask i' follows
+    its causal_align; without one, i' = i + (Nk - Nq): bottom-right, flash-attn's convention
+    (the queries are the last Nq positions of the keys' sequence)."""
     i = torch.arange(seqlen_q, device=device)[:, None]
     j = torch.arange(seqlen_k, device=device)[None, :]
-    shift = seqlen_k - seqlen_q if spec.causal_align is CausalAlign.bottom_right else 0
+    bottom_right = spec.mask is Mask.none or spec.causal_align is CausalAlign.bottom_right
+    shift = seqlen_k - seqlen_q if bottom_right else 0
     return (i + shift - j).abs()
 
 

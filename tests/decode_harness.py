@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from attngen.reference import compare_to_reference
-from attngen.spec import AttnSpec, CausalAlign, KernelKind
+from attngen.spec import AttnSpec, KernelKind
 from tests.kernel_harness import TORCH_DTYPES, load_kernel, make_spec
 
 DECODE = KernelKind.decode
@@ -117,23 +117,17 @@ def run_decode(kernel, cache: Cache, q, k_new=None, v_new=None, slopes=None, **k
                          **kwargs)
 
 
-def reference_spec(spec: AttnSpec) -> AttnSpec:
-    """The spec the dense reference runs: decode's query positions are absolute (bottom-right)
-    for every mask, ALiBi's distance included, so the alignment is set even for mask none
-    (model_copy skips the validation that refuses an alignment without a mask)."""
-    return spec.model_copy(update={"causal_align": CausalAlign.bottom_right})
-
-
 def decode_problems(spec: AttnSpec, cache: Cache, out, lse, q, k_new=None, v_new=None,
                     slopes=None, sm_scale=None) -> list[str]:
-    """Per sequence: the kernel's rows against the dense float64 reference."""
+    """Per sequence: the kernel's rows against the dense float64 reference (decode's queries
+    are the last tokens: the spec's bottom-right mask, and ALiBi without a mask is aligned
+    bottom-right too)."""
     problems = []
-    ref_spec = reference_spec(spec)
     for b in range(q.shape[0]):
         k, v = cache.dense_k[b], cache.dense_v[b]
         if k_new is not None:
             k, v = torch.cat([k, k_new[b]], dim=1), torch.cat([v, v_new[b]], dim=1)
-        found = compare_to_reference(ref_spec, out[b:b + 1], lse[b:b + 1], q[b:b + 1], k[None],
+        found = compare_to_reference(spec, out[b:b + 1], lse[b:b + 1], q[b:b + 1], k[None],
                                      v[None], sm_scale=sm_scale, alibi_slopes=slopes)
         problems += [f"sequence {b} (L={k.shape[1]}): {p}" for p in found]
     return problems

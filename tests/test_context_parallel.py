@@ -111,7 +111,8 @@ def test_unshard_refuses_wrong_lengths():
 
 def kernel_sees(call, r, c, num_q, num_k) -> tuple[bool, int]:
     """What the generated kernel does for call row r (padded) and key c: (visible, i' - c)."""
-    shift = num_k - num_q if call.align == "bottom_right" else 0
+    # Mask-none kernels place rows bottom-right too (flash-attn's ALiBi distance).
+    shift = num_k - num_q if call.align == "bottom_right" or call.mask == "none" else 0
     i_pos = r + shift
     if call.mask == "none":
         return True, i_pos - c

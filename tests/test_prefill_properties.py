@@ -30,8 +30,9 @@ def spec_fields(draw):
     if mask != "none":
         fields["causal_align"] = draw(st.sampled_from(["top_left", "bottom_right"]))
     if mask == "sliding_window":
-        fields["window_left"] = draw(st.sampled_from([0, 1, 15, 16, 17, 40]))
-        fields["window_right"] = draw(st.sampled_from([0, 0, 3, 16]))
+        # 2**31 - 1 is flash-attn's unbounded side (int32 arithmetic must not overflow)
+        fields["window_left"] = draw(st.sampled_from([0, 1, 15, 16, 17, 40, 2**31 - 1]))
+        fields["window_right"] = draw(st.sampled_from([0, 0, 3, 16, 2**31 - 1]))
     if draw(st.integers(0, 3)) == 0:
         fields["softcap"] = draw(st.sampled_from([5.0, 30.0, 50.0]))
     if draw(st.integers(0, 3)) == 0:

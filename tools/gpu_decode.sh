@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The decode GPU run, in one call: the decode GPU tests and the decode benchmark.
+# The decode GPU run, in one call: the decode GPU tests (memory safety included) and the
+# decode benchmark.
 # Usage on a CUDA machine, from the repository root:
 #   source tools/gpu_env.sh; bash tools/gpu_decode.sh OUT_DIR [bench args]
 set -u -o pipefail
@@ -12,7 +13,8 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
   | tee -a "$out/gpu.txt"
 python3 -m attngen check examples/*.yaml 2>&1 | tee "$out/check.log"
 ATTNGEN_HYPOTHESIS_PROFILE=gpu python3 -m pytest -m gpu -q -p no:cacheprovider \
-  tests/test_decode_gpu.py tests/test_prefill_gpu.py 2>&1 | tee "$out/pytest_gpu_decode.log"
+  tests/test_decode_gpu.py tests/test_prefill_gpu.py tests/test_safety_gpu.py 2>&1 \
+  | tee "$out/pytest_gpu_decode.log"
 tests_rc=$?
 python3 tools/bench_decode.py --out "$out" "$@" 2>&1 | tee "$out/bench_decode.log"
 bench_rc=$?

@@ -9,7 +9,8 @@ to query i when j <= i (causal) or i - left <= j <= i + right (window), and ALiB
 -slope * |i - j|.
 
 A generated kernel sees positions only through its alignment: row i of a call sits at
-i' = i + (Nk - Nq) (bottom_right) or i' = i (top_left, and every mask-none kernel). A call
+i' = i + (Nk - Nq) (bottom_right, and every mask-none kernel: flash-attn's ALiBi distance
+|i + Nk - Nq - j|) or i' = i (top_left). A call
 is exact when the kernel's i' - j equals the global i - j, which needs the key range to end
 where the query chunk ends (bottom_right: D = qs - ks = Nk - Nq) or to start where it starts
 (top_left: D = 0). Two ways make that hold:
@@ -121,9 +122,9 @@ def express(rule: MaskRule, q_pos: tuple[int, int], k_pos: tuple[int, int],
     if (qs, qe) == (ks, ke):  # the same positions: any alignment is exact
         return KernelCall(rows, keys, rule.mask, aligns[0] if masked else None, rule.window)
     options: list[tuple[int, str | None, int, int]] = []  # (fake rows, align, pads)
-    if not masked:  # a mask-none kernel places rows top-left (its ALiBi distance is |i - j|)
-        if ks <= qs:
-            options.append((qs - ks, None, qs - ks, 0))
+    if not masked:  # a mask-none kernel places rows bottom-right (ALiBi: |i + Nk - Nq - j|)
+        if ke >= qe:
+            options.append((ke - qe, None, 0, ke - qe))
     else:
         if "bottom_right" in aligns and ke >= qe:
             options.append((ke - qe, "bottom_right", 0, ke - qe))
@@ -141,7 +142,7 @@ def _refusal(rule: MaskRule, q_pos, k_pos, aligns) -> str:
     why = ("ALiBi's bias depends on the offset between them" if rule.alibi
            else f"the {rule.describe()} mask cuts through the key range")
     if rule.mask == "none":
-        need = f"a mask-none kernel places rows top-left, so the keys must start by {qs}"
+        need = f"a mask-none kernel places rows bottom-right, so the keys must end by {qe}"
     else:
         need = (f"kernels here align {' or '.join(aligns)}; bottom_right needs the keys to end "
                 f"at or after {qe}, top_left to start at or before {qs}")

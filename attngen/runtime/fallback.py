@@ -40,7 +40,8 @@ def torch_attention(q, k, v, *, mask="none", align=None, window=None, softcap=0.
         seen = allowed if seen is None else seen & allowed
     if alibi_slopes is not None:
         i = torch.arange(seqlen_q, device=q.device)[:, None]
-        i = i + (seqlen_k - seqlen_q if align == "bottom_right" else 0)
+        # ALiBi's i' is aligned bottom-right without a mask (flash-attn's convention)
+        i = i + (seqlen_k - seqlen_q if align == "bottom_right" or mask == "none" else 0)
         distance = (i - torch.arange(seqlen_k, device=q.device)[None, :]).abs().float()
         alibi = -alibi_slopes.float()[:, None, None] * distance
         bias = alibi if bias is None else bias + alibi

@@ -7,7 +7,9 @@ Routing, in order:
 2. Otherwise the varlen kind, reading the cache in place: the new k/v are appended with torch
    index writes, then each batch row b is one packed "sequence" whose keys start at row
    b * L of the flattened cache, and `seqused_k` = cache_seqlens + Nnew says how many are
-   used. No host sync. Paged caches are gathered through block_table first (a copy).
+   used (-1 for a sequence that does not fit its cache: the kernel gives it NaN, and _append
+   wrote nothing for it). No host sync. Paged caches are gathered through block_table first
+   (a copy).
    This is the route of specs built without the decode kind; split-KV decode (route 1) is
    where small-batch speed comes from (docs/performance.md). Calls with cache_batch_idx,
    cache_leftpad or num_splits=1 take it (kvcache_options.py: rotary, those, num_splits).
@@ -15,12 +17,14 @@ Routing, in order:
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from attngen.runtime import arguments, ops
 from attngen.runtime.arguments import flash_mask, flash_refusal
 from attngen.runtime.dispatch import need_for, probe
-from attngen.runtime.kvcache_options import cache_options, key_layout, rotate
+from attngen.runtime.kvcache_options import CacheOptions, cache_options, key_layout, rotate
 from attngen.runtime.launch import run_varlen
 from attngen.runtime.selection import Dispatch
 from attngen.runtime.validate import check_kvcache_shapes
@@ -36,24 +40,31 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """flash-attn 2.x `flash_attn_with_kvcache`: q [B, Nq, HQ, D]; k_cache/v_cache
     [B, L, HKV, D] or, with block_table int32 [B, max_pages], paged [pages, page_size, HKV, D];
     k/v [B, Nnew, HKV, D] are written into the caches at cache_seqlens (int32 [B] or int;
-    None: the caches are full) before attending. Causal is bottom-right aligned. Returns out
-    [B, Nq, HQ, DV] (and lse [B, HQ, Nq] with return_softmax_lse). rotary_cos/rotary_sin,
-    cache_batch_idx, cache_leftpad and num_splits 0 or 1 as flash-attn's (kvcache_options.py;
-    num_splits above 1 is refused by name). The output is contiguous when the decode
-    module writes it in place (Dispatch.writes_out), else a [B, Nq, HQ, DV] view of the
-    kernel's [B, HQ, Nq, DV] output (no copy either way)."""
+    None: the caches are full, so not with k/v) before attending. Causal is bottom-right
+    aligned. Returns out [B, Nq, HQ, DV] (and lse [B, HQ, Nq] with return_softmax_lse).
+    rotary_cos/rotary_sin, cache_batch_idx, cache_leftpad and num_splits 0 or 1 as
+    flash-attn's (kvcache_options.py; num_splits above 1 is refused by name). The output is
+    contiguous when the decode module writes it in place (Dispatch.writes_out), else a
+    [B, Nq, HQ, DV] view of the kernel's [B, HQ, Nq, DV] output (no copy either way).
+    A sequence whose cache_seqlens, cache_batch_idx, cache_leftpad or block-table entries do
+    not fit its cache gets NaN output and LSE and nothing appended; no other memory is
+    touched (an int cache_seqlens is checked on the host; ATTNGEN_CHECKS=1 checks the
+    tensors on the host, see README)."""
     check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table,  # in the caller's layout
                          any_cache_batch=cache_batch_idx is not None)
     batch, seqlen_q = q.shape[0], q.shape[1]
     paged = block_table is not None
+    if paged and k_cache.shape[0] == 0:
+        raise ValueError("k_cache: a paged cache needs at least one page, got shape "
+                         f"{tuple(k_cache.shape)}")
     capacity = (block_table.shape[1] * k_cache.shape[1]) if paged else k_cache.shape[1]
     options = cache_options(q, k, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
                             block_table, rotary_interleaved, num_splits, capacity)
-    cache_seqlens = _seqlens(cache_seqlens, batch, capacity, q.device)
+    new = 0 if k is None else k.shape[1]
+    cache_seqlens = _seqlens(cache_seqlens, batch, capacity, new, q.device)
     mask, window = flash_mask(causal, window_size)
     q, k = rotate(q, k, options, cache_seqlens, mask is not Mask.none)
     refusal = flash_refusal(0.0, alibi_slopes)
-    new = 0 if k is None else k.shape[1]
     decode = None if not options.decode_route else _decode_module(
         q, v_cache, mask, window, softcap, alibi_slopes, seqlen_q, capacity,
         KvLayout.paged if paged else KvLayout.contiguous, k_cache.shape[1] if paged else None)
@@ -62,11 +73,31 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                       block_table, arguments.softmax_scale(softmax_scale, q),
                                       alibi_slopes, return_softmax_lse)
         return (out, lse) if return_softmax_lse else out
-    if k is not None:
-        _append(k_cache, v_cache, k, v, cache_seqlens, block_table, options.batch_idx)
-    if paged:  # only without a decode module, which reads the pages in place
-        k_cache, v_cache = k_cache[block_table.long()], v_cache[block_table.long()]
-    keys = k_cache.reshape(-1, *k_cache.shape[-2:])  # rows of B (or cache_batch_idx) x L
+    out, lse = _run_varlen_route(q, k_cache, v_cache, k, v, cache_seqlens, block_table, options,
+                                 capacity, mask, window, softcap, alibi_slopes, softmax_scale,
+                                 return_softmax_lse, refusal)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _run_varlen_route(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                      options: CacheOptions, capacity: int, mask, window, softcap, alibi_slopes,
+                      softmax_scale, return_lse: bool, refusal):
+    """Route 2: append with torch (only the sequences that fit), then the varlen kind over
+    the cache rows in place (paged or cache_batch_idx rows gathered first: a copy)."""
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    new = 0 if k is None else k.shape[1]
+    fits = _fits(cache_seqlens, new, capacity, block_table, k_cache, seqlen_q, window, options)
+    if os.environ.get("ATTNGEN_CHECKS") == "1":
+        _validate(cache_seqlens, new, capacity, block_table, k_cache, seqlen_q, window, options)
+    if new and batch:
+        _append(k_cache, v_cache, k, v, cache_seqlens, block_table, fits, options.batch_idx)
+    if block_table is not None:  # only without a decode module, which reads pages in place
+        pages = block_table.long().clamp(0, k_cache.shape[0] - 1)  # bad entries: see _fits
+        k_cache, v_cache = k_cache[pages], v_cache[pages]
+    elif options.batch_idx is not None:  # sequence b reads row cache_batch_idx[b]
+        rows = options.batch_idx.long().clamp(0, k_cache.shape[0] - 1)  # bad rows: see _fits
+        k_cache, v_cache = k_cache[rows], v_cache[rows]
+    keys = k_cache.reshape(-1, *k_cache.shape[-2:])  # B x L rows, sequence b from b * L
     values = v_cache.reshape(-1, *v_cache.shape[-2:])
     steps = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
     starts_k, used_k = key_layout(options, steps, capacity, cache_seqlens + new)
@@ -75,12 +106,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         steps * seqlen_q, starts_k, seqlen_q, capacity, mask=mask,
         align=CausalAlign.bottom_right, window=window, softcap=softcap,
         alibi_slopes=alibi_slopes, scale=softmax_scale,
-        return_lse=return_softmax_lse, fallback=None, refusal=refusal,
-        seqused_k=used_k, length_bounds=(seqlen_q, capacity))
+        return_lse=return_lse, fallback=None, refusal=refusal,
+        seqused_k=torch.where(fits, used_k, -1).to(torch.int32),
+        length_bounds=(seqlen_q, capacity))
     out = out.view(batch, seqlen_q, *out.shape[1:])
-    if not return_softmax_lse:
-        return out
-    return out, lse.view(lse.shape[0], batch, seqlen_q).transpose(0, 1)
+    return out, (None if lse is None else lse.view(lse.shape[0], batch, seqlen_q).transpose(0, 1))
 
 
 def _run_decode_module(decode: Dispatch, q, k_cache, v_cache, k, v, cache_seqlens,
@@ -100,33 +130,119 @@ def _run_decode_module(decode: Dispatch, q, k_cache, v_cache, k, v, cache_seqlen
     return (out if decode.writes_out else out.transpose(1, 2)), lse
 
 
-def _seqlens(cache_seqlens, batch, capacity, device) -> torch.Tensor:
+def _seqlens(cache_seqlens, batch, capacity, new, device) -> torch.Tensor:
+    """cache_seqlens as int32 [B]; what the host can tell without reading the device is
+    checked here (a device tensor is bounded by the kernels, or by _fits)."""
     if cache_seqlens is None:
+        if new:
+            raise ValueError("cache_seqlens: required with new keys k, v (None means the caches "
+                             "are full, so there is no room to append), as in flash-attn")
         return torch.full((batch,), capacity, dtype=torch.int32, device=device)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= capacity - new:
+            raise ValueError(f"cache_seqlens: got {cache_seqlens}; allowed: 0..{capacity - new} "
+                             f"(the cache's capacity {capacity} less {new} new keys)")
         return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     if (not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.shape != (batch,)
             or cache_seqlens.dtype != torch.int32):
         got = (f"{tuple(cache_seqlens.shape)} {cache_seqlens.dtype}"
                if isinstance(cache_seqlens, torch.Tensor) else repr(cache_seqlens))
         raise ValueError(f"cache_seqlens: expected an int or int32 [{batch}], got {got}")
+    if new > capacity:
+        raise ValueError(f"k: {new} new keys exceed the cache's capacity {capacity}")
     return cache_seqlens
 
 
-def _append(k_cache, v_cache, k, v, cache_seqlens, block_table, batch_idx=None) -> None:
-    """Write k/v [B, Nnew, HKV, D] at positions cache_seqlens[b] + t of cache row
-    batch_idx[b] (else b), in place."""
-    positions = cache_seqlens.long()[:, None] + torch.arange(k.shape[1], device=k.device)
+def _fits(cache_seqlens, new, capacity, block_table, k_cache, seqlen_q, window,
+          options: CacheOptions):
+    """[B] bool, without a host sync: sequence b's request fits its memory, as the decode
+    kernels decide it (they give the others NaN): 0 <= cache_seqlens[b] <= capacity - new,
+    cache_batch_idx[b] a row of the cache, 0 <= cache_leftpad[b] <= cache_seqlens[b], and
+    every block-table entry it appends to or reads (from the window's first key) is a page."""
+    cached = cache_seqlens.long()
+    fits = (cached >= 0) & (cached <= capacity - new)
+    if options.batch_idx is not None:
+        rows = options.batch_idx.long()
+        fits = fits & (rows >= 0) & (rows < k_cache.shape[0])
+    if options.leftpad is not None:
+        pad = options.leftpad.long()
+        fits = fits & (pad >= 0) & (pad <= cached)
     if block_table is None:
-        rows = (torch.arange(k.shape[0], device=k.device) if batch_idx is None
-                else batch_idx.long())[:, None]
-        k_cache[rows, positions] = k
-        v_cache[rows, positions] = v
+        return fits
+    num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+    total = torch.where(fits, cached + new, 0)
+    first = torch.zeros_like(total)
+    if window is not None:  # keys left of every query's window are never read
+        first = (total - seqlen_q - window[0]).clamp(min=0)
+    first = torch.minimum(first, torch.where(fits, cached, 0))  # the appended keys count too
+    page = torch.arange(block_table.shape[1], device=block_table.device)[None, :]
+    needed = (page >= (first // page_size)[:, None]) & (page * page_size < total[:, None])
+    entries = block_table.long()
+    bad = needed & ((entries < 0) | (entries >= num_pages))
+    return fits & ~bad.any(1)
+
+
+def _validate(cache_seqlens, new, capacity, block_table, k_cache, seqlen_q, window,
+              options: CacheOptions) -> None:
+    """ATTNGEN_CHECKS=1: what _fits decides, on the host (a device sync), as a ValueError
+    naming the tensor, the sequence and the value (as the generated decode modules do)."""
+    num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+    lengths = cache_seqlens.tolist()
+    for b, cached in enumerate(lengths):
+        if not 0 <= cached <= capacity - new:
+            raise ValueError(f"cache_seqlens[{b}] = {cached}: expected 0..{capacity - new} "
+                             f"(the capacity {capacity} less {new} new keys)")
+    for name, index, high in (("cache_batch_idx", options.batch_idx, k_cache.shape[0] - 1),
+                              ("cache_leftpad", options.leftpad, None)):
+        for b, value in enumerate([] if index is None else index.tolist()):
+            top = lengths[b] if high is None else high
+            if not 0 <= value <= top:
+                what = (f"cache_seqlens[{b}]" if high is None else "the cache's last row")
+                raise ValueError(f"{name}[{b}] = {value}: expected 0..{top} ({what})")
+    table = [] if block_table is None else block_table.tolist()
+    for b, row in enumerate(table):
+        total = lengths[b] + new
+        first = 0 if window is None else min(max(total - seqlen_q - window[0], 0), lengths[b])
+        for page in range(first // page_size, -(-total // page_size)):
+            if not 0 <= row[page] < num_pages:
+                raise ValueError(f"block_table[{b}, {page}] = {row[page]}: expected a page in "
+                                 f"0..{num_pages - 1} (sequence {b} reads or appends there)")
+
+
+def _append(k_cache, v_cache, k, v, cache_seqlens, block_table, fits, batch_idx=None) -> None:
+    """Write k/v [B, Nnew, HKV, D] at positions cache_seqlens[b] + t of cache row
+    batch_idx[b] (else b), in place, for the sequences that fit (_fits); nothing else
+    changes.
+
+    Note: without a host sync the write cannot skip the others, so each of their tokens is
+    pointed at the first fitting token's slot and writes the same bytes as that token (or,
+    when none fits, slot 0 of the cache gets its own bytes back): repeated indices with equal
+    values, so the result is deterministic and no other byte changes."""
+    batch, new = k.shape[0], k.shape[1]
+    ok = fits[:, None].expand(batch, new).reshape(-1)
+    positions = cache_seqlens.long()[:, None] + torch.arange(new, device=k.device)
+    positions = torch.where(fits[:, None], positions, 0)  # in range: an index never faults
+    if block_table is None:
+        rows = (torch.arange(batch, device=k.device) if batch_idx is None
+                else batch_idx.long().clamp(0, k_cache.shape[0] - 1))  # bad rows: see _fits
+        outer = rows[:, None].expand(batch, new)
+        inner = positions
     else:
         page_size = k_cache.shape[1]
-        pages = block_table.long().gather(1, positions // page_size)
-        k_cache[pages, positions % page_size] = k
-        v_cache[pages, positions % page_size] = v
+        outer = block_table.long().gather(1, positions // page_size)
+        outer = outer.clamp(0, k_cache.shape[0] - 1)
+        inner = positions % page_size
+    first = ok.int().argmax(0, keepdim=True)  # [1]: the first fitting token, 0 if none
+    any_ok = ok.any()
+    outer, inner = outer.reshape(-1), inner.reshape(-1)
+    spare_outer = torch.where(any_ok, outer.index_select(0, first), 0)
+    spare_inner = torch.where(any_ok, inner.index_select(0, first), 0)
+    outer = torch.where(ok, outer, spare_outer)
+    inner = torch.where(ok, inner, spare_inner)
+    for cache, values in ((k_cache, k), (v_cache, v)):
+        values = values.reshape(batch * new, *values.shape[2:])
+        spare = torch.where(any_ok, values.index_select(0, first), cache[spare_outer, spare_inner])
+        cache[outer, inner] = torch.where(ok[:, None, None], values, spare)
 
 
 def _decode_module(q, v_cache, mask, window, softcap, alibi_slopes, seqlen_q, capacity,

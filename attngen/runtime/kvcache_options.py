@@ -91,10 +91,14 @@ def rotate(q, k, options: CacheOptions, cache_seqlens, mask_bounded: bool):
     if options.rotary is None:
         return q, k
     cos, sin, interleaved = options.rotary
+    # Clamped: a cache_seqlens entry out of range must not index outside cos/sin (that
+    # sequence gets NaN from the kernels and nothing appended, kvcache._fits).
     starts = cache_seqlens.long()[:, None]
     positions_k = starts + torch.arange(k.shape[1], device=k.device)
     positions_q = (starts + torch.arange(q.shape[1], device=q.device) if mask_bounded
                    else starts.expand(-1, q.shape[1]))
+    last = cos.shape[0] - 1
+    positions_q, positions_k = positions_q.clamp(0, last), positions_k.clamp(0, last)
     return (_apply_rotary(q, cos, sin, positions_q, interleaved),
             _apply_rotary(k, cos, sin, positions_k, interleaved))
 
@@ -115,11 +119,10 @@ def _apply_rotary(x, cos, sin, positions, interleaved: bool):
 
 
 def key_layout(options: CacheOptions, steps, capacity: int, used):
-    """(cu_seqlens_k, seqused_k) of the varlen route: sequence b's keys start in row
-    cache_batch_idx[b] (else b) at cache_leftpad[b] (else 0); `used` counts keys from 0."""
+    """(cu_seqlens_k, seqused_k) of the varlen route over cache rows in batch order (the
+    route gathers cache_batch_idx's rows first): sequence b's keys start in row b at
+    cache_leftpad[b] (else 0); `used` counts keys from 0."""
     starts = steps * capacity
-    if options.batch_idx is not None:
-        starts = torch.cat((options.batch_idx * capacity, starts[-1:]))
     if options.leftpad is not None:
         starts = torch.cat((starts[:-1] + options.leftpad, starts[-1:]))
         used = used - options.leftpad

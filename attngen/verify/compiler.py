@@ -207,13 +207,20 @@ def compile_one(spec: AttnSpec, arch: str, config: TileConfig,
                 kind: KernelKind = KernelKind.prefill) -> dict[str, Any]:
     """One cross-compile of the `kind` kernel; a failure is recorded in ``error``."""
     return compile_source(lambda: kernel_source(spec, load_kernel(spec, arch, kind), config, kind),
-                          arch, config)
+                          arch, config, fp_fusion=fp_fusion(spec))
 
 
-def compile_source(make_source: Any, arch: str, config: TileConfig) -> dict[str, Any]:
+def fp_fusion(spec: AttnSpec) -> bool:
+    """Whether the kernels launch with floating-point contraction (FMA fusion): fp32 modules
+    do not (attngen/templates/_scores.py.jinja says why)."""
+    return spec.dtype.value != "fp32"
+
+
+def compile_source(make_source: Any, arch: str, config: TileConfig,
+                   fp_fusion: bool = True) -> dict[str, Any]:
     """Compile the ASTSource `make_source()` builds for `arch` and measure it (the fields of
     MEASURED_FIELDS); any failure, building the source included, is recorded in ``error``,
-    never raised."""
+    never raised. `fp_fusion` is the launch's enable_fp_fusion."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -224,7 +231,8 @@ def compile_source(make_source: Any, arch: str, config: TileConfig) -> dict[str,
     try:
         source = make_source()
         target = GPUTarget("cuda", ARCHS[arch].compute_capability, 32)
-        options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+        options = {"num_warps": config.num_warps, "num_stages": config.num_stages,
+                   "enable_fp_fusion": fp_fusion}
         with _compiled_not_interpreted(), knobs.nvidia.scope(), contextlib.redirect_stdout(log):
             knobs.nvidia.dump_ptxas_log = True  # ptxas -v already runs; keep its log
             compiled = triton.compile(source, target=target, options=options)

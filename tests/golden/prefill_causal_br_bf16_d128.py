@@ -132,12 +132,11 @@ def _attn_fwd_inner(
             scores = tl.where(visible, scores, float("-inf"))
         # -- online softmax -------------------------------------------------------------
         m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
-        if MASKED:
-            # Note: a row with no visible key so far has m_new == -inf; subtracting 0
-            # instead keeps p = exp2(-inf) = 0 and alpha = 0 rather than NaN (-inf + inf).
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_ref = m_new
+        # Note: a row with no finite score so far has m_new == -inf; subtracting 0 instead
+        # keeps p = exp2(-inf) = 0 and alpha = 0 rather than NaN (-inf + inf). Unmasked
+        # blocks need it too: a key block can be all -inf for a row (a -inf in k, an ALiBi
+        # bias that overflows), and the guard costs one select per row and block.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(scores * qk_scale - m_ref[:, None])
         alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -312,6 +311,7 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False):
 
     q [B, HQ, M, 128], k [B, HKV, N, 128], v [B, HKV, N, 128] in bf16, any strides.
     sm_scale defaults to 1/sqrt(128).
+
     Returns out [B, HQ, M, 128] in q's dtype, and with return_lse also the
     log-sum-exp of the scores [B, HQ, M] in float32 (natural log; -inf for a row that sees
     no key, whose output is 0).

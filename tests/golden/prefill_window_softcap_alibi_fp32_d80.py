@@ -103,6 +103,10 @@ def _attn_fwd_inner(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, _BLOCK_D)
     offs_dv = tl.arange(0, _BLOCK_DV)
+    # The first and last key a query of the tile sees, in int64 (a side may be 2**31 - 1)
+    # and clamped to the keys, so int32 again: two scalars per loop, no i' -/+ side per key.
+    live_first = tl.maximum(first_q_pos.to(tl.int64) - _WINDOW_LEFT, 0).to(tl.int32)
+    live_last = tl.minimum(last_q_pos.to(tl.int64) + _WINDOW_RIGHT, seqlen_k - 1).to(tl.int32)
     for start in tl.range(start_n, end_n, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)
         key_pos = start + offs_n
@@ -114,11 +118,7 @@ def _attn_fwd_inner(
             # Note: keys no row of this tile may see are zeroed on load, not only masked
             # in the scores: a NaN stored there (padding, cache tails) would survive
             # 0 * NaN in P @ V.
-            key_live = (
-                (key_pos >= first_q_pos - _WINDOW_LEFT)
-                & (key_pos <= last_q_pos + _WINDOW_RIGHT)
-                & (key_pos < seqlen_k)
-            )
+            key_live = (key_pos >= live_first) & (key_pos <= live_last)
             k_mask = key_live[None, :] & (offs_d < _HEAD_DIM)[:, None]
             v_mask = key_live[:, None] & (offs_dv < _HEAD_DIM_V)[None, :]
             k = tl.load(k_ptrs, mask=k_mask, other=0.0)
@@ -128,25 +128,32 @@ def _attn_fwd_inner(
             v = tl.load(v_ptrs, mask=(offs_dv < _HEAD_DIM_V)[None, :], other=0.0)
         # -- scores in the log2 domain (plain ones scaled in the exponent) ----------
         qk = tl.dot(q, k, input_precision="ieee")
+        # Note: fp32 modules launch with enable_fp_fusion=False. Contracted into an FMA, the
+        # exponent qk x scale - m of the row's largest score is m's own rounding error (up
+        # to half its ulp), and exp2 overflows once scaled scores pass 2**31, which fp32
+        # inputs reach (1e10); unfused it is round(qk x scale) - m, the scale applied first.
+        # (Scaling first in the source does not stop NVPTX from fusing.) 16-bit modules keep
+        # the fused fast path: scores that large need q and k entries beyond 1e4.
         # Note: softcap is applied in the natural-log domain, then moved to log2 for exp2.
         scores = _tanh(qk * qk_scale) * _SOFTCAP_LOG2
         distance = tl.abs(q_pos[:, None] - key_pos[None, :]).to(tl.float32)
         scores = scores - slope_log2 * distance
         if MASKED:
+            # i' - j (bounded by the lengths) against the sides; i' -/+ a side may overflow.
+            offset = q_pos[:, None] - key_pos[None, :]
             visible = (
-                (key_pos[None, :] >= q_pos[:, None] - _WINDOW_LEFT)
-                & (key_pos[None, :] <= q_pos[:, None] + _WINDOW_RIGHT)
+                (offset <= _WINDOW_LEFT)
+                & (offset >= -_WINDOW_RIGHT)
                 & (key_pos < seqlen_k)[None, :]
             )
             scores = tl.where(visible, scores, float("-inf"))
         # -- online softmax -------------------------------------------------------------
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        if MASKED:
-            # Note: a row with no visible key so far has m_new == -inf; subtracting 0
-            # instead keeps p = exp2(-inf) = 0 and alpha = 0 rather than NaN (-inf + inf).
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_ref = m_new
+        # Note: a row with no finite score so far has m_new == -inf; subtracting 0 instead
+        # keeps p = exp2(-inf) = 0 and alpha = 0 rather than NaN (-inf + inf). Unmasked
+        # blocks need it too: a key block can be all -inf for a row (a -inf in k, an ALiBi
+        # bias that overflows), and the guard costs one select per row and block.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(scores - m_ref[:, None])
         alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -193,12 +200,18 @@ def _attn_fwd_kernel(
     q_pos = offs_m + diagonal
     first_q_pos = q_start + diagonal
     last_q_pos = tl.minimum(q_start + BLOCK_M, seqlen_q) - 1 + diagonal
-    lo = (tl.maximum(first_q_pos - _WINDOW_LEFT, 0) // BLOCK_N) * BLOCK_N
-    hi = tl.minimum(tl.maximum(last_q_pos + _WINDOW_RIGHT + 1, 0), seqlen_k)
-    full_lo = tl.cdiv(tl.maximum(last_q_pos - _WINDOW_LEFT, lo), BLOCK_N) * BLOCK_N
+    # Note: a window side may be 2**31 - 1 (flash-attn's "infinite", which the spec accepts),
+    # so i' -/+ a side overflows int32. These few per-program bounds are computed in int64
+    # and clamped to [0, seqlen_k]; per key, the kernels compare the offset i' - j (bounded
+    # by the lengths, so always an int32) with the sides instead: no int64 in the key loop.
+    lo = (tl.maximum(first_q_pos.to(tl.int64) - _WINDOW_LEFT, 0) // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(tl.maximum(last_q_pos.to(tl.int64) + _WINDOW_RIGHT + 1, 0), seqlen_k)
+    full_lo = tl.cdiv(tl.maximum(last_q_pos.to(tl.int64) - _WINDOW_LEFT, lo), BLOCK_N) * BLOCK_N
     full_lo = tl.minimum(full_lo, hi)
-    full_hi = tl.minimum(tl.maximum(first_q_pos + _WINDOW_RIGHT + 1, 0), seqlen_k)
+    full_hi = tl.minimum(tl.maximum(first_q_pos.to(tl.int64) + _WINDOW_RIGHT + 1, 0), seqlen_k)
     full_hi = tl.maximum((full_hi // BLOCK_N) * BLOCK_N, full_lo)
+    lo, full_lo = lo.to(tl.int32), full_lo.to(tl.int32)
+    full_hi, hi = full_hi.to(tl.int32), hi.to(tl.int32)
     # -- the resident Q tile ------------------------------------------------------------
     q_rows = offs_m.to(tl.int64)
     q_ptrs = q_base + q_rows[:, None] * stride_qm + offs_d[None, :] * stride_qd
@@ -292,6 +305,9 @@ def _check_alibi(alibi_slopes, num_q_heads, q):
         )
     if alibi_slopes.device != q.device:
         raise ValueError(f"alibi_slopes: expected device {q.device}, got {alibi_slopes.device}")
+    if not alibi_slopes.is_contiguous():
+        raise ValueError("alibi_slopes: expected a contiguous tensor (read with stride 1), got "
+                         f"strides {alibi_slopes.stride()}")
 
 
 def _kernel_scale(sm_scale):
@@ -314,7 +330,9 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False):
     """softmax(q @ k^T * sm_scale, softcapped, ALiBi, masked) @ v.
 
     q [B, HQ, M, 80], k [B, HKV, N, 80], v [B, HKV, N, 80] in fp32, any strides.
-    sm_scale defaults to 1/sqrt(80). alibi_slopes: [HQ] float32, bias -slope * |i' - j|.
+    sm_scale defaults to 1/sqrt(80). alibi_slopes: [HQ] float32, contiguous; bias
+    -slope * |i' - j| with i' = i (top-left).
+
     Returns out [B, HQ, M, 80] in q's dtype, and with return_lse also the
     log-sum-exp of the scores [B, HQ, M] in float32 (natural log; -inf for a row that sees
     no key, whose output is 0).
@@ -351,5 +369,6 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False):
             BLOCK_N=CONFIG["BLOCK_N"],
             num_warps=CONFIG["num_warps"],
             num_stages=CONFIG["num_stages"],
+            enable_fp_fusion=False,  # see the Note on fp32 scores
         )
     return (out, lse) if return_lse else out

@@ -119,12 +119,11 @@ def _attn_fwd_inner(
             scores = tl.where(visible, scores, float("-inf"))
         # -- online softmax -------------------------------------------------------------
         m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
-        if MASKED:
-            # Note: a row with no visible key so far has m_new == -inf; subtracting 0
-            # instead keeps p = exp2(-inf) = 0 and alpha = 0 rather than NaN (-inf + inf).
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_ref = m_new
+        # Note: a row with no finite score so far has m_new == -inf; subtracting 0 instead
+        # keeps p = exp2(-inf) = 0 and alpha = 0 rather than NaN (-inf + inf). Unmasked
+        # blocks need it too: a key block can be all -inf for a row (a -inf in k, an ALiBi
+        # bias that overflows), and the guard costs one select per row and block.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(scores * qk_scale - m_ref[:, None])
         alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -132,6 +131,27 @@ def _attn_fwd_inner(
         acc = tl.dot(p.to(tl.bfloat16), v, acc)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _store_nan_rows(Out, Lse, q_first, q_end, total_q, off_h, m_block, num_m_blocks,
+                    stride_om, stride_oh, stride_od, stride_lse_h,
+                    STORE_LSE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A sequence that does not fit: NaN output and LSE in its rows that lie inside q (the
+    sequence's programs take every num_m_blocks-th block of BLOCK_M rows); nothing is read."""
+    q_lo = tl.minimum(tl.maximum(q_first, 0), total_q)
+    q_hi = tl.minimum(tl.maximum(q_end, q_lo), total_q)
+    offs_dv = tl.arange(0, _BLOCK_DV)
+    nan_out = tl.full([BLOCK_M, _BLOCK_DV], float("nan"), dtype=Out.dtype.element_ty)
+    nan_lse = tl.full([BLOCK_M], float("nan"), dtype=tl.float32)
+    for start in tl.range(q_lo + m_block * BLOCK_M, q_hi, num_m_blocks * BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_hi
+        rows = rows.to(tl.int64)
+        o_ptrs = Out + rows[:, None] * stride_om + off_h * stride_oh + offs_dv[None, :] * stride_od
+        tl.store(o_ptrs, nan_out, mask=row_ok[:, None])
+        if STORE_LSE:
+            tl.store(Lse + off_h * stride_lse_h + rows, nan_lse, mask=row_ok)
 
 
 @triton.jit
@@ -143,7 +163,7 @@ def _attn_fwd_kernel(
     stride_vn, stride_vh, stride_vd,
     stride_om, stride_oh, stride_od,
     stride_lse_h,
-    num_q_heads, q_per_kv, num_m_blocks, qk_scale,
+    num_q_heads, q_per_kv, num_m_blocks, total_q, total_k, qk_scale,
     USE_SEQUSED_K: tl.constexpr,
     STORE_LSE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -159,16 +179,31 @@ def _attn_fwd_kernel(
     off_b = batch_head // num_q_heads
     off_h = (batch_head % num_q_heads).to(tl.int64)
     off_hkv = off_h // q_per_kv
-    # -- this program's sequence: rows [q_offset, q_offset + seqlen_q) of the packed q ----
-    q_offset = tl.load(CuSeqlensQ + off_b).to(tl.int64)
-    seqlen_q = (tl.load(CuSeqlensQ + off_b + 1) - q_offset).to(tl.int32)
-    k_offset = tl.load(CuSeqlensK + off_b).to(tl.int64)
+    # -- this program's sequence: rows [q_first, q_end) of the packed q, [k_first, k_end) of k
+    q_first = tl.load(CuSeqlensQ + off_b)
+    q_end = tl.load(CuSeqlensQ + off_b + 1)
+    k_first = tl.load(CuSeqlensK + off_b)
+    k_end = tl.load(CuSeqlensK + off_b + 1)
+    # Note: the lengths are the caller's device data, never read by the host, so they are
+    # bounded here, once per program: a sequence must lie inside the packed tensors and
+    # within the grid that max_seqlen_q sized ((M - 1) // BLOCK_M < blocks, no overflow).
+    seqlen_q = q_end - q_first
+    seq_ok = ((q_first >= 0) & (q_first <= q_end) & (q_end <= total_q)
+              & (k_first >= 0) & (k_first <= k_end) & (k_end <= total_k)
+              & ((seqlen_q - 1) // BLOCK_M < num_m_blocks))
     if USE_SEQUSED_K:
         # flash-attn's seqused_k: the sequence's keys start at cu_seqlens_k[b] and only the
         # first seqused_k[b] of them are used (a KV cache read in place, gaps allowed).
         seqlen_k = tl.load(SequsedK + off_b)
+        seq_ok = seq_ok & (seqlen_k >= 0) & (seqlen_k <= k_end - k_first)
     else:
-        seqlen_k = (tl.load(CuSeqlensK + off_b + 1) - k_offset).to(tl.int32)
+        seqlen_k = k_end - k_first
+    if not seq_ok:
+        _store_nan_rows(Out, Lse, q_first, q_end, total_q, off_h, m_block, num_m_blocks,
+                        stride_om, stride_oh, stride_od, stride_lse_h, STORE_LSE, BLOCK_M)
+        return
+    q_offset = q_first.to(tl.int64)
+    k_offset = k_first.to(tl.int64)
     q_start = m_block * BLOCK_M
     if q_start >= seqlen_q:
         return
@@ -296,6 +331,9 @@ def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
             raise ValueError(f"{name}: expected a 1-D int32 tensor, got {got}")
         if t.device != q.device:
             raise ValueError(f"{name}: expected device {q.device} (as q), got {t.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor (read with stride 1), got "
+                             f"strides {t.stride()}")
     if cu_seqlens_q.numel() < 1 or cu_seqlens_k.shape != cu_seqlens_q.shape:
         raise ValueError(
             "cu_seqlens_q, cu_seqlens_k: expected the same shape [B + 1], got "
@@ -311,6 +349,29 @@ def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
             raise ValueError(f"{name}: expected a Python int >= 0, got {n!r}")
 
 
+def _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k):
+    """ATTNGEN_CHECKS=1: every sequence lies inside the packed tensors (a device sync)."""
+    bounds = {}
+    for name, cu, rows, what in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q"),
+                                 ("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k")):
+        values = bounds[name] = cu.tolist()
+        for i, value in enumerate(values if len(values) > 1 else []):
+            if not 0 <= value <= rows:
+                raise ValueError(f"{name}[{i}] = {value}: expected 0..{rows}, the rows of {what}")
+            if i and value < values[i - 1]:
+                raise ValueError(f"{name}[{i}] = {value}: expected >= {name}[{i - 1}] = "
+                                 f"{values[i - 1]} (nondecreasing)")
+    cu_q, cu_k = bounds["cu_seqlens_q"], bounds["cu_seqlens_k"]
+    for b in range(len(cu_q) - 1):
+        if cu_q[b + 1] - cu_q[b] > max_seqlen_q:
+            raise ValueError(f"cu_seqlens_q: sequence {b} has {cu_q[b + 1] - cu_q[b]} queries, "
+                             f"more than max_seqlen_q = {max_seqlen_q}")
+    for b, used in enumerate([] if seqused_k is None else seqused_k.tolist()):
+        if not 0 <= used <= cu_k[b + 1] - cu_k[b]:
+            raise ValueError(f"seqused_k[{b}] = {used}: expected 0..{cu_k[b + 1] - cu_k[b]}, "
+                             f"the keys cu_seqlens_k gives sequence {b}")
+
+
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      sm_scale=None, alibi_slopes=None, return_lse=False, seqused_k=None):
     """softmax(q @ k^T * sm_scale, masked) @ v per packed sequence.
@@ -319,16 +380,28 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     Sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] against the keys and values
     k, v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]], or with seqused_k (int32 [B]) against the
     seqused_k[b] rows from cu_seqlens_k[b] (a KV cache read in place).
-    cu_seqlens_* are int32 [B + 1], nondecreasing from 0; max_seqlen_q must be at least every
-    query length (the grid is sized from it: the lengths stay on the device); max_seqlen_k is
-    accepted for flash-attn compatibility. Lengths of 0 are allowed.
+    cu_seqlens_* are int32 [B + 1] and seqused_k int32 [B], contiguous; cu_seqlens_* are
+    nondecreasing within 0..total rows, and seqused_k[b] at most the keys cu_seqlens_k gives
+    sequence b. max_seqlen_q must be at least every query length (the grid is sized from it:
+    the lengths stay on the device); max_seqlen_k is accepted for flash-attn compatibility.
+    Lengths of 0 are allowed.
     sm_scale defaults to 1/sqrt(128).
+
     Returns out [total_q, HQ, 128] in q's dtype (0 in rows no sequence covers),
     and with return_lse also the log-sum-exp [HQ, total_q] in float32 (flash-attn's varlen
     LSE layout; natural log; -inf for a row that sees no key, whose output is 0).
+
+    The kernel never reads or writes outside the packed tensors, whatever the device index
+    tensors hold: a sequence that does not lie inside them (or is longer than max_seqlen_q
+    allows) reads nothing, and its rows inside q get NaN output and LSE. With the
+    environment variable ATTNGEN_CHECKS=1 (read at each call) the index tensors are validated
+    on the host instead (a device sync) and a bad one raises a ValueError naming the tensor,
+    the sequence and the value.
     """
     _check_tensors(q, k, v, "[T, H, D]")
     _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
+    if os.environ.get("ATTNGEN_CHECKS") == "1":
+        _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k)
     total_q, num_q_heads, _ = q.shape
     num_kv_heads = k.shape[1]
     _check_alibi(alibi_slopes, num_q_heads, q)
@@ -353,7 +426,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             q, k, v, out, lse_arg, slopes_arg, cu_seqlens_q, cu_seqlens_k, used_arg,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             0 if lse is None else lse.stride(0),
-            num_q_heads, num_q_heads // num_kv_heads, num_m_blocks, qk_scale,
+            num_q_heads, num_q_heads // num_kv_heads, num_m_blocks, total_q, k.shape[0],
+            qk_scale,
             USE_SEQUSED_K=seqused_k is not None,
             STORE_LSE=return_lse,
             BLOCK_M=CONFIG["BLOCK_M"],
