@@ -31,8 +31,8 @@ section_command() {
     cp_bench) echo "python3 tools/bench_context_parallel.py --out $work" ;;
     backward_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_backward_gpu.py" ;;
     bench_backward) echo "python3 tools/bench_backward.py --out $work" ;;
-    ondemand_tests) echo "$pytest_gpu tests/test_on_demand_gpu.py" ;;
-    cold_start) echo "python3 tools/cold_start.py --out $work" ;;
+    ondemand_tests) echo "$pytest_gpu tests/test_ondemand_gpu.py" ;;
+    cold_start) echo "python3 tools/ondemand_cold_start.py --json $work/cold_start.json" ;;
     *) return 1 ;;
   esac
 }
