@@ -1,0 +1,121 @@
+"""Tally what the API-level property suite finds, without stopping at the first failure.
+
+pytest stops a Hypothesis test at its first failing example and shrinks it, so one bug hides
+the others. This runs many drawn calls of each property of tests/test_api_*.py (CPU, Triton's
+interpreter, each call in a forked child so that a crash is one result), groups the failures
+by the kind of call and the shape of the message, and prints one line per group with a count
+and the smallest example. Run it after a fix lands to see what is left:
+
+    python tools/api_census.py [--examples 200] [--only kvcache] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything defines a Triton kernel
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+
+from tests import interpreter_bf16  # noqa: E402
+
+interpreter_bf16.install()
+
+from tests import test_api_dense, test_api_kvcache, test_api_varlen  # noqa: E402
+from tests.api_harness import _use_registry, build_api_kernels, isolated  # noqa: E402
+
+
+def _dense_key(call) -> str:
+    return (f"{call.dtype} d{call.head_dim} softcap={call.softcap:g} alibi={call.alibi} "
+            f"mistake={call.mistake} fallback={call.fallback}")
+
+
+PROPERTIES = {
+    "flash_attn_func": (test_api_dense.flash_calls(), test_api_dense.check_flash_attn_func,
+                        lambda c: f"{_dense_key(c[0])} causal={c[1]} window={c[2]}"),
+    "sdpa": (test_api_dense.sdpa_calls(), test_api_dense.check_sdpa,
+             lambda c: f"{_dense_key(c[0])} is_causal={c[1]} window={c[2]} align={c[3]} "
+                       f"attn_mask={c[4]}"),
+    "module_attention": (test_api_dense.module_calls(), test_api_dense.check_module_attention,
+                         lambda c: f"module={c[0]} mistake={c[1].mistake}"),
+    "packed": (test_api_varlen.packed_cases(), test_api_varlen.check_packed,
+               lambda c: f"{c.api} {c.flavor.module or c.flavor.dtype} mistake={c.mistake} "
+                         f"seqused={c.use_seqused} "
+                         f"checked={c.checked} fallback={c.fallback}"),
+    "kvcache": (test_api_kvcache.kv_cases(), test_api_kvcache.check_kvcache,
+                lambda c: f"{c.api} {'paged' if c.paged else 'contig'} "
+                          f"{c.flavor.decode_module(c.paged) or c.flavor.varlen}"
+                          f"{' one-token' if c.flavor.one_token_only else ''} Nq={c.seqlen_q}"
+                          f" mistake={c.mistake} checked={c.checked} fallback={c.fallback}"),
+}
+
+
+def signature(message: str) -> str:
+    """The message's first problem with numbers blanked, so that one bug is one group."""
+    first = message.strip().splitlines()[-1] if "Traceback" in message else message
+    first = first.split("; ")[0]
+    first = re.sub(r"sequence \d+", "sequence #", first)
+    first = re.sub(r"\(L=\d+\+\d+\)", "(L=#)", first)
+    return re.sub(r"-?\d+(\.\d+)?(e[-+]\d+)?", "#", first)[:160]
+
+
+def census(name: str, kernels, examples: int) -> dict:
+    strategy, check, describe = PROPERTIES[name]
+    groups: dict[tuple[str, str], list] = defaultdict(list)
+    runs = [0]
+
+    @settings(max_examples=examples, database=None, derandomize=True, deadline=None,
+              phases=[Phase.explicit, Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def draw(case):
+        runs[0] += 1
+        try:
+            if isinstance(case, tuple):
+                isolated(check, kernels, *case)
+            else:
+                isolated(check, kernels, case)
+        except AssertionError as exc:
+            groups[(signature(str(exc)), describe(case))].append((len(repr(case)), case, str(exc)))
+
+    draw()
+    return {"runs": runs[0], "groups": groups}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--examples", type=int, default=150)
+    parser.add_argument("--only", choices=sorted(PROPERTIES), action="append")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    report = {}
+    with tempfile.TemporaryDirectory(prefix="attngen-census-") as folder:
+        kernels = build_api_kernels(Path(folder))
+        _use_registry(kernels.registry)
+        for name in args.only or PROPERTIES:
+            result = census(name, kernels, args.examples)
+            failures = sum(len(v) for v in result["groups"].values())
+            print(f"\n== {name}: {failures} of {result['runs']} calls failed")
+            rows = []
+            for (sig, kind), found in sorted(result["groups"].items(),
+                                             key=lambda item: -len(item[1])):
+                smallest = min(found, key=lambda f: f[0])
+                print(f"{len(found):4d}  {kind}\n      {sig}")
+                rows.append({"count": len(found), "kind": kind, "signature": sig,
+                             "example": repr(smallest[1]), "message": smallest[2][:2000]})
+            report[name] = {"runs": result["runs"], "failures": rows}
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
