@@ -22,7 +22,8 @@ from hypothesis import given, settings
 from attngen.runtime import registry as registry_module
 from attngen.runtime.registry import load_kernels
 from tests.api_harness import ApiKernels, _use_registry, empty_registry
-from tests.test_api_kvcache import KvFlavor, check_kvcache, kv_cases
+from tests.api_kv_cases import KvFlavor, kv_cases
+from tests.test_api_kvcache import check_kvcache
 from tests.test_api_varlen import Flavor, check_packed, packed_cases
 
 pytestmark = [

@@ -17,6 +17,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -24,20 +25,14 @@ from hypothesis import strategies as st
 import attngen
 from tests.api_harness import (
     Expect,
-    Layout,
     api_kernels,  # noqa: F401  (the module-scoped registry fixture)
     attempt,
-    checked_mode,
+    draw_mistake,
     flash_semantics,
-    guarded,
-    isolated,
     reference_problems,
     served,
-    unexpected_writes,
 )
-from tests.api_harness import (
-    mistakes as draw_mistake,
-)
+from tests.api_memory import Layout, guarded, isolated, unexpected_writes
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -311,8 +306,8 @@ def check_packed(kernels, case: PackedCase, device: str = "cpu") -> None:
     expect, names = expectation(case, p, kernels.specs)
     scale = -1.0 if case.mistake == "scale" else None
     args = {name: g.view for name, g in guards.items()}
-    with checked_mode(case.checked):
-        result, _ = attempt(lambda: call_packed(kernels, case, args, p, scale, hq), expect,
+    with kernels.checked(case.checked) as active:
+        result, _ = attempt(lambda: call_packed(active, case, args, p, scale, hq), expect,
                             names)
     problems = [x for name, g in guards.items() for x in unexpected_writes(name, g)]
     if result is not None:
@@ -350,7 +345,7 @@ def call_packed(kernels, case: PackedCase, args, p: Packed, scale, hq):
 CAUSAL, ALIBI, RIGHT, LEFT, WINDOW, VARLEN_H32, CAUSAL_SHORT = FLAVORS
 
 
-@settings(max_examples=25)
+@settings(max_examples=20)
 @given(packed_cases())
 # found: ALiBi without a mask used |i - j| when Nq != Nk
 @example(PackedCase(flavor=ALIBI, lengths_q=(2, 1, 2), lengths_k=(33, 1, 1)))
@@ -382,4 +377,12 @@ CAUSAL, ALIBI, RIGHT, LEFT, WINDOW, VARLEN_H32, CAUSAL_SHORT = FLAVORS
 @example(PackedCase(api="module", flavor=WINDOW, lengths_q=(17, 1), lengths_k=(15, 3),
                     mistake="max_q_low"))
 def test_packed_sequences(api_kernels, case):  # noqa: F811
+    isolated(check_packed, api_kernels, case)
+
+
+@pytest.mark.slow
+@settings(max_examples=300)
+@given(packed_cases())
+def test_packed_sequences_more(api_kernels, case):  # noqa: F811
+    """test_packed_sequences with many more examples (`pytest -m slow`)."""
     isolated(check_packed, api_kernels, case)

@@ -29,8 +29,9 @@ from tests import interpreter_bf16  # noqa: E402
 
 interpreter_bf16.install()
 
-from tests import test_api_dense, test_api_kvcache, test_api_varlen  # noqa: E402
-from tests.api_harness import _use_registry, build_api_kernels, isolated  # noqa: E402
+from tests import api_kv_cases, test_api_dense, test_api_kvcache, test_api_varlen  # noqa: E402
+from tests.api_harness import _use_registry, build_api_kernels  # noqa: E402
+from tests.api_memory import isolated  # noqa: E402
 
 
 def _dense_key(call) -> str:
@@ -50,7 +51,7 @@ PROPERTIES = {
                lambda c: f"{c.api} {c.flavor.module or c.flavor.dtype} mistake={c.mistake} "
                          f"seqused={c.use_seqused} "
                          f"checked={c.checked} fallback={c.fallback}"),
-    "kvcache": (test_api_kvcache.kv_cases(), test_api_kvcache.check_kvcache,
+    "kvcache": (api_kv_cases.kv_cases(), test_api_kvcache.check_kvcache,
                 lambda c: f"{c.api} {'paged' if c.paged else 'contig'} "
                           f"{c.flavor.decode_module(c.paged) or c.flavor.varlen}"
                           f"{' one-token' if c.flavor.one_token_only else ''} Nq={c.seqlen_q}"
