@@ -8,6 +8,7 @@ hold a sentinel; after the call every byte outside the caller's slots must be bi
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import traceback
@@ -124,6 +125,7 @@ def isolated(fn, *args) -> None:
     pid = os.fork()
     if pid == 0:  # the child: run, report, never return into pytest
         os.close(read)
+        faulthandler.disable()  # a crash is reported by the parent, in one line
         signal.alarm(ISOLATED_TIMEOUT_S)
         try:
             torch.set_num_threads(1)

@@ -108,6 +108,8 @@ def check_flash_attn_func(kernels, call: Call, causal: bool, window_size) -> Non
 @example((Call(mistake="gqa_ratio", heads=(4, 3), fallback=True), False, (-1, -1)))
 @example((Call(dtype="fp16", alibi=True, mistake="k_dtype", fallback=True), True,
           (INT32_MAX - 1, 0)))
+# found: a strided alibi_slopes was read with stride 1
+@example((Call(alibi=True, seqlen_q=9, seqlen_k=9, mistake="slopes_strided"), False, (-1, -1)))
 # an empty batch with a window past the spec's limit (causal at every length)
 @example((Call(batch=0), True, (2**31, 0)))
 # scores near 1e10 in fp32

@@ -14,7 +14,7 @@ cache slots and pages hold NaN. A call must raise ValueError / NoKernelError and
 or: each well-formed sequence gets the float64 reference's result and exactly its new keys
 written at cache_seqlens[b]..; each sequence whose request does not fit its memory gets NaN
 output and LSE and changes nothing outside its own cache row or pages; no other byte changes.
-Each example runs in a forked child (tests/api_harness.py, isolated).
+Each example runs in a forked child (tests/api_memory.py, isolated).
 """
 
 from __future__ import annotations
@@ -193,16 +193,29 @@ def sequence_problems(case: KvCase, cache: Cache, values: dict, out, lse, bad: l
     return problems
 
 
+def assert_user_layout(case: KvCase, guards: dict, refusal: Exception) -> None:
+    """flash_attn_with_kvcache's errors speak of the caller's [B, N, H, D] tensors, not of the
+    [B, H, N, D] views it hands to a module."""
+    if case.api != "flash_attn_with_kvcache" or case.mistake != "new_heads":
+        return
+    shape = list(guards["k"].view.shape)
+    internal = [shape[0], shape[2], shape[1], shape[3]]
+    text = str(refusal)
+    assert internal == shape or not (str(internal) in text or str(tuple(internal)) in text), (
+        f"the error shows k as {internal}, the caller passed {shape}: {text}")
+
+
 def check_kvcache(kernels, case: KvCase, device: str = "cpu") -> None:
     page_size = case.flavor.page_size
     cache, values = make_cache(case, device)
     guards = guard_call(case, cache, values)
     expect, names = kv_expectation(case, cache)
     with kernels.checked(case.checked) as active, active.forced_splits(case.splits):
-        result, _ = attempt(lambda: call_kv(active, case, guards, cache), expect, names)
+        result, refusal = attempt(lambda: call_kv(active, case, guards, cache), expect, names)
     if result is None:  # refused: nothing may have changed
         problems = [x for name, g in guards.items() for x in unexpected_writes(name, g)]
         assert not problems, "a refused call changed memory: " + "; ".join(problems)
+        assert_user_layout(case, guards, refusal)
         return
     out, lse = (t.cpu() for t in result)
     hq = case.heads[0]
@@ -251,6 +264,10 @@ CAUSAL, ALIBI, RIGHT, WINDOW, VARLEN_ONLY, ONE_TOKEN = FLAVORS
 @example(KvCase(flavor=WINDOW, paged=True, seqlen_q=5, mistake="new_heads"))
 @example(KvCase(mistake="cache_dtype", fallback=True, seqlen_q=4))
 @example(KvCase(paged=True, mistake="gqa_ratio", heads=(4, 3), fallback=True))
+# found: a strided alibi_slopes was read with stride 1
+@example(KvCase(api="decode", flavor=ALIBI, paged=True, mistake="slopes_strided"))
+# found: a shape error named the decode module's [B, H, N, D] view of the caller's k
+@example(KvCase(paged=True, mistake="new_heads"))
 # an empty batch; a strided block table (honoured)
 @example(KvCase(lengths=(), paged=True))
 @example(KvCase(paged=True, lengths=(17, 5, 9), num_new=2, mistake="table_strided"))

@@ -355,10 +355,13 @@ CAUSAL, ALIBI, RIGHT, LEFT, WINDOW, VARLEN_H32, CAUSAL_SHORT = FLAVORS
 @example(PackedCase(api="module", flavor=LEFT, heads=(2, 2), lengths_q=(15, 1, 33),
                     lengths_k=(16, 17, 5), spare_k=(3, 0, 0), use_seqused=True,
                     layout=Layout((1, 0, 2))))
-# found: strided cu_seqlens and seqused_k were read with stride 1 (a crash, wrong lengths)
+# found: strided cu_seqlens, seqused_k and alibi_slopes were read with stride 1 (a crash,
+# wrong lengths, wrong slopes)
 @example(PackedCase(flavor=ALIBI, lengths_q=(0, 1), lengths_k=(33, 2), mistake="cu_strided"))
 @example(PackedCase(api="module", heads=(4, 1), lengths_q=(15, 33, 16), lengths_k=(16, 16, 16),
                     spare_k=(0, 3, 0), use_seqused=True, mistake="seqused_strided"))
+@example(PackedCase(flavor=ALIBI, lengths_q=(5, 9), lengths_k=(5, 9), same=True,
+                    mistake="slopes_strided"))
 # found: cu_seqlens past the packed length aborted the process or read other memory;
 # seqused_k past a sequence's span read the next one's keys; the checked mode let them pass
 @example(PackedCase(api="module", lengths_q=(0, 33, 0), lengths_k=(17, 0, 0),

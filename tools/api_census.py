@@ -7,6 +7,7 @@ by the kind of call and the shape of the message, and prints one line per group 
 and the smallest example. Run it after a fix lands to see what is left:
 
     python tools/api_census.py [--examples 200] [--only kvcache] [--json out.json]
+    python tools/api_census.py --explicit     # each kept @example of the tests: pass or FAIL
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ def _dense_key(call) -> str:
             f"mistake={call.mistake} fallback={call.fallback}")
 
 
+# property -> (strategy, check, describe); TESTS: property -> the test keeping its @examples
+TESTS = {"flash_attn_func": test_api_dense.test_flash_attn_func,
+         "sdpa": test_api_dense.test_scaled_dot_product_attention,
+         "module_attention": test_api_dense.test_module_attention,
+         "packed": test_api_varlen.test_packed_sequences, "kvcache": test_api_kvcache.test_kvcache}
 PROPERTIES = {
     "flash_attn_func": (test_api_dense.flash_calls(), test_api_dense.check_flash_attn_func,
                         lambda c: f"{_dense_key(c[0])} causal={c[1]} window={c[2]}"),
@@ -74,21 +80,43 @@ def census(name: str, kernels, examples: int) -> dict:
     runs = [0]
 
     @settings(max_examples=examples, database=None, derandomize=True, deadline=None,
-              phases=[Phase.explicit, Phase.generate],
-              suppress_health_check=list(HealthCheck))
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
     @given(strategy)
     def draw(case):
         runs[0] += 1
-        try:
-            if isinstance(case, tuple):
-                isolated(check, kernels, *case)
-            else:
-                isolated(check, kernels, case)
-        except AssertionError as exc:
-            groups[(signature(str(exc)), describe(case))].append((len(repr(case)), case, str(exc)))
+        message = _run(check, kernels, case)
+        if message is not None:
+            groups[(signature(message), describe(case))].append((len(repr(case)), case, message))
 
     draw()
     return {"runs": runs[0], "groups": groups}
+
+
+def _run(check, kernels, case) -> str | None:
+    """The failure's message, or None."""
+    try:
+        if isinstance(case, tuple):
+            isolated(check, kernels, *case)
+        else:
+            isolated(check, kernels, case)
+    except AssertionError as exc:
+        return str(exc)
+    return None
+
+
+def explicit(name: str, kernels) -> list[dict]:
+    """Every @example kept on the property's test, in source order, run once each."""
+    _, check, describe = PROPERTIES[name]
+    rows = []
+    for example in reversed(TESTS[name].hypothesis_explicit_examples):
+        case = example.args[0] if example.args else next(iter(example.kwargs.values()))
+        message = _run(check, kernels, case)
+        status = "pass" if message is None else "FAIL"
+        found = "" if message is None else signature(message)
+        print(f"{status:4s}  {describe(case)}\n      {found}")
+        rows.append({"status": status, "kind": describe(case), "example": repr(case),
+                     "message": (message or "")[:2000]})
+    return rows
 
 
 def main() -> int:
@@ -96,12 +124,18 @@ def main() -> int:
     parser.add_argument("--examples", type=int, default=150)
     parser.add_argument("--only", choices=sorted(PROPERTIES), action="append")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--explicit", action="store_true",
+                        help="run the tests' kept @examples instead of drawing new calls")
     args = parser.parse_args()
     report = {}
     with tempfile.TemporaryDirectory(prefix="attngen-census-") as folder:
         kernels = build_api_kernels(Path(folder))
         _use_registry(kernels.registry)
         for name in args.only or PROPERTIES:
+            if args.explicit:
+                print(f"\n== {name}: kept examples")
+                report[name] = explicit(name, kernels)
+                continue
             result = census(name, kernels, args.examples)
             failures = sum(len(v) for v in result["groups"].values())
             print(f"\n== {name}: {failures} of {result['runs']} calls failed")
