@@ -115,14 +115,14 @@ class ApiKernels:
     @contextlib.contextmanager
     def fallback_only(self):
         """No generated kernel at all and fallback "sdpa": every call runs in torch."""
-        _use_registry(self.empty)
+        use_registry(self.empty)
         saved = dispatch_module.get_fallback()
         dispatch_module.set_fallback("sdpa")
         try:
             yield
         finally:
             dispatch_module.set_fallback(saved)
-            _use_registry(self.registry)
+            use_registry(self.registry)
 
     @contextlib.contextmanager
     def forced_splits(self, splits: int | None):
@@ -149,7 +149,7 @@ class ApiKernels:
         os.environ["ATTNGEN_CHECKS"] = "1"
         try:
             fresh = ApiKernels.load(self.registry.folders, self.empty, self.arch, self.tiles)
-            _use_registry(fresh.registry)
+            use_registry(fresh.registry)
             yield fresh
         finally:
             if saved_env is None:
@@ -159,10 +159,11 @@ class ApiKernels:
             for name, module in saved_modules.items():  # the re-imports replaced these
                 if sys.modules.get(name) is not module:
                     sys.modules[name] = module
-            _use_registry(self.registry)
+            use_registry(self.registry)
 
 
-def _use_registry(registry: Registry) -> None:
+def use_registry(registry: Registry) -> None:
+    """Make `registry` the one the runtime dispatches to (as runtime_harness does)."""
     registry_module._current = registry
 
 
@@ -190,7 +191,7 @@ def api_kernels():
     """The toy registry in use for a test module; the previous one is restored afterwards."""
     saved = registry_module._current
     kernels = shared_api_kernels()
-    _use_registry(kernels.registry)
+    use_registry(kernels.registry)
     try:
         yield kernels
     finally:

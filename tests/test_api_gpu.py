@@ -21,7 +21,7 @@ from hypothesis import given, settings
 
 from attngen.runtime import registry as registry_module
 from attngen.runtime.registry import load_kernels
-from tests.api_harness import ApiKernels, _use_registry, empty_registry
+from tests.api_harness import ApiKernels, empty_registry, use_registry
 from tests.api_kv_cases import KvFlavor, kv_cases
 from tests.test_api_kvcache import check_kvcache
 from tests.test_api_varlen import Flavor, check_packed, packed_cases
@@ -59,7 +59,7 @@ def gpu_kernels(tmp_path_factory: pytest.TempPathFactory):
     major, minor = torch.cuda.get_device_capability()
     kernels = ApiKernels(registry, empty_registry(tmp_path_factory.mktemp("empty")),
                          arch=f"sm{major}{minor}")
-    _use_registry(registry)
+    use_registry(registry)
     try:
         yield kernels
     finally:

@@ -108,17 +108,18 @@ class PackedCase:
 
 
 @st.composite
-def packed_cases(draw, flavors=FLAVORS, lengths=LENGTHS, heads=HEADS, apis=None):
+def packed_cases(draw, flavors=FLAVORS, lengths=LENGTHS, heads=HEADS):
     flavor = draw(st.sampled_from(flavors))
-    api = draw(st.sampled_from(apis or ("flash_attn_varlen_func", "module")))
-    if api == "module" and flavor.module is None:
-        api = "flash_attn_varlen_func"
     mistake = draw(draw_mistake(MISTAKES))
+    api = draw(st.sampled_from(("flash_attn_varlen_func", "module")))
+    if mistake.startswith("seqused"):
+        api = "module"  # flash-attn 2.x's varlen function takes no seqused_k
+    if api == "module" and flavor.module is None:
+        api, mistake = "flash_attn_varlen_func", "none" if mistake.startswith("seqused") else (
+            mistake)
     batch = draw(st.sampled_from((1, 2, 3, 3, 0)))
     if mistake in INDEX_MISTAKES | {"max_q_low", "cu_shape"}:
         batch = max(batch, 1)
-    if api == "flash_attn_varlen_func" and mistake.startswith("seqused"):
-        api = "module"  # flash-attn 2.x's varlen function takes no seqused_k
     lengths_q = tuple(draw(st.sampled_from(lengths)) for _ in range(batch))
     if mistake == "max_q_low" and max(lengths_q) == 0:
         lengths_q = (lengths[-1],) + lengths_q[1:]

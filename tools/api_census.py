@@ -31,7 +31,7 @@ from tests import interpreter_bf16  # noqa: E402
 interpreter_bf16.install()
 
 from tests import api_kv_cases, test_api_dense, test_api_kvcache, test_api_varlen  # noqa: E402
-from tests.api_harness import _use_registry, build_api_kernels  # noqa: E402
+from tests.api_harness import build_api_kernels, use_registry  # noqa: E402
 from tests.api_memory import isolated  # noqa: E402
 
 
@@ -130,7 +130,7 @@ def main() -> int:
     report = {}
     with tempfile.TemporaryDirectory(prefix="attngen-census-") as folder:
         kernels = build_api_kernels(Path(folder))
-        _use_registry(kernels.registry)
+        use_registry(kernels.registry)
         for name in args.only or PROPERTIES:
             if args.explicit:
                 print(f"\n== {name}: kept examples")
