@@ -117,8 +117,8 @@ def kv_cases(draw, flavors=FLAVORS, lengths=LENGTHS, heads=HEADS,
         batch = max(batch, 1)
     seq_lengths = [draw(st.sampled_from(lengths)) for _ in range(batch)]
     num_new = draw(st.sampled_from((0, 0, 1, 2, 5)))
-    if mistake in ("seqlens_none_with_new", "k_without_v"):
-        num_new = max(num_new, 1)
+    if mistake in ("seqlens_none_with_new", "k_without_v", "new_heads"):
+        num_new = max(num_new, 1)  # mistakes in the new keys need new keys
     if mistake == "seqlens_full":
         num_new = 0
     if mistake == "seqlens_int" and batch:

@@ -196,7 +196,8 @@ def sequence_problems(case: KvCase, cache: Cache, values: dict, out, lse, bad: l
 def assert_user_layout(case: KvCase, guards: dict, refusal: Exception) -> None:
     """flash_attn_with_kvcache's errors speak of the caller's [B, N, H, D] tensors, not of the
     [B, H, N, D] views it hands to a module."""
-    if case.api != "flash_attn_with_kvcache" or case.mistake != "new_heads":
+    if case.api != "flash_attn_with_kvcache" or case.mistake != "new_heads" or (
+            "k" not in guards):
         return
     shape = list(guards["k"].view.shape)
     internal = [shape[0], shape[2], shape[1], shape[3]]
