@@ -33,9 +33,8 @@ from attngen.reference import (
     reference_attention,
 )
 from attngen.runtime import dispatch as dispatch_module
-from attngen.runtime import registry as registry_module
 from attngen.runtime.dispatch import NoKernelError
-from attngen.runtime.registry import Registry, load_kernels
+from attngen.runtime.registry import Registry, current_registry, load_kernels, use_registry
 from attngen.spec import AttnSpec, CausalAlign, specs_from_data
 
 INT32_MAX = 2**31 - 1
@@ -94,7 +93,7 @@ class ApiKernels:
              ) -> ApiKernels:
         """Import every module of `folders` anew (a module reads its environment when it is
         imported, the checked mode perhaps too)."""
-        registry = load_kernels(*folders)
+        registry = load_kernels(*folders, replace=True)
         for entry in registry.entries:
             module = registry.module(entry.key)
             if tiles:
@@ -162,15 +161,10 @@ class ApiKernels:
             use_registry(self.registry)
 
 
-def use_registry(registry: Registry) -> None:
-    """Make `registry` the one the runtime dispatches to (as runtime_harness does)."""
-    registry_module._current = registry
-
-
 def empty_registry(folder: Path) -> Registry:
     """A registry without modules (what the fallback route runs against)."""
     write_build(plan_build([]), folder)
-    return load_kernels(folder)
+    return load_kernels(folder, replace=True)
 
 
 def build_api_kernels(folder: Path) -> ApiKernels:
@@ -189,13 +183,13 @@ def shared_api_kernels() -> ApiKernels:
 @pytest.fixture(scope="module")
 def api_kernels():
     """The toy registry in use for a test module; the previous one is restored afterwards."""
-    saved = registry_module._current
+    saved = current_registry()
     kernels = shared_api_kernels()
     use_registry(kernels.registry)
     try:
         yield kernels
     finally:
-        registry_module._current = saved
+        use_registry(saved)
 
 
 # ---------------------------------------------------------------------------- semantics

@@ -19,9 +19,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from attngen.runtime import registry as registry_module
-from attngen.runtime.registry import load_kernels
-from tests.api_harness import ApiKernels, empty_registry, use_registry
+from attngen.runtime.registry import current_registry, load_kernels, use_registry
+from tests.api_harness import ApiKernels, empty_registry
 from tests.api_kv_cases import KvFlavor, kv_cases
 from tests.test_api_kvcache import check_kvcache
 from tests.test_api_varlen import Flavor, check_packed, packed_cases
@@ -54,7 +53,7 @@ HEADS = ((32, 8), (8, 8), (32, 1), (28, 4))
 @pytest.fixture(scope="module")
 def gpu_kernels(tmp_path_factory: pytest.TempPathFactory):
     """generated/ as the registry, module_for returning this GPU's modules."""
-    saved = registry_module._current
+    saved = current_registry()
     registry = load_kernels()
     major, minor = torch.cuda.get_device_capability()
     kernels = ApiKernels(registry, empty_registry(tmp_path_factory.mktemp("empty")),
@@ -63,7 +62,7 @@ def gpu_kernels(tmp_path_factory: pytest.TempPathFactory):
     try:
         yield kernels
     finally:
-        registry_module._current = saved
+        use_registry(saved)
 
 
 @settings(max_examples=80, deadline=None)

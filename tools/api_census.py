@@ -22,6 +22,10 @@ from collections import defaultdict
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before anything defines a Triton kernel
+# As in tests/conftest.py: no module is built on demand, so that a call the toy modules do not
+# serve is refused or falls back (the suite's expectations assume it), and nothing is cached.
+os.environ["ATTNGEN_ON_DEMAND"] = "0"
+os.environ["ATTNGEN_CACHE"] = tempfile.mkdtemp(prefix="attngen-census-cache-")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
@@ -31,7 +35,8 @@ from tests import interpreter_bf16  # noqa: E402
 interpreter_bf16.install()
 
 from tests import api_kv_cases, test_api_dense, test_api_kvcache, test_api_varlen  # noqa: E402
-from tests.api_harness import build_api_kernels, use_registry  # noqa: E402
+from attngen.runtime.registry import use_registry  # noqa: E402
+from tests.api_harness import build_api_kernels  # noqa: E402
 from tests.api_memory import isolated  # noqa: E402
 
 
