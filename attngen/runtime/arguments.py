@@ -8,6 +8,7 @@ builds no string: messages are formatted only when a check fails.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -27,6 +28,19 @@ def softmax_scale(scale: object, q: torch.Tensor) -> float:
             math.isfinite(scale) and scale > 0):
         return float(scale)  # a subclass (numpy float64)
     raise ValueError(f"scale: expected a finite float > 0 or None, got {scale!r}")
+
+
+def seqlen_bound(value: object, name: str) -> int:
+    """max_seqlen_q / max_seqlen_k as a Python int (an integral numpy or 0-d tensor value is
+    taken, as flash-attn does); a ValueError names anything else. The module checks >= 0."""
+    if type(value) is int:
+        return value
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)  # type: ignore[call-overload]
+        except TypeError:
+            pass
+    raise ValueError(f"{name}: expected a Python int >= 0, got {value!r}")
 
 
 def check_rank4(q: object, k: object, v: object) -> None:
