@@ -294,10 +294,12 @@ def dense_mask_problems(sem: Semantics, attn_mask, out, q, k, v, *, scale=None, 
     return problems
 
 
-def acting_mask(mask, align, window, seqlen_q, seqlen_k, same_lengths):
+def acting_mask(mask, align, window, seqlen_q, seqlen_k, same_lengths, alibi=False):
     """(mask, align, window) as it acts at these lengths, by the two equivalences the
-    dispatcher documents: a window whose reach covers every key is causal (or no mask), and
+    dispatcher documents: a window whose reach covers every key is causal (or no mask; with
+    ALiBi only when aligned bottom-right: the bias distance of no mask is bottom-right's), and
     with Nq == Nk the alignments coincide."""
+    top_left_bias = alibi and mask != "none" and align == "top_left"
     if mask == "sliding_window":
         left, right = window
         reach = max(seqlen_q, seqlen_k) - 1
@@ -305,7 +307,7 @@ def acting_mask(mask, align, window, seqlen_q, seqlen_k, same_lengths):
             mask, window = "none", None
         elif left >= reach and right == 0:
             mask, window = "causal", None
-    if mask == "none" or same_lengths:
+    if same_lengths or (mask == "none" and not top_left_bias):
         align = None
     return mask, align, window
 
@@ -317,7 +319,8 @@ def served(specs: list[dict], kind: str, dtype: torch.dtype, head_dim: int, sem:
     names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
     window = None if sem.window is None else tuple(
         INT32_MAX if w is None else w for w in sem.window)
-    wanted = acting_mask(sem.mask, sem.align, window, seqlen_q, seqlen_k, same_lengths)
+    wanted = acting_mask(sem.mask, sem.align, window, seqlen_q, seqlen_k, same_lengths,
+                         sem.alibi)
     for data in specs:
         if kind not in data["kernels"] or data["dtype"] != names.get(dtype):
             continue
@@ -327,7 +330,7 @@ def served(specs: list[dict], kind: str, dtype: torch.dtype, head_dim: int, sem:
         spec_window = (data["window_left"], data.get("window_right") or 0) if (
             data["mask"] == "sliding_window") else None
         have = acting_mask(data["mask"], data.get("causal_align"), spec_window, seqlen_q,
-                           seqlen_k, same_lengths)
+                           seqlen_k, same_lengths, sem.alibi)
         if have == wanted:
             return True
     return False

@@ -207,6 +207,10 @@ def sdpa_problems(kernels, call, sem, out, q, k, v, slopes, fn) -> list[str]:
 @example((Call(mistake="batch", softcap=5.0, fallback=True), False, (INT32_MAX, INT32_MAX),
           "bottom_right", "bool2d"))
 @example((Call(mistake="scale", scale=-1.0, fallback=True), False, (3, 0), "bottom_right", None))
+# found: a top-left window that covers every key, with ALiBi, ran on the mask-none module,
+# whose ALiBi distance is bottom-right's
+@example((Call(alibi=True, seqlen_q=15, seqlen_k=31), False, (INT32_MAX, INT32_MAX), "top_left",
+          None))
 def test_scaled_dot_product_attention(api_kernels, case):  # noqa: F811
     isolated(check_sdpa, api_kernels, *case)
 

@@ -56,6 +56,8 @@ def kv_expectation(case: KvCase, cache: Cache):
     if case.api == "decode" and case.seqlen_q > case.flavor.query_tokens(case.paged):
         return Expect.REFUSE, ("max_query_tokens",)
     can_run = served_route(case)
+    if case.num_new > cache.capacity:  # every path refuses it, even for an empty batch
+        return Expect.REFUSE, ("capacity",)
     if expect is None:
         if any(bad_sequences(case, cache)):
             expect = Expect.REFUSE if case.checked else Expect.EITHER
@@ -269,6 +271,8 @@ CAUSAL, ALIBI, RIGHT, WINDOW, VARLEN_ONLY, ONE_TOKEN = FLAVORS
 @example(KvCase(api="decode", flavor=ALIBI, paged=True, mistake="slopes_strided"))
 # found: a shape error named the decode module's [B, H, N, D] view of the caller's k
 @example(KvCase(paged=True, mistake="new_heads"))
+# more new keys than the capacity is refused on every route, even for an empty batch
+@example(KvCase(flavor=RIGHT, paged=True, lengths=(), num_new=5, room=4, fallback=True))
 # an empty batch; a strided block table (honoured)
 @example(KvCase(lengths=(), paged=True))
 @example(KvCase(paged=True, lengths=(17, 5, 9), num_new=2, mistake="table_strided"))
