@@ -137,7 +137,7 @@ def packed_cases(draw, flavors=FLAVORS, lengths=LENGTHS, heads=HEADS):
         use_seqused=use_seqused, pad=draw(st.sampled_from((0, 3))), mistake=mistake,
         bad=draw(st.integers(0, max(batch - 1, 0))), slack_q=draw(st.sampled_from((0, 0, 3))),
         slack_k=draw(st.sampled_from((0, 0, 5))), layout=layout,
-        checked=mistake in INDEX_MISTAKES and draw(st.booleans()),
+        checked=mistake in INDEX_MISTAKES | {"max_q_low"} and draw(st.booleans()),
         fallback=api != "module" and draw(st.integers(0, 4)) == 0,
         seed=draw(st.integers(0, 2**16)))
 
@@ -276,8 +276,9 @@ def expectation(case: PackedCase, p: Packed, specs: list[dict]
     if case.mistake == "max_k_low" and case.api == "module":
         expect = Expect.SERVE  # the module documents max_seqlen_k as unused
     if expect is None:
-        bad = "bad" in sequence_verdicts(p)
-        if case.checked and bad:
+        verdicts = sequence_verdicts(p)
+        bad = "bad" in verdicts
+        if case.checked and (bad or "short" in verdicts):
             expect = Expect.REFUSE  # the checked mode validates index tensors on the host
         else:
             expect = Expect.SERVE if can_run and not bad else Expect.EITHER
@@ -380,6 +381,12 @@ CAUSAL, ALIBI, RIGHT, LEFT, WINDOW, VARLEN_H32, CAUSAL_SHORT = FLAVORS
 # found: max_seqlen_q below a sequence's length left its last rows 0 (no error)
 @example(PackedCase(api="module", flavor=WINDOW, lengths_q=(17, 1), lengths_k=(15, 3),
                     mistake="max_q_low"))
+# max_seqlen_q below a length: NaN from the kernel and from the fallback; checked mode raises
+@example(PackedCase(lengths_q=(33, 2), lengths_k=(5, 9), mistake="max_q_low"))
+@example(PackedCase(lengths_q=(33, 2), lengths_k=(5, 9), mistake="max_q_low", fallback=True))
+@example(PackedCase(lengths_q=(33, 2), lengths_k=(5, 9), mistake="max_q_low", checked=True))
+@example(PackedCase(lengths_q=(33, 2), lengths_k=(5, 9), mistake="max_q_low", checked=True,
+                    fallback=True))
 def test_packed_sequences(api_kernels, case):  # noqa: F811
     isolated(check_packed, api_kernels, case)
 
