@@ -34,8 +34,8 @@ from tests import interpreter_bf16  # noqa: E402
 
 interpreter_bf16.install()
 
-from tests import api_kv_cases, test_api_dense, test_api_kvcache, test_api_varlen  # noqa: E402
 from attngen.runtime.registry import use_registry  # noqa: E402
+from tests import api_kv_cases, test_api_dense, test_api_kvcache, test_api_varlen  # noqa: E402
 from tests.api_harness import build_api_kernels  # noqa: E402
 from tests.api_memory import isolated  # noqa: E402
 

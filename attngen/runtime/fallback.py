@@ -25,8 +25,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from attngen.masks import alibi_distance, visible
 from attngen.runtime import entry_checks
-from attngen.runtime.masks import visible
 
 
 def fallback_dense(q, k, v, *, alibi_slopes, attn_mask=None, **kwargs):
@@ -89,10 +89,7 @@ def torch_attention(q, k, v, *, mask="none", align=None, window=None, softcap=0.
             bias = attn_mask.float()
         seen = allowed if seen is None else seen & allowed
     if alibi_slopes is not None:
-        i = torch.arange(seqlen_q, device=q.device)[:, None]
-        # ALiBi's i' is aligned bottom-right without a mask (flash-attn's convention)
-        i = i + (seqlen_k - seqlen_q if align == "bottom_right" or mask == "none" else 0)
-        distance = (i - torch.arange(seqlen_k, device=q.device)[None, :]).abs().float()
+        distance = alibi_distance(mask, align, seqlen_q, seqlen_k, q.device).float()
         slopes = alibi_slopes.float()  # [HQ], or flash-attn's [B, HQ]
         slopes = slopes[:, None, None] if slopes.dim() == 1 else slopes[:, :, None, None]
         alibi = -slopes * distance
