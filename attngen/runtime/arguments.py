@@ -37,7 +37,7 @@ def seqlen_bound(value: object, name: str) -> int:
         return value
     if not isinstance(value, bool):
         try:
-            return operator.index(value)  # type: ignore[call-overload]
+            return operator.index(value)  # type: ignore[arg-type]
         except TypeError:
             pass
     raise ValueError(f"{name}: expected a Python int >= 0, got {value!r}")
@@ -92,10 +92,11 @@ def flash_mask(causal: bool, window_size: object) -> tuple[Mask, tuple[int, int]
 
 
 def flash_refusal(dropout_p: float, alibi_slopes: torch.Tensor | None) -> str | None:
-    """Why no generated kernel serves a flash-attn call's dropout or slopes, or None."""
+    """Why no generated kernel serves a call's dropout or flash-attn's per-batch slopes
+    [batch, nheads] (the torch fallback serves both), or None."""
     if dropout_p:
         return f"dropout_p: got {dropout_p}; generated kernels are inference-only (0.0)"
-    if alibi_slopes is not None and alibi_slopes.dim() != 1:
+    if type(alibi_slopes) is torch.Tensor and alibi_slopes.dim() == 2:  # else the checks say
         return (f"alibi_slopes: got shape {tuple(alibi_slopes.shape)}; generated kernels take "
                 "[nheads] fp32 (one slope per head for the whole batch)")
     return None

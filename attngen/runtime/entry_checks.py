@@ -61,7 +61,7 @@ def check_alibi(alibi_slopes, q, batch: int | None = None) -> None:
     if not isinstance(alibi_slopes, torch.Tensor):
         raise ValueError(f"alibi_slopes: expected a float32 tensor [{num_q_heads}], got "
                          f"{type(alibi_slopes).__name__}")
-    shapes = [(num_q_heads,)]
+    shapes: list[tuple[int, ...]] = [(num_q_heads,)]
     if batch is not None and alibi_slopes.dim() == 2:  # else the message is the module's
         shapes.append((batch, num_q_heads))
     if alibi_slopes.shape not in shapes or alibi_slopes.dtype != torch.float32:
