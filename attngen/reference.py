@@ -13,32 +13,17 @@ import math
 
 import torch
 
-from attngen.spec import AttnSpec, CausalAlign, Mask
+from attngen.masks import alibi_distance, visible
+from attngen.spec import AttnSpec
 
 
 def visible_mask(spec: AttnSpec, seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
-    """[Nq, Nk] bool: which key j query row i may see, via i' (the aligned position)."""
-    i = torch.arange(seqlen_q, device=device)[:, None]
-    j = torch.arange(seqlen_k, device=device)[None, :]
-    shift = seqlen_k - seqlen_q if spec.causal_align is CausalAlign.bottom_right else 0
-    i_aligned = i + shift
-    if spec.mask is Mask.none:
+    """[Nq, Nk] bool: which key j query row i may see (attngen.masks.visible, the runtime's
+    definition too; every key for mask none)."""
+    seen = visible(spec.mask, spec.causal_align, spec.window, seqlen_q, seqlen_k, device)
+    if seen is None:
         return torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
-    if spec.mask is Mask.causal:
-        return j <= i_aligned
-    left, right = spec.window or (0, 0)
-    return (j >= i_aligned - left) & (j <= i_aligned + right)
-
-
-def alibi_distance(spec: AttnSpec, seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
-    """[Nq, Nk] |i' - j|, the distance ALiBi's bias is proportional to. With a mask i' follows
-    its causal_align; without one, i' = i + (Nk - Nq): bottom-right, flash-attn's convention
-    (the queries are the last Nq positions of the keys' sequence)."""
-    i = torch.arange(seqlen_q, device=device)[:, None]
-    j = torch.arange(seqlen_k, device=device)[None, :]
-    bottom_right = spec.mask is Mask.none or spec.causal_align is CausalAlign.bottom_right
-    shift = seqlen_k - seqlen_q if bottom_right else 0
-    return (i + shift - j).abs()
+    return seen
 
 
 def attention_scores(
@@ -62,7 +47,8 @@ def attention_scores(
     if spec.alibi:
         if alibi_slopes is None:
             raise ValueError("alibi_slopes: required by a spec with alibi: true")
-        distance = alibi_distance(spec, seqlen_q, seqlen_k, q.device).to(compute_dtype)
+        distance = alibi_distance(spec.mask, spec.causal_align, seqlen_q, seqlen_k,
+                                  q.device).to(compute_dtype)
         scores = scores - alibi_slopes.to(compute_dtype)[None, :, None, None] * distance
     visible = visible_mask(spec, seqlen_q, seqlen_k, q.device)
     return scores.masked_fill(~visible, float("-inf"))

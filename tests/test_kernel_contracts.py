@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attngen.reference import alibi_distance, reference_attention
+from attngen.masks import alibi_distance
+from attngen.reference import reference_attention
 from attngen.runtime.fallback import torch_attention
 from tests.decode_harness import (
     decode_problems,
@@ -33,10 +34,13 @@ def _varlen(spec):
 
 def test_reference_alibi_distance_without_a_mask_is_bottom_right():
     none = make_spec(**ALIBI_NONE)
-    assert alibi_distance(none, 2, 4).tolist() == [[2, 1, 0, 1], [3, 2, 1, 0]]
-    assert alibi_distance(none, 3, 2).tolist() == [[1, 2], [0, 1], [1, 0]]
+    assert alibi_distance(none.mask, none.causal_align, 2, 4).tolist() == [[2, 1, 0, 1],
+                                                                           [3, 2, 1, 0]]
+    assert alibi_distance(none.mask, none.causal_align, 3, 2).tolist() == [[1, 2], [0, 1],
+                                                                           [1, 0]]
     top_left = make_spec(mask="causal", causal_align="top_left", alibi=True)
-    assert alibi_distance(top_left, 2, 4).tolist() == [[0, 1, 2, 3], [1, 0, 1, 2]]
+    assert alibi_distance(top_left.mask, top_left.causal_align, 2, 4).tolist() == [
+        [0, 1, 2, 3], [1, 0, 1, 2]]
 
 
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(5, 37), (37, 5), (17, 16)])

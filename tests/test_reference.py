@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,3 +100,16 @@ def test_lowp_reference_has_a_small_nonzero_error():
     lowp, _ = lowp_reference(spec, q, k, v)
     error = (lowp.double() - golden).abs().max().item()
     assert lowp.dtype == torch.bfloat16 and 0 < error < 3e-2
+
+
+def test_the_oracle_shares_the_runtime_masks_without_importing_the_runtime():
+    """reference.py and the torch fallback read one definition of the masks (attngen.masks);
+    the oracle must not drag in the runtime package (its registry, Triton)."""
+    code = ("import sys, attngen.reference; "
+            "print(sorted(m for m in ('triton', 'attngen.runtime') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent.parent, timeout=120)
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr
+    from attngen import reference
+    from attngen.masks import visible
+    assert reference.visible is visible

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import attngen
+from attngen.masks import visible
 from attngen.reference import compare_to_reference
 from attngen.runtime import dispatch, ops
 from attngen.runtime.arguments import flash_mask
 from attngen.runtime.hf import attngen_attention
-from attngen.runtime.masks import visible
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
 from attngen.spec import Mask
 from tests.kernel_harness import make_spec

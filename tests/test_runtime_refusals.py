@@ -218,7 +218,7 @@ def test_backward_says_the_kernels_are_forward_only(toy_folder, tmp_path):
     (dict(block_table=torch.zeros(2, 3, dtype=torch.int64)),
      r"block_table: expected an int32 tensor \[batch=2, max_num_blocks_per_seq\]"),
     (dict(k_cache=torch.zeros(2, 12, 2, 16, dtype=torch.float16)),
-     r"k_cache: expected torch.float32 on cpu \(as q\), got torch.float16"),
+     r"k_cache: expected dtype torch.float32 on device cpu \(as q\), got dtype torch.float16"),
 ])
 def test_kvcache_shape_errors_speak_the_callers_layout(toy_kernels, change, message):
     q, k_cache, v_cache, k_new, v_new, seqlens = _cache_case()

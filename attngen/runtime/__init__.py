@@ -19,8 +19,9 @@
     validate.py   shape checks in the caller's layout
     hf.py         the transformers attention function ("attngen")
     warmup.py     warmup(): build and compile what a spec or model needs, before its first call
-    masks.py      which keys a query sees (the fallback's and the oracle's one definition)
-    fallback.py   the torch implementation behind fallback="sdpa"
+    fallback.py   the torch implementation behind fallback="sdpa" (masks: attngen/masks.py,
+                  the oracle's definition too)
+    entry_checks.py  the generated modules' argument checks, for the fallback's calls
     interpreter_probe.py  a bf16 probe kernel for Triton's interpreter
 """
 

@@ -53,8 +53,8 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     if attn_mask is not None:
         refusal = ("attn_mask: a dense mask tensor is not served by generated kernels; use "
                    "is_causal, window, alibi_slopes or softcap")
-    elif dropout_p:
-        refusal = f"dropout_p: got {dropout_p}; generated kernels are inference-only (0.0)"
+    else:
+        refusal = flash_refusal(dropout_p, alibi_slopes)
     out, _ = run_dense("scaled_dot_product_attention", q, k, v, mask=mask, align=align,
                        window=win, softcap=softcap, alibi_slopes=alibi_slopes, scale=scale,
                        return_lse=False, fallback=fallback, refusal=refusal, attn_mask=attn_mask,

@@ -8,6 +8,7 @@ builds no string: messages are formatted only when a check fails.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -27,6 +28,19 @@ def softmax_scale(scale: object, q: torch.Tensor) -> float:
             math.isfinite(scale) and scale > 0):
         return float(scale)  # a subclass (numpy float64)
     raise ValueError(f"scale: expected a finite float > 0 or None, got {scale!r}")
+
+
+def seqlen_bound(value: object, name: str) -> int:
+    """max_seqlen_q / max_seqlen_k as a Python int (an integral numpy or 0-d tensor value is
+    taken, as flash-attn does); a ValueError names anything else. The module checks >= 0."""
+    if type(value) is int:
+        return value
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise ValueError(f"{name}: expected a Python int >= 0, got {value!r}")
 
 
 def check_rank4(q: object, k: object, v: object) -> None:
@@ -78,10 +92,11 @@ def flash_mask(causal: bool, window_size: object) -> tuple[Mask, tuple[int, int]
 
 
 def flash_refusal(dropout_p: float, alibi_slopes: torch.Tensor | None) -> str | None:
-    """Why no generated kernel serves a flash-attn call's dropout or slopes, or None."""
+    """Why no generated kernel serves a call's dropout or flash-attn's per-batch slopes
+    [batch, nheads] (the torch fallback serves both), or None."""
     if dropout_p:
         return f"dropout_p: got {dropout_p}; generated kernels are inference-only (0.0)"
-    if alibi_slopes is not None and alibi_slopes.dim() != 1:
+    if type(alibi_slopes) is torch.Tensor and alibi_slopes.dim() == 2:  # else the checks say
         return (f"alibi_slopes: got shape {tuple(alibi_slopes.shape)}; generated kernels take "
                 "[nheads] fp32 (one slope per head for the whole batch)")
     return None

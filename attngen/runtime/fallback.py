@@ -5,6 +5,12 @@ ALiBi, GQA, a row that sees no key gives 0 and LSE -inf), in [B, H, N, D] layout
 Plain SDPA when it can express the call (no softcap, no LSE asked for), else the explicit
 math in fp32. Only ever reached after a warning that names why.
 
+`fallback_dense` and `fallback_varlen` check a call as a generated module's entry point does
+(entry_checks.py: the same errors), so an invalid call is refused whichever path serves it.
+Packed sequences follow the varlen kernel's contract: a sequence whose indices leave the packed
+tensors (or that is longer than max_seqlen_q) gets NaN output and LSE; ATTNGEN_CHECKS=1 raises
+instead, with the module's messages. The fallback reads the index tensors on the host.
+
 A dense `attn_mask` (scaled_dot_product_attention's, run only here) follows torch SDPA: a
 bool mask (True = attend) or a float mask added to the scores, of any shape that broadcasts
 to [B, HQ, Nq, Nk] (2D [Nq, Nk], 3D [HQ or 1, Nq, Nk], 4D). A row whose keys are all masked
@@ -14,11 +20,55 @@ to [B, HQ, Nq, Nk] (2D [Nq, Nk], 3D [HQ or 1, Nq, Nk], 4D). A row whose keys are
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 
-from attngen.runtime.masks import visible
+from attngen.masks import alibi_distance, visible
+from attngen.runtime import entry_checks
+
+
+def fallback_dense(q, k, v, *, alibi_slopes, attn_mask=None, **kwargs):
+    """torch_attention after a prefill module's checks (and SDPA's attn_mask's)."""
+    entry_checks.check_dense(q, k, v, alibi_slopes)
+    if attn_mask is not None:
+        entry_checks.check_attn_mask(attn_mask, q, k)
+    return torch_attention(q, k, v, alibi_slopes=alibi_slopes, attn_mask=attn_mask, **kwargs)
+
+
+def fallback_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, seqused_k, *,
+                    return_lse: bool, alibi_slopes, **kwargs):
+    """Packed [T, H, D] attention, one sequence at a time after a varlen module's checks;
+    (out [Tq, HQ, DV], lse [HQ, Tq] or None). Rows no sequence covers: 0 and LSE -inf."""
+    entry_checks.check_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                              alibi_slopes)
+    total_q, total_k = q.shape[0], k.shape[0]
+    starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
+    used = seqused_k.tolist() if seqused_k is not None else None
+    if os.environ.get("ATTNGEN_CHECKS") == "1":
+        entry_checks.validate_varlen(total_q, total_k, starts_q, starts_k, max_seqlen_q, used)
+    out = q.new_zeros((total_q, q.shape[1], v.shape[-1]))
+    lse = torch.full((q.shape[1], total_q), float("-inf"), device=q.device)
+    for b in range(len(starts_q) - 1):
+        q0, q1 = starts_q[b], starts_q[b + 1]
+        if not entry_checks.sequence_fits(b, total_q, total_k, starts_q, starts_k,
+                                          max_seqlen_q, used):
+            lo = min(max(q0, 0), total_q)  # the rows of the sequence inside q, as the kernel
+            out[lo:min(max(q1, lo), total_q)] = float("nan")
+            lse[:, lo:min(max(q1, lo), total_q)] = float("nan")
+            continue
+        k0 = starts_k[b]
+        k1 = k0 + used[b] if used is not None else starts_k[b + 1]
+        seq = [t.transpose(0, 1)[None] for t in (q[q0:q1], k[k0:k1], v[k0:k1])]
+        slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else (
+            alibi_slopes[b])
+        result = torch_attention(*seq, return_lse=return_lse, alibi_slopes=slopes, **kwargs)
+        o = result[0] if return_lse else result
+        out[q0:q1] = o[0].transpose(0, 1)
+        if return_lse:
+            lse[:, q0:q1] = result[1][0]
+    return out, (lse if return_lse else None)
 
 
 def torch_attention(q, k, v, *, mask="none", align=None, window=None, softcap=0.0,
@@ -39,11 +89,10 @@ def torch_attention(q, k, v, *, mask="none", align=None, window=None, softcap=0.
             bias = attn_mask.float()
         seen = allowed if seen is None else seen & allowed
     if alibi_slopes is not None:
-        i = torch.arange(seqlen_q, device=q.device)[:, None]
-        # ALiBi's i' is aligned bottom-right without a mask (flash-attn's convention)
-        i = i + (seqlen_k - seqlen_q if align == "bottom_right" or mask == "none" else 0)
-        distance = (i - torch.arange(seqlen_k, device=q.device)[None, :]).abs().float()
-        alibi = -alibi_slopes.float()[:, None, None] * distance
+        distance = alibi_distance(mask, align, seqlen_q, seqlen_k, q.device).float()
+        slopes = alibi_slopes.float()  # [HQ], or flash-attn's [B, HQ]
+        slopes = slopes[:, None, None] if slopes.dim() == 1 else slopes[:, :, None, None]
+        alibi = -slopes * distance
         bias = alibi if bias is None else bias + alibi
     if not softcap and not return_lse:
         full = None if seen is None else torch.zeros(seen.shape, device=q.device).masked_fill(

@@ -24,8 +24,9 @@ import torch
 from attngen.runtime import arguments, ops
 from attngen.runtime.arguments import flash_mask, flash_refusal
 from attngen.runtime.dispatch import need_for, probe
+from attngen.runtime.entry_checks import check_alibi
 from attngen.runtime.kvcache_options import CacheOptions, cache_options, key_layout, rotate
-from attngen.runtime.launch import run_varlen
+from attngen.runtime.launch import run_varlen, varlen_dispatch
 from attngen.runtime.selection import Dispatch
 from attngen.runtime.validate import check_kvcache_shapes
 from attngen.spec import CausalAlign, KernelKind, KvLayout, Mask
@@ -86,6 +87,16 @@ def _run_varlen_route(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
     the cache rows in place (paged or cache_batch_idx rows gathered first: a copy)."""
     batch, seqlen_q = q.shape[0], q.shape[1]
     new = 0 if k is None else k.shape[1]
+    packed_q = q.reshape(batch * seqlen_q, *q.shape[2:])
+    # Chosen (or refused) before the append: a refused call leaves the caches as they were.
+    dispatch = varlen_dispatch(
+        "flash_attn_with_kvcache", packed_q, v_cache, mask=mask, align=CausalAlign.bottom_right,
+        window=window, softcap=softcap, alibi=alibi_slopes is not None,
+        length_bounds=(seqlen_q, capacity), same_lengths=False, fallback=None, refusal=refusal,
+        heads=(q.shape[2], k_cache.shape[2]))
+    # What the module (or the fallback) would refuse after the append, refused before it.
+    check_alibi(alibi_slopes, packed_q, batch=batch)
+    sm_scale = arguments.softmax_scale(softmax_scale, q)
     fits = _fits(cache_seqlens, new, capacity, block_table, k_cache, seqlen_q, window, options)
     if os.environ.get("ATTNGEN_CHECKS") == "1":
         _validate(cache_seqlens, new, capacity, block_table, k_cache, seqlen_q, window, options)
@@ -102,13 +113,12 @@ def _run_varlen_route(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
     steps = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
     starts_k, used_k = key_layout(options, steps, capacity, cache_seqlens + new)
     out, lse = run_varlen(
-        "flash_attn_with_kvcache", q.reshape(batch * seqlen_q, *q.shape[2:]), keys, values,
+        "flash_attn_with_kvcache", packed_q, keys, values,
         steps * seqlen_q, starts_k, seqlen_q, capacity, mask=mask,
         align=CausalAlign.bottom_right, window=window, softcap=softcap,
-        alibi_slopes=alibi_slopes, scale=softmax_scale,
+        alibi_slopes=alibi_slopes, scale=sm_scale,
         return_lse=return_lse, fallback=None, refusal=refusal,
-        seqused_k=torch.where(fits, used_k, -1).to(torch.int32),
-        length_bounds=(seqlen_q, capacity))
+        seqused_k=torch.where(fits, used_k, -1).to(torch.int32), dispatch=dispatch)
     out = out.view(batch, seqlen_q, *out.shape[1:])
     return out, (None if lse is None else lse.view(lse.shape[0], batch, seqlen_q).transpose(0, 1))
 

@@ -10,12 +10,11 @@ disappears when the module is rebuilt from a template with `out=`).
 
 from __future__ import annotations
 
-import torch
-
 from attngen.runtime import ops
-from attngen.runtime.arguments import softmax_scale
+from attngen.runtime.arguments import seqlen_bound, softmax_scale
 from attngen.runtime.dispatch import choose, need_for, unsupported_dtype
-from attngen.runtime.fallback import torch_attention
+from attngen.runtime.fallback import fallback_dense, fallback_varlen
+from attngen.runtime.selection import Dispatch
 from attngen.spec import CausalAlign, KernelKind, Mask
 
 
@@ -33,9 +32,9 @@ def run_dense(api: str, q, k, v, *, mask: Mask, align: CausalAlign | None, windo
         refusal = refusal or unsupported_dtype(q)
     dispatch = choose(api, need, fallback, refusal, (q.shape[1], k.shape[1]))
     if dispatch.key is None:
-        result = torch_attention(q, k, v, mask=mask, align=align, window=window, softcap=softcap,
-                                 alibi_slopes=alibi_slopes, scale=scale, attn_mask=attn_mask,
-                                 dropout_p=dropout_p, return_lse=return_lse)
+        result = fallback_dense(q, k, v, mask=mask, align=align, window=window, softcap=softcap,
+                                alibi_slopes=alibi_slopes, scale=softmax_scale(scale, q),
+                                attn_mask=attn_mask, dropout_p=dropout_p, return_lse=return_lse)
         out, lse = result if return_lse else (result, None)
         return (out.transpose(1, 2).contiguous() if heads_last else out), lse
     in_place = heads_last and dispatch.writes_out
@@ -49,44 +48,44 @@ def run_dense(api: str, q, k, v, *, mask: Mask, align: CausalAlign | None, windo
 def run_varlen(api: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                mask: Mask, align: CausalAlign | None, window, softcap, alibi_slopes, scale,
                return_lse: bool, fallback: str | None, seqused_k=None,
-               refusal: str | None = None, dropout_p=0.0, length_bounds=None):
+               refusal: str | None = None, dropout_p=0.0, length_bounds=None,
+               dispatch: Dispatch | None = None):
     """Packed [T, H, D] attention through the varlen kind; (out, lse [H, Tq] or None).
 
     The kernel is chosen with lengths the tensors guarantee, never max_seqlen_q/k (the
     caller's claim, which only sizes the grid): `length_bounds` (Nq, Nk) when the caller
-    knows tighter ones from shapes (a cache's capacity), else the packed totals."""
-    same = cu_seqlens_q is cu_seqlens_k and seqused_k is None
-    bound_q, bound_k = length_bounds or (q.shape[0], k.shape[0])
-    need = need_for(KernelKind.varlen, q, v, mask=mask, align=align, window=window,
-                    softcap=softcap, alibi=alibi_slopes is not None, seqlen_q=bound_q,
-                    seqlen_k=bound_k, same_lengths=same)
-    if need.dtype is None:
-        refusal = refusal or unsupported_dtype(q)
-    dispatch = choose(api, need, fallback, refusal, (q.shape[1], k.shape[1]))
+    knows tighter ones from shapes (a cache's capacity), else the packed totals. A caller
+    that must know the choice before it changes anything (the KV-cache route appends) passes
+    the `dispatch` varlen_dispatch gave it."""
+    if dispatch is None:
+        same = cu_seqlens_q is cu_seqlens_k and seqused_k is None
+        dispatch = varlen_dispatch(api, q, v, mask=mask, align=align, window=window,
+                                   softcap=softcap, alibi=alibi_slopes is not None,
+                                   length_bounds=length_bounds or (q.shape[0], k.shape[0]),
+                                   same_lengths=same, fallback=fallback, refusal=refusal,
+                                   heads=(q.shape[1], k.shape[1]))
+    max_seqlen_q = seqlen_bound(max_seqlen_q, "max_seqlen_q")
+    max_seqlen_k = seqlen_bound(max_seqlen_k, "max_seqlen_k")
     if dispatch.key is None:
-        return _varlen_in_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, mask=mask,
-                                align=align, window=window, softcap=softcap,
-                                alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse,
-                                dropout_p=dropout_p)
-    return ops.varlen(dispatch.key, q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                      int(max_seqlen_k), softmax_scale(scale, q), alibi_slopes, seqused_k,
+        return fallback_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               seqused_k, mask=mask, align=align, window=window,
+                               softcap=softcap, alibi_slopes=alibi_slopes,
+                               scale=softmax_scale(scale, q), return_lse=return_lse,
+                               dropout_p=dropout_p)
+    return ops.varlen(dispatch.key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                      max_seqlen_k, softmax_scale(scale, q), alibi_slopes, seqused_k,
                       return_lse)
 
 
-def _varlen_in_torch(q, k, v, cu_q, cu_k, seqused_k, *, return_lse, **kwargs):
-    """The fallback, one sequence at a time (it reads the lengths on the host)."""
-    out = q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))
-    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
-    starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
-    used = seqused_k.tolist() if seqused_k is not None else None
-    for b in range(len(starts_q) - 1):
-        q0, q1 = starts_q[b], starts_q[b + 1]
-        k0 = starts_k[b]
-        k1 = k0 + used[b] if used is not None else starts_k[b + 1]
-        seq = [t.transpose(0, 1)[None] for t in (q[q0:q1], k[k0:k1], v[k0:k1])]
-        result = torch_attention(*seq, return_lse=return_lse, **kwargs)
-        o = result[0] if return_lse else result
-        out[q0:q1] = o[0].transpose(0, 1)
-        if return_lse:
-            lse[:, q0:q1] = result[1][0]
-    return out, (lse if return_lse else None)
+def varlen_dispatch(api: str, q, v, *, mask: Mask, align: CausalAlign | None, window, softcap,
+                    alibi: bool, length_bounds: tuple[int, int], same_lengths: bool,
+                    fallback: str | None, refusal: str | None,
+                    heads: tuple[int, int]) -> Dispatch:
+    """The varlen module (or the warned fallback) that serves packed q [T, HQ, D] and values
+    of v's head dim at lengths up to `length_bounds`; NoKernelError when none does."""
+    need = need_for(KernelKind.varlen, q, v, mask=mask, align=align, window=window,
+                    softcap=softcap, alibi=alibi, seqlen_q=length_bounds[0],
+                    seqlen_k=length_bounds[1], same_lengths=same_lengths)
+    if need.dtype is None:
+        refusal = refusal or unsupported_dtype(q)
+    return choose(api, need, fallback, refusal, heads)

@@ -105,7 +105,11 @@ def effective_mask(spec_like: dict[str, Any], need: Need, *, at_lengths: bool = 
     window = spec_like.get("window")
     if at_lengths and mask != "none":
         mask, window = _mask_at_lengths(mask, align, window, need)
-    if mask == "none" or need.same_lengths:
+    # Without a mask, ALiBi's distance is taken at bottom-right positions: a mask that excludes
+    # nothing at these lengths but aligns top-left keeps its top-left distance, so with ALiBi
+    # it is mask none only when the alignments coincide.
+    top_left_bias = need.alibi and align == "top_left" and spec_like["mask"] != "none"
+    if need.same_lengths or (mask == "none" and not top_left_bias):
         align = None
     return mask, align, window
 

@@ -83,8 +83,8 @@ def _name_kvcache_problem(q, k_cache, v_cache, k, v, block_table, any_cache_batc
                 "[batch, seqlen_new, nheads_k, headdim_v]")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
         if t is not None and (t.dtype != q.dtype or t.device != q.device):
-            raise ValueError(f"{name}: expected {q.dtype} on {q.device} (as q), got {t.dtype} "
-                             f"on {t.device}")
+            raise ValueError(f"{name}: expected dtype {q.dtype} on device {q.device} (as q), got "
+                             f"dtype {t.dtype} on device {t.device}")
 
 
 def _rank4(name, t, layout) -> None:
