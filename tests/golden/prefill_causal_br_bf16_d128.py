@@ -537,7 +537,7 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False, ou
         lse = q.new_empty((batch, num_q_heads, seqlen_q), dtype=torch.float32)
     if out.numel() == 0:
         return (out, lse) if return_lse else out
-    num_m_blocks = triton.cdiv(seqlen_q, CONFIG["BLOCK_M"])
+    num_m_blocks = -(-seqlen_q // CONFIG["BLOCK_M"])
     num_programs = num_m_blocks * batch * num_q_heads
     _check_grid(num_programs)
     # Unused pointer arguments (LSE without return_lse, slopes without ALiBi) get `out`.

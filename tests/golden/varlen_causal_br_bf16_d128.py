@@ -593,7 +593,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if return_lse:
         lse = torch.full((num_q_heads, total_q), float("-inf"), dtype=torch.float32,
                          device=q.device)
-    num_m_blocks = triton.cdiv(max_seqlen_q, CONFIG["BLOCK_M"])
+    num_m_blocks = -(-max_seqlen_q // CONFIG["BLOCK_M"])
     num_programs = num_m_blocks * batch * num_q_heads
     if out.numel() == 0 or num_programs == 0:
         return (out, lse) if return_lse else out
