@@ -67,15 +67,39 @@ def test_flash_attn_func_writes_the_flash_layout_in_place(out_modules):
     assert not compare_to_reference(TOY, out.transpose(1, 2), lse, *heads_first(q, k, v))
 
 
-def test_flash_attn_func_without_out_copies_once_and_says_so(toy_kernels):
-    """Today's generated modules take no out=: the output is still one contiguous tensor in
-    flash-attn's layout, from strided inputs, and the Dispatch says it was copied."""
+def test_generated_modules_write_flash_attn_func_output_in_place(toy_kernels, monkeypatch):
+    """Generated modules take out= (ACCEPTS_OUT): flash_attn_func's [B, N, H, D] output is the
+    tensor the kernel wrote through its strides, from strided inputs (no copy)."""
     q, k, v = flash_qkv(2, 5, 9)
     out, lse, _ = attngen.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     chosen = attngen.last_dispatch()
-    assert not chosen.writes_out and "is copied" in chosen.reason
-    assert out.shape == (2, 5, 4, 16) and out.is_contiguous()
+    assert chosen.writes_out and "in place (out=)" in chosen.reason
+    module = module_of(chosen)
+    given = []
+    real = module.attention
+    monkeypatch.setattr(module, "attention", lambda *a, **kw: given.append(kw["out"]) or real(
+        *a, **kw))
+    again, lse_again, _ = attngen.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert len(given) == 1 and given[0].data_ptr() == again.data_ptr()
+    assert given[0].shape == (2, 4, 5, 16) and again.shape == (2, 5, 4, 16)
+    assert again.is_contiguous() and torch.equal(again, out) and torch.equal(lse_again, lse)
     assert not compare_to_reference(TOY, out.transpose(1, 2), lse, *heads_first(q, k, v))
+
+
+def test_flash_attn_func_from_a_module_without_out_copies_once_and_says_so(tmp_path):
+    """A module that takes no out= (one built by an older attngen): the output is still one
+    contiguous tensor in flash-attn's layout, and the Dispatch says it was copied."""
+    saved = current_registry()
+    load_kernels(build_stand_ins(tmp_path / "plain", ("prefill",)), replace=True)
+    try:
+        q, k, v = flash_qkv(2, 5, 9)
+        out = attngen.flash_attn_func(q, k, v, causal=True)
+        chosen = attngen.last_dispatch()
+        assert not chosen.writes_out and "is copied" in chosen.reason
+        assert module_of(chosen).WROTE == [None]
+        assert out.shape == (2, 5, 4, 16) and out.is_contiguous()
+    finally:
+        use_registry(saved)
 
 
 def test_transformers_attention_returns_its_layout_contiguous(out_modules):

@@ -266,6 +266,155 @@ def _check_tensors(q, k, v, layout):
         )
 
 
+def _tensors_ok(q, k, v, rank, length):
+    """The success path of _check_tensors (axis `length` of k and v their length), by
+    comparisons only: no loop, no message. False sends the call to _check_tensors, which
+    names what is wrong (or passes)."""
+    tensor = torch.Tensor
+    if not (type(q) is tensor and type(k) is tensor and type(v) is tensor):
+        return False
+    cuda = q.is_cuda
+    if not (cuda or (_INTERPRET and q.is_cpu)):
+        return False
+    q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
+    return (len(q_shape) == rank and len(k_shape) == rank and len(v_shape) == rank
+            and q.dtype == DTYPE and k.dtype == DTYPE and v.dtype == DTYPE
+            and (k.is_cuda if cuda else k.is_cpu) and (v.is_cuda if cuda else v.is_cpu)
+            and k.get_device() == q.get_device() == v.get_device()
+            and q_shape[-1] == HEAD_DIM and k_shape[-1] == HEAD_DIM and v_shape[-1] == HEAD_DIM_V
+            and k_shape[1] == v_shape[1] and k_shape[length] == v_shape[length]
+            and k_shape[1] != 0 and q_shape[1] % k_shape[1] == 0)
+
+
+# -- launches -------------------------------------------------------------------------------
+# `kernel[grid](...)` binds every argument, derives what Triton specializes on and formats a
+# cache key on each call: tens of microseconds of host time, more than a small launch's GPU
+# time. `_launch` derives the same specialization from the arguments' groups (cheaper: the
+# groups are known here), and after the first call for a specialization calls the compiled
+# kernel's own launcher, as Triton's JITFunction.run does once it has the kernel.
+ACCEPTS_OUT = True
+_FAST_LAUNCH = not _INTERPRET  # the interpreter runs `kernel[grid]` (it has no launcher)
+_LAUNCH_CACHE = {}  # _specialization(...) -> the compiled kernel
+_LAUNCH_CACHE_SIZE = 1024  # a full cache starts over (a miss only costs a `kernel[grid]` call)
+_DRIVER = []  # [get_current_device, get_current_stream], resolved at the first launch on a GPU
+_HOOKS = triton.knobs.HookChain  # launch hooks: None or an empty chain means no hook
+
+
+def _tail_class(x):
+    """A float scalar (never specialized), None (a constant) or a TMA descriptor (its dtype,
+    block shape and padding)."""
+    if x is None or type(x) is float:
+        return type(x)
+    return (x.base.dtype, tuple(x.block_shape), x.padding)
+
+
+def _specialization(kernel, device, tensors, ints, tail, constexprs, options):
+    """Everything the compiled kernel depends on besides the argument values: the kernel, the
+    device, each tensor's dtype and 16-byte alignment, each int's class, the tail's classes,
+    the constexprs and the compile options (with Triton's debug and instrumentation knobs).
+
+    An int's class is one int: (n >> 31) * 4 for its range (Triton's i32 is n >> 31 in
+    {-1, 0}; every other value is its own class, at least as fine as i64/u64), plus 0 when
+    n % 16 == 0, 2 when n == 1 (a constant to Triton), else 1. Equal keys give equal
+    specializations; the converse may not hold (no harm: one more entry)."""
+    return (kernel, device, tuple([t.dtype for t in tensors]),
+            tuple([t.data_ptr() & 15 == 0 for t in tensors]),
+            tuple([(n >> 31) * 4 + (n & 15 and (n == 1) + 1) for n in ints]),
+            tuple([_tail_class(x) for x in tail]), tuple(constexprs.items()),
+            tuple(options.items()), triton.knobs.runtime.debug,
+            triton.knobs.compilation.instrumentation_mode)
+
+
+def _launch(kernel, grid, device, tensors, ints, tail, constexprs, options):
+    """kernel[(grid,)](*tensors, *ints, *tail, **constexprs, **options): the kernel's
+    parameters are tensors (pointers), Python ints, the tail (floats, TMA descriptors or None)
+    and its constexprs, in that order; device is the tensors' CUDA device index.
+
+    The first call of a specialization goes through `kernel[grid]` (which compiles or finds the
+    kernel, checks Triton's globals, and launches); later ones call its launcher directly. A
+    launch hook (a profiler), a pre-run hook, another current device or the interpreter take
+    the `kernel[grid]` path every time (a launch hook receives the launch's metadata, which
+    only that path builds)."""
+    enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
+    if (not _FAST_LAUNCH or kernel.pre_run_hooks
+            or (enter is not None and not (type(enter) is _HOOKS and not enter.calls))
+            or (leave is not None and not (type(leave) is _HOOKS and not leave.calls))):
+        with torch.cuda.device(device) if device >= 0 else contextlib.nullcontext():
+            kernel[(grid,)](*tensors, *ints, *tail, **constexprs, **options)
+        return
+    if not _DRIVER:
+        active = triton.runtime.driver.active
+        _DRIVER[:] = [active.get_current_device, active.get_current_stream]
+    if _DRIVER[0]() != device:
+        with torch.cuda.device(device):
+            _launch(kernel, grid, device, tensors, ints, tail, constexprs, options)
+        return
+    key = _specialization(kernel, device, tensors, ints, tail, constexprs, options)
+    compiled = _LAUNCH_CACHE.get(key)
+    if compiled is None:
+        _first_launch(kernel, grid, key, tensors, ints, tail, constexprs, options)
+        return
+    compiled.run(grid, 1, 1, _DRIVER[1](device), compiled.function, compiled.packed_metadata,
+                 None, None, None, *tensors, *ints, *tail, *constexprs.values())
+
+
+def _first_launch(kernel, grid, key, tensors, ints, tail, constexprs, options):
+    """`kernel[grid]`, and its compiled kernel remembered under `key` once the kernel's
+    parameters are known to be the groups in order with the constexprs last (the launcher
+    takes them by position)."""
+    compiled = kernel[(grid,)](*tensors, *ints, *tail, **constexprs, **options)
+    if hasattr(compiled, "result"):  # Triton's asynchronous compile mode
+        compiled = compiled.result()
+    positional = len(tensors) + len(ints) + len(tail)
+    params = kernel.params
+    if (len(params) != positional + len(constexprs)
+            or any(p.is_constexpr for p in params[:positional])
+            or [p.name for p in params[positional:]] != list(constexprs)):
+        raise RuntimeError(f"{kernel.fn.__name__}: its parameters are not the launch's groups "
+                           "in order, constexprs last; rebuild the module")
+    compiled.run  # noqa: B018 (loads the kernel's handles on this device)
+    if len(_LAUNCH_CACHE) >= _LAUNCH_CACHE_SIZE:
+        _LAUNCH_CACHE.clear()
+    _LAUNCH_CACHE[key] = compiled
+
+
+# -- out= -----------------------------------------------------------------------------------
+_DENSE_LAYOUTS = {}  # (shape, strides) -> whether no two elements share memory
+
+
+def _no_self_overlap(shape, strides):
+    """No two elements of a tensor of this shape and these strides share an address: sorted by
+    stride, each dimension steps past everything the smaller ones span (remembered)."""
+    known = _DENSE_LAYOUTS.get((shape, strides))
+    if known is None:
+        span, known = 1, True
+        for size, stride in sorted(zip(shape, strides, strict=True), key=lambda d: d[1]):
+            if size > 1:
+                known = known and stride >= span
+                span = stride * (size - 1) + 1
+        if len(_DENSE_LAYOUTS) >= _LAUNCH_CACHE_SIZE:
+            _DENSE_LAYOUTS.clear()
+        _DENSE_LAYOUTS[(shape, strides)] = known
+    return known
+
+
+def _check_out(out, shape, q, inputs):
+    """out: a tensor of `shape`, q's dtype and device, any strides whose elements do not
+    overlap, sharing no storage with the inputs (the kernel reads them while it writes)."""
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"out: expected a torch.Tensor or None, got {type(out).__name__}")
+    if out.shape != shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out: expected shape {tuple(shape)} {q.dtype} on {q.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    if not _no_self_overlap(out.shape, out.stride()):
+        raise ValueError(f"out: strides {out.stride()} make elements share memory (an expanded "
+                         "or overlapping view); pass a tensor each element of which is its own")
+    storage = out.untyped_storage().data_ptr()
+    for name, t in inputs:
+        if t is not None and t.untyped_storage().data_ptr() == storage and out.numel():
+            raise ValueError(f"out: shares memory with {name}; pass a separate tensor")
+
+
 def _check_alibi(alibi_slopes, num_q_heads, q):
     if alibi_slopes is not None:
         raise ValueError("alibi_slopes: this kernel was built with alibi: false; pass None")
@@ -275,6 +424,8 @@ def _kernel_scale(sm_scale):
     """The scale the kernel multiplies q.k by: log2 e folded in, or 1/softcap before tanh."""
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(HEAD_DIM)
+    elif type(sm_scale) is float and 0.0 < sm_scale < math.inf:
+        pass  # the common case, by comparisons only (NaN fails them)
     elif isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
         raise ValueError(f"sm_scale: expected a finite float > 0, got {sm_scale!r}")
     elif not (math.isfinite(sm_scale) and sm_scale > 0):
@@ -287,6 +438,11 @@ def _check_grid(num_programs):
         raise ValueError(f"shape: {num_programs} programs exceed the grid's 2**31 - 1")
 
 
+def _options(config):
+    """The compile options of a launch with `config`."""
+    return {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+
+
 def kv_load_path(k, v):
     """How the kernel reads K/V blocks: "tma" (tensor descriptors, Hopper's copy engine) or
     "pointers: <why not>". Both are exact; under TMA, keys of a block at the causal diagonal,
@@ -294,19 +450,62 @@ def kv_load_path(k, v):
     needs a unit head-dim stride, the base and the other strides 16-byte aligned (no
     broadcast stride 0), and at least one key."""
     for name, t in (("k", k), ("v", v)):
-        if t.shape[2] == 0:
-            return f"pointers: {name} has no keys"
-        if t.stride(3) != 1:
-            return f"pointers: {name} head-dim stride is {t.stride(3)}, not 1"
-        if t.data_ptr() % 16:
-            return f"pointers: {name} base address is not 16-byte aligned"
-        for size, stride in zip(t.shape[:3], t.stride()[:3], strict=True):
-            if (stride * t.element_size()) % 16 or (stride == 0 and size > 1):
-                return f"pointers: {name} strides {tuple(t.stride())} are not 16-byte multiples"
+        why = _tma_layout_problem(name, t.shape, t.stride())
+        if why is None and t.data_ptr() % 16:
+            why = f"{name} base address is not 16-byte aligned"
+        if why is not None:
+            return "pointers: " + why
     return "tma"
 
 
-def attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False):
+def _tma_layout_problem(name, shape, strides):
+    """Why a K or V tensor of this shape and these strides cannot be read through TMA (None:
+    it can, given a 16-byte aligned base)."""
+    if shape[2] == 0:
+        return f"{name} has no keys"
+    if strides[3] != 1:
+        return f"{name} head-dim stride is {strides[3]}, not 1"
+    for size, stride in zip(shape[:3], strides[:3], strict=True):
+        if (stride * _ELEMENT_SIZE) % 16 or (stride == 0 and size > 1):
+            return f"{name} strides {tuple(strides)} are not 16-byte multiples"
+    return None
+
+
+_ELEMENT_SIZE = DTYPE.itemsize
+_TMA_LAYOUTS = {}  # (k shape, k strides, v shape, v strides) -> TMA possible at aligned bases
+_CHECKED_BLOCKS = set()  # descriptor block shapes a real TensorDescriptor has validated
+
+
+def _uses_tma(k, v):
+    """kv_load_path(k, v) == "tma", with the layout's answer remembered per shape and strides
+    (only the base addresses are read at each call)."""
+    layout = (k.shape, k.stride(), v.shape, v.stride())
+    fits = _TMA_LAYOUTS.get(layout)
+    if fits is None:
+        fits = (_tma_layout_problem("k", *layout[:2]) is None
+                and _tma_layout_problem("v", *layout[2:]) is None)
+        if len(_TMA_LAYOUTS) >= _LAUNCH_CACHE_SIZE:
+            _TMA_LAYOUTS.clear()
+        _TMA_LAYOUTS[layout] = fits
+    return fits and (k.data_ptr() | v.data_ptr()) & 15 == 0
+
+
+def _descriptor(t, block):
+    """TensorDescriptor(t, shape, strides, block) for a tensor _uses_tma accepted. Its
+    constructor's checks (alignment and strides: those of _uses_tma; the block shape: fixed
+    per module) run the first time a block shape is seen and under the interpreter; later
+    descriptors are filled in directly."""
+    if block not in _CHECKED_BLOCKS or not _FAST_LAUNCH:
+        descriptor = TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
+        _CHECKED_BLOCKS.add(block)
+        return descriptor
+    descriptor = object.__new__(TensorDescriptor)
+    descriptor.base, descriptor.shape, descriptor.strides = t, list(t.shape), list(t.stride())
+    descriptor.block_shape, descriptor.padding = list(block), "zero"
+    return descriptor
+
+
+def attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False, out=None):
     """softmax(q @ k^T * sm_scale, masked) @ v.
 
     q [B, HQ, M, 128], k [B, HKV, N, 128], v [B, HKV, N, 128] in bf16, any strides.
@@ -314,9 +513,12 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False):
 
     Returns out [B, HQ, M, 128] in q's dtype, and with return_lse also the
     log-sum-exp of the scores [B, HQ, M] in float32 (natural log; -inf for a row that sees
-    no key, whose output is 0).
+    no key, whose output is 0). With out= (that shape, dtype and device, any strides whose
+    elements do not overlap, e.g. a [B, M, HQ, 128] tensor transposed; no memory shared with
+    q, k, v) the output is written there and out is returned.
     """
-    _check_tensors(q, k, v, "[B, H, N, D]")
+    if not _tensors_ok(q, k, v, 4, 2):
+        _check_tensors(q, k, v, "[B, H, N, D]")
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(
             f"batch: expected equal sizes, got q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}"
@@ -325,37 +527,36 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False):
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     _check_alibi(alibi_slopes, num_q_heads, q)
     qk_scale = _kernel_scale(sm_scale)
-    out = q.new_empty((batch, num_q_heads, seqlen_q, HEAD_DIM_V))
+    if out is None:
+        out = q.new_empty((batch, num_q_heads, seqlen_q, HEAD_DIM_V))
+    else:
+        _check_out(out, (batch, num_q_heads, seqlen_q, HEAD_DIM_V), q,
+                   (("q", q), ("k", k), ("v", v)))
     lse = None
     if return_lse:
         lse = q.new_empty((batch, num_q_heads, seqlen_q), dtype=torch.float32)
     if out.numel() == 0:
         return (out, lse) if return_lse else out
-    num_m_blocks = triton.cdiv(seqlen_q, CONFIG["BLOCK_M"])
+    num_m_blocks = -(-seqlen_q // CONFIG["BLOCK_M"])
     num_programs = num_m_blocks * batch * num_q_heads
     _check_grid(num_programs)
     # Unused pointer arguments (LSE without return_lse, slopes without ALiBi) get `out`.
     lse_arg = out if lse is None else lse
     slopes_arg = out if alibi_slopes is None else alibi_slopes
-    use_tma = kv_load_path(k, v) == "tma"
+    use_tma = _uses_tma(k, v)
     k_desc = v_desc = None
     if use_tma:
         block_n = CONFIG["BLOCK_N"]
-        k_desc = TensorDescriptor(k, list(k.shape), list(k.stride()),
-                                  [1, 1, block_n, 128])
-        v_desc = TensorDescriptor(v, list(v.shape), list(v.stride()),
-                                  [1, 1, block_n, 128])
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        _attn_fwd_kernel[(num_programs,)](
-            q, k, v, out, lse_arg, slopes_arg,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, num_m_blocks,
-            qk_scale, k_desc, v_desc,
-            STORE_LSE=return_lse,
-            BLOCK_M=CONFIG["BLOCK_M"],
-            BLOCK_N=CONFIG["BLOCK_N"],
-            USE_TMA=use_tma,
-            num_warps=CONFIG["num_warps"],
-            num_stages=CONFIG["num_stages"],
-        )
+        k_desc = _descriptor(k, (1, 1, block_n, 128))
+        v_desc = _descriptor(v, (1, 1, block_n, 128))
+    _launch(
+        _attn_fwd_kernel, num_programs, q.get_device(),
+        (q, k, v, out, lse_arg, slopes_arg),
+        (*q.stride(), *k.stride(), *v.stride(), *out.stride(),
+         num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, num_m_blocks),
+        (qk_scale, k_desc, v_desc),
+        {"STORE_LSE": return_lse, "BLOCK_M": CONFIG["BLOCK_M"],
+         "BLOCK_N": CONFIG["BLOCK_N"], "USE_TMA": use_tma},
+        _options(CONFIG),
+    )
     return (out, lse) if return_lse else out

@@ -1,0 +1,297 @@
+"""The generated modules' cached launcher, on the CPU: its key against Triton's own
+specialization, and the launches it makes.
+
+On a GPU a module's launch goes through `kernel[grid]` the first time a specialization is
+seen and through the compiled kernel's launcher after that. Under the interpreter the modules
+always take `kernel[grid]`, so these tests switch the cached path on and stand a fake in for
+each @triton.jit kernel: `kernel[grid](...)` computes Triton's specialization of the arguments
+(triton's own `native_specialize_impl`, the function its binder calls) and hands back one fake
+compiled kernel per specialization; a compiled kernel's `run` checks that the arguments it is
+launched with have its specialization. A key that missed anything Triton specializes on would
+launch a kernel compiled for other arguments, and fail there.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from tests.decode_harness import load_decode, make_cache, make_decode_spec, make_queries
+from tests.kernel_harness import load_kernel, make_spec
+
+PREFILL = make_spec(name="fl", dtype="fp16", head_dim=64, num_q_heads=4, num_kv_heads=2)
+VARLEN = make_spec(name="flv", dtype="fp16", head_dim=64, num_q_heads=4, num_kv_heads=2,
+                   kernels=["varlen"])
+DECODE = make_decode_spec("contiguous", None, name="fld", dtype="fp16", head_dim=64,
+                          num_q_heads=4, num_kv_heads=2, max_query_tokens=2)
+
+
+def triton_specialization(params, args, options):
+    """What Triton's binder makes of these arguments (all parameters, in order)."""
+    spec = tuple(("constexpr", a) if p.is_constexpr
+                 else native_specialize_impl(BaseBackend, a, False, True, True)
+                 for p, a in zip(params, args, strict=True))
+    return spec, tuple(sorted(options.items()))
+
+
+class FakeCompiled:
+    def __init__(self, kernel, key):
+        self.kernel, self.key = kernel, key
+        self.function, self.packed_metadata, self.runs = object(), object(), []
+
+    def run(self, grid_0, grid_1, grid_2, stream, function, metadata, launch_metadata,
+            enter_hook, exit_hook, *args):
+        assert (function, metadata, stream) == (self.function, self.packed_metadata, "stream")
+        assert (grid_1, grid_2, launch_metadata, enter_hook, exit_hook) == (1, 1, None, None, None)
+        spec, _ = triton_specialization(self.kernel.params, args, {})
+        assert spec == self.key[0], "launched a kernel compiled for another specialization"
+        self.runs.append((grid_0, list(args)))
+
+
+class FakeKernel:
+    """A @triton.jit kernel's stand-in: `kernel[grid](...)` records the call and returns the
+    compiled kernel of Triton's specialization of its arguments (one per specialization)."""
+
+    def __init__(self, real):
+        self.fn = real.fn
+        self.params = [SimpleNamespace(name=name, is_constexpr=p.annotation is tl.constexpr)
+                       for name, p in inspect.signature(real.fn).parameters.items()]
+        self.pre_run_hooks: list = []
+        self.compiled: dict = {}
+        self.bound: list = []  # (grid, all arguments in order, compiled) per kernel[grid] call
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            names = {p.name for p in self.params}
+            options = {k: v for k, v in kwargs.items() if k not in names}
+            ordered = list(args) + [kwargs[p.name] for p in self.params[len(args):]]
+            key = triton_specialization(self.params, ordered, options)
+            compiled = self.compiled.setdefault(key, FakeCompiled(self, key))
+            self.bound.append((grid[0], ordered, compiled))
+            return compiled
+        return launch
+
+    def launches(self):
+        """Every launch in order: ("bound" | "run", grid, args, compiled)."""
+        runs = [("run", g, a, c) for c in self.compiled.values() for g, a in c.runs]
+        return [("bound", g, a, c) for g, a, c in self.bound], runs
+
+
+def fast(monkeypatch, module, *kernel_names):
+    """Switch the module's cached launches on, with fakes for the named kernels."""
+    monkeypatch.setattr(module, "_FAST_LAUNCH", True)
+    monkeypatch.setattr(module, "_DRIVER", [lambda: -1, lambda device: "stream"])
+    monkeypatch.setattr(module, "_LAUNCH_CACHE", {})
+    fakes = []
+    for name in kernel_names:
+        fake = FakeKernel(getattr(module, name))
+        monkeypatch.setattr(module, name, fake)
+        fakes.append(fake)
+    return fakes
+
+
+def described(args):
+    """Arguments as comparable values: tensors by dtype, shape and strides (outputs are new at
+    each call), descriptors by their fields, the rest as they are."""
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            return ("tensor", a.dtype, tuple(a.shape), a.stride())
+        if isinstance(a, TensorDescriptor):
+            return ("desc", one(a.base), list(a.shape), list(a.strides), list(a.block_shape))
+        return a
+    return [one(a) for a in args]
+
+
+def fp16(*shape, offset=0):
+    """A random fp16 tensor; offset elements into its storage (2 bytes each: misaligned)."""
+    flat = torch.randn(offset + int(torch.tensor(shape).prod()), dtype=torch.float16)
+    return flat[offset:].view(*shape)
+
+
+# ------------------------------------------------------------------- the key itself
+
+
+def test_equal_keys_mean_equal_triton_specializations():
+    """_specialization over every combination of argument values at the edges Triton
+    specializes on (int == 1, % 16, the i32/i64 boundary; pointer alignment and dtype;
+    floats, None and TMA descriptors; constexprs; options): equal keys only where Triton's
+    specializations are equal, and different keys wherever Triton's differ, value by value."""
+    module = load_kernel(PREFILL)
+    aligned, misaligned = fp16(4, 16), fp16(4, 16, offset=1)
+    wide = torch.zeros(4, 16)
+    descs = [TensorDescriptor(t, [4, 16], [16, 1], block) for t, block in
+             ((aligned, [2, 16]), (aligned, [4, 16]), (wide, [4, 16]))]
+    tensors = [aligned, misaligned, wide]
+    ints = [0, 1, 2, 15, 16, 17, 48, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**40 + 1]
+    tails = [1.0, None, *descs]
+    constexprs = [{"BLOCK": 16}, {"BLOCK": 32}, {"BLOCK": True}]
+    options = [{"num_warps": 4}, {"num_warps": 8}, {"num_warps": 4, "num_stages": 2}]
+    params = [SimpleNamespace(is_constexpr=c) for c in (False, False, False, True)]
+    cases = list(itertools.product(tensors, ints, tails, constexprs, options))
+    keys, specs = {}, {}
+    for tensor, n, tail, constexpr, option in cases:
+        case = (id(tensor), n, id(tail), tuple(constexpr.items()), tuple(option.items()))
+        keys[case] = module._specialization(None, 0, (tensor,), (n,), (tail,), constexpr,
+                                            option)
+        specs[case] = triton_specialization(params, [tensor, n, tail, constexpr["BLOCK"]],
+                                            option)
+    for a, b in itertools.combinations(keys, 2):
+        if keys[a] == keys[b]:
+            assert specs[a] == specs[b], (a, b)
+    # Each change Triton specializes on, alone, changes the key (no collapsed classes).
+    for a, b in itertools.combinations(keys, 2):
+        differing = [i for i in range(5) if a[i] != b[i]]
+        if len(differing) == 1 and specs[a] != specs[b]:
+            assert keys[a] != keys[b], (a, b)
+
+
+def test_key_includes_the_kernel_the_device_and_triton_debug(monkeypatch):
+    module = load_kernel(PREFILL)
+    args = ((fp16(4, 16),), (16,), (1.0,), {"B": 1}, {"num_warps": 4})
+    base = module._specialization("kernel", 0, *args)
+    assert base != module._specialization("other kernel", 0, *args)
+    assert base != module._specialization("kernel", 1, *args)
+    monkeypatch.setattr(triton.knobs.runtime, "debug", not triton.knobs.runtime.debug)
+    assert base != module._specialization("kernel", 0, *args)
+
+
+# ------------------------------------------------------------------- launches
+
+
+def test_prefill_launches_bind_once_per_specialization_then_run_directly(monkeypatch):
+    """The second call of each kind runs the compiled kernel directly with exactly the
+    arguments kernel[grid] was given; each change Triton specializes on binds again and gets
+    the compiled kernel of its own specialization."""
+    module = load_kernel(PREFILL)
+    (fake,) = fast(monkeypatch, module, "_attn_fwd_kernel")
+    q, k, v = fp16(2, 4, 64, 64), fp16(2, 2, 64, 64), fp16(2, 2, 64, 64)
+    calls = {
+        "base": lambda: module.attention(q, k, v),
+        "int % 16 (65 keys)": lambda: module.attention(q, fp16(2, 2, 65, 64),
+                                                       fp16(2, 2, 65, 64)),
+        "int == 1 (q heads per kv head)": lambda: module.attention(q, fp16(2, 4, 64, 64),
+                                                                   fp16(2, 4, 64, 64)),
+        "constexpr and LSE dtype": lambda: module.attention(q, k, v, return_lse=True),
+        "pointer alignment": lambda: module.attention(fp16(2, 4, 64, 64, offset=1), k, v),
+        "pointers instead of TMA": lambda: module.attention(
+            q, fp16(2, 2, 64, 128)[..., ::2], v),
+    }
+    seen = []
+    for name, call in calls.items():
+        before = len(fake.bound)
+        call()
+        assert len(fake.bound) == before + 1, f"{name}: first call binds"
+        compiled = fake.bound[-1][2]
+        assert compiled not in seen, f"{name}: Triton specializes it apart"
+        seen.append(compiled)
+        call()
+        assert len(fake.bound) == before + 1, f"{name}: second call runs directly"
+        grid, args = compiled.runs[-1]
+        assert grid == fake.bound[-1][0] and described(args) == described(fake.bound[-1][1])
+    monkeypatch.setitem(module.CONFIG, "num_warps", module.CONFIG["num_warps"] * 2)
+    before = len(fake.bound)
+    calls["base"]()
+    assert len(fake.bound) == before + 1 and fake.bound[-1][2] not in seen  # an option
+
+
+def test_a_launch_hook_or_the_interpreter_always_binds(monkeypatch):
+    module = load_kernel(PREFILL)
+    (fake,) = fast(monkeypatch, module, "_attn_fwd_kernel")
+    q, k, v = fp16(1, 4, 16, 64), fp16(1, 2, 16, 64), fp16(1, 2, 16, 64)
+    for hooks in ("launch_enter_hook", "launch_exit_hook"):
+        chain, hook = getattr(triton.knobs.runtime, hooks), lambda metadata: None
+        chain.add(hook)
+        try:
+            module.attention(q, k, v)
+            module.attention(q, k, v)
+        finally:
+            chain.remove(hook)
+    assert len(fake.bound) == 4 and not any(c.runs for c in fake.compiled.values())
+    module.attention(q, k, v)
+    assert len(fake.bound) == 5
+    module.attention(q, k, v)
+    assert len(fake.bound) == 5  # no hook: run directly
+    monkeypatch.setattr(module, "_FAST_LAUNCH", False)
+    module.attention(q, k, v)
+    assert len(fake.bound) == 6
+
+
+def test_parameters_out_of_the_launch_order_are_refused(monkeypatch):
+    """The launcher passes arguments by position: a kernel whose constexprs are not last (or
+    not the ones named) must not be cached."""
+    module = load_kernel(PREFILL)
+    (fake,) = fast(monkeypatch, module, "_attn_fwd_kernel")
+    fake.params[-1], fake.params[-2] = fake.params[-2], fake.params[-1]
+    with pytest.raises(RuntimeError, match="rebuild the module"):
+        module.attention(fp16(1, 4, 16, 64), fp16(1, 2, 16, 64), fp16(1, 2, 16, 64))
+
+
+def test_varlen_launch_runs_directly_with_the_bound_arguments(monkeypatch):
+    module = load_kernel(VARLEN, kind="varlen")
+    (fake,) = fast(monkeypatch, module, "_attn_fwd_kernel")
+    q, k = fp16(48, 4, 64), fp16(48, 2, 64)
+    cu = torch.tensor([0, 17, 40], dtype=torch.int32)
+    for _ in range(2):
+        module.attention_varlen(q, k, k, cu, cu, 23, 23)
+    (grid, bound, compiled), = fake.bound
+    ((run_grid, run_args),) = compiled.runs
+    assert run_grid == grid and described(run_args) == described(bound)
+    module.attention_varlen(q[:40], k[:40], k[:40], cu, cu, 23, 23)  # 40 rows: not % 16
+    assert len(fake.bound) == 2
+
+
+def test_decode_launches_append_split_and_combine_directly(monkeypatch):
+    module = load_decode(DECODE)
+    fakes = fast(monkeypatch, module, "_append_kernel", "_decode_split_kernel",
+                 "_decode_combine_kernel")
+    monkeypatch.setattr(module, "FORCE_NUM_SPLITS", 2)
+    cache = make_cache(DECODE, [5, 9], seed=1, room=2, extra_capacity=300)
+    q, k_new, v_new, _ = make_queries(DECODE, 2, 2, seed=2, num_new=2)
+    for _ in range(2):
+        module.decode(q, cache.k, cache.v, cache.lengths, k_new=k_new, v_new=v_new)
+    for fake in fakes:
+        (grid, bound, compiled), = fake.bound
+        ((run_grid, run_args),) = compiled.runs
+        assert run_grid == grid and described(run_args) == described(bound), fake.fn.__name__
+
+
+# ------------------------------------------------------------------- TMA descriptors
+
+
+def test_descriptors_filled_directly_equal_checked_ones(monkeypatch):
+    module = load_kernel(PREFILL)
+    if not hasattr(module, "_descriptor"):
+        pytest.skip("this module reads K/V through pointers only")
+    monkeypatch.setattr(module, "_FAST_LAUNCH", True)
+    monkeypatch.setattr(module, "_CHECKED_BLOCKS", set())
+    k = fp16(2, 2, 64, 128)[..., :64]
+    first = module._descriptor(k, (1, 1, 32, 64))  # checked: the block shape is new
+    second = module._descriptor(k, (1, 1, 32, 64))
+    expected = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, 1, 32, 64])
+    for descriptor in (first, second):
+        assert descriptor == expected and descriptor.base is k
+    with pytest.raises(ValueError, match="power of 2"):  # a bad block shape, caught when new
+        module._descriptor(k, (1, 1, 24, 64))
+
+
+def test_tma_decision_is_remembered_per_layout_but_reads_each_base_address():
+    module = load_kernel(PREFILL)
+    if not hasattr(module, "_uses_tma"):
+        pytest.skip("this module reads K/V through pointers only")
+    k, v = fp16(1, 2, 32, 64), fp16(1, 2, 32, 64)
+    assert module._uses_tma(k, v) and module.kv_load_path(k, v) == "tma"
+    shifted = fp16(1, 2, 32, 64, offset=1)  # same layout, base 2 bytes off
+    assert not module._uses_tma(shifted, v)
+    assert module.kv_load_path(shifted, v) == "pointers: k base address is not 16-byte aligned"
+    strided = fp16(1, 2, 32, 128)[..., ::2]
+    assert not module._uses_tma(k, strided) and module.kv_load_path(k, strided).startswith(
+        "pointers: v head-dim stride is 2")
