@@ -120,6 +120,11 @@ class KvLayout(str, Enum):
 # Decode-only fields: validated only with `decode` in kernels, absent from canonical() (and so
 # from the hash) otherwise, which keeps the hashes of prefill-only specs what they were.
 DECODE_FIELDS = ("kv_layout", "page_size", "max_query_tokens")
+# Training fields: the prefill and varlen modules of a spec with `backward: true` also carry
+# the gradient kernels and an autograd Function; `dropout: true` compiles flash-attn's
+# dropout_p in (forward and backward). Absent from canonical() (and so from the hash) while
+# false, which keeps the hashes of inference specs what they were.
+TRAINING_FIELDS = ("backward", "dropout")
 MAX_PAGE_SIZE = 1024
 MAX_QUERY_TOKENS = 16
 
@@ -157,6 +162,8 @@ class AttnSpec(BaseModel):
     kv_layout: KvLayout | None = None
     page_size: PageSize | None = None
     max_query_tokens: QueryTokens | None = None
+    backward: StrictBool = False
+    dropout: StrictBool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -195,7 +202,17 @@ class AttnSpec(BaseModel):
             if not windowed and getattr(self, field) is not None:
                 raise _field_error(field, getattr(self, field), "absent unless sliding_window")
         self._check_decode()
+        self._check_training()
         return self
+
+    def _check_training(self) -> None:
+        trained = {KernelKind.prefill, KernelKind.varlen} & set(self.kernels)
+        if self.backward and not trained:
+            raise _field_error("backward", True, "true only with prefill or varlen in kernels "
+                               "(decode has no backward)")
+        if self.dropout and not self.backward:
+            raise _field_error("dropout", True, "true only with backward: true (dropout is "
+                               "for training)")
 
     def _check_decode(self) -> None:
         if KernelKind.decode not in self.kernels:
@@ -258,6 +275,9 @@ class AttnSpec(BaseModel):
         else:
             for field in DECODE_FIELDS:
                 del data[field]
+        for field in TRAINING_FIELDS:
+            if not data[field]:
+                del data[field]
         return data
 
     def spec_hash(self) -> str:
@@ -272,6 +292,9 @@ class AttnSpec(BaseModel):
         data["kernels"] = [kind.value]
         if kind is not KernelKind.decode:
             for field in DECODE_FIELDS:
+                data.pop(field, None)
+        else:
+            for field in TRAINING_FIELDS:
                 data.pop(field, None)
         return _hash(data)
 
@@ -303,7 +326,8 @@ def module_name(spec: AttnSpec, kernel: KernelKind) -> str:
     """The one function that names a generated module; no tile sizes, so re-tuning keeps it.
 
     Fixed field order: spec name, kernel, dtype, head dims, mask (with alignment and window),
-    softcap, alibi, and for decode the KV layout (page size) and max_query_tokens when > 1.
+    softcap, alibi, for prefill and varlen `bwd` (and `drop`) when the module trains, and
+    for decode the KV layout (page size) and max_query_tokens when > 1.
     Head counts are runtime arguments of the kernel, so they are not in it.
     """
     parts = [spec.name, kernel.value, spec.dtype.value, f"d{spec.head_dim}"]
@@ -323,6 +347,8 @@ def module_name(spec: AttnSpec, kernel: KernelKind) -> str:
         parts.append("cap" + cap.replace(".", "p").replace("-", "m").replace("+", ""))
     if spec.alibi:
         parts.append("alibi")
+    if kernel is not KernelKind.decode and spec.backward:
+        parts.append("bwd_drop" if spec.dropout else "bwd")
     if kernel is KernelKind.decode:
         paged = spec.kv_layout is KvLayout.paged
         parts.append(f"paged{spec.page_size}" if paged else "contig")
@@ -412,6 +438,8 @@ _ALLOWED = {
     "kv_layout": "contiguous or paged",
     "page_size": f"a power of two in 1..{MAX_PAGE_SIZE}",
     "max_query_tokens": f"an int in 1..{MAX_QUERY_TOKENS} (query tokens per decode step)",
+    "backward": "true or false (gradient kernels in the prefill and varlen modules)",
+    "dropout": "true or false (flash-attn's dropout_p compiled in; needs backward: true)",
 }
 
 
