@@ -271,7 +271,7 @@ EXPECTED_MODULES = {
     "gemma2_9b_local": "gemma2_9b_local_prefill_bf16_d256_win4095x0_br_cap50",
     "gemma2_9b_global": "gemma2_9b_global_prefill_bf16_d256_causal_br_cap50",
     "gpt2": "gpt2_prefill_fp16_d64_causal_br",
-    "llama3_8b": "llama3_8b_prefill_bf16_d128_causal_br",
+    "llama3_8b": "llama3_8b_prefill_bf16_d128_causal_br_bwd",
     "mistral_7b": "mistral_7b_prefill_bf16_d128_win4095x0_br",
     "mpt_7b": "mpt_7b_prefill_bf16_d128_causal_br_alibi",
     "phi3_mini": "phi3_mini_prefill_bf16_d96_causal_br",
