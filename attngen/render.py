@@ -125,7 +125,7 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
                 raise RenderError(f"{spec.name} on {derivation.arch}: no feasible {label} "
                                   "backward tile config")
             context[f"bwd_{label}_config"] = _config_literal(kernel.chosen)
-        context["derivation_lines"] += list(backward.summary_lines())
+        context["derivation_lines"] = [*derivation.summary_lines(), *backward.summary_lines()]
     if kind is KernelKind.decode:
         context.update({
             "kv_layout": spec.cache_layout.value,

@@ -10,9 +10,17 @@ import math
 import pytest
 import torch
 
-from tests.backward_harness import (DROP_STEPS, Blocks, backward_spec, check_padded,
-                                    check_per_sequence, keep_mask, module_for, packed_inputs,
-                                    padded_inputs)
+from tests.backward_harness import (
+    DROP_STEPS,
+    Blocks,
+    backward_spec,
+    check_padded,
+    check_per_sequence,
+    keep_mask,
+    module_for,
+    packed_inputs,
+    padded_inputs,
+)
 
 
 def rng(seed, offset=0):

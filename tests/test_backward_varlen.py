@@ -10,8 +10,15 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tests import memory_watch
-from tests.backward_harness import (Blocks, backward_spec, check_per_sequence, cu_seqlens,
-                                    module_for, packed_inputs, run_varlen)
+from tests.backward_harness import (
+    Blocks,
+    backward_spec,
+    check_per_sequence,
+    cu_seqlens,
+    module_for,
+    packed_inputs,
+    run_varlen,
+)
 from tests.test_backward_properties import EXAMPLES, HEADS, blocks, spec_fields
 
 

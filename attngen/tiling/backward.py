@@ -38,16 +38,16 @@ from attngen.tiling.evaluate import LazyText, active_formula, compiled
 from attngen.tiling.prefill import (
     BM,
     BN,
-    D,
     DV,
     REGISTER_MARGIN,
+    Candidate,
+    D,
+    Derivation,
     E,
     S,
     TileConfig,
     W,
     binding_constraint,
-    Candidate,
-    Derivation,
     padded_head_dim,
 )
 
