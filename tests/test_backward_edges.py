@@ -106,3 +106,18 @@ def test_spec_fields_are_strict():
     assert module_name(trained, KernelKind.prefill).endswith("_bwd")
     assert module_name(make_spec(backward=True, dropout=True),
                        KernelKind.prefill).endswith("_bwd_drop")
+
+
+def test_explain_and_header_show_the_backward_derivation():
+    from attngen.explain import explain_lines
+    from attngen.tiling.backward import derive_backward_tiles
+
+    spec = make_spec(backward=True, dtype="bf16", head_dim=128)
+    text = "\n".join(explain_lines([spec], ["sm90"]))
+    backward = derive_backward_tiles(spec, "sm90")
+    assert "backward (prefill and varlen modules)" in text
+    chosen = backward.dkdv.chosen
+    assert f"dK/dV kernel: {chosen.block_m}x{chosen.block_n}, {chosen.num_warps} warps" in text
+    module = load_kernel(spec)
+    assert module.BWD_DKDV_CONFIG == chosen.as_dict()
+    assert module.BWD_DQ_CONFIG == backward.dq.chosen.as_dict()

@@ -306,7 +306,8 @@ def kv_load_path(k, v):
     return "tma"
 
 
-def attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False):
+def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
+              return_lse=False):
     """softmax(q @ k^T * sm_scale, masked) @ v.
 
     q [B, HQ, M, 128], k [B, HKV, N, 128], v [B, HKV, N, 128] in bf16, any strides.

@@ -326,7 +326,8 @@ def _check_grid(num_programs):
         raise ValueError(f"shape: {num_programs} programs exceed the grid's 2**31 - 1")
 
 
-def attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False):
+def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
+              return_lse=False):
     """softmax(q @ k^T * sm_scale, softcapped, ALiBi, masked) @ v.
 
     q [B, HQ, M, 80], k [B, HKV, N, 80], v [B, HKV, N, 80] in fp32, any strides.

@@ -372,8 +372,9 @@ def _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k):
                              f"the keys cu_seqlens_k gives sequence {b}")
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                     sm_scale=None, alibi_slopes=None, return_lse=False, seqused_k=None):
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, *, sm_scale=None, alibi_slopes=None, return_lse=False,
+                     seqused_k=None):
     """softmax(q @ k^T * sm_scale, masked) @ v per packed sequence.
 
     q [total_q, HQ, 128], k [total_k, HKV, 128], v [total_k, HKV, 128] in bf16, any strides.
