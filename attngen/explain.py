@@ -8,6 +8,7 @@ from pathlib import Path
 from attngen.arch import ARCHS
 from attngen.spec import AttnSpec, KernelKind
 from attngen.tiling.alternatives import nearest_alternative
+from attngen.tiling.backward import BackwardDerivation, derive_backward_tiles
 from attngen.tiling.code_paths import code_paths
 from attngen.tiling.decode import derive_decode_tiles, split_lines
 from attngen.tiling.prefill import (
@@ -46,8 +47,22 @@ def explain_lines(specs: Iterable[AttnSpec], archs: Iterable[str] | None = None,
                              for kind in kinds]
                     lines += [section[0], f"   kernels: {', '.join(kinds)}", *paths,
                               *section[1:], ""]
+                if spec.backward:
+                    lines += [*explain_backward(spec, derive_backward_tiles(spec, arch)), ""]
                 if KernelKind.decode in spec.kernels:
                     lines += [*explain_decode(spec, derive_decode_tiles(spec, arch)), ""]
+    return lines
+
+
+def explain_backward(spec: AttnSpec, backward: BackwardDerivation) -> list[str]:
+    """The gradient kernels' models (attngen/tiling/backward.py) and their chosen configs."""
+    lines = [f"-- {spec.name} on {backward.dq.arch}: backward (prefill and varlen modules)"]
+    for label, derivation in (("dQ kernel", backward.dq), ("dK/dV kernel", backward.dkdv)):
+        feasible = sum(c.feasible for c in derivation.candidates)
+        lines += [f"   {label}: shared memory = {derivation.expressions['smem']}",
+                  f"     registers/thr ~= {derivation.expressions['regs']}",
+                  f"     {feasible} of {len(derivation.candidates)} candidates feasible"]
+    lines += [f"   {line}" for line in backward.summary_lines()]
     return lines
 
 

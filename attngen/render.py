@@ -21,6 +21,7 @@ import jinja2
 from attngen import __version__
 from attngen.spec import AttnSpec, KernelKind, module_name
 from attngen.tiling import decode as decode_tiling
+from attngen.tiling.backward import derive_backward_tiles
 from attngen.tiling.code_paths import code_paths
 from attngen.tiling.prefill import Derivation, TileConfig, padded_head_dim
 
@@ -115,6 +116,7 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
         "tma_masked_blocks": paths.tma_masked_blocks,
         "lpt_group_heads": paths.lpt_group_heads,
     }
+    context.update(_training_context(spec, kind, derivation))
     if kind is KernelKind.decode:
         context.update({
             "kv_layout": spec.cache_layout.value,
@@ -125,6 +127,24 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
             "max_splits": decode_tiling.MAX_SPLITS,
             "interpreter_sm_count": decode_tiling.INTERPRETER_SM_COUNT,
         })
+    return context
+
+
+def _training_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation
+                      ) -> dict[str, Any]:
+    """The backward's context (spec `backward: true`, prefill and varlen): its flags, the
+    gradient kernels' configs, and their derivations appended to the header's."""
+    training = kind is not KernelKind.decode and spec.backward
+    context: dict[str, Any] = {"backward": training, "dropout": training and spec.dropout}
+    if not training:
+        return context
+    backward = derive_backward_tiles(spec, derivation.arch)
+    for label, kernel in (("dq", backward.dq), ("dkdv", backward.dkdv)):
+        if kernel.chosen is None:
+            raise RenderError(f"{spec.name} on {derivation.arch}: no feasible {label} "
+                              "backward tile config")
+        context[f"bwd_{label}_config"] = _config_literal(kernel.chosen)
+    context["derivation_lines"] = [*derivation.summary_lines(), *backward.summary_lines()]
     return context
 
 

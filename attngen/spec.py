@@ -120,6 +120,11 @@ class KvLayout(str, Enum):
 # Decode-only fields: validated only with `decode` in kernels, absent from canonical() (and so
 # from the hash) otherwise, which keeps the hashes of prefill-only specs what they were.
 DECODE_FIELDS = ("kv_layout", "page_size", "max_query_tokens")
+# Training fields: the prefill and varlen modules of a spec with `backward: true` also carry
+# the gradient kernels and an autograd Function; `dropout: true` compiles flash-attn's
+# dropout_p in (forward and backward). Absent from canonical() (and so from the hash) while
+# false, which keeps the hashes of inference specs what they were.
+TRAINING_FIELDS = ("backward", "dropout")
 MAX_PAGE_SIZE = 1024
 MAX_QUERY_TOKENS = 16
 
@@ -157,6 +162,8 @@ class AttnSpec(BaseModel):
     kv_layout: KvLayout | None = None
     page_size: PageSize | None = None
     max_query_tokens: QueryTokens | None = None
+    backward: StrictBool = False
+    dropout: StrictBool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -195,7 +202,17 @@ class AttnSpec(BaseModel):
             if not windowed and getattr(self, field) is not None:
                 raise _field_error(field, getattr(self, field), "absent unless sliding_window")
         self._check_decode()
+        self._check_training()
         return self
+
+    def _check_training(self) -> None:
+        trained = {KernelKind.prefill, KernelKind.varlen} & set(self.kernels)
+        if self.backward and not trained:
+            raise _field_error("backward", True, "true only with prefill or varlen in kernels "
+                               "(decode has no backward)")
+        if self.dropout and not self.backward:
+            raise _field_error("dropout", True, "true only with backward: true (dropout is "
+                               "for training)")
 
     def _check_decode(self) -> None:
         if KernelKind.decode not in self.kernels:
@@ -258,6 +275,9 @@ class AttnSpec(BaseModel):
         else:
             for field in DECODE_FIELDS:
                 del data[field]
+        for field in TRAINING_FIELDS:
+            if not data[field]:
+                del data[field]
         return data
 
     def spec_hash(self) -> str:
@@ -273,7 +293,14 @@ class AttnSpec(BaseModel):
         if kind is not KernelKind.decode:
             for field in DECODE_FIELDS:
                 data.pop(field, None)
+        else:
+            for field in TRAINING_FIELDS:
+                data.pop(field, None)
         return _hash(data)
+
+
+# module_name lives beside the spec (attngen/names.py) and is importable from here too.
+from attngen.names import module_name as module_name  # noqa: E402
 
 
 def _hash(canonical: dict[str, Any]) -> str:
@@ -297,38 +324,6 @@ def _check_unique(field: str, values: Any) -> None:
         if value in seen:
             raise _field_error(field, value, "each entry at most once")
         seen.add(value)
-
-
-def module_name(spec: AttnSpec, kernel: KernelKind) -> str:
-    """The one function that names a generated module; no tile sizes, so re-tuning keeps it.
-
-    Fixed field order: spec name, kernel, dtype, head dims, mask (with alignment and window),
-    softcap, alibi, and for decode the KV layout (page size) and max_query_tokens when > 1.
-    Head counts are runtime arguments of the kernel, so they are not in it.
-    """
-    parts = [spec.name, kernel.value, spec.dtype.value, f"d{spec.head_dim}"]
-    if spec.value_head_dim != spec.head_dim:
-        parts.append(f"dv{spec.value_head_dim}")
-    if spec.mask is Mask.causal:
-        parts.append("causal")
-    elif spec.mask is Mask.sliding_window:
-        left, right = spec.window or (0, 0)
-        parts.append(f"win{left}x{right}")
-    if spec.causal_align is not None:
-        parts.append("tl" if spec.causal_align is CausalAlign.top_left else "br")
-    if spec.softcap:
-        # repr: the shortest text that round-trips, so distinct softcaps get distinct names
-        # (format "g" keeps 6 digits: 50.0000001 -> "50"); "-" of an exponent becomes "m".
-        cap = repr(spec.softcap).removesuffix(".0")
-        parts.append("cap" + cap.replace(".", "p").replace("-", "m").replace("+", ""))
-    if spec.alibi:
-        parts.append("alibi")
-    if kernel is KernelKind.decode:
-        paged = spec.kv_layout is KvLayout.paged
-        parts.append(f"paged{spec.page_size}" if paged else "contig")
-        if spec.query_tokens > 1:
-            parts.append(f"q{spec.query_tokens}")
-    return "_".join(parts)
 
 
 def parse_yaml(text: str) -> Any:
@@ -412,6 +407,8 @@ _ALLOWED = {
     "kv_layout": "contiguous or paged",
     "page_size": f"a power of two in 1..{MAX_PAGE_SIZE}",
     "max_query_tokens": f"an int in 1..{MAX_QUERY_TOKENS} (query tokens per decode step)",
+    "backward": "true or false (gradient kernels in the prefill and varlen modules)",
+    "dropout": "true or false (flash-attn's dropout_p compiled in; needs backward: true)",
 }
 
 

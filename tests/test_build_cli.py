@@ -241,12 +241,12 @@ def test_check_detects_edits_and_deletions(tmp_path: Path) -> None:
     assert _cli("build", spec, "--out", out).exit_code == 0
     ok = _cli("check", spec, "--out", out)
     assert ok.exit_code == 0 and "is up to date" in ok.stdout
-    module = out / "sm86" / "llama3_8b_prefill_bf16_d128_causal_br.py"
+    module = out / "sm86" / "llama3_8b_prefill_bf16_d128_causal_br_bwd.py"
     original = module.read_bytes()
     module.write_bytes(original.replace(b"BLOCK_M", b"BLOCK_Q", 1))
     edited = _cli("check", spec, "--out", out)
     assert edited.exit_code == 1
-    assert "sm86/llama3_8b_prefill_bf16_d128_causal_br.py" in edited.stderr
+    assert "sm86/llama3_8b_prefill_bf16_d128_causal_br_bwd.py" in edited.stderr
     assert "stale" in edited.stderr and edited.stderr.count("\n") == 1
     module.write_bytes(original)
     assert _cli("check", spec, "--out", out).exit_code == 0

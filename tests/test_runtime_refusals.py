@@ -179,12 +179,12 @@ def test_backward_says_the_kernels_are_forward_only(toy_folder, tmp_path):
         load_kernels(toy_folder, build_fake_decode(tmp_path / "decode"), replace=True)
         q, k, v = (t.requires_grad_() for t in qkv(1, 4, 4))
         out = attngen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        with pytest.raises(NotImplementedError, match="attngen::prefill: .* forward-only"):
+        with pytest.raises(NotImplementedError, match="toy.*forward-only.*backward: true"):
             out.sum().backward()
         packed = [t.detach()[0].transpose(0, 1).requires_grad_() for t in (q, k, v)]
         cu = torch.tensor([0, 4], dtype=torch.int32)
         out = attngen.flash_attn_varlen_func(*packed, cu, cu, 4, 4, causal=True)
-        with pytest.raises(NotImplementedError, match="attngen::varlen: .* forward-only"):
+        with pytest.raises(NotImplementedError, match="toy.*forward-only.*backward: true"):
             out.sum().backward()
         q, k_cache, v_cache, k_new, v_new, seqlens = _cache_case()
         out = attngen.flash_attn_with_kvcache(q.requires_grad_(), k_cache, v_cache, k_new, v_new,

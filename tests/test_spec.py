@@ -16,6 +16,7 @@ import pytest
 from attngen.spec import (
     DECODE_FIELDS,
     MAX_SPEC_BYTES,
+    TRAINING_FIELDS,
     AttnSpec,
     KernelKind,
     SpecError,
@@ -271,7 +272,7 @@ EXPECTED_MODULES = {
     "gemma2_9b_local": "gemma2_9b_local_prefill_bf16_d256_win4095x0_br_cap50",
     "gemma2_9b_global": "gemma2_9b_global_prefill_bf16_d256_causal_br_cap50",
     "gpt2": "gpt2_prefill_fp16_d64_causal_br",
-    "llama3_8b": "llama3_8b_prefill_bf16_d128_causal_br",
+    "llama3_8b": "llama3_8b_prefill_bf16_d128_causal_br_bwd",
     "mistral_7b": "mistral_7b_prefill_bf16_d128_win4095x0_br",
     "mpt_7b": "mpt_7b_prefill_bf16_d128_causal_br_alibi",
     "phi3_mini": "phi3_mini_prefill_bf16_d96_causal_br",
@@ -376,9 +377,14 @@ def test_distinct_softcaps_get_distinct_module_names() -> None:
 def test_spec_hash_is_stable() -> None:
     spec = load_spec_file(ROOT / "examples" / "llama3_8b.yaml")[0]
     # The value recorded in generated/; a change here means every module's header changes.
-    assert spec.spec_hash() == "d4c0289571265e2a"
-    # Its prefill kernel's hash is what it was before varlen and decode were added.
-    assert spec.kernel_hash(PREFILL) == "0b49639ae754cf1a"
+    assert spec.spec_hash() == "fb090f33213dd5bd"
+    assert spec.kernel_hash(PREFILL) == "89cba968244899d4"
+    # Without backward: the hashes it had before the training fields existed (they are left
+    # out of canonical() while false), and its prefill kernel's hash is what it was before
+    # varlen and decode were added.
+    inference = spec.model_copy(update={"backward": False})
+    assert inference.spec_hash() == "d4c0289571265e2a"
+    assert inference.kernel_hash(PREFILL) == "0b49639ae754cf1a"
     again = load_spec_file(ROOT / "examples" / "llama3_8b.yaml")[0]
     assert again.spec_hash() == spec.spec_hash() and again == spec
     reordered = dict(reversed(list(spec.model_dump(mode="json").items())))
@@ -406,6 +412,8 @@ FIELD_CHANGES = {
     "window_right": {"window_right": 1},
     "softcap": {"softcap": 30.0},
     "alibi": {"alibi": True},
+    "backward": {"backward": True},
+    "dropout": {"backward": True, "dropout": True},
 }
 
 
@@ -446,7 +454,9 @@ def test_canonical_resolves_defaults() -> None:
     assert (spec.head_dim_v, spec.window_right) == (None, None)
     canonical = spec.canonical()
     # Decode's fields appear only in specs with decode (prefill-only hashes stay as they were).
-    assert list(canonical) == [f for f in AttnSpec.model_fields if f not in DECODE_FIELDS]
+    # So do the training fields while false.
+    assert list(canonical) == [f for f in AttnSpec.model_fields
+                               if f not in DECODE_FIELDS + TRAINING_FIELDS]
     assert canonical["head_dim_v"] == 128 and canonical["window_right"] == 0
     assert canonical["window_left"] == 64 and canonical["softcap"] == 0.0
     assert canonical["archs"] == ["sm80"] and canonical["mask"] == "sliding_window"

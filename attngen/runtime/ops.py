@@ -23,10 +23,14 @@ callers ask for it only from a module that takes `out=` (Dispatch.writes_out). `
 the shape its fake implementation gives). The LSE is always an op output (an empty tensor when
 not asked for): an op's outputs cannot be optional; the functions here return None instead.
 
-The kernels are forward-only: backward through any op raises an error that says so (instead
-of torch's "no autograd formula"). prefill and varlen register that as their autograd
-formula; decode mutates its caches, which torch allows no formula for, so `decode()` wraps its
-outputs in a function whose backward raises the same error.
+prefill and varlen register their autograd formula: the backward ops
+`attngen::prefill_backward` and `attngen::varlen_backward` call the module's
+`attention_backward` / `attention_varlen_backward` (modules built from a spec with
+`backward: true`), so torch.compile(fullgraph=True) traces forward and backward. Through the
+ops the forward always computes the LSE the backward needs. A module built without backward
+raises NotImplementedError at the backward, naming the module and the spec field; decode
+mutates its caches, which torch allows no formula for, so `decode()` wraps its outputs in a
+function whose backward raises that it is forward-only.
 """
 
 from __future__ import annotations
@@ -107,7 +111,8 @@ def prefill(key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
     """(out, lse or None) of the prefill module `key`; see the module docstring."""
     if _direct(q, k, v, alibi_slopes):
         return run_prefill(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last)
-    out, lse = prefill_op(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last)
+    # The LSE is always computed here: the backward needs it.
+    out, lse = prefill_op(key, q, k, v, sm_scale, alibi_slopes, True, heads_last)
     return (out.transpose(1, 2) if heads_last else out), (lse if return_lse else None)
 
 
@@ -115,7 +120,8 @@ def prefill(key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
 def prefill_op(key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
                alibi_slopes: Tensor | None, return_lse: bool,
                heads_last: bool) -> tuple[Tensor, Tensor]:
-    out, lse = run_prefill(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last)
+    with torch.no_grad():  # the op's autograd formula records the backward, not the module
+        out, lse = run_prefill(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last)
     return (out.transpose(1, 2) if heads_last else out), (_no_lse(q) if lse is None else lse)
 
 
@@ -154,7 +160,7 @@ def varlen(key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
             alibi_slopes, seqused_k, return_lse)
     if _direct(q, k, v, alibi_slopes):
         return run_varlen(*args)
-    out, lse = varlen_op(*args)
+    out, lse = varlen_op(*args[:-1], True)  # the LSE is always computed: the backward needs it
     return out, (lse if return_lse else None)
 
 
@@ -163,8 +169,9 @@ def varlen_op(key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
               cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, sm_scale: float,
               alibi_slopes: Tensor | None, seqused_k: Tensor | None,
               return_lse: bool) -> tuple[Tensor, Tensor]:
-    out, lse = run_varlen(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          sm_scale, alibi_slopes, seqused_k, return_lse)
+    with torch.no_grad():  # the op's autograd formula records the backward, not the module
+        out, lse = run_varlen(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              sm_scale, alibi_slopes, seqused_k, return_lse)
     return out, (_no_lse(q) if lse is None else lse)
 
 
@@ -246,15 +253,108 @@ def _(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sm_sca
     return out, lse
 
 
+# ---------------------------------------------------------------------------- backward
+
+
+def _backward_of(key: str, name: str):
+    """The module's backward entry point `name`, or NotImplementedError saying why not."""
+    backward = getattr(current_registry().module(key), name, None)
+    if backward is None:
+        raise NotImplementedError(
+            f"{key}: this module is forward-only (built from a spec without backward: true), "
+            "so gradients cannot flow through it; add `backward: true` to the spec and "
+            "rebuild, or train with another attention implementation")
+    return backward
+
+
+@torch.library.custom_op("attngen::prefill_backward", mutates_args=())
+def prefill_backward_op(key: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                        lse: Tensor, dlse: Tensor | None, sm_scale: float,
+                        alibi_slopes: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    backward = _backward_of(key, "attention_backward")
+    _ran(key)
+    dq, dk, dv = backward(dout, q, k, v, out, lse, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
+                          dlse=dlse)
+    return dq, dk, dv
+
+
+@prefill_backward_op.register_fake
+def _(key, dout, q, k, v, out, lse, dlse, sm_scale, alibi_slopes):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _prefill_setup(ctx, inputs, output):
+    key, q, k, v, sm_scale, alibi_slopes, _, _ = inputs
+    ctx.key, ctx.sm_scale = key, sm_scale
+    ctx.save_for_backward(q, k, v, alibi_slopes, *output)
+
+
+def _prefill_backward(ctx, dout, dlse):
+    q, k, v, alibi_slopes, out, lse = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = prefill_backward_op(ctx.key, dout, q, k, v, out, lse, dlse, ctx.sm_scale,
+                                     alibi_slopes)
+    return None, dq, dk, dv, None, None, None, None
+
+
+@torch.library.custom_op("attngen::varlen_backward", mutates_args=())
+def varlen_backward_op(key: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                       lse: Tensor, dlse: Tensor | None, cu_seqlens_q: Tensor,
+                       cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                       sm_scale: float, alibi_slopes: Tensor | None
+                       ) -> tuple[Tensor, Tensor, Tensor]:
+    backward = _backward_of(key, "attention_varlen_backward")
+    _ran(key)
+    dq, dk, dv = backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, sm_scale=sm_scale, alibi_slopes=alibi_slopes, dlse=dlse)
+    return dq, dk, dv
+
+
+@varlen_backward_op.register_fake
+def _(key, dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+      max_seqlen_k, sm_scale, alibi_slopes):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _varlen_setup(ctx, inputs, output):
+    (key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,
+     alibi_slopes, seqused_k, _) = inputs
+    if seqused_k is not None:
+        ctx.refusal = ("seqused_k: no backward for a KV cache read in place; pass None when "
+                       "q, k or v requires grad")
+    else:
+        ctx.refusal = None
+    ctx.key, ctx.sm_scale = key, sm_scale
+    ctx.lengths = (max_seqlen_q, max_seqlen_k)
+    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *output)
+
+
+def _varlen_backward(ctx, dout, dlse):
+    if ctx.refusal:
+        raise ValueError(ctx.refusal)
+    q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, out, lse = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = varlen_backward_op(ctx.key, dout, q, k, v, out, lse, dlse, cu_seqlens_q,
+                                    cu_seqlens_k, *ctx.lengths, ctx.sm_scale, alibi_slopes)
+    return None, dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("attngen::prefill", _prefill_backward,
+                                setup_context=_prefill_setup)
+torch.library.register_autograd("attngen::varlen", _varlen_backward, setup_context=_varlen_setup)
+
+
 # ------------------------------------------------------------------------ forward only
 
 
 def _refuse_backward(op: str):
     def backward(ctx, *grads):
         raise NotImplementedError(
-            f"attngen::{op}: the generated kernels are forward-only (inference): no backward "
-            "kernel exists yet, so gradients cannot flow through attngen attention; train "
-            "with another attention implementation (torch SDPA, flash-attn)")
+            f"attngen::{op}: decode is forward-only (it appends to its caches in place): "
+            "gradients cannot flow through it; train through prefill or varlen modules built "
+            "with backward: true")
     return backward
 
 
@@ -268,5 +368,3 @@ class _ForwardOnly(torch.autograd.Function):
     backward = staticmethod(_refuse_backward("decode"))
 
 
-torch.library.register_autograd("attngen::prefill", _refuse_backward("prefill"))
-torch.library.register_autograd("attngen::varlen", _refuse_backward("varlen"))

@@ -407,11 +407,11 @@ def choose(derivation: Derivation, config: TileConfig, source: str) -> Derivatio
         "values": ", ".join(f"{symbol}={at[symbol]}" for symbol in (BM, BN, D, DV, E, S, W)),
     }
     return dataclasses.replace(derivation, chosen=config, source=source,
-                               binding=_binding_constraint(candidate, list(derivation.candidates)),
+                               binding=binding_constraint(candidate, list(derivation.candidates)),
                                worked=worked)
 
 
-def _binding_constraint(best: Candidate, candidates: list[Candidate]) -> str:
+def binding_constraint(best: Candidate, candidates: list[Candidate]) -> str:
     """What stops the chosen config from growing: each one-step larger neighbour and why not.
 
     A neighbour doubles BLOCK_M or BLOCK_N or adds a stage, at the same warps. One that is

@@ -25,9 +25,10 @@ from attngen.spec import AttnSpec, KernelKind, SpecError
 from attngen.tiling.prefill import Derivation, TileConfig, choose
 
 TUNING_SCHEMA = 2  # 2: entries keyed by the kernel fields' hash (1: the whole spec's)
-# Spec fields that do not change what a prefill kernel computes or how fast.
+# Spec fields that do not change what a prefill kernel computes or how fast (backward adds
+# gradient kernels beside an unchanged forward kernel).
 NOT_TUNED_ON = frozenset({"name", "archs", "kernels", "kv_layout", "page_size",
-                          "max_query_tokens"})
+                          "max_query_tokens", "backward"})
 DEFAULT_TUNING_DIR = Path("tuning")
 
 

@@ -153,7 +153,8 @@ def _attn_fwd_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
-    num_q_heads, q_per_kv, seqlen_q, seqlen_k, num_m_blocks, qk_scale,
+    num_q_heads, q_per_kv, seqlen_q, seqlen_k, num_m_blocks,
+    qk_scale,
     k_desc, v_desc,
     STORE_LSE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -505,7 +506,8 @@ def _descriptor(t, block):
     return descriptor
 
 
-def attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False, out=None):
+def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
+              return_lse=False, out=None):
     """softmax(q @ k^T * sm_scale, masked) @ v.
 
     q [B, HQ, M, 128], k [B, HKV, N, 128], v [B, HKV, N, 128] in bf16, any strides.

@@ -170,7 +170,8 @@ def _attn_fwd_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
-    num_q_heads, q_per_kv, seqlen_q, seqlen_k, num_m_blocks, qk_scale,
+    num_q_heads, q_per_kv, seqlen_q, seqlen_k, num_m_blocks,
+    qk_scale,
     STORE_LSE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -483,7 +484,8 @@ def _options(config):
             "enable_fp_fusion": False}  # see the Note on fp32 scores
 
 
-def attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False, out=None):
+def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
+              return_lse=False, out=None):
     """softmax(q @ k^T * sm_scale, softcapped, ALiBi, masked) @ v.
 
     q [B, HQ, M, 80], k [B, HKV, N, 80], v [B, HKV, N, 80] in fp32, any strides.

@@ -163,7 +163,8 @@ def _attn_fwd_kernel(
     stride_vn, stride_vh, stride_vd,
     stride_om, stride_oh, stride_od,
     stride_lse_h,
-    num_q_heads, q_per_kv, num_m_blocks, total_q, total_k, qk_scale,
+    num_q_heads, q_per_kv, num_m_blocks, total_q, total_k,
+    qk_scale,
     USE_SEQUSED_K: tl.constexpr,
     STORE_LSE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -543,9 +544,9 @@ def _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k):
                              f"the keys cu_seqlens_k gives sequence {b}")
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                     sm_scale=None, alibi_slopes=None, return_lse=False, seqused_k=None,
-                     out=None):
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, *, sm_scale=None, alibi_slopes=None, return_lse=False,
+                     seqused_k=None, out=None):
     """softmax(q @ k^T * sm_scale, masked) @ v per packed sequence.
 
     q [total_q, HQ, 128], k [total_k, HKV, 128], v [total_k, HKV, 128] in bf16, any strides.
@@ -608,7 +609,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
          0 if lse is None else lse.stride(0),
          num_q_heads, num_q_heads // num_kv_heads, num_m_blocks, total_q, k.shape[0]),
         (qk_scale,),
-        {"USE_SEQUSED_K": seqused_k is not None, "STORE_LSE": return_lse,
+        {"USE_SEQUSED_K": seqused_k is not None,         "STORE_LSE": return_lse,
          "BLOCK_M": CONFIG["BLOCK_M"], "BLOCK_N": CONFIG["BLOCK_N"]},
         _options(CONFIG),
     )

@@ -1,0 +1,43 @@
+"""The name of a generated module: one function, so that every path agrees on it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from attngen.spec import AttnSpec, KernelKind
+
+
+def module_name(spec: AttnSpec, kernel: KernelKind) -> str:
+    """The one function that names a generated module; no tile sizes, so re-tuning keeps it.
+
+    Fixed field order: spec name, kernel, dtype, head dims, mask (with alignment and window),
+    softcap, alibi, for prefill and varlen `bwd` (and `drop`) when the module trains, and
+    for decode the KV layout (page size) and max_query_tokens when > 1.
+    Head counts are runtime arguments of the kernel, so they are not in it.
+    """
+    parts = [spec.name, kernel.value, spec.dtype.value, f"d{spec.head_dim}"]
+    if spec.value_head_dim != spec.head_dim:
+        parts.append(f"dv{spec.value_head_dim}")
+    if spec.mask.value == "causal":
+        parts.append("causal")
+    elif spec.mask.value == "sliding_window":
+        left, right = spec.window or (0, 0)
+        parts.append(f"win{left}x{right}")
+    if spec.causal_align is not None:
+        parts.append("tl" if spec.causal_align.value == "top_left" else "br")
+    if spec.softcap:
+        # repr: the shortest text that round-trips, so distinct softcaps get distinct names
+        # (format "g" keeps 6 digits: 50.0000001 -> "50"); "-" of an exponent becomes "m".
+        cap = repr(spec.softcap).removesuffix(".0")
+        parts.append("cap" + cap.replace(".", "p").replace("-", "m").replace("+", ""))
+    if spec.alibi:
+        parts.append("alibi")
+    if kernel.value != "decode" and spec.backward:
+        parts.append("bwd_drop" if spec.dropout else "bwd")
+    if kernel.value == "decode":
+        paged = spec.kv_layout is not None and spec.kv_layout.value == "paged"
+        parts.append(f"paged{spec.page_size}" if paged else "contig")
+        if spec.query_tokens > 1:
+            parts.append(f"q{spec.query_tokens}")
+    return "_".join(parts)

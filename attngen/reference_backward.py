@@ -1,0 +1,165 @@
+"""Gradients of attention: the float64 golden (autograd through attngen.reference's scores) and
+the yardstick of shared/RELIABILITY.md for dQ, dK, dV (the same math in the kernel's dtype).
+
+The rule: a gradient's max error against the golden at most 3x the yardstick's plus a floor of
+two ulps (four for fp32) at the gradient's magnitude, the mean error 1.5x plus the floor, and
+no NaN where the golden has none.
+
+This module imports torch; the build path never imports it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attngen.reference import LOG2E, alibi_distance, attention_scores, ulp, visible_mask
+from attngen.spec import AttnSpec
+
+# A dropout mask is applied as keep * keep_scale to the probabilities (None: no dropout).
+Dropout = tuple[torch.Tensor, float] | None
+
+
+def golden_backward(spec: AttnSpec, q, k, v, dout, *, sm_scale=None, alibi_slopes=None,
+                    dropout: Dropout = None, dlse=None):
+    """(out, lse, dq, dk, dv) in float64, by autograd through the plain formula."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    scores = attention_scores(spec, q64, k64, sm_scale=sm_scale, alibi_slopes=alibi_slopes)
+    lse = torch.logsumexp(scores, dim=-1)
+    finite = torch.isfinite(lse)
+    p = torch.where(finite[..., None], torch.exp(scores - torch.where(finite, lse, 0.0)[..., None]),
+                    0.0)
+    if dropout is not None:
+        p = p * dropout[0] * dropout[1]
+    group = q.shape[1] // k.shape[1]
+    out = p @ v64.repeat_interleave(group, dim=1)
+    loss = (out * dout.double()).sum()
+    if dlse is not None:
+        loss = loss + (torch.where(finite, lse, 0.0) * dlse.double()).sum()
+    dq, dk, dv = torch.autograd.grad(loss, (q64, k64, v64))
+    return out.detach(), lse.detach(), dq, dk, dv
+
+
+def _log2_exponent(spec: AttnSpec, q, k, sm_scale, slopes, reverse: bool):
+    """The kernels' log2-domain scores, each step rounded to fp32 as they round it (the scale
+    folded into one multiply, the softcap's tanh, the ALiBi bias in log2 units; -inf where
+    masked), q.k summed over d ascending or descending; and tanh of the softcap."""
+    f32 = torch.float32
+    kf = k.to(f32).repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    qk = torch.zeros(*q.shape[:-1], kf.shape[2], dtype=f32)
+    dims = range(q.shape[-1] - 1, -1, -1) if reverse else range(q.shape[-1])
+    for d in dims:  # an fp32 FMA chain, in one order or the other
+        qk = torch.addcmul(qk, q[..., d:d + 1].to(f32), kf[..., d][..., None, :])
+    tanh = None
+    if spec.softcap:
+        tanh = torch.tanh(qk * torch.tensor(sm_scale / spec.softcap, dtype=f32))
+        exponent = tanh * torch.tensor(spec.softcap * LOG2E, dtype=f32)
+    else:
+        exponent = qk * torch.tensor(sm_scale * LOG2E, dtype=f32)
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    if spec.alibi:
+        distance = alibi_distance(spec.mask, spec.causal_align, seqlen_q, seqlen_k).to(f32)
+        slope_log2 = slopes.to(f32) * torch.tensor(LOG2E, dtype=f32)
+        exponent = exponent - slope_log2[None, :, None, None] * distance
+    visible = visible_mask(spec, seqlen_q, seqlen_k)
+    return exponent.masked_fill(~visible, float("-inf")), tanh
+
+
+def kernel_like_probs(spec: AttnSpec, q, k, sm_scale, slopes):
+    """P as the backward kernels get it, in fp32: exp2(exponent - LSE * log2 e), where the LSE
+    came from a forward that summed q.k in another order and stored it in natural log.
+
+    Note: this is the yardstick's point. P = exp(S - LSE) with |S| large carries a few fp32
+    ulps at the scores' magnitude as relative error (|S| ~ 300 gives ~4e-5), from these
+    roundings and from S being recomputed; a natural-domain reference computing S once has
+    none of it, and its error would be no measure of the kernels'."""
+    f32 = torch.float32
+    forward, _ = _log2_exponent(spec, q, k, sm_scale, slopes, reverse=False)
+    if forward.shape[-1]:
+        row_max = forward.amax(-1)
+    else:
+        row_max = torch.full(forward.shape[:-1], float("-inf"))
+    finite = torch.isfinite(row_max)
+    m_safe = torch.where(finite, row_max, 0.0)
+    total = torch.exp2(forward - m_safe[..., None]).sum(-1)
+    lse = (m_safe + torch.log2(torch.where(finite, total, 1.0))) / torch.tensor(LOG2E, dtype=f32)
+    lse2 = torch.where(finite, lse * torch.tensor(LOG2E, dtype=f32), float("inf"))
+    exponent, tanh = _log2_exponent(spec, q, k, sm_scale, slopes, reverse=True)
+    return torch.exp2(exponent - lse2[..., None]), tanh
+
+
+def lowp_backward(spec: AttnSpec, q, k, v, dout, *, sm_scale=None, alibi_slopes=None,
+                  dropout: Dropout = None, dlse=None):
+    """(out, dq, dk, dv) by the kernels' math in the kernels' precision: fp32 scores and
+    softmax on inputs of the kernel's dtype, O rounded to it (delta reads it), P and dS rounded
+    to it before the dots into dV, dQ and dK, fp32 accumulation, results rounded once."""
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    dtype, f32 = q.dtype, torch.float32
+    group = q.shape[1] // k.shape[1]
+    p, tanh = kernel_like_probs(spec, q, k, sm_scale, alibi_slopes)
+    kept = p if dropout is None else p * dropout[0] * dropout[1]
+    vf = v.to(f32).repeat_interleave(group, dim=1)
+    kf = k.to(f32).repeat_interleave(group, dim=1)
+    out = (kept.to(dtype).to(f32) @ vf).to(dtype)
+    delta = (dout.to(f32) * out.to(f32)).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.to(f32)
+    dp = dout.to(f32) @ vf.transpose(-1, -2)
+    if dropout is not None:
+        dp = dp * dropout[0] * dropout[1]
+    ds = p * (dp - delta[..., None])
+    if tanh is not None:
+        ds = ds * (1 - tanh * tanh)
+    ds_low = ds.to(dtype).to(f32)
+    dq = ds_low @ kf * sm_scale
+    dk = ds_low.transpose(-1, -2) @ q.to(f32) * sm_scale
+    dv = kept.to(dtype).to(f32).transpose(-1, -2) @ dout.to(f32)
+
+    def fold(x):  # sum the query heads of each KV group
+        b, h, n, d = x.shape
+        return x.view(b, h // group, group, n, d).sum(2)
+
+    return out, dq.to(dtype), fold(dk).to(dtype), fold(dv).to(dtype)
+
+
+def gradient_problems(name: str, got, golden, lowp, *, factor: float = 3.0) -> list[str]:
+    """RELIABILITY.md's rule for one gradient; [] if it holds."""
+    if golden.numel() == 0:
+        return []
+    if torch.isnan(got).any() and not torch.isnan(golden).any():
+        return [f"{name}: NaN where the golden has none"]
+    floor_ulps = 4 if got.dtype == torch.float32 else 2
+    floor = floor_ulps * ulp(got.dtype, golden.abs().max().item())
+    err = (got.double() - golden).abs()
+    lowp_err = (lowp.double() - golden).abs()
+    max_bound = factor * lowp_err.max().item() + floor
+    mean_bound = 1.5 * lowp_err.mean().item() + floor
+    problems = []
+    if not err.max().item() <= max_bound:
+        problems.append(f"{name}: max error {err.max().item():.3e} > {max_bound:.3e} "
+                        f"(lowp {lowp_err.max().item():.3e}, floor {floor:.1e})")
+    if not err.mean().item() <= mean_bound:
+        problems.append(f"{name}: mean error {err.mean().item():.3e} > {mean_bound:.3e} "
+                        f"(lowp {lowp_err.mean().item():.3e}, floor {floor:.1e})")
+    return problems
+
+
+def compare_gradients(spec: AttnSpec, grads, q, k, v, dout, *, sm_scale=None,
+                      alibi_slopes=None, dropout: Dropout = None, dlse=None) -> list[str]:
+    """What is wrong with a kernel's (dq, dk, dv); [] if nothing. Rows that see no key must
+    have a zero dQ."""
+    options = dict(sm_scale=sm_scale, alibi_slopes=alibi_slopes, dropout=dropout, dlse=dlse)
+    golden = golden_backward(spec, q, k, v, dout, **options)
+    lowp = lowp_backward(spec, q, k, v, dout, **options)
+    problems = []
+    for name, got, gold, low in zip(("dq", "dk", "dv"), grads, golden[2:], lowp[1:],
+                                    strict=True):
+        if got.shape != gold.shape:
+            problems.append(f"{name}: shape {tuple(got.shape)}, expected {tuple(gold.shape)}")
+            continue
+        problems += gradient_problems(name, got, gold, low)
+    blind = torch.isinf(golden[1])
+    if blind.any() and not torch.all(grads[0][blind] == 0):
+        problems.append("dq: a row that sees no key has a nonzero gradient")
+    return problems

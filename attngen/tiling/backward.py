@@ -1,0 +1,227 @@
+"""Tile sizes of the backward kernels (spec `backward: true`), derived like the forward's.
+
+Two kernels, each with its own sympy model (symbols as in prefill.py: BLOCK_M query rows,
+BLOCK_N key rows, padded head dims D and DV, element bytes E, num_stages S, num_warps W):
+
+- dQ kernel, a program per BLOCK_M query rows: Q [BM, D] and dO [BM, DV] resident, K and V
+  streamed (the forward's shape, with dO added);
+- dK/dV kernel, a program per BLOCK_N keys: K [BN, D] and V [BN, DV] resident, Q, dO and the
+  fp32 LSE/delta rows streamed, the group's query heads in one flat loop.
+
+The accumulators (dQ; dK and dV) are registers, never shared memory. The shared-memory model
+was read off Triton 3.6's allocator (buffer sizes and offsets after its shared-memory pass) and
+checked by `attngen verify-tiling` against compiles of the rendered kernels
+(attngen/verify/data/backward_compile_triton-3.6.0.json). It is exact for every 16-bit and
+fp32 candidate with num_stages >= 2 and no dropout. Two classes are bounds, never under:
+with dropout, the dK/dV kernel transposes the keep mask through a layout-conversion scratch that
+the allocator overlaps with dead buffers on some configs and not on others (0 .. 2 * BM * BN
+bytes); and num_stages = 1, where the unpipelined Q and dO are transposed in registers through a
+scratch that follows the layout's repetitions. S = 1 pipelines nothing and was never the fast
+config, so it is left out of the candidate grid (NUM_STAGES_CHOICES).
+
+Registers: a first-cut least-squares estimate on the unspilled 16-bit compiles (rms 22-31),
+an estimate rather than prefill's linear-program bound: a config it calls safe may spill.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from functools import cache
+
+import sympy
+
+from attngen.arch import ARCHS, GpuArch
+from attngen.spec import AttnSpec
+from attngen.tiling.evaluate import LazyText, active_formula, compiled
+from attngen.tiling.prefill import (
+    BM,
+    BN,
+    DV,
+    REGISTER_MARGIN,
+    Candidate,
+    D,
+    Derivation,
+    E,
+    S,
+    TileConfig,
+    W,
+    binding_constraint,
+    padded_head_dim,
+)
+
+KERNELS = ("dq", "dkdv")
+BLOCK_CHOICES = (16, 32, 64, 128)
+NUM_WARPS_CHOICES = (4, 8)
+NUM_STAGES_CHOICES = (2, 3)
+MODEL_SYMBOLS = (BM, BN, S, W, D, DV, E)
+
+
+@cache
+def dq_smem_expression(arch: GpuArch) -> sympy.Expr:
+    """dQ kernel. Resident Q and dO are staged once; K and V stream through shared memory.
+
+    - mma.sync (16-bit): max(S - 1, 1) buffers of K and V. dS (the A operand of dS @ K) goes
+      through shared memory when the compiler splits warps along D, i.e. BLOCK_M < D (the dot
+      chain's output [BM, D] is wider than tall); at S = 1 it reuses K's bytes.
+    - wgmma (Hopper, 16-bit, BLOCK_M >= 64): S buffers of K and V; dS stays in registers.
+    - fp32 (IEEE dots lower to FMA on every arch): the mma.sync layout with dS always staged.
+    """
+    resident = BM * D + BM * DV
+
+    def loop(staged_ds: sympy.Expr) -> sympy.Expr:
+        return sympy.Piecewise(
+            (resident + BN * DV + sympy.Max(BN * D, staged_ds), sympy.Eq(S, 1)),
+            (resident + (S - 1) * (BN * D + BN * DV) + staged_ds, True))
+
+    sixteen_bit = E * loop(sympy.Piecewise((BM * BN, BM < D), (0, True)))
+    if arch.has_wgmma:
+        wgmma = E * (resident + S * (BN * D + BN * DV))
+        sixteen_bit = sympy.Piecewise((wgmma, BM >= 64), (sixteen_bit, True))
+    fp32 = E * loop(BM * BN)
+    return sympy.Piecewise((fp32, sympy.Eq(E, 4)), (sixteen_bit, True))
+
+
+@cache
+def dkdv_smem_expression(arch: GpuArch, dropout: bool = False) -> sympy.Expr:
+    """dK/dV kernel. Resident K and V; Q and dO stream, and with S >= 2 the LSE and delta rows
+    too (S - 1 fp32 buffers of BLOCK_M each: 8 * BLOCK_M bytes a stage for both).
+
+    - mma.sync (16-bit): max(S - 1, 1) buffers of Q and dO; P^T and dS^T (left operands of the
+      dots into dV and dK) share one buffer when warps split along D (BLOCK_N < D).
+    - wgmma (Hopper, 16-bit, BLOCK_N >= 64): S buffers of Q and dO. The allocator takes
+      buffers by size (ties: the resident K, V first); once a streamed buffer precedes a
+      resident one, the small LSE/delta rows follow it and the resident tile's swizzled layout
+      starts at the next 1024 B boundary: the gap is counted.
+    - fp32 (FMA): the mma.sync layout with P^T/dS^T always staged.
+    - S = 1 (not a candidate): conversion scratch counted as its bound, a [BM, max(D, DV)]
+      tile (and on wgmma the rows' bytes rounded up to 1 KiB).
+    - dropout: the transposed keep mask's conversion scratch, bound 2 * BM * BN.
+    """
+    resident = BN * D + BN * DV
+    rows = 8 * BM * (S - 1)
+    staged = sympy.Piecewise((BM * BN, sympy.Or(BN < D, sympy.Eq(E, 4))), (0, True))
+    scratch = sympy.Piecewise((E * BM * sympy.Max(D, DV), sympy.Eq(S, 1)), (0, True))
+    mma = E * (resident + sympy.Max(S - 1, 1) * (BM * D + BM * DV) + staged) + rows + scratch
+    mask_scratch = 2 * BM * BN if dropout else sympy.Integer(0)
+    mma = mma + mask_scratch
+    if not arch.has_wgmma:
+        return mma
+    streamed_first = BN * sympy.Min(D, DV) < S * BM * sympy.Max(D, DV)
+    gap = sympy.Piecewise((1024 * sympy.ceiling(rows / 1024) - rows, streamed_first), (0, True))
+    row_scratch = sympy.Piecewise((1024 * sympy.ceiling(8 * BM / 1024), sympy.Eq(S, 1)),
+                                  (0, True))
+    wgmma = E * (resident + S * (BM * D + BM * DV)) + rows + gap + row_scratch + mask_scratch
+    return sympy.Piecewise((wgmma, sympy.And(BN >= 64, sympy.Ne(E, 4))), (mma, True))
+
+
+@cache
+def regs_expression(arch: GpuArch, kernel: str) -> sympy.Expr:
+    """Registers per thread, a least-squares estimate on the unspilled 16-bit compiles with
+    acc = fp32 accumulator elements per thread (dQ: BM * D; dK/dV: BN * (D + DV), over 32 W
+    threads) and tile = one score tile per thread (BM * BN / 32 W). fp32 (FMA dots) uses the
+    mma.sync formula and is never promised not to spill."""
+    threads = 32 * W
+    tile = BM * BN / threads
+    if kernel == "dq":
+        acc = BM * D / threads
+        mma = 73 + sympy.Rational(119, 100) * acc + sympy.Rational(336, 100) * tile
+        wgmma = 82 + sympy.Rational(104, 100) * acc + sympy.Rational(160, 100) * tile
+        on_wgmma = BM >= 64
+    else:
+        acc = BN * (D + DV) / threads
+        mma = 106 + sympy.Rational(95, 100) * acc + sympy.Rational(276, 100) * tile
+        wgmma = 96 + sympy.Rational(68, 100) * acc + sympy.Rational(446, 100) * tile
+        on_wgmma = BN >= 64
+    if arch.has_wgmma:
+        return sympy.Piecewise((wgmma, sympy.And(on_wgmma, sympy.Ne(E, 4))), (mma, True))
+    return mma
+
+
+def smem_expression(arch: GpuArch, kernel: str, dropout: bool) -> sympy.Expr:
+    return dq_smem_expression(arch) if kernel == "dq" else dkdv_smem_expression(arch, dropout)
+
+
+@dataclass(frozen=True)
+class BackwardDerivation:
+    """The two kernels' derivations (each a prefill-style Derivation, candidates and all)."""
+
+    dq: Derivation
+    dkdv: Derivation
+
+    def summary_lines(self) -> tuple[str, ...]:
+        lines: list[str] = []
+        for label, derivation in (("dQ kernel", self.dq), ("dK/dV kernel", self.dkdv)):
+            chosen = derivation.chosen
+            head = "no feasible config" if chosen is None else (
+                f"{chosen.block_m}x{chosen.block_n}, {chosen.num_warps} warps, "
+                f"{chosen.num_stages} stages")
+            lines += [f"{label}: {head}", *(f"  {line}" for line in derivation.summary_lines())]
+        return tuple(lines)
+
+
+@cache
+def derive_backward_tiles(spec: AttnSpec, arch_name: str) -> BackwardDerivation:
+    return BackwardDerivation(_derive(spec, arch_name, "dq"), _derive(spec, arch_name, "dkdv"))
+
+
+def _derive(spec: AttnSpec, arch_name: str, kernel: str) -> Derivation:
+    arch = ARCHS[arch_name]
+    d, dv = padded_head_dim(spec.head_dim), padded_head_dim(spec.value_head_dim)
+    e = spec.dtype.itemsize
+    smem_expr = smem_expression(arch, kernel, spec.dropout)
+    regs_expr = regs_expression(arch, kernel)
+    smem_f, regs_f = compiled(smem_expr, MODEL_SYMBOLS), compiled(regs_expr, MODEL_SYMBOLS)
+    candidates = []
+    for bm, bn, w, s in itertools.product(BLOCK_CHOICES, BLOCK_CHOICES, NUM_WARPS_CHOICES,
+                                          NUM_STAGES_CHOICES):
+        smem = int(smem_f(bm, bn, s, w, d, dv, e))
+        regs = int(math.ceil(regs_f(bm, bn, s, w, d, dv, e)))
+        reasons = []
+        if smem > arch.smem_budget:
+            reasons.append(f"smem {smem} B > {arch.smem_budget} B")
+        if regs > arch.max_regs_per_thread + REGISTER_MARGIN:
+            reasons.append(f"regs {regs} > {arch.max_regs_per_thread} + {REGISTER_MARGIN}")
+        owned = bm if kernel == "dq" else bn
+        if owned > 32 * w:
+            reasons.append(f"tile: {'BLOCK_M' if kernel == 'dq' else 'BLOCK_N'} {owned} > "
+                           "32 * num_warps")
+        per_sm = min(arch.smem_per_sm // (smem + arch.smem_block_cost),
+                     arch.regs_per_sm // (min(regs, arch.max_regs_per_thread) * 32 * w),
+                     arch.max_threads_per_sm // (32 * w))
+        if not reasons and per_sm < 1:
+            reasons.append("occupancy 0 programs/SM")
+        score = 0.0
+        if not reasons:
+            reuse = min(bm * bn / (bm + bn) / 64, 1.0)
+            score = reuse * (0.9 if s == 2 else 1.0) * min(1.0, per_sm * w / 8)
+        candidates.append(Candidate(TileConfig(bm, bn, w, s), smem, regs, per_sm,
+                                    round(score, 6), tuple(reasons),
+                                    regs_predictive=e != 4))
+    feasible = [c for c in candidates if c.feasible]
+    chosen = None
+    if feasible:
+        best = max(feasible, key=lambda c: (not c.may_spill(arch), c.score, -c.smem_bytes,
+                                            c.config))
+        chosen = best.config
+    values = {D: d, DV: dv, E: e}
+    worked: dict[str, str] = {}
+    binding = "nothing fits"
+    if chosen is not None:
+        at = {**values, BM: chosen.block_m, BN: chosen.block_n, S: chosen.num_stages,
+              W: chosen.num_warps}
+        worked = {"smem": active_formula(smem_expr, at), "regs": active_formula(regs_expr, at),
+                  "values": ", ".join(f"{sym}={at[sym]}" for sym in (BM, BN, D, DV, E, S, W))}
+        binding = binding_constraint(next(c for c in candidates if c.config == chosen),
+                                     candidates)
+    return Derivation(
+        arch=arch_name, source="heuristic",
+        expressions=LazyText(lambda: {"smem": str(smem_expr.subs(values)),
+                                      "regs": str(regs_expr.subs(values))}),
+        constraints=(f"smem: shared memory <= {arch.smem_budget} B",
+                     f"regs: registers/thread <= {arch.max_regs_per_thread} + "
+                     f"{REGISTER_MARGIN} (an estimate)",
+                     "tile: the rows a program owns <= 32 * num_warps"),
+        candidates=tuple(candidates), chosen=chosen, binding=binding, worked=worked,
+        dims={"D": d, "DV": dv, "E": e}, tma=False)

@@ -1,0 +1,102 @@
+"""The backward at real sizes on a CUDA GPU (the H200): `pytest -m gpu`.
+
+The derived tile configs (not the CPU suite's 16-row blocks), compiled kernels (bf16 numerics,
+FMA contraction, Triton's integer specialization), against the float64 golden (computed on the
+CPU from the same inputs) by the rule of shared/RELIABILITY.md; bitwise determinism; dropout's
+keep rate; and the committed llama3_8b module. tools/gpu_backward.sh runs this file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from attngen.reference_backward import compare_gradients
+from tests.backward_harness import backward_spec, padded_inputs
+from tests.kernel_harness import load_kernel
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; run on the H200"),
+]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CASES = {
+    "causal-bf16-d128-gqa4": dict(dtype="bf16", head_dim=128, num_q_heads=8, num_kv_heads=2),
+    "none-fp16-d64": dict(dtype="fp16", head_dim=64, mask="none", num_q_heads=4,
+                          num_kv_heads=4),
+    "window-cap-bf16-d256": dict(dtype="bf16", head_dim=256, mask="sliding_window",
+                                 window_left=200, window_right=0, softcap=30.0, num_q_heads=4,
+                                 num_kv_heads=1),
+    "alibi-tl-fp16-d96-dv64": dict(dtype="fp16", head_dim=96, head_dim_v=64, alibi=True,
+                                   causal_align="top_left", num_q_heads=7, num_kv_heads=1),
+    "causal-fp32-d80": dict(dtype="fp32", head_dim=80, num_q_heads=2, num_kv_heads=1),
+}
+
+
+def _grads(module, q, k, v, dout, slopes, **options):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = module.attention(*leaves, alibi_slopes=slopes, **options)
+    out.backward(dout)
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1000, 1000), (257, 700), (700, 257)])
+def test_gradients_at_real_sizes(name, seqlen_q, seqlen_k):
+    fields = CASES[name]
+    spec = backward_spec(**fields)
+    module = load_kernel(spec)
+    q, k, v, dout, slopes = padded_inputs(spec, 2, fields["num_q_heads"],
+                                          fields["num_kv_heads"], seqlen_q, seqlen_k, seed=1)
+    cuda = [t.cuda() for t in (q, k, v, dout)]
+    grads = _grads(module, *cuda, None if slopes is None else slopes.cuda())
+    problems = compare_gradients(spec, [g.cpu() for g in grads], q, k, v, dout,
+                                 alibi_slopes=slopes)
+    assert not problems, "; ".join(problems)
+
+
+def test_backward_is_bitwise_deterministic_on_the_gpu():
+    spec = backward_spec(dtype="bf16", head_dim=128, num_q_heads=32, num_kv_heads=8,
+                         dropout=True)
+    module = load_kernel(spec)
+    inputs = [t.cuda() for t in padded_inputs(spec, 2, 32, 8, 2048, 2048, seed=2)[:4]]
+    state = torch.tensor([5, 0], dtype=torch.int64, device="cuda")
+    first = _grads(module, *inputs, None, dropout_p=0.1, rng_state=state)
+    second = _grads(module, *inputs, None, dropout_p=0.1, rng_state=state)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_dropout_keeps_one_minus_p():
+    """The forward's output with v = ones is keep_scale x the kept share of P per row: its
+    mean over many rows is 1 within a binomial bound."""
+    spec = backward_spec(dtype="fp32", head_dim=64, mask="none", dropout=True, num_q_heads=4,
+                         num_kv_heads=4)
+    module = load_kernel(spec)
+    q = torch.zeros(1, 4, 512, 64, device="cuda")  # uniform P = 1 / N
+    v = torch.ones(1, 4, 512, 64, device="cuda")
+    out = module.attention(q, q.clone(), v, dropout_p=0.3)
+    kept = out[..., 0] * 0.7  # fraction of the 512 keys each row keeps
+    assert abs(kept.mean().item() - 0.7) < 5 * (0.7 * 0.3 / kept.numel() / 512) ** 0.5
+
+
+def test_committed_llama3_8b_module_trains():
+    index = json.loads((ROOT / "generated" / "index.json").read_text())
+    entry = next(e for e in index["modules"] if e["arch"] == "sm90" and e["kind"] == "prefill"
+                 and e["module"].startswith("llama3_8b"))
+    import importlib.util
+
+    module_spec = importlib.util.spec_from_file_location(
+        "llama3_8b_bwd", ROOT / "generated" / entry["path"])
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    spec = backward_spec(dtype="bf16", head_dim=128, num_q_heads=32, num_kv_heads=8)
+    q, k, v, dout, _ = padded_inputs(spec, 1, 32, 8, 600, 600, seed=3)
+    grads = _grads(module, *(t.cuda() for t in (q, k, v, dout)), None)
+    problems = compare_gradients(spec, [g.cpu() for g in grads], q, k, v, dout)
+    assert not problems, "; ".join(problems)

@@ -1,0 +1,205 @@
+"""Backward benchmark: attngen's generated gradient kernels against SDPA's backends (cuDNN, flash,
+efficient) and compiled FlexAttention, side by side in one process on the same inputs.
+
+The FlashAttention grid: bf16, D 64/128/256, N 1k/4k/16k (batch = 16384 / N, heads = 2048 / D),
+causal and not. Backward time = (forward + backward) - forward, both measured here; backward
+FLOPs = 2.5 x the forward's (4 * B * H * N * N * D, halved when causal). Peak memory is the
+forward + backward peak above the inputs. An anchor that errors (a backend missing for a head
+dim, out of memory) is skipped with its reason in the JSON. Usage on a CUDA machine, from the
+repository root:
+
+    PYTHONPATH=. python tools/bench_backward.py --out OUT_DIR [--quick] [--no-flex]
+
+Writes OUT_DIR/bench_backward.json and prints a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from attngen.build import plan_build
+from attngen.spec import specs_from_data
+
+HEAD_DIMS = (64, 128, 256)
+SEQLENS = (1024, 4096, 16384)
+TOKENS, WIDTH = 16384, 2048
+SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def load_module(head_dim: int, causal: bool, arch: str = "sm90"):
+    """The prefill module of a backward spec for this grid cell, built as `attngen build`
+    builds it, written to a file and imported."""
+    fields = dict(name=f"bench_bwd_d{head_dim}", archs=[arch], dtype="bf16", head_dim=head_dim,
+                  num_q_heads=WIDTH // head_dim, num_kv_heads=WIDTH // head_dim,
+                  mask="causal" if causal else "none", kernels=["prefill"], backward=True)
+    if causal:
+        fields["causal_align"] = "bottom_right"
+    spec = specs_from_data(fields)[0]
+    artifact = next(a for a in plan_build([spec]) if a.entry["arch"] == arch)
+    path = Path(tempfile.mkdtemp(prefix="attngen-bench-bwd-")) / f"{spec.name}.py"
+    path.write_text(artifact.source)
+    name = f"{spec.name}_{'causal' if causal else 'full'}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def _time(fn, reps: int) -> float:
+    """Median milliseconds of fn() (triton.testing.do_bench)."""
+    return float(triton.testing.do_bench(fn, warmup=5, rep=reps, return_mode="median"))
+
+
+def measure(forward, q, k, v, dout, reps: int) -> dict:
+    """forward(q, k, v) -> out: forward ms, forward + backward ms, backward ms, peak MiB."""
+    def fwd():
+        with torch.no_grad():
+            forward(q, k, v)
+
+    def fwd_bwd():
+        out = forward(q, k, v)
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    fwd_bwd()  # compile / autotune outside the timing
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    forward_ms = _time(fwd, reps)
+    total_ms = _time(fwd_bwd, reps)
+    return {"forward_ms": forward_ms, "fwd_bwd_ms": total_ms,
+            "backward_ms": max(total_ms - forward_ms, 1e-6), "peak_mib": peak}
+
+
+def implementations(head_dim: int, causal: bool, use_flex: bool):
+    """name -> forward(q, k, v) or the reason it cannot run."""
+    impls: dict = {}
+    try:
+        module = load_module(head_dim, causal)
+        impls["attngen"] = lambda q, k, v: module.attention(q, k, v)
+    except Exception as exc:  # noqa: BLE001 - recorded, the other anchors still run
+        impls["attngen"] = f"build failed: {exc!r}"
+    for name, backend in SDPA_BACKENDS.items():
+        def sdpa(q, k, v, backend=backend):
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v,
+                                                                        is_causal=causal)
+        impls[f"sdpa_{name}"] = sdpa
+    if use_flex:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            compiled = torch.compile(flex_attention)
+            masks: dict = {}
+
+            def flex(q, k, v):
+                if not causal:
+                    return compiled(q, k, v)
+                n = q.shape[2]
+                if n not in masks:
+                    masks[n] = create_block_mask(lambda b, h, i, j: j <= i, None, None, n, n)
+                return compiled(q, k, v, block_mask=masks[n])
+            impls["flex"] = flex
+        except Exception as exc:  # noqa: BLE001
+            impls["flex"] = f"unavailable: {exc!r}"
+    return impls
+
+
+def run(args) -> dict:
+    torch.manual_seed(0)
+    seqlens = SEQLENS[:2] if args.quick else SEQLENS
+    cells = []
+    for head_dim in HEAD_DIMS:
+        for seqlen in seqlens:
+            for causal in (False, True):
+                batch, heads = TOKENS // seqlen, WIDTH // head_dim
+                flops = 4 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1)
+                shape = (batch, heads, seqlen, head_dim)
+                q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16,
+                                       requires_grad=True) for _ in range(3))
+                dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+                cell = {"head_dim": head_dim, "seqlen": seqlen, "causal": causal,
+                        "batch": batch, "heads": heads, "results": {}}
+                for name, impl in implementations(head_dim, causal, not args.no_flex).items():
+                    if isinstance(impl, str):
+                        cell["results"][name] = {"skipped": impl}
+                        continue
+                    try:
+                        result = measure(impl, q, k, v, dout, args.reps)
+                        result["backward_tflops"] = 2.5 * flops / result["backward_ms"] / 1e9
+                        result["forward_tflops"] = flops / result["forward_ms"] / 1e9
+                        cell["results"][name] = result
+                    except Exception as exc:  # noqa: BLE001 - skip the anchor, keep its reason
+                        cell["results"][name] = {
+                            "skipped": f"{type(exc).__name__}: {str(exc)[:300]}",
+                            "trace": traceback.format_exc(limit=3)[-1500:]}
+                    torch.cuda.empty_cache()
+                cells.append(cell)
+                print(_row(cell), flush=True)
+    return {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "cells": cells}
+
+
+NAMES = ("attngen", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flex")
+
+
+def _row(cell: dict) -> str:
+    mask = "causal" if cell["causal"] else "full  "
+    parts = [f"D{cell['head_dim']:>3} N{cell['seqlen']:>5} {mask}"]
+    for name in NAMES:
+        result = cell["results"].get(name, {})
+        value = result.get("backward_tflops")
+        parts.append(f"{value:7.1f}" if value else "    n/a")
+    return " ".join(parts)
+
+
+def summary(report: dict) -> str:
+    lines = ["backward TFLOP/s (2.5x forward FLOPs), bf16; peak MiB attngen / cudnn",
+             "cell               " + " ".join(f"{n[:7]:>7}" for n in NAMES)]
+    ratios = []
+    for cell in report["cells"]:
+        res = cell["results"]
+        peaks = " / ".join(f"{res.get(n, {}).get('peak_mib', float('nan')):.0f}"
+                           for n in ("attngen", "sdpa_cudnn"))
+        lines.append(f"{_row(cell)}   {peaks}")
+        ours, cudnn = (res.get(n, {}).get("backward_tflops") for n in ("attngen", "sdpa_cudnn"))
+        if ours and cudnn:
+            ratios.append(ours / cudnn)
+    if ratios:
+        geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        lines.append(f"geomean attngen / cuDNN backward: {geomean:.2f} over {len(ratios)} cells")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--quick", action="store_true", help="N 1k and 4k only")
+    parser.add_argument("--no-flex", action="store_true")
+    parser.add_argument("--reps", type=int, default=100, help="do_bench rep (ms)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = run(args)
+    (args.out / "bench_backward.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(summary(report))
+
+
+if __name__ == "__main__":
+    main()
