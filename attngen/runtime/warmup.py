@@ -129,9 +129,14 @@ def _run(module: Any, spec: AttnSpec, kind: KernelKind, device: torch.device) ->
         if kind is KernelKind.prefill:
             module.attention(rand(1, heads_q, n, d), rand(1, heads_kv, n, d),
                              rand(1, heads_kv, n, dv), alibi_slopes=slopes)
+            # flash-attn's [B, N, H, D] layout, the output too when the module writes it in
+            # place (the runtime passes out= then): other strides, another specialization.
+            flash_out = ({"out": rand(1, n, heads_q, dv).transpose(1, 2)}
+                         if getattr(module, "ACCEPTS_OUT", False) is True else {})
             module.attention(rand(1, n, heads_q, d).transpose(1, 2),
                              rand(1, n, heads_kv, d).transpose(1, 2),
-                             rand(1, n, heads_kv, dv).transpose(1, 2), alibi_slopes=slopes)
+                             rand(1, n, heads_kv, dv).transpose(1, 2), alibi_slopes=slopes,
+                             **flash_out)
         else:
             cu = torch.tensor([0, n], dtype=torch.int32, device=device)
             module.attention_varlen(rand(n, heads_q, d), rand(n, heads_kv, d),
