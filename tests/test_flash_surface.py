@@ -187,3 +187,37 @@ def test_rotary_needs_a_row_per_cache_position(toy_kernels):  # noqa: F811
                                          r"\[seqlen_ro >= 12"):
         attngen.flash_attn_with_kvcache(_randn(2, 1, 4, D), k_cache, v_cache, k, k,
                                         torch.ones(11, 4), torch.ones(11, 4), 3)
+
+
+# ------------------------------------------------------------------------------ paged varlen
+
+
+def test_varlen_block_table_reads_each_sequence_from_its_pages(toy_kernels):  # noqa: F811
+    page_size, lengths = 4, [6, 0, 11]
+    cu_k = torch.tensor([0, 6, 6, 17], dtype=torch.int32)
+    cu_q = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    q = _randn(9, 4, D, seed=1)
+    k_pages, v_pages = _randn(9, page_size, 2, D, seed=2), _randn(9, page_size, 2, D, seed=3)
+    table = torch.tensor([[7, 2, 0], [1, 1, 1], [5, 8, 3]], dtype=torch.int32)
+    packed_k = torch.cat([k_pages[table[b].long()].reshape(-1, 2, D)[:n]
+                          for b, n in enumerate(lengths)])
+    packed_v = torch.cat([v_pages[table[b].long()].reshape(-1, 2, D)[:n]
+                          for b, n in enumerate(lengths)])
+    expected = attngen.flash_attn_varlen_func(q, packed_k, packed_v, cu_q, cu_k, 5, 11,
+                                              causal=True)
+    out = attngen.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 5, 11, causal=True,
+                                         block_table=table)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)  # same sums, other tiling
+
+
+def test_varlen_block_table_gives_nan_to_a_sequence_whose_pages_do_not_fit(toy_kernels):  # noqa: F811
+    cu = torch.tensor([0, 3, 6], dtype=torch.int32)
+    q = _randn(6, 4, D, seed=1)
+    k_pages, v_pages = _randn(4, 4, 2, D, seed=2), _randn(4, 4, 2, D, seed=3)
+    table = torch.tensor([[0], [9]], dtype=torch.int32)  # page 9 is not the cache's
+    out = attngen.flash_attn_varlen_func(q, k_pages, v_pages, cu, cu, 3, 3, causal=True,
+                                         block_table=table)
+    assert torch.isfinite(out[:3]).all() and torch.isnan(out[3:]).all()
+    with pytest.raises(ValueError, match=r"block_table: expected an int32 tensor \[B, max_pages\]"):
+        attngen.flash_attn_varlen_func(q, k_pages, v_pages, cu, cu, 3, 3,
+                                       block_table=table.long())

@@ -19,6 +19,7 @@ from attngen.runtime.arguments import (
     window_pair,
 )
 from attngen.runtime.launch import run_dense, run_varlen
+from attngen.runtime.paged import paged_keys
 from attngen.spec import CausalAlign, Mask
 
 # ---------------------------------------------------------------------------- SDPA-shaped
@@ -91,14 +92,23 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None):
     """flash-attn 2.x `flash_attn_varlen_func`: packed q [Tq, HQ, D], k/v [Tk, HKV, D],
-    cu_seqlens int32 [B + 1]; with return_attn_probs, (out, lse [HQ, Tq], None)."""
-    if block_table is not None:
-        raise ValueError("block_table: paged K/V in flash_attn_varlen_func is not supported; "
-                         "use flash_attn_with_kvcache")
+    cu_seqlens int32 [B + 1]; with return_attn_probs, (out, lse [HQ, Tq], None).
+
+    With block_table int32 [B, max_pages], k/v are paged caches [pages, page_size, HKV, D] and
+    sequence b's keys are the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions of its
+    pages (flash-attn's paged varlen). They are gathered into [B * max_pages * page_size]
+    rows first (a copy of every listed page; flash_attn_with_kvcache reads pages in place); a
+    sequence whose length or pages do not fit gets NaN, as in the kernels."""
     mask, window = flash_mask(causal, window_size)
+    seqused_k, bounds = None, None
+    if block_table is not None:
+        k, v, cu_seqlens_k, seqused_k, max_seqlen_k = paged_keys(k, v, block_table,
+                                                                   cu_seqlens_k, q)
+        bounds = (q.shape[0], max_seqlen_k)
     out, lse = run_varlen("flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k,
                           max_seqlen_q, max_seqlen_k, mask=mask, align=CausalAlign.bottom_right,
                           window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                           scale=softmax_scale, return_lse=return_attn_probs, fallback=None,
-                          refusal=flash_refusal(dropout_p, alibi_slopes), dropout_p=dropout_p)
+                          refusal=flash_refusal(dropout_p, alibi_slopes), dropout_p=dropout_p,
+                          seqused_k=seqused_k, length_bounds=bounds)
     return (out, lse, None) if return_attn_probs else out
