@@ -253,6 +253,7 @@ def _attn_fwd_kernel(
     # Note: one reciprocal per row, then a multiply per element: an IEEE division per
     # element is a dozen instructions, a visible share of a short (N = 1024) tile's work.
     out = acc * (1.0 / l_safe)[:, None]
+
     o_ptrs = o_base + q_rows[:, None] * stride_om + offs_dv[None, :] * stride_od
     o_mask = row_ok[:, None]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
