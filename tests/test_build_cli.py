@@ -369,7 +369,8 @@ def test_concurrent_builds_agree_with_a_serial_one(tmp_path: Path) -> None:
     assert _cli("build", *EXAMPLES, "--out", serial).exit_code == 0
     procs = []
     for seed in range(4):
-        env = {**os.environ, "PYTHONHASHSEED": str(seed)}
+        # PYTHONPATH: the entry point runs this checkout's attngen, wherever it is installed from
+        env = {**os.environ, "PYTHONHASHSEED": str(seed), "PYTHONPATH": str(ROOT)}
         procs.append(subprocess.Popen(
             [*_entry_point(), "build", *map(str, EXAMPLES), "--out", str(shared)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT))

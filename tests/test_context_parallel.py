@@ -404,7 +404,7 @@ def test_empty_batch_gives_empty_output(single_group):
 
 def test_benchmark_script_runs_on_the_cpu(tmp_path):
     """tools/bench_context_parallel.py's one-process path, at toy sizes under the interpreter
-    (the GPU run is the lead's; this keeps the script from rotting)."""
+    (the measurement itself needs a GPU; this keeps the script working)."""
     import subprocess
     import sys
     from pathlib import Path

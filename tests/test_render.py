@@ -435,6 +435,50 @@ def test_generated_modules_are_printable_ascii() -> None:
         assert _printable_ascii(path.read_text(encoding="utf-8")), path
 
 
+def _blank_line_problems(source: str) -> list[str]:
+    """PEP 8's blank lines (ruff's E3 rules) in a module: two around a top-level function,
+    never more than two in a row, never two in a row inside a block."""
+    lines = source.splitlines()
+
+    def blanks_before(number: int) -> int:  # 1-based line number
+        count = 0
+        while number - count - 2 >= 0 and not lines[number - count - 2].strip():
+            count += 1
+        return count
+
+    problems = []
+    for number, line in enumerate(lines, 1):
+        limit = 1 if line.startswith(" ") else 2  # inside a block, or at the top level
+        if line.strip() and blanks_before(number) > limit:
+            problems.append(f"line {number}: {blanks_before(number)} blank lines before it")
+
+    def first_line(node: ast.stmt) -> int:  # with its decorators and the comments above it
+        number = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+        while number > 1 and lines[number - 2].startswith("#"):
+            number -= 1
+        return number
+
+    body = ast.parse(source).body
+    for node, following in zip(body, [*body[1:], None], strict=True):
+        if isinstance(node, ast.FunctionDef):
+            first = first_line(node)
+            if first > 1 and blanks_before(first) != 2:
+                problems.append(f"line {first}: {blanks_before(first)} blank lines before a def")
+            if following is not None and blanks_before(first_line(following)) < 2:
+                problems.append(f"line {first_line(following)}: < 2 blank lines after a def")
+    return problems
+
+
+def test_generated_modules_have_pep8_blank_lines() -> None:
+    for path in sorted((ROOT / "generated").glob("*/*.py")):
+        assert not _blank_line_problems(path.read_text(encoding="utf-8")), path
+
+
+@pytest.mark.parametrize("label", sorted(VARIETY))
+def test_rendered_modules_have_pep8_blank_lines(label: str) -> None:
+    assert not _blank_line_problems(_render(VARIETY[label]))
+
+
 def test_only_validated_name_and_hash_vary_with_the_name() -> None:
     """Two specs that differ only in their (validated) name differ only where it is printed."""
     a = _spec(name="first_model", mask="sliding_window", window_left=7, softcap=2.5, alibi=True)

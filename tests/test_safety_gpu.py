@@ -7,7 +7,7 @@ decode (contiguous, pages of 16 and 64, one split and many, with and without new
 varlen with one sequence's index entries made bad; windows at the int32 limit; the numerics
 that only the compiled kernels show (fp32 scores near 1e10, where an FMA-folded scale
 overflows exp2). For out-of-bounds reads that stay inside an allocation, run it under
-compute-sanitizer as well (the lead's command is in the helper's report):
+compute-sanitizer as well:
 
     compute-sanitizer --tool memcheck python -m pytest -m gpu tests/test_safety_gpu.py -k bad
 """

@@ -379,9 +379,9 @@ def test_spec_hash_is_stable() -> None:
     # The value recorded in generated/; a change here means every module's header changes.
     assert spec.spec_hash() == "fb090f33213dd5bd"
     assert spec.kernel_hash(PREFILL) == "89cba968244899d4"
-    # Without backward: the hashes it had before the training fields existed (they are left
-    # out of canonical() while false), and its prefill kernel's hash is what it was before
-    # varlen and decode were added.
+    # Without backward: the training fields are left out of canonical() while false, so an
+    # inference spec keeps its hashes; its prefill kernel's hash leaves the decode fields out
+    # (adding decode to a spec keeps its prefill kernels' tuning entries).
     inference = spec.model_copy(update={"backward": False})
     assert inference.spec_hash() == "d4c0289571265e2a"
     assert inference.kernel_hash(PREFILL) == "0b49639ae754cf1a"

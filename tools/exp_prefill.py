@@ -9,7 +9,7 @@ Each variant is the committed module's source with a few lines substituted:
 - scaled_first: every score scaled before the row max (the committed kernels apply the scale
   once, in the exponent's FMA: variant "fma" when that was measured);
 - warp_specialize, flatten: `tl.range(..., warp_specialize=True)` / `flatten=True` on the key
-  loop (formerly tools/exp_warp_specialize.py);
+  loop;
 - fast_exp: exp2 on bf16 pairs (`ex2.approx.ftz.bf16x2`, two per MUFU op) whose
   result is P as the P @ V dot consumes it; measures the headroom of the exponential (it
   rounds the exponent's argument to bf16, so it changes numerics: reported, not adopted).

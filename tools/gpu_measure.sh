@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The measurement calls of a GPU session, each within one 10-minute device command:
+# The GPU measurements, in parts that each fit one 10-minute device command:
 #   part "decode-prefill": decode GPU tests, the decode benchmark, the prefill benchmark;
 #   part "integration":    integration GPU tests (transformers Llama, torch.compile, CUDA
 #                          graphs), then the model benchmark.

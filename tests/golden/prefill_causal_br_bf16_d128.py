@@ -37,6 +37,7 @@ D = 128 the q/k head dim, DV = 128 the value head dim. A program owns BLOCK_M
 query rows of one (batch, head): its Q tile stays resident while K/V tiles of BLOCK_N
 rows stream past, with an online softmax (running max m_i and sum l_i, kept in the
 log2 domain so exp2 can be used). No M x N tensor exists.
+
 Query row i sees key j through i' = i + (N - M): the diagonal is aligned bottom-right.
 """
 
@@ -68,7 +69,6 @@ _HEAD_DIM_V = tl.constexpr(HEAD_DIM_V)
 _BLOCK_D = tl.constexpr(128)
 _BLOCK_DV = tl.constexpr(128)
 _LOG2E_C = tl.constexpr(_LOG2E)
-
 
 
 @triton.jit

@@ -37,6 +37,7 @@ D = 80 the q/k head dim, DV = 80 the value head dim. A program owns BLOCK_M
 query rows of one (batch, head): its Q tile stays resident while K/V tiles of BLOCK_N
 rows stream past, with an online softmax (running max m_i and sum l_i, kept in the
 log2 domain so exp2 can be used). No M x N tensor exists.
+
 Query row i sees key j through i' = i: the diagonal is aligned top-left.
 """
 
@@ -73,7 +74,6 @@ _WINDOW_LEFT = tl.constexpr(255)
 _WINDOW_RIGHT = tl.constexpr(16)
 _SOFTCAP_LOG2 = tl.constexpr(SOFTCAP * _LOG2E)
 _INTERPRETED = tl.constexpr(_INTERPRET)
-
 
 
 @triton.jit

@@ -43,6 +43,7 @@ rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] (likewise k, v with cu_seqlens_k); M
 per sequence, so masks and alignment apply to each sequence on its own. The grid is sized
 from max_seqlen_q on the host; a program whose query block lies past its sequence's end
 returns at once, so the host never reads the device's lengths.
+
 Query row i sees key j through i' = i + (N - M): the diagonal is aligned bottom-right.
 """
 
@@ -73,7 +74,6 @@ _HEAD_DIM_V = tl.constexpr(HEAD_DIM_V)
 _BLOCK_D = tl.constexpr(128)
 _BLOCK_DV = tl.constexpr(128)
 _LOG2E_C = tl.constexpr(_LOG2E)
-
 
 
 @triton.jit
