@@ -28,7 +28,7 @@
 #   shared memory = E*Max(BLOCK_M*DV, BLOCK_M*BLOCK_N + BLOCK_M*D + (BLOCK_N*D +
 #       BLOCK_N*DV)*Max(1, S - 1))
 #     with BLOCK_M=16, BLOCK_N=64, D=128, DV=128, E=2, S=2, W=4
-#     = 38912 B of 101376 B available per block
+#     = 39168 B of 101376 B available per block
 #   registers/thread ~ 9*BLOCK_M*BLOCK_N/(320*W) + 11*BLOCK_M*DV/(256*W) + 7*BLOCK_N*E*(D +
 #       DV)/(1280*W) + 72 = 146 of 255
 #   programs/SM 2
