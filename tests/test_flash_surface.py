@@ -96,10 +96,14 @@ def test_rotary_rotates_q_and_the_appended_k_as_flash_attn(toy_kernels, interlea
     k_rot = _rotate_half_reference(k, cos, sin, positions, interleaved)
     q_rot = _rotate_half_reference(q, cos, sin, positions, interleaved)
     for b in range(2):  # the cache holds the rotated keys, exactly as the reference rounds them
+        # fp32: the rotation in float then cast, against the reference's own rounding: one or two
+        # ulps of |k| < 8 (2e-6).
         torch.testing.assert_close(k_cache[b, lengths[b]:lengths[b] + 2], k_rot[b],
                                    rtol=0, atol=2e-6)
     expected = attngen.flash_attn_with_kvcache(q_rot, plain_k, plain_v, k_rot, v, None, None,
                                                lengths, causal=True)
+    # fp32 attention over inputs that differ by those ulps (q rotated in the call vs before it):
+    # the softmax carries them to a few ulps of the logits' scale, well under 1e-5 at |out| < 4.
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
 
 
@@ -115,6 +119,7 @@ def test_rotary_without_causal_or_window_puts_every_query_at_cache_seqlens(on_de
     k_rot = _rotate_half_reference(k, cos, sin, lengths.long()[:, None] + torch.arange(2), True)
     expected = attngen.flash_attn_with_kvcache(still, plain_k, plain_v, k_rot, v,
                                                cache_seqlens=lengths)
+    # As above: rotated-input ulps carried through an fp32 softmax.
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
 
 
@@ -145,6 +150,8 @@ def test_cache_leftpad_starts_each_sequence_at_its_pad(toy_kernels):  # noqa: F8
                                           cache_leftpad=leftpad, causal=True)
     expected = attngen.flash_attn_with_kvcache(q, shifted_k, shifted_v, k, v,
                                                cache_seqlens=lengths - leftpad, causal=True)
+    # fp32, the same keys read from another offset: the same sums in another tile order,
+    # a few ulps of |out| < 4 (1e-6).
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
     assert torch.equal(k_cache[0, 7], k[0, 0])  # appended at cache_seqlens, not after the pad
 
@@ -207,7 +214,9 @@ def test_varlen_block_table_reads_each_sequence_from_its_pages(toy_kernels):  # 
                                               causal=True)
     out = attngen.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 5, 11, causal=True,
                                          block_table=table)
-    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)  # same sums, other tiling
+    # fp32, pages gathered into rows: the same sums in another tile order, a few ulps of
+    # |out| < 4 (1e-6).
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
 
 
 def test_varlen_block_table_gives_nan_to_a_sequence_whose_pages_do_not_fit(toy_kernels):  # noqa: F811
