@@ -27,6 +27,7 @@ from attngen.runtime.dispatch import need_for, probe
 from attngen.runtime.entry_checks import check_alibi
 from attngen.runtime.kvcache_options import CacheOptions, cache_options, key_layout, rotate
 from attngen.runtime.launch import run_varlen, varlen_dispatch
+from attngen.runtime.paged import pages_in_cache
 from attngen.runtime.selection import Dispatch
 from attngen.runtime.validate import check_kvcache_shapes
 from attngen.spec import CausalAlign, KernelKind, KvLayout, Mask
@@ -185,11 +186,7 @@ def _fits(cache_seqlens, new, capacity, block_table, k_cache, seqlen_q, window,
     if window is not None:  # keys left of every query's window are never read
         first = (total - seqlen_q - window[0]).clamp(min=0)
     first = torch.minimum(first, torch.where(fits, cached, 0))  # the appended keys count too
-    page = torch.arange(block_table.shape[1], device=block_table.device)[None, :]
-    needed = (page >= (first // page_size)[:, None]) & (page * page_size < total[:, None])
-    entries = block_table.long()
-    bad = needed & ((entries < 0) | (entries >= num_pages))
-    return fits & ~bad.any(1)
+    return fits & pages_in_cache(block_table, first, total, num_pages, page_size)
 
 
 def _validate(cache_seqlens, new, capacity, block_table, k_cache, seqlen_q, window,

@@ -38,13 +38,20 @@ def paged_keys(k_cache, v_cache, block_table, cu_seqlens_k, q):
     capacity = max_pages * page_size
     lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
     fits = (lengths >= 0) & (lengths <= capacity)
-    page = torch.arange(max_pages, device=q.device)[None, :]
-    needed = page * page_size < torch.where(fits, lengths, 0)[:, None]
-    entries = block_table.long()
-    fits = fits & ~(needed & ((entries < 0) | (entries >= num_pages))).any(1)
-    pages = entries.clamp(0, num_pages - 1)  # a bad entry is read nowhere that counts: NaN
+    ends = torch.where(fits, lengths, 0)
+    fits = fits & pages_in_cache(block_table, torch.zeros_like(ends), ends, num_pages, page_size)
+    pages = block_table.long().clamp(0, num_pages - 1)  # a bad entry is read nowhere that counts
     keys = k_cache[pages].reshape(batch * capacity, *k_cache.shape[2:])
     values = v_cache[pages].reshape(batch * capacity, *v_cache.shape[2:])
     starts = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * capacity
     used = torch.where(fits, lengths, -1).to(torch.int32)
     return keys, values, starts, used, capacity
+
+
+def pages_in_cache(block_table, first_key, end_key, num_pages: int, page_size: int):
+    """[B] bool: every block-table entry of row b that holds keys [first_key[b], end_key[b])
+    is a page of the cache, [0, num_pages). No host sync."""
+    page = torch.arange(block_table.shape[1], device=block_table.device)[None, :]
+    needed = (page >= (first_key // page_size)[:, None]) & (page * page_size < end_key[:, None])
+    entries = block_table.long()
+    return ~(needed & ((entries < 0) | (entries >= num_pages))).any(1)
