@@ -89,6 +89,7 @@ class Mask(str, Enum):
     none = "none"
     causal = "causal"
     sliding_window = "sliding_window"
+    chunked = "chunked"  # causal within fixed-size chunks of aligned positions (Llama 4)
 
 
 class CausalAlign(str, Enum):
@@ -120,17 +121,26 @@ class KvLayout(str, Enum):
 # Decode-only fields: validated only with `decode` in kernels, absent from canonical() (and so
 # from the hash) otherwise, which keeps the hashes of prefill-only specs what they were.
 DECODE_FIELDS = ("kv_layout", "page_size", "max_query_tokens")
+# Fields that describe newer models' attention (learned sinks, chunks, sink tokens): absent
+# from canonical() at their defaults, so the hashes (and tuning keys) of specs without them
+# stay what they were.
+MODEL_FIELDS = ("sinks", "chunk_size", "sink_tokens")
 MAX_PAGE_SIZE = 1024
 MAX_QUERY_TOKENS = 16
 
 
 ArchName = Annotated[StrictStr, Field(pattern=r"^sm[0-9]+$")]
 # Any head dim flash-attn serves: the kernels pad it to a power of two >= 16 (tl.dot's and
-# tl.arange's extents) and mask the padded lanes on every load and store.
+# tl.arange's extents) and mask the padded lanes on every load and store. Beyond 256 only the
+# decode kind (multi-head latent attention's absorbed decode: 576 / 512), whose tile the
+# decode tiling model sizes per arch; prefill tiles are modelled and measured up to 256.
 MAX_HEAD_DIM = 256
-HeadDim = Annotated[StrictInt, Field(ge=1, le=MAX_HEAD_DIM)]
+MAX_DECODE_HEAD_DIM = 576
+HeadDim = Annotated[StrictInt, Field(ge=1, le=MAX_DECODE_HEAD_DIM)]
 HeadCount = Annotated[StrictInt, Field(ge=1, le=1024)]
 WindowSize = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
+ChunkSize = Annotated[StrictInt, Field(ge=1, le=2**31 - 1)]
+SinkTokens = Annotated[StrictInt, Field(ge=1, le=2**31 - 1)]
 PageSize = Annotated[StrictInt, Field(ge=1, le=MAX_PAGE_SIZE)]
 QueryTokens = Annotated[StrictInt, Field(ge=1, le=MAX_QUERY_TOKENS)]
 
@@ -153,6 +163,9 @@ class AttnSpec(BaseModel):
     window_right: WindowSize | None = None
     softcap: Annotated[float, Field(ge=0.0, le=1e4, allow_inf_nan=False, strict=True)] = 0.0
     alibi: StrictBool = False
+    sinks: StrictBool = False
+    chunk_size: ChunkSize | None = None
+    sink_tokens: SinkTokens | None = None
     kernels: Annotated[tuple[KernelKind, ...], Field(min_length=1)]
     kv_layout: KvLayout | None = None
     page_size: PageSize | None = None
@@ -194,8 +207,32 @@ class AttnSpec(BaseModel):
         for field in ("window_left", "window_right"):
             if not windowed and getattr(self, field) is not None:
                 raise _field_error(field, getattr(self, field), "absent unless sliding_window")
+        self._check_model_fields()
+        self._check_head_dims()
         self._check_decode()
         return self
+
+    def _check_model_fields(self) -> None:
+        chunked = self.mask is Mask.chunked
+        if chunked and self.chunk_size is None:
+            raise _field_error("chunk_size", None, _ALLOWED["chunk_size"] + " (required with "
+                               "mask chunked)")
+        if not chunked and self.chunk_size is not None:
+            raise _field_error("chunk_size", self.chunk_size, "absent unless mask is chunked")
+        if self.sink_tokens is not None and self.mask is not Mask.sliding_window:
+            # Under causal (or chunked, none) the first keys' visibility is the mask's own.
+            raise _field_error("sink_tokens", self.sink_tokens, "absent unless mask is "
+                               "sliding_window (the first keys a window would drop)")
+
+    def _check_head_dims(self) -> None:
+        if self.kernels == (KernelKind.decode,):
+            return
+        for field in ("head_dim", "head_dim_v"):
+            value = getattr(self, field)
+            if value is not None and value > MAX_HEAD_DIM:
+                raise _field_error(field, value, f"an int in 1..{MAX_HEAD_DIM} (up to "
+                                   f"{MAX_DECODE_HEAD_DIM} with kernels: [decode] only)",
+                                   typed=True)
 
     def _check_decode(self) -> None:
         if KernelKind.decode not in self.kernels:
@@ -258,6 +295,9 @@ class AttnSpec(BaseModel):
         else:
             for field in DECODE_FIELDS:
                 del data[field]
+        for field in MODEL_FIELDS:
+            if data[field] in (None, False):
+                del data[field]
         return data
 
     def spec_hash(self) -> str:
@@ -282,13 +322,14 @@ def _hash(canonical: dict[str, Any]) -> str:
 
 
 class _FieldError(ValueError):
-    def __init__(self, field: str, value: Any, allowed: str):
-        super().__init__(f"{field}: got {value!r}; allowed: {allowed}")
+    def __init__(self, field: str, value: Any, allowed: str, typed: bool = False):
+        shown = f"{value!r} ({type(value).__name__})" if typed else repr(value)
+        super().__init__(f"{field}: got {shown}; allowed: {allowed}")
         self.field, self.value, self.allowed = field, value, allowed
 
 
-def _field_error(field: str, value: Any, allowed: str) -> _FieldError:
-    return _FieldError(field, value, allowed)
+def _field_error(field: str, value: Any, allowed: str, typed: bool = False) -> _FieldError:
+    return _FieldError(field, value, allowed, typed)
 
 
 def _check_unique(field: str, values: Any) -> None:
@@ -314,6 +355,10 @@ def module_name(spec: AttnSpec, kernel: KernelKind) -> str:
     elif spec.mask is Mask.sliding_window:
         left, right = spec.window or (0, 0)
         parts.append(f"win{left}x{right}")
+        if spec.sink_tokens:
+            parts.append(f"st{spec.sink_tokens}")
+    elif spec.mask is Mask.chunked:
+        parts.append(f"chunk{spec.chunk_size}")
     if spec.causal_align is not None:
         parts.append("tl" if spec.causal_align is CausalAlign.top_left else "br")
     if spec.softcap:
@@ -323,6 +368,8 @@ def module_name(spec: AttnSpec, kernel: KernelKind) -> str:
         parts.append("cap" + cap.replace(".", "p").replace("-", "m").replace("+", ""))
     if spec.alibi:
         parts.append("alibi")
+    if spec.sinks:
+        parts.append("sinks")
     if kernel is KernelKind.decode:
         paged = spec.kv_layout is KvLayout.paged
         parts.append(f"paged{spec.page_size}" if paged else "contig")
@@ -400,14 +447,17 @@ def _describe(error: ErrorDetails) -> str:
 _ALLOWED = {
     "name": "a lower-case identifier [a-z][a-z0-9_]*, at most 48 characters",
     "archs": f"a list of targets among {', '.join(arch_names())}",
-    "head_dim": f"an int in 1..{MAX_HEAD_DIM}",
-    "head_dim_v": f"an int in 1..{MAX_HEAD_DIM}",
+    "head_dim": f"an int in 1..{MAX_HEAD_DIM} (up to {MAX_DECODE_HEAD_DIM} for decode only)",
+    "head_dim_v": f"an int in 1..{MAX_HEAD_DIM} (up to {MAX_DECODE_HEAD_DIM} for decode only)",
     "num_q_heads": "an int in 1..1024",
     "num_kv_heads": "an int in 1..1024 that divides num_q_heads",
     "window_left": "an int in 0..2147483647",
     "window_right": "an int in 0..2147483647",
     "softcap": "a number in 0..10000 (0 disables it); YAML 1.2 form such as 50 or 30.0",
     "alibi": "true or false",
+    "sinks": "true or false (true: the module takes sinks [HQ] fp32, one logit per head)",
+    "chunk_size": "an int in 1..2147483647",
+    "sink_tokens": "an int in 1..2147483647 (the first keys every query sees)",
     "kernels": "a list among prefill, varlen, decode (each at most once)",
     "kv_layout": "contiguous or paged",
     "page_size": f"a power of two in 1..{MAX_PAGE_SIZE}",

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from attngen.spec import (
+    MODEL_FIELDS,
     DECODE_FIELDS,
     MAX_SPEC_BYTES,
     AttnSpec,
@@ -92,7 +93,19 @@ BAD_SPECS = [
     # out of range
     ("head-dim-0", _with("head_dim", "0"), ["head_dim: got 0 (int)", ALLOWED_HEAD_DIM]),
     ("head-dim-264", _with("head_dim", "264"), ["head_dim: got 264 (int)", ALLOWED_HEAD_DIM]),
-    ("head-dim-257", _with("head_dim", "257"), ["head_dim: got 257 (int)", ALLOWED_HEAD_DIM]),
+    ("head-dim-257", _with("head_dim", "257"), ["head_dim: got 257 (int)", ALLOWED_HEAD_DIM,
+                                                "up to 576 with kernels: [decode] only"]),
+    ("head-dim-577", _with("head_dim", "577"), ["head_dim: got 577 (int)", ALLOWED_HEAD_DIM]),
+    ("chunked-no-size", _with("mask", "chunked"), ["chunk_size: got None", "required with mask "
+                                                   "chunked"]),
+    ("chunk-size-causal", BASE + "chunk_size: 8\n", ["chunk_size: got 8", "absent unless mask "
+                                                      "is chunked"]),
+    ("chunk-size-0", _with("mask", "chunked") + "chunk_size: 0\n", ["chunk_size: got 0",
+                                                                    "1..2147483647"]),
+    ("sink-tokens-causal", BASE + "sink_tokens: 4\n", ["sink_tokens: got 4", "absent unless "
+                                                        "mask is sliding_window"]),
+    ("sink-tokens-0", SLIDING + "sink_tokens: 0\n", ["sink_tokens: got 0", "1..2147483647"]),
+    ("sinks-str", BASE + "sinks: yes\n", ["sinks: got 'yes' (str)", "true or false"]),
     ("head-dim-neg", _with("head_dim", "-128"), ["head_dim: got -128 (int)"]),
     ("head-dim-v-0", BASE + "head_dim_v: 0\n", ["head_dim_v: got 0 (int)", ALLOWED_HEAD_DIM]),
     ("q-heads-0", _with("num_q_heads", "0"), ["num_q_heads: got 0 (int)", "an int in 1..1024"]),
@@ -406,6 +419,10 @@ FIELD_CHANGES = {
     "window_right": {"window_right": 1},
     "softcap": {"softcap": 30.0},
     "alibi": {"alibi": True},
+    "sinks": {"sinks": True},
+    "sink_tokens": {"sink_tokens": 4},
+    "chunk_size": {"mask": "chunked", "chunk_size": 64, "window_left": None,
+                   "window_right": None},
 }
 
 
@@ -445,8 +462,10 @@ def test_canonical_resolves_defaults() -> None:
     spec = _spec(mask="sliding_window", window_left=64)
     assert (spec.head_dim_v, spec.window_right) == (None, None)
     canonical = spec.canonical()
-    # Decode's fields appear only in specs with decode (prefill-only hashes stay as they were).
-    assert list(canonical) == [f for f in AttnSpec.model_fields if f not in DECODE_FIELDS]
+    # Decode's fields appear only in specs with decode, the newer models' fields only when set
+    # (the hashes of specs without them stay as they were).
+    assert list(canonical) == [f for f in AttnSpec.model_fields
+                               if f not in DECODE_FIELDS and f not in MODEL_FIELDS]
     assert canonical["head_dim_v"] == 128 and canonical["window_right"] == 0
     assert canonical["window_left"] == 64 and canonical["softcap"] == 0.0
     assert canonical["archs"] == ["sm80"] and canonical["mask"] == "sliding_window"
