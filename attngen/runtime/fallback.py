@@ -2,8 +2,8 @@
 serves the call. Same semantics as a generated kernel (masks by aligned position, softcap,
 ALiBi, GQA, a row that sees no key gives 0 and LSE -inf), in [B, H, N, D] layout.
 
-Plain SDPA when it can express the call (no softcap, no LSE asked for), else the explicit
-math in fp32. Only ever reached after a warning that names why.
+Plain SDPA when it can express the call (no softcap, no sinks, no LSE asked for), else the
+explicit math in fp32. Only ever reached after a warning that names why.
 
 A dense `attn_mask` (scaled_dot_product_attention's, run only here) follows torch SDPA: a
 bool mask (True = attend) or a float mask added to the scores, of any shape that broadcasts
@@ -23,14 +23,16 @@ from attngen.runtime.masks import visible
 
 def torch_attention(q, k, v, *, mask="none", align=None, window=None, softcap=0.0,
                     alibi_slopes=None, scale=None, attn_mask=None, dropout_p=0.0,
-                    return_lse=False):
-    """out [B, HQ, Nq, DV] (and lse [B, HQ, Nq] fp32) for q [B, HQ, Nq, D], k/v [B, HKV, Nk, D]."""
+                    return_lse=False, sinks=None, chunk_size=None, sink_tokens=None):
+    """out [B, HQ, Nq, DV] (and lse [B, HQ, Nq] fp32) for q [B, HQ, Nq, D], k/v [B, HKV, Nk, D].
+    sinks [HQ]: one more logit per head in each row's softmax (it takes no value)."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
-    seen = visible(mask, align, window, seqlen_q, seqlen_k, q.device)
+    seen = visible(mask, align, window, seqlen_q, seqlen_k, q.device, chunk_size=chunk_size,
+                   sink_tokens=sink_tokens)
     bias = None
     if attn_mask is not None:
         # A float mask's -inf hides a key like a bool mask's False; its other values are bias.
@@ -45,7 +47,7 @@ def torch_attention(q, k, v, *, mask="none", align=None, window=None, softcap=0.
         distance = (i - torch.arange(seqlen_k, device=q.device)[None, :]).abs().float()
         alibi = -alibi_slopes.float()[:, None, None] * distance
         bias = alibi if bias is None else bias + alibi
-    if not softcap and not return_lse:
+    if not softcap and not return_lse and sinks is None:
         full = None if seen is None else torch.zeros(seen.shape, device=q.device).masked_fill(
             ~seen, float("-inf"))
         if bias is not None:
@@ -64,6 +66,8 @@ def torch_attention(q, k, v, *, mask="none", align=None, window=None, softcap=0.
     if seen is not None:
         scores = scores.masked_fill(~seen, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
+    if sinks is not None:  # logaddexp(-inf, sink) = sink: a row that sees no key
+        lse = torch.logaddexp(lse, sinks.float()[None, :, None].expand_as(lse))
     probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
     out = (probs.to(v.dtype) @ v).to(q.dtype)
     out = _zero_unseen(out, seen)

@@ -22,25 +22,28 @@ from attngen.spec import CausalAlign, KernelKind, Mask
 def run_dense(api: str, q, k, v, *, mask: Mask, align: CausalAlign | None, window, softcap,
               alibi_slopes, scale, return_lse: bool, fallback: str | None,
               refusal: str | None = None, attn_mask=None, dropout_p=0.0,
-              heads_last: bool = False):
+              heads_last: bool = False, sinks=None, chunk_size: int | None = None,
+              sink_tokens: int | None = None):
     """[B, H, N, D] attention through the prefill kind; (out, lse or None). With heads_last,
-    out is [B, N, H, DV], contiguous."""
+    out is [B, N, H, DV], contiguous. sinks [HQ] fp32: learned sink logits (gpt-oss)."""
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     need = need_for(KernelKind.prefill, q, v, mask=mask, align=align, window=window,
                     softcap=softcap, alibi=alibi_slopes is not None, seqlen_q=seqlen_q,
-                    seqlen_k=seqlen_k, same_lengths=seqlen_q == seqlen_k)
+                    seqlen_k=seqlen_k, same_lengths=seqlen_q == seqlen_k,
+                    sinks=sinks is not None, chunk_size=chunk_size, sink_tokens=sink_tokens)
     if need.dtype is None:
         refusal = refusal or unsupported_dtype(q)
     dispatch = choose(api, need, fallback, refusal, (q.shape[1], k.shape[1]))
     if dispatch.key is None:
         result = torch_attention(q, k, v, mask=mask, align=align, window=window, softcap=softcap,
                                  alibi_slopes=alibi_slopes, scale=scale, attn_mask=attn_mask,
-                                 dropout_p=dropout_p, return_lse=return_lse)
+                                 dropout_p=dropout_p, return_lse=return_lse, sinks=sinks,
+                                 chunk_size=chunk_size, sink_tokens=sink_tokens)
         out, lse = result if return_lse else (result, None)
         return (out.transpose(1, 2).contiguous() if heads_last else out), lse
     in_place = heads_last and dispatch.writes_out
     out, lse = ops.prefill(dispatch.key, q, k, v, softmax_scale(scale, q), alibi_slopes,
-                           return_lse, in_place)
+                           return_lse, in_place, sinks)
     if heads_last and not in_place:  # the module wrote [B, H, N, D]: copied (it has no out=)
         out = out.transpose(1, 2).contiguous()
     return out, lse
@@ -49,7 +52,8 @@ def run_dense(api: str, q, k, v, *, mask: Mask, align: CausalAlign | None, windo
 def run_varlen(api: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                mask: Mask, align: CausalAlign | None, window, softcap, alibi_slopes, scale,
                return_lse: bool, fallback: str | None, seqused_k=None,
-               refusal: str | None = None, dropout_p=0.0, length_bounds=None):
+               refusal: str | None = None, dropout_p=0.0, length_bounds=None, sinks=None,
+               chunk_size: int | None = None, sink_tokens: int | None = None):
     """Packed [T, H, D] attention through the varlen kind; (out, lse [H, Tq] or None).
 
     The kernel is chosen with lengths the tensors guarantee, never max_seqlen_q/k (the
@@ -59,7 +63,8 @@ def run_varlen(api: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     bound_q, bound_k = length_bounds or (q.shape[0], k.shape[0])
     need = need_for(KernelKind.varlen, q, v, mask=mask, align=align, window=window,
                     softcap=softcap, alibi=alibi_slopes is not None, seqlen_q=bound_q,
-                    seqlen_k=bound_k, same_lengths=same)
+                    seqlen_k=bound_k, same_lengths=same, sinks=sinks is not None,
+                    chunk_size=chunk_size, sink_tokens=sink_tokens)
     if need.dtype is None:
         refusal = refusal or unsupported_dtype(q)
     dispatch = choose(api, need, fallback, refusal, (q.shape[1], k.shape[1]))
@@ -67,10 +72,11 @@ def run_varlen(api: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
         return _varlen_in_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, mask=mask,
                                 align=align, window=window, softcap=softcap,
                                 alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse,
-                                dropout_p=dropout_p)
+                                dropout_p=dropout_p, sinks=sinks, chunk_size=chunk_size,
+                                sink_tokens=sink_tokens)
     return ops.varlen(dispatch.key, q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                       int(max_seqlen_k), softmax_scale(scale, q), alibi_slopes, seqused_k,
-                      return_lse)
+                      return_lse, sinks)
 
 
 def _varlen_in_torch(q, k, v, cu_q, cu_k, seqused_k, *, return_lse, **kwargs):
