@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from attngen.spec import (
-    MODEL_FIELDS,
     DECODE_FIELDS,
     MAX_SPEC_BYTES,
+    MODEL_FIELDS,
     AttnSpec,
     KernelKind,
     SpecError,

@@ -42,10 +42,10 @@ kind (split-KV, for serving caches) is reached through flash_attn_with_kvcache.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
-
-from typing import NamedTuple
 
 from attngen.runtime.launch import run_dense, run_varlen
 from attngen.runtime.selection import NoKernelError

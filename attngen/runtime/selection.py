@@ -126,6 +126,29 @@ def effective_mask(spec_like: dict[str, Any], need: Need, *, at_lengths: bool = 
     return mask, align, window, chunk, sink_tokens
 
 
+def _mask_at_lengths(mask: str, align: str | None, window: tuple[int, int] | None,
+                     need: Need) -> tuple[str, tuple[int, int] | None]:
+    # One query token at the bottom-right end sits at i' = Nk - 1: every key is at or before
+    # it, so a window's right side excludes nothing and causal excludes nothing. (Not with
+    # ALiBi: a mask-none module's bias distance is not the bottom-right one in every kind.)
+    last_query_only = (need.seqlen_q <= 1 and not need.alibi
+                       and (align == "bottom_right" or need.same_lengths))
+    if mask == "sliding_window" and window is not None:
+        left, right = window
+        if last_query_only:
+            right = 0
+        reach = max(need.seqlen_q, need.seqlen_k) - 1  # the largest |i' - j| at these lengths
+        if left >= reach and right >= reach:
+            return "none", None
+        if left >= reach and right == 0:
+            mask = "causal"
+        else:
+            return mask, (left, right)
+    if mask == "causal" and last_query_only:
+        return "none", None
+    return mask, None
+
+
 def spec_view(entry: KernelEntry) -> dict[str, Any]:
     """The entry's spec with its window as one (left, right) value, like a Need's."""
     spec = entry.spec
@@ -153,10 +176,11 @@ def mismatches(entry: KernelEntry, need: Need) -> list[str]:
         problems.append(f"arch: needs {need.arch}, module is for {entry.arch}")
     dtype = need.dtype.value if need.dtype else "unsupported"
     for field, value in (("dtype", dtype), ("head_dim", need.head_dim),
-                         ("head_dim_v", need.head_dim_v), ("alibi", need.alibi),
-                         ("sinks", need.sinks)):
-        if (spec.get(field) or (False if field == "sinks" else None)) != value:
+                         ("head_dim_v", need.head_dim_v), ("alibi", need.alibi)):
+        if spec.get(field) != value:
             problems.append(f"{field}: needs {value}, module has {spec.get(field)}")
+    if bool(spec.get("sinks")) != need.sinks:  # absent from specs without sinks
+        problems.append(f"sinks: needs {need.sinks}, module has {bool(spec.get('sinks'))}")
     if float(spec.get("softcap") or 0.0) != float(need.softcap):
         problems.append(f"softcap: needs {need.softcap:g}, module has {spec.get('softcap'):g}")
     if effective_mask(spec, need) != effective_mask(_asked(need), need):
