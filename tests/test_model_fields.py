@@ -122,8 +122,11 @@ def test_varlen_sequences_with_the_new_fields(fields):
 # ------------------------------------------------------------------------------ decode
 
 
-def _decode(spec, lengths, *, seed, num_q_tokens=1, latent_values=False):
+def _decode(spec, lengths, *, seed, num_q_tokens=1, latent_values=False, splits=None):
+    """One decode step against a cache holding `lengths`, judged per sequence; `splits`
+    forces the split count (the combine kernel then adds the sinks)."""
     kernel = load_decode(spec, block_n=TILE if spec.head_dim <= 256 else None)
+    kernel.FORCE_NUM_SPLITS = splits
     cache = make_cache(spec, lengths, seed=seed)
     q, _, _, _ = make_queries(spec, len(lengths), num_q_tokens, seed=seed)
     sinks = random_sinks(spec.num_q_heads, seed=seed) if spec.sinks else None
@@ -132,8 +135,11 @@ def _decode(spec, lengths, *, seed, num_q_tokens=1, latent_values=False):
     if latent_values:  # the absorbed form: the values are the keys' first DV dims
         v_cache = k_cache[..., :spec.value_head_dim]
         dense_v = [k[..., :spec.value_head_dim] for k in cache.dense_k]
-    out, lse = kernel.decode(q, k_cache, v_cache, cache.lengths, block_table=cache.block_table,
-                             return_lse=True, **extra)
+    try:
+        out, lse = kernel.decode(q, k_cache, v_cache, cache.lengths,
+                                 block_table=cache.block_table, return_lse=True, **extra)
+    finally:
+        kernel.FORCE_NUM_SPLITS = None
     for b in range(len(lengths)):
         problems = compare_to_reference(spec, out[b:b + 1], lse[b:b + 1], q[b:b + 1],
                                         cache.dense_k[b][None], dense_v[b][None], sinks=sinks)
@@ -141,11 +147,11 @@ def _decode(spec, lengths, *, seed, num_q_tokens=1, latent_values=False):
     return out, lse, sinks
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "paged"])
-def test_decode_sinks_and_an_empty_cache(layout):
+@pytest.mark.parametrize(("layout", "splits"), [("contiguous", None), ("paged", 3)])
+def test_decode_sinks_and_an_empty_cache(layout, splits):
     spec = make_decode_spec(layout, 16 if layout == "paged" else None, head_dim=32,
                             sinks=True, max_query_tokens=2)
-    out, lse, sinks = _decode(spec, [0, 37, 5], seed=2, num_q_tokens=2)
+    out, lse, sinks = _decode(spec, [0, 37, 5], seed=2, num_q_tokens=2, splits=splits)
     assert torch.all(out[0] == 0)
     torch.testing.assert_close(lse[0], sinks[:, None].expand(-1, 2), rtol=0, atol=1e-6)
 
@@ -154,13 +160,14 @@ def test_decode_sinks_and_an_empty_cache(layout):
 def test_decode_chunked(layout, chunk):
     spec = make_decode_spec(layout, 16 if layout == "paged" else None, head_dim=32,
                             mask="chunked", chunk_size=chunk, max_query_tokens=4)
-    _decode(spec, [1, chunk, chunk + 1, 3 * chunk + 5], seed=chunk, num_q_tokens=4)
+    _decode(spec, [1, chunk, chunk + 1, 3 * chunk + 5], seed=chunk, num_q_tokens=4, splits=2)
 
 
 def test_decode_sink_tokens():
     spec = make_decode_spec("paged", 16, head_dim=32, mask="sliding_window", window_left=7,
                             sink_tokens=4)
     _decode(spec, [2, 30, 61], seed=4)
+    _decode(spec, [2, 30, 61], seed=4, splits=2)  # the sinks' block in split 0, the window's
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])

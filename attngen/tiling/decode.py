@@ -31,8 +31,9 @@ these constants (tests check both agree):
                evened out so that no split is empty: per split = ceil(blocks / splits) blocks,
                splits = ceil(blocks / per split)
 
-span is the cache capacity (Lmax, or max_pages * page_size) or, with a sliding window, at most
-window_left + query tokens + BLOCK_N keys: a split never covers keys no query can see.
+span is the cache capacity (Lmax, or max_pages * page_size) or, with a sliding window (a
+chunked mask), at most window_left (chunk_size) + query tokens + BLOCK_N keys: a split never
+covers keys no query can see; sink tokens add their blocks.
 """
 
 from __future__ import annotations
@@ -173,11 +174,13 @@ def decode_config(spec: AttnSpec, arch: str) -> TileConfig | None:
 
 
 def split_span(spec: AttnSpec, capacity: int, block_n: int, query_tokens: int) -> int:
-    """Keys a step can reach: the capacity, or with a window the window and the step."""
-    window = spec.window
-    if window is None:
-        return capacity
-    return min(capacity, window[0] + query_tokens + block_n)
+    """Keys a step can reach: the capacity, or with a window (a chunk) the window (the
+    chunk) and the step; sink tokens add their blocks."""
+    reach = spec.chunk_size if spec.chunk_size else (spec.window[0] if spec.window else None)
+    span = capacity if reach is None else min(capacity, reach + query_tokens + block_n)
+    if spec.sink_tokens:
+        span += -(-min(spec.sink_tokens, capacity) // block_n) * block_n
+    return span
 
 
 def num_splits(programs: int, span: int, block_n: int, sm_count: int) -> tuple[int, int]:
