@@ -30,17 +30,15 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 from pydantic import ValidationError as PydanticValidationError
-from pydantic_core import ErrorDetails
 
 from attngen.arch import arch_names
+from attngen.spec_errors import SpecError as SpecError
+from attngen.spec_errors import describe
+from attngen.spec_errors import field_error as _field_error
 from attngen.strict_yaml import YamlError, load_yaml
 
 MAX_SPEC_BYTES = 64 * 1024  # a spec is a few hundred bytes; anything larger is a mistake
 NAME_PATTERN = r"^[a-z][a-z0-9_]{0,47}$"
-
-
-class SpecError(ValueError):
-    """A user mistake in a spec file; its message is the one line the CLI prints."""
 
 
 class Dtype(str, Enum):
@@ -321,17 +319,6 @@ def _hash(canonical: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-class _FieldError(ValueError):
-    def __init__(self, field: str, value: Any, allowed: str, typed: bool = False):
-        shown = f"{value!r} ({type(value).__name__})" if typed else repr(value)
-        super().__init__(f"{field}: got {shown}; allowed: {allowed}")
-        self.field, self.value, self.allowed = field, value, allowed
-
-
-def _field_error(field: str, value: Any, allowed: str, typed: bool = False) -> _FieldError:
-    return _FieldError(field, value, allowed, typed)
-
-
 def _check_unique(field: str, values: Any) -> None:
     seen: set[Any] = set()
     for value in values:
@@ -343,8 +330,8 @@ def _check_unique(field: str, values: Any) -> None:
 def module_name(spec: AttnSpec, kernel: KernelKind) -> str:
     """The one function that names a generated module; no tile sizes, so re-tuning keeps it.
 
-    Fixed field order: spec name, kernel, dtype, head dims, mask (with alignment and window),
-    softcap, alibi, and for decode the KV layout (page size) and max_query_tokens when > 1.
+    Fixed field order: spec name, kernel, dtype, head dims, mask (window and sink tokens, or
+    chunk size; then alignment), softcap, alibi, sinks, and for decode the KV layout (page size) and max_query_tokens when > 1.
     Head counts are runtime arguments of the kernel, so they are not in it.
     """
     parts = [spec.name, kernel.value, spec.dtype.value, f"d{spec.head_dim}"]
@@ -416,33 +403,10 @@ def _validate(data: dict[str, Any], prefix: str) -> AttnSpec:
     try:
         return AttnSpec.model_validate(data)
     except PydanticValidationError as exc:
-        raise SpecError(prefix + _describe(exc.errors()[0])) from None
+        raise SpecError(prefix + describe(exc.errors()[0], _ALLOWED, _KNOWN_KEYS)) from None
 
 
-def _describe(error: ErrorDetails) -> str:
-    """One pydantic error as 'field: got VALUE; allowed: ...'."""
-    cause = error.get("ctx", {}).get("error")
-    if isinstance(cause, _FieldError):
-        return str(cause)
-    field = ".".join(str(part) for part in error["loc"]) or "spec"
-    value = error.get("input")
-    kind = error["type"]
-    if kind == "missing":
-        return f"{field}: missing; required"
-    if kind == "extra_forbidden":
-        known = ", ".join(AttnSpec.model_fields) + ", variants"
-        return f"{field}: unknown key (allowed keys: {known})"
-    if kind == "enum":
-        return f"{field}: got {value!r}; allowed: {error['ctx']['expected']}"
-    shown = repr(value)
-    if len(shown) > 60:
-        shown = shown[:57] + "..."
-    allowed = _ALLOWED.get(str(error["loc"][0]) if error["loc"] else "", None)
-    return f"{field}: got {shown} ({type(value).__name__}); allowed: " + (
-        allowed or _lower_first(error["msg"])
-    )
-
-
+_KNOWN_KEYS = ", ".join(AttnSpec.model_fields) + ", variants"
 # What each field accepts, in the words of an error message.
 _ALLOWED = {
     "name": "a lower-case identifier [a-z][a-z0-9_]*, at most 48 characters",
@@ -463,10 +427,6 @@ _ALLOWED = {
     "page_size": f"a power of two in 1..{MAX_PAGE_SIZE}",
     "max_query_tokens": f"an int in 1..{MAX_QUERY_TOKENS} (query tokens per decode step)",
 }
-
-
-def _lower_first(text: str) -> str:
-    return text[:1].lower() + text[1:]
 
 
 def load_spec_file(path: str | Path) -> tuple[AttnSpec, ...]:

@@ -248,8 +248,10 @@ def test_example_loads(path: Path) -> None:
     assert specs and all(isinstance(s, AttnSpec) for s in specs)
     for spec in specs:
         assert spec.name.startswith(path.stem)
-        # every example has prefill; the models a runtime serves batched have varlen too
-        assert spec.kernels[0] is PREFILL and set(spec.kernels) <= set(KernelKind)
+        # every example has prefill (but MLA's absorbed form, a decode-only shape); the models
+        # a runtime serves batched have varlen too
+        first = DECODE if spec.name == "deepseek_v3_absorbed" else PREFILL
+        assert spec.kernels[0] is first and set(spec.kernels) <= set(KernelKind)
         assert (DECODE in spec.kernels) == (spec.kv_layout is not None)
 
 
@@ -281,6 +283,12 @@ def test_gemma2_gives_local_and_global() -> None:
 
 EXPECTED_MODULES = {
     "bert_base": "bert_base_prefill_fp16_d64",
+    "deepseek_v3_mla": "deepseek_v3_mla_prefill_bf16_d192_dv128_causal_br",
+    "deepseek_v3_absorbed": "deepseek_v3_absorbed_prefill_bf16_d576_dv512_causal_br",
+    "gpt_oss_20b_local": "gpt_oss_20b_local_prefill_bf16_d64_win127x0_br_sinks",
+    "gpt_oss_20b_global": "gpt_oss_20b_global_prefill_bf16_d64_causal_br_sinks",
+    "llama4_scout_chunked": "llama4_scout_chunked_prefill_bf16_d128_chunk8192_br",
+    "llama4_scout_global": "llama4_scout_global_prefill_bf16_d128_causal_br",
     "gemma2_9b_local": "gemma2_9b_local_prefill_bf16_d256_win4095x0_br_cap50",
     "gemma2_9b_global": "gemma2_9b_global_prefill_bf16_d256_causal_br_cap50",
     "gpt2": "gpt2_prefill_fp16_d64_causal_br",
@@ -293,6 +301,11 @@ EXPECTED_MODULES = {
 
 
 EXPECTED_DECODE_MODULES = {
+    "deepseek_v3_absorbed": "deepseek_v3_absorbed_decode_bf16_d576_dv512_causal_br_paged64",
+    "gpt_oss_20b_local": "gpt_oss_20b_local_decode_bf16_d64_win127x0_br_sinks_paged16",
+    "gpt_oss_20b_global": "gpt_oss_20b_global_decode_bf16_d64_causal_br_sinks_paged16",
+    "llama4_scout_chunked": "llama4_scout_chunked_decode_bf16_d128_chunk8192_br_paged16",
+    "llama4_scout_global": "llama4_scout_global_decode_bf16_d128_causal_br_paged16",
     "gemma2_9b_local": "gemma2_9b_local_decode_bf16_d256_win4095x0_br_cap50_contig",
     "gemma2_9b_global": "gemma2_9b_global_decode_bf16_d256_causal_br_cap50_contig",
     "llama3_8b": "llama3_8b_decode_bf16_d128_causal_br_paged16",
@@ -363,6 +376,10 @@ def _spec(**fields) -> AttnSpec:
     ({"softcap": 10000}, "t_prefill_bf16_d128_causal_br_cap10000"),
     ({"softcap": 1e-05}, "t_prefill_bf16_d128_causal_br_cap1em05"),
     ({"alibi": True, "softcap": 0.5}, "t_prefill_bf16_d128_causal_br_cap0p5_alibi"),
+    ({"sinks": True}, "t_prefill_bf16_d128_causal_br_sinks"),
+    ({"mask": "chunked", "chunk_size": 8192}, "t_prefill_bf16_d128_chunk8192_br"),
+    ({"mask": "sliding_window", "window_left": 127, "sink_tokens": 4},
+     "t_prefill_bf16_d128_win127x0_st4_br"),
 ])
 def test_module_name_fields(fields: dict, expected: str) -> None:
     name = module_name(_spec(**fields), PREFILL)
