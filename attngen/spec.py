@@ -119,9 +119,8 @@ class KvLayout(str, Enum):
 # Decode-only fields: validated only with `decode` in kernels, absent from canonical() (and so
 # from the hash) otherwise, which keeps the hashes of prefill-only specs what they were.
 DECODE_FIELDS = ("kv_layout", "page_size", "max_query_tokens")
-# Fields that describe newer models' attention (learned sinks, chunks, sink tokens): absent
-# from canonical() at their defaults, so the hashes (and tuning keys) of specs without them
-# stay what they were.
+# Newer models' fields: absent from canonical() at their defaults, so the hashes (and tuning
+# keys) of specs without them stay what they were.
 MODEL_FIELDS = ("sinks", "chunk_size", "sink_tokens")
 MAX_PAGE_SIZE = 1024
 MAX_QUERY_TOKENS = 16
@@ -218,7 +217,6 @@ class AttnSpec(BaseModel):
         if not chunked and self.chunk_size is not None:
             raise _field_error("chunk_size", self.chunk_size, "absent unless mask is chunked")
         if self.sink_tokens is not None and self.mask is not Mask.sliding_window:
-            # Under causal (or chunked, none) the first keys' visibility is the mask's own.
             raise _field_error("sink_tokens", self.sink_tokens, "absent unless mask is "
                                "sliding_window (the first keys a window would drop)")
 
