@@ -159,7 +159,7 @@ def _candidates(spec: AttnSpec, arch: GpuArch, row_tiles: tuple[int, ...],
 
 
 def _preference(cand: Candidate, arch: GpuArch
-                ) -> tuple[bool, float, float, int, int, int]:
+                ) -> tuple[bool, int, float, float, int, int, int]:
     """Safe before may-spill, then the wider row tile (fewer re-reads of the keys), then the
     score; among equals BLOCK_N 64 (a K tile of 64 rows already makes full 128-byte
     transactions, and finer tiles let splits be finer), then fewer warps (more programs per
