@@ -165,7 +165,7 @@ def test_lengths_at_the_tuned_block_size(seqlen):
 
 def test_llama4_chunks_at_the_real_chunk_size():
     """The generated Llama-4-Scout chunked module across a chunk boundary (8192), 10/2 heads
-    (any head counts; the float64 reference's scores stay ~6 GB), and varlen's twin."""
+    (any head counts; the float64 reference's scores stay ~6 GB)."""
     spec = next(s for s in _example_specs() if s.name == "llama4_scout_chunked")
     kernel = _load_generated(spec)
     q, k, v, _ = make_inputs(spec, 1, 8192 + 700, 8192 + 700, seed=5, num_q_heads=10,
