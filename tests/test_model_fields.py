@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from attngen.reference import compare_to_reference, random_sinks
 from tests.decode_harness import load_decode, make_cache, make_decode_spec, make_queries
@@ -90,6 +92,39 @@ def test_sink_tokens_stay_visible_beside_the_window(sink_tokens):
     spec = make_spec(mask="sliding_window", window_left=9, sink_tokens=sink_tokens,
                      head_dim=32)
     _prefill(spec, 50, 70, seed=sink_tokens)
+
+
+# ---------------------------------------------------------------------------- Hypothesis
+
+
+@st.composite
+def model_case(draw):
+    """Structure only: the new fields with chunk sizes, sink counts and lengths at the 16-key
+    tiles' boundaries; tensors come from the seed."""
+    kind = draw(st.sampled_from(["chunked", "sink_tokens", "sinks"]))
+    fields: dict = dict(dtype=draw(st.sampled_from(["fp16", "fp32"])), head_dim=32,
+                        num_q_heads=2, num_kv_heads=1)
+    if kind == "chunked":
+        fields.update(mask="chunked", chunk_size=draw(st.sampled_from([1, 15, 16, 17, 33])),
+                      causal_align=draw(st.sampled_from(["top_left", "bottom_right"])))
+    elif kind == "sink_tokens":
+        fields.update(mask="sliding_window", window_left=draw(st.sampled_from([0, 5, 16])),
+                      sink_tokens=draw(st.sampled_from([1, 15, 16, 17])))
+    else:
+        fields.update(mask=draw(st.sampled_from(["causal", "none"])))
+    fields["sinks"] = kind == "sinks" or draw(st.booleans())
+    lengths = st.sampled_from([1, TILE - 1, TILE, TILE + 1, 2 * TILE + 1, 37])
+    return fields, draw(lengths), draw(lengths), draw(st.integers(0, 2**16))
+
+
+# A fifth of the profile's examples: each new spec renders a module for the interpreter.
+@settings(max_examples=max(4, settings().max_examples // 5))
+@given(model_case())
+@example((dict(dtype="fp16", head_dim=32, num_q_heads=2, num_kv_heads=1, mask="chunked",
+               chunk_size=1, causal_align="bottom_right", sinks=True), 17, 1, 0))
+def test_new_fields_match_the_reference(params):
+    fields, seqlen_q, seqlen_k, seed = params
+    _prefill(make_spec(**fields), seqlen_q, seqlen_k, seed=seed)
 
 
 # ------------------------------------------------------------------------------ varlen
