@@ -57,6 +57,9 @@ def _problems(spec, cache_cpu, out, lse, q, k_new=None, v_new=None, slopes=None,
 @pytest.mark.parametrize("lengths, num_new", [([4096], 0), ([1, 777, 4095, 0], 1),
                                               ([32768, 1000], 0), ([0, 0], 0)])
 def test_generated_decode_modules_bf16(spec, lengths, num_new):
+    if spec.num_q_heads // spec.num_kv_heads > 32 and max(lengths) > 4096:
+        pytest.skip("MLA's 128 query heads over 32k keys: the float64 reference's repeated "
+                    "K/V would take ~40 GB of host memory; the 4096-key cases cover it")
     kernel = _load_generated(spec, "decode")
     cache_cpu = make_cache(spec, lengths, seed=len(lengths), room=num_new, fill=float("nan"))
     cache = _to_cuda(cache_cpu.clone())
