@@ -329,8 +329,8 @@ def module_name(spec: AttnSpec, kernel: KernelKind) -> str:
     """The one function that names a generated module; no tile sizes, so re-tuning keeps it.
 
     Fixed field order: spec name, kernel, dtype, head dims, mask (window and sink tokens, or
-    chunk size; then alignment), softcap, alibi, sinks, and for decode the KV layout (page size) and max_query_tokens when > 1.
-    Head counts are runtime arguments of the kernel, so they are not in it.
+    chunk size; then alignment), softcap, alibi, sinks, and for decode the KV layout (page
+    size) and max_query_tokens when > 1. Head counts are runtime arguments of the kernel.
     """
     parts = [spec.name, kernel.value, spec.dtype.value, f"d{spec.head_dim}"]
     if spec.value_head_dim != spec.head_dim:
