@@ -76,7 +76,7 @@ def _plan_one(spec: AttnSpec, kind: KernelKind, arch: str, tuning_dir: Path | No
         raise BuildError(
             f"{spec.name}: no {kind.value} tile config fits {arch} "
             f"(every candidate rejected: {'; '.join(reasons[:3])}); nearest feasible "
-            f"alternative: {nearest_alternative(spec, arch)}; "
+            f"alternative: {nearest_alternative(spec, arch, kind)}; "
             "drop this arch from `archs` or change the spec"
         )
     derivation = apply_tuning(derivation, lookup(tuning_dir, spec, kind, arch))

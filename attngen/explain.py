@@ -121,6 +121,12 @@ def explain_one(spec: AttnSpec, derivation: Derivation) -> list[str]:
     return lines
 
 
+def _row_tile(derivation: Derivation) -> int:
+    """The chosen row tile, else the first candidate's (the spec's own)."""
+    chosen = derivation.chosen
+    return chosen.block_m if chosen is not None else derivation.candidates[0].config.block_m
+
+
 def explain_decode(spec: AttnSpec, derivation: Derivation) -> list[str]:
     """The decode tile (same shared-memory and register model, a bandwidth score) and the
     split rule worked out for reference problems on the arch's SM count."""
@@ -132,7 +138,7 @@ def explain_decode(spec: AttnSpec, derivation: Derivation) -> list[str]:
         f"{arch.smem_budget} B shared/block)",
         f"   KV layout {layout}; up to {spec.query_tokens} query token(s) per step; a program "
         f"packs the {ratio} query head(s) of a KV head x the tokens into BLOCK_M = "
-        f"{derivation.candidates[0].config.block_m} rows (>= 16 for tl.dot)",
+        f"{_row_tile(derivation)} rows (>= 16 for tl.dot)",
         f"   model (the prefill loop's, BLOCK_M = the row tile; D={derivation.dims['D']}, "
         f"DV={derivation.dims['DV']}, E={derivation.dims['E']} substituted):",
         f"     shared memory  = {derivation.expressions['smem']}",
@@ -150,14 +156,16 @@ def explain_decode(spec: AttnSpec, derivation: Derivation) -> list[str]:
         lines.append(_row(cand, verdict, waves=False))
     best = derivation.chosen_candidate
     if best is None:
-        return [*lines, "   no decode config fits this arch"]
+        return [*lines, "   no decode config fits this arch",
+                "   nearest feasible alternative: "
+                + nearest_alternative(spec, arch.name, KernelKind.decode)]
     c = best.config
     lines += [
         f"   decode tile: BLOCK_N={c.block_n} num_warps={c.num_warps} "
         f"num_stages={c.num_stages}, query rows up to {c.block_m} "
         f"(source: {derivation.source})",
-        "   rule: predicted not to spill first, then the score (bytes in flight), then "
-        "BLOCK_N 64, fewer warps, fewer stages, less shared memory",
+        "   rule: predicted not to spill first, then the wider row tile, then the score "
+        "(bytes in flight), then BLOCK_N 64, fewer warps, fewer stages, less shared memory",
         f"   binding: {derivation.binding}",
         *("   " + line for line in split_lines(spec, c, arch.sm_count)),
     ]

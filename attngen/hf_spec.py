@@ -18,14 +18,28 @@ Fields, with transformers' names:
 The softmax scale is not a spec field: it is a call argument (transformers passes the
 module's `scaling`, which carries query_pre_attn_scalar, attention_multiplier and the like).
 
+Newer models' attention:
+- learned attention sinks (gpt-oss: model_type gpt_oss, whose attention layers hand
+  `s_aux` = the layer's `sinks` to the attention function): `sinks: true`; its alternating
+  sliding (128) and full layers become the variants `local` and `global`;
+- chunked attention (Llama 4: attention_chunk_size on the layers whose layer type is
+  chunked_attention; transformers derives those from no_rope_layers): `mask: chunked` with
+  `chunk_size`, the variants `chunked` and `global` when some layers are full;
+- multi-head latent attention (DeepSeek-V2/V3, Kimi K2: kv_lora_rank, qk_nope_head_dim,
+  qk_rope_head_dim, v_head_dim): the variants `mla` (prefill and varlen on the decompressed
+  heads: head_dim qk_nope + qk_rope, head_dim_v v_head_dim, MHA, which transformers runs) and
+  `absorbed` (decode in the absorbed form: one latent KV head, head_dim kv_lora_rank +
+  qk_rope, head_dim_v kv_lora_rank, over a paged latent cache of 64-token pages, as FlashMLA).
+
 A config whose attention no spec can express yet is refused by name, never turned into a spec
-that computes something else: attention_chunk_size (Llama 4), the multi-head latent attention
-dims (q_lora_rank, kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim: DeepSeek-V2/V3
-and others), learned attention sinks (gpt-oss and other model types in _SINK_MODELS), ALiBi
-(alibi, use_alibi, attn_config.alibi, Bloom), and layer types other than full_attention and
-sliding_attention (chunked, sparse, compressed ...; layers that are not attention, like
-linear_attention, are skipped). The result is validated like a spec file (attngen.spec), so
-a config attngen cannot serve fails with the field that is out of range.
+that computes something else: learned sinks of model types other than gpt_oss
+(_SINK_MODELS: their attention functions are not known to take them as gpt-oss's do), sparse
+indexers (index_topk: DeepSeek-V3.2), ALiBi (alibi, use_alibi, attn_config.alibi, Bloom),
+attention_chunk_size on a config whose layer types say nothing of chunks, and layer types
+other than full_attention, sliding_attention and chunked_attention (sparse, compressed ...;
+layers that are not attention, like linear_attention, are skipped). The result is validated
+like a spec file (attngen.spec), so a config attngen cannot serve fails with the field that
+is out of range.
 """
 
 from __future__ import annotations
@@ -40,21 +54,24 @@ from attngen.spec import AttnSpec, Dtype, SpecError, specs_from_data
 
 DEFAULT_ARCHS = ("sm80", "sm90")
 _ALTERNATING = frozenset({"gemma2"})  # model types whose layers alternate local and global
-_MLA = ("multi-head latent attention (keys and values decompressed from a shared latent; "
-        "the spec has no such variant yet)")
 _ALIBI = ("ALiBi position biases (spec-from-hf does not map them; write the spec by hand "
           "with alibi: true and pass the slopes at call time)")
+_SPARSE = "a sparse indexer choosing the keys each query sees (DeepSeek-V3.2's top-k)"
 _UNEXPRESSED_FIELDS = {
-    "attention_chunk_size": "chunked attention (a query sees only the keys of its own chunk)",
-    "q_lora_rank": _MLA, "kv_lora_rank": _MLA, "qk_rope_head_dim": _MLA,
-    "qk_nope_head_dim": _MLA, "v_head_dim": _MLA,
+    "index_topk": _SPARSE, "index_n_heads": _SPARSE,
     "alibi": _ALIBI, "use_alibi": _ALIBI,
 }
-_SINK_MODELS = frozenset({"gpt_oss", "granite_swa", "granitemoe_swa", "hy_v4",
-                          "mimo_v2_flash", "openai_privacy_filter", "deepseek_v4"})
-_MODEL_FEATURES = {**{m: "learned attention sinks (an extra per-head logit in the softmax)"
-                      for m in _SINK_MODELS}, "bloom": _ALIBI}
-ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
+# The multi-head latent attention fields; all four must be there (q_lora_rank is only the
+# query projection's rank and changes nothing the attention function sees).
+MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+MLA_PAGE_SIZE = 64  # FlashMLA's and FlashInfer's MLA page size
+SINKS_MODELS = frozenset({"gpt_oss"})  # attention layers pass s_aux = sinks (runtime/hf.py)
+_SINK_MODELS = frozenset({"granite_swa", "granitemoe_swa", "hy_v4", "mimo_v2_flash",
+                          "openai_privacy_filter", "deepseek_v4"})
+_MODEL_FEATURES = {**{m: "learned attention sinks (an extra per-head logit in the softmax) "
+                      "handed over in a way attngen's transformers function is not known to "
+                      "read" for m in _SINK_MODELS}, "bloom": _ALIBI}
+ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 # Layer types that call no attention function: nothing of theirs goes into the spec.
 NON_ATTENTION_LAYERS = frozenset({"linear_attention", "conv", "moe", "sparse", "dense"})
 
@@ -100,12 +117,22 @@ def spec_data_from_config(config: Any, *, archs: Sequence[str] = DEFAULT_ARCHS,
     cap = cfg.get("attn_logit_softcapping")
     if cap:
         data["softcap"] = float(cap)
+    if cfg.get("model_type") in SINKS_MODELS:
+        data["sinks"] = True
     data["kernels"] = ["prefill", "varlen"]
+    if _is_mla(cfg):
+        return _mla_data(cfg, data, heads)
     bidirectional = bool(cfg.get("use_bidirectional_attention"))
     causal = ({"mask": "none"} if bidirectional
               else {"mask": "causal", "causal_align": "bottom_right"})
-    window = cfg.get("sliding_window")
     kinds = _layer_kinds(cfg) - NON_ATTENTION_LAYERS
+    if "chunked_attention" in kinds:
+        chunked = {"mask": "chunked", "causal_align": "bottom_right",
+                   "chunk_size": _int(cfg, "attention_chunk_size")}
+        if kinds == {"chunked_attention"}:
+            return {**data, **chunked}
+        return {**data, "variants": {"chunked": chunked, "global": causal}}
+    window = cfg.get("sliding_window")
     if not window or cfg.get("use_sliding_window") is False or kinds == {"full_attention"}:
         return {**data, **causal}
     # Gemma's bidirectional window keeps |i - j| < W: W - 1 on both sides.
@@ -121,20 +148,51 @@ def spec_data_from_config(config: Any, *, archs: Sequence[str] = DEFAULT_ARCHS,
     return {**data, **local}
 
 
+def _is_mla(cfg: dict[str, Any]) -> bool:
+    present = [field for field in MLA_FIELDS if cfg.get(field)]
+    if present and len(present) < len(MLA_FIELDS):
+        missing = [field for field in MLA_FIELDS if field not in present]
+        if present != ["v_head_dim"]:
+            raise SpecError(f"config {missing[0]}: got {cfg.get(missing[0])!r}; multi-head "
+                            f"latent attention needs all of {', '.join(MLA_FIELDS)} (an int "
+                            "> 0 each), so no spec is written")
+        raise SpecError(f"config v_head_dim: got {cfg['v_head_dim']!r}; a value head dim of "
+                        "its own without latent attention, which spec-from-hf does not map "
+                        "(write the spec by hand with head_dim_v)")
+    return bool(present)
+
+
+def _mla_data(cfg: dict[str, Any], data: dict[str, Any], heads: int) -> dict[str, Any]:
+    """Multi-head latent attention: the decompressed heads for prefill, the absorbed form
+    (MQA over the latent cache) for decode."""
+    nope, rope = _int(cfg, "qk_nope_head_dim"), _int(cfg, "qk_rope_head_dim")
+    latent, value = _int(cfg, "kv_lora_rank"), _int(cfg, "v_head_dim")
+    causal = {"mask": "causal", "causal_align": "bottom_right"}
+    data = {**data, "head_dim": nope + rope}  # cfg's head_dim is the rope part's
+    return {**data, **causal, "variants": {
+        "mla": {"head_dim": nope + rope, "head_dim_v": value, "num_kv_heads": heads},
+        "absorbed": {"head_dim": latent + rope, "head_dim_v": latent, "num_kv_heads": 1,
+                     "kernels": ["decode"], "kv_layout": "paged",
+                     "page_size": MLA_PAGE_SIZE}}}
+
+
 def refuse_unexpressed(cfg: dict[str, Any]) -> None:
     """SpecError naming the first attention feature of `cfg` that no spec expresses yet."""
     kinds = _layer_kinds(cfg)
     for field, what in _UNEXPRESSED_FIELDS.items():
         value = cfg.get(field)
-        if field == "attention_chunk_size" and kinds and "chunked_attention" not in kinds:
-            continue  # set, but no layer is chunked
-        if field == "v_head_dim" and not cfg.get("kv_lora_rank"):
-            what = ("a value head dim of its own, which spec-from-hf does not map (write the "
-                    "spec by hand with head_dim_v)")
         if value not in (None, False, 0):
             raise SpecError(f"config {field}: got {value!r}; {what} is not expressible in an "
                             "attngen spec yet, so no spec is written (one without it would "
                             "compute different attention)")
+    chunk = cfg.get("attention_chunk_size")
+    if chunk and not kinds:
+        raise SpecError(f"config attention_chunk_size: got {chunk!r} and no layer_types saying "
+                        "which layers are chunked_attention; no spec is written (give the "
+                        "layer types, as transformers' Llama4TextConfig derives them)")
+    if "chunked_attention" in kinds and not chunk:
+        raise SpecError(f"config attention_chunk_size: got {chunk!r}; chunked_attention layers "
+                        "need an int > 0")
     attn_config = cfg.get("attn_config")
     if isinstance(attn_config, dict) and attn_config.get("alibi"):
         raise SpecError(f"config attn_config.alibi: got {attn_config['alibi']!r}; {_ALIBI}")
@@ -146,8 +204,8 @@ def refuse_unexpressed(cfg: dict[str, Any]) -> None:
     unknown = sorted(kinds - ATTENTION_LAYERS - NON_ATTENTION_LAYERS)
     if unknown:
         raise SpecError(f"config layer_types: got {', '.join(map(repr, unknown))} layers; "
-                        "attngen specs express full_attention and sliding_attention only, so "
-                        "no spec is written")
+                        "attngen specs express full_attention, sliding_attention and "
+                        "chunked_attention only, so no spec is written")
 
 
 def _layer_kinds(cfg: dict[str, Any]) -> set[str]:

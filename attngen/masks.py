@@ -18,12 +18,16 @@ from attngen.spec import CausalAlign, Mask
 
 def visible(mask: Mask | str, align: CausalAlign | str | None,
             window: tuple[int, int] | None, seqlen_q: int, seqlen_k: int,
-            device: torch.device | str | None = None) -> torch.Tensor | None:
+            device: torch.device | str | None = None, *, chunk_size: int | None = None,
+            sink_tokens: int | None = None) -> torch.Tensor | None:
     """[Nq, Nk] bool, True where query row i may see key j; None for mask none (every key).
 
     Positions are compared at i' = i + (Nk - Nq) under bottom_right alignment (the KV-cache
     diagonal), i' = i under top_left. causal: j <= i'. sliding_window (left, right):
-    i' - left <= j <= i' + right."""
+    i' - left <= j <= i' + right; with sink_tokens k the first k keys ignore the left side
+    (j < k and j <= i' + right: StreamingLLM's always-visible first tokens). chunked
+    (chunk_size C): j <= i' and j // C == i' // C (causal inside each chunk of C aligned
+    positions, Llama 4's chunked attention)."""
     if mask == Mask.none:
         return None
     i = torch.arange(seqlen_q, device=device)[:, None]
@@ -32,11 +36,20 @@ def visible(mask: Mask | str, align: CausalAlign | str | None,
         i = i + (seqlen_k - seqlen_q)
     if mask == Mask.causal:
         return j <= i
+    if mask == Mask.chunked:
+        if chunk_size is None or chunk_size < 1:
+            raise ValueError(f"chunk_size: got {chunk_size!r}; allowed: an int >= 1 with "
+                             "mask chunked")
+        return (j <= i) & (torch.div(j, chunk_size, rounding_mode="floor")
+                           == torch.div(i, chunk_size, rounding_mode="floor"))
     if mask != Mask.sliding_window or window is None:
         raise ValueError(f"mask: got {mask!r} with window {window!r}; allowed: none, causal, "
-                         "sliding_window with (left, right)")
+                         "sliding_window with (left, right), chunked with chunk_size")
     left, right = window
-    return (j >= i - left) & (j <= i + right)
+    seen = (j >= i - left) & (j <= i + right)
+    if sink_tokens:
+        seen = seen | ((j < sink_tokens) & (j <= i + right))
+    return seen
 
 
 def alibi_distance(mask: Mask | str, align: CausalAlign | str | None, seqlen_q: int,

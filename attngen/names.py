@@ -11,9 +11,10 @@ if TYPE_CHECKING:
 def module_name(spec: AttnSpec, kernel: KernelKind) -> str:
     """The one function that names a generated module; no tile sizes, so re-tuning keeps it.
 
-    Fixed field order: spec name, kernel, dtype, head dims, mask (with alignment and window),
-    softcap, alibi, for prefill and varlen `bwd` (and `drop`) when the module trains, and
-    for decode the KV layout (page size) and max_query_tokens when > 1.
+    Fixed field order: spec name, kernel, dtype, head dims, mask (window and sink tokens, or
+    chunk size; then alignment), softcap, alibi, sinks, for prefill and varlen `bwd` (and
+    `drop`) when the module trains, and for decode the KV layout (page size) and
+    max_query_tokens when > 1.
     Head counts are runtime arguments of the kernel, so they are not in it.
     """
     parts = [spec.name, kernel.value, spec.dtype.value, f"d{spec.head_dim}"]
@@ -24,6 +25,10 @@ def module_name(spec: AttnSpec, kernel: KernelKind) -> str:
     elif spec.mask.value == "sliding_window":
         left, right = spec.window or (0, 0)
         parts.append(f"win{left}x{right}")
+        if spec.sink_tokens:
+            parts.append(f"st{spec.sink_tokens}")
+    elif spec.mask.value == "chunked":
+        parts.append(f"chunk{spec.chunk_size}")
     if spec.causal_align is not None:
         parts.append("tl" if spec.causal_align.value == "top_left" else "br")
     if spec.softcap:
@@ -33,6 +38,8 @@ def module_name(spec: AttnSpec, kernel: KernelKind) -> str:
         parts.append("cap" + cap.replace(".", "p").replace("-", "m").replace("+", ""))
     if spec.alibi:
         parts.append("alibi")
+    if spec.sinks:
+        parts.append("sinks")
     if kernel.value != "decode" and spec.backward:
         parts.append("bwd_drop" if spec.dropout else "bwd")
     if kernel.value == "decode":

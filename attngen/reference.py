@@ -20,7 +20,8 @@ from attngen.spec import AttnSpec
 def visible_mask(spec: AttnSpec, seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     """[Nq, Nk] bool: which key j query row i may see (attngen.masks.visible, the runtime's
     definition too; every key for mask none)."""
-    seen = visible(spec.mask, spec.causal_align, spec.window, seqlen_q, seqlen_k, device)
+    seen = visible(spec.mask, spec.causal_align, spec.window, seqlen_q, seqlen_k, device,
+                   chunk_size=spec.chunk_size, sink_tokens=spec.sink_tokens)
     if seen is None:
         return torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
     return seen
@@ -62,18 +63,27 @@ def reference_attention(
     *,
     sm_scale: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Hq, Nq, Dv], lse [B, Hq, Nq]) in float64 by default.
 
     With compute_dtype=float32 and inputs in a 16-bit dtype, this is the low-precision
     reference: q.k and softmax in fp32 on the 16-bit inputs, P rounded to the input dtype.
-    Fully masked rows give output 0 and LSE -inf.
+    Fully masked rows give output 0 and LSE -inf. With `spec.sinks`, `sinks` [Hq] is one
+    more logit per head in every row's softmax (natural-log units, after scale, softcap and
+    bias; it takes no value): the normaliser gains exp(sink_h), so the LSE includes it, and
+    a fully masked row gives output 0 and LSE sink_h.
     """
     scores = attention_scores(spec, q, k, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
                               compute_dtype=compute_dtype)
     v_full = v.to(compute_dtype).repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     lse = torch.logsumexp(scores, dim=-1)
+    if spec.sinks:
+        if sinks is None:
+            raise ValueError("sinks: required by a spec with sinks: true")
+        sink = sinks.to(compute_dtype)[None, :, None].expand_as(lse)
+        lse = torch.logaddexp(lse, sink)  # logaddexp(-inf, s) = s: the masked rows' LSE
     # Rows with no visible key: lse is -inf; define their probabilities as 0 (output 0).
     finite = torch.isfinite(lse)
     shifted = scores - torch.where(finite, lse, 0.0)[..., None]
@@ -128,7 +138,7 @@ FP32_OUTPUT_FLOOR_ULPS = 4
 
 
 def compare_to_reference(spec: AttnSpec, out, lse, q, k, v, *, sm_scale=None,
-                         alibi_slopes=None) -> list[str]:
+                         alibi_slopes=None, sinks=None) -> list[str]:
     """What is wrong with a kernel's (out, lse), by the rule of shared/RELIABILITY.md; [] if
     nothing. The error against the float64 golden may be at most 2x (3x with softcap) the error
     of the same math in the kernel's dtype plus a floor of two ulps at the output's magnitude
@@ -137,8 +147,9 @@ def compare_to_reference(spec: AttnSpec, out, lse, q, k, v, *, sm_scale=None,
     0. References are computed where the inputs live."""
     floor_ulps = FP32_OUTPUT_FLOOR_ULPS if out.dtype == torch.float32 else 2
     golden, golden_lse = reference_attention(spec, q, k, v, sm_scale=sm_scale,
-                                             alibi_slopes=alibi_slopes)
-    lowp, lowp_lse = lowp_reference(spec, q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes)
+                                             alibi_slopes=alibi_slopes, sinks=sinks)
+    lowp, lowp_lse = lowp_reference(spec, q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
+                                    sinks=sinks)
     if out.shape != golden.shape or out.dtype != q.dtype:
         return [f"out: shape {tuple(out.shape)} {out.dtype}, expected {tuple(golden.shape)} "
                 f"{q.dtype}"]
@@ -152,20 +163,24 @@ def compare_to_reference(spec: AttnSpec, out, lse, q, k, v, *, sm_scale=None,
         problems.append("lse: the -inf (or NaN) pattern differs from the golden's")
         return problems
     finite = torch.isfinite(golden_lse)
+    scores = attention_scores(spec, q, k, sm_scale=sm_scale, alibi_slopes=alibi_slopes)
+    visible = torch.isfinite(scores)
     if finite.any():
         # Note: the kernel's LSE passes through about five fp32 roundings in log2 units (the
         # scale x log2 e, the ALiBi bias x log2 e, the running max, log2 of the sum, the
         # division by log2 e), at the magnitude of the scores x log2 e, which can exceed
         # |LSE|. The fp32 reference rounds far less, so its error is no yardstick here: the
-        # LSE floor is four fp32 ulps at max(|LSE|, largest |visible score| x log2 e), about
-        # 5e-7 relative, far below what consumers of the LSE (backward, split-KV merges) resolve.
-        scores = attention_scores(spec, q, k, sm_scale=sm_scale, alibi_slopes=alibi_slopes)
-        visible = torch.isfinite(scores)
+        # LSE floor is four fp32 ulps at max(|LSE|, largest |visible score or sink| x log2 e),
+        # about 5e-7 relative, far below what consumers of the LSE (backward, split-KV
+        # merges) resolve.
         largest = scores[visible].abs().max().item() * LOG2E if visible.any() else 0.0
+        if spec.sinks and sinks is not None and sinks.numel():
+            largest = max(largest, sinks.abs().max().item() * LOG2E)
         problems += _error_problems("lse", lse.double()[finite], golden_lse[finite],
                                     lowp_lse.double()[finite], factor, torch.float32,
                                     magnitude=largest, floor_ulps=4)
-    if (~finite).any() and not torch.all(out[~finite] == 0):
+    unseen = ~visible.any(-1)  # rows that see no key (with sinks their LSE is the sink's)
+    if unseen.any() and not torch.all(out[unseen] == 0):
         problems.append("out: a row that sees no key is not 0")
     return problems
 
@@ -212,3 +227,11 @@ def random_inputs(spec: AttnSpec, batch: int, seqlen_q: int, seqlen_k: int, *, s
     if spec.alibi:
         slopes = (2.0 ** (-8.0 * torch.arange(1, hq + 1, dtype=torch.float32) / hq)).to(device)
     return q, k, v, slopes
+
+
+def random_sinks(num_q_heads: int, *, seed: int, scale: float = 2.0,
+                 device: str | torch.device = "cpu") -> torch.Tensor:
+    """[Hq] fp32 sink logits from a seed: Normal(0, scale), the spread of gpt-oss's learned
+    sinks relative to its scores (a sink well above a row's scores takes most of its mass)."""
+    gen = torch.Generator().manual_seed(seed + 7919)
+    return (torch.randn(num_q_heads, generator=gen) * scale).to(device)

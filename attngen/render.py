@@ -109,6 +109,11 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
         "window_right": window[1],
         "softcap": float(spec.softcap),
         "alibi": spec.alibi,
+        # Newer models' fields: 0 / False when absent (a module without them renders as
+        # before; templates emit their code only when set).
+        "sinks": spec.sinks,
+        "chunk_size": spec.chunk_size or 0,
+        "sink_tokens": spec.sink_tokens or 0,
         "varlen": kind is KernelKind.varlen,
         # Hopper's tensor-memory accelerator for K/V blocks, and the causal schedule: the
         # choices and their measurements are in code_paths.py.

@@ -30,17 +30,18 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 from pydantic import ValidationError as PydanticValidationError
-from pydantic_core import ErrorDetails
 
 from attngen.arch import arch_names
+from attngen.spec_checks import MAX_DECODE_HEAD_DIM as MAX_DECODE_HEAD_DIM
+from attngen.spec_checks import MAX_HEAD_DIM as MAX_HEAD_DIM
+from attngen.spec_checks import check_head_dims, check_model_fields, check_training
+from attngen.spec_errors import SpecError as SpecError
+from attngen.spec_errors import describe
+from attngen.spec_errors import field_error as _field_error
 from attngen.strict_yaml import YamlError, load_yaml
 
 MAX_SPEC_BYTES = 64 * 1024  # a spec is a few hundred bytes; anything larger is a mistake
 NAME_PATTERN = r"^[a-z][a-z0-9_]{0,47}$"
-
-
-class SpecError(ValueError):
-    """A user mistake in a spec file; its message is the one line the CLI prints."""
 
 
 class Dtype(str, Enum):
@@ -89,6 +90,7 @@ class Mask(str, Enum):
     none = "none"
     causal = "causal"
     sliding_window = "sliding_window"
+    chunked = "chunked"  # causal within fixed-size chunks of aligned positions (Llama 4)
 
 
 class CausalAlign(str, Enum):
@@ -125,17 +127,21 @@ DECODE_FIELDS = ("kv_layout", "page_size", "max_query_tokens")
 # dropout_p in (forward and backward). Absent from canonical() (and so from the hash) while
 # false, which keeps the hashes of inference specs what they were.
 TRAINING_FIELDS = ("backward", "dropout")
+# Newer models' fields: absent from canonical() at their defaults, so the hashes (and tuning
+# keys) of specs without them stay what they were.
+MODEL_FIELDS = ("sinks", "chunk_size", "sink_tokens")
 MAX_PAGE_SIZE = 1024
 MAX_QUERY_TOKENS = 16
 
 
 ArchName = Annotated[StrictStr, Field(pattern=r"^sm[0-9]+$")]
-# Any head dim flash-attn serves: the kernels pad it to a power of two >= 16 (tl.dot's and
-# tl.arange's extents) and mask the padded lanes on every load and store.
-MAX_HEAD_DIM = 256
-HeadDim = Annotated[StrictInt, Field(ge=1, le=MAX_HEAD_DIM)]
+# Head dims: MAX_HEAD_DIM for every kind, up to MAX_DECODE_HEAD_DIM for decode only
+# (attngen.spec_checks says why).
+HeadDim = Annotated[StrictInt, Field(ge=1, le=MAX_DECODE_HEAD_DIM)]
 HeadCount = Annotated[StrictInt, Field(ge=1, le=1024)]
 WindowSize = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
+ChunkSize = Annotated[StrictInt, Field(ge=1, le=2**31 - 1)]
+SinkTokens = Annotated[StrictInt, Field(ge=1, le=2**31 - 1)]
 PageSize = Annotated[StrictInt, Field(ge=1, le=MAX_PAGE_SIZE)]
 QueryTokens = Annotated[StrictInt, Field(ge=1, le=MAX_QUERY_TOKENS)]
 
@@ -158,6 +164,9 @@ class AttnSpec(BaseModel):
     window_right: WindowSize | None = None
     softcap: Annotated[float, Field(ge=0.0, le=1e4, allow_inf_nan=False, strict=True)] = 0.0
     alibi: StrictBool = False
+    sinks: StrictBool = False
+    chunk_size: ChunkSize | None = None
+    sink_tokens: SinkTokens | None = None
     kernels: Annotated[tuple[KernelKind, ...], Field(min_length=1)]
     kv_layout: KvLayout | None = None
     page_size: PageSize | None = None
@@ -201,18 +210,11 @@ class AttnSpec(BaseModel):
         for field in ("window_left", "window_right"):
             if not windowed and getattr(self, field) is not None:
                 raise _field_error(field, getattr(self, field), "absent unless sliding_window")
+        check_model_fields(self)
+        check_head_dims(self)
         self._check_decode()
-        self._check_training()
+        check_training(self)
         return self
-
-    def _check_training(self) -> None:
-        trained = {KernelKind.prefill, KernelKind.varlen} & set(self.kernels)
-        if self.backward and not trained:
-            raise _field_error("backward", True, "true only with prefill or varlen in kernels "
-                               "(decode has no backward)")
-        if self.dropout and not self.backward:
-            raise _field_error("dropout", True, "true only with backward: true (dropout is "
-                               "for training)")
 
     def _check_decode(self) -> None:
         if KernelKind.decode not in self.kernels:
@@ -275,8 +277,8 @@ class AttnSpec(BaseModel):
         else:
             for field in DECODE_FIELDS:
                 del data[field]
-        for field in TRAINING_FIELDS:
-            if not data[field]:
+        for field in TRAINING_FIELDS + MODEL_FIELDS:
+            if data[field] in (None, False):
                 del data[field]
         return data
 
@@ -306,16 +308,6 @@ from attngen.names import module_name as module_name  # noqa: E402
 def _hash(canonical: dict[str, Any]) -> str:
     text = json.dumps(canonical, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-class _FieldError(ValueError):
-    def __init__(self, field: str, value: Any, allowed: str):
-        super().__init__(f"{field}: got {value!r}; allowed: {allowed}")
-        self.field, self.value, self.allowed = field, value, allowed
-
-
-def _field_error(field: str, value: Any, allowed: str) -> _FieldError:
-    return _FieldError(field, value, allowed)
 
 
 def _check_unique(field: str, values: Any) -> None:
@@ -364,45 +356,25 @@ def _validate(data: dict[str, Any], prefix: str) -> AttnSpec:
     try:
         return AttnSpec.model_validate(data)
     except PydanticValidationError as exc:
-        raise SpecError(prefix + _describe(exc.errors()[0])) from None
+        raise SpecError(prefix + describe(exc.errors()[0], _ALLOWED, _KNOWN_KEYS)) from None
 
 
-def _describe(error: ErrorDetails) -> str:
-    """One pydantic error as 'field: got VALUE; allowed: ...'."""
-    cause = error.get("ctx", {}).get("error")
-    if isinstance(cause, _FieldError):
-        return str(cause)
-    field = ".".join(str(part) for part in error["loc"]) or "spec"
-    value = error.get("input")
-    kind = error["type"]
-    if kind == "missing":
-        return f"{field}: missing; required"
-    if kind == "extra_forbidden":
-        known = ", ".join(AttnSpec.model_fields) + ", variants"
-        return f"{field}: unknown key (allowed keys: {known})"
-    if kind == "enum":
-        return f"{field}: got {value!r}; allowed: {error['ctx']['expected']}"
-    shown = repr(value)
-    if len(shown) > 60:
-        shown = shown[:57] + "..."
-    allowed = _ALLOWED.get(str(error["loc"][0]) if error["loc"] else "", None)
-    return f"{field}: got {shown} ({type(value).__name__}); allowed: " + (
-        allowed or _lower_first(error["msg"])
-    )
-
-
+_KNOWN_KEYS = ", ".join(AttnSpec.model_fields) + ", variants"
 # What each field accepts, in the words of an error message.
 _ALLOWED = {
     "name": "a lower-case identifier [a-z][a-z0-9_]*, at most 48 characters",
     "archs": f"a list of targets among {', '.join(arch_names())}",
-    "head_dim": f"an int in 1..{MAX_HEAD_DIM}",
-    "head_dim_v": f"an int in 1..{MAX_HEAD_DIM}",
+    "head_dim": f"an int in 1..{MAX_HEAD_DIM} (up to {MAX_DECODE_HEAD_DIM} for decode only)",
+    "head_dim_v": f"an int in 1..{MAX_HEAD_DIM} (up to {MAX_DECODE_HEAD_DIM} for decode only)",
     "num_q_heads": "an int in 1..1024",
     "num_kv_heads": "an int in 1..1024 that divides num_q_heads",
     "window_left": "an int in 0..2147483647",
     "window_right": "an int in 0..2147483647",
     "softcap": "a number in 0..10000 (0 disables it); YAML 1.2 form such as 50 or 30.0",
     "alibi": "true or false",
+    "sinks": "true or false (true: the module takes sinks [HQ] fp32, one logit per head)",
+    "chunk_size": "an int in 1..2147483647",
+    "sink_tokens": "an int in 1..2147483647 (the first keys every query sees)",
     "kernels": "a list among prefill, varlen, decode (each at most once)",
     "kv_layout": "contiguous or paged",
     "page_size": f"a power of two in 1..{MAX_PAGE_SIZE}",
@@ -410,10 +382,6 @@ _ALLOWED = {
     "backward": "true or false (gradient kernels in the prefill and varlen modules)",
     "dropout": "true or false (flash-attn's dropout_p compiled in; needs backward: true)",
 }
-
-
-def _lower_first(text: str) -> str:
-    return text[:1].lower() + text[1:]
 
 
 def load_spec_file(path: str | Path) -> tuple[AttnSpec, ...]:

@@ -118,7 +118,7 @@ def run_decode(kernel, cache: Cache, q, k_new=None, v_new=None, slopes=None, **k
 
 
 def decode_problems(spec: AttnSpec, cache: Cache, out, lse, q, k_new=None, v_new=None,
-                    slopes=None, sm_scale=None) -> list[str]:
+                    slopes=None, sm_scale=None, sinks=None) -> list[str]:
     """Per sequence: the kernel's rows against the dense float64 reference (decode's queries
     are the last tokens: the spec's bottom-right mask, and ALiBi without a mask is aligned
     bottom-right too)."""
@@ -128,7 +128,8 @@ def decode_problems(spec: AttnSpec, cache: Cache, out, lse, q, k_new=None, v_new
         if k_new is not None:
             k, v = torch.cat([k, k_new[b]], dim=1), torch.cat([v, v_new[b]], dim=1)
         found = compare_to_reference(spec, out[b:b + 1], lse[b:b + 1], q[b:b + 1], k[None],
-                                     v[None], sm_scale=sm_scale, alibi_slopes=slopes)
+                                     v[None], sm_scale=sm_scale, alibi_slopes=slopes,
+                                     sinks=sinks)
         problems += [f"sequence {b} (L={k.shape[1]}): {p}" for p in found]
     return problems
 

@@ -64,8 +64,9 @@ def make_inputs(spec: AttnSpec, batch: int, seqlen_q: int, seqlen_k: int, *, see
     return random_inputs(spec, batch, seqlen_q, seqlen_k, seed=seed, **kwargs)
 
 
-def assert_matches_reference(spec: AttnSpec, out, lse, q, k, v, *, sm_scale=None, slopes=None):
+def assert_matches_reference(spec: AttnSpec, out, lse, q, k, v, *, sm_scale=None, slopes=None,
+                             sinks=None):
     """The RELIABILITY.md criterion for out and lse, plus exact NaN/inf placement."""
     problems = compare_to_reference(spec, out, lse, q, k, v, sm_scale=sm_scale,
-                                    alibi_slopes=slopes)
+                                    alibi_slopes=slopes, sinks=sinks)
     assert not problems, "; ".join(problems)

@@ -98,8 +98,10 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_build_writes_every_kernel_and_arch(built: Path) -> None:
     expected = _expected_paths(EXAMPLES)
     # 9 specs (gemma2 has two) on two archs, llama3 on four; llama3, qwen2.5, mistral and
-    # both gemma2 variants also have the varlen and decode kinds
-    assert len(expected) == 20 + 12 + 12
+    # both gemma2 variants also have the varlen and decode kinds; gpt-oss-20b and
+    # Llama-4-Scout (two variants each, three kinds) and DeepSeek-V3 (mla: prefill and
+    # varlen, absorbed: decode) on two archs
+    assert len(expected) == 20 + 12 + 12 + 24 + 6
     assert _modules(built) == expected
     assert {p.name for p in built.iterdir() if p.is_dir()} <= set(arch_names())
     assert not list(built.rglob("*.tmp")), "temporary files left behind"
@@ -225,7 +227,8 @@ def test_entry_point_exit_codes(tmp_path: Path) -> None:
     result = _run("build", bad, "--out", tmp_path / "out")
     assert result.returncode == 1
     assert result.stderr.splitlines() == [
-        f"attngen: error: {bad}: head_dim: got 300 (int); allowed: an int in 1..256"]
+        f"attngen: error: {bad}: head_dim: got 300 (int); allowed: an int in 1..256 (up to 576 "
+        "with kernels: [decode] only)"]
     assert not (tmp_path / "out").exists()
     usage = _run("explain", "examples/llama3_8b.yaml", "--arch", "bogus")
     assert usage.returncode == 2 and "Traceback" not in usage.stderr

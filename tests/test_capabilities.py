@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from attngen.capabilities import HEAD_DIMS, capability_cells, render_capabilities
-from attngen.spec import Dtype, Mask
+from attngen.capabilities import HEAD_DIMS, MATRIX_MASKS, capability_cells, render_capabilities
+from attngen.spec import Dtype
 from attngen.verify.measurements import data_path, load_measurements, triton_version
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,7 +21,7 @@ def test_committed_capability_matrix_is_current():
 
 def test_matrix_covers_every_arch_dtype_head_dim_and_mask():
     cells = capability_cells(["sm86"])
-    assert len(cells) == len(Dtype) * len(HEAD_DIMS) * len(Mask)
+    assert len(cells) == len(Dtype) * len(HEAD_DIMS) * len(MATRIX_MASKS)
     for cell in cells:  # a config, or the reason there is none
         assert (cell.config is None) == bool(cell.reason)
 

@@ -60,8 +60,8 @@ def test_a_paged_decode_config_compiles_as_recorded():
     signature, as attngen.verify.compiler builds it, still gives the recorded allocation."""
     from attngen.verify.compiler import compile_many  # a spawned worker: no interpreter there
 
-    spec = next(s for s in _decode_specs() if s.kv_layout is KvLayout.paged)
     arch = "sm86"
+    spec = next(s for s in _decode_specs() if s.kv_layout is KvLayout.paged and arch in s.archs)
     rows = {(r["kernel_hash"], r["arch"]): r for r in json.loads(DATA.read_text())["rows"]}
     row = rows[(spec.kernel_hash(KernelKind.decode), arch)]
     config = derive_decode_tiles(spec, arch).chosen

@@ -101,14 +101,17 @@ def _spec_data(config):
 
 
 @pytest.mark.parametrize(("make", "field"), [
-    (lambda: transformers.Llama4TextConfig(attention_chunk_size=8192),
-     "config attention_chunk_size: got 8192; chunked attention"),
-    (lambda: transformers.Llama4Config(text_config={"attention_chunk_size": 8}),
-     "config attention_chunk_size: got 8"),
-    (lambda: transformers.DeepseekV3Config(), "config q_lora_rank: got 1536; multi-head latent"),
-    (lambda: transformers.DeepseekV2Config(q_lora_rank=None),
-     "config kv_lora_rank: got 512; multi-head latent"),
-    (lambda: transformers.GptOssConfig(), "model_type: got 'gpt_oss'; .* learned attention sinks"),
+    (lambda: {**LLAMA3_8B, "attention_chunk_size": 8192},
+     "config attention_chunk_size: got 8192 and no layer_types"),
+    (lambda: {**LLAMA3_8B, "layer_types": ["chunked_attention"]},
+     "config attention_chunk_size: got None; chunked_attention layers need"),
+    (lambda: transformers.DeepseekV3Config(v_head_dim=None),
+     "config v_head_dim: got None; multi-head latent attention needs all of"),
+    (lambda: {**LLAMA3_8B, "v_head_dim": 64}, "config v_head_dim: got 64; a value head dim"),
+    (lambda: {**LLAMA3_8B, "model_type": "deepseek_v32", "index_topk": 2048},
+     "config index_topk: got 2048; a sparse indexer"),
+    (lambda: {**LLAMA3_8B, "model_type": "granite_swa"},
+     "model_type: got 'granite_swa'; .* learned attention sinks"),
     (lambda: {**LLAMA3_8B, "model_type": "falcon", "alibi": True}, "config alibi: got True"),
     (lambda: {**LLAMA3_8B, "model_type": "mpt", "attn_config": {"alibi": True}},
      "config attn_config.alibi"),
@@ -151,3 +154,49 @@ def test_families_the_spec_expresses() -> None:
     assert set(cohere2["variants"]) == {"local", "global"}
     hybrid = {**LLAMA3_8B, "layer_types": ["linear_attention", "full_attention"]}
     assert spec_data_from_config(hybrid)["mask"] == "causal"  # linear layers call no attention
+
+
+def test_gpt_oss_gets_sinks_and_alternating_windows() -> None:
+    data = spec_data_from_config(transformers.GptOssConfig(), archs=["sm90"], dtype="bf16")
+    assert (data["head_dim"], data["num_q_heads"], data["num_kv_heads"]) == (64, 64, 8)
+    assert data["sinks"] is True
+    assert data["variants"] == {
+        "local": {"mask": "sliding_window", "causal_align": "bottom_right", "window_left": 127,
+                  "window_right": 0},
+        "global": {"mask": "causal", "causal_align": "bottom_right"}}
+    _same_attention(specs_from_data(data), "gpt_oss_20b")
+
+
+def test_llama4_chunked_layers_get_the_chunked_mask() -> None:
+    for config in (transformers.Llama4TextConfig(),
+                   transformers.Llama4Config(text_config={"attention_chunk_size": 8192})):
+        data = _spec_data(config)
+        assert data["variants"] == {
+            "chunked": {"mask": "chunked", "causal_align": "bottom_right", "chunk_size": 8192},
+            "global": {"mask": "causal", "causal_align": "bottom_right"}}
+    only_chunked = {**LLAMA3_8B, "attention_chunk_size": 8,
+                    "layer_types": ["chunked_attention"] * 2}
+    assert spec_data_from_config(only_chunked)["chunk_size"] == 8
+    _same_attention(attngen.spec_from_config(transformers.Llama4TextConfig(), dtype="bf16"),
+                    "llama4_scout")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: transformers.DeepseekV3Config(),
+    lambda: transformers.DeepseekV2Config(q_lora_rank=None, num_attention_heads=128,
+                                          num_key_value_heads=128),
+    lambda: {**transformers.DeepseekV3Config().to_dict(), "model_type": "kimi_k2",
+             "num_attention_heads": 64, "num_key_value_heads": 64},  # Kimi K2's config.json
+])
+def test_latent_attention_gets_the_decompressed_and_absorbed_shapes(make) -> None:
+    config = make()
+    data = spec_data_from_config(config, archs=["sm90"], dtype="bf16")
+    heads = data["num_q_heads"]
+    assert data["variants"] == {
+        "mla": {"head_dim": 192, "head_dim_v": 128, "num_kv_heads": heads},
+        "absorbed": {"head_dim": 576, "head_dim_v": 512, "num_kv_heads": 1,
+                     "kernels": ["decode"], "kv_layout": "paged", "page_size": 64}}
+    mla, absorbed = specs_from_data(data)
+    assert (mla.head_dim, mla.value_head_dim, absorbed.head_dim) == (192, 128, 576)
+    if heads == 128 and data["name"] == "deepseek_v3":
+        _same_attention((mla, absorbed), "deepseek_v3")

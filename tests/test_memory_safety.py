@@ -54,6 +54,45 @@ def test_bad_decode_indices_give_nan_and_touch_nothing_else(layout, page_size, c
         check_bad_decode(kernel, spec, problem, splits=splits, watch=watching)
 
 
+NEW_MASKS = {"chunked": dict(mask="chunked", chunk_size=6),
+             "sink_tokens": dict(mask="sliding_window", window_left=5, sink_tokens=3)}
+
+
+@pytest.mark.parametrize("mask", sorted(NEW_MASKS))
+@pytest.mark.parametrize("case", DECODE_BAD + PAGE_BAD, ids=lambda c: c.name)
+def test_bad_decode_indices_with_chunks_and_sink_tokens(mask, case):
+    """Chunks and sink tokens read other keys than causal does (from the chunk's start; the
+    first pages and the window's): the same bounds hold. A chunked step never reads page 0
+    of the bad sequence (its queries sit in the chunk from key 36), so a bad entry there
+    changes nothing, as a bad page left of a window does."""
+    spec = _decode_spec("paged", 4, **NEW_MASKS[mask])
+    kernel = load_decode(spec, 16)
+    unread = mask == "chunked" and case.target == "block_table" and case.page != -1
+    for splits in (1, 2):
+        problem = decode_problem(spec, LENGTHS, case, num_new=3, num_q_tokens=2, seed=14,
+                                 device="cpu")
+        check_bad_decode(kernel, spec, problem, splits=splits, watch=watching,
+                         expect_nan=not unread)
+
+
+@pytest.mark.parametrize("mask", sorted(NEW_MASKS))
+def test_checked_mode_agrees_on_chunks_and_sink_tokens(monkeypatch, mask):
+    """The checked mode checks the pages the kernels read: a chunked step's page 0 is not
+    one of them, a sink-token step's is."""
+    monkeypatch.setenv("ATTNGEN_CHECKS", "1")
+    spec = _decode_spec("paged", 4, **NEW_MASKS[mask])
+    problem = decode_problem(spec, LENGTHS, PAGE_BAD[0], num_new=0, num_q_tokens=1, seed=15,
+                             device="cpu")
+    kernel = load_decode(spec, 16)
+    args = (problem.q, problem.k_view, problem.v_view, problem.lengths)
+    if mask == "chunked":
+        out, _ = kernel.decode(*args, block_table=problem.table, return_lse=True)
+        assert not out.isnan().any()
+    else:
+        with pytest.raises(ValueError, match=r"block_table\[1, 0\]"):
+            kernel.decode(*args, block_table=problem.table, return_lse=True)
+
+
 @pytest.mark.parametrize("layout, page_size", LAYOUTS)
 def test_bad_length_without_new_keys_reads_nothing_past_the_capacity(layout, page_size):
     spec = _decode_spec(layout, page_size)

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from attngen.build import load_specs
-from attngen.reference import visible_mask
+from attngen.reference import random_sinks, visible_mask
+from attngen.spec import KernelKind
 from tests.kernel_harness import assert_matches_reference, load_kernel, make_inputs, make_spec
 
 pytestmark = [
@@ -30,7 +31,15 @@ GENERATED = ROOT / "generated"
 
 
 def _example_specs():
-    return [spec for spec in load_specs(EXAMPLES) if "sm90" in spec.archs]
+    return [spec for spec in load_specs(EXAMPLES)
+            if "sm90" in spec.archs and KernelKind.prefill in spec.kernels]
+
+
+def _sinks(spec, num_q_heads=None):
+    """{"sinks": [HQ] fp32 on the GPU} for a spec with sinks, else {}."""
+    if not spec.sinks:
+        return {}
+    return {"sinks": random_sinks(num_q_heads or spec.num_q_heads, seed=0, device="cuda")}
 
 
 def _load_generated(spec, kind="prefill"):
@@ -51,8 +60,9 @@ def _load_generated(spec, kind="prefill"):
 def test_generated_example_modules_bf16(spec, seqlen_q, seqlen_k):
     kernel = _load_generated(spec)
     q, k, v, slopes = make_inputs(spec, 2, seqlen_q, seqlen_k, seed=seqlen_q, device="cuda")
-    out, lse = kernel.attention(q, k, v, alibi_slopes=slopes, return_lse=True)
-    assert_matches_reference(spec, out, lse, q, k, v, slopes=slopes)
+    extra = _sinks(spec)
+    out, lse = kernel.attention(q, k, v, alibi_slopes=slopes, return_lse=True, **extra)
+    assert_matches_reference(spec, out, lse, q, k, v, slopes=slopes, **extra)
 
 
 @pytest.mark.parametrize("spec", _example_specs(), ids=lambda s: s.name)
@@ -61,8 +71,10 @@ def test_fp16_renders_of_the_examples(spec):
     fields.update(dtype="fp16", archs=["sm90"], head_dim_v=None)
     fp16 = make_spec(**fields)
     q, k, v, slopes = make_inputs(fp16, 2, 2048, 2048, seed=9, device="cuda")
-    out, lse = load_kernel(fp16).attention(q, k, v, alibi_slopes=slopes, return_lse=True)
-    assert_matches_reference(fp16, out, lse, q, k, v, slopes=slopes)
+    extra = _sinks(fp16)
+    out, lse = load_kernel(fp16).attention(q, k, v, alibi_slopes=slopes, return_lse=True,
+                                           **extra)
+    assert_matches_reference(fp16, out, lse, q, k, v, slopes=slopes, **extra)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -148,4 +160,15 @@ def test_lengths_at_the_tuned_block_size(seqlen):
                      mask="causal", causal_align="bottom_right")
     q, k, v, _ = make_inputs(spec, 2, seqlen, seqlen, seed=seqlen, device="cuda")
     out, lse = load_kernel(spec).attention(q, k, v, return_lse=True)
+    assert_matches_reference(spec, out, lse, q, k, v)
+
+
+def test_llama4_chunks_at_the_real_chunk_size():
+    """The generated Llama-4-Scout chunked module across a chunk boundary (8192), 10/2 heads
+    (any head counts; the float64 reference's scores stay ~6 GB)."""
+    spec = next(s for s in _example_specs() if s.name == "llama4_scout_chunked")
+    kernel = _load_generated(spec)
+    q, k, v, _ = make_inputs(spec, 1, 8192 + 700, 8192 + 700, seed=5, num_q_heads=10,
+                             num_kv_heads=2, device="cuda")
+    out, lse = kernel.attention(q, k, v, return_lse=True)
     assert_matches_reference(spec, out, lse, q, k, v)

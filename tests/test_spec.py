@@ -16,6 +16,7 @@ import pytest
 from attngen.spec import (
     DECODE_FIELDS,
     MAX_SPEC_BYTES,
+    MODEL_FIELDS,
     TRAINING_FIELDS,
     AttnSpec,
     KernelKind,
@@ -93,7 +94,19 @@ BAD_SPECS = [
     # out of range
     ("head-dim-0", _with("head_dim", "0"), ["head_dim: got 0 (int)", ALLOWED_HEAD_DIM]),
     ("head-dim-264", _with("head_dim", "264"), ["head_dim: got 264 (int)", ALLOWED_HEAD_DIM]),
-    ("head-dim-257", _with("head_dim", "257"), ["head_dim: got 257 (int)", ALLOWED_HEAD_DIM]),
+    ("head-dim-257", _with("head_dim", "257"), ["head_dim: got 257 (int)", ALLOWED_HEAD_DIM,
+                                                "up to 576 with kernels: [decode] only"]),
+    ("head-dim-577", _with("head_dim", "577"), ["head_dim: got 577 (int)", ALLOWED_HEAD_DIM]),
+    ("chunked-no-size", _with("mask", "chunked"), ["chunk_size: got None", "required with mask "
+                                                   "chunked"]),
+    ("chunk-size-causal", BASE + "chunk_size: 8\n", ["chunk_size: got 8", "absent unless mask "
+                                                      "is chunked"]),
+    ("chunk-size-0", _with("mask", "chunked") + "chunk_size: 0\n", ["chunk_size: got 0",
+                                                                    "1..2147483647"]),
+    ("sink-tokens-causal", BASE + "sink_tokens: 4\n", ["sink_tokens: got 4", "absent unless "
+                                                        "mask is sliding_window"]),
+    ("sink-tokens-0", SLIDING + "sink_tokens: 0\n", ["sink_tokens: got 0", "1..2147483647"]),
+    ("sinks-str", BASE + "sinks: yes\n", ["sinks: got 'yes' (str)", "true or false"]),
     ("head-dim-neg", _with("head_dim", "-128"), ["head_dim: got -128 (int)"]),
     ("head-dim-v-0", BASE + "head_dim_v: 0\n", ["head_dim_v: got 0 (int)", ALLOWED_HEAD_DIM]),
     ("q-heads-0", _with("num_q_heads", "0"), ["num_q_heads: got 0 (int)", "an int in 1..1024"]),
@@ -236,8 +249,10 @@ def test_example_loads(path: Path) -> None:
     assert specs and all(isinstance(s, AttnSpec) for s in specs)
     for spec in specs:
         assert spec.name.startswith(path.stem)
-        # every example has prefill; the models a runtime serves batched have varlen too
-        assert spec.kernels[0] is PREFILL and set(spec.kernels) <= set(KernelKind)
+        # every example has prefill (but MLA's absorbed form, a decode-only shape); the models
+        # a runtime serves batched have varlen too
+        first = DECODE if spec.name == "deepseek_v3_absorbed" else PREFILL
+        assert spec.kernels[0] is first and set(spec.kernels) <= set(KernelKind)
         assert (DECODE in spec.kernels) == (spec.kv_layout is not None)
 
 
@@ -269,6 +284,12 @@ def test_gemma2_gives_local_and_global() -> None:
 
 EXPECTED_MODULES = {
     "bert_base": "bert_base_prefill_fp16_d64",
+    "deepseek_v3_mla": "deepseek_v3_mla_prefill_bf16_d192_dv128_causal_br",
+    "deepseek_v3_absorbed": "deepseek_v3_absorbed_prefill_bf16_d576_dv512_causal_br",
+    "gpt_oss_20b_local": "gpt_oss_20b_local_prefill_bf16_d64_win127x0_br_sinks",
+    "gpt_oss_20b_global": "gpt_oss_20b_global_prefill_bf16_d64_causal_br_sinks",
+    "llama4_scout_chunked": "llama4_scout_chunked_prefill_bf16_d128_chunk8192_br",
+    "llama4_scout_global": "llama4_scout_global_prefill_bf16_d128_causal_br",
     "gemma2_9b_local": "gemma2_9b_local_prefill_bf16_d256_win4095x0_br_cap50",
     "gemma2_9b_global": "gemma2_9b_global_prefill_bf16_d256_causal_br_cap50",
     "gpt2": "gpt2_prefill_fp16_d64_causal_br",
@@ -281,6 +302,11 @@ EXPECTED_MODULES = {
 
 
 EXPECTED_DECODE_MODULES = {
+    "deepseek_v3_absorbed": "deepseek_v3_absorbed_decode_bf16_d576_dv512_causal_br_paged64",
+    "gpt_oss_20b_local": "gpt_oss_20b_local_decode_bf16_d64_win127x0_br_sinks_paged16",
+    "gpt_oss_20b_global": "gpt_oss_20b_global_decode_bf16_d64_causal_br_sinks_paged16",
+    "llama4_scout_chunked": "llama4_scout_chunked_decode_bf16_d128_chunk8192_br_paged16",
+    "llama4_scout_global": "llama4_scout_global_decode_bf16_d128_causal_br_paged16",
     "gemma2_9b_local": "gemma2_9b_local_decode_bf16_d256_win4095x0_br_cap50_contig",
     "gemma2_9b_global": "gemma2_9b_global_decode_bf16_d256_causal_br_cap50_contig",
     "llama3_8b": "llama3_8b_decode_bf16_d128_causal_br_paged16",
@@ -351,6 +377,10 @@ def _spec(**fields) -> AttnSpec:
     ({"softcap": 10000}, "t_prefill_bf16_d128_causal_br_cap10000"),
     ({"softcap": 1e-05}, "t_prefill_bf16_d128_causal_br_cap1em05"),
     ({"alibi": True, "softcap": 0.5}, "t_prefill_bf16_d128_causal_br_cap0p5_alibi"),
+    ({"sinks": True}, "t_prefill_bf16_d128_causal_br_sinks"),
+    ({"mask": "chunked", "chunk_size": 8192}, "t_prefill_bf16_d128_chunk8192_br"),
+    ({"mask": "sliding_window", "window_left": 127, "sink_tokens": 4},
+     "t_prefill_bf16_d128_win127x0_st4_br"),
 ])
 def test_module_name_fields(fields: dict, expected: str) -> None:
     name = module_name(_spec(**fields), PREFILL)
@@ -414,6 +444,10 @@ FIELD_CHANGES = {
     "alibi": {"alibi": True},
     "backward": {"backward": True},
     "dropout": {"backward": True, "dropout": True},
+    "sinks": {"sinks": True},
+    "sink_tokens": {"sink_tokens": 4},
+    "chunk_size": {"mask": "chunked", "chunk_size": 64, "window_left": None,
+                   "window_right": None},
 }
 
 
@@ -454,9 +488,9 @@ def test_canonical_resolves_defaults() -> None:
     assert (spec.head_dim_v, spec.window_right) == (None, None)
     canonical = spec.canonical()
     # Decode's fields appear only in specs with decode (prefill-only hashes stay as they were).
-    # So do the training fields while false.
+    # So do the training fields while false, and the newer models' fields while unset.
     assert list(canonical) == [f for f in AttnSpec.model_fields
-                               if f not in DECODE_FIELDS + TRAINING_FIELDS]
+                               if f not in DECODE_FIELDS + TRAINING_FIELDS + MODEL_FIELDS]
     assert canonical["head_dim_v"] == 128 and canonical["window_right"] == 0
     assert canonical["window_left"] == 64 and canonical["softcap"] == 0.0
     assert canonical["archs"] == ["sm80"] and canonical["mask"] == "sliding_window"

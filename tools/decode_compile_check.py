@@ -2,7 +2,10 @@
 Triton allocates: attngen/verify/data/decode_compile_triton-<version>.json, which
 tests/test_decode_tiling.py holds the decode tiling model to (`--check` compares instead).
 
-    PYTHONPATH=. python tools/decode_compile_check.py [--check]
+    PYTHONPATH=. python tools/decode_compile_check.py [--check | --add]
+
+--add compiles only the (kernel, arch) pairs the data file has no row for (a new example)
+and keeps every recorded row as it is.
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ def jobs():
             for spec in specs for arch in spec.archs]
 
 
-def measure() -> list[dict]:
+def measure(skip: frozenset[tuple[str, str]] = frozenset()) -> list[dict]:
+    """Rows for every job whose (kernel hash, arch) is not in `skip`."""
     from attngen.verify.compiler import compile_many
 
-    todo = jobs()
+    todo = [(spec, arch, config) for spec, arch, config in jobs()
+            if (spec.kernel_hash(KernelKind.decode), arch) not in skip]
     records = compile_many(todo, processes=2, kind=KernelKind.decode)
     rows = []
     for (spec, arch, config), record in zip(todo, records, strict=True):
@@ -49,9 +54,16 @@ def measure() -> list[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compare with the data file")
+    parser.add_argument("--add", action="store_true",
+                        help="compile only kernels the data file has no row for")
     args = parser.parse_args()
-    rows = measure()
     path = data_path(triton_version())
+    if args.add:
+        recorded = json.loads(path.read_text())["rows"]
+        known = frozenset((r["kernel_hash"], r["arch"]) for r in recorded)
+        rows = recorded + measure(known)
+    else:
+        rows = measure()
     text = json.dumps({"triton": triton_version(), "rows": rows}, indent=1) + "\n"
     if args.check:
         recorded = json.loads(path.read_text())["rows"]

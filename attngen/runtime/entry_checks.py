@@ -75,6 +75,25 @@ def check_alibi(alibi_slopes, q, batch: int | None = None) -> None:
                          f"strides {alibi_slopes.stride()}")
 
 
+def check_sinks(sinks, q) -> None:
+    """A module built with sinks' check (_common.py.jinja's check_sinks), for sinks given:
+    [HQ] float32 on q's device, contiguous."""
+    if sinks is None:
+        return
+    num_q_heads = q.shape[1]
+    if not isinstance(sinks, torch.Tensor):
+        raise ValueError(f"sinks: expected a float32 tensor [{num_q_heads}], got "
+                         f"{type(sinks).__name__}")
+    if sinks.shape != (num_q_heads,) or sinks.dtype != torch.float32:
+        raise ValueError(f"sinks: expected shape ({num_q_heads},) float32, "
+                         f"got {tuple(sinks.shape)} {sinks.dtype}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks: expected device {q.device}, got {sinks.device}")
+    if not sinks.is_contiguous():
+        raise ValueError("sinks: expected a contiguous tensor (read with stride 1), got "
+                         f"strides {sinks.stride()}")
+
+
 def check_attn_mask(attn_mask, q, k) -> None:
     """SDPA's attn_mask (the fallback's only): bool, or q's float dtype, on q's device, of a
     shape that broadcasts to [B, HQ, Nq, Nk]."""

@@ -2,8 +2,8 @@
 serves the call. Same semantics as a generated kernel (masks by aligned position, softcap,
 ALiBi, GQA, a row that sees no key gives 0 and LSE -inf), in [B, H, N, D] layout.
 
-Plain SDPA when it can express the call (no softcap, no LSE asked for), else the explicit
-math in fp32. Only ever reached after a warning that names why.
+Plain SDPA when it can express the call (no softcap, no sinks, no LSE asked for), else the
+explicit math in fp32. Only ever reached after a warning that names why.
 
 `fallback_dense` and `fallback_varlen` check a call as a generated module's entry point does
 (entry_checks.py: the same errors), so an invalid call is refused whichever path serves it.
@@ -29,12 +29,14 @@ from attngen.masks import alibi_distance, visible
 from attngen.runtime import entry_checks
 
 
-def fallback_dense(q, k, v, *, alibi_slopes, attn_mask=None, **kwargs):
+def fallback_dense(q, k, v, *, alibi_slopes, attn_mask=None, sinks=None, **kwargs):
     """torch_attention after a prefill module's checks (and SDPA's attn_mask's)."""
     entry_checks.check_dense(q, k, v, alibi_slopes)
+    entry_checks.check_sinks(sinks, q)
     if attn_mask is not None:
         entry_checks.check_attn_mask(attn_mask, q, k)
-    return torch_attention(q, k, v, alibi_slopes=alibi_slopes, attn_mask=attn_mask, **kwargs)
+    return torch_attention(q, k, v, alibi_slopes=alibi_slopes, attn_mask=attn_mask, sinks=sinks,
+                           **kwargs)
 
 
 def fallback_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, seqused_k, *,
@@ -43,6 +45,7 @@ def fallback_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, seqused_k, 
     (out [Tq, HQ, DV], lse [HQ, Tq] or None). Rows no sequence covers: 0 and LSE -inf."""
     entry_checks.check_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, seqused_k,
                               alibi_slopes)
+    entry_checks.check_sinks(kwargs.get("sinks"), q)
     total_q, total_k = q.shape[0], k.shape[0]
     starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
     used = seqused_k.tolist() if seqused_k is not None else None
@@ -73,14 +76,16 @@ def fallback_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, seqused_k, 
 
 def torch_attention(q, k, v, *, mask="none", align=None, window=None, softcap=0.0,
                     alibi_slopes=None, scale=None, attn_mask=None, dropout_p=0.0,
-                    return_lse=False):
-    """out [B, HQ, Nq, DV] (and lse [B, HQ, Nq] fp32) for q [B, HQ, Nq, D], k/v [B, HKV, Nk, D]."""
+                    return_lse=False, sinks=None, chunk_size=None, sink_tokens=None):
+    """out [B, HQ, Nq, DV] (and lse [B, HQ, Nq] fp32) for q [B, HQ, Nq, D], k/v [B, HKV, Nk, D].
+    sinks [HQ]: one more logit per head in each row's softmax (it takes no value)."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
-    seen = visible(mask, align, window, seqlen_q, seqlen_k, q.device)
+    seen = visible(mask, align, window, seqlen_q, seqlen_k, q.device, chunk_size=chunk_size,
+                   sink_tokens=sink_tokens)
     bias = None
     if attn_mask is not None:
         # A float mask's -inf hides a key like a bool mask's False; its other values are bias.
@@ -94,7 +99,7 @@ def torch_attention(q, k, v, *, mask="none", align=None, window=None, softcap=0.
         slopes = slopes[:, None, None] if slopes.dim() == 1 else slopes[:, :, None, None]
         alibi = -slopes * distance
         bias = alibi if bias is None else bias + alibi
-    if not softcap and not return_lse:
+    if not softcap and not return_lse and sinks is None:
         full = None if seen is None else torch.zeros(seen.shape, device=q.device).masked_fill(
             ~seen, float("-inf"))
         if bias is not None:
@@ -113,6 +118,8 @@ def torch_attention(q, k, v, *, mask="none", align=None, window=None, softcap=0.
     if seen is not None:
         scores = scores.masked_fill(~seen, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
+    if sinks is not None:  # logaddexp(-inf, sink) = sink: a row that sees no key
+        lse = torch.logaddexp(lse, sinks.float()[None, :, None].expand_as(lse))
     probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
     out = (probs.to(v.dtype) @ v).to(q.dtype)
     out = _zero_unseen(out, seen)

@@ -6,27 +6,43 @@
 transformers calls `attngen_attention(module, q, k, v, attention_mask, ...)` in each layer
 with q [B, HQ, Nq, D] and k/v [B, HKV, Nk, D] (the KV cache already updated: the queries are
 the last Nq of the Nk positions, so the causal diagonal is bottom-right). The mask function
-registered with it hands over the 2D padding mask [B, Nk] (None without padding), as for
-flash-attention:
+registered with it (`attngen_mask`) hands over the 2D padding mask [B, Nk] (None without
+padding), as for flash-attention:
 - no padding: the prefill kind on the tensors as they are;
 - padding (batches of prompts of different lengths, and every decode step after them): the
   tokens are unpadded into packed sequences and run through the varlen kind, as transformers'
   own flash-attention path does; padded query rows get output 0.
 Packed-sequence kwargs (cu_seq_lens_q/k, max_length_q/k) go to the varlen kind directly.
-What no generated kernel can do (a 4D mask, dropout, attention sinks, output_attentions) is
-refused by name, and so is a layer whose attention transformers defines through the mask or
-extra arguments that this function never sees applied: a layer type other than
-full_attention/sliding_attention (Llama 4's chunked_attention: its chunks live only in the
-mask that the "attngen" mask function replaces by the padding mask), a config with
-attention_chunk_size on such a layer, and kwargs that change the scores (s_aux/sinks,
-position_bias, sparse key indices). Multi-head latent attention (DeepSeek-V3) needs no
-refusal here: transformers hands over the decompressed q/k/v, plain attention with
-head_dim qk_nope + qk_rope and head_dim_v v_head_dim, and dispatch matches those dims.
+
+Newer models' attention, as transformers hands it over:
+- learned sinks (gpt-oss): the layer passes `s_aux=self.sinks` [HQ]; it goes to a module
+  built with `sinks: true` as its fp32 `sinks` (the eager function concatenates the sink
+  logit to the scaled, masked scores before the softmax: the same thing).
+- chunked attention (Llama 4): the layer's type is chunked_attention (config.layer_types)
+  and its chunks live only in the mask, built by create_chunked_causal_mask with the chunk
+  size config.attention_chunk_size; the mask function passes that call's kv_offset (the
+  position of the first key the layer's cache still holds, > 0 once its sliding cache has
+  dropped keys) to this function with the padding mask (`ChunkedKeys`). A chunk starts at a
+  multiple of the chunk size in the sequence's positions, so with offset o the first
+  (-o) mod C keys (the tail of a chunk no query is in) are dropped and the rest runs on a
+  chunked kernel whose chunks start at key 0. Refused by name: an offset with padding, and
+  queries inside that dropped chunk.
+- multi-head latent attention (DeepSeek-V2/V3, Kimi K2): transformers hands over the
+  decompressed q/k/v, plain attention with head_dim qk_nope + qk_rope and head_dim_v
+  v_head_dim, and dispatch matches those dims (the spec's `mla` variant).
+What no generated kernel can do (a 4D mask, dropout, output_attentions) is refused by name,
+and so is a layer whose attention transformers defines through the mask or extra arguments
+that this function never sees applied: a layer type other than full_attention,
+sliding_attention and chunked_attention, a config with attention_chunk_size and no layer
+type, and kwargs that change the scores (sinks under another name, position_bias, sparse key
+indices).
 A decode step is a prefill/varlen call with Nq = 1 against transformers' own cache; the decode
 kind (split-KV, for serving caches) is reached through flash_attn_with_kvcache.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -44,14 +60,33 @@ def register_transformers() -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
+    def attngen_mask(*args, **kwargs):
+        """flash-attention's mask function (the 2D padding mask, or None when nothing is
+        padded); for a chunked layer whose keys start past position 0, with that offset."""
+        padding = flash_attention_mask(*args, **kwargs)
+        offset, config = kwargs.get("kv_offset", 0), kwargs.get("config")
+        chunk = getattr(config, "attention_chunk_size", None)
+        if offset and chunk and kwargs.get("local_size") == chunk:
+            return ChunkedKeys(padding, int(offset))
+        return padding
+
     AttentionInterface.register(NAME, attngen_attention)
-    # flash-attention's mask function: the 2D padding mask, or None when nothing is padded.
-    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    AttentionMaskInterface.register(NAME, attngen_mask)
     return NAME
+
+
+class ChunkedKeys(NamedTuple):
+    """What the mask function hands a chunked layer whose cache no longer starts at position
+    0: the padding mask (or None) and the position of the first key."""
+
+    padding: torch.Tensor | None
+    key_offset: int
 
 
 def _mask_of(module, query, key, sliding_window, is_causal):
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if _layer_type(module) == "chunked_attention":
+        return Mask.chunked, None
     if sliding_window:
         # transformers keeps key j for query i when i - W < j (<= i if causal): left W - 1.
         reach = sliding_window - 1
@@ -59,16 +94,30 @@ def _mask_of(module, query, key, sliding_window, is_causal):
     return (Mask.causal, None) if causal else (Mask.none, None)
 
 
-# kwargs some models pass that change the scores; no spec has them.
+# kwargs some models pass that change the scores; no spec has them (s_aux, gpt-oss's sinks,
+# is read by attngen_attention).
 _SCORE_KWARGS = {
-    "s_aux": "attention sinks (an extra per-head logit in the softmax)",
-    "sinks": "attention sinks (an extra per-head logit in the softmax)",
+    "sinks": "attention sinks under a name other than gpt-oss's s_aux (their semantics are "
+             "not known to attngen)",
     "position_bias": "a position bias added to the scores (T5-style relative attention)",
     "indices": "sparse attention over selected keys",
     "block_indices": "sparse attention over selected key blocks",
     "topk_indices": "sparse attention over selected keys",
 }
-_LAYERS = ("full_attention", "sliding_attention")
+_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def _layer_type(module) -> str | None:
+    """The layer's type: its own `layer_type`, else config.layer_types[layer_idx]."""
+    layer_type = getattr(module, "layer_type", None)
+    if layer_type is not None:
+        return layer_type
+    config = getattr(module, "config", None)
+    layer_types, layer_idx = getattr(config, "layer_types", None), getattr(module, "layer_idx",
+                                                                           None)
+    if layer_types and isinstance(layer_idx, int) and 0 <= layer_idx < len(layer_types):
+        return layer_types[layer_idx]
+    return None
 
 
 def _refuse_unexpressed(module, kwargs) -> None:
@@ -79,12 +128,7 @@ def _refuse_unexpressed(module, kwargs) -> None:
                 raise NoKernelError(f"attngen: {name}: {what} is not in any spec; use another "
                                     "attn_implementation for this model")
     config = getattr(module, "config", None)
-    layer_type = getattr(module, "layer_type", None)
-    layer_types, layer_idx = getattr(config, "layer_types", None), getattr(module, "layer_idx",
-                                                                           None)
-    if layer_type is None and layer_types and isinstance(layer_idx, int) and (
-            0 <= layer_idx < len(layer_types)):
-        layer_type = layer_types[layer_idx]
+    layer_type, layer_idx = _layer_type(module), getattr(module, "layer_idx", None)
     if layer_type is not None and layer_type not in _LAYERS:
         raise NoKernelError(
             f"attngen: layer {layer_idx} is a {layer_type!r} layer; its mask is not the "
@@ -93,8 +137,11 @@ def _refuse_unexpressed(module, kwargs) -> None:
     chunk = getattr(config, "attention_chunk_size", None)
     if chunk and layer_type is None:
         raise NoKernelError(f"attngen: attention_chunk_size={chunk} in the config and no layer "
-                            "type says this layer is not chunked; chunked attention is not in "
-                            "any spec")
+                            "type says whether this layer is chunked (config.layer_types with "
+                            "chunked_attention), so it is refused rather than guessed")
+    if layer_type == "chunked_attention" and not (isinstance(chunk, int) and chunk > 0):
+        raise NoKernelError(f"attngen: layer {layer_idx} is a chunked_attention layer and "
+                            f"config.attention_chunk_size is {chunk!r}; expected an int > 0")
 
 
 def attngen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -108,9 +155,17 @@ def attngen_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if dropout:
         refusal = f"dropout: got {dropout} (training mode); generated kernels are inference-only"
     mask, window = _mask_of(module, query, key, sliding_window, is_causal)
+    chunk = None
+    if mask is Mask.chunked:
+        chunk = module.config.attention_chunk_size
+        key, value, attention_mask = _chunk_aligned(key, value, attention_mask, chunk,
+                                                    query.shape[2])
+    elif isinstance(attention_mask, ChunkedKeys):
+        attention_mask = attention_mask.padding
     common = dict(mask=mask, align=CausalAlign.bottom_right, window=window, softcap=softcap,
                   alibi_slopes=None, scale=scaling, return_lse=False, fallback=None,
-                  refusal=refusal)
+                  refusal=refusal, sinks=_sinks(kwargs.get("s_aux"), query),
+                  chunk_size=chunk)
     batch, _, seqlen_q, _ = query.shape
     seqlen_k = key.shape[2]
     if kwargs.get("cu_seq_lens_q") is not None and attention_mask is None:
@@ -127,6 +182,35 @@ def attngen_attention(module, query, key, value, attention_mask, dropout=0.0, sc
             f"implementation takes the 2D padding mask [{batch}, {seqlen_k}] (call "
             "attngen.register_transformers() so transformers builds that one) or None")
     return _unpadded(query, key, value, attention_mask.bool(), common), None
+
+
+def _sinks(s_aux, query):
+    """gpt-oss's sinks [HQ] as the fp32 contiguous tensor the kernels take, or None."""
+    if s_aux is None:
+        return None
+    if s_aux.shape != (query.shape[1],):
+        raise NoKernelError(f"attngen: s_aux: got shape {tuple(s_aux.shape)}; expected the "
+                            f"sinks of the layer's {query.shape[1]} query heads [{query.shape[1]}]")
+    return s_aux.detach().to(device=query.device, dtype=torch.float32).contiguous()
+
+
+def _chunk_aligned(key, value, attention_mask, chunk: int, seqlen_q: int):
+    """(key, value, padding mask) whose key 0 starts a chunk: a chunked layer's cache that
+    starts at position o > 0 drops its first (-o) mod chunk keys (the end of a chunk that no
+    query is in), so the kernel's chunks, counted from key 0, are the sequence's."""
+    if not isinstance(attention_mask, ChunkedKeys):
+        return key, value, attention_mask
+    padding, offset = attention_mask
+    drop = -offset % chunk
+    if padding is not None:
+        raise NoKernelError(f"attngen: a chunked_attention layer with padding and a cache "
+                            f"that starts at position {offset}: the chunks of padded "
+                            "sequences would start at different keys; use unpadded batches")
+    if key.shape[2] - seqlen_q < drop:
+        raise NoKernelError(f"attngen: chunked_attention: queries in the chunk that the cache "
+                            f"holds only the end of (cache starts at position {offset}, chunk "
+                            f"{chunk}); the kernels count chunks from the first key")
+    return key[:, :, drop:], value[:, :, drop:], None
 
 
 def _unpadded(query, key, value, keep, common):

@@ -69,6 +69,13 @@ def expected_constants(entry: KernelEntry) -> dict[str, object]:
         expected["CAUSAL_ALIGN"] = spec["causal_align"]
     if spec.get("mask") == "sliding_window":
         expected["WINDOW"] = (spec.get("window_left"), spec.get("window_right") or 0)
+    # Modules of specs with the newer models' fields say so; older modules lack the names.
+    if spec.get("sinks"):
+        expected["SINKS"] = True
+    if spec.get("chunk_size"):
+        expected["CHUNK_SIZE"] = spec["chunk_size"]
+    if spec.get("sink_tokens"):
+        expected["SINK_TOKENS"] = spec["sink_tokens"]
     if entry.kind == "decode":
         expected["KV_LAYOUT"] = spec.get("kv_layout")
         expected["PAGE_SIZE"] = spec.get("page_size") or 0

@@ -21,25 +21,29 @@ from attngen.spec import CausalAlign, KernelKind, Mask
 def run_dense(api: str, q, k, v, *, mask: Mask, align: CausalAlign | None, window, softcap,
               alibi_slopes, scale, return_lse: bool, fallback: str | None,
               refusal: str | None = None, attn_mask=None, dropout_p=0.0,
-              heads_last: bool = False):
+              heads_last: bool = False, sinks=None, chunk_size: int | None = None,
+              sink_tokens: int | None = None):
     """[B, H, N, D] attention through the prefill kind; (out, lse or None). With heads_last,
-    out is [B, N, H, DV], contiguous."""
+    out is [B, N, H, DV], contiguous. sinks [HQ] fp32: learned sink logits (gpt-oss);
+    chunk_size with mask chunked, sink_tokens with mask sliding_window."""
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     need = need_for(KernelKind.prefill, q, v, mask=mask, align=align, window=window,
                     softcap=softcap, alibi=alibi_slopes is not None, seqlen_q=seqlen_q,
-                    seqlen_k=seqlen_k, same_lengths=seqlen_q == seqlen_k)
+                    seqlen_k=seqlen_k, same_lengths=seqlen_q == seqlen_k,
+                    sinks=sinks is not None, chunk_size=chunk_size, sink_tokens=sink_tokens)
     if need.dtype is None:
         refusal = refusal or unsupported_dtype(q)
     dispatch = choose(api, need, fallback, refusal, (q.shape[1], k.shape[1]))
     if dispatch.key is None:
         result = fallback_dense(q, k, v, mask=mask, align=align, window=window, softcap=softcap,
                                 alibi_slopes=alibi_slopes, scale=softmax_scale(scale, q),
-                                attn_mask=attn_mask, dropout_p=dropout_p, return_lse=return_lse)
+                                attn_mask=attn_mask, dropout_p=dropout_p, return_lse=return_lse,
+                                sinks=sinks, chunk_size=chunk_size, sink_tokens=sink_tokens)
         out, lse = result if return_lse else (result, None)
         return (out.transpose(1, 2).contiguous() if heads_last else out), lse
     in_place = heads_last and dispatch.writes_out
     out, lse = ops.prefill(dispatch.key, q, k, v, softmax_scale(scale, q), alibi_slopes,
-                           return_lse, in_place)
+                           return_lse, in_place, sinks)
     if heads_last and not in_place:  # the module wrote [B, H, N, D]: copied (it has no out=)
         out = out.transpose(1, 2).contiguous()
     return out, lse
@@ -49,7 +53,8 @@ def run_varlen(api: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                mask: Mask, align: CausalAlign | None, window, softcap, alibi_slopes, scale,
                return_lse: bool, fallback: str | None, seqused_k=None,
                refusal: str | None = None, dropout_p=0.0, length_bounds=None,
-               dispatch: Dispatch | None = None):
+               dispatch: Dispatch | None = None, sinks=None, chunk_size: int | None = None,
+               sink_tokens: int | None = None):
     """Packed [T, H, D] attention through the varlen kind; (out, lse [H, Tq] or None).
 
     The kernel is chosen with lengths the tensors guarantee, never max_seqlen_q/k (the
@@ -63,7 +68,8 @@ def run_varlen(api: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                                    softcap=softcap, alibi=alibi_slopes is not None,
                                    length_bounds=length_bounds or (q.shape[0], k.shape[0]),
                                    same_lengths=same, fallback=fallback, refusal=refusal,
-                                   heads=(q.shape[1], k.shape[1]))
+                                   heads=(q.shape[1], k.shape[1]), sinks=sinks is not None,
+                                   chunk_size=chunk_size, sink_tokens=sink_tokens)
     max_seqlen_q = seqlen_bound(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = seqlen_bound(max_seqlen_k, "max_seqlen_k")
     if dispatch.key is None:
@@ -71,21 +77,25 @@ def run_varlen(api: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                                seqused_k, mask=mask, align=align, window=window,
                                softcap=softcap, alibi_slopes=alibi_slopes,
                                scale=softmax_scale(scale, q), return_lse=return_lse,
-                               dropout_p=dropout_p)
+                               dropout_p=dropout_p, sinks=sinks, chunk_size=chunk_size,
+                               sink_tokens=sink_tokens)
     return ops.varlen(dispatch.key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                       max_seqlen_k, softmax_scale(scale, q), alibi_slopes, seqused_k,
-                      return_lse)
+                      return_lse, sinks)
 
 
 def varlen_dispatch(api: str, q, v, *, mask: Mask, align: CausalAlign | None, window, softcap,
                     alibi: bool, length_bounds: tuple[int, int], same_lengths: bool,
-                    fallback: str | None, refusal: str | None,
-                    heads: tuple[int, int]) -> Dispatch:
+                    fallback: str | None, refusal: str | None, heads: tuple[int, int],
+                    sinks: bool = False, chunk_size: int | None = None,
+                    sink_tokens: int | None = None) -> Dispatch:
     """The varlen module (or the warned fallback) that serves packed q [T, HQ, D] and values
-    of v's head dim at lengths up to `length_bounds`; NoKernelError when none does."""
+    of v's head dim at lengths up to `length_bounds` (with learned sinks when `sinks`);
+    NoKernelError when none does."""
     need = need_for(KernelKind.varlen, q, v, mask=mask, align=align, window=window,
                     softcap=softcap, alibi=alibi, seqlen_q=length_bounds[0],
-                    seqlen_k=length_bounds[1], same_lengths=same_lengths)
+                    seqlen_k=length_bounds[1], same_lengths=same_lengths, sinks=sinks,
+                    chunk_size=chunk_size, sink_tokens=sink_tokens)
     if need.dtype is None:
         refusal = refusal or unsupported_dtype(q)
     return choose(api, need, fallback, refusal, heads)

@@ -9,10 +9,10 @@ its glue.
 
 The spec of a call:
 - every field a kernel depends on comes from the Need (kind, dtype, head dims, mask and
-  alignment, window, softcap, ALiBi; for decode the KV layout, page size and the step's query
-  tokens as max_query_tokens). A window side of 2**31 - 1 (flash-attn's -1) is unbounded:
-  a window unbounded on both sides is no mask, and one unbounded left and closed right is
-  causal.
+  alignment, window, sink tokens, chunk size, softcap, ALiBi, sinks; for decode the KV
+  layout, page size and the step's query tokens as max_query_tokens). A window side of
+  2**31 - 1 (flash-attn's -1) is unbounded: a window unbounded on both sides is no mask,
+  and one unbounded left and closed right is causal.
 - head counts are runtime arguments of every module, but the tiling model uses them (prefill
   estimates waves from the query heads; decode's row tile is query heads per KV head times
   query tokens) and so does the tuning database's key. The spec takes the call's own counts,
@@ -93,6 +93,8 @@ def spec_for(need: Need, heads: tuple[int, int] | None) -> tuple[AttnSpec, Kerne
         "dtype": need.dtype.value, "head_dim": need.head_dim, "head_dim_v": need.head_dim_v,
         "num_q_heads": num_q, "num_kv_heads": num_kv, "softcap": float(need.softcap),
         "alibi": need.alibi, "kernels": [need.kind.value], **_mask_fields(need)}
+    if need.sinks:
+        fields["sinks"] = True
     if need.kind is KernelKind.decode:
         fields["kv_layout"] = need.kv_layout.value if need.kv_layout else None
         if need.page_size is not None:
@@ -131,6 +133,10 @@ def _mask_fields(need: Need) -> dict[str, Any]:
     fields: dict[str, Any] = {"mask": mask.value, "causal_align": align}
     if mask is Mask.sliding_window and window is not None:
         fields.update(window_left=window[0], window_right=window[1])
+        if need.sink_tokens:
+            fields["sink_tokens"] = need.sink_tokens
+    if mask is Mask.chunked:
+        fields["chunk_size"] = need.chunk_size
     return fields
 
 

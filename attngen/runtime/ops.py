@@ -89,44 +89,53 @@ def _heads_last(q: Tensor, dim_v: int) -> Tensor:
 # -------------------------------------------------------------------------------- prefill
 
 
+def _sinks(sinks: Tensor | None) -> dict[str, Tensor]:
+    """The entry point's `sinks=` keyword, only for a module built with sinks (older modules'
+    entry points do not take the keyword; dispatch matched the module to the call)."""
+    return {} if sinks is None else {"sinks": sinks}
+
+
 def run_prefill(key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
                 alibi_slopes: Tensor | None, return_lse: bool,
-                heads_last: bool) -> tuple[Tensor, Tensor | None]:
+                heads_last: bool, sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(out, lse or None); out [B, M, HQ, DV] with heads_last, else [B, HQ, M, DV]."""
     module = current_registry().module(key)
     _ran(key)
     if heads_last:
         out = _heads_last(q, v.shape[-1])
         result = module.attention(q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
-                                  return_lse=return_lse, out=out.transpose(1, 2))
+                                  return_lse=return_lse, out=out.transpose(1, 2),
+                                  **_sinks(sinks))
         return out, (result[1] if return_lse else None)
     result = module.attention(q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
-                              return_lse=return_lse)
+                              return_lse=return_lse, **_sinks(sinks))
     return result if return_lse else (result, None)
 
 
 def prefill(key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
             alibi_slopes: Tensor | None, return_lse: bool,
-            heads_last: bool = False) -> tuple[Tensor, Tensor | None]:
+            heads_last: bool = False, sinks: Tensor | None = None
+            ) -> tuple[Tensor, Tensor | None]:
     """(out, lse or None) of the prefill module `key`; see the module docstring."""
-    if _direct(q, k, v, alibi_slopes):
-        return run_prefill(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last)
+    if _direct(q, k, v, alibi_slopes) and (sinks is None or _direct(q, k, v, sinks)):
+        return run_prefill(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last, sinks)
     # The LSE is always computed here: the backward needs it.
-    out, lse = prefill_op(key, q, k, v, sm_scale, alibi_slopes, True, heads_last)
+    out, lse = prefill_op(key, q, k, v, sm_scale, alibi_slopes, True, heads_last, sinks)
     return (out.transpose(1, 2) if heads_last else out), (lse if return_lse else None)
 
 
 @torch.library.custom_op("attngen::prefill", mutates_args=())
 def prefill_op(key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
                alibi_slopes: Tensor | None, return_lse: bool,
-               heads_last: bool) -> tuple[Tensor, Tensor]:
+               heads_last: bool, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     with torch.no_grad():  # the op's autograd formula records the backward, not the module
-        out, lse = run_prefill(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last)
+        out, lse = run_prefill(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last,
+                               sinks)
     return (out.transpose(1, 2) if heads_last else out), (_no_lse(q) if lse is None else lse)
 
 
 @prefill_op.register_fake
-def _(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last):
+def _(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last, sinks=None):
     batch, heads, seqlen_q, _ = q.shape
     if heads_last:
         out = _heads_last(q, v.shape[-1]).transpose(1, 2)
@@ -142,25 +151,26 @@ def _(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last):
 def run_varlen(key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, sm_scale: float,
                alibi_slopes: Tensor | None, seqused_k: Tensor | None,
-               return_lse: bool) -> tuple[Tensor, Tensor | None]:
+               return_lse: bool, sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     module = current_registry().module(key)
     _ran(key)
     result = module.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
-                                     return_lse=return_lse, seqused_k=seqused_k)
+                                     return_lse=return_lse, seqused_k=seqused_k,
+                                     **_sinks(sinks))
     return result if return_lse else (result, None)
 
 
 def varlen(key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
            cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, sm_scale: float,
            alibi_slopes: Tensor | None, seqused_k: Tensor | None,
-           return_lse: bool) -> tuple[Tensor, Tensor | None]:
+           return_lse: bool, sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(out, lse or None) of the varlen module `key`; see the module docstring."""
     args = (key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,
-            alibi_slopes, seqused_k, return_lse)
-    if _direct(q, k, v, alibi_slopes):
+            alibi_slopes, seqused_k, return_lse, sinks)
+    if _direct(q, k, v, alibi_slopes) and (sinks is None or _direct(q, k, v, sinks)):
         return run_varlen(*args)
-    out, lse = varlen_op(*args[:-1], True)  # the LSE is always computed: the backward needs it
+    out, lse = varlen_op(*args[:-2], True, sinks)  # the LSE always: the backward needs it
     return out, (lse if return_lse else None)
 
 
@@ -168,16 +178,16 @@ def varlen(key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
 def varlen_op(key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
               cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, sm_scale: float,
               alibi_slopes: Tensor | None, seqused_k: Tensor | None,
-              return_lse: bool) -> tuple[Tensor, Tensor]:
+              return_lse: bool, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     with torch.no_grad():  # the op's autograd formula records the backward, not the module
         out, lse = run_varlen(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              sm_scale, alibi_slopes, seqused_k, return_lse)
+                              sm_scale, alibi_slopes, seqused_k, return_lse, sinks)
     return out, (_no_lse(q) if lse is None else lse)
 
 
 @varlen_op.register_fake
 def _(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,
-      alibi_slopes, seqused_k, return_lse):
+      alibi_slopes, seqused_k, return_lse, sinks=None):
     total_q, heads, _ = q.shape
     out = q.new_empty((total_q, heads, v.shape[-1]))
     lse = q.new_empty((heads, total_q), dtype=torch.float32) if return_lse else _no_lse(q)
@@ -190,7 +200,7 @@ def _(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_s
 def run_decode(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
                block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
                sm_scale: float, alibi_slopes: Tensor | None, return_lse: bool,
-               heads_last: bool) -> tuple[Tensor, Tensor | None]:
+               heads_last: bool, sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """The decode kind's `decode` entry point (the README's decode contract); appends
     k_new/v_new into the caches at cache_seqlens, in place, before attending. (out, lse or
     None); out [B, Nq, HQ, DV] with heads_last, else [B, HQ, Nq, DV]."""
@@ -201,25 +211,27 @@ def run_decode(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seql
         result = module.decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
                                k_new=k_new, v_new=v_new, sm_scale=sm_scale,
                                alibi_slopes=alibi_slopes, return_lse=return_lse,
-                               out=out.transpose(1, 2))
+                               out=out.transpose(1, 2), **_sinks(sinks))
         return out, (result[1] if return_lse else None)
     result = module.decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
                            k_new=k_new, v_new=v_new, sm_scale=sm_scale,
-                           alibi_slopes=alibi_slopes, return_lse=return_lse)
+                           alibi_slopes=alibi_slopes, return_lse=return_lse, **_sinks(sinks))
     return result if return_lse else (result, None)
 
 
 def decode(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
            block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
            sm_scale: float, alibi_slopes: Tensor | None, return_lse: bool,
-           heads_last: bool = False) -> tuple[Tensor, Tensor | None]:
+           heads_last: bool = False, sinks: Tensor | None = None
+           ) -> tuple[Tensor, Tensor | None]:
     """(out, lse or None) of the decode module `key`; see the module docstring. Directly,
     the caches' version counters are bumped as the op's mutates_args would."""
     args = (key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sm_scale,
-            alibi_slopes, return_lse, heads_last)
+            alibi_slopes, return_lse, heads_last, sinks)
     news = (k_new, v_new) if k_new is not None and v_new is not None else None
     if _direct(q, k_cache, v_cache, alibi_slopes) and (
-            news is None or _direct(q, news[0], news[1], None)):
+            news is None or _direct(q, news[0], news[1], None)) and (
+            sinks is None or _direct(q, k_cache, v_cache, sinks)):
         result = run_decode(*args)
         if news is not None:
             torch.autograd.graph.increment_version((k_cache, v_cache))
@@ -235,15 +247,15 @@ def decode(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
 def decode_op(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
               block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
               sm_scale: float, alibi_slopes: Tensor | None, return_lse: bool,
-              heads_last: bool) -> tuple[Tensor, Tensor]:
+              heads_last: bool, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     out, lse = run_decode(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-                          sm_scale, alibi_slopes, return_lse, heads_last)
+                          sm_scale, alibi_slopes, return_lse, heads_last, sinks)
     return (out.transpose(1, 2) if heads_last else out), (_no_lse(q) if lse is None else lse)
 
 
 @decode_op.register_fake
 def _(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sm_scale,
-      alibi_slopes, return_lse, heads_last):
+      alibi_slopes, return_lse, heads_last, sinks=None):
     batch, heads, seqlen_q, _ = q.shape
     if heads_last:
         out = _heads_last(q, v_cache.shape[-1]).transpose(1, 2)
@@ -284,7 +296,8 @@ def _(key, dout, q, k, v, out, lse, dlse, sm_scale, alibi_slopes):
 
 
 def _prefill_setup(ctx, inputs, output):
-    key, q, k, v, sm_scale, alibi_slopes, _, _ = inputs
+    # sinks (the last input) only reach modules built without backward: no gradient for it
+    key, q, k, v, sm_scale, alibi_slopes = inputs[:6]
     ctx.key, ctx.sm_scale = key, sm_scale
     ctx.save_for_backward(q, k, v, alibi_slopes, *output)
 
@@ -295,7 +308,7 @@ def _prefill_backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     dq, dk, dv = prefill_backward_op(ctx.key, dout, q, k, v, out, lse, dlse, ctx.sm_scale,
                                      alibi_slopes)
-    return None, dq, dk, dv, None, None, None, None
+    return None, dq, dk, dv, None, None, None, None, None
 
 
 @torch.library.custom_op("attngen::varlen_backward", mutates_args=())
@@ -319,7 +332,7 @@ def _(key, dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen
 
 def _varlen_setup(ctx, inputs, output):
     (key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,
-     alibi_slopes, seqused_k, _) = inputs
+     alibi_slopes, seqused_k) = inputs[:11]
     if seqused_k is not None:
         ctx.refusal = ("seqused_k: no backward for a KV cache read in place; pass None when "
                        "q, k or v requires grad")
@@ -338,7 +351,7 @@ def _varlen_backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     dq, dk, dv = varlen_backward_op(ctx.key, dout, q, k, v, out, lse, dlse, cu_seqlens_q,
                                     cu_seqlens_k, *ctx.lengths, ctx.sm_scale, alibi_slopes)
-    return None, dq, dk, dv, None, None, None, None, None, None, None, None
+    return None, dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("attngen::prefill", _prefill_backward,

@@ -56,18 +56,26 @@ class Need(NamedTuple):
     same_lengths: bool  # every sequence has Nq == Nk, so the alignments coincide
     kv_layout: KvLayout | None = None  # decode only
     page_size: int | None = None  # decode only, paged
+    sinks: bool = False  # the call passes learned sinks [HQ] (gpt-oss)
+    chunk_size: int | None = None  # with mask chunked
+    sink_tokens: int | None = None  # with mask sliding_window: the first keys always seen
 
     def describe(self) -> str:
         mask = self.mask.value
         if self.mask is not Mask.none:
             align = self.causal_align.value if self.causal_align else None
-            mask += f"({align}" + (f", window={self.window})" if self.window else ")")
+            extra = f", window={self.window}" if self.window else ""
+            extra += f", chunk_size={self.chunk_size}" if self.chunk_size else ""
+            extra += f", sink_tokens={self.sink_tokens}" if self.sink_tokens else ""
+            mask += f"({align}{extra})"
         dims = str(self.head_dim)
         if self.head_dim_v != self.head_dim:
             dims += f"/{self.head_dim_v}"
         dtype = self.dtype.value if self.dtype else "unsupported"
         text = (f"kind={self.kind.value} dtype={dtype} head_dim={dims} mask={mask} "
                 f"softcap={self.softcap:g} alibi={self.alibi} arch={self.arch}")
+        if self.sinks:
+            text += " sinks=True"
         if self.kv_layout:
             text += f" kv_layout={self.kv_layout.value}"
         return text
@@ -98,20 +106,28 @@ def check_fallback(mode: object, name: str) -> str:
 
 
 def effective_mask(spec_like: dict[str, Any], need: Need, *, at_lengths: bool = True) -> tuple:
-    """(mask, align, window) as it acts at the need's lengths: the form two masks compare in.
-    With at_lengths=False, only what holds at every length (the alignments agree when every
-    sequence has Nq == Nk)."""
+    """(mask, align, window, chunk_size, sink_tokens) as it acts at the need's lengths: the
+    form two masks compare in. With at_lengths=False, only what holds at every length (the
+    alignments agree when every sequence has Nq == Nk)."""
     mask, align = spec_like["mask"], spec_like.get("causal_align")
     window = spec_like.get("window")
+    chunk, sink_tokens = spec_like.get("chunk_size"), spec_like.get("sink_tokens")
     if at_lengths and mask != "none":
+        if mask == "chunked" and chunk is not None and chunk >= max(need.seqlen_q,
+                                                                    need.seqlen_k):
+            mask, chunk = "causal", None  # one chunk holds every aligned position
         mask, window = _mask_at_lengths(mask, align, window, need)
+    if mask != "sliding_window":
+        sink_tokens = None  # a window that reaches every key has no keys to add back
+    if mask != "chunked":
+        chunk = None
     # Without a mask, ALiBi's distance is taken at bottom-right positions: a mask that excludes
     # nothing at these lengths but aligns top-left keeps its top-left distance, so with ALiBi
     # it is mask none only when the alignments coincide.
     top_left_bias = need.alibi and align == "top_left" and spec_like["mask"] != "none"
     if need.same_lengths or (mask == "none" and not top_left_bias):
         align = None
-    return mask, align, window
+    return mask, align, window, chunk, sink_tokens
 
 
 def _mask_at_lengths(mask: str, align: str | None, window: tuple[int, int] | None,
@@ -147,7 +163,8 @@ def spec_view(entry: KernelEntry) -> dict[str, Any]:
 
 
 def _asked(need: Need) -> dict[str, Any]:
-    return {"mask": need.mask, "causal_align": need.causal_align, "window": need.window}
+    return {"mask": need.mask.value, "causal_align": need.causal_align, "window": need.window,
+            "chunk_size": need.chunk_size, "sink_tokens": need.sink_tokens}
 
 
 # ------------------------------------------------------------------------- selection
@@ -166,6 +183,8 @@ def mismatches(entry: KernelEntry, need: Need) -> list[str]:
                          ("head_dim_v", need.head_dim_v), ("alibi", need.alibi)):
         if spec.get(field) != value:
             problems.append(f"{field}: needs {value}, module has {spec.get(field)}")
+    if bool(spec.get("sinks")) != need.sinks:  # absent from specs without sinks
+        problems.append(f"sinks: needs {need.sinks}, module has {bool(spec.get('sinks'))}")
     if float(spec.get("softcap") or 0.0) != float(need.softcap):
         problems.append(f"softcap: needs {need.softcap:g}, module has {spec.get('softcap'):g}")
     if effective_mask(spec, need) != effective_mask(_asked(need), need):
@@ -194,6 +213,8 @@ def _mask_text(spec: dict[str, Any]) -> str:
         return "none"
     align = spec.get("causal_align")
     window = f" window={tuple(spec['window'])}" if spec.get("window") else ""
+    window += f" chunk_size={spec['chunk_size']}" if spec.get("chunk_size") else ""
+    window += f" sink_tokens={spec['sink_tokens']}" if spec.get("sink_tokens") else ""
     return f"{mask}({getattr(align, 'value', align)}{window})"
 
 
@@ -216,7 +237,7 @@ def same_kernel_fields(registry: Registry, need: Need) -> list[KernelEntry]:
     a decode loop asks with a new key length at each step, so the scan of every module is
     done once per kind of call instead."""
     key = (need.kind, need.arch, need.dtype, need.head_dim, need.head_dim_v, need.alibi,
-           float(need.softcap), need.kv_layout, need.page_size)
+           float(need.softcap), need.kv_layout, need.page_size, need.sinks)
     dtype = need.dtype.value if need.dtype else None
 
     def agrees(entry: KernelEntry) -> bool:
@@ -224,7 +245,8 @@ def same_kernel_fields(registry: Registry, need: Need) -> list[KernelEntry]:
         return (entry.kind == need.kind
                 and (need.arch == INTERPRETER or entry.arch == need.arch)
                 and (spec.get("dtype"), spec.get("head_dim"), spec.get("head_dim_v"),
-                     spec.get("alibi")) == (dtype, need.head_dim, need.head_dim_v, need.alibi)
+                     spec.get("alibi"), bool(spec.get("sinks"))) == (
+                         dtype, need.head_dim, need.head_dim_v, need.alibi, need.sinks)
                 and float(spec.get("softcap") or 0.0) == float(need.softcap))
 
     return registry.matching(key, agrees)

@@ -110,7 +110,8 @@ def need_of(spec: AttnSpec, kind: KernelKind, arch: str) -> Need:
         softcap=float(spec.softcap), alibi=spec.alibi, arch=arch,
         seqlen_q=spec.query_tokens if decode else 2**30, seqlen_k=2**30 + 1, same_lengths=False,
         kv_layout=spec.kv_layout if decode else None,
-        page_size=spec.page_size if decode else None)
+        page_size=spec.page_size if decode else None, sinks=spec.sinks,
+        chunk_size=spec.chunk_size, sink_tokens=spec.sink_tokens)
 
 
 def _run(module: Any, spec: AttnSpec, kind: KernelKind, device: torch.device) -> None:
@@ -118,17 +119,19 @@ def _run(module: Any, spec: AttnSpec, kind: KernelKind, device: torch.device) ->
     heads_q, heads_kv = spec.num_q_heads, spec.num_kv_heads
     d, dv = spec.head_dim, spec.value_head_dim
     slopes = torch.full((heads_q,), 0.5, device=device) if spec.alibi else None
+    # A module built with sinks takes them (the entry point refuses a call without).
+    extra = {"sinks": torch.zeros(heads_q, device=device)} if spec.sinks else {}
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device, dtype=dtype)
 
     if kind is KernelKind.decode:
-        _run_decode(module, spec, rand, slopes, device)
+        _run_decode(module, spec, rand, slopes, device, extra)
         return
     for n in LENGTHS if device.type == "cuda" else INTERPRETED_LENGTHS:
         if kind is KernelKind.prefill:
             module.attention(rand(1, heads_q, n, d), rand(1, heads_kv, n, d),
-                             rand(1, heads_kv, n, dv), alibi_slopes=slopes)
+                             rand(1, heads_kv, n, dv), alibi_slopes=slopes, **extra)
             # flash-attn's [B, N, H, D] layout, the output too when the module writes it in
             # place (the runtime passes out= then): other strides, another specialization.
             flash_out = ({"out": rand(1, n, heads_q, dv).transpose(1, 2)}
@@ -136,15 +139,16 @@ def _run(module: Any, spec: AttnSpec, kind: KernelKind, device: torch.device) ->
             module.attention(rand(1, n, heads_q, d).transpose(1, 2),
                              rand(1, n, heads_kv, d).transpose(1, 2),
                              rand(1, n, heads_kv, dv).transpose(1, 2), alibi_slopes=slopes,
-                             **flash_out)
+                             **flash_out, **extra)
         else:
             cu = torch.tensor([0, n], dtype=torch.int32, device=device)
             module.attention_varlen(rand(n, heads_q, d), rand(n, heads_kv, d),
-                                    rand(n, heads_kv, dv), cu, cu, n, n, alibi_slopes=slopes)
+                                    rand(n, heads_kv, dv), cu, cu, n, n, alibi_slopes=slopes,
+                                    **extra)
 
 
 def _run_decode(module: Any, spec: AttnSpec, rand: Any, slopes: torch.Tensor | None,
-                device: torch.device) -> None:
+                device: torch.device, extra: dict[str, torch.Tensor]) -> None:
     heads_kv, new = spec.num_kv_heads, spec.query_tokens
     lengths = torch.tensor([DECODE_CACHE // 2], dtype=torch.int32, device=device)
     q = rand(1, spec.num_q_heads, new, spec.head_dim)
@@ -161,5 +165,5 @@ def _run_decode(module: Any, spec: AttnSpec, rand: Any, slopes: torch.Tensor | N
                   rand(1, heads_kv, DECODE_CACHE, spec.value_head_dim))
         table = None
     module.decode(q, *caches, lengths, block_table=table, k_new=k_new, v_new=v_new,
-                  alibi_slopes=slopes)
+                  alibi_slopes=slopes, **extra)
 

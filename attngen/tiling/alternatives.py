@@ -4,11 +4,15 @@ arch cannot serve names it, and `attngen explain` prints it under a derivation w
 
 from __future__ import annotations
 
-from attngen.spec import AttnSpec, Dtype
-from attngen.tiling.prefill import derive_tiles, padded_head_dim
+from collections.abc import Callable
+
+from attngen.spec import AttnSpec, Dtype, KernelKind
+from attngen.tiling.decode import derive_decode_tiles
+from attngen.tiling.prefill import Derivation, derive_tiles, padded_head_dim
 
 
-def nearest_alternative(spec: AttnSpec, arch: str) -> str:
+def nearest_alternative(spec: AttnSpec, arch: str, kind: KernelKind = KernelKind.prefill
+                        ) -> str:
     """When nothing fits: the closest change to the spec that does, or why none exists.
 
     Tried in the order a user would give ground: a smaller head dim (the model only sees the
@@ -24,8 +28,13 @@ def nearest_alternative(spec: AttnSpec, arch: str) -> str:
         tier //= 2
     if spec.dtype.itemsize == 4:
         trials.insert(0, ("dtype bf16", spec.model_copy(update={"dtype": Dtype.bf16})))
+    if kind is KernelKind.decode and spec.query_tokens > 1:
+        trials.insert(0, ("max_query_tokens 1", spec.model_copy(
+            update={"max_query_tokens": 1})))
+    derive: Callable[[AttnSpec, str], Derivation] = (
+        derive_decode_tiles if kind is KernelKind.decode else derive_tiles)
     for change, trial in trials:
-        chosen = derive_tiles(trial, arch).chosen
+        chosen = derive(trial, arch).chosen
         if chosen is not None:
             return (f"{change} fits (BLOCK_M={chosen.block_m} BLOCK_N={chosen.block_n} "
                     f"num_warps={chosen.num_warps} num_stages={chosen.num_stages})")

@@ -31,8 +31,9 @@ these constants (tests check both agree):
                evened out so that no split is empty: per split = ceil(blocks / splits) blocks,
                splits = ceil(blocks / per split)
 
-span is the cache capacity (Lmax, or max_pages * page_size) or, with a sliding window, at most
-window_left + query tokens + BLOCK_N keys: a split never covers keys no query can see.
+span is the cache capacity (Lmax, or max_pages * page_size) or, with a sliding window (a
+chunked mask), at most window_left (chunk_size) + query tokens + BLOCK_N keys: a split never
+covers keys no query can see; sink tokens add their blocks.
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ DECODE_BLOCK_N_CHOICES = (32, 64, 128)
 DECODE_WARPS_CHOICES = (4, 8)
 DECODE_STAGES_CHOICES = (1, 2, 3, 4)
 MAX_ROW_TILE = 64  # larger query groups are split into row blocks (registers: acc is rows x DV)
+# Narrow tiles, tried only when no candidate of the row tile fits (wide heads: multi-head
+# latent attention's absorbed decode, D 576 -> 1024 padded, DV 512): fewer query rows per
+# program (more row blocks, each reading the keys again, mostly from L2) and 16-key tiles.
+NARROW_ROW_TILES = (32, 16)
+NARROW_BLOCK_N_CHOICES = (16, 32, 64)
 # Bytes of outstanding loads per SM that saturate HBM (module docstring; measured on the H200,
 # docs/results/exp_decode_2026-11-30.json).
 IN_FLIGHT_TARGET = 64 * 1024
@@ -108,15 +114,40 @@ def derive_decode_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
     """Every decode candidate on `arch_name`, judged like prefill's, scored by bytes in flight.
 
     The row tile is fixed by the spec (its head ratio and max_query_tokens): it is what a
-    program holds in the worst case the spec allows, so feasibility is judged there."""
+    program holds in the worst case the spec allows, so feasibility is judged there. When no
+    candidate of it fits, narrower row tiles (NARROW_ROW_TILES: the query group in several
+    row blocks) and 16-key tiles are judged instead."""
     arch = ARCHS[arch_name]
     rows = row_tile(spec.num_q_heads, spec.num_kv_heads, spec.query_tokens)
     d, dv = padded_head_dim(spec.head_dim), padded_head_dim(spec.value_head_dim)
-    values = {D: d, DV: dv, E: spec.dtype.itemsize, BM: rows}
+    candidates = _candidates(spec, arch, (rows,), DECODE_BLOCK_N_CHOICES)
+    if not any(c.feasible for c in candidates):
+        narrow = tuple(r for r in NARROW_ROW_TILES if r < rows)
+        if narrow:
+            candidates += _candidates(spec, arch, narrow, NARROW_BLOCK_N_CHOICES)
+    feasible = [c for c in candidates if c.feasible]
+    best = max(feasible, key=lambda c: _preference(c, arch)) if feasible else None
+    shown = best.config.block_m if best else rows
+    values = {D: d, DV: dv, E: spec.dtype.itemsize, BM: shown}
+    derivation = Derivation(
+        arch=arch_name, source="heuristic",
+        expressions=LazyText(lambda: {
+            "smem": str(smem_expression(arch, tma=False).subs(values)),
+            "regs": str(regs_expression(arch).subs(values)), "score": SCORE_TEXT}),
+        constraints=constraint_labels(arch)[:3], candidates=tuple(candidates), chosen=None,
+        binding="nothing fits", dims={"D": d, "DV": dv, "E": spec.dtype.itemsize}, tma=False)
+    if best is None:
+        return derivation
+    return choose(derivation, best.config, "heuristic")
+
+
+def _candidates(spec: AttnSpec, arch: GpuArch, row_tiles: tuple[int, ...],
+                block_ns: tuple[int, ...]) -> list[Candidate]:
+    d, dv = padded_head_dim(spec.head_dim), padded_head_dim(spec.value_head_dim)
     smem_f, regs_f = numeric_model(arch, tma=False)  # decode loads through pointers
     candidates = []
-    for bn, w, s in itertools.product(DECODE_BLOCK_N_CHOICES, DECODE_WARPS_CHOICES,
-                                      DECODE_STAGES_CHOICES):
+    for rows, bn, w, s in itertools.product(row_tiles, block_ns, DECODE_WARPS_CHOICES,
+                                            DECODE_STAGES_CHOICES):
         at = (rows, bn, s, w, d, dv, spec.dtype.itemsize)  # MODEL_SYMBOLS' order
         smem_b, regs_t = int(smem_f(*at)), int(math.ceil(regs_f(*at)))
         smem_b += page_flag_bytes(spec, bn)
@@ -134,27 +165,17 @@ def derive_decode_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
         candidates.append(Candidate(TileConfig(rows, bn, w, s), smem_b, regs_t, per_sm,
                                     round(score, 6), tuple(reasons),
                                     regs_predictive=spec.dtype.itemsize != 4))
-    derivation = Derivation(
-        arch=arch_name, source="heuristic",
-        expressions=LazyText(lambda: {
-            "smem": str(smem_expression(arch, tma=False).subs(values)),
-            "regs": str(regs_expression(arch).subs(values)), "score": SCORE_TEXT}),
-        constraints=constraint_labels(arch)[:3], candidates=tuple(candidates), chosen=None,
-        binding="nothing fits", dims={"D": d, "DV": dv, "E": spec.dtype.itemsize}, tma=False)
-    feasible = [c for c in candidates if c.feasible]
-    if not feasible:
-        return derivation
-    best = max(feasible, key=lambda c: _preference(c, arch))
-    return choose(derivation, best.config, "heuristic")
+    return candidates
 
 
 def _preference(cand: Candidate, arch: GpuArch
-                ) -> tuple[bool, float, float, int, int, int]:
-    """Safe before may-spill, then the score; among equals BLOCK_N 64 (a K tile of 64 rows
-    already makes full 128-byte transactions, and finer tiles let splits be finer), then
-    fewer warps (more programs per SM), fewer stages and less shared memory."""
+                ) -> tuple[bool, int, float, float, int, int, int]:
+    """Safe before may-spill, then the wider row tile (fewer re-reads of the keys), then the
+    score; among equals BLOCK_N 64 (a K tile of 64 rows already makes full 128-byte
+    transactions, and finer tiles let splits be finer), then fewer warps (more programs per
+    SM), fewer stages and less shared memory."""
     c = cand.config
-    return (not cand.may_spill(arch), cand.score, -abs(math.log2(c.block_n / 64)),
+    return (not cand.may_spill(arch), c.block_m, cand.score, -abs(math.log2(c.block_n / 64)),
             -c.num_warps, -c.num_stages, -cand.smem_bytes)
 
 
@@ -163,11 +184,13 @@ def decode_config(spec: AttnSpec, arch: str) -> TileConfig | None:
 
 
 def split_span(spec: AttnSpec, capacity: int, block_n: int, query_tokens: int) -> int:
-    """Keys a step can reach: the capacity, or with a window the window and the step."""
-    window = spec.window
-    if window is None:
-        return capacity
-    return min(capacity, window[0] + query_tokens + block_n)
+    """Keys a step can reach: the capacity, or with a window (a chunk) the window (the
+    chunk) and the step; sink tokens add their blocks."""
+    reach = spec.chunk_size if spec.chunk_size else (spec.window[0] if spec.window else None)
+    span = capacity if reach is None else min(capacity, reach + query_tokens + block_n)
+    if spec.sink_tokens:
+        span += -(-min(spec.sink_tokens, capacity) // block_n) * block_n
+    return span
 
 
 def num_splits(programs: int, span: int, block_n: int, sm_count: int) -> tuple[int, int]:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from attngen.arch import ARCHS
-from attngen.spec import AttnSpec, Mask
+from attngen.spec import AttnSpec, KernelKind, Mask
 from attngen.tiling.prefill import REGISTER_MARGIN, Candidate, derive_tiles
 from attngen.verify.measurements import (
     MeasurementKey,
@@ -110,6 +110,8 @@ def plan_rows(specs: Iterable[AttnSpec], archs: Sequence[str] | None) -> Plan:
     chosen: list[tuple[str, str, MeasurementKey | None]] = []
     by_name: dict[str, AttnSpec] = {}
     for spec in specs:
+        if not {KernelKind.prefill, KernelKind.varlen} & set(spec.kernels):
+            continue  # decode-only (MLA's absorbed 576/512): tools/decode_compile_check.py
         by_name[spec.name] = spec
         for arch in archs or spec.archs:
             derivation = derive_tiles(spec, arch)

@@ -116,7 +116,7 @@ def kernel_source(spec: AttnSpec, kernel: Any, config: TileConfig,
     if spec.num_q_heads == spec.num_kv_heads:
         constexprs["q_per_kv"] = 1  # Triton specializes an int argument equal to 1
     types = dict.fromkeys(("Q", "K", "V", "Out"), spec.dtype.triton_pointer)
-    types.update(Lse="*fp32", Slopes="*fp32")
+    types.update(Lse="*fp32", Slopes="*fp32", Sinks="*fp32")  # Sinks: with `sinks: true`
     for name, width in (("k_desc", spec.head_dim), ("v_desc", spec.value_head_dim)):
         block = f"[1, 1, {config.block_n}, {padded_head_dim(width)}]"
         types[name] = f"tensordesc<{spec.dtype.value}{block}>"
@@ -135,7 +135,7 @@ def _decode_source(spec: AttnSpec, kernel: Any, config: TileConfig) -> Any:
                       BLOCK_N=config.block_n)
     types = dict.fromkeys(("Q", "K", "V", "Out"), spec.dtype.triton_pointer)
     types.update(dict.fromkeys(("SeqLens", "BlockTable"), "*i32"))
-    types.update(dict.fromkeys(("Lse", "PartOut", "PartLse", "Slopes"), "*fp32"))
+    types.update(dict.fromkeys(("Lse", "PartOut", "PartLse", "Slopes", "Sinks"), "*fp32"))
 
     def divisible(name: str) -> bool:  # every stride but the block table's
         return name.startswith("stride_") and not name.startswith("stride_bt")

@@ -1,0 +1,69 @@
+"""The spec's cross-field checks for the training fields (backward, dropout) and the newer
+models' fields (sinks, chunked masks, sink tokens, latent attention's head dims).
+
+They read the spec through enum values rather than importing attngen.spec, which imports
+them (each raises the spec's one-line field error).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from attngen.spec_errors import field_error
+
+if TYPE_CHECKING:
+    from attngen.spec import AttnSpec
+
+# Any head dim flash-attn serves: the kernels pad it to a power of two >= 16 (tl.dot's and
+# tl.arange's extents) and mask the padded lanes on every load and store. Beyond 256 only the
+# decode kind (multi-head latent attention's absorbed decode: 576 / 512), whose tile the
+# decode tiling model sizes per arch; prefill tiles are modelled and measured up to 256.
+MAX_HEAD_DIM = 256
+MAX_DECODE_HEAD_DIM = 576
+
+
+def check_training(spec: AttnSpec) -> None:
+    """backward needs a prefill or varlen kernel, dropout needs backward, and a trained spec
+    has none of the newer models' fields."""
+    kinds = {kind.value for kind in spec.kernels}
+    if spec.backward and not kinds & {"prefill", "varlen"}:
+        raise field_error("backward", True, "true only with prefill or varlen in kernels "
+                          "(decode has no backward)")
+    if spec.dropout and not spec.backward:
+        raise field_error("dropout", True, "true only with backward: true (dropout is for "
+                          "training)")
+    if not spec.backward:
+        return
+    # The gradient kernels have no sink gradient, no chunk visibility and no sink-token
+    # blocks: a trained module with any of them would return wrong gradients.
+    unsupported = " with backward: true (the gradient kernels do not implement it)"
+    if spec.sinks:
+        raise field_error("sinks", True, "false" + unsupported)
+    if spec.mask.value == "chunked":
+        raise field_error("mask", "chunked", "none, causal or sliding_window" + unsupported)
+    if spec.sink_tokens is not None:
+        raise field_error("sink_tokens", spec.sink_tokens, "absent" + unsupported)
+
+
+def check_model_fields(spec: AttnSpec) -> None:
+    """chunk_size exactly with mask chunked; sink_tokens only with a sliding window."""
+    chunked = spec.mask.value == "chunked"
+    if chunked and spec.chunk_size is None:
+        raise field_error("chunk_size", None, "an int in 1..2147483647 (required with mask "
+                          "chunked)")
+    if not chunked and spec.chunk_size is not None:
+        raise field_error("chunk_size", spec.chunk_size, "absent unless mask is chunked")
+    if spec.sink_tokens is not None and spec.mask.value != "sliding_window":
+        raise field_error("sink_tokens", spec.sink_tokens, "absent unless mask is "
+                          "sliding_window (the first keys a window would drop)")
+
+
+def check_head_dims(spec: AttnSpec) -> None:
+    """Head dims beyond MAX_HEAD_DIM only for a decode-only spec."""
+    if [kind.value for kind in spec.kernels] == ["decode"]:
+        return
+    for field in ("head_dim", "head_dim_v"):
+        value = getattr(spec, field)
+        if value is not None and value > MAX_HEAD_DIM:
+            raise field_error(field, value, f"an int in 1..{MAX_HEAD_DIM} (up to "
+                              f"{MAX_DECODE_HEAD_DIM} with kernels: [decode] only)", typed=True)
