@@ -20,18 +20,23 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from attngen.reference import compare_to_reference, random_sinks
+from attngen.runtime.fallback import fallback_dense
 from tests.decode_harness import load_decode, make_cache, make_decode_spec, make_queries
 from tests.kernel_harness import load_kernel, make_inputs, make_spec
 
 TILE = 16  # BLOCK_M = BLOCK_N forced to 16: boundaries where the cases put them
 
 
-def _prefill(spec, seqlen_q, seqlen_k, *, seed, batch=1):
-    kernel = load_kernel(spec, TILE, TILE)
+def _prefill(spec, seqlen_q, seqlen_k, *, seed, batch=1, tile=TILE, device="cpu"):
+    """One prefill call at `tile` x `tile` (None: the derived tiles) on `device`, judged
+    against the float64 reference on the host."""
+    kernel = load_kernel(spec, tile, tile)
     q, k, v, _ = make_inputs(spec, batch, seqlen_q, seqlen_k, seed=seed)
     sinks = random_sinks(q.shape[1], seed=seed) if spec.sinks else None
-    extra = {"sinks": sinks} if spec.sinks else {}
-    out, lse = kernel.attention(q, k, v, return_lse=True, **extra)
+    extra = {"sinks": sinks.to(device)} if spec.sinks else {}
+    out, lse = kernel.attention(q.to(device), k.to(device), v.to(device), return_lse=True,
+                                **extra)
+    out, lse = out.cpu(), lse.cpu()
     problems = compare_to_reference(spec, out, lse, q, k, v, sinks=sinks)
     assert not problems, "; ".join(problems)
     return out, lse, sinks
@@ -66,6 +71,21 @@ def test_sinks_are_required_and_checked():
         kernel.attention(q, k, v)
     with pytest.raises(ValueError, match=r"sinks: expected shape \(4,\) float32"):
         kernel.attention(q, k, v, sinks=torch.zeros(3))
+
+
+@pytest.mark.parametrize("sinks", [
+    torch.zeros(3), torch.zeros(4, dtype=torch.float16), torch.zeros(4, 2)[:, 0]])
+def test_the_fallback_checks_sinks_as_a_module_does(sinks):
+    """The torch fallback (entry_checks) refuses a sinks tensor with the module's message."""
+    spec = make_spec(head_dim=32, sinks=True)
+    kernel = load_kernel(spec, TILE, TILE)
+    q, k, v, _ = make_inputs(spec, 1, 8, 8, seed=0)
+    with pytest.raises(ValueError) as module_says:
+        kernel.attention(q, k, v, sinks=sinks)
+    with pytest.raises(ValueError) as fallback_says:
+        fallback_dense(q, k, v, alibi_slopes=None, sinks=sinks, return_lse=True)
+    assert str(fallback_says.value) == str(module_says.value)
+    assert str(module_says.value).startswith("sinks: expected")
 
 
 # ------------------------------------------------------------------------------ chunks
@@ -135,8 +155,12 @@ def test_new_fields_match_the_reference(params):
     dict(mask="sliding_window", window_left=5, sink_tokens=TILE),
 ])
 def test_varlen_sequences_with_the_new_fields(fields):
-    spec = make_spec(kernels=["varlen"], head_dim=32, **fields)
-    kernel = load_kernel(spec, TILE, TILE, kind="varlen")
+    _varlen(make_spec(kernels=["varlen"], head_dim=32, **fields))
+
+
+def _varlen(spec, tile=TILE, device="cpu"):
+    """Four packed sequences (an empty one, Nq < Nk, Nq = Nk across tiles) on `device`."""
+    kernel = load_kernel(spec, tile, tile, kind="varlen")
     lengths = [(0, 0), (33, 33), (7, 40), (18, 18)]
     seqs = [make_inputs(spec, 1, nq, nk, seed=i) for i, (nq, nk) in enumerate(lengths)]
     packed = [torch.cat([s[j][0].transpose(0, 1) for s in seqs]) for j in range(3)]
@@ -145,8 +169,10 @@ def test_varlen_sequences_with_the_new_fields(fields):
     cu_k = torch.tensor([0] + [sum(n for _, n in lengths[:i + 1]) for i in range(4)],
                         dtype=torch.int32)
     sinks = random_sinks(spec.num_q_heads, seed=5) if spec.sinks else None
-    extra = {"sinks": sinks} if spec.sinks else {}
-    out, lse = kernel.attention_varlen(*packed, cu_q, cu_k, 40, 40, return_lse=True, **extra)
+    extra = {"sinks": sinks.to(device)} if spec.sinks else {}
+    out, lse = kernel.attention_varlen(*(t.to(device) for t in packed), cu_q.to(device),
+                                       cu_k.to(device), 40, 40, return_lse=True, **extra)
+    out, lse = out.cpu(), lse.cpu()
     for b, (q, k, v, _) in enumerate(seqs):
         rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
         got = out[rows].transpose(0, 1)[None]
@@ -157,24 +183,28 @@ def test_varlen_sequences_with_the_new_fields(fields):
 # ------------------------------------------------------------------------------ decode
 
 
-def _decode(spec, lengths, *, seed, num_q_tokens=1, latent_values=False, splits=None):
-    """One decode step against a cache holding `lengths`, judged per sequence; `splits`
-    forces the split count (the combine kernel then adds the sinks)."""
-    kernel = load_decode(spec, block_n=TILE if spec.head_dim <= 256 else None)
+def _decode(spec, lengths, *, seed, num_q_tokens=1, latent_values=False, splits=None,
+            block_n=TILE, device="cpu"):
+    """One decode step against a cache holding `lengths` on `device`, judged per sequence;
+    `splits` forces the split count (the combine kernel then adds the sinks); block_n None:
+    the derived key tile."""
+    kernel = load_decode(spec, block_n=block_n if spec.head_dim <= 256 else None)
     kernel.FORCE_NUM_SPLITS = splits
     cache = make_cache(spec, lengths, seed=seed)
+    on_device = cache.to(device)
     q, _, _, _ = make_queries(spec, len(lengths), num_q_tokens, seed=seed)
     sinks = random_sinks(spec.num_q_heads, seed=seed) if spec.sinks else None
-    extra = {"sinks": sinks} if spec.sinks else {}
-    k_cache, v_cache, dense_v = cache.k, cache.v, cache.dense_v
+    extra = {"sinks": sinks.to(device)} if spec.sinks else {}
+    k_cache, v_cache, dense_v = on_device.k, on_device.v, cache.dense_v
     if latent_values:  # the absorbed form: the values are the keys' first DV dims
         v_cache = k_cache[..., :spec.value_head_dim]
         dense_v = [k[..., :spec.value_head_dim] for k in cache.dense_k]
     try:
-        out, lse = kernel.decode(q, k_cache, v_cache, cache.lengths,
-                                 block_table=cache.block_table, return_lse=True, **extra)
+        out, lse = kernel.decode(q.to(device), k_cache, v_cache, on_device.lengths,
+                                 block_table=on_device.block_table, return_lse=True, **extra)
     finally:
         kernel.FORCE_NUM_SPLITS = None
+    out, lse = out.cpu(), lse.cpu()
     for b in range(len(lengths)):
         problems = compare_to_reference(spec, out[b:b + 1], lse[b:b + 1], q[b:b + 1],
                                         cache.dense_k[b][None], dense_v[b][None], sinks=sinks)
