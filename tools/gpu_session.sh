@@ -8,8 +8,8 @@
 #   bash tools/gpu_session.sh OUT SECTION[:SECONDS] ...        (default 300 s a section)
 # Sections: check, safety, decode_tests, prefill_tests, integration_tests, cp_tests, host,
 #   bench_decode, bench_prefill, bench_model, cp_bench, backward_tests, bench_backward,
-#   ondemand_tests, cold_start, bounds_cost, verify_data, host_public, models_bench;
-#   `tools/gpu_session.sh OUT list` prints each one's command.
+#   ondemand_tests, cold_start, bounds_cost, verify_data, host_public, models_tests,
+#   models_bench; `tools/gpu_session.sh OUT list` prints each one's command.
 set -u -o pipefail
 out=${1:?usage: tools/gpu_session.sh OUT SECTION[:SECONDS] ...}
 shift
@@ -23,6 +23,9 @@ section_command() {
     bounds_cost) echo "python3 tools/bench_bounds_cost.py --baseline bounds_baseline --out $work" ;;
     verify_data) echo "python3 -m attngen verify-tiling --recompile --save-data --jobs 16" ;;
     host_public) echo "python3 tools/host_overhead.py" ;;
+    models_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_model_fields_gpu.py \
+      && $pytest_gpu tests/test_prefill_gpu.py tests/test_decode_gpu.py \
+      -k 'gpt_oss or llama4 or deepseek'" ;;
     models_bench) echo "python3 tools/bench_models.py --out $work" ;;
     decode_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_decode_gpu.py" ;;
     prefill_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_prefill_gpu.py" ;;
@@ -44,7 +47,8 @@ section_command() {
 if [ "${1:-}" = list ]; then
   for name in check safety decode_tests prefill_tests integration_tests cp_tests host \
       bench_decode bench_prefill bench_model cp_bench backward_tests bench_backward \
-      ondemand_tests cold_start bounds_cost verify_data host_public models_bench; do
+      ondemand_tests cold_start bounds_cost verify_data host_public models_tests \
+      models_bench; do
     printf '%-18s %s\n' "$name" "$(section_command "$name")"
   done
   exit 0
