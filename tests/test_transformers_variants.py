@@ -103,6 +103,11 @@ def test_gpt_oss_sinks_equal_eager(tmp_path, registry_saved):
     modules = _same_as_eager(model, 20, 6)
     assert modules == ["sm90/tiny_local_prefill_fp32_d16_win7x0_br_sinks",
                        "sm90/tiny_global_prefill_fp32_d16_causal_br_sinks"]
+    # Training through them is refused by name: the spec cannot ask for a backward with sinks.
+    model.set_attn_implementation("attngen")
+    loss = model(input_ids=_ids(12)).logits.sum()
+    with pytest.raises(NotImplementedError, match="forward-only: its spec has sinks"):
+        loss.backward()
 
 
 def test_deepseek_v3_latent_attention_equals_eager(tmp_path, registry_saved):

@@ -270,7 +270,16 @@ def _(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sm_sca
 
 def _backward_of(key: str, name: str):
     """The module's backward entry point `name`, or NotImplementedError saying why not."""
-    backward = getattr(current_registry().module(key), name, None)
+    module = current_registry().module(key)
+    backward = getattr(module, name, None)
+    untrainable = [field for field, constant in (("sinks", "SINKS"), ("mask chunked", "CHUNK_SIZE"),
+                                                 ("sink_tokens", "SINK_TOKENS"))
+                   if getattr(module, constant, None)]
+    if backward is None and untrainable:
+        raise NotImplementedError(
+            f"{key}: this module is forward-only: its spec has {', '.join(untrainable)}, which "
+            "the gradient kernels do not implement (a spec with backward: true refuses them); "
+            "train with another attention implementation")
     if backward is None:
         raise NotImplementedError(
             f"{key}: this module is forward-only (built from a spec without backward: true), "
