@@ -24,11 +24,11 @@
 #   shared memory = E*Max(BLOCK_M*DV, BLOCK_M*D + (BLOCK_N*D + BLOCK_N*DV)*Max(1, S - 1))
 #     with BLOCK_M=128, BLOCK_N=64, D=256, DV=128, E=2, S=3, W=8
 #     = 163840 B of 166912 B available per block
-#   registers/thread ~ 9*BLOCK_M*BLOCK_N/(320*W) + 11*BLOCK_M*DV/(256*W) + 7*BLOCK_N*E*(D +
-#       DV)/(1280*W) + 72 = 223 of 255
+#   registers/thread ~ BLOCK_M*BLOCK_N/(24*W) + BLOCK_M*DV/(24*W) + BLOCK_N*E*(D + DV)/(192*W) +
+#       69 = 229 of 255
 #   programs/SM 1, waves 512/513 = 0.998 (128 heads x 4096 tokens / 128 rows per program over
 #       108 SMs x 1 per SM)
-#   score 0.665, 87 of 128 candidates feasible
+#   score 0.665, 91 of 128 candidates feasible
 #   binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 64->128: smem 262144 B >
 #       166912 B; num_stages 3->4: smem 212992 B > 166912 B
 """Prefill (forward) attention, FlashAttention-2 style and exact.

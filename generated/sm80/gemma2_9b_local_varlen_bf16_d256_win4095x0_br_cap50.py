@@ -27,12 +27,12 @@
 #       BLOCK_N*DV)*Max(1, S - 1))
 #     with BLOCK_M=64, BLOCK_N=64, D=256, DV=256, E=2, S=2, W=8
 #     = 106496 B of 166912 B available per block
-#   registers/thread ~ 9*BLOCK_M*BLOCK_N/(320*W) + 11*BLOCK_M*DV/(256*W) + 7*BLOCK_N*E*(D +
-#       DV)/(1280*W) + 72 = 220 of 255
+#   registers/thread ~ BLOCK_M*BLOCK_N/(24*W) + BLOCK_M*DV/(24*W) + BLOCK_N*E*(D + DV)/(192*W) +
+#       69 = 219 of 255
 #   programs/SM 1, waves 128/135 = 0.948 (16 heads x 4096 tokens / 64 rows per program over 108
 #       SMs x 1 per SM)
-#   score 0.427, 67 of 128 candidates feasible
-#   binding: BLOCK_M 64->128: regs 322 > 255 + 24; BLOCK_N 64->128: smem 180224 B > 166912 B;
+#   score 0.427, 66 of 128 candidates feasible
+#   binding: BLOCK_M 64->128: regs 325 > 255 + 24; BLOCK_N 64->128: smem 180224 B > 166912 B;
 #       num_stages 2->3: smem 172032 B > 166912 B
 """Varlen prefill (forward) attention over packed sequences, FlashAttention-2 style and exact.
 

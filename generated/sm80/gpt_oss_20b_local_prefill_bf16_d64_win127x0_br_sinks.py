@@ -28,8 +28,8 @@
 #   shared memory = E*Max(BLOCK_M*DV, BLOCK_M*D + (BLOCK_N*D + BLOCK_N*DV)*Max(1, S - 1))
 #     with BLOCK_M=128, BLOCK_N=128, D=64, DV=64, E=2, S=3, W=8
 #     = 81920 B of 166912 B available per block
-#   registers/thread ~ 9*BLOCK_M*BLOCK_N/(320*W) + 11*BLOCK_M*DV/(256*W) + 7*BLOCK_N*E*(D +
-#       DV)/(1280*W) + 72 = 196 of 255
+#   registers/thread ~ BLOCK_M*BLOCK_N/(24*W) + BLOCK_M*DV/(24*W) + BLOCK_N*E*(D + DV)/(192*W) +
+#       69 = 219 of 255
 #   programs/SM 1, waves 512/513 = 0.998 (64 heads x 4096 tokens / 128 rows per program over 108
 #       SMs x 1 per SM)
 #   score 0.998, 124 of 128 candidates feasible

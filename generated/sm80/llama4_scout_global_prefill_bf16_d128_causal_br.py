@@ -27,13 +27,13 @@
 #   shared memory = E*Max(BLOCK_M*DV, BLOCK_M*D + (BLOCK_N*D + BLOCK_N*DV)*Max(1, S - 1))
 #     with BLOCK_M=128, BLOCK_N=64, D=128, DV=128, E=2, S=3, W=8
 #     = 98304 B of 166912 B available per block
-#   registers/thread ~ 9*BLOCK_M*BLOCK_N/(320*W) + 11*BLOCK_M*DV/(256*W) + 7*BLOCK_N*E*(D +
-#       DV)/(1280*W) + 72 = 212 of 255
+#   registers/thread ~ BLOCK_M*BLOCK_N/(24*W) + BLOCK_M*DV/(24*W) + BLOCK_N*E*(D + DV)/(192*W) +
+#       69 = 219 of 255
 #   programs/SM 1, waves 80/81 = 0.988 (40 heads x 4096 tokens / 128 rows per program over 108
 #       SMs x 1 per SM)
-#   score 0.658, 106 of 128 candidates feasible
-#   binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 64->128: fits, not chosen
-#       (score 0.988); num_stages 3->4: fits, not chosen (score 0.658)
+#   score 0.658, 103 of 128 candidates feasible
+#   binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 64->128: regs 283 > 255 + 24;
+#       num_stages 3->4: fits, not chosen (score 0.658)
 """Prefill (forward) attention, FlashAttention-2 style and exact.
 
 Module llama4_scout_global_prefill_bf16_d128_causal_br.

@@ -28,8 +28,8 @@
 #       BLOCK_N*DV)*Max(1, S - 1))
 #     with BLOCK_M=16, BLOCK_N=64, D=128, DV=128, E=2, S=2, W=4
 #     = 38912 B of 166912 B available per block
-#   registers/thread ~ 9*BLOCK_M*BLOCK_N/(320*W) + 11*BLOCK_M*DV/(256*W) + 7*BLOCK_N*E*(D +
-#       DV)/(1280*W) + 72 = 146 of 255
+#   registers/thread ~ BLOCK_M*BLOCK_N/(24*W) + BLOCK_M*DV/(24*W) + BLOCK_N*E*(D + DV)/(192*W) +
+#       69 = 144 of 255
 #   programs/SM 3
 #   score 1.000, 22 of 24 candidates feasible
 #   binding: BLOCK_M 16->32: outside the candidate grid; BLOCK_N 64->128: fits, not chosen

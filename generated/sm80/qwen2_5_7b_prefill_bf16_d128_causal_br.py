@@ -27,13 +27,13 @@
 #       BLOCK_N*DV)*Max(1, S - 1))
 #     with BLOCK_M=64, BLOCK_N=128, D=128, DV=128, E=2, S=3, W=8
 #     = 163840 B of 166912 B available per block
-#   registers/thread ~ 9*BLOCK_M*BLOCK_N/(320*W) + 11*BLOCK_M*DV/(256*W) + 7*BLOCK_N*E*(D +
-#       DV)/(1280*W) + 72 = 190 of 255
+#   registers/thread ~ BLOCK_M*BLOCK_N/(24*W) + BLOCK_M*DV/(24*W) + BLOCK_N*E*(D + DV)/(192*W) +
+#       69 = 197 of 255
 #   programs/SM 1, waves 448/459 = 0.976 (28 heads x 4096 tokens / 64 rows per program over 108
 #       SMs x 1 per SM)
-#   score 0.651, 106 of 128 candidates feasible
-#   binding: BLOCK_M 64->128: fits, not chosen (score 0.922); BLOCK_N 128->256: outside the
-#       candidate grid; num_stages 3->4: smem 229376 B > 166912 B
+#   score 0.651, 103 of 128 candidates feasible
+#   binding: BLOCK_M 64->128: regs 283 > 255 + 24; BLOCK_N 128->256: outside the candidate grid;
+#       num_stages 3->4: smem 229376 B > 166912 B
 """Prefill (forward) attention, FlashAttention-2 style and exact.
 
 Module qwen2_5_7b_prefill_bf16_d128_causal_br.

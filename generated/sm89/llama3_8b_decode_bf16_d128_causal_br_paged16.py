@@ -29,8 +29,8 @@
 #       BLOCK_N*DV)*Max(1, S - 1))
 #     with BLOCK_M=16, BLOCK_N=64, D=128, DV=128, E=2, S=2, W=4
 #     = 39168 B of 101376 B available per block
-#   registers/thread ~ 9*BLOCK_M*BLOCK_N/(320*W) + 11*BLOCK_M*DV/(256*W) + 7*BLOCK_N*E*(D +
-#       DV)/(1280*W) + 72 = 146 of 255
+#   registers/thread ~ BLOCK_M*BLOCK_N/(24*W) + BLOCK_M*DV/(24*W) + BLOCK_N*E*(D + DV)/(192*W) +
+#       69 = 144 of 255
 #   programs/SM 2
 #   score 1.000, 18 of 24 candidates feasible
 #   binding: BLOCK_M 16->32: outside the candidate grid; BLOCK_N 64->128: fits, not chosen

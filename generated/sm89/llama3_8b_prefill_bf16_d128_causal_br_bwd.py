@@ -28,11 +28,11 @@
 #   shared memory = E*Max(BLOCK_M*DV, BLOCK_M*D + (BLOCK_N*D + BLOCK_N*DV)*Max(1, S - 1))
 #     with BLOCK_M=128, BLOCK_N=64, D=128, DV=128, E=2, S=3, W=8
 #     = 98304 B of 101376 B available per block
-#   registers/thread ~ 9*BLOCK_M*BLOCK_N/(320*W) + 11*BLOCK_M*DV/(256*W) + 7*BLOCK_N*E*(D +
-#       DV)/(1280*W) + 72 = 212 of 255
+#   registers/thread ~ BLOCK_M*BLOCK_N/(24*W) + BLOCK_M*DV/(24*W) + BLOCK_N*E*(D + DV)/(192*W) +
+#       69 = 219 of 255
 #   programs/SM 1, waves 64/71 = 0.901 (32 heads x 4096 tokens / 128 rows per program over 142
 #       SMs x 1 per SM)
-#   score 0.601, 93 of 128 candidates feasible
+#   score 0.601, 91 of 128 candidates feasible
 #   binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 64->128: smem 163840 B >
 #       101376 B; num_stages 3->4: smem 131072 B > 101376 B
 #   dQ kernel: 64x64, 8 warps, 2 stages

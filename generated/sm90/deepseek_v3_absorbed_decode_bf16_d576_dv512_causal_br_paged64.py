@@ -28,8 +28,8 @@
 #       BLOCK_N*DV)*Max(1, S - 1))
 #     with BLOCK_M=32, BLOCK_N=32, D=1024, DV=512, E=2, S=2, W=8
 #     = 165888 B of 231424 B available per block
-#   registers/thread ~ 9*BLOCK_M*BLOCK_N/(320*W) + 11*BLOCK_M*DV/(256*W) + 7*BLOCK_N*E*(D +
-#       DV)/(1280*W) + 72 = 231 of 255
+#   registers/thread ~ BLOCK_M*BLOCK_N/(24*W) + BLOCK_M*DV/(24*W) + BLOCK_N*E*(D + DV)/(192*W) +
+#       69 = 224 of 255
 #   programs/SM 1
 #   score 1.000, 19 of 72 candidates feasible
 #   binding: BLOCK_M 32->64: smem 327680 B > 231424 B; BLOCK_N 32->64: smem 266240 B > 231424 B;

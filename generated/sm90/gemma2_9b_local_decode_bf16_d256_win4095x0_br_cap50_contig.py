@@ -27,11 +27,11 @@
 #       BLOCK_N*DV)*Max(1, S - 1))
 #     with BLOCK_M=16, BLOCK_N=64, D=256, DV=256, E=2, S=2, W=4
 #     = 75776 B of 231424 B available per block
-#   registers/thread ~ 9*BLOCK_M*BLOCK_N/(320*W) + 11*BLOCK_M*DV/(256*W) + 7*BLOCK_N*E*(D +
-#       DV)/(1280*W) + 72 = 213 of 255
+#   registers/thread ~ BLOCK_M*BLOCK_N/(24*W) + BLOCK_M*DV/(24*W) + BLOCK_N*E*(D + DV)/(192*W) +
+#       69 = 208 of 255
 #   programs/SM 2
 #   score 1.000, 18 of 24 candidates feasible
-#   binding: BLOCK_M 16->32: outside the candidate grid; BLOCK_N 64->128: regs 310 > 255 + 24;
+#   binding: BLOCK_M 16->32: outside the candidate grid; BLOCK_N 64->128: regs 304 > 255 + 24;
 #       num_stages 2->3: fits, not chosen (score 1.000)
 """Decode attention against a contiguous KV cache: split-KV (flash-decoding), exact.
 

@@ -29,8 +29,8 @@
 #       BLOCK_N*DV)*Max(1, S - 1))
 #     with BLOCK_M=16, BLOCK_N=64, D=64, DV=64, E=2, S=3, W=4
 #     = 37120 B of 231424 B available per block
-#   registers/thread ~ 9*BLOCK_M*BLOCK_N/(320*W) + 11*BLOCK_M*DV/(256*W) + 7*BLOCK_N*E*(D +
-#       DV)/(1280*W) + 72 = 113 of 255
+#   registers/thread ~ BLOCK_M*BLOCK_N/(24*W) + BLOCK_M*DV/(24*W) + BLOCK_N*E*(D + DV)/(192*W) +
+#       69 = 112 of 255
 #   programs/SM 4
 #   score 1.000, 24 of 24 candidates feasible
 #   binding: BLOCK_M 16->32: outside the candidate grid; BLOCK_N 64->128: fits, not chosen
