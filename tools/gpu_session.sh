@@ -6,8 +6,8 @@
 #
 # Usage on a CUDA machine, from the repository root:
 #   bash tools/gpu_session.sh OUT SECTION[:SECONDS] ...        (default 300 s a section)
-# Sections: check, safety, decode_tests, prefill_tests, integration_tests, cp_tests, host,
-#   bench_decode, bench_prefill, bench_model, cp_bench, backward_tests, bench_backward,
+# Sections: check, safety, safety_kernels (the kernels' part of safety), decode_tests,
+#   prefill_tests, integration_tests, cp_tests, host, bench_decode, bench_prefill, bench_model, cp_bench, backward_tests, bench_backward,
 #   ondemand_tests, cold_start, bounds_cost, verify_data, host_public, models_bench;
 #   `tools/gpu_session.sh OUT list` prints each one's command.
 set -u -o pipefail
@@ -20,6 +20,7 @@ section_command() {
   case "$1" in
     check) echo "python3 -m attngen check examples/*.yaml" ;;
     safety) echo "bash tools/gpu_api.sh $work/api" ;;
+    safety_kernels) echo "$pytest_gpu tests/test_safety_gpu.py" ;;
     bounds_cost) echo "python3 tools/bench_bounds_cost.py --baseline bounds_baseline --out $work" ;;
     verify_data) echo "python3 -m attngen verify-tiling --recompile --save-data --jobs 16" ;;
     host_public) echo "python3 tools/host_overhead.py" ;;
@@ -42,7 +43,7 @@ section_command() {
 }
 
 if [ "${1:-}" = list ]; then
-  for name in check safety decode_tests prefill_tests integration_tests cp_tests host \
+  for name in check safety safety_kernels decode_tests prefill_tests integration_tests cp_tests host \
       bench_decode bench_prefill bench_model cp_bench backward_tests bench_backward \
       ondemand_tests cold_start bounds_cost verify_data host_public models_bench; do
     printf '%-18s %s\n' "$name" "$(section_command "$name")"
