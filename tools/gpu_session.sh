@@ -8,13 +8,16 @@
 #   bash tools/gpu_session.sh OUT SECTION[:SECONDS] ...        (default 300 s a section)
 # Sections: check, safety, decode_tests, prefill_tests, integration_tests, cp_tests, host,
 #   bench_decode, bench_prefill, bench_model, cp_bench, backward_tests, bench_backward,
-#   ondemand_tests, cold_start, bounds_cost, verify_data, host_public, models_bench;
-#   `tools/gpu_session.sh OUT list` prints each one's command.
+#   ondemand_tests, cold_start, bounds_cost, verify_data, host_public, models_bench,
+#   cp_bwd_tests, cp_bwd_steps, cp_bwd_bench (the last needs two GPUs; cp_bwd_tests skips its
+#   two-GPU test with one); `tools/gpu_session.sh OUT list` prints each one's command.
 set -u -o pipefail
 out=${1:?usage: tools/gpu_session.sh OUT SECTION[:SECONDS] ...}
 shift
 work="$out/work"
 pytest_gpu="python3 -m pytest -m gpu -q -p no:cacheprovider"
+# Two processes on one host's GPUs, NVLink multicast off (the device tool's KINDS.md says why).
+torchrun2="NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --nproc-per-node 2"
 
 section_command() {
   case "$1" in
@@ -37,6 +40,9 @@ section_command() {
     bench_backward) echo "python3 tools/bench_backward.py --out $work" ;;
     ondemand_tests) echo "$pytest_gpu tests/test_ondemand_gpu.py" ;;
     cold_start) echo "python3 tools/ondemand_cold_start.py --json $work/cold_start.json" ;;
+    cp_bwd_tests) echo "NCCL_NVLS_ENABLE=0 $pytest_gpu tests/test_context_parallel_gpu.py -k gradients" ;;
+    cp_bwd_steps) echo "python3 tools/bench_context_parallel_backward.py --out $work" ;;
+    cp_bwd_bench) echo "$torchrun2 tools/bench_context_parallel_backward.py --out $work" ;;
     *) return 1 ;;
   esac
 }
@@ -44,7 +50,8 @@ section_command() {
 if [ "${1:-}" = list ]; then
   for name in check safety decode_tests prefill_tests integration_tests cp_tests host \
       bench_decode bench_prefill bench_model cp_bench backward_tests bench_backward \
-      ondemand_tests cold_start bounds_cost verify_data host_public models_bench; do
+      ondemand_tests cold_start bounds_cost verify_data host_public models_bench \
+      cp_bwd_tests cp_bwd_steps cp_bwd_bench; do
     printf '%-18s %s\n' "$name" "$(section_command "$name")"
   done
   exit 0
