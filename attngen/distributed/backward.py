@@ -128,6 +128,10 @@ def _fp32_zeros(x: torch.Tensor, length: int) -> torch.Tensor:
     return torch.zeros(*x.shape[:2], length, x.shape[3], dtype=torch.float32, device=x.device)
 
 
+def _fp32_empty(x: torch.Tensor, length: int) -> torch.Tensor:
+    return torch.empty(*x.shape[:2], length, x.shape[3], dtype=torch.float32, device=x.device)
+
+
 def ring_backward(saved: Saved, steps, lengths: list[int], group: dist.ProcessGroup | None,
                   options: KernelOptions):
     """(dq, dk, dv) in fp32: step s runs the forward's calls of step s on the K/V shard of
@@ -140,43 +144,44 @@ def ring_backward(saved: Saved, steps, lengths: list[int], group: dist.ProcessGr
     dq = _fp32_zeros(saved.q, saved.q.shape[2])
     k_cur, v_cur = saved.k.contiguous(), saved.v.contiguous()
     grads_in: tuple[torch.Tensor, torch.Tensor] | None = None
-    grads_pending: list = []
+    grads_works: list = []
+    grads_sent: tuple[torch.Tensor, ...] = ()
     for step in range(world):
-        kv_pending, kv_in = [], None
+        kv_works, kv_in = [], None
         if step + 1 < world:
             length = lengths[(rank - step - 1) % world]
             kv_in = (k_cur.new_empty(*k_cur.shape[:2], length, k_cur.shape[3]),
                      v_cur.new_empty(*v_cur.shape[:2], length, v_cur.shape[3]))
-            kv_pending = execute.exchange((k_cur, v_cur), kv_in, send_to, recv_from, group,
-                                          comm_stream)
+            kv_works = execute.exchange((k_cur, v_cur), kv_in, send_to, recv_from, group,
+                                        comm_stream)
         dk = _fp32_zeros(k_cur, k_cur.shape[2])
         dv = _fp32_zeros(v_cur, v_cur.shape[2])
         add_gradients(steps[step], saved, k_cur, v_cur, options, dq, dk, dv)
         if grads_in is not None:  # the shard's dK/dV from the ranks that held it before
-            _wait(grads_pending)
+            _wait(grads_works)
             dk += grads_in[0]
             dv += grads_in[1]
-        _wait(kv_pending)
+        _wait(kv_works)
         if kv_in is not None:
             k_cur, v_cur = kv_in
         if world == 1:
             return dq, dk, dv
         length = lengths[(rank - step - 1) % world]  # the shard rank - 1 held at this step
-        grads_in = (_fp32_zeros(dk, length), _fp32_zeros(dv, length))
-        # The sent tensors stay referenced in the list until their wait: on CUDA their memory
-        # must not return to the allocator while the second stream still reads it.
-        grads_pending = [*execute.exchange((dk, dv), grads_in, send_to, recv_from, group,
-                                           comm_stream), dk, dv]
-    _wait(grads_pending)
+        grads_in = (_fp32_empty(dk, length), _fp32_empty(dv, length))
+        # The sent tensors stay referenced until their wait: on CUDA their memory must not
+        # return to the allocator while the second stream may still read it.
+        grads_sent = (dk, dv)
+        grads_works = execute.exchange(grads_sent, grads_in, send_to, recv_from, group,
+                                       comm_stream)
+    _wait(grads_works)
     assert grads_in is not None  # world > 1: the last step received this rank's own
     return dq, grads_in[0], grads_in[1]
 
 
-def _wait(pending: list) -> None:
-    """Wait for the works in the list (on CUDA the compute stream waits, not the host)."""
-    for item in pending:
-        if not isinstance(item, torch.Tensor):
-            item.wait()
+def _wait(works: list) -> None:
+    """Wait for the transfers (on CUDA the compute stream waits, not the host)."""
+    for work in works:
+        work.wait()
 
 
 def gather_backward(saved: Saved, calls, chunks: list[tuple[Chunk, ...]],
