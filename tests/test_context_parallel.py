@@ -489,26 +489,33 @@ def test_benchmark_script_runs_on_the_cpu(tmp_path):
     assert "| N | W | L |" in done.stdout
 
 
-def test_backward_benchmark_runs_on_the_cpu(tmp_path):
+def test_backward_benchmark_runs_on_the_cpu(single_group, tmp_path):
     """tools/bench_context_parallel_backward.py at toy sizes under the interpreter: its
-    one-process path, and its two-process path under torchrun with gloo (what the two-GPU
-    run executes, but PyTorch's context parallelism, which needs CUDA)."""
+    one-process sections in this process's group, and its two-process path under torchrun
+    with gloo (what the two-GPU run executes, but PyTorch's context parallelism, which needs
+    CUDA)."""
+    import argparse
+    import importlib.util
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    script = str(root / "tools" / "bench_context_parallel_backward.py")
-    common = ["--smoke", "--seqlens", "32", "--out", str(tmp_path)]
-    runs = [[sys.executable, script, "--worlds", "2", *common],
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-             "--master-port", str(harness.free_port()), script, "--no-torch-cp", *common]]
-    for command in runs:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=root)
-        assert done.returncode == 0, done.stderr[-3000:]
-    (single,) = tmp_path.glob("bench_context_parallel_backward_single_*.json")
-    steps = json.loads(single.read_text())["steps"]
-    assert [r["W"] for r in steps] == [2] and steps[0]["dkv_bytes_per_step"] == 2 * 2 * 16 * 16 * 4
+    script = root / "tools" / "bench_context_parallel_backward.py"
+    loader = importlib.util.spec_from_file_location("bench_cp_backward", script)
+    bench = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(bench)
+    setup = bench.fwd.Setup(argparse.Namespace(smoke=True, seqlens=[32]))
+    results = {"single": bench.bench_single(setup, 0.0), "steps": bench.bench_steps(setup, [2],
+                                                                                   0.0)}
+    assert results["steps"][0]["dkv_bytes_per_step"] == 2 * 2 * 16 * 16 * 4
+    assert "| N | W | L | step 0 causal bwd ms |" in bench.table(results)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(harness.free_port()), str(script), "--no-torch-cp", "--smoke",
+         "--seqlens", "32", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
     (multi,) = tmp_path.glob("bench_context_parallel_backward_2gpu_*.json")
     row = json.loads(multi.read_text())["multi"][0]
     for strategy in ("ring", "allgather"):  # fp32 gradients of two ranks against one process's

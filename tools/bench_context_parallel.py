@@ -70,7 +70,9 @@ class Setup:
         self.batch, self.heads_q, self.heads_kv, self.head_dim = (
             (1, 4, 2, 16) if args.smoke else (1, 32, 8, 128))
         self.seqlens = args.seqlens or ([64] if args.smoke else list(GPU_SEQLENS))
-        if "WORLD_SIZE" in os.environ:  # torchrun
+        if dist.is_initialized():  # a caller's group (a test's one-process group)
+            self.device = torch.device("cpu" if args.smoke else "cuda")
+        elif "WORLD_SIZE" in os.environ:  # torchrun
             local = int(os.environ.get("LOCAL_RANK", 0))
             self.device = torch.device("cuda", local) if not args.smoke else torch.device("cpu")
             if self.device.type == "cuda":
