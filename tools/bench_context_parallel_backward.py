@@ -180,7 +180,7 @@ def bench_torch_cp(setup, q, k, v, dout, single, backend: str, budget: float) ->
 
             result[f"torch_{backend}_ms"] = fwd.time_ms(setup, step, budget)
             grads = context_parallel_unshard(setup.mesh, list(step()), [2, 2, 2])
-        grads = [grads[0]] + [g.view(g.shape[0], -1, group, *g.shape[2:]).sum(2)
+        grads = [grads[0]] + [g.reshape(g.shape[0], -1, group, *g.shape[2:]).sum(2)
                               for g in grads[1:]]
         result[f"torch_{backend}_max_diff"] = max_diffs(grads, single)
     except Exception as err:  # recorded: a backend PyTorch cannot run here is a result too
