@@ -1,6 +1,8 @@
 """From a call's tensors to a kernel run: the Need, dispatch, then the module (ops.py) or the
 torch fallback. The public functions (api.py, kvcache.py, hf.py) and context parallelism
-(attngen/distributed) run every kernel through `run_dense` and `run_varlen`.
+(attngen/distributed) run every kernel through `run_dense` and `run_varlen`; context
+parallelism's backward runs the gradient kernels of each chunk pair through
+`run_dense_backward`.
 
 A caller that wants flash-attn's [B, N, H, D] output asks `run_dense(..., heads_last=True)`:
 a module that takes `out=` (Dispatch.writes_out) writes that layout in place; from a module
@@ -43,6 +45,24 @@ def run_dense(api: str, q, k, v, *, mask: Mask, align: CausalAlign | None, windo
     if heads_last and not in_place:  # the module wrote [B, H, N, D]: copied (it has no out=)
         out = out.transpose(1, 2).contiguous()
     return out, lse
+
+
+def run_dense_backward(api: str, dout, q, k, v, out, lse, dlse, *, mask: Mask,
+                       align: CausalAlign | None, window, softcap, alibi_slopes, scale):
+    """(dq, dk, dv) of [B, H, N, D] attention through a prefill module's gradient kernels,
+    given the forward's out and LSE (any LSE: context parallelism passes the whole sequence's)
+    and the output's gradient dout (and the LSE's, dlse, or None). The Need asks for a module
+    built with `backward: true`, so dispatch picks and records one, or raises NoKernelError:
+    no torch fallback computes gradients from a given LSE."""
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    need = need_for(KernelKind.prefill, q, v, mask=mask, align=align, window=window,
+                    softcap=softcap, alibi=alibi_slopes is not None, seqlen_q=seqlen_q,
+                    seqlen_k=seqlen_k, same_lengths=seqlen_q == seqlen_k, backward=True)
+    refusal = unsupported_dtype(q) if need.dtype is None else None
+    dispatch = choose(api, need, "error", refusal, (q.shape[1], k.shape[1]))
+    assert dispatch.key is not None  # fallback "error": a Dispatch without a module raised
+    return ops.prefill_backward(dispatch.key, dout, q, k, v, out, lse, dlse,
+                                softmax_scale(scale, q), alibi_slopes)
 
 
 def run_varlen(api: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,

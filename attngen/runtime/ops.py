@@ -267,15 +267,24 @@ def _backward_of(key: str, name: str):
     return backward
 
 
-@torch.library.custom_op("attngen::prefill_backward", mutates_args=())
-def prefill_backward_op(key: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                        lse: Tensor, dlse: Tensor | None, sm_scale: float,
-                        alibi_slopes: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+def prefill_backward(key: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                     lse: Tensor, dlse: Tensor | None, sm_scale: float,
+                     alibi_slopes: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) from the gradient kernels of the prefill module `key`, called directly:
+    eager callers that hold the output and LSE themselves (context parallelism runs them per
+    chunk pair with the whole sequence's LSE) and record no autograd graph."""
     backward = _backward_of(key, "attention_backward")
     _ran(key)
     dq, dk, dv = backward(dout, q, k, v, out, lse, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
                           dlse=dlse)
     return dq, dk, dv
+
+
+@torch.library.custom_op("attngen::prefill_backward", mutates_args=())
+def prefill_backward_op(key: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                        lse: Tensor, dlse: Tensor | None, sm_scale: float,
+                        alibi_slopes: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    return prefill_backward(key, dout, q, k, v, out, lse, dlse, sm_scale, alibi_slopes)
 
 
 @prefill_backward_op.register_fake
