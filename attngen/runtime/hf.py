@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from attngen.runtime import plans
 from attngen.runtime.launch import run_dense, run_varlen
 from attngen.runtime.selection import NoKernelError
 from attngen.spec import CausalAlign, Mask
@@ -117,16 +118,33 @@ def attngen_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         return _packed(query, key, value, kwargs, common), None
     if attention_mask is None:
         _refuse_packed_positions(kwargs.get("position_ids"), seqlen_q, seqlen_k)
-        # [B, Nq, HQ, DV] contiguous (in place with a module that takes out=): transformers
-        # reshapes it to [B, Nq, HQ * DV] next, which a transposed view would copy.
-        out, _ = run_dense(API, query, key, value, dropout_p=dropout, heads_last=True, **common)
-        return out, None
+        return _dense(query, key, value, dropout, common), None
     if attention_mask.dim() != 2 or attention_mask.shape != (batch, seqlen_k):
         raise NoKernelError(
             f"attngen: attention_mask: got shape {tuple(attention_mask.shape)}; the 'attngen' "
             f"implementation takes the 2D padding mask [{batch}, {seqlen_k}] (call "
             "attngen.register_transformers() so transformers builds that one) or None")
     return _unpadded(query, key, value, attention_mask.bool(), common), None
+
+
+def _dense(query, key, value, dropout, common):
+    """The unpadded call: [B, Nq, HQ, DV] contiguous (in place with a module that takes out=),
+    as transformers reshapes it to [B, Nq, HQ * DV] next, which a transposed view would
+    copy. Its route is planned per signature (plans.py): the layer's own checks above run on
+    every call."""
+    plan_key = None
+    if (common["refusal"] is None and plans.eager(query, key, value, None)
+            and plans.plain(common["scale"], common["softcap"])):
+        plan_key = (API, query.shape, key.shape, value.shape, query.dtype, query.device,
+                    common["mask"], common["window"], common["softcap"], common["scale"])
+        plan = plans.find(plan_key)
+        if plan is not None:
+            ran = plans.run_dense(plan, query, key, value, None, heads_last=True)
+            if ran is not None:
+                return ran[0]
+    out, _ = run_dense(API, query, key, value, dropout_p=dropout, heads_last=True,
+                       plan_key=plan_key, **common)
+    return out
 
 
 def _unpadded(query, key, value, keep, common):

@@ -21,7 +21,9 @@ import os
 
 import torch
 
-from attngen.runtime import arguments, ops
+from torch import Tensor
+
+from attngen.runtime import arguments, ops, plans
 from attngen.runtime.arguments import flash_mask, flash_refusal
 from attngen.runtime.dispatch import need_for, probe
 from attngen.runtime.entry_checks import check_alibi
@@ -31,6 +33,8 @@ from attngen.runtime.paged import pages_in_cache
 from attngen.runtime.selection import Dispatch
 from attngen.runtime.validate import check_kvcache_shapes
 from attngen.spec import CausalAlign, KernelKind, KvLayout, Mask
+
+API = "flash_attn_with_kvcache"
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
@@ -52,6 +56,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     not fit its cache gets NaN output and LSE and nothing appended; no other memory is
     touched (an int cache_seqlens is checked on the host; ATTNGEN_CHECKS=1 checks the
     tensors on the host, see README)."""
+    key = None
+    if (cache_batch_idx is None and cache_leftpad is None and rotary_cos is None
+            and rotary_sin is None and type(cache_seqlens) is Tensor
+            and plans.eager(q, k_cache, v_cache, alibi_slopes) and _plain_new(k, v)
+            and (block_table is None or type(block_table) is Tensor)
+            and type(num_splits) is int and not num_splits
+            and plans.plain(softmax_scale, softcap) and type(causal) is bool
+            and plans.pair(window_size) and type(return_softmax_lse) is bool):
+        key = (API, q.shape, k_cache.shape, v_cache.shape, None if k is None else k.shape,
+               None if v is None else v.shape, cache_seqlens.shape,
+               None if block_table is None else block_table.shape, q.dtype, q.device, causal,
+               window_size, softcap, softmax_scale, plans.slopes_rank(alibi_slopes),
+               return_softmax_lse)
+        plan = plans.find(key)
+        if plan is not None and _same_kinds(q, k_cache, v_cache, k, v, cache_seqlens,
+                                            block_table):
+            ran = _run_planned(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                               alibi_slopes)
+            if ran is not None:
+                return ran if return_softmax_lse else ran[0]
     check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table,  # in the caller's layout
                          any_cache_batch=cache_batch_idx is not None)
     batch, seqlen_q = q.shape[0], q.shape[1]
@@ -71,9 +95,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q, v_cache, mask, window, softcap, alibi_slopes, seqlen_q, capacity,
         KvLayout.paged if paged else KvLayout.contiguous, k_cache.shape[1] if paged else None)
     if decode is not None and refusal is None:
+        sm_scale = arguments.softmax_scale(softmax_scale, q)
         out, lse = _run_decode_module(decode, q, k_cache, v_cache, k, v, cache_seqlens,
-                                      block_table, arguments.softmax_scale(softmax_scale, q),
-                                      alibi_slopes, return_softmax_lse)
+                                      block_table, sm_scale, alibi_slopes, return_softmax_lse)
+        plans.remember(key, decode, sm_scale, return_softmax_lse, heads_last=True)
         return (out, lse) if return_softmax_lse else out
     out, lse = _run_varlen_route(q, k_cache, v_cache, k, v, cache_seqlens, block_table, options,
                                  capacity, mask, window, softcap, alibi_slopes, softmax_scale,
@@ -91,7 +116,7 @@ def _run_varlen_route(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
     packed_q = q.reshape(batch * seqlen_q, *q.shape[2:])
     # Chosen (or refused) before the append: a refused call leaves the caches as they were.
     dispatch = varlen_dispatch(
-        "flash_attn_with_kvcache", packed_q, v_cache, mask=mask, align=CausalAlign.bottom_right,
+        API, packed_q, v_cache, mask=mask, align=CausalAlign.bottom_right,
         window=window, softcap=softcap, alibi=alibi_slopes is not None,
         length_bounds=(seqlen_q, capacity), same_lengths=False, fallback=None, refusal=refusal,
         heads=(q.shape[2], k_cache.shape[2]))
@@ -114,7 +139,7 @@ def _run_varlen_route(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
     steps = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
     starts_k, used_k = key_layout(options, steps, capacity, cache_seqlens + new)
     out, lse = run_varlen(
-        "flash_attn_with_kvcache", packed_q, keys, values,
+        API, packed_q, keys, values,
         steps * seqlen_q, starts_k, seqlen_q, capacity, mask=mask,
         align=CausalAlign.bottom_right, window=window, softcap=softcap,
         alibi_slopes=alibi_slopes, scale=sm_scale,
@@ -129,16 +154,53 @@ def _run_decode_module(decode: Dispatch, q, k_cache, v_cache, k, v, cache_seqlen
     """(out [B, Nq, HQ, DV], lse or None) from the decode module, which appends k/v and
     reads the caches in place: the flash layout's [B, N, H, D] tensors are handed over as
     [B, H, N, D] views (paged caches as they are)."""
-    def heads_first(t):
-        return None if t is None else t.transpose(1, 2)
-
     assert decode.key is not None  # probe() answers served dispatches only
-    caches = (k_cache, v_cache) if block_table is not None else (
-        heads_first(k_cache), heads_first(v_cache))
-    out, lse = ops.decode(decode.key, heads_first(q), *caches, cache_seqlens, block_table,
-                          heads_first(k), heads_first(v), sm_scale, alibi_slopes, return_lse,
-                          decode.writes_out)
+    q, k_cache, v_cache, k, v = _heads_first(q, k_cache, v_cache, k, v, block_table)
+    out, lse = ops.decode(decode.key, q, k_cache, v_cache, cache_seqlens, block_table, k, v,
+                          sm_scale, alibi_slopes, return_lse, decode.writes_out)
     return (out if decode.writes_out else out.transpose(1, 2)), lse
+
+
+def _run_planned(plan: plans.Plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                 alibi_slopes):
+    """_run_decode_module from a plan (plans.py); None when the device refuses now."""
+    q, k_cache, v_cache, k, v = _heads_first(q, k_cache, v_cache, k, v, block_table)
+    ran = plans.run_decode(plan, q, k_cache, v_cache, cache_seqlens, block_table, k, v,
+                           alibi_slopes)
+    if ran is None:
+        return None
+    return (ran[0] if plan.in_place else ran[0].transpose(1, 2)), ran[1]
+
+
+def _heads_first(q, k_cache, v_cache, k, v, block_table):
+    """The decode entry point's [B, H, N, D] views of flash-attn's [B, N, H, D] tensors (paged
+    caches as they are)."""
+    if block_table is None:
+        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    if k is not None:
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    return q.transpose(1, 2), k_cache, v_cache, k, v
+
+
+def _plain_new(k, v) -> bool:
+    """New keys as a plan may take them: none, or plain tensors that need no gradient."""
+    if k is None and v is None:
+        return True
+    return type(k) is Tensor and type(v) is Tensor and not (
+        torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
+
+
+def _same_kinds(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> bool:
+    """The checks of check_kvcache_shapes and _seqlens that a signature key leaves open: the
+    caches and the new keys have q's dtype and device, the index tensors are int32."""
+    dtype, device = q.dtype, q.device
+    if not (k_cache.dtype is dtype and v_cache.dtype is dtype and k_cache.device == device
+            and v_cache.device == device and cache_seqlens.dtype is torch.int32):
+        return False
+    if block_table is not None and block_table.dtype is not torch.int32:
+        return False
+    return k is None or (k.dtype is dtype and v.dtype is dtype and k.device == device
+                         and v.device == device)
 
 
 def _seqlens(cache_seqlens, batch, capacity, new, device) -> torch.Tensor:
@@ -259,4 +321,4 @@ def _decode_module(q, v_cache, mask, window, softcap, alibi_slopes, seqlen_q, ca
                     window=window, softcap=softcap, alibi=alibi_slopes is not None,
                     seqlen_q=seqlen_q, seqlen_k=capacity, same_lengths=False,
                     kv_layout=layout, page_size=page_size)
-    return probe("flash_attn_with_kvcache", need, (q.shape[2], v_cache.shape[2]))
+    return probe(API, need, (q.shape[2], v_cache.shape[2]))

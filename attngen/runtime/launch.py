@@ -12,7 +12,7 @@ disappears when the module is rebuilt from a template with `out=`).
 
 from __future__ import annotations
 
-from attngen.runtime import ops
+from attngen.runtime import ops, plans
 from attngen.runtime.arguments import seqlen_bound, softmax_scale
 from attngen.runtime.dispatch import choose, need_for, unsupported_dtype
 from attngen.runtime.fallback import fallback_dense, fallback_varlen
@@ -23,9 +23,10 @@ from attngen.spec import CausalAlign, KernelKind, Mask
 def run_dense(api: str, q, k, v, *, mask: Mask, align: CausalAlign | None, window, softcap,
               alibi_slopes, scale, return_lse: bool, fallback: str | None,
               refusal: str | None = None, attn_mask=None, dropout_p=0.0,
-              heads_last: bool = False):
+              heads_last: bool = False, plan_key: tuple | None = None):
     """[B, H, N, D] attention through the prefill kind; (out, lse or None). With heads_last,
-    out is [B, N, H, DV], contiguous."""
+    out is [B, N, H, DV], contiguous. plan_key: the caller's signature key, under which a call
+    a module served leaves its plan (plans.py)."""
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     need = need_for(KernelKind.prefill, q, v, mask=mask, align=align, window=window,
                     softcap=softcap, alibi=alibi_slopes is not None, seqlen_q=seqlen_q,
@@ -40,10 +41,11 @@ def run_dense(api: str, q, k, v, *, mask: Mask, align: CausalAlign | None, windo
         out, lse = result if return_lse else (result, None)
         return (out.transpose(1, 2).contiguous() if heads_last else out), lse
     in_place = heads_last and dispatch.writes_out
-    out, lse = ops.prefill(dispatch.key, q, k, v, softmax_scale(scale, q), alibi_slopes,
-                           return_lse, in_place)
+    sm_scale = softmax_scale(scale, q)
+    out, lse = ops.prefill(dispatch.key, q, k, v, sm_scale, alibi_slopes, return_lse, in_place)
     if heads_last and not in_place:  # the module wrote [B, H, N, D]: copied (it has no out=)
         out = out.transpose(1, 2).contiguous()
+    plans.remember(plan_key, dispatch, sm_scale, return_lse, heads_last)
     return out, lse
 
 
@@ -69,14 +71,15 @@ def run_varlen(api: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                mask: Mask, align: CausalAlign | None, window, softcap, alibi_slopes, scale,
                return_lse: bool, fallback: str | None, seqused_k=None,
                refusal: str | None = None, dropout_p=0.0, length_bounds=None,
-               dispatch: Dispatch | None = None):
+               dispatch: Dispatch | None = None, plan_key: tuple | None = None):
     """Packed [T, H, D] attention through the varlen kind; (out, lse [H, Tq] or None).
 
     The kernel is chosen with lengths the tensors guarantee, never max_seqlen_q/k (the
     caller's claim, which only sizes the grid): `length_bounds` (Nq, Nk) when the caller
     knows tighter ones from shapes (a cache's capacity), else the packed totals. A caller
     that must know the choice before it changes anything (the KV-cache route appends) passes
-    the `dispatch` varlen_dispatch gave it."""
+    the `dispatch` varlen_dispatch gave it. plan_key: as run_dense's (a call without
+    seqused_k)."""
     if dispatch is None:
         same = cu_seqlens_q is cu_seqlens_k and seqused_k is None
         dispatch = varlen_dispatch(api, q, v, mask=mask, align=align, window=window,
@@ -92,9 +95,12 @@ def run_varlen(api: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                                softcap=softcap, alibi_slopes=alibi_slopes,
                                scale=softmax_scale(scale, q), return_lse=return_lse,
                                dropout_p=dropout_p)
-    return ops.varlen(dispatch.key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                      max_seqlen_k, softmax_scale(scale, q), alibi_slopes, seqused_k,
-                      return_lse)
+    sm_scale = softmax_scale(scale, q)
+    result = ops.varlen(dispatch.key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                        max_seqlen_k, sm_scale, alibi_slopes, seqused_k, return_lse)
+    if seqused_k is None:
+        plans.remember(plan_key, dispatch, sm_scale, return_lse, False)
+    return result
 
 
 def varlen_dispatch(api: str, q, v, *, mask: Mask, align: CausalAlign | None, window, softcap,

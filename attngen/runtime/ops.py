@@ -93,7 +93,14 @@ def run_prefill(key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
                 alibi_slopes: Tensor | None, return_lse: bool,
                 heads_last: bool) -> tuple[Tensor, Tensor | None]:
     """(out, lse or None); out [B, M, HQ, DV] with heads_last, else [B, HQ, M, DV]."""
-    module = current_registry().module(key)
+    return call_prefill(current_registry().module(key), key, q, k, v, sm_scale, alibi_slopes,
+                        return_lse, heads_last)
+
+
+def call_prefill(module, key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
+                 alibi_slopes: Tensor | None, return_lse: bool,
+                 heads_last: bool) -> tuple[Tensor, Tensor | None]:
+    """run_prefill with the module of `key` in hand (a plan holds it: plans.py)."""
     _ran(key)
     if heads_last:
         out = _heads_last(q, v.shape[-1])
@@ -143,7 +150,16 @@ def run_varlen(key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, sm_scale: float,
                alibi_slopes: Tensor | None, seqused_k: Tensor | None,
                return_lse: bool) -> tuple[Tensor, Tensor | None]:
-    module = current_registry().module(key)
+    return call_varlen(current_registry().module(key), key, q, k, v, cu_seqlens_q,
+                       cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale, alibi_slopes,
+                       seqused_k, return_lse)
+
+
+def call_varlen(module, key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, sm_scale: float,
+                alibi_slopes: Tensor | None, seqused_k: Tensor | None,
+                return_lse: bool) -> tuple[Tensor, Tensor | None]:
+    """run_varlen with the module of `key` in hand."""
     _ran(key)
     result = module.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
@@ -194,7 +210,16 @@ def run_decode(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seql
     """The decode kind's `decode` entry point (the README's decode contract); appends
     k_new/v_new into the caches at cache_seqlens, in place, before attending. (out, lse or
     None); out [B, Nq, HQ, DV] with heads_last, else [B, HQ, Nq, DV]."""
-    module = current_registry().module(key)
+    return call_decode(current_registry().module(key), key, q, k_cache, v_cache, cache_seqlens,
+                       block_table, k_new, v_new, sm_scale, alibi_slopes, return_lse,
+                       heads_last)
+
+
+def call_decode(module, key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                cache_seqlens: Tensor, block_table: Tensor | None, k_new: Tensor | None,
+                v_new: Tensor | None, sm_scale: float, alibi_slopes: Tensor | None,
+                return_lse: bool, heads_last: bool) -> tuple[Tensor, Tensor | None]:
+    """run_decode with the module of `key` in hand."""
     _ran(key)
     if heads_last:
         out = _heads_last(q, v_cache.shape[-1])
@@ -220,15 +245,25 @@ def decode(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
     news = (k_new, v_new) if k_new is not None and v_new is not None else None
     if _direct(q, k_cache, v_cache, alibi_slopes) and (
             news is None or _direct(q, news[0], news[1], None)):
-        result = run_decode(*args)
-        if news is not None:
-            torch.autograd.graph.increment_version((k_cache, v_cache))
-        return result
+        return direct_decode(current_registry().module(key), *args)
     out, lse = decode_op(*args)
     inputs = (q, k_cache, v_cache, k_new, v_new)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
         out, lse = _ForwardOnly.apply(out, lse)
     return (out.transpose(1, 2) if heads_last else out), (lse if return_lse else None)
+
+
+def direct_decode(module, key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                  cache_seqlens: Tensor, block_table: Tensor | None, k_new: Tensor | None,
+                  v_new: Tensor | None, sm_scale: float, alibi_slopes: Tensor | None,
+                  return_lse: bool, heads_last: bool) -> tuple[Tensor, Tensor | None]:
+    """call_decode without the op: the caches' version counters are bumped after an append,
+    as the op's mutates_args would."""
+    result = call_decode(module, key, q, k_cache, v_cache, cache_seqlens, block_table, k_new,
+                         v_new, sm_scale, alibi_slopes, return_lse, heads_last)
+    if k_new is not None and v_new is not None:
+        torch.autograd.graph.increment_version((k_cache, v_cache))
+    return result
 
 
 @torch.library.custom_op("attngen::decode", mutates_args=("k_cache", "v_cache"))
