@@ -219,3 +219,49 @@ def test_plans_are_bounded_and_kept_only_by_the_registry_that_chose(planned_kern
     other = load_kernels(build_stand_ins(tmp_path / "other", ("prefill",)), replace=True)
     plans.remember(("a key",), chosen, 0.25, False, True)  # chosen by the replaced registry
     assert other.plans == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; run on the H200")
+def test_planned_calls_of_the_generated_modules_on_the_gpu(full_path):
+    """tools/host_overhead.py's calls, with the repository's generated/ modules on CUDA: the
+    second call of each runs from its plan, records the same Dispatch and gives the same bits."""
+    saved = current_registry()
+    try:
+        load_kernels()
+
+        def rand(*shape, dtype=torch.float16):
+            return torch.randn(*shape, device="cuda", dtype=dtype)
+
+        q, k, v = (rand(1, 64, 12, 64) for _ in range(3))  # flash layout, BERT's and GPT-2's
+        ql, kl, vl = rand(64, 32, 128, dtype=torch.bfloat16), *(
+            rand(64, 8, 128, dtype=torch.bfloat16) for _ in range(2))
+        cu = torch.tensor([0, 64], device="cuda", dtype=torch.int32)
+        qd, k_new, v_new = rand(1, 1, 28, 128, dtype=torch.bfloat16), *(
+            rand(1, 1, 4, 128, dtype=torch.bfloat16) for _ in range(2))
+        k_cache, v_cache = (rand(1, 4096, 4, 128, dtype=torch.bfloat16) for _ in range(2))
+        qp, pages = rand(1, 1, 32, 128, dtype=torch.bfloat16), rand(
+            256, 16, 8, 128, dtype=torch.bfloat16)
+        table = torch.arange(256, device="cuda", dtype=torch.int32)[None]
+        lens = torch.full((1,), 64, dtype=torch.int32, device="cuda")
+        calls = [
+            lambda: attngen.scaled_dot_product_attention(*flash(q, k, v)),
+            lambda: attngen.flash_attn_func(q, k, v, return_attn_probs=True),
+            lambda: attngen.flash_attn_func(q, k, v, causal=True),
+            lambda: attngen_attention(SimpleNamespace(is_causal=True), *flash(q, k, v), None),
+            lambda: attngen.flash_attn_varlen_func(ql, kl, vl, cu, cu, 64, 64, causal=True),
+            lambda: attngen.flash_attn_with_kvcache(qd, k_cache, v_cache, k_new, v_new,
+                                                    cache_seqlens=lens, causal=True),
+            lambda: attngen.flash_attn_with_kvcache(qp, pages, pages, cache_seqlens=lens,
+                                                    block_table=table, causal=True,
+                                                    return_softmax_lse=True),
+        ]
+        for call in calls:
+            first = call()
+            chosen, needs = attngen.last_dispatch(), len(full_path)
+            again = call()
+            assert len(full_path) == needs and attngen.last_dispatch() is chosen
+            for full, planned in zip(tensors_of(first), tensors_of(again), strict=True):
+                assert torch.equal(planned, full) and planned.stride() == full.stride()
+    finally:
+        use_registry(saved)

@@ -24,6 +24,7 @@ section_command() {
     bounds_cost) echo "python3 tools/bench_bounds_cost.py --baseline bounds_baseline --out $work" ;;
     verify_data) echo "python3 -m attngen verify-tiling --recompile --save-data --jobs 16" ;;
     host_public) echo "python3 tools/host_overhead.py" ;;
+    plans_tests) echo "$pytest_gpu tests/test_runtime_plans.py" ;;
     models_bench) echo "python3 tools/bench_models.py --out $work" ;;
     decode_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_decode_gpu.py" ;;
     prefill_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_prefill_gpu.py" ;;

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 
 import torch
-
 from torch import Tensor
 
 from attngen.runtime import arguments, ops, plans

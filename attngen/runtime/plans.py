@@ -129,18 +129,11 @@ def remember(key: tuple | None, dispatch: Dispatch, sm_scale: float, return_lse:
 # ----------------------------------------------------------------------------- runs
 
 
-def _device_refuses(plan: Plan) -> bool:
-    """Whether the device now refuses what it served when the plan was made (the full path
-    then says why)."""
-    check = plan.device_check
-    return check is not None and device_problem(*check) is not None
-
-
 def run_dense(plan: Plan, q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None,
               heads_last: bool) -> tuple[Tensor, Tensor | None] | None:
     """launch.run_dense's module call from a plan; None when the device refuses now."""
-    if _device_refuses(plan):
-        return None
+    if plan.device_check is not None and device_problem(*plan.device_check) is not None:
+        return None  # the device refuses now what it served: the full path says why
     record(plan.dispatch)
     out, lse = ops.call_prefill(plan.module, plan.key, q, k, v, plan.sm_scale, alibi_slopes,
                                 plan.return_lse, plan.in_place)
@@ -153,8 +146,8 @@ def run_varlen(plan: Plan, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                alibi_slopes: Tensor | None) -> tuple[Tensor, Tensor | None] | None:
     """launch.run_varlen's module call from a plan; None when the device refuses now."""
-    if _device_refuses(plan):
-        return None
+    if plan.device_check is not None and device_problem(*plan.device_check) is not None:
+        return None  # the device refuses now what it served: the full path says why
     record(plan.dispatch)
     return ops.call_varlen(plan.module, plan.key, q, k, v, cu_seqlens_q, cu_seqlens_k,
                            max_seqlen_q, max_seqlen_k, plan.sm_scale, alibi_slopes, None,
@@ -166,8 +159,8 @@ def run_decode(plan: Plan, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
                alibi_slopes: Tensor | None) -> tuple[Tensor, Tensor | None] | None:
     """ops.decode's direct call from a plan, [B, H, N, D] views in (heads-last output when the
     plan writes in place); None when the device refuses now."""
-    if _device_refuses(plan):
-        return None
+    if plan.device_check is not None and device_problem(*plan.device_check) is not None:
+        return None  # the device refuses now what it served: the full path says why
     record(plan.dispatch)
     return ops.direct_decode(plan.module, plan.key, q, k_cache, v_cache, cache_seqlens,
                              block_table, k_new, v_new, plan.sm_scale, alibi_slopes,
