@@ -60,6 +60,8 @@ def _sdpa_cases():
                                             causal_align="bottom_right"),
         "flash causal lse": lambda: attngen.flash_attn_func(*flash(q, k, v), causal=True,
                                                             return_attn_probs=True),
+        "flash one query row": lambda: attngen.flash_attn_func(*flash(q[:, :, :1], k, v),
+                                                               causal=True),
         "flash window softcap": lambda: attngen.flash_attn_func(
             *flash(q_w, k_w, v_w), causal=True, window_size=(3, 0), softcap=5.0,
             softmax_scale=0.2),
@@ -207,6 +209,33 @@ def test_calls_that_need_the_op_layer_never_run_from_a_plan(planned_kernels, mon
 
     attngen.flash_attn_func(q.as_subclass(Subclass), k, v, causal=True)
     assert len(through_op) == 2
+
+
+def test_one_query_row_is_written_in_the_caller_s_layout_without_out(tmp_path):
+    """With one query token the module's own [B, HQ, 1, DV] output is the [B, 1, HQ, DV]
+    layout: no out= is passed (its checks and view cost more than they save), and the output
+    is still one contiguous tensor, the same values as with out=."""
+    saved = current_registry()
+    load_kernels(build_stand_ins(tmp_path / "out", ("prefill", "decode"), accepts_out=True),
+                 replace=True)
+    try:
+        q, k_cache, v_cache, _, _, seqlens = _cache_case()
+        for tokens, wrote_out in ((2, True), (1, False)):
+            step = q[:, :tokens].contiguous()
+            for _ in range(2):  # the full path, then the plan
+                out = attngen.flash_attn_with_kvcache(step, k_cache, v_cache,
+                                                      cache_seqlens=seqlens, causal=True)
+                module = current_registry().module(attngen.last_dispatch().key)
+                assert module.WROTE[-1] == (out.data_ptr() if wrote_out else None)
+                assert out.shape == (2, tokens, 4, 16) and out.is_contiguous()
+            flash_out = attngen.flash_attn_func(step, k_cache[:, :7], v_cache[:, :7],
+                                                causal=True)
+            module = current_registry().module(attngen.last_dispatch().key)
+            assert module.WROTE[-1] == (flash_out.data_ptr() if wrote_out else None)
+            assert flash_out.is_contiguous()
+            torch.testing.assert_close(flash_out[1], out[1], rtol=0, atol=0)  # 7 keys cached
+    finally:
+        use_registry(saved)
 
 
 def test_plans_are_bounded_and_kept_only_by_the_registry_that_chose(planned_kernels,

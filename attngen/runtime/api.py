@@ -6,6 +6,12 @@ generated module (outside the ops, so torch.compile traces a fixed module) and r
 with fallback="sdpa" (the argument, or attngen.runtime.set_fallback) a call no module serves runs in
 torch after a warning. Features no generated kernel has (a dense attn_mask tensor, dropout,
 rotary inside the call) are refused with an error that names them.
+
+Each function first looks up its call signature's plan (plans.py: the shapes, q's dtype and
+device, the options in their plain types): a signature a module served before, in eager
+mode, runs that module without the checks, Need and selection above, which depend on nothing
+else; any other call (a new signature, an option of another type, torch.compile, a tensor
+that needs a gradient) takes the full path, which leaves the plan when a module serves it.
 """
 
 from __future__ import annotations

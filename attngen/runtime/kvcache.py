@@ -13,6 +13,11 @@ Routing, in order:
    This is the route of specs built without the decode kind; split-KV decode (route 1) is
    where small-batch speed comes from (docs/performance.md). Calls with cache_batch_idx,
    cache_leftpad or num_splits=1 take it (kvcache_options.py: rotary, those, num_splits).
+
+A decode step whose signature route 1 served before runs from its plan (plans.py): the key
+holds every shape and option the checks above decide with, the dtypes and devices of the
+other tensors are compared on each call (_same_kinds), and calls with rotary, cache_batch_idx,
+cache_leftpad, num_splits or an int cache_seqlens (value checks) always take the full path.
 """
 
 from __future__ import annotations
@@ -49,8 +54,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     aligned. Returns out [B, Nq, HQ, DV] (and lse [B, HQ, Nq] with return_softmax_lse).
     rotary_cos/rotary_sin, cache_batch_idx, cache_leftpad and num_splits 0 or 1 as
     flash-attn's (kvcache_options.py; num_splits above 1 is refused by name). The output is
-    contiguous when the decode module writes it in place (Dispatch.writes_out), else a
-    [B, Nq, HQ, DV] view of the kernel's [B, HQ, Nq, DV] output (no copy either way).
+    contiguous when the decode module writes it in place (Dispatch.writes_out) or Nq is 1,
+    else a [B, Nq, HQ, DV] view of the kernel's [B, HQ, Nq, DV] output (no copy either way).
     A sequence whose cache_seqlens, cache_batch_idx, cache_leftpad or block-table entries do
     not fit its cache gets NaN output and LSE and nothing appended; no other memory is
     touched (an int cache_seqlens is checked on the host; ATTNGEN_CHECKS=1 checks the
@@ -97,7 +102,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         sm_scale = arguments.softmax_scale(softmax_scale, q)
         out, lse = _run_decode_module(decode, q, k_cache, v_cache, k, v, cache_seqlens,
                                       block_table, sm_scale, alibi_slopes, return_softmax_lse)
-        plans.remember(key, decode, sm_scale, return_softmax_lse, heads_last=True)
+        plans.remember(key, decode, sm_scale, return_softmax_lse, _in_place(decode, q))
         return (out, lse) if return_softmax_lse else out
     out, lse = _run_varlen_route(q, k_cache, v_cache, k, v, cache_seqlens, block_table, options,
                                  capacity, mask, window, softcap, alibi_slopes, softmax_scale,
@@ -154,10 +159,18 @@ def _run_decode_module(decode: Dispatch, q, k_cache, v_cache, k, v, cache_seqlen
     reads the caches in place: the flash layout's [B, N, H, D] tensors are handed over as
     [B, H, N, D] views (paged caches as they are)."""
     assert decode.key is not None  # probe() answers served dispatches only
+    in_place = _in_place(decode, q)
     q, k_cache, v_cache, k, v = _heads_first(q, k_cache, v_cache, k, v, block_table)
     out, lse = ops.decode(decode.key, q, k_cache, v_cache, cache_seqlens, block_table, k, v,
-                          sm_scale, alibi_slopes, return_lse, decode.writes_out)
-    return (out if decode.writes_out else out.transpose(1, 2)), lse
+                          sm_scale, alibi_slopes, return_lse, in_place)
+    return (out if in_place else out.transpose(1, 2)), lse
+
+
+def _in_place(decode: Dispatch, q) -> bool:
+    """Whether the decode module is handed the caller's [B, Nq, HQ, DV] output (out=): when it
+    takes one, and q has more than one token; with one, the module's own [B, HQ, 1, DV] output
+    is that layout already (launch.py)."""
+    return decode.writes_out and q.shape[1] != 1
 
 
 def _run_planned(plan: plans.Plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table,

@@ -7,7 +7,9 @@ parallelism's backward runs the gradient kernels of each chunk pair through
 A caller that wants flash-attn's [B, N, H, D] output asks `run_dense(..., heads_last=True)`:
 a module that takes `out=` (Dispatch.writes_out) writes that layout in place; from a module
 without it, its [B, H, N, D] output is copied into that layout (the one copy left, which
-disappears when the module is rebuilt from a template with `out=`).
+disappears when the module is rebuilt from a template with `out=`). With one query row
+(N = 1, a decode step) the module's own [B, H, 1, D] output is that layout already (its
+transpose is contiguous), so no out= is passed: it would only add its checks and a view.
 """
 
 from __future__ import annotations
@@ -40,12 +42,12 @@ def run_dense(api: str, q, k, v, *, mask: Mask, align: CausalAlign | None, windo
                                 attn_mask=attn_mask, dropout_p=dropout_p, return_lse=return_lse)
         out, lse = result if return_lse else (result, None)
         return (out.transpose(1, 2).contiguous() if heads_last else out), lse
-    in_place = heads_last and dispatch.writes_out
+    in_place = heads_last and dispatch.writes_out and seqlen_q != 1
     sm_scale = softmax_scale(scale, q)
     out, lse = ops.prefill(dispatch.key, q, k, v, sm_scale, alibi_slopes, return_lse, in_place)
     if heads_last and not in_place:  # the module wrote [B, H, N, D]: copied (it has no out=)
-        out = out.transpose(1, 2).contiguous()
-    plans.remember(plan_key, dispatch, sm_scale, return_lse, heads_last)
+        out = out.transpose(1, 2).contiguous()  # one query row: already contiguous, no copy
+    plans.remember(plan_key, dispatch, sm_scale, return_lse, in_place)
     return out, lse
 
 

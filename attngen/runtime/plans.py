@@ -102,10 +102,11 @@ def find(key: tuple | None) -> Plan | None:
 
 
 def remember(key: tuple | None, dispatch: Dispatch, sm_scale: float, return_lse: bool,
-             heads_last: bool) -> None:
-    """Keep the route the full path just took for `key`'s signature, from the Dispatch the
-    registry in use cached for the call's Need: when another registry chose (load_kernels
-    replaced it meanwhile), nothing is kept."""
+             in_place: bool) -> None:
+    """Keep the route the full path just took for `key`'s signature (in_place: it passed the
+    module out=, the caller's heads-last output), from the Dispatch the registry in use cached
+    for the call's Need: when another registry chose (load_kernels replaced it meanwhile),
+    nothing is kept."""
     if key is None or dispatch.key is None or _is_compiling():
         return
     registry = current_registry()
@@ -116,7 +117,7 @@ def remember(key: tuple | None, dispatch: Dispatch, sm_scale: float, return_lse:
     check = ((cached.api, need.arch, need.dtype) if problem_may_change(need.arch, need.dtype)
              else None)
     plan = Plan(cached, dispatch.key, registry.module(dispatch.key), float(sm_scale),
-                bool(return_lse), bool(heads_last and cached.writes_out), check)
+                bool(return_lse), in_place, check)
     plans = registry.plans
     if len(plans) >= dispatch_cache.DISPATCH_CACHE_SIZE:
         plans.clear()
