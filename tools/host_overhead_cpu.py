@@ -9,7 +9,9 @@ of the host time (dispatch, argument checks, the op layer, layout handling, copi
 Two registries are timed: stand-ins without `out=` (modules built by an older attngen), and
 stand-ins that advertise ACCEPTS_OUT and take `out=` (as the templates render them now). Then
 the generated modules' own entry points (generated/, sm90) with their cached launcher on, as
-on a GPU, and the launch itself stubbed out: the modules' share of the host time.
+on a GPU, and the launch itself stubbed out: the modules' share of the host time; and the
+public functions over those modules at tools/host_overhead.py's shapes, whose ratio to the
+module's row is what the runtime adds.
 
 Shape: B 1, H 12, N 64, D 64, fp16 (the H200 host-time shape of docs/performance.md); decode:
 B 1, one query token, a 64-token cache.
