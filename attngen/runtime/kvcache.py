@@ -47,25 +47,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False):
-    """flash-attn 2.x `flash_attn_with_kvcache`: q [B, Nq, HQ, D]; k_cache/v_cache
-    [B, L, HKV, D] or, with block_table int32 [B, max_pages], paged [pages, page_size, HKV, D];
-    k/v [B, Nnew, HKV, D] are written into the caches at cache_seqlens (int32 [B] or int;
-    None: the caches are full, so not with k/v) before attending. Causal is bottom-right
-    aligned. Returns out [B, Nq, HQ, DV] (and lse [B, HQ, Nq] with return_softmax_lse).
-    rotary_cos/rotary_sin, cache_batch_idx, cache_leftpad and num_splits 0 or 1 as
-    flash-attn's (kvcache_options.py; num_splits above 1 is refused by name). The output is
-    contiguous when the decode module writes it in place (Dispatch.writes_out) or Nq is 1,
-    else a [B, Nq, HQ, DV] view of the kernel's [B, HQ, Nq, DV] output (no copy either way).
-    A sequence whose cache_seqlens, cache_batch_idx, cache_leftpad or block-table entries do
-    not fit its cache gets NaN output and LSE and nothing appended; no other memory is
-    touched (an int cache_seqlens is checked on the host; ATTNGEN_CHECKS=1 checks the
-    tensors on the host, see README)."""
+    """flash-attn 2.x `flash_attn_with_kvcache`: q [B, Nq, HQ, D]; k_cache/v_cache [B, L, HKV, D]
+    or, with block_table int32 [B, max_pages], paged [pages, page_size, HKV, D]; new keys k/v
+    [B, Nnew, HKV, D] are written into the caches at cache_seqlens (int32 [B] or int; None: full
+    caches, so not with k/v) before attending. Causal is bottom-right aligned. Returns out
+    [B, Nq, HQ, DV] (and lse [B, HQ, Nq] with return_softmax_lse). rotary_cos/rotary_sin,
+    cache_batch_idx, cache_leftpad and num_splits 0 or 1 as flash-attn's (kvcache_options.py;
+    num_splits above 1 is refused by name). The output is contiguous when the decode module
+    writes it in place (Dispatch.writes_out) or Nq is 1, else a [B, Nq, HQ, DV] view of the
+    kernel's [B, HQ, Nq, DV] output (no copy either way). A sequence whose cache_seqlens,
+    cache_batch_idx, cache_leftpad or block-table entries do not fit its cache gets NaN output
+    and LSE and nothing appended; no other memory is touched (an int cache_seqlens is checked on
+    the host; ATTNGEN_CHECKS=1 checks the tensors on the host, see README)."""
     key = None
-    if (cache_batch_idx is None and cache_leftpad is None and rotary_cos is None
-            and rotary_sin is None and type(cache_seqlens) is Tensor
-            and plans.eager(q, k_cache, v_cache, alibi_slopes) and _plain_new(k, v)
-            and (block_table is None or type(block_table) is Tensor)
-            and type(num_splits) is int and not num_splits
+    if (type(cache_seqlens) is Tensor and plans.eager(q, k_cache, v_cache, alibi_slopes)
+            and _plain_step(k, v, block_table, num_splits, rotary_cos, rotary_sin,
+                            cache_batch_idx, cache_leftpad)
             and plans.plain(softmax_scale, softcap) and type(causal) is bool
             and plans.pair(window_size) and type(return_softmax_lse) is bool):
         key = (API, q.shape, k_cache.shape, v_cache.shape, None if k is None else k.shape,
@@ -73,13 +70,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                None if block_table is None else block_table.shape, q.dtype, q.device, causal,
                window_size, softcap, softmax_scale, plans.slopes_rank(alibi_slopes),
                return_softmax_lse)
-        plan = plans.find(key)
-        if plan is not None and _same_kinds(q, k_cache, v_cache, k, v, cache_seqlens,
-                                            block_table):
-            ran = _run_planned(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                               alibi_slopes)
-            if ran is not None:
-                return ran if return_softmax_lse else ran[0]
+        ran = _run_planned(plans.find(key), q, k_cache, v_cache, k, v, cache_seqlens,
+                           block_table, alibi_slopes)
+        if ran is not None:
+            return ran if return_softmax_lse else ran[0]
     check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table,  # in the caller's layout
                          any_cache_batch=cache_batch_idx is not None)
     batch, seqlen_q = q.shape[0], q.shape[1]
@@ -99,10 +93,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q, v_cache, mask, window, softcap, alibi_slopes, seqlen_q, capacity,
         KvLayout.paged if paged else KvLayout.contiguous, k_cache.shape[1] if paged else None)
     if decode is not None and refusal is None:
-        sm_scale = arguments.softmax_scale(softmax_scale, q)
         out, lse = _run_decode_module(decode, q, k_cache, v_cache, k, v, cache_seqlens,
-                                      block_table, sm_scale, alibi_slopes, return_softmax_lse)
-        plans.remember(key, decode, sm_scale, return_softmax_lse, _in_place(decode, q))
+                                      block_table, softmax_scale, alibi_slopes,
+                                      return_softmax_lse, key)
         return (out, lse) if return_softmax_lse else out
     out, lse = _run_varlen_route(q, k_cache, v_cache, k, v, cache_seqlens, block_table, options,
                                  capacity, mask, window, softcap, alibi_slopes, softmax_scale,
@@ -154,15 +147,19 @@ def _run_varlen_route(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
 
 
 def _run_decode_module(decode: Dispatch, q, k_cache, v_cache, k, v, cache_seqlens,
-                       block_table, sm_scale: float, alibi_slopes, return_lse: bool):
+                       block_table, softmax_scale, alibi_slopes, return_lse: bool,
+                       plan_key: tuple | None):
     """(out [B, Nq, HQ, DV], lse or None) from the decode module, which appends k/v and
     reads the caches in place: the flash layout's [B, N, H, D] tensors are handed over as
-    [B, H, N, D] views (paged caches as they are)."""
+    [B, H, N, D] views (paged caches as they are). The route is kept as the plan of
+    `plan_key` (plans.py)."""
     assert decode.key is not None  # probe() answers served dispatches only
+    sm_scale = arguments.softmax_scale(softmax_scale, q)
     in_place = _in_place(decode, q)
-    q, k_cache, v_cache, k, v = _heads_first(q, k_cache, v_cache, k, v, block_table)
-    out, lse = ops.decode(decode.key, q, k_cache, v_cache, cache_seqlens, block_table, k, v,
-                          sm_scale, alibi_slopes, return_lse, in_place)
+    heads_first = _heads_first(q, k_cache, v_cache, k, v, block_table)
+    out, lse = ops.decode(decode.key, *heads_first[:3], cache_seqlens, block_table,
+                          *heads_first[3:], sm_scale, alibi_slopes, return_lse, in_place)
+    plans.remember(plan_key, decode, sm_scale, return_lse, in_place)
     return (out if in_place else out.transpose(1, 2)), lse
 
 
@@ -173,9 +170,12 @@ def _in_place(decode: Dispatch, q) -> bool:
     return decode.writes_out and q.shape[1] != 1
 
 
-def _run_planned(plan: plans.Plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                 alibi_slopes):
-    """_run_decode_module from a plan (plans.py); None when the device refuses now."""
+def _run_planned(plan: plans.Plan | None, q, k_cache, v_cache, k, v, cache_seqlens,
+                 block_table, alibi_slopes):
+    """_run_decode_module from the signature's plan (plans.py); None without one, when a check
+    its key leaves open fails (the full path then says what) or when the device refuses now."""
+    if plan is None or not _same_kinds(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+        return None
     q, k_cache, v_cache, k, v = _heads_first(q, k_cache, v_cache, k, v, block_table)
     ran = plans.run_decode(plan, q, k_cache, v_cache, cache_seqlens, block_table, k, v,
                            alibi_slopes)
@@ -194,8 +194,15 @@ def _heads_first(q, k_cache, v_cache, k, v, block_table):
     return q.transpose(1, 2), k_cache, v_cache, k, v
 
 
-def _plain_new(k, v) -> bool:
-    """New keys as a plan may take them: none, or plain tensors that need no gradient."""
+def _plain_step(k, v, block_table, num_splits, rotary_cos, rotary_sin, batch_idx,
+                leftpad) -> bool:
+    """Whether a step may run from a plan: new keys none or plain tensors that need no
+    gradient, block_table None or a plain tensor, num_splits 0, and none of the options that
+    only route 2 serves (rotary, cache_batch_idx, cache_leftpad)."""
+    if not (type(num_splits) is int and not num_splits and rotary_cos is None
+            and rotary_sin is None and batch_idx is None and leftpad is None
+            and (block_table is None or type(block_table) is Tensor)):
+        return False
     if k is None and v is None:
         return True
     return type(k) is Tensor and type(v) is Tensor and not (
