@@ -156,9 +156,9 @@ def _run_decode_module(decode: Dispatch, q, k_cache, v_cache, k, v, cache_seqlen
     assert decode.key is not None  # probe() answers served dispatches only
     sm_scale = arguments.softmax_scale(softmax_scale, q)
     in_place = _in_place(decode, q)
-    heads_first = _heads_first(q, k_cache, v_cache, k, v, block_table)
-    out, lse = ops.decode(decode.key, *heads_first[:3], cache_seqlens, block_table,
-                          *heads_first[3:], sm_scale, alibi_slopes, return_lse, in_place)
+    q, k_cache, v_cache, k, v = _heads_first(q, k_cache, v_cache, k, v, block_table)
+    out, lse = ops.decode(decode.key, q, k_cache, v_cache, cache_seqlens, block_table, k, v,
+                          sm_scale, alibi_slopes, return_lse, in_place)
     plans.remember(plan_key, decode, sm_scale, return_lse, in_place)
     return (out if in_place else out.transpose(1, 2)), lse
 
