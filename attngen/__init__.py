@@ -9,7 +9,9 @@ derivations in words), cli (the command over all of it). runtime/ serves the gen
 kernels to models; reference is the float64 attention they are tested against.
 
 The build path (spec -> generated/) imports neither torch nor triton, so the names that run
-kernels are loaded lazily, from attngen.runtime, on first access.
+kernels are loaded lazily, from attngen.runtime, on first access, and then kept here: a call
+through `attngen.flash_attn_func` finds the function like any module attribute, instead of
+paying this module's __getattr__ (an import statement) on every call.
 """
 
 from typing import Any
@@ -29,16 +31,15 @@ def __getattr__(name: str) -> Any:
     if name in _RUNTIME:
         import attngen.runtime
 
-        return getattr(attngen.runtime, name)
-    if name == "context_parallel_attention":
-        from attngen.distributed import context_parallel_attention
-
-        return context_parallel_attention
-    if name == "spec_from_config":
-        from attngen.hf_spec import spec_from_config
-
-        return spec_from_config
-    raise AttributeError(f"module 'attngen' has no attribute {name!r}")
+        value = getattr(attngen.runtime, name)
+    elif name == "context_parallel_attention":
+        from attngen.distributed import context_parallel_attention as value
+    elif name == "spec_from_config":
+        from attngen.hf_spec import spec_from_config as value
+    else:
+        raise AttributeError(f"module 'attngen' has no attribute {name!r}")
+    globals()[name] = value  # later lookups find it without this function
+    return value
 
 
 def __dir__() -> list[str]:

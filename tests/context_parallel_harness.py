@@ -22,21 +22,32 @@ import traceback
 from pathlib import Path
 
 HEAD_DIM = 16
+# Modules with gradient kernels (backward: true), but for the window (2, 1): its calls are
+# served forward-only, so a call that needs gradients is refused (NoKernelError) before any
+# communication. cp_win_tl aligns top-left: the ring's window steps take fake rows before the
+# chunk.
 TOY_SPECS = [
-    dict(name="cp_causal", mask="causal", causal_align="bottom_right"),
-    dict(name="cp_none", mask="none"),
+    dict(name="cp_causal", mask="causal", causal_align="bottom_right", backward=True),
+    dict(name="cp_none", mask="none", backward=True),
     dict(name="cp_win", mask="sliding_window", causal_align="bottom_right", window_left=5,
-         window_right=0),
+         window_right=0, backward=True),
     dict(name="cp_win2", mask="sliding_window", causal_align="bottom_right", window_left=3,
-         window_right=2),
-    dict(name="cp_alibi", mask="causal", causal_align="bottom_right", alibi=True),
-    dict(name="cp_cap", mask="causal", causal_align="bottom_right", softcap=5.0),
-    dict(name="cp_alibi_none", mask="none", alibi=True),
+         window_right=2, backward=True),
+    dict(name="cp_win_tl", mask="sliding_window", causal_align="top_left", window_left=3,
+         window_right=0, backward=True),
+    dict(name="cp_win_fwd", mask="sliding_window", causal_align="bottom_right", window_left=2,
+         window_right=1),
+    dict(name="cp_alibi", mask="causal", causal_align="bottom_right", alibi=True,
+         backward=True),
+    dict(name="cp_cap", mask="causal", causal_align="bottom_right", softcap=5.0, backward=True),
+    dict(name="cp_alibi_none", mask="none", alibi=True, backward=True),
 ]
 
 # Each case: its layout and strategy, `extra` tokens past whole chunks (uneven lengths), the
 # heads (Hq, Hkv), the mask arguments, `expect`: the strategy auto must choose, `refused`:
-# {world size: the error's type name} where the call must be refused.
+# {world size: the error's type name} where the call must be refused. Every case that runs
+# also runs its backward (with the LSE's gradient too where return_lse is set), unless
+# `backward_refused` names the error a call with gradients must raise.
 CASES = [
     dict(name="zigzag-causal-ring-gqa-uneven", layout="zigzag", strategy="ring", extra=1,
          heads=(2, 1), causal=True),
@@ -52,6 +63,11 @@ CASES = [
          heads=(2, 1), window=(5, 0), expect="allgather", return_lse=True),
     dict(name="contiguous-window-two-sided", layout="contiguous", strategy="auto", extra=0,
          heads=(2, 2), window=(3, 2), expect="allgather"),
+    dict(name="zigzag-window-ring-top-left", layout="zigzag", strategy="ring", extra=0,
+         heads=(2, 1), window=(3, 0), return_lse=True),
+    dict(name="contiguous-window-forward-only-kernels", layout="contiguous",
+         strategy="allgather", extra=1, heads=(2, 2), window=(2, 1),
+         backward_refused="NoKernelError"),
     dict(name="zigzag-causal-alibi-auto", layout="zigzag", strategy="auto", extra=0,
          heads=(2, 2), causal=True, alibi=True, expect="allgather"),
     dict(name="zigzag-causal-softcap", layout="zigzag", strategy="allgather", extra=0,
@@ -115,24 +131,18 @@ def worker(rank: int, world: int, port: int, folder: str, out_dir: str) -> None:
 
 
 def run_case(case: dict, rank: int, world: int, group=None) -> dict:
+    """The case's forward (with gradients unless its backward is refused), gathered and, on the
+    group's first rank, compared with the reference; then its backward likewise."""
     import torch
 
-    from attngen.distributed import (
-        context_parallel_attention,
-        gather_sequence,
-        last_plan,
-        shard_sequence,
-    )
+    from attngen.distributed import context_parallel_attention, last_plan, shard_sequence
 
     seq_len = seq_len_of(case, world)
-    hq, hkv = case["heads"]
-    gen = torch.Generator().manual_seed(len(case["name"]) * 7919 + world)
-    q = torch.randn(1, hq, seq_len, HEAD_DIM, generator=gen)
-    k = torch.randn(1, hkv, seq_len, HEAD_DIM, generator=gen)
-    v = torch.randn(1, hkv, seq_len, HEAD_DIM, generator=gen)
-    slopes = (2.0 ** (-8.0 * torch.arange(1, hq + 1) / hq)) if case.get("alibi") else None
+    q, k, v, slopes, dout, dlse = case_inputs(case, seq_len)
     layout = case["layout"]
-    shards = [shard_sequence(t, world, rank, layout=layout) for t in (q, k, v)]
+    trains = "backward_refused" not in case
+    shards = [shard_sequence(t, world, rank, layout=layout).clone().requires_grad_(trains)
+              for t in (q, k, v)]
     kwargs = dict(causal=case.get("causal", False), window=case.get("window"),
                   softcap=case.get("softcap", 0.0), alibi_slopes=slopes, layout=layout,
                   strategy=case["strategy"], seq_len=seq_len, return_lse=True, group=group)
@@ -141,17 +151,61 @@ def run_case(case: dict, rank: int, world: int, group=None) -> dict:
     except Exception as err:  # a refusal is the result of the case
         return {"name": case["name"], "error": type(err).__name__, "text": str(err),
                 "trace": traceback.format_exc(limit=3)}
-    full_out = gather_sequence(out, seq_len=seq_len, layout=layout, group=group)
-    full_lse = gather_sequence(lse[..., None], seq_len=seq_len, layout=layout, group=group)[..., 0]
+    gather = _gatherer(seq_len, layout, group)
     result = {"name": case["name"], "strategy": last_plan().strategy,
               "plan": last_plan().describe()}
+    full_out, full_lse = gather(out), gather(lse)  # collectives: on every rank
     if rank == 0:
         result["problems"] = compare(case, full_out, full_lse, q, k, v, slopes)
+    if not trains:  # the same call with gradients must be refused, on every rank
+        try:
+            context_parallel_attention(*(t.detach().requires_grad_() for t in shards), **kwargs)
+            result["backward_error"] = None
+        except Exception as err:
+            result["backward_error"] = type(err).__name__
+            result["backward_text"] = str(err)
+        return result
+    outputs, out_grads = [out], [shard_sequence(dout, world, rank, layout=layout)]
+    if case.get("return_lse"):  # the LSE in the loss too: its gradient enters delta
+        outputs.append(lse)
+        out_grads.append(shard_sequence(dlse[..., None], world, rank, layout=layout)[..., 0])
+    full = [gather(g) for g in torch.autograd.grad(outputs, shards, out_grads)]
+    if rank == 0:
+        result["grad_problems"] = compare_gradients(case, full, q, k, v, slopes, dout,
+                                                    dlse if case.get("return_lse") else None)
     return result
 
 
-def compare(case, out, lse, q, k, v, slopes) -> list[str]:
-    from attngen.reference import compare_to_reference
+def case_inputs(case: dict, seq_len: int):
+    """q, k, v, ALiBi slopes (or None), dO and dLSE of the whole sequence, from the case."""
+    import torch
+
+    hq, hkv = case["heads"]
+    gen = torch.Generator().manual_seed(len(case["name"]) * 7919 + seq_len)
+    q = torch.randn(1, hq, seq_len, HEAD_DIM, generator=gen)
+    k = torch.randn(1, hkv, seq_len, HEAD_DIM, generator=gen)
+    v = torch.randn(1, hkv, seq_len, HEAD_DIM, generator=gen)
+    slopes = (2.0 ** (-8.0 * torch.arange(1, hq + 1) / hq)) if case.get("alibi") else None
+    dout = torch.randn(1, hq, seq_len, HEAD_DIM, generator=gen)
+    dlse = torch.randn(1, hq, seq_len, generator=gen)
+    return q, k, v, slopes, dout, dlse
+
+
+def _gatherer(seq_len: int, layout: str, group):
+    """The whole sequence of a shard [B, H, n, ...] ([B, H, n] too), on every rank."""
+    from attngen.distributed import gather_sequence
+
+    def gather(x):
+        flat = x.detach()
+        if flat.dim() == 3:
+            return gather_sequence(flat[..., None], seq_len=seq_len, layout=layout,
+                                   group=group)[..., 0]
+        return gather_sequence(flat, seq_len=seq_len, layout=layout, group=group)
+
+    return gather
+
+
+def golden_spec(case: dict, heads: tuple[int, int]):
     from attngen.spec import specs_from_data
 
     window = case.get("window")
@@ -163,7 +217,64 @@ def compare(case, out, lse, q, k, v, slopes) -> list[str]:
     else:
         mask = dict(mask="none")
     data = spec_data(name="golden", softcap=case.get("softcap", 0.0),
-                     alibi=bool(case.get("alibi")), num_q_heads=q.shape[1],
-                     num_kv_heads=k.shape[1], **mask)
-    spec = specs_from_data(data)[0]
+                     alibi=bool(case.get("alibi")), num_q_heads=heads[0],
+                     num_kv_heads=heads[1], **mask)
+    return specs_from_data(data)[0]
+
+
+def compare(case, out, lse, q, k, v, slopes) -> list[str]:
+    from attngen.reference import compare_to_reference
+
+    spec = golden_spec(case, (q.shape[1], k.shape[1]))
     return compare_to_reference(spec, out, lse, q, k, v, alibi_slopes=slopes)
+
+
+def compare_gradients(case, grads, q, k, v, slopes, dout, dlse) -> list[str]:
+    """The gathered (dq, dk, dv) against the float64 reference (RELIABILITY.md's rule for
+    gradients), and against one process's attngen gradients of the whole sequence (the same
+    modules, through the runtime's autograd)."""
+    from attngen import reference_backward
+
+    spec = golden_spec(case, (q.shape[1], k.shape[1]))
+    options = dict(alibi_slopes=slopes, dlse=dlse)
+    problems = reference_backward.compare_gradients(spec, grads, q, k, v, dout, **options)
+    golden = reference_backward.golden_backward(spec, q, k, v, dout, **options)[2:]
+    lowp = reference_backward.lowp_backward(spec, q, k, v, dout, **options)[1:]
+    single = one_process_gradients(case, q, k, v, slopes, dout, dlse)
+    for name, got, one, gold, low in zip(("dq", "dk", "dv"), grads, single, golden, lowp,
+                                         strict=True):
+        problems += _against_one_process(name, got, one, gold, low)
+    return problems
+
+
+def _against_one_process(name, got, one, gold, low) -> list[str]:
+    """Split over chunk pairs, the kernels sum the same products in another order, and dK/dV
+    (and dQ) are rounded once per partial before their fp32 sum: the difference from one
+    process is a reordering of the fp32 sums, bounded here by the error the same math in the
+    kernels' dtype has against the float64 reference (the yardstick of RELIABILITY.md) plus
+    the rule's floor (four fp32 ulps at the gradient's magnitude)."""
+    from attngen.reference import ulp
+
+    floor = 4 * ulp(got.dtype, gold.abs().max().item())
+    bound = (low.double() - gold).abs().max().item() + floor
+    diff = (got.double() - one.double()).abs().max().item()
+    return [] if diff <= bound else [f"{name}: {diff:.3e} from one process's, more than the "
+                                     f"yardstick's {bound:.3e}"]
+
+
+def one_process_gradients(case, q, k, v, slopes, dout, dlse):
+    """(dq, dk, dv) of the whole sequence in this process, through the runtime."""
+    import torch
+
+    from attngen.runtime.launch import run_dense
+    from attngen.spec import CausalAlign, Mask
+
+    window = case.get("window")
+    mask = Mask.sliding_window if window else Mask.causal if case.get("causal") else Mask.none
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = run_dense("one_process", *leaves, mask=mask,
+                         align=None if mask is Mask.none else CausalAlign.bottom_right,
+                         window=window, softcap=case.get("softcap", 0.0), alibi_slopes=slopes,
+                         scale=None, return_lse=True, fallback=None)
+    outputs, grads = ([out, lse], [dout, dlse]) if dlse is not None else ([out], [dout])
+    return torch.autograd.grad(outputs, leaves, grads)

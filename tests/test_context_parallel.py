@@ -71,6 +71,12 @@ def test_matches_reference_across_processes(group_results, world, case):
         return
     assert "error" not in result, result.get("trace")
     assert result["problems"] == [], result["plan"]
+    if "backward_refused" in case:  # every rank refused before any communication
+        assert result["backward_error"] == case["backward_refused"], result
+        assert "needs a module with gradient kernels (spec `backward: true`) for rows" in \
+            result["backward_text"], result["backward_text"]
+    else:
+        assert result["grad_problems"] == [], result["plan"]
     if case["strategy"] != "auto":
         assert result["strategy"] == case["strategy"]
     elif "expect" in case:
@@ -306,7 +312,7 @@ def test_one_rank_is_the_plain_kernel_bitwise(single_group, strategy):
     plain = attngen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     assert torch.equal(out, plain)
     assert last_plan().strategy == strategy
-    assert attngen.last_dispatch().module == "sm90/cp_causal_prefill_fp32_d16_causal_br"
+    assert attngen.last_dispatch().module == "sm90/cp_causal_prefill_fp32_d16_causal_br_bwd"
 
 
 def test_strided_inputs_give_the_same_bytes(single_group):
@@ -335,14 +341,76 @@ def test_auto_gathers_while_that_takes_no_more_memory_than_the_ring(world, heads
     assert chosen == expected, reason
 
 
-def test_backward_refuses_with_the_reason(single_group):
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+@pytest.mark.parametrize("through", ["out", "lse", "both"])
+def test_one_rank_gradients_are_the_plain_kernels_bitwise(single_group, strategy, through):
+    """One rank runs the whole causal attention in one call per query chunk; its gradients,
+    through the output, the LSE or both, are the plain module's (contiguous: one call, so
+    bitwise)."""
+    from attngen.runtime.launch import run_dense
+    from attngen.spec import CausalAlign, Mask
+
     q, k, v = toy_inputs(requires_grad=True)
-    out = context_parallel_attention(q, k, v, causal=True)
-    assert out.requires_grad
-    with pytest.raises(RuntimeError, match="no backward: attngen generates forward kernels"):
+    gen = torch.Generator().manual_seed(5)
+    dout, dlse = torch.randn(1, 4, 12, harness.HEAD_DIM, generator=gen), torch.randn(1, 4, 12,
+                                                                                 generator=gen)
+    out, lse = context_parallel_attention(q, k, v, causal=True, layout="contiguous",
+                                          strategy=strategy, return_lse=True)
+    plain = run_dense("plain", q, k, v, mask=Mask.causal, align=CausalAlign.bottom_right,
+                      window=None, softcap=0.0, alibi_slopes=None, scale=None, return_lse=True,
+                      fallback=None)
+    picked = {"out": [0], "lse": [1], "both": [0, 1]}[through]
+    grads = [torch.autograd.grad([(out, lse)[i] for i in picked], (q, k, v),
+                                 [(dout, dlse)[i] for i in picked])
+             for out, lse in ((out, lse), plain)]
+    for name, got, expected in zip("qkv", *grads, strict=True):
+        assert torch.equal(got, expected), name
+
+
+def test_backward_runs_gradient_modules_through_dispatch(single_group):
+    """The backward's kernels are chosen by dispatch (recorded, need.backward set) and counted
+    by the runtime; the forward of a call without gradients needs no gradient kernels."""
+    import attngen
+    from attngen.runtime import ops
+
+    q, k, v = toy_inputs(seq_len=10, requires_grad=True)
+    out = context_parallel_attention(q, k, v, causal=True, layout="zigzag", strategy="ring")
+    ops.reset_run_counts()
+    with attngen.dispatch_log() as log:
         out.sum().backward()
+    assert {d.need.backward for d in log} == {True}
+    assert {d.module for d in log} == {"sm90/cp_causal_prefill_fp32_d16_causal_br_bwd"}
+    assert sum(ops.run_counts().values()) == len(last_plan().steps[0])
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
     with torch.no_grad():
         assert not context_parallel_attention(q, k, v, causal=True).requires_grad
+
+
+def test_gradients_need_gradient_kernels(single_group, tmp_path):
+    """A call with gradients whose calls no module with gradient kernels serves is refused at
+    the forward, naming the forward-only module; a registry replaced between forward and
+    backward is checked again before the backward communicates."""
+    from attngen.runtime import NoKernelError
+    from attngen.runtime.registry import load_kernels
+
+    q, k, v = toy_inputs(requires_grad=True)
+    with pytest.raises(NoKernelError, match=r"backward needs a module with gradient kernels .*"
+                                            r"cp_win_fwd_prefill_fp32_d16_win2x1_br serves it "
+                                            r"without them"):
+        context_parallel_attention(q, k, v, window=(2, 1))
+    with torch.no_grad():  # the forward alone runs on the forward-only module
+        context_parallel_attention(q, k, v, window=(2, 1))
+    out = context_parallel_attention(q, k, v, causal=True)
+    load_kernels(build_folder(tmp_path, [harness.spec_data(
+        name="cp_causal", mask="causal", causal_align="bottom_right")]), replace=True)
+    with pytest.raises(NoKernelError, match="backward needs a module with gradient kernels"):
+        out.sum().backward()
+
+
+def test_empty_batch_has_empty_gradients(single_group):
+    q, k, v = (t[:0].detach().requires_grad_() for t in toy_inputs())
+    context_parallel_attention(q, k, v, causal=True).sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
 
 
 def test_runs_eagerly_inside_torch_compile(single_group):
@@ -419,3 +487,39 @@ def test_benchmark_script_runs_on_the_cpu(tmp_path):
     assert [r["W"] for r in data["steps"]] == [2] and data["single"][0]["N"] == 64
     assert {"merge_torch_ms", "merge_triton_ms", "kv_bytes_per_step"} <= set(data["steps"][0])
     assert "| N | W | L |" in done.stdout
+
+
+def test_backward_benchmark_runs_on_the_cpu(single_group, tmp_path):
+    """tools/bench_context_parallel_backward.py at toy sizes under the interpreter: its
+    one-process sections in this process's group, and its two-process path under torchrun
+    with gloo (what the two-GPU run executes, but PyTorch's context parallelism, which needs
+    CUDA)."""
+    import argparse
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    script = root / "tools" / "bench_context_parallel_backward.py"
+    loader = importlib.util.spec_from_file_location("bench_cp_backward", script)
+    bench = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(bench)
+    setup = bench.fwd.Setup(argparse.Namespace(smoke=True, seqlens=[32]))
+    results = {"single": bench.bench_single(setup, 0.0), "steps": bench.bench_steps(setup, [2],
+                                                                                   0.0)}
+    assert results["steps"][0]["dkv_bytes_per_step"] == 2 * 2 * 16 * 16 * 4
+    assert "| N | W | L | step 0 causal bwd ms |" in bench.table(results)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(harness.free_port()), str(script), "--no-torch-cp", "--smoke",
+         "--seqlens", "32", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (multi,) = tmp_path.glob("bench_context_parallel_backward_2gpu_*.json")
+    row = json.loads(multi.read_text())["multi"][0]
+    for strategy in ("ring", "allgather"):  # fp32 gradients of two ranks against one process's
+        for diff, magnitude in row[f"attngen_{strategy}_max_diff"].values():
+            # fp32 sums over 32 tokens split in other places, each partial rounded once
+            # before the fp32 sum: a few ulps of the largest gradient (measured <= 6 at N 64).
+            assert diff <= 16 * 2**-23 * magnitude, (strategy, row)

@@ -4,9 +4,12 @@ bf16, causal) through kernels rendered with the derived configs.
 One GPU: a one-process group (no communication) runs both strategies at N = 16384, checked
 against the float64 reference on blocks of query rows (rows [a, a + m) of a causal sequence
 against keys [0, a + m) are a bottom-right causal problem of their own, so the reference
-needs m x N scores, not N x N), and the ring on one rank is bitwise the plain kernel. Two
-GPUs (skipped with fewer): a spawned NCCL group at N = 131072, zigzag, ring and all-gather,
-against the reference on row blocks and against the one-GPU kernel on the whole sequence.
+needs m x N scores, not N x N), and the ring on one rank is bitwise the plain kernel, its
+gradients too. Two GPUs (skipped with fewer): a spawned NCCL group at N = 131072, zigzag, ring
+and all-gather, against the reference on row blocks and against the one-GPU kernel on the
+whole sequence; and the backward: dq, dk, dv of both strategies against the one-GPU gradients
+at N = 4096 and 131072, and at 4096 against the float64 reference (on the CPU, for the four
+query heads of KV head 0: a GQA group is a problem of its own).
 """
 
 from __future__ import annotations
@@ -36,6 +39,11 @@ SPECS = [dict(LLAMA, name="cp_llama", mask="causal", causal_align="bottom_right"
          dict(LLAMA, name="cp_llama_full", mask="none")]
 GOLDEN = specs_from_data(dict(LLAMA, name="golden", mask="causal",
                               causal_align="bottom_right"))[0]
+# Modules with gradient kernels, in a folder of their own: dispatch picks among forward
+# modules by name, so the one-GPU gradient baseline must not find a forward-only one.
+BACKWARD_SPECS = [dict(s, name=f"{s['name']}_train", backward=True) for s in SPECS]
+GROUP_GOLDEN = specs_from_data(dict(LLAMA, name="golden_group", num_q_heads=4, num_kv_heads=1,
+                                    mask="causal", causal_align="bottom_right"))[0]
 BLOCK_ROWS = 128
 
 
@@ -160,3 +168,100 @@ def test_two_gpus_match_reference_at_128k(llama_folder, tmp_path):
         # Merging bf16 partials in fp32 differs from the one-kernel result by output
         # roundings: a few bf16 ulps at |out| < 1 (2**-8 each).
         assert result["max_diff_vs_one_gpu"] <= 4 * 2**-8, (strategy, result)
+
+
+# ------------------------------------------------------------------------------- backward
+
+
+@pytest.fixture(scope="module")
+def llama_backward_folder(tmp_path_factory):
+    return build_folder(tmp_path_factory.mktemp("cp_llama_train"), BACKWARD_SPECS)
+
+
+def one_gpu_gradients(q, k, v, dout):
+    import attngen
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = attngen.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+    return torch.autograd.grad(out, leaves, dout)
+
+
+def test_one_rank_ring_gradients_are_the_plain_kernels_bitwise(llama_backward_folder):
+    from attngen.distributed import context_parallel_attention
+    from attngen.runtime import registry as registry_module
+    from attngen.runtime.registry import load_kernels
+
+    saved = registry_module._current
+    load_kernels(llama_backward_folder, replace=True)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        q, k, v = llama_inputs(8192, "cuda", seed=6)
+        dout = llama_inputs(8192, "cuda", seed=7)[0]
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = context_parallel_attention(*leaves, causal=True, strategy="ring")
+        grads = torch.autograd.grad(out, leaves, dout)
+        for name, got, expected in zip("qkv", grads, one_gpu_gradients(q, k, v, dout),
+                                       strict=True):
+            assert torch.equal(got, expected), name
+    finally:
+        dist.destroy_process_group()
+        registry_module._current = saved
+
+
+def two_gpu_backward_worker(rank: int, port: int, folder: str, out_dir: str,
+                            seq_lens: list[int]) -> None:
+    from attngen.distributed import context_parallel_attention, gather_sequence, shard_sequence
+    from attngen.reference_backward import compare_gradients
+    from attngen.runtime.registry import load_kernels
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, device_id=torch.device("cuda", rank))
+    load_kernels(Path(folder), replace=True)
+    report = {}
+    for seq_len in seq_lens:
+        q, k, v = llama_inputs(seq_len, "cuda", seed=4)
+        dout = llama_inputs(seq_len, "cuda", seed=5)[0]
+        single = one_gpu_gradients(q, k, v, dout) if rank == 0 else None
+        shards = [shard_sequence(t, 2, rank, layout="zigzag") for t in (q, k, v, dout)]
+        for strategy in ("ring", "allgather"):
+            leaves = [t.detach().requires_grad_() for t in shards[:3]]
+            out = context_parallel_attention(*leaves, causal=True, strategy=strategy)
+            grads = torch.autograd.grad(out, leaves, shards[3])
+            full = [gather_sequence(g, layout="zigzag") for g in grads]
+            if rank != 0:
+                continue
+            entry = {"max_diff_vs_one_gpu": {
+                name: [(g.float() - s.float()).abs().max().item(), s.float().abs().max().item()]
+                for name, g, s in zip(("dq", "dk", "dv"), full, single, strict=True)}}
+            if seq_len <= 4096:  # KV head 0 and its four query heads, on the CPU
+                group = [full[0][:, :4], full[1][:, :1], full[2][:, :1]]
+                entry["problems"] = compare_gradients(
+                    GROUP_GOLDEN, [g.cpu() for g in group], q[:, :4].cpu(), k[:, :1].cpu(),
+                    v[:, :1].cpu(), dout[:, :4].cpu())
+            report[f"{strategy}_{seq_len}"] = entry
+        q = k = v = dout = single = shards = None
+        torch.cuda.empty_cache()
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out_dir, "two_gpu_backward.json").write_text(json.dumps(report))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
+def test_two_gpus_gradients_match_one_gpu_and_the_reference(llama_backward_folder, tmp_path):
+    context = mp.spawn(two_gpu_backward_worker,
+                       args=(free_port(), str(llama_backward_folder), str(tmp_path),
+                             [4096, 131072]), nprocs=2, join=False)
+    deadline = time.monotonic() + 600
+    while not context.join(timeout=1):
+        assert time.monotonic() < deadline, "the two-GPU group did not finish in 600 s"
+    report = json.loads((tmp_path / "two_gpu_backward.json").read_text())
+    assert len(report) == 4, report
+    for run, result in report.items():
+        assert result.get("problems", []) == [], (run, result)
+        for name, (diff, magnitude) in result["max_diff_vs_one_gpu"].items():
+            # Each rank's share of a gradient comes as two bf16-rounded partials (one per ring
+            # step or chunk pair) summed in fp32 and rounded once, against one rounding on one
+            # GPU: at most about three bf16 roundings (2**-9 relative each) of the partials'
+            # magnitude, which is the gradient's here (random inputs, no cancellation).
+            assert diff <= 4 * 2**-8 * magnitude, (run, name, diff, magnitude)

@@ -218,3 +218,17 @@ def test_warmup_builds_what_a_config_needs_so_the_first_call_renders_nothing(on_
     attngen.flash_attn_func(q, k, v, causal=True)
     assert attngen.last_dispatch().module == warmed[0].module
     assert ondemand.render_count() == renders
+
+
+def test_a_call_that_needs_gradient_kernels_is_built_with_them():
+    """A Need with backward (context parallelism's gradient calls) states `backward: true`, so
+    the module built for it carries the gradient kernels; other calls do not."""
+    from attngen.runtime.selection import INTERPRETER, Need
+    from attngen.spec import CausalAlign, Dtype, KernelKind, Mask
+
+    need = Need(kind=KernelKind.prefill, dtype=Dtype.fp16, head_dim=59, head_dim_v=59,
+                mask=Mask.causal, causal_align=CausalAlign.bottom_right, window=None,
+                softcap=0.0, alibi=False, arch=INTERPRETER, seqlen_q=8, seqlen_k=12,
+                same_lengths=False, backward=True)
+    assert ondemand.spec_for(need, (6, 2))[0].backward
+    assert not ondemand.spec_for(need._replace(backward=False), (6, 2))[0].backward

@@ -38,7 +38,12 @@ GPU_SEQLENS = (32768, 65536, 131072, 262144)
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    return argument_parser(__doc__.split("\n")[0]).parse_args()
+
+
+def argument_parser(description: str) -> argparse.ArgumentParser:
+    """The options of this benchmark and of bench_context_parallel_backward.py."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON results")
     parser.add_argument("--seqlens", type=lambda s: [int(x) for x in s.split(",")],
                         default=None, help="comma-separated N (default 32k,64k,128k,256k)")
@@ -50,7 +55,7 @@ def parse_args():
                         help="skip PyTorch's context parallelism in the two-GPU run")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU, Triton interpreter, toy sizes: checks the script runs")
-    return parser.parse_args()
+    return parser
 
 
 class Setup:
@@ -65,7 +70,9 @@ class Setup:
         self.batch, self.heads_q, self.heads_kv, self.head_dim = (
             (1, 4, 2, 16) if args.smoke else (1, 32, 8, 128))
         self.seqlens = args.seqlens or ([64] if args.smoke else list(GPU_SEQLENS))
-        if "WORLD_SIZE" in os.environ:  # torchrun
+        if dist.is_initialized():  # a caller's group (a test's one-process group)
+            self.device = torch.device("cpu" if args.smoke else "cuda")
+        elif "WORLD_SIZE" in os.environ:  # torchrun
             local = int(os.environ.get("LOCAL_RANK", 0))
             self.device = torch.device("cuda", local) if not args.smoke else torch.device("cpu")
             if self.device.type == "cuda":
@@ -92,9 +99,10 @@ class Setup:
         return 2.0 * self.batch * self.heads_q * seq_len * seq_len * self.head_dim
 
 
-def load_kernels_for(setup: Setup) -> str:
+def load_kernels_for(setup: Setup, backward: bool = False) -> str:
     """Build the causal and mask-none modules of the shapes (tuned configs where the tuning
-    database has them) into a temporary folder and load it as the registry."""
+    database has them; with backward, `backward: true`) into a temporary folder and load it
+    as the registry."""
     import torch
 
     from attngen.build import plan_build, write_build
@@ -107,7 +115,7 @@ def load_kernels_for(setup: Setup) -> str:
         arch = f"sm{major}{minor}"
     common = dict(archs=[arch], dtype="fp32" if setup.smoke else "bf16",
                   head_dim=setup.head_dim, num_q_heads=setup.heads_q,
-                  num_kv_heads=setup.heads_kv, kernels=["prefill"])
+                  num_kv_heads=setup.heads_kv, kernels=["prefill"], backward=backward)
     specs = [s for data in (dict(common, name="cp_causal", mask="causal",
                                  causal_align="bottom_right"),
                             dict(common, name="cp_full", mask="none"))
@@ -299,11 +307,11 @@ def table(results: dict) -> str:
                   "| N | 1 GPU ms | ring ms (x) | all-gather ms (x) | torch cuDNN ms | "
                   "torch FA2 ms | best / cuDNN | best / FA2 |", "|---" * 8 + "|"]
         for r in results["multi"]:
-            lines.append(_multi_line(r))
+            lines.append(multi_line(r))
     return "\n".join(lines)
 
 
-def _multi_line(r: dict) -> str:
+def multi_line(r: dict) -> str:
     one = r["one_gpu_ms"]
     best = min(r["attngen_ring_ms"], r["attngen_allgather_ms"])
     cells = [str(r["N"]), f"{one:.1f}",

@@ -6,26 +6,28 @@
 #
 # Usage on a CUDA machine, from the repository root:
 #   bash tools/gpu_session.sh OUT SECTION[:SECONDS] ...        (default 300 s a section)
-# Sections: check, safety, decode_tests, prefill_tests, integration_tests, cp_tests, host,
-#   bench_decode, bench_prefill, bench_model, cp_bench, backward_tests, bench_backward,
-#   ondemand_tests, cold_start, bounds_cost, verify_data, host_public, models_tests,
-#   models_bench; `tools/gpu_session.sh OUT list` prints each one's command.
+# Sections: `tools/gpu_session.sh OUT list` prints each one and its command (cp_bwd_bench
+#   needs two GPUs; cp_bwd_tests skips its two-GPU test with one).
 set -u -o pipefail
 out=${1:?usage: tools/gpu_session.sh OUT SECTION[:SECONDS] ...}
 shift
 work="$out/work"
 pytest_gpu="python3 -m pytest -m gpu -q -p no:cacheprovider"
+# Two processes on one host's GPUs, NVLink multicast off (the device tool's KINDS.md says why).
+torchrun2="NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --nproc-per-node 2"
 
 section_command() {
   case "$1" in
     check) echo "python3 -m attngen check examples/*.yaml" ;;
     safety) echo "bash tools/gpu_api.sh $work/api" ;;
+    safety_kernels) echo "$pytest_gpu tests/test_safety_gpu.py" ;;
     bounds_cost) echo "python3 tools/bench_bounds_cost.py --baseline bounds_baseline --out $work" ;;
     verify_data) echo "python3 -m attngen verify-tiling --recompile --save-data --jobs 16" ;;
     host_public) echo "python3 tools/host_overhead.py" ;;
     models_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_model_fields_gpu.py \
       && $pytest_gpu tests/test_prefill_gpu.py tests/test_decode_gpu.py \
       -k 'gpt_oss or llama4 or deepseek'" ;;
+    plans_tests) echo "$pytest_gpu tests/test_runtime_plans.py" ;;
     models_bench) echo "python3 tools/bench_models.py --out $work" ;;
     decode_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_decode_gpu.py" ;;
     prefill_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_prefill_gpu.py" ;;
@@ -40,15 +42,16 @@ section_command() {
     bench_backward) echo "python3 tools/bench_backward.py --out $work" ;;
     ondemand_tests) echo "$pytest_gpu tests/test_ondemand_gpu.py" ;;
     cold_start) echo "python3 tools/ondemand_cold_start.py --json $work/cold_start.json" ;;
+    cp_bwd_tests) echo "NCCL_NVLS_ENABLE=0 $pytest_gpu tests/test_context_parallel_gpu.py -k gradients" ;;
+    cp_bwd_steps) echo "python3 tools/bench_context_parallel_backward.py --out $work" ;;
+    cp_bwd_bench) echo "$torchrun2 tools/bench_context_parallel_backward.py --out $work" ;;
     *) return 1 ;;
   esac
 }
 
 if [ "${1:-}" = list ]; then
-  for name in check safety decode_tests prefill_tests integration_tests cp_tests host \
-      bench_decode bench_prefill bench_model cp_bench backward_tests bench_backward \
-      ondemand_tests cold_start bounds_cost verify_data host_public models_tests \
-      models_bench; do
+  # every section of section_command, in its order
+  for name in $(sed -n 's/^    \([a-z_0-9]*\)) echo .*/\1/p' "$0"); do
     printf '%-18s %s\n' "$name" "$(section_command "$name")"
   done
   exit 0

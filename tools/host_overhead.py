@@ -79,6 +79,8 @@ def prefill_rows(rows: dict) -> None:
     rows["attngen.flash_attn_func"] = lambda: attngen.flash_attn_func(qf, kf, vf)
     rows["attngen.flash_attn_func causal (gpt2)"] = (
         lambda: attngen.flash_attn_func(qf, kf, vf, causal=True))
+    qkv = torch.stack((qf, kf, vf), dim=2)  # [B, N, 3, H, D]
+    rows["attngen.flash_attn_qkvpacked_func"] = lambda: attngen.flash_attn_qkvpacked_func(qkv)
     rows["transformers attention causal (gpt2)"] = (
         lambda: attngen_attention(layer, q, k, v, None))
 
@@ -88,6 +90,9 @@ def varlen_rows(rows: dict) -> None:
     k = torch.randn(64, 8, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     cu = torch.tensor([0, 64], device="cuda", dtype=torch.int32)
+    llama3 = module_for("varlen", "llama3_8b")
+    rows["varlen module attention_varlen() (llama3, 64)"] = (
+        lambda: llama3.attention_varlen(q, k, v, cu, cu, 64, 64))
     rows["attngen.flash_attn_varlen_func causal (llama3, 64)"] = (
         lambda: attngen.flash_attn_varlen_func(q, k, v, cu, cu, 64, 64, causal=True))
 

@@ -9,15 +9,18 @@ of the host time (dispatch, argument checks, the op layer, layout handling, copi
 Two registries are timed: stand-ins without `out=` (modules built by an older attngen), and
 stand-ins that advertise ACCEPTS_OUT and take `out=` (as the templates render them now). Then
 the generated modules' own entry points (generated/, sm90) with their cached launcher on, as
-on a GPU, and the launch itself stubbed out: the modules' share of the host time.
+on a GPU, and the launch itself stubbed out: the modules' share of the host time; and the
+public functions over those modules at tools/host_overhead.py's shapes, whose ratio to the
+module's row is what the runtime adds.
 
 Shape: B 1, H 12, N 64, D 64, fp16 (the H200 host-time shape of docs/performance.md); decode:
 B 1, one query token, a 64-token cache.
 
     python tools/host_overhead_cpu.py [--calls 2000] [--repeat 7]
 
-Prints microseconds per call: the best of `repeat` runs of `calls` back-to-back calls (the best
-run is the one least disturbed by other processes on a shared machine).
+Prints microseconds per call: the best of `repeat` runs of `calls` back-to-back calls, timed
+in this thread's CPU time (time.thread_time: other processes on a shared machine do not count,
+and the best run is the one least disturbed by what they do to the caches).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import os
 import sys
 import tempfile
 import textwrap
+import time
 import timeit
 from pathlib import Path
 from types import SimpleNamespace
@@ -187,15 +191,20 @@ class _StubKernel:
         return lambda *args, **kwargs: _StubCompiled()
 
 
-def generated_module_calls() -> dict[str, object]:
-    """The generated modules' own entry points (bert prefill, llama3 varlen, qwen decode),
-    with their cached launcher on (as on a GPU) and the launch stubbed out."""
+def stubbed_generated_modules() -> dict[str, object]:
+    """The repository's generated modules (sm90) as the registry, each module the calls below
+    reach with its cached launcher on (as on a GPU) and its launches stubbed out; bf16 is let
+    through on the interpreter (no kernel computes anything here)."""
+    from attngen.runtime import devices
+
+    devices._bf16_ok = True
     registry = load_kernels(ROOT / "generated", replace=True)
-    modules = {e.module: registry.module(e.key) for e in registry.entries if e.arch == "sm90"}
-    bert = modules["bert_base_prefill_fp16_d64"]
-    varlen = modules["llama3_8b_varlen_bf16_d128_causal_br"]
-    decode = modules["qwen2_5_7b_decode_bf16_d128_causal_br_contig_q4"]
-    for module in (bert, varlen, decode):
+    found = {}
+    for kind, name_part in (("prefill", "bert_base"), ("prefill", "gpt2"),
+                            ("varlen", "llama3_8b"), ("decode", "qwen2_5_7b"),
+                            ("decode", "llama3_8b")):
+        module = registry.module(next(e.key for e in registry.entries if e.arch == "sm90"
+                                      and e.kind == kind and name_part in e.module))
         if hasattr(module, "_FAST_LAUNCH"):
             module._FAST_LAUNCH = True
             module._DRIVER[:] = [lambda: -1, lambda device: 0]
@@ -203,24 +212,60 @@ def generated_module_calls() -> dict[str, object]:
                      "_decode_combine_kernel"):
             if hasattr(module, name):
                 setattr(module, name, _StubKernel(getattr(module, name)))
+        found[f"{kind} {name_part}"] = module
+    return found
+
+
+def generated_module_calls() -> dict[str, object]:
+    """The generated modules' own entry points and the public functions that reach them, at
+    the GPU benchmark's shapes (tools/host_overhead.py), launches stubbed: what the runtime's
+    layers add to the module's own host time."""
+    modules = stubbed_generated_modules()
+    bert, qwen = modules["prefill bert_base"], modules["decode qwen2_5_7b"]
     q = torch.randn(1, HEADS, SEQLEN, DIM, dtype=torch.float16)
     k, v = torch.randn_like(q), torch.randn_like(q)
+    qf, kf, vf = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # flash layout
+    out = torch.empty_like(qf)
     qv, kv = torch.randn(64, 32, 128).bfloat16(), torch.randn(64, 8, 128).bfloat16()
     cu = torch.tensor([0, 64], dtype=torch.int32)
-    qd = torch.randn(1, 28, 1, 128).bfloat16()
-    cache = torch.randn(1, 4096, 4, 128).bfloat16().transpose(1, 2)
+    qd = torch.randn(1, 1, 28, 128).bfloat16()
+    cache = torch.randn(1, 4096, 4, 128).bfloat16()
+    q_paged = torch.randn(1, 1, 32, 128).bfloat16()
+    pages = torch.randn(256, 16, 8, 128).bfloat16()
+    table = torch.arange(256, dtype=torch.int32)[None]
     lens = torch.full((1,), 64, dtype=torch.int32)
+    heads_first = [t.transpose(1, 2) for t in (qd, cache, cache)]
+    out_d = torch.empty_like(qd)
+    layer = SimpleNamespace(is_causal=True)
     return {
         "generated attention() (bert)": lambda: bert.attention(q, k, v),
-        "generated attention_varlen() (llama3)": lambda: varlen.attention_varlen(
-            qv, kv, kv, cu, cu, 64, 64),
-        "generated decode() (qwen, L 64)": lambda: decode.decode(qd, cache, cache, lens),
+        "generated attention(out=), flash views": lambda: bert.attention(
+            qf.transpose(1, 2), kf.transpose(1, 2), vf.transpose(1, 2),
+            out=out.transpose(1, 2)),
+        "generated attention_varlen() (llama3)": lambda: modules[
+            "varlen llama3_8b"].attention_varlen(qv, kv, kv, cu, cu, 64, 64),
+        "generated decode() (qwen, L 64)": lambda: qwen.decode(*heads_first, lens),
+        "generated decode(out=), flash views": lambda: qwen.decode(
+            qd.transpose(1, 2), cache.transpose(1, 2), cache.transpose(1, 2), lens,
+            out=out_d.transpose(1, 2)),
+        "scaled_dot_product_attention (bert)": lambda: attngen.scaled_dot_product_attention(
+            q, k, v),
+        "flash_attn_func (bert)": lambda: attngen.flash_attn_func(qf, kf, vf),
+        "flash_attn_func causal (gpt2)": lambda: attngen.flash_attn_func(qf, kf, vf,
+                                                                         causal=True),
+        "flash_attn_varlen_func causal (llama3)": lambda: attngen.flash_attn_varlen_func(
+            qv, kv, kv, cu, cu, 64, 64, causal=True),
+        "flash_attn_with_kvcache (qwen, L 64)": lambda: attngen.flash_attn_with_kvcache(
+            qd, cache, cache, cache_seqlens=lens, causal=True),
+        "flash_attn_with_kvcache paged (llama3)": lambda: attngen.flash_attn_with_kvcache(
+            q_paged, pages, pages, cache_seqlens=lens, block_table=table, causal=True),
+        "transformers attention causal (gpt2)": lambda: attngen_attention(layer, q, k, v, None),
     }
 
 
 def time_us(call, calls: int, repeat: int) -> float:
     call()  # first call: imports and caches
-    best = min(timeit.repeat(call, number=calls, repeat=repeat))
+    best = min(timeit.repeat(call, number=calls, repeat=repeat, timer=time.thread_time))
     return best / calls * 1e6
 
 
@@ -249,7 +294,8 @@ def main() -> None:
     print(f"  {'call':42s}" + "".join(f"{label:>20s}" for label in labels[:2]))
     for name in results[labels[0]]:
         print(f"  {name:42s}" + "".join(f"{results[label][name]:20.1f}" for label in labels[:2]))
-    print("Generated modules' own host time per call, us (launch stubbed, cached launcher on)")
+    print("Generated modules, and the public functions over them, us per call (launch stubbed, "
+          "cached launcher on)")
     for name, value in results["generated modules"].items():
         print(f"  {name:42s}{value:20.1f}")
 

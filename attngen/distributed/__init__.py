@@ -5,7 +5,9 @@ torch.distributed group (docs/context_parallel.md).
     plan.py     which generated-kernel calls compute a rank's shard (pure Python)
     merge.py    the exact LSE merge of partial results (torch, and a Triton kernel for CUDA)
     execute.py  the calls through the runtime, K/V around the ring or gathered
-    context.py  context_parallel_attention: checks, the strategy, autograd's refusal
+    backward.py the gradients: the same calls through the gradient kernels, dK/dV around the
+                ring or reduce-scattered
+    context.py  context_parallel_attention: checks, the strategy, autograd
 """
 
 from attngen.distributed.context import (

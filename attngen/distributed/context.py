@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from attngen.distributed import execute, plan
+from attngen.distributed import backward, execute, plan
 from attngen.distributed.layout import check_layout, rank_chunks
 from attngen.distributed.plan import ALIGNS, KernelCall, MaskRule, PlanError
 from attngen.runtime.dispatch import get_fallback, need_for
@@ -33,10 +33,6 @@ from attngen.spec import CausalAlign, KernelKind, Mask
 
 STRATEGIES = ("auto", "ring", "allgather")
 SHORT_KV_BYTES = 64 * 2**20  # gathered K/V below this is "a short sequence": gather it
-NO_BACKWARD = (
-    "context_parallel_attention has no backward: attngen generates forward kernels only (no "
-    "backward kernel exists to send dK/dV back around the ring). Run it under torch.no_grad() "
-    "or torch.inference_mode(), or detach q, k and v.")
 
 
 @dataclass(frozen=True)
@@ -83,7 +79,9 @@ def context_parallel_attention(q, k, v, *, causal=False, window=None, softcap=0.
     positions) and sm_scale as in attngen.scaled_dot_product_attention. Every rank of `group`
     must call it with the same arguments but its own shard. Returns out [B, Hq, n, Dv] in q's
     dtype, and with return_lse the LSE [B, Hq, n] fp32 (-inf where a row sees no key).
-    Forward only: autograd raises in backward. Under torch.compile the call runs eagerly.
+    Differentiable in q, k and v (and through the LSE) when modules built with `backward: true`
+    serve every call (backward.py); alibi_slopes get no gradient. Under torch.compile the
+    call runs eagerly.
     """
     global _last
     scale = _check_inputs(q, k, v, causal, window, softcap, alibi_slopes, sm_scale, strategy)
@@ -96,12 +94,13 @@ def context_parallel_attention(q, k, v, *, causal=False, window=None, softcap=0.
     seq_len = _check_length(q, world, rank, check_layout(layout), seq_len)
     chunks = rank_chunks(seq_len, world, layout)
     options = execute.KernelOptions(float(softcap or 0.0), alibi_slopes, scale)
-    aligns = _served_aligns(q, v, rule, options)
+    trains = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    aligns = _served_aligns(q, v, rule, options, trains)
     chosen, reason, all_calls, steps = _choose(strategy, rule, seq_len, world, layout, aligns,
                                                rank, q, k, v)
     execute.check_served(all_calls, q, v, options)
-    _last = ContextParallelPlan(chosen, reason, layout, world, rank, seq_len, rule,
-                                tuple(tuple(s) for s in steps))
+    plan_steps = tuple(tuple(s) for s in steps)
+    _last = ContextParallelPlan(chosen, reason, layout, world, rank, seq_len, rule, plan_steps)
 
     def run():
         if q.shape[0] == 0 or seq_len == 0:
@@ -112,27 +111,15 @@ def context_parallel_attention(q, k, v, *, causal=False, window=None, softcap=0.
             return execute.ring_attention(q, k, v, steps, lengths, group, options)
         return execute.gather_attention(q, k, v, steps[0], chunks, group, options)
 
-    tensors = [t for t in (q, k, v, alibi_slopes) if t is not None]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        out, lse = _ForwardOnly.apply(run, *tensors)
+    if trains:
+        # Before any communication, as the forward's check: every rank refuses together.
+        execute.check_served(all_calls, q, v, options, backward=True)
+        problem = backward.Problem(chosen, plan_steps, tuple(all_calls), tuple(chunks),
+                                   seq_len, group, options)
+        out, lse = backward.ContextParallelAttention.apply(run, problem, q, k, v)
     else:
         out, lse = run()
     return (out, lse) if return_lse else out
-
-
-class _ForwardOnly(torch.autograd.Function):
-    """Runs the forward; its backward raises NO_BACKWARD instead of returning wrong or no
-    gradients silently."""
-
-    @staticmethod
-    def forward(ctx, run, *tensors):
-        out, lse = run()
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(NO_BACKWARD)
 
 
 def _choose(strategy, rule, seq_len, world, layout, aligns, rank, q, k, v):
@@ -189,22 +176,29 @@ def _memory(q, k, v, chunks, seq_len) -> tuple[int, int]:
     return seq_len * per_token, 2 * longest * per_token + accumulator
 
 
-def _served_aligns(q, v, rule: MaskRule, options) -> tuple[str, ...]:
+def _served_aligns(q, v, rule: MaskRule, options, trains: bool) -> tuple[str, ...]:
     """The alignments (of ALIGNS, in order) that a generated module serves for this mask with
-    Nq != Nk; all of them when none does (dispatch then names what is missing) or when the
-    fallback mode lets torch run what no module serves."""
-    if rule.mask == "none" or get_fallback() != "error":
+    Nq != Nk: with trains, those a module with gradient kernels serves, or when none does,
+    those the forward's modules serve (so that the refusal names the missing gradient
+    kernels); all of them when no module serves any (dispatch then names what is missing) or
+    when the fallback mode lets torch run the forward and nothing needs gradients."""
+    if rule.mask == "none" or (get_fallback() != "error" and not trains):
         return ALIGNS
     entries = current_registry().entries
-    served = []
-    for align in ALIGNS:
-        need = need_for(KernelKind.prefill, q, v, mask=Mask(rule.mask), align=CausalAlign(align),
-                        window=rule.window, softcap=options.softcap,
-                        alibi=options.alibi_slopes is not None, seqlen_q=2**30,
-                        seqlen_k=2**30 + 1, same_lengths=False)
-        if any(not mismatches(e, need) for e in entries):
-            served.append(align)
-    return tuple(served) or ALIGNS
+
+    def served(backward: bool) -> tuple[str, ...]:
+        found = []
+        for align in ALIGNS:
+            need = need_for(KernelKind.prefill, q, v, mask=Mask(rule.mask),
+                            align=CausalAlign(align), window=rule.window,
+                            softcap=options.softcap, alibi=options.alibi_slopes is not None,
+                            seqlen_q=2**30, seqlen_k=2**30 + 1, same_lengths=False,
+                            backward=backward)
+            if any(not mismatches(e, need) for e in entries):
+                found.append(align)
+        return tuple(found)
+
+    return (trains and served(True)) or served(False) or ALIGNS
 
 
 def _mask_rule(causal, window, alibi_slopes) -> MaskRule:

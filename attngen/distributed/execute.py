@@ -21,7 +21,7 @@ from attngen.distributed.plan import KernelCall, rows_covered_once
 from attngen.runtime.dispatch import choose, get_fallback, need_for
 from attngen.runtime.launch import run_dense
 from attngen.runtime.registry import current_registry
-from attngen.runtime.selection import Need, NoKernelError, mismatches
+from attngen.runtime.selection import NO_BACKWARD, Need, NoKernelError, mismatches
 from attngen.spec import CausalAlign, KernelKind, Mask
 
 API_NAME = "context_parallel_attention"
@@ -59,34 +59,47 @@ class Accumulator:
         return self.out.to(dtype), self.lse
 
 
-def call_need(call: KernelCall, q: torch.Tensor, v: torch.Tensor, options: KernelOptions
-              ) -> Need:
-    """The Need of the kernel call (as run_dense builds it)."""
+def call_need(call: KernelCall, q: torch.Tensor, v: torch.Tensor, options: KernelOptions,
+              backward: bool = False) -> Need:
+    """The Need of the kernel call (as run_dense builds it; run_dense_backward with
+    backward)."""
     rows = call.num_rows + call.pad_front + call.pad_back
-    return need_for(KernelKind.prefill, q, v, mask=Mask(call.mask), align=_align(call),
+    return need_for(KernelKind.prefill, q, v, mask=Mask(call.mask), align=call_align(call),
                     window=call.window, softcap=options.softcap,
                     alibi=options.alibi_slopes is not None, seqlen_q=rows,
-                    seqlen_k=call.num_keys, same_lengths=rows == call.num_keys)
+                    seqlen_k=call.num_keys, same_lengths=rows == call.num_keys,
+                    backward=backward)
 
 
-def _align(call: KernelCall) -> CausalAlign | None:
+def call_align(call: KernelCall) -> CausalAlign | None:
     return None if call.align is None else CausalAlign(call.align)
 
 
 def check_served(calls: list[KernelCall], q: torch.Tensor, v: torch.Tensor,
-                 options: KernelOptions) -> None:
+                 options: KernelOptions, backward: bool = False) -> None:
     """Raise NoKernelError (from dispatch, with its list of nearest modules) for the first call
-    no generated module serves, unless the fallback mode lets torch run it."""
-    if get_fallback() != "error":
+    no generated module serves, unless the fallback mode lets torch run it. With backward, for
+    the first call no module with gradient kernels serves (no fallback computes those)."""
+    if get_fallback() != "error" and not backward:
         return
     entries = current_registry().entries
-    for need in dict.fromkeys(call_need(c, q, v, options) for c in calls):
+    for need in dict.fromkeys(call_need(c, q, v, options, backward) for c in calls):
         if any(not mismatches(e, need) for e in entries):
             continue
-        call = next(c for c in calls if call_need(c, q, v, options) == need)
-        try:
-            choose(API_NAME, need, heads=(q.shape[1], v.shape[1]))  # may build on demand
+        call = next(c for c in calls if call_need(c, q, v, options, backward) == need)
+        try:  # may build on demand
+            choose(API_NAME, need, "error" if backward else None, heads=(q.shape[1], v.shape[1]))
         except NoKernelError as err:
+            if backward:
+                forward_only = [e.describe() for e in entries
+                                if mismatches(e, need) == [NO_BACKWARD]]
+                rebuild = (f"; {', '.join(forward_only)} serves it without them: rebuild its "
+                           "spec with backward: true" if forward_only else "")
+                raise NoKernelError(
+                    f"context_parallel_attention's backward needs a module with gradient "
+                    f"kernels (spec `backward: true`) for {call.describe()} ({_why(call)})"
+                    f"{rebuild}; no fallback computes a chunk pair's gradients from the whole "
+                    f"sequence's LSE: {err}") from None
             raise NoKernelError(f"context_parallel_attention needs a kernel for {call.describe()}"
                                 f" ({_why(call)}): {err}") from None
 
@@ -97,23 +110,33 @@ def _why(call: KernelCall) -> str:
     return f"a {call.mask} kernel aligned {call.align} places the chunk's global positions"
 
 
+def call_rows(x: torch.Tensor, call: KernelCall, fill: float = 0.0) -> torch.Tensor:
+    """The call's rows of x (along dim 2: queries, outputs, LSEs), with its fake rows, filled
+    with `fill`, before and after them."""
+    rows = x[:, :, call.rows[0]:call.rows[1]]
+    if not (call.pad_front or call.pad_back):
+        return rows
+    front = x.new_full((*x.shape[:2], call.pad_front, *x.shape[3:]), fill)
+    back = x.new_full((*x.shape[:2], call.pad_back, *x.shape[3:]), fill)
+    return torch.cat([front, rows, back], dim=2)
+
+
+def real_rows(x: torch.Tensor, call: KernelCall) -> torch.Tensor:
+    """A call's result without its fake rows."""
+    if not (call.pad_front or call.pad_back):
+        return x
+    return x[:, :, call.pad_front:call.pad_front + call.num_rows]
+
+
 def run_call(call: KernelCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              options: KernelOptions) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the call's real query rows."""
-    q_rows = q[:, :, call.rows[0]:call.rows[1]]
-    if call.pad_front or call.pad_back:
-        batch, heads, _, dim = q.shape
-        q_rows = torch.cat([q.new_zeros(batch, heads, call.pad_front, dim), q_rows,
-                            q.new_zeros(batch, heads, call.pad_back, dim)], dim=2)
     out, lse = run_dense(
-        API_NAME, q_rows, k[:, :, call.keys[0]:call.keys[1]], v[:, :, call.keys[0]:call.keys[1]],
-        mask=Mask(call.mask), align=_align(call), window=call.window, softcap=options.softcap,
-        alibi_slopes=options.alibi_slopes, scale=options.sm_scale, return_lse=True,
-        fallback=None)
-    if call.pad_front or call.pad_back:
-        real = slice(call.pad_front, call.pad_front + call.num_rows)
-        out, lse = out[:, :, real], lse[:, :, real]
-    return out, lse
+        API_NAME, call_rows(q, call), k[:, :, call.keys[0]:call.keys[1]],
+        v[:, :, call.keys[0]:call.keys[1]], mask=Mask(call.mask), align=call_align(call),
+        window=call.window, softcap=options.softcap, alibi_slopes=options.alibi_slopes,
+        scale=options.sm_scale, return_lse=True, fallback=None)
+    return real_rows(out, call), real_rows(lse, call)
 
 
 def run_calls(calls, q, k, v, options: KernelOptions, acc: Accumulator) -> None:
@@ -127,9 +150,7 @@ def ring_attention(q, k, v, steps: list[list[KernelCall]], lengths: list[int],
     """This rank's (out, lse): step s runs its calls on the K/V shard of rank (rank - s) mod W
     while the shard for step s + 1 arrives from rank - 1 (and this one leaves for rank + 1)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    send_to, recv_from = (rank + 1) % world, (rank - 1) % world
-    if group is not None:  # P2POp takes global ranks
-        send_to, recv_from = (dist.get_global_rank(group, r) for r in (send_to, recv_from))
+    send_to, recv_from = ring_peers(group)
     every_call = [c for step in steps for c in step]
     acc = Accumulator(q, v.shape[-1], rows_covered_once(every_call, q.shape[2]))
     comm_stream = torch.cuda.Stream(q.device) if q.is_cuda else None
@@ -140,7 +161,7 @@ def ring_attention(q, k, v, steps: list[list[KernelCall]], lengths: list[int],
             length = lengths[(rank - step - 1) % world]
             incoming = (k_cur.new_empty(*k_cur.shape[:2], length, k_cur.shape[3]),
                         v_cur.new_empty(*v_cur.shape[:2], length, v_cur.shape[3]))
-            pending = _exchange((k_cur, v_cur), incoming, send_to, recv_from, group, comm_stream)
+            pending = exchange((k_cur, v_cur), incoming, send_to, recv_from, group, comm_stream)
         run_calls(steps[step], q, k_cur, v_cur, options, acc)
         for work in pending:
             work.wait()  # on CUDA: the compute stream waits for the transfer, the host does not
@@ -149,7 +170,17 @@ def ring_attention(q, k, v, steps: list[list[KernelCall]], lengths: list[int],
     return acc.result(q.dtype)
 
 
-def _exchange(outgoing, incoming, send_to, recv_from, group, comm_stream) -> list:
+def ring_peers(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(the rank this one sends to, the rank it receives from), as global ranks (P2POp takes
+    those)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    send_to, recv_from = (rank + 1) % world, (rank - 1) % world
+    if group is not None:
+        send_to, recv_from = (dist.get_global_rank(group, r) for r in (send_to, recv_from))
+    return send_to, recv_from
+
+
+def exchange(outgoing, incoming, send_to, recv_from, group, comm_stream) -> list:
     """Start sending `outgoing` to `send_to` and receiving `incoming` from `recv_from`.
 
     On CUDA the transfers are issued from a second stream that first waits for the compute

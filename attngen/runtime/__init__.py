@@ -12,6 +12,8 @@
     ops.py        the modules' entry points: direct in eager mode, torch.library ops under
                   torch.compile or autograd (forward-only)
     launch.py     run_dense / run_varlen: Need, dispatch, then the module or the fallback
+    plans.py      an eager call's route kept per call signature: a repeated signature runs
+                  the module without the layers above (its own checks run on every call)
     arguments.py  argument conventions the public functions share (scale, flash masks)
     api.py        scaled_dot_product_attention, flash_attn_func, flash_attn_varlen_func
     packed.py     flash-attn's qkv/kv-packed forms of both, as views

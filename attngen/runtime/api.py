@@ -6,10 +6,17 @@ generated module (outside the ops, so torch.compile traces a fixed module) and r
 with fallback="sdpa" (the argument, or attngen.runtime.set_fallback) a call no module serves runs in
 torch after a warning. Features no generated kernel has (a dense attn_mask tensor, dropout,
 rotary inside the call) are refused with an error that names them.
+
+Each function first looks up its call signature's plan (plans.py: the shapes, q's dtype and
+device, the options in their plain types): a signature a module served before, in eager
+mode, runs that module without the checks, Need and selection above, which depend on nothing
+else; any other call (a new signature, an option of another type, torch.compile, a tensor
+that needs a gradient) takes the full path, which leaves the plan when a module serves it.
 """
 
 from __future__ import annotations
 
+from attngen.runtime import plans
 from attngen.runtime.arguments import (
     check_causal_align,
     check_rank4,
@@ -21,6 +28,8 @@ from attngen.runtime.arguments import (
 from attngen.runtime.launch import run_dense, run_varlen
 from attngen.runtime.paged import paged_keys
 from attngen.spec import CausalAlign, Mask
+
+SDPA, FLASH, VARLEN = "scaled_dot_product_attention", "flash_attn_func", "flash_attn_varlen_func"
 
 # ---------------------------------------------------------------------------- SDPA-shaped
 
@@ -37,6 +46,19 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     (no generated kernel has them) unless fallback="sdpa". fallback=None uses
     attngen.runtime.set_fallback's mode ("error" unless changed).
     """
+    key = None
+    if (attn_mask is None and plans.eager(q, k, v, alibi_slopes)
+            and plans.plain(scale, softcap, dropout_p) and type(is_causal) is bool
+            and type(enable_gqa) is bool and (window is None or plans.pair(window))
+            and type(causal_align) is str and (fallback is None or type(fallback) is str)):
+        key = (SDPA, q.shape, k.shape, v.shape, q.dtype, q.device, is_causal, scale,
+               enable_gqa, window, softcap, plans.slopes_rank(alibi_slopes), causal_align,
+               fallback)
+        plan = plans.find(key)
+        if plan is not None:
+            ran = plans.run_dense(plan, q, k, v, alibi_slopes, heads_last=False)
+            if ran is not None:
+                return ran[0]
     if not rank4(q, k, v):
         check_rank4(q, k, v)
     align = check_causal_align(causal_align)
@@ -56,10 +78,10 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
                    "is_causal, window, alibi_slopes or softcap")
     else:
         refusal = flash_refusal(dropout_p, alibi_slopes)
-    out, _ = run_dense("scaled_dot_product_attention", q, k, v, mask=mask, align=align,
-                       window=win, softcap=softcap, alibi_slopes=alibi_slopes, scale=scale,
-                       return_lse=False, fallback=fallback, refusal=refusal, attn_mask=attn_mask,
-                       dropout_p=dropout_p)
+    out, _ = run_dense(SDPA, q, k, v, mask=mask, align=align, window=win, softcap=softcap,
+                       alibi_slopes=alibi_slopes, scale=scale, return_lse=False,
+                       fallback=fallback, refusal=refusal, attn_mask=attn_mask,
+                       dropout_p=dropout_p, plan_key=key)
     return out
 
 
@@ -75,15 +97,27 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     `deterministic` is accepted: the forward is always deterministic. The output is one
     contiguous tensor, written in place by modules that take `out=` (Dispatch.writes_out),
     else copied from the kernel's [B, H, N, D] output."""
+    key = None
+    if (plans.eager(q, k, v, alibi_slopes) and plans.plain(softmax_scale, softcap, dropout_p)
+            and type(causal) is bool and plans.pair(window_size)
+            and type(return_attn_probs) is bool):
+        key = (FLASH, q.shape, k.shape, v.shape, q.dtype, q.device, causal, window_size,
+               softcap, softmax_scale, plans.slopes_rank(alibi_slopes), return_attn_probs)
+        plan = plans.find(key)
+        if plan is not None:
+            ran = plans.run_dense(plan, q.transpose(1, 2), k.transpose(1, 2),
+                                  v.transpose(1, 2), alibi_slopes, heads_last=True)
+            if ran is not None:
+                return (ran[0], ran[1], None) if return_attn_probs else ran[0]
     if not rank4(q, k, v):
         check_rank4(q, k, v)
     mask, window = flash_mask(causal, window_size)
-    out, lse = run_dense("flash_attn_func", q.transpose(1, 2), k.transpose(1, 2),
-                         v.transpose(1, 2), mask=mask, align=CausalAlign.bottom_right,
-                         window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                         scale=softmax_scale, return_lse=return_attn_probs, fallback=None,
+    out, lse = run_dense(FLASH, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                         mask=mask, align=CausalAlign.bottom_right, window=window,
+                         softcap=softcap, alibi_slopes=alibi_slopes, scale=softmax_scale,
+                         return_lse=return_attn_probs, fallback=None,
                          refusal=flash_refusal(dropout_p, alibi_slopes), dropout_p=dropout_p,
-                         heads_last=True)
+                         heads_last=True, plan_key=key)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -99,16 +133,30 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     pages (flash-attn's paged varlen). They are gathered into [B * max_pages * page_size]
     rows first (a copy of every listed page; flash_attn_with_kvcache reads pages in place); a
     sequence whose length or pages do not fit gets NaN, as in the kernels."""
+    key = None
+    if (block_table is None and plans.eager(q, k, v, alibi_slopes)
+            and plans.plain(softmax_scale, softcap, dropout_p) and type(causal) is bool
+            and plans.pair(window_size) and type(return_attn_probs) is bool
+            and type(max_seqlen_q) is int and type(max_seqlen_k) is int):
+        key = (VARLEN, q.shape, k.shape, v.shape, q.dtype, q.device, causal, window_size,
+               softcap, softmax_scale, plans.slopes_rank(alibi_slopes), return_attn_probs,
+               cu_seqlens_q is cu_seqlens_k)
+        plan = plans.find(key)
+        if plan is not None:
+            ran = plans.run_varlen(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, alibi_slopes)
+            if ran is not None:
+                return (ran[0], ran[1], None) if return_attn_probs else ran[0]
     mask, window = flash_mask(causal, window_size)
     seqused_k, bounds = None, None
     if block_table is not None:
         k, v, cu_seqlens_k, seqused_k, max_seqlen_k = paged_keys(k, v, block_table,
                                                                    cu_seqlens_k, q)
         bounds = (q.shape[0], max_seqlen_k)
-    out, lse = run_varlen("flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k,
-                          max_seqlen_q, max_seqlen_k, mask=mask, align=CausalAlign.bottom_right,
+    out, lse = run_varlen(VARLEN, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, mask=mask, align=CausalAlign.bottom_right,
                           window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                           scale=softmax_scale, return_lse=return_attn_probs, fallback=None,
                           refusal=flash_refusal(dropout_p, alibi_slopes), dropout_p=dropout_p,
-                          seqused_k=seqused_k, length_bounds=bounds)
+                          seqused_k=seqused_k, length_bounds=bounds, plan_key=key)
     return (out, lse, None) if return_attn_probs else out

@@ -73,6 +73,13 @@ def device_problem(api: str, arch: str, dtype: Dtype | None) -> str | None:
     return None
 
 
+def problem_may_change(arch: str, dtype: Dtype | None) -> bool:
+    """Whether device_problem's answer for (arch, dtype) may change in this process: bf16
+    under the interpreter, which a shim (or a probe that passes later) makes correct, and a
+    test may make incorrect again. Every other answer is fixed by the arch and the dtype."""
+    return arch == INTERPRETER and dtype is Dtype.bf16
+
+
 def bf16_interpreter_ok() -> bool:
     """Whether the interpreter computes bf16 correctly now (a probe kernel, cached once it
     passes)."""

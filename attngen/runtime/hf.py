@@ -47,6 +47,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from attngen.runtime import plans
 from attngen.runtime.launch import run_dense, run_varlen
 from attngen.runtime.selection import NoKernelError
 from attngen.spec import CausalAlign, Mask
@@ -172,10 +173,7 @@ def attngen_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         return _packed(query, key, value, kwargs, common), None
     if attention_mask is None:
         _refuse_packed_positions(kwargs.get("position_ids"), seqlen_q, seqlen_k)
-        # [B, Nq, HQ, DV] contiguous (in place with a module that takes out=): transformers
-        # reshapes it to [B, Nq, HQ * DV] next, which a transposed view would copy.
-        out, _ = run_dense(API, query, key, value, dropout_p=dropout, heads_last=True, **common)
-        return out, None
+        return _dense(query, key, value, dropout, common), None
     if attention_mask.dim() != 2 or attention_mask.shape != (batch, seqlen_k):
         raise NoKernelError(
             f"attngen: attention_mask: got shape {tuple(attention_mask.shape)}; the 'attngen' "
@@ -191,7 +189,9 @@ def _sinks(s_aux, query):
     if s_aux.shape != (query.shape[1],):
         raise NoKernelError(f"attngen: s_aux: got shape {tuple(s_aux.shape)}; expected the "
                             f"sinks of the layer's {query.shape[1]} query heads [{query.shape[1]}]")
-    return s_aux.detach().to(device=query.device, dtype=torch.float32).contiguous()
+    # Not detached: sinks that need a gradient take the op layer, whose backward refuses a
+    # module built with sinks by name (the gradient kernels have no sink term).
+    return s_aux.to(device=query.device, dtype=torch.float32).contiguous()
 
 
 def _chunk_aligned(key, value, attention_mask, chunk: int, seqlen_q: int):
@@ -211,6 +211,29 @@ def _chunk_aligned(key, value, attention_mask, chunk: int, seqlen_q: int):
                             f"holds only the end of (cache starts at position {offset}, chunk "
                             f"{chunk}); the kernels count chunks from the first key")
     return key[:, :, drop:], value[:, :, drop:], None
+
+
+def _dense(query, key, value, dropout, common):
+    """The unpadded call: [B, Nq, HQ, DV] contiguous (in place with a module that takes out=),
+    as transformers reshapes it to [B, Nq, HQ * DV] next, which a transposed view would
+    copy. Its route is planned per signature (plans.py): the layer's own checks above run on
+    every call."""
+    plan_key = None
+    sinks = common["sinks"]
+    if (common["refusal"] is None and plans.eager(query, key, value, sinks)
+            and plans.plain(common["scale"], common["softcap"])):
+        # sinks: a tensor or None (their presence picks the module); chunk_size: an int
+        plan_key = (API, query.shape, key.shape, value.shape, query.dtype, query.device,
+                    common["mask"], common["window"], common["softcap"], common["scale"],
+                    sinks is None, common["chunk_size"])
+        plan = plans.find(plan_key)
+        if plan is not None:
+            ran = plans.run_dense(plan, query, key, value, None, heads_last=True, sinks=sinks)
+            if ran is not None:
+                return ran[0]
+    out, _ = run_dense(API, query, key, value, dropout_p=dropout, heads_last=True,
+                       plan_key=plan_key, **common)
+    return out
 
 
 def _unpadded(query, key, value, keep, common):

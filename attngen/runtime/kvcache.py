@@ -13,6 +13,11 @@ Routing, in order:
    This is the route of specs built without the decode kind; split-KV decode (route 1) is
    where small-batch speed comes from (docs/performance.md). Calls with cache_batch_idx,
    cache_leftpad or num_splits=1 take it (kvcache_options.py: rotary, those, num_splits).
+
+A decode step whose signature route 1 served before runs from its plan (plans.py): the key
+holds every shape and option the checks above decide with, the dtypes and devices of the
+other tensors are compared on each call (_same_kinds), and calls with rotary, cache_batch_idx,
+cache_leftpad, num_splits or an int cache_seqlens (value checks) always take the full path.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ from __future__ import annotations
 import os
 
 import torch
+from torch import Tensor
 
-from attngen.runtime import arguments, ops
+from attngen.runtime import arguments, ops, plans
 from attngen.runtime.arguments import flash_mask, flash_refusal
 from attngen.runtime.dispatch import need_for, probe
 from attngen.runtime.entry_checks import check_alibi
@@ -32,6 +38,8 @@ from attngen.runtime.selection import Dispatch
 from attngen.runtime.validate import check_kvcache_shapes
 from attngen.spec import CausalAlign, KernelKind, KvLayout, Mask
 
+API = "flash_attn_with_kvcache"
+
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
                             rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
@@ -39,19 +47,33 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False):
-    """flash-attn 2.x `flash_attn_with_kvcache`: q [B, Nq, HQ, D]; k_cache/v_cache
-    [B, L, HKV, D] or, with block_table int32 [B, max_pages], paged [pages, page_size, HKV, D];
-    k/v [B, Nnew, HKV, D] are written into the caches at cache_seqlens (int32 [B] or int;
-    None: the caches are full, so not with k/v) before attending. Causal is bottom-right
-    aligned. Returns out [B, Nq, HQ, DV] (and lse [B, HQ, Nq] with return_softmax_lse).
-    rotary_cos/rotary_sin, cache_batch_idx, cache_leftpad and num_splits 0 or 1 as
-    flash-attn's (kvcache_options.py; num_splits above 1 is refused by name). The output is
-    contiguous when the decode module writes it in place (Dispatch.writes_out), else a
-    [B, Nq, HQ, DV] view of the kernel's [B, HQ, Nq, DV] output (no copy either way).
-    A sequence whose cache_seqlens, cache_batch_idx, cache_leftpad or block-table entries do
-    not fit its cache gets NaN output and LSE and nothing appended; no other memory is
-    touched (an int cache_seqlens is checked on the host; ATTNGEN_CHECKS=1 checks the
-    tensors on the host, see README)."""
+    """flash-attn 2.x `flash_attn_with_kvcache`: q [B, Nq, HQ, D]; k_cache/v_cache [B, L, HKV, D]
+    or, with block_table int32 [B, max_pages], paged [pages, page_size, HKV, D]; new keys k/v
+    [B, Nnew, HKV, D] are written into the caches at cache_seqlens (int32 [B] or int; None: full
+    caches, so not with k/v) before attending. Causal is bottom-right aligned. Returns out
+    [B, Nq, HQ, DV] (and lse [B, HQ, Nq] with return_softmax_lse). rotary_cos/rotary_sin,
+    cache_batch_idx, cache_leftpad and num_splits 0 or 1 as flash-attn's (kvcache_options.py;
+    num_splits above 1 is refused by name). The output is contiguous when the decode module
+    writes it in place (Dispatch.writes_out) or Nq is 1, else a [B, Nq, HQ, DV] view of the
+    kernel's [B, HQ, Nq, DV] output (no copy either way). A sequence whose cache_seqlens,
+    cache_batch_idx, cache_leftpad or block-table entries do not fit its cache gets NaN output
+    and LSE and nothing appended; no other memory is touched (an int cache_seqlens is checked on
+    the host; ATTNGEN_CHECKS=1 checks the tensors on the host, see README)."""
+    key = None
+    if (type(cache_seqlens) is Tensor and plans.eager(q, k_cache, v_cache, alibi_slopes)
+            and _plain_step(k, v, block_table, num_splits, rotary_cos, rotary_sin,
+                            cache_batch_idx, cache_leftpad)
+            and plans.plain(softmax_scale, softcap) and type(causal) is bool
+            and plans.pair(window_size) and type(return_softmax_lse) is bool):
+        key = (API, q.shape, k_cache.shape, v_cache.shape, None if k is None else k.shape,
+               None if v is None else v.shape, cache_seqlens.shape,
+               None if block_table is None else block_table.shape, q.dtype, q.device, causal,
+               window_size, softcap, softmax_scale, plans.slopes_rank(alibi_slopes),
+               return_softmax_lse)
+        ran = _run_planned(plans.find(key), q, k_cache, v_cache, k, v, cache_seqlens,
+                           block_table, alibi_slopes)
+        if ran is not None:
+            return ran if return_softmax_lse else ran[0]
     check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table,  # in the caller's layout
                          any_cache_batch=cache_batch_idx is not None)
     batch, seqlen_q = q.shape[0], q.shape[1]
@@ -72,8 +94,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         KvLayout.paged if paged else KvLayout.contiguous, k_cache.shape[1] if paged else None)
     if decode is not None and refusal is None:
         out, lse = _run_decode_module(decode, q, k_cache, v_cache, k, v, cache_seqlens,
-                                      block_table, arguments.softmax_scale(softmax_scale, q),
-                                      alibi_slopes, return_softmax_lse)
+                                      block_table, softmax_scale, alibi_slopes,
+                                      return_softmax_lse, key)
         return (out, lse) if return_softmax_lse else out
     out, lse = _run_varlen_route(q, k_cache, v_cache, k, v, cache_seqlens, block_table, options,
                                  capacity, mask, window, softcap, alibi_slopes, softmax_scale,
@@ -91,7 +113,7 @@ def _run_varlen_route(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
     packed_q = q.reshape(batch * seqlen_q, *q.shape[2:])
     # Chosen (or refused) before the append: a refused call leaves the caches as they were.
     dispatch = varlen_dispatch(
-        "flash_attn_with_kvcache", packed_q, v_cache, mask=mask, align=CausalAlign.bottom_right,
+        API, packed_q, v_cache, mask=mask, align=CausalAlign.bottom_right,
         window=window, softcap=softcap, alibi=alibi_slopes is not None,
         length_bounds=(seqlen_q, capacity), same_lengths=False, fallback=None, refusal=refusal,
         heads=(q.shape[2], k_cache.shape[2]))
@@ -114,7 +136,7 @@ def _run_varlen_route(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
     steps = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
     starts_k, used_k = key_layout(options, steps, capacity, cache_seqlens + new)
     out, lse = run_varlen(
-        "flash_attn_with_kvcache", packed_q, keys, values,
+        API, packed_q, keys, values,
         steps * seqlen_q, starts_k, seqlen_q, capacity, mask=mask,
         align=CausalAlign.bottom_right, window=window, softcap=softcap,
         alibi_slopes=alibi_slopes, scale=sm_scale,
@@ -125,20 +147,79 @@ def _run_varlen_route(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
 
 
 def _run_decode_module(decode: Dispatch, q, k_cache, v_cache, k, v, cache_seqlens,
-                       block_table, sm_scale: float, alibi_slopes, return_lse: bool):
+                       block_table, softmax_scale, alibi_slopes, return_lse: bool,
+                       plan_key: tuple | None):
     """(out [B, Nq, HQ, DV], lse or None) from the decode module, which appends k/v and
     reads the caches in place: the flash layout's [B, N, H, D] tensors are handed over as
-    [B, H, N, D] views (paged caches as they are)."""
-    def heads_first(t):
-        return None if t is None else t.transpose(1, 2)
-
+    [B, H, N, D] views (paged caches as they are). The route is kept as the plan of
+    `plan_key` (plans.py)."""
     assert decode.key is not None  # probe() answers served dispatches only
-    caches = (k_cache, v_cache) if block_table is not None else (
-        heads_first(k_cache), heads_first(v_cache))
-    out, lse = ops.decode(decode.key, heads_first(q), *caches, cache_seqlens, block_table,
-                          heads_first(k), heads_first(v), sm_scale, alibi_slopes, return_lse,
-                          decode.writes_out)
-    return (out if decode.writes_out else out.transpose(1, 2)), lse
+    sm_scale = arguments.softmax_scale(softmax_scale, q)
+    in_place = _in_place(decode, q)
+    q, k_cache, v_cache, k, v = _heads_first(q, k_cache, v_cache, k, v, block_table)
+    out, lse = ops.decode(decode.key, q, k_cache, v_cache, cache_seqlens, block_table, k, v,
+                          sm_scale, alibi_slopes, return_lse, in_place)
+    plans.remember(plan_key, decode, sm_scale, return_lse, in_place)
+    return (out if in_place else out.transpose(1, 2)), lse
+
+
+def _in_place(decode: Dispatch, q) -> bool:
+    """Whether the decode module is handed the caller's [B, Nq, HQ, DV] output (out=): when it
+    takes one, and q has more than one token; with one, the module's own [B, HQ, 1, DV] output
+    is that layout already (launch.py)."""
+    return decode.writes_out and q.shape[1] != 1
+
+
+def _run_planned(plan: plans.Plan | None, q, k_cache, v_cache, k, v, cache_seqlens,
+                 block_table, alibi_slopes):
+    """_run_decode_module from the signature's plan (plans.py); None without one, when a check
+    its key leaves open fails (the full path then says what) or when the device refuses now."""
+    if plan is None or not _same_kinds(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+        return None
+    q, k_cache, v_cache, k, v = _heads_first(q, k_cache, v_cache, k, v, block_table)
+    ran = plans.run_decode(plan, q, k_cache, v_cache, cache_seqlens, block_table, k, v,
+                           alibi_slopes)
+    if ran is None:
+        return None
+    return (ran[0] if plan.in_place else ran[0].transpose(1, 2)), ran[1]
+
+
+def _heads_first(q, k_cache, v_cache, k, v, block_table):
+    """The decode entry point's [B, H, N, D] views of flash-attn's [B, N, H, D] tensors (paged
+    caches as they are)."""
+    if block_table is None:
+        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    if k is not None:
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    return q.transpose(1, 2), k_cache, v_cache, k, v
+
+
+def _plain_step(k, v, block_table, num_splits, rotary_cos, rotary_sin, batch_idx,
+                leftpad) -> bool:
+    """Whether a step may run from a plan: new keys none or plain tensors that need no
+    gradient, block_table None or a plain tensor, num_splits 0, and none of the options that
+    only route 2 serves (rotary, cache_batch_idx, cache_leftpad)."""
+    if not (type(num_splits) is int and not num_splits and rotary_cos is None
+            and rotary_sin is None and batch_idx is None and leftpad is None
+            and (block_table is None or type(block_table) is Tensor)):
+        return False
+    if k is None and v is None:
+        return True
+    return type(k) is Tensor and type(v) is Tensor and not (
+        torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
+
+
+def _same_kinds(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> bool:
+    """The checks of check_kvcache_shapes and _seqlens that a signature key leaves open: the
+    caches and the new keys have q's dtype and device, the index tensors are int32."""
+    dtype, device = q.dtype, q.device
+    if not (k_cache.dtype is dtype and v_cache.dtype is dtype and k_cache.device == device
+            and v_cache.device == device and cache_seqlens.dtype is torch.int32):
+        return False
+    if block_table is not None and block_table.dtype is not torch.int32:
+        return False
+    return k is None or (k.dtype is dtype and v.dtype is dtype and k.device == device
+                         and v.device == device)
 
 
 def _seqlens(cache_seqlens, batch, capacity, new, device) -> torch.Tensor:
@@ -259,4 +340,4 @@ def _decode_module(q, v_cache, mask, window, softcap, alibi_slopes, seqlen_q, ca
                     window=window, softcap=softcap, alibi=alibi_slopes is not None,
                     seqlen_q=seqlen_q, seqlen_k=capacity, same_lengths=False,
                     kv_layout=layout, page_size=page_size)
-    return probe("flash_attn_with_kvcache", need, (q.shape[2], v_cache.shape[2]))
+    return probe(API, need, (q.shape[2], v_cache.shape[2]))

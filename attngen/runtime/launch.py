@@ -1,16 +1,20 @@
 """From a call's tensors to a kernel run: the Need, dispatch, then the module (ops.py) or the
 torch fallback. The public functions (api.py, kvcache.py, hf.py) and context parallelism
-(attngen/distributed) run every kernel through `run_dense` and `run_varlen`.
+(attngen/distributed) run every kernel through `run_dense` and `run_varlen`; context
+parallelism's backward runs the gradient kernels of each chunk pair through
+`run_dense_backward`.
 
 A caller that wants flash-attn's [B, N, H, D] output asks `run_dense(..., heads_last=True)`:
 a module that takes `out=` (Dispatch.writes_out) writes that layout in place; from a module
 without it, its [B, H, N, D] output is copied into that layout (the one copy left, which
-disappears when the module is rebuilt from a template with `out=`).
+disappears when the module is rebuilt from a template with `out=`). With one query row
+(N = 1, a decode step) the module's own [B, H, 1, D] output is that layout already (its
+transpose is contiguous), so no out= is passed: it would only add its checks and a view.
 """
 
 from __future__ import annotations
 
-from attngen.runtime import ops
+from attngen.runtime import ops, plans
 from attngen.runtime.arguments import seqlen_bound, softmax_scale
 from attngen.runtime.dispatch import choose, need_for, unsupported_dtype
 from attngen.runtime.fallback import fallback_dense, fallback_varlen
@@ -21,11 +25,13 @@ from attngen.spec import CausalAlign, KernelKind, Mask
 def run_dense(api: str, q, k, v, *, mask: Mask, align: CausalAlign | None, window, softcap,
               alibi_slopes, scale, return_lse: bool, fallback: str | None,
               refusal: str | None = None, attn_mask=None, dropout_p=0.0,
-              heads_last: bool = False, sinks=None, chunk_size: int | None = None,
-              sink_tokens: int | None = None):
+              heads_last: bool = False, plan_key: tuple | None = None, sinks=None,
+              chunk_size: int | None = None, sink_tokens: int | None = None):
     """[B, H, N, D] attention through the prefill kind; (out, lse or None). With heads_last,
-    out is [B, N, H, DV], contiguous. sinks [HQ] fp32: learned sink logits (gpt-oss);
-    chunk_size with mask chunked, sink_tokens with mask sliding_window."""
+    out is [B, N, H, DV], contiguous. plan_key: the caller's signature key, under which a call
+    a module served leaves its plan (plans.py; the key must tell calls with sinks, chunk_size
+    and sink_tokens apart). sinks [HQ] fp32: learned sink logits (gpt-oss); chunk_size with
+    mask chunked, sink_tokens with mask sliding_window."""
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     need = need_for(KernelKind.prefill, q, v, mask=mask, align=align, window=window,
                     softcap=softcap, alibi=alibi_slopes is not None, seqlen_q=seqlen_q,
@@ -41,27 +47,48 @@ def run_dense(api: str, q, k, v, *, mask: Mask, align: CausalAlign | None, windo
                                 sinks=sinks, chunk_size=chunk_size, sink_tokens=sink_tokens)
         out, lse = result if return_lse else (result, None)
         return (out.transpose(1, 2).contiguous() if heads_last else out), lse
-    in_place = heads_last and dispatch.writes_out
-    out, lse = ops.prefill(dispatch.key, q, k, v, softmax_scale(scale, q), alibi_slopes,
-                           return_lse, in_place, sinks)
+    in_place = heads_last and dispatch.writes_out and seqlen_q != 1
+    sm_scale = softmax_scale(scale, q)
+    out, lse = ops.prefill(dispatch.key, q, k, v, sm_scale, alibi_slopes, return_lse, in_place,
+                           sinks)
     if heads_last and not in_place:  # the module wrote [B, H, N, D]: copied (it has no out=)
-        out = out.transpose(1, 2).contiguous()
+        out = out.transpose(1, 2).contiguous()  # one query row: already contiguous, no copy
+    plans.remember(plan_key, dispatch, sm_scale, return_lse, in_place)
     return out, lse
+
+
+def run_dense_backward(api: str, dout, q, k, v, out, lse, dlse, *, mask: Mask,
+                       align: CausalAlign | None, window, softcap, alibi_slopes, scale):
+    """(dq, dk, dv) of [B, H, N, D] attention through a prefill module's gradient kernels,
+    given the forward's out and LSE (any LSE: context parallelism passes the whole sequence's)
+    and the output's gradient dout (and the LSE's, dlse, or None). The Need asks for a module
+    built with `backward: true`, so dispatch picks and records one, or raises NoKernelError:
+    no torch fallback computes gradients from a given LSE."""
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    need = need_for(KernelKind.prefill, q, v, mask=mask, align=align, window=window,
+                    softcap=softcap, alibi=alibi_slopes is not None, seqlen_q=seqlen_q,
+                    seqlen_k=seqlen_k, same_lengths=seqlen_q == seqlen_k, backward=True)
+    refusal = unsupported_dtype(q) if need.dtype is None else None
+    dispatch = choose(api, need, "error", refusal, (q.shape[1], k.shape[1]))
+    assert dispatch.key is not None  # fallback "error": a Dispatch without a module raised
+    return ops.prefill_backward(dispatch.key, dout, q, k, v, out, lse, dlse,
+                                softmax_scale(scale, q), alibi_slopes)
 
 
 def run_varlen(api: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                mask: Mask, align: CausalAlign | None, window, softcap, alibi_slopes, scale,
                return_lse: bool, fallback: str | None, seqused_k=None,
                refusal: str | None = None, dropout_p=0.0, length_bounds=None,
-               dispatch: Dispatch | None = None, sinks=None, chunk_size: int | None = None,
-               sink_tokens: int | None = None):
+               dispatch: Dispatch | None = None, plan_key: tuple | None = None, sinks=None,
+               chunk_size: int | None = None, sink_tokens: int | None = None):
     """Packed [T, H, D] attention through the varlen kind; (out, lse [H, Tq] or None).
 
     The kernel is chosen with lengths the tensors guarantee, never max_seqlen_q/k (the
     caller's claim, which only sizes the grid): `length_bounds` (Nq, Nk) when the caller
     knows tighter ones from shapes (a cache's capacity), else the packed totals. A caller
     that must know the choice before it changes anything (the KV-cache route appends) passes
-    the `dispatch` varlen_dispatch gave it."""
+    the `dispatch` varlen_dispatch gave it. plan_key: as run_dense's (a call without
+    seqused_k)."""
     if dispatch is None:
         same = cu_seqlens_q is cu_seqlens_k and seqused_k is None
         dispatch = varlen_dispatch(api, q, v, mask=mask, align=align, window=window,
@@ -79,9 +106,12 @@ def run_varlen(api: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                                scale=softmax_scale(scale, q), return_lse=return_lse,
                                dropout_p=dropout_p, sinks=sinks, chunk_size=chunk_size,
                                sink_tokens=sink_tokens)
-    return ops.varlen(dispatch.key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                      max_seqlen_k, softmax_scale(scale, q), alibi_slopes, seqused_k,
-                      return_lse, sinks)
+    sm_scale = softmax_scale(scale, q)
+    result = ops.varlen(dispatch.key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                        max_seqlen_k, sm_scale, alibi_slopes, seqused_k, return_lse, sinks)
+    if seqused_k is None:
+        plans.remember(plan_key, dispatch, sm_scale, return_lse, False)
+    return result
 
 
 def varlen_dispatch(api: str, q, v, *, mask: Mask, align: CausalAlign | None, window, softcap,

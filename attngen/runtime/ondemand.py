@@ -10,9 +10,10 @@ its glue.
 The spec of a call:
 - every field a kernel depends on comes from the Need (kind, dtype, head dims, mask and
   alignment, window, sink tokens, chunk size, softcap, ALiBi, sinks; for decode the KV
-  layout, page size and the step's query tokens as max_query_tokens). A window side of
-  2**31 - 1 (flash-attn's -1) is unbounded: a window unbounded on both sides is no mask,
-  and one unbounded left and closed right is causal.
+  layout, page size and the step's query tokens as max_query_tokens; `backward: true` when
+  the call runs gradient kernels). A window side of 2**31 - 1 (flash-attn's -1) is
+  unbounded: a window unbounded on both sides is no mask, and one unbounded left and closed
+  right is causal.
 - head counts are runtime arguments of every module, but the tiling model uses them (prefill
   estimates waves from the query heads; decode's row tile is query heads per KV head times
   query tokens) and so does the tuning database's key. The spec takes the call's own counts,
@@ -100,6 +101,8 @@ def spec_for(need: Need, heads: tuple[int, int] | None) -> tuple[AttnSpec, Kerne
         if need.page_size is not None:
             fields["page_size"] = need.page_size
         fields["max_query_tokens"] = max(1, need.seqlen_q)
+    if need.backward:
+        fields["backward"] = True
     try:
         (spec,) = specs_from_data(fields)
     except SpecError as exc:

@@ -86,20 +86,27 @@ def _heads_last(q: Tensor, dim_v: int) -> Tensor:
     return q.new_empty((batch, rows, heads, dim_v))
 
 
-# -------------------------------------------------------------------------------- prefill
-
-
 def _sinks(sinks: Tensor | None) -> dict[str, Tensor]:
     """The entry point's `sinks=` keyword, only for a module built with sinks (older modules'
     entry points do not take the keyword; dispatch matched the module to the call)."""
     return {} if sinks is None else {"sinks": sinks}
 
 
+# -------------------------------------------------------------------------------- prefill
+
+
 def run_prefill(key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
                 alibi_slopes: Tensor | None, return_lse: bool,
                 heads_last: bool, sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(out, lse or None); out [B, M, HQ, DV] with heads_last, else [B, HQ, M, DV]."""
-    module = current_registry().module(key)
+    return call_prefill(current_registry().module(key), key, q, k, v, sm_scale, alibi_slopes,
+                        return_lse, heads_last, sinks)
+
+
+def call_prefill(module, key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
+                 alibi_slopes: Tensor | None, return_lse: bool,
+                 heads_last: bool, sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """run_prefill with the module of `key` in hand (a plan holds it: plans.py)."""
     _ran(key)
     if heads_last:
         out = _heads_last(q, v.shape[-1])
@@ -152,7 +159,16 @@ def run_varlen(key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, sm_scale: float,
                alibi_slopes: Tensor | None, seqused_k: Tensor | None,
                return_lse: bool, sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-    module = current_registry().module(key)
+    return call_varlen(current_registry().module(key), key, q, k, v, cu_seqlens_q,
+                       cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale, alibi_slopes,
+                       seqused_k, return_lse, sinks)
+
+
+def call_varlen(module, key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, sm_scale: float,
+                alibi_slopes: Tensor | None, seqused_k: Tensor | None,
+                return_lse: bool, sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """run_varlen with the module of `key` in hand."""
     _ran(key)
     result = module.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
@@ -167,10 +183,10 @@ def varlen(key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
            return_lse: bool, sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(out, lse or None) of the varlen module `key`; see the module docstring."""
     args = (key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,
-            alibi_slopes, seqused_k, return_lse, sinks)
+            alibi_slopes, seqused_k)
     if _direct(q, k, v, alibi_slopes) and (sinks is None or _direct(q, k, v, sinks)):
-        return run_varlen(*args)
-    out, lse = varlen_op(*args[:-2], True, sinks)  # the LSE always: the backward needs it
+        return run_varlen(*args, return_lse, sinks)
+    out, lse = varlen_op(*args, True, sinks)  # the LSE is always computed: the backward needs it
     return out, (lse if return_lse else None)
 
 
@@ -204,7 +220,17 @@ def run_decode(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seql
     """The decode kind's `decode` entry point (the README's decode contract); appends
     k_new/v_new into the caches at cache_seqlens, in place, before attending. (out, lse or
     None); out [B, Nq, HQ, DV] with heads_last, else [B, HQ, Nq, DV]."""
-    module = current_registry().module(key)
+    return call_decode(current_registry().module(key), key, q, k_cache, v_cache, cache_seqlens,
+                       block_table, k_new, v_new, sm_scale, alibi_slopes, return_lse,
+                       heads_last, sinks)
+
+
+def call_decode(module, key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                cache_seqlens: Tensor, block_table: Tensor | None, k_new: Tensor | None,
+                v_new: Tensor | None, sm_scale: float, alibi_slopes: Tensor | None,
+                return_lse: bool, heads_last: bool,
+                sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """run_decode with the module of `key` in hand."""
     _ran(key)
     if heads_last:
         out = _heads_last(q, v_cache.shape[-1])
@@ -232,15 +258,26 @@ def decode(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
     if _direct(q, k_cache, v_cache, alibi_slopes) and (
             news is None or _direct(q, news[0], news[1], None)) and (
             sinks is None or _direct(q, k_cache, v_cache, sinks)):
-        result = run_decode(*args)
-        if news is not None:
-            torch.autograd.graph.increment_version((k_cache, v_cache))
-        return result
+        return direct_decode(current_registry().module(key), *args)
     out, lse = decode_op(*args)
     inputs = (q, k_cache, v_cache, k_new, v_new)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
         out, lse = _ForwardOnly.apply(out, lse)
     return (out.transpose(1, 2) if heads_last else out), (lse if return_lse else None)
+
+
+def direct_decode(module, key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                  cache_seqlens: Tensor, block_table: Tensor | None, k_new: Tensor | None,
+                  v_new: Tensor | None, sm_scale: float, alibi_slopes: Tensor | None,
+                  return_lse: bool, heads_last: bool,
+                  sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """call_decode without the op: the caches' version counters are bumped after an append,
+    as the op's mutates_args would."""
+    result = call_decode(module, key, q, k_cache, v_cache, cache_seqlens, block_table, k_new,
+                         v_new, sm_scale, alibi_slopes, return_lse, heads_last, sinks)
+    if k_new is not None and v_new is not None:
+        torch.autograd.graph.increment_version((k_cache, v_cache))
+    return result
 
 
 @torch.library.custom_op("attngen::decode", mutates_args=("k_cache", "v_cache"))
@@ -288,15 +325,24 @@ def _backward_of(key: str, name: str):
     return backward
 
 
-@torch.library.custom_op("attngen::prefill_backward", mutates_args=())
-def prefill_backward_op(key: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                        lse: Tensor, dlse: Tensor | None, sm_scale: float,
-                        alibi_slopes: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+def prefill_backward(key: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                     lse: Tensor, dlse: Tensor | None, sm_scale: float,
+                     alibi_slopes: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) from the gradient kernels of the prefill module `key`, called directly:
+    eager callers that hold the output and LSE themselves (context parallelism runs them per
+    chunk pair with the whole sequence's LSE) and record no autograd graph."""
     backward = _backward_of(key, "attention_backward")
     _ran(key)
     dq, dk, dv = backward(dout, q, k, v, out, lse, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
                           dlse=dlse)
     return dq, dk, dv
+
+
+@torch.library.custom_op("attngen::prefill_backward", mutates_args=())
+def prefill_backward_op(key: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                        lse: Tensor, dlse: Tensor | None, sm_scale: float,
+                        alibi_slopes: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    return prefill_backward(key, dout, q, k, v, out, lse, dlse, sm_scale, alibi_slopes)
 
 
 @prefill_backward_op.register_fake

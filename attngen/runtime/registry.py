@@ -94,6 +94,8 @@ class Registry:
         # dispatch.py's cache of served calls, (api, Need) -> Dispatch: it lives and dies with
         # this registry, so a replaced registry's choices never serve a later call.
         self.dispatches: dict[tuple[str, Need], Dispatch] = {}
+        # plans.py's cache of eager calls' routes, signature key -> Plan: the same lifetime.
+        self.plans: dict[tuple, Any] = {}
         self._lock = threading.Lock()
 
     def module(self, key: str) -> ModuleType:

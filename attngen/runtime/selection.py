@@ -26,6 +26,7 @@ from attngen.spec import CausalAlign, Dtype, KernelKind, KvLayout, Mask
 
 INTERPRETER = "interpreter"  # CPU tensors under TRITON_INTERPRET=1: any arch's module runs
 FALLBACKS = ("error", "sdpa")
+NO_BACKWARD = "backward: needs true (gradient kernels), module has false"
 
 
 class NoKernelError(RuntimeError):
@@ -56,6 +57,7 @@ class Need(NamedTuple):
     same_lengths: bool  # every sequence has Nq == Nk, so the alignments coincide
     kv_layout: KvLayout | None = None  # decode only
     page_size: int | None = None  # decode only, paged
+    backward: bool = False  # the call runs the module's gradient kernels (spec backward: true)
     sinks: bool = False  # the call passes learned sinks [HQ] (gpt-oss)
     chunk_size: int | None = None  # with mask chunked
     sink_tokens: int | None = None  # with mask sliding_window: the first keys always seen
@@ -78,6 +80,8 @@ class Need(NamedTuple):
             text += " sinks=True"
         if self.kv_layout:
             text += f" kv_layout={self.kv_layout.value}"
+        if self.backward:
+            text += " backward=True"
         return text
 
 
@@ -191,6 +195,8 @@ def mismatches(entry: KernelEntry, need: Need) -> list[str]:
         problems.append(f"mask: needs {_mask_text(_asked(need))}, module has {_mask_text(spec)}")
     if need.kind is KernelKind.decode:
         problems += _decode_mismatches(spec, need)
+    if need.backward and not spec.get("backward"):
+        problems.append(NO_BACKWARD)
     return problems
 
 
@@ -262,7 +268,9 @@ def no_kernel_message(need: Need, registry: Registry, not_built: str = "") -> st
     nearest = "; ".join(f"{e.describe()} ({', '.join(mismatches(e, need))})"
                         for e in shown.values()) or "none: the registry is empty"
     folders = ", ".join(str(f) for f in registry.folders)
+    # No fallback computes gradients from a given LSE (need.backward): none is offered.
+    fallback = "" if need.backward else ", or ask for fallback='sdpa'"
     return (f"no generated kernel serves {need.describe()} (kernels from {folders}); "
             f"nearest: {nearest}. {not_built or 'Not built on demand.'} Build a spec for it "
             "(attngen spec-from-hf, attngen build) and load it (attngen.load_kernels or "
-            "ATTNGEN_KERNELS), or ask for fallback='sdpa'")
+            f"ATTNGEN_KERNELS){fallback}")

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from functools import cache
 
 from attngen.arch import ARCHS, GpuArch
 from attngen.spec import AttnSpec
@@ -100,16 +99,6 @@ def decode_score(per_sm: int, block_n: int, d: int, dv: int, e: int, stages: int
     return min(1.0, in_flight / IN_FLIGHT_TARGET)
 
 
-@cache
-def page_flag_bytes(spec: AttnSpec, block_n: int) -> int:
-    """Shared memory the per-key page check adds with pages smaller than a key tile: the
-    [BLOCK_N] flag of keys whose page is not the cache's is converted from the key layout to
-    the scores' column layout through shared memory (4 B a key; measured 256 B at BLOCK_N 64
-    on sm80 and sm90). Pages of a tile or more are checked once per tile, in registers."""
-    paged = spec.kv_layout is not None and spec.kv_layout.value == "paged"
-    return 4 * block_n if paged and (spec.page_size or 0) < block_n else 0
-
-
 def derive_decode_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
     """Every decode candidate on `arch_name`, judged like prefill's, scored by bytes in flight.
 
@@ -150,7 +139,6 @@ def _candidates(spec: AttnSpec, arch: GpuArch, row_tiles: tuple[int, ...],
                                             DECODE_STAGES_CHOICES):
         at = (rows, bn, s, w, d, dv, spec.dtype.itemsize)  # MODEL_SYMBOLS' order
         smem_b, regs_t = int(smem_f(*at)), int(math.ceil(regs_f(*at)))
-        smem_b += page_flag_bytes(spec, bn)
         reasons = []
         if smem_b > arch.smem_budget:
             reasons.append(f"smem {smem_b} B > {arch.smem_budget} B")

@@ -1,0 +1,170 @@
+"""Plans: an eager call's route, decided once per call signature.
+
+Between a public function's arguments and the generated module's entry point, everything the
+runtime decides depends only on the call's signature: the tensors' shapes, q's dtype and
+device, and the scalar options. That is the Need, the module that serves it and its Dispatch,
+the softmax scale, and whether the module writes the caller's layout in place. The first eager
+call of a signature takes the full path (every check, the Need, selection, recorded), and when
+a module served it, leaves a `Plan` under the signature's key on the registry that chose the
+module (`Registry.plans`). A later call with an equal key runs the plan: the checks its key
+does not decide (the other tensors' dtypes and devices, compared), the Dispatch recorded (a
+reference, as the full path records the Dispatch it cached), the run counted, and the
+module's entry point called, which makes its own checks on every call as always.
+
+An equal key must mean that the full path would decide the same. So options enter a key with
+their values, and only in their plain types (None, bool, float, str, a pair of ints): a call
+with an option of another type (an int softcap, a numpy scale, a list window) takes the full
+path, whose checks are type-sensitive. Values the full path checks on every call are checked
+on every call here too, or send the call to the full path (an int cache_seqlens).
+
+Never planned: fallbacks and refusals (they warn or raise on every call). Never run from a
+plan: calls under torch.compile (traced through the full path and the torch.library ops),
+tensor subclasses and inputs that need a gradient (the op layer), and a call whose device's
+answer may change (bf16 under Triton's interpreter: asked again, devices.problem_may_change).
+A replaced registry takes its plans with it; they are bounded like the dispatch cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attngen.runtime import dispatch as dispatch_cache
+from attngen.runtime import ops
+from attngen.runtime.devices import device_problem, problem_may_change
+from attngen.runtime.records import record
+from attngen.runtime.registry import current_registry
+from attngen.runtime.selection import Dispatch
+
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What eager calls of one signature run: the module and the Dispatch recorded for it, and
+    what the full path computed for the signature."""
+
+    dispatch: Dispatch  # the registry's cached Dispatch (what the full path records)
+    key: str  # the module's key (dispatch.key)
+    module: ModuleType
+    sm_scale: float
+    return_lse: bool
+    in_place: bool  # the module writes the caller's heads-last output (its out=)
+    device_check: tuple[Any, ...] | None  # device_problem's arguments when asked at each run
+
+
+# --------------------------------------------------------------------- the signature
+
+
+def eager(q: Any, k: Any, v: Any, alibi_slopes: Any) -> bool:
+    """Whether a call with these tensors may run from a plan: plain tensors (slopes None or a
+    tensor), eager mode, none that needs a gradient."""
+    if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
+        return False
+    if alibi_slopes is not None and type(alibi_slopes) is not Tensor:
+        return False
+    if _is_compiling():
+        return False
+    return not (_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+        alibi_slopes is not None and alibi_slopes.requires_grad)))
+
+
+def plain(scale: Any, softcap: Any, dropout_p: Any = 0.0) -> bool:
+    """scale and softcap None or floats, and no dropout (0 or 0.0): options a key may hold."""
+    return ((scale is None or type(scale) is float) and (softcap is None or type(softcap) is float)
+            and (type(dropout_p) is float or type(dropout_p) is int) and not dropout_p)
+
+
+def pair(window: Any) -> bool:
+    """A window given as a tuple of two ints (flash-attn's (-1, -1) default among them)."""
+    return (type(window) is tuple and len(window) == 2 and type(window[0]) is int
+            and type(window[1]) is int)
+
+
+def slopes_rank(alibi_slopes: Tensor | None) -> int:
+    """The slopes' part of a key: their rank (a refusal depends on it), -1 without slopes."""
+    return -1 if alibi_slopes is None else alibi_slopes.dim()
+
+
+def find(key: tuple | None) -> Plan | None:
+    """The plan of a signature key on the registry in use, or None."""
+    if key is None:
+        return None
+    try:
+        return current_registry().plans.get(key)
+    except TypeError:  # an unhashable value inside an option: the full path decides
+        return None
+
+
+def remember(key: tuple | None, dispatch: Dispatch, sm_scale: float, return_lse: bool,
+             in_place: bool) -> None:
+    """Keep the route the full path just took for `key`'s signature (in_place: it passed the
+    module out=, the caller's heads-last output), from the Dispatch the registry in use cached
+    for the call's Need: when another registry chose (load_kernels replaced it meanwhile),
+    nothing is kept."""
+    if key is None or dispatch.key is None or _is_compiling():
+        return
+    registry = current_registry()
+    cached = registry.dispatches.get((dispatch.api, dispatch.need))
+    if cached is None or cached.key != dispatch.key:
+        return
+    need = cached.need
+    check = ((cached.api, need.arch, need.dtype) if problem_may_change(need.arch, need.dtype)
+             else None)
+    plan = Plan(cached, dispatch.key, registry.module(dispatch.key), float(sm_scale),
+                bool(return_lse), in_place, check)
+    plans = registry.plans
+    if len(plans) >= dispatch_cache.DISPATCH_CACHE_SIZE:
+        plans.clear()
+    try:
+        plans[key] = plan
+    except TypeError:
+        pass
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def run_dense(plan: Plan, q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None,
+              heads_last: bool, sinks: Tensor | None = None
+              ) -> tuple[Tensor, Tensor | None] | None:
+    """launch.run_dense's module call from a plan (sinks: the call's, whose presence its key
+    holds); None when the device refuses now."""
+    if plan.device_check is not None and device_problem(*plan.device_check) is not None:
+        return None  # the device refuses now what it served: the full path says why
+    record(plan.dispatch)
+    out, lse = ops.call_prefill(plan.module, plan.key, q, k, v, plan.sm_scale, alibi_slopes,
+                                plan.return_lse, plan.in_place, sinks)
+    if heads_last and not plan.in_place:  # the module wrote [B, H, N, D]: copied
+        out = out.transpose(1, 2).contiguous()
+    return out, lse
+
+
+def run_varlen(plan: Plan, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+               cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+               alibi_slopes: Tensor | None) -> tuple[Tensor, Tensor | None] | None:
+    """launch.run_varlen's module call from a plan; None when the device refuses now."""
+    if plan.device_check is not None and device_problem(*plan.device_check) is not None:
+        return None  # the device refuses now what it served: the full path says why
+    record(plan.dispatch)
+    return ops.call_varlen(plan.module, plan.key, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                           max_seqlen_q, max_seqlen_k, plan.sm_scale, alibi_slopes, None,
+                           plan.return_lse)
+
+
+def run_decode(plan: Plan, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+               block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
+               alibi_slopes: Tensor | None) -> tuple[Tensor, Tensor | None] | None:
+    """ops.decode's direct call from a plan, [B, H, N, D] views in (heads-last output when the
+    plan writes in place); None when the device refuses now."""
+    if plan.device_check is not None and device_problem(*plan.device_check) is not None:
+        return None  # the device refuses now what it served: the full path says why
+    record(plan.dispatch)
+    return ops.direct_decode(plan.module, plan.key, q, k_cache, v_cache, cache_seqlens,
+                             block_table, k_new, v_new, plan.sm_scale, alibi_slopes,
+                             plan.return_lse, plan.in_place)
