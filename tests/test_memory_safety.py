@@ -20,6 +20,7 @@ from tests.safety_harness import (
     DECODE_BAD,
     PAGE_BAD,
     VARLEN_BAD,
+    DecodeBad,
     check_bad_decode,
     check_bad_varlen,
     decode_problem,
@@ -73,6 +74,32 @@ def test_bad_decode_indices_with_chunks_and_sink_tokens(mask, case):
                                  device="cpu")
         check_bad_decode(kernel, spec, problem, splits=splits, watch=watching,
                          expect_nan=not unread)
+
+
+# Pages of the bad sequence (43 keys after the append, 4-key pages) that a key tile reaches
+# but no row sees: with sink tokens, page 4 between the 3 sink tokens (page 0) and the window
+# (keys from 36: pages 9 and 10); chunked, page 8, left of the queries' chunk (from key 36)
+# in the 16-key tile that starts at key 32.
+UNSEEN_PAGES = {"sink_tokens": 4, "chunked": 8}
+
+
+@pytest.mark.parametrize("checked", [False, True])
+@pytest.mark.parametrize("mask", sorted(UNSEEN_PAGES))
+def test_a_bad_page_no_row_sees_changes_nothing(monkeypatch, mask, checked):
+    """A bad block-table entry of a page no row sees changes nothing: the step appends and
+    attends as with a good one, in the kernels (the decode scan and the append's check agree
+    on the pages read) and in the checked mode."""
+    if checked:
+        monkeypatch.setenv("ATTNGEN_CHECKS", "1")
+    spec = _decode_spec("paged", 4, **NEW_MASKS[mask])
+    kernel = load_decode(spec, 16)
+    unseen = DecodeBad("a page no row sees", "block_table", lambda s: s.num_pages,
+                       r"never raised", page=UNSEEN_PAGES[mask])
+    for splits in (1, 2, 3):
+        problem = decode_problem(spec, LENGTHS, unseen, num_new=3, num_q_tokens=2, seed=16,
+                                 device="cpu")
+        check_bad_decode(kernel, spec, problem, splits=splits, watch=watching,
+                         expect_nan=False)
 
 
 @pytest.mark.parametrize("mask", sorted(NEW_MASKS))
