@@ -138,6 +138,8 @@ def bench_multi(setup, budget: float, torch_cp: bool) -> list[dict]:
             for backend in ("cudnn", "flash"):
                 row.update(bench_torch_cp(setup, q, k, v, dout, single, backend, budget))
         rows.append(row)
+        if setup.rank == 0:  # a run cut by its time limit still shows the lengths it finished
+            print(json.dumps(row), flush=True)
         q = k = v = dout = single = None  # freed before the next, larger inputs
     return rows
 
