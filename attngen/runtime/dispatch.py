@@ -106,9 +106,10 @@ def need_for(kind: KernelKind, q: torch.Tensor, v: torch.Tensor, *, mask: Mask,
              align: CausalAlign | None, window: tuple[int, int] | None,
              softcap: float | None, alibi: bool, seqlen_q: int, seqlen_k: int,
              same_lengths: bool, kv_layout: KvLayout | None = None,
-             page_size: int | None = None) -> Need:
+             page_size: int | None = None, dropout: bool = False) -> Need:
     """The Need of a call with these tensors: dtype and head dims from q and v, the arch from
-    q's device. seqlen_q/seqlen_k must be lengths the tensors' shapes guarantee."""
+    q's device. seqlen_q/seqlen_k must be lengths the tensors' shapes guarantee; dropout:
+    the call has dropout_p > 0."""
     if mask is Mask.none:
         align, window = None, None
     device = q.device
@@ -118,7 +119,7 @@ def need_for(kind: KernelKind, q: torch.Tensor, v: torch.Tensor, *, mask: Mask,
         window=None if window is None else (int(window[0]), int(window[1])),
         softcap=float(softcap or 0.0), alibi=alibi, arch=arch_of(device.type, device.index),
         seqlen_q=int(seqlen_q), seqlen_k=int(seqlen_k), same_lengths=same_lengths,
-        kv_layout=kv_layout, page_size=page_size)
+        kv_layout=kv_layout, page_size=page_size, dropout=dropout)
 
 
 def unsupported_dtype(q: torch.Tensor) -> str:

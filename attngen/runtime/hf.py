@@ -13,8 +13,10 @@ flash-attention:
   tokens are unpadded into packed sequences and run through the varlen kind, as transformers'
   own flash-attention path does; padded query rows get output 0.
 Packed-sequence kwargs (cu_seq_lens_q/k, max_length_q/k) go to the varlen kind directly.
-What no generated kernel can do (a 4D mask, dropout, attention sinks, output_attentions) is
-refused by name, and so is a layer whose attention transformers defines through the mask or
+Dropout in training (the layer's attention_dropout) runs on a module built with dropout: true,
+as flash_attn_func's dropout_p does, and is refused naming dropout_p when none is loaded.
+What no generated kernel can do (a 4D mask, attention sinks, output_attentions) is refused by
+name, and so is a layer whose attention transformers defines through the mask or
 extra arguments that this function never sees applied: a layer type other than
 full_attention/sliding_attention (Llama 4's chunked_attention: its chunks live only in the
 mask that the "attngen" mask function replaces by the padding mask), a config with
@@ -104,13 +106,12 @@ def attngen_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if kwargs.get("output_attentions"):
         raise NoKernelError("attngen: output_attentions=True: the kernels never form the "
                             "attention probabilities; use attn_implementation='eager'")
-    refusal = None
-    if dropout:
-        refusal = f"dropout: got {dropout} (training mode); generated kernels are inference-only"
     mask, window = _mask_of(module, query, key, sliding_window, is_causal)
+    # dropout (the layer's attention_dropout in training) needs a module built with dropout:
+    # true; without one the call is refused naming dropout_p (launch.py).
     common = dict(mask=mask, align=CausalAlign.bottom_right, window=window, softcap=softcap,
                   alibi_slopes=None, scale=scaling, return_lse=False, fallback=None,
-                  refusal=refusal)
+                  dropout_p=dropout)
     batch, _, seqlen_q, _ = query.shape
     seqlen_k = key.shape[2]
     if kwargs.get("cu_seq_lens_q") is not None and attention_mask is None:
@@ -119,7 +120,7 @@ def attngen_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         _refuse_packed_positions(kwargs.get("position_ids"), seqlen_q, seqlen_k)
         # [B, Nq, HQ, DV] contiguous (in place with a module that takes out=): transformers
         # reshapes it to [B, Nq, HQ * DV] next, which a transposed view would copy.
-        out, _ = run_dense(API, query, key, value, dropout_p=dropout, heads_last=True, **common)
+        out, _ = run_dense(API, query, key, value, heads_last=True, **common)
         return out, None
     if attention_mask.dim() != 2 or attention_mask.shape != (batch, seqlen_k):
         raise NoKernelError(

@@ -66,7 +66,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_seqlens = _seqlens(cache_seqlens, batch, capacity, new, q.device)
     mask, window = flash_mask(causal, window_size)
     q, k = rotate(q, k, options, cache_seqlens, mask is not Mask.none)
-    refusal = flash_refusal(0.0, alibi_slopes)
+    refusal = flash_refusal(alibi_slopes)
     decode = None if not options.decode_route else _decode_module(
         q, v_cache, mask, window, softcap, alibi_slopes, seqlen_q, capacity,
         KvLayout.paged if paged else KvLayout.contiguous, k_cache.shape[1] if paged else None)

@@ -6,12 +6,21 @@ A caller that wants flash-attn's [B, N, H, D] output asks `run_dense(..., heads_
 a module that takes `out=` (Dispatch.writes_out) writes that layout in place; from a module
 without it, its [B, H, N, D] output is copied into that layout (the one copy left, which
 disappears when the module is rebuilt from a template with `out=`).
+
+dropout_p > 0 asks for a module built with dropout: true (Need.dropout); the call's Philox
+state is drawn here (arguments.dropout_rng_state) and handed to the module's forward and,
+through the op's autograd formula, to its backward.
 """
 
 from __future__ import annotations
 
 from attngen.runtime import ops
-from attngen.runtime.arguments import seqlen_bound, softmax_scale
+from attngen.runtime.arguments import (
+    dropout_probability,
+    dropout_rng_state,
+    seqlen_bound,
+    softmax_scale,
+)
 from attngen.runtime.dispatch import choose, need_for, unsupported_dtype
 from attngen.runtime.fallback import fallback_dense, fallback_varlen
 from attngen.runtime.selection import Dispatch
@@ -25,9 +34,11 @@ def run_dense(api: str, q, k, v, *, mask: Mask, align: CausalAlign | None, windo
     """[B, H, N, D] attention through the prefill kind; (out, lse or None). With heads_last,
     out is [B, N, H, DV], contiguous."""
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    dropout_p = dropout_probability(dropout_p)
     need = need_for(KernelKind.prefill, q, v, mask=mask, align=align, window=window,
                     softcap=softcap, alibi=alibi_slopes is not None, seqlen_q=seqlen_q,
-                    seqlen_k=seqlen_k, same_lengths=seqlen_q == seqlen_k)
+                    seqlen_k=seqlen_k, same_lengths=seqlen_q == seqlen_k,
+                    dropout=dropout_p > 0)
     if need.dtype is None:
         refusal = refusal or unsupported_dtype(q)
     dispatch = choose(api, need, fallback, refusal, (q.shape[1], k.shape[1]))
@@ -39,7 +50,7 @@ def run_dense(api: str, q, k, v, *, mask: Mask, align: CausalAlign | None, windo
         return (out.transpose(1, 2).contiguous() if heads_last else out), lse
     in_place = heads_last and dispatch.writes_out
     out, lse = ops.prefill(dispatch.key, q, k, v, softmax_scale(scale, q), alibi_slopes,
-                           return_lse, in_place)
+                           return_lse, in_place, *_dropout(dropout_p, q))
     if heads_last and not in_place:  # the module wrote [B, H, N, D]: copied (it has no out=)
         out = out.transpose(1, 2).contiguous()
     return out, lse
@@ -57,13 +68,14 @@ def run_varlen(api: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     knows tighter ones from shapes (a cache's capacity), else the packed totals. A caller
     that must know the choice before it changes anything (the KV-cache route appends) passes
     the `dispatch` varlen_dispatch gave it."""
+    dropout_p = dropout_probability(dropout_p)
     if dispatch is None:
         same = cu_seqlens_q is cu_seqlens_k and seqused_k is None
         dispatch = varlen_dispatch(api, q, v, mask=mask, align=align, window=window,
                                    softcap=softcap, alibi=alibi_slopes is not None,
                                    length_bounds=length_bounds or (q.shape[0], k.shape[0]),
                                    same_lengths=same, fallback=fallback, refusal=refusal,
-                                   heads=(q.shape[1], k.shape[1]))
+                                   heads=(q.shape[1], k.shape[1]), dropout=dropout_p > 0)
     max_seqlen_q = seqlen_bound(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = seqlen_bound(max_seqlen_k, "max_seqlen_k")
     if dispatch.key is None:
@@ -74,18 +86,23 @@ def run_varlen(api: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                                dropout_p=dropout_p)
     return ops.varlen(dispatch.key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                       max_seqlen_k, softmax_scale(scale, q), alibi_slopes, seqused_k,
-                      return_lse)
+                      return_lse, *_dropout(dropout_p, q))
+
+
+def _dropout(dropout_p: float, q):
+    """(dropout_p, the call's Philox state or None) for the ops."""
+    return dropout_p, (dropout_rng_state(q) if dropout_p else None)
 
 
 def varlen_dispatch(api: str, q, v, *, mask: Mask, align: CausalAlign | None, window, softcap,
                     alibi: bool, length_bounds: tuple[int, int], same_lengths: bool,
                     fallback: str | None, refusal: str | None,
-                    heads: tuple[int, int]) -> Dispatch:
+                    heads: tuple[int, int], dropout: bool = False) -> Dispatch:
     """The varlen module (or the warned fallback) that serves packed q [T, HQ, D] and values
     of v's head dim at lengths up to `length_bounds`; NoKernelError when none does."""
     need = need_for(KernelKind.varlen, q, v, mask=mask, align=align, window=window,
                     softcap=softcap, alibi=alibi, seqlen_q=length_bounds[0],
-                    seqlen_k=length_bounds[1], same_lengths=same_lengths)
+                    seqlen_k=length_bounds[1], same_lengths=same_lengths, dropout=dropout)
     if need.dtype is None:
         refusal = refusal or unsupported_dtype(q)
     return choose(api, need, fallback, refusal, heads)

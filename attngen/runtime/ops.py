@@ -28,7 +28,9 @@ prefill and varlen register their autograd formula: the backward ops
 `attention_backward` / `attention_varlen_backward` (modules built from a spec with
 `backward: true`), so torch.compile(fullgraph=True) traces forward and backward. Through the
 ops the forward always computes the LSE the backward needs. A module built without backward
-raises NotImplementedError at the backward, naming the module and the spec field; decode
+raises NotImplementedError at the backward, naming the module and the spec field. With
+dropout_p > 0 (a module built with dropout: true) the call's Philox state, rng_state, is an
+input of the op, saved for its backward, which so regenerates the forward's mask. Decode
 mutates its caches, which torch allows no formula for, so `decode()` wraps its outputs in a
 function whose backward raises that it is forward-only.
 """
@@ -89,44 +91,56 @@ def _heads_last(q: Tensor, dim_v: int) -> Tensor:
 # -------------------------------------------------------------------------------- prefill
 
 
+def _dropout_options(dropout_p: float, rng_state: Tensor | None) -> dict:
+    """The module's dropout arguments: none without dropout (forward-only modules take none)."""
+    return {"dropout_p": dropout_p, "rng_state": rng_state} if dropout_p else {}
+
+
 def run_prefill(key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
-                alibi_slopes: Tensor | None, return_lse: bool,
-                heads_last: bool) -> tuple[Tensor, Tensor | None]:
+                alibi_slopes: Tensor | None, return_lse: bool, heads_last: bool,
+                dropout_p: float = 0.0, rng_state: Tensor | None = None
+                ) -> tuple[Tensor, Tensor | None]:
     """(out, lse or None); out [B, M, HQ, DV] with heads_last, else [B, HQ, M, DV]."""
     module = current_registry().module(key)
     _ran(key)
+    dropout = _dropout_options(dropout_p, rng_state)
     if heads_last:
         out = _heads_last(q, v.shape[-1])
         result = module.attention(q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
-                                  return_lse=return_lse, out=out.transpose(1, 2))
+                                  return_lse=return_lse, out=out.transpose(1, 2), **dropout)
         return out, (result[1] if return_lse else None)
     result = module.attention(q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
-                              return_lse=return_lse)
+                              return_lse=return_lse, **dropout)
     return result if return_lse else (result, None)
 
 
 def prefill(key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
-            alibi_slopes: Tensor | None, return_lse: bool,
-            heads_last: bool = False) -> tuple[Tensor, Tensor | None]:
+            alibi_slopes: Tensor | None, return_lse: bool, heads_last: bool = False,
+            dropout_p: float = 0.0, rng_state: Tensor | None = None
+            ) -> tuple[Tensor, Tensor | None]:
     """(out, lse or None) of the prefill module `key`; see the module docstring."""
+    args = (dropout_p, rng_state)
     if _direct(q, k, v, alibi_slopes):
-        return run_prefill(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last)
+        return run_prefill(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last, *args)
     # The LSE is always computed here: the backward needs it.
-    out, lse = prefill_op(key, q, k, v, sm_scale, alibi_slopes, True, heads_last)
+    out, lse = prefill_op(key, q, k, v, sm_scale, alibi_slopes, True, heads_last, *args)
     return (out.transpose(1, 2) if heads_last else out), (lse if return_lse else None)
 
 
 @torch.library.custom_op("attngen::prefill", mutates_args=())
 def prefill_op(key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
-               alibi_slopes: Tensor | None, return_lse: bool,
-               heads_last: bool) -> tuple[Tensor, Tensor]:
+               alibi_slopes: Tensor | None, return_lse: bool, heads_last: bool,
+               dropout_p: float = 0.0, rng_state: Tensor | None = None
+               ) -> tuple[Tensor, Tensor]:
     with torch.no_grad():  # the op's autograd formula records the backward, not the module
-        out, lse = run_prefill(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last)
+        out, lse = run_prefill(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last,
+                               dropout_p, rng_state)
     return (out.transpose(1, 2) if heads_last else out), (_no_lse(q) if lse is None else lse)
 
 
 @prefill_op.register_fake
-def _(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last):
+def _(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last, dropout_p=0.0,
+      rng_state=None):
     batch, heads, seqlen_q, _ = q.shape
     if heads_last:
         out = _heads_last(q, v.shape[-1]).transpose(1, 2)
@@ -141,43 +155,49 @@ def _(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last):
 
 def run_varlen(key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, sm_scale: float,
-               alibi_slopes: Tensor | None, seqused_k: Tensor | None,
-               return_lse: bool) -> tuple[Tensor, Tensor | None]:
+               alibi_slopes: Tensor | None, seqused_k: Tensor | None, return_lse: bool,
+               dropout_p: float = 0.0, rng_state: Tensor | None = None
+               ) -> tuple[Tensor, Tensor | None]:
     module = current_registry().module(key)
     _ran(key)
     result = module.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
-                                     return_lse=return_lse, seqused_k=seqused_k)
+                                     return_lse=return_lse, seqused_k=seqused_k,
+                                     **_dropout_options(dropout_p, rng_state))
     return result if return_lse else (result, None)
 
 
 def varlen(key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
            cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, sm_scale: float,
-           alibi_slopes: Tensor | None, seqused_k: Tensor | None,
-           return_lse: bool) -> tuple[Tensor, Tensor | None]:
+           alibi_slopes: Tensor | None, seqused_k: Tensor | None, return_lse: bool,
+           dropout_p: float = 0.0, rng_state: Tensor | None = None
+           ) -> tuple[Tensor, Tensor | None]:
     """(out, lse or None) of the varlen module `key`; see the module docstring."""
     args = (key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,
-            alibi_slopes, seqused_k, return_lse)
+            alibi_slopes, seqused_k)
     if _direct(q, k, v, alibi_slopes):
-        return run_varlen(*args)
-    out, lse = varlen_op(*args[:-1], True)  # the LSE is always computed: the backward needs it
+        return run_varlen(*args, return_lse, dropout_p, rng_state)
+    # the LSE is always computed: the backward needs it
+    out, lse = varlen_op(*args, True, dropout_p, rng_state)
     return out, (lse if return_lse else None)
 
 
 @torch.library.custom_op("attngen::varlen", mutates_args=())
 def varlen_op(key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
               cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, sm_scale: float,
-              alibi_slopes: Tensor | None, seqused_k: Tensor | None,
-              return_lse: bool) -> tuple[Tensor, Tensor]:
+              alibi_slopes: Tensor | None, seqused_k: Tensor | None, return_lse: bool,
+              dropout_p: float = 0.0, rng_state: Tensor | None = None
+              ) -> tuple[Tensor, Tensor]:
     with torch.no_grad():  # the op's autograd formula records the backward, not the module
         out, lse = run_varlen(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              sm_scale, alibi_slopes, seqused_k, return_lse)
+                              sm_scale, alibi_slopes, seqused_k, return_lse, dropout_p,
+                              rng_state)
     return out, (_no_lse(q) if lse is None else lse)
 
 
 @varlen_op.register_fake
 def _(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,
-      alibi_slopes, seqused_k, return_lse):
+      alibi_slopes, seqused_k, return_lse, dropout_p=0.0, rng_state=None):
     total_q, heads, _ = q.shape
     out = q.new_empty((total_q, heads, v.shape[-1]))
     lse = q.new_empty((heads, total_q), dtype=torch.float32) if return_lse else _no_lse(q)
@@ -270,75 +290,80 @@ def _backward_of(key: str, name: str):
 @torch.library.custom_op("attngen::prefill_backward", mutates_args=())
 def prefill_backward_op(key: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                         lse: Tensor, dlse: Tensor | None, sm_scale: float,
-                        alibi_slopes: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                        alibi_slopes: Tensor | None, dropout_p: float = 0.0,
+                        rng_state: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     backward = _backward_of(key, "attention_backward")
     _ran(key)
     dq, dk, dv = backward(dout, q, k, v, out, lse, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
-                          dlse=dlse)
+                          dlse=dlse, **_dropout_options(dropout_p, rng_state))
     return dq, dk, dv
 
 
 @prefill_backward_op.register_fake
-def _(key, dout, q, k, v, out, lse, dlse, sm_scale, alibi_slopes):
+def _(key, dout, q, k, v, out, lse, dlse, sm_scale, alibi_slopes, dropout_p=0.0,
+      rng_state=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _prefill_setup(ctx, inputs, output):
-    key, q, k, v, sm_scale, alibi_slopes, _, _ = inputs
-    ctx.key, ctx.sm_scale = key, sm_scale
-    ctx.save_for_backward(q, k, v, alibi_slopes, *output)
+    key, q, k, v, sm_scale, alibi_slopes, _, _, dropout_p, rng_state = inputs
+    ctx.key, ctx.sm_scale, ctx.dropout_p = key, sm_scale, dropout_p
+    ctx.save_for_backward(q, k, v, alibi_slopes, rng_state, *output)
 
 
 def _prefill_backward(ctx, dout, dlse):
-    q, k, v, alibi_slopes, out, lse = ctx.saved_tensors
+    q, k, v, alibi_slopes, rng_state, out, lse = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = prefill_backward_op(ctx.key, dout, q, k, v, out, lse, dlse, ctx.sm_scale,
-                                     alibi_slopes)
-    return None, dq, dk, dv, None, None, None, None
+                                     alibi_slopes, ctx.dropout_p, rng_state)
+    return None, dq, dk, dv, None, None, None, None, None, None
 
 
 @torch.library.custom_op("attngen::varlen_backward", mutates_args=())
 def varlen_backward_op(key: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                        lse: Tensor, dlse: Tensor | None, cu_seqlens_q: Tensor,
                        cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                       sm_scale: float, alibi_slopes: Tensor | None
-                       ) -> tuple[Tensor, Tensor, Tensor]:
+                       sm_scale: float, alibi_slopes: Tensor | None, dropout_p: float = 0.0,
+                       rng_state: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     backward = _backward_of(key, "attention_varlen_backward")
     _ran(key)
     dq, dk, dv = backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, sm_scale=sm_scale, alibi_slopes=alibi_slopes, dlse=dlse)
+                          max_seqlen_k, sm_scale=sm_scale, alibi_slopes=alibi_slopes, dlse=dlse,
+                          **_dropout_options(dropout_p, rng_state))
     return dq, dk, dv
 
 
 @varlen_backward_op.register_fake
 def _(key, dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-      max_seqlen_k, sm_scale, alibi_slopes):
+      max_seqlen_k, sm_scale, alibi_slopes, dropout_p=0.0, rng_state=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _varlen_setup(ctx, inputs, output):
     (key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,
-     alibi_slopes, seqused_k, _) = inputs
+     alibi_slopes, seqused_k, _, dropout_p, rng_state) = inputs
     if seqused_k is not None:
         ctx.refusal = ("seqused_k: no backward for a KV cache read in place; pass None when "
                        "q, k or v requires grad")
     else:
         ctx.refusal = None
-    ctx.key, ctx.sm_scale = key, sm_scale
+    ctx.key, ctx.sm_scale, ctx.dropout_p = key, sm_scale, dropout_p
     ctx.lengths = (max_seqlen_q, max_seqlen_k)
-    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *output)
+    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state,
+                          *output)
 
 
 def _varlen_backward(ctx, dout, dlse):
     if ctx.refusal:
         raise ValueError(ctx.refusal)
-    q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, out, lse = ctx.saved_tensors
+    q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, out, lse = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = varlen_backward_op(ctx.key, dout, q, k, v, out, lse, dlse, cu_seqlens_q,
-                                    cu_seqlens_k, *ctx.lengths, ctx.sm_scale, alibi_slopes)
-    return None, dq, dk, dv, None, None, None, None, None, None, None, None
+                                    cu_seqlens_k, *ctx.lengths, ctx.sm_scale, alibi_slopes,
+                                    ctx.dropout_p, rng_state)
+    return None, dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("attngen::prefill", _prefill_backward,

@@ -56,6 +56,7 @@ class Need(NamedTuple):
     same_lengths: bool  # every sequence has Nq == Nk, so the alignments coincide
     kv_layout: KvLayout | None = None  # decode only
     page_size: int | None = None  # decode only, paged
+    dropout: bool = False  # dropout_p > 0: a module built with dropout: true (name *_bwd_drop)
 
     def describe(self) -> str:
         mask = self.mask.value
@@ -70,6 +71,8 @@ class Need(NamedTuple):
                 f"softcap={self.softcap:g} alibi={self.alibi} arch={self.arch}")
         if self.kv_layout:
             text += f" kv_layout={self.kv_layout.value}"
+        if self.dropout:
+            text += " dropout_p>0"
         return text
 
 
@@ -170,6 +173,9 @@ def mismatches(entry: KernelEntry, need: Need) -> list[str]:
         problems.append(f"softcap: needs {need.softcap:g}, module has {spec.get('softcap'):g}")
     if effective_mask(spec, need) != effective_mask(_asked(need), need):
         problems.append(f"mask: needs {_mask_text(_asked(need))}, module has {_mask_text(spec)}")
+    if need.dropout and not spec.get("dropout"):
+        problems.append("dropout_p: needs a module built with dropout: true (and backward: "
+                        "true; its name ends _bwd_drop), module has dropout: false")
     if need.kind is KernelKind.decode:
         problems += _decode_mismatches(spec, need)
     return problems
