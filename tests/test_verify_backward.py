@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from attngen.arch import ARCHS
 from attngen.build import load_specs
 from attngen.cli import app
-from attngen.tiling.backward import derive_backward_tiles
+from attngen.tiling.backward import MODEL_SYMBOLS, derive_backward_tiles, smem_expression
+from attngen.tiling.evaluate import compiled
 from attngen.verify.backward import plan_backward_rows
 from attngen.verify.check import judge, summarize, verify_tiling
 from attngen.verify.measurements import (
@@ -151,3 +153,22 @@ def test_cli_checks_the_backward_kernels(tmp_path):
 def test_a_forward_data_file_is_not_read_as_backward_records():
     with pytest.raises(ValueError, match="records keyed by"):
         load_measurements(data_path(triton_version()), BackwardKey)
+
+
+SWEEP = DATA.with_name(f"backward_dropout_smem_triton-{triton_version()}.json")
+
+
+def test_dropout_shared_memory_equals_every_allocator_record():
+    """The keep mask's conversion scratch (keep_mask_scratch, and where a staged buffer holds
+    it) against whole grids swept through Triton's allocator: every record exact."""
+    records = json.loads(SWEEP.read_text())["records"]
+    assert len(records) >= 700 and all(r["dropout"] for r in records)
+    wrong = []
+    for r in records:
+        model = compiled(smem_expression(ARCHS[r["arch"]], r["kernel"], True), MODEL_SYMBOLS)
+        predicted = int(model(r["BLOCK_M"], r["BLOCK_N"], r["num_stages"], r["num_warps"],
+                              r["D"], r["DV"], 4 if r["dtype"] == "fp32" else 2))
+        if predicted != r["shared"]:
+            key = BackwardKey(**{f: r[f] for f in BackwardKey._fields})
+            wrong.append((key.label(), predicted, r["shared"]))
+    assert not wrong, wrong[:5]
