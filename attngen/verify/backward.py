@@ -14,11 +14,21 @@ data/backward_compile_triton-<version>.json.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
+from attngen.build import load_specs
 from attngen.spec import AttnSpec
 from attngen.tiling.backward import KERNELS, derive_backward_tiles
-from attngen.verify.check import Plan
-from attngen.verify.measurements import backward_key
+from attngen.verify.check import Plan, Planner, plan_rows
+from attngen.verify.measurements import (
+    BackwardKey,
+    MeasurementKey,
+    Measurements,
+    backward_key,
+    data_path,
+    load_measurements,
+    triton_version,
+)
 
 
 def backward_specs(specs: Iterable[AttnSpec]) -> list[AttnSpec]:
@@ -42,3 +52,17 @@ def plan_backward_rows(specs: Iterable[AttnSpec], archs: Sequence[str] | None) -
                 for cand in kernel_derivation.candidates:
                     plan.add(backward_key(spec, arch, kernel, cand.config), spec, cand)
     return plan
+
+
+def run_inputs(paths: Sequence[Path], backward: bool, data: Path | None
+               ) -> tuple[list[AttnSpec], Measurements, Path, Planner]:
+    """What `verify-tiling` checks: the specs, the measurements (the file `data`, else the
+    installed Triton's file of the direction), that file's path, and the planner (forward, or
+    with `backward` the gradient kernels'). SpecError or ValueError say what is wrong, also
+    when no spec has backward: true."""
+    path = data or data_path(triton_version(), backward=backward)
+    specs = list(load_specs(paths))
+    measurements = load_measurements(path, BackwardKey if backward else MeasurementKey)
+    if backward and not backward_specs(specs):
+        raise ValueError("--backward: none of the specs has backward: true")
+    return specs, measurements, path, plan_backward_rows if backward else plan_rows
