@@ -18,6 +18,7 @@ from attngen.reference_backward import (
     gradient_problems,
     lowp_backward,
 )
+from attngen.runtime import launch
 from attngen.runtime.arguments import dropout_rng_state
 from attngen.runtime.hf import attngen_attention
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
@@ -246,3 +247,46 @@ def test_transformers_function_applies_the_layers_dropout(folders):
             attngen_attention(layer, q, k, v, None, dropout=0.2)
     finally:
         use_registry(saved)
+
+
+def _entry_points(spec):
+    """Eager no-grad calls of one signature each, by dropout_p: the public functions (and the
+    transformers function) whose signatures plans.py plans."""
+    q, k, v, _, _ = padded_inputs(spec, 1, 4, 2, 12, 12, seed=11)
+    flash_qkv = [t.transpose(1, 2) for t in (q, k, v)]
+    packed = [t[0].transpose(0, 1) for t in (q, k, v)]
+    cu = cu_seqlens([5, 7])
+    layer = torch.nn.Module()
+    layer.is_causal, layer.layer_idx = True, 0
+    return {
+        "sdpa": lambda p: attngen.scaled_dot_product_attention(
+            q, k, v, dropout_p=p, is_causal=True, enable_gqa=True),
+        "flash": lambda p: attngen.flash_attn_func(*flash_qkv, dropout_p=p, causal=True),
+        "varlen": lambda p: attngen.flash_attn_varlen_func(*packed, cu, cu, 7, 7, dropout_p=p,
+                                                           causal=True),
+        "transformers": lambda p: attngen_attention(layer, q, k, v, None, dropout=p)[0],
+    }
+
+
+@pytest.mark.parametrize("name", ["sdpa", "flash", "varlen", "transformers"])
+def test_dropout_calls_are_never_planned(dropout_kernels, monkeypatch, name):
+    """A signature planned at dropout_p=0 (its second call skips the full path) still draws a
+    fresh seed on every dropout call: each one takes the full path, two calls drop differently,
+    and no plan is left for them (a plan would run the module without drawing a seed)."""
+    seeds, full_path = [], []
+    real_need, real_draw = launch.need_for, launch.dropout_rng_state
+    monkeypatch.setattr(launch, "need_for",
+                        lambda *a, **kw: full_path.append(1) or real_need(*a, **kw))
+    monkeypatch.setattr(launch, "dropout_rng_state",
+                        lambda q: seeds.append(real_draw(q)) or seeds[-1])
+    call = _entry_points(dropout_kernels)[name]
+    with torch.no_grad():
+        plain = call(0.0)
+        assert torch.equal(call(0.0), plain) and len(full_path) == 1  # the second was planned
+        planned = dict(current_registry().plans)
+        dropped = [call(0.4) for _ in range(3)]
+        assert torch.equal(call(0.0), plain) and len(full_path) == 4  # still planned
+    assert len(seeds) == 3 and len({int(s[0]) for s in seeds}) == 3  # a fresh seed per call
+    assert not torch.equal(dropped[0], dropped[1]) and not torch.equal(dropped[1], dropped[2])
+    assert all(not torch.equal(d, plain) for d in dropped)
+    assert current_registry().plans == planned  # the dropout calls left no plan
