@@ -181,12 +181,16 @@ def verify_tiling_command(
     rows: Annotated[bool, typer.Option(help="Print every config, not only failures.")] = False,
     jobs: Annotated[int, typer.Option(help="Compile processes.")] = 2,
     seed: Annotated[int, typer.Option(help="Seed of --sample.")] = 0,
+    backward: Annotated[bool, typer.Option(
+        help="Check the gradient kernels (dQ, dK/dV) of the specs with backward: true "
+             "instead of the forward, against "
+             "attngen/verify/data/backward_compile_triton-<version>.json.")] = False,
 ) -> None:
     """Compare the tiling model with Triton's compiler on every candidate config; exit 1 on a
     feasible config that does not fit or spills more than allowed (docs/tiling.md)."""
     # Imported here: the other commands never need the measurements or (lazily) triton.
+    from attngen.verify.backward import run_inputs
     from attngen.verify.check import verify_tiling
-    from attngen.verify.measurements import data_path, load_measurements, triton_version
     from attngen.verify.report import dump_json, report_lines
 
     unknown = [a for a in arch or [] if a not in arch_names()]
@@ -196,16 +200,14 @@ def verify_tiling_command(
     paths = specs or sorted(Path("examples").glob("*.yaml"))
     if not paths:
         raise _fail("no spec files given and none in examples/")
-    path = data or data_path(triton_version())
     try:
-        loaded = load_specs(paths)
-        measurements = load_measurements(path)
+        loaded, measurements, path, planner = run_inputs(paths, backward, data)
     except (SpecError, ValueError) as exc:
         raise _fail(str(exc)) from None
     report = verify_tiling(
         loaded, arch or arch_names(), measurements, recompile=recompile, sample=sample,
         seed=seed, processes=jobs, every_spec=every_spec, save_to=path if save_data else None,
-        progress=lambda message: typer.echo(f"attngen: {message}", err=True))
+        progress=lambda message: typer.echo(f"attngen: {message}", err=True), planner=planner)
     typer.echo("\n".join(report_lines(report, all_rows=rows)))
     if json_path is not None:
         json_path.write_text(dump_json(report), encoding="utf-8")

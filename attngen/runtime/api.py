@@ -4,20 +4,28 @@ Each function checks its arguments once, turns them into a `Need` (dispatch.py),
 generated module (outside the ops, so torch.compile traces a fixed module) and runs it
 (launch.py: the module's entry point in eager mode, the `attngen::*` op under torch.compile);
 with fallback="sdpa" (the argument, or attngen.runtime.set_fallback) a call no module serves runs in
-torch after a warning. Features no generated kernel has (a dense attn_mask tensor, dropout,
-rotary inside the call) are refused with an error that names them.
+torch after a warning. Features no generated kernel has (a dense attn_mask tensor, rotary
+inside the call) are refused with an error that names them.
+
+dropout_p > 0 (training, as in flash-attn and SDPA: applied whenever it is given) is served by
+a module built with `backward: true, dropout: true` (its name ends `_bwd_drop`), forward and
+backward; with none loaded the call is refused, naming dropout_p and that spec field. Each
+call draws a fresh Philox seed from the default generator of q's device, so two calls drop
+different probabilities and torch.manual_seed reproduces them (arguments.dropout_rng_state).
 
 Each function first looks up its call signature's plan (plans.py: the shapes, q's dtype and
 device, the options in their plain types): a signature a module served before, in eager
 mode, runs that module without the checks, Need and selection above, which depend on nothing
 else; any other call (a new signature, an option of another type, torch.compile, a tensor
 that needs a gradient) takes the full path, which leaves the plan when a module serves it.
+A call with dropout_p != 0 is never planned (plans.plain): its seed is drawn on the full path.
 """
 
 from __future__ import annotations
 
 from attngen.runtime import plans
 from attngen.runtime.arguments import (
+    check_attn_probs,
     check_causal_align,
     check_rank4,
     flash_mask,
@@ -42,9 +50,10 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     q [B, HQ, Nq, D], k/v [B, HKV, Nk, D] (HQ != HKV needs enable_gqa=True, as in torch).
     is_causal is top-left aligned as in torch (causal_align="bottom_right" for the KV-cache
     diagonal); window=(left, right) keeps key j for i' - left <= j <= i' + right; softcap and
-    alibi_slopes ([HQ] fp32) as in the spec. attn_mask tensors and dropout_p > 0 are refused
-    (no generated kernel has them) unless fallback="sdpa". fallback=None uses
-    attngen.runtime.set_fallback's mode ("error" unless changed).
+    alibi_slopes ([HQ] fp32) as in the spec. dropout_p > 0 needs a module built with dropout:
+    true (the module docstring). attn_mask tensors are refused (no generated kernel has them)
+    unless fallback="sdpa". fallback=None uses attngen.runtime.set_fallback's mode ("error"
+    unless changed).
     """
     key = None
     if (attn_mask is None and plans.eager(q, k, v, alibi_slopes)
@@ -77,7 +86,7 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
         refusal = ("attn_mask: a dense mask tensor is not served by generated kernels; use "
                    "is_causal, window, alibi_slopes or softcap")
     else:
-        refusal = flash_refusal(dropout_p, alibi_slopes)
+        refusal = flash_refusal(alibi_slopes)
     out, _ = run_dense(SDPA, q, k, v, mask=mask, align=align, window=win, softcap=softcap,
                        alibi_slopes=alibi_slopes, scale=scale, return_lse=False,
                        fallback=fallback, refusal=refusal, attn_mask=attn_mask,
@@ -93,8 +102,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     return_attn_probs=False):
     """flash-attn 2.x `flash_attn_func`: q [B, Nq, HQ, D], k/v [B, Nk, HKV, D] -> out
     [B, Nq, HQ, DV]; causal is bottom-right aligned (flash-attn >= 2.1). With
-    return_attn_probs, returns (out, lse [B, HQ, Nq], None): the probabilities are never formed.
-    `deterministic` is accepted: the forward is always deterministic. The output is one
+    return_attn_probs, returns (out, lse [B, HQ, Nq], None): the probabilities are never formed
+    (so return_attn_probs with dropout_p > 0 is refused: flash-attn returns the dropout pattern
+    there). dropout_p > 0 needs a module built with dropout: true (the module docstring).
+    `deterministic` is accepted: the kernels have no atomics, so the forward and backward are
+    always deterministic. The output is one
     contiguous tensor, written in place by modules that take `out=` (Dispatch.writes_out),
     else copied from the kernel's [B, H, N, D] output."""
     key = None
@@ -111,12 +123,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                 return (ran[0], ran[1], None) if return_attn_probs else ran[0]
     if not rank4(q, k, v):
         check_rank4(q, k, v)
+    check_attn_probs(return_attn_probs, dropout_p)
     mask, window = flash_mask(causal, window_size)
     out, lse = run_dense(FLASH, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                          mask=mask, align=CausalAlign.bottom_right, window=window,
                          softcap=softcap, alibi_slopes=alibi_slopes, scale=softmax_scale,
                          return_lse=return_attn_probs, fallback=None,
-                         refusal=flash_refusal(dropout_p, alibi_slopes), dropout_p=dropout_p,
+                         refusal=flash_refusal(alibi_slopes), dropout_p=dropout_p,
                          heads_last=True, plan_key=key)
     return (out, lse, None) if return_attn_probs else out
 
@@ -126,7 +139,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None):
     """flash-attn 2.x `flash_attn_varlen_func`: packed q [Tq, HQ, D], k/v [Tk, HKV, D],
-    cu_seqlens int32 [B + 1]; with return_attn_probs, (out, lse [HQ, Tq], None).
+    cu_seqlens int32 [B + 1]; with return_attn_probs, (out, lse [HQ, Tq], None). dropout_p
+    and return_attn_probs as in flash_attn_func; sequence b draws its dropout mask as batch b.
 
     With block_table int32 [B, max_pages], k/v are paged caches [pages, page_size, HKV, D] and
     sequence b's keys are the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions of its
@@ -147,6 +161,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                    max_seqlen_k, alibi_slopes)
             if ran is not None:
                 return (ran[0], ran[1], None) if return_attn_probs else ran[0]
+    check_attn_probs(return_attn_probs, dropout_p)
     mask, window = flash_mask(causal, window_size)
     seqused_k, bounds = None, None
     if block_table is not None:
@@ -157,6 +172,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                           max_seqlen_k, mask=mask, align=CausalAlign.bottom_right,
                           window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                           scale=softmax_scale, return_lse=return_attn_probs, fallback=None,
-                          refusal=flash_refusal(dropout_p, alibi_slopes), dropout_p=dropout_p,
+                          refusal=flash_refusal(alibi_slopes), dropout_p=dropout_p,
                           seqused_k=seqused_k, length_bounds=bounds, plan_key=key)
     return (out, lse, None) if return_attn_probs else out

@@ -91,11 +91,40 @@ def flash_mask(causal: bool, window_size: object) -> tuple[Mask, tuple[int, int]
     return Mask.sliding_window, (INFINITE if left < 0 else left, INFINITE if right < 0 else right)
 
 
-def flash_refusal(dropout_p: float, alibi_slopes: torch.Tensor | None) -> str | None:
-    """Why no generated kernel serves a call's dropout or flash-attn's per-batch slopes
-    [batch, nheads] (the torch fallback serves both), or None."""
-    if dropout_p:
-        return f"dropout_p: got {dropout_p}; generated kernels are inference-only (0.0)"
+def dropout_probability(dropout_p: object) -> float:
+    """dropout_p as a float in [0, 1): the probability of zeroing each attention probability
+    (flash-attn's and SDPA's dropout_p). A module rounds it to steps of 1/65536."""
+    if type(dropout_p) is float and 0.0 <= dropout_p < 1.0:
+        return dropout_p
+    if isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) and (
+            0.0 <= dropout_p < 1.0):
+        return float(dropout_p)  # 0, or a subclass (numpy float64)
+    raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
+
+
+def dropout_rng_state(q: torch.Tensor) -> torch.Tensor:
+    """The (seed, Philox offset) of one call's dropout mask, int64 [2] on q's device: a fresh
+    seed from the default generator of q's device (CUDA: torch.cuda's, as flash-attn draws its
+    Philox state), so two calls draw different masks and torch.manual_seed reproduces them.
+    The forward and the backward of the call use the same state, so the backward regenerates
+    the forward's mask."""
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device)
+    return torch.cat((seed, torch.zeros_like(seed)))
+
+
+def check_attn_probs(return_attn_probs: bool, dropout_p: float) -> None:
+    """flash-attn's return_attn_probs with dropout returns the dropout pattern (S_dmask),
+    which the kernels never form: refused rather than answered with None."""
+    if return_attn_probs and dropout_p:
+        raise ValueError(f"return_attn_probs: not served with dropout_p={dropout_p} (flash-attn "
+                         "then returns the dropout pattern, S_dmask, which generated kernels "
+                         "never form); pass return_attn_probs=False, or dropout_p=0.0 for "
+                         "(out, lse, None)")
+
+
+def flash_refusal(alibi_slopes: torch.Tensor | None) -> str | None:
+    """Why no generated kernel serves flash-attn's per-batch slopes [batch, nheads] (the torch
+    fallback serves them), or None."""
     if type(alibi_slopes) is torch.Tensor and alibi_slopes.dim() == 2:  # else the checks say
         return (f"alibi_slopes: got shape {tuple(alibi_slopes.shape)}; generated kernels take "
                 "[nheads] fp32 (one slope per head for the whole batch)")

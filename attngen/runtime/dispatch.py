@@ -107,10 +107,11 @@ def need_for(kind: KernelKind, q: torch.Tensor, v: torch.Tensor, *, mask: Mask,
              softcap: float | None, alibi: bool, seqlen_q: int, seqlen_k: int,
              same_lengths: bool, kv_layout: KvLayout | None = None,
              page_size: int | None = None, backward: bool = False, sinks: bool = False,
-             chunk_size: int | None = None, sink_tokens: int | None = None) -> Need:
+             chunk_size: int | None = None, sink_tokens: int | None = None,
+             dropout: bool = False) -> Need:
     """The Need of a call with these tensors: dtype and head dims from q and v, the arch from
     q's device. seqlen_q/seqlen_k must be lengths the tensors' shapes guarantee; backward:
-    the call runs the module's gradient kernels."""
+    the call runs the module's gradient kernels; dropout: the call has dropout_p > 0."""
     if mask is Mask.none:
         align, window = None, None
     if mask is not Mask.chunked:
@@ -126,7 +127,7 @@ def need_for(kind: KernelKind, q: torch.Tensor, v: torch.Tensor, *, mask: Mask,
         seqlen_q=int(seqlen_q), seqlen_k=int(seqlen_k), same_lengths=same_lengths,
         kv_layout=kv_layout, page_size=page_size, backward=backward, sinks=bool(sinks),
         chunk_size=None if chunk_size is None else int(chunk_size),
-        sink_tokens=None if sink_tokens is None else int(sink_tokens))
+        sink_tokens=None if sink_tokens is None else int(sink_tokens), dropout=dropout)
 
 
 def unsupported_dtype(q: torch.Tensor) -> str:

@@ -30,7 +30,9 @@ Newer models' attention, as transformers hands it over:
 - multi-head latent attention (DeepSeek-V2/V3, Kimi K2): transformers hands over the
   decompressed q/k/v, plain attention with head_dim qk_nope + qk_rope and head_dim_v
   v_head_dim, and dispatch matches those dims (the spec's `mla` variant).
-What no generated kernel can do (a 4D mask, dropout, output_attentions) is refused by name,
+Dropout in training (the layer's attention_dropout) runs on a module built with dropout: true,
+as flash_attn_func's dropout_p does, and is refused naming dropout_p when none is loaded.
+What no generated kernel can do (a 4D mask, output_attentions) is refused by name,
 and so is a layer whose attention transformers defines through the mask or extra arguments
 that this function never sees applied: a layer type other than full_attention,
 sliding_attention and chunked_attention, a config with attention_chunk_size and no layer
@@ -152,9 +154,6 @@ def attngen_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if kwargs.get("output_attentions"):
         raise NoKernelError("attngen: output_attentions=True: the kernels never form the "
                             "attention probabilities; use attn_implementation='eager'")
-    refusal = None
-    if dropout:
-        refusal = f"dropout: got {dropout} (training mode); generated kernels are inference-only"
     mask, window = _mask_of(module, query, key, sliding_window, is_causal)
     chunk = None
     if mask is Mask.chunked:
@@ -163,17 +162,19 @@ def attngen_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                                                     query.shape[2])
     elif isinstance(attention_mask, ChunkedKeys):
         attention_mask = attention_mask.padding
+    # dropout (the layer's attention_dropout in training) needs a module built with dropout:
+    # true; without one the call is refused naming dropout_p (launch.py).
     common = dict(mask=mask, align=CausalAlign.bottom_right, window=window, softcap=softcap,
                   alibi_slopes=None, scale=scaling, return_lse=False, fallback=None,
-                  refusal=refusal, sinks=_sinks(kwargs.get("s_aux"), query),
-                  chunk_size=chunk)
+                  sinks=_sinks(kwargs.get("s_aux"), query), chunk_size=chunk,
+                  dropout_p=dropout)
     batch, _, seqlen_q, _ = query.shape
     seqlen_k = key.shape[2]
     if kwargs.get("cu_seq_lens_q") is not None and attention_mask is None:
         return _packed(query, key, value, kwargs, common), None
     if attention_mask is None:
         _refuse_packed_positions(kwargs.get("position_ids"), seqlen_q, seqlen_k)
-        return _dense(query, key, value, dropout, common), None
+        return _dense(query, key, value, common), None
     if attention_mask.dim() != 2 or attention_mask.shape != (batch, seqlen_k):
         raise NoKernelError(
             f"attngen: attention_mask: got shape {tuple(attention_mask.shape)}; the 'attngen' "
@@ -213,15 +214,15 @@ def _chunk_aligned(key, value, attention_mask, chunk: int, seqlen_q: int):
     return key[:, :, drop:], value[:, :, drop:], None
 
 
-def _dense(query, key, value, dropout, common):
+def _dense(query, key, value, common):
     """The unpadded call: [B, Nq, HQ, DV] contiguous (in place with a module that takes out=),
     as transformers reshapes it to [B, Nq, HQ * DV] next, which a transposed view would
     copy. Its route is planned per signature (plans.py): the layer's own checks above run on
     every call."""
     plan_key = None
     sinks = common["sinks"]
-    if (common["refusal"] is None and plans.eager(query, key, value, sinks)
-            and plans.plain(common["scale"], common["softcap"])):
+    if (plans.eager(query, key, value, sinks)
+            and plans.plain(common["scale"], common["softcap"], common["dropout_p"])):
         # sinks: a tensor or None (their presence picks the module); chunk_size: an int
         plan_key = (API, query.shape, key.shape, value.shape, query.dtype, query.device,
                     common["mask"], common["window"], common["softcap"], common["scale"],
@@ -231,7 +232,7 @@ def _dense(query, key, value, dropout, common):
             ran = plans.run_dense(plan, query, key, value, None, heads_last=True, sinks=sinks)
             if ran is not None:
                 return ran[0]
-    out, _ = run_dense(API, query, key, value, dropout_p=dropout, heads_last=True,
+    out, _ = run_dense(API, query, key, value, heads_last=True,
                        plan_key=plan_key, **common)
     return out
 

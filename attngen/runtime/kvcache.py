@@ -27,7 +27,7 @@ import os
 import torch
 from torch import Tensor
 
-from attngen.runtime import arguments, ops, plans
+from attngen.runtime import arguments, decode_ops, plans
 from attngen.runtime.arguments import flash_mask, flash_refusal
 from attngen.runtime.dispatch import need_for, probe
 from attngen.runtime.entry_checks import check_alibi
@@ -88,7 +88,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_seqlens = _seqlens(cache_seqlens, batch, capacity, new, q.device)
     mask, window = flash_mask(causal, window_size)
     q, k = rotate(q, k, options, cache_seqlens, mask is not Mask.none)
-    refusal = flash_refusal(0.0, alibi_slopes)
+    refusal = flash_refusal(alibi_slopes)
     decode = None if not options.decode_route else _decode_module(
         q, v_cache, mask, window, softcap, alibi_slopes, seqlen_q, capacity,
         KvLayout.paged if paged else KvLayout.contiguous, k_cache.shape[1] if paged else None)
@@ -157,8 +157,8 @@ def _run_decode_module(decode: Dispatch, q, k_cache, v_cache, k, v, cache_seqlen
     sm_scale = arguments.softmax_scale(softmax_scale, q)
     in_place = _in_place(decode, q)
     q, k_cache, v_cache, k, v = _heads_first(q, k_cache, v_cache, k, v, block_table)
-    out, lse = ops.decode(decode.key, q, k_cache, v_cache, cache_seqlens, block_table, k, v,
-                          sm_scale, alibi_slopes, return_lse, in_place)
+    out, lse = decode_ops.decode(decode.key, q, k_cache, v_cache, cache_seqlens, block_table,
+                                 k, v, sm_scale, alibi_slopes, return_lse, in_place)
     plans.remember(plan_key, decode, sm_scale, return_lse, in_place)
     return (out if in_place else out.transpose(1, 2)), lse
 

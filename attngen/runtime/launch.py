@@ -10,12 +10,22 @@ without it, its [B, H, N, D] output is copied into that layout (the one copy lef
 disappears when the module is rebuilt from a template with `out=`). With one query row
 (N = 1, a decode step) the module's own [B, H, 1, D] output is that layout already (its
 transpose is contiguous), so no out= is passed: it would only add its checks and a view.
+
+dropout_p > 0 asks for a module built with dropout: true (Need.dropout); the call's Philox
+state is drawn here (arguments.dropout_rng_state) and handed to the module's forward and,
+through the op's autograd formula, to its backward. Such a call leaves no plan (plans.py):
+a planned call would skip this draw.
 """
 
 from __future__ import annotations
 
 from attngen.runtime import ops, plans
-from attngen.runtime.arguments import seqlen_bound, softmax_scale
+from attngen.runtime.arguments import (
+    dropout_probability,
+    dropout_rng_state,
+    seqlen_bound,
+    softmax_scale,
+)
 from attngen.runtime.dispatch import choose, need_for, unsupported_dtype
 from attngen.runtime.fallback import fallback_dense, fallback_varlen
 from attngen.runtime.selection import Dispatch
@@ -33,10 +43,12 @@ def run_dense(api: str, q, k, v, *, mask: Mask, align: CausalAlign | None, windo
     and sink_tokens apart). sinks [HQ] fp32: learned sink logits (gpt-oss); chunk_size with
     mask chunked, sink_tokens with mask sliding_window."""
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    dropout_p = dropout_probability(dropout_p)
     need = need_for(KernelKind.prefill, q, v, mask=mask, align=align, window=window,
                     softcap=softcap, alibi=alibi_slopes is not None, seqlen_q=seqlen_q,
                     seqlen_k=seqlen_k, same_lengths=seqlen_q == seqlen_k,
-                    sinks=sinks is not None, chunk_size=chunk_size, sink_tokens=sink_tokens)
+                    sinks=sinks is not None, chunk_size=chunk_size, sink_tokens=sink_tokens,
+                    dropout=dropout_p > 0)
     if need.dtype is None:
         refusal = refusal or unsupported_dtype(q)
     dispatch = choose(api, need, fallback, refusal, (q.shape[1], k.shape[1]))
@@ -50,10 +62,11 @@ def run_dense(api: str, q, k, v, *, mask: Mask, align: CausalAlign | None, windo
     in_place = heads_last and dispatch.writes_out and seqlen_q != 1
     sm_scale = softmax_scale(scale, q)
     out, lse = ops.prefill(dispatch.key, q, k, v, sm_scale, alibi_slopes, return_lse, in_place,
-                           sinks)
+                           sinks, *_dropout(dropout_p, q))
     if heads_last and not in_place:  # the module wrote [B, H, N, D]: copied (it has no out=)
         out = out.transpose(1, 2).contiguous()  # one query row: already contiguous, no copy
-    plans.remember(plan_key, dispatch, sm_scale, return_lse, in_place)
+    if not dropout_p:  # dropout: no plan (a planned call would skip the seed's draw)
+        plans.remember(plan_key, dispatch, sm_scale, return_lse, in_place)
     return out, lse
 
 
@@ -89,6 +102,7 @@ def run_varlen(api: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     that must know the choice before it changes anything (the KV-cache route appends) passes
     the `dispatch` varlen_dispatch gave it. plan_key: as run_dense's (a call without
     seqused_k)."""
+    dropout_p = dropout_probability(dropout_p)
     if dispatch is None:
         same = cu_seqlens_q is cu_seqlens_k and seqused_k is None
         dispatch = varlen_dispatch(api, q, v, mask=mask, align=align, window=window,
@@ -96,7 +110,8 @@ def run_varlen(api: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                                    length_bounds=length_bounds or (q.shape[0], k.shape[0]),
                                    same_lengths=same, fallback=fallback, refusal=refusal,
                                    heads=(q.shape[1], k.shape[1]), sinks=sinks is not None,
-                                   chunk_size=chunk_size, sink_tokens=sink_tokens)
+                                   chunk_size=chunk_size, sink_tokens=sink_tokens,
+                                   dropout=dropout_p > 0)
     max_seqlen_q = seqlen_bound(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = seqlen_bound(max_seqlen_k, "max_seqlen_k")
     if dispatch.key is None:
@@ -108,24 +123,30 @@ def run_varlen(api: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                                sink_tokens=sink_tokens)
     sm_scale = softmax_scale(scale, q)
     result = ops.varlen(dispatch.key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                        max_seqlen_k, sm_scale, alibi_slopes, seqused_k, return_lse, sinks)
-    if seqused_k is None:
+                        max_seqlen_k, sm_scale, alibi_slopes, seqused_k, return_lse, sinks,
+                        *_dropout(dropout_p, q))
+    if seqused_k is None and not dropout_p:  # dropout: no plan (it would skip the seed's draw)
         plans.remember(plan_key, dispatch, sm_scale, return_lse, False)
     return result
+
+
+def _dropout(dropout_p: float, q):
+    """(dropout_p, the call's Philox state or None) for the ops: a fresh seed per call."""
+    return dropout_p, (dropout_rng_state(q) if dropout_p else None)
 
 
 def varlen_dispatch(api: str, q, v, *, mask: Mask, align: CausalAlign | None, window, softcap,
                     alibi: bool, length_bounds: tuple[int, int], same_lengths: bool,
                     fallback: str | None, refusal: str | None, heads: tuple[int, int],
                     sinks: bool = False, chunk_size: int | None = None,
-                    sink_tokens: int | None = None) -> Dispatch:
+                    sink_tokens: int | None = None, dropout: bool = False) -> Dispatch:
     """The varlen module (or the warned fallback) that serves packed q [T, HQ, D] and values
     of v's head dim at lengths up to `length_bounds` (with learned sinks when `sinks`);
     NoKernelError when none does."""
     need = need_for(KernelKind.varlen, q, v, mask=mask, align=align, window=window,
                     softcap=softcap, alibi=alibi, seqlen_q=length_bounds[0],
                     seqlen_k=length_bounds[1], same_lengths=same_lengths, sinks=sinks,
-                    chunk_size=chunk_size, sink_tokens=sink_tokens)
+                    chunk_size=chunk_size, sink_tokens=sink_tokens, dropout=dropout)
     if need.dtype is None:
         refusal = refusal or unsupported_dtype(q)
     return choose(api, need, fallback, refusal, heads)

@@ -20,6 +20,8 @@ The spec of a call:
   and so does its name, `auto_h<HQ>kv<HKV>`: a module is a function of its name, and any
   module serves any head counts, so a later call with other counts uses it rather than
   building again.
+- dropout_p > 0 (Need.dropout): `backward: true, dropout: true` (the only modules that take
+  dropout_p; they serve calls without dropout as well).
 - arch: the device's. Under Triton's interpreter (CPU tensors) it is INTERPRETER_ARCH, sm80:
   the portable code path (pointer loads, no Hopper-only TMA or wgmma), which every arch
   shares.
@@ -96,6 +98,8 @@ def spec_for(need: Need, heads: tuple[int, int] | None) -> tuple[AttnSpec, Kerne
         "alibi": need.alibi, "kernels": [need.kind.value], **_mask_fields(need)}
     if need.sinks:
         fields["sinks"] = True
+    if need.dropout:
+        fields.update(backward=True, dropout=True)
     if need.kind is KernelKind.decode:
         fields["kv_layout"] = need.kv_layout.value if need.kv_layout else None
         if need.page_size is not None:

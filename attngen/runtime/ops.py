@@ -28,9 +28,12 @@ prefill and varlen register their autograd formula: the backward ops
 `attention_backward` / `attention_varlen_backward` (modules built from a spec with
 `backward: true`), so torch.compile(fullgraph=True) traces forward and backward. Through the
 ops the forward always computes the LSE the backward needs. A module built without backward
-raises NotImplementedError at the backward, naming the module and the spec field; decode
-mutates its caches, which torch allows no formula for, so `decode()` wraps its outputs in a
-function whose backward raises that it is forward-only.
+raises NotImplementedError at the backward, naming the module and the spec field. With
+dropout_p > 0 (a module built with dropout: true) the call's Philox state, rng_state, is an
+input of the op, saved for its backward, which so regenerates the forward's mask. Decode
+mutates its caches, which torch allows no formula for, so `decode()` (decode_ops.py, the
+decode kind's calls and op) wraps its outputs in a function whose backward raises that it is
+forward-only.
 """
 
 from __future__ import annotations
@@ -95,54 +98,65 @@ def _sinks(sinks: Tensor | None) -> dict[str, Tensor]:
 # -------------------------------------------------------------------------------- prefill
 
 
+def _dropout_options(dropout_p: float, rng_state: Tensor | None) -> dict:
+    """The module's dropout arguments: none without dropout (forward-only modules take none)."""
+    return {"dropout_p": dropout_p, "rng_state": rng_state} if dropout_p else {}
+
+
 def run_prefill(key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
-                alibi_slopes: Tensor | None, return_lse: bool,
-                heads_last: bool, sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                alibi_slopes: Tensor | None, return_lse: bool, heads_last: bool,
+                sinks: Tensor | None = None, dropout_p: float = 0.0,
+                rng_state: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(out, lse or None); out [B, M, HQ, DV] with heads_last, else [B, HQ, M, DV]."""
     return call_prefill(current_registry().module(key), key, q, k, v, sm_scale, alibi_slopes,
-                        return_lse, heads_last, sinks)
+                        return_lse, heads_last, sinks, dropout_p, rng_state)
 
 
 def call_prefill(module, key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
-                 alibi_slopes: Tensor | None, return_lse: bool,
-                 heads_last: bool, sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                 alibi_slopes: Tensor | None, return_lse: bool, heads_last: bool,
+                 sinks: Tensor | None = None, dropout_p: float = 0.0,
+                 rng_state: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """run_prefill with the module of `key` in hand (a plan holds it: plans.py)."""
     _ran(key)
+    dropout = _dropout_options(dropout_p, rng_state)
     if heads_last:
         out = _heads_last(q, v.shape[-1])
         result = module.attention(q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
                                   return_lse=return_lse, out=out.transpose(1, 2),
-                                  **_sinks(sinks))
+                                  **_sinks(sinks), **dropout)
         return out, (result[1] if return_lse else None)
     result = module.attention(q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
-                              return_lse=return_lse, **_sinks(sinks))
+                              return_lse=return_lse, **_sinks(sinks), **dropout)
     return result if return_lse else (result, None)
 
 
 def prefill(key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
-            alibi_slopes: Tensor | None, return_lse: bool,
-            heads_last: bool = False, sinks: Tensor | None = None
-            ) -> tuple[Tensor, Tensor | None]:
+            alibi_slopes: Tensor | None, return_lse: bool, heads_last: bool = False,
+            sinks: Tensor | None = None, dropout_p: float = 0.0,
+            rng_state: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(out, lse or None) of the prefill module `key`; see the module docstring."""
+    args = (sinks, dropout_p, rng_state)
     if _direct(q, k, v, alibi_slopes) and (sinks is None or _direct(q, k, v, sinks)):
-        return run_prefill(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last, sinks)
+        return run_prefill(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last, *args)
     # The LSE is always computed here: the backward needs it.
-    out, lse = prefill_op(key, q, k, v, sm_scale, alibi_slopes, True, heads_last, sinks)
+    out, lse = prefill_op(key, q, k, v, sm_scale, alibi_slopes, True, heads_last, *args)
     return (out.transpose(1, 2) if heads_last else out), (lse if return_lse else None)
 
 
 @torch.library.custom_op("attngen::prefill", mutates_args=())
 def prefill_op(key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
-               alibi_slopes: Tensor | None, return_lse: bool,
-               heads_last: bool, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+               alibi_slopes: Tensor | None, return_lse: bool, heads_last: bool,
+               sinks: Tensor | None = None, dropout_p: float = 0.0,
+               rng_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
     with torch.no_grad():  # the op's autograd formula records the backward, not the module
         out, lse = run_prefill(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last,
-                               sinks)
+                               sinks, dropout_p, rng_state)
     return (out.transpose(1, 2) if heads_last else out), (_no_lse(q) if lse is None else lse)
 
 
 @prefill_op.register_fake
-def _(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last, sinks=None):
+def _(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last, sinks=None, dropout_p=0.0,
+      rng_state=None):
     batch, heads, seqlen_q, _ = q.shape
     if heads_last:
         out = _heads_last(q, v.shape[-1]).transpose(1, 2)
@@ -157,148 +171,62 @@ def _(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last, sinks=None):
 
 def run_varlen(key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, sm_scale: float,
-               alibi_slopes: Tensor | None, seqused_k: Tensor | None,
-               return_lse: bool, sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+               alibi_slopes: Tensor | None, seqused_k: Tensor | None, return_lse: bool,
+               sinks: Tensor | None = None, dropout_p: float = 0.0,
+               rng_state: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     return call_varlen(current_registry().module(key), key, q, k, v, cu_seqlens_q,
                        cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale, alibi_slopes,
-                       seqused_k, return_lse, sinks)
+                       seqused_k, return_lse, sinks, dropout_p, rng_state)
 
 
 def call_varlen(module, key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                 cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, sm_scale: float,
-                alibi_slopes: Tensor | None, seqused_k: Tensor | None,
-                return_lse: bool, sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                alibi_slopes: Tensor | None, seqused_k: Tensor | None, return_lse: bool,
+                sinks: Tensor | None = None, dropout_p: float = 0.0,
+                rng_state: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """run_varlen with the module of `key` in hand."""
     _ran(key)
     result = module.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
                                      return_lse=return_lse, seqused_k=seqused_k,
-                                     **_sinks(sinks))
+                                     **_sinks(sinks), **_dropout_options(dropout_p, rng_state))
     return result if return_lse else (result, None)
 
 
 def varlen(key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
            cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, sm_scale: float,
-           alibi_slopes: Tensor | None, seqused_k: Tensor | None,
-           return_lse: bool, sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+           alibi_slopes: Tensor | None, seqused_k: Tensor | None, return_lse: bool,
+           sinks: Tensor | None = None, dropout_p: float = 0.0,
+           rng_state: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(out, lse or None) of the varlen module `key`; see the module docstring."""
     args = (key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,
             alibi_slopes, seqused_k)
     if _direct(q, k, v, alibi_slopes) and (sinks is None or _direct(q, k, v, sinks)):
-        return run_varlen(*args, return_lse, sinks)
-    out, lse = varlen_op(*args, True, sinks)  # the LSE is always computed: the backward needs it
+        return run_varlen(*args, return_lse, sinks, dropout_p, rng_state)
+    # the LSE is always computed: the backward needs it
+    out, lse = varlen_op(*args, True, sinks, dropout_p, rng_state)
     return out, (lse if return_lse else None)
 
 
 @torch.library.custom_op("attngen::varlen", mutates_args=())
 def varlen_op(key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
               cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, sm_scale: float,
-              alibi_slopes: Tensor | None, seqused_k: Tensor | None,
-              return_lse: bool, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+              alibi_slopes: Tensor | None, seqused_k: Tensor | None, return_lse: bool,
+              sinks: Tensor | None = None, dropout_p: float = 0.0,
+              rng_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
     with torch.no_grad():  # the op's autograd formula records the backward, not the module
         out, lse = run_varlen(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              sm_scale, alibi_slopes, seqused_k, return_lse, sinks)
+                              sm_scale, alibi_slopes, seqused_k, return_lse, sinks, dropout_p,
+                              rng_state)
     return out, (_no_lse(q) if lse is None else lse)
 
 
 @varlen_op.register_fake
 def _(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,
-      alibi_slopes, seqused_k, return_lse, sinks=None):
+      alibi_slopes, seqused_k, return_lse, sinks=None, dropout_p=0.0, rng_state=None):
     total_q, heads, _ = q.shape
     out = q.new_empty((total_q, heads, v.shape[-1]))
     lse = q.new_empty((heads, total_q), dtype=torch.float32) if return_lse else _no_lse(q)
-    return out, lse
-
-
-# --------------------------------------------------------------------------------- decode
-
-
-def run_decode(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
-               block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
-               sm_scale: float, alibi_slopes: Tensor | None, return_lse: bool,
-               heads_last: bool, sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-    """The decode kind's `decode` entry point (the README's decode contract); appends
-    k_new/v_new into the caches at cache_seqlens, in place, before attending. (out, lse or
-    None); out [B, Nq, HQ, DV] with heads_last, else [B, HQ, Nq, DV]."""
-    return call_decode(current_registry().module(key), key, q, k_cache, v_cache, cache_seqlens,
-                       block_table, k_new, v_new, sm_scale, alibi_slopes, return_lse,
-                       heads_last, sinks)
-
-
-def call_decode(module, key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor,
-                cache_seqlens: Tensor, block_table: Tensor | None, k_new: Tensor | None,
-                v_new: Tensor | None, sm_scale: float, alibi_slopes: Tensor | None,
-                return_lse: bool, heads_last: bool,
-                sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-    """run_decode with the module of `key` in hand."""
-    _ran(key)
-    if heads_last:
-        out = _heads_last(q, v_cache.shape[-1])
-        result = module.decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
-                               k_new=k_new, v_new=v_new, sm_scale=sm_scale,
-                               alibi_slopes=alibi_slopes, return_lse=return_lse,
-                               out=out.transpose(1, 2), **_sinks(sinks))
-        return out, (result[1] if return_lse else None)
-    result = module.decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
-                           k_new=k_new, v_new=v_new, sm_scale=sm_scale,
-                           alibi_slopes=alibi_slopes, return_lse=return_lse, **_sinks(sinks))
-    return result if return_lse else (result, None)
-
-
-def decode(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
-           block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
-           sm_scale: float, alibi_slopes: Tensor | None, return_lse: bool,
-           heads_last: bool = False, sinks: Tensor | None = None
-           ) -> tuple[Tensor, Tensor | None]:
-    """(out, lse or None) of the decode module `key`; see the module docstring. Directly,
-    the caches' version counters are bumped as the op's mutates_args would."""
-    args = (key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sm_scale,
-            alibi_slopes, return_lse, heads_last, sinks)
-    news = (k_new, v_new) if k_new is not None and v_new is not None else None
-    if _direct(q, k_cache, v_cache, alibi_slopes) and (
-            news is None or _direct(q, news[0], news[1], None)) and (
-            sinks is None or _direct(q, k_cache, v_cache, sinks)):
-        return direct_decode(current_registry().module(key), *args)
-    out, lse = decode_op(*args)
-    inputs = (q, k_cache, v_cache, k_new, v_new)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-        out, lse = _ForwardOnly.apply(out, lse)
-    return (out.transpose(1, 2) if heads_last else out), (lse if return_lse else None)
-
-
-def direct_decode(module, key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor,
-                  cache_seqlens: Tensor, block_table: Tensor | None, k_new: Tensor | None,
-                  v_new: Tensor | None, sm_scale: float, alibi_slopes: Tensor | None,
-                  return_lse: bool, heads_last: bool,
-                  sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-    """call_decode without the op: the caches' version counters are bumped after an append,
-    as the op's mutates_args would."""
-    result = call_decode(module, key, q, k_cache, v_cache, cache_seqlens, block_table, k_new,
-                         v_new, sm_scale, alibi_slopes, return_lse, heads_last, sinks)
-    if k_new is not None and v_new is not None:
-        torch.autograd.graph.increment_version((k_cache, v_cache))
-    return result
-
-
-@torch.library.custom_op("attngen::decode", mutates_args=("k_cache", "v_cache"))
-def decode_op(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
-              block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
-              sm_scale: float, alibi_slopes: Tensor | None, return_lse: bool,
-              heads_last: bool, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    out, lse = run_decode(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-                          sm_scale, alibi_slopes, return_lse, heads_last, sinks)
-    return (out.transpose(1, 2) if heads_last else out), (_no_lse(q) if lse is None else lse)
-
-
-@decode_op.register_fake
-def _(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sm_scale,
-      alibi_slopes, return_lse, heads_last, sinks=None):
-    batch, heads, seqlen_q, _ = q.shape
-    if heads_last:
-        out = _heads_last(q, v_cache.shape[-1]).transpose(1, 2)
-    else:
-        out = q.new_empty((batch, heads, seqlen_q, v_cache.shape[-1]))
-    lse = q.new_empty((batch, heads, seqlen_q), dtype=torch.float32) if return_lse else _no_lse(q)
     return out, lse
 
 
@@ -327,112 +255,96 @@ def _backward_of(key: str, name: str):
 
 def prefill_backward(key: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                      lse: Tensor, dlse: Tensor | None, sm_scale: float,
-                     alibi_slopes: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                     alibi_slopes: Tensor | None, dropout_p: float = 0.0,
+                     rng_state: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) from the gradient kernels of the prefill module `key`, called directly:
     eager callers that hold the output and LSE themselves (context parallelism runs them per
-    chunk pair with the whole sequence's LSE) and record no autograd graph."""
+    chunk pair with the whole sequence's LSE) and record no autograd graph. dropout_p and
+    rng_state: the forward's, for a module built with dropout: true."""
     backward = _backward_of(key, "attention_backward")
     _ran(key)
     dq, dk, dv = backward(dout, q, k, v, out, lse, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
-                          dlse=dlse)
+                          dlse=dlse, **_dropout_options(dropout_p, rng_state))
     return dq, dk, dv
 
 
 @torch.library.custom_op("attngen::prefill_backward", mutates_args=())
 def prefill_backward_op(key: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                         lse: Tensor, dlse: Tensor | None, sm_scale: float,
-                        alibi_slopes: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    return prefill_backward(key, dout, q, k, v, out, lse, dlse, sm_scale, alibi_slopes)
+                        alibi_slopes: Tensor | None, dropout_p: float = 0.0,
+                        rng_state: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    return prefill_backward(key, dout, q, k, v, out, lse, dlse, sm_scale, alibi_slopes,
+                            dropout_p, rng_state)
 
 
 @prefill_backward_op.register_fake
-def _(key, dout, q, k, v, out, lse, dlse, sm_scale, alibi_slopes):
+def _(key, dout, q, k, v, out, lse, dlse, sm_scale, alibi_slopes, dropout_p=0.0,
+      rng_state=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _prefill_setup(ctx, inputs, output):
-    # sinks (the last input) only reach modules built without backward: no gradient for it
-    key, q, k, v, sm_scale, alibi_slopes = inputs[:6]
-    ctx.key, ctx.sm_scale = key, sm_scale
-    ctx.save_for_backward(q, k, v, alibi_slopes, *output)
+    # sinks only reach modules built without backward: no gradient for it
+    key, q, k, v, sm_scale, alibi_slopes, _, _, _, dropout_p, rng_state = inputs
+    ctx.key, ctx.sm_scale, ctx.dropout_p = key, sm_scale, dropout_p
+    ctx.save_for_backward(q, k, v, alibi_slopes, rng_state, *output)
 
 
 def _prefill_backward(ctx, dout, dlse):
-    q, k, v, alibi_slopes, out, lse = ctx.saved_tensors
+    q, k, v, alibi_slopes, rng_state, out, lse = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = prefill_backward_op(ctx.key, dout, q, k, v, out, lse, dlse, ctx.sm_scale,
-                                     alibi_slopes)
-    return None, dq, dk, dv, None, None, None, None, None
+                                     alibi_slopes, ctx.dropout_p, rng_state)
+    return None, dq, dk, dv, None, None, None, None, None, None, None
 
 
 @torch.library.custom_op("attngen::varlen_backward", mutates_args=())
 def varlen_backward_op(key: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                        lse: Tensor, dlse: Tensor | None, cu_seqlens_q: Tensor,
                        cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                       sm_scale: float, alibi_slopes: Tensor | None
-                       ) -> tuple[Tensor, Tensor, Tensor]:
+                       sm_scale: float, alibi_slopes: Tensor | None, dropout_p: float = 0.0,
+                       rng_state: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     backward = _backward_of(key, "attention_varlen_backward")
     _ran(key)
     dq, dk, dv = backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, sm_scale=sm_scale, alibi_slopes=alibi_slopes, dlse=dlse)
+                          max_seqlen_k, sm_scale=sm_scale, alibi_slopes=alibi_slopes, dlse=dlse,
+                          **_dropout_options(dropout_p, rng_state))
     return dq, dk, dv
 
 
 @varlen_backward_op.register_fake
 def _(key, dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-      max_seqlen_k, sm_scale, alibi_slopes):
+      max_seqlen_k, sm_scale, alibi_slopes, dropout_p=0.0, rng_state=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _varlen_setup(ctx, inputs, output):
     (key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,
-     alibi_slopes, seqused_k) = inputs[:11]
+     alibi_slopes, seqused_k, _, _, dropout_p, rng_state) = inputs
     if seqused_k is not None:
         ctx.refusal = ("seqused_k: no backward for a KV cache read in place; pass None when "
                        "q, k or v requires grad")
     else:
         ctx.refusal = None
-    ctx.key, ctx.sm_scale = key, sm_scale
+    ctx.key, ctx.sm_scale, ctx.dropout_p = key, sm_scale, dropout_p
     ctx.lengths = (max_seqlen_q, max_seqlen_k)
-    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *output)
+    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state,
+                          *output)
 
 
 def _varlen_backward(ctx, dout, dlse):
     if ctx.refusal:
         raise ValueError(ctx.refusal)
-    q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, out, lse = ctx.saved_tensors
+    q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, out, lse = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = varlen_backward_op(ctx.key, dout, q, k, v, out, lse, dlse, cu_seqlens_q,
-                                    cu_seqlens_k, *ctx.lengths, ctx.sm_scale, alibi_slopes)
-    return None, dq, dk, dv, None, None, None, None, None, None, None, None, None
+                                    cu_seqlens_k, *ctx.lengths, ctx.sm_scale, alibi_slopes,
+                                    ctx.dropout_p, rng_state)
+    return None, dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("attngen::prefill", _prefill_backward,
                                 setup_context=_prefill_setup)
 torch.library.register_autograd("attngen::varlen", _varlen_backward, setup_context=_varlen_setup)
-
-
-# ------------------------------------------------------------------------ forward only
-
-
-def _refuse_backward(op: str):
-    def backward(ctx, *grads):
-        raise NotImplementedError(
-            f"attngen::{op}: decode is forward-only (it appends to its caches in place): "
-            "gradients cannot flow through it; train through prefill or varlen modules built "
-            "with backward: true")
-    return backward
-
-
-class _ForwardOnly(torch.autograd.Function):
-    """Identity on decode's outputs whose backward raises; marks them as needing grad."""
-
-    @staticmethod
-    def forward(ctx, out, lse):
-        return out.view_as(out), lse.view_as(lse)
-
-    backward = staticmethod(_refuse_backward("decode"))
-
-

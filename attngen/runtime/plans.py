@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attngen.runtime import decode_ops, ops
 from attngen.runtime import dispatch as dispatch_cache
-from attngen.runtime import ops
 from attngen.runtime.devices import device_problem, problem_may_change
 from attngen.runtime.records import record
 from attngen.runtime.registry import current_registry
@@ -160,11 +160,11 @@ def run_varlen(plan: Plan, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
 def run_decode(plan: Plan, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
                block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
                alibi_slopes: Tensor | None) -> tuple[Tensor, Tensor | None] | None:
-    """ops.decode's direct call from a plan, [B, H, N, D] views in (heads-last output when the
-    plan writes in place); None when the device refuses now."""
+    """decode_ops.decode's direct call from a plan, [B, H, N, D] views in (heads-last output
+    when the plan writes in place); None when the device refuses now."""
     if plan.device_check is not None and device_problem(*plan.device_check) is not None:
         return None  # the device refuses now what it served: the full path says why
     record(plan.dispatch)
-    return ops.direct_decode(plan.module, plan.key, q, k_cache, v_cache, cache_seqlens,
+    return decode_ops.direct_decode(plan.module, plan.key, q, k_cache, v_cache, cache_seqlens,
                              block_table, k_new, v_new, plan.sm_scale, alibi_slopes,
                              plan.return_lse, plan.in_place)

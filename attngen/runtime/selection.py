@@ -61,6 +61,7 @@ class Need(NamedTuple):
     sinks: bool = False  # the call passes learned sinks [HQ] (gpt-oss)
     chunk_size: int | None = None  # with mask chunked
     sink_tokens: int | None = None  # with mask sliding_window: the first keys always seen
+    dropout: bool = False  # dropout_p > 0: a module built with dropout: true (name *_bwd_drop)
 
     def describe(self) -> str:
         mask = self.mask.value
@@ -82,6 +83,8 @@ class Need(NamedTuple):
             text += f" kv_layout={self.kv_layout.value}"
         if self.backward:
             text += " backward=True"
+        if self.dropout:
+            text += " dropout_p>0"
         return text
 
 
@@ -193,6 +196,9 @@ def mismatches(entry: KernelEntry, need: Need) -> list[str]:
         problems.append(f"softcap: needs {need.softcap:g}, module has {spec.get('softcap'):g}")
     if effective_mask(spec, need) != effective_mask(_asked(need), need):
         problems.append(f"mask: needs {_mask_text(_asked(need))}, module has {_mask_text(spec)}")
+    if need.dropout and not spec.get("dropout"):
+        problems.append("dropout_p: needs a module built with dropout: true (and backward: "
+                        "true; its name ends _bwd_drop), module has dropout: false")
     if need.kind is KernelKind.decode:
         problems += _decode_mismatches(spec, need)
     if need.backward and not spec.get("backward"):

@@ -9,18 +9,19 @@ BLOCK_N key rows, padded head dims D and DV, element bytes E, num_stages S, num_
   fp32 LSE/delta rows streamed, the group's query heads in one flat loop.
 
 The accumulators (dQ; dK and dV) are registers, never shared memory. The shared-memory model
-was read off Triton 3.6's allocator (buffer sizes and offsets after its shared-memory pass) and
-checked by `attngen verify-tiling` against compiles of the rendered kernels
-(attngen/verify/data/backward_compile_triton-3.6.0.json). It is exact for every 16-bit and
-fp32 candidate with num_stages >= 2 and no dropout. Two classes are bounds, never under:
-with dropout, the dK/dV kernel transposes the keep mask through a layout-conversion scratch that
-the allocator overlaps with dead buffers on some configs and not on others (0 .. 2 * BM * BN
-bytes); and num_stages = 1, where the unpipelined Q and dO are transposed in registers through a
-scratch that follows the layout's repetitions. S = 1 pipelines nothing and was never the fast
-config, so it is left out of the candidate grid (NUM_STAGES_CHOICES).
+was read off Triton 3.6's allocator and is checked by `attngen verify-tiling --backward`
+against compiles of the rendered kernels (attngen/verify/data/backward_compile_triton-3.6.0.json:
+every candidate of the examples on sm80 and sm90, samples of head dims 64 and 256, D != DV,
+fp32 and dropout) and, with dropout, against allocator sweeps of whole grids
+(backward_dropout_smem_triton-3.6.0.json, tools/backward_smem_sweep.py). It is exact on every
+recorded candidate (num_stages 2 and 3), with and without dropout. num_stages = 1 (not a
+candidate: it pipelines nothing and was never the fast config) is a bound: its unpipelined Q
+and dO go through a transposition scratch that follows the layout's repetitions.
 
-Registers: a first-cut least-squares estimate on the unspilled 16-bit compiles (rms 22-31),
-an estimate rather than prefill's linear-program bound: a config it calls safe may spill.
+Registers: the forward's linear program (tools/fit_backward_registers.py) on the 16-bit
+compiles: least absolute error (rms about 30 on configs that do not spill), with every config
+that spills more than 64 B predicted above the limit, so no config the model calls safe spills
+more than verify-tiling allows.
 """
 
 from __future__ import annotations
@@ -58,8 +59,18 @@ NUM_STAGES_CHOICES = (2, 3)
 MODEL_SYMBOLS = (BM, BN, S, W, D, DV, E)
 
 
+def keep_mask_scratch() -> sympy.Expr:
+    """Bytes of shared memory the dropout keep mask's layout conversions take (Triton 3.6).
+    The mask joins eight 16-bit lanes of four Philox words in a tree of tl.join (the
+    [BM, BN / 8, 2, 2] int32 level is the largest, 2 * BM * BN bytes) and the joins convert
+    layouts through shared memory: the whole level when a thread holds at most four of its
+    elements (BM * BN <= 256 W), else in two passes of half of it. Measured on every candidate
+    of head dims 64 and 128, both kernels, sm80 and sm90 (verify/data)."""
+    return sympy.Piecewise((2 * BM * BN, BM * BN <= 256 * W), (BM * BN, True))
+
+
 @cache
-def dq_smem_expression(arch: GpuArch) -> sympy.Expr:
+def dq_smem_expression(arch: GpuArch, dropout: bool = False) -> sympy.Expr:
     """dQ kernel. Resident Q and dO are staged once; K and V stream through shared memory.
 
     - mma.sync (16-bit): max(S - 1, 1) buffers of K and V. dS (the A operand of dS @ K) goes
@@ -67,17 +78,21 @@ def dq_smem_expression(arch: GpuArch) -> sympy.Expr:
       chain's output [BM, D] is wider than tall); at S = 1 it reuses K's bytes.
     - wgmma (Hopper, 16-bit, BLOCK_M >= 64): S buffers of K and V; dS stays in registers.
     - fp32 (IEEE dots lower to FMA on every arch): the mma.sync layout with dS always staged.
+    - dropout: the keep mask's conversion scratch (keep_mask_scratch) is live before dS is
+      formed, so a staged dS buffer (at least as large) holds it; without one it is added.
     """
     resident = BM * D + BM * DV
+    mask = keep_mask_scratch() if dropout else sympy.Integer(0)
 
     def loop(staged_ds: sympy.Expr) -> sympy.Expr:
         return sympy.Piecewise(
             (resident + BN * DV + sympy.Max(BN * D, staged_ds), sympy.Eq(S, 1)),
             (resident + (S - 1) * (BN * D + BN * DV) + staged_ds, True))
 
-    sixteen_bit = E * loop(sympy.Piecewise((BM * BN, BM < D), (0, True)))
+    staged = sympy.Piecewise((BM * BN, BM < D), (0, True))
+    sixteen_bit = E * loop(staged) + sympy.Piecewise((mask, sympy.Eq(staged, 0)), (0, True))
     if arch.has_wgmma:
-        wgmma = E * (resident + S * (BN * D + BN * DV))
+        wgmma = E * (resident + S * (BN * D + BN * DV)) + mask
         sixteen_bit = sympy.Piecewise((wgmma, BM >= 64), (sixteen_bit, True))
     fp32 = E * loop(BM * BN)
     return sympy.Piecewise((fp32, sympy.Eq(E, 4)), (sixteen_bit, True))
@@ -97,15 +112,19 @@ def dkdv_smem_expression(arch: GpuArch, dropout: bool = False) -> sympy.Expr:
     - fp32 (FMA): the mma.sync layout with P^T/dS^T always staged.
     - S = 1 (not a candidate): conversion scratch counted as its bound, a [BM, max(D, DV)]
       tile (and on wgmma the rows' bytes rounded up to 1 KiB).
-    - dropout: the transposed keep mask's conversion scratch, bound 2 * BM * BN.
+    - dropout: the keep mask's conversion scratch (keep_mask_scratch). A staged P^T/dS^T
+      buffer holds it, except on the smallest 16-bit tiles (at most two score elements a
+      thread, BM * BN <= 64 W), where the allocator places it beside that buffer (fp32's
+      staged buffer, twice the size, holds it there too).
     """
     resident = BN * D + BN * DV
     rows = 8 * BM * (S - 1)
     staged = sympy.Piecewise((BM * BN, sympy.Or(BN < D, sympy.Eq(E, 4))), (0, True))
     scratch = sympy.Piecewise((E * BM * sympy.Max(D, DV), sympy.Eq(S, 1)), (0, True))
     mma = E * (resident + sympy.Max(S - 1, 1) * (BM * D + BM * DV) + staged) + rows + scratch
-    mask_scratch = 2 * BM * BN if dropout else sympy.Integer(0)
-    mma = mma + mask_scratch
+    mask_scratch = keep_mask_scratch() if dropout else sympy.Integer(0)
+    beside = sympy.Or(sympy.Eq(staged, 0), sympy.And(BM * BN <= 64 * W, sympy.Ne(E, 4)))
+    mma = mma + sympy.Piecewise((mask_scratch, beside), (0, True))
     if not arch.has_wgmma:
         return mma
     streamed_first = BN * sympy.Min(D, DV) < S * BM * sympy.Max(D, DV)
@@ -118,21 +137,29 @@ def dkdv_smem_expression(arch: GpuArch, dropout: bool = False) -> sympy.Expr:
 
 @cache
 def regs_expression(arch: GpuArch, kernel: str) -> sympy.Expr:
-    """Registers per thread, a least-squares estimate on the unspilled 16-bit compiles with
-    acc = fp32 accumulator elements per thread (dQ: BM * D; dK/dV: BN * (D + DV), over 32 W
-    threads) and tile = one score tile per thread (BM * BN / 32 W). fp32 (FMA dots) uses the
-    mma.sync formula and is never promised not to spill."""
+    """Registers per thread, over 32 W threads: acc = fp32 accumulator elements (dQ: BM * D;
+    dK/dV: BN * (D + DV)), tile = one score tile (BM * BN), stream = the streamed dot operands
+    in 32-bit registers (dQ: K and V, BN * (D + DV) * E / 4; dK/dV: Q and dO, BM * (D + DV) *
+    E / 4). The coefficients solve the forward's linear program (tools/fit_backward_registers.py)
+    on the 16-bit compiles in verify/data: least absolute error, with every config that spills
+    more than 64 B predicted at 260 or more (never safe). fp32 (FMA dots) uses the mma.sync
+    formula and is never promised not to spill."""
     threads = 32 * W
     tile = BM * BN / threads
     if kernel == "dq":
         acc = BM * D / threads
-        mma = 73 + sympy.Rational(119, 100) * acc + sympy.Rational(336, 100) * tile
-        wgmma = 82 + sympy.Rational(104, 100) * acc + sympy.Rational(160, 100) * tile
+        stream = BN * (D + DV) * E / (4 * threads)
+        mma = 94 + sympy.Rational(69, 100) * acc + sympy.Rational(484, 100) * tile
+        wgmma = (70 + sympy.Rational(112, 100) * acc + sympy.Rational(71, 100) * tile
+                 + sympy.Rational(75, 100) * stream)
         on_wgmma = BM >= 64
     else:
         acc = BN * (D + DV) / threads
-        mma = 106 + sympy.Rational(95, 100) * acc + sympy.Rational(276, 100) * tile
-        wgmma = 96 + sympy.Rational(68, 100) * acc + sympy.Rational(446, 100) * tile
+        stream = BM * (D + DV) * E / (4 * threads)
+        mma = (115 + sympy.Rational(81, 100) * acc + sympy.Rational(207, 100) * tile
+               + sympy.Rational(39, 100) * stream)
+        wgmma = (199 + sympy.Rational(37, 100) * acc + sympy.Rational(93, 100) * tile
+                 + sympy.Rational(59, 100) * stream)
         on_wgmma = BN >= 64
     if arch.has_wgmma:
         return sympy.Piecewise((wgmma, sympy.And(on_wgmma, sympy.Ne(E, 4))), (mma, True))
@@ -140,7 +167,9 @@ def regs_expression(arch: GpuArch, kernel: str) -> sympy.Expr:
 
 
 def smem_expression(arch: GpuArch, kernel: str, dropout: bool) -> sympy.Expr:
-    return dq_smem_expression(arch) if kernel == "dq" else dkdv_smem_expression(arch, dropout)
+    if kernel == "dq":
+        return dq_smem_expression(arch, dropout)
+    return dkdv_smem_expression(arch, dropout)
 
 
 @dataclass(frozen=True)

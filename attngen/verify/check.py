@@ -24,6 +24,9 @@ Shared memory does not depend on the spec beyond the key (checked on every examp
 `--every-spec`); registers do, a little, so the spill check holds for the spec each key was
 compiled from (its heaviest), and OTHER_SPEC_SPILL_BYTES for every other spec of the key.
 Any failure makes the command exit 1.
+
+The backward kernels (spec `backward: true`) are held to the same policy, row by row, with
+their own plan (attngen.verify.backward) and data file (BackwardKey records).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from attngen.arch import ARCHS
 from attngen.spec import AttnSpec, KernelKind, Mask
 from attngen.tiling.prefill import REGISTER_MARGIN, Candidate, derive_tiles
 from attngen.verify.measurements import (
-    MeasurementKey,
+    AnyKey,
     Measurements,
     current_template_hash,
     measurement_key,
@@ -70,7 +73,7 @@ SAMPLE_MAX_COMPILE_S = 3.0  # --sample draws configs that compiled this fast (te
 class Row:
     """One deduplicated (arch, dtype, D, DV, config): the model's verdict and the compiler's."""
 
-    key: MeasurementKey
+    key: AnyKey
     specs: list[str]
     candidate: Candidate
     may_spill: bool
@@ -89,10 +92,22 @@ class Row:
 
 @dataclass
 class Plan:
-    rows: dict[MeasurementKey, Row]
-    representative: dict[MeasurementKey, AttnSpec]  # the spec a missing key is compiled from
-    chosen: list[tuple[str, str, MeasurementKey | None]]  # (spec, arch, the chosen config's key)
+    rows: dict[Any, Row]  # by key: MeasurementKey, or BackwardKey in a backward plan
+    representative: dict[Any, AttnSpec]  # the spec a missing key is compiled from
+    chosen: list[tuple[str, str, AnyKey | None]]  # (spec, arch, the chosen config's key)
     specs: dict[str, AttnSpec] = field(default_factory=dict)  # by name
+
+    def add(self, key: AnyKey, spec: AttnSpec, cand: Candidate) -> None:
+        """`spec`'s candidate `cand` as the row of `key` (one row per key, its first candidate
+        judged; the heaviest spec of a key is the one it is compiled from)."""
+        row = self.rows.get(key)
+        if row is None:
+            row = self.rows[key] = Row(key, [], cand, cand.may_spill(ARCHS[key.arch]))
+        if spec.name not in row.specs:
+            row.specs.append(spec.name)
+        heaviest = self.representative.get(key)
+        if heaviest is None or representative_weight(spec) > representative_weight(heaviest):
+            self.representative[key] = spec
 
 
 def representative_weight(spec: AttnSpec) -> int:
@@ -105,36 +120,24 @@ def representative_weight(spec: AttnSpec) -> int:
 
 def plan_rows(specs: Iterable[AttnSpec], archs: Sequence[str] | None) -> Plan:
     """Every candidate of every (spec, arch), deduplicated on the measurement key."""
-    rows: dict[MeasurementKey, Row] = {}
-    representative: dict[MeasurementKey, AttnSpec] = {}
-    chosen: list[tuple[str, str, MeasurementKey | None]] = []
-    by_name: dict[str, AttnSpec] = {}
+    plan = Plan({}, {}, [])
     for spec in specs:
         if not {KernelKind.prefill, KernelKind.varlen} & set(spec.kernels):
             continue  # decode-only (MLA's absorbed 576/512): tools/decode_compile_check.py
-        by_name[spec.name] = spec
+        plan.specs[spec.name] = spec
         for arch in archs or spec.archs:
             derivation = derive_tiles(spec, arch)
             best = derivation.chosen
-            chosen.append((spec.name, arch,
-                           None if best is None else measurement_key(spec, arch, best)))
+            plan.chosen.append((spec.name, arch,
+                                None if best is None else measurement_key(spec, arch, best)))
             for cand in derivation.candidates:
-                key = measurement_key(spec, arch, cand.config)
-                row = rows.get(key)
-                if row is None:
-                    row = rows[key] = Row(key, [], cand, cand.may_spill(ARCHS[arch]))
-                if spec.name not in row.specs:
-                    row.specs.append(spec.name)
-                heaviest = representative.get(key)
-                if heaviest is None or (representative_weight(spec)
-                                        > representative_weight(heaviest)):
-                    representative[key] = spec
-    return Plan(rows, representative, chosen, by_name)
+                plan.add(measurement_key(spec, arch, cand.config), spec, cand)
+    return plan
 
 
 def live_jobs(plan: Plan, data: Measurements, recompile: bool, sample: int, seed: int,
-              every_spec: bool = False) -> tuple[list[tuple[MeasurementKey, AttnSpec]],
-                                                 list[MeasurementKey]]:
+              every_spec: bool = False) -> tuple[list[tuple[AnyKey, AttnSpec]],
+                                                 list[AnyKey]]:
     """What to compile now (key and the spec to compile it from), and what to leave out.
 
     Missing keys are compiled from the plan's heaviest spec; --recompile compiles every key
@@ -169,25 +172,25 @@ def live_jobs(plan: Plan, data: Measurements, recompile: bool, sample: int, seed
     return jobs, skipped
 
 
-Others = dict[MeasurementKey, list[tuple[str, dict[str, Any]]]]  # other specs' compiles of a key
+Others = dict[AnyKey, list[tuple[str, dict[str, Any]]]]  # other specs' compiles of a key
 
 
-def measure(data: Measurements, jobs: list[tuple[MeasurementKey, AttnSpec]], processes: int,
+def measure(data: Measurements, jobs: list[tuple[AnyKey, AttnSpec]], processes: int,
             progress: Callable[[str], None] | None = None,
-            replace_other: bool = False) -> tuple[dict[MeasurementKey, list[str]], Others]:
+            replace_other: bool = False) -> tuple[dict[AnyKey, list[str]], Others]:
     """Compile the jobs. A key's first record goes into `data`; a recompile from the recorded
     spec replaces it and must equal it; one from another spec replaces it with
     `replace_other` (--recompile), else (--every-spec) it is kept aside in `others`, to be
     judged too. Returns, per compiled key, what contradicts the data (stale fields, or shared
     memory that differs by spec), and the others. `progress(message)` runs every CHUNK jobs
     (verify_tiling saves the data there, so a long sweep can be resumed)."""
-    changed: dict[MeasurementKey, list[str]] = {}
+    changed: dict[AnyKey, list[str]] = {}
     others: Others = {}
     if not jobs:
         return changed, others
     from attngen.verify.compiler import compile_iter  # imports triton
 
-    records = compile_iter([(spec, key.arch, key.config) for key, spec in jobs], processes)
+    records = compile_iter([key.job(spec) for key, spec in jobs], processes)
     for done, ((key, spec), record) in enumerate(zip(jobs, records, strict=True), start=1):
         _merge(data, key, spec, record, changed, others, replace_other)
         if progress is not None and (done % CHUNK == 0 or done == len(jobs)):
@@ -195,8 +198,8 @@ def measure(data: Measurements, jobs: list[tuple[MeasurementKey, AttnSpec]], pro
     return changed, others
 
 
-def _merge(data: Measurements, key: MeasurementKey, spec: AttnSpec, record: dict[str, Any],
-           changed: dict[MeasurementKey, list[str]], others: Others, replace_other: bool) -> None:
+def _merge(data: Measurements, key: AnyKey, spec: AttnSpec, record: dict[str, Any],
+           changed: dict[AnyKey, list[str]], others: Others, replace_other: bool) -> None:
     before = data.get(key)
     changed.setdefault(key, [])
     if before is None:
@@ -217,7 +220,7 @@ def _merge(data: Measurements, key: MeasurementKey, spec: AttnSpec, record: dict
         others.setdefault(key, []).append((spec_ref(spec), record))
 
 
-def judge(plan: Plan, data: Measurements, changed: dict[MeasurementKey, list[str]],
+def judge(plan: Plan, data: Measurements, changed: dict[AnyKey, list[str]],
           stale_fails: bool = True, others: Others | None = None) -> None:
     """Fill every row's measurement, failures and notes (the policy in the module docstring).
     A live result that differs from the data's record fails unless the data is being rewritten
@@ -271,11 +274,9 @@ def _judge_one(row: Row, m: dict[str, Any]) -> None:
                              f"spills {spills} B")
 
 
-def expected_mma(key: MeasurementKey) -> str:
-    """The instruction family the model's branch assumes (see tiling.smem_expression)."""
-    if key.dtype == "fp32":
-        return "fma"
-    return "wgmma" if ARCHS[key.arch].has_wgmma and key.BLOCK_M >= 64 else "mma.sync"
+def expected_mma(key: AnyKey) -> str:
+    """The instruction family the model's branch assumes (the key's kernel's smem model)."""
+    return key.expected_mma()
 
 
 @dataclass
@@ -343,7 +344,7 @@ def summarize(rows: Iterable[Row]) -> Summary:
 @dataclass
 class Report:
     plan: Plan
-    skipped: list[MeasurementKey]
+    skipped: list[AnyKey]
     live: int
     seconds: float
     data_triton: str
@@ -360,18 +361,24 @@ class Report:
                 for a in archs}
 
 
+Planner = Callable[[Iterable[AttnSpec], Sequence[str] | None], Plan]
+
+
 def verify_tiling(specs: Sequence[AttnSpec], archs: Sequence[str] | None, data: Measurements,
                   *, recompile: bool = False, sample: int = 0, seed: int = 0,
                   processes: int = 2, progress: Callable[[str], None] | None = None,
-                  save_to: Path | None = None, every_spec: bool = False) -> Report:
-    """Plan, measure (data first, compiler for what is missing or asked for), judge.
+                  save_to: Path | None = None, every_spec: bool = False,
+                  planner: Planner = plan_rows) -> Report:
+    """Plan, measure (data first, compiler for what is missing or asked for), judge. The
+    forward's plan_rows, or attngen.verify.backward.plan_backward_rows (with the backward's
+    data).
 
     `progress(message)` hears of the live compiles every CHUNK jobs. With `save_to`, `data`
     and what was compiled live are saved there at the same points, so an interrupted sweep
     keeps what it compiled, and a live result that contradicts a record replaces it instead of
     failing the run."""
     start = time.perf_counter()
-    plan = plan_rows(specs, archs)
+    plan = planner(specs, archs)
     jobs, skipped = live_jobs(plan, data, recompile, sample, seed, every_spec)
 
     def after_chunk(message: str) -> None:

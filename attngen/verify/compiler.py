@@ -15,7 +15,10 @@ Each kernel is compiled as its entry point launches it on contiguous tensors (un
 strides constexpr 1, pointers and row strides 16-divisible). For prefill (and varlen, the
 same key loop) that is ``attention()``'s kernel; for decode, the split kernel as ``decode()``
 launches it with the config's row tile (BLOCK_M) and the path of several splits (DIRECT=False,
-LSE stored): its combine and append kernels are tiny and are not modelled.
+LSE stored): its combine and append kernels are tiny and are not modelled. The backward kernels
+(spec `backward: true`; `kernel` "dq" or "dkdv", BACKWARD_KERNELS) are measured from the prefill
+module as ``attention_backward()`` launches them (no LSE gradient; with `dropout: true`, the
+dropout path, DROPOUT_ON=True): varlen's gradient kernels have the same loops.
 
 Triton is imported lazily, only here: the build path never loads this module. Triton's on-disk
 cache goes to a temporary folder, removed afterwards, so a run neither reads stale kernels nor
@@ -59,12 +62,17 @@ _MEASURED_KERNEL = {KernelKind.prefill: "_attn_fwd_kernel",
 # the config (it fills CONFIG and the header only).
 _ANY_CONFIG = {KernelKind.prefill: TileConfig(64, 64, 4, 1),
                KernelKind.decode: TileConfig(16, 64, 4, 2)}
-_kernels: dict[str, Any] = {}  # per process: module source hash -> JIT kernel (memory only)
+# The gradient kernels of a prefill module, by the name the backward tiling model gives them.
+BACKWARD_KERNELS = {"dq": "_attn_bwd_dq_kernel", "dkdv": "_attn_bwd_dkdv_kernel"}
+_BACKWARD_UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod",
+                          "stride_dqd", "stride_dkd", "stride_dvd")
+_kernels: dict[str, Any] = {}  # per process: module source hash -> module (memory only)
 
 
-def load_kernel(spec: AttnSpec, arch: str, kind: KernelKind = KernelKind.prefill) -> Any:
+def load_kernel(spec: AttnSpec, arch: str, kind: KernelKind = KernelKind.prefill,
+                kernel: str | None = None) -> Any:
     """Render the `kind` module of `spec` for `arch`, import it from a temporary file, return
-    the JIT kernel whose compile is measured.
+    the JIT kernel whose compile is measured (with `kernel`, that backward kernel of it).
 
     The module's text depends on the spec and the arch (its code paths and the chosen config
     in its header), not on the config compiled, so one import per spec and arch serves every
@@ -83,8 +91,9 @@ def load_kernel(spec: AttnSpec, arch: str, kind: KernelKind = KernelKind.prefill
             assert loader is not None and loader.loader is not None  # a .py file has one
             module = importlib.util.module_from_spec(loader)
             loader.loader.exec_module(module)  # JIT functions keep their source in memory
-        _kernels[key] = getattr(module, _MEASURED_KERNEL[kind])
-    return _kernels[key]
+        _kernels[key] = module
+    name = _MEASURED_KERNEL[kind] if kernel is None else BACKWARD_KERNELS[kernel]
+    return getattr(_kernels[key], name)
 
 
 @contextlib.contextmanager
@@ -105,8 +114,11 @@ def _compiled_not_interpreted() -> Iterator[None]:
 
 
 def kernel_source(spec: AttnSpec, kernel: Any, config: TileConfig,
-                  kind: KernelKind = KernelKind.prefill) -> Any:
-    """The ASTSource of one launch: signature, constexprs and divisibility as at runtime."""
+                  kind: KernelKind = KernelKind.prefill, backward: bool = False) -> Any:
+    """The ASTSource of one launch: signature, constexprs and divisibility as at runtime
+    (`backward`: `kernel` is one of the module's gradient kernels)."""
+    if backward:
+        return _backward_source(spec, kernel, config)
     if kind is KernelKind.decode:
         return _decode_source(spec, kernel, config)
     constexprs: dict[str, Any] = dict.fromkeys(_UNIT_STRIDES, 1)
@@ -139,6 +151,29 @@ def _decode_source(spec: AttnSpec, kernel: Any, config: TileConfig) -> Any:
 
     def divisible(name: str) -> bool:  # every stride but the block table's
         return name.startswith("stride_") and not name.startswith("stride_bt")
+
+    return _ast_source(kernel, constexprs, types, divisible)
+
+
+def _backward_source(spec: AttnSpec, kernel: Any, config: TileConfig) -> Any:
+    """dQ or dK/dV as _backward launches them on contiguous [B, H, N, D] tensors: no dLSE,
+    the dropout path when compiled in, ALiBi's GROUP_MAX from the spec's head ratio."""
+    q_per_kv = spec.num_q_heads // spec.num_kv_heads
+    constexprs: dict[str, Any] = dict.fromkeys(_BACKWARD_UNIT_STRIDES, 1)
+    constexprs.update(HAS_DLSE=False, DROPOUT_ON=True, BLOCK_M=config.block_m,
+                      BLOCK_N=config.block_n, GROUP_MAX=1 << (q_per_kv - 1).bit_length())
+    if q_per_kv == 1:
+        constexprs["q_per_kv"] = 1  # Triton specializes an int argument equal to 1
+    constexprs = {name: value for name, value in constexprs.items() if name in kernel.arg_names}
+    types = dict.fromkeys(("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV"),
+                          spec.dtype.triton_pointer)
+    types.update(dict.fromkeys(("Lse", "DLse", "Delta", "Slopes"), "*fp32"))
+    types.update(RngState="*i64", sm_scale="fp32", keep_scale="fp32")
+    aligned = rows_aligned(spec)
+
+    def divisible(name: str) -> bool:  # as the forward's: batch, head and aligned row strides
+        stride = name.startswith("stride_")
+        return stride and (name.endswith(("b", "h")) or (aligned and name.endswith(("m", "n"))))
 
     return _ast_source(kernel, constexprs, types, divisible)
 
@@ -204,10 +239,14 @@ def mma_family(ptx: str) -> str:
 
 
 def compile_one(spec: AttnSpec, arch: str, config: TileConfig,
-                kind: KernelKind = KernelKind.prefill) -> dict[str, Any]:
-    """One cross-compile of the `kind` kernel; a failure is recorded in ``error``."""
-    return compile_source(lambda: kernel_source(spec, load_kernel(spec, arch, kind), config, kind),
-                          arch, config, fp_fusion=fp_fusion(spec))
+                kind: KernelKind = KernelKind.prefill, kernel: str | None = None
+                ) -> dict[str, Any]:
+    """One cross-compile of the `kind` kernel (with `kernel`, that backward kernel of the
+    prefill module); a failure is recorded in ``error``."""
+    return compile_source(
+        lambda: kernel_source(spec, load_kernel(spec, arch, kind, kernel), config, kind,
+                              backward=kernel is not None),
+        arch, config, fp_fusion=fp_fusion(spec))
 
 
 def fp_fusion(spec: AttnSpec) -> bool:
@@ -247,13 +286,15 @@ def compile_source(make_source: Any, arch: str, config: TileConfig,
     return record
 
 
-Job = tuple[AttnSpec, str, TileConfig]
+# (spec, arch, config), or with a fourth element the backward kernel ("dq", "dkdv") to measure.
+Job = tuple[AttnSpec, str, TileConfig] | tuple[AttnSpec, str, TileConfig, str]
 
 
-def _run_job(payload: tuple[dict[str, Any], str, TileConfig, str]) -> dict[str, Any]:
-    data, arch, config, kind = payload
+def _run_job(payload: tuple[dict[str, Any], str, TileConfig, str, str | None]
+             ) -> dict[str, Any]:
+    data, arch, config, kind, kernel = payload
     (spec,) = specs_from_data(data)
-    return compile_one(spec, arch, config, KernelKind(kind))
+    return compile_one(spec, arch, config, KernelKind(kind), kernel)
 
 
 def compile_iter(jobs: Sequence[Job], processes: int = 2,
@@ -265,8 +306,8 @@ def compile_iter(jobs: Sequence[Job], processes: int = 2,
     a process that imported triton in interpreter mode (the CPU test suite) cannot compile,
     because triton.language's own helpers are interpreter functions there. Each job carries
     its spec as data, so a worker renders and imports the kernel itself."""
-    payload = [(spec.model_dump(mode="json"), arch, config, kind.value)
-               for spec, arch, config in jobs]
+    payload = [(job[0].model_dump(mode="json"), job[1], job[2], kind.value,
+                job[3] if len(job) == 4 else None) for job in jobs]
     if not payload:
         return
     saved = {name: os.environ.get(name) for name in ("TRITON_CACHE_DIR", "TRITON_INTERPRET")}

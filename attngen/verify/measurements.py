@@ -1,7 +1,8 @@
 """The committed compiler measurements of the prefill kernel, keyed by what matters: one JSON
 file per Triton version, data/prefill_compile_triton-<version>.json. (The decode kernel's
 chosen configs are measured by tools/decode_compile_check.py into
-data/decode_compile_triton-<version>.json.)
+data/decode_compile_triton-<version>.json; the backward kernels' candidates, keyed by
+BackwardKey, into data/backward_compile_triton-<version>.json.)
 
 What Triton allocates for attngen's prefill kernel depends on the target, the dtype, the padded
 head dims, the launch config and how K/V rows are read (attngen/tiling/rows.py: `tma`, tensor
@@ -69,12 +70,69 @@ class MeasurementKey(NamedTuple):
         return (f"{self.arch} {self.dtype} D{self.D}/{self.DV} "
                 f"{self.BLOCK_M}x{self.BLOCK_N} w{self.num_warps} s{self.num_stages}{loads}{rows}")
 
+    def job(self, spec: AttnSpec) -> tuple[AttnSpec, str, TileConfig]:
+        """The compile of this key from `spec` (attngen.verify.compiler's Job)."""
+        return spec, self.arch, self.config
+
+    def expected_mma(self) -> str:
+        """The instruction family the model's branch assumes (tiling.prefill.smem_expression)."""
+        if self.dtype == "fp32":
+            return "fma"
+        return "wgmma" if ARCHS[self.arch].has_wgmma and self.BLOCK_M >= 64 else "mma.sync"
+
+
+class BackwardKey(NamedTuple):
+    """A backward kernel's measurement: what its shared memory depends on. Like
+    MeasurementKey, with the kernel ("dq" or "dkdv") and whether dropout is compiled in; no
+    TMA (the gradient kernels load through pointers)."""
+
+    arch: str
+    kernel: str
+    dtype: str
+    D: int
+    DV: int
+    dropout: bool
+    BLOCK_M: int
+    BLOCK_N: int
+    num_warps: int
+    num_stages: int
+    aligned: bool
+
+    @property
+    def config(self) -> TileConfig:
+        return TileConfig(self.BLOCK_M, self.BLOCK_N, self.num_warps, self.num_stages)
+
+    def label(self) -> str:
+        extras = (" dropout" if self.dropout else "") + ("" if self.aligned else " unaligned rows")
+        return (f"{self.arch} {self.kernel} {self.dtype} D{self.D}/{self.DV} "
+                f"{self.BLOCK_M}x{self.BLOCK_N} w{self.num_warps} s{self.num_stages}{extras}")
+
+    def job(self, spec: AttnSpec) -> tuple[AttnSpec, str, TileConfig, str]:
+        return spec, self.arch, self.config, self.kernel
+
+    def expected_mma(self) -> str:
+        """wgmma where the kernel's score tile is at least 64 rows tall (dQ: BLOCK_M; dK/dV,
+        whose tiles are transposed: BLOCK_N); tiling.backward's branches."""
+        if self.dtype == "fp32":
+            return "fma"
+        rows = self.BLOCK_M if self.kernel == "dq" else self.BLOCK_N
+        return "wgmma" if ARCHS[self.arch].has_wgmma and rows >= 64 else "mma.sync"
+
+
+AnyKey = MeasurementKey | BackwardKey
+
 
 def measurement_key(spec: AttnSpec, arch: str, config: TileConfig) -> MeasurementKey:
     return MeasurementKey(arch, spec.dtype.value, padded_head_dim(spec.head_dim),
                           padded_head_dim(spec.value_head_dim), config.block_m, config.block_n,
                           config.num_warps, config.num_stages,
                           code_paths(spec, arch, KernelKind.prefill).tma, rows_aligned(spec))
+
+
+def backward_key(spec: AttnSpec, arch: str, kernel: str, config: TileConfig) -> BackwardKey:
+    return BackwardKey(arch, kernel, spec.dtype.value, padded_head_dim(spec.head_dim),
+                       padded_head_dim(spec.value_head_dim), spec.dropout, config.block_m,
+                       config.block_n, config.num_warps, config.num_stages, rows_aligned(spec))
 
 
 def usual_tma(arch: str, dtype: str) -> bool:
@@ -88,30 +146,32 @@ def spec_ref(spec: AttnSpec) -> str:
     return f"{spec.name}-{spec.spec_hash()[:8]}"
 
 
-def data_path(version: str) -> Path:
+def data_path(version: str, backward: bool = False) -> Path:
     """The measurements file of a Triton version (`data_path(triton_version())`: the installed
-    one's)."""
-    return DATA_DIR / f"prefill_compile_triton-{version}.json"
+    one's), of the forward (prefill) kernel or, with `backward`, of the gradient kernels."""
+    return DATA_DIR / f"{'backward' if backward else 'prefill'}_compile_triton-{version}.json"
 
 
 @dataclass
 class Measurements:
-    """Measurements by key, and the specs they were compiled from (name -> spec fields)."""
+    """Measurements by key, and the specs they were compiled from (name -> spec fields).
+    `key_type`: MeasurementKey (the forward's file) or BackwardKey."""
 
     triton: str
     template_hash: str
-    records: dict[MeasurementKey, dict[str, Any]] = field(default_factory=dict)
+    records: dict[Any, dict[str, Any]] = field(default_factory=dict)
     specs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    key_type: type[AnyKey] = MeasurementKey
 
-    def get(self, key: MeasurementKey) -> dict[str, Any] | None:
+    def get(self, key: AnyKey) -> dict[str, Any] | None:
         return self.records.get(key)
 
-    def spec_of(self, key: MeasurementKey) -> AttnSpec:
+    def spec_of(self, key: AnyKey) -> AttnSpec:
         """The spec a record was compiled from, to compile it again."""
         (spec,) = specs_from_data(self.specs[self.records[key]["spec"]])
         return spec
 
-    def add(self, key: MeasurementKey, spec: AttnSpec, measured: dict[str, Any]) -> None:
+    def add(self, key: AnyKey, spec: AttnSpec, measured: dict[str, Any]) -> None:
         self.specs.setdefault(spec_ref(spec), spec.canonical())
         self.records[key] = {**key._asdict(), "spec": spec_ref(spec), **measured}
 
@@ -122,7 +182,7 @@ class Measurements:
             f'"schema": {SCHEMA},',
             f'"triton": {json.dumps(self.triton)},',
             f'"template_hash": {json.dumps(self.template_hash)},',
-            f'"key": {json.dumps(list(MeasurementKey._fields))},',
+            f'"key": {json.dumps(list(self.key_type._fields))},',
             '"specs": {',
             ",\n".join(f"{json.dumps(name)}: {json.dumps(self.specs[name], sort_keys=True)}"
                        for name in sorted(used)),
@@ -135,7 +195,7 @@ class Measurements:
         return "\n".join(lines) + "\n"
 
 
-def _order(key: MeasurementKey) -> tuple[Any, ...]:
+def _order(key: AnyKey) -> tuple[Any, ...]:
     """Records in the arch table's order, then by dtype, dims and config."""
     rank = list(ARCHS).index(key.arch) if key.arch in ARCHS else len(ARCHS)
     return (rank, *key)
@@ -154,18 +214,23 @@ def save_measurements(data: Measurements, path: Path) -> bool:
     return write_if_different(path, data.dumps())
 
 
-def load_measurements(path: Path) -> Measurements:
-    """Read a data file; a missing file reads as empty data for the version in its name."""
+def load_measurements(path: Path, key_type: type[AnyKey] = MeasurementKey) -> Measurements:
+    """Read a data file of `key_type` records; a missing file reads as empty data for the
+    version in its name."""
     if not path.is_file():
-        version = path.stem.removeprefix("prefill_compile_triton-")
-        return Measurements(triton=version, template_hash="")
+        version = path.stem.split("_compile_triton-")[-1]
+        return Measurements(triton=version, template_hash="", key_type=key_type)
     raw = json.loads(path.read_text(encoding="utf-8"))
     if raw.get("schema") != SCHEMA:
         raise ValueError(f"{path}: measurements schema {raw.get('schema')!r}, expected {SCHEMA}")
-    fields = MeasurementKey._fields
+    fields = key_type._fields
+    if not set(raw.get("key", ())) <= set(fields):
+        raise ValueError(f"{path}: records keyed by {raw['key']}, expected {list(fields)}")
     for record in raw["records"]:  # a file written before the key had `tma` and `aligned`
-        record.setdefault("tma", usual_tma(record["arch"], record["dtype"]))
+        if key_type is MeasurementKey:
+            record.setdefault("tma", usual_tma(record["arch"], record["dtype"]))
         spec = raw["specs"][record["spec"]]
         record.setdefault("aligned", spec["head_dim"] % 16 == 0 and spec["head_dim_v"] % 16 == 0)
-    records = {MeasurementKey(*(r[name] for name in fields)): r for r in raw["records"]}
-    return Measurements(raw["triton"], raw["template_hash"], records, dict(raw["specs"]))
+    records = {key_type(*(r[name] for name in fields)): r for r in raw["records"]}
+    return Measurements(raw["triton"], raw["template_hash"], records, dict(raw["specs"]),
+                        key_type)

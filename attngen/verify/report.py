@@ -39,9 +39,10 @@ ROW_HEADER = (f"{'arch dtype dims config':<40} {'model':>7} {'shared':>7} {'smem
 def report_lines(report: Report, all_rows: bool = False) -> list[str]:
     rows = list(report.plan.rows.values())
     total = summarize(rows)
-    lines = [f"verify-tiling: {len(rows)} distinct configs (arch, dtype, D, DV, BLOCK_M, "
-             f"BLOCK_N, warps, stages) from the specs' candidates; {report.live} compiled "
-             f"live, the rest from the data (triton {report.data_triton})"]
+    key_fields = ", ".join(type(rows[0].key)._fields) if rows else "no rows"
+    lines = [f"verify-tiling: {len(rows)} distinct configs ({key_fields}) from the specs' "
+             f"candidates; {report.live} compiled live, the rest from the data (triton "
+             f"{report.data_triton})"]
     if report.data_template and report.data_template != report.template_hash:
         lines.append(f"note: the data was compiled from template {report.data_template}, the "
                      f"templates are now {report.template_hash}; `--sample N` or "

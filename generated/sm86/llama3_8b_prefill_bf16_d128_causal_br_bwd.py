@@ -40,21 +40,21 @@
 #         BLOCK_N*DV))
 #       with BLOCK_M=64, BLOCK_N=64, D=128, DV=128, E=2, S=2, W=8
 #       = 73728 B of 101376 B available per block
-#     registers/thread ~ 21*BLOCK_M*BLOCK_N/(200*W) + 119*BLOCK_M*D/(3200*W) + 73 = 165 of 255
+#     registers/thread ~ 121*BLOCK_M*BLOCK_N/(800*W) + 69*BLOCK_M*D/(3200*W) + 94 = 194 of 255
 #     programs/SM 1
 #     score 0.450, 43 of 64 candidates feasible
-#     binding: BLOCK_M 64->128: fits, not chosen (score 0.600); BLOCK_N 64->128: smem 114688 B >
-#         101376 B; num_stages 2->3: smem 106496 B > 101376 B
+#     binding: BLOCK_M 64->128: regs 294 > 255 + 24; BLOCK_N 64->128: smem 114688 B > 101376 B;
+#         num_stages 2->3: smem 106496 B > 101376 B
 #   dK/dV kernel: 64x64, 8 warps, 2 stages
 #     shared memory = 8*BLOCK_M*(S - 1) + E*(BLOCK_M*BLOCK_N + BLOCK_N*D + BLOCK_N*DV + (BLOCK_M*D
 #         + BLOCK_M*DV)*Max(1, S - 1))
 #       with BLOCK_M=64, BLOCK_N=64, D=128, DV=128, E=2, S=2, W=8
 #       = 74240 B of 101376 B available per block
-#     registers/thread ~ 69*BLOCK_M*BLOCK_N/(800*W) + 19*BLOCK_N*(D + DV)/(640*W) + 106 = 211 of
-#         255
+#     registers/thread ~ 207*BLOCK_M*BLOCK_N/(3200*W) + 39*BLOCK_M*E*(D + DV)/(12800*W) +
+#         81*BLOCK_N*(D + DV)/(3200*W) + 115 = 213 of 255
 #     programs/SM 1
-#     score 0.450, 41 of 64 candidates feasible
-#     binding: BLOCK_M 64->128: smem 115712 B > 101376 B; BLOCK_N 64->128: regs 316 > 255 + 24;
+#     score 0.450, 40 of 64 candidates feasible
+#     binding: BLOCK_M 64->128: smem 115712 B > 101376 B; BLOCK_N 64->128: regs 298 > 255 + 24;
 #         num_stages 2->3: smem 107520 B > 101376 B
 """Prefill (forward) attention, FlashAttention-2 style and exact.
 

@@ -40,21 +40,22 @@
 #     shared memory = E*(BLOCK_M*D + BLOCK_M*DV + S*(BLOCK_N*D + BLOCK_N*DV))
 #       with BLOCK_M=128, BLOCK_N=128, D=128, DV=128, E=2, S=2, W=8
 #       = 196608 B of 231424 B available per block
-#     registers/thread ~ BLOCK_M*BLOCK_N/(20*W) + 13*BLOCK_M*D/(400*W) + 82 = 251 of 255
+#     registers/thread ~ 71*BLOCK_M*BLOCK_N/(3200*W) + 7*BLOCK_M*D/(200*W) + 3*BLOCK_N*E*(D +
+#         DV)/(512*W) + 70 = 236 of 255
 #     programs/SM 1
-#     score 0.900, 59 of 64 candidates feasible
+#     score 0.900, 57 of 64 candidates feasible
 #     binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 128->256: outside the
 #         candidate grid; num_stages 2->3: smem 262144 B > 231424 B
-#   dK/dV kernel: 64x64, 8 warps, 3 stages
-#     shared memory = E*(BLOCK_N*D + BLOCK_N*DV + S*(BLOCK_M*D + BLOCK_M*DV)) +
-#         1024*ceiling(BLOCK_M*(S - 1)/128)
-#       with BLOCK_M=64, BLOCK_N=64, D=128, DV=128, E=2, S=3, W=8
-#       = 132096 B of 231424 B available per block
-#     registers/thread ~ 223*BLOCK_M*BLOCK_N/(1600*W) + 17*BLOCK_N*(D + DV)/(800*W) + 96 = 211 of
-#         255
+#   dK/dV kernel: 128x32, 8 warps, 3 stages
+#     shared memory = 8*BLOCK_M*(S - 1) + E*(BLOCK_M*BLOCK_N + BLOCK_N*D + BLOCK_N*DV + (BLOCK_M*D
+#         + BLOCK_M*DV)*Max(1, S - 1))
+#       with BLOCK_M=128, BLOCK_N=32, D=128, DV=128, E=2, S=3, W=8
+#       = 157696 B of 231424 B available per block
+#     registers/thread ~ 207*BLOCK_M*BLOCK_N/(3200*W) + 39*BLOCK_M*E*(D + DV)/(12800*W) +
+#         81*BLOCK_N*(D + DV)/(3200*W) + 115 = 199 of 255
 #     programs/SM 1
-#     score 0.500, 46 of 64 candidates feasible
-#     binding: BLOCK_M 64->128: regs 283 > 255 + 24; BLOCK_N 64->128: regs 326 > 255 + 24;
+#     score 0.400, 42 of 64 candidates feasible
+#     binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 32->64: regs 291 > 255 + 24;
 #         num_stages 3->4: outside the candidate grid
 """Varlen prefill (forward) attention over packed sequences, FlashAttention-2 style and exact.
 
@@ -300,7 +301,7 @@ def _attn_fwd_kernel(
 
 # The backward kernels' launch configs, derived like CONFIG (attngen/tiling/backward.py).
 BWD_DQ_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
-BWD_DKDV_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+BWD_DKDV_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3}
 
 
 @triton.jit

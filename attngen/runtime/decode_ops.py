@@ -1,0 +1,126 @@
+"""The decode kind's calls: its entry point directly in eager mode, the `attngen::decode`
+custom op (which appends into the caches: mutates_args) under torch.compile or for inputs
+that need a gradient; see ops.py's docstring for the layout conventions. Decode has no
+autograd formula (torch allows none for an op that mutates its inputs): its outputs are
+wrapped in a function whose backward raises that decode is forward-only."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attngen.runtime.ops import _direct, _heads_last, _no_lse, _ran, _sinks
+from attngen.runtime.registry import current_registry
+
+# --------------------------------------------------------------------------------- decode
+
+
+def run_decode(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+               block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
+               sm_scale: float, alibi_slopes: Tensor | None, return_lse: bool,
+               heads_last: bool, sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """The decode kind's `decode` entry point (the README's decode contract); appends
+    k_new/v_new into the caches at cache_seqlens, in place, before attending. (out, lse or
+    None); out [B, Nq, HQ, DV] with heads_last, else [B, HQ, Nq, DV]."""
+    return call_decode(current_registry().module(key), key, q, k_cache, v_cache, cache_seqlens,
+                       block_table, k_new, v_new, sm_scale, alibi_slopes, return_lse,
+                       heads_last, sinks)
+
+
+def call_decode(module, key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                cache_seqlens: Tensor, block_table: Tensor | None, k_new: Tensor | None,
+                v_new: Tensor | None, sm_scale: float, alibi_slopes: Tensor | None,
+                return_lse: bool, heads_last: bool,
+                sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """run_decode with the module of `key` in hand."""
+    _ran(key)
+    if heads_last:
+        out = _heads_last(q, v_cache.shape[-1])
+        result = module.decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
+                               k_new=k_new, v_new=v_new, sm_scale=sm_scale,
+                               alibi_slopes=alibi_slopes, return_lse=return_lse,
+                               out=out.transpose(1, 2), **_sinks(sinks))
+        return out, (result[1] if return_lse else None)
+    result = module.decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
+                           k_new=k_new, v_new=v_new, sm_scale=sm_scale,
+                           alibi_slopes=alibi_slopes, return_lse=return_lse, **_sinks(sinks))
+    return result if return_lse else (result, None)
+
+
+def decode(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+           block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
+           sm_scale: float, alibi_slopes: Tensor | None, return_lse: bool,
+           heads_last: bool = False, sinks: Tensor | None = None
+           ) -> tuple[Tensor, Tensor | None]:
+    """(out, lse or None) of the decode module `key`; see the module docstring. Directly,
+    the caches' version counters are bumped as the op's mutates_args would."""
+    args = (key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sm_scale,
+            alibi_slopes, return_lse, heads_last, sinks)
+    news = (k_new, v_new) if k_new is not None and v_new is not None else None
+    if _direct(q, k_cache, v_cache, alibi_slopes) and (
+            news is None or _direct(q, news[0], news[1], None)) and (
+            sinks is None or _direct(q, k_cache, v_cache, sinks)):
+        return direct_decode(current_registry().module(key), *args)
+    out, lse = decode_op(*args)
+    inputs = (q, k_cache, v_cache, k_new, v_new)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        out, lse = _ForwardOnly.apply(out, lse)
+    return (out.transpose(1, 2) if heads_last else out), (lse if return_lse else None)
+
+
+def direct_decode(module, key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                  cache_seqlens: Tensor, block_table: Tensor | None, k_new: Tensor | None,
+                  v_new: Tensor | None, sm_scale: float, alibi_slopes: Tensor | None,
+                  return_lse: bool, heads_last: bool,
+                  sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """call_decode without the op: the caches' version counters are bumped after an append,
+    as the op's mutates_args would."""
+    result = call_decode(module, key, q, k_cache, v_cache, cache_seqlens, block_table, k_new,
+                         v_new, sm_scale, alibi_slopes, return_lse, heads_last, sinks)
+    if k_new is not None and v_new is not None:
+        torch.autograd.graph.increment_version((k_cache, v_cache))
+    return result
+
+
+@torch.library.custom_op("attngen::decode", mutates_args=("k_cache", "v_cache"))
+def decode_op(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+              block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
+              sm_scale: float, alibi_slopes: Tensor | None, return_lse: bool,
+              heads_last: bool, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    out, lse = run_decode(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+                          sm_scale, alibi_slopes, return_lse, heads_last, sinks)
+    return (out.transpose(1, 2) if heads_last else out), (_no_lse(q) if lse is None else lse)
+
+
+@decode_op.register_fake
+def _(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sm_scale,
+      alibi_slopes, return_lse, heads_last, sinks=None):
+    batch, heads, seqlen_q, _ = q.shape
+    if heads_last:
+        out = _heads_last(q, v_cache.shape[-1]).transpose(1, 2)
+    else:
+        out = q.new_empty((batch, heads, seqlen_q, v_cache.shape[-1]))
+    lse = q.new_empty((batch, heads, seqlen_q), dtype=torch.float32) if return_lse else _no_lse(q)
+    return out, lse
+
+
+# ------------------------------------------------------------------------ forward only
+
+
+def _refuse_backward(op: str):
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            f"attngen::{op}: decode is forward-only (it appends to its caches in place): "
+            "gradients cannot flow through it; train through prefill or varlen modules built "
+            "with backward: true")
+    return backward
+
+
+class _ForwardOnly(torch.autograd.Function):
+    """Identity on decode's outputs whose backward raises; marks them as needing grad."""
+
+    @staticmethod
+    def forward(ctx, out, lse):
+        return out.view_as(out), lse.view_as(lse)
+
+    backward = staticmethod(_refuse_backward("decode"))
