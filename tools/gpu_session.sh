@@ -8,7 +8,8 @@
 #   bash tools/gpu_session.sh OUT SECTION[:SECONDS] ...        (default 300 s a section)
 # Sections: check, safety, decode_tests, prefill_tests, integration_tests, cp_tests, host,
 #   bench_decode, bench_prefill, bench_model, cp_bench, backward_tests, bench_backward,
-#   ondemand_tests, cold_start, bounds_cost, verify_data, host_public, models_bench;
+#   ondemand_tests, cold_start, bounds_cost, verify_data, verify_backward, host_public,
+#   models_bench;
 #   `tools/gpu_session.sh OUT list` prints each one's command.
 set -u -o pipefail
 out=${1:?usage: tools/gpu_session.sh OUT SECTION[:SECONDS] ...}
@@ -22,6 +23,7 @@ section_command() {
     safety) echo "bash tools/gpu_api.sh $work/api" ;;
     bounds_cost) echo "python3 tools/bench_bounds_cost.py --baseline bounds_baseline --out $work" ;;
     verify_data) echo "python3 -m attngen verify-tiling --recompile --save-data --jobs 16" ;;
+    verify_backward) echo "python3 -m attngen verify-tiling --backward --save-data --jobs 16; cp attngen/verify/data/backward_compile_triton-*.json $work/" ;;
     host_public) echo "python3 tools/host_overhead.py" ;;
     models_bench) echo "python3 tools/bench_models.py --out $work" ;;
     decode_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_decode_gpu.py" ;;
@@ -44,7 +46,8 @@ section_command() {
 if [ "${1:-}" = list ]; then
   for name in check safety decode_tests prefill_tests integration_tests cp_tests host \
       bench_decode bench_prefill bench_model cp_bench backward_tests bench_backward \
-      ondemand_tests cold_start bounds_cost verify_data host_public models_bench; do
+      ondemand_tests cold_start bounds_cost verify_data verify_backward host_public \
+      models_bench; do
     printf '%-18s %s\n' "$name" "$(section_command "$name")"
   done
   exit 0
