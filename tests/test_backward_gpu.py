@@ -100,3 +100,45 @@ def test_committed_llama3_8b_module_trains():
     grads = _grads(module, *(t.cuda() for t in (q, k, v, dout)), None)
     problems = compare_gradients(spec, [g.cpu() for g in grads], q, k, v, dout)
     assert not problems, "; ".join(problems)
+
+
+def test_runtime_dropout_draws_from_the_cuda_generator(tmp_path):
+    """flash_attn_func with dropout_p on CUDA: served by the `_bwd_drop` module, a fresh seed
+    per call from torch.cuda's generator (two calls differ, torch.manual_seed repeats them
+    bitwise), and the module's own attention() with that state gives the same bytes, forward
+    and gradients."""
+    import attngen
+    from attngen.build import plan_build, write_build
+    from attngen.runtime.arguments import dropout_rng_state
+    from attngen.runtime.registry import current_registry, load_kernels, use_registry
+
+    spec = backward_spec(dtype="bf16", head_dim=128, num_q_heads=8, num_kv_heads=2,
+                         dropout=True)
+    write_build(plan_build([spec]), tmp_path)
+    q, k, v, dout, _ = (t.cuda() for t in padded_inputs(spec, 2, 8, 2, 700, 900, seed=4))
+    flash = [t.transpose(1, 2) for t in (q, k, v)]
+
+    def step(seed):
+        torch.manual_seed(seed)
+        leaves = [t.detach().clone().requires_grad_() for t in flash]
+        out = attngen.flash_attn_func(*leaves, dropout_p=0.2, causal=True)
+        out.backward(dout.transpose(1, 2))
+        return [out.detach(), *(t.grad for t in leaves)]
+
+    saved = current_registry()
+    try:
+        load_kernels(tmp_path, replace=True)
+        first, again, other = step(1), step(1), step(2)
+        assert attngen.last_dispatch().module.endswith("_bwd_drop")
+        module = current_registry().module(attngen.last_dispatch().key)
+    finally:
+        use_registry(saved)
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not torch.equal(first[0], other[0])
+    torch.manual_seed(1)
+    state = dropout_rng_state(q)
+    grads = _grads(module, q, k, v, dout, None, dropout_p=0.2, rng_state=state)
+    direct = module.attention(q, k, v, dropout_p=0.2, rng_state=state)
+    assert torch.equal(direct, first[0].transpose(1, 2))
+    for got, expected in zip(first[1:], grads, strict=True):
+        assert torch.equal(got.transpose(1, 2), expected)

@@ -23,6 +23,7 @@ section_command() {
     safety_kernels) echo "$pytest_gpu tests/test_safety_gpu.py" ;;
     bounds_cost) echo "python3 tools/bench_bounds_cost.py --baseline bounds_baseline --out $work" ;;
     verify_data) echo "python3 -m attngen verify-tiling --recompile --save-data --jobs 16" ;;
+    verify_backward) echo "python3 -m attngen verify-tiling --backward --save-data --jobs 16; cp attngen/verify/data/backward_compile_triton-*.json $work/" ;;
     host_public) echo "python3 tools/host_overhead.py" ;;
     models_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_model_fields_gpu.py \
       && $pytest_gpu tests/test_prefill_gpu.py tests/test_decode_gpu.py \

@@ -7,6 +7,8 @@
 - measurements.py: the committed compiler measurements (data/, one file per Triton version
   and kernel), read without torch or triton.
 - check.py: `attngen verify-tiling`, the model against the measurements, and its policy.
+- backward.py: the same for the backward kernels (`verify-tiling --backward`): their plan
+  and which measurements a run reads.
 - report.py: that comparison in tables and JSON.
 
 "Compiler check" and "measurements" name this side; the float64 ground truth the kernels are
