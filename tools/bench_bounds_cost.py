@@ -107,20 +107,26 @@ def main() -> None:
             rows += bench(old, new)
         except Exception as exc:  # noqa: BLE001 - one kind failing still reports the other
             rows.append(dict(kind=kind, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    report(rows, args.out / "bounds_cost.json", label="kind", head="kernel | shape | before us "
+           "| bounded us")
+
+
+def report(rows: list[dict], path: Path, label: str, head: str) -> None:
+    """Write rows with the run's versions to `path` (JSON), then print them as a table whose
+    first column is row[label]; `head` names the columns before ratio and max abs diff."""
     meta = dict(date=datetime.date.today().isoformat(), torch=torch.__version__,
                 triton=triton.__version__, gpu=torch.cuda.get_device_name())
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bounds_cost.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     print(meta)
-    print("| kernel | shape | before us | bounded us | ratio | max abs diff |")
+    print(f"| {head} | ratio | max abs diff |")
     print("|---|---|---|---|---|---|")
     for row in rows:
         if "error" in row:
-            print(f"| {row['kind']} | error: {row['error']} |")
+            print(f"| {row[label]} | error: {row['error']} |")
             continue
-        print(f"| {row['kind']} | {row['shape']} | {row['before']:.1f} | {row['bounded']:.1f} "
+        print(f"| {row[label]} | {row['shape']} | {row['before']:.1f} | {row['bounded']:.1f} "
               f"| {row['bounded'] / row['before']:.3f} | {row['max_abs_diff']:.2e} |")
-
 
 if __name__ == "__main__":
     main()

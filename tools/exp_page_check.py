@@ -19,17 +19,12 @@ Timed from CUDA graphs, alternating; prints a table last, writes exp_page_check.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 from pathlib import Path
 
-import torch
-import triton
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
-from bench_bounds_cost import CURRENT_DECODE, decode_rows  # noqa: E402
+from bench_bounds_cost import CURRENT_DECODE, decode_rows, report  # noqa: E402
 from bench_decode import load_by_path  # noqa: E402
 
 SCAN = ("    fits = fits & _pages_ok(BlockTable, off_b, stride_btb, stride_btp, scan_first, "
@@ -64,19 +59,8 @@ def main() -> None:
                 rows.append(dict(row, variant=name))
         except Exception as exc:  # noqa: BLE001 - one variant failing still reports the others
             rows.append(dict(variant=name, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
-    meta = dict(date=datetime.date.today().isoformat(), torch=torch.__version__,
-                triton=triton.__version__, gpu=torch.cuda.get_device_name())
-    (args.out / "exp_page_check.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    print(meta)
-    print("| variant | shape | before us | variant us | ratio | max abs diff |")
-    print("|---|---|---|---|---|---|")
-    for row in rows:
-        if "error" in row:
-            print(f"| {row['variant']} | error: {row['error']} |")
-            continue
-        print(f"| {row['variant']} | {row['shape']} | {row['before']:.1f} | {row['bounded']:.1f} "
-              f"| {row['bounded'] / row['before']:.3f} | {row['max_abs_diff']:.2e} |")
-
+    report(rows, args.out / "exp_page_check.json", label="variant",
+           head="variant | shape | before us | variant us")
 
 if __name__ == "__main__":
     main()
