@@ -115,7 +115,7 @@ def test_runtime_dropout_draws_from_the_cuda_generator(tmp_path):
     spec = backward_spec(dtype="bf16", head_dim=128, num_q_heads=8, num_kv_heads=2,
                          dropout=True)
     write_build(plan_build([spec]), tmp_path)
-    q, k, v, dout, _ = (t.cuda() for t in padded_inputs(spec, 2, 8, 2, 700, 900, seed=4))
+    q, k, v, dout = (t.cuda() for t in padded_inputs(spec, 2, 8, 2, 700, 900, seed=4)[:4])
     flash = [t.transpose(1, 2) for t in (q, k, v)]
 
     def step(seed):

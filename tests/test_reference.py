@@ -11,7 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attngen.reference import lowp_reference, reference_attention, visible_mask
+from attngen.reference import (
+    compare_to_reference,
+    lowp_reference,
+    reference_attention,
+    visible_mask,
+)
 from tests.kernel_harness import make_spec
 
 
@@ -100,6 +105,19 @@ def test_lowp_reference_has_a_small_nonzero_error():
     lowp, _ = lowp_reference(spec, q, k, v)
     error = (lowp.double() - golden).abs().max().item()
     assert lowp.dtype == torch.bfloat16 and 0 < error < 3e-2
+
+
+def test_the_lse_floor_follows_the_dot_products_partial_sums_and_still_catches_errors():
+    """At a large head dim the LSE floor is set by the dot's partial sums (sm_scale x
+    sum |q_i k_i|, about sqrt(D) x the scores): a few ulps there pass, a 1e-4 error does not."""
+    q, k, v = (t.to(torch.bfloat16) for t in _inputs(hq=4, hkv=1, nq=1, nk=2, d=576, dv=512))
+    spec = make_spec(dtype="bf16", mask="none", head_dim=576, head_dim_v=512, num_q_heads=4,
+                     num_kv_heads=1, kernels=["decode"], kv_layout="paged", page_size=64)
+    out, lse = reference_attention(spec, q, k, v)
+    out, lse = out.to(torch.bfloat16), lse.float()
+    assert compare_to_reference(spec, out, lse + 2e-6, q, k, v) == []
+    problems = compare_to_reference(spec, out, lse + 1e-4, q, k, v)
+    assert any(p.startswith("lse: max error") for p in problems), problems
 
 
 def test_the_oracle_shares_the_runtime_masks_without_importing_the_runtime():
