@@ -195,6 +195,10 @@ def main() -> None:
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--reps", type=int, default=100, help="do_bench rep (ms)")
     args = parser.parse_args()
+    # Each cell compiles Flex anew; past dynamo's default limit (8) it would run the eager
+    # path (8-47 TFLOP/s and out of memory at N 16k) while the table still said "flex".
+    torch._dynamo.config.cache_size_limit = 1000
+    torch._dynamo.config.accumulated_cache_size_limit = 1000
     args.out.mkdir(parents=True, exist_ok=True)
     report = run(args)
     (args.out / "bench_backward.json").write_text(json.dumps(report, indent=1) + "\n")
