@@ -16,7 +16,8 @@ is timed (median of triton.testing.do_bench); bf16.
   B 1/32/128, cache 4k..32k. Reported as a fraction of the H200's 4.8 TB/s (the latent
   cache read once: B x L x 576 x 2 bytes, plus q and out). FlashMLA (`flash_mla`) and
   FlashInfer (`flashinfer`'s MLA wrapper) run beside it when importable; otherwise the JSON
-  says why each was skipped.
+  says why each was skipped. The absorbed form in PyTorch (two cuBLAS bmm and a softmax over
+  the cache gathered to dense) runs on every machine.
 
     PYTHONPATH=. python tools/bench_models.py --out "$OUT" [--quick] [--no-flex]
 
@@ -195,7 +196,8 @@ def mla_case(module, batch: int, length: int) -> dict:
     bytes_moved = batch * length * (latent + rope) * 2 + q.numel() * 2 + out.numel() * 2
     row = {"case": f"mla decode B={batch} L={length}", "attngen_ms": ms,
            "attngen_fraction": bytes_moved / (ms * 1e-3) / H200_BANDWIDTH, "problems": []}
-    for name, anchor in (("flashmla", flashmla_runner), ("flashinfer", flashinfer_runner)):
+    for name, anchor in (("flashmla", flashmla_runner), ("flashinfer", flashinfer_runner),
+                         ("torch", torch_mla_runner)):
         try:
             fn = anchor(q, cache, table, seqlens, latent)
         except Exception as exc:  # an anchor that is absent or refuses the shape: say why
@@ -206,6 +208,23 @@ def mla_case(module, batch: int, length: int) -> dict:
             row[f"{name}_ms"] = anchor_ms
             row[f"{name}_fraction"] = bytes_moved / (anchor_ms * 1e-3) / H200_BANDWIDTH
     return row
+
+
+def torch_mla_runner(q, cache, table, seqlens, latent):
+    """The absorbed form in PyTorch (cuBLAS bmm, fp32 softmax) over the latent cache gathered
+    to dense before timing: the anchor every machine has; it needs no paging and all
+    sequences here have the same length."""
+    length = int(seqlens[0])
+    dense = cache[table.long()].flatten(1, 3)[:, :length]  # [B, L, 576]
+    keys_t, values = dense.transpose(1, 2), dense[..., :latent]
+    scale = (128 + 64) ** -0.5
+
+    def run():
+        scores = torch.bmm(q[:, :, 0], keys_t).float() * scale  # [B, Hq, L]
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.bmm(probs, values)[:, :, None, :]
+
+    return run
 
 
 def flashmla_runner(q, cache, table, seqlens, latent):
@@ -272,7 +291,7 @@ def main() -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'case':40} {'attngen':>9} {'flex':>9} {'sdpa':>9} {'flashmla':>9} "
+    print(f"{'case':40} {'attngen':>9} {'flex':>9} {'sdpa':>9} {'torch':>9} {'flashmla':>9} "
           f"{'flashinfer':>10} {'attngen BW':>10}")
     def cell(row, key, width=9):
         value = row.get(key)
@@ -282,7 +301,7 @@ def print_table(rows: list[dict]) -> None:
         fraction = row.get("attngen_fraction")
         shown = f"{fraction:10.2f}" if fraction is not None else " " * 9 + "-"
         print(f"{row['case']:40} {cell(row, 'attngen_ms')} {cell(row, 'flex_ms')} "
-              f"{cell(row, 'sdpa_ms')} {cell(row, 'flashmla_ms')} "
+              f"{cell(row, 'sdpa_ms')} {cell(row, 'torch_ms')} {cell(row, 'flashmla_ms')} "
               f"{cell(row, 'flashinfer_ms', 10)} {shown}")
         for problem in row["problems"]:
             print(f"    {problem}")
