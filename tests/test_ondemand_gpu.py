@@ -105,6 +105,9 @@ def test_cold_start_phases(tmp_path):
     # 100 ms. The derivation is not held to it: the first spec of each code path (pointer
     # loads, TMA) compiles that path's model functions once per process (about 0.1-0.2 s on
     # the H200 host, seen for the first TMA head dim after two pointer-path ones).
+    # The first render of the process loads the templates' compiled form (when it is not
+    # used, `templates` says why, and the first render compiles them: about 0.1 s).
     runs = result["phases"]["runs"]
-    assert all(run["render_s"] + run["write_s"] < 0.1 for run in runs), runs
+    assert all(run["render_s"] + run["write_s"] < 0.1 for run in runs), (
+        result["phases"]["templates"], runs)
     assert result["first_call_new_process_same_caches"]["renders"] == 0

@@ -8,7 +8,8 @@ the phases of the first call's path:
     spec       the call's Need stated as a spec (ondemand.spec_for)
     derive     the tiling model's choice (the first derivation also imports sympy and
                compiles the model's expressions: `derive_first`; a second spec: `derive`)
-    render     the module's text (plan_build: tuning lookup and Jinja)
+    render     the module's text (plan_build: tuning lookup and Jinja, from the templates'
+               compiled form: `templates` says whether it was used, attngen/template_env.py)
     write      the module and the index written into the cache (atomic writes, locks)
     load       the module imported after its sha256 check
     first      the first kernel call: Triton's compile on a GPU, the interpreter's run on CPU
@@ -47,6 +48,7 @@ def child(dims: list[int], dtype: str) -> dict:
     from attngen.runtime.dispatch import need_for
     from attngen.runtime.registry import current_registry
     from attngen.spec import CausalAlign, KernelKind, Mask
+    from attngen.template_env import template_loading
     from attngen.tiling.prefill import derive_tiles
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -95,6 +97,7 @@ def child(dims: list[int], dtype: str) -> dict:
             "spec_s", "derive_first_s", "derive_s", "render_s", "write_s"))
         timings["runs"].append(run)
     timings["renders"] = ondemand.render_count()
+    timings["templates"] = template_loading()
     return timings
 
 
