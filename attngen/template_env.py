@@ -141,7 +141,30 @@ def _environment_and_loading() -> tuple[jinja2.Environment, str]:
     return env, f"compiled ({COMPILED_DIR.name}, Jinja2 {jinja2.__version__})"
 
 
-if __name__ == "__main__":
+def stale_files(folder: Path = COMPILED_DIR) -> list[str]:
+    """The files of `folder` that write_compiled would change (written, or removed)."""
+    files = compiled_files()
+    stale = [name for name, text in files.items() if not (folder / name).is_file()
+             or (folder / name).read_text(encoding="utf-8") != text]
+    return stale + sorted(p.name for p in folder.glob("tmpl_*.py") if p.name not in files)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m attngen.template_env` writes the compiled templates; `--check` only says
+    which are stale (exit 1 if any), as `attngen check` does for generated/."""
+    if argv == ["--check"]:
+        stale = stale_files()
+        for name in stale:
+            print(f"attngen/templates_compiled/{name}: stale; run `python -m "
+                  "attngen.template_env`", file=sys.stderr)
+        return 1 if stale else 0
+    if argv:
+        print("usage: python -m attngen.template_env [--check]", file=sys.stderr)
+        return 2
     written = write_compiled()
-    print("\n".join(written) if written else "attngen/templates_compiled is up to date",
-          file=sys.stdout)
+    print("\n".join(written) if written else "attngen/templates_compiled is up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
