@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
 def child(dims: list[int], dtype: str) -> dict:
@@ -57,8 +58,7 @@ def child(dims: list[int], dtype: str) -> dict:
     timings: dict = {"import_s": time.perf_counter() - start, "device": device, "runs": []}
     for index, dim in enumerate(dims):
         run: dict = {"head_dim": dim}
-        torch_dtype = getattr(torch, {"fp16": "float16", "bf16": "bfloat16",
-                                      "fp32": "float32"}[dtype])
+        torch_dtype = getattr(torch, TORCH_DTYPES[dtype])
         q = torch.randn(1, 256, 6, dim, device=device, dtype=torch_dtype)
         k = torch.randn(1, 256, 2, dim, device=device, dtype=torch_dtype)
         t = time.perf_counter()
@@ -96,8 +96,7 @@ def child(dims: list[int], dtype: str) -> dict:
         run["spec_to_written_s"] = sum(run.get(k, 0.0) for k in (
             "spec_s", "derive_first_s", "derive_s", "render_s", "write_s"))
         timings["runs"].append(run)
-    timings["renders"] = ondemand.render_count()
-    timings["templates"] = template_loading()
+    timings.update(renders=ondemand.render_count(), templates=template_loading())
     return timings
 
 
@@ -110,8 +109,7 @@ def call_child(dim: int, dtype: str) -> dict:
     from attngen.runtime import ondemand
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch_dtype = getattr(torch, {"fp16": "float16", "bf16": "bfloat16",
-                                  "fp32": "float32"}[dtype])
+    torch_dtype = getattr(torch, TORCH_DTYPES[dtype])
     q = torch.randn(1, 256, 6, dim, device=device, dtype=torch_dtype)
     k = torch.randn(1, 256, 2, dim, device=device, dtype=torch_dtype)
     result: dict = {"import_s": time.perf_counter() - start, "head_dim": dim}

@@ -104,7 +104,7 @@ def root(context, missing=missing):
     else:
         pass
         yield 'The cache is contiguous: caches [B, HKV, Lmax, D], any strides.\n'
-    yield '\nA program owns one (sequence, KV head, split): its query tile packs every query head of\nthe KV head and every query token (q_per_kv * NQ rows, padded to BLOCK_ROWS >= 16), so\neach K/V byte is read from HBM once; it streams the split\'s keys in BLOCK_N tiles with an\nonline softmax in the log2 domain. CONFIG["BLOCK_M"] is the largest query tile (a larger\ngroup is split into row blocks that each read the KV again). With one split the program\nwrites the output; with several, each writes a normalized partial and its LSE and a\ncombine kernel merges them exactly (rescaled by the largest LSE). The split count comes\nfrom shapes only, never from device data, so a launch can be captured in a CUDA graph.\n"""\n\n'
+    yield '\nA program owns one (sequence, KV head, split): its query tile packs every query head of\nthe KV head and every query token (q_per_kv * NQ rows, padded to BLOCK_ROWS >= 16), so\neach K/V byte is read from HBM once; it streams the split\'s keys in BLOCK_N tiles with an\nonline softmax in the log2 domain. CONFIG["BLOCK_M"] is the largest query tile (a larger\ngroup is split into row blocks that each read the KV again). With one split the program\nwrites the output; with several, each writes a normalized partial and its LSE and a\ncombine kernel merges them exactly (rescaled by the largest LSE). The split count comes\nfrom shapes (or the call\'s num_splits) only, never from device data, so a launch can be\ncaptured in a CUDA graph.\n"""\n\n'
     yield str(context.call(environment.getattr((undefined(name='common') if l_0_common is missing else l_0_common), 'spec_constants')))
     yield '\nKV_LAYOUT = "'
     yield str((undefined(name='kv_layout') if l_0_kv_layout is missing else l_0_kv_layout))
@@ -122,7 +122,7 @@ def root(context, missing=missing):
     yield str((undefined(name='max_splits') if l_0_max_splits is missing else l_0_max_splits))
     yield '\nINTERPRETER_SM_COUNT = '
     yield str((undefined(name='interpreter_sm_count') if l_0_interpreter_sm_count is missing else l_0_interpreter_sm_count))
-    yield '\n# Tests set this to force a split count (None: the rule decides).\nFORCE_NUM_SPLITS = None\n_APPEND_ROWS = 16\n'
+    yield "\n# Tests set this to force a split count for calls without num_splits (None: the rule decides).\nFORCE_NUM_SPLITS = None\nLAST_NUM_SPLITS = 0  # the split count of this module's latest launch (0: none yet)\n_APPEND_ROWS = 16\n"
     if ((undefined(name='kv_layout') if l_0_kv_layout is missing else l_0_kv_layout) == 'paged'):
         pass
         yield '_PAGE_SIZE = tl.constexpr(PAGE_SIZE)\n_PAGE_CHUNK = tl.constexpr(128)  # block-table entries checked at once (_pages_ok)\n'
@@ -264,4 +264,4 @@ def root(context, missing=missing):
     finally: gen.close()
 
 blocks = {}
-debug_info = '1=43&2=45&3=47&4=49&5=56&7=58&10=60&13=66&14=72&15=79&16=87&17=90&19=92&23=95&24=98&25=102&40=108&41=110&42=112&43=114&45=116&48=118&49=120&50=122&51=124&55=126&61=130&66=137&105=141&108=144&113=148&114=150&118=154&119=157&121=159&126=165&139=172&140=174&141=176&142=178&143=180&145=182&150=185&164=188&167=191&177=199&185=203&187=205&201=211&204=214&212=219&214=221&215=223&216=225&218=227&220=230&222=232&223=234&228=236&246=238&263=242&273=249&274=251&280=255&286=259'
+debug_info = '1=43&2=45&3=47&4=49&5=56&7=58&10=60&13=66&14=72&15=79&16=87&17=90&19=92&23=95&24=98&25=102&41=108&42=110&43=112&44=114&46=116&49=118&50=120&51=122&52=124&57=126&63=130&68=137&107=141&110=144&115=148&116=150&120=154&121=157&123=159&128=165&141=172&142=174&143=176&144=178&145=180&147=182&152=185&166=188&169=191&179=199&187=203&189=205&203=211&206=214&214=219&216=221&217=223&218=225&220=227&222=230&224=232&225=234&230=236&248=238&265=242&275=249&276=251&282=255&288=259'
