@@ -1,10 +1,11 @@
 """Rendering: a validated spec plus a derived tile config -> the text of a standalone module.
 
-Templates are package resources (`*.py.jinja`, partials prefixed `_`), rendered with
-StrictUndefined from a flat context of validated ints, bools and enum names. No user-provided
-text reaches a template: the only strings in the context are enum values, the validated
-identifier `name` (for the module name and docstring) and lines attngen writes itself. Every
-rendered module is parsed with `ast` and its imports and top-level names checked before it is
+Templates are package resources (`*.py.jinja`, partials prefixed `_`), loaded in their
+compiled form when current (attngen/template_env.py), rendered with StrictUndefined from a
+flat context of validated ints, bools and enum names. No user-provided text reaches a
+template: the only strings in the context are enum values, the validated identifier `name`
+(for the module name and docstring) and lines attngen writes itself. Every rendered module is
+parsed with `ast` and its imports and top-level names checked before it is
 returned (`check_module_source`).
 """
 
@@ -13,20 +14,15 @@ from __future__ import annotations
 import ast
 import hashlib
 from functools import cache
-from importlib import resources
-from typing import TYPE_CHECKING, Any
-
-import jinja2
+from typing import Any
 
 from attngen import __version__
 from attngen.spec import AttnSpec, KernelKind, module_name
+from attngen.template_env import environment, template_sources
 from attngen.tiling import decode as decode_tiling
 from attngen.tiling.backward import derive_backward_tiles
 from attngen.tiling.code_paths import code_paths
 from attngen.tiling.prefill import Derivation, TileConfig, padded_head_dim
-
-if TYPE_CHECKING:  # importlib.resources.abc is Python >= 3.11; only the annotation needs it
-    from importlib.resources.abc import Traversable
 
 # A generated module may import these and nothing else.
 ALLOWED_IMPORTS = frozenset({"contextlib", "math", "os", "torch", "triton", "triton.language"})
@@ -44,32 +40,13 @@ class RenderError(RuntimeError):
     """A rendered module failed its safety gate: a bug in attngen, never a user mistake."""
 
 
-def template_dir() -> Traversable:
-    """The templates, a resource of the attngen package (attngen/templates/)."""
-    return resources.files("attngen").joinpath("templates")
-
-
-@cache
-def _environment() -> jinja2.Environment:
-    return jinja2.Environment(
-        loader=jinja2.PackageLoader("attngen", "templates"),
-        undefined=jinja2.StrictUndefined,
-        autoescape=False,  # Python source, not HTML; the context holds no user text
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-    )
-
-
 @cache
 def template_hash(template_name: str) -> str:
     """Hash of a template and every partial: a change to any of them shows in the header."""
     digest = hashlib.sha256()
-    for path in sorted(template_dir().iterdir(), key=lambda p: p.name):
-        if not path.name.endswith(".py.jinja"):
-            continue
-        if path.name == template_name or path.name.startswith("_"):
-            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    for name, data in template_sources().items():
+        if name == template_name or name.startswith("_"):
+            digest.update(name.encode() + b"\0" + data)
     return digest.hexdigest()[:16]
 
 
@@ -170,7 +147,7 @@ def _yaml_value(value: Any) -> str:
 
 def render_module(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> str:
     context = build_context(spec, kind, derivation)
-    source = _environment().get_template(TEMPLATE_FOR_KIND[kind]).render(**context)
+    source = environment().get_template(TEMPLATE_FOR_KIND[kind]).render(**context)
     check_module_source(source, context["module_name"], ENTRY_POINTS[kind])
     return source
 
@@ -183,7 +160,7 @@ def kernels_text(source: str) -> str:
 
 def render_template(template_name: str, context: dict[str, Any]) -> str:
     """Render any template from an explicit context (used by golden-file tests)."""
-    return _environment().get_template(template_name).render(**context)
+    return environment().get_template(template_name).render(**context)
 
 
 def check_module_source(source: str, name: str, entry: str = "attention") -> None:

@@ -78,6 +78,34 @@ def test_decode_with_odd_head_dims_on_the_gpu(on_demand):  # noqa: F811
         torch.testing.assert_close(out[b:b + 1].double(), ref, atol=2e-3, rtol=0)
 
 
+def test_num_splits_on_the_gpu(on_demand):  # noqa: F811
+    """flash_attn_with_kvcache's num_splits through a decode module built on demand: the count
+    used is the documented clamp, and every count gives the rule's result."""
+    from attngen.runtime.registry import current_registry
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    cache_k, cache_v = (torch.randn(2, 4096, 2, 64, device="cuda", dtype=torch.float16,
+                                    generator=gen) for _ in range(2))
+    q = torch.randn(2, 1, 8, 64, device="cuda", dtype=torch.float16, generator=gen)
+    lengths = torch.tensor([100, 4096], dtype=torch.int32, device="cuda")
+    kwargs = dict(cache_seqlens=lengths, causal=True, return_softmax_lse=True)
+    out0, lse0 = attngen.flash_attn_with_kvcache(q, cache_k, cache_v, **kwargs)
+    module = current_registry().module(attngen.last_dispatch().key)
+    blocks = -(-4096 // module.CONFIG["BLOCK_N"])
+    for requested in (1, 3, 17, 64, 1000):
+        out, lse = attngen.flash_attn_with_kvcache(q, cache_k, cache_v, num_splits=requested,
+                                                   **kwargs)
+        per_split = -(-blocks // min(requested, module.MAX_SPLITS))
+        assert module.LAST_NUM_SPLITS == -(-blocks // per_split), (requested, blocks)
+        # fp32 partials and combine, rounded to fp16 once: another split count moves |out| < 1
+        # by at most an fp16 rounding (2**-11 = 4.9e-4 below 1) plus fp32 noise; 1e-3 is two.
+        torch.testing.assert_close(out, out0, atol=1e-3, rtol=0)
+        # fp32 LSE, |lse| < 16: another order of the sums and the exp2 rescales moves it by a
+        # few ulps (1.9e-6 at 16) and the fp16 inputs' scores alike; 1e-4 leaves room for
+        # GPU exp2 approximations (a few ulps each).
+        torch.testing.assert_close(lse, lse0, atol=1e-4, rtol=0)
+
+
 def test_warmup_leaves_nothing_to_compile(on_demand):  # noqa: F811
     spec = make_spec(head_dim=111, dtype="fp16", num_q_heads=6, num_kv_heads=2, mask="causal")
     warmed = attngen.warmup(spec)
@@ -105,6 +133,9 @@ def test_cold_start_phases(tmp_path):
     # 100 ms. The derivation is not held to it: the first spec of each code path (pointer
     # loads, TMA) compiles that path's model functions once per process (about 0.1-0.2 s on
     # the H200 host, seen for the first TMA head dim after two pointer-path ones).
+    # The first render of the process loads the templates' compiled form (when it is not
+    # used, `templates` says why, and the first render compiles them: about 0.1 s).
     runs = result["phases"]["runs"]
-    assert all(run["render_s"] + run["write_s"] < 0.1 for run in runs), runs
+    assert all(run["render_s"] + run["write_s"] < 0.1 for run in runs), (
+        result["phases"]["templates"], runs)
     assert result["first_call_new_process_same_caches"]["renders"] == 0

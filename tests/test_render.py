@@ -14,13 +14,12 @@ import difflib
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 import jinja2
 import pytest
 
-from attngen import __version__, render
+from attngen import __version__, render, template_env
 from attngen.arch import ARCHS
 from attngen.render import (
     ENTRY_POINTS,
@@ -412,12 +411,10 @@ def test_header_records_provenance(arch: str) -> None:
 def test_template_hash_covers_partials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     original = template_hash.__wrapped__(TEMPLATE)
     assert original == template_hash(TEMPLATE)
-    copy = tmp_path / "templates"
-    shutil.copytree(render.template_dir(), copy)
-    monkeypatch.setattr(render, "template_dir", lambda: copy)
+    sources = dict(template_env.template_sources())
+    monkeypatch.setattr(render, "template_sources", lambda: sources)
     assert template_hash.__wrapped__(TEMPLATE) == original
-    partial = copy / "_scores.py.jinja"
-    partial.write_text(partial.read_text(encoding="utf-8") + "{# changed #}\n", encoding="utf-8")
+    sources["_scores.py.jinja"] += b"{# changed #}\n"
     assert template_hash.__wrapped__(TEMPLATE) != original
 
 

@@ -8,7 +8,8 @@ the phases of the first call's path:
     spec       the call's Need stated as a spec (ondemand.spec_for)
     derive     the tiling model's choice (the first derivation also imports sympy and
                compiles the model's expressions: `derive_first`; a second spec: `derive`)
-    render     the module's text (plan_build: tuning lookup and Jinja)
+    render     the module's text (plan_build: tuning lookup and Jinja, from the templates'
+               compiled form: `templates` says whether it was used, attngen/template_env.py)
     write      the module and the index written into the cache (atomic writes, locks)
     load       the module imported after its sha256 check
     first      the first kernel call: Triton's compile on a GPU, the interpreter's run on CPU
@@ -34,6 +35,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
 def child(dims: list[int], dtype: str) -> dict:
@@ -47,6 +49,7 @@ def child(dims: list[int], dtype: str) -> dict:
     from attngen.runtime.dispatch import need_for
     from attngen.runtime.registry import current_registry
     from attngen.spec import CausalAlign, KernelKind, Mask
+    from attngen.template_env import template_loading
     from attngen.tiling.prefill import derive_tiles
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,8 +58,7 @@ def child(dims: list[int], dtype: str) -> dict:
     timings: dict = {"import_s": time.perf_counter() - start, "device": device, "runs": []}
     for index, dim in enumerate(dims):
         run: dict = {"head_dim": dim}
-        torch_dtype = getattr(torch, {"fp16": "float16", "bf16": "bfloat16",
-                                      "fp32": "float32"}[dtype])
+        torch_dtype = getattr(torch, TORCH_DTYPES[dtype])
         q = torch.randn(1, 256, 6, dim, device=device, dtype=torch_dtype)
         k = torch.randn(1, 256, 2, dim, device=device, dtype=torch_dtype)
         t = time.perf_counter()
@@ -94,7 +96,7 @@ def child(dims: list[int], dtype: str) -> dict:
         run["spec_to_written_s"] = sum(run.get(k, 0.0) for k in (
             "spec_s", "derive_first_s", "derive_s", "render_s", "write_s"))
         timings["runs"].append(run)
-    timings["renders"] = ondemand.render_count()
+    timings.update(renders=ondemand.render_count(), templates=template_loading())
     return timings
 
 
@@ -107,8 +109,7 @@ def call_child(dim: int, dtype: str) -> dict:
     from attngen.runtime import ondemand
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch_dtype = getattr(torch, {"fp16": "float16", "bf16": "bfloat16",
-                                  "fp32": "float32"}[dtype])
+    torch_dtype = getattr(torch, TORCH_DTYPES[dtype])
     q = torch.randn(1, 256, 6, dim, device=device, dtype=torch_dtype)
     k = torch.randn(1, 256, 2, dim, device=device, dtype=torch_dtype)
     result: dict = {"import_s": time.perf_counter() - start, "head_dim": dim}

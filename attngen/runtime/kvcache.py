@@ -11,13 +11,15 @@ Routing, in order:
    wrote nothing for it). No host sync. Paged caches are gathered through block_table first
    (a copy).
    This is the route of specs built without the decode kind; split-KV decode (route 1) is
-   where small-batch speed comes from (docs/performance.md). Calls with cache_batch_idx,
-   cache_leftpad or num_splits=1 take it (kvcache_options.py: rotary, those, num_splits).
+   where small-batch speed comes from (docs/performance.md). Calls with cache_batch_idx or
+   cache_leftpad take it (kvcache_options.py: rotary, those, num_splits); it has no split of
+   the keys, so num_splits is a hint there, as in flash-attn.
 
 A decode step whose signature route 1 served before runs from its plan (plans.py): the key
 holds every shape and option the checks above decide with, the dtypes and devices of the
 other tensors are compared on each call (_same_kinds), and calls with rotary, cache_batch_idx,
-cache_leftpad, num_splits or an int cache_seqlens (value checks) always take the full path.
+cache_leftpad or an int cache_seqlens (value checks) always take the full path. num_splits is
+in the key (an int >= 0; another type takes the full path) and the plan passes the call's.
 """
 
 from __future__ import annotations
@@ -52,13 +54,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     [B, Nnew, HKV, D] are written into the caches at cache_seqlens (int32 [B] or int; None: full
     caches, so not with k/v) before attending. Causal is bottom-right aligned. Returns out
     [B, Nq, HQ, DV] (and lse [B, HQ, Nq] with return_softmax_lse). rotary_cos/rotary_sin,
-    cache_batch_idx, cache_leftpad and num_splits 0 or 1 as flash-attn's (kvcache_options.py;
-    num_splits above 1 is refused by name). The output is contiguous when the decode module
-    writes it in place (Dispatch.writes_out) or Nq is 1, else a [B, Nq, HQ, DV] view of the
-    kernel's [B, HQ, Nq, DV] output (no copy either way). A sequence whose cache_seqlens,
-    cache_batch_idx, cache_leftpad or block-table entries do not fit its cache gets NaN output
-    and LSE and nothing appended; no other memory is touched (an int cache_seqlens is checked on
-    the host; ATTNGEN_CHECKS=1 checks the tensors on the host, see README)."""
+    cache_batch_idx, cache_leftpad and num_splits as flash-attn's (kvcache_options.py). The
+    output is contiguous when the decode module writes it in place (Dispatch.writes_out) or
+    Nq is 1, else a [B, Nq, HQ, DV] view of the kernel's [B, HQ, Nq, DV] output (no copy). A
+    sequence whose cache_seqlens, cache_batch_idx, cache_leftpad or block-table entries do
+    not fit its cache gets NaN output and LSE and nothing appended; no other memory is
+    touched (an int cache_seqlens is checked on the host; ATTNGEN_CHECKS=1 checks the tensors
+    on the host, see README)."""
     key = None
     if (type(cache_seqlens) is Tensor and plans.eager(q, k_cache, v_cache, alibi_slopes)
             and _plain_step(k, v, block_table, num_splits, rotary_cos, rotary_sin,
@@ -69,9 +71,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                None if v is None else v.shape, cache_seqlens.shape,
                None if block_table is None else block_table.shape, q.dtype, q.device, causal,
                window_size, softcap, softmax_scale, plans.slopes_rank(alibi_slopes),
-               return_softmax_lse)
+               return_softmax_lse, num_splits)
         ran = _run_planned(plans.find(key), q, k_cache, v_cache, k, v, cache_seqlens,
-                           block_table, alibi_slopes)
+                           block_table, alibi_slopes, num_splits)
         if ran is not None:
             return ran if return_softmax_lse else ran[0]
     check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table,  # in the caller's layout
@@ -95,7 +97,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if decode is not None and refusal is None:
         out, lse = _run_decode_module(decode, q, k_cache, v_cache, k, v, cache_seqlens,
                                       block_table, softmax_scale, alibi_slopes,
-                                      return_softmax_lse, key)
+                                      return_softmax_lse, key, num_splits)
         return (out, lse) if return_softmax_lse else out
     out, lse = _run_varlen_route(q, k_cache, v_cache, k, v, cache_seqlens, block_table, options,
                                  capacity, mask, window, softcap, alibi_slopes, softmax_scale,
@@ -148,17 +150,18 @@ def _run_varlen_route(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
 
 def _run_decode_module(decode: Dispatch, q, k_cache, v_cache, k, v, cache_seqlens,
                        block_table, softmax_scale, alibi_slopes, return_lse: bool,
-                       plan_key: tuple | None):
+                       plan_key: tuple | None, num_splits: int):
     """(out [B, Nq, HQ, DV], lse or None) from the decode module, which appends k/v and
     reads the caches in place: the flash layout's [B, N, H, D] tensors are handed over as
     [B, H, N, D] views (paged caches as they are). The route is kept as the plan of
-    `plan_key` (plans.py)."""
+    `plan_key` (plans.py); num_splits: the call's (checked by cache_options)."""
     assert decode.key is not None  # probe() answers served dispatches only
     sm_scale = arguments.softmax_scale(softmax_scale, q)
     in_place = _in_place(decode, q)
     q, k_cache, v_cache, k, v = _heads_first(q, k_cache, v_cache, k, v, block_table)
     out, lse = decode_ops.decode(decode.key, q, k_cache, v_cache, cache_seqlens, block_table,
-                                 k, v, sm_scale, alibi_slopes, return_lse, in_place)
+                                 k, v, sm_scale, alibi_slopes, return_lse, in_place,
+                                 num_splits=num_splits)
     plans.remember(plan_key, decode, sm_scale, return_lse, in_place)
     return (out if in_place else out.transpose(1, 2)), lse
 
@@ -171,14 +174,14 @@ def _in_place(decode: Dispatch, q) -> bool:
 
 
 def _run_planned(plan: plans.Plan | None, q, k_cache, v_cache, k, v, cache_seqlens,
-                 block_table, alibi_slopes):
+                 block_table, alibi_slopes, num_splits: int):
     """_run_decode_module from the signature's plan (plans.py); None without one, when a check
     its key leaves open fails (the full path then says what) or when the device refuses now."""
     if plan is None or not _same_kinds(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
         return None
     q, k_cache, v_cache, k, v = _heads_first(q, k_cache, v_cache, k, v, block_table)
     ran = plans.run_decode(plan, q, k_cache, v_cache, cache_seqlens, block_table, k, v,
-                           alibi_slopes)
+                           alibi_slopes, num_splits)
     if ran is None:
         return None
     return (ran[0] if plan.in_place else ran[0].transpose(1, 2)), ran[1]
@@ -197,9 +200,10 @@ def _heads_first(q, k_cache, v_cache, k, v, block_table):
 def _plain_step(k, v, block_table, num_splits, rotary_cos, rotary_sin, batch_idx,
                 leftpad) -> bool:
     """Whether a step may run from a plan: new keys none or plain tensors that need no
-    gradient, block_table None or a plain tensor, num_splits 0, and none of the options that
-    only route 2 serves (rotary, cache_batch_idx, cache_leftpad)."""
-    if not (type(num_splits) is int and not num_splits and rotary_cos is None
+    gradient, block_table None or a plain tensor, num_splits an int >= 0 (the key holds it),
+    and none of the options that only route 2 serves (rotary, cache_batch_idx,
+    cache_leftpad)."""
+    if not (type(num_splits) is int and num_splits >= 0 and rotary_cos is None
             and rotary_sin is None and batch_idx is None and leftpad is None
             and (block_table is None or type(block_table) is Tensor)):
         return False

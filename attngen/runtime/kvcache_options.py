@@ -14,9 +14,13 @@
   cache_seqlens[b] of row cache_batch_idx[b]. Device arithmetic only. The decode kind's
   modules take neither, so such calls take the varlen route. Neither goes with block_table
   (flash-attn refuses both combinations too).
-- num_splits: 0 lets the kernels decide; 1 asks for no split of the keys, which is the
-  varlen route (one program per query block attends to all keys). A count above 1 needs the
-  decode module to take a split count per call (a template change), so it is refused by name.
+- num_splits: 0 lets the kernels decide; s >= 1 asks for s splits of the keys. The decode
+  kind's modules take it per call: the span's key blocks in min(s, MAX_SPLITS = 64) splits
+  of ceil(blocks / that) blocks (the empty ones dropped), so at most one split per key
+  block (attngen/tiling/decode.py); the module's LAST_NUM_SPLITS is the count its latest
+  launch used. The varlen route has no split of
+  the keys (one program per query block attends to all of them): there s is a hint, as
+  flash-attn's is, and the call runs unsplit (`last_dispatch().kind` is "varlen").
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ class CacheOptions:
     @property
     def decode_route(self) -> bool:
         """Whether a decode-kind module may serve the call (it has none of these options)."""
-        return self.batch_idx is None and self.leftpad is None and self.num_splits != 1
+        return self.batch_idx is None and self.leftpad is None
 
 
 def cache_options(q, k, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
@@ -45,11 +49,6 @@ def cache_options(q, k, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, 
     batch = q.shape[0]
     if not (type(num_splits) is int and num_splits >= 0):
         raise ValueError(f"num_splits: got {num_splits!r}; allowed: an int >= 0")
-    if num_splits > 1:
-        raise ValueError(
-            f"num_splits: got {num_splits}; attngen's decode kernels split the keys by their "
-            "own rule (0) or not at all (1): a forced count needs a per-call split argument "
-            "in the decode template")
     for name, index in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
         if index is None:
             continue

@@ -159,12 +159,14 @@ def run_varlen(plan: Plan, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
 
 def run_decode(plan: Plan, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
                block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
-               alibi_slopes: Tensor | None) -> tuple[Tensor, Tensor | None] | None:
+               alibi_slopes: Tensor | None, num_splits: int = 0
+               ) -> tuple[Tensor, Tensor | None] | None:
     """decode_ops.decode's direct call from a plan, [B, H, N, D] views in (heads-last output
-    when the plan writes in place); None when the device refuses now."""
+    when the plan writes in place), with the call's num_splits (which its key holds too);
+    None when the device refuses now."""
     if plan.device_check is not None and device_problem(*plan.device_check) is not None:
         return None  # the device refuses now what it served: the full path says why
     record(plan.dispatch)
     return decode_ops.direct_decode(plan.module, plan.key, q, k_cache, v_cache, cache_seqlens,
                              block_table, k_new, v_new, plan.sm_scale, alibi_slopes,
-                             plan.return_lse, plan.in_place)
+                             plan.return_lse, plan.in_place, None, num_splits)

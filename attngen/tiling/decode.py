@@ -34,6 +34,10 @@ these constants (tests check both agree):
 span is the cache capacity (Lmax, or max_pages * page_size) or, with a sliding window (a
 chunked mask), at most window_left (chunk_size) + query tokens + BLOCK_N keys: a split never
 covers keys no query can see; sink tokens add their blocks.
+
+A call's num_splits = s >= 1 (flash_attn_with_kvcache's hint) replaces the rule's count: the
+span's blocks in min(s, MAX_SPLITS) splits, evened out as above, so a call gets at most one
+split per key block and MAX_SPLITS in all (the combine kernel's bound).
 """
 
 from __future__ import annotations

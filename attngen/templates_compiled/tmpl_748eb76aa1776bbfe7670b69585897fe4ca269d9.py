@@ -1,0 +1,99 @@
+from jinja2.runtime import LoopContext, Macro, Markup, Namespace, TemplateNotFound, TemplateReference, TemplateRuntimeError, Undefined, escape, identity, internalcode, markup_join, missing, str_join
+name = '_backward.py.jinja'
+
+def root(context, missing=missing):
+    resolve = context.resolve_or_missing
+    undefined = environment.undefined
+    concat = environment.concat
+    cond_expr_undefined = Undefined
+    if 0: yield None
+    l_0_bwd_dq_config = resolve('bwd_dq_config')
+    l_0_bwd_dkdv_config = resolve('bwd_dkdv_config')
+    l_0_softcap = resolve('softcap')
+    l_0_alibi = resolve('alibi')
+    l_0_mask = resolve('mask')
+    l_0_varlen = resolve('varlen')
+    l_0_bw = missing
+    pass
+    l_0_bw = context.vars['bw'] = environment.get_template('_backward_macros.py.jinja', '_backward.py.jinja').make_module(context.get_all(), True, {'bw': l_0_bw})
+    context.exported_vars.discard('bw')
+    yield "# The backward kernels' launch configs, derived like CONFIG (attngen/tiling/backward.py).\nBWD_DQ_CONFIG = "
+    yield str((undefined(name='bwd_dq_config') if l_0_bwd_dq_config is missing else l_0_bwd_dq_config))
+    yield '\nBWD_DKDV_CONFIG = '
+    yield str((undefined(name='bwd_dkdv_config') if l_0_bwd_dkdv_config is missing else l_0_bwd_dkdv_config))
+    yield '\n\n\n@triton.jit\ndef _bwd_probs(qk, qk_scale, lse2, q_pos2, key_pos2, slope_log2):\n    """P = exp(S - LSE) from the forward\'s LSE (lse2 = LSE * log2 e, broadcast to the tile;\n    +inf for a row that sees no key, so that its P is 0), in the forward\'s log2 domain, and\n'
+    if (undefined(name='softcap') if l_0_softcap is missing else l_0_softcap):
+        pass
+        yield 'tanh of the softcap (its derivative is 1 - tanh^2)'
+    else:
+        pass
+        yield 'qk (unused)'
+    yield '.\n    q_pos2, key_pos2 broadcast to the tile in either orientation."""\n'
+    if (undefined(name='softcap') if l_0_softcap is missing else l_0_softcap):
+        pass
+        yield '    t = _tanh(qk * qk_scale)\n    scores = t * _SOFTCAP_LOG2\n'
+    elif (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
+        pass
+        yield '    t = qk\n    scores = qk * qk_scale\n'
+    else:
+        pass
+        yield '    t = qk\n    scores = qk\n'
+    if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
+        pass
+        yield '    scores = scores - slope_log2 * tl.abs(q_pos2 - key_pos2).to(tl.float32)\n'
+    if ((undefined(name='softcap') if l_0_softcap is missing else l_0_softcap) or (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi)):
+        pass
+        yield '    p = tl.math.exp2(scores - lse2)\n'
+    else:
+        pass
+        yield '    p = tl.math.exp2(scores * qk_scale - lse2)\n'
+    yield '    return p, t\n\n\n@triton.jit\ndef _bwd_visible(q_pos2, key_pos2, seqlen_k):\n    """Which (row, key) pairs of a tile are visible; broadcast shapes, either orientation."""\n    visible = key_pos2 < seqlen_k\n'
+    if ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'causal'):
+        pass
+        yield '    visible = visible & (key_pos2 <= q_pos2)\n'
+    elif ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'sliding_window'):
+        pass
+        yield "    # i' - j (bounded by the lengths) against the sides; i' -/+ a side may overflow.\n    offset = q_pos2 - key_pos2\n    visible = visible & (offset <= _WINDOW_LEFT) & (offset >= -_WINDOW_RIGHT)\n"
+    yield '    return visible\n\n\n@triton.jit\ndef _bwd_key_live(first_q_pos, last_q_pos, key_pos, seqlen_k):\n    """Keys that some row with aligned position in [first_q_pos, last_q_pos] sees."""\n    live = key_pos < seqlen_k\n'
+    if ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'causal'):
+        pass
+        yield '    live = live & (key_pos <= last_q_pos)\n'
+    elif ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'sliding_window'):
+        pass
+        yield '    # int64, then clamped to the keys: a side may be 2**31 - 1.\n    live_first = tl.maximum(first_q_pos.to(tl.int64) - _WINDOW_LEFT, 0).to(tl.int32)\n    live_last = tl.minimum(last_q_pos.to(tl.int64) + _WINDOW_RIGHT, seqlen_k - 1).to(tl.int32)\n    live = live & (key_pos >= live_first) & (key_pos <= live_last)\n'
+    yield '    return live\n\n\n@triton.jit\ndef _bwd_row_live(first_k_pos, last_k_pos, q_pos, row_ok):\n    """Rows (aligned positions q_pos) that see some key of [first_k_pos, last_k_pos]."""\n    live = row_ok\n'
+    if ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'causal'):
+        pass
+        yield '    live = live & (q_pos >= first_k_pos)\n'
+    elif ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'sliding_window'):
+        pass
+        yield '    live = live & (q_pos - last_k_pos <= _WINDOW_LEFT) & (first_k_pos - q_pos <= _WINDOW_RIGHT)\n'
+    yield '    return live\n\n\n@triton.jit\ndef _bwd_query_ranges(first_k_pos, last_k_pos, diagonal, seqlen_q, BLOCK_M: tl.constexpr):\n    """The dual of the forward\'s key ranges for a key block [first_k_pos, last_k_pos]: rows\n    [full_lo, full_hi) see every key of it (no mask), [lo, full_lo) and [full_hi, hi) some\n    (masked), rows outside [lo, hi) none (skipped). Multiples of BLOCK_M except hi."""\n'
+    if ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'causal'):
+        pass
+        yield '    rows_lo = first_k_pos - diagonal\n    rows_hi = seqlen_q\n    full_rows_lo = last_k_pos - diagonal\n    full_rows_hi = seqlen_q\n'
+    elif ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'sliding_window'):
+        pass
+        yield '    # int64: a side may be 2**31 - 1; clamped to [0, seqlen_q] below, so int32 again.\n    rows_lo = first_k_pos.to(tl.int64) - _WINDOW_RIGHT - diagonal\n    rows_hi = last_k_pos.to(tl.int64) + _WINDOW_LEFT - diagonal + 1\n    full_rows_lo = last_k_pos.to(tl.int64) - _WINDOW_RIGHT - diagonal\n    full_rows_hi = first_k_pos.to(tl.int64) + _WINDOW_LEFT - diagonal + 1\n    rows_lo = tl.minimum(tl.maximum(rows_lo, 0), seqlen_q).to(tl.int32)\n    rows_hi = tl.minimum(tl.maximum(rows_hi, 0), seqlen_q).to(tl.int32)\n    full_rows_lo = tl.minimum(tl.maximum(full_rows_lo, 0), seqlen_q).to(tl.int32)\n    full_rows_hi = tl.minimum(tl.maximum(full_rows_hi, 0), seqlen_q).to(tl.int32)\n'
+    else:
+        pass
+        yield '    rows_lo = seqlen_q * 0\n    rows_hi = seqlen_q\n    full_rows_lo = rows_lo\n    full_rows_hi = seqlen_q\n'
+    yield '    rows_lo = tl.minimum(tl.maximum(rows_lo, 0), seqlen_q)\n    lo = (rows_lo // BLOCK_M) * BLOCK_M\n    hi = tl.minimum(rows_hi, seqlen_q)\n    hi = tl.where(hi > rows_lo, hi, lo)  # no row sees the block: nothing to do\n    full_lo = tl.minimum(tl.cdiv(tl.maximum(full_rows_lo, lo), BLOCK_M) * BLOCK_M, hi)\n    full_hi = tl.maximum((tl.minimum(full_rows_hi, hi) // BLOCK_M) * BLOCK_M, full_lo)\n    return lo, full_lo, full_hi, hi\n\n\n'
+    if (undefined(name='varlen') if l_0_varlen is missing else l_0_varlen):
+        pass
+        yield '@triton.jit\ndef _store_nan_grad_rows(Grad, first, end, total, off_h, block, num_blocks,\n                         stride_row, stride_h, stride_d, DIM: tl.constexpr,\n                         BLOCK_DIM: tl.constexpr, BLOCK: tl.constexpr):\n    """A sequence that does not fit: NaN gradients in its rows that lie inside the packed\n    tensor (the sequence\'s programs take every num_blocks-th block of BLOCK rows)."""\n    lo = tl.minimum(tl.maximum(first, 0), total)\n    hi = tl.minimum(tl.maximum(end, lo), total)\n    offs_d = tl.arange(0, BLOCK_DIM)\n    nan = tl.full([BLOCK, BLOCK_DIM], float("nan"), dtype=Grad.dtype.element_ty)\n    for start in tl.range(lo + block * BLOCK, hi, num_blocks * BLOCK):\n        rows = start + tl.arange(0, BLOCK)\n        ptrs = (Grad + rows.to(tl.int64)[:, None] * stride_row + off_h * stride_h\n                + offs_d[None, :] * stride_d)\n        tl.store(ptrs, nan, mask=(rows < hi)[:, None] & (offs_d < DIM)[None, :])\n\n\n'
+    template = environment.get_template('_backward_dq.py.jinja', '_backward.py.jinja')
+    gen = template.root_render_func(template.new_context(context.get_all(), True, {'bw': l_0_bw}))
+    try:
+        for event in gen:
+            yield event
+    finally: gen.close()
+    template = environment.get_template('_backward_dkdv.py.jinja', '_backward.py.jinja')
+    gen = template.root_render_func(template.new_context(context.get_all(), True, {'bw': l_0_bw}))
+    try:
+        for event in gen:
+            yield event
+    finally: gen.close()
+
+blocks = {}
+debug_info = '13=18&15=21&16=23&23=25&25=32&28=35&35=41&38=44&50=51&52=54&64=58&66=61&79=65&81=68&92=72&97=75&122=82&141=85&142=91'

@@ -1,0 +1,299 @@
+from jinja2.runtime import LoopContext, Macro, Markup, Namespace, TemplateNotFound, TemplateReference, TemplateRuntimeError, Undefined, escape, identity, internalcode, markup_join, missing, str_join
+name = '_launch.py.jinja'
+
+def root(context, missing=missing):
+    resolve = context.resolve_or_missing
+    undefined = environment.undefined
+    concat = environment.concat
+    cond_expr_undefined = Undefined
+    if 0: yield None
+    l_0_shorter_configs = resolve('shorter_configs')
+    l_0_backward = resolve('backward')
+    l_0_dropout = resolve('dropout')
+    l_0_sinks = resolve('sinks')
+    l_0_dtype = resolve('dtype')
+    l_0_varlen = resolve('varlen')
+    l_0_softcap = resolve('softcap')
+    l_0_alibi = resolve('alibi')
+    l_0_mask = resolve('mask')
+    l_0_head_dim = resolve('head_dim')
+    l_0_head_dim_v = resolve('head_dim_v')
+    l_0_bottom_right = resolve('bottom_right')
+    l_0_tma = resolve('tma')
+    l_0_block_d = resolve('block_d')
+    l_0_block_dv = resolve('block_dv')
+    l_0_common = l_0_checks = l_0_step = l_0_launch_config = l_0_entry_prefix = l_0_dropout_param = missing
+    try:
+        t_1 = environment.filters['length']
+    except KeyError:
+        @internalcode
+        def t_1(*unused):
+            raise TemplateRuntimeError("No filter named 'length' found.")
+    try:
+        t_2 = environment.filters['trim']
+    except KeyError:
+        @internalcode
+        def t_2(*unused):
+            raise TemplateRuntimeError("No filter named 'trim' found.")
+    pass
+    l_0_common = context.vars['common'] = environment.get_template('_common.py.jinja', '_launch.py.jinja').make_module(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step})
+    context.exported_vars.discard('common')
+    l_0_checks = context.vars['checks'] = environment.get_template('_checks.py.jinja', '_launch.py.jinja').make_module(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step})
+    context.exported_vars.discard('checks')
+    l_0_step = context.vars['step'] = environment.get_template('_step.py.jinja', '_launch.py.jinja').make_module(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step})
+    context.exported_vars.discard('step')
+    l_0_launch_config = ('config' if (undefined(name='shorter_configs') if l_0_shorter_configs is missing else l_0_shorter_configs) else 'CONFIG')
+    context.vars['launch_config'] = l_0_launch_config
+    context.exported_vars.add('launch_config')
+    l_0_entry_prefix = ('_forward_' if (undefined(name='backward') if l_0_backward is missing else l_0_backward) else '')
+    context.vars['entry_prefix'] = l_0_entry_prefix
+    context.exported_vars.add('entry_prefix')
+    l_0_dropout_param = (', dropout=None' if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout) else '')
+    context.vars['dropout_param'] = l_0_dropout_param
+    context.exported_vars.add('dropout_param')
+    template = environment.get_template('_tensor_checks.py.jinja', '_launch.py.jinja')
+    gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step}))
+    try:
+        for event in gen:
+            yield event
+    finally: gen.close()
+    yield '\n\n'
+    template = environment.get_template('_fast_launch.py.jinja', '_launch.py.jinja')
+    gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step}))
+    try:
+        for event in gen:
+            yield event
+    finally: gen.close()
+    yield '\n\ndef _check_alibi(alibi_slopes, num_q_heads, q):\n'
+    yield str(t_2(context.call(environment.getattr((undefined(name='common') if l_0_common is missing else l_0_common), 'check_alibi')), '\n'))
+    yield '\n'
+    if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+        pass
+        yield '\n\ndef _check_sinks(sinks, num_q_heads, q):\n'
+        yield str(t_2(context.call(environment.getattr((undefined(name='common') if l_0_common is missing else l_0_common), 'check_sinks')), '\n'))
+        yield '\n'
+    yield '\n\ndef _kernel_scale(sm_scale):\n    """The scale the kernel multiplies q.k by: log2 e folded in, or 1/softcap before tanh."""\n'
+    yield str(t_2(context.call(environment.getattr((undefined(name='common') if l_0_common is missing else l_0_common), 'check_sm_scale')), '\n'))
+    yield '\n    return '
+    yield str(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'kernel_scale')))
+    yield '\n\n\ndef _check_grid(num_programs):\n    if num_programs >= 2**31:\n        raise ValueError(f"shape: {num_programs} programs exceed the grid\'s 2**31 - 1")\n\n\ndef _options(config):\n    """The compile options of a launch with `config`."""\n'
+    if ((undefined(name='dtype') if l_0_dtype is missing else l_0_dtype) == 'fp32'):
+        pass
+        yield '    return {"num_warps": config["num_warps"], "num_stages": config["num_stages"],\n            "enable_fp_fusion": False}  # see the Note on fp32 scores\n'
+    else:
+        pass
+        yield '    return {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}\n'
+    if (undefined(name='shorter_configs') if l_0_shorter_configs is missing else l_0_shorter_configs):
+        pass
+        yield '\n\ndef config_for(seqlen):\n    """The launch config for sequences of `seqlen` (queries or keys, the longer): the first\n    entry of CONFIGS_BY_SEQLEN that reaches it, else CONFIG."""\n    for up_to, config in CONFIGS_BY_SEQLEN:\n        if seqlen <= up_to:\n            return config\n    return CONFIG\n'
+    if (undefined(name='varlen') if l_0_varlen is missing else l_0_varlen):
+        pass
+        yield '\n\ndef _varlen_ok(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):\n    """The success path of _check_varlen (q passed _tensors_ok), by comparisons only."""\n    cuda, device = q.is_cuda, q.get_device()\n    for t in (cu_seqlens_q, cu_seqlens_k) if seqused_k is None else (\n            cu_seqlens_q, cu_seqlens_k, seqused_k):\n        if not (type(t) is torch.Tensor and t.dtype == torch.int32 and t.dim() == 1\n                and (t.is_cuda if cuda else t.is_cpu) and t.get_device() == device\n                and t.is_contiguous()):\n            return False\n    return (cu_seqlens_q.numel() >= 1 and cu_seqlens_k.shape == cu_seqlens_q.shape\n            and (seqused_k is None or seqused_k.numel() == cu_seqlens_q.numel() - 1)\n            and type(max_seqlen_q) is int and max_seqlen_q >= 0\n            and type(max_seqlen_k) is int and max_seqlen_k >= 0)\n\n\ndef _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):\n    """Shapes, dtypes and devices only: the lengths live on the device and are never read."""\n    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),\n                    ("seqused_k", seqused_k)):\n        if t is None and name == "seqused_k":\n            continue\n        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32:\n            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)\n            raise ValueError(f"{name}: expected a 1-D int32 tensor, got {got}")\n        if t.device != q.device:\n            raise ValueError(f"{name}: expected device {q.device} (as q), got {t.device}")\n        if not t.is_contiguous():\n            raise ValueError(f"{name}: expected a contiguous tensor (read with stride 1), got "\n                             f"strides {t.stride()}")\n    if cu_seqlens_q.numel() < 1 or cu_seqlens_k.shape != cu_seqlens_q.shape:\n        raise ValueError(\n            "cu_seqlens_q, cu_seqlens_k: expected the same shape [B + 1], got "\n            f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}"\n        )\n    if seqused_k is not None and seqused_k.numel() != cu_seqlens_q.numel() - 1:\n        raise ValueError(\n            f"seqused_k: expected shape ({cu_seqlens_q.numel() - 1},) [B], "\n            f"got {tuple(seqused_k.shape)}"\n        )\n    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):\n        if isinstance(n, bool) or not isinstance(n, int) or n < 0:\n            raise ValueError(f"{name}: expected a Python int >= 0, got {n!r}")\n\n\n'
+        yield str(t_2(context.call(environment.getattr((undefined(name='checks') if l_0_checks is missing else l_0_checks), 'varlen_validation')), '\n'))
+        yield '\n\n\ndef '
+        yield str((undefined(name='entry_prefix') if l_0_entry_prefix is missing else l_0_entry_prefix))
+        yield 'attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,\n'
+        yield str((' ' * t_1((undefined(name='entry_prefix') if l_0_entry_prefix is missing else l_0_entry_prefix))))
+        yield '                     max_seqlen_k, *, sm_scale=None, alibi_slopes=None, return_lse=False,\n'
+        yield str((' ' * t_1((undefined(name='entry_prefix') if l_0_entry_prefix is missing else l_0_entry_prefix))))
+        yield '                     seqused_k=None, out=None'
+        yield str((undefined(name='dropout_param') if l_0_dropout_param is missing else l_0_dropout_param))
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield ', sinks=None'
+        yield '):\n    """softmax(q @ k^T * sm_scale'
+        if (undefined(name='softcap') if l_0_softcap is missing else l_0_softcap):
+            pass
+            yield ', softcapped'
+        if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
+            pass
+            yield ', ALiBi'
+        if ((undefined(name='mask') if l_0_mask is missing else l_0_mask) != 'none'):
+            pass
+            yield ', masked'
+        yield ') @ v per packed sequence.\n\n    q [total_q, HQ, '
+        yield str((undefined(name='head_dim') if l_0_head_dim is missing else l_0_head_dim))
+        yield '], k [total_k, HKV, '
+        yield str((undefined(name='head_dim') if l_0_head_dim is missing else l_0_head_dim))
+        yield '], v [total_k, HKV, '
+        yield str((undefined(name='head_dim_v') if l_0_head_dim_v is missing else l_0_head_dim_v))
+        yield '] in '
+        yield str((undefined(name='dtype') if l_0_dtype is missing else l_0_dtype))
+        yield ', any strides.\n    Sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] against the keys and values\n    k, v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]], or with seqused_k (int32 [B]) against the\n    seqused_k[b] rows from cu_seqlens_k[b] (a KV cache read in place).\n    cu_seqlens_* are int32 [B + 1] and seqused_k int32 [B], contiguous; cu_seqlens_* are\n    nondecreasing within 0..total rows, and seqused_k[b] at most the keys cu_seqlens_k gives\n    sequence b. max_seqlen_q must be at least every query length (the grid is sized from it:\n    the lengths stay on the device); max_seqlen_k is accepted for flash-attn compatibility.\n    Lengths of 0 are allowed.\n    sm_scale defaults to 1/sqrt('
+        yield str((undefined(name='head_dim') if l_0_head_dim is missing else l_0_head_dim))
+        yield ').'
+        if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
+            pass
+            yield " alibi_slopes: [HQ] float32, contiguous; bias\n    -slope * |i' - j| with i' "
+            if (((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'none') or (undefined(name='bottom_right') if l_0_bottom_right is missing else l_0_bottom_right)):
+                pass
+                yield '= i + (Nk - Nq) per sequence (bottom-right)'
+            else:
+                pass
+                yield '= i (top-left)'
+            yield '.'
+        yield '\n\n'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield "    sinks: [HQ] float32, contiguous, required: head h's sink logit joins every row's softmax\n    normaliser and LSE (natural log, after the scale); a row that sees no key gets output 0\n    and LSE sinks[h].\n\n"
+        yield '    Returns out [total_q, HQ, '
+        yield str((undefined(name='head_dim_v') if l_0_head_dim_v is missing else l_0_head_dim_v))
+        yield '] in q\'s dtype (0 in rows no sequence covers),\n    and with return_lse also the log-sum-exp [HQ, total_q] in float32 (flash-attn\'s varlen\n    LSE layout; natural log; -inf for a row that sees no key, whose output is 0). With out=\n    (that shape, dtype and device, any strides whose elements do not overlap, no memory\n    shared with q, k, v) the output is written there (zeroed first) and out is returned.\n\n    The kernel never reads or writes outside the packed tensors, whatever the device index\n    tensors hold: a sequence that does not lie inside them (or is longer than max_seqlen_q\n    allows) reads nothing, and its rows inside q get NaN output and LSE. With the\n    environment variable ATTNGEN_CHECKS=1 (read at each call) the index tensors are validated\n    on the host instead (a device sync) and a bad one raises a ValueError naming the tensor,\n    the sequence and the value.\n    """\n    if not _tensors_ok(q, k, v, 3, 0):\n        _check_tensors(q, k, v, "[T, H, D]")\n    if not _varlen_ok(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):\n        _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)\n    if os.environ.get("ATTNGEN_CHECKS") == "1":\n        _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k)\n    total_q, num_q_heads, _ = q.shape\n    num_kv_heads = k.shape[1]\n    _check_alibi(alibi_slopes, num_q_heads, q)\n'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield '    _check_sinks(sinks, num_q_heads, q)\n'
+        yield '    qk_scale = _kernel_scale(sm_scale)\n    batch = cu_seqlens_q.numel() - 1\n    # Note: zero-filled, so that rows no sequence covers (packed padding) hold 0, not garbage.\n    if out is None:\n        out = q.new_zeros((total_q, num_q_heads, HEAD_DIM_V))\n    else:\n        _check_out(out, (total_q, num_q_heads, HEAD_DIM_V), q, (("q", q), ("k", k), ("v", v)))\n        out.zero_()\n    lse = None\n    if return_lse:\n        lse = torch.full((num_q_heads, total_q), float("-inf"), dtype=torch.float32,\n                         device=q.device)\n'
+        if (undefined(name='shorter_configs') if l_0_shorter_configs is missing else l_0_shorter_configs):
+            pass
+            yield '    config = config_for(max(max_seqlen_q, max_seqlen_k))\n'
+        yield '    num_m_blocks = -(-max_seqlen_q // '
+        yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
+        yield '["BLOCK_M"])\n    num_programs = num_m_blocks * batch * num_q_heads\n    if out.numel() == 0 or num_programs == 0:\n        return (out, lse) if return_lse else out\n    _check_grid(num_programs)\n    lse_arg = out if lse is None else lse\n    slopes_arg = out if alibi_slopes is None else alibi_slopes\n    used_arg = cu_seqlens_k if seqused_k is None else seqused_k\n'
+        if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
+            pass
+            yield '    drop = _dropout_launch(dropout, q)\n'
+        yield '    _launch(\n        _attn_fwd_kernel, num_programs, q.get_device(),\n        (q, k, v, out, lse_arg, slopes_arg,'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield ' sinks,'
+        yield ' cu_seqlens_q, cu_seqlens_k, used_arg'
+        if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
+            pass
+            yield ',\n         drop["RngState"]'
+        yield '),\n        (*q.stride(), *k.stride(), *v.stride(), *out.stride(),\n         0 if lse is None else lse.stride(0),\n         num_q_heads, num_q_heads // num_kv_heads, num_m_blocks, total_q, k.shape[0]'
+        if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
+            pass
+            yield ',\n         drop["drop_threshold"]'
+        yield '),\n        (qk_scale,'
+        if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
+            pass
+            yield ' drop["keep_scale"]'
+        yield '),\n        {"USE_SEQUSED_K": seqused_k is not None,'
+        if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
+            pass
+            yield ' "DROPOUT_ON": drop["DROPOUT_ON"],'
+        yield '         "STORE_LSE": return_lse,\n         "BLOCK_M": '
+        yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
+        yield '["BLOCK_M"], "BLOCK_N": '
+        yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
+        yield '["BLOCK_N"]},\n        _options('
+        yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
+        yield '),\n    )\n    return (out, lse) if return_lse else out\n'
+    else:
+        pass
+        if (undefined(name='tma') if l_0_tma is missing else l_0_tma):
+            pass
+            yield '\n\n'
+            template = environment.get_template('_tma_load.py.jinja', '_launch.py.jinja')
+            gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step}))
+            try:
+                for event in gen:
+                    yield event
+            finally: gen.close()
+        yield '\n\ndef '
+        yield str((undefined(name='entry_prefix') if l_0_entry_prefix is missing else l_0_entry_prefix))
+        yield 'attention(q, k, v, *, sm_scale=None, alibi_slopes=None,\n'
+        yield str((' ' * t_1((undefined(name='entry_prefix') if l_0_entry_prefix is missing else l_0_entry_prefix))))
+        yield '              return_lse=False, out=None'
+        yield str((undefined(name='dropout_param') if l_0_dropout_param is missing else l_0_dropout_param))
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield ', sinks=None'
+        yield '):\n    """softmax(q @ k^T * sm_scale'
+        if (undefined(name='softcap') if l_0_softcap is missing else l_0_softcap):
+            pass
+            yield ', softcapped'
+        if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
+            pass
+            yield ', ALiBi'
+        if ((undefined(name='mask') if l_0_mask is missing else l_0_mask) != 'none'):
+            pass
+            yield ', masked'
+        yield ') @ v.\n\n    q [B, HQ, M, '
+        yield str((undefined(name='head_dim') if l_0_head_dim is missing else l_0_head_dim))
+        yield '], k [B, HKV, N, '
+        yield str((undefined(name='head_dim') if l_0_head_dim is missing else l_0_head_dim))
+        yield '], v [B, HKV, N, '
+        yield str((undefined(name='head_dim_v') if l_0_head_dim_v is missing else l_0_head_dim_v))
+        yield '] in '
+        yield str((undefined(name='dtype') if l_0_dtype is missing else l_0_dtype))
+        yield ', any strides.\n    sm_scale defaults to 1/sqrt('
+        yield str((undefined(name='head_dim') if l_0_head_dim is missing else l_0_head_dim))
+        yield ').'
+        if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
+            pass
+            yield " alibi_slopes: [HQ] float32, contiguous; bias\n    -slope * |i' - j| with i' "
+            if (((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'none') or (undefined(name='bottom_right') if l_0_bottom_right is missing else l_0_bottom_right)):
+                pass
+                yield '= i + (N - M) (bottom-right)'
+            else:
+                pass
+                yield '= i (top-left)'
+            yield '.'
+        yield '\n\n'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield "    sinks: [HQ] float32, contiguous, required: head h's sink logit joins every row's softmax\n    normaliser and LSE (natural log, after the scale); a row that sees no key gets output 0\n    and LSE sinks[h].\n\n"
+        yield '    Returns out [B, HQ, M, '
+        yield str((undefined(name='head_dim_v') if l_0_head_dim_v is missing else l_0_head_dim_v))
+        yield "] in q's dtype, and with return_lse also the\n    log-sum-exp of the scores [B, HQ, M] in float32 (natural log; -inf for a row that sees\n    no key, whose output is 0). With out= (that shape, dtype and device, any strides whose\n    elements do not overlap, e.g. a [B, M, HQ, "
+        yield str((undefined(name='head_dim_v') if l_0_head_dim_v is missing else l_0_head_dim_v))
+        yield '] tensor transposed; no memory shared with\n    q, k, v) the output is written there and out is returned.\n    """\n    if not _tensors_ok(q, k, v, 4, 2):\n        _check_tensors(q, k, v, "[B, H, N, D]")\n    if not (q.shape[0] == k.shape[0] == v.shape[0]):\n        raise ValueError(\n            f"batch: expected equal sizes, got q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}"\n        )\n    batch, num_q_heads, seqlen_q, _ = q.shape\n    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]\n    _check_alibi(alibi_slopes, num_q_heads, q)\n'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield '    _check_sinks(sinks, num_q_heads, q)\n'
+        yield '    qk_scale = _kernel_scale(sm_scale)\n    if out is None:\n        out = q.new_empty((batch, num_q_heads, seqlen_q, HEAD_DIM_V))\n    else:\n        _check_out(out, (batch, num_q_heads, seqlen_q, HEAD_DIM_V), q,\n                   (("q", q), ("k", k), ("v", v)))\n    lse = None\n    if return_lse:\n        lse = q.new_empty((batch, num_q_heads, seqlen_q), dtype=torch.float32)\n    if out.numel() == 0:\n        return (out, lse) if return_lse else out\n'
+        if (undefined(name='shorter_configs') if l_0_shorter_configs is missing else l_0_shorter_configs):
+            pass
+            yield '    config = config_for(max(seqlen_q, seqlen_k))\n'
+        yield '    num_m_blocks = -(-seqlen_q // '
+        yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
+        yield '["BLOCK_M"])\n    num_programs = num_m_blocks * batch * num_q_heads\n    _check_grid(num_programs)\n    # Unused pointer arguments (LSE without return_lse, slopes without ALiBi) get `out`.\n    lse_arg = out if lse is None else lse\n    slopes_arg = out if alibi_slopes is None else alibi_slopes\n'
+        if (undefined(name='tma') if l_0_tma is missing else l_0_tma):
+            pass
+            yield '    use_tma = _uses_tma(k, v)\n    k_desc = v_desc = None\n    if use_tma:\n        block_n = '
+            yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
+            yield '["BLOCK_N"]\n        k_desc = _descriptor(k, (1, 1, block_n, '
+            yield str((undefined(name='block_d') if l_0_block_d is missing else l_0_block_d))
+            yield '))\n        v_desc = _descriptor(v, (1, 1, block_n, '
+            yield str((undefined(name='block_dv') if l_0_block_dv is missing else l_0_block_dv))
+            yield '))\n'
+        if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
+            pass
+            yield '    drop = _dropout_launch(dropout, q)\n'
+        yield '    _launch(\n        _attn_fwd_kernel, num_programs, q.get_device(),\n        (q, k, v, out, lse_arg, slopes_arg'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield ', sinks'
+        if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
+            pass
+            yield ', drop["RngState"]'
+        yield '),\n        (*q.stride(), *k.stride(), *v.stride(), *out.stride(),\n         num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, num_m_blocks'
+        if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
+            pass
+            yield ',\n         drop["drop_threshold"]'
+        yield '),\n        (qk_scale,'
+        if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
+            pass
+            yield ' drop["keep_scale"],'
+        if (undefined(name='tma') if l_0_tma is missing else l_0_tma):
+            pass
+            yield ' k_desc, v_desc'
+        yield '),\n        {'
+        if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
+            pass
+            yield '"DROPOUT_ON": drop["DROPOUT_ON"], '
+        yield '"STORE_LSE": return_lse, "BLOCK_M": '
+        yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
+        yield '["BLOCK_M"],\n         "BLOCK_N": '
+        yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
+        yield '["BLOCK_N"]'
+        if (undefined(name='tma') if l_0_tma is missing else l_0_tma):
+            pass
+            yield ', "USE_TMA": use_tma'
+        yield '},\n        _options('
+        yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
+        yield '),\n    )\n    return (out, lse) if return_lse else out\n'
+
+blocks = {}
+debug_info = '4=39&5=41&6=43&9=45&12=48&13=51&14=54&17=61&21=68&22=70&26=73&32=76&33=78&43=80&49=86&60=89&107=92&110=94&111=96&112=98&113=105&115=115&124=123&125=128&128=136&133=140&155=142&170=146&173=150&181=152&186=156&190=164&192=168&193=172&195=176&196=180&200=184&203=187&207=194&208=196&209=203&211=213&212=221&213=226&216=234&221=238&224=240&236=242&250=246&253=250&259=252&263=255&264=257&265=259&267=261&272=265&274=272&276=276&277=283&278=289&279=295'
