@@ -22,7 +22,7 @@ from attngen import __version__
 from attngen.spec import AttnSpec, KernelKind, module_name
 from attngen.tiling import decode as decode_tiling
 from attngen.tiling.backward import derive_backward_tiles
-from attngen.tiling.code_paths import code_paths
+from attngen.tiling.code_paths import POINTER_LOADS_UP_TO, code_paths
 from attngen.tiling.prefill import Derivation, TileConfig, padded_head_dim
 
 if TYPE_CHECKING:  # importlib.resources.abc is Python >= 3.11; only the annotation needs it
@@ -120,6 +120,7 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
         "tma": paths.tma,
         "tma_masked_blocks": paths.tma_masked_blocks,
         "lpt_group_heads": paths.lpt_group_heads,
+        "pointer_loads_up_to": POINTER_LOADS_UP_TO,
     }
     context.update(_training_context(spec, kind, derivation))
     if kind is KernelKind.decode:

@@ -26,6 +26,7 @@ from triton.backends.compiler import BaseBackend
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tests.decode_harness import load_decode, make_cache, make_decode_spec, make_queries
+from attngen.tiling.code_paths import POINTER_LOADS_UP_TO
 from tests.kernel_harness import load_kernel, make_spec
 
 PREFILL = make_spec(name="fl", dtype="fp16", head_dim=64, num_q_heads=4, num_kv_heads=2)
@@ -91,6 +92,7 @@ def fast(monkeypatch, module, *kernel_names):
     monkeypatch.setattr(module, "_FAST_LAUNCH", True)
     monkeypatch.setattr(module, "_DRIVER", [lambda: -1, lambda device: "stream"])
     monkeypatch.setattr(module, "_LAUNCH_CACHE", {})
+    monkeypatch.setattr(module, "_EXACT_LAUNCHES", {})
     fakes = []
     for name in kernel_names:
         fake = FakeKernel(getattr(module, name))
@@ -293,3 +295,27 @@ def test_tma_decision_is_remembered_per_layout_but_reads_each_base_address():
     strided = fp16(1, 2, 32, 128)[..., ::2]
     assert not module._uses_tma(k, strided) and module.kv_load_path(k, strided).startswith(
         "pointers: v head-dim stride is 2")
+
+
+def test_small_launches_read_kv_by_pointers_and_larger_ones_by_tma(monkeypatch):
+    """As on a GPU (POINTER_LOADS_UP_TO as code_paths sets it; 0 under the interpreter): a
+    launch of at most that many (program, key block) pairs passes USE_TMA False and no
+    descriptors, one program more passes descriptors; the two paths give equal outputs."""
+    module = load_kernel(PREFILL)
+    assert module.POINTER_LOADS_UP_TO == 0  # the interpreter keeps testing the TMA path
+    block_m, block_n = module.CONFIG["BLOCK_M"], module.CONFIG["BLOCK_N"]
+    q, k = fp16(1, 4, block_m, 64), fp16(1, 2, block_n, 64)
+    by_tma = module.attention(q, k, k, return_lse=True)
+    monkeypatch.setattr(module, "POINTER_LOADS_UP_TO", POINTER_LOADS_UP_TO)
+    by_pointers = module.attention(q, k, k, return_lse=True)  # 4 pairs: pointers
+    assert all(torch.equal(a, b) for a, b in zip(by_tma, by_pointers, strict=True))
+    (fake,) = fast(monkeypatch, module, "_attn_fwd_kernel")
+    use_tma = [p.name for p in fake.params].index("USE_TMA")
+    batch = POINTER_LOADS_UP_TO // 4  # 4 q heads, one query block, one key block each
+    for programs in (batch, batch + 1):
+        q, k = fp16(programs, 4, block_m, 64), fp16(programs, 2, block_n, 64)
+        module.attention(q, k, k)
+        args = fake.bound[-1][1]
+        small = programs * 4 <= POINTER_LOADS_UP_TO
+        assert args[use_tma] is not small, f"{programs * 4} pairs"
+        assert any(isinstance(a, TensorDescriptor) for a in args) is not small

@@ -47,6 +47,7 @@ import attngen  # noqa: E402
 from attngen.runtime import ops  # noqa: E402
 from attngen.runtime.hf import attngen_attention  # noqa: E402
 from attngen.runtime.registry import load_kernels  # noqa: E402
+from attngen.tiling.code_paths import POINTER_LOADS_UP_TO  # noqa: E402
 
 HEADS, SEQLEN, DIM = 12, 64, 64
 
@@ -208,6 +209,8 @@ def stubbed_generated_modules() -> dict[str, object]:
         if hasattr(module, "_FAST_LAUNCH"):
             module._FAST_LAUNCH = True
             module._DRIVER[:] = [lambda: -1, lambda device: 0]
+        if hasattr(module, "POINTER_LOADS_UP_TO"):  # 0 under the interpreter: as on a GPU
+            module.POINTER_LOADS_UP_TO = POINTER_LOADS_UP_TO
         for name in ("_attn_fwd_kernel", "_append_kernel", "_decode_split_kernel",
                      "_decode_combine_kernel"):
             if hasattr(module, name):

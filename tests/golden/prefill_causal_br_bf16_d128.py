@@ -297,47 +297,54 @@ def _tensors_ok(q, k, v, rank, length):
 ACCEPTS_OUT = True
 _FAST_LAUNCH = not _INTERPRET  # the interpreter runs `kernel[grid]` (it has no launcher)
 _LAUNCH_CACHE = {}  # _specialization(...) -> the compiled kernel
+_EXACT_LAUNCHES = {}  # (_launch_classes(...), the ints themselves) -> the compiled kernel
 _LAUNCH_CACHE_SIZE = 1024  # a full cache starts over (a miss only costs a `kernel[grid]` call)
 _DRIVER = []  # [get_current_device, get_current_stream], resolved at the first launch on a GPU
 _HOOKS = triton.knobs.HookChain  # launch hooks: None or an empty chain means no hook
+_KNOBS = triton.knobs
 
 
-def _tail_class(x):
-    """A float scalar (never specialized), None (a constant) or a TMA descriptor (its dtype,
-    block shape and padding)."""
-    if x is None or type(x) is float:
-        return type(x)
-    return (x.base.dtype, tuple(x.block_shape), x.padding)
+def _int_classes(ints):
+    """Each int's class: (n >> 31) * 4 for its range (Triton's i32 is n >> 31 in {-1, 0};
+    every other value is its own class, at least as fine as i64/u64), plus 0 when
+    n % 16 == 0, 2 when n == 1 (a constant to Triton), else 1."""
+    return tuple([(n >> 31) * 4 + (n & 15 and (n == 1) + 1) for n in ints])
+
+
+def _launch_classes(kernel, device, tensors, tail, constexprs, options):
+    """Everything the compiled kernel depends on besides the ints and the argument values:
+    the kernel, the device, each tensor's dtype and 16-byte alignment, the tail's classes (a
+    float scalar is never specialized, None is a constant, a TMA descriptor is its dtype,
+    block shape and padding), the constexprs and the compile options (with Triton's debug
+    and instrumentation knobs)."""
+    return (kernel, device, tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in tensors]),
+            tuple([type(x) if x is None or type(x) is float
+                   else (x.base.dtype, tuple(x.block_shape), x.padding) for x in tail]),
+            tuple(constexprs.items()), tuple(options.items()), _KNOBS.runtime.debug,
+            _KNOBS.compilation.instrumentation_mode)
 
 
 def _specialization(kernel, device, tensors, ints, tail, constexprs, options):
-    """Everything the compiled kernel depends on besides the argument values: the kernel, the
-    device, each tensor's dtype and 16-byte alignment, each int's class, the tail's classes,
-    the constexprs and the compile options (with Triton's debug and instrumentation knobs).
-
-    An int's class is one int: (n >> 31) * 4 for its range (Triton's i32 is n >> 31 in
-    {-1, 0}; every other value is its own class, at least as fine as i64/u64), plus 0 when
-    n % 16 == 0, 2 when n == 1 (a constant to Triton), else 1. Equal keys give equal
-    specializations; the converse may not hold (no harm: one more entry)."""
-    return (kernel, device, tuple([t.dtype for t in tensors]),
-            tuple([t.data_ptr() & 15 == 0 for t in tensors]),
-            tuple([(n >> 31) * 4 + (n & 15 and (n == 1) + 1) for n in ints]),
-            tuple([_tail_class(x) for x in tail]), tuple(constexprs.items()),
-            tuple(options.items()), triton.knobs.runtime.debug,
-            triton.knobs.compilation.instrumentation_mode)
+    """_launch_classes and the ints' classes: equal keys give equal specializations; the
+    converse may not hold (no harm: one more entry)."""
+    return (_launch_classes(kernel, device, tensors, tail, constexprs, options),
+            _int_classes(ints))
 
 
 def _launch(kernel, grid, device, tensors, ints, tail, constexprs, options):
     """kernel[(grid,)](*tensors, *ints, *tail, **constexprs, **options): the kernel's
-    parameters are tensors (pointers), Python ints, the tail (floats, TMA descriptors or None)
-    and its constexprs, in that order; device is the tensors' CUDA device index.
+    parameters are tensors (pointers), Python ints (a tuple), the tail (floats, TMA
+    descriptors or None) and its constexprs, in that order; device is the tensors' CUDA
+    device index.
 
     The first call of a specialization goes through `kernel[grid]` (which compiles or finds the
-    kernel, checks Triton's globals, and launches); later ones call its launcher directly. A
-    launch hook (a profiler), a pre-run hook, another current device or the interpreter take
-    the `kernel[grid]` path every time (a launch hook receives the launch's metadata, which
-    only that path builds)."""
-    enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
+    kernel, checks Triton's globals, and launches); later ones call its launcher directly,
+    found first under the call's ints as they are (a repeated shape: no int classes to
+    derive), else under their classes. A launch hook (a profiler), a pre-run hook, another
+    current device or the interpreter take the `kernel[grid]` path every time (a launch hook
+    receives the launch's metadata, which only that path builds)."""
+    runtime = _KNOBS.runtime
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
     if (not _FAST_LAUNCH or kernel.pre_run_hooks
             or (enter is not None and not (type(enter) is _HOOKS and not enter.calls))
             or (leave is not None and not (type(leave) is _HOOKS and not leave.calls))):
@@ -351,11 +358,18 @@ def _launch(kernel, grid, device, tensors, ints, tail, constexprs, options):
         with torch.cuda.device(device):
             _launch(kernel, grid, device, tensors, ints, tail, constexprs, options)
         return
-    key = _specialization(kernel, device, tensors, ints, tail, constexprs, options)
-    compiled = _LAUNCH_CACHE.get(key)
+    classes = _launch_classes(kernel, device, tensors, tail, constexprs, options)
+    exact = (classes, ints)
+    compiled = _EXACT_LAUNCHES.get(exact)
     if compiled is None:
-        _first_launch(kernel, grid, key, tensors, ints, tail, constexprs, options)
-        return
+        key = (classes, _int_classes(ints))
+        compiled = _LAUNCH_CACHE.get(key)
+        if compiled is None:
+            _first_launch(kernel, grid, key, tensors, ints, tail, constexprs, options)
+            return
+        if len(_EXACT_LAUNCHES) >= _LAUNCH_CACHE_SIZE:
+            _EXACT_LAUNCHES.clear()
+        _EXACT_LAUNCHES[exact] = compiled
     compiled.run(grid, 1, 1, _DRIVER[1](device), compiled.function, compiled.packed_metadata,
                  None, None, None, *tensors, *ints, *tail, *constexprs.values())
 
@@ -445,12 +459,21 @@ def _options(config):
     return {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
 
 
+# A launch of at most this many (program, key block) pairs reads K/V by pointer loads: the two
+# tensor descriptors would cost more host time than TMA saves on so small a kernel (about
+# 9 us of encoding per launch on an H200's host; attngen/tiling/code_paths.py has the
+# measurements). 0 under the interpreter, which encodes nothing (and the CPU tests' small
+# shapes keep exercising TMA).
+POINTER_LOADS_UP_TO = 0 if _INTERPRET else 512
+
+
 def kv_load_path(k, v):
-    """How the kernel reads K/V blocks: "tma" (tensor descriptors, Hopper's copy engine) or
-    "pointers: <why not>". Both are exact; under TMA, keys of a block at the causal diagonal,
-    a window edge or the sequence end that a row must not see are masked in registers. TMA
-    needs a unit head-dim stride, the base and the other strides 16-byte aligned (no
-    broadcast stride 0), and at least one key."""
+    """How the kernel reads K/V blocks of a launch larger than POINTER_LOADS_UP_TO (program,
+    key block) pairs: "tma" (tensor descriptors, Hopper's copy engine) or "pointers: <why
+    not>"; smaller launches read by pointers. Both are exact; under TMA, keys of a block at
+    the causal diagonal, a window edge or the sequence end that a row must not see are
+    masked in registers. TMA needs a unit head-dim stride, the base and the other strides
+    16-byte aligned (no broadcast stride 0), and at least one key."""
     for name, t in (("k", k), ("v", v)):
         why = _tma_layout_problem(name, t.shape, t.stride())
         if why is None and t.data_ptr() % 16:
@@ -546,10 +569,11 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
     # Unused pointer arguments (LSE without return_lse, slopes without ALiBi) get `out`.
     lse_arg = out if lse is None else lse
     slopes_arg = out if alibi_slopes is None else alibi_slopes
-    use_tma = _uses_tma(k, v)
+    block_n = CONFIG["BLOCK_N"]
+    use_tma = (num_programs * -(-seqlen_k // block_n) > POINTER_LOADS_UP_TO
+               and _uses_tma(k, v))
     k_desc = v_desc = None
     if use_tma:
-        block_n = CONFIG["BLOCK_N"]
         k_desc = _descriptor(k, (1, 1, block_n, 128))
         v_desc = _descriptor(v, (1, 1, block_n, 128))
     _launch(
