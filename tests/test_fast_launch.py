@@ -25,8 +25,8 @@ from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from tests.decode_harness import load_decode, make_cache, make_decode_spec, make_queries
 from attngen.tiling.code_paths import POINTER_LOADS_UP_TO
+from tests.decode_harness import load_decode, make_cache, make_decode_spec, make_queries
 from tests.kernel_harness import load_kernel, make_spec
 
 PREFILL = make_spec(name="fl", dtype="fp16", head_dim=64, num_q_heads=4, num_kv_heads=2)
