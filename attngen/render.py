@@ -121,6 +121,10 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
         "tma_masked_blocks": paths.tma_masked_blocks,
         "lpt_group_heads": paths.lpt_group_heads,
         "pointer_loads_up_to": POINTER_LOADS_UP_TO,
+        # attention()'s call plans (_call_plan.py.jinja): prefill launchers whose calls have
+        # no per-call tensors beyond q, k, v and out (sinks and dropout have).
+        "call_plans": (kind is KernelKind.prefill and not spec.sinks
+                       and not (spec.backward and spec.dropout)),
     }
     context.update(_training_context(spec, kind, derivation))
     if kind is KernelKind.decode:

@@ -319,3 +319,66 @@ def test_small_launches_read_kv_by_pointers_and_larger_ones_by_tma(monkeypatch):
         small = programs * 4 <= POINTER_LOADS_UP_TO
         assert args[use_tma] is not small, f"{programs * 4} pairs"
         assert any(isinstance(a, TensorDescriptor) for a in args) is not small
+
+
+# ------------------------------------------------------------------- call plans
+
+
+def test_call_plans_launch_what_the_full_path_launches(monkeypatch):
+    """From a layout's second call, attention() runs from the layout's plan: its launches are
+    the full path's (the same compiled kernel, grid and arguments) for every option, out=,
+    alignment, load path and TMA threshold."""
+    module = load_kernel(PREFILL)
+    fast(monkeypatch, module, "_attn_fwd_kernel")
+    monkeypatch.setattr(module, "_CALL_PLANS", {})
+    log, run = [], FakeCompiled.run
+
+    def logged(self, *args):
+        run(self, *args)
+        log.append((self, self.runs[-1][0], described(self.runs[-1][1])))
+
+    monkeypatch.setattr(FakeCompiled, "run", logged)
+    q, k, v = fp16(2, 4, 64, 64), fp16(2, 2, 64, 64), fp16(2, 2, 64, 64)
+    out = fp16(2, 64, 4, 64).transpose(1, 2)
+    calls = {
+        "base": lambda: module.attention(q, k, v),
+        "scale, lse": lambda: module.attention(q, k, v, sm_scale=0.5, return_lse=True),
+        "out=": lambda: module.attention(q, k, v, out=out),
+        "misaligned q": lambda: module.attention(fp16(2, 4, 64, 64, offset=1), k, v),
+        "misaligned out=": lambda: module.attention(
+            q, k, v, out=fp16(2, 64, 4, 64, offset=1).transpose(1, 2)),
+        "pointers (layout)": lambda: module.attention(q, fp16(2, 2, 64, 128)[..., ::2], v),
+    }
+    for threshold in (0, POINTER_LOADS_UP_TO):
+        monkeypatch.setattr(module, "POINTER_LOADS_UP_TO", threshold)
+        for name, call in calls.items():
+            with monkeypatch.context() as unplanned:
+                unplanned.setattr(module, "_call_key", lambda *args: None)
+                call(), call()
+            expected = log[-1]
+            for _ in range(3):  # the plan's first launch through _launch, then its own
+                call()
+                assert log[-1] == expected, f"{name}, threshold {threshold}"
+    assert module._CALL_PLANS and all(plan.compiled for plan in module._CALL_PLANS.values())
+
+
+def test_a_planned_layout_still_refuses_out_sharing_memory(monkeypatch):
+    module = load_kernel(PREFILL)
+    fast(monkeypatch, module, "_attn_fwd_kernel")
+    monkeypatch.setattr(module, "_CALL_PLANS", {})
+    size = 2 * 4 * 64 * 64
+    q, k = fp16(2, 4, 64, 64), fp16(2, 2, 64, 64)
+    for _ in range(3):
+        module.attention(q, k, k, out=fp16(2, 64, 4, 64).transpose(1, 2))
+    (plan,) = module._CALL_PLANS.values()
+    assert plan.compiled
+    storage = fp16(2 * size)
+    q_shared = storage[:size].view(2, 4, 64, 64)
+    out_shared = storage[size:].view(2, 64, 4, 64).transpose(1, 2)  # the planned layout
+    with pytest.raises(ValueError, match="out: shares memory with q"):
+        module.attention(q_shared, k, k, out=out_shared)
+    storage = fp16(k.numel() + size)
+    k_shared = storage[:k.numel()].view(k.shape)
+    out_shared = storage[k.numel():].view(2, 64, 4, 64).transpose(1, 2)
+    with pytest.raises(ValueError, match="out: shares memory with k"):
+        module.attention(q, k_shared, k_shared, out=out_shared)

@@ -105,6 +105,7 @@ CAUSAL_BR_BF16_D128 = {
     "tma_masked_blocks": True,
     "lpt_group_heads": 0,
     "pointer_loads_up_to": 512,
+    "call_plans": True,
 }
 
 # Sliding window (top-left), softcap 30, ALiBi, fp32, D = DV = 80 padded to 128, on sm80.
@@ -168,6 +169,7 @@ WINDOW_SOFTCAP_ALIBI_FP32_D80 = {
     "tma_masked_blocks": False,
     "lpt_group_heads": 0,
     "pointer_loads_up_to": 512,
+    "call_plans": True,
 }
 
 # The same causal bf16 kernel as varlen: packed sequences, cu_seqlens, LSE [HQ, total_q].
@@ -180,6 +182,7 @@ CAUSAL_BR_BF16_D128_VARLEN = {
     "tma_masked_blocks": False,
     "lpt_group_heads": 0,
     "pointer_loads_up_to": 512,
+    "call_plans": False,
 }
 
 GOLDEN = {

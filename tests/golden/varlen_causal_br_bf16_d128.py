@@ -364,33 +364,40 @@ def _specialization(kernel, device, tensors, ints, tail, constexprs, options):
             _int_classes(ints))
 
 
-def _launch(kernel, grid, device, tensors, ints, tail, constexprs, options):
-    """kernel[(grid,)](*tensors, *ints, *tail, **constexprs, **options): the kernel's
-    parameters are tensors (pointers), Python ints (a tuple), the tail (floats, TMA
-    descriptors or None) and its constexprs, in that order; device is the tensors' CUDA
-    device index.
-
-    The first call of a specialization goes through `kernel[grid]` (which compiles or finds the
-    kernel, checks Triton's globals, and launches); later ones call its launcher directly,
-    found first under the call's ints as they are (a repeated shape: no int classes to
-    derive), else under their classes. A launch hook (a profiler), a pre-run hook, another
-    current device or the interpreter take the `kernel[grid]` path every time (a launch hook
-    receives the launch's metadata, which only that path builds)."""
+def _runs_directly(kernel):
+    """Whether a launch may call a compiled kernel's launcher: the cached launcher on (not the
+    interpreter), no pre-run hook and no launch hook (a profiler: it receives the launch's
+    metadata, which only `kernel[grid]` builds). Resolves _DRIVER on the first call."""
     runtime = _KNOBS.runtime
     enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
     if (not _FAST_LAUNCH or kernel.pre_run_hooks
             or (enter is not None and not (type(enter) is _HOOKS and not enter.calls))
             or (leave is not None and not (type(leave) is _HOOKS and not leave.calls))):
-        with torch.cuda.device(device) if device >= 0 else contextlib.nullcontext():
-            kernel[(grid,)](*tensors, *ints, *tail, **constexprs, **options)
-        return
+        return False
     if not _DRIVER:
         active = triton.runtime.driver.active
         _DRIVER[:] = [active.get_current_device, active.get_current_stream]
+    return True
+
+
+def _launch(kernel, grid, device, tensors, ints, tail, constexprs, options):
+    """kernel[(grid,)](*tensors, *ints, *tail, **constexprs, **options): the kernel's
+    parameters are tensors (pointers), Python ints (a tuple), the tail (floats, TMA
+    descriptors or None) and its constexprs, in that order; device is the tensors' CUDA
+    device index. Returns the compiled kernel when it ran directly, else None.
+
+    The first call of a specialization goes through `kernel[grid]` (which compiles or finds the
+    kernel, checks Triton's globals, and launches); later ones call its launcher directly,
+    found first under the call's ints as they are (a repeated shape: no int classes to
+    derive), else under their classes, on `device` made current if it is not. Where
+    _runs_directly says no, every launch takes `kernel[grid]`."""
+    if not _runs_directly(kernel):
+        with torch.cuda.device(device) if device >= 0 else contextlib.nullcontext():
+            kernel[(grid,)](*tensors, *ints, *tail, **constexprs, **options)
+        return None
     if _DRIVER[0]() != device:
         with torch.cuda.device(device):
-            _launch(kernel, grid, device, tensors, ints, tail, constexprs, options)
-        return
+            return _launch(kernel, grid, device, tensors, ints, tail, constexprs, options)
     classes = _launch_classes(kernel, device, tensors, tail, constexprs, options)
     exact = (classes, ints)
     compiled = _EXACT_LAUNCHES.get(exact)
@@ -398,13 +405,13 @@ def _launch(kernel, grid, device, tensors, ints, tail, constexprs, options):
         key = (classes, _int_classes(ints))
         compiled = _LAUNCH_CACHE.get(key)
         if compiled is None:
-            _first_launch(kernel, grid, key, tensors, ints, tail, constexprs, options)
-            return
+            return _first_launch(kernel, grid, key, tensors, ints, tail, constexprs, options)
         if len(_EXACT_LAUNCHES) >= _LAUNCH_CACHE_SIZE:
             _EXACT_LAUNCHES.clear()
         _EXACT_LAUNCHES[exact] = compiled
     compiled.run(grid, 1, 1, _DRIVER[1](device), compiled.function, compiled.packed_metadata,
                  None, None, None, *tensors, *ints, *tail, *constexprs.values())
+    return compiled
 
 
 def _first_launch(kernel, grid, key, tensors, ints, tail, constexprs, options):
@@ -425,6 +432,7 @@ def _first_launch(kernel, grid, key, tensors, ints, tail, constexprs, options):
     if len(_LAUNCH_CACHE) >= _LAUNCH_CACHE_SIZE:
         _LAUNCH_CACHE.clear()
     _LAUNCH_CACHE[key] = compiled
+    return compiled
 
 
 # -- out= -----------------------------------------------------------------------------------
