@@ -321,6 +321,50 @@ def _tensors_ok(q, k, v, rank, length):
             and k_shape[1] != 0 and q_shape[1] % k_shape[1] == 0)
 
 
+def _varlen_ok(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):
+    """The success path of _check_varlen (q passed _tensors_ok), by comparisons only."""
+    cuda, device = q.is_cuda, q.get_device()
+    for t in (cu_seqlens_q, cu_seqlens_k) if seqused_k is None else (
+            cu_seqlens_q, cu_seqlens_k, seqused_k):
+        if not (type(t) is torch.Tensor and t.dtype == torch.int32 and t.dim() == 1
+                and (t.is_cuda if cuda else t.is_cpu) and t.get_device() == device
+                and t.is_contiguous()):
+            return False
+    return (cu_seqlens_q.numel() >= 1 and cu_seqlens_k.shape == cu_seqlens_q.shape
+            and (seqused_k is None or seqused_k.numel() == cu_seqlens_q.numel() - 1)
+            and type(max_seqlen_q) is int and max_seqlen_q >= 0
+            and type(max_seqlen_k) is int and max_seqlen_k >= 0)
+
+
+def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):
+    """Shapes, dtypes and devices only: the lengths live on the device and are never read."""
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                    ("seqused_k", seqused_k)):
+        if t is None and name == "seqused_k":
+            continue
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
+            raise ValueError(f"{name}: expected a 1-D int32 tensor, got {got}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (as q), got {t.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor (read with stride 1), got "
+                             f"strides {t.stride()}")
+    if cu_seqlens_q.numel() < 1 or cu_seqlens_k.shape != cu_seqlens_q.shape:
+        raise ValueError(
+            "cu_seqlens_q, cu_seqlens_k: expected the same shape [B + 1], got "
+            f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}"
+        )
+    if seqused_k is not None and seqused_k.numel() != cu_seqlens_q.numel() - 1:
+        raise ValueError(
+            f"seqused_k: expected shape ({cu_seqlens_q.numel() - 1},) [B], "
+            f"got {tuple(seqused_k.shape)}"
+        )
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{name}: expected a Python int >= 0, got {n!r}")
+
+
 # -- launches -------------------------------------------------------------------------------
 # `kernel[grid](...)` binds every argument, derives what Triton specializes on and formats a
 # cache key on each call: tens of microseconds of host time, more than a small launch's GPU
@@ -498,50 +542,6 @@ def _check_grid(num_programs):
 def _options(config):
     """The compile options of a launch with `config`."""
     return {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
-
-
-def _varlen_ok(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):
-    """The success path of _check_varlen (q passed _tensors_ok), by comparisons only."""
-    cuda, device = q.is_cuda, q.get_device()
-    for t in (cu_seqlens_q, cu_seqlens_k) if seqused_k is None else (
-            cu_seqlens_q, cu_seqlens_k, seqused_k):
-        if not (type(t) is torch.Tensor and t.dtype == torch.int32 and t.dim() == 1
-                and (t.is_cuda if cuda else t.is_cpu) and t.get_device() == device
-                and t.is_contiguous()):
-            return False
-    return (cu_seqlens_q.numel() >= 1 and cu_seqlens_k.shape == cu_seqlens_q.shape
-            and (seqused_k is None or seqused_k.numel() == cu_seqlens_q.numel() - 1)
-            and type(max_seqlen_q) is int and max_seqlen_q >= 0
-            and type(max_seqlen_k) is int and max_seqlen_k >= 0)
-
-
-def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):
-    """Shapes, dtypes and devices only: the lengths live on the device and are never read."""
-    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
-                    ("seqused_k", seqused_k)):
-        if t is None and name == "seqused_k":
-            continue
-        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32:
-            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
-            raise ValueError(f"{name}: expected a 1-D int32 tensor, got {got}")
-        if t.device != q.device:
-            raise ValueError(f"{name}: expected device {q.device} (as q), got {t.device}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous tensor (read with stride 1), got "
-                             f"strides {t.stride()}")
-    if cu_seqlens_q.numel() < 1 or cu_seqlens_k.shape != cu_seqlens_q.shape:
-        raise ValueError(
-            "cu_seqlens_q, cu_seqlens_k: expected the same shape [B + 1], got "
-            f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}"
-        )
-    if seqused_k is not None and seqused_k.numel() != cu_seqlens_q.numel() - 1:
-        raise ValueError(
-            f"seqused_k: expected shape ({cu_seqlens_q.numel() - 1},) [B], "
-            f"got {tuple(seqused_k.shape)}"
-        )
-    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"{name}: expected a Python int >= 0, got {n!r}")
 
 
 def _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k):
