@@ -21,7 +21,7 @@ from attngen.spec import AttnSpec, KernelKind, module_name
 from attngen.template_env import environment, template_sources
 from attngen.tiling import decode as decode_tiling
 from attngen.tiling.backward import derive_backward_tiles
-from attngen.tiling.code_paths import code_paths
+from attngen.tiling.code_paths import POINTER_LOADS_UP_TO, code_paths
 from attngen.tiling.prefill import Derivation, TileConfig, padded_head_dim
 
 # A generated module may import these and nothing else.
@@ -56,7 +56,6 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
     if config is None:
         raise RenderError(f"{spec.name} on {derivation.arch}: no feasible tile config to render")
     window = spec.window or (0, 0)
-    paths = code_paths(spec, derivation.arch, kind)
     context = {
         "attngen_version": __version__,
         "template_name": TEMPLATE_FOR_KIND[kind],
@@ -92,12 +91,8 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
         "chunk_size": spec.chunk_size or 0,
         "sink_tokens": spec.sink_tokens or 0,
         "varlen": kind is KernelKind.varlen,
-        # Hopper's tensor-memory accelerator for K/V blocks, and the causal schedule: the
-        # choices and their measurements are in code_paths.py.
-        "tma": paths.tma,
-        "tma_masked_blocks": paths.tma_masked_blocks,
-        "lpt_group_heads": paths.lpt_group_heads,
     }
+    context.update(_host_paths_context(spec, kind, derivation.arch))
     context.update(_training_context(spec, kind, derivation))
     if kind is KernelKind.decode:
         context.update({
@@ -110,6 +105,22 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
             "interpreter_sm_count": decode_tiling.INTERPRETER_SM_COUNT,
         })
     return context
+
+
+def _host_paths_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str, Any]:
+    """Hopper's tensor-memory accelerator for K/V blocks and the causal schedule (the choices
+    and their measurements are in code_paths.py), and whether attention() keeps call plans
+    (_call_plan.py.jinja: prefill launchers whose calls bring no tensors beyond q, k, v and
+    out; sinks and dropout do)."""
+    paths = code_paths(spec, arch, kind)
+    return {
+        "tma": paths.tma,
+        "tma_masked_blocks": paths.tma_masked_blocks,
+        "lpt_group_heads": paths.lpt_group_heads,
+        "pointer_loads_up_to": POINTER_LOADS_UP_TO,
+        "call_plans": (kind is KernelKind.prefill and not spec.sinks
+                       and not (spec.backward and spec.dropout)),
+    }
 
 
 def _training_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation

@@ -25,6 +25,7 @@ from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from attngen.tiling.code_paths import POINTER_LOADS_UP_TO
 from tests.decode_harness import load_decode, make_cache, make_decode_spec, make_queries
 from tests.kernel_harness import load_kernel, make_spec
 
@@ -91,6 +92,7 @@ def fast(monkeypatch, module, *kernel_names):
     monkeypatch.setattr(module, "_FAST_LAUNCH", True)
     monkeypatch.setattr(module, "_DRIVER", [lambda: -1, lambda device: "stream"])
     monkeypatch.setattr(module, "_LAUNCH_CACHE", {})
+    monkeypatch.setattr(module, "_EXACT_LAUNCHES", {})
     fakes = []
     for name in kernel_names:
         fake = FakeKernel(getattr(module, name))
@@ -293,3 +295,90 @@ def test_tma_decision_is_remembered_per_layout_but_reads_each_base_address():
     strided = fp16(1, 2, 32, 128)[..., ::2]
     assert not module._uses_tma(k, strided) and module.kv_load_path(k, strided).startswith(
         "pointers: v head-dim stride is 2")
+
+
+def test_small_launches_read_kv_by_pointers_and_larger_ones_by_tma(monkeypatch):
+    """As on a GPU (POINTER_LOADS_UP_TO as code_paths sets it; 0 under the interpreter): a
+    launch of at most that many (program, key block) pairs passes USE_TMA False and no
+    descriptors, one program more passes descriptors; the two paths give equal outputs."""
+    module = load_kernel(PREFILL)
+    assert module.POINTER_LOADS_UP_TO == 0  # the interpreter keeps testing the TMA path
+    block_m, block_n = module.CONFIG["BLOCK_M"], module.CONFIG["BLOCK_N"]
+    q, k = fp16(1, 4, block_m, 64), fp16(1, 2, block_n, 64)
+    by_tma = module.attention(q, k, k, return_lse=True)
+    monkeypatch.setattr(module, "POINTER_LOADS_UP_TO", POINTER_LOADS_UP_TO)
+    by_pointers = module.attention(q, k, k, return_lse=True)  # 4 pairs: pointers
+    assert all(torch.equal(a, b) for a, b in zip(by_tma, by_pointers, strict=True))
+    (fake,) = fast(monkeypatch, module, "_attn_fwd_kernel")
+    use_tma = [p.name for p in fake.params].index("USE_TMA")
+    batch = POINTER_LOADS_UP_TO // 4  # 4 q heads, one query block, one key block each
+    for programs in (batch, batch + 1):
+        q, k = fp16(programs, 4, block_m, 64), fp16(programs, 2, block_n, 64)
+        module.attention(q, k, k)
+        args = fake.bound[-1][1]
+        small = programs * 4 <= POINTER_LOADS_UP_TO
+        assert args[use_tma] is not small, f"{programs * 4} pairs"
+        assert any(isinstance(a, TensorDescriptor) for a in args) is not small
+
+
+# ------------------------------------------------------------------- call plans
+
+
+def test_call_plans_launch_what_the_full_path_launches(monkeypatch):
+    """From a layout's second call, attention() runs from the layout's plan: its launches are
+    the full path's (the same compiled kernel, grid and arguments) for every option, out=,
+    alignment, load path and TMA threshold."""
+    module = load_kernel(PREFILL)
+    fast(monkeypatch, module, "_attn_fwd_kernel")
+    monkeypatch.setattr(module, "_CALL_PLANS", {})
+    log, run = [], FakeCompiled.run
+
+    def logged(self, *args):
+        run(self, *args)
+        log.append((self, self.runs[-1][0], described(self.runs[-1][1])))
+
+    monkeypatch.setattr(FakeCompiled, "run", logged)
+    q, k, v = fp16(2, 4, 64, 64), fp16(2, 2, 64, 64), fp16(2, 2, 64, 64)
+    out = fp16(2, 64, 4, 64).transpose(1, 2)
+    calls = {
+        "base": lambda: module.attention(q, k, v),
+        "scale, lse": lambda: module.attention(q, k, v, sm_scale=0.5, return_lse=True),
+        "out=": lambda: module.attention(q, k, v, out=out),
+        "misaligned q": lambda: module.attention(fp16(2, 4, 64, 64, offset=1), k, v),
+        "misaligned out=": lambda: module.attention(
+            q, k, v, out=fp16(2, 64, 4, 64, offset=1).transpose(1, 2)),
+        "pointers (layout)": lambda: module.attention(q, fp16(2, 2, 64, 128)[..., ::2], v),
+    }
+    for threshold in (0, POINTER_LOADS_UP_TO):
+        monkeypatch.setattr(module, "POINTER_LOADS_UP_TO", threshold)
+        for name, call in calls.items():
+            with monkeypatch.context() as unplanned:
+                unplanned.setattr(module, "_call_key", lambda *args: None)
+                call(), call()
+            expected = log[-1]
+            for _ in range(3):  # the plan's first launch through _launch, then its own
+                call()
+                assert log[-1] == expected, f"{name}, threshold {threshold}"
+    assert module._CALL_PLANS and all(plan.compiled for plan in module._CALL_PLANS.values())
+
+
+def test_a_planned_layout_still_refuses_out_sharing_memory(monkeypatch):
+    module = load_kernel(PREFILL)
+    fast(monkeypatch, module, "_attn_fwd_kernel")
+    monkeypatch.setattr(module, "_CALL_PLANS", {})
+    size = 2 * 4 * 64 * 64
+    q, k = fp16(2, 4, 64, 64), fp16(2, 2, 64, 64)
+    for _ in range(3):
+        module.attention(q, k, k, out=fp16(2, 64, 4, 64).transpose(1, 2))
+    (plan,) = module._CALL_PLANS.values()
+    assert plan.compiled
+    storage = fp16(2 * size)
+    q_shared = storage[:size].view(2, 4, 64, 64)
+    out_shared = storage[size:].view(2, 64, 4, 64).transpose(1, 2)  # the planned layout
+    with pytest.raises(ValueError, match="out: shares memory with q"):
+        module.attention(q_shared, k, k, out=out_shared)
+    storage = fp16(k.numel() + size)
+    k_shared = storage[:k.numel()].view(k.shape)
+    out_shared = storage[k.numel():].view(2, 64, 4, 64).transpose(1, 2)
+    with pytest.raises(ValueError, match="out: shares memory with k"):
+        module.attention(q, k_shared, k_shared, out=out_shared)

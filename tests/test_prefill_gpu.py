@@ -172,3 +172,20 @@ def test_llama4_chunks_at_the_real_chunk_size():
                              num_kv_heads=2, device="cuda")
     out, lse = kernel.attention(q, k, v, return_lse=True)
     assert_matches_reference(spec, out, lse, q, k, v)
+
+
+@pytest.mark.parametrize("spec", _example_specs(), ids=lambda s: s.name)
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(64, 64), (1, 200), (130, 130)])
+def test_small_launches_by_pointers_equal_tma(spec, seqlen_q, seqlen_k, monkeypatch):
+    """A launch of at most POINTER_LOADS_UP_TO (program, key block) pairs reads K/V by
+    pointers (no descriptors to encode); the outputs and LSE are bitwise those of the TMA
+    path (the same products and sums), and match the reference."""
+    kernel = _load_generated(spec)
+    assert kernel.POINTER_LOADS_UP_TO > 0
+    q, k, v, slopes = make_inputs(spec, 1, seqlen_q, seqlen_k, seed=seqlen_k, device="cuda")
+    extra = _sinks(spec)
+    by_pointers = kernel.attention(q, k, v, alibi_slopes=slopes, return_lse=True, **extra)
+    assert_matches_reference(spec, *by_pointers, q, k, v, slopes=slopes, **extra)
+    monkeypatch.setattr(kernel, "POINTER_LOADS_UP_TO", 0)
+    by_tma = kernel.attention(q, k, v, alibi_slopes=slopes, return_lse=True, **extra)
+    assert torch.equal(by_pointers[0], by_tma[0]) and torch.equal(by_pointers[1], by_tma[1])

@@ -103,6 +103,8 @@ CAUSAL_BR_BF16_D128 = {
     "tma": True,
     "tma_masked_blocks": True,
     "lpt_group_heads": 0,
+    "pointer_loads_up_to": 512,
+    "call_plans": True,
 }
 
 # Sliding window (top-left), softcap 30, ALiBi, fp32, D = DV = 80 padded to 128, on sm80.
@@ -165,6 +167,8 @@ WINDOW_SOFTCAP_ALIBI_FP32_D80 = {
     "tma": False,
     "tma_masked_blocks": False,
     "lpt_group_heads": 0,
+    "pointer_loads_up_to": 512,
+    "call_plans": True,
 }
 
 # The same causal bf16 kernel as varlen: packed sequences, cu_seqlens, LSE [HQ, total_q].
@@ -176,6 +180,8 @@ CAUSAL_BR_BF16_D128_VARLEN = {
     "tma": False,
     "tma_masked_blocks": False,
     "lpt_group_heads": 0,
+    "pointer_loads_up_to": 512,
+    "call_plans": False,
 }
 
 GOLDEN = {

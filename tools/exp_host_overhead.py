@@ -132,11 +132,18 @@ def measure_launch(rows: dict, q, k, v) -> None:
     module._attn_fwd_kernel = recorder
     fast = getattr(module, "_FAST_LAUNCH", False)
     module._FAST_LAUNCH = False  # the cached launcher would call the recorder only once
+    # The TMA launch, with its descriptors: a launch this small reads K/V by pointers, so the
+    # rows below compare the two paths as before POINTER_LOADS_UP_TO.
+    threshold = getattr(module, "POINTER_LOADS_UP_TO", None)
+    if threshold is not None:
+        module.POINTER_LOADS_UP_TO = 0
     try:
         module.attention(q, k, v)
     finally:
         module._attn_fwd_kernel = real
         module._FAST_LAUNCH = fast
+        if threshold is not None:
+            module.POINTER_LOADS_UP_TO = threshold
     grid, kargs, kkw = recorder.grid, recorder.args, recorder.kwargs
     tma = bool(kkw.get("USE_TMA"))
     rows["module uses TMA at this shape"] = tma

@@ -11,7 +11,8 @@ stand-ins that advertise ACCEPTS_OUT and take `out=` (as the templates render th
 the generated modules' own entry points (generated/, sm90) with their cached launcher on, as
 on a GPU, and the launch itself stubbed out: the modules' share of the host time; and the
 public functions over those modules at tools/host_overhead.py's shapes, whose ratio to the
-module's row is what the runtime adds.
+module's row is what the runtime adds; last, the prefill module's entry point phase by phase
+(its plan, its full path, TMA descriptors, and the pieces alone).
 
 Shape: B 1, H 12, N 64, D 64, fp16 (the H200 host-time shape of docs/performance.md); decode:
 B 1, one query token, a 64-token cache.
@@ -47,6 +48,7 @@ import attngen  # noqa: E402
 from attngen.runtime import ops  # noqa: E402
 from attngen.runtime.hf import attngen_attention  # noqa: E402
 from attngen.runtime.registry import load_kernels  # noqa: E402
+from attngen.tiling.code_paths import POINTER_LOADS_UP_TO  # noqa: E402
 
 HEADS, SEQLEN, DIM = 12, 64, 64
 
@@ -208,6 +210,8 @@ def stubbed_generated_modules() -> dict[str, object]:
         if hasattr(module, "_FAST_LAUNCH"):
             module._FAST_LAUNCH = True
             module._DRIVER[:] = [lambda: -1, lambda device: 0]
+        if hasattr(module, "POINTER_LOADS_UP_TO"):  # 0 under the interpreter: as on a GPU
+            module.POINTER_LOADS_UP_TO = POINTER_LOADS_UP_TO
         for name in ("_attn_fwd_kernel", "_append_kernel", "_decode_split_kernel",
                      "_decode_combine_kernel"):
             if hasattr(module, name):
@@ -263,6 +267,55 @@ def generated_module_calls() -> dict[str, object]:
     }
 
 
+def phase_calls() -> dict[str, tuple[object, object, dict]]:
+    """Where the prefill module's entry point spends its host time, phase by phase (bert, the
+    tiny shape, launches stubbed): name -> (call, module, attributes set on the module while
+    it is timed). Rows marked "  " time one piece alone; the others the entry point with
+    one piece switched off, so differences between rows are the pieces' shares."""
+    bert = stubbed_generated_modules()["prefill bert_base"]
+    q = torch.randn(1, HEADS, SEQLEN, DIM, dtype=torch.float16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    flash = [t.transpose(1, 2).contiguous() for t in (q, k, v, q)]
+    recorded = []
+    bert._launch, real = (lambda *args: recorded.append(args)), bert._launch
+    try:
+        bert.attention(q, k, v, return_lse=False)  # its full path: records the launch
+        bert._CALL_PLANS.clear()
+    finally:
+        bert._launch = real
+    block = (1, 1, bert.CONFIG["BLOCK_N"], DIM)
+    no_plan = {"_call_key": lambda *args: None}
+    return {
+        "attention(), from its layout's plan": (lambda: bert.attention(q, k, v), bert, {}),
+        "attention(), full path (plans off)": (lambda: bert.attention(q, k, v), bert, no_plan),
+        "attention(), full path, TMA descriptors": (
+            lambda: bert.attention(q, k, v), bert, {**no_plan, "POINTER_LOADS_UP_TO": 0}),
+        "  _call_key (a plan's lookup key)": (
+            lambda: bert._call_key(q, k, v, None, None, False, None), bert, {}),
+        "  _tensors_ok (q, k, v checks)": (lambda: bert._tensors_ok(q, k, v, 4, 2), bert, {}),
+        "  output allocation (new_empty)": (lambda: q.new_empty(q.shape), bert, {}),
+        "  _launch, cached (its key; run stubbed)": (lambda: real(*recorded[0]), bert, {}),
+        "  TMA descriptors x2 (Python side)": (
+            lambda: (bert._descriptor(k, block), bert._descriptor(v, block)), bert, {}),
+        "  flash-layout views (q, k, v, out)": (
+            lambda: [t.transpose(1, 2) for t in flash], bert, {}),
+        "  ATTNGEN_CHECKS lookup (varlen, decode)": (
+            lambda: os.environ.get("ATTNGEN_CHECKS"), bert, {}),
+    }
+
+
+def time_patched(call, module, patches: dict, calls: int, repeat: int) -> float:
+    """time_us(call) with `patches` set on the module meanwhile."""
+    saved = {name: getattr(module, name) for name in patches}
+    for name, value in patches.items():
+        setattr(module, name, value)
+    try:
+        return time_us(call, calls, repeat)
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
 def time_us(call, calls: int, repeat: int) -> float:
     call()  # first call: imports and caches
     best = min(timeit.repeat(call, number=calls, repeat=repeat, timer=time.thread_time))
@@ -289,6 +342,8 @@ def main() -> None:
     results["generated modules"] = {}
     for name, call in generated_module_calls().items():
         results["generated modules"][name] = time_us(call, args.calls, args.repeat)
+    results["phases"] = {name: time_patched(call, module, patches, args.calls, args.repeat)
+                         for name, (call, module, patches) in phase_calls().items()}
     labels = list(results)
     print(f"Python overhead per call, us (torch {torch.__version__}, kernel stubbed out)")
     print(f"  {'call':42s}" + "".join(f"{label:>20s}" for label in labels[:2]))
@@ -297,6 +352,9 @@ def main() -> None:
     print("Generated modules, and the public functions over them, us per call (launch stubbed, "
           "cached launcher on)")
     for name, value in results["generated modules"].items():
+        print(f"  {name:42s}{value:20.1f}")
+    print("The prefill module's entry point (bert), phase by phase, us per call")
+    for name, value in results["phases"].items():
         print(f"  {name:42s}{value:20.1f}")
 
 

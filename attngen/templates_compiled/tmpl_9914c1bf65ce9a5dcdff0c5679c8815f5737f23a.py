@@ -20,6 +20,7 @@ def root(context, missing=missing):
     l_0_head_dim_v = resolve('head_dim_v')
     l_0_bottom_right = resolve('bottom_right')
     l_0_tma = resolve('tma')
+    l_0_call_plans = resolve('call_plans')
     l_0_block_d = resolve('block_d')
     l_0_block_dv = resolve('block_dv')
     l_0_common = l_0_checks = l_0_step = l_0_launch_config = l_0_entry_prefix = l_0_dropout_param = missing
@@ -88,7 +89,7 @@ def root(context, missing=missing):
         yield '\n\ndef config_for(seqlen):\n    """The launch config for sequences of `seqlen` (queries or keys, the longer): the first\n    entry of CONFIGS_BY_SEQLEN that reaches it, else CONFIG."""\n    for up_to, config in CONFIGS_BY_SEQLEN:\n        if seqlen <= up_to:\n            return config\n    return CONFIG\n'
     if (undefined(name='varlen') if l_0_varlen is missing else l_0_varlen):
         pass
-        yield '\n\ndef _varlen_ok(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):\n    """The success path of _check_varlen (q passed _tensors_ok), by comparisons only."""\n    cuda, device = q.is_cuda, q.get_device()\n    for t in (cu_seqlens_q, cu_seqlens_k) if seqused_k is None else (\n            cu_seqlens_q, cu_seqlens_k, seqused_k):\n        if not (type(t) is torch.Tensor and t.dtype == torch.int32 and t.dim() == 1\n                and (t.is_cuda if cuda else t.is_cpu) and t.get_device() == device\n                and t.is_contiguous()):\n            return False\n    return (cu_seqlens_q.numel() >= 1 and cu_seqlens_k.shape == cu_seqlens_q.shape\n            and (seqused_k is None or seqused_k.numel() == cu_seqlens_q.numel() - 1)\n            and type(max_seqlen_q) is int and max_seqlen_q >= 0\n            and type(max_seqlen_k) is int and max_seqlen_k >= 0)\n\n\ndef _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):\n    """Shapes, dtypes and devices only: the lengths live on the device and are never read."""\n    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),\n                    ("seqused_k", seqused_k)):\n        if t is None and name == "seqused_k":\n            continue\n        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32:\n            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)\n            raise ValueError(f"{name}: expected a 1-D int32 tensor, got {got}")\n        if t.device != q.device:\n            raise ValueError(f"{name}: expected device {q.device} (as q), got {t.device}")\n        if not t.is_contiguous():\n            raise ValueError(f"{name}: expected a contiguous tensor (read with stride 1), got "\n                             f"strides {t.stride()}")\n    if cu_seqlens_q.numel() < 1 or cu_seqlens_k.shape != cu_seqlens_q.shape:\n        raise ValueError(\n            "cu_seqlens_q, cu_seqlens_k: expected the same shape [B + 1], got "\n            f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}"\n        )\n    if seqused_k is not None and seqused_k.numel() != cu_seqlens_q.numel() - 1:\n        raise ValueError(\n            f"seqused_k: expected shape ({cu_seqlens_q.numel() - 1},) [B], "\n            f"got {tuple(seqused_k.shape)}"\n        )\n    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):\n        if isinstance(n, bool) or not isinstance(n, int) or n < 0:\n            raise ValueError(f"{name}: expected a Python int >= 0, got {n!r}")\n\n\n'
+        yield '\n\n'
         yield str(t_2(context.call(environment.getattr((undefined(name='checks') if l_0_checks is missing else l_0_checks), 'varlen_validation')), '\n'))
         yield '\n\n\ndef '
         yield str((undefined(name='entry_prefix') if l_0_entry_prefix is missing else l_0_entry_prefix))
@@ -190,6 +191,15 @@ def root(context, missing=missing):
                 for event in gen:
                     yield event
             finally: gen.close()
+        if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
+            pass
+            yield '\n\n'
+            template = environment.get_template('_call_plan.py.jinja', '_launch.py.jinja')
+            gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step}))
+            try:
+                for event in gen:
+                    yield event
+            finally: gen.close()
         yield '\n\ndef '
         yield str((undefined(name='entry_prefix') if l_0_entry_prefix is missing else l_0_entry_prefix))
         yield 'attention(q, k, v, *, sm_scale=None, alibi_slopes=None,\n'
@@ -238,7 +248,11 @@ def root(context, missing=missing):
         yield str((undefined(name='head_dim_v') if l_0_head_dim_v is missing else l_0_head_dim_v))
         yield "] in q's dtype, and with return_lse also the\n    log-sum-exp of the scores [B, HQ, M] in float32 (natural log; -inf for a row that sees\n    no key, whose output is 0). With out= (that shape, dtype and device, any strides whose\n    elements do not overlap, e.g. a [B, M, HQ, "
         yield str((undefined(name='head_dim_v') if l_0_head_dim_v is missing else l_0_head_dim_v))
-        yield '] tensor transposed; no memory shared with\n    q, k, v) the output is written there and out is returned.\n    """\n    if not _tensors_ok(q, k, v, 4, 2):\n        _check_tensors(q, k, v, "[B, H, N, D]")\n    if not (q.shape[0] == k.shape[0] == v.shape[0]):\n        raise ValueError(\n            f"batch: expected equal sizes, got q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}"\n        )\n    batch, num_q_heads, seqlen_q, _ = q.shape\n    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]\n    _check_alibi(alibi_slopes, num_q_heads, q)\n'
+        yield '] tensor transposed; no memory shared with\n    q, k, v) the output is written there and out is returned.\n    """\n'
+        if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
+            pass
+            yield '    key = _call_key(q, k, v, sm_scale, alibi_slopes, return_lse, out)\n    if key is not None:\n        plan = _CALL_PLANS.get(key)\n        if plan is not None:\n            done = _run_plan(plan, q, k, v, out)\n            if done is not None:\n                return done if return_lse else done[0]\n'
+        yield '    if not _tensors_ok(q, k, v, 4, 2):\n        _check_tensors(q, k, v, "[B, H, N, D]")\n    if not (q.shape[0] == k.shape[0] == v.shape[0]):\n        raise ValueError(\n            f"batch: expected equal sizes, got q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}"\n        )\n    batch, num_q_heads, seqlen_q, _ = q.shape\n    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]\n    _check_alibi(alibi_slopes, num_q_heads, q)\n'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield '    _check_sinks(sinks, num_q_heads, q)\n'
@@ -251,9 +265,9 @@ def root(context, missing=missing):
         yield '["BLOCK_M"])\n    num_programs = num_m_blocks * batch * num_q_heads\n    _check_grid(num_programs)\n    # Unused pointer arguments (LSE without return_lse, slopes without ALiBi) get `out`.\n    lse_arg = out if lse is None else lse\n    slopes_arg = out if alibi_slopes is None else alibi_slopes\n'
         if (undefined(name='tma') if l_0_tma is missing else l_0_tma):
             pass
-            yield '    use_tma = _uses_tma(k, v)\n    k_desc = v_desc = None\n    if use_tma:\n        block_n = '
+            yield '    block_n = '
             yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
-            yield '["BLOCK_N"]\n        k_desc = _descriptor(k, (1, 1, block_n, '
+            yield '["BLOCK_N"]\n    pairs = num_programs * -(-seqlen_k // block_n)\n    use_tma = pairs > POINTER_LOADS_UP_TO and _uses_tma(k, v)\n    k_desc = v_desc = None\n    if use_tma:\n        k_desc = _descriptor(k, (1, 1, block_n, '
             yield str((undefined(name='block_d') if l_0_block_d is missing else l_0_block_d))
             yield '))\n        v_desc = _descriptor(v, (1, 1, block_n, '
             yield str((undefined(name='block_dv') if l_0_block_dv is missing else l_0_block_dv))
@@ -261,39 +275,52 @@ def root(context, missing=missing):
         if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
             pass
             yield '    drop = _dropout_launch(dropout, q)\n'
-        yield '    _launch(\n        _attn_fwd_kernel, num_programs, q.get_device(),\n        (q, k, v, out, lse_arg, slopes_arg'
+        yield '    ints = (*q.stride(), *k.stride(), *v.stride(), *out.stride(),\n            num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, num_m_blocks'
+        if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
+            pass
+            yield ',\n            drop["drop_threshold"]'
+        yield ')\n    constexprs = {'
+        if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
+            pass
+            yield '"DROPOUT_ON": drop["DROPOUT_ON"], '
+        yield '"STORE_LSE": return_lse, "BLOCK_M": '
+        yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
+        yield '["BLOCK_M"],\n                  "BLOCK_N": '
+        yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
+        yield '["BLOCK_N"]'
+        if (undefined(name='tma') if l_0_tma is missing else l_0_tma):
+            pass
+            yield ', "USE_TMA": use_tma'
+        yield '}\n    options = _options('
+        yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
+        yield ')\n    _launch(\n        _attn_fwd_kernel, num_programs, q.get_device(),\n        (q, k, v, out, lse_arg, slopes_arg'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield ', sinks'
         if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
             pass
             yield ', drop["RngState"]'
-        yield '),\n        (*q.stride(), *k.stride(), *v.stride(), *out.stride(),\n         num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, num_m_blocks'
-        if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
-            pass
-            yield ',\n         drop["drop_threshold"]'
-        yield '),\n        (qk_scale,'
+        yield '),\n        ints, (qk_scale,'
         if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
             pass
             yield ' drop["keep_scale"],'
         if (undefined(name='tma') if l_0_tma is missing else l_0_tma):
             pass
             yield ' k_desc, v_desc'
-        yield '),\n        {'
-        if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
+        yield '),\n        constexprs, options,\n    )\n'
+        if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
             pass
-            yield '"DROPOUT_ON": drop["DROPOUT_ON"], '
-        yield '"STORE_LSE": return_lse, "BLOCK_M": '
-        yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
-        yield '["BLOCK_M"],\n         "BLOCK_N": '
-        yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
-        yield '["BLOCK_N"]'
-        if (undefined(name='tma') if l_0_tma is missing else l_0_tma):
-            pass
-            yield ', "USE_TMA": use_tma'
-        yield '},\n        _options('
-        yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
-        yield '),\n    )\n    return (out, lse) if return_lse else out\n'
+            yield '    if key is not None:  # the checks passed: the next call of this layout runs from its plan\n        _remember_plan(\n            key, config=dict('
+            yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
+            yield '), longest=max(seqlen_q, seqlen_k),\n            grid=num_programs, ints=ints, qk_scale=qk_scale,\n            out_shape=(batch, num_q_heads, seqlen_q, HEAD_DIM_V),\n            lse_shape=None if lse is None else lse.shape, options=options,\n'
+            if (undefined(name='tma') if l_0_tma is missing else l_0_tma):
+                pass
+                yield '            constexprs={False: dict(constexprs, USE_TMA=False),\n                        True: dict(constexprs, USE_TMA=True)},\n            pairs=pairs, tma_layout=_tma_layout_fits(k, v),\n'
+            else:
+                pass
+                yield '            constexprs={False: constexprs}, pairs=0, tma_layout=False,\n'
+            yield '        )\n'
+        yield '    return (out, lse) if return_lse else out\n'
 
 blocks = {}
-debug_info = '4=39&5=41&6=43&9=45&12=48&13=51&14=54&17=61&21=68&22=70&26=73&32=76&33=78&43=80&49=86&60=89&107=92&110=94&111=96&112=98&113=105&115=115&124=123&125=128&128=136&133=140&155=142&170=146&173=150&181=152&186=156&190=164&192=168&193=172&195=176&196=180&200=184&203=187&207=194&208=196&209=203&211=213&212=221&213=226&216=234&221=238&224=240&236=242&250=246&253=250&259=252&263=255&264=257&265=259&267=261&272=265&274=272&276=276&277=283&278=289&279=295'
+debug_info = '4=40&5=42&6=44&9=46&12=49&13=52&14=55&17=62&21=69&22=71&26=74&32=77&33=79&43=81&49=87&60=90&63=93&66=95&67=97&68=99&69=106&71=116&80=124&81=129&84=137&89=141&111=143&126=147&129=151&137=153&142=157&146=165&148=169&149=173&151=177&152=181&156=185&159=188&161=194&164=197&168=204&169=206&170=213&172=223&173=231&174=236&177=244&182=248&185=250&188=252&206=256&220=260&223=264&229=266&230=269&235=271&236=273&238=275&242=279&244=283&245=289&246=295&249=297&250=304&253=311&256=314&260=316'

@@ -32,6 +32,19 @@ from attngen.tiling.rows import tma_strides_aligned
 LPT_GROUP_HEADS = 16
 LPT_ABOVE_HEAD_DIM = 128
 
+# A launch of at most POINTER_LOADS_UP_TO (program, key block) pairs reads K/V by pointer loads
+# even where TMA could: building its two tensor descriptors costs more host time than TMA can
+# save on so small a kernel. On the H200's host (tools/exp_host_overhead.py,
+# docs/results/host_overhead_2026-11-30_before_launcher.json) the compiled launcher took
+# 23.3 us with TMA descriptors and 14.1 us with pointers at B 1, H 12, N 64, D 64: about 9 us
+# of descriptor encoding per launch, on every launch. TMA saves 5-12% of the kernel's time
+# (tools/exp_prefill.py: pointers -> tma). 512 pairs are about four key blocks per SM of an
+# H100/H200's 132: a kernel of a few microseconds, of which 5-12% is well under the 9 us the
+# descriptors cost, and whose launch the host is the bottleneck of anyway. Under Triton's
+# interpreter (the CPU tests) the threshold is 0: no launcher encodes anything there, and
+# the tests' small shapes keep exercising the TMA path.
+POINTER_LOADS_UP_TO = 512
+
 
 @dataclass(frozen=True)
 class CodePaths:

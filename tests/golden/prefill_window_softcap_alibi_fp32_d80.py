@@ -326,67 +326,88 @@ def _tensors_ok(q, k, v, rank, length):
 ACCEPTS_OUT = True
 _FAST_LAUNCH = not _INTERPRET  # the interpreter runs `kernel[grid]` (it has no launcher)
 _LAUNCH_CACHE = {}  # _specialization(...) -> the compiled kernel
+_EXACT_LAUNCHES = {}  # (_launch_classes(...), the ints themselves) -> the compiled kernel
 _LAUNCH_CACHE_SIZE = 1024  # a full cache starts over (a miss only costs a `kernel[grid]` call)
 _DRIVER = []  # [get_current_device, get_current_stream], resolved at the first launch on a GPU
 _HOOKS = triton.knobs.HookChain  # launch hooks: None or an empty chain means no hook
+_KNOBS = triton.knobs
 
 
-def _tail_class(x):
-    """A float scalar (never specialized), None (a constant) or a TMA descriptor (its dtype,
-    block shape and padding)."""
-    if x is None or type(x) is float:
-        return type(x)
-    return (x.base.dtype, tuple(x.block_shape), x.padding)
+def _int_classes(ints):
+    """Each int's class: (n >> 31) * 4 for its range (Triton's i32 is n >> 31 in {-1, 0};
+    every other value is its own class, at least as fine as i64/u64), plus 0 when
+    n % 16 == 0, 2 when n == 1 (a constant to Triton), else 1."""
+    return tuple([(n >> 31) * 4 + (n & 15 and (n == 1) + 1) for n in ints])
+
+
+def _launch_classes(kernel, device, tensors, tail, constexprs, options):
+    """Everything the compiled kernel depends on besides the ints and the argument values:
+    the kernel, the device, each tensor's dtype and 16-byte alignment, the tail's classes (a
+    float scalar is never specialized, None is a constant, a TMA descriptor is its dtype,
+    block shape and padding), the constexprs and the compile options (with Triton's debug
+    and instrumentation knobs)."""
+    return (kernel, device, tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in tensors]),
+            tuple([type(x) if x is None or type(x) is float
+                   else (x.base.dtype, tuple(x.block_shape), x.padding) for x in tail]),
+            tuple(constexprs.items()), tuple(options.items()), _KNOBS.runtime.debug,
+            _KNOBS.compilation.instrumentation_mode)
 
 
 def _specialization(kernel, device, tensors, ints, tail, constexprs, options):
-    """Everything the compiled kernel depends on besides the argument values: the kernel, the
-    device, each tensor's dtype and 16-byte alignment, each int's class, the tail's classes,
-    the constexprs and the compile options (with Triton's debug and instrumentation knobs).
+    """_launch_classes and the ints' classes: equal keys give equal specializations; the
+    converse may not hold (no harm: one more entry)."""
+    return (_launch_classes(kernel, device, tensors, tail, constexprs, options),
+            _int_classes(ints))
 
-    An int's class is one int: (n >> 31) * 4 for its range (Triton's i32 is n >> 31 in
-    {-1, 0}; every other value is its own class, at least as fine as i64/u64), plus 0 when
-    n % 16 == 0, 2 when n == 1 (a constant to Triton), else 1. Equal keys give equal
-    specializations; the converse may not hold (no harm: one more entry)."""
-    return (kernel, device, tuple([t.dtype for t in tensors]),
-            tuple([t.data_ptr() & 15 == 0 for t in tensors]),
-            tuple([(n >> 31) * 4 + (n & 15 and (n == 1) + 1) for n in ints]),
-            tuple([_tail_class(x) for x in tail]), tuple(constexprs.items()),
-            tuple(options.items()), triton.knobs.runtime.debug,
-            triton.knobs.compilation.instrumentation_mode)
+
+def _runs_directly(kernel):
+    """Whether a launch may call a compiled kernel's launcher: the cached launcher on (not the
+    interpreter), no pre-run hook and no launch hook (a profiler: it receives the launch's
+    metadata, which only `kernel[grid]` builds). Resolves _DRIVER on the first call."""
+    runtime = _KNOBS.runtime
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    if (not _FAST_LAUNCH or kernel.pre_run_hooks
+            or (enter is not None and not (type(enter) is _HOOKS and not enter.calls))
+            or (leave is not None and not (type(leave) is _HOOKS and not leave.calls))):
+        return False
+    if not _DRIVER:
+        active = triton.runtime.driver.active
+        _DRIVER[:] = [active.get_current_device, active.get_current_stream]
+    return True
 
 
 def _launch(kernel, grid, device, tensors, ints, tail, constexprs, options):
     """kernel[(grid,)](*tensors, *ints, *tail, **constexprs, **options): the kernel's
-    parameters are tensors (pointers), Python ints, the tail (floats, TMA descriptors or None)
-    and its constexprs, in that order; device is the tensors' CUDA device index.
+    parameters are tensors (pointers), Python ints (a tuple), the tail (floats, TMA
+    descriptors or None) and its constexprs, in that order; device is the tensors' CUDA
+    device index. Returns the compiled kernel when it ran directly, else None.
 
     The first call of a specialization goes through `kernel[grid]` (which compiles or finds the
-    kernel, checks Triton's globals, and launches); later ones call its launcher directly. A
-    launch hook (a profiler), a pre-run hook, another current device or the interpreter take
-    the `kernel[grid]` path every time (a launch hook receives the launch's metadata, which
-    only that path builds)."""
-    enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
-    if (not _FAST_LAUNCH or kernel.pre_run_hooks
-            or (enter is not None and not (type(enter) is _HOOKS and not enter.calls))
-            or (leave is not None and not (type(leave) is _HOOKS and not leave.calls))):
+    kernel, checks Triton's globals, and launches); later ones call its launcher directly,
+    found first under the call's ints as they are (a repeated shape: no int classes to
+    derive), else under their classes, on `device` made current if it is not. Where
+    _runs_directly says no, every launch takes `kernel[grid]`."""
+    if not _runs_directly(kernel):
         with torch.cuda.device(device) if device >= 0 else contextlib.nullcontext():
             kernel[(grid,)](*tensors, *ints, *tail, **constexprs, **options)
-        return
-    if not _DRIVER:
-        active = triton.runtime.driver.active
-        _DRIVER[:] = [active.get_current_device, active.get_current_stream]
+        return None
     if _DRIVER[0]() != device:
         with torch.cuda.device(device):
-            _launch(kernel, grid, device, tensors, ints, tail, constexprs, options)
-        return
-    key = _specialization(kernel, device, tensors, ints, tail, constexprs, options)
-    compiled = _LAUNCH_CACHE.get(key)
+            return _launch(kernel, grid, device, tensors, ints, tail, constexprs, options)
+    classes = _launch_classes(kernel, device, tensors, tail, constexprs, options)
+    exact = (classes, ints)
+    compiled = _EXACT_LAUNCHES.get(exact)
     if compiled is None:
-        _first_launch(kernel, grid, key, tensors, ints, tail, constexprs, options)
-        return
+        key = (classes, _int_classes(ints))
+        compiled = _LAUNCH_CACHE.get(key)
+        if compiled is None:
+            return _first_launch(kernel, grid, key, tensors, ints, tail, constexprs, options)
+        if len(_EXACT_LAUNCHES) >= _LAUNCH_CACHE_SIZE:
+            _EXACT_LAUNCHES.clear()
+        _EXACT_LAUNCHES[exact] = compiled
     compiled.run(grid, 1, 1, _DRIVER[1](device), compiled.function, compiled.packed_metadata,
                  None, None, None, *tensors, *ints, *tail, *constexprs.values())
+    return compiled
 
 
 def _first_launch(kernel, grid, key, tensors, ints, tail, constexprs, options):
@@ -407,6 +428,7 @@ def _first_launch(kernel, grid, key, tensors, ints, tail, constexprs, options):
     if len(_LAUNCH_CACHE) >= _LAUNCH_CACHE_SIZE:
         _LAUNCH_CACHE.clear()
     _LAUNCH_CACHE[key] = compiled
+    return compiled
 
 
 # -- out= -----------------------------------------------------------------------------------
@@ -485,6 +507,93 @@ def _options(config):
             "enable_fp_fusion": False}  # see the Note on fp32 scores
 
 
+# -- call plans ------------------------------------------------------------------------------
+# Everything attention() checks and derives depends on the call's layout alone (the shapes,
+# strides, dtypes and devices of q, k, v and out=, sm_scale, return_lse), except where out=
+# shares memory with the inputs and the base addresses (TMA and the kernel's specialization
+# read their alignment): those are read at every call. So after a call has passed the checks
+# on the GPU (the cached launcher on) and launched, a call of the same layout skips the checks
+# and the launch's derivations, and launches the compiled kernel its alignment, load path and
+# Triton's knobs select. The plan is left when the config it used has changed (autotune
+# updates CONFIG) or the launch cannot run directly (a hook, another current device).
+_CALL_PLANS = {}  # _call_key(...) -> _CallPlan
+_TENSOR = torch.Tensor
+
+
+class _CallPlan:
+    """One call layout's launch: its config, grid, ints, constexprs, options and output
+    shapes; the launch-count pairs POINTER_LOADS_UP_TO compares; whether the layout allows
+    TMA; the compiled kernels found for it, per (kernel, alignment, TMA, Triton's knobs)."""
+
+    __slots__ = ("config", "longest", "grid", "ints", "qk_scale", "out_shape", "lse_shape",
+                 "constexprs", "options", "pairs", "tma_layout", "compiled")
+
+    def __init__(self, **fields):
+        for name, value in fields.items():
+            setattr(self, name, value)
+        self.compiled = {}
+
+
+def _call_key(q, k, v, sm_scale, alibi_slopes, return_lse, out):
+    """The layout of a call a plan may serve (None: the full path decides): plain tensors,
+    no slopes, sm_scale None or a float, return_lse a bool, the cached launcher on."""
+    if not (_FAST_LAUNCH and alibi_slopes is None and type(q) is _TENSOR and type(k) is _TENSOR
+            and type(v) is _TENSOR and (sm_scale is None or type(sm_scale) is float)
+            and type(return_lse) is bool):
+        return None
+    if out is None:
+        out_layout = None
+    elif type(out) is _TENSOR:
+        out_layout = (out.shape, out.stride(), out.dtype, out.is_cuda, out.get_device())
+    else:
+        return None
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
+            v.dtype, q.is_cuda, k.is_cuda, v.is_cuda, q.get_device(), k.get_device(),
+            v.get_device(), sm_scale, return_lse, out_layout)
+
+
+def _remember_plan(key, **fields):
+    if len(_CALL_PLANS) >= _LAUNCH_CACHE_SIZE:
+        _CALL_PLANS.clear()
+    _CALL_PLANS[key] = _CallPlan(**fields)
+
+
+def _run_plan(plan, q, k, v, out):
+    """attention()'s launch from the plan of its layout: (out, lse or None), or None when the
+    full path must run (the config changed, or the launch cannot run directly)."""
+    if CONFIG != plan.config:
+        return None
+    if out is None:
+        out = q.new_empty(plan.out_shape)
+    else:
+        storage = out.untyped_storage().data_ptr()
+        if storage in (q.untyped_storage().data_ptr(), k.untyped_storage().data_ptr(),
+                       v.untyped_storage().data_ptr()):
+            _check_out(out, plan.out_shape, q, (("q", q), ("k", k), ("v", v)))  # raises
+    lse = None if plan.lse_shape is None else q.new_empty(plan.lse_shape, dtype=torch.float32)
+    lse_arg = out if lse is None else lse
+    use_tma = False
+    tail = (plan.qk_scale,)
+    constexprs = plan.constexprs[False]
+    tensors = (q, k, v, out, lse_arg, out)
+    device = q.get_device()
+    slot = (_attn_fwd_kernel, q.data_ptr() & 15 == 0, k.data_ptr() & 15 == 0,
+            v.data_ptr() & 15 == 0, out.data_ptr() & 15 == 0, lse_arg.data_ptr() & 15 == 0,
+            use_tma, _KNOBS.runtime.debug, _KNOBS.compilation.instrumentation_mode)
+    compiled = plan.compiled.get(slot)
+    if (compiled is None or not _runs_directly(_attn_fwd_kernel)
+            or _DRIVER[0]() != device):
+        compiled = _launch(_attn_fwd_kernel, plan.grid, device, tensors, plan.ints, tail,
+                           constexprs, plan.options)
+        if compiled is not None and _DRIVER[0]() == device:
+            plan.compiled[slot] = compiled
+        return out, lse
+    compiled.run(plan.grid, 1, 1, _DRIVER[1](device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *tensors, *plan.ints, *tail,
+                 *constexprs.values())
+    return out, lse
+
+
 def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
               return_lse=False, out=None):
     """softmax(q @ k^T * sm_scale, softcapped, ALiBi, masked) @ v.
@@ -499,6 +608,13 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
     elements do not overlap, e.g. a [B, M, HQ, 80] tensor transposed; no memory shared with
     q, k, v) the output is written there and out is returned.
     """
+    key = _call_key(q, k, v, sm_scale, alibi_slopes, return_lse, out)
+    if key is not None:
+        plan = _CALL_PLANS.get(key)
+        if plan is not None:
+            done = _run_plan(plan, q, k, v, out)
+            if done is not None:
+                return done if return_lse else done[0]
     if not _tensors_ok(q, k, v, 4, 2):
         _check_tensors(q, k, v, "[B, H, N, D]")
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
@@ -525,14 +641,23 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
     # Unused pointer arguments (LSE without return_lse, slopes without ALiBi) get `out`.
     lse_arg = out if lse is None else lse
     slopes_arg = out if alibi_slopes is None else alibi_slopes
+    ints = (*q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, num_m_blocks)
+    constexprs = {"STORE_LSE": return_lse, "BLOCK_M": CONFIG["BLOCK_M"],
+                  "BLOCK_N": CONFIG["BLOCK_N"]}
+    options = _options(CONFIG)
     _launch(
         _attn_fwd_kernel, num_programs, q.get_device(),
         (q, k, v, out, lse_arg, slopes_arg),
-        (*q.stride(), *k.stride(), *v.stride(), *out.stride(),
-         num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, num_m_blocks),
-        (qk_scale,),
-        {"STORE_LSE": return_lse, "BLOCK_M": CONFIG["BLOCK_M"],
-         "BLOCK_N": CONFIG["BLOCK_N"]},
-        _options(CONFIG),
+        ints, (qk_scale,),
+        constexprs, options,
     )
+    if key is not None:  # the checks passed: the next call of this layout runs from its plan
+        _remember_plan(
+            key, config=dict(CONFIG), longest=max(seqlen_q, seqlen_k),
+            grid=num_programs, ints=ints, qk_scale=qk_scale,
+            out_shape=(batch, num_q_heads, seqlen_q, HEAD_DIM_V),
+            lse_shape=None if lse is None else lse.shape, options=options,
+            constexprs={False: constexprs}, pairs=0, tma_layout=False,
+        )
     return (out, lse) if return_lse else out

@@ -321,6 +321,50 @@ def _tensors_ok(q, k, v, rank, length):
             and k_shape[1] != 0 and q_shape[1] % k_shape[1] == 0)
 
 
+def _varlen_ok(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):
+    """The success path of _check_varlen (q passed _tensors_ok), by comparisons only."""
+    cuda, device = q.is_cuda, q.get_device()
+    for t in (cu_seqlens_q, cu_seqlens_k) if seqused_k is None else (
+            cu_seqlens_q, cu_seqlens_k, seqused_k):
+        if not (type(t) is torch.Tensor and t.dtype == torch.int32 and t.dim() == 1
+                and (t.is_cuda if cuda else t.is_cpu) and t.get_device() == device
+                and t.is_contiguous()):
+            return False
+    return (cu_seqlens_q.numel() >= 1 and cu_seqlens_k.shape == cu_seqlens_q.shape
+            and (seqused_k is None or seqused_k.numel() == cu_seqlens_q.numel() - 1)
+            and type(max_seqlen_q) is int and max_seqlen_q >= 0
+            and type(max_seqlen_k) is int and max_seqlen_k >= 0)
+
+
+def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):
+    """Shapes, dtypes and devices only: the lengths live on the device and are never read."""
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                    ("seqused_k", seqused_k)):
+        if t is None and name == "seqused_k":
+            continue
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
+            raise ValueError(f"{name}: expected a 1-D int32 tensor, got {got}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (as q), got {t.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor (read with stride 1), got "
+                             f"strides {t.stride()}")
+    if cu_seqlens_q.numel() < 1 or cu_seqlens_k.shape != cu_seqlens_q.shape:
+        raise ValueError(
+            "cu_seqlens_q, cu_seqlens_k: expected the same shape [B + 1], got "
+            f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}"
+        )
+    if seqused_k is not None and seqused_k.numel() != cu_seqlens_q.numel() - 1:
+        raise ValueError(
+            f"seqused_k: expected shape ({cu_seqlens_q.numel() - 1},) [B], "
+            f"got {tuple(seqused_k.shape)}"
+        )
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{name}: expected a Python int >= 0, got {n!r}")
+
+
 # -- launches -------------------------------------------------------------------------------
 # `kernel[grid](...)` binds every argument, derives what Triton specializes on and formats a
 # cache key on each call: tens of microseconds of host time, more than a small launch's GPU
@@ -330,67 +374,88 @@ def _tensors_ok(q, k, v, rank, length):
 ACCEPTS_OUT = True
 _FAST_LAUNCH = not _INTERPRET  # the interpreter runs `kernel[grid]` (it has no launcher)
 _LAUNCH_CACHE = {}  # _specialization(...) -> the compiled kernel
+_EXACT_LAUNCHES = {}  # (_launch_classes(...), the ints themselves) -> the compiled kernel
 _LAUNCH_CACHE_SIZE = 1024  # a full cache starts over (a miss only costs a `kernel[grid]` call)
 _DRIVER = []  # [get_current_device, get_current_stream], resolved at the first launch on a GPU
 _HOOKS = triton.knobs.HookChain  # launch hooks: None or an empty chain means no hook
+_KNOBS = triton.knobs
 
 
-def _tail_class(x):
-    """A float scalar (never specialized), None (a constant) or a TMA descriptor (its dtype,
-    block shape and padding)."""
-    if x is None or type(x) is float:
-        return type(x)
-    return (x.base.dtype, tuple(x.block_shape), x.padding)
+def _int_classes(ints):
+    """Each int's class: (n >> 31) * 4 for its range (Triton's i32 is n >> 31 in {-1, 0};
+    every other value is its own class, at least as fine as i64/u64), plus 0 when
+    n % 16 == 0, 2 when n == 1 (a constant to Triton), else 1."""
+    return tuple([(n >> 31) * 4 + (n & 15 and (n == 1) + 1) for n in ints])
+
+
+def _launch_classes(kernel, device, tensors, tail, constexprs, options):
+    """Everything the compiled kernel depends on besides the ints and the argument values:
+    the kernel, the device, each tensor's dtype and 16-byte alignment, the tail's classes (a
+    float scalar is never specialized, None is a constant, a TMA descriptor is its dtype,
+    block shape and padding), the constexprs and the compile options (with Triton's debug
+    and instrumentation knobs)."""
+    return (kernel, device, tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in tensors]),
+            tuple([type(x) if x is None or type(x) is float
+                   else (x.base.dtype, tuple(x.block_shape), x.padding) for x in tail]),
+            tuple(constexprs.items()), tuple(options.items()), _KNOBS.runtime.debug,
+            _KNOBS.compilation.instrumentation_mode)
 
 
 def _specialization(kernel, device, tensors, ints, tail, constexprs, options):
-    """Everything the compiled kernel depends on besides the argument values: the kernel, the
-    device, each tensor's dtype and 16-byte alignment, each int's class, the tail's classes,
-    the constexprs and the compile options (with Triton's debug and instrumentation knobs).
+    """_launch_classes and the ints' classes: equal keys give equal specializations; the
+    converse may not hold (no harm: one more entry)."""
+    return (_launch_classes(kernel, device, tensors, tail, constexprs, options),
+            _int_classes(ints))
 
-    An int's class is one int: (n >> 31) * 4 for its range (Triton's i32 is n >> 31 in
-    {-1, 0}; every other value is its own class, at least as fine as i64/u64), plus 0 when
-    n % 16 == 0, 2 when n == 1 (a constant to Triton), else 1. Equal keys give equal
-    specializations; the converse may not hold (no harm: one more entry)."""
-    return (kernel, device, tuple([t.dtype for t in tensors]),
-            tuple([t.data_ptr() & 15 == 0 for t in tensors]),
-            tuple([(n >> 31) * 4 + (n & 15 and (n == 1) + 1) for n in ints]),
-            tuple([_tail_class(x) for x in tail]), tuple(constexprs.items()),
-            tuple(options.items()), triton.knobs.runtime.debug,
-            triton.knobs.compilation.instrumentation_mode)
+
+def _runs_directly(kernel):
+    """Whether a launch may call a compiled kernel's launcher: the cached launcher on (not the
+    interpreter), no pre-run hook and no launch hook (a profiler: it receives the launch's
+    metadata, which only `kernel[grid]` builds). Resolves _DRIVER on the first call."""
+    runtime = _KNOBS.runtime
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    if (not _FAST_LAUNCH or kernel.pre_run_hooks
+            or (enter is not None and not (type(enter) is _HOOKS and not enter.calls))
+            or (leave is not None and not (type(leave) is _HOOKS and not leave.calls))):
+        return False
+    if not _DRIVER:
+        active = triton.runtime.driver.active
+        _DRIVER[:] = [active.get_current_device, active.get_current_stream]
+    return True
 
 
 def _launch(kernel, grid, device, tensors, ints, tail, constexprs, options):
     """kernel[(grid,)](*tensors, *ints, *tail, **constexprs, **options): the kernel's
-    parameters are tensors (pointers), Python ints, the tail (floats, TMA descriptors or None)
-    and its constexprs, in that order; device is the tensors' CUDA device index.
+    parameters are tensors (pointers), Python ints (a tuple), the tail (floats, TMA
+    descriptors or None) and its constexprs, in that order; device is the tensors' CUDA
+    device index. Returns the compiled kernel when it ran directly, else None.
 
     The first call of a specialization goes through `kernel[grid]` (which compiles or finds the
-    kernel, checks Triton's globals, and launches); later ones call its launcher directly. A
-    launch hook (a profiler), a pre-run hook, another current device or the interpreter take
-    the `kernel[grid]` path every time (a launch hook receives the launch's metadata, which
-    only that path builds)."""
-    enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
-    if (not _FAST_LAUNCH or kernel.pre_run_hooks
-            or (enter is not None and not (type(enter) is _HOOKS and not enter.calls))
-            or (leave is not None and not (type(leave) is _HOOKS and not leave.calls))):
+    kernel, checks Triton's globals, and launches); later ones call its launcher directly,
+    found first under the call's ints as they are (a repeated shape: no int classes to
+    derive), else under their classes, on `device` made current if it is not. Where
+    _runs_directly says no, every launch takes `kernel[grid]`."""
+    if not _runs_directly(kernel):
         with torch.cuda.device(device) if device >= 0 else contextlib.nullcontext():
             kernel[(grid,)](*tensors, *ints, *tail, **constexprs, **options)
-        return
-    if not _DRIVER:
-        active = triton.runtime.driver.active
-        _DRIVER[:] = [active.get_current_device, active.get_current_stream]
+        return None
     if _DRIVER[0]() != device:
         with torch.cuda.device(device):
-            _launch(kernel, grid, device, tensors, ints, tail, constexprs, options)
-        return
-    key = _specialization(kernel, device, tensors, ints, tail, constexprs, options)
-    compiled = _LAUNCH_CACHE.get(key)
+            return _launch(kernel, grid, device, tensors, ints, tail, constexprs, options)
+    classes = _launch_classes(kernel, device, tensors, tail, constexprs, options)
+    exact = (classes, ints)
+    compiled = _EXACT_LAUNCHES.get(exact)
     if compiled is None:
-        _first_launch(kernel, grid, key, tensors, ints, tail, constexprs, options)
-        return
+        key = (classes, _int_classes(ints))
+        compiled = _LAUNCH_CACHE.get(key)
+        if compiled is None:
+            return _first_launch(kernel, grid, key, tensors, ints, tail, constexprs, options)
+        if len(_EXACT_LAUNCHES) >= _LAUNCH_CACHE_SIZE:
+            _EXACT_LAUNCHES.clear()
+        _EXACT_LAUNCHES[exact] = compiled
     compiled.run(grid, 1, 1, _DRIVER[1](device), compiled.function, compiled.packed_metadata,
                  None, None, None, *tensors, *ints, *tail, *constexprs.values())
+    return compiled
 
 
 def _first_launch(kernel, grid, key, tensors, ints, tail, constexprs, options):
@@ -411,6 +476,7 @@ def _first_launch(kernel, grid, key, tensors, ints, tail, constexprs, options):
     if len(_LAUNCH_CACHE) >= _LAUNCH_CACHE_SIZE:
         _LAUNCH_CACHE.clear()
     _LAUNCH_CACHE[key] = compiled
+    return compiled
 
 
 # -- out= -----------------------------------------------------------------------------------
@@ -476,50 +542,6 @@ def _check_grid(num_programs):
 def _options(config):
     """The compile options of a launch with `config`."""
     return {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
-
-
-def _varlen_ok(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):
-    """The success path of _check_varlen (q passed _tensors_ok), by comparisons only."""
-    cuda, device = q.is_cuda, q.get_device()
-    for t in (cu_seqlens_q, cu_seqlens_k) if seqused_k is None else (
-            cu_seqlens_q, cu_seqlens_k, seqused_k):
-        if not (type(t) is torch.Tensor and t.dtype == torch.int32 and t.dim() == 1
-                and (t.is_cuda if cuda else t.is_cpu) and t.get_device() == device
-                and t.is_contiguous()):
-            return False
-    return (cu_seqlens_q.numel() >= 1 and cu_seqlens_k.shape == cu_seqlens_q.shape
-            and (seqused_k is None or seqused_k.numel() == cu_seqlens_q.numel() - 1)
-            and type(max_seqlen_q) is int and max_seqlen_q >= 0
-            and type(max_seqlen_k) is int and max_seqlen_k >= 0)
-
-
-def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):
-    """Shapes, dtypes and devices only: the lengths live on the device and are never read."""
-    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
-                    ("seqused_k", seqused_k)):
-        if t is None and name == "seqused_k":
-            continue
-        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32:
-            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
-            raise ValueError(f"{name}: expected a 1-D int32 tensor, got {got}")
-        if t.device != q.device:
-            raise ValueError(f"{name}: expected device {q.device} (as q), got {t.device}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous tensor (read with stride 1), got "
-                             f"strides {t.stride()}")
-    if cu_seqlens_q.numel() < 1 or cu_seqlens_k.shape != cu_seqlens_q.shape:
-        raise ValueError(
-            "cu_seqlens_q, cu_seqlens_k: expected the same shape [B + 1], got "
-            f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}"
-        )
-    if seqused_k is not None and seqused_k.numel() != cu_seqlens_q.numel() - 1:
-        raise ValueError(
-            f"seqused_k: expected shape ({cu_seqlens_q.numel() - 1},) [B], "
-            f"got {tuple(seqused_k.shape)}"
-        )
-    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"{name}: expected a Python int >= 0, got {n!r}")
 
 
 def _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k):

@@ -1,0 +1,36 @@
+from jinja2.runtime import LoopContext, Macro, Markup, Namespace, TemplateNotFound, TemplateReference, TemplateRuntimeError, Undefined, escape, identity, internalcode, markup_join, missing, str_join
+name = '_call_plan.py.jinja'
+
+def root(context, missing=missing):
+    resolve = context.resolve_or_missing
+    undefined = environment.undefined
+    concat = environment.concat
+    cond_expr_undefined = Undefined
+    if 0: yield None
+    l_0_shorter_configs = resolve('shorter_configs')
+    l_0_tma = resolve('tma')
+    l_0_block_d = resolve('block_d')
+    l_0_block_dv = resolve('block_dv')
+    pass
+    yield '# -- call plans ------------------------------------------------------------------------------\n# Everything attention() checks and derives depends on the call\'s layout alone (the shapes,\n# strides, dtypes and devices of q, k, v and out=, sm_scale, return_lse), except where out=\n# shares memory with the inputs and the base addresses (TMA and the kernel\'s specialization\n# read their alignment): those are read at every call. So after a call has passed the checks\n# on the GPU (the cached launcher on) and launched, a call of the same layout skips the checks\n# and the launch\'s derivations, and launches the compiled kernel its alignment, load path and\n# Triton\'s knobs select. The plan is left when the config it used has changed (autotune\n# updates CONFIG) or the launch cannot run directly (a hook, another current device).\n_CALL_PLANS = {}  # _call_key(...) -> _CallPlan\n_TENSOR = torch.Tensor\n\n\nclass _CallPlan:\n    """One call layout\'s launch: its config, grid, ints, constexprs, options and output\n    shapes; the launch-count pairs POINTER_LOADS_UP_TO compares; whether the layout allows\n    TMA; the compiled kernels found for it, per (kernel, alignment, TMA, Triton\'s knobs)."""\n\n    __slots__ = ("config", "longest", "grid", "ints", "qk_scale", "out_shape", "lse_shape",\n                 "constexprs", "options", "pairs", "tma_layout", "compiled")\n\n    def __init__(self, **fields):\n        for name, value in fields.items():\n            setattr(self, name, value)\n        self.compiled = {}\n\n\ndef _call_key(q, k, v, sm_scale, alibi_slopes, return_lse, out):\n    """The layout of a call a plan may serve (None: the full path decides): plain tensors,\n    no slopes, sm_scale None or a float, return_lse a bool, the cached launcher on."""\n    if not (_FAST_LAUNCH and alibi_slopes is None and type(q) is _TENSOR and type(k) is _TENSOR\n            and type(v) is _TENSOR and (sm_scale is None or type(sm_scale) is float)\n            and type(return_lse) is bool):\n        return None\n    if out is None:\n        out_layout = None\n    elif type(out) is _TENSOR:\n        out_layout = (out.shape, out.stride(), out.dtype, out.is_cuda, out.get_device())\n    else:\n        return None\n    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,\n            v.dtype, q.is_cuda, k.is_cuda, v.is_cuda, q.get_device(), k.get_device(),\n            v.get_device(), sm_scale, return_lse, out_layout)\n\n\ndef _remember_plan(key, **fields):\n    if len(_CALL_PLANS) >= _LAUNCH_CACHE_SIZE:\n        _CALL_PLANS.clear()\n    _CALL_PLANS[key] = _CallPlan(**fields)\n\n\ndef _run_plan(plan, q, k, v, out):\n    """attention()\'s launch from the plan of its layout: (out, lse or None), or None when the\n    full path must run (the config changed, or the launch cannot run directly)."""\n'
+    if (undefined(name='shorter_configs') if l_0_shorter_configs is missing else l_0_shorter_configs):
+        pass
+        yield '    if config_for(plan.longest) != plan.config:\n'
+    else:
+        pass
+        yield '    if CONFIG != plan.config:\n'
+    yield '        return None\n    if out is None:\n        out = q.new_empty(plan.out_shape)\n    else:\n        storage = out.untyped_storage().data_ptr()\n        if storage in (q.untyped_storage().data_ptr(), k.untyped_storage().data_ptr(),\n                       v.untyped_storage().data_ptr()):\n            _check_out(out, plan.out_shape, q, (("q", q), ("k", k), ("v", v)))  # raises\n    lse = None if plan.lse_shape is None else q.new_empty(plan.lse_shape, dtype=torch.float32)\n    lse_arg = out if lse is None else lse\n'
+    if (undefined(name='tma') if l_0_tma is missing else l_0_tma):
+        pass
+        yield '    use_tma = (plan.pairs > POINTER_LOADS_UP_TO and plan.tma_layout\n               and (k.data_ptr() | v.data_ptr()) & 15 == 0)\n    if use_tma:\n        block_n = plan.config["BLOCK_N"]\n        tail = (plan.qk_scale, _descriptor(k, (1, 1, block_n, '
+        yield str((undefined(name='block_d') if l_0_block_d is missing else l_0_block_d))
+        yield ')),\n                _descriptor(v, (1, 1, block_n, '
+        yield str((undefined(name='block_dv') if l_0_block_dv is missing else l_0_block_dv))
+        yield ')))\n    else:\n        tail = (plan.qk_scale, None, None)\n    constexprs = plan.constexprs[use_tma]\n'
+    else:
+        pass
+        yield '    use_tma = False\n    tail = (plan.qk_scale,)\n    constexprs = plan.constexprs[False]\n'
+    yield '    tensors = (q, k, v, out, lse_arg, out)\n    device = q.get_device()\n    slot = (_attn_fwd_kernel, q.data_ptr() & 15 == 0, k.data_ptr() & 15 == 0,\n            v.data_ptr() & 15 == 0, out.data_ptr() & 15 == 0, lse_arg.data_ptr() & 15 == 0,\n            use_tma, _KNOBS.runtime.debug, _KNOBS.compilation.instrumentation_mode)\n    compiled = plan.compiled.get(slot)\n    if (compiled is None or not _runs_directly(_attn_fwd_kernel)\n            or _DRIVER[0]() != device):\n        compiled = _launch(_attn_fwd_kernel, plan.grid, device, tensors, plan.ints, tail,\n                           constexprs, plan.options)\n        if compiled is not None and _DRIVER[0]() == device:\n            plan.compiled[slot] = compiled\n        return out, lse\n    compiled.run(plan.grid, 1, 1, _DRIVER[1](device), compiled.function,\n                 compiled.packed_metadata, None, None, None, *tensors, *plan.ints, *tail,\n                 *constexprs.values())\n    return out, lse\n'
+
+blocks = {}
+debug_info = '58=16&73=23&78=26&79=28'
