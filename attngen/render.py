@@ -21,7 +21,7 @@ import jinja2
 from attngen import __version__
 from attngen.spec import AttnSpec, KernelKind, module_name
 from attngen.tiling import decode as decode_tiling
-from attngen.tiling.backward import derive_backward_tiles
+from attngen.tiling.backward import BackwardDerivation, derive_backward_tiles
 from attngen.tiling.code_paths import code_paths
 from attngen.tiling.prefill import Derivation, TileConfig, padded_head_dim
 
@@ -73,8 +73,10 @@ def template_hash(template_name: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> dict[str, Any]:
-    """The flat context of one render: ints, bools, floats and attngen's own strings."""
+def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation,
+                  backward: BackwardDerivation | None = None) -> dict[str, Any]:
+    """The flat context of one render: ints, bools, floats and attngen's own strings.
+    `backward`: the gradient kernels' derivations (default: the heuristic's)."""
     config = derivation.chosen
     if config is None:
         raise RenderError(f"{spec.name} on {derivation.arch}: no feasible tile config to render")
@@ -121,7 +123,7 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
         "tma_masked_blocks": paths.tma_masked_blocks,
         "lpt_group_heads": paths.lpt_group_heads,
     }
-    context.update(_training_context(spec, kind, derivation))
+    context.update(_training_context(spec, kind, derivation, backward))
     if kind is KernelKind.decode:
         context.update({
             "kv_layout": spec.cache_layout.value,
@@ -135,15 +137,16 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
     return context
 
 
-def _training_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation
-                      ) -> dict[str, Any]:
+def _training_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation,
+                      backward: BackwardDerivation | None) -> dict[str, Any]:
     """The backward's context (spec `backward: true`, prefill and varlen): its flags, the
     gradient kernels' configs, and their derivations appended to the header's."""
     training = kind is not KernelKind.decode and spec.backward
     context: dict[str, Any] = {"backward": training, "dropout": training and spec.dropout}
     if not training:
         return context
-    backward = derive_backward_tiles(spec, derivation.arch)
+    if backward is None:
+        backward = derive_backward_tiles(spec, derivation.arch)
     for label, kernel in (("dq", backward.dq), ("dkdv", backward.dkdv)):
         if kernel.chosen is None:
             raise RenderError(f"{spec.name} on {derivation.arch}: no feasible {label} "
@@ -168,8 +171,9 @@ def _yaml_value(value: Any) -> str:
     return str(value)
 
 
-def render_module(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> str:
-    context = build_context(spec, kind, derivation)
+def render_module(spec: AttnSpec, kind: KernelKind, derivation: Derivation,
+                  backward: BackwardDerivation | None = None) -> str:
+    context = build_context(spec, kind, derivation, backward)
     source = _environment().get_template(TEMPLATE_FOR_KIND[kind]).render(**context)
     check_module_source(source, context["module_name"], ENTRY_POINTS[kind])
     return source
