@@ -75,8 +75,7 @@ def template_hash(template_name: str) -> str:
 
 def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation,
                   backward: BackwardDerivation | None = None) -> dict[str, Any]:
-    """The flat context of one render: ints, bools, floats and attngen's own strings.
-    `backward`: the gradient kernels' derivations (default: the heuristic's)."""
+    """The flat context of one render; `backward`: the gradient kernels' (else heuristic)."""
     config = derivation.chosen
     if config is None:
         raise RenderError(f"{spec.name} on {derivation.arch}: no feasible tile config to render")
@@ -107,8 +106,7 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation,
         "mask": spec.mask.value,
         "causal_align": spec.causal_align.value if spec.causal_align else "none",
         "bottom_right": spec.causal_align is not None and spec.causal_align.value == "bottom_right",
-        "window_left": window[0],
-        "window_right": window[1],
+        "window_left": window[0], "window_right": window[1],
         "softcap": float(spec.softcap),
         "alibi": spec.alibi,
         # Newer models' fields: 0 / False when absent (a module without them renders as

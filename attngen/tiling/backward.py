@@ -166,6 +166,21 @@ def regs_expression(arch: GpuArch, kernel: str) -> sympy.Expr:
     return mma
 
 
+def _choice(candidates: list[Candidate], arch: GpuArch, tuned: TileConfig | None,
+            kernel: str) -> TileConfig | None:
+    """`tuned` (which must be feasible), else the heuristic's: the best score among configs
+    the register model does not call may-spill (then the smallest shared memory)."""
+    feasible = [c for c in candidates if c.feasible]
+    if tuned is not None:
+        if tuned not in [c.config for c in feasible]:
+            raise ValueError(f"{tuned} is not a feasible {kernel} candidate on {arch.name}")
+        return tuned
+    if not feasible:
+        return None
+    return max(feasible, key=lambda c: (not c.may_spill(arch), c.score, -c.smem_bytes,
+                                        c.config)).config
+
+
 def smem_expression(arch: GpuArch, kernel: str, dropout: bool) -> sympy.Expr:
     if kernel == "dq":
         return dq_smem_expression(arch, dropout)
@@ -244,16 +259,7 @@ def _derive(spec: AttnSpec, arch_name: str, kernel: str, tuned: TileConfig | Non
         candidates.append(Candidate(TileConfig(bm, bn, w, s), smem, regs, per_sm,
                                     round(score, 6), tuple(reasons),
                                     regs_predictive=e != 4))
-    feasible = [c for c in candidates if c.feasible]
-    chosen = None
-    if tuned is not None:
-        if tuned not in [c.config for c in feasible]:
-            raise ValueError(f"{tuned} is not a feasible {kernel} candidate on {arch_name}")
-        chosen = tuned
-    elif feasible:
-        best = max(feasible, key=lambda c: (not c.may_spill(arch), c.score, -c.smem_bytes,
-                                            c.config))
-        chosen = best.config
+    chosen = _choice(candidates, arch, tuned, kernel)
     values = {D: d, DV: dv, E: e}
     worked: dict[str, str] = {}
     binding = "nothing fits"
