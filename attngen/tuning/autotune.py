@@ -17,7 +17,9 @@ beats it there by SWITCH_GAIN gets that config for its lengths (`shorter` in the
 module picks by sequence length). Results go into tuning/<arch>.json
 (attngen.tuning.database); every measurement is also kept in tuning/.progress-<arch>.json,
 keyed by spec and by the kernel's text (a changed template is measured afresh), so an
-interrupted run resumes where it stopped, and the budget bounds the whole run.
+interrupted run resumes where it stopped, and the budget bounds the whole run. The gradient
+kernels of specs with `backward: true` are tuned after the prefill kernels (or alone:
+`kernels="backward"`) by attngen/tuning/autotune_backward.py, under the same budget.
 
 This module imports torch and triton; the build path never imports it.
 """

@@ -178,8 +178,7 @@ def tune_backward(run: TuneRun, spec: AttnSpec,
     an Outcome per kernel."""
     module = load_module(spec, run.arch, run.folder)
     digest = kernel_digest(module)
-    inputs = {b.name: _backward_inputs(module, spec, b.batch, b.seqlen, b.seqlen, run.device)
-              for b in options.buckets}
+    inputs: dict = {}  # the buckets' tensors, made when the first measurement needs them
     outcomes = []
     for kernel in KERNELS:
         heuristic, cands = plans[kernel]
@@ -189,12 +188,15 @@ def tune_backward(run: TuneRun, spec: AttnSpec,
             if key not in results:
                 if run.out_of_time():
                     break
+                inputs = inputs or {b.name: _backward_inputs(module, spec, b.batch, b.seqlen,
+                                                             b.seqlen, run.device)
+                                    for b in options.buckets}
                 results[key] = _measure(module, spec, kernel, cand.config, inputs, options, run)
                 run.save_progress()
             advance()
         outcomes.append(_record(run, spec, kernel, heuristic, cands, results, options.buckets))
         run.save_db()
-    del inputs
+    inputs.clear()
     return outcomes
 
 
