@@ -23,7 +23,7 @@ from attngen.spec import AttnSpec, KernelKind, SpecError, load_spec_file, module
 from attngen.tiling.alternatives import nearest_alternative
 from attngen.tiling.decode import derive_decode_tiles
 from attngen.tiling.prefill import derive_tiles
-from attngen.tuning.database import apply_tuning, lookup
+from attngen.tuning.database import apply_tuning, lookup, tuned_backward_tiles
 
 INDEX_NAME = "index.json"
 INDEX_SCHEMA = 1
@@ -83,7 +83,10 @@ def _plan_one(spec: AttnSpec, kind: KernelKind, arch: str, tuning_dir: Path | No
     assert derivation.chosen is not None  # apply_tuning replaces the choice, never drops it
     name = module_name(spec, kind)
     relative_path = f"{arch}/{name}.py"
-    source = render_module(spec, kind, derivation)
+    backward = None
+    if spec.backward and kind is not KernelKind.decode:
+        backward = tuned_backward_tiles(tuning_dir, spec, arch)
+    source = render_module(spec, kind, derivation, backward)
     entry = {
         "module": name,
         "path": relative_path,

@@ -129,12 +129,18 @@ def autotune_command(
     max_configs: Annotated[int, typer.Option(
         help="Candidates per spec: the best config of each tile shape.")] = 16,
     tuning: TuningDir = DEFAULT_TUNING_DIR,
+    kernels: Annotated[str, typer.Option(
+        help="all, forward or backward: backward tunes the dQ and dK/dV kernels of the specs "
+             "with backward: true (all does both).")] = "all",
+    max_backward_configs: Annotated[int, typer.Option(
+        help="Candidates per gradient kernel, the heuristic's first.")] = 6,
 ) -> None:
     """Time the feasible tile configs on this GPU and record winners in TUNING/<arch>.json.
 
     Then `attngen build` uses them (the module header says the config came from tuning)."""
     try:
         from attngen.tuning.autotune import (  # torch/triton: not on the build path
+            BackwardOptions,
             autotune,
             detect_arch,
         )
@@ -143,17 +149,24 @@ def autotune_command(
         target = detect_arch() if arch == "auto" else arch
         if arch != "auto" and target != detect_arch():
             raise SpecError(f"--arch {arch}: this machine's GPU is {detect_arch()}; tune there")
-        outcomes = autotune(loaded, tuning, budget, max_configs, target)
+        outcomes = autotune(loaded, tuning, budget, max_configs, target, kernels=kernels,
+                            backward=BackwardOptions(max_configs=max_backward_configs))
     except SpecError as exc:
         raise _fail(str(exc)) from None
-    untried = [o.spec.name for o in outcomes if o.winner is None and o.tried == 0]
-    failed = [o.spec.name for o in outcomes if o.winner is None and o.tried > 0]
+    lost = [o for o in outcomes if o.winner is None]
+    untried = [_outcome_name(o.spec.name, o.kernel) for o in lost if o.tried == 0]
+    failed = [_outcome_name(o.spec.name, o.kernel) for o in lost if o.tried > 0]
     if failed:
         raise _fail("no candidate passed the correctness gate for: " + ", ".join(failed))
     if untried:
         raise _fail("the budget ran out before these were measured (run again to resume): "
                     + ", ".join(untried))
     typer.echo(f"attngen: winners recorded in {tuning}; run `attngen build` to use them")
+
+
+def _outcome_name(spec_name: str, kernel: str) -> str:
+    """A spec's name, with the gradient kernel's kind for a backward outcome."""
+    return spec_name if kernel == "prefill" else f"{spec_name} ({kernel})"
 
 
 @app.command("verify-tiling")

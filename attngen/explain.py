@@ -8,7 +8,7 @@ from pathlib import Path
 from attngen.arch import ARCHS
 from attngen.spec import AttnSpec, KernelKind
 from attngen.tiling.alternatives import nearest_alternative
-from attngen.tiling.backward import BackwardDerivation, derive_backward_tiles
+from attngen.tiling.backward import BackwardDerivation
 from attngen.tiling.code_paths import code_paths
 from attngen.tiling.decode import derive_decode_tiles, split_lines
 from attngen.tiling.prefill import (
@@ -18,7 +18,7 @@ from attngen.tiling.prefill import (
     derive_tiles,
     padded_head_dim,
 )
-from attngen.tuning.database import apply_tuning, lookup
+from attngen.tuning.database import apply_tuning, lookup, tuned_backward_tiles
 
 TOP_FEASIBLE = 6
 REJECTED_SAMPLE = 4
@@ -48,7 +48,8 @@ def explain_lines(specs: Iterable[AttnSpec], archs: Iterable[str] | None = None,
                     lines += [section[0], f"   kernels: {', '.join(kinds)}", *paths,
                               *section[1:], ""]
                 if spec.backward:
-                    lines += [*explain_backward(spec, derive_backward_tiles(spec, arch)), ""]
+                    backward = tuned_backward_tiles(tuning_dir, spec, arch)
+                    lines += [*explain_backward(spec, backward), ""]
                 if KernelKind.decode in spec.kernels:
                     lines += [*explain_decode(spec, derive_decode_tiles(spec, arch)), ""]
     return lines

@@ -20,7 +20,7 @@ from attngen import __version__
 from attngen.spec import AttnSpec, KernelKind, module_name
 from attngen.template_env import environment, template_sources
 from attngen.tiling import decode as decode_tiling
-from attngen.tiling.backward import derive_backward_tiles
+from attngen.tiling.backward import BackwardDerivation, derive_backward_tiles
 from attngen.tiling.code_paths import POINTER_LOADS_UP_TO, code_paths
 from attngen.tiling.prefill import Derivation, TileConfig, padded_head_dim
 
@@ -50,8 +50,9 @@ def template_hash(template_name: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> dict[str, Any]:
-    """The flat context of one render: ints, bools, floats and attngen's own strings."""
+def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation,
+                  backward: BackwardDerivation | None = None) -> dict[str, Any]:
+    """The flat context of one render; `backward`: the gradient kernels' (else heuristic)."""
     config = derivation.chosen
     if config is None:
         raise RenderError(f"{spec.name} on {derivation.arch}: no feasible tile config to render")
@@ -81,8 +82,7 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
         "mask": spec.mask.value,
         "causal_align": spec.causal_align.value if spec.causal_align else "none",
         "bottom_right": spec.causal_align is not None and spec.causal_align.value == "bottom_right",
-        "window_left": window[0],
-        "window_right": window[1],
+        "window_left": window[0], "window_right": window[1],
         "softcap": float(spec.softcap),
         "alibi": spec.alibi,
         # Newer models' fields: 0 / False when absent (a module without them renders as
@@ -93,7 +93,7 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> d
         "varlen": kind is KernelKind.varlen,
     }
     context.update(_host_paths_context(spec, kind, derivation.arch))
-    context.update(_training_context(spec, kind, derivation))
+    context.update(_training_context(spec, kind, derivation, backward))
     if kind is KernelKind.decode:
         context.update({
             "kv_layout": spec.cache_layout.value,
@@ -123,15 +123,16 @@ def _host_paths_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str
     }
 
 
-def _training_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation
-                      ) -> dict[str, Any]:
+def _training_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation,
+                      backward: BackwardDerivation | None) -> dict[str, Any]:
     """The backward's context (spec `backward: true`, prefill and varlen): its flags, the
     gradient kernels' configs, and their derivations appended to the header's."""
     training = kind is not KernelKind.decode and spec.backward
     context: dict[str, Any] = {"backward": training, "dropout": training and spec.dropout}
     if not training:
         return context
-    backward = derive_backward_tiles(spec, derivation.arch)
+    if backward is None:
+        backward = derive_backward_tiles(spec, derivation.arch)
     for label, kernel in (("dq", backward.dq), ("dkdv", backward.dkdv)):
         if kernel.chosen is None:
             raise RenderError(f"{spec.name} on {derivation.arch}: no feasible {label} "
@@ -156,8 +157,9 @@ def _yaml_value(value: Any) -> str:
     return str(value)
 
 
-def render_module(spec: AttnSpec, kind: KernelKind, derivation: Derivation) -> str:
-    context = build_context(spec, kind, derivation)
+def render_module(spec: AttnSpec, kind: KernelKind, derivation: Derivation,
+                  backward: BackwardDerivation | None = None) -> str:
+    context = build_context(spec, kind, derivation, backward)
     source = environment().get_template(TEMPLATE_FOR_KIND[kind]).render(**context)
     check_module_source(source, context["module_name"], ENTRY_POINTS[kind])
     return source

@@ -98,7 +98,7 @@ def test_autotune_loop_records_a_winner_and_resumes(tmp_path, monkeypatch):
     assert f"BLOCK_M={outcome.winner.block_m}, BLOCK_N={outcome.winner.block_n}" in artifact.source
     # Measurements belong to the kernel text they were taken on: after a template change (a
     # different digest) every candidate is measured again.
-    monkeypatch.setattr("attngen.tuning.autotune._kernel_digest", lambda module: "changed-kernel")
+    monkeypatch.setattr("attngen.tuning.autotune.kernel_digest", lambda module: "changed-kernel")
     calls = []
     autotune([SPEC], tmp_path, budget_s=120, max_configs=3, arch="sm90", console=console,
              device="cpu", buckets=TINY, timer=lambda fn: calls.append(fn) or 1.0)

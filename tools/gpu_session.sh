@@ -41,6 +41,19 @@ section_command() {
     cp_bench) echo "python3 tools/bench_context_parallel.py --out $work" ;;
     backward_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_backward_gpu.py" ;;
     bench_backward) echo "python3 tools/bench_backward.py --out $work" ;;
+    # Tunes llama3_8b's dQ and dK/dV kernels (150 s of measurements, then at most one
+    # candidate's overrun and the builds: give it 260 s, so that `autotune_backward:260
+    # bench_backward:280` fits one call), rebuilds generated/ from tuning/sm90.json and lists
+    # the modules whose bytes changed; the tree keeps them, so later sections (backward_tests)
+    # run the tuned modules. Exit status: the autotune's, else 1 if the build or check failed.
+    autotune_backward) echo "python3 -m attngen autotune examples/llama3_8b.yaml --arch sm90 \
+      --kernels backward --budget 150; rc=\$?; \
+      sha256sum generated/*/*.py generated/index.json > $work/generated_before.sha256; \
+      python3 -m attngen build examples/*.yaml && python3 -m attngen check examples/*.yaml \
+      || rc=1; sha256sum -c --quiet $work/generated_before.sha256 2>/dev/null \
+      | sed 's/: FAILED\$//' > $work/changed_generated.txt; \
+      cp tuning/sm90.json tuning/.progress-sm90.json $work/; \
+      echo changed: \$(cat $work/changed_generated.txt); exit \$rc" ;;
     ondemand_tests) echo "$pytest_gpu tests/test_ondemand_gpu.py" ;;
     cold_start) echo "python3 tools/ondemand_cold_start.py --json $work/cold_start.json" ;;
     cp_bwd_tests) echo "NCCL_NVLS_ENABLE=0 $pytest_gpu tests/test_context_parallel_gpu.py -k gradients" ;;

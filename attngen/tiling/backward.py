@@ -166,6 +166,21 @@ def regs_expression(arch: GpuArch, kernel: str) -> sympy.Expr:
     return mma
 
 
+def _choice(candidates: list[Candidate], arch: GpuArch, tuned: TileConfig | None,
+            kernel: str) -> TileConfig | None:
+    """`tuned` (which must be feasible), else the heuristic's: the best score among configs
+    the register model does not call may-spill (then the smallest shared memory)."""
+    feasible = [c for c in candidates if c.feasible]
+    if tuned is not None:
+        if tuned not in [c.config for c in feasible]:
+            raise ValueError(f"{tuned} is not a feasible {kernel} candidate on {arch.name}")
+        return tuned
+    if not feasible:
+        return None
+    return max(feasible, key=lambda c: (not c.may_spill(arch), c.score, -c.smem_bytes,
+                                        c.config)).config
+
+
 def smem_expression(arch: GpuArch, kernel: str, dropout: bool) -> sympy.Expr:
     if kernel == "dq":
         return dq_smem_expression(arch, dropout)
@@ -186,16 +201,32 @@ class BackwardDerivation:
             head = "no feasible config" if chosen is None else (
                 f"{chosen.block_m}x{chosen.block_n}, {chosen.num_warps} warps, "
                 f"{chosen.num_stages} stages")
+            if derivation.source != "heuristic":  # a heuristic choice's line stays as it was
+                head += f" (source: {derivation.source})"
             lines += [f"{label}: {head}", *(f"  {line}" for line in derivation.summary_lines())]
         return tuple(lines)
 
 
+# A kernel's measured choice: (kernel, config, source), e.g. ("dkdv", config, "tuning on ...").
+Tuned = tuple[tuple[str, TileConfig, str], ...]
+
+
 @cache
-def derive_backward_tiles(spec: AttnSpec, arch_name: str) -> BackwardDerivation:
-    return BackwardDerivation(_derive(spec, arch_name, "dq"), _derive(spec, arch_name, "dkdv"))
+def derive_backward_tiles(spec: AttnSpec, arch_name: str, tuned: Tuned = ()
+                          ) -> BackwardDerivation:
+    """Both kernels' derivations; `tuned` replaces the heuristic's choice of the kernels it
+    names (attngen.tuning.database checks that each is a feasible candidate first)."""
+    chosen = {kernel: (config, source) for kernel, config, source in tuned}
+    unknown = set(chosen) - set(KERNELS)
+    if unknown:
+        raise ValueError(f"tuned: unknown backward kernel(s) {sorted(unknown)}; "
+                         f"expected {KERNELS}")
+    return BackwardDerivation(_derive(spec, arch_name, "dq", *chosen.get("dq", (None, ""))),
+                              _derive(spec, arch_name, "dkdv", *chosen.get("dkdv", (None, ""))))
 
 
-def _derive(spec: AttnSpec, arch_name: str, kernel: str) -> Derivation:
+def _derive(spec: AttnSpec, arch_name: str, kernel: str, tuned: TileConfig | None = None,
+            source: str = "") -> Derivation:
     arch = ARCHS[arch_name]
     d, dv = padded_head_dim(spec.head_dim), padded_head_dim(spec.value_head_dim)
     e = spec.dtype.itemsize
@@ -228,12 +259,7 @@ def _derive(spec: AttnSpec, arch_name: str, kernel: str) -> Derivation:
         candidates.append(Candidate(TileConfig(bm, bn, w, s), smem, regs, per_sm,
                                     round(score, 6), tuple(reasons),
                                     regs_predictive=e != 4))
-    feasible = [c for c in candidates if c.feasible]
-    chosen = None
-    if feasible:
-        best = max(feasible, key=lambda c: (not c.may_spill(arch), c.score, -c.smem_bytes,
-                                            c.config))
-        chosen = best.config
+    chosen = _choice(candidates, arch, tuned, kernel)
     values = {D: d, DV: dv, E: e}
     worked: dict[str, str] = {}
     binding = "nothing fits"
@@ -245,7 +271,7 @@ def _derive(spec: AttnSpec, arch_name: str, kernel: str) -> Derivation:
         binding = binding_constraint(next(c for c in candidates if c.config == chosen),
                                      candidates)
     return Derivation(
-        arch=arch_name, source="heuristic",
+        arch=arch_name, source=source if tuned is not None else "heuristic",
         expressions=LazyText(lambda: {"smem": str(smem_expr.subs(values)),
                                       "regs": str(regs_expr.subs(values))}),
         constraints=(f"smem: shared memory <= {arch.smem_budget} B",

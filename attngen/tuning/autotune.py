@@ -17,7 +17,9 @@ beats it there by SWITCH_GAIN gets that config for its lengths (`shorter` in the
 module picks by sequence length). Results go into tuning/<arch>.json
 (attngen.tuning.database); every measurement is also kept in tuning/.progress-<arch>.json,
 keyed by spec and by the kernel's text (a changed template is measured afresh), so an
-interrupted run resumes where it stopped, and the budget bounds the whole run.
+interrupted run resumes where it stopped, and the budget bounds the whole run. The gradient
+kernels of specs with `backward: true` are tuned after the prefill kernels (or alone:
+`kernels="backward"`) by attngen/tuning/autotune_backward.py, under the same budget.
 
 This module imports torch and triton; the build path never imports it.
 """
@@ -25,15 +27,10 @@ This module imports torch and triton; the build path never imports it.
 from __future__ import annotations
 
 import datetime
-import hashlib
-import importlib.util
 import itertools
-import json
 import math
-import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,16 +40,26 @@ from rich.progress import Progress
 from rich.table import Table
 
 from attngen.arch import ARCHS
-from attngen.files import write_if_different
 from attngen.reference import compare_to_reference, random_inputs
-from attngen.render import kernels_text, render_module
-from attngen.spec import AttnSpec, KernelKind, SpecError, module_name
+from attngen.spec import AttnSpec, KernelKind, SpecError
 from attngen.tiling.prefill import Candidate, TileConfig, derive_tiles
-from attngen.tuning.database import (
-    entry_key,
-    read_tuning_file,
-    render_tuning_file,
-    tuning_path,
+from attngen.tuning.autotune_backward import (
+    DEFAULT_BACKWARD_OPTIONS,
+    BackwardOptions,
+    backward_candidates,
+    tune_backward,
+)
+from attngen.tuning.database import entry_key, read_tuning_file, tuning_path
+from attngen.tuning.measure import (
+    Bucket,
+    Outcome,
+    TuneRun,
+    config_key,
+    geomean,
+    kernel_digest,
+    load_module,
+    median_ms,
+    read_progress,
 )
 
 # Note: a shape whose best score has fewer stages is also tried at this many. Measured on the
@@ -60,34 +67,11 @@ from attngen.tuning.database import (
 # 240 TFLOP/s; 64x64x4 at D = 128 causal: the fastest config at three, where the score,
 # counting two programs per SM at two stages against one at three, prefers two).
 DEEP_STAGES = 3
-PROGRESS_SCHEMA = 2  # 2: results keyed by spec and kernel text
-
-
-@dataclass(frozen=True)
-class Bucket:
-    name: str
-    batch: int
-    seqlen: int
-
-
 BUCKETS = (Bucket("short_n1024", 16, 1024), Bucket("mid_n4096", 4, 4096),
            Bucket("long_n8192", 2, 8192))
 # A shorter bucket gets its own config only when it is at least this much faster there than
 # the long bucket's winner: the same config timed in two H200 runs differed by 1-2%.
 SWITCH_GAIN = 0.03
-
-
-@dataclass
-class Outcome:
-    spec: AttnSpec
-    heuristic: TileConfig
-    winner: TileConfig | None
-    winner_ms: dict[str, float]
-    heuristic_ms: dict[str, float] | None
-    tried: int
-    candidates: int
-    complete: bool
-    shorter: tuple[tuple[int, TileConfig], ...] = ()
 
 
 def detect_arch() -> str:
@@ -101,22 +85,9 @@ def detect_arch() -> str:
     return arch
 
 
-def _load_module(spec: AttnSpec, arch: str, folder: Path):
-    source = render_module(spec, KernelKind.prefill, derive_tiles(spec, arch))
-    name = f"autotune_{module_name(spec, KernelKind.prefill)}"
-    path = folder / f"{name}.py"
-    path.write_text(source)
-    loader_spec = importlib.util.spec_from_file_location(name, path)
-    assert loader_spec is not None and loader_spec.loader is not None  # a .py file has one
-    module = importlib.util.module_from_spec(loader_spec)
-    sys.modules[name] = module
-    loader_spec.loader.exec_module(module)
-    return module
-
-
-def _kernel_digest(module) -> str:
-    """A hash of the module's JIT functions: the text a template change alters."""
-    return hashlib.sha256(kernels_text(Path(module.__file__).read_text()).encode()).hexdigest()[:16]
+# Which kernels `--kernels` tunes: "backward" are the gradient kernels of specs with
+# `backward: true` (attngen/tuning/autotune_backward.py).
+KERNEL_SETS = ("all", "forward", "backward")
 
 
 def _candidates(spec: AttnSpec, arch: str, max_configs: int) -> tuple[TileConfig, list[Candidate]]:
@@ -141,14 +112,6 @@ def _candidates(spec: AttnSpec, arch: str, max_configs: int) -> tuple[TileConfig
     return chosen.config, picked
 
 
-def _config_key(config: TileConfig) -> str:
-    return f"{config.block_m}x{config.block_n}x{config.num_warps}x{config.num_stages}"
-
-
-def _median_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
 def _measure(module, spec: AttnSpec, config: TileConfig, inputs, device, timer) -> dict:
     """Gate, then time one config; failures are results too (recorded, never fatal)."""
     module.CONFIG.update(config.as_dict())
@@ -170,58 +133,73 @@ def _measure(module, spec: AttnSpec, config: TileConfig, inputs, device, timer) 
             torch.cuda.synchronize()
 
 
-def _geomean(times: dict[str, float]) -> float:
-    return math.exp(sum(math.log(t) for t in times.values()) / len(times))
-
-
 def autotune(specs: list[AttnSpec], tuning_dir: Path, budget_s: float, max_configs: int,
              arch: str | None = None, console: Console | None = None, *,
              device: str = "cuda", buckets: tuple[Bucket, ...] = BUCKETS,
-             timer=_median_ms) -> list[Outcome]:
-    """Tune every spec's prefill kernel; `device`, `buckets` and `timer` let the CPU tests
-    drive the same loop under Triton's interpreter."""
+             timer=median_ms, kernels: str = "all",
+             backward: BackwardOptions = DEFAULT_BACKWARD_OPTIONS) -> list[Outcome]:
+    """Tune every spec's prefill kernel (`kernels` "all" or "forward") and the gradient kernels
+    of specs with `backward: true` ("all" or "backward"; `backward` bounds and shapes them);
+    `device`, `buckets`, `timer` and `backward` let the CPU tests drive the same loops under
+    Triton's interpreter."""
+    if kernels not in KERNEL_SETS:
+        raise SpecError(f"kernels: {kernels!r}; expected one of {', '.join(KERNEL_SETS)}")
+    trained = [spec for spec in specs if spec.backward] if kernels != "forward" else []
+    if kernels == "backward" and not trained:
+        raise SpecError("kernels: 'backward', but none of the specs has backward: true")
     console = console or Console(stderr=True)
     arch = arch or detect_arch()
     gpu = torch.cuda.get_device_name() if device == "cuda" else f"{device} (interpreter)"
     version = triton.__version__
-    db_path = tuning_path(tuning_dir, arch)
-    progress_path = tuning_dir / f".progress-{arch}.json"
-    db = read_tuning_file(db_path)
-    progress = _read_progress(progress_path, gpu, version)
-    deadline = time.monotonic() + budget_s
+    run = TuneRun(arch, gpu, version, device, timer, time.monotonic() + budget_s,
+                  read_tuning_file(tuning_path(tuning_dir, arch)), tuning_path(tuning_dir, arch),
+                  read_progress(tuning_dir / f".progress-{arch}.json", gpu, version),
+                  tuning_dir / f".progress-{arch}.json",
+                  Path(tempfile.mkdtemp(prefix="attngen-autotune-")))
+    plans = [] if kernels == "backward" else [
+        (spec, *_candidates(spec, arch, max_configs)) for spec in specs]
+    backward_plans = [(spec, backward_candidates(spec, arch, backward.max_configs))
+                      for spec in trained]
+    total = sum(len(cands) for _, _, cands in plans) + sum(
+        len(cands) for _, kernel_plans in backward_plans for _, cands in kernel_plans.values())
     outcomes = []
-    folder = Path(tempfile.mkdtemp(prefix="attngen-autotune-"))
-    plans = [(spec, *_candidates(spec, arch, max_configs)) for spec in specs]
-    total = sum(len(cands) for _, _, cands in plans)
     with Progress(console=console, transient=False) as bar:
         task = bar.add_task(f"autotune on {gpu} ({arch})", total=total)
         for spec, heuristic, cands in plans:
-            module = _load_module(spec, arch, folder)
-            inputs = {b.name: random_inputs(spec, b.batch, b.seqlen, b.seqlen, seed=1,
-                                            device=device) for b in buckets}
-            progress_key = f"{entry_key(spec, KernelKind.prefill)}/{_kernel_digest(module)}"
-            results = progress["results"].setdefault(progress_key, {})
-            for cand in cands:
-                key = _config_key(cand.config)
-                if key not in results:
-                    if time.monotonic() > deadline:
-                        break
-                    results[key] = _measure(module, spec, cand.config, inputs, device, timer)
-                    write_if_different(progress_path, render_tuning_file(progress))
-                bar.advance(task)
-            del inputs
-            outcomes.append(_record(db, spec, heuristic, cands, results, gpu, version,
-                                    buckets))
-            write_if_different(db_path, render_tuning_file(db))
-    _print_summary(console, outcomes, arch, gpu, buckets)
+            outcomes.append(_tune_forward(run, spec, heuristic, cands, buckets,
+                                          lambda: bar.advance(task)))
+        for spec, kernel_plans in backward_plans:
+            outcomes += tune_backward(run, spec, kernel_plans, backward,
+                                      lambda: bar.advance(task))
+    _print_summary(console, outcomes, arch, gpu, buckets, backward.buckets)
     return outcomes
+
+
+def _tune_forward(run: TuneRun, spec: AttnSpec, heuristic: TileConfig, cands: list[Candidate],
+                  buckets: tuple[Bucket, ...], advance) -> Outcome:
+    module = load_module(spec, run.arch, run.folder)
+    inputs = {b.name: random_inputs(spec, b.batch, b.seqlen, b.seqlen, seed=1,
+                                    device=run.device) for b in buckets}
+    results = run.results(f"{entry_key(spec, KernelKind.prefill)}/{kernel_digest(module)}")
+    for cand in cands:
+        key = config_key(cand.config)
+        if key not in results:
+            if run.out_of_time():
+                break
+            results[key] = _measure(module, spec, cand.config, inputs, run.device, run.timer)
+            run.save_progress()
+        advance()
+    del inputs
+    outcome = _record(run.db, spec, heuristic, cands, results, run.gpu, run.triton, buckets)
+    run.save_db()
+    return outcome
 
 
 def _record(db, spec, heuristic, cands, results, gpu, version, buckets) -> Outcome:
     timed = {key: r["median_ms"] for key, r in results.items() if "median_ms" in r}
-    by_key = {_config_key(c.config): c.config for c in cands}
-    tried = sum(1 for c in cands if _config_key(c.config) in results)
-    outcome = Outcome(spec, heuristic, None, {}, timed.get(_config_key(heuristic)), tried,
+    by_key = {config_key(c.config): c.config for c in cands}
+    tried = sum(1 for c in cands if config_key(c.config) in results)
+    outcome = Outcome(spec, heuristic, None, {}, timed.get(config_key(heuristic)), tried,
                       len(cands), tried == len(cands))
     usable = {key: t for key, t in timed.items()
               if key in by_key and all(b.name in t for b in buckets)}
@@ -233,7 +211,7 @@ def _record(db, spec, heuristic, cands, results, gpu, version, buckets) -> Outco
     # The model's programs per SM for each winner, as measured: a later template that makes a
     # winner lose one (a few bytes of shared memory can, at an occupancy edge) makes the build
     # refuse the entry instead of using a config whose timing no longer holds.
-    programs = {_config_key(c.config): c.programs_per_sm for c in cands}
+    programs = {config_key(c.config): c.programs_per_sm for c in cands}
     db["entries"][entry_key(spec, KernelKind.prefill)] = {
         "shorter": [{"up_to": up_to, "config": by_key[key].as_dict(),
                      "programs_per_sm": programs[key]} for up_to, key in shorter],
@@ -279,35 +257,29 @@ def _fastest(times: dict[str, dict[str, float]], bucket: str) -> str:
     return min(times, key=lambda key: (times[key][bucket], key))
 
 
-def _read_progress(path: Path, gpu: str, version: str) -> dict:
-    """Earlier measurements on the same GPU and Triton, or a fresh record."""
-    fresh = {"schema": PROGRESS_SCHEMA, "gpu": gpu, "triton": version, "results": {}}
-    if not path.is_file():
-        return fresh
-    try:
-        data = json.loads(path.read_text())
-    except ValueError:
-        return fresh
-    same = (data.get("schema"), data.get("gpu"), data.get("triton")) == (PROGRESS_SCHEMA, gpu,
-                                                                          version)
-    return data if same and isinstance(data.get("results"), dict) else fresh
-
-
 def _print_summary(console: Console, outcomes: list[Outcome], arch: str, gpu: str,
-                   buckets: tuple[Bucket, ...]) -> None:
-    table = Table(title=f"attngen autotune: {gpu} ({arch})")
-    for column in ("spec", "heuristic", "winner", "tried", *[b.name + " ms" for b in buckets],
-                   "vs heuristic"):
-        table.add_column(column)
-    for o in outcomes:
-        gain = "-"
-        if o.winner_ms and o.heuristic_ms:
-            gain = f"{_geomean(o.heuristic_ms) / _geomean(o.winner_ms):.2f}x"
-        winner = _config_key(o.winner) if o.winner else "none passed"
-        winner += "".join(f"; <={up_to}: {_config_key(c)}" for up_to, c in o.shorter)
-        table.add_row(
-            o.spec.name, _config_key(o.heuristic), winner,
-            f"{o.tried}/{o.candidates}" + ("" if o.complete else " (budget)"),
-            *[f"{o.winner_ms[b.name]:.3f}" if b.name in o.winner_ms else "-" for b in buckets],
-            gain)
-    console.print(table)
+                   buckets: tuple[Bucket, ...], backward_buckets: tuple[Bucket, ...]) -> None:
+    """One table for the prefill kernels and one for the gradient kernels (their own buckets:
+    the time of that kernel's launch alone)."""
+    for kernels, kind_buckets in (("prefill", buckets), ("backward", backward_buckets)):
+        rows = [o for o in outcomes if o.kernel.startswith(kernels)]
+        if not rows:
+            continue
+        table = Table(title=f"attngen autotune: {gpu} ({arch}), {kernels} kernels")
+        for column in ("spec", "heuristic", "winner", "tried",
+                       *[b.name + " ms" for b in kind_buckets], "vs heuristic"):
+            table.add_column(column)
+        for o in rows:
+            gain = "-"
+            if o.winner_ms and o.heuristic_ms:
+                gain = f"{geomean(o.heuristic_ms) / geomean(o.winner_ms):.2f}x"
+            winner = config_key(o.winner) if o.winner else "none passed"
+            winner += "".join(f"; <={up_to}: {config_key(c)}" for up_to, c in o.shorter)
+            name = o.spec.name if o.kernel == "prefill" else f"{o.spec.name} ({o.kernel})"
+            table.add_row(
+                name, config_key(o.heuristic), winner,
+                f"{o.tried}/{o.candidates}" + ("" if o.complete else " (budget)"),
+                *[f"{o.winner_ms[b.name]:.3f}" if b.name in o.winner_ms else "-"
+                  for b in kind_buckets],
+                gain)
+        console.print(table)

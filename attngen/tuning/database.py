@@ -9,8 +9,12 @@ the date; optionally `shorter`, configs measured faster on shorter sequences (`u
 longest sequence each serves), which the module picks by length. A file carries a schema
 version; a file of another schema is refused, not guessed at.
 
-    tuning/sm90.json = {"schema": 1, "arch": "sm90",
+    tuning/sm90.json = {"schema": 2, "arch": "sm90",
                         "entries": {"<kernel fields hash>/prefill": {"config": {...}, ...}}}
+
+The gradient kernels of a spec with `backward: true` have entries of their own, kinds
+`backward_dq` and `backward_dkdv` (BACKWARD_KINDS), under the same fields hash: the module's
+BWD_DQ_CONFIG and BWD_DKDV_CONFIG come from them when present (tuned_backward_tiles).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from attngen.spec import AttnSpec, KernelKind, SpecError
+from attngen.tiling.backward import KERNELS, BackwardDerivation, derive_backward_tiles
 from attngen.tiling.prefill import Derivation, TileConfig, choose
 
 TUNING_SCHEMA = 2  # 2: entries keyed by the kernel fields' hash (1: the whole spec's)
@@ -58,10 +63,25 @@ class TuningRecord:
         return f"tuning{borrowed} on {self.gpu}, triton {self.triton}, {self.date}{partial}"
 
 
-def entry_key(spec: AttnSpec, kind: KernelKind) -> str:
+# The database kind of each backward kernel (attngen/tiling/backward.py's KERNELS).
+BACKWARD_KINDS = {kernel: f"backward_{kernel}" for kernel in KERNELS}
+
+
+def _fields_hash(spec: AttnSpec) -> str:
     fields = {k: v for k, v in spec.canonical().items() if k not in NOT_TUNED_ON}
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-    return f"{hashlib.sha256(text.encode()).hexdigest()[:16]}/{kind.value}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def entry_key(spec: AttnSpec, kind: KernelKind) -> str:
+    return f"{_fields_hash(spec)}/{kind.value}"
+
+
+def backward_entry_key(spec: AttnSpec, kernel: str) -> str:
+    """The key of a gradient kernel's entry: `kernel` is "dq" or "dkdv"."""
+    if kernel not in BACKWARD_KINDS:
+        raise ValueError(f"kernel: {kernel!r}; expected one of {', '.join(BACKWARD_KINDS)}")
+    return f"{_fields_hash(spec)}/{BACKWARD_KINDS[kernel]}"
 
 
 def tuning_path(tuning_dir: Path, arch: str) -> Path:
@@ -105,6 +125,11 @@ def lookup(tuning_dir: Path | None, spec: AttnSpec, kind: KernelKind, arch: str
         entry, borrowed = entries.get(entry_key(spec, KernelKind.prefill)), "prefill"
     if entry is None:
         return None
+    return _parse_record(entry, borrowed, f"{tuning_path(tuning_dir, arch)}: entry "
+                         f"{entry_key(spec, kind)}")
+
+
+def _parse_record(entry: Any, borrowed: str | None, where: str) -> TuningRecord:
     try:
         config = TileConfig.from_dict(entry["config"])
         shorter = tuple((int(item["up_to"]), TileConfig.from_dict(item["config"]))
@@ -117,9 +142,8 @@ def lookup(tuning_dir: Path | None, spec: AttnSpec, kind: KernelKind, arch: str
         return TuningRecord(config, str(entry["gpu"]), str(entry["triton"]), str(entry["date"]),
                             bool(entry["complete"]), dict(entry["median_ms"]), borrowed,
                             shorter, programs)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise TuningError(f"{tuning_path(tuning_dir, arch)}: entry {entry_key(spec, kind)} is "
-                          f"malformed ({exc!r})") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise TuningError(f"{where} is malformed ({exc!r})") from None
 
 
 def apply_tuning(derivation: Derivation, record: TuningRecord | None) -> Derivation:
@@ -147,3 +171,37 @@ def apply_tuning(derivation: Derivation, record: TuningRecord | None) -> Derivat
                               "timing no longer holds; re-run attngen autotune")
     chosen = choose(derivation, record.config, record.describe())
     return dataclasses.replace(chosen, shorter=record.shorter)
+
+
+def tuned_backward_tiles(tuning_dir: Path | None, spec: AttnSpec, arch: str
+                         ) -> BackwardDerivation:
+    """The gradient kernels' derivations, each kernel's config from its tuning entry when
+    there is one (else the heuristic's). A tuned config must be a feasible candidate of the
+    current backward model, at the programs per SM it was measured at, like the forward's."""
+    heuristic = derive_backward_tiles(spec, arch)
+    if tuning_dir is None:
+        return heuristic
+    entries = read_tuning_file(tuning_path(tuning_dir, arch))["entries"]
+    tuned = []
+    for kernel, derivation in (("dq", heuristic.dq), ("dkdv", heuristic.dkdv)):
+        key = backward_entry_key(spec, kernel)
+        if key not in entries:
+            continue
+        record = _parse_record(entries[key], None, f"{tuning_path(tuning_dir, arch)}: entry {key}")
+        if record.shorter:
+            raise TuningError(f"{tuning_path(tuning_dir, arch)}: entry {key} has 'shorter' "
+                              "configs; the backward kernels have one config for every length")
+        candidate = next((c for c in derivation.candidates if c.config == record.config), None)
+        if candidate is None or not candidate.feasible:
+            why = "not a candidate" if candidate is None else "; ".join(candidate.rejected)
+            raise TuningError(f"tuned {kernel} backward config {record.config.as_dict()} for "
+                              f"{arch} is infeasible under the current model ({why}); re-run "
+                              "attngen autotune")
+        measured_at = record.programs_per_sm.get(record.config)
+        if measured_at is not None and candidate.programs_per_sm < measured_at:
+            raise TuningError(f"tuned {kernel} backward config {record.config.as_dict()} for "
+                              f"{arch} was measured at {measured_at} programs per SM; the "
+                              f"current model fits {candidate.programs_per_sm}, so its timing "
+                              "no longer holds; re-run attngen autotune")
+        tuned.append((kernel, record.config, record.describe()))
+    return derive_backward_tiles(spec, arch, tuple(tuned)) if tuned else heuristic
