@@ -10,7 +10,8 @@
     records.py    last_dispatch() and dispatch_log(), per thread
     dispatch.py   a call's Need from its tensors; the choice, cached per registry, recorded
     ops.py        the modules' entry points: direct in eager mode, torch.library ops under
-                  torch.compile or autograd (forward-only)
+                  torch.compile or autograd
+    backward_ops.py  the prefill and varlen ops' autograd formulas (registered at import)
     launch.py     run_dense / run_varlen: Need, dispatch, then the module or the fallback
     plans.py      an eager call's route kept per call signature: a repeated signature runs
                   the module without the layers above (its own checks run on every call)
@@ -27,6 +28,7 @@
     interpreter_probe.py  a bf16 probe kernel for Triton's interpreter
 """
 
+from attngen.runtime import backward_ops  # noqa: F401  (registers the ops' autograd formulas)
 from attngen.runtime.api import (
     flash_attn_func,
     flash_attn_varlen_func,
