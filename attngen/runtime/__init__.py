@@ -19,6 +19,7 @@
     api.py        scaled_dot_product_attention, flash_attn_func, flash_attn_varlen_func
     packed.py     flash-attn's qkv/kv-packed forms of both, as views
     kvcache.py    flash_attn_with_kvcache (decode kind when built, else varlen over the cache)
+    kvcache_append.py  which sequences fit their cache, and the append of new keys (varlen route)
     validate.py   shape checks in the caller's layout
     hf.py         the transformers attention function ("attngen")
     warmup.py     warmup(): build and compile what a spec or model needs, before its first call
