@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 import sympy
 
@@ -195,6 +197,35 @@ def derive_backward_tiles(spec: AttnSpec, arch_name: str) -> BackwardDerivation:
     return BackwardDerivation(_derive(spec, arch_name, "dq"), _derive(spec, arch_name, "dkdv"))
 
 
+def _candidate(arch: GpuArch, kernel: str, config: TileConfig, smem_f: Callable[..., Any],
+               regs_f: Callable[..., Any], d: int, dv: int, e: int) -> Candidate:
+    """One config of `kernel` measured by the model: its shared memory, registers and
+    occupancy, why it is rejected (if it is), and its score."""
+    bm, bn, w, s = config.block_m, config.block_n, config.num_warps, config.num_stages
+    smem = int(smem_f(bm, bn, s, w, d, dv, e))
+    regs = int(math.ceil(regs_f(bm, bn, s, w, d, dv, e)))
+    reasons = []
+    if smem > arch.smem_budget:
+        reasons.append(f"smem {smem} B > {arch.smem_budget} B")
+    if regs > arch.max_regs_per_thread + REGISTER_MARGIN:
+        reasons.append(f"regs {regs} > {arch.max_regs_per_thread} + {REGISTER_MARGIN}")
+    owned = bm if kernel == "dq" else bn
+    if owned > 32 * w:
+        reasons.append(f"tile: {'BLOCK_M' if kernel == 'dq' else 'BLOCK_N'} {owned} > "
+                       "32 * num_warps")
+    per_sm = min(arch.smem_per_sm // (smem + arch.smem_block_cost),
+                 arch.regs_per_sm // (min(regs, arch.max_regs_per_thread) * 32 * w),
+                 arch.max_threads_per_sm // (32 * w))
+    if not reasons and per_sm < 1:
+        reasons.append("occupancy 0 programs/SM")
+    score = 0.0
+    if not reasons:
+        reuse = min(bm * bn / (bm + bn) / 64, 1.0)
+        score = reuse * (0.9 if s == 2 else 1.0) * min(1.0, per_sm * w / 8)
+    return Candidate(config, smem, regs, per_sm, round(score, 6), tuple(reasons),
+                     regs_predictive=e != 4)
+
+
 def _derive(spec: AttnSpec, arch_name: str, kernel: str) -> Derivation:
     arch = ARCHS[arch_name]
     d, dv = padded_head_dim(spec.head_dim), padded_head_dim(spec.value_head_dim)
@@ -202,32 +233,9 @@ def _derive(spec: AttnSpec, arch_name: str, kernel: str) -> Derivation:
     smem_expr = smem_expression(arch, kernel, spec.dropout)
     regs_expr = regs_expression(arch, kernel)
     smem_f, regs_f = compiled(smem_expr, MODEL_SYMBOLS), compiled(regs_expr, MODEL_SYMBOLS)
-    candidates = []
-    for bm, bn, w, s in itertools.product(BLOCK_CHOICES, BLOCK_CHOICES, NUM_WARPS_CHOICES,
-                                          NUM_STAGES_CHOICES):
-        smem = int(smem_f(bm, bn, s, w, d, dv, e))
-        regs = int(math.ceil(regs_f(bm, bn, s, w, d, dv, e)))
-        reasons = []
-        if smem > arch.smem_budget:
-            reasons.append(f"smem {smem} B > {arch.smem_budget} B")
-        if regs > arch.max_regs_per_thread + REGISTER_MARGIN:
-            reasons.append(f"regs {regs} > {arch.max_regs_per_thread} + {REGISTER_MARGIN}")
-        owned = bm if kernel == "dq" else bn
-        if owned > 32 * w:
-            reasons.append(f"tile: {'BLOCK_M' if kernel == 'dq' else 'BLOCK_N'} {owned} > "
-                           "32 * num_warps")
-        per_sm = min(arch.smem_per_sm // (smem + arch.smem_block_cost),
-                     arch.regs_per_sm // (min(regs, arch.max_regs_per_thread) * 32 * w),
-                     arch.max_threads_per_sm // (32 * w))
-        if not reasons and per_sm < 1:
-            reasons.append("occupancy 0 programs/SM")
-        score = 0.0
-        if not reasons:
-            reuse = min(bm * bn / (bm + bn) / 64, 1.0)
-            score = reuse * (0.9 if s == 2 else 1.0) * min(1.0, per_sm * w / 8)
-        candidates.append(Candidate(TileConfig(bm, bn, w, s), smem, regs, per_sm,
-                                    round(score, 6), tuple(reasons),
-                                    regs_predictive=e != 4))
+    candidates = [_candidate(arch, kernel, TileConfig(bm, bn, w, s), smem_f, regs_f, d, dv, e)
+                  for bm, bn, w, s in itertools.product(BLOCK_CHOICES, BLOCK_CHOICES,
+                                                        NUM_WARPS_CHOICES, NUM_STAGES_CHOICES)]
     feasible = [c for c in candidates if c.feasible]
     chosen = None
     if feasible:
