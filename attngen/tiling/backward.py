@@ -1,6 +1,6 @@
 """Tile sizes of the backward kernels (spec `backward: true`), derived like the forward's.
 
-Two kernels, each with its own sympy model (symbols as in prefill.py: BLOCK_M query rows,
+Two kernels, each with its own sympy model (symbols as in prefill_model.py: BLOCK_M query rows,
 BLOCK_N key rows, padded head dims D and DV, element bytes E, num_stages S, num_warps W):
 
 - dQ kernel, a program per BLOCK_M query rows: Q [BM, D] and dO [BM, DV] resident, K and V
@@ -39,20 +39,14 @@ from attngen.arch import ARCHS, GpuArch
 from attngen.spec import AttnSpec
 from attngen.tiling.evaluate import LazyText, active_formula, compiled
 from attngen.tiling.prefill import (
-    BM,
-    BN,
-    DV,
     REGISTER_MARGIN,
     Candidate,
-    D,
     Derivation,
-    E,
-    S,
     TileConfig,
-    W,
     binding_constraint,
     padded_head_dim,
 )
+from attngen.tiling.prefill_model import BM, BN, DV, D, E, S, W
 
 KERNELS = ("dq", "dkdv")
 BLOCK_CHOICES = (16, 32, 64, 128)
