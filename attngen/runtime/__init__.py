@@ -27,6 +27,8 @@
                   the oracle's definition too)
     entry_checks.py  the generated modules' argument checks, for the fallback's calls
     interpreter_probe.py  a bf16 probe kernel for Triton's interpreter
+
+The public names are imported here; importing the package registers the torch.library ops.
 """
 
 from attngen.runtime import backward_ops  # noqa: F401  (registers the ops' autograd formulas)
