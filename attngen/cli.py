@@ -6,8 +6,9 @@ mistakes (unknown options, missing arguments) exit 2 through click. No traceback
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -16,6 +17,11 @@ from attngen.build import build, check_folder, load_specs
 from attngen.explain import explain_lines
 from attngen.spec import SpecError, specs_from_data
 from attngen.tuning.database import DEFAULT_TUNING_DIR
+
+if TYPE_CHECKING:  # the verify modules are imported by the commands that need them
+    from attngen.spec import AttnSpec
+    from attngen.verify.check import Planner
+    from attngen.verify.measurements import Measurements
 
 app = typer.Typer(
     add_completion=False,
@@ -28,6 +34,21 @@ SpecPaths = Annotated[list[Path], typer.Argument(help="Spec files (YAML).", show
 OutDir = Annotated[Path, typer.Option("--out", help="Output folder.")]
 TuningDir = Annotated[Path, typer.Option(
     "--tuning", help="Tuning database folder (attngen autotune); used when it exists.")]
+
+# verify-tiling's options whose help takes several lines
+_SampleOption = Annotated[int, typer.Option(
+    help="Recompile N configs from the data file live (half rejected ones): the data must be "
+         "current for the installed Triton.")]
+_EverySpecOption = Annotated[bool, typer.Option(
+    help="Also compile every other spec of each feasible config and hold it to the spill "
+         "policy (slow: about 2900 compiles for the examples); the data keeps one record per "
+         "config.")]
+_MeasurementsOption = Annotated[Path | None, typer.Option(
+    help="Compiler measurements file; default "
+         "attngen/verify/data/prefill_compile_triton-<installed version>.json.")]
+_BackwardOption = Annotated[bool, typer.Option(
+    help="Check the gradient kernels (dQ, dK/dV) of the specs with backward: true instead of "
+         "the forward, against attngen/verify/data/backward_compile_triton-<version>.json.")]
 
 
 def _tuning(tuning: Path) -> Path | None:
@@ -175,50 +196,30 @@ def verify_tiling_command(
         help="Spec files (YAML); default examples/*.yaml.", show_default=False)] = None,
     arch: Annotated[list[str] | None, typer.Option(
         help="Only this arch (repeatable); default every arch in attngen/arch.py.")] = None,
-    sample: Annotated[int, typer.Option(
-        help="Recompile N configs from the data file live (half rejected ones): the data "
-             "must be current for the installed Triton.")] = 0,
+    sample: _SampleOption = 0,
     recompile: Annotated[bool, typer.Option(
         help="Compile every config live instead of reading the data file.")] = False,
-    every_spec: Annotated[bool, typer.Option(
-        help="Also compile every other spec of each feasible config and hold it to the "
-             "spill policy (slow: about 2900 compiles for the examples); the data keeps one "
-             "record per config.")] = False,
+    every_spec: _EverySpecOption = False,
     json_path: Annotated[Path | None, typer.Option(
         "--json", help="Write every row and the summary as JSON.")] = None,
-    data: Annotated[Path | None, typer.Option(
-        help="Compiler measurements file; default "
-             "attngen/verify/data/prefill_compile_triton-<installed version>.json.")] = None,
+    data: _MeasurementsOption = None,
     save_data: Annotated[bool, typer.Option(
         help="Write what was compiled live into the data file.")] = False,
     rows: Annotated[bool, typer.Option(help="Print every config, not only failures.")] = False,
     jobs: Annotated[int, typer.Option(help="Compile processes.")] = 2,
     seed: Annotated[int, typer.Option(help="Seed of --sample.")] = 0,
-    backward: Annotated[bool, typer.Option(
-        help="Check the gradient kernels (dQ, dK/dV) of the specs with backward: true "
-             "instead of the forward, against "
-             "attngen/verify/data/backward_compile_triton-<version>.json.")] = False,
+    backward: _BackwardOption = False,
 ) -> None:
     """Compare the tiling model with Triton's compiler on every candidate config; exit 1 on a
     feasible config that does not fit or spills more than allowed (docs/tiling.md)."""
     # Imported here: the other commands never need the measurements or (lazily) triton.
-    from attngen.verify.backward import run_inputs
     from attngen.verify.check import verify_tiling
     from attngen.verify.report import dump_json, report_lines
 
-    unknown = [a for a in arch or [] if a not in arch_names()]
-    if unknown:
-        raise typer.BadParameter(f"{unknown[0]!r}; allowed: {', '.join(arch_names())}",
-                                 param_hint="--arch")
-    paths = specs or sorted(Path("examples").glob("*.yaml"))
-    if not paths:
-        raise _fail("no spec files given and none in examples/")
-    try:
-        loaded, measurements, path, planner = run_inputs(paths, backward, data)
-    except (SpecError, ValueError) as exc:
-        raise _fail(str(exc)) from None
+    arches = _checked_arches(arch)
+    loaded, measurements, path, planner = _tiling_inputs(specs, backward, data)
     report = verify_tiling(
-        loaded, arch or arch_names(), measurements, recompile=recompile, sample=sample,
+        loaded, arches, measurements, recompile=recompile, sample=sample,
         seed=seed, processes=jobs, every_spec=every_spec, save_to=path if save_data else None,
         progress=lambda message: typer.echo(f"attngen: {message}", err=True), planner=planner)
     typer.echo("\n".join(report_lines(report, all_rows=rows)))
@@ -228,6 +229,30 @@ def verify_tiling_command(
         typer.echo(f"attngen: {report.live} record(s) written to {path}")
     if report.failed:
         raise typer.Exit(code=1)
+
+
+def _checked_arches(arch: list[str] | None) -> Sequence[str]:
+    """--arch's values, each a known arch (else a usage error naming it), or every arch."""
+    unknown = [a for a in arch or [] if a not in arch_names()]
+    if unknown:
+        raise typer.BadParameter(f"{unknown[0]!r}; allowed: {', '.join(arch_names())}",
+                                 param_hint="--arch")
+    return arch or arch_names()
+
+
+def _tiling_inputs(specs: list[Path] | None, backward: bool, data: Path | None
+                   ) -> tuple[list[AttnSpec], Measurements, Path, Planner]:
+    """verify-tiling's specs (default examples/*.yaml), measurements, their file and planner;
+    what is wrong with them as the command's error."""
+    from attngen.verify.backward import run_inputs
+
+    paths = specs or sorted(Path("examples").glob("*.yaml"))
+    if not paths:
+        raise _fail("no spec files given and none in examples/")
+    try:
+        return run_inputs(paths, backward, data)
+    except (SpecError, ValueError) as exc:
+        raise _fail(str(exc)) from None
 
 
 @app.command("capabilities")

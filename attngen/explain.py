@@ -11,13 +11,8 @@ from attngen.tiling.alternatives import nearest_alternative
 from attngen.tiling.backward import BackwardDerivation
 from attngen.tiling.code_paths import code_paths
 from attngen.tiling.decode import derive_decode_tiles, split_lines
-from attngen.tiling.prefill import (
-    REFERENCE_TOKENS,
-    Candidate,
-    Derivation,
-    derive_tiles,
-    padded_head_dim,
-)
+from attngen.tiling.prefill import Candidate, Derivation, derive_tiles, padded_head_dim
+from attngen.tiling.prefill_model import REFERENCE_TOKENS
 from attngen.tuning.database import apply_tuning, lookup, tuned_backward_tiles
 
 TOP_FEASIBLE = 6

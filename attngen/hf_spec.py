@@ -103,25 +103,9 @@ def spec_data_from_config(config: Any, *, archs: Sequence[str] = DEFAULT_ARCHS,
     """The spec as YAML-ready data (with `variants` for alternating local/global layers)."""
     cfg = _text_config(read_config(config))
     refuse_unexpressed(cfg)
-    heads = _int(cfg, "num_attention_heads")
-    head_dim = cfg.get("head_dim") or _int(cfg, "hidden_size") // heads
-    dtype_name = dtype or _dtype(cfg)
-    data: dict[str, Any] = {
-        "name": name or _name(cfg),
-        "archs": list(archs),
-        "dtype": dtype_name,
-        "head_dim": head_dim,
-        "num_q_heads": heads,
-        "num_kv_heads": cfg.get("num_key_value_heads") or heads,
-    }
-    cap = cfg.get("attn_logit_softcapping")
-    if cap:
-        data["softcap"] = float(cap)
-    if cfg.get("model_type") in SINKS_MODELS:
-        data["sinks"] = True
-    data["kernels"] = ["prefill", "varlen"]
+    data = _shared_fields(cfg, archs, name, dtype)
     if _is_mla(cfg):
-        return _mla_data(cfg, data, heads)
+        return _mla_data(cfg, data, data["num_q_heads"])
     bidirectional = bool(cfg.get("use_bidirectional_attention"))
     causal = ({"mask": "none"} if bidirectional
               else {"mask": "causal", "causal_align": "bottom_right"})
@@ -146,6 +130,30 @@ def spec_data_from_config(config: Any, *, archs: Sequence[str] = DEFAULT_ARCHS,
     if alternating:
         return {**data, "variants": {"local": local, "global": causal}}
     return {**data, **local}
+
+
+def _shared_fields(cfg: dict[str, Any], archs: Sequence[str], name: str | None,
+                   dtype: str | None) -> dict[str, Any]:
+    """The fields every variant of the spec shares: name, archs, dtype, head dim and heads,
+    softcap, sinks, and the kernels."""
+    heads = _int(cfg, "num_attention_heads")
+    head_dim = cfg.get("head_dim") or _int(cfg, "hidden_size") // heads
+    dtype_name = dtype or _dtype(cfg)
+    data: dict[str, Any] = {
+        "name": name or _name(cfg),
+        "archs": list(archs),
+        "dtype": dtype_name,
+        "head_dim": head_dim,
+        "num_q_heads": heads,
+        "num_kv_heads": cfg.get("num_key_value_heads") or heads,
+    }
+    cap = cfg.get("attn_logit_softcapping")
+    if cap:
+        data["softcap"] = float(cap)
+    if cfg.get("model_type") in SINKS_MODELS:
+        data["sinks"] = True
+    data["kernels"] = ["prefill", "varlen"]
+    return data
 
 
 def _is_mla(cfg: dict[str, Any]) -> bool:

@@ -58,13 +58,7 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation,
         raise RenderError(f"{spec.name} on {derivation.arch}: no feasible tile config to render")
     window = spec.window or (0, 0)
     context = {
-        "attngen_version": __version__,
-        "template_name": TEMPLATE_FOR_KIND[kind],
-        "template_hash": template_hash(TEMPLATE_FOR_KIND[kind]),
-        "module_name": module_name(spec, kind),
-        "spec_hash": spec.spec_hash(),
-        "spec_lines": [f"{key}: {_yaml_value(value)}" for key, value in spec.canonical().items()],
-        "arch": derivation.arch,
+        **_provenance_context(spec, kind, derivation.arch),
         "block_m": config.block_m,
         "block_n": config.block_n,
         "num_warps": config.num_warps,
@@ -105,6 +99,20 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation,
             "interpreter_sm_count": decode_tiling.INTERPRETER_SM_COUNT,
         })
     return context
+
+
+def _provenance_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str, Any]:
+    """What the generated header records about where the module came from: attngen's
+    version, the template and its hash, the module name, the spec, its hash and the arch."""
+    return {
+        "attngen_version": __version__,
+        "template_name": TEMPLATE_FOR_KIND[kind],
+        "template_hash": template_hash(TEMPLATE_FOR_KIND[kind]),
+        "module_name": module_name(spec, kind),
+        "spec_hash": spec.spec_hash(),
+        "spec_lines": [f"{key}: {_yaml_value(value)}" for key, value in spec.canonical().items()],
+        "arch": arch,
+    }
 
 
 def _host_paths_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str, Any]:

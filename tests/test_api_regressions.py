@@ -159,8 +159,11 @@ def test_a_sequence_longer_than_max_seqlen_q_is_nan(api_kernels, route):  # noqa
 
 
 @pytest.mark.parametrize("route", ["kernel", "fallback"])
-def test_checked_mode_refuses_a_sequence_longer_than_max_seqlen_q(api_kernels, route,  # noqa: F811
-                                                                  monkeypatch):
+def test_checked_mode_refuses_a_sequence_longer_than_max_seqlen_q(
+    api_kernels,  # noqa: F811
+    route,
+    monkeypatch,
+):
     monkeypatch.setenv("ATTNGEN_CHECKS", "1")
     q, k, v, cu_q, cu_k = packed_beyond_max_seqlen_q()
 
@@ -194,8 +197,12 @@ def kv_call(**changes):
     ("new_dtype", ValueError),
 ])
 @pytest.mark.parametrize("fallback", [False, True])
-def test_a_refused_kvcache_call_changes_no_cache(api_kernels, mistake, error,  # noqa: F811
-                                                 fallback):
+def test_a_refused_kvcache_call_changes_no_cache(
+    api_kernels,  # noqa: F811
+    mistake,
+    error,
+    fallback,
+):
     changes = {"causal_many_queries": dict(causal=True, q=seeded(2, 5, 4, 16)),
                "slopes_strided": dict(alibi_slopes=slopes(8)[::2]),
                "softmax_scale": dict(softmax_scale=-1.0),

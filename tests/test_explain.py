@@ -58,15 +58,18 @@ def test_explain_shows_the_whole_feasible_set_and_the_rule():
 
 @pytest.mark.parametrize("fields, arch, expected", [
     (dict(dtype="bf16", head_dim=256), "sm90",
-     {"prefill": "K/V through TMA, masked blocks by pointer loads (D > 128: the extra branch "
-                 "spills); heaviest causal query blocks first, in groups of 16 heads",
-      "varlen": "K/V by pointer loads (varlen's packed rows would need other descriptors); "
+     {"prefill": "K/V through TMA, masked blocks by pointer loads "
+                 "(D > 128: the extra branch spills); "
+                 "heaviest causal query blocks first, in groups of 16 heads",
+      "varlen": "K/V by pointer loads "
+                "(varlen's packed rows would need other descriptors); "
                 "one head's query blocks after another's"}),
     (dict(dtype="bf16", head_dim=128), "sm90",
-     {"prefill": "K/V through TMA, masked blocks too; one head's query blocks after another's"}),
+     {"prefill": "K/V through TMA, masked blocks too; "
+                 "one head's query blocks after another's"}),
     (dict(dtype="bf16", head_dim=256, mask="none"), "sm90",
-     {"prefill": "K/V through TMA, masked blocks by pointer loads (D > 128: the extra branch "
-                 "spills); one head's"}),
+     {"prefill": "K/V through TMA, masked blocks by pointer loads "
+                 "(D > 128: the extra branch spills); one head's"}),
     (dict(dtype="fp32", head_dim=256), "sm90", {"prefill": "K/V by pointer loads (fp32 dots"}),
     (dict(dtype="bf16", head_dim=256), "sm80",
      {"prefill": "K/V by pointer loads (no TMA on sm80)"}),

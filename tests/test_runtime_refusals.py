@@ -207,7 +207,8 @@ def test_backward_says_the_kernels_are_forward_only(toy_folder, tmp_path):
      r"k_cache: expected \[2, 12, 2, 16\] \(\[batch, seqlen_cache, nheads_k, headdim\]\), "
      r"got \[2, 12, 2, 8\]"),
     (dict(k_cache=torch.zeros(3, 12, 2, 16)),
-     r"k_cache: expected \[batch=2, seqlen_cache, nheads_k, headdim=16\].*got \[3, 12, 2, 16\]"),
+     r"k_cache: expected \[batch=2, seqlen_cache, nheads_k, headdim=16\]"
+     r".*got \[3, 12, 2, 16\]"),
     (dict(v_cache=torch.zeros(2, 11, 2, 16)),
      r"v_cache: expected \[2, 12, 2, \*\] \(\[batch, seqlen_cache, nheads_k, headdim_v\]\)"),
     (dict(q=torch.zeros(2, 2, 3, 16)), r"nheads: q has 3 heads \(dim 2\) and k_cache 2"),
@@ -218,7 +219,8 @@ def test_backward_says_the_kernels_are_forward_only(toy_folder, tmp_path):
     (dict(block_table=torch.zeros(2, 3, dtype=torch.int64)),
      r"block_table: expected an int32 tensor \[batch=2, max_num_blocks_per_seq\]"),
     (dict(k_cache=torch.zeros(2, 12, 2, 16, dtype=torch.float16)),
-     r"k_cache: expected dtype torch.float32 on device cpu \(as q\), got dtype torch.float16"),
+     r"k_cache: expected dtype torch.float32 on device cpu \(as q\), "
+     r"got dtype torch.float16"),
 ])
 def test_kvcache_shape_errors_speak_the_callers_layout(toy_kernels, change, message):
     q, k_cache, v_cache, k_new, v_new, seqlens = _cache_case()

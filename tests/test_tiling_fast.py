@@ -21,9 +21,11 @@ from attngen.tiling.evaluate import LazyText, active_branch, active_formula, exa
 from attngen.tiling.prefill import (
     BLOCK_M_CHOICES,
     BLOCK_N_CHOICES,
-    MODEL_SYMBOLS,
     NUM_STAGES_CHOICES,
     NUM_WARPS_CHOICES,
+)
+from attngen.tiling.prefill_model import (
+    MODEL_SYMBOLS,
     numeric_model,
     regs_expression,
     smem_expression,

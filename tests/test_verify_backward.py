@@ -22,7 +22,7 @@ from attngen.cli import app
 from attngen.tiling.backward import MODEL_SYMBOLS, derive_backward_tiles, smem_expression
 from attngen.tiling.evaluate import compiled
 from attngen.verify.backward import plan_backward_rows
-from attngen.verify.check import judge, summarize, verify_tiling
+from attngen.verify.check import summarize, verify_tiling
 from attngen.verify.measurements import (
     BackwardKey,
     backward_key,
@@ -30,6 +30,7 @@ from attngen.verify.measurements import (
     load_measurements,
     triton_version,
 )
+from attngen.verify.policy import judge
 from tests.kernel_harness import make_spec
 
 ROOT = Path(__file__).resolve().parent.parent

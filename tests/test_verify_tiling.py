@@ -19,7 +19,7 @@ from attngen.build import load_specs
 from attngen.cli import app
 from attngen.spec import KernelKind
 from attngen.tiling.prefill import derive_tiles
-from attngen.verify.check import OTHER_SPEC_SPILL_BYTES, judge, plan_rows, summarize, verify_tiling
+from attngen.verify.check import plan_rows, summarize, verify_tiling
 from attngen.verify.measurements import (
     current_template_hash,
     data_path,
@@ -28,6 +28,7 @@ from attngen.verify.measurements import (
     save_measurements,
     triton_version,
 )
+from attngen.verify.policy import OTHER_SPEC_SPILL_BYTES, judge
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

@@ -20,142 +20,24 @@ under Triton's interpreter at toy sizes (fp32, D 16) to check that the script wo
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
-import statistics
 import sys
-import tempfile
-import time
 from functools import partial
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-TUNING = ROOT / "tuning"
-GPU_SEQLENS = (32768, 65536, 131072, 262144)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cp_bench_setup import (  # noqa: E402  (tools/ is not a package)
+    Setup,
+    argument_parser,
+    environment,
+    load_kernels_for,
+    time_ms,
+)
 
 
 def parse_args():
     return argument_parser(__doc__.split("\n")[0]).parse_args()
-
-
-def argument_parser(description: str) -> argparse.ArgumentParser:
-    """The options of this benchmark and of bench_context_parallel_backward.py."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON results")
-    parser.add_argument("--seqlens", type=lambda s: [int(x) for x in s.split(",")],
-                        default=None, help="comma-separated N (default 32k,64k,128k,256k)")
-    parser.add_argument("--worlds", type=lambda s: [int(x) for x in s.split(",")],
-                        default=[2, 4, 8], help="W for the per-step section")
-    parser.add_argument("--budget", type=float, default=3.0,
-                        help="seconds of repeats per measurement (at least 3 repeats)")
-    parser.add_argument("--no-torch-cp", action="store_true",
-                        help="skip PyTorch's context parallelism in the two-GPU run")
-    parser.add_argument("--smoke", action="store_true",
-                        help="CPU, Triton interpreter, toy sizes: checks the script runs")
-    return parser
-
-
-class Setup:
-    """The shapes, device and process group of this run."""
-
-    def __init__(self, args):
-        import torch
-        import torch.distributed as dist
-
-        self.smoke = args.smoke
-        self.dtype = torch.float32 if args.smoke else torch.bfloat16
-        self.batch, self.heads_q, self.heads_kv, self.head_dim = (
-            (1, 4, 2, 16) if args.smoke else (1, 32, 8, 128))
-        self.seqlens = args.seqlens or ([64] if args.smoke else list(GPU_SEQLENS))
-        if dist.is_initialized():  # a caller's group (a test's one-process group)
-            self.device = torch.device("cpu" if args.smoke else "cuda")
-        elif "WORLD_SIZE" in os.environ:  # torchrun
-            local = int(os.environ.get("LOCAL_RANK", 0))
-            self.device = torch.device("cuda", local) if not args.smoke else torch.device("cpu")
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-                dist.init_process_group("nccl", device_id=self.device)
-            else:
-                dist.init_process_group("gloo")
-        else:
-            self.device = torch.device("cpu" if args.smoke else "cuda")
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        self.world, self.rank = dist.get_world_size(), dist.get_rank()
-        self.mesh = None  # PyTorch's device mesh, made on first use
-
-    def inputs(self, seq_len, seed=0):
-        import torch
-
-        gen = torch.Generator(device=self.device).manual_seed(seed)
-        shapes = [(self.batch, self.heads_q, seq_len, self.head_dim)] + 2 * [
-            (self.batch, self.heads_kv, seq_len, self.head_dim)]
-        return [torch.randn(s, generator=gen, device=self.device, dtype=self.dtype)
-                for s in shapes]
-
-    def causal_flops(self, seq_len) -> float:
-        return 2.0 * self.batch * self.heads_q * seq_len * seq_len * self.head_dim
-
-
-def load_kernels_for(setup: Setup, backward: bool = False) -> str:
-    """Build the causal and mask-none modules of the shapes (tuned configs where the tuning
-    database has them; with backward, `backward: true`) into a temporary folder and load it
-    as the registry."""
-    import torch
-
-    from attngen.build import plan_build, write_build
-    from attngen.runtime.registry import load_kernels
-    from attngen.spec import specs_from_data
-
-    arch = "sm90"
-    if setup.device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(setup.device)
-        arch = f"sm{major}{minor}"
-    common = dict(archs=[arch], dtype="fp32" if setup.smoke else "bf16",
-                  head_dim=setup.head_dim, num_q_heads=setup.heads_q,
-                  num_kv_heads=setup.heads_kv, kernels=["prefill"], backward=backward)
-    specs = [s for data in (dict(common, name="cp_causal", mask="causal",
-                                 causal_align="bottom_right"),
-                            dict(common, name="cp_full", mask="none"))
-             for s in specs_from_data(data)]
-    folder = Path(tempfile.mkdtemp(prefix="attngen-cp-bench-"))
-    write_build(plan_build(specs, TUNING if TUNING.is_dir() else None), folder)
-    load_kernels(folder, replace=True)
-    return arch
-
-
-def sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_ms(setup: Setup, fn, budget: float) -> float:
-    """Median milliseconds of fn over repeats (at least 3, about `budget` seconds), each started
-    after a barrier; with several ranks, the slowest rank's time of each repeat."""
-    import torch
-    import torch.distributed as dist
-
-    if not setup.smoke:  # the smoke run times one call of each, without warm-up
-        fn()  # warm-up: Triton compiles on first use
-    times = []
-    while len(times) < 3 or (sum(times) < budget and len(times) < 50):
-        if setup.world > 1:
-            dist.barrier()
-        sync(setup.device)
-        start = time.perf_counter()
-        fn()
-        sync(setup.device)
-        elapsed = torch.tensor([time.perf_counter() - start], device=setup.device)
-        if setup.world > 1:
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(elapsed.item())
-        if setup.smoke:
-            break
-    return statistics.median(times) * 1e3
 
 
 def bench_single(setup: Setup, budget: float) -> list[dict]:
@@ -181,41 +63,45 @@ def bench_steps(setup: Setup, worlds, budget: float) -> list[dict]:
     shard (L = N / W tokens), a later step the unmasked call of L queries on L / 2 keys."""
     import torch
 
+    rows = []
+    for seq_len in setup.seqlens:
+        for world in worlds:
+            rows.append(step_row(setup, seq_len, world, budget))
+            if setup.device.type == "cuda":  # the step's tensors are freed: before the next,
+                torch.cuda.empty_cache()  # larger inputs
+    return rows
+
+
+def step_row(setup: Setup, seq_len: int, world: int, budget: float) -> dict:
+    """bench_steps' row of N = seq_len tokens over W = world ranks."""
     from attngen.distributed.merge import merge_torch, merge_triton
     from attngen.runtime.launch import run_dense
     from attngen.spec import CausalAlign, Mask
 
-    rows = []
-    for seq_len in setup.seqlens:
-        for world in worlds:
-            local = seq_len // world
-            q, k, v = setup.inputs(local, seed=world)
-            kwargs = dict(softcap=0.0, alibi_slopes=None, scale=None, return_lse=True,
-                          fallback=None, window=None)
-            step0 = partial(run_dense, "bench", q, k, v, mask=Mask.causal,
-                            align=CausalAlign.bottom_right, **kwargs)
-            later = partial(run_dense, "bench", q, k[:, :, :local // 2], v[:, :, :local // 2],
-                            mask=Mask.none, align=None, **kwargs)
-            row = {"N": seq_len, "W": world, "L": local,
-                   "kv_bytes_per_step": 2 * k.numel() * k.element_size(),
-                   "step0_causal_ms": time_ms(setup, step0, budget),
-                   "step_full_ms": time_ms(setup, later, budget)}
-            out, lse = later()
-            acc, acc_lse = out.float(), lse.clone()
-            merges = {"merge_torch_ms": merge_torch}
-            if setup.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-                merges["merge_triton_ms"] = merge_triton
-            for name, merge in merges.items():
-                row[name] = time_ms(setup, partial(merge, acc, acc_lse, out, lse), budget)
-            step_flops = 4.0 * setup.batch * setup.heads_q * local * (local // 2) * setup.head_dim
-            row["step_full_tflops"] = step_flops / row["step_full_ms"] / 1e9
-            # The link bandwidth at which a step's transfer takes as long as its kernel.
-            row["hiding_bandwidth_gbs"] = row["kv_bytes_per_step"] / row["step_full_ms"] / 1e6
-            rows.append(row)
-            q = k = v = out = lse = acc = acc_lse = None  # freed before the next, larger inputs
-            if setup.device.type == "cuda":
-                torch.cuda.empty_cache()
-    return rows
+    local = seq_len // world
+    q, k, v = setup.inputs(local, seed=world)
+    kwargs = dict(softcap=0.0, alibi_slopes=None, scale=None, return_lse=True,
+                  fallback=None, window=None)
+    step0 = partial(run_dense, "bench", q, k, v, mask=Mask.causal,
+                    align=CausalAlign.bottom_right, **kwargs)
+    later = partial(run_dense, "bench", q, k[:, :, :local // 2], v[:, :, :local // 2],
+                    mask=Mask.none, align=None, **kwargs)
+    row = {"N": seq_len, "W": world, "L": local,
+           "kv_bytes_per_step": 2 * k.numel() * k.element_size(),
+           "step0_causal_ms": time_ms(setup, step0, budget),
+           "step_full_ms": time_ms(setup, later, budget)}
+    out, lse = later()
+    acc, acc_lse = out.float(), lse.clone()
+    merges = {"merge_torch_ms": merge_torch}
+    if setup.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        merges["merge_triton_ms"] = merge_triton
+    for name, merge in merges.items():
+        row[name] = time_ms(setup, partial(merge, acc, acc_lse, out, lse), budget)
+    step_flops = 4.0 * setup.batch * setup.heads_q * local * (local // 2) * setup.head_dim
+    row["step_full_tflops"] = step_flops / row["step_full_ms"] / 1e9
+    # The link bandwidth at which a step's transfer takes as long as its kernel.
+    row["hiding_bandwidth_gbs"] = row["kv_bytes_per_step"] / row["step_full_ms"] / 1e6
+    return row
 
 
 def bench_multi(setup: Setup, budget: float, torch_cp: bool) -> list[dict]:
@@ -324,19 +210,6 @@ def multi_line(r: dict) -> str:
         ms = r.get(f"torch_{backend}_ms")
         cells.append(f"{ms / best:.2f}" if ms else "-")
     return "| " + " | ".join(cells) + " |"
-
-
-def environment(setup: Setup, arch: str) -> dict:
-    import torch
-    import triton
-
-    name = torch.cuda.get_device_name(setup.device) if setup.device.type == "cuda" else "cpu"
-    return {"device": name, "arch": arch, "world_size": setup.world, "torch": torch.__version__,
-            "triton": triton.__version__, "date": datetime.date.today().isoformat(),
-            "shape": {"batch": setup.batch, "heads_q": setup.heads_q,
-                      "heads_kv": setup.heads_kv, "head_dim": setup.head_dim,
-                      "dtype": str(setup.dtype), "mask": "causal"},
-            "smoke": setup.smoke}
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ Two processes (torchrun --nproc-per-node 2 tools/bench_context_parallel_backward
             both (zigzag), and torch.distributed.tensor.experimental.context_parallel over
             SDPA's cuDNN and FlashAttention-2 backends (K/V expanded to 32 heads), each rank's
             gradients checked against the one-GPU gradients.
-Times are medians of forward + backward (tools/bench_context_parallel.py's time_ms: after a
+Times are medians of forward + backward (tools/cp_bench_setup.py's time_ms: after a
 barrier, the slowest rank). Prints a table last, writes JSON to --out. `--smoke` runs on the
 CPU under Triton's interpreter at toy sizes (fp32, D 16; gloo under torchrun) to check the
 script. Modules are built with `backward: true` (the tuning database's forward configs apply:
@@ -31,10 +31,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_context_parallel as fwd  # noqa: E402  (tools/ is not a package)
+import cp_bench_setup as harness  # noqa: E402
 
 
 def parse_args():
-    parser = fwd.argument_parser(__doc__.split("\n")[0])
+    parser = harness.argument_parser(__doc__.split("\n")[0])
     return parser.parse_args()
 
 
@@ -64,10 +65,10 @@ def bench_single(setup, budget: float) -> list[dict]:
     for seq_len in setup.seqlens:
         q, k, v = setup.inputs(seq_len)
         dout = setup.inputs(seq_len, seed=1)[0]
-        row = {"N": seq_len, "full_ms": fwd.time_ms(setup, partial(causal_grads, q, k, v, dout),
+        row = {"N": seq_len, "full_ms": harness.time_ms(setup, partial(causal_grads, q, k, v, dout),
                                                     budget)}
         for strategy in ("ring", "allgather"):
-            row[f"{strategy}_ms"] = fwd.time_ms(setup, partial(cp_grads, (q, k, v), dout,
+            row[f"{strategy}_ms"] = harness.time_ms(setup, partial(cp_grads, (q, k, v), dout,
                                                                strategy), budget)
         # Forward 2 B Hq N^2 D (causal), backward 2.5 times that.
         row["full_tflops"] = 3.5 * setup.causal_flops(seq_len) / row["full_ms"] / 1e9
@@ -79,40 +80,44 @@ def bench_steps(setup, worlds, budget: float) -> list[dict]:
     """A zigzag ring step's gradient kernels on this GPU, with the forward's out and LSE."""
     import torch
 
-    from attngen.runtime.launch import run_dense, run_dense_backward
-    from attngen.spec import CausalAlign, Mask
-
     rows = []
     for seq_len in setup.seqlens:
         for world in worlds:
-            local = seq_len // world
-            q, k, v = setup.inputs(local, seed=world)
-            dout = setup.inputs(local, seed=world + 1)[0]
-            options = dict(window=None, softcap=0.0, alibi_slopes=None, scale=None)
-            row = {"N": seq_len, "W": world, "L": local,
-                   "kv_bytes_per_step": 2 * k.numel() * k.element_size(),
-                   "dkv_bytes_per_step": 2 * k.numel() * 4}
-            for name, mask, keys in (("step0_causal_bwd_ms", Mask.causal, local),
-                                     ("step_full_bwd_ms", Mask.none, local // 2)):
-                align = CausalAlign.bottom_right if mask is Mask.causal else None
-                kk, vv = k[:, :, :keys], v[:, :, :keys]
-                out, lse = run_dense("bench", q, kk, vv, mask=mask, align=align,
-                                     return_lse=True, fallback=None, **options)
-                row[name] = fwd.time_ms(setup, partial(
-                    run_dense_backward, "bench", dout, q, kk, vv, out, lse, None, mask=mask,
-                    align=align, **options), budget)
-            step_flops = 2.5 * 4.0 * setup.batch * setup.heads_q * local * (local // 2) \
-                * setup.head_dim
-            row["step_full_bwd_tflops"] = step_flops / row["step_full_bwd_ms"] / 1e9
-            # The link bandwidth at which a step's transfers (K/V ahead, dK/dV behind) take as
-            # long as its gradient kernels.
-            row["hiding_bandwidth_gbs"] = (row["kv_bytes_per_step"] + row["dkv_bytes_per_step"]
-                                           ) / row["step_full_bwd_ms"] / 1e6
-            rows.append(row)
-            q = k = v = dout = out = lse = None  # freed before the next, larger inputs
-            if setup.device.type == "cuda":
-                torch.cuda.empty_cache()
+            rows.append(step_row(setup, seq_len, world, budget))
+            if setup.device.type == "cuda":  # the step's tensors are freed: before the next,
+                torch.cuda.empty_cache()  # larger inputs
     return rows
+
+
+def step_row(setup, seq_len: int, world: int, budget: float) -> dict:
+    """bench_steps' row of N = seq_len tokens over W = world ranks."""
+    from attngen.runtime.launch import run_dense, run_dense_backward
+    from attngen.spec import CausalAlign, Mask
+
+    local = seq_len // world
+    q, k, v = setup.inputs(local, seed=world)
+    dout = setup.inputs(local, seed=world + 1)[0]
+    options = dict(window=None, softcap=0.0, alibi_slopes=None, scale=None)
+    row = {"N": seq_len, "W": world, "L": local,
+           "kv_bytes_per_step": 2 * k.numel() * k.element_size(),
+           "dkv_bytes_per_step": 2 * k.numel() * 4}
+    for name, mask, keys in (("step0_causal_bwd_ms", Mask.causal, local),
+                             ("step_full_bwd_ms", Mask.none, local // 2)):
+        align = CausalAlign.bottom_right if mask is Mask.causal else None
+        kk, vv = k[:, :, :keys], v[:, :, :keys]
+        out, lse = run_dense("bench", q, kk, vv, mask=mask, align=align,
+                             return_lse=True, fallback=None, **options)
+        row[name] = harness.time_ms(setup, partial(
+            run_dense_backward, "bench", dout, q, kk, vv, out, lse, None, mask=mask,
+            align=align, **options), budget)
+    step_flops = 2.5 * 4.0 * setup.batch * setup.heads_q * local * (local // 2) \
+        * setup.head_dim
+    row["step_full_bwd_tflops"] = step_flops / row["step_full_bwd_ms"] / 1e9
+    # The link bandwidth at which a step's transfers (K/V ahead, dK/dV behind) take as
+    # long as its gradient kernels.
+    row["hiding_bandwidth_gbs"] = (row["kv_bytes_per_step"] + row["dkv_bytes_per_step"]
+                                   ) / row["step_full_bwd_ms"] / 1e6
+    return row
 
 
 def bench_multi(setup, budget: float, torch_cp: bool) -> list[dict]:
@@ -124,12 +129,12 @@ def bench_multi(setup, budget: float, torch_cp: bool) -> list[dict]:
         dout = setup.inputs(seq_len, seed=1)[0]
         single = causal_grads(q, k, v, dout)
         row = {"N": seq_len,
-               "one_gpu_ms": fwd.time_ms(setup, partial(causal_grads, q, k, v, dout), budget)}
+               "one_gpu_ms": harness.time_ms(setup, partial(causal_grads, q, k, v, dout), budget)}
         shards = [shard_sequence(t, setup.world, setup.rank, layout="zigzag")
                   for t in (q, k, v, dout)]
         for strategy in ("ring", "allgather"):
             run = partial(cp_grads, shards[:3], shards[3], strategy)
-            row[f"attngen_{strategy}_ms"] = fwd.time_ms(setup, run, budget)
+            row[f"attngen_{strategy}_ms"] = harness.time_ms(setup, run, budget)
             grads = [gather_sequence(g) for g in run()]
             row[f"attngen_{strategy}_max_diff"] = max_diffs(grads, single)
             grads = None
@@ -180,7 +185,7 @@ def bench_torch_cp(setup, q, k, v, dout, single, backend: str, budget: float) ->
                 out = F.scaled_dot_product_attention(*leaves, is_causal=True)
                 return torch.autograd.grad(out, leaves, dt)
 
-            result[f"torch_{backend}_ms"] = fwd.time_ms(setup, step, budget)
+            result[f"torch_{backend}_ms"] = harness.time_ms(setup, step, budget)
             grads = context_parallel_unshard(setup.mesh, list(step()), [2, 2, 2])
         grads = [grads[0]] + [g.reshape(g.shape[0], -1, group, *g.shape[2:]).sum(2)
                               for g in grads[1:]]
@@ -223,9 +228,9 @@ def main() -> None:
         os.environ["TRITON_INTERPRET"] = "1"  # before anything defines a Triton kernel
     import torch.distributed as dist
 
-    setup = fwd.Setup(args)
-    arch = fwd.load_kernels_for(setup, backward=True)
-    results = {"env": {**fwd.environment(setup, arch), "pass": "forward + backward"}}
+    setup = harness.Setup(args)
+    arch = harness.load_kernels_for(setup, backward=True)
+    results = {"env": {**harness.environment(setup, arch), "pass": "forward + backward"}}
     if setup.world == 1:
         results["single"] = bench_single(setup, args.budget)
         results["steps"] = bench_steps(setup, args.worlds, args.budget)

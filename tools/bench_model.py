@@ -104,7 +104,7 @@ def bench_decode(model, impl, batch, prompt, new, repeats):
     return row
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--layers", type=int, default=8)
@@ -115,7 +115,11 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     prefill = [int(n) for n in args.prefill.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     if args.quick:

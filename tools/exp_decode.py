@@ -65,6 +65,11 @@ def main() -> None:
             module.CONFIG.update(default)
             (args.out / "exp_decode.json").write_text(json.dumps(
                 dict(gpu=torch.cuda.get_device_name(), bandwidth=bandwidth, rows=rows)))
+    print_summary(rows)
+
+
+def print_summary(rows: list[dict]) -> None:
+    """Per (layout, batch, length): the default config's time against the sweep's best."""
     for (layout, batch, length), group in itertools.groupby(
             rows, key=lambda r: (r["layout"], r["batch"], r["length"])):
         group = list(group)

@@ -1,4 +1,4 @@
-"""Refit the 16-bit register model of attngen/tiling/prefill.py (regs_expression) from the
+"""Refit the 16-bit register model of attngen/tiling/prefill_model.py (regs_expression) from the
 compiler measurements.
 
 Reads attngen/verify/data/prefill_compile_triton-<version>.json and the original 584-config

@@ -43,12 +43,9 @@ def child(dims: list[int], dtype: str) -> dict:
     start = time.perf_counter()
     import torch
 
-    import attngen
     from attngen.build import plan_build, write_build
     from attngen.runtime import kernel_cache, ondemand
-    from attngen.runtime.dispatch import need_for
     from attngen.runtime.registry import current_registry
-    from attngen.spec import CausalAlign, KernelKind, Mask
     from attngen.template_env import template_loading
     from attngen.tiling.prefill import derive_tiles
 
@@ -62,11 +59,7 @@ def child(dims: list[int], dtype: str) -> dict:
         q = torch.randn(1, 256, 6, dim, device=device, dtype=torch_dtype)
         k = torch.randn(1, 256, 2, dim, device=device, dtype=torch_dtype)
         t = time.perf_counter()
-        need = need_for(KernelKind.prefill, q.transpose(1, 2), k.transpose(1, 2),
-                        mask=Mask.causal, align=CausalAlign.bottom_right, window=None,
-                        softcap=0.0, alibi=False, seqlen_q=256, seqlen_k=256,
-                        same_lengths=True)
-        spec, kind, arch = ondemand.spec_for(need, (6, 2))
+        spec, kind, arch = ondemand.spec_for(prefill_need(q, k), (6, 2))
         run["spec_s"] = time.perf_counter() - t
         t = time.perf_counter()
         derive_tiles(spec, arch)
@@ -85,19 +78,39 @@ def child(dims: list[int], dtype: str) -> dict:
         registry.module(entry.key)
         run["load_s"] = time.perf_counter() - t
         assert not built, "the module just written was rendered again"
-        for phase in ("first", "second"):
-            t = time.perf_counter()
-            attngen.flash_attn_func(q, k, k, causal=True)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            run[f"{phase}_s"] = time.perf_counter() - t
-        run["module"] = attngen.last_dispatch().module
+        time_calls(run, q, k, device)
         run["config_source"] = artifact.entry["config_source"]
         run["spec_to_written_s"] = sum(run.get(k, 0.0) for k in (
             "spec_s", "derive_first_s", "derive_s", "render_s", "write_s"))
         timings["runs"].append(run)
     timings.update(renders=ondemand.render_count(), templates=template_loading())
     return timings
+
+
+def prefill_need(q, k):
+    """The Need of a causal flash_attn_func call on q, k (flash layout [B, N, H, D])."""
+    from attngen.runtime.dispatch import need_for
+    from attngen.spec import CausalAlign, KernelKind, Mask
+
+    return need_for(KernelKind.prefill, q.transpose(1, 2), k.transpose(1, 2),
+                    mask=Mask.causal, align=CausalAlign.bottom_right, window=None,
+                    softcap=0.0, alibi=False, seqlen_q=256, seqlen_k=256, same_lengths=True)
+
+
+def time_calls(run: dict, q, k, device: str) -> None:
+    """The first and the second flash_attn_func call on the loaded module, into `run`, and the
+    module that served them."""
+    import torch
+
+    import attngen
+
+    for phase in ("first", "second"):
+        t = time.perf_counter()
+        attngen.flash_attn_func(q, k, k, causal=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        run[f"{phase}_s"] = time.perf_counter() - t
+    run["module"] = attngen.last_dispatch().module
 
 
 def call_child(dim: int, dtype: str) -> dict:

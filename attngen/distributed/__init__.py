@@ -3,7 +3,8 @@ torch.distributed group (docs/context_parallel.md).
 
     layout.py   which tokens each rank holds (contiguous, zigzag); shard, unshard, gather
     plan.py     which generated-kernel calls compute a rank's shard (pure Python)
-    merge.py    the exact LSE merge of partial results (torch, and a Triton kernel for CUDA)
+    merge.py    the exact LSE merge of partial results (torch, and a Triton kernel for CUDA,
+                merge_kernel.py, imported on first use)
     execute.py  the calls through the runtime, K/V around the ring or gathered
     backward.py the gradients: the same calls through the gradient kernels, dK/dV around the
                 ring or reduce-scattered

@@ -86,11 +86,7 @@ def context_parallel_attention(q, k, v, *, causal=False, window=None, softcap=0.
     global _last
     scale = _check_inputs(q, k, v, causal, window, softcap, alibi_slopes, sm_scale, strategy)
     rule = _mask_rule(causal, window, alibi_slopes)
-    if not dist.is_initialized():
-        raise RuntimeError("context_parallel_attention: torch.distributed is not initialized; "
-                           "call torch.distributed.init_process_group first (one process "
-                           "works too: backend 'gloo', store=dist.HashStore(), world_size=1)")
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world, rank = _world_and_rank(group)
     seq_len = _check_length(q, world, rank, check_layout(layout), seq_len)
     chunks = rank_chunks(seq_len, world, layout)
     options = execute.KernelOptions(float(softcap or 0.0), alibi_slopes, scale)
@@ -101,6 +97,31 @@ def context_parallel_attention(q, k, v, *, causal=False, window=None, softcap=0.
     execute.check_served(all_calls, q, v, options)
     plan_steps = tuple(tuple(s) for s in steps)
     _last = ContextParallelPlan(chosen, reason, layout, world, rank, seq_len, rule, plan_steps)
+    run = _forward(chosen, q, k, v, steps, chunks, seq_len, group, options)
+    if trains:
+        # Before any communication, as the forward's check: every rank refuses together.
+        execute.check_served(all_calls, q, v, options, backward=True)
+        problem = backward.Problem(chosen, plan_steps, tuple(all_calls), tuple(chunks),
+                                   seq_len, group, options)
+        out, lse = backward.ContextParallelAttention.apply(run, problem, q, k, v)
+    else:
+        out, lse = run()
+    return (out, lse) if return_lse else out
+
+
+def _world_and_rank(group) -> tuple[int, int]:
+    """The group's size and this process's rank in it; RuntimeError saying how to start
+    torch.distributed when it is not initialized."""
+    if not dist.is_initialized():
+        raise RuntimeError("context_parallel_attention: torch.distributed is not initialized; "
+                           "call torch.distributed.init_process_group first (one process "
+                           "works too: backend 'gloo', store=dist.HashStore(), world_size=1)")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _forward(chosen, q, k, v, steps, chunks, seq_len, group, options):
+    """The forward of the chosen strategy as a function of no arguments, returning (out, lse):
+    what the autograd function runs (and records around) when the call trains."""
 
     def run():
         if q.shape[0] == 0 or seq_len == 0:
@@ -111,15 +132,7 @@ def context_parallel_attention(q, k, v, *, causal=False, window=None, softcap=0.
             return execute.ring_attention(q, k, v, steps, lengths, group, options)
         return execute.gather_attention(q, k, v, steps[0], chunks, group, options)
 
-    if trains:
-        # Before any communication, as the forward's check: every rank refuses together.
-        execute.check_served(all_calls, q, v, options, backward=True)
-        problem = backward.Problem(chosen, plan_steps, tuple(all_calls), tuple(chunks),
-                                   seq_len, group, options)
-        out, lse = backward.ContextParallelAttention.apply(run, problem, q, k, v)
-    else:
-        out, lse = run()
-    return (out, lse) if return_lse else out
+    return run
 
 
 def _choose(strategy, rule, seq_len, world, layout, aligns, rank, q, k, v):
@@ -214,21 +227,7 @@ def _mask_rule(causal, window, alibi_slopes) -> MaskRule:
 
 def _check_inputs(q, k, v, causal, window, softcap, alibi_slopes, sm_scale, strategy) -> float:
     """The softmax scale, after checking every argument that needs no communication."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name}: expected a rank-4 tensor [B, H, n, D], got {got}")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name}: expected {q.dtype} on {q.device} (as q), got {t.dtype} "
-                             f"on {t.device}")
-    if not (q.shape[0] == k.shape[0] == v.shape[0] and q.shape[2] == k.shape[2] == v.shape[2]
-            and k.shape[1] == v.shape[1]):
-        raise ValueError(f"q, k, v: expected the same batch and shard length and k, v the same "
-                         f"heads, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"heads: expected q heads a multiple of k/v heads, got {q.shape[1]} "
-                         f"and {k.shape[1]}")
+    _check_tensors(q, k, v)
     if not isinstance(causal, bool):
         raise ValueError(f"causal: got {causal!r}; allowed: True or False")
     if window is not None and causal:
@@ -271,3 +270,23 @@ def _check_length(q, world, rank, layout, seq_len) -> int:
             f"{', '.join(c.describe() for c in chunks)}); cut shards with shard_sequence and "
             "pass seq_len when they differ in length")
     return seq_len
+
+
+def _check_tensors(q, k, v) -> None:
+    """q, k, v: rank-4 tensors of one dtype and device, with the same batch and shard length,
+    k and v the same heads, and q's heads a multiple of theirs."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: expected a rank-4 tensor [B, H, n, D], got {got}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name}: expected {q.dtype} on {q.device} (as q), got {t.dtype} "
+                             f"on {t.device}")
+    if not (q.shape[0] == k.shape[0] == v.shape[0] and q.shape[2] == k.shape[2] == v.shape[2]
+            and k.shape[1] == v.shape[1]):
+        raise ValueError(f"q, k, v: expected the same batch and shard length and k, v the same "
+                         f"heads, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"heads: expected q heads a multiple of k/v heads, got {q.shape[1]} "
+                         f"and {k.shape[1]}")

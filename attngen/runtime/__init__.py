@@ -10,7 +10,8 @@
     records.py    last_dispatch() and dispatch_log(), per thread
     dispatch.py   a call's Need from its tensors; the choice, cached per registry, recorded
     ops.py        the modules' entry points: direct in eager mode, torch.library ops under
-                  torch.compile or autograd (forward-only)
+                  torch.compile or autograd
+    backward_ops.py  the prefill and varlen ops' autograd formulas (registered at import)
     launch.py     run_dense / run_varlen: Need, dispatch, then the module or the fallback
     plans.py      an eager call's route kept per call signature: a repeated signature runs
                   the module without the layers above (its own checks run on every call)
@@ -18,6 +19,7 @@
     api.py        scaled_dot_product_attention, flash_attn_func, flash_attn_varlen_func
     packed.py     flash-attn's qkv/kv-packed forms of both, as views
     kvcache.py    flash_attn_with_kvcache (decode kind when built, else varlen over the cache)
+    kvcache_append.py  which sequences fit their cache, and the append of new keys (varlen route)
     validate.py   shape checks in the caller's layout
     hf.py         the transformers attention function ("attngen")
     warmup.py     warmup(): build and compile what a spec or model needs, before its first call
@@ -25,8 +27,11 @@
                   the oracle's definition too)
     entry_checks.py  the generated modules' argument checks, for the fallback's calls
     interpreter_probe.py  a bf16 probe kernel for Triton's interpreter
+
+The public names are imported here; importing the package registers the torch.library ops.
 """
 
+from attngen.runtime import backward_ops  # noqa: F401  (registers the ops' autograd formulas)
 from attngen.runtime.api import (
     flash_attn_func,
     flash_attn_varlen_func,

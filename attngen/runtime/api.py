@@ -74,24 +74,31 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     if q.shape[1] != k.shape[1] and not enable_gqa:
         raise ValueError(f"heads: q has {q.shape[1]} heads and k {k.shape[1]}; pass "
                          "enable_gqa=True for grouped-query attention (as torch does)")
-    if window is not None:
-        if is_causal:
-            raise ValueError("is_causal: must be False with window=(left, right); the window "
-                             "says which keys each query sees (right=0 is causal)")
-        mask, win = Mask.sliding_window, window_pair(window, "window")
-    else:
-        mask, win = (Mask.causal if is_causal else Mask.none), None
-    refusal = None
-    if attn_mask is not None:
-        refusal = ("attn_mask: a dense mask tensor is not served by generated kernels; use "
-                   "is_causal, window, alibi_slopes or softcap")
-    else:
-        refusal = flash_refusal(alibi_slopes)
+    mask, win = _sdpa_mask(is_causal, window)
     out, _ = run_dense(SDPA, q, k, v, mask=mask, align=align, window=win, softcap=softcap,
                        alibi_slopes=alibi_slopes, scale=scale, return_lse=False,
-                       fallback=fallback, refusal=refusal, attn_mask=attn_mask,
-                       dropout_p=dropout_p, plan_key=key)
+                       fallback=fallback, refusal=_sdpa_refusal(attn_mask, alibi_slopes),
+                       attn_mask=attn_mask, dropout_p=dropout_p, plan_key=key)
     return out
+
+
+def _sdpa_mask(is_causal, window) -> tuple[Mask, tuple[int, int] | None]:
+    """(mask kind, window or None) of SDPA's is_causal and attngen's window=(left, right)."""
+    if window is None:
+        return (Mask.causal if is_causal else Mask.none), None
+    if is_causal:
+        raise ValueError("is_causal: must be False with window=(left, right); the window "
+                         "says which keys each query sees (right=0 is causal)")
+    return Mask.sliding_window, window_pair(window, "window")
+
+
+def _sdpa_refusal(attn_mask, alibi_slopes) -> str | None:
+    """Why no generated kernel may serve the call (a dense attn_mask, flash_refusal's
+    reasons), or None."""
+    if attn_mask is not None:
+        return ("attn_mask: a dense mask tensor is not served by generated kernels; use "
+                "is_causal, window, alibi_slopes or softcap")
+    return flash_refusal(alibi_slopes)
 
 
 # ---------------------------------------------------------------------- flash-attn 2.x

@@ -83,6 +83,20 @@ def torch_attention(q, k, v, *, mask="none", align=None, window=None, softcap=0.
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    seen, bias = _seen_and_bias(q, k, mask, align, window, attn_mask, alibi_slopes, chunk_size,
+                                sink_tokens)
+    if not softcap and not return_lse and sinks is None:
+        return _through_sdpa(q, k, v, seen, bias, scale, dropout_p)
+    if dropout_p:
+        raise ValueError("dropout_p: the fallback supports dropout only without softcap and LSE")
+    out, lse = _explicit_softmax(q, k, v, seen, bias, scale, softcap, sinks)
+    return (out, lse) if return_lse else out
+
+
+def _seen_and_bias(q, k, mask, align, window, attn_mask, alibi_slopes, chunk_size,
+                   sink_tokens):
+    """(which keys each query sees, bool or None for all; the scores' additive bias or None):
+    the mask kind's visibility and attn_mask's, attn_mask's float values and the ALiBi bias."""
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     seen = visible(mask, align, window, seqlen_q, seqlen_k, q.device, chunk_size=chunk_size,
                    sink_tokens=sink_tokens)
@@ -99,17 +113,23 @@ def torch_attention(q, k, v, *, mask="none", align=None, window=None, softcap=0.
         slopes = slopes[:, None, None] if slopes.dim() == 1 else slopes[:, :, None, None]
         alibi = -slopes * distance
         bias = alibi if bias is None else bias + alibi
-    if not softcap and not return_lse and sinks is None:
-        full = None if seen is None else torch.zeros(seen.shape, device=q.device).masked_fill(
-            ~seen, float("-inf"))
-        if bias is not None:
-            full = bias if full is None else full + bias
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=None if full is None else full.to(q.dtype), dropout_p=dropout_p,
-            scale=scale)
-        return _zero_unseen(out, seen)
-    if dropout_p:
-        raise ValueError("dropout_p: the fallback supports dropout only without softcap and LSE")
+    return seen, bias
+
+
+def _through_sdpa(q, k, v, seen, bias, scale, dropout_p):
+    """torch's SDPA with visibility and bias as one float mask (no softcap, sinks or LSE)."""
+    full = None if seen is None else torch.zeros(seen.shape, device=q.device).masked_fill(
+        ~seen, float("-inf"))
+    if bias is not None:
+        full = bias if full is None else full + bias
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=None if full is None else full.to(q.dtype), dropout_p=dropout_p,
+        scale=scale)
+    return _zero_unseen(out, seen)
+
+
+def _explicit_softmax(q, k, v, seen, bias, scale, softcap, sinks):
+    """(out, lse) with the scores formed in fp32: softcap, bias, visibility, sink logits."""
     scores = (q.float() @ k.float().transpose(-1, -2)) * scale
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
@@ -122,8 +142,7 @@ def torch_attention(q, k, v, *, mask="none", align=None, window=None, softcap=0.
         lse = torch.logaddexp(lse, sinks.float()[None, :, None].expand_as(lse))
     probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
     out = (probs.to(v.dtype) @ v).to(q.dtype)
-    out = _zero_unseen(out, seen)
-    return (out, lse) if return_lse else out
+    return _zero_unseen(out, seen), lse
 
 
 def _zero_unseen(out, seen):

@@ -7,7 +7,7 @@ Routing, in order:
 2. Otherwise the varlen kind, reading the cache in place: the new k/v are appended with torch
    index writes, then each batch row b is one packed "sequence" whose keys start at row
    b * L of the flattened cache, and `seqused_k` = cache_seqlens + Nnew says how many are
-   used (-1 for a sequence that does not fit its cache: the kernel gives it NaN, and _append
+   used (-1 for a sequence that does not fit its cache: the kernel gives it NaN, and the append
    wrote nothing for it). No host sync. Paged caches are gathered through block_table first
    (a copy).
    This is the route of specs built without the decode kind; split-KV decode (route 1) is
@@ -24,8 +24,6 @@ in the key (an int >= 0; another type takes the full path) and the plan passes t
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
@@ -33,9 +31,9 @@ from attngen.runtime import arguments, decode_ops, plans
 from attngen.runtime.arguments import flash_mask, flash_refusal
 from attngen.runtime.dispatch import need_for, probe
 from attngen.runtime.entry_checks import check_alibi
+from attngen.runtime.kvcache_append import append_fitting, cache_seqlens_tensor
 from attngen.runtime.kvcache_options import CacheOptions, cache_options, key_layout, rotate
 from attngen.runtime.launch import run_varlen, varlen_dispatch
-from attngen.runtime.paged import pages_in_cache
 from attngen.runtime.selection import Dispatch
 from attngen.runtime.validate import check_kvcache_shapes
 from attngen.spec import CausalAlign, KernelKind, KvLayout, Mask
@@ -76,24 +74,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                            block_table, alibi_slopes, num_splits)
         if ran is not None:
             return ran if return_softmax_lse else ran[0]
-    check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table,  # in the caller's layout
+    # in the caller's layout
+    check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table,
                          any_cache_batch=cache_batch_idx is not None)
-    batch, seqlen_q = q.shape[0], q.shape[1]
-    paged = block_table is not None
-    if paged and k_cache.shape[0] == 0:
-        raise ValueError("k_cache: a paged cache needs at least one page, got shape "
-                         f"{tuple(k_cache.shape)}")
-    capacity = (block_table.shape[1] * k_cache.shape[1]) if paged else k_cache.shape[1]
+    capacity = _capacity(k_cache, block_table)
     options = cache_options(q, k, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
                             block_table, rotary_interleaved, num_splits, capacity)
     new = 0 if k is None else k.shape[1]
-    cache_seqlens = _seqlens(cache_seqlens, batch, capacity, new, q.device)
+    cache_seqlens = cache_seqlens_tensor(cache_seqlens, q.shape[0], capacity, new, q.device)
     mask, window = flash_mask(causal, window_size)
     q, k = rotate(q, k, options, cache_seqlens, mask is not Mask.none)
     refusal = flash_refusal(alibi_slopes)
-    decode = None if not options.decode_route else _decode_module(
-        q, v_cache, mask, window, softcap, alibi_slopes, seqlen_q, capacity,
-        KvLayout.paged if paged else KvLayout.contiguous, k_cache.shape[1] if paged else None)
+    decode = None
+    if options.decode_route:
+        decode = _decode_module(q, k_cache, v_cache, block_table, mask, window, softcap,
+                                alibi_slopes, capacity)
     if decode is not None and refusal is None:
         out, lse = _run_decode_module(decode, q, k_cache, v_cache, k, v, cache_seqlens,
                                       block_table, softmax_scale, alibi_slopes,
@@ -105,6 +100,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return (out, lse) if return_softmax_lse else out
 
 
+def _capacity(k_cache, block_table) -> int:
+    """How many keys each sequence's cache holds: L, or max_pages x page_size when paged (a
+    paged cache needs at least one page)."""
+    if block_table is None:
+        return k_cache.shape[1]
+    if k_cache.shape[0] == 0:
+        raise ValueError("k_cache: a paged cache needs at least one page, got shape "
+                         f"{tuple(k_cache.shape)}")
+    return block_table.shape[1] * k_cache.shape[1]
+
+
 def _run_varlen_route(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                       options: CacheOptions, capacity: int, mask, window, softcap, alibi_slopes,
                       softmax_scale, return_lse: bool, refusal):
@@ -113,28 +119,12 @@ def _run_varlen_route(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
     batch, seqlen_q = q.shape[0], q.shape[1]
     new = 0 if k is None else k.shape[1]
     packed_q = q.reshape(batch * seqlen_q, *q.shape[2:])
-    # Chosen (or refused) before the append: a refused call leaves the caches as they were.
-    dispatch = varlen_dispatch(
-        API, packed_q, v_cache, mask=mask, align=CausalAlign.bottom_right,
-        window=window, softcap=softcap, alibi=alibi_slopes is not None,
-        length_bounds=(seqlen_q, capacity), same_lengths=False, fallback=None, refusal=refusal,
-        heads=(q.shape[2], k_cache.shape[2]))
-    # What the module (or the fallback) would refuse after the append, refused before it.
-    check_alibi(alibi_slopes, packed_q, batch=batch)
+    dispatch = _varlen_module(packed_q, q, k_cache, v_cache, mask, window, softcap,
+                              alibi_slopes, capacity, refusal)
     sm_scale = arguments.softmax_scale(softmax_scale, q)
-    fits = _fits(cache_seqlens, new, capacity, block_table, k_cache, seqlen_q, window, options)
-    if os.environ.get("ATTNGEN_CHECKS") == "1":
-        _validate(cache_seqlens, new, capacity, block_table, k_cache, seqlen_q, window, options)
-    if new and batch:
-        _append(k_cache, v_cache, k, v, cache_seqlens, block_table, fits, options.batch_idx)
-    if block_table is not None:  # only without a decode module, which reads pages in place
-        pages = block_table.long().clamp(0, k_cache.shape[0] - 1)  # bad entries: see _fits
-        k_cache, v_cache = k_cache[pages], v_cache[pages]
-    elif options.batch_idx is not None:  # sequence b reads row cache_batch_idx[b]
-        rows = options.batch_idx.long().clamp(0, k_cache.shape[0] - 1)  # bad rows: see _fits
-        k_cache, v_cache = k_cache[rows], v_cache[rows]
-    keys = k_cache.reshape(-1, *k_cache.shape[-2:])  # B x L rows, sequence b from b * L
-    values = v_cache.reshape(-1, *v_cache.shape[-2:])
+    fits = append_fitting(k_cache, v_cache, k, v, cache_seqlens, block_table, capacity,
+                          seqlen_q, window, options)
+    keys, values = _cache_rows(k_cache, v_cache, block_table, options)
     steps = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
     starts_k, used_k = key_layout(options, steps, capacity, cache_seqlens + new)
     out, lse = run_varlen(
@@ -146,6 +136,34 @@ def _run_varlen_route(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
         seqused_k=torch.where(fits, used_k, -1).to(torch.int32), dispatch=dispatch)
     out = out.view(batch, seqlen_q, *out.shape[1:])
     return out, (None if lse is None else lse.view(lse.shape[0], batch, seqlen_q).transpose(0, 1))
+
+
+def _varlen_module(packed_q, q, k_cache, v_cache, mask, window, softcap, alibi_slopes,
+                   capacity: int, refusal) -> Dispatch:
+    """Route 2's varlen module (or fallback), chosen or refused before the append, and the
+    alibi slopes checked then too: a refused call leaves the caches as they were."""
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    dispatch = varlen_dispatch(
+        API, packed_q, v_cache, mask=mask, align=CausalAlign.bottom_right,
+        window=window, softcap=softcap, alibi=alibi_slopes is not None,
+        length_bounds=(seqlen_q, capacity), same_lengths=False, fallback=None, refusal=refusal,
+        heads=(q.shape[2], k_cache.shape[2]))
+    # What the module (or the fallback) would refuse after the append, refused before it.
+    check_alibi(alibi_slopes, packed_q, batch=batch)
+    return dispatch
+
+
+def _cache_rows(k_cache, v_cache, block_table, options: CacheOptions) -> tuple[Tensor, Tensor]:
+    """The caches as packed key and value rows [B x L, HKV, D], sequence b's from row b * L:
+    paged caches gathered through block_table, cache_batch_idx rows gathered (copies), else
+    the caches themselves, reshaped."""
+    if block_table is not None:  # only without a decode module, which reads pages in place
+        pages = block_table.long().clamp(0, k_cache.shape[0] - 1)  # bad entries: kvcache_append
+        k_cache, v_cache = k_cache[pages], v_cache[pages]
+    elif options.batch_idx is not None:  # sequence b reads row cache_batch_idx[b]
+        rows = options.batch_idx.long().clamp(0, k_cache.shape[0] - 1)  # bad rows: kvcache_append
+        k_cache, v_cache = k_cache[rows], v_cache[rows]
+    return k_cache.reshape(-1, *k_cache.shape[-2:]), v_cache.reshape(-1, *v_cache.shape[-2:])
 
 
 def _run_decode_module(decode: Dispatch, q, k_cache, v_cache, k, v, cache_seqlens,
@@ -214,8 +232,8 @@ def _plain_step(k, v, block_table, num_splits, rotary_cos, rotary_sin, batch_idx
 
 
 def _same_kinds(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> bool:
-    """The checks of check_kvcache_shapes and _seqlens that a signature key leaves open: the
-    caches and the new keys have q's dtype and device, the index tensors are int32."""
+    """The checks of check_kvcache_shapes and cache_seqlens_tensor that a signature key leaves
+    open: the caches and the new keys have q's dtype and device, the index tensors are int32."""
     dtype, device = q.dtype, q.device
     if not (k_cache.dtype is dtype and v_cache.dtype is dtype and k_cache.device == device
             and v_cache.device == device and cache_seqlens.dtype is torch.int32):
@@ -226,122 +244,13 @@ def _same_kinds(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> bool:
                          and v.device == device)
 
 
-def _seqlens(cache_seqlens, batch, capacity, new, device) -> torch.Tensor:
-    """cache_seqlens as int32 [B]; what the host can tell without reading the device is
-    checked here (a device tensor is bounded by the kernels, or by _fits)."""
-    if cache_seqlens is None:
-        if new:
-            raise ValueError("cache_seqlens: required with new keys k, v (None means the caches "
-                             "are full, so there is no room to append), as in flash-attn")
-        return torch.full((batch,), capacity, dtype=torch.int32, device=device)
-    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        if not 0 <= cache_seqlens <= capacity - new:
-            raise ValueError(f"cache_seqlens: got {cache_seqlens}; allowed: 0..{capacity - new} "
-                             f"(the cache's capacity {capacity} less {new} new keys)")
-        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
-    if (not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.shape != (batch,)
-            or cache_seqlens.dtype != torch.int32):
-        got = (f"{tuple(cache_seqlens.shape)} {cache_seqlens.dtype}"
-               if isinstance(cache_seqlens, torch.Tensor) else repr(cache_seqlens))
-        raise ValueError(f"cache_seqlens: expected an int or int32 [{batch}], got {got}")
-    if new > capacity:
-        raise ValueError(f"k: {new} new keys exceed the cache's capacity {capacity}")
-    return cache_seqlens
-
-
-def _fits(cache_seqlens, new, capacity, block_table, k_cache, seqlen_q, window,
-          options: CacheOptions):
-    """[B] bool, without a host sync: sequence b's request fits its memory, as the decode
-    kernels decide it (they give the others NaN): 0 <= cache_seqlens[b] <= capacity - new,
-    cache_batch_idx[b] a row of the cache, 0 <= cache_leftpad[b] <= cache_seqlens[b], and
-    every block-table entry it appends to or reads (from the window's first key) is a page."""
-    cached = cache_seqlens.long()
-    fits = (cached >= 0) & (cached <= capacity - new)
-    if options.batch_idx is not None:
-        rows = options.batch_idx.long()
-        fits = fits & (rows >= 0) & (rows < k_cache.shape[0])
-    if options.leftpad is not None:
-        pad = options.leftpad.long()
-        fits = fits & (pad >= 0) & (pad <= cached)
-    if block_table is None:
-        return fits
-    num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
-    total = torch.where(fits, cached + new, 0)
-    first = torch.zeros_like(total)
-    if window is not None:  # keys left of every query's window are never read
-        first = (total - seqlen_q - window[0]).clamp(min=0)
-    first = torch.minimum(first, torch.where(fits, cached, 0))  # the appended keys count too
-    return fits & pages_in_cache(block_table, first, total, num_pages, page_size)
-
-
-def _validate(cache_seqlens, new, capacity, block_table, k_cache, seqlen_q, window,
-              options: CacheOptions) -> None:
-    """ATTNGEN_CHECKS=1: what _fits decides, on the host (a device sync), as a ValueError
-    naming the tensor, the sequence and the value (as the generated decode modules do)."""
-    num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
-    lengths = cache_seqlens.tolist()
-    for b, cached in enumerate(lengths):
-        if not 0 <= cached <= capacity - new:
-            raise ValueError(f"cache_seqlens[{b}] = {cached}: expected 0..{capacity - new} "
-                             f"(the capacity {capacity} less {new} new keys)")
-    for name, index, high in (("cache_batch_idx", options.batch_idx, k_cache.shape[0] - 1),
-                              ("cache_leftpad", options.leftpad, None)):
-        for b, value in enumerate([] if index is None else index.tolist()):
-            top = lengths[b] if high is None else high
-            if not 0 <= value <= top:
-                what = (f"cache_seqlens[{b}]" if high is None else "the cache's last row")
-                raise ValueError(f"{name}[{b}] = {value}: expected 0..{top} ({what})")
-    table = [] if block_table is None else block_table.tolist()
-    for b, row in enumerate(table):
-        total = lengths[b] + new
-        first = 0 if window is None else min(max(total - seqlen_q - window[0], 0), lengths[b])
-        for page in range(first // page_size, -(-total // page_size)):
-            if not 0 <= row[page] < num_pages:
-                raise ValueError(f"block_table[{b}, {page}] = {row[page]}: expected a page in "
-                                 f"0..{num_pages - 1} (sequence {b} reads or appends there)")
-
-
-def _append(k_cache, v_cache, k, v, cache_seqlens, block_table, fits, batch_idx=None) -> None:
-    """Write k/v [B, Nnew, HKV, D] at positions cache_seqlens[b] + t of cache row
-    batch_idx[b] (else b), in place, for the sequences that fit (_fits); nothing else
-    changes.
-
-    Note: without a host sync the write cannot skip the others, so each of their tokens is
-    pointed at the first fitting token's slot and writes the same bytes as that token (or,
-    when none fits, slot 0 of the cache gets its own bytes back): repeated indices with equal
-    values, so the result is deterministic and no other byte changes."""
-    batch, new = k.shape[0], k.shape[1]
-    ok = fits[:, None].expand(batch, new).reshape(-1)
-    positions = cache_seqlens.long()[:, None] + torch.arange(new, device=k.device)
-    positions = torch.where(fits[:, None], positions, 0)  # in range: an index never faults
-    if block_table is None:
-        rows = (torch.arange(batch, device=k.device) if batch_idx is None
-                else batch_idx.long().clamp(0, k_cache.shape[0] - 1))  # bad rows: see _fits
-        outer = rows[:, None].expand(batch, new)
-        inner = positions
-    else:
-        page_size = k_cache.shape[1]
-        outer = block_table.long().gather(1, positions // page_size)
-        outer = outer.clamp(0, k_cache.shape[0] - 1)
-        inner = positions % page_size
-    first = ok.int().argmax(0, keepdim=True)  # [1]: the first fitting token, 0 if none
-    any_ok = ok.any()
-    outer, inner = outer.reshape(-1), inner.reshape(-1)
-    spare_outer = torch.where(any_ok, outer.index_select(0, first), 0)
-    spare_inner = torch.where(any_ok, inner.index_select(0, first), 0)
-    outer = torch.where(ok, outer, spare_outer)
-    inner = torch.where(ok, inner, spare_inner)
-    for cache, values in ((k_cache, k), (v_cache, v)):
-        values = values.reshape(batch * new, *values.shape[2:])
-        spare = torch.where(any_ok, values.index_select(0, first), cache[spare_outer, spare_inner])
-        cache[outer, inner] = torch.where(ok[:, None, None], values, spare)
-
-
-def _decode_module(q, v_cache, mask, window, softcap, alibi_slopes, seqlen_q, capacity,
-                   layout, page_size) -> Dispatch | None:
+def _decode_module(q, k_cache, v_cache, block_table, mask, window, softcap, alibi_slopes,
+                   capacity: int) -> Dispatch | None:
     """The decode-kind module that serves the call, recorded, or None (then step 2)."""
+    paged = block_table is not None
     need = need_for(KernelKind.decode, q, v_cache, mask=mask, align=CausalAlign.bottom_right,
                     window=window, softcap=softcap, alibi=alibi_slopes is not None,
-                    seqlen_q=seqlen_q, seqlen_k=capacity, same_lengths=False,
-                    kv_layout=layout, page_size=page_size)
+                    seqlen_q=q.shape[1], seqlen_k=capacity, same_lengths=False,
+                    kv_layout=KvLayout.paged if paged else KvLayout.contiguous,
+                    page_size=k_cache.shape[1] if paged else None)
     return probe(API, need, (q.shape[2], v_cache.shape[2]))

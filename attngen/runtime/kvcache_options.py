@@ -91,7 +91,7 @@ def rotate(q, k, options: CacheOptions, cache_seqlens, mask_bounded: bool):
         return q, k
     cos, sin, interleaved = options.rotary
     # Clamped: a cache_seqlens entry out of range must not index outside cos/sin (that
-    # sequence gets NaN from the kernels and nothing appended, kvcache._fits).
+    # sequence gets NaN from the kernels and nothing appended, kvcache_append._fits).
     starts = cache_seqlens.long()[:, None]
     positions_k = starts + torch.arange(k.shape[1], device=k.device)
     positions_q = (starts + torch.arange(q.shape[1], device=q.device) if mask_bounded

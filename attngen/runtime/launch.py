@@ -19,7 +19,7 @@ a planned call would skip this draw.
 
 from __future__ import annotations
 
-from attngen.runtime import ops, plans
+from attngen.runtime import backward_ops, ops, plans
 from attngen.runtime.arguments import (
     dropout_probability,
     dropout_rng_state,
@@ -84,8 +84,8 @@ def run_dense_backward(api: str, dout, q, k, v, out, lse, dlse, *, mask: Mask,
     refusal = unsupported_dtype(q) if need.dtype is None else None
     dispatch = choose(api, need, "error", refusal, (q.shape[1], k.shape[1]))
     assert dispatch.key is not None  # fallback "error": a Dispatch without a module raised
-    return ops.prefill_backward(dispatch.key, dout, q, k, v, out, lse, dlse,
-                                softmax_scale(scale, q), alibi_slopes)
+    return backward_ops.prefill_backward(dispatch.key, dout, q, k, v, out, lse, dlse,
+                                         softmax_scale(scale, q), alibi_slopes)
 
 
 def run_varlen(api: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,

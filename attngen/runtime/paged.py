@@ -12,6 +12,25 @@ def paged_keys(k_cache, v_cache, block_table, cu_seqlens_k, q):
     seqused_k[b] its length cu_seqlens_k[b + 1] - cu_seqlens_k[b], or -1 (NaN for it) when
     that length is negative or past the capacity, or a page it needs is not the cache's.
     No host sync: every check is a tensor operation."""
+    _check_paged_inputs(k_cache, v_cache, block_table, cu_seqlens_k, q)
+    batch, max_pages = block_table.shape
+    num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+    capacity = max_pages * page_size
+    lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
+    fits = (lengths >= 0) & (lengths <= capacity)
+    ends = torch.where(fits, lengths, 0)
+    fits = fits & pages_in_cache(block_table, torch.zeros_like(ends), ends, num_pages, page_size)
+    pages = block_table.long().clamp(0, num_pages - 1)  # a bad entry is read nowhere that counts
+    keys = k_cache[pages].reshape(batch * capacity, *k_cache.shape[2:])
+    values = v_cache[pages].reshape(batch * capacity, *v_cache.shape[2:])
+    starts = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * capacity
+    used = torch.where(fits, lengths, -1).to(torch.int32)
+    return keys, values, starts, used, capacity
+
+
+def _check_paged_inputs(k_cache, v_cache, block_table, cu_seqlens_k, q) -> None:
+    """k/v: paged caches [pages, page_size, HKV, D] of one shape, at least one page;
+    block_table int32 [B, max_pages] on q's device; cu_seqlens_k int32 [B + 1]."""
     for name, cache in (("k", k_cache), ("v", v_cache)):
         if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
             got = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
@@ -33,19 +52,6 @@ def paged_keys(k_cache, v_cache, block_table, cu_seqlens_k, q):
                if isinstance(cu_seqlens_k, torch.Tensor) else type(cu_seqlens_k).__name__)
         raise ValueError(f"cu_seqlens_k: expected int32 [{block_table.shape[0] + 1}] (one more "
                          f"than block_table's rows), got {got}")
-    batch, max_pages = block_table.shape
-    num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
-    capacity = max_pages * page_size
-    lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
-    fits = (lengths >= 0) & (lengths <= capacity)
-    ends = torch.where(fits, lengths, 0)
-    fits = fits & pages_in_cache(block_table, torch.zeros_like(ends), ends, num_pages, page_size)
-    pages = block_table.long().clamp(0, num_pages - 1)  # a bad entry is read nowhere that counts
-    keys = k_cache[pages].reshape(batch * capacity, *k_cache.shape[2:])
-    values = v_cache[pages].reshape(batch * capacity, *v_cache.shape[2:])
-    starts = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * capacity
-    used = torch.where(fits, lengths, -1).to(torch.int32)
-    return keys, values, starts, used, capacity
 
 
 def pages_in_cache(block_table, first_key, end_key, num_pages: int, page_size: int):

@@ -1,7 +1,9 @@
 """Tiling: from a validated spec and a GPU target to a launch config, with the derivation.
 
-- prefill.py: the sympy model of what a config costs (shared memory, registers, a score),
-  every candidate of the grid with its verdict, and the choice. Its TileConfig, Candidate and
+- prefill_model.py: the sympy model of what a prefill config costs (shared memory,
+  registers, a score, waves).
+- prefill.py: every candidate of the grid with its verdict under that model, and the
+  choice. Its TileConfig, Candidate and
   Derivation are the stage's vocabulary: decode reuses them, because the decode kernel runs
   the prefill kernel's key loop.
 - decode.py: the decode tile (the same model with a bandwidth score) and the split rule.

@@ -1,6 +1,6 @@
 """Tile sizes of the backward kernels (spec `backward: true`), derived like the forward's.
 
-Two kernels, each with its own sympy model (symbols as in prefill.py: BLOCK_M query rows,
+Two kernels, each with its own sympy model (symbols as in prefill_model.py: BLOCK_M query rows,
 BLOCK_N key rows, padded head dims D and DV, element bytes E, num_stages S, num_warps W):
 
 - dQ kernel, a program per BLOCK_M query rows: Q [BM, D] and dO [BM, DV] resident, K and V
@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 import sympy
 
@@ -37,20 +39,14 @@ from attngen.arch import ARCHS, GpuArch
 from attngen.spec import AttnSpec
 from attngen.tiling.evaluate import LazyText, active_formula, compiled
 from attngen.tiling.prefill import (
-    BM,
-    BN,
-    DV,
     REGISTER_MARGIN,
     Candidate,
-    D,
     Derivation,
-    E,
-    S,
     TileConfig,
-    W,
     binding_constraint,
     padded_head_dim,
 )
+from attngen.tiling.prefill_model import BM, BN, DV, D, E, S, W
 
 KERNELS = ("dq", "dkdv")
 BLOCK_CHOICES = (16, 32, 64, 128)
@@ -225,6 +221,35 @@ def derive_backward_tiles(spec: AttnSpec, arch_name: str, tuned: Tuned = ()
                               _derive(spec, arch_name, "dkdv", *chosen.get("dkdv", (None, ""))))
 
 
+def _candidate(arch: GpuArch, kernel: str, config: TileConfig, smem_f: Callable[..., Any],
+               regs_f: Callable[..., Any], d: int, dv: int, e: int) -> Candidate:
+    """One config of `kernel` measured by the model: its shared memory, registers and
+    occupancy, why it is rejected (if it is), and its score."""
+    bm, bn, w, s = config.block_m, config.block_n, config.num_warps, config.num_stages
+    smem = int(smem_f(bm, bn, s, w, d, dv, e))
+    regs = int(math.ceil(regs_f(bm, bn, s, w, d, dv, e)))
+    reasons = []
+    if smem > arch.smem_budget:
+        reasons.append(f"smem {smem} B > {arch.smem_budget} B")
+    if regs > arch.max_regs_per_thread + REGISTER_MARGIN:
+        reasons.append(f"regs {regs} > {arch.max_regs_per_thread} + {REGISTER_MARGIN}")
+    owned = bm if kernel == "dq" else bn
+    if owned > 32 * w:
+        reasons.append(f"tile: {'BLOCK_M' if kernel == 'dq' else 'BLOCK_N'} {owned} > "
+                       "32 * num_warps")
+    per_sm = min(arch.smem_per_sm // (smem + arch.smem_block_cost),
+                 arch.regs_per_sm // (min(regs, arch.max_regs_per_thread) * 32 * w),
+                 arch.max_threads_per_sm // (32 * w))
+    if not reasons and per_sm < 1:
+        reasons.append("occupancy 0 programs/SM")
+    score = 0.0
+    if not reasons:
+        reuse = min(bm * bn / (bm + bn) / 64, 1.0)
+        score = reuse * (0.9 if s == 2 else 1.0) * min(1.0, per_sm * w / 8)
+    return Candidate(config, smem, regs, per_sm, round(score, 6), tuple(reasons),
+                     regs_predictive=e != 4)
+
+
 def _derive(spec: AttnSpec, arch_name: str, kernel: str, tuned: TileConfig | None = None,
             source: str = "") -> Derivation:
     arch = ARCHS[arch_name]
@@ -233,32 +258,9 @@ def _derive(spec: AttnSpec, arch_name: str, kernel: str, tuned: TileConfig | Non
     smem_expr = smem_expression(arch, kernel, spec.dropout)
     regs_expr = regs_expression(arch, kernel)
     smem_f, regs_f = compiled(smem_expr, MODEL_SYMBOLS), compiled(regs_expr, MODEL_SYMBOLS)
-    candidates = []
-    for bm, bn, w, s in itertools.product(BLOCK_CHOICES, BLOCK_CHOICES, NUM_WARPS_CHOICES,
-                                          NUM_STAGES_CHOICES):
-        smem = int(smem_f(bm, bn, s, w, d, dv, e))
-        regs = int(math.ceil(regs_f(bm, bn, s, w, d, dv, e)))
-        reasons = []
-        if smem > arch.smem_budget:
-            reasons.append(f"smem {smem} B > {arch.smem_budget} B")
-        if regs > arch.max_regs_per_thread + REGISTER_MARGIN:
-            reasons.append(f"regs {regs} > {arch.max_regs_per_thread} + {REGISTER_MARGIN}")
-        owned = bm if kernel == "dq" else bn
-        if owned > 32 * w:
-            reasons.append(f"tile: {'BLOCK_M' if kernel == 'dq' else 'BLOCK_N'} {owned} > "
-                           "32 * num_warps")
-        per_sm = min(arch.smem_per_sm // (smem + arch.smem_block_cost),
-                     arch.regs_per_sm // (min(regs, arch.max_regs_per_thread) * 32 * w),
-                     arch.max_threads_per_sm // (32 * w))
-        if not reasons and per_sm < 1:
-            reasons.append("occupancy 0 programs/SM")
-        score = 0.0
-        if not reasons:
-            reuse = min(bm * bn / (bm + bn) / 64, 1.0)
-            score = reuse * (0.9 if s == 2 else 1.0) * min(1.0, per_sm * w / 8)
-        candidates.append(Candidate(TileConfig(bm, bn, w, s), smem, regs, per_sm,
-                                    round(score, 6), tuple(reasons),
-                                    regs_predictive=e != 4))
+    candidates = [_candidate(arch, kernel, TileConfig(bm, bn, w, s), smem_f, regs_f, d, dv, e)
+                  for bm, bn, w, s in itertools.product(BLOCK_CHOICES, BLOCK_CHOICES,
+                                                        NUM_WARPS_CHOICES, NUM_STAGES_CHOICES)]
     chosen = _choice(candidates, arch, tuned, kernel)
     values = {D: d, DV: dv, E: e}
     worked: dict[str, str] = {}

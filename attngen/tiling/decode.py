@@ -49,18 +49,20 @@ from attngen.arch import ARCHS, GpuArch
 from attngen.spec import AttnSpec
 from attngen.tiling.evaluate import LazyText
 from attngen.tiling.prefill import (
-    BM,
-    DV,
     REGISTER_MARGIN,
     Candidate,
-    D,
     Derivation,
-    E,
     TileConfig,
     choose,
     constraint_labels,
-    numeric_model,
     padded_head_dim,
+)
+from attngen.tiling.prefill_model import (
+    BM,
+    DV,
+    D,
+    E,
+    numeric_model,
     regs_expression,
     smem_expression,
 )

@@ -1,6 +1,6 @@
 """Evaluating the tiling model quickly: its sympy expressions compiled once, read many times.
 
-The model (prefill.py) is a few symbolic expressions. Substituting a spec's dims into them and
+The model (prefill_model.py) is a few symbolic expressions. Substituting a spec's dims into them and
 letting sympy simplify the result takes 50-200 ms per spec, too slow for a kernel built on
 demand at a model's first call. Here each expression is compiled once per process into a
 plain Python function of every symbol (`compiled`), so a derivation evaluates its candidates

@@ -6,7 +6,8 @@
   live compiles, so reading the measurements (verify-tiling, capabilities) needs no triton.
 - measurements.py: the committed compiler measurements (data/, one file per Triton version
   and kernel), read without torch or triton.
-- check.py: `attngen verify-tiling`, the model against the measurements, and its policy.
+- check.py: `attngen verify-tiling`, the model against the measurements.
+- policy.py: what each compiled row is held to (spill and shared-memory bounds).
 - backward.py: the same for the backward kernels (`verify-tiling --backward`): their plan
   and which measurements a run reads.
 - report.py: that comparison in tables and JSON.

@@ -6,24 +6,8 @@ come from the committed data file (attngen/verify/data/prefill_compile_triton-<v
 keyed as attngen.verify.measurements explains) or from a live cross-compile
 (attngen.verify.compiler, lazily imported).
 
-The policy, per config (the numbers are constants below):
-
-- shared memory: the model must never be under the compiler (a config it calls feasible must
-  fit); over is allowed and counted, exact is the match rate.
-- a config the model calls feasible must fit: compiled shared <= the arch's budget, no
-  compile error.
-- spills: a feasible config predicted at or below the register limit ("safe") must not spill
-  more than SAFE_SPILL_BYTES; one predicted in the REGISTER_MARGIN above the limit, or any
-  fp32 config ("may spill"), is allowed to spill, which is why the heuristic ranks it last.
-- a rejected config is "confirmed" when the compiler agrees (shared over the budget, or
-  spills for a register rejection) and "conservative" when it would in fact fit: reported,
-  never a failure. The tile rule (a query row per thread at most) is a design rule, not a
-  resource limit, so it has nothing to confirm.
-
-Shared memory does not depend on the spec beyond the key (checked on every example spec:
-`--every-spec`); registers do, a little, so the spill check holds for the spec each key was
-compiled from (its heaviest), and OTHER_SPEC_SPILL_BYTES for every other spec of the key.
-Any failure makes the command exit 1.
+Each row is then held to the policy in attngen.verify.policy; any failure makes the command
+exit 1.
 
 The backward kernels (spec `backward: true`) are held to the same policy, row by row, with
 their own plan (attngen.verify.backward) and data file (BackwardKey records).
@@ -41,7 +25,7 @@ from typing import Any
 
 from attngen.arch import ARCHS
 from attngen.spec import AttnSpec, KernelKind, Mask
-from attngen.tiling.prefill import REGISTER_MARGIN, Candidate, derive_tiles
+from attngen.tiling.prefill import Candidate, derive_tiles
 from attngen.verify.measurements import (
     AnyKey,
     Measurements,
@@ -50,17 +34,8 @@ from attngen.verify.measurements import (
     save_measurements,
     spec_ref,
 )
+from attngen.verify.policy import SAFE_SPILL_BYTES, judge
 
-# ptxas keeps a few loop-carried values on the stack even well below 255 registers (8-64 B on
-# sm80 at 4 warps); that costs an L1 hit per iteration, not a spill worth avoiding.
-SAFE_SPILL_BYTES = 64
-# The bound for the other specs that share a key (--every-spec). ptxas's allocation moves by up
-# to +-75 registers between specs of one config (a sliding window's two compares, a padded
-# head dim's masks), which no tile formula sees; over 2891 such compiles the worst safe config
-# spilled 112 B (phi3 and mistral near 255 registers; docs/tiling.md). 128 B is 32 fp32
-# values that round-trip through L1 once per key block: measurable only on a config the
-# heuristic would not pick first, so the promise is this bound, not zero, and it is enforced.
-OTHER_SPEC_SPILL_BYTES = 128
 # fp32 dots are FMA loops; ptxas needs minutes for the configs that spill tens of KiB (all
 # predicted above 400), and those are rejected by the register bound anyway. Above this
 # prediction an fp32 config is not compiled live (it is still checked when the data has it).
@@ -220,60 +195,6 @@ def _merge(data: Measurements, key: AnyKey, spec: AttnSpec, record: dict[str, An
         others.setdefault(key, []).append((spec_ref(spec), record))
 
 
-def judge(plan: Plan, data: Measurements, changed: dict[AnyKey, list[str]],
-          stale_fails: bool = True, others: Others | None = None) -> None:
-    """Fill every row's measurement, failures and notes (the policy in the module docstring).
-    A live result that differs from the data's record fails unless the data is being rewritten
-    (`stale_fails` false); the other specs' compiles of a key (--every-spec) are held to the
-    same spill policy."""
-    for key, row in plan.rows.items():
-        row.measured = data.get(key)
-        row.source = "live" if key in changed else ("data" if row.measured else "none")
-        if row.measured is None:
-            row.notes.append("not compiled (fp32, predicted far over the register file)")
-            continue
-        for message in changed.get(key, []):
-            stale = message.startswith("data file is stale")
-            (row.notes if stale and not stale_fails else row.problems).append(message)
-        _judge_one(row, row.measured)
-        for ref, record in (others or {}).get(key, []):
-            spills = record["spill_stores"] or 0
-            message = f"{ref}: {record['regs']} regs, spills {spills} B"
-            safe = row.candidate.feasible and not row.may_spill
-            if record["error"] or (safe and spills > OTHER_SPEC_SPILL_BYTES):
-                row.problems.append(f"{message} {record['error'] or ''}".rstrip())
-            else:
-                row.notes.append(message)
-
-
-def _judge_one(row: Row, m: dict[str, Any]) -> None:
-    arch, cand = ARCHS[row.key.arch], row.candidate
-    if m["error"]:
-        (row.problems if cand.feasible else row.notes).append(f"compile error: {m['error']}")
-        return
-    shared, spills = m["shared"], m["spill_stores"] or 0
-    if cand.smem_bytes < shared:
-        row.problems.append(f"smem predicted {cand.smem_bytes} < compiled {shared}")
-    if cand.feasible:
-        if shared > arch.smem_budget:
-            row.problems.append(f"feasible but compiled shared {shared} > {arch.smem_budget}")
-        if not row.may_spill and spills > SAFE_SPILL_BYTES:
-            row.problems.append(f"predicted {cand.regs_per_thread} regs (safe) but spills "
-                                f"{spills} B > {SAFE_SPILL_BYTES}")
-        elif row.may_spill:
-            row.notes.append(f"may spill: spills {spills} B")
-        return
-    for reason in cand.rejected:
-        if reason.startswith("smem"):
-            ok = shared > arch.smem_budget
-            row.notes.append(f"smem rejection {'confirmed' if ok else 'conservative'}: "
-                             f"compiled {shared} B")
-        elif reason.startswith("regs"):
-            ok = spills > SAFE_SPILL_BYTES
-            row.notes.append(f"regs rejection {'confirmed' if ok else 'conservative'}: "
-                             f"spills {spills} B")
-
-
 def expected_mma(key: AnyKey) -> str:
     """The instruction family the model's branch assumes (the key's kernel's smem model)."""
     return key.expected_mma()
@@ -391,8 +312,3 @@ def verify_tiling(specs: Sequence[AttnSpec], archs: Sequence[str] | None, data: 
     judge(plan, data, changed, stale_fails=save_to is None, others=others)
     return Report(plan, skipped, len(changed), time.perf_counter() - start, data.triton,
                   data.template_hash, current_template_hash())
-
-
-def margin_note() -> str:
-    return (f"safe: predicted <= the register limit, must spill <= {SAFE_SPILL_BYTES} B; "
-            f"may spill: predicted within {REGISTER_MARGIN} above it, allowed to spill")

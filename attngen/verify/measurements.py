@@ -75,7 +75,8 @@ class MeasurementKey(NamedTuple):
         return spec, self.arch, self.config
 
     def expected_mma(self) -> str:
-        """The instruction family the model's branch assumes (tiling.prefill.smem_expression)."""
+        """The instruction family the model's branch assumes (smem_expression in
+        tiling/prefill_model.py)."""
         if self.dtype == "fp32":
             return "fma"
         return "wgmma" if ARCHS[self.arch].has_wgmma and self.BLOCK_M >= 64 else "mma.sync"

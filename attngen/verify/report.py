@@ -7,7 +7,8 @@ import math
 from typing import Any
 
 from attngen.arch import ARCHS
-from attngen.verify.check import Report, Row, Summary, margin_note, summarize
+from attngen.verify.check import Report, Row, Summary, summarize
+from attngen.verify.policy import margin_note
 
 SUMMARY_HEADER = (f"{'arch':<6} {'configs':>7} {'compiled':>8} {'smem exact':>10} {'over':>5} "
                   f"{'under':>5} {'feasible':>8} {'safe ok':>9} {'may spill':>9} "
