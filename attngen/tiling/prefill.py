@@ -119,6 +119,7 @@ class Derivation:
     # Measured faster than `chosen` on shorter sequences (autotune's per-length winners):
     # (longest sequence served, config), ascending; `chosen` serves everything longer.
     shorter: tuple[tuple[int, TileConfig], ...] = ()
+    dropout: bool = False  # the kernel draws the dropout keep mask (smem_expression's term)
 
     @property
     def chosen_candidate(self) -> Candidate | None:
@@ -152,8 +153,21 @@ class Derivation:
         return tuple(wrapped)
 
 
+def keep_mask_scratch() -> sympy.Expr:
+    """Bytes of shared memory the dropout keep mask's layout conversions take (Triton 3.6), in
+    the forward kernel and both backward kernels, which draw the same mask
+    (templates/_dropout.py.jinja). The mask joins eight 16-bit lanes of four Philox words in a
+    tree of tl.join (the [BM, BN / 8, 2, 2] int32 level is the largest, 2 * BM * BN bytes)
+    and the joins convert layouts through shared memory: the whole level when a thread holds
+    at most four of its elements (BM * BN <= 256 W), else in two passes of half of it.
+    Measured on every backward candidate of head dims 64 and 128, both kernels, sm80 and sm90,
+    and on a sample of forward configs (verify/data)."""
+    return sympy.Piecewise((2 * BM * BN, BM * BN <= 256 * W), (BM * BN, True))
+
+
 @cache  # sympy builds it slowly; one per arch serves every derivation
-def smem_expression(arch: GpuArch, tma: bool = True, pipelined: bool = True) -> sympy.Expr:
+def smem_expression(arch: GpuArch, tma: bool = True, pipelined: bool = True,
+                    dropout: bool = False) -> sympy.Expr:
     """Dynamic shared memory per program in bytes, as Triton 3.6 allocates it for this template.
 
     Fitted to the compiler on 584 configs (docs/results/tiling_fit_set_584.json) and checked
@@ -169,27 +183,55 @@ def smem_expression(arch: GpuArch, tma: bool = True, pipelined: bool = True) -> 
       16-row tiles with 8 warps take 128 B).
     - S == 1: no multi-buffering; P reuses K's bytes.
     - pipelined=False (pointer loads of rows that are not 16-element aligned): as S == 1.
+    - dropout (spec `dropout: true`): the keep mask's conversion scratch (keep_mask_scratch,
+      BM * BN or 2 * BM * BN bytes), live after the scores are formed: a staged P buffer
+      (E * BM * BN bytes, as large or larger) holds it, so it adds nothing to fp32 or to
+      mma.sync tiles with BLOCK_M < DV; beside registers-only P (wgmma, or BLOCK_M >= DV) it
+      is added; at S == 1 it reuses K's bytes like P does, and on wgmma the TMA barrier's
+      (_unpipelined_wgmma_with_mask). Exact on 40 16-bit configs compiled on sm80 and sm90
+      (D 16-256, every branch); fp32 keeps its bound (docs/tiling.md).
     """
     q, k, v = BM * D, BN * D, BN * DV
     epilogue = BM * DV
+    # In elements of E bytes, like the rest (keep_mask_scratch is in bytes).
+    mask = keep_mask_scratch() / E
 
     def loop(p: sympy.Expr, buffers: sympy.Expr) -> sympy.Expr:
+        if dropout:
+            return sympy.Piecewise((q + v + sympy.Max(k, p, mask), sympy.Eq(S, 1)),
+                                   (q + buffers * (k + v) + sympy.Max(p, mask), True))
         return sympy.Piecewise((q + v + sympy.Max(k, p), sympy.Eq(S, 1)),
                                (q + buffers * (k + v) + p, True))
 
     staged_p = sympy.Piecewise((0, BM >= DV), (BM * BN, True))
     sixteen_bit = E * sympy.Max(loop(staged_p, sympy.Max(S - 1, 1)), epilogue)
+    # the prefill template's TMA loads (decode has none: tma=False)
+    barrier = tma_barrier_expression() if arch.has_tma and tma else sympy.Integer(0)
     if arch.has_wgmma:
         wgmma = E * sympy.Max(q + S * (k + v), epilogue)
+        if dropout:
+            wgmma = sympy.Piecewise((_unpipelined_wgmma_with_mask(barrier), sympy.Eq(S, 1)),
+                                    (E * sympy.Max(q + S * (k + v) + mask, epilogue), True))
         sixteen_bit = sympy.Piecewise((wgmma, BM >= 64), (sixteen_bit, True))
-    if arch.has_tma and tma:  # the prefill template's TMA loads (decode has none: tma=False)
-        sixteen_bit = sixteen_bit + tma_barrier_expression()
+    if arch.has_tma and tma:
+        sixteen_bit = sixteen_bit + barrier
     fp32 = E * sympy.Max(loop(BM * BN, sympy.Max(S - 1, 1)), epilogue) + 4 * sympy.Max(BM, 32)
     expr = sympy.Piecewise((fp32, sympy.Eq(E, 4)), (sixteen_bit, True))
     # Rows the compiler cannot prove 16-element aligned (rows_aligned) are loaded element by
     # element: nothing is copied asynchronously, so no stage is buffered and the program
     # needs what one stage does at any num_stages (all 256 such sm90 configs measured).
     return expr if pipelined else expr.subs(S, 1)
+
+
+def _unpipelined_wgmma_with_mask(barrier: sympy.Expr) -> sympy.Expr:
+    """wgmma at S == 1 with dropout, less `barrier` (the TMA bytes added after it): the keep
+    mask's scratch takes K's bytes and those of the one TMA barrier (live only while K loads)
+    or the alignment gap beside them, so the program needs E (Q + V) + max(E K + barrier,
+    scratch). Exact on 5 of 6 sm90 configs measured (D 16-64); the sixth (D 32, 64x128: the
+    scratch as large as K) the allocator packs 512 B tighter (over, never under)."""
+    q, k, v = BM * D, BN * D, BN * DV
+    with_mask = E * (q + v) + sympy.Max(E * k + barrier, keep_mask_scratch()) - barrier
+    return sympy.Max(with_mask, E * BM * DV)
 
 
 # Prefill modules on Hopper read the masked (diagonal, window edge, tail) K/V blocks through
@@ -281,12 +323,12 @@ def wave_expression() -> sympy.Expr:
 MODEL_SYMBOLS = (BM, BN, S, W, D, DV, E)
 
 
-def numeric_model(arch: GpuArch, tma: bool, pipelined: bool = True
+def numeric_model(arch: GpuArch, tma: bool, pipelined: bool = True, dropout: bool = False
                   ) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """(shared memory, registers per thread) as Python functions of MODEL_SYMBOLS' values,
     compiled once per arch (evaluate.py); the same numbers as substituting into the sympy
     expressions."""
-    return (compiled(smem_expression(arch, tma, pipelined), MODEL_SYMBOLS),
+    return (compiled(smem_expression(arch, tma, pipelined, dropout), MODEL_SYMBOLS),
             compiled(regs_expression(arch, pipelined), MODEL_SYMBOLS))
 
 
@@ -328,7 +370,7 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
     d, dv, e = padded_head_dim(spec.head_dim), padded_head_dim(spec.value_head_dim), (
         spec.dtype.itemsize)
     values = {D: d, DV: dv, E: e}
-    smem_f, regs_f = numeric_model(arch, tma, pipelined)
+    smem_f, regs_f = numeric_model(arch, tma, pipelined, spec.dropout)
     waves_at = {H: spec.num_q_heads, SMS: arch.sm_count}
     candidates = []
     for bm, bn, w, s in itertools.product(BLOCK_M_CHOICES, BLOCK_N_CHOICES, NUM_WARPS_CHOICES,
@@ -364,7 +406,7 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
         # The formulas with this spec's dtype and head dims substituted: what explain prints
         # (sympy takes a while to simplify them, so only when read).
         expressions=LazyText(lambda: {
-            "smem": str(smem_expression(arch, tma, pipelined).subs(values)),
+            "smem": str(smem_expression(arch, tma, pipelined, spec.dropout).subs(values)),
             "regs": str(regs_expression(arch, pipelined).subs(values)),
             "score": str(score_expression()),
             "waves": str(wave_expression().subs(waves_at))}),
@@ -375,6 +417,7 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
         dims={str(symbol): value for symbol, value in {**values, **waves_at}.items()},
         tma=tma,
         pipelined=pipelined,
+        dropout=spec.dropout,
     )
     feasible = [c for c in candidates if c.feasible]
     if not feasible:
@@ -402,7 +445,8 @@ def choose(derivation: Derivation, config: TileConfig, source: str) -> Derivatio
                            f"over {derivation.dims['SMS']} SMs x {candidate.programs_per_sm} "
                            "per SM)")
     worked |= {
-        "smem": active_formula(smem_expression(arch, derivation.tma, derivation.pipelined), at),
+        "smem": active_formula(smem_expression(arch, derivation.tma, derivation.pipelined,
+                                               derivation.dropout), at),
         "regs": active_formula(regs_expression(arch, derivation.pipelined), at),
         "values": ", ".join(f"{symbol}={at[symbol]}" for symbol in (BM, BN, D, DV, E, S, W)),
     }
