@@ -266,7 +266,7 @@ def tma_barrier_expression() -> sympy.Expr:
 
 
 @cache
-def regs_expression(arch: GpuArch, pipelined: bool = True) -> sympy.Expr:
+def regs_expression(arch: GpuArch, pipelined: bool = True, dropout: bool = False) -> sympy.Expr:
     """Registers per thread: the fp32 accumulator, the score tile and the K/V tiles, over
     32 * W threads. A bound more than an estimate (rms error 31 on configs that do not spill):
     the 16-bit coefficients come from a linear program over the 16-bit configs in
@@ -283,7 +283,12 @@ def regs_expression(arch: GpuArch, pipelined: bool = True) -> sympy.Expr:
 
     pipelined=False (rows that are not 16-element aligned, loaded element by element, each
     with its own address): the same linear program over the 64 distinct such configs measured
-    on sm90 (D = 64 and 128; num_stages changes nothing there), coefficients rounded up."""
+    on sm90 (D = 64 and 128; num_stages changes nothing there), coefficients rounded up.
+
+    dropout (16-bit): the keep mask's Philox rounds and joins add 0 to 126 registers (all 128
+    sm90 candidates of bf16 D 128, against the same configs without dropout), most on the
+    tiles with the most score elements a thread; 5/8 per score element is the least that puts
+    every one of them that spills more than 64 B at 260 or more, the linear program's rule."""
     threads = 32 * W
     acc, scores = BM * DV / threads, BM * BN / threads
     kv = BN * (D + DV) * E / (4 * threads)
@@ -297,6 +302,8 @@ def regs_expression(arch: GpuArch, pipelined: bool = True) -> sympy.Expr:
                  + sympy.Rational(4, 3) * kv)
     if arch.has_wgmma:
         sixteen_bit = sympy.Piecewise((wgmma, BM >= 64), (sixteen_bit, True))
+    if dropout:
+        sixteen_bit = sixteen_bit + sympy.Rational(5, 8) * scores
     return sympy.Piecewise((40 + 8 * (acc + scores), sympy.Eq(E, 4)), (sixteen_bit, True))
 
 
@@ -329,7 +336,7 @@ def numeric_model(arch: GpuArch, tma: bool, pipelined: bool = True, dropout: boo
     compiled once per arch (evaluate.py); the same numbers as substituting into the sympy
     expressions."""
     return (compiled(smem_expression(arch, tma, pipelined, dropout), MODEL_SYMBOLS),
-            compiled(regs_expression(arch, pipelined), MODEL_SYMBOLS))
+            compiled(regs_expression(arch, pipelined, dropout), MODEL_SYMBOLS))
 
 
 @cache
@@ -407,7 +414,7 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
         # (sympy takes a while to simplify them, so only when read).
         expressions=LazyText(lambda: {
             "smem": str(smem_expression(arch, tma, pipelined, spec.dropout).subs(values)),
-            "regs": str(regs_expression(arch, pipelined).subs(values)),
+            "regs": str(regs_expression(arch, pipelined, spec.dropout).subs(values)),
             "score": str(score_expression()),
             "waves": str(wave_expression().subs(waves_at))}),
         constraints=constraint_labels(arch),
@@ -447,7 +454,8 @@ def choose(derivation: Derivation, config: TileConfig, source: str) -> Derivatio
     worked |= {
         "smem": active_formula(smem_expression(arch, derivation.tma, derivation.pipelined,
                                                derivation.dropout), at),
-        "regs": active_formula(regs_expression(arch, derivation.pipelined), at),
+        "regs": active_formula(regs_expression(arch, derivation.pipelined, derivation.dropout),
+                               at),
         "values": ", ".join(f"{symbol}={at[symbol]}" for symbol in (BM, BN, D, DV, E, S, W)),
     }
     return dataclasses.replace(derivation, chosen=config, source=source,
