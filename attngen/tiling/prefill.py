@@ -228,7 +228,8 @@ def _unpipelined_wgmma_with_mask(barrier: sympy.Expr) -> sympy.Expr:
     mask's scratch takes K's bytes and those of the one TMA barrier (live only while K loads)
     or the alignment gap beside them, so the program needs E (Q + V) + max(E K + barrier,
     scratch). Exact on 5 of 6 sm90 configs measured (D 16-64); the sixth (D 32, 64x128: the
-    scratch as large as K) the allocator packs 512 B tighter (over, never under)."""
+    scratch as large as K) the allocator packs 512 B tighter (over, never under; the model
+    without dropout is over by as much on head dims <= 32, which it was never fitted to)."""
     q, k, v = BM * D, BN * D, BN * DV
     with_mask = E * (q + v) + sympy.Max(E * k + barrier, keep_mask_scratch()) - barrier
     return sympy.Max(with_mask, E * BM * DV)
