@@ -35,6 +35,7 @@ import sympy
 
 from attngen.arch import ARCHS, GpuArch
 from attngen.spec import AttnSpec
+from attngen.tiling.dropout import keep_mask_scratch
 from attngen.tiling.evaluate import LazyText, active_formula, compiled
 from attngen.tiling.prefill import (
     BM,
@@ -49,7 +50,6 @@ from attngen.tiling.prefill import (
     TileConfig,
     W,
     binding_constraint,
-    keep_mask_scratch,
     padded_head_dim,
 )
 

@@ -31,6 +31,7 @@ import sympy
 
 from attngen.arch import ARCHS, GpuArch
 from attngen.spec import AttnSpec
+from attngen.tiling import dropout as drop
 from attngen.tiling.evaluate import LazyText, active_formula, compiled, exact_value
 from attngen.tiling.evaluate import active_branch as active_branch
 from attngen.tiling.rows import rows_aligned, tma_strides_aligned
@@ -153,18 +154,6 @@ class Derivation:
         return tuple(wrapped)
 
 
-def keep_mask_scratch() -> sympy.Expr:
-    """Bytes of shared memory the dropout keep mask's layout conversions take (Triton 3.6), in
-    the forward kernel and both backward kernels, which draw the same mask
-    (templates/_dropout.py.jinja). The mask joins eight 16-bit lanes of four Philox words in a
-    tree of tl.join (the [BM, BN / 8, 2, 2] int32 level is the largest, 2 * BM * BN bytes)
-    and the joins convert layouts through shared memory: the whole level when a thread holds
-    at most four of its elements (BM * BN <= 256 W), else in two passes of half of it.
-    Measured on every backward candidate of head dims 64 and 128, both kernels, sm80 and sm90,
-    and on a sample of forward configs (verify/data)."""
-    return sympy.Piecewise((2 * BM * BN, BM * BN <= 256 * W), (BM * BN, True))
-
-
 @cache  # sympy builds it slowly; one per arch serves every derivation
 def smem_expression(arch: GpuArch, tma: bool = True, pipelined: bool = True,
                     dropout: bool = False) -> sympy.Expr:
@@ -183,56 +172,30 @@ def smem_expression(arch: GpuArch, tma: bool = True, pipelined: bool = True,
       16-row tiles with 8 warps take 128 B).
     - S == 1: no multi-buffering; P reuses K's bytes.
     - pipelined=False (pointer loads of rows that are not 16-element aligned): as S == 1.
-    - dropout (spec `dropout: true`): the keep mask's conversion scratch (keep_mask_scratch,
-      BM * BN or 2 * BM * BN bytes), live after the scores are formed: a staged P buffer
-      (E * BM * BN bytes, as large or larger) holds it, so it adds nothing to fp32 or to
-      mma.sync tiles with BLOCK_M < DV; beside registers-only P (wgmma, or BLOCK_M >= DV) it
-      is added; at S == 1 it reuses K's bytes like P does, and on wgmma the TMA barrier's
-      (_unpipelined_wgmma_with_mask). Exact on 40 16-bit configs compiled on sm80 and sm90
-      (D 16-256, every branch); fp32 keeps its bound (docs/tiling.md).
+    - dropout: the keep mask's scratch where no staged P holds it (tiling/dropout.py).
     """
     q, k, v = BM * D, BN * D, BN * DV
     epilogue = BM * DV
-    # In elements of E bytes, like the rest (keep_mask_scratch is in bytes).
-    mask = keep_mask_scratch() / E
 
     def loop(p: sympy.Expr, buffers: sympy.Expr) -> sympy.Expr:
         if dropout:
-            return sympy.Piecewise((q + v + sympy.Max(k, p, mask), sympy.Eq(S, 1)),
-                                   (q + buffers * (k + v) + sympy.Max(p, mask), True))
+            return drop.forward_loop(q, k, v, p, buffers)
         return sympy.Piecewise((q + v + sympy.Max(k, p), sympy.Eq(S, 1)),
                                (q + buffers * (k + v) + p, True))
 
     staged_p = sympy.Piecewise((0, BM >= DV), (BM * BN, True))
     sixteen_bit = E * sympy.Max(loop(staged_p, sympy.Max(S - 1, 1)), epilogue)
-    # the prefill template's TMA loads (decode has none: tma=False)
-    barrier = tma_barrier_expression() if arch.has_tma and tma else sympy.Integer(0)
+    barrier = tma_barrier_expression() if arch.has_tma and tma else 0  # decode's tma=False
     if arch.has_wgmma:
-        wgmma = E * sympy.Max(q + S * (k + v), epilogue)
-        if dropout:
-            wgmma = sympy.Piecewise((_unpipelined_wgmma_with_mask(barrier), sympy.Eq(S, 1)),
-                                    (E * sympy.Max(q + S * (k + v) + mask, epilogue), True))
+        wgmma = drop.forward_wgmma(barrier) if dropout else E * sympy.Max(q + S * (k + v), epilogue)
         sixteen_bit = sympy.Piecewise((wgmma, BM >= 64), (sixteen_bit, True))
-    if arch.has_tma and tma:
-        sixteen_bit = sixteen_bit + barrier
+    sixteen_bit = sixteen_bit + barrier
     fp32 = E * sympy.Max(loop(BM * BN, sympy.Max(S - 1, 1)), epilogue) + 4 * sympy.Max(BM, 32)
     expr = sympy.Piecewise((fp32, sympy.Eq(E, 4)), (sixteen_bit, True))
     # Rows the compiler cannot prove 16-element aligned (rows_aligned) are loaded element by
     # element: nothing is copied asynchronously, so no stage is buffered and the program
     # needs what one stage does at any num_stages (all 256 such sm90 configs measured).
     return expr if pipelined else expr.subs(S, 1)
-
-
-def _unpipelined_wgmma_with_mask(barrier: sympy.Expr) -> sympy.Expr:
-    """wgmma at S == 1 with dropout, less `barrier` (the TMA bytes added after it): the keep
-    mask's scratch takes K's bytes and those of the one TMA barrier (live only while K loads)
-    or the alignment gap beside them, so the program needs E (Q + V) + max(E K + barrier,
-    scratch). Exact on 5 of 6 sm90 configs measured (D 16-64); the sixth (D 32, 64x128: the
-    scratch as large as K) the allocator packs 512 B tighter (over, never under; the model
-    without dropout is over by as much on head dims <= 32, which it was never fitted to)."""
-    q, k, v = BM * D, BN * D, BN * DV
-    with_mask = E * (q + v) + sympy.Max(E * k + barrier, keep_mask_scratch()) - barrier
-    return sympy.Max(with_mask, E * BM * DV)
 
 
 # Prefill modules on Hopper read the masked (diagonal, window edge, tail) K/V blocks through
@@ -285,11 +248,7 @@ def regs_expression(arch: GpuArch, pipelined: bool = True, dropout: bool = False
     pipelined=False (rows that are not 16-element aligned, loaded element by element, each
     with its own address): the same linear program over the 64 distinct such configs measured
     on sm90 (D = 64 and 128; num_stages changes nothing there), coefficients rounded up.
-
-    dropout (16-bit): the keep mask's Philox rounds and joins add 0 to 126 registers (all 128
-    sm90 candidates of bf16 D 128, against the same configs without dropout), most on the
-    tiles with the most score elements a thread; 5/8 per score element is the least that puts
-    every one of them that spills more than 64 B at 260 or more, the linear program's rule."""
+    dropout (16-bit): plus the keep mask's registers (tiling/dropout.py forward_registers)."""
     threads = 32 * W
     acc, scores = BM * DV / threads, BM * BN / threads
     kv = BN * (D + DV) * E / (4 * threads)
@@ -303,8 +262,7 @@ def regs_expression(arch: GpuArch, pipelined: bool = True, dropout: bool = False
                  + sympy.Rational(4, 3) * kv)
     if arch.has_wgmma:
         sixteen_bit = sympy.Piecewise((wgmma, BM >= 64), (sixteen_bit, True))
-    if dropout:
-        sixteen_bit = sixteen_bit + sympy.Rational(5, 8) * scores
+    sixteen_bit = sixteen_bit + (drop.forward_registers() if dropout else 0)
     return sympy.Piecewise((40 + 8 * (acc + scores), sympy.Eq(E, 4)), (sixteen_bit, True))
 
 
@@ -424,8 +382,7 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
         binding="nothing fits",
         dims={str(symbol): value for symbol, value in {**values, **waves_at}.items()},
         tma=tma,
-        pipelined=pipelined,
-        dropout=spec.dropout,
+        pipelined=pipelined, dropout=spec.dropout,
     )
     feasible = [c for c in candidates if c.feasible]
     if not feasible:
@@ -452,11 +409,10 @@ def choose(derivation: Derivation, config: TileConfig, source: str) -> Derivatio
                            f"{REFERENCE_TOKENS} tokens / {config.block_m} rows per program "
                            f"over {derivation.dims['SMS']} SMs x {candidate.programs_per_sm} "
                            "per SM)")
+    paths = (derivation.pipelined, derivation.dropout)
     worked |= {
-        "smem": active_formula(smem_expression(arch, derivation.tma, derivation.pipelined,
-                                               derivation.dropout), at),
-        "regs": active_formula(regs_expression(arch, derivation.pipelined, derivation.dropout),
-                               at),
+        "smem": active_formula(smem_expression(arch, derivation.tma, *paths), at),
+        "regs": active_formula(regs_expression(arch, *paths), at),
         "values": ", ".join(f"{symbol}={at[symbol]}" for symbol in (BM, BN, D, DV, E, S, W)),
     }
     return dataclasses.replace(derivation, chosen=config, source=source,
