@@ -1,6 +1,6 @@
 """Dropout in the forward kernel against Triton's compiler (`dropout: true`).
 
-The keep mask's layout conversions take shared memory (tiling/prefill.py keep_mask_scratch);
+The keep mask's layout conversions take shared memory (tiling/dropout.py keep_mask_scratch);
 a forward model without that term put bf16 D128 GQA's 128x128, 8-warp, 3-stage config at
 230400 B on sm90, and Triton needs 246784 B, more than the H200 allows. Every candidate of
 that spec on sm90 is in the compiler data (tools/verify_specs/forward_dropout.yaml), a seeded

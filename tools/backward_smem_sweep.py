@@ -1,10 +1,10 @@
 """Shared memory of the backward kernels on every candidate, fast: Triton's stages up to LLVM IR
 only (where its allocator fixes `shared`), without ptxas, so no registers or spills. For
 sweeping allocator behaviour over whole grids (the dropout keep mask's conversion scratch,
-attngen/tiling/prefill.py keep_mask_scratch); `attngen verify-tiling --backward` is the full
+attngen/tiling/dropout.py keep_mask_scratch); `attngen verify-tiling --backward` is the full
 check. Writes one JSON record per config, which tests/test_verify_backward.py holds the model
 to. With --forward, the forward (prefill) kernel's candidates instead, keyed as the forward's
-compiler data (tests/test_verify_tiling.py holds the forward model to them).
+compiler data (tests/test_verify_forward_dropout.py holds the forward model to them).
 
     python tools/backward_smem_sweep.py tools/verify_specs/backward_dropout.yaml \
         --arch sm80 --arch sm90 --out attngen/verify/data/backward_dropout_smem_triton-3.6.0.json
