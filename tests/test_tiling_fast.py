@@ -41,7 +41,7 @@ def test_compiled_model_equals_the_exact_expressions(arch: str, tma: bool, pipel
     gpu = ARCHS[arch]
     smem_f, regs_f = numeric_model(gpu, tma, pipelined, dropout)
     smem_expr = smem_expression(gpu, tma, pipelined, dropout)
-    regs_expr = regs_expression(gpu, pipelined)
+    regs_expr = regs_expression(gpu, pipelined, dropout)
     tiles = list(itertools.product(BLOCK_M_CHOICES, BLOCK_N_CHOICES, NUM_STAGES_CHOICES,
                                    NUM_WARPS_CHOICES))
     checked = 0
