@@ -35,13 +35,15 @@ PADDED_DIMS = (16, 32, 64, 128, 256)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-@pytest.mark.parametrize("tma, pipelined", [(True, True), (False, True), (False, False)])
-def test_compiled_model_equals_the_exact_expressions(arch: str, tma: bool,
-                                                      pipelined: bool) -> None:
+@pytest.mark.parametrize("tma, pipelined, dropout", [(True, True, False), (False, True, False),
+                                                     (False, False, False), (True, True, True),
+                                                     (False, False, True)])
+def test_compiled_model_equals_the_exact_expressions(arch: str, tma: bool, pipelined: bool,
+                                                      dropout: bool) -> None:
     gpu = ARCHS[arch]
-    smem_f, regs_f = numeric_model(gpu, tma, pipelined)
-    smem_expr = smem_expression(gpu, tma, pipelined)
-    regs_expr = regs_expression(gpu, pipelined)
+    smem_f, regs_f = numeric_model(gpu, tma, pipelined, dropout)
+    smem_expr = smem_expression(gpu, tma, pipelined, dropout)
+    regs_expr = regs_expression(gpu, pipelined, dropout)
     tiles = list(itertools.product(BLOCK_M_CHOICES, BLOCK_N_CHOICES, NUM_STAGES_CHOICES,
                                    NUM_WARPS_CHOICES))
     checked = 0

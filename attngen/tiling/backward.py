@@ -37,6 +37,7 @@ import sympy
 
 from attngen.arch import ARCHS, GpuArch
 from attngen.spec import AttnSpec
+from attngen.tiling.dropout import keep_mask_scratch
 from attngen.tiling.evaluate import LazyText, active_formula, compiled
 from attngen.tiling.prefill import (
     REGISTER_MARGIN,
@@ -53,16 +54,6 @@ BLOCK_CHOICES = (16, 32, 64, 128)
 NUM_WARPS_CHOICES = (4, 8)
 NUM_STAGES_CHOICES = (2, 3)
 MODEL_SYMBOLS = (BM, BN, S, W, D, DV, E)
-
-
-def keep_mask_scratch() -> sympy.Expr:
-    """Bytes of shared memory the dropout keep mask's layout conversions take (Triton 3.6).
-    The mask joins eight 16-bit lanes of four Philox words in a tree of tl.join (the
-    [BM, BN / 8, 2, 2] int32 level is the largest, 2 * BM * BN bytes) and the joins convert
-    layouts through shared memory: the whole level when a thread holds at most four of its
-    elements (BM * BN <= 256 W), else in two passes of half of it. Measured on every candidate
-    of head dims 64 and 128, both kernels, sm80 and sm90 (verify/data)."""
-    return sympy.Piecewise((2 * BM * BN, BM * BN <= 256 * W), (BM * BN, True))
 
 
 @cache

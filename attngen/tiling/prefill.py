@@ -130,6 +130,7 @@ class Derivation:
     # Measured faster than `chosen` on shorter sequences (autotune's per-length winners):
     # (longest sequence served, config), ascending; `chosen` serves everything longer.
     shorter: tuple[tuple[int, TileConfig], ...] = ()
+    dropout: bool = False  # the kernel draws the dropout keep mask (smem_expression's term)
 
     @property
     def chosen_candidate(self) -> Candidate | None:
@@ -189,7 +190,7 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
     d, dv, e = padded_head_dim(spec.head_dim), padded_head_dim(spec.value_head_dim), (
         spec.dtype.itemsize)
     values = {D: d, DV: dv, E: e}
-    smem_f, regs_f = numeric_model(arch, tma, pipelined)
+    smem_f, regs_f = numeric_model(arch, tma, pipelined, spec.dropout)
     waves_at = {H: spec.num_q_heads, SMS: arch.sm_count}
     candidates = [_candidate(spec, arch, TileConfig(bm, bn, w, s), smem_f, regs_f, d, dv, e)
                   for bm, bn, w, s in itertools.product(BLOCK_M_CHOICES, BLOCK_N_CHOICES,
@@ -200,8 +201,8 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
         # The formulas with this spec's dtype and head dims substituted: what explain prints
         # (sympy takes a while to simplify them, so only when read).
         expressions=LazyText(lambda: {
-            "smem": str(smem_expression(arch, tma, pipelined).subs(values)),
-            "regs": str(regs_expression(arch, pipelined).subs(values)),
+            "smem": str(smem_expression(arch, tma, pipelined, spec.dropout).subs(values)),
+            "regs": str(regs_expression(arch, pipelined, spec.dropout).subs(values)),
             "score": str(score_expression()),
             "waves": str(wave_expression().subs(waves_at))}),
         constraints=constraint_labels(arch),
@@ -210,7 +211,7 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
         binding="nothing fits",
         dims={str(symbol): value for symbol, value in {**values, **waves_at}.items()},
         tma=tma,
-        pipelined=pipelined,
+        pipelined=pipelined, dropout=spec.dropout,
     )
     feasible = [c for c in candidates if c.feasible]
     if not feasible:
@@ -267,9 +268,10 @@ def choose(derivation: Derivation, config: TileConfig, source: str) -> Derivatio
                            f"{REFERENCE_TOKENS} tokens / {config.block_m} rows per program "
                            f"over {derivation.dims['SMS']} SMs x {candidate.programs_per_sm} "
                            "per SM)")
+    paths = (derivation.pipelined, derivation.dropout)
     worked |= {
-        "smem": active_formula(smem_expression(arch, derivation.tma, derivation.pipelined), at),
-        "regs": active_formula(regs_expression(arch, derivation.pipelined), at),
+        "smem": active_formula(smem_expression(arch, derivation.tma, *paths), at),
+        "regs": active_formula(regs_expression(arch, *paths), at),
         "values": ", ".join(f"{symbol}={at[symbol]}" for symbol in (BM, BN, D, DV, E, S, W)),
     }
     return dataclasses.replace(derivation, chosen=config, source=source,

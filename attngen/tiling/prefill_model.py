@@ -13,6 +13,7 @@ from typing import Any
 import sympy
 
 from attngen.arch import GpuArch
+from attngen.tiling import dropout as drop
 from attngen.tiling.evaluate import compiled, exact_value
 
 BM, BN, D, DV, E, S, W = sympy.symbols("BLOCK_M BLOCK_N D DV E S W", positive=True, integer=True)
@@ -23,7 +24,8 @@ REFERENCE_TOKENS = 4096
 
 
 @cache  # sympy builds it slowly; one per arch serves every derivation
-def smem_expression(arch: GpuArch, tma: bool = True, pipelined: bool = True) -> sympy.Expr:
+def smem_expression(arch: GpuArch, tma: bool = True, pipelined: bool = True,
+                    dropout: bool = False) -> sympy.Expr:
     """Dynamic shared memory per program in bytes, as Triton 3.6 allocates it for this template.
 
     Fitted to the compiler on 584 configs (docs/results/tiling_fit_set_584.json) and checked
@@ -39,21 +41,24 @@ def smem_expression(arch: GpuArch, tma: bool = True, pipelined: bool = True) -> 
       16-row tiles with 8 warps take 128 B).
     - S == 1: no multi-buffering; P reuses K's bytes.
     - pipelined=False (pointer loads of rows that are not 16-element aligned): as S == 1.
+    - dropout: the keep mask's scratch where no staged P holds it (tiling/dropout.py).
     """
     q, k, v = BM * D, BN * D, BN * DV
     epilogue = BM * DV
 
     def loop(p: sympy.Expr, buffers: sympy.Expr) -> sympy.Expr:
+        if dropout:
+            return drop.forward_loop(q, k, v, p, buffers)
         return sympy.Piecewise((q + v + sympy.Max(k, p), sympy.Eq(S, 1)),
                                (q + buffers * (k + v) + p, True))
 
     staged_p = sympy.Piecewise((0, BM >= DV), (BM * BN, True))
     sixteen_bit = E * sympy.Max(loop(staged_p, sympy.Max(S - 1, 1)), epilogue)
+    barrier = tma_barrier_expression() if arch.has_tma and tma else 0  # decode's tma=False
     if arch.has_wgmma:
-        wgmma = E * sympy.Max(q + S * (k + v), epilogue)
+        wgmma = drop.forward_wgmma(barrier) if dropout else E * sympy.Max(q + S * (k + v), epilogue)
         sixteen_bit = sympy.Piecewise((wgmma, BM >= 64), (sixteen_bit, True))
-    if arch.has_tma and tma:  # the prefill template's TMA loads (decode has none: tma=False)
-        sixteen_bit = sixteen_bit + tma_barrier_expression()
+    sixteen_bit = sixteen_bit + barrier
     fp32 = E * sympy.Max(loop(BM * BN, sympy.Max(S - 1, 1)), epilogue) + 4 * sympy.Max(BM, 32)
     expr = sympy.Piecewise((fp32, sympy.Eq(E, 4)), (sixteen_bit, True))
     # Rows the compiler cannot prove 16-element aligned (rows_aligned) are loaded element by
@@ -94,7 +99,7 @@ def tma_barrier_expression() -> sympy.Expr:
 
 
 @cache
-def regs_expression(arch: GpuArch, pipelined: bool = True) -> sympy.Expr:
+def regs_expression(arch: GpuArch, pipelined: bool = True, dropout: bool = False) -> sympy.Expr:
     """Registers per thread: the fp32 accumulator, the score tile and the K/V tiles, over
     32 * W threads. A bound more than an estimate (rms error 31 on configs that do not spill):
     the 16-bit coefficients come from a linear program over the 16-bit configs in
@@ -111,7 +116,8 @@ def regs_expression(arch: GpuArch, pipelined: bool = True) -> sympy.Expr:
 
     pipelined=False (rows that are not 16-element aligned, loaded element by element, each
     with its own address): the same linear program over the 64 distinct such configs measured
-    on sm90 (D = 64 and 128; num_stages changes nothing there), coefficients rounded up."""
+    on sm90 (D = 64 and 128; num_stages changes nothing there), coefficients rounded up.
+    dropout (16-bit): plus the keep mask's registers (tiling/dropout.py forward_registers)."""
     threads = 32 * W
     acc, scores = BM * DV / threads, BM * BN / threads
     kv = BN * (D + DV) * E / (4 * threads)
@@ -125,6 +131,7 @@ def regs_expression(arch: GpuArch, pipelined: bool = True) -> sympy.Expr:
                  + sympy.Rational(4, 3) * kv)
     if arch.has_wgmma:
         sixteen_bit = sympy.Piecewise((wgmma, BM >= 64), (sixteen_bit, True))
+    sixteen_bit = sixteen_bit + (drop.forward_registers() if dropout else 0)
     return sympy.Piecewise((40 + 8 * (acc + scores), sympy.Eq(E, 4)), (sixteen_bit, True))
 
 
@@ -151,13 +158,13 @@ def wave_expression() -> sympy.Expr:
 MODEL_SYMBOLS = (BM, BN, S, W, D, DV, E)
 
 
-def numeric_model(arch: GpuArch, tma: bool, pipelined: bool = True
+def numeric_model(arch: GpuArch, tma: bool, pipelined: bool = True, dropout: bool = False
                   ) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """(shared memory, registers per thread) as Python functions of MODEL_SYMBOLS' values,
     compiled once per arch (evaluate.py); the same numbers as substituting into the sympy
     expressions."""
-    return (compiled(smem_expression(arch, tma, pipelined), MODEL_SYMBOLS),
-            compiled(regs_expression(arch, pipelined), MODEL_SYMBOLS))
+    return (compiled(smem_expression(arch, tma, pipelined, dropout), MODEL_SYMBOLS),
+            compiled(regs_expression(arch, pipelined, dropout), MODEL_SYMBOLS))
 
 
 @cache

@@ -54,13 +54,16 @@ MEASURED_FIELDS = ("shared", "static_shared", "regs", "stack", "spill_stores", "
                    "mma", "error", "compile_s")
 
 _UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od")
-# The JIT function whose compile is measured, per kind (varlen is measured as prefill: the
-# same key loop, registers and shared memory).
+# The JIT function whose compile is measured, per kind. verify-tiling measures varlen as
+# prefill (the same key loop; varlen reads K/V through pointers, never TMA); varlen's own
+# kernel compiles too, with its launch's signature (cu_seqlens, no seqused_k).
 _MEASURED_KERNEL = {KernelKind.prefill: "_attn_fwd_kernel",
+                    KernelKind.varlen: "_attn_fwd_kernel",
                     KernelKind.decode: "_decode_split_kernel"}
 # A config that renders the module when none is feasible: the kernel text does not depend on
 # the config (it fills CONFIG and the header only).
 _ANY_CONFIG = {KernelKind.prefill: TileConfig(64, 64, 4, 1),
+               KernelKind.varlen: TileConfig(64, 64, 4, 1),
                KernelKind.decode: TileConfig(16, 64, 4, 2)}
 # The gradient kernels of a prefill module, by the name the backward tiling model gives them.
 BACKWARD_KERNELS = {"dq": "_attn_bwd_dq_kernel", "dkdv": "_attn_bwd_dkdv_kernel"}
@@ -125,10 +128,17 @@ def kernel_source(spec: AttnSpec, kernel: Any, config: TileConfig,
     constexprs.update(STORE_LSE=True, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
     if "USE_TMA" in kernel.arg_names:  # Hopper modules: contiguous inputs take the TMA path
         constexprs["USE_TMA"] = True
+    if "DROPOUT_ON" in kernel.arg_names:  # `dropout: true`: the path a training launch takes
+        constexprs["DROPOUT_ON"] = True
+    if "USE_SEQUSED_K" in kernel.arg_names:  # varlen, without seqused_k (its usual launch)
+        constexprs["USE_SEQUSED_K"] = False
     if spec.num_q_heads == spec.num_kv_heads:
         constexprs["q_per_kv"] = 1  # Triton specializes an int argument equal to 1
     types = dict.fromkeys(("Q", "K", "V", "Out"), spec.dtype.triton_pointer)
     types.update(Lse="*fp32", Slopes="*fp32", Sinks="*fp32")  # Sinks: with `sinks: true`
+    # Dropout's seed and offset (int64 words), its keep scale; drop_threshold is an i32.
+    types.update(RngState="*i64", keep_scale="fp32")
+    types.update(dict.fromkeys(("CuSeqlensQ", "CuSeqlensK", "SequsedK"), "*i32"))  # varlen
     for name, width in (("k_desc", spec.head_dim), ("v_desc", spec.value_head_dim)):
         block = f"[1, 1, {config.block_n}, {padded_head_dim(width)}]"
         types[name] = f"tensordesc<{spec.dtype.value}{block}>"

@@ -8,11 +8,13 @@ What Triton allocates for attngen's prefill kernel depends on the target, the dt
 head dims, the launch config and how K/V rows are read (attngen/tiling/rows.py: `tma`, tensor
 descriptors on Hopper, which rows that are not a multiple of 16 bytes cannot use; `aligned`,
 rows of 16-element multiples, which pointer loads read vectorized and pipelined, and others
-element by element), and on nothing else the spec says: mask, window, softcap, ALiBi and the
+element by element) and whether dropout is compiled in (its keep mask's layout conversions
+take shared memory), and on nothing else the spec says: mask, window, softcap, ALiBi and the
 head counts change no shared memory (checked on the 584 configs this model was fitted to, and
 re-checked by `attngen verify-tiling --recompile`). So a measurement is keyed by (arch, dtype,
-D, DV, BLOCK_M, BLOCK_N, num_warps, num_stages, tma, aligned) and serves every spec with that
-key. Registers
+D, DV, BLOCK_M, BLOCK_N, num_warps, num_stages, tma, aligned, dropout) and serves every spec
+with that key; a record states `dropout` only when it is true (the records from before the key
+had it read as false). Registers
 and spills do vary a little with the mask code; each record names the spec it was compiled from
 (its canonical fields are in the file), so it can be recompiled exactly.
 
@@ -59,6 +61,7 @@ class MeasurementKey(NamedTuple):
     num_stages: int
     tma: bool  # K/V through tensor descriptors (code_paths); pointer loads otherwise
     aligned: bool  # rows of 16-element multiples (tiling.rows.rows_aligned)
+    dropout: bool = False  # the spec's `dropout: true`: the kernel draws the keep mask
 
     @property
     def config(self) -> TileConfig:
@@ -67,8 +70,9 @@ class MeasurementKey(NamedTuple):
     def label(self) -> str:
         loads = " pointer loads" if not self.tma and usual_tma(self.arch, self.dtype) else ""
         rows = "" if self.aligned else " unaligned rows"
-        return (f"{self.arch} {self.dtype} D{self.D}/{self.DV} "
-                f"{self.BLOCK_M}x{self.BLOCK_N} w{self.num_warps} s{self.num_stages}{loads}{rows}")
+        drop = " dropout" if self.dropout else ""
+        return (f"{self.arch} {self.dtype} D{self.D}/{self.DV} {self.BLOCK_M}x{self.BLOCK_N} "
+                f"w{self.num_warps} s{self.num_stages}{loads}{rows}{drop}")
 
     def job(self, spec: AttnSpec) -> tuple[AttnSpec, str, TileConfig]:
         """The compile of this key from `spec` (attngen.verify.compiler's Job)."""
@@ -127,7 +131,8 @@ def measurement_key(spec: AttnSpec, arch: str, config: TileConfig) -> Measuremen
     return MeasurementKey(arch, spec.dtype.value, padded_head_dim(spec.head_dim),
                           padded_head_dim(spec.value_head_dim), config.block_m, config.block_n,
                           config.num_warps, config.num_stages,
-                          code_paths(spec, arch, KernelKind.prefill).tma, rows_aligned(spec))
+                          code_paths(spec, arch, KernelKind.prefill).tma, rows_aligned(spec),
+                          spec.dropout)
 
 
 def backward_key(spec: AttnSpec, arch: str, kernel: str, config: TileConfig) -> BackwardKey:
@@ -176,6 +181,14 @@ class Measurements:
         self.specs.setdefault(spec_ref(spec), spec.canonical())
         self.records[key] = {**key._asdict(), "spec": spec_ref(spec), **measured}
 
+    def line(self, key: AnyKey) -> str:
+        """A record as the file writes it: a forward record without dropout leaves the field
+        out (so the records from before the key had it are written as they were)."""
+        record = self.records[key]
+        if isinstance(key, MeasurementKey) and not key.dropout:
+            record = {name: value for name, value in record.items() if name != "dropout"}
+        return json.dumps(record)
+
     def dumps(self) -> str:
         used = {record["spec"] for record in self.records.values()}
         lines = [
@@ -189,7 +202,7 @@ class Measurements:
                        for name in sorted(used)),
             "},",
             '"records": [',
-            ",\n".join(json.dumps(self.records[key]) for key in sorted(self.records, key=_order)),
+            ",\n".join(self.line(key) for key in sorted(self.records, key=_order)),
             "]",
             "}",
         ]
@@ -230,6 +243,7 @@ def load_measurements(path: Path, key_type: type[AnyKey] = MeasurementKey) -> Me
     for record in raw["records"]:  # a file written before the key had `tma` and `aligned`
         if key_type is MeasurementKey:
             record.setdefault("tma", usual_tma(record["arch"], record["dtype"]))
+            record.setdefault("dropout", False)
         spec = raw["specs"][record["spec"]]
         record.setdefault("aligned", spec["head_dim"] % 16 == 0 and spec["head_dim_v"] % 16 == 0)
     records = {key_type(*(r[name] for name in fields)): r for r in raw["records"]}
