@@ -17,7 +17,8 @@ from attngen.arch import ARCHS
 from attngen.build import load_specs
 from attngen.spec import KernelKind
 from attngen.tiling.evaluate import compiled
-from attngen.tiling.prefill import MODEL_SYMBOLS, TileConfig, derive_tiles, smem_expression
+from attngen.tiling.prefill import TileConfig, derive_tiles
+from attngen.tiling.prefill_model import MODEL_SYMBOLS, smem_expression
 from attngen.verify.check import judge, plan_rows, summarize
 from attngen.verify.measurements import (
     MeasurementKey,
