@@ -192,10 +192,10 @@ def compare_gradients(spec: AttnSpec, grads, q, k, v, dout, *, sm_scale=None,
                    sinks=sinks)
     golden = golden_backward(spec, q, k, v, dout, **options)
     lowp = lowp_backward(spec, q, k, v, dout, **options)
-    names = ("dq", "dk", "dv", "dsinks") if spec.sinks else ("dq", "dk", "dv")
-    if len(grads) not in (3, len(names)):
-        return [f"grads: expected {', '.join(names)}, got {len(grads)} tensors"]
-    names = names[:len(grads)]
+    expected = ("dq", "dk", "dv", "dsinks") if spec.sinks else ("dq", "dk", "dv")
+    if len(grads) not in (3, len(expected)):
+        return [f"grads: expected {', '.join(expected)}, got {len(grads)} tensors"]
+    names = expected[:len(grads)]
     problems = []
     for name, got, gold, low in zip(names, grads, golden[2:2 + len(names)],
                                     lowp[1:1 + len(names)], strict=True):
