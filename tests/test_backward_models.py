@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from attngen.reference import visible_mask
 from attngen.spec import KernelKind, module_name
 from tests import memory_watch
 from tests.backward_harness import (
@@ -213,3 +216,57 @@ def test_specs_with_the_fields_build_trained_modules():
         assert module_name(spec, KernelKind.prefill).endswith("_bwd")
         module = module_for(spec, kind="varlen")
         assert hasattr(module, "attention_varlen_backward")
+
+
+# -- tile skipping ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _ranges_kernel(Out, diagonal, seqlen_q, seqlen_k, QUERY_RANGES: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    n_block = tl.program_id(0)
+    first = n_block * BLOCK_N
+    last = tl.minimum(first + BLOCK_N, seqlen_k) - 1
+    lo, full_lo, full_hi, hi = QUERY_RANGES(first, last, diagonal, seqlen_q, BLOCK_M)
+    tl.store(Out + n_block * 4, lo)
+    tl.store(Out + n_block * 4 + 1, full_lo)
+    tl.store(Out + n_block * 4 + 2, full_hi)
+    tl.store(Out + n_block * 4 + 3, hi)
+
+
+def _query_ranges(module, num_blocks, diagonal, seqlen_q, seqlen_k, block_m, block_n):
+    """[(lo, full_lo, full_hi, hi)] of each key block, from the module's own
+    _bwd_query_ranges (the dK/dV kernel's rows)."""
+    out = torch.zeros(num_blocks, 4, dtype=torch.int64)
+    _ranges_kernel[(num_blocks,)](out, diagonal, seqlen_q, seqlen_k,
+                                  QUERY_RANGES=module._bwd_query_ranges, BLOCK_M=block_m,
+                                  BLOCK_N=block_n)
+    return out.tolist()
+
+
+@pytest.mark.parametrize("fields, bound", [
+    (dict(mask="chunked", chunk_size=24), lambda m, n: 24 + n + m),
+    (dict(mask="sliding_window", window_left=10, window_right=3, sink_tokens=5), None),
+])
+def test_key_blocks_visit_only_the_rows_that_see_them(fields, bound):
+    """Each key block of the dK/dV kernel loops over rows [lo, hi): every row that sees one of
+    its keys is inside, rows in [full_lo, full_hi) see all of them (they run unmasked), and a
+    chunked block visits at most chunk_size + BLOCK_N + BLOCK_M rows (O(N x chunk) work);
+    sink-token blocks reach the last row, the window's blocks only their window."""
+    spec = backward_spec(dtype="fp32", causal_align="top_left", **fields)
+    module = module_for(spec)
+    seqlen, block_m, block_n = 160, 16, 32
+    seen = visible_mask(spec, seqlen, seqlen)
+    for n_block, (lo, full_lo, full_hi, hi) in enumerate(
+            _query_ranges(module, seqlen // block_n, 0, seqlen, seqlen, block_m, block_n)):
+        keys = seen[:, n_block * block_n:(n_block + 1) * block_n]
+        rows = keys.any(1).nonzero().flatten().tolist()
+        assert lo <= full_lo <= full_hi <= hi and lo % block_m == 0
+        assert rows and lo <= rows[0] and rows[-1] < hi, (n_block, lo, hi, rows)
+        assert keys[full_lo:full_hi].all()
+        if bound is not None:
+            assert hi - lo <= bound(block_m, block_n)
+        elif n_block * block_n < fields["sink_tokens"]:
+            assert hi == seqlen
+        else:
+            assert hi - lo <= block_n + 10 + 3 + block_m
