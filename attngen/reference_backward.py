@@ -3,7 +3,8 @@ the yardstick of shared/RELIABILITY.md for dQ, dK, dV (the same math in the kern
 
 The rule: a gradient's max error against the golden at most 3x the yardstick's plus a floor of
 two ulps (four for fp32) at the gradient's magnitude, the mean error 1.5x plus the floor, and
-no NaN where the golden has none.
+no NaN where the golden has none. With a spec's `sinks`, the sink logits [HQ] get a gradient
+too (fp32, so a floor of four fp32 ulps): the golden and the yardstick return it after dv.
 
 This module imports torch; the build path never imports it.
 """
@@ -21,12 +22,25 @@ from attngen.spec import AttnSpec
 Dropout = tuple[torch.Tensor, float] | None
 
 
+def _sink_leaf(spec: AttnSpec, sinks):
+    """The sinks as a float64 leaf that requires grad (None without the spec's sinks)."""
+    if not spec.sinks:
+        return None
+    if sinks is None:
+        raise ValueError("sinks: required by a spec with sinks: true")
+    return sinks.detach().double().requires_grad_()
+
+
 def golden_backward(spec: AttnSpec, q, k, v, dout, *, sm_scale=None, alibi_slopes=None,
-                    dropout: Dropout = None, dlse=None):
-    """(out, lse, dq, dk, dv) in float64, by autograd through the plain formula."""
+                    dropout: Dropout = None, dlse=None, sinks=None):
+    """(out, lse, dq, dk, dv) in float64, by autograd through the plain formula; with the
+    spec's sinks [HQ] (their logit joins every row's normaliser), dsinks after dv."""
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    sinks64 = _sink_leaf(spec, sinks)
     scores = attention_scores(spec, q64, k64, sm_scale=sm_scale, alibi_slopes=alibi_slopes)
     lse = torch.logsumexp(scores, dim=-1)
+    if sinks64 is not None:
+        lse = torch.logaddexp(lse, sinks64[None, :, None].expand_as(lse))
     finite = torch.isfinite(lse)
     p = torch.where(finite[..., None], torch.exp(scores - torch.where(finite, lse, 0.0)[..., None]),
                     0.0)
@@ -37,8 +51,8 @@ def golden_backward(spec: AttnSpec, q, k, v, dout, *, sm_scale=None, alibi_slope
     loss = (out * dout.double()).sum()
     if dlse is not None:
         loss = loss + (torch.where(finite, lse, 0.0) * dlse.double()).sum()
-    dq, dk, dv = torch.autograd.grad(loss, (q64, k64, v64))
-    return out.detach(), lse.detach(), dq, dk, dv
+    leaves = (q64, k64, v64) if sinks64 is None else (q64, k64, v64, sinks64)
+    return (out.detach(), lse.detach(), *torch.autograd.grad(loss, leaves))
 
 
 def _log2_exponent(spec: AttnSpec, q, k, sm_scale, slopes, reverse: bool):
@@ -66,7 +80,30 @@ def _log2_exponent(spec: AttnSpec, q, k, sm_scale, slopes, reverse: bool):
     return exponent.masked_fill(~visible, float("-inf")), tanh
 
 
-def kernel_like_probs(spec: AttnSpec, q, k, sm_scale, slopes):
+def kernel_like_lse2(spec: AttnSpec, q, k, sm_scale, slopes, sinks=None):
+    """LSE * log2 e as the backward kernels read it, in fp32: the forward's LSE (q.k summed in
+    the other order; with sinks, the sink's term joins the sum against the larger of the row
+    max and the sink, as fold_sink does), stored in natural log; +inf where it is -inf."""
+    f32 = torch.float32
+    forward, _ = _log2_exponent(spec, q, k, sm_scale, slopes, reverse=False)
+    if forward.shape[-1]:
+        row_max = forward.amax(-1)
+    else:
+        row_max = torch.full(forward.shape[:-1], float("-inf"))
+    sink_log2 = None
+    if spec.sinks:
+        sink_log2 = (sinks.to(f32) * torch.tensor(LOG2E, dtype=f32))[None, :, None]
+        row_max = torch.maximum(row_max, sink_log2.expand_as(row_max))
+    finite = torch.isfinite(row_max)
+    m_safe = torch.where(finite, row_max, 0.0)
+    total = torch.exp2(forward - m_safe[..., None]).sum(-1)
+    if sink_log2 is not None:
+        total = total + torch.exp2(sink_log2 - m_safe)
+    lse = (m_safe + torch.log2(torch.where(finite, total, 1.0))) / torch.tensor(LOG2E, dtype=f32)
+    return torch.where(finite, lse * torch.tensor(LOG2E, dtype=f32), float("inf"))
+
+
+def kernel_like_probs(spec: AttnSpec, q, k, sm_scale, slopes, sinks=None):
     """P as the backward kernels get it, in fp32: exp2(exponent - LSE * log2 e), where the LSE
     came from a forward that summed q.k in another order and stored it in natural log.
 
@@ -74,30 +111,23 @@ def kernel_like_probs(spec: AttnSpec, q, k, sm_scale, slopes):
     ulps at the scores' magnitude as relative error (|S| ~ 300 gives ~4e-5), from these
     roundings and from S being recomputed; a natural-domain reference computing S once has
     none of it, and its error would be no measure of the kernels'."""
-    f32 = torch.float32
-    forward, _ = _log2_exponent(spec, q, k, sm_scale, slopes, reverse=False)
-    if forward.shape[-1]:
-        row_max = forward.amax(-1)
-    else:
-        row_max = torch.full(forward.shape[:-1], float("-inf"))
-    finite = torch.isfinite(row_max)
-    m_safe = torch.where(finite, row_max, 0.0)
-    total = torch.exp2(forward - m_safe[..., None]).sum(-1)
-    lse = (m_safe + torch.log2(torch.where(finite, total, 1.0))) / torch.tensor(LOG2E, dtype=f32)
-    lse2 = torch.where(finite, lse * torch.tensor(LOG2E, dtype=f32), float("inf"))
+    lse2 = kernel_like_lse2(spec, q, k, sm_scale, slopes, sinks)
     exponent, tanh = _log2_exponent(spec, q, k, sm_scale, slopes, reverse=True)
     return torch.exp2(exponent - lse2[..., None]), tanh
 
 
 def lowp_backward(spec: AttnSpec, q, k, v, dout, *, sm_scale=None, alibi_slopes=None,
-                  dropout: Dropout = None, dlse=None):
+                  dropout: Dropout = None, dlse=None, sinks=None):
     """(out, dq, dk, dv) by the kernels' math in the kernels' precision: fp32 scores and
     softmax on inputs of the kernel's dtype, O rounded to it (delta reads it), P and dS rounded
-    to it before the dots into dV, dQ and dK, fp32 accumulation, results rounded once."""
+    to it before the dots into dV, dQ and dK, fp32 accumulation, results rounded once. With
+    the spec's sinks, dsinks after dv: -sum of exp2(sink log2 e - LSE log2 e) * delta, fp32."""
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     dtype, f32 = q.dtype, torch.float32
     group = q.shape[1] // k.shape[1]
-    p, tanh = kernel_like_probs(spec, q, k, sm_scale, alibi_slopes)
+    if spec.sinks and sinks is None:
+        raise ValueError("sinks: required by a spec with sinks: true")
+    p, tanh = kernel_like_probs(spec, q, k, sm_scale, alibi_slopes, sinks)
     kept = p if dropout is None else p * dropout[0] * dropout[1]
     vf = v.to(f32).repeat_interleave(group, dim=1)
     kf = k.to(f32).repeat_interleave(group, dim=1)
@@ -120,7 +150,13 @@ def lowp_backward(spec: AttnSpec, q, k, v, dout, *, sm_scale=None, alibi_slopes=
         b, h, n, d = x.shape
         return x.view(b, h // group, group, n, d).sum(2)
 
-    return out, dq.to(dtype), fold(dk).to(dtype), fold(dv).to(dtype)
+    grads = (dq.to(dtype), fold(dk).to(dtype), fold(dv).to(dtype))
+    if not spec.sinks:
+        return (out, *grads)
+    lse2 = kernel_like_lse2(spec, q, k, sm_scale, alibi_slopes, sinks)
+    sink_log2 = (sinks.to(f32) * torch.tensor(LOG2E, dtype=f32))[None, :, None]
+    dsinks = -(torch.exp2(sink_log2 - lse2) * delta).sum((0, 2))
+    return (out, *grads, dsinks)
 
 
 def gradient_problems(name: str, got, golden, lowp, *, factor: float = 3.0) -> list[str]:
@@ -146,20 +182,29 @@ def gradient_problems(name: str, got, golden, lowp, *, factor: float = 3.0) -> l
 
 
 def compare_gradients(spec: AttnSpec, grads, q, k, v, dout, *, sm_scale=None,
-                      alibi_slopes=None, dropout: Dropout = None, dlse=None) -> list[str]:
-    """What is wrong with a kernel's (dq, dk, dv); [] if nothing. Rows that see no key must
-    have a zero dQ."""
-    options = dict(sm_scale=sm_scale, alibi_slopes=alibi_slopes, dropout=dropout, dlse=dlse)
+                      alibi_slopes=None, dropout: Dropout = None, dlse=None,
+                      sinks=None) -> list[str]:
+    """What is wrong with a kernel's (dq, dk, dv), or (dq, dk, dv, dsinks) with the spec's
+    sinks (then `sinks` is required; with three gradients, d sinks is the caller's to judge,
+    as for packed sequences, whose sum it is); [] if nothing. Rows that see no key must have
+    a zero dQ."""
+    options = dict(sm_scale=sm_scale, alibi_slopes=alibi_slopes, dropout=dropout, dlse=dlse,
+                   sinks=sinks)
     golden = golden_backward(spec, q, k, v, dout, **options)
     lowp = lowp_backward(spec, q, k, v, dout, **options)
+    expected = ("dq", "dk", "dv", "dsinks") if spec.sinks else ("dq", "dk", "dv")
+    if len(grads) not in (3, len(expected)):
+        return [f"grads: expected {', '.join(expected)}, got {len(grads)} tensors"]
+    names = expected[:len(grads)]
     problems = []
-    for name, got, gold, low in zip(("dq", "dk", "dv"), grads, golden[2:], lowp[1:],
-                                    strict=True):
+    for name, got, gold, low in zip(names, grads, golden[2:2 + len(names)],
+                                    lowp[1:1 + len(names)], strict=True):
         if got.shape != gold.shape:
             problems.append(f"{name}: shape {tuple(got.shape)}, expected {tuple(gold.shape)}")
             continue
         problems += gradient_problems(name, got, gold, low)
-    blind = torch.isinf(golden[1])
-    if blind.any() and not torch.all(grads[0][blind] == 0):
+    # Rows that see no key (with sinks their LSE is the sink's, finite, so read the mask)
+    blind = ~visible_mask(spec, q.shape[2], k.shape[2]).any(-1)
+    if blind.any() and not torch.all(grads[0][:, :, blind] == 0):
         problems.append("dq: a row that sees no key has a nonzero gradient")
     return problems

@@ -23,8 +23,8 @@ MAX_DECODE_HEAD_DIM = 576
 
 
 def check_training(spec: AttnSpec) -> None:
-    """backward needs a prefill or varlen kernel, dropout needs backward, and a trained spec
-    has none of the newer models' fields."""
+    """backward needs a prefill or varlen kernel, and dropout needs backward. (The gradient
+    kernels implement every mask, sinks and sink tokens.)"""
     kinds = {kind.value for kind in spec.kernels}
     if spec.backward and not kinds & {"prefill", "varlen"}:
         raise field_error("backward", True, "true only with prefill or varlen in kernels "
@@ -32,17 +32,6 @@ def check_training(spec: AttnSpec) -> None:
     if spec.dropout and not spec.backward:
         raise field_error("dropout", True, "true only with backward: true (dropout is for "
                           "training)")
-    if not spec.backward:
-        return
-    # The gradient kernels have no sink gradient, no chunk visibility and no sink-token
-    # blocks: a trained module with any of them would return wrong gradients.
-    unsupported = " with backward: true (the gradient kernels do not implement it)"
-    if spec.sinks:
-        raise field_error("sinks", True, "false" + unsupported)
-    if spec.mask.value == "chunked":
-        raise field_error("mask", "chunked", "none, causal or sliding_window" + unsupported)
-    if spec.sink_tokens is not None:
-        raise field_error("sink_tokens", spec.sink_tokens, "absent" + unsupported)
 
 
 def check_model_fields(spec: AttnSpec) -> None:

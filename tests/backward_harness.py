@@ -11,7 +11,12 @@ import triton
 import triton.language as tl
 
 from attngen.reference import random_inputs
-from attngen.reference_backward import compare_gradients
+from attngen.reference_backward import (
+    compare_gradients,
+    golden_backward,
+    gradient_problems,
+    lowp_backward,
+)
 from attngen.spec import AttnSpec, KernelKind
 from tests.kernel_harness import load_kernel, make_spec
 
@@ -50,10 +55,14 @@ def padded_inputs(spec: AttnSpec, batch, hq, hkv, seqlen_q, seqlen_k, seed, scal
     return q, k, v, dout, slopes
 
 
-def run_padded(module, q, k, v, dout, slopes, *, dlse=None, **options):
-    """out, lse, dq, dk, dv from the kernels (autograd through attention())."""
+def run_padded(module, q, k, v, dout, slopes, *, dlse=None, sinks=None, **options):
+    """out, lse, dq, dk, dv (and dsinks, given sinks) from the kernels (autograd through
+    attention())."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out, lse = module.attention(*leaves, alibi_slopes=slopes, return_lse=True, **options)
+    if sinks is not None:
+        leaves.append(sinks.detach().clone().requires_grad_())
+        options["sinks"] = leaves[3]
+    out, lse = module.attention(*leaves[:3], alibi_slopes=slopes, return_lse=True, **options)
     outputs, grads = ([out], [dout]) if dlse is None else ([out, lse], [dout, dlse])
     torch.autograd.backward(outputs, grads)
     return (out.detach(), lse.detach(), *(t.grad for t in leaves))
@@ -69,23 +78,30 @@ def dropout_of(rng_state, dropout_p, batch, hq, seqlen_q, seqlen_k, batch_head0=
 
 
 def check_padded(spec, blocks, q, k, v, dout, slopes, *, dropout_p=0.0, rng_state=None,
-                 dlse=None):
-    """Run and judge out and every gradient by the rule; the list of problems."""
+                 dlse=None, sinks=None):
+    """Run and judge out and every gradient (d sinks too, given sinks) by the rule; the list
+    of problems."""
     module = module_for(spec, blocks)
     options = {"dropout_p": dropout_p, "rng_state": rng_state} if dropout_p else {}
-    out, lse, dq, dk, dv = run_padded(module, q, k, v, dout, slopes, dlse=dlse, **options)
+    out, lse, *grads = run_padded(module, q, k, v, dout, slopes, dlse=dlse, sinks=sinks,
+                                  **options)
     dropout = dropout_of(rng_state, dropout_p, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    problems = compare_gradients(spec, (dq, dk, dv), q, k, v, dout, alibi_slopes=slopes,
-                                 dropout=dropout, dlse=dlse)
-    if not torch.equal(torch.isinf(lse), torch.isinf(_golden_lse(spec, q, k, slopes))):
+    problems = compare_gradients(spec, grads, q, k, v, dout, alibi_slopes=slopes,
+                                 dropout=dropout, dlse=dlse, sinks=sinks)
+    if not torch.equal(torch.isinf(lse), torch.isinf(_golden_lse(spec, q, k, slopes, sinks))):
         problems.append("lse: the -inf pattern differs from the golden's")
+    if any(torch.isnan(g).any() for g in grads):
+        problems.append("a gradient has NaN")
     return problems
 
 
-def _golden_lse(spec, q, k, slopes):
+def _golden_lse(spec, q, k, slopes, sinks=None):
     from attngen.reference import attention_scores
 
-    return torch.logsumexp(attention_scores(spec, q, k, alibi_slopes=slopes), dim=-1)
+    lse = torch.logsumexp(attention_scores(spec, q, k, alibi_slopes=slopes), dim=-1)
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.double()[None, :, None].expand_as(lse))
+    return lse
 
 
 # -- packed sequences ---------------------------------------------------------------------------
@@ -117,22 +133,30 @@ def packed_inputs(spec, lengths_q, lengths_k, hq, hkv, seed, pad=3, fill=float("
     return q, k, v, dout, slopes
 
 
-def run_varlen(module, q, k, v, dout, slopes, lengths_q, lengths_k, **options):
+def run_varlen(module, q, k, v, dout, slopes, lengths_q, lengths_k, *, sinks=None,
+               **options):
+    """out, dq, dk, dv (and dsinks, given sinks) through attention_varlen()."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = module.attention_varlen(*leaves, cu_seqlens(lengths_q), cu_seqlens(lengths_k),
+    if sinks is not None:
+        leaves.append(sinks.detach().clone().requires_grad_())
+        options["sinks"] = leaves[3]
+    out = module.attention_varlen(*leaves[:3], cu_seqlens(lengths_q), cu_seqlens(lengths_k),
                                   max(lengths_q), max(lengths_k), alibi_slopes=slopes,
                                   **options)
     out.backward(dout)
-    return out.detach(), leaves[0].grad, leaves[1].grad, leaves[2].grad
+    return (out.detach(), *(t.grad for t in leaves))
 
 
 def check_per_sequence(spec, blocks, q, k, v, dout, slopes, lengths_q, lengths_k, *,
-                       dropout_p=0.0, rng_state=None):
-    """Each packed sequence's gradients by the rule; rows no sequence covers exactly 0."""
+                       dropout_p=0.0, rng_state=None, sinks=None):
+    """Each packed sequence's gradients by the rule, and d sinks (a sum over every sequence)
+    against the sums of the sequences' golden and yardstick; rows no sequence covers
+    exactly 0."""
     module = module_for(spec, blocks, "varlen")
     options = {"dropout_p": dropout_p, "rng_state": rng_state} if dropout_p else {}
-    out, dq, dk, dv = run_varlen(module, q, k, v, dout, slopes, lengths_q, lengths_k,
-                                 **options)
+    out, dq, dk, dv, *dsinks = run_varlen(module, q, k, v, dout, slopes, lengths_q, lengths_k,
+                                          sinks=sinks, **options)
+    golden_dsinks = lowp_dsinks = 0
     cu_q, cu_k = cu_seqlens(lengths_q).tolist(), cu_seqlens(lengths_k).tolist()
     hq = q.shape[1]
     problems = []
@@ -147,7 +171,15 @@ def check_per_sequence(spec, blocks, q, k, v, dout, slopes, lengths_q, lengths_k
         dropout = dropout_of(rng_state, dropout_p, 1, hq, lengths_q[b], lengths_k[b], b * hq)
         grads = [heads_first(t[r]) for t, r in ((dq, rows_q), (dk, rows_k), (dv, rows_k))]
         problems += [f"sequence {b}: {p}" for p in compare_gradients(
-            spec, grads, *args, alibi_slopes=slopes, dropout=dropout)]
+            spec, grads, *args, alibi_slopes=slopes, dropout=dropout, sinks=sinks)]
+        if sinks is not None:
+            judged = dict(alibi_slopes=slopes, dropout=dropout, sinks=sinks)
+            golden_dsinks = golden_dsinks + golden_backward(spec, *args, **judged)[5]
+            lowp_dsinks = lowp_dsinks + lowp_backward(spec, *args, **judged)[4]
+    if sinks is not None:
+        if not isinstance(golden_dsinks, torch.Tensor):  # no sequence: the sum is 0
+            golden_dsinks = lowp_dsinks = torch.zeros(q.shape[1], dtype=torch.float64)
+        problems += gradient_problems("dsinks", dsinks[0], golden_dsinks, lowp_dsinks)
     for name, t, covered in (("out", out, cu_q[-1]), ("dq", dq, cu_q[-1]),
                              ("dk", dk, cu_k[-1]), ("dv", dv, cu_k[-1])):
         if not torch.all(t[covered:] == 0):

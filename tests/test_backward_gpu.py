@@ -3,7 +3,8 @@
 The derived tile configs (not the CPU suite's 16-row blocks), compiled kernels (bf16 numerics,
 FMA contraction, Triton's integer specialization), against the float64 golden (computed on the
 CPU from the same inputs) by the rule of shared/RELIABILITY.md; bitwise determinism; dropout's
-keep rate; and the committed llama3_8b module. tools/gpu_backward.sh runs this file.
+keep rate; the committed llama3_8b module; and the newer models' fields (sinks and d sinks,
+chunked masks, sink tokens). tools/gpu_backward.sh runs this file.
 """
 
 from __future__ import annotations
@@ -14,8 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from attngen.reference_backward import compare_gradients
-from tests.backward_harness import backward_spec, padded_inputs
+from attngen.reference_backward import (
+    compare_gradients,
+    golden_backward,
+    gradient_problems,
+    lowp_backward,
+)
+from tests.backward_harness import backward_spec, cu_seqlens, packed_inputs, padded_inputs
 from tests.kernel_harness import load_kernel
 
 pytestmark = [
@@ -142,3 +148,95 @@ def test_runtime_dropout_draws_from_the_cuda_generator(tmp_path):
     assert torch.equal(direct, first[0].transpose(1, 2))
     for got, expected in zip(first[1:], grads, strict=True):
         assert torch.equal(got.transpose(1, 2), expected)
+
+
+# -- the newer models' fields: sinks (with d sinks), chunked masks, sink tokens ---------------
+
+MODEL_CASES = {
+    "gptoss-local-sinks-bf16-d64": dict(dtype="bf16", head_dim=64, mask="sliding_window",
+                                        window_left=127, window_right=0, sinks=True,
+                                        num_q_heads=8, num_kv_heads=1),
+    "gptoss-global-sinks-bf16-d64": dict(dtype="bf16", head_dim=64, sinks=True, num_q_heads=8,
+                                         num_kv_heads=1),
+    "chunked-bf16-d128": dict(dtype="bf16", head_dim=128, mask="chunked", chunk_size=256,
+                              num_q_heads=8, num_kv_heads=2),
+    "chunked-sinks-fp16-d64-odd": dict(dtype="fp16", head_dim=64, mask="chunked",
+                                       chunk_size=200, sinks=True, causal_align="top_left",
+                                       num_q_heads=4, num_kv_heads=4),
+    "sink-tokens-bf16-d128": dict(dtype="bf16", head_dim=128, mask="sliding_window",
+                                  window_left=100, window_right=0, sink_tokens=4,
+                                  num_q_heads=8, num_kv_heads=2),
+    "sink-tokens-sinks-fp32-d64": dict(dtype="fp32", head_dim=64, mask="sliding_window",
+                                       window_left=64, window_right=16, sink_tokens=70,
+                                       sinks=True, num_q_heads=2, num_kv_heads=1),
+}
+
+
+def _sink_logits(heads):
+    return torch.randn(heads, generator=torch.Generator().manual_seed(17)) * 2.0
+
+
+def _grads_with_sinks(module, q, k, v, dout, sinks):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+    module.attention(*leaves[:3], sinks=leaves[3]).backward(dout)
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_CASES))
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1000, 1000), (257, 700), (700, 257)])
+def test_model_field_gradients_at_real_sizes(name, seqlen_q, seqlen_k):
+    """dQ, dK, dV (and d sinks) by the rule at the derived tiles; 700 queries on 257 keys
+    bottom-right leave 443 rows that see no key (zero gradients, LSE = the sink)."""
+    fields = MODEL_CASES[name]
+    spec = backward_spec(**fields)
+    module = load_kernel(spec)
+    hq, hkv = fields["num_q_heads"], fields["num_kv_heads"]
+    q, k, v, dout, _ = padded_inputs(spec, 2, hq, hkv, seqlen_q, seqlen_k, seed=5)
+    sinks = _sink_logits(hq) if spec.sinks else None
+    cuda = [t.cuda() for t in (q, k, v, dout)]
+    if sinks is None:
+        grads = _grads(module, *cuda, None)
+    else:
+        grads = _grads_with_sinks(module, *cuda, sinks.cuda())
+    problems = compare_gradients(spec, [g.cpu() for g in grads], q, k, v, dout, sinks=sinks)
+    assert not problems, "; ".join(problems)
+
+
+def test_sinks_backward_is_bitwise_deterministic_on_the_gpu():
+    """d sinks is one fp32 share per dQ program summed in torch: the same bytes every run."""
+    spec = backward_spec(**MODEL_CASES["gptoss-local-sinks-bf16-d64"])
+    module = load_kernel(spec)
+    inputs = [t.cuda() for t in padded_inputs(spec, 2, 8, 1, 2048, 2048, seed=6)[:4]]
+    sinks = _sink_logits(8).cuda()
+    first = _grads_with_sinks(module, *inputs, sinks)
+    second = _grads_with_sinks(module, *inputs, sinks)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_varlen_model_fields_with_an_empty_sequence():
+    """Packed sequences [700, 0, 333] on a chunked module with sinks: each sequence's
+    gradients by the rule, d sinks (a sum over every sequence) against the sums of the
+    sequences' golden and yardstick."""
+    spec = backward_spec(**MODEL_CASES["chunked-sinks-fp16-d64-odd"])
+    lengths = [700, 0, 333]
+    q, k, v, dout, _ = packed_inputs(spec, lengths, lengths, 4, 4, seed=7, pad=0)
+    module = load_kernel(spec, kind="varlen")
+    sinks = _sink_logits(4)
+    leaves = [t.cuda().requires_grad_() for t in (q, k, v, sinks)]
+    cu = cu_seqlens(lengths).cuda()
+    out = module.attention_varlen(*leaves[:3], cu, cu, 700, 700, sinks=leaves[3])
+    out.backward(dout.cuda())
+    grads = [t.grad.cpu() for t in leaves]
+    starts = cu_seqlens(lengths).tolist()
+    problems, golden_dsinks, lowp_dsinks = [], 0, 0
+    for b in range(len(lengths)):
+        rows = slice(starts[b], starts[b + 1])
+        seq = [t[rows].transpose(0, 1)[None] for t in (q, k, v, dout)]
+        mine = [g[rows].transpose(0, 1)[None] for g in grads[:3]]
+        problems += [f"sequence {b}: {p}" for p in
+                     compare_gradients(spec, mine, *seq, sinks=sinks)]
+        golden_dsinks = golden_dsinks + golden_backward(spec, *seq, sinks=sinks)[5]
+        lowp_dsinks = lowp_dsinks + lowp_backward(spec, *seq, sinks=sinks)[4]
+    problems += gradient_problems("dsinks", grads[3], golden_dsinks, lowp_dsinks)
+    assert not problems, "; ".join(problems)

@@ -11,9 +11,10 @@ import transformers
 
 import attngen
 from attngen.build import plan_build, write_build
-from attngen.reference_backward import compare_gradients
+from attngen.reference_backward import compare_gradients, golden_backward
+from attngen.runtime.launch import run_dense, run_varlen
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
-from attngen.spec import specs_from_data
+from attngen.spec import CausalAlign, Mask, specs_from_data
 from tests.backward_harness import cu_seqlens, padded_inputs
 
 SPEC = dict(name="toy_bwd", archs=["sm90"], dtype="fp32", head_dim=16, num_q_heads=4,
@@ -117,3 +118,69 @@ def test_tiny_llama_loss_backward_matches_sdpa(tmp_path):
         # two layers and the loss their differences stay at a few fp32 ulps of each gradient.
         torch.testing.assert_close(grads["attngen"][name], expected, rtol=1e-4, atol=1e-6,
                                    msg=name)
+
+
+SINKS_SPEC = dict(SPEC, name="toy_sinks", sinks=True, mask="chunked", chunk_size=8)
+
+
+@pytest.fixture(scope="module")
+def trained_sinks(tmp_path_factory):
+    spec = specs_from_data(SINKS_SPEC)[0]
+    folder = tmp_path_factory.mktemp("backward_sink_kernels")
+    write_build(plan_build([spec]), folder)
+    saved = current_registry()
+    load_kernels(folder, replace=True)
+    yield spec
+    use_registry(saved)
+
+
+def _sink_logits():
+    return torch.randn(4, generator=torch.Generator().manual_seed(21)) * 2.0
+
+
+def test_ops_return_the_sinks_gradient(trained_sinks):
+    """The prefill op's autograd formula returns d sinks to sinks that require grad (a chunked
+    module with sinks); torch.compile(fullgraph=True) traces it, bitwise the eager gradients."""
+    q, k, v, dout, _ = padded_inputs(trained_sinks, 2, 4, 2, 20, 20, seed=4)
+    options = dict(mask=Mask.chunked, align=CausalAlign.bottom_right, window=None,
+                   softcap=None, alibi_slopes=None, scale=None, return_lse=False,
+                   fallback=None, chunk_size=8)
+
+    def loss(q, k, v, sinks):
+        return (run_dense("test", q, k, v, sinks=sinks, **options)[0] * dout).sum()
+
+    eager = _leaves(q, k, v, _sink_logits())
+    loss(*eager).backward()
+    assert attngen.last_dispatch().module.endswith(
+        "toy_sinks_prefill_fp32_d16_chunk8_br_sinks_bwd")
+    grads = [t.grad for t in eager]
+    problems = compare_gradients(trained_sinks, grads, q, k, v, dout, sinks=_sink_logits())
+    assert not problems, "; ".join(problems)
+    compiled = _leaves(q, k, v, _sink_logits())
+    torch.compile(loss, fullgraph=True, backend="aot_eager")(*compiled).backward()
+    for a, b in zip(eager, compiled, strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_varlen_op_returns_the_sinks_gradient(trained_sinks):
+    """The varlen op, sequences [9, 0, 17]: d sinks is the sum of the sequences' golden d
+    sinks (one padded call with the sequences side by side in the batch would mix lengths)."""
+    lengths = [9, 0, 17]
+    q, k, v, dout, _ = padded_inputs(trained_sinks, 1, 4, 2, sum(lengths), sum(lengths), seed=5)
+    packed = [t[0].transpose(0, 1) for t in (q, k, v, dout)]
+    leaves = _leaves(*packed[:3], _sink_logits())
+    cu = cu_seqlens(lengths)
+    out, _ = run_varlen("test", *leaves[:3], cu, cu, 17, 17, mask=Mask.chunked,
+                        align=CausalAlign.bottom_right, window=None, softcap=None,
+                        alibi_slopes=None, scale=None, return_lse=False, fallback=None,
+                        sinks=leaves[3], chunk_size=8)
+    out.backward(packed[3])
+    starts = cu.tolist()
+    golden = 0
+    for b in range(3):
+        rows = slice(starts[b], starts[b + 1])
+        seq = [t[rows].transpose(0, 1)[None] for t in packed]
+        golden = golden + golden_backward(trained_sinks, *seq, sinks=_sink_logits())[5]
+    # Note: an fp32 kernel's d sinks sums 26 rows' fp32 terms of O(1): a few fp32 ulps of
+    # rounding, far below 1e-5 relative, while a missing row or sequence moves it by O(0.1).
+    torch.testing.assert_close(leaves[3].grad.double(), golden, rtol=1e-5, atol=1e-6)

@@ -107,13 +107,6 @@ BAD_SPECS = [
                                                         "mask is sliding_window"]),
     ("sink-tokens-0", SLIDING + "sink_tokens: 0\n", ["sink_tokens: got 0", "1..2147483647"]),
     ("sinks-str", BASE + "sinks: yes\n", ["sinks: got 'yes' (str)", "true or false"]),
-    # training with the newer models' fields: the gradient kernels do not implement them
-    ("backward-sinks", BASE + "sinks: true\nbackward: true\n",
-     ["sinks: got True", "false with backward: true", "do not implement it"]),
-    ("backward-chunked", _with("mask", "chunked") + "chunk_size: 8\nbackward: true\n",
-     ["mask: got 'chunked'", "none, causal or sliding_window with backward: true"]),
-    ("backward-sink-tokens", SLIDING + "sink_tokens: 4\nbackward: true\n",
-     ["sink_tokens: got 4", "absent with backward: true"]),
     ("head-dim-neg", _with("head_dim", "-128"), ["head_dim: got -128 (int)"]),
     ("head-dim-v-0", BASE + "head_dim_v: 0\n", ["head_dim_v: got 0 (int)", ALLOWED_HEAD_DIM]),
     ("q-heads-0", _with("num_q_heads", "0"), ["num_q_heads: got 0 (int)", "an int in 1..1024"]),

@@ -17,7 +17,8 @@ Packed-sequence kwargs (cu_seq_lens_q/k, max_length_q/k) go to the varlen kind d
 Newer models' attention, as transformers hands it over:
 - learned sinks (gpt-oss): the layer passes `s_aux=self.sinks` [HQ]; it goes to a module
   built with `sinks: true` as its fp32 `sinks` (the eager function concatenates the sink
-  logit to the scaled, masked scores before the softmax: the same thing).
+  logit to the scaled, masked scores before the softmax: the same thing). In training (a
+  module built with `backward: true` too) the sinks parameter gets its gradient.
 - chunked attention (Llama 4): the layer's type is chunked_attention (config.layer_types)
   and its chunks live only in the mask, built by create_chunked_causal_mask with the chunk
   size config.attention_chunk_size; the mask function passes that call's kv_offset (the
@@ -190,8 +191,8 @@ def _sinks(s_aux, query):
     if s_aux.shape != (query.shape[1],):
         raise NoKernelError(f"attngen: s_aux: got shape {tuple(s_aux.shape)}; expected the "
                             f"sinks of the layer's {query.shape[1]} query heads [{query.shape[1]}]")
-    # Not detached: sinks that need a gradient take the op layer, whose backward refuses a
-    # module built with sinks by name (the gradient kernels have no sink term).
+    # Not detached: sinks that need a gradient (gpt-oss's are an nn.Parameter) take the op
+    # layer, whose backward returns their gradient from a module built with backward: true.
     return s_aux.to(device=query.device, dtype=torch.float32).contiguous()
 
 

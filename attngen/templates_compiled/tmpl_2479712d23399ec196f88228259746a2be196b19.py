@@ -10,8 +10,7 @@ def root(context, missing=missing):
     l_0_varlen = resolve('varlen')
     l_0_shorter_configs = resolve('shorter_configs')
     l_0_dropout = resolve('dropout')
-    l_0_dtype = resolve('dtype')
-    l_0_alibi = resolve('alibi')
+    l_0_sinks = resolve('sinks')
     l_0_common = l_0_entry = l_0_fwd_config = missing
     try:
         t_1 = environment.filters['trim']
@@ -44,30 +43,31 @@ def root(context, missing=missing):
     if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
         pass
         yield '\n\ndef _dropout_launch(dropout, q):\n    """The dropout arguments of a kernel launch (DROPOUT_ON=False: compiled without the RNG)."""\n    if dropout is None:\n        return {"RngState": q, "drop_threshold": 0, "keep_scale": 1.0, "DROPOUT_ON": False}\n    rng_state, threshold = dropout\n    return {"RngState": rng_state, "drop_threshold": threshold,\n            "keep_scale": 2**_DROP_BITS / (2**_DROP_BITS - threshold), "DROPOUT_ON": True}\n'
-    yield '\n\ndef _strides4(t):\n    """(batch, head, row, dim) strides; packed [T, H, D] tensors have batch stride 0."""\n    return (0, t.stride(1), t.stride(0), t.stride(2)) if t.dim() == 3 else tuple(t.stride())\n\n\ndef _backward(dout, q, k, v, out, lse, dlse, sm_scale, alibi_slopes, dropout, lengths):\n    """dq, dk, dv: the dQ kernel (which stores delta) then the dK/dV kernel. `lengths` is\n    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for packed sequences."""\n    varlen = lengths is not None\n    alloc = torch.zeros_like if varlen else torch.empty_like\n    dq, dk, dv = alloc(q), alloc(k), alloc(v)\n    lse = lse.contiguous()\n    delta = torch.zeros_like(lse)\n    dlse = None if dlse is None else dlse.contiguous()\n    num_q_heads, num_kv_heads = q.shape[1], k.shape[1]\n    q_per_kv = num_q_heads // num_kv_heads\n    if varlen:\n        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = lengths\n        batch = cu_seqlens_q.numel() - 1\n        # Rows a sequence may have: those the forward\'s grid covered, and the keys the dK/dV\n        # grid covers (max_seqlen_k is a bound here); a sequence beyond gets NaN gradients.\n        block_m = '
-    yield str((undefined(name='fwd_config') if l_0_fwd_config is missing else l_0_fwd_config))
-    yield '["BLOCK_M"]\n        max_rows_q = triton.cdiv(max_seqlen_q, block_m) * block_m\n        block_n = BWD_DKDV_CONFIG["BLOCK_N"]\n        max_rows_k = triton.cdiv(max_seqlen_k, block_n) * block_n\n        lse_strides = (0, lse.stride(0))\n        rows_q, rows_k = max_rows_q, max_rows_k\n        sizes = (q.shape[0], k.shape[0], max_rows_q, max_rows_k)\n        index_args = (cu_seqlens_q, cu_seqlens_k)\n    else:\n        batch, rows_q, rows_k = q.shape[0], q.shape[2], k.shape[2]\n        lse_strides = (lse.stride(0), lse.stride(1))\n        sizes = (rows_q, rows_k)\n        index_args = ()\n    qk_scale = _kernel_scale(sm_scale)\n    slopes_arg = q if alibi_slopes is None else alibi_slopes\n'
-    if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
+    yield '\n\n'
+    template = environment.get_template('_backward_launch.py.jinja', '_autograd.py.jinja')
+    gen = template.root_render_func(template.new_context(context.get_all(), True, {'common': l_0_common, 'entry': l_0_entry, 'fwd_config': l_0_fwd_config}))
+    try:
+        for event in gen:
+            yield event
+    finally: gen.close()
+    yield '\n\nclass _AttentionFunction(torch.autograd.Function):\n    """(out, lse) = the forward kernel; backward = the two gradient kernels. Deterministic:\n    no atomics, so gradients are bitwise reproducible (flash-attn\'s deterministic=True costs\n    nothing extra here). ALiBi slopes get no gradient (as in flash-attn)'
+    if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
-        yield '    drop = _dropout_launch(dropout, q)\n    rng_args = (drop["RngState"],)\n    drop_args = (drop["drop_threshold"], drop["keep_scale"])\n    drop_flags = {"DROPOUT_ON": drop["DROPOUT_ON"]}\n'
-    else:
+        yield '; the sinks\n    do, when they require it'
+    yield '."""\n\n    @staticmethod\n    def forward(ctx, q, k, v, sm_scale, alibi_slopes, dropout, lengths'
+    if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
-        yield '    rng_args = drop_args = ()\n    drop_flags = {}\n'
-    yield '    launch_options = {}\n'
-    if ((undefined(name='dtype') if l_0_dtype is missing else l_0_dtype) == 'fp32'):
-        pass
-        yield '    launch_options["enable_fp_fusion"] = False  # the forward\'s scores, rounded the same way\n'
-    yield '    num_m_blocks = triton.cdiv(rows_q, BWD_DQ_CONFIG["BLOCK_M"])\n    num_n_blocks = triton.cdiv(rows_k, BWD_DKDV_CONFIG["BLOCK_N"])\n    dq_programs = num_m_blocks * batch * num_q_heads\n    dkdv_programs = num_n_blocks * batch * num_kv_heads\n    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():\n        if dq_programs and q.numel():\n            _check_grid(dq_programs)\n            _attn_bwd_dq_kernel[(dq_programs,)](\n                q, k, v, out, dout, dq, lse, lse if dlse is None else dlse, delta, slopes_arg,\n                *rng_args, *index_args,\n                *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out),\n                *_strides4(dout), *_strides4(dq), *lse_strides,\n                num_q_heads, q_per_kv, *sizes, num_m_blocks, qk_scale, sm_scale, *drop_args,\n                HAS_DLSE=dlse is not None, **drop_flags,\n                BLOCK_M=BWD_DQ_CONFIG["BLOCK_M"], BLOCK_N=BWD_DQ_CONFIG["BLOCK_N"],\n                num_warps=BWD_DQ_CONFIG["num_warps"], num_stages=BWD_DQ_CONFIG["num_stages"],\n                **launch_options,\n            )\n        if dkdv_programs and k.numel():\n            _check_grid(dkdv_programs)\n            _attn_bwd_dkdv_kernel[(dkdv_programs,)](\n                q, k, v, dout, dk, dv, lse, delta, slopes_arg, *rng_args, *index_args,\n                *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(dout),\n                *_strides4(dk), *_strides4(dv), *lse_strides,\n                num_q_heads, q_per_kv, *sizes, num_n_blocks, qk_scale, sm_scale, *drop_args,\n'
-    if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
-        pass
-        yield '                GROUP_MAX=triton.next_power_of_2(q_per_kv),\n'
-    yield '                **drop_flags,\n                BLOCK_M=BWD_DKDV_CONFIG["BLOCK_M"], BLOCK_N=BWD_DKDV_CONFIG["BLOCK_N"],\n                num_warps=BWD_DKDV_CONFIG["num_warps"],\n                num_stages=BWD_DKDV_CONFIG["num_stages"],\n                **launch_options,\n            )\n    return dq, dk, dv\n\n\nclass _AttentionFunction(torch.autograd.Function):\n    """(out, lse) = the forward kernel; backward = the two gradient kernels. Deterministic:\n    no atomics, so gradients are bitwise reproducible (flash-attn\'s deterministic=True costs\n    nothing extra here). ALiBi slopes get no gradient (as in flash-attn)."""\n\n    @staticmethod\n    def forward(ctx, q, k, v, sm_scale, alibi_slopes, dropout, lengths):\n'
+        yield ', sinks'
+    yield '):\n'
     if (undefined(name='varlen') if l_0_varlen is missing else l_0_varlen):
         pass
         yield '        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = lengths\n        out, lse = _forward_attention_varlen(\n            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale=sm_scale,\n            alibi_slopes=alibi_slopes, return_lse=True'
         if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
             pass
             yield ', dropout=dropout'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield ',\n            sinks=sinks'
         yield ')\n'
     else:
         pass
@@ -75,30 +75,124 @@ def root(context, missing=missing):
         if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
             pass
             yield ', dropout=dropout'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield ',\n                                      sinks=sinks'
         yield ')\n'
-    yield '        ctx.save_for_backward(q, k, v, out, lse)\n        ctx.options = (sm_scale, alibi_slopes, dropout, lengths)\n        ctx.set_materialize_grads(False)\n        return out, lse\n\n    @staticmethod\n    def backward(ctx, dout, dlse):\n        q, k, v, out, lse = ctx.saved_tensors\n        if dout is None:\n            dout = torch.zeros_like(out)\n        dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, *ctx.options)\n        return dq, dk, dv, None, None, None, None\n\n\ndef _needs_grad(*tensors):\n    return torch.is_grad_enabled() and any(\n        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)\n\n\ndef _refuse_out_with_grad(out):\n    if out is not None:\n        raise ValueError("out: not supported when q, k or v requires grad (the output is a new "\n                         "tensor of the autograd graph); pass out=None")\n'
+    if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+        pass
+        yield '        ctx.save_for_backward(q, k, v, out, lse, sinks)\n'
+    else:
+        pass
+        yield '        ctx.save_for_backward(q, k, v, out, lse)\n'
+    yield '        ctx.options = (sm_scale, alibi_slopes, dropout, lengths)\n        ctx.set_materialize_grads(False)\n        return out, lse\n\n    @staticmethod\n    def backward(ctx, dout, dlse):\n'
+    if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+        pass
+        yield '        q, k, v, out, lse, sinks = ctx.saved_tensors\n        if dout is None:\n            dout = torch.zeros_like(out)\n        dq, dk, dv, dsinks = _backward(dout, q, k, v, out, lse, dlse, *ctx.options, sinks)\n        return (dq, dk, dv, None, None, None, None,\n                dsinks if ctx.needs_input_grad[7] else None)\n'
+    else:
+        pass
+        yield '        q, k, v, out, lse = ctx.saved_tensors\n        if dout is None:\n            dout = torch.zeros_like(out)\n        dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, *ctx.options)\n        return dq, dk, dv, None, None, None, None\n'
+    yield '\n\ndef _needs_grad(*tensors):\n    return torch.is_grad_enabled() and any(\n        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)\n\n\ndef _refuse_out_with_grad(out):\n    if out is not None:\n        raise ValueError("out: not supported when q, k or v requires grad (the output is a new "\n                         "tensor of the autograd graph); pass out=None")\n'
     if (undefined(name='varlen') if l_0_varlen is missing else l_0_varlen):
         pass
-        yield '\n\ndef _check_key_lengths(cu_seqlens_k, max_seqlen_k):\n    """ATTNGEN_CHECKS=1: the backward\'s grid covers max_seqlen_k keys per sequence."""\n    bounds = cu_seqlens_k.tolist()\n    for b in range(len(bounds) - 1):\n        if bounds[b + 1] - bounds[b] > max_seqlen_k:\n            raise ValueError(f"cu_seqlens_k: sequence {b} has {bounds[b + 1] - bounds[b]} keys, "\n                             f"more than max_seqlen_k = {max_seqlen_k} (the backward\'s bound)")\n\n\ndef attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,\n                     sm_scale=None, alibi_slopes=None, return_lse=False, seqused_k=None,\n                     out=None, dropout_p=0.0, rng_state=None):\n    """The packed-sequence attention of _forward_attention_varlen (same arguments, layout and\n    results), differentiable in q, k, v (and through the LSE) when one of them requires grad\n    (then without out=: the output is a new tensor of the autograd graph).\n\n    For the backward, max_seqlen_k must also bound every key length (a sequence with more\n    keys gets NaN gradients; ATTNGEN_CHECKS=1 raises instead); seqused_k (a KV cache read in\n    place) has no backward. dropout_p in [0, 1) (training; rounded to steps of 1/65536,\n    kept values scaled exactly by 1 / (1 - rounded p))'
+        yield '\n\ndef _check_key_lengths(cu_seqlens_k, max_seqlen_k):\n    """ATTNGEN_CHECKS=1: the backward\'s grid covers max_seqlen_k keys per sequence."""\n    bounds = cu_seqlens_k.tolist()\n    for b in range(len(bounds) - 1):\n        if bounds[b + 1] - bounds[b] > max_seqlen_k:\n            raise ValueError(f"cu_seqlens_k: sequence {b} has {bounds[b + 1] - bounds[b]} keys, "\n                             f"more than max_seqlen_k = {max_seqlen_k} (the backward\'s bound)")\n\n\ndef attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,\n                     sm_scale=None, alibi_slopes=None, return_lse=False, seqused_k=None,\n                     out=None, dropout_p=0.0, rng_state=None'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield ', sinks=None'
+        yield '):\n    """The packed-sequence attention of _forward_attention_varlen (same arguments, layout and\n    results), differentiable in q, k, v (and through the LSE) when one of them requires grad\n    (then without out=: the output is a new tensor of the autograd graph).\n\n    For the backward, max_seqlen_k must also bound every key length (a sequence with more\n    keys gets NaN gradients; ATTNGEN_CHECKS=1 raises instead); seqused_k (a KV cache read in\n    place) has no backward. dropout_p in [0, 1) (training; rounded to steps of 1/65536,\n    kept values scaled exactly by 1 / (1 - rounded p))'
         if (not (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout)):
             pass
             yield '; it needs a module\n    built with dropout: true'
-        yield '.\n    rng_state (int64 [2]: seed, Philox offset, on q\'s device) defaults to a draw from torch\'s\n    default generator.\n    """\n    dropout = _dropout_option(q, dropout_p, rng_state)\n    if not _needs_grad(q, k, v):\n        return _forward_attention_varlen(\n            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale=sm_scale,\n            alibi_slopes=alibi_slopes, return_lse=return_lse, seqused_k=seqused_k, out=out'
+        yield ".\n    rng_state (int64 [2]: seed, Philox offset, on q's device) defaults to a draw from torch's\n    default generator."
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield '    sinks [HQ] fp32 (required) get a gradient when they require one.'
+        yield '\n    """\n    dropout = _dropout_option(q, dropout_p, rng_state)\n    if not _needs_grad(q, k, v'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield ', sinks'
+        yield '):\n        return _forward_attention_varlen(\n            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale=sm_scale,\n            alibi_slopes=alibi_slopes, return_lse=return_lse, seqused_k=seqused_k, out=out'
         if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
             pass
             yield ',\n            dropout=dropout'
-        yield ')\n    _refuse_out_with_grad(out)\n    if seqused_k is not None:\n        raise ValueError("seqused_k: no backward for a KV cache read in place; pass None when "\n                         "q, k or v requires grad")\n    sm_scale = _resolved_sm_scale(sm_scale)\n    if os.environ.get("ATTNGEN_CHECKS") == "1" and isinstance(cu_seqlens_k, torch.Tensor):\n        _check_key_lengths(cu_seqlens_k, max_seqlen_k)\n    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)\n    out, lse = _AttentionFunction.apply(q, k, v, sm_scale, alibi_slopes, dropout, lengths)\n    return (out, lse) if return_lse else out\n\n\ndef attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,\n                              max_seqlen_k, *, sm_scale=None, alibi_slopes=None, dropout_p=0.0,\n                              rng_state=None, dlse=None):\n    """(dq, dk, dv) of attention_varlen for the output gradient dout (and dlse, the LSE\'s),\n    given its out and lse [HQ, total_q]; dropout_p and rng_state as the forward had them."""\n    dropout = _dropout_option(q, dropout_p, rng_state)\n    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)\n    return _backward(dout, q, k, v, out, lse, dlse, _resolved_sm_scale(sm_scale),\n                     alibi_slopes, dropout, lengths)\n'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield ', sinks=sinks'
+        yield ')\n    _refuse_out_with_grad(out)\n    if seqused_k is not None:\n        raise ValueError("seqused_k: no backward for a KV cache read in place; pass None when "\n                         "q, k or v requires grad")\n    sm_scale = _resolved_sm_scale(sm_scale)\n    if os.environ.get("ATTNGEN_CHECKS") == "1" and isinstance(cu_seqlens_k, torch.Tensor):\n        _check_key_lengths(cu_seqlens_k, max_seqlen_k)\n    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)\n    out, lse = _AttentionFunction.apply(q, k, v, sm_scale, alibi_slopes, dropout, lengths'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield ',\n                                        sinks'
+        yield ')\n    return (out, lse) if return_lse else out\n\n\ndef attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,\n                              max_seqlen_k, *, sm_scale=None, alibi_slopes=None, dropout_p=0.0,\n                              rng_state=None, dlse=None'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield ', sinks=None'
+        yield '):\n    """(dq, dk, dv'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield ', dsinks'
+        yield ") of attention_varlen for the output gradient dout (and dlse, the LSE's),\n    given its out and lse [HQ, total_q]; dropout_p and rng_state as the forward had them"
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield ';\n    sinks [HQ] fp32 (required) as well, dsinks [HQ] fp32 their gradient'
+        yield '."""\n    dropout = _dropout_option(q, dropout_p, rng_state)\n'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield '    _check_sinks(sinks, q.shape[1], q)\n'
+        yield '    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)\n    return _backward(dout, q, k, v, out, lse, dlse, _resolved_sm_scale(sm_scale),\n                     alibi_slopes, dropout, lengths'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield ', sinks'
+        yield ')\n'
     else:
         pass
-        yield '\n\ndef attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False, out=None,\n              dropout_p=0.0, rng_state=None):\n    """The attention of _forward_attention (same arguments, layout and results),\n    differentiable in q, k, v (and through the LSE) when one of them requires grad (then\n    without out=: the output is a new tensor of the autograd graph).\n\n    dropout_p in [0, 1) (training; rounded to steps of 1/65536, kept values scaled exactly by\n    1 / (1 - rounded p))'
+        yield '\n\ndef attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False, out=None,\n              dropout_p=0.0, rng_state=None'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield ', sinks=None'
+        yield '):\n    """The attention of _forward_attention (same arguments, layout and results),\n    differentiable in q, k, v (and through the LSE) when one of them requires grad (then\n    without out=: the output is a new tensor of the autograd graph).\n\n    dropout_p in [0, 1) (training; rounded to steps of 1/65536, kept values scaled exactly by\n    1 / (1 - rounded p))'
         if (not (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout)):
             pass
             yield '; it needs a module built with dropout: true'
-        yield '.\n    rng_state (int64 [2]: seed, Philox offset, on q\'s device) defaults to a draw from torch\'s\n    default generator.\n    """\n    dropout = _dropout_option(q, dropout_p, rng_state)\n    if not _needs_grad(q, k, v):\n        return _forward_attention(q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes,\n                                  return_lse=return_lse, out=out'
+        yield ".\n    rng_state (int64 [2]: seed, Philox offset, on q's device) defaults to a draw from torch's\n    default generator."
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield '    sinks [HQ] fp32 (required) get a gradient when they require one.'
+        yield '\n    """\n    dropout = _dropout_option(q, dropout_p, rng_state)\n    if not _needs_grad(q, k, v'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield ', sinks'
+        yield '):\n        return _forward_attention(q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes,\n                                  return_lse=return_lse, out=out'
         if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
             pass
             yield ',\n                                  dropout=dropout'
-        yield ')\n    _refuse_out_with_grad(out)\n    sm_scale = _resolved_sm_scale(sm_scale)\n    out, lse = _AttentionFunction.apply(q, k, v, sm_scale, alibi_slopes, dropout, None)\n    return (out, lse) if return_lse else out\n\n\ndef attention_backward(dout, q, k, v, out, lse, *, sm_scale=None, alibi_slopes=None,\n                       dropout_p=0.0, rng_state=None, dlse=None):\n    """(dq, dk, dv) of attention for the output gradient dout (and dlse, the LSE\'s), given its\n    out and lse [B, HQ, M]; dropout_p and rng_state as the forward had them."""\n    dropout = _dropout_option(q, dropout_p, rng_state)\n    return _backward(dout, q, k, v, out, lse, dlse, _resolved_sm_scale(sm_scale),\n                     alibi_slopes, dropout, None)\n'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield ', sinks=sinks'
+        yield ')\n    _refuse_out_with_grad(out)\n    sm_scale = _resolved_sm_scale(sm_scale)\n    out, lse = _AttentionFunction.apply(q, k, v, sm_scale, alibi_slopes, dropout, None'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield ',\n                                        sinks'
+        yield ')\n    return (out, lse) if return_lse else out\n\n\ndef attention_backward(dout, q, k, v, out, lse, *, sm_scale=None, alibi_slopes=None,\n                       dropout_p=0.0, rng_state=None, dlse=None'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield ', sinks=None'
+        yield '):\n    """(dq, dk, dv'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield ', dsinks'
+        yield ") of attention for the output gradient dout (and dlse, the LSE's), given its\n    out and lse [B, HQ, M]; dropout_p and rng_state as the forward had them"
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield '; sinks [HQ]\n    fp32 (required) as well, dsinks [HQ] fp32 their gradient'
+        yield '."""\n    dropout = _dropout_option(q, dropout_p, rng_state)\n'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield '    _check_sinks(sinks, q.shape[1], q)\n'
+        yield '    return _backward(dout, q, k, v, out, lse, dlse, _resolved_sm_scale(sm_scale),\n                     alibi_slopes, dropout, None'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield ', sinks'
+        yield ')\n'
 
 blocks = {}
-debug_info = '4=23&5=25&6=28&10=32&14=34&30=38&48=44&82=48&97=50&107=57&135=61&154=65&158=68&161=75&186=80&208=83&217=87&250=94&257=98'
+debug_info = '4=22&5=24&6=27&10=31&14=33&30=37&48=43&61=47&67=54&71=58&72=62&76=65&80=75&83=82&94=89&119=96&133=99&141=103&144=107&149=111&152=115&153=118&162=122&169=126&170=130&171=134&174=138&179=142&184=149&190=153&192=157&197=161&199=165&200=168&203=172&209=176&210=180&211=184&214=188&218=192'

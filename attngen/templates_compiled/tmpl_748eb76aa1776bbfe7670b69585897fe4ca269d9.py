@@ -12,6 +12,7 @@ def root(context, missing=missing):
     l_0_softcap = resolve('softcap')
     l_0_alibi = resolve('alibi')
     l_0_mask = resolve('mask')
+    l_0_sink_tokens = resolve('sink_tokens')
     l_0_varlen = resolve('varlen')
     l_0_bw = missing
     pass
@@ -51,30 +52,67 @@ def root(context, missing=missing):
     if ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'causal'):
         pass
         yield '    visible = visible & (key_pos2 <= q_pos2)\n'
+    elif ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'chunked'):
+        pass
+        yield "    # causal inside the row's chunk: chunk_first(i') <= j <= i' (a row with i' < 0 sees no\n    # key, so it may take chunk 0); one division per row of the broadcast q_pos2\n    q_chunk_first = (tl.maximum(q_pos2, 0) // _CHUNK_SIZE) * _CHUNK_SIZE\n    visible = visible & (key_pos2 <= q_pos2) & (key_pos2 >= q_chunk_first)\n"
     elif ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'sliding_window'):
         pass
-        yield "    # i' - j (bounded by the lengths) against the sides; i' -/+ a side may overflow.\n    offset = q_pos2 - key_pos2\n    visible = visible & (offset <= _WINDOW_LEFT) & (offset >= -_WINDOW_RIGHT)\n"
+        yield "    # i' - j (bounded by the lengths) against the sides; i' -/+ a side may overflow.\n    offset = q_pos2 - key_pos2\n"
+        if (undefined(name='sink_tokens') if l_0_sink_tokens is missing else l_0_sink_tokens):
+            pass
+            yield "    # the first _SINK_TOKENS keys ignore the window's left side\n    left_ok = (offset <= _WINDOW_LEFT) | (key_pos2 < _SINK_TOKENS)\n"
+        else:
+            pass
+            yield '    left_ok = offset <= _WINDOW_LEFT\n'
+        yield '    visible = visible & left_ok & (offset >= -_WINDOW_RIGHT)\n'
     yield '    return visible\n\n\n@triton.jit\ndef _bwd_key_live(first_q_pos, last_q_pos, key_pos, seqlen_k):\n    """Keys that some row with aligned position in [first_q_pos, last_q_pos] sees."""\n    live = key_pos < seqlen_k\n'
     if ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'causal'):
         pass
         yield '    live = live & (key_pos <= last_q_pos)\n'
     elif ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'sliding_window'):
         pass
-        yield '    # int64, then clamped to the keys: a side may be 2**31 - 1.\n    live_first = tl.maximum(first_q_pos.to(tl.int64) - _WINDOW_LEFT, 0).to(tl.int32)\n    live_last = tl.minimum(last_q_pos.to(tl.int64) + _WINDOW_RIGHT, seqlen_k - 1).to(tl.int32)\n    live = live & (key_pos >= live_first) & (key_pos <= live_last)\n'
+        yield '    # int64, then clamped to the keys: a side may be 2**31 - 1.\n    live_first = tl.maximum(first_q_pos.to(tl.int64) - _WINDOW_LEFT, 0).to(tl.int32)\n    live_last = tl.minimum(last_q_pos.to(tl.int64) + _WINDOW_RIGHT, seqlen_k - 1).to(tl.int32)\n'
+        if (undefined(name='sink_tokens') if l_0_sink_tokens is missing else l_0_sink_tokens):
+            pass
+            yield '    live = live & ((key_pos >= live_first) | (key_pos < _SINK_TOKENS)) & (key_pos <= live_last)\n'
+        else:
+            pass
+            yield '    live = live & (key_pos >= live_first) & (key_pos <= live_last)\n'
+    elif ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'chunked'):
+        pass
+        yield '    # from the chunk start of the first row to the last row\n    live_first = (tl.maximum(first_q_pos, 0) // _CHUNK_SIZE) * _CHUNK_SIZE\n    live = live & (key_pos >= live_first) & (key_pos <= last_q_pos)\n'
     yield '    return live\n\n\n@triton.jit\ndef _bwd_row_live(first_k_pos, last_k_pos, q_pos, row_ok):\n    """Rows (aligned positions q_pos) that see some key of [first_k_pos, last_k_pos]."""\n    live = row_ok\n'
     if ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'causal'):
         pass
         yield '    live = live & (q_pos >= first_k_pos)\n'
     elif ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'sliding_window'):
         pass
-        yield '    live = live & (q_pos - last_k_pos <= _WINDOW_LEFT) & (first_k_pos - q_pos <= _WINDOW_RIGHT)\n'
+        if (undefined(name='sink_tokens') if l_0_sink_tokens is missing else l_0_sink_tokens):
+            pass
+            yield '    # a block that starts with a sink token is seen by every row within the right side\n    left_ok = (q_pos - last_k_pos <= _WINDOW_LEFT) | (first_k_pos < _SINK_TOKENS)\n    live = live & left_ok & (first_k_pos - q_pos <= _WINDOW_RIGHT)\n'
+        else:
+            pass
+            yield '    live = live & (q_pos - last_k_pos <= _WINDOW_LEFT) & (first_k_pos - q_pos <= _WINDOW_RIGHT)\n'
+    elif ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'chunked'):
+        pass
+        yield "    # i' >= first_k_pos, and i''s chunk starts at or before last_k_pos: i' is below the end\n    # of last_k_pos's chunk (compared as a difference of non-negative int32s: no overflow)\n    last_chunk_first = (last_k_pos // _CHUNK_SIZE) * _CHUNK_SIZE\n    live = live & (q_pos >= first_k_pos)\n    live = live & (tl.maximum(q_pos, first_k_pos) - last_chunk_first < _CHUNK_SIZE)\n"
     yield '    return live\n\n\n@triton.jit\ndef _bwd_query_ranges(first_k_pos, last_k_pos, diagonal, seqlen_q, BLOCK_M: tl.constexpr):\n    """The dual of the forward\'s key ranges for a key block [first_k_pos, last_k_pos]: rows\n    [full_lo, full_hi) see every key of it (no mask), [lo, full_lo) and [full_hi, hi) some\n    (masked), rows outside [lo, hi) none (skipped). Multiples of BLOCK_M except hi."""\n'
     if ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'causal'):
         pass
         yield '    rows_lo = first_k_pos - diagonal\n    rows_hi = seqlen_q\n    full_rows_lo = last_k_pos - diagonal\n    full_rows_hi = seqlen_q\n'
     elif ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'sliding_window'):
         pass
-        yield '    # int64: a side may be 2**31 - 1; clamped to [0, seqlen_q] below, so int32 again.\n    rows_lo = first_k_pos.to(tl.int64) - _WINDOW_RIGHT - diagonal\n    rows_hi = last_k_pos.to(tl.int64) + _WINDOW_LEFT - diagonal + 1\n    full_rows_lo = last_k_pos.to(tl.int64) - _WINDOW_RIGHT - diagonal\n    full_rows_hi = first_k_pos.to(tl.int64) + _WINDOW_LEFT - diagonal + 1\n    rows_lo = tl.minimum(tl.maximum(rows_lo, 0), seqlen_q).to(tl.int32)\n    rows_hi = tl.minimum(tl.maximum(rows_hi, 0), seqlen_q).to(tl.int32)\n    full_rows_lo = tl.minimum(tl.maximum(full_rows_lo, 0), seqlen_q).to(tl.int32)\n    full_rows_hi = tl.minimum(tl.maximum(full_rows_hi, 0), seqlen_q).to(tl.int32)\n'
+        yield '    # int64: a side may be 2**31 - 1; clamped to [0, seqlen_q] below, so int32 again.\n    rows_lo = first_k_pos.to(tl.int64) - _WINDOW_RIGHT - diagonal\n    rows_hi = last_k_pos.to(tl.int64) + _WINDOW_LEFT - diagonal + 1\n    full_rows_lo = last_k_pos.to(tl.int64) - _WINDOW_RIGHT - diagonal\n'
+        if (undefined(name='sink_tokens') if l_0_sink_tokens is missing else l_0_sink_tokens):
+            pass
+            yield "    # Sink tokens ignore the left side: a block that starts with one is seen by every row\n    # from rows_lo on, one made of them only by every row from full_rows_lo on; otherwise\n    # every row to the first non-sink key's window edge sees the whole block.\n    full_rows_hi = (tl.maximum(first_k_pos, _SINK_TOKENS).to(tl.int64) + _WINDOW_LEFT\n                    - diagonal + 1)\n    rows_hi = tl.where(first_k_pos < _SINK_TOKENS, seqlen_q, rows_hi)\n    full_rows_hi = tl.where(last_k_pos < _SINK_TOKENS, seqlen_q, full_rows_hi)\n"
+        else:
+            pass
+            yield '    full_rows_hi = first_k_pos.to(tl.int64) + _WINDOW_LEFT - diagonal + 1\n'
+        yield '    rows_lo = tl.minimum(tl.maximum(rows_lo, 0), seqlen_q).to(tl.int32)\n    rows_hi = tl.minimum(tl.maximum(rows_hi, 0), seqlen_q).to(tl.int32)\n    full_rows_lo = tl.minimum(tl.maximum(full_rows_lo, 0), seqlen_q).to(tl.int32)\n    full_rows_hi = tl.minimum(tl.maximum(full_rows_hi, 0), seqlen_q).to(tl.int32)\n'
+    elif ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'chunked'):
+        pass
+        yield "    # Rows i' from first_k_pos to the end of last_k_pos's chunk see some key of the block;\n    # those from last_k_pos to the end of first_k_pos's chunk every key (none when the block\n    # spans a chunk boundary). At most chunk_size + BLOCK_N rows: O(N x chunk) work in all.\n    # int64: a chunk's end may pass 2**31 - 1; clamped to [0, seqlen_q] below.\n    rows_lo = first_k_pos.to(tl.int64) - diagonal\n    rows_hi = ((last_k_pos // _CHUNK_SIZE).to(tl.int64) + 1) * _CHUNK_SIZE - diagonal\n    full_rows_lo = last_k_pos.to(tl.int64) - diagonal\n    full_rows_hi = ((first_k_pos // _CHUNK_SIZE).to(tl.int64) + 1) * _CHUNK_SIZE - diagonal\n    rows_lo = tl.minimum(tl.maximum(rows_lo, 0), seqlen_q).to(tl.int32)\n    rows_hi = tl.minimum(tl.maximum(rows_hi, 0), seqlen_q).to(tl.int32)\n    full_rows_lo = tl.minimum(tl.maximum(full_rows_lo, 0), seqlen_q).to(tl.int32)\n    full_rows_hi = tl.minimum(tl.maximum(full_rows_hi, 0), seqlen_q).to(tl.int32)\n"
     else:
         pass
         yield '    rows_lo = seqlen_q * 0\n    rows_hi = seqlen_q\n    full_rows_lo = rows_lo\n    full_rows_hi = seqlen_q\n'
@@ -96,4 +134,4 @@ def root(context, missing=missing):
     finally: gen.close()
 
 blocks = {}
-debug_info = '13=18&15=21&16=23&23=25&25=32&28=35&35=41&38=44&50=51&52=54&64=58&66=61&79=65&81=68&92=72&97=75&122=82&141=85&142=91'
+debug_info = '13=19&15=22&16=24&23=26&25=33&28=36&35=42&38=45&50=52&52=55&57=58&60=61&75=69&77=72&81=75&86=81&98=85&100=88&101=90&108=96&123=100&128=103&133=106&148=113&176=120&195=123&196=129'

@@ -13,8 +13,10 @@ def root(context, missing=missing):
     l_0_block_dv = resolve('block_dv')
     l_0_head_dim_v = resolve('head_dim_v')
     l_0_softcap = resolve('softcap')
+    l_0_sinks = resolve('sinks')
     l_0_varlen = resolve('varlen')
     l_0_alibi = resolve('alibi')
+    l_0_sink_tokens = resolve('sink_tokens')
     l_0_mask = resolve('mask')
     l_0_score_code = l_0_bw = missing
     try:
@@ -68,6 +70,9 @@ def root(context, missing=missing):
     yield '        dq = tl.dot(ds.to(k.dtype), k, dq'
     yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'dot_precision')))
     yield ')\n    return dq\n\n\n@triton.jit\ndef _attn_bwd_dq_kernel(\n    Q, K, V, Out, DOut, DQ, Lse, DLse, Delta, Slopes,'
+    if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+        pass
+        yield ' Sinks, DSinkPartial,'
     if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
         pass
         yield ' RngState,'
@@ -93,7 +98,11 @@ def root(context, missing=missing):
     if (undefined(name='varlen') if l_0_varlen is missing else l_0_varlen):
         pass
         yield str(t_1(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'sequence')), '\n'))
-        yield '\n    if not seq_ok:\n        _store_nan_grad_rows(DQ, q_first, q_end, total_q, off_h, m_block, num_m_blocks,\n                             stride_dqm, stride_dqh, stride_dqd, _HEAD_DIM, _BLOCK_D, BLOCK_M)\n        return\n'
+        yield '\n    if not seq_ok:\n        _store_nan_grad_rows(DQ, q_first, q_end, total_q, off_h, m_block, num_m_blocks,\n                             stride_dqm, stride_dqh, stride_dqd, _HEAD_DIM, _BLOCK_D, BLOCK_M)\n'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield '        tl.store(DSinkPartial + pid, float("nan"))  # its rows\' share of d sinks is unknown\n'
+        yield '        return\n'
     else:
         pass
         yield '    q_offset = off_b * 0\n    k_offset = off_b * 0\n'
@@ -106,6 +115,9 @@ def root(context, missing=missing):
     yield '\n    do_mask = row_ok[:, None]'
     yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'pad_dv'), 'None, :'))
     yield '\n    q = tl.load(q_base + q_rows[:, None] * stride_qm + offs_d[None, :] * stride_qd,\n                mask=q_mask, other=0.0)\n    do = tl.load(do_base + q_rows[:, None] * stride_dom + offs_dv[None, :] * stride_dod,\n                 mask=do_mask, other=0.0)\n    # -- delta = rowsum(dO * O), minus dLSE when the LSE has a gradient (d LSE / d S = P, so\n    # it enters dS = P * (dP - delta) with the opposite sign) -------------------------------\n    o = tl.load(o_base + q_rows[:, None] * stride_om + offs_dv[None, :] * stride_od,\n                mask=do_mask, other=0.0)\n    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)\n    if HAS_DLSE:\n        delta = delta - tl.load(DLse + row_base + offs_m, mask=row_ok, other=0.0)\n    tl.store(Delta + row_base + offs_m, delta, mask=row_ok)\n    lse = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("-inf"))\n    # Note: a row that sees no key has LSE -inf; +inf in its place makes its P exactly 0.\n    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E_C)\n'
+    if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+        pass
+        yield "    # -- d sink_h = -sum over the head's rows of exp(sink_h - LSE) * delta (d LSE / d sink is\n    # the sink's probability; O = sum_j P_j V_j loses that share). This tile's share, in fp32,\n    # one value per program, summed on the host in a fixed order: no atomics, deterministic.\n    # A row that sees nothing and has LSE -inf (a sink of -inf) has p_sink 0 through lse2.\n    p_sink = tl.math.exp2(tl.load(Sinks + off_h) * _LOG2E_C - lse2)\n    tl.store(DSinkPartial + pid, -tl.sum(tl.where(row_ok, p_sink * delta, 0.0), 0))\n"
     if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
         pass
         yield '    slope_log2 = tl.load(Slopes + off_h) * _LOG2E_C\n'
@@ -114,9 +126,17 @@ def root(context, missing=missing):
         yield '    slope_log2 = 0.0\n'
     yield str(t_1(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'rng_state')), '\n'))
     yield '\n    dq = tl.zeros([BLOCK_M, _BLOCK_D], dtype=tl.float32)\n'
+    if (undefined(name='sink_tokens') if l_0_sink_tokens is missing else l_0_sink_tokens):
+        pass
+        yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'dq_phase'), "the sink tokens' keys left of the window: masked", '0, sink_hi', True))
+        yield '\n'
     if ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'sliding_window'):
         pass
         yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'dq_phase'), "keys left of the window's fully visible part: masked", 'lo, full_lo', True))
+        yield '\n'
+    elif ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'chunked'):
+        pass
+        yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'dq_phase'), "keys of the first row's chunk left of the part every row sees: masked", 'lo, full_lo', True))
         yield '\n'
     yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'dq_phase'), 'keys every row of the tile sees: no mask', 'full_lo, full_hi', False))
     yield '\n'
@@ -124,4 +144,4 @@ def root(context, missing=missing):
     yield '\n    dq = dq * sm_scale\n    tl.store(dq_base + q_rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,\n             dq.to(DQ.dtype.element_ty), mask=q_mask)\n\n\n'
 
 blocks = {}
-debug_info = '2=27&3=29&9=32&12=36&30=40&31=42&34=44&39=50&45=57&50=59&51=61&58=65&61=69&67=71&76=78&81=85&83=89&97=93&98=95&121=101&125=103&128=105&129=107&145=109&150=115&152=117&153=119&155=121&156=123'
+debug_info = '2=29&3=31&9=34&12=38&30=42&31=44&34=46&39=52&45=59&50=61&51=63&58=67&61=71&67=73&76=83&81=90&83=94&97=98&98=100&102=102&124=110&128=112&131=114&132=116&148=118&156=121&161=127&163=129&164=131&166=133&167=135&168=137&169=139&171=141&172=143'

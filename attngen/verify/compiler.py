@@ -177,7 +177,8 @@ def _backward_source(spec: AttnSpec, kernel: Any, config: TileConfig) -> Any:
     constexprs = {name: value for name, value in constexprs.items() if name in kernel.arg_names}
     types = dict.fromkeys(("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV"),
                           spec.dtype.triton_pointer)
-    types.update(dict.fromkeys(("Lse", "DLse", "Delta", "Slopes"), "*fp32"))
+    types.update(dict.fromkeys(("Lse", "DLse", "Delta", "Slopes", "Sinks", "DSinkPartial"),
+                               "*fp32"))  # Sinks, DSinkPartial: with `sinks: true`
     types.update(RngState="*i64", sm_scale="fp32", keep_scale="fp32")
     aligned = rows_aligned(spec)
 
