@@ -28,6 +28,9 @@ section_command() {
     models_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_model_fields_gpu.py \
       && $pytest_gpu tests/test_prefill_gpu.py tests/test_decode_gpu.py \
       -k 'gpt_oss or llama4 or deepseek'" ;;
+    models_quick) echo "$pytest_gpu tests/test_model_fields_gpu.py \
+      && $pytest_gpu tests/test_prefill_gpu.py tests/test_decode_gpu.py \
+      -k 'gpt_oss or llama4 or deepseek or small_launches'" ;;
     plans_tests) echo "$pytest_gpu tests/test_runtime_plans.py" ;;
     models_bench) echo "python3 tools/bench_models.py --out $work" ;;
     decode_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_decode_gpu.py" ;;
