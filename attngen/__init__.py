@@ -18,13 +18,27 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_RUNTIME = frozenset({
-    "scaled_dot_product_attention", "flash_attn_func", "flash_attn_varlen_func",
-    "flash_attn_with_kvcache", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
-    "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
-    "register_transformers", "last_dispatch", "dispatch_log", "load_kernels", "set_fallback",
-    "NoKernelError", "configure", "loaded_kernels", "warmup",
-})
+_RUNTIME = frozenset(
+    {
+        "scaled_dot_product_attention",
+        "flash_attn_func",
+        "flash_attn_varlen_func",
+        "flash_attn_with_kvcache",
+        "flash_attn_qkvpacked_func",
+        "flash_attn_kvpacked_func",
+        "flash_attn_varlen_qkvpacked_func",
+        "flash_attn_varlen_kvpacked_func",
+        "register_transformers",
+        "last_dispatch",
+        "dispatch_log",
+        "load_kernels",
+        "set_fallback",
+        "NoKernelError",
+        "configure",
+        "loaded_kernels",
+        "warmup",
+    }
+)
 
 
 def __getattr__(name: str) -> Any:

@@ -70,8 +70,20 @@ ARCHS: dict[str, GpuArch] = {
         GpuArch("sm89", 89, "L40S", 142, 101_376, 102_400, 65_536, 255, 1536, False),
         # Hopper (H100, H200): 228 KiB per SM, 227 KiB per block, of which ptxas reserves
         # 1 KiB of static shared memory in every Triton 3.6 cubin (attngen/verify/compiler.py).
-        GpuArch("sm90", 90, "H100/H200", 132, 232_448, 233_472, 65_536, 255, 2048, True, 1024,
-                has_tma=True),
+        GpuArch(
+            "sm90",
+            90,
+            "H100/H200",
+            132,
+            232_448,
+            233_472,
+            65_536,
+            255,
+            2048,
+            True,
+            1024,
+            has_tma=True,
+        ),
         # Consumer Blackwell (RTX 5090): like sm86/sm89 (100 KiB per SM, 99 KiB opt-in per
         # block, 1536 threads/SM; NVIDIA CCCL arch_traits<sm_120>). Triton 3.6 targets sm_120a
         # with mma.sync (no wgmma or tcgen05 in the PTX), and ptxas reserves 1 KiB as on sm90.

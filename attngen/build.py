@@ -69,8 +69,9 @@ def plan_build(specs: Iterable[AttnSpec], tuning_dir: Path | None = None) -> lis
 
 
 def _plan_one(spec: AttnSpec, kind: KernelKind, arch: str, tuning_dir: Path | None) -> Artifact:
-    derivation = derive_decode_tiles(spec, arch) if kind is KernelKind.decode else (
-        derive_tiles(spec, arch))
+    derivation = (
+        derive_decode_tiles(spec, arch) if kind is KernelKind.decode else (derive_tiles(spec, arch))
+    )
     if derivation.chosen is None:
         reasons = sorted({r for c in derivation.candidates for r in c.rejected})
         raise BuildError(
@@ -120,26 +121,30 @@ def write_build(artifacts: list[Artifact], out_dir: str | Path) -> list[str]:
     return changed
 
 
-def build(spec_paths: Iterable[str | Path], out_dir: str | Path,
-          tuning_dir: Path | None = None) -> list[str]:
+def build(
+    spec_paths: Iterable[str | Path], out_dir: str | Path, tuning_dir: Path | None = None
+) -> list[str]:
     return write_build(plan_build(load_specs(spec_paths), tuning_dir), out_dir)
 
 
-def stale_paths(spec_paths: Iterable[str | Path], out_dir: str | Path,
-                tuning_dir: Path | None = None) -> list[str]:
+def stale_paths(
+    spec_paths: Iterable[str | Path], out_dir: str | Path, tuning_dir: Path | None = None
+) -> list[str]:
     """Modules (and index entries) that a build would change: empty when out_dir is current."""
     return check_folder(spec_paths, out_dir, tuning_dir)[0]
 
 
-def unproduced_paths(spec_paths: Iterable[str | Path], out_dir: str | Path,
-                     tuning_dir: Path | None = None) -> list[str]:
+def unproduced_paths(
+    spec_paths: Iterable[str | Path], out_dir: str | Path, tuning_dir: Path | None = None
+) -> list[str]:
     """Modules in out_dir (files `<arch>/*.py` or index entries) that none of the specs
     produces: left over from another spec set or a renamed spec, or put there by hand."""
     return check_folder(spec_paths, out_dir, tuning_dir)[1]
 
 
-def check_folder(spec_paths: Iterable[str | Path], out_dir: str | Path,
-                 tuning_dir: Path | None = None) -> tuple[list[str], list[str]]:
+def check_folder(
+    spec_paths: Iterable[str | Path], out_dir: str | Path, tuning_dir: Path | None = None
+) -> tuple[list[str], list[str]]:
     """(stale_paths, unproduced_paths) from one render of the specs (`attngen check`)."""
     out = Path(out_dir)
     artifacts = plan_build(load_specs(spec_paths), tuning_dir)

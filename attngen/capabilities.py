@@ -42,14 +42,23 @@ class Cell:
             return f"no: {self.reason}"
         c = self.config
         flag = " (may spill)" if self.may_spill else ""
-        return (f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}, "
-                f"{self.smem_bytes / 1024:.0f} KiB{flag}")
+        return (
+            f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}, "
+            f"{self.smem_bytes / 1024:.0f} KiB{flag}"
+        )
 
 
 def matrix_spec(arch: str, dtype: Dtype, head_dim: int, mask: Mask) -> AttnSpec:
-    fields = {"name": "capability", "archs": [arch], "dtype": dtype.value,
-              "head_dim": head_dim, "num_q_heads": 8, "num_kv_heads": 8, "mask": mask.value,
-              "kernels": ["prefill"]}
+    fields = {
+        "name": "capability",
+        "archs": [arch],
+        "dtype": dtype.value,
+        "head_dim": head_dim,
+        "num_q_heads": 8,
+        "num_kv_heads": 8,
+        "mask": mask.value,
+        "kernels": ["prefill"],
+    }
     if mask is not Mask.none:
         fields["causal_align"] = "bottom_right"
     if mask is Mask.sliding_window:
@@ -73,11 +82,28 @@ def _cell(spec: AttnSpec, arch: str) -> Cell:
     best = derivation.chosen_candidate
     if best is None:
         closest = min(derivation.candidates, key=lambda c: c.smem_bytes)
-        return Cell(arch, spec.dtype.value, spec.head_dim, spec.mask.value, None,
-                    closest.smem_bytes, False, "; ".join(closest.rejected), None)
-    return Cell(arch, spec.dtype.value, spec.head_dim, spec.mask.value, best.config,
-                best.smem_bytes, best.may_spill(ARCHS[arch]), "",
-                measurement_key(spec, arch, best.config))
+        return Cell(
+            arch,
+            spec.dtype.value,
+            spec.head_dim,
+            spec.mask.value,
+            None,
+            closest.smem_bytes,
+            False,
+            "; ".join(closest.rejected),
+            None,
+        )
+    return Cell(
+        arch,
+        spec.dtype.value,
+        spec.head_dim,
+        spec.mask.value,
+        best.config,
+        best.smem_bytes,
+        best.may_spill(ARCHS[arch]),
+        "",
+        measurement_key(spec, arch, best.config),
+    )
 
 
 def _compiled(cell: Cell, data: Measurements | None) -> str:
@@ -98,30 +124,35 @@ def render_capabilities(cells: Sequence[Cell], data: Measurements | None) -> str
         "cell is the config `attngen build` renders for a prefill kernel with that arch, dtype, "
         "head dim and mask (BLOCK_M x BLOCK_N, num_warps, num_stages, predicted shared memory), "
         "or why no candidate fits. Head dims that are not powers of two are padded to the next "
-        "one inside the kernel. \"compiled\" is what Triton "
+        'one inside the kernel. "compiled" is what Triton '
         f"{data.triton if data else '-'} reports for that config and padded head dim "
         "(attngen/verify/data: one spec's compile per arch, dtype, padded dims and config; "
         "registers vary a little between specs, shared memory does not; `attngen "
-        "verify-tiling` checks it). \"may spill\": predicted within "
+        'verify-tiling` checks it). "may spill": predicted within '
         f"{REGISTER_MARGIN} registers above the limit, or fp32 (whose register use the model "
         "does not predict), chosen only when nothing safer fits.",
         "",
         "Every mask was derived separately; where all three give the same config the row says "
-        "\"all\" (the model has no mask term, and the compiler allocates the same shared memory "
+        '"all" (the model has no mask term, and the compiler allocates the same shared memory '
         "for every mask).",
     ]
     for arch in dict.fromkeys(c.arch for c in cells):
         spec = ARCHS[arch]
-        lines += ["", f"## {arch} ({spec.part}, {spec.sm_count} SMs, {spec.smem_budget} B "
-                      f"shared memory per block, {spec.max_threads_per_sm} threads/SM)", "",
-                  "| head dim | dtype | masks | config | compiled |",
-                  "|---:|---|---|---|---|"]
+        lines += [
+            "",
+            f"## {arch} ({spec.part}, {spec.sm_count} SMs, {spec.smem_budget} B "
+            f"shared memory per block, {spec.max_threads_per_sm} threads/SM)",
+            "",
+            "| head dim | dtype | masks | config | compiled |",
+            "|---:|---|---|---|---|",
+        ]
         groups: dict[tuple[int, str, str], list[Cell]] = {}
         for cell in cells:
             if cell.arch == arch:
                 groups.setdefault((cell.head_dim, cell.dtype, cell.text()), []).append(cell)
         for (head_dim, dtype, text), group in groups.items():
             masks = "all" if len(group) == len(MATRIX_MASKS) else ", ".join(c.mask for c in group)
-            lines.append(f"| {head_dim} | {dtype} | {masks} | {text} | "
-                         f"{_compiled(group[0], data)} |")
+            lines.append(
+                f"| {head_dim} | {dtype} | {masks} | {text} | {_compiled(group[0], data)} |"
+            )
     return "\n".join(lines) + "\n"

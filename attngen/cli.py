@@ -32,23 +32,43 @@ app = typer.Typer(
 
 SpecPaths = Annotated[list[Path], typer.Argument(help="Spec files (YAML).", show_default=False)]
 OutDir = Annotated[Path, typer.Option("--out", help="Output folder.")]
-TuningDir = Annotated[Path, typer.Option(
-    "--tuning", help="Tuning database folder (attngen autotune); used when it exists.")]
+TuningDir = Annotated[
+    Path,
+    typer.Option(
+        "--tuning", help="Tuning database folder (attngen autotune); used when it exists."
+    ),
+]
 
 # verify-tiling's options whose help takes several lines
-_SampleOption = Annotated[int, typer.Option(
-    help="Recompile N configs from the data file live (half rejected ones): the data must be "
-         "current for the installed Triton.")]
-_EverySpecOption = Annotated[bool, typer.Option(
-    help="Also compile every other spec of each feasible config and hold it to the spill "
-         "policy (slow: about 2900 compiles for the examples); the data keeps one record per "
-         "config.")]
-_MeasurementsOption = Annotated[Path | None, typer.Option(
-    help="Compiler measurements file; default "
-         "attngen/verify/data/prefill_compile_triton-<installed version>.json.")]
-_BackwardOption = Annotated[bool, typer.Option(
-    help="Check the gradient kernels (dQ, dK/dV) of the specs with backward: true instead of "
-         "the forward, against attngen/verify/data/backward_compile_triton-<version>.json.")]
+_SampleOption = Annotated[
+    int,
+    typer.Option(
+        help="Recompile N configs from the data file live (half rejected ones): the data must be "
+        "current for the installed Triton."
+    ),
+]
+_EverySpecOption = Annotated[
+    bool,
+    typer.Option(
+        help="Also compile every other spec of each feasible config and hold it to the spill "
+        "policy (slow: about 2900 compiles for the examples); the data keeps one record per "
+        "config."
+    ),
+]
+_MeasurementsOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="Compiler measurements file; default "
+        "attngen/verify/data/prefill_compile_triton-<installed version>.json."
+    ),
+]
+_BackwardOption = Annotated[
+    bool,
+    typer.Option(
+        help="Check the gradient kernels (dQ, dK/dV) of the specs with backward: true instead of "
+        "the forward, against attngen/verify/data/backward_compile_triton-<version>.json."
+    ),
+]
 
 
 def _tuning(tuning: Path) -> Path | None:
@@ -61,20 +81,25 @@ def _fail(message: str) -> typer.Exit:
 
 
 @app.command("build")
-def build_command(specs: SpecPaths, out: OutDir = Path("generated"),
-                  tuning: TuningDir = DEFAULT_TUNING_DIR) -> None:
+def build_command(
+    specs: SpecPaths, out: OutDir = Path("generated"), tuning: TuningDir = DEFAULT_TUNING_DIR
+) -> None:
     """Render every (kernel, arch) of the specs into OUT/<arch>/<module>.py and OUT/index.json."""
     try:
         changed = build(specs, out, _tuning(tuning))
     except SpecError as exc:
         raise _fail(str(exc)) from None
-    typer.echo(f"attngen: {len(changed)} file(s) written to {out}" if changed
-               else f"attngen: {out} is up to date")
+    typer.echo(
+        f"attngen: {len(changed)} file(s) written to {out}"
+        if changed
+        else f"attngen: {out} is up to date"
+    )
 
 
 @app.command("check")
-def check_command(specs: SpecPaths, out: OutDir = Path("generated"),
-                  tuning: TuningDir = DEFAULT_TUNING_DIR) -> None:
+def check_command(
+    specs: SpecPaths, out: OutDir = Path("generated"), tuning: TuningDir = DEFAULT_TUNING_DIR
+) -> None:
     """Exit 1 when OUT differs from what `attngen build` would write for the specs, or holds
     modules that none of the specs produces."""
     try:
@@ -85,9 +110,10 @@ def check_command(specs: SpecPaths, out: OutDir = Path("generated"),
     if stale:
         problems.append(f"{out} is stale; run `attngen build`: " + ", ".join(stale))
     if unproduced:
-        problems.append(f"{out} holds modules that none of the given specs produces (pass "
-                        "their specs too, or delete them and their index entries): "
-                        + ", ".join(unproduced))
+        problems.append(
+            f"{out} holds modules that none of the given specs produces (pass "
+            "their specs too, or delete them and their index entries): " + ", ".join(unproduced)
+        )
     if problems:
         raise _fail("; ".join(problems))
     typer.echo(f"attngen: {out} is up to date")
@@ -95,22 +121,26 @@ def check_command(specs: SpecPaths, out: OutDir = Path("generated"),
 
 @app.command("spec-from-hf")
 def spec_from_hf_command(
-    config: Annotated[Path, typer.Argument(help="A transformers config.json, or its folder.",
-                                           show_default=False)],
+    config: Annotated[
+        Path, typer.Argument(help="A transformers config.json, or its folder.", show_default=False)
+    ],
     archs: Annotated[str, typer.Option(help="Comma-separated targets.")] = "sm80,sm90",
     name: Annotated[str | None, typer.Option(help="Spec name; default the model_type.")] = None,
-    dtype: Annotated[str | None, typer.Option(
-        help="fp16 | bf16 | fp32; default the config's dtype/torch_dtype.")] = None,
-    out: Annotated[Path | None, typer.Option("--out", help="Write the spec here; default "
-                                             "stdout.")] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help="fp16 | bf16 | fp32; default the config's dtype/torch_dtype.")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Write the spec here; default stdout.")
+    ] = None,
 ) -> None:
     """Write the spec of a transformers model's attention (read as JSON; no transformers)."""
     from attngen.files import write_if_different
     from attngen.hf_spec import spec_data_from_config, spec_yaml
 
     try:
-        data = spec_data_from_config(config, archs=[a for a in archs.split(",") if a],
-                                     name=name, dtype=dtype)
+        data = spec_data_from_config(
+            config, archs=[a for a in archs.split(",") if a], name=name, dtype=dtype
+        )
         specs_from_data(data)  # validated before anything is written
         text = spec_yaml(data)
     except SpecError as exc:
@@ -125,8 +155,9 @@ def spec_from_hf_command(
 @app.command("explain")
 def explain_command(
     specs: SpecPaths,
-    arch: Annotated[str | None, typer.Option(help=f"Only this arch ({', '.join(arch_names())}).")]
-    = None,
+    arch: Annotated[
+        str | None, typer.Option(help=f"Only this arch ({', '.join(arch_names())}).")
+    ] = None,
     tuning: TuningDir = DEFAULT_TUNING_DIR,
 ) -> None:
     """Print the tile derivation for each spec and arch: model, constraints, candidates, choice."""
@@ -134,8 +165,7 @@ def explain_command(
         allowed = ", ".join(arch_names())
         raise typer.BadParameter(f"{arch!r}; allowed: {allowed}", param_hint="--arch")
     try:
-        lines = explain_lines(load_specs(specs), None if arch is None else [arch],
-                              _tuning(tuning))
+        lines = explain_lines(load_specs(specs), None if arch is None else [arch], _tuning(tuning))
     except SpecError as exc:
         raise _fail(str(exc)) from None
     typer.echo("\n".join(lines).rstrip())
@@ -144,17 +174,24 @@ def explain_command(
 @app.command("autotune")
 def autotune_command(
     specs: SpecPaths,
-    arch: Annotated[str, typer.Option(help="GPU arch to tune for; auto = this machine's GPU.")]
-    = "auto",
+    arch: Annotated[
+        str, typer.Option(help="GPU arch to tune for; auto = this machine's GPU.")
+    ] = "auto",
     budget: Annotated[float, typer.Option(help="Seconds for the whole run; resumable.")] = 600.0,
-    max_configs: Annotated[int, typer.Option(
-        help="Candidates per spec: the best config of each tile shape.")] = 16,
+    max_configs: Annotated[
+        int, typer.Option(help="Candidates per spec: the best config of each tile shape.")
+    ] = 16,
     tuning: TuningDir = DEFAULT_TUNING_DIR,
-    kernels: Annotated[str, typer.Option(
-        help="all, forward or backward: backward tunes the dQ and dK/dV kernels of the specs "
-             "with backward: true (all does both).")] = "all",
-    max_backward_configs: Annotated[int, typer.Option(
-        help="Candidates per gradient kernel, the heuristic's first.")] = 6,
+    kernels: Annotated[
+        str,
+        typer.Option(
+            help="all, forward or backward: backward tunes the dQ and dK/dV kernels of the specs "
+            "with backward: true (all does both)."
+        ),
+    ] = "all",
+    max_backward_configs: Annotated[
+        int, typer.Option(help="Candidates per gradient kernel, the heuristic's first.")
+    ] = 6,
 ) -> None:
     """Time the feasible tile configs on this GPU and record winners in TUNING/<arch>.json.
 
@@ -170,8 +207,15 @@ def autotune_command(
         target = detect_arch() if arch == "auto" else arch
         if arch != "auto" and target != detect_arch():
             raise SpecError(f"--arch {arch}: this machine's GPU is {detect_arch()}; tune there")
-        outcomes = autotune(loaded, tuning, budget, max_configs, target, kernels=kernels,
-                            backward=BackwardOptions(max_configs=max_backward_configs))
+        outcomes = autotune(
+            loaded,
+            tuning,
+            budget,
+            max_configs,
+            target,
+            kernels=kernels,
+            backward=BackwardOptions(max_configs=max_backward_configs),
+        )
     except SpecError as exc:
         raise _fail(str(exc)) from None
     lost = [o for o in outcomes if o.winner is None]
@@ -180,8 +224,10 @@ def autotune_command(
     if failed:
         raise _fail("no candidate passed the correctness gate for: " + ", ".join(failed))
     if untried:
-        raise _fail("the budget ran out before these were measured (run again to resume): "
-                    + ", ".join(untried))
+        raise _fail(
+            "the budget ran out before these were measured (run again to resume): "
+            + ", ".join(untried)
+        )
     typer.echo(f"attngen: winners recorded in {tuning}; run `attngen build` to use them")
 
 
@@ -192,19 +238,26 @@ def _outcome_name(spec_name: str, kernel: str) -> str:
 
 @app.command("verify-tiling")
 def verify_tiling_command(
-    specs: Annotated[list[Path] | None, typer.Argument(
-        help="Spec files (YAML); default examples/*.yaml.", show_default=False)] = None,
-    arch: Annotated[list[str] | None, typer.Option(
-        help="Only this arch (repeatable); default every arch in attngen/arch.py.")] = None,
+    specs: Annotated[
+        list[Path] | None,
+        typer.Argument(help="Spec files (YAML); default examples/*.yaml.", show_default=False),
+    ] = None,
+    arch: Annotated[
+        list[str] | None,
+        typer.Option(help="Only this arch (repeatable); default every arch in attngen/arch.py."),
+    ] = None,
     sample: _SampleOption = 0,
-    recompile: Annotated[bool, typer.Option(
-        help="Compile every config live instead of reading the data file.")] = False,
+    recompile: Annotated[
+        bool, typer.Option(help="Compile every config live instead of reading the data file.")
+    ] = False,
     every_spec: _EverySpecOption = False,
-    json_path: Annotated[Path | None, typer.Option(
-        "--json", help="Write every row and the summary as JSON.")] = None,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="Write every row and the summary as JSON.")
+    ] = None,
     data: _MeasurementsOption = None,
-    save_data: Annotated[bool, typer.Option(
-        help="Write what was compiled live into the data file.")] = False,
+    save_data: Annotated[
+        bool, typer.Option(help="Write what was compiled live into the data file.")
+    ] = False,
     rows: Annotated[bool, typer.Option(help="Print every config, not only failures.")] = False,
     jobs: Annotated[int, typer.Option(help="Compile processes.")] = 2,
     seed: Annotated[int, typer.Option(help="Seed of --sample.")] = 0,
@@ -219,9 +272,18 @@ def verify_tiling_command(
     arches = _checked_arches(arch)
     loaded, measurements, path, planner = _tiling_inputs(specs, backward, data)
     report = verify_tiling(
-        loaded, arches, measurements, recompile=recompile, sample=sample,
-        seed=seed, processes=jobs, every_spec=every_spec, save_to=path if save_data else None,
-        progress=lambda message: typer.echo(f"attngen: {message}", err=True), planner=planner)
+        loaded,
+        arches,
+        measurements,
+        recompile=recompile,
+        sample=sample,
+        seed=seed,
+        processes=jobs,
+        every_spec=every_spec,
+        save_to=path if save_data else None,
+        progress=lambda message: typer.echo(f"attngen: {message}", err=True),
+        planner=planner,
+    )
     typer.echo("\n".join(report_lines(report, all_rows=rows)))
     if json_path is not None:
         json_path.write_text(dump_json(report), encoding="utf-8")
@@ -235,13 +297,15 @@ def _checked_arches(arch: list[str] | None) -> Sequence[str]:
     """--arch's values, each a known arch (else a usage error naming it), or every arch."""
     unknown = [a for a in arch or [] if a not in arch_names()]
     if unknown:
-        raise typer.BadParameter(f"{unknown[0]!r}; allowed: {', '.join(arch_names())}",
-                                 param_hint="--arch")
+        raise typer.BadParameter(
+            f"{unknown[0]!r}; allowed: {', '.join(arch_names())}", param_hint="--arch"
+        )
     return arch or arch_names()
 
 
-def _tiling_inputs(specs: list[Path] | None, backward: bool, data: Path | None
-                   ) -> tuple[list[AttnSpec], Measurements, Path, Planner]:
+def _tiling_inputs(
+    specs: list[Path] | None, backward: bool, data: Path | None
+) -> tuple[list[AttnSpec], Measurements, Path, Planner]:
     """verify-tiling's specs (default examples/*.yaml), measurements, their file and planner;
     what is wrong with them as the command's error."""
     from attngen.verify.backward import run_inputs
@@ -257,20 +321,28 @@ def _tiling_inputs(specs: list[Path] | None, backward: bool, data: Path | None
 
 @app.command("capabilities")
 def capabilities_command(
-    out: Annotated[Path | None, typer.Option(
-        "--out", help="Write the Markdown here (docs/capabilities.md); default stdout.")] = None,
-    data: Annotated[Path | None, typer.Option(
-        help="Compiler measurements file for the compiled column; default the installed "
-             "Triton's.")]
-    = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out", help="Write the Markdown here (docs/capabilities.md); default stdout."
+        ),
+    ] = None,
+    data: Annotated[
+        Path | None,
+        typer.Option(
+            help="Compiler measurements file for the compiled column; default the installed "
+            "Triton's."
+        ),
+    ] = None,
 ) -> None:
     """The capability matrix: arch x dtype x head dim x mask -> config, or why none fits."""
     from attngen.capabilities import capability_cells, render_capabilities
     from attngen.files import write_if_different
     from attngen.verify.measurements import data_path, load_measurements, triton_version
 
-    text = render_capabilities(capability_cells(),
-                               load_measurements(data or data_path(triton_version())))
+    text = render_capabilities(
+        capability_cells(), load_measurements(data or data_path(triton_version()))
+    )
     if out is None:
         typer.echo(text, nl=False)
     elif write_if_different(out, text):

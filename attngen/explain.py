@@ -19,8 +19,9 @@ TOP_FEASIBLE = 6
 REJECTED_SAMPLE = 4
 
 
-def explain_lines(specs: Iterable[AttnSpec], archs: Iterable[str] | None = None,
-                  tuning_dir: Path | None = None) -> list[str]:
+def explain_lines(
+    specs: Iterable[AttnSpec], archs: Iterable[str] | None = None, tuning_dir: Path | None = None
+) -> list[str]:
     wanted = None if archs is None else set(archs)
     lines: list[str] = []
     for spec in specs:
@@ -37,11 +38,18 @@ def explain_lines(specs: Iterable[AttnSpec], archs: Iterable[str] | None = None,
                     groups.setdefault(derivation.chosen, (derivation, []))[1].append(kind.value)
                 for derivation, kinds in groups.values():
                     section = explain_one(spec, derivation)
-                    paths = [f"   code paths ({kind}): "
-                             f"{code_paths(spec, arch, KernelKind(kind)).describe()}"
-                             for kind in kinds]
-                    lines += [section[0], f"   kernels: {', '.join(kinds)}", *paths,
-                              *section[1:], ""]
+                    paths = [
+                        f"   code paths ({kind}): "
+                        f"{code_paths(spec, arch, KernelKind(kind)).describe()}"
+                        for kind in kinds
+                    ]
+                    lines += [
+                        section[0],
+                        f"   kernels: {', '.join(kinds)}",
+                        *paths,
+                        *section[1:],
+                        "",
+                    ]
                 if spec.backward:
                     backward = tuned_backward_tiles(tuning_dir, spec, arch)
                     lines += [*explain_backward(spec, backward), ""]
@@ -55,9 +63,11 @@ def explain_backward(spec: AttnSpec, backward: BackwardDerivation) -> list[str]:
     lines = [f"-- {spec.name} on {backward.dq.arch}: backward (prefill and varlen modules)"]
     for label, derivation in (("dQ kernel", backward.dq), ("dK/dV kernel", backward.dkdv)):
         feasible = sum(c.feasible for c in derivation.candidates)
-        lines += [f"   {label}: shared memory = {derivation.expressions['smem']}",
-                  f"     registers/thr ~= {derivation.expressions['regs']}",
-                  f"     {feasible} of {len(derivation.candidates)} candidates feasible"]
+        lines += [
+            f"   {label}: shared memory = {derivation.expressions['smem']}",
+            f"     registers/thr ~= {derivation.expressions['regs']}",
+            f"     {feasible} of {len(derivation.candidates)} candidates feasible",
+        ]
     lines += [f"   {line}" for line in backward.summary_lines()]
     return lines
 
@@ -79,11 +89,14 @@ def explain_one(spec: AttnSpec, derivation: Derivation) -> list[str]:
         "   constraints:",
         *(f"     {label}" for label in derivation.constraints),
     ]
-    feasible = sorted((c for c in derivation.candidates if c.feasible),
-                      key=lambda c: (-c.score, c.smem_bytes))
+    feasible = sorted(
+        (c for c in derivation.candidates if c.feasible), key=lambda c: (-c.score, c.smem_bytes)
+    )
     rejected = [c for c in derivation.candidates if not c.feasible]
-    lines.append(f"   candidates: {len(derivation.candidates)} "
-                 f"({len(feasible)} feasible, {len(rejected)} rejected)")
+    lines.append(
+        f"   candidates: {len(derivation.candidates)} "
+        f"({len(feasible)} feasible, {len(rejected)} rejected)"
+    )
     lines.append("     BLOCK_M BLOCK_N warps stages   smem B  regs  prog/SM  waves  score  verdict")
     for cand in feasible[:TOP_FEASIBLE]:
         verdict = "CHOSEN" if cand.config == derivation.chosen else "feasible"
@@ -103,9 +116,11 @@ def explain_one(spec: AttnSpec, derivation: Derivation) -> list[str]:
         f"   chosen: BLOCK_M={best.config.block_m} BLOCK_N={best.config.block_n} "
         f"num_warps={best.config.num_warps} num_stages={best.config.num_stages} "
         f"(source: {derivation.source})",
-        *(f"   for sequences up to {up_to}: BLOCK_M={c.block_m} BLOCK_N={c.block_n} "
-          f"num_warps={c.num_warps} num_stages={c.num_stages} (measured faster there)"
-          for up_to, c in derivation.shorter),
+        *(
+            f"   for sequences up to {up_to}: BLOCK_M={c.block_m} BLOCK_N={c.block_n} "
+            f"num_warps={c.num_warps} num_stages={c.num_stages} (measured faster there)"
+            for up_to, c in derivation.shorter
+        ),
         f"   rule: {_rule(derivation, len(safe), len(feasible))}",
         f"   binding constraint: {derivation.binding}",
         f"   waves: {derivation.worked['waves']}",
@@ -144,17 +159,22 @@ def explain_decode(spec: AttnSpec, derivation: Derivation) -> list[str]:
         f"({sum(c.feasible for c in derivation.candidates)} feasible)",
         "     BLOCK_M BLOCK_N warps stages   smem B  regs  prog/SM  score  verdict",
     ]
-    ranked = sorted(derivation.candidates, key=lambda c: (not c.feasible, -c.score,
-                                                           c.smem_bytes))
+    ranked = sorted(derivation.candidates, key=lambda c: (not c.feasible, -c.score, c.smem_bytes))
     for cand in ranked[:TOP_FEASIBLE]:
-        verdict = "CHOSEN" if cand.config == derivation.chosen else (
-            "feasible" if cand.feasible else "rejected: " + "; ".join(cand.rejected))
+        verdict = (
+            "CHOSEN"
+            if cand.config == derivation.chosen
+            else ("feasible" if cand.feasible else "rejected: " + "; ".join(cand.rejected))
+        )
         lines.append(_row(cand, verdict, waves=False))
     best = derivation.chosen_candidate
     if best is None:
-        return [*lines, "   no decode config fits this arch",
-                "   nearest feasible alternative: "
-                + nearest_alternative(spec, arch.name, KernelKind.decode)]
+        return [
+            *lines,
+            "   no decode config fits this arch",
+            "   nearest feasible alternative: "
+            + nearest_alternative(spec, arch.name, KernelKind.decode),
+        ]
     c = best.config
     lines += [
         f"   decode tile: BLOCK_N={c.block_n} num_warps={c.num_warps} "
@@ -171,8 +191,10 @@ def explain_decode(spec: AttnSpec, derivation: Derivation) -> list[str]:
 def _rule(derivation: Derivation, safe: int, feasible: int) -> str:
     if derivation.source != "heuristic":
         return f"measured best ({derivation.source}), among the feasible candidates"
-    return (f"predicted not to spill first ({safe} feasible configs are, {feasible - safe} may "
-            "spill), then the best score, then less shared memory")
+    return (
+        f"predicted not to spill first ({safe} feasible configs are, {feasible - safe} may "
+        "spill), then the best score, then less shared memory"
+    )
 
 
 def feasible_set_lines(feasible: list[Candidate]) -> list[str]:
@@ -181,13 +203,16 @@ def feasible_set_lines(feasible: list[Candidate]) -> list[str]:
     for cand in feasible:
         c = cand.config
         shapes.setdefault((c.block_m, c.block_n), {}).setdefault(c.num_warps, []).append(
-            c.num_stages)
+            c.num_stages
+        )
     parts = []
     for (bm, bn), by_warps in sorted(shapes.items(), reverse=True):
         warps = ", ".join(f"w{w} s{_span(sorted(st))}" for w, st in sorted(by_warps.items()))
         parts.append(f"{bm}x{bn} ({warps})")
-    lines = [f"   feasible set ({len(feasible)}, BLOCK_M x BLOCK_N (warps, stages)):"
-             + ("" if parts else " empty")]
+    lines = [
+        f"   feasible set ({len(feasible)}, BLOCK_M x BLOCK_N (warps, stages)):"
+        + ("" if parts else " empty")
+    ]
     for part in parts:  # a shape's entry is never split across lines
         if len(lines) == 1 or len(lines[-1]) + len(part) > 94:
             lines.append("     " + part + ";")
@@ -209,9 +234,11 @@ def _row(cand: Candidate, verdict: str, waves: bool = True) -> str:
     """A candidate's line; decode has no prefill reference problem, so no waves column."""
     c = cand.config
     wave = f"{cand.wave_efficiency:6.3f} " if waves else ""
-    return (f"     {c.block_m:7d} {c.block_n:7d} {c.num_warps:5d} {c.num_stages:6d} "
-            f"{cand.smem_bytes:8d} {cand.regs_per_thread:5d} {cand.programs_per_sm:8d} "
-            f"{wave}{cand.score:6.3f}  {verdict}")
+    return (
+        f"     {c.block_m:7d} {c.block_n:7d} {c.num_warps:5d} {c.num_stages:6d} "
+        f"{cand.smem_bytes:8d} {cand.regs_per_thread:5d} {cand.programs_per_sm:8d} "
+        f"{wave}{cand.score:6.3f}  {verdict}"
+    )
 
 
 def _spread(items: list[Candidate], count: int) -> list[Candidate]:
@@ -223,6 +250,8 @@ def _spread(items: list[Candidate], count: int) -> list[Candidate]:
 
 def _nearest_miss(rejected: list[Candidate]) -> str:
     closest = min(rejected, key=lambda c: c.smem_bytes)
-    return (f"the smallest candidate (BLOCK_M={closest.config.block_m}, "
-            f"BLOCK_N={closest.config.block_n}, num_stages={closest.config.num_stages}) is "
-            f"rejected: {'; '.join(closest.rejected)}")
+    return (
+        f"the smallest candidate (BLOCK_M={closest.config.block_m}, "
+        f"BLOCK_N={closest.config.block_n}, num_stages={closest.config.num_stages}) is "
+        f"rejected: {'; '.join(closest.rejected)}"
+    )

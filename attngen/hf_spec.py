@@ -54,23 +54,41 @@ from attngen.spec import AttnSpec, Dtype, SpecError, specs_from_data
 
 DEFAULT_ARCHS = ("sm80", "sm90")
 _ALTERNATING = frozenset({"gemma2"})  # model types whose layers alternate local and global
-_ALIBI = ("ALiBi position biases (spec-from-hf does not map them; write the spec by hand "
-          "with alibi: true and pass the slopes at call time)")
+_ALIBI = (
+    "ALiBi position biases (spec-from-hf does not map them; write the spec by hand "
+    "with alibi: true and pass the slopes at call time)"
+)
 _SPARSE = "a sparse indexer choosing the keys each query sees (DeepSeek-V3.2's top-k)"
 _UNEXPRESSED_FIELDS = {
-    "index_topk": _SPARSE, "index_n_heads": _SPARSE,
-    "alibi": _ALIBI, "use_alibi": _ALIBI,
+    "index_topk": _SPARSE,
+    "index_n_heads": _SPARSE,
+    "alibi": _ALIBI,
+    "use_alibi": _ALIBI,
 }
 # The multi-head latent attention fields; all four must be there (q_lora_rank is only the
 # query projection's rank and changes nothing the attention function sees).
 MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 MLA_PAGE_SIZE = 64  # FlashMLA's and FlashInfer's MLA page size
 SINKS_MODELS = frozenset({"gpt_oss"})  # attention layers pass s_aux = sinks (runtime/hf.py)
-_SINK_MODELS = frozenset({"granite_swa", "granitemoe_swa", "hy_v4", "mimo_v2_flash",
-                          "openai_privacy_filter", "deepseek_v4"})
-_MODEL_FEATURES = {**{m: "learned attention sinks (an extra per-head logit in the softmax) "
-                      "handed over in a way attngen's transformers function is not known to "
-                      "read" for m in _SINK_MODELS}, "bloom": _ALIBI}
+_SINK_MODELS = frozenset(
+    {
+        "granite_swa",
+        "granitemoe_swa",
+        "hy_v4",
+        "mimo_v2_flash",
+        "openai_privacy_filter",
+        "deepseek_v4",
+    }
+)
+_MODEL_FEATURES = {
+    **{
+        m: "learned attention sinks (an extra per-head logit in the softmax) "
+        "handed over in a way attngen's transformers function is not known to "
+        "read"
+        for m in _SINK_MODELS
+    },
+    "bloom": _ALIBI,
+}
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 # Layer types that call no attention function: nothing of theirs goes into the spec.
 NON_ATTENTION_LAYERS = frozenset({"linear_attention", "conv", "moe", "sparse", "dense"})
@@ -94,12 +112,19 @@ def read_config(source: Any) -> dict[str, Any]:
         return data
     if hasattr(source, "to_dict"):
         return dict(source.to_dict())
-    raise SpecError(f"config: got {type(source).__name__}; allowed: a dict, a config.json "
-                    "path or folder, or a transformers config")
+    raise SpecError(
+        f"config: got {type(source).__name__}; allowed: a dict, a config.json "
+        "path or folder, or a transformers config"
+    )
 
 
-def spec_data_from_config(config: Any, *, archs: Sequence[str] = DEFAULT_ARCHS,
-                          name: str | None = None, dtype: str | None = None) -> dict[str, Any]:
+def spec_data_from_config(
+    config: Any,
+    *,
+    archs: Sequence[str] = DEFAULT_ARCHS,
+    name: str | None = None,
+    dtype: str | None = None,
+) -> dict[str, Any]:
     """The spec as YAML-ready data (with `variants` for alternating local/global layers)."""
     cfg = _text_config(read_config(config))
     refuse_unexpressed(cfg)
@@ -107,12 +132,16 @@ def spec_data_from_config(config: Any, *, archs: Sequence[str] = DEFAULT_ARCHS,
     if _is_mla(cfg):
         return _mla_data(cfg, data, data["num_q_heads"])
     bidirectional = bool(cfg.get("use_bidirectional_attention"))
-    causal = ({"mask": "none"} if bidirectional
-              else {"mask": "causal", "causal_align": "bottom_right"})
+    causal = (
+        {"mask": "none"} if bidirectional else {"mask": "causal", "causal_align": "bottom_right"}
+    )
     kinds = _layer_kinds(cfg) - NON_ATTENTION_LAYERS
     if "chunked_attention" in kinds:
-        chunked = {"mask": "chunked", "causal_align": "bottom_right",
-                   "chunk_size": _int(cfg, "attention_chunk_size")}
+        chunked = {
+            "mask": "chunked",
+            "causal_align": "bottom_right",
+            "chunk_size": _int(cfg, "attention_chunk_size"),
+        }
         if kinds == {"chunked_attention"}:
             return {**data, **chunked}
         return {**data, "variants": {"chunked": chunked, "global": causal}}
@@ -120,20 +149,25 @@ def spec_data_from_config(config: Any, *, archs: Sequence[str] = DEFAULT_ARCHS,
     if not window or cfg.get("use_sliding_window") is False or kinds == {"full_attention"}:
         return {**data, **causal}
     # Gemma's bidirectional window keeps |i - j| < W: W - 1 on both sides.
-    local = {"mask": "sliding_window", "causal_align": "bottom_right",
-             "window_left": int(window) - 1, "window_right": int(window) - 1 if bidirectional
-             else 0}
+    local = {
+        "mask": "sliding_window",
+        "causal_align": "bottom_right",
+        "window_left": int(window) - 1,
+        "window_right": int(window) - 1 if bidirectional else 0,
+    }
     # Without layer_types (older config.json files), Gemma-2 alternates by architecture and
     # Gemma-3 and Cohere-2 say so with sliding_window_pattern.
-    alternating = len(kinds) > 1 or (not kinds and (
-        cfg.get("sliding_window_pattern") or cfg.get("model_type") in _ALTERNATING))
+    alternating = len(kinds) > 1 or (
+        not kinds and (cfg.get("sliding_window_pattern") or cfg.get("model_type") in _ALTERNATING)
+    )
     if alternating:
         return {**data, "variants": {"local": local, "global": causal}}
     return {**data, **local}
 
 
-def _shared_fields(cfg: dict[str, Any], archs: Sequence[str], name: str | None,
-                   dtype: str | None) -> dict[str, Any]:
+def _shared_fields(
+    cfg: dict[str, Any], archs: Sequence[str], name: str | None, dtype: str | None
+) -> dict[str, Any]:
     """The fields every variant of the spec shares: name, archs, dtype, head dim and heads,
     softcap, sinks, and the kernels."""
     heads = _int(cfg, "num_attention_heads")
@@ -161,12 +195,16 @@ def _is_mla(cfg: dict[str, Any]) -> bool:
     if present and len(present) < len(MLA_FIELDS):
         missing = [field for field in MLA_FIELDS if field not in present]
         if present != ["v_head_dim"]:
-            raise SpecError(f"config {missing[0]}: got {cfg.get(missing[0])!r}; multi-head "
-                            f"latent attention needs all of {', '.join(MLA_FIELDS)} (an int "
-                            "> 0 each), so no spec is written")
-        raise SpecError(f"config v_head_dim: got {cfg['v_head_dim']!r}; a value head dim of "
-                        "its own without latent attention, which spec-from-hf does not map "
-                        "(write the spec by hand with head_dim_v)")
+            raise SpecError(
+                f"config {missing[0]}: got {cfg.get(missing[0])!r}; multi-head "
+                f"latent attention needs all of {', '.join(MLA_FIELDS)} (an int "
+                "> 0 each), so no spec is written"
+            )
+        raise SpecError(
+            f"config v_head_dim: got {cfg['v_head_dim']!r}; a value head dim of "
+            "its own without latent attention, which spec-from-hf does not map "
+            "(write the spec by hand with head_dim_v)"
+        )
     return bool(present)
 
 
@@ -177,11 +215,21 @@ def _mla_data(cfg: dict[str, Any], data: dict[str, Any], heads: int) -> dict[str
     latent, value = _int(cfg, "kv_lora_rank"), _int(cfg, "v_head_dim")
     causal = {"mask": "causal", "causal_align": "bottom_right"}
     data = {**data, "head_dim": nope + rope}  # cfg's head_dim is the rope part's
-    return {**data, **causal, "variants": {
-        "mla": {"head_dim": nope + rope, "head_dim_v": value, "num_kv_heads": heads},
-        "absorbed": {"head_dim": latent + rope, "head_dim_v": latent, "num_kv_heads": 1,
-                     "kernels": ["decode"], "kv_layout": "paged",
-                     "page_size": MLA_PAGE_SIZE}}}
+    return {
+        **data,
+        **causal,
+        "variants": {
+            "mla": {"head_dim": nope + rope, "head_dim_v": value, "num_kv_heads": heads},
+            "absorbed": {
+                "head_dim": latent + rope,
+                "head_dim_v": latent,
+                "num_kv_heads": 1,
+                "kernels": ["decode"],
+                "kv_layout": "paged",
+                "page_size": MLA_PAGE_SIZE,
+            },
+        },
+    }
 
 
 def refuse_unexpressed(cfg: dict[str, Any]) -> None:
@@ -190,30 +238,39 @@ def refuse_unexpressed(cfg: dict[str, Any]) -> None:
     for field, what in _UNEXPRESSED_FIELDS.items():
         value = cfg.get(field)
         if value not in (None, False, 0):
-            raise SpecError(f"config {field}: got {value!r}; {what} is not expressible in an "
-                            "attngen spec yet, so no spec is written (one without it would "
-                            "compute different attention)")
+            raise SpecError(
+                f"config {field}: got {value!r}; {what} is not expressible in an "
+                "attngen spec yet, so no spec is written (one without it would "
+                "compute different attention)"
+            )
     chunk = cfg.get("attention_chunk_size")
     if chunk and not kinds:
-        raise SpecError(f"config attention_chunk_size: got {chunk!r} and no layer_types saying "
-                        "which layers are chunked_attention; no spec is written (give the "
-                        "layer types, as transformers' Llama4TextConfig derives them)")
+        raise SpecError(
+            f"config attention_chunk_size: got {chunk!r} and no layer_types saying "
+            "which layers are chunked_attention; no spec is written (give the "
+            "layer types, as transformers' Llama4TextConfig derives them)"
+        )
     if "chunked_attention" in kinds and not chunk:
-        raise SpecError(f"config attention_chunk_size: got {chunk!r}; chunked_attention layers "
-                        "need an int > 0")
+        raise SpecError(
+            f"config attention_chunk_size: got {chunk!r}; chunked_attention layers need an int > 0"
+        )
     attn_config = cfg.get("attn_config")
     if isinstance(attn_config, dict) and attn_config.get("alibi"):
         raise SpecError(f"config attn_config.alibi: got {attn_config['alibi']!r}; {_ALIBI}")
     model_type = cfg.get("model_type")
     if model_type in _MODEL_FEATURES:
-        raise SpecError(f"config model_type: got {model_type!r}; its attention has "
-                        f"{_MODEL_FEATURES[model_type]}, which is not expressible in an attngen "
-                        "spec yet, so no spec is written")
+        raise SpecError(
+            f"config model_type: got {model_type!r}; its attention has "
+            f"{_MODEL_FEATURES[model_type]}, which is not expressible in an attngen "
+            "spec yet, so no spec is written"
+        )
     unknown = sorted(kinds - ATTENTION_LAYERS - NON_ATTENTION_LAYERS)
     if unknown:
-        raise SpecError(f"config layer_types: got {', '.join(map(repr, unknown))} layers; "
-                        "attngen specs express full_attention, sliding_attention and "
-                        "chunked_attention only, so no spec is written")
+        raise SpecError(
+            f"config layer_types: got {', '.join(map(repr, unknown))} layers; "
+            "attngen specs express full_attention, sliding_attention and "
+            "chunked_attention only, so no spec is written"
+        )
 
 
 def _layer_kinds(cfg: dict[str, Any]) -> set[str]:
@@ -228,14 +285,20 @@ def _layer_kinds(cfg: dict[str, Any]) -> set[str]:
     return set()
 
 
-def spec_from_config(config: Any, *, archs: Sequence[str] = DEFAULT_ARCHS, name: str | None = None,
-                     dtype: str | None = None) -> tuple[AttnSpec, ...]:
+def spec_from_config(
+    config: Any,
+    *,
+    archs: Sequence[str] = DEFAULT_ARCHS,
+    name: str | None = None,
+    dtype: str | None = None,
+) -> tuple[AttnSpec, ...]:
     """The validated specs of a transformers config (one, or local and global variants)."""
     return specs_from_data(spec_data_from_config(config, archs=archs, name=name, dtype=dtype))
 
 
 def spec_yaml(data: dict[str, Any]) -> str:
     """Spec data as YAML 1.2 text that attngen's strict loader reads back as the same data."""
+
     def scalar(value: Any) -> str:
         if isinstance(value, bool):
             return "true" if value else "false"
@@ -275,9 +338,11 @@ def _dtype(cfg: dict[str, Any]) -> str:
     value = str(value).removeprefix("torch.") if value is not None else None
     dtype = Dtype.from_torch_name(value) if value is not None else None
     if dtype is None:
-        raise SpecError(f"config dtype/torch_dtype: got {value!r}; allowed: "
-                        f"{', '.join(d.torch_name for d in Dtype)} (or pass --dtype "
-                        f"{'|'.join(d.value for d in Dtype)})")
+        raise SpecError(
+            f"config dtype/torch_dtype: got {value!r}; allowed: "
+            f"{', '.join(d.torch_name for d in Dtype)} (or pass --dtype "
+            f"{'|'.join(d.value for d in Dtype)})"
+        )
     return dtype.value
 
 

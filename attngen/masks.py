@@ -16,10 +16,17 @@ import torch
 from attngen.spec import CausalAlign, Mask
 
 
-def visible(mask: Mask | str, align: CausalAlign | str | None,
-            window: tuple[int, int] | None, seqlen_q: int, seqlen_k: int,
-            device: torch.device | str | None = None, *, chunk_size: int | None = None,
-            sink_tokens: int | None = None) -> torch.Tensor | None:
+def visible(
+    mask: Mask | str,
+    align: CausalAlign | str | None,
+    window: tuple[int, int] | None,
+    seqlen_q: int,
+    seqlen_k: int,
+    device: torch.device | str | None = None,
+    *,
+    chunk_size: int | None = None,
+    sink_tokens: int | None = None,
+) -> torch.Tensor | None:
     """[Nq, Nk] bool, True where query row i may see key j; None for mask none (every key).
 
     Positions are compared at i' = i + (Nk - Nq) under bottom_right alignment (the KV-cache
@@ -38,13 +45,18 @@ def visible(mask: Mask | str, align: CausalAlign | str | None,
         return j <= i
     if mask == Mask.chunked:
         if chunk_size is None or chunk_size < 1:
-            raise ValueError(f"chunk_size: got {chunk_size!r}; allowed: an int >= 1 with "
-                             "mask chunked")
-        return (j <= i) & (torch.div(j, chunk_size, rounding_mode="floor")
-                           == torch.div(i, chunk_size, rounding_mode="floor"))
+            raise ValueError(
+                f"chunk_size: got {chunk_size!r}; allowed: an int >= 1 with mask chunked"
+            )
+        return (j <= i) & (
+            torch.div(j, chunk_size, rounding_mode="floor")
+            == torch.div(i, chunk_size, rounding_mode="floor")
+        )
     if mask != Mask.sliding_window or window is None:
-        raise ValueError(f"mask: got {mask!r} with window {window!r}; allowed: none, causal, "
-                         "sliding_window with (left, right), chunked with chunk_size")
+        raise ValueError(
+            f"mask: got {mask!r} with window {window!r}; allowed: none, causal, "
+            "sliding_window with (left, right), chunked with chunk_size"
+        )
     left, right = window
     seen = (j >= i - left) & (j <= i + right)
     if sink_tokens:
@@ -52,8 +64,13 @@ def visible(mask: Mask | str, align: CausalAlign | str | None,
     return seen
 
 
-def alibi_distance(mask: Mask | str, align: CausalAlign | str | None, seqlen_q: int,
-                   seqlen_k: int, device: torch.device | str | None = None) -> torch.Tensor:
+def alibi_distance(
+    mask: Mask | str,
+    align: CausalAlign | str | None,
+    seqlen_q: int,
+    seqlen_k: int,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
     """[Nq, Nk] |i' - j|, the distance ALiBi's bias is proportional to. With a mask, i'
     follows its alignment; without one, i' = i + (Nk - Nq): bottom-right, flash-attn's
     convention (the queries are the last Nq positions of the keys' sequence)."""

@@ -20,8 +20,16 @@ from attngen.spec import AttnSpec
 def visible_mask(spec: AttnSpec, seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     """[Nq, Nk] bool: which key j query row i may see (attngen.masks.visible, the runtime's
     definition too; every key for mask none)."""
-    seen = visible(spec.mask, spec.causal_align, spec.window, seqlen_q, seqlen_k, device,
-                   chunk_size=spec.chunk_size, sink_tokens=spec.sink_tokens)
+    seen = visible(
+        spec.mask,
+        spec.causal_align,
+        spec.window,
+        seqlen_q,
+        seqlen_k,
+        device,
+        chunk_size=spec.chunk_size,
+        sink_tokens=spec.sink_tokens,
+    )
     if seen is None:
         return torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
     return seen
@@ -48,8 +56,9 @@ def attention_scores(
     if spec.alibi:
         if alibi_slopes is None:
             raise ValueError("alibi_slopes: required by a spec with alibi: true")
-        distance = alibi_distance(spec.mask, spec.causal_align, seqlen_q, seqlen_k,
-                                  q.device).to(compute_dtype)
+        distance = alibi_distance(spec.mask, spec.causal_align, seqlen_q, seqlen_k, q.device).to(
+            compute_dtype
+        )
         scores = scores - alibi_slopes.to(compute_dtype)[None, :, None, None] * distance
     visible = visible_mask(spec, seqlen_q, seqlen_k, q.device)
     return scores.masked_fill(~visible, float("-inf"))
@@ -75,8 +84,9 @@ def reference_attention(
     bias; it takes no value): the normaliser gains exp(sink_h), so the LSE includes it, and
     a fully masked row gives output 0 and LSE sink_h.
     """
-    scores = attention_scores(spec, q, k, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
-                              compute_dtype=compute_dtype)
+    scores = attention_scores(
+        spec, q, k, sm_scale=sm_scale, alibi_slopes=alibi_slopes, compute_dtype=compute_dtype
+    )
     v_full = v.to(compute_dtype).repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     lse = torch.logsumexp(scores, dim=-1)
     if spec.sinks:
@@ -124,7 +134,7 @@ def ulp(dtype: torch.dtype, magnitude: float) -> float:
     """The spacing of `dtype` numbers at `magnitude`."""
     mantissa = _MANTISSA_BITS[dtype]
     if magnitude <= 0 or not math.isfinite(magnitude):
-        return 2.0 ** -mantissa
+        return 2.0**-mantissa
     return 2.0 ** (math.floor(math.log2(magnitude)) - mantissa)
 
 
@@ -137,8 +147,9 @@ def ulp(dtype: torch.dtype, magnitude: float) -> float:
 FP32_OUTPUT_FLOOR_ULPS = 4
 
 
-def compare_to_reference(spec: AttnSpec, out, lse, q, k, v, *, sm_scale=None,
-                         alibi_slopes=None, sinks=None) -> list[str]:
+def compare_to_reference(
+    spec: AttnSpec, out, lse, q, k, v, *, sm_scale=None, alibi_slopes=None, sinks=None
+) -> list[str]:
     """What is wrong with a kernel's (out, lse), by the rule of shared/RELIABILITY.md; [] if
     nothing. The error against the float64 golden may be at most 2x (3x with softcap) the error
     of the same math in the kernel's dtype plus a floor of two ulps at the output's magnitude
@@ -146,19 +157,23 @@ def compare_to_reference(spec: AttnSpec, out, lse, q, k, v, *, sm_scale=None,
     factor 1.5; NaN and inf exactly where the golden has them; rows that see no key exactly
     0. References are computed where the inputs live."""
     floor_ulps = FP32_OUTPUT_FLOOR_ULPS if out.dtype == torch.float32 else 2
-    golden, golden_lse = reference_attention(spec, q, k, v, sm_scale=sm_scale,
-                                             alibi_slopes=alibi_slopes, sinks=sinks)
-    lowp, lowp_lse = lowp_reference(spec, q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
-                                    sinks=sinks)
+    golden, golden_lse = reference_attention(
+        spec, q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes, sinks=sinks
+    )
+    lowp, lowp_lse = lowp_reference(
+        spec, q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes, sinks=sinks
+    )
     if out.shape != golden.shape or out.dtype != q.dtype:
-        return [f"out: shape {tuple(out.shape)} {out.dtype}, expected {tuple(golden.shape)} "
-                f"{q.dtype}"]
+        return [
+            f"out: shape {tuple(out.shape)} {out.dtype}, expected {tuple(golden.shape)} {q.dtype}"
+        ]
     problems = []
     if out.isnan().any():
         problems.append("out: NaN where the golden has none")
     factor = 3.0 if spec.softcap else 2.0
-    problems += _error_problems("out", out.double(), golden, lowp.double(), factor, out.dtype,
-                                floor_ulps=floor_ulps)
+    problems += _error_problems(
+        "out", out.double(), golden, lowp.double(), factor, out.dtype, floor_ulps=floor_ulps
+    )
     if not torch.equal(torch.isinf(lse), torch.isinf(golden_lse)) or lse.isnan().any():
         problems.append("lse: the -inf (or NaN) pattern differs from the golden's")
         return problems
@@ -166,28 +181,41 @@ def compare_to_reference(spec: AttnSpec, out, lse, q, k, v, *, sm_scale=None,
     scores = attention_scores(spec, q, k, sm_scale=sm_scale, alibi_slopes=alibi_slopes)
     visible = torch.isfinite(scores)
     if finite.any():
-        # Note: the kernel's LSE passes through about five fp32 roundings in log2 units (the
-        # scale x log2 e, the ALiBi bias x log2 e, the running max, log2 of the sum, the
-        # division by log2 e), at the magnitude of the scores x log2 e, which can exceed
-        # |LSE|. The fp32 reference rounds far less, so its error is no yardstick here: the
-        # LSE floor is four fp32 ulps at max(|LSE|, largest |visible score or sink| x log2 e),
-        # about 5e-7 relative, far below what consumers of the LSE (backward, split-KV
-        # merges) resolve. The scores themselves are fp32 sums of D products whose partial
-        # sums reach sm_scale x sum_i |q_i k_i|, which exceeds |score| by about sqrt(D) for
-        # random data, and tensor cores add them with truncation at that magnitude: at D 576
-        # (MLA decode, bf16) the H200's LSE for a one-key row was 9 ulps off at |LSE| ~ 3,
-        # 2 ulps at the dot's partial-sum magnitude. So that magnitude joins the floor's.
-        largest = scores[visible].abs().max().item() * LOG2E if visible.any() else 0.0
-        largest = max(largest, _largest_partial_sum(q, k, sm_scale) * LOG2E)
-        if spec.sinks and sinks is not None and sinks.numel():
-            largest = max(largest, sinks.abs().max().item() * LOG2E)
-        problems += _error_problems("lse", lse.double()[finite], golden_lse[finite],
-                                    lowp_lse.double()[finite], factor, torch.float32,
-                                    magnitude=largest, floor_ulps=4)
+        largest = _lse_floor_magnitude(spec, q, k, scores, visible, sm_scale, sinks)
+        problems += _error_problems(
+            "lse",
+            lse.double()[finite],
+            golden_lse[finite],
+            lowp_lse.double()[finite],
+            factor,
+            torch.float32,
+            magnitude=largest,
+            floor_ulps=4,
+        )
     unseen = ~visible.any(-1)  # rows that see no key (with sinks their LSE is the sink's)
     if unseen.any() and not torch.all(out[unseen] == 0):
         problems.append("out: a row that sees no key is not 0")
     return problems
+
+
+# Note: the kernel's LSE passes through about five fp32 roundings in log2 units (the
+# scale x log2 e, the ALiBi bias x log2 e, the running max, log2 of the sum, the
+# division by log2 e), at the magnitude of the scores x log2 e, which can exceed
+# |LSE|. The fp32 reference rounds far less, so its error is no yardstick here: the
+# LSE floor is four fp32 ulps at max(|LSE|, largest |visible score or sink| x log2 e),
+# about 5e-7 relative, far below what consumers of the LSE (backward, split-KV
+# merges) resolve. The scores themselves are fp32 sums of D products whose partial
+# sums reach sm_scale x sum_i |q_i k_i|, which exceeds |score| by about sqrt(D) for
+# random data, and tensor cores add them with truncation at that magnitude: at D 576
+# (MLA decode, bf16) the H200's LSE for a one-key row was 9 ulps off at |LSE| ~ 3,
+# 2 ulps at the dot's partial-sum magnitude. So that magnitude joins the floor's.
+def _lse_floor_magnitude(spec, q, k, scores, visible, sm_scale, sinks) -> float:
+    """The magnitude at which the LSE floor counts its ulps (the note above says why)."""
+    largest = scores[visible].abs().max().item() * LOG2E if visible.any() else 0.0
+    largest = max(largest, _largest_partial_sum(q, k, sm_scale) * LOG2E)
+    if spec.sinks and sinks is not None and sinks.numel():
+        largest = max(largest, sinks.abs().max().item() * LOG2E)
+    return largest
 
 
 def _largest_partial_sum(q, k, sm_scale) -> float:
@@ -212,17 +240,30 @@ def _error_problems(what, got, golden, lowp, factor, dtype, magnitude=0.0, floor
     mean_bound = 1.5 * lowp_err.mean().item() + floor
     problems = []
     if not err.max().item() <= max_bound:
-        problems.append(f"{what}: max error {err.max().item():.3e} > {max_bound:.3e} "
-                        f"(lowp {lowp_err.max().item():.3e}, floor {floor:.1e})")
+        problems.append(
+            f"{what}: max error {err.max().item():.3e} > {max_bound:.3e} "
+            f"(lowp {lowp_err.max().item():.3e}, floor {floor:.1e})"
+        )
     if not err.mean().item() <= mean_bound:
-        problems.append(f"{what}: mean error {err.mean().item():.3e} > {mean_bound:.3e} "
-                        f"(lowp {lowp_err.mean().item():.3e}, floor {floor:.1e})")
+        problems.append(
+            f"{what}: mean error {err.mean().item():.3e} > {mean_bound:.3e} "
+            f"(lowp {lowp_err.mean().item():.3e}, floor {floor:.1e})"
+        )
     return problems
 
 
-def random_inputs(spec: AttnSpec, batch: int, seqlen_q: int, seqlen_k: int, *, seed: int,
-                  num_q_heads: int | None = None, num_kv_heads: int | None = None,
-                  scale: float = 1.0, device: str | torch.device = "cpu"):
+def random_inputs(
+    spec: AttnSpec,
+    batch: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    *,
+    seed: int,
+    num_q_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    scale: float = 1.0,
+    device: str | torch.device = "cpu",
+):
     """q, k, v in the spec's dtype (and ALiBi slopes when the spec has ALiBi) from a seed.
 
     Normal(0, 1) entries; `scale` multiplies q, so scores grow by it. Slopes are the
@@ -245,8 +286,9 @@ def random_inputs(spec: AttnSpec, batch: int, seqlen_q: int, seqlen_k: int, *, s
     return q, k, v, slopes
 
 
-def random_sinks(num_q_heads: int, *, seed: int, scale: float = 2.0,
-                 device: str | torch.device = "cpu") -> torch.Tensor:
+def random_sinks(
+    num_q_heads: int, *, seed: int, scale: float = 2.0, device: str | torch.device = "cpu"
+) -> torch.Tensor:
     """[Hq] fp32 sink logits from a seed: Normal(0, scale), the spread of gpt-oss's learned
     sinks relative to its scores (a sink well above a row's scores takes most of its mass)."""
     gen = torch.Generator().manual_seed(seed + 7919)

@@ -31,8 +31,19 @@ def _sink_leaf(spec: AttnSpec, sinks):
     return sinks.detach().double().requires_grad_()
 
 
-def golden_backward(spec: AttnSpec, q, k, v, dout, *, sm_scale=None, alibi_slopes=None,
-                    dropout: Dropout = None, dlse=None, sinks=None):
+def golden_backward(
+    spec: AttnSpec,
+    q,
+    k,
+    v,
+    dout,
+    *,
+    sm_scale=None,
+    alibi_slopes=None,
+    dropout: Dropout = None,
+    dlse=None,
+    sinks=None,
+):
     """(out, lse, dq, dk, dv) in float64, by autograd through the plain formula; with the
     spec's sinks [HQ] (their logit joins every row's normaliser), dsinks after dv."""
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -42,8 +53,9 @@ def golden_backward(spec: AttnSpec, q, k, v, dout, *, sm_scale=None, alibi_slope
     if sinks64 is not None:
         lse = torch.logaddexp(lse, sinks64[None, :, None].expand_as(lse))
     finite = torch.isfinite(lse)
-    p = torch.where(finite[..., None], torch.exp(scores - torch.where(finite, lse, 0.0)[..., None]),
-                    0.0)
+    p = torch.where(
+        finite[..., None], torch.exp(scores - torch.where(finite, lse, 0.0)[..., None]), 0.0
+    )
     if dropout is not None:
         p = p * dropout[0] * dropout[1]
     group = q.shape[1] // k.shape[1]
@@ -64,7 +76,7 @@ def _log2_exponent(spec: AttnSpec, q, k, sm_scale, slopes, reverse: bool):
     qk = torch.zeros(*q.shape[:-1], kf.shape[2], dtype=f32)
     dims = range(q.shape[-1] - 1, -1, -1) if reverse else range(q.shape[-1])
     for d in dims:  # an fp32 FMA chain, in one order or the other
-        qk = torch.addcmul(qk, q[..., d:d + 1].to(f32), kf[..., d][..., None, :])
+        qk = torch.addcmul(qk, q[..., d : d + 1].to(f32), kf[..., d][..., None, :])
     tanh = None
     if spec.softcap:
         tanh = torch.tanh(qk * torch.tensor(sm_scale / spec.softcap, dtype=f32))
@@ -116,8 +128,19 @@ def kernel_like_probs(spec: AttnSpec, q, k, sm_scale, slopes, sinks=None):
     return torch.exp2(exponent - lse2[..., None]), tanh
 
 
-def lowp_backward(spec: AttnSpec, q, k, v, dout, *, sm_scale=None, alibi_slopes=None,
-                  dropout: Dropout = None, dlse=None, sinks=None):
+def lowp_backward(
+    spec: AttnSpec,
+    q,
+    k,
+    v,
+    dout,
+    *,
+    sm_scale=None,
+    alibi_slopes=None,
+    dropout: Dropout = None,
+    dlse=None,
+    sinks=None,
+):
     """(out, dq, dk, dv) by the kernels' math in the kernels' precision: fp32 scores and
     softmax on inputs of the kernel's dtype, O rounded to it (delta reads it), P and dS rounded
     to it before the dots into dV, dQ and dK, fp32 accumulation, results rounded once. With
@@ -173,32 +196,49 @@ def gradient_problems(name: str, got, golden, lowp, *, factor: float = 3.0) -> l
     mean_bound = 1.5 * lowp_err.mean().item() + floor
     problems = []
     if not err.max().item() <= max_bound:
-        problems.append(f"{name}: max error {err.max().item():.3e} > {max_bound:.3e} "
-                        f"(lowp {lowp_err.max().item():.3e}, floor {floor:.1e})")
+        problems.append(
+            f"{name}: max error {err.max().item():.3e} > {max_bound:.3e} "
+            f"(lowp {lowp_err.max().item():.3e}, floor {floor:.1e})"
+        )
     if not err.mean().item() <= mean_bound:
-        problems.append(f"{name}: mean error {err.mean().item():.3e} > {mean_bound:.3e} "
-                        f"(lowp {lowp_err.mean().item():.3e}, floor {floor:.1e})")
+        problems.append(
+            f"{name}: mean error {err.mean().item():.3e} > {mean_bound:.3e} "
+            f"(lowp {lowp_err.mean().item():.3e}, floor {floor:.1e})"
+        )
     return problems
 
 
-def compare_gradients(spec: AttnSpec, grads, q, k, v, dout, *, sm_scale=None,
-                      alibi_slopes=None, dropout: Dropout = None, dlse=None,
-                      sinks=None) -> list[str]:
+def compare_gradients(
+    spec: AttnSpec,
+    grads,
+    q,
+    k,
+    v,
+    dout,
+    *,
+    sm_scale=None,
+    alibi_slopes=None,
+    dropout: Dropout = None,
+    dlse=None,
+    sinks=None,
+) -> list[str]:
     """What is wrong with a kernel's (dq, dk, dv), or (dq, dk, dv, dsinks) with the spec's
     sinks (then `sinks` is required; with three gradients, d sinks is the caller's to judge,
     as for packed sequences, whose sum it is); [] if nothing. Rows that see no key must have
     a zero dQ."""
-    options = dict(sm_scale=sm_scale, alibi_slopes=alibi_slopes, dropout=dropout, dlse=dlse,
-                   sinks=sinks)
+    options = dict(
+        sm_scale=sm_scale, alibi_slopes=alibi_slopes, dropout=dropout, dlse=dlse, sinks=sinks
+    )
     golden = golden_backward(spec, q, k, v, dout, **options)
     lowp = lowp_backward(spec, q, k, v, dout, **options)
     expected = ("dq", "dk", "dv", "dsinks") if spec.sinks else ("dq", "dk", "dv")
     if len(grads) not in (3, len(expected)):
         return [f"grads: expected {', '.join(expected)}, got {len(grads)} tensors"]
-    names = expected[:len(grads)]
+    names = expected[: len(grads)]
     problems = []
-    for name, got, gold, low in zip(names, grads, golden[2:2 + len(names)],
-                                    lowp[1:1 + len(names)], strict=True):
+    for name, got, gold, low in zip(
+        names, grads, golden[2 : 2 + len(names)], lowp[1 : 1 + len(names)], strict=True
+    ):
         if got.shape != gold.shape:
             problems.append(f"{name}: shape {tuple(got.shape)}, expected {tuple(gold.shape)}")
             continue

@@ -26,14 +26,21 @@ from attngen.tiling.prefill import Derivation, TileConfig, padded_head_dim
 
 # A generated module may import these and nothing else.
 ALLOWED_IMPORTS = frozenset({"contextlib", "math", "os", "torch", "triton", "triton.language"})
-ALLOWED_FROM_IMPORTS = frozenset({("triton.language.extra", "libdevice"),
-                                  ("triton.tools.tensor_descriptor", "TensorDescriptor")})
+ALLOWED_FROM_IMPORTS = frozenset(
+    {("triton.language.extra", "libdevice"), ("triton.tools.tensor_descriptor", "TensorDescriptor")}
+)
 # varlen is the prefill template with its `varlen` flag set: one kernel, two ways to find a
 # sequence. Each kind's public entry point is what the runtime calls and the ast gate requires.
-TEMPLATE_FOR_KIND = {KernelKind.prefill: "prefill.py.jinja", KernelKind.varlen: "prefill.py.jinja",
-                     KernelKind.decode: "decode.py.jinja"}
-ENTRY_POINTS = {KernelKind.prefill: "attention", KernelKind.varlen: "attention_varlen",
-                KernelKind.decode: "decode"}
+TEMPLATE_FOR_KIND = {
+    KernelKind.prefill: "prefill.py.jinja",
+    KernelKind.varlen: "prefill.py.jinja",
+    KernelKind.decode: "decode.py.jinja",
+}
+ENTRY_POINTS = {
+    KernelKind.prefill: "attention",
+    KernelKind.varlen: "attention_varlen",
+    KernelKind.decode: "decode",
+}
 
 
 class RenderError(RuntimeError):
@@ -50,8 +57,12 @@ def template_hash(template_name: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation,
-                  backward: BackwardDerivation | None = None) -> dict[str, Any]:
+def build_context(
+    spec: AttnSpec,
+    kind: KernelKind,
+    derivation: Derivation,
+    backward: BackwardDerivation | None = None,
+) -> dict[str, Any]:
     """The flat context of one render; `backward`: the gradient kernels' (else heuristic)."""
     config = derivation.chosen
     if config is None:
@@ -76,7 +87,8 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation,
         "mask": spec.mask.value,
         "causal_align": spec.causal_align.value if spec.causal_align else "none",
         "bottom_right": spec.causal_align is not None and spec.causal_align.value == "bottom_right",
-        "window_left": window[0], "window_right": window[1],
+        "window_left": window[0],
+        "window_right": window[1],
         "softcap": float(spec.softcap),
         "alibi": spec.alibi,
         # Newer models' fields: 0 / False when absent (a module without them renders as
@@ -89,15 +101,17 @@ def build_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation,
     context.update(_host_paths_context(spec, kind, derivation.arch))
     context.update(_training_context(spec, kind, derivation, backward))
     if kind is KernelKind.decode:
-        context.update({
-            "kv_layout": spec.cache_layout.value,
-            "page_size": spec.page_size or 0,
-            "max_query_tokens": spec.query_tokens,
-            "split_waves": decode_tiling.SPLIT_WAVES,
-            "min_blocks_per_split": decode_tiling.MIN_BLOCKS_PER_SPLIT,
-            "max_splits": decode_tiling.MAX_SPLITS,
-            "interpreter_sm_count": decode_tiling.INTERPRETER_SM_COUNT,
-        })
+        context.update(
+            {
+                "kv_layout": spec.cache_layout.value,
+                "page_size": spec.page_size or 0,
+                "max_query_tokens": spec.query_tokens,
+                "split_waves": decode_tiling.SPLIT_WAVES,
+                "min_blocks_per_split": decode_tiling.MIN_BLOCKS_PER_SPLIT,
+                "max_splits": decode_tiling.MAX_SPLITS,
+                "interpreter_sm_count": decode_tiling.INTERPRETER_SM_COUNT,
+            }
+        )
     return context
 
 
@@ -126,13 +140,15 @@ def _host_paths_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str
         "tma_masked_blocks": paths.tma_masked_blocks,
         "lpt_group_heads": paths.lpt_group_heads,
         "pointer_loads_up_to": POINTER_LOADS_UP_TO,
-        "call_plans": (kind is KernelKind.prefill and not spec.sinks
-                       and not (spec.backward and spec.dropout)),
+        "call_plans": (
+            kind is KernelKind.prefill and not spec.sinks and not (spec.backward and spec.dropout)
+        ),
     }
 
 
-def _training_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation,
-                      backward: BackwardDerivation | None) -> dict[str, Any]:
+def _training_context(
+    spec: AttnSpec, kind: KernelKind, derivation: Derivation, backward: BackwardDerivation | None
+) -> dict[str, Any]:
     """The backward's context (spec `backward: true`, prefill and varlen): its flags, the
     gradient kernels' configs, and their derivations appended to the header's."""
     training = kind is not KernelKind.decode and spec.backward
@@ -143,16 +159,19 @@ def _training_context(spec: AttnSpec, kind: KernelKind, derivation: Derivation,
         backward = derive_backward_tiles(spec, derivation.arch)
     for label, kernel in (("dq", backward.dq), ("dkdv", backward.dkdv)):
         if kernel.chosen is None:
-            raise RenderError(f"{spec.name} on {derivation.arch}: no feasible {label} "
-                              "backward tile config")
+            raise RenderError(
+                f"{spec.name} on {derivation.arch}: no feasible {label} backward tile config"
+            )
         context[f"bwd_{label}_config"] = _config_literal(kernel.chosen)
     context["derivation_lines"] = [*derivation.summary_lines(), *backward.summary_lines()]
     return context
 
 
 def _config_literal(config: TileConfig) -> str:
-    return (f'{{"BLOCK_M": {config.block_m}, "BLOCK_N": {config.block_n}, '
-            f'"num_warps": {config.num_warps}, "num_stages": {config.num_stages}}}')
+    return (
+        f'{{"BLOCK_M": {config.block_m}, "BLOCK_N": {config.block_n}, '
+        f'"num_warps": {config.num_warps}, "num_stages": {config.num_stages}}}'
+    )
 
 
 def _yaml_value(value: Any) -> str:
@@ -165,8 +184,12 @@ def _yaml_value(value: Any) -> str:
     return str(value)
 
 
-def render_module(spec: AttnSpec, kind: KernelKind, derivation: Derivation,
-                  backward: BackwardDerivation | None = None) -> str:
+def render_module(
+    spec: AttnSpec,
+    kind: KernelKind,
+    derivation: Derivation,
+    backward: BackwardDerivation | None = None,
+) -> str:
     context = build_context(spec, kind, derivation, backward)
     source = environment().get_template(TEMPLATE_FOR_KIND[kind]).render(**context)
     check_module_source(source, context["module_name"], ENTRY_POINTS[kind])
@@ -176,7 +199,7 @@ def render_module(spec: AttnSpec, kind: KernelKind, derivation: Derivation,
 def kernels_text(source: str) -> str:
     """The JIT functions of a rendered prefill module (from the first @triton.jit to the host
     checks): the part a template change alters, without the header and CONFIG."""
-    return source[source.index("@triton.jit"):source.index("\ndef _check")]
+    return source[source.index("@triton.jit") : source.index("\ndef _check")]
 
 
 def render_template(template_name: str, context: dict[str, Any]) -> str:
@@ -199,8 +222,10 @@ def check_module_source(source: str, name: str, entry: str = "attention") -> Non
         elif isinstance(node, ast.ImportFrom):
             for alias in node.names:
                 if node.level or (node.module, alias.name) not in ALLOWED_FROM_IMPORTS:
-                    raise RenderError(f"{name}: rendered module imports "
-                                      f"{node.module or ''!r} (name {alias.name!r})")
+                    raise RenderError(
+                        f"{name}: rendered module imports "
+                        f"{node.module or ''!r} (name {alias.name!r})"
+                    )
     defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
     if entry not in defined:
         raise RenderError(f"{name}: rendered module defines no {entry}()")

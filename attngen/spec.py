@@ -76,7 +76,7 @@ class Dtype(str, Enum):
     @property
     def eps(self) -> float:
         """The spacing of numbers just above 1.0."""
-        return 2.0 ** -self.mantissa_bits
+        return 2.0**-self.mantissa_bits
 
     @classmethod
     def from_torch_name(cls, name: str) -> Dtype | None:
@@ -200,8 +200,12 @@ class AttnSpec(BaseModel):
             )
         masked = self.mask is not Mask.none
         if masked and self.causal_align is None:
-            raise _field_error("causal_align", None, "top_left or bottom_right (required with "
-                               f"mask {self.mask.value}: the diagonal is never guessed)")
+            raise _field_error(
+                "causal_align",
+                None,
+                "top_left or bottom_right (required with "
+                f"mask {self.mask.value}: the diagonal is never guessed)",
+            )
         if not masked and self.causal_align is not None:
             raise _field_error("causal_align", self.causal_align.value, "absent with mask none")
         windowed = self.mask is Mask.sliding_window
@@ -229,8 +233,9 @@ class AttnSpec(BaseModel):
         paged = self.kv_layout is KvLayout.paged
         page_size = self.page_size
         if paged and page_size is None:
-            raise _field_error("page_size", None, _ALLOWED["page_size"] + " (required with "
-                               "kv_layout paged)")
+            raise _field_error(
+                "page_size", None, _ALLOWED["page_size"] + " (required with kv_layout paged)"
+            )
         if paged and page_size is not None and page_size & (page_size - 1):
             raise _field_error("page_size", page_size, _ALLOWED["page_size"])
         if not paged and self.page_size is not None:
@@ -238,8 +243,12 @@ class AttnSpec(BaseModel):
         if self.causal_align is CausalAlign.top_left:
             # A decode step's queries are the newest tokens of their sequences: the diagonal
             # sits bottom-right by construction, so a top-left spec describes another kernel.
-            raise _field_error("causal_align", "top_left", "bottom_right with decode (the "
-                               "step's queries are the last tokens of each sequence)")
+            raise _field_error(
+                "causal_align",
+                "top_left",
+                "bottom_right with decode (the "
+                "step's queries are the last tokens of each sequence)",
+            )
 
     # Resolved views: templates and the tiler read these, never the optional raw fields.
     @property
@@ -339,8 +348,9 @@ def specs_from_data(data: Any) -> tuple[AttnSpec, ...]:
     specs = []
     for variant, overrides in variants.items():
         if not re.fullmatch(r"[a-z][a-z0-9_]{0,23}", variant):
-            raise SpecError(f"variants: got name {variant!r}; allowed: [a-z][a-z0-9_]*, "
-                            "at most 24 characters")
+            raise SpecError(
+                f"variants: got name {variant!r}; allowed: [a-z][a-z0-9_]*, at most 24 characters"
+            )
         if not isinstance(overrides, dict):
             raise SpecError(f"variants.{variant}: got {overrides!r}; allowed: a mapping of fields")
         if "name" in overrides:
@@ -391,8 +401,9 @@ def load_spec_file(path: str | Path) -> tuple[AttnSpec, ...]:
         with path.open("rb") as handle:  # bounded: /dev/zero or a huge file is refused, not read
             raw = handle.read(MAX_SPEC_BYTES + 1)
         if len(raw) > MAX_SPEC_BYTES:
-            raise SpecError(f"more than {MAX_SPEC_BYTES} bytes; a spec file is at most "
-                            f"{MAX_SPEC_BYTES} bytes")
+            raise SpecError(
+                f"more than {MAX_SPEC_BYTES} bytes; a spec file is at most {MAX_SPEC_BYTES} bytes"
+            )
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
@@ -404,4 +415,3 @@ def load_spec_file(path: str | Path) -> tuple[AttnSpec, ...]:
         raise SpecError(f"{path}: {exc}") from None
     except RecursionError:
         raise SpecError(f"{path}: nested too deeply") from None
-

@@ -27,24 +27,30 @@ def check_training(spec: AttnSpec) -> None:
     kernels implement every mask, sinks and sink tokens.)"""
     kinds = {kind.value for kind in spec.kernels}
     if spec.backward and not kinds & {"prefill", "varlen"}:
-        raise field_error("backward", True, "true only with prefill or varlen in kernels "
-                          "(decode has no backward)")
+        raise field_error(
+            "backward", True, "true only with prefill or varlen in kernels (decode has no backward)"
+        )
     if spec.dropout and not spec.backward:
-        raise field_error("dropout", True, "true only with backward: true (dropout is for "
-                          "training)")
+        raise field_error(
+            "dropout", True, "true only with backward: true (dropout is for training)"
+        )
 
 
 def check_model_fields(spec: AttnSpec) -> None:
     """chunk_size exactly with mask chunked; sink_tokens only with a sliding window."""
     chunked = spec.mask.value == "chunked"
     if chunked and spec.chunk_size is None:
-        raise field_error("chunk_size", None, "an int in 1..2147483647 (required with mask "
-                          "chunked)")
+        raise field_error(
+            "chunk_size", None, "an int in 1..2147483647 (required with mask chunked)"
+        )
     if not chunked and spec.chunk_size is not None:
         raise field_error("chunk_size", spec.chunk_size, "absent unless mask is chunked")
     if spec.sink_tokens is not None and spec.mask.value != "sliding_window":
-        raise field_error("sink_tokens", spec.sink_tokens, "absent unless mask is "
-                          "sliding_window (the first keys a window would drop)")
+        raise field_error(
+            "sink_tokens",
+            spec.sink_tokens,
+            "absent unless mask is sliding_window (the first keys a window would drop)",
+        )
 
 
 def check_head_dims(spec: AttnSpec) -> None:
@@ -54,5 +60,10 @@ def check_head_dims(spec: AttnSpec) -> None:
     for field in ("head_dim", "head_dim_v"):
         value = getattr(spec, field)
         if value is not None and value > MAX_HEAD_DIM:
-            raise field_error(field, value, f"an int in 1..{MAX_HEAD_DIM} (up to "
-                              f"{MAX_DECODE_HEAD_DIM} with kernels: [decode] only)", typed=True)
+            raise field_error(
+                field,
+                value,
+                f"an int in 1..{MAX_HEAD_DIM} (up to "
+                f"{MAX_DECODE_HEAD_DIM} with kernels: [decode] only)",
+                typed=True,
+            )

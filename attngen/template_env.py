@@ -41,17 +41,21 @@ from attngen.files import write_if_different
 COMPILED_DIR = Path(__file__).resolve().parent / "templates_compiled"
 MANIFEST = "manifest.json"
 # Everything but the loader and `undefined` (a runtime choice) shapes the compiled code.
-OPTIONS: dict[str, Any] = {"autoescape": False,  # Python source, not HTML; no user text
-                           "trim_blocks": True, "lstrip_blocks": True,
-                           "keep_trailing_newline": True}
+OPTIONS: dict[str, Any] = {
+    "autoescape": False,  # Python source, not HTML; no user text
+    "trim_blocks": True,
+    "lstrip_blocks": True,
+    "keep_trailing_newline": True,
+}
 
 
 @cache
 def template_sources() -> dict[str, bytes]:
     """Every template (`*.py.jinja` of attngen/templates), by name, sorted: read once."""
     folder = resources.files("attngen").joinpath("templates")
-    paths = sorted((p for p in folder.iterdir() if p.name.endswith(".py.jinja")),
-                   key=lambda p: p.name)
+    paths = sorted(
+        (p for p in folder.iterdir() if p.name.endswith(".py.jinja")), key=lambda p: p.name
+    )
     return {path.name: path.read_bytes() for path in paths}
 
 
@@ -62,13 +66,14 @@ def manifest() -> dict[str, Any]:
         digest.update(name.encode() + b"\0" + data + b"\0")
     return {
         "about": "Jinja's compiled form of attngen/templates; written by "
-                 "`python -m attngen.template_env`, used only while every field below "
-                 "matches (attngen/template_env.py)",
+        "`python -m attngen.template_env`, used only while every field below "
+        "matches (attngen/template_env.py)",
         "jinja2": jinja2.__version__,
         "options": OPTIONS,
         "sources_sha256": digest.hexdigest(),
-        "modules": {name: jinja2.ModuleLoader.get_module_filename(name)
-                    for name in template_sources()},
+        "modules": {
+            name: jinja2.ModuleLoader.get_module_filename(name) for name in template_sources()
+        },
     }
 
 
@@ -115,37 +120,46 @@ def _why_not_compiled(folder: Path) -> str | None:
         return f"no readable {MANIFEST} in {folder} ({type(exc).__name__})"
     current = manifest()
     if shipped.get("jinja2") != current["jinja2"]:
-        return (f"the installed Jinja2 {current['jinja2']} is not {shipped.get('jinja2')}, "
-                "which compiled them")
+        return (
+            f"the installed Jinja2 {current['jinja2']} is not {shipped.get('jinja2')}, "
+            "which compiled them"
+        )
     for field in ("options", "sources_sha256", "modules"):
         if shipped.get(field) != current[field]:
-            return (f"their {field} differ from the templates' (run "
-                    "`python -m attngen.template_env`)")
+            return (
+                f"their {field} differ from the templates' (run `python -m attngen.template_env`)"
+            )
     missing = [f for f in current["modules"].values() if not (folder / f).is_file()]
     return f"{missing[0]} is missing" if missing else None
 
 
 def _source_environment() -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.PackageLoader("attngen", "templates"),
-                              undefined=jinja2.StrictUndefined, **OPTIONS)
+    return jinja2.Environment(
+        loader=jinja2.PackageLoader("attngen", "templates"),
+        undefined=jinja2.StrictUndefined,
+        **OPTIONS,
+    )
 
 
 @cache
 def _environment_and_loading() -> tuple[jinja2.Environment, str]:
     why_not = _why_not_compiled(COMPILED_DIR)
     if why_not is not None:
-        return (_source_environment(),
-                f"sources (the compiled templates are not used: {why_not})")
-    env = jinja2.Environment(loader=jinja2.ModuleLoader(COMPILED_DIR),
-                             undefined=jinja2.StrictUndefined, **OPTIONS)
+        return (_source_environment(), f"sources (the compiled templates are not used: {why_not})")
+    env = jinja2.Environment(
+        loader=jinja2.ModuleLoader(COMPILED_DIR), undefined=jinja2.StrictUndefined, **OPTIONS
+    )
     return env, f"compiled ({COMPILED_DIR.name}, Jinja2 {jinja2.__version__})"
 
 
 def stale_files(folder: Path = COMPILED_DIR) -> list[str]:
     """The files of `folder` that write_compiled would change (written, or removed)."""
     files = compiled_files()
-    stale = [name for name, text in files.items() if not (folder / name).is_file()
-             or (folder / name).read_text(encoding="utf-8") != text]
+    stale = [
+        name
+        for name, text in files.items()
+        if not (folder / name).is_file() or (folder / name).read_text(encoding="utf-8") != text
+    ]
     return stale + sorted(p.name for p in folder.glob("tmpl_*.py") if p.name not in files)
 
 
@@ -155,8 +169,10 @@ def main(argv: list[str]) -> int:
     if argv == ["--check"]:
         stale = stale_files()
         for name in stale:
-            print(f"attngen/templates_compiled/{name}: stale; run `python -m "
-                  "attngen.template_env`", file=sys.stderr)
+            print(
+                f"attngen/templates_compiled/{name}: stale; run `python -m attngen.template_env`",
+                file=sys.stderr,
+            )
         return 1 if stale else 0
     if argv:
         print("usage: python -m attngen.template_env [--check]", file=sys.stderr)

@@ -16,13 +16,29 @@ from tests.api_memory import Layout, guarded
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 LENGTHS = (0, 1, 2, 3, 4, 5, 15, 16, 17, 31, 33)
 HEADS = ((4, 2), (4, 4), (4, 1), (2, 2), (1, 1))
-FLASH_WINDOWS = ((-1, -1), (-1, -1), (3, -1), (-1, 3), (3, 0), (0, 0), (5, 7),
-                 (INT32_MAX, -1), (-1, INT32_MAX), (INT32_MAX - 1, 0), (2**31, 0))
-SDPA_WINDOWS = (None, None, (3, 0), (3, INT32_MAX), (INT32_MAX, 3), (INT32_MAX, INT32_MAX),
-                (0, 0))
+FLASH_WINDOWS = (
+    (-1, -1),
+    (-1, -1),
+    (3, -1),
+    (-1, 3),
+    (3, 0),
+    (0, 0),
+    (5, 7),
+    (INT32_MAX, -1),
+    (-1, INT32_MAX),
+    (INT32_MAX - 1, 0),
+    (2**31, 0),
+)
+SDPA_WINDOWS = (None, None, (3, 0), (3, INT32_MAX), (INT32_MAX, 3), (INT32_MAX, INT32_MAX), (0, 0))
 # (dtype, head dim, softcap, alibi) of calls the toy modules serve, and some they do not
-FLAVORS = (("fp32", 16, 0.0, False), ("fp32", 16, 0.0, True), ("fp16", 16, 5.0, False),
-           ("fp16", 32, 0.0, False), ("fp32", 16, 5.0, False), ("fp16", 16, 0.0, True))
+FLAVORS = (
+    ("fp32", 16, 0.0, False),
+    ("fp32", 16, 0.0, True),
+    ("fp16", 16, 5.0, False),
+    ("fp16", 32, 0.0, False),
+    ("fp32", 16, 5.0, False),
+    ("fp16", 16, 0.0, True),
+)
 # mistake -> (what the call may do, what a refusal must name)
 MISTAKES = {
     "none": (None, ()),
@@ -77,16 +93,30 @@ def calls(draw, mistakes=tuple(MISTAKES)) -> Call:
     if mistake == "batch":
         batch = max(batch, 1)
     step = 2 if mistake == "inner_stride" else 1
-    layouts = tuple(Layout(draw(st.sampled_from(MEMORY_ORDERS)),
-                           draw(st.sampled_from((0, 0, 5))), step) for _ in range(3))
+    layouts = tuple(
+        Layout(draw(st.sampled_from(MEMORY_ORDERS)), draw(st.sampled_from((0, 0, 5))), step)
+        for _ in range(3)
+    )
     scale = draw(st.sampled_from((None, None, 0.3, 2.0)))
     if mistake == "scale":
         scale = draw(st.sampled_from((0.0, -1.0, float("nan"), float("inf"))))
-    return Call(dtype, head_dim, heads, batch, draw(st.sampled_from(LENGTHS)),
-                draw(st.sampled_from(LENGTHS)), softcap, alibi, mistake, layouts, scale,
-                magnitude=draw(st.sampled_from((0, 0, 0, 1, 2))),
-                fallback=draw(st.integers(0, 4)) == 0, return_lse=draw(st.booleans()),
-                seed=draw(st.integers(0, 2**16)))
+    return Call(
+        dtype,
+        head_dim,
+        heads,
+        batch,
+        draw(st.sampled_from(LENGTHS)),
+        draw(st.sampled_from(LENGTHS)),
+        softcap,
+        alibi,
+        mistake,
+        layouts,
+        scale,
+        magnitude=draw(st.sampled_from((0, 0, 0, 1, 2))),
+        fallback=draw(st.integers(0, 4)) == 0,
+        return_lse=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**16)),
+    )
 
 
 def tensors(call: Call, heads_first: bool):
@@ -122,14 +152,17 @@ def tensors(call: Call, heads_first: bool):
 
 
 def guard_all(call: Call, q, k, v, slopes):
-    guards = {name: guarded(t, layout)
-              for name, t, layout in zip("qkv", (q, k, v), call.layouts, strict=True)}
+    guards = {
+        name: guarded(t, layout)
+        for name, t, layout in zip("qkv", (q, k, v), call.layouts, strict=True)
+    }
     if call.mistake == "rank":
         guards["q"] = guarded(q[None])
     if slopes is not None:
         strided = call.mistake == "slopes_strided"
-        guards["alibi_slopes"] = guarded(slopes, Layout(tuple(range(slopes.dim())), 0,
-                                                        2 if strided else 1))
+        guards["alibi_slopes"] = guarded(
+            slopes, Layout(tuple(range(slopes.dim())), 0, 2 if strided else 1)
+        )
     return guards
 
 

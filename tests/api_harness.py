@@ -47,29 +47,66 @@ MAX_QUERY_TOKENS = 4
 
 API_SPECS = [
     # bottom-right causal fp32 (flash-attn's diagonal), every kind; paged decode separately
-    dict(name="api", **_FP32, **_CAUSAL, kernels=["prefill", "varlen", "decode"],
-         **_DECODE_CONTIG),
+    dict(name="api", **_FP32, **_CAUSAL, kernels=["prefill", "varlen", "decode"], **_DECODE_CONTIG),
     dict(name="api_paged", **_FP32, **_CAUSAL, kernels=["decode"], **_DECODE_PAGED),
     # no mask: the scale folded into the exponent meets scores near 1e10
     dict(name="api_none", **_FP32, mask="none", kernels=["prefill"]),
     # SDPA's top-left is_causal with Nq != Nk
     dict(name="api_tl", **_FP32, mask="causal", causal_align="top_left", kernels=["prefill"]),
     # ALiBi without a mask: the distance convention when Nq != Nk
-    dict(name="api_alibi", **_FP32, mask="none", alibi=True,
-         kernels=["prefill", "varlen", "decode"], **_DECODE_PAGED),
+    dict(
+        name="api_alibi",
+        **_FP32,
+        mask="none",
+        alibi=True,
+        kernels=["prefill", "varlen", "decode"],
+        **_DECODE_PAGED,
+    ),
     # windows with a side at the int32 limit: flash-attn's (w, -1) and (-1, w)
-    dict(name="api_right", **_FP32, mask="sliding_window", causal_align="bottom_right",
-         window_left=3, window_right=INT32_MAX, kernels=["prefill", "varlen", "decode"],
-         **_DECODE_CONTIG),
-    dict(name="api_left", **_FP32, mask="sliding_window", causal_align="bottom_right",
-         window_left=INT32_MAX, window_right=3, kernels=["prefill", "varlen"]),
+    dict(
+        name="api_right",
+        **_FP32,
+        mask="sliding_window",
+        causal_align="bottom_right",
+        window_left=3,
+        window_right=INT32_MAX,
+        kernels=["prefill", "varlen", "decode"],
+        **_DECODE_CONTIG,
+    ),
+    dict(
+        name="api_left",
+        **_FP32,
+        mask="sliding_window",
+        causal_align="bottom_right",
+        window_left=INT32_MAX,
+        window_right=3,
+        kernels=["prefill", "varlen"],
+    ),
     # fp16 window with softcap: also what a short fp16 causal softcap call may run on
-    dict(name="api_win", dtype="fp16", head_dim=16, num_q_heads=4, num_kv_heads=2,
-         mask="sliding_window", causal_align="bottom_right", window_left=3, window_right=0,
-         softcap=5.0, kernels=["prefill", "varlen", "decode"], **_DECODE_CONTIG),
+    dict(
+        name="api_win",
+        dtype="fp16",
+        head_dim=16,
+        num_q_heads=4,
+        num_kv_heads=2,
+        mask="sliding_window",
+        causal_align="bottom_right",
+        window_left=3,
+        window_right=0,
+        softcap=5.0,
+        kernels=["prefill", "varlen", "decode"],
+        **_DECODE_CONTIG,
+    ),
     # fp16 causal without a decode kind: flash_attn_with_kvcache's varlen route, MQA-like
-    dict(name="api_h32", dtype="fp16", head_dim=32, num_q_heads=4, num_kv_heads=1, **_CAUSAL,
-         kernels=["prefill", "varlen"]),
+    dict(
+        name="api_h32",
+        dtype="fp16",
+        head_dim=32,
+        num_q_heads=4,
+        num_kv_heads=1,
+        **_CAUSAL,
+        kernels=["prefill", "varlen"],
+    ),
 ]
 SMALL_TILES = {"BLOCK_M": 16, "BLOCK_N": 16}
 DOCUMENTED = (ValueError, NoKernelError)
@@ -89,8 +126,9 @@ class ApiKernels:
     tiles: dict | None = None
 
     @classmethod
-    def load(cls, folders, empty: Registry, arch: str = "sm90", tiles: dict | None = None
-             ) -> ApiKernels:
+    def load(
+        cls, folders, empty: Registry, arch: str = "sm90", tiles: dict | None = None
+    ) -> ApiKernels:
         """Import every module of `folders` anew (a module reads its environment when it is
         imported, the checked mode perhaps too)."""
         registry = load_kernels(*folders, replace=True)
@@ -107,8 +145,11 @@ class ApiKernels:
 
     def module_for(self, spec_name: str, kind: str):
         """The imported module of kind `kind` built from the spec named `spec_name`."""
-        entry = next(e for e in self.registry.entries
-                     if e.kind == kind and e.spec["name"] == spec_name and e.arch == self.arch)
+        entry = next(
+            e
+            for e in self.registry.entries
+            if e.kind == kind and e.spec["name"] == spec_name and e.arch == self.arch
+        )
         return self.registry.module(entry.key)
 
     @contextlib.contextmanager
@@ -126,8 +167,7 @@ class ApiKernels:
     @contextlib.contextmanager
     def forced_splits(self, splits: int | None):
         """Every decode module splits its keys `splits` ways (None: the split rule)."""
-        modules = [self.registry.module(e.key) for e in self.registry.entries
-                   if e.kind == "decode"]
+        modules = [self.registry.module(e.key) for e in self.registry.entries if e.kind == "decode"]
         for module in modules:
             module.FORCE_NUM_SPLITS = splits
         try:
@@ -170,8 +210,9 @@ def empty_registry(folder: Path) -> Registry:
 def build_api_kernels(folder: Path) -> ApiKernels:
     specs = [s for data in API_SPECS for s in specs_from_data({"archs": ["sm90"], **data})]
     write_build(plan_build(specs), folder / "kernels")
-    return ApiKernels.load([folder / "kernels"], empty_registry(folder / "empty"),
-                           tiles=SMALL_TILES)
+    return ApiKernels.load(
+        [folder / "kernels"], empty_registry(folder / "empty"), tiles=SMALL_TILES
+    )
 
 
 @functools.cache
@@ -207,9 +248,18 @@ class Semantics:
     alibi: bool = False
 
     def spec(self) -> AttnSpec:
-        data = dict(name="ref", archs=["sm90"], dtype="fp32", head_dim=16,
-                    num_q_heads=1, num_kv_heads=1, mask=self.mask, softcap=self.softcap,
-                    alibi=self.alibi, kernels=["prefill"])
+        data = dict(
+            name="ref",
+            archs=["sm90"],
+            dtype="fp32",
+            head_dim=16,
+            num_q_heads=1,
+            num_kv_heads=1,
+            mask=self.mask,
+            softcap=self.softcap,
+            alibi=self.alibi,
+            kernels=["prefill"],
+        )
         if self.mask != "none":
             data["causal_align"] = self.align or "top_left"
         if self.mask == "sliding_window":
@@ -241,8 +291,7 @@ def flash_semantics(causal: bool, window_size, softcap: float, alibi: bool) -> S
     return Semantics(mask, "bottom_right", window, float(softcap or 0.0), alibi)
 
 
-def reference_problems(sem: Semantics, out, lse, q, k, v, *, scale=None, slopes=None
-                       ) -> list[str]:
+def reference_problems(sem: Semantics, out, lse, q, k, v, *, scale=None, slopes=None) -> list[str]:
     """compare_to_reference in [B, H, N, D] layout; without an LSE from the call, the golden
     one stands in (only the output is judged)."""
     spec = sem.spec()
@@ -251,12 +300,14 @@ def reference_problems(sem: Semantics, out, lse, q, k, v, *, scale=None, slopes=
     if lse is None:
         _, lse = reference_attention(spec, q, k, v, sm_scale=scale, alibi_slopes=slopes)
         lse = lse.float()
-    return compare_to_reference(spec, out.detach().cpu(), lse.detach().cpu(), q, k, v,
-                                sm_scale=scale, alibi_slopes=slopes)
+    return compare_to_reference(
+        spec, out.detach().cpu(), lse.detach().cpu(), q, k, v, sm_scale=scale, alibi_slopes=slopes
+    )
 
 
-def dense_mask_problems(sem: Semantics, attn_mask, out, q, k, v, *, scale=None, slopes=None
-                        ) -> list[str]:
+def dense_mask_problems(
+    sem: Semantics, attn_mask, out, q, k, v, *, scale=None, slopes=None
+) -> list[str]:
     """reference_problems with SDPA's attn_mask on top of the semantics: a bool mask keeps
     the True keys, a float mask is added to the scores. The rule is RELIABILITY.md's
     (attngen.reference's own comparison, applied to these references)."""
@@ -266,16 +317,18 @@ def dense_mask_problems(sem: Semantics, attn_mask, out, q, k, v, *, scale=None, 
     slopes = None if slopes is None else slopes.cpu().float()
 
     def masked(compute_dtype):
-        scores = attention_scores(spec, q, k, sm_scale=scale, alibi_slopes=slopes,
-                                  compute_dtype=compute_dtype)
+        scores = attention_scores(
+            spec, q, k, sm_scale=scale, alibi_slopes=slopes, compute_dtype=compute_dtype
+        )
         if attn_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         else:
             scores = scores + attn_mask.to(compute_dtype)
         lse = torch.logsumexp(scores, dim=-1)
         finite = torch.isfinite(lse)
-        probs = torch.where(finite[..., None],
-                            torch.exp(scores - torch.where(finite, lse, 0.0)[..., None]), 0.0)
+        probs = torch.where(
+            finite[..., None], torch.exp(scores - torch.where(finite, lse, 0.0)[..., None]), 0.0
+        )
         if compute_dtype != torch.float64 and q.dtype != torch.float32:
             probs = probs.to(q.dtype).to(compute_dtype)
         values = v.to(compute_dtype).repeat_interleave(q.shape[1] // v.shape[1], dim=1)
@@ -287,8 +340,15 @@ def dense_mask_problems(sem: Semantics, attn_mask, out, q, k, v, *, scale=None, 
         return [f"out: {tuple(out.shape)} {out.dtype}, expected {tuple(golden.shape)} {q.dtype}"]
     problems = ["out: NaN where the golden has none"] if out.isnan().any() else []
     floor_ulps = 4 if out.dtype == torch.float32 else 2
-    problems += _error_problems("out", out.double(), golden, lowp.to(q.dtype).double(),
-                                3.0 if sem.softcap else 2.0, out.dtype, floor_ulps=floor_ulps)
+    problems += _error_problems(
+        "out",
+        out.double(),
+        golden,
+        lowp.to(q.dtype).double(),
+        3.0 if sem.softcap else 2.0,
+        out.dtype,
+        floor_ulps=floor_ulps,
+    )
     if (~finite).any() and not torch.all(out[~finite] == 0):
         problems.append("out: a row that sees no key is not 0")
     return problems
@@ -312,25 +372,46 @@ def acting_mask(mask, align, window, seqlen_q, seqlen_k, same_lengths, alibi=Fal
     return mask, align, window
 
 
-def served(specs: list[dict], kind: str, dtype: torch.dtype, head_dim: int, sem: Semantics,
-           seqlen_q: int, seqlen_k: int, same_lengths: bool) -> bool:
+def served(
+    specs: list[dict],
+    kind: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    sem: Semantics,
+    seqlen_q: int,
+    seqlen_k: int,
+    same_lengths: bool,
+) -> bool:
     """Whether a module of `specs` (index entries' specs) serves the call, by the spec's
     fields and the two mask equivalences above, so that the call must not be refused."""
     names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-    window = None if sem.window is None else tuple(
-        INT32_MAX if w is None else w for w in sem.window)
-    wanted = acting_mask(sem.mask, sem.align, window, seqlen_q, seqlen_k, same_lengths,
-                         sem.alibi)
+    window = (
+        None if sem.window is None else tuple(INT32_MAX if w is None else w for w in sem.window)
+    )
+    wanted = acting_mask(sem.mask, sem.align, window, seqlen_q, seqlen_k, same_lengths, sem.alibi)
     for data in specs:
         if kind not in data["kernels"] or data["dtype"] != names.get(dtype):
             continue
         if (data["head_dim"], float(data.get("softcap") or 0.0), bool(data.get("alibi"))) != (
-                head_dim, sem.softcap, sem.alibi):
+            head_dim,
+            sem.softcap,
+            sem.alibi,
+        ):
             continue
-        spec_window = (data["window_left"], data.get("window_right") or 0) if (
-            data["mask"] == "sliding_window") else None
-        have = acting_mask(data["mask"], data.get("causal_align"), spec_window, seqlen_q,
-                           seqlen_k, same_lengths, sem.alibi)
+        spec_window = (
+            (data["window_left"], data.get("window_right") or 0)
+            if (data["mask"] == "sliding_window")
+            else None
+        )
+        have = acting_mask(
+            data["mask"],
+            data.get("causal_align"),
+            spec_window,
+            seqlen_q,
+            seqlen_k,
+            same_lengths,
+            sem.alibi,
+        )
         if have == wanted:
             return True
     return False
@@ -361,7 +442,8 @@ def attempt(call, expect: Expect, names: tuple[str, ...] = ()):
         if names:
             text = str(exc).lower()
             assert any(n.lower() in text for n in names), (
-                f"the error does not name {' or '.join(names)}: {exc}")
+                f"the error does not name {' or '.join(names)}: {exc}"
+            )
         return None, exc
     assert expect is not Expect.REFUSE, f"an invalid call returned a result ({names})"
     return result, None

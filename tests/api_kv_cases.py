@@ -49,8 +49,9 @@ FLAVORS = (
     KvFlavor("fp16", 16, True, (3, -1), 5.0, False, "api_win", None, "api_win"),
     KvFlavor("fp16", 32, True, (-1, -1), 0.0, False, None, None, "api_h32"),
     # flash-attn's default causal=False: one query token sees every key, as causal does
-    KvFlavor("fp32", 16, False, (-1, -1), 0.0, False, "api", "api_paged", "api",
-             one_token_only=True),
+    KvFlavor(
+        "fp32", 16, False, (-1, -1), 0.0, False, "api", "api_paged", "api", one_token_only=True
+    ),
 )
 LENGTHS = (0, 1, 3, 4, 5, 8, 15, 16, 17)
 HEADS = ((4, 2), (4, 4), (4, 1), (2, 2))
@@ -98,8 +99,9 @@ class KvCase:
 
 
 @st.composite
-def kv_cases(draw, flavors=FLAVORS, lengths=LENGTHS, heads=HEADS,
-             apis=("flash_attn_with_kvcache", "decode")):
+def kv_cases(
+    draw, flavors=FLAVORS, lengths=LENGTHS, heads=HEADS, apis=("flash_attn_with_kvcache", "decode")
+):
     flavor = draw(st.sampled_from(flavors))
     paged = draw(st.booleans())
     api = draw(st.sampled_from(apis))
@@ -109,8 +111,12 @@ def kv_cases(draw, flavors=FLAVORS, lengths=LENGTHS, heads=HEADS,
     mistake = draw(draw_mistake(MISTAKES))
     if mistake in ("table_out", "table_strided") and not paged:
         mistake = "none"
-    if api == "decode" and mistake in ("seqlens_full", "seqlens_int", "seqlens_none_with_new",
-                                       "k_without_v"):
+    if api == "decode" and mistake in (
+        "seqlens_full",
+        "seqlens_int",
+        "seqlens_none_with_new",
+        "k_without_v",
+    ):
         mistake = "none"  # flash-attn conveniences: decode() takes an int32 tensor
     batch = draw(st.sampled_from((1, 2, 3, 3, 0)))
     if mistake in INDEX_MISTAKES:
@@ -127,17 +133,24 @@ def kv_cases(draw, flavors=FLAVORS, lengths=LENGTHS, heads=HEADS,
     if mistake == "table_out":
         seq_lengths[bad] = max(seq_lengths[bad], 1)  # a sequence that uses a page
     return KvCase(
-        api=api, flavor=flavor, paged=paged,
+        api=api,
+        flavor=flavor,
+        paged=paged,
         heads=(4, 3) if mistake == "gqa_ratio" else draw(st.sampled_from(heads)),
-        lengths=tuple(seq_lengths), num_new=num_new,
+        lengths=tuple(seq_lengths),
+        num_new=num_new,
         seqlen_q=draw(st.sampled_from((1, 1, 2, max_query_tokens, max_query_tokens + 1))),
-        room=draw(st.sampled_from((0, 1, flavor.page_size))), mistake=mistake, bad=bad,
+        room=draw(st.sampled_from((0, 1, flavor.page_size))),
+        mistake=mistake,
+        bad=bad,
         bad_page=draw(st.sampled_from((-1, 2**31 - 1, 0))),
         checked=mistake in INDEX_MISTAKES and draw(st.booleans()),
-        splits=draw(st.sampled_from((None, None, 2, 3))), heads_major=draw(st.booleans()),
+        splits=draw(st.sampled_from((None, None, 2, 3))),
+        heads_major=draw(st.booleans()),
         gap=draw(st.sampled_from((0, 0, 3))),
         fallback=api != "decode" and draw(st.integers(0, 4)) == 0,
-        seed=draw(st.integers(0, 2**16)))
+        seed=draw(st.integers(0, 2**16)),
+    )
 
 
 @dataclass
@@ -167,7 +180,7 @@ def make_cache(case: KvCase, device="cpu") -> tuple[Cache, dict]:
         capacity = max_pages * page_size
         num_pages = batch * max_pages + 2  # two pages nobody owns
         order = torch.randperm(num_pages, generator=gen).to(torch.int32)
-        table = order[:batch * max_pages].view(batch, max_pages).clone()
+        table = order[: batch * max_pages].view(batch, max_pages).clone()
         shape = (num_pages, page_size, hkv, d)
     else:
         capacity = max(longest, 1)
@@ -194,10 +207,19 @@ def make_cache(case: KvCase, device="cpu") -> tuple[Cache, dict]:
     if case.num_new:
         k_new = torch.randn(batch, case.num_new, hkv, d, generator=gen).to(dtype)
         v_new = torch.randn(batch, case.num_new, hkv, d, generator=gen).to(dtype)
-    slopes = 2.0 ** (-8.0 * torch.arange(1, hq + 1, dtype=torch.float32) / hq) if (
-        flavor.alibi) else None
-    cache = Cache(k.to(device), v.to(device), None if table is None else table.to(device),
-                  seqlens, lengths, capacity)
+    slopes = (
+        2.0 ** (-8.0 * torch.arange(1, hq + 1, dtype=torch.float32) / hq)
+        if (flavor.alibi)
+        else None
+    )
+    cache = Cache(
+        k.to(device),
+        v.to(device),
+        None if table is None else table.to(device),
+        seqlens,
+        lengths,
+        capacity,
+    )
     values = {"q": q, "k": k_new, "v": v_new, "alibi_slopes": slopes}
     return cache, {n: None if t is None else t.to(device) for n, t in values.items()}
 

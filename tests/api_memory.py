@@ -17,8 +17,14 @@ from dataclasses import dataclass, field
 import torch
 
 GUARD = 24  # sentinel elements before and after every view, at least
-SENTINELS = {torch.float32: -7777.0, torch.float16: -7777.0, torch.bfloat16: -7776.0,
-             torch.float64: -7777.0, torch.int32: -123456789, torch.int64: -123456789}
+SENTINELS = {
+    torch.float32: -7777.0,
+    torch.float16: -7777.0,
+    torch.bfloat16: -7776.0,
+    torch.float64: -7777.0,
+    torch.int32: -123456789,
+    torch.int64: -123456789,
+}
 
 
 @dataclass(frozen=True)
@@ -71,11 +77,11 @@ def guarded(values: torch.Tensor, layout: Layout | None = None) -> Guarded:
     layout = layout or Layout.plain(values.dim())
     shape = tuple(values.shape)
     strides = layout.strides(shape)
-    extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) if all(
-        shape) else 0
+    extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) if all(shape) else 0
     guard = max([GUARD, *strides])
-    buffer = torch.full((guard + extent + guard,), SENTINELS[values.dtype], dtype=values.dtype,
-                        device=values.device)
+    buffer = torch.full(
+        (guard + extent + guard,), SENTINELS[values.dtype], dtype=values.dtype, device=values.device
+    )
     view = buffer.as_strided(shape, strides, guard)
     view.copy_(values)
     return Guarded(buffer, view, buffer.clone())
@@ -86,8 +92,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(as_int)
 
 
-def unexpected_writes(name: str, g: Guarded, expected_view: torch.Tensor | None = None,
-                      free: torch.Tensor | None = None) -> list[str]:
+def unexpected_writes(
+    name: str,
+    g: Guarded,
+    expected_view: torch.Tensor | None = None,
+    free: torch.Tensor | None = None,
+) -> list[str]:
     """What changed in g's buffer that should not have. The view must now hold
     `expected_view` (default: what it held before), except where `free` (a bool mask in the
     view's shape) is True; every element outside the view must be bitwise unchanged."""
@@ -103,8 +113,11 @@ def unexpected_writes(name: str, g: Guarded, expected_view: torch.Tensor | None 
     inside = torch.zeros_like(g.buffer, dtype=torch.bool)
     inside[g.positions().flatten()] = True
     outside = differ[~inside[differ]]
-    where = f"{outside.numel()} outside the tensor (first at buffer index {outside[0].item()})" \
-        if outside.numel() else "all inside the tensor"
+    where = (
+        f"{outside.numel()} outside the tensor (first at buffer index {outside[0].item()})"
+        if outside.numel()
+        else "all inside the tensor"
+    )
     return [f"{name}: {differ.numel()} elements changed unexpectedly, {where}"]
 
 

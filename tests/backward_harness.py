@@ -40,16 +40,19 @@ def module_for(spec: AttnSpec, blocks: Blocks = Blocks(), kind: str = "prefill")
     """The spec's module of `kind` with these blocks (modules are cached per spec and kind,
     so the blocks are set on every call)."""
     module = load_kernel(spec, kind=KernelKind(kind))
-    for config, (block_m, block_n) in ((module.CONFIG, blocks.fwd),
-                                       (module.BWD_DQ_CONFIG, blocks.dq),
-                                       (module.BWD_DKDV_CONFIG, blocks.dkdv)):
+    for config, (block_m, block_n) in (
+        (module.CONFIG, blocks.fwd),
+        (module.BWD_DQ_CONFIG, blocks.dq),
+        (module.BWD_DKDV_CONFIG, blocks.dkdv),
+    ):
         config.update(BLOCK_M=block_m, BLOCK_N=block_n, num_stages=1)
     return module
 
 
 def padded_inputs(spec: AttnSpec, batch, hq, hkv, seqlen_q, seqlen_k, seed, scale=1.0):
-    q, k, v, slopes = random_inputs(spec, batch, seqlen_q, seqlen_k, seed=seed, num_q_heads=hq,
-                                    num_kv_heads=hkv, scale=scale)
+    q, k, v, slopes = random_inputs(
+        spec, batch, seqlen_q, seqlen_k, seed=seed, num_q_heads=hq, num_kv_heads=hkv, scale=scale
+    )
     gen = torch.Generator().manual_seed(seed + 1)
     dout = torch.randn(batch, hq, seqlen_q, spec.value_head_dim, generator=gen).to(q.dtype)
     return q, k, v, dout, slopes
@@ -77,17 +80,18 @@ def dropout_of(rng_state, dropout_p, batch, hq, seqlen_q, seqlen_k, batch_head0=
     return keep.view(batch, hq, seqlen_q, seqlen_k), DROP_STEPS / (DROP_STEPS - threshold)
 
 
-def check_padded(spec, blocks, q, k, v, dout, slopes, *, dropout_p=0.0, rng_state=None,
-                 dlse=None, sinks=None):
+def check_padded(
+    spec, blocks, q, k, v, dout, slopes, *, dropout_p=0.0, rng_state=None, dlse=None, sinks=None
+):
     """Run and judge out and every gradient (d sinks too, given sinks) by the rule; the list
     of problems."""
     module = module_for(spec, blocks)
     options = {"dropout_p": dropout_p, "rng_state": rng_state} if dropout_p else {}
-    out, lse, *grads = run_padded(module, q, k, v, dout, slopes, dlse=dlse, sinks=sinks,
-                                  **options)
+    out, lse, *grads = run_padded(module, q, k, v, dout, slopes, dlse=dlse, sinks=sinks, **options)
     dropout = dropout_of(rng_state, dropout_p, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    problems = compare_gradients(spec, grads, q, k, v, dout, alibi_slopes=slopes,
-                                 dropout=dropout, dlse=dlse, sinks=sinks)
+    problems = compare_gradients(
+        spec, grads, q, k, v, dout, alibi_slopes=slopes, dropout=dropout, dlse=dlse, sinks=sinks
+    )
     if not torch.equal(torch.isinf(lse), torch.isinf(_golden_lse(spec, q, k, slopes, sinks))):
         problems.append("lse: the -inf pattern differs from the golden's")
     if any(torch.isnan(g).any() for g in grads):
@@ -108,15 +112,15 @@ def _golden_lse(spec, q, k, slopes, sinks=None):
 
 
 def cu_seqlens(lengths):
-    return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()],
-                        dtype=torch.int32)
+    return torch.tensor(
+        [0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32
+    )
 
 
 def packed_inputs(spec, lengths_q, lengths_k, hq, hkv, seed, pad=3, fill=float("nan")):
     """q, k, v, dout packed with `pad` rows of `fill` after the sequences, and slopes."""
     gen = torch.Generator().manual_seed(seed)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[
-        spec.dtype.value]
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[spec.dtype.value]
 
     def randn(rows, heads, dim):
         t = torch.randn(rows + pad, heads, dim, generator=gen).to(dtype)
@@ -133,29 +137,48 @@ def packed_inputs(spec, lengths_q, lengths_k, hq, hkv, seed, pad=3, fill=float("
     return q, k, v, dout, slopes
 
 
-def run_varlen(module, q, k, v, dout, slopes, lengths_q, lengths_k, *, sinks=None,
-               **options):
+def run_varlen(module, q, k, v, dout, slopes, lengths_q, lengths_k, *, sinks=None, **options):
     """out, dq, dk, dv (and dsinks, given sinks) through attention_varlen()."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     if sinks is not None:
         leaves.append(sinks.detach().clone().requires_grad_())
         options["sinks"] = leaves[3]
-    out = module.attention_varlen(*leaves[:3], cu_seqlens(lengths_q), cu_seqlens(lengths_k),
-                                  max(lengths_q), max(lengths_k), alibi_slopes=slopes,
-                                  **options)
+    out = module.attention_varlen(
+        *leaves[:3],
+        cu_seqlens(lengths_q),
+        cu_seqlens(lengths_k),
+        max(lengths_q),
+        max(lengths_k),
+        alibi_slopes=slopes,
+        **options,
+    )
     out.backward(dout)
     return (out.detach(), *(t.grad for t in leaves))
 
 
-def check_per_sequence(spec, blocks, q, k, v, dout, slopes, lengths_q, lengths_k, *,
-                       dropout_p=0.0, rng_state=None, sinks=None):
+def check_per_sequence(
+    spec,
+    blocks,
+    q,
+    k,
+    v,
+    dout,
+    slopes,
+    lengths_q,
+    lengths_k,
+    *,
+    dropout_p=0.0,
+    rng_state=None,
+    sinks=None,
+):
     """Each packed sequence's gradients by the rule, and d sinks (a sum over every sequence)
     against the sums of the sequences' golden and yardstick; rows no sequence covers
     exactly 0."""
     module = module_for(spec, blocks, "varlen")
     options = {"dropout_p": dropout_p, "rng_state": rng_state} if dropout_p else {}
-    out, dq, dk, dv, *dsinks = run_varlen(module, q, k, v, dout, slopes, lengths_q, lengths_k,
-                                          sinks=sinks, **options)
+    out, dq, dk, dv, *dsinks = run_varlen(
+        module, q, k, v, dout, slopes, lengths_q, lengths_k, sinks=sinks, **options
+    )
     golden_dsinks = lowp_dsinks = 0
     cu_q, cu_k = cu_seqlens(lengths_q).tolist(), cu_seqlens(lengths_k).tolist()
     hq = q.shape[1]
@@ -166,12 +189,17 @@ def check_per_sequence(spec, blocks, q, k, v, dout, slopes, lengths_q, lengths_k
 
     for b in range(len(lengths_q)):
         rows_q, rows_k = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        args = [heads_first(t[r]) for t, r in ((q, rows_q), (k, rows_k), (v, rows_k),
-                                                (dout, rows_q))]
+        args = [
+            heads_first(t[r]) for t, r in ((q, rows_q), (k, rows_k), (v, rows_k), (dout, rows_q))
+        ]
         dropout = dropout_of(rng_state, dropout_p, 1, hq, lengths_q[b], lengths_k[b], b * hq)
         grads = [heads_first(t[r]) for t, r in ((dq, rows_q), (dk, rows_k), (dv, rows_k))]
-        problems += [f"sequence {b}: {p}" for p in compare_gradients(
-            spec, grads, *args, alibi_slopes=slopes, dropout=dropout, sinks=sinks)]
+        problems += [
+            f"sequence {b}: {p}"
+            for p in compare_gradients(
+                spec, grads, *args, alibi_slopes=slopes, dropout=dropout, sinks=sinks
+            )
+        ]
         if sinks is not None:
             judged = dict(alibi_slopes=slopes, dropout=dropout, sinks=sinks)
             golden_dsinks = golden_dsinks + golden_backward(spec, *args, **judged)[5]
@@ -180,8 +208,12 @@ def check_per_sequence(spec, blocks, q, k, v, dout, slopes, lengths_q, lengths_k
         if not isinstance(golden_dsinks, torch.Tensor):  # no sequence: the sum is 0
             golden_dsinks = lowp_dsinks = torch.zeros(q.shape[1], dtype=torch.float64)
         problems += gradient_problems("dsinks", dsinks[0], golden_dsinks, lowp_dsinks)
-    for name, t, covered in (("out", out, cu_q[-1]), ("dq", dq, cu_q[-1]),
-                             ("dk", dk, cu_k[-1]), ("dv", dv, cu_k[-1])):
+    for name, t, covered in (
+        ("out", out, cu_q[-1]),
+        ("dq", dq, cu_q[-1]),
+        ("dk", dk, cu_k[-1]),
+        ("dv", dv, cu_k[-1]),
+    ):
         if not torch.all(t[covered:] == 0):
             problems.append(f"{name}: rows no sequence covers are not 0")
     return problems
@@ -193,16 +225,18 @@ _rng_module = load_kernel(make_spec(dtype="fp32", backward=True, dropout=True))
 
 
 @triton.jit
-def _keep_mask_kernel(Out, RngState, batch_head0, seqlen_q, seqlen_k, drop_threshold,
-                      BLOCK: tl.constexpr):
+def _keep_mask_kernel(
+    Out, RngState, batch_head0, seqlen_q, seqlen_k, drop_threshold, BLOCK: tl.constexpr
+):
     bh = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     key_start = tl.program_id(2) * BLOCK
     keys = key_start + tl.arange(0, BLOCK)
     seed = tl.load(RngState)
     offset = tl.load(RngState + 1)
-    keep = _rng_module._dropout_keep(seed, offset, batch_head0 + bh, rows, key_start,
-                                     drop_threshold, BLOCK)
+    keep = _rng_module._dropout_keep(
+        seed, offset, batch_head0 + bh, rows, key_start, drop_threshold, BLOCK
+    )
     ptrs = Out + (bh * seqlen_q + rows[:, None]).to(tl.int64) * seqlen_k + keys[None, :]
     tl.store(ptrs, keep.to(tl.int8), mask=(rows[:, None] < seqlen_q) & (keys[None, :] < seqlen_k))
 
@@ -213,7 +247,7 @@ def keep_mask(rng_state, batch_heads, seqlen_q, seqlen_k, threshold, batch_head0
     out = torch.zeros(batch_heads, seqlen_q, seqlen_k, dtype=torch.int8)
     if out.numel():
         grid = (batch_heads, triton.cdiv(seqlen_q, 16), triton.cdiv(seqlen_k, 16))
-        _keep_mask_kernel[grid](out, rng_state, batch_head0, seqlen_q, seqlen_k, threshold,
-                                BLOCK=16)
+        _keep_mask_kernel[grid](
+            out, rng_state, batch_head0, seqlen_q, seqlen_k, threshold, BLOCK=16
+        )
     return out.bool()
-

@@ -44,8 +44,11 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 # - gpu: random and larger, for the H200 runs.
 # Every profile starts from Hypothesis's "default" (random, with a database): with CI set,
 # Hypothesis's own defaults are its derandomized "ci" ones, which explore must not inherit.
-_QUIET = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow],
-              parent=settings.get_profile("default"))
+_QUIET = dict(
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    parent=settings.get_profile("default"),
+)
 settings.register_profile("ci", max_examples=25, derandomize=True, database=None, **_QUIET)
 settings.register_profile("dev", max_examples=40, derandomize=True, database=None, **_QUIET)
 settings.register_profile("explore", max_examples=100, **_QUIET)

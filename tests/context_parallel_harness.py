@@ -29,16 +29,38 @@ HEAD_DIM = 16
 TOY_SPECS = [
     dict(name="cp_causal", mask="causal", causal_align="bottom_right", backward=True),
     dict(name="cp_none", mask="none", backward=True),
-    dict(name="cp_win", mask="sliding_window", causal_align="bottom_right", window_left=5,
-         window_right=0, backward=True),
-    dict(name="cp_win2", mask="sliding_window", causal_align="bottom_right", window_left=3,
-         window_right=2, backward=True),
-    dict(name="cp_win_tl", mask="sliding_window", causal_align="top_left", window_left=3,
-         window_right=0, backward=True),
-    dict(name="cp_win_fwd", mask="sliding_window", causal_align="bottom_right", window_left=2,
-         window_right=1),
-    dict(name="cp_alibi", mask="causal", causal_align="bottom_right", alibi=True,
-         backward=True),
+    dict(
+        name="cp_win",
+        mask="sliding_window",
+        causal_align="bottom_right",
+        window_left=5,
+        window_right=0,
+        backward=True,
+    ),
+    dict(
+        name="cp_win2",
+        mask="sliding_window",
+        causal_align="bottom_right",
+        window_left=3,
+        window_right=2,
+        backward=True,
+    ),
+    dict(
+        name="cp_win_tl",
+        mask="sliding_window",
+        causal_align="top_left",
+        window_left=3,
+        window_right=0,
+        backward=True,
+    ),
+    dict(
+        name="cp_win_fwd",
+        mask="sliding_window",
+        causal_align="bottom_right",
+        window_left=2,
+        window_right=1,
+    ),
+    dict(name="cp_alibi", mask="causal", causal_align="bottom_right", alibi=True, backward=True),
     dict(name="cp_cap", mask="causal", causal_align="bottom_right", softcap=5.0, backward=True),
     dict(name="cp_alibi_none", mask="none", alibi=True, backward=True),
 ]
@@ -49,35 +71,118 @@ TOY_SPECS = [
 # also runs its backward (with the LSE's gradient too where return_lse is set), unless
 # `backward_refused` names the error a call with gradients must raise.
 CASES = [
-    dict(name="zigzag-causal-ring-gqa-uneven", layout="zigzag", strategy="ring", extra=1,
-         heads=(2, 1), causal=True),
-    dict(name="zigzag-causal-allgather-gqa", layout="zigzag", strategy="allgather", extra=0,
-         heads=(2, 1), causal=True, return_lse=True),
-    dict(name="contiguous-causal-ring-uneven", layout="contiguous", strategy="ring", extra=2,
-         heads=(2, 2), causal=True, return_lse=True),
-    dict(name="contiguous-none-ring-gqa", layout="contiguous", strategy="ring", extra=0,
-         heads=(2, 1)),
-    dict(name="zigzag-none-allgather-uneven", layout="zigzag", strategy="allgather", extra=3,
-         heads=(2, 2)),
-    dict(name="zigzag-window-auto-uneven", layout="zigzag", strategy="auto", extra=1,
-         heads=(2, 1), window=(5, 0), expect="allgather", return_lse=True),
-    dict(name="contiguous-window-two-sided", layout="contiguous", strategy="auto", extra=0,
-         heads=(2, 2), window=(3, 2), expect="allgather"),
-    dict(name="zigzag-window-ring-top-left", layout="zigzag", strategy="ring", extra=0,
-         heads=(2, 1), window=(3, 0), return_lse=True),
-    dict(name="contiguous-window-forward-only-kernels", layout="contiguous",
-         strategy="allgather", extra=1, heads=(2, 2), window=(2, 1),
-         backward_refused="NoKernelError"),
-    dict(name="zigzag-causal-alibi-auto", layout="zigzag", strategy="auto", extra=0,
-         heads=(2, 2), causal=True, alibi=True, expect="allgather"),
-    dict(name="zigzag-causal-softcap", layout="zigzag", strategy="allgather", extra=0,
-         heads=(2, 1), causal=True, softcap=5.0),
-    dict(name="zigzag-window-ring-refused", layout="zigzag", strategy="ring", extra=0,
-         heads=(2, 2), window=(5, 0), refused={2: "ValueError", 3: "ValueError"}),
+    dict(
+        name="zigzag-causal-ring-gqa-uneven",
+        layout="zigzag",
+        strategy="ring",
+        extra=1,
+        heads=(2, 1),
+        causal=True,
+    ),
+    dict(
+        name="zigzag-causal-allgather-gqa",
+        layout="zigzag",
+        strategy="allgather",
+        extra=0,
+        heads=(2, 1),
+        causal=True,
+        return_lse=True,
+    ),
+    dict(
+        name="contiguous-causal-ring-uneven",
+        layout="contiguous",
+        strategy="ring",
+        extra=2,
+        heads=(2, 2),
+        causal=True,
+        return_lse=True,
+    ),
+    dict(
+        name="contiguous-none-ring-gqa", layout="contiguous", strategy="ring", extra=0, heads=(2, 1)
+    ),
+    dict(
+        name="zigzag-none-allgather-uneven",
+        layout="zigzag",
+        strategy="allgather",
+        extra=3,
+        heads=(2, 2),
+    ),
+    dict(
+        name="zigzag-window-auto-uneven",
+        layout="zigzag",
+        strategy="auto",
+        extra=1,
+        heads=(2, 1),
+        window=(5, 0),
+        expect="allgather",
+        return_lse=True,
+    ),
+    dict(
+        name="contiguous-window-two-sided",
+        layout="contiguous",
+        strategy="auto",
+        extra=0,
+        heads=(2, 2),
+        window=(3, 2),
+        expect="allgather",
+    ),
+    dict(
+        name="zigzag-window-ring-top-left",
+        layout="zigzag",
+        strategy="ring",
+        extra=0,
+        heads=(2, 1),
+        window=(3, 0),
+        return_lse=True,
+    ),
+    dict(
+        name="contiguous-window-forward-only-kernels",
+        layout="contiguous",
+        strategy="allgather",
+        extra=1,
+        heads=(2, 2),
+        window=(2, 1),
+        backward_refused="NoKernelError",
+    ),
+    dict(
+        name="zigzag-causal-alibi-auto",
+        layout="zigzag",
+        strategy="auto",
+        extra=0,
+        heads=(2, 2),
+        causal=True,
+        alibi=True,
+        expect="allgather",
+    ),
+    dict(
+        name="zigzag-causal-softcap",
+        layout="zigzag",
+        strategy="allgather",
+        extra=0,
+        heads=(2, 1),
+        causal=True,
+        softcap=5.0,
+    ),
+    dict(
+        name="zigzag-window-ring-refused",
+        layout="zigzag",
+        strategy="ring",
+        extra=0,
+        heads=(2, 2),
+        window=(5, 0),
+        refused={2: "ValueError", 3: "ValueError"},
+    ),
     # ALiBi without a mask: chunk [4, 8) takes 4 fake rows before it (as many as it has);
     # chunk [8, 12) of three ranks would take 8 and is refused.
-    dict(name="contiguous-none-alibi", layout="contiguous", strategy="auto", extra=0,
-         heads=(2, 2), alibi=True, refused={3: "PlanError"}),
+    dict(
+        name="contiguous-none-alibi",
+        layout="contiguous",
+        strategy="auto",
+        extra=0,
+        heads=(2, 2),
+        alibi=True,
+        refused={3: "PlanError"},
+    ),
 ]
 CHUNK = 4  # tokens per chunk before `extra`: zigzag N = 2W x CHUNK + extra, contiguous W x CHUNK
 
@@ -89,8 +194,15 @@ def free_port() -> int:
 
 
 def spec_data(**fields) -> dict:
-    return {"archs": ["sm90"], "dtype": "fp32", "head_dim": HEAD_DIM, "num_q_heads": 4,
-            "num_kv_heads": 2, "kernels": ["prefill"], **fields}
+    return {
+        "archs": ["sm90"],
+        "dtype": "fp32",
+        "head_dim": HEAD_DIM,
+        "num_q_heads": 4,
+        "num_kv_heads": 2,
+        "kernels": ["prefill"],
+        **fields,
+    }
 
 
 def seq_len_of(case: dict, world: int) -> int:
@@ -109,8 +221,9 @@ def worker(rank: int, world: int, port: int, folder: str, out_dir: str) -> None:
     from attngen.runtime.registry import load_kernels
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     load_kernels(Path(folder), replace=True)
     try:
         groups = [(None, list(range(world)))]
@@ -141,19 +254,36 @@ def run_case(case: dict, rank: int, world: int, group=None) -> dict:
     q, k, v, slopes, dout, dlse = case_inputs(case, seq_len)
     layout = case["layout"]
     trains = "backward_refused" not in case
-    shards = [shard_sequence(t, world, rank, layout=layout).clone().requires_grad_(trains)
-              for t in (q, k, v)]
-    kwargs = dict(causal=case.get("causal", False), window=case.get("window"),
-                  softcap=case.get("softcap", 0.0), alibi_slopes=slopes, layout=layout,
-                  strategy=case["strategy"], seq_len=seq_len, return_lse=True, group=group)
+    shards = [
+        shard_sequence(t, world, rank, layout=layout).clone().requires_grad_(trains)
+        for t in (q, k, v)
+    ]
+    kwargs = dict(
+        causal=case.get("causal", False),
+        window=case.get("window"),
+        softcap=case.get("softcap", 0.0),
+        alibi_slopes=slopes,
+        layout=layout,
+        strategy=case["strategy"],
+        seq_len=seq_len,
+        return_lse=True,
+        group=group,
+    )
     try:
         out, lse = context_parallel_attention(*shards, **kwargs)
     except Exception as err:  # a refusal is the result of the case
-        return {"name": case["name"], "error": type(err).__name__, "text": str(err),
-                "trace": traceback.format_exc(limit=3)}
+        return {
+            "name": case["name"],
+            "error": type(err).__name__,
+            "text": str(err),
+            "trace": traceback.format_exc(limit=3),
+        }
     gather = _gatherer(seq_len, layout, group)
-    result = {"name": case["name"], "strategy": last_plan().strategy,
-              "plan": last_plan().describe()}
+    result = {
+        "name": case["name"],
+        "strategy": last_plan().strategy,
+        "plan": last_plan().describe(),
+    }
     full_out, full_lse = gather(out), gather(lse)  # collectives: on every rank
     if rank == 0:
         result["problems"] = compare(case, full_out, full_lse, q, k, v, slopes)
@@ -171,8 +301,9 @@ def run_case(case: dict, rank: int, world: int, group=None) -> dict:
         out_grads.append(shard_sequence(dlse[..., None], world, rank, layout=layout)[..., 0])
     full = [gather(g) for g in torch.autograd.grad(outputs, shards, out_grads)]
     if rank == 0:
-        result["grad_problems"] = compare_gradients(case, full, q, k, v, slopes, dout,
-                                                    dlse if case.get("return_lse") else None)
+        result["grad_problems"] = compare_gradients(
+            case, full, q, k, v, slopes, dout, dlse if case.get("return_lse") else None
+        )
     return result
 
 
@@ -198,8 +329,9 @@ def _gatherer(seq_len: int, layout: str, group):
     def gather(x):
         flat = x.detach()
         if flat.dim() == 3:
-            return gather_sequence(flat[..., None], seq_len=seq_len, layout=layout,
-                                   group=group)[..., 0]
+            return gather_sequence(flat[..., None], seq_len=seq_len, layout=layout, group=group)[
+                ..., 0
+            ]
         return gather_sequence(flat, seq_len=seq_len, layout=layout, group=group)
 
     return gather
@@ -210,15 +342,24 @@ def golden_spec(case: dict, heads: tuple[int, int]):
 
     window = case.get("window")
     if window:
-        mask = dict(mask="sliding_window", causal_align="bottom_right", window_left=window[0],
-                    window_right=window[1])
+        mask = dict(
+            mask="sliding_window",
+            causal_align="bottom_right",
+            window_left=window[0],
+            window_right=window[1],
+        )
     elif case.get("causal"):
         mask = dict(mask="causal", causal_align="bottom_right")
     else:
         mask = dict(mask="none")
-    data = spec_data(name="golden", softcap=case.get("softcap", 0.0),
-                     alibi=bool(case.get("alibi")), num_q_heads=heads[0],
-                     num_kv_heads=heads[1], **mask)
+    data = spec_data(
+        name="golden",
+        softcap=case.get("softcap", 0.0),
+        alibi=bool(case.get("alibi")),
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        **mask,
+    )
     return specs_from_data(data)[0]
 
 
@@ -241,8 +382,9 @@ def compare_gradients(case, grads, q, k, v, slopes, dout, dlse) -> list[str]:
     golden = reference_backward.golden_backward(spec, q, k, v, dout, **options)[2:]
     lowp = reference_backward.lowp_backward(spec, q, k, v, dout, **options)[1:]
     single = one_process_gradients(case, q, k, v, slopes, dout, dlse)
-    for name, got, one, gold, low in zip(("dq", "dk", "dv"), grads, single, golden, lowp,
-                                         strict=True):
+    for name, got, one, gold, low in zip(
+        ("dq", "dk", "dv"), grads, single, golden, lowp, strict=True
+    ):
         problems += _against_one_process(name, got, one, gold, low)
     return problems
 
@@ -258,8 +400,11 @@ def _against_one_process(name, got, one, gold, low) -> list[str]:
     floor = 4 * ulp(got.dtype, gold.abs().max().item())
     bound = (low.double() - gold).abs().max().item() + floor
     diff = (got.double() - one.double()).abs().max().item()
-    return [] if diff <= bound else [f"{name}: {diff:.3e} from one process's, more than the "
-                                     f"yardstick's {bound:.3e}"]
+    return (
+        []
+        if diff <= bound
+        else [f"{name}: {diff:.3e} from one process's, more than the yardstick's {bound:.3e}"]
+    )
 
 
 def one_process_gradients(case, q, k, v, slopes, dout, dlse):
@@ -272,9 +417,17 @@ def one_process_gradients(case, q, k, v, slopes, dout, dlse):
     window = case.get("window")
     mask = Mask.sliding_window if window else Mask.causal if case.get("causal") else Mask.none
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = run_dense("one_process", *leaves, mask=mask,
-                         align=None if mask is Mask.none else CausalAlign.bottom_right,
-                         window=window, softcap=case.get("softcap", 0.0), alibi_slopes=slopes,
-                         scale=None, return_lse=True, fallback=None)
+    out, lse = run_dense(
+        "one_process",
+        *leaves,
+        mask=mask,
+        align=None if mask is Mask.none else CausalAlign.bottom_right,
+        window=window,
+        softcap=case.get("softcap", 0.0),
+        alibi_slopes=slopes,
+        scale=None,
+        return_lse=True,
+        fallback=None,
+    )
     outputs, grads = ([out, lse], [dout, dlse]) if dlse is not None else ([out], [dout])
     return torch.autograd.grad(outputs, leaves, grads)

@@ -44,18 +44,32 @@ class Cache:
 
     def to(self, device) -> Cache:
         table = None if self.block_table is None else self.block_table.to(device)
-        return Cache(self.k.to(device), self.v.to(device), table, self.lengths.to(device),
-                     self.dense_k, self.dense_v)
+        return Cache(
+            self.k.to(device),
+            self.v.to(device),
+            table,
+            self.lengths.to(device),
+            self.dense_k,
+            self.dense_v,
+        )
 
     def clone(self) -> Cache:
         table = None if self.block_table is None else self.block_table.clone()
-        return Cache(self.k.clone(), self.v.clone(), table, self.lengths.clone(),
-                     self.dense_k, self.dense_v)
+        return Cache(
+            self.k.clone(), self.v.clone(), table, self.lengths.clone(), self.dense_k, self.dense_v
+        )
 
 
-def make_cache(spec: AttnSpec, lengths: list[int], *, seed: int, room: int = 0,
-               num_kv_heads: int | None = None, fill: float = float("nan"),
-               extra_capacity: int = 5) -> Cache:
+def make_cache(
+    spec: AttnSpec,
+    lengths: list[int],
+    *,
+    seed: int,
+    room: int = 0,
+    num_kv_heads: int | None = None,
+    fill: float = float("nan"),
+    extra_capacity: int = 5,
+) -> Cache:
     """Random keys for each sequence's first lengths[b] positions; every other slot (past the
     length, free slots of used pages, unused pages, the page unused block-table entries point
     at) holds `fill`. Pages are assigned in a shuffled order."""
@@ -84,7 +98,7 @@ def make_cache(spec: AttnSpec, lengths: list[int], *, seed: int, room: int = 0,
         table = torch.full((batch, max_pages), int(order[-1]), dtype=torch.int32)
         used = 0
         for b, n in enumerate(lengths):
-            table[b, :needed[b]] = order[used:used + needed[b]]
+            table[b, : needed[b]] = order[used : used + needed[b]]
             used += needed[b]
             pos = torch.arange(n)
             pages, slots = table[b, pos // page].long(), pos % page
@@ -93,9 +107,17 @@ def make_cache(spec: AttnSpec, lengths: list[int], *, seed: int, room: int = 0,
     return Cache(k, v, table, torch.tensor(lengths, dtype=torch.int32), dense_k, dense_v)
 
 
-def make_queries(spec: AttnSpec, batch: int, num_q_tokens: int, *, seed: int,
-                 num_q_heads: int | None = None, num_new: int = 0,
-                 num_kv_heads: int | None = None, scale: float = 1.0):
+def make_queries(
+    spec: AttnSpec,
+    batch: int,
+    num_q_tokens: int,
+    *,
+    seed: int,
+    num_q_heads: int | None = None,
+    num_new: int = 0,
+    num_kv_heads: int | None = None,
+    scale: float = 1.0,
+):
     """q [B, HQ, NQ, D], new keys/values [B, HKV, NNEW, D] (None when NNEW is 0), slopes."""
     gen = torch.Generator().manual_seed(seed + 7919)
     dtype = TORCH_DTYPES[spec.dtype.value]
@@ -112,13 +134,32 @@ def make_queries(spec: AttnSpec, batch: int, num_q_tokens: int, *, seed: int,
 
 
 def run_decode(kernel, cache: Cache, q, k_new=None, v_new=None, slopes=None, **kwargs):
-    return kernel.decode(q, cache.k, cache.v, cache.lengths, block_table=cache.block_table,
-                         k_new=k_new, v_new=v_new, alibi_slopes=slopes, return_lse=True,
-                         **kwargs)
+    return kernel.decode(
+        q,
+        cache.k,
+        cache.v,
+        cache.lengths,
+        block_table=cache.block_table,
+        k_new=k_new,
+        v_new=v_new,
+        alibi_slopes=slopes,
+        return_lse=True,
+        **kwargs,
+    )
 
 
-def decode_problems(spec: AttnSpec, cache: Cache, out, lse, q, k_new=None, v_new=None,
-                    slopes=None, sm_scale=None, sinks=None) -> list[str]:
+def decode_problems(
+    spec: AttnSpec,
+    cache: Cache,
+    out,
+    lse,
+    q,
+    k_new=None,
+    v_new=None,
+    slopes=None,
+    sm_scale=None,
+    sinks=None,
+) -> list[str]:
     """Per sequence: the kernel's rows against the dense float64 reference (decode's queries
     are the last tokens: the spec's bottom-right mask, and ALiBi without a mask is aligned
     bottom-right too)."""
@@ -127,9 +168,17 @@ def decode_problems(spec: AttnSpec, cache: Cache, out, lse, q, k_new=None, v_new
         k, v = cache.dense_k[b], cache.dense_v[b]
         if k_new is not None:
             k, v = torch.cat([k, k_new[b]], dim=1), torch.cat([v, v_new[b]], dim=1)
-        found = compare_to_reference(spec, out[b:b + 1], lse[b:b + 1], q[b:b + 1], k[None],
-                                     v[None], sm_scale=sm_scale, alibi_slopes=slopes,
-                                     sinks=sinks)
+        found = compare_to_reference(
+            spec,
+            out[b : b + 1],
+            lse[b : b + 1],
+            q[b : b + 1],
+            k[None],
+            v[None],
+            sm_scale=sm_scale,
+            alibi_slopes=slopes,
+            sinks=sinks,
+        )
         problems += [f"sequence {b} (L={k.shape[1]}): {p}" for p in found]
     return problems
 

@@ -25,8 +25,17 @@ _counter = itertools.count()
 
 
 def make_spec(**fields) -> AttnSpec:
-    base = dict(name="t", archs=["sm90"], dtype="fp16", head_dim=64, num_q_heads=4,
-                num_kv_heads=2, mask="causal", causal_align="bottom_right", kernels=["prefill"])
+    base = dict(
+        name="t",
+        archs=["sm90"],
+        dtype="fp16",
+        head_dim=64,
+        num_q_heads=4,
+        num_kv_heads=2,
+        mask="causal",
+        causal_align="bottom_right",
+        kernels=["prefill"],
+    )
     base.update(fields)
     if base["mask"] == "none":
         base.pop("causal_align", None)
@@ -34,8 +43,13 @@ def make_spec(**fields) -> AttnSpec:
 
 
 @cache
-def load_kernel(spec: AttnSpec, block_m: int | None = None, block_n: int | None = None,
-                arch: str = "sm90", kind: KernelKind | str = KernelKind.prefill) -> ModuleType:
+def load_kernel(
+    spec: AttnSpec,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    arch: str = "sm90",
+    kind: KernelKind | str = KernelKind.prefill,
+) -> ModuleType:
     """Render the spec's module of `kind` to a real .py file and import it (the JIT needs a
     file).
 
@@ -58,15 +72,16 @@ def load_kernel(spec: AttnSpec, block_m: int | None = None, block_n: int | None 
     return module
 
 
-def make_inputs(spec: AttnSpec, batch: int, seqlen_q: int, seqlen_k: int, *, seed: int,
-                **kwargs):
+def make_inputs(spec: AttnSpec, batch: int, seqlen_q: int, seqlen_k: int, *, seed: int, **kwargs):
     """q, k, v (and ALiBi slopes) from a seed; see attngen.reference.random_inputs."""
     return random_inputs(spec, batch, seqlen_q, seqlen_k, seed=seed, **kwargs)
 
 
-def assert_matches_reference(spec: AttnSpec, out, lse, q, k, v, *, sm_scale=None, slopes=None,
-                             sinks=None):
+def assert_matches_reference(
+    spec: AttnSpec, out, lse, q, k, v, *, sm_scale=None, slopes=None, sinks=None
+):
     """The RELIABILITY.md criterion for out and lse, plus exact NaN/inf placement."""
-    problems = compare_to_reference(spec, out, lse, q, k, v, sm_scale=sm_scale,
-                                    alibi_slopes=slopes, sinks=sinks)
+    problems = compare_to_reference(
+        spec, out, lse, q, k, v, sm_scale=sm_scale, alibi_slopes=slopes, sinks=sinks
+    )
     assert not problems, "; ".join(problems)

@@ -51,9 +51,11 @@ def _check(ptrs, mask, what: str) -> None:
         inside |= (addresses >= start) & (addresses + width <= end)
     if not inside.all():
         stray = int(addresses[~inside][0])
-        raise OutOfBounds(f"{what} of {int((~inside).sum())} element(s) outside every tensor "
-                          f"argument, first at {stray:#x} (program "
-                          f"{interpreter.interpreter_builder.grid_idx})")
+        raise OutOfBounds(
+            f"{what} of {int((~inside).sum())} element(s) outside every tensor "
+            f"argument, first at {stray:#x} (program "
+            f"{interpreter.interpreter_builder.grid_idx})"
+        )
 
 
 @contextlib.contextmanager
@@ -64,8 +66,9 @@ def watching():
 
     def watched_launch(self, *args, **kwargs):
         saved = list(_spans)
-        given = [a.base if isinstance(a, TensorDescriptor) else a
-                 for a in (*args, *kwargs.values())]
+        given = [
+            a.base if isinstance(a, TensorDescriptor) else a for a in (*args, *kwargs.values())
+        ]
         tensors = [a for a in given if isinstance(a, torch.Tensor)]
         _spans[:] = [span for t in tensors if (span := tensor_span(t)) is not None]
         try:

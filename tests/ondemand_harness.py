@@ -38,8 +38,12 @@ def on_demand(tmp_path: Path):
 
 
 def child_env(cache: Path) -> dict[str, str]:
-    env = {**os.environ, "ATTNGEN_ON_DEMAND": "1", "ATTNGEN_CACHE": str(cache),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "ATTNGEN_ON_DEMAND": "1",
+        "ATTNGEN_CACHE": str(cache),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     if os.environ.get("TRITON_INTERPRET") == "1":
         env["TRITON_INTERPRET"] = "1"
     return env
@@ -47,9 +51,14 @@ def child_env(cache: Path) -> dict[str, str]:
 
 def child(code: str, cache: Path, timeout: int = 300) -> subprocess.Popen:
     """A new interpreter running `code` (dedented) with on-demand builds into `cache`."""
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
-                            env=child_env(cache), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        env=child_env(cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def module_files(cache: Path) -> list[Path]:

@@ -21,18 +21,52 @@ from attngen.spec import specs_from_data
 
 TOY_SPECS = [
     # causal bottom-right fp32, prefill and varlen (Llama-like, GQA 2:1)
-    dict(name="toy", dtype="fp32", head_dim=16, num_q_heads=4, num_kv_heads=2,
-         mask="causal", causal_align="bottom_right", kernels=["prefill", "varlen"]),
+    dict(
+        name="toy",
+        dtype="fp32",
+        head_dim=16,
+        num_q_heads=4,
+        num_kv_heads=2,
+        mask="causal",
+        causal_align="bottom_right",
+        kernels=["prefill", "varlen"],
+    ),
     # SDPA's top-left causal, for Nq != Nk
-    dict(name="toy_tl", dtype="fp32", head_dim=16, num_q_heads=4, num_kv_heads=2,
-         mask="causal", causal_align="top_left", kernels=["prefill"]),
+    dict(
+        name="toy_tl",
+        dtype="fp32",
+        head_dim=16,
+        num_q_heads=4,
+        num_kv_heads=2,
+        mask="causal",
+        causal_align="top_left",
+        kernels=["prefill"],
+    ),
     # a window with softcap in fp16, head dim 32
-    dict(name="toy_win", dtype="fp16", head_dim=32, num_q_heads=2, num_kv_heads=2,
-         mask="sliding_window", causal_align="bottom_right", window_left=3, window_right=0,
-         softcap=5.0, kernels=["prefill", "varlen"]),
+    dict(
+        name="toy_win",
+        dtype="fp16",
+        head_dim=32,
+        num_q_heads=2,
+        num_kv_heads=2,
+        mask="sliding_window",
+        causal_align="bottom_right",
+        window_left=3,
+        window_right=0,
+        softcap=5.0,
+        kernels=["prefill", "varlen"],
+    ),
     # no mask with ALiBi
-    dict(name="toy_alibi", dtype="fp32", head_dim=16, num_q_heads=4, num_kv_heads=4,
-         mask="none", alibi=True, kernels=["prefill"]),
+    dict(
+        name="toy_alibi",
+        dtype="fp32",
+        head_dim=16,
+        num_q_heads=4,
+        num_kv_heads=4,
+        mask="none",
+        alibi=True,
+        kernels=["prefill"],
+    ),
 ]
 
 
@@ -132,14 +166,30 @@ def build_stand_ins(folder: Path, kinds=("decode",), accepts_out: bool = False) 
         source = _STAND_IN.format(kind=kind, accepts_out=accepts_out)
         name = f"toy_{kind}" + ("_out" if accepts_out else "")
         (folder / "sm90" / f"{name}.py").write_text(source)
-        spec = dict(name="toy", dtype="fp32", head_dim=16, head_dim_v=16, num_q_heads=4,
-                    num_kv_heads=2, mask="causal", causal_align="bottom_right", softcap=0.0,
-                    alibi=False)
+        spec = dict(
+            name="toy",
+            dtype="fp32",
+            head_dim=16,
+            head_dim_v=16,
+            num_q_heads=4,
+            num_kv_heads=2,
+            mask="causal",
+            causal_align="bottom_right",
+            softcap=0.0,
+            alibi=False,
+        )
         if kind == "decode":
             spec.update(kv_layout="contiguous", page_size=None, max_query_tokens=4)
-        entries.append({"module": name, "path": f"sm90/{name}.py", "arch": "sm90",
-                        "kind": kind, "spec": spec,
-                        "sha256": hashlib.sha256(source.encode()).hexdigest()})
+        entries.append(
+            {
+                "module": name,
+                "path": f"sm90/{name}.py",
+                "arch": "sm90",
+                "kind": kind,
+                "spec": spec,
+                "sha256": hashlib.sha256(source.encode()).hexdigest(),
+            }
+        )
     (folder / "index.json").write_text(json.dumps({"schema": 1, "modules": entries}))
     return folder
 

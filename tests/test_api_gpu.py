@@ -33,13 +33,47 @@ pytestmark = [
 # Llama-3's causal attention: paged-16 decode (one query token), Qwen2.5's contiguous decode
 # (four), Llama-3's varlen; Mistral's window of 4095 keys: paged-64 decode and varlen.
 KV_FLAVORS = (
-    KvFlavor("bf16", 128, True, (-1, -1), 0.0, False, "qwen2_5_7b", "llama3_8b", "llama3_8b",
-             page_size=16, max_query_tokens=(4, 1)),
-    KvFlavor("bf16", 128, True, (4095, -1), 0.0, False, None, "mistral_7b", "mistral_7b",
-             page_size=64, max_query_tokens=(1, 1)),
+    KvFlavor(
+        "bf16",
+        128,
+        True,
+        (-1, -1),
+        0.0,
+        False,
+        "qwen2_5_7b",
+        "llama3_8b",
+        "llama3_8b",
+        page_size=16,
+        max_query_tokens=(4, 1),
+    ),
+    KvFlavor(
+        "bf16",
+        128,
+        True,
+        (4095, -1),
+        0.0,
+        False,
+        None,
+        "mistral_7b",
+        "mistral_7b",
+        page_size=64,
+        max_query_tokens=(1, 1),
+    ),
     # flash-attn's default causal=False with one query token is the causal decode step
-    KvFlavor("bf16", 128, False, (-1, -1), 0.0, False, "qwen2_5_7b", "llama3_8b",
-             "llama3_8b", page_size=16, max_query_tokens=(4, 1), one_token_only=True),
+    KvFlavor(
+        "bf16",
+        128,
+        False,
+        (-1, -1),
+        0.0,
+        False,
+        "qwen2_5_7b",
+        "llama3_8b",
+        "llama3_8b",
+        page_size=16,
+        max_query_tokens=(4, 1),
+        one_token_only=True,
+    ),
 )
 KV_LENGTHS = (0, 1, 15, 16, 17, 63, 64, 65, 1000, 4095, 4097, 5000)
 PACKED_FLAVORS = (
@@ -56,8 +90,9 @@ def gpu_kernels(tmp_path_factory: pytest.TempPathFactory):
     saved = current_registry()
     registry = load_kernels()
     major, minor = torch.cuda.get_device_capability()
-    kernels = ApiKernels(registry, empty_registry(tmp_path_factory.mktemp("empty")),
-                         arch=f"sm{major}{minor}")
+    kernels = ApiKernels(
+        registry, empty_registry(tmp_path_factory.mktemp("empty")), arch=f"sm{major}{minor}"
+    )
     use_registry(registry)
     try:
         yield kernels

@@ -47,8 +47,11 @@ def served_route(case: KvCase) -> bool:
     max_query_tokens = flavor.query_tokens(case.paged)
     if case.api == "decode":
         return case.seqlen_q <= max_query_tokens
-    return (decode is not None and case.seqlen_q <= max_query_tokens) or (
-        flavor.varlen is not None) or case.fallback
+    return (
+        (decode is not None and case.seqlen_q <= max_query_tokens)
+        or (flavor.varlen is not None)
+        or case.fallback
+    )
 
 
 def kv_expectation(case: KvCase, cache: Cache):
@@ -74,16 +77,21 @@ def guard_call(case: KvCase, cache: Cache, values: dict) -> dict:
     v_cache = cache.v
     if case.mistake == "cache_dtype":
         v_cache = v_cache.to(torch.float16 if v_cache.dtype == torch.float32 else torch.float32)
-    guards = {"k_cache": guarded(cache.k, cache_layout), "v_cache": guarded(v_cache, cache_layout),
-              "q": guarded(values["q"])}
+    guards = {
+        "k_cache": guarded(cache.k, cache_layout),
+        "v_cache": guarded(v_cache, cache_layout),
+        "q": guarded(values["q"]),
+    }
     if cache.table is not None:
-        guards["block_table"] = guarded(cache.table, Layout((0, 1), 0, 2) if (
-            case.mistake == "table_strided") else None)
+        guards["block_table"] = guarded(
+            cache.table, Layout((0, 1), 0, 2) if (case.mistake == "table_strided") else None
+        )
     if case.mistake not in ("seqlens_full", "seqlens_int", "seqlens_none_with_new"):
         dtype = torch.int64 if case.mistake == "seqlens_int64" else torch.int32
         guards["cache_seqlens"] = guarded(
             torch.tensor(cache.seqlens, dtype=dtype, device=cache.k.device),
-            strided if case.mistake == "seqlens_strided" else None)
+            strided if case.mistake == "seqlens_strided" else None,
+        )
     if values["k"] is not None:
         k_new = values["k"]
         if case.mistake == "new_heads":
@@ -92,8 +100,9 @@ def guard_call(case: KvCase, cache: Cache, values: dict) -> dict:
         if case.mistake != "k_without_v":
             guards["v"] = guarded(values["v"])
     if values["alibi_slopes"] is not None:
-        guards["alibi_slopes"] = guarded(values["alibi_slopes"], strided if (
-            case.mistake == "slopes_strided") else None)
+        guards["alibi_slopes"] = guarded(
+            values["alibi_slopes"], strided if (case.mistake == "slopes_strided") else None
+        )
     return guards
 
 
@@ -110,21 +119,38 @@ def call_kv(kernels, case: KvCase, guards: dict, cache: Cache):
         def heads_first(t):
             return None if t is None else t.transpose(1, 2)
 
-        caches = (args["k_cache"], args["v_cache"]) if case.paged else (
-            heads_first(args["k_cache"]), heads_first(args["v_cache"]))
-        out, lse = module.decode(heads_first(args["q"]), *caches, seqlens,
-                                 block_table=args.get("block_table"),
-                                 k_new=heads_first(args.get("k")),
-                                 v_new=heads_first(args.get("v")),
-                                 alibi_slopes=args.get("alibi_slopes"), return_lse=True)
+        caches = (
+            (args["k_cache"], args["v_cache"])
+            if case.paged
+            else (heads_first(args["k_cache"]), heads_first(args["v_cache"]))
+        )
+        out, lse = module.decode(
+            heads_first(args["q"]),
+            *caches,
+            seqlens,
+            block_table=args.get("block_table"),
+            k_new=heads_first(args.get("k")),
+            v_new=heads_first(args.get("v")),
+            alibi_slopes=args.get("alibi_slopes"),
+            return_lse=True,
+        )
         return out.transpose(1, 2), lse
 
     def fn():
         return attngen.flash_attn_with_kvcache(
-            args["q"], args["k_cache"], args["v_cache"], k=args.get("k"), v=args.get("v"),
-            cache_seqlens=seqlens, block_table=args.get("block_table"), causal=flavor.causal,
-            window_size=flavor.window_size, softcap=flavor.softcap,
-            alibi_slopes=args.get("alibi_slopes"), return_softmax_lse=True)
+            args["q"],
+            args["k_cache"],
+            args["v_cache"],
+            k=args.get("k"),
+            v=args.get("v"),
+            cache_seqlens=seqlens,
+            block_table=args.get("block_table"),
+            causal=flavor.causal,
+            window_size=flavor.window_size,
+            softcap=flavor.softcap,
+            alibi_slopes=args.get("alibi_slopes"),
+            return_softmax_lse=True,
+        )
 
     if not case.fallback:
         return fn()
@@ -141,8 +167,9 @@ def cached_rows(cache: Cache, b: int, n: int, page_size: int, values: torch.Tens
     return values[cache.table[b, pos // page_size].long().cpu(), pos % page_size]
 
 
-def cache_problems(case: KvCase, cache: Cache, guards: dict, values: dict, bad: list[bool],
-                   page_size: int) -> list[str]:
+def cache_problems(
+    case: KvCase, cache: Cache, guards: dict, values: dict, bad: list[bool], page_size: int
+) -> list[str]:
     """The caches hold exactly the good sequences' new keys at their positions; a bad
     sequence may have written inside its own row or pages only; nothing else changed."""
     problems = []
@@ -167,16 +194,19 @@ def cache_problems(case: KvCase, cache: Cache, guards: dict, values: dict, bad: 
     return problems
 
 
-def sequence_problems(case: KvCase, cache: Cache, values: dict, out, lse, bad: list[bool],
-                      page_size: int) -> list[str]:
+def sequence_problems(
+    case: KvCase, cache: Cache, values: dict, out, lse, bad: list[bool], page_size: int
+) -> list[str]:
     flavor = case.flavor
     sem = flash_semantics(flavor.causal, flavor.window_size, flavor.softcap, flavor.alibi)
     problems = []
     for b, wrong in enumerate(bad):
         if wrong:
             if not (out[b].isnan().all() and lse[b].isnan().all()):
-                problems.append(f"sequence {b}: its request does not fit its cache, but its "
-                                "output and LSE are not NaN")
+                problems.append(
+                    f"sequence {b}: its request does not fit its cache, but its "
+                    "output and LSE are not NaN"
+                )
             continue
         n = cache.seqlens[b]
         keys = cached_rows(cache, b, n, page_size, cache.k.cpu())
@@ -188,9 +218,15 @@ def sequence_problems(case: KvCase, cache: Cache, values: dict, out, lse, bad: l
         def heads_first(t):
             return t.transpose(0, 1)[None]
 
-        found = reference_problems(sem, heads_first(out[b]), lse[b:b + 1],
-                                   heads_first(values["q"][b]), heads_first(keys),
-                                   heads_first(vals), slopes=values["alibi_slopes"])
+        found = reference_problems(
+            sem,
+            heads_first(out[b]),
+            lse[b : b + 1],
+            heads_first(values["q"][b]),
+            heads_first(keys),
+            heads_first(vals),
+            slopes=values["alibi_slopes"],
+        )
         problems += [f"sequence {b} (L={n}+{case.num_new}): {x}" for x in found]
     return problems
 
@@ -198,14 +234,14 @@ def sequence_problems(case: KvCase, cache: Cache, values: dict, out, lse, bad: l
 def assert_user_layout(case: KvCase, guards: dict, refusal: Exception) -> None:
     """flash_attn_with_kvcache's errors speak of the caller's [B, N, H, D] tensors, not of the
     [B, H, N, D] views it hands to a module."""
-    if case.api != "flash_attn_with_kvcache" or case.mistake != "new_heads" or (
-            "k" not in guards):
+    if case.api != "flash_attn_with_kvcache" or case.mistake != "new_heads" or ("k" not in guards):
         return
     shape = list(guards["k"].view.shape)
     internal = [shape[0], shape[2], shape[1], shape[3]]
     text = str(refusal)
     assert internal == shape or not (str(internal) in text or str(tuple(internal)) in text), (
-        f"the error shows k as {internal}, the caller passed {shape}: {text}")
+        f"the error shows k as {internal}, the caller passed {shape}: {text}"
+    )
 
 
 def check_kvcache(kernels, case: KvCase, device: str = "cpu") -> None:
@@ -227,8 +263,12 @@ def check_kvcache(kernels, case: KvCase, device: str = "cpu") -> None:
     assert lse.shape == (batch, hq, case.seqlen_q), lse.shape
     bad = bad_sequences(case, cache)
     problems = cache_problems(case, cache, guards, values, bad, page_size)
-    problems += [x for name, g in guards.items() if name not in ("k_cache", "v_cache")
-                 for x in unexpected_writes(name, g)]
+    problems += [
+        x
+        for name, g in guards.items()
+        if name not in ("k_cache", "v_cache")
+        for x in unexpected_writes(name, g)
+    ]
     problems += sequence_problems(case, cache, values, out, lse, bad, page_size)
     assert not problems, "; ".join(problems)
 
@@ -249,11 +289,20 @@ CAUSAL, ALIBI, RIGHT, WINDOW, VARLEN_ONLY, ONE_TOKEN = FLAVORS
 # found: requests that do not fit wrote into other sequences' rows or outside the cache, read
 # the next sequence's keys, and were not NaN; cache_seqlens=None with new keys appended at the
 # capacity; the checked mode let them pass
-@example(KvCase(api="decode", flavor=WINDOW, lengths=(0, 0, 0), num_new=5, seqlen_q=4, room=4,
-                mistake="seqlens_over", bad=1))
+@example(
+    KvCase(
+        api="decode",
+        flavor=WINDOW,
+        lengths=(0, 0, 0),
+        num_new=5,
+        seqlen_q=4,
+        room=4,
+        mistake="seqlens_over",
+        bad=1,
+    )
+)
 @example(KvCase(api="decode", num_new=2, mistake="seqlens_negative"))
-@example(KvCase(api="decode", paged=True, num_new=0, seqlen_q=2, mistake="seqlens_negative",
-                bad=1))
+@example(KvCase(api="decode", paged=True, num_new=0, seqlen_q=2, mistake="seqlens_negative", bad=1))
 @example(KvCase(flavor=VARLEN_ONLY, paged=True, mistake="table_out", bad=1, bad_page=-1))
 @example(KvCase(paged=True, mistake="table_out", bad=1))
 @example(KvCase(flavor=VARLEN_ONLY, lengths=(17, 5), num_new=0, mistake="seqlens_over"))

@@ -74,13 +74,31 @@ def dense_call(mistake: str):
 
     def call():
         return attngen.scaled_dot_product_attention(
-            q, k, v, is_causal=alibi is None, causal_align="bottom_right", enable_gqa=True,
-            alibi_slopes=alibi)
+            q,
+            k,
+            v,
+            is_causal=alibi is None,
+            causal_align="bottom_right",
+            enable_gqa=True,
+            alibi_slopes=alibi,
+        )
+
     return call
 
 
-@pytest.mark.parametrize("mistake", ["k_dtype", "k_head_dim", "gqa_ratio", "batch", "v_length",
-                                     "slopes_strided", "slopes_shape", "slopes_dtype"])
+@pytest.mark.parametrize(
+    "mistake",
+    [
+        "k_dtype",
+        "k_head_dim",
+        "gqa_ratio",
+        "batch",
+        "v_length",
+        "slopes_strided",
+        "slopes_shape",
+        "slopes_dtype",
+    ],
+)
 def test_dense_fallback_refuses_as_a_module_does(api_kernels, mistake):  # noqa: F811
     call = dense_call(mistake)
     module_says = refusal(call)
@@ -108,11 +126,13 @@ def varlen_call(mistake: str):
 
     def call():
         return attngen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, 9, causal=True)
+
     return call
 
 
-@pytest.mark.parametrize("mistake", ["cu_int64", "cu_strided", "cu_shape", "k_dtype",
-                                     "gqa_ratio", "max_seqlen_q"])
+@pytest.mark.parametrize(
+    "mistake", ["cu_int64", "cu_strided", "cu_shape", "k_dtype", "gqa_ratio", "max_seqlen_q"]
+)
 def test_varlen_fallback_refuses_as_a_module_does(api_kernels, mistake):  # noqa: F811
     call = varlen_call(mistake)
     module_says = refusal(call)
@@ -144,17 +164,24 @@ def test_a_sequence_longer_than_max_seqlen_q_is_nan(api_kernels, route):  # noqa
     q, k, v, cu_q, cu_k = packed_beyond_max_seqlen_q()
 
     def call():
-        return attngen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 32, 9, causal=True,
-                                              return_attn_probs=True)
+        return attngen.flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, 32, 9, causal=True, return_attn_probs=True
+        )
 
     out, lse, _ = call() if route == "kernel" else in_fallback(api_kernels, call)
     assert out[:33].isnan().all() and lse[:, :33].isnan().all()
+
     def heads_first(t):
         return t.transpose(0, 1)[None]
 
-    problems = reference_problems(Semantics("causal", "bottom_right"), heads_first(out[33:]),
-                                  lse[:, 33:][None], heads_first(q[33:]), heads_first(k[5:]),
-                                  heads_first(v[5:]))
+    problems = reference_problems(
+        Semantics("causal", "bottom_right"),
+        heads_first(out[33:]),
+        lse[:, 33:][None],
+        heads_first(q[33:]),
+        heads_first(k[5:]),
+        heads_first(v[5:]),
+    )
     assert not problems, problems
 
 
@@ -181,21 +208,30 @@ def kv_call(**changes):
     """flash_attn_with_kvcache on a contiguous fp32 cache, D 16, 4 over 2 heads, two new keys;
     without a contiguous decode module for ALiBi, the varlen route serves it."""
     k_cache, v_cache = seeded(2, 12, 2, 16, seed=3), seeded(2, 12, 2, 16, seed=4)
-    args = dict(q=seeded(2, 1, 4, 16), k_cache=k_cache, v_cache=v_cache,
-                k=seeded(2, 2, 2, 16, seed=5), v=seeded(2, 2, 2, 16, seed=6),
-                cache_seqlens=torch.tensor([3, 7], dtype=torch.int32), alibi_slopes=slopes())
+    args = dict(
+        q=seeded(2, 1, 4, 16),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        k=seeded(2, 2, 2, 16, seed=5),
+        v=seeded(2, 2, 2, 16, seed=6),
+        cache_seqlens=torch.tensor([3, 7], dtype=torch.int32),
+        alibi_slopes=slopes(),
+    )
     args.update(changes)
     before = (args["k_cache"].clone(), args["v_cache"].clone())
     return args, before
 
 
-@pytest.mark.parametrize("mistake, error", [
-    ("causal_many_queries", attngen.NoKernelError),  # ALiBi, causal: no module serves it
-    ("slopes_strided", ValueError),
-    ("softmax_scale", ValueError),
-    ("new_heads", ValueError),
-    ("new_dtype", ValueError),
-])
+@pytest.mark.parametrize(
+    "mistake, error",
+    [
+        ("causal_many_queries", attngen.NoKernelError),  # ALiBi, causal: no module serves it
+        ("slopes_strided", ValueError),
+        ("softmax_scale", ValueError),
+        ("new_heads", ValueError),
+        ("new_dtype", ValueError),
+    ],
+)
 @pytest.mark.parametrize("fallback", [False, True])
 def test_a_refused_kvcache_call_changes_no_cache(
     api_kernels,  # noqa: F811
@@ -203,11 +239,13 @@ def test_a_refused_kvcache_call_changes_no_cache(
     error,
     fallback,
 ):
-    changes = {"causal_many_queries": dict(causal=True, q=seeded(2, 5, 4, 16)),
-               "slopes_strided": dict(alibi_slopes=slopes(8)[::2]),
-               "softmax_scale": dict(softmax_scale=-1.0),
-               "new_heads": dict(k=seeded(2, 2, 3, 16)),
-               "new_dtype": dict(v=seeded(2, 2, 2, 16).double())}[mistake]
+    changes = {
+        "causal_many_queries": dict(causal=True, q=seeded(2, 5, 4, 16)),
+        "slopes_strided": dict(alibi_slopes=slopes(8)[::2]),
+        "softmax_scale": dict(softmax_scale=-1.0),
+        "new_heads": dict(k=seeded(2, 2, 3, 16)),
+        "new_dtype": dict(v=seeded(2, 2, 2, 16).double()),
+    }[mistake]
     if fallback and error is attngen.NoKernelError:
         return  # with the fallback that call is served
     args, before = kv_call(**changes)
@@ -230,8 +268,15 @@ def test_alibi_with_a_covering_top_left_window_is_not_mask_none(api_kernels):  #
 
     def call(fallback=None):
         return attngen.scaled_dot_product_attention(
-            q, k, v, enable_gqa=True, window=(INT32_MAX, INT32_MAX), causal_align="top_left",
-            alibi_slopes=slopes(), fallback=fallback)
+            q,
+            k,
+            v,
+            enable_gqa=True,
+            window=(INT32_MAX, INT32_MAX),
+            causal_align="top_left",
+            alibi_slopes=slopes(),
+            fallback=fallback,
+        )
 
     with pytest.raises(attngen.NoKernelError):
         call()

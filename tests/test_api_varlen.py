@@ -115,8 +115,10 @@ def packed_cases(draw, flavors=FLAVORS, lengths=LENGTHS, heads=HEADS):
     if mistake.startswith("seqused"):
         api = "module"  # flash-attn 2.x's varlen function takes no seqused_k
     if api == "module" and flavor.module is None:
-        api, mistake = "flash_attn_varlen_func", "none" if mistake.startswith("seqused") else (
-            mistake)
+        api, mistake = (
+            "flash_attn_varlen_func",
+            "none" if mistake.startswith("seqused") else (mistake),
+        )
     batch = draw(st.sampled_from((1, 2, 3, 3, 0)))
     if mistake in INDEX_MISTAKES | {"max_q_low", "cu_shape"}:
         batch = max(batch, 1)
@@ -125,21 +127,29 @@ def packed_cases(draw, flavors=FLAVORS, lengths=LENGTHS, heads=HEADS):
         lengths_q = (lengths[-1],) + lengths_q[1:]
     use_seqused = api == "module" and (draw(st.booleans()) or mistake.startswith("seqused"))
     same = not use_seqused and draw(st.booleans())
-    lengths_k = lengths_q if same else tuple(draw(st.sampled_from(lengths))
-                                             for _ in range(batch))
+    lengths_k = lengths_q if same else tuple(draw(st.sampled_from(lengths)) for _ in range(batch))
     spare_k = tuple(draw(st.sampled_from((0, 3))) if use_seqused else 0 for _ in range(batch))
     order = draw(st.sampled_from(((0, 1, 2), (0, 1, 2), (1, 0, 2))))
     layout = Layout(order, draw(st.sampled_from((0, 0, 5))), 1)
     return PackedCase(
-        api=api, flavor=flavor,
+        api=api,
+        flavor=flavor,
         heads=(4, 3) if mistake == "gqa_ratio" else draw(st.sampled_from(heads)),
-        lengths_q=lengths_q, lengths_k=lengths_k, same=same, spare_k=spare_k,
-        use_seqused=use_seqused, pad=draw(st.sampled_from((0, 3))), mistake=mistake,
-        bad=draw(st.integers(0, max(batch - 1, 0))), slack_q=draw(st.sampled_from((0, 0, 3))),
-        slack_k=draw(st.sampled_from((0, 0, 5))), layout=layout,
+        lengths_q=lengths_q,
+        lengths_k=lengths_k,
+        same=same,
+        spare_k=spare_k,
+        use_seqused=use_seqused,
+        pad=draw(st.sampled_from((0, 3))),
+        mistake=mistake,
+        bad=draw(st.integers(0, max(batch - 1, 0))),
+        slack_q=draw(st.sampled_from((0, 0, 3))),
+        slack_k=draw(st.sampled_from((0, 0, 5))),
+        layout=layout,
         checked=mistake in INDEX_MISTAKES | {"max_q_low"} and draw(st.booleans()),
         fallback=api != "module" and draw(st.integers(0, 4)) == 0,
-        seed=draw(st.integers(0, 2**16)))
+        seed=draw(st.integers(0, 2**16)),
+    )
 
 
 def cumulative(lengths) -> list[int]:
@@ -181,8 +191,8 @@ def make_packed(case: PackedCase, device="cpu") -> Packed:
     q, k = packed(cu_q[-1], hq), packed(cu_k[-1], hkv)
     v = packed(cu_k[-1], hkv)
     for b, n in enumerate(case.lengths_k):  # keys past seqused_k are a cache's unused tail
-        k[cu_k[b] + n:cu_k[b + 1]] = float("nan")
-        v[cu_k[b] + n:cu_k[b + 1]] = float("nan")
+        k[cu_k[b] + n : cu_k[b + 1]] = float("nan")
+        v[cu_k[b] + n : cu_k[b + 1]] = float("nan")
     if case.mistake == "k_dtype":
         k = k.to(torch.float32 if dtype != torch.float32 else torch.float16)
     seqused = list(case.lengths_k) if case.use_seqused else None
@@ -206,8 +216,17 @@ def make_packed(case: PackedCase, device="cpu") -> Packed:
         max_q = max(case.lengths_q) - 1
     elif mistake == "max_k_low":
         max_k = max(max(case.lengths_k, default=0) // 2, 0)
-    return Packed(q.to(device), k.to(device), v.to(device), cu_q, cu_k, seqused,
-                  None if slopes is None else slopes.to(device), max_q, max_k)
+    return Packed(
+        q.to(device),
+        k.to(device),
+        v.to(device),
+        cu_q,
+        cu_k,
+        seqused,
+        None if slopes is None else slopes.to(device),
+        max_q,
+        max_k,
+    )
 
 
 def sequence_verdicts(p: Packed) -> list[str]:
@@ -219,16 +238,18 @@ def sequence_verdicts(p: Packed) -> list[str]:
     for b in range(len(p.cu_q) - 1):
         q0, q1, k0, k1 = p.cu_q[b], p.cu_q[b + 1], p.cu_k[b], p.cu_k[b + 1]
         used = k1 - k0 if p.seqused is None else p.seqused[b]
-        bad = (not 0 <= q0 <= q1 <= total_q or not 0 <= k0 <= k1 <= total_k
-               or not 0 <= used <= k1 - k0)
+        bad = (
+            not 0 <= q0 <= q1 <= total_q or not 0 <= k0 <= k1 <= total_k or not 0 <= used <= k1 - k0
+        )
         verdicts.append("bad" if bad else "short" if q1 - q0 > p.max_q else "good")
     return verdicts
 
 
 def sequence_problems(case: PackedCase, p: Packed, out, lse) -> list[str]:
     """Per sequence by its verdict (CPU tensors: out and lse as returned)."""
-    sem = flash_semantics(case.flavor.causal, case.flavor.window_size, case.flavor.softcap,
-                          case.flavor.alibi)
+    sem = flash_semantics(
+        case.flavor.causal, case.flavor.window_size, case.flavor.softcap, case.flavor.alibi
+    )
     problems = []
     total_q = p.q.shape[0]
     covered = torch.zeros(total_q, dtype=torch.bool)
@@ -239,8 +260,9 @@ def sequence_problems(case: PackedCase, p: Packed, out, lse) -> list[str]:
         nan = out[rows].isnan().all() and (lse is None or lse[:, rows].isnan().all())
         if verdict == "bad":
             if not nan:
-                problems.append(f"sequence {b}: its indices leave the tensors, but its output "
-                                "is not NaN")
+                problems.append(
+                    f"sequence {b}: its indices leave the tensors, but its output is not NaN"
+                )
             continue
         k0 = p.cu_k[b]
         k1 = k0 + (p.cu_k[b + 1] - k0 if p.seqused is None else p.seqused[b])
@@ -249,21 +271,26 @@ def sequence_problems(case: PackedCase, p: Packed, out, lse) -> list[str]:
             return t.transpose(0, 1)[None]
 
         found = reference_problems(
-            sem, heads_first(out[rows]), None if lse is None else lse[:, rows][None],
-            heads_first(p.q[rows].cpu()), heads_first(p.k[k0:k1].cpu()),
+            sem,
+            heads_first(out[rows]),
+            None if lse is None else lse[:, rows][None],
+            heads_first(p.q[rows].cpu()),
+            heads_first(p.k[k0:k1].cpu()),
             heads_first(p.v[k0:k1].cpu()),
-            scale=None, slopes=p.slopes)
+            scale=None,
+            slopes=p.slopes,
+        )
         if found and not (verdict == "short" and nan):
             problems += [f"sequence {b} ({verdict}): {x}" for x in found]
     rest = ~covered
-    if rest.any() and not (torch.all(out[rest] == 0) and (
-            lse is None or torch.all(lse[:, rest] == float("-inf")))):
+    if rest.any() and not (
+        torch.all(out[rest] == 0) and (lse is None or torch.all(lse[:, rest] == float("-inf")))
+    ):
         problems.append("rows no sequence covers are not 0 / -inf")
     return problems
 
 
-def expectation(case: PackedCase, p: Packed, specs: list[dict]
-                ) -> tuple[Expect, tuple[str, ...]]:
+def expectation(case: PackedCase, p: Packed, specs: list[dict]) -> tuple[Expect, tuple[str, ...]]:
     expect, names = MISTAKES[case.mistake]
     flavor = case.flavor
     sem = flash_semantics(flavor.causal, flavor.window_size, flavor.softcap, flavor.alibi)
@@ -271,8 +298,13 @@ def expectation(case: PackedCase, p: Packed, specs: list[dict]
     # the dispatcher reads the lengths from max_seqlen_* (the device's cu_seqlens stay unread)
     longest_q = max(p.max_q, max(case.lengths_q, default=0))
     longest_k = max(p.max_k, max(case.lengths_k, default=0))
-    can_run = case.api == "module" or case.fallback or served(
-        specs, "varlen", DTYPES[flavor.dtype], flavor.head_dim, sem, longest_q, longest_k, same)
+    can_run = (
+        case.api == "module"
+        or case.fallback
+        or served(
+            specs, "varlen", DTYPES[flavor.dtype], flavor.head_dim, sem, longest_q, longest_k, same
+        )
+    )
     if case.mistake == "max_k_low" and case.api == "module":
         expect = Expect.SERVE  # the module documents max_seqlen_k as unused
     if expect is None:
@@ -292,25 +324,32 @@ def check_packed(kernels, case: PackedCase, device: str = "cpu") -> None:
     index_layout = strided if case.mistake == "cu_strided" else None
     cu_dtype = torch.int64 if case.mistake == "cu_int64" else torch.int32
     cu_k_values = p.cu_k + [p.cu_k[-1]] if case.mistake == "cu_shape" else p.cu_k
-    guards = {"q": guarded(p.q, case.layout), "k": guarded(p.k, case.layout),
-              "v": guarded(p.v, case.layout),
-              "cu_seqlens_q": guarded(torch.tensor(p.cu_q, dtype=cu_dtype, device=device),
-                                      index_layout)}
+    guards = {
+        "q": guarded(p.q, case.layout),
+        "k": guarded(p.k, case.layout),
+        "v": guarded(p.v, case.layout),
+        "cu_seqlens_q": guarded(torch.tensor(p.cu_q, dtype=cu_dtype, device=device), index_layout),
+    }
     same = case.same and case.mistake not in ("cu_beyond_k", "cu_shape")
-    guards["cu_seqlens_k"] = guards["cu_seqlens_q"] if same else guarded(
-        torch.tensor(cu_k_values, dtype=cu_dtype, device=device), index_layout)
+    guards["cu_seqlens_k"] = (
+        guards["cu_seqlens_q"]
+        if same
+        else guarded(torch.tensor(cu_k_values, dtype=cu_dtype, device=device), index_layout)
+    )
     if p.seqused is not None:
-        guards["seqused_k"] = guarded(torch.tensor(p.seqused, dtype=torch.int32, device=device),
-                                      strided if case.mistake == "seqused_strided" else None)
+        guards["seqused_k"] = guarded(
+            torch.tensor(p.seqused, dtype=torch.int32, device=device),
+            strided if case.mistake == "seqused_strided" else None,
+        )
     if p.slopes is not None:
         guards["alibi_slopes"] = guarded(
-            p.slopes, strided if case.mistake == "slopes_strided" else None)
+            p.slopes, strided if case.mistake == "slopes_strided" else None
+        )
     expect, names = expectation(case, p, kernels.specs)
     scale = -1.0 if case.mistake == "scale" else None
     args = {name: g.view for name, g in guards.items()}
     with kernels.checked(case.checked) as active:
-        result, _ = attempt(lambda: call_packed(active, case, args, p, scale, hq), expect,
-                            names)
+        result, _ = attempt(lambda: call_packed(active, case, args, p, scale, hq), expect, names)
     problems = [x for name, g in guards.items() for x in unexpected_writes(name, g)]
     if result is not None:
         out, lse = result
@@ -324,17 +363,36 @@ def call_packed(kernels, case: PackedCase, args, p: Packed, scale, hq):
     if case.api == "module":
         module = kernels.module_for(case.flavor.module, "varlen")
         return module.attention_varlen(
-            args["q"], args["k"], args["v"], args["cu_seqlens_q"], args["cu_seqlens_k"],
-            p.max_q, p.max_k, sm_scale=scale, alibi_slopes=args.get("alibi_slopes"),
-            return_lse=True, seqused_k=seqused)
+            args["q"],
+            args["k"],
+            args["v"],
+            args["cu_seqlens_q"],
+            args["cu_seqlens_k"],
+            p.max_q,
+            p.max_k,
+            sm_scale=scale,
+            alibi_slopes=args.get("alibi_slopes"),
+            return_lse=True,
+            seqused_k=seqused,
+        )
     flavor = case.flavor
 
     def fn():
         out, lse, _ = attngen.flash_attn_varlen_func(
-            args["q"], args["k"], args["v"], args["cu_seqlens_q"], args["cu_seqlens_k"],
-            p.max_q, p.max_k, softmax_scale=scale, causal=flavor.causal,
-            window_size=flavor.window_size, softcap=flavor.softcap,
-            alibi_slopes=args.get("alibi_slopes"), return_attn_probs=True)
+            args["q"],
+            args["k"],
+            args["v"],
+            args["cu_seqlens_q"],
+            args["cu_seqlens_k"],
+            p.max_q,
+            p.max_k,
+            softmax_scale=scale,
+            causal=flavor.causal,
+            window_size=flavor.window_size,
+            softcap=flavor.softcap,
+            alibi_slopes=args.get("alibi_slopes"),
+            return_attn_probs=True,
+        )
         return out, lse
 
     if not case.fallback:
@@ -354,39 +412,94 @@ CAUSAL, ALIBI, RIGHT, LEFT, WINDOW, VARLEN_H32, CAUSAL_SHORT = FLAVORS
 # found: window sides of 2**31 - 1 overflowed int32: wrong results, and a crash
 @example(PackedCase(flavor=RIGHT, lengths_q=(16, 15), lengths_k=(16, 16)))
 @example(PackedCase(flavor=LEFT, lengths_q=(33, 2), lengths_k=(1, 15)))
-@example(PackedCase(api="module", flavor=LEFT, heads=(2, 2), lengths_q=(15, 1, 33),
-                    lengths_k=(16, 17, 5), spare_k=(3, 0, 0), use_seqused=True,
-                    layout=Layout((1, 0, 2))))
+@example(
+    PackedCase(
+        api="module",
+        flavor=LEFT,
+        heads=(2, 2),
+        lengths_q=(15, 1, 33),
+        lengths_k=(16, 17, 5),
+        spare_k=(3, 0, 0),
+        use_seqused=True,
+        layout=Layout((1, 0, 2)),
+    )
+)
 # found: strided cu_seqlens, seqused_k and alibi_slopes were read with stride 1 (a crash,
 # wrong lengths, wrong slopes)
 @example(PackedCase(flavor=ALIBI, lengths_q=(0, 1), lengths_k=(33, 2), mistake="cu_strided"))
-@example(PackedCase(api="module", heads=(4, 1), lengths_q=(15, 33, 16), lengths_k=(16, 16, 16),
-                    spare_k=(0, 3, 0), use_seqused=True, mistake="seqused_strided"))
-@example(PackedCase(flavor=ALIBI, lengths_q=(5, 9), lengths_k=(5, 9), same=True,
-                    mistake="slopes_strided"))
+@example(
+    PackedCase(
+        api="module",
+        heads=(4, 1),
+        lengths_q=(15, 33, 16),
+        lengths_k=(16, 16, 16),
+        spare_k=(0, 3, 0),
+        use_seqused=True,
+        mistake="seqused_strided",
+    )
+)
+@example(
+    PackedCase(
+        flavor=ALIBI, lengths_q=(5, 9), lengths_k=(5, 9), same=True, mistake="slopes_strided"
+    )
+)
 # found: cu_seqlens past the packed length aborted the process or read other memory;
 # seqused_k past a sequence's span read the next one's keys; the checked mode let them pass
-@example(PackedCase(api="module", lengths_q=(0, 33, 0), lengths_k=(17, 0, 0),
-                    mistake="cu_beyond_q"))
+@example(
+    PackedCase(api="module", lengths_q=(0, 33, 0), lengths_k=(17, 0, 0), mistake="cu_beyond_q")
+)
 @example(PackedCase(mistake="cu_beyond_k", bad=1))
-@example(PackedCase(api="module", flavor=VARLEN_H32, heads=(4, 4), lengths_q=(17, 2, 2),
-                    lengths_k=(33, 17, 2), spare_k=(0, 3, 0), use_seqused=True,
-                    mistake="seqused_beyond"))
-@example(PackedCase(api="module", lengths_q=(17,), lengths_k=(0,), spare_k=(3,),
-                    use_seqused=True, mistake="seqused_negative", checked=True))
-@example(PackedCase(flavor=CAUSAL_SHORT, lengths_q=(5,), lengths_k=(5,), same=True,
-                    mistake="cu_beyond_q", checked=True, fallback=True))
+@example(
+    PackedCase(
+        api="module",
+        flavor=VARLEN_H32,
+        heads=(4, 4),
+        lengths_q=(17, 2, 2),
+        lengths_k=(33, 17, 2),
+        spare_k=(0, 3, 0),
+        use_seqused=True,
+        mistake="seqused_beyond",
+    )
+)
+@example(
+    PackedCase(
+        api="module",
+        lengths_q=(17,),
+        lengths_k=(0,),
+        spare_k=(3,),
+        use_seqused=True,
+        mistake="seqused_negative",
+        checked=True,
+    )
+)
+@example(
+    PackedCase(
+        flavor=CAUSAL_SHORT,
+        lengths_q=(5,),
+        lengths_k=(5,),
+        same=True,
+        mistake="cu_beyond_q",
+        checked=True,
+        fallback=True,
+    )
+)
 # found: max_seqlen_k below the true length let a window kernel serve a causal call
 @example(PackedCase(flavor=CAUSAL_SHORT, lengths_q=(1,), lengths_k=(9,), mistake="max_k_low"))
 # found: max_seqlen_q below a sequence's length left its last rows 0 (no error)
-@example(PackedCase(api="module", flavor=WINDOW, lengths_q=(17, 1), lengths_k=(15, 3),
-                    mistake="max_q_low"))
+@example(
+    PackedCase(
+        api="module", flavor=WINDOW, lengths_q=(17, 1), lengths_k=(15, 3), mistake="max_q_low"
+    )
+)
 # max_seqlen_q below a length: NaN from the kernel and from the fallback; checked mode raises
 @example(PackedCase(lengths_q=(33, 2), lengths_k=(5, 9), mistake="max_q_low"))
 @example(PackedCase(lengths_q=(33, 2), lengths_k=(5, 9), mistake="max_q_low", fallback=True))
 @example(PackedCase(lengths_q=(33, 2), lengths_k=(5, 9), mistake="max_q_low", checked=True))
-@example(PackedCase(lengths_q=(33, 2), lengths_k=(5, 9), mistake="max_q_low", checked=True,
-                    fallback=True))
+@example(
+    PackedCase(
+        lengths_q=(33, 2), lengths_k=(5, 9), mistake="max_q_low", checked=True, fallback=True
+    )
+)
 def test_packed_sequences(api_kernels, case):  # noqa: F811
     isolated(check_packed, api_kernels, case)
 

@@ -43,7 +43,7 @@ def test_keep_rate_and_lanes(dropout_p):
     # neighbouring keys (lanes of one call) and rows agree as often as independent draws
     for a, b in ((mask[..., 1:], mask[..., :-1]), (mask[:, 1:], mask[:, :-1])):
         same = (a == b).sum().item()
-        assert within_binomial(same, a.numel(), keep_p**2 + (1 - keep_p)**2)
+        assert within_binomial(same, a.numel(), keep_p**2 + (1 - keep_p) ** 2)
 
 
 def test_mask_is_a_function_of_seed_offset_and_position():
@@ -59,28 +59,51 @@ def test_mask_is_a_function_of_seed_offset_and_position():
     assert not torch.equal(far[0], base[0])
 
 
-@pytest.mark.parametrize("fields, blocks, dropout_p", [
-    (dict(dtype="fp16"), Blocks((32, 32), (16, 32), (32, 16)), 0.2),
-    (dict(dtype="fp32", mask="sliding_window", window_left=9, window_right=2, softcap=5.0,
-          alibi=True), Blocks(), 0.5),
-    (dict(dtype="fp32", mask="none"), Blocks(), 2**-16),  # one step: threshold 1, specialized
-], ids=["three-tilings-one-mask", "window-softcap-alibi", "smallest-step"])
+@pytest.mark.parametrize(
+    "fields, blocks, dropout_p",
+    [
+        (dict(dtype="fp16"), Blocks((32, 32), (16, 32), (32, 16)), 0.2),
+        (
+            dict(
+                dtype="fp32",
+                mask="sliding_window",
+                window_left=9,
+                window_right=2,
+                softcap=5.0,
+                alibi=True,
+            ),
+            Blocks(),
+            0.5,
+        ),
+        (dict(dtype="fp32", mask="none"), Blocks(), 2**-16),  # one step: threshold 1, specialized
+    ],
+    ids=["three-tilings-one-mask", "window-softcap-alibi", "smallest-step"],
+)
 def test_dropout_gradients_match_masked_reference(fields, blocks, dropout_p):
     spec = backward_spec(dropout=True, num_q_heads=4, num_kv_heads=2, **fields)
     q, k, v, dout, slopes = padded_inputs(spec, 1, 4, 2, 33, 17, seed=3)
-    problems = check_padded(spec, blocks, q, k, v, dout, slopes, dropout_p=dropout_p,
-                            rng_state=rng(7919, 1))
+    problems = check_padded(
+        spec, blocks, q, k, v, dout, slopes, dropout_p=dropout_p, rng_state=rng(7919, 1)
+    )
     assert not problems, "; ".join(problems)
 
 
 def test_dropout_varlen_per_sequence():
     """Sequence b draws with batch index b: the mask of a packed batch is per sequence."""
-    spec = backward_spec(dtype="fp32", mask="sliding_window", window_left=6, window_right=2,
-                         dropout=True, num_q_heads=2, num_kv_heads=1)
+    spec = backward_spec(
+        dtype="fp32",
+        mask="sliding_window",
+        window_left=6,
+        window_right=2,
+        dropout=True,
+        num_q_heads=2,
+        num_kv_heads=1,
+    )
     lengths_q, lengths_k = [17, 0, 33], [20, 4, 31]
     inputs = packed_inputs(spec, lengths_q, lengths_k, 2, 1, seed=4)
-    problems = check_per_sequence(spec, Blocks(), *inputs, lengths_q, lengths_k,
-                                  dropout_p=0.25, rng_state=rng(99))
+    problems = check_per_sequence(
+        spec, Blocks(), *inputs, lengths_q, lengths_k, dropout_p=0.25, rng_state=rng(99)
+    )
     assert not problems, "; ".join(problems)
 
 

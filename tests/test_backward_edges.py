@@ -11,8 +11,9 @@ from tests.backward_harness import backward_spec, module_for, padded_inputs, run
 from tests.kernel_harness import load_kernel, make_spec
 
 
-@pytest.mark.parametrize("align, seqlen_q, seqlen_k",
-                         [("top_left", 17, 40), ("bottom_right", 40, 17)])
+@pytest.mark.parametrize(
+    "align, seqlen_q, seqlen_k", [("top_left", 17, 40), ("bottom_right", 40, 17)]
+)
 def test_nan_in_unseen_keys_and_blind_rows_changes_no_bit(align, seqlen_q, seqlen_k):
     """Top-left causal with Nk > Nq: keys past Nq - 1 are seen by no query; bottom-right with
     Nq > Nk: the first Nq - Nk rows see no key. NaN stored there gives bitwise the gradients
@@ -27,7 +28,7 @@ def test_nan_in_unseen_keys_and_blind_rows_changes_no_bit(align, seqlen_q, seqle
             kf[:, :, seqlen_q:] = fill
             vf[:, :, seqlen_q:] = fill
         else:
-            qf[:, :, :seqlen_q - seqlen_k] = fill
+            qf[:, :, : seqlen_q - seqlen_k] = fill
         runs.append(run_padded(module, qf, kf, vf, dout, slopes))
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *runs, strict=True):
         assert torch.equal(a, b), name
@@ -35,13 +36,20 @@ def test_nan_in_unseen_keys_and_blind_rows_changes_no_bit(align, seqlen_q, seqle
     if align == "top_left":
         assert torch.all(dk[:, :, seqlen_q:] == 0) and torch.all(dv[:, :, seqlen_q:] == 0)
     else:
-        assert torch.all(dq[:, :, :seqlen_q - seqlen_k] == 0)
+        assert torch.all(dq[:, :, : seqlen_q - seqlen_k] == 0)
 
 
 def test_window_that_sees_nothing():
     """Rows past Nk see no key (window 0/0, top-left): LSE -inf, zero gradients, no NaN."""
-    spec = backward_spec(dtype="fp32", mask="sliding_window", causal_align="top_left",
-                         window_left=0, window_right=0, num_q_heads=1, num_kv_heads=1)
+    spec = backward_spec(
+        dtype="fp32",
+        mask="sliding_window",
+        causal_align="top_left",
+        window_left=0,
+        window_right=0,
+        num_q_heads=1,
+        num_kv_heads=1,
+    )
     q, k, v, dout, slopes = padded_inputs(spec, 1, 1, 1, 33, 5, seed=3)
     out, lse, dq, dk, dv = run_padded(module_for(spec), q, k, v, dout, slopes)
     assert torch.all(torch.isinf(lse[..., 5:])) and torch.all(dq[..., 5:, :] == 0)
@@ -104,8 +112,9 @@ def test_spec_fields_are_strict():
     plain, trained = make_spec(), make_spec(backward=True)
     assert "backward" not in plain.canonical() and trained.canonical()["backward"] is True
     assert module_name(trained, KernelKind.prefill).endswith("_bwd")
-    assert module_name(make_spec(backward=True, dropout=True),
-                       KernelKind.prefill).endswith("_bwd_drop")
+    assert module_name(make_spec(backward=True, dropout=True), KernelKind.prefill).endswith(
+        "_bwd_drop"
+    )
 
 
 def test_explain_and_header_show_the_backward_derivation():

@@ -33,13 +33,26 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CASES = {
     "causal-bf16-d128-gqa4": dict(dtype="bf16", head_dim=128, num_q_heads=8, num_kv_heads=2),
-    "none-fp16-d64": dict(dtype="fp16", head_dim=64, mask="none", num_q_heads=4,
-                          num_kv_heads=4),
-    "window-cap-bf16-d256": dict(dtype="bf16", head_dim=256, mask="sliding_window",
-                                 window_left=200, window_right=0, softcap=30.0, num_q_heads=4,
-                                 num_kv_heads=1),
-    "alibi-tl-fp16-d96-dv64": dict(dtype="fp16", head_dim=96, head_dim_v=64, alibi=True,
-                                   causal_align="top_left", num_q_heads=7, num_kv_heads=1),
+    "none-fp16-d64": dict(dtype="fp16", head_dim=64, mask="none", num_q_heads=4, num_kv_heads=4),
+    "window-cap-bf16-d256": dict(
+        dtype="bf16",
+        head_dim=256,
+        mask="sliding_window",
+        window_left=200,
+        window_right=0,
+        softcap=30.0,
+        num_q_heads=4,
+        num_kv_heads=1,
+    ),
+    "alibi-tl-fp16-d96-dv64": dict(
+        dtype="fp16",
+        head_dim=96,
+        head_dim_v=64,
+        alibi=True,
+        causal_align="top_left",
+        num_q_heads=7,
+        num_kv_heads=1,
+    ),
     "causal-fp32-d80": dict(dtype="fp32", head_dim=80, num_q_heads=2, num_kv_heads=1),
 }
 
@@ -57,18 +70,17 @@ def test_gradients_at_real_sizes(name, seqlen_q, seqlen_k):
     fields = CASES[name]
     spec = backward_spec(**fields)
     module = load_kernel(spec)
-    q, k, v, dout, slopes = padded_inputs(spec, 2, fields["num_q_heads"],
-                                          fields["num_kv_heads"], seqlen_q, seqlen_k, seed=1)
+    q, k, v, dout, slopes = padded_inputs(
+        spec, 2, fields["num_q_heads"], fields["num_kv_heads"], seqlen_q, seqlen_k, seed=1
+    )
     cuda = [t.cuda() for t in (q, k, v, dout)]
     grads = _grads(module, *cuda, None if slopes is None else slopes.cuda())
-    problems = compare_gradients(spec, [g.cpu() for g in grads], q, k, v, dout,
-                                 alibi_slopes=slopes)
+    problems = compare_gradients(spec, [g.cpu() for g in grads], q, k, v, dout, alibi_slopes=slopes)
     assert not problems, "; ".join(problems)
 
 
 def test_backward_is_bitwise_deterministic_on_the_gpu():
-    spec = backward_spec(dtype="bf16", head_dim=128, num_q_heads=32, num_kv_heads=8,
-                         dropout=True)
+    spec = backward_spec(dtype="bf16", head_dim=128, num_q_heads=32, num_kv_heads=8, dropout=True)
     module = load_kernel(spec)
     inputs = [t.cuda() for t in padded_inputs(spec, 2, 32, 8, 2048, 2048, seed=2)[:4]]
     state = torch.tensor([5, 0], dtype=torch.int64, device="cuda")
@@ -81,8 +93,9 @@ def test_backward_is_bitwise_deterministic_on_the_gpu():
 def test_dropout_keeps_one_minus_p():
     """The forward's output with v = ones is keep_scale x the kept share of P per row: its
     mean over many rows is 1 within a binomial bound."""
-    spec = backward_spec(dtype="fp32", head_dim=64, mask="none", dropout=True, num_q_heads=4,
-                         num_kv_heads=4)
+    spec = backward_spec(
+        dtype="fp32", head_dim=64, mask="none", dropout=True, num_q_heads=4, num_kv_heads=4
+    )
     module = load_kernel(spec)
     q = torch.zeros(1, 4, 512, 64, device="cuda")  # uniform P = 1 / N
     v = torch.ones(1, 4, 512, 64, device="cuda")
@@ -93,12 +106,16 @@ def test_dropout_keeps_one_minus_p():
 
 def test_committed_llama3_8b_module_trains():
     index = json.loads((ROOT / "generated" / "index.json").read_text())
-    entry = next(e for e in index["modules"] if e["arch"] == "sm90" and e["kind"] == "prefill"
-                 and e["module"].startswith("llama3_8b"))
+    entry = next(
+        e
+        for e in index["modules"]
+        if e["arch"] == "sm90" and e["kind"] == "prefill" and e["module"].startswith("llama3_8b")
+    )
     import importlib.util
 
     module_spec = importlib.util.spec_from_file_location(
-        "llama3_8b_bwd", ROOT / "generated" / entry["path"])
+        "llama3_8b_bwd", ROOT / "generated" / entry["path"]
+    )
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     spec = backward_spec(dtype="bf16", head_dim=128, num_q_heads=32, num_kv_heads=8)
@@ -118,8 +135,7 @@ def test_runtime_dropout_draws_from_the_cuda_generator(tmp_path):
     from attngen.runtime.arguments import dropout_rng_state
     from attngen.runtime.registry import current_registry, load_kernels, use_registry
 
-    spec = backward_spec(dtype="bf16", head_dim=128, num_q_heads=8, num_kv_heads=2,
-                         dropout=True)
+    spec = backward_spec(dtype="bf16", head_dim=128, num_q_heads=8, num_kv_heads=2, dropout=True)
     write_build(plan_build([spec]), tmp_path)
     q, k, v, dout = (t.cuda() for t in padded_inputs(spec, 2, 8, 2, 700, 900, seed=4)[:4])
     flash = [t.transpose(1, 2) for t in (q, k, v)]
@@ -153,22 +169,53 @@ def test_runtime_dropout_draws_from_the_cuda_generator(tmp_path):
 # -- the newer models' fields: sinks (with d sinks), chunked masks, sink tokens ---------------
 
 MODEL_CASES = {
-    "gptoss-local-sinks-bf16-d64": dict(dtype="bf16", head_dim=64, mask="sliding_window",
-                                        window_left=127, window_right=0, sinks=True,
-                                        num_q_heads=8, num_kv_heads=1),
-    "gptoss-global-sinks-bf16-d64": dict(dtype="bf16", head_dim=64, sinks=True, num_q_heads=8,
-                                         num_kv_heads=1),
-    "chunked-bf16-d128": dict(dtype="bf16", head_dim=128, mask="chunked", chunk_size=256,
-                              num_q_heads=8, num_kv_heads=2),
-    "chunked-sinks-fp16-d64-odd": dict(dtype="fp16", head_dim=64, mask="chunked",
-                                       chunk_size=200, sinks=True, causal_align="top_left",
-                                       num_q_heads=4, num_kv_heads=4),
-    "sink-tokens-bf16-d128": dict(dtype="bf16", head_dim=128, mask="sliding_window",
-                                  window_left=100, window_right=0, sink_tokens=4,
-                                  num_q_heads=8, num_kv_heads=2),
-    "sink-tokens-sinks-fp32-d64": dict(dtype="fp32", head_dim=64, mask="sliding_window",
-                                       window_left=64, window_right=16, sink_tokens=70,
-                                       sinks=True, num_q_heads=2, num_kv_heads=1),
+    "gptoss-local-sinks-bf16-d64": dict(
+        dtype="bf16",
+        head_dim=64,
+        mask="sliding_window",
+        window_left=127,
+        window_right=0,
+        sinks=True,
+        num_q_heads=8,
+        num_kv_heads=1,
+    ),
+    "gptoss-global-sinks-bf16-d64": dict(
+        dtype="bf16", head_dim=64, sinks=True, num_q_heads=8, num_kv_heads=1
+    ),
+    "chunked-bf16-d128": dict(
+        dtype="bf16", head_dim=128, mask="chunked", chunk_size=256, num_q_heads=8, num_kv_heads=2
+    ),
+    "chunked-sinks-fp16-d64-odd": dict(
+        dtype="fp16",
+        head_dim=64,
+        mask="chunked",
+        chunk_size=200,
+        sinks=True,
+        causal_align="top_left",
+        num_q_heads=4,
+        num_kv_heads=4,
+    ),
+    "sink-tokens-bf16-d128": dict(
+        dtype="bf16",
+        head_dim=128,
+        mask="sliding_window",
+        window_left=100,
+        window_right=0,
+        sink_tokens=4,
+        num_q_heads=8,
+        num_kv_heads=2,
+    ),
+    "sink-tokens-sinks-fp32-d64": dict(
+        dtype="fp32",
+        head_dim=64,
+        mask="sliding_window",
+        window_left=64,
+        window_right=16,
+        sink_tokens=70,
+        sinks=True,
+        num_q_heads=2,
+        num_kv_heads=1,
+    ),
 }
 
 
@@ -234,8 +281,7 @@ def test_varlen_model_fields_with_an_empty_sequence():
         rows = slice(starts[b], starts[b + 1])
         seq = [t[rows].transpose(0, 1)[None] for t in (q, k, v, dout)]
         mine = [g[rows].transpose(0, 1)[None] for g in grads[:3]]
-        problems += [f"sequence {b}: {p}" for p in
-                     compare_gradients(spec, mine, *seq, sinks=sinks)]
+        problems += [f"sequence {b}: {p}" for p in compare_gradients(spec, mine, *seq, sinks=sinks)]
         golden_dsinks = golden_dsinks + golden_backward(spec, *seq, sinks=sinks)[5]
         lowp_dsinks = lowp_dsinks + lowp_backward(spec, *seq, sinks=sinks)[4]
     problems += gradient_problems("dsinks", grads[3], golden_dsinks, lowp_dsinks)

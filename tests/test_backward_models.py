@@ -52,36 +52,64 @@ def _check(fields, blocks, batch, hq, hkv, seqlen_q, seqlen_k, seed, sinks=False
 # -- sinks ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fields, heads, lengths", [
-    # bottom-right causal, Nq > Nk: the first 16 rows see no key (LSE = the sink)
-    (dict(dtype="fp16", mask="causal", causal_align="bottom_right"), (4, 2), (33, 17)),
-    # gpt-oss's local layers: a window of 7 on the left, GQA 2:1, padded head dims
-    (dict(dtype="fp32", head_dim=40, head_dim_v=16, mask="sliding_window",
-          causal_align="bottom_right", window_left=7, window_right=0), (2, 1), (33, 33)),
-    (dict(dtype="fp16", mask="none", softcap=30.0), (7, 1), (17, 31)),
-])
+@pytest.mark.parametrize(
+    "fields, heads, lengths",
+    [
+        # bottom-right causal, Nq > Nk: the first 16 rows see no key (LSE = the sink)
+        (dict(dtype="fp16", mask="causal", causal_align="bottom_right"), (4, 2), (33, 17)),
+        # gpt-oss's local layers: a window of 7 on the left, GQA 2:1, padded head dims
+        (
+            dict(
+                dtype="fp32",
+                head_dim=40,
+                head_dim_v=16,
+                mask="sliding_window",
+                causal_align="bottom_right",
+                window_left=7,
+                window_right=0,
+            ),
+            (2, 1),
+            (33, 33),
+        ),
+        (dict(dtype="fp16", mask="none", softcap=30.0), (7, 1), (17, 31)),
+    ],
+)
 def test_sinks_gradients_match_float64(fields, heads, lengths):
-    _check(fields, Blocks((16, 16), (16, 32), (32, 16)), 2, *heads, *lengths, seed=3,
-           sinks=True)
+    _check(fields, Blocks((16, 16), (16, 32), (32, 16)), 2, *heads, *lengths, seed=3, sinks=True)
 
 
 def test_sinks_through_the_lse_gradient():
     """return_lse's LSE (which includes the sink) is differentiable too: delta - dLSE in d
     sinks as in dQ and dK."""
     dlse = torch.randn(1, 2, 20, generator=torch.Generator().manual_seed(5))
-    _check(dict(dtype="fp32", mask="causal", causal_align="top_left"), Blocks(), 1, 2, 1, 20,
-           33, seed=4, sinks=True, dlse=dlse)
+    _check(
+        dict(dtype="fp32", mask="causal", causal_align="top_left"),
+        Blocks(),
+        1,
+        2,
+        1,
+        20,
+        33,
+        seed=4,
+        sinks=True,
+        dlse=dlse,
+    )
 
 
 def test_sinks_of_minus_infinity_and_rows_that_see_nothing():
     """A head whose sink is -inf has LSE -inf in its rows that see no key: every gradient
     there is 0, no NaN anywhere, and that head's d sinks is exactly 0."""
-    spec = backward_spec(dtype="fp32", mask="causal", causal_align="bottom_right", sinks=True,
-                         num_q_heads=2, num_kv_heads=1)
+    spec = backward_spec(
+        dtype="fp32",
+        mask="causal",
+        causal_align="bottom_right",
+        sinks=True,
+        num_q_heads=2,
+        num_kv_heads=1,
+    )
     q, k, v, dout, slopes = padded_inputs(spec, 1, 2, 1, 33, 17, seed=6)
     sinks = torch.tensor([float("-inf"), 1.5])
-    out, lse, dq, dk, dv, dsinks = run_padded(module_for(spec), q, k, v, dout, slopes,
-                                              sinks=sinks)
+    out, lse, dq, dk, dv, dsinks = run_padded(module_for(spec), q, k, v, dout, slopes, sinks=sinks)
     assert torch.all(torch.isinf(lse[:, 0, :16])) and torch.all(torch.isfinite(lse[:, 1]))
     assert torch.all(dq[:, :, :16] == 0) and torch.all(out[:, :, :16] == 0)
     assert not any(torch.isnan(t).any() for t in (out, dq, dk, dv, dsinks))
@@ -91,8 +119,16 @@ def test_sinks_of_minus_infinity_and_rows_that_see_nothing():
 def test_sinks_gradient_is_bitwise_deterministic_and_optional():
     """The same bytes on every run (one share per program, summed in a fixed order); sinks
     that do not require grad get none while q, k, v do."""
-    spec = backward_spec(dtype="fp32", head_dim=16, sinks=True, mask="chunked", chunk_size=16,
-                         causal_align="bottom_right", num_q_heads=2, num_kv_heads=1)
+    spec = backward_spec(
+        dtype="fp32",
+        head_dim=16,
+        sinks=True,
+        mask="chunked",
+        chunk_size=16,
+        causal_align="bottom_right",
+        num_q_heads=2,
+        num_kv_heads=1,
+    )
     module = module_for(spec, Blocks((16, 16), (16, 16), (16, 16)))
     q, k, v, dout, slopes = padded_inputs(spec, 2, 2, 1, 40, 40, seed=1)
     sinks = _sinks(2, 1)
@@ -109,8 +145,15 @@ def test_sinks_gradient_is_bitwise_deterministic_and_optional():
 def test_attention_backward_returns_d_sinks():
     """The module's attention_backward takes the sinks and returns (dq, dk, dv, dsinks), the
     gradients autograd gets; without sinks it says which argument is missing."""
-    spec = backward_spec(dtype="fp32", sinks=True, mask="sliding_window", window_left=5,
-                         window_right=0, sink_tokens=2, causal_align="bottom_right")
+    spec = backward_spec(
+        dtype="fp32",
+        sinks=True,
+        mask="sliding_window",
+        window_left=5,
+        window_right=0,
+        sink_tokens=2,
+        causal_align="bottom_right",
+    )
     module = module_for(spec)
     q, k, v, dout, slopes = padded_inputs(spec, 1, 4, 2, 20, 20, seed=2)
     sinks = _sinks(4, 2)
@@ -126,10 +169,17 @@ def test_attention_backward_returns_d_sinks():
 # -- chunked masks ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("chunk_size, align, lengths", [
-    (15, "bottom_right", (40, 48)), (16, "top_left", (48, 33)), (17, "bottom_right", (40, 48)),
-    (31, "top_left", (48, 33)), (32, "bottom_right", (40, 48)), (33, "top_left", (48, 33)),
-])
+@pytest.mark.parametrize(
+    "chunk_size, align, lengths",
+    [
+        (15, "bottom_right", (40, 48)),
+        (16, "top_left", (48, 33)),
+        (17, "bottom_right", (40, 48)),
+        (31, "top_left", (48, 33)),
+        (32, "bottom_right", (40, 48)),
+        (33, "top_left", (48, 33)),
+    ],
+)
 def test_chunked_gradients_at_block_boundaries(chunk_size, align, lengths):
     """Chunks of the block sizes -1/0/+1 (16 in every kernel but dQ's 32-key blocks and
     dK/dV's 32-row blocks), so chunk starts fall just before, on and after block starts;
@@ -139,48 +189,99 @@ def test_chunked_gradients_at_block_boundaries(chunk_size, align, lengths):
 
 
 def test_chunked_with_sinks_gqa_and_fp16():
-    _check(dict(dtype="fp16", mask="chunked", chunk_size=8, causal_align="bottom_right",
-                softcap=30.0), Blocks(), 1, 7, 1, 20, 20, seed=9, sinks=True)
+    _check(
+        dict(dtype="fp16", mask="chunked", chunk_size=8, causal_align="bottom_right", softcap=30.0),
+        Blocks(),
+        1,
+        7,
+        1,
+        20,
+        20,
+        seed=9,
+        sinks=True,
+    )
 
 
 # -- sink tokens --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sink_tokens, window, align", [
-    (1, (3, 0), "bottom_right"),
-    (16, (5, 2), "bottom_right"),  # the sink tokens end at a block boundary
-    (17, (0, 0), "top_left"),  # ... one past it: the second block is partly sink tokens
-    (40, (4, 1), "top_left"),  # more sink tokens than keys
-])
+@pytest.mark.parametrize(
+    "sink_tokens, window, align",
+    [
+        (1, (3, 0), "bottom_right"),
+        (16, (5, 2), "bottom_right"),  # the sink tokens end at a block boundary
+        (17, (0, 0), "top_left"),  # ... one past it: the second block is partly sink tokens
+        (40, (4, 1), "top_left"),  # more sink tokens than keys
+    ],
+)
 def test_sink_tokens_with_a_window(sink_tokens, window, align):
-    fields = dict(dtype="fp32", mask="sliding_window", window_left=window[0],
-                  window_right=window[1], sink_tokens=sink_tokens, causal_align=align)
+    fields = dict(
+        dtype="fp32",
+        mask="sliding_window",
+        window_left=window[0],
+        window_right=window[1],
+        sink_tokens=sink_tokens,
+        causal_align=align,
+    )
     _check(fields, Blocks((16, 16), (16, 16), (16, 32)), 1, 2, 1, 48, 37, seed=sink_tokens)
 
 
 def test_sink_tokens_and_sinks_in_fp16():
-    _check(dict(dtype="fp16", mask="sliding_window", window_left=6, window_right=0,
-                sink_tokens=4, causal_align="bottom_right"), Blocks((16, 32), (32, 16),
-                                                                     (16, 16)),
-           1, 4, 2, 40, 40, seed=11, sinks=True)
+    _check(
+        dict(
+            dtype="fp16",
+            mask="sliding_window",
+            window_left=6,
+            window_right=0,
+            sink_tokens=4,
+            causal_align="bottom_right",
+        ),
+        Blocks((16, 32), (32, 16), (16, 16)),
+        1,
+        4,
+        2,
+        40,
+        40,
+        seed=11,
+        sinks=True,
+    )
 
 
 # -- packed sequences ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fields", [
-    dict(dtype="fp32", mask="chunked", chunk_size=16, causal_align="bottom_right"),
-    dict(dtype="fp32", mask="sliding_window", window_left=5, window_right=1, sink_tokens=3,
-         causal_align="top_left"),
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(dtype="fp32", mask="chunked", chunk_size=16, causal_align="bottom_right"),
+        dict(
+            dtype="fp32",
+            mask="sliding_window",
+            window_left=5,
+            window_right=1,
+            sink_tokens=3,
+            causal_align="top_left",
+        ),
+    ],
+)
 def test_varlen_with_an_empty_sequence_and_sinks(fields):
     """Three sequences, one empty; NaN in the packed padding; d sinks, a sum over every
     sequence, against the sums of the sequences' golden and yardstick."""
     spec = backward_spec(num_q_heads=4, num_kv_heads=2, sinks=True, **fields)
     lengths_q, lengths_k = [33, 0, 17], [40, 0, 17]
     q, k, v, dout, slopes = packed_inputs(spec, lengths_q, lengths_k, 4, 2, seed=12)
-    problems = check_per_sequence(spec, Blocks((16, 16), (16, 32), (32, 16)), q, k, v, dout,
-                                  slopes, lengths_q, lengths_k, sinks=_sinks(4, 12))
+    problems = check_per_sequence(
+        spec,
+        Blocks((16, 16), (16, 32), (32, 16)),
+        q,
+        k,
+        v,
+        dout,
+        slopes,
+        lengths_q,
+        lengths_k,
+        sinks=_sinks(4, 12),
+    )
     assert not problems, "; ".join(problems)
 
 
@@ -188,8 +289,15 @@ def test_varlen_sequence_that_does_not_fit_gets_nan_d_sinks():
     """cu_seqlens_k past the packed keys: that sequence's query gradients and every head's d
     sinks (a sum that includes its rows) are NaN, the other sequence's gradients those of a
     correct call, and no load or store leaves the tensors (memory_watch)."""
-    spec = backward_spec(dtype="fp32", num_q_heads=2, num_kv_heads=1, sinks=True,
-                         mask="chunked", chunk_size=8, causal_align="bottom_right")
+    spec = backward_spec(
+        dtype="fp32",
+        num_q_heads=2,
+        num_kv_heads=1,
+        sinks=True,
+        mask="chunked",
+        chunk_size=8,
+        causal_align="bottom_right",
+    )
     module = module_for(spec, kind="varlen")
     lengths = [9, 40]
     q, k, v, dout, _ = packed_inputs(spec, lengths, lengths, 2, 1, seed=13, pad=0)
@@ -210,8 +318,11 @@ def test_varlen_sequence_that_does_not_fit_gets_nan_d_sinks():
 
 
 def test_specs_with_the_fields_build_trained_modules():
-    for fields in (dict(sinks=True), dict(mask="chunked", chunk_size=8),
-                   dict(mask="sliding_window", window_left=4, window_right=0, sink_tokens=2)):
+    for fields in (
+        dict(sinks=True),
+        dict(mask="chunked", chunk_size=8),
+        dict(mask="sliding_window", window_left=4, window_right=0, sink_tokens=2),
+    ):
         spec = backward_spec(dtype="fp32", **fields)
         assert module_name(spec, KernelKind.prefill).endswith("_bwd")
         module = module_for(spec, kind="varlen")
@@ -222,8 +333,15 @@ def test_specs_with_the_fields_build_trained_modules():
 
 
 @triton.jit
-def _ranges_kernel(Out, diagonal, seqlen_q, seqlen_k, QUERY_RANGES: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _ranges_kernel(
+    Out,
+    diagonal,
+    seqlen_q,
+    seqlen_k,
+    QUERY_RANGES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     n_block = tl.program_id(0)
     first = n_block * BLOCK_N
     last = tl.minimum(first + BLOCK_N, seqlen_k) - 1
@@ -238,16 +356,25 @@ def _query_ranges(module, num_blocks, diagonal, seqlen_q, seqlen_k, block_m, blo
     """[(lo, full_lo, full_hi, hi)] of each key block, from the module's own
     _bwd_query_ranges (the dK/dV kernel's rows)."""
     out = torch.zeros(num_blocks, 4, dtype=torch.int64)
-    _ranges_kernel[(num_blocks,)](out, diagonal, seqlen_q, seqlen_k,
-                                  QUERY_RANGES=module._bwd_query_ranges, BLOCK_M=block_m,
-                                  BLOCK_N=block_n)
+    _ranges_kernel[(num_blocks,)](
+        out,
+        diagonal,
+        seqlen_q,
+        seqlen_k,
+        QUERY_RANGES=module._bwd_query_ranges,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+    )
     return out.tolist()
 
 
-@pytest.mark.parametrize("fields, bound", [
-    (dict(mask="chunked", chunk_size=24), lambda m, n: 24 + n + m),
-    (dict(mask="sliding_window", window_left=10, window_right=3, sink_tokens=5), None),
-])
+@pytest.mark.parametrize(
+    "fields, bound",
+    [
+        (dict(mask="chunked", chunk_size=24), lambda m, n: 24 + n + m),
+        (dict(mask="sliding_window", window_left=10, window_right=3, sink_tokens=5), None),
+    ],
+)
 def test_key_blocks_visit_only_the_rows_that_see_them(fields, bound):
     """Each key block of the dK/dV kernel loops over rows [lo, hi): every row that sees one of
     its keys is inside, rows in [full_lo, full_hi) see all of them (they run unmasked), and a
@@ -258,8 +385,9 @@ def test_key_blocks_visit_only_the_rows_that_see_them(fields, bound):
     seqlen, block_m, block_n = 160, 16, 32
     seen = visible_mask(spec, seqlen, seqlen)
     for n_block, (lo, full_lo, full_hi, hi) in enumerate(
-            _query_ranges(module, seqlen // block_n, 0, seqlen, seqlen, block_m, block_n)):
-        keys = seen[:, n_block * block_n:(n_block + 1) * block_n]
+        _query_ranges(module, seqlen // block_n, 0, seqlen, seqlen, block_m, block_n)
+    ):
+        keys = seen[:, n_block * block_n : (n_block + 1) * block_n]
         rows = keys.any(1).nonzero().flatten().tolist()
         assert lo <= full_lo <= full_hi <= hi and lo % block_m == 0
         assert rows and lo <= rows[0] and rows[-1] < hi, (n_block, lo, hi, rows)

@@ -17,9 +17,18 @@ from attngen.runtime.registry import current_registry, load_kernels, use_registr
 from attngen.spec import CausalAlign, Mask, specs_from_data
 from tests.backward_harness import cu_seqlens, padded_inputs
 
-SPEC = dict(name="toy_bwd", archs=["sm90"], dtype="fp32", head_dim=16, num_q_heads=4,
-            num_kv_heads=2, mask="causal", causal_align="bottom_right",
-            kernels=["prefill", "varlen"], backward=True)
+SPEC = dict(
+    name="toy_bwd",
+    archs=["sm90"],
+    dtype="fp32",
+    head_dim=16,
+    num_q_heads=4,
+    num_kv_heads=2,
+    mask="causal",
+    causal_align="bottom_right",
+    kernels=["prefill", "varlen"],
+    backward=True,
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +62,26 @@ def test_flash_attn_varlen_func_trains(trained):
     q, k, v, dout, _ = padded_inputs(trained, 1, 4, 2, sum(lengths_q), sum(lengths_k), seed=2)
     packed = [t[0].transpose(0, 1) for t in (q, k, v, dout)]
     leaves = _leaves(*packed[:3])
-    out = attngen.flash_attn_varlen_func(*leaves, cu_seqlens(lengths_q), cu_seqlens(lengths_k),
-                                         max(lengths_q), max(lengths_k), causal=True)
+    out = attngen.flash_attn_varlen_func(
+        *leaves,
+        cu_seqlens(lengths_q),
+        cu_seqlens(lengths_k),
+        max(lengths_q),
+        max(lengths_k),
+        causal=True,
+    )
     out.backward(packed[3])
     starts_q, starts_k = cu_seqlens(lengths_q).tolist(), cu_seqlens(lengths_k).tolist()
     for b in range(3):
         rq, rk = slice(starts_q[b], starts_q[b + 1]), slice(starts_k[b], starts_k[b + 1])
-        seq = [t[r].transpose(0, 1)[None] for t, r in
-               ((packed[0], rq), (packed[1], rk), (packed[2], rk), (packed[3], rq))]
-        grads = [t.grad[r].transpose(0, 1)[None] for t, r in
-                 ((leaves[0], rq), (leaves[1], rk), (leaves[2], rk))]
+        seq = [
+            t[r].transpose(0, 1)[None]
+            for t, r in ((packed[0], rq), (packed[1], rk), (packed[2], rk), (packed[3], rq))
+        ]
+        grads = [
+            t.grad[r].transpose(0, 1)[None]
+            for t, r in ((leaves[0], rq), (leaves[1], rk), (leaves[2], rk))
+        ]
         problems = compare_gradients(trained, grads, *seq)
         assert not problems, f"sequence {b}: " + "; ".join(problems)
 
@@ -91,11 +110,20 @@ def test_tiny_llama_loss_backward_matches_sdpa(tmp_path):
     """A 2-layer random Llama's loss.backward() with attn_implementation="attngen" gives the
     parameter gradients SDPA gives (CPU, fp32)."""
     config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=128, dtype="float32")
-    specs = [s.model_copy(update={"backward": True})
-             for s in attngen.spec_from_config(config, archs=["sm90"], name="tiny_llama")]
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        dtype="float32",
+    )
+    specs = [
+        s.model_copy(update={"backward": True})
+        for s in attngen.spec_from_config(config, archs=["sm90"], name="tiny_llama")
+    ]
     write_build(plan_build(specs), tmp_path)
     saved = current_registry()
     try:
@@ -116,8 +144,7 @@ def test_tiny_llama_loss_backward_matches_sdpa(tmp_path):
     for name, expected in grads["sdpa"].items():
         # Both are fp32 evaluations of the same math in different summation orders; through
         # two layers and the loss their differences stay at a few fp32 ulps of each gradient.
-        torch.testing.assert_close(grads["attngen"][name], expected, rtol=1e-4, atol=1e-6,
-                                   msg=name)
+        torch.testing.assert_close(grads["attngen"][name], expected, rtol=1e-4, atol=1e-6, msg=name)
 
 
 SINKS_SPEC = dict(SPEC, name="toy_sinks", sinks=True, mask="chunked", chunk_size=8)
@@ -142,17 +169,24 @@ def test_ops_return_the_sinks_gradient(trained_sinks):
     """The prefill op's autograd formula returns d sinks to sinks that require grad (a chunked
     module with sinks); torch.compile(fullgraph=True) traces it, bitwise the eager gradients."""
     q, k, v, dout, _ = padded_inputs(trained_sinks, 2, 4, 2, 20, 20, seed=4)
-    options = dict(mask=Mask.chunked, align=CausalAlign.bottom_right, window=None,
-                   softcap=None, alibi_slopes=None, scale=None, return_lse=False,
-                   fallback=None, chunk_size=8)
+    options = dict(
+        mask=Mask.chunked,
+        align=CausalAlign.bottom_right,
+        window=None,
+        softcap=None,
+        alibi_slopes=None,
+        scale=None,
+        return_lse=False,
+        fallback=None,
+        chunk_size=8,
+    )
 
     def loss(q, k, v, sinks):
         return (run_dense("test", q, k, v, sinks=sinks, **options)[0] * dout).sum()
 
     eager = _leaves(q, k, v, _sink_logits())
     loss(*eager).backward()
-    assert attngen.last_dispatch().module.endswith(
-        "toy_sinks_prefill_fp32_d16_chunk8_br_sinks_bwd")
+    assert attngen.last_dispatch().module.endswith("toy_sinks_prefill_fp32_d16_chunk8_br_sinks_bwd")
     grads = [t.grad for t in eager]
     problems = compare_gradients(trained_sinks, grads, q, k, v, dout, sinks=_sink_logits())
     assert not problems, "; ".join(problems)
@@ -170,10 +204,24 @@ def test_varlen_op_returns_the_sinks_gradient(trained_sinks):
     packed = [t[0].transpose(0, 1) for t in (q, k, v, dout)]
     leaves = _leaves(*packed[:3], _sink_logits())
     cu = cu_seqlens(lengths)
-    out, _ = run_varlen("test", *leaves[:3], cu, cu, 17, 17, mask=Mask.chunked,
-                        align=CausalAlign.bottom_right, window=None, softcap=None,
-                        alibi_slopes=None, scale=None, return_lse=False, fallback=None,
-                        sinks=leaves[3], chunk_size=8)
+    out, _ = run_varlen(
+        "test",
+        *leaves[:3],
+        cu,
+        cu,
+        17,
+        17,
+        mask=Mask.chunked,
+        align=CausalAlign.bottom_right,
+        window=None,
+        softcap=None,
+        alibi_slopes=None,
+        scale=None,
+        return_lse=False,
+        fallback=None,
+        sinks=leaves[3],
+        chunk_size=8,
+    )
     out.backward(packed[3])
     starts = cu.tolist()
     golden = 0

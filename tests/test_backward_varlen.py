@@ -28,20 +28,55 @@ def cases(draw):
     lengths = st.sampled_from([0, 1, 15, 16, 17, 33])
     batch = draw(st.integers(1, 3))
     lengths_q = draw(st.lists(lengths, min_size=batch, max_size=batch))
-    lengths_k = lengths_q if draw(st.booleans()) else draw(
-        st.lists(lengths, min_size=batch, max_size=batch))
-    return (draw(spec_fields()), draw(blocks()), hq, hkv, lengths_q, lengths_k,
-            draw(st.integers(0, 2**16)))
+    lengths_k = (
+        lengths_q
+        if draw(st.booleans())
+        else draw(st.lists(lengths, min_size=batch, max_size=batch))
+    )
+    return (
+        draw(spec_fields()),
+        draw(blocks()),
+        hq,
+        hkv,
+        lengths_q,
+        lengths_k,
+        draw(st.integers(0, 2**16)),
+    )
 
 
 @settings(max_examples=EXAMPLES)
 @given(cases())
-@example((dict(dtype="fp16", mask="causal", causal_align="bottom_right"), Blocks(), 7, 1,
-          [33, 0, 1], [17, 0, 1], 0)
-         ).via("GQA 7:1, Nq > Nk bottom-right, an empty and a one-token sequence")
-@example((dict(dtype="fp32", head_dim=80, mask="sliding_window", causal_align="top_left",
-               window_left=1, window_right=3, softcap=30.0, alibi=True), Blocks(), 2, 1,
-          [17, 5], [31, 0], 1)).via("window, softcap, ALiBi, top-left; a sequence without keys")
+@example(
+    (
+        dict(dtype="fp16", mask="causal", causal_align="bottom_right"),
+        Blocks(),
+        7,
+        1,
+        [33, 0, 1],
+        [17, 0, 1],
+        0,
+    )
+).via("GQA 7:1, Nq > Nk bottom-right, an empty and a one-token sequence")
+@example(
+    (
+        dict(
+            dtype="fp32",
+            head_dim=80,
+            mask="sliding_window",
+            causal_align="top_left",
+            window_left=1,
+            window_right=3,
+            softcap=30.0,
+            alibi=True,
+        ),
+        Blocks(),
+        2,
+        1,
+        [17, 5],
+        [31, 0],
+        1,
+    )
+).via("window, softcap, ALiBi, top-left; a sequence without keys")
 def test_varlen_gradients_per_sequence(case):
     fields, blocks, hq, hkv, lengths_q, lengths_k, seed = case
     spec = backward_spec(num_q_heads=hq, num_kv_heads=hkv, **fields)
@@ -52,13 +87,26 @@ def test_varlen_gradients_per_sequence(case):
 
 def test_nan_padding_changes_no_bit():
     """Packed padding holding NaN gives bitwise the gradients it gives holding zeros."""
-    spec = backward_spec(mask="sliding_window", causal_align="bottom_right", window_left=5,
-                         window_right=2, alibi=True, num_kv_heads=1, num_q_heads=2)
+    spec = backward_spec(
+        mask="sliding_window",
+        causal_align="bottom_right",
+        window_left=5,
+        window_right=2,
+        alibi=True,
+        num_kv_heads=1,
+        num_q_heads=2,
+    )
     module = module_for(spec, kind="varlen")
     lengths_q, lengths_k = [17, 0, 9], [20, 3, 33]
-    runs = [run_varlen(module, *packed_inputs(spec, lengths_q, lengths_k, 2, 1, seed=3,
-                                              fill=fill), lengths_q, lengths_k)
-            for fill in (float("nan"), 0.0)]
+    runs = [
+        run_varlen(
+            module,
+            *packed_inputs(spec, lengths_q, lengths_k, 2, 1, seed=3, fill=fill),
+            lengths_q,
+            lengths_k,
+        )
+        for fill in (float("nan"), 0.0)
+    ]
     for name, a, b in zip(("out", "dq", "dk", "dv"), *runs, strict=True):
         assert torch.equal(a, b), name
 

@@ -30,8 +30,16 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 GENERATED = ROOT / "generated"
 # generated/ is built with the committed tuning database, as `attngen build` does by default.
 TUNING = ROOT / "tuning" if (ROOT / "tuning").is_dir() else None
-ALLOWED_IMPORTS = {"contextlib", "math", "os", "torch", "triton", "triton.language",
-                   "triton.language.extra", "triton.tools.tensor_descriptor"}
+ALLOWED_IMPORTS = {
+    "contextlib",
+    "math",
+    "os",
+    "torch",
+    "triton",
+    "triton.language",
+    "triton.language.extra",
+    "triton.tools.tensor_descriptor",
+}
 BAD_SPEC = """\
 name: bad
 archs: [sm80]
@@ -61,18 +69,31 @@ def _entry_point() -> list[str]:
 
 
 def _run(*args: str | Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*_entry_point(), *map(str, args)], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=ROOT)
+    return subprocess.run(
+        [*_entry_point(), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def _expected_paths(spec_paths) -> set[str]:
-    return {f"{arch}/{module_name(spec, kind)}.py"
-            for spec in load_specs(spec_paths) for kind in spec.kernels for arch in spec.archs}
+    return {
+        f"{arch}/{module_name(spec, kind)}.py"
+        for spec in load_specs(spec_paths)
+        for kind in spec.kernels
+        for arch in spec.archs
+    }
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
-    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _modules(folder: Path) -> set[str]:
@@ -130,8 +151,10 @@ def test_index_lists_every_module(built: Path) -> None:
         assert entry["config_source"] == chosen.source
         header = (built / entry["path"]).read_text(encoding="utf-8").split('"""', 1)[0]
         config = entry["config"]
-        assert (f"BLOCK_M={config['BLOCK_M']}, BLOCK_N={config['BLOCK_N']}, "
-                f"num_warps={config['num_warps']}, num_stages={config['num_stages']}") in header
+        assert (
+            f"BLOCK_M={config['BLOCK_M']}, BLOCK_N={config['BLOCK_N']}, "
+            f"num_warps={config['num_warps']}, num_stages={config['num_stages']}"
+        ) in header
         assert f"hash {entry['spec_hash']}" in header
 
 
@@ -205,14 +228,17 @@ def test_corrupt_index_is_refused(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------ usage errors
 
 
-@pytest.mark.parametrize("args", [
-    [],
-    ["build"],
-    ["build", "examples/gpt2.yaml", "--bogus"],
-    ["frobnicate"],
-    ["explain", "examples/llama3_8b.yaml", "--arch", "bogus"],
-    ["explain", "examples/llama3_8b.yaml", "--arch"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["build"],
+        ["build", "examples/gpt2.yaml", "--bogus"],
+        ["frobnicate"],
+        ["explain", "examples/llama3_8b.yaml", "--arch", "bogus"],
+        ["explain", "examples/llama3_8b.yaml", "--arch"],
+    ],
+)
 def test_usage_errors_exit_2(args: list[str]) -> None:
     result = runner.invoke(app, args)
     assert result.exit_code == 2, result.output
@@ -228,7 +254,8 @@ def test_entry_point_exit_codes(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert result.stderr.splitlines() == [
         f"attngen: error: {bad}: head_dim: got 300 (int); allowed: an int in 1..256 (up to 576 "
-        "with kernels: [decode] only)"]
+        "with kernels: [decode] only)"
+    ]
     assert not (tmp_path / "out").exists()
     usage = _run("explain", "examples/llama3_8b.yaml", "--arch", "bogus")
     assert usage.returncode == 2 and "Traceback" not in usage.stderr
@@ -283,8 +310,10 @@ def test_explain_one_arch() -> None:
     derivation = derive_tiles(load_specs([spec_path])[0], "sm86")
     config = derivation.chosen
     assert text.count("== llama3_8b on ") == 1 and "== llama3_8b on sm86 (A10" in text
-    assert (f"chosen: BLOCK_M={config.block_m} BLOCK_N={config.block_n} "
-            f"num_warps={config.num_warps} num_stages={config.num_stages}") in text
+    assert (
+        f"chosen: BLOCK_M={config.block_m} BLOCK_N={config.block_n} "
+        f"num_warps={config.num_warps} num_stages={config.num_stages}"
+    ) in text
     assert f"binding constraint: {derivation.binding}" in text
     assert "headroom: " in text and " B shared memory, " in text and "registers/thread" in text
     assert "CHOSEN" in text and "rejected: " in text
@@ -299,8 +328,10 @@ def test_explain_decode_works_the_split_rule_out() -> None:
     config = derive_decode_tiles(spec, "sm90").chosen
     assert "== llama3_8b decode on sm90 (H100/H200, 132 SMs" in text
     assert "KV layout paged, page_size 16" in text
-    assert (f"decode tile: BLOCK_N={config.block_n} num_warps={config.num_warps} "
-            f"num_stages={config.num_stages}, query rows up to 16") in text
+    assert (
+        f"decode tile: BLOCK_N={config.block_n} num_warps={config.num_warps} "
+        f"num_stages={config.num_stages}, query rows up to 16"
+    ) in text
     assert "num_splits rule (132 SMs, BLOCK_N=64)" in text
     assert "B=1 L=4096: 8 programs, span 4096 keys = 64 blocks" in text
     assert "-> 16 split(s) of 256 keys: 128 programs" in text
@@ -311,19 +342,28 @@ def test_explain_decode_works_the_split_rule_out() -> None:
 def test_explain_all_archs() -> None:
     result = _cli("explain", ROOT / "examples" / "llama3_8b.yaml")
     assert result.exit_code == 0
-    sections = [line.split()[2:4] for line in result.stdout.splitlines()
-                if line.startswith("== ")]
-    assert sections == [part for arch in ("sm80", "sm86", "sm89", "sm90")
-                        for part in (["on", arch], ["decode", "on"])]
+    sections = [line.split()[2:4] for line in result.stdout.splitlines() if line.startswith("== ")]
+    assert sections == [
+        part
+        for arch in ("sm80", "sm86", "sm89", "sm90")
+        for part in (["on", arch], ["decode", "on"])
+    ]
     assert result.stdout.count("chosen: BLOCK_M=") == 4
     assert result.stdout.count("binding constraint: ") == 4
     both = _cli("explain", ROOT / "examples" / "gemma2_9b.yaml", ROOT / "examples" / "gpt2.yaml")
     heads = [line.split()[1:4] for line in both.stdout.splitlines() if line.startswith("== ")]
-    assert heads == [["gemma2_9b_local", "on", "sm80"], ["gemma2_9b_local", "decode", "on"],
-                     ["gemma2_9b_local", "on", "sm90"], ["gemma2_9b_local", "decode", "on"],
-                     ["gemma2_9b_global", "on", "sm80"], ["gemma2_9b_global", "decode", "on"],
-                     ["gemma2_9b_global", "on", "sm90"], ["gemma2_9b_global", "decode", "on"],
-                     ["gpt2", "on", "sm80"], ["gpt2", "on", "sm90"]]
+    assert heads == [
+        ["gemma2_9b_local", "on", "sm80"],
+        ["gemma2_9b_local", "decode", "on"],
+        ["gemma2_9b_local", "on", "sm90"],
+        ["gemma2_9b_local", "decode", "on"],
+        ["gemma2_9b_global", "on", "sm80"],
+        ["gemma2_9b_global", "decode", "on"],
+        ["gemma2_9b_global", "on", "sm90"],
+        ["gemma2_9b_global", "decode", "on"],
+        ["gpt2", "on", "sm80"],
+        ["gpt2", "on", "sm90"],
+    ]
 
 
 # ------------------------------------------------------------------ the committed generated/
@@ -338,9 +378,22 @@ def test_generated_is_up_to_date() -> None:
 
 def test_generated_is_ruff_clean() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "ruff", "check", "--isolated", "--no-cache", "--line-length", "100",
-         "--select", "E,F,W,I,B,UP", str(GENERATED)],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "ruff",
+            "check",
+            "--isolated",
+            "--no-cache",
+            "--line-length",
+            "100",
+            "--select",
+            "E,F,W,I,B,UP",
+            str(GENERATED),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -360,8 +413,7 @@ def test_generated_imports_only_torch_triton_and_stdlib() -> None:
         assert imported <= ALLOWED_IMPORTS, f"{path}: {imported - ALLOWED_IMPORTS}"
         assert {"torch", "triton", "triton.language"} <= imported
         assert not any(name.split(".")[0] == "attngen" for name in imported)
-        assert "attngen" not in "".join(
-            n.id for n in ast.walk(tree) if isinstance(n, ast.Name))
+        assert "attngen" not in "".join(n.id for n in ast.walk(tree) if isinstance(n, ast.Name))
 
 
 # ------------------------------------------------------------------------------ processes
@@ -374,9 +426,16 @@ def test_concurrent_builds_agree_with_a_serial_one(tmp_path: Path) -> None:
     for seed in range(4):
         # PYTHONPATH: the entry point runs this checkout's attngen, wherever it is installed from
         env = {**os.environ, "PYTHONHASHSEED": str(seed), "PYTHONPATH": str(ROOT)}
-        procs.append(subprocess.Popen(
-            [*_entry_point(), "build", *map(str, EXAMPLES), "--out", str(shared)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT))
+        procs.append(
+            subprocess.Popen(
+                [*_entry_point(), "build", *map(str, EXAMPLES), "--out", str(shared)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+                cwd=ROOT,
+            )
+        )
     for proc in procs:
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
@@ -403,8 +462,13 @@ def test_build_path_never_imports_torch_or_triton(tmp_path: Path) -> None:
         "print(json.dumps(heavy))\n"
     )
     specs = [ROOT / "examples" / "gemma2_9b.yaml", ROOT / "examples" / "mpt_7b.yaml"]
-    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out"), *map(str, specs)],
-                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "out"), *map(str, specs)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.splitlines()[-1]) == []
     assert _modules(tmp_path / "out") == _expected_paths(specs)

@@ -13,10 +13,12 @@ COMMITTED = ROOT / "docs" / "capabilities.md"
 
 
 def test_committed_capability_matrix_is_current():
-    expected = render_capabilities(capability_cells(),
-                                   load_measurements(data_path(triton_version())))
+    expected = render_capabilities(
+        capability_cells(), load_measurements(data_path(triton_version()))
+    )
     assert COMMITTED.read_text(encoding="utf-8") == expected, (
-        "docs/capabilities.md is stale: run `attngen capabilities --out docs/capabilities.md`")
+        "docs/capabilities.md is stale: run `attngen capabilities --out docs/capabilities.md`"
+    )
 
 
 def test_matrix_covers_every_arch_dtype_head_dim_and_mask():

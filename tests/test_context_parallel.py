@@ -47,17 +47,22 @@ def group_results(cp_folder, tmp_path_factory) -> dict[int, dict]:
     """{world size: {case name: result}}: every case of the harness, run by one spawned gloo
     group of three processes and by two of them as a subgroup."""
     out_dir = tmp_path_factory.mktemp("cp_groups")
-    context = mp.spawn(harness.worker, args=(3, harness.free_port(), str(cp_folder),
-                                             str(out_dir)), nprocs=3, join=False)
+    context = mp.spawn(
+        harness.worker,
+        args=(3, harness.free_port(), str(cp_folder), str(out_dir)),
+        nprocs=3,
+        join=False,
+    )
     deadline = time.monotonic() + SPAWN_DEADLINE_S
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
             pytest.fail(f"the process group did not finish in {SPAWN_DEADLINE_S} s")
-    return {world: {r["name"]: r for r in
-                    json.loads((out_dir / f"world{world}.json").read_text())}
-            for world in (2, 3)}
+    return {
+        world: {r["name"]: r for r in json.loads((out_dir / f"world{world}.json").read_text())}
+        for world in (2, 3)
+    }
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -73,8 +78,10 @@ def test_matches_reference_across_processes(group_results, world, case):
     assert result["problems"] == [], result["plan"]
     if "backward_refused" in case:  # every rank refused before any communication
         assert result["backward_error"] == case["backward_refused"], result
-        assert "needs a module with gradient kernels (spec `backward: true`) for rows" in \
-            result["backward_text"], result["backward_text"]
+        assert (
+            "needs a module with gradient kernels (spec `backward: true`) for rows"
+            in result["backward_text"]
+        ), result["backward_text"]
     else:
         assert result["grad_problems"] == [], result["plan"]
     if case["strategy"] != "auto":
@@ -101,8 +108,10 @@ def test_shard_and_unshard_round_trip(layout, world, seq_len):
 
 def test_zigzag_pairs_early_and_late_chunks():
     chunks = rank_chunks(16, 2, "zigzag")
-    assert [[(c.start, c.stop) for c in r] for r in chunks] == [[(0, 4), (12, 16)],
-                                                                [(4, 8), (8, 12)]]
+    assert [[(c.start, c.stop) for c in r] for r in chunks] == [
+        [(0, 4), (12, 16)],
+        [(4, 8), (8, 12)],
+    ]
 
 
 def test_unshard_refuses_wrong_lengths():
@@ -164,8 +173,9 @@ def planner_cases(draw):
     seq_len = draw(st.integers(0, 24))
     layout = draw(st.sampled_from(["zigzag", "contiguous"]))
     mask = draw(st.sampled_from(["none", "causal", "sliding_window"]))
-    window = (draw(st.integers(0, 12)), draw(st.integers(0, 12))) if mask == "sliding_window" \
-        else None
+    window = (
+        (draw(st.integers(0, 12)), draw(st.integers(0, 12))) if mask == "sliding_window" else None
+    )
     rule = MaskRule(mask, window, draw(st.booleans()))
     aligns = draw(st.sampled_from([ALIGNS, ("bottom_right",), ("top_left",)]))
     return world, seq_len, layout, rule, aligns
@@ -181,8 +191,9 @@ def test_plans_compute_exactly_the_global_mask(case):
     for causal and unmasked attention (ring)."""
     world, seq_len, layout, rule, aligns = case
     chunks = rank_chunks(seq_len, world, layout)
-    everything = {(i, j) for i in range(seq_len) for j in range(seq_len)
-                  if globally_sees(rule, i, j)}
+    everything = {
+        (i, j) for i in range(seq_len) for j in range(seq_len) if globally_sees(rule, i, j)
+    }
     try:
         ring = ring_plan(rule, chunks, aligns)
     except PlanError:
@@ -201,8 +212,9 @@ def test_plans_compute_exactly_the_global_mask(case):
     else:
         seen = {}
         for rank, calls in enumerate(gather):
-            check_calls(rule, [(c, list(range(seq_len))) for c in calls],
-                        positions(chunks[rank]), seen)
+            check_calls(
+                rule, [(c, list(range(seq_len))) for c in calls], positions(chunks[rank]), seen
+            )
         assert set(seen) == everything and set(seen.values()) <= {1}
 
 
@@ -218,10 +230,14 @@ def test_ring_zigzag_causal_steps_are_one_call_each():
 
 
 def test_ring_refusal_names_the_pair_and_the_way_out():
-    with pytest.raises(PlanError, match=r"ring step 1, rank 0 .*queries \[12, 16\) against "
-                                        r"keys \[4, 8\)"):
-        ring_plan(MaskRule("sliding_window", (5, 0)), rank_chunks(16, 2, "zigzag"),
-                  ("bottom_right",))
+    with pytest.raises(
+        PlanError,
+        match=r"ring step 1, rank 0 .*queries \[12, 16\) against "
+        r"keys \[4, 8\)",
+    ):
+        ring_plan(
+            MaskRule("sliding_window", (5, 0)), rank_chunks(16, 2, "zigzag"), ("bottom_right",)
+        )
 
 
 # -------------------------------------------------------------------------------- merge
@@ -238,11 +254,11 @@ def reference_parts(seed, split):
     scores = (q @ k.transpose(-1, -2)).masked_fill(~visible, float("-inf"))
 
     def attend(cols):
-        s = scores[..., cols[0]:cols[1]]
+        s = scores[..., cols[0] : cols[1]]
         lse = torch.logsumexp(s, -1)
         probs = torch.where(torch.isfinite(lse)[..., None], torch.exp(s - lse[..., None]), 0.0)
         probs = probs.nan_to_num(0.0)
-        return probs @ v[..., cols[0]:cols[1], :], lse
+        return probs @ v[..., cols[0] : cols[1], :], lse
 
     return attend((0, 12)), [attend(cols) for cols in split]
 
@@ -307,8 +323,7 @@ def test_one_rank_is_the_plain_kernel_bitwise(single_group, strategy):
     import attngen
 
     q, k, v = toy_inputs()
-    out = context_parallel_attention(q, k, v, causal=True, layout="contiguous",
-                                     strategy=strategy)
+    out = context_parallel_attention(q, k, v, causal=True, layout="contiguous", strategy=strategy)
     plain = attngen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     assert torch.equal(out, plain)
     assert last_plan().strategy == strategy
@@ -326,9 +341,16 @@ def test_strided_inputs_give_the_same_bytes(single_group):
         assert torch.equal(got, expected), strategy
 
 
-@pytest.mark.parametrize("world, heads, expected", [
-    (2, (32, 8), "allgather"), (6, (32, 8), "allgather"), (8, (32, 8), "ring"),
-    (3, (32, 32), "allgather"), (4, (32, 32), "ring")])
+@pytest.mark.parametrize(
+    "world, heads, expected",
+    [
+        (2, (32, 8), "allgather"),
+        (6, (32, 8), "allgather"),
+        (8, (32, 8), "ring"),
+        (3, (32, 32), "allgather"),
+        (4, (32, 32), "ring"),
+    ],
+)
 def test_auto_gathers_while_that_takes_no_more_memory_than_the_ring(world, heads, expected):
     """docs/context_parallel.md's rule: Llama-3-8B heads gather up to 6 GPUs, MHA up to 3."""
     from attngen.distributed.context import _choose
@@ -336,8 +358,9 @@ def test_auto_gathers_while_that_takes_no_more_memory_than_the_ring(world, heads
     seq_len = world * 65536
     q = torch.empty(1, heads[0], seq_len // world, 128, dtype=torch.bfloat16, device="meta")
     k = torch.empty(1, heads[1], seq_len // world, 128, dtype=torch.bfloat16, device="meta")
-    chosen, reason, _, _ = _choose("auto", MaskRule("causal"), seq_len, world, "zigzag",
-                                   ALIGNS, 0, q, k, k)
+    chosen, reason, _, _ = _choose(
+        "auto", MaskRule("causal"), seq_len, world, "zigzag", ALIGNS, 0, q, k, k
+    )
     assert chosen == expected, reason
 
 
@@ -352,17 +375,34 @@ def test_one_rank_gradients_are_the_plain_kernels_bitwise(single_group, strategy
 
     q, k, v = toy_inputs(requires_grad=True)
     gen = torch.Generator().manual_seed(5)
-    dout, dlse = torch.randn(1, 4, 12, harness.HEAD_DIM, generator=gen), torch.randn(1, 4, 12,
-                                                                                 generator=gen)
-    out, lse = context_parallel_attention(q, k, v, causal=True, layout="contiguous",
-                                          strategy=strategy, return_lse=True)
-    plain = run_dense("plain", q, k, v, mask=Mask.causal, align=CausalAlign.bottom_right,
-                      window=None, softcap=0.0, alibi_slopes=None, scale=None, return_lse=True,
-                      fallback=None)
+    dout, dlse = (
+        torch.randn(1, 4, 12, harness.HEAD_DIM, generator=gen),
+        torch.randn(1, 4, 12, generator=gen),
+    )
+    out, lse = context_parallel_attention(
+        q, k, v, causal=True, layout="contiguous", strategy=strategy, return_lse=True
+    )
+    plain = run_dense(
+        "plain",
+        q,
+        k,
+        v,
+        mask=Mask.causal,
+        align=CausalAlign.bottom_right,
+        window=None,
+        softcap=0.0,
+        alibi_slopes=None,
+        scale=None,
+        return_lse=True,
+        fallback=None,
+    )
     picked = {"out": [0], "lse": [1], "both": [0, 1]}[through]
-    grads = [torch.autograd.grad([(out, lse)[i] for i in picked], (q, k, v),
-                                 [(dout, dlse)[i] for i in picked])
-             for out, lse in ((out, lse), plain)]
+    grads = [
+        torch.autograd.grad(
+            [(out, lse)[i] for i in picked], (q, k, v), [(dout, dlse)[i] for i in picked]
+        )
+        for out, lse in ((out, lse), plain)
+    ]
     for name, got, expected in zip("qkv", *grads, strict=True):
         assert torch.equal(got, expected), name
 
@@ -394,15 +434,23 @@ def test_gradients_need_gradient_kernels(single_group, tmp_path):
     from attngen.runtime.registry import load_kernels
 
     q, k, v = toy_inputs(requires_grad=True)
-    with pytest.raises(NoKernelError, match=r"backward needs a module with gradient kernels .*"
-                                            r"cp_win_fwd_prefill_fp32_d16_win2x1_br serves it "
-                                            r"without them"):
+    with pytest.raises(
+        NoKernelError,
+        match=r"backward needs a module with gradient kernels .*"
+        r"cp_win_fwd_prefill_fp32_d16_win2x1_br serves it "
+        r"without them",
+    ):
         context_parallel_attention(q, k, v, window=(2, 1))
     with torch.no_grad():  # the forward alone runs on the forward-only module
         context_parallel_attention(q, k, v, window=(2, 1))
     out = context_parallel_attention(q, k, v, causal=True)
-    load_kernels(build_folder(tmp_path, [harness.spec_data(
-        name="cp_causal", mask="causal", causal_align="bottom_right")]), replace=True)
+    load_kernels(
+        build_folder(
+            tmp_path,
+            [harness.spec_data(name="cp_causal", mask="causal", causal_align="bottom_right")],
+        ),
+        replace=True,
+    )
     with pytest.raises(NoKernelError, match="backward needs a module with gradient kernels"):
         out.sum().backward()
 
@@ -423,17 +471,23 @@ def test_runs_eagerly_inside_torch_compile(single_group):
     assert torch.equal(compiled(q, k, v), layer(q, k, v))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(causal=True, window=(4, 0)), "causal: must be False with window"),
-    (dict(window=(4,)), r"window: got \(4,\)"),
-    (dict(softcap=-1.0), "softcap: got -1.0"),
-    (dict(sm_scale=0.0), "sm_scale: got 0.0"),
-    (dict(strategy="tree"), "strategy: got 'tree'"),
-    (dict(layout="striped"), "layout: got 'striped'"),
-    (dict(seq_len=13), r"q: rank 0 holds 12 tokens, but layout 'zigzag' over 1 ranks of a "
-                       r"13-token sequence gives it 13"),
-    (dict(alibi_slopes=torch.ones(3)), r"alibi_slopes: got \(3,\) torch.float32"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(causal=True, window=(4, 0)), "causal: must be False with window"),
+        (dict(window=(4,)), r"window: got \(4,\)"),
+        (dict(softcap=-1.0), "softcap: got -1.0"),
+        (dict(sm_scale=0.0), "sm_scale: got 0.0"),
+        (dict(strategy="tree"), "strategy: got 'tree'"),
+        (dict(layout="striped"), "layout: got 'striped'"),
+        (
+            dict(seq_len=13),
+            r"q: rank 0 holds 12 tokens, but layout 'zigzag' over 1 ranks of a "
+            r"13-token sequence gives it 13",
+        ),
+        (dict(alibi_slopes=torch.ones(3)), r"alibi_slopes: got \(3,\) torch.float32"),
+    ],
+)
 def test_refuses_bad_arguments_by_name(single_group, kwargs, message):
     q, k, v = toy_inputs()
     with pytest.raises(ValueError, match=message):
@@ -458,8 +512,11 @@ def test_missing_kernel_names_the_call_that_needs_it(single_group):
     from attngen.runtime import NoKernelError
 
     q, k, v = toy_inputs()
-    with pytest.raises(NoKernelError, match=r"needs a kernel for .*sliding_window.*"
-                                            r"no generated kernel serves"):
+    with pytest.raises(
+        NoKernelError,
+        match=r"needs a kernel for .*sliding_window.*"
+        r"no generated kernel serves",
+    ):
         context_parallel_attention(q, k, v, window=(7, 7))
 
 
@@ -467,7 +524,6 @@ def test_empty_batch_gives_empty_output(single_group):
     q, k, v = (t[:0] for t in toy_inputs())
     out, lse = context_parallel_attention(q, k, v, causal=True, return_lse=True)
     assert out.shape == (0, 4, 12, harness.HEAD_DIM) and lse.shape == (0, 4, 12)
-
 
 
 def test_benchmark_script_runs_on_the_cpu(tmp_path):
@@ -478,9 +534,21 @@ def test_benchmark_script_runs_on_the_cpu(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, str(root / "tools" / "bench_context_parallel.py"),
-                           "--smoke", "--worlds", "2", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, cwd=root)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(root / "tools" / "bench_context_parallel.py"),
+            "--smoke",
+            "--worlds",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     (result,) = tmp_path.glob("bench_context_parallel_single_*.json")
     data = json.loads(result.read_text())
@@ -506,15 +574,34 @@ def test_backward_benchmark_runs_on_the_cpu(single_group, tmp_path):
     bench = importlib.util.module_from_spec(loader)
     loader.loader.exec_module(bench)
     setup = bench.fwd.Setup(argparse.Namespace(smoke=True, seqlens=[32]))
-    results = {"single": bench.bench_single(setup, 0.0), "steps": bench.bench_steps(setup, [2],
-                                                                                   0.0)}
+    results = {
+        "single": bench.bench_single(setup, 0.0),
+        "steps": bench.bench_steps(setup, [2], 0.0),
+    }
     assert results["steps"][0]["dkv_bytes_per_step"] == 2 * 2 * 16 * 16 * 4
     assert "| N | W | L | step 0 causal bwd ms |" in bench.table(results)
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(harness.free_port()), str(script), "--no-torch-cp", "--smoke",
-         "--seqlens", "32", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, cwd=root)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(harness.free_port()),
+            str(script),
+            "--no-torch-cp",
+            "--smoke",
+            "--seqlens",
+            "32",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     (multi,) = tmp_path.glob("bench_context_parallel_backward_2gpu_*.json")
     row = json.loads(multi.read_text())["multi"][0]

@@ -33,17 +33,27 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; run on the H200"),
 ]
 
-LLAMA = dict(archs=["sm90"], dtype="bf16", head_dim=128, num_q_heads=32, num_kv_heads=8,
-             kernels=["prefill"])
-SPECS = [dict(LLAMA, name="cp_llama", mask="causal", causal_align="bottom_right"),
-         dict(LLAMA, name="cp_llama_full", mask="none")]
-GOLDEN = specs_from_data(dict(LLAMA, name="golden", mask="causal",
-                              causal_align="bottom_right"))[0]
+LLAMA = dict(
+    archs=["sm90"], dtype="bf16", head_dim=128, num_q_heads=32, num_kv_heads=8, kernels=["prefill"]
+)
+SPECS = [
+    dict(LLAMA, name="cp_llama", mask="causal", causal_align="bottom_right"),
+    dict(LLAMA, name="cp_llama_full", mask="none"),
+]
+GOLDEN = specs_from_data(dict(LLAMA, name="golden", mask="causal", causal_align="bottom_right"))[0]
 # Modules with gradient kernels, in a folder of their own: dispatch picks among forward
 # modules by name, so the one-GPU gradient baseline must not find a forward-only one.
 BACKWARD_SPECS = [dict(s, name=f"{s['name']}_train", backward=True) for s in SPECS]
-GROUP_GOLDEN = specs_from_data(dict(LLAMA, name="golden_group", num_q_heads=4, num_kv_heads=1,
-                                    mask="causal", causal_align="bottom_right"))[0]
+GROUP_GOLDEN = specs_from_data(
+    dict(
+        LLAMA,
+        name="golden_group",
+        num_q_heads=4,
+        num_kv_heads=1,
+        mask="causal",
+        causal_align="bottom_right",
+    )
+)[0]
 BLOCK_ROWS = 128
 
 
@@ -59,8 +69,9 @@ def block_problems(out, lse, q, k, v) -> list[str]:
     problems = []
     for start in (0, seq_len // 2 - BLOCK_ROWS // 2, seq_len - BLOCK_ROWS):
         rows, keys = slice(start, start + BLOCK_ROWS), slice(0, start + BLOCK_ROWS)
-        found = compare_to_reference(GOLDEN, out[:, :, rows], lse[:, :, rows], q[:, :, rows],
-                                     k[:, :, keys], v[:, :, keys])
+        found = compare_to_reference(
+            GOLDEN, out[:, :, rows], lse[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys]
+        )
         problems += [f"rows [{start}, {start + BLOCK_ROWS}): {p}" for p in found]
     return problems
 
@@ -89,8 +100,9 @@ def test_one_gpu_matches_reference_on_row_blocks(one_rank, strategy, layout):
     from attngen.distributed import context_parallel_attention, last_plan
 
     q, k, v = llama_inputs(16384, "cuda")
-    out, lse = context_parallel_attention(q, k, v, causal=True, layout=layout,
-                                          strategy=strategy, return_lse=True)
+    out, lse = context_parallel_attention(
+        q, k, v, causal=True, layout=layout, strategy=strategy, return_lse=True
+    )
     assert last_plan().strategy == strategy
     assert block_problems(out, lse, q, k, v) == []
 
@@ -101,16 +113,22 @@ def test_one_rank_ring_is_the_plain_kernel_bitwise(one_rank):
 
     q, k, v = llama_inputs(8192, "cuda", seed=1)
     out = context_parallel_attention(q, k, v, causal=True, strategy="ring")
-    assert torch.equal(out, attngen.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                 enable_gqa=True))
+    assert torch.equal(
+        out, attngen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    )
 
 
 def test_triton_merge_matches_torch_merge_on_cuda():
     from attngen.distributed.merge import merge_torch, merge_triton
 
     gen = torch.Generator(device="cuda").manual_seed(2)
-    parts = [(torch.randn(2, 32, 4099, 128, generator=gen, device="cuda").bfloat16(),
-              torch.randn(2, 32, 4099, generator=gen, device="cuda") * 5) for _ in range(3)]
+    parts = [
+        (
+            torch.randn(2, 32, 4099, 128, generator=gen, device="cuda").bfloat16(),
+            torch.randn(2, 32, 4099, generator=gen, device="cuda") * 5,
+        )
+        for _ in range(3)
+    ]
     parts[1][1][:, :, :100] = float("-inf")  # rows a partial never reached
     results = []
     for merge in (merge_torch, merge_triton):
@@ -130,8 +148,13 @@ def two_gpu_worker(rank: int, port: int, folder: str, out_dir: str, seq_len: int
     from attngen.runtime.registry import load_kernels
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, device_id=torch.device("cuda", rank))
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        device_id=torch.device("cuda", rank),
+    )
     load_kernels(Path(folder), replace=True)
     q, k, v = llama_inputs(seq_len, "cuda", seed=3)
     shards = [shard_sequence(t, 2, rank, layout="zigzag") for t in (q, k, v)]
@@ -142,14 +165,16 @@ def two_gpu_worker(rank: int, port: int, folder: str, out_dir: str, seq_len: int
 
         single = attngen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     for strategy in ("ring", "allgather"):
-        out, lse = context_parallel_attention(*shards, causal=True, strategy=strategy,
-                                              return_lse=True)
+        out, lse = context_parallel_attention(
+            *shards, causal=True, strategy=strategy, return_lse=True
+        )
         full = gather_sequence(out, layout="zigzag")
         full_lse = gather_sequence(lse[..., None], layout="zigzag")[..., 0]
         if rank == 0:
             report[strategy] = {
                 "problems": block_problems(full, full_lse, q, k, v),
-                "max_diff_vs_one_gpu": (full.float() - single.float()).abs().max().item()}
+                "max_diff_vs_one_gpu": (full.float() - single.float()).abs().max().item(),
+            }
     dist.destroy_process_group()
     if rank == 0:
         Path(out_dir, "two_gpu.json").write_text(json.dumps(report))
@@ -157,8 +182,12 @@ def two_gpu_worker(rank: int, port: int, folder: str, out_dir: str, seq_len: int
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
 def test_two_gpus_match_reference_at_128k(llama_folder, tmp_path):
-    context = mp.spawn(two_gpu_worker, args=(free_port(), str(llama_folder), str(tmp_path),
-                                             131072), nprocs=2, join=False)
+    context = mp.spawn(
+        two_gpu_worker,
+        args=(free_port(), str(llama_folder), str(tmp_path), 131072),
+        nprocs=2,
+        join=False,
+    )
     deadline = time.monotonic() + 600
     while not context.join(timeout=1):
         assert time.monotonic() < deadline, "the two-GPU group did not finish in 600 s"
@@ -200,23 +229,28 @@ def test_one_rank_ring_gradients_are_the_plain_kernels_bitwise(llama_backward_fo
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         out = context_parallel_attention(*leaves, causal=True, strategy="ring")
         grads = torch.autograd.grad(out, leaves, dout)
-        for name, got, expected in zip("qkv", grads, one_gpu_gradients(q, k, v, dout),
-                                       strict=True):
+        for name, got, expected in zip("qkv", grads, one_gpu_gradients(q, k, v, dout), strict=True):
             assert torch.equal(got, expected), name
     finally:
         dist.destroy_process_group()
         registry_module._current = saved
 
 
-def two_gpu_backward_worker(rank: int, port: int, folder: str, out_dir: str,
-                            seq_lens: list[int]) -> None:
+def two_gpu_backward_worker(
+    rank: int, port: int, folder: str, out_dir: str, seq_lens: list[int]
+) -> None:
     from attngen.distributed import context_parallel_attention, gather_sequence, shard_sequence
     from attngen.reference_backward import compare_gradients
     from attngen.runtime.registry import load_kernels
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, device_id=torch.device("cuda", rank))
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        device_id=torch.device("cuda", rank),
+    )
     load_kernels(Path(folder), replace=True)
     report = {}
     for seq_len in seq_lens:
@@ -231,14 +265,22 @@ def two_gpu_backward_worker(rank: int, port: int, folder: str, out_dir: str,
             full = [gather_sequence(g, layout="zigzag") for g in grads]
             if rank != 0:
                 continue
-            entry = {"max_diff_vs_one_gpu": {
-                name: [(g.float() - s.float()).abs().max().item(), s.float().abs().max().item()]
-                for name, g, s in zip(("dq", "dk", "dv"), full, single, strict=True)}}
+            entry = {
+                "max_diff_vs_one_gpu": {
+                    name: [(g.float() - s.float()).abs().max().item(), s.float().abs().max().item()]
+                    for name, g, s in zip(("dq", "dk", "dv"), full, single, strict=True)
+                }
+            }
             if seq_len <= 4096:  # KV head 0 and its four query heads, on the CPU
                 group = [full[0][:, :4], full[1][:, :1], full[2][:, :1]]
                 entry["problems"] = compare_gradients(
-                    GROUP_GOLDEN, [g.cpu() for g in group], q[:, :4].cpu(), k[:, :1].cpu(),
-                    v[:, :1].cpu(), dout[:, :4].cpu())
+                    GROUP_GOLDEN,
+                    [g.cpu() for g in group],
+                    q[:, :4].cpu(),
+                    k[:, :1].cpu(),
+                    v[:, :1].cpu(),
+                    dout[:, :4].cpu(),
+                )
             report[f"{strategy}_{seq_len}"] = entry
         q = k = v = dout = single = shards = None
         torch.cuda.empty_cache()
@@ -249,9 +291,12 @@ def two_gpu_backward_worker(rank: int, port: int, folder: str, out_dir: str,
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
 def test_two_gpus_gradients_match_one_gpu_and_the_reference(llama_backward_folder, tmp_path):
-    context = mp.spawn(two_gpu_backward_worker,
-                       args=(free_port(), str(llama_backward_folder), str(tmp_path),
-                             [4096, 131072]), nprocs=2, join=False)
+    context = mp.spawn(
+        two_gpu_backward_worker,
+        args=(free_port(), str(llama_backward_folder), str(tmp_path), [4096, 131072]),
+        nprocs=2,
+        join=False,
+    )
     deadline = time.monotonic() + 600
     while not context.join(timeout=1):
         assert time.monotonic() < deadline, "the two-GPU group did not finish in 600 s"

@@ -59,9 +59,14 @@ def test_more_query_tokens_than_keys_gives_empty_rows(layout, page_size):
 
 
 @pytest.mark.parametrize("layout, page_size", LAYOUTS)
-@pytest.mark.parametrize("fields", [CAUSAL, dict(mask="none"),
-                                    dict(mask="sliding_window", causal_align="bottom_right",
-                                         window_left=6, window_right=0)])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        CAUSAL,
+        dict(mask="none"),
+        dict(mask="sliding_window", causal_align="bottom_right", window_left=6, window_right=0),
+    ],
+)
 def test_nan_in_unused_slots_and_pages_is_bitwise_like_zeros(layout, page_size, fields):
     spec = make_decode_spec(layout, page_size, **fields, max_query_tokens=2)
     kernel = load_decode(spec, 16)
@@ -149,8 +154,9 @@ def test_the_rule_splits_a_single_long_sequence():
 
 
 def test_bitwise_deterministic():
-    spec = _spec("paged", 4, dtype="bf16", num_q_heads=14, num_kv_heads=2, alibi=True,
-                 max_query_tokens=3)
+    spec = _spec(
+        "paged", 4, dtype="bf16", num_q_heads=14, num_kv_heads=2, alibi=True, max_query_tokens=3
+    )
     kernel = load_decode(spec, 16)
     cache = make_cache(spec, [61, 9], seed=6)
     q, _, _, slopes = make_queries(spec, 2, 3, seed=6)
@@ -192,29 +198,40 @@ def _bad_inputs(spec):
     return cache, q, k_new, v_new
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda c, q, kn, vn: dict(q=q.float()), "q: expected dtype"),
-    (lambda c, q, kn, vn: dict(q=q[0]), r"q: expected a tensor \[B, HQ, NQ, 64\]"),
-    (lambda c, q, kn, vn: dict(q=q[..., :32]), r"q: expected shape \[\*, \*, \*, 64\]"),
-    (lambda c, q, kn, vn: dict(q=q.expand(2, 4, 3, 64)), "at most max_query_tokens=2"),
-    (lambda c, q, kn, vn: dict(q=q[:, :3]), "multiple of the cache's KV heads"),
-    (lambda c, q, kn, vn: dict(cache_seqlens=c.lengths.long()), "cache_seqlens: expected dtype"),
-    (lambda c, q, kn, vn: dict(cache_seqlens=c.lengths[:1]), r"cache_seqlens: expected shape"),
-    (lambda c, q, kn, vn: dict(block_table=None), "block_table: expected int32"),
-    (lambda c, q, kn, vn: dict(block_table=c.block_table[:1]), "block_table: expected shape"),
-    (lambda c, q, kn, vn: dict(k_cache=c.k[:, :8]), r"k_cache: expected shape \[\*, 16"),
-    (lambda c, q, kn, vn: dict(v_cache=c.v[:-1]), "v_cache: expected shape"),
-    (lambda c, q, kn, vn: dict(k_new=kn), "k_new, v_new: expected both or neither"),
-    (lambda c, q, kn, vn: dict(k_new=kn[:, :1], v_new=vn), "k_new: expected shape"),
-    (lambda c, q, kn, vn: dict(k_new=kn, v_new=vn[:, :, :1]), "v_new: expected shape"),
-    (lambda c, q, kn, vn: dict(sm_scale=0.0), "sm_scale"),
-    (lambda c, q, kn, vn: dict(alibi_slopes=torch.ones(4)), "alibi_slopes"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda c, q, kn, vn: dict(q=q.float()), "q: expected dtype"),
+        (lambda c, q, kn, vn: dict(q=q[0]), r"q: expected a tensor \[B, HQ, NQ, 64\]"),
+        (lambda c, q, kn, vn: dict(q=q[..., :32]), r"q: expected shape \[\*, \*, \*, 64\]"),
+        (lambda c, q, kn, vn: dict(q=q.expand(2, 4, 3, 64)), "at most max_query_tokens=2"),
+        (lambda c, q, kn, vn: dict(q=q[:, :3]), "multiple of the cache's KV heads"),
+        (
+            lambda c, q, kn, vn: dict(cache_seqlens=c.lengths.long()),
+            "cache_seqlens: expected dtype",
+        ),
+        (lambda c, q, kn, vn: dict(cache_seqlens=c.lengths[:1]), r"cache_seqlens: expected shape"),
+        (lambda c, q, kn, vn: dict(block_table=None), "block_table: expected int32"),
+        (lambda c, q, kn, vn: dict(block_table=c.block_table[:1]), "block_table: expected shape"),
+        (lambda c, q, kn, vn: dict(k_cache=c.k[:, :8]), r"k_cache: expected shape \[\*, 16"),
+        (lambda c, q, kn, vn: dict(v_cache=c.v[:-1]), "v_cache: expected shape"),
+        (lambda c, q, kn, vn: dict(k_new=kn), "k_new, v_new: expected both or neither"),
+        (lambda c, q, kn, vn: dict(k_new=kn[:, :1], v_new=vn), "k_new: expected shape"),
+        (lambda c, q, kn, vn: dict(k_new=kn, v_new=vn[:, :, :1]), "v_new: expected shape"),
+        (lambda c, q, kn, vn: dict(sm_scale=0.0), "sm_scale"),
+        (lambda c, q, kn, vn: dict(alibi_slopes=torch.ones(4)), "alibi_slopes"),
+    ],
+)
 def test_bad_inputs_raise_value_errors_saying_what_was_expected(mutate, message):
     spec = _spec("paged", 16, max_query_tokens=2)
     cache, q, k_new, v_new = _bad_inputs(spec)
-    args = dict(q=q, k_cache=cache.k, v_cache=cache.v, cache_seqlens=cache.lengths,
-                block_table=cache.block_table)
+    args = dict(
+        q=q,
+        k_cache=cache.k,
+        v_cache=cache.v,
+        cache_seqlens=cache.lengths,
+        block_table=cache.block_table,
+    )
     args.update(mutate(cache, q, k_new, v_new))
     positional = [args.pop(n) for n in ("q", "k_cache", "v_cache", "cache_seqlens")]
     with pytest.raises(ValueError, match=message):
@@ -231,8 +248,13 @@ def test_block_table_refused_for_a_contiguous_cache():
 
 def test_offsets_past_2_31_elements_do_not_wrap():
     code = "from tests.test_decode_edges import check_far_offsets; check_far_offsets()"
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    child = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
     assert child.returncode == 0, child.stderr[-2000:]
     assert "far offsets ok" in child.stdout
 

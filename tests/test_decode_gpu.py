@@ -49,17 +49,29 @@ def _problems(spec, cache_cpu, out, lse, q, k_new=None, v_new=None, slopes=None,
     def cpu(t):
         return None if t is None else t.cpu()
 
-    return decode_problems(spec, cache_cpu, out.cpu(), lse.cpu(), q.cpu(), cpu(k_new),
-                           cpu(v_new), cpu(slopes), sinks=cpu(sinks))
+    return decode_problems(
+        spec,
+        cache_cpu,
+        out.cpu(),
+        lse.cpu(),
+        q.cpu(),
+        cpu(k_new),
+        cpu(v_new),
+        cpu(slopes),
+        sinks=cpu(sinks),
+    )
 
 
 @pytest.mark.parametrize("spec", _decode_examples(), ids=lambda s: s.name)
-@pytest.mark.parametrize("lengths, num_new", [([4096], 0), ([1, 777, 4095, 0], 1),
-                                              ([32768, 1000], 0), ([0, 0], 0)])
+@pytest.mark.parametrize(
+    "lengths, num_new", [([4096], 0), ([1, 777, 4095, 0], 1), ([32768, 1000], 0), ([0, 0], 0)]
+)
 def test_generated_decode_modules_bf16(spec, lengths, num_new):
     if spec.num_q_heads // spec.num_kv_heads > 32 and max(lengths) > 4096:
-        pytest.skip("MLA's 128 query heads over 32k keys: the float64 reference's repeated "
-                    "K/V would take ~40 GB of host memory; the 4096-key cases cover it")
+        pytest.skip(
+            "MLA's 128 query heads over 32k keys: the float64 reference's repeated "
+            "K/V would take ~40 GB of host memory; the 4096-key cases cover it"
+        )
     kernel = _load_generated(spec, "decode")
     cache_cpu = make_cache(spec, lengths, seed=len(lengths), room=num_new, fill=float("nan"))
     cache = _to_cuda(cache_cpu.clone())
@@ -74,13 +86,22 @@ def test_generated_decode_modules_bf16(spec, lengths, num_new):
         assert same_bits(cache.k.cpu(), k_expected) and same_bits(cache.v.cpu(), v_expected)
 
 
-@pytest.mark.parametrize("layout, page_size", [("contiguous", None), ("paged", 16),
-                                               ("paged", 64), ("paged", 1)])
+@pytest.mark.parametrize(
+    "layout, page_size", [("contiguous", None), ("paged", 16), ("paged", 64), ("paged", 1)]
+)
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_renders_at_the_derived_tiles(layout, page_size, dtype):
-    spec = make_decode_spec(layout, page_size, dtype=dtype, head_dim=128, num_q_heads=32,
-                            num_kv_heads=8, mask="causal", causal_align="bottom_right",
-                            max_query_tokens=4)
+    spec = make_decode_spec(
+        layout,
+        page_size,
+        dtype=dtype,
+        head_dim=128,
+        num_q_heads=32,
+        num_kv_heads=8,
+        mask="causal",
+        causal_align="bottom_right",
+        max_query_tokens=4,
+    )
     kernel = load_decode(spec)
     cache_cpu = make_cache(spec, [5000, 63, 64, 65, 1], seed=1, room=3)
     for tokens, num_new, splits in ((1, 0, None), (4, 3, None), (2, 1, 1), (1, 0, 7)):
@@ -96,9 +117,18 @@ def test_renders_at_the_derived_tiles(layout, page_size, dtype):
 
 
 def test_nan_poisoning_determinism_and_forced_splits_at_32k():
-    spec = make_decode_spec("paged", 16, dtype="bf16", head_dim=128, num_q_heads=32,
-                            num_kv_heads=8, mask="sliding_window", causal_align="bottom_right",
-                            window_left=4095, softcap=50.0)
+    spec = make_decode_spec(
+        "paged",
+        16,
+        dtype="bf16",
+        head_dim=128,
+        num_q_heads=32,
+        num_kv_heads=8,
+        mask="sliding_window",
+        causal_align="bottom_right",
+        window_left=4095,
+        softcap=50.0,
+    )
     kernel = load_decode(spec)
     lengths = [32768, 4100, 17]
     poisoned = _to_cuda(make_cache(spec, lengths, seed=2, fill=float("nan")))
@@ -124,9 +154,17 @@ def test_nan_poisoning_determinism_and_forced_splits_at_32k():
 
 @pytest.mark.parametrize("layout, page_size", [("contiguous", None), ("paged", 16)])
 def test_cuda_graph_capture_of_decode_with_append(layout, page_size):
-    spec = make_decode_spec(layout, page_size, dtype="bf16", head_dim=128, num_q_heads=32,
-                            num_kv_heads=8, mask="causal", causal_align="bottom_right",
-                            max_query_tokens=2)
+    spec = make_decode_spec(
+        layout,
+        page_size,
+        dtype="bf16",
+        head_dim=128,
+        num_q_heads=32,
+        num_kv_heads=8,
+        mask="causal",
+        causal_align="bottom_right",
+        max_query_tokens=2,
+    )
     kernel = load_decode(spec)
     cache_cpu = make_cache(spec, [4000, 100, 0, 31], seed=5, room=2, fill=0.0)
     eager_cache = _to_cuda(cache_cpu.clone())

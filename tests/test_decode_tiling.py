@@ -30,8 +30,11 @@ SAFE_SPILL_BYTES = 64
 
 
 def _decode_specs():
-    return [s for s in load_specs(sorted((ROOT / "examples").glob("*.yaml")))
-            if KernelKind.decode in s.kernels]
+    return [
+        s
+        for s in load_specs(sorted((ROOT / "examples").glob("*.yaml")))
+        if KernelKind.decode in s.kernels
+    ]
 
 
 def test_every_chosen_decode_config_fits_what_the_compiler_allocates():
@@ -73,8 +76,12 @@ def test_a_paged_decode_config_compiles_as_recorded():
 @pytest.mark.slow
 def test_compile_data_is_current():
     # About 4 minutes on two cores: the examples' chosen configs compiled live.
-    result = subprocess.run([sys.executable, str(ROOT / "tools" / "decode_compile_check.py"),
-                             "--check"], capture_output=True, text=True, timeout=1800)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "decode_compile_check.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
 
 

@@ -44,7 +44,8 @@ def test_no_alternative_names_what_was_tried(only_128x128_tiles, monkeypatch):
     monkeypatch.setattr(tiling, "NUM_WARPS_CHOICES", (4,))
     spec = make_spec(dtype="fp32", head_dim=256, archs=["sm86"], name="huge")
     assert nearest_alternative(spec, "sm86") == (
-        "none: a smaller head dim or bf16 does not fit sm86 either")
+        "none: a smaller head dim or bf16 does not fit sm86 either"
+    )
 
 
 def test_explain_shows_the_whole_feasible_set_and_the_rule():
@@ -56,24 +57,45 @@ def test_explain_shows_the_whole_feasible_set_and_the_rule():
     assert "rule: predicted not to spill first" in text and "headroom:" in text
 
 
-@pytest.mark.parametrize("fields, arch, expected", [
-    (dict(dtype="bf16", head_dim=256), "sm90",
-     {"prefill": "K/V through TMA, masked blocks by pointer loads "
-                 "(D > 128: the extra branch spills); "
-                 "heaviest causal query blocks first, in groups of 16 heads",
-      "varlen": "K/V by pointer loads "
+@pytest.mark.parametrize(
+    "fields, arch, expected",
+    [
+        (
+            dict(dtype="bf16", head_dim=256),
+            "sm90",
+            {
+                "prefill": "K/V through TMA, masked blocks by pointer loads "
+                "(D > 128: the extra branch spills); "
+                "heaviest causal query blocks first, in groups of 16 heads",
+                "varlen": "K/V by pointer loads "
                 "(varlen's packed rows would need other descriptors); "
-                "one head's query blocks after another's"}),
-    (dict(dtype="bf16", head_dim=128), "sm90",
-     {"prefill": "K/V through TMA, masked blocks too; "
-                 "one head's query blocks after another's"}),
-    (dict(dtype="bf16", head_dim=256, mask="none"), "sm90",
-     {"prefill": "K/V through TMA, masked blocks by pointer loads "
-                 "(D > 128: the extra branch spills); one head's"}),
-    (dict(dtype="fp32", head_dim=256), "sm90", {"prefill": "K/V by pointer loads (fp32 dots"}),
-    (dict(dtype="bf16", head_dim=256), "sm80",
-     {"prefill": "K/V by pointer loads (no TMA on sm80)"}),
-])
+                "one head's query blocks after another's",
+            },
+        ),
+        (
+            dict(dtype="bf16", head_dim=128),
+            "sm90",
+            {
+                "prefill": "K/V through TMA, masked blocks too; "
+                "one head's query blocks after another's"
+            },
+        ),
+        (
+            dict(dtype="bf16", head_dim=256, mask="none"),
+            "sm90",
+            {
+                "prefill": "K/V through TMA, masked blocks by pointer loads "
+                "(D > 128: the extra branch spills); one head's"
+            },
+        ),
+        (dict(dtype="fp32", head_dim=256), "sm90", {"prefill": "K/V by pointer loads (fp32 dots"}),
+        (
+            dict(dtype="bf16", head_dim=256),
+            "sm80",
+            {"prefill": "K/V by pointer loads (no TMA on sm80)"},
+        ),
+    ],
+)
 def test_explain_names_the_code_paths_render_takes(fields, arch, expected):
     """Each kernel kind's K/V loads and program order, as in its render context."""
     spec = make_spec(archs=[arch], kernels=list(expected), **fields)
@@ -81,5 +103,6 @@ def test_explain_names_the_code_paths_render_takes(fields, arch, expected):
     for kind, words in expected.items():
         assert f"code paths ({kind}): {words}" in text
         context = build_context(spec, KernelKind(kind), derive_tiles(spec, arch))
-        assert ("groups of 16 heads" in text.split(f"code paths ({kind}):")[1].split("\n")[0]) \
-            == (context["lpt_group_heads"] == 16)
+        assert ("groups of 16 heads" in text.split(f"code paths ({kind}):")[1].split("\n")[0]) == (
+            context["lpt_group_heads"] == 16
+        )

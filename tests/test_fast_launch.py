@@ -30,17 +30,29 @@ from tests.decode_harness import load_decode, make_cache, make_decode_spec, make
 from tests.kernel_harness import load_kernel, make_spec
 
 PREFILL = make_spec(name="fl", dtype="fp16", head_dim=64, num_q_heads=4, num_kv_heads=2)
-VARLEN = make_spec(name="flv", dtype="fp16", head_dim=64, num_q_heads=4, num_kv_heads=2,
-                   kernels=["varlen"])
-DECODE = make_decode_spec("contiguous", None, name="fld", dtype="fp16", head_dim=64,
-                          num_q_heads=4, num_kv_heads=2, max_query_tokens=2)
+VARLEN = make_spec(
+    name="flv", dtype="fp16", head_dim=64, num_q_heads=4, num_kv_heads=2, kernels=["varlen"]
+)
+DECODE = make_decode_spec(
+    "contiguous",
+    None,
+    name="fld",
+    dtype="fp16",
+    head_dim=64,
+    num_q_heads=4,
+    num_kv_heads=2,
+    max_query_tokens=2,
+)
 
 
 def triton_specialization(params, args, options):
     """What Triton's binder makes of these arguments (all parameters, in order)."""
-    spec = tuple(("constexpr", a) if p.is_constexpr
-                 else native_specialize_impl(BaseBackend, a, False, True, True)
-                 for p, a in zip(params, args, strict=True))
+    spec = tuple(
+        ("constexpr", a)
+        if p.is_constexpr
+        else native_specialize_impl(BaseBackend, a, False, True, True)
+        for p, a in zip(params, args, strict=True)
+    )
     return spec, tuple(sorted(options.items()))
 
 
@@ -49,8 +61,19 @@ class FakeCompiled:
         self.kernel, self.key = kernel, key
         self.function, self.packed_metadata, self.runs = object(), object(), []
 
-    def run(self, grid_0, grid_1, grid_2, stream, function, metadata, launch_metadata,
-            enter_hook, exit_hook, *args):
+    def run(
+        self,
+        grid_0,
+        grid_1,
+        grid_2,
+        stream,
+        function,
+        metadata,
+        launch_metadata,
+        enter_hook,
+        exit_hook,
+        *args,
+    ):
         assert (function, metadata, stream) == (self.function, self.packed_metadata, "stream")
         assert (grid_1, grid_2, launch_metadata, enter_hook, exit_hook) == (1, 1, None, None, None)
         spec, _ = triton_specialization(self.kernel.params, args, {})
@@ -64,8 +87,10 @@ class FakeKernel:
 
     def __init__(self, real):
         self.fn = real.fn
-        self.params = [SimpleNamespace(name=name, is_constexpr=p.annotation is tl.constexpr)
-                       for name, p in inspect.signature(real.fn).parameters.items()]
+        self.params = [
+            SimpleNamespace(name=name, is_constexpr=p.annotation is tl.constexpr)
+            for name, p in inspect.signature(real.fn).parameters.items()
+        ]
         self.pre_run_hooks: list = []
         self.compiled: dict = {}
         self.bound: list = []  # (grid, all arguments in order, compiled) per kernel[grid] call
@@ -74,11 +99,12 @@ class FakeKernel:
         def launch(*args, **kwargs):
             names = {p.name for p in self.params}
             options = {k: v for k, v in kwargs.items() if k not in names}
-            ordered = list(args) + [kwargs[p.name] for p in self.params[len(args):]]
+            ordered = list(args) + [kwargs[p.name] for p in self.params[len(args) :]]
             key = triton_specialization(self.params, ordered, options)
             compiled = self.compiled.setdefault(key, FakeCompiled(self, key))
             self.bound.append((grid[0], ordered, compiled))
             return compiled
+
         return launch
 
     def launches(self):
@@ -104,12 +130,14 @@ def fast(monkeypatch, module, *kernel_names):
 def described(args):
     """Arguments as comparable values: tensors by dtype, shape and strides (outputs are new at
     each call), descriptors by their fields, the rest as they are."""
+
     def one(a):
         if isinstance(a, torch.Tensor):
             return ("tensor", a.dtype, tuple(a.shape), a.stride())
         if isinstance(a, TensorDescriptor):
             return ("desc", one(a.base), list(a.shape), list(a.strides), list(a.block_shape))
         return a
+
     return [one(a) for a in args]
 
 
@@ -130,8 +158,10 @@ def test_equal_keys_mean_equal_triton_specializations():
     module = load_kernel(PREFILL)
     aligned, misaligned = fp16(4, 16), fp16(4, 16, offset=1)
     wide = torch.zeros(4, 16)
-    descs = [TensorDescriptor(t, [4, 16], [16, 1], block) for t, block in
-             ((aligned, [2, 16]), (aligned, [4, 16]), (wide, [4, 16]))]
+    descs = [
+        TensorDescriptor(t, [4, 16], [16, 1], block)
+        for t, block in ((aligned, [2, 16]), (aligned, [4, 16]), (wide, [4, 16]))
+    ]
     tensors = [aligned, misaligned, wide]
     ints = [0, 1, 2, 15, 16, 17, 48, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**40 + 1]
     tails = [1.0, None, *descs]
@@ -142,10 +172,8 @@ def test_equal_keys_mean_equal_triton_specializations():
     keys, specs = {}, {}
     for tensor, n, tail, constexpr, option in cases:
         case = (id(tensor), n, id(tail), tuple(constexpr.items()), tuple(option.items()))
-        keys[case] = module._specialization(None, 0, (tensor,), (n,), (tail,), constexpr,
-                                            option)
-        specs[case] = triton_specialization(params, [tensor, n, tail, constexpr["BLOCK"]],
-                                            option)
+        keys[case] = module._specialization(None, 0, (tensor,), (n,), (tail,), constexpr, option)
+        specs[case] = triton_specialization(params, [tensor, n, tail, constexpr["BLOCK"]], option)
     for a, b in itertools.combinations(keys, 2):
         if keys[a] == keys[b]:
             assert specs[a] == specs[b], (a, b)
@@ -178,14 +206,13 @@ def test_prefill_launches_bind_once_per_specialization_then_run_directly(monkeyp
     q, k, v = fp16(2, 4, 64, 64), fp16(2, 2, 64, 64), fp16(2, 2, 64, 64)
     calls = {
         "base": lambda: module.attention(q, k, v),
-        "int % 16 (65 keys)": lambda: module.attention(q, fp16(2, 2, 65, 64),
-                                                       fp16(2, 2, 65, 64)),
-        "int == 1 (q heads per kv head)": lambda: module.attention(q, fp16(2, 4, 64, 64),
-                                                                   fp16(2, 4, 64, 64)),
+        "int % 16 (65 keys)": lambda: module.attention(q, fp16(2, 2, 65, 64), fp16(2, 2, 65, 64)),
+        "int == 1 (q heads per kv head)": lambda: module.attention(
+            q, fp16(2, 4, 64, 64), fp16(2, 4, 64, 64)
+        ),
         "constexpr and LSE dtype": lambda: module.attention(q, k, v, return_lse=True),
         "pointer alignment": lambda: module.attention(fp16(2, 4, 64, 64, offset=1), k, v),
-        "pointers instead of TMA": lambda: module.attention(
-            q, fp16(2, 2, 64, 128)[..., ::2], v),
+        "pointers instead of TMA": lambda: module.attention(q, fp16(2, 2, 64, 128)[..., ::2], v),
     }
     seen = []
     for name, call in calls.items():
@@ -244,7 +271,7 @@ def test_varlen_launch_runs_directly_with_the_bound_arguments(monkeypatch):
     cu = torch.tensor([0, 17, 40], dtype=torch.int32)
     for _ in range(2):
         module.attention_varlen(q, k, k, cu, cu, 23, 23)
-    (grid, bound, compiled), = fake.bound
+    ((grid, bound, compiled),) = fake.bound
     ((run_grid, run_args),) = compiled.runs
     assert run_grid == grid and described(run_args) == described(bound)
     module.attention_varlen(q[:40], k[:40], k[:40], cu, cu, 23, 23)  # 40 rows: not % 16
@@ -253,15 +280,16 @@ def test_varlen_launch_runs_directly_with_the_bound_arguments(monkeypatch):
 
 def test_decode_launches_append_split_and_combine_directly(monkeypatch):
     module = load_decode(DECODE)
-    fakes = fast(monkeypatch, module, "_append_kernel", "_decode_split_kernel",
-                 "_decode_combine_kernel")
+    fakes = fast(
+        monkeypatch, module, "_append_kernel", "_decode_split_kernel", "_decode_combine_kernel"
+    )
     monkeypatch.setattr(module, "FORCE_NUM_SPLITS", 2)
     cache = make_cache(DECODE, [5, 9], seed=1, room=2, extra_capacity=300)
     q, k_new, v_new, _ = make_queries(DECODE, 2, 2, seed=2, num_new=2)
     for _ in range(2):
         module.decode(q, cache.k, cache.v, cache.lengths, k_new=k_new, v_new=v_new)
     for fake in fakes:
-        (grid, bound, compiled), = fake.bound
+        ((grid, bound, compiled),) = fake.bound
         ((run_grid, run_args),) = compiled.runs
         assert run_grid == grid and described(run_args) == described(bound), fake.fn.__name__
 
@@ -294,7 +322,8 @@ def test_tma_decision_is_remembered_per_layout_but_reads_each_base_address():
     assert module.kv_load_path(shifted, v) == "pointers: k base address is not 16-byte aligned"
     strided = fp16(1, 2, 32, 128)[..., ::2]
     assert not module._uses_tma(k, strided) and module.kv_load_path(k, strided).startswith(
-        "pointers: v head-dim stride is 2")
+        "pointers: v head-dim stride is 2"
+    )
 
 
 def test_small_launches_read_kv_by_pointers_and_larger_ones_by_tma(monkeypatch):
@@ -346,7 +375,8 @@ def test_call_plans_launch_what_the_full_path_launches(monkeypatch):
         "out=": lambda: module.attention(q, k, v, out=out),
         "misaligned q": lambda: module.attention(fp16(2, 4, 64, 64, offset=1), k, v),
         "misaligned out=": lambda: module.attention(
-            q, k, v, out=fp16(2, 64, 4, 64, offset=1).transpose(1, 2)),
+            q, k, v, out=fp16(2, 64, 4, 64, offset=1).transpose(1, 2)
+        ),
         "pointers (layout)": lambda: module.attention(q, fp16(2, 2, 64, 128)[..., ::2], v),
     }
     for threshold in (0, POINTER_LOADS_UP_TO):
@@ -378,7 +408,7 @@ def test_a_planned_layout_still_refuses_out_sharing_memory(monkeypatch):
     with pytest.raises(ValueError, match="out: shares memory with q"):
         module.attention(q_shared, k, k, out=out_shared)
     storage = fp16(k.numel() + size)
-    k_shared = storage[:k.numel()].view(k.shape)
-    out_shared = storage[k.numel():].view(2, 64, 4, 64).transpose(1, 2)
+    k_shared = storage[: k.numel()].view(k.shape)
+    out_shared = storage[k.numel() :].view(2, 64, 4, 64).transpose(1, 2)
     with pytest.raises(ValueError, match="out: shares memory with k"):
         module.attention(q, k_shared, k_shared, out=out_shared)

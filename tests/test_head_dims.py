@@ -27,13 +27,16 @@ from tests.test_varlen_properties import (
 )
 
 
-@pytest.mark.parametrize("dims, dtype, mask, arch", [
-    ((1, 1), "fp32", "causal", "sm90"),
-    ((3, 5), "fp16", "none", "sm80"),
-    ((59, 59), "fp16", "causal", "sm90"),  # 118-byte rows: pointer loads on Hopper
-    ((111, 40), "fp16", "sliding_window", "sm80"),
-    ((200, 200), "fp16", "causal", "sm90"),
-])
+@pytest.mark.parametrize(
+    "dims, dtype, mask, arch",
+    [
+        ((1, 1), "fp32", "causal", "sm90"),
+        ((3, 5), "fp16", "none", "sm80"),
+        ((59, 59), "fp16", "causal", "sm90"),  # 118-byte rows: pointer loads on Hopper
+        ((111, 40), "fp16", "sliding_window", "sm80"),
+        ((200, 200), "fp16", "causal", "sm90"),
+    ],
+)
 def test_prefill_at_any_head_dim_matches_the_reference(dims, dtype, mask, arch):
     fields = dict(head_dim=dims[0], head_dim_v=dims[1], dtype=dtype, mask=mask)
     if mask == "sliding_window":
@@ -50,14 +53,16 @@ def test_varlen_at_an_odd_head_dim_matches_per_sequence():
     lengths_q, lengths_k = [5, 0, 17], [9, 3, 17]
     q, k, v, slopes = packed_inputs(spec, lengths_q, lengths_k, seed=2)
     out, lse = load_varlen(spec, 16, 16).attention_varlen(
-        q, k, v, cu_seqlens(lengths_q), cu_seqlens(lengths_k), 17, 17, return_lse=True)
+        q, k, v, cu_seqlens(lengths_q), cu_seqlens(lengths_k), 17, 17, return_lse=True
+    )
     assert_each_sequence_matches(spec, out, lse, q, k, v, lengths_q, lengths_k, slopes)
 
 
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])
 def test_decode_at_an_odd_head_dim_appends_and_matches(layout):
-    spec = make_decode_spec(layout, head_dim=59, head_dim_v=33, dtype="fp16", mask="causal",
-                            max_query_tokens=2)
+    spec = make_decode_spec(
+        layout, head_dim=59, head_dim_v=33, dtype="fp16", mask="causal", max_query_tokens=2
+    )
     cache = make_cache(spec, [7, 20], seed=4, room=2)
     q, k_new, v_new, slopes = make_queries(spec, 2, 2, seed=4, num_new=2)
     out, lse = run_decode(load_decode(spec), cache, q, k_new, v_new, slopes)
@@ -76,8 +81,11 @@ def test_tma_only_for_rows_of_16_byte_multiples():
     assert derive_tiles(odd, "sm90").dims["D"] == padded_head_dim(59) == 64
     # rows that are not 16-element aligned are read element by element, unbuffered: a stage
     # more costs no shared memory (measured: tests/test_verify_tiling.py)
-    by_stages = {c.config.num_stages: c.smem_bytes for c in derive_tiles(odd, "sm80").candidates
-                 if (c.config.block_m, c.config.block_n, c.config.num_warps) == (64, 64, 4)}
+    by_stages = {
+        c.config.num_stages: c.smem_bytes
+        for c in derive_tiles(odd, "sm80").candidates
+        if (c.config.block_m, c.config.block_n, c.config.num_warps) == (64, 64, 4)
+    }
     assert len(set(by_stages.values())) == 1 and not derive_tiles(odd, "sm80").pipelined
     assert derive_tiles(make_spec(head_dim=64), "sm80").pipelined
     assert padded_head_dim(1) == 16 and padded_head_dim(129) == 256

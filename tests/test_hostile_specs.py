@@ -18,16 +18,31 @@ from attngen.spec import SpecError, load_spec_file
 
 CANARY = "attngen_canary_must_not_exist"
 VALID = {
-    "name": "hostile", "archs": ["sm90"], "dtype": "bf16", "head_dim": 128,
-    "num_q_heads": 8, "num_kv_heads": 2, "mask": "causal", "causal_align": "bottom_right",
+    "name": "hostile",
+    "archs": ["sm90"],
+    "dtype": "bf16",
+    "head_dim": 128,
+    "num_q_heads": 8,
+    "num_kv_heads": 2,
+    "mask": "causal",
+    "causal_align": "bottom_right",
     "kernels": ["prefill"],
 }
 CODE = [
     f"__import__('pathlib').Path('{CANARY}').touch()",
     "'; import os; os.system('true') #",
     '"""\nimport os\n"""',
-    "{{ 7 * 7 }}", "{% raw %}", "${HOME}", "\x00", "\u202e", "名前", "../../etc/passwd",
-    "a/b", "..", "sm90\nname: x", "!!python/object/apply:os.system ['true']",
+    "{{ 7 * 7 }}",
+    "{% raw %}",
+    "${HOME}",
+    "\x00",
+    "\u202e",
+    "名前",
+    "../../etc/passwd",
+    "a/b",
+    "..",
+    "sm90\nname: x",
+    "!!python/object/apply:os.system ['true']",
 ]
 HOSTILE_VALUES = st.one_of(
     st.sampled_from(CODE),
@@ -39,31 +54,65 @@ HOSTILE_VALUES = st.one_of(
     st.lists(st.sampled_from(["sm90", "sm80", "x", CODE[0]]), max_size=3),
     st.dictionaries(st.sampled_from(["a", "name"]), st.integers(), max_size=2),
 )
-YAML_1_1_TRAPS = ["no", "yes", "on", "off", "010", "0x80", "1e3", "12:30", "2024-01-01", "~",
-                  ".inf", ".nan", "0o17", "+1", "1_000", "0b101"]
+YAML_1_1_TRAPS = [
+    "no",
+    "yes",
+    "on",
+    "off",
+    "010",
+    "0x80",
+    "1e3",
+    "12:30",
+    "2024-01-01",
+    "~",
+    ".inf",
+    ".nan",
+    "0o17",
+    "+1",
+    "1_000",
+    "0b101",
+]
 
 
 def _field_value_text() -> st.SearchStrategy[str]:
     """A spec text with one field replaced by a hostile value."""
+
     def build(field, value):
         data = dict(VALID)
         data[field] = value
         return yaml.safe_dump(data, allow_unicode=True)
 
-    fields = st.sampled_from([*VALID, "head_dim_v", "window_left", "softcap", "alibi",
-                              "variants", "unknown_key", CODE[0]])
+    fields = st.sampled_from(
+        [
+            *VALID,
+            "head_dim_v",
+            "window_left",
+            "softcap",
+            "alibi",
+            "variants",
+            "unknown_key",
+            CODE[0],
+        ]
+    )
     return st.builds(build, fields, HOSTILE_VALUES)
 
 
 def _raw_scalar_text() -> st.SearchStrategy[str]:
     """YAML 1.1 traps written as plain scalars where a number or bool is expected."""
+
     def build(field, trap):
-        lines = [f"{k}: {v if not isinstance(v, list) else '[' + ', '.join(v) + ']'}"
-                 for k, v in VALID.items() if k != field]
+        lines = [
+            f"{k}: {v if not isinstance(v, list) else '[' + ', '.join(v) + ']'}"
+            for k, v in VALID.items()
+            if k != field
+        ]
         return "\n".join([*lines, f"{field}: {trap}"]) + "\n"
 
-    return st.builds(build, st.sampled_from(["head_dim", "num_q_heads", "softcap", "alibi",
-                                             "window_left"]), st.sampled_from(YAML_1_1_TRAPS))
+    return st.builds(
+        build,
+        st.sampled_from(["head_dim", "num_q_heads", "softcap", "alibi", "window_left"]),
+        st.sampled_from(YAML_1_1_TRAPS),
+    )
 
 
 def _structural_text() -> st.SearchStrategy[str]:

@@ -37,9 +37,16 @@ def llama_config(layers: int):
     import transformers
 
     return transformers.LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
-        max_position_embeddings=8192, rope_theta=500000.0, dtype="bfloat16")
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        dtype="bfloat16",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +58,8 @@ def llama():
     spec = attngen.spec_from_config(config)[0].canonical()
     example = load_spec_file(ROOT / "examples" / "llama3_8b.yaml")[0].canonical()
     assert {k: v for k, v in spec.items() if k not in NOT_TUNED_ON} == {
-        k: v for k, v in example.items() if k not in NOT_TUNED_ON}
+        k: v for k, v in example.items() if k not in NOT_TUNED_ON
+    }
     attngen.register_transformers()
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -70,9 +78,16 @@ def llama32(llama):
 def _generate(model, impl, ids, mask, new_tokens=16):
     model.set_attn_implementation(impl)
     with torch.no_grad():
-        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                              output_logits=True, return_dict_in_generate=True)
+        return model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -101,8 +116,9 @@ def test_llama_generate_agrees_with_sdpa(llama, llama32, padded):
     runs = [r.sequences[:, 300:] for r in (got, expected, reference)]
     same = ((runs[0] == runs[1]) & (runs[1] == runs[2])).all(0).int().cumprod(0)
     steps = max(1, int(same.sum()))
-    for a, b, exact in zip(got.logits[:steps], expected.logits[:steps],
-                           reference.logits[:steps], strict=True):
+    for a, b, exact in zip(
+        got.logits[:steps], expected.logits[:steps], reference.logits[:steps], strict=True
+    ):
         exact = exact.float()
         ours, sdpa = (a.float() - exact).abs().max().item(), (b.float() - exact).abs().max().item()
         floor = 2 * 2.0 ** (torch.frexp(exact.abs().max()).exponent.item() - 8)
@@ -115,8 +131,7 @@ def test_compile_fullgraph_inductor():
     v = torch.randn_like(k)
 
     def layer(q, k, v):
-        return attngen.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                    enable_gqa=True) * 2
+        return attngen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) * 2
 
     eager = layer(q, k, v)
     compiled = torch.compile(layer, fullgraph=True, backend="inductor")(q, k, v)
@@ -132,8 +147,9 @@ def test_cuda_graph_capture_of_attngen_calls():
     seqlens = torch.randint(1, 1000, (8,), device="cuda", dtype=torch.int32)
 
     def step():
-        return attngen.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
-                                               cache_seqlens=seqlens, causal=True)
+        return attngen.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True
+        )
 
     expected = step()  # warm-up: compiles the kernel outside the capture
     torch.cuda.synchronize()

@@ -30,13 +30,20 @@ def _case(seed=0):
     flash-attn's layout. Slots past each length hold 0, not NaN: a bad sequence's NaN must
     come from the bound, not from garbage it read."""
     batch = len(LENGTHS)
-    k_cache, v_cache = _rand(batch, CAPACITY, 2, 16, seed=seed), _rand(batch, CAPACITY, 2, 16,
-                                                                        seed=seed + 1)
+    k_cache, v_cache = (
+        _rand(batch, CAPACITY, 2, 16, seed=seed),
+        _rand(batch, CAPACITY, 2, 16, seed=seed + 1),
+    )
     for b, n in enumerate(LENGTHS):
         k_cache[b, n:] = v_cache[b, n:] = 0.0
     q = _rand(batch, 2, 4, 16, seed=seed + 2)
-    return q, k_cache, v_cache, _rand(batch, NEW, 2, 16, seed=seed + 3), _rand(
-        batch, NEW, 2, 16, seed=seed + 4)
+    return (
+        q,
+        k_cache,
+        v_cache,
+        _rand(batch, NEW, 2, 16, seed=seed + 3),
+        _rand(batch, NEW, 2, 16, seed=seed + 4),
+    )
 
 
 def _paged(k_cache, v_cache):
@@ -54,7 +61,7 @@ def _expected(buffer, view, table, k_new, good):
     """The guard buffer after the call: the good sequences' new keys in their slots."""
     buffer = buffer.clone()
     pad = (buffer.numel() - view.numel()) // 2
-    cache = buffer[pad:pad + view.numel()].view(view.shape)
+    cache = buffer[pad : pad + view.numel()].view(view.shape)
     for b in good:
         pos = LENGTHS[b] + torch.arange(NEW)
         if table is None:
@@ -76,23 +83,42 @@ def _check(bad_lengths, table=None, bad=1, paged=False):
     k_expected = _expected(k_buffer, k_view, table, k_new, good)
     v_expected = _expected(v_buffer, v_view, table, v_new, good)
     out, lse = attngen.flash_attn_with_kvcache(
-        q, k_view, v_view, k_new, v_new, cache_seqlens=torch.tensor(bad_lengths, dtype=torch.int32),
-        block_table=table, causal=True, return_softmax_lse=True)
+        q,
+        k_view,
+        v_view,
+        k_new,
+        v_new,
+        cache_seqlens=torch.tensor(bad_lengths, dtype=torch.int32),
+        block_table=table,
+        causal=True,
+        return_softmax_lse=True,
+    )
     assert same_bits(k_buffer, k_expected) and same_bits(v_buffer, v_expected)
     assert out[bad].isnan().all() and lse[bad].isnan().all()
     for b in good:
         n = LENGTHS[b]
         keys = torch.cat([dense_k[b, :n], k_new[b]]).transpose(0, 1)[None]
         values = torch.cat([dense_v[b, :n], v_new[b]]).transpose(0, 1)[None]
-        assert not compare_to_reference(TOY, out[b:b + 1].transpose(1, 2), lse[b:b + 1],
-                                        q[b:b + 1].transpose(1, 2), keys, values)
+        assert not compare_to_reference(
+            TOY,
+            out[b : b + 1].transpose(1, 2),
+            lse[b : b + 1],
+            q[b : b + 1].transpose(1, 2),
+            keys,
+            values,
+        )
 
 
-BAD_LENGTHS = {"append past the capacity": CAPACITY - NEW + 1, "negative": -1,
-               "near 2**31": 2**31 - 1}
-BAD_PAGES = {"past the cache": lambda t: _set(t, 0, t.numel() + 1),
-             "negative, where the new keys go": lambda t: _set(t, 2, -1),
-             "near 2**31": lambda t: _set(t, 1, 2**31 - 1)}
+BAD_LENGTHS = {
+    "append past the capacity": CAPACITY - NEW + 1,
+    "negative": -1,
+    "near 2**31": 2**31 - 1,
+}
+BAD_PAGES = {
+    "past the cache": lambda t: _set(t, 0, t.numel() + 1),
+    "negative, where the new keys go": lambda t: _set(t, 2, -1),
+    "near 2**31": lambda t: _set(t, 1, 2**31 - 1),
+}
 
 
 def _set(table, page, value):
@@ -111,8 +137,9 @@ def test_new_keys_need_cache_seqlens(toy_kernels):
 def test_an_int_cache_seqlens_is_checked_on_the_host(toy_kernels, value):
     q, k_cache, v_cache, k_new, v_new = _case()
     with pytest.raises(ValueError, match=rf"cache_seqlens: got {value}; allowed: 0\.\.10"):
-        attngen.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=value,
-                                        causal=True)
+        attngen.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k_new, v_new, cache_seqlens=value, causal=True
+        )
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -129,16 +156,30 @@ def test_bad_block_table_entries_on_the_varlen_route(toy_kernels, name):
 
 @pytest.fixture(scope="module")
 def decode_folder(tmp_path_factory):
-    decode = dict(name="toy", dtype="fp32", head_dim=16, num_q_heads=4, num_kv_heads=2,
-                  mask="causal", causal_align="bottom_right", kernels=["decode"],
-                  max_query_tokens=2)
-    return build_folder(tmp_path_factory.mktemp("decode"), [
-        {**decode, "kv_layout": "contiguous"},
-        {**decode, "name": "toy_pages", "kv_layout": "paged", "page_size": PAGE}])
+    decode = dict(
+        name="toy",
+        dtype="fp32",
+        head_dim=16,
+        num_q_heads=4,
+        num_kv_heads=2,
+        mask="causal",
+        causal_align="bottom_right",
+        kernels=["decode"],
+        max_query_tokens=2,
+    )
+    return build_folder(
+        tmp_path_factory.mktemp("decode"),
+        [
+            {**decode, "kv_layout": "contiguous"},
+            {**decode, "name": "toy_pages", "kv_layout": "paged", "page_size": PAGE},
+        ],
+    )
 
 
-@pytest.mark.parametrize("paged, name", [(False, "append past the capacity"), (True, "negative"),
-                                         (True, "past the cache")])
+@pytest.mark.parametrize(
+    "paged, name",
+    [(False, "append past the capacity"), (True, "negative"), (True, "past the cache")],
+)
 def test_bad_indices_on_the_decode_route(decode_folder, paged, name):
     saved = current_registry()
     try:
@@ -153,11 +194,16 @@ def test_bad_indices_on_the_decode_route(decode_folder, paged, name):
 
 
 @pytest.mark.parametrize("route", ["varlen", "decode"])
-@pytest.mark.parametrize("name, error", [
-    ("negative", r"cache_seqlens\[1\] = -1: expected 0\.\.10"),
-    ("past the cache", r"block_table\[1, 0\] = 10: expected a page in 0\.\.9")])
-def test_checked_mode_names_the_bad_entry(monkeypatch, toy_kernels, decode_folder, route, name,
-                                          error):
+@pytest.mark.parametrize(
+    "name, error",
+    [
+        ("negative", r"cache_seqlens\[1\] = -1: expected 0\.\.10"),
+        ("past the cache", r"block_table\[1, 0\] = 10: expected a page in 0\.\.9"),
+    ],
+)
+def test_checked_mode_names_the_bad_entry(
+    monkeypatch, toy_kernels, decode_folder, route, name, error
+):
     saved = current_registry()
     try:
         if route == "decode":

@@ -16,8 +16,10 @@ B, HQ, HKV, D = 3, 4, 2, 16
 CAPACITY = 700  # 6 key blocks of the module's BLOCK_N = 128 (asserted below)
 PAGE = 16
 # (requested, used): 4 and 5 even out to 3 splits of 2 blocks; 100 is more than 6 blocks
-SPLITS = {"contiguous": ((1, 1), (2, 2), (4, 3), (5, 3), (6, 6), (100, 6)),
-          "paged": ((2, 2), (5, 3), (100, 6))}
+SPLITS = {
+    "contiguous": ((1, 1), (2, 2), (4, 3), (5, 3), (6, 6), (100, 6)),
+    "paged": ((2, 2), (5, 3), (100, 6)),
+}
 
 
 OUT_TOLERANCE = dict(atol=2e-6, rtol=0)  # four fp32 ulps at |out| < 4 (see the test)
@@ -26,8 +28,9 @@ LSE_TOLERANCE = dict(atol=4e-6, rtol=0)  # four fp32 ulps at |lse| < 8
 
 def _caches(paged: bool):
     gen = torch.Generator().manual_seed(0)
-    k_cache, v_cache = (torch.randn(B, CAPACITY + 4, HKV, D, generator=gen)[:, :CAPACITY]
-                        for _ in range(2))
+    k_cache, v_cache = (
+        torch.randn(B, CAPACITY + 4, HKV, D, generator=gen)[:, :CAPACITY] for _ in range(2)
+    )
     q = torch.randn(B, 1, HQ, D, generator=gen)
     lengths = torch.tensor([1, 300, CAPACITY], dtype=torch.int32)
     if not paged:
@@ -39,8 +42,8 @@ def _caches(paged: bool):
     for b in range(B):
         for p in range(pages):
             rows = slice(p * PAGE, min((p + 1) * PAGE, CAPACITY))
-            pool_k[table[b, p], :rows.stop - rows.start] = k_cache[b, rows]
-            pool_v[table[b, p], :rows.stop - rows.start] = v_cache[b, rows]
+            pool_k[table[b, p], : rows.stop - rows.start] = k_cache[b, rows]
+            pool_v[table[b, p], : rows.stop - rows.start] = v_cache[b, rows]
     return q, pool_k, pool_v, lengths, {"block_table": table}
 
 
@@ -68,8 +71,9 @@ def test_num_splits_splits_the_keys_that_many_ways(on_demand, layout):  # noqa: 
     assert blocks == 6 and module.LAST_NUM_SPLITS == 1  # the rule: too few blocks to split
     used = []
     for requested, _ in SPLITS[layout]:
-        out, lse = attngen.flash_attn_with_kvcache(q, k_cache, v_cache, num_splits=requested,
-                                                   **kwargs)
+        out, lse = attngen.flash_attn_with_kvcache(
+            q, k_cache, v_cache, num_splits=requested, **kwargs
+        )
         assert _decode_module() is module
         used.append(module.LAST_NUM_SPLITS)
         # fp32 throughout (the interpreter's fp32 dot is exact): splitting changes only the
@@ -87,8 +91,11 @@ def test_the_clamp_to_max_splits():
     out (the module's rule, integers only; the interpreter run above covers a launch)."""
     from tests.kernel_harness import load_kernel, make_spec
 
-    module = load_kernel(make_spec(kernels=["decode"], dtype="fp32", head_dim=16,
-                                   kv_layout="contiguous"), arch="sm80", kind="decode")
+    module = load_kernel(
+        make_spec(kernels=["decode"], dtype="fp32", head_dim=16, kv_layout="contiguous"),
+        arch="sm80",
+        kind="decode",
+    )
     most = module.MAX_SPLITS
     for blocks, requested in ((100, 100), (200, 1000), (64, 64), (65, 64), (7, 3)):
         splits, keys = module._num_splits(1, blocks * 64, 64, 132, requested)
@@ -100,8 +107,9 @@ def test_a_plan_runs_only_its_own_split_count(on_demand):  # noqa: F811
     q, k_cache, v_cache, lengths, _ = _caches(paged=False)
 
     def step(num_splits):
-        out = attngen.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
-                                              causal=True, num_splits=num_splits)
+        out = attngen.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=lengths, causal=True, num_splits=num_splits
+        )
         return out, _decode_module().LAST_NUM_SPLITS
 
     first = {s: step(s) for s in (2, 0, 6)}  # the full path, each leaving its plan
@@ -120,8 +128,7 @@ def test_the_varlen_route_takes_num_splits_as_a_hint(on_demand):  # noqa: F811
     kwargs = dict(cache_seqlens=lengths, cache_batch_idx=rows, causal=True)
     unsplit = attngen.flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)
     for requested in (1, 4):
-        out = attngen.flash_attn_with_kvcache(q, k_cache, v_cache, num_splits=requested,
-                                              **kwargs)
+        out = attngen.flash_attn_with_kvcache(q, k_cache, v_cache, num_splits=requested, **kwargs)
         assert attngen.last_dispatch().need.kind.value == "varlen"
         assert torch.equal(out, unsplit)
 
@@ -129,11 +136,11 @@ def test_the_varlen_route_takes_num_splits_as_a_hint(on_demand):  # noqa: F811
 def test_a_sequence_that_does_not_fit_gets_nan_whatever_the_split(on_demand):  # noqa: F811
     q, k_cache, v_cache, lengths, _ = _caches(paged=False)
     bad = torch.tensor([1, CAPACITY + 5, CAPACITY], dtype=torch.int32)
-    good = attngen.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
-                                           causal=True)
+    good = attngen.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True)
     for requested in (3, 100):
-        out = attngen.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=bad,
-                                              causal=True, num_splits=requested)
+        out = attngen.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=bad, causal=True, num_splits=requested
+        )
         assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
         # fp32, another split count than `good`'s one (see OUT_TOLERANCE)
         torch.testing.assert_close(out[[0, 2]], good[[0, 2]], **OUT_TOLERANCE)
@@ -143,5 +150,6 @@ def test_a_sequence_that_does_not_fit_gets_nan_whatever_the_split(on_demand):  #
 def test_a_bad_num_splits_is_named(on_demand, value):  # noqa: F811
     q, k_cache, v_cache, lengths, _ = _caches(paged=False)
     with pytest.raises(ValueError, match=f"num_splits: got {value!r}; allowed: an int >= 0"):
-        attngen.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
-                                        num_splits=value)
+        attngen.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=lengths, num_splits=value
+        )

@@ -29,13 +29,14 @@ def test_over_budget_files_functions_and_stale_exceptions_fail(tmp_path: Path) -
     (tmp_path / "tools").mkdir()
     body = "\n".join(f"        x{i} = {i}" for i in range(tool.FUNCTION_LINES))
     (tmp_path / "attngen" / "long.py").write_text(
-        "class Holder:\n    def method(self):\n" + body + "\n"
-        + "# filler\n" * tool.MODULE_LINES, encoding="utf-8")
+        "class Holder:\n    def method(self):\n" + body + "\n" + "# filler\n" * tool.MODULE_LINES,
+        encoding="utf-8",
+    )
     (tmp_path / "attngen" / "fine.py").write_text("def f():\n    return 1\n", encoding="utf-8")
     (tmp_path / "attngen" / "templates" / "big.py.jinja").write_text(
-        "{# line #}\n" * (tool.TEMPLATE_LINES + 1), encoding="utf-8")
-    excepted = {"attngen/templates/big.py.jinja": "a reason",
-                "attngen/fine.py": "no longer needed"}
+        "{# line #}\n" * (tool.TEMPLATE_LINES + 1), encoding="utf-8"
+    )
+    excepted = {"attngen/templates/big.py.jinja": "a reason", "attngen/fine.py": "no longer needed"}
     problems = tool.violations(tool.measure(tmp_path), excepted)
     assert len(problems) == 3
     assert problems[0].startswith(f"attngen/long.py: {tool.MODULE_LINES + 2 + tool.FUNCTION_LINES}")

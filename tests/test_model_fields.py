@@ -34,8 +34,7 @@ def _prefill(spec, seqlen_q, seqlen_k, *, seed, batch=1, tile=TILE, device="cpu"
     q, k, v, _ = make_inputs(spec, batch, seqlen_q, seqlen_k, seed=seed)
     sinks = random_sinks(q.shape[1], seed=seed) if spec.sinks else None
     extra = {"sinks": sinks.to(device)} if spec.sinks else {}
-    out, lse = kernel.attention(q.to(device), k.to(device), v.to(device), return_lse=True,
-                                **extra)
+    out, lse = kernel.attention(q.to(device), k.to(device), v.to(device), return_lse=True, **extra)
     out, lse = out.cpu(), lse.cpu()
     problems = compare_to_reference(spec, out, lse, q, k, v, sinks=sinks)
     assert not problems, "; ".join(problems)
@@ -45,12 +44,15 @@ def _prefill(spec, seqlen_q, seqlen_k, *, seed, batch=1, tile=TILE, device="cpu"
 # ------------------------------------------------------------------------------- sinks
 
 
-@pytest.mark.parametrize(("mask", "dtype", "seqlen_q", "seqlen_k"), [
-    ("causal", "fp16", 40, 17),  # Nq > Nk bottom-right: 23 rows see no key
-    ("causal", "fp32", 33, 33),
-    ("sliding_window", "fp16", 37, 50),
-    ("none", "fp16", 5, 31),
-])
+@pytest.mark.parametrize(
+    ("mask", "dtype", "seqlen_q", "seqlen_k"),
+    [
+        ("causal", "fp16", 40, 17),  # Nq > Nk bottom-right: 23 rows see no key
+        ("causal", "fp32", 33, 33),
+        ("sliding_window", "fp16", 37, 50),
+        ("none", "fp16", 5, 31),
+    ],
+)
 def test_sinks_join_the_normaliser_and_the_lse(mask, dtype, seqlen_q, seqlen_k):
     fields = {"window_left": 6} if mask == "sliding_window" else {}
     spec = make_spec(mask=mask, dtype=dtype, head_dim=32, sinks=True, **fields)
@@ -74,8 +76,9 @@ def test_sinks_are_required_and_checked():
         kernel.attention(q, k, v, sinks=torch.zeros(3))
 
 
-@pytest.mark.parametrize("sinks", [
-    torch.zeros(3), torch.zeros(4, dtype=torch.float16), torch.zeros(4, 2)[:, 0]])
+@pytest.mark.parametrize(
+    "sinks", [torch.zeros(3), torch.zeros(4, dtype=torch.float16), torch.zeros(4, 2)[:, 0]]
+)
 def test_the_fallback_checks_sinks_as_a_module_does(sinks):
     """The torch fallback (entry_checks) refuses a sinks tensor with the module's message."""
     spec = make_spec(head_dim=32, sinks=True)
@@ -93,8 +96,10 @@ def test_the_fallback_checks_sinks_as_a_module_does(sinks):
 
 
 @pytest.mark.parametrize("chunk", [TILE - 1, TILE, TILE + 1])
-@pytest.mark.parametrize(("align", "seqlen_q", "seqlen_k"), [
-    ("bottom_right", 40, 52), ("top_left", 52, 40), ("bottom_right", 49, 49)])
+@pytest.mark.parametrize(
+    ("align", "seqlen_q", "seqlen_k"),
+    [("bottom_right", 40, 52), ("top_left", 52, 40), ("bottom_right", 49, 49)],
+)
 def test_chunk_boundaries_at_tile_boundaries(chunk, align, seqlen_q, seqlen_k):
     spec = make_spec(mask="chunked", chunk_size=chunk, causal_align=align, head_dim=40)
     _prefill(spec, seqlen_q, seqlen_k, seed=chunk)
@@ -110,8 +115,7 @@ def test_chunked_with_sinks_fp32():
 
 @pytest.mark.parametrize("sink_tokens", [3, TILE, TILE + 1])
 def test_sink_tokens_stay_visible_beside_the_window(sink_tokens):
-    spec = make_spec(mask="sliding_window", window_left=9, sink_tokens=sink_tokens,
-                     head_dim=32)
+    spec = make_spec(mask="sliding_window", window_left=9, sink_tokens=sink_tokens, head_dim=32)
     _prefill(spec, 50, 70, seed=sink_tokens)
 
 
@@ -123,14 +127,21 @@ def model_case(draw):
     """Structure only: the new fields with chunk sizes, sink counts and lengths at the 16-key
     tiles' boundaries; tensors come from the seed."""
     kind = draw(st.sampled_from(["chunked", "sink_tokens", "sinks"]))
-    fields: dict = dict(dtype=draw(st.sampled_from(["fp16", "fp32"])), head_dim=32,
-                        num_q_heads=2, num_kv_heads=1)
+    fields: dict = dict(
+        dtype=draw(st.sampled_from(["fp16", "fp32"])), head_dim=32, num_q_heads=2, num_kv_heads=1
+    )
     if kind == "chunked":
-        fields.update(mask="chunked", chunk_size=draw(st.sampled_from([1, 15, 16, 17, 33])),
-                      causal_align=draw(st.sampled_from(["top_left", "bottom_right"])))
+        fields.update(
+            mask="chunked",
+            chunk_size=draw(st.sampled_from([1, 15, 16, 17, 33])),
+            causal_align=draw(st.sampled_from(["top_left", "bottom_right"])),
+        )
     elif kind == "sink_tokens":
-        fields.update(mask="sliding_window", window_left=draw(st.sampled_from([0, 5, 16])),
-                      sink_tokens=draw(st.sampled_from([1, 15, 16, 17])))
+        fields.update(
+            mask="sliding_window",
+            window_left=draw(st.sampled_from([0, 5, 16])),
+            sink_tokens=draw(st.sampled_from([1, 15, 16, 17])),
+        )
     else:
         fields.update(mask=draw(st.sampled_from(["causal", "none"])))
     fields["sinks"] = kind == "sinks" or draw(st.booleans())
@@ -141,8 +152,23 @@ def model_case(draw):
 # A fifth of the profile's examples: each new spec renders a module for the interpreter.
 @settings(max_examples=max(4, settings().max_examples // 5))
 @given(model_case())
-@example((dict(dtype="fp16", head_dim=32, num_q_heads=2, num_kv_heads=1, mask="chunked",
-               chunk_size=1, causal_align="bottom_right", sinks=True), 17, 1, 0))
+@example(
+    (
+        dict(
+            dtype="fp16",
+            head_dim=32,
+            num_q_heads=2,
+            num_kv_heads=1,
+            mask="chunked",
+            chunk_size=1,
+            causal_align="bottom_right",
+            sinks=True,
+        ),
+        17,
+        1,
+        0,
+    )
+)
 def test_new_fields_match_the_reference(params):
     fields, seqlen_q, seqlen_k, seed = params
     _prefill(make_spec(**fields), seqlen_q, seqlen_k, seed=seed)
@@ -151,10 +177,13 @@ def test_new_fields_match_the_reference(params):
 # ------------------------------------------------------------------------------ varlen
 
 
-@pytest.mark.parametrize("fields", [
-    dict(mask="chunked", chunk_size=TILE + 1, sinks=True),
-    dict(mask="sliding_window", window_left=5, sink_tokens=TILE),
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(mask="chunked", chunk_size=TILE + 1, sinks=True),
+        dict(mask="sliding_window", window_left=5, sink_tokens=TILE),
+    ],
+)
 def test_varlen_sequences_with_the_new_fields(fields):
     _varlen(make_spec(kernels=["varlen"], head_dim=32, **fields))
 
@@ -165,14 +194,23 @@ def _varlen(spec, tile=TILE, device="cpu"):
     lengths = [(0, 0), (33, 33), (7, 40), (18, 18)]
     seqs = [make_inputs(spec, 1, nq, nk, seed=i) for i, (nq, nk) in enumerate(lengths)]
     packed = [torch.cat([s[j][0].transpose(0, 1) for s in seqs]) for j in range(3)]
-    cu_q = torch.tensor([0] + [sum(n for n, _ in lengths[:i + 1]) for i in range(4)],
-                        dtype=torch.int32)
-    cu_k = torch.tensor([0] + [sum(n for _, n in lengths[:i + 1]) for i in range(4)],
-                        dtype=torch.int32)
+    cu_q = torch.tensor(
+        [0] + [sum(n for n, _ in lengths[: i + 1]) for i in range(4)], dtype=torch.int32
+    )
+    cu_k = torch.tensor(
+        [0] + [sum(n for _, n in lengths[: i + 1]) for i in range(4)], dtype=torch.int32
+    )
     sinks = random_sinks(spec.num_q_heads, seed=5) if spec.sinks else None
     extra = {"sinks": sinks.to(device)} if spec.sinks else {}
-    out, lse = kernel.attention_varlen(*(t.to(device) for t in packed), cu_q.to(device),
-                                       cu_k.to(device), 40, 40, return_lse=True, **extra)
+    out, lse = kernel.attention_varlen(
+        *(t.to(device) for t in packed),
+        cu_q.to(device),
+        cu_k.to(device),
+        40,
+        40,
+        return_lse=True,
+        **extra,
+    )
     out, lse = out.cpu(), lse.cpu()
     for b, (q, k, v, _) in enumerate(seqs):
         rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
@@ -184,8 +222,17 @@ def _varlen(spec, tile=TILE, device="cpu"):
 # ------------------------------------------------------------------------------ decode
 
 
-def _decode(spec, lengths, *, seed, num_q_tokens=1, latent_values=False, splits=None,
-            block_n=TILE, device="cpu"):
+def _decode(
+    spec,
+    lengths,
+    *,
+    seed,
+    num_q_tokens=1,
+    latent_values=False,
+    splits=None,
+    block_n=TILE,
+    device="cpu",
+):
     """One decode step against a cache holding `lengths` on `device`, judged per sequence;
     `splits` forces the split count (the combine kernel then adds the sinks); block_n None:
     the derived key tile."""
@@ -198,25 +245,40 @@ def _decode(spec, lengths, *, seed, num_q_tokens=1, latent_values=False, splits=
     extra = {"sinks": sinks.to(device)} if spec.sinks else {}
     k_cache, v_cache, dense_v = on_device.k, on_device.v, cache.dense_v
     if latent_values:  # the absorbed form: the values are the keys' first DV dims
-        v_cache = k_cache[..., :spec.value_head_dim]
-        dense_v = [k[..., :spec.value_head_dim] for k in cache.dense_k]
+        v_cache = k_cache[..., : spec.value_head_dim]
+        dense_v = [k[..., : spec.value_head_dim] for k in cache.dense_k]
     try:
-        out, lse = kernel.decode(q.to(device), k_cache, v_cache, on_device.lengths,
-                                 block_table=on_device.block_table, return_lse=True, **extra)
+        out, lse = kernel.decode(
+            q.to(device),
+            k_cache,
+            v_cache,
+            on_device.lengths,
+            block_table=on_device.block_table,
+            return_lse=True,
+            **extra,
+        )
     finally:
         kernel.FORCE_NUM_SPLITS = None
     out, lse = out.cpu(), lse.cpu()
     for b in range(len(lengths)):
-        problems = compare_to_reference(spec, out[b:b + 1], lse[b:b + 1], q[b:b + 1],
-                                        cache.dense_k[b][None], dense_v[b][None], sinks=sinks)
+        problems = compare_to_reference(
+            spec,
+            out[b : b + 1],
+            lse[b : b + 1],
+            q[b : b + 1],
+            cache.dense_k[b][None],
+            dense_v[b][None],
+            sinks=sinks,
+        )
         assert not problems, f"sequence {b}: " + "; ".join(problems)
     return out, lse, sinks
 
 
 @pytest.mark.parametrize(("layout", "splits"), [("contiguous", None), ("paged", 3)])
 def test_decode_sinks_and_an_empty_cache(layout, splits):
-    spec = make_decode_spec(layout, 16 if layout == "paged" else None, head_dim=32,
-                            sinks=True, max_query_tokens=2)
+    spec = make_decode_spec(
+        layout, 16 if layout == "paged" else None, head_dim=32, sinks=True, max_query_tokens=2
+    )
     out, lse, sinks = _decode(spec, [0, 37, 5], seed=2, num_q_tokens=2, splits=splits)
     assert torch.all(out[0] == 0)
     # The empty cache's rows see only the sink: LSE = s after the log2 round trip (an ulp or
@@ -226,14 +288,21 @@ def test_decode_sinks_and_an_empty_cache(layout, splits):
 
 @pytest.mark.parametrize(("layout", "chunk"), [("contiguous", TILE - 1), ("paged", TILE + 1)])
 def test_decode_chunked(layout, chunk):
-    spec = make_decode_spec(layout, 16 if layout == "paged" else None, head_dim=32,
-                            mask="chunked", chunk_size=chunk, max_query_tokens=4)
+    spec = make_decode_spec(
+        layout,
+        16 if layout == "paged" else None,
+        head_dim=32,
+        mask="chunked",
+        chunk_size=chunk,
+        max_query_tokens=4,
+    )
     _decode(spec, [1, chunk, chunk + 1, 3 * chunk + 5], seed=chunk, num_q_tokens=4, splits=2)
 
 
 def test_decode_sink_tokens():
-    spec = make_decode_spec("paged", 16, head_dim=32, mask="sliding_window", window_left=7,
-                            sink_tokens=4)
+    spec = make_decode_spec(
+        "paged", 16, head_dim=32, mask="sliding_window", window_left=7, sink_tokens=4
+    )
     _decode(spec, [2, 30, 61], seed=4)
     _decode(spec, [2, 30, 61], seed=4, splits=2)  # the sinks' block in split 0, the window's
 
@@ -241,6 +310,14 @@ def test_decode_sink_tokens():
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_decode_latent_attention_dims(dtype):
     """MLA's absorbed decode: 576 / 512, one KV head, 16 query heads, 64-token pages."""
-    spec = make_decode_spec("paged", 64, dtype=dtype, head_dim=576, head_dim_v=512,
-                            num_q_heads=16, num_kv_heads=1, kernels=["decode"])
+    spec = make_decode_spec(
+        "paged",
+        64,
+        dtype=dtype,
+        head_dim=576,
+        head_dim_v=512,
+        num_q_heads=16,
+        num_kv_heads=1,
+        kernels=["decode"],
+    )
     _decode(spec, [70, 9], seed=6, latent_values=True)

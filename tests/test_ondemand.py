@@ -34,8 +34,10 @@ def _flash_inputs(case, seqlen_q=37, seqlen_k=45, seed=0):
     dtype = getattr(torch, {"fp16": "float16", "fp32": "float32"}[case["dtype"]])
     hq, hkv = case["heads"]
     d = case["head_dim"]
-    q, k, v = (torch.randn(2, n, h, d, generator=gen).to(dtype)
-               for n, h in ((seqlen_q, hq), (seqlen_k, hkv), (seqlen_k, hkv)))
+    q, k, v = (
+        torch.randn(2, n, h, d, generator=gen).to(dtype)
+        for n, h in ((seqlen_q, hq), (seqlen_k, hkv), (seqlen_k, hkv))
+    )
     slopes = 2.0 ** (-8 * torch.arange(1, hq + 1) / hq) if case.get("alibi") else None
     return q, k, v, slopes
 
@@ -47,31 +49,46 @@ def _window_size(case):
 
 
 def _reference_spec(case):
-    fields = dict(dtype=case["dtype"], head_dim=case["head_dim"], num_q_heads=case["heads"][0],
-                  num_kv_heads=case["heads"][1], mask=case["mask"],
-                  softcap=case.get("softcap", 0.0), alibi=case.get("alibi", False))
+    fields = dict(
+        dtype=case["dtype"],
+        head_dim=case["head_dim"],
+        num_q_heads=case["heads"][0],
+        num_kv_heads=case["heads"][1],
+        mask=case["mask"],
+        softcap=case.get("softcap", 0.0),
+        alibi=case.get("alibi", False),
+    )
     if case["mask"] == "sliding_window":
         fields.update(window_left=case["window"][0], window_right=case["window"][1])
     return make_spec(**fields)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"d{c['head_dim']}_{c['dtype']}_"
-                         f"{c['mask']}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"d{c['head_dim']}_{c['dtype']}_{c['mask']}")
 def test_calls_no_module_serves_are_built_matched_and_reused(case, on_demand):  # noqa: F811
     q, k, v, slopes = _flash_inputs(case)
     renders = ondemand.render_count()
-    kwargs = dict(causal=case["mask"] == "causal", window_size=_window_size(case),
-                  softcap=case.get("softcap", 0.0), alibi_slopes=slopes,
-                  return_attn_probs=True)
+    kwargs = dict(
+        causal=case["mask"] == "causal",
+        window_size=_window_size(case),
+        softcap=case.get("softcap", 0.0),
+        alibi_slopes=slopes,
+        return_attn_probs=True,
+    )
     out, lse, _ = attngen.flash_attn_func(q, k, v, **kwargs)
     first = attngen.last_dispatch()
     assert first.source == "cache" and first.built, first
     assert first.key.startswith(str(on_demand)) and first.module.startswith("sm80/auto_h")
     assert f"_d{case['head_dim']}" in first.module
     assert ondemand.render_count() == renders + 1
-    problems = compare_to_reference(_reference_spec(case), out.transpose(1, 2), lse,
-                                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                    alibi_slopes=slopes)
+    problems = compare_to_reference(
+        _reference_spec(case),
+        out.transpose(1, 2),
+        lse,
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        alibi_slopes=slopes,
+    )
     assert not problems, problems
     again = attngen.flash_attn_func(q, k, v, **kwargs)[0]
     second = attngen.last_dispatch()
@@ -94,8 +111,7 @@ def test_varlen_and_decode_kinds_are_built_on_demand(on_demand):  # noqa: F811
     cache_k, cache_v = (torch.randn(2, 32, 2, 59, generator=gen).half() for _ in range(2))
     step_q = torch.randn(2, 1, 6, 59, generator=gen).half()
     lengths = torch.tensor([5, 17], dtype=torch.int32)
-    attngen.flash_attn_with_kvcache(step_q, cache_k, cache_v, cache_seqlens=lengths,
-                                    causal=True)
+    attngen.flash_attn_with_kvcache(step_q, cache_k, cache_v, cache_seqlens=lengths, causal=True)
     decode = attngen.last_dispatch()
     assert decode.built and "_decode_fp16_d59_causal_br_contig" in decode.module
 
@@ -105,14 +121,17 @@ def test_second_process_reuses_the_cached_module(on_demand):  # noqa: F811
     q, k, v, _ = _flash_inputs(case)
     attngen.flash_attn_func(q, k, v, causal=True)
     key = attngen.last_dispatch().key
-    proc = child(f"""
+    proc = child(
+        f"""
         import torch, attngen
         from attngen.runtime import ondemand
         q, k, v = (torch.randn(2, n, h, 59).half() for n, h in ((5, 6), (9, 2), (9, 2)))
         attngen.flash_attn_func(q, k, v, causal=True)
         d = attngen.last_dispatch()
         print(d.key == {key!r}, d.source, d.built, ondemand.render_count())
-        """, on_demand)
+        """,
+        on_demand,
+    )
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr
     assert stdout.split() == ["True", "cache", "False", "0"]
@@ -207,12 +226,20 @@ def test_a_call_no_spec_states_is_refused_with_the_reason(on_demand):  # noqa: F
 
 
 def test_warmup_builds_what_a_config_needs_so_the_first_call_renders_nothing(on_demand):  # noqa: F811
-    config = {"model_type": "llama", "num_attention_heads": 6, "num_key_value_heads": 2,
-              "hidden_size": 354, "head_dim": 59, "torch_dtype": "float16",
-              "num_hidden_layers": 2}
+    config = {
+        "model_type": "llama",
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "hidden_size": 354,
+        "head_dim": 59,
+        "torch_dtype": "float16",
+        "num_hidden_layers": 2,
+    }
     warmed = attngen.warmup(config)
     assert [(w.kind, w.source, w.built, w.ran) for w in warmed] == [
-        ("prefill", "cache", True, True), ("varlen", "cache", True, True)]
+        ("prefill", "cache", True, True),
+        ("varlen", "cache", True, True),
+    ]
     renders = ondemand.render_count()
     q, k, v = (torch.randn(1, 9, h, 59).half() for h in (6, 2, 2))
     attngen.flash_attn_func(q, k, v, causal=True)
@@ -226,9 +253,21 @@ def test_a_call_that_needs_gradient_kernels_is_built_with_them():
     from attngen.runtime.selection import INTERPRETER, Need
     from attngen.spec import CausalAlign, Dtype, KernelKind, Mask
 
-    need = Need(kind=KernelKind.prefill, dtype=Dtype.fp16, head_dim=59, head_dim_v=59,
-                mask=Mask.causal, causal_align=CausalAlign.bottom_right, window=None,
-                softcap=0.0, alibi=False, arch=INTERPRETER, seqlen_q=8, seqlen_k=12,
-                same_lengths=False, backward=True)
+    need = Need(
+        kind=KernelKind.prefill,
+        dtype=Dtype.fp16,
+        head_dim=59,
+        head_dim_v=59,
+        mask=Mask.causal,
+        causal_align=CausalAlign.bottom_right,
+        window=None,
+        softcap=0.0,
+        alibi=False,
+        arch=INTERPRETER,
+        seqlen_q=8,
+        seqlen_k=12,
+        same_lengths=False,
+        backward=True,
+    )
     assert ondemand.spec_for(need, (6, 2))[0].backward
     assert not ondemand.spec_for(need._replace(backward=False), (6, 2))[0].backward

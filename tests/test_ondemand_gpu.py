@@ -41,19 +41,37 @@ CASES = [  # (head dim, dtype, heads, mask, window, softcap)
 def test_calls_build_on_demand_and_match_on_the_gpu(case, seqlen, on_demand):  # noqa: F811
     dim, dtype, (hq, hkv), mask, window, softcap = case
     gen = torch.Generator(device="cuda").manual_seed(dim)
-    q, k, v = (torch.randn(2, seqlen, h, dim, device="cuda", dtype=dtype, generator=gen)
-               for h in (hq, hkv, hkv))
-    kwargs = dict(causal=mask == "causal", window_size=window or (-1, -1), softcap=softcap,
-                  return_attn_probs=True)
+    q, k, v = (
+        torch.randn(2, seqlen, h, dim, device="cuda", dtype=dtype, generator=gen)
+        for h in (hq, hkv, hkv)
+    )
+    kwargs = dict(
+        causal=mask == "causal",
+        window_size=window or (-1, -1),
+        softcap=softcap,
+        return_attn_probs=True,
+    )
     renders = ondemand.render_count()
     out, lse, _ = attngen.flash_attn_func(q, k, v, **kwargs)
     assert attngen.last_dispatch().source == "cache"
-    fields = dict(dtype={torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype], head_dim=dim,
-                  num_q_heads=hq, num_kv_heads=hkv, mask=mask, softcap=softcap)
+    fields = dict(
+        dtype={torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype],
+        head_dim=dim,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        mask=mask,
+        softcap=softcap,
+    )
     if window:
         fields.update(window_left=window[0], window_right=window[1])
-    problems = compare_to_reference(make_spec(**fields), out.transpose(1, 2), lse,
-                                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    problems = compare_to_reference(
+        make_spec(**fields),
+        out.transpose(1, 2),
+        lse,
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+    )
     assert not problems, problems
     attngen.flash_attn_func(q, k, v, **kwargs)
     assert not attngen.last_dispatch().built and ondemand.render_count() <= renders + 1
@@ -61,21 +79,25 @@ def test_calls_build_on_demand_and_match_on_the_gpu(case, seqlen, on_demand):  #
 
 def test_decode_with_odd_head_dims_on_the_gpu(on_demand):  # noqa: F811
     gen = torch.Generator(device="cuda").manual_seed(5)
-    cache_k, cache_v = (torch.randn(4, 4096, 2, 59, device="cuda", dtype=torch.float16,
-                                    generator=gen) for _ in range(2))
+    cache_k, cache_v = (
+        torch.randn(4, 4096, 2, 59, device="cuda", dtype=torch.float16, generator=gen)
+        for _ in range(2)
+    )
     q = torch.randn(4, 1, 8, 59, device="cuda", dtype=torch.float16, generator=gen)
     lengths = torch.tensor([1, 100, 2000, 4095], dtype=torch.int32, device="cuda")
-    out = attngen.flash_attn_with_kvcache(q, cache_k, cache_v, cache_seqlens=lengths,
-                                          causal=True)
+    out = attngen.flash_attn_with_kvcache(q, cache_k, cache_v, cache_seqlens=lengths, causal=True)
     assert "_decode_fp16_d59_causal_br_contig" in attngen.last_dispatch().module
     for b, n in enumerate(lengths.tolist()):
         ref = torch.nn.functional.scaled_dot_product_attention(
-            q[b:b + 1].transpose(1, 2).double(), cache_k[b:b + 1, :n].transpose(1, 2).double(),
-            cache_v[b:b + 1, :n].transpose(1, 2).double(), enable_gqa=True).transpose(1, 2)
+            q[b : b + 1].transpose(1, 2).double(),
+            cache_k[b : b + 1, :n].transpose(1, 2).double(),
+            cache_v[b : b + 1, :n].transpose(1, 2).double(),
+            enable_gqa=True,
+        ).transpose(1, 2)
         # fp16 kernel against float64: P rounded to fp16 before P @ V (relative 2**-11 a term)
         # and the output rounded to fp16 (half an ulp, 2.4e-4 at |out| < 0.5): under 1e-3; 2e-3
         # leaves a factor of two.
-        torch.testing.assert_close(out[b:b + 1].double(), ref, atol=2e-3, rtol=0)
+        torch.testing.assert_close(out[b : b + 1].double(), ref, atol=2e-3, rtol=0)
 
 
 def test_num_splits_on_the_gpu(on_demand):  # noqa: F811
@@ -84,8 +106,10 @@ def test_num_splits_on_the_gpu(on_demand):  # noqa: F811
     from attngen.runtime.registry import current_registry
 
     gen = torch.Generator(device="cuda").manual_seed(7)
-    cache_k, cache_v = (torch.randn(2, 4096, 2, 64, device="cuda", dtype=torch.float16,
-                                    generator=gen) for _ in range(2))
+    cache_k, cache_v = (
+        torch.randn(2, 4096, 2, 64, device="cuda", dtype=torch.float16, generator=gen)
+        for _ in range(2)
+    )
     q = torch.randn(2, 1, 8, 64, device="cuda", dtype=torch.float16, generator=gen)
     lengths = torch.tensor([100, 4096], dtype=torch.int32, device="cuda")
     kwargs = dict(cache_seqlens=lengths, causal=True, return_softmax_lse=True)
@@ -93,8 +117,9 @@ def test_num_splits_on_the_gpu(on_demand):  # noqa: F811
     module = current_registry().module(attngen.last_dispatch().key)
     blocks = -(-4096 // module.CONFIG["BLOCK_N"])
     for requested in (1, 3, 17, 64, 1000):
-        out, lse = attngen.flash_attn_with_kvcache(q, cache_k, cache_v, num_splits=requested,
-                                                   **kwargs)
+        out, lse = attngen.flash_attn_with_kvcache(
+            q, cache_k, cache_v, num_splits=requested, **kwargs
+        )
         per_split = -(-blocks // min(requested, module.MAX_SPLITS))
         assert module.LAST_NUM_SPLITS == -(-blocks // per_split), (requested, blocks)
         # fp32 partials and combine, rounded to fp16 once: another split count moves |out| < 1
@@ -124,8 +149,13 @@ def test_warmup_leaves_nothing_to_compile(on_demand):  # noqa: F811
 
 def test_cold_start_phases(tmp_path):
     out = Path(os.environ.get("ATTNGEN_GPU_OUT", tmp_path)) / "ondemand_cold_start.json"
-    proc = subprocess.run([sys.executable, "tools/ondemand_cold_start.py", "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, "tools/ondemand_cold_start.py", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     print(json.dumps(result, indent=1))
@@ -137,5 +167,7 @@ def test_cold_start_phases(tmp_path):
     # used, `templates` says why, and the first render compiles them: about 0.1 s).
     runs = result["phases"]["runs"]
     assert all(run["render_s"] + run["write_s"] < 0.1 for run in runs), (
-        result["phases"]["templates"], runs)
+        result["phases"]["templates"],
+        runs,
+    )
     assert result["first_call_new_process_same_caches"]["renders"] == 0

@@ -25,12 +25,19 @@ def run(spec, q, k, v, slopes=None, blocks=(16, 16), **kwargs):
     return kernel.attention(q, k, v, alibi_slopes=slopes, return_lse=True, **kwargs)
 
 
-@pytest.mark.parametrize("fields, seqlen_q, seqlen_k", [
-    (CAUSAL_BR, 40, 17),  # Nq > Nk bottom-right: the first 23 rows see nothing
-    (dict(mask="sliding_window", causal_align="top_left", window_left=0, window_right=0), 30, 5),
-    (dict(mask="causal", causal_align="top_left"), 5, 0),  # zero-length keys
-    (dict(mask="none"), 9, 0),
-])
+@pytest.mark.parametrize(
+    "fields, seqlen_q, seqlen_k",
+    [
+        (CAUSAL_BR, 40, 17),  # Nq > Nk bottom-right: the first 23 rows see nothing
+        (
+            dict(mask="sliding_window", causal_align="top_left", window_left=0, window_right=0),
+            30,
+            5,
+        ),
+        (dict(mask="causal", causal_align="top_left"), 5, 0),  # zero-length keys
+        (dict(mask="none"), 9, 0),
+    ],
+)
 def test_fully_masked_rows_are_zero_with_lse_minus_inf(fields, seqlen_q, seqlen_k):
     spec = make_spec(**fields)
     q, k, v, _ = make_inputs(spec, 2, seqlen_q, seqlen_k, seed=3)
@@ -81,12 +88,15 @@ def test_scores_near_1e4_stay_finite(dtype):
     assert_matches_reference(spec, out, lse, q, k, v)
 
 
-@pytest.mark.parametrize("fields", [
-    CAUSAL_BR,
-    dict(mask="causal", causal_align="top_left"),
-    dict(mask="sliding_window", causal_align="bottom_right", window_left=5, window_right=0),
-    dict(mask="none"),
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        CAUSAL_BR,
+        dict(mask="causal", causal_align="top_left"),
+        dict(mask="sliding_window", causal_align="bottom_right", window_left=5, window_right=0),
+        dict(mask="none"),
+    ],
+)
 # Blocks: 16-row tiles load masked blocks through pointers; 64-row tiles (Hopper's wgmma path)
 # through TMA, which reads the invisible keys too and must zero or mask them in registers.
 @pytest.mark.parametrize("blocks", [(16, 16), (64, 32)])
@@ -139,14 +149,17 @@ def test_strided_transposed_and_offset_inputs_match_contiguous():
     print("far offsets ok")
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda q, k, v: (q.float(), k, v), "dtype"),
-    (lambda q, k, v: (q[0], k, v), "rank 4"),
-    (lambda q, k, v: (q[..., :32], k, v), "head dim"),
-    (lambda q, k, v: (q[:, :3], k, v), "multiple of k/v heads"),
-    (lambda q, k, v: (q, k[:1], v[:1]), "batch"),
-    (lambda q, k, v: (q, k, v[:, :, :5]), "same heads and length"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda q, k, v: (q.float(), k, v), "dtype"),
+        (lambda q, k, v: (q[0], k, v), "rank 4"),
+        (lambda q, k, v: (q[..., :32], k, v), "head dim"),
+        (lambda q, k, v: (q[:, :3], k, v), "multiple of k/v heads"),
+        (lambda q, k, v: (q, k[:1], v[:1]), "batch"),
+        (lambda q, k, v: (q, k, v[:, :, :5]), "same heads and length"),
+    ],
+)
 def test_bad_inputs_raise_value_errors_saying_what_was_expected(mutate, message):
     spec = make_spec(**CAUSAL_BR)
     q, k, v, _ = make_inputs(spec, 2, 8, 8, seed=0)
@@ -178,8 +191,13 @@ def test_offsets_past_2_31_elements_do_not_wrap():
     # A wrapped offset reads a wild address and can kill the interpreter, so the check runs in
     # a child process: a crash there is a clean failure here.
     code = "from tests.test_prefill_edges import check_far_offsets; check_far_offsets()"
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    child = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
     assert child.returncode == 0, child.stderr[-2000:]
     assert "far offsets ok" in child.stdout
 
@@ -217,15 +235,18 @@ def test_hopper_modules_load_kv_by_tma_or_say_why_not(mask):
     strided_k = wide_k[..., :64]
     assert kernel.kv_load_path(strided_k, v).startswith("pointers: k strides")
     assert kernel.kv_load_path(k.transpose(2, 3).contiguous().transpose(2, 3), v) == (
-        f"pointers: k head-dim stride is {k.shape[2]}, not 1")
+        f"pointers: k head-dim stride is {k.shape[2]}, not 1"
+    )
     assert kernel.kv_load_path(k[:, :, :0], v[:, :, :0]) == "pointers: k has no keys"
     by_tma = kernel.attention(q, k, v, return_lse=True)
     by_pointers = kernel.attention(q, strided_k, v, return_lse=True)
     for out, lse in (by_tma, by_pointers):
         assert_matches_reference(spec, out, lse, q, k, v)
     assert torch.equal(by_tma[0], by_pointers[0])  # fp16 dots: the same products and sums
-    assert not hasattr(load_kernel(make_spec(head_dim=64, archs=["sm80"], **mask), 16, 16,
-                                   arch="sm80"), "kv_load_path")  # no TMA before Hopper
+    assert not hasattr(
+        load_kernel(make_spec(head_dim=64, archs=["sm80"], **mask), 16, 16, arch="sm80"),
+        "kv_load_path",
+    )  # no TMA before Hopper
 
 
 @pytest.mark.parametrize("batch", [1, 5])  # 4 heads: one partial group; 16 + 4 heads: two

@@ -31,8 +31,11 @@ GENERATED = ROOT / "generated"
 
 
 def _example_specs():
-    return [spec for spec in load_specs(EXAMPLES)
-            if "sm90" in spec.archs and KernelKind.prefill in spec.kernels]
+    return [
+        spec
+        for spec in load_specs(EXAMPLES)
+        if "sm90" in spec.archs and KernelKind.prefill in spec.kernels
+    ]
 
 
 def _sinks(spec, num_q_heads=None):
@@ -44,8 +47,11 @@ def _sinks(spec, num_q_heads=None):
 
 def _load_generated(spec, kind="prefill"):
     index = json.loads((GENERATED / "index.json").read_text())
-    entry = next(e for e in index["modules"] if e["arch"] == "sm90" and e["kind"] == kind
-                 and e["spec_hash"] == spec.spec_hash())
+    entry = next(
+        e
+        for e in index["modules"]
+        if e["arch"] == "sm90" and e["kind"] == kind and e["spec_hash"] == spec.spec_hash()
+    )
     path = GENERATED / entry["path"]
     name = f"generated_{entry['module']}"
     module_spec = importlib.util.spec_from_file_location(name, path)
@@ -72,19 +78,26 @@ def test_fp16_renders_of_the_examples(spec):
     fp16 = make_spec(**fields)
     q, k, v, slopes = make_inputs(fp16, 2, 2048, 2048, seed=9, device="cuda")
     extra = _sinks(fp16)
-    out, lse = load_kernel(fp16).attention(q, k, v, alibi_slopes=slopes, return_lse=True,
-                                           **extra)
+    out, lse = load_kernel(fp16).attention(q, k, v, alibi_slopes=slopes, return_lse=True, **extra)
     assert_matches_reference(fp16, out, lse, q, k, v, slopes=slopes, **extra)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("fields, seqlen_q, seqlen_k", [
-    (dict(mask="causal", causal_align="bottom_right"), 700, 300),  # rows that see no key
-    (dict(mask="causal", causal_align="top_left"), 129, 127),
-    (dict(mask="sliding_window", causal_align="bottom_right", window_left=64, window_right=0),
-     1031, 1031),
-    (dict(mask="none"), 5, 0),
-])
+@pytest.mark.parametrize(
+    "fields, seqlen_q, seqlen_k",
+    [
+        (dict(mask="causal", causal_align="bottom_right"), 700, 300),  # rows that see no key
+        (dict(mask="causal", causal_align="top_left"), 129, 127),
+        (
+            dict(
+                mask="sliding_window", causal_align="bottom_right", window_left=64, window_right=0
+            ),
+            1031,
+            1031,
+        ),
+        (dict(mask="none"), 5, 0),
+    ],
+)
 def test_edge_cases(dtype, fields, seqlen_q, seqlen_k):
     spec = make_spec(dtype=dtype, num_q_heads=14, num_kv_heads=2, head_dim=128, **fields)
     q, k, v, _ = make_inputs(spec, 2, seqlen_q, seqlen_k, seed=1, device="cuda")
@@ -101,8 +114,14 @@ def test_odd_head_dims(head_dim):
 
 
 def test_large_logits_nan_padding_determinism_and_strides():
-    spec = make_spec(dtype="bf16", head_dim=128, num_q_heads=8, num_kv_heads=1,
-                     mask="causal", causal_align="top_left")
+    spec = make_spec(
+        dtype="bf16",
+        head_dim=128,
+        num_q_heads=8,
+        num_kv_heads=1,
+        mask="causal",
+        causal_align="top_left",
+    )
     kernel = load_kernel(spec)
     q, k, v, _ = make_inputs(spec, 2, 1000, 1100, seed=4, device="cuda")
     q_big = (q.float() * 60).to(q.dtype)  # scores of order 1e4
@@ -123,8 +142,9 @@ def test_large_logits_nan_padding_determinism_and_strides():
     padded = kernel.attention(q, k_pad[:, :, :1100], v_pad[:, :, :1100], return_lse=True)
     assert torch.equal(clean[0], padded[0]) and torch.equal(clean[1], padded[1])
     # [B, N, H, D] storage, transposed views.
-    strided = kernel.attention(*(t.transpose(1, 2).contiguous().transpose(1, 2)
-                                 for t in (q, k, v)), return_lse=True)
+    strided = kernel.attention(
+        *(t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)), return_lse=True
+    )
     assert torch.equal(clean[0], strided[0]) and torch.equal(clean[1], strided[1])
 
 
@@ -142,8 +162,9 @@ def test_offsets_do_not_wrap_past_2_31_elements():
     assert torch.equal(out, expected)
 
 
-@pytest.mark.parametrize("batch, seqlen_q, seqlen_k", [(0, 128, 128), (2, 0, 128), (0, 0, 0),
-                                                       (2, 64, 0)])
+@pytest.mark.parametrize(
+    "batch, seqlen_q, seqlen_k", [(0, 128, 128), (2, 0, 128), (0, 0, 0), (2, 64, 0)]
+)
 def test_empty_batch_and_sequences(batch, seqlen_q, seqlen_k):
     spec = make_spec(dtype="bf16", head_dim=128, mask="causal", causal_align="bottom_right")
     q, k, v, _ = make_inputs(spec, batch, seqlen_q, seqlen_k, seed=0, device="cuda")
@@ -156,8 +177,14 @@ def test_empty_batch_and_sequences(batch, seqlen_q, seqlen_k):
 
 @pytest.mark.parametrize("seqlen", [127, 128, 129])
 def test_lengths_at_the_tuned_block_size(seqlen):
-    spec = make_spec(dtype="fp16", head_dim=64, num_q_heads=8, num_kv_heads=1,
-                     mask="causal", causal_align="bottom_right")
+    spec = make_spec(
+        dtype="fp16",
+        head_dim=64,
+        num_q_heads=8,
+        num_kv_heads=1,
+        mask="causal",
+        causal_align="bottom_right",
+    )
     q, k, v, _ = make_inputs(spec, 2, seqlen, seqlen, seed=seqlen, device="cuda")
     out, lse = load_kernel(spec).attention(q, k, v, return_lse=True)
     assert_matches_reference(spec, out, lse, q, k, v)
@@ -168,8 +195,9 @@ def test_llama4_chunks_at_the_real_chunk_size():
     (any head counts; the float64 reference's scores stay ~6 GB)."""
     spec = next(s for s in _example_specs() if s.name == "llama4_scout_chunked")
     kernel = _load_generated(spec)
-    q, k, v, _ = make_inputs(spec, 1, 8192 + 700, 8192 + 700, seed=5, num_q_heads=10,
-                             num_kv_heads=2, device="cuda")
+    q, k, v, _ = make_inputs(
+        spec, 1, 8192 + 700, 8192 + 700, seed=5, num_q_heads=10, num_kv_heads=2, device="cuda"
+    )
     out, lse = kernel.attention(q, k, v, return_lse=True)
     assert_matches_reference(spec, out, lse, q, k, v)
 

@@ -20,8 +20,11 @@ GROUPS = (1, 2, 7, 8)  # query heads per KV head: MHA, GQA 2:1 and 7:1 and 8:1
 @st.composite
 def spec_fields(draw):
     mask = draw(st.sampled_from(["none", "causal", "sliding_window"]))
-    fields = dict(dtype=draw(st.sampled_from(["fp16", "bf16", "fp32"])),
-                  head_dim=draw(st.sampled_from(HEAD_DIMS)), mask=mask)
+    fields = dict(
+        dtype=draw(st.sampled_from(["fp16", "bf16", "fp32"])),
+        head_dim=draw(st.sampled_from(HEAD_DIMS)),
+        mask=mask,
+    )
     if draw(st.booleans()):
         fields["head_dim_v"] = draw(st.sampled_from(HEAD_DIMS))
     kv_heads = draw(st.integers(1, 2))
@@ -61,22 +64,102 @@ def case(draw):
 
 @given(case())
 @example(  # GQA 7:1, Nq > Nk under bottom-right causal: the first rows see no key
-    (dict(dtype="fp16", head_dim=64, mask="causal", causal_align="bottom_right", num_kv_heads=1,
-          num_q_heads=7), 16, 16, 1, 33, 17, 1.0, 0))
+    (
+        dict(
+            dtype="fp16",
+            head_dim=64,
+            mask="causal",
+            causal_align="bottom_right",
+            num_kv_heads=1,
+            num_q_heads=7,
+        ),
+        16,
+        16,
+        1,
+        33,
+        17,
+        1.0,
+        0,
+    )
+)
 @example(  # a window narrower than a block, not a power-of-two head dim, softcap and ALiBi
-    (dict(dtype="bf16", head_dim=80, mask="sliding_window", causal_align="top_left",
-          window_left=1, window_right=3, num_kv_heads=1, num_q_heads=2, softcap=30.0,
-          alibi=True), 32, 16, 2, 17, 31, 1.0, 1))
+    (
+        dict(
+            dtype="bf16",
+            head_dim=80,
+            mask="sliding_window",
+            causal_align="top_left",
+            window_left=1,
+            window_right=3,
+            num_kv_heads=1,
+            num_q_heads=2,
+            softcap=30.0,
+            alibi=True,
+        ),
+        32,
+        16,
+        2,
+        17,
+        31,
+        1.0,
+        1,
+    )
+)
 @example(  # found by Hypothesis: the LSE's roundings in log2 units (see kernel_harness)
-    (dict(dtype="fp16", head_dim=128, mask="causal", num_kv_heads=1, num_q_heads=1,
-          causal_align="top_left", softcap=5.0, alibi=True), 16, 16, 1, 3, 3, 1.0, 0))
+    (
+        dict(
+            dtype="fp16",
+            head_dim=128,
+            mask="causal",
+            num_kv_heads=1,
+            num_q_heads=1,
+            causal_align="top_left",
+            softcap=5.0,
+            alibi=True,
+        ),
+        16,
+        16,
+        1,
+        3,
+        3,
+        1.0,
+        0,
+    )
+)
 @example(  # found by Hypothesis: a one-key window with ALiBi, LSE at a small magnitude
-    (dict(dtype="fp16", head_dim=64, mask="sliding_window", num_kv_heads=1, num_q_heads=1,
-          causal_align="top_left", window_left=0, window_right=0, alibi=True),
-     16, 16, 1, 3, 3, 1.0, 0))
+    (
+        dict(
+            dtype="fp16",
+            head_dim=64,
+            mask="sliding_window",
+            num_kv_heads=1,
+            num_q_heads=1,
+            causal_align="top_left",
+            window_left=0,
+            window_right=0,
+            alibi=True,
+        ),
+        16,
+        16,
+        1,
+        3,
+        3,
+        1.0,
+        0,
+    )
+)
 @example(  # found by Hypothesis: fp32 with large scores, the dot's sequential accumulation
-    (dict(dtype="fp32", head_dim=80, mask="none", head_dim_v=64, num_kv_heads=2, num_q_heads=2),
-     16, 16, 2, 3, 15, 8.0, 60))
+    (
+        dict(dtype="fp32", head_dim=80, mask="none", head_dim_v=64, num_kv_heads=2, num_q_heads=2),
+        16,
+        16,
+        2,
+        3,
+        15,
+        8.0,
+        60,
+    )
+)
 def test_prefill_matches_reference(params):
     fields, block_m, block_n, batch, seqlen_q, seqlen_k, scale, seed = params
     spec = make_spec(**fields)

@@ -46,11 +46,14 @@ def test_top_left_causal_is_sdpa_is_causal():
     torch.testing.assert_close(out, _sdpa(q, k, v, is_causal=True), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("fields", [
-    dict(mask="causal", causal_align="bottom_right"),
-    dict(mask="sliding_window", causal_align="bottom_right", window_left=3, window_right=2),
-    dict(mask="sliding_window", causal_align="top_left", window_left=0, window_right=5),
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(mask="causal", causal_align="bottom_right"),
+        dict(mask="sliding_window", causal_align="bottom_right", window_left=3, window_right=2),
+        dict(mask="sliding_window", causal_align="top_left", window_left=0, window_right=5),
+    ],
+)
 def test_masks_match_sdpa_with_an_explicit_boolean_mask(fields):
     q, k, v = _inputs(nq=9, nk=21)
     spec = make_spec(**fields)
@@ -63,16 +66,20 @@ def test_bottom_right_alignment_by_hand():
     spec = make_spec(mask="causal", causal_align="bottom_right")
     mask = visible_mask(spec, 2, 4)
     assert mask.tolist() == [[True, True, True, False], [True, True, True, True]]
-    spec = make_spec(mask="sliding_window", causal_align="bottom_right", window_left=1,
-                     window_right=0)
-    assert visible_mask(spec, 2, 4).tolist() == [[False, True, True, False],
-                                                 [False, False, True, True]]
+    spec = make_spec(
+        mask="sliding_window", causal_align="bottom_right", window_left=1, window_right=0
+    )
+    assert visible_mask(spec, 2, 4).tolist() == [
+        [False, True, True, False],
+        [False, False, True, True],
+    ]
 
 
 def test_alibi_matches_sdpa_with_a_float_bias():
     q, k, v = _inputs(hq=4, hkv=4, nq=7, nk=11)
-    spec = make_spec(mask="causal", causal_align="bottom_right", num_q_heads=4, num_kv_heads=4,
-                     alibi=True)
+    spec = make_spec(
+        mask="causal", causal_align="bottom_right", num_q_heads=4, num_kv_heads=4, alibi=True
+    )
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float32)
     i = torch.arange(7)[:, None] + 4
     j = torch.arange(11)[None, :]
@@ -111,8 +118,17 @@ def test_the_lse_floor_follows_the_dot_products_partial_sums_and_still_catches_e
     """At a large head dim the LSE floor is set by the dot's partial sums (sm_scale x
     sum |q_i k_i|, about sqrt(D) x the scores): a few ulps there pass, a 1e-4 error does not."""
     q, k, v = (t.to(torch.bfloat16) for t in _inputs(hq=4, hkv=1, nq=1, nk=2, d=576, dv=512))
-    spec = make_spec(dtype="bf16", mask="none", head_dim=576, head_dim_v=512, num_q_heads=4,
-                     num_kv_heads=1, kernels=["decode"], kv_layout="paged", page_size=64)
+    spec = make_spec(
+        dtype="bf16",
+        mask="none",
+        head_dim=576,
+        head_dim_v=512,
+        num_q_heads=4,
+        num_kv_heads=1,
+        kernels=["decode"],
+        kv_layout="paged",
+        page_size=64,
+    )
     out, lse = reference_attention(spec, q, k, v)
     out, lse = out.to(torch.bfloat16), lse.float()
     assert compare_to_reference(spec, out, lse + 2e-6, q, k, v) == []
@@ -123,11 +139,19 @@ def test_the_lse_floor_follows_the_dot_products_partial_sums_and_still_catches_e
 def test_the_oracle_shares_the_runtime_masks_without_importing_the_runtime():
     """reference.py and the torch fallback read one definition of the masks (attngen.masks);
     the oracle must not drag in the runtime package (its registry, Triton)."""
-    code = ("import sys, attngen.reference; "
-            "print(sorted(m for m in ('triton', 'attngen.runtime') if m in sys.modules))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent.parent, timeout=120)
+    code = (
+        "import sys, attngen.reference; "
+        "print(sorted(m for m in ('triton', 'attngen.runtime') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        timeout=120,
+    )
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
     from attngen import reference
     from attngen.masks import visible
+
     assert reference.visible is visible

@@ -17,8 +17,17 @@ from attngen.runtime.registry import RegistryError, current_registry, load_kerne
 from attngen.spec import specs_from_data
 
 ROOT = Path(__file__).resolve().parent.parent
-TOY = dict(name="toy", archs=["sm90"], dtype="fp32", head_dim=16, num_q_heads=4,
-           num_kv_heads=2, mask="causal", causal_align="bottom_right", kernels=["prefill"])
+TOY = dict(
+    name="toy",
+    archs=["sm90"],
+    dtype="fp32",
+    head_dim=16,
+    num_q_heads=4,
+    num_kv_heads=2,
+    mask="causal",
+    causal_align="bottom_right",
+    kernels=["prefill"],
+)
 MODULE = "sm90/toy_prefill_fp32_d16_causal_br.py"
 
 
@@ -54,12 +63,12 @@ def test_an_edited_module_is_refused_by_name(tmp_path, restore_registry):
         _module_of(folder)
 
 
-def test_a_module_whose_constants_disagree_with_its_entry_is_refused(tmp_path,
-                                                                      restore_registry):
+def test_a_module_whose_constants_disagree_with_its_entry_is_refused(tmp_path, restore_registry):
     """A module renamed over another (or an index entry edited) passes the hash only if the
     index was rewritten too: then its constants still give it away."""
-    folder = _build(tmp_path / "k", TOY, {**TOY, "name": "other", "mask": "none",
-                                          "causal_align": None})
+    folder = _build(
+        tmp_path / "k", TOY, {**TOY, "name": "other", "mask": "none", "causal_align": None}
+    )
     index = json.loads((folder / INDEX_NAME).read_text())
     entry = next(e for e in index["modules"] if e["path"] == MODULE)
     other = folder / "sm90/other_prefill_fp32_d16.py"
@@ -81,9 +90,11 @@ def test_an_index_without_hashes_is_refused_at_load(tmp_path, restore_registry):
 
 def test_check_reports_modules_no_given_spec_produces(tmp_path):
     spec_a, spec_b = tmp_path / "a.yaml", tmp_path / "b.yaml"
-    spec_a.write_text("name: toy\narchs: [sm90]\ndtype: fp32\nhead_dim: 16\nnum_q_heads: 4\n"
-                      "num_kv_heads: 2\nmask: causal\ncausal_align: bottom_right\n"
-                      "kernels: [prefill]\n")
+    spec_a.write_text(
+        "name: toy\narchs: [sm90]\ndtype: fp32\nhead_dim: 16\nnum_q_heads: 4\n"
+        "num_kv_heads: 2\nmask: causal\ncausal_align: bottom_right\n"
+        "kernels: [prefill]\n"
+    )
     spec_b.write_text(spec_a.read_text().replace("toy", "other"))
     out = tmp_path / "out"
     runner = CliRunner()

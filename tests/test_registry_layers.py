@@ -11,8 +11,16 @@ from attngen.runtime.registry import current_registry, load_kernels, use_registr
 from tests.ondemand_harness import on_demand  # noqa: F401
 from tests.runtime_harness import build_folder
 
-LLAMA_LIKE = dict(name="mine", dtype="fp16", head_dim=59, num_q_heads=4, num_kv_heads=2,
-                  mask="causal", causal_align="bottom_right", kernels=["prefill"])
+LLAMA_LIKE = dict(
+    name="mine",
+    dtype="fp16",
+    head_dim=59,
+    num_q_heads=4,
+    num_kv_heads=2,
+    mask="causal",
+    causal_align="bottom_right",
+    kernels=["prefill"],
+)
 
 
 def _call():
@@ -33,8 +41,9 @@ def test_a_loaded_folder_comes_before_the_cache(on_demand, tmp_path):  # noqa: F
     assert sources == sorted(sources, key=["folder", "cache", "bundled"].index)
     assert {"folder", "cache", "bundled"} == set(sources)
     cached = next(row for row in rows if row.source == "cache")
-    assert cached.path == built.key and cached.folder == str(on_demand.resolve() / (
-        built.key.split("/")[-3]))
+    assert cached.path == built.key and cached.folder == str(
+        on_demand.resolve() / (built.key.split("/")[-3])
+    )
 
 
 def test_load_kernels_adds_newest_first_and_replace_keeps_only_its_folders(tmp_path):

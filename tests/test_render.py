@@ -39,8 +39,9 @@ UPDATE = os.environ.get("ATTNGEN_UPDATE_GOLDEN") == "1"
 PREFILL = KernelKind.prefill
 TEMPLATE = "prefill.py.jinja"
 
-_SMEM_PRE_HOPPER = ("shared memory = BLOCK_M*BLOCK_N*E + BLOCK_M*D*E + "
-                    "BLOCK_N*E*(D + DV)*Max(1, S - 1)")
+_SMEM_PRE_HOPPER = (
+    "shared memory = BLOCK_M*BLOCK_N*E + BLOCK_M*D*E + BLOCK_N*E*(D + DV)*Max(1, S - 1)"
+)
 _REGS = "registers/thread ~ 40 + (BLOCK_M*BLOCK_N + BLOCK_M*D*E/4 + BLOCK_M*DV)/(32*W)"
 
 # Causal, bottom-right aligned, bf16, D = DV = 128, on sm90.
@@ -192,8 +193,17 @@ GOLDEN = {
 
 
 def _spec(**fields) -> AttnSpec:
-    base = dict(name="t", archs=["sm80", "sm90"], dtype="bf16", head_dim=128, num_q_heads=8,
-                num_kv_heads=8, mask="causal", causal_align="bottom_right", kernels=["prefill"])
+    base = dict(
+        name="t",
+        archs=["sm80", "sm90"],
+        dtype="bf16",
+        head_dim=128,
+        num_q_heads=8,
+        num_kv_heads=8,
+        mask="causal",
+        causal_align="bottom_right",
+        kernels=["prefill"],
+    )
     base.update(fields)
     return specs_from_data({k: v for k, v in base.items() if v is not None})[0]
 
@@ -202,10 +212,15 @@ def _spec(**fields) -> AttnSpec:
 VARIETY = {
     "causal_br": _spec(),
     "causal_tl_fp16_d64": _spec(causal_align="top_left", dtype="fp16", head_dim=64),
-    "none_fp32_dv": _spec(mask="none", causal_align=None, dtype="fp32", head_dim=80,
-                          head_dim_v=48),
-    "window_cap_alibi": _spec(mask="sliding_window", window_left=100, window_right=3,
-                              softcap=12.5, alibi=True, head_dim=96),
+    "none_fp32_dv": _spec(mask="none", causal_align=None, dtype="fp32", head_dim=80, head_dim_v=48),
+    "window_cap_alibi": _spec(
+        mask="sliding_window",
+        window_left=100,
+        window_right=3,
+        softcap=12.5,
+        alibi=True,
+        head_dim=96,
+    ),
 }
 
 
@@ -230,7 +245,8 @@ def test_golden_contexts_mirror_build_context() -> None:
         if not UPDATE:
             kind = KernelKind.varlen if context["varlen"] else PREFILL
             assert context["module_name"] == module_name(
-                specs_from_data(_spec_from_lines(context["spec_lines"]))[0], kind)
+                specs_from_data(_spec_from_lines(context["spec_lines"]))[0], kind
+            )
 
 
 def _spec_from_lines(lines: list[str]) -> dict:
@@ -250,11 +266,19 @@ def test_golden_render(name: str) -> None:
     assert path.is_file(), f"{path} missing; run with ATTNGEN_UPDATE_GOLDEN=1 to create it"
     expected = path.read_bytes()
     if source.encode("utf-8") != expected:
-        diff = "".join(difflib.unified_diff(
-            expected.decode("utf-8").splitlines(keepends=True),
-            source.splitlines(keepends=True), str(path), "rendered", n=1))
-        pytest.fail(f"render differs from {path} (if intended, regenerate with "
-                    f"ATTNGEN_UPDATE_GOLDEN=1):\n{diff[:4000]}")
+        diff = "".join(
+            difflib.unified_diff(
+                expected.decode("utf-8").splitlines(keepends=True),
+                source.splitlines(keepends=True),
+                str(path),
+                "rendered",
+                n=1,
+            )
+        )
+        pytest.fail(
+            f"render differs from {path} (if intended, regenerate with "
+            f"ATTNGEN_UPDATE_GOLDEN=1):\n{diff[:4000]}"
+        )
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN))
@@ -318,23 +342,31 @@ def _after_imports(source: str, line: str) -> str:
     return source.replace("\nimport os\n", f"\nimport os\n{line}\n", 1)
 
 
-@pytest.mark.parametrize(("mutation", "match"), [
-    (lambda s: _after_imports(s, "import os.path"), "imports 'os.path'"),
-    (lambda s: _after_imports(s, "import subprocess"), "imports 'subprocess'"),
-    (lambda s: _after_imports(s, "from subprocess import run"), "imports 'subprocess'"),
-    (lambda s: _after_imports(s, "import sys, json"), "imports 'sys'"),
-    (lambda s: _after_imports(s, "import attngen"), "imports 'attngen'"),
-    (lambda s: _after_imports(s, "from attngen.spec import AttnSpec"), "imports 'attngen.spec'"),
-    (lambda s: _after_imports(s, "from attngen import render"), "imports 'attngen'"),
-    (lambda s: _after_imports(s, "from . import sibling"), "imports ''"),
-    (lambda s: _after_imports(s, "import importlib"), "imports 'importlib'"),
-    (lambda s: _after_imports(s, "from os import path"), "imports 'os'"),
-    (lambda s: s + "\n\ndef _helper():\n    import subprocess\n    return subprocess\n",
-     "imports 'subprocess'"),
-    (lambda s: s.replace("def attention(", "def attend("), "defines no attention"),
-    (lambda s: s.replace("def attention(", "def _attention("), "defines no attention"),
-    (lambda s: s + "\ndef (:\n", "does not parse"),
-])
+@pytest.mark.parametrize(
+    ("mutation", "match"),
+    [
+        (lambda s: _after_imports(s, "import os.path"), "imports 'os.path'"),
+        (lambda s: _after_imports(s, "import subprocess"), "imports 'subprocess'"),
+        (lambda s: _after_imports(s, "from subprocess import run"), "imports 'subprocess'"),
+        (lambda s: _after_imports(s, "import sys, json"), "imports 'sys'"),
+        (lambda s: _after_imports(s, "import attngen"), "imports 'attngen'"),
+        (
+            lambda s: _after_imports(s, "from attngen.spec import AttnSpec"),
+            "imports 'attngen.spec'",
+        ),
+        (lambda s: _after_imports(s, "from attngen import render"), "imports 'attngen'"),
+        (lambda s: _after_imports(s, "from . import sibling"), "imports ''"),
+        (lambda s: _after_imports(s, "import importlib"), "imports 'importlib'"),
+        (lambda s: _after_imports(s, "from os import path"), "imports 'os'"),
+        (
+            lambda s: s + "\n\ndef _helper():\n    import subprocess\n    return subprocess\n",
+            "imports 'subprocess'",
+        ),
+        (lambda s: s.replace("def attention(", "def attend("), "defines no attention"),
+        (lambda s: s.replace("def attention(", "def _attention("), "defines no attention"),
+        (lambda s: s + "\ndef (:\n", "does not parse"),
+    ],
+)
 def test_gate_rejects(mutation, match: str) -> None:
     source, name = _golden_source()
     check_module_source(source, name)  # the unmodified module passes
@@ -356,14 +388,18 @@ def test_gate_accepts_every_rendered_module() -> None:
         check_module_source(source, entry["module"], ENTRY_POINTS[KernelKind(entry["kind"])])
     first = (ROOT / "generated" / generated[0]["path"]).read_text(encoding="utf-8")
     with pytest.raises(RenderError, match="defines no decode"):
-        check_module_source(first.replace("def decode(", "def other(").replace(
-            "def attention(", "def other("), "m", "decode")
+        check_module_source(
+            first.replace("def decode(", "def other(").replace("def attention(", "def other("),
+            "m",
+            "decode",
+        )
 
 
 def test_render_module_runs_the_gate(monkeypatch: pytest.MonkeyPatch) -> None:
     seen = []
-    monkeypatch.setattr(render, "check_module_source",
-                        lambda source, name, entry: seen.append((name, entry)))
+    monkeypatch.setattr(
+        render, "check_module_source", lambda source, name, entry: seen.append((name, entry))
+    )
     spec = VARIETY["causal_br"]
     _render(spec)
     assert seen == [(module_name(spec, PREFILL), "attention")]
@@ -381,7 +417,8 @@ def test_render_is_deterministic(label: str) -> None:
         clear()
     assert _render(spec, "sm80") == first
     assert build_context(spec, PREFILL, derive_tiles(spec, "sm80")) == build_context(
-        spec, PREFILL, derive_tiles(spec, "sm80"))
+        spec, PREFILL, derive_tiles(spec, "sm80")
+    )
 
 
 @pytest.mark.parametrize("arch", ["sm80", "sm86", "sm90"])
@@ -391,26 +428,36 @@ def test_header_records_provenance(arch: str) -> None:
     config, chosen = derivation.chosen, derivation.chosen_candidate
     source = _render(spec, arch)
     header = _header(source)
-    assert header.startswith(f"# Generated by attngen {__version__} from template {TEMPLATE} "
-                             f"({template_hash(TEMPLATE)}).")
+    assert header.startswith(
+        f"# Generated by attngen {__version__} from template {TEMPLATE} "
+        f"({template_hash(TEMPLATE)})."
+    )
     assert f"# Spec (hash {spec.spec_hash()}):" in header
     for line in build_context(spec, PREFILL, derivation)["spec_lines"]:
         assert f"\n#   {line}\n" in header, line
     assert len(build_context(spec, PREFILL, derivation)["spec_lines"]) == len(spec.canonical())
     assert "#   head_dim_v: 128" in header and "#   archs: [sm80, sm86, sm89, sm90]" in header
-    assert (f"# Target {arch}: BLOCK_M={config.block_m}, BLOCK_N={config.block_n}, "
-            f"num_warps={config.num_warps}, num_stages={config.num_stages}.\n"
-            f"# Config source: {derivation.source}.") in header
+    assert (
+        f"# Target {arch}: BLOCK_M={config.block_m}, BLOCK_N={config.block_n}, "
+        f"num_warps={config.num_warps}, num_stages={config.num_stages}.\n"
+        f"# Config source: {derivation.source}."
+    ) in header
     # The derivation lines wrap at 92 columns; compare them unwrapped.
     unwrapped = re.sub(r"\n#\s+", " ", header)
     assert f" shared memory = {derivation.worked['smem']} with " in unwrapped
-    assert (f"#     = {chosen.smem_bytes} B of {ARCHS[arch].smem_budget} B available per block\n"
-            in header)
+    assert (
+        f"#     = {chosen.smem_bytes} B of {ARCHS[arch].smem_budget} B available per block\n"
+        in header
+    )
     assert f"#   binding: {derivation.binding[:40]}" in header
     # The CONFIG the launcher uses is the one the header states.
     tree = ast.parse(source)
-    configs = [node.value for node in tree.body if isinstance(node, ast.Assign)
-               and any(getattr(t, "id", None) == "CONFIG" for t in node.targets)]
+    configs = [
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(getattr(t, "id", None) == "CONFIG" for t in node.targets)
+    ]
     assert len(configs) == 1 and ast.literal_eval(configs[0]) == config.as_dict()
 
 
@@ -502,6 +549,9 @@ def test_only_validated_name_and_hash_vary_with_the_name() -> None:
     # the name appears only in comments and the docstring, never as code
     code_names = {node.id for node in ast.walk(ast.parse(_render(a))) if isinstance(node, ast.Name)}
     assert not any(a.name in name for name in code_names)
-    literals = [node.value for node in ast.walk(ast.parse(_render(a)))
-                if isinstance(node, ast.Constant) and isinstance(node.value, str)]
+    literals = [
+        node.value
+        for node in ast.walk(ast.parse(_render(a)))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    ]
     assert sum(a.name in lit for lit in literals) == 1  # the module docstring

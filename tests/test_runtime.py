@@ -27,9 +27,11 @@ def rand(*shape, dtype=torch.float32, seed=0):
 
 
 def qkv(batch, seqlen_q, seqlen_k, hq=4, hkv=2, dim=16, dtype=torch.float32, seed=0):
-    return (rand(batch, hq, seqlen_q, dim, dtype=dtype, seed=seed),
-            rand(batch, hkv, seqlen_k, dim, dtype=dtype, seed=seed + 1),
-            rand(batch, hkv, seqlen_k, dim, dtype=dtype, seed=seed + 2))
+    return (
+        rand(batch, hq, seqlen_q, dim, dtype=dtype, seed=seed),
+        rand(batch, hkv, seqlen_k, dim, dtype=dtype, seed=seed + 1),
+        rand(batch, hkv, seqlen_k, dim, dtype=dtype, seed=seed + 2),
+    )
 
 
 def module_of(dispatch):
@@ -59,21 +61,30 @@ def test_sdpa_top_left_with_fewer_queries_than_keys(toy_kernels):
 
 def test_flash_attn_func_bottom_right_with_lse(toy_kernels):
     q, k, v = qkv(2, 5, 20)
-    out, lse, probs = attngen.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2),
-                                              v.transpose(1, 2), causal=True,
-                                              return_attn_probs=True)
+    out, lse, probs = attngen.flash_attn_func(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, return_attn_probs=True
+    )
     assert probs is None and out.shape == (2, 5, 4, 16) and out.is_contiguous()
     assert lse.shape == (2, 4, 5)
     assert not compare_to_reference(TOY, out.transpose(1, 2), lse, q, k, v)
 
 
 def test_window_and_softcap_and_their_equivalence_to_causal(toy_kernels):
-    spec = make_spec(dtype="fp16", head_dim=32, num_q_heads=2, num_kv_heads=2,
-                     mask="sliding_window", window_left=3, window_right=0, softcap=5.0)
+    spec = make_spec(
+        dtype="fp16",
+        head_dim=32,
+        num_q_heads=2,
+        num_kv_heads=2,
+        mask="sliding_window",
+        window_left=3,
+        window_right=0,
+        softcap=5.0,
+    )
     q, k, v = qkv(1, 9, 9, hq=2, hkv=2, dim=32, dtype=torch.float16)
     bnhd = [t.transpose(1, 2) for t in (q, k, v)]
-    out, lse, _ = attngen.flash_attn_func(*bnhd, causal=True, window_size=(3, 0), softcap=5.0,
-                                          return_attn_probs=True)
+    out, lse, _ = attngen.flash_attn_func(
+        *bnhd, causal=True, window_size=(3, 0), softcap=5.0, return_attn_probs=True
+    )
     assert attngen.last_dispatch().module.startswith("sm90/toy_win_prefill")
     assert not compare_to_reference(spec, out.transpose(1, 2), lse, q, k, v)
     # causal with 4 keys: a window reaching 3 keys back is the whole causal mask
@@ -85,13 +96,15 @@ def test_window_and_softcap_and_their_equivalence_to_causal(toy_kernels):
 
 
 def test_alibi(toy_kernels):
-    spec = make_spec(dtype="fp32", head_dim=16, num_q_heads=4, num_kv_heads=4, mask="none",
-                     alibi=True)
+    spec = make_spec(
+        dtype="fp32", head_dim=16, num_q_heads=4, num_kv_heads=4, mask="none", alibi=True
+    )
     q, k, v = qkv(1, 7, 11, hkv=4)
     slopes = 2.0 ** (-8.0 * torch.arange(1, 5, dtype=torch.float32) / 4)
     out = attngen.scaled_dot_product_attention(q, k, v, alibi_slopes=slopes)
-    _, lse = module_of(attngen.last_dispatch()).attention(q, k, v, alibi_slopes=slopes,
-                                                          return_lse=True)
+    _, lse = module_of(attngen.last_dispatch()).attention(
+        q, k, v, alibi_slopes=slopes, return_lse=True
+    )
     assert not compare_to_reference(spec, out, lse, q, k, v, alibi_slopes=slopes)
 
 
@@ -101,8 +114,9 @@ def test_no_kernel_error_names_the_need_and_the_nearest(toy_kernels):
         attngen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     text = str(info.value)
     assert "kind=prefill dtype=fp16 head_dim=16 mask=causal(top_left)" in text
-    assert "nearest: sm90/toy_prefill_fp32_d16_causal_br (dtype: needs fp16, module has fp32)" \
-        in text
+    assert (
+        "nearest: sm90/toy_prefill_fp32_d16_causal_br (dtype: needs fp16, module has fp32)" in text
+    )
     assert "fallback='sdpa'" in text
 
 
@@ -141,8 +155,9 @@ def test_flash_attn_varlen_func(toy_kernels):
     for t in (q, k, v):
         t[total:] = float("nan")
     cu = cu_seqlens(lengths)
-    out, lse, _ = attngen.flash_attn_varlen_func(q, k, v, cu, cu, 9, 9, causal=True,
-                                                 return_attn_probs=True)
+    out, lse, _ = attngen.flash_attn_varlen_func(
+        q, k, v, cu, cu, 9, 9, causal=True, return_attn_probs=True
+    )
     assert attngen.last_dispatch().module == "sm90/toy_varlen_fp32_d16_causal_br"
     assert_each_sequence_matches(TOY, out, lse, q, k, v, lengths, lengths, None)
 
@@ -161,18 +176,32 @@ def _cache_case(seed=5):
 
 def _check_cache_result(out, lse, q, k_cache, v_cache, k_new, v_new, seqlens):
     for b, n in enumerate(seqlens.tolist()):
-        assert torch.equal(k_cache[b, n:n + 2], k_new[b]) and torch.equal(v_cache[b, n:n + 2],
-                                                                           v_new[b])
-        keys, values = (c[b, :n + 2].transpose(0, 1)[None] for c in (k_cache, v_cache))
-        assert not compare_to_reference(TOY, out[b:b + 1].transpose(1, 2), lse[b:b + 1],
-                                        q[b:b + 1].transpose(1, 2), keys, values)
+        assert torch.equal(k_cache[b, n : n + 2], k_new[b]) and torch.equal(
+            v_cache[b, n : n + 2], v_new[b]
+        )
+        keys, values = (c[b, : n + 2].transpose(0, 1)[None] for c in (k_cache, v_cache))
+        assert not compare_to_reference(
+            TOY,
+            out[b : b + 1].transpose(1, 2),
+            lse[b : b + 1],
+            q[b : b + 1].transpose(1, 2),
+            keys,
+            values,
+        )
 
 
 def test_flash_attn_with_kvcache_contiguous_and_paged(toy_kernels):
     q, k_cache, v_cache, k_new, v_new, seqlens = _cache_case()
-    out, lse = attngen.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
-                                               cache_seqlens=seqlens, causal=True,
-                                               return_softmax_lse=True)
+    out, lse = attngen.flash_attn_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k_new,
+        v_new,
+        cache_seqlens=seqlens,
+        causal=True,
+        return_softmax_lse=True,
+    )
     assert attngen.last_dispatch().module == "sm90/toy_varlen_fp32_d16_causal_br"
     assert out.shape == (2, 2, 4, 16) and lse.shape == (2, 4, 2)
     _check_cache_result(out, lse, q, k_cache, v_cache, k_new, v_new, seqlens)
@@ -185,12 +214,21 @@ def test_flash_attn_with_kvcache_contiguous_and_paged(toy_kernels):
     v_pages[order] = v_flat.reshape(6, 4, 2, 16)
     table = order.view(2, 3).to(torch.int32)
     paged, paged_lse = attngen.flash_attn_with_kvcache(
-        q, k_pages, v_pages, k_new, v_new, cache_seqlens=seqlens, block_table=table,
-        causal=True, return_softmax_lse=True)
+        q,
+        k_pages,
+        v_pages,
+        k_new,
+        v_new,
+        cache_seqlens=seqlens,
+        block_table=table,
+        causal=True,
+        return_softmax_lse=True,
+    )
     assert torch.equal(paged, out) and torch.equal(paged_lse, lse)
     # the pages hold what the contiguous cache holds, NaN tails included
-    torch.testing.assert_close(k_pages[order].reshape(2, 12, 2, 16), k_cache, rtol=0, atol=0,
-                               equal_nan=True)
+    torch.testing.assert_close(
+        k_pages[order].reshape(2, 12, 2, 16), k_cache, rtol=0, atol=0, equal_nan=True
+    )
     with pytest.raises(ValueError, match="rotary_sin: pass rotary_cos and rotary_sin together"):
         attngen.flash_attn_with_kvcache(q, k_cache, v_cache, rotary_cos=torch.ones(1))
 
@@ -202,9 +240,16 @@ def test_kvcache_routes_to_a_decode_module_when_one_serves(toy_folder, tmp_path)
         entries = current_registry().entries
         module = current_registry().module(next(e.key for e in entries if e.kind == "decode"))
         q, k_cache, v_cache, k_new, v_new, seqlens = _cache_case()
-        out, lse = attngen.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
-                                                   cache_seqlens=seqlens, causal=True,
-                                                   return_softmax_lse=True)
+        out, lse = attngen.flash_attn_with_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            k_new,
+            v_new,
+            cache_seqlens=seqlens,
+            causal=True,
+            return_softmax_lse=True,
+        )
         assert attngen.last_dispatch().module == "sm90/toy_decode"
         assert module.CALLS == [torch.Size([2, 4, 2, 16])]  # [B, HQ, Nq, D], per the contract
         _check_cache_result(out, lse, q, k_cache, v_cache, k_new, v_new, seqlens)
@@ -216,19 +261,38 @@ def test_kvcache_runs_the_generated_decode_kernels(tmp_path):
     """The toy spec's real decode modules, contiguous and paged: flash_attn_with_kvcache
     hands the caches over in place (flash-attn's [B, N, H, D] caches as [B, H, N, D] views, or
     its pages as they are), appends, and matches the reference."""
-    decode = dict(name="toy", dtype="fp32", head_dim=16, num_q_heads=4, num_kv_heads=2,
-                  mask="causal", causal_align="bottom_right", kernels=["decode"],
-                  max_query_tokens=2)
-    folder = build_folder(tmp_path / "decode", [
-        {**decode, "kv_layout": "contiguous"},
-        {**decode, "name": "toy_pages", "kv_layout": "paged", "page_size": 4}])
+    decode = dict(
+        name="toy",
+        dtype="fp32",
+        head_dim=16,
+        num_q_heads=4,
+        num_kv_heads=2,
+        mask="causal",
+        causal_align="bottom_right",
+        kernels=["decode"],
+        max_query_tokens=2,
+    )
+    folder = build_folder(
+        tmp_path / "decode",
+        [
+            {**decode, "kv_layout": "contiguous"},
+            {**decode, "name": "toy_pages", "kv_layout": "paged", "page_size": 4},
+        ],
+    )
     saved = current_registry()
     try:
         load_kernels(folder, replace=True)
         q, k_cache, v_cache, k_new, v_new, seqlens = _cache_case()
-        out, lse = attngen.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
-                                                   cache_seqlens=seqlens, causal=True,
-                                                   return_softmax_lse=True)
+        out, lse = attngen.flash_attn_with_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            k_new,
+            v_new,
+            cache_seqlens=seqlens,
+            causal=True,
+            return_softmax_lse=True,
+        )
         assert attngen.last_dispatch().module == "sm90/toy_decode_fp32_d16_causal_br_contig_q2"
         _check_cache_result(out, lse, q, k_cache, v_cache, k_new, v_new, seqlens)
         q, k_flat, v_flat, k_new, v_new, seqlens = _cache_case()
@@ -236,12 +300,29 @@ def test_kvcache_runs_the_generated_decode_kernels(tmp_path):
         k_pages, v_pages = torch.empty(6, 4, 2, 16), torch.empty(6, 4, 2, 16)
         k_pages[order], v_pages[order] = k_flat.reshape(6, 4, 2, 16), v_flat.reshape(6, 4, 2, 16)
         paged, paged_lse = attngen.flash_attn_with_kvcache(
-            q, k_pages, v_pages, k_new, v_new, cache_seqlens=seqlens,
-            block_table=order.view(2, 3).to(torch.int32), causal=True, return_softmax_lse=True)
+            q,
+            k_pages,
+            v_pages,
+            k_new,
+            v_new,
+            cache_seqlens=seqlens,
+            block_table=order.view(2, 3).to(torch.int32),
+            causal=True,
+            return_softmax_lse=True,
+        )
         assert attngen.last_dispatch().module == (
-            "sm90/toy_pages_decode_fp32_d16_causal_br_paged4_q2")
-        _check_cache_result(paged, paged_lse, q, k_pages[order].reshape(2, 12, 2, 16),
-                            v_pages[order].reshape(2, 12, 2, 16), k_new, v_new, seqlens)
+            "sm90/toy_pages_decode_fp32_d16_causal_br_paged4_q2"
+        )
+        _check_cache_result(
+            paged,
+            paged_lse,
+            q,
+            k_pages[order].reshape(2, 12, 2, 16),
+            v_pages[order].reshape(2, 12, 2, 16),
+            k_new,
+            v_new,
+            seqlens,
+        )
     finally:
         use_registry(saved)
 
@@ -253,8 +334,9 @@ def test_ops_count_runs_and_compile_fullgraph(toy_kernels):
     q, k, v = qkv(2, 20, 20)
 
     def layer(q, k, v):
-        return attngen.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                    enable_gqa=True) * 2 + 1
+        return (
+            attngen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) * 2 + 1
+        )
 
     ops.reset_run_counts()
     eager = layer(q, k, v)
@@ -264,8 +346,9 @@ def test_ops_count_runs_and_compile_fullgraph(toy_kernels):
     assert key.endswith("toy_prefill_fp32_d16_causal_br.py") and ops.run_counts()[key] == 2
 
     def step(q, k_cache, v_cache, k_new, v_new, seqlens):
-        return attngen.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
-                                               cache_seqlens=seqlens, causal=True)
+        return attngen.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True
+        )
 
     case_eager, case_compiled = _cache_case(), _cache_case()
     eager = step(*case_eager)
@@ -276,10 +359,12 @@ def test_ops_count_runs_and_compile_fullgraph(toy_kernels):
 
 
 def test_build_path_does_not_import_torch():
-    code = ("import sys, attngen, attngen.cli, attngen.build, attngen.hf_spec; "
-            "assert 'torch' not in sys.modules and 'triton' not in sys.modules; "
-            "attngen.spec_from_config; assert 'torch' not in sys.modules; "
-            "attngen.flash_attn_func; assert 'torch' in sys.modules")
+    code = (
+        "import sys, attngen, attngen.cli, attngen.build, attngen.hf_spec; "
+        "assert 'torch' not in sys.modules and 'triton' not in sys.modules; "
+        "attngen.spec_from_config; assert 'torch' not in sys.modules; "
+        "attngen.flash_attn_func; assert 'torch' in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

@@ -21,8 +21,16 @@ from tests.runtime_harness import build_fake_decode, build_folder
 from tests.test_runtime import _cache_case, qkv, rand
 from tests.test_varlen_properties import cu_seqlens
 
-WINDOW_SPEC = make_spec(dtype="fp16", head_dim=32, num_q_heads=2, num_kv_heads=2,
-                        mask="sliding_window", window_left=3, window_right=0, softcap=5.0)
+WINDOW_SPEC = make_spec(
+    dtype="fp16",
+    head_dim=32,
+    num_q_heads=2,
+    num_kv_heads=2,
+    mask="sliding_window",
+    window_left=3,
+    window_right=0,
+    softcap=5.0,
+)
 
 
 # ------------------------------------------------------------ lengths the tensors guarantee
@@ -39,11 +47,13 @@ def test_a_low_max_seqlen_claim_never_selects_a_window_kernel(toy_kernels):
     # Sequences that really are that short still run on it, whatever max_seqlen says.
     short = [t[:4] for t in (q, k, v)]
     cu = cu_seqlens([4])
-    out, lse, _ = attngen.flash_attn_varlen_func(*short, cu, cu, 4, 4, causal=True, softcap=5.0,
-                                                 return_attn_probs=True)
+    out, lse, _ = attngen.flash_attn_varlen_func(
+        *short, cu, cu, 4, 4, causal=True, softcap=5.0, return_attn_probs=True
+    )
     assert attngen.last_dispatch().module == "sm90/toy_win_varlen_fp16_d32_win3x0_br_cap5"
-    assert not compare_to_reference(WINDOW_SPEC, out.transpose(0, 1)[None], lse[None],
-                                    *(t.transpose(0, 1)[None] for t in short))
+    assert not compare_to_reference(
+        WINDOW_SPEC, out.transpose(0, 1)[None], lse[None], *(t.transpose(0, 1)[None] for t in short)
+    )
 
 
 def test_one_query_token_without_causal_runs_on_the_causal_decode_kernel(toy_folder, tmp_path):
@@ -54,15 +64,21 @@ def test_one_query_token_without_causal_runs_on_the_causal_decode_kernel(toy_fol
         load_kernels(toy_folder, build_fake_decode(tmp_path / "decode"), replace=True)
         q, k_cache, v_cache, k_new, v_new, seqlens = _cache_case()
         q, k_new, v_new = q[:, :1], k_new[:, :1], v_new[:, :1]
-        out, lse = attngen.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
-                                                   cache_seqlens=seqlens,
-                                                   return_softmax_lse=True)
+        out, lse = attngen.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, return_softmax_lse=True
+        )
         assert attngen.last_dispatch().module == "sm90/toy_decode"
         spec = make_spec(dtype="fp32", head_dim=16, num_q_heads=4, num_kv_heads=2, mask="none")
         for b, n in enumerate(seqlens.tolist()):
-            keys, values = (c[b, :n + 1].transpose(0, 1)[None] for c in (k_cache, v_cache))
-            assert not compare_to_reference(spec, out[b:b + 1].transpose(1, 2), lse[b:b + 1],
-                                            q[b:b + 1].transpose(1, 2), keys, values)
+            keys, values = (c[b, : n + 1].transpose(0, 1)[None] for c in (k_cache, v_cache))
+            assert not compare_to_reference(
+                spec,
+                out[b : b + 1].transpose(1, 2),
+                lse[b : b + 1],
+                q[b : b + 1].transpose(1, 2),
+                keys,
+                values,
+            )
         # Two query tokens: the first one would see the second's key without causal.
         q2, k_cache, v_cache, *_ = _cache_case()
         with pytest.raises(attngen.NoKernelError, match="mask: needs none"):
@@ -75,8 +91,9 @@ def test_one_query_token_without_causal_on_the_varlen_route(toy_kernels):
     q, k_cache, v_cache, _, _, seqlens = _cache_case()
     out = attngen.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, cache_seqlens=seqlens)
     assert attngen.last_dispatch().module == "sm90/toy_varlen_fp32_d16_causal_br"
-    expected = attngen.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache,
-                                               cache_seqlens=seqlens, causal=True)
+    expected = attngen.flash_attn_with_kvcache(
+        q[:, :1], k_cache, v_cache, cache_seqlens=seqlens, causal=True
+    )
     assert torch.equal(out, expected)
 
 
@@ -101,14 +118,37 @@ def test_a_thread_on_the_replaced_registry_never_fills_the_new_ones_cache(toy_fo
     """Thread A scans the old registry; meanwhile thread B loads another folder and dispatches
     the same kind of call. A's scan result must not end up serving later calls: they run the
     new folder's module."""
-    other = build_folder(tmp_path / "other", [dict(
-        name="other", dtype="fp32", head_dim=16, num_q_heads=4, num_kv_heads=2,
-        mask="causal", causal_align="bottom_right", kernels=["prefill"])])
+    other = build_folder(
+        tmp_path / "other",
+        [
+            dict(
+                name="other",
+                dtype="fp32",
+                head_dim=16,
+                num_q_heads=4,
+                num_kv_heads=2,
+                mask="causal",
+                causal_align="bottom_right",
+                kernels=["prefill"],
+            )
+        ],
+    )
     saved = registry_module._current
-    need = Need(kind=KernelKind.prefill, dtype=Dtype.fp32, head_dim=16, head_dim_v=16,
-                mask=Mask.causal, causal_align=CausalAlign.bottom_right, window=None,
-                softcap=0.0, alibi=False, arch=INTERPRETER, seqlen_q=8, seqlen_k=8,
-                same_lengths=True)
+    need = Need(
+        kind=KernelKind.prefill,
+        dtype=Dtype.fp32,
+        head_dim=16,
+        head_dim_v=16,
+        mask=Mask.causal,
+        causal_align=CausalAlign.bottom_right,
+        window=None,
+        softcap=0.0,
+        alibi=False,
+        arch=INTERPRETER,
+        seqlen_q=8,
+        seqlen_k=8,
+        same_lengths=True,
+    )
     chosen = {}
 
     def thread_b():
@@ -122,25 +162,44 @@ def test_a_thread_on_the_replaced_registry_never_fills_the_new_ones_cache(toy_fo
 
     try:
         old = load_kernels(toy_folder, replace=True)
-        entries = [replace(e, spec=_SwapDuringScan(e.spec, swap)) if i == 0 else e
-                   for i, e in enumerate(old.entries)]
+        entries = [
+            replace(e, spec=_SwapDuringScan(e.spec, swap)) if i == 0 else e
+            for i, e in enumerate(old.entries)
+        ]
         registry_module._current = Registry(old.folders, entries)
         chosen["a"] = dispatch.select("test", need).module  # thread B runs inside this scan
         chosen["later"] = dispatch.select("test", need).module
     finally:
         registry_module._current = saved
-    assert chosen == {"a": "sm90/toy_prefill_fp32_d16_causal_br",
-                      "b": "sm90/other_prefill_fp32_d16_causal_br",
-                      "later": "sm90/other_prefill_fp32_d16_causal_br"}
+    assert chosen == {
+        "a": "sm90/toy_prefill_fp32_d16_causal_br",
+        "b": "sm90/other_prefill_fp32_d16_causal_br",
+        "later": "sm90/other_prefill_fp32_d16_causal_br",
+    }
 
 
 def test_a_key_from_a_replaced_registry_is_refused(toy_kernels, tmp_path):
     q, k, v = qkv(1, 4, 4)
     attngen.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True)
     key = attngen.last_dispatch().key
-    load_kernels(build_folder(tmp_path / "other", [dict(
-        name="other", dtype="fp32", head_dim=16, num_q_heads=4, num_kv_heads=2,
-        mask="causal", causal_align="bottom_right", kernels=["prefill"])]), replace=True)
+    load_kernels(
+        build_folder(
+            tmp_path / "other",
+            [
+                dict(
+                    name="other",
+                    dtype="fp32",
+                    head_dim=16,
+                    num_q_heads=4,
+                    num_kv_heads=2,
+                    mask="causal",
+                    causal_align="bottom_right",
+                    kernels=["prefill"],
+                )
+            ],
+        ),
+        replace=True,
+    )
     with pytest.raises(attngen.runtime.RegistryError, match="not among the kernels loaded now"):
         attngen.runtime.ops.prefill(key, q, k, v, 0.25, None, False)
 
@@ -178,21 +237,22 @@ def test_dispatch_records_are_per_thread(toy_kernels):
             for _ in range(2):
                 steps[me].acquire()
                 if api == "sdpa":
-                    attngen.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                         enable_gqa=True)
+                    attngen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
                 else:
-                    attngen.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)),
-                                            causal=True)
+                    attngen.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True)
                 steps[1 - me].release()
         seen[api] = ([d.api for d in log], attngen.last_dispatch().api)
 
-    threads = [threading.Thread(target=worker, args=(0, "sdpa")),
-               threading.Thread(target=worker, args=(1, "flash"))]
+    threads = [
+        threading.Thread(target=worker, args=(0, "sdpa")),
+        threading.Thread(target=worker, args=(1, "flash")),
+    ]
     for t in threads:
         t.start()
     steps[0].release()
     for t in threads:
         t.join()
-    assert seen == {"sdpa": (["scaled_dot_product_attention"] * 2,
-                             "scaled_dot_product_attention"),
-                    "flash": (["flash_attn_func"] * 2, "flash_attn_func")}
+    assert seen == {
+        "sdpa": (["scaled_dot_product_attention"] * 2, "scaled_dot_product_attention"),
+        "flash": (["flash_attn_func"] * 2, "flash_attn_func"),
+    }

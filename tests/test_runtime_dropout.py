@@ -26,9 +26,17 @@ from attngen.spec import specs_from_data
 from tests.backward_harness import cu_seqlens, dropout_of, padded_inputs
 from tests.ondemand_harness import on_demand  # noqa: F401
 
-FIELDS = dict(archs=["sm90"], dtype="fp32", head_dim=16, num_q_heads=4, num_kv_heads=2,
-              mask="causal", causal_align="bottom_right", kernels=["prefill", "varlen"],
-              backward=True)
+FIELDS = dict(
+    archs=["sm90"],
+    dtype="fp32",
+    head_dim=16,
+    num_q_heads=4,
+    num_kv_heads=2,
+    mask="causal",
+    causal_align="bottom_right",
+    kernels=["prefill", "varlen"],
+    backward=True,
+)
 DROPPED = dict(name="toy_drop", dropout=True, **FIELDS)
 PLAIN = dict(name="toy_plain", **FIELDS)
 
@@ -82,14 +90,24 @@ def test_flash_attn_func_trains_with_dropout(dropout_kernels):
     assert attngen.last_dispatch().module.endswith("toy_drop_prefill_fp32_d16_causal_br_bwd_drop")
     torch.manual_seed(11)  # the state the call drew
     dropout = dropout_of(dropout_rng_state(q), p, 2, 4, 17, 23)
-    problems = _check_out_and_grads(spec, out.detach().transpose(1, 2),
-                                    [t.grad.transpose(1, 2) for t in leaves], q, k, v, dout,
-                                    dropout)
+    problems = _check_out_and_grads(
+        spec,
+        out.detach().transpose(1, 2),
+        [t.grad.transpose(1, 2) for t in leaves],
+        q,
+        k,
+        v,
+        dout,
+        dropout,
+    )
     assert not problems, "; ".join(problems)
     # the mask really dropped something: without it the output differs
-    assert gradient_problems("out", out.detach().transpose(1, 2),
-                             *[r[0] for r in (golden_backward(spec, q, k, v, dout),
-                                              lowp_backward(spec, q, k, v, dout))], factor=2.0)
+    assert gradient_problems(
+        "out",
+        out.detach().transpose(1, 2),
+        *[r[0] for r in (golden_backward(spec, q, k, v, dout), lowp_backward(spec, q, k, v, dout))],
+        factor=2.0,
+    )
 
 
 def test_flash_attn_varlen_func_trains_with_dropout(dropout_kernels):
@@ -100,9 +118,15 @@ def test_flash_attn_varlen_func_trains_with_dropout(dropout_kernels):
     packed = [t[0].transpose(0, 1) for t in (q, k, v, dout)]
     leaves = _leaves(*packed[:3])
     torch.manual_seed(12)
-    out = attngen.flash_attn_varlen_func(*leaves, cu_seqlens(lengths_q), cu_seqlens(lengths_k),
-                                         max(lengths_q), max(lengths_k), dropout_p=p,
-                                         causal=True)
+    out = attngen.flash_attn_varlen_func(
+        *leaves,
+        cu_seqlens(lengths_q),
+        cu_seqlens(lengths_k),
+        max(lengths_q),
+        max(lengths_k),
+        dropout_p=p,
+        causal=True,
+    )
     out.backward(packed[3])
     assert attngen.last_dispatch().module.endswith("_varlen_fp32_d16_causal_br_bwd_drop")
     torch.manual_seed(12)
@@ -110,13 +134,18 @@ def test_flash_attn_varlen_func_trains_with_dropout(dropout_kernels):
     starts_q, starts_k = cu_seqlens(lengths_q).tolist(), cu_seqlens(lengths_k).tolist()
     for b in range(3):
         rq, rk = slice(starts_q[b], starts_q[b + 1]), slice(starts_k[b], starts_k[b + 1])
-        seq = [t[r].transpose(0, 1)[None] for t, r in
-               ((packed[0], rq), (packed[1], rk), (packed[2], rk), (packed[3], rq))]
-        grads = [t.grad[r].transpose(0, 1)[None] for t, r in
-                 ((leaves[0], rq), (leaves[1], rk), (leaves[2], rk))]
+        seq = [
+            t[r].transpose(0, 1)[None]
+            for t, r in ((packed[0], rq), (packed[1], rk), (packed[2], rk), (packed[3], rq))
+        ]
+        grads = [
+            t.grad[r].transpose(0, 1)[None]
+            for t, r in ((leaves[0], rq), (leaves[1], rk), (leaves[2], rk))
+        ]
         dropout = dropout_of(state, p, 1, 4, lengths_q[b], lengths_k[b], batch_head0=b * 4)
-        problems = _check_out_and_grads(spec, out.detach()[rq].transpose(0, 1)[None], grads,
-                                        *seq, dropout)
+        problems = _check_out_and_grads(
+            spec, out.detach()[rq].transpose(0, 1)[None], grads, *seq, dropout
+        )
         assert not problems, f"sequence {b}: " + "; ".join(problems)
 
 
@@ -125,8 +154,9 @@ def test_sdpa_dropout_forward_without_grad(dropout_kernels):
     spec, p = dropout_kernels, 0.5
     q, k, v, dout, _ = padded_inputs(spec, 1, 4, 2, 20, 20, seed=3)
     torch.manual_seed(13)
-    out = attngen.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                               enable_gqa=True)
+    out = attngen.scaled_dot_product_attention(
+        q, k, v, dropout_p=p, is_causal=True, enable_gqa=True
+    )
     torch.manual_seed(13)
     dropout = dropout_of(dropout_rng_state(q), p, 1, 4, 20, 20)
     golden = golden_backward(spec, q, k, v, dout, dropout=dropout)
@@ -134,15 +164,17 @@ def test_sdpa_dropout_forward_without_grad(dropout_kernels):
     assert not gradient_problems("out", out, golden[0], lowp[0], factor=2.0)
     # flash_attn_func's layout, written in place through the module's out=, the same draw
     torch.manual_seed(13)
-    flash = attngen.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), dropout_p=p,
-                                    causal=True)
+    flash = attngen.flash_attn_func(
+        *(t.transpose(1, 2) for t in (q, k, v)), dropout_p=p, causal=True
+    )
     assert torch.equal(flash.transpose(1, 2), out)
 
 
 def _sdpa_step(q, k, v, dout, p):
     leaves = _leaves(q, k, v)
-    out = attngen.scaled_dot_product_attention(*leaves, dropout_p=p, is_causal=True,
-                                               enable_gqa=True)
+    out = attngen.scaled_dot_product_attention(
+        *leaves, dropout_p=p, is_causal=True, enable_gqa=True
+    )
     out.backward(dout)
     return [out.detach(), *(t.grad for t in leaves)]
 
@@ -164,8 +196,9 @@ def test_compiled_training_step_draws_what_eager_draws(dropout_kernels):
     q, k, v, dout, _ = padded_inputs(dropout_kernels, 1, 4, 2, 16, 16, seed=6)
 
     def loss(q, k, v):
-        out = attngen.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True,
-                                                   enable_gqa=True)
+        out = attngen.scaled_dot_product_attention(
+            q, k, v, dropout_p=0.2, is_causal=True, enable_gqa=True
+        )
         return (out * dout).sum()
 
     grads = []
@@ -187,8 +220,9 @@ def test_no_dropout_module_refuses_naming_dropout_p(plain_kernels):
     assert "dropout_p>0" in text and "dropout_p: needs a module built with dropout: true" in text
     assert "toy_plain" in text  # the nearest module, and why it does not serve
     with pytest.raises(attngen.NoKernelError, match="dropout_p: needs a module"):
-        attngen.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True,
-                                             enable_gqa=True)
+        attngen.scaled_dot_product_attention(
+            q, k, v, dropout_p=0.1, is_causal=True, enable_gqa=True
+        )
     # without dropout the plain module serves the same call
     attngen.flash_attn_func(*flash, causal=True)
     assert attngen.last_dispatch().module.endswith("toy_plain_prefill_fp32_d16_causal_br_bwd")
@@ -220,9 +254,16 @@ def test_on_demand_builds_a_dropout_module(on_demand):  # noqa: F811
     assert built.built and built.module == "sm80/auto_h4kv2_prefill_fp32_d16_causal_br_bwd_drop"
     torch.manual_seed(14)
     dropout = dropout_of(dropout_rng_state(q), p, 1, 4, 9, 12)
-    problems = _check_out_and_grads(spec, out.detach().transpose(1, 2),
-                                    [t.grad.transpose(1, 2) for t in leaves], q, k, v, dout,
-                                    dropout)
+    problems = _check_out_and_grads(
+        spec,
+        out.detach().transpose(1, 2),
+        [t.grad.transpose(1, 2) for t in leaves],
+        q,
+        k,
+        v,
+        dout,
+        dropout,
+    )
     assert not problems, "; ".join(problems)
 
 
@@ -239,8 +280,9 @@ def test_transformers_function_applies_the_layers_dropout(folders):
         out, _ = attngen_attention(layer, q, k, v, None, dropout=0.2)
         assert attngen.last_dispatch().module.endswith("_bwd_drop")
         torch.manual_seed(15)
-        flash = attngen.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)),
-                                        dropout_p=0.2, causal=True)
+        flash = attngen.flash_attn_func(
+            *(t.transpose(1, 2) for t in (q, k, v)), dropout_p=0.2, causal=True
+        )
         assert torch.equal(out, flash)
         load_kernels(folders["plain"], replace=True)
         with pytest.raises(attngen.NoKernelError, match="dropout_p: needs a module built"):
@@ -260,10 +302,12 @@ def _entry_points(spec):
     layer.is_causal, layer.layer_idx = True, 0
     return {
         "sdpa": lambda p: attngen.scaled_dot_product_attention(
-            q, k, v, dropout_p=p, is_causal=True, enable_gqa=True),
+            q, k, v, dropout_p=p, is_causal=True, enable_gqa=True
+        ),
         "flash": lambda p: attngen.flash_attn_func(*flash_qkv, dropout_p=p, causal=True),
-        "varlen": lambda p: attngen.flash_attn_varlen_func(*packed, cu, cu, 7, 7, dropout_p=p,
-                                                           causal=True),
+        "varlen": lambda p: attngen.flash_attn_varlen_func(
+            *packed, cu, cu, 7, 7, dropout_p=p, causal=True
+        ),
         "transformers": lambda p: attngen_attention(layer, q, k, v, None, dropout=p)[0],
     }
 
@@ -275,10 +319,12 @@ def test_dropout_calls_are_never_planned(dropout_kernels, monkeypatch, name):
     and no plan is left for them (a plan would run the module without drawing a seed)."""
     seeds, full_path = [], []
     real_need, real_draw = launch.need_for, launch.dropout_rng_state
-    monkeypatch.setattr(launch, "need_for",
-                        lambda *a, **kw: full_path.append(1) or real_need(*a, **kw))
-    monkeypatch.setattr(launch, "dropout_rng_state",
-                        lambda q: seeds.append(real_draw(q)) or seeds[-1])
+    monkeypatch.setattr(
+        launch, "need_for", lambda *a, **kw: full_path.append(1) or real_need(*a, **kw)
+    )
+    monkeypatch.setattr(
+        launch, "dropout_rng_state", lambda q: seeds.append(real_draw(q)) or seeds[-1]
+    )
     call = _entry_points(dropout_kernels)[name]
     with torch.no_grad():
         plain = call(0.0)

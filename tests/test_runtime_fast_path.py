@@ -32,8 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def out_modules(tmp_path):
     """Stand-in prefill and decode modules that take out= (ACCEPTS_OUT), as the registry."""
     saved = current_registry()
-    yield load_kernels(build_stand_ins(tmp_path / "out", ("prefill", "decode"),
-                                       accepts_out=True), replace=True)
+    yield load_kernels(
+        build_stand_ins(tmp_path / "out", ("prefill", "decode"), accepts_out=True), replace=True
+    )
     use_registry(saved)
 
 
@@ -77,8 +78,9 @@ def test_generated_modules_write_flash_attn_func_output_in_place(toy_kernels, mo
     module = module_of(chosen)
     given = []
     real = module.attention
-    monkeypatch.setattr(module, "attention", lambda *a, **kw: given.append(kw["out"]) or real(
-        *a, **kw))
+    monkeypatch.setattr(
+        module, "attention", lambda *a, **kw: given.append(kw["out"]) or real(*a, **kw)
+    )
     again, lse_again, _ = attngen.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     assert len(given) == 1 and given[0].data_ptr() == again.data_ptr()
     assert given[0].shape == (2, 4, 5, 16) and again.shape == (2, 5, 4, 16)
@@ -116,8 +118,9 @@ def test_transformers_attention_returns_its_layout_contiguous(out_modules):
 
 def test_kvcache_decode_output_in_place_or_a_view(out_modules, tmp_path):
     q, k_cache, v_cache, k_new, v_new, seqlens = _cache_case()
-    out = attngen.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
-                                          cache_seqlens=seqlens, causal=True)
+    out = attngen.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True
+    )
     chosen = attngen.last_dispatch()
     assert chosen.module == "sm90/toy_decode_out" and chosen.writes_out
     assert out.shape == (2, 2, 4, 16) and out.is_contiguous()
@@ -125,8 +128,9 @@ def test_kvcache_decode_output_in_place_or_a_view(out_modules, tmp_path):
     # A decode module without out=: the output is a view of its [B, HQ, Nq, DV] result.
     load_kernels(build_stand_ins(tmp_path / "plain", ("decode",)), replace=True)
     q, k_cache, v_cache, k_new, v_new, seqlens = _cache_case()
-    view = attngen.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
-                                           cache_seqlens=seqlens, causal=True)
+    view = attngen.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True
+    )
     assert module_of(attngen.last_dispatch()).WROTE == [None]
     assert not view.is_contiguous() and torch.equal(view, out)
 
@@ -144,8 +148,9 @@ def test_compiled_calls_keep_the_in_place_layouts(out_modules):
     assert compiled.is_contiguous() and torch.equal(compiled, eager)
 
     def step(q, k_cache, v_cache, k_new, v_new, seqlens):
-        return attngen.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
-                                               cache_seqlens=seqlens, causal=True)
+        return attngen.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True
+        )
 
     case_eager, case_compiled = _cache_case(), _cache_case()
     eager = step(*case_eager)
@@ -161,8 +166,9 @@ def test_eager_calls_skip_the_op_layer_and_compiled_calls_use_it(toy_kernels, mo
     q, k, v = qkv(1, 6, 6)
     through_op = []
     real_op = ops.prefill_op
-    monkeypatch.setattr(ops, "prefill_op", lambda *args: through_op.append(args[0])
-                        or real_op(*args))
+    monkeypatch.setattr(
+        ops, "prefill_op", lambda *args: through_op.append(args[0]) or real_op(*args)
+    )
 
     def layer(q, k, v):
         return attngen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -212,17 +218,32 @@ def test_a_repeated_call_reuses_its_dispatch_and_still_records_it(toy_kernels, m
         sdpa()
         attngen.flash_attn_func(*heads_first(q, k, v), causal=True)
     assert attngen.last_dispatch().api == "flash_attn_func"
-    assert log[0] is first and [d.api for d in log] == ["scaled_dot_product_attention",
-                                                        "flash_attn_func"]
+    assert log[0] is first and [d.api for d in log] == [
+        "scaled_dot_product_attention",
+        "flash_attn_func",
+    ]
     with pytest.raises(AssertionError, match="selection ran"):  # another length: another Need
-        attngen.scaled_dot_product_attention(q[:, :, :5], k[:, :, :5], v[:, :, :5],
-                                             is_causal=True, enable_gqa=True)
+        attngen.scaled_dot_product_attention(
+            q[:, :, :5], k[:, :, :5], v[:, :, :5], is_causal=True, enable_gqa=True
+        )
 
 
 def test_a_replaced_registry_never_serves_from_its_cache(toy_folder, tmp_path):
-    other = build_folder(tmp_path / "other", [dict(
-        name="other", dtype="fp32", head_dim=16, num_q_heads=4, num_kv_heads=2,
-        mask="causal", causal_align="bottom_right", kernels=["prefill"])])
+    other = build_folder(
+        tmp_path / "other",
+        [
+            dict(
+                name="other",
+                dtype="fp32",
+                head_dim=16,
+                num_q_heads=4,
+                num_kv_heads=2,
+                mask="causal",
+                causal_align="bottom_right",
+                kernels=["prefill"],
+            )
+        ],
+    )
     q, k, v = qkv(1, 4, 4)
     saved = current_registry()
     chosen = []
@@ -252,8 +273,11 @@ def test_the_dispatch_cache_is_bounded(toy_kernels, monkeypatch):
 
 def test_a_dtype_without_kernels_is_refused_by_name(toy_kernels):
     q, k, v = (t.double() for t in qkv(1, 4, 4, hkv=4))
-    with pytest.raises(attngen.NoKernelError, match=r"q: dtype torch.float64 has no generated "
-                                                    r"kernels; allowed: torch.float16"):
+    with pytest.raises(
+        attngen.NoKernelError,
+        match=r"q: dtype torch.float64 has no generated "
+        r"kernels; allowed: torch.float16",
+    ):
         attngen.scaled_dot_product_attention(q, k, v)
     with pytest.warns(UserWarning, match="torch.float64"):
         out = attngen.scaled_dot_product_attention(q, k, v, fallback="sdpa")
@@ -271,22 +295,37 @@ def test_flash_window_sizes_map_to_one_mask_however_spelled():
 def test_visibility_is_defined_once_by_aligned_position():
     assert visible("none", None, None, 2, 4) is None
     assert visible("causal", "bottom_right", None, 2, 4).tolist() == [
-        [True, True, True, False], [True, True, True, True]]
+        [True, True, True, False],
+        [True, True, True, True],
+    ]
     assert visible("causal", "top_left", None, 2, 4).tolist() == [
-        [True, False, False, False], [True, True, False, False]]
+        [True, False, False, False],
+        [True, True, False, False],
+    ]
     assert visible(Mask.sliding_window, "bottom_right", (1, 0), 2, 4).tolist() == [
-        [False, True, True, False], [False, False, True, True]]
+        [False, True, True, False],
+        [False, False, True, True],
+    ]
 
 
 @pytest.mark.parametrize("module", ["selection", "records", "registry"])
 def test_selection_imports_no_torch(module):
     """Selection, recording and the registry are plain Python: no torch or triton import."""
     tree = ast.parse((ROOT / "attngen" / "runtime" / f"{module}.py").read_text())
-    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
-    imported |= {node.module or "" for node in ast.walk(tree)
-                 if isinstance(node, ast.ImportFrom) and node.col_offset == 0}
+    imported = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    imported |= {
+        node.module or ""
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.col_offset == 0
+    }
     assert not {name for name in imported if name.split(".")[0] in ("torch", "triton")}
-    assert all(name.split(".")[0] != "attngen" or name in (
-        "attngen.spec", "attngen.runtime.registry", "attngen.runtime.selection")
-        for name in imported)
+    assert all(
+        name.split(".")[0] != "attngen"
+        or name in ("attngen.spec", "attngen.runtime.registry", "attngen.runtime.selection")
+        for name in imported
+    )

@@ -56,19 +56,24 @@ def _sdpa_cases():
         "sdpa causal gqa": lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True),
         "sdpa top-left": lambda: sdpa(q_tl, k_tl, v_tl, is_causal=True, enable_gqa=True),
         "sdpa alibi": lambda: sdpa(q_al, k_al, v_al, alibi_slopes=slopes, scale=0.3),
-        "sdpa window softcap": lambda: sdpa(q_w, k_w, v_w, window=(3, 0), softcap=5.0,
-                                            causal_align="bottom_right"),
-        "flash causal lse": lambda: attngen.flash_attn_func(*flash(q, k, v), causal=True,
-                                                            return_attn_probs=True),
-        "flash one query row": lambda: attngen.flash_attn_func(*flash(q[:, :, :1], k, v),
-                                                               causal=True),
+        "sdpa window softcap": lambda: sdpa(
+            q_w, k_w, v_w, window=(3, 0), softcap=5.0, causal_align="bottom_right"
+        ),
+        "flash causal lse": lambda: attngen.flash_attn_func(
+            *flash(q, k, v), causal=True, return_attn_probs=True
+        ),
+        "flash one query row": lambda: attngen.flash_attn_func(
+            *flash(q[:, :, :1], k, v), causal=True
+        ),
         "flash window softcap": lambda: attngen.flash_attn_func(
-            *flash(q_w, k_w, v_w), causal=True, window_size=(3, 0), softcap=5.0,
-            softmax_scale=0.2),
+            *flash(q_w, k_w, v_w), causal=True, window_size=(3, 0), softcap=5.0, softmax_scale=0.2
+        ),
         "kvpacked": lambda: attngen.flash_attn_kvpacked_func(
-            q.transpose(1, 2), torch.stack(flash(k, v), dim=2), causal=True),
-        "transformers": lambda: attngen_attention(SimpleNamespace(is_causal=True), q, k, v,
-                                                  None, scaling=0.25),
+            q.transpose(1, 2), torch.stack(flash(k, v), dim=2), causal=True
+        ),
+        "transformers": lambda: attngen_attention(
+            SimpleNamespace(is_causal=True), q, k, v, None, scaling=0.25
+        ),
     }
 
 
@@ -79,8 +84,9 @@ def _packed_cases():
     q, k, v = rand(8, 4, 16, seed=1), rand(8, 2, 16, seed=2), rand(8, 2, 16, seed=3)
     varlen = attngen.flash_attn_varlen_func
     return {
-        "varlen causal lse": lambda: varlen(q, k, v, cu, cu, max(lengths), max(lengths),
-                                            causal=True, return_attn_probs=True),
+        "varlen causal lse": lambda: varlen(
+            q, k, v, cu, cu, max(lengths), max(lengths), causal=True, return_attn_probs=True
+        ),
         "varlen two cu tensors": lambda: varlen(q, k, v, cu, cu_k, 5, 5, causal=True),
     }
 
@@ -90,8 +96,9 @@ def _cache_cases():
     old = _cache_case(seed=9)
     kv = attngen.flash_attn_with_kvcache
     return {
-        "kvcache append lse": lambda: kv(*new[:5], cache_seqlens=new[5], causal=True,
-                                         return_softmax_lse=True),
+        "kvcache append lse": lambda: kv(
+            *new[:5], cache_seqlens=new[5], causal=True, return_softmax_lse=True
+        ),
         "kvcache read only": lambda: kv(old[0][:, :1], old[1], old[2], cache_seqlens=old[5]),
     }
 
@@ -133,8 +140,9 @@ def test_a_changed_signature_misses_the_plans(planned_kernels, full_path):
         lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True, scale=0.5),
         lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True, causal_align="bottom_right"),
         lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True, softcap=0.0),
-        lambda: sdpa(torch.cat([q, q]), torch.cat([k, k]), torch.cat([v, v]), is_causal=True,
-                     enable_gqa=True),
+        lambda: sdpa(
+            torch.cat([q, q]), torch.cat([k, k]), torch.cat([v, v]), is_causal=True, enable_gqa=True
+        ),
     ]
     for number, variant in enumerate(variants, start=2):
         variant()
@@ -172,21 +180,37 @@ def test_a_planned_kvcache_signature_still_checks_what_its_key_leaves_open(plann
     q, k_cache, v_cache, k_new, v_new, seqlens = _cache_case()
 
     def step(**changed):
-        args = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k_new, v=v_new,
-                    cache_seqlens=seqlens, causal=True)
+        args = dict(
+            q=q,
+            k_cache=k_cache,
+            v_cache=v_cache,
+            k=k_new,
+            v=v_new,
+            cache_seqlens=seqlens,
+            causal=True,
+        )
         return attngen.flash_attn_with_kvcache(**{**args, **changed})
 
     step()
     step()
     assert attngen.last_dispatch().module == "sm90/toy_decode_out"
-    with pytest.raises(ValueError, match=r"cache_seqlens: expected an int or int32 \[2\], got "
-                                         r"\(2,\) torch.int64"):
+    with pytest.raises(
+        ValueError,
+        match=r"cache_seqlens: expected an int or int32 \[2\], got "
+        r"\(2,\) torch.int64",
+    ):
         step(cache_seqlens=seqlens.long())
-    with pytest.raises(ValueError, match=r"k_cache: expected dtype torch.float32 on device cpu "
-                                         r"\(as q\), got dtype torch.float64"):
+    with pytest.raises(
+        ValueError,
+        match=r"k_cache: expected dtype torch.float32 on device cpu "
+        r"\(as q\), got dtype torch.float64",
+    ):
         step(k_cache=k_cache.double())
-    with pytest.raises(ValueError, match=r"v: expected dtype torch.float32 on device cpu \(as "
-                                         r"q\), got dtype torch.float32 on device meta"):
+    with pytest.raises(
+        ValueError,
+        match=r"v: expected dtype torch.float32 on device cpu \(as "
+        r"q\), got dtype torch.float32 on device meta",
+    ):
         step(v=v_new.to("meta"))
     with pytest.raises(ValueError, match=r"cache_seqlens: got 11; allowed: 0..10"):
         step(cache_seqlens=11)  # an int is checked against the capacity on every call
@@ -197,8 +221,7 @@ def test_calls_that_need_the_op_layer_never_run_from_a_plan(planned_kernels, mon
     attngen.flash_attn_func(q, k, v, causal=True)
     through_op = []
     real = ops.prefill_op
-    monkeypatch.setattr(ops, "prefill_op", lambda *args: through_op.append(args[0])
-                        or real(*args))
+    monkeypatch.setattr(ops, "prefill_op", lambda *args: through_op.append(args[0]) or real(*args))
     attngen.flash_attn_func(q, k, v, causal=True)
     assert through_op == []
     attngen.flash_attn_func(q.detach().requires_grad_(), k, v, causal=True)
@@ -216,20 +239,21 @@ def test_one_query_row_is_written_in_the_caller_s_layout_without_out(tmp_path):
     layout: no out= is passed (its checks and view cost more than they save), and the output
     is still one contiguous tensor, the same values as with out=."""
     saved = current_registry()
-    load_kernels(build_stand_ins(tmp_path / "out", ("prefill", "decode"), accepts_out=True),
-                 replace=True)
+    load_kernels(
+        build_stand_ins(tmp_path / "out", ("prefill", "decode"), accepts_out=True), replace=True
+    )
     try:
         q, k_cache, v_cache, _, _, seqlens = _cache_case()
         for tokens, wrote_out in ((2, True), (1, False)):
             step = q[:, :tokens].contiguous()
             for _ in range(2):  # the full path, then the plan
-                out = attngen.flash_attn_with_kvcache(step, k_cache, v_cache,
-                                                      cache_seqlens=seqlens, causal=True)
+                out = attngen.flash_attn_with_kvcache(
+                    step, k_cache, v_cache, cache_seqlens=seqlens, causal=True
+                )
                 module = current_registry().module(attngen.last_dispatch().key)
                 assert module.WROTE[-1] == (out.data_ptr() if wrote_out else None)
                 assert out.shape == (2, tokens, 4, 16) and out.is_contiguous()
-            flash_out = attngen.flash_attn_func(step, k_cache[:, :7], v_cache[:, :7],
-                                                causal=True)
+            flash_out = attngen.flash_attn_func(step, k_cache[:, :7], v_cache[:, :7], causal=True)
             module = current_registry().module(attngen.last_dispatch().key)
             assert module.WROTE[-1] == (flash_out.data_ptr() if wrote_out else None)
             assert flash_out.is_contiguous()
@@ -238,8 +262,9 @@ def test_one_query_row_is_written_in_the_caller_s_layout_without_out(tmp_path):
         use_registry(saved)
 
 
-def test_plans_are_bounded_and_kept_only_by_the_registry_that_chose(planned_kernels,
-                                                                    monkeypatch, tmp_path):
+def test_plans_are_bounded_and_kept_only_by_the_registry_that_chose(
+    planned_kernels, monkeypatch, tmp_path
+):
     monkeypatch.setattr(dispatch, "DISPATCH_CACHE_SIZE", 2)
     for n in (3, 4, 5, 6, 7):
         attngen.flash_attn_func(*flash(*qkv(1, n, n)), causal=True)
@@ -263,14 +288,20 @@ def test_planned_calls_of_the_generated_modules_on_the_gpu(full_path):
             return torch.randn(*shape, device="cuda", dtype=dtype)
 
         q, k, v = (rand(1, 64, 12, 64) for _ in range(3))  # flash layout, BERT's and GPT-2's
-        ql, kl, vl = rand(64, 32, 128, dtype=torch.bfloat16), *(
-            rand(64, 8, 128, dtype=torch.bfloat16) for _ in range(2))
+        ql, kl, vl = (
+            rand(64, 32, 128, dtype=torch.bfloat16),
+            *(rand(64, 8, 128, dtype=torch.bfloat16) for _ in range(2)),
+        )
         cu = torch.tensor([0, 64], device="cuda", dtype=torch.int32)
-        qd, k_new, v_new = rand(1, 1, 28, 128, dtype=torch.bfloat16), *(
-            rand(1, 1, 4, 128, dtype=torch.bfloat16) for _ in range(2))
+        qd, k_new, v_new = (
+            rand(1, 1, 28, 128, dtype=torch.bfloat16),
+            *(rand(1, 1, 4, 128, dtype=torch.bfloat16) for _ in range(2)),
+        )
         k_cache, v_cache = (rand(1, 4096, 4, 128, dtype=torch.bfloat16) for _ in range(2))
-        qp, pages = rand(1, 1, 32, 128, dtype=torch.bfloat16), rand(
-            256, 16, 8, 128, dtype=torch.bfloat16)
+        qp, pages = (
+            rand(1, 1, 32, 128, dtype=torch.bfloat16),
+            rand(256, 16, 8, 128, dtype=torch.bfloat16),
+        )
         table = torch.arange(256, device="cuda", dtype=torch.int32)[None]
         lens = torch.full((1,), 64, dtype=torch.int32, device="cuda")
         calls = [
@@ -279,11 +310,18 @@ def test_planned_calls_of_the_generated_modules_on_the_gpu(full_path):
             lambda: attngen.flash_attn_func(q, k, v, causal=True),
             lambda: attngen_attention(SimpleNamespace(is_causal=True), *flash(q, k, v), None),
             lambda: attngen.flash_attn_varlen_func(ql, kl, vl, cu, cu, 64, 64, causal=True),
-            lambda: attngen.flash_attn_with_kvcache(qd, k_cache, v_cache, k_new, v_new,
-                                                    cache_seqlens=lens, causal=True),
-            lambda: attngen.flash_attn_with_kvcache(qp, pages, pages, cache_seqlens=lens,
-                                                    block_table=table, causal=True,
-                                                    return_softmax_lse=True),
+            lambda: attngen.flash_attn_with_kvcache(
+                qd, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, causal=True
+            ),
+            lambda: attngen.flash_attn_with_kvcache(
+                qp,
+                pages,
+                pages,
+                cache_seqlens=lens,
+                block_table=table,
+                causal=True,
+                return_softmax_lse=True,
+            ),
         ]
         for call in calls:
             first = call()

@@ -61,12 +61,14 @@ def test_fallback_dense_masks_broadcast_as_torch_does(name, softcap):
     q, k, v = qkv(2, 5, 7)
     mask = _masks(2, 4, 5, 7)[name]
     with pytest.warns(UserWarning, match="attn_mask"):
-        out = attngen.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True,
-                                                   softcap=softcap or None, fallback="sdpa")
+        out = attngen.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=True, softcap=softcap or None, fallback="sdpa"
+        )
     # Note: fp32 attention over 7 keys against float64 is off by a few fp32 ulps of outputs of
     # magnitude < 4 (about 1e-6); a mask applied on the wrong axis moves whole rows by O(1).
-    torch.testing.assert_close(out.double(), dense_expected(q, k, v, mask, softcap), rtol=0,
-                               atol=1e-5)
+    torch.testing.assert_close(
+        out.double(), dense_expected(q, k, v, mask, softcap), rtol=0, atol=1e-5
+    )
 
 
 def test_fallback_4d_mask_when_queries_equal_head_dim():
@@ -89,8 +91,14 @@ def _run_python(code: str, env_interpret: str | None) -> subprocess.CompletedPro
     env = {k: val for k, val in os.environ.items() if k != "TRITON_INTERPRET"}
     if env_interpret is not None:
         env["TRITON_INTERPRET"] = env_interpret
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_cpu_tensors_without_the_interpreter_say_how_to_enable_it():
@@ -162,8 +170,7 @@ def test_bf16_runs_under_the_interpreter_with_the_tests_shim(monkeypatch):
         assert "llama3_8b_prefill_bf16_d128_causal_br" in attngen.last_dispatch().module
         assert out.isfinite().all()
         monkeypatch.setattr(devices, "_bf16_ok", False)
-        monkeypatch.setattr("attngen.runtime.interpreter_probe.bf16_math_is_correct",
-                            lambda: False)
+        monkeypatch.setattr("attngen.runtime.interpreter_probe.bf16_math_is_correct", lambda: False)
         with pytest.raises(attngen.NoKernelError, match="Triton issue 11584"):
             attngen.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True)
     finally:
@@ -187,14 +194,14 @@ def test_backward_says_the_kernels_are_forward_only(toy_folder, tmp_path):
         with pytest.raises(NotImplementedError, match="toy.*forward-only.*backward: true"):
             out.sum().backward()
         q, k_cache, v_cache, k_new, v_new, seqlens = _cache_case()
-        out = attngen.flash_attn_with_kvcache(q.requires_grad_(), k_cache, v_cache, k_new, v_new,
-                                              cache_seqlens=seqlens, causal=True)
+        out = attngen.flash_attn_with_kvcache(
+            q.requires_grad_(), k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True
+        )
         assert attngen.last_dispatch().module == "sm90/toy_decode"
         with pytest.raises(NotImplementedError, match="attngen::decode: .* forward-only"):
             out.sum().backward()
         with torch.no_grad():  # inference is unchanged
-            attngen.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
-                                            causal=True)
+            attngen.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
     finally:
         use_registry(saved)
 
@@ -202,26 +209,41 @@ def test_backward_says_the_kernels_are_forward_only(toy_folder, tmp_path):
 # ------------------------------------------------------------ kvcache shapes, user layout
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    (dict(k_cache=torch.zeros(2, 12, 2, 8)),
-     r"k_cache: expected \[2, 12, 2, 16\] \(\[batch, seqlen_cache, nheads_k, headdim\]\), "
-     r"got \[2, 12, 2, 8\]"),
-    (dict(k_cache=torch.zeros(3, 12, 2, 16)),
-     r"k_cache: expected \[batch=2, seqlen_cache, nheads_k, headdim=16\]"
-     r".*got \[3, 12, 2, 16\]"),
-    (dict(v_cache=torch.zeros(2, 11, 2, 16)),
-     r"v_cache: expected \[2, 12, 2, \*\] \(\[batch, seqlen_cache, nheads_k, headdim_v\]\)"),
-    (dict(q=torch.zeros(2, 2, 3, 16)), r"nheads: q has 3 heads \(dim 2\) and k_cache 2"),
-    (dict(k=torch.zeros(2, 2, 1, 16)),
-     r"k: expected \[2, \*, 2, 16\] \(\[batch, seqlen_new, nheads_k, headdim\]\), "
-     r"got \[2, 2, 1, 16\]"),
-    (dict(q=torch.zeros(2, 4, 16)), r"q: expected a rank-4 tensor \[batch, seqlen_q, nheads"),
-    (dict(block_table=torch.zeros(2, 3, dtype=torch.int64)),
-     r"block_table: expected an int32 tensor \[batch=2, max_num_blocks_per_seq\]"),
-    (dict(k_cache=torch.zeros(2, 12, 2, 16, dtype=torch.float16)),
-     r"k_cache: expected dtype torch.float32 on device cpu \(as q\), "
-     r"got dtype torch.float16"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            dict(k_cache=torch.zeros(2, 12, 2, 8)),
+            r"k_cache: expected \[2, 12, 2, 16\] \(\[batch, seqlen_cache, nheads_k, headdim\]\), "
+            r"got \[2, 12, 2, 8\]",
+        ),
+        (
+            dict(k_cache=torch.zeros(3, 12, 2, 16)),
+            r"k_cache: expected \[batch=2, seqlen_cache, nheads_k, headdim=16\]"
+            r".*got \[3, 12, 2, 16\]",
+        ),
+        (
+            dict(v_cache=torch.zeros(2, 11, 2, 16)),
+            r"v_cache: expected \[2, 12, 2, \*\] \(\[batch, seqlen_cache, nheads_k, headdim_v\]\)",
+        ),
+        (dict(q=torch.zeros(2, 2, 3, 16)), r"nheads: q has 3 heads \(dim 2\) and k_cache 2"),
+        (
+            dict(k=torch.zeros(2, 2, 1, 16)),
+            r"k: expected \[2, \*, 2, 16\] \(\[batch, seqlen_new, nheads_k, headdim\]\), "
+            r"got \[2, 2, 1, 16\]",
+        ),
+        (dict(q=torch.zeros(2, 4, 16)), r"q: expected a rank-4 tensor \[batch, seqlen_q, nheads"),
+        (
+            dict(block_table=torch.zeros(2, 3, dtype=torch.int64)),
+            r"block_table: expected an int32 tensor \[batch=2, max_num_blocks_per_seq\]",
+        ),
+        (
+            dict(k_cache=torch.zeros(2, 12, 2, 16, dtype=torch.float16)),
+            r"k_cache: expected dtype torch.float32 on device cpu \(as q\), "
+            r"got dtype torch.float16",
+        ),
+    ],
+)
 def test_kvcache_shape_errors_speak_the_callers_layout(toy_kernels, change, message):
     q, k_cache, v_cache, k_new, v_new, seqlens = _cache_case()
     args = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k_new, v=v_new)

@@ -94,17 +94,32 @@ BAD_SPECS = [
     # out of range
     ("head-dim-0", _with("head_dim", "0"), ["head_dim: got 0 (int)", ALLOWED_HEAD_DIM]),
     ("head-dim-264", _with("head_dim", "264"), ["head_dim: got 264 (int)", ALLOWED_HEAD_DIM]),
-    ("head-dim-257", _with("head_dim", "257"), ["head_dim: got 257 (int)", ALLOWED_HEAD_DIM,
-                                                "up to 576 with kernels: [decode] only"]),
+    (
+        "head-dim-257",
+        _with("head_dim", "257"),
+        ["head_dim: got 257 (int)", ALLOWED_HEAD_DIM, "up to 576 with kernels: [decode] only"],
+    ),
     ("head-dim-577", _with("head_dim", "577"), ["head_dim: got 577 (int)", ALLOWED_HEAD_DIM]),
-    ("chunked-no-size", _with("mask", "chunked"), ["chunk_size: got None", "required with mask "
-                                                   "chunked"]),
-    ("chunk-size-causal", BASE + "chunk_size: 8\n", ["chunk_size: got 8", "absent unless mask "
-                                                      "is chunked"]),
-    ("chunk-size-0", _with("mask", "chunked") + "chunk_size: 0\n", ["chunk_size: got 0",
-                                                                    "1..2147483647"]),
-    ("sink-tokens-causal", BASE + "sink_tokens: 4\n", ["sink_tokens: got 4", "absent unless "
-                                                        "mask is sliding_window"]),
+    (
+        "chunked-no-size",
+        _with("mask", "chunked"),
+        ["chunk_size: got None", "required with mask chunked"],
+    ),
+    (
+        "chunk-size-causal",
+        BASE + "chunk_size: 8\n",
+        ["chunk_size: got 8", "absent unless mask is chunked"],
+    ),
+    (
+        "chunk-size-0",
+        _with("mask", "chunked") + "chunk_size: 0\n",
+        ["chunk_size: got 0", "1..2147483647"],
+    ),
+    (
+        "sink-tokens-causal",
+        BASE + "sink_tokens: 4\n",
+        ["sink_tokens: got 4", "absent unless mask is sliding_window"],
+    ),
     ("sink-tokens-0", SLIDING + "sink_tokens: 0\n", ["sink_tokens: got 0", "1..2147483647"]),
     ("sinks-str", BASE + "sinks: yes\n", ["sinks: got 'yes' (str)", "true or false"]),
     ("head-dim-neg", _with("head_dim", "-128"), ["head_dim: got -128 (int)"]),
@@ -119,56 +134,121 @@ BAD_SPECS = [
     ("softcap-inf", _with("softcap", ".inf"), ["softcap: got '.inf'", ALLOWED_SOFTCAP]),
     ("softcap-neg-inf", _with("softcap", "-.inf"), ["softcap: got '-.inf'", ALLOWED_SOFTCAP]),
     # fields that contradict each other
-    ("kv-not-divisor", _with("num_kv_heads", "3"),
-     ["num_kv_heads: got 3", "a divisor of num_q_heads=8"]),
-    ("causal-no-align", _with("causal_align", None),
-     ["causal_align: got None", "top_left or bottom_right", "mask causal"]),
-    ("window-no-align", _with("causal_align", None, SLIDING),
-     ["causal_align: got None", "mask sliding_window"]),
-    ("none-with-align", _with("mask", "none"),
-     ["causal_align: got 'bottom_right'", "absent with mask none"]),
-    ("causal-with-window", BASE + "window_left: 5\n",
-     ["window_left: got 5", "absent unless sliding_window"]),
-    ("causal-with-window-right", BASE + "window_right: 0\n",
-     ["window_right: got 0", "absent unless sliding_window"]),
-    ("window-no-left", _with("mask", "sliding_window"),
-     ["window_left: got None", "required with sliding_window"]),
+    (
+        "kv-not-divisor",
+        _with("num_kv_heads", "3"),
+        ["num_kv_heads: got 3", "a divisor of num_q_heads=8"],
+    ),
+    (
+        "causal-no-align",
+        _with("causal_align", None),
+        ["causal_align: got None", "top_left or bottom_right", "mask causal"],
+    ),
+    (
+        "window-no-align",
+        _with("causal_align", None, SLIDING),
+        ["causal_align: got None", "mask sliding_window"],
+    ),
+    (
+        "none-with-align",
+        _with("mask", "none"),
+        ["causal_align: got 'bottom_right'", "absent with mask none"],
+    ),
+    (
+        "causal-with-window",
+        BASE + "window_left: 5\n",
+        ["window_left: got 5", "absent unless sliding_window"],
+    ),
+    (
+        "causal-with-window-right",
+        BASE + "window_right: 0\n",
+        ["window_right: got 0", "absent unless sliding_window"],
+    ),
+    (
+        "window-no-left",
+        _with("mask", "sliding_window"),
+        ["window_left: got None", "required with sliding_window"],
+    ),
     # archs, kernels, enums
     ("arch-unknown", _with("archs", "[sm75]"), ["archs: got 'sm75'", f"one of {ALL_ARCHS}"]),
     ("arch-case", _with("archs", "[SM80]"), ["archs.0: got 'SM80'", f"among {ALL_ARCHS}"]),
-    ("arch-duplicate", _with("archs", "[sm80, sm90, sm80]"),
-     ["archs: got 'sm80'", "each entry at most once"]),
+    (
+        "arch-duplicate",
+        _with("archs", "[sm80, sm90, sm80]"),
+        ["archs: got 'sm80'", "each entry at most once"],
+    ),
     ("arch-empty", _with("archs", "[]"), ["archs: got []", f"among {ALL_ARCHS}"]),
-    ("kernel-unknown", _with("kernels", "[backward]"),
-     ["kernels.0: got 'backward'", "'prefill', 'varlen' or 'decode'"]),
-    ("kernel-duplicate", _with("kernels", "[prefill, prefill]"),
-     ["kernels: got 'prefill'", "at most once"]),
-    ("kernels-empty", _with("kernels", "[]"),
-     ["kernels: got []", "a list among prefill, varlen, decode"]),
+    (
+        "kernel-unknown",
+        _with("kernels", "[backward]"),
+        ["kernels.0: got 'backward'", "'prefill', 'varlen' or 'decode'"],
+    ),
+    (
+        "kernel-duplicate",
+        _with("kernels", "[prefill, prefill]"),
+        ["kernels: got 'prefill'", "at most once"],
+    ),
+    (
+        "kernels-empty",
+        _with("kernels", "[]"),
+        ["kernels: got []", "a list among prefill, varlen, decode"],
+    ),
     # decode fields
-    ("decode-no-layout", _with("kernels", "[prefill, decode]"),
-     ["kv_layout: got None", "contiguous or paged (required with decode)"]),
-    ("layout-without-decode", BASE + "kv_layout: paged\n",
-     ["kv_layout: got 'paged'", "absent unless kernels includes decode"]),
-    ("tokens-without-decode", BASE + "max_query_tokens: 2\n",
-     ["max_query_tokens: got 2", "absent unless kernels includes decode"]),
-    ("layout-unknown", _with("kernels", "[decode]") + "kv_layout: ragged\n",
-     ["kv_layout: got 'ragged'", "'contiguous' or 'paged'"]),
-    ("paged-no-page-size", _with("kernels", "[decode]") + "kv_layout: paged\n",
-     ["page_size: got None", "a power of two in 1..1024 (required with kv_layout paged)"]),
-    ("page-size-not-pow2", _with("kernels", "[decode]") + "kv_layout: paged\npage_size: 48\n",
-     ["page_size: got 48", "a power of two in 1..1024"]),
-    ("page-size-big", _with("kernels", "[decode]") + "kv_layout: paged\npage_size: 2048\n",
-     ["page_size: got 2048 (int)", "a power of two in 1..1024"]),
-    ("page-size-contiguous",
-     _with("kernels", "[decode]") + "kv_layout: contiguous\npage_size: 16\n",
-     ["page_size: got 16", "absent unless kv_layout is paged"]),
-    ("tokens-zero", _with("kernels", "[decode]") + "kv_layout: contiguous\nmax_query_tokens: 0\n",
-     ["max_query_tokens: got 0 (int)", "an int in 1..16"]),
-    ("tokens-17", _with("kernels", "[decode]") + "kv_layout: contiguous\nmax_query_tokens: 17\n",
-     ["max_query_tokens: got 17 (int)", "an int in 1..16"]),
-    ("decode-top-left", _with("causal_align", "top_left", _with("kernels", "[decode]"))
-     + "kv_layout: contiguous\n", ["causal_align: got 'top_left'", "bottom_right with decode"]),
+    (
+        "decode-no-layout",
+        _with("kernels", "[prefill, decode]"),
+        ["kv_layout: got None", "contiguous or paged (required with decode)"],
+    ),
+    (
+        "layout-without-decode",
+        BASE + "kv_layout: paged\n",
+        ["kv_layout: got 'paged'", "absent unless kernels includes decode"],
+    ),
+    (
+        "tokens-without-decode",
+        BASE + "max_query_tokens: 2\n",
+        ["max_query_tokens: got 2", "absent unless kernels includes decode"],
+    ),
+    (
+        "layout-unknown",
+        _with("kernels", "[decode]") + "kv_layout: ragged\n",
+        ["kv_layout: got 'ragged'", "'contiguous' or 'paged'"],
+    ),
+    (
+        "paged-no-page-size",
+        _with("kernels", "[decode]") + "kv_layout: paged\n",
+        ["page_size: got None", "a power of two in 1..1024 (required with kv_layout paged)"],
+    ),
+    (
+        "page-size-not-pow2",
+        _with("kernels", "[decode]") + "kv_layout: paged\npage_size: 48\n",
+        ["page_size: got 48", "a power of two in 1..1024"],
+    ),
+    (
+        "page-size-big",
+        _with("kernels", "[decode]") + "kv_layout: paged\npage_size: 2048\n",
+        ["page_size: got 2048 (int)", "a power of two in 1..1024"],
+    ),
+    (
+        "page-size-contiguous",
+        _with("kernels", "[decode]") + "kv_layout: contiguous\npage_size: 16\n",
+        ["page_size: got 16", "absent unless kv_layout is paged"],
+    ),
+    (
+        "tokens-zero",
+        _with("kernels", "[decode]") + "kv_layout: contiguous\nmax_query_tokens: 0\n",
+        ["max_query_tokens: got 0 (int)", "an int in 1..16"],
+    ),
+    (
+        "tokens-17",
+        _with("kernels", "[decode]") + "kv_layout: contiguous\nmax_query_tokens: 17\n",
+        ["max_query_tokens: got 17 (int)", "an int in 1..16"],
+    ),
+    (
+        "decode-top-left",
+        _with("causal_align", "top_left", _with("kernels", "[decode]")) + "kv_layout: contiguous\n",
+        ["causal_align: got 'top_left'", "bottom_right with decode"],
+    ),
     ("dtype-unknown", _with("dtype", "fp8"), ["dtype: got 'fp8'", "'fp16', 'bf16' or 'fp32'"]),
     ("mask-unknown", _with("mask", "diagonal"), ["mask: got 'diagonal'", "'sliding_window'"]),
     ("missing-field", _with("head_dim", None), ["head_dim: missing; required"]),
@@ -185,12 +265,18 @@ BAD_SPECS = [
     ("name-int", _with("name", "5"), ["name: got 5 (int)", ALLOWED_NAME]),
     # YAML structure
     ("anchor", _with("archs", "&targets [sm80]"), ["line 2", "YAML anchors are not allowed"]),
-    ("anchor-and-alias", _with("archs", "&t [sm80]") + "other: *t\n",
-     ["YAML anchors are not allowed"]),
+    (
+        "anchor-and-alias",
+        _with("archs", "&t [sm80]") + "other: *t\n",
+        ["YAML anchors are not allowed"],
+    ),
     ("alias", _with("archs", "*t"), ["line 2", "YAML aliases are not allowed"]),
     ("merge-key", BASE + "<<: {alibi: true}\n", ["<<"]),
-    ("python-tag", _with("head_dim", "!!python/object/apply:os.system [echo]"),
-     ["line 4", "not valid YAML", "could not determine a constructor"]),
+    (
+        "python-tag",
+        _with("head_dim", "!!python/object/apply:os.system [echo]"),
+        ["line 4", "not valid YAML", "could not determine a constructor"],
+    ),
     ("non-str-key", BASE + "1: 2\n", ["line 10", "key 1 is not a name"]),
     ("tab-indent", BASE + "\tfoo: 1\n", ["line 10", "not valid YAML"]),
     ("two-documents", BASE + "---\nname: u\n", ["not valid YAML", "single document"]),
@@ -199,26 +285,53 @@ BAD_SPECS = [
     ("empty-document", "", ["must be a mapping of spec fields, got NoneType"]),
     ("nested-deeply", "a: " + "[" * 3000 + "]" * 3000 + "\n", ["nested too deeply"]),
     # variants
-    ("variant-name-key", _variants("  local:\n    name: other\n"),
-     ["variants.local.name: not allowed", "the variant's key names it"]),
-    ("variant-bad-name", _variants("  Local-1:\n    alibi: true\n"),
-     ["variants: got name 'Local-1'", "[a-z][a-z0-9_]*, at most 24 characters"]),
-    ("variant-long-name", _variants(f"  {'v' * 25}:\n    alibi: true\n"),
-     ["variants: got name 'vvvv", "at most 24 characters"]),
-    ("variants-list", BASE + "variants: [local, global]\n",
-     ["variants: got ['local', 'global']", "a non-empty mapping name -> fields"]),
+    (
+        "variant-name-key",
+        _variants("  local:\n    name: other\n"),
+        ["variants.local.name: not allowed", "the variant's key names it"],
+    ),
+    (
+        "variant-bad-name",
+        _variants("  Local-1:\n    alibi: true\n"),
+        ["variants: got name 'Local-1'", "[a-z][a-z0-9_]*, at most 24 characters"],
+    ),
+    (
+        "variant-long-name",
+        _variants(f"  {'v' * 25}:\n    alibi: true\n"),
+        ["variants: got name 'vvvv", "at most 24 characters"],
+    ),
+    (
+        "variants-list",
+        BASE + "variants: [local, global]\n",
+        ["variants: got ['local', 'global']", "a non-empty mapping name -> fields"],
+    ),
     ("variants-empty", BASE + "variants: {}\n", ["variants: got {}", "a non-empty mapping"]),
     ("variant-scalar", _variants("  local: 3\n"), ["variants.local: got 3", "a mapping of fields"]),
-    ("variant-bad-field", _variants("  local:\n    head_dim: 300\n"),
-     ["variants.local.head_dim: got 300 (int)", ALLOWED_HEAD_DIM]),
-    ("variant-unknown-key", _variants("  local:\n    heads: 8\n"),
-     ["variants.local.heads: unknown key"]),
-    ("variant-inconsistent", _variants("  local:\n    mask: sliding_window\n"),
-     ["variants.local.window_left: got None", "required with sliding_window"]),
-    ("variant-no-model-name", _with("name", None, _variants("  local:\n    alibi: true\n")),
-     ["variants.local.name: missing; required"]),
-    ("variant-name-too-long", _with("name", "m" * 45, _variants("  local:\n    alibi: true\n")),
-     ["variants.local.name: got 'mmmm", ALLOWED_NAME]),
+    (
+        "variant-bad-field",
+        _variants("  local:\n    head_dim: 300\n"),
+        ["variants.local.head_dim: got 300 (int)", ALLOWED_HEAD_DIM],
+    ),
+    (
+        "variant-unknown-key",
+        _variants("  local:\n    heads: 8\n"),
+        ["variants.local.heads: unknown key"],
+    ),
+    (
+        "variant-inconsistent",
+        _variants("  local:\n    mask: sliding_window\n"),
+        ["variants.local.window_left: got None", "required with sliding_window"],
+    ),
+    (
+        "variant-no-model-name",
+        _with("name", None, _variants("  local:\n    alibi: true\n")),
+        ["variants.local.name: missing; required"],
+    ),
+    (
+        "variant-name-too-long",
+        _with("name", "m" * 45, _variants("  local:\n    alibi: true\n")),
+        ["variants.local.name: got 'mmmm", ALLOWED_NAME],
+    ),
 ]
 
 
@@ -273,7 +386,11 @@ def test_gemma2_gives_local_and_global() -> None:
     assert (local.name, global_.name) == ("gemma2_9b_local", "gemma2_9b_global")
     for spec in (local, global_):  # the common fields reach both variants
         assert (spec.dtype.value, spec.head_dim, spec.num_q_heads, spec.num_kv_heads) == (
-            "bf16", 256, 16, 8)
+            "bf16",
+            256,
+            16,
+            8,
+        )
         assert spec.softcap == 50.0 and spec.archs == ("sm80", "sm90")
         assert spec.causal_align.value == "bottom_right"
     assert local.mask.value == "sliding_window"
@@ -327,18 +444,22 @@ def test_decode_fields_and_hashes() -> None:
     assert decode.canonical()["kv_layout"] == "paged" and decode.query_tokens == 1
     assert decode.canonical()["max_query_tokens"] == 1  # the default, resolved
     assert "kv_layout" not in prefill_only.canonical()  # prefill-only hashes are unchanged
-    assert decode.kernel_hash(PREFILL) == prefill_only.spec_hash() == prefill_only.kernel_hash(
-        PREFILL)
+    assert (
+        decode.kernel_hash(PREFILL) == prefill_only.spec_hash() == prefill_only.kernel_hash(PREFILL)
+    )
     assert decode.kernel_hash(DECODE) != decode.spec_hash() != prefill_only.spec_hash()
-    others = [_spec(kernels=["prefill", "decode"], kv_layout="paged", page_size=32),
-              _spec(kernels=["prefill", "decode"], kv_layout="contiguous"),
-              _spec(kernels=["prefill", "decode"], kv_layout="contiguous", max_query_tokens=4),
-              _spec(kernels=["decode"], kv_layout="paged", page_size=16)]
+    others = [
+        _spec(kernels=["prefill", "decode"], kv_layout="paged", page_size=32),
+        _spec(kernels=["prefill", "decode"], kv_layout="contiguous"),
+        _spec(kernels=["prefill", "decode"], kv_layout="contiguous", max_query_tokens=4),
+        _spec(kernels=["decode"], kv_layout="paged", page_size=16),
+    ]
     hashes = {spec.kernel_hash(DECODE) for spec in [decode, *others]}
     assert len(hashes) == 4  # kernels [decode] alone has the decode kernel's hash
     assert module_name(others[2], DECODE) == "t_decode_bf16_d128_causal_br_contig_q4"
-    assert _spec(kernels=["decode"], kv_layout="contiguous", mask="none",
-                 causal_align=None).kernels == (DECODE,)
+    assert _spec(
+        kernels=["decode"], kv_layout="contiguous", mask="none", causal_align=None
+    ).kernels == (DECODE,)
 
 
 def test_example_module_names() -> None:
@@ -356,32 +477,53 @@ def test_module_names_hold_no_tile_sizes(name: str) -> None:
 
 
 def _spec(**fields) -> AttnSpec:
-    base = dict(name="t", archs=["sm80"], dtype="bf16", head_dim=128, num_q_heads=8,
-                num_kv_heads=8, mask="causal", causal_align="bottom_right", kernels=["prefill"])
+    base = dict(
+        name="t",
+        archs=["sm80"],
+        dtype="bf16",
+        head_dim=128,
+        num_q_heads=8,
+        num_kv_heads=8,
+        mask="causal",
+        causal_align="bottom_right",
+        kernels=["prefill"],
+    )
     base.update(fields)
     base = {k: v for k, v in base.items() if v is not None}
     return specs_from_data(base)[0]
 
 
-@pytest.mark.parametrize(("fields", "expected"), [
-    ({}, "t_prefill_bf16_d128_causal_br"),
-    ({"causal_align": "top_left"}, "t_prefill_bf16_d128_causal_tl"),
-    ({"mask": "none", "causal_align": None, "dtype": "fp32"}, "t_prefill_fp32_d128"),
-    ({"head_dim": 96, "head_dim_v": 64}, "t_prefill_bf16_d96_dv64_causal_br"),
-    ({"head_dim_v": 128}, "t_prefill_bf16_d128_causal_br"),  # equal to head_dim: not named
-    ({"mask": "sliding_window", "window_left": 255}, "t_prefill_bf16_d128_win255x0_br"),
-    ({"mask": "sliding_window", "window_left": 8, "window_right": 4, "causal_align": "top_left"},
-     "t_prefill_bf16_d128_win8x4_tl"),
-    ({"softcap": 30.0}, "t_prefill_bf16_d128_causal_br_cap30"),
-    ({"softcap": 30.5}, "t_prefill_bf16_d128_causal_br_cap30p5"),
-    ({"softcap": 10000}, "t_prefill_bf16_d128_causal_br_cap10000"),
-    ({"softcap": 1e-05}, "t_prefill_bf16_d128_causal_br_cap1em05"),
-    ({"alibi": True, "softcap": 0.5}, "t_prefill_bf16_d128_causal_br_cap0p5_alibi"),
-    ({"sinks": True}, "t_prefill_bf16_d128_causal_br_sinks"),
-    ({"mask": "chunked", "chunk_size": 8192}, "t_prefill_bf16_d128_chunk8192_br"),
-    ({"mask": "sliding_window", "window_left": 127, "sink_tokens": 4},
-     "t_prefill_bf16_d128_win127x0_st4_br"),
-])
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, "t_prefill_bf16_d128_causal_br"),
+        ({"causal_align": "top_left"}, "t_prefill_bf16_d128_causal_tl"),
+        ({"mask": "none", "causal_align": None, "dtype": "fp32"}, "t_prefill_fp32_d128"),
+        ({"head_dim": 96, "head_dim_v": 64}, "t_prefill_bf16_d96_dv64_causal_br"),
+        ({"head_dim_v": 128}, "t_prefill_bf16_d128_causal_br"),  # equal to head_dim: not named
+        ({"mask": "sliding_window", "window_left": 255}, "t_prefill_bf16_d128_win255x0_br"),
+        (
+            {
+                "mask": "sliding_window",
+                "window_left": 8,
+                "window_right": 4,
+                "causal_align": "top_left",
+            },
+            "t_prefill_bf16_d128_win8x4_tl",
+        ),
+        ({"softcap": 30.0}, "t_prefill_bf16_d128_causal_br_cap30"),
+        ({"softcap": 30.5}, "t_prefill_bf16_d128_causal_br_cap30p5"),
+        ({"softcap": 10000}, "t_prefill_bf16_d128_causal_br_cap10000"),
+        ({"softcap": 1e-05}, "t_prefill_bf16_d128_causal_br_cap1em05"),
+        ({"alibi": True, "softcap": 0.5}, "t_prefill_bf16_d128_causal_br_cap0p5_alibi"),
+        ({"sinks": True}, "t_prefill_bf16_d128_causal_br_sinks"),
+        ({"mask": "chunked", "chunk_size": 8192}, "t_prefill_bf16_d128_chunk8192_br"),
+        (
+            {"mask": "sliding_window", "window_left": 127, "sink_tokens": 4},
+            "t_prefill_bf16_d128_win127x0_st4_br",
+        ),
+    ],
+)
 def test_module_name_fields(fields: dict, expected: str) -> None:
     name = module_name(_spec(**fields), PREFILL)
     assert name == expected
@@ -390,8 +532,9 @@ def test_module_name_fields(fields: dict, expected: str) -> None:
 
 def test_module_name_ignores_head_counts_and_archs() -> None:
     base = module_name(_spec(), PREFILL)
-    assert module_name(_spec(num_q_heads=32, num_kv_heads=4, archs=["sm90", "sm86"]),
-                       PREFILL) == base
+    assert (
+        module_name(_spec(num_q_heads=32, num_kv_heads=4, archs=["sm90", "sm86"]), PREFILL) == base
+    )
 
 
 def test_distinct_softcaps_get_distinct_module_names() -> None:
@@ -422,10 +565,22 @@ def test_spec_hash_is_stable() -> None:
     assert re.fullmatch(r"[0-9a-f]{16}", spec.spec_hash())
 
 
-SLIDING_FIELDS = dict(name="t", archs=["sm80", "sm90"], dtype="bf16", head_dim=128,
-                      head_dim_v=128, num_q_heads=8, num_kv_heads=8, mask="sliding_window",
-                      causal_align="bottom_right", window_left=16, window_right=0, softcap=0.0,
-                      alibi=False, kernels=["prefill"])
+SLIDING_FIELDS = dict(
+    name="t",
+    archs=["sm80", "sm90"],
+    dtype="bf16",
+    head_dim=128,
+    head_dim_v=128,
+    num_q_heads=8,
+    num_kv_heads=8,
+    mask="sliding_window",
+    causal_align="bottom_right",
+    window_left=16,
+    window_right=0,
+    softcap=0.0,
+    alibi=False,
+    kernels=["prefill"],
+)
 # One change per field; the decode fields change on a decode base (DECODE_CHANGES).
 FIELD_CHANGES = {
     "name": {"name": "u"},
@@ -446,13 +601,13 @@ FIELD_CHANGES = {
     "dropout": {"backward": True, "dropout": True},
     "sinks": {"sinks": True},
     "sink_tokens": {"sink_tokens": 4},
-    "chunk_size": {"mask": "chunked", "chunk_size": 64, "window_left": None,
-                   "window_right": None},
+    "chunk_size": {"mask": "chunked", "chunk_size": 64, "window_left": None, "window_right": None},
 }
 
 
-DECODE_BASE = dict(kernels=["prefill", "decode"], kv_layout="paged", page_size=16,
-                   max_query_tokens=1)
+DECODE_BASE = dict(
+    kernels=["prefill", "decode"], kv_layout="paged", page_size=16, max_query_tokens=1
+)
 DECODE_CHANGES = {
     "kernels": {"kernels": ["decode"]},
     "kv_layout": {"kv_layout": "contiguous", "page_size": None},
@@ -489,8 +644,9 @@ def test_canonical_resolves_defaults() -> None:
     canonical = spec.canonical()
     # Decode's fields appear only in specs with decode (prefill-only hashes stay as they were).
     # So do the training fields while false, and the newer models' fields while unset.
-    assert list(canonical) == [f for f in AttnSpec.model_fields
-                               if f not in DECODE_FIELDS + TRAINING_FIELDS + MODEL_FIELDS]
+    assert list(canonical) == [
+        f for f in AttnSpec.model_fields if f not in DECODE_FIELDS + TRAINING_FIELDS + MODEL_FIELDS
+    ]
     assert canonical["head_dim_v"] == 128 and canonical["window_right"] == 0
     assert canonical["window_left"] == 64 and canonical["softcap"] == 0.0
     assert canonical["archs"] == ["sm80"] and canonical["mask"] == "sliding_window"
@@ -532,15 +688,25 @@ def _parse(text: str):
 
 def test_yaml12_scalars_are_read() -> None:
     data = _parse("a: true\nb: false\nc: 0\nd: -12\ne: 1.5\nf: null\ng: ~\nh: yes\ni: 0o7\n")
-    assert data == {"a": True, "b": False, "c": 0, "d": -12, "e": 1.5, "f": None, "g": None,
-                    "h": "yes", "i": "0o7"}
+    assert data == {
+        "a": True,
+        "b": False,
+        "c": 0,
+        "d": -12,
+        "e": 1.5,
+        "f": None,
+        "g": None,
+        "h": "yes",
+        "i": "0o7",
+    }
 
 
 # ------------------------------------------------------------------------------ bad specs
 
 
-@pytest.mark.parametrize(("text", "expected"), [case[1:] for case in BAD_SPECS],
-                         ids=[case[0] for case in BAD_SPECS])
+@pytest.mark.parametrize(
+    ("text", "expected"), [case[1:] for case in BAD_SPECS], ids=[case[0] for case in BAD_SPECS]
+)
 def test_bad_spec_is_one_line(tmp_path: Path, text: str, expected: list[str]) -> None:
     message = _one_line(tmp_path, text)
     for part in expected:
@@ -583,8 +749,9 @@ def test_endless_file_is_refused_without_reading_it() -> None:
         "except SpecError as exc:\n"
         "    print(exc)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("/dev/zero: ")
     assert f"at most {MAX_SPEC_BYTES} bytes" in result.stdout
@@ -611,7 +778,7 @@ def test_dtype_spellings_are_torch_and_triton_ones() -> None:
     for dtype in Dtype:
         as_torch = getattr(torch, dtype.torch_name)
         assert as_torch.itemsize == dtype.itemsize
-        assert torch.finfo(as_torch).eps == dtype.eps == 2.0 ** -dtype.mantissa_bits
+        assert torch.finfo(as_torch).eps == dtype.eps == 2.0**-dtype.mantissa_bits
         as_triton = getattr(tl, dtype.torch_name)
         assert str(as_triton) == dtype.value  # Triton's short name is the YAML name
         assert tl.str_to_ty(dtype.triton_pointer, None) == tl.pointer_type(as_triton)

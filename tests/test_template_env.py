@@ -22,9 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 REGENERATE = "python -m attngen.template_env"
 # (example, kind): every template's branches that the examples reach between them: a causal
 # GQA prefill with backward, sliding window with softcap, a varlen, sinks and a paged decode.
-RENDERED = [("llama3_8b", KernelKind.prefill), ("gemma2_9b", KernelKind.prefill),
-            ("mistral_7b", KernelKind.varlen), ("gpt_oss_20b", KernelKind.decode),
-            ("deepseek_v3", KernelKind.decode)]
+RENDERED = [
+    ("llama3_8b", KernelKind.prefill),
+    ("gemma2_9b", KernelKind.prefill),
+    ("mistral_7b", KernelKind.varlen),
+    ("gpt_oss_20b", KernelKind.decode),
+    ("deepseek_v3", KernelKind.decode),
+]
 
 
 def test_the_shipped_compiled_templates_are_current() -> None:
@@ -35,8 +39,7 @@ def test_the_shipped_compiled_templates_are_current() -> None:
 def test_renders_use_the_compiled_templates(monkeypatch: pytest.MonkeyPatch) -> None:
     """A fresh environment renders every kind without compiling a template (what a process's
     first render paid: lexing, parsing and code generation of every template it includes)."""
-    assert template_env.template_loading().startswith("compiled"), (
-        template_env.template_loading())
+    assert template_env.template_loading().startswith("compiled"), template_env.template_loading()
 
     def no_compile(*args: object, **kwargs: object) -> None:
         raise AssertionError("a template was compiled from its source")
@@ -50,8 +53,9 @@ def test_renders_use_the_compiled_templates(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.mark.parametrize(("example", "kind"), RENDERED, ids=lambda x: getattr(x, "value", x))
-def test_compiled_and_source_templates_render_the_same_bytes(example: str,
-                                                             kind: KernelKind) -> None:
+def test_compiled_and_source_templates_render_the_same_bytes(
+    example: str, kind: KernelKind
+) -> None:
     context = _context(example, kind)
     compiled = template_env.environment().get_template(TEMPLATE_FOR_KIND[kind])
     sources = template_env._source_environment().get_template(TEMPLATE_FOR_KIND[kind])
@@ -61,20 +65,26 @@ def test_compiled_and_source_templates_render_the_same_bytes(example: str,
 def test_the_built_module_is_the_committed_one() -> None:
     """plan_build through the compiled templates gives generated/'s bytes (which the sources
     rendered when they were built)."""
-    for artifact in plan_build(load_spec_file(ROOT / "examples" / "mistral_7b.yaml"),
-                               DEFAULT_TUNING_DIR):
+    for artifact in plan_build(
+        load_spec_file(ROOT / "examples" / "mistral_7b.yaml"), DEFAULT_TUNING_DIR
+    ):
         assert (ROOT / "generated" / artifact.relative_path).read_text(
-            encoding="utf-8") == artifact.source, artifact.relative_path
+            encoding="utf-8"
+        ) == artifact.source, artifact.relative_path
 
 
-@pytest.mark.parametrize(("change", "reason"), [
-    (lambda m: m.update(jinja2="3.0.0"), "the installed Jinja2 3.1.6 is not 3.0.0"),
-    (lambda m: m.update(sources_sha256="0" * 64), "their sources_sha256 differ"),
-    (lambda m: m["options"].update(trim_blocks=False), "their options differ"),
-    (lambda m: m["modules"].pop("prefill.py.jinja"), "their modules differ"),
-])
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda m: m.update(jinja2="3.0.0"), "the installed Jinja2 3.1.6 is not 3.0.0"),
+        (lambda m: m.update(sources_sha256="0" * 64), "their sources_sha256 differ"),
+        (lambda m: m["options"].update(trim_blocks=False), "their options differ"),
+        (lambda m: m["modules"].pop("prefill.py.jinja"), "their modules differ"),
+    ],
+)
 def test_compiled_templates_that_are_not_the_sources_are_not_used(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change, reason: str) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change, reason: str
+) -> None:
     monkeypatch.setattr(jinja2, "__version__", "3.1.6")
     folder = _copy(tmp_path)
     assert template_env._why_not_compiled(folder) is None
@@ -115,15 +125,15 @@ def test_write_compiled_writes_what_changed_and_removes_stale_modules(tmp_path: 
 
 def _copy(tmp_path: Path) -> Path:
     folder = tmp_path / "compiled"
-    shutil.copytree(template_env.COMPILED_DIR, folder,
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(template_env.COMPILED_DIR, folder, ignore=shutil.ignore_patterns("__pycache__"))
     return folder
 
 
 def _context(example: str, kind: KernelKind) -> dict:
     """The render context of the example's first spec with `kind`, on sm90 (whose code paths
     include the TMA loads)."""
-    spec = next(s for s in load_spec_file(ROOT / "examples" / f"{example}.yaml")
-                if kind in s.kernels)
+    spec = next(
+        s for s in load_spec_file(ROOT / "examples" / f"{example}.yaml") if kind in s.kernels
+    )
     derive = derive_decode_tiles if kind is KernelKind.decode else derive_tiles
     return build_context(spec, kind, derive(spec, "sm90"))

@@ -16,11 +16,16 @@ from tests.kernel_harness import make_spec
 # (arch, dtype, D, BLOCK_M, BLOCK_N, stages) -> bytes Triton 3.6 reported for the compiled
 # template (launch-time specialization); the model must never be below these.
 COMPILED_SMEM = [
-    ("sm90", 2, 128, 128, 128, 3, 229376), ("sm90", 2, 128, 128, 64, 2, 98304),
-    ("sm90", 2, 256, 64, 128, 2, 294912), ("sm90", 2, 256, 64, 64, 2, 163840),
-    ("sm90", 2, 128, 32, 32, 2, 26624), ("sm80", 2, 128, 128, 64, 3, 98304),
-    ("sm80", 2, 128, 64, 128, 2, 98304), ("sm80", 2, 256, 128, 128, 2, 229376),
-    ("sm80", 4, 64, 128, 128, 2, 164352), ("sm86", 2, 128, 64, 64, 3, 90112),
+    ("sm90", 2, 128, 128, 128, 3, 229376),
+    ("sm90", 2, 128, 128, 64, 2, 98304),
+    ("sm90", 2, 256, 64, 128, 2, 294912),
+    ("sm90", 2, 256, 64, 64, 2, 163840),
+    ("sm90", 2, 128, 32, 32, 2, 26624),
+    ("sm80", 2, 128, 128, 64, 3, 98304),
+    ("sm80", 2, 128, 64, 128, 2, 98304),
+    ("sm80", 2, 256, 128, 128, 2, 229376),
+    ("sm80", 4, 64, 128, 128, 2, 164352),
+    ("sm86", 2, 128, 64, 64, 3, 90112),
 ]
 
 
@@ -31,8 +36,9 @@ def test_smem_model_is_exact_or_above_the_compiler(arch, e, d, bm, bn, s, compil
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-@pytest.mark.parametrize("dtype, head_dim", [("bf16", 64), ("bf16", 128), ("fp16", 96),
-                                             ("bf16", 256), ("fp32", 128)])
+@pytest.mark.parametrize(
+    "dtype, head_dim", [("bf16", 64), ("bf16", 128), ("fp16", 96), ("bf16", 256), ("fp32", 128)]
+)
 def test_chosen_config_is_feasible_and_best(arch, dtype, head_dim):
     spec = make_spec(dtype=dtype, head_dim=head_dim, archs=[arch])
     derivation = derive_tiles(spec, arch)
@@ -84,8 +90,7 @@ def test_spec_no_arch_can_serve_is_refused_before_rendering(monkeypatch):
 def test_wave_efficiency_counts_rounds_of_resident_programs():
     # 32 heads x 4096 tokens on sm80's 108 SMs: 128-row tiles give 1024 programs, 9.48 rounds
     # of 108 at one program per SM, so the tenth round is 48% busy; the score carries it.
-    spec = make_spec(dtype="bf16", head_dim=128, num_q_heads=32, num_kv_heads=8,
-                     archs=["sm80"])
+    spec = make_spec(dtype="bf16", head_dim=128, num_q_heads=32, num_kv_heads=8, archs=["sm80"])
     arch = ARCHS["sm80"]
     for cand in derive_tiles(spec, "sm80").candidates:
         if not cand.feasible:
@@ -119,8 +124,9 @@ def test_occupancy_counts_the_driver_reserve_per_block(arch):
 def test_the_h200_fits_two_64x64_programs_at_d128_exactly():
     """The measured case behind `smem_block_cost`: 115712 B + 1 KiB, twice, is the SM's
     228 KiB, and that config was 1.5x faster than its variant asking 24 bytes more."""
-    spec = make_spec(dtype="bf16", head_dim=128, archs=["sm90"], mask="causal",
-                     causal_align="bottom_right")
+    spec = make_spec(
+        dtype="bf16", head_dim=128, archs=["sm90"], mask="causal", causal_align="bottom_right"
+    )
     by_config = {c.config: c for c in derive_tiles(spec, "sm90").candidates}
     cand = by_config[TileConfig(64, 64, 4, 3)]
     assert cand.smem_bytes == 115712 and cand.programs_per_sm == 2

@@ -35,17 +35,26 @@ PADDED_DIMS = (16, 32, 64, 128, 256)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-@pytest.mark.parametrize("tma, pipelined, dropout", [(True, True, False), (False, True, False),
-                                                     (False, False, False), (True, True, True),
-                                                     (False, False, True)])
-def test_compiled_model_equals_the_exact_expressions(arch: str, tma: bool, pipelined: bool,
-                                                      dropout: bool) -> None:
+@pytest.mark.parametrize(
+    "tma, pipelined, dropout",
+    [
+        (True, True, False),
+        (False, True, False),
+        (False, False, False),
+        (True, True, True),
+        (False, False, True),
+    ],
+)
+def test_compiled_model_equals_the_exact_expressions(
+    arch: str, tma: bool, pipelined: bool, dropout: bool
+) -> None:
     gpu = ARCHS[arch]
     smem_f, regs_f = numeric_model(gpu, tma, pipelined, dropout)
     smem_expr = smem_expression(gpu, tma, pipelined, dropout)
     regs_expr = regs_expression(gpu, pipelined, dropout)
-    tiles = list(itertools.product(BLOCK_M_CHOICES, BLOCK_N_CHOICES, NUM_STAGES_CHOICES,
-                                   NUM_WARPS_CHOICES))
+    tiles = list(
+        itertools.product(BLOCK_M_CHOICES, BLOCK_N_CHOICES, NUM_STAGES_CHOICES, NUM_WARPS_CHOICES)
+    )
     checked = 0
     for d, e in itertools.product(PADDED_DIMS, (2, 4)):
         for dv in (d, 16, 256):  # equal dims, and the extremes of a differing value dim
@@ -61,8 +70,9 @@ def test_compiled_model_equals_the_exact_expressions(arch: str, tma: bool, pipel
 
 def test_worked_formula_is_the_active_branch() -> None:
     gpu = ARCHS["sm90"]
-    for tma, bm, bn, s, d in itertools.product((True, False), (16, 64, 128), (32, 128),
-                                               (1, 3), (64, 256)):
+    for tma, bm, bn, s, d in itertools.product(
+        (True, False), (16, 64, 128), (32, 128), (1, 3), (64, 256)
+    ):
         values = dict(zip(MODEL_SYMBOLS, (bm, bn, s, 4, d, d, 2), strict=True))
         for expr in (smem_expression(gpu, tma), regs_expression(gpu)):
             assert active_formula(expr, values) == str(active_branch(expr, values))

@@ -26,9 +26,16 @@ LAYERS = 2
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=128, dtype="float32")
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        dtype="float32",
+    )
     specs = attngen.spec_from_config(config, archs=["sm90"], name="tiny_llama")
     folder = tmp_path_factory.mktemp("llama_kernels")
     write_build(plan_build(specs), folder)
@@ -44,9 +51,16 @@ def llama(tmp_path_factory):
 def _generate(model, implementation, ids, mask):
     model.set_attn_implementation(implementation)
     with torch.no_grad():
-        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                              min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-                              output_logits=True, return_dict_in_generate=True)
+        return model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
 
 
 def _prompts(padded: bool):
@@ -75,8 +89,9 @@ def test_generate_matches_sdpa(llama, padded, kind):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=f"logits of step {step}")
     # one prefill forward and NEW_TOKENS - 1 decode forwards, each through every layer
     assert len(log) == LAYERS * NEW_TOKENS
-    assert all(d.fallback is None and d.module == f"sm90/tiny_llama_{kind}_fp32_d16_causal_br"
-               for d in log)
+    assert all(
+        d.fallback is None and d.module == f"sm90/tiny_llama_{kind}_fp32_d16_causal_br" for d in log
+    )
     prefill, decode = log[:LAYERS], log[LAYERS:]
     assert all(d.need.seqlen_q == 9 and d.api == "transformers" for d in prefill)
     assert all(d.need.seqlen_q == 1 for d in decode)

@@ -25,8 +25,14 @@ from attngen.runtime.hf import ChunkedKeys, attngen_attention
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
 from attngen.spec import specs_from_data
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            max_position_embeddings=128, dtype="float32")
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    max_position_embeddings=128,
+    dtype="float32",
+)
 
 
 def _logits(model, implementation, ids):
@@ -62,8 +68,7 @@ def _same_as_eager(model, prompt: int, new_tokens: int):
     for implementation in ("eager", "attngen"):
         model.set_attn_implementation(implementation)
         with torch.no_grad():
-            tokens[implementation] = model.generate(ids, max_new_tokens=new_tokens,
-                                                    do_sample=False)
+            tokens[implementation] = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
     assert torch.equal(tokens["attngen"], tokens["eager"])
     return [d.module for d in log]
 
@@ -80,22 +85,37 @@ def test_llama4_chunked_layers_equal_eager(tmp_path, registry_saved):
     """Chunk size 8, sequence 24 (three chunks; plain causal attention differs), then greedy
     tokens past the prompt, where the chunked layers' caches keep only the last 7 keys."""
     config = transformers.Llama4TextConfig(
-        **TINY, intermediate_size_mlp=128, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, attention_chunk_size=8, num_local_experts=2, num_experts_per_tok=1,
-        layer_types=["chunked_attention", "full_attention"])
+        **TINY,
+        intermediate_size_mlp=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_chunk_size=8,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        layer_types=["chunked_attention", "full_attention"],
+    )
     specs = _build_from_config(tmp_path, config)
     assert [s.name for s in specs] == ["tiny_chunked", "tiny_global"]
     torch.manual_seed(0)
     model = transformers.Llama4ForCausalLM(config).eval()
     modules = _same_as_eager(model, 24, 6)
-    assert modules == ["sm90/tiny_chunked_prefill_fp32_d16_chunk8_br",
-                       "sm90/tiny_global_prefill_fp32_d16_causal_br"]
+    assert modules == [
+        "sm90/tiny_chunked_prefill_fp32_d16_chunk8_br",
+        "sm90/tiny_global_prefill_fp32_d16_causal_br",
+    ]
 
 
 def test_gpt_oss_sinks_equal_eager(tmp_path, registry_saved):
     config = transformers.GptOssConfig(
-        **TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
-        num_experts_per_tok=1, sliding_window=8)
+        **TINY,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        sliding_window=8,
+    )
     _build_from_config(tmp_path, config)
     torch.manual_seed(0)
     model = transformers.GptOssForCausalLM(config).eval()
@@ -103,13 +123,16 @@ def test_gpt_oss_sinks_equal_eager(tmp_path, registry_saved):
         for layer in model.model.layers:
             layer.self_attn.sinks.normal_(0.0, 2.0)
     modules = _same_as_eager(model, 20, 6)
-    assert modules == ["sm90/tiny_local_prefill_fp32_d16_win7x0_br_sinks",
-                       "sm90/tiny_global_prefill_fp32_d16_causal_br_sinks"]
+    assert modules == [
+        "sm90/tiny_local_prefill_fp32_d16_win7x0_br_sinks",
+        "sm90/tiny_global_prefill_fp32_d16_causal_br_sinks",
+    ]
     # Training through forward-only modules is refused by name.
     model.set_attn_implementation("attngen")
     loss = model(input_ids=_ids(12)).logits.sum()
-    with pytest.raises(NotImplementedError, match="forward-only .built from a spec without "
-                                                  "backward: true"):
+    with pytest.raises(
+        NotImplementedError, match="forward-only .built from a spec without backward: true"
+    ):
         loss.backward()
 
 
@@ -117,8 +140,14 @@ def test_gpt_oss_training_equals_eager(tmp_path, registry_saved):
     """loss.backward() through modules built with backward: true: every parameter's gradient,
     the layers' sinks (an nn.Parameter, s_aux) among them, equals eager's."""
     config = transformers.GptOssConfig(
-        **TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
-        num_experts_per_tok=1, sliding_window=8)
+        **TINY,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        sliding_window=8,
+    )
     data = spec_data_from_config(config, archs=["sm90"], dtype="fp32", name="tiny")
     folder = tmp_path / "trained"
     write_build(plan_build(specs_from_data({**data, "backward": True})), folder)
@@ -135,10 +164,13 @@ def test_gpt_oss_training_equals_eager(tmp_path, registry_saved):
         model.set_attn_implementation(implementation)
         with attngen.dispatch_log() as log:
             model(input_ids=ids, labels=ids).loss.backward()
-        grads[implementation] = {name: p.grad.clone() for name, p in model.named_parameters()
-                                 if p.grad is not None}
-    assert [d.module for d in log] == ["sm90/tiny_local_prefill_fp32_d16_win7x0_br_sinks_bwd",
-                                       "sm90/tiny_global_prefill_fp32_d16_causal_br_sinks_bwd"]
+        grads[implementation] = {
+            name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None
+        }
+    assert [d.module for d in log] == [
+        "sm90/tiny_local_prefill_fp32_d16_win7x0_br_sinks_bwd",
+        "sm90/tiny_global_prefill_fp32_d16_causal_br_sinks_bwd",
+    ]
     assert grads["attngen"].keys() == grads["eager"].keys()
     sinks = [name for name in grads["eager"] if name.endswith("self_attn.sinks")]
     assert len(sinks) == 2 and all(grads["eager"][name].abs().max() > 1e-3 for name in sinks)
@@ -146,20 +178,35 @@ def test_gpt_oss_training_equals_eager(tmp_path, registry_saved):
     # only (a few fp32 ulps of O(1) values), far below 1e-5 in the parameters' gradients,
     # while a missing sink term or a wrong mask moves them by O(1e-2).
     for name, expected in grads["eager"].items():
-        torch.testing.assert_close(grads["attngen"][name], expected, rtol=1e-4, atol=1e-5,
-                                   msg=name)
+        torch.testing.assert_close(grads["attngen"][name], expected, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_deepseek_v3_latent_attention_equals_eager(tmp_path, registry_saved):
     config = transformers.DeepseekV3Config(
-        **TINY, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
-        q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
-        v_head_dim=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-        n_group=1, topk_group=1, first_k_dense_replace=1,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        **TINY,
+        moe_intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     mla, absorbed = _build_from_config(tmp_path, config)
     assert (mla.head_dim, mla.value_head_dim, absorbed.head_dim, absorbed.value_head_dim) == (
-        32, 16, 48, 32)
+        32,
+        16,
+        48,
+        32,
+    )
     torch.manual_seed(0)
     model = transformers.DeepseekV3ForCausalLM(config).eval()
     modules = _same_as_eager(model, 12, 4)
@@ -174,16 +221,22 @@ class _Layer(torch.nn.Module):
         self.layer_idx, self.is_causal = layer_idx, True
 
 
-@pytest.mark.parametrize(("layer", "kwargs", "message"), [
-    (_Layer(), dict(position_bias=torch.zeros(1)), "position_bias: a position bias"),
-    (_Layer(), dict(indices=torch.zeros(1)), "indices: sparse attention"),
-    (_Layer(), dict(sinks=torch.zeros(4)), "sinks: attention sinks under a name"),
-    (_Layer(), dict(s_aux=torch.zeros(3)), r"s_aux: got shape \(3,\)"),
-    (_Layer(["full_attention", "compressed_sparse_attention"], layer_idx=1), {},
-     "layer 1 is a 'compressed_sparse_attention' layer"),
-    (_Layer(chunk=8), {}, "attention_chunk_size=8"),
-    (_Layer(["chunked_attention"]), {}, "config.attention_chunk_size is None"),
-])
+@pytest.mark.parametrize(
+    ("layer", "kwargs", "message"),
+    [
+        (_Layer(), dict(position_bias=torch.zeros(1)), "position_bias: a position bias"),
+        (_Layer(), dict(indices=torch.zeros(1)), "indices: sparse attention"),
+        (_Layer(), dict(sinks=torch.zeros(4)), "sinks: attention sinks under a name"),
+        (_Layer(), dict(s_aux=torch.zeros(3)), r"s_aux: got shape \(3,\)"),
+        (
+            _Layer(["full_attention", "compressed_sparse_attention"], layer_idx=1),
+            {},
+            "layer 1 is a 'compressed_sparse_attention' layer",
+        ),
+        (_Layer(chunk=8), {}, "attention_chunk_size=8"),
+        (_Layer(["chunked_attention"]), {}, "config.attention_chunk_size is None"),
+    ],
+)
 def test_score_changing_arguments_and_layers_are_refused(layer, kwargs, message):
     q = torch.randn(1, 4, 3, 16)
     k = v = torch.randn(1, 2, 3, 16)
@@ -191,10 +244,17 @@ def test_score_changing_arguments_and_layers_are_refused(layer, kwargs, message)
         attngen_attention(layer, q, k, v, None, **kwargs)
 
 
-@pytest.mark.parametrize(("padding", "seqlen_q", "message"), [
-    (torch.ones(1, 8, dtype=torch.bool), 1, "with padding and a cache that starts at position 17"),
-    (None, 3, "queries in the chunk that the cache holds only the end of"),
-])
+@pytest.mark.parametrize(
+    ("padding", "seqlen_q", "message"),
+    [
+        (
+            torch.ones(1, 8, dtype=torch.bool),
+            1,
+            "with padding and a cache that starts at position 17",
+        ),
+        (None, 3, "queries in the chunk that the cache holds only the end of"),
+    ],
+)
 def test_chunked_caches_the_kernels_cannot_count_from_are_refused(padding, seqlen_q, message):
     """A chunked layer's cache that starts at position 17 (chunk 8): the first 7 keys end the
     chunk of positions 16..23, and the kernels count chunks from key 0."""

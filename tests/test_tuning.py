@@ -30,17 +30,29 @@ def _fake_timer(fn) -> float:
 
 def _write_entry(folder: Path, config: TileConfig, spec=SPEC) -> None:
     folder.mkdir(exist_ok=True)
-    entry = {"config": config.as_dict(), "gpu": "NVIDIA H200", "triton": "3.6.0",
-             "date": "2026-11-30", "complete": True, "median_ms": {"tiny": 1.0}}
-    data = {"schema": TUNING_SCHEMA, "arch": "sm90",
-            "entries": {entry_key(spec, KernelKind.prefill): entry}}
+    entry = {
+        "config": config.as_dict(),
+        "gpu": "NVIDIA H200",
+        "triton": "3.6.0",
+        "date": "2026-11-30",
+        "complete": True,
+        "median_ms": {"tiny": 1.0},
+    }
+    data = {
+        "schema": TUNING_SCHEMA,
+        "arch": "sm90",
+        "entries": {entry_key(spec, KernelKind.prefill): entry},
+    }
     (folder / "sm90.json").write_text(json.dumps(data))
 
 
 def test_build_uses_a_tuned_config_and_says_so(tmp_path):
     heuristic = derive_tiles(SPEC, "sm90").chosen
-    tuned = next(c.config for c in derive_tiles(SPEC, "sm90").candidates
-                 if c.feasible and c.config != heuristic)
+    tuned = next(
+        c.config
+        for c in derive_tiles(SPEC, "sm90").candidates
+        if c.feasible and c.config != heuristic
+    )
     _write_entry(tmp_path, tuned)
     (artifact,) = plan_build([SPEC], tmp_path)
     assert f"BLOCK_M={tuned.block_m}, BLOCK_N={tuned.block_n}" in artifact.source
@@ -61,11 +73,14 @@ def test_an_infeasible_tuned_config_is_refused_not_used(tmp_path):
         plan_build([SPEC], tmp_path)
 
 
-@pytest.mark.parametrize("text, message", [
-    ('{"schema": 99, "arch": "sm90", "entries": {}}', "schema 99"),
-    ("not json", "not JSON"),
-    ('{"schema": 2, "arch": "sm80", "entries": {}}', "expected arch 'sm90'"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"schema": 99, "arch": "sm90", "entries": {}}', "schema 99"),
+        ("not json", "not JSON"),
+        ('{"schema": 2, "arch": "sm80", "entries": {}}', "expected arch 'sm90'"),
+    ],
+)
 def test_unreadable_tuning_files_are_refused(tmp_path, text, message):
     (tmp_path / "sm90.json").write_text(text)
     with pytest.raises(TuningError, match=message):
@@ -74,8 +89,17 @@ def test_unreadable_tuning_files_are_refused(tmp_path, text, message):
 
 def test_autotune_loop_records_a_winner_and_resumes(tmp_path, monkeypatch):
     console = Console(file=open(tmp_path / "log.txt", "w"), width=200)
-    outcomes = autotune([SPEC], tmp_path, budget_s=120, max_configs=3, arch="sm90",
-                        console=console, device="cpu", buckets=TINY, timer=_fake_timer)
+    outcomes = autotune(
+        [SPEC],
+        tmp_path,
+        budget_s=120,
+        max_configs=3,
+        arch="sm90",
+        console=console,
+        device="cpu",
+        buckets=TINY,
+        timer=_fake_timer,
+    )
     (outcome,) = outcomes
     assert outcome.winner is not None and outcome.tried == 3 and outcome.complete
     db = read_tuning_file(tmp_path / "sm90.json")
@@ -85,13 +109,23 @@ def test_autotune_loop_records_a_winner_and_resumes(tmp_path, monkeypatch):
     winner = next(c for c in derive_tiles(SPEC, "sm90").candidates if c.config == outcome.winner)
     assert entry["programs_per_sm"] == winner.programs_per_sm  # the occupancy it ran at
     # The heuristic's choice is always among the candidates.
-    assert "x".join(map(str, derive_tiles(SPEC, "sm90").chosen.as_dict().values())) in \
-        entry["candidates"]
+    assert (
+        "x".join(map(str, derive_tiles(SPEC, "sm90").chosen.as_dict().values()))
+        in entry["candidates"]
+    )
     # A second run finds every measurement in the progress file and measures nothing.
     calls = []
-    again = autotune([SPEC], tmp_path, budget_s=120, max_configs=3, arch="sm90",
-                     console=console, device="cpu", buckets=TINY,
-                     timer=lambda fn: calls.append(fn) or 1.0)
+    again = autotune(
+        [SPEC],
+        tmp_path,
+        budget_s=120,
+        max_configs=3,
+        arch="sm90",
+        console=console,
+        device="cpu",
+        buckets=TINY,
+        timer=lambda fn: calls.append(fn) or 1.0,
+    )
     assert calls == [] and again[0].winner == outcome.winner
     # And the build picks the winner up.
     (artifact,) = plan_build([SPEC], tmp_path)
@@ -100,15 +134,33 @@ def test_autotune_loop_records_a_winner_and_resumes(tmp_path, monkeypatch):
     # different digest) every candidate is measured again.
     monkeypatch.setattr("attngen.tuning.autotune.kernel_digest", lambda module: "changed-kernel")
     calls = []
-    autotune([SPEC], tmp_path, budget_s=120, max_configs=3, arch="sm90", console=console,
-             device="cpu", buckets=TINY, timer=lambda fn: calls.append(fn) or 1.0)
+    autotune(
+        [SPEC],
+        tmp_path,
+        budget_s=120,
+        max_configs=3,
+        arch="sm90",
+        console=console,
+        device="cpu",
+        buckets=TINY,
+        timer=lambda fn: calls.append(fn) or 1.0,
+    )
     assert len(calls) == 3 * len(TINY)
 
 
 def test_autotune_budget_stops_early_and_marks_the_search_partial(tmp_path):
     console = Console(file=open(tmp_path / "log.txt", "w"), width=200)
-    (outcome,) = autotune([SPEC], tmp_path, budget_s=0.0, max_configs=3, arch="sm90",
-                          console=console, device="cpu", buckets=TINY, timer=_fake_timer)
+    (outcome,) = autotune(
+        [SPEC],
+        tmp_path,
+        budget_s=0.0,
+        max_configs=3,
+        arch="sm90",
+        console=console,
+        device="cpu",
+        buckets=TINY,
+        timer=_fake_timer,
+    )
     assert outcome.tried == 0 and not outcome.complete and outcome.winner is None
 
 
@@ -141,9 +193,11 @@ def test_per_length_winners_switch_only_on_a_clear_gain_and_merge_neighbours():
     from attngen.tuning.autotune import BUCKETS, SWITCH_GAIN, per_length_winners
 
     short, mid, long = (b.name for b in BUCKETS)
-    times = {"big": {short: 1.00, mid: 1.00, long: 1.00},
-             "small": {short: 0.90, mid: 1.05, long: 1.20},
-             "close": {short: 0.99, mid: 1 - SWITCH_GAIN / 2, long: 1.10}}
+    times = {
+        "big": {short: 1.00, mid: 1.00, long: 1.00},
+        "small": {short: 0.90, mid: 1.05, long: 1.20},
+        "close": {short: 0.99, mid: 1 - SWITCH_GAIN / 2, long: 1.10},
+    }
     assert per_length_winners(times, BUCKETS) == ("big", [(2048, "small")])
     times["small"][mid] = 0.95  # now also clearly faster at N = 4096: one range to 4096
     assert per_length_winners(times, BUCKETS) == ("big", [(4096, "small")])
@@ -159,20 +213,39 @@ def test_per_length_winners_switch_only_on_a_clear_gain_and_merge_neighbours():
 def test_shorter_configs_reach_the_module_which_picks_by_length(tmp_path):
     from tests.kernel_harness import assert_matches_reference, make_inputs
 
-    spec = make_spec(dtype="fp16", head_dim=64, archs=["sm90"], name="tuned",
-                     kernels=["prefill", "varlen"], mask="causal", causal_align="bottom_right")
+    spec = make_spec(
+        dtype="fp16",
+        head_dim=64,
+        archs=["sm90"],
+        name="tuned",
+        kernels=["prefill", "varlen"],
+        mask="causal",
+        causal_align="bottom_right",
+    )
     long_config, short_config = TileConfig(32, 32, 4, 2), TileConfig(16, 16, 4, 2)
     folder = tmp_path / "tuning"
     folder.mkdir()
-    entry = {"config": long_config.as_dict(), "gpu": "NVIDIA H200", "triton": "3.6.0",
-             "date": "2026-11-30", "complete": True, "median_ms": {"tiny": 1.0},
-             "shorter": [{"up_to": 40, "config": short_config.as_dict()}]}
-    (folder / "sm90.json").write_text(json.dumps({
-        "schema": TUNING_SCHEMA, "arch": "sm90",
-        "entries": {entry_key(spec, KernelKind.prefill): entry}}))
+    entry = {
+        "config": long_config.as_dict(),
+        "gpu": "NVIDIA H200",
+        "triton": "3.6.0",
+        "date": "2026-11-30",
+        "complete": True,
+        "median_ms": {"tiny": 1.0},
+        "shorter": [{"up_to": 40, "config": short_config.as_dict()}],
+    }
+    (folder / "sm90.json").write_text(
+        json.dumps(
+            {
+                "schema": TUNING_SCHEMA,
+                "arch": "sm90",
+                "entries": {entry_key(spec, KernelKind.prefill): entry},
+            }
+        )
+    )
     artifacts = {a.entry["kind"]: a for a in plan_build([spec], folder)}
     prefill = artifacts["prefill"]
-    assert "CONFIGS_BY_SEQLEN = [\n    (40, {\"BLOCK_M\": 16, \"BLOCK_N\": 16" in prefill.source
+    assert 'CONFIGS_BY_SEQLEN = [\n    (40, {"BLOCK_M": 16, "BLOCK_N": 16' in prefill.source
     assert "sequences up to 40: 16x16, 4 warps, 2 stages" in prefill.source  # the header
     assert "config_for" in artifacts["varlen"].source  # varlen borrows prefill's entry
     text = "\n".join(explain_lines([spec], ["sm90"], folder))
@@ -193,26 +266,50 @@ def test_shorter_configs_reach_the_module_which_picks_by_length(tmp_path):
     # A shorter config the model calls infeasible is refused like the main one.
     infeasible = next(c.config for c in derive_tiles(spec, "sm90").candidates if not c.feasible)
     entry["shorter"][0]["config"] = infeasible.as_dict()
-    (folder / "sm90.json").write_text(json.dumps({
-        "schema": TUNING_SCHEMA, "arch": "sm90",
-        "entries": {entry_key(spec, KernelKind.prefill): entry}}))
+    (folder / "sm90.json").write_text(
+        json.dumps(
+            {
+                "schema": TUNING_SCHEMA,
+                "arch": "sm90",
+                "entries": {entry_key(spec, KernelKind.prefill): entry},
+            }
+        )
+    )
     with pytest.raises(TuningError, match="infeasible under the current model"):
         plan_build([spec], folder)
 
 
 def test_a_tuned_config_that_lost_programs_per_sm_is_refused(tmp_path):
     cand = next(c for c in derive_tiles(SPEC, "sm90").candidates if c.feasible)
-    entry = {"config": cand.config.as_dict(), "gpu": "NVIDIA H200", "triton": "3.6.0",
-             "date": "2026-11-30", "complete": True, "median_ms": {"tiny": 1.0},
-             "programs_per_sm": cand.programs_per_sm}
-    tmp_path.joinpath("sm90.json").write_text(json.dumps({
-        "schema": TUNING_SCHEMA, "arch": "sm90",
-        "entries": {entry_key(SPEC, KernelKind.prefill): entry}}))
+    entry = {
+        "config": cand.config.as_dict(),
+        "gpu": "NVIDIA H200",
+        "triton": "3.6.0",
+        "date": "2026-11-30",
+        "complete": True,
+        "median_ms": {"tiny": 1.0},
+        "programs_per_sm": cand.programs_per_sm,
+    }
+    tmp_path.joinpath("sm90.json").write_text(
+        json.dumps(
+            {
+                "schema": TUNING_SCHEMA,
+                "arch": "sm90",
+                "entries": {entry_key(SPEC, KernelKind.prefill): entry},
+            }
+        )
+    )
     (artifact,) = plan_build([SPEC], tmp_path)  # as measured: used
     assert artifact.entry["config"] == cand.config.as_dict()
     entry["programs_per_sm"] = cand.programs_per_sm + 1  # measured with more than fits now
-    tmp_path.joinpath("sm90.json").write_text(json.dumps({
-        "schema": TUNING_SCHEMA, "arch": "sm90",
-        "entries": {entry_key(SPEC, KernelKind.prefill): entry}}))
+    tmp_path.joinpath("sm90.json").write_text(
+        json.dumps(
+            {
+                "schema": TUNING_SCHEMA,
+                "arch": "sm90",
+                "entries": {entry_key(SPEC, KernelKind.prefill): entry},
+            }
+        )
+    )
     with pytest.raises(TuningError, match="programs per SM.*re-run attngen autotune"):
         plan_build([SPEC], tmp_path)

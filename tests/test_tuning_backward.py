@@ -30,8 +30,13 @@ from tests.kernel_harness import make_spec
 
 SPEC = make_spec(dtype="fp16", head_dim=64, archs=["sm90"], name="trained", backward=True)
 TINY = BackwardOptions(max_configs=2, buckets=(Bucket("tiny", 1, 40),), gate_shape=(1, 21, 37))
-H200 = {"gpu": "NVIDIA H200", "triton": "3.6.0", "date": "2026-11-30", "complete": True,
-        "median_ms": {"train_n4096": 1.0}}
+H200 = {
+    "gpu": "NVIDIA H200",
+    "triton": "3.6.0",
+    "date": "2026-11-30",
+    "complete": True,
+    "median_ms": {"train_n4096": 1.0},
+}
 
 
 def _other_feasible(kernel: str):
@@ -41,8 +46,9 @@ def _other_feasible(kernel: str):
 
 def _write(folder, entries: dict) -> None:
     folder.mkdir(exist_ok=True)
-    (folder / "sm90.json").write_text(json.dumps(
-        {"schema": TUNING_SCHEMA, "arch": "sm90", "entries": entries}))
+    (folder / "sm90.json").write_text(
+        json.dumps({"schema": TUNING_SCHEMA, "arch": "sm90", "entries": entries})
+    )
 
 
 def _import(source: str, path):
@@ -55,8 +61,16 @@ def _import(source: str, path):
 
 def test_a_tuned_dkdv_entry_reaches_the_module_and_explain(tmp_path):
     tuned = _other_feasible("dkdv")
-    _write(tmp_path / "tuning", {backward_entry_key(SPEC, "dkdv"): {
-        **H200, "config": tuned.config.as_dict(), "programs_per_sm": tuned.programs_per_sm}})
+    _write(
+        tmp_path / "tuning",
+        {
+            backward_entry_key(SPEC, "dkdv"): {
+                **H200,
+                "config": tuned.config.as_dict(),
+                "programs_per_sm": tuned.programs_per_sm,
+            }
+        },
+    )
     (artifact,) = plan_build([SPEC], tmp_path / "tuning")
     module = _import(artifact.source, tmp_path / "tuned_bwd.py")
     heuristic = derive_backward_tiles(SPEC, "sm90")
@@ -66,8 +80,10 @@ def test_a_tuned_dkdv_entry_reaches_the_module_and_explain(tmp_path):
     assert f"dK/dV kernel: {tuned.config.block_m}x{tuned.config.block_n}" in artifact.source
     assert source in artifact.source
     text = "\n".join(explain_lines([SPEC], ["sm90"], tmp_path / "tuning"))
-    assert f"dK/dV kernel: {tuned.config.block_m}x{tuned.config.block_n}, " \
-           f"{tuned.config.num_warps} warps, {tuned.config.num_stages} stages ({source})" in text
+    assert (
+        f"dK/dV kernel: {tuned.config.block_m}x{tuned.config.block_n}, "
+        f"{tuned.config.num_warps} warps, {tuned.config.num_stages} stages ({source})" in text
+    )
     assert "dQ kernel: " in text and text.count(source) == 1
 
 
@@ -76,16 +92,21 @@ def test_without_backward_entries_the_module_is_unchanged(tmp_path):
     plain = plan_build([SPEC])[0].source
     assert plan_build([SPEC], tmp_path)[0].source == plain
     # A forward entry changes CONFIG, never the gradient kernels' configs or lines.
-    forward = next(c.config for c in derive_tiles(SPEC, "sm90").candidates
-                   if c.feasible and c.config != derive_tiles(SPEC, "sm90").chosen)
-    _write(tmp_path, {entry_key(SPEC, KernelKind.prefill): {**H200,
-                                                            "config": forward.as_dict()}})
+    forward = next(
+        c.config
+        for c in derive_tiles(SPEC, "sm90").candidates
+        if c.feasible and c.config != derive_tiles(SPEC, "sm90").chosen
+    )
+    _write(tmp_path, {entry_key(SPEC, KernelKind.prefill): {**H200, "config": forward.as_dict()}})
     tuned = plan_build([SPEC], tmp_path)[0].source
 
     def backward_lines(source):
-        return [line for line in source.splitlines()
-                if line.startswith("BWD_")
-                or line.lstrip("# ").startswith(("dQ kernel", "dK/dV kernel"))]
+        return [
+            line
+            for line in source.splitlines()
+            if line.startswith("BWD_")
+            or line.lstrip("# ").startswith(("dQ kernel", "dK/dV kernel"))
+        ]
 
     assert tuned != plain and backward_lines(tuned) == backward_lines(plain)
     assert len(backward_lines(plain)) == 4
@@ -94,18 +115,22 @@ def test_without_backward_entries_the_module_is_unchanged(tmp_path):
 def test_backward_entry_keys_name_the_kernel():
     keys = {backward_entry_key(SPEC, kernel) for kernel in ("dq", "dkdv")}
     assert {key.split("/")[1] for key in keys} == {"backward_dq", "backward_dkdv"}
-    assert {key.split("/")[0] for key in keys} == {entry_key(SPEC, KernelKind.prefill)
-                                                   .split("/")[0]}
+    assert {key.split("/")[0] for key in keys} == {
+        entry_key(SPEC, KernelKind.prefill).split("/")[0]
+    }
     with pytest.raises(ValueError, match="kernel: 'dv'"):
         backward_entry_key(SPEC, "dv")
 
 
-@pytest.mark.parametrize("change, message", [
-    ("infeasible", "infeasible under the current model"),
-    ("shorter", "one config for every length"),
-    ("occupancy", "programs per SM"),
-    ("malformed", "malformed"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ("infeasible", "infeasible under the current model"),
+        ("shorter", "one config for every length"),
+        ("occupancy", "programs per SM"),
+        ("malformed", "malformed"),
+    ],
+)
 def test_unusable_backward_entries_are_refused(tmp_path, change, message):
     derivation = derive_backward_tiles(SPEC, "sm90").dq
     cand = next(c for c in derivation.candidates if c.feasible)
@@ -124,8 +149,9 @@ def test_unusable_backward_entries_are_refused(tmp_path, change, message):
 
 
 def test_backward_candidates_start_with_the_heuristic_and_stay_feasible():
-    llama = make_spec(dtype="bf16", head_dim=128, num_q_heads=32, num_kv_heads=8,
-                      archs=["sm90"], backward=True)
+    llama = make_spec(
+        dtype="bf16", head_dim=128, num_q_heads=32, num_kv_heads=8, archs=["sm90"], backward=True
+    )
     derivations = derive_backward_tiles(llama, "sm90")
     plans = backward_candidates(llama, "sm90", 6)
     for kernel in ("dq", "dkdv"):
@@ -136,18 +162,29 @@ def test_backward_candidates_start_with_the_heuristic_and_stay_feasible():
     # dK/dV's best-scoring shape, 64x64 with 8 warps, is one the register model calls may
     # spill; it is measured at both stage counts (2 stages compiles without spilling).
     dkdv = [c.config for c in plans["dkdv"][1]]
-    assert {(64, 64, 8, 2), (64, 64, 8, 3)} <= {(c.block_m, c.block_n, c.num_warps,
-                                                 c.num_stages) for c in dkdv}
+    assert {(64, 64, 8, 2), (64, 64, 8, 3)} <= {
+        (c.block_m, c.block_n, c.num_warps, c.num_stages) for c in dkdv
+    }
     assert any(c.may_spill(ARCHS["sm90"]) for c in plans["dkdv"][1])
     assert [c.config for c in backward_candidates(llama, "sm90", 1)["dkdv"][1]] == [
-        derivations.dkdv.chosen]
+        derivations.dkdv.chosen
+    ]
 
 
 def _run(tmp_path, timer, **options):
     console = Console(file=open(tmp_path / "log.txt", "a"), width=200)
-    return autotune([SPEC], tmp_path, budget_s=options.pop("budget_s", 600), max_configs=2,
-                    arch="sm90", console=console, device="cpu", timer=timer,
-                    kernels="backward", backward=options.pop("backward", TINY))
+    return autotune(
+        [SPEC],
+        tmp_path,
+        budget_s=options.pop("budget_s", 600),
+        max_configs=2,
+        arch="sm90",
+        console=console,
+        device="cpu",
+        timer=timer,
+        kernels="backward",
+        backward=options.pop("backward", TINY),
+    )
 
 
 def _module():
@@ -173,16 +210,20 @@ def test_autotune_backward_gates_times_each_kernel_alone_and_resumes(tmp_path, m
         """Times from the configs in force (the failing one would be fastest); the launch
         runs only the kernel it was recorded for, not through the module's launch code."""
         module = _module()
-        kernels = {name: getattr(module, name) for name in autotune_backward.KERNEL_FUNCTIONS
-                   .values()}
+        kernels = {
+            name: getattr(module, name) for name in autotune_backward.KERNEL_FUNCTIONS.values()
+        }
         for name in kernels:
             monkeypatch.setattr(module, name, None)
         fn()
         for name, kernel in kernels.items():
             monkeypatch.setattr(module, name, kernel)
         timed.append((dict(module.BWD_DQ_CONFIG), dict(module.BWD_DKDV_CONFIG)))
-        return 0.5 if module.BWD_DKDV_CONFIG == failing.as_dict() else (
-            1.0 if module.BWD_DQ_CONFIG == plans["dq"][0].as_dict() else 0.9)
+        return (
+            0.5
+            if module.BWD_DKDV_CONFIG == failing.as_dict()
+            else (1.0 if module.BWD_DQ_CONFIG == plans["dq"][0].as_dict() else 0.9)
+        )
 
     outcomes = _run(tmp_path, timer)
     assert [o.kernel for o in outcomes] == ["backward_dq", "backward_dkdv"]

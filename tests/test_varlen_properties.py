@@ -50,8 +50,14 @@ def assert_each_sequence_matches(spec, out, lse, q, k, v, lengths_q, lengths_k, 
             return t.transpose(0, 1)[None]
 
         problems = compare_to_reference(
-            spec, heads_first(out[rows_q]), lse[:, rows_q][None], heads_first(q[rows_q]),
-            heads_first(k[rows_k]), heads_first(v[rows_k]), alibi_slopes=slopes)
+            spec,
+            heads_first(out[rows_q]),
+            lse[:, rows_q][None],
+            heads_first(q[rows_q]),
+            heads_first(k[rows_k]),
+            heads_first(v[rows_k]),
+            alibi_slopes=slopes,
+        )
         assert not problems, f"sequence {b}: " + "; ".join(problems)
     covered = cu_q[-1]
     assert torch.all(out[covered:] == 0) and torch.all(lse[:, covered:] == float("-inf"))
@@ -77,20 +83,59 @@ def case(draw):
 @given(case())
 @example(  # GQA 7:1, a sequence with more queries than keys under bottom-right causal, an
     # empty sequence and a one-token sequence in one batch
-    (dict(dtype="fp16", head_dim=64, mask="causal", causal_align="bottom_right",
-          num_kv_heads=1, num_q_heads=7), 16, 16, [33, 0, 1], [17, 0, 1], 0))
+    (
+        dict(
+            dtype="fp16",
+            head_dim=64,
+            mask="causal",
+            causal_align="bottom_right",
+            num_kv_heads=1,
+            num_q_heads=7,
+        ),
+        16,
+        16,
+        [33, 0, 1],
+        [17, 0, 1],
+        0,
+    )
+)
 @example(  # window, softcap and ALiBi, per-sequence top-left alignment, head dim 80
-    (dict(dtype="bf16", head_dim=80, mask="sliding_window", causal_align="top_left",
-          window_left=1, window_right=3, num_kv_heads=1, num_q_heads=2, softcap=30.0,
-          alibi=True), 32, 16, [17, 5], [31, 0], 1))
+    (
+        dict(
+            dtype="bf16",
+            head_dim=80,
+            mask="sliding_window",
+            causal_align="top_left",
+            window_left=1,
+            window_right=3,
+            num_kv_heads=1,
+            num_q_heads=2,
+            softcap=30.0,
+            alibi=True,
+        ),
+        32,
+        16,
+        [17, 5],
+        [31, 0],
+        1,
+    )
+)
 def test_varlen_matches_reference_per_sequence(params):
     fields, block_m, block_n, lengths_q, lengths_k, seed = params
     spec = make_spec(**fields, kernels=["varlen"])
     kernel = load_varlen(spec, block_m, block_n)
     q, k, v, slopes = packed_inputs(spec, lengths_q, lengths_k, seed)
     out, lse = kernel.attention_varlen(
-        q, k, v, cu_seqlens(lengths_q), cu_seqlens(lengths_k), max(lengths_q), max(lengths_k),
-        alibi_slopes=slopes, return_lse=True)
+        q,
+        k,
+        v,
+        cu_seqlens(lengths_q),
+        cu_seqlens(lengths_k),
+        max(lengths_q),
+        max(lengths_k),
+        alibi_slopes=slopes,
+        return_lse=True,
+    )
     assert out.shape == (q.shape[0], spec.num_q_heads, spec.value_head_dim)
     assert lse.shape == (spec.num_q_heads, q.shape[0]) and lse.dtype == torch.float32
     assert_each_sequence_matches(spec, out, lse, q, k, v, lengths_q, lengths_k, slopes)
@@ -99,23 +144,31 @@ def test_varlen_matches_reference_per_sequence(params):
 def test_seqused_k_reads_a_cache_in_place():
     """Keys of sequence b start at cu_seqlens_k[b]; only seqused_k[b] of them are read: the
     rest (NaN here, a cache's unwritten tail) never reach the output."""
-    spec = make_spec(dtype="fp32", head_dim=16, num_q_heads=2, num_kv_heads=1,
-                     kernels=["varlen"])
+    spec = make_spec(dtype="fp32", head_dim=16, num_q_heads=2, num_kv_heads=1, kernels=["varlen"])
     kernel = load_varlen(spec, 16, 16)
     capacity, used = 20, [7, 0, 20]
     q, _, _, _ = packed_inputs(spec, [1, 1, 1], [1], seed=3, pad=0)
     cache = torch.randn(3 * capacity, 1, 16, generator=torch.Generator().manual_seed(4))
     values = torch.randn_like(cache)
     for b, n in enumerate(used):
-        cache[b * capacity + n:(b + 1) * capacity] = float("nan")
+        cache[b * capacity + n : (b + 1) * capacity] = float("nan")
     steps = torch.arange(4, dtype=torch.int32)
-    out, lse = kernel.attention_varlen(q, cache, values, steps, steps * capacity, 1, capacity,
-                                       seqused_k=torch.tensor(used, dtype=torch.int32),
-                                       return_lse=True)
-    dense_k = [cache[b * capacity:b * capacity + n] for b, n in enumerate(used)]
-    dense_v = [values[b * capacity:b * capacity + n] for b, n in enumerate(used)]
-    assert_each_sequence_matches(spec, out, lse, q, torch.cat(dense_k), torch.cat(dense_v),
-                                 [1, 1, 1], used, None)
+    out, lse = kernel.attention_varlen(
+        q,
+        cache,
+        values,
+        steps,
+        steps * capacity,
+        1,
+        capacity,
+        seqused_k=torch.tensor(used, dtype=torch.int32),
+        return_lse=True,
+    )
+    dense_k = [cache[b * capacity : b * capacity + n] for b, n in enumerate(used)]
+    dense_v = [values[b * capacity : b * capacity + n] for b, n in enumerate(used)]
+    assert_each_sequence_matches(
+        spec, out, lse, q, torch.cat(dense_k), torch.cat(dense_v), [1, 1, 1], used, None
+    )
 
 
 def test_varlen_validates_inputs():
@@ -132,6 +185,7 @@ def test_varlen_validates_inputs():
         kernel.attention_varlen(q, k, v, cu, cu, torch.tensor(5), 5)
     with pytest.raises(ValueError, match=r"q: expected rank 3 \[T, H, D\]"):
         kernel.attention_varlen(q[None], k, v, cu, cu, 5, 5)
-    empty = kernel.attention_varlen(q[:0], k[:0], v[:0], cu_seqlens([0, 0]),
-                                    cu_seqlens([0, 0]), 0, 0)
+    empty = kernel.attention_varlen(
+        q[:0], k[:0], v[:0], cu_seqlens([0, 0]), cu_seqlens([0, 0]), 0, 0
+    )
     assert empty.shape == (0, 4, 16)

@@ -84,8 +84,9 @@ def test_every_backward_candidate_of_the_examples_matches_the_compiler_data(spec
     assert summary.mma_agree == summary.compiled  # the model's branch is the compiler's path
     # both kernels' whole grid for each distinct (dtype, D, DV, dropout) of the examples
     trained = [s for s in specs if s.backward]
-    shapes = {backward_key(s, arch, "dq", derive_backward_tiles(s, arch).dq.chosen)[2:6]
-              for s in trained}
+    shapes = {
+        backward_key(s, arch, "dq", derive_backward_tiles(s, arch).dq.chosen)[2:6] for s in trained
+    }
     grid = len(derive_backward_tiles(trained[0], arch).dq.candidates)
     assert len(plan.rows) == 2 * grid * len(shapes)
 
@@ -94,8 +95,7 @@ def test_every_backward_candidate_of_the_examples_matches_the_compiler_data(spec
 def test_recorded_configs_of_other_archs_and_shapes_match(specs, data):
     """Whatever the data has beyond the complete archs (other archs of the examples, the
     branch-covering shapes of tools/verify_specs/backward_shapes.yaml) holds too."""
-    plans = [plan_backward_rows(specs, OTHER_ARCHS),
-             plan_backward_rows(load_specs([SHAPES]), None)]
+    plans = [plan_backward_rows(specs, OTHER_ARCHS), plan_backward_rows(load_specs([SHAPES]), None)]
     checked = 0
     for plan in plans:
         plan.rows = {key: row for key, row in plan.rows.items() if data.get(key) is not None}
@@ -110,8 +110,9 @@ def test_recorded_configs_of_other_archs_and_shapes_match(specs, data):
 def test_live_sample_equals_the_data(specs, data):
     """Two 16-bit records recompiled now (one the model rejects): the same shared memory,
     registers and spills, so the data is what this Triton and these templates produce."""
-    report = verify_tiling(specs, COMPLETE_ARCHS, data, sample=2, seed=sum(map(ord, "bwd")),
-                           planner=plan_backward_rows)
+    report = verify_tiling(
+        specs, COMPLETE_ARCHS, data, sample=2, seed=sum(map(ord, "bwd")), planner=plan_backward_rows
+    )
     assert report.live == 2
     assert not report.failed, [(r.key.label(), r.problems) for r in report.failed]
 
@@ -123,8 +124,16 @@ def test_spec_fields_outside_the_key_leave_shared_memory_alone(data):
     from attngen.verify.compiler import compile_many
 
     fields = dict(dtype="bf16", head_dim=128, backward=True, kernels=["prefill", "varlen"])
-    heavy = make_spec(mask="sliding_window", window_left=100, window_right=3, softcap=30.0,
-                      alibi=True, num_q_heads=8, num_kv_heads=2, **fields)
+    heavy = make_spec(
+        mask="sliding_window",
+        window_left=100,
+        window_right=3,
+        softcap=30.0,
+        alibi=True,
+        num_q_heads=8,
+        num_kv_heads=2,
+        **fields,
+    )
     plain = make_spec(mask="none", num_q_heads=4, num_kv_heads=4, **fields)
     config = derive_backward_tiles(heavy, "sm90").dq.chosen
     jobs = [(heavy, "sm90", config, "dq"), (plain, "sm90", config, "dkdv")]
@@ -137,17 +146,27 @@ def test_spec_fields_outside_the_key_leave_shared_memory_alone(data):
 @needs_data
 def test_cli_checks_the_backward_kernels(tmp_path):
     out = tmp_path / "report.json"
-    result = CliRunner().invoke(app, ["verify-tiling", "--backward",
-                                      str(ROOT / "examples/llama3_8b.yaml"), "--arch", "sm80",
-                                      "--json", str(out)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "verify-tiling",
+            "--backward",
+            str(ROOT / "examples/llama3_8b.yaml"),
+            "--arch",
+            "sm80",
+            "--json",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "result: PASS" in result.output and "0 compiled live" in result.output
     assert "llama3_8b dkdv" in result.output  # the chosen config of each kernel
     report = json.loads(out.read_text())
     assert report["passed"] and len(report["rows"]) == 128
     assert {row["kernel"] for row in report["rows"]} == {"dq", "dkdv"}
-    refused = CliRunner().invoke(app, ["verify-tiling", "--backward",
-                                       str(ROOT / "examples/gpt2.yaml")])
+    refused = CliRunner().invoke(
+        app, ["verify-tiling", "--backward", str(ROOT / "examples/gpt2.yaml")]
+    )
     assert refused.exit_code == 1 and "none of the specs has backward: true" in refused.output
 
 
@@ -167,8 +186,17 @@ def test_dropout_shared_memory_equals_every_allocator_record():
     wrong = []
     for r in records:
         model = compiled(smem_expression(ARCHS[r["arch"]], r["kernel"], True), MODEL_SYMBOLS)
-        predicted = int(model(r["BLOCK_M"], r["BLOCK_N"], r["num_stages"], r["num_warps"],
-                              r["D"], r["DV"], 4 if r["dtype"] == "fp32" else 2))
+        predicted = int(
+            model(
+                r["BLOCK_M"],
+                r["BLOCK_N"],
+                r["num_stages"],
+                r["num_warps"],
+                r["D"],
+                r["DV"],
+                4 if r["dtype"] == "fp32" else 2,
+            )
+        )
         if predicted != r["shared"]:
             key = BackwardKey(**{f: r[f] for f in BackwardKey._fields})
             wrong.append((key.label(), predicted, r["shared"]))

@@ -84,11 +84,13 @@ def test_forward_dropout_equals_the_allocator_sweep():
     wrong, exact_wide = [], 0
     for r in records:
         key = MeasurementKey(**{f: r[f] for f in MeasurementKey._fields})
-        model = compiled(smem_expression(ARCHS[key.arch], key.tma, key.aligned or key.tma,
-                                         True), MODEL_SYMBOLS)
+        model = compiled(
+            smem_expression(ARCHS[key.arch], key.tma, key.aligned or key.tma, True), MODEL_SYMBOLS
+        )
         e = 4 if key.dtype == "fp32" else 2
-        predicted = int(model(key.BLOCK_M, key.BLOCK_N, key.num_stages, key.num_warps,
-                              key.D, key.DV, e))
+        predicted = int(
+            model(key.BLOCK_M, key.BLOCK_N, key.num_stages, key.num_warps, key.D, key.DV, e)
+        )
         assert isinstance(r["shared"], int), (key.label(), r["shared"])
         over = predicted - r["shared"]
         if e == 4:

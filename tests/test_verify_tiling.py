@@ -101,10 +101,15 @@ def test_rejected_configs_really_exceed_the_budget(specs):
     picks = []
     for arch in LIVE_ARCHS:
         plan = plan_rows(llama, [arch])
-        rejected = sorted((r for r in plan.rows.values()
-                           if any(x.startswith("smem") for x in r.candidate.rejected)
-                           and data.get(r.key)["compile_s"] < 2),
-                          key=lambda r: r.candidate.smem_bytes)
+        rejected = sorted(
+            (
+                r
+                for r in plan.rows.values()
+                if any(x.startswith("smem") for x in r.candidate.rejected)
+                and data.get(r.key)["compile_s"] < 2
+            ),
+            key=lambda r: r.candidate.smem_bytes,
+        )
         picks.append(rejected[0])  # the closest to the budget: the sharpest test
     records = compile_many([(data.spec_of(r.key), r.key.arch, r.key.config) for r in picks])
     for row, record in zip(picks, records, strict=True):
@@ -115,8 +120,10 @@ def test_rejected_configs_really_exceed_the_budget(specs):
 @needs_data
 def test_cli_reads_the_data_and_writes_json(tmp_path):
     out = tmp_path / "report.json"
-    result = CliRunner().invoke(app, ["verify-tiling", str(ROOT / "examples/gpt2.yaml"),
-                                      "--arch", "sm86", "--json", str(out)])
+    result = CliRunner().invoke(
+        app,
+        ["verify-tiling", str(ROOT / "examples/gpt2.yaml"), "--arch", "sm86", "--json", str(out)],
+    )
     assert result.exit_code == 0, result.output
     assert "result: PASS" in result.output and "0 compiled live" in result.output
     report = json.loads(out.read_text())
@@ -132,8 +139,17 @@ def test_cli_fails_on_a_feasible_config_the_compiler_cannot_fit(tmp_path, specs)
     data.records[feasible.key]["shared"] = ARCHS["sm86"].smem_budget + 16  # doctored
     doctored = tmp_path / "measurements.json"
     doctored.write_text(data.dumps())
-    result = CliRunner().invoke(app, ["verify-tiling", str(ROOT / "examples/gpt2.yaml"),
-                                      "--arch", "sm86", "--data", str(doctored)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "verify-tiling",
+            str(ROOT / "examples/gpt2.yaml"),
+            "--arch",
+            "sm86",
+            "--data",
+            str(doctored),
+        ],
+    )
     assert result.exit_code == 1
     assert "FAILED: 1 config(s)" in result.output and feasible.key.label() in result.output
 
@@ -205,8 +221,14 @@ def test_odd_head_dims_compile_as_modelled_on_ampere():
     spec = next(s for s in load_specs([ODD_DIMS]) if s.head_dim == 59)
     derivation = derive_tiles(spec, "sm80")
     chosen = derivation.chosen
-    staged = next(c for c in derivation.candidates if c.config.num_stages == 3
-                  and c.config.block_m == 64 and c.config.block_n == 64 and c.feasible)
+    staged = next(
+        c
+        for c in derivation.candidates
+        if c.config.num_stages == 3
+        and c.config.block_m == 64
+        and c.config.block_n == 64
+        and c.feasible
+    )
     records = compile_many([(spec, "sm80", chosen), (spec, "sm80", staged.config)])
     model = {c.config: c.smem_bytes for c in derivation.candidates}
     assert [r["shared"] for r in records] == [model[chosen], model[staged.config]]

@@ -41,32 +41,57 @@ from tests.api_memory import isolated  # noqa: E402
 
 
 def _dense_key(call) -> str:
-    return (f"{call.dtype} d{call.head_dim} softcap={call.softcap:g} alibi={call.alibi} "
-            f"mistake={call.mistake} fallback={call.fallback}")
+    return (
+        f"{call.dtype} d{call.head_dim} softcap={call.softcap:g} alibi={call.alibi} "
+        f"mistake={call.mistake} fallback={call.fallback}"
+    )
 
 
 # property -> (strategy, check, describe); TESTS: property -> the test keeping its @examples
-TESTS = {"flash_attn_func": test_api_dense.test_flash_attn_func,
-         "sdpa": test_api_dense.test_scaled_dot_product_attention,
-         "module_attention": test_api_dense.test_module_attention,
-         "packed": test_api_varlen.test_packed_sequences, "kvcache": test_api_kvcache.test_kvcache}
+TESTS = {
+    "flash_attn_func": test_api_dense.test_flash_attn_func,
+    "sdpa": test_api_dense.test_scaled_dot_product_attention,
+    "module_attention": test_api_dense.test_module_attention,
+    "packed": test_api_varlen.test_packed_sequences,
+    "kvcache": test_api_kvcache.test_kvcache,
+}
 PROPERTIES = {
-    "flash_attn_func": (test_api_dense.flash_calls(), test_api_dense.check_flash_attn_func,
-                        lambda c: f"{_dense_key(c[0])} causal={c[1]} window={c[2]}"),
-    "sdpa": (test_api_dense.sdpa_calls(), test_api_dense.check_sdpa,
-             lambda c: f"{_dense_key(c[0])} is_causal={c[1]} window={c[2]} align={c[3]} "
-                       f"attn_mask={c[4]}"),
-    "module_attention": (test_api_dense.module_calls(), test_api_dense.check_module_attention,
-                         lambda c: f"module={c[0]} mistake={c[1].mistake}"),
-    "packed": (test_api_varlen.packed_cases(), test_api_varlen.check_packed,
-               lambda c: f"{c.api} {c.flavor.module or c.flavor.dtype} mistake={c.mistake} "
-                         f"seqused={c.use_seqused} "
-                         f"checked={c.checked} fallback={c.fallback}"),
-    "kvcache": (api_kv_cases.kv_cases(), test_api_kvcache.check_kvcache,
-                lambda c: f"{c.api} {'paged' if c.paged else 'contig'} "
-                          f"{c.flavor.decode_module(c.paged) or c.flavor.varlen}"
-                          f"{' one-token' if c.flavor.one_token_only else ''} Nq={c.seqlen_q}"
-                          f" mistake={c.mistake} checked={c.checked} fallback={c.fallback}"),
+    "flash_attn_func": (
+        test_api_dense.flash_calls(),
+        test_api_dense.check_flash_attn_func,
+        lambda c: f"{_dense_key(c[0])} causal={c[1]} window={c[2]}",
+    ),
+    "sdpa": (
+        test_api_dense.sdpa_calls(),
+        test_api_dense.check_sdpa,
+        lambda c: (
+            f"{_dense_key(c[0])} is_causal={c[1]} window={c[2]} align={c[3]} attn_mask={c[4]}"
+        ),
+    ),
+    "module_attention": (
+        test_api_dense.module_calls(),
+        test_api_dense.check_module_attention,
+        lambda c: f"module={c[0]} mistake={c[1].mistake}",
+    ),
+    "packed": (
+        test_api_varlen.packed_cases(),
+        test_api_varlen.check_packed,
+        lambda c: (
+            f"{c.api} {c.flavor.module or c.flavor.dtype} mistake={c.mistake} "
+            f"seqused={c.use_seqused} "
+            f"checked={c.checked} fallback={c.fallback}"
+        ),
+    ),
+    "kvcache": (
+        api_kv_cases.kv_cases(),
+        test_api_kvcache.check_kvcache,
+        lambda c: (
+            f"{c.api} {'paged' if c.paged else 'contig'} "
+            f"{c.flavor.decode_module(c.paged) or c.flavor.varlen}"
+            f"{' one-token' if c.flavor.one_token_only else ''} Nq={c.seqlen_q}"
+            f" mistake={c.mistake} checked={c.checked} fallback={c.fallback}"
+        ),
+    ),
 }
 
 
@@ -84,8 +109,14 @@ def census(name: str, kernels, examples: int) -> dict:
     groups: dict[tuple[str, str], list] = defaultdict(list)
     runs = [0]
 
-    @settings(max_examples=examples, database=None, derandomize=True, deadline=None,
-              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples,
+        database=None,
+        derandomize=True,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(strategy)
     def draw(case):
         runs[0] += 1
@@ -119,8 +150,14 @@ def explicit(name: str, kernels) -> list[dict]:
         status = "pass" if message is None else "FAIL"
         found = "" if message is None else signature(message)
         print(f"{status:4s}  {describe(case)}\n      {found}")
-        rows.append({"status": status, "kind": describe(case), "example": repr(case),
-                     "message": (message or "")[:2000]})
+        rows.append(
+            {
+                "status": status,
+                "kind": describe(case),
+                "example": repr(case),
+                "message": (message or "")[:2000],
+            }
+        )
     return rows
 
 
@@ -129,8 +166,11 @@ def main() -> int:
     parser.add_argument("--examples", type=int, default=150)
     parser.add_argument("--only", choices=sorted(PROPERTIES), action="append")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--explicit", action="store_true",
-                        help="run the tests' kept @examples instead of drawing new calls")
+    parser.add_argument(
+        "--explicit",
+        action="store_true",
+        help="run the tests' kept @examples instead of drawing new calls",
+    )
     args = parser.parse_args()
     report = {}
     with tempfile.TemporaryDirectory(prefix="attngen-census-") as folder:
@@ -145,12 +185,20 @@ def main() -> int:
             failures = sum(len(v) for v in result["groups"].values())
             print(f"\n== {name}: {failures} of {result['runs']} calls failed")
             rows = []
-            for (sig, kind), found in sorted(result["groups"].items(),
-                                             key=lambda item: -len(item[1])):
+            for (sig, kind), found in sorted(
+                result["groups"].items(), key=lambda item: -len(item[1])
+            ):
                 smallest = min(found, key=lambda f: f[0])
                 print(f"{len(found):4d}  {kind}\n      {sig}")
-                rows.append({"count": len(found), "kind": kind, "signature": sig,
-                             "example": repr(smallest[1]), "message": smallest[2][:2000]})
+                rows.append(
+                    {
+                        "count": len(found),
+                        "kind": kind,
+                        "signature": sig,
+                        "example": repr(smallest[1]),
+                        "message": smallest[2][:2000],
+                    }
+                )
             report[name] = {"runs": result["runs"], "failures": rows}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

@@ -49,20 +49,33 @@ def shared_bytes(payload: tuple[dict, str, str | None, tuple[int, int, int, int]
     config = TileConfig(*config_values)
     try:
         with compiler._compiled_not_interpreted():
-            source = compiler.kernel_source(spec, compiler.load_kernel(spec, arch, kernel=kernel),
-                                            config, backward=kernel is not None)
+            source = compiler.kernel_source(
+                spec,
+                compiler.load_kernel(spec, arch, kernel=kernel),
+                config,
+                backward=kernel is not None,
+            )
             target = GPUTarget("cuda", ARCHS[arch].compute_capability, 32)
             backend = make_backend(target)
-            options = backend.parse_options({"num_warps": config.num_warps,
-                                             "num_stages": config.num_stages,
-                                             "enable_fp_fusion": compiler.fp_fusion(spec)})
+            options = backend.parse_options(
+                {
+                    "num_warps": config.num_warps,
+                    "num_stages": config.num_stages,
+                    "enable_fp_fusion": compiler.fp_fusion(spec),
+                }
+            )
             stages: dict = {}
             backend.add_stages(stages, options, source.language)
             context = ir.context()
             ir.load_dialects(context)
             backend.load_dialects(context)
-            module = source.make_ir(target, options, backend.get_codegen_implementation(options),
-                                    backend.get_module_map(), context)
+            module = source.make_ir(
+                target,
+                options,
+                backend.get_codegen_implementation(options),
+                backend.get_module_map(),
+                context,
+            )
             metadata = {"hash": "sweep", "target": target, **options.__dict__}
             for ext, stage in stages.items():
                 module = stage(module, metadata)
@@ -77,36 +90,59 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("spec")
     parser.add_argument("--arch", action="append", required=True)
-    parser.add_argument("--fraction", type=float, default=1.0,
-                        help="a seeded random share of the candidates (default all)")
+    parser.add_argument(
+        "--fraction",
+        type=float,
+        default=1.0,
+        help="a seeded random share of the candidates (default all)",
+    )
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--forward", action="store_true",
-                        help="the forward kernel's candidates (MeasurementKey records)")
+    parser.add_argument(
+        "--forward",
+        action="store_true",
+        help="the forward kernel's candidates (MeasurementKey records)",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     todo: list = []
     for spec in load_specs([Path(args.spec)]):
         for arch in args.arch:
             if args.forward:
-                keys = [measurement_key(spec, arch, cand.config)
-                        for cand in derive_tiles(spec, arch).candidates]
+                keys = [
+                    measurement_key(spec, arch, cand.config)
+                    for cand in derive_tiles(spec, arch).candidates
+                ]
             else:
                 derivation = derive_backward_tiles(spec, arch)
-                keys = [backward_key(spec, arch, kernel, cand.config) for kernel in KERNELS
-                        for cand in getattr(derivation, kernel).candidates]
-            todo += [(key, spec) for key in keys
-                     if random.Random(str(key)).random() < args.fraction]
-    payload = [(spec.model_dump(mode="json"), key.arch, getattr(key, "kernel", None),
-                (key.BLOCK_M, key.BLOCK_N, key.num_warps, key.num_stages)) for key, spec in todo]
+                keys = [
+                    backward_key(spec, arch, kernel, cand.config)
+                    for kernel in KERNELS
+                    for cand in getattr(derivation, kernel).candidates
+                ]
+            todo += [
+                (key, spec) for key in keys if random.Random(str(key)).random() < args.fraction
+            ]
+    payload = [
+        (
+            spec.model_dump(mode="json"),
+            key.arch,
+            getattr(key, "kernel", None),
+            (key.BLOCK_M, key.BLOCK_N, key.num_warps, key.num_stages),
+        )
+        for key, spec in todo
+    ]
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TRITON_CACHE_DIR"] = cache
         os.environ.pop("TRITON_INTERPRET", None)
         with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
             results = pool.map(shared_bytes, payload, chunksize=4)
-    rows = [json.dumps({**key._asdict(), "shared": shared})
-            for (key, _), shared in zip(todo, results, strict=True)]
-    args.out.write_text(f'{{"triton": "{triton_version()}", "records": [\n'
-                        + ",\n".join(sorted(rows)) + "\n]}\n")
+    rows = [
+        json.dumps({**key._asdict(), "shared": shared})
+        for (key, _), shared in zip(todo, results, strict=True)
+    ]
+    args.out.write_text(
+        f'{{"triton": "{triton_version()}", "records": [\n' + ",\n".join(sorted(rows)) + "\n]}\n"
+    )
     return 0
 
 

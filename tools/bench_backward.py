@@ -35,16 +35,27 @@ from attngen.spec import specs_from_data
 HEAD_DIMS = (64, 128, 256)
 SEQLENS = (1024, 4096, 16384)
 TOKENS, WIDTH = 16384, 2048
-SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
+SDPA_BACKENDS = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
 
 
 def load_module(head_dim: int, causal: bool, arch: str = "sm90"):
     """The prefill module of a backward spec for this grid cell, built as `attngen build`
     builds it, written to a file and imported."""
-    fields = dict(name=f"bench_bwd_d{head_dim}", archs=[arch], dtype="bf16", head_dim=head_dim,
-                  num_q_heads=WIDTH // head_dim, num_kv_heads=WIDTH // head_dim,
-                  mask="causal" if causal else "none", kernels=["prefill"], backward=True)
+    fields = dict(
+        name=f"bench_bwd_d{head_dim}",
+        archs=[arch],
+        dtype="bf16",
+        head_dim=head_dim,
+        num_q_heads=WIDTH // head_dim,
+        num_kv_heads=WIDTH // head_dim,
+        mask="causal" if causal else "none",
+        kernels=["prefill"],
+        backward=True,
+    )
     if causal:
         fields["causal_align"] = "bottom_right"
     spec = specs_from_data(fields)[0]
@@ -66,6 +77,7 @@ def _time(fn, reps: int) -> float:
 
 def measure(forward, q, k, v, dout, reps: int) -> dict:
     """forward(q, k, v) -> out: forward ms, forward + backward ms, backward ms, peak MiB."""
+
     def fwd():
         with torch.no_grad():
             forward(q, k, v)
@@ -83,8 +95,12 @@ def measure(forward, q, k, v, dout, reps: int) -> dict:
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     forward_ms = _time(fwd, reps)
     total_ms = _time(fwd_bwd, reps)
-    return {"forward_ms": forward_ms, "fwd_bwd_ms": total_ms,
-            "backward_ms": max(total_ms - forward_ms, 1e-6), "peak_mib": peak}
+    return {
+        "forward_ms": forward_ms,
+        "fwd_bwd_ms": total_ms,
+        "backward_ms": max(total_ms - forward_ms, 1e-6),
+        "peak_mib": peak,
+    }
 
 
 def implementations(head_dim: int, causal: bool, use_flex: bool):
@@ -96,10 +112,11 @@ def implementations(head_dim: int, causal: bool, use_flex: bool):
     except Exception as exc:  # noqa: BLE001 - recorded, the other anchors still run
         impls["attngen"] = f"build failed: {exc!r}"
     for name, backend in SDPA_BACKENDS.items():
+
         def sdpa(q, k, v, backend=backend):
             with sdpa_kernel(backend):
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v,
-                                                                        is_causal=causal)
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
         impls[f"sdpa_{name}"] = sdpa
     if use_flex:
         try:
@@ -115,6 +132,7 @@ def implementations(head_dim: int, causal: bool, use_flex: bool):
                 if n not in masks:
                     masks[n] = create_block_mask(lambda b, h, i, j: j <= i, None, None, n, n)
                 return compiled(q, k, v, block_mask=masks[n])
+
             impls["flex"] = flex
         except Exception as exc:  # noqa: BLE001
             impls["flex"] = f"unavailable: {exc!r}"
@@ -131,11 +149,19 @@ def run(args) -> dict:
                 batch, heads = TOKENS // seqlen, WIDTH // head_dim
                 flops = 4 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1)
                 shape = (batch, heads, seqlen, head_dim)
-                q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16,
-                                       requires_grad=True) for _ in range(3))
+                q, k, v = (
+                    torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                    for _ in range(3)
+                )
                 dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-                cell = {"head_dim": head_dim, "seqlen": seqlen, "causal": causal,
-                        "batch": batch, "heads": heads, "results": {}}
+                cell = {
+                    "head_dim": head_dim,
+                    "seqlen": seqlen,
+                    "causal": causal,
+                    "batch": batch,
+                    "heads": heads,
+                    "results": {},
+                }
                 for name, impl in implementations(head_dim, causal, not args.no_flex).items():
                     if isinstance(impl, str):
                         cell["results"][name] = {"skipped": impl}
@@ -148,13 +174,18 @@ def run(args) -> dict:
                     except Exception as exc:  # noqa: BLE001 - skip the anchor, keep its reason
                         cell["results"][name] = {
                             "skipped": f"{type(exc).__name__}: {str(exc)[:300]}",
-                            "trace": traceback.format_exc(limit=3)[-1500:]}
+                            "trace": traceback.format_exc(limit=3)[-1500:],
+                        }
                     torch.cuda.empty_cache()
                 cells.append(cell)
                 print(_row(cell), flush=True)
-    return {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "cells": cells}
+    return {
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cells": cells,
+    }
 
 
 NAMES = ("attngen", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flex")
@@ -171,13 +202,16 @@ def _row(cell: dict) -> str:
 
 
 def summary(report: dict) -> str:
-    lines = ["backward TFLOP/s (2.5x forward FLOPs), bf16; peak MiB attngen / cudnn",
-             "cell               " + " ".join(f"{n[:7]:>7}" for n in NAMES)]
+    lines = [
+        "backward TFLOP/s (2.5x forward FLOPs), bf16; peak MiB attngen / cudnn",
+        "cell               " + " ".join(f"{n[:7]:>7}" for n in NAMES),
+    ]
     ratios = []
     for cell in report["cells"]:
         res = cell["results"]
-        peaks = " / ".join(f"{res.get(n, {}).get('peak_mib', float('nan')):.0f}"
-                           for n in ("attngen", "sdpa_cudnn"))
+        peaks = " / ".join(
+            f"{res.get(n, {}).get('peak_mib', float('nan')):.0f}" for n in ("attngen", "sdpa_cudnn")
+        )
         lines.append(f"{_row(cell)}   {peaks}")
         ours, cudnn = (res.get(n, {}).get("backward_tflops") for n in ("attngen", "sdpa_cudnn"))
         if ours and cudnn:

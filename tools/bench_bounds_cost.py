@@ -47,13 +47,20 @@ def decode_rows(old, new):
     rows = []
     for batch, length in DECODE_CASES:
         q, _, _, seqlens, k_pages, v_pages, table = make_inputs(batch, length, "paged", 16)
-        runs = {name: functools.partial(m.decode, q, k_pages, v_pages, seqlens,
-                                        block_table=table)
-                for name, m in (("before", old), ("bounded", new))}
+        runs = {
+            name: functools.partial(m.decode, q, k_pages, v_pages, seqlens, block_table=table)
+            for name, m in (("before", old), ("bounded", new))
+        }
         diff = (runs["before"]().float() - runs["bounded"]().float()).abs().max().item()
         times = {name: [graph_us(run) for _ in range(3)] for name, run in runs.items()}
-        rows.append(dict(kind="decode paged16", shape=f"B{batch} L{length}", max_abs_diff=diff,
-                         **{name: min(t) for name, t in times.items()}))
+        rows.append(
+            dict(
+                kind="decode paged16",
+                shape=f"B{batch} L{length}",
+                max_abs_diff=diff,
+                **{name: min(t) for name, t in times.items()},
+            )
+        )
     return rows
 
 
@@ -66,14 +73,22 @@ def varlen_rows(old, new):
         k = torch.randn(total, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
         v = torch.randn_like(k)
         cu = torch.arange(0, total + 1, length, device="cuda", dtype=torch.int32)
-        runs = {name: functools.partial(m.attention_varlen, q, k, v, cu, cu, length, length)
-                for name, m in (("before", old), ("bounded", new))}
+        runs = {
+            name: functools.partial(m.attention_varlen, q, k, v, cu, cu, length, length)
+            for name, m in (("before", old), ("bounded", new))
+        }
         first = [run() for run in runs.values()]
         first = [r[0] if isinstance(r, tuple) else r for r in first]
         diff = (first[0].float() - first[1].float()).abs().max().item()
         times = {name: [graph_us(run) for _ in range(3)] for name, run in runs.items()}
-        rows.append(dict(kind="varlen causal", shape=f"{count} x {length}", max_abs_diff=diff,
-                         **{name: min(t) for name, t in times.items()}))
+        rows.append(
+            dict(
+                kind="varlen causal",
+                shape=f"{count} x {length}",
+                max_abs_diff=diff,
+                **{name: min(t) for name, t in times.items()},
+            )
+        )
     return rows
 
 
@@ -95,8 +110,12 @@ def current_module(kind: str, out: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", type=Path, required=True,
-                        help="folder with decode.py and varlen.py rendered before bounding")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        required=True,
+        help="folder with decode.py and varlen.py rendered before bounding",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     rows = []
@@ -108,15 +127,23 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - one kind failing still reports the other
             rows.append(dict(kind=kind, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
     args.out.mkdir(parents=True, exist_ok=True)
-    report(rows, args.out / "bounds_cost.json", label="kind", head="kernel | shape | before us "
-           "| bounded us")
+    report(
+        rows,
+        args.out / "bounds_cost.json",
+        label="kind",
+        head="kernel | shape | before us | bounded us",
+    )
 
 
 def report(rows: list[dict], path: Path, label: str, head: str) -> None:
     """Write rows with the run's versions to `path` (JSON), then print them as a table whose
     first column is row[label]; `head` names the columns before ratio and max abs diff."""
-    meta = dict(date=datetime.date.today().isoformat(), torch=torch.__version__,
-                triton=triton.__version__, gpu=torch.cuda.get_device_name())
+    meta = dict(
+        date=datetime.date.today().isoformat(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        gpu=torch.cuda.get_device_name(),
+    )
     path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     print(meta)
     print(f"| {head} | ratio | max abs diff |")
@@ -125,8 +152,11 @@ def report(rows: list[dict], path: Path, label: str, head: str) -> None:
         if "error" in row:
             print(f"| {row[label]} | error: {row['error']} |")
             continue
-        print(f"| {row[label]} | {row['shape']} | {row['before']:.1f} | {row['bounded']:.1f} "
-              f"| {row['bounded'] / row['before']:.3f} | {row['max_abs_diff']:.2e} |")
+        print(
+            f"| {row[label]} | {row['shape']} | {row['before']:.1f} | {row['bounded']:.1f} "
+            f"| {row['bounded'] / row['before']:.3f} | {row['max_abs_diff']:.2e} |"
+        )
+
 
 if __name__ == "__main__":
     main()

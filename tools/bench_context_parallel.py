@@ -47,12 +47,16 @@ def bench_single(setup: Setup, budget: float) -> list[dict]:
     rows = []
     for seq_len in setup.seqlens:
         q, k, v = setup.inputs(seq_len)
-        full = partial(attngen.scaled_dot_product_attention, q, k, v, is_causal=True,
-                       enable_gqa=True)
+        full = partial(
+            attngen.scaled_dot_product_attention, q, k, v, is_causal=True, enable_gqa=True
+        )
         row = {"N": seq_len, "full_ms": time_ms(setup, full, budget)}
         for strategy in ("ring", "allgather"):
-            row[f"{strategy}_ms"] = time_ms(setup, partial(
-                context_parallel_attention, q, k, v, causal=True, strategy=strategy), budget)
+            row[f"{strategy}_ms"] = time_ms(
+                setup,
+                partial(context_parallel_attention, q, k, v, causal=True, strategy=strategy),
+                budget,
+            )
         row["full_tflops"] = setup.causal_flops(seq_len) / row["full_ms"] / 1e9
         rows.append(row)
     return rows
@@ -80,16 +84,30 @@ def step_row(setup: Setup, seq_len: int, world: int, budget: float) -> dict:
 
     local = seq_len // world
     q, k, v = setup.inputs(local, seed=world)
-    kwargs = dict(softcap=0.0, alibi_slopes=None, scale=None, return_lse=True,
-                  fallback=None, window=None)
-    step0 = partial(run_dense, "bench", q, k, v, mask=Mask.causal,
-                    align=CausalAlign.bottom_right, **kwargs)
-    later = partial(run_dense, "bench", q, k[:, :, :local // 2], v[:, :, :local // 2],
-                    mask=Mask.none, align=None, **kwargs)
-    row = {"N": seq_len, "W": world, "L": local,
-           "kv_bytes_per_step": 2 * k.numel() * k.element_size(),
-           "step0_causal_ms": time_ms(setup, step0, budget),
-           "step_full_ms": time_ms(setup, later, budget)}
+    kwargs = dict(
+        softcap=0.0, alibi_slopes=None, scale=None, return_lse=True, fallback=None, window=None
+    )
+    step0 = partial(
+        run_dense, "bench", q, k, v, mask=Mask.causal, align=CausalAlign.bottom_right, **kwargs
+    )
+    later = partial(
+        run_dense,
+        "bench",
+        q,
+        k[:, :, : local // 2],
+        v[:, :, : local // 2],
+        mask=Mask.none,
+        align=None,
+        **kwargs,
+    )
+    row = {
+        "N": seq_len,
+        "W": world,
+        "L": local,
+        "kv_bytes_per_step": 2 * k.numel() * k.element_size(),
+        "step0_causal_ms": time_ms(setup, step0, budget),
+        "step_full_ms": time_ms(setup, later, budget),
+    }
     out, lse = later()
     acc, acc_lse = out.float(), lse.clone()
     merges = {"merge_torch_ms": merge_torch}
@@ -112,8 +130,9 @@ def bench_multi(setup: Setup, budget: float, torch_cp: bool) -> list[dict]:
     rows = []
     for seq_len in setup.seqlens:
         q, k, v = setup.inputs(seq_len)  # the same seed on every rank: the same tensors
-        one_gpu = partial(attngen.scaled_dot_product_attention, q, k, v, is_causal=True,
-                          enable_gqa=True)
+        one_gpu = partial(
+            attngen.scaled_dot_product_attention, q, k, v, is_causal=True, enable_gqa=True
+        )
         single = one_gpu()
         row = {"N": seq_len, "one_gpu_ms": time_ms(setup, one_gpu, budget)}
         shards = [shard_sequence(t, setup.world, setup.rank, layout="zigzag") for t in (q, k, v)]
@@ -156,9 +175,15 @@ def bench_torch_cp(setup: Setup, q, k, v, single, backend: str, budget: float) -
         if setup.mesh is None:  # one mesh (and its process group) for every measurement
             setup.mesh = init_device_mesh(setup.device.type, (setup.world,))
         mesh = setup.mesh
-        with sdpa_kernel([backends[backend]]), context_parallel(
-                mesh, buffers=[qt, kt, vt], buffer_seq_dims=[2, 2, 2],
-                no_restore_buffers={qt, kt, vt}):
+        with (
+            sdpa_kernel([backends[backend]]),
+            context_parallel(
+                mesh,
+                buffers=[qt, kt, vt],
+                buffer_seq_dims=[2, 2, 2],
+                no_restore_buffers={qt, kt, vt},
+            ),
+        ):
             run = partial(F.scaled_dot_product_attention, qt, kt, vt, is_causal=True)
             result[f"torch_{backend}_ms"] = time_ms(setup, run, budget)
             full = context_parallel_unshard(mesh, [run()], [2])[0]
@@ -173,25 +198,40 @@ def bench_torch_cp(setup: Setup, q, k, v, single, backend: str, budget: float) -
 def table(results: dict) -> str:
     lines = []
     if results.get("single"):
-        lines += ["| N | full ms | TFLOP/s | CP ring, 1 rank | CP all-gather, 1 rank |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {r['N']} | {r['full_ms']:.2f} | {r['full_tflops']:.0f} | "
-                  f"{r['ring_ms']:.2f} | {r['allgather_ms']:.2f} |" for r in results["single"]]
+        lines += [
+            "| N | full ms | TFLOP/s | CP ring, 1 rank | CP all-gather, 1 rank |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['N']} | {r['full_ms']:.2f} | {r['full_tflops']:.0f} | "
+            f"{r['ring_ms']:.2f} | {r['allgather_ms']:.2f} |"
+            for r in results["single"]
+        ]
     if results.get("steps"):
-        lines += ["", "| N | W | L | step 0 causal ms | later step ms | TFLOP/s | K/V MB/step | "
-                  "hiding GB/s | merge torch ms | merge triton ms |", "|---" * 10 + "|"]
+        lines += [
+            "",
+            "| N | W | L | step 0 causal ms | later step ms | TFLOP/s | K/V MB/step | "
+            "hiding GB/s | merge torch ms | merge triton ms |",
+            "|---" * 10 + "|",
+        ]
         for r in results["steps"]:
             triton_ms = f"{r['merge_triton_ms']:.3f}" if "merge_triton_ms" in r else "-"
-            lines.append(f"| {r['N']} | {r['W']} | {r['L']} | {r['step0_causal_ms']:.2f} | "
-                         f"{r['step_full_ms']:.2f} | {r['step_full_tflops']:.0f} | "
-                         f"{r['kv_bytes_per_step'] / 1e6:.1f} | {r['hiding_bandwidth_gbs']:.1f} "
-                         f"| {r['merge_torch_ms']:.3f} | {triton_ms} |")
+            lines.append(
+                f"| {r['N']} | {r['W']} | {r['L']} | {r['step0_causal_ms']:.2f} | "
+                f"{r['step_full_ms']:.2f} | {r['step_full_tflops']:.0f} | "
+                f"{r['kv_bytes_per_step'] / 1e6:.1f} | {r['hiding_bandwidth_gbs']:.1f} "
+                f"| {r['merge_torch_ms']:.3f} | {triton_ms} |"
+            )
     if results.get("multi"):
         world = results["env"]["world_size"]
-        lines += ["", f"{world} GPUs, zigzag; (x): speed-up over one GPU; best / X: PyTorch's "
-                  "time over attngen's better strategy",
-                  "| N | 1 GPU ms | ring ms (x) | all-gather ms (x) | torch cuDNN ms | "
-                  "torch FA2 ms | best / cuDNN | best / FA2 |", "|---" * 8 + "|"]
+        lines += [
+            "",
+            f"{world} GPUs, zigzag; (x): speed-up over one GPU; best / X: PyTorch's "
+            "time over attngen's better strategy",
+            "| N | 1 GPU ms | ring ms (x) | all-gather ms (x) | torch cuDNN ms | "
+            "torch FA2 ms | best / cuDNN | best / FA2 |",
+            "|---" * 8 + "|",
+        ]
         for r in results["multi"]:
             lines.append(multi_line(r))
     return "\n".join(lines)
@@ -200,9 +240,12 @@ def table(results: dict) -> str:
 def multi_line(r: dict) -> str:
     one = r["one_gpu_ms"]
     best = min(r["attngen_ring_ms"], r["attngen_allgather_ms"])
-    cells = [str(r["N"]), f"{one:.1f}",
-             f"{r['attngen_ring_ms']:.1f} ({one / r['attngen_ring_ms']:.2f}x)",
-             f"{r['attngen_allgather_ms']:.1f} ({one / r['attngen_allgather_ms']:.2f}x)"]
+    cells = [
+        str(r["N"]),
+        f"{one:.1f}",
+        f"{r['attngen_ring_ms']:.1f} ({one / r['attngen_ring_ms']:.2f}x)",
+        f"{r['attngen_allgather_ms']:.1f} ({one / r['attngen_allgather_ms']:.2f}x)",
+    ]
     for backend in ("cudnn", "flash"):
         ms = r.get(f"torch_{backend}_ms")
         cells.append(f"{ms:.1f}" if ms else "error" if f"torch_{backend}_error" in r else "-")

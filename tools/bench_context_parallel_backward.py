@@ -65,11 +65,14 @@ def bench_single(setup, budget: float) -> list[dict]:
     for seq_len in setup.seqlens:
         q, k, v = setup.inputs(seq_len)
         dout = setup.inputs(seq_len, seed=1)[0]
-        row = {"N": seq_len, "full_ms": harness.time_ms(setup, partial(causal_grads, q, k, v, dout),
-                                                    budget)}
+        row = {
+            "N": seq_len,
+            "full_ms": harness.time_ms(setup, partial(causal_grads, q, k, v, dout), budget),
+        }
         for strategy in ("ring", "allgather"):
-            row[f"{strategy}_ms"] = harness.time_ms(setup, partial(cp_grads, (q, k, v), dout,
-                                                               strategy), budget)
+            row[f"{strategy}_ms"] = harness.time_ms(
+                setup, partial(cp_grads, (q, k, v), dout, strategy), budget
+            )
         # Forward 2 B Hq N^2 D (causal), backward 2.5 times that.
         row["full_tflops"] = 3.5 * setup.causal_flops(seq_len) / row["full_ms"] / 1e9
         rows.append(row)
@@ -98,25 +101,47 @@ def step_row(setup, seq_len: int, world: int, budget: float) -> dict:
     q, k, v = setup.inputs(local, seed=world)
     dout = setup.inputs(local, seed=world + 1)[0]
     options = dict(window=None, softcap=0.0, alibi_slopes=None, scale=None)
-    row = {"N": seq_len, "W": world, "L": local,
-           "kv_bytes_per_step": 2 * k.numel() * k.element_size(),
-           "dkv_bytes_per_step": 2 * k.numel() * 4}
-    for name, mask, keys in (("step0_causal_bwd_ms", Mask.causal, local),
-                             ("step_full_bwd_ms", Mask.none, local // 2)):
+    row = {
+        "N": seq_len,
+        "W": world,
+        "L": local,
+        "kv_bytes_per_step": 2 * k.numel() * k.element_size(),
+        "dkv_bytes_per_step": 2 * k.numel() * 4,
+    }
+    for name, mask, keys in (
+        ("step0_causal_bwd_ms", Mask.causal, local),
+        ("step_full_bwd_ms", Mask.none, local // 2),
+    ):
         align = CausalAlign.bottom_right if mask is Mask.causal else None
         kk, vv = k[:, :, :keys], v[:, :, :keys]
-        out, lse = run_dense("bench", q, kk, vv, mask=mask, align=align,
-                             return_lse=True, fallback=None, **options)
-        row[name] = harness.time_ms(setup, partial(
-            run_dense_backward, "bench", dout, q, kk, vv, out, lse, None, mask=mask,
-            align=align, **options), budget)
-    step_flops = 2.5 * 4.0 * setup.batch * setup.heads_q * local * (local // 2) \
-        * setup.head_dim
+        out, lse = run_dense(
+            "bench", q, kk, vv, mask=mask, align=align, return_lse=True, fallback=None, **options
+        )
+        row[name] = harness.time_ms(
+            setup,
+            partial(
+                run_dense_backward,
+                "bench",
+                dout,
+                q,
+                kk,
+                vv,
+                out,
+                lse,
+                None,
+                mask=mask,
+                align=align,
+                **options,
+            ),
+            budget,
+        )
+    step_flops = 2.5 * 4.0 * setup.batch * setup.heads_q * local * (local // 2) * setup.head_dim
     row["step_full_bwd_tflops"] = step_flops / row["step_full_bwd_ms"] / 1e9
     # The link bandwidth at which a step's transfers (K/V ahead, dK/dV behind) take as
     # long as its gradient kernels.
-    row["hiding_bandwidth_gbs"] = (row["kv_bytes_per_step"] + row["dkv_bytes_per_step"]
-                                   ) / row["step_full_bwd_ms"] / 1e6
+    row["hiding_bandwidth_gbs"] = (
+        (row["kv_bytes_per_step"] + row["dkv_bytes_per_step"]) / row["step_full_bwd_ms"] / 1e6
+    )
     return row
 
 
@@ -128,10 +153,13 @@ def bench_multi(setup, budget: float, torch_cp: bool) -> list[dict]:
         q, k, v = setup.inputs(seq_len)  # the same seed on every rank: the same tensors
         dout = setup.inputs(seq_len, seed=1)[0]
         single = causal_grads(q, k, v, dout)
-        row = {"N": seq_len,
-               "one_gpu_ms": harness.time_ms(setup, partial(causal_grads, q, k, v, dout), budget)}
-        shards = [shard_sequence(t, setup.world, setup.rank, layout="zigzag")
-                  for t in (q, k, v, dout)]
+        row = {
+            "N": seq_len,
+            "one_gpu_ms": harness.time_ms(setup, partial(causal_grads, q, k, v, dout), budget),
+        }
+        shards = [
+            shard_sequence(t, setup.world, setup.rank, layout="zigzag") for t in (q, k, v, dout)
+        ]
         for strategy in ("ring", "allgather"):
             run = partial(cp_grads, shards[:3], shards[3], strategy)
             row[f"attngen_{strategy}_ms"] = harness.time_ms(setup, run, budget)
@@ -151,8 +179,10 @@ def bench_multi(setup, budget: float, torch_cp: bool) -> list[dict]:
 
 def max_diffs(grads, single) -> dict:
     """max |grad - one GPU's grad| and max |one GPU's grad|, per gradient."""
-    return {name: [(g.float() - s.float()).abs().max().item(), s.float().abs().max().item()]
-            for name, g, s in zip(("dq", "dk", "dv"), grads, single, strict=True)}
+    return {
+        name: [(g.float() - s.float()).abs().max().item(), s.float().abs().max().item()]
+        for name, g, s in zip(("dq", "dk", "dv"), grads, single, strict=True)
+    }
 
 
 def bench_torch_cp(setup, q, k, v, dout, single, backend: str, budget: float) -> dict:
@@ -165,8 +195,12 @@ def bench_torch_cp(setup, q, k, v, dout, single, backend: str, budget: float) ->
 
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
     group = setup.heads_q // setup.heads_kv
-    buffers = [q.clone(), k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
-               dout.clone()]
+    buffers = [
+        q.clone(),
+        k.repeat_interleave(group, 1),
+        v.repeat_interleave(group, 1),
+        dout.clone(),
+    ]
     result = {}
     try:  # an API that moved between torch versions is recorded as an error, not a crash
         from torch.distributed.device_mesh import init_device_mesh
@@ -175,9 +209,15 @@ def bench_torch_cp(setup, q, k, v, dout, single, backend: str, budget: float) ->
 
         if setup.mesh is None:
             setup.mesh = init_device_mesh(setup.device.type, (setup.world,))
-        with sdpa_kernel([backends[backend]]), context_parallel(
-                setup.mesh, buffers=buffers, buffer_seq_dims=[2] * 4,
-                no_restore_buffers=set(buffers)):
+        with (
+            sdpa_kernel([backends[backend]]),
+            context_parallel(
+                setup.mesh,
+                buffers=buffers,
+                buffer_seq_dims=[2] * 4,
+                no_restore_buffers=set(buffers),
+            ),
+        ):
             qt, kt, vt, dt = buffers  # this rank's shards now (sharded in place)
 
             def step():
@@ -187,8 +227,9 @@ def bench_torch_cp(setup, q, k, v, dout, single, backend: str, budget: float) ->
 
             result[f"torch_{backend}_ms"] = harness.time_ms(setup, step, budget)
             grads = context_parallel_unshard(setup.mesh, list(step()), [2, 2, 2])
-        grads = [grads[0]] + [g.reshape(g.shape[0], -1, group, *g.shape[2:]).sum(2)
-                              for g in grads[1:]]
+        grads = [grads[0]] + [
+            g.reshape(g.shape[0], -1, group, *g.shape[2:]).sum(2) for g in grads[1:]
+        ]
         result[f"torch_{backend}_max_diff"] = max_diffs(grads, single)
     except Exception as err:  # recorded: a backend PyTorch cannot run here is a result too
         result[f"torch_{backend}_error"] = f"{type(err).__name__}: {err}"[:300]
@@ -201,23 +242,40 @@ def bench_torch_cp(setup, q, k, v, dout, single, backend: str, budget: float) ->
 def table(results: dict) -> str:
     lines = []
     if results.get("single"):
-        lines += ["forward + backward", "| N | full ms | TFLOP/s | CP ring, 1 rank | "
-                  "CP all-gather, 1 rank |", "|---|---|---|---|---|"]
-        lines += [f"| {r['N']} | {r['full_ms']:.2f} | {r['full_tflops']:.0f} | "
-                  f"{r['ring_ms']:.2f} | {r['allgather_ms']:.2f} |" for r in results["single"]]
+        lines += [
+            "forward + backward",
+            "| N | full ms | TFLOP/s | CP ring, 1 rank | CP all-gather, 1 rank |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['N']} | {r['full_ms']:.2f} | {r['full_tflops']:.0f} | "
+            f"{r['ring_ms']:.2f} | {r['allgather_ms']:.2f} |"
+            for r in results["single"]
+        ]
     if results.get("steps"):
-        lines += ["", "| N | W | L | step 0 causal bwd ms | later step bwd ms | TFLOP/s | "
-                  "K/V + dK/dV MB/step | hiding GB/s |", "|---" * 8 + "|"]
-        lines += [f"| {r['N']} | {r['W']} | {r['L']} | {r['step0_causal_bwd_ms']:.2f} | "
-                  f"{r['step_full_bwd_ms']:.2f} | {r['step_full_bwd_tflops']:.0f} | "
-                  f"{(r['kv_bytes_per_step'] + r['dkv_bytes_per_step']) / 1e6:.1f} | "
-                  f"{r['hiding_bandwidth_gbs']:.1f} |" for r in results["steps"]]
+        lines += [
+            "",
+            "| N | W | L | step 0 causal bwd ms | later step bwd ms | TFLOP/s | "
+            "K/V + dK/dV MB/step | hiding GB/s |",
+            "|---" * 8 + "|",
+        ]
+        lines += [
+            f"| {r['N']} | {r['W']} | {r['L']} | {r['step0_causal_bwd_ms']:.2f} | "
+            f"{r['step_full_bwd_ms']:.2f} | {r['step_full_bwd_tflops']:.0f} | "
+            f"{(r['kv_bytes_per_step'] + r['dkv_bytes_per_step']) / 1e6:.1f} | "
+            f"{r['hiding_bandwidth_gbs']:.1f} |"
+            for r in results["steps"]
+        ]
     if results.get("multi"):
         world = results["env"]["world_size"]
-        lines += ["", f"forward + backward, {world} GPUs, zigzag; (x): speed-up over one GPU; "
-                  "best / X: PyTorch's time over attngen's better strategy",
-                  "| N | 1 GPU ms | ring ms (x) | all-gather ms (x) | torch cuDNN ms | "
-                  "torch FA2 ms | best / cuDNN | best / FA2 |", "|---" * 8 + "|"]
+        lines += [
+            "",
+            f"forward + backward, {world} GPUs, zigzag; (x): speed-up over one GPU; "
+            "best / X: PyTorch's time over attngen's better strategy",
+            "| N | 1 GPU ms | ring ms (x) | all-gather ms (x) | torch cuDNN ms | "
+            "torch FA2 ms | best / cuDNN | best / FA2 |",
+            "|---" * 8 + "|",
+        ]
         lines += [fwd.multi_line(r) for r in results["multi"]]
     return "\n".join(lines)
 
@@ -239,8 +297,7 @@ def main() -> None:
     if setup.rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         kind = "single" if setup.world == 1 else f"{setup.world}gpu"
-        path = args.out / (f"bench_context_parallel_backward_{kind}_"
-                           f"{results['env']['date']}.json")
+        path = args.out / (f"bench_context_parallel_backward_{kind}_{results['env']['date']}.json")
         path.write_text(json.dumps(results, indent=1))
         print(f"wrote {path}")
         print(table(results))

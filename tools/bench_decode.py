@@ -56,12 +56,17 @@ def decode_module(layout: str, page_size: int | None):
     spec = load_spec_file(ROOT / "examples" / "llama3_8b.yaml")[0]
     index = json.loads((ROOT / "generated" / "index.json").read_text())
     if spec.kv_layout.value == layout and spec.page_size == page_size:
-        entry = next(e for e in index["modules"] if e["arch"] == "sm90" and e["kind"] == "decode"
-                     and e["spec_hash"] == spec.spec_hash())
-        return load_by_path(ROOT / "generated" / entry["path"], "bench_" + entry["module"]), \
-            entry["path"]
-    spec = spec.model_copy(update={"kv_layout": KvLayout(layout), "page_size": page_size,
-                                   "archs": ("sm90",)})
+        entry = next(
+            e
+            for e in index["modules"]
+            if e["arch"] == "sm90" and e["kind"] == "decode" and e["spec_hash"] == spec.spec_hash()
+        )
+        return load_by_path(ROOT / "generated" / entry["path"], "bench_" + entry["module"]), entry[
+            "path"
+        ]
+    spec = spec.model_copy(
+        update={"kv_layout": KvLayout(layout), "page_size": page_size, "archs": ("sm90",)}
+    )
     artifact = next(a for a in plan_build([spec]) if a.entry["kind"] == KernelKind.decode.value)
     path = Path(tempfile.mkdtemp(prefix="attngen-bench-")) / Path(artifact.relative_path).name
     path.write_text(artifact.source)
@@ -72,8 +77,7 @@ def copy_bandwidth() -> float:
     """Device-to-device copy rate, bytes read + written per second (1 GiB each way)."""
     src = torch.empty(2**29, dtype=torch.int16, device="cuda").random_()
     dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200,
-                                 return_mode="median")
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
@@ -102,14 +106,21 @@ def make_inputs(batch: int, length: int, layout: str, page_size: int | None):
     pages_per_seq = length // page_size
     order = torch.randperm(batch * pages_per_seq, device="cuda", generator=gen)
     table = order.view(batch, pages_per_seq).to(torch.int32)
-    k_pages = torch.empty(batch * pages_per_seq, page_size, HKV, D, device="cuda",
-                          dtype=torch.bfloat16)
+    k_pages = torch.empty(
+        batch * pages_per_seq, page_size, HKV, D, device="cuda", dtype=torch.bfloat16
+    )
     v_pages = torch.empty_like(k_pages)
     # Page p of sequence b holds keys [p * page_size, (p + 1) * page_size).
-    k_pages[table.long().view(-1)] = k.view(batch, HKV, pages_per_seq, page_size, D).permute(
-        0, 2, 3, 1, 4).reshape(-1, page_size, HKV, D)
-    v_pages[table.long().view(-1)] = v.view(batch, HKV, pages_per_seq, page_size, D).permute(
-        0, 2, 3, 1, 4).reshape(-1, page_size, HKV, D)
+    k_pages[table.long().view(-1)] = (
+        k.view(batch, HKV, pages_per_seq, page_size, D)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(-1, page_size, HKV, D)
+    )
+    v_pages[table.long().view(-1)] = (
+        v.view(batch, HKV, pages_per_seq, page_size, D)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(-1, page_size, HKV, D)
+    )
     return q, k, v, seqlens, k_pages, v_pages, table
 
 
@@ -117,11 +128,15 @@ def anchors(q, k, v, use_flex: bool):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     runners = {}
-    for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
-                          ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+    for name, backend in (
+        ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+        ("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+    ):
+
         def run(backend=backend):
             with sdpa_kernel([backend]):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
         runners[name] = run
     if use_flex:
         from torch.nn.attention.flex_attention import flex_attention
@@ -133,8 +148,17 @@ def anchors(q, k, v, use_flex: bool):
 
 def bench_case(batch, length, bandwidth, use_flex, modules):
     bytes_moved = 2 * batch * HKV * length * D * 2 + 2 * batch * HQ * D * 2
-    result = dict(batch=batch, length=length, bytes=bytes_moved, us={}, us_graph={},
-                  fraction={}, errors={}, max_abs_diff={}, modules={})
+    result = dict(
+        batch=batch,
+        length=length,
+        bytes=bytes_moved,
+        us={},
+        us_graph={},
+        fraction={},
+        errors={},
+        max_abs_diff={},
+        modules={},
+    )
     reference = None
     dense = None
     for layout, page_size in LAYOUTS:
@@ -144,8 +168,11 @@ def bench_case(batch, length, bandwidth, use_flex, modules):
         q, k, v, seqlens, k_cache, v_cache, table = make_inputs(batch, length, layout, page_size)
         dense = dense or (q, k, v)
         result["splits_" + label] = module._num_splits(
-            batch * HKV, k_cache.shape[2] if table is None else table.shape[1] * page_size,
-            module.CONFIG["BLOCK_N"], module._sm_count(q.device))[0]
+            batch * HKV,
+            k_cache.shape[2] if table is None else table.shape[1] * page_size,
+            module.CONFIG["BLOCK_N"],
+            module._sm_count(q.device),
+        )[0]
 
         def runner(m=module, q=q, kc=k_cache, vc=v_cache, s=seqlens, t=table):
             return m.decode(q, kc, vc, s, block_table=t)
@@ -170,12 +197,14 @@ def bench_case(batch, length, bandwidth, use_flex, modules):
 
 
 def _time(result, name, runner, bytes_moved, bandwidth):
-    result["us"][name] = 1e3 * triton.testing.do_bench(runner, warmup=25, rep=200,
-                                                       return_mode="median")
+    result["us"][name] = 1e3 * triton.testing.do_bench(
+        runner, warmup=25, rep=200, return_mode="median"
+    )
     replay = graph_runner(runner)
     if replay is not None:
-        result["us_graph"][name] = 1e3 * triton.testing.do_bench(replay, warmup=25, rep=200,
-                                                                 return_mode="median")
+        result["us_graph"][name] = 1e3 * triton.testing.do_bench(
+            replay, warmup=25, rep=200, return_mode="median"
+        )
     best = min(result["us"][name], result["us_graph"].get(name, math.inf))
     result["fraction"][name] = bytes_moved / (best * 1e-6) / bandwidth
 
@@ -190,27 +219,41 @@ def main() -> None:
     torch._dynamo.config.accumulated_cache_size_limit = 1000
     args.out.mkdir(parents=True, exist_ok=True)
     bandwidth = copy_bandwidth()
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, date=datetime.date.today().isoformat(),
-                copy_bandwidth_TBps=bandwidth / 1e12)
+    meta = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        date=datetime.date.today().isoformat(),
+        copy_bandwidth_TBps=bandwidth / 1e12,
+    )
     modules = {(layout, page): decode_module(layout, page) for layout, page in LAYOUTS}
-    meta["configs"] = {f"{layout}{page or ''}": m.CONFIG for (layout, page), (m, _) in
-                       modules.items()}
+    meta["configs"] = {
+        f"{layout}{page or ''}": m.CONFIG for (layout, page), (m, _) in modules.items()
+    }
     results = []
     for batch, length in CASES[:2] if args.quick else CASES:
         results.append(bench_case(batch, length, bandwidth, not args.no_flex, modules))
         print(json.dumps(results[-1]), flush=True)
         (args.out / "bench_decode.json").write_text(
-            json.dumps(dict(meta=meta, results=results), indent=1))
+            json.dumps(dict(meta=meta, results=results), indent=1)
+        )
     print_summary(meta, results)
 
 
 def print_summary(meta, results):
     print(f"\n{meta}")
-    names = ["attngen_contiguous", "attngen_paged16", "attngen_paged64", "sdpa_cudnn",
-             "sdpa_flash", "flex"]
-    print(f"{'case':16s} " + " ".join(f"{n:>22s}" for n in names) + "  (us eager/graph, "
-          "fraction of copy rate)")
+    names = [
+        "attngen_contiguous",
+        "attngen_paged16",
+        "attngen_paged64",
+        "sdpa_cudnn",
+        "sdpa_flash",
+        "flex",
+    ]
+    print(
+        f"{'case':16s} " + " ".join(f"{n:>22s}" for n in names) + "  (us eager/graph, "
+        "fraction of copy rate)"
+    )
     for r in results:
         cells = []
         for n in names:
@@ -220,8 +263,10 @@ def print_summary(meta, results):
             else:
                 cells.append(f"{'refused' if n in r['errors'] else '-':>22s}")
         print(f"B={r['batch']:<3d} L={r['length']:<8d} " + " ".join(f"{c:>22s}" for c in cells))
-    print("targets: B=1 L=4096 <= 15 us; B=8 L=8192/32768 and B=64 L=4096 >= 0.90 of copy; "
-          "paged16/64 within 10% of contiguous")
+    print(
+        "targets: B=1 L=4096 <= 15 us; B=8 L=8192/32768 and B=64 L=4096 >= 0.90 of copy; "
+        "paged16/64 within 10% of contiguous"
+    )
     for r in results:
         best = {n: min(r["us"][n], r["us_graph"].get(n, math.inf)) for n in r["us"]}
         contiguous = best.get("attngen_contiguous", math.nan)
@@ -231,8 +276,9 @@ def print_summary(meta, results):
             verdicts.append(f"B1 {contiguous:.1f} us {'ok' if ok else 'MISS'}")
         else:
             fraction = r["fraction"].get("attngen_contiguous", 0.0)
-            verdicts.append(f"fraction {fraction:.2f} "
-                            f"{'ok' if fraction >= TARGET_FRACTION else 'MISS'}")
+            verdicts.append(
+                f"fraction {fraction:.2f} {'ok' if fraction >= TARGET_FRACTION else 'MISS'}"
+            )
         for page in ("attngen_paged16", "attngen_paged64"):
             ratio = best.get(page, math.nan) / contiguous
             verdicts.append(f"{page} {ratio:.2f}x {'ok' if ratio <= 1.10 else 'MISS'}")

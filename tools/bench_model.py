@@ -37,9 +37,16 @@ IMPLS = ("attngen", "sdpa", "flex_attention")
 
 def llama_config(layers: int) -> transformers.LlamaConfig:
     return transformers.LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
-        max_position_embeddings=40960, rope_theta=500000.0, dtype="bfloat16")
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=40960,
+        rope_theta=500000.0,
+        dtype="bfloat16",
+    )
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -78,9 +85,14 @@ def bench_prefill(model, impl, seqlen, repeats):
     torch.cuda.reset_peak_memory_stats()
     times = timed(forward, repeats)
     peak = torch.cuda.max_memory_allocated() - before
-    row = {"impl": impl, "phase": "prefill", "tokens": seqlen,
-           "median_ms": statistics.median(times), "times_ms": times,
-           "peak_mem_gib": peak / 2**30}
+    row = {
+        "impl": impl,
+        "phase": "prefill",
+        "tokens": seqlen,
+        "median_ms": statistics.median(times),
+        "times_ms": times,
+        "peak_mem_gib": peak / 2**30,
+    }
     if impl == "attngen":
         row["ran"] = kernels_that_ran(forward)
     return row
@@ -91,14 +103,27 @@ def bench_decode(model, impl, batch, prompt, new, repeats):
 
     def generate():
         with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                           max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                           pad_token_id=0)
+            model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
 
     times = timed(generate, repeats)
     median = statistics.median(times)
-    row = {"impl": impl, "phase": "decode", "batch": batch, "prompt": prompt, "new": new,
-           "median_ms": median, "times_ms": times, "tokens_per_s": batch * new / median * 1e3}
+    row = {
+        "impl": impl,
+        "phase": "decode",
+        "batch": batch,
+        "prompt": prompt,
+        "new": new,
+        "median_ms": median,
+        "times_ms": times,
+        "tokens_per_s": batch * new / median * 1e3,
+    }
     if impl == "attngen":
         row["ran"] = kernels_that_ran(generate)
     return row
@@ -143,24 +168,40 @@ def main() -> None:
                 if phase == "prefill":
                     rows.append(bench_prefill(model, impl, size, args.repeats))
                 else:
-                    rows.append(bench_decode(model, impl, size, args.prompt, args.new,
-                                             args.repeats))
+                    rows.append(
+                        bench_decode(model, impl, size, args.prompt, args.new, args.repeats)
+                    )
             except Exception as exc:  # one failing case must not lose the others' figures
-                errors.append({"impl": impl, "phase": phase, "size": size,
-                               "error": f"{type(exc).__name__}: {exc}"[:2000],
-                               "traceback": traceback.format_exc()[-4000:]})
+                errors.append(
+                    {
+                        "impl": impl,
+                        "phase": phase,
+                        "size": size,
+                        "error": f"{type(exc).__name__}: {exc}"[:2000],
+                        "traceback": traceback.format_exc()[-4000:],
+                    }
+                )
                 torch.cuda.empty_cache()
-    result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "transformers": transformers.__version__,
-              "layers": args.layers, "spec": spec.canonical(), "rows": rows, "errors": errors}
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "layers": args.layers,
+        "spec": spec.canonical(),
+        "rows": rows,
+        "errors": errors,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_model.json").write_text(json.dumps(result, indent=1))
     print_table(rows, errors)
 
 
 def print_table(rows, errors) -> None:
-    print(f"\n{'impl':<15}{'phase':<9}{'size':>7}{'median ms':>11}{'tok/s':>10}{'peak GiB':>10}"
-          "  attngen modules (runs)")
+    print(
+        f"\n{'impl':<15}{'phase':<9}{'size':>7}{'median ms':>11}{'tok/s':>10}{'peak GiB':>10}"
+        "  attngen modules (runs)"
+    )
     for row in rows:
         size = row.get("tokens", row.get("batch"))
         ran = row.get("ran")
@@ -171,8 +212,10 @@ def print_table(rows, errors) -> None:
                 ran_text += f"; FALLBACK: {ran['fallbacks']}"
         tps = f"{row['tokens_per_s']:.0f}" if "tokens_per_s" in row else ""
         peak = f"{row['peak_mem_gib']:.2f}" if "peak_mem_gib" in row else ""
-        print(f"{row['impl']:<15}{row['phase']:<9}{size:>7}{row['median_ms']:>11.2f}{tps:>10}"
-              f"{peak:>10}  {ran_text}")
+        print(
+            f"{row['impl']:<15}{row['phase']:<9}{size:>7}{row['median_ms']:>11.2f}{tps:>10}"
+            f"{peak:>10}  {ran_text}"
+        )
     for error in errors:
         print(f"ERROR {error['impl']} {error['phase']} {error['size']}: {error['error'][:200]}")
 

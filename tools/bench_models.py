@@ -52,8 +52,9 @@ MLA_LENGTHS = (4096, 8192, 16384, 32768)
 def module_for(example: str, variant: str, kind: KernelKind, arch: str = "sm90"):
     """The example variant's module for `kind`, rendered from the spec (so the benchmark
     needs no rebuilt generated/) and imported by path."""
-    spec = next(s for s in load_spec_file(ROOT / "examples" / f"{example}.yaml")
-                if s.name.endswith(variant))
+    spec = next(
+        s for s in load_spec_file(ROOT / "examples" / f"{example}.yaml") if s.name.endswith(variant)
+    )
     spec = spec.model_copy(update={"archs": (arch,)})
     artifact = next(a for a in plan_build([spec]) if a.entry["kind"] == kind.value)
     path = Path(tempfile.mkdtemp(prefix="attngen-models-")) / Path(artifact.relative_path).name
@@ -99,8 +100,10 @@ def gpt_oss_case(module, seqlen: int, use_flex: bool) -> dict:
         if agree("sdpa", sdpa(), out, row["problems"]):
             row["sdpa_ms"] = bench(sdpa)
     else:
-        row["problems"].append(f"sdpa: skipped at N={seqlen} (its explicit [H, N, N + 1] "
-                               "bias would not fit comfortably)")
+        row["problems"].append(
+            f"sdpa: skipped at N={seqlen} (its explicit [H, N, N + 1] "
+            "bias would not fit comfortably)"
+        )
     return row
 
 
@@ -136,8 +139,9 @@ def sdpa_sliding_sinks(q, k, v, sinks, window):
     k_sink, v_sink = torch.cat([k, zero], 2), torch.cat([v, zero], 2)
 
     def run():
-        return F.scaled_dot_product_attention(q, k_sink, v_sink, attn_mask=bias[None],
-                                              enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            q, k_sink, v_sink, attn_mask=bias[None], enable_gqa=True
+        )
 
     return run
 
@@ -154,8 +158,9 @@ def llama4_case(module, seqlen: int, use_flex: bool) -> dict:
     row: dict = {"case": f"llama4 chunked 8192 N={seqlen}", "problems": []}
     row["attngen_ms"] = bench(lambda: module.attention(q, k, v))
     # causal work inside each chunk: N x chunk / 2 score pairs, 4 flops x D each
-    row["attngen_tflops"] = 4 * d * hq * seqlen * min(chunk, seqlen) / 2 / (
-        row["attngen_ms"] * 1e-3) / 1e12
+    row["attngen_tflops"] = (
+        4 * d * hq * seqlen * min(chunk, seqlen) / 2 / (row["attngen_ms"] * 1e-3) / 1e12
+    )
     if use_flex:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -188,16 +193,24 @@ def mla_case(module, batch: int, length: int) -> dict:
     values = cache[..., :latent]  # the absorbed form's values are the latent itself
 
     def run():
-        return module.decode(q, cache, values, seqlens, block_table=table,
-                             sm_scale=(128 + 64) ** -0.5)
+        return module.decode(
+            q, cache, values, seqlens, block_table=table, sm_scale=(128 + 64) ** -0.5
+        )
 
     out = run()
     ms = bench(run)
     bytes_moved = batch * length * (latent + rope) * 2 + q.numel() * 2 + out.numel() * 2
-    row = {"case": f"mla decode B={batch} L={length}", "attngen_ms": ms,
-           "attngen_fraction": bytes_moved / (ms * 1e-3) / H200_BANDWIDTH, "problems": []}
-    for name, anchor in (("flashmla", flashmla_runner), ("flashinfer", flashinfer_runner),
-                         ("torch", torch_mla_runner)):
+    row = {
+        "case": f"mla decode B={batch} L={length}",
+        "attngen_ms": ms,
+        "attngen_fraction": bytes_moved / (ms * 1e-3) / H200_BANDWIDTH,
+        "problems": [],
+    }
+    for name, anchor in (
+        ("flashmla", flashmla_runner),
+        ("flashinfer", flashinfer_runner),
+        ("torch", torch_mla_runner),
+    ):
         try:
             fn = anchor(q, cache, table, seqlens, latent)
         except Exception as exc:  # an anchor that is absent or refuses the shape: say why
@@ -234,8 +247,17 @@ def flashmla_runner(q, cache, table, seqlens, latent):
     q_bshd = q.transpose(1, 2).contiguous()
 
     def run():
-        out, _ = flash_mla_with_kvcache(q_bshd, cache, table, seqlens, latent, metadata,
-                                        splits, softmax_scale=(128 + 64) ** -0.5, causal=True)
+        out, _ = flash_mla_with_kvcache(
+            q_bshd,
+            cache,
+            table,
+            seqlens,
+            latent,
+            metadata,
+            splits,
+            softmax_scale=(128 + 64) ** -0.5,
+            causal=True,
+        )
         return out.transpose(1, 2)
 
     return run
@@ -250,9 +272,20 @@ def flashinfer_runner(q, cache, table, seqlens, latent):
     pages = table.shape[1]
     indptr = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * pages
     qo_indptr = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32)
-    wrapper.plan(qo_indptr, indptr, table.flatten(), seqlens, q.shape[1], latent,
-                 cache.shape[-1] - latent, page, False, (128 + 64) ** -0.5, q.dtype,
-                 cache.dtype)
+    wrapper.plan(
+        qo_indptr,
+        indptr,
+        table.flatten(),
+        seqlens,
+        q.shape[1],
+        latent,
+        cache.shape[-1] - latent,
+        page,
+        False,
+        (128 + 64) ** -0.5,
+        q.dtype,
+        cache.dtype,
+    )
     q_nope = q[:, :, 0, :latent].contiguous()
     q_pe = q[:, :, 0, latent:].contiguous()
     ckv, kpe = cache[:, :, 0, :latent], cache[:, :, 0, latent:]
@@ -281,18 +314,24 @@ def main() -> None:
     rows += [llama4_case(llama4, n, use_flex) for n in pick(LLAMA4_LENGTHS)]
     _, mla = module_for("deepseek_v3", "absorbed", KernelKind.decode)
     rows += [mla_case(mla, b, n) for b in pick(MLA_BATCHES) for n in pick(MLA_LENGTHS)]
-    meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "triton": triton.__version__,
-            "bandwidth_reference": H200_BANDWIDTH}
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "bandwidth_reference": H200_BANDWIDTH,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_models.json").write_text(json.dumps({"meta": meta, "rows": rows},
-                                                           indent=1))
+    (args.out / "bench_models.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print_table(rows)
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'case':40} {'attngen':>9} {'flex':>9} {'sdpa':>9} {'torch':>9} {'flashmla':>9} "
-          f"{'flashinfer':>10} {'attngen BW':>10}")
+    print(
+        f"{'case':40} {'attngen':>9} {'flex':>9} {'sdpa':>9} {'torch':>9} {'flashmla':>9} "
+        f"{'flashinfer':>10} {'attngen BW':>10}"
+    )
+
     def cell(row, key, width=9):
         value = row.get(key)
         return f"{value:{width}.3f}" if isinstance(value, float) else " " * (width - 1) + "-"
@@ -300,9 +339,11 @@ def print_table(rows: list[dict]) -> None:
     for row in rows:
         fraction = row.get("attngen_fraction")
         shown = f"{fraction:10.2f}" if fraction is not None else " " * 9 + "-"
-        print(f"{row['case']:40} {cell(row, 'attngen_ms')} {cell(row, 'flex_ms')} "
-              f"{cell(row, 'sdpa_ms')} {cell(row, 'torch_ms')} {cell(row, 'flashmla_ms')} "
-              f"{cell(row, 'flashinfer_ms', 10)} {shown}")
+        print(
+            f"{row['case']:40} {cell(row, 'attngen_ms')} {cell(row, 'flex_ms')} "
+            f"{cell(row, 'sdpa_ms')} {cell(row, 'torch_ms')} {cell(row, 'flashmla_ms')} "
+            f"{cell(row, 'flashinfer_ms', 10)} {shown}"
+        )
         for problem in row["problems"]:
             print(f"    {problem}")
     print("(ms, median; BW = fraction of 4.8 TB/s)")

@@ -32,8 +32,11 @@ from attngen.spec import load_spec_file
 GRID_HEAD_DIMS = (64, 128, 256)
 GRID_SEQLENS = (1024, 4096, 16384)
 TOKENS, WIDTH = 16384, 2048  # batch = TOKENS / N, heads = WIDTH / D (the FlashAttention grid)
-SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
+SDPA_BACKENDS = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,8 +45,9 @@ TUNING = ROOT / "tuning"
 
 def load_module(spec, arch="sm90"):
     artifacts = plan_build([spec], TUNING if TUNING.is_dir() else None)
-    source = next(a.source for a in artifacts
-                  if a.entry["arch"] == arch and a.entry["kind"] == "prefill")
+    source = next(
+        a.source for a in artifacts if a.entry["arch"] == arch and a.entry["kind"] == "prefill"
+    )
     folder = Path(tempfile.mkdtemp(prefix="attngen-bench-"))
     path = folder / f"{spec.name}.py"
     path.write_text(source)
@@ -61,24 +65,69 @@ def grid_cases(quick: bool):
             for causal in (False, True):
                 heads = WIDTH // head_dim
                 kind = "causal" if causal else "full"
-                yield dict(label=f"D{head_dim} N{seqlen} {kind}",
-                           spec_file=f"tools/bench_specs/grid_d{head_dim}_{kind}.yaml",
-                           head_dim=head_dim, seqlen=seqlen, batch=TOKENS // seqlen,
-                           q_heads=heads, kv_heads=heads, causal=causal, window=None, softcap=0.0)
+                yield dict(
+                    label=f"D{head_dim} N{seqlen} {kind}",
+                    spec_file=f"tools/bench_specs/grid_d{head_dim}_{kind}.yaml",
+                    head_dim=head_dim,
+                    seqlen=seqlen,
+                    batch=TOKENS // seqlen,
+                    q_heads=heads,
+                    kv_heads=heads,
+                    causal=causal,
+                    window=None,
+                    softcap=0.0,
+                )
 
 
 def model_cases():
     common = dict(seqlen=4096, batch=4, causal=True, softcap=0.0, window=None)
-    yield dict(common, label="llama3-8b GQA 32/8", spec_file="examples/llama3_8b.yaml",
-               head_dim=128, q_heads=32, kv_heads=8)
-    yield dict(common, label="qwen2.5-7b GQA 28/4", spec_file="examples/qwen2_5_7b.yaml",
-               head_dim=128, q_heads=28, kv_heads=4)
-    yield dict(common, label="mistral-7b window 4095", spec_file="examples/mistral_7b.yaml",
-               head_dim=128, q_heads=32, kv_heads=8, window=4095, seqlen=8192, batch=2)
-    yield dict(common, label="gemma2-9b local softcap 50", spec_file="examples/gemma2_9b.yaml",
-               head_dim=256, q_heads=16, kv_heads=8, softcap=50.0, window=4095)
-    yield dict(common, label="gemma2-9b global softcap 50", spec_file="examples/gemma2_9b.yaml",
-               variant=1, head_dim=256, q_heads=16, kv_heads=8, softcap=50.0)
+    yield dict(
+        common,
+        label="llama3-8b GQA 32/8",
+        spec_file="examples/llama3_8b.yaml",
+        head_dim=128,
+        q_heads=32,
+        kv_heads=8,
+    )
+    yield dict(
+        common,
+        label="qwen2.5-7b GQA 28/4",
+        spec_file="examples/qwen2_5_7b.yaml",
+        head_dim=128,
+        q_heads=28,
+        kv_heads=4,
+    )
+    yield dict(
+        common,
+        label="mistral-7b window 4095",
+        spec_file="examples/mistral_7b.yaml",
+        head_dim=128,
+        q_heads=32,
+        kv_heads=8,
+        window=4095,
+        seqlen=8192,
+        batch=2,
+    )
+    yield dict(
+        common,
+        label="gemma2-9b local softcap 50",
+        spec_file="examples/gemma2_9b.yaml",
+        head_dim=256,
+        q_heads=16,
+        kv_heads=8,
+        softcap=50.0,
+        window=4095,
+    )
+    yield dict(
+        common,
+        label="gemma2-9b global softcap 50",
+        spec_file="examples/gemma2_9b.yaml",
+        variant=1,
+        head_dim=256,
+        q_heads=16,
+        kv_heads=8,
+        softcap=50.0,
+    )
 
 
 def spec_for(case):
@@ -102,8 +151,10 @@ def flex_runner(case, q, k, v):
         block_mask = create_block_mask(mask_mod, None, None, q.shape[2], k.shape[2])
     score_mod = None
     if softcap:
+
         def score_mod(score, b, h, q_idx, kv_idx):
             return softcap * torch.tanh(score / softcap)
+
     gqa = q.shape[1] != k.shape[1]
     return lambda: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
 
@@ -118,7 +169,9 @@ def sdpa_runner(backend, case, q, k, v):
     def run():
         with sdpa_kernel([SDPA_BACKENDS[backend]]):
             return torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=case["causal"], enable_gqa=gqa)
+                q, k, v, is_causal=case["causal"], enable_gqa=gqa
+            )
+
     return run
 
 
@@ -161,7 +214,8 @@ def bench_case(case, use_flex):
             reference = out
         else:
             result.setdefault("max_abs_diff_vs_attngen", {})[name] = (
-                (out.float() - reference.float()).abs().max().item())
+                (out.float() - reference.float()).abs().max().item()
+            )
         ms = triton.testing.do_bench(runner, warmup=25, rep=100, return_mode="median")
         result["ms"][name] = ms
         result["tflops"][name] = flops(case) / ms / 1e9
@@ -183,8 +237,12 @@ def main() -> None:
     args = parser.parse_args()
     torch._dynamo.config.cache_size_limit = 1000
     torch._dynamo.config.accumulated_cache_size_limit = 1000
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, date=datetime.date.today().isoformat())
+    meta = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        date=datetime.date.today().isoformat(),
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     grid = [] if args.models_only else list(grid_cases(args.quick))
@@ -193,7 +251,8 @@ def main() -> None:
         print_row(results[-1], flush=True)
         # Written after every case, so a run cut short still leaves its numbers.
         (args.out / "bench_prefill.json").write_text(
-            json.dumps(dict(meta=meta, results=results), indent=1))
+            json.dumps(dict(meta=meta, results=results), indent=1)
+        )
     print_summary(meta, results)
 
 

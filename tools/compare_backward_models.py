@@ -50,20 +50,37 @@ def main() -> int:
                 model = next(c for c in derivation.candidates if c.config == config)
                 recorded = data.get(backward_key(spec, arch, kernel, config)) or {}
                 jobs.append((spec, arch, config, kernel))
-                rows.append(dict(spec=spec.name, arch=arch, kernel=kernel,
-                                 config=config.as_dict(), model_shared=model.smem_bytes,
-                                 recorded_shared=recorded.get("shared")))
+                rows.append(
+                    dict(
+                        spec=spec.name,
+                        arch=arch,
+                        kernel=kernel,
+                        config=config.as_dict(),
+                        model_shared=model.smem_bytes,
+                        recorded_shared=recorded.get("shared"),
+                    )
+                )
     failed = 0
     for row, record in zip(rows, compile_many(jobs, args.jobs), strict=True):
-        row.update(shared=record["shared"], regs=record["regs"], error=record["error"],
-                   spills=record["spill_stores"], mma=record["mma"])
-        ok = (record["error"] is None and row["shared"] == row["model_shared"]
-              and row["recorded_shared"] in (None, row["shared"]))
+        row.update(
+            shared=record["shared"],
+            regs=record["regs"],
+            error=record["error"],
+            spills=record["spill_stores"],
+            mma=record["mma"],
+        )
+        ok = (
+            record["error"] is None
+            and row["shared"] == row["model_shared"]
+            and row["recorded_shared"] in (None, row["shared"])
+        )
         failed += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} {row['spec']:28} {row['arch']} {row['kernel']:4} "
-              f"{row['config']} shared {row['shared']} model {row['model_shared']} "
-              f"record {row['recorded_shared']} regs {row['regs']} spills {row['spills']}"
-              + (f" error {row['error']}" if row["error"] else ""))
+        print(
+            f"{'ok  ' if ok else 'FAIL'} {row['spec']:28} {row['arch']} {row['kernel']:4} "
+            f"{row['config']} shared {row['shared']} model {row['model_shared']} "
+            f"record {row['recorded_shared']} regs {row['regs']} spills {row['spills']}"
+            + (f" error {row['error']}" if row["error"] else "")
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"{len(rows) - failed} of {len(rows)} as the model and the records say")

@@ -35,22 +35,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="print the records as JSON")
     args = parser.parse_args(argv)
-    jobs = [(spec, arch, config) for spec in load_spec_file(args.spec) for arch in args.arch
-            for config in args.config]
+    jobs = [
+        (spec, arch, config)
+        for spec in load_spec_file(args.spec)
+        for arch in args.arch
+        for config in args.config
+    ]
     records = compile_many(jobs, args.processes)
     if args.json:
         print(json.dumps(records, indent=1))
         return 0
-    print(f"{'spec':<20} {'arch':<6} {'BMxBNxWxS':<12} {'shared':>7} {'model':>7} {'regs':>4} "
-          f"{'model':>5} {'spills':>6} {'mma':<8} error")
+    print(
+        f"{'spec':<20} {'arch':<6} {'BMxBNxWxS':<12} {'shared':>7} {'model':>7} {'regs':>4} "
+        f"{'model':>5} {'spills':>6} {'mma':<8} error"
+    )
     for (spec, arch, config), r in zip(jobs, records, strict=True):
         cand = {c.config: c for c in derive_tiles(spec, arch).candidates}.get(config)
         model_smem = cand.smem_bytes if cand else "-"
         model_regs = cand.regs_per_thread if cand else "-"
         label = f"{config.block_m}x{config.block_n}x{config.num_warps}x{config.num_stages}"
-        print(f"{spec.name[:20]:<20} {arch:<6} {label:<12} {r['shared'] or '-':>7} "
-              f"{model_smem:>7} {r['regs'] or '-':>4} {model_regs:>5} "
-              f"{r['spill_stores'] or 0:>6} {r['mma'] or '-':<8} {r['error'] or ''}")
+        print(
+            f"{spec.name[:20]:<20} {arch:<6} {label:<12} {r['shared'] or '-':>7} "
+            f"{model_smem:>7} {r['regs'] or '-':>4} {model_regs:>5} "
+            f"{r['spill_stores'] or 0:>6} {r['mma'] or '-':<8} {r['error'] or ''}"
+        )
     return 0
 
 

@@ -23,16 +23,34 @@ def argument_parser(description: str) -> argparse.ArgumentParser:
     """The options of this benchmark and of bench_context_parallel_backward.py."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON results")
-    parser.add_argument("--seqlens", type=lambda s: [int(x) for x in s.split(",")],
-                        default=None, help="comma-separated N (default 32k,64k,128k,256k)")
-    parser.add_argument("--worlds", type=lambda s: [int(x) for x in s.split(",")],
-                        default=[2, 4, 8], help="W for the per-step section")
-    parser.add_argument("--budget", type=float, default=3.0,
-                        help="seconds of repeats per measurement (at least 3 repeats)")
-    parser.add_argument("--no-torch-cp", action="store_true",
-                        help="skip PyTorch's context parallelism in the two-GPU run")
-    parser.add_argument("--smoke", action="store_true",
-                        help="CPU, Triton interpreter, toy sizes: checks the script runs")
+    parser.add_argument(
+        "--seqlens",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=None,
+        help="comma-separated N (default 32k,64k,128k,256k)",
+    )
+    parser.add_argument(
+        "--worlds",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[2, 4, 8],
+        help="W for the per-step section",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=3.0,
+        help="seconds of repeats per measurement (at least 3 repeats)",
+    )
+    parser.add_argument(
+        "--no-torch-cp",
+        action="store_true",
+        help="skip PyTorch's context parallelism in the two-GPU run",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU, Triton interpreter, toy sizes: checks the script runs",
+    )
     return parser
 
 
@@ -46,7 +64,8 @@ class Setup:
         self.smoke = args.smoke
         self.dtype = torch.float32 if args.smoke else torch.bfloat16
         self.batch, self.heads_q, self.heads_kv, self.head_dim = (
-            (1, 4, 2, 16) if args.smoke else (1, 32, 8, 128))
+            (1, 4, 2, 16) if args.smoke else (1, 32, 8, 128)
+        )
         self.seqlens = args.seqlens or ([64] if args.smoke else list(GPU_SEQLENS))
         if dist.is_initialized():  # a caller's group (a test's one-process group)
             self.device = torch.device("cpu" if args.smoke else "cuda")
@@ -69,9 +88,9 @@ class Setup:
 
         gen = torch.Generator(device=self.device).manual_seed(seed)
         shapes = [(self.batch, self.heads_q, seq_len, self.head_dim)] + 2 * [
-            (self.batch, self.heads_kv, seq_len, self.head_dim)]
-        return [torch.randn(s, generator=gen, device=self.device, dtype=self.dtype)
-                for s in shapes]
+            (self.batch, self.heads_kv, seq_len, self.head_dim)
+        ]
+        return [torch.randn(s, generator=gen, device=self.device, dtype=self.dtype) for s in shapes]
 
     def causal_flops(self, seq_len) -> float:
         return 2.0 * self.batch * self.heads_q * seq_len * seq_len * self.head_dim
@@ -91,13 +110,23 @@ def load_kernels_for(setup: Setup, backward: bool = False) -> str:
     if setup.device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(setup.device)
         arch = f"sm{major}{minor}"
-    common = dict(archs=[arch], dtype="fp32" if setup.smoke else "bf16",
-                  head_dim=setup.head_dim, num_q_heads=setup.heads_q,
-                  num_kv_heads=setup.heads_kv, kernels=["prefill"], backward=backward)
-    specs = [s for data in (dict(common, name="cp_causal", mask="causal",
-                                 causal_align="bottom_right"),
-                            dict(common, name="cp_full", mask="none"))
-             for s in specs_from_data(data)]
+    common = dict(
+        archs=[arch],
+        dtype="fp32" if setup.smoke else "bf16",
+        head_dim=setup.head_dim,
+        num_q_heads=setup.heads_q,
+        num_kv_heads=setup.heads_kv,
+        kernels=["prefill"],
+        backward=backward,
+    )
+    specs = [
+        s
+        for data in (
+            dict(common, name="cp_causal", mask="causal", causal_align="bottom_right"),
+            dict(common, name="cp_full", mask="none"),
+        )
+        for s in specs_from_data(data)
+    ]
     folder = Path(tempfile.mkdtemp(prefix="attngen-cp-bench-"))
     write_build(plan_build(specs, TUNING if TUNING.is_dir() else None), folder)
     load_kernels(folder, replace=True)
@@ -141,9 +170,20 @@ def environment(setup: Setup, arch: str) -> dict:
     import triton
 
     name = torch.cuda.get_device_name(setup.device) if setup.device.type == "cuda" else "cpu"
-    return {"device": name, "arch": arch, "world_size": setup.world, "torch": torch.__version__,
-            "triton": triton.__version__, "date": datetime.date.today().isoformat(),
-            "shape": {"batch": setup.batch, "heads_q": setup.heads_q,
-                      "heads_kv": setup.heads_kv, "head_dim": setup.head_dim,
-                      "dtype": str(setup.dtype), "mask": "causal"},
-            "smoke": setup.smoke}
+    return {
+        "device": name,
+        "arch": arch,
+        "world_size": setup.world,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.date.today().isoformat(),
+        "shape": {
+            "batch": setup.batch,
+            "heads_q": setup.heads_q,
+            "heads_kv": setup.heads_kv,
+            "head_dim": setup.head_dim,
+            "dtype": str(setup.dtype),
+            "mask": "causal",
+        },
+        "smoke": setup.smoke,
+    }

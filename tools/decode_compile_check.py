@@ -30,32 +30,48 @@ def data_path(version: str) -> Path:
 
 
 def jobs():
-    specs = [s for s in load_specs(sorted((ROOT / "examples").glob("*.yaml")))
-             if KernelKind.decode in s.kernels]
-    return [(spec, arch, derive_decode_tiles(spec, arch).chosen)
-            for spec in specs for arch in spec.archs]
+    specs = [
+        s
+        for s in load_specs(sorted((ROOT / "examples").glob("*.yaml")))
+        if KernelKind.decode in s.kernels
+    ]
+    return [
+        (spec, arch, derive_decode_tiles(spec, arch).chosen)
+        for spec in specs
+        for arch in spec.archs
+    ]
 
 
 def measure(skip: frozenset[tuple[str, str]] = frozenset()) -> list[dict]:
     """Rows for every job whose (kernel hash, arch) is not in `skip`."""
     from attngen.verify.compiler import compile_many
 
-    todo = [(spec, arch, config) for spec, arch, config in jobs()
-            if (spec.kernel_hash(KernelKind.decode), arch) not in skip]
+    todo = [
+        (spec, arch, config)
+        for spec, arch, config in jobs()
+        if (spec.kernel_hash(KernelKind.decode), arch) not in skip
+    ]
     records = compile_many(todo, processes=2, kind=KernelKind.decode)
     rows = []
     for (spec, arch, config), record in zip(todo, records, strict=True):
-        rows.append({"spec": spec.name, "kernel_hash": spec.kernel_hash(KernelKind.decode),
-                     "arch": arch, "config": config.as_dict(),
-                     **{f: record[f] for f in FIELDS}})
+        rows.append(
+            {
+                "spec": spec.name,
+                "kernel_hash": spec.kernel_hash(KernelKind.decode),
+                "arch": arch,
+                "config": config.as_dict(),
+                **{f: record[f] for f in FIELDS},
+            }
+        )
     return rows
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compare with the data file")
-    parser.add_argument("--add", action="store_true",
-                        help="compile only kernels the data file has no row for")
+    parser.add_argument(
+        "--add", action="store_true", help="compile only kernels the data file has no row for"
+    )
     args = parser.parse_args()
     path = data_path(triton_version())
     if args.add:

@@ -46,40 +46,66 @@ def main() -> None:
             for block_n, warps, stages in CONFIGS:
                 module.CONFIG.update(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
                 module.FORCE_NUM_SPLITS = None
-                derived = module._num_splits(batch * HKV, span, block_n,
-                                             module._sm_count(q.device))[0]
+                derived = module._num_splits(
+                    batch * HKV, span, block_n, module._sm_count(q.device)
+                )[0]
                 for splits in sorted({derived, max(1, derived // 2), derived * 2}):
                     module.FORCE_NUM_SPLITS = splits
                     replay = graph_runner(
-                        lambda m=module, a=(q, k_cache, v_cache, seqlens), t=table:
-                        m.decode(*a, block_table=t))
+                        lambda m=module, a=(q, k_cache, v_cache, seqlens), t=table: m.decode(
+                            *a, block_table=t
+                        )
+                    )
                     if replay is None:
                         continue
-                    us = 1e3 * triton.testing.do_bench(replay, warmup=10, rep=60,
-                                                       return_mode="median")
-                    rows.append(dict(layout=layout, page=page, batch=batch, length=length,
-                                     block_n=block_n, warps=warps, stages=stages,
-                                     splits=splits, derived_splits=derived, us=us,
-                                     fraction=moved / (us * 1e-6) / bandwidth))
+                    us = 1e3 * triton.testing.do_bench(
+                        replay, warmup=10, rep=60, return_mode="median"
+                    )
+                    rows.append(
+                        dict(
+                            layout=layout,
+                            page=page,
+                            batch=batch,
+                            length=length,
+                            block_n=block_n,
+                            warps=warps,
+                            stages=stages,
+                            splits=splits,
+                            derived_splits=derived,
+                            us=us,
+                            fraction=moved / (us * 1e-6) / bandwidth,
+                        )
+                    )
             module.FORCE_NUM_SPLITS = None
             module.CONFIG.update(default)
-            (args.out / "exp_decode.json").write_text(json.dumps(
-                dict(gpu=torch.cuda.get_device_name(), bandwidth=bandwidth, rows=rows)))
+            (args.out / "exp_decode.json").write_text(
+                json.dumps(dict(gpu=torch.cuda.get_device_name(), bandwidth=bandwidth, rows=rows))
+            )
     print_summary(rows)
 
 
 def print_summary(rows: list[dict]) -> None:
     """Per (layout, batch, length): the default config's time against the sweep's best."""
     for (layout, batch, length), group in itertools.groupby(
-            rows, key=lambda r: (r["layout"], r["batch"], r["length"])):
+        rows, key=lambda r: (r["layout"], r["batch"], r["length"])
+    ):
         group = list(group)
         best = min(group, key=lambda r: r["us"])
-        base = next((r for r in group if (r["block_n"], r["warps"], r["stages"]) ==
-                     (64, 4, 3) and r["splits"] == r["derived_splits"]), None)
-        print(f"{layout:10s} B={batch:3d} L={length:6d} default "
-              f"{base['us'] if base else float('nan'):7.1f} us | best {best['us']:7.1f} us "
-              f"({best['fraction']:.2f} of copy) BN={best['block_n']} w{best['warps']} "
-              f"s{best['stages']} splits {best['splits']} (derived {best['derived_splits']})")
+        base = next(
+            (
+                r
+                for r in group
+                if (r["block_n"], r["warps"], r["stages"]) == (64, 4, 3)
+                and r["splits"] == r["derived_splits"]
+            ),
+            None,
+        )
+        print(
+            f"{layout:10s} B={batch:3d} L={length:6d} default "
+            f"{base['us'] if base else float('nan'):7.1f} us | best {best['us']:7.1f} us "
+            f"({best['fraction']:.2f} of copy) BN={best['block_n']} w{best['warps']} "
+            f"s{best['stages']} splits {best['splits']} (derived {best['derived_splits']})"
+        )
 
 
 if __name__ == "__main__":

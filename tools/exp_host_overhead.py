@@ -64,20 +64,23 @@ class Recorder:
         def launch(*args, **kwargs):
             self.grid, self.args, self.kwargs = grid, args, kwargs
             return self.real[grid](*args, **kwargs)
+
         return launch
 
 
 def module_for(kind: str, name_part: str):
-    entry = next(e for e in current_registry().entries
-                 if e.kind == kind and e.arch == "sm90" and name_part in e.module)
+    entry = next(
+        e
+        for e in current_registry().entries
+        if e.kind == kind and e.arch == "sm90" and name_part in e.module
+    )
     return current_registry().module(entry.key), entry
 
 
 def direct_launcher(real, grid, args, kwargs):
     """The compiled kernel and a zero-argument function that launches it without binding."""
     compiled = real[grid](*args, **kwargs)
-    bound = real.signature.bind(*args, **{k: v for k, v in kwargs.items()
-                                          if k in real.arg_names})
+    bound = real.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in real.arg_names})
     bound.apply_defaults()
     values = list(bound.arguments.values())
     grid = tuple(grid) + (1,) * (3 - len(grid))
@@ -85,8 +88,19 @@ def direct_launcher(real, grid, args, kwargs):
 
     def launch():
         stream = torch.cuda.current_stream(device).cuda_stream
-        compiled.run(grid[0], grid[1], grid[2], stream, compiled.function,
-                     compiled.packed_metadata, None, None, None, *values)
+        compiled.run(
+            grid[0],
+            grid[1],
+            grid[2],
+            stream,
+            compiled.function,
+            compiled.packed_metadata,
+            None,
+            None,
+            None,
+            *values,
+        )
+
     return compiled, launch
 
 
@@ -105,20 +119,41 @@ def measure_public(rows: dict, q, k, v) -> None:
     measure(rows, "torch sdpa (default dispatch)", lambda: F.scaled_dot_product_attention(q, k, v))
     measure(rows, "bare triton launch (1 arg)", lambda: _noop[(1,)](x))
     measure(rows, "attngen.flash_attn_func", lambda: attngen.flash_attn_func(qf, kf, vf))
-    measure(rows, "attngen.scaled_dot_product_attention",
-            lambda: attngen.scaled_dot_product_attention(q, k, v))
+    measure(
+        rows,
+        "attngen.scaled_dot_product_attention",
+        lambda: attngen.scaled_dot_product_attention(q, k, v),
+    )
     module, entry = module_for("prefill", "bert_base")
-    measure(rows, "torch.ops.attngen.prefill (op only)",
-            lambda: ops.prefill_op(entry.key, q, k, v, 0.125, None, False, False))
-    measure(rows, "ops.prefill (eager: the module directly)",
-            lambda: ops.prefill(entry.key, q, k, v, 0.125, None, False))
+    measure(
+        rows,
+        "torch.ops.attngen.prefill (op only)",
+        lambda: ops.prefill_op(entry.key, q, k, v, 0.125, None, False, False),
+    )
+    measure(
+        rows,
+        "ops.prefill (eager: the module directly)",
+        lambda: ops.prefill(entry.key, q, k, v, 0.125, None, False),
+    )
     measure(rows, "module attention()", lambda: module.attention(q, k, v))
     from attngen.runtime.dispatch import choose, need_for
     from attngen.spec import KernelKind, Mask
 
     def need():
-        return need_for(KernelKind.prefill, q, v, mask=Mask.none, align=None, window=None,
-                        softcap=0.0, alibi=False, seqlen_q=64, seqlen_k=64, same_lengths=True)
+        return need_for(
+            KernelKind.prefill,
+            q,
+            v,
+            mask=Mask.none,
+            align=None,
+            window=None,
+            softcap=0.0,
+            alibi=False,
+            seqlen_q=64,
+            seqlen_k=64,
+            same_lengths=True,
+        )
+
     measure(rows, "need_for only", need)
     asked = need()
     measure(rows, "dispatch (choose, cached) only", lambda: choose("flash_attn_func", asked))
@@ -154,14 +189,23 @@ def measure_launch(rows: dict, q, k, v) -> None:
             if type(arg).__name__ == "TensorDescriptor":
                 ptr_args[i] = None
         ptr_kw["USE_TMA"] = False
-        measure(rows, "kernel[grid](...) with pointers (no TMA)",
-                lambda: real[grid](*ptr_args, **ptr_kw))
+        measure(
+            rows,
+            "kernel[grid](...) with pointers (no TMA)",
+            lambda: real[grid](*ptr_args, **ptr_kw),
+        )
         from triton.tools.tensor_descriptor import TensorDescriptor
-        measure(rows, "TensorDescriptor x2 construction only",
-                lambda: [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 64, 64])
-                         for t in (k, v)])
-    variants = [("pointers", ptr_args, ptr_kw)] + ([("TMA descriptors prebuilt", kargs, kkw)]
-                                                   if tma else [])
+
+        measure(
+            rows,
+            "TensorDescriptor x2 construction only",
+            lambda: [
+                TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 64, 64]) for t in (k, v)
+            ],
+        )
+    variants = [("pointers", ptr_args, ptr_kw)] + (
+        [("TMA descriptors prebuilt", kargs, kkw)] if tma else []
+    )
     for label, a, kw in variants:
         name = f"compiled.run direct ({label})"
         try:
@@ -180,12 +224,16 @@ def measure_decode(rows: dict) -> None:
         kc = torch.randn(1, 4096, 4, 128, device="cuda", dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
         lens = torch.full((1,), 64, dtype=torch.int32, device="cuda")
-        measure(rows, "attngen.flash_attn_with_kvcache (B1, L64)",
-                lambda: attngen.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=lens,
-                                                        causal=True))
-        measure(rows, "decode module decode() (B1, L64)",
-                lambda: dmod.decode(qd.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
-                                    lens))
+        measure(
+            rows,
+            "attngen.flash_attn_with_kvcache (B1, L64)",
+            lambda: attngen.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=lens, causal=True),
+        )
+        measure(
+            rows,
+            "decode module decode() (B1, L64)",
+            lambda: dmod.decode(qd.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2), lens),
+        )
         rows["decode module"] = dentry.describe()
     except Exception as exc:
         rows["decode"] = f"error: {exc}"
@@ -218,13 +266,20 @@ def main() -> None:
     measure_decode(rows)
     profile = profile_flash_attn(q, k, v)
     (args.out / "host_overhead_profile.txt").write_text(profile)
-    result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "triton": triton.__version__,
-              "shape": "B1 H12 N64 D64 fp16", "host_us": rows}
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "shape": "B1 H12 N64 D64 fp16",
+        "host_us": rows,
+    }
     (args.out / "host_overhead.json").write_text(json.dumps(result, indent=1))
     print(profile[:6000])
-    print(f"\nhost time per call ({result['gpu']}, torch {torch.__version__}, "
-          f"triton {triton.__version__})")
+    print(
+        f"\nhost time per call ({result['gpu']}, torch {torch.__version__}, "
+        f"triton {triton.__version__})"
+    )
     for name, value in rows.items():
         print(f"  {name:55s} {value}")
 

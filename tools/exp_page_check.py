@@ -27,8 +27,10 @@ sys.path.insert(0, str(ROOT / "tools"))
 from bench_bounds_cost import CURRENT_DECODE, decode_rows, report  # noqa: E402
 from bench_decode import load_by_path  # noqa: E402
 
-SCAN = ("    fits = fits & _pages_ok(BlockTable, off_b, stride_btb, stride_btp, scan_first, "
-        "scan_end,\n                            scan_first < scan_end, num_pages)\n")
+SCAN = (
+    "    fits = fits & _pages_ok(BlockTable, off_b, stride_btb, stride_btp, scan_first, "
+    "scan_end,\n                            scan_first < scan_end, num_pages)\n"
+)
 EPILOGUE = "    # -- epilogue ---"
 
 
@@ -59,8 +61,13 @@ def main() -> None:
                 rows.append(dict(row, variant=name))
         except Exception as exc:  # noqa: BLE001 - one variant failing still reports the others
             rows.append(dict(variant=name, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
-    report(rows, args.out / "exp_page_check.json", label="variant",
-           head="variant | shape | before us | variant us")
+    report(
+        rows,
+        args.out / "exp_page_check.json",
+        label="variant",
+        head="variant | shape | before us | variant us",
+    )
+
 
 if __name__ == "__main__":
     main()

@@ -81,16 +81,20 @@ def load(source: str, name: str):
 
 def committed_source(spec_file: str):
     spec = load_spec_file(ROOT / spec_file)[0]
-    source = next(a.source for a in plan_build([spec], ROOT / "tuning")
-                  if a.entry["arch"] == "sm90" and a.entry["kind"] == "prefill")
+    source = next(
+        a.source
+        for a in plan_build([spec], ROOT / "tuning")
+        if a.entry["arch"] == "sm90" and a.entry["kind"] == "prefill"
+    )
     return spec, source
 
 
 def modules_for(spec_file: str, variants):
     spec, source = committed_source(spec_file)
     texts = {name: variant_source(source, name) for name in variants}
-    return spec, {name: load(text, f"{spec.name}_{name}") for name, text in texts.items()
-                  if text is not None}
+    return spec, {
+        name: load(text, f"{spec.name}_{name}") for name, text in texts.items() if text is not None
+    }
 
 
 def cpu_check() -> None:
@@ -98,8 +102,10 @@ def cpu_check() -> None:
     from tests import interpreter_bf16  # the interpreter's bf16 needs the test shim
 
     interpreter_bf16.install()
-    for spec_file in ("tools/bench_specs/grid_d64_causal.yaml",
-                      "tools/bench_specs/grid_d128_full.yaml"):
+    for spec_file in (
+        "tools/bench_specs/grid_d64_causal.yaml",
+        "tools/bench_specs/grid_d128_full.yaml",
+    ):
         spec, modules = modules_for(spec_file, INTERPRETABLE)
         for seqlen_q, seqlen_k in ((40, 40), (130, 130), (50, 97)):
             q, k, v, _ = random_inputs(spec, 1, seqlen_q, seqlen_k, seed=1)
@@ -124,14 +130,20 @@ def compile_check() -> None:
             if text is None:
                 continue
             module = load(text, f"{spec.name}_{name}")
-            config = TileConfig(*(module.CONFIG[key] for key in
-                                  ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")))
+            config = TileConfig(
+                *(module.CONFIG[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"))
+            )
             record = compiler.compile_source(
-                lambda m=module, s=spec, c=config: compiler.kernel_source(s, m._attn_fwd_kernel,
-                                                                          c),
-                "sm90", config)
-            print(spec.name, name, config, {k: record[k] for k in
-                                            ("regs", "spill_stores", "shared", "mma", "error")})
+                lambda m=module, s=spec, c=config: compiler.kernel_source(s, m._attn_fwd_kernel, c),
+                "sm90",
+                config,
+            )
+            print(
+                spec.name,
+                name,
+                config,
+                {k: record[k] for k in ("regs", "spill_stores", "shared", "mma", "error")},
+            )
             # The committed kernel must compile; a variant that does not is a result
             # (warp_specialize fails Triton 3.6's NVGPUWarpSpecialization pass on the causal
             # D <= 128 kernels, whose two key loops both read through TMA; elsewhere it
@@ -140,14 +152,20 @@ def compile_check() -> None:
 
 
 def timed(module, q, k, v) -> float:
-    return triton.testing.do_bench(lambda: module.attention(q, k, v), warmup=25, rep=100,
-                                   return_mode="median")
+    return triton.testing.do_bench(
+        lambda: module.attention(q, k, v), warmup=25, rep=100, return_mode="median"
+    )
 
 
 def measure(spec, name, module, config, seqlen, inputs, rows, out_dir):
     q, k, v = inputs
-    module.CONFIG.update(BLOCK_M=config[0], BLOCK_N=config[1], num_warps=config[2],
-                         num_stages=config[3], maxnreg=config[4] if len(config) > 4 else None)
+    module.CONFIG.update(
+        BLOCK_M=config[0],
+        BLOCK_N=config[1],
+        num_warps=config[2],
+        num_stages=config[3],
+        maxnreg=config[4] if len(config) > 4 else None,
+    )
     flops = 4 * q.shape[0] * q.shape[1] * seqlen * seqlen * spec.head_dim
     flops /= 2 if spec.mask.value == "causal" else 1
     try:
@@ -156,33 +174,57 @@ def measure(spec, name, module, config, seqlen, inputs, rows, out_dir):
         tflops, error = flops / timed(module, q, k, v) / 1e9, None
     except Exception as exc:  # a variant that fails to compile is a result
         tflops, problems, error = float("nan"), [], str(exc)[:400]
-    rows.append(dict(spec=spec.name, seqlen=seqlen, config=list(config), variant=name,
-                     tflops=tflops, problems=problems, error=error))
+    rows.append(
+        dict(
+            spec=spec.name,
+            seqlen=seqlen,
+            config=list(config),
+            variant=name,
+            tflops=tflops,
+            problems=problems,
+            error=error,
+        )
+    )
     print(rows[-1], flush=True)
     (out_dir / "exp_prefill.json").write_text(json.dumps(rows, indent=1))
 
 
-VARIANT_CASES = [("tools/bench_specs/grid_d64_causal.yaml", (1024, 4096)),
-                 ("tools/bench_specs/grid_d64_full.yaml", (1024, 4096)),
-                 ("tools/bench_specs/grid_d128_causal.yaml", (1024, 4096)),
-                 ("tools/bench_specs/grid_d128_full.yaml", (1024, 4096)),
-                 ("tools/bench_specs/grid_d256_causal.yaml", (1024,))]
-SWEEP_CONFIGS = {64: [(128, 64, 4, 2), (128, 64, 4, 4), (64, 64, 4, 3), (128, 32, 4, 3),
-                      (64, 128, 4, 3), (128, 128, 8, 3), (256, 64, 8, 3)],
-                 128: [(64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 4)]}
+VARIANT_CASES = [
+    ("tools/bench_specs/grid_d64_causal.yaml", (1024, 4096)),
+    ("tools/bench_specs/grid_d64_full.yaml", (1024, 4096)),
+    ("tools/bench_specs/grid_d128_causal.yaml", (1024, 4096)),
+    ("tools/bench_specs/grid_d128_full.yaml", (1024, 4096)),
+    ("tools/bench_specs/grid_d256_causal.yaml", (1024,)),
+]
+SWEEP_CONFIGS = {
+    64: [
+        (128, 64, 4, 2),
+        (128, 64, 4, 4),
+        (64, 64, 4, 3),
+        (128, 32, 4, 3),
+        (64, 128, 4, 3),
+        (128, 128, 8, 3),
+        (256, 64, 8, 3),
+    ],
+    128: [(64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 4)],
+}
 
 
 # --compare: one variant against the committed loop (tma), config by config. N <= 4096: the
 # float64 reference check of a 16k sequence would not fit in GPU memory.
-COMPARE_CASES = [("tools/bench_specs/grid_d64_full.yaml", (1024, 4096)),
-                 ("tools/bench_specs/grid_d64_causal.yaml", (1024, 4096)),
-                 ("tools/bench_specs/grid_d128_causal.yaml", (1024, 4096)),
-                 ("tools/bench_specs/grid_d128_full.yaml", (1024, 4096)),
-                 ("tools/bench_specs/grid_d256_causal.yaml", (1024, 4096)),
-                 ("tools/bench_specs/grid_d256_full.yaml", (1024,))]
-COMPARE_CONFIGS = {64: [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 4)],
-                   128: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
-                   256: [(128, 64, 8, 2), (64, 64, 4, 2)]}
+COMPARE_CASES = [
+    ("tools/bench_specs/grid_d64_full.yaml", (1024, 4096)),
+    ("tools/bench_specs/grid_d64_causal.yaml", (1024, 4096)),
+    ("tools/bench_specs/grid_d128_causal.yaml", (1024, 4096)),
+    ("tools/bench_specs/grid_d128_full.yaml", (1024, 4096)),
+    ("tools/bench_specs/grid_d256_causal.yaml", (1024, 4096)),
+    ("tools/bench_specs/grid_d256_full.yaml", (1024,)),
+]
+COMPARE_CONFIGS = {
+    64: [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 4)],
+    128: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
+    256: [(128, 64, 8, 2), (64, 64, 4, 2)],
+}
 
 
 def compare_bench(out_dir: Path, variants: list[str], causal_only: bool = False) -> None:
@@ -193,8 +235,7 @@ def compare_bench(out_dir: Path, variants: list[str], causal_only: bool = False)
             continue
         spec, modules = modules_for(spec_file, ("tma", *variants))
         for seqlen in seqlens:
-            q, k, v, _ = random_inputs(spec, 16384 // seqlen, seqlen, seqlen, seed=0,
-                                       device="cuda")
+            q, k, v, _ = random_inputs(spec, 16384 // seqlen, seqlen, seqlen, seed=0, device="cuda")
             for config in COMPARE_CONFIGS[spec.head_dim]:
                 for name, module in modules.items():
                     measure(spec, name, module, config, seqlen, (q, k, v), rows, out_dir)
@@ -205,8 +246,10 @@ def print_rows(rows: list[dict]) -> None:
     print(f"\n{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     for r in rows:
         status = r["error"] or ("; ".join(r["problems"]) or "ok")
-        print(f"{r['spec']:18s} N={r['seqlen']:5d} {str(r['config']):22s} {r['variant']:15s} "
-              f"{r['tflops']:7.1f} TFLOP/s  {status[:90]}")
+        print(
+            f"{r['spec']:18s} N={r['seqlen']:5d} {str(r['config']):22s} {r['variant']:15s} "
+            f"{r['tflops']:7.1f} TFLOP/s  {status[:90]}"
+        )
 
 
 def gpu_bench(out_dir: Path, sweep: bool) -> None:
@@ -217,11 +260,11 @@ def gpu_bench(out_dir: Path, sweep: bool) -> None:
         if spec.mask.value == "none":  # no diagonal: masked blocks are only a ragged tail
             variants.remove("masked_pointers")
         spec, modules = modules_for(spec_file, variants)
-        config = tuple(modules["tma"].CONFIG[key] for key in
-                       ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"))
+        config = tuple(
+            modules["tma"].CONFIG[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+        )
         for seqlen in seqlens:
-            q, k, v, _ = random_inputs(spec, 16384 // seqlen, seqlen, seqlen, seed=0,
-                                       device="cuda")
+            q, k, v, _ = random_inputs(spec, 16384 // seqlen, seqlen, seqlen, seed=0, device="cuda")
             for name, module in modules.items():
                 measure(spec, name, module, config, seqlen, (q, k, v), rows, out_dir)
             if sweep and spec.head_dim in SWEEP_CONFIGS:
@@ -235,8 +278,12 @@ if __name__ == "__main__":
     parser.add_argument("--cpu-check", action="store_true")
     parser.add_argument("--compile-check", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="more tile configs at D64/D128")
-    parser.add_argument("--compare", choices=sorted(SUBSTITUTIONS), nargs="+",
-                        help="only these variants against tma, over COMPARE_CONFIGS")
+    parser.add_argument(
+        "--compare",
+        choices=sorted(SUBSTITUTIONS),
+        nargs="+",
+        help="only these variants against tma, over COMPARE_CONFIGS",
+    )
     parser.add_argument("--causal-only", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()

@@ -6,36 +6,53 @@ from __future__ import annotations
 
 # The committed modules read masked blocks through TMA up to D = 128 (variant "tma_diag" when
 # that was measured); "masked_pointers" sends them through masked pointer loads again.
-MASKED_POINTERS = [("            if USE_TMA and BLOCK_M >= 64:\n"
-                    "                # The copy engine zero-fills",
-                    "            if False:  # the experiment: masked blocks through pointers\n"
-                    "                # The copy engine zero-fills")]
+MASKED_POINTERS = [
+    (
+        "            if USE_TMA and BLOCK_M >= 64:\n                # The copy engine zero-fills",
+        "            if False:  # the experiment: masked blocks through pointers\n"
+        "                # The copy engine zero-fills",
+    )
+]
 # The committed kernels scale plain scores in the exponent (variant "fma" when that was
 # measured); "scaled_first" restores the earlier form, to measure the difference again.
 SCALED_FIRST = [
-    ("        # Note: plain scores stay unscaled; the scale is applied in the row max "
-     "and in the\n"
-     "        # exponent's FMA (sm_scale > 0, so max(s x qk) = s x max(qk)): one multiply per\n"
-     "        # score fewer, 3-6% faster at D = 64 on the H200 (tools/exp_prefill.py, then "
-     "\"fma\").\n"
-     "        scores = qk\n", "        scores = qk * qk_scale\n"),
-    ("        m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)\n",
-     "        m_new = tl.maximum(m_i, tl.max(scores, 1))\n"),
-    ("        p = tl.math.exp2(scores * qk_scale - m_ref[:, None])\n",
-     "        p = tl.math.exp2(scores - m_ref[:, None])\n")]
-FAST_EXP = [("        p = tl.math.exp2(scores * qk_scale - m_ref[:, None])\n",
-             "        p = tl.inline_asm_elementwise(\n"
-             "            \"ex2.approx.ftz.bf16x2 $0, $1;\", \"=r,r\",\n"
-             "            [(scores * qk_scale - m_ref[:, None]).to(tl.bfloat16)],\n"
-             "            dtype=tl.bfloat16, is_pure=True, pack=2)\n"),
-            ("        l_i = l_i * alpha + tl.sum(p, 1)\n",
-             "        l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)\n")]
+    (
+        "        # Note: plain scores stay unscaled; the scale is applied in the row max "
+        "and in the\n"
+        "        # exponent's FMA (sm_scale > 0, so max(s x qk) = s x max(qk)): one multiply per\n"
+        "        # score fewer, 3-6% faster at D = 64 on the H200 (tools/exp_prefill.py, then "
+        '"fma").\n'
+        "        scores = qk\n",
+        "        scores = qk * qk_scale\n",
+    ),
+    (
+        "        m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)\n",
+        "        m_new = tl.maximum(m_i, tl.max(scores, 1))\n",
+    ),
+    (
+        "        p = tl.math.exp2(scores * qk_scale - m_ref[:, None])\n",
+        "        p = tl.math.exp2(scores - m_ref[:, None])\n",
+    ),
+]
+FAST_EXP = [
+    (
+        "        p = tl.math.exp2(scores * qk_scale - m_ref[:, None])\n",
+        "        p = tl.inline_asm_elementwise(\n"
+        '            "ex2.approx.ftz.bf16x2 $0, $1;", "=r,r",\n'
+        "            [(scores * qk_scale - m_ref[:, None]).to(tl.bfloat16)],\n"
+        "            dtype=tl.bfloat16, is_pure=True, pack=2)\n",
+    ),
+    (
+        "        l_i = l_i * alpha + tl.sum(p, 1)\n",
+        "        l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)\n",
+    ),
+]
 # The key loop with Triton's warp specialization or loop flattening (both measured on pointer
 # loads: nothing gained; the PTX had no setmaxnreg, so no specialization on sm90).
 KEY_LOOP = "    for start in tl.range(start_n, end_n, BLOCK_N):\n"
 WARP_SPECIALIZE = [(KEY_LOOP, KEY_LOOP.replace("BLOCK_N)", "BLOCK_N, warp_specialize=True)"))]
 FLATTEN = [(KEY_LOOP, KEY_LOOP.replace("BLOCK_N)", "BLOCK_N, flatten=True)"))]
-OVERLAPPED_INNER = '''
+OVERLAPPED_INNER = """
 @triton.jit
 def _load_kv_block(k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, k_desc, v_desc,
                    desc_b, desc_h, start, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
@@ -95,7 +112,7 @@ def _attn_fwd_inner_overlapped(
     return acc, l_i, m_i
 
 
-'''
+"""
 KERNEL_DEF = "@triton.jit\ndef _attn_fwd_kernel("
 UNMASKED_CALL = ("    acc, l_i, m_i = _attn_fwd_inner(\n", "MASKED=False,")
 
@@ -107,8 +124,11 @@ def overlapped_source(source: str) -> str | None:
     head, _, kernel = source.partition(KERNEL_DEF)
     flag = kernel.index(UNMASKED_CALL[1])
     call = kernel.rindex(UNMASKED_CALL[0], 0, flag)
-    kernel = (kernel[:call] + UNMASKED_CALL[0].replace("_inner(", "_inner_overlapped(")
-              + kernel[call + len(UNMASKED_CALL[0]):])
+    kernel = (
+        kernel[:call]
+        + UNMASKED_CALL[0].replace("_inner(", "_inner_overlapped(")
+        + kernel[call + len(UNMASKED_CALL[0]) :]
+    )
     return head + OVERLAPPED_INNER.lstrip("\n") + KERNEL_DEF + kernel
 
 
@@ -116,11 +136,14 @@ def overlapped_source(source: str) -> str | None:
 # (and acc, l_i rescaled) only when some row's max grew by more than 8 (log2 domain), so P
 # stays <= 2^8 (exact in bf16's exponent range) and the [BLOCK_M, DV] multiply by alpha is
 # skipped in nearly every block after the first. The decision is one tile-wide max.
-LAZY_RESCALE = [("""        p = tl.math.exp2(scores * qk_scale - m_ref[:, None])
+LAZY_RESCALE = [
+    (
+        """        p = tl.math.exp2(scores * qk_scale - m_ref[:, None])
         alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        acc = tl.dot(""", """        if MASKED:
+        acc = tl.dot(""",
+        """        if MASKED:
             p = tl.math.exp2(scores * qk_scale - m_ref[:, None])
             alpha = tl.math.exp2(m_i - m_ref)
             l_i = l_i * alpha + tl.sum(p, 1)
@@ -134,7 +157,9 @@ LAZY_RESCALE = [("""        p = tl.math.exp2(scores * qk_scale - m_ref[:, None])
                 m_new = m_i
             p = tl.math.exp2(scores * qk_scale - m_new[:, None])
             l_i = l_i + tl.sum(p, 1)
-        acc = tl.dot(""")]
+        acc = tl.dot(""",
+    )
+]
 # Causal schedules: the committed order runs the query blocks of one head as adjacent
 # programs, heaviest first (they share K/V in L2). lpt_groupG orders G heads at a time
 # heaviest block first across the group (longest-processing-time first, for a shorter tail
@@ -145,28 +170,53 @@ PROGRAM_ORDER = """    m_block = num_m_blocks - 1 - pid % num_m_blocks
 
 
 def lpt_group(size: int) -> list[tuple[str, str]]:
-    return [(PROGRAM_ORDER, f"""    group_programs = {size} * num_m_blocks
+    return [
+        (
+            PROGRAM_ORDER,
+            f"""    group_programs = {size} * num_m_blocks
     group_first = (pid // group_programs) * {size}
     group_heads = tl.minimum({size}, tl.num_programs(0) // num_m_blocks - group_first)
     rank = pid % group_programs
     m_block = num_m_blocks - 1 - rank // group_heads
     batch_head = group_first + rank % group_heads
-""")]
+""",
+        )
+    ]
 
 
-MAXNREG = [("            num_stages=CONFIG[\"num_stages\"],\n",
-            "            num_stages=CONFIG[\"num_stages\"],\n"
-            "            **({\"maxnreg\": CONFIG[\"maxnreg\"]}"
-            " if CONFIG.get(\"maxnreg\") else {}),\n")]
-SUBSTITUTIONS = {"pointers": [], "tma": [], "scaled_first": SCALED_FIRST,
-                 "masked_pointers": MASKED_POINTERS, "fast_exp": FAST_EXP,
-                 "warp_specialize": WARP_SPECIALIZE, "flatten": FLATTEN,
-                 "softmax_overlap": overlapped_source, "lazy_rescale": LAZY_RESCALE,
-                 "lpt_group4": lpt_group(4), "lpt_group16": lpt_group(16),
-                 "lpt_group1024": lpt_group(1024)}
-INTERPRETABLE = ("pointers", "tma", "scaled_first", "masked_pointers",
-                 "softmax_overlap", "lazy_rescale", "lpt_group4", "lpt_group16",
-                 "lpt_group1024")  # no inline PTX
+MAXNREG = [
+    (
+        '            num_stages=CONFIG["num_stages"],\n',
+        '            num_stages=CONFIG["num_stages"],\n'
+        '            **({"maxnreg": CONFIG["maxnreg"]}'
+        ' if CONFIG.get("maxnreg") else {}),\n',
+    )
+]
+SUBSTITUTIONS = {
+    "pointers": [],
+    "tma": [],
+    "scaled_first": SCALED_FIRST,
+    "masked_pointers": MASKED_POINTERS,
+    "fast_exp": FAST_EXP,
+    "warp_specialize": WARP_SPECIALIZE,
+    "flatten": FLATTEN,
+    "softmax_overlap": overlapped_source,
+    "lazy_rescale": LAZY_RESCALE,
+    "lpt_group4": lpt_group(4),
+    "lpt_group16": lpt_group(16),
+    "lpt_group1024": lpt_group(1024),
+}
+INTERPRETABLE = (
+    "pointers",
+    "tma",
+    "scaled_first",
+    "masked_pointers",
+    "softmax_overlap",
+    "lazy_rescale",
+    "lpt_group4",
+    "lpt_group16",
+    "lpt_group1024",
+)  # no inline PTX
 
 
 def variant_source(source: str, name: str) -> str | None:

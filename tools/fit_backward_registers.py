@@ -59,9 +59,15 @@ def fit(rows: list[dict]) -> np.ndarray:
     bad = spills > 64
     a_ub = np.hstack([-x[bad], np.zeros((bad.sum(), 2 * n))])
     b_ub = -(256 + CUSHION) * np.ones(bad.sum())
-    result = linprog(np.concatenate([np.zeros(k), np.ones(2 * n)]), A_ub=a_ub, b_ub=b_ub,
-                     A_eq=np.hstack([x, -np.eye(n), np.eye(n)]), b_eq=need,
-                     bounds=[(None, None)] + [(0, None)] * (k - 1 + 2 * n), method="highs")
+    result = linprog(
+        np.concatenate([np.zeros(k), np.ones(2 * n)]),
+        A_ub=a_ub,
+        b_ub=b_ub,
+        A_eq=np.hstack([x, -np.eye(n), np.eye(n)]),
+        b_eq=need,
+        bounds=[(None, None)] + [(0, None)] * (k - 1 + 2 * n),
+        method="highs",
+    )
     if result.status != 0:
         raise SystemExit(f"no model satisfies the constraints: {result.message}")
     return result.x[:k]
@@ -80,8 +86,10 @@ def main() -> int:
             clean = [r for r in part if not r["spill_stores"]]
             err = np.array([np.dot(coef, features(r)) - r["regs"] for r in clean])
             rms = float(np.sqrt(np.mean(err**2))) if len(err) else float("nan")
-            print(f"{kernel:4} {name:9} {len(part):4} configs: regs = {terms} "
-                  f"(rms {rms:.1f} on {len(clean)} that do not spill)")
+            print(
+                f"{kernel:4} {name:9} {len(part):4} configs: regs = {terms} "
+                f"(rms {rms:.1f} on {len(clean)} that do not spill)"
+            )
     return 0
 
 

@@ -58,8 +58,11 @@ def module_for(kind: str, name_part: str):
     """The generated module of `kind` whose name contains name_part, for this GPU's arch."""
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm{major}{minor}"
-    entry = next(e for e in current_registry().entries
-                 if e.kind == kind and e.arch == arch and name_part in e.module)
+    entry = next(
+        e
+        for e in current_registry().entries
+        if e.kind == kind and e.arch == arch and name_part in e.module
+    )
     return current_registry().module(entry.key)
 
 
@@ -87,16 +90,18 @@ def prefill_rows(rows: dict) -> None:
     rows["module attention(out=)"] = lambda: bert.attention(q, k, v, out=out)
     if hasattr(bert, "POINTER_LOADS_UP_TO"):  # TMA modules: the descriptors' share of the row
         rows["module attention(), TMA forced (descriptors)"] = lambda: forced_tma(
-            bert, lambda: bert.attention(q, k, v))
-    rows["attngen.scaled_dot_product_attention"] = (
-        lambda: attngen.scaled_dot_product_attention(q, k, v))
+            bert, lambda: bert.attention(q, k, v)
+        )
+    rows["attngen.scaled_dot_product_attention"] = lambda: attngen.scaled_dot_product_attention(
+        q, k, v
+    )
     rows["attngen.flash_attn_func"] = lambda: attngen.flash_attn_func(qf, kf, vf)
-    rows["attngen.flash_attn_func causal (gpt2)"] = (
-        lambda: attngen.flash_attn_func(qf, kf, vf, causal=True))
+    rows["attngen.flash_attn_func causal (gpt2)"] = lambda: attngen.flash_attn_func(
+        qf, kf, vf, causal=True
+    )
     qkv = torch.stack((qf, kf, vf), dim=2)  # [B, N, 3, H, D]
     rows["attngen.flash_attn_qkvpacked_func"] = lambda: attngen.flash_attn_qkvpacked_func(qkv)
-    rows["transformers attention causal (gpt2)"] = (
-        lambda: attngen_attention(layer, q, k, v, None))
+    rows["transformers attention causal (gpt2)"] = lambda: attngen_attention(layer, q, k, v, None)
 
 
 def varlen_rows(rows: dict) -> None:
@@ -105,10 +110,12 @@ def varlen_rows(rows: dict) -> None:
     v = torch.randn_like(k)
     cu = torch.tensor([0, 64], device="cuda", dtype=torch.int32)
     llama3 = module_for("varlen", "llama3_8b")
-    rows["varlen module attention_varlen() (llama3, 64)"] = (
-        lambda: llama3.attention_varlen(q, k, v, cu, cu, 64, 64))
-    rows["attngen.flash_attn_varlen_func causal (llama3, 64)"] = (
-        lambda: attngen.flash_attn_varlen_func(q, k, v, cu, cu, 64, 64, causal=True))
+    rows["varlen module attention_varlen() (llama3, 64)"] = lambda: llama3.attention_varlen(
+        q, k, v, cu, cu, 64, 64
+    )
+    rows["attngen.flash_attn_varlen_func causal (llama3, 64)"] = lambda: (
+        attngen.flash_attn_varlen_func(q, k, v, cu, cu, 64, 64, causal=True)
+    )
 
 
 def decode_rows(rows: dict) -> None:
@@ -121,12 +128,14 @@ def decode_rows(rows: dict) -> None:
     table = torch.arange(256, device="cuda", dtype=torch.int32)[None]
     for length in (64, 4096):
         lens = torch.full((1,), length, dtype=torch.int32, device="cuda")
-        rows[f"attngen.flash_attn_with_kvcache contiguous (B1, L{length})"] = (
-            lambda lens=lens: attngen.flash_attn_with_kvcache(q, k_cache, v_cache,
-                                                              cache_seqlens=lens, causal=True))
-        rows[f"attngen.flash_attn_with_kvcache paged (B1, L{length})"] = (
-            lambda lens=lens: attngen.flash_attn_with_kvcache(
-                q_paged, pages, pages, cache_seqlens=lens, block_table=table, causal=True))
+        rows[f"attngen.flash_attn_with_kvcache contiguous (B1, L{length})"] = lambda lens=lens: (
+            attngen.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=True)
+        )
+        rows[f"attngen.flash_attn_with_kvcache paged (B1, L{length})"] = lambda lens=lens: (
+            attngen.flash_attn_with_kvcache(
+                q_paged, pages, pages, cache_seqlens=lens, block_table=table, causal=True
+            )
+        )
     lens = torch.full((1,), 64, dtype=torch.int32, device="cuda")
     heads_first = [t.transpose(1, 2) for t in (q, k_cache, v_cache)]
     rows["decode module decode() (B1, L64)"] = lambda: qwen.decode(*heads_first, lens)
@@ -150,14 +159,24 @@ def main() -> None:
             results[name] = f"error: {type(exc).__name__}: {exc}"
             traceback.print_exc()
     sdpa = results.get(SDPA_ROW)
-    report = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "triton": triton.__version__, "host_us": results,
-              "ratio_to_torch_sdpa": {n: round(u / sdpa, 2) for n, u in results.items()
-                                      if isinstance(u, float) and isinstance(sdpa, float)}}
+    report = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "host_us": results,
+        "ratio_to_torch_sdpa": {
+            n: round(u / sdpa, 2)
+            for n, u in results.items()
+            if isinstance(u, float) and isinstance(sdpa, float)
+        },
+    }
     path = out_dir / "host_overhead.json"
     path.write_text(json.dumps(report, indent=1))
-    print(f"host time per call, us ({report['gpu']}, torch {torch.__version__}, "
-          f"triton {triton.__version__}); ratio to torch SDPA")
+    print(
+        f"host time per call, us ({report['gpu']}, torch {torch.__version__}, "
+        f"triton {triton.__version__}); ratio to torch SDPA"
+    )
     for name, value in results.items():
         ratio = report["ratio_to_torch_sdpa"].get(name, "")
         print(f"  {name:58s} {value!s:>10} {ratio!s:>7}")

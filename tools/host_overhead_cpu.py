@@ -99,16 +99,20 @@ _ENTRY_POINTS = {
 }
 
 # (module name, kind, mask, causal_align): what the timed calls ask for.
-_MODULES = [("stub_none", "prefill", "none", "none"),
-            ("stub_causal", "prefill", "causal", "bottom_right"),
-            ("stub_causal", "varlen", "causal", "bottom_right"),
-            ("stub_causal", "decode", "causal", "bottom_right")]
+_MODULES = [
+    ("stub_none", "prefill", "none", "none"),
+    ("stub_causal", "prefill", "causal", "bottom_right"),
+    ("stub_causal", "varlen", "causal", "bottom_right"),
+    ("stub_causal", "decode", "causal", "bottom_right"),
+]
 
 
 def stub_source(kind: str, mask: str, align: str, accepts_out: bool) -> str:
-    entry = _ENTRY_POINTS[kind].replace(
-        "{out}", ", out=None" if accepts_out else "").replace(
-        "if out is None:", "if out is None:" if accepts_out else "if True:")
+    entry = (
+        _ENTRY_POINTS[kind]
+        .replace("{out}", ", out=None" if accepts_out else "")
+        .replace("if out is None:", "if out is None:" if accepts_out else "if True:")
+    )
     constants = _CONSTANTS.format(mask=mask, align=align, accepts_out=accepts_out)
     return textwrap.dedent(constants) + textwrap.dedent(entry)
 
@@ -121,14 +125,31 @@ def build_stub_folder(folder: Path, accepts_out: bool) -> Path:
         source = stub_source(kind, mask, align, accepts_out)
         path = f"sm90/{name}_{kind}.py"
         (folder / path).write_text(source)
-        spec = dict(name=name, dtype="fp16", head_dim=DIM, head_dim_v=DIM, num_q_heads=HEADS,
-                    num_kv_heads=HEADS, mask=mask, softcap=0.0, alibi=False)
+        spec = dict(
+            name=name,
+            dtype="fp16",
+            head_dim=DIM,
+            head_dim_v=DIM,
+            num_q_heads=HEADS,
+            num_kv_heads=HEADS,
+            mask=mask,
+            softcap=0.0,
+            alibi=False,
+        )
         if mask != "none":
             spec["causal_align"] = align
         if kind == "decode":
             spec.update(kv_layout="contiguous", page_size=None, max_query_tokens=1)
-        entries.append({"module": f"{name}_{kind}", "path": path, "arch": "sm90", "kind": kind,
-                        "spec": spec, "sha256": hashlib.sha256(source.encode()).hexdigest()})
+        entries.append(
+            {
+                "module": f"{name}_{kind}",
+                "path": path,
+                "arch": "sm90",
+                "kind": kind,
+                "spec": spec,
+                "sha256": hashlib.sha256(source.encode()).hexdigest(),
+            }
+        )
     (folder / "index.json").write_text(json.dumps({"schema": 1, "modules": entries}))
     return folder
 
@@ -151,9 +172,13 @@ def public_calls() -> dict[str, object]:
     # The torch.library op itself (named prefill_op where eager calls skip it).
     op = getattr(ops, "prefill_op", ops.prefill)
     op_args = (prefill_key, q, k, v, 0.125, None, False) + (
-        (False,) if op is not ops.prefill else ())
-    sdpa, flash, varlen = (attngen.scaled_dot_product_attention, attngen.flash_attn_func,
-                           attngen.flash_attn_varlen_func)
+        (False,) if op is not ops.prefill else ()
+    )
+    sdpa, flash, varlen = (
+        attngen.scaled_dot_product_attention,
+        attngen.flash_attn_func,
+        attngen.flash_attn_varlen_func,
+    )
     kvcache = attngen.flash_attn_with_kvcache
     return {
         "module attention() (the stub itself)": lambda: module.attention(q, k, v),
@@ -161,10 +186,12 @@ def public_calls() -> dict[str, object]:
         "scaled_dot_product_attention": lambda: sdpa(q, k, v),
         "flash_attn_func": lambda: flash(qf, kf, vf),
         "flash_attn_func causal": lambda: flash(qf, kf, vf, causal=True),
-        "flash_attn_varlen_func causal": lambda: varlen(*packed, cu, cu, SEQLEN, SEQLEN,
-                                                        causal=True),
+        "flash_attn_varlen_func causal": lambda: varlen(
+            *packed, cu, cu, SEQLEN, SEQLEN, causal=True
+        ),
         "flash_attn_with_kvcache (decode, L 64)": lambda: kvcache(
-            q1, k_cache, v_cache, cache_seqlens=lens, causal=True),
+            q1, k_cache, v_cache, cache_seqlens=lens, causal=True
+        ),
         "transformers attention (causal)": lambda: attngen_attention(layer, q, k, v, None),
     }
 
@@ -185,9 +212,12 @@ class _StubKernel:
         import inspect
 
         import triton.language as tl
+
         self.fn, self.pre_run_hooks = real.fn, []
-        self.params = [SimpleNamespace(name=n, is_constexpr=p.annotation is tl.constexpr)
-                       for n, p in inspect.signature(real.fn).parameters.items()]
+        self.params = [
+            SimpleNamespace(name=n, is_constexpr=p.annotation is tl.constexpr)
+            for n, p in inspect.signature(real.fn).parameters.items()
+        ]
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: _StubCompiled()
@@ -202,18 +232,31 @@ def stubbed_generated_modules() -> dict[str, object]:
     devices._bf16_ok = True
     registry = load_kernels(ROOT / "generated", replace=True)
     found = {}
-    for kind, name_part in (("prefill", "bert_base"), ("prefill", "gpt2"),
-                            ("varlen", "llama3_8b"), ("decode", "qwen2_5_7b"),
-                            ("decode", "llama3_8b")):
-        module = registry.module(next(e.key for e in registry.entries if e.arch == "sm90"
-                                      and e.kind == kind and name_part in e.module))
+    for kind, name_part in (
+        ("prefill", "bert_base"),
+        ("prefill", "gpt2"),
+        ("varlen", "llama3_8b"),
+        ("decode", "qwen2_5_7b"),
+        ("decode", "llama3_8b"),
+    ):
+        module = registry.module(
+            next(
+                e.key
+                for e in registry.entries
+                if e.arch == "sm90" and e.kind == kind and name_part in e.module
+            )
+        )
         if hasattr(module, "_FAST_LAUNCH"):
             module._FAST_LAUNCH = True
             module._DRIVER[:] = [lambda: -1, lambda device: 0]
         if hasattr(module, "POINTER_LOADS_UP_TO"):  # 0 under the interpreter: as on a GPU
             module.POINTER_LOADS_UP_TO = POINTER_LOADS_UP_TO
-        for name in ("_attn_fwd_kernel", "_append_kernel", "_decode_split_kernel",
-                     "_decode_combine_kernel"):
+        for name in (
+            "_attn_fwd_kernel",
+            "_append_kernel",
+            "_decode_split_kernel",
+            "_decode_combine_kernel",
+        ):
             if hasattr(module, name):
                 setattr(module, name, _StubKernel(getattr(module, name)))
         found[f"{kind} {name_part}"] = module
@@ -244,25 +287,33 @@ def generated_module_calls() -> dict[str, object]:
     return {
         "generated attention() (bert)": lambda: bert.attention(q, k, v),
         "generated attention(out=), flash views": lambda: bert.attention(
-            qf.transpose(1, 2), kf.transpose(1, 2), vf.transpose(1, 2),
-            out=out.transpose(1, 2)),
+            qf.transpose(1, 2), kf.transpose(1, 2), vf.transpose(1, 2), out=out.transpose(1, 2)
+        ),
         "generated attention_varlen() (llama3)": lambda: modules[
-            "varlen llama3_8b"].attention_varlen(qv, kv, kv, cu, cu, 64, 64),
+            "varlen llama3_8b"
+        ].attention_varlen(qv, kv, kv, cu, cu, 64, 64),
         "generated decode() (qwen, L 64)": lambda: qwen.decode(*heads_first, lens),
         "generated decode(out=), flash views": lambda: qwen.decode(
-            qd.transpose(1, 2), cache.transpose(1, 2), cache.transpose(1, 2), lens,
-            out=out_d.transpose(1, 2)),
+            qd.transpose(1, 2),
+            cache.transpose(1, 2),
+            cache.transpose(1, 2),
+            lens,
+            out=out_d.transpose(1, 2),
+        ),
         "scaled_dot_product_attention (bert)": lambda: attngen.scaled_dot_product_attention(
-            q, k, v),
+            q, k, v
+        ),
         "flash_attn_func (bert)": lambda: attngen.flash_attn_func(qf, kf, vf),
-        "flash_attn_func causal (gpt2)": lambda: attngen.flash_attn_func(qf, kf, vf,
-                                                                         causal=True),
+        "flash_attn_func causal (gpt2)": lambda: attngen.flash_attn_func(qf, kf, vf, causal=True),
         "flash_attn_varlen_func causal (llama3)": lambda: attngen.flash_attn_varlen_func(
-            qv, kv, kv, cu, cu, 64, 64, causal=True),
+            qv, kv, kv, cu, cu, 64, 64, causal=True
+        ),
         "flash_attn_with_kvcache (qwen, L 64)": lambda: attngen.flash_attn_with_kvcache(
-            qd, cache, cache, cache_seqlens=lens, causal=True),
+            qd, cache, cache, cache_seqlens=lens, causal=True
+        ),
         "flash_attn_with_kvcache paged (llama3)": lambda: attngen.flash_attn_with_kvcache(
-            q_paged, pages, pages, cache_seqlens=lens, block_table=table, causal=True),
+            q_paged, pages, pages, cache_seqlens=lens, block_table=table, causal=True
+        ),
         "transformers attention causal (gpt2)": lambda: attngen_attention(layer, q, k, v, None),
     }
 
@@ -289,18 +340,33 @@ def phase_calls() -> dict[str, tuple[object, object, dict]]:
         "attention(), from its layout's plan": (lambda: bert.attention(q, k, v), bert, {}),
         "attention(), full path (plans off)": (lambda: bert.attention(q, k, v), bert, no_plan),
         "attention(), full path, TMA descriptors": (
-            lambda: bert.attention(q, k, v), bert, {**no_plan, "POINTER_LOADS_UP_TO": 0}),
+            lambda: bert.attention(q, k, v),
+            bert,
+            {**no_plan, "POINTER_LOADS_UP_TO": 0},
+        ),
         "  _call_key (a plan's lookup key)": (
-            lambda: bert._call_key(q, k, v, None, None, False, None), bert, {}),
+            lambda: bert._call_key(q, k, v, None, None, False, None),
+            bert,
+            {},
+        ),
         "  _tensors_ok (q, k, v checks)": (lambda: bert._tensors_ok(q, k, v, 4, 2), bert, {}),
         "  output allocation (new_empty)": (lambda: q.new_empty(q.shape), bert, {}),
         "  _launch, cached (its key; run stubbed)": (lambda: real(*recorded[0]), bert, {}),
         "  TMA descriptors x2 (Python side)": (
-            lambda: (bert._descriptor(k, block), bert._descriptor(v, block)), bert, {}),
+            lambda: (bert._descriptor(k, block), bert._descriptor(v, block)),
+            bert,
+            {},
+        ),
         "  flash-layout views (q, k, v, out)": (
-            lambda: [t.transpose(1, 2) for t in flash], bert, {}),
+            lambda: [t.transpose(1, 2) for t in flash],
+            bert,
+            {},
+        ),
         "  ATTNGEN_CHECKS lookup (varlen, decode)": (
-            lambda: os.environ.get("ATTNGEN_CHECKS"), bert, {}),
+            lambda: os.environ.get("ATTNGEN_CHECKS"),
+            bert,
+            {},
+        ),
     }
 
 
@@ -342,15 +408,19 @@ def main() -> None:
     results["generated modules"] = {}
     for name, call in generated_module_calls().items():
         results["generated modules"][name] = time_us(call, args.calls, args.repeat)
-    results["phases"] = {name: time_patched(call, module, patches, args.calls, args.repeat)
-                         for name, (call, module, patches) in phase_calls().items()}
+    results["phases"] = {
+        name: time_patched(call, module, patches, args.calls, args.repeat)
+        for name, (call, module, patches) in phase_calls().items()
+    }
     labels = list(results)
     print(f"Python overhead per call, us (torch {torch.__version__}, kernel stubbed out)")
     print(f"  {'call':42s}" + "".join(f"{label:>20s}" for label in labels[:2]))
     for name in results[labels[0]]:
         print(f"  {name:42s}" + "".join(f"{results[label][name]:20.1f}" for label in labels[:2]))
-    print("Generated modules, and the public functions over them, us per call (launch stubbed, "
-          "cached launcher on)")
+    print(
+        "Generated modules, and the public functions over them, us per call (launch stubbed, "
+        "cached launcher on)"
+    )
     for name, value in results["generated modules"].items():
         print(f"  {name:42s}{value:20.1f}")
     print("The prefill module's entry point (bert), phase by phase, us per call")

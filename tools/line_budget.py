@@ -33,9 +33,28 @@ TEMPLATE_DIR = "attngen/templates"
 # Jinja's output for the templates (attngen/template_env.py), written by a tool like generated/.
 GENERATED_DIRS = ("attngen/templates_compiled",)
 
+# Why the functions below exceed the budget: the public drop-in functions (the signature that
+# flash-attn or torch fixes, and the planned fast path of plans.py inline), and the launchers.
+_FAST_PATH_INLINE = (
+    "the drop-in signature (a parameter a line, formatted) and the planned fast path stay "
+    "inline: a helper call would add host time to every planned call "
+    "(tools/host_overhead_cpu.py); the full path's steps are helpers"
+)
+_OPTIONS_BY_KEYWORD = (
+    "the mask options go by keyword into the Need, the fallback and the op, a line each "
+    "once formatted; a helper would take the same list (an options value carried through "
+    "dispatch and the fallback would shorten it)"
+)
 # The one place an exception is named: a path (or "path::function") relative to the repository
 # root, and why it may exceed its budget for now.
-EXCEPTIONS: dict[str, str] = {}
+EXCEPTIONS: dict[str, str] = {
+    "attngen/runtime/api.py::scaled_dot_product_attention": _FAST_PATH_INLINE,
+    "attngen/runtime/api.py::flash_attn_func": _FAST_PATH_INLINE,
+    "attngen/runtime/api.py::flash_attn_varlen_func": _FAST_PATH_INLINE,
+    "attngen/runtime/kvcache.py::flash_attn_with_kvcache": _FAST_PATH_INLINE,
+    "attngen/runtime/launch.py::run_dense": _OPTIONS_BY_KEYWORD,
+    "attngen/runtime/launch.py::run_varlen": _OPTIONS_BY_KEYWORD,
+}
 
 
 @dataclass(frozen=True)
@@ -83,15 +102,24 @@ def measure(root: Path = ROOT) -> list[Measured]:
 def violations(measured: list[Measured], exceptions: dict[str, str]) -> list[str]:
     """Each line says what is over budget (or which exception is stale) and what to do."""
     over = {m.name: m for m in measured if m.lines > m.budget}
-    found = [f"{m.name}: {m.lines} lines, budget {m.budget}; split it, or name it in "
-             "EXCEPTIONS with the reason" for name, m in over.items() if name not in exceptions]
-    found += [f"{name}: listed in EXCEPTIONS ({reason}) but within budget or gone; remove it "
-              "from EXCEPTIONS" for name, reason in exceptions.items() if name not in over]
+    found = [
+        f"{m.name}: {m.lines} lines, budget {m.budget}; split it, or name it in "
+        "EXCEPTIONS with the reason"
+        for name, m in over.items()
+        if name not in exceptions
+    ]
+    found += [
+        f"{name}: listed in EXCEPTIONS ({reason}) but within budget or gone; remove it "
+        "from EXCEPTIONS"
+        for name, reason in exceptions.items()
+        if name not in over
+    ]
     return found
 
 
-def main(argv: list[str] | None = None, root: Path = ROOT,
-         exceptions: dict[str, str] | None = None) -> int:
+def main(
+    argv: list[str] | None = None, root: Path = ROOT, exceptions: dict[str, str] | None = None
+) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--all", action="store_true", help="print every counted file")
     args = parser.parse_args(argv)
@@ -101,9 +129,11 @@ def main(argv: list[str] | None = None, root: Path = ROOT,
     for m in files if args.all else files[:8]:
         print(f"{m.lines:6d} / {m.budget:3d}  {m.name}")
     total = sum(m.lines for m in files if m.name.startswith("attngen/"))
-    print(f"attngen/: {total} lines in {sum(m.name.startswith('attngen/') for m in files)} "
-          f"files; budgets: module {MODULE_LINES}, template {TEMPLATE_LINES}, function "
-          f"{FUNCTION_LINES}")
+    print(
+        f"attngen/: {total} lines in {sum(m.name.startswith('attngen/') for m in files)} "
+        f"files; budgets: module {MODULE_LINES}, template {TEMPLATE_LINES}, function "
+        f"{FUNCTION_LINES}"
+    )
     for name, reason in allowed.items():
         print(f"exception: {name} ({reason})")
     problems = violations(measured, allowed)

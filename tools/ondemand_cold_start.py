@@ -80,8 +80,9 @@ def child(dims: list[int], dtype: str) -> dict:
         assert not built, "the module just written was rendered again"
         time_calls(run, q, k, device)
         run["config_source"] = artifact.entry["config_source"]
-        run["spec_to_written_s"] = sum(run.get(k, 0.0) for k in (
-            "spec_s", "derive_first_s", "derive_s", "render_s", "write_s"))
+        run["spec_to_written_s"] = sum(
+            run.get(k, 0.0) for k in ("spec_s", "derive_first_s", "derive_s", "render_s", "write_s")
+        )
         timings["runs"].append(run)
     timings.update(renders=ondemand.render_count(), templates=template_loading())
     return timings
@@ -92,9 +93,19 @@ def prefill_need(q, k):
     from attngen.runtime.dispatch import need_for
     from attngen.spec import CausalAlign, KernelKind, Mask
 
-    return need_for(KernelKind.prefill, q.transpose(1, 2), k.transpose(1, 2),
-                    mask=Mask.causal, align=CausalAlign.bottom_right, window=None,
-                    softcap=0.0, alibi=False, seqlen_q=256, seqlen_k=256, same_lengths=True)
+    return need_for(
+        KernelKind.prefill,
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        mask=Mask.causal,
+        align=CausalAlign.bottom_right,
+        window=None,
+        softcap=0.0,
+        alibi=False,
+        seqlen_q=256,
+        seqlen_k=256,
+        same_lengths=True,
+    )
 
 
 def time_calls(run: dict, q, k, device: str) -> None:
@@ -138,8 +149,14 @@ def call_child(dim: int, dtype: str) -> dict:
 
 
 def spawn(args: list[str], env: dict) -> dict:
-    proc = subprocess.run([sys.executable, __file__, *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, __file__, *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if proc.returncode != 0:
         raise SystemExit(proc.stderr)
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -160,12 +177,17 @@ def main() -> None:
         return
     call = ["--child", "call", "--dtype", options.dtype, "--dims", str(options.dims[0])]
     with tempfile.TemporaryDirectory() as phases_tmp, tempfile.TemporaryDirectory() as tmp:
-        phases = spawn(["--child", "phases", "--dtype", options.dtype, "--dims",
-                        *map(str, options.dims)], _env(phases_tmp))
+        phases = spawn(
+            ["--child", "phases", "--dtype", options.dtype, "--dims", *map(str, options.dims)],
+            _env(phases_tmp),
+        )
         cold_call = spawn(call, _env(tmp))  # empty caches: derive, render, write, compile
         reuse = spawn(call, _env(tmp))  # the same caches: no render, no compile
-    result = {"phases": phases, "first_call_empty_caches": cold_call,
-              "first_call_new_process_same_caches": reuse}
+    result = {
+        "phases": phases,
+        "first_call_empty_caches": cold_call,
+        "first_call_new_process_same_caches": reuse,
+    }
     text = json.dumps(result, indent=1)
     if options.json:
         options.json.write_text(text + "\n")
@@ -174,9 +196,13 @@ def main() -> None:
 
 def _env(tmp: str) -> dict:
     """Fresh attngen and Triton caches under `tmp`; the interpreter without a GPU."""
-    env = {**os.environ, "ATTNGEN_CACHE": f"{tmp}/attngen", "ATTNGEN_ON_DEMAND": "1",
-           "TRITON_CACHE_DIR": f"{tmp}/triton",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "ATTNGEN_CACHE": f"{tmp}/attngen",
+        "ATTNGEN_ON_DEMAND": "1",
+        "TRITON_CACHE_DIR": f"{tmp}/triton",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     import torch
 
     if not torch.cuda.is_available():

@@ -25,22 +25,34 @@ def main() -> None:
     parser.add_argument("--sixteen-bit", action="store_true")
     parser.add_argument("--only-errors-and-matrix", action="store_true")
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--block-m-below", type=int, default=None,
-                        help="only configs with a smaller BLOCK_M (a path the change touched)")
+    parser.add_argument(
+        "--block-m-below",
+        type=int,
+        default=None,
+        help="only configs with a smaller BLOCK_M (a path the change touched)",
+    )
     args = parser.parse_args()
     path = data_path(triton_version())
     data = load_measurements(path)
-    keys = [k for k in data.records if k.arch == args.arch
-            and not (args.sixteen_bit and k.dtype == "fp32")
-            and not (args.only_errors_and_matrix and not data.records[k]["error"]
-                     and not data.records[k]["spec"].startswith("capability"))
-            and not (args.block_m_below and k.config.block_m >= args.block_m_below)]
+    keys = [
+        k
+        for k in data.records
+        if k.arch == args.arch
+        and not (args.sixteen_bit and k.dtype == "fp32")
+        and not (
+            args.only_errors_and_matrix
+            and not data.records[k]["error"]
+            and not data.records[k]["spec"].startswith("capability")
+        )
+        and not (args.block_m_below and k.config.block_m >= args.block_m_below)
+    ]
     print(f"recompiling {len(keys)} records of {args.arch}", flush=True)
     for start in range(0, len(keys), 48):
-        chunk = keys[start:start + 48]
+        chunk = keys[start : start + 48]
         jobs = [(data.spec_of(k), k.arch, k.config) for k in chunk]
-        for key, (spec, _, _), record in zip(chunk, jobs, compile_many(jobs, args.jobs),
-                                             strict=True):
+        for key, (spec, _, _), record in zip(
+            chunk, jobs, compile_many(jobs, args.jobs), strict=True
+        ):
             data.add(key, spec, record)
         save_measurements(data, path)
         print(f"{start + len(chunk)} of {len(keys)}", flush=True)

@@ -29,7 +29,18 @@ from attngen.distributed.layout import (
 from attngen.distributed.plan import KernelCall, MaskRule, PlanError
 
 __all__ = [
-    "LAYOUTS", "STRATEGIES", "Chunk", "ContextParallelPlan", "KernelCall", "MaskRule",
-    "PlanError", "context_parallel_attention", "gather_sequence", "last_plan", "rank_chunks",
-    "shard_length", "shard_sequence", "unshard_sequence",
+    "LAYOUTS",
+    "STRATEGIES",
+    "Chunk",
+    "ContextParallelPlan",
+    "KernelCall",
+    "MaskRule",
+    "PlanError",
+    "context_parallel_attention",
+    "gather_sequence",
+    "last_plan",
+    "rank_chunks",
+    "shard_length",
+    "shard_sequence",
+    "unshard_sequence",
 ]

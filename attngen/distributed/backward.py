@@ -79,11 +79,13 @@ class ContextParallelAttention(torch.autograd.Function):
         saved = Saved(q, k, v, out, lse, dout, dlse)
         if problem.strategy == "ring":
             lengths = [sum(c.length for c in rank) for rank in problem.chunks]
-            dq, dk, dv = ring_backward(saved, problem.steps, lengths, problem.group,
-                                       problem.options)
+            dq, dk, dv = ring_backward(
+                saved, problem.steps, lengths, problem.group, problem.options
+            )
         else:
-            dq, dk, dv = gather_backward(saved, problem.steps[0], list(problem.chunks),
-                                         problem.group, problem.options)
+            dq, dk, dv = gather_backward(
+                saved, problem.steps[0], list(problem.chunks), problem.group, problem.options
+            )
         return None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -100,28 +102,47 @@ class Saved:
     dlse: torch.Tensor | None
 
 
-def call_gradients(call: KernelCall, saved: Saved, k: torch.Tensor, v: torch.Tensor,
-                   options: KernelOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def call_gradients(
+    call: KernelCall, saved: Saved, k: torch.Tensor, v: torch.Tensor, options: KernelOptions
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq of the call's real rows, dk, dv of its keys): one chunk pair's share, from the
     gradient kernels with the whole sequence's out and LSE of the call's rows."""
     dlse = None if saved.dlse is None else execute.call_rows(saved.dlse, call)
     dq, dk, dv = run_dense_backward(
-        execute.API_NAME, execute.call_rows(saved.dout, call), execute.call_rows(saved.q, call),
-        k[:, :, call.keys[0]:call.keys[1]], v[:, :, call.keys[0]:call.keys[1]],
-        execute.call_rows(saved.out, call), execute.call_rows(saved.lse, call, float("-inf")),
-        dlse, mask=Mask(call.mask), align=execute.call_align(call), window=call.window,
-        softcap=options.softcap, alibi_slopes=options.alibi_slopes, scale=options.sm_scale)
+        execute.API_NAME,
+        execute.call_rows(saved.dout, call),
+        execute.call_rows(saved.q, call),
+        k[:, :, call.keys[0] : call.keys[1]],
+        v[:, :, call.keys[0] : call.keys[1]],
+        execute.call_rows(saved.out, call),
+        execute.call_rows(saved.lse, call, float("-inf")),
+        dlse,
+        mask=Mask(call.mask),
+        align=execute.call_align(call),
+        window=call.window,
+        softcap=options.softcap,
+        alibi_slopes=options.alibi_slopes,
+        scale=options.sm_scale,
+    )
     return execute.real_rows(dq, call), dk, dv
 
 
-def add_gradients(calls, saved: Saved, k, v, options: KernelOptions, dq: torch.Tensor,
-                  dk: torch.Tensor, dv: torch.Tensor) -> None:
+def add_gradients(
+    calls,
+    saved: Saved,
+    k,
+    v,
+    options: KernelOptions,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+) -> None:
     """Each call's share added into the fp32 dq (this rank's rows) and dk, dv (rows of k, v)."""
     for call in calls:
         dq_part, dk_part, dv_part = call_gradients(call, saved, k, v, options)
-        dq[:, :, call.rows[0]:call.rows[1]] += dq_part
-        dk[:, :, call.keys[0]:call.keys[1]] += dk_part
-        dv[:, :, call.keys[0]:call.keys[1]] += dv_part
+        dq[:, :, call.rows[0] : call.rows[1]] += dq_part
+        dk[:, :, call.keys[0] : call.keys[1]] += dk_part
+        dv[:, :, call.keys[0] : call.keys[1]] += dv_part
 
 
 def _fp32_zeros(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -132,8 +153,9 @@ def _fp32_empty(x: torch.Tensor, length: int) -> torch.Tensor:
     return torch.empty(*x.shape[:2], length, x.shape[3], dtype=torch.float32, device=x.device)
 
 
-def ring_backward(saved: Saved, steps, lengths: list[int], group: dist.ProcessGroup | None,
-                  options: KernelOptions):
+def ring_backward(
+    saved: Saved, steps, lengths: list[int], group: dist.ProcessGroup | None, options: KernelOptions
+):
     """(dq, dk, dv) in fp32: step s runs the forward's calls of step s on the K/V shard of
     rank (rank - s) mod W while the next shard arrives; the shard's dK/dV, summed over the
     ranks that held it before, arrive from rank - 1 and leave, with this rank's share added,
@@ -150,10 +172,13 @@ def ring_backward(saved: Saved, steps, lengths: list[int], group: dist.ProcessGr
         kv_works, kv_in = [], None
         if step + 1 < world:
             length = lengths[(rank - step - 1) % world]
-            kv_in = (k_cur.new_empty(*k_cur.shape[:2], length, k_cur.shape[3]),
-                     v_cur.new_empty(*v_cur.shape[:2], length, v_cur.shape[3]))
-            kv_works = execute.exchange((k_cur, v_cur), kv_in, send_to, recv_from, group,
-                                        comm_stream)
+            kv_in = (
+                k_cur.new_empty(*k_cur.shape[:2], length, k_cur.shape[3]),
+                v_cur.new_empty(*v_cur.shape[:2], length, v_cur.shape[3]),
+            )
+            kv_works = execute.exchange(
+                (k_cur, v_cur), kv_in, send_to, recv_from, group, comm_stream
+            )
         dk = _fp32_zeros(k_cur, k_cur.shape[2])
         dv = _fp32_zeros(v_cur, v_cur.shape[2])
         add_gradients(steps[step], saved, k_cur, v_cur, options, dq, dk, dv)
@@ -171,8 +196,7 @@ def ring_backward(saved: Saved, steps, lengths: list[int], group: dist.ProcessGr
         # The sent tensors stay referenced until their wait: on CUDA their memory must not
         # return to the allocator while the second stream may still read it.
         grads_sent = (dk, dv)
-        grads_works = execute.exchange(grads_sent, grads_in, send_to, recv_from, group,
-                                       comm_stream)
+        grads_works = execute.exchange(grads_sent, grads_in, send_to, recv_from, group, comm_stream)
     _wait(grads_works)
     assert grads_in is not None  # world > 1: the last step received this rank's own
     return dq, grads_in[0], grads_in[1]
@@ -184,8 +208,13 @@ def _wait(works: list) -> None:
         work.wait()
 
 
-def gather_backward(saved: Saved, calls, chunks: list[tuple[Chunk, ...]],
-                    group: dist.ProcessGroup | None, options: KernelOptions):
+def gather_backward(
+    saved: Saved,
+    calls,
+    chunks: list[tuple[Chunk, ...]],
+    group: dist.ProcessGroup | None,
+    options: KernelOptions,
+):
     """(dq, dk, dv) in fp32 from the calls against the whole K/V sequence, gathered again; the
     whole sequence's dK/dV reduce-scattered to the ranks holding each chunk."""
     k_all, v_all = execute.gather_sequences((saved.k, saved.v), chunks, group)
@@ -196,8 +225,9 @@ def gather_backward(saved: Saved, calls, chunks: list[tuple[Chunk, ...]],
     return dq, dk, dv
 
 
-def reduce_scatter_sequences(tensors, chunks: list[tuple[Chunk, ...]],
-                             group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+def reduce_scatter_sequences(
+    tensors, chunks: list[tuple[Chunk, ...]], group: dist.ProcessGroup | None
+) -> list[torch.Tensor]:
     """For each whole-sequence tensor (positions along dim 2), this rank's shard of its sum
     over ranks: the inverse of execute.gather_sequences. Shards are padded to the longest for
     the collective (uneven lengths), then cut back."""
@@ -208,7 +238,7 @@ def reduce_scatter_sequences(tensors, chunks: list[tuple[Chunk, ...]],
     for x in tensors:
         shards = []
         for owned, length in zip(chunks, lengths, strict=True):
-            pieces = [x[:, :, c.start:c.stop] for c in owned]
+            pieces = [x[:, :, c.start : c.stop] for c in owned]
             pieces.append(x.new_zeros(*x.shape[:2], longest - length, x.shape[3]))
             shards.append(torch.cat(pieces, dim=2))
         if len(chunks) == 1:
@@ -218,4 +248,4 @@ def reduce_scatter_sequences(tensors, chunks: list[tuple[Chunk, ...]],
         works.append(dist.reduce_scatter(results[-1], shards, group=group, async_op=True))
     for work in works:
         work.wait()
-    return [r[:, :, :lengths[rank]] for r in results]
+    return [r[:, :, : lengths[rank]] for r in results]

@@ -49,8 +49,10 @@ class ContextParallelPlan:
     steps: tuple[tuple[KernelCall, ...], ...]  # ring: one per step; allgather: one
 
     def describe(self) -> str:
-        lines = [f"{self.strategy} ({self.reason}); rank {self.rank} of {self.world_size}, "
-                 f"{self.layout}, N = {self.seq_len}, mask {self.rule.describe()}"]
+        lines = [
+            f"{self.strategy} ({self.reason}); rank {self.rank} of {self.world_size}, "
+            f"{self.layout}, N = {self.seq_len}, mask {self.rule.describe()}"
+        ]
         for i, calls in enumerate(self.steps):
             text = "; ".join(c.describe() for c in calls) or "nothing"
             lines.append(f"  step {i}: {text}")
@@ -66,9 +68,22 @@ def last_plan() -> ContextParallelPlan | None:
 
 
 @torch.compiler.disable
-def context_parallel_attention(q, k, v, *, causal=False, window=None, softcap=0.0,
-                               alibi_slopes=None, sm_scale=None, group=None, layout="zigzag",
-                               strategy="auto", seq_len=None, return_lse=False):
+def context_parallel_attention(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    window=None,
+    softcap=0.0,
+    alibi_slopes=None,
+    sm_scale=None,
+    group=None,
+    layout="zigzag",
+    strategy="auto",
+    seq_len=None,
+    return_lse=False,
+):
     """This rank's shard of attention over the whole sequence (docs/context_parallel.md).
 
     q [B, Hq, n, D], k [B, Hkv, n, D], v [B, Hkv, n, Dv]: this rank's n tokens of the sequence,
@@ -92,8 +107,9 @@ def context_parallel_attention(q, k, v, *, causal=False, window=None, softcap=0.
     options = execute.KernelOptions(float(softcap or 0.0), alibi_slopes, scale)
     trains = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     aligns = _served_aligns(q, v, rule, options, trains)
-    chosen, reason, all_calls, steps = _choose(strategy, rule, seq_len, world, layout, aligns,
-                                               rank, q, k, v)
+    chosen, reason, all_calls, steps = _choose(
+        strategy, rule, seq_len, world, layout, aligns, rank, q, k, v
+    )
     execute.check_served(all_calls, q, v, options)
     plan_steps = tuple(tuple(s) for s in steps)
     _last = ContextParallelPlan(chosen, reason, layout, world, rank, seq_len, rule, plan_steps)
@@ -101,8 +117,9 @@ def context_parallel_attention(q, k, v, *, causal=False, window=None, softcap=0.
     if trains:
         # Before any communication, as the forward's check: every rank refuses together.
         execute.check_served(all_calls, q, v, options, backward=True)
-        problem = backward.Problem(chosen, plan_steps, tuple(all_calls), tuple(chunks),
-                                   seq_len, group, options)
+        problem = backward.Problem(
+            chosen, plan_steps, tuple(all_calls), tuple(chunks), seq_len, group, options
+        )
         out, lse = backward.ContextParallelAttention.apply(run, problem, q, k, v)
     else:
         out, lse = run()
@@ -113,9 +130,11 @@ def _world_and_rank(group) -> tuple[int, int]:
     """The group's size and this process's rank in it; RuntimeError saying how to start
     torch.distributed when it is not initialized."""
     if not dist.is_initialized():
-        raise RuntimeError("context_parallel_attention: torch.distributed is not initialized; "
-                           "call torch.distributed.init_process_group first (one process "
-                           "works too: backend 'gloo', store=dist.HashStore(), world_size=1)")
+        raise RuntimeError(
+            "context_parallel_attention: torch.distributed is not initialized; "
+            "call torch.distributed.init_process_group first (one process "
+            "works too: backend 'gloo', store=dist.HashStore(), world_size=1)"
+        )
     return dist.get_world_size(group), dist.get_rank(group)
 
 
@@ -145,9 +164,11 @@ def _choose(strategy, rule, seq_len, world, layout, aligns, rank, q, k, v):
             ring_error = err
     if strategy == "ring":
         if ring is None:  # the plan failed with ring_error
-            raise ValueError(f"strategy: 'ring' cannot compute this attention: {ring_error}; "
-                             "strategy='allgather' can (one call per chunk over its whole key "
-                             "range)") from None
+            raise ValueError(
+                f"strategy: 'ring' cannot compute this attention: {ring_error}; "
+                "strategy='allgather' can (one call per chunk over its whole key "
+                "range)"
+            ) from None
         return "ring", "asked", _flat(ring), ring[rank]
     if strategy == "allgather":
         reason = "asked"
@@ -156,10 +177,19 @@ def _choose(strategy, rule, seq_len, world, layout, aligns, rank, q, k, v):
     else:
         gathered, ring_bytes = _memory(q, k, v, rank_chunks(seq_len, world, layout), seq_len)
         if gathered > max(ring_bytes, SHORT_KV_BYTES):
-            return "ring", (f"gathered K/V ({gathered} B) would exceed the ring's buffers "
-                            f"({ring_bytes} B) and {SHORT_KV_BYTES} B"), _flat(ring), ring[rank]
-        reason = (f"gathered K/V ({gathered} B) within max(ring buffers {ring_bytes} B, "
-                  f"{SHORT_KV_BYTES} B)")
+            return (
+                "ring",
+                (
+                    f"gathered K/V ({gathered} B) would exceed the ring's buffers "
+                    f"({ring_bytes} B) and {SHORT_KV_BYTES} B"
+                ),
+                _flat(ring),
+                ring[rank],
+            )
+        reason = (
+            f"gathered K/V ({gathered} B) within max(ring buffers {ring_bytes} B, "
+            f"{SHORT_KV_BYTES} B)"
+        )
     gather = _gather_plan(rule, seq_len, world, layout, aligns)
     return "allgather", reason, [c for calls in gather for c in calls], [gather[rank]]
 
@@ -202,11 +232,20 @@ def _served_aligns(q, v, rule: MaskRule, options, trains: bool) -> tuple[str, ..
     def served(backward: bool) -> tuple[str, ...]:
         found = []
         for align in ALIGNS:
-            need = need_for(KernelKind.prefill, q, v, mask=Mask(rule.mask),
-                            align=CausalAlign(align), window=rule.window,
-                            softcap=options.softcap, alibi=options.alibi_slopes is not None,
-                            seqlen_q=2**30, seqlen_k=2**30 + 1, same_lengths=False,
-                            backward=backward)
+            need = need_for(
+                KernelKind.prefill,
+                q,
+                v,
+                mask=Mask(rule.mask),
+                align=CausalAlign(align),
+                window=rule.window,
+                softcap=options.softcap,
+                alibi=options.alibi_slopes is not None,
+                seqlen_q=2**30,
+                seqlen_k=2**30 + 1,
+                same_lengths=False,
+                backward=backward,
+            )
             if any(not mismatches(e, need) for e in entries):
                 found.append(align)
         return tuple(found)
@@ -217,8 +256,11 @@ def _served_aligns(q, v, rule: MaskRule, options, trains: bool) -> tuple[str, ..
 def _mask_rule(causal, window, alibi_slopes) -> MaskRule:
     alibi = alibi_slopes is not None
     if window is not None:
-        ok = (isinstance(window, (tuple, list)) and len(window) == 2
-              and all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in window))
+        ok = (
+            isinstance(window, (tuple, list))
+            and len(window) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in window)
+        )
         if not ok:
             raise ValueError(f"window: got {window!r}; allowed: (left, right), ints >= 0")
         return MaskRule("sliding_window", (int(window[0]), int(window[1])), alibi)
@@ -231,25 +273,39 @@ def _check_inputs(q, k, v, causal, window, softcap, alibi_slopes, sm_scale, stra
     if not isinstance(causal, bool):
         raise ValueError(f"causal: got {causal!r}; allowed: True or False")
     if window is not None and causal:
-        raise ValueError("causal: must be False with window=(left, right); the window says "
-                         "which keys each query sees (right=0 is causal)")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
-            math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(
+            "causal: must be False with window=(left, right); the window says "
+            "which keys each query sees (right=0 is causal)"
+        )
+    if (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, (int, float))
+        or not (math.isfinite(softcap) and softcap >= 0)
+    ):
         raise ValueError(f"softcap: got {softcap!r}; allowed: a finite float >= 0")
     if alibi_slopes is not None and not (
-            isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.shape == (q.shape[1],)
-            and alibi_slopes.dtype == torch.float32 and alibi_slopes.device == q.device):
-        got = (f"{tuple(alibi_slopes.shape)} {alibi_slopes.dtype} on {alibi_slopes.device}"
-               if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__)
-        raise ValueError(f"alibi_slopes: got {got}; allowed: a float32 tensor [{q.shape[1]}] "
-                         f"on {q.device}")
+        isinstance(alibi_slopes, torch.Tensor)
+        and alibi_slopes.shape == (q.shape[1],)
+        and alibi_slopes.dtype == torch.float32
+        and alibi_slopes.device == q.device
+    ):
+        got = (
+            f"{tuple(alibi_slopes.shape)} {alibi_slopes.dtype} on {alibi_slopes.device}"
+            if isinstance(alibi_slopes, torch.Tensor)
+            else type(alibi_slopes).__name__
+        )
+        raise ValueError(
+            f"alibi_slopes: got {got}; allowed: a float32 tensor [{q.shape[1]}] on {q.device}"
+        )
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy: got {strategy!r}; allowed: "
-                         f"{', '.join(map(repr, STRATEGIES))}")
+        raise ValueError(f"strategy: got {strategy!r}; allowed: {', '.join(map(repr, STRATEGIES))}")
     if sm_scale is None:
         return 1.0 / math.sqrt(q.shape[-1])
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not (
-            math.isfinite(sm_scale) and sm_scale > 0):
+    if (
+        isinstance(sm_scale, bool)
+        or not isinstance(sm_scale, (int, float))
+        or not (math.isfinite(sm_scale) and sm_scale > 0)
+    ):
         raise ValueError(f"sm_scale: got {sm_scale!r}; allowed: a finite float > 0 or None")
     return float(sm_scale)
 
@@ -268,7 +324,8 @@ def _check_length(q, world, rank, layout, seq_len) -> int:
             f"q: rank {rank} holds {local} tokens, but layout {layout!r} over {world} ranks of "
             f"a {seq_len}-token sequence gives it {expected} (chunks "
             f"{', '.join(c.describe() for c in chunks)}); cut shards with shard_sequence and "
-            "pass seq_len when they differ in length")
+            "pass seq_len when they differ in length"
+        )
     return seq_len
 
 
@@ -281,12 +338,19 @@ def _check_tensors(q, k, v) -> None:
             raise ValueError(f"{name}: expected a rank-4 tensor [B, H, n, D], got {got}")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name}: expected {q.dtype} on {q.device} (as q), got {t.dtype} "
-                             f"on {t.device}")
-    if not (q.shape[0] == k.shape[0] == v.shape[0] and q.shape[2] == k.shape[2] == v.shape[2]
-            and k.shape[1] == v.shape[1]):
-        raise ValueError(f"q, k, v: expected the same batch and shard length and k, v the same "
-                         f"heads, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+            raise ValueError(
+                f"{name}: expected {q.dtype} on {q.device} (as q), got {t.dtype} on {t.device}"
+            )
+    if not (
+        q.shape[0] == k.shape[0] == v.shape[0]
+        and q.shape[2] == k.shape[2] == v.shape[2]
+        and k.shape[1] == v.shape[1]
+    ):
+        raise ValueError(
+            f"q, k, v: expected the same batch and shard length and k, v the same "
+            f"heads, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"heads: expected q heads a multiple of k/v heads, got {q.shape[1]} "
-                         f"and {k.shape[1]}")
+        raise ValueError(
+            f"heads: expected q heads a multiple of k/v heads, got {q.shape[1]} and {k.shape[1]}"
+        )

@@ -48,7 +48,7 @@ class Accumulator:
         self.lse = torch.full((batch, heads, rows), float("-inf"), device=q.device)
 
     def add(self, rows: tuple[int, int], out: torch.Tensor, lse: torch.Tensor) -> None:
-        acc, acc_lse = self.out[:, :, rows[0]:rows[1]], self.lse[:, :, rows[0]:rows[1]]
+        acc, acc_lse = self.out[:, :, rows[0] : rows[1]], self.lse[:, :, rows[0] : rows[1]]
         if self.single:
             acc.copy_(out)
             acc_lse.copy_(lse)
@@ -59,24 +59,43 @@ class Accumulator:
         return self.out.to(dtype), self.lse
 
 
-def call_need(call: KernelCall, q: torch.Tensor, v: torch.Tensor, options: KernelOptions,
-              backward: bool = False) -> Need:
+def call_need(
+    call: KernelCall,
+    q: torch.Tensor,
+    v: torch.Tensor,
+    options: KernelOptions,
+    backward: bool = False,
+) -> Need:
     """The Need of the kernel call (as run_dense builds it; run_dense_backward with
     backward)."""
     rows = call.num_rows + call.pad_front + call.pad_back
-    return need_for(KernelKind.prefill, q, v, mask=Mask(call.mask), align=call_align(call),
-                    window=call.window, softcap=options.softcap,
-                    alibi=options.alibi_slopes is not None, seqlen_q=rows,
-                    seqlen_k=call.num_keys, same_lengths=rows == call.num_keys,
-                    backward=backward)
+    return need_for(
+        KernelKind.prefill,
+        q,
+        v,
+        mask=Mask(call.mask),
+        align=call_align(call),
+        window=call.window,
+        softcap=options.softcap,
+        alibi=options.alibi_slopes is not None,
+        seqlen_q=rows,
+        seqlen_k=call.num_keys,
+        same_lengths=rows == call.num_keys,
+        backward=backward,
+    )
 
 
 def call_align(call: KernelCall) -> CausalAlign | None:
     return None if call.align is None else CausalAlign(call.align)
 
 
-def check_served(calls: list[KernelCall], q: torch.Tensor, v: torch.Tensor,
-                 options: KernelOptions, backward: bool = False) -> None:
+def check_served(
+    calls: list[KernelCall],
+    q: torch.Tensor,
+    v: torch.Tensor,
+    options: KernelOptions,
+    backward: bool = False,
+) -> None:
     """Raise NoKernelError (from dispatch, with its list of nearest modules) for the first call
     no generated module serves, unless the fallback mode lets torch run it. With backward, for
     the first call no module with gradient kernels serves (no fallback computes those)."""
@@ -91,17 +110,25 @@ def check_served(calls: list[KernelCall], q: torch.Tensor, v: torch.Tensor,
             choose(API_NAME, need, "error" if backward else None, heads=(q.shape[1], v.shape[1]))
         except NoKernelError as err:
             if backward:
-                forward_only = [e.describe() for e in entries
-                                if mismatches(e, need) == [NO_BACKWARD]]
-                rebuild = (f"; {', '.join(forward_only)} serves it without them: rebuild its "
-                           "spec with backward: true" if forward_only else "")
+                forward_only = [
+                    e.describe() for e in entries if mismatches(e, need) == [NO_BACKWARD]
+                ]
+                rebuild = (
+                    f"; {', '.join(forward_only)} serves it without them: rebuild its "
+                    "spec with backward: true"
+                    if forward_only
+                    else ""
+                )
                 raise NoKernelError(
                     f"context_parallel_attention's backward needs a module with gradient "
                     f"kernels (spec `backward: true`) for {call.describe()} ({_why(call)})"
                     f"{rebuild}; no fallback computes a chunk pair's gradients from the whole "
-                    f"sequence's LSE: {err}") from None
-            raise NoKernelError(f"context_parallel_attention needs a kernel for {call.describe()}"
-                                f" ({_why(call)}): {err}") from None
+                    f"sequence's LSE: {err}"
+                ) from None
+            raise NoKernelError(
+                f"context_parallel_attention needs a kernel for {call.describe()}"
+                f" ({_why(call)}): {err}"
+            ) from None
 
 
 def _why(call: KernelCall) -> str:
@@ -113,7 +140,7 @@ def _why(call: KernelCall) -> str:
 def call_rows(x: torch.Tensor, call: KernelCall, fill: float = 0.0) -> torch.Tensor:
     """The call's rows of x (along dim 2: queries, outputs, LSEs), with its fake rows, filled
     with `fill`, before and after them."""
-    rows = x[:, :, call.rows[0]:call.rows[1]]
+    rows = x[:, :, call.rows[0] : call.rows[1]]
     if not (call.pad_front or call.pad_back):
         return rows
     front = x.new_full((*x.shape[:2], call.pad_front, *x.shape[3:]), fill)
@@ -125,17 +152,27 @@ def real_rows(x: torch.Tensor, call: KernelCall) -> torch.Tensor:
     """A call's result without its fake rows."""
     if not (call.pad_front or call.pad_back):
         return x
-    return x[:, :, call.pad_front:call.pad_front + call.num_rows]
+    return x[:, :, call.pad_front : call.pad_front + call.num_rows]
 
 
-def run_call(call: KernelCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             options: KernelOptions) -> tuple[torch.Tensor, torch.Tensor]:
+def run_call(
+    call: KernelCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: KernelOptions
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the call's real query rows."""
     out, lse = run_dense(
-        API_NAME, call_rows(q, call), k[:, :, call.keys[0]:call.keys[1]],
-        v[:, :, call.keys[0]:call.keys[1]], mask=Mask(call.mask), align=call_align(call),
-        window=call.window, softcap=options.softcap, alibi_slopes=options.alibi_slopes,
-        scale=options.sm_scale, return_lse=True, fallback=None)
+        API_NAME,
+        call_rows(q, call),
+        k[:, :, call.keys[0] : call.keys[1]],
+        v[:, :, call.keys[0] : call.keys[1]],
+        mask=Mask(call.mask),
+        align=call_align(call),
+        window=call.window,
+        softcap=options.softcap,
+        alibi_slopes=options.alibi_slopes,
+        scale=options.sm_scale,
+        return_lse=True,
+        fallback=None,
+    )
     return real_rows(out, call), real_rows(lse, call)
 
 
@@ -145,8 +182,15 @@ def run_calls(calls, q, k, v, options: KernelOptions, acc: Accumulator) -> None:
         acc.add(call.rows, out, lse)
 
 
-def ring_attention(q, k, v, steps: list[list[KernelCall]], lengths: list[int],
-                   group: dist.ProcessGroup | None, options: KernelOptions):
+def ring_attention(
+    q,
+    k,
+    v,
+    steps: list[list[KernelCall]],
+    lengths: list[int],
+    group: dist.ProcessGroup | None,
+    options: KernelOptions,
+):
     """This rank's (out, lse): step s runs its calls on the K/V shard of rank (rank - s) mod W
     while the shard for step s + 1 arrives from rank - 1 (and this one leaves for rank + 1)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -159,8 +203,10 @@ def ring_attention(q, k, v, steps: list[list[KernelCall]], lengths: list[int],
         pending, incoming = [], None
         if step + 1 < world:
             length = lengths[(rank - step - 1) % world]
-            incoming = (k_cur.new_empty(*k_cur.shape[:2], length, k_cur.shape[3]),
-                        v_cur.new_empty(*v_cur.shape[:2], length, v_cur.shape[3]))
+            incoming = (
+                k_cur.new_empty(*k_cur.shape[:2], length, k_cur.shape[3]),
+                v_cur.new_empty(*v_cur.shape[:2], length, v_cur.shape[3]),
+            )
             pending = exchange((k_cur, v_cur), incoming, send_to, recv_from, group, comm_stream)
         run_calls(steps[step], q, k_cur, v_cur, options, acc)
         for work in pending:
@@ -198,8 +244,15 @@ def exchange(outgoing, incoming, send_to, recv_from, group, comm_stream) -> list
         return dist.batch_isend_irecv(ops)
 
 
-def gather_attention(q, k, v, calls: list[KernelCall], chunks: list[tuple[Chunk, ...]],
-                     group: dist.ProcessGroup | None, options: KernelOptions):
+def gather_attention(
+    q,
+    k,
+    v,
+    calls: list[KernelCall],
+    chunks: list[tuple[Chunk, ...]],
+    group: dist.ProcessGroup | None,
+    options: KernelOptions,
+):
     """This rank's (out, lse) from the calls against the whole gathered K/V sequence."""
     k_all, v_all = gather_sequences((k, v), chunks, group)
     acc = Accumulator(q, v.shape[-1], rows_covered_once(calls, q.shape[2]))
@@ -207,13 +260,16 @@ def gather_attention(q, k, v, calls: list[KernelCall], chunks: list[tuple[Chunk,
     return acc.result(q.dtype)
 
 
-def gather_sequences(tensors, chunks: list[tuple[Chunk, ...]],
-                     group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+def gather_sequences(
+    tensors, chunks: list[tuple[Chunk, ...]], group: dist.ProcessGroup | None
+) -> list[torch.Tensor]:
     """Each tensor's full sequence from every rank's shard, in position order. Shards are
     padded to the longest for the collective (uneven lengths), then cut back."""
     lengths = [sum(c.length for c in rank) for rank in chunks]
-    pieces = sorted(((c.start, r, c) for r, rank in enumerate(chunks) for c in rank
-                     if c.length), key=lambda item: item[0])
+    pieces = sorted(
+        ((c.start, r, c) for r, rank in enumerate(chunks) for c in rank if c.length),
+        key=lambda item: item[0],
+    )
     gathered, works = [], []
     for x in tensors:
         padded = x
@@ -233,6 +289,7 @@ def gather_sequences(tensors, chunks: list[tuple[Chunk, ...]],
         if not pieces:
             result.append(x[:, :, :0])
             continue
-        result.append(torch.cat([parts[r][:, :, c.local:c.local + c.length]
-                                 for _, r, c in pieces], dim=2))
+        result.append(
+            torch.cat([parts[r][:, :, c.local : c.local + c.length] for _, r, c in pieces], dim=2)
+        )
     return result

@@ -79,8 +79,9 @@ def shard_length(seq_len: int, world_size: int, rank: int, layout: str) -> int:
     return sum(c.length for c in rank_chunks(seq_len, world_size, layout)[rank])
 
 
-def shard_sequence(x: torch.Tensor, world_size: int, rank: int, *, layout: str = "zigzag",
-                   dim: int = 2) -> torch.Tensor:
+def shard_sequence(
+    x: torch.Tensor, world_size: int, rank: int, *, layout: str = "zigzag", dim: int = 2
+) -> torch.Tensor:
     """Rank `rank`'s shard of the full tensor `x` (sequence along `dim`): a view for contiguous,
     a new tensor for zigzag (two chunks concatenated)."""
     _check_count("world_size", world_size, 1)
@@ -91,8 +92,9 @@ def shard_sequence(x: torch.Tensor, world_size: int, rank: int, *, layout: str =
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
-def unshard_sequence(shards: list[torch.Tensor], *, layout: str = "zigzag",
-                     dim: int = 2) -> torch.Tensor:
+def unshard_sequence(
+    shards: list[torch.Tensor], *, layout: str = "zigzag", dim: int = 2
+) -> torch.Tensor:
     """The full tensor from every rank's shard (shards[r] is rank r's), in one process."""
     if not shards:
         raise ValueError("shards: got an empty list; allowed: one tensor per rank")
@@ -104,16 +106,27 @@ def unshard_sequence(shards: list[torch.Tensor], *, layout: str = "zigzag",
             raise ValueError(
                 f"shards[{rank}]: got {shard.shape[dim]} tokens along dim {dim}; layout "
                 f"{layout!r} over {len(shards)} ranks of a {seq_len}-token sequence gives rank "
-                f"{rank} {expected} (shard with shard_sequence)")
-    pieces = sorted(((c.start, shard.narrow(dim, c.local, c.length))
-                     for shard, chunks in zip(shards, per_rank, strict=True)
-                     for c in chunks),
-                    key=lambda item: item[0])
+                f"{rank} {expected} (shard with shard_sequence)"
+            )
+    pieces = sorted(
+        (
+            (c.start, shard.narrow(dim, c.local, c.length))
+            for shard, chunks in zip(shards, per_rank, strict=True)
+            for c in chunks
+        ),
+        key=lambda item: item[0],
+    )
     return torch.cat([piece for _, piece in pieces], dim=dim)
 
 
-def gather_sequence(x: torch.Tensor, *, seq_len: int | None = None, layout: str = "zigzag",
-                    group: dist.ProcessGroup | None = None, dim: int = 2) -> torch.Tensor:
+def gather_sequence(
+    x: torch.Tensor,
+    *,
+    seq_len: int | None = None,
+    layout: str = "zigzag",
+    group: dist.ProcessGroup | None = None,
+    dim: int = 2,
+) -> torch.Tensor:
     """Every rank's shard gathered into the full tensor, on every rank (a collective).
 
     seq_len is the full length (default: world size x this rank's shard length, right when
@@ -124,13 +137,18 @@ def gather_sequence(x: torch.Tensor, *, seq_len: int | None = None, layout: str 
     lengths = [shard_length(seq_len, world_size, r, layout) for r in range(world_size)]
     rank = dist.get_rank(group)
     if x.shape[dim] != lengths[rank]:
-        raise ValueError(f"x: got {x.shape[dim]} tokens along dim {dim}; rank {rank} holds "
-                         f"{lengths[rank]} of {seq_len} with layout {layout!r}")
+        raise ValueError(
+            f"x: got {x.shape[dim]} tokens along dim {dim}; rank {rank} holds "
+            f"{lengths[rank]} of {seq_len} with layout {layout!r}"
+        )
     padded = _pad_along(x, dim, max(lengths)).contiguous()
     gathered = [torch.empty_like(padded) for _ in range(world_size)]
     dist.all_gather(gathered, padded, group=group)
-    return unshard_sequence([g.narrow(dim, 0, n) for g, n in zip(gathered, lengths, strict=True)],
-                            layout=layout, dim=dim)
+    return unshard_sequence(
+        [g.narrow(dim, 0, n) for g, n in zip(gathered, lengths, strict=True)],
+        layout=layout,
+        dim=dim,
+    )
 
 
 def _pad_along(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:

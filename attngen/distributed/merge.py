@@ -24,8 +24,9 @@ import functools
 import torch
 
 
-def merge_partial(acc: torch.Tensor, acc_lse: torch.Tensor, part: torch.Tensor,
-                  part_lse: torch.Tensor) -> None:
+def merge_partial(
+    acc: torch.Tensor, acc_lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor
+) -> None:
     """acc [B, H, M, Dv] fp32 and acc_lse [B, H, M] fp32 absorb part and part_lse, in place."""
     if acc.is_cuda:
         merge_triton(acc, acc_lse, part, part_lse)
@@ -39,8 +40,9 @@ def merge_torch(acc, acc_lse, part, part_lse) -> None:
     w_acc, w_part = torch.exp(acc_lse - top), torch.exp(part_lse - top)
     total = w_acc + w_part
     inv = torch.where(total == 0, 0.0, 1.0 / total)
-    contribution = torch.where((w_part == 0)[..., None], 0.0,
-                               part.float() * (w_part * inv)[..., None])
+    contribution = torch.where(
+        (w_part == 0)[..., None], 0.0, part.float() * (w_part * inv)[..., None]
+    )
     acc.mul_((w_acc * inv)[..., None]).add_(contribution)
     acc_lse.copy_(top + torch.log(total))
 
@@ -52,9 +54,21 @@ def merge_triton(acc, acc_lse, part, part_lse, *, block_m: int = 64) -> None:
     block_d = max(16, 1 << (dim_v - 1).bit_length())
     grid = (-(-rows // block_m), batch * heads)
     _merge_kernel()[grid](
-        acc, acc_lse, part, part_lse, heads, rows, dim_v,
-        *acc.stride(), *acc_lse.stride(), *part.stride(), *part_lse.stride(),
-        BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
+        acc,
+        acc_lse,
+        part,
+        part_lse,
+        heads,
+        rows,
+        dim_v,
+        *acc.stride(),
+        *acc_lse.stride(),
+        *part.stride(),
+        *part_lse.stride(),
+        BLOCK_M=block_m,
+        BLOCK_D=block_d,
+        num_warps=4,
+    )
 
 
 @functools.cache

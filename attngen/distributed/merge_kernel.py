@@ -7,10 +7,31 @@ import triton.language as tl
 
 
 @triton.jit
-def merge_kernel(Acc, AccLse, Part, PartLse, heads, rows, dim_v,
-                 s_ab, s_ah, s_am, s_ad, s_lab, s_lah, s_lam,
-                 s_pb, s_ph, s_pm, s_pd, s_lpb, s_lph, s_lpm,
-                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def merge_kernel(
+    Acc,
+    AccLse,
+    Part,
+    PartLse,
+    heads,
+    rows,
+    dim_v,
+    s_ab,
+    s_ah,
+    s_am,
+    s_ad,
+    s_lab,
+    s_lah,
+    s_lam,
+    s_pb,
+    s_ph,
+    s_pm,
+    s_pd,
+    s_lpb,
+    s_lph,
+    s_lpm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     # One program: BLOCK_M rows of one (batch, head), all of the value head dim. Offsets
     # in int64: a [1, 32, 1M, 128] accumulator has 2**32 elements.
     off_b = (tl.program_id(1) // heads).to(tl.int64)
@@ -35,13 +56,10 @@ def merge_kernel(Acc, AccLse, Part, PartLse, heads, rows, dim_v,
     empty = total == 0
     safe_total = tl.where(empty, 1.0, total)
     inv = tl.where(empty, 0.0, 1.0 / safe_total)
-    acc_ptrs = (Acc + off_b * s_ab + off_h * s_ah + offs_m[:, None] * s_am
-                + offs_d[None, :] * s_ad)
-    part_ptrs = (Part + off_b * s_pb + off_h * s_ph + offs_m[:, None] * s_pm
-                 + offs_d[None, :] * s_pd)
+    acc_ptrs = Acc + off_b * s_ab + off_h * s_ah + offs_m[:, None] * s_am + offs_d[None, :] * s_ad
+    part_ptrs = Part + off_b * s_pb + off_h * s_ph + offs_m[:, None] * s_pm + offs_d[None, :] * s_pd
     acc = tl.load(acc_ptrs, mask=tile_ok, other=0.0)
     part = tl.load(part_ptrs, mask=tile_ok, other=0.0).to(tl.float32)
     contribution = tl.where((w_p == 0)[:, None], 0.0, part * (w_p * inv)[:, None])
     tl.store(acc_ptrs, acc * (w_a * inv)[:, None] + contribution, mask=tile_ok)
-    tl.store(lse_a_ptrs, tl.where(empty, float("-inf"), top + tl.log(safe_total)),
-             mask=row_ok)
+    tl.store(lse_a_ptrs, tl.where(empty, float("-inf"), top + tl.log(safe_total)), mask=row_ok)

@@ -74,8 +74,11 @@ class KernelCall:
 
     def describe(self) -> str:
         mask = self.mask if self.mask == "none" else f"{self.mask}({self.align})"
-        pads = f", fake rows {self.pad_front}+{self.pad_back}" if self.pad_front or \
-            self.pad_back else ""
+        pads = (
+            f", fake rows {self.pad_front}+{self.pad_back}"
+            if self.pad_front or self.pad_back
+            else ""
+        )
         return f"rows {list(self.rows)} x keys {list(self.keys)} {mask}{pads}"
 
 
@@ -105,9 +108,14 @@ def key_span(rule: MaskRule, qs: int, qe: int, seq_len: int) -> tuple[int, int]:
     return (start, stop) if start < stop else (0, 0)
 
 
-def express(rule: MaskRule, q_pos: tuple[int, int], k_pos: tuple[int, int],
-            rows: tuple[int, int], keys: tuple[int, int], aligns: tuple[str, ...]
-            ) -> KernelCall | None:
+def express(
+    rule: MaskRule,
+    q_pos: tuple[int, int],
+    k_pos: tuple[int, int],
+    rows: tuple[int, int],
+    keys: tuple[int, int],
+    aligns: tuple[str, ...],
+) -> KernelCall | None:
     """The call that computes queries at global q_pos (shard rows `rows`) against keys at
     global k_pos (rows `keys` of the key tensor), or None when no key is visible. `aligns` are
     the alignments that kernels exist for, preferred first. Raises PlanError with the reason
@@ -139,16 +147,23 @@ def express(rule: MaskRule, q_pos: tuple[int, int], k_pos: tuple[int, int],
 
 def _refusal(rule: MaskRule, q_pos, k_pos, aligns) -> str:
     (qs, qe), (ks, ke) = q_pos, k_pos
-    why = ("ALiBi's bias depends on the offset between them" if rule.alibi
-           else f"the {rule.describe()} mask cuts through the key range")
+    why = (
+        "ALiBi's bias depends on the offset between them"
+        if rule.alibi
+        else f"the {rule.describe()} mask cuts through the key range"
+    )
     if rule.mask == "none":
         need = f"a mask-none kernel places rows bottom-right, so the keys must end by {qe}"
     else:
-        need = (f"kernels here align {' or '.join(aligns)}; bottom_right needs the keys to end "
-                f"at or after {qe}, top_left to start at or before {qs}")
-    return (f"queries [{qs}, {qe}) against keys [{ks}, {ke}): {why}, and a generated kernel "
-            f"places positions only by its alignment ({need}, with at most {qe - qs} fake "
-            "query rows, as many as the chunk has)")
+        need = (
+            f"kernels here align {' or '.join(aligns)}; bottom_right needs the keys to end "
+            f"at or after {qe}, top_left to start at or before {qs}"
+        )
+    return (
+        f"queries [{qs}, {qe}) against keys [{ks}, {ke}): {why}, and a generated kernel "
+        f"places positions only by its alignment ({need}, with at most {qe - qs} fake "
+        "query rows, as many as the chunk has)"
+    )
 
 
 def fuse_unmasked(rule: MaskRule, calls: list[KernelCall]) -> list[KernelCall]:
@@ -159,8 +174,10 @@ def fuse_unmasked(rule: MaskRule, calls: list[KernelCall]) -> list[KernelCall]:
         return calls
     plain = [c for c in calls if c.mask == "none" and not (c.pad_front or c.pad_back)]
     others = [c for c in calls if c not in plain]
-    for along, order in (("keys", lambda c: (c.rows, c.keys)),
-                         ("rows", lambda c: (c.keys, c.rows))):
+    for along, order in (
+        ("keys", lambda c: (c.rows, c.keys)),
+        ("rows", lambda c: (c.keys, c.rows)),
+    ):
         fused: list[KernelCall] = []
         for call in sorted(plain, key=order):
             if fused and _adjacent(fused[-1], call, along):
@@ -183,8 +200,13 @@ def _union(a: KernelCall, b: KernelCall, along: str) -> KernelCall:
     return KernelCall((a.rows[0], b.rows[1]), a.keys, "none", None, None)
 
 
-def ring_step_calls(rule: MaskRule, queries: tuple[Chunk, ...], keys: tuple[Chunk, ...],
-                    same_rank: bool, aligns: tuple[str, ...]) -> list[KernelCall]:
+def ring_step_calls(
+    rule: MaskRule,
+    queries: tuple[Chunk, ...],
+    keys: tuple[Chunk, ...],
+    same_rank: bool,
+    aligns: tuple[str, ...],
+) -> list[KernelCall]:
     """The calls of one ring step: the local query chunks against one rank's key chunks."""
     total_q = sum(c.length for c in queries)
     if same_rank and rule.mask == "causal" and not rule.alibi and total_q:
@@ -196,16 +218,22 @@ def ring_step_calls(rule: MaskRule, queries: tuple[Chunk, ...], keys: tuple[Chun
         for kc in keys:
             if not (qc.length and kc.length):
                 continue
-            call = express(rule, (qc.start, qc.stop), (kc.start, kc.stop),
-                           (qc.local, qc.local + qc.length), (kc.local, kc.local + kc.length),
-                           aligns)
+            call = express(
+                rule,
+                (qc.start, qc.stop),
+                (kc.start, kc.stop),
+                (qc.local, qc.local + qc.length),
+                (kc.local, kc.local + kc.length),
+                aligns,
+            )
             if call is not None:
                 calls.append(call)
     return fuse_unmasked(rule, calls)
 
 
-def ring_plan(rule: MaskRule, chunks: list[tuple[Chunk, ...]], aligns: tuple[str, ...]
-              ) -> list[list[list[KernelCall]]]:
+def ring_plan(
+    rule: MaskRule, chunks: list[tuple[Chunk, ...]], aligns: tuple[str, ...]
+) -> list[list[list[KernelCall]]]:
     """plan[rank][step]: the calls rank `rank` runs at ring step `step`, on the shard of rank
     (rank - step) mod W. Raises PlanError (naming the ranks) for any rank's inexpressible pair."""
     world = len(chunks)
@@ -215,17 +243,20 @@ def ring_plan(rule: MaskRule, chunks: list[tuple[Chunk, ...]], aligns: tuple[str
         for step in range(world):
             source = (rank - step) % world
             try:
-                steps.append(ring_step_calls(rule, chunks[rank], chunks[source],
-                                             source == rank, aligns))
+                steps.append(
+                    ring_step_calls(rule, chunks[rank], chunks[source], source == rank, aligns)
+                )
             except PlanError as err:
-                raise PlanError(f"ring step {step}, rank {rank} (keys of rank {source}): "
-                                f"{err}") from None
+                raise PlanError(
+                    f"ring step {step}, rank {rank} (keys of rank {source}): {err}"
+                ) from None
         plan.append(steps)
     return plan
 
 
-def gather_calls(rule: MaskRule, queries: tuple[Chunk, ...], seq_len: int,
-                 aligns: tuple[str, ...]) -> list[KernelCall]:
+def gather_calls(
+    rule: MaskRule, queries: tuple[Chunk, ...], seq_len: int, aligns: tuple[str, ...]
+) -> list[KernelCall]:
     """The calls of one rank against the gathered sequence (key rows = global positions): per
     query chunk, one call over every key it can see, or, when that one needs too many fake
     rows, the keys before, level with and after the chunk as up to three calls."""
@@ -243,8 +274,11 @@ def gather_calls(rule: MaskRule, queries: tuple[Chunk, ...], seq_len: int,
             continue
         except PlanError as whole:
             reason = str(whole)
-        parts = [(span[0], min(span[1], qc.start)), (max(span[0], qc.start),
-                 min(span[1], qc.stop)), (max(span[0], qc.stop), span[1])]
+        parts = [
+            (span[0], min(span[1], qc.start)),
+            (max(span[0], qc.start), min(span[1], qc.stop)),
+            (max(span[0], qc.stop), span[1]),
+        ]
         try:
             for part in parts:
                 if part[0] < part[1]:
@@ -255,8 +289,9 @@ def gather_calls(rule: MaskRule, queries: tuple[Chunk, ...], seq_len: int,
     return fuse_unmasked(rule, calls)
 
 
-def gather_plan(rule: MaskRule, chunks: list[tuple[Chunk, ...]], seq_len: int,
-                aligns: tuple[str, ...]) -> list[list[KernelCall]]:
+def gather_plan(
+    rule: MaskRule, chunks: list[tuple[Chunk, ...]], seq_len: int, aligns: tuple[str, ...]
+) -> list[list[KernelCall]]:
     """plan[rank]: the calls rank `rank` runs against the gathered sequence."""
     plan = []
     for rank, queries in enumerate(chunks):

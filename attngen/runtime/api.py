@@ -42,9 +42,22 @@ SDPA, FLASH, VARLEN = "scaled_dot_product_attention", "flash_attn_func", "flash_
 # ---------------------------------------------------------------------------- SDPA-shaped
 
 
-def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                 scale=None, enable_gqa=False, *, window=None, softcap=None,
-                                 alibi_slopes=None, causal_align="top_left", fallback=None):
+def scaled_dot_product_attention(
+    q,
+    k,
+    v,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    *,
+    window=None,
+    softcap=None,
+    alibi_slopes=None,
+    causal_align="top_left",
+    fallback=None,
+):
     """torch.nn.functional.scaled_dot_product_attention through generated kernels.
 
     q [B, HQ, Nq, D], k/v [B, HKV, Nk, D] (HQ != HKV needs enable_gqa=True, as in torch).
@@ -56,13 +69,32 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     unless changed).
     """
     key = None
-    if (attn_mask is None and plans.eager(q, k, v, alibi_slopes)
-            and plans.plain(scale, softcap, dropout_p) and type(is_causal) is bool
-            and type(enable_gqa) is bool and (window is None or plans.pair(window))
-            and type(causal_align) is str and (fallback is None or type(fallback) is str)):
-        key = (SDPA, q.shape, k.shape, v.shape, q.dtype, q.device, is_causal, scale,
-               enable_gqa, window, softcap, plans.slopes_rank(alibi_slopes), causal_align,
-               fallback)
+    if (
+        attn_mask is None
+        and plans.eager(q, k, v, alibi_slopes)
+        and plans.plain(scale, softcap, dropout_p)
+        and type(is_causal) is bool
+        and type(enable_gqa) is bool
+        and (window is None or plans.pair(window))
+        and type(causal_align) is str
+        and (fallback is None or type(fallback) is str)
+    ):
+        key = (
+            SDPA,
+            q.shape,
+            k.shape,
+            v.shape,
+            q.dtype,
+            q.device,
+            is_causal,
+            scale,
+            enable_gqa,
+            window,
+            softcap,
+            plans.slopes_rank(alibi_slopes),
+            causal_align,
+            fallback,
+        )
         plan = plans.find(key)
         if plan is not None:
             ran = plans.run_dense(plan, q, k, v, alibi_slopes, heads_last=False)
@@ -72,13 +104,29 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
         check_rank4(q, k, v)
     align = check_causal_align(causal_align)
     if q.shape[1] != k.shape[1] and not enable_gqa:
-        raise ValueError(f"heads: q has {q.shape[1]} heads and k {k.shape[1]}; pass "
-                         "enable_gqa=True for grouped-query attention (as torch does)")
+        raise ValueError(
+            f"heads: q has {q.shape[1]} heads and k {k.shape[1]}; pass "
+            "enable_gqa=True for grouped-query attention (as torch does)"
+        )
     mask, win = _sdpa_mask(is_causal, window)
-    out, _ = run_dense(SDPA, q, k, v, mask=mask, align=align, window=win, softcap=softcap,
-                       alibi_slopes=alibi_slopes, scale=scale, return_lse=False,
-                       fallback=fallback, refusal=_sdpa_refusal(attn_mask, alibi_slopes),
-                       attn_mask=attn_mask, dropout_p=dropout_p, plan_key=key)
+    out, _ = run_dense(
+        SDPA,
+        q,
+        k,
+        v,
+        mask=mask,
+        align=align,
+        window=win,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        scale=scale,
+        return_lse=False,
+        fallback=fallback,
+        refusal=_sdpa_refusal(attn_mask, alibi_slopes),
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        plan_key=key,
+    )
     return out
 
 
@@ -87,8 +135,10 @@ def _sdpa_mask(is_causal, window) -> tuple[Mask, tuple[int, int] | None]:
     if window is None:
         return (Mask.causal if is_causal else Mask.none), None
     if is_causal:
-        raise ValueError("is_causal: must be False with window=(left, right); the window "
-                         "says which keys each query sees (right=0 is causal)")
+        raise ValueError(
+            "is_causal: must be False with window=(left, right); the window "
+            "says which keys each query sees (right=0 is causal)"
+        )
     return Mask.sliding_window, window_pair(window, "window")
 
 
@@ -96,17 +146,29 @@ def _sdpa_refusal(attn_mask, alibi_slopes) -> str | None:
     """Why no generated kernel may serve the call (a dense attn_mask, flash_refusal's
     reasons), or None."""
     if attn_mask is not None:
-        return ("attn_mask: a dense mask tensor is not served by generated kernels; use "
-                "is_causal, window, alibi_slopes or softcap")
+        return (
+            "attn_mask: a dense mask tensor is not served by generated kernels; use "
+            "is_causal, window, alibi_slopes or softcap"
+        )
     return flash_refusal(alibi_slopes)
 
 
 # ---------------------------------------------------------------------- flash-attn 2.x
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
-                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False):
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """flash-attn 2.x `flash_attn_func`: q [B, Nq, HQ, D], k/v [B, Nk, HKV, D] -> out
     [B, Nq, HQ, DV]; causal is bottom-right aligned (flash-attn >= 2.1). With
     return_attn_probs, returns (out, lse [B, HQ, Nq], None): the probabilities are never formed
@@ -117,34 +179,82 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     contiguous tensor, written in place by modules that take `out=` (Dispatch.writes_out),
     else copied from the kernel's [B, H, N, D] output."""
     key = None
-    if (plans.eager(q, k, v, alibi_slopes) and plans.plain(softmax_scale, softcap, dropout_p)
-            and type(causal) is bool and plans.pair(window_size)
-            and type(return_attn_probs) is bool):
-        key = (FLASH, q.shape, k.shape, v.shape, q.dtype, q.device, causal, window_size,
-               softcap, softmax_scale, plans.slopes_rank(alibi_slopes), return_attn_probs)
+    if (
+        plans.eager(q, k, v, alibi_slopes)
+        and plans.plain(softmax_scale, softcap, dropout_p)
+        and type(causal) is bool
+        and plans.pair(window_size)
+        and type(return_attn_probs) is bool
+    ):
+        key = (
+            FLASH,
+            q.shape,
+            k.shape,
+            v.shape,
+            q.dtype,
+            q.device,
+            causal,
+            window_size,
+            softcap,
+            softmax_scale,
+            plans.slopes_rank(alibi_slopes),
+            return_attn_probs,
+        )
         plan = plans.find(key)
         if plan is not None:
-            ran = plans.run_dense(plan, q.transpose(1, 2), k.transpose(1, 2),
-                                  v.transpose(1, 2), alibi_slopes, heads_last=True)
+            ran = plans.run_dense(
+                plan,
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                alibi_slopes,
+                heads_last=True,
+            )
             if ran is not None:
                 return (ran[0], ran[1], None) if return_attn_probs else ran[0]
     if not rank4(q, k, v):
         check_rank4(q, k, v)
     check_attn_probs(return_attn_probs, dropout_p)
     mask, window = flash_mask(causal, window_size)
-    out, lse = run_dense(FLASH, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                         mask=mask, align=CausalAlign.bottom_right, window=window,
-                         softcap=softcap, alibi_slopes=alibi_slopes, scale=softmax_scale,
-                         return_lse=return_attn_probs, fallback=None,
-                         refusal=flash_refusal(alibi_slopes), dropout_p=dropout_p,
-                         heads_last=True, plan_key=key)
+    out, lse = run_dense(
+        FLASH,
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        mask=mask,
+        align=CausalAlign.bottom_right,
+        window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        scale=softmax_scale,
+        return_lse=return_attn_probs,
+        fallback=None,
+        refusal=flash_refusal(alibi_slopes),
+        dropout_p=dropout_p,
+        heads_last=True,
+        plan_key=key,
+    )
     return (out, lse, None) if return_attn_probs else out
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                           softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, block_table=None):
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
     """flash-attn 2.x `flash_attn_varlen_func`: packed q [Tq, HQ, D], k/v [Tk, HKV, D],
     cu_seqlens int32 [B + 1]; with return_attn_probs, (out, lse [HQ, Tq], None). dropout_p
     and return_attn_probs as in flash_attn_func; sequence b draws its dropout mask as batch b.
@@ -155,30 +265,65 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     rows first (a copy of every listed page; flash_attn_with_kvcache reads pages in place); a
     sequence whose length or pages do not fit gets NaN, as in the kernels."""
     key = None
-    if (block_table is None and plans.eager(q, k, v, alibi_slopes)
-            and plans.plain(softmax_scale, softcap, dropout_p) and type(causal) is bool
-            and plans.pair(window_size) and type(return_attn_probs) is bool
-            and type(max_seqlen_q) is int and type(max_seqlen_k) is int):
-        key = (VARLEN, q.shape, k.shape, v.shape, q.dtype, q.device, causal, window_size,
-               softcap, softmax_scale, plans.slopes_rank(alibi_slopes), return_attn_probs,
-               cu_seqlens_q is cu_seqlens_k)
+    if (
+        block_table is None
+        and plans.eager(q, k, v, alibi_slopes)
+        and plans.plain(softmax_scale, softcap, dropout_p)
+        and type(causal) is bool
+        and plans.pair(window_size)
+        and type(return_attn_probs) is bool
+        and type(max_seqlen_q) is int
+        and type(max_seqlen_k) is int
+    ):
+        key = (
+            VARLEN,
+            q.shape,
+            k.shape,
+            v.shape,
+            q.dtype,
+            q.device,
+            causal,
+            window_size,
+            softcap,
+            softmax_scale,
+            plans.slopes_rank(alibi_slopes),
+            return_attn_probs,
+            cu_seqlens_q is cu_seqlens_k,
+        )
         plan = plans.find(key)
         if plan is not None:
-            ran = plans.run_varlen(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                   max_seqlen_k, alibi_slopes)
+            ran = plans.run_varlen(
+                plan, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes
+            )
             if ran is not None:
                 return (ran[0], ran[1], None) if return_attn_probs else ran[0]
     check_attn_probs(return_attn_probs, dropout_p)
     mask, window = flash_mask(causal, window_size)
     seqused_k, bounds = None, None
     if block_table is not None:
-        k, v, cu_seqlens_k, seqused_k, max_seqlen_k = paged_keys(k, v, block_table,
-                                                                   cu_seqlens_k, q)
+        k, v, cu_seqlens_k, seqused_k, max_seqlen_k = paged_keys(k, v, block_table, cu_seqlens_k, q)
         bounds = (q.shape[0], max_seqlen_k)
-    out, lse = run_varlen(VARLEN, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, mask=mask, align=CausalAlign.bottom_right,
-                          window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                          scale=softmax_scale, return_lse=return_attn_probs, fallback=None,
-                          refusal=flash_refusal(alibi_slopes), dropout_p=dropout_p,
-                          seqused_k=seqused_k, length_bounds=bounds, plan_key=key)
+    out, lse = run_varlen(
+        VARLEN,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        mask=mask,
+        align=CausalAlign.bottom_right,
+        window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        scale=softmax_scale,
+        return_lse=return_attn_probs,
+        fallback=None,
+        refusal=flash_refusal(alibi_slopes),
+        dropout_p=dropout_p,
+        seqused_k=seqused_k,
+        length_bounds=bounds,
+        plan_key=key,
+    )
     return (out, lse, None) if return_attn_probs else out

@@ -24,8 +24,11 @@ def softmax_scale(scale: object, q: torch.Tensor) -> float:
         return 1.0 / math.sqrt(q.shape[-1])
     if (type(scale) is float or type(scale) is int) and math.isfinite(scale) and scale > 0:
         return float(scale)
-    if isinstance(scale, (int, float)) and not isinstance(scale, bool) and (
-            math.isfinite(scale) and scale > 0):
+    if (
+        isinstance(scale, (int, float))
+        and not isinstance(scale, bool)
+        and (math.isfinite(scale) and scale > 0)
+    ):
         return float(scale)  # a subclass (numpy float64)
     raise ValueError(f"scale: expected a finite float > 0 or None, got {scale!r}")
 
@@ -53,8 +56,14 @@ def check_rank4(q: object, k: object, v: object) -> None:
 
 def rank4(q: object, k: object, v: object) -> bool:
     """The success path of check_rank4, without building its loop."""
-    return (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
-            and q.dim() == 4 and k.dim() == 4 and v.dim() == 4)
+    return (
+        type(q) is torch.Tensor
+        and type(k) is torch.Tensor
+        and type(v) is torch.Tensor
+        and q.dim() == 4
+        and k.dim() == 4
+        and v.dim() == 4
+    )
 
 
 def check_causal_align(value: object) -> CausalAlign:
@@ -69,8 +78,11 @@ def check_causal_align(value: object) -> CausalAlign:
 
 def window_pair(window: object, name: str) -> tuple[int, int]:
     """(left, right), ints >= 0."""
-    if (isinstance(window, (tuple, list)) and len(window) == 2
-            and all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in window)):
+    if (
+        isinstance(window, (tuple, list))
+        and len(window) == 2
+        and all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in window)
+    ):
         return int(window[0]), int(window[1])
     raise ValueError(f"{name}: got {window!r}; allowed: (left, right), ints >= 0")
 
@@ -79,10 +91,14 @@ def flash_mask(causal: bool, window_size: object) -> tuple[Mask, tuple[int, int]
     """flash-attn's (causal, window_size) as a spec mask; -1 is an unbounded side."""
     if type(window_size) is tuple and window_size == _UNBOUNDED:
         return (Mask.causal, None) if causal else (Mask.none, None)
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, int) and w >= -1 for w in window_size)):
-        raise ValueError(f"window_size: got {window_size!r}; allowed: (left, right), ints >= -1 "
-                         "(-1: unbounded)")
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(w, int) and w >= -1 for w in window_size)
+    ):
+        raise ValueError(
+            f"window_size: got {window_size!r}; allowed: (left, right), ints >= -1 (-1: unbounded)"
+        )
     left, right = int(window_size[0]), int(window_size[1])
     if causal:
         return (Mask.causal, None) if left < 0 else (Mask.sliding_window, (left, 0))
@@ -96,8 +112,11 @@ def dropout_probability(dropout_p: object) -> float:
     (flash-attn's and SDPA's dropout_p). A module rounds it to steps of 1/65536."""
     if type(dropout_p) is float and 0.0 <= dropout_p < 1.0:
         return dropout_p
-    if isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) and (
-            0.0 <= dropout_p < 1.0):
+    if (
+        isinstance(dropout_p, (int, float))
+        and not isinstance(dropout_p, bool)
+        and (0.0 <= dropout_p < 1.0)
+    ):
         return float(dropout_p)  # 0, or a subclass (numpy float64)
     raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
 
@@ -116,16 +135,20 @@ def check_attn_probs(return_attn_probs: bool, dropout_p: float) -> None:
     """flash-attn's return_attn_probs with dropout returns the dropout pattern (S_dmask),
     which the kernels never form: refused rather than answered with None."""
     if return_attn_probs and dropout_p:
-        raise ValueError(f"return_attn_probs: not served with dropout_p={dropout_p} (flash-attn "
-                         "then returns the dropout pattern, S_dmask, which generated kernels "
-                         "never form); pass return_attn_probs=False, or dropout_p=0.0 for "
-                         "(out, lse, None)")
+        raise ValueError(
+            f"return_attn_probs: not served with dropout_p={dropout_p} (flash-attn "
+            "then returns the dropout pattern, S_dmask, which generated kernels "
+            "never form); pass return_attn_probs=False, or dropout_p=0.0 for "
+            "(out, lse, None)"
+        )
 
 
 def flash_refusal(alibi_slopes: torch.Tensor | None) -> str | None:
     """Why no generated kernel serves flash-attn's per-batch slopes [batch, nheads] (the torch
     fallback serves them), or None."""
     if type(alibi_slopes) is torch.Tensor and alibi_slopes.dim() == 2:  # else the checks say
-        return (f"alibi_slopes: got shape {tuple(alibi_slopes.shape)}; generated kernels take "
-                "[nheads] fp32 (one slope per head for the whole batch)")
+        return (
+            f"alibi_slopes: got shape {tuple(alibi_slopes.shape)}; generated kernels take "
+            "[nheads] fp32 (one slope per head for the whole batch)"
+        )
     return None

@@ -15,38 +15,95 @@ from attngen.runtime.registry import current_registry
 # --------------------------------------------------------------------------------- decode
 
 
-def run_decode(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
-               block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
-               sm_scale: float, alibi_slopes: Tensor | None, return_lse: bool,
-               heads_last: bool, sinks: Tensor | None = None, num_splits: int = 0
-               ) -> tuple[Tensor, Tensor | None]:
+def run_decode(
+    key: str,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens: Tensor,
+    block_table: Tensor | None,
+    k_new: Tensor | None,
+    v_new: Tensor | None,
+    sm_scale: float,
+    alibi_slopes: Tensor | None,
+    return_lse: bool,
+    heads_last: bool,
+    sinks: Tensor | None = None,
+    num_splits: int = 0,
+) -> tuple[Tensor, Tensor | None]:
     """The decode kind's `decode` entry point (the README's decode contract); appends
     k_new/v_new into the caches at cache_seqlens, in place, before attending. (out, lse or
     None); out [B, Nq, HQ, DV] with heads_last, else [B, HQ, Nq, DV]. num_splits: the
     module's (0: its split rule; s >= 1: s splits of the keys, clamped by the module)."""
-    return call_decode(current_registry().module(key), key, q, k_cache, v_cache, cache_seqlens,
-                       block_table, k_new, v_new, sm_scale, alibi_slopes, return_lse,
-                       heads_last, sinks, num_splits)
+    return call_decode(
+        current_registry().module(key),
+        key,
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        block_table,
+        k_new,
+        v_new,
+        sm_scale,
+        alibi_slopes,
+        return_lse,
+        heads_last,
+        sinks,
+        num_splits,
+    )
 
 
-def call_decode(module, key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor,
-                cache_seqlens: Tensor, block_table: Tensor | None, k_new: Tensor | None,
-                v_new: Tensor | None, sm_scale: float, alibi_slopes: Tensor | None,
-                return_lse: bool, heads_last: bool, sinks: Tensor | None = None,
-                num_splits: int = 0) -> tuple[Tensor, Tensor | None]:
+def call_decode(
+    module,
+    key: str,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens: Tensor,
+    block_table: Tensor | None,
+    k_new: Tensor | None,
+    v_new: Tensor | None,
+    sm_scale: float,
+    alibi_slopes: Tensor | None,
+    return_lse: bool,
+    heads_last: bool,
+    sinks: Tensor | None = None,
+    num_splits: int = 0,
+) -> tuple[Tensor, Tensor | None]:
     """run_decode with the module of `key` in hand."""
     _ran(key)
     extra = {**_sinks(sinks), **_splits(module, key, num_splits)}
     if heads_last:
         out = _heads_last(q, v_cache.shape[-1])
-        result = module.decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
-                               k_new=k_new, v_new=v_new, sm_scale=sm_scale,
-                               alibi_slopes=alibi_slopes, return_lse=return_lse,
-                               out=out.transpose(1, 2), **extra)
+        result = module.decode(
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens,
+            block_table=block_table,
+            k_new=k_new,
+            v_new=v_new,
+            sm_scale=sm_scale,
+            alibi_slopes=alibi_slopes,
+            return_lse=return_lse,
+            out=out.transpose(1, 2),
+            **extra,
+        )
         return out, (result[1] if return_lse else None)
-    result = module.decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
-                           k_new=k_new, v_new=v_new, sm_scale=sm_scale,
-                           alibi_slopes=alibi_slopes, return_lse=return_lse, **extra)
+    result = module.decode(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        block_table=block_table,
+        k_new=k_new,
+        v_new=v_new,
+        sm_scale=sm_scale,
+        alibi_slopes=alibi_slopes,
+        return_lse=return_lse,
+        **extra,
+    )
     return result if return_lse else (result, None)
 
 
@@ -57,24 +114,53 @@ def _splits(module, key: str, num_splits: int) -> dict[str, int]:
     if not num_splits:
         return {}
     if not hasattr(module, "LAST_NUM_SPLITS"):
-        raise ValueError(f"num_splits: got {num_splits}; the decode module {key} was built "
-                         "before decode took a split count: rebuild it, or pass 0")
+        raise ValueError(
+            f"num_splits: got {num_splits}; the decode module {key} was built "
+            "before decode took a split count: rebuild it, or pass 0"
+        )
     return {"num_splits": num_splits}
 
 
-def decode(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
-           block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
-           sm_scale: float, alibi_slopes: Tensor | None, return_lse: bool,
-           heads_last: bool = False, sinks: Tensor | None = None, num_splits: int = 0
-           ) -> tuple[Tensor, Tensor | None]:
+def decode(
+    key: str,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens: Tensor,
+    block_table: Tensor | None,
+    k_new: Tensor | None,
+    v_new: Tensor | None,
+    sm_scale: float,
+    alibi_slopes: Tensor | None,
+    return_lse: bool,
+    heads_last: bool = False,
+    sinks: Tensor | None = None,
+    num_splits: int = 0,
+) -> tuple[Tensor, Tensor | None]:
     """(out, lse or None) of the decode module `key`; see the module docstring. Directly,
     the caches' version counters are bumped as the op's mutates_args would."""
-    args = (key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sm_scale,
-            alibi_slopes, return_lse, heads_last, sinks, num_splits)
+    args = (
+        key,
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        block_table,
+        k_new,
+        v_new,
+        sm_scale,
+        alibi_slopes,
+        return_lse,
+        heads_last,
+        sinks,
+        num_splits,
+    )
     news = (k_new, v_new) if k_new is not None and v_new is not None else None
-    if _direct(q, k_cache, v_cache, alibi_slopes) and (
-            news is None or _direct(q, news[0], news[1], None)) and (
-            sinks is None or _direct(q, k_cache, v_cache, sinks)):
+    if (
+        _direct(q, k_cache, v_cache, alibi_slopes)
+        and (news is None or _direct(q, news[0], news[1], None))
+        and (sinks is None or _direct(q, k_cache, v_cache, sinks))
+    ):
         return direct_decode(current_registry().module(key), *args)
     out, lse = decode_op(*args)
     inputs = (q, k_cache, v_cache, k_new, v_new)
@@ -83,35 +169,100 @@ def decode(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
     return (out.transpose(1, 2) if heads_last else out), (lse if return_lse else None)
 
 
-def direct_decode(module, key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor,
-                  cache_seqlens: Tensor, block_table: Tensor | None, k_new: Tensor | None,
-                  v_new: Tensor | None, sm_scale: float, alibi_slopes: Tensor | None,
-                  return_lse: bool, heads_last: bool, sinks: Tensor | None = None,
-                  num_splits: int = 0) -> tuple[Tensor, Tensor | None]:
+def direct_decode(
+    module,
+    key: str,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens: Tensor,
+    block_table: Tensor | None,
+    k_new: Tensor | None,
+    v_new: Tensor | None,
+    sm_scale: float,
+    alibi_slopes: Tensor | None,
+    return_lse: bool,
+    heads_last: bool,
+    sinks: Tensor | None = None,
+    num_splits: int = 0,
+) -> tuple[Tensor, Tensor | None]:
     """call_decode without the op: the caches' version counters are bumped after an append,
     as the op's mutates_args would."""
-    result = call_decode(module, key, q, k_cache, v_cache, cache_seqlens, block_table, k_new,
-                         v_new, sm_scale, alibi_slopes, return_lse, heads_last, sinks,
-                         num_splits)
+    result = call_decode(
+        module,
+        key,
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        block_table,
+        k_new,
+        v_new,
+        sm_scale,
+        alibi_slopes,
+        return_lse,
+        heads_last,
+        sinks,
+        num_splits,
+    )
     if k_new is not None and v_new is not None:
         torch.autograd.graph.increment_version((k_cache, v_cache))
     return result
 
 
 @torch.library.custom_op("attngen::decode", mutates_args=("k_cache", "v_cache"))
-def decode_op(key: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
-              block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
-              sm_scale: float, alibi_slopes: Tensor | None, return_lse: bool,
-              heads_last: bool, sinks: Tensor | None = None, num_splits: int = 0
-              ) -> tuple[Tensor, Tensor]:
-    out, lse = run_decode(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-                          sm_scale, alibi_slopes, return_lse, heads_last, sinks, num_splits)
+def decode_op(
+    key: str,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens: Tensor,
+    block_table: Tensor | None,
+    k_new: Tensor | None,
+    v_new: Tensor | None,
+    sm_scale: float,
+    alibi_slopes: Tensor | None,
+    return_lse: bool,
+    heads_last: bool,
+    sinks: Tensor | None = None,
+    num_splits: int = 0,
+) -> tuple[Tensor, Tensor]:
+    out, lse = run_decode(
+        key,
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        block_table,
+        k_new,
+        v_new,
+        sm_scale,
+        alibi_slopes,
+        return_lse,
+        heads_last,
+        sinks,
+        num_splits,
+    )
     return (out.transpose(1, 2) if heads_last else out), (_no_lse(q) if lse is None else lse)
 
 
 @decode_op.register_fake
-def _(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sm_scale,
-      alibi_slopes, return_lse, heads_last, sinks=None, num_splits=0):
+def _(
+    key,
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    block_table,
+    k_new,
+    v_new,
+    sm_scale,
+    alibi_slopes,
+    return_lse,
+    heads_last,
+    sinks=None,
+    num_splits=0,
+):
     batch, heads, seqlen_q, _ = q.shape
     if heads_last:
         out = _heads_last(q, v_cache.shape[-1]).transpose(1, 2)
@@ -129,7 +280,9 @@ def _refuse_backward(op: str):
         raise NotImplementedError(
             f"attngen::{op}: decode is forward-only (it appends to its caches in place): "
             "gradients cannot flow through it; train through prefill or varlen modules built "
-            "with backward: true")
+            "with backward: true"
+        )
+
     return backward
 
 

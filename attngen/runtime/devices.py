@@ -56,20 +56,26 @@ def device_problem(api: str, arch: str, dtype: Dtype | None) -> str | None:
     None."""
     if arch == "cpu":
         if not interpreter_wanted():
-            return ("q is a CPU tensor: generated kernels run on CUDA tensors, or on CPU "
-                    "tensors under Triton's interpreter: set TRITON_INTERPRET=1 in the "
-                    "environment before triton is imported (before importing attngen, torch "
-                    "libraries that import triton, or the generated modules)")
-        return ("q is a CPU tensor and TRITON_INTERPRET=1 is set, but triton was imported "
-                "before it was set, so triton is not in interpreter mode (it decides at "
-                "import) and its kernels would fail; set TRITON_INTERPRET=1 before anything "
-                "imports triton (in the shell, or first thing in the script)")
+            return (
+                "q is a CPU tensor: generated kernels run on CUDA tensors, or on CPU "
+                "tensors under Triton's interpreter: set TRITON_INTERPRET=1 in the "
+                "environment before triton is imported (before importing attngen, torch "
+                "libraries that import triton, or the generated modules)"
+            )
+        return (
+            "q is a CPU tensor and TRITON_INTERPRET=1 is set, but triton was imported "
+            "before it was set, so triton is not in interpreter mode (it decides at "
+            "import) and its kernels would fail; set TRITON_INTERPRET=1 before anything "
+            "imports triton (in the shell, or first thing in the script)"
+        )
     if arch != INTERPRETER and not arch.startswith("sm"):
         return f"q is on device type {arch!r}: generated kernels run on CUDA tensors"
     if arch == INTERPRETER and dtype is Dtype.bf16 and not bf16_interpreter_ok():
-        return ("dtype bf16 on CPU tensors: Triton's interpreter computes bfloat16 dots and "
-                "arithmetic on the raw bit patterns (Triton issue 11584) and returns garbage; "
-                "use fp16 or fp32 on the CPU, or CUDA for bf16")
+        return (
+            "dtype bf16 on CPU tensors: Triton's interpreter computes bfloat16 dots and "
+            "arithmetic on the raw bit patterns (Triton issue 11584) and returns garbage; "
+            "use fp16 or fp32 on the CPU, or CUDA for bf16"
+        )
     return None
 
 

@@ -98,17 +98,34 @@ def arch_of(device_type: str, device_index: int | None) -> str:
 
 
 def _device(device_type: str, device_index: int | None) -> torch.device:
-    return torch.device(device_type) if device_index is None else torch.device(device_type,
-                                                                                device_index)
+    return (
+        torch.device(device_type)
+        if device_index is None
+        else torch.device(device_type, device_index)
+    )
 
 
-def need_for(kind: KernelKind, q: torch.Tensor, v: torch.Tensor, *, mask: Mask,
-             align: CausalAlign | None, window: tuple[int, int] | None,
-             softcap: float | None, alibi: bool, seqlen_q: int, seqlen_k: int,
-             same_lengths: bool, kv_layout: KvLayout | None = None,
-             page_size: int | None = None, backward: bool = False, sinks: bool = False,
-             chunk_size: int | None = None, sink_tokens: int | None = None,
-             dropout: bool = False) -> Need:
+def need_for(
+    kind: KernelKind,
+    q: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Mask,
+    align: CausalAlign | None,
+    window: tuple[int, int] | None,
+    softcap: float | None,
+    alibi: bool,
+    seqlen_q: int,
+    seqlen_k: int,
+    same_lengths: bool,
+    kv_layout: KvLayout | None = None,
+    page_size: int | None = None,
+    backward: bool = False,
+    sinks: bool = False,
+    chunk_size: int | None = None,
+    sink_tokens: int | None = None,
+    dropout: bool = False,
+) -> Need:
     """The Need of a call with these tensors: dtype and head dims from q and v, the arch from
     q's device. seqlen_q/seqlen_k must be lengths the tensors' shapes guarantee; backward:
     the call runs the module's gradient kernels; dropout: the call has dropout_p > 0."""
@@ -120,14 +137,27 @@ def need_for(kind: KernelKind, q: torch.Tensor, v: torch.Tensor, *, mask: Mask,
         sink_tokens = None
     device = q.device
     return Need(
-        kind=kind, dtype=kernel_dtype(q.dtype), head_dim=int(q.shape[-1]),
-        head_dim_v=int(v.shape[-1]), mask=mask, causal_align=align,
+        kind=kind,
+        dtype=kernel_dtype(q.dtype),
+        head_dim=int(q.shape[-1]),
+        head_dim_v=int(v.shape[-1]),
+        mask=mask,
+        causal_align=align,
         window=None if window is None else (int(window[0]), int(window[1])),
-        softcap=float(softcap or 0.0), alibi=alibi, arch=arch_of(device.type, device.index),
-        seqlen_q=int(seqlen_q), seqlen_k=int(seqlen_k), same_lengths=same_lengths,
-        kv_layout=kv_layout, page_size=page_size, backward=backward, sinks=bool(sinks),
+        softcap=float(softcap or 0.0),
+        alibi=alibi,
+        arch=arch_of(device.type, device.index),
+        seqlen_q=int(seqlen_q),
+        seqlen_k=int(seqlen_k),
+        same_lengths=same_lengths,
+        kv_layout=kv_layout,
+        page_size=page_size,
+        backward=backward,
+        sinks=bool(sinks),
         chunk_size=None if chunk_size is None else int(chunk_size),
-        sink_tokens=None if sink_tokens is None else int(sink_tokens), dropout=dropout)
+        sink_tokens=None if sink_tokens is None else int(sink_tokens),
+        dropout=dropout,
+    )
 
 
 def unsupported_dtype(q: torch.Tensor) -> str:
@@ -138,8 +168,13 @@ def unsupported_dtype(q: torch.Tensor) -> str:
 # ------------------------------------------------------------------------ choosing
 
 
-def choose(api: str, need: Need, fallback: str | None = None,
-           refusal: str | None = None, heads: tuple[int, int] | None = None) -> Dispatch:
+def choose(
+    api: str,
+    need: Need,
+    fallback: str | None = None,
+    refusal: str | None = None,
+    heads: tuple[int, int] | None = None,
+) -> Dispatch:
     """The Dispatch for a call (recorded); refusal names a feature no kernel has (a dense
     mask tensor, dropout): then NoKernelError, or a warned fallback. heads (query, KV) are
     the call's, for a module built on demand (ondemand.py)."""
@@ -149,14 +184,20 @@ def choose(api: str, need: Need, fallback: str | None = None,
 
 
 @torch.compiler.assume_constant_result
-def _choose_constant(api: str, fallback: str | None, refusal: str | None,
-                     heads: tuple[int, int] | None, **fields: Any) -> Dispatch:
+def _choose_constant(
+    api: str,
+    fallback: str | None,
+    refusal: str | None,
+    heads: tuple[int, int] | None,
+    **fields: Any,
+) -> Dispatch:
     """choose() from plain constants, run (not traced) once while torch.compile traces."""
     return _choose(api, Need(**fields), fallback, refusal, heads)
 
 
-def _choose(api: str, need: Need, fallback: str | None, refusal: str | None,
-            heads: tuple[int, int] | None) -> Dispatch:
+def _choose(
+    api: str, need: Need, fallback: str | None, refusal: str | None, heads: tuple[int, int] | None
+) -> Dispatch:
     if fallback is not None and fallback != "error" and fallback != "sdpa":
         check_fallback(fallback, "fallback")  # raises, naming the value
     # Asked on every call, not cached: the device's answer may change (a bf16 shim).
@@ -170,8 +211,13 @@ def _choose(api: str, need: Need, fallback: str | None, refusal: str | None,
     return select(api, need, fallback, registry, heads)
 
 
-def select(api: str, need: Need, fallback: str | None = None,
-           registry: Registry | None = None, heads: tuple[int, int] | None = None) -> Dispatch:
+def select(
+    api: str,
+    need: Need,
+    fallback: str | None = None,
+    registry: Registry | None = None,
+    heads: tuple[int, int] | None = None,
+) -> Dispatch:
     """The module that serves `need` (built on demand when none does and that is on),
     recorded and cached on the registry that chose it; or a fallback (warned), or
     NoKernelError. One registry (the current one unless given) answers every question of
@@ -190,34 +236,54 @@ def select(api: str, need: Need, fallback: str | None = None,
     return served(api, need, registry, entry, built)
 
 
-def served(api: str, need: Need, registry: Registry, entry: KernelEntry,
-           built: bool) -> Dispatch:
+def served(api: str, need: Need, registry: Registry, entry: KernelEntry, built: bool) -> Dispatch:
     """The Dispatch of `entry` serving `need`, recorded and cached on `registry`."""
     writes_out = getattr(registry.module(entry.key), ACCEPTS_OUT, False) is True
     reason = f"{entry.describe()} serves {need.describe()}" + (
-        "; it writes the caller's output layout in place (out=)" if writes_out else
-        "; its entry point takes no out=, so an output in another layout than the kernel's "
-        "is copied")
+        "; it writes the caller's output layout in place (out=)"
+        if writes_out
+        else "; its entry point takes no out=, so an output in another layout than the kernel's "
+        "is copied"
+    )
     if entry.source == "cache":
-        reason += (f"; built on demand now into {entry.key}" if built else
-                   f"; built on demand earlier, from the cache: {entry.key}")
-    dispatch = Dispatch(api, need, entry.describe(), entry.key, reason, writes_out=writes_out,
-                        source=entry.source, built=built)
+        reason += (
+            f"; built on demand now into {entry.key}"
+            if built
+            else f"; built on demand earlier, from the cache: {entry.key}"
+        )
+    dispatch = Dispatch(
+        api,
+        need,
+        entry.describe(),
+        entry.key,
+        reason,
+        writes_out=writes_out,
+        source=entry.source,
+        built=built,
+    )
     if len(registry.dispatches) >= DISPATCH_CACHE_SIZE:
         registry.dispatches.clear()
     # Later calls reuse the module; they did not build it.
-    registry.dispatches[(api, need)] = dataclasses.replace(dispatch, built=False) if built else (
-        dispatch)
+    registry.dispatches[(api, need)] = (
+        dataclasses.replace(dispatch, built=False) if built else (dispatch)
+    )
     return record(dispatch)
 
 
-def build_on_demand(need: Need, heads: tuple[int, int] | None, registry: Registry
-                    ) -> tuple[KernelEntry | None, bool, str]:
+def build_on_demand(
+    need: Need, heads: tuple[int, int] | None, registry: Registry
+) -> tuple[KernelEntry | None, bool, str]:
     """(entry, rendered now, "") for the module ondemand.py builds for `need`, or
     (None, False, why not)."""
     if not kernel_cache.settings().on_demand:
-        return None, False, ("On-demand builds are off (attngen.configure(on_demand=False) "
-                             f"or {kernel_cache.ENV_ON_DEMAND}=0).")
+        return (
+            None,
+            False,
+            (
+                "On-demand builds are off (attngen.configure(on_demand=False) "
+                f"or {kernel_cache.ENV_ON_DEMAND}=0)."
+            ),
+        )
     from attngen.build import BuildError  # the build path (sympy, jinja): on first build only
     from attngen.runtime import ondemand
 

@@ -35,16 +35,30 @@ def fallback_dense(q, k, v, *, alibi_slopes, attn_mask=None, sinks=None, **kwarg
     entry_checks.check_sinks(sinks, q)
     if attn_mask is not None:
         entry_checks.check_attn_mask(attn_mask, q, k)
-    return torch_attention(q, k, v, alibi_slopes=alibi_slopes, attn_mask=attn_mask, sinks=sinks,
-                           **kwargs)
+    return torch_attention(
+        q, k, v, alibi_slopes=alibi_slopes, attn_mask=attn_mask, sinks=sinks, **kwargs
+    )
 
 
-def fallback_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, seqused_k, *,
-                    return_lse: bool, alibi_slopes, **kwargs):
+def fallback_varlen(
+    q,
+    k,
+    v,
+    cu_q,
+    cu_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    seqused_k,
+    *,
+    return_lse: bool,
+    alibi_slopes,
+    **kwargs,
+):
     """Packed [T, H, D] attention, one sequence at a time after a varlen module's checks;
     (out [Tq, HQ, DV], lse [HQ, Tq] or None). Rows no sequence covers: 0 and LSE -inf."""
-    entry_checks.check_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, seqused_k,
-                              alibi_slopes)
+    entry_checks.check_varlen(
+        q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, seqused_k, alibi_slopes
+    )
     entry_checks.check_sinks(kwargs.get("sinks"), q)
     total_q, total_k = q.shape[0], k.shape[0]
     starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
@@ -55,17 +69,19 @@ def fallback_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, seqused_k, 
     lse = torch.full((q.shape[1], total_q), float("-inf"), device=q.device)
     for b in range(len(starts_q) - 1):
         q0, q1 = starts_q[b], starts_q[b + 1]
-        if not entry_checks.sequence_fits(b, total_q, total_k, starts_q, starts_k,
-                                          max_seqlen_q, used):
+        if not entry_checks.sequence_fits(
+            b, total_q, total_k, starts_q, starts_k, max_seqlen_q, used
+        ):
             lo = min(max(q0, 0), total_q)  # the rows of the sequence inside q, as the kernel
-            out[lo:min(max(q1, lo), total_q)] = float("nan")
-            lse[:, lo:min(max(q1, lo), total_q)] = float("nan")
+            out[lo : min(max(q1, lo), total_q)] = float("nan")
+            lse[:, lo : min(max(q1, lo), total_q)] = float("nan")
             continue
         k0 = starts_k[b]
         k1 = k0 + used[b] if used is not None else starts_k[b + 1]
         seq = [t.transpose(0, 1)[None] for t in (q[q0:q1], k[k0:k1], v[k0:k1])]
-        slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else (
-            alibi_slopes[b])
+        slopes = (
+            alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else (alibi_slopes[b])
+        )
         result = torch_attention(*seq, return_lse=return_lse, alibi_slopes=slopes, **kwargs)
         o = result[0] if return_lse else result
         out[q0:q1] = o[0].transpose(0, 1)
@@ -74,17 +90,33 @@ def fallback_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, seqused_k, 
     return out, (lse if return_lse else None)
 
 
-def torch_attention(q, k, v, *, mask="none", align=None, window=None, softcap=0.0,
-                    alibi_slopes=None, scale=None, attn_mask=None, dropout_p=0.0,
-                    return_lse=False, sinks=None, chunk_size=None, sink_tokens=None):
+def torch_attention(
+    q,
+    k,
+    v,
+    *,
+    mask="none",
+    align=None,
+    window=None,
+    softcap=0.0,
+    alibi_slopes=None,
+    scale=None,
+    attn_mask=None,
+    dropout_p=0.0,
+    return_lse=False,
+    sinks=None,
+    chunk_size=None,
+    sink_tokens=None,
+):
     """out [B, HQ, Nq, DV] (and lse [B, HQ, Nq] fp32) for q [B, HQ, Nq, D], k/v [B, HKV, Nk, D].
     sinks [HQ]: one more logit per head in each row's softmax (it takes no value)."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    seen, bias = _seen_and_bias(q, k, mask, align, window, attn_mask, alibi_slopes, chunk_size,
-                                sink_tokens)
+    seen, bias = _seen_and_bias(
+        q, k, mask, align, window, attn_mask, alibi_slopes, chunk_size, sink_tokens
+    )
     if not softcap and not return_lse and sinks is None:
         return _through_sdpa(q, k, v, seen, bias, scale, dropout_p)
     if dropout_p:
@@ -93,13 +125,20 @@ def torch_attention(q, k, v, *, mask="none", align=None, window=None, softcap=0.
     return (out, lse) if return_lse else out
 
 
-def _seen_and_bias(q, k, mask, align, window, attn_mask, alibi_slopes, chunk_size,
-                   sink_tokens):
+def _seen_and_bias(q, k, mask, align, window, attn_mask, alibi_slopes, chunk_size, sink_tokens):
     """(which keys each query sees, bool or None for all; the scores' additive bias or None):
     the mask kind's visibility and attn_mask's, attn_mask's float values and the ALiBi bias."""
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
-    seen = visible(mask, align, window, seqlen_q, seqlen_k, q.device, chunk_size=chunk_size,
-                   sink_tokens=sink_tokens)
+    seen = visible(
+        mask,
+        align,
+        window,
+        seqlen_q,
+        seqlen_k,
+        q.device,
+        chunk_size=chunk_size,
+        sink_tokens=sink_tokens,
+    )
     bias = None
     if attn_mask is not None:
         # A float mask's -inf hides a key like a bool mask's False; its other values are bias.
@@ -118,13 +157,21 @@ def _seen_and_bias(q, k, mask, align, window, attn_mask, alibi_slopes, chunk_siz
 
 def _through_sdpa(q, k, v, seen, bias, scale, dropout_p):
     """torch's SDPA with visibility and bias as one float mask (no softcap, sinks or LSE)."""
-    full = None if seen is None else torch.zeros(seen.shape, device=q.device).masked_fill(
-        ~seen, float("-inf"))
+    full = (
+        None
+        if seen is None
+        else torch.zeros(seen.shape, device=q.device).masked_fill(~seen, float("-inf"))
+    )
     if bias is not None:
         full = bias if full is None else full + bias
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=None if full is None else full.to(q.dtype), dropout_p=dropout_p,
-        scale=scale)
+        q,
+        k,
+        v,
+        attn_mask=None if full is None else full.to(q.dtype),
+        dropout_p=dropout_p,
+        scale=scale,
+    )
     return _zero_unseen(out, seen)
 
 

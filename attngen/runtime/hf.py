@@ -102,7 +102,7 @@ def _mask_of(module, query, key, sliding_window, is_causal):
 # is read by attngen_attention).
 _SCORE_KWARGS = {
     "sinks": "attention sinks under a name other than gpt-oss's s_aux (their semantics are "
-             "not known to attngen)",
+    "not known to attngen)",
     "position_bias": "a position bias added to the scores (T5-style relative attention)",
     "indices": "sparse attention over selected keys",
     "block_indices": "sparse attention over selected key blocks",
@@ -117,8 +117,10 @@ def _layer_type(module) -> str | None:
     if layer_type is not None:
         return layer_type
     config = getattr(module, "config", None)
-    layer_types, layer_idx = getattr(config, "layer_types", None), getattr(module, "layer_idx",
-                                                                           None)
+    layer_types, layer_idx = (
+        getattr(config, "layer_types", None),
+        getattr(module, "layer_idx", None),
+    )
     if layer_types and isinstance(layer_idx, int) and 0 <= layer_idx < len(layer_types):
         return layer_types[layer_idx]
     return None
@@ -129,46 +131,76 @@ def _refuse_unexpressed(module, kwargs) -> None:
     if not _SCORE_KWARGS.keys().isdisjoint(kwargs):
         for name, what in _SCORE_KWARGS.items():
             if kwargs.get(name) is not None:
-                raise NoKernelError(f"attngen: {name}: {what} is not in any spec; use another "
-                                    "attn_implementation for this model")
+                raise NoKernelError(
+                    f"attngen: {name}: {what} is not in any spec; use another "
+                    "attn_implementation for this model"
+                )
     config = getattr(module, "config", None)
     layer_type, layer_idx = _layer_type(module), getattr(module, "layer_idx", None)
     if layer_type is not None and layer_type not in _LAYERS:
         raise NoKernelError(
             f"attngen: layer {layer_idx} is a {layer_type!r} layer; its mask is not the "
             "causal/window/padding mask the 'attngen' implementation applies (attngen serves "
-            f"{' and '.join(_LAYERS)} layers), so it is refused rather than computed wrongly")
+            f"{' and '.join(_LAYERS)} layers), so it is refused rather than computed wrongly"
+        )
     chunk = getattr(config, "attention_chunk_size", None)
     if chunk and layer_type is None:
-        raise NoKernelError(f"attngen: attention_chunk_size={chunk} in the config and no layer "
-                            "type says whether this layer is chunked (config.layer_types with "
-                            "chunked_attention), so it is refused rather than guessed")
+        raise NoKernelError(
+            f"attngen: attention_chunk_size={chunk} in the config and no layer "
+            "type says whether this layer is chunked (config.layer_types with "
+            "chunked_attention), so it is refused rather than guessed"
+        )
     if layer_type == "chunked_attention" and not (isinstance(chunk, int) and chunk > 0):
-        raise NoKernelError(f"attngen: layer {layer_idx} is a chunked_attention layer and "
-                            f"config.attention_chunk_size is {chunk!r}; expected an int > 0")
+        raise NoKernelError(
+            f"attngen: layer {layer_idx} is a chunked_attention layer and "
+            f"config.attention_chunk_size is {chunk!r}; expected an int > 0"
+        )
 
 
-def attngen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                      sliding_window=None, softcap=None, is_causal=None, **kwargs):
+def attngen_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    sliding_window=None,
+    softcap=None,
+    is_causal=None,
+    **kwargs,
+):
     """transformers' attention-function contract: returns (out [B, Nq, HQ, DV], None)."""
     _refuse_unexpressed(module, kwargs)
     if kwargs.get("output_attentions"):
-        raise NoKernelError("attngen: output_attentions=True: the kernels never form the "
-                            "attention probabilities; use attn_implementation='eager'")
+        raise NoKernelError(
+            "attngen: output_attentions=True: the kernels never form the "
+            "attention probabilities; use attn_implementation='eager'"
+        )
     mask, window = _mask_of(module, query, key, sliding_window, is_causal)
     chunk = None
     if mask is Mask.chunked:
         chunk = module.config.attention_chunk_size
-        key, value, attention_mask = _chunk_aligned(key, value, attention_mask, chunk,
-                                                    query.shape[2])
+        key, value, attention_mask = _chunk_aligned(
+            key, value, attention_mask, chunk, query.shape[2]
+        )
     elif isinstance(attention_mask, ChunkedKeys):
         attention_mask = attention_mask.padding
     # dropout (the layer's attention_dropout in training) needs a module built with dropout:
     # true; without one the call is refused naming dropout_p (launch.py).
-    common = dict(mask=mask, align=CausalAlign.bottom_right, window=window, softcap=softcap,
-                  alibi_slopes=None, scale=scaling, return_lse=False, fallback=None,
-                  sinks=_sinks(kwargs.get("s_aux"), query), chunk_size=chunk,
-                  dropout_p=dropout)
+    common = dict(
+        mask=mask,
+        align=CausalAlign.bottom_right,
+        window=window,
+        softcap=softcap,
+        alibi_slopes=None,
+        scale=scaling,
+        return_lse=False,
+        fallback=None,
+        sinks=_sinks(kwargs.get("s_aux"), query),
+        chunk_size=chunk,
+        dropout_p=dropout,
+    )
     batch, _, seqlen_q, _ = query.shape
     seqlen_k = key.shape[2]
     if kwargs.get("cu_seq_lens_q") is not None and attention_mask is None:
@@ -180,7 +212,8 @@ def attngen_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         raise NoKernelError(
             f"attngen: attention_mask: got shape {tuple(attention_mask.shape)}; the 'attngen' "
             f"implementation takes the 2D padding mask [{batch}, {seqlen_k}] (call "
-            "attngen.register_transformers() so transformers builds that one) or None")
+            "attngen.register_transformers() so transformers builds that one) or None"
+        )
     return _unpadded(query, key, value, attention_mask.bool(), common), None
 
 
@@ -189,8 +222,10 @@ def _sinks(s_aux, query):
     if s_aux is None:
         return None
     if s_aux.shape != (query.shape[1],):
-        raise NoKernelError(f"attngen: s_aux: got shape {tuple(s_aux.shape)}; expected the "
-                            f"sinks of the layer's {query.shape[1]} query heads [{query.shape[1]}]")
+        raise NoKernelError(
+            f"attngen: s_aux: got shape {tuple(s_aux.shape)}; expected the "
+            f"sinks of the layer's {query.shape[1]} query heads [{query.shape[1]}]"
+        )
     # Not detached: sinks that need a gradient (gpt-oss's are an nn.Parameter) take the op
     # layer, whose backward returns their gradient from a module built with backward: true.
     return s_aux.to(device=query.device, dtype=torch.float32).contiguous()
@@ -205,13 +240,17 @@ def _chunk_aligned(key, value, attention_mask, chunk: int, seqlen_q: int):
     padding, offset = attention_mask
     drop = -offset % chunk
     if padding is not None:
-        raise NoKernelError(f"attngen: a chunked_attention layer with padding and a cache "
-                            f"that starts at position {offset}: the chunks of padded "
-                            "sequences would start at different keys; use unpadded batches")
+        raise NoKernelError(
+            f"attngen: a chunked_attention layer with padding and a cache "
+            f"that starts at position {offset}: the chunks of padded "
+            "sequences would start at different keys; use unpadded batches"
+        )
     if key.shape[2] - seqlen_q < drop:
-        raise NoKernelError(f"attngen: chunked_attention: queries in the chunk that the cache "
-                            f"holds only the end of (cache starts at position {offset}, chunk "
-                            f"{chunk}); the kernels count chunks from the first key")
+        raise NoKernelError(
+            f"attngen: chunked_attention: queries in the chunk that the cache "
+            f"holds only the end of (cache starts at position {offset}, chunk "
+            f"{chunk}); the kernels count chunks from the first key"
+        )
     return key[:, :, drop:], value[:, :, drop:], None
 
 
@@ -222,19 +261,30 @@ def _dense(query, key, value, common):
     every call."""
     plan_key = None
     sinks = common["sinks"]
-    if (plans.eager(query, key, value, sinks)
-            and plans.plain(common["scale"], common["softcap"], common["dropout_p"])):
+    if plans.eager(query, key, value, sinks) and plans.plain(
+        common["scale"], common["softcap"], common["dropout_p"]
+    ):
         # sinks: a tensor or None (their presence picks the module); chunk_size: an int
-        plan_key = (API, query.shape, key.shape, value.shape, query.dtype, query.device,
-                    common["mask"], common["window"], common["softcap"], common["scale"],
-                    sinks is None, common["chunk_size"])
+        plan_key = (
+            API,
+            query.shape,
+            key.shape,
+            value.shape,
+            query.dtype,
+            query.device,
+            common["mask"],
+            common["window"],
+            common["softcap"],
+            common["scale"],
+            sinks is None,
+            common["chunk_size"],
+        )
         plan = plans.find(plan_key)
         if plan is not None:
             ran = plans.run_dense(plan, query, key, value, None, heads_last=True, sinks=sinks)
             if ran is not None:
                 return ran[0]
-    out, _ = run_dense(API, query, key, value, heads_last=True,
-                       plan_key=plan_key, **common)
+    out, _ = run_dense(API, query, key, value, heads_last=True, plan_key=plan_key, **common)
     return out
 
 
@@ -242,7 +292,7 @@ def _unpadded(query, key, value, keep, common):
     """Padded [B, H, N, D] -> packed varlen call -> padded [B, Nq, HQ, DV] (0 in padding)."""
     batch, num_q_heads, seqlen_q, _ = query.shape
     seqlen_k = key.shape[2]
-    keep_q = keep[:, seqlen_k - seqlen_q:]  # the queries are the last Nq positions
+    keep_q = keep[:, seqlen_k - seqlen_q :]  # the queries are the last Nq positions
     rows_k = keep.flatten().nonzero().squeeze(1)
     cu_k = F.pad(keep.sum(-1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
     if seqlen_q == seqlen_k:  # same lengths per sequence: one tensor (the alignments agree)
@@ -255,9 +305,18 @@ def _unpadded(query, key, value, keep, common):
         return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]).index_select(0, rows)
 
     # max_seqlen: the padded lengths bound every sequence's, so the host reads nothing more.
-    out, _ = run_varlen(API, packed(query, rows_q), packed(key, rows_k), packed(value, rows_k),
-                        cu_q, cu_k, seqlen_q, seqlen_k, length_bounds=(seqlen_q, seqlen_k),
-                        **common)
+    out, _ = run_varlen(
+        API,
+        packed(query, rows_q),
+        packed(key, rows_k),
+        packed(value, rows_k),
+        cu_q,
+        cu_k,
+        seqlen_q,
+        seqlen_k,
+        length_bounds=(seqlen_q, seqlen_k),
+        **common,
+    )
     full = out.new_zeros((batch * seqlen_q, num_q_heads, out.shape[-1]))
     full.index_copy_(0, rows_q, out)
     return full.view(batch, seqlen_q, num_q_heads, out.shape[-1])
@@ -266,15 +325,25 @@ def _unpadded(query, key, value, keep, common):
 def _packed(query, key, value, kwargs, common):
     """Sequences packed along one batch row, delimited by transformers' cu_seq_lens kwargs."""
     if query.shape[0] != 1:
-        raise NoKernelError(f"attngen: cu_seq_lens_q with batch {query.shape[0]}; packed "
-                            "sequences come as one batch row")
+        raise NoKernelError(
+            f"attngen: cu_seq_lens_q with batch {query.shape[0]}; packed "
+            "sequences come as one batch row"
+        )
 
     def flat(t):
         return t[0].transpose(0, 1)
 
-    out, _ = run_varlen(API, flat(query), flat(key), flat(value), kwargs["cu_seq_lens_q"],
-                        kwargs["cu_seq_lens_k"], int(kwargs["max_length_q"]),
-                        int(kwargs["max_length_k"]), **common)
+    out, _ = run_varlen(
+        API,
+        flat(query),
+        flat(key),
+        flat(value),
+        kwargs["cu_seq_lens_q"],
+        kwargs["cu_seq_lens_k"],
+        int(kwargs["max_length_q"]),
+        int(kwargs["max_length_k"]),
+        **common,
+    )
     return out[None]
 
 
@@ -286,6 +355,8 @@ def _refuse_packed_positions(position_ids, seqlen_q, seqlen_k) -> None:
     if torch.compiler.is_compiling():  # the check reads the device; compiled prefill skips it
         return
     if bool((position_ids[..., 1:] < position_ids[..., :-1]).any()):
-        raise NoKernelError("attngen: position_ids restart inside a row (packed sequences) "
-                            "without cu_seq_lens_q/k; pass those (DataCollatorWithFlattening "
-                            "does) or an attention mask")
+        raise NoKernelError(
+            "attngen: position_ids restart inside a row (packed sequences) "
+            "without cu_seq_lens_q/k; pass those (DataCollatorWithFlattening "
+            "does) or an attention mask"
+        )

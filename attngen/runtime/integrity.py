@@ -31,19 +31,23 @@ def import_verified(entry: KernelEntry) -> ModuleType:
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        raise RegistryError(f"{path}: listed in index.json but missing; rebuild the folder "
-                            "with `attngen build`") from None
+        raise RegistryError(
+            f"{path}: listed in index.json but missing; rebuild the folder with `attngen build`"
+        ) from None
     digest = hashlib.sha256(data).hexdigest()
     if digest != entry.sha256:
         raise RegistryError(
             f"{path}: its bytes do not match the sha256 in index.json (index {entry.sha256[:16]}, "
             f"file {digest[:16]}): the file changed after `attngen build` wrote it; rebuild "
-            "the folder, or restore the file")
+            "the folder, or restore the file"
+        )
     module = _execute(path, data, entry)
     problems = constant_mismatches(module, entry)
     if problems:
-        raise RegistryError(f"{path}: the module disagrees with its index entry "
-                            f"({'; '.join(problems)}); rebuild the folder with `attngen build`")
+        raise RegistryError(
+            f"{path}: the module disagrees with its index entry "
+            f"({'; '.join(problems)}); rebuild the folder with `attngen build`"
+        )
     return module
 
 

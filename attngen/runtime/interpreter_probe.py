@@ -37,7 +37,9 @@ def bf16_math_is_correct() -> bool:
     # The dot's summation order may differ from torch's: a relative 1e-5 separates that from
     # bit-pattern garbage (wrong by orders of magnitude). The rest is exact in any order.
     expected_dot = a.float() @ b.float()
-    return bool(torch.allclose(dot, expected_dot, rtol=1e-5, atol=1e-5)
-                and torch.equal(prod, a * b)
-                and torch.allclose(row_sum, a.float().sum(1), rtol=1e-6, atol=1e-6)
-                and torch.equal(cast, (a.float() / 3.0).to(torch.bfloat16)))
+    return bool(
+        torch.allclose(dot, expected_dot, rtol=1e-5, atol=1e-5)
+        and torch.equal(prod, a * b)
+        and torch.allclose(row_sum, a.float().sum(1), rtol=1e-6, atol=1e-6)
+        and torch.equal(cast, (a.float() / 3.0).to(torch.bfloat16))
+    )

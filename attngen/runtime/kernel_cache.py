@@ -38,8 +38,16 @@ ENV_TUNING = "ATTNGEN_TUNING"
 _PACKAGE = Path(__file__).resolve().parent.parent
 _REPO_TUNING = _PACKAGE.parent / "tuning"
 # The package files that decide what a rendered module holds (besides its spec and config).
-_BUILD_SOURCES = ("templates/*.jinja", "tiling/*.py", "render.py", "build.py", "spec.py",
-                  "arch.py", "tuning/database.py", "runtime/ondemand.py")
+_BUILD_SOURCES = (
+    "templates/*.jinja",
+    "tiling/*.py",
+    "render.py",
+    "build.py",
+    "spec.py",
+    "arch.py",
+    "tuning/database.py",
+    "runtime/ondemand.py",
+)
 _OFF = frozenset({"0", "false", "no", "off"})
 _ON = frozenset({"1", "true", "yes", "on"})
 
@@ -150,11 +158,11 @@ def _fingerprint(arch: str, tuning: Path | None) -> str:
 def cache_folder(arch: str, root: Path | None = None) -> Path:
     """The cache folder of `arch` for this attngen, Triton and build code."""
     root = settings().cache_root if root is None else root
-    return root / (f"attngen-{__version__}_triton-{triton_version()}_{arch}_"
-                   f"{fingerprint(arch)}")
+    return root / (f"attngen-{__version__}_triton-{triton_version()}_{arch}_{fingerprint(arch)}")
 
 
 def existing_cache_folders(archs: tuple[str, ...]) -> list[Path]:
     """The cache folders of these archs that hold an index (built before, by any process)."""
-    return [folder for arch in archs
-            if (folder := cache_folder(arch)).joinpath("index.json").is_file()]
+    return [
+        folder for arch in archs if (folder := cache_folder(arch)).joinpath("index.json").is_file()
+    ]

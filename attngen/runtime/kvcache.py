@@ -41,12 +41,27 @@ from attngen.spec import CausalAlign, KernelKind, KvLayout, Mask
 API = "flash_attn_with_kvcache"
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
-                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
-                            cache_leftpad=None, block_table=None, softmax_scale=None,
-                            causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False):
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
     """flash-attn 2.x `flash_attn_with_kvcache`: q [B, Nq, HQ, D]; k_cache/v_cache [B, L, HKV, D]
     or, with block_table int32 [B, max_pages], paged [pages, page_size, HKV, D]; new keys k/v
     [B, Nnew, HKV, D] are written into the caches at cache_seqlens (int32 [B] or int; None: full
@@ -60,26 +75,67 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     touched (an int cache_seqlens is checked on the host; ATTNGEN_CHECKS=1 checks the tensors
     on the host, see README)."""
     key = None
-    if (type(cache_seqlens) is Tensor and plans.eager(q, k_cache, v_cache, alibi_slopes)
-            and _plain_step(k, v, block_table, num_splits, rotary_cos, rotary_sin,
-                            cache_batch_idx, cache_leftpad)
-            and plans.plain(softmax_scale, softcap) and type(causal) is bool
-            and plans.pair(window_size) and type(return_softmax_lse) is bool):
-        key = (API, q.shape, k_cache.shape, v_cache.shape, None if k is None else k.shape,
-               None if v is None else v.shape, cache_seqlens.shape,
-               None if block_table is None else block_table.shape, q.dtype, q.device, causal,
-               window_size, softcap, softmax_scale, plans.slopes_rank(alibi_slopes),
-               return_softmax_lse, num_splits)
-        ran = _run_planned(plans.find(key), q, k_cache, v_cache, k, v, cache_seqlens,
-                           block_table, alibi_slopes, num_splits)
+    if (
+        type(cache_seqlens) is Tensor
+        and plans.eager(q, k_cache, v_cache, alibi_slopes)
+        and _plain_step(
+            k, v, block_table, num_splits, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad
+        )
+        and plans.plain(softmax_scale, softcap)
+        and type(causal) is bool
+        and plans.pair(window_size)
+        and type(return_softmax_lse) is bool
+    ):
+        key = (
+            API,
+            q.shape,
+            k_cache.shape,
+            v_cache.shape,
+            None if k is None else k.shape,
+            None if v is None else v.shape,
+            cache_seqlens.shape,
+            None if block_table is None else block_table.shape,
+            q.dtype,
+            q.device,
+            causal,
+            window_size,
+            softcap,
+            softmax_scale,
+            plans.slopes_rank(alibi_slopes),
+            return_softmax_lse,
+            num_splits,
+        )
+        ran = _run_planned(
+            plans.find(key),
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            cache_seqlens,
+            block_table,
+            alibi_slopes,
+            num_splits,
+        )
         if ran is not None:
             return ran if return_softmax_lse else ran[0]
     # in the caller's layout
-    check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table,
-                         any_cache_batch=cache_batch_idx is not None)
+    check_kvcache_shapes(
+        q, k_cache, v_cache, k, v, block_table, any_cache_batch=cache_batch_idx is not None
+    )
     capacity = _capacity(k_cache, block_table)
-    options = cache_options(q, k, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
-                            block_table, rotary_interleaved, num_splits, capacity)
+    options = cache_options(
+        q,
+        k,
+        rotary_cos,
+        rotary_sin,
+        cache_batch_idx,
+        cache_leftpad,
+        block_table,
+        rotary_interleaved,
+        num_splits,
+        capacity,
+    )
     new = 0 if k is None else k.shape[1]
     cache_seqlens = cache_seqlens_tensor(cache_seqlens, q.shape[0], capacity, new, q.device)
     mask, window = flash_mask(causal, window_size)
@@ -87,16 +143,44 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     refusal = flash_refusal(alibi_slopes)
     decode = None
     if options.decode_route:
-        decode = _decode_module(q, k_cache, v_cache, block_table, mask, window, softcap,
-                                alibi_slopes, capacity)
+        decode = _decode_module(
+            q, k_cache, v_cache, block_table, mask, window, softcap, alibi_slopes, capacity
+        )
     if decode is not None and refusal is None:
-        out, lse = _run_decode_module(decode, q, k_cache, v_cache, k, v, cache_seqlens,
-                                      block_table, softmax_scale, alibi_slopes,
-                                      return_softmax_lse, key, num_splits)
+        out, lse = _run_decode_module(
+            decode,
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            cache_seqlens,
+            block_table,
+            softmax_scale,
+            alibi_slopes,
+            return_softmax_lse,
+            key,
+            num_splits,
+        )
         return (out, lse) if return_softmax_lse else out
-    out, lse = _run_varlen_route(q, k_cache, v_cache, k, v, cache_seqlens, block_table, options,
-                                 capacity, mask, window, softcap, alibi_slopes, softmax_scale,
-                                 return_softmax_lse, refusal)
+    out, lse = _run_varlen_route(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cache_seqlens,
+        block_table,
+        options,
+        capacity,
+        mask,
+        window,
+        softcap,
+        alibi_slopes,
+        softmax_scale,
+        return_softmax_lse,
+        refusal,
+    )
     return (out, lse) if return_softmax_lse else out
 
 
@@ -106,48 +190,91 @@ def _capacity(k_cache, block_table) -> int:
     if block_table is None:
         return k_cache.shape[1]
     if k_cache.shape[0] == 0:
-        raise ValueError("k_cache: a paged cache needs at least one page, got shape "
-                         f"{tuple(k_cache.shape)}")
+        raise ValueError(
+            f"k_cache: a paged cache needs at least one page, got shape {tuple(k_cache.shape)}"
+        )
     return block_table.shape[1] * k_cache.shape[1]
 
 
-def _run_varlen_route(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                      options: CacheOptions, capacity: int, mask, window, softcap, alibi_slopes,
-                      softmax_scale, return_lse: bool, refusal):
+def _run_varlen_route(
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    cache_seqlens,
+    block_table,
+    options: CacheOptions,
+    capacity: int,
+    mask,
+    window,
+    softcap,
+    alibi_slopes,
+    softmax_scale,
+    return_lse: bool,
+    refusal,
+):
     """Route 2: append with torch (only the sequences that fit), then the varlen kind over
     the cache rows in place (paged or cache_batch_idx rows gathered first: a copy)."""
     batch, seqlen_q = q.shape[0], q.shape[1]
     new = 0 if k is None else k.shape[1]
     packed_q = q.reshape(batch * seqlen_q, *q.shape[2:])
-    dispatch = _varlen_module(packed_q, q, k_cache, v_cache, mask, window, softcap,
-                              alibi_slopes, capacity, refusal)
+    dispatch = _varlen_module(
+        packed_q, q, k_cache, v_cache, mask, window, softcap, alibi_slopes, capacity, refusal
+    )
     sm_scale = arguments.softmax_scale(softmax_scale, q)
-    fits = append_fitting(k_cache, v_cache, k, v, cache_seqlens, block_table, capacity,
-                          seqlen_q, window, options)
+    fits = append_fitting(
+        k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_q, window, options
+    )
     keys, values = _cache_rows(k_cache, v_cache, block_table, options)
     steps = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
     starts_k, used_k = key_layout(options, steps, capacity, cache_seqlens + new)
     out, lse = run_varlen(
-        API, packed_q, keys, values,
-        steps * seqlen_q, starts_k, seqlen_q, capacity, mask=mask,
-        align=CausalAlign.bottom_right, window=window, softcap=softcap,
-        alibi_slopes=alibi_slopes, scale=sm_scale,
-        return_lse=return_lse, fallback=None, refusal=refusal,
-        seqused_k=torch.where(fits, used_k, -1).to(torch.int32), dispatch=dispatch)
+        API,
+        packed_q,
+        keys,
+        values,
+        steps * seqlen_q,
+        starts_k,
+        seqlen_q,
+        capacity,
+        mask=mask,
+        align=CausalAlign.bottom_right,
+        window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        scale=sm_scale,
+        return_lse=return_lse,
+        fallback=None,
+        refusal=refusal,
+        seqused_k=torch.where(fits, used_k, -1).to(torch.int32),
+        dispatch=dispatch,
+    )
     out = out.view(batch, seqlen_q, *out.shape[1:])
     return out, (None if lse is None else lse.view(lse.shape[0], batch, seqlen_q).transpose(0, 1))
 
 
-def _varlen_module(packed_q, q, k_cache, v_cache, mask, window, softcap, alibi_slopes,
-                   capacity: int, refusal) -> Dispatch:
+def _varlen_module(
+    packed_q, q, k_cache, v_cache, mask, window, softcap, alibi_slopes, capacity: int, refusal
+) -> Dispatch:
     """Route 2's varlen module (or fallback), chosen or refused before the append, and the
     alibi slopes checked then too: a refused call leaves the caches as they were."""
     batch, seqlen_q = q.shape[0], q.shape[1]
     dispatch = varlen_dispatch(
-        API, packed_q, v_cache, mask=mask, align=CausalAlign.bottom_right,
-        window=window, softcap=softcap, alibi=alibi_slopes is not None,
-        length_bounds=(seqlen_q, capacity), same_lengths=False, fallback=None, refusal=refusal,
-        heads=(q.shape[2], k_cache.shape[2]))
+        API,
+        packed_q,
+        v_cache,
+        mask=mask,
+        align=CausalAlign.bottom_right,
+        window=window,
+        softcap=softcap,
+        alibi=alibi_slopes is not None,
+        length_bounds=(seqlen_q, capacity),
+        same_lengths=False,
+        fallback=None,
+        refusal=refusal,
+        heads=(q.shape[2], k_cache.shape[2]),
+    )
     # What the module (or the fallback) would refuse after the append, refused before it.
     check_alibi(alibi_slopes, packed_q, batch=batch)
     return dispatch
@@ -166,9 +293,21 @@ def _cache_rows(k_cache, v_cache, block_table, options: CacheOptions) -> tuple[T
     return k_cache.reshape(-1, *k_cache.shape[-2:]), v_cache.reshape(-1, *v_cache.shape[-2:])
 
 
-def _run_decode_module(decode: Dispatch, q, k_cache, v_cache, k, v, cache_seqlens,
-                       block_table, softmax_scale, alibi_slopes, return_lse: bool,
-                       plan_key: tuple | None, num_splits: int):
+def _run_decode_module(
+    decode: Dispatch,
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    cache_seqlens,
+    block_table,
+    softmax_scale,
+    alibi_slopes,
+    return_lse: bool,
+    plan_key: tuple | None,
+    num_splits: int,
+):
     """(out [B, Nq, HQ, DV], lse or None) from the decode module, which appends k/v and
     reads the caches in place: the flash layout's [B, N, H, D] tensors are handed over as
     [B, H, N, D] views (paged caches as they are). The route is kept as the plan of
@@ -177,9 +316,21 @@ def _run_decode_module(decode: Dispatch, q, k_cache, v_cache, k, v, cache_seqlen
     sm_scale = arguments.softmax_scale(softmax_scale, q)
     in_place = _in_place(decode, q)
     q, k_cache, v_cache, k, v = _heads_first(q, k_cache, v_cache, k, v, block_table)
-    out, lse = decode_ops.decode(decode.key, q, k_cache, v_cache, cache_seqlens, block_table,
-                                 k, v, sm_scale, alibi_slopes, return_lse, in_place,
-                                 num_splits=num_splits)
+    out, lse = decode_ops.decode(
+        decode.key,
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        block_table,
+        k,
+        v,
+        sm_scale,
+        alibi_slopes,
+        return_lse,
+        in_place,
+        num_splits=num_splits,
+    )
     plans.remember(plan_key, decode, sm_scale, return_lse, in_place)
     return (out if in_place else out.transpose(1, 2)), lse
 
@@ -191,15 +342,26 @@ def _in_place(decode: Dispatch, q) -> bool:
     return decode.writes_out and q.shape[1] != 1
 
 
-def _run_planned(plan: plans.Plan | None, q, k_cache, v_cache, k, v, cache_seqlens,
-                 block_table, alibi_slopes, num_splits: int):
+def _run_planned(
+    plan: plans.Plan | None,
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    cache_seqlens,
+    block_table,
+    alibi_slopes,
+    num_splits: int,
+):
     """_run_decode_module from the signature's plan (plans.py); None without one, when a check
     its key leaves open fails (the full path then says what) or when the device refuses now."""
     if plan is None or not _same_kinds(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
         return None
     q, k_cache, v_cache, k, v = _heads_first(q, k_cache, v_cache, k, v, block_table)
-    ran = plans.run_decode(plan, q, k_cache, v_cache, cache_seqlens, block_table, k, v,
-                           alibi_slopes, num_splits)
+    ran = plans.run_decode(
+        plan, q, k_cache, v_cache, cache_seqlens, block_table, k, v, alibi_slopes, num_splits
+    )
     if ran is None:
         return None
     return (ran[0] if plan.in_place else ran[0].transpose(1, 2)), ran[1]
@@ -215,42 +377,67 @@ def _heads_first(q, k_cache, v_cache, k, v, block_table):
     return q.transpose(1, 2), k_cache, v_cache, k, v
 
 
-def _plain_step(k, v, block_table, num_splits, rotary_cos, rotary_sin, batch_idx,
-                leftpad) -> bool:
+def _plain_step(k, v, block_table, num_splits, rotary_cos, rotary_sin, batch_idx, leftpad) -> bool:
     """Whether a step may run from a plan: new keys none or plain tensors that need no
     gradient, block_table None or a plain tensor, num_splits an int >= 0 (the key holds it),
     and none of the options that only route 2 serves (rotary, cache_batch_idx,
     cache_leftpad)."""
-    if not (type(num_splits) is int and num_splits >= 0 and rotary_cos is None
-            and rotary_sin is None and batch_idx is None and leftpad is None
-            and (block_table is None or type(block_table) is Tensor)):
+    if not (
+        type(num_splits) is int
+        and num_splits >= 0
+        and rotary_cos is None
+        and rotary_sin is None
+        and batch_idx is None
+        and leftpad is None
+        and (block_table is None or type(block_table) is Tensor)
+    ):
         return False
     if k is None and v is None:
         return True
-    return type(k) is Tensor and type(v) is Tensor and not (
-        torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
+    return (
+        type(k) is Tensor
+        and type(v) is Tensor
+        and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
+    )
 
 
 def _same_kinds(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> bool:
     """The checks of check_kvcache_shapes and cache_seqlens_tensor that a signature key leaves
     open: the caches and the new keys have q's dtype and device, the index tensors are int32."""
     dtype, device = q.dtype, q.device
-    if not (k_cache.dtype is dtype and v_cache.dtype is dtype and k_cache.device == device
-            and v_cache.device == device and cache_seqlens.dtype is torch.int32):
+    if not (
+        k_cache.dtype is dtype
+        and v_cache.dtype is dtype
+        and k_cache.device == device
+        and v_cache.device == device
+        and cache_seqlens.dtype is torch.int32
+    ):
         return False
     if block_table is not None and block_table.dtype is not torch.int32:
         return False
-    return k is None or (k.dtype is dtype and v.dtype is dtype and k.device == device
-                         and v.device == device)
+    return k is None or (
+        k.dtype is dtype and v.dtype is dtype and k.device == device and v.device == device
+    )
 
 
-def _decode_module(q, k_cache, v_cache, block_table, mask, window, softcap, alibi_slopes,
-                   capacity: int) -> Dispatch | None:
+def _decode_module(
+    q, k_cache, v_cache, block_table, mask, window, softcap, alibi_slopes, capacity: int
+) -> Dispatch | None:
     """The decode-kind module that serves the call, recorded, or None (then step 2)."""
     paged = block_table is not None
-    need = need_for(KernelKind.decode, q, v_cache, mask=mask, align=CausalAlign.bottom_right,
-                    window=window, softcap=softcap, alibi=alibi_slopes is not None,
-                    seqlen_q=q.shape[1], seqlen_k=capacity, same_lengths=False,
-                    kv_layout=KvLayout.paged if paged else KvLayout.contiguous,
-                    page_size=k_cache.shape[1] if paged else None)
+    need = need_for(
+        KernelKind.decode,
+        q,
+        v_cache,
+        mask=mask,
+        align=CausalAlign.bottom_right,
+        window=window,
+        softcap=softcap,
+        alibi=alibi_slopes is not None,
+        seqlen_q=q.shape[1],
+        seqlen_k=capacity,
+        same_lengths=False,
+        kv_layout=KvLayout.paged if paged else KvLayout.contiguous,
+        page_size=k_cache.shape[1] if paged else None,
+    )
     return probe(API, need, (q.shape[2], v_cache.shape[2]))

@@ -18,26 +18,46 @@ def cache_seqlens_tensor(cache_seqlens, batch, capacity, new, device) -> torch.T
     checked here (a device tensor is bounded by the kernels, or by _fits)."""
     if cache_seqlens is None:
         if new:
-            raise ValueError("cache_seqlens: required with new keys k, v (None means the caches "
-                             "are full, so there is no room to append), as in flash-attn")
+            raise ValueError(
+                "cache_seqlens: required with new keys k, v (None means the caches "
+                "are full, so there is no room to append), as in flash-attn"
+            )
         return torch.full((batch,), capacity, dtype=torch.int32, device=device)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         if not 0 <= cache_seqlens <= capacity - new:
-            raise ValueError(f"cache_seqlens: got {cache_seqlens}; allowed: 0..{capacity - new} "
-                             f"(the cache's capacity {capacity} less {new} new keys)")
+            raise ValueError(
+                f"cache_seqlens: got {cache_seqlens}; allowed: 0..{capacity - new} "
+                f"(the cache's capacity {capacity} less {new} new keys)"
+            )
         return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
-    if (not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.shape != (batch,)
-            or cache_seqlens.dtype != torch.int32):
-        got = (f"{tuple(cache_seqlens.shape)} {cache_seqlens.dtype}"
-               if isinstance(cache_seqlens, torch.Tensor) else repr(cache_seqlens))
+    if (
+        not isinstance(cache_seqlens, torch.Tensor)
+        or cache_seqlens.shape != (batch,)
+        or cache_seqlens.dtype != torch.int32
+    ):
+        got = (
+            f"{tuple(cache_seqlens.shape)} {cache_seqlens.dtype}"
+            if isinstance(cache_seqlens, torch.Tensor)
+            else repr(cache_seqlens)
+        )
         raise ValueError(f"cache_seqlens: expected an int or int32 [{batch}], got {got}")
     if new > capacity:
         raise ValueError(f"k: {new} new keys exceed the cache's capacity {capacity}")
     return cache_seqlens
 
 
-def append_fitting(k_cache, v_cache, k, v, cache_seqlens, block_table, capacity: int,
-                   seqlen_q: int, window, options: CacheOptions):
+def append_fitting(
+    k_cache,
+    v_cache,
+    k,
+    v,
+    cache_seqlens,
+    block_table,
+    capacity: int,
+    seqlen_q: int,
+    window,
+    options: CacheOptions,
+):
     """[B] bool, which sequences fit (_fits), after appending k/v [B, Nnew, HKV, D] for those;
     ATTNGEN_CHECKS=1 refuses a sequence that does not fit first (_validate)."""
     new = 0 if k is None else k.shape[1]
@@ -49,8 +69,9 @@ def append_fitting(k_cache, v_cache, k, v, cache_seqlens, block_table, capacity:
     return fits
 
 
-def _fits(cache_seqlens, new, capacity, block_table, k_cache, seqlen_q, window,
-          options: CacheOptions):
+def _fits(
+    cache_seqlens, new, capacity, block_table, k_cache, seqlen_q, window, options: CacheOptions
+):
     """[B] bool, without a host sync: sequence b's request fits its memory, as the decode
     kernels decide it (they give the others NaN): 0 <= cache_seqlens[b] <= capacity - new,
     cache_batch_idx[b] a row of the cache, 0 <= cache_leftpad[b] <= cache_seqlens[b], and
@@ -74,22 +95,27 @@ def _fits(cache_seqlens, new, capacity, block_table, k_cache, seqlen_q, window,
     return fits & pages_in_cache(block_table, first, total, num_pages, page_size)
 
 
-def _validate(cache_seqlens, new, capacity, block_table, k_cache, seqlen_q, window,
-              options: CacheOptions) -> None:
+def _validate(
+    cache_seqlens, new, capacity, block_table, k_cache, seqlen_q, window, options: CacheOptions
+) -> None:
     """ATTNGEN_CHECKS=1: what _fits decides, on the host (a device sync), as a ValueError
     naming the tensor, the sequence and the value (as the generated decode modules do)."""
     num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
     lengths = cache_seqlens.tolist()
     for b, cached in enumerate(lengths):
         if not 0 <= cached <= capacity - new:
-            raise ValueError(f"cache_seqlens[{b}] = {cached}: expected 0..{capacity - new} "
-                             f"(the capacity {capacity} less {new} new keys)")
-    for name, index, high in (("cache_batch_idx", options.batch_idx, k_cache.shape[0] - 1),
-                              ("cache_leftpad", options.leftpad, None)):
+            raise ValueError(
+                f"cache_seqlens[{b}] = {cached}: expected 0..{capacity - new} "
+                f"(the capacity {capacity} less {new} new keys)"
+            )
+    for name, index, high in (
+        ("cache_batch_idx", options.batch_idx, k_cache.shape[0] - 1),
+        ("cache_leftpad", options.leftpad, None),
+    ):
         for b, value in enumerate([] if index is None else index.tolist()):
             top = lengths[b] if high is None else high
             if not 0 <= value <= top:
-                what = (f"cache_seqlens[{b}]" if high is None else "the cache's last row")
+                what = f"cache_seqlens[{b}]" if high is None else "the cache's last row"
                 raise ValueError(f"{name}[{b}] = {value}: expected 0..{top} ({what})")
     table = [] if block_table is None else block_table.tolist()
     for b, row in enumerate(table):
@@ -97,8 +123,10 @@ def _validate(cache_seqlens, new, capacity, block_table, k_cache, seqlen_q, wind
         first = 0 if window is None else min(max(total - seqlen_q - window[0], 0), lengths[b])
         for page in range(first // page_size, -(-total // page_size)):
             if not 0 <= row[page] < num_pages:
-                raise ValueError(f"block_table[{b}, {page}] = {row[page]}: expected a page in "
-                                 f"0..{num_pages - 1} (sequence {b} reads or appends there)")
+                raise ValueError(
+                    f"block_table[{b}, {page}] = {row[page]}: expected a page in "
+                    f"0..{num_pages - 1} (sequence {b} reads or appends there)"
+                )
 
 
 def _append(k_cache, v_cache, k, v, cache_seqlens, block_table, fits, batch_idx=None) -> None:
@@ -115,8 +143,11 @@ def _append(k_cache, v_cache, k, v, cache_seqlens, block_table, fits, batch_idx=
     positions = cache_seqlens.long()[:, None] + torch.arange(new, device=k.device)
     positions = torch.where(fits[:, None], positions, 0)  # in range: an index never faults
     if block_table is None:
-        rows = (torch.arange(batch, device=k.device) if batch_idx is None
-                else batch_idx.long().clamp(0, k_cache.shape[0] - 1))  # bad rows: see _fits
+        rows = (
+            torch.arange(batch, device=k.device)
+            if batch_idx is None
+            else batch_idx.long().clamp(0, k_cache.shape[0] - 1)
+        )  # bad rows: see _fits
         outer = rows[:, None].expand(batch, new)
         inner = positions
     else:

@@ -43,8 +43,18 @@ class CacheOptions:
         return self.batch_idx is None and self.leftpad is None
 
 
-def cache_options(q, k, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
-                  rotary_interleaved, num_splits, capacity) -> CacheOptions:
+def cache_options(
+    q,
+    k,
+    rotary_cos,
+    rotary_sin,
+    cache_batch_idx,
+    cache_leftpad,
+    block_table,
+    rotary_interleaved,
+    num_splits,
+    capacity,
+) -> CacheOptions:
     """The options, checked; a ValueError names the argument and what is allowed."""
     batch = q.shape[0]
     if not (type(num_splits) is int and num_splits >= 0):
@@ -53,12 +63,18 @@ def cache_options(q, k, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, 
         if index is None:
             continue
         if block_table is not None:
-            raise ValueError(f"{name}: not supported with block_table (a paged cache), as in "
-                             "flash-attn")
-        if (not isinstance(index, torch.Tensor) or index.shape != (batch,)
-                or index.dtype != torch.int32 or index.device != q.device):
-            raise ValueError(f"{name}: expected an int32 tensor [{batch}] on {q.device}, got "
-                             f"{_describe(index)}")
+            raise ValueError(
+                f"{name}: not supported with block_table (a paged cache), as in flash-attn"
+            )
+        if (
+            not isinstance(index, torch.Tensor)
+            or index.shape != (batch,)
+            or index.dtype != torch.int32
+            or index.device != q.device
+        ):
+            raise ValueError(
+                f"{name}: expected an int32 tensor [{batch}] on {q.device}, got {_describe(index)}"
+            )
     rotary = None
     if rotary_cos is not None or rotary_sin is not None:
         _check_rotary(q, k, rotary_cos, rotary_sin, capacity)
@@ -71,16 +87,26 @@ def _check_rotary(q, k, cos, sin, capacity) -> None:
         missing = "rotary_sin" if sin is None else "rotary_cos"
         raise ValueError(f"{missing}: pass rotary_cos and rotary_sin together, or neither")
     if k is None:
-        raise ValueError("rotary_cos: rotary embedding is applied to the appended k and q, so "
-                         "k and v must be passed with it (as in flash-attn)")
+        raise ValueError(
+            "rotary_cos: rotary embedding is applied to the appended k and q, so "
+            "k and v must be passed with it (as in flash-attn)"
+        )
     for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
-        if (not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape != cos.shape
-                or 2 * t.shape[1] > q.shape[-1] or t.shape[1] == 0 or t.shape[0] < capacity
-                or t.dtype != q.dtype or t.device != q.device):
+        if (
+            not isinstance(t, torch.Tensor)
+            or t.dim() != 2
+            or t.shape != cos.shape
+            or 2 * t.shape[1] > q.shape[-1]
+            or t.shape[1] == 0
+            or t.shape[0] < capacity
+            or t.dtype != q.dtype
+            or t.device != q.device
+        ):
             raise ValueError(
                 f"{name}: expected a {q.dtype} tensor [seqlen_ro >= {capacity} (the cache's "
                 f"positions), rotary_dim / 2 <= {q.shape[-1] // 2}] on {q.device}, as "
-                f"rotary_cos, got {_describe(t)}")
+                f"rotary_cos, got {_describe(t)}"
+            )
 
 
 def rotate(q, k, options: CacheOptions, cache_seqlens, mask_bounded: bool):
@@ -94,12 +120,17 @@ def rotate(q, k, options: CacheOptions, cache_seqlens, mask_bounded: bool):
     # sequence gets NaN from the kernels and nothing appended, kvcache_append._fits).
     starts = cache_seqlens.long()[:, None]
     positions_k = starts + torch.arange(k.shape[1], device=k.device)
-    positions_q = (starts + torch.arange(q.shape[1], device=q.device) if mask_bounded
-                   else starts.expand(-1, q.shape[1]))
+    positions_q = (
+        starts + torch.arange(q.shape[1], device=q.device)
+        if mask_bounded
+        else starts.expand(-1, q.shape[1])
+    )
     last = cos.shape[0] - 1
     positions_q, positions_k = positions_q.clamp(0, last), positions_k.clamp(0, last)
-    return (_apply_rotary(q, cos, sin, positions_q, interleaved),
-            _apply_rotary(k, cos, sin, positions_k, interleaved))
+    return (
+        _apply_rotary(q, cos, sin, positions_q, interleaved),
+        _apply_rotary(k, cos, sin, positions_k, interleaved),
+    )
 
 
 def _apply_rotary(x, cos, sin, positions, interleaved: bool):
@@ -107,14 +138,14 @@ def _apply_rotary(x, cos, sin, positions, interleaved: bool):
     half = cos.shape[1]
     c = cos[positions].unsqueeze(2).float()  # [B, N, 1, half]
     s = sin[positions].unsqueeze(2).float()
-    part = x[..., :2 * half].float()
+    part = x[..., : 2 * half].float()
     if interleaved:
         x1, x2 = part[..., 0::2], part[..., 1::2]
         rotated = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
     else:
         x1, x2 = part[..., :half], part[..., half:]
         rotated = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
-    return torch.cat((rotated.to(x.dtype), x[..., 2 * half:]), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., 2 * half :]), dim=-1)
 
 
 def key_layout(options: CacheOptions, steps, capacity: int, used):

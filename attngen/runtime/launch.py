@@ -32,11 +32,29 @@ from attngen.runtime.selection import Dispatch
 from attngen.spec import CausalAlign, KernelKind, Mask
 
 
-def run_dense(api: str, q, k, v, *, mask: Mask, align: CausalAlign | None, window, softcap,
-              alibi_slopes, scale, return_lse: bool, fallback: str | None,
-              refusal: str | None = None, attn_mask=None, dropout_p=0.0,
-              heads_last: bool = False, plan_key: tuple | None = None, sinks=None,
-              chunk_size: int | None = None, sink_tokens: int | None = None):
+def run_dense(
+    api: str,
+    q,
+    k,
+    v,
+    *,
+    mask: Mask,
+    align: CausalAlign | None,
+    window,
+    softcap,
+    alibi_slopes,
+    scale,
+    return_lse: bool,
+    fallback: str | None,
+    refusal: str | None = None,
+    attn_mask=None,
+    dropout_p=0.0,
+    heads_last: bool = False,
+    plan_key: tuple | None = None,
+    sinks=None,
+    chunk_size: int | None = None,
+    sink_tokens: int | None = None,
+):
     """[B, H, N, D] attention through the prefill kind; (out, lse or None). With heads_last,
     out is [B, N, H, DV], contiguous. plan_key: the caller's signature key, under which a call
     a module served leaves its plan (plans.py; the key must tell calls with sinks, chunk_size
@@ -44,25 +62,60 @@ def run_dense(api: str, q, k, v, *, mask: Mask, align: CausalAlign | None, windo
     mask chunked, sink_tokens with mask sliding_window."""
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     dropout_p = dropout_probability(dropout_p)
-    need = need_for(KernelKind.prefill, q, v, mask=mask, align=align, window=window,
-                    softcap=softcap, alibi=alibi_slopes is not None, seqlen_q=seqlen_q,
-                    seqlen_k=seqlen_k, same_lengths=seqlen_q == seqlen_k,
-                    sinks=sinks is not None, chunk_size=chunk_size, sink_tokens=sink_tokens,
-                    dropout=dropout_p > 0)
+    need = need_for(
+        KernelKind.prefill,
+        q,
+        v,
+        mask=mask,
+        align=align,
+        window=window,
+        softcap=softcap,
+        alibi=alibi_slopes is not None,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        same_lengths=seqlen_q == seqlen_k,
+        sinks=sinks is not None,
+        chunk_size=chunk_size,
+        sink_tokens=sink_tokens,
+        dropout=dropout_p > 0,
+    )
     if need.dtype is None:
         refusal = refusal or unsupported_dtype(q)
     dispatch = choose(api, need, fallback, refusal, (q.shape[1], k.shape[1]))
     if dispatch.key is None:
-        result = fallback_dense(q, k, v, mask=mask, align=align, window=window, softcap=softcap,
-                                alibi_slopes=alibi_slopes, scale=softmax_scale(scale, q),
-                                attn_mask=attn_mask, dropout_p=dropout_p, return_lse=return_lse,
-                                sinks=sinks, chunk_size=chunk_size, sink_tokens=sink_tokens)
+        result = fallback_dense(
+            q,
+            k,
+            v,
+            mask=mask,
+            align=align,
+            window=window,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            scale=softmax_scale(scale, q),
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            return_lse=return_lse,
+            sinks=sinks,
+            chunk_size=chunk_size,
+            sink_tokens=sink_tokens,
+        )
         out, lse = result if return_lse else (result, None)
         return (out.transpose(1, 2).contiguous() if heads_last else out), lse
     in_place = heads_last and dispatch.writes_out and seqlen_q != 1
     sm_scale = softmax_scale(scale, q)
-    out, lse = ops.prefill(dispatch.key, q, k, v, sm_scale, alibi_slopes, return_lse, in_place,
-                           sinks, *_dropout(dropout_p, q))
+    out, lse = ops.prefill(
+        dispatch.key,
+        q,
+        k,
+        v,
+        sm_scale,
+        alibi_slopes,
+        return_lse,
+        in_place,
+        sinks,
+        *_dropout(dropout_p, q),
+    )
     if heads_last and not in_place:  # the module wrote [B, H, N, D]: copied (it has no out=)
         out = out.transpose(1, 2).contiguous()  # one query row: already contiguous, no copy
     if not dropout_p:  # dropout: no plan (a planned call would skip the seed's draw)
@@ -70,30 +123,79 @@ def run_dense(api: str, q, k, v, *, mask: Mask, align: CausalAlign | None, windo
     return out, lse
 
 
-def run_dense_backward(api: str, dout, q, k, v, out, lse, dlse, *, mask: Mask,
-                       align: CausalAlign | None, window, softcap, alibi_slopes, scale):
+def run_dense_backward(
+    api: str,
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dlse,
+    *,
+    mask: Mask,
+    align: CausalAlign | None,
+    window,
+    softcap,
+    alibi_slopes,
+    scale,
+):
     """(dq, dk, dv) of [B, H, N, D] attention through a prefill module's gradient kernels,
     given the forward's out and LSE (any LSE: context parallelism passes the whole sequence's)
     and the output's gradient dout (and the LSE's, dlse, or None). The Need asks for a module
     built with `backward: true`, so dispatch picks and records one, or raises NoKernelError:
     no torch fallback computes gradients from a given LSE."""
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
-    need = need_for(KernelKind.prefill, q, v, mask=mask, align=align, window=window,
-                    softcap=softcap, alibi=alibi_slopes is not None, seqlen_q=seqlen_q,
-                    seqlen_k=seqlen_k, same_lengths=seqlen_q == seqlen_k, backward=True)
+    need = need_for(
+        KernelKind.prefill,
+        q,
+        v,
+        mask=mask,
+        align=align,
+        window=window,
+        softcap=softcap,
+        alibi=alibi_slopes is not None,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        same_lengths=seqlen_q == seqlen_k,
+        backward=True,
+    )
     refusal = unsupported_dtype(q) if need.dtype is None else None
     dispatch = choose(api, need, "error", refusal, (q.shape[1], k.shape[1]))
     assert dispatch.key is not None  # fallback "error": a Dispatch without a module raised
-    return backward_ops.prefill_backward(dispatch.key, dout, q, k, v, out, lse, dlse,
-                                         softmax_scale(scale, q), alibi_slopes)
+    return backward_ops.prefill_backward(
+        dispatch.key, dout, q, k, v, out, lse, dlse, softmax_scale(scale, q), alibi_slopes
+    )
 
 
-def run_varlen(api: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-               mask: Mask, align: CausalAlign | None, window, softcap, alibi_slopes, scale,
-               return_lse: bool, fallback: str | None, seqused_k=None,
-               refusal: str | None = None, dropout_p=0.0, length_bounds=None,
-               dispatch: Dispatch | None = None, plan_key: tuple | None = None, sinks=None,
-               chunk_size: int | None = None, sink_tokens: int | None = None):
+def run_varlen(
+    api: str,
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *,
+    mask: Mask,
+    align: CausalAlign | None,
+    window,
+    softcap,
+    alibi_slopes,
+    scale,
+    return_lse: bool,
+    fallback: str | None,
+    seqused_k=None,
+    refusal: str | None = None,
+    dropout_p=0.0,
+    length_bounds=None,
+    dispatch: Dispatch | None = None,
+    plan_key: tuple | None = None,
+    sinks=None,
+    chunk_size: int | None = None,
+    sink_tokens: int | None = None,
+):
     """Packed [T, H, D] attention through the varlen kind; (out, lse [H, Tq] or None).
 
     The kernel is chosen with lengths the tensors guarantee, never max_seqlen_q/k (the
@@ -105,26 +207,66 @@ def run_varlen(api: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     dropout_p = dropout_probability(dropout_p)
     if dispatch is None:
         same = cu_seqlens_q is cu_seqlens_k and seqused_k is None
-        dispatch = varlen_dispatch(api, q, v, mask=mask, align=align, window=window,
-                                   softcap=softcap, alibi=alibi_slopes is not None,
-                                   length_bounds=length_bounds or (q.shape[0], k.shape[0]),
-                                   same_lengths=same, fallback=fallback, refusal=refusal,
-                                   heads=(q.shape[1], k.shape[1]), sinks=sinks is not None,
-                                   chunk_size=chunk_size, sink_tokens=sink_tokens,
-                                   dropout=dropout_p > 0)
+        dispatch = varlen_dispatch(
+            api,
+            q,
+            v,
+            mask=mask,
+            align=align,
+            window=window,
+            softcap=softcap,
+            alibi=alibi_slopes is not None,
+            length_bounds=length_bounds or (q.shape[0], k.shape[0]),
+            same_lengths=same,
+            fallback=fallback,
+            refusal=refusal,
+            heads=(q.shape[1], k.shape[1]),
+            sinks=sinks is not None,
+            chunk_size=chunk_size,
+            sink_tokens=sink_tokens,
+            dropout=dropout_p > 0,
+        )
     max_seqlen_q = seqlen_bound(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = seqlen_bound(max_seqlen_k, "max_seqlen_k")
     if dispatch.key is None:
-        return fallback_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               seqused_k, mask=mask, align=align, window=window,
-                               softcap=softcap, alibi_slopes=alibi_slopes,
-                               scale=softmax_scale(scale, q), return_lse=return_lse,
-                               dropout_p=dropout_p, sinks=sinks, chunk_size=chunk_size,
-                               sink_tokens=sink_tokens)
+        return fallback_varlen(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            seqused_k,
+            mask=mask,
+            align=align,
+            window=window,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            scale=softmax_scale(scale, q),
+            return_lse=return_lse,
+            dropout_p=dropout_p,
+            sinks=sinks,
+            chunk_size=chunk_size,
+            sink_tokens=sink_tokens,
+        )
     sm_scale = softmax_scale(scale, q)
-    result = ops.varlen(dispatch.key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                        max_seqlen_k, sm_scale, alibi_slopes, seqused_k, return_lse, sinks,
-                        *_dropout(dropout_p, q))
+    result = ops.varlen(
+        dispatch.key,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        sm_scale,
+        alibi_slopes,
+        seqused_k,
+        return_lse,
+        sinks,
+        *_dropout(dropout_p, q),
+    )
     if seqused_k is None and not dropout_p:  # dropout: no plan (it would skip the seed's draw)
         plans.remember(plan_key, dispatch, sm_scale, return_lse, False)
     return result
@@ -135,18 +277,46 @@ def _dropout(dropout_p: float, q):
     return dropout_p, (dropout_rng_state(q) if dropout_p else None)
 
 
-def varlen_dispatch(api: str, q, v, *, mask: Mask, align: CausalAlign | None, window, softcap,
-                    alibi: bool, length_bounds: tuple[int, int], same_lengths: bool,
-                    fallback: str | None, refusal: str | None, heads: tuple[int, int],
-                    sinks: bool = False, chunk_size: int | None = None,
-                    sink_tokens: int | None = None, dropout: bool = False) -> Dispatch:
+def varlen_dispatch(
+    api: str,
+    q,
+    v,
+    *,
+    mask: Mask,
+    align: CausalAlign | None,
+    window,
+    softcap,
+    alibi: bool,
+    length_bounds: tuple[int, int],
+    same_lengths: bool,
+    fallback: str | None,
+    refusal: str | None,
+    heads: tuple[int, int],
+    sinks: bool = False,
+    chunk_size: int | None = None,
+    sink_tokens: int | None = None,
+    dropout: bool = False,
+) -> Dispatch:
     """The varlen module (or the warned fallback) that serves packed q [T, HQ, D] and values
     of v's head dim at lengths up to `length_bounds` (with learned sinks when `sinks`);
     NoKernelError when none does."""
-    need = need_for(KernelKind.varlen, q, v, mask=mask, align=align, window=window,
-                    softcap=softcap, alibi=alibi, seqlen_q=length_bounds[0],
-                    seqlen_k=length_bounds[1], same_lengths=same_lengths, sinks=sinks,
-                    chunk_size=chunk_size, sink_tokens=sink_tokens, dropout=dropout)
+    need = need_for(
+        KernelKind.varlen,
+        q,
+        v,
+        mask=mask,
+        align=align,
+        window=window,
+        softcap=softcap,
+        alibi=alibi,
+        seqlen_q=length_bounds[0],
+        seqlen_k=length_bounds[1],
+        same_lengths=same_lengths,
+        sinks=sinks,
+        chunk_size=chunk_size,
+        sink_tokens=sink_tokens,
+        dropout=dropout,
+    )
     if need.dtype is None:
         refusal = refusal or unsupported_dtype(q)
     return choose(api, need, fallback, refusal, heads)

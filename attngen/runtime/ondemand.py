@@ -69,8 +69,9 @@ def render_count() -> int:
     return _renders
 
 
-def build_for(need: Need, heads: tuple[int, int] | None, registry: Registry
-              ) -> tuple[KernelEntry, bool]:
+def build_for(
+    need: Need, heads: tuple[int, int] | None, registry: Registry
+) -> tuple[KernelEntry, bool]:
     """The cache's module for `need` (built now unless a valid one is there), added to
     `registry`; (entry, whether this call rendered it). NotExpressible or BuildError say why
     none can be built."""
@@ -86,16 +87,25 @@ def spec_for(need: Need, heads: tuple[int, int] | None) -> tuple[AttnSpec, Kerne
 
     arch = INTERPRETER_ARCH if need.arch == INTERPRETER else need.arch
     if arch not in ARCHS:
-        raise NotExpressible(f"arch: {need.arch} has no row in attngen/arch.py "
-                             f"(known: {', '.join(ARCHS)})")
+        raise NotExpressible(
+            f"arch: {need.arch} has no row in attngen/arch.py (known: {', '.join(ARCHS)})"
+        )
     if need.dtype is None:
         raise NotExpressible("dtype: no generated kernels for q's dtype")
     num_q, num_kv = _head_counts(heads)
     fields: dict[str, Any] = {
-        "name": f"{NAME_PREFIX}_h{num_q}kv{num_kv}", "archs": [arch],
-        "dtype": need.dtype.value, "head_dim": need.head_dim, "head_dim_v": need.head_dim_v,
-        "num_q_heads": num_q, "num_kv_heads": num_kv, "softcap": float(need.softcap),
-        "alibi": need.alibi, "kernels": [need.kind.value], **_mask_fields(need)}
+        "name": f"{NAME_PREFIX}_h{num_q}kv{num_kv}",
+        "archs": [arch],
+        "dtype": need.dtype.value,
+        "head_dim": need.head_dim,
+        "head_dim_v": need.head_dim_v,
+        "num_q_heads": num_q,
+        "num_kv_heads": num_kv,
+        "softcap": float(need.softcap),
+        "alibi": need.alibi,
+        "kernels": [need.kind.value],
+        **_mask_fields(need),
+    }
     if need.sinks:
         fields["sinks"] = True
     if need.dropout:
@@ -170,8 +180,9 @@ def cached_module(spec: AttnSpec, kind: KernelKind, arch: str) -> tuple[KernelEn
         return _entry(folder, artifact.entry), True
 
 
-def _valid_item(folder: Path, relative: str, spec: AttnSpec, kind: KernelKind
-                ) -> dict[str, Any] | None:
+def _valid_item(
+    folder: Path, relative: str, spec: AttnSpec, kind: KernelKind
+) -> dict[str, Any] | None:
     """The index entry of `relative` if it is this spec's and the file's bytes hash to it."""
     try:
         items = read_index(folder)
@@ -192,8 +203,11 @@ def _render(spec: AttnSpec, kind: KernelKind, arch: str) -> Artifact:
     try:
         (artifact,) = plan_build([spec], kernel_cache.tuning_dir())
     except TuningError as exc:
-        warnings.warn(f"attngen: the tuning database cannot serve {module_name(spec, kind)} on "
-                      f"{arch} ({exc}); built with the tiling model's config", stacklevel=2)
+        warnings.warn(
+            f"attngen: the tuning database cannot serve {module_name(spec, kind)} on "
+            f"{arch} ({exc}); built with the tiling model's config",
+            stacklevel=2,
+        )
         (artifact,) = plan_build([spec], None)
     with _renders_lock:
         _renders += 1
@@ -214,8 +228,16 @@ def _write(artifact: Artifact, folder: Path) -> None:
 
 def _entry(folder: Path, item: dict[str, Any]) -> KernelEntry:
     path = (folder / item["path"]).resolve()
-    return KernelEntry(str(path), item["module"], item["arch"], item["kind"], dict(item["spec"]),
-                       item["sha256"], "cache", _CACHE_RANK)
+    return KernelEntry(
+        str(path),
+        item["module"],
+        item["arch"],
+        item["kind"],
+        dict(item["spec"]),
+        item["sha256"],
+        "cache",
+        _CACHE_RANK,
+    )
 
 
 def rebuild(entry: KernelEntry) -> KernelEntry:
@@ -227,11 +249,21 @@ def rebuild(entry: KernelEntry) -> KernelEntry:
         (spec,) = specs_from_data(entry.spec)
         kind = KernelKind(entry.kind)
     except (SpecError, ValueError) as exc:
-        raise RegistryError(f"{entry.key}: a cached module whose index entry is not a spec "
-                            f"({exc}); not run") from None
+        raise RegistryError(
+            f"{entry.key}: a cached module whose index entry is not a spec ({exc}); not run"
+        ) from None
     fresh, _ = cached_module(spec, kind, entry.arch)
     if fresh.key != entry.key:
-        raise RegistryError(f"{entry.key}: its index entry describes another module "
-                            f"({fresh.key}); not run")
-    return KernelEntry(fresh.key, fresh.module, fresh.arch, fresh.kind, fresh.spec,
-                       fresh.sha256, entry.source, entry.rank)
+        raise RegistryError(
+            f"{entry.key}: its index entry describes another module ({fresh.key}); not run"
+        )
+    return KernelEntry(
+        fresh.key,
+        fresh.module,
+        fresh.arch,
+        fresh.kind,
+        fresh.spec,
+        fresh.sha256,
+        entry.source,
+        entry.rank,
+    )

@@ -73,8 +73,12 @@ def _direct(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None) -> boo
         return False
     if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
         return False
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
-            alibi_slopes is not None and alibi_slopes.requires_grad)):
+    if torch.is_grad_enabled() and (
+        q.requires_grad
+        or k.requires_grad
+        or v.requires_grad
+        or (alibi_slopes is not None and alibi_slopes.requires_grad)
+    ):
         return False
     return True
 
@@ -99,37 +103,93 @@ def _dropout_options(dropout_p: float, rng_state: Tensor | None) -> dict:
     return {"dropout_p": dropout_p, "rng_state": rng_state} if dropout_p else {}
 
 
-def run_prefill(key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
-                alibi_slopes: Tensor | None, return_lse: bool, heads_last: bool,
-                sinks: Tensor | None = None, dropout_p: float = 0.0,
-                rng_state: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+def run_prefill(
+    key: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    sm_scale: float,
+    alibi_slopes: Tensor | None,
+    return_lse: bool,
+    heads_last: bool,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """(out, lse or None); out [B, M, HQ, DV] with heads_last, else [B, HQ, M, DV]."""
-    return call_prefill(current_registry().module(key), key, q, k, v, sm_scale, alibi_slopes,
-                        return_lse, heads_last, sinks, dropout_p, rng_state)
+    return call_prefill(
+        current_registry().module(key),
+        key,
+        q,
+        k,
+        v,
+        sm_scale,
+        alibi_slopes,
+        return_lse,
+        heads_last,
+        sinks,
+        dropout_p,
+        rng_state,
+    )
 
 
-def call_prefill(module, key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
-                 alibi_slopes: Tensor | None, return_lse: bool, heads_last: bool,
-                 sinks: Tensor | None = None, dropout_p: float = 0.0,
-                 rng_state: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+def call_prefill(
+    module,
+    key: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    sm_scale: float,
+    alibi_slopes: Tensor | None,
+    return_lse: bool,
+    heads_last: bool,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """run_prefill with the module of `key` in hand (a plan holds it: plans.py)."""
     _ran(key)
     dropout = _dropout_options(dropout_p, rng_state)
     if heads_last:
         out = _heads_last(q, v.shape[-1])
-        result = module.attention(q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
-                                  return_lse=return_lse, out=out.transpose(1, 2),
-                                  **_sinks(sinks), **dropout)
+        result = module.attention(
+            q,
+            k,
+            v,
+            sm_scale=sm_scale,
+            alibi_slopes=alibi_slopes,
+            return_lse=return_lse,
+            out=out.transpose(1, 2),
+            **_sinks(sinks),
+            **dropout,
+        )
         return out, (result[1] if return_lse else None)
-    result = module.attention(q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
-                              return_lse=return_lse, **_sinks(sinks), **dropout)
+    result = module.attention(
+        q,
+        k,
+        v,
+        sm_scale=sm_scale,
+        alibi_slopes=alibi_slopes,
+        return_lse=return_lse,
+        **_sinks(sinks),
+        **dropout,
+    )
     return result if return_lse else (result, None)
 
 
-def prefill(key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
-            alibi_slopes: Tensor | None, return_lse: bool, heads_last: bool = False,
-            sinks: Tensor | None = None, dropout_p: float = 0.0,
-            rng_state: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+def prefill(
+    key: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    sm_scale: float,
+    alibi_slopes: Tensor | None,
+    return_lse: bool,
+    heads_last: bool = False,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """(out, lse or None) of the prefill module `key`; see the module docstring."""
     args = (sinks, dropout_p, rng_state)
     if _direct(q, k, v, alibi_slopes) and (sinks is None or _direct(q, k, v, sinks)):
@@ -140,19 +200,50 @@ def prefill(key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
 
 
 @torch.library.custom_op("attngen::prefill", mutates_args=())
-def prefill_op(key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float,
-               alibi_slopes: Tensor | None, return_lse: bool, heads_last: bool,
-               sinks: Tensor | None = None, dropout_p: float = 0.0,
-               rng_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def prefill_op(
+    key: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    sm_scale: float,
+    alibi_slopes: Tensor | None,
+    return_lse: bool,
+    heads_last: bool,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     with torch.no_grad():  # the op's autograd formula records the backward, not the module
-        out, lse = run_prefill(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last,
-                               sinks, dropout_p, rng_state)
+        out, lse = run_prefill(
+            key,
+            q,
+            k,
+            v,
+            sm_scale,
+            alibi_slopes,
+            return_lse,
+            heads_last,
+            sinks,
+            dropout_p,
+            rng_state,
+        )
     return (out.transpose(1, 2) if heads_last else out), (_no_lse(q) if lse is None else lse)
 
 
 @prefill_op.register_fake
-def _(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last, sinks=None, dropout_p=0.0,
-      rng_state=None):
+def _(
+    key,
+    q,
+    k,
+    v,
+    sm_scale,
+    alibi_slopes,
+    return_lse,
+    heads_last,
+    sinks=None,
+    dropout_p=0.0,
+    rng_state=None,
+):
     batch, heads, seqlen_q, _ = q.shape
     if heads_last:
         out = _heads_last(q, v.shape[-1]).transpose(1, 2)
@@ -165,38 +256,112 @@ def _(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last, sinks=None, 
 # --------------------------------------------------------------------------------- varlen
 
 
-def run_varlen(key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
-               cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, sm_scale: float,
-               alibi_slopes: Tensor | None, seqused_k: Tensor | None, return_lse: bool,
-               sinks: Tensor | None = None, dropout_p: float = 0.0,
-               rng_state: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-    return call_varlen(current_registry().module(key), key, q, k, v, cu_seqlens_q,
-                       cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale, alibi_slopes,
-                       seqused_k, return_lse, sinks, dropout_p, rng_state)
+def run_varlen(
+    key: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    sm_scale: float,
+    alibi_slopes: Tensor | None,
+    seqused_k: Tensor | None,
+    return_lse: bool,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    return call_varlen(
+        current_registry().module(key),
+        key,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        sm_scale,
+        alibi_slopes,
+        seqused_k,
+        return_lse,
+        sinks,
+        dropout_p,
+        rng_state,
+    )
 
 
-def call_varlen(module, key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
-                cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, sm_scale: float,
-                alibi_slopes: Tensor | None, seqused_k: Tensor | None, return_lse: bool,
-                sinks: Tensor | None = None, dropout_p: float = 0.0,
-                rng_state: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+def call_varlen(
+    module,
+    key: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    sm_scale: float,
+    alibi_slopes: Tensor | None,
+    seqused_k: Tensor | None,
+    return_lse: bool,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """run_varlen with the module of `key` in hand."""
     _ran(key)
-    result = module.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                     max_seqlen_k, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
-                                     return_lse=return_lse, seqused_k=seqused_k,
-                                     **_sinks(sinks), **_dropout_options(dropout_p, rng_state))
+    result = module.attention_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        sm_scale=sm_scale,
+        alibi_slopes=alibi_slopes,
+        return_lse=return_lse,
+        seqused_k=seqused_k,
+        **_sinks(sinks),
+        **_dropout_options(dropout_p, rng_state),
+    )
     return result if return_lse else (result, None)
 
 
-def varlen(key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
-           cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, sm_scale: float,
-           alibi_slopes: Tensor | None, seqused_k: Tensor | None, return_lse: bool,
-           sinks: Tensor | None = None, dropout_p: float = 0.0,
-           rng_state: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+def varlen(
+    key: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    sm_scale: float,
+    alibi_slopes: Tensor | None,
+    seqused_k: Tensor | None,
+    return_lse: bool,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """(out, lse or None) of the varlen module `key`; see the module docstring."""
-    args = (key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,
-            alibi_slopes, seqused_k)
+    args = (
+        key,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        sm_scale,
+        alibi_slopes,
+        seqused_k,
+    )
     if _direct(q, k, v, alibi_slopes) and (sinks is None or _direct(q, k, v, sinks)):
         return run_varlen(*args, return_lse, sinks, dropout_p, rng_state)
     # the LSE is always computed: the backward needs it
@@ -205,21 +370,62 @@ def varlen(key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
 
 
 @torch.library.custom_op("attngen::varlen", mutates_args=())
-def varlen_op(key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
-              cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, sm_scale: float,
-              alibi_slopes: Tensor | None, seqused_k: Tensor | None, return_lse: bool,
-              sinks: Tensor | None = None, dropout_p: float = 0.0,
-              rng_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def varlen_op(
+    key: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    sm_scale: float,
+    alibi_slopes: Tensor | None,
+    seqused_k: Tensor | None,
+    return_lse: bool,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     with torch.no_grad():  # the op's autograd formula records the backward, not the module
-        out, lse = run_varlen(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              sm_scale, alibi_slopes, seqused_k, return_lse, sinks, dropout_p,
-                              rng_state)
+        out, lse = run_varlen(
+            key,
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            sm_scale,
+            alibi_slopes,
+            seqused_k,
+            return_lse,
+            sinks,
+            dropout_p,
+            rng_state,
+        )
     return out, (_no_lse(q) if lse is None else lse)
 
 
 @varlen_op.register_fake
-def _(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,
-      alibi_slopes, seqused_k, return_lse, sinks=None, dropout_p=0.0, rng_state=None):
+def _(
+    key,
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    sm_scale,
+    alibi_slopes,
+    seqused_k,
+    return_lse,
+    sinks=None,
+    dropout_p=0.0,
+    rng_state=None,
+):
     total_q, heads, _ = q.shape
     out = q.new_empty((total_q, heads, v.shape[-1]))
     lse = q.new_empty((heads, total_q), dtype=torch.float32) if return_lse else _no_lse(q)

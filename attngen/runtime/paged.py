@@ -34,24 +34,44 @@ def _check_paged_inputs(k_cache, v_cache, block_table, cu_seqlens_k, q) -> None:
     for name, cache in (("k", k_cache), ("v", v_cache)):
         if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
             got = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
-            raise ValueError(f"{name}: with block_table, expected a paged cache [pages, "
-                             f"page_size, HKV, D], got {got}")
+            raise ValueError(
+                f"{name}: with block_table, expected a paged cache [pages, "
+                f"page_size, HKV, D], got {got}"
+            )
     if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[0] == 0:
-        raise ValueError(f"k, v: expected paged caches with the same (pages, page_size, HKV), "
-                         f"at least one page, got {tuple(k_cache.shape)} and "
-                         f"{tuple(v_cache.shape)}")
-    if (not isinstance(block_table, torch.Tensor) or block_table.dim() != 2
-            or block_table.dtype != torch.int32 or block_table.device != q.device):
-        got = (f"{tuple(block_table.shape)} {block_table.dtype} on {block_table.device}"
-               if isinstance(block_table, torch.Tensor) else type(block_table).__name__)
-        raise ValueError(f"block_table: expected an int32 tensor [B, max_pages] on {q.device}, "
-                         f"got {got}")
-    if (not isinstance(cu_seqlens_k, torch.Tensor) or cu_seqlens_k.dtype != torch.int32
-            or cu_seqlens_k.shape != (block_table.shape[0] + 1,)):
-        got = (f"{tuple(cu_seqlens_k.shape)} {cu_seqlens_k.dtype}"
-               if isinstance(cu_seqlens_k, torch.Tensor) else type(cu_seqlens_k).__name__)
-        raise ValueError(f"cu_seqlens_k: expected int32 [{block_table.shape[0] + 1}] (one more "
-                         f"than block_table's rows), got {got}")
+        raise ValueError(
+            f"k, v: expected paged caches with the same (pages, page_size, HKV), "
+            f"at least one page, got {tuple(k_cache.shape)} and "
+            f"{tuple(v_cache.shape)}"
+        )
+    if (
+        not isinstance(block_table, torch.Tensor)
+        or block_table.dim() != 2
+        or block_table.dtype != torch.int32
+        or block_table.device != q.device
+    ):
+        got = (
+            f"{tuple(block_table.shape)} {block_table.dtype} on {block_table.device}"
+            if isinstance(block_table, torch.Tensor)
+            else type(block_table).__name__
+        )
+        raise ValueError(
+            f"block_table: expected an int32 tensor [B, max_pages] on {q.device}, got {got}"
+        )
+    if (
+        not isinstance(cu_seqlens_k, torch.Tensor)
+        or cu_seqlens_k.dtype != torch.int32
+        or cu_seqlens_k.shape != (block_table.shape[0] + 1,)
+    ):
+        got = (
+            f"{tuple(cu_seqlens_k.shape)} {cu_seqlens_k.dtype}"
+            if isinstance(cu_seqlens_k, torch.Tensor)
+            else type(cu_seqlens_k).__name__
+        )
+        raise ValueError(
+            f"cu_seqlens_k: expected int32 [{block_table.shape[0] + 1}] (one more "
+            f"than block_table's rows), got {got}"
+        )
 
 
 def pages_in_cache(block_table, first_key, end_key, num_pages: int, page_size: int):

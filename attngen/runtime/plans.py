@@ -70,20 +70,35 @@ def eager(q: Any, k: Any, v: Any, alibi_slopes: Any) -> bool:
         return False
     if _is_compiling():
         return False
-    return not (_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
-        alibi_slopes is not None and alibi_slopes.requires_grad)))
+    return not (
+        _grad_enabled()
+        and (
+            q.requires_grad
+            or k.requires_grad
+            or v.requires_grad
+            or (alibi_slopes is not None and alibi_slopes.requires_grad)
+        )
+    )
 
 
 def plain(scale: Any, softcap: Any, dropout_p: Any = 0.0) -> bool:
     """scale and softcap None or floats, and no dropout (0 or 0.0): options a key may hold."""
-    return ((scale is None or type(scale) is float) and (softcap is None or type(softcap) is float)
-            and (type(dropout_p) is float or type(dropout_p) is int) and not dropout_p)
+    return (
+        (scale is None or type(scale) is float)
+        and (softcap is None or type(softcap) is float)
+        and (type(dropout_p) is float or type(dropout_p) is int)
+        and not dropout_p
+    )
 
 
 def pair(window: Any) -> bool:
     """A window given as a tuple of two ints (flash-attn's (-1, -1) default among them)."""
-    return (type(window) is tuple and len(window) == 2 and type(window[0]) is int
-            and type(window[1]) is int)
+    return (
+        type(window) is tuple
+        and len(window) == 2
+        and type(window[0]) is int
+        and type(window[1]) is int
+    )
 
 
 def slopes_rank(alibi_slopes: Tensor | None) -> int:
@@ -101,8 +116,9 @@ def find(key: tuple | None) -> Plan | None:
         return None
 
 
-def remember(key: tuple | None, dispatch: Dispatch, sm_scale: float, return_lse: bool,
-             in_place: bool) -> None:
+def remember(
+    key: tuple | None, dispatch: Dispatch, sm_scale: float, return_lse: bool, in_place: bool
+) -> None:
     """Keep the route the full path just took for `key`'s signature (in_place: it passed the
     module out=, the caller's heads-last output), from the Dispatch the registry in use cached
     for the call's Need: when another registry chose (load_kernels replaced it meanwhile),
@@ -114,10 +130,18 @@ def remember(key: tuple | None, dispatch: Dispatch, sm_scale: float, return_lse:
     if cached is None or cached.key != dispatch.key:
         return
     need = cached.need
-    check = ((cached.api, need.arch, need.dtype) if problem_may_change(need.arch, need.dtype)
-             else None)
-    plan = Plan(cached, dispatch.key, registry.module(dispatch.key), float(sm_scale),
-                bool(return_lse), in_place, check)
+    check = (
+        (cached.api, need.arch, need.dtype) if problem_may_change(need.arch, need.dtype) else None
+    )
+    plan = Plan(
+        cached,
+        dispatch.key,
+        registry.module(dispatch.key),
+        float(sm_scale),
+        bool(return_lse),
+        in_place,
+        check,
+    )
     plans = registry.plans
     if len(plans) >= dispatch_cache.DISPATCH_CACHE_SIZE:
         plans.clear()
@@ -130,43 +154,101 @@ def remember(key: tuple | None, dispatch: Dispatch, sm_scale: float, return_lse:
 # ----------------------------------------------------------------------------- runs
 
 
-def run_dense(plan: Plan, q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None,
-              heads_last: bool, sinks: Tensor | None = None
-              ) -> tuple[Tensor, Tensor | None] | None:
+def run_dense(
+    plan: Plan,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    alibi_slopes: Tensor | None,
+    heads_last: bool,
+    sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None] | None:
     """launch.run_dense's module call from a plan (sinks: the call's, whose presence its key
     holds); None when the device refuses now."""
     if plan.device_check is not None and device_problem(*plan.device_check) is not None:
         return None  # the device refuses now what it served: the full path says why
     record(plan.dispatch)
-    out, lse = ops.call_prefill(plan.module, plan.key, q, k, v, plan.sm_scale, alibi_slopes,
-                                plan.return_lse, plan.in_place, sinks)
+    out, lse = ops.call_prefill(
+        plan.module,
+        plan.key,
+        q,
+        k,
+        v,
+        plan.sm_scale,
+        alibi_slopes,
+        plan.return_lse,
+        plan.in_place,
+        sinks,
+    )
     if heads_last and not plan.in_place:  # the module wrote [B, H, N, D]: copied
         out = out.transpose(1, 2).contiguous()
     return out, lse
 
 
-def run_varlen(plan: Plan, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
-               cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
-               alibi_slopes: Tensor | None) -> tuple[Tensor, Tensor | None] | None:
+def run_varlen(
+    plan: Plan,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    alibi_slopes: Tensor | None,
+) -> tuple[Tensor, Tensor | None] | None:
     """launch.run_varlen's module call from a plan; None when the device refuses now."""
     if plan.device_check is not None and device_problem(*plan.device_check) is not None:
         return None  # the device refuses now what it served: the full path says why
     record(plan.dispatch)
-    return ops.call_varlen(plan.module, plan.key, q, k, v, cu_seqlens_q, cu_seqlens_k,
-                           max_seqlen_q, max_seqlen_k, plan.sm_scale, alibi_slopes, None,
-                           plan.return_lse)
+    return ops.call_varlen(
+        plan.module,
+        plan.key,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        plan.sm_scale,
+        alibi_slopes,
+        None,
+        plan.return_lse,
+    )
 
 
-def run_decode(plan: Plan, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
-               block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
-               alibi_slopes: Tensor | None, num_splits: int = 0
-               ) -> tuple[Tensor, Tensor | None] | None:
+def run_decode(
+    plan: Plan,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens: Tensor,
+    block_table: Tensor | None,
+    k_new: Tensor | None,
+    v_new: Tensor | None,
+    alibi_slopes: Tensor | None,
+    num_splits: int = 0,
+) -> tuple[Tensor, Tensor | None] | None:
     """decode_ops.decode's direct call from a plan, [B, H, N, D] views in (heads-last output
     when the plan writes in place), with the call's num_splits (which its key holds too);
     None when the device refuses now."""
     if plan.device_check is not None and device_problem(*plan.device_check) is not None:
         return None  # the device refuses now what it served: the full path says why
     record(plan.dispatch)
-    return decode_ops.direct_decode(plan.module, plan.key, q, k_cache, v_cache, cache_seqlens,
-                             block_table, k_new, v_new, plan.sm_scale, alibi_slopes,
-                             plan.return_lse, plan.in_place, None, num_splits)
+    return decode_ops.direct_decode(
+        plan.module,
+        plan.key,
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        block_table,
+        k_new,
+        v_new,
+        plan.sm_scale,
+        alibi_slopes,
+        plan.return_lse,
+        plan.in_place,
+        None,
+        num_splits,
+    )

@@ -81,8 +81,12 @@ class Registry:
     the dispatcher's prefiltered lists) is cached on the Registry itself, so a thread still
     holding a replaced registry can only ever fill that registry's caches."""
 
-    def __init__(self, folders: list[Path], entries: list[KernelEntry],
-                 layers: tuple[list[Path], bool] | None = None):
+    def __init__(
+        self,
+        folders: list[Path],
+        entries: list[KernelEntry],
+        layers: tuple[list[Path], bool] | None = None,
+    ):
         self.folders = folders
         self.entries = entries
         # (explicit folders, whether generated/ is the last layer): what reload_kernels and
@@ -109,7 +113,8 @@ class Registry:
                 raise RegistryError(
                     f"{key}: not among the kernels loaded now ({_folder_list(self.folders)}); "
                     "load_kernels replaced the registry after this call chose it (a compiled "
-                    "graph keeps its choice: recompile), so it is not run")
+                    "graph keeps its choice: recompile), so it is not run"
+                )
             from attngen.runtime.integrity import import_verified  # torch: runtime only
 
             with self._lock:
@@ -163,8 +168,9 @@ def read_folder(folder: str | Path, source: str = "folder", rank: int = 0) -> li
     folder = Path(folder).resolve()
     index = folder / "index.json"
     if not index.is_file():
-        raise RegistryError(f"{folder}: no index.json; expected a folder written by "
-                            "`attngen build --out FOLDER`")
+        raise RegistryError(
+            f"{folder}: no index.json; expected a folder written by `attngen build --out FOLDER`"
+        )
     try:
         modules = json.loads(index.read_text(encoding="utf-8"))["modules"]
         entries = []
@@ -176,9 +182,20 @@ def read_folder(folder: str | Path, source: str = "folder", rank: int = 0) -> li
             if not isinstance(digest, str) or len(digest) != 64:
                 raise RegistryError(
                     f"{index}: {item['path']} has no sha256 of its bytes (an index written "
-                    "before attngen recorded them); rebuild the folder with `attngen build`")
-            entries.append(KernelEntry(str(path), item["module"], item["arch"], item["kind"],
-                                       dict(item["spec"]), digest, source, rank))
+                    "before attngen recorded them); rebuild the folder with `attngen build`"
+                )
+            entries.append(
+                KernelEntry(
+                    str(path),
+                    item["module"],
+                    item["arch"],
+                    item["kind"],
+                    dict(item["spec"]),
+                    digest,
+                    source,
+                    rank,
+                )
+            )
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise RegistryError(f"{index}: not an attngen index ({exc!r})") from None
     return entries
@@ -225,8 +242,9 @@ def reload_kernels() -> Registry:
     return registry
 
 
-def configure(*, on_demand: bool | None = None, cache_dir: str | Path | None = None
-              ) -> dict[str, object]:
+def configure(
+    *, on_demand: bool | None = None, cache_dir: str | Path | None = None
+) -> dict[str, object]:
     """Runtime settings (None keeps a setting): on_demand=False builds no module a call
     needs and reads no cache (only loaded folders run: for deployments that must run vetted
     modules only; ATTNGEN_ON_DEMAND=0 does the same), cache_dir replaces $ATTNGEN_CACHE.
@@ -273,8 +291,10 @@ def loaded_kernels() -> list[LoadedKernel]:
     then folder), with where each came from."""
     rows = sorted(current_registry().entries, key=lambda e: (e.rank, e.kind, e.arch, e.module))
     # A module file is <folder>/<arch>/<module>.py.
-    return [LoadedKernel(e.module, e.arch, e.kind, e.source, e.key, str(Path(e.key).parent.parent))
-            for e in rows]
+    return [
+        LoadedKernel(e.module, e.arch, e.kind, e.source, e.key, str(Path(e.key).parent.parent))
+        for e in rows
+    ]
 
 
 def _assemble(explicit: list[Path], bundled: bool) -> Registry:
@@ -285,15 +305,17 @@ def _assemble(explicit: list[Path], bundled: bool) -> Registry:
     layers = [(folder, "folder") for folder in explicit]
     on_demand = kernel_cache.settings().on_demand
     if on_demand:
-        layers += [(folder, "cache")
-                   for folder in kernel_cache.existing_cache_folders(arch_names())]
+        layers += [
+            (folder, "cache") for folder in kernel_cache.existing_cache_folders(arch_names())
+        ]
     if bundled and (_REPO_GENERATED / "index.json").is_file() and _REPO_GENERATED not in explicit:
         layers.append((_REPO_GENERATED, "bundled"))
     if not layers and not on_demand:
         raise RegistryError(
             f"no generated kernels: set {ENV_KERNELS} to a folder written by `attngen build "
             "--out FOLDER`, call attngen.load_kernels(FOLDER), or turn on-demand builds on "
-            f"(attngen.configure(on_demand=True), {kernel_cache.ENV_ON_DEMAND}=1)")
+            f"(attngen.configure(on_demand=True), {kernel_cache.ENV_ON_DEMAND}=1)"
+        )
     entries = []
     for place, (folder, source) in enumerate(layers):
         rank = SOURCES.index(source) * RANK_STRIDE + place

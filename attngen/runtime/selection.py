@@ -75,8 +75,10 @@ class Need(NamedTuple):
         if self.head_dim_v != self.head_dim:
             dims += f"/{self.head_dim_v}"
         dtype = self.dtype.value if self.dtype else "unsupported"
-        text = (f"kind={self.kind.value} dtype={dtype} head_dim={dims} mask={mask} "
-                f"softcap={self.softcap:g} alibi={self.alibi} arch={self.arch}")
+        text = (
+            f"kind={self.kind.value} dtype={dtype} head_dim={dims} mask={mask} "
+            f"softcap={self.softcap:g} alibi={self.alibi} arch={self.arch}"
+        )
         if self.sinks:
             text += " sinks=True"
         if self.kv_layout:
@@ -120,8 +122,7 @@ def effective_mask(spec_like: dict[str, Any], need: Need, *, at_lengths: bool = 
     window = spec_like.get("window")
     chunk, sink_tokens = spec_like.get("chunk_size"), spec_like.get("sink_tokens")
     if at_lengths and mask != "none":
-        if mask == "chunked" and chunk is not None and chunk >= max(need.seqlen_q,
-                                                                    need.seqlen_k):
+        if mask == "chunked" and chunk is not None and chunk >= max(need.seqlen_q, need.seqlen_k):
             mask, chunk = "causal", None  # one chunk holds every aligned position
         mask, window = _mask_at_lengths(mask, align, window, need)
     if mask != "sliding_window":
@@ -137,13 +138,15 @@ def effective_mask(spec_like: dict[str, Any], need: Need, *, at_lengths: bool = 
     return mask, align, window, chunk, sink_tokens
 
 
-def _mask_at_lengths(mask: str, align: str | None, window: tuple[int, int] | None,
-                     need: Need) -> tuple[str, tuple[int, int] | None]:
+def _mask_at_lengths(
+    mask: str, align: str | None, window: tuple[int, int] | None, need: Need
+) -> tuple[str, tuple[int, int] | None]:
     # One query token at the bottom-right end sits at i' = Nk - 1: every key is at or before
     # it, so a window's right side excludes nothing and causal excludes nothing. (Not with
     # ALiBi: a mask-none module's bias distance is not the bottom-right one in every kind.)
-    last_query_only = (need.seqlen_q <= 1 and not need.alibi
-                       and (align == "bottom_right" or need.same_lengths))
+    last_query_only = (
+        need.seqlen_q <= 1 and not need.alibi and (align == "bottom_right" or need.same_lengths)
+    )
     if mask == "sliding_window" and window is not None:
         left, right = window
         if last_query_only:
@@ -170,8 +173,13 @@ def spec_view(entry: KernelEntry) -> dict[str, Any]:
 
 
 def _asked(need: Need) -> dict[str, Any]:
-    return {"mask": need.mask.value, "causal_align": need.causal_align, "window": need.window,
-            "chunk_size": need.chunk_size, "sink_tokens": need.sink_tokens}
+    return {
+        "mask": need.mask.value,
+        "causal_align": need.causal_align,
+        "window": need.window,
+        "chunk_size": need.chunk_size,
+        "sink_tokens": need.sink_tokens,
+    }
 
 
 # ------------------------------------------------------------------------- selection
@@ -186,8 +194,12 @@ def mismatches(entry: KernelEntry, need: Need) -> list[str]:
     if need.arch != INTERPRETER and entry.arch != need.arch:
         problems.append(f"arch: needs {need.arch}, module is for {entry.arch}")
     dtype = need.dtype.value if need.dtype else "unsupported"
-    for field, value in (("dtype", dtype), ("head_dim", need.head_dim),
-                         ("head_dim_v", need.head_dim_v), ("alibi", need.alibi)):
+    for field, value in (
+        ("dtype", dtype),
+        ("head_dim", need.head_dim),
+        ("head_dim_v", need.head_dim_v),
+        ("alibi", need.alibi),
+    ):
         if spec.get(field) != value:
             problems.append(f"{field}: needs {value}, module has {spec.get(field)}")
     if bool(spec.get("sinks")) != need.sinks:  # absent from specs without sinks
@@ -197,8 +209,10 @@ def mismatches(entry: KernelEntry, need: Need) -> list[str]:
     if effective_mask(spec, need) != effective_mask(_asked(need), need):
         problems.append(f"mask: needs {_mask_text(_asked(need))}, module has {_mask_text(spec)}")
     if need.dropout and not spec.get("dropout"):
-        problems.append("dropout_p: needs a module built with dropout: true (and backward: "
-                        "true; its name ends _bwd_drop), module has dropout: false")
+        problems.append(
+            "dropout_p: needs a module built with dropout: true (and backward: "
+            "true; its name ends _bwd_drop), module has dropout: false"
+        )
     if need.kind is KernelKind.decode:
         problems += _decode_mismatches(spec, need)
     if need.backward and not spec.get("backward"):
@@ -214,8 +228,9 @@ def _decode_mismatches(spec: dict[str, Any], need: Need) -> list[str]:
     if need.kv_layout is KvLayout.paged and spec.get("page_size") != need.page_size:
         problems.append(f"page_size: needs {need.page_size}, module has {spec.get('page_size')}")
     if need.seqlen_q > int(spec.get("max_query_tokens") or 1):
-        problems.append(f"max_query_tokens: needs {need.seqlen_q}, module has "
-                        f"{spec.get('max_query_tokens')}")
+        problems.append(
+            f"max_query_tokens: needs {need.seqlen_q}, module has {spec.get('max_query_tokens')}"
+        )
     return problems
 
 
@@ -239,44 +254,73 @@ def best_entry(registry: Registry, need: Need) -> KernelEntry | None:
     if not serving:
         return None
     asked = effective_mask(_asked(need), need, at_lengths=False)
-    return min(serving, key=lambda e: (
-        e.rank, effective_mask(spec_view(e), need, at_lengths=False) != asked,
-        -int(e.arch[2:]), e.module))
+    return min(
+        serving,
+        key=lambda e: (
+            e.rank,
+            effective_mask(spec_view(e), need, at_lengths=False) != asked,
+            -int(e.arch[2:]),
+            e.module,
+        ),
+    )
 
 
 def same_kernel_fields(registry: Registry, need: Need) -> list[KernelEntry]:
     """The entries that agree with `need` on everything but the mask, cached on the registry:
     a decode loop asks with a new key length at each step, so the scan of every module is
     done once per kind of call instead."""
-    key = (need.kind, need.arch, need.dtype, need.head_dim, need.head_dim_v, need.alibi,
-           float(need.softcap), need.kv_layout, need.page_size, need.sinks)
+    key = (
+        need.kind,
+        need.arch,
+        need.dtype,
+        need.head_dim,
+        need.head_dim_v,
+        need.alibi,
+        float(need.softcap),
+        need.kv_layout,
+        need.page_size,
+        need.sinks,
+    )
     dtype = need.dtype.value if need.dtype else None
 
     def agrees(entry: KernelEntry) -> bool:
         spec = entry.spec
-        return (entry.kind == need.kind
-                and (need.arch == INTERPRETER or entry.arch == need.arch)
-                and (spec.get("dtype"), spec.get("head_dim"), spec.get("head_dim_v"),
-                     spec.get("alibi"), bool(spec.get("sinks"))) == (
-                         dtype, need.head_dim, need.head_dim_v, need.alibi, need.sinks)
-                and float(spec.get("softcap") or 0.0) == float(need.softcap))
+        return (
+            entry.kind == need.kind
+            and (need.arch == INTERPRETER or entry.arch == need.arch)
+            and (
+                spec.get("dtype"),
+                spec.get("head_dim"),
+                spec.get("head_dim_v"),
+                spec.get("alibi"),
+                bool(spec.get("sinks")),
+            )
+            == (dtype, need.head_dim, need.head_dim_v, need.alibi, need.sinks)
+            and float(spec.get("softcap") or 0.0) == float(need.softcap)
+        )
 
     return registry.matching(key, agrees)
 
 
 def no_kernel_message(need: Need, registry: Registry, not_built: str = "") -> str:
-    ranked = sorted(registry.entries, key=lambda e: (len(mismatches(e, need)),
-                                                     e.kind != need.kind, e.describe()))
+    ranked = sorted(
+        registry.entries,
+        key=lambda e: (len(mismatches(e, need)), e.kind != need.kind, e.describe()),
+    )
     shown: dict[str, KernelEntry] = {}
     for entry in ranked:  # one line per module name (its other archs would repeat it)
         if len(shown) < 3:
             shown.setdefault(entry.module, entry)
-    nearest = "; ".join(f"{e.describe()} ({', '.join(mismatches(e, need))})"
-                        for e in shown.values()) or "none: the registry is empty"
+    nearest = (
+        "; ".join(f"{e.describe()} ({', '.join(mismatches(e, need))})" for e in shown.values())
+        or "none: the registry is empty"
+    )
     folders = ", ".join(str(f) for f in registry.folders)
     # No fallback computes gradients from a given LSE (need.backward): none is offered.
     fallback = "" if need.backward else ", or ask for fallback='sdpa'"
-    return (f"no generated kernel serves {need.describe()} (kernels from {folders}); "
-            f"nearest: {nearest}. {not_built or 'Not built on demand.'} Build a spec for it "
-            "(attngen spec-from-hf, attngen build) and load it (attngen.load_kernels or "
-            f"ATTNGEN_KERNELS){fallback}")
+    return (
+        f"no generated kernel serves {need.describe()} (kernels from {folders}); "
+        f"nearest: {nearest}. {not_built or 'Not built on demand.'} Build a spec for it "
+        "(attngen spec-from-hf, attngen build) and load it (attngen.load_kernels or "
+        f"ATTNGEN_KERNELS){fallback}"
+    )

@@ -57,16 +57,20 @@ def warmup(spec_or_model: Any, *, device: str | torch.device | None = None) -> l
     needs on `device` (default: the current CUDA device, else the CPU under Triton's
     interpreter). Returns what was warmed; raises NoKernelError for a kernel no module
     serves and none can be built (its message says why)."""
-    target = torch.device(device) if device is not None else torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu")
+    target = (
+        torch.device(device)
+        if device is not None
+        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
     arch = arch_of(target.type, target.index)
     warmed = []
     for spec in specs_of(spec_or_model):
         for kind in spec.kernels:
             start = time.perf_counter()
             need = need_of(spec, kind, arch)
-            dispatch = select("warmup", need, fallback="error",
-                              heads=(spec.num_q_heads, spec.num_kv_heads))
+            dispatch = select(
+                "warmup", need, fallback="error", heads=(spec.num_q_heads, spec.num_kv_heads)
+            )
             assert dispatch.key is not None  # fallback="error": served or raised
             module = current_registry().module(dispatch.key)
             ran = device_problem("warmup", arch, spec.dtype) is None
@@ -74,8 +78,17 @@ def warmup(spec_or_model: Any, *, device: str | torch.device | None = None) -> l
                 _run(module, spec, kind, target)
             if target.type == "cuda":
                 torch.cuda.synchronize(target)
-            warmed.append(Warmed(spec.name, kind.value, str(dispatch.module), dispatch.source,
-                                 dispatch.built, time.perf_counter() - start, ran))
+            warmed.append(
+                Warmed(
+                    spec.name,
+                    kind.value,
+                    str(dispatch.module),
+                    dispatch.source,
+                    dispatch.built,
+                    time.perf_counter() - start,
+                    ran,
+                )
+            )
     return warmed
 
 
@@ -93,8 +106,10 @@ def specs_of(source: Any) -> tuple[AttnSpec, ...]:
     if isinstance(source, torch.nn.Module):
         config = getattr(source, "config", None)
         if config is None:
-            raise SpecError(f"spec_or_model: a {type(source).__name__} without .config; pass "
-                            "a spec, a spec file or a transformers config")
+            raise SpecError(
+                f"spec_or_model: a {type(source).__name__} without .config; pass "
+                "a spec, a spec file or a transformers config"
+            )
         parameter = next(source.parameters(), None)
         dtype = Dtype.from_torch_name(str(parameter.dtype)) if parameter is not None else None
         return spec_from_config(config, dtype=dtype.value if dtype else None)
@@ -105,13 +120,25 @@ def need_of(spec: AttnSpec, kind: KernelKind, arch: str) -> Need:
     """What any call of this spec's kernel needs, at lengths where no mask equals another."""
     decode = kind is KernelKind.decode
     return Need(
-        kind=kind, dtype=spec.dtype, head_dim=spec.head_dim, head_dim_v=spec.value_head_dim,
-        mask=spec.mask, causal_align=spec.causal_align, window=spec.window,
-        softcap=float(spec.softcap), alibi=spec.alibi, arch=arch,
-        seqlen_q=spec.query_tokens if decode else 2**30, seqlen_k=2**30 + 1, same_lengths=False,
+        kind=kind,
+        dtype=spec.dtype,
+        head_dim=spec.head_dim,
+        head_dim_v=spec.value_head_dim,
+        mask=spec.mask,
+        causal_align=spec.causal_align,
+        window=spec.window,
+        softcap=float(spec.softcap),
+        alibi=spec.alibi,
+        arch=arch,
+        seqlen_q=spec.query_tokens if decode else 2**30,
+        seqlen_k=2**30 + 1,
+        same_lengths=False,
         kv_layout=spec.kv_layout if decode else None,
-        page_size=spec.page_size if decode else None, sinks=spec.sinks,
-        chunk_size=spec.chunk_size, sink_tokens=spec.sink_tokens)
+        page_size=spec.page_size if decode else None,
+        sinks=spec.sinks,
+        chunk_size=spec.chunk_size,
+        sink_tokens=spec.sink_tokens,
+    )
 
 
 def _run(module: Any, spec: AttnSpec, kind: KernelKind, device: torch.device) -> None:
@@ -130,25 +157,51 @@ def _run(module: Any, spec: AttnSpec, kind: KernelKind, device: torch.device) ->
         return
     for n in LENGTHS if device.type == "cuda" else INTERPRETED_LENGTHS:
         if kind is KernelKind.prefill:
-            module.attention(rand(1, heads_q, n, d), rand(1, heads_kv, n, d),
-                             rand(1, heads_kv, n, dv), alibi_slopes=slopes, **extra)
+            module.attention(
+                rand(1, heads_q, n, d),
+                rand(1, heads_kv, n, d),
+                rand(1, heads_kv, n, dv),
+                alibi_slopes=slopes,
+                **extra,
+            )
             # flash-attn's [B, N, H, D] layout, the output too when the module writes it in
             # place (the runtime passes out= then): other strides, another specialization.
-            flash_out = ({"out": rand(1, n, heads_q, dv).transpose(1, 2)}
-                         if getattr(module, "ACCEPTS_OUT", False) is True else {})
-            module.attention(rand(1, n, heads_q, d).transpose(1, 2),
-                             rand(1, n, heads_kv, d).transpose(1, 2),
-                             rand(1, n, heads_kv, dv).transpose(1, 2), alibi_slopes=slopes,
-                             **flash_out, **extra)
+            flash_out = (
+                {"out": rand(1, n, heads_q, dv).transpose(1, 2)}
+                if getattr(module, "ACCEPTS_OUT", False) is True
+                else {}
+            )
+            module.attention(
+                rand(1, n, heads_q, d).transpose(1, 2),
+                rand(1, n, heads_kv, d).transpose(1, 2),
+                rand(1, n, heads_kv, dv).transpose(1, 2),
+                alibi_slopes=slopes,
+                **flash_out,
+                **extra,
+            )
         else:
             cu = torch.tensor([0, n], dtype=torch.int32, device=device)
-            module.attention_varlen(rand(n, heads_q, d), rand(n, heads_kv, d),
-                                    rand(n, heads_kv, dv), cu, cu, n, n, alibi_slopes=slopes,
-                                    **extra)
+            module.attention_varlen(
+                rand(n, heads_q, d),
+                rand(n, heads_kv, d),
+                rand(n, heads_kv, dv),
+                cu,
+                cu,
+                n,
+                n,
+                alibi_slopes=slopes,
+                **extra,
+            )
 
 
-def _run_decode(module: Any, spec: AttnSpec, rand: Any, slopes: torch.Tensor | None,
-                device: torch.device, extra: dict[str, torch.Tensor]) -> None:
+def _run_decode(
+    module: Any,
+    spec: AttnSpec,
+    rand: Any,
+    slopes: torch.Tensor | None,
+    device: torch.device,
+    extra: dict[str, torch.Tensor],
+) -> None:
     heads_kv, new = spec.num_kv_heads, spec.query_tokens
     lengths = torch.tensor([DECODE_CACHE // 2], dtype=torch.int32, device=device)
     q = rand(1, spec.num_q_heads, new, spec.head_dim)
@@ -157,13 +210,24 @@ def _run_decode(module: Any, spec: AttnSpec, rand: Any, slopes: torch.Tensor | N
     if spec.cache_layout is KvLayout.paged:
         page = spec.page_size or 1
         pages = -(-DECODE_CACHE // page)
-        caches = (rand(pages, page, heads_kv, spec.head_dim),
-                  rand(pages, page, heads_kv, spec.value_head_dim))
+        caches = (
+            rand(pages, page, heads_kv, spec.head_dim),
+            rand(pages, page, heads_kv, spec.value_head_dim),
+        )
         table = torch.arange(pages, dtype=torch.int32, device=device)[None]
     else:
-        caches = (rand(1, heads_kv, DECODE_CACHE, spec.head_dim),
-                  rand(1, heads_kv, DECODE_CACHE, spec.value_head_dim))
+        caches = (
+            rand(1, heads_kv, DECODE_CACHE, spec.head_dim),
+            rand(1, heads_kv, DECODE_CACHE, spec.value_head_dim),
+        )
         table = None
-    module.decode(q, *caches, lengths, block_table=table, k_new=k_new, v_new=v_new,
-                  alibi_slopes=slopes, **extra)
-
+    module.decode(
+        q,
+        *caches,
+        lengths,
+        block_table=table,
+        k_new=k_new,
+        v_new=v_new,
+        alibi_slopes=slopes,
+        **extra,
+    )

@@ -11,8 +11,7 @@ from attngen.tiling.decode import derive_decode_tiles
 from attngen.tiling.prefill import Derivation, derive_tiles, padded_head_dim
 
 
-def nearest_alternative(spec: AttnSpec, arch: str, kind: KernelKind = KernelKind.prefill
-                        ) -> str:
+def nearest_alternative(spec: AttnSpec, arch: str, kind: KernelKind = KernelKind.prefill) -> str:
     """When nothing fits: the closest change to the spec that does, or why none exists.
 
     Tried in the order a user would give ground: a smaller head dim (the model only sees the
@@ -22,21 +21,25 @@ def nearest_alternative(spec: AttnSpec, arch: str, kind: KernelKind = KernelKind
     padded = padded_head_dim(max(spec.head_dim, spec.value_head_dim))
     tier = padded // 2
     while tier >= 16:
-        update = {"head_dim": min(spec.head_dim, tier),
-                  "head_dim_v": min(spec.value_head_dim, tier)}
+        update = {
+            "head_dim": min(spec.head_dim, tier),
+            "head_dim_v": min(spec.value_head_dim, tier),
+        }
         trials.append((f"head_dim <= {tier}", spec.model_copy(update=update)))
         tier //= 2
     if spec.dtype.itemsize == 4:
         trials.insert(0, ("dtype bf16", spec.model_copy(update={"dtype": Dtype.bf16})))
     if kind is KernelKind.decode and spec.query_tokens > 1:
-        trials.insert(0, ("max_query_tokens 1", spec.model_copy(
-            update={"max_query_tokens": 1})))
+        trials.insert(0, ("max_query_tokens 1", spec.model_copy(update={"max_query_tokens": 1})))
     derive: Callable[[AttnSpec, str], Derivation] = (
-        derive_decode_tiles if kind is KernelKind.decode else derive_tiles)
+        derive_decode_tiles if kind is KernelKind.decode else derive_tiles
+    )
     for change, trial in trials:
         chosen = derive(trial, arch).chosen
         if chosen is not None:
-            return (f"{change} fits (BLOCK_M={chosen.block_m} BLOCK_N={chosen.block_n} "
-                    f"num_warps={chosen.num_warps} num_stages={chosen.num_stages})")
+            return (
+                f"{change} fits (BLOCK_M={chosen.block_m} BLOCK_N={chosen.block_n} "
+                f"num_warps={chosen.num_warps} num_stages={chosen.num_stages})"
+            )
     tried = "a smaller head dim" + (" or bf16" if spec.dtype.itemsize == 4 else "")
     return f"none: {tried} does not fit {arch} either"

@@ -74,7 +74,8 @@ def dq_smem_expression(arch: GpuArch, dropout: bool = False) -> sympy.Expr:
     def loop(staged_ds: sympy.Expr) -> sympy.Expr:
         return sympy.Piecewise(
             (resident + BN * DV + sympy.Max(BN * D, staged_ds), sympy.Eq(S, 1)),
-            (resident + (S - 1) * (BN * D + BN * DV) + staged_ds, True))
+            (resident + (S - 1) * (BN * D + BN * DV) + staged_ds, True),
+        )
 
     staged = sympy.Piecewise((BM * BN, BM < D), (0, True))
     sixteen_bit = E * loop(staged) + sympy.Piecewise((mask, sympy.Eq(staged, 0)), (0, True))
@@ -116,8 +117,7 @@ def dkdv_smem_expression(arch: GpuArch, dropout: bool = False) -> sympy.Expr:
         return mma
     streamed_first = BN * sympy.Min(D, DV) < S * BM * sympy.Max(D, DV)
     gap = sympy.Piecewise((1024 * sympy.ceiling(rows / 1024) - rows, streamed_first), (0, True))
-    row_scratch = sympy.Piecewise((1024 * sympy.ceiling(8 * BM / 1024), sympy.Eq(S, 1)),
-                                  (0, True))
+    row_scratch = sympy.Piecewise((1024 * sympy.ceiling(8 * BM / 1024), sympy.Eq(S, 1)), (0, True))
     wgmma = E * (resident + S * (BM * D + BM * DV)) + rows + gap + row_scratch + mask_scratch
     return sympy.Piecewise((wgmma, sympy.And(BN >= 64, sympy.Ne(E, 4))), (mma, True))
 
@@ -137,24 +137,37 @@ def regs_expression(arch: GpuArch, kernel: str) -> sympy.Expr:
         acc = BM * D / threads
         stream = BN * (D + DV) * E / (4 * threads)
         mma = 94 + sympy.Rational(69, 100) * acc + sympy.Rational(484, 100) * tile
-        wgmma = (70 + sympy.Rational(112, 100) * acc + sympy.Rational(71, 100) * tile
-                 + sympy.Rational(75, 100) * stream)
+        wgmma = (
+            70
+            + sympy.Rational(112, 100) * acc
+            + sympy.Rational(71, 100) * tile
+            + sympy.Rational(75, 100) * stream
+        )
         on_wgmma = BM >= 64
     else:
         acc = BN * (D + DV) / threads
         stream = BM * (D + DV) * E / (4 * threads)
-        mma = (115 + sympy.Rational(81, 100) * acc + sympy.Rational(207, 100) * tile
-               + sympy.Rational(39, 100) * stream)
-        wgmma = (199 + sympy.Rational(37, 100) * acc + sympy.Rational(93, 100) * tile
-                 + sympy.Rational(59, 100) * stream)
+        mma = (
+            115
+            + sympy.Rational(81, 100) * acc
+            + sympy.Rational(207, 100) * tile
+            + sympy.Rational(39, 100) * stream
+        )
+        wgmma = (
+            199
+            + sympy.Rational(37, 100) * acc
+            + sympy.Rational(93, 100) * tile
+            + sympy.Rational(59, 100) * stream
+        )
         on_wgmma = BN >= 64
     if arch.has_wgmma:
         return sympy.Piecewise((wgmma, sympy.And(on_wgmma, sympy.Ne(E, 4))), (mma, True))
     return mma
 
 
-def _choice(candidates: list[Candidate], arch: GpuArch, tuned: TileConfig | None,
-            kernel: str) -> TileConfig | None:
+def _choice(
+    candidates: list[Candidate], arch: GpuArch, tuned: TileConfig | None, kernel: str
+) -> TileConfig | None:
     """`tuned` (which must be feasible), else the heuristic's: the best score among configs
     the register model does not call may-spill (then the smallest shared memory)."""
     feasible = [c for c in candidates if c.feasible]
@@ -164,8 +177,9 @@ def _choice(candidates: list[Candidate], arch: GpuArch, tuned: TileConfig | None
         return tuned
     if not feasible:
         return None
-    return max(feasible, key=lambda c: (not c.may_spill(arch), c.score, -c.smem_bytes,
-                                        c.config)).config
+    return max(
+        feasible, key=lambda c: (not c.may_spill(arch), c.score, -c.smem_bytes, c.config)
+    ).config
 
 
 def smem_expression(arch: GpuArch, kernel: str, dropout: bool) -> sympy.Expr:
@@ -185,9 +199,14 @@ class BackwardDerivation:
         lines: list[str] = []
         for label, derivation in (("dQ kernel", self.dq), ("dK/dV kernel", self.dkdv)):
             chosen = derivation.chosen
-            head = "no feasible config" if chosen is None else (
-                f"{chosen.block_m}x{chosen.block_n}, {chosen.num_warps} warps, "
-                f"{chosen.num_stages} stages")
+            head = (
+                "no feasible config"
+                if chosen is None
+                else (
+                    f"{chosen.block_m}x{chosen.block_n}, {chosen.num_warps} warps, "
+                    f"{chosen.num_stages} stages"
+                )
+            )
             if derivation.source != "heuristic":  # a heuristic choice's line stays as it was
                 head += f" (source: {derivation.source})"
             lines += [f"{label}: {head}", *(f"  {line}" for line in derivation.summary_lines())]
@@ -199,21 +218,29 @@ Tuned = tuple[tuple[str, TileConfig, str], ...]
 
 
 @cache
-def derive_backward_tiles(spec: AttnSpec, arch_name: str, tuned: Tuned = ()
-                          ) -> BackwardDerivation:
+def derive_backward_tiles(spec: AttnSpec, arch_name: str, tuned: Tuned = ()) -> BackwardDerivation:
     """Both kernels' derivations; `tuned` replaces the heuristic's choice of the kernels it
     names (attngen.tuning.database checks that each is a feasible candidate first)."""
     chosen = {kernel: (config, source) for kernel, config, source in tuned}
     unknown = set(chosen) - set(KERNELS)
     if unknown:
-        raise ValueError(f"tuned: unknown backward kernel(s) {sorted(unknown)}; "
-                         f"expected {KERNELS}")
-    return BackwardDerivation(_derive(spec, arch_name, "dq", *chosen.get("dq", (None, ""))),
-                              _derive(spec, arch_name, "dkdv", *chosen.get("dkdv", (None, ""))))
+        raise ValueError(f"tuned: unknown backward kernel(s) {sorted(unknown)}; expected {KERNELS}")
+    return BackwardDerivation(
+        _derive(spec, arch_name, "dq", *chosen.get("dq", (None, ""))),
+        _derive(spec, arch_name, "dkdv", *chosen.get("dkdv", (None, ""))),
+    )
 
 
-def _candidate(arch: GpuArch, kernel: str, config: TileConfig, smem_f: Callable[..., Any],
-               regs_f: Callable[..., Any], d: int, dv: int, e: int) -> Candidate:
+def _candidate(
+    arch: GpuArch,
+    kernel: str,
+    config: TileConfig,
+    smem_f: Callable[..., Any],
+    regs_f: Callable[..., Any],
+    d: int,
+    dv: int,
+    e: int,
+) -> Candidate:
     """One config of `kernel` measured by the model: its shared memory, registers and
     occupancy, why it is rejected (if it is), and its score."""
     bm, bn, w, s = config.block_m, config.block_n, config.num_warps, config.num_stages
@@ -226,50 +253,74 @@ def _candidate(arch: GpuArch, kernel: str, config: TileConfig, smem_f: Callable[
         reasons.append(f"regs {regs} > {arch.max_regs_per_thread} + {REGISTER_MARGIN}")
     owned = bm if kernel == "dq" else bn
     if owned > 32 * w:
-        reasons.append(f"tile: {'BLOCK_M' if kernel == 'dq' else 'BLOCK_N'} {owned} > "
-                       "32 * num_warps")
-    per_sm = min(arch.smem_per_sm // (smem + arch.smem_block_cost),
-                 arch.regs_per_sm // (min(regs, arch.max_regs_per_thread) * 32 * w),
-                 arch.max_threads_per_sm // (32 * w))
+        reasons.append(
+            f"tile: {'BLOCK_M' if kernel == 'dq' else 'BLOCK_N'} {owned} > 32 * num_warps"
+        )
+    per_sm = min(
+        arch.smem_per_sm // (smem + arch.smem_block_cost),
+        arch.regs_per_sm // (min(regs, arch.max_regs_per_thread) * 32 * w),
+        arch.max_threads_per_sm // (32 * w),
+    )
     if not reasons and per_sm < 1:
         reasons.append("occupancy 0 programs/SM")
     score = 0.0
     if not reasons:
         reuse = min(bm * bn / (bm + bn) / 64, 1.0)
         score = reuse * (0.9 if s == 2 else 1.0) * min(1.0, per_sm * w / 8)
-    return Candidate(config, smem, regs, per_sm, round(score, 6), tuple(reasons),
-                     regs_predictive=e != 4)
+    return Candidate(
+        config, smem, regs, per_sm, round(score, 6), tuple(reasons), regs_predictive=e != 4
+    )
 
 
-def _derive(spec: AttnSpec, arch_name: str, kernel: str, tuned: TileConfig | None = None,
-            source: str = "") -> Derivation:
+def _derive(
+    spec: AttnSpec, arch_name: str, kernel: str, tuned: TileConfig | None = None, source: str = ""
+) -> Derivation:
     arch = ARCHS[arch_name]
     d, dv = padded_head_dim(spec.head_dim), padded_head_dim(spec.value_head_dim)
     e = spec.dtype.itemsize
     smem_expr = smem_expression(arch, kernel, spec.dropout)
     regs_expr = regs_expression(arch, kernel)
     smem_f, regs_f = compiled(smem_expr, MODEL_SYMBOLS), compiled(regs_expr, MODEL_SYMBOLS)
-    candidates = [_candidate(arch, kernel, TileConfig(bm, bn, w, s), smem_f, regs_f, d, dv, e)
-                  for bm, bn, w, s in itertools.product(BLOCK_CHOICES, BLOCK_CHOICES,
-                                                        NUM_WARPS_CHOICES, NUM_STAGES_CHOICES)]
+    candidates = [
+        _candidate(arch, kernel, TileConfig(bm, bn, w, s), smem_f, regs_f, d, dv, e)
+        for bm, bn, w, s in itertools.product(
+            BLOCK_CHOICES, BLOCK_CHOICES, NUM_WARPS_CHOICES, NUM_STAGES_CHOICES
+        )
+    ]
     chosen = _choice(candidates, arch, tuned, kernel)
     values = {D: d, DV: dv, E: e}
     worked: dict[str, str] = {}
     binding = "nothing fits"
     if chosen is not None:
-        at = {**values, BM: chosen.block_m, BN: chosen.block_n, S: chosen.num_stages,
-              W: chosen.num_warps}
-        worked = {"smem": active_formula(smem_expr, at), "regs": active_formula(regs_expr, at),
-                  "values": ", ".join(f"{sym}={at[sym]}" for sym in (BM, BN, D, DV, E, S, W))}
-        binding = binding_constraint(next(c for c in candidates if c.config == chosen),
-                                     candidates)
+        at = {
+            **values,
+            BM: chosen.block_m,
+            BN: chosen.block_n,
+            S: chosen.num_stages,
+            W: chosen.num_warps,
+        }
+        worked = {
+            "smem": active_formula(smem_expr, at),
+            "regs": active_formula(regs_expr, at),
+            "values": ", ".join(f"{sym}={at[sym]}" for sym in (BM, BN, D, DV, E, S, W)),
+        }
+        binding = binding_constraint(next(c for c in candidates if c.config == chosen), candidates)
     return Derivation(
-        arch=arch_name, source=source if tuned is not None else "heuristic",
-        expressions=LazyText(lambda: {"smem": str(smem_expr.subs(values)),
-                                      "regs": str(regs_expr.subs(values))}),
-        constraints=(f"smem: shared memory <= {arch.smem_budget} B",
-                     f"regs: registers/thread <= {arch.max_regs_per_thread} + "
-                     f"{REGISTER_MARGIN} (an estimate)",
-                     "tile: the rows a program owns <= 32 * num_warps"),
-        candidates=tuple(candidates), chosen=chosen, binding=binding, worked=worked,
-        dims={"D": d, "DV": dv, "E": e}, tma=False)
+        arch=arch_name,
+        source=source if tuned is not None else "heuristic",
+        expressions=LazyText(
+            lambda: {"smem": str(smem_expr.subs(values)), "regs": str(regs_expr.subs(values))}
+        ),
+        constraints=(
+            f"smem: shared memory <= {arch.smem_budget} B",
+            f"regs: registers/thread <= {arch.max_regs_per_thread} + "
+            f"{REGISTER_MARGIN} (an estimate)",
+            "tile: the rows a program owns <= 32 * num_warps",
+        ),
+        candidates=tuple(candidates),
+        chosen=chosen,
+        binding=binding,
+        worked=worked,
+        dims={"D": d, "DV": dv, "E": e},
+        tma=False,
+    )

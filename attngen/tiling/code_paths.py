@@ -63,11 +63,15 @@ class CodePaths:
         elif self.tma_masked_blocks:
             loads = "K/V through TMA, masked blocks too"
         else:
-            loads = (f"K/V through TMA, masked blocks by pointer loads (D > "
-                     f"{TMA_MASKED_MAX_HEAD_DIM}: the extra branch spills)")
+            loads = (
+                f"K/V through TMA, masked blocks by pointer loads (D > "
+                f"{TMA_MASKED_MAX_HEAD_DIM}: the extra branch spills)"
+            )
         if self.lpt_group_heads:
-            order = (f"heaviest causal query blocks first, in groups of {self.lpt_group_heads}"
-                     f" heads (causal, D > {LPT_ABOVE_HEAD_DIM})")
+            order = (
+                f"heaviest causal query blocks first, in groups of {self.lpt_group_heads}"
+                f" heads (causal, D > {LPT_ABOVE_HEAD_DIM})"
+            )
         else:
             order = "one head's query blocks after another's, the last block first"
         return f"{loads}; {order}"
@@ -83,12 +87,16 @@ def code_paths(spec: AttnSpec, arch: str, kind: KernelKind) -> CodePaths:
     elif kind is not KernelKind.prefill:
         why_not = "varlen's packed rows would need other descriptors"
     elif not tma_strides_aligned(spec):
-        why_not = (f"head dims {spec.head_dim}/{spec.value_head_dim} x {spec.dtype.itemsize} B "
-                   "are not multiples of 16 B, which a tensor descriptor's strides must be")
+        why_not = (
+            f"head dims {spec.head_dim}/{spec.value_head_dim} x {spec.dtype.itemsize} B "
+            "are not multiples of 16 B, which a tensor descriptor's strides must be"
+        )
     else:
         why_not = ""
     tma = not why_not
     lpt = tma and spec.mask.value == "causal" and widest > LPT_ABOVE_HEAD_DIM
-    return CodePaths(why_not_tma=why_not,
-                     tma_masked_blocks=tma and widest <= TMA_MASKED_MAX_HEAD_DIM,
-                     lpt_group_heads=LPT_GROUP_HEADS if lpt else 0)
+    return CodePaths(
+        why_not_tma=why_not,
+        tma_masked_blocks=tma and widest <= TMA_MASKED_MAX_HEAD_DIM,
+        lpt_group_heads=LPT_GROUP_HEADS if lpt else 0,
+    )

@@ -89,8 +89,10 @@ INTERPRETER_SM_COUNT = 132  # what the generated module assumes without a GPU (a
 
 # Reference problems `attngen explain` works the split rule out for (batch, cache length).
 REFERENCE_PROBLEMS = ((1, 4096), (8, 32768), (64, 4096))
-SCORE_TEXT = (f"min(1, min(programs/SM, {SPLIT_WAVES}) * BLOCK_N*(D + DV)*E * (S - 1, or "
-              f"{UNPIPELINED_SHARE} for S = 1) / {IN_FLIGHT_TARGET}) (bytes in flight per SM)")
+SCORE_TEXT = (
+    f"min(1, min(programs/SM, {SPLIT_WAVES}) * BLOCK_N*(D + DV)*E * (S - 1, or "
+    f"{UNPIPELINED_SHARE} for S = 1) / {IN_FLIGHT_TARGET}) (bytes in flight per SM)"
+)
 
 
 def row_tile(num_q_heads: int, num_kv_heads: int, query_tokens: int) -> int:
@@ -100,8 +102,9 @@ def row_tile(num_q_heads: int, num_kv_heads: int, query_tokens: int) -> int:
 
 
 def decode_score(per_sm: int, block_n: int, d: int, dv: int, e: int, stages: int) -> float:
-    in_flight = (min(per_sm, SPLIT_WAVES) * block_n * (d + dv) * e
-                 * (stages - 1 or UNPIPELINED_SHARE))
+    in_flight = (
+        min(per_sm, SPLIT_WAVES) * block_n * (d + dv) * e * (stages - 1 or UNPIPELINED_SHARE)
+    )
     return min(1.0, in_flight / IN_FLIGHT_TARGET)
 
 
@@ -125,24 +128,36 @@ def derive_decode_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
     shown = best.config.block_m if best else rows
     values = {D: d, DV: dv, E: spec.dtype.itemsize, BM: shown}
     derivation = Derivation(
-        arch=arch_name, source="heuristic",
-        expressions=LazyText(lambda: {
-            "smem": str(smem_expression(arch, tma=False).subs(values)),
-            "regs": str(regs_expression(arch).subs(values)), "score": SCORE_TEXT}),
-        constraints=constraint_labels(arch)[:3], candidates=tuple(candidates), chosen=None,
-        binding="nothing fits", dims={"D": d, "DV": dv, "E": spec.dtype.itemsize}, tma=False)
+        arch=arch_name,
+        source="heuristic",
+        expressions=LazyText(
+            lambda: {
+                "smem": str(smem_expression(arch, tma=False).subs(values)),
+                "regs": str(regs_expression(arch).subs(values)),
+                "score": SCORE_TEXT,
+            }
+        ),
+        constraints=constraint_labels(arch)[:3],
+        candidates=tuple(candidates),
+        chosen=None,
+        binding="nothing fits",
+        dims={"D": d, "DV": dv, "E": spec.dtype.itemsize},
+        tma=False,
+    )
     if best is None:
         return derivation
     return choose(derivation, best.config, "heuristic")
 
 
-def _candidates(spec: AttnSpec, arch: GpuArch, row_tiles: tuple[int, ...],
-                block_ns: tuple[int, ...]) -> list[Candidate]:
+def _candidates(
+    spec: AttnSpec, arch: GpuArch, row_tiles: tuple[int, ...], block_ns: tuple[int, ...]
+) -> list[Candidate]:
     d, dv = padded_head_dim(spec.head_dim), padded_head_dim(spec.value_head_dim)
     smem_f, regs_f = numeric_model(arch, tma=False)  # decode loads through pointers
     candidates = []
-    for rows, bn, w, s in itertools.product(row_tiles, block_ns, DECODE_WARPS_CHOICES,
-                                            DECODE_STAGES_CHOICES):
+    for rows, bn, w, s in itertools.product(
+        row_tiles, block_ns, DECODE_WARPS_CHOICES, DECODE_STAGES_CHOICES
+    ):
         at = (rows, bn, s, w, d, dv, spec.dtype.itemsize)  # MODEL_SYMBOLS' order
         smem_b, regs_t = int(smem_f(*at)), int(math.ceil(regs_f(*at)))
         reasons = []
@@ -150,27 +165,43 @@ def _candidates(spec: AttnSpec, arch: GpuArch, row_tiles: tuple[int, ...],
             reasons.append(f"smem {smem_b} B > {arch.smem_budget} B")
         if regs_t > arch.max_regs_per_thread + REGISTER_MARGIN:
             reasons.append(f"regs {regs_t} > {arch.max_regs_per_thread} + {REGISTER_MARGIN}")
-        per_sm = min(arch.smem_per_sm // (smem_b + arch.smem_block_cost),
-                     arch.regs_per_sm // (min(regs_t, arch.max_regs_per_thread) * 32 * w),
-                     arch.max_threads_per_sm // (32 * w))
+        per_sm = min(
+            arch.smem_per_sm // (smem_b + arch.smem_block_cost),
+            arch.regs_per_sm // (min(regs_t, arch.max_regs_per_thread) * 32 * w),
+            arch.max_threads_per_sm // (32 * w),
+        )
         if not reasons and per_sm < 1:
             reasons.append("occupancy 0 programs/SM")
         score = 0.0 if reasons else decode_score(per_sm, bn, d, dv, spec.dtype.itemsize, s)
-        candidates.append(Candidate(TileConfig(rows, bn, w, s), smem_b, regs_t, per_sm,
-                                    round(score, 6), tuple(reasons),
-                                    regs_predictive=spec.dtype.itemsize != 4))
+        candidates.append(
+            Candidate(
+                TileConfig(rows, bn, w, s),
+                smem_b,
+                regs_t,
+                per_sm,
+                round(score, 6),
+                tuple(reasons),
+                regs_predictive=spec.dtype.itemsize != 4,
+            )
+        )
     return candidates
 
 
-def _preference(cand: Candidate, arch: GpuArch
-                ) -> tuple[bool, int, float, float, int, int, int]:
+def _preference(cand: Candidate, arch: GpuArch) -> tuple[bool, int, float, float, int, int, int]:
     """Safe before may-spill, then the wider row tile (fewer re-reads of the keys), then the
     score; among equals BLOCK_N 64 (a K tile of 64 rows already makes full 128-byte
     transactions, and finer tiles let splits be finer), then fewer warps (more programs per
     SM), fewer stages and less shared memory."""
     c = cand.config
-    return (not cand.may_spill(arch), c.block_m, cand.score, -abs(math.log2(c.block_n / 64)),
-            -c.num_warps, -c.num_stages, -cand.smem_bytes)
+    return (
+        not cand.may_spill(arch),
+        c.block_m,
+        cand.score,
+        -abs(math.log2(c.block_n / 64)),
+        -c.num_warps,
+        -c.num_stages,
+        -cand.smem_bytes,
+    )
 
 
 def decode_config(spec: AttnSpec, arch: str) -> TileConfig | None:
@@ -208,10 +239,12 @@ def split_lines(spec: AttnSpec, config: TileConfig, sm_count: int) -> list[str]:
     """The split rule worked out for REFERENCE_PROBLEMS with the spec's heads."""
     ratio = spec.num_q_heads // spec.num_kv_heads
     row_blocks = -(-ratio // config.block_m)  # one query token
-    lines = [f"num_splits rule ({sm_count} SMs, BLOCK_N={config.block_n}): programs = B x "
-             f"HKV{' x row blocks' if row_blocks > 1 else ''}; at most clamp(blocks // "
-             f"{MIN_BLOCKS_PER_SPLIT}, 1, {MAX_SPLITS}); wanted = ceil({SPLIT_WAVES} x SMs / "
-             "programs); the count in wanted..2 x wanted that fills its last wave best"]
+    lines = [
+        f"num_splits rule ({sm_count} SMs, BLOCK_N={config.block_n}): programs = B x "
+        f"HKV{' x row blocks' if row_blocks > 1 else ''}; at most clamp(blocks // "
+        f"{MIN_BLOCKS_PER_SPLIT}, 1, {MAX_SPLITS}); wanted = ceil({SPLIT_WAVES} x SMs / "
+        "programs); the count in wanted..2 x wanted that fills its last wave best"
+    ]
     for batch, length in REFERENCE_PROBLEMS:
         capacity = length
         if spec.page_size is not None:  # a paged cache: whole pages
@@ -227,6 +260,6 @@ def split_lines(spec: AttnSpec, config: TileConfig, sm_count: int) -> list[str]:
             f"  B={batch} L={length}: {programs} programs, span {span} keys = {blocks} blocks, "
             f"wanted {min(wanted, most)}, at most {most} -> {splits} "
             f"split(s) of {keys} keys: {total} programs = {total / sm_count:.2f} per SM"
-            + ("" if splits > 1 else " (no combine: written directly)"))
+            + ("" if splits > 1 else " (no combine: written directly)")
+        )
     return lines
-

@@ -26,15 +26,18 @@ def keep_mask_scratch() -> sympy.Expr:
     return sympy.Piecewise((2 * BM * BN, BM * BN <= 256 * W), (BM * BN, True))
 
 
-def forward_loop(q: sympy.Expr, k: sympy.Expr, v: sympy.Expr, p: sympy.Expr,
-                 buffers: sympy.Expr) -> sympy.Expr:
+def forward_loop(
+    q: sympy.Expr, k: sympy.Expr, v: sympy.Expr, p: sympy.Expr, buffers: sympy.Expr
+) -> sympy.Expr:
     """The forward key loop's elements (prefill.py smem_expression's loop) with the scratch,
     which is live after the scores are formed: a staged P buffer (E * BM * BN bytes, at least
     as large) holds it, so it adds nothing to fp32 or to mma.sync tiles with BLOCK_M < DV;
     beside a P held in registers it is added; at S == 1 it reuses K's bytes like P does."""
     mask = keep_mask_scratch() / E
-    return sympy.Piecewise((q + v + sympy.Max(k, p, mask), sympy.Eq(S, 1)),
-                           (q + buffers * (k + v) + sympy.Max(p, mask), True))
+    return sympy.Piecewise(
+        (q + v + sympy.Max(k, p, mask), sympy.Eq(S, 1)),
+        (q + buffers * (k + v) + sympy.Max(p, mask), True),
+    )
 
 
 def forward_wgmma(barrier: sympy.Expr) -> sympy.Expr:
@@ -48,8 +51,10 @@ def forward_wgmma(barrier: sympy.Expr) -> sympy.Expr:
     q, k, v = BM * D, BN * D, BN * DV
     unpipelined = E * (q + v) + sympy.Max(E * k + barrier, keep_mask_scratch()) - barrier
     pipelined = E * (q + S * (k + v)) + keep_mask_scratch()
-    return sympy.Piecewise((sympy.Max(unpipelined, E * BM * DV), sympy.Eq(S, 1)),
-                           (sympy.Max(pipelined, E * BM * DV), True))
+    return sympy.Piecewise(
+        (sympy.Max(unpipelined, E * BM * DV), sympy.Eq(S, 1)),
+        (sympy.Max(pipelined, E * BM * DV), True),
+    )
 
 
 def forward_registers() -> sympy.Expr:

@@ -34,16 +34,20 @@ def exact_value(expr: sympy.Expr, values: dict[sympy.Symbol, int]) -> sympy.Expr
 
 
 def _piecewise_nodes(expr: sympy.Expr) -> tuple[sympy.Piecewise, ...]:
-    return tuple(node for node in sympy.preorder_traversal(expr)
-                 if isinstance(node, sympy.Piecewise))
+    return tuple(
+        node for node in sympy.preorder_traversal(expr) if isinstance(node, sympy.Piecewise)
+    )
 
 
 @cache
-def _conditions(expr: sympy.Expr, symbols: tuple[sympy.Symbol, ...]
-                ) -> tuple[tuple[Callable[..., Any], ...], ...]:
+def _conditions(
+    expr: sympy.Expr, symbols: tuple[sympy.Symbol, ...]
+) -> tuple[tuple[Callable[..., Any], ...], ...]:
     """Per Piecewise node of `expr`, its arms' conditions as functions of `symbols`."""
-    return tuple(tuple(sympy.lambdify(symbols, cond, modules="math") for _, cond in node.args)
-                 for node in _piecewise_nodes(expr))
+    return tuple(
+        tuple(sympy.lambdify(symbols, cond, modules="math") for _, cond in node.args)
+        for node in _piecewise_nodes(expr)
+    )
 
 
 _formulas: dict[tuple[sympy.Expr, tuple[int, ...]], str] = {}
@@ -55,8 +59,10 @@ def active_formula(expr: sympy.Expr, values: dict[sympy.Symbol, int]) -> str:
     Piecewise takes, so it is built once per such choice and then looked up."""
     symbols = tuple(values)
     arguments = tuple(values.values())
-    choice = tuple(next(i for i, cond in enumerate(node) if bool(cond(*arguments)))
-                   for node in _conditions(expr, symbols))
+    choice = tuple(
+        next(i for i, cond in enumerate(node) if bool(cond(*arguments)))
+        for node in _conditions(expr, symbols)
+    )
     key = (expr, choice)
     text = _formulas.get(key)
     if text is None:

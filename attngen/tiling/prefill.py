@@ -61,6 +61,7 @@ BLOCK_N_CHOICES = (16, 32, 64, 128)
 NUM_WARPS_CHOICES = (4, 8)
 NUM_STAGES_CHOICES = (1, 2, 3, 4)
 
+
 @dataclass(frozen=True, order=True)
 class TileConfig:
     """One launch config of the prefill kernel.
@@ -77,8 +78,12 @@ class TileConfig:
     @classmethod
     def from_dict(cls, data: dict[str, int]) -> TileConfig:
         """The inverse of as_dict (the launcher's CONFIG keys)."""
-        return cls(int(data["BLOCK_M"]), int(data["BLOCK_N"]), int(data["num_warps"]),
-                   int(data["num_stages"]))
+        return cls(
+            int(data["BLOCK_M"]),
+            int(data["BLOCK_N"]),
+            int(data["num_warps"]),
+            int(data["num_stages"]),
+        )
 
     def as_dict(self) -> dict[str, int]:
         return {
@@ -152,12 +157,14 @@ class Derivation:
             f"of {arch.max_regs_per_thread}",
             f"programs/SM {best.programs_per_sm}"
             + (f", waves {self.worked['waves']}" if "waves" in self.worked else ""),
-            f"score {best.score:.3f}, "
-            f"{feasible} of {len(self.candidates)} candidates feasible",
+            f"score {best.score:.3f}, {feasible} of {len(self.candidates)} candidates feasible",
             f"binding: {self.binding}",
         ]
-        lines += [f"sequences up to {up_to}: {c.block_m}x{c.block_n}, {c.num_warps} warps, "
-                  f"{c.num_stages} stages (measured faster there)" for up_to, c in self.shorter]
+        lines += [
+            f"sequences up to {up_to}: {c.block_m}x{c.block_n}, {c.num_warps} warps, "
+            f"{c.num_stages} stages (measured faster there)"
+            for up_to, c in self.shorter
+        ]
         wrapped: list[str] = []
         for line in lines:
             wrapped += textwrap.wrap(line, width, subsequent_indent="    ")
@@ -187,31 +194,41 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
     arch = ARCHS[arch_name]
     tma = arch.has_tma and tma_strides_aligned(spec)
     pipelined = (tma and spec.dtype.itemsize == 2) or rows_aligned(spec)
-    d, dv, e = padded_head_dim(spec.head_dim), padded_head_dim(spec.value_head_dim), (
-        spec.dtype.itemsize)
+    d, dv, e = (
+        padded_head_dim(spec.head_dim),
+        padded_head_dim(spec.value_head_dim),
+        (spec.dtype.itemsize),
+    )
     values = {D: d, DV: dv, E: e}
     smem_f, regs_f = numeric_model(arch, tma, pipelined, spec.dropout)
     waves_at = {H: spec.num_q_heads, SMS: arch.sm_count}
-    candidates = [_candidate(spec, arch, TileConfig(bm, bn, w, s), smem_f, regs_f, d, dv, e)
-                  for bm, bn, w, s in itertools.product(BLOCK_M_CHOICES, BLOCK_N_CHOICES,
-                                                        NUM_WARPS_CHOICES, NUM_STAGES_CHOICES)]
+    candidates = [
+        _candidate(spec, arch, TileConfig(bm, bn, w, s), smem_f, regs_f, d, dv, e)
+        for bm, bn, w, s in itertools.product(
+            BLOCK_M_CHOICES, BLOCK_N_CHOICES, NUM_WARPS_CHOICES, NUM_STAGES_CHOICES
+        )
+    ]
     derivation = Derivation(
         arch=arch_name,
         source="heuristic",
         # The formulas with this spec's dtype and head dims substituted: what explain prints
         # (sympy takes a while to simplify them, so only when read).
-        expressions=LazyText(lambda: {
-            "smem": str(smem_expression(arch, tma, pipelined, spec.dropout).subs(values)),
-            "regs": str(regs_expression(arch, pipelined, spec.dropout).subs(values)),
-            "score": str(score_expression()),
-            "waves": str(wave_expression().subs(waves_at))}),
+        expressions=LazyText(
+            lambda: {
+                "smem": str(smem_expression(arch, tma, pipelined, spec.dropout).subs(values)),
+                "regs": str(regs_expression(arch, pipelined, spec.dropout).subs(values)),
+                "score": str(score_expression()),
+                "waves": str(wave_expression().subs(waves_at)),
+            }
+        ),
         constraints=constraint_labels(arch),
         candidates=tuple(candidates),
         chosen=None,
         binding="nothing fits",
         dims={str(symbol): value for symbol, value in {**values, **waves_at}.items()},
         tma=tma,
-        pipelined=pipelined, dropout=spec.dropout,
+        pipelined=pipelined,
+        dropout=spec.dropout,
     )
     feasible = [c for c in candidates if c.feasible]
     if not feasible:
@@ -220,8 +237,16 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
     return choose(derivation, best.config, "heuristic")
 
 
-def _candidate(spec: AttnSpec, arch: GpuArch, config: TileConfig, smem_f: Callable[..., Any],
-               regs_f: Callable[..., Any], d: int, dv: int, e: int) -> Candidate:
+def _candidate(
+    spec: AttnSpec,
+    arch: GpuArch,
+    config: TileConfig,
+    smem_f: Callable[..., Any],
+    regs_f: Callable[..., Any],
+    d: int,
+    dv: int,
+    e: int,
+) -> Candidate:
     """One config measured by the model: its shared memory, registers and occupancy, why it
     is rejected (if it is), and its score on the reference problem."""
     bm, bn, w, s = config.block_m, config.block_n, config.num_warps, config.num_stages
@@ -246,8 +271,16 @@ def _candidate(spec: AttnSpec, arch: GpuArch, config: TileConfig, smem_f: Callab
     if not reasons:
         waves = float(exact_waves(spec.num_q_heads, arch.sm_count, bm, per_sm))
         score = float(exact_score(bm, bn, s)) * occupancy * waves
-    return Candidate(config, smem, regs, per_sm, round(score, 6), tuple(reasons),
-                     regs_predictive=spec.dtype.itemsize != 4, wave_efficiency=round(waves, 4))
+    return Candidate(
+        config,
+        smem,
+        regs,
+        per_sm,
+        round(score, 6),
+        tuple(reasons),
+        regs_predictive=spec.dtype.itemsize != 4,
+        wave_efficiency=round(waves, 4),
+    )
 
 
 def choose(derivation: Derivation, config: TileConfig, source: str) -> Derivation:
@@ -258,25 +291,39 @@ def choose(derivation: Derivation, config: TileConfig, source: str) -> Derivatio
     candidate = by_config.get(config)
     if candidate is None or not candidate.feasible:
         raise ValueError(f"{config} is not a feasible candidate on {arch.name}")
-    at = {D: derivation.dims["D"], DV: derivation.dims["DV"], E: derivation.dims["E"],
-          BM: config.block_m, BN: config.block_n, S: config.num_stages, W: config.num_warps}
+    at = {
+        D: derivation.dims["D"],
+        DV: derivation.dims["DV"],
+        E: derivation.dims["E"],
+        BM: config.block_m,
+        BN: config.block_n,
+        S: config.num_stages,
+        W: config.num_warps,
+    }
     worked = {}
     if "H" in derivation.dims:  # prefill's reference problem (decode has its own split rule)
-        waves = exact_waves(derivation.dims["H"], derivation.dims["SMS"], config.block_m,
-                            candidate.programs_per_sm)
-        worked["waves"] = (f"{waves} = {float(waves):.3f} ({derivation.dims['H']} heads x "
-                           f"{REFERENCE_TOKENS} tokens / {config.block_m} rows per program "
-                           f"over {derivation.dims['SMS']} SMs x {candidate.programs_per_sm} "
-                           "per SM)")
+        waves = exact_waves(
+            derivation.dims["H"], derivation.dims["SMS"], config.block_m, candidate.programs_per_sm
+        )
+        worked["waves"] = (
+            f"{waves} = {float(waves):.3f} ({derivation.dims['H']} heads x "
+            f"{REFERENCE_TOKENS} tokens / {config.block_m} rows per program "
+            f"over {derivation.dims['SMS']} SMs x {candidate.programs_per_sm} "
+            "per SM)"
+        )
     paths = (derivation.pipelined, derivation.dropout)
     worked |= {
         "smem": active_formula(smem_expression(arch, derivation.tma, *paths), at),
         "regs": active_formula(regs_expression(arch, *paths), at),
         "values": ", ".join(f"{symbol}={at[symbol]}" for symbol in (BM, BN, D, DV, E, S, W)),
     }
-    return dataclasses.replace(derivation, chosen=config, source=source,
-                               binding=binding_constraint(candidate, list(derivation.candidates)),
-                               worked=worked)
+    return dataclasses.replace(
+        derivation,
+        chosen=config,
+        source=source,
+        binding=binding_constraint(candidate, list(derivation.candidates)),
+        worked=worked,
+    )
 
 
 def binding_constraint(best: Candidate, candidates: list[Candidate]) -> str:
@@ -288,12 +335,21 @@ def binding_constraint(best: Candidate, candidates: list[Candidate]) -> str:
     by_config = {c.config: c for c in candidates}
     cfg = best.config
     steps = (
-        ("BLOCK_M", cfg.block_m, TileConfig(cfg.block_m * 2, cfg.block_n, cfg.num_warps,
-                                            cfg.num_stages)),
-        ("BLOCK_N", cfg.block_n, TileConfig(cfg.block_m, cfg.block_n * 2, cfg.num_warps,
-                                            cfg.num_stages)),
-        ("num_stages", cfg.num_stages, TileConfig(cfg.block_m, cfg.block_n, cfg.num_warps,
-                                                  cfg.num_stages + 1)),
+        (
+            "BLOCK_M",
+            cfg.block_m,
+            TileConfig(cfg.block_m * 2, cfg.block_n, cfg.num_warps, cfg.num_stages),
+        ),
+        (
+            "BLOCK_N",
+            cfg.block_n,
+            TileConfig(cfg.block_m, cfg.block_n * 2, cfg.num_warps, cfg.num_stages),
+        ),
+        (
+            "num_stages",
+            cfg.num_stages,
+            TileConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages + 1),
+        ),
     )
     parts = []
     for label, value, bigger in steps:
@@ -304,6 +360,7 @@ def binding_constraint(best: Candidate, candidates: list[Candidate]) -> str:
         elif neighbour.rejected:
             parts.append(f"{label} {value}->{grown}: {neighbour.rejected[0]}")
         else:
-            parts.append(f"{label} {value}->{grown}: fits, not chosen "
-                         f"(score {neighbour.score:.3f})")
+            parts.append(
+                f"{label} {value}->{grown}: fits, not chosen (score {neighbour.score:.3f})"
+            )
     return "; ".join(parts)

@@ -24,8 +24,9 @@ REFERENCE_TOKENS = 4096
 
 
 @cache  # sympy builds it slowly; one per arch serves every derivation
-def smem_expression(arch: GpuArch, tma: bool = True, pipelined: bool = True,
-                    dropout: bool = False) -> sympy.Expr:
+def smem_expression(
+    arch: GpuArch, tma: bool = True, pipelined: bool = True, dropout: bool = False
+) -> sympy.Expr:
     """Dynamic shared memory per program in bytes, as Triton 3.6 allocates it for this template.
 
     Fitted to the compiler on 584 configs (docs/results/tiling_fit_set_584.json) and checked
@@ -49,8 +50,9 @@ def smem_expression(arch: GpuArch, tma: bool = True, pipelined: bool = True,
     def loop(p: sympy.Expr, buffers: sympy.Expr) -> sympy.Expr:
         if dropout:
             return drop.forward_loop(q, k, v, p, buffers)
-        return sympy.Piecewise((q + v + sympy.Max(k, p), sympy.Eq(S, 1)),
-                               (q + buffers * (k + v) + p, True))
+        return sympy.Piecewise(
+            (q + v + sympy.Max(k, p), sympy.Eq(S, 1)), (q + buffers * (k + v) + p, True)
+        )
 
     staged_p = sympy.Piecewise((0, BM >= DV), (BM * BN, True))
     sixteen_bit = E * sympy.Max(loop(staged_p, sympy.Max(S - 1, 1)), epilogue)
@@ -83,17 +85,19 @@ def tma_barrier_expression() -> sympy.Expr:
     instead: 1024 B of alignment plus one array, or none when the masked blocks are TMA
     loads too. Fitted to all 256 16-bit sm90 configs of the examples (D = DV = 64, 128, 256)
     and checked by verify-tiling."""
+
     def arrays(n: sympy.Expr) -> sympy.Expr:
         return 16 * sympy.ceiling(8 * n / sympy.Integer(16)) + 8 * n
 
     # The masked blocks' loads through TMA too (D, DV <= TMA_MASKED_MAX_HEAD_DIM) leave one
     # pipeline for both key loops: the array after the aligned buffers goes (the compiler's
     # count on all 66 such sm90 configs: 8 x S bytes fewer).
-    after_aligned = sympy.Piecewise((0, sympy.Eq(S, 1)),
-                                    (0, sympy.Max(D, DV) <= TMA_MASKED_MAX_HEAD_DIM),
-                                    (8 * S, True))
-    wgmma = sympy.Piecewise((1024 + after_aligned, S * BN > BM),
-                            (8, sympy.Eq(S, 1)), (arrays(S), True))
+    after_aligned = sympy.Piecewise(
+        (0, sympy.Eq(S, 1)), (0, sympy.Max(D, DV) <= TMA_MASKED_MAX_HEAD_DIM), (8 * S, True)
+    )
+    wgmma = sympy.Piecewise(
+        (1024 + after_aligned, S * BN > BM), (8, sympy.Eq(S, 1)), (arrays(S), True)
+    )
     mma = sympy.Piecewise((0, sympy.Eq(S, 1)), (arrays(S - 1), True))
     return sympy.Piecewise((wgmma, BM >= 64), (mma, True))
 
@@ -122,13 +126,21 @@ def regs_expression(arch: GpuArch, pipelined: bool = True, dropout: bool = False
     acc, scores = BM * DV / threads, BM * BN / threads
     kv = BN * (D + DV) * E / (4 * threads)
     if pipelined:
-        sixteen_bit = (69 + sympy.Rational(4, 3) * acc + sympy.Rational(4, 3) * scores
-                       + sympy.Rational(2, 3) * kv)
+        sixteen_bit = (
+            69
+            + sympy.Rational(4, 3) * acc
+            + sympy.Rational(4, 3) * scores
+            + sympy.Rational(2, 3) * kv
+        )
         wgmma = 66 + acc + sympy.Rational(3, 4) * scores + sympy.Rational(5, 6) * kv
     else:
         sixteen_bit = 116 + sympy.Rational(8, 5) * acc + sympy.Rational(11, 5) * kv
-        wgmma = (136 + sympy.Rational(4, 3) * acc + sympy.Rational(1, 4) * scores
-                 + sympy.Rational(4, 3) * kv)
+        wgmma = (
+            136
+            + sympy.Rational(4, 3) * acc
+            + sympy.Rational(1, 4) * scores
+            + sympy.Rational(4, 3) * kv
+        )
     if arch.has_wgmma:
         sixteen_bit = sympy.Piecewise((wgmma, BM >= 64), (sixteen_bit, True))
     sixteen_bit = sixteen_bit + (drop.forward_registers() if dropout else 0)
@@ -140,8 +152,9 @@ def score_expression() -> sympy.Expr:
     """Predicted efficiency in (0, 1]: tile reuse (larger tiles read K/V fewer times and feed
     the tensor cores longer) times a pipelining factor; occupancy and waves multiply it."""
     reuse = (BM * BN / (BM + BN)) / sympy.Integer(64)  # 1 for a 128 x 128 tile
-    pipelining = sympy.Piecewise((sympy.Rational(6, 10), sympy.Eq(S, 1)),
-                                 (sympy.Rational(9, 10), sympy.Eq(S, 2)), (1, True))
+    pipelining = sympy.Piecewise(
+        (sympy.Rational(6, 10), sympy.Eq(S, 1)), (sympy.Rational(9, 10), sympy.Eq(S, 2)), (1, True)
+    )
     return sympy.Min(reuse, 1) * pipelining
 
 
@@ -158,13 +171,16 @@ def wave_expression() -> sympy.Expr:
 MODEL_SYMBOLS = (BM, BN, S, W, D, DV, E)
 
 
-def numeric_model(arch: GpuArch, tma: bool, pipelined: bool = True, dropout: bool = False
-                  ) -> tuple[Callable[..., Any], Callable[..., Any]]:
+def numeric_model(
+    arch: GpuArch, tma: bool, pipelined: bool = True, dropout: bool = False
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """(shared memory, registers per thread) as Python functions of MODEL_SYMBOLS' values,
     compiled once per arch (evaluate.py); the same numbers as substituting into the sympy
     expressions."""
-    return (compiled(smem_expression(arch, tma, pipelined, dropout), MODEL_SYMBOLS),
-            compiled(regs_expression(arch, pipelined, dropout), MODEL_SYMBOLS))
+    return (
+        compiled(smem_expression(arch, tma, pipelined, dropout), MODEL_SYMBOLS),
+        compiled(regs_expression(arch, pipelined, dropout), MODEL_SYMBOLS),
+    )
 
 
 @cache

@@ -67,8 +67,11 @@ from attngen.tuning.measure import (
 # 240 TFLOP/s; 64x64x4 at D = 128 causal: the fastest config at three, where the score,
 # counting two programs per SM at two stages against one at three, prefers two).
 DEEP_STAGES = 3
-BUCKETS = (Bucket("short_n1024", 16, 1024), Bucket("mid_n4096", 4, 4096),
-           Bucket("long_n8192", 2, 8192))
+BUCKETS = (
+    Bucket("short_n1024", 16, 1024),
+    Bucket("mid_n4096", 4, 4096),
+    Bucket("long_n8192", 2, 8192),
+)
 # A shorter bucket gets its own config only when it is at least this much faster there than
 # the long bucket's winner: the same config timed in two H200 runs differed by 1-2%.
 SWITCH_GAIN = 0.03
@@ -80,8 +83,10 @@ def detect_arch() -> str:
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm{major}{minor}"
     if arch not in ARCHS:
-        raise SpecError(f"autotune: this GPU is {arch}; attngen knows {', '.join(ARCHS)} "
-                        "(a new arch is a row in attngen/arch.py)")
+        raise SpecError(
+            f"autotune: this GPU is {arch}; attngen knows {', '.join(ARCHS)} "
+            "(a new arch is a row in attngen/arch.py)"
+        )
     return arch
 
 
@@ -95,12 +100,15 @@ def _candidates(spec: AttnSpec, arch: str, max_configs: int) -> tuple[TileConfig
     chosen = derivation.chosen_candidate
     if chosen is None:
         raise SpecError(f"{spec.name}: no feasible config on {arch} to tune")
-    feasible = sorted((c for c in derivation.candidates if c.feasible),
-                      key=lambda c: (-c.score, c.smem_bytes, c.config))
+    feasible = sorted(
+        (c for c in derivation.candidates if c.feasible),
+        key=lambda c: (-c.score, c.smem_bytes, c.config),
+    )
     by_shape: dict[tuple[int, int, int], list[Candidate]] = {}
     for cand in feasible:  # best score first within each shape too
-        by_shape.setdefault((cand.config.block_m, cand.config.block_n, cand.config.num_warps),
-                            []).append(cand)
+        by_shape.setdefault(
+            (cand.config.block_m, cand.config.block_n, cand.config.num_warps), []
+        ).append(cand)
     picked: list[Candidate] = []
     for same_shape in by_shape.values():
         picked.append(same_shape[0])
@@ -124,7 +132,8 @@ def _measure(module, spec: AttnSpec, config: TileConfig, inputs, device, timer) 
         times = {}
         for bucket, args in inputs.items():
             times[bucket] = timer(
-                lambda args=args: module.attention(*args[:3], alibi_slopes=args[3]))
+                lambda args=args: module.attention(*args[:3], alibi_slopes=args[3])
+            )
         return {"median_ms": times}
     except Exception as exc:  # a config that fails to compile or launch is a result
         return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
@@ -133,11 +142,20 @@ def _measure(module, spec: AttnSpec, config: TileConfig, inputs, device, timer) 
             torch.cuda.synchronize()
 
 
-def autotune(specs: list[AttnSpec], tuning_dir: Path, budget_s: float, max_configs: int,
-             arch: str | None = None, console: Console | None = None, *,
-             device: str = "cuda", buckets: tuple[Bucket, ...] = BUCKETS,
-             timer=median_ms, kernels: str = "all",
-             backward: BackwardOptions = DEFAULT_BACKWARD_OPTIONS) -> list[Outcome]:
+def autotune(
+    specs: list[AttnSpec],
+    tuning_dir: Path,
+    budget_s: float,
+    max_configs: int,
+    arch: str | None = None,
+    console: Console | None = None,
+    *,
+    device: str = "cuda",
+    buckets: tuple[Bucket, ...] = BUCKETS,
+    timer=median_ms,
+    kernels: str = "all",
+    backward: BackwardOptions = DEFAULT_BACKWARD_OPTIONS,
+) -> list[Outcome]:
     """Tune every spec's prefill kernel (`kernels` "all" or "forward") and the gradient kernels
     of specs with `backward: true` ("all" or "backward"; `backward` bounds and shapes them);
     `device`, `buckets`, `timer` and `backward` let the CPU tests drive the same loops under
@@ -149,37 +167,64 @@ def autotune(specs: list[AttnSpec], tuning_dir: Path, budget_s: float, max_confi
         raise SpecError("kernels: 'backward', but none of the specs has backward: true")
     console = console or Console(stderr=True)
     arch = arch or detect_arch()
-    gpu = torch.cuda.get_device_name() if device == "cuda" else f"{device} (interpreter)"
-    version = triton.__version__
-    run = TuneRun(arch, gpu, version, device, timer, time.monotonic() + budget_s,
-                  read_tuning_file(tuning_path(tuning_dir, arch)), tuning_path(tuning_dir, arch),
-                  read_progress(tuning_dir / f".progress-{arch}.json", gpu, version),
-                  tuning_dir / f".progress-{arch}.json",
-                  Path(tempfile.mkdtemp(prefix="attngen-autotune-")))
-    plans = [] if kernels == "backward" else [
-        (spec, *_candidates(spec, arch, max_configs)) for spec in specs]
-    backward_plans = [(spec, backward_candidates(spec, arch, backward.max_configs))
-                      for spec in trained]
+    run = _tune_run(tuning_dir, arch, device, timer, budget_s)
+    gpu = run.gpu
+    plans = (
+        []
+        if kernels == "backward"
+        else [(spec, *_candidates(spec, arch, max_configs)) for spec in specs]
+    )
+    backward_plans = [
+        (spec, backward_candidates(spec, arch, backward.max_configs)) for spec in trained
+    ]
     total = sum(len(cands) for _, _, cands in plans) + sum(
-        len(cands) for _, kernel_plans in backward_plans for _, cands in kernel_plans.values())
+        len(cands) for _, kernel_plans in backward_plans for _, cands in kernel_plans.values()
+    )
     outcomes = []
     with Progress(console=console, transient=False) as bar:
         task = bar.add_task(f"autotune on {gpu} ({arch})", total=total)
         for spec, heuristic, cands in plans:
-            outcomes.append(_tune_forward(run, spec, heuristic, cands, buckets,
-                                          lambda: bar.advance(task)))
+            outcomes.append(
+                _tune_forward(run, spec, heuristic, cands, buckets, lambda: bar.advance(task))
+            )
         for spec, kernel_plans in backward_plans:
-            outcomes += tune_backward(run, spec, kernel_plans, backward,
-                                      lambda: bar.advance(task))
+            outcomes += tune_backward(run, spec, kernel_plans, backward, lambda: bar.advance(task))
     _print_summary(console, outcomes, arch, gpu, buckets, backward.buckets)
     return outcomes
 
 
-def _tune_forward(run: TuneRun, spec: AttnSpec, heuristic: TileConfig, cands: list[Candidate],
-                  buckets: tuple[Bucket, ...], advance) -> Outcome:
+def _tune_run(tuning_dir: Path, arch: str, device: str, timer, budget_s: float) -> TuneRun:
+    """The run's shared state: the GPU, its tuning file and progress file, the deadline."""
+    gpu = torch.cuda.get_device_name() if device == "cuda" else f"{device} (interpreter)"
+    version = triton.__version__
+    return TuneRun(
+        arch,
+        gpu,
+        version,
+        device,
+        timer,
+        time.monotonic() + budget_s,
+        read_tuning_file(tuning_path(tuning_dir, arch)),
+        tuning_path(tuning_dir, arch),
+        read_progress(tuning_dir / f".progress-{arch}.json", gpu, version),
+        tuning_dir / f".progress-{arch}.json",
+        Path(tempfile.mkdtemp(prefix="attngen-autotune-")),
+    )
+
+
+def _tune_forward(
+    run: TuneRun,
+    spec: AttnSpec,
+    heuristic: TileConfig,
+    cands: list[Candidate],
+    buckets: tuple[Bucket, ...],
+    advance,
+) -> Outcome:
     module = load_module(spec, run.arch, run.folder)
-    inputs = {b.name: random_inputs(spec, b.batch, b.seqlen, b.seqlen, seed=1,
-                                    device=run.device) for b in buckets}
+    inputs = {
+        b.name: random_inputs(spec, b.batch, b.seqlen, b.seqlen, seed=1, device=run.device)
+        for b in buckets
+    }
     results = run.results(f"{entry_key(spec, KernelKind.prefill)}/{kernel_digest(module)}")
     for cand in cands:
         key = config_key(cand.config)
@@ -199,10 +244,19 @@ def _record(db, spec, heuristic, cands, results, gpu, version, buckets) -> Outco
     timed = {key: r["median_ms"] for key, r in results.items() if "median_ms" in r}
     by_key = {config_key(c.config): c.config for c in cands}
     tried = sum(1 for c in cands if config_key(c.config) in results)
-    outcome = Outcome(spec, heuristic, None, {}, timed.get(config_key(heuristic)), tried,
-                      len(cands), tried == len(cands))
-    usable = {key: t for key, t in timed.items()
-              if key in by_key and all(b.name in t for b in buckets)}
+    outcome = Outcome(
+        spec,
+        heuristic,
+        None,
+        {},
+        timed.get(config_key(heuristic)),
+        tried,
+        len(cands),
+        tried == len(cands),
+    )
+    usable = {
+        key: t for key, t in timed.items() if key in by_key and all(b.name in t for b in buckets)
+    }
     if not usable:
         return outcome
     best, shorter = per_length_winners(usable, buckets)
@@ -213,8 +267,10 @@ def _record(db, spec, heuristic, cands, results, gpu, version, buckets) -> Outco
     # refuse the entry instead of using a config whose timing no longer holds.
     programs = {config_key(c.config): c.programs_per_sm for c in cands}
     db["entries"][entry_key(spec, KernelKind.prefill)] = {
-        "shorter": [{"up_to": up_to, "config": by_key[key].as_dict(),
-                     "programs_per_sm": programs[key]} for up_to, key in shorter],
+        "shorter": [
+            {"up_to": up_to, "config": by_key[key].as_dict(), "programs_per_sm": programs[key]}
+            for up_to, key in shorter
+        ],
         "spec_name": spec.name,
         "config": outcome.winner.as_dict(),
         "programs_per_sm": programs[best],
@@ -223,15 +279,22 @@ def _record(db, spec, heuristic, cands, results, gpu, version, buckets) -> Outco
         "date": datetime.date.today().isoformat(),
         "complete": outcome.complete,
         "median_ms": outcome.winner_ms,
-        "buckets": {b.name: {"batch": b.batch, "seqlen": b.seqlen,
-                             "heads": [spec.num_q_heads, spec.num_kv_heads]} for b in buckets},
+        "buckets": {
+            b.name: {
+                "batch": b.batch,
+                "seqlen": b.seqlen,
+                "heads": [spec.num_q_heads, spec.num_kv_heads],
+            }
+            for b in buckets
+        },
         "candidates": {key: results[key] for key in sorted(results)},
     }
     return outcome
 
 
-def per_length_winners(times: dict[str, dict[str, float]], buckets: tuple[Bucket, ...]
-                       ) -> tuple[str, list[tuple[int, str]]]:
+def per_length_winners(
+    times: dict[str, dict[str, float]], buckets: tuple[Bucket, ...]
+) -> tuple[str, list[tuple[int, str]]]:
     """The config for long sequences (fastest in the longest bucket) and, ascending, the
     (longest sequence, config) pairs of shorter buckets whose fastest config beats it there by
     SWITCH_GAIN or more. A bucket's config serves up to the power of two at or below the
@@ -257,8 +320,14 @@ def _fastest(times: dict[str, dict[str, float]], bucket: str) -> str:
     return min(times, key=lambda key: (times[key][bucket], key))
 
 
-def _print_summary(console: Console, outcomes: list[Outcome], arch: str, gpu: str,
-                   buckets: tuple[Bucket, ...], backward_buckets: tuple[Bucket, ...]) -> None:
+def _print_summary(
+    console: Console,
+    outcomes: list[Outcome],
+    arch: str,
+    gpu: str,
+    buckets: tuple[Bucket, ...],
+    backward_buckets: tuple[Bucket, ...],
+) -> None:
     """One table for the prefill kernels and one for the gradient kernels (their own buckets:
     the time of that kernel's launch alone)."""
     for kernels, kind_buckets in (("prefill", buckets), ("backward", backward_buckets)):
@@ -266,8 +335,14 @@ def _print_summary(console: Console, outcomes: list[Outcome], arch: str, gpu: st
         if not rows:
             continue
         table = Table(title=f"attngen autotune: {gpu} ({arch}), {kernels} kernels")
-        for column in ("spec", "heuristic", "winner", "tried",
-                       *[b.name + " ms" for b in kind_buckets], "vs heuristic"):
+        for column in (
+            "spec",
+            "heuristic",
+            "winner",
+            "tried",
+            *[b.name + " ms" for b in kind_buckets],
+            "vs heuristic",
+        ):
             table.add_column(column)
         for o in rows:
             gain = "-"
@@ -277,9 +352,14 @@ def _print_summary(console: Console, outcomes: list[Outcome], arch: str, gpu: st
             winner += "".join(f"; <={up_to}: {config_key(c)}" for up_to, c in o.shorter)
             name = o.spec.name if o.kernel == "prefill" else f"{o.spec.name} ({o.kernel})"
             table.add_row(
-                name, config_key(o.heuristic), winner,
+                name,
+                config_key(o.heuristic),
+                winner,
                 f"{o.tried}/{o.candidates}" + ("" if o.complete else " (budget)"),
-                *[f"{o.winner_ms[b.name]:.3f}" if b.name in o.winner_ms else "-"
-                  for b in kind_buckets],
-                gain)
+                *[
+                    f"{o.winner_ms[b.name]:.3f}" if b.name in o.winner_ms else "-"
+                    for b in kind_buckets
+                ],
+                gain,
+            )
         console.print(table)

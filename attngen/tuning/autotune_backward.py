@@ -73,8 +73,10 @@ class BackwardOptions:
 
 DEFAULT_BACKWARD_OPTIONS = BackwardOptions()
 
-def backward_candidates(spec: AttnSpec, arch: str, max_configs: int
-                        ) -> dict[str, tuple[TileConfig, list[Candidate]]]:
+
+def backward_candidates(
+    spec: AttnSpec, arch: str, max_configs: int
+) -> dict[str, tuple[TileConfig, list[Candidate]]]:
     """kernel -> (the heuristic's config, the candidates to measure, the heuristic's first)."""
     if max_configs < 1:
         raise SpecError(f"max backward configs: {max_configs}; expected at least 1")
@@ -91,12 +93,15 @@ def backward_candidates(spec: AttnSpec, arch: str, max_configs: int
 def _by_shape(derivation: Derivation, skip: Candidate) -> list[Candidate]:
     """Feasible candidates grouped by tile shape, shapes in the order of their best score,
     each shape's stage counts best-scoring first; without `skip`."""
-    feasible = sorted((c for c in derivation.candidates if c.feasible and c != skip),
-                      key=lambda c: (-c.score, c.smem_bytes, c.config))
+    feasible = sorted(
+        (c for c in derivation.candidates if c.feasible and c != skip),
+        key=lambda c: (-c.score, c.smem_bytes, c.config),
+    )
     by_shape: dict[tuple[int, int, int], list[Candidate]] = {}
     for cand in feasible:
-        by_shape.setdefault((cand.config.block_m, cand.config.block_n, cand.config.num_warps),
-                            []).append(cand)
+        by_shape.setdefault(
+            (cand.config.block_m, cand.config.block_n, cand.config.num_warps), []
+        ).append(cand)
     return [cand for same_shape in by_shape.values() for cand in same_shape]
 
 
@@ -110,16 +115,19 @@ class _LaunchRecorder:
         def launch(*args, **kwargs):
             self.launches.append((grid, args, kwargs))
             return self.kernel[grid](*args, **kwargs)
+
         return launch
 
 
-def _backward_inputs(module, spec: AttnSpec, batch: int, seqlen_q: int, seqlen_k: int,
-                     device: str):
+def _backward_inputs(module, spec: AttnSpec, batch: int, seqlen_q: int, seqlen_k: int, device: str):
     """q, k, v, ALiBi slopes, dout, and the forward's out and lse."""
     q, k, v, slopes = random_inputs(spec, batch, seqlen_q, seqlen_k, seed=7, device=device)
     gen = torch.Generator().manual_seed(8)
-    dout = torch.randn(batch, spec.num_q_heads, seqlen_q, spec.value_head_dim,
-                       generator=gen).to(q.dtype).to(device)
+    dout = (
+        torch.randn(batch, spec.num_q_heads, seqlen_q, spec.value_head_dim, generator=gen)
+        .to(q.dtype)
+        .to(device)
+    )
     out, lse = module.attention(q, k, v, alibi_slopes=slopes, return_lse=True)
     return q, k, v, slopes, dout, out, lse
 
@@ -128,8 +136,9 @@ def _gate(module, spec: AttnSpec, shape: tuple[int, int, int], device: str) -> l
     q, k, v, slopes, dout, out, lse = _backward_inputs(module, spec, *shape, device)
     grads = module.attention_backward(dout, q, k, v, out, lse, alibi_slopes=slopes)
     cpu = [t.cpu() for t in (*grads, q, k, v, dout)]
-    return compare_gradients(spec, cpu[:3], *cpu[3:],
-                             alibi_slopes=None if slopes is None else slopes.cpu())
+    return compare_gradients(
+        spec, cpu[:3], *cpu[3:], alibi_slopes=None if slopes is None else slopes.cpu()
+    )
 
 
 def _time_kernel(module, kernel: str, inputs, timer) -> float:
@@ -144,14 +153,22 @@ def _time_kernel(module, kernel: str, inputs, timer) -> float:
     finally:
         setattr(module, name, real)
     if len(recorder.launches) != 1:
-        raise RuntimeError(f"{name}: expected one launch per backward, got "
-                           f"{len(recorder.launches)}")
+        raise RuntimeError(
+            f"{name}: expected one launch per backward, got {len(recorder.launches)}"
+        )
     ((grid, args, kwargs),) = recorder.launches
     return timer(lambda: real[grid](*args, **kwargs))
 
 
-def _measure(module, spec: AttnSpec, kernel: str, config: TileConfig, inputs: dict,
-             options: BackwardOptions, run: TuneRun) -> dict:
+def _measure(
+    module,
+    spec: AttnSpec,
+    kernel: str,
+    config: TileConfig,
+    inputs: dict,
+    options: BackwardOptions,
+    run: TuneRun,
+) -> dict:
     """Gate, then time one config of one kernel; failures are results too (recorded)."""
     launch_config = getattr(module, MODULE_CONFIGS[kernel])
     heuristic = dict(launch_config)
@@ -160,8 +177,12 @@ def _measure(module, spec: AttnSpec, kernel: str, config: TileConfig, inputs: di
         problems = _gate(module, spec, options.gate_shape, run.device)
         if problems:
             return {"error": "incorrect: " + "; ".join(problems)[:300]}
-        return {"median_ms": {bucket: _time_kernel(module, kernel, bucket_inputs, run.timer)
-                              for bucket, bucket_inputs in inputs.items()}}
+        return {
+            "median_ms": {
+                bucket: _time_kernel(module, kernel, bucket_inputs, run.timer)
+                for bucket, bucket_inputs in inputs.items()
+            }
+        }
     except Exception as exc:  # a config that fails to compile or launch is a result
         return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     finally:
@@ -171,9 +192,13 @@ def _measure(module, spec: AttnSpec, kernel: str, config: TileConfig, inputs: di
             torch.cuda.synchronize()
 
 
-def tune_backward(run: TuneRun, spec: AttnSpec,
-                  plans: dict[str, tuple[TileConfig, list[Candidate]]],
-                  options: BackwardOptions, advance) -> list[Outcome]:
+def tune_backward(
+    run: TuneRun,
+    spec: AttnSpec,
+    plans: dict[str, tuple[TileConfig, list[Candidate]]],
+    options: BackwardOptions,
+    advance,
+) -> list[Outcome]:
     """Measure each gradient kernel's candidates (until the deadline) and record the winners;
     an Outcome per kernel."""
     module = load_module(spec, run.arch, run.folder)
@@ -188,9 +213,10 @@ def tune_backward(run: TuneRun, spec: AttnSpec,
             if key not in results:
                 if run.out_of_time():
                     break
-                inputs = inputs or {b.name: _backward_inputs(module, spec, b.batch, b.seqlen,
-                                                             b.seqlen, run.device)
-                                    for b in options.buckets}
+                inputs = inputs or {
+                    b.name: _backward_inputs(module, spec, b.batch, b.seqlen, b.seqlen, run.device)
+                    for b in options.buckets
+                }
                 results[key] = _measure(module, spec, kernel, cand.config, inputs, options, run)
                 run.save_progress()
             advance()
@@ -200,19 +226,37 @@ def tune_backward(run: TuneRun, spec: AttnSpec,
     return outcomes
 
 
-def _record(run: TuneRun, spec: AttnSpec, kernel: str, heuristic: TileConfig,
-            cands: list[Candidate], results: dict, buckets: tuple[Bucket, ...]) -> Outcome:
+def _record(
+    run: TuneRun,
+    spec: AttnSpec,
+    kernel: str,
+    heuristic: TileConfig,
+    cands: list[Candidate],
+    results: dict,
+    buckets: tuple[Bucket, ...],
+) -> Outcome:
     timed = {key: r["median_ms"] for key, r in results.items() if "median_ms" in r}
     by_key = {config_key(c.config): c for c in cands}
     tried = sum(1 for key in by_key if key in results)
-    outcome = Outcome(spec, heuristic, None, {}, timed.get(config_key(heuristic)), tried,
-                      len(cands), tried == len(cands), kernel=BACKWARD_KINDS[kernel])
-    usable = {key: t for key, t in timed.items()
-              if key in by_key and all(b.name in t for b in buckets)}
+    outcome = Outcome(
+        spec,
+        heuristic,
+        None,
+        {},
+        timed.get(config_key(heuristic)),
+        tried,
+        len(cands),
+        tried == len(cands),
+        kernel=BACKWARD_KINDS[kernel],
+    )
+    usable = {
+        key: t for key, t in timed.items() if key in by_key and all(b.name in t for b in buckets)
+    }
     if not usable:
         return outcome
-    best = min(usable, key=lambda key: (geomean({b.name: usable[key][b.name] for b in buckets}),
-                                        key))
+    best = min(
+        usable, key=lambda key: (geomean({b.name: usable[key][b.name] for b in buckets}), key)
+    )
     outcome.winner, outcome.winner_ms = by_key[best].config, usable[best]
     run.db["entries"][backward_entry_key(spec, kernel)] = {
         "spec_name": spec.name,
@@ -226,8 +270,15 @@ def _record(run: TuneRun, spec: AttnSpec, kernel: str, heuristic: TileConfig,
         "complete": outcome.complete,
         "median_ms": outcome.winner_ms,
         "timed": f"the {kernel} kernel's launch alone",
-        "buckets": {b.name: {"batch": b.batch, "seqlen": b.seqlen, "mask": spec.mask.value,
-                             "heads": [spec.num_q_heads, spec.num_kv_heads]} for b in buckets},
+        "buckets": {
+            b.name: {
+                "batch": b.batch,
+                "seqlen": b.seqlen,
+                "mask": spec.mask.value,
+                "heads": [spec.num_q_heads, spec.num_kv_heads],
+            }
+            for b in buckets
+        },
         "candidates": {key: results[key] for key in sorted(results)},
     }
     return outcome

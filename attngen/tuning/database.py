@@ -32,8 +32,9 @@ from attngen.tiling.prefill import Derivation, TileConfig, choose
 TUNING_SCHEMA = 2  # 2: entries keyed by the kernel fields' hash (1: the whole spec's)
 # Spec fields that do not change what a prefill kernel computes or how fast (backward adds
 # gradient kernels beside an unchanged forward kernel).
-NOT_TUNED_ON = frozenset({"name", "archs", "kernels", "kv_layout", "page_size",
-                          "max_query_tokens", "backward"})
+NOT_TUNED_ON = frozenset(
+    {"name", "archs", "kernels", "kv_layout", "page_size", "max_query_tokens", "backward"}
+)
 DEFAULT_TUNING_DIR = Path("tuning")
 
 
@@ -99,8 +100,10 @@ def read_tuning_file(path: Path) -> dict[str, Any]:
         raise TuningError(f"{path}: not JSON ({exc})") from None
     schema = data.get("schema") if isinstance(data, dict) else None
     if schema != TUNING_SCHEMA:
-        raise TuningError(f"{path}: tuning schema {schema!r}; this attngen reads schema "
-                          f"{TUNING_SCHEMA} (re-run attngen autotune)")
+        raise TuningError(
+            f"{path}: tuning schema {schema!r}; this attngen reads schema "
+            f"{TUNING_SCHEMA} (re-run attngen autotune)"
+        )
     if data.get("arch") != arch or not isinstance(data.get("entries"), dict):
         raise TuningError(f"{path}: expected arch {arch!r} and an 'entries' mapping")
     checked: dict[str, Any] = data
@@ -111,8 +114,9 @@ def render_tuning_file(data: dict[str, Any]) -> str:
     return json.dumps(data, indent=1, sort_keys=True) + "\n"
 
 
-def lookup(tuning_dir: Path | None, spec: AttnSpec, kind: KernelKind, arch: str
-           ) -> TuningRecord | None:
+def lookup(
+    tuning_dir: Path | None, spec: AttnSpec, kind: KernelKind, arch: str
+) -> TuningRecord | None:
     if tuning_dir is None:
         return None
     entries = read_tuning_file(tuning_path(tuning_dir, arch))["entries"]
@@ -125,23 +129,38 @@ def lookup(tuning_dir: Path | None, spec: AttnSpec, kind: KernelKind, arch: str
         entry, borrowed = entries.get(entry_key(spec, KernelKind.prefill)), "prefill"
     if entry is None:
         return None
-    return _parse_record(entry, borrowed, f"{tuning_path(tuning_dir, arch)}: entry "
-                         f"{entry_key(spec, kind)}")
+    return _parse_record(
+        entry, borrowed, f"{tuning_path(tuning_dir, arch)}: entry {entry_key(spec, kind)}"
+    )
 
 
 def _parse_record(entry: Any, borrowed: str | None, where: str) -> TuningRecord:
     try:
         config = TileConfig.from_dict(entry["config"])
-        shorter = tuple((int(item["up_to"]), TileConfig.from_dict(item["config"]))
-                        for item in entry.get("shorter", []))
-        programs = {TileConfig.from_dict(item["config"]): int(item["programs_per_sm"])
-                    for item in [entry, *entry.get("shorter", [])] if "programs_per_sm" in item}
+        shorter = tuple(
+            (int(item["up_to"]), TileConfig.from_dict(item["config"]))
+            for item in entry.get("shorter", [])
+        )
+        programs = {
+            TileConfig.from_dict(item["config"]): int(item["programs_per_sm"])
+            for item in [entry, *entry.get("shorter", [])]
+            if "programs_per_sm" in item
+        }
         if [up_to for up_to, _ in shorter] != sorted({up_to for up_to, _ in shorter}) or any(
-                up_to < 1 for up_to, _ in shorter):
+            up_to < 1 for up_to, _ in shorter
+        ):
             raise ValueError("'shorter' lengths must be positive and strictly ascending")
-        return TuningRecord(config, str(entry["gpu"]), str(entry["triton"]), str(entry["date"]),
-                            bool(entry["complete"]), dict(entry["median_ms"]), borrowed,
-                            shorter, programs)
+        return TuningRecord(
+            config,
+            str(entry["gpu"]),
+            str(entry["triton"]),
+            str(entry["date"]),
+            bool(entry["complete"]),
+            dict(entry["median_ms"]),
+            borrowed,
+            shorter,
+            programs,
+        )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise TuningError(f"{where} is malformed ({exc!r})") from None
 
@@ -158,23 +177,26 @@ def apply_tuning(derivation: Derivation, record: TuningRecord | None) -> Derivat
         candidate = next((c for c in derivation.candidates if c.config == config), None)
         if candidate is None or not candidate.feasible:
             why = "not a candidate" if candidate is None else "; ".join(candidate.rejected)
-            raise TuningError(f"tuned config {config.as_dict()} for {derivation.arch} is "
-                              f"infeasible under the current model ({why}); re-run attngen "
-                              "autotune")
+            raise TuningError(
+                f"tuned config {config.as_dict()} for {derivation.arch} is "
+                f"infeasible under the current model ({why}); re-run attngen "
+                "autotune"
+            )
         measured_at = record.programs_per_sm.get(config)
         if measured_at is not None and candidate.programs_per_sm < measured_at:
-            raise TuningError(f"tuned config {config.as_dict()} for {derivation.arch} was "
-                              f"measured at {measured_at} programs per SM; the current "
-                              f"template fits {candidate.programs_per_sm} (it needs "
-                              f"{candidate.smem_bytes} B of shared memory, "
-                              f"{candidate.regs_per_thread} registers per thread), so its "
-                              "timing no longer holds; re-run attngen autotune")
+            raise TuningError(
+                f"tuned config {config.as_dict()} for {derivation.arch} was "
+                f"measured at {measured_at} programs per SM; the current "
+                f"template fits {candidate.programs_per_sm} (it needs "
+                f"{candidate.smem_bytes} B of shared memory, "
+                f"{candidate.regs_per_thread} registers per thread), so its "
+                "timing no longer holds; re-run attngen autotune"
+            )
     chosen = choose(derivation, record.config, record.describe())
     return dataclasses.replace(chosen, shorter=record.shorter)
 
 
-def tuned_backward_tiles(tuning_dir: Path | None, spec: AttnSpec, arch: str
-                         ) -> BackwardDerivation:
+def tuned_backward_tiles(tuning_dir: Path | None, spec: AttnSpec, arch: str) -> BackwardDerivation:
     """The gradient kernels' derivations, each kernel's config from its tuning entry when
     there is one (else the heuristic's). A tuned config must be a feasible candidate of the
     current backward model, at the programs per SM it was measured at, like the forward's."""
@@ -189,19 +211,25 @@ def tuned_backward_tiles(tuning_dir: Path | None, spec: AttnSpec, arch: str
             continue
         record = _parse_record(entries[key], None, f"{tuning_path(tuning_dir, arch)}: entry {key}")
         if record.shorter:
-            raise TuningError(f"{tuning_path(tuning_dir, arch)}: entry {key} has 'shorter' "
-                              "configs; the backward kernels have one config for every length")
+            raise TuningError(
+                f"{tuning_path(tuning_dir, arch)}: entry {key} has 'shorter' "
+                "configs; the backward kernels have one config for every length"
+            )
         candidate = next((c for c in derivation.candidates if c.config == record.config), None)
         if candidate is None or not candidate.feasible:
             why = "not a candidate" if candidate is None else "; ".join(candidate.rejected)
-            raise TuningError(f"tuned {kernel} backward config {record.config.as_dict()} for "
-                              f"{arch} is infeasible under the current model ({why}); re-run "
-                              "attngen autotune")
+            raise TuningError(
+                f"tuned {kernel} backward config {record.config.as_dict()} for "
+                f"{arch} is infeasible under the current model ({why}); re-run "
+                "attngen autotune"
+            )
         measured_at = record.programs_per_sm.get(record.config)
         if measured_at is not None and candidate.programs_per_sm < measured_at:
-            raise TuningError(f"tuned {kernel} backward config {record.config.as_dict()} for "
-                              f"{arch} was measured at {measured_at} programs per SM; the "
-                              f"current model fits {candidate.programs_per_sm}, so its timing "
-                              "no longer holds; re-run attngen autotune")
+            raise TuningError(
+                f"tuned {kernel} backward config {record.config.as_dict()} for "
+                f"{arch} was measured at {measured_at} programs per SM; the "
+                f"current model fits {candidate.programs_per_sm}, so its timing "
+                "no longer holds; re-run attngen autotune"
+            )
         tuned.append((kernel, record.config, record.describe()))
     return derive_backward_tiles(spec, arch, tuple(tuned)) if tuned else heuristic

@@ -125,6 +125,9 @@ def read_progress(path: Path, gpu: str, version: str) -> dict:
         data = json.loads(path.read_text())
     except ValueError:
         return fresh
-    same = (data.get("schema"), data.get("gpu"), data.get("triton")) == (PROGRESS_SCHEMA, gpu,
-                                                                          version)
+    same = (data.get("schema"), data.get("gpu"), data.get("triton")) == (
+        PROGRESS_SCHEMA,
+        gpu,
+        version,
+    )
     return data if same and isinstance(data.get("results"), dict) else fresh

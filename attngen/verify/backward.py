@@ -47,15 +47,21 @@ def plan_backward_rows(specs: Iterable[AttnSpec], archs: Sequence[str] | None) -
             for kernel in KERNELS:
                 kernel_derivation = getattr(derivation, kernel)
                 best = kernel_derivation.chosen
-                plan.chosen.append((f"{spec.name} {kernel}", arch, None if best is None
-                                    else backward_key(spec, arch, kernel, best)))
+                plan.chosen.append(
+                    (
+                        f"{spec.name} {kernel}",
+                        arch,
+                        None if best is None else backward_key(spec, arch, kernel, best),
+                    )
+                )
                 for cand in kernel_derivation.candidates:
                     plan.add(backward_key(spec, arch, kernel, cand.config), spec, cand)
     return plan
 
 
-def run_inputs(paths: Sequence[Path], backward: bool, data: Path | None
-               ) -> tuple[list[AttnSpec], Measurements, Path, Planner]:
+def run_inputs(
+    paths: Sequence[Path], backward: bool, data: Path | None
+) -> tuple[list[AttnSpec], Measurements, Path, Planner]:
     """What `verify-tiling` checks: the specs, the measurements (the file `data`, else the
     installed Triton's file of the direction), that file's path, and the planner (forward, or
     with `backward` the gradient kernels'). SpecError or ValueError say what is wrong, also

@@ -89,8 +89,13 @@ def representative_weight(spec: AttnSpec) -> int:
     """More score code, more registers: a key is compiled from its heaviest spec. A guess,
     not a bound: ptxas varies by up to +-75 registers between the example specs of one key
     (`--every-spec` compiles them all; docs/tiling.md has what that found)."""
-    return (4 * (spec.softcap > 0) + 4 * spec.alibi + 2 * (spec.mask is Mask.sliding_window)
-            + (spec.mask is not Mask.none) + (spec.num_q_heads != spec.num_kv_heads))
+    return (
+        4 * (spec.softcap > 0)
+        + 4 * spec.alibi
+        + 2 * (spec.mask is Mask.sliding_window)
+        + (spec.mask is not Mask.none)
+        + (spec.num_q_heads != spec.num_kv_heads)
+    )
 
 
 def plan_rows(specs: Iterable[AttnSpec], archs: Sequence[str] | None) -> Plan:
@@ -103,16 +108,22 @@ def plan_rows(specs: Iterable[AttnSpec], archs: Sequence[str] | None) -> Plan:
         for arch in archs or spec.archs:
             derivation = derive_tiles(spec, arch)
             best = derivation.chosen
-            plan.chosen.append((spec.name, arch,
-                                None if best is None else measurement_key(spec, arch, best)))
+            plan.chosen.append(
+                (spec.name, arch, None if best is None else measurement_key(spec, arch, best))
+            )
             for cand in derivation.candidates:
                 plan.add(measurement_key(spec, arch, cand.config), spec, cand)
     return plan
 
 
-def live_jobs(plan: Plan, data: Measurements, recompile: bool, sample: int, seed: int,
-              every_spec: bool = False) -> tuple[list[tuple[AnyKey, AttnSpec]],
-                                                 list[AnyKey]]:
+def live_jobs(
+    plan: Plan,
+    data: Measurements,
+    recompile: bool,
+    sample: int,
+    seed: int,
+    every_spec: bool = False,
+) -> tuple[list[tuple[AnyKey, AttnSpec]], list[AnyKey]]:
     """What to compile now (key and the spec to compile it from), and what to leave out.
 
     Missing keys are compiled from the plan's heaviest spec; --recompile compiles every key
@@ -136,8 +147,13 @@ def live_jobs(plan: Plan, data: Measurements, recompile: bool, sample: int, seed
                 jobs.append((key, plan.representative[key]))
     if sample and not recompile:
         rng = random.Random(seed)
-        known = [k for k in sorted(plan.rows) if (record := data.get(k)) is not None
-                 and k.dtype != "fp32" and record["compile_s"] <= SAMPLE_MAX_COMPILE_S]
+        known = [
+            k
+            for k in sorted(plan.rows)
+            if (record := data.get(k)) is not None
+            and k.dtype != "fp32"
+            and record["compile_s"] <= SAMPLE_MAX_COMPILE_S
+        ]
         rejected = [k for k in known if not plan.rows[k].candidate.feasible]
         feasible = [k for k in known if plan.rows[k].candidate.feasible]
         half = sample // 2
@@ -150,9 +166,13 @@ def live_jobs(plan: Plan, data: Measurements, recompile: bool, sample: int, seed
 Others = dict[AnyKey, list[tuple[str, dict[str, Any]]]]  # other specs' compiles of a key
 
 
-def measure(data: Measurements, jobs: list[tuple[AnyKey, AttnSpec]], processes: int,
-            progress: Callable[[str], None] | None = None,
-            replace_other: bool = False) -> tuple[dict[AnyKey, list[str]], Others]:
+def measure(
+    data: Measurements,
+    jobs: list[tuple[AnyKey, AttnSpec]],
+    processes: int,
+    progress: Callable[[str], None] | None = None,
+    replace_other: bool = False,
+) -> tuple[dict[AnyKey, list[str]], Others]:
     """Compile the jobs. A key's first record goes into `data`; a recompile from the recorded
     spec replaces it and must equal it; one from another spec replaces it with
     `replace_other` (--recompile), else (--every-spec) it is kept aside in `others`, to be
@@ -173,22 +193,33 @@ def measure(data: Measurements, jobs: list[tuple[AnyKey, AttnSpec]], processes: 
     return changed, others
 
 
-def _merge(data: Measurements, key: AnyKey, spec: AttnSpec, record: dict[str, Any],
-           changed: dict[AnyKey, list[str]], others: Others, replace_other: bool) -> None:
+def _merge(
+    data: Measurements,
+    key: AnyKey,
+    spec: AttnSpec,
+    record: dict[str, Any],
+    changed: dict[AnyKey, list[str]],
+    others: Others,
+    replace_other: bool,
+) -> None:
     before = data.get(key)
     changed.setdefault(key, [])
     if before is None:
         data.add(key, spec, record)
         return
     if before["spec"] == spec_ref(spec):
-        changed[key] += [f"data file is stale: {f} {before.get(f)} -> {record.get(f)}"
-                         for f in ("shared", "regs", "spill_stores")
-                         if before.get(f) != record.get(f)]
+        changed[key] += [
+            f"data file is stale: {f} {before.get(f)} -> {record.get(f)}"
+            for f in ("shared", "regs", "spill_stores")
+            if before.get(f) != record.get(f)
+        ]
         data.add(key, spec, record)
         return
     if before["shared"] != record["shared"]:
-        changed[key].append(f"shared memory differs by spec: {before['shared']} for "
-                            f"{before['spec']}, {record['shared']} for {spec_ref(spec)}")
+        changed[key].append(
+            f"shared memory differs by spec: {before['shared']} for "
+            f"{before['spec']}, {record['shared']} for {spec_ref(spec)}"
+        )
     if replace_other:
         data.add(key, spec, record)
     else:
@@ -278,18 +309,26 @@ class Report:
 
     def by_arch(self) -> dict[str, Summary]:
         archs = sorted({k.arch for k in self.plan.rows}, key=list(ARCHS).index)
-        return {a: summarize(r for k, r in self.plan.rows.items() if k.arch == a)
-                for a in archs}
+        return {a: summarize(r for k, r in self.plan.rows.items() if k.arch == a) for a in archs}
 
 
 Planner = Callable[[Iterable[AttnSpec], Sequence[str] | None], Plan]
 
 
-def verify_tiling(specs: Sequence[AttnSpec], archs: Sequence[str] | None, data: Measurements,
-                  *, recompile: bool = False, sample: int = 0, seed: int = 0,
-                  processes: int = 2, progress: Callable[[str], None] | None = None,
-                  save_to: Path | None = None, every_spec: bool = False,
-                  planner: Planner = plan_rows) -> Report:
+def verify_tiling(
+    specs: Sequence[AttnSpec],
+    archs: Sequence[str] | None,
+    data: Measurements,
+    *,
+    recompile: bool = False,
+    sample: int = 0,
+    seed: int = 0,
+    processes: int = 2,
+    progress: Callable[[str], None] | None = None,
+    save_to: Path | None = None,
+    every_spec: bool = False,
+    planner: Planner = plan_rows,
+) -> Report:
     """Plan, measure (data first, compiler for what is missing or asked for), judge. The
     forward's plan_rows, or attngen.verify.backward.plan_backward_rows (with the backward's
     data).
@@ -310,5 +349,12 @@ def verify_tiling(specs: Sequence[AttnSpec], archs: Sequence[str] | None, data: 
 
     changed, others = measure(data, jobs, processes, after_chunk, replace_other=recompile)
     judge(plan, data, changed, stale_fails=save_to is None, others=others)
-    return Report(plan, skipped, len(changed), time.perf_counter() - start, data.triton,
-                  data.template_hash, current_template_hash())
+    return Report(
+        plan,
+        skipped,
+        len(changed),
+        time.perf_counter() - start,
+        data.triton,
+        data.template_hash,
+        current_template_hash(),
+    )

@@ -50,30 +50,52 @@ from attngen.tiling.prefill import TileConfig, derive_tiles, padded_head_dim
 from attngen.tiling.rows import rows_aligned
 
 # What one compile measures; a record of the data file holds these next to its key.
-MEASURED_FIELDS = ("shared", "static_shared", "regs", "stack", "spill_stores", "spill_loads",
-                   "mma", "error", "compile_s")
+MEASURED_FIELDS = (
+    "shared",
+    "static_shared",
+    "regs",
+    "stack",
+    "spill_stores",
+    "spill_loads",
+    "mma",
+    "error",
+    "compile_s",
+)
 
 _UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od")
 # The JIT function whose compile is measured, per kind. verify-tiling measures varlen as
 # prefill (the same key loop; varlen reads K/V through pointers, never TMA); varlen's own
 # kernel compiles too, with its launch's signature (cu_seqlens, no seqused_k).
-_MEASURED_KERNEL = {KernelKind.prefill: "_attn_fwd_kernel",
-                    KernelKind.varlen: "_attn_fwd_kernel",
-                    KernelKind.decode: "_decode_split_kernel"}
+_MEASURED_KERNEL = {
+    KernelKind.prefill: "_attn_fwd_kernel",
+    KernelKind.varlen: "_attn_fwd_kernel",
+    KernelKind.decode: "_decode_split_kernel",
+}
 # A config that renders the module when none is feasible: the kernel text does not depend on
 # the config (it fills CONFIG and the header only).
-_ANY_CONFIG = {KernelKind.prefill: TileConfig(64, 64, 4, 1),
-               KernelKind.varlen: TileConfig(64, 64, 4, 1),
-               KernelKind.decode: TileConfig(16, 64, 4, 2)}
+_ANY_CONFIG = {
+    KernelKind.prefill: TileConfig(64, 64, 4, 1),
+    KernelKind.varlen: TileConfig(64, 64, 4, 1),
+    KernelKind.decode: TileConfig(16, 64, 4, 2),
+}
 # The gradient kernels of a prefill module, by the name the backward tiling model gives them.
 BACKWARD_KERNELS = {"dq": "_attn_bwd_dq_kernel", "dkdv": "_attn_bwd_dkdv_kernel"}
-_BACKWARD_UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod",
-                          "stride_dqd", "stride_dkd", "stride_dvd")
+_BACKWARD_UNIT_STRIDES = (
+    "stride_qd",
+    "stride_kd",
+    "stride_vd",
+    "stride_od",
+    "stride_dod",
+    "stride_dqd",
+    "stride_dkd",
+    "stride_dvd",
+)
 _kernels: dict[str, Any] = {}  # per process: module source hash -> module (memory only)
 
 
-def load_kernel(spec: AttnSpec, arch: str, kind: KernelKind = KernelKind.prefill,
-                kernel: str | None = None) -> Any:
+def load_kernel(
+    spec: AttnSpec, arch: str, kind: KernelKind = KernelKind.prefill, kernel: str | None = None
+) -> Any:
     """Render the `kind` module of `spec` for `arch`, import it from a temporary file, return
     the JIT kernel whose compile is measured (with `kernel`, that backward kernel of it).
 
@@ -116,8 +138,13 @@ def _compiled_not_interpreted() -> Iterator[None]:
             os.environ["TRITON_INTERPRET"] = saved
 
 
-def kernel_source(spec: AttnSpec, kernel: Any, config: TileConfig,
-                  kind: KernelKind = KernelKind.prefill, backward: bool = False) -> Any:
+def kernel_source(
+    spec: AttnSpec,
+    kernel: Any,
+    config: TileConfig,
+    kind: KernelKind = KernelKind.prefill,
+    backward: bool = False,
+) -> Any:
     """The ASTSource of one launch: signature, constexprs and divisibility as at runtime
     (`backward`: `kernel` is one of the module's gradient kernels)."""
     if backward:
@@ -153,8 +180,9 @@ def kernel_source(spec: AttnSpec, kernel: Any, config: TileConfig,
 
 def _decode_source(spec: AttnSpec, kernel: Any, config: TileConfig) -> Any:
     constexprs: dict[str, Any] = dict.fromkeys(_UNIT_STRIDES, 1)
-    constexprs.update(DIRECT=False, STORE_LSE=True, BLOCK_ROWS=config.block_m,
-                      BLOCK_N=config.block_n)
+    constexprs.update(
+        DIRECT=False, STORE_LSE=True, BLOCK_ROWS=config.block_m, BLOCK_N=config.block_n
+    )
     types = dict.fromkeys(("Q", "K", "V", "Out"), spec.dtype.triton_pointer)
     types.update(dict.fromkeys(("SeqLens", "BlockTable"), "*i32"))
     types.update(dict.fromkeys(("Lse", "PartOut", "PartLse", "Slopes", "Sinks"), "*fp32"))
@@ -170,15 +198,22 @@ def _backward_source(spec: AttnSpec, kernel: Any, config: TileConfig) -> Any:
     the dropout path when compiled in, ALiBi's GROUP_MAX from the spec's head ratio."""
     q_per_kv = spec.num_q_heads // spec.num_kv_heads
     constexprs: dict[str, Any] = dict.fromkeys(_BACKWARD_UNIT_STRIDES, 1)
-    constexprs.update(HAS_DLSE=False, DROPOUT_ON=True, BLOCK_M=config.block_m,
-                      BLOCK_N=config.block_n, GROUP_MAX=1 << (q_per_kv - 1).bit_length())
+    constexprs.update(
+        HAS_DLSE=False,
+        DROPOUT_ON=True,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        GROUP_MAX=1 << (q_per_kv - 1).bit_length(),
+    )
     if q_per_kv == 1:
         constexprs["q_per_kv"] = 1  # Triton specializes an int argument equal to 1
     constexprs = {name: value for name, value in constexprs.items() if name in kernel.arg_names}
-    types = dict.fromkeys(("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV"),
-                          spec.dtype.triton_pointer)
-    types.update(dict.fromkeys(("Lse", "DLse", "Delta", "Slopes", "Sinks", "DSinkPartial"),
-                               "*fp32"))  # Sinks, DSinkPartial: with `sinks: true`
+    types = dict.fromkeys(
+        ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV"), spec.dtype.triton_pointer
+    )
+    types.update(
+        dict.fromkeys(("Lse", "DLse", "Delta", "Slopes", "Sinks", "DSinkPartial"), "*fp32")
+    )  # Sinks, DSinkPartial: with `sinks: true`
     types.update(RngState="*i64", sm_scale="fp32", keep_scale="fp32")
     aligned = rows_aligned(spec)
 
@@ -189,8 +224,9 @@ def _backward_source(spec: AttnSpec, kernel: Any, config: TileConfig) -> Any:
     return _ast_source(kernel, constexprs, types, divisible)
 
 
-def _ast_source(kernel: Any, constexprs: dict[str, Any], types: dict[str, str],
-                divisible: Callable[[str], bool]) -> Any:
+def _ast_source(
+    kernel: Any, constexprs: dict[str, Any], types: dict[str, str], divisible: Callable[[str], bool]
+) -> Any:
     """The one signature builder: constexprs by name, `types` for the tensors (every other
     argument is the fp32 qk_scale or an i32), and tt.divisibility 16 on every pointer and on
     the arguments `divisible(name)` names."""
@@ -204,8 +240,12 @@ def _ast_source(kernel: Any, constexprs: dict[str, Any], types: dict[str, str],
             signature[name] = types.get(name, "fp32" if name == "qk_scale" else "i32")
         if signature[name].startswith("*") or divisible(name):
             attrs[(index,)] = [["tt.divisibility", 16]]
-    return ASTSource(fn=kernel, signature=signature, attrs=attrs,
-                     constexprs={(kernel.arg_names.index(n),): v for n, v in constexprs.items()})
+    return ASTSource(
+        fn=kernel,
+        signature=signature,
+        attrs=attrs,
+        constexprs={(kernel.arg_names.index(n),): v for n, v in constexprs.items()},
+    )
 
 
 def _tool(name: str) -> str | None:
@@ -220,10 +260,13 @@ def _parse_ptxas_log(log: str) -> dict[str, int | None]:
         found = re.findall(pattern, log)
         return int(found[-1]) if found else None
 
-    return {"regs": grab(r"Used (\d+) registers"), "stack": grab(r"(\d+) bytes stack frame"),
-            "spill_stores": grab(r"(\d+) bytes spill stores"),
-            "spill_loads": grab(r"(\d+) bytes spill loads"),
-            "static_shared": grab(r"(\d+) bytes smem")}
+    return {
+        "regs": grab(r"Used (\d+) registers"),
+        "stack": grab(r"(\d+) bytes stack frame"),
+        "spill_stores": grab(r"(\d+) bytes spill stores"),
+        "spill_loads": grab(r"(\d+) bytes spill loads"),
+        "static_shared": grab(r"(\d+) bytes smem"),
+    }
 
 
 def _resource_usage(cubin: bytes) -> dict[str, int]:
@@ -234,30 +277,42 @@ def _resource_usage(cubin: bytes) -> dict[str, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(cubin)
         handle.flush()
-        text = subprocess.run([tool, "--dump-resource-usage", handle.name], check=True,
-                              capture_output=True, text=True).stdout
+        text = subprocess.run(
+            [tool, "--dump-resource-usage", handle.name], check=True, capture_output=True, text=True
+        ).stdout
     names = {"REG": "regs", "STACK": "stack", "SHARED": "static_shared"}
     return {names[k]: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED):(\d+)", text)}
 
 
 def mma_family(ptx: str) -> str:
     """Which matrix instructions the compiler chose: the model's per-target branch."""
-    for family, pattern in (("tcgen05", r"\btcgen05\.mma"), ("wgmma", r"\bwgmma\.mma_async"),
-                            ("mma.sync", r"\bmma\.sync")):
+    for family, pattern in (
+        ("tcgen05", r"\btcgen05\.mma"),
+        ("wgmma", r"\bwgmma\.mma_async"),
+        ("mma.sync", r"\bmma\.sync"),
+    ):
         if re.search(pattern, ptx):
             return family
     return "fma"
 
 
-def compile_one(spec: AttnSpec, arch: str, config: TileConfig,
-                kind: KernelKind = KernelKind.prefill, kernel: str | None = None
-                ) -> dict[str, Any]:
+def compile_one(
+    spec: AttnSpec,
+    arch: str,
+    config: TileConfig,
+    kind: KernelKind = KernelKind.prefill,
+    kernel: str | None = None,
+) -> dict[str, Any]:
     """One cross-compile of the `kind` kernel (with `kernel`, that backward kernel of the
     prefill module); a failure is recorded in ``error``."""
     return compile_source(
-        lambda: kernel_source(spec, load_kernel(spec, arch, kind, kernel), config, kind,
-                              backward=kernel is not None),
-        arch, config, fp_fusion=fp_fusion(spec))
+        lambda: kernel_source(
+            spec, load_kernel(spec, arch, kind, kernel), config, kind, backward=kernel is not None
+        ),
+        arch,
+        config,
+        fp_fusion=fp_fusion(spec),
+    )
 
 
 def fp_fusion(spec: AttnSpec) -> bool:
@@ -266,8 +321,9 @@ def fp_fusion(spec: AttnSpec) -> bool:
     return spec.dtype.value != "fp32"
 
 
-def compile_source(make_source: Any, arch: str, config: TileConfig,
-                   fp_fusion: bool = True) -> dict[str, Any]:
+def compile_source(
+    make_source: Any, arch: str, config: TileConfig, fp_fusion: bool = True
+) -> dict[str, Any]:
     """Compile the ASTSource `make_source()` builds for `arch` and measure it (the fields of
     MEASURED_FIELDS); any failure, building the source included, is recorded in ``error``,
     never raised. `fp_fusion` is the launch's enable_fp_fusion."""
@@ -281,8 +337,11 @@ def compile_source(make_source: Any, arch: str, config: TileConfig,
     try:
         source = make_source()
         target = GPUTarget("cuda", ARCHS[arch].compute_capability, 32)
-        options = {"num_warps": config.num_warps, "num_stages": config.num_stages,
-                   "enable_fp_fusion": fp_fusion}
+        options = {
+            "num_warps": config.num_warps,
+            "num_stages": config.num_stages,
+            "enable_fp_fusion": fp_fusion,
+        }
         with _compiled_not_interpreted(), knobs.nvidia.scope(), contextlib.redirect_stdout(log):
             knobs.nvidia.dump_ptxas_log = True  # ptxas -v already runs; keep its log
             compiled = triton.compile(source, target=target, options=options)
@@ -301,15 +360,15 @@ def compile_source(make_source: Any, arch: str, config: TileConfig,
 Job = tuple[AttnSpec, str, TileConfig] | tuple[AttnSpec, str, TileConfig, str]
 
 
-def _run_job(payload: tuple[dict[str, Any], str, TileConfig, str, str | None]
-             ) -> dict[str, Any]:
+def _run_job(payload: tuple[dict[str, Any], str, TileConfig, str, str | None]) -> dict[str, Any]:
     data, arch, config, kind, kernel = payload
     (spec,) = specs_from_data(data)
     return compile_one(spec, arch, config, KernelKind(kind), kernel)
 
 
-def compile_iter(jobs: Sequence[Job], processes: int = 2,
-                 kind: KernelKind = KernelKind.prefill) -> Iterator[dict[str, Any]]:
+def compile_iter(
+    jobs: Sequence[Job], processes: int = 2, kind: KernelKind = KernelKind.prefill
+) -> Iterator[dict[str, Any]]:
     """Compile every (spec, arch, config) of `kind`; yields one record per job, in order, as
     they come.
 
@@ -317,8 +376,16 @@ def compile_iter(jobs: Sequence[Job], processes: int = 2,
     a process that imported triton in interpreter mode (the CPU test suite) cannot compile,
     because triton.language's own helpers are interpreter functions there. Each job carries
     its spec as data, so a worker renders and imports the kernel itself."""
-    payload = [(job[0].model_dump(mode="json"), job[1], job[2], kind.value,
-                job[3] if len(job) == 4 else None) for job in jobs]
+    payload = [
+        (
+            job[0].model_dump(mode="json"),
+            job[1],
+            job[2],
+            kind.value,
+            job[3] if len(job) == 4 else None,
+        )
+        for job in jobs
+    ]
     if not payload:
         return
     saved = {name: os.environ.get(name) for name in ("TRITON_CACHE_DIR", "TRITON_INTERPRET")}
@@ -337,7 +404,8 @@ def compile_iter(jobs: Sequence[Job], processes: int = 2,
                     os.environ[name] = value
 
 
-def compile_many(jobs: Sequence[Job], processes: int = 2,
-                 kind: KernelKind = KernelKind.prefill) -> list[dict[str, Any]]:
+def compile_many(
+    jobs: Sequence[Job], processes: int = 2, kind: KernelKind = KernelKind.prefill
+) -> list[dict[str, Any]]:
     """compile_iter, collected."""
     return list(compile_iter(jobs, processes, kind))

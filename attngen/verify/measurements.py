@@ -71,8 +71,10 @@ class MeasurementKey(NamedTuple):
         loads = " pointer loads" if not self.tma and usual_tma(self.arch, self.dtype) else ""
         rows = "" if self.aligned else " unaligned rows"
         drop = " dropout" if self.dropout else ""
-        return (f"{self.arch} {self.dtype} D{self.D}/{self.DV} {self.BLOCK_M}x{self.BLOCK_N} "
-                f"w{self.num_warps} s{self.num_stages}{loads}{rows}{drop}")
+        return (
+            f"{self.arch} {self.dtype} D{self.D}/{self.DV} {self.BLOCK_M}x{self.BLOCK_N} "
+            f"w{self.num_warps} s{self.num_stages}{loads}{rows}{drop}"
+        )
 
     def job(self, spec: AttnSpec) -> tuple[AttnSpec, str, TileConfig]:
         """The compile of this key from `spec` (attngen.verify.compiler's Job)."""
@@ -109,8 +111,10 @@ class BackwardKey(NamedTuple):
 
     def label(self) -> str:
         extras = (" dropout" if self.dropout else "") + ("" if self.aligned else " unaligned rows")
-        return (f"{self.arch} {self.kernel} {self.dtype} D{self.D}/{self.DV} "
-                f"{self.BLOCK_M}x{self.BLOCK_N} w{self.num_warps} s{self.num_stages}{extras}")
+        return (
+            f"{self.arch} {self.kernel} {self.dtype} D{self.D}/{self.DV} "
+            f"{self.BLOCK_M}x{self.BLOCK_N} w{self.num_warps} s{self.num_stages}{extras}"
+        )
 
     def job(self, spec: AttnSpec) -> tuple[AttnSpec, str, TileConfig, str]:
         return spec, self.arch, self.config, self.kernel
@@ -128,17 +132,35 @@ AnyKey = MeasurementKey | BackwardKey
 
 
 def measurement_key(spec: AttnSpec, arch: str, config: TileConfig) -> MeasurementKey:
-    return MeasurementKey(arch, spec.dtype.value, padded_head_dim(spec.head_dim),
-                          padded_head_dim(spec.value_head_dim), config.block_m, config.block_n,
-                          config.num_warps, config.num_stages,
-                          code_paths(spec, arch, KernelKind.prefill).tma, rows_aligned(spec),
-                          spec.dropout)
+    return MeasurementKey(
+        arch,
+        spec.dtype.value,
+        padded_head_dim(spec.head_dim),
+        padded_head_dim(spec.value_head_dim),
+        config.block_m,
+        config.block_n,
+        config.num_warps,
+        config.num_stages,
+        code_paths(spec, arch, KernelKind.prefill).tma,
+        rows_aligned(spec),
+        spec.dropout,
+    )
 
 
 def backward_key(spec: AttnSpec, arch: str, kernel: str, config: TileConfig) -> BackwardKey:
-    return BackwardKey(arch, kernel, spec.dtype.value, padded_head_dim(spec.head_dim),
-                       padded_head_dim(spec.value_head_dim), spec.dropout, config.block_m,
-                       config.block_n, config.num_warps, config.num_stages, rows_aligned(spec))
+    return BackwardKey(
+        arch,
+        kernel,
+        spec.dtype.value,
+        padded_head_dim(spec.head_dim),
+        padded_head_dim(spec.value_head_dim),
+        spec.dropout,
+        config.block_m,
+        config.block_n,
+        config.num_warps,
+        config.num_stages,
+        rows_aligned(spec),
+    )
 
 
 def usual_tma(arch: str, dtype: str) -> bool:
@@ -198,8 +220,10 @@ class Measurements:
             f'"template_hash": {json.dumps(self.template_hash)},',
             f'"key": {json.dumps(list(self.key_type._fields))},',
             '"specs": {',
-            ",\n".join(f"{json.dumps(name)}: {json.dumps(self.specs[name], sort_keys=True)}"
-                       for name in sorted(used)),
+            ",\n".join(
+                f"{json.dumps(name)}: {json.dumps(self.specs[name], sort_keys=True)}"
+                for name in sorted(used)
+            ),
             "},",
             '"records": [',
             ",\n".join(self.line(key) for key in sorted(self.records, key=_order)),
@@ -247,5 +271,4 @@ def load_measurements(path: Path, key_type: type[AnyKey] = MeasurementKey) -> Me
         spec = raw["specs"][record["spec"]]
         record.setdefault("aligned", spec["head_dim"] % 16 == 0 and spec["head_dim_v"] % 16 == 0)
     records = {key_type(*(r[name] for name in fields)): r for r in raw["records"]}
-    return Measurements(raw["triton"], raw["template_hash"], records, dict(raw["specs"]),
-                        key_type)
+    return Measurements(raw["triton"], raw["template_hash"], records, dict(raw["specs"]), key_type)

@@ -43,8 +43,13 @@ SAFE_SPILL_BYTES = 64
 OTHER_SPEC_SPILL_BYTES = 128
 
 
-def judge(plan: Plan, data: Measurements, changed: dict[AnyKey, list[str]],
-          stale_fails: bool = True, others: Others | None = None) -> None:
+def judge(
+    plan: Plan,
+    data: Measurements,
+    changed: dict[AnyKey, list[str]],
+    stale_fails: bool = True,
+    others: Others | None = None,
+) -> None:
     """Fill every row's measurement, failures and notes (the policy in the module docstring).
     A live result that differs from the data's record fails unless the data is being rewritten
     (`stale_fails` false); the other specs' compiles of a key (--every-spec) are held to the
@@ -81,22 +86,28 @@ def _judge_one(row: Row, m: dict[str, Any]) -> None:
         if shared > arch.smem_budget:
             row.problems.append(f"feasible but compiled shared {shared} > {arch.smem_budget}")
         if not row.may_spill and spills > SAFE_SPILL_BYTES:
-            row.problems.append(f"predicted {cand.regs_per_thread} regs (safe) but spills "
-                                f"{spills} B > {SAFE_SPILL_BYTES}")
+            row.problems.append(
+                f"predicted {cand.regs_per_thread} regs (safe) but spills "
+                f"{spills} B > {SAFE_SPILL_BYTES}"
+            )
         elif row.may_spill:
             row.notes.append(f"may spill: spills {spills} B")
         return
     for reason in cand.rejected:
         if reason.startswith("smem"):
             ok = shared > arch.smem_budget
-            row.notes.append(f"smem rejection {'confirmed' if ok else 'conservative'}: "
-                             f"compiled {shared} B")
+            row.notes.append(
+                f"smem rejection {'confirmed' if ok else 'conservative'}: compiled {shared} B"
+            )
         elif reason.startswith("regs"):
             ok = spills > SAFE_SPILL_BYTES
-            row.notes.append(f"regs rejection {'confirmed' if ok else 'conservative'}: "
-                             f"spills {spills} B")
+            row.notes.append(
+                f"regs rejection {'confirmed' if ok else 'conservative'}: spills {spills} B"
+            )
 
 
 def margin_note() -> str:
-    return (f"safe: predicted <= the register limit, must spill <= {SAFE_SPILL_BYTES} B; "
-            f"may spill: predicted within {REGISTER_MARGIN} above it, allowed to spill")
+    return (
+        f"safe: predicted <= the register limit, must spill <= {SAFE_SPILL_BYTES} B; "
+        f"may spill: predicted within {REGISTER_MARGIN} above it, allowed to spill"
+    )

@@ -10,44 +10,56 @@ from attngen.arch import ARCHS
 from attngen.verify.check import Report, Row, Summary, summarize
 from attngen.verify.policy import margin_note
 
-SUMMARY_HEADER = (f"{'arch':<6} {'configs':>7} {'compiled':>8} {'smem exact':>10} {'over':>5} "
-                  f"{'under':>5} {'feasible':>8} {'safe ok':>9} {'may spill':>9} "
-                  f"{'rejected ok':>11} {'mma path':>9} {'regs rms':>8} {'FAIL':>5}")
+SUMMARY_HEADER = (
+    f"{'arch':<6} {'configs':>7} {'compiled':>8} {'smem exact':>10} {'over':>5} "
+    f"{'under':>5} {'feasible':>8} {'safe ok':>9} {'may spill':>9} "
+    f"{'rejected ok':>11} {'mma path':>9} {'regs rms':>8} {'FAIL':>5}"
+)
 
 
 def _summary_row(name: str, s: Summary) -> str:
     rms = "-" if math.isnan(s.regs_rms) else f"{s.regs_rms:.1f}"
-    return (f"{name:<6} {s.rows:>7} {s.compiled:>8} {s.exact:>10} {s.over:>5} {s.under:>5} "
-            f"{s.feasible:>8} {f'{s.safe_ok}/{s.safe}':>9} "
-            f"{f'{s.may_spill_spilled}/{s.may_spill}':>9} "
-            f"{f'{s.rejected_confirmed}/{s.rejected_checked}':>11} "
-            f"{f'{s.mma_agree}/{s.compiled}':>9} {rms:>8} {s.failures:>5}")
+    return (
+        f"{name:<6} {s.rows:>7} {s.compiled:>8} {s.exact:>10} {s.over:>5} {s.under:>5} "
+        f"{s.feasible:>8} {f'{s.safe_ok}/{s.safe}':>9} "
+        f"{f'{s.may_spill_spilled}/{s.may_spill}':>9} "
+        f"{f'{s.rejected_confirmed}/{s.rejected_checked}':>11} "
+        f"{f'{s.mma_agree}/{s.compiled}':>9} {rms:>8} {s.failures:>5}"
+    )
 
 
 def _row_line(row: Row) -> str:
     cand, m = row.candidate, row.measured or {}
     verdict = "FAIL: " + "; ".join(row.problems) if row.problems else "; ".join(row.notes)
-    return (f"{row.key.label():<40} {cand.smem_bytes:>7} {m.get('shared') or '-':>7} "
-            f"{row.smem_class:<5} {cand.regs_per_thread:>4} {m.get('regs') or '-':>4} "
-            f"{m.get('spill_stores') or 0:>6} {'feasible' if cand.feasible else 'rejected':<8} "
-            f"{row.source:<4} {verdict}")
+    return (
+        f"{row.key.label():<40} {cand.smem_bytes:>7} {m.get('shared') or '-':>7} "
+        f"{row.smem_class:<5} {cand.regs_per_thread:>4} {m.get('regs') or '-':>4} "
+        f"{m.get('spill_stores') or 0:>6} {'feasible' if cand.feasible else 'rejected':<8} "
+        f"{row.source:<4} {verdict}"
+    )
 
 
-ROW_HEADER = (f"{'arch dtype dims config':<40} {'model':>7} {'shared':>7} {'smem':<5} "
-              f"{'regs':>4} {'ptx':>4} {'spills':>6} {'model':<8} {'from':<4} verdict")
+ROW_HEADER = (
+    f"{'arch dtype dims config':<40} {'model':>7} {'shared':>7} {'smem':<5} "
+    f"{'regs':>4} {'ptx':>4} {'spills':>6} {'model':<8} {'from':<4} verdict"
+)
 
 
 def report_lines(report: Report, all_rows: bool = False) -> list[str]:
     rows = list(report.plan.rows.values())
     total = summarize(rows)
     key_fields = ", ".join(type(rows[0].key)._fields) if rows else "no rows"
-    lines = [f"verify-tiling: {len(rows)} distinct configs ({key_fields}) from the specs' "
-             f"candidates; {report.live} compiled live, the rest from the data (triton "
-             f"{report.data_triton})"]
+    lines = [
+        f"verify-tiling: {len(rows)} distinct configs ({key_fields}) from the specs' "
+        f"candidates; {report.live} compiled live, the rest from the data (triton "
+        f"{report.data_triton})"
+    ]
     if report.data_template and report.data_template != report.template_hash:
-        lines.append(f"note: the data was compiled from template {report.data_template}, the "
-                     f"templates are now {report.template_hash}; `--sample N` or "
-                     "`--recompile` checks whether that matters")
+        lines.append(
+            f"note: the data was compiled from template {report.data_template}, the "
+            f"templates are now {report.template_hash}; `--sample N` or "
+            "`--recompile` checks whether that matters"
+        )
     if all_rows:
         lines += ["", ROW_HEADER, *(_row_line(r) for r in rows)]
     lines += ["", *chosen_lines(report)]
@@ -56,21 +68,30 @@ def report_lines(report: Report, all_rows: bool = False) -> list[str]:
     lines.append(_summary_row("all", total))
     rates = rate_lines(total, report)
     if report.skipped:
-        rates.insert(-1, f"not compiled: {len(report.skipped)} fp32 configs predicted far over "
-                         "the register file (ptxas takes minutes each; the model rejects them)")
+        rates.insert(
+            -1,
+            f"not compiled: {len(report.skipped)} fp32 configs predicted far over "
+            "the register file (ptxas takes minutes each; the model rejects them)",
+        )
     lines += ["", *legend_lines(), "", *rates]
     failed = report.failed
     if failed:
-        lines += ["", f"FAILED: {len(failed)} config(s)", ROW_HEADER,
-                  *(_row_line(r) for r in failed)]
+        lines += [
+            "",
+            f"FAILED: {len(failed)} config(s)",
+            ROW_HEADER,
+            *(_row_line(r) for r in failed),
+        ]
     return lines
 
 
 def chosen_lines(report: Report) -> list[str]:
     """The heuristic's choice for each spec and arch, against the compiler."""
-    lines = ["chosen configs (the heuristic's; a tuned config is one of the candidates above):",
-             f"{'spec':<18} {'arch':<6} {'BMxBN w s':<12} {'model':>7} {'shared':>7} "
-             f"{'budget':>7} {'regs':>4} {'ptx':>4} {'spills':>6}  verdict"]
+    lines = [
+        "chosen configs (the heuristic's; a tuned config is one of the candidates above):",
+        f"{'spec':<18} {'arch':<6} {'BMxBN w s':<12} {'model':>7} {'shared':>7} "
+        f"{'budget':>7} {'regs':>4} {'ptx':>4} {'spills':>6}  verdict",
+    ]
     for spec, arch, key in report.plan.chosen:
         if key is None:
             lines.append(f"{spec:<18} {arch:<6} {'-':<12} nothing fits (see attngen explain)")
@@ -78,12 +99,15 @@ def chosen_lines(report: Report) -> list[str]:
         row = report.plan.rows[key]
         m, cand = row.measured or {}, row.candidate
         config = f"{key.BLOCK_M}x{key.BLOCK_N} {key.num_warps} {key.num_stages}"
-        verdict = "FAIL: " + "; ".join(row.problems) if row.problems else (
-            "ok" if m else "not compiled")
-        lines.append(f"{spec:<18} {arch:<6} {config:<12} {cand.smem_bytes:>7} "
-                     f"{m.get('shared') or '-':>7} {ARCHS[arch].smem_budget:>7} "
-                     f"{cand.regs_per_thread:>4} {m.get('regs') or '-':>4} "
-                     f"{m.get('spill_stores') or 0:>6}  {verdict}")
+        verdict = (
+            "FAIL: " + "; ".join(row.problems) if row.problems else ("ok" if m else "not compiled")
+        )
+        lines.append(
+            f"{spec:<18} {arch:<6} {config:<12} {cand.smem_bytes:>7} "
+            f"{m.get('shared') or '-':>7} {ARCHS[arch].smem_budget:>7} "
+            f"{cand.regs_per_thread:>4} {m.get('regs') or '-':>4} "
+            f"{m.get('spill_stores') or 0:>6}  {verdict}"
+        )
     return lines
 
 
@@ -120,29 +144,46 @@ def live_lines(report: Report) -> list[str]:
     if not live:
         return []
     s = summarize(live)
-    return [f"compiled live now: {len(live)} configs, {s.exact} with exactly the predicted "
-            f"shared memory; {s.rejected} the model rejects, of which the compiler confirms "
-            f"{s.rejected_confirmed} of {s.rejected_checked} with a resource reason"]
+    return [
+        f"compiled live now: {len(live)} configs, {s.exact} with exactly the predicted "
+        f"shared memory; {s.rejected} the model rejects, of which the compiler confirms "
+        f"{s.rejected_confirmed} of {s.rejected_checked} with a resource reason"
+    ]
 
 
 def report_json(report: Report) -> dict[str, Any]:
     def row(r: Row) -> dict[str, Any]:
-        return {**r.key._asdict(), "specs": r.specs, "model_smem": r.candidate.smem_bytes,
-                "model_regs": r.candidate.regs_per_thread, "feasible": r.candidate.feasible,
-                "may_spill": r.may_spill, "rejected": list(r.candidate.rejected),
-                "source": r.source, "measured": r.measured, "problems": r.problems,
-                "notes": r.notes}
+        return {
+            **r.key._asdict(),
+            "specs": r.specs,
+            "model_smem": r.candidate.smem_bytes,
+            "model_regs": r.candidate.regs_per_thread,
+            "feasible": r.candidate.feasible,
+            "may_spill": r.may_spill,
+            "rejected": list(r.candidate.rejected),
+            "source": r.source,
+            "measured": r.measured,
+            "problems": r.problems,
+            "notes": r.notes,
+        }
 
     def number(x: float) -> float | None:
         return None if math.isnan(x) else round(x, 4)  # NaN (nothing compiled) is not JSON
 
-    summaries = {arch: {k: v for k, v in vars(s).items() if k != "regs_err"}
-                 | {"exact_rate": number(s.exact_rate), "regs_rms": number(s.regs_rms)}
-                 for arch, s in report.by_arch().items()}
-    return {"triton": report.data_triton, "template_hash": report.template_hash,
-            "budgets": {a: ARCHS[a].smem_budget for a in summaries},
-            "passed": not report.failed, "seconds": round(report.seconds, 1),
-            "summary": summaries, "rows": [row(r) for r in report.plan.rows.values()]}
+    summaries = {
+        arch: {k: v for k, v in vars(s).items() if k != "regs_err"}
+        | {"exact_rate": number(s.exact_rate), "regs_rms": number(s.regs_rms)}
+        for arch, s in report.by_arch().items()
+    }
+    return {
+        "triton": report.data_triton,
+        "template_hash": report.template_hash,
+        "budgets": {a: ARCHS[a].smem_budget for a in summaries},
+        "passed": not report.failed,
+        "seconds": round(report.seconds, 1),
+        "summary": summaries,
+        "rows": [row(r) for r in report.plan.rows.values()],
+    }
 
 
 def dump_json(report: Report) -> str:
