@@ -30,7 +30,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attngen.build import plan_build
-from attngen.spec import specs_from_data
+from attngen.spec import load_spec_file
 
 HEAD_DIMS = (64, 128, 256)
 SEQLENS = (1024, 4096, 16384)
@@ -42,31 +42,31 @@ SDPA_BACKENDS = {
 }
 
 
+ROOT = Path(__file__).resolve().parent.parent
+GRID_SPECS = ROOT / "tools" / "bench_specs" / "backward_grid.yaml"
+TUNING = ROOT / "tuning"
+
+
 def load_module(head_dim: int, causal: bool, arch: str = "sm90"):
-    """The prefill module of a backward spec for this grid cell, built as `attngen build`
-    builds it, written to a file and imported."""
-    fields = dict(
-        name=f"bench_bwd_d{head_dim}",
-        archs=[arch],
-        dtype="bf16",
-        head_dim=head_dim,
-        num_q_heads=WIDTH // head_dim,
-        num_kv_heads=WIDTH // head_dim,
-        mask="causal" if causal else "none",
-        kernels=["prefill"],
-        backward=True,
-    )
-    if causal:
-        fields["causal_align"] = "bottom_right"
-    spec = specs_from_data(fields)[0]
-    artifact = next(a for a in plan_build([spec]) if a.entry["arch"] == arch)
+    """The prefill module of this grid cell's spec (tools/bench_specs/backward_grid.yaml),
+    built as `attngen build` builds it, with the tuning database (tuning/<arch>.json) where it
+    has the cell's entries (`attngen autotune` on that file), written to a file and imported.
+    Its configs say where they came from (CONFIG_SOURCE and the header)."""
+    variant = f"backward_grid_d{head_dim}_{'causal' if causal else 'full'}"
+    spec = next(s for s in load_spec_file(GRID_SPECS) if s.name == variant)
+    tuning = TUNING if TUNING.is_dir() else None
+    artifact = next(a for a in plan_build([spec], tuning) if a.entry["arch"] == arch)
     path = Path(tempfile.mkdtemp(prefix="attngen-bench-bwd-")) / f"{spec.name}.py"
     path.write_text(artifact.source)
-    name = f"{spec.name}_{'causal' if causal else 'full'}"
-    module_spec = importlib.util.spec_from_file_location(name, path)
+    module_spec = importlib.util.spec_from_file_location(spec.name, path)
     module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
+    sys.modules[spec.name] = module
     module_spec.loader.exec_module(module)
+    print(
+        f"{spec.name}: forward {module.CONFIG}, dQ {module.BWD_DQ_CONFIG}, "
+        f"dK/dV {module.BWD_DKDV_CONFIG}",
+        flush=True,
+    )
     return module
 
 

@@ -57,6 +57,9 @@ section_command() {
       | sed 's/: FAILED\$//' > $work/changed_generated.txt; \
       cp tuning/sm90.json tuning/.progress-sm90.json $work/; \
       echo changed: \$(cat $work/changed_generated.txt); exit \$rc" ;;
+    autotune_backward_grid) echo "python3 -m attngen autotune tools/bench_specs/backward_grid.yaml \
+      --arch sm90 --kernels backward --budget 420; rc=\$?; \
+      cp tuning/sm90.json tuning/.progress-sm90.json $work/; exit \$rc" ;;
     ondemand_tests) echo "$pytest_gpu tests/test_ondemand_gpu.py" ;;
     cold_start) echo "python3 tools/ondemand_cold_start.py --json $work/cold_start.json" ;;
     cp_bwd_tests) echo "NCCL_NVLS_ENABLE=0 $pytest_gpu tests/test_context_parallel_gpu.py -k gradients" ;;
