@@ -62,10 +62,10 @@ def scaled_dot_product_attention(
     q [B, HQ, Nq, D], k/v [B, HKV, Nk, D] (HQ != HKV needs enable_gqa=True, as in torch).
     is_causal is top-left aligned as in torch (causal_align="bottom_right" for the KV-cache
     diagonal); window=(left, right) keeps key j for i' - left <= j <= i' + right; softcap and
-    alibi_slopes ([HQ] or [B, HQ] fp32) as in the spec. dropout_p > 0 needs a module built with dropout:
-    true (the module docstring). attn_mask tensors are refused (no generated kernel has them)
-    unless fallback="sdpa". fallback=None uses attngen.runtime.set_fallback's mode ("error"
-    unless changed).
+    alibi_slopes ([HQ] or [B, HQ] fp32) as in the spec. dropout_p > 0 needs a module built
+    with dropout: true (the module docstring). attn_mask tensors are refused (no generated
+    kernel has them) unless fallback="sdpa". fallback=None uses attngen.runtime.set_fallback's
+    mode ("error" unless changed).
     """
     key = None
     if (
