@@ -56,10 +56,14 @@ def check_dense(q, k, v, alibi_slopes) -> None:
     check_alibi(alibi_slopes, q, batch=q.shape[0])
 
 
-def check_alibi(alibi_slopes, q, batch: int | None = None) -> None:
-    """A module built with ALiBi's slope checks, for slopes given: [HQ] float32 on q's device,
-    contiguous; `batch` also allows flash-attn's [batch, HQ] (which no kernel takes: such a
-    call reaches the fallback only)."""
+def check_alibi(
+    alibi_slopes, q, batch: int | None = None, *, kernels_take_batch: bool = True
+) -> None:
+    """A module built with ALiBi's slope checks (_common.py.jinja's check_alibi), for slopes
+    given: [HQ] float32 on q's device, its last dim contiguous; `batch` also allows
+    flash-attn's [batch, HQ], which the prefill and varlen kernels take (their messages name
+    both shapes) and the decode kernels do not (kernels_take_batch=False: the message names
+    [batch, HQ] only for a 2-D tensor, which reaches the fallback only)."""
     if alibi_slopes is None:
         return
     num_q_heads = q.shape[1]
@@ -69,7 +73,7 @@ def check_alibi(alibi_slopes, q, batch: int | None = None) -> None:
             f"{type(alibi_slopes).__name__}"
         )
     shapes: list[tuple[int, ...]] = [(num_q_heads,)]
-    if batch is not None and alibi_slopes.dim() == 2:  # else the message is the module's
+    if batch is not None and (kernels_take_batch or alibi_slopes.dim() == 2):
         shapes.append((batch, num_q_heads))
     if alibi_slopes.shape not in shapes or alibi_slopes.dtype != torch.float32:
         allowed = " or ".join(str(s) for s in shapes)
@@ -79,9 +83,9 @@ def check_alibi(alibi_slopes, q, batch: int | None = None) -> None:
         )
     if alibi_slopes.device != q.device:
         raise ValueError(f"alibi_slopes: expected device {q.device}, got {alibi_slopes.device}")
-    if not alibi_slopes.is_contiguous():
+    if alibi_slopes.shape[-1] > 1 and alibi_slopes.stride(-1) != 1:
         raise ValueError(
-            "alibi_slopes: expected a contiguous tensor (read with stride 1), got "
+            "alibi_slopes: expected a contiguous tensor (its last dim read with stride 1), got "
             f"strides {alibi_slopes.stride()}"
         )
 

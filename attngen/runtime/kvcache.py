@@ -276,7 +276,7 @@ def _varlen_module(
         heads=(q.shape[2], k_cache.shape[2]),
     )
     # What the module (or the fallback) would refuse after the append, refused before it.
-    check_alibi(alibi_slopes, packed_q, batch=batch)
+    check_alibi(alibi_slopes, packed_q, batch=batch, kernels_take_batch=False)
     return dispatch
 
 

@@ -483,7 +483,7 @@ def _check_alibi(alibi_slopes, num_q_heads, q, batch=None):
         )
     if alibi_slopes.device != q.device:
         raise ValueError(f"alibi_slopes: expected device {q.device}, got {alibi_slopes.device}")
-    if alibi_slopes.stride(-1) != 1:
+    if alibi_slopes.shape[-1] > 1 and alibi_slopes.stride(-1) != 1:
         raise ValueError("alibi_slopes: expected a contiguous tensor (its last dim read with "
                          f"stride 1), got strides {alibi_slopes.stride()}")
     return 0 if alibi_slopes.dim() == 1 else alibi_slopes.stride(0)
