@@ -1,6 +1,7 @@
 """flash-attn's per-batch ALiBi slopes [B, HQ] served by the generated prefill and varlen
-kernels (forward and backward): sequence b reads row b of the slopes, [HQ] slopes still read
-one row for every sequence, and a wrong shape is refused naming alibi_slopes."""
+kernels (forward and backward) and the decode kernels: sequence b reads row b of the slopes,
+[HQ] slopes still read one row for every sequence, and a wrong shape is refused naming
+alibi_slopes."""
 
 from __future__ import annotations
 
@@ -19,6 +20,15 @@ FIELDS = dict(head_dim=D, num_q_heads=HQ, num_kv_heads=HKV, mask="none", alibi=T
 SPECS = [
     dict(name="alibi_bh", dtype=dtype, kernels=["prefill", "varlen"], backward=True, **FIELDS)
     for dtype in ("fp32", "fp16")
+] + [
+    dict(
+        name="alibi_bh_dec",
+        dtype="fp32",
+        kernels=["decode"],
+        kv_layout="contiguous",
+        max_query_tokens=4,
+        **{**FIELDS, "mask": "causal", "causal_align": "bottom_right"},
+    )
 ]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
@@ -199,3 +209,28 @@ def test_wrong_slopes_are_refused_naming_alibi_slopes(alibi_kernels, mistake):
     packed = [t.transpose(1, 2).reshape(-1, t.shape[1], D) for t in (q, q[:, :HKV], q[:, :HKV])]
     with pytest.raises(ValueError, match=r"alibi_slopes: expected"):
         attngen.flash_attn_varlen_func(*packed, cu, cu, 5, 5, alibi_slopes=bad)
+
+
+def test_flash_attn_with_kvcache_reads_each_sequences_slopes(alibi_kernels):
+    spec = make_spec(dtype="fp32", **{**FIELDS, "mask": "causal", "causal_align": "bottom_right"})
+    q = rand(2, 2, HQ, D, dtype=torch.float32, seed=40)
+    k_cache, v_cache = (rand(2, 12, HKV, D, dtype=torch.float32, seed=s) for s in (41, 42))
+    lengths = [5, 9]
+    slopes = per_batch_slopes(2)
+    out, lse = attngen.flash_attn_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+        causal=True,
+        alibi_slopes=slopes,
+        return_softmax_lse=True,
+    )
+    assert_generated("sm90/alibi_bh_dec_decode_fp32")
+    for b, length in enumerate(lengths):
+        heads_first = [t[b : b + 1].transpose(1, 2) for t in (out, q)]
+        keys = [t[b : b + 1, :length].transpose(1, 2) for t in (k_cache, v_cache)]
+        problems = compare_to_reference(
+            spec, heads_first[0], lse[b : b + 1], heads_first[1], *keys, alibi_slopes=slopes[b]
+        )
+        assert not problems, f"sequence {b}: " + "; ".join(problems)

@@ -56,14 +56,10 @@ def check_dense(q, k, v, alibi_slopes) -> None:
     check_alibi(alibi_slopes, q, batch=q.shape[0])
 
 
-def check_alibi(
-    alibi_slopes, q, batch: int | None = None, *, kernels_take_batch: bool = True
-) -> None:
+def check_alibi(alibi_slopes, q, batch: int | None = None) -> None:
     """A module built with ALiBi's slope checks (_common.py.jinja's check_alibi), for slopes
     given: [HQ] float32 on q's device, its last dim contiguous; `batch` also allows
-    flash-attn's [batch, HQ], which the prefill and varlen kernels take (their messages name
-    both shapes) and the decode kernels do not (kernels_take_batch=False: the message names
-    [batch, HQ] only for a 2-D tensor, which reaches the fallback only)."""
+    flash-attn's [batch, HQ], which the kernels take (sequence b reads row b)."""
     if alibi_slopes is None:
         return
     num_q_heads = q.shape[1]
@@ -73,7 +69,7 @@ def check_alibi(
             f"{type(alibi_slopes).__name__}"
         )
     shapes: list[tuple[int, ...]] = [(num_q_heads,)]
-    if batch is not None and (kernels_take_batch or alibi_slopes.dim() == 2):
+    if batch is not None:
         shapes.append((batch, num_q_heads))
     if alibi_slopes.shape not in shapes or alibi_slopes.dtype != torch.float32:
         allowed = " or ".join(str(s) for s in shapes)
