@@ -31,6 +31,8 @@ SPECS = [
     )
 ]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+# CUDA on the H200 (tests/test_alibi_per_batch_gpu.py runs these tests there), else the CPU
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +53,12 @@ def per_batch_slopes(batch: int) -> torch.Tensor:
     rows = [
         2.0 ** (-(b + 1) * torch.arange(1, HQ + 1, dtype=torch.float32) / 2) for b in range(batch)
     ]
-    return torch.stack(rows)
+    return torch.stack(rows).to(DEVICE)
 
 
 def rand(*shape, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype)
+    return torch.randn(*shape, generator=gen, dtype=torch.float32).to(DEVICE, dtype)
 
 
 def assert_generated(prefix: str) -> None:
@@ -83,8 +85,8 @@ def test_flash_attn_func_reads_each_sequences_slopes(alibi_kernels, dtype):
 def test_flash_attn_varlen_func_reads_each_sequences_slopes(alibi_kernels):
     spec = make_spec(dtype="fp32", **FIELDS)
     lengths_q, lengths_k = [3, 6], [7, 4]
-    cu_q = torch.tensor([0, 3, 9], dtype=torch.int32)
-    cu_k = torch.tensor([0, 7, 11], dtype=torch.int32)
+    cu_q = torch.tensor([0, 3, 9], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 7, 11], dtype=torch.int32, device=DEVICE)
     q = rand(9, HQ, D, dtype=torch.float32, seed=4)
     k, v = (rand(11, HKV, D, dtype=torch.float32, seed=s) for s in (5, 6))
     slopes = per_batch_slopes(2)
@@ -143,7 +145,7 @@ def test_module_takes_per_batch_and_per_head_slopes(alibi_kernels):
     out_h, lse_h = module.attention(q, k, v, alibi_slopes=slopes[1], return_lse=True)
     assert not compare_to_reference(spec, out_h, lse_h, q, k, v, alibi_slopes=slopes[1])
     # a [B, HQ] view with a row stride other than HQ is read at its own stride
-    wide = torch.zeros(2, 2 * HQ)
+    wide = torch.zeros(2, 2 * HQ, device=DEVICE)
     wide[:, :HQ] = slopes
     assert torch.equal(module.attention(q, k, v, alibi_slopes=wide[:, :HQ]), out)
 
@@ -166,8 +168,8 @@ def test_backward_reads_each_sequences_slopes(alibi_kernels):
 
 def test_varlen_backward_reads_each_sequences_slopes(alibi_kernels):
     module = loaded_module("varlen")
-    cu_q = torch.tensor([0, 3, 9], dtype=torch.int32)
-    cu_k = torch.tensor([0, 7, 11], dtype=torch.int32)
+    cu_q = torch.tensor([0, 3, 9], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 7, 11], dtype=torch.int32, device=DEVICE)
     q = rand(9, HQ, D, dtype=torch.float32, seed=30)
     k, v = (rand(11, HKV, D, dtype=torch.float32, seed=s) for s in (31, 32))
     dout = rand(9, HQ, D, dtype=torch.float32, seed=33)
@@ -177,8 +179,8 @@ def test_varlen_backward_reads_each_sequences_slopes(alibi_kernels):
     for b in range(2):
         rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
         alone = [t[r].clone().requires_grad_() for t, r in ((q, rq), (k, rk), (v, rk))]
-        cu_one_q = torch.tensor([0, rq.stop - rq.start], dtype=torch.int32)
-        cu_one_k = torch.tensor([0, rk.stop - rk.start], dtype=torch.int32)
+        cu_one_q = torch.tensor([0, rq.stop - rq.start], dtype=torch.int32, device=DEVICE)
+        cu_one_k = torch.tensor([0, rk.stop - rk.start], dtype=torch.int32, device=DEVICE)
         module.attention_varlen(*alone, cu_one_q, cu_one_k, 6, 7, alibi_slopes=slopes[b]).backward(
             dout[rq]
         )
@@ -189,7 +191,7 @@ def test_varlen_backward_reads_each_sequences_slopes(alibi_kernels):
 
 BAD_SLOPES = {
     "batch_plus_one": lambda s: per_batch_slopes(3),
-    "heads_plus_one": lambda s: torch.ones(2, HQ + 1),
+    "heads_plus_one": lambda s: torch.ones(2, HQ + 1, device=DEVICE),
     "rank_3": lambda s: s[:, :, None],
     "float64": lambda s: s.double(),
     "strided_last_dim": lambda s: torch.stack([s, s], -1)[..., 0],
@@ -205,7 +207,7 @@ def test_wrong_slopes_are_refused_naming_alibi_slopes(alibi_kernels, mistake):
     assert "(4,) or (2, 4)" in str(info.value) or "strides" in str(info.value)
     with pytest.raises(ValueError, match=r"alibi_slopes: expected"):
         attngen.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), alibi_slopes=bad)
-    cu = torch.tensor([0, 5, 10], dtype=torch.int32)
+    cu = torch.tensor([0, 5, 10], dtype=torch.int32, device=DEVICE)
     packed = [t.transpose(1, 2).reshape(-1, t.shape[1], D) for t in (q, q[:, :HKV], q[:, :HKV])]
     with pytest.raises(ValueError, match=r"alibi_slopes: expected"):
         attngen.flash_attn_varlen_func(*packed, cu, cu, 5, 5, alibi_slopes=bad)
@@ -221,7 +223,7 @@ def test_flash_attn_with_kvcache_reads_each_sequences_slopes(alibi_kernels):
         q,
         k_cache,
         v_cache,
-        cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+        cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=DEVICE),
         causal=True,
         alibi_slopes=slopes,
         return_softmax_lse=True,
