@@ -218,8 +218,9 @@ def _attn_fwd_kernel(
     q_rows = offs_m.to(tl.int64)
     q_ptrs = q_base + q_rows[:, None] * stride_qm + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d < _HEAD_DIM)[None, :], other=0.0)
-    # [HQ] slopes have stride_slopes_b 0, [B, HQ] ones HQ: off_b < B, off_h < HQ (launcher).
-    slope_log2 = tl.load(Slopes + off_b * stride_slopes_b + off_h) * _LOG2E_C
+    # [HQ] slopes have stride_slopes_b 0, [B, HQ] ones their row stride: off_b < B, off_h < HQ
+    # (the launcher checked the shape); the offset in int64 (a view's row stride may be large).
+    slope_log2 = tl.load(Slopes + off_b.to(tl.int64) * stride_slopes_b + off_h) * _LOG2E_C
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, _BLOCK_DV], dtype=tl.float32)
