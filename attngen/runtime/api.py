@@ -29,7 +29,6 @@ from attngen.runtime.arguments import (
     check_causal_align,
     check_rank4,
     flash_mask,
-    flash_refusal,
     rank4,
     window_pair,
 )
@@ -63,10 +62,10 @@ def scaled_dot_product_attention(
     q [B, HQ, Nq, D], k/v [B, HKV, Nk, D] (HQ != HKV needs enable_gqa=True, as in torch).
     is_causal is top-left aligned as in torch (causal_align="bottom_right" for the KV-cache
     diagonal); window=(left, right) keeps key j for i' - left <= j <= i' + right; softcap and
-    alibi_slopes ([HQ] fp32) as in the spec. dropout_p > 0 needs a module built with dropout:
-    true (the module docstring). attn_mask tensors are refused (no generated kernel has them)
-    unless fallback="sdpa". fallback=None uses attngen.runtime.set_fallback's mode ("error"
-    unless changed).
+    alibi_slopes ([HQ] or [B, HQ] fp32) as in the spec. dropout_p > 0 needs a module built
+    with dropout: true (the module docstring). attn_mask tensors are refused (no generated
+    kernel has them) unless fallback="sdpa". fallback=None uses attngen.runtime.set_fallback's
+    mode ("error" unless changed).
     """
     key = None
     if (
@@ -122,7 +121,7 @@ def scaled_dot_product_attention(
         scale=scale,
         return_lse=False,
         fallback=fallback,
-        refusal=_sdpa_refusal(attn_mask, alibi_slopes),
+        refusal=_sdpa_refusal(attn_mask),
         attn_mask=attn_mask,
         dropout_p=dropout_p,
         plan_key=key,
@@ -142,15 +141,14 @@ def _sdpa_mask(is_causal, window) -> tuple[Mask, tuple[int, int] | None]:
     return Mask.sliding_window, window_pair(window, "window")
 
 
-def _sdpa_refusal(attn_mask, alibi_slopes) -> str | None:
-    """Why no generated kernel may serve the call (a dense attn_mask, flash_refusal's
-    reasons), or None."""
+def _sdpa_refusal(attn_mask) -> str | None:
+    """Why no generated kernel may serve the call (a dense attn_mask), or None."""
     if attn_mask is not None:
         return (
             "attn_mask: a dense mask tensor is not served by generated kernels; use "
             "is_causal, window, alibi_slopes or softcap"
         )
-    return flash_refusal(alibi_slopes)
+    return None
 
 
 # ---------------------------------------------------------------------- flash-attn 2.x
@@ -229,7 +227,6 @@ def flash_attn_func(
         scale=softmax_scale,
         return_lse=return_attn_probs,
         fallback=None,
-        refusal=flash_refusal(alibi_slopes),
         dropout_p=dropout_p,
         heads_last=True,
         plan_key=key,
@@ -320,7 +317,6 @@ def flash_attn_varlen_func(
         scale=softmax_scale,
         return_lse=return_attn_probs,
         fallback=None,
-        refusal=flash_refusal(alibi_slopes),
         dropout_p=dropout_p,
         seqused_k=seqused_k,
         length_bounds=bounds,

@@ -141,14 +141,3 @@ def check_attn_probs(return_attn_probs: bool, dropout_p: float) -> None:
             "never form); pass return_attn_probs=False, or dropout_p=0.0 for "
             "(out, lse, None)"
         )
-
-
-def flash_refusal(alibi_slopes: torch.Tensor | None) -> str | None:
-    """Why no generated kernel serves flash-attn's per-batch slopes [batch, nheads] (the torch
-    fallback serves them), or None."""
-    if type(alibi_slopes) is torch.Tensor and alibi_slopes.dim() == 2:  # else the checks say
-        return (
-            f"alibi_slopes: got shape {tuple(alibi_slopes.shape)}; generated kernels take "
-            "[nheads] fp32 (one slope per head for the whole batch)"
-        )
-    return None

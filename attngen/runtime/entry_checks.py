@@ -57,9 +57,9 @@ def check_dense(q, k, v, alibi_slopes) -> None:
 
 
 def check_alibi(alibi_slopes, q, batch: int | None = None) -> None:
-    """A module built with ALiBi's slope checks, for slopes given: [HQ] float32 on q's device,
-    contiguous; `batch` also allows flash-attn's [batch, HQ] (which no kernel takes: such a
-    call reaches the fallback only)."""
+    """A module built with ALiBi's slope checks (_common.py.jinja's check_alibi), for slopes
+    given: [HQ] float32 on q's device, its last dim contiguous; `batch` also allows
+    flash-attn's [batch, HQ], which the kernels take (sequence b reads row b)."""
     if alibi_slopes is None:
         return
     num_q_heads = q.shape[1]
@@ -69,7 +69,7 @@ def check_alibi(alibi_slopes, q, batch: int | None = None) -> None:
             f"{type(alibi_slopes).__name__}"
         )
     shapes: list[tuple[int, ...]] = [(num_q_heads,)]
-    if batch is not None and alibi_slopes.dim() == 2:  # else the message is the module's
+    if batch is not None:
         shapes.append((batch, num_q_heads))
     if alibi_slopes.shape not in shapes or alibi_slopes.dtype != torch.float32:
         allowed = " or ".join(str(s) for s in shapes)
@@ -79,9 +79,9 @@ def check_alibi(alibi_slopes, q, batch: int | None = None) -> None:
         )
     if alibi_slopes.device != q.device:
         raise ValueError(f"alibi_slopes: expected device {q.device}, got {alibi_slopes.device}")
-    if not alibi_slopes.is_contiguous():
+    if alibi_slopes.shape[-1] > 1 and alibi_slopes.stride(-1) != 1:
         raise ValueError(
-            "alibi_slopes: expected a contiguous tensor (read with stride 1), got "
+            "alibi_slopes: expected a contiguous tensor (its last dim read with stride 1), got "
             f"strides {alibi_slopes.stride()}"
         )
 

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from attngen.runtime import arguments, decode_ops, plans
-from attngen.runtime.arguments import flash_mask, flash_refusal
+from attngen.runtime.arguments import flash_mask
 from attngen.runtime.dispatch import need_for, probe
 from attngen.runtime.entry_checks import check_alibi
 from attngen.runtime.kvcache_append import append_fitting, cache_seqlens_tensor
@@ -140,13 +140,12 @@ def flash_attn_with_kvcache(
     cache_seqlens = cache_seqlens_tensor(cache_seqlens, q.shape[0], capacity, new, q.device)
     mask, window = flash_mask(causal, window_size)
     q, k = rotate(q, k, options, cache_seqlens, mask is not Mask.none)
-    refusal = flash_refusal(alibi_slopes)
     decode = None
     if options.decode_route:
         decode = _decode_module(
             q, k_cache, v_cache, block_table, mask, window, softcap, alibi_slopes, capacity
         )
-    if decode is not None and refusal is None:
+    if decode is not None:
         out, lse = _run_decode_module(
             decode,
             q,
@@ -179,7 +178,6 @@ def flash_attn_with_kvcache(
         alibi_slopes,
         softmax_scale,
         return_softmax_lse,
-        refusal,
     )
     return (out, lse) if return_softmax_lse else out
 
@@ -212,7 +210,6 @@ def _run_varlen_route(
     alibi_slopes,
     softmax_scale,
     return_lse: bool,
-    refusal,
 ):
     """Route 2: append with torch (only the sequences that fit), then the varlen kind over
     the cache rows in place (paged or cache_batch_idx rows gathered first: a copy)."""
@@ -220,7 +217,7 @@ def _run_varlen_route(
     new = 0 if k is None else k.shape[1]
     packed_q = q.reshape(batch * seqlen_q, *q.shape[2:])
     dispatch = _varlen_module(
-        packed_q, q, k_cache, v_cache, mask, window, softcap, alibi_slopes, capacity, refusal
+        packed_q, q, k_cache, v_cache, mask, window, softcap, alibi_slopes, capacity
     )
     sm_scale = arguments.softmax_scale(softmax_scale, q)
     fits = append_fitting(
@@ -246,7 +243,6 @@ def _run_varlen_route(
         scale=sm_scale,
         return_lse=return_lse,
         fallback=None,
-        refusal=refusal,
         seqused_k=torch.where(fits, used_k, -1).to(torch.int32),
         dispatch=dispatch,
     )
@@ -255,7 +251,7 @@ def _run_varlen_route(
 
 
 def _varlen_module(
-    packed_q, q, k_cache, v_cache, mask, window, softcap, alibi_slopes, capacity: int, refusal
+    packed_q, q, k_cache, v_cache, mask, window, softcap, alibi_slopes, capacity: int
 ) -> Dispatch:
     """Route 2's varlen module (or fallback), chosen or refused before the append, and the
     alibi slopes checked then too: a refused call leaves the caches as they were."""
@@ -272,7 +268,7 @@ def _varlen_module(
         length_bounds=(seqlen_q, capacity),
         same_lengths=False,
         fallback=None,
-        refusal=refusal,
+        refusal=None,
         heads=(q.shape[2], k_cache.shape[2]),
     )
     # What the module (or the fallback) would refuse after the append, refused before it.

@@ -102,7 +102,7 @@ def pair(window: Any) -> bool:
 
 
 def slopes_rank(alibi_slopes: Tensor | None) -> int:
-    """The slopes' part of a key: their rank (a refusal depends on it), -1 without slopes."""
+    """The slopes' part of a key: their rank ([HQ] or [B, HQ]), -1 without slopes."""
     return -1 if alibi_slopes is None else alibi_slopes.dim()
 
 

@@ -177,9 +177,15 @@ def root(context, missing=missing):
     if (undefined(name='varlen') if l_0_varlen is missing else l_0_varlen):
         pass
         yield '    stride_qm, stride_qh, stride_qd,\n    stride_kn, stride_kh, stride_kd,\n    stride_vn, stride_vh, stride_vd,\n    stride_om, stride_oh, stride_od,\n    stride_lse_h,\n    num_q_heads, q_per_kv, num_m_blocks, total_q, total_k,\n'
+        if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
+            pass
+            yield '    stride_slopes_b,\n'
     else:
         pass
         yield '    stride_qb, stride_qh, stride_qm, stride_qd,\n    stride_kb, stride_kh, stride_kn, stride_kd,\n    stride_vb, stride_vh, stride_vn, stride_vd,\n    stride_ob, stride_oh, stride_om, stride_od,\n    num_q_heads, q_per_kv, seqlen_q, seqlen_k, num_m_blocks,\n'
+        if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
+            pass
+            yield '    stride_slopes_b,\n'
     if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
         pass
         yield '    drop_threshold,\n'
@@ -243,7 +249,7 @@ def root(context, missing=missing):
     yield ', other=0.0)\n'
     if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
         pass
-        yield '    slope_log2 = tl.load(Slopes + off_h) * _LOG2E_C\n'
+        yield "    # [HQ] slopes have stride_slopes_b 0, [B, HQ] ones their row stride: off_b < B, off_h < HQ\n    # (the launcher checked the shape); the offset in int64 (a view's row stride may be large).\n    slope_log2 = tl.load(Slopes + off_b.to(tl.int64) * stride_slopes_b + off_h) * _LOG2E_C\n"
     else:
         pass
         yield '    slope_log2 = 0.0\n'
@@ -309,4 +315,4 @@ def root(context, missing=missing):
         finally: gen.close()
 
 blocks = {}
-debug_info = '1=32&2=34&3=36&4=38&5=40&6=51&9=54&11=61&12=64&15=71&23=90&24=96&30=103&34=105&38=109&47=113&48=116&50=120&55=126&56=129&58=133&59=136&61=138&67=142&69=144&70=146&71=148&74=155&77=162&78=164&86=167&88=171&91=174&94=177&108=183&112=187&115=190&118=193&121=196&127=200&134=204&136=207&138=209&139=211&140=213&150=218&151=220&160=225&172=230&174=233&182=240&186=242&187=244&192=250&201=253&202=255&203=257&205=259&206=261&207=263&208=265&210=267&211=269&213=271&214=273&216=275&218=277&221=279&222=281&230=288&231=290&233=296&234=302&235=304'
+debug_info = '1=32&2=34&3=36&4=38&5=40&6=51&9=54&11=61&12=64&15=71&23=90&24=96&30=103&34=105&38=109&47=113&48=116&50=120&55=126&56=129&58=133&59=136&61=138&67=142&69=144&70=146&71=148&74=155&77=162&78=164&86=167&88=171&91=174&94=177&101=180&110=186&114=189&118=193&121=196&124=199&127=202&133=206&140=210&142=213&144=215&145=217&146=219&156=224&157=226&166=231&178=236&180=239&188=246&192=248&193=250&200=256&209=259&210=261&211=263&213=265&214=267&215=269&216=271&218=273&219=275&221=277&222=279&224=281&226=283&229=285&230=287&238=294&239=296&241=302&242=308&243=310'

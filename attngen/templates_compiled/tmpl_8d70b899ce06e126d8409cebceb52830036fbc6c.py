@@ -99,6 +99,9 @@ def root(context, missing=missing):
     else:
         pass
         yield '    num_q_heads, q_per_kv, seqlen_q, seqlen_k, num_n_blocks,\n'
+    if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
+        pass
+        yield '    stride_slopes_b,\n'
     yield '    qk_scale, sm_scale,'
     if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
         pass
@@ -129,7 +132,7 @@ def root(context, missing=missing):
     yield '\n    dk = tl.zeros([BLOCK_N, _BLOCK_D], dtype=tl.float32)\n    dv = tl.zeros([BLOCK_N, _BLOCK_DV], dtype=tl.float32)\n    # -- every query head of the KV group (GQA: their dK, dV summed here, no atomics) --------\n    first_head = off_hkv * q_per_kv\n    q_base0 = off_b * stride_qb + q_offset * stride_qm + first_head * stride_qh\n    do_base0 = off_b * stride_dob + q_offset * stride_dom + first_head * stride_doh\n    row_base0 = off_b * stride_lse_b + first_head * stride_lse_h + q_offset\n    batch_head0 = off_b * num_q_heads + first_head\n'
     if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
         pass
-        yield "    # The group's slopes, once (GROUP_MAX: q_per_kv rounded up to a power of two).\n    group = tl.arange(0, GROUP_MAX)\n    group_slopes_log2 = tl.load(Slopes + first_head + group, mask=group < q_per_kv,\n                                other=0.0) * _LOG2E_C\n"
+        yield "    # The group's slopes, once (GROUP_MAX: q_per_kv rounded up to a power of two).\n    group = tl.arange(0, GROUP_MAX)\n    group_slopes_log2 = tl.load(Slopes + off_b * stride_slopes_b + first_head + group,\n                                mask=group < q_per_kv, other=0.0) * _LOG2E_C\n"
     else:
         pass
         yield '    group_slopes_log2 = 0.0\n'
@@ -147,4 +150,4 @@ def root(context, missing=missing):
     yield ')\n\n\n'
 
 blocks = {}
-debug_info = '2=27&10=30&14=34&17=37&35=41&38=44&57=51&58=53&62=55&67=61&76=68&81=70&82=72&90=75&92=80&95=83&98=87&104=89&113=96&118=103&120=107&123=110&139=114&140=116&162=122&172=124&174=126&175=128&184=130&192=136&193=138&195=140&196=142&200=144&202=146'
+debug_info = '2=27&10=30&14=34&17=37&35=41&38=44&57=51&58=53&62=55&67=61&76=68&81=70&82=72&90=75&92=80&95=83&98=87&104=89&113=96&118=102&121=106&123=110&126=113&142=117&143=119&165=125&175=127&177=129&178=131&187=133&195=139&196=141&198=143&199=145&203=147&205=149'

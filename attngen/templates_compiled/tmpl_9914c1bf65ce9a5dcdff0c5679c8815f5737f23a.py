@@ -65,7 +65,7 @@ def root(context, missing=missing):
         for event in gen:
             yield event
     finally: gen.close()
-    yield '\n\ndef _check_alibi(alibi_slopes, num_q_heads, q):\n'
+    yield '\n\ndef _check_alibi(alibi_slopes, num_q_heads, q, batch=None):\n'
     yield str(t_2(context.call(environment.getattr((undefined(name='common') if l_0_common is missing else l_0_common), 'check_alibi')), '\n'))
     yield '\n'
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
@@ -125,7 +125,7 @@ def root(context, missing=missing):
         yield ').'
         if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
             pass
-            yield " alibi_slopes: [HQ] float32, contiguous; bias\n    -slope * |i' - j| with i' "
+            yield " alibi_slopes: [HQ] or [B, HQ] float32, last dim contiguous; bias\n    -slope * |i' - j| with i' "
             if (((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'none') or (undefined(name='bottom_right') if l_0_bottom_right is missing else l_0_bottom_right)):
                 pass
                 yield '= i + (Nk - Nq) per sequence (bottom-right)'
@@ -139,7 +139,7 @@ def root(context, missing=missing):
             yield "    sinks: [HQ] float32, contiguous, required: head h's sink logit joins every row's softmax\n    normaliser and LSE (natural log, after the scale); a row that sees no key gets output 0\n    and LSE sinks[h].\n\n"
         yield '    Returns out [total_q, HQ, '
         yield str((undefined(name='head_dim_v') if l_0_head_dim_v is missing else l_0_head_dim_v))
-        yield '] in q\'s dtype (0 in rows no sequence covers),\n    and with return_lse also the log-sum-exp [HQ, total_q] in float32 (flash-attn\'s varlen\n    LSE layout; natural log; -inf for a row that sees no key, whose output is 0). With out=\n    (that shape, dtype and device, any strides whose elements do not overlap, no memory\n    shared with q, k, v) the output is written there (zeroed first) and out is returned.\n\n    The kernel never reads or writes outside the packed tensors, whatever the device index\n    tensors hold: a sequence that does not lie inside them (or is longer than max_seqlen_q\n    allows) reads nothing, and its rows inside q get NaN output and LSE. With the\n    environment variable ATTNGEN_CHECKS=1 (read at each call) the index tensors are validated\n    on the host instead (a device sync) and a bad one raises a ValueError naming the tensor,\n    the sequence and the value.\n    """\n    if not _tensors_ok(q, k, v, 3, 0):\n        _check_tensors(q, k, v, "[T, H, D]")\n    if not _varlen_ok(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):\n        _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)\n    if os.environ.get("ATTNGEN_CHECKS") == "1":\n        _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k)\n    total_q, num_q_heads, _ = q.shape\n    num_kv_heads = k.shape[1]\n    _check_alibi(alibi_slopes, num_q_heads, q)\n'
+        yield '] in q\'s dtype (0 in rows no sequence covers),\n    and with return_lse also the log-sum-exp [HQ, total_q] in float32 (flash-attn\'s varlen\n    LSE layout; natural log; -inf for a row that sees no key, whose output is 0). With out=\n    (that shape, dtype and device, any strides whose elements do not overlap, no memory\n    shared with q, k, v) the output is written there (zeroed first) and out is returned.\n\n    The kernel never reads or writes outside the packed tensors, whatever the device index\n    tensors hold: a sequence that does not lie inside them (or is longer than max_seqlen_q\n    allows) reads nothing, and its rows inside q get NaN output and LSE. With the\n    environment variable ATTNGEN_CHECKS=1 (read at each call) the index tensors are validated\n    on the host instead (a device sync) and a bad one raises a ValueError naming the tensor,\n    the sequence and the value.\n    """\n    if not _tensors_ok(q, k, v, 3, 0):\n        _check_tensors(q, k, v, "[T, H, D]")\n    if not _varlen_ok(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):\n        _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)\n    if os.environ.get("ATTNGEN_CHECKS") == "1":\n        _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k)\n    total_q, num_q_heads, _ = q.shape\n    num_kv_heads = k.shape[1]\n    stride_slopes_b = _check_alibi(alibi_slopes, num_q_heads, q, cu_seqlens_q.numel() - 1)\n'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield '    _check_sinks(sinks, num_q_heads, q)\n'
@@ -162,6 +162,9 @@ def root(context, missing=missing):
             pass
             yield ',\n         drop["RngState"]'
         yield '),\n        (*q.stride(), *k.stride(), *v.stride(), *out.stride(),\n         0 if lse is None else lse.stride(0),\n         num_q_heads, num_q_heads // num_kv_heads, num_m_blocks, total_q, k.shape[0]'
+        if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
+            pass
+            yield ',\n         stride_slopes_b'
         if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
             pass
             yield ',\n         drop["drop_threshold"]'
@@ -232,7 +235,7 @@ def root(context, missing=missing):
         yield ').'
         if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
             pass
-            yield " alibi_slopes: [HQ] float32, contiguous; bias\n    -slope * |i' - j| with i' "
+            yield " alibi_slopes: [HQ] or [B, HQ] float32, last dim contiguous; bias\n    -slope * |i' - j| with i' "
             if (((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'none') or (undefined(name='bottom_right') if l_0_bottom_right is missing else l_0_bottom_right)):
                 pass
                 yield '= i + (N - M) (bottom-right)'
@@ -252,7 +255,7 @@ def root(context, missing=missing):
         if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
             pass
             yield '    key = _call_key(q, k, v, sm_scale, alibi_slopes, return_lse, out)\n    if key is not None:\n        plan = _CALL_PLANS.get(key)\n        if plan is not None:\n            done = _run_plan(plan, q, k, v, out)\n            if done is not None:\n                return done if return_lse else done[0]\n'
-        yield '    if not _tensors_ok(q, k, v, 4, 2):\n        _check_tensors(q, k, v, "[B, H, N, D]")\n    if not (q.shape[0] == k.shape[0] == v.shape[0]):\n        raise ValueError(\n            f"batch: expected equal sizes, got q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}"\n        )\n    batch, num_q_heads, seqlen_q, _ = q.shape\n    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]\n    _check_alibi(alibi_slopes, num_q_heads, q)\n'
+        yield '    if not _tensors_ok(q, k, v, 4, 2):\n        _check_tensors(q, k, v, "[B, H, N, D]")\n    if not (q.shape[0] == k.shape[0] == v.shape[0]):\n        raise ValueError(\n            f"batch: expected equal sizes, got q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}"\n        )\n    batch, num_q_heads, seqlen_q, _ = q.shape\n    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]\n    stride_slopes_b = _check_alibi(alibi_slopes, num_q_heads, q, batch)\n'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield '    _check_sinks(sinks, num_q_heads, q)\n'
@@ -276,6 +279,9 @@ def root(context, missing=missing):
             pass
             yield '    drop = _dropout_launch(dropout, q)\n'
         yield '    ints = (*q.stride(), *k.stride(), *v.stride(), *out.stride(),\n            num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, num_m_blocks'
+        if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
+            pass
+            yield ',\n            stride_slopes_b'
         if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
             pass
             yield ',\n            drop["drop_threshold"]'
@@ -323,4 +329,4 @@ def root(context, missing=missing):
         yield '    return (out, lse) if return_lse else out\n'
 
 blocks = {}
-debug_info = '4=40&5=42&6=44&9=46&12=49&13=52&14=55&17=62&21=69&22=71&26=74&32=77&33=79&43=81&49=87&60=90&63=93&66=95&67=97&68=99&69=106&71=116&80=124&81=129&84=137&89=141&111=143&126=147&129=151&137=153&142=157&146=165&148=169&149=173&151=177&152=181&156=185&159=188&161=194&164=197&168=204&169=206&170=213&172=223&173=231&174=236&177=244&182=248&185=250&188=252&206=256&220=260&223=264&229=266&230=269&235=271&236=273&238=275&242=279&244=283&245=289&246=295&249=297&250=304&253=311&256=314&260=316'
+debug_info = '4=40&5=42&6=44&9=46&12=49&13=52&14=55&17=62&21=69&22=71&26=74&32=77&33=79&43=81&49=87&60=90&63=93&66=95&67=97&68=99&69=106&71=116&80=124&81=129&84=137&89=141&111=143&126=147&129=151&137=153&142=157&146=165&147=168&149=172&150=176&152=180&153=184&157=188&160=191&162=197&165=200&169=207&170=209&171=216&173=226&174=234&175=239&178=247&183=251&186=253&189=255&207=259&221=263&224=267&230=269&231=272&236=274&237=276&239=278&243=282&244=285&246=289&247=295&248=301&251=303&252=310&255=317&258=320&262=322'

@@ -175,12 +175,12 @@ def root(context, missing=missing):
         if (undefined(name='alibi') if l_1_alibi is missing else l_1_alibi):
             pass
             t_3.append(
-                '    if not isinstance(alibi_slopes, torch.Tensor):\n        raise ValueError("alibi_slopes: this kernel was built with alibi: true; pass [HQ] fp32")\n    if alibi_slopes.shape != (num_q_heads,) or alibi_slopes.dtype != torch.float32:\n        raise ValueError(\n            f"alibi_slopes: expected shape ({num_q_heads},) float32, "\n            f"got {tuple(alibi_slopes.shape)} {alibi_slopes.dtype}"\n        )\n    if alibi_slopes.device != q.device:\n        raise ValueError(f"alibi_slopes: expected device {q.device}, got {alibi_slopes.device}")\n    if not alibi_slopes.is_contiguous():\n        raise ValueError("alibi_slopes: expected a contiguous tensor (read with stride 1), got "\n                         f"strides {alibi_slopes.stride()}")\n',
+                '    shapes = [(num_q_heads,)] if batch is None else [(num_q_heads,), (batch, num_q_heads)]\n    allowed = " or ".join(str(shape) for shape in shapes)\n    if not isinstance(alibi_slopes, torch.Tensor):\n        raise ValueError(f"alibi_slopes: this kernel was built with alibi: true; pass {allowed} "\n                         f"float32, got {type(alibi_slopes).__name__}")\n    if alibi_slopes.shape not in shapes or alibi_slopes.dtype != torch.float32:\n        raise ValueError(\n            f"alibi_slopes: expected shape {allowed} float32, "\n            f"got {tuple(alibi_slopes.shape)} {alibi_slopes.dtype}"\n        )\n    if alibi_slopes.device != q.device:\n        raise ValueError(f"alibi_slopes: expected device {q.device}, got {alibi_slopes.device}")\n    if alibi_slopes.shape[-1] > 1 and alibi_slopes.stride(-1) != 1:\n        raise ValueError("alibi_slopes: expected a contiguous tensor (its last dim read with "\n                         f"stride 1), got strides {alibi_slopes.stride()}")\n    return 0 if alibi_slopes.dim() == 1 else alibi_slopes.stride(0)\n',
             )
         else:
             pass
             t_3.append(
-                '    if alibi_slopes is not None:\n        raise ValueError("alibi_slopes: this kernel was built with alibi: false; pass None")\n',
+                '    if alibi_slopes is not None:\n        raise ValueError("alibi_slopes: this kernel was built with alibi: false; pass None")\n    return 0\n',
             )
         return concat(t_3)
     context.exported_vars.add('check_alibi')
@@ -215,4 +215,4 @@ def root(context, missing=missing):
     context.vars['check_sm_scale'] = l_0_check_sm_scale = Macro(environment, macro, 'check_sm_scale', (), False, False, False, context.eval_ctx.autoescape)
 
 blocks = {}
-debug_info = '4=12&12=36&15=41&19=48&20=50&21=52&22=54&23=56&24=59&25=63&27=70&28=72&29=75&32=80&33=84&35=87&36=91&38=96&39=105&44=110&45=115&52=125&60=138&61=140&63=143&64=147&65=149&67=152&70=157&73=162&95=171&96=175&115=189&116=193&135=207'
+debug_info = '4=12&12=36&15=41&19=48&20=50&21=52&22=54&23=56&24=59&25=63&27=70&28=72&29=75&32=80&33=84&35=87&36=91&38=96&39=105&44=110&45=115&52=125&60=138&61=140&63=143&64=147&65=149&67=152&70=157&73=162&96=171&97=175&121=189&122=193&141=207'

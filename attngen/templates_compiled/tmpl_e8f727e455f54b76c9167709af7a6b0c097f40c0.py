@@ -86,6 +86,9 @@ def root(context, missing=missing):
     else:
         pass
         yield '    num_q_heads, q_per_kv, seqlen_q, seqlen_k, num_m_blocks,\n'
+    if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
+        pass
+        yield '    stride_slopes_b,\n'
     yield '    qk_scale, sm_scale,'
     if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
         pass
@@ -120,7 +123,7 @@ def root(context, missing=missing):
         yield "    # -- d sink_h = -sum over the head's rows of exp(sink_h - LSE) * delta (d LSE / d sink is\n    # the sink's probability; O = sum_j P_j V_j loses that share). This tile's share, in fp32,\n    # one value per program, summed on the host in a fixed order: no atomics, deterministic.\n    # A row that sees nothing and has LSE -inf (a sink of -inf) has p_sink 0 through lse2.\n    p_sink = tl.math.exp2(tl.load(Sinks + off_h) * _LOG2E_C - lse2)\n    tl.store(DSinkPartial + pid, -tl.sum(tl.where(row_ok, p_sink * delta, 0.0), 0))\n"
     if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
         pass
-        yield '    slope_log2 = tl.load(Slopes + off_h) * _LOG2E_C\n'
+        yield "    slope_log2 = tl.load(Slopes + off_b * stride_slopes_b + off_h) * _LOG2E_C  # as the forward's\n"
     else:
         pass
         yield '    slope_log2 = 0.0\n'
@@ -144,4 +147,4 @@ def root(context, missing=missing):
     yield '\n    dq = dq * sm_scale\n    tl.store(dq_base + q_rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,\n             dq.to(DQ.dtype.element_ty), mask=q_mask)\n\n\n'
 
 blocks = {}
-debug_info = '2=29&3=31&9=34&12=38&30=42&31=44&34=46&39=52&45=59&50=61&51=63&58=67&61=71&67=73&76=83&81=90&83=94&97=98&98=100&102=102&124=110&128=112&131=114&132=116&148=118&156=121&161=127&163=129&164=131&166=133&167=135&168=137&169=139&171=141&172=143'
+debug_info = '2=29&3=31&9=34&12=38&30=42&31=44&34=46&39=52&45=59&50=61&51=63&58=67&61=71&67=73&76=83&81=89&84=93&86=97&100=101&101=103&105=105&127=113&131=115&134=117&135=119&151=121&159=124&164=130&166=132&167=134&169=136&170=138&171=140&172=142&174=144&175=146'

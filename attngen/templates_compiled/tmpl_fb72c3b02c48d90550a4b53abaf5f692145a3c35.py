@@ -115,7 +115,7 @@ def root(context, missing=missing):
     yield ').'
     if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
         pass
-        yield " alibi_slopes: [HQ] float32, contiguous; bias\n    -slope * |i' - j|, i' = L_b - NQ + t the query's position."
+        yield " alibi_slopes: [HQ] or [B, HQ] float32, last dim contiguous; bias\n    -slope * |i' - j|, i' = L_b - NQ + t the query's position."
     yield '\n\n'
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
@@ -140,7 +140,7 @@ def root(context, missing=missing):
     else:
         pass
         yield '1'
-    yield ']\n    _check_alibi(alibi_slopes, num_q_heads, q)\n    if type(num_splits) is not int or num_splits < 0:\n        raise ValueError(f"num_splits: got {num_splits!r}; allowed: an int >= 0 (0: the split "\n                         "rule chooses)")\n'
+    yield ']\n    stride_slopes_b = _check_alibi(alibi_slopes, num_q_heads, q, batch)\n    if type(num_splits) is not int or num_splits < 0:\n        raise ValueError(f"num_splits: got {num_splits!r}; allowed: an int >= 0 (0: the split "\n                         "rule chooses)")\n'
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
         yield '    _check_sinks(sinks, num_q_heads, q)\n'
@@ -175,7 +175,11 @@ def root(context, missing=missing):
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
         yield ', sinks'
-    yield '),\n        (*q.stride(), *k_strides, *v_strides, *out.stride(), *table_strides,\n         num_kv_heads, q_per_kv, num_q_tokens, num_new, num_row_blocks, splits, split_len,\n         capacity - num_new, num_pages),\n        (qk_scale,),\n        {"DIRECT": splits == 1, "STORE_LSE": return_lse, "BLOCK_ROWS": block_rows,\n         "BLOCK_N": block_n},\n        _OPTIONS,\n    )\n    if splits > 1:\n        _launch(\n            _decode_combine_kernel, batch * num_q_heads * num_q_tokens, device,\n'
+    yield '),\n        (*q.stride(), *k_strides, *v_strides, *out.stride(), *table_strides,\n         num_kv_heads, q_per_kv, num_q_tokens, num_new, num_row_blocks, splits, split_len,\n         capacity - num_new, num_pages'
+    if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
+        pass
+        yield ', stride_slopes_b'
+    yield '),\n        (qk_scale,),\n        {"DIRECT": splits == 1, "STORE_LSE": return_lse, "BLOCK_ROWS": block_rows,\n         "BLOCK_N": block_n},\n        _OPTIONS,\n    )\n    if splits > 1:\n        _launch(\n            _decode_combine_kernel, batch * num_q_heads * num_q_tokens, device,\n'
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
         yield '            (part_out, part_lse, out, lse_arg, sinks),\n            (*out.stride(), num_q_heads, num_q_tokens, splits),\n'
@@ -185,4 +189,4 @@ def root(context, missing=missing):
     yield '            (), {"STORE_LSE": return_lse, "BLOCK_SPLITS": max(2, 1 << (splits - 1).bit_length())},\n            {"num_warps": 4},\n        )\n    return (out, lse) if return_lse else out\n'
 
 blocks = {}
-debug_info = '3=29&4=31&5=33&53=36&56=43&57=47&63=51&70=58&73=65&77=67&81=71&83=81&84=87&85=90&86=98&88=105&91=110&94=114&98=120&104=124&108=126&116=128&126=137&131=144&134=147&145=149&154=156&176=160&179=163&185=169&194=173&205=175&217=179'
+debug_info = '3=29&4=31&5=33&53=36&56=43&57=47&63=51&70=58&73=65&77=67&81=71&83=81&84=87&85=90&86=98&88=105&91=110&94=114&98=120&104=124&108=126&116=128&126=137&131=144&134=147&145=149&154=156&176=160&179=163&185=169&194=173&205=175&208=179&217=183'

@@ -439,9 +439,10 @@ def _check_out(out, shape, q, inputs):
             raise ValueError(f"out: shares memory with {name}; pass a separate tensor")
 
 
-def _check_alibi(alibi_slopes, num_q_heads, q):
+def _check_alibi(alibi_slopes, num_q_heads, q, batch=None):
     if alibi_slopes is not None:
         raise ValueError("alibi_slopes: this kernel was built with alibi: false; pass None")
+    return 0
 
 
 def _kernel_scale(sm_scale):
@@ -665,7 +666,7 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
         )
     batch, num_q_heads, seqlen_q, _ = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    _check_alibi(alibi_slopes, num_q_heads, q)
+    stride_slopes_b = _check_alibi(alibi_slopes, num_q_heads, q, batch)
     qk_scale = _kernel_scale(sm_scale)
     if out is None:
         out = q.new_empty((batch, num_q_heads, seqlen_q, HEAD_DIM_V))

@@ -171,6 +171,7 @@ def _attn_fwd_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     num_q_heads, q_per_kv, seqlen_q, seqlen_k, num_m_blocks,
+    stride_slopes_b,
     qk_scale,
     STORE_LSE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -217,7 +218,9 @@ def _attn_fwd_kernel(
     q_rows = offs_m.to(tl.int64)
     q_ptrs = q_base + q_rows[:, None] * stride_qm + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d < _HEAD_DIM)[None, :], other=0.0)
-    slope_log2 = tl.load(Slopes + off_h) * _LOG2E_C
+    # [HQ] slopes have stride_slopes_b 0, [B, HQ] ones their row stride: off_b < B, off_h < HQ
+    # (the launcher checked the shape); the offset in int64 (a view's row stride may be large).
+    slope_log2 = tl.load(Slopes + off_b.to(tl.int64) * stride_slopes_b + off_h) * _LOG2E_C
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, _BLOCK_DV], dtype=tl.float32)
@@ -468,19 +471,23 @@ def _check_out(out, shape, q, inputs):
             raise ValueError(f"out: shares memory with {name}; pass a separate tensor")
 
 
-def _check_alibi(alibi_slopes, num_q_heads, q):
+def _check_alibi(alibi_slopes, num_q_heads, q, batch=None):
+    shapes = [(num_q_heads,)] if batch is None else [(num_q_heads,), (batch, num_q_heads)]
+    allowed = " or ".join(str(shape) for shape in shapes)
     if not isinstance(alibi_slopes, torch.Tensor):
-        raise ValueError("alibi_slopes: this kernel was built with alibi: true; pass [HQ] fp32")
-    if alibi_slopes.shape != (num_q_heads,) or alibi_slopes.dtype != torch.float32:
+        raise ValueError(f"alibi_slopes: this kernel was built with alibi: true; pass {allowed} "
+                         f"float32, got {type(alibi_slopes).__name__}")
+    if alibi_slopes.shape not in shapes or alibi_slopes.dtype != torch.float32:
         raise ValueError(
-            f"alibi_slopes: expected shape ({num_q_heads},) float32, "
+            f"alibi_slopes: expected shape {allowed} float32, "
             f"got {tuple(alibi_slopes.shape)} {alibi_slopes.dtype}"
         )
     if alibi_slopes.device != q.device:
         raise ValueError(f"alibi_slopes: expected device {q.device}, got {alibi_slopes.device}")
-    if not alibi_slopes.is_contiguous():
-        raise ValueError("alibi_slopes: expected a contiguous tensor (read with stride 1), got "
-                         f"strides {alibi_slopes.stride()}")
+    if alibi_slopes.shape[-1] > 1 and alibi_slopes.stride(-1) != 1:
+        raise ValueError("alibi_slopes: expected a contiguous tensor (its last dim read with "
+                         f"stride 1), got strides {alibi_slopes.stride()}")
+    return 0 if alibi_slopes.dim() == 1 else alibi_slopes.stride(0)
 
 
 def _kernel_scale(sm_scale):
@@ -599,7 +606,7 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
     """softmax(q @ k^T * sm_scale, softcapped, ALiBi, masked) @ v.
 
     q [B, HQ, M, 80], k [B, HKV, N, 80], v [B, HKV, N, 80] in fp32, any strides.
-    sm_scale defaults to 1/sqrt(80). alibi_slopes: [HQ] float32, contiguous; bias
+    sm_scale defaults to 1/sqrt(80). alibi_slopes: [HQ] or [B, HQ] float32, last dim contiguous; bias
     -slope * |i' - j| with i' = i (top-left).
 
     Returns out [B, HQ, M, 80] in q's dtype, and with return_lse also the
@@ -623,7 +630,7 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
         )
     batch, num_q_heads, seqlen_q, _ = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    _check_alibi(alibi_slopes, num_q_heads, q)
+    stride_slopes_b = _check_alibi(alibi_slopes, num_q_heads, q, batch)
     qk_scale = _kernel_scale(sm_scale)
     if out is None:
         out = q.new_empty((batch, num_q_heads, seqlen_q, HEAD_DIM_V))
@@ -642,7 +649,8 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
     lse_arg = out if lse is None else lse
     slopes_arg = out if alibi_slopes is None else alibi_slopes
     ints = (*q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, num_m_blocks)
+            num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, num_m_blocks,
+            stride_slopes_b)
     constexprs = {"STORE_LSE": return_lse, "BLOCK_M": CONFIG["BLOCK_M"],
                   "BLOCK_N": CONFIG["BLOCK_N"]}
     options = _options(CONFIG)

@@ -516,9 +516,10 @@ def _check_out(out, shape, q, inputs):
             raise ValueError(f"out: shares memory with {name}; pass a separate tensor")
 
 
-def _check_alibi(alibi_slopes, num_q_heads, q):
+def _check_alibi(alibi_slopes, num_q_heads, q, batch=None):
     if alibi_slopes is not None:
         raise ValueError("alibi_slopes: this kernel was built with alibi: false; pass None")
+    return 0
 
 
 def _kernel_scale(sm_scale):
@@ -604,7 +605,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k)
     total_q, num_q_heads, _ = q.shape
     num_kv_heads = k.shape[1]
-    _check_alibi(alibi_slopes, num_q_heads, q)
+    stride_slopes_b = _check_alibi(alibi_slopes, num_q_heads, q, cu_seqlens_q.numel() - 1)
     qk_scale = _kernel_scale(sm_scale)
     batch = cu_seqlens_q.numel() - 1
     # Note: zero-filled, so that rows no sequence covers (packed padding) hold 0, not garbage.
