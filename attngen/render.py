@@ -133,8 +133,8 @@ def _host_paths_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str
     """Hopper's tensor-memory accelerator for K/V blocks and the causal schedule (the choices
     and their measurements are in code_paths.py), and whether attention() keeps call plans
     (_call_plan.py.jinja: prefill launchers whose calls bring no tensors beyond q, k, v and
-    out; sinks and dropout do), and whether decode() does (_decode_plan.py.jinja: without
-    sinks)."""
+    out; sinks and dropout do), as attention_varlen() (_varlen_plan.py.jinja) and decode()
+    (_decode_plan.py.jinja) do without them."""
     paths = code_paths(spec, arch, kind)
     return {
         "tma": paths.tma,
@@ -144,7 +144,10 @@ def _host_paths_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str
         "call_plans": not spec.sinks
         and (
             kind is KernelKind.decode
-            or (kind is KernelKind.prefill and not (spec.backward and spec.dropout))
+            or (
+                kind in (KernelKind.prefill, KernelKind.varlen)
+                and not (spec.backward and spec.dropout)
+            )
         ),
     }
 

@@ -13,6 +13,7 @@ def root(context, missing=missing):
     l_0_sinks = resolve('sinks')
     l_0_dtype = resolve('dtype')
     l_0_varlen = resolve('varlen')
+    l_0_call_plans = resolve('call_plans')
     l_0_softcap = resolve('softcap')
     l_0_alibi = resolve('alibi')
     l_0_mask = resolve('mask')
@@ -20,7 +21,6 @@ def root(context, missing=missing):
     l_0_head_dim_v = resolve('head_dim_v')
     l_0_bottom_right = resolve('bottom_right')
     l_0_tma = resolve('tma')
-    l_0_call_plans = resolve('call_plans')
     l_0_block_d = resolve('block_d')
     l_0_block_dv = resolve('block_dv')
     l_0_common = l_0_checks = l_0_step = l_0_launch_config = l_0_entry_prefix = l_0_dropout_param = missing
@@ -91,7 +91,23 @@ def root(context, missing=missing):
         pass
         yield '\n\n'
         yield str(t_2(context.call(environment.getattr((undefined(name='checks') if l_0_checks is missing else l_0_checks), 'varlen_validation')), '\n'))
-        yield '\n\n\ndef '
+        yield '\n\n\n'
+        template = environment.get_template('_steps.py.jinja', '_launch.py.jinja')
+        gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step}))
+        try:
+            for event in gen:
+                yield event
+        finally: gen.close()
+        if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
+            pass
+            yield '\n\n'
+            template = environment.get_template('_varlen_plan.py.jinja', '_launch.py.jinja')
+            gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step}))
+            try:
+                for event in gen:
+                    yield event
+            finally: gen.close()
+        yield '\n\ndef '
         yield str((undefined(name='entry_prefix') if l_0_entry_prefix is missing else l_0_entry_prefix))
         yield 'attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,\n'
         yield str((' ' * t_1((undefined(name='entry_prefix') if l_0_entry_prefix is missing else l_0_entry_prefix))))
@@ -139,7 +155,11 @@ def root(context, missing=missing):
             yield "    sinks: [HQ] float32, contiguous, required: head h's sink logit joins every row's softmax\n    normaliser and LSE (natural log, after the scale); a row that sees no key gets output 0\n    and LSE sinks[h].\n\n"
         yield '    Returns out [total_q, HQ, '
         yield str((undefined(name='head_dim_v') if l_0_head_dim_v is missing else l_0_head_dim_v))
-        yield '] in q\'s dtype (0 in rows no sequence covers),\n    and with return_lse also the log-sum-exp [HQ, total_q] in float32 (flash-attn\'s varlen\n    LSE layout; natural log; -inf for a row that sees no key, whose output is 0). With out=\n    (that shape, dtype and device, any strides whose elements do not overlap, no memory\n    shared with q, k, v) the output is written there (zeroed first) and out is returned.\n\n    The kernel never reads or writes outside the packed tensors, whatever the device index\n    tensors hold: a sequence that does not lie inside them (or is longer than max_seqlen_q\n    allows) reads nothing, and its rows inside q get NaN output and LSE. With the\n    environment variable ATTNGEN_CHECKS=1 (read at each call) the index tensors are validated\n    on the host instead (a device sync) and a bad one raises a ValueError naming the tensor,\n    the sequence and the value.\n    """\n    if not _tensors_ok(q, k, v, 3, 0):\n        _check_tensors(q, k, v, "[T, H, D]")\n    if not _varlen_ok(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):\n        _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)\n    if os.environ.get("ATTNGEN_CHECKS") == "1":\n        _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k)\n    total_q, num_q_heads, _ = q.shape\n    num_kv_heads = k.shape[1]\n    _check_alibi(alibi_slopes, num_q_heads, q)\n'
+        yield '] in q\'s dtype (0 in rows no sequence covers),\n    and with return_lse also the log-sum-exp [HQ, total_q] in float32 (flash-attn\'s varlen\n    LSE layout; natural log; -inf for a row that sees no key, whose output is 0). With out=\n    (that shape, dtype and device, any strides whose elements do not overlap, no memory\n    shared with q, k, v) the output is written there (zeroed first) and out is returned.\n\n    The kernel never reads or writes outside the packed tensors, whatever the device index\n    tensors hold: a sequence that does not lie inside them (or is longer than max_seqlen_q\n    allows) reads nothing, and its rows inside q get NaN output and LSE. With the\n    environment variable ATTNGEN_CHECKS=1 (read at each call) the index tensors are validated\n    on the host instead (a device sync) and a bad one raises a ValueError naming the tensor,\n    the sequence and the value.\n    """\n'
+        if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
+            pass
+            yield '    key = _call_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,\n                    alibi_slopes, return_lse, seqused_k, out)\n    if key is not None:\n        plan = _CALL_PLANS.get(key)\n        if plan is not None:\n            done = _run_plan(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k,\n                             out)\n            if done is not None:\n                return done if return_lse else done[0]\n'
+        yield '    if not _tensors_ok(q, k, v, 3, 0):\n        _check_tensors(q, k, v, "[T, H, D]")\n    if not _varlen_ok(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):\n        _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)\n    if os.environ.get("ATTNGEN_CHECKS") == "1":\n        _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k)\n    total_q, num_q_heads, _ = q.shape\n    num_kv_heads = k.shape[1]\n    _check_alibi(alibi_slopes, num_q_heads, q)\n'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield '    _check_sinks(sinks, num_q_heads, q)\n'
@@ -153,15 +173,7 @@ def root(context, missing=missing):
         if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
             pass
             yield '    drop = _dropout_launch(dropout, q)\n'
-        yield '    _launch(\n        _attn_fwd_kernel, num_programs, q.get_device(),\n        (q, k, v, out, lse_arg, slopes_arg,'
-        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
-            pass
-            yield ' sinks,'
-        yield ' cu_seqlens_q, cu_seqlens_k, used_arg'
-        if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
-            pass
-            yield ',\n         drop["RngState"]'
-        yield '),\n        (*q.stride(), *k.stride(), *v.stride(), *out.stride(),\n         0 if lse is None else lse.stride(0),\n         num_q_heads, num_q_heads // num_kv_heads, num_m_blocks, total_q, k.shape[0]'
+        yield '    step = _Step(\n        _attn_fwd_kernel, num_programs,\n        (*q.stride(), *k.stride(), *v.stride(), *out.stride(),\n         0 if lse is None else lse.stride(0),\n         num_q_heads, num_q_heads // num_kv_heads, num_m_blocks, total_q, k.shape[0]'
         if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
             pass
             yield ',\n         drop["drop_threshold"]'
@@ -179,7 +191,21 @@ def root(context, missing=missing):
         yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
         yield '["BLOCK_N"]},\n        _options('
         yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
-        yield '),\n    )\n    return (out, lse) if return_lse else out\n'
+        yield '),\n    )\n    _run_step(step, q.get_device(), (q, k, v, out, lse_arg, slopes_arg,'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield ' sinks,'
+        yield ' cu_seqlens_q,\n                                     cu_seqlens_k, used_arg'
+        if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
+            pass
+            yield ', drop["RngState"]'
+        yield '))\n'
+        if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
+            pass
+            yield '    if key is not None:  # the checks passed: the next call of this layout runs from its plan\n        _remember_plan(key, config=dict('
+            yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
+            yield '),\n                       longest=max(max_seqlen_q, max_seqlen_k),\n                       out_shape=out.shape, lse_shape=None if lse is None else lse.shape,\n                       step=step)\n'
+        yield '    return (out, lse) if return_lse else out\n'
     else:
         pass
         if (undefined(name='tma') if l_0_tma is missing else l_0_tma):
@@ -323,4 +349,4 @@ def root(context, missing=missing):
         yield '    return (out, lse) if return_lse else out\n'
 
 blocks = {}
-debug_info = '4=40&5=42&6=44&9=46&12=49&13=52&14=55&17=62&21=69&22=71&26=74&32=77&33=79&43=81&49=87&60=90&63=93&66=95&67=97&68=99&69=106&71=116&80=124&81=129&84=137&89=141&111=143&126=147&129=151&137=153&142=157&146=165&148=169&149=173&151=177&152=181&156=185&159=188&161=194&164=197&168=204&169=206&170=213&172=223&173=231&174=236&177=244&182=248&185=250&188=252&206=256&220=260&223=264&229=266&230=269&235=271&236=273&238=275&242=279&244=283&245=289&246=295&249=297&250=304&253=311&256=314&260=316'
+debug_info = '4=40&5=42&6=44&9=46&12=49&13=52&14=55&17=62&21=69&22=71&26=74&32=77&33=79&43=81&49=87&60=90&63=93&66=95&67=101&70=104&74=111&75=113&76=115&77=122&79=132&88=140&89=145&92=153&97=157&110=159&130=163&145=167&148=171&156=173&163=177&165=181&166=185&168=189&169=193&171=195&172=199&173=203&175=206&182=211&185=214&187=220&190=223&194=230&195=232&196=239&198=249&199=257&200=262&203=270&208=274&211=276&214=278&232=282&246=286&249=290&255=292&256=295&261=297&262=299&264=301&268=305&270=309&271=315&272=321&275=323&276=330&279=337&282=340&286=342'
