@@ -133,15 +133,21 @@ def _host_paths_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str
     """Hopper's tensor-memory accelerator for K/V blocks and the causal schedule (the choices
     and their measurements are in code_paths.py), and whether attention() keeps call plans
     (_call_plan.py.jinja: prefill launchers whose calls bring no tensors beyond q, k, v and
-    out; sinks and dropout do)."""
+    out; sinks and dropout do), as attention_varlen() (_varlen_plan.py.jinja) and decode()
+    (_decode_plan.py.jinja) do without them."""
     paths = code_paths(spec, arch, kind)
     return {
         "tma": paths.tma,
         "tma_masked_blocks": paths.tma_masked_blocks,
         "lpt_group_heads": paths.lpt_group_heads,
         "pointer_loads_up_to": POINTER_LOADS_UP_TO,
-        "call_plans": (
-            kind is KernelKind.prefill and not spec.sinks and not (spec.backward and spec.dropout)
+        "call_plans": not spec.sinks
+        and (
+            kind is KernelKind.decode
+            or (
+                kind in (KernelKind.prefill, KernelKind.varlen)
+                and not (spec.backward and spec.dropout)
+            )
         ),
     }
 

@@ -182,7 +182,7 @@ CAUSAL_BR_BF16_D128_VARLEN = {
     "tma_masked_blocks": False,
     "lpt_group_heads": 0,
     "pointer_loads_up_to": 512,
-    "call_plans": False,
+    "call_plans": True,
 }
 
 GOLDEN = {

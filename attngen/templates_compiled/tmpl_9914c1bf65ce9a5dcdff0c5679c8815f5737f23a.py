@@ -13,6 +13,7 @@ def root(context, missing=missing):
     l_0_sinks = resolve('sinks')
     l_0_dtype = resolve('dtype')
     l_0_varlen = resolve('varlen')
+    l_0_call_plans = resolve('call_plans')
     l_0_softcap = resolve('softcap')
     l_0_alibi = resolve('alibi')
     l_0_mask = resolve('mask')
@@ -20,7 +21,6 @@ def root(context, missing=missing):
     l_0_head_dim_v = resolve('head_dim_v')
     l_0_bottom_right = resolve('bottom_right')
     l_0_tma = resolve('tma')
-    l_0_call_plans = resolve('call_plans')
     l_0_block_d = resolve('block_d')
     l_0_block_dv = resolve('block_dv')
     l_0_common = l_0_checks = l_0_step = l_0_launch_config = l_0_entry_prefix = l_0_dropout_param = missing
@@ -91,7 +91,23 @@ def root(context, missing=missing):
         pass
         yield '\n\n'
         yield str(t_2(context.call(environment.getattr((undefined(name='checks') if l_0_checks is missing else l_0_checks), 'varlen_validation')), '\n'))
-        yield '\n\n\ndef '
+        yield '\n\n\n'
+        template = environment.get_template('_steps.py.jinja', '_launch.py.jinja')
+        gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step}))
+        try:
+            for event in gen:
+                yield event
+        finally: gen.close()
+        if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
+            pass
+            yield '\n\n'
+            template = environment.get_template('_varlen_plan.py.jinja', '_launch.py.jinja')
+            gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step}))
+            try:
+                for event in gen:
+                    yield event
+            finally: gen.close()
+        yield '\n\ndef '
         yield str((undefined(name='entry_prefix') if l_0_entry_prefix is missing else l_0_entry_prefix))
         yield 'attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,\n'
         yield str((' ' * t_1((undefined(name='entry_prefix') if l_0_entry_prefix is missing else l_0_entry_prefix))))
@@ -139,7 +155,11 @@ def root(context, missing=missing):
             yield "    sinks: [HQ] float32, contiguous, required: head h's sink logit joins every row's softmax\n    normaliser and LSE (natural log, after the scale); a row that sees no key gets output 0\n    and LSE sinks[h].\n\n"
         yield '    Returns out [total_q, HQ, '
         yield str((undefined(name='head_dim_v') if l_0_head_dim_v is missing else l_0_head_dim_v))
-        yield '] in q\'s dtype (0 in rows no sequence covers),\n    and with return_lse also the log-sum-exp [HQ, total_q] in float32 (flash-attn\'s varlen\n    LSE layout; natural log; -inf for a row that sees no key, whose output is 0). With out=\n    (that shape, dtype and device, any strides whose elements do not overlap, no memory\n    shared with q, k, v) the output is written there (zeroed first) and out is returned.\n\n    The kernel never reads or writes outside the packed tensors, whatever the device index\n    tensors hold: a sequence that does not lie inside them (or is longer than max_seqlen_q\n    allows) reads nothing, and its rows inside q get NaN output and LSE. With the\n    environment variable ATTNGEN_CHECKS=1 (read at each call) the index tensors are validated\n    on the host instead (a device sync) and a bad one raises a ValueError naming the tensor,\n    the sequence and the value.\n    """\n    if not _tensors_ok(q, k, v, 3, 0):\n        _check_tensors(q, k, v, "[T, H, D]")\n    if not _varlen_ok(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):\n        _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)\n    if os.environ.get("ATTNGEN_CHECKS") == "1":\n        _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k)\n    total_q, num_q_heads, _ = q.shape\n    num_kv_heads = k.shape[1]\n    stride_slopes_b = _check_alibi(alibi_slopes, num_q_heads, q, cu_seqlens_q.numel() - 1)\n'
+        yield '] in q\'s dtype (0 in rows no sequence covers),\n    and with return_lse also the log-sum-exp [HQ, total_q] in float32 (flash-attn\'s varlen\n    LSE layout; natural log; -inf for a row that sees no key, whose output is 0). With out=\n    (that shape, dtype and device, any strides whose elements do not overlap, no memory\n    shared with q, k, v) the output is written there (zeroed first) and out is returned.\n\n    The kernel never reads or writes outside the packed tensors, whatever the device index\n    tensors hold: a sequence that does not lie inside them (or is longer than max_seqlen_q\n    allows) reads nothing, and its rows inside q get NaN output and LSE. With the\n    environment variable ATTNGEN_CHECKS=1 (read at each call) the index tensors are validated\n    on the host instead (a device sync) and a bad one raises a ValueError naming the tensor,\n    the sequence and the value.\n    """\n'
+        if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
+            pass
+            yield '    key = _call_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,\n                    alibi_slopes, return_lse, seqused_k, out)\n    if key is not None:\n        plan = _CALL_PLANS.get(key)\n        if plan is not None:\n            done = _run_plan(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k,\n                             out)\n            if done is not None:\n                return done if return_lse else done[0]\n'
+        yield '    if not _tensors_ok(q, k, v, 3, 0):\n        _check_tensors(q, k, v, "[T, H, D]")\n    if not _varlen_ok(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):\n        _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)\n    if os.environ.get("ATTNGEN_CHECKS") == "1":\n        _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k)\n    total_q, num_q_heads, _ = q.shape\n    num_kv_heads = k.shape[1]\n    stride_slopes_b = _check_alibi(alibi_slopes, num_q_heads, q, cu_seqlens_q.numel() - 1)\n'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield '    _check_sinks(sinks, num_q_heads, q)\n'
@@ -153,15 +173,7 @@ def root(context, missing=missing):
         if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
             pass
             yield '    drop = _dropout_launch(dropout, q)\n'
-        yield '    _launch(\n        _attn_fwd_kernel, num_programs, q.get_device(),\n        (q, k, v, out, lse_arg, slopes_arg,'
-        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
-            pass
-            yield ' sinks,'
-        yield ' cu_seqlens_q, cu_seqlens_k, used_arg'
-        if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
-            pass
-            yield ',\n         drop["RngState"]'
-        yield '),\n        (*q.stride(), *k.stride(), *v.stride(), *out.stride(),\n         0 if lse is None else lse.stride(0),\n         num_q_heads, num_q_heads // num_kv_heads, num_m_blocks, total_q, k.shape[0]'
+        yield '    step = _Step(\n        _attn_fwd_kernel, num_programs,\n        (*q.stride(), *k.stride(), *v.stride(), *out.stride(),\n         0 if lse is None else lse.stride(0),\n         num_q_heads, num_q_heads // num_kv_heads, num_m_blocks, total_q, k.shape[0]'
         if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
             pass
             yield ',\n         stride_slopes_b'
@@ -182,7 +194,21 @@ def root(context, missing=missing):
         yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
         yield '["BLOCK_N"]},\n        _options('
         yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
-        yield '),\n    )\n    return (out, lse) if return_lse else out\n'
+        yield '),\n    )\n    _run_step(step, q.get_device(), (q, k, v, out, lse_arg, slopes_arg,'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield ' sinks,'
+        yield ' cu_seqlens_q,\n                                     cu_seqlens_k, used_arg'
+        if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
+            pass
+            yield ', drop["RngState"]'
+        yield '))\n'
+        if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
+            pass
+            yield '    if key is not None:  # the checks passed: the next call of this layout runs from its plan\n        _remember_plan(key, config=dict('
+            yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
+            yield '),\n                       longest=max(max_seqlen_q, max_seqlen_k),\n                       out_shape=out.shape, lse_shape=None if lse is None else lse.shape,\n                       step=step)\n'
+        yield '    return (out, lse) if return_lse else out\n'
     else:
         pass
         if (undefined(name='tma') if l_0_tma is missing else l_0_tma):
@@ -329,4 +355,4 @@ def root(context, missing=missing):
         yield '    return (out, lse) if return_lse else out\n'
 
 blocks = {}
-debug_info = '4=40&5=42&6=44&9=46&12=49&13=52&14=55&17=62&21=69&22=71&26=74&32=77&33=79&43=81&49=87&60=90&63=93&66=95&67=97&68=99&69=106&71=116&80=124&81=129&84=137&89=141&111=143&126=147&129=151&137=153&142=157&146=165&147=168&149=172&150=176&152=180&153=184&157=188&160=191&162=197&165=200&169=207&170=209&171=216&173=226&174=234&175=239&178=247&183=251&186=253&189=255&207=259&221=263&224=267&230=269&231=272&236=274&237=276&239=278&243=282&244=285&246=289&247=295&248=301&251=303&252=310&255=317&258=320&262=322'
+debug_info = '4=40&5=42&6=44&9=46&12=49&13=52&14=55&17=62&21=69&22=71&26=74&32=77&33=79&43=81&49=87&60=90&63=93&66=95&67=101&70=104&74=111&75=113&76=115&77=122&79=132&88=140&89=145&92=153&97=157&110=159&130=163&145=167&148=171&156=173&163=177&164=180&166=184&167=188&169=192&170=196&172=198&173=202&174=206&176=209&183=214&186=217&188=223&191=226&195=233&196=235&197=242&199=252&200=260&201=265&204=273&209=277&212=279&215=281&233=285&247=289&250=293&256=295&257=298&262=300&263=302&265=304&269=308&270=311&272=315&273=321&274=327&277=329&278=336&281=343&284=346&288=348'

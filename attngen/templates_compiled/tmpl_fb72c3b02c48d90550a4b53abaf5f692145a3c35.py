@@ -17,6 +17,7 @@ def root(context, missing=missing):
     l_0_max_query_tokens = resolve('max_query_tokens')
     l_0_page_size = resolve('page_size')
     l_0_head_dim_v = resolve('head_dim_v')
+    l_0_call_plans = resolve('call_plans')
     l_0_sink_tokens = resolve('sink_tokens')
     l_0_common = l_0_checks = l_0_step = missing
     try:
@@ -56,6 +57,13 @@ def root(context, missing=missing):
         yield '    return t.stride(0), t.stride(1), t.stride(2), t.stride(3)\n'
     yield '\n\n'
     template = environment.get_template('_decode_checks.py.jinja', '_decode_launch.py.jinja')
+    gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'step': l_0_step}))
+    try:
+        for event in gen:
+            yield event
+    finally: gen.close()
+    yield '\n\n'
+    template = environment.get_template('_decode_plan.py.jinja', '_decode_launch.py.jinja')
     gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'step': l_0_step}))
     try:
         for event in gen:
@@ -133,7 +141,11 @@ def root(context, missing=missing):
     else:
         pass
         yield 'Lmax)'
-    yield ' gets NaN output and LSE and\n    nothing appended. NNEW above the capacity raises a ValueError. With the environment\n    variable ATTNGEN_CHECKS=1 (read at each call) the index tensors are validated on the\n    host instead (a device sync, so not in a CUDA graph) and a bad one raises a ValueError\n    naming the tensor, the sequence and the value.\n    """\n    if not _inputs_ok(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new):\n        _check_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)\n    batch, num_q_heads, num_q_tokens, _ = q.shape\n    num_kv_heads = k_cache.shape['
+    yield ' gets NaN output and LSE and\n    nothing appended. NNEW above the capacity raises a ValueError. With the environment\n    variable ATTNGEN_CHECKS=1 (read at each call) the index tensors are validated on the\n    host instead (a device sync, so not in a CUDA graph) and a bad one raises a ValueError\n    naming the tensor, the sequence and the value.\n    """\n'
+    if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
+        pass
+        yield '    key = _call_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sm_scale,\n                    alibi_slopes, return_lse, out, num_splits)\n    if key is not None:\n        plan = _CALL_PLANS.get(key)\n        if plan is not None:\n            done = _run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,\n                             out)\n            if done is not None:\n                return done if return_lse else done[0]\n'
+    yield '    if not _inputs_ok(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new):\n        _check_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)\n    batch, num_q_heads, num_q_tokens, _ = q.shape\n    num_kv_heads = k_cache.shape['
     if ((undefined(name='kv_layout') if l_0_kv_layout is missing else l_0_kv_layout) == 'paged'):
         pass
         yield '2'
@@ -156,7 +168,7 @@ def root(context, missing=missing):
     if ((undefined(name='kv_layout') if l_0_kv_layout is missing else l_0_kv_layout) == 'paged'):
         pass
         yield ' (max_pages * PAGE_SIZE)'
-    yield '")\n    if os.environ.get("ATTNGEN_CHECKS") == "1":\n        _validate_indices(cache_seqlens, block_table, num_new, num_q_tokens, capacity, num_pages)\n    k_strides, v_strides = _cache_strides(k_cache), _cache_strides(v_cache)\n    device = q.get_device()\n    if batch and num_new:\n        append_blocks = -(-num_new // _APPEND_ROWS)\n        _launch(\n            _append_kernel, batch * num_kv_heads * append_blocks, device,\n            (k_new, v_new, k_cache, v_cache, cache_seqlens, table),\n            (*k_new.stride(), *v_new.stride(), *k_strides, *v_strides, *table_strides,\n             num_kv_heads, num_new, append_blocks, num_q_tokens, capacity - num_new, num_pages),\n            (), {"ROWS": _APPEND_ROWS}, {},\n        )\n    if out.numel() == 0:\n        return (out, lse) if return_lse else out\n    block_n = CONFIG["BLOCK_N"]\n    q_per_kv = num_q_heads // num_kv_heads\n    rows = q_per_kv * num_q_tokens\n    block_rows = min(CONFIG["BLOCK_M"], max(16, 1 << (rows - 1).bit_length()))\n    num_row_blocks = -(-rows // block_rows)\n    programs = batch * num_kv_heads * num_row_blocks\n'
+    yield '")\n    if os.environ.get("ATTNGEN_CHECKS") == "1":\n        _validate_indices(cache_seqlens, block_table, num_new, num_q_tokens, capacity, num_pages)\n    k_strides, v_strides = _cache_strides(k_cache), _cache_strides(v_cache)\n    device = q.get_device()\n    append = split = combine = None\n    if batch and num_new:\n        append_blocks = -(-num_new // _APPEND_ROWS)\n        append = _Step(\n            _append_kernel, batch * num_kv_heads * append_blocks,\n            (*k_new.stride(), *v_new.stride(), *k_strides, *v_strides, *table_strides,\n             num_kv_heads, num_new, append_blocks, num_q_tokens, capacity - num_new, num_pages),\n            (), {"ROWS": _APPEND_ROWS}, {},\n        )\n        _run_step(append, device, (k_new, v_new, k_cache, v_cache, cache_seqlens, table))\n    if out.numel() == 0:  # (not planned: nothing to launch but the append)\n        return (out, lse) if return_lse else out\n    block_n = CONFIG["BLOCK_N"]\n    q_per_kv = num_q_heads // num_kv_heads\n    rows = q_per_kv * num_q_tokens\n    block_rows = min(CONFIG["BLOCK_M"], max(16, 1 << (rows - 1).bit_length()))\n    num_row_blocks = -(-rows // block_rows)\n    programs = batch * num_kv_heads * num_row_blocks\n'
     if ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'sliding_window'):
         pass
         yield '    # No query sees further back than the window: splits cover only what can be seen.\n    span = min(capacity, WINDOW[0] + num_q_tokens + block_n)\n'
@@ -171,22 +183,23 @@ def root(context, missing=missing):
         yield "    span += -(-min(SINK_TOKENS, capacity) // block_n) * block_n  # the sink tokens' blocks\n"
     yield '    splits, split_len = _splits_for(programs, span, block_n, _sm_count(q.device),\n                                    num_splits or FORCE_NUM_SPLITS or 0)\n    global LAST_NUM_SPLITS\n    LAST_NUM_SPLITS = splits\n    if programs * splits >= 2**31:\n        raise ValueError(f"shape: {programs * splits} programs exceed the grid\'s 2**31 - 1")\n    qk_scale = '
     yield str(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'kernel_scale')))
-    yield '\n    lse_arg = out if lse is None else lse\n    slopes_arg = out if alibi_slopes is None else alibi_slopes\n    part_out = part_lse = out  # unused when one split writes the output directly\n    if splits > 1:\n        part_out = q.new_empty((batch, num_q_heads, num_q_tokens, splits, _BLOCK_DV.value),\n                               dtype=torch.float32)\n        part_lse = q.new_empty((batch, num_q_heads, num_q_tokens, splits), dtype=torch.float32)\n    _launch(\n        _decode_split_kernel, programs * splits, device,\n        (q, k_cache, v_cache, out, lse_arg, part_out, part_lse, cache_seqlens, table,\n         slopes_arg'
-    if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
-        pass
-        yield ', sinks'
-    yield '),\n        (*q.stride(), *k_strides, *v_strides, *out.stride(), *table_strides,\n         num_kv_heads, q_per_kv, num_q_tokens, num_new, num_row_blocks, splits, split_len,\n         capacity - num_new, num_pages'
+    yield '\n    lse_arg = out if lse is None else lse\n    slopes_arg = out if alibi_slopes is None else alibi_slopes\n    part_out = part_lse = out  # unused when one split writes the output directly\n    part_size = 0\n    if splits > 1:\n        # Partials [B, HQ, NQ, splits, DV] then their LSEs [B, HQ, NQ, splits], fp32, in one\n        # allocation (the kernels take pointers; the LSEs start 64-byte aligned).\n        part_size = batch * num_q_heads * num_q_tokens * splits * _BLOCK_DV.value\n        part_out = q.new_empty(part_size * (_BLOCK_DV.value + 1) // _BLOCK_DV.value,\n                               dtype=torch.float32)\n        part_lse = part_out[part_size:]\n    split = _Step(\n        _decode_split_kernel, programs * splits,\n        (*q.stride(), *k_strides, *v_strides, *out.stride(), *table_strides,\n         num_kv_heads, q_per_kv, num_q_tokens, num_new, num_row_blocks, splits, split_len,\n         capacity - num_new, num_pages'
     if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
         pass
         yield ', stride_slopes_b'
-    yield '),\n        (qk_scale,),\n        {"DIRECT": splits == 1, "STORE_LSE": return_lse, "BLOCK_ROWS": block_rows,\n         "BLOCK_N": block_n},\n        _OPTIONS,\n    )\n    if splits > 1:\n        _launch(\n            _decode_combine_kernel, batch * num_q_heads * num_q_tokens, device,\n'
+    yield '),\n        (qk_scale,),\n        {"DIRECT": splits == 1, "STORE_LSE": return_lse, "BLOCK_ROWS": block_rows,\n         "BLOCK_N": block_n},\n        _OPTIONS,\n    )\n    _run_step(split, device, (q, k_cache, v_cache, out, lse_arg, part_out, part_lse,\n                              cache_seqlens, table, slopes_arg'
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
-        yield '            (part_out, part_lse, out, lse_arg, sinks),\n            (*out.stride(), num_q_heads, num_q_tokens, splits),\n'
-    else:
+        yield ', sinks'
+    yield '))\n    if splits > 1:\n        combine = _Step(\n            _decode_combine_kernel, batch * num_q_heads * num_q_tokens,\n            (*out.stride(), num_q_heads, num_q_tokens, splits), (),\n            {"STORE_LSE": return_lse, "BLOCK_SPLITS": max(2, 1 << (splits - 1).bit_length())},\n            {"num_warps": 4},\n        )\n        _run_step(combine, device, (part_out, part_lse, out, lse_arg'
+    if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
-        yield '            (part_out, part_lse, out, lse_arg), (*out.stride(), num_q_heads, num_q_tokens, splits),\n'
-    yield '            (), {"STORE_LSE": return_lse, "BLOCK_SPLITS": max(2, 1 << (splits - 1).bit_length())},\n            {"num_warps": 4},\n        )\n    return (out, lse) if return_lse else out\n'
+        yield ', sinks'
+    yield '))\n'
+    if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
+        pass
+        yield '    if key is not None:  # the checks passed: the next call of this layout runs from its plan\n        _remember_plan(\n            key, config=dict(CONFIG), out_shape=out.shape,\n            lse_shape=None if lse is None else lse.shape, splits=splits,\n            part_size=part_size,\n            indices=(num_new, num_q_tokens, capacity, num_pages),\n            append=append, split=split, combine=combine,\n        )\n'
+    yield '    return (out, lse) if return_lse else out\n'
 
 blocks = {}
-debug_info = '3=29&4=31&5=33&53=36&56=43&57=47&63=51&70=58&73=65&77=67&81=71&83=81&84=87&85=90&86=98&88=105&91=110&94=114&98=120&104=124&108=126&116=128&126=137&131=144&134=147&145=149&154=156&176=160&179=163&185=169&194=173&205=175&208=179&217=183'
+debug_info = '3=30&4=32&5=34&53=37&56=44&57=48&63=52&70=59&73=66&76=73&80=75&84=79&86=89&87=95&88=98&89=106&91=113&94=118&97=122&101=128&107=132&111=134&119=136&126=145&140=149&145=156&148=159&159=161&168=168&191=172&194=175&200=181&209=185&225=187&232=191&240=195&241=199'

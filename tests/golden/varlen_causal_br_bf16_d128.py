@@ -568,6 +568,118 @@ def _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k):
                              f"the keys cu_seqlens_k gives sequence {b}")
 
 
+class _Step:
+    """One launch: its kernel, grid, ints, tail, constexprs and compile options,
+    and the compiled kernels found for it, per (the tensors' 16-byte alignment, Triton's
+    knobs)."""
+
+    __slots__ = ("kernel", "grid", "ints", "tail", "constexprs", "options", "compiled")
+
+    def __init__(self, kernel, grid, ints, tail, constexprs, options):
+        self.kernel, self.grid, self.ints, self.tail = kernel, grid, ints, tail
+        self.constexprs, self.options, self.compiled = constexprs, options, {}
+
+
+def _run_step(step, device, tensors):
+    """_launch(step's kernel, ...) with these tensors, or, once a compiled kernel is known for
+    their alignment and the launch may run directly, its launcher without a key to derive."""
+    kernel = step.kernel
+    slot = (tuple([t.data_ptr() & 15 == 0 for t in tensors]), _KNOBS.runtime.debug,
+            _KNOBS.compilation.instrumentation_mode)
+    compiled = step.compiled.get(slot)
+    if compiled is None or not _runs_directly(kernel) or _DRIVER[0]() != device:
+        compiled = _launch(kernel, step.grid, device, tensors, step.ints, step.tail,
+                           step.constexprs, step.options)
+        if compiled is not None and _DRIVER[0]() == device:
+            step.compiled[slot] = compiled
+        return
+    compiled.run(step.grid, 1, 1, _DRIVER[1](device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *tensors, *step.ints, *step.tail,
+                 *step.constexprs.values())
+
+
+_TENSOR = torch.Tensor
+
+
+def _layout(t):
+    """A tensor's layout in a plan's key: shape, strides, dtype, device; None stays None."""
+    if t is None:
+        return None
+    if type(t) is not _TENSOR:
+        raise TypeError  # not a plain tensor: the full path decides
+    return t.shape, t.stride(), t.dtype, t.is_cuda, t.get_device()
+
+
+# -- call plans ------------------------------------------------------------------------------
+# What attention_varlen() checks and derives depends on the call's layout alone (the shapes,
+# strides, dtypes and devices of q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k and out=,
+# max_seqlen_q and max_seqlen_k, sm_scale, return_lse): the grid is sized from max_seqlen_q,
+# never from the index tensors' values. Read at every call: ATTNGEN_CHECKS (the host
+# validation of the index tensors' contents), whether out= shares memory with the inputs (and
+# its zero fill), the base addresses' alignment and the config. So after a call has passed the
+# checks and launched, a call of the same layout skips the checks and the derivations.
+_CALL_PLANS = {}  # _call_key(...) -> _CallPlan
+
+
+class _CallPlan:
+    """One call layout's launch: its config, the length config_for picks it by, the output
+    shapes and its step."""
+
+    __slots__ = ("config", "longest", "out_shape", "lse_shape", "step")
+
+    def __init__(self, **fields):
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+
+def _call_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,
+              alibi_slopes, return_lse, seqused_k, out):
+    """The layout of a call a plan may serve (None: the full path decides): plain tensors,
+    int lengths, no slopes, sm_scale None or a float, return_lse a bool, the cached launcher
+    on."""
+    if not (_FAST_LAUNCH and alibi_slopes is None and type(q) is _TENSOR
+            and type(max_seqlen_q) is int and type(max_seqlen_k) is int
+            and (sm_scale is None or type(sm_scale) is float) and type(return_lse) is bool):
+        return None
+    try:
+        return (q.shape, q.stride(), q.dtype, q.is_cuda, q.get_device(), _layout(k), _layout(v),
+                _layout(cu_seqlens_q), _layout(cu_seqlens_k), _layout(seqused_k), _layout(out),
+                max_seqlen_q, max_seqlen_k, sm_scale, return_lse)
+    except TypeError:
+        return None
+
+
+def _remember_plan(key, **fields):
+    if len(_CALL_PLANS) >= _LAUNCH_CACHE_SIZE:
+        _CALL_PLANS.clear()
+    _CALL_PLANS[key] = _CallPlan(**fields)
+
+
+def _run_plan(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k, out):
+    """attention_varlen()'s launch from the plan of its layout: (out, lse or None), or None
+    when the full path must run (the config changed)."""
+    if CONFIG != plan.config:
+        return None
+    if os.environ.get("ATTNGEN_CHECKS") == "1":
+        _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k)
+    if out is None:
+        out = q.new_zeros(plan.out_shape)
+    else:
+        storage = out.untyped_storage().data_ptr()
+        if storage in (q.untyped_storage().data_ptr(), k.untyped_storage().data_ptr(),
+                       v.untyped_storage().data_ptr()):
+            _check_out(out, plan.out_shape, q, (("q", q), ("k", k), ("v", v)))  # raises
+        out.zero_()
+    lse = None
+    if plan.lse_shape is not None:
+        lse = torch.full(plan.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    lse_arg = out if lse is None else lse
+    used_arg = cu_seqlens_k if seqused_k is None else seqused_k
+    _run_step(plan.step, q.get_device(), (q, k, v, out, lse_arg, out, cu_seqlens_q,
+                                          cu_seqlens_k, used_arg))
+    return out, lse
+
+
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, *, sm_scale=None, alibi_slopes=None, return_lse=False,
                      seqused_k=None, out=None):
@@ -597,6 +709,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     on the host instead (a device sync) and a bad one raises a ValueError naming the tensor,
     the sequence and the value.
     """
+    key = _call_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,
+                    alibi_slopes, return_lse, seqused_k, out)
+    if key is not None:
+        plan = _CALL_PLANS.get(key)
+        if plan is not None:
+            done = _run_plan(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k,
+                             out)
+            if done is not None:
+                return done if return_lse else done[0]
     if not _tensors_ok(q, k, v, 3, 0):
         _check_tensors(q, k, v, "[T, H, D]")
     if not _varlen_ok(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):
@@ -626,9 +747,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     lse_arg = out if lse is None else lse
     slopes_arg = out if alibi_slopes is None else alibi_slopes
     used_arg = cu_seqlens_k if seqused_k is None else seqused_k
-    _launch(
-        _attn_fwd_kernel, num_programs, q.get_device(),
-        (q, k, v, out, lse_arg, slopes_arg, cu_seqlens_q, cu_seqlens_k, used_arg),
+    step = _Step(
+        _attn_fwd_kernel, num_programs,
         (*q.stride(), *k.stride(), *v.stride(), *out.stride(),
          0 if lse is None else lse.stride(0),
          num_q_heads, num_q_heads // num_kv_heads, num_m_blocks, total_q, k.shape[0]),
@@ -637,4 +757,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
          "BLOCK_M": CONFIG["BLOCK_M"], "BLOCK_N": CONFIG["BLOCK_N"]},
         _options(CONFIG),
     )
+    _run_step(step, q.get_device(), (q, k, v, out, lse_arg, slopes_arg, cu_seqlens_q,
+                                     cu_seqlens_k, used_arg))
+    if key is not None:  # the checks passed: the next call of this layout runs from its plan
+        _remember_plan(key, config=dict(CONFIG),
+                       longest=max(max_seqlen_q, max_seqlen_k),
+                       out_shape=out.shape, lse_shape=None if lse is None else lse.shape,
+                       step=step)
     return (out, lse) if return_lse else out

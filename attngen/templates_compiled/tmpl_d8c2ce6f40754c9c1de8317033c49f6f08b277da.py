@@ -1,0 +1,22 @@
+from jinja2.runtime import LoopContext, Macro, Markup, Namespace, TemplateNotFound, TemplateReference, TemplateRuntimeError, Undefined, escape, identity, internalcode, markup_join, missing, str_join
+name = '_varlen_plan.py.jinja'
+
+def root(context, missing=missing):
+    resolve = context.resolve_or_missing
+    undefined = environment.undefined
+    concat = environment.concat
+    cond_expr_undefined = Undefined
+    if 0: yield None
+    l_0_shorter_configs = resolve('shorter_configs')
+    pass
+    yield '# -- call plans ------------------------------------------------------------------------------\n# What attention_varlen() checks and derives depends on the call\'s layout alone (the shapes,\n# strides, dtypes and devices of q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k and out=,\n# max_seqlen_q and max_seqlen_k, sm_scale, return_lse): the grid is sized from max_seqlen_q,\n# never from the index tensors\' values. Read at every call: ATTNGEN_CHECKS (the host\n# validation of the index tensors\' contents), whether out= shares memory with the inputs (and\n# its zero fill), the base addresses\' alignment and the config. So after a call has passed the\n# checks and launched, a call of the same layout skips the checks and the derivations.\n_CALL_PLANS = {}  # _call_key(...) -> _CallPlan\n\n\nclass _CallPlan:\n    """One call layout\'s launch: its config, the length config_for picks it by, the output\n    shapes and its step."""\n\n    __slots__ = ("config", "longest", "out_shape", "lse_shape", "step")\n\n    def __init__(self, **fields):\n        for name, value in fields.items():\n            setattr(self, name, value)\n\n\ndef _call_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,\n              alibi_slopes, return_lse, seqused_k, out):\n    """The layout of a call a plan may serve (None: the full path decides): plain tensors,\n    int lengths, no slopes, sm_scale None or a float, return_lse a bool, the cached launcher\n    on."""\n    if not (_FAST_LAUNCH and alibi_slopes is None and type(q) is _TENSOR\n            and type(max_seqlen_q) is int and type(max_seqlen_k) is int\n            and (sm_scale is None or type(sm_scale) is float) and type(return_lse) is bool):\n        return None\n    try:\n        return (q.shape, q.stride(), q.dtype, q.is_cuda, q.get_device(), _layout(k), _layout(v),\n                _layout(cu_seqlens_q), _layout(cu_seqlens_k), _layout(seqused_k), _layout(out),\n                max_seqlen_q, max_seqlen_k, sm_scale, return_lse)\n    except TypeError:\n        return None\n\n\ndef _remember_plan(key, **fields):\n    if len(_CALL_PLANS) >= _LAUNCH_CACHE_SIZE:\n        _CALL_PLANS.clear()\n    _CALL_PLANS[key] = _CallPlan(**fields)\n\n\ndef _run_plan(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k, out):\n    """attention_varlen()\'s launch from the plan of its layout: (out, lse or None), or None\n    when the full path must run (the config changed)."""\n'
+    if (undefined(name='shorter_configs') if l_0_shorter_configs is missing else l_0_shorter_configs):
+        pass
+        yield '    if config_for(plan.longest) != plan.config:\n'
+    else:
+        pass
+        yield '    if CONFIG != plan.config:\n'
+    yield '        return None\n    if os.environ.get("ATTNGEN_CHECKS") == "1":\n        _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k)\n    if out is None:\n        out = q.new_zeros(plan.out_shape)\n    else:\n        storage = out.untyped_storage().data_ptr()\n        if storage in (q.untyped_storage().data_ptr(), k.untyped_storage().data_ptr(),\n                       v.untyped_storage().data_ptr()):\n            _check_out(out, plan.out_shape, q, (("q", q), ("k", k), ("v", v)))  # raises\n        out.zero_()\n    lse = None\n    if plan.lse_shape is not None:\n        lse = torch.full(plan.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)\n    lse_arg = out if lse is None else lse\n    used_arg = cu_seqlens_k if seqused_k is None else seqused_k\n    _run_step(plan.step, q.get_device(), (q, k, v, out, lse_arg, out, cu_seqlens_q,\n                                          cu_seqlens_k, used_arg))\n    return out, lse\n'
+
+blocks = {}
+debug_info = '52=13'

@@ -1,0 +1,92 @@
+"""varlen's and decode's call plans on a CUDA GPU (the H200): `pytest -m gpu`. A layout's
+calls from its plan (the compiled kernels' launchers called directly) give the full path's
+outputs, LSEs and appended caches bit for bit, and a plan serves a CUDA graph's capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.decode_harness import load_decode, make_cache, make_decode_spec, make_queries
+from tests.kernel_harness import load_kernel, make_spec
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; run on the H200"),
+]
+
+
+def _unplanned(monkeypatch, module):
+    monkeypatch.setattr(module, "_call_key", lambda *args: None)
+
+
+@pytest.mark.parametrize("layout, page_size", [("contiguous", None), ("paged", 16)])
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+def test_planned_decode_equals_the_full_path(monkeypatch, layout, page_size, num_splits):
+    spec = make_decode_spec(
+        layout,
+        page_size,
+        name="gpuplan",
+        dtype="bf16",
+        head_dim=128,
+        num_q_heads=8,
+        num_kv_heads=2,
+        max_query_tokens=2,
+    )
+    module = load_decode(spec)
+    cache = make_cache(spec, [5, 300, 0], seed=1, room=2, extra_capacity=700).to("cuda")
+    q, k_new, v_new, _ = (
+        None if t is None else t.cuda() for t in make_queries(spec, 3, 2, seed=2, num_new=2)
+    )
+
+    def step():
+        k, v = cache.k.clone(), cache.v.clone()
+        out, lse = module.decode(
+            q,
+            k,
+            v,
+            cache.lengths,
+            block_table=cache.block_table,
+            k_new=k_new,
+            v_new=v_new,
+            return_lse=True,
+            num_splits=num_splits,
+        )
+        return out, lse, k, v
+
+    with monkeypatch.context() as patch:
+        _unplanned(patch, module)
+        expected = step()
+    results = [step() for _ in range(3)]  # plans, then runs from the plan
+    assert module._CALL_PLANS
+    torch.cuda.synchronize()
+    for got in results:
+        for a, b in zip(expected, got, strict=True):
+            assert torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def test_planned_varlen_equals_the_full_path(monkeypatch):
+    spec = make_spec(
+        name="gpuplanv",
+        dtype="bf16",
+        head_dim=128,
+        num_q_heads=8,
+        num_kv_heads=2,
+        kernels=["varlen"],
+    )
+    module = load_kernel(spec, kind="varlen")
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(300, 8, 128, generator=gen).bfloat16().cuda()
+    k = torch.randn(300, 2, 128, generator=gen).bfloat16().cuda()
+    cu = torch.tensor([0, 17, 140, 280], dtype=torch.int32, device="cuda")
+
+    def call():
+        return module.attention_varlen(q, k, k, cu, cu, 140, 140, return_lse=True)
+
+    with monkeypatch.context() as patch:
+        _unplanned(patch, module)
+        expected = call()
+    results = [call() for _ in range(3)]
+    assert module._CALL_PLANS
+    for got in results:
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
