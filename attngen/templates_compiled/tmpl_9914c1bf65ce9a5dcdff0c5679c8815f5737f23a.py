@@ -141,7 +141,7 @@ def root(context, missing=missing):
         yield ').'
         if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
             pass
-            yield " alibi_slopes: [HQ] or [B, HQ] float32, last dim contiguous; bias\n    -slope * |i' - j| with i' "
+            yield " alibi_slopes: [HQ] or [B, HQ] fp32, last dim contiguous; bias\n    -slope * |i' - j| with i' "
             if (((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'none') or (undefined(name='bottom_right') if l_0_bottom_right is missing else l_0_bottom_right)):
                 pass
                 yield '= i + (Nk - Nq) per sequence (bottom-right)'
@@ -159,7 +159,9 @@ def root(context, missing=missing):
         if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
             pass
             yield '    key = _call_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,\n                    alibi_slopes, return_lse, seqused_k, out)\n    if key is not None:\n        plan = _CALL_PLANS.get(key)\n        if plan is not None:\n            done = _run_plan(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k,\n                             out)\n            if done is not None:\n                return done if return_lse else done[0]\n'
-        yield '    if not _tensors_ok(q, k, v, 3, 0):\n        _check_tensors(q, k, v, "[T, H, D]")\n    if not _varlen_ok(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):\n        _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)\n    if os.environ.get("ATTNGEN_CHECKS") == "1":\n        _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k)\n    total_q, num_q_heads, _ = q.shape\n    num_kv_heads = k.shape[1]\n    stride_slopes_b = _check_alibi(alibi_slopes, num_q_heads, q, cu_seqlens_q.numel() - 1)\n'
+        yield '    if not _tensors_ok(q, k, v, 3, 0):\n        _check_tensors(q, k, v, "[T, H, D]")\n    if not _varlen_ok(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):\n        _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)\n    if os.environ.get("ATTNGEN_CHECKS") == "1":\n        _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k)\n    total_q, num_q_heads, _ = q.shape\n    num_kv_heads = k.shape[1]\n    '
+        yield str(('stride_slopes_b' if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi) else '_'))
+        yield ' = _check_alibi(alibi_slopes, num_q_heads, q, cu_seqlens_q.numel() - 1)\n'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield '    _check_sinks(sinks, num_q_heads, q)\n'
@@ -261,7 +263,7 @@ def root(context, missing=missing):
         yield ').'
         if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
             pass
-            yield " alibi_slopes: [HQ] or [B, HQ] float32, last dim contiguous; bias\n    -slope * |i' - j| with i' "
+            yield " alibi_slopes: [HQ] or [B, HQ] fp32, last dim contiguous; bias\n    -slope * |i' - j| with i' "
             if (((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'none') or (undefined(name='bottom_right') if l_0_bottom_right is missing else l_0_bottom_right)):
                 pass
                 yield '= i + (N - M) (bottom-right)'
@@ -281,7 +283,9 @@ def root(context, missing=missing):
         if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
             pass
             yield '    key = _call_key(q, k, v, sm_scale, alibi_slopes, return_lse, out)\n    if key is not None:\n        plan = _CALL_PLANS.get(key)\n        if plan is not None:\n            done = _run_plan(plan, q, k, v, out)\n            if done is not None:\n                return done if return_lse else done[0]\n'
-        yield '    if not _tensors_ok(q, k, v, 4, 2):\n        _check_tensors(q, k, v, "[B, H, N, D]")\n    if not (q.shape[0] == k.shape[0] == v.shape[0]):\n        raise ValueError(\n            f"batch: expected equal sizes, got q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}"\n        )\n    batch, num_q_heads, seqlen_q, _ = q.shape\n    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]\n    stride_slopes_b = _check_alibi(alibi_slopes, num_q_heads, q, batch)\n'
+        yield '    if not _tensors_ok(q, k, v, 4, 2):\n        _check_tensors(q, k, v, "[B, H, N, D]")\n    if not (q.shape[0] == k.shape[0] == v.shape[0]):\n        raise ValueError(\n            f"batch: expected equal sizes, got q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}"\n        )\n    batch, num_q_heads, seqlen_q, _ = q.shape\n    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]\n    '
+        yield str(('stride_slopes_b' if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi) else '_'))
+        yield ' = _check_alibi(alibi_slopes, num_q_heads, q, batch)\n'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield '    _check_sinks(sinks, num_q_heads, q)\n'
@@ -355,4 +359,4 @@ def root(context, missing=missing):
         yield '    return (out, lse) if return_lse else out\n'
 
 blocks = {}
-debug_info = '4=40&5=42&6=44&9=46&12=49&13=52&14=55&17=62&21=69&22=71&26=74&32=77&33=79&43=81&49=87&60=90&63=93&66=95&67=101&70=104&74=111&75=113&76=115&77=122&79=132&88=140&89=145&92=153&97=157&110=159&130=163&145=167&148=171&156=173&163=177&164=180&166=184&167=188&169=192&170=196&172=198&173=202&174=206&176=209&183=214&186=217&188=223&191=226&195=233&196=235&197=242&199=252&200=260&201=265&204=273&209=277&212=279&215=281&233=285&247=289&250=293&256=295&257=298&262=300&263=302&265=304&269=308&270=311&272=315&273=321&274=327&277=329&278=336&281=343&284=346&288=348'
+debug_info = '4=40&5=42&6=44&9=46&12=49&13=52&14=55&17=62&21=69&22=71&26=74&32=77&33=79&43=81&49=87&60=90&63=93&66=95&67=101&70=104&74=111&75=113&76=115&77=122&79=132&88=140&89=145&92=153&97=157&110=159&129=163&130=165&145=169&148=173&156=175&163=179&164=182&166=186&167=190&169=194&170=198&172=200&173=204&174=208&176=211&183=216&186=219&188=225&191=228&195=235&196=237&197=244&199=254&200=262&201=267&204=275&209=279&212=281&215=283&232=287&233=289&247=293&250=297&256=299&257=302&262=304&263=306&265=308&269=312&270=315&272=319&273=325&274=331&277=333&278=340&281=347&284=350&288=352'

@@ -123,7 +123,7 @@ def root(context, missing=missing):
     yield ').'
     if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
         pass
-        yield " alibi_slopes: [HQ] or [B, HQ] float32, last dim contiguous; bias\n    -slope * |i' - j|, i' = L_b - NQ + t the query's position."
+        yield " alibi_slopes: [HQ] or [B, HQ] fp32, last dim contiguous; bias\n    -slope * |i' - j|, i' = L_b - NQ + t the query's position."
     yield '\n\n'
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
@@ -152,7 +152,9 @@ def root(context, missing=missing):
     else:
         pass
         yield '1'
-    yield ']\n    stride_slopes_b = _check_alibi(alibi_slopes, num_q_heads, q, batch)\n    if type(num_splits) is not int or num_splits < 0:\n        raise ValueError(f"num_splits: got {num_splits!r}; allowed: an int >= 0 (0: the split "\n                         "rule chooses)")\n'
+    yield ']\n    '
+    yield str(('stride_slopes_b' if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi) else '_'))
+    yield ' = _check_alibi(alibi_slopes, num_q_heads, q, batch)\n    if type(num_splits) is not int or num_splits < 0:\n        raise ValueError(f"num_splits: got {num_splits!r}; allowed: an int >= 0 (0: the split "\n                         "rule chooses)")\n'
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
         yield '    _check_sinks(sinks, num_q_heads, q)\n'
@@ -202,4 +204,4 @@ def root(context, missing=missing):
     yield '    return (out, lse) if return_lse else out\n'
 
 blocks = {}
-debug_info = '3=30&4=32&5=34&53=37&56=44&57=48&63=52&70=59&73=66&76=73&80=75&84=79&86=89&87=95&88=98&89=106&91=113&94=118&97=122&101=128&107=132&111=134&119=136&126=145&140=149&145=156&148=159&159=161&168=168&191=172&194=175&200=181&209=185&225=187&232=191&240=195&241=199'
+debug_info = '3=30&4=32&5=34&53=37&56=44&57=48&63=52&70=59&73=66&76=73&80=75&84=79&86=89&87=95&88=98&89=106&91=113&94=118&97=122&101=128&107=132&111=134&119=136&126=145&140=149&141=156&145=158&148=161&159=163&168=170&191=174&194=177&200=183&209=187&225=189&232=193&240=197&241=201'

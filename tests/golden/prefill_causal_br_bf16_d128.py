@@ -666,7 +666,7 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
         )
     batch, num_q_heads, seqlen_q, _ = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    stride_slopes_b = _check_alibi(alibi_slopes, num_q_heads, q, batch)
+    _ = _check_alibi(alibi_slopes, num_q_heads, q, batch)
     qk_scale = _kernel_scale(sm_scale)
     if out is None:
         out = q.new_empty((batch, num_q_heads, seqlen_q, HEAD_DIM_V))

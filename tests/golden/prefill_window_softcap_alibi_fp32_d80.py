@@ -606,7 +606,7 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
     """softmax(q @ k^T * sm_scale, softcapped, ALiBi, masked) @ v.
 
     q [B, HQ, M, 80], k [B, HKV, N, 80], v [B, HKV, N, 80] in fp32, any strides.
-    sm_scale defaults to 1/sqrt(80). alibi_slopes: [HQ] or [B, HQ] float32, last dim contiguous; bias
+    sm_scale defaults to 1/sqrt(80). alibi_slopes: [HQ] or [B, HQ] fp32, last dim contiguous; bias
     -slope * |i' - j| with i' = i (top-left).
 
     Returns out [B, HQ, M, 80] in q's dtype, and with return_lse also the

@@ -726,7 +726,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k)
     total_q, num_q_heads, _ = q.shape
     num_kv_heads = k.shape[1]
-    stride_slopes_b = _check_alibi(alibi_slopes, num_q_heads, q, cu_seqlens_q.numel() - 1)
+    _ = _check_alibi(alibi_slopes, num_q_heads, q, cu_seqlens_q.numel() - 1)
     qk_scale = _kernel_scale(sm_scale)
     batch = cu_seqlens_q.numel() - 1
     # Note: zero-filled, so that rows no sequence covers (packed padding) hold 0, not garbage.
