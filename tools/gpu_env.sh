@@ -4,7 +4,7 @@
 # GPU") and are installed into a private folder put first on PYTHONPATH.
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/attngen-site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/attngen-site
+    --target "${ATTNGEN_SITE:-/tmp/attngen-site}" .whl/*.whl || exit 1
+  export PYTHONPATH="${ATTNGEN_SITE:-/tmp/attngen-site}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

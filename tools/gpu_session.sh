@@ -32,6 +32,8 @@ section_command() {
       && $pytest_gpu tests/test_prefill_gpu.py tests/test_decode_gpu.py \
       -k 'gpt_oss or llama4 or deepseek or small_launches'" ;;
     plans_tests) echo "$pytest_gpu tests/test_runtime_plans.py" ;;
+    # The varlen and decode call plans against the full path, per-batch ALiBi slopes.
+    plans_alibi) echo "$pytest_gpu tests/test_plans_gpu.py tests/test_alibi_per_batch_gpu.py" ;;
     models_bench) echo "python3 tools/bench_models.py --out $work" ;;
     decode_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_decode_gpu.py" ;;
     prefill_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_prefill_gpu.py" ;;
@@ -43,6 +45,9 @@ section_command() {
     bench_model) echo "python3 tools/bench_model.py --out $work" ;;
     cp_bench) echo "python3 tools/bench_context_parallel.py --out $work" ;;
     backward_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_backward_gpu.py" ;;
+    # The open models' gradients (sinks, chunked, sink tokens) at real sizes.
+    backward_models) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_backward_gpu.py \
+      -k 'model_field or sinks_backward or varlen_model_fields'" ;;
     bench_backward) echo "python3 tools/bench_backward.py --out $work" ;;
     # Tunes llama3_8b's dQ and dK/dV kernels (150 s of measurements, then at most one
     # candidate's overrun and the builds: give it 260 s, so that `autotune_backward:260
