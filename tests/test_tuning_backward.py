@@ -80,10 +80,12 @@ def test_a_tuned_dkdv_entry_reaches_the_module_and_explain(tmp_path):
     assert f"dK/dV kernel: {tuned.config.block_m}x{tuned.config.block_n}" in artifact.source
     assert source in artifact.source
     text = "\n".join(explain_lines([SPEC], ["sm90"], tmp_path / "tuning"))
-    assert (
+    lines = [line.strip() for line in text.splitlines()]
+    head = (
         f"dK/dV kernel: {tuned.config.block_m}x{tuned.config.block_n}, "
-        f"{tuned.config.num_warps} warps, {tuned.config.num_stages} stages ({source})" in text
+        f"{tuned.config.num_warps} warps, {tuned.config.num_stages} stages"
     )
+    assert lines[lines.index(head) + 1] == f"({source})"
     assert "dQ kernel: " in text and text.count(source) == 1
 
 
@@ -159,10 +161,11 @@ def test_backward_candidates_start_with_the_heuristic_and_stay_feasible():
         assert heuristic == getattr(derivations, kernel).chosen == cands[0].config
         assert len(cands) == 6 and len({c.config for c in cands}) == 6
         assert all(c.feasible for c in cands)
-    # dK/dV's best-scoring shape, 64x64 with 8 warps, is one the register model calls may
-    # spill; it is measured at both stage counts (2 stages compiles without spilling).
+    # dK/dV's best-scoring shape, 32x128 with 8 warps (128 owned keys), is one the register
+    # model calls may spill; it is measured at both stage counts (both compile without
+    # spilling, and it was the fastest on the H200: tuning/sm90.json).
     dkdv = [c.config for c in plans["dkdv"][1]]
-    assert {(64, 64, 8, 2), (64, 64, 8, 3)} <= {
+    assert {(32, 128, 8, 2), (32, 128, 8, 3)} <= {
         (c.block_m, c.block_n, c.num_warps, c.num_stages) for c in dkdv
     }
     assert any(c.may_spill(ARCHS["sm90"]) for c in plans["dkdv"][1])

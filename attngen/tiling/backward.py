@@ -207,9 +207,10 @@ class BackwardDerivation:
                     f"{chosen.num_stages} stages"
                 )
             )
-            if derivation.source != "heuristic":  # a heuristic choice's line stays as it was
-                head += f" (source: {derivation.source})"
-            lines += [f"{label}: {head}", *(f"  {line}" for line in derivation.summary_lines())]
+            lines.append(f"{label}: {head}")
+            if derivation.source != "heuristic":  # a heuristic choice's lines stay as they were
+                lines.append(f"  (source: {derivation.source})")
+            lines += [f"  {line}" for line in derivation.summary_lines()]
         return tuple(lines)
 
 
@@ -265,7 +266,14 @@ def _candidate(
         reasons.append("occupancy 0 programs/SM")
     score = 0.0
     if not reasons:
-        reuse = min(bm * bn / (bm + bn) / 64, 1.0)
+        # A program keeps its owned tile (dQ: BLOCK_M queries, dK/dV: BLOCK_N keys) in
+        # registers and streams the other operand past it, so each streamed byte serves
+        # `owned` rows: the intensity grows with the owned side alone. A streamed side below
+        # 64 costs only loop steps. On the H200 (llama3_8b, D 128, tuning/sm90.json) dK/dV
+        # took 2.9 / 4.5 / 5.2 ms at 32x128 / 64x64 / 128x32 and dQ 1.6 / 2.9 ms at 128 /
+        # 64 owned queries; a score symmetric in the two sides had ranked them the other way.
+        streamed = bn if kernel == "dq" else bm
+        reuse = min(owned / 128, 1.0) * (0.9 + 0.1 * min(streamed / 64, 1.0))
         score = reuse * (0.9 if s == 2 else 1.0) * min(1.0, per_sm * w / 8)
     return Candidate(
         config, smem, regs, per_sm, round(score, 6), tuple(reasons), regs_predictive=e != 4

@@ -35,27 +35,26 @@
 #   score 0.632, 91 of 128 candidates feasible
 #   binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 64->128: smem 163840 B >
 #       101376 B; num_stages 3->4: smem 131072 B > 101376 B
-#   dQ kernel: 64x64, 8 warps, 2 stages
-#     shared memory = E*(BLOCK_M*BLOCK_N + BLOCK_M*D + BLOCK_M*DV + (S - 1)*(BLOCK_N*D +
-#         BLOCK_N*DV))
-#       with BLOCK_M=64, BLOCK_N=64, D=128, DV=128, E=2, S=2, W=8
-#       = 73728 B of 101376 B available per block
-#     registers/thread ~ 121*BLOCK_M*BLOCK_N/(800*W) + 69*BLOCK_M*D/(3200*W) + 94 = 194 of 255
+#   dQ kernel: 128x32, 8 warps, 3 stages
+#     shared memory = E*(BLOCK_M*D + BLOCK_M*DV + (S - 1)*(BLOCK_N*D + BLOCK_N*DV))
+#       with BLOCK_M=128, BLOCK_N=32, D=128, DV=128, E=2, S=3, W=8
+#       = 98304 B of 101376 B available per block
+#     registers/thread ~ 121*BLOCK_M*BLOCK_N/(800*W) + 69*BLOCK_M*D/(3200*W) + 94 = 216 of 255
 #     programs/SM 1
-#     score 0.450, 43 of 64 candidates feasible
-#     binding: BLOCK_M 64->128: regs 294 > 255 + 24; BLOCK_N 64->128: smem 114688 B > 101376 B;
-#         num_stages 2->3: smem 106496 B > 101376 B
-#   dK/dV kernel: 64x64, 8 warps, 2 stages
-#     shared memory = 8*BLOCK_M*(S - 1) + E*(BLOCK_M*BLOCK_N + BLOCK_N*D + BLOCK_N*DV + (BLOCK_M*D
-#         + BLOCK_M*DV)*Max(1, S - 1))
-#       with BLOCK_M=64, BLOCK_N=64, D=128, DV=128, E=2, S=2, W=8
-#       = 74240 B of 101376 B available per block
+#     score 0.950, 43 of 64 candidates feasible
+#     binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 32->64: smem 131072 B >
+#         101376 B; num_stages 3->4: outside the candidate grid
+#   dK/dV kernel: 16x128, 8 warps, 3 stages
+#     shared memory = 8*BLOCK_M*(S - 1) + E*(BLOCK_N*D + BLOCK_N*DV + (BLOCK_M*D +
+#         BLOCK_M*DV)*Max(1, S - 1))
+#       with BLOCK_M=16, BLOCK_N=128, D=128, DV=128, E=2, S=3, W=8
+#       = 82176 B of 101376 B available per block
 #     registers/thread ~ 207*BLOCK_M*BLOCK_N/(3200*W) + 39*BLOCK_M*E*(D + DV)/(12800*W) +
-#         81*BLOCK_N*(D + DV)/(3200*W) + 115 = 213 of 255
+#         81*BLOCK_N*(D + DV)/(3200*W) + 115 = 239 of 255
 #     programs/SM 1
-#     score 0.450, 40 of 64 candidates feasible
-#     binding: BLOCK_M 64->128: smem 115712 B > 101376 B; BLOCK_N 64->128: regs 298 > 255 + 24;
-#         num_stages 2->3: smem 107520 B > 101376 B
+#     score 0.925, 40 of 64 candidates feasible
+#     binding: BLOCK_M 16->32: fits, not chosen (score 0.950); BLOCK_N 128->256: outside the
+#         candidate grid; num_stages 3->4: outside the candidate grid
 """Varlen prefill (forward) attention over packed sequences, FlashAttention-2 style and exact.
 
 Module llama3_8b_varlen_bf16_d128_causal_br_bwd.
@@ -294,8 +293,8 @@ def _attn_fwd_kernel(
 
 
 # The backward kernels' launch configs, derived like CONFIG (attngen/tiling/backward.py).
-BWD_DQ_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
-BWD_DKDV_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+BWD_DQ_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3}
+BWD_DKDV_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 
 
 @triton.jit

@@ -37,6 +37,7 @@
 #       candidate grid; num_stages 3->4: smem 295936 B > 231424 B
 #   sequences up to 2048: 64x64, 4 warps, 3 stages (measured faster there)
 #   dQ kernel: 128x128, 8 warps, 2 stages
+#     (source: tuning on NVIDIA H200, triton 3.6.0, 2026-11-30)
 #     shared memory = E*(BLOCK_M*D + BLOCK_M*DV + S*(BLOCK_N*D + BLOCK_N*DV))
 #       with BLOCK_M=128, BLOCK_N=128, D=128, DV=128, E=2, S=2, W=8
 #       = 196608 B of 231424 B available per block
@@ -46,16 +47,16 @@
 #     score 0.900, 57 of 64 candidates feasible
 #     binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 128->256: outside the
 #         candidate grid; num_stages 2->3: smem 262144 B > 231424 B
-#   dK/dV kernel: 128x32, 8 warps, 3 stages
-#     shared memory = 8*BLOCK_M*(S - 1) + E*(BLOCK_M*BLOCK_N + BLOCK_N*D + BLOCK_N*DV + (BLOCK_M*D
-#         + BLOCK_M*DV)*Max(1, S - 1))
-#       with BLOCK_M=128, BLOCK_N=32, D=128, DV=128, E=2, S=3, W=8
-#       = 157696 B of 231424 B available per block
-#     registers/thread ~ 207*BLOCK_M*BLOCK_N/(3200*W) + 39*BLOCK_M*E*(D + DV)/(12800*W) +
-#         81*BLOCK_N*(D + DV)/(3200*W) + 115 = 199 of 255
+#   dK/dV kernel: 32x128, 8 warps, 3 stages
+#     (source: tuning on NVIDIA H200, triton 3.6.0, 2026-11-30)
+#     shared memory = 8*BLOCK_M*(S - 1) + E*(BLOCK_N*D + BLOCK_N*DV + S*(BLOCK_M*D + BLOCK_M*DV))
+#       with BLOCK_M=32, BLOCK_N=128, D=128, DV=128, E=2, S=3, W=8
+#       = 115200 B of 231424 B available per block
+#     registers/thread ~ 93*BLOCK_M*BLOCK_N/(3200*W) + 59*BLOCK_M*E*(D + DV)/(12800*W) +
+#         37*BLOCK_N*(D + DV)/(3200*W) + 199 = 271 of 255
 #     programs/SM 1
-#     score 0.400, 42 of 64 candidates feasible
-#     binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 32->64: regs 291 > 255 + 24;
+#     score 0.950, 42 of 64 candidates feasible
+#     binding: BLOCK_M 32->64: regs 295 > 255 + 24; BLOCK_N 128->256: outside the candidate grid;
 #         num_stages 3->4: outside the candidate grid
 """Varlen prefill (forward) attention over packed sequences, FlashAttention-2 style and exact.
 
@@ -301,7 +302,7 @@ def _attn_fwd_kernel(
 
 # The backward kernels' launch configs, derived like CONFIG (attngen/tiling/backward.py).
 BWD_DQ_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
-BWD_DKDV_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3}
+BWD_DKDV_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 
 
 @triton.jit
