@@ -63,7 +63,7 @@ section_command() {
       cp tuning/sm90.json tuning/.progress-sm90.json $work/; \
       echo changed: \$(cat $work/changed_generated.txt); exit \$rc" ;;
     autotune_backward_grid) echo "python3 -m attngen autotune tools/bench_specs/backward_grid.yaml \
-      --arch sm90 --kernels backward --budget 420; rc=\$?; \
+      --arch sm90 --kernels backward --budget ${GRID_BUDGET:-420}; rc=\$?; \
       cp tuning/sm90.json tuning/.progress-sm90.json $work/; exit \$rc" ;;
     ondemand_tests) echo "$pytest_gpu tests/test_ondemand_gpu.py" ;;
     cold_start) echo "python3 tools/ondemand_cold_start.py --json $work/cold_start.json" ;;
