@@ -10,7 +10,8 @@ from attngen.spec import AttnSpec, KernelKind
 from attngen.tiling.alternatives import nearest_alternative
 from attngen.tiling.backward import BackwardDerivation
 from attngen.tiling.code_paths import code_paths
-from attngen.tiling.decode import derive_decode_tiles, split_lines
+from attngen.tiling.decode import derive_decode_tiles, latent_rope_split, split_lines
+from attngen.tiling.decode_latent import derive_latent_tiles
 from attngen.tiling.prefill import Candidate, Derivation, derive_tiles, padded_head_dim
 from attngen.tiling.prefill_model import REFERENCE_TOKENS
 from attngen.tuning.database import apply_tuning, lookup, tuned_backward_tiles
@@ -150,7 +151,7 @@ def explain_decode(spec: AttnSpec, derivation: Derivation) -> list[str]:
         f"   KV layout {layout}; up to {spec.query_tokens} query token(s) per step; a program "
         f"packs the {ratio} query head(s) of a KV head x the tokens into BLOCK_M = "
         f"{_row_tile(derivation)} rows (>= 16 for tl.dot)",
-        f"   model (the prefill loop's, BLOCK_M = the row tile; D={derivation.dims['D']}, "
+        f"   model ({_decode_model_name(spec)}; D={derivation.dims['D']}, "
         f"DV={derivation.dims['DV']}, E={derivation.dims['E']} substituted):",
         f"     shared memory  = {derivation.expressions['smem']}",
         f"     registers/thr ~= {derivation.expressions['regs']}",
@@ -181,11 +182,42 @@ def explain_decode(spec: AttnSpec, derivation: Derivation) -> list[str]:
         f"num_stages={c.num_stages}, query rows up to {c.block_m} "
         f"(source: {derivation.source})",
         "   rule: predicted not to spill first, then the wider row tile, then the score "
-        "(bytes in flight), then BLOCK_N 64, fewer warps, fewer stages, less shared memory",
+        + (
+            "(bytes in flight), then fewer warps, less shared memory (num_stages 2)"
+            if latent_rope_split(spec)
+            else "(bytes in flight), then BLOCK_N 64, fewer warps, fewer stages, less shared memory"
+        ),
         f"   binding: {derivation.binding}",
+        *_latent_lines(spec, arch.name),
         *("   " + line for line in split_lines(spec, c, arch.sm_count)),
     ]
     return lines
+
+
+def _decode_model_name(spec: AttnSpec) -> str:
+    if latent_rope_split(spec):
+        latent, rope = latent_rope_split(spec) or (0, 0)
+        return (
+            f"the absorbed MLA decode's, attngen/tiling/decode_latent.py: q.k = {latent} latent "
+            f"+ {rope} rope dims over one key tile, V the latent tile when v_cache is "
+            "k_cache[..., :DV]"
+        )
+    return "the prefill loop's, BLOCK_M = the row tile"
+
+
+def _latent_lines(spec: AttnSpec, arch: str) -> list[str]:
+    """The tile a v_cache of its own gets (not k_cache's latent view): DV more per key."""
+    if not latent_rope_split(spec):
+        return []
+    separate = derive_latent_tiles(spec, arch, v_from_k=False)
+    c, cand = separate.chosen, separate.chosen_candidate
+    if c is None or cand is None:
+        return ["   a v_cache of its own: no tile fits"]
+    return [
+        f"   a v_cache of its own (V read as a tensor): BLOCK_N={c.block_n} "
+        f"num_warps={c.num_warps} num_stages={c.num_stages}, query rows up to {c.block_m}, "
+        f"smem {cand.smem_bytes} B, regs {cand.regs_per_thread} (SEPARATE_V_CONFIG)"
+    ]
 
 
 def _rule(derivation: Derivation, safe: int, feasible: int) -> str:

@@ -22,6 +22,7 @@ from attngen.template_env import environment, template_sources
 from attngen.tiling import decode as decode_tiling
 from attngen.tiling.backward import BackwardDerivation, derive_backward_tiles
 from attngen.tiling.code_paths import POINTER_LOADS_UP_TO, code_paths
+from attngen.tiling.decode_latent import derive_latent_tiles
 from attngen.tiling.prefill import Derivation, TileConfig, padded_head_dim
 
 # A generated module may import these and nothing else.
@@ -110,9 +111,21 @@ def build_context(
                 "min_blocks_per_split": decode_tiling.MIN_BLOCKS_PER_SPLIT,
                 "max_splits": decode_tiling.MAX_SPLITS,
                 "interpreter_sm_count": decode_tiling.INTERPRETER_SM_COUNT,
+                # (latent, rope) dims of an absorbed MLA decode, else 0: q.k in two dots
+                "rope_dim": (decode_tiling.latent_rope_split(spec) or (0, 0))[1],
             }
         )
+        if context["rope_dim"]:
+            context["separate_v_config"] = _separate_v_config(spec, derivation.arch)
     return context
+
+
+def _separate_v_config(spec: AttnSpec, arch: str) -> str:
+    """The absorbed MLA decode's tile for a v_cache of its own (not k_cache's latent view)."""
+    separate = derive_latent_tiles(spec, arch, v_from_k=False).chosen
+    if separate is None:
+        raise RenderError(f"{spec.name} on {arch}: no tile fits a separate v_cache")
+    return _config_literal(separate)
 
 
 def _provenance_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str, Any]:

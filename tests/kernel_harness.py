@@ -69,6 +69,8 @@ def load_kernel(
         module.CONFIG["BLOCK_M"] = block_m
     if block_n is not None:
         module.CONFIG["BLOCK_N"] = block_n
+        if hasattr(module, "SEPARATE_V_CONFIG"):  # an absorbed MLA decode's other tile
+            module.SEPARATE_V_CONFIG["BLOCK_N"] = block_n
     return module
 
 

@@ -86,6 +86,33 @@ def test_generated_decode_modules_bf16(spec, lengths, num_new):
         assert same_bits(cache.k.cpu(), k_expected) and same_bits(cache.v.cpu(), v_expected)
 
 
+@pytest.mark.parametrize("splits", [None, 1, 5])
+@pytest.mark.parametrize("lengths, num_new", [([4096], 0), ([1, 777, 4095, 0], 1), ([70], 0)])
+def test_deepseek_latent_cache_values_from_keys(lengths, num_new, splits):
+    """DeepSeek-V3's absorbed decode as served: v_cache = k_cache[..., :512] (the values are
+    the latent keys), so the generated module runs its V_FROM_K kernel (CONFIG: 64 head rows,
+    q.k as a 512 + 64 split dot); the append writes v_new = k_new[..., :512] into the same
+    memory."""
+    (spec,) = [s for s in _decode_examples() if s.name == "deepseek_v3_absorbed"]
+    latent = spec.value_head_dim
+    kernel = _load_generated(spec, "decode")
+    cache_cpu = make_cache(spec, lengths, seed=len(lengths), room=num_new, fill=float("nan"))
+    cache_cpu.dense_v = [k[..., :latent] for k in cache_cpu.dense_k]
+    cache = _to_cuda(cache_cpu.clone())
+    cache.v = cache.k[..., :latent]
+    assert kernel._values_are_latent_keys(cache.k, cache.v)
+    q, k_new, _, _ = _queries(spec, len(lengths), 1, seed=3, num_new=num_new)
+    v_new = None if k_new is None else k_new[..., :latent]
+    kernel.FORCE_NUM_SPLITS = splits
+    try:
+        out, lse = run_decode(kernel, cache, q, k_new, v_new)
+    finally:
+        kernel.FORCE_NUM_SPLITS = None
+    problems = _problems(spec, cache_cpu, out, lse, q, k_new, v_new)
+    assert not problems, "; ".join(problems)
+    assert kernel.CONFIG["BLOCK_M"] == 64
+
+
 @pytest.mark.parametrize(
     "layout, page_size", [("contiguous", None), ("paged", 16), ("paged", 64), ("paged", 1)]
 )

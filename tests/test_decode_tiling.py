@@ -20,7 +20,8 @@ import pytest
 from attngen.arch import ARCHS
 from attngen.build import load_specs
 from attngen.spec import KernelKind, KvLayout
-from attngen.tiling.decode import derive_decode_tiles, num_splits, row_tile
+from attngen.tiling.decode import derive_decode_tiles, latent_rope_split, num_splits, row_tile
+from attngen.tiling.decode_latent import derive_latent_tiles, register_cap
 from attngen.tiling.prefill import TileConfig
 from attngen.verify.measurements import triton_version
 
@@ -37,14 +38,21 @@ def _decode_specs():
     ]
 
 
+def _rows():
+    rows = json.loads(DATA.read_text())["rows"]
+    return {(r["kernel_hash"], r["arch"], r.get("v_from_k")): r for r in rows}
+
+
 def test_every_chosen_decode_config_fits_what_the_compiler_allocates():
     assert DATA.is_file(), "regenerate: PYTHONPATH=. python tools/decode_compile_check.py"
-    rows = {(r["kernel_hash"], r["arch"]): r for r in json.loads(DATA.read_text())["rows"]}
+    rows = _rows()
     archs = set()
     for spec in _decode_specs():
+        if latent_rope_split(spec):
+            continue  # its own model: the test below
         for arch in spec.archs:
             derivation = derive_decode_tiles(spec, arch)
-            row = rows[(spec.kernel_hash(KernelKind.decode), arch)]
+            row = rows[(spec.kernel_hash(KernelKind.decode), arch, None)]
             assert TileConfig.from_dict(row["config"]) == derivation.chosen
             budget = ARCHS[arch].smem_budget
             model = derivation.chosen_candidate.smem_bytes
@@ -58,6 +66,29 @@ def test_every_chosen_decode_config_fits_what_the_compiler_allocates():
     assert archs >= {"sm80", "sm86", "sm89", "sm90"}
 
 
+def test_the_latent_decode_model_is_the_compilers():
+    """The absorbed MLA decode (attngen/tiling/decode_latent.py), both paths: its latent cache
+    (V the latent key tile, CONFIG) and a v_cache of its own (SEPARATE_V_CONFIG). Its shared
+    memory model is exact (paged, as DeepSeek-V3's cache), and the chosen tiles neither
+    spill more than SAFE_SPILL_BYTES nor exceed the warps' register file."""
+    rows = _rows()
+    specs = [s for s in _decode_specs() if latent_rope_split(s)]
+    assert specs
+    for spec in specs:
+        for arch in spec.archs:
+            for v_from_k in (True, False):
+                derivation = derive_latent_tiles(spec, arch, v_from_k)
+                row = rows[(spec.kernel_hash(KernelKind.decode), arch, v_from_k)]
+                assert TileConfig.from_dict(row["config"]) == derivation.chosen
+                model = derivation.chosen_candidate.smem_bytes
+                assert row["error"] is None and row["shared"] == model, (arch, v_from_k)
+                assert model <= ARCHS[arch].smem_budget
+                assert (row["spill_stores"] or 0) <= SAFE_SPILL_BYTES, (arch, v_from_k)
+                assert row["regs"] <= register_cap(ARCHS[arch], derivation.chosen.num_warps)
+    sm90 = derive_latent_tiles(specs[0], "sm90").chosen
+    assert (sm90.block_m, sm90.block_n) == (64, 64)  # FlashMLA's 64 heads x 64 keys
+
+
 def test_a_paged_decode_config_compiles_as_recorded():
     """One live cross-compile (the full set is the slow test below): the decode kernel's launch
     signature, as attngen.verify.compiler builds it, still gives the recorded allocation."""
@@ -65,8 +96,7 @@ def test_a_paged_decode_config_compiles_as_recorded():
 
     arch = "sm86"
     spec = next(s for s in _decode_specs() if s.kv_layout is KvLayout.paged and arch in s.archs)
-    rows = {(r["kernel_hash"], r["arch"]): r for r in json.loads(DATA.read_text())["rows"]}
-    row = rows[(spec.kernel_hash(KernelKind.decode), arch)]
+    row = _rows()[(spec.kernel_hash(KernelKind.decode), arch, None)]
     config = derive_decode_tiles(spec, arch).chosen
     (record,) = compile_many([(spec, arch, config)], kind=KernelKind.decode)
     fields = ("shared", "regs", "spill_stores", "mma", "error")
@@ -105,5 +135,13 @@ def test_decode_choice_is_safe_and_bandwidth_first():
             derivation = derive_decode_tiles(spec, arch)
             best = derivation.chosen_candidate
             assert best is not None and not best.may_spill(ARCHS[arch])
-            top = max(c.score for c in derivation.candidates if c.feasible)
+            feasible = [c for c in derivation.candidates if c.feasible]
+            if latent_rope_split(spec):  # not spilling and the widest row tile first
+                feasible = [
+                    c
+                    for c in feasible
+                    if c.config.block_m == best.config.block_m
+                    and c.regs_per_thread <= register_cap(ARCHS[arch], c.config.num_warps)
+                ]
+            top = max(c.score for c in feasible)
             assert best.score == top

@@ -204,6 +204,11 @@ def mla_case(module, batch: int, length: int) -> dict:
         "case": f"mla decode B={batch} L={length}",
         "attngen_ms": ms,
         "attngen_fraction": bytes_moved / (ms * 1e-3) / H200_BANDWIDTH,
+        # the kernel that ran: V the latent key tile (values = cache[..., :512]), its tile
+        # (64 head rows, the 512 + 64 split dot: attngen/tiling/decode_latent.py) and splits
+        "v_from_k": module._values_are_latent_keys(cache, values),
+        "config": dict(module.CONFIG),
+        "num_splits": module.LAST_NUM_SPLITS,
         "problems": [],
     }
     for name, anchor in (
@@ -344,6 +349,16 @@ def print_table(rows: list[dict]) -> None:
             f"{cell(row, 'sdpa_ms')} {cell(row, 'torch_ms')} {cell(row, 'flashmla_ms')} "
             f"{cell(row, 'flashinfer_ms', 10)} {shown}"
         )
+        fractions = [
+            f"{name} {row[f'{name}_fraction']:.2f}"
+            for name in ("attngen", "torch", "flashmla", "flashinfer")
+            if isinstance(row.get(f"{name}_fraction"), float)
+        ]
+        if len(fractions) > 1:  # the MLA rows: every kernel's share of the bandwidth
+            print(
+                "    BW " + ", ".join(fractions) + f"; config {row.get('config')}, "
+                f"{row.get('num_splits')} split(s), V from K {row.get('v_from_k')}"
+            )
         for problem in row["problems"]:
             print(f"    {problem}")
     print("(ms, median; BW = fraction of 4.8 TB/s)")

@@ -5,7 +5,9 @@ tests/test_decode_tiling.py holds the decode tiling model to (`--check` compares
     PYTHONPATH=. python tools/decode_compile_check.py [--check | --add]
 
 --add compiles only the (kernel, arch) pairs the data file has no row for (a new example)
-and keeps every recorded row as it is.
+and keeps every recorded row as it is. An absorbed MLA decode (attngen/tiling/decode_latent.py)
+has two rows per arch: "v_from_k" true (its latent cache, CONFIG) and false (a v_cache of its
+own, SEPARATE_V_CONFIG).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from attngen.build import load_specs  # noqa: E402
 from attngen.spec import KernelKind  # noqa: E402
-from attngen.tiling.decode import derive_decode_tiles  # noqa: E402
+from attngen.tiling.decode import derive_decode_tiles, latent_rope_split  # noqa: E402
+from attngen.tiling.decode_latent import derive_latent_tiles  # noqa: E402
 from attngen.verify.measurements import triton_version  # noqa: E402
 
 FIELDS = ("shared", "regs", "spill_stores", "mma", "error")
@@ -30,35 +33,52 @@ def data_path(version: str) -> Path:
 
 
 def jobs():
+    """(spec, arch, config, v_from_k): v_from_k None for the usual decode kernel; an absorbed
+    MLA decode compiles its latent cache's path (True, CONFIG) and a v_cache of its own's
+    (False, SEPARATE_V_CONFIG)."""
     specs = [
         s
         for s in load_specs(sorted((ROOT / "examples").glob("*.yaml")))
         if KernelKind.decode in s.kernels
     ]
-    return [
-        (spec, arch, derive_decode_tiles(spec, arch).chosen)
-        for spec in specs
-        for arch in spec.archs
-    ]
+    out = []
+    for spec in specs:
+        for arch in spec.archs:
+            if latent_rope_split(spec):
+                for v_from_k in (True, False):
+                    config = derive_latent_tiles(spec, arch, v_from_k).chosen
+                    out.append((spec, arch, config, v_from_k))
+            else:
+                out.append((spec, arch, derive_decode_tiles(spec, arch).chosen, None))
+    return out
 
 
-def measure(skip: frozenset[tuple[str, str]] = frozenset()) -> list[dict]:
-    """Rows for every job whose (kernel hash, arch) is not in `skip`."""
-    from attngen.verify.compiler import compile_many
+def row_key(kernel_hash: str, arch: str, v_from_k: bool | None) -> tuple:
+    return (kernel_hash, arch, v_from_k)
+
+
+def measure(skip: frozenset[tuple] = frozenset()) -> list[dict]:
+    """Rows for every job whose row_key is not in `skip`."""
+    from attngen.verify.compiler import SEPARATE_V, compile_many
 
     todo = [
-        (spec, arch, config)
-        for spec, arch, config in jobs()
-        if (spec.kernel_hash(KernelKind.decode), arch) not in skip
+        (spec, arch, config, v_from_k)
+        for spec, arch, config, v_from_k in jobs()
+        if row_key(spec.kernel_hash(KernelKind.decode), arch, v_from_k) not in skip
     ]
-    records = compile_many(todo, processes=2, kind=KernelKind.decode)
+    compiled = [
+        (spec, arch, config) if v_from_k in (None, True) else (spec, arch, config, SEPARATE_V)
+        for spec, arch, config, v_from_k in todo
+    ]
+    records = compile_many(compiled, processes=2, kind=KernelKind.decode)
     rows = []
-    for (spec, arch, config), record in zip(todo, records, strict=True):
+    for (spec, arch, config, v_from_k), record in zip(todo, records, strict=True):
         rows.append(
             {
                 "spec": spec.name,
                 "kernel_hash": spec.kernel_hash(KernelKind.decode),
                 "arch": arch,
+                **({} if v_from_k is None else {"v_from_k": v_from_k}),
                 "config": config.as_dict(),
                 **{f: record[f] for f in FIELDS},
             }
@@ -76,7 +96,7 @@ def main() -> int:
     path = data_path(triton_version())
     if args.add:
         recorded = json.loads(path.read_text())["rows"]
-        known = frozenset((r["kernel_hash"], r["arch"]) for r in recorded)
+        known = frozenset(row_key(r["kernel_hash"], r["arch"], r.get("v_from_k")) for r in recorded)
         rows = recorded + measure(known)
     else:
         rows = measure()

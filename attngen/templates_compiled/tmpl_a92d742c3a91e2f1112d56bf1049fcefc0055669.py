@@ -19,14 +19,14 @@ def root(context, missing=missing):
     l_0_sink_tokens = resolve('sink_tokens')
     l_0_sinks = resolve('sinks')
     l_0_page_size = resolve('page_size')
+    l_0_rope_dim = resolve('rope_dim')
     l_0_split_waves = resolve('split_waves')
     l_0_min_blocks_per_split = resolve('min_blocks_per_split')
     l_0_max_splits = resolve('max_splits')
     l_0_interpreter_sm_count = resolve('interpreter_sm_count')
     l_0_alibi = resolve('alibi')
     l_0_block_n = resolve('block_n')
-    l_0_block_dv = resolve('block_dv')
-    l_0_score_code = l_0_common = l_0_step = missing
+    l_0_score_code = l_0_common = l_0_step = l_0_latent = missing
     try:
         t_1 = environment.filters['indent']
     except KeyError:
@@ -40,14 +40,16 @@ def root(context, missing=missing):
         def t_2(*unused):
             raise TemplateRuntimeError("No filter named 'trim' found.")
     pass
-    l_0_score_code = context.vars['score_code'] = environment.get_template('_scores.py.jinja', 'decode.py.jinja').make_module(context.get_all(), True, {'common': l_0_common, 'score_code': l_0_score_code, 'step': l_0_step})
+    l_0_score_code = context.vars['score_code'] = environment.get_template('_scores.py.jinja', 'decode.py.jinja').make_module(context.get_all(), True, {'common': l_0_common, 'latent': l_0_latent, 'score_code': l_0_score_code, 'step': l_0_step})
     context.exported_vars.discard('score_code')
-    l_0_common = context.vars['common'] = environment.get_template('_common.py.jinja', 'decode.py.jinja').make_module(context.get_all(), True, {'common': l_0_common, 'score_code': l_0_score_code, 'step': l_0_step})
+    l_0_common = context.vars['common'] = environment.get_template('_common.py.jinja', 'decode.py.jinja').make_module(context.get_all(), True, {'common': l_0_common, 'latent': l_0_latent, 'score_code': l_0_score_code, 'step': l_0_step})
     context.exported_vars.discard('common')
-    l_0_step = context.vars['step'] = environment.get_template('_step.py.jinja', 'decode.py.jinja').make_module(context.get_all(), True, {'common': l_0_common, 'score_code': l_0_score_code, 'step': l_0_step})
+    l_0_step = context.vars['step'] = environment.get_template('_step.py.jinja', 'decode.py.jinja').make_module(context.get_all(), True, {'common': l_0_common, 'latent': l_0_latent, 'score_code': l_0_score_code, 'step': l_0_step})
     context.exported_vars.discard('step')
+    l_0_latent = context.vars['latent'] = environment.get_template('_decode_latent.py.jinja', 'decode.py.jinja').make_module(context.get_all(), True, {'common': l_0_common, 'latent': l_0_latent, 'score_code': l_0_score_code, 'step': l_0_step})
+    context.exported_vars.discard('latent')
     template = environment.get_template('_header.py.jinja', 'decode.py.jinja')
-    gen = template.root_render_func(template.new_context(context.get_all(), True, {'common': l_0_common, 'score_code': l_0_score_code, 'step': l_0_step}))
+    gen = template.root_render_func(template.new_context(context.get_all(), True, {'common': l_0_common, 'latent': l_0_latent, 'score_code': l_0_score_code, 'step': l_0_step}))
     try:
         for event in gen:
             yield event
@@ -104,17 +106,35 @@ def root(context, missing=missing):
     else:
         pass
         yield 'The cache is contiguous: caches [B, HKV, Lmax, D], any strides.\n'
-    yield '\nA program owns one (sequence, KV head, split): its query tile packs every query head of\nthe KV head and every query token (q_per_kv * NQ rows, padded to BLOCK_ROWS >= 16), so\neach K/V byte is read from HBM once; it streams the split\'s keys in BLOCK_N tiles with an\nonline softmax in the log2 domain. CONFIG["BLOCK_M"] is the largest query tile (a larger\ngroup is split into row blocks that each read the KV again). With one split the program\nwrites the output; with several, each writes a normalized partial and its LSE and a\ncombine kernel merges them exactly (rescaled by the largest LSE). The split count comes\nfrom shapes (or the call\'s num_splits) only, never from device data, so a launch can be\ncaptured in a CUDA graph.\n"""\n\n'
+    yield '\nA program owns one (sequence, KV head, split): its query tile packs every query head of\nthe KV head and every query token (q_per_kv * NQ rows, padded to BLOCK_ROWS >= 16), so\neach K/V byte is read from HBM once; it streams the split\'s keys in BLOCK_N tiles with an\nonline softmax in the log2 domain. CONFIG["BLOCK_M"] is the largest query tile (a larger\ngroup is split into row blocks that each read the KV again). With one split the program\nwrites the output; with several, each writes a normalized partial and its LSE and a\ncombine kernel merges them exactly (rescaled by the largest LSE). The split count comes\nfrom shapes (or the call\'s num_splits) only, never from device data, so a launch can be\ncaptured in a CUDA graph.\n'
+    if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim):
+        pass
+        yield '\nMulti-head latent attention, absorbed: q.k is two dots over one key tile, the latent\n(the first DV = '
+        yield str((undefined(name='head_dim_v') if l_0_head_dim_v is missing else l_0_head_dim_v))
+        yield ' dims) and the rope ('
+        yield str((undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim))
+        yield "), with no padding of D; with\nv_cache = k_cache[..., :DV] the latent tile is also V (V_FROM_K: each key read once), any\nother v_cache is read as a tensor of its own with SEPARATE_V_CONFIG's tile.\n"
+    yield '"""\n\n'
     yield str(context.call(environment.getattr((undefined(name='common') if l_0_common is missing else l_0_common), 'spec_constants')))
     yield '\nKV_LAYOUT = "'
     yield str((undefined(name='kv_layout') if l_0_kv_layout is missing else l_0_kv_layout))
     yield '"\nPAGE_SIZE = '
     yield str((undefined(name='page_size') if l_0_page_size is missing else l_0_page_size))
-    yield '\nMAX_QUERY_TOKENS = '
+    yield '\n'
+    if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim):
+        pass
+        yield str(context.call(environment.getattr((undefined(name='latent') if l_0_latent is missing else l_0_latent), 'constants')))
+        yield '\n'
+    yield 'MAX_QUERY_TOKENS = '
     yield str((undefined(name='max_query_tokens') if l_0_max_query_tokens is missing else l_0_max_query_tokens))
     yield '\n\n'
     yield str(context.call(environment.getattr((undefined(name='common') if l_0_common is missing else l_0_common), 'compile_constants')))
-    yield '\n\n# The split rule (attngen/tiling/decode.py, `attngen explain` works it out).\nSPLIT_WAVES = '
+    yield '\n'
+    if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim):
+        pass
+        yield str(context.call(environment.getattr((undefined(name='latent') if l_0_latent is missing else l_0_latent), 'separate_v_constants')))
+        yield '\n'
+    yield '\n# The split rule (attngen/tiling/decode.py, `attngen explain` works it out).\nSPLIT_WAVES = '
     yield str((undefined(name='split_waves') if l_0_split_waves is missing else l_0_split_waves))
     yield '\nMIN_BLOCKS_PER_SPLIT = '
     yield str((undefined(name='min_blocks_per_split') if l_0_min_blocks_per_split is missing else l_0_min_blocks_per_split))
@@ -128,7 +148,7 @@ def root(context, missing=missing):
         yield '_PAGE_SIZE = tl.constexpr(PAGE_SIZE)\n_PAGE_CHUNK = tl.constexpr(128)  # block-table entries checked at once (_pages_ok)\n'
     yield '\n\n'
     template = environment.get_template('_cache.py.jinja', 'decode.py.jinja')
-    gen = template.root_render_func(template.new_context(context.get_all(), True, {'common': l_0_common, 'score_code': l_0_score_code, 'step': l_0_step}))
+    gen = template.root_render_func(template.new_context(context.get_all(), True, {'common': l_0_common, 'latent': l_0_latent, 'score_code': l_0_score_code, 'step': l_0_step}))
     try:
         for event in gen:
             yield event
@@ -141,16 +161,30 @@ def root(context, missing=missing):
     if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
         pass
         yield ' stride_slopes_b,'
-    yield " qk_scale,\n    DIRECT: tl.constexpr,\n    STORE_LSE: tl.constexpr,\n    BLOCK_ROWS: tl.constexpr,\n    BLOCK_N: tl.constexpr,\n):\n    tl.static_assert(BLOCK_N % 16 == 0)\n    tl.static_assert(BLOCK_ROWS % 16 == 0)\n    # -- which program: the splits of one (sequence, KV head, row block) are adjacent -------\n    pid = tl.program_id(0)\n    split = pid % num_splits\n    rest = pid // num_splits\n    row_block = rest % num_row_blocks\n    off_bh = rest // num_row_blocks\n    off_b = (off_bh // num_kv_heads).to(tl.int64)\n    off_hkv = (off_bh % num_kv_heads).to(tl.int64)\n    # -- the packed query tile: row r is query head hkv * q_per_kv + r // NQ, token r % NQ ----\n    offs_r = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)\n    row_ok = offs_r < q_per_kv * num_q_tokens\n    offs_t = offs_r % num_q_tokens\n    offs_h = off_hkv * q_per_kv + (offs_r // num_q_tokens).to(tl.int64)\n    offs_n = tl.arange(0, BLOCK_N)\n    offs_d = tl.arange(0, _BLOCK_D)\n    offs_dv = tl.arange(0, _BLOCK_DV)\n    # Note: cache_seqlens is the caller's device data, bounded here once per program: a\n    # sequence whose keys would not fit its memory reads nothing (seqlen_k = 0) and gets NaN;\n    # the pages a split reads are checked below, once its keys are known.\n    cached, fits = _request_fits(SeqLens, BlockTable, off_b, stride_btb, stride_btp, num_new,\n                                 num_q_tokens, max_cached, num_pages, CHECK_READS=False)\n    seqlen_k = tl.where(fits, cached + num_new, 0)\n    q_pos = seqlen_k - num_q_tokens + offs_t\n"
+    yield ' qk_scale,\n    DIRECT: tl.constexpr,\n    STORE_LSE: tl.constexpr,\n    BLOCK_ROWS: tl.constexpr,\n    BLOCK_N: tl.constexpr,\n'
+    if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim):
+        pass
+        yield '    V_FROM_K: tl.constexpr,\n'
+    yield '):\n    tl.static_assert(BLOCK_N % 16 == 0)\n    tl.static_assert(BLOCK_ROWS % 16 == 0)\n    # -- which program: the splits of one (sequence, KV head, row block) are adjacent -------\n    pid = tl.program_id(0)\n    split = pid % num_splits\n    rest = pid // num_splits\n    row_block = rest % num_row_blocks\n    off_bh = rest // num_row_blocks\n    off_b = (off_bh // num_kv_heads).to(tl.int64)\n    off_hkv = (off_bh % num_kv_heads).to(tl.int64)\n    # -- the packed query tile: row r is query head hkv * q_per_kv + r // NQ, token r % NQ ----\n    offs_r = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)\n    row_ok = offs_r < q_per_kv * num_q_tokens\n    offs_t = offs_r % num_q_tokens\n    offs_h = off_hkv * q_per_kv + (offs_r // num_q_tokens).to(tl.int64)\n    offs_n = tl.arange(0, BLOCK_N)\n'
+    if (not (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim)):
+        pass
+        yield '    offs_d = tl.arange(0, _BLOCK_D)\n'
+    yield "    offs_dv = tl.arange(0, _BLOCK_DV)\n    # Note: cache_seqlens is the caller's device data, bounded here once per program: a\n    # sequence whose keys would not fit its memory reads nothing (seqlen_k = 0) and gets NaN;\n    # the pages a split reads are checked below, once its keys are known.\n    cached, fits = _request_fits(SeqLens, BlockTable, off_b, stride_btb, stride_btp, num_new,\n                                 num_q_tokens, max_cached, num_pages, CHECK_READS=False)\n    seqlen_k = tl.where(fits, cached + num_new, 0)\n    q_pos = seqlen_k - num_q_tokens + offs_t\n"
     if ((undefined(name='mask') if l_0_mask is missing else l_0_mask) in ('sliding_window', 'chunked')):
         pass
         yield '    first_q_pos = seqlen_k - num_q_tokens\n'
     if ((undefined(name='mask') if l_0_mask is missing else l_0_mask) != 'none'):
         pass
         yield '    last_q_pos = seqlen_k - 1\n'
-    yield '    q_ptrs = (Q + off_b * stride_qb + offs_h[:, None] * stride_qh\n              + offs_t.to(tl.int64)[:, None] * stride_qt + offs_d[None, :] * stride_qd)\n    q = tl.load(q_ptrs, mask=row_ok[:, None]'
-    yield str(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'pad_d'), 'None, :'))
-    yield ', other=0.0)\n'
+    if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim):
+        pass
+        yield str(context.call(environment.getattr((undefined(name='latent') if l_0_latent is missing else l_0_latent), 'load_q')))
+        yield '\n'
+    else:
+        pass
+        yield '    q_ptrs = (Q + off_b * stride_qb + offs_h[:, None] * stride_qh\n              + offs_t.to(tl.int64)[:, None] * stride_qt + offs_d[None, :] * stride_qd)\n    q = tl.load(q_ptrs, mask=row_ok[:, None]'
+        yield str(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'pad_d'), 'None, :'))
+        yield ', other=0.0)\n'
     if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
         pass
         yield '    # [HQ] slopes have stride_slopes_b 0, [B, HQ] ones their row stride (off_b < B, checked)\n    slope_ptrs = Slopes + off_b * stride_slopes_b + offs_h\n    slope_log2 = (tl.load(slope_ptrs, mask=row_ok, other=0.0) * _LOG2E_C)[:, None]\n'
@@ -219,13 +253,19 @@ def root(context, missing=missing):
             pass
             yield '        # Every tile of the loop holds a key some row sees, so its page is needed: a NaN in\n        # the running sums l_i stays NaN through the merge, with no flag carried.\n        page_nan = tl.where(in_cache, 0.0, float("nan"))\n'
         yield '        key_live = key_live & in_cache\n'
-    yield '        k = tl.load(k_base + k_rows[None, :] + offs_d[:, None] * stride_kd,\n                    mask=key_live[None, :]'
-    yield str(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'pad_d'), ':, None'))
-    yield ', other=0.0)\n        v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd,\n                    mask=key_live[:, None]'
-    yield str(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'pad_dv'), 'None, :'))
-    yield ', other=0.0)\n'
-    yield str(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'score_tile')))
-    yield '\n'
+    if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim):
+        pass
+        yield str(context.call(environment.getattr((undefined(name='latent') if l_0_latent is missing else l_0_latent), 'load_kv')))
+        yield '\n'
+    else:
+        pass
+        yield '        k = tl.load(k_base + k_rows[None, :] + offs_d[:, None] * stride_kd,\n                    mask=key_live[None, :]'
+        yield str(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'pad_d'), ':, None'))
+        yield ', other=0.0)\n        v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd,\n                    mask=key_live[:, None]'
+        yield str(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'pad_dv'), 'None, :'))
+        yield ', other=0.0)\n'
+        yield str(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'score_tile')))
+        yield '\n'
     yield str(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'online_update'), (' + page_nan' if (((undefined(name='kv_layout') if l_0_kv_layout is missing else l_0_kv_layout) == 'paged') and ((undefined(name='page_size') if l_0_page_size is missing else l_0_page_size) >= (undefined(name='block_n') if l_0_block_n is missing else l_0_block_n))) else '')))
     yield '\n    # -- epilogue -----------------------------------------------------------------------\n'
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
@@ -238,34 +278,20 @@ def root(context, missing=missing):
     yield str(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'row_lse'), 'lse2', log2=True))
     yield '\n    # A request that does not fit gets NaN (as does one that needs a page that is not the\n    # cache\'s, through l_i or the scan); the combine keeps it: NaN weights give NaN.\n    out = tl.where(fits, out, float("nan"))\n    lse2 = tl.where(fits, lse2, float("nan"))\n    o_mask = row_ok[:, None]'
     yield str(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'pad_dv'), 'None, :'))
-    yield '\n    if DIRECT:\n        o_ptrs = (Out + off_b * stride_ob + offs_h[:, None] * stride_oh\n                  + offs_t.to(tl.int64)[:, None] * stride_ot + offs_dv[None, :] * stride_od)\n        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)\n        if STORE_LSE:\n            lse_rows = (off_b * num_kv_heads * q_per_kv + offs_h) * num_q_tokens + offs_t\n            tl.store(Lse + lse_rows, lse2 / _LOG2E_C, mask=row_ok)\n    else:\n        # Partials [B, HQ, NQ, splits, DV] and [B, HQ, NQ, splits], fp32, log2-domain LSE.\n        rows = (off_b * num_kv_heads * q_per_kv + offs_h) * num_q_tokens + offs_t\n        part = rows * num_splits + split\n        tl.store(PartOut + part[:, None] * _BLOCK_DV + offs_dv[None, :], out, mask=o_mask)\n        tl.store(PartLse + part, lse2, mask=row_ok)\n\n\n@triton.jit\ndef _decode_combine_kernel(\n    PartOut, PartLse, Out, Lse,'
-    if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
-        pass
-        yield ' Sinks,'
-    yield '\n    stride_ob, stride_oh, stride_ot, stride_od,\n    num_q_heads, num_q_tokens, num_splits,\n    STORE_LSE: tl.constexpr,\n    BLOCK_SPLITS: tl.constexpr,\n):\n    # One program per output row (b, h, t): out = sum_s w_s o_s / sum_s w_s with\n    # w_s = exp2(lse_s - max lse); a split that saw no key has lse_s = -inf, w_s = 0.\n    row = tl.program_id(0).to(tl.int64)\n    offs_t = row % num_q_tokens\n    off_h = (row // num_q_tokens) % num_q_heads\n    off_b = row // (num_q_tokens * num_q_heads)\n    offs_s = tl.arange(0, BLOCK_SPLITS)\n    offs_dv = tl.arange(0, _BLOCK_DV)\n    split_ok = offs_s < num_splits\n    lse = tl.load(PartLse + row * num_splits + offs_s, mask=split_ok, other=float("-inf"))\n'
-    if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
-        pass
-        yield "    # the row's learned sink: one more term in the normaliser, with no value\n    sink_log2 = tl.load(Sinks + off_h) * _LOG2E_C\n    m = tl.maximum(tl.max(lse, 0), sink_log2)\n"
-    else:
-        pass
-        yield '    m = tl.max(lse, 0)\n'
-    yield '    m_ref = tl.where(m == float("-inf"), 0.0, m)\n    w = tl.math.exp2(lse - m_ref)\n    part = (row * num_splits + offs_s)[:, None] * _BLOCK_DV + offs_dv[None, :]\n    o = tl.load(PartOut + part, mask=split_ok[:, None]'
-    yield str(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'pad_dv'), 'None, :'))
-    yield ', other=0.0)\n    total = tl.sum(w, 0)'
-    if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
-        pass
-        yield ' + tl.math.exp2(sink_log2 - m_ref)'
-    yield '\n    total_safe = tl.where(total == 0.0, 1.0, total)\n    out = tl.sum(o * w[:, None], 0) / total_safe\n    o_ptrs = Out + off_b * stride_ob + off_h * stride_oh + offs_t * stride_ot\n    tl.store(o_ptrs + offs_dv * stride_od, out.to(Out.dtype.element_ty)'
-    if ((undefined(name='block_dv') if l_0_block_dv is missing else l_0_block_dv) != (undefined(name='head_dim_v') if l_0_head_dim_v is missing else l_0_head_dim_v)):
-        pass
-        yield ', mask=offs_dv < _HEAD_DIM_V'
-    yield ')\n    if STORE_LSE:\n        lse_out = tl.where(total == 0.0, float("-inf"), (m_ref + tl.math.log2(total_safe)))\n        tl.store(Lse + row, lse_out / _LOG2E_C)\n\n\n'
+    yield '\n    if DIRECT:\n        o_ptrs = (Out + off_b * stride_ob + offs_h[:, None] * stride_oh\n                  + offs_t.to(tl.int64)[:, None] * stride_ot + offs_dv[None, :] * stride_od)\n        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)\n        if STORE_LSE:\n            lse_rows = (off_b * num_kv_heads * q_per_kv + offs_h) * num_q_tokens + offs_t\n            tl.store(Lse + lse_rows, lse2 / _LOG2E_C, mask=row_ok)\n    else:\n        # Partials [B, HQ, NQ, splits, DV] and [B, HQ, NQ, splits], fp32, log2-domain LSE.\n        rows = (off_b * num_kv_heads * q_per_kv + offs_h) * num_q_tokens + offs_t\n        part = rows * num_splits + split\n        tl.store(PartOut + part[:, None] * _BLOCK_DV + offs_dv[None, :], out, mask=o_mask)\n        tl.store(PartLse + part, lse2, mask=row_ok)\n\n\n'
+    template = environment.get_template('_decode_combine.py.jinja', 'decode.py.jinja')
+    gen = template.root_render_func(template.new_context(context.get_all(), True, {'common': l_0_common, 'latent': l_0_latent, 'score_code': l_0_score_code, 'step': l_0_step}))
+    try:
+        for event in gen:
+            yield event
+    finally: gen.close()
+    yield '\n\n'
     template = environment.get_template('_decode_launch.py.jinja', 'decode.py.jinja')
-    gen = template.root_render_func(template.new_context(context.get_all(), True, {'common': l_0_common, 'score_code': l_0_score_code, 'step': l_0_step}))
+    gen = template.root_render_func(template.new_context(context.get_all(), True, {'common': l_0_common, 'latent': l_0_latent, 'score_code': l_0_score_code, 'step': l_0_step}))
     try:
         for event in gen:
             yield event
     finally: gen.close()
 
 blocks = {}
-debug_info = '1=43&2=45&3=47&4=49&5=56&7=58&10=60&13=66&14=72&15=79&16=87&17=90&19=92&23=95&24=98&25=102&41=108&42=110&43=112&44=114&46=116&49=118&50=120&51=122&52=124&57=126&63=130&68=137&76=141&107=145&110=148&115=152&116=154&122=158&123=161&125=163&130=169&143=176&144=178&145=180&146=182&147=184&149=186&154=189&168=192&171=195&181=203&189=207&191=209&205=215&208=218&216=223&218=225&219=227&220=229&222=231&224=234&226=236&227=238&232=240&250=242&267=246&277=253&278=255&284=259&290=263'
+debug_info = '1=43&2=45&3=47&4=49&5=51&6=58&8=60&11=62&14=68&15=74&16=81&17=89&18=92&20=94&24=97&25=100&26=104&40=110&43=113&49=118&50=120&51=122&52=124&53=126&55=129&57=131&58=133&59=135&63=138&64=140&65=142&66=144&71=146&77=150&82=157&90=161&95=165&115=169&126=173&129=176&132=179&133=181&137=186&139=188&145=192&146=195&148=197&153=203&166=210&167=212&168=214&169=216&170=218&172=220&177=223&191=226&194=229&204=237&212=241&214=243&228=249&231=252&238=256&239=258&242=263&244=265&245=267&247=269&249=271&251=274&253=276&254=278&259=280&275=282&278=289'

@@ -100,15 +100,33 @@ def root(context, missing=missing):
     context.exported_vars.add('init_state')
     context.vars['init_state'] = l_0_init_state = Macro(environment, macro, 'init_state', ('rows',), False, False, False, context.eval_ctx.autoescape)
     yield '\n'
-    def macro(l_1_mask_if):
+    def macro(l_1_mask_if, l_1_qk):
         t_7 = []
         if l_1_mask_if is missing:
             l_1_mask_if = ''
+        if l_1_qk is missing:
+            l_1_qk = ''
         pass
+        t_7.append(
+            '        # -- scores in the log2 domain (plain ones scaled in the exponent) ----------\n',
+        )
+        if (l_1_qk == 'latent_rope'):
+            pass
+            t_7.extend((
+                '        qk = tl.dot(q_rope, k_rope',
+                str(context.call((undefined(name='dot_precision') if l_0_dot_precision is missing else l_0_dot_precision))),
+                ')\n        qk = tl.dot(q_lat, tl.trans(k_lat), qk',
+                str(context.call((undefined(name='dot_precision') if l_0_dot_precision is missing else l_0_dot_precision))),
+                ')\n',
+            ))
+        else:
+            pass
+            t_7.extend((
+                '        qk = tl.dot(q, k',
+                str(context.call((undefined(name='dot_precision') if l_0_dot_precision is missing else l_0_dot_precision))),
+                ')\n',
+            ))
         t_7.extend((
-            '        # -- scores in the log2 domain (plain ones scaled in the exponent) ----------\n        qk = tl.dot(q, k',
-            str(context.call((undefined(name='dot_precision') if l_0_dot_precision is missing else l_0_dot_precision))),
-            ')\n',
             str(t_1(context.call(environment.getattr((undefined(name='score_code') if l_0_score_code is missing else l_0_score_code), 'scores')), '\n')),
             '\n',
         ))
@@ -129,7 +147,7 @@ def root(context, missing=missing):
             ))
         return concat(t_7)
     context.exported_vars.add('score_tile')
-    context.vars['score_tile'] = l_0_score_tile = Macro(environment, macro, 'score_tile', ('mask_if',), False, False, False, context.eval_ctx.autoescape)
+    context.vars['score_tile'] = l_0_score_tile = Macro(environment, macro, 'score_tile', ('mask_if', 'qk'), False, False, False, context.eval_ctx.autoescape)
     yield '\n'
     def macro(l_1_l_term):
         t_8 = []
@@ -248,4 +266,4 @@ def root(context, missing=missing):
     context.vars['tma_load_kv'] = l_0_tma_load_kv = Macro(environment, macro, 'tma_load_kv', ('pad',), False, False, False, context.eval_ctx.autoescape)
 
 blocks = {}
-debug_info = '23=18&26=20&27=37&28=54&30=67&34=71&37=85&38=92&39=94&40=96&43=103&49=110&50=112&51=115&52=119&53=121&56=127&61=134&65=143&71=145&73=147&75=150&83=157&87=166&92=173&101=180&108=187&118=201&121=210&122=213&124=220&126=225&129=235&132=241&133=243'
+debug_info = '23=18&26=20&27=37&28=54&30=67&34=71&37=85&38=92&39=94&40=96&43=103&50=113&51=117&52=119&54=126&56=130&57=133&58=137&59=139&62=145&67=152&71=161&77=163&79=165&81=168&89=175&93=184&98=191&107=198&114=205&124=219&127=228&128=231&130=238&132=243&135=253&138=259&139=261'

@@ -9,6 +9,7 @@ def root(context, missing=missing):
     if 0: yield None
     l_0_dtype = resolve('dtype')
     l_0_kv_layout = resolve('kv_layout')
+    l_0_rope_dim = resolve('rope_dim')
     l_0_sinks = resolve('sinks')
     l_0_softcap = resolve('softcap')
     l_0_alibi = resolve('alibi')
@@ -19,7 +20,7 @@ def root(context, missing=missing):
     l_0_head_dim_v = resolve('head_dim_v')
     l_0_call_plans = resolve('call_plans')
     l_0_sink_tokens = resolve('sink_tokens')
-    l_0_common = l_0_checks = l_0_step = missing
+    l_0_common = l_0_checks = l_0_step = l_0_config = missing
     try:
         t_1 = environment.filters['trim']
     except KeyError:
@@ -27,15 +28,15 @@ def root(context, missing=missing):
         def t_1(*unused):
             raise TemplateRuntimeError("No filter named 'trim' found.")
     pass
-    l_0_common = context.vars['common'] = environment.get_template('_common.py.jinja', '_decode_launch.py.jinja').make_module(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'step': l_0_step})
+    l_0_common = context.vars['common'] = environment.get_template('_common.py.jinja', '_decode_launch.py.jinja').make_module(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'config': l_0_config, 'step': l_0_step})
     context.exported_vars.discard('common')
-    l_0_checks = context.vars['checks'] = environment.get_template('_checks.py.jinja', '_decode_launch.py.jinja').make_module(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'step': l_0_step})
+    l_0_checks = context.vars['checks'] = environment.get_template('_checks.py.jinja', '_decode_launch.py.jinja').make_module(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'config': l_0_config, 'step': l_0_step})
     context.exported_vars.discard('checks')
-    l_0_step = context.vars['step'] = environment.get_template('_step.py.jinja', '_decode_launch.py.jinja').make_module(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'step': l_0_step})
+    l_0_step = context.vars['step'] = environment.get_template('_step.py.jinja', '_decode_launch.py.jinja').make_module(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'config': l_0_config, 'step': l_0_step})
     context.exported_vars.discard('step')
     yield '_SM_COUNTS = {}\n_SPLITS = {}  # (programs, span, block_n, sm_count, requested) -> _num_splits(...)\n\n\ndef _sm_count(device):\n    """The device\'s SM count, read once per device (a property query: no sync, so a decode\n    launch can be captured in a CUDA graph); the interpreter assumes INTERPRETER_SM_COUNT."""\n    if device.type != "cuda":\n        return INTERPRETER_SM_COUNT\n    index = torch.cuda.current_device() if device.index is None else device.index\n    if index not in _SM_COUNTS:\n        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count\n    return _SM_COUNTS[index]\n\n\ndef _splits_for(programs, span, block_n, sm_count, requested):\n    """_num_splits(...), remembered: a decode loop asks the same question at every step."""\n    key = (programs, span, block_n, sm_count, requested)\n    answer = _SPLITS.get(key)\n    if answer is None:\n        if len(_SPLITS) >= _LAUNCH_CACHE_SIZE:\n            _SPLITS.clear()\n        answer = _SPLITS[key] = _num_splits(programs, span, block_n, sm_count, requested)\n    return answer\n\n\ndef _num_splits(programs, span, block_n, sm_count, requested=0):\n    """(splits, keys per split): attngen/tiling/decode.py\'s num_splits, integers only. A\n    requested count (decode\'s num_splits, else FORCE_NUM_SPLITS) replaces the rule\'s: the keys\n    in min(requested, MAX_SPLITS) splits of ceil(blocks / that) blocks, the empty ones\n    dropped, so at most one split per key block and MAX_SPLITS in all (the combine\'s bound)."""\n    blocks = max(1, -(-span // block_n))\n    if requested:\n        per_split = -(-blocks // min(requested, MAX_SPLITS))\n        return -(-blocks // per_split), per_split * block_n\n    most = max(1, min(blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))\n    wanted = min(-(-SPLIT_WAVES * sm_count // max(programs, 1)), most)\n    best, best_total, best_waves = wanted, 0, 1\n    for splits in range(wanted, min(2 * wanted, most) + 1):\n        total = programs * splits\n        waves = -(-total // sm_count)\n        if total * best_waves > best_total * waves:  # a fuller last wave\n            best, best_total, best_waves = splits, total, waves\n    per_split = -(-blocks // best)\n    return -(-blocks // per_split), per_split * block_n\n\n\n'
     template = environment.get_template('_fast_launch.py.jinja', '_decode_launch.py.jinja')
-    gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'step': l_0_step}))
+    gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'config': l_0_config, 'step': l_0_step}))
     try:
         for event in gen:
             yield event
@@ -55,16 +56,19 @@ def root(context, missing=missing):
     else:
         pass
         yield '    return t.stride(0), t.stride(1), t.stride(2), t.stride(3)\n'
+    if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim):
+        pass
+        yield '\n\ndef _values_are_latent_keys(k_cache, v_cache):\n    """Whether v_cache is k_cache[..., :HEAD_DIM_V] (the absorbed MLA decode\'s latent cache:\n    the values are the keys\' first HEAD_DIM_V dims): the same first element and strides (the\n    shapes are checked), so the kernel may use its latent key tile as V (V_FROM_K). Any other\n    v_cache is read as a tensor of its own."""\n    return (type(v_cache) is torch.Tensor and v_cache.data_ptr() == k_cache.data_ptr()\n            and v_cache.stride() == k_cache.stride())\n'
     yield '\n\n'
     template = environment.get_template('_decode_checks.py.jinja', '_decode_launch.py.jinja')
-    gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'step': l_0_step}))
+    gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'config': l_0_config, 'step': l_0_step}))
     try:
         for event in gen:
             yield event
     finally: gen.close()
     yield '\n\n'
     template = environment.get_template('_decode_plan.py.jinja', '_decode_launch.py.jinja')
-    gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'step': l_0_step}))
+    gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'config': l_0_config, 'step': l_0_step}))
     try:
         for event in gen:
             yield event
@@ -114,6 +118,13 @@ def root(context, missing=missing):
         yield '], v_cache [B, HKV, Lmax, '
         yield str((undefined(name='head_dim_v') if l_0_head_dim_v is missing else l_0_head_dim_v))
         yield '], any strides; block_table must be None.\n'
+    if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim):
+        pass
+        yield '    v_cache = k_cache[..., :'
+        yield str((undefined(name='head_dim_v') if l_0_head_dim_v is missing else l_0_head_dim_v))
+        yield '] (the latent values; v_new = k_new[..., :'
+        yield str((undefined(name='head_dim_v') if l_0_head_dim_v is missing else l_0_head_dim_v))
+        yield ']) reads\n    each key once; another v_cache is read as a tensor of its own (SEPARATE_V_CONFIG).\n'
     yield '    cache_seqlens int32 [B], contiguous: keys already in the cache; not modified.\n    k_new [B, HKV, NNEW, '
     yield str((undefined(name='head_dim') if l_0_head_dim is missing else l_0_head_dim))
     yield '], v_new [B, HKV, NNEW, '
@@ -170,7 +181,18 @@ def root(context, missing=missing):
     if ((undefined(name='kv_layout') if l_0_kv_layout is missing else l_0_kv_layout) == 'paged'):
         pass
         yield ' (max_pages * PAGE_SIZE)'
-    yield '")\n    if os.environ.get("ATTNGEN_CHECKS") == "1":\n        _validate_indices(cache_seqlens, block_table, num_new, num_q_tokens, capacity, num_pages)\n    k_strides, v_strides = _cache_strides(k_cache), _cache_strides(v_cache)\n    device = q.get_device()\n    append = split = combine = None\n    if batch and num_new:\n        append_blocks = -(-num_new // _APPEND_ROWS)\n        append = _Step(\n            _append_kernel, batch * num_kv_heads * append_blocks,\n            (*k_new.stride(), *v_new.stride(), *k_strides, *v_strides, *table_strides,\n             num_kv_heads, num_new, append_blocks, num_q_tokens, capacity - num_new, num_pages),\n            (), {"ROWS": _APPEND_ROWS}, {},\n        )\n        _run_step(append, device, (k_new, v_new, k_cache, v_cache, cache_seqlens, table))\n    if out.numel() == 0:  # (not planned: nothing to launch but the append)\n        return (out, lse) if return_lse else out\n    block_n = CONFIG["BLOCK_N"]\n    q_per_kv = num_q_heads // num_kv_heads\n    rows = q_per_kv * num_q_tokens\n    block_rows = min(CONFIG["BLOCK_M"], max(16, 1 << (rows - 1).bit_length()))\n    num_row_blocks = -(-rows // block_rows)\n    programs = batch * num_kv_heads * num_row_blocks\n'
+    yield '")\n    if os.environ.get("ATTNGEN_CHECKS") == "1":\n        _validate_indices(cache_seqlens, block_table, num_new, num_q_tokens, capacity, num_pages)\n    k_strides, v_strides = _cache_strides(k_cache), _cache_strides(v_cache)\n    device = q.get_device()\n    append = split = combine = None\n    if batch and num_new:\n        append_blocks = -(-num_new // _APPEND_ROWS)\n        append = _Step(\n            _append_kernel, batch * num_kv_heads * append_blocks,\n            (*k_new.stride(), *v_new.stride(), *k_strides, *v_strides, *table_strides,\n             num_kv_heads, num_new, append_blocks, num_q_tokens, capacity - num_new, num_pages),\n            (), {"ROWS": _APPEND_ROWS}, {},\n        )\n        _run_step(append, device, (k_new, v_new, k_cache, v_cache, cache_seqlens, table))\n    if out.numel() == 0:  # (not planned: nothing to launch but the append)\n        return (out, lse) if return_lse else out\n'
+    if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim):
+        pass
+        yield '    v_from_k = _values_are_latent_keys(k_cache, v_cache)\n    config = CONFIG if v_from_k else SEPARATE_V_CONFIG\n    options = _OPTIONS if v_from_k else {**_OPTIONS, "num_warps": config["num_warps"],\n                                          "num_stages": config["num_stages"]}\n'
+    l_0_config = ('config' if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim) else 'CONFIG')
+    context.vars['config'] = l_0_config
+    context.exported_vars.add('config')
+    yield '    block_n = '
+    yield str((undefined(name='config') if l_0_config is missing else l_0_config))
+    yield '["BLOCK_N"]\n    q_per_kv = num_q_heads // num_kv_heads\n    rows = q_per_kv * num_q_tokens\n    block_rows = min('
+    yield str((undefined(name='config') if l_0_config is missing else l_0_config))
+    yield '["BLOCK_M"], max(16, 1 << (rows - 1).bit_length()))\n    num_row_blocks = -(-rows // block_rows)\n    programs = batch * num_kv_heads * num_row_blocks\n'
     if ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'sliding_window'):
         pass
         yield '    # No query sees further back than the window: splits cover only what can be seen.\n    span = min(capacity, WINDOW[0] + num_q_tokens + block_n)\n'
@@ -189,7 +211,13 @@ def root(context, missing=missing):
     if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
         pass
         yield ', stride_slopes_b'
-    yield '),\n        (qk_scale,),\n        {"DIRECT": splits == 1, "STORE_LSE": return_lse, "BLOCK_ROWS": block_rows,\n         "BLOCK_N": block_n},\n        _OPTIONS,\n    )\n    _run_step(split, device, (q, k_cache, v_cache, out, lse_arg, part_out, part_lse,\n                              cache_seqlens, table, slopes_arg'
+    yield '),\n        (qk_scale,),\n        {"DIRECT": splits == 1, "STORE_LSE": return_lse, "BLOCK_ROWS": block_rows,\n         "BLOCK_N": block_n'
+    if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim):
+        pass
+        yield ', "V_FROM_K": v_from_k'
+    yield '},\n        '
+    yield str(('options' if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim) else '_OPTIONS'))
+    yield ',\n    )\n    _run_step(split, device, (q, k_cache, v_cache, out, lse_arg, part_out, part_lse,\n                              cache_seqlens, table, slopes_arg'
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
         yield ', sinks'
@@ -200,8 +228,15 @@ def root(context, missing=missing):
     yield '))\n'
     if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
         pass
-        yield '    if key is not None:  # the checks passed: the next call of this layout runs from its plan\n        _remember_plan(\n            key, config=dict(CONFIG), out_shape=out.shape,\n            lse_shape=None if lse is None else lse.shape, splits=splits,\n            part_size=part_size,\n            indices=(num_new, num_q_tokens, capacity, num_pages),\n            append=append, split=split, combine=combine,\n        )\n'
+        yield '    if key is not None:  # the checks passed: the next call of this layout runs from its plan\n        _remember_plan(\n'
+        if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim):
+            pass
+            yield '            key, config=(dict(CONFIG), dict(SEPARATE_V_CONFIG)), out_shape=out.shape,\n'
+        else:
+            pass
+            yield '            key, config=dict(CONFIG), out_shape=out.shape,\n'
+        yield '            lse_shape=None if lse is None else lse.shape, splits=splits,\n            part_size=part_size,\n            indices=(num_new, num_q_tokens, capacity, num_pages),\n            append=append, split=split, combine=combine,\n        )\n'
     yield '    return (out, lse) if return_lse else out\n'
 
 blocks = {}
-debug_info = '3=30&4=32&5=34&53=37&56=44&57=48&63=52&70=59&73=66&76=73&80=75&84=79&86=89&87=95&88=98&89=106&91=113&94=118&97=122&101=128&107=132&111=134&119=136&126=145&140=149&141=156&145=158&148=161&159=163&168=170&191=174&194=177&200=183&209=187&225=189&232=193&240=197&241=201'
+debug_info = '3=31&4=33&5=35&53=38&56=45&57=49&63=53&68=59&81=63&84=70&87=77&91=79&95=83&97=93&98=99&99=102&100=110&102=117&104=121&105=124&109=129&112=133&116=139&122=143&126=145&134=147&141=156&155=160&156=167&160=169&163=172&174=174&183=181&200=185&206=188&207=192&210=194&213=196&216=199&222=205&231=209&247=211&250=215&251=219&254=221&262=225&263=229&266=232'

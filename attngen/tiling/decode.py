@@ -95,6 +95,25 @@ SCORE_TEXT = (
 )
 
 
+def latent_rope_split(spec: AttnSpec) -> tuple[int, int] | None:
+    """(latent, rope) dims of an absorbed multi-head latent attention decode, else None.
+
+    A qk head dim that is not a power of two but is the value head dim (a power of two, the
+    latent) plus a power of two >= 16 (the rope part), as DeepSeek-V3's 576 = 512 + 64: the
+    decode kernel computes q.k as two dots over one key tile (no padding to 1024), and when
+    the call's v_cache is k_cache[..., :DV] (the values are the latent keys) it uses the
+    loaded latent tile as V instead of reading V again (decode.py.jinja)."""
+    d, dv = spec.head_dim, spec.value_head_dim
+    rope = d - dv
+
+    def power_of_two(n: int) -> bool:
+        return n >= 16 and n & (n - 1) == 0
+
+    if d & (d - 1) == 0 or not (power_of_two(dv) and power_of_two(rope) and rope < dv):
+        return None
+    return dv, rope
+
+
 def row_tile(num_q_heads: int, num_kv_heads: int, query_tokens: int) -> int:
     """The packed query tile: q_per_kv * Nq rows, a power of two in 16..MAX_ROW_TILE."""
     rows = (num_q_heads // num_kv_heads) * query_tokens
@@ -114,7 +133,12 @@ def derive_decode_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
     The row tile is fixed by the spec (its head ratio and max_query_tokens): it is what a
     program holds in the worst case the spec allows, so feasibility is judged there. When no
     candidate of it fits, narrower row tiles (NARROW_ROW_TILES: the query group in several
-    row blocks) and 16-key tiles are judged instead."""
+    row blocks) and 16-key tiles are judged instead. An absorbed MLA decode (latent_rope_split)
+    has its own kernel loop and model: attngen/tiling/decode_latent.py."""
+    if latent_rope_split(spec):
+        from attngen.tiling.decode_latent import derive_latent_tiles
+
+        return derive_latent_tiles(spec, arch_name)
     arch = ARCHS[arch_name]
     rows = row_tile(spec.num_q_heads, spec.num_kv_heads, spec.query_tokens)
     d, dv = padded_head_dim(spec.head_dim), padded_head_dim(spec.value_head_dim)

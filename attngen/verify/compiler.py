@@ -144,13 +144,16 @@ def kernel_source(
     config: TileConfig,
     kind: KernelKind = KernelKind.prefill,
     backward: bool = False,
+    v_from_k: bool = True,
 ) -> Any:
     """The ASTSource of one launch: signature, constexprs and divisibility as at runtime
-    (`backward`: `kernel` is one of the module's gradient kernels)."""
+    (`backward`: `kernel` is one of the module's gradient kernels; `v_from_k`: an absorbed MLA
+    decode's values are its latent keys, the path a latent cache takes, else a v_cache of its
+    own)."""
     if backward:
         return _backward_source(spec, kernel, config)
     if kind is KernelKind.decode:
-        return _decode_source(spec, kernel, config)
+        return _decode_source(spec, kernel, config, v_from_k)
     constexprs: dict[str, Any] = dict.fromkeys(_UNIT_STRIDES, 1)
     constexprs.update(STORE_LSE=True, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
     if "USE_TMA" in kernel.arg_names:  # Hopper modules: contiguous inputs take the TMA path
@@ -178,11 +181,13 @@ def kernel_source(
     return _ast_source(kernel, constexprs, types, divisible)
 
 
-def _decode_source(spec: AttnSpec, kernel: Any, config: TileConfig) -> Any:
+def _decode_source(spec: AttnSpec, kernel: Any, config: TileConfig, v_from_k: bool) -> Any:
     constexprs: dict[str, Any] = dict.fromkeys(_UNIT_STRIDES, 1)
     constexprs.update(
         DIRECT=False, STORE_LSE=True, BLOCK_ROWS=config.block_m, BLOCK_N=config.block_n
     )
+    if "V_FROM_K" in kernel.arg_names:  # an absorbed MLA decode: V the latent K tile, or not
+        constexprs["V_FROM_K"] = v_from_k
     types = dict.fromkeys(("Q", "K", "V", "Out"), spec.dtype.triton_pointer)
     types.update(dict.fromkeys(("SeqLens", "BlockTable"), "*i32"))
     types.update(dict.fromkeys(("Lse", "PartOut", "PartLse", "Slopes", "Sinks"), "*fp32"))
@@ -296,6 +301,11 @@ def mma_family(ptx: str) -> str:
     return "fma"
 
 
+# A decode job's fourth element: the absorbed MLA decode's path for a v_cache of its own
+# (V_FROM_K off); without it, its latent cache's (V the latent key tile).
+SEPARATE_V = "separate_v"
+
+
 def compile_one(
     spec: AttnSpec,
     arch: str,
@@ -304,10 +314,20 @@ def compile_one(
     kernel: str | None = None,
 ) -> dict[str, Any]:
     """One cross-compile of the `kind` kernel (with `kernel`, that backward kernel of the
-    prefill module); a failure is recorded in ``error``."""
+    prefill module, or for decode SEPARATE_V: the absorbed MLA decode with a v_cache of its
+    own); a failure is recorded in ``error``."""
+    if kind is KernelKind.decode:
+        v_from_k, kernel = kernel != SEPARATE_V, None
+    else:
+        v_from_k = True
     return compile_source(
         lambda: kernel_source(
-            spec, load_kernel(spec, arch, kind, kernel), config, kind, backward=kernel is not None
+            spec,
+            load_kernel(spec, arch, kind, kernel),
+            config,
+            kind,
+            backward=kernel is not None,
+            v_from_k=v_from_k,
         ),
         arch,
         config,
