@@ -17,8 +17,11 @@ torch.compile(fullgraph=True) traces through it without running a kernel. Either
                       place (mutates_args) -> out [B, HQ, Nq, DV], lse [B, HQ, Nq]
 
 `heads_last` (prefill, decode): the module writes a contiguous [B, M, HQ, DV] output
-(flash-attn's layout) in place through its `out=`, handed over as a [B, HQ, M, DV] view;
-callers ask for it only from a module that takes `out=` (Dispatch.writes_out). `prefill` and
+(flash-attn's layout) in place: a prefill module through its `attention_flash` entry point
+(which takes q, k, v in [B, N, H, D] and allocates that output itself; `call_flash` hands it
+flash-attn's tensors as they are), a decode module or a prefill module built before
+attention_flash through its `out=`, handed over as a [B, HQ, M, DV] view; callers ask for it
+only from a module that takes `out=` (Dispatch.writes_out). `prefill` and
 `decode` then return that [B, M, HQ, DV] tensor; the ops return the view (an op's output has
 the shape its fake implementation gives). The LSE is always an op output (an empty tensor when
 not asked for): an op's outputs cannot be optional; the functions here return None instead.
@@ -150,7 +153,10 @@ def call_prefill(
     """run_prefill with the module of `key` in hand (a plan holds it: plans.py)."""
     _ran(key)
     dropout = _dropout_options(dropout_p, rng_state)
-    if heads_last:
+    if heads_last and takes_flash_layout(module):
+        views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return _attention_flash(module, *views, sm_scale, alibi_slopes, return_lse, sinks, dropout)
+    if heads_last:  # a module built before attention_flash: its attention() with out= a view
         out = _heads_last(q, v.shape[-1])
         result = module.attention(
             q,
@@ -165,6 +171,43 @@ def call_prefill(
         )
         return out, (result[1] if return_lse else None)
     result = module.attention(
+        q,
+        k,
+        v,
+        sm_scale=sm_scale,
+        alibi_slopes=alibi_slopes,
+        return_lse=return_lse,
+        **_sinks(sinks),
+        **dropout,
+    )
+    return result if return_lse else (result, None)
+
+
+def takes_flash_layout(module) -> bool:
+    """Whether the module has `attention_flash` (q/k/v and out in [B, N, H, D]); modules built
+    by an older attngen have only `attention`."""
+    return hasattr(module, "attention_flash")
+
+
+def call_flash(
+    module,
+    key: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    sm_scale: float,
+    alibi_slopes: Tensor | None,
+    return_lse: bool,
+    sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """call_prefill(heads_last=True) for q, k, v in flash-attn's [B, N, H, D] layout, through
+    the module's attention_flash (takes_flash_layout): (out [B, M, HQ, DV], lse or None)."""
+    _ran(key)
+    return _attention_flash(module, q, k, v, sm_scale, alibi_slopes, return_lse, sinks, {})
+
+
+def _attention_flash(module, q, k, v, sm_scale, alibi_slopes, return_lse, sinks, dropout):
+    result = module.attention_flash(
         q,
         k,
         v,
