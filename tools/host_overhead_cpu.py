@@ -6,8 +6,9 @@ loads a registry of stand-in modules instead: each honours its kind's entry-poin
 anything. What a public call costs beyond the module's own entry point is the runtime's share
 of the host time (dispatch, argument checks, the op layer, layout handling, copies).
 
-Two registries are timed: stand-ins without `out=` (modules built by an older attngen), and
-stand-ins that advertise ACCEPTS_OUT and take `out=` (as the templates render them now). Then
+Three registries are timed: stand-ins without `out=` (modules built by an older attngen),
+stand-ins that advertise ACCEPTS_OUT and take `out=`, and stand-ins that also have the prefill
+entry point in flash-attn's layout, `attention_flash` (as the templates render them now). Then
 the generated modules' own entry points (generated/, sm90) with their cached launcher on, as
 on a GPU, and the launch itself stubbed out: the modules' share of the host time; and the
 public functions over those modules at tools/host_overhead.py's shapes, whose ratio to the
@@ -98,6 +99,17 @@ _ENTRY_POINTS = {
     """,
 }
 
+# The prefill entry point in flash-attn's layout, as the templates render it now.
+_FLASH_ENTRY = """
+    def attention_flash(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False,
+                        out=None):
+        if out is None:
+            out = q.new_empty((*q.shape[:3], HEAD_DIM_V))
+        if return_lse:
+            return out, q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+        return out
+"""
+
 # (module name, kind, mask, causal_align): what the timed calls ask for.
 _MODULES = [
     ("stub_none", "prefill", "none", "none"),
@@ -107,22 +119,24 @@ _MODULES = [
 ]
 
 
-def stub_source(kind: str, mask: str, align: str, accepts_out: bool) -> str:
+def stub_source(kind: str, mask: str, align: str, accepts_out: bool, flash: bool) -> str:
     entry = (
         _ENTRY_POINTS[kind]
         .replace("{out}", ", out=None" if accepts_out else "")
         .replace("if out is None:", "if out is None:" if accepts_out else "if True:")
     )
     constants = _CONSTANTS.format(mask=mask, align=align, accepts_out=accepts_out)
+    if flash and kind == "prefill":
+        entry += _FLASH_ENTRY
     return textwrap.dedent(constants) + textwrap.dedent(entry)
 
 
-def build_stub_folder(folder: Path, accepts_out: bool) -> Path:
+def build_stub_folder(folder: Path, accepts_out: bool, flash: bool = False) -> Path:
     """A kernel folder of stand-in modules, with the index `attngen build` would write."""
     (folder / "sm90").mkdir(parents=True, exist_ok=True)
     entries = []
     for name, kind, mask, align in _MODULES:
-        source = stub_source(kind, mask, align, accepts_out)
+        source = stub_source(kind, mask, align, accepts_out, flash)
         path = f"sm90/{name}_{kind}.py"
         (folder / path).write_text(source)
         spec = dict(
@@ -289,6 +303,8 @@ def generated_module_calls() -> dict[str, object]:
         "generated attention(out=), flash views": lambda: bert.attention(
             qf.transpose(1, 2), kf.transpose(1, 2), vf.transpose(1, 2), out=out.transpose(1, 2)
         ),
+        "generated attention_flash() (bert)": lambda: bert.attention_flash(qf, kf, vf),
+        "generated attention_flash(out=) (bert)": lambda: bert.attention_flash(qf, kf, vf, out=out),
         "generated attention_varlen() (llama3)": lambda: modules[
             "varlen llama3_8b"
         ].attention_varlen(qv, kv, kv, cu, cu, 64, 64),
@@ -338,6 +354,11 @@ def phase_calls() -> dict[str, tuple[object, object, dict]]:
     no_plan = {"_call_key": lambda *args: None}
     return {
         "attention(), from its layout's plan": (lambda: bert.attention(q, k, v), bert, {}),
+        "attention_flash(), from its layout's plan": (
+            lambda: bert.attention_flash(*flash[:3]),
+            bert,
+            {},
+        ),
         "attention(), full path (plans off)": (lambda: bert.attention(q, k, v), bert, no_plan),
         "attention(), full path, TMA descriptors": (
             lambda: bert.attention(q, k, v),
@@ -396,8 +417,13 @@ def main() -> None:
     torch.set_num_threads(1)
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for label, accepts_out in (("today's modules", False), ("modules with out=", True)):
-            load_kernels(build_stub_folder(Path(tmp) / label.split()[0], accepts_out), replace=True)
+        for label, accepts_out, flash in (
+            ("no out=", False, False),
+            ("out=", True, False),
+            ("out=, attention_flash", True, True),
+        ):
+            folder = Path(tmp) / str(len(results))
+            load_kernels(build_stub_folder(folder, accepts_out, flash), replace=True)
             results[label] = {}
             for name, call in public_calls().items():
                 try:
@@ -414,9 +440,9 @@ def main() -> None:
     }
     labels = list(results)
     print(f"Python overhead per call, us (torch {torch.__version__}, kernel stubbed out)")
-    print(f"  {'call':42s}" + "".join(f"{label:>20s}" for label in labels[:2]))
+    print(f"  {'call':42s}" + "".join(f"{label:>22s}" for label in labels[:3]))
     for name in results[labels[0]]:
-        print(f"  {name:42s}" + "".join(f"{results[label][name]:20.1f}" for label in labels[:2]))
+        print(f"  {name:42s}" + "".join(f"{results[label][name]:22.1f}" for label in labels[:3]))
     print(
         "Generated modules, and the public functions over them, us per call (launch stubbed, "
         "cached launcher on)"
