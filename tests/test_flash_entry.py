@@ -53,6 +53,9 @@ def test_attention_flash_is_attention_on_the_views_bit_for_bit(spec):
     out, lse = module.attention_flash(q, k, v, return_lse=True)
     assert out.shape == (2, 24, 4, 64) and out.is_contiguous()
     assert torch.equal(out, expected.transpose(1, 2)) and torch.equal(lse, expected_lse)
+    out, lse = module.attention_flash_out(*views(q, k, v), return_lse=True)
+    assert out.shape == (2, 24, 4, 64) and out.is_contiguous()
+    assert torch.equal(out, expected.transpose(1, 2)) and torch.equal(lse, expected_lse)
     given = fp16(2, 24, 4, 96)[..., :64]
     assert module.attention_flash(q, k, v, out=given, sm_scale=0.3) is given
     assert torch.equal(given, module.attention(*views(q, k, v), sm_scale=0.3).transpose(1, 2))
@@ -128,7 +131,7 @@ def test_flash_plans_launch_what_attention_launches_for_the_views(monkeypatch):
     module = load_kernel(PREFILL)
     fast(monkeypatch, module, "_attn_fwd_kernel")
     monkeypatch.setattr(module, "_CALL_PLANS", {})
-    monkeypatch.setattr(module, "_FLASH_PLANS", {})
+    monkeypatch.setattr(module, "_FLASH_PLANS", ({}, {}))
     log, run = [], FakeCompiled.run
 
     def logged(self, *args):
@@ -155,26 +158,35 @@ def test_flash_plans_launch_what_attention_launches_for_the_views(monkeypatch):
                 given = kwargs.get("out", torch.empty(2, 24, 4, 64, dtype=torch.float16))
                 module.attention(*views(q_, k_, v_), **dict(kwargs, out=given.transpose(1, 2)))
             expected = log[-1]
-            for _ in range(3):  # the full path (which keeps the plan), then the plan's runs
-                module.attention_flash(q_, k_, v_, **kwargs)
-                got = log[-1]
-                assert got[:2] == expected[:2], f"{name}, threshold {threshold}"
-                assert launched(got[2], inputs) == launched(expected[2], inputs), name
-    assert module._FLASH_PLANS and all(p.flash and p.compiled for p in module._FLASH_PLANS.values())
+            entries = {
+                "attention_flash": (module.attention_flash, (q_, k_, v_)),
+                "attention_flash_out": (module.attention_flash_out, views(q_, k_, v_)),
+            }
+            for entry, (call, args) in entries.items():
+                for _ in range(3):  # the full path (which keeps the plan), then the plan's runs
+                    result = call(*args, **kwargs)
+                    got = log[-1]
+                    assert got[:2] == expected[:2], f"{entry}: {name}, threshold {threshold}"
+                    assert launched(got[2], inputs) == launched(expected[2], inputs), name
+                    out_ = result[0] if kwargs.get("return_lse") else result
+                    assert out_.shape == (2, 24, 4, 64) and got[2][3].data_ptr() == out_.data_ptr()
+    flash_plans, heads_first_plans = module._FLASH_PLANS[True], module._FLASH_PLANS[False]
+    assert flash_plans and all(p.flash and p.compiled for p in flash_plans.values())
+    assert heads_first_plans and all(not p.flash and p.compiled for p in heads_first_plans.values())
 
 
 def test_a_planned_flash_layout_still_checks_its_out(monkeypatch):
     module = load_kernel(PREFILL)
     fast(monkeypatch, module, "_attn_fwd_kernel")
     monkeypatch.setattr(module, "_CALL_PLANS", {})
-    monkeypatch.setattr(module, "_FLASH_PLANS", {})
+    monkeypatch.setattr(module, "_FLASH_PLANS", ({}, {}))
     storage = fp16(2 * 2 * 24 * 4 * 64)
     q_shared, out_shared = storage.view(2, 2, 24, 4, 64)
     k, v = strided_inputs()[1:]
     q = fp16(2, 24, 4, 64)
     for _ in range(3):
         module.attention_flash(q, k, v, out=fp16(2, 24, 4, 64))
-    (plan,) = module._FLASH_PLANS.values()
+    (plan,) = module._FLASH_PLANS[True].values()
     assert plan.compiled and plan.out_shape == (2, 24, 4, 64)
     with pytest.raises(ValueError, match="out: shares memory with q"):
         module.attention_flash(q_shared, k, v, out=out_shared)
@@ -183,15 +195,15 @@ def test_a_planned_flash_layout_still_checks_its_out(monkeypatch):
 # ------------------------------------------------------------ the public functions
 
 
-def count_flash_calls(monkeypatch, module):
+def count_flash_calls(monkeypatch, module, entry="attention_flash"):
     calls = []
-    real = module.attention_flash
+    real = getattr(module, entry)
 
     def counted(*args, **kwargs):
         calls.append((args, kwargs))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(module, "attention_flash", counted)
+    monkeypatch.setattr(module, entry, counted)
     return calls
 
 
@@ -221,9 +233,10 @@ def test_transformers_function_reaches_attention_flash(toy_kernels, monkeypatch)
     layer = SimpleNamespace(is_causal=True)
     attngen_attention(layer, q, k, v, None)
     module = current_registry().module(attngen.last_dispatch().key)
-    calls = count_flash_calls(monkeypatch, module)
+    calls = count_flash_calls(monkeypatch, module, "attention_flash_out")
     out, _ = attngen_attention(layer, q, k, v, None)
     assert len(calls) == 1 and out.shape == (2, 6, 4, 16) and out.is_contiguous()
+    assert all(a is b for a, b in zip(calls[0][0], (q, k, v), strict=True))  # no view
     expected = module.attention(q, k, v)
     assert torch.equal(out, expected.transpose(1, 2))
 
@@ -235,6 +248,7 @@ def test_modules_without_attention_flash_keep_their_route(toy_kernels, monkeypat
     expected = attngen.flash_attn_func(q, k, v, causal=True)
     module = current_registry().module(attngen.last_dispatch().key)
     monkeypatch.delattr(module, "attention_flash")
+    monkeypatch.delattr(module, "attention_flash_out")
     current_registry().plans.clear()
     assert not ops.takes_flash_layout(module)
     for _ in range(2):

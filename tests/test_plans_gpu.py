@@ -95,8 +95,9 @@ def test_planned_varlen_equals_the_full_path(monkeypatch):
 @pytest.mark.parametrize("load_path", ["pointers", "tma"])
 def test_planned_attention_flash_equals_attention_on_the_views(monkeypatch, load_path):
     """attention_flash (flash_attn_func's entry point) from its plan, on [B, N, H, D] tensors
-    none of which is contiguous, equals attention() on their [B, H, N, D] views bit for bit:
-    the pointer path, and the TMA path whose descriptors take the views' strides."""
+    none of which is contiguous, equals attention() on their [B, H, N, D] views bit for bit,
+    and so does attention_flash_out (the transformers function's) on the views: the pointer
+    path, and the TMA path whose descriptors take the views' strides."""
     spec = make_spec(name="gpuflash", dtype="bf16", head_dim=128, num_q_heads=8, num_kv_heads=2)
     module = load_kernel(spec)
     monkeypatch.setattr(module, "POINTER_LOADS_UP_TO", 0 if load_path == "tma" else 2**40)
@@ -111,8 +112,10 @@ def test_planned_attention_flash_equals_attention_on_the_views(monkeypatch, load
         expected = module.attention(*views, return_lse=True)
     given = torch.empty(2, 300, 8, 128, dtype=torch.bfloat16, device="cuda")
     results = [module.attention_flash(q, k, v, return_lse=True) for _ in range(3)]
+    results += [module.attention_flash_out(*views, return_lse=True) for _ in range(3)]
     written = [module.attention_flash(q, k, v, out=given) for _ in range(3)]
-    assert module._FLASH_PLANS and all(p.compiled for p in module._FLASH_PLANS.values())
+    for plans in module._FLASH_PLANS:  # attention_flash's and attention_flash_out's
+        assert plans and all(p.compiled for p in plans.values())
     torch.cuda.synchronize()
     for out, lse in results:
         assert out.is_contiguous() and out.shape == (2, 300, 8, 128)

@@ -126,9 +126,8 @@ def stub_source(kind: str, mask: str, align: str, accepts_out: bool, flash: bool
         .replace("if out is None:", "if out is None:" if accepts_out else "if True:")
     )
     constants = _CONSTANTS.format(mask=mask, align=align, accepts_out=accepts_out)
-    if flash and kind == "prefill":
-        entry += _FLASH_ENTRY
-    return textwrap.dedent(constants) + textwrap.dedent(entry)
+    flash_entry = textwrap.dedent(_FLASH_ENTRY) if flash and kind == "prefill" else ""
+    return textwrap.dedent(constants) + textwrap.dedent(entry) + flash_entry
 
 
 def build_stub_folder(folder: Path, accepts_out: bool, flash: bool = False) -> Path:

@@ -17,10 +17,10 @@ torch.compile(fullgraph=True) traces through it without running a kernel. Either
                       place (mutates_args) -> out [B, HQ, Nq, DV], lse [B, HQ, Nq]
 
 `heads_last` (prefill, decode): the module writes a contiguous [B, M, HQ, DV] output
-(flash-attn's layout) in place: a prefill module through its `attention_flash` entry point
-(which takes q, k, v in [B, N, H, D] and allocates that output itself; `call_flash` hands it
-flash-attn's tensors as they are), a decode module or a prefill module built before
-attention_flash through its `out=`, handed over as a [B, HQ, M, DV] view; callers ask for it
+(flash-attn's layout) in place: a prefill module through its `attention_flash_out` entry
+point, which allocates that output itself (and `call_flash` hands flash-attn's [B, N, H, D]
+tensors as they are to its `attention_flash`), a decode module or a prefill module built
+before those through its `out=`, handed over as a [B, HQ, M, DV] view; callers ask for it
 only from a module that takes `out=` (Dispatch.writes_out). `prefill` and
 `decode` then return that [B, M, HQ, DV] tensor; the ops return the view (an op's output has
 the shape its fake implementation gives). The LSE is always an op output (an empty tensor when
@@ -153,9 +153,9 @@ def call_prefill(
     """run_prefill with the module of `key` in hand (a plan holds it: plans.py)."""
     _ran(key)
     dropout = _dropout_options(dropout_p, rng_state)
-    if heads_last and takes_flash_layout(module):
-        views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return _attention_flash(module, *views, sm_scale, alibi_slopes, return_lse, sinks, dropout)
+    if heads_last and takes_flash_layout(module):  # q, k, v as they are; out [B, M, HQ, DV]
+        entry = module.attention_flash_out
+        return _heads_last_entry(entry, q, k, v, sm_scale, alibi_slopes, return_lse, sinks, dropout)
     if heads_last:  # a module built before attention_flash: its attention() with out= a view
         out = _heads_last(q, v.shape[-1])
         result = module.attention(
@@ -184,9 +184,10 @@ def call_prefill(
 
 
 def takes_flash_layout(module) -> bool:
-    """Whether the module has `attention_flash` (q/k/v and out in [B, N, H, D]); modules built
-    by an older attngen have only `attention`."""
-    return hasattr(module, "attention_flash")
+    """Whether the module has `attention_flash` (q/k/v and out in [B, N, H, D]) and
+    `attention_flash_out` (q/k/v in [B, H, N, D], out in [B, N, H, D]); modules built by an
+    older attngen have only `attention`."""
+    return hasattr(module, "attention_flash_out")
 
 
 def call_flash(
@@ -203,11 +204,12 @@ def call_flash(
     """call_prefill(heads_last=True) for q, k, v in flash-attn's [B, N, H, D] layout, through
     the module's attention_flash (takes_flash_layout): (out [B, M, HQ, DV], lse or None)."""
     _ran(key)
-    return _attention_flash(module, q, k, v, sm_scale, alibi_slopes, return_lse, sinks, {})
+    entry = module.attention_flash
+    return _heads_last_entry(entry, q, k, v, sm_scale, alibi_slopes, return_lse, sinks, {})
 
 
-def _attention_flash(module, q, k, v, sm_scale, alibi_slopes, return_lse, sinks, dropout):
-    result = module.attention_flash(
+def _heads_last_entry(entry, q, k, v, sm_scale, alibi_slopes, return_lse, sinks, dropout):
+    result = entry(
         q,
         k,
         v,
