@@ -8,7 +8,8 @@ of the host time (dispatch, argument checks, the op layer, layout handling, copi
 
 Three registries are timed: stand-ins without `out=` (modules built by an older attngen),
 stand-ins that advertise ACCEPTS_OUT and take `out=`, and stand-ins that also have the prefill
-entry point in flash-attn's layout, `attention_flash` (as the templates render them now). Then
+entry points with flash-attn's output layout, `attention_flash` and `attention_flash_out` (as
+the templates render them now). Then
 the generated modules' own entry points (generated/, sm90) with their cached launcher on, as
 on a GPU, and the launch itself stubbed out: the modules' share of the host time; and the
 public functions over those modules at tools/host_overhead.py's shapes, whose ratio to the
@@ -99,7 +100,7 @@ _ENTRY_POINTS = {
     """,
 }
 
-# The prefill entry point in flash-attn's layout, as the templates render it now.
+# The prefill entry points with flash-attn's output layout, as the templates render them now.
 _FLASH_ENTRY = """
     def attention_flash(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False,
                         out=None):
@@ -107,6 +108,15 @@ _FLASH_ENTRY = """
             out = q.new_empty((*q.shape[:3], HEAD_DIM_V))
         if return_lse:
             return out, q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+        return out
+
+
+    def attention_flash_out(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False,
+                            out=None):
+        if out is None:
+            out = q.new_empty((q.shape[0], q.shape[2], q.shape[1], HEAD_DIM_V))
+        if return_lse:
+            return out, q.new_empty(q.shape[:3], dtype=torch.float32)
         return out
 """
 
