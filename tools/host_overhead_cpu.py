@@ -314,6 +314,7 @@ def generated_module_calls() -> dict[str, object]:
         ),
         "generated attention_flash() (bert)": lambda: bert.attention_flash(qf, kf, vf),
         "generated attention_flash(out=) (bert)": lambda: bert.attention_flash(qf, kf, vf, out=out),
+        "generated attention_flash_out() (bert)": lambda: bert.attention_flash_out(q, k, v),
         "generated attention_varlen() (llama3)": lambda: modules[
             "varlen llama3_8b"
         ].attention_varlen(qv, kv, kv, cu, cu, 64, 64),
