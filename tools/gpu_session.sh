@@ -32,6 +32,7 @@ section_command() {
       && $pytest_gpu tests/test_prefill_gpu.py tests/test_decode_gpu.py \
       -k 'gpt_oss or llama4 or deepseek or small_launches'" ;;
     plans_tests) echo "$pytest_gpu tests/test_runtime_plans.py" ;;
+    flash_entry_tests) echo "$pytest_gpu tests/test_plans_gpu.py -k attention_flash" ;;
     models_bench) echo "python3 tools/bench_models.py --out $work" ;;
     decode_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_decode_gpu.py" ;;
     prefill_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_prefill_gpu.py" ;;

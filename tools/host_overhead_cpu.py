@@ -6,10 +6,10 @@ loads a registry of stand-in modules instead: each honours its kind's entry-poin
 anything. What a public call costs beyond the module's own entry point is the runtime's share
 of the host time (dispatch, argument checks, the op layer, layout handling, copies).
 
-Three registries are timed: stand-ins without `out=` (modules built by an older attngen),
-stand-ins that advertise ACCEPTS_OUT and take `out=`, and stand-ins that also have the prefill
-entry points with flash-attn's output layout, `attention_flash` and `attention_flash_out` (as
-the templates render them now). Then
+Two registries are timed: stand-ins without `out=` (modules built by an older attngen), and
+stand-ins that advertise ACCEPTS_OUT, take `out=` and have the prefill entry points with
+flash-attn's output layout, `attention_flash` and `attention_flash_out` (as the templates
+render them now). Then
 the generated modules' own entry points (generated/, sm90) with their cached launcher on, as
 on a GPU, and the launch itself stubbed out: the modules' share of the host time; and the
 public functions over those modules at tools/host_overhead.py's shapes, whose ratio to the
@@ -102,22 +102,15 @@ _ENTRY_POINTS = {
 
 # The prefill entry points with flash-attn's output layout, as the templates render them now.
 _FLASH_ENTRY = """
-    def attention_flash(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False,
-                        out=None):
-        if out is None:
-            out = q.new_empty((*q.shape[:3], HEAD_DIM_V))
-        if return_lse:
-            return out, q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
-        return out
+    def _heads_last(q, batch, rows, heads, return_lse, out):
+        out = q.new_empty((batch, rows, heads, HEAD_DIM_V)) if out is None else out
+        return (out, q.new_empty((batch, heads, rows), dtype=torch.float32)) if return_lse else out
 
+    def attention_flash(q, k, v, *, return_lse=False, out=None, **options):
+        return _heads_last(q, *q.shape[:3], return_lse, out)
 
-    def attention_flash_out(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False,
-                            out=None):
-        if out is None:
-            out = q.new_empty((q.shape[0], q.shape[2], q.shape[1], HEAD_DIM_V))
-        if return_lse:
-            return out, q.new_empty(q.shape[:3], dtype=torch.float32)
-        return out
+    def attention_flash_out(q, k, v, *, return_lse=False, out=None, **options):
+        return _heads_last(q, q.shape[0], q.shape[2], q.shape[1], return_lse, out)
 """
 
 # (module name, kind, mask, causal_align): what the timed calls ask for.
@@ -129,23 +122,23 @@ _MODULES = [
 ]
 
 
-def stub_source(kind: str, mask: str, align: str, accepts_out: bool, flash: bool) -> str:
+def stub_source(kind: str, mask: str, align: str, accepts_out: bool) -> str:
     entry = (
         _ENTRY_POINTS[kind]
         .replace("{out}", ", out=None" if accepts_out else "")
         .replace("if out is None:", "if out is None:" if accepts_out else "if True:")
     )
     constants = _CONSTANTS.format(mask=mask, align=align, accepts_out=accepts_out)
-    flash_entry = textwrap.dedent(_FLASH_ENTRY) if flash and kind == "prefill" else ""
+    flash_entry = textwrap.dedent(_FLASH_ENTRY) if accepts_out and kind == "prefill" else ""
     return textwrap.dedent(constants) + textwrap.dedent(entry) + flash_entry
 
 
-def build_stub_folder(folder: Path, accepts_out: bool, flash: bool = False) -> Path:
+def build_stub_folder(folder: Path, accepts_out: bool) -> Path:
     """A kernel folder of stand-in modules, with the index `attngen build` would write."""
     (folder / "sm90").mkdir(parents=True, exist_ok=True)
     entries = []
     for name, kind, mask, align in _MODULES:
-        source = stub_source(kind, mask, align, accepts_out, flash)
+        source = stub_source(kind, mask, align, accepts_out)
         path = f"sm90/{name}_{kind}.py"
         (folder / path).write_text(source)
         spec = dict(
@@ -313,7 +306,6 @@ def generated_module_calls() -> dict[str, object]:
             qf.transpose(1, 2), kf.transpose(1, 2), vf.transpose(1, 2), out=out.transpose(1, 2)
         ),
         "generated attention_flash() (bert)": lambda: bert.attention_flash(qf, kf, vf),
-        "generated attention_flash(out=) (bert)": lambda: bert.attention_flash(qf, kf, vf, out=out),
         "generated attention_flash_out() (bert)": lambda: bert.attention_flash_out(q, k, v),
         "generated attention_varlen() (llama3)": lambda: modules[
             "varlen llama3_8b"
@@ -364,11 +356,6 @@ def phase_calls() -> dict[str, tuple[object, object, dict]]:
     no_plan = {"_call_key": lambda *args: None}
     return {
         "attention(), from its layout's plan": (lambda: bert.attention(q, k, v), bert, {}),
-        "attention_flash(), from its layout's plan": (
-            lambda: bert.attention_flash(*flash[:3]),
-            bert,
-            {},
-        ),
         "attention(), full path (plans off)": (lambda: bert.attention(q, k, v), bert, no_plan),
         "attention(), full path, TMA descriptors": (
             lambda: bert.attention(q, k, v),
@@ -427,13 +414,8 @@ def main() -> None:
     torch.set_num_threads(1)
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for label, accepts_out, flash in (
-            ("no out=", False, False),
-            ("out=", True, False),
-            ("out=, attention_flash", True, True),
-        ):
-            folder = Path(tmp) / str(len(results))
-            load_kernels(build_stub_folder(folder, accepts_out, flash), replace=True)
+        for label, accepts_out in (("no out=", False), ("out=, attention_flash", True)):
+            load_kernels(build_stub_folder(Path(tmp) / str(accepts_out), accepts_out), replace=True)
             results[label] = {}
             for name, call in public_calls().items():
                 try:
@@ -450,9 +432,9 @@ def main() -> None:
     }
     labels = list(results)
     print(f"Python overhead per call, us (torch {torch.__version__}, kernel stubbed out)")
-    print(f"  {'call':42s}" + "".join(f"{label:>22s}" for label in labels[:3]))
+    print(f"  {'call':42s}" + "".join(f"{label:>22s}" for label in labels[:2]))
     for name in results[labels[0]]:
-        print(f"  {name:42s}" + "".join(f"{results[label][name]:22.1f}" for label in labels[:3]))
+        print(f"  {name:42s}" + "".join(f"{results[label][name]:22.1f}" for label in labels[:2]))
     print(
         "Generated modules, and the public functions over them, us per call (launch stubbed, "
         "cached launcher on)"

@@ -206,8 +206,18 @@ def run_flash(
     if plan.device_check is not None and device_problem(*plan.device_check) is not None:
         return None  # the device refuses now what it served: the full path says why
     record(plan.dispatch)
-    return ops.call_flash(
-        plan.module, plan.key, q, k, v, plan.sm_scale, alibi_slopes, plan.return_lse, sinks
+    return ops.call_prefill(
+        plan.module,
+        plan.key,
+        q,
+        k,
+        v,
+        plan.sm_scale,
+        alibi_slopes,
+        plan.return_lse,
+        True,
+        sinks,
+        flash_layout=True,
     )
 
 
