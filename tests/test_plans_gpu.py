@@ -90,3 +90,35 @@ def test_planned_varlen_equals_the_full_path(monkeypatch):
     assert module._CALL_PLANS
     for got in results:
         assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+
+
+@pytest.mark.parametrize("load_path", ["pointers", "tma"])
+def test_planned_attention_flash_equals_attention_on_the_views(monkeypatch, load_path):
+    """attention_flash (flash_attn_func's entry point) from its plan, on [B, N, H, D] tensors
+    none of which is contiguous, equals attention() on their [B, H, N, D] views bit for bit,
+    and so does attention_flash_out (the transformers function's) on the views: the pointer
+    path, and the TMA path whose descriptors take the views' strides."""
+    spec = make_spec(name="gpuflash", dtype="bf16", head_dim=128, num_q_heads=8, num_kv_heads=2)
+    module = load_kernel(spec)
+    monkeypatch.setattr(module, "POINTER_LOADS_UP_TO", 0 if load_path == "tma" else 2**40)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 300, 8, 256, generator=gen).bfloat16().cuda()[..., ::2]
+    kv = torch.randn(2, 500, 4, 128, generator=gen).bfloat16().cuda()
+    k, v = kv[:, :, :2], kv[:, :, 2:]
+    views = [t.transpose(1, 2) for t in (q, k, v)]
+    assert module.kv_load_path(views[1], views[2]) == "tma"  # the layout allows it
+    with monkeypatch.context() as patch:
+        _unplanned(patch, module)
+        expected = module.attention(*views, return_lse=True)
+    given = torch.empty(2, 300, 8, 128, dtype=torch.bfloat16, device="cuda")
+    results = [module.attention_flash(q, k, v, return_lse=True) for _ in range(3)]
+    results += [module.attention_flash_out(*views, return_lse=True) for _ in range(3)]
+    written = [module.attention_flash(q, k, v, out=given) for _ in range(3)]
+    for plans in module._FLASH_PLANS:  # attention_flash's and attention_flash_out's
+        assert plans and all(p.compiled for p in plans.values())
+    torch.cuda.synchronize()
+    for out, lse in results:
+        assert out.is_contiguous() and out.shape == (2, 300, 8, 128)
+        assert torch.equal(out.transpose(1, 2), expected[0]) and torch.equal(lse, expected[1])
+    assert all(w is given for w in written)
+    assert torch.equal(given.transpose(1, 2), expected[0])

@@ -34,6 +34,7 @@ section_command() {
     plans_tests) echo "$pytest_gpu tests/test_runtime_plans.py" ;;
     # The varlen and decode call plans against the full path, per-batch ALiBi slopes.
     plans_alibi) echo "$pytest_gpu tests/test_plans_gpu.py tests/test_alibi_per_batch_gpu.py" ;;
+    flash_entry_tests) echo "$pytest_gpu tests/test_plans_gpu.py -k attention_flash" ;;
     models_bench) echo "python3 tools/bench_models.py --out $work" ;;
     decode_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_decode_gpu.py" ;;
     prefill_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_prefill_gpu.py" ;;

@@ -92,6 +92,15 @@ def prefill_rows(rows: dict) -> None:
         rows["module attention(), TMA forced (descriptors)"] = lambda: forced_tma(
             bert, lambda: bert.attention(q, k, v)
         )
+    if hasattr(bert, "attention_flash"):  # flash_attn_func's entry point: [B, N, H, D] in, out
+        rows["module attention_flash()"] = lambda: bert.attention_flash(qf, kf, vf)
+        rows["module attention_flash_out() (transformers)"] = lambda: bert.attention_flash_out(
+            q, k, v
+        )
+        if hasattr(bert, "POINTER_LOADS_UP_TO"):
+            rows["module attention_flash(), TMA forced (descriptors)"] = lambda: forced_tma(
+                bert, lambda: bert.attention_flash(qf, kf, vf)
+            )
     rows["attngen.scaled_dot_product_attention"] = lambda: attngen.scaled_dot_product_attention(
         q, k, v
     )

@@ -7,7 +7,9 @@ anything. What a public call costs beyond the module's own entry point is the ru
 of the host time (dispatch, argument checks, the op layer, layout handling, copies).
 
 Two registries are timed: stand-ins without `out=` (modules built by an older attngen), and
-stand-ins that advertise ACCEPTS_OUT and take `out=` (as the templates render them now). Then
+stand-ins that advertise ACCEPTS_OUT, take `out=` and have the prefill entry points with
+flash-attn's output layout, `attention_flash` and `attention_flash_out` (as the templates
+render them now). Then
 the generated modules' own entry points (generated/, sm90) with their cached launcher on, as
 on a GPU, and the launch itself stubbed out: the modules' share of the host time; and the
 public functions over those modules at tools/host_overhead.py's shapes, whose ratio to the
@@ -98,6 +100,19 @@ _ENTRY_POINTS = {
     """,
 }
 
+# The prefill entry points with flash-attn's output layout, as the templates render them now.
+_FLASH_ENTRY = """
+    def _heads_last(q, batch, rows, heads, return_lse, out):
+        out = q.new_empty((batch, rows, heads, HEAD_DIM_V)) if out is None else out
+        return (out, q.new_empty((batch, heads, rows), dtype=torch.float32)) if return_lse else out
+
+    def attention_flash(q, k, v, *, return_lse=False, out=None, **options):
+        return _heads_last(q, *q.shape[:3], return_lse, out)
+
+    def attention_flash_out(q, k, v, *, return_lse=False, out=None, **options):
+        return _heads_last(q, q.shape[0], q.shape[2], q.shape[1], return_lse, out)
+"""
+
 # (module name, kind, mask, causal_align): what the timed calls ask for.
 _MODULES = [
     ("stub_none", "prefill", "none", "none"),
@@ -114,7 +129,8 @@ def stub_source(kind: str, mask: str, align: str, accepts_out: bool) -> str:
         .replace("if out is None:", "if out is None:" if accepts_out else "if True:")
     )
     constants = _CONSTANTS.format(mask=mask, align=align, accepts_out=accepts_out)
-    return textwrap.dedent(constants) + textwrap.dedent(entry)
+    flash_entry = textwrap.dedent(_FLASH_ENTRY) if accepts_out and kind == "prefill" else ""
+    return textwrap.dedent(constants) + textwrap.dedent(entry) + flash_entry
 
 
 def build_stub_folder(folder: Path, accepts_out: bool) -> Path:
@@ -289,6 +305,8 @@ def generated_module_calls() -> dict[str, object]:
         "generated attention(out=), flash views": lambda: bert.attention(
             qf.transpose(1, 2), kf.transpose(1, 2), vf.transpose(1, 2), out=out.transpose(1, 2)
         ),
+        "generated attention_flash() (bert)": lambda: bert.attention_flash(qf, kf, vf),
+        "generated attention_flash_out() (bert)": lambda: bert.attention_flash_out(q, k, v),
         "generated attention_varlen() (llama3)": lambda: modules[
             "varlen llama3_8b"
         ].attention_varlen(qv, kv, kv, cu, cu, 64, 64),
@@ -396,8 +414,8 @@ def main() -> None:
     torch.set_num_threads(1)
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for label, accepts_out in (("today's modules", False), ("modules with out=", True)):
-            load_kernels(build_stub_folder(Path(tmp) / label.split()[0], accepts_out), replace=True)
+        for label, accepts_out in (("no out=", False), ("out=, attention_flash", True)):
+            load_kernels(build_stub_folder(Path(tmp) / str(accepts_out), accepts_out), replace=True)
             results[label] = {}
             for name, call in public_calls().items():
                 try:
@@ -414,9 +432,9 @@ def main() -> None:
     }
     labels = list(results)
     print(f"Python overhead per call, us (torch {torch.__version__}, kernel stubbed out)")
-    print(f"  {'call':42s}" + "".join(f"{label:>20s}" for label in labels[:2]))
+    print(f"  {'call':42s}" + "".join(f"{label:>22s}" for label in labels[:2]))
     for name in results[labels[0]]:
-        print(f"  {name:42s}" + "".join(f"{results[label][name]:20.1f}" for label in labels[:2]))
+        print(f"  {name:42s}" + "".join(f"{results[label][name]:22.1f}" for label in labels[:2]))
     print(
         "Generated modules, and the public functions over them, us per call (launch stubbed, "
         "cached launcher on)"

@@ -174,8 +174,9 @@ def flash_attn_func(
     there). dropout_p > 0 needs a module built with dropout: true (the module docstring).
     `deterministic` is accepted: the kernels have no atomics, so the forward and backward are
     always deterministic. The output is one
-    contiguous tensor, written in place by modules that take `out=` (Dispatch.writes_out),
-    else copied from the kernel's [B, H, N, D] output."""
+    contiguous tensor, which a module's `attention_flash` entry point allocates and writes
+    from q, k, v as they are (a module built before it writes it in place through `out=`,
+    Dispatch.writes_out; one with neither is copied from its [B, H, N, D] output)."""
     key = None
     if (
         plans.eager(q, k, v, alibi_slopes)
@@ -200,14 +201,7 @@ def flash_attn_func(
         )
         plan = plans.find(key)
         if plan is not None:
-            ran = plans.run_dense(
-                plan,
-                q.transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                alibi_slopes,
-                heads_last=True,
-            )
+            ran = plans.run_flash(plan, q, k, v, alibi_slopes)
             if ran is not None:
                 return (ran[0], ran[1], None) if return_attn_probs else ran[0]
     if not rank4(q, k, v):

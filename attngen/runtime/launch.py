@@ -5,11 +5,12 @@ parallelism's backward runs the gradient kernels of each chunk pair through
 `run_dense_backward`.
 
 A caller that wants flash-attn's [B, N, H, D] output asks `run_dense(..., heads_last=True)`:
-a module that takes `out=` (Dispatch.writes_out) writes that layout in place; from a module
-without it, its [B, H, N, D] output is copied into that layout (the one copy left, which
-disappears when the module is rebuilt from a template with `out=`). With one query row
-(N = 1, a decode step) the module's own [B, H, 1, D] output is that layout already (its
-transpose is contiguous), so no out= is passed: it would only add its checks and a view.
+a module with `attention_flash` allocates and writes that layout itself (ops.py); one built
+before it but with `out=` (Dispatch.writes_out) writes it in place; from a module with
+neither, its [B, H, N, D] output is copied into that layout (the one copy left, which
+disappears when the module is rebuilt). With one query row (N = 1, a decode step) and no
+attention_flash, the module's own [B, H, 1, D] output is that layout already (its transpose
+is contiguous), so no out= is passed: it would only add its checks and a view.
 
 dropout_p > 0 asks for a module built with dropout: true (Need.dropout); the call's Philox
 state is drawn here (arguments.dropout_rng_state) and handed to the module's forward and,
@@ -28,6 +29,7 @@ from attngen.runtime.arguments import (
 )
 from attngen.runtime.dispatch import choose, need_for, unsupported_dtype
 from attngen.runtime.fallback import fallback_dense, fallback_varlen
+from attngen.runtime.registry import current_registry
 from attngen.runtime.selection import Dispatch
 from attngen.spec import CausalAlign, KernelKind, Mask
 
@@ -102,7 +104,11 @@ def run_dense(
         )
         out, lse = result if return_lse else (result, None)
         return (out.transpose(1, 2).contiguous() if heads_last else out), lse
-    in_place = heads_last and dispatch.writes_out and seqlen_q != 1
+    in_place = (
+        heads_last
+        and dispatch.writes_out
+        and (seqlen_q != 1 or ops.takes_flash_layout(current_registry().module(dispatch.key)))
+    )
     sm_scale = softmax_scale(scale, q)
     out, lse = ops.prefill(
         dispatch.key,

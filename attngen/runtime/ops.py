@@ -17,8 +17,11 @@ torch.compile(fullgraph=True) traces through it without running a kernel. Either
                       place (mutates_args) -> out [B, HQ, Nq, DV], lse [B, HQ, Nq]
 
 `heads_last` (prefill, decode): the module writes a contiguous [B, M, HQ, DV] output
-(flash-attn's layout) in place through its `out=`, handed over as a [B, HQ, M, DV] view;
-callers ask for it only from a module that takes `out=` (Dispatch.writes_out). `prefill` and
+(flash-attn's layout) in place: a prefill module through its `attention_flash_out` entry
+point, which allocates that output itself (or `attention_flash`, which takes flash-attn's
+[B, N, H, D] tensors as they are: call_prefill's flash_layout), a decode module or a prefill
+module built before those through its `out=`, handed over as a [B, HQ, M, DV] view; callers
+ask for it only from a module that takes `out=` (Dispatch.writes_out). `prefill` and
 `decode` then return that [B, M, HQ, DV] tensor; the ops return the view (an op's output has
 the shape its fake implementation gives). The LSE is always an op output (an empty tensor when
 not asked for): an op's outputs cannot be optional; the functions here return None instead.
@@ -146,25 +149,19 @@ def call_prefill(
     sinks: Tensor | None = None,
     dropout_p: float = 0.0,
     rng_state: Tensor | None = None,
+    flash_layout: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """run_prefill with the module of `key` in hand (a plan holds it: plans.py)."""
+    """run_prefill with the module of `key` in hand (a plan holds it: plans.py); flash_layout
+    (with heads_last, from a module that takes_flash_layout): q, k, v in [B, N, H, D]."""
     _ran(key)
-    dropout = _dropout_options(dropout_p, rng_state)
-    if heads_last:
+    options = _dropout_options(dropout_p, rng_state)  # a new dict: the keywords below join it
+    entry, out = module.attention, None
+    if heads_last and takes_flash_layout(module):  # q, k, v as they are; out [B, M, HQ, DV]
+        entry = module.attention_flash if flash_layout else module.attention_flash_out
+    elif heads_last:  # a module built before attention_flash: its attention() with out= a view
         out = _heads_last(q, v.shape[-1])
-        result = module.attention(
-            q,
-            k,
-            v,
-            sm_scale=sm_scale,
-            alibi_slopes=alibi_slopes,
-            return_lse=return_lse,
-            out=out.transpose(1, 2),
-            **_sinks(sinks),
-            **dropout,
-        )
-        return out, (result[1] if return_lse else None)
-    result = module.attention(
+        options["out"] = out.transpose(1, 2)
+    result = entry(
         q,
         k,
         v,
@@ -172,9 +169,18 @@ def call_prefill(
         alibi_slopes=alibi_slopes,
         return_lse=return_lse,
         **_sinks(sinks),
-        **dropout,
+        **options,
     )
+    if out is not None:
+        return out, (result[1] if return_lse else None)
     return result if return_lse else (result, None)
+
+
+def takes_flash_layout(module) -> bool:
+    """Whether the module has `attention_flash` (q/k/v and out in [B, N, H, D]) and
+    `attention_flash_out` (q/k/v in [B, H, N, D], out in [B, N, H, D]); modules built by an
+    older attngen have only `attention`."""
+    return hasattr(module, "attention_flash_out")
 
 
 def prefill(

@@ -39,6 +39,7 @@ from attngen.runtime.devices import device_problem, problem_may_change
 from attngen.runtime.records import record
 from attngen.runtime.registry import current_registry
 from attngen.runtime.selection import Dispatch
+from attngen.spec import KernelKind
 
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
@@ -55,6 +56,7 @@ class Plan:
     sm_scale: float
     return_lse: bool
     in_place: bool  # the module writes the caller's heads-last output (its out=)
+    flash_entry: bool  # in place through attention_flash ([B, N, H, D] in and out)
     device_check: tuple[Any, ...] | None  # device_problem's arguments when asked at each run
 
 
@@ -133,13 +135,15 @@ def remember(
     check = (
         (cached.api, need.arch, need.dtype) if problem_may_change(need.arch, need.dtype) else None
     )
+    module = registry.module(dispatch.key)
     plan = Plan(
         cached,
         dispatch.key,
-        registry.module(dispatch.key),
+        module,
         float(sm_scale),
         bool(return_lse),
         in_place,
+        in_place and cached.need.kind is KernelKind.prefill and ops.takes_flash_layout(module),
         check,
     )
     plans = registry.plans
@@ -183,6 +187,38 @@ def run_dense(
     if heads_last and not plan.in_place:  # the module wrote [B, H, N, D]: copied
         out = out.transpose(1, 2).contiguous()
     return out, lse
+
+
+def run_flash(
+    plan: Plan,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    alibi_slopes: Tensor | None,
+    sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None] | None:
+    """run_dense for q, k, v in flash-attn's [B, N, H, D] layout: handed as they are to the
+    module's attention_flash when the plan writes in place through it (no view, no output
+    allocation here), else as [B, H, N, D] views to run_dense."""
+    if not plan.flash_entry:
+        views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return run_dense(plan, *views, alibi_slopes, heads_last=True, sinks=sinks)
+    if plan.device_check is not None and device_problem(*plan.device_check) is not None:
+        return None  # the device refuses now what it served: the full path says why
+    record(plan.dispatch)
+    return ops.call_prefill(
+        plan.module,
+        plan.key,
+        q,
+        k,
+        v,
+        plan.sm_scale,
+        alibi_slopes,
+        plan.return_lse,
+        True,
+        sinks,
+        flash_layout=True,
+    )
 
 
 def run_varlen(

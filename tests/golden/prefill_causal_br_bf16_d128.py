@@ -564,12 +564,20 @@ class _CallPlan:
     TMA; the compiled kernels found for it, per (kernel, alignment, TMA, Triton's knobs)."""
 
     __slots__ = ("config", "longest", "grid", "ints", "qk_scale", "out_shape", "lse_shape",
-                 "constexprs", "options", "pairs", "tma_layout", "compiled")
+                 "constexprs", "options", "pairs", "tma_layout", "flash", "compiled")
 
-    def __init__(self, **fields):
+    def __init__(self, flash=False, **fields):
         for name, value in fields.items():
             setattr(self, name, value)
+        self.flash = flash  # q, k, v come in [B, N, H, D] (attention_flash)
         self.compiled = {}
+
+    def heads_last(self, flash, out_shape):
+        """This plan with its own output shape ([B, M, HQ, DV]), for q, k, v as it was made for
+        them or (flash) for the [B, N, H, D] tensors whose [B, H, N, D] views they were: the
+        same pointers and ints, and TMA descriptors of the views."""
+        fields = {name: getattr(self, name) for name in self.__slots__[:-2]}
+        return _CallPlan(flash=flash, **dict(fields, out_shape=out_shape))
 
 
 def _call_key(q, k, v, sm_scale, alibi_slopes, return_lse, out):
@@ -597,8 +605,9 @@ def _remember_plan(key, **fields):
 
 
 def _run_plan(plan, q, k, v, out):
-    """attention()'s launch from the plan of its layout: (out, lse or None), or None when the
-    full path must run (the config changed, or the launch cannot run directly)."""
+    """attention()'s launch from the plan of its layout (attention_flash's: its tensors in
+    [B, N, H, D]): (out, lse or None), or None when the full path must run (the config
+    changed, or the launch cannot run directly)."""
     if CONFIG != plan.config:
         return None
     if out is None:
@@ -614,8 +623,9 @@ def _run_plan(plan, q, k, v, out):
                and (k.data_ptr() | v.data_ptr()) & 15 == 0)
     if use_tma:
         block_n = plan.config["BLOCK_N"]
-        tail = (plan.qk_scale, _descriptor(k, (1, 1, block_n, 128)),
-                _descriptor(v, (1, 1, block_n, 128)))
+        k_heads, v_heads = (k.transpose(1, 2), v.transpose(1, 2)) if plan.flash else (k, v)
+        tail = (plan.qk_scale, _descriptor(k_heads, (1, 1, block_n, 128)),
+                _descriptor(v_heads, (1, 1, block_n, 128)))
     else:
         tail = (plan.qk_scale, None, None)
     constexprs = plan.constexprs[use_tma]
@@ -713,3 +723,84 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
             pairs=pairs, tma_layout=_tma_layout_fits(k, v),
         )
     return (out, lse) if return_lse else out
+
+
+# -- flash-attn's output layout -------------------------------------------------------------
+# attention() reads and writes every tensor through its strides, so a [B, N, H, D] tensor is
+# a [B, H, N, D] view with the same pointer and the same ints. These entry points' full path
+# calls attention() on views, writing a [B, M, HQ, DV] output it allocates (or the caller's
+# out=) in place; their plan (the one attention() left for the views, kept under the call's
+# own key) then launches from the caller's tensors themselves: no views, no output view, and
+# no out= layout or storage checks when the output is the plan's own.
+_FLASH_PLANS = ({}, {})  # [q, k, v in [B, N, H, D]]: _call_key(...) -> a heads-last _CallPlan
+
+
+def _keep_flash_plan(plans, key, views_key, flash, out_shape):
+    """Keep under `key` the plan attention() left for the call's views (none: nothing kept),
+    as one that allocates a [B, M, HQ, DV] output (_CallPlan.heads_last)."""
+    plan = _CALL_PLANS.get(views_key)
+    if plan is not None:
+        if len(plans) >= _LAUNCH_CACHE_SIZE:
+            plans.clear()
+        plans[key] = plan.heads_last(flash, out_shape)
+
+
+def _check_rank4(q, k, v, layout):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected rank 4 {layout}, got {tuple(t.shape)}")
+
+
+def _heads_last_out(q, k, v, flash, sm_scale, alibi_slopes, return_lse, out):
+    """attention_flash (flash: q, k, v in [B, N, H, D]) or attention_flash_out (in
+    [B, H, N, D]): out [B, M, HQ, DV], and the LSE with return_lse."""
+    key = _call_key(q, k, v, sm_scale, alibi_slopes, return_lse, out)
+    if key is not None:
+        plan = _FLASH_PLANS[flash].get(key)
+        if plan is not None:
+            done = _run_plan(plan, q, k, v, out)
+            if done is not None:
+                return done if return_lse else done[0]
+    _check_rank4(q, k, v, "[B, N, H, D]" if flash else "[B, H, N, D]")
+    views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)) if flash else (q, k, v)
+    batch, num_q_heads, seqlen_q = views[0].shape[:3]
+    out_shape = (batch, seqlen_q, num_q_heads, HEAD_DIM_V)
+    if out is None:
+        out = q.new_empty(out_shape)
+    else:
+        _check_out(out, out_shape, q, (("q", q), ("k", k), ("v", v)))
+    out_view = out.transpose(1, 2)
+    result = attention(*views, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
+                       return_lse=return_lse,
+                       out=out_view)
+    if key is not None:  # attention() ran: the plan it left for the views serves this layout
+        _keep_flash_plan(_FLASH_PLANS[flash], key,
+                         _call_key(*views, sm_scale, alibi_slopes, return_lse, out_view), flash,
+                         out_shape)
+    return (out, result[1]) if return_lse else out
+
+
+def attention_flash(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False,
+                    out=None):
+    """attention() in flash-attn's layout: q [B, M, HQ, 128], k [B, N, HKV, 128],
+    v [B, N, HKV, 128], any strides; the same arguments and checks otherwise, and bit for
+    bit the output attention() gives for their [B, H, N, D] transposes (the same kernel
+    launch: the kernel takes strides, so nothing is copied or transposed).
+
+    Returns out [B, M, HQ, 128] in q's dtype, contiguous (with out=: that shape, dtype and
+    device, any strides whose elements do not overlap, no memory shared with q, k, v; written
+    in place and returned), and with return_lse also the LSE [B, HQ, M] as attention() does.
+    """
+    return _heads_last_out(q, k, v, True, sm_scale, alibi_slopes, return_lse,
+                           out)
+
+
+def attention_flash_out(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False,
+                        out=None):
+    """attention() (q, k, v [B, H, N, D] as there) with its output in flash-attn's layout,
+    out [B, M, HQ, 128] as attention_flash returns it (transformers' attention-function
+    contract): bit for bit attention()'s output transposed, written where it belongs."""
+    return _heads_last_out(q, k, v, False, sm_scale, alibi_slopes, return_lse,
+                           out)

@@ -729,7 +729,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     _ = _check_alibi(alibi_slopes, num_q_heads, q, cu_seqlens_q.numel() - 1)
     qk_scale = _kernel_scale(sm_scale)
     batch = cu_seqlens_q.numel() - 1
-    # Note: zero-filled, so that rows no sequence covers (packed padding) hold 0, not garbage.
+    # Note: zero-filled, so that rows no sequence covers (packed padding, or rows a bad
+    # sequence leaves out) hold 0, not garbage: the kernel writes only its sequences' rows,
+    # which the host cannot see (cu_seqlens stays on the device), so it cannot skip the fill.
     if out is None:
         out = q.new_zeros((total_q, num_q_heads, HEAD_DIM_V))
     else:
