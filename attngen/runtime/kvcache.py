@@ -15,6 +15,9 @@ Routing, in order:
    cache_leftpad take it (kvcache_options.py: rotary, those, num_splits); it has no split of
    the keys, so num_splits is a hint there, as in flash-attn.
 
+Rotary: route 1's module rotates q and the appended keys in its kernels; route 2 (and a
+decode module built before its kernels took rotary) gets them rotated in torch first.
+
 A decode step whose signature route 1 served before runs from its plan (plans.py): the key
 holds every shape and option the checks above decide with, the dtypes and devices of the
 other tensors are compared on each call (_same_kinds), and calls with rotary, cache_batch_idx,
@@ -32,7 +35,8 @@ from attngen.runtime.arguments import flash_mask
 from attngen.runtime.dispatch import need_for, probe
 from attngen.runtime.entry_checks import check_alibi
 from attngen.runtime.kvcache_append import append_fitting, cache_seqlens_tensor
-from attngen.runtime.kvcache_options import CacheOptions, cache_options, key_layout, rotate
+from attngen.runtime.kvcache_options import CacheOptions, cache_options, key_layout
+from attngen.runtime.kvcache_rotary import fused_rotary, rotate
 from attngen.runtime.launch import run_varlen, varlen_dispatch
 from attngen.runtime.selection import Dispatch
 from attngen.runtime.validate import check_kvcache_shapes
@@ -139,12 +143,14 @@ def flash_attn_with_kvcache(
     new = 0 if k is None else k.shape[1]
     cache_seqlens = cache_seqlens_tensor(cache_seqlens, q.shape[0], capacity, new, q.device)
     mask, window = flash_mask(causal, window_size)
-    q, k = rotate(q, k, options, cache_seqlens, mask is not Mask.none)
     decode = None
     if options.decode_route:
         decode = _decode_module(
             q, k_cache, v_cache, block_table, mask, window, softcap, alibi_slopes, capacity
         )
+    rotary = fused_rotary(options, decode, mask is not Mask.none)
+    if rotary is None:
+        q, k = rotate(q, k, options, cache_seqlens, mask is not Mask.none)
     if decode is not None:
         out, lse = _run_decode_module(
             decode,
@@ -160,6 +166,7 @@ def flash_attn_with_kvcache(
             return_softmax_lse,
             key,
             num_splits,
+            rotary,
         )
         return (out, lse) if return_softmax_lse else out
     out, lse = _run_varlen_route(
@@ -303,11 +310,13 @@ def _run_decode_module(
     return_lse: bool,
     plan_key: tuple | None,
     num_splits: int,
+    rotary: dict | None,
 ):
     """(out [B, Nq, HQ, DV], lse or None) from the decode module, which appends k/v and
     reads the caches in place: the flash layout's [B, N, H, D] tensors are handed over as
     [B, H, N, D] views (paged caches as they are). The route is kept as the plan of
-    `plan_key` (plans.py); num_splits: the call's (checked by cache_options)."""
+    `plan_key` (plans.py); num_splits: the call's (checked by cache_options); rotary: the
+    module's rotary arguments when its kernels rotate (fused_rotary)."""
     assert decode.key is not None  # probe() answers served dispatches only
     sm_scale = arguments.softmax_scale(softmax_scale, q)
     in_place = _in_place(decode, q)
@@ -326,6 +335,7 @@ def _run_decode_module(
         return_lse,
         in_place,
         num_splits=num_splits,
+        **(rotary or {}),
     )
     plans.remember(plan_key, decode, sm_scale, return_lse, in_place)
     return (out if in_place else out.transpose(1, 2)), lse

@@ -9,10 +9,10 @@ def root(context, missing=missing):
     if 0: yield None
     l_0_dtype = resolve('dtype')
     l_0_kv_layout = resolve('kv_layout')
+    l_0_mask = resolve('mask')
     l_0_sinks = resolve('sinks')
     l_0_softcap = resolve('softcap')
     l_0_alibi = resolve('alibi')
-    l_0_mask = resolve('mask')
     l_0_head_dim = resolve('head_dim')
     l_0_max_query_tokens = resolve('max_query_tokens')
     l_0_page_size = resolve('page_size')
@@ -71,10 +71,11 @@ def root(context, missing=missing):
     finally: gen.close()
     yield '\n\n'
     yield str(t_1(context.call(environment.getattr((undefined(name='checks') if l_0_checks is missing else l_0_checks), 'decode_validation')), '\n'))
-    yield '\n\n\ndef decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_new=None, v_new=None,\n           sm_scale=None, alibi_slopes=None, return_lse=False, out=None, num_splits=0'
+    yield '\n\n\ndef decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_new=None, v_new=None,\n           sm_scale=None, alibi_slopes=None, return_lse=False, out=None, num_splits=0,\n           rotary_cos=None, rotary_sin=None, rotary_interleaved=True,\n           rotary_q_per_token='
+    yield str(((undefined(name='mask') if l_0_mask is missing else l_0_mask) != 'none'))
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
-        yield ',\n           sinks=None'
+        yield ', sinks=None'
     yield '):\n    """One decode step: the step\'s queries attend to their sequences\' KV caches.\n\n    softmax(q @ k^T * sm_scale'
     if (undefined(name='softcap') if l_0_softcap is missing else l_0_softcap):
         pass
@@ -124,7 +125,11 @@ def root(context, missing=missing):
     if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
         pass
         yield " alibi_slopes: [HQ] or [B, HQ] fp32, last dim contiguous; bias\n    -slope * |i' - j|, i' = L_b - NQ + t the query's position."
-    yield '\n\n'
+    yield '\n\n    rotary_cos, rotary_sin [seqlen_ro >= the capacity, rotary_dim / 2] in '
+    yield str((undefined(name='dtype') if l_0_dtype is missing else l_0_dtype))
+    yield ", any strides\n    (optional, with k_new): flash-attn's rotary embedding, applied by the kernels to the new keys\n    as they are appended and to q as it is loaded (rotary_interleaved: pairs 2i, 2i + 1, else\n    halves), on dims [0, rotary_dim), in float32 rounded to "
+    yield str((undefined(name='dtype') if l_0_dtype is missing else l_0_dtype))
+    yield ". New key t is at position\n    cache_seqlens[b] + t; query token t at cache_seqlens[b] + t with rotary_q_per_token\n    (flash-attn's causal or local calls), else at cache_seqlens[b]. A query whose position is\n    past cos/sin's rows gets NaN output and LSE.\n"
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
         yield "    sinks: [HQ] float32, contiguous, required: head h's sink logit joins every row's softmax\n    normaliser and LSE (natural log, after the scale); a row that sees no key gets output 0\n    and LSE sinks[h].\n\n"
@@ -144,7 +149,7 @@ def root(context, missing=missing):
     yield ' gets NaN output and LSE and\n    nothing appended. NNEW above the capacity raises a ValueError. With the environment\n    variable ATTNGEN_CHECKS=1 (read at each call) the index tensors are validated on the\n    host instead (a device sync, so not in a CUDA graph) and a bad one raises a ValueError\n    naming the tensor, the sequence and the value.\n    """\n'
     if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
         pass
-        yield '    key = _call_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sm_scale,\n                    alibi_slopes, return_lse, out, num_splits)\n    if key is not None:\n        plan = _CALL_PLANS.get(key)\n        if plan is not None:\n            done = _run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,\n                             out)\n            if done is not None:\n                return done if return_lse else done[0]\n'
+        yield '    key = _call_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sm_scale,\n                    alibi_slopes, return_lse, out, num_splits, rotary_cos, rotary_sin,\n                    rotary_interleaved, rotary_q_per_token)\n    if key is not None:\n        plan = _CALL_PLANS.get(key)\n        if plan is not None:\n            done = _run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,\n                             out, rotary_cos, rotary_sin)\n            if done is not None:\n                return done if return_lse else done[0]\n'
     yield '    if not _inputs_ok(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new):\n        _check_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)\n    batch, num_q_heads, num_q_tokens, _ = q.shape\n    num_kv_heads = k_cache.shape['
     if ((undefined(name='kv_layout') if l_0_kv_layout is missing else l_0_kv_layout) == 'paged'):
         pass
@@ -159,7 +164,7 @@ def root(context, missing=missing):
         pass
         yield '    _check_sinks(sinks, num_q_heads, q)\n'
     yield str(t_1(context.call(environment.getattr((undefined(name='common') if l_0_common is missing else l_0_common), 'check_sm_scale')), '\n'))
-    yield '\n    num_new = 0 if k_new is None else k_new.shape[2]\n    if out is None:\n        out = q.new_empty((batch, num_q_heads, num_q_tokens, HEAD_DIM_V))\n    else:\n        _check_out(out, (batch, num_q_heads, num_q_tokens, HEAD_DIM_V), q,\n                   (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),\n                    ("v_new", v_new)))\n    lse = None\n    if return_lse:\n        lse = q.new_empty((batch, num_q_heads, num_q_tokens), dtype=torch.float32)\n'
+    yield '\n    num_new = 0 if k_new is None else k_new.shape[2]\n    if out is None:\n        out = q.new_empty((batch, num_q_heads, num_q_tokens, HEAD_DIM_V))\n    else:\n        _check_out(out, (batch, num_q_heads, num_q_tokens, HEAD_DIM_V), q,\n                   (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),\n                    ("v_new", v_new), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)))\n    lse = None\n    if return_lse:\n        lse = q.new_empty((batch, num_q_heads, num_q_tokens), dtype=torch.float32)\n'
     if ((undefined(name='kv_layout') if l_0_kv_layout is missing else l_0_kv_layout) == 'paged'):
         pass
         yield '    capacity, num_pages = block_table.shape[1] * PAGE_SIZE, k_cache.shape[0]\n    table, table_strides = block_table, block_table.stride()\n'
@@ -170,7 +175,7 @@ def root(context, missing=missing):
     if ((undefined(name='kv_layout') if l_0_kv_layout is missing else l_0_kv_layout) == 'paged'):
         pass
         yield ' (max_pages * PAGE_SIZE)'
-    yield '")\n    if os.environ.get("ATTNGEN_CHECKS") == "1":\n        _validate_indices(cache_seqlens, block_table, num_new, num_q_tokens, capacity, num_pages)\n    k_strides, v_strides = _cache_strides(k_cache), _cache_strides(v_cache)\n    device = q.get_device()\n    append = split = combine = None\n    if batch and num_new:\n        append_blocks = -(-num_new // _APPEND_ROWS)\n        append = _Step(\n            _append_kernel, batch * num_kv_heads * append_blocks,\n            (*k_new.stride(), *v_new.stride(), *k_strides, *v_strides, *table_strides,\n             num_kv_heads, num_new, append_blocks, num_q_tokens, capacity - num_new, num_pages),\n            (), {"ROWS": _APPEND_ROWS}, {},\n        )\n        _run_step(append, device, (k_new, v_new, k_cache, v_cache, cache_seqlens, table))\n    if out.numel() == 0:  # (not planned: nothing to launch but the append)\n        return (out, lse) if return_lse else out\n    block_n = CONFIG["BLOCK_N"]\n    q_per_kv = num_q_heads // num_kv_heads\n    rows = q_per_kv * num_q_tokens\n    block_rows = min(CONFIG["BLOCK_M"], max(16, 1 << (rows - 1).bit_length()))\n    num_row_blocks = -(-rows // block_rows)\n    programs = batch * num_kv_heads * num_row_blocks\n'
+    yield '")\n    cos, sin, rotary_ints, rotary_q_step, rotary = _rotary_args(\n        rotary_cos, rotary_sin, rotary_interleaved, rotary_q_per_token, k_new, q, capacity)\n    if os.environ.get("ATTNGEN_CHECKS") == "1":\n        _validate_indices(cache_seqlens, block_table, num_new, num_q_tokens, capacity, num_pages)\n    k_strides, v_strides = _cache_strides(k_cache), _cache_strides(v_cache)\n    device = q.get_device()\n    append = split = combine = None\n    if batch and num_new:\n        append_blocks = -(-num_new // _APPEND_ROWS)\n        append = _Step(\n            _append_kernel, batch * num_kv_heads * append_blocks,\n            (*k_new.stride(), *v_new.stride(), *k_strides, *v_strides, *table_strides,\n             num_kv_heads, num_new, append_blocks, num_q_tokens, capacity - num_new, num_pages,\n             *rotary_ints[:4]),\n            # rotary: no FMA contraction, so the cache holds what torch\'s rotation rounds to\n            (), {"ROWS": _APPEND_ROWS, **rotary}, {"enable_fp_fusion": False} if cos is not q\n            else {},\n        )\n        _run_step(append, device, (k_new, v_new, k_cache, v_cache, cache_seqlens, table, cos, sin))\n    if out.numel() == 0:  # (not planned: nothing to launch but the append)\n        return (out, lse) if return_lse else out\n    block_n = CONFIG["BLOCK_N"]\n    q_per_kv = num_q_heads // num_kv_heads\n    rows = q_per_kv * num_q_tokens\n    block_rows = min(CONFIG["BLOCK_M"], max(16, 1 << (rows - 1).bit_length()))\n    num_row_blocks = -(-rows // block_rows)\n    programs = batch * num_kv_heads * num_row_blocks\n'
     if ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'sliding_window'):
         pass
         yield '    # No query sees further back than the window: splits cover only what can be seen.\n    span = min(capacity, WINDOW[0] + num_q_tokens + block_n)\n'
@@ -189,7 +194,7 @@ def root(context, missing=missing):
     if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
         pass
         yield ', stride_slopes_b'
-    yield '),\n        (qk_scale,),\n        {"DIRECT": splits == 1, "STORE_LSE": return_lse, "BLOCK_ROWS": block_rows,\n         "BLOCK_N": block_n},\n        _OPTIONS,\n    )\n    _run_step(split, device, (q, k_cache, v_cache, out, lse_arg, part_out, part_lse,\n                              cache_seqlens, table, slopes_arg'
+    yield ', *rotary_ints,\n         rotary_q_step),\n        (qk_scale,),\n        {"DIRECT": splits == 1, "STORE_LSE": return_lse, "BLOCK_ROWS": block_rows,\n         "BLOCK_N": block_n, **rotary},\n        _OPTIONS,\n    )\n    _run_step(split, device, (q, k_cache, v_cache, out, lse_arg, part_out, part_lse,\n                              cache_seqlens, table, cos, sin, slopes_arg'
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
         yield ', sinks'
@@ -204,4 +209,4 @@ def root(context, missing=missing):
     yield '    return (out, lse) if return_lse else out\n'
 
 blocks = {}
-debug_info = '3=30&4=32&5=34&53=37&56=44&57=48&63=52&70=59&73=66&76=73&80=75&84=79&86=89&87=95&88=98&89=106&91=113&94=118&97=122&101=128&107=132&111=134&119=136&126=145&140=149&141=156&145=158&148=161&159=163&168=170&191=174&194=177&200=183&209=187&225=189&232=193&240=197&241=201'
+debug_info = '3=30&4=32&5=34&53=37&56=44&57=48&63=52&70=59&73=66&76=73&82=75&85=80&87=90&88=96&89=99&90=107&92=114&95=119&98=123&102=129&105=131&109=133&115=137&119=139&127=141&134=150&149=154&150=161&154=163&157=166&168=168&177=175&205=179&208=182&214=188&223=192&239=194&247=198&255=202&256=206'
