@@ -282,3 +282,71 @@ def _spec(layout, page_size, mask):
 def _no_torch_rotation(q, k, options, *args):
     assert options.rotary is None, "q and k were rotated in torch"
     return q, k
+
+
+# --------------------------------------------------------------------------------- plans
+
+
+def _rotary_step(seed=13):
+    """A flash-layout decode step on api_kernels' contiguous fp32 causal module: q [2, 2, 4,
+    16], caches [2, 12, 2, 16] (NaN past the lengths), two new keys, cos/sin [12, 4]."""
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache = torch.randn(2, 12, 2, 16, generator=gen), torch.randn(2, 12, 2, 16)
+    lengths = torch.tensor([3, 7], dtype=torch.int32)
+    for b, n in enumerate(lengths.tolist()):
+        k_cache[b, n:], v_cache[b, n:] = float("nan"), float("nan")
+    q, k, v = (torch.randn(2, 2, h, 16, generator=gen) for h in (4, 2, 2))
+    cos, sin = rotary_tables(12, 4, torch.float32, seed=seed)
+    return q, k_cache, v_cache, k, v, cos, sin, lengths
+
+
+def test_a_fused_rotary_step_runs_from_its_plan(api_kernels, monkeypatch):  # noqa: F811
+    needs = []
+    need_for = kvcache_module.need_for
+    monkeypatch.setattr(
+        kvcache_module, "need_for", lambda *a, **kw: needs.append(a) or need_for(*a, **kw)
+    )
+    monkeypatch.setattr(kvcache_module, "rotate", _no_torch_rotation)
+    q, k_cache, v_cache, k, v, cos, sin, lengths = _rotary_step()
+    results = []
+    for _ in range(2):
+        caches = (k_cache.clone(), v_cache.clone())
+        results.append(
+            (*caches, *attngen.flash_attn_with_kvcache(
+                q, *caches, k, v, cos, sin, lengths, causal=True, return_softmax_lse=True,
+                rotary_interleaved=False,
+            ))
+        )  # fmt: skip
+    assert len(needs) == 1, "the second step took the full path"
+    for full, planned in zip(*results, strict=True):
+        assert same_bits(full, planned)
+    # a call with other rotary options is another signature: the full path, then its plan
+    caches = (k_cache.clone(), v_cache.clone())
+    attngen.flash_attn_with_kvcache(q, *caches, k, v, cos, sin, lengths, causal=True)
+    assert len(needs) == 2
+
+
+def test_a_step_rotated_in_torch_keeps_no_plan(api_kernels, monkeypatch):  # noqa: F811
+    """A decode module whose kernels do not rotate (one built before they did): q and k are
+    rotated in torch, on every call, and such a step never runs from a plan (which would not
+    rotate)."""
+    module = api_kernels.module_for("api", "decode")
+    monkeypatch.delattr(module, "ACCEPTS_ROTARY")
+    api_kernels.registry.plans.clear()  # (the plans earlier tests left, of kernels that rotate)
+    rotations = []
+    monkeypatch.setattr(kvcache_module, "rotate", lambda *a: rotations.append(a) or rotate(*a))
+    q, k_cache, v_cache, k, v, cos, sin, lengths = _rotary_step()
+    results = []
+    for _ in range(2):
+        caches = (k_cache.clone(), v_cache.clone())
+        out = attngen.flash_attn_with_kvcache(q, *caches, k, v, cos, sin, lengths, causal=True)
+        assert attngen.last_dispatch().need.kind.value == "decode"
+        results.append((*caches, out))
+    assert len(rotations) == 2
+    for torch_way, again in zip(*results, strict=True):
+        assert same_bits(torch_way, again)
+    monkeypatch.undo()  # the module's kernels rotate again: the same bytes
+    caches = (k_cache.clone(), v_cache.clone())
+    fused = attngen.flash_attn_with_kvcache(q, *caches, k, v, cos, sin, lengths, causal=True)
+    for torch_way, kernels in zip(results[0], (*caches, fused), strict=True):
+        assert same_bits(torch_way, kernels)

@@ -88,12 +88,7 @@ def call_decode(
     _ran(key)
     extra = {**_sinks(sinks), **_splits(module, key, num_splits)}
     if rotary_cos is not None or rotary_sin is not None:  # (modules with ACCEPTS_ROTARY)
-        extra.update(
-            rotary_cos=rotary_cos,
-            rotary_sin=rotary_sin,
-            rotary_interleaved=rotary_interleaved,
-            rotary_q_per_token=rotary_q_per_token,
-        )
+        extra.update(_rotary(rotary_cos, rotary_sin, rotary_interleaved, rotary_q_per_token))
     if heads_last:
         out = _heads_last(q, v_cache.shape[-1])
         result = module.decode(
@@ -125,6 +120,16 @@ def call_decode(
         **extra,
     )
     return result if return_lse else (result, None)
+
+
+def _rotary(cos, sin, interleaved: bool, per_token: bool) -> dict:
+    """decode's rotary keywords (passed only with rotary: older modules do not take them)."""
+    return {
+        "rotary_cos": cos,
+        "rotary_sin": sin,
+        "rotary_interleaved": interleaved,
+        "rotary_q_per_token": per_token,
+    }
 
 
 def _splits(module, key: str, num_splits: int) -> dict[str, int]:
@@ -188,7 +193,10 @@ def decode(
         _direct(q, k_cache, v_cache, alibi_slopes)
         and (news is None or _direct(q, news[0], news[1], None))
         and (sinks is None or _direct(q, k_cache, v_cache, sinks))
-        and (rotary_cos is None or _direct(q, rotary_cos, rotary_sin, None))
+        and (
+            rotary_cos is None
+            or (rotary_sin is not None and _direct(q, rotary_cos, rotary_sin, None))
+        )
     ):
         return direct_decode(current_registry().module(key), *args)
     out, lse = decode_op(*args)

@@ -20,9 +20,11 @@ decode module built before its kernels took rotary) gets them rotated in torch f
 
 A decode step whose signature route 1 served before runs from its plan (plans.py): the key
 holds every shape and option the checks above decide with, the dtypes and devices of the
-other tensors are compared on each call (_same_kinds), and calls with rotary, cache_batch_idx,
-cache_leftpad or an int cache_seqlens (value checks) always take the full path. num_splits is
-in the key (an int >= 0; another type takes the full path) and the plan passes the call's.
+other tensors are compared on each call (kvcache_plan.same_kinds), and calls with
+cache_batch_idx, cache_leftpad or an int cache_seqlens (value checks) always take the full
+path. num_splits is in the key (an int >= 0; another type takes the full path) and the plan
+passes the call's; so are rotary's shapes and flag, and a plan is kept for a rotary call only
+when the module's kernels rotated (the plan passes cos/sin on).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from attngen.runtime.dispatch import need_for, probe
 from attngen.runtime.entry_checks import check_alibi
 from attngen.runtime.kvcache_append import append_fitting, cache_seqlens_tensor
 from attngen.runtime.kvcache_options import CacheOptions, cache_options, key_layout
+from attngen.runtime.kvcache_plan import plain_step, planned_rotary, rotary_key, same_kinds
 from attngen.runtime.kvcache_rotary import fused_rotary, rotate
 from attngen.runtime.launch import run_varlen, varlen_dispatch
 from attngen.runtime.selection import Dispatch
@@ -82,7 +85,7 @@ def flash_attn_with_kvcache(
     if (
         type(cache_seqlens) is Tensor
         and plans.eager(q, k_cache, v_cache, alibi_slopes)
-        and _plain_step(
+        and plain_step(
             k, v, block_table, num_splits, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad
         )
         and plans.plain(softmax_scale, softcap)
@@ -108,6 +111,7 @@ def flash_attn_with_kvcache(
             plans.slopes_rank(alibi_slopes),
             return_softmax_lse,
             num_splits,
+            rotary_key(rotary_cos, rotary_sin, rotary_interleaved),
         )
         ran = _run_planned(
             plans.find(key),
@@ -120,6 +124,7 @@ def flash_attn_with_kvcache(
             block_table,
             alibi_slopes,
             num_splits,
+            planned_rotary(rotary_cos, rotary_sin, rotary_interleaved, causal, window_size),
         )
         if ran is not None:
             return ran if return_softmax_lse else ran[0]
@@ -149,8 +154,9 @@ def flash_attn_with_kvcache(
             q, k_cache, v_cache, block_table, mask, window, softcap, alibi_slopes, capacity
         )
     rotary = fused_rotary(options, decode, mask is not Mask.none)
-    if rotary is None:
+    if rotary is None and options.rotary is not None:  # rotated in torch: no plan for the call
         q, k = rotate(q, k, options, cache_seqlens, mask is not Mask.none)
+        key = None
     if decode is not None:
         out, lse = _run_decode_module(
             decode,
@@ -359,14 +365,27 @@ def _run_planned(
     block_table,
     alibi_slopes,
     num_splits: int,
+    rotary: dict | None,
 ):
     """_run_decode_module from the signature's plan (plans.py); None without one, when a check
     its key leaves open fails (the full path then says what) or when the device refuses now."""
-    if plan is None or not _same_kinds(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+    if plan is None or not same_kinds(
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary
+    ):
         return None
     q, k_cache, v_cache, k, v = _heads_first(q, k_cache, v_cache, k, v, block_table)
     ran = plans.run_decode(
-        plan, q, k_cache, v_cache, cache_seqlens, block_table, k, v, alibi_slopes, num_splits
+        plan,
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        block_table,
+        k,
+        v,
+        alibi_slopes,
+        num_splits,
+        rotary,
     )
     if ran is None:
         return None
@@ -381,49 +400,6 @@ def _heads_first(q, k_cache, v_cache, k, v, block_table):
     if k is not None:
         k, v = k.transpose(1, 2), v.transpose(1, 2)
     return q.transpose(1, 2), k_cache, v_cache, k, v
-
-
-def _plain_step(k, v, block_table, num_splits, rotary_cos, rotary_sin, batch_idx, leftpad) -> bool:
-    """Whether a step may run from a plan: new keys none or plain tensors that need no
-    gradient, block_table None or a plain tensor, num_splits an int >= 0 (the key holds it),
-    and none of the options that only route 2 serves (rotary, cache_batch_idx,
-    cache_leftpad)."""
-    if not (
-        type(num_splits) is int
-        and num_splits >= 0
-        and rotary_cos is None
-        and rotary_sin is None
-        and batch_idx is None
-        and leftpad is None
-        and (block_table is None or type(block_table) is Tensor)
-    ):
-        return False
-    if k is None and v is None:
-        return True
-    return (
-        type(k) is Tensor
-        and type(v) is Tensor
-        and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
-    )
-
-
-def _same_kinds(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> bool:
-    """The checks of check_kvcache_shapes and cache_seqlens_tensor that a signature key leaves
-    open: the caches and the new keys have q's dtype and device, the index tensors are int32."""
-    dtype, device = q.dtype, q.device
-    if not (
-        k_cache.dtype is dtype
-        and v_cache.dtype is dtype
-        and k_cache.device == device
-        and v_cache.device == device
-        and cache_seqlens.dtype is torch.int32
-    ):
-        return False
-    if block_table is not None and block_table.dtype is not torch.int32:
-        return False
-    return k is None or (
-        k.dtype is dtype and v.dtype is dtype and k.device == device and v.device == device
-    )
 
 
 def _decode_module(

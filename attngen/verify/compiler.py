@@ -183,7 +183,9 @@ def _decode_source(spec: AttnSpec, kernel: Any, config: TileConfig) -> Any:
     constexprs.update(
         DIRECT=False, STORE_LSE=True, BLOCK_ROWS=config.block_m, BLOCK_N=config.block_n
     )
-    types = dict.fromkeys(("Q", "K", "V", "Out"), spec.dtype.triton_pointer)
+    if "ROTARY_HALF" in kernel.arg_names:  # the launch without rotary (its code compiled out)
+        constexprs.update(ROTARY_HALF=0, ROTARY_INTERLEAVED=False)
+    types = dict.fromkeys(("Q", "K", "V", "Out", "Cos", "Sin"), spec.dtype.triton_pointer)
     types.update(dict.fromkeys(("SeqLens", "BlockTable"), "*i32"))
     types.update(dict.fromkeys(("Lse", "PartOut", "PartLse", "Slopes", "Sinks"), "*fp32"))
 
