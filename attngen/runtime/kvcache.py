@@ -110,8 +110,8 @@ def flash_attn_with_kvcache(
             softmax_scale,
             plans.slopes_rank(alibi_slopes),
             return_softmax_lse,
-            num_splits,
             rotary_key(rotary_cos, rotary_sin, rotary_interleaved),
+            num_splits,
         )
         ran = _run_planned(
             plans.find(key),
