@@ -131,7 +131,7 @@ def test_a_call_plan_tells_latent_values_from_a_cache_of_their_own(monkeypatch):
     def key(v_cache):
         return module._call_key(
             q, cache.k, v_cache, cache.lengths, cache.block_table, None, None, None, None,
-            False, None, 0,
+            False, None, 0, None, None, True, True,
         )  # fmt: skip
 
     aliased, separate = key(cache.k[..., :LATENT]), key(other[..., :LATENT])
@@ -150,3 +150,20 @@ def test_deepseek_tile_holds_64_head_rows(arch):
     ]
     config = derive_decode_tiles(spec, arch).chosen
     assert config is not None and config.block_m >= 64
+
+
+def test_rotary_is_refused_by_name_on_the_split_dot():
+    """The fused rotary rotates dims [0, rotary_dim); an absorbed MLA decode's RoPE lives in the
+    rope part after the latent, so its module takes none and says so (the runtime rotates in
+    torch for it: ACCEPTS_ROTARY is False)."""
+    spec = mla_spec("paged")
+    module = load_decode(spec)
+    assert module.ACCEPTS_ROTARY is False
+    cache = make_cache(spec, [5], seed=1)
+    q, _, _, _ = make_queries(spec, 1, 1, seed=2)
+    table = torch.ones(64, 8, dtype=q.dtype)
+    with pytest.raises(ValueError, match="rotary_cos: this absorbed MLA decode module"):
+        module.decode(
+            q, cache.k, cache.k[..., :LATENT], cache.lengths, block_table=cache.block_table,
+            rotary_cos=table, rotary_sin=table,
+        )  # fmt: skip

@@ -13,7 +13,8 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
   | tee -a "$out/gpu.txt"
 python3 -m attngen check examples/*.yaml 2>&1 | tee "$out/check.log"
 ATTNGEN_HYPOTHESIS_PROFILE=gpu python3 -m pytest -m gpu -q -p no:cacheprovider \
-  tests/test_decode_gpu.py tests/test_prefill_gpu.py tests/test_safety_gpu.py 2>&1 \
+  tests/test_decode_gpu.py tests/test_rotary_gpu.py tests/test_prefill_gpu.py \
+  tests/test_safety_gpu.py 2>&1 \
   | tee "$out/pytest_gpu_decode.log"
 tests_rc=$?
 python3 tools/bench_decode.py --out "$out" "$@" 2>&1 | tee "$out/bench_decode.log"

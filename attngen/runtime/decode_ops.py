@@ -30,11 +30,16 @@ def run_decode(
     heads_last: bool,
     sinks: Tensor | None = None,
     num_splits: int = 0,
+    rotary_cos: Tensor | None = None,
+    rotary_sin: Tensor | None = None,
+    rotary_interleaved: bool = True,
+    rotary_q_per_token: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """The decode kind's `decode` entry point (the README's decode contract); appends
     k_new/v_new into the caches at cache_seqlens, in place, before attending. (out, lse or
     None); out [B, Nq, HQ, DV] with heads_last, else [B, HQ, Nq, DV]. num_splits: the
-    module's (0: its split rule; s >= 1: s splits of the keys, clamped by the module)."""
+    module's (0: its split rule; s >= 1: s splits of the keys, clamped by the module). rotary_*:
+    the module's rotary embedding of q and the new keys (ACCEPTS_ROTARY modules)."""
     return call_decode(
         current_registry().module(key),
         key,
@@ -51,6 +56,10 @@ def run_decode(
         heads_last,
         sinks,
         num_splits,
+        rotary_cos,
+        rotary_sin,
+        rotary_interleaved,
+        rotary_q_per_token,
     )
 
 
@@ -70,10 +79,16 @@ def call_decode(
     heads_last: bool,
     sinks: Tensor | None = None,
     num_splits: int = 0,
+    rotary_cos: Tensor | None = None,
+    rotary_sin: Tensor | None = None,
+    rotary_interleaved: bool = True,
+    rotary_q_per_token: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """run_decode with the module of `key` in hand."""
     _ran(key)
     extra = {**_sinks(sinks), **_splits(module, key, num_splits)}
+    if rotary_cos is not None or rotary_sin is not None:  # (modules with ACCEPTS_ROTARY)
+        extra.update(_rotary(rotary_cos, rotary_sin, rotary_interleaved, rotary_q_per_token))
     if heads_last:
         out = _heads_last(q, v_cache.shape[-1])
         result = module.decode(
@@ -107,6 +122,16 @@ def call_decode(
     return result if return_lse else (result, None)
 
 
+def _rotary(cos, sin, interleaved: bool, per_token: bool) -> dict:
+    """decode's rotary keywords (passed only with rotary: older modules do not take them)."""
+    return {
+        "rotary_cos": cos,
+        "rotary_sin": sin,
+        "rotary_interleaved": interleaved,
+        "rotary_q_per_token": per_token,
+    }
+
+
 def _splits(module, key: str, num_splits: int) -> dict[str, int]:
     """decode's num_splits keyword, only when one is asked for: 0 is every module's default,
     so a module built before decode took the argument (it has no LAST_NUM_SPLITS) serves
@@ -136,6 +161,10 @@ def decode(
     heads_last: bool = False,
     sinks: Tensor | None = None,
     num_splits: int = 0,
+    rotary_cos: Tensor | None = None,
+    rotary_sin: Tensor | None = None,
+    rotary_interleaved: bool = True,
+    rotary_q_per_token: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """(out, lse or None) of the decode module `key`; see the module docstring. Directly,
     the caches' version counters are bumped as the op's mutates_args would."""
@@ -154,12 +183,20 @@ def decode(
         heads_last,
         sinks,
         num_splits,
+        rotary_cos,
+        rotary_sin,
+        rotary_interleaved,
+        rotary_q_per_token,
     )
     news = (k_new, v_new) if k_new is not None and v_new is not None else None
     if (
         _direct(q, k_cache, v_cache, alibi_slopes)
         and (news is None or _direct(q, news[0], news[1], None))
         and (sinks is None or _direct(q, k_cache, v_cache, sinks))
+        and (
+            rotary_cos is None
+            or (rotary_sin is not None and _direct(q, rotary_cos, rotary_sin, None))
+        )
     ):
         return direct_decode(current_registry().module(key), *args)
     out, lse = decode_op(*args)
@@ -185,6 +222,10 @@ def direct_decode(
     heads_last: bool,
     sinks: Tensor | None = None,
     num_splits: int = 0,
+    rotary_cos: Tensor | None = None,
+    rotary_sin: Tensor | None = None,
+    rotary_interleaved: bool = True,
+    rotary_q_per_token: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """call_decode without the op: the caches' version counters are bumped after an append,
     as the op's mutates_args would."""
@@ -204,6 +245,10 @@ def direct_decode(
         heads_last,
         sinks,
         num_splits,
+        rotary_cos,
+        rotary_sin,
+        rotary_interleaved,
+        rotary_q_per_token,
     )
     if k_new is not None and v_new is not None:
         torch.autograd.graph.increment_version((k_cache, v_cache))
@@ -226,6 +271,10 @@ def decode_op(
     heads_last: bool,
     sinks: Tensor | None = None,
     num_splits: int = 0,
+    rotary_cos: Tensor | None = None,
+    rotary_sin: Tensor | None = None,
+    rotary_interleaved: bool = True,
+    rotary_q_per_token: bool = False,
 ) -> tuple[Tensor, Tensor]:
     out, lse = run_decode(
         key,
@@ -242,6 +291,10 @@ def decode_op(
         heads_last,
         sinks,
         num_splits,
+        rotary_cos,
+        rotary_sin,
+        rotary_interleaved,
+        rotary_q_per_token,
     )
     return (out.transpose(1, 2) if heads_last else out), (_no_lse(q) if lse is None else lse)
 
@@ -262,6 +315,10 @@ def _(
     heads_last,
     sinks=None,
     num_splits=0,
+    rotary_cos=None,
+    rotary_sin=None,
+    rotary_interleaved=True,
+    rotary_q_per_token=False,
 ):
     batch, heads, seqlen_q, _ = q.shape
     if heads_last:

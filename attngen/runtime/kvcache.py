@@ -15,11 +15,16 @@ Routing, in order:
    cache_leftpad take it (kvcache_options.py: rotary, those, num_splits); it has no split of
    the keys, so num_splits is a hint there, as in flash-attn.
 
+Rotary: route 1's module rotates q and the appended keys in its kernels; route 2 (and a
+decode module built before its kernels took rotary) gets them rotated in torch first.
+
 A decode step whose signature route 1 served before runs from its plan (plans.py): the key
 holds every shape and option the checks above decide with, the dtypes and devices of the
-other tensors are compared on each call (_same_kinds), and calls with rotary, cache_batch_idx,
-cache_leftpad or an int cache_seqlens (value checks) always take the full path. num_splits is
-in the key (an int >= 0; another type takes the full path) and the plan passes the call's.
+other tensors are compared on each call (kvcache_plan.same_kinds), and calls with
+cache_batch_idx, cache_leftpad or an int cache_seqlens (value checks) always take the full
+path. num_splits is in the key (an int >= 0; another type takes the full path) and the plan
+passes the call's; so are rotary's shapes and flag, and a plan is kept for a rotary call only
+when the module's kernels rotated (the plan passes cos/sin on).
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ from attngen.runtime.arguments import flash_mask
 from attngen.runtime.dispatch import need_for, probe
 from attngen.runtime.entry_checks import check_alibi
 from attngen.runtime.kvcache_append import append_fitting, cache_seqlens_tensor
-from attngen.runtime.kvcache_options import CacheOptions, cache_options, key_layout, rotate
+from attngen.runtime.kvcache_options import CacheOptions, cache_options, key_layout
+from attngen.runtime.kvcache_plan import plain_step, planned_rotary, rotary_key, same_kinds
+from attngen.runtime.kvcache_rotary import fused_rotary, rotate
 from attngen.runtime.launch import run_varlen, varlen_dispatch
 from attngen.runtime.selection import Dispatch
 from attngen.runtime.validate import check_kvcache_shapes
@@ -78,7 +85,7 @@ def flash_attn_with_kvcache(
     if (
         type(cache_seqlens) is Tensor
         and plans.eager(q, k_cache, v_cache, alibi_slopes)
-        and _plain_step(
+        and plain_step(
             k, v, block_table, num_splits, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad
         )
         and plans.plain(softmax_scale, softcap)
@@ -103,6 +110,7 @@ def flash_attn_with_kvcache(
             softmax_scale,
             plans.slopes_rank(alibi_slopes),
             return_softmax_lse,
+            rotary_key(rotary_cos, rotary_sin, rotary_interleaved),
             num_splits,
         )
         ran = _run_planned(
@@ -116,6 +124,7 @@ def flash_attn_with_kvcache(
             block_table,
             alibi_slopes,
             num_splits,
+            planned_rotary(rotary_cos, rotary_sin, rotary_interleaved, causal, window_size),
         )
         if ran is not None:
             return ran if return_softmax_lse else ran[0]
@@ -139,12 +148,15 @@ def flash_attn_with_kvcache(
     new = 0 if k is None else k.shape[1]
     cache_seqlens = cache_seqlens_tensor(cache_seqlens, q.shape[0], capacity, new, q.device)
     mask, window = flash_mask(causal, window_size)
-    q, k = rotate(q, k, options, cache_seqlens, mask is not Mask.none)
     decode = None
     if options.decode_route:
         decode = _decode_module(
             q, k_cache, v_cache, block_table, mask, window, softcap, alibi_slopes, capacity
         )
+    rotary = fused_rotary(options, decode, mask is not Mask.none)
+    if rotary is None and options.rotary is not None:  # rotated in torch: no plan for the call
+        q, k = rotate(q, k, options, cache_seqlens, mask is not Mask.none)
+        key = None
     if decode is not None:
         out, lse = _run_decode_module(
             decode,
@@ -160,6 +172,7 @@ def flash_attn_with_kvcache(
             return_softmax_lse,
             key,
             num_splits,
+            rotary,
         )
         return (out, lse) if return_softmax_lse else out
     out, lse = _run_varlen_route(
@@ -303,11 +316,13 @@ def _run_decode_module(
     return_lse: bool,
     plan_key: tuple | None,
     num_splits: int,
+    rotary: dict | None,
 ):
     """(out [B, Nq, HQ, DV], lse or None) from the decode module, which appends k/v and
     reads the caches in place: the flash layout's [B, N, H, D] tensors are handed over as
     [B, H, N, D] views (paged caches as they are). The route is kept as the plan of
-    `plan_key` (plans.py); num_splits: the call's (checked by cache_options)."""
+    `plan_key` (plans.py); num_splits: the call's (checked by cache_options); rotary: the
+    module's rotary arguments when its kernels rotate (fused_rotary)."""
     assert decode.key is not None  # probe() answers served dispatches only
     sm_scale = arguments.softmax_scale(softmax_scale, q)
     in_place = _in_place(decode, q)
@@ -326,6 +341,7 @@ def _run_decode_module(
         return_lse,
         in_place,
         num_splits=num_splits,
+        **(rotary or {}),
     )
     plans.remember(plan_key, decode, sm_scale, return_lse, in_place)
     return (out if in_place else out.transpose(1, 2)), lse
@@ -349,14 +365,27 @@ def _run_planned(
     block_table,
     alibi_slopes,
     num_splits: int,
+    rotary: dict | None,
 ):
     """_run_decode_module from the signature's plan (plans.py); None without one, when a check
     its key leaves open fails (the full path then says what) or when the device refuses now."""
-    if plan is None or not _same_kinds(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+    if plan is None or not same_kinds(
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary
+    ):
         return None
     q, k_cache, v_cache, k, v = _heads_first(q, k_cache, v_cache, k, v, block_table)
     ran = plans.run_decode(
-        plan, q, k_cache, v_cache, cache_seqlens, block_table, k, v, alibi_slopes, num_splits
+        plan,
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        block_table,
+        k,
+        v,
+        alibi_slopes,
+        num_splits,
+        rotary,
     )
     if ran is None:
         return None
@@ -371,49 +400,6 @@ def _heads_first(q, k_cache, v_cache, k, v, block_table):
     if k is not None:
         k, v = k.transpose(1, 2), v.transpose(1, 2)
     return q.transpose(1, 2), k_cache, v_cache, k, v
-
-
-def _plain_step(k, v, block_table, num_splits, rotary_cos, rotary_sin, batch_idx, leftpad) -> bool:
-    """Whether a step may run from a plan: new keys none or plain tensors that need no
-    gradient, block_table None or a plain tensor, num_splits an int >= 0 (the key holds it),
-    and none of the options that only route 2 serves (rotary, cache_batch_idx,
-    cache_leftpad)."""
-    if not (
-        type(num_splits) is int
-        and num_splits >= 0
-        and rotary_cos is None
-        and rotary_sin is None
-        and batch_idx is None
-        and leftpad is None
-        and (block_table is None or type(block_table) is Tensor)
-    ):
-        return False
-    if k is None and v is None:
-        return True
-    return (
-        type(k) is Tensor
-        and type(v) is Tensor
-        and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
-    )
-
-
-def _same_kinds(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> bool:
-    """The checks of check_kvcache_shapes and cache_seqlens_tensor that a signature key leaves
-    open: the caches and the new keys have q's dtype and device, the index tensors are int32."""
-    dtype, device = q.dtype, q.device
-    if not (
-        k_cache.dtype is dtype
-        and v_cache.dtype is dtype
-        and k_cache.device == device
-        and v_cache.device == device
-        and cache_seqlens.dtype is torch.int32
-    ):
-        return False
-    if block_table is not None and block_table.dtype is not torch.int32:
-        return False
-    return k is None or (
-        k.dtype is dtype and v.dtype is dtype and k.device == device and v.device == device
-    )
 
 
 def _decode_module(

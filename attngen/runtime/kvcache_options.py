@@ -1,12 +1,7 @@
-"""flash_attn_with_kvcache's options that the runtime serves without a kernel change.
+"""flash_attn_with_kvcache's options: their meaning and checks, and route 2's key layout.
 
-- rotary_cos/rotary_sin: flash-attn's rotary embedding of q and of the appended k (at
-  positions cache_seqlens[b] + t; q at cache_seqlens[b] for every token unless causal or
-  local), interleaved (pairs 0&1, 2&3, ...) or not (GPT-NeoX halves), on the first
-  2 * rotary_cos.shape[1] dims. Computed here in float32 and rounded to q's dtype, as
-  flash-attn's kernel does before it uses them; a new q and k are made (small), never a copy
-  of the cache, and the positions stay on the device (no host sync). Fusing it into the
-  decode kernel's append is the performance step that remains (docs/integration.md).
+- rotary_cos/rotary_sin: checked here; applied by the decode module's kernels or in torch
+  (kvcache_rotary.py).
 - cache_batch_idx / cache_leftpad: which cache row holds sequence b, and where its keys
   start. The varlen route reads the cache in place with sequence b's keys from
   cache_batch_idx[b] * L + cache_leftpad[b] (its cu_seqlens_k start) and
@@ -107,45 +102,6 @@ def _check_rotary(q, k, cos, sin, capacity) -> None:
                 f"positions), rotary_dim / 2 <= {q.shape[-1] // 2}] on {q.device}, as "
                 f"rotary_cos, got {_describe(t)}"
             )
-
-
-def rotate(q, k, options: CacheOptions, cache_seqlens, mask_bounded: bool):
-    """(q, k) with the rotary embedding applied (unchanged without rotary). mask_bounded:
-    causal or local (flash-attn's window other than (-1, -1)): a mask other than none, so
-    each query token has its own position."""
-    if options.rotary is None:
-        return q, k
-    cos, sin, interleaved = options.rotary
-    # Clamped: a cache_seqlens entry out of range must not index outside cos/sin (that
-    # sequence gets NaN from the kernels and nothing appended, kvcache_append._fits).
-    starts = cache_seqlens.long()[:, None]
-    positions_k = starts + torch.arange(k.shape[1], device=k.device)
-    positions_q = (
-        starts + torch.arange(q.shape[1], device=q.device)
-        if mask_bounded
-        else starts.expand(-1, q.shape[1])
-    )
-    last = cos.shape[0] - 1
-    positions_q, positions_k = positions_q.clamp(0, last), positions_k.clamp(0, last)
-    return (
-        _apply_rotary(q, cos, sin, positions_q, interleaved),
-        _apply_rotary(k, cos, sin, positions_k, interleaved),
-    )
-
-
-def _apply_rotary(x, cos, sin, positions, interleaved: bool):
-    """x [B, N, H, D] rotated at positions [B, N] on its first 2 * cos.shape[1] dims."""
-    half = cos.shape[1]
-    c = cos[positions].unsqueeze(2).float()  # [B, N, 1, half]
-    s = sin[positions].unsqueeze(2).float()
-    part = x[..., : 2 * half].float()
-    if interleaved:
-        x1, x2 = part[..., 0::2], part[..., 1::2]
-        rotated = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
-    else:
-        x1, x2 = part[..., :half], part[..., half:]
-        rotated = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
-    return torch.cat((rotated.to(x.dtype), x[..., 2 * half :]), dim=-1)
 
 
 def key_layout(options: CacheOptions, steps, capacity: int, used):

@@ -264,10 +264,11 @@ def run_decode(
     v_new: Tensor | None,
     alibi_slopes: Tensor | None,
     num_splits: int = 0,
+    rotary: dict | None = None,
 ) -> tuple[Tensor, Tensor | None] | None:
     """decode_ops.decode's direct call from a plan, [B, H, N, D] views in (heads-last output
-    when the plan writes in place), with the call's num_splits (which its key holds too);
-    None when the device refuses now."""
+    when the plan writes in place), with the call's num_splits (which its key holds too) and
+    rotary keywords (kvcache_plan.planned_rotary); None when the device refuses now."""
     if plan.device_check is not None and device_problem(*plan.device_check) is not None:
         return None  # the device refuses now what it served: the full path says why
     record(plan.dispatch)
@@ -287,4 +288,5 @@ def run_decode(
         plan.in_place,
         None,
         num_splits,
+        **(rotary or {}),
     )

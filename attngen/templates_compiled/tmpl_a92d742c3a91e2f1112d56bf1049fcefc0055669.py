@@ -153,7 +153,7 @@ def root(context, missing=missing):
         for event in gen:
             yield event
     finally: gen.close()
-    yield '\n\n@triton.jit\ndef _decode_split_kernel(\n    Q, K, V, Out, Lse, PartOut, PartLse, SeqLens, BlockTable, Slopes,'
+    yield '\n\n@triton.jit\ndef _decode_split_kernel(\n    Q, K, V, Out, Lse, PartOut, PartLse, SeqLens, BlockTable, Cos, Sin, Slopes,'
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
         yield ' Sinks,'
@@ -161,11 +161,11 @@ def root(context, missing=missing):
     if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
         pass
         yield ' stride_slopes_b,'
-    yield ' qk_scale,\n    DIRECT: tl.constexpr,\n    STORE_LSE: tl.constexpr,\n    BLOCK_ROWS: tl.constexpr,\n    BLOCK_N: tl.constexpr,\n'
+    yield '\n    stride_cos_r, stride_cos_c, stride_sin_r, stride_sin_c, seqlen_ro, rotary_q_step, qk_scale,\n    DIRECT: tl.constexpr,\n    STORE_LSE: tl.constexpr,\n    BLOCK_ROWS: tl.constexpr,\n    BLOCK_N: tl.constexpr,\n'
     if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim):
         pass
         yield '    V_FROM_K: tl.constexpr,\n'
-    yield '):\n    tl.static_assert(BLOCK_N % 16 == 0)\n    tl.static_assert(BLOCK_ROWS % 16 == 0)\n    # -- which program: the splits of one (sequence, KV head, row block) are adjacent -------\n    pid = tl.program_id(0)\n    split = pid % num_splits\n    rest = pid // num_splits\n    row_block = rest % num_row_blocks\n    off_bh = rest // num_row_blocks\n    off_b = (off_bh // num_kv_heads).to(tl.int64)\n    off_hkv = (off_bh % num_kv_heads).to(tl.int64)\n    # -- the packed query tile: row r is query head hkv * q_per_kv + r // NQ, token r % NQ ----\n    offs_r = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)\n    row_ok = offs_r < q_per_kv * num_q_tokens\n    offs_t = offs_r % num_q_tokens\n    offs_h = off_hkv * q_per_kv + (offs_r // num_q_tokens).to(tl.int64)\n    offs_n = tl.arange(0, BLOCK_N)\n'
+    yield '    ROTARY_HALF: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,\n):\n    tl.static_assert(BLOCK_N % 16 == 0)\n    tl.static_assert(BLOCK_ROWS % 16 == 0)\n    # -- which program: the splits of one (sequence, KV head, row block) are adjacent -------\n    pid = tl.program_id(0)\n    split = pid % num_splits\n    rest = pid // num_splits\n    row_block = rest % num_row_blocks\n    off_bh = rest // num_row_blocks\n    off_b = (off_bh // num_kv_heads).to(tl.int64)\n    off_hkv = (off_bh % num_kv_heads).to(tl.int64)\n    # -- the packed query tile: row r is query head hkv * q_per_kv + r // NQ, token r % NQ ----\n    offs_r = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)\n    row_ok = offs_r < q_per_kv * num_q_tokens\n    offs_t = offs_r % num_q_tokens\n    offs_h = off_hkv * q_per_kv + (offs_r // num_q_tokens).to(tl.int64)\n    offs_n = tl.arange(0, BLOCK_N)\n'
     if (not (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim)):
         pass
         yield '    offs_d = tl.arange(0, _BLOCK_D)\n'
@@ -179,12 +179,12 @@ def root(context, missing=missing):
     if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim):
         pass
         yield str(context.call(environment.getattr((undefined(name='latent') if l_0_latent is missing else l_0_latent), 'load_q')))
-        yield '\n'
+        yield '\n    rotary_ok = row_ok  # (the launcher refuses rotary for the split dot: ROTARY_HALF is 0)\n'
     else:
         pass
         yield '    q_ptrs = (Q + off_b * stride_qb + offs_h[:, None] * stride_qh\n              + offs_t.to(tl.int64)[:, None] * stride_qt + offs_d[None, :] * stride_qd)\n    q = tl.load(q_ptrs, mask=row_ok[:, None]'
         yield str(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'pad_d'), 'None, :'))
-        yield ', other=0.0)\n'
+        yield ', other=0.0)\n    q, rotary_ok = _rotate_q(q, q_ptrs, stride_qd, cached, offs_t, rotary_q_step, row_ok & fits,\n                             seqlen_ro, Cos, Sin, stride_cos_r, stride_cos_c, stride_sin_r,\n                             stride_sin_c, ROTARY_HALF, ROTARY_INTERLEAVED)\n'
     if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
         pass
         yield '    # [HQ] slopes have stride_slopes_b 0, [B, HQ] ones their row stride (off_b < B, checked)\n    slope_ptrs = Slopes + off_b * stride_slopes_b + offs_h\n    slope_log2 = (tl.load(slope_ptrs, mask=row_ok, other=0.0) * _LOG2E_C)[:, None]\n'
@@ -276,7 +276,7 @@ def root(context, missing=missing):
     yield str(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'normalise')))
     yield '\n'
     yield str(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'row_lse'), 'lse2', log2=True))
-    yield '\n    # A request that does not fit gets NaN (as does one that needs a page that is not the\n    # cache\'s, through l_i or the scan); the combine keeps it: NaN weights give NaN.\n    out = tl.where(fits, out, float("nan"))\n    lse2 = tl.where(fits, lse2, float("nan"))\n    o_mask = row_ok[:, None]'
+    yield '\n    # A request that does not fit gets NaN (as does one that needs a page that is not the\n    # cache\'s, through l_i or the scan); the combine keeps it: NaN weights give NaN.\n    out = tl.where(fits, out, float("nan"))\n    lse2 = tl.where(fits, lse2, float("nan"))\n    if ROTARY_HALF:  # and so does a query whose rotary position is past cos/sin\'s rows\n        out = tl.where(rotary_ok[:, None], out, float("nan"))\n        lse2 = tl.where(rotary_ok, lse2, float("nan"))\n    o_mask = row_ok[:, None]'
     yield str(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'pad_dv'), 'None, :'))
     yield '\n    if DIRECT:\n        o_ptrs = (Out + off_b * stride_ob + offs_h[:, None] * stride_oh\n                  + offs_t.to(tl.int64)[:, None] * stride_ot + offs_dv[None, :] * stride_od)\n        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)\n        if STORE_LSE:\n            lse_rows = (off_b * num_kv_heads * q_per_kv + offs_h) * num_q_tokens + offs_t\n            tl.store(Lse + lse_rows, lse2 / _LOG2E_C, mask=row_ok)\n    else:\n        # Partials [B, HQ, NQ, splits, DV] and [B, HQ, NQ, splits], fp32, log2-domain LSE.\n        rows = (off_b * num_kv_heads * q_per_kv + offs_h) * num_q_tokens + offs_t\n        part = rows * num_splits + split\n        tl.store(PartOut + part[:, None] * _BLOCK_DV + offs_dv[None, :], out, mask=o_mask)\n        tl.store(PartLse + part, lse2, mask=row_ok)\n\n\n'
     template = environment.get_template('_decode_combine.py.jinja', 'decode.py.jinja')
@@ -294,4 +294,4 @@ def root(context, missing=missing):
     finally: gen.close()
 
 blocks = {}
-debug_info = '1=43&2=45&3=47&4=49&5=51&6=58&8=60&11=62&14=68&15=74&16=81&17=89&18=92&20=94&24=97&25=100&26=104&40=110&43=113&49=118&50=120&51=122&52=124&53=126&55=129&57=131&58=133&59=135&63=138&64=140&65=142&66=144&71=146&77=150&82=157&90=161&95=165&115=169&126=173&129=176&132=179&133=181&137=186&139=188&145=192&146=195&148=197&153=203&166=210&167=212&168=214&169=216&170=218&172=220&177=223&191=226&194=229&204=237&212=241&214=243&228=249&231=252&238=256&239=258&242=263&244=265&245=267&247=269&249=271&251=274&253=276&254=278&259=280&275=282&278=289'
+debug_info = '1=43&2=45&3=47&4=49&5=51&6=58&8=60&11=62&14=68&15=74&16=81&17=89&18=92&20=94&24=97&25=100&26=104&40=110&43=113&49=118&50=120&51=122&52=124&53=126&55=129&57=131&58=133&59=135&63=138&64=140&65=142&66=144&71=146&77=150&82=157&90=161&97=165&118=169&129=173&132=176&135=179&136=181&141=186&146=188&152=192&153=195&155=197&160=203&173=210&174=212&175=214&176=216&177=218&179=220&184=223&198=226&201=229&211=237&219=241&221=243&235=249&238=252&245=256&246=258&249=263&251=265&252=267&254=269&256=271&258=274&260=276&261=278&269=280&285=282&288=289'

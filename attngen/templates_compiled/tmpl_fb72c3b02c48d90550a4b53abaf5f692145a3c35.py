@@ -10,10 +10,10 @@ def root(context, missing=missing):
     l_0_dtype = resolve('dtype')
     l_0_kv_layout = resolve('kv_layout')
     l_0_rope_dim = resolve('rope_dim')
+    l_0_mask = resolve('mask')
     l_0_sinks = resolve('sinks')
     l_0_softcap = resolve('softcap')
     l_0_alibi = resolve('alibi')
-    l_0_mask = resolve('mask')
     l_0_head_dim = resolve('head_dim')
     l_0_max_query_tokens = resolve('max_query_tokens')
     l_0_page_size = resolve('page_size')
@@ -75,10 +75,11 @@ def root(context, missing=missing):
     finally: gen.close()
     yield '\n\n'
     yield str(t_1(context.call(environment.getattr((undefined(name='checks') if l_0_checks is missing else l_0_checks), 'decode_validation')), '\n'))
-    yield '\n\n\ndef decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_new=None, v_new=None,\n           sm_scale=None, alibi_slopes=None, return_lse=False, out=None, num_splits=0'
+    yield '\n\n\ndef decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_new=None, v_new=None,\n           sm_scale=None, alibi_slopes=None, return_lse=False, out=None, num_splits=0,\n           rotary_cos=None, rotary_sin=None, rotary_interleaved=True,\n           rotary_q_per_token='
+    yield str(((undefined(name='mask') if l_0_mask is missing else l_0_mask) != 'none'))
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
-        yield ',\n           sinks=None'
+        yield ', sinks=None'
     yield '):\n    """One decode step: the step\'s queries attend to their sequences\' KV caches.\n\n    softmax(q @ k^T * sm_scale'
     if (undefined(name='softcap') if l_0_softcap is missing else l_0_softcap):
         pass
@@ -135,7 +136,11 @@ def root(context, missing=missing):
     if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
         pass
         yield " alibi_slopes: [HQ] or [B, HQ] fp32, last dim contiguous; bias\n    -slope * |i' - j|, i' = L_b - NQ + t the query's position."
-    yield '\n\n'
+    yield '\n\n    rotary_cos, rotary_sin [seqlen_ro >= the capacity, rotary_dim / 2] in '
+    yield str((undefined(name='dtype') if l_0_dtype is missing else l_0_dtype))
+    yield ", any strides\n    (optional, with k_new): flash-attn's rotary embedding, applied by the kernels to the new keys\n    as they are appended and to q as it is loaded (rotary_interleaved: pairs 2i, 2i + 1, else\n    halves), on dims [0, rotary_dim), in float32 rounded to "
+    yield str((undefined(name='dtype') if l_0_dtype is missing else l_0_dtype))
+    yield ". New key t is at position\n    cache_seqlens[b] + t; query token t at cache_seqlens[b] + t with rotary_q_per_token\n    (flash-attn's causal or local calls), else at cache_seqlens[b]. A query whose position is\n    past cos/sin's rows gets NaN output and LSE.\n"
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
         yield "    sinks: [HQ] float32, contiguous, required: head h's sink logit joins every row's softmax\n    normaliser and LSE (natural log, after the scale); a row that sees no key gets output 0\n    and LSE sinks[h].\n\n"
@@ -155,7 +160,7 @@ def root(context, missing=missing):
     yield ' gets NaN output and LSE and\n    nothing appended. NNEW above the capacity raises a ValueError. With the environment\n    variable ATTNGEN_CHECKS=1 (read at each call) the index tensors are validated on the\n    host instead (a device sync, so not in a CUDA graph) and a bad one raises a ValueError\n    naming the tensor, the sequence and the value.\n    """\n'
     if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
         pass
-        yield '    key = _call_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sm_scale,\n                    alibi_slopes, return_lse, out, num_splits)\n    if key is not None:\n        plan = _CALL_PLANS.get(key)\n        if plan is not None:\n            done = _run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,\n                             out)\n            if done is not None:\n                return done if return_lse else done[0]\n'
+        yield '    key = _call_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sm_scale,\n                    alibi_slopes, return_lse, out, num_splits, rotary_cos, rotary_sin,\n                    rotary_interleaved, rotary_q_per_token)\n    if key is not None:\n        plan = _CALL_PLANS.get(key)\n        if plan is not None:\n            done = _run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,\n                             out, rotary_cos, rotary_sin)\n            if done is not None:\n                return done if return_lse else done[0]\n'
     yield '    if not _inputs_ok(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new):\n        _check_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)\n    batch, num_q_heads, num_q_tokens, _ = q.shape\n    num_kv_heads = k_cache.shape['
     if ((undefined(name='kv_layout') if l_0_kv_layout is missing else l_0_kv_layout) == 'paged'):
         pass
@@ -170,7 +175,7 @@ def root(context, missing=missing):
         pass
         yield '    _check_sinks(sinks, num_q_heads, q)\n'
     yield str(t_1(context.call(environment.getattr((undefined(name='common') if l_0_common is missing else l_0_common), 'check_sm_scale')), '\n'))
-    yield '\n    num_new = 0 if k_new is None else k_new.shape[2]\n    if out is None:\n        out = q.new_empty((batch, num_q_heads, num_q_tokens, HEAD_DIM_V))\n    else:\n        _check_out(out, (batch, num_q_heads, num_q_tokens, HEAD_DIM_V), q,\n                   (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),\n                    ("v_new", v_new)))\n    lse = None\n    if return_lse:\n        lse = q.new_empty((batch, num_q_heads, num_q_tokens), dtype=torch.float32)\n'
+    yield '\n    num_new = 0 if k_new is None else k_new.shape[2]\n    if out is None:\n        out = q.new_empty((batch, num_q_heads, num_q_tokens, HEAD_DIM_V))\n    else:\n        _check_out(out, (batch, num_q_heads, num_q_tokens, HEAD_DIM_V), q,\n                   (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),\n                    ("v_new", v_new), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)))\n    lse = None\n    if return_lse:\n        lse = q.new_empty((batch, num_q_heads, num_q_tokens), dtype=torch.float32)\n'
     if ((undefined(name='kv_layout') if l_0_kv_layout is missing else l_0_kv_layout) == 'paged'):
         pass
         yield '    capacity, num_pages = block_table.shape[1] * PAGE_SIZE, k_cache.shape[0]\n    table, table_strides = block_table, block_table.stride()\n'
@@ -181,7 +186,7 @@ def root(context, missing=missing):
     if ((undefined(name='kv_layout') if l_0_kv_layout is missing else l_0_kv_layout) == 'paged'):
         pass
         yield ' (max_pages * PAGE_SIZE)'
-    yield '")\n    if os.environ.get("ATTNGEN_CHECKS") == "1":\n        _validate_indices(cache_seqlens, block_table, num_new, num_q_tokens, capacity, num_pages)\n    k_strides, v_strides = _cache_strides(k_cache), _cache_strides(v_cache)\n    device = q.get_device()\n    append = split = combine = None\n    if batch and num_new:\n        append_blocks = -(-num_new // _APPEND_ROWS)\n        append = _Step(\n            _append_kernel, batch * num_kv_heads * append_blocks,\n            (*k_new.stride(), *v_new.stride(), *k_strides, *v_strides, *table_strides,\n             num_kv_heads, num_new, append_blocks, num_q_tokens, capacity - num_new, num_pages),\n            (), {"ROWS": _APPEND_ROWS}, {},\n        )\n        _run_step(append, device, (k_new, v_new, k_cache, v_cache, cache_seqlens, table))\n    if out.numel() == 0:  # (not planned: nothing to launch but the append)\n        return (out, lse) if return_lse else out\n'
+    yield '")\n    cos, sin, rotary_ints, rotary_q_step, rotary = _rotary_args(\n        rotary_cos, rotary_sin, rotary_interleaved, rotary_q_per_token, k_new, q, capacity)\n    if os.environ.get("ATTNGEN_CHECKS") == "1":\n        _validate_indices(cache_seqlens, block_table, num_new, num_q_tokens, capacity, num_pages)\n    k_strides, v_strides = _cache_strides(k_cache), _cache_strides(v_cache)\n    device = q.get_device()\n    append = split = combine = None\n    if batch and num_new:\n        append_blocks = -(-num_new // _APPEND_ROWS)\n        append = _Step(\n            _append_kernel, batch * num_kv_heads * append_blocks,\n            (*k_new.stride(), *v_new.stride(), *k_strides, *v_strides, *table_strides,\n             num_kv_heads, num_new, append_blocks, num_q_tokens, capacity - num_new, num_pages,\n             *rotary_ints[:4]),\n            # rotary: no FMA contraction, so the cache holds what torch\'s rotation rounds to\n            (), {"ROWS": _APPEND_ROWS, **rotary}, {"enable_fp_fusion": False} if cos is not q\n            else {},\n        )\n        _run_step(append, device, (k_new, v_new, k_cache, v_cache, cache_seqlens, table, cos, sin))\n    if out.numel() == 0:  # (not planned: nothing to launch but the append)\n        return (out, lse) if return_lse else out\n'
     if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim):
         pass
         yield '    v_from_k = _values_are_latent_keys(k_cache, v_cache)\n    config = CONFIG if v_from_k else SEPARATE_V_CONFIG\n    options = _OPTIONS if v_from_k else {**_OPTIONS, "num_warps": config["num_warps"],\n                                          "num_stages": config["num_stages"]}\n'
@@ -211,13 +216,13 @@ def root(context, missing=missing):
     if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
         pass
         yield ', stride_slopes_b'
-    yield '),\n        (qk_scale,),\n        {"DIRECT": splits == 1, "STORE_LSE": return_lse, "BLOCK_ROWS": block_rows,\n         "BLOCK_N": block_n'
+    yield ', *rotary_ints,\n         rotary_q_step),\n        (qk_scale,),\n        {"DIRECT": splits == 1, "STORE_LSE": return_lse, "BLOCK_ROWS": block_rows,\n         "BLOCK_N": block_n, **rotary'
     if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim):
         pass
         yield ', "V_FROM_K": v_from_k'
     yield '},\n        '
     yield str(('options' if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim) else '_OPTIONS'))
-    yield ',\n    )\n    _run_step(split, device, (q, k_cache, v_cache, out, lse_arg, part_out, part_lse,\n                              cache_seqlens, table, slopes_arg'
+    yield ',\n    )\n    _run_step(split, device, (q, k_cache, v_cache, out, lse_arg, part_out, part_lse,\n                              cache_seqlens, table, cos, sin, slopes_arg'
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
         yield ', sinks'
@@ -239,4 +244,4 @@ def root(context, missing=missing):
     yield '    return (out, lse) if return_lse else out\n'
 
 blocks = {}
-debug_info = '3=31&4=33&5=35&53=38&56=45&57=49&63=53&68=59&81=63&84=70&87=77&91=79&95=83&97=93&98=99&99=102&100=110&102=117&104=121&105=124&109=129&112=133&116=139&122=143&126=145&134=147&141=156&155=160&156=167&160=169&163=172&174=174&183=181&200=185&206=188&207=192&210=194&213=196&216=199&222=205&231=209&247=211&250=215&251=219&254=221&262=225&263=229&266=232'
+debug_info = '3=31&4=33&5=35&53=38&56=45&57=49&63=53&68=59&81=63&84=70&87=77&93=79&96=84&98=94&99=100&100=103&101=111&103=118&105=122&106=125&110=130&113=134&117=140&120=142&124=144&130=148&134=150&142=152&149=161&164=165&165=172&169=174&172=177&183=179&192=186&214=190&220=193&221=197&224=199&227=201&230=204&236=210&245=214&261=216&265=220&266=224&269=226&277=230&278=234&281=237'

@@ -188,7 +188,9 @@ def _decode_source(spec: AttnSpec, kernel: Any, config: TileConfig, v_from_k: bo
     )
     if "V_FROM_K" in kernel.arg_names:  # an absorbed MLA decode: V the latent K tile, or not
         constexprs["V_FROM_K"] = v_from_k
-    types = dict.fromkeys(("Q", "K", "V", "Out"), spec.dtype.triton_pointer)
+    if "ROTARY_HALF" in kernel.arg_names:  # the launch without rotary (its code compiled out)
+        constexprs.update(ROTARY_HALF=0, ROTARY_INTERLEAVED=False)
+    types = dict.fromkeys(("Q", "K", "V", "Out", "Cos", "Sin"), spec.dtype.triton_pointer)
     types.update(dict.fromkeys(("SeqLens", "BlockTable"), "*i32"))
     types.update(dict.fromkeys(("Lse", "PartOut", "PartLse", "Slopes", "Sinks"), "*fp32"))
 

@@ -1,0 +1,31 @@
+from jinja2.runtime import LoopContext, Macro, Markup, Namespace, TemplateNotFound, TemplateReference, TemplateRuntimeError, Undefined, escape, identity, internalcode, markup_join, missing, str_join
+name = '_rotary.py.jinja'
+
+def root(context, missing=missing):
+    resolve = context.resolve_or_missing
+    undefined = environment.undefined
+    concat = environment.concat
+    cond_expr_undefined = Undefined
+    if 0: yield None
+    l_0_rope_dim = resolve('rope_dim')
+    l_0_head_dim_v = resolve('head_dim_v')
+    pass
+    yield "# -- rotary embedding ------------------------------------------------------------------------\n# Rotary dims [0, 2 * half) of a row at position p, with c_i = cos[p, i], s_i = sin[p, i]:\n# interleaved (GPT-J) pairs (2i, 2i + 1), else (GPT-NeoX) halves (i, i + half), rotate as\n#   x'_a = x_a c_i - x_b s_i,  x'_b = x_a s_i + x_b c_i\n# in float32, rounded to the cache's dtype (flash-attn's order of operations); the other dims\n# are kept. Dim d's partner is the other element of its pair, read with a second load.\n"
+    if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim):
+        pass
+        yield '# The split q.k of an absorbed MLA decode (latent + rope parts) has no fused rotary: RoPE is\n# applied to the rope part before the call.\nACCEPTS_ROTARY = False\n'
+    else:
+        pass
+        yield 'ACCEPTS_ROTARY = True\n'
+    yield '\n\n@triton.jit\ndef _rotate(x, ptrs, stride_d, pos, ok, Cos, Sin, stride_cos_r, stride_cos_c, stride_sin_r,\n            stride_sin_c, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):\n    """x [R, _BLOCK_D] (loaded from `ptrs`, dims stride_d apart) rotated at positions pos [R]\n    (int64). Rows not `ok` are returned as they are: nothing of cos/sin is read for them, so a\n    position is read only where the caller has bounded it."""\n    offs_d = tl.arange(0, _BLOCK_D)\n    rotary = offs_d < 2 * HALF\n    if INTERLEAVED:\n        first = offs_d % 2 == 0\n        partner = tl.where(first, offs_d + 1, offs_d - 1)\n        freq = offs_d // 2\n    else:\n        first = offs_d < HALF\n        partner = tl.where(first, offs_d + HALF, offs_d - HALF)\n        freq = tl.where(first, offs_d, offs_d - HALF)\n    live = ok[:, None] & rotary[None, :]\n    other = tl.load(ptrs + ((partner - offs_d) * stride_d)[None, :], mask=live, other=0.0)\n    cos = tl.load(Cos + pos[:, None] * stride_cos_r + freq[None, :] * stride_cos_c, mask=live,\n                  other=1.0)\n    sin = tl.load(Sin + pos[:, None] * stride_sin_r + freq[None, :] * stride_sin_c, mask=live,\n                  other=0.0)\n    kept = x.to(tl.float32) * cos.to(tl.float32)\n    turned = other.to(tl.float32) * sin.to(tl.float32)\n    rotated = tl.where(first[None, :], kept - turned, kept + turned)\n    return tl.where(live, rotated.to(x.dtype), x)\n\n\n@triton.jit\ndef _rotate_q(q, q_ptrs, stride_qd, cached, offs_t, q_step, ok, seqlen_ro, Cos, Sin,\n              stride_cos_r, stride_cos_c, stride_sin_r, stride_sin_c, HALF: tl.constexpr,\n              INTERLEAVED: tl.constexpr):\n    """(q rotated, rows rotated): the split kernel\'s q tile with query token t at position\n    cache_seqlens[b] + t * q_step, for the `ok` rows whose position has a row of cos/sin (a\n    query past them gets NaN); unchanged without rotary (HALF 0)."""\n    if HALF:\n        pos = cached.to(tl.int64) + offs_t.to(tl.int64) * q_step\n        ok = ok & (pos < seqlen_ro)\n        q = _rotate(q, q_ptrs, stride_qd, pos, ok, Cos, Sin, stride_cos_r, stride_cos_c,\n                    stride_sin_r, stride_sin_c, HALF, INTERLEAVED)\n    return q, ok\n\n\ndef _rotary_args(rotary_cos, rotary_sin, rotary_interleaved, rotary_q_per_token, k_new, q,\n                 capacity):\n    """(cos, sin, ints, q_step, constexprs) of the kernels\' rotary arguments, checked: without\n    rotary, stand-ins (q) that no kernel reads, and ROTARY_HALF 0."""\n    if rotary_cos is None and rotary_sin is None:\n        return q, q, (0, 0, 0, 0, 0), 0, {"ROTARY_HALF": 0, "ROTARY_INTERLEAVED": False}\n'
+    if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim):
+        pass
+        yield '    raise ValueError("rotary_cos: this absorbed MLA decode module (q.k split '
+        yield str((undefined(name='head_dim_v') if l_0_head_dim_v is missing else l_0_head_dim_v))
+        yield ' + "\n                     "'
+        yield str((undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim))
+        yield ') takes no rotary embedding; rotate the rope part of q and "\n                     "of the new keys before the call")\n'
+    yield '    if rotary_cos is None or rotary_sin is None:\n        missing = "rotary_cos" if rotary_cos is None else "rotary_sin"\n        raise ValueError(f"{missing}: pass rotary_cos and rotary_sin together, or neither")\n    if k_new is None:\n        raise ValueError("rotary_cos: the rotary embedding rotates q and the appended keys, so "\n                         "k_new and v_new must be passed with it (as in flash-attn)")\n    for name, flag in (("rotary_interleaved", rotary_interleaved),\n                       ("rotary_q_per_token", rotary_q_per_token)):\n        if type(flag) is not bool:\n            raise ValueError(f"{name}: expected a bool, got {type(flag).__name__}")\n    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):\n        if (not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape != rotary_cos.shape\n                or not 1 <= t.shape[1] <= HEAD_DIM // 2 or t.shape[0] < capacity\n                or t.dtype != DTYPE or t.device != q.device):\n            got = (f"{list(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor)\n                   else type(t).__name__)\n            raise ValueError(f"{name}: expected a {DTYPE} tensor [seqlen_ro >= {capacity} (the "\n                             f"cache\'s positions), 1..{HEAD_DIM // 2} (rotary_dim / 2)] on "\n                             f"{q.device}, as rotary_cos, got {got}")\n    ints = (*rotary_cos.stride(), *rotary_sin.stride(), rotary_cos.shape[0])\n    constexprs = {"ROTARY_HALF": rotary_cos.shape[1], "ROTARY_INTERLEAVED": rotary_interleaved}\n    return rotary_cos, rotary_sin, ints, int(rotary_q_per_token), constexprs\n'
+
+blocks = {}
+debug_info = '10=14&68=21&69=24&70=26'
