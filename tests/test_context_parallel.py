@@ -354,9 +354,9 @@ def test_ring_head_groups_split_the_kv_heads_evenly():
 def test_auto_head_groups_keep_the_accumulator_within_the_budget(heads, rows, budget, groups):
     from attngen.distributed.execute import auto_head_groups
 
-    q = torch.empty(1, heads[0], rows, harness.HEAD_DIM, device="meta")
-    v = torch.empty(1, heads[1], rows, harness.HEAD_DIM, device="meta")
-    assert auto_head_groups(q, v, budget) == groups
+    q = torch.empty(1, heads[0], rows - 1, harness.HEAD_DIM, device="meta")
+    v = torch.empty(1, heads[1], rows - 1, harness.HEAD_DIM, device="meta")
+    assert auto_head_groups(q, v, rows, budget) == groups  # from the longest shard's rows
 
 
 @pytest.mark.parametrize("alibi", [False, True])
@@ -664,3 +664,42 @@ def test_backward_benchmark_runs_on_the_cpu(single_group, tmp_path):
             # fp32 sums over 32 tokens split in other places, each partial rounded once
             # before the fp32 sum: a few ulps of the largest gradient (measured <= 6 at N 64).
             assert diff <= 16 * 2**-23 * magnitude, (strategy, row)
+
+
+def test_long_sequence_script_runs_on_the_cpu(tmp_path):
+    """tools/cp_long_sequence.py under torchrun with gloo at toy sizes (--smoke: fp32, the
+    interpreter): the two-rank ring in two head groups, the sampled rows' blockwise reference
+    joined across ranks, the JSON and the table (the sizes that matter need two H200s)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(harness.free_port()),
+            str(root / "tools" / "cp_long_sequence.py"),
+            "--smoke",
+            "--head-groups",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,) = tmp_path.glob("cp_long_sequence_smoke_smoke_*.json")
+    data = json.loads(result.read_text())
+    assert data["seq_len"] == 64 and data["head_groups"] == 2 and data["world_size"] == 2
+    assert data["check"]["rows"] == 32 and data["check"]["problems"] == []
+    assert data["check"]["out"]["max_err"] <= data["check"]["out"]["max_bound"]
+    assert "check (32 sampled rows)" in done.stdout.splitlines()[-1]

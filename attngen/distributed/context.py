@@ -35,7 +35,7 @@ STRATEGIES = ("auto", "ring", "allgather")
 SHORT_KV_BYTES = 64 * 2**20  # gathered K/V below this is "a short sequence": gather it
 # The ring's fp32 accumulator of one head group may take this much; past it (long sequences)
 # the ring goes around once per group of KV heads (docs/context_parallel.md, "Memory").
-RING_ACCUMULATOR_BYTES = 256 * 2**20
+RING_ACCUMULATOR_BYTES = 2**30
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def context_parallel_attention(
     )
     execute.check_served(all_calls, q, v, options)
     plan_steps = tuple(tuple(s) for s in steps)
-    groups = _head_groups(ring_head_groups, q, v) if chosen == "ring" else 1
+    groups = _head_groups(ring_head_groups, q, v, chunks) if chosen == "ring" else 1
     _last = ContextParallelPlan(
         chosen, reason, layout, world, rank, seq_len, rule, plan_steps, groups
     )
@@ -154,10 +154,12 @@ def _world_and_rank(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _head_groups(asked, q, v) -> int:
-    """The ring's number of KV-head groups: `asked` (checked), or the automatic choice."""
+def _head_groups(asked, q, v, chunks) -> int:
+    """The ring's number of KV-head groups: `asked` (checked), or the automatic choice, the
+    same on every rank (from the longest shard)."""
     if asked is None:
-        return execute.auto_head_groups(q, v, RING_ACCUMULATOR_BYTES)
+        longest = max(sum(c.length for c in rank) for rank in chunks)
+        return execute.auto_head_groups(q, v, longest, RING_ACCUMULATOR_BYTES)
     return asked
 
 

@@ -72,11 +72,11 @@ def head_ranges(num_kv_heads: int, groups: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
-def auto_head_groups(q: torch.Tensor, v: torch.Tensor, budget: int) -> int:
-    """The fewest KV-head groups whose fp32 accumulator ([B, group's Hq, n, Dv]) takes at most
-    `budget` bytes, one KV head per group at most."""
-    batch, heads_q, rows, dim_v = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
-    heads_kv = v.shape[1]
+def auto_head_groups(q: torch.Tensor, v: torch.Tensor, rows: int, budget: int) -> int:
+    """The fewest KV-head groups whose fp32 accumulator ([B, group's Hq, rows, Dv]) takes at
+    most `budget` bytes, one KV head per group at most. `rows` is the longest shard's length,
+    so that every rank chooses the same (their trips around the ring must pair up)."""
+    batch, heads_q, dim_v, heads_kv = q.shape[0], q.shape[1], v.shape[-1], v.shape[1]
     per_kv_head = batch * (heads_q // heads_kv) * rows * dim_v * 4
     for groups in range(1, heads_kv + 1):
         if -(-heads_kv // groups) * per_kv_head <= budget:
