@@ -5,7 +5,9 @@ Two strategies compute it (docs/context_parallel.md has the arithmetic behind th
 
     ring       K/V shards travel around the ring (batch_isend_irecv), one step per rank,
                overlapped with the kernels on the shard of the current step; the partial
-               results are merged through their LSE. Holds two K/V shards at a time. Runs
+               results are merged through their LSE. Holds two K/V shards at a time; a
+               long sequence goes around once per group of KV heads (ring_head_groups),
+               so that the shards in flight and the fp32 accumulator are one group's. Runs
                causal and unmasked attention; windows and ALiBi only where no pair of chunks
                needs positions a single shard cannot provide (the planner says which).
     allgather  K/V of every rank gathered once, then one call per query chunk over every key
@@ -245,8 +247,8 @@ def _flat(ring_plan) -> list[KernelCall]:
 
 
 def _memory(q, k, v, chunks, seq_len) -> tuple[int, int]:
-    """(bytes of the gathered K/V, bytes the ring holds: two K/V shards and the fp32
-    accumulator), from the longest shard."""
+    """(bytes of the gathered K/V, bytes the ring holds in one head group: two K/V shards and
+    the fp32 accumulator), from the longest shard."""
     batch, heads_q, heads_kv = q.shape[0], q.shape[1], k.shape[1]
     per_token = batch * heads_kv * (k.shape[-1] + v.shape[-1]) * k.element_size()
     longest = max(sum(c.length for c in rank) for rank in chunks)
