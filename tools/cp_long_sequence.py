@@ -2,27 +2,23 @@
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 tools/cp_long_sequence.py --out DIR
 
-The shape (--model): "opt-175b" (default), the attention of OPT-175B / GPT-3 175B: 96 query
-and 96 KV heads, D 128, bf16, causal, one sequence; or "llama3-405b" (128 / 8 heads, D 128).
-The sequence length is the smallest multiple of 8192 tokens whose q, k, v and out (and the
-fp32 LSE) exceed one GPU's memory by 7% (torch.cuda.mem_get_info's total; --seq-len overrides
-it). Rank 0 first tries to allocate those four tensors on its GPU (allocation only, no kernel:
-cudaMalloc refuses at once) and records what failed. Then both ranks build their zigzag shards
-(chunks r and 3 - r of 4), run context_parallel_attention (strategy "ring", forward only) once
-after a warm-up at 16k tokens, and check sampled rows of every rank (first and last rows of
-each chunk, and random ones) against a reference computed blockwise over each rank's K/V
-shard: float64 (the golden) and fp32 rounded to the output dtype (the low-precision yardstick
-of shared/RELIABILITY.md's rule), combined across ranks with an all-reduce (max, then sums).
+The shape (--model): "opt-175b" (default), OPT-175B / GPT-3 175B's attention: 96 query and
+96 KV heads, D 128, bf16, causal, one sequence; or "llama3-405b" (128 / 8 heads, D 128). N is
+the smallest multiple of 8192 whose q, k, v, out and LSE exceed one GPU's memory
+(mem_get_info's total) by 7% (or --seq-len). Rank 0 first tries to allocate those tensors on
+its GPU (allocation only: cudaMalloc refuses at once) and records what failed. Both ranks then
+build their zigzag shards, run context_parallel_attention (ring, forward) once after a warm-up
+at 16k tokens, and check sampled rows of every rank against references computed blockwise over
+each rank's K/V shard and joined by all-reduces (max, then sums): float64 (the golden) and
+fp32 rounded to the output dtype (the yardstick of shared/RELIABILITY.md's rule).
 
-Reports the time (slowest rank), TFLOP/s (2 N^2 Hq D for the causal forward), each rank's peak
-memory (torch.cuda.max_memory_allocated, the inputs included) against the one-GPU need, and
-the check; writes JSON under --out and prints a table last. At N = 1.64M (opt-175b) the
-forward is 6.6e16 FLOP: about 80 s on two H200s.
+Reports the time (slowest rank), TFLOP/s (2 N^2 Hq D), each rank's peak memory
+(max_memory_allocated, inputs included) against the one-GPU need, and the check; writes JSON
+under --out, prints a table last. At N = 1.64M (opt-175b): 6.6e16 FLOP, about 80 s on two H200s.
 
---memory-fraction F caps each process at F of its GPU (torch.cuda.set_per_process_memory_fraction)
-and sizes the sequence against that cap instead: a cheaper proxy of the same demonstration
-(F = 0.25: N = 409600, about 5 s), labelled PROXY in every output. --smoke runs the same code
-on the CPU (gloo, fp32, toy heads, Triton's interpreter) to check the script.
+--memory-fraction F caps each process at F of its GPU (set_per_process_memory_fraction) and
+sizes N against the cap: a cheaper proxy (F = 0.25: N = 409600, about 5 s), labelled PROXY in
+every output. --smoke runs the same code on the CPU (gloo, fp32, toy heads, the interpreter).
 """
 
 from __future__ import annotations
@@ -37,7 +33,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 MODELS = {
     "opt-175b": (96, 96, 128, "OPT-175B / GPT-3 175B attention: 96 heads (MHA), D 128"),
@@ -60,12 +56,8 @@ def parse_args():
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
     parser.add_argument("--model", choices=sorted(MODELS), default="opt-175b")
     parser.add_argument("--seq-len", type=int, default=None, help="N (default: see above)")
-    parser.add_argument(
-        "--memory-fraction",
-        type=float,
-        default=None,
-        help="cap each process at this fraction of its GPU and size N against the cap (proxy)",
-    )
+    cap = "cap each process at this fraction of its GPU and size N against the cap (proxy)"
+    parser.add_argument("--memory-fraction", type=float, default=None, help=cap)
     parser.add_argument(
         "--head-groups", type=int, default=None, help="ring_head_groups (default automatic)"
     )
@@ -97,11 +89,14 @@ def start(args):
     return device, torch.bfloat16, MODELS[args.model][:3]
 
 
-def one_gpu_attempt(shapes, dtype, device) -> dict:
+def one_gpu_attempt(heads, seq_len, dtype, device) -> dict:
     """Allocate the whole sequence's q, k, v and out on this GPU, one after another, and say
     which allocation failed; everything is freed again."""
     import torch
 
+    heads_q, heads_kv, dim = heads
+    names = zip("qkvo", (heads_q, heads_kv, heads_kv, heads_q), strict=True)
+    shapes = [(name, (1, h, seq_len, dim)) for name, h in names]
     held, result = [], {"allocated": [], "failed": None}
     try:
         for name, shape in shapes:
@@ -146,10 +141,12 @@ def sample_rows(n: int, count: int, rank: int) -> list[int]:
     return sorted(chosen[:count])
 
 
-def gathered_samples(q, out, lse, rows, positions, world):
+def gathered_samples(q, out, lse, rows, chunks, world):
     """Every rank's sampled (positions, q rows, out rows, lse rows), on every rank."""
     import torch
     import torch.distributed as dist
+
+    positions = [c.start + i for c in chunks for i in range(c.length)]
 
     index = torch.tensor(rows, device=q.device)
     mine = [
@@ -179,10 +176,10 @@ def key_blocks(k, v, chunks, size=REFERENCE_KEY_BLOCK):
 
 
 def reference(q_s, pos_s, k, v, chunks, scale, dtype, sum_block=REFERENCE_KEY_BLOCK):
-    """(out [Hq, S, Dv], lse [Hq, S], largest |score|) of the sampled rows over the whole
-    sequence, in `dtype`: each rank's visible keys of its shard, two passes (max, then sums
-    over key blocks of `sum_block`, in order) joined by all-reduces. Query heads are viewed
-    as [Hkv, ratio x S] (GQA without copies)."""
+    """(out [Hq, S, Dv], lse [Hq, S], the largest |score| or score partial sum) of the sampled
+    rows over the whole sequence, in `dtype`: each rank's visible keys of its shard, two passes
+    (max, then sums over key blocks of `sum_block`, in order) joined by all-reduces. Query
+    heads are viewed as [Hkv, ratio x S] (GQA without copies)."""
     import torch
     import torch.distributed as dist
 
@@ -197,11 +194,14 @@ def reference(q_s, pos_s, k, v, chunks, scale, dtype, sum_block=REFERENCE_KEY_BL
         return s.masked_fill(pos[None, None, :] > row_pos[None, :, None], float("-inf"))
 
     top = torch.full((heads_kv, ratio * samples), float("-inf"), dtype=dtype, device=q_s.device)
-    largest = torch.zeros((), dtype=torch.float64, device=q_s.device)
+    largest = torch.zeros(1, dtype=torch.float64, device=q_s.device)
     for pos, kb, _ in key_blocks(k, v, chunks):
         s = scores(pos, kb)
         top = torch.maximum(top, s.amax(-1))
         largest = torch.maximum(largest, s.masked_fill(s.isinf(), 0).abs().max().double())
+        # and the magnitude a score's partial sums reach (attngen.reference's LSE floor)
+        partial = torch.matmul(queries.abs(), kb.to(dtype).abs().transpose(-1, -2)).amax()
+        largest = torch.maximum(largest, partial.double() * scale)
     dist.all_reduce(top, op=dist.ReduceOp.MAX)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     total = torch.zeros_like(top)
@@ -324,7 +324,6 @@ def main() -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
     import torch.distributed as dist
-    from cp_bench_setup import load_kernels_for
 
     from attngen.distributed import last_plan, rank_chunks
 
@@ -336,32 +335,18 @@ def main() -> int:
     one_gpu_bytes = seq_len * per_token
     attempt = None
     if rank == 0 and device.type == "cuda":
-        shapes = [
-            (name, (1, h, seq_len, dim))
-            for name, h in zip("qkvo", (heads_q, heads_kv, heads_kv, heads_q), strict=True)
-        ]
-        attempt = one_gpu_attempt(shapes, dtype, device)
+        attempt = one_gpu_attempt(heads, seq_len, dtype, device)
     dist.barrier()
-    setup = SimpleNamespace(
-        device=device, smoke=args.smoke, head_dim=dim, heads_q=heads_q, heads_kv=heads_kv
-    )
-    load_kernels_for(setup)
-    if not args.smoke:  # Triton compiles on first use: not in the timed call
-        warm = shard_inputs(heads, WARMUP_TOKENS // world, dtype, device, rank)
-        timed_forward(*warm, WARMUP_TOKENS, args.head_groups, device)
-        del warm
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    chunks = rank_chunks(seq_len, world, "zigzag")[rank]
-    n = sum(c.length for c in chunks)
+    warm_up(args, heads, dtype, device, world, rank)
+    every = rank_chunks(seq_len, world, "zigzag")
+    chunks, n = every[rank], sum(c.length for c in every[rank])
     q, k, v = shard_inputs(heads, n, dtype, device, rank)
     out, lse, seconds = timed_forward(q, k, v, seq_len, args.head_groups, device)
     plan = last_plan()
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    positions = [c.start + i for c in chunks for i in range(c.length)]
-    shortest = min(sum(c.length for c in r) for r in rank_chunks(seq_len, world, "zigzag"))
+    shortest = min(sum(c.length for c in r) for r in every)
     rows = sample_rows(n, min(SAMPLES_PER_RANK, shortest), rank)
-    samples = gathered_samples(q, out, lse, rows, positions, world)
+    samples = gathered_samples(q, out, lse, rows, chunks, world)
     checked = check(samples, k, v, chunks, 1.0 / math.sqrt(dim), dtype)
     flops = 2.0 * seq_len * seq_len * heads_q * dim
     result = {
@@ -388,15 +373,35 @@ def main() -> int:
         "torch": torch.__version__,
         "date": datetime.date.today().isoformat(),
     }
-    ok = not checked["problems"]
     if rank == 0:
-        args.out.mkdir(parents=True, exist_ok=True)
-        kind = "smoke" if args.smoke else ("proxy" if result["proxy"] else "full")
-        name = f"cp_long_sequence_{result['model']}_{kind}_{result['date']}.json"
-        (args.out / name).write_text(json.dumps(result, indent=1))
-        print(table(result))
+        write_result(args, result)
     dist.destroy_process_group()
-    return 0 if ok else 1
+    return 0 if not checked["problems"] else 1
+
+
+def warm_up(args, heads, dtype, device, world, rank) -> None:
+    """The kernels built and loaded, one forward at WARMUP_TOKENS (Triton compiles on first
+    use: not in the timed call), then the peak memory statistics start afresh."""
+    import torch
+    from cp_bench_setup import load_kernels_for
+
+    names = dict(zip(("heads_q", "heads_kv", "head_dim"), heads, strict=True))
+    load_kernels_for(SimpleNamespace(device=device, smoke=args.smoke, **names))
+    if args.smoke:
+        return
+    warm = shard_inputs(heads, WARMUP_TOKENS // world, dtype, device, rank)
+    timed_forward(*warm, WARMUP_TOKENS, args.head_groups, device)
+    del warm
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+def write_result(args, result: dict) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    kind = "smoke" if args.smoke else ("proxy" if result["proxy"] else "full")
+    name = f"cp_long_sequence_{result['model']}_{kind}_{result['date']}.json"
+    (args.out / name).write_text(json.dumps(result, indent=1))
+    print(table(result))
 
 
 def table(r: dict) -> str:

@@ -104,17 +104,11 @@ def context_parallel_attention(
     dtype, and with return_lse the LSE [B, Hq, n] fp32 (-inf where a row sees no key).
     Differentiable in q, k and v (and through the LSE) when modules built with `backward: true`
     serve every call (backward.py); alibi_slopes get no gradient. Under torch.compile the
-    call runs eagerly.
-
-    ring_head_groups: how many groups of KV heads the ring computes one after another (each
-    goes around the ring once, with its own fp32 accumulator and K/V in flight): an int from 1
-    to Hkv, or None for the fewest groups whose accumulator fits RING_ACCUMULATOR_BYTES (one
-    group for short sequences). The result is the same bit for bit; more groups hold less
-    memory and exchange more, smaller messages.
+    call runs eagerly. ring_head_groups: how many groups of KV heads the ring computes one
+    after another (`_head_groups`); the result is the same bit for bit.
     """
-    global _last
     scale = _check_inputs(q, k, v, causal, window, softcap, alibi_slopes, sm_scale, strategy)
-    _check_head_groups(ring_head_groups, k.shape[1])
+    _check_head_groups(ring_head_groups, k.shape[1])  # before any communication, as the rest
     rule = _mask_rule(causal, window, alibi_slopes)
     world, rank = _world_and_rank(group)
     seq_len = _check_length(q, world, rank, check_layout(layout), seq_len)
@@ -126,11 +120,8 @@ def context_parallel_attention(
         strategy, rule, seq_len, world, layout, aligns, rank, q, k, v
     )
     execute.check_served(all_calls, q, v, options)
-    plan_steps = tuple(tuple(s) for s in steps)
     groups = _head_groups(ring_head_groups, q, v, chunks) if chosen == "ring" else 1
-    _last = ContextParallelPlan(
-        chosen, reason, layout, world, rank, seq_len, rule, plan_steps, groups
-    )
+    plan_steps = _record(chosen, reason, layout, world, rank, seq_len, rule, steps, groups)
     run = _forward(chosen, q, k, v, steps, chunks, seq_len, group, options, groups)
     if trains:
         # Before any communication, as the forward's check: every rank refuses together.
@@ -156,9 +147,22 @@ def _world_and_rank(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def _record(chosen, reason, layout, world, rank, seq_len, rule, steps, groups):
+    """The steps as tuples, after recording the plan for last_plan()."""
+    global _last
+    plan_steps = tuple(tuple(s) for s in steps)
+    _last = ContextParallelPlan(
+        chosen, reason, layout, world, rank, seq_len, rule, plan_steps, groups
+    )
+    return plan_steps
+
+
 def _head_groups(asked, q, v, chunks) -> int:
-    """The ring's number of KV-head groups: `asked` (checked), or the automatic choice, the
-    same on every rank (from the longest shard)."""
+    """How many groups of KV heads the ring computes one after another, each going around the
+    ring once with its own fp32 accumulator and K/V in flight: `asked` (an int from 1 to Hkv,
+    checked), or for None the fewest groups whose accumulator fits RING_ACCUMULATOR_BYTES (one
+    for short sequences), the same on every rank (from the longest shard). More groups hold
+    less memory and exchange more, smaller messages (docs/context_parallel.md, "Memory")."""
     if asked is None:
         longest = max(sum(c.length for c in rank) for rank in chunks)
         return execute.auto_head_groups(q, v, longest, RING_ACCUMULATOR_BYTES)
