@@ -172,6 +172,26 @@ CASES = [
         window=(5, 0),
         refused={2: "ValueError", 3: "ValueError"},
     ),
+    # The ring one group of KV heads at a time (`ring_head_groups`): the same bytes as one
+    # group (checked in run_case), uneven groups (3 KV heads in 2), one head a group.
+    dict(
+        name="zigzag-causal-ring-head-groups-uneven",
+        layout="zigzag",
+        strategy="ring",
+        extra=1,
+        heads=(6, 3),
+        causal=True,
+        return_lse=True,
+        ring_head_groups=2,
+    ),
+    dict(
+        name="contiguous-none-ring-head-groups",
+        layout="contiguous",
+        strategy="ring",
+        extra=2,
+        heads=(3, 3),
+        ring_head_groups=3,
+    ),
     # ALiBi without a mask: chunk [4, 8) takes 4 fake rows before it (as many as it has);
     # chunk [8, 12) of three ranks would take 8 and is refused.
     dict(
@@ -270,7 +290,9 @@ def run_case(case: dict, rank: int, world: int, group=None) -> dict:
         group=group,
     )
     try:
-        out, lse = context_parallel_attention(*shards, **kwargs)
+        out, lse = context_parallel_attention(
+            *shards, **kwargs, ring_head_groups=case.get("ring_head_groups")
+        )
     except Exception as err:  # a refusal is the result of the case
         return {
             "name": case["name"],
@@ -285,6 +307,11 @@ def run_case(case: dict, rank: int, world: int, group=None) -> dict:
         "plan": last_plan().describe(),
     }
     full_out, full_lse = gather(out), gather(lse)  # collectives: on every rank
+    if "ring_head_groups" in case:  # the groups change the memory, not one bit of the result
+        result["head_groups"] = last_plan().head_groups
+        with torch.no_grad():
+            one_out, one_lse = context_parallel_attention(*shards, **kwargs, ring_head_groups=1)
+        result["groups_bitwise"] = torch.equal(out, one_out) and torch.equal(lse, one_lse)
     if rank == 0:
         result["problems"] = compare(case, full_out, full_lse, q, k, v, slopes)
     if not trains:  # the same call with gradients must be refused, on every rank

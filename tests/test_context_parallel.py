@@ -84,6 +84,9 @@ def test_matches_reference_across_processes(group_results, world, case):
         ), result["backward_text"]
     else:
         assert result["grad_problems"] == [], result["plan"]
+    if "ring_head_groups" in case:
+        assert result["head_groups"] == case["ring_head_groups"], result["plan"]
+        assert result["groups_bitwise"], result["plan"]
     if case["strategy"] != "auto":
         assert result["strategy"] == case["strategy"]
     elif "expect" in case:
@@ -330,6 +333,54 @@ def test_one_rank_is_the_plain_kernel_bitwise(single_group, strategy):
     assert attngen.last_dispatch().module == "sm90/cp_causal_prefill_fp32_d16_causal_br_bwd"
 
 
+def test_ring_head_groups_split_the_kv_heads_evenly():
+    from attngen.distributed.execute import head_ranges
+
+    assert head_ranges(8, 1) == [(0, 8)]
+    assert head_ranges(8, 8) == [(h, h + 1) for h in range(8)]
+    assert head_ranges(3, 2) == [(0, 2), (2, 3)]
+    assert head_ranges(7, 3) == [(0, 3), (3, 5), (5, 7)]
+
+
+@pytest.mark.parametrize(
+    "heads, rows, budget, groups",
+    [
+        ((4, 2), 8, 2 * 8 * 16 * 4 * 2, 1),  # the whole accumulator fits: one trip
+        ((4, 2), 8, 2 * 8 * 16 * 4, 2),
+        ((4, 2), 8, 1, 2),  # never more groups than KV heads
+        ((6, 3), 8, 2 * 2 * 8 * 16 * 4, 2),  # groups of ceil(3 / 2) = 2 KV heads
+    ],
+)
+def test_auto_head_groups_keep_the_accumulator_within_the_budget(heads, rows, budget, groups):
+    from attngen.distributed.execute import auto_head_groups
+
+    q = torch.empty(1, heads[0], rows - 1, harness.HEAD_DIM, device="meta")
+    v = torch.empty(1, heads[1], rows - 1, harness.HEAD_DIM, device="meta")
+    assert auto_head_groups(q, v, rows, budget) == groups  # from the longest shard's rows
+
+
+@pytest.mark.parametrize("alibi", [False, True])
+def test_ring_head_groups_are_bitwise_one_group_in_one_process(single_group, alibi):
+    """One group per KV head against one group, with the automatic choice forced to split;
+    with ALiBi each group takes its own heads' slopes."""
+    from attngen.distributed import context
+
+    q, k, v = toy_inputs(seq_len=12, heads=(4, 2))
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]) if alibi else None
+    kwargs = dict(causal=True, strategy="ring", return_lse=True, alibi_slopes=slopes)
+    kwargs["layout"] = "contiguous"  # one rank: one call, ALiBi placed by its alignment
+    expected = context_parallel_attention(q, k, v, **kwargs)
+    assert last_plan().head_groups == 1
+    saved = context.RING_ACCUMULATOR_BYTES
+    context.RING_ACCUMULATOR_BYTES = 1
+    try:
+        got = context_parallel_attention(q, k, v, **kwargs)
+    finally:
+        context.RING_ACCUMULATOR_BYTES = saved
+    assert last_plan().head_groups == 2 and "2 head groups" in last_plan().describe()
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
 def test_strided_inputs_give_the_same_bytes(single_group):
     """[B, N, H, D] tensors transposed to [B, H, N, D] views, as a model holds them."""
     q, k, v = toy_inputs(seq_len=10)
@@ -486,6 +537,9 @@ def test_runs_eagerly_inside_torch_compile(single_group):
             r"13-token sequence gives it 13",
         ),
         (dict(alibi_slopes=torch.ones(3)), r"alibi_slopes: got \(3,\) torch.float32"),
+        (dict(ring_head_groups=3), "ring_head_groups: got 3; allowed: None or an int from 1"),
+        (dict(ring_head_groups=0), "ring_head_groups: got 0"),
+        (dict(ring_head_groups=True), "ring_head_groups: got True"),
     ],
 )
 def test_refuses_bad_arguments_by_name(single_group, kwargs, message):
@@ -610,3 +664,42 @@ def test_backward_benchmark_runs_on_the_cpu(single_group, tmp_path):
             # fp32 sums over 32 tokens split in other places, each partial rounded once
             # before the fp32 sum: a few ulps of the largest gradient (measured <= 6 at N 64).
             assert diff <= 16 * 2**-23 * magnitude, (strategy, row)
+
+
+def test_long_sequence_script_runs_on_the_cpu(tmp_path):
+    """tools/cp_long_sequence.py under torchrun with gloo at toy sizes (--smoke: fp32, the
+    interpreter): the two-rank ring in two head groups, the sampled rows' blockwise reference
+    joined across ranks, the JSON and the table (the sizes that matter need two H200s)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(harness.free_port()),
+            str(root / "tools" / "cp_long_sequence.py"),
+            "--smoke",
+            "--head-groups",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,) = tmp_path.glob("cp_long_sequence_smoke_smoke_*.json")
+    data = json.loads(result.read_text())
+    assert data["seq_len"] == 64 and data["head_groups"] == 2 and data["world_size"] == 2
+    assert data["check"]["rows"] == 32 and data["check"]["problems"] == []
+    assert data["check"]["out"]["max_err"] <= data["check"]["out"]["max_bound"]
+    assert "check (32 sampled rows)" in done.stdout.splitlines()[-1]

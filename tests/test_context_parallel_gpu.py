@@ -175,9 +175,36 @@ def two_gpu_worker(rank: int, port: int, folder: str, out_dir: str, seq_len: int
                 "problems": block_problems(full, full_lse, q, k, v),
                 "max_diff_vs_one_gpu": (full.float() - single.float()).abs().max().item(),
             }
+    del single
+    report["head_groups"] = ring_head_groups_report(shards)
     dist.destroy_process_group()
     if rank == 0:
         Path(out_dir, "two_gpu.json").write_text(json.dumps(report))
+
+
+def ring_head_groups_report(shards) -> dict:
+    """The ring in one group and in eight (one KV head each) on this rank: whether the results
+    are the same bytes, and the memory each call allocates beyond its inputs at its peak."""
+    from attngen.distributed import context_parallel_attention
+
+    results, extra = [], []
+    for groups in (1, 8):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        results.append(
+            context_parallel_attention(
+                *shards, causal=True, strategy="ring", return_lse=True, ring_head_groups=groups
+            )
+        )
+        torch.cuda.synchronize()
+        extra.append(torch.cuda.max_memory_allocated() - before)
+    (out_1, lse_1), (out_8, lse_8) = results
+    return {
+        "bitwise": torch.equal(out_1, out_8) and torch.equal(lse_1, lse_8),
+        "peak_extra_bytes": extra,
+        "output_bytes": out_1.numel() * out_1.element_size(),
+    }
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
@@ -192,6 +219,12 @@ def test_two_gpus_match_reference_at_128k(llama_folder, tmp_path):
     while not context.join(timeout=1):
         assert time.monotonic() < deadline, "the two-GPU group did not finish in 600 s"
     report = json.loads((tmp_path / "two_gpu.json").read_text())
+    groups = report.pop("head_groups")
+    assert groups["bitwise"], groups
+    # One group: out (512 MiB), its fp32 accumulator (1 GiB), K/V in flight and partials;
+    # eight: out and an eighth of the rest.
+    one, eight = groups["peak_extra_bytes"]
+    assert eight <= groups["output_bytes"] + (one - groups["output_bytes"]) / 4, groups
     for strategy, result in report.items():
         assert result["problems"] == [], strategy
         # Merging bf16 partials in fp32 differs from the one-kernel result by output

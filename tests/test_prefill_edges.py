@@ -218,6 +218,19 @@ def check_far_offsets():
     expected = run(spec, q, k, v)
     got = run(spec, q, k_far, v_far)
     assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1])
+    del storage, k_far, v_far
+    # The same for the query rows read and the output rows written (row * stride_qm and
+    # row * stride_om): a context-parallel rank's q and out pass 2**31 elements at long N.
+    # (the module refuses an out sharing q's storage: two of them).
+    q_far, out_far = (
+        torch.empty(40 * row, dtype=torch.float16).as_strided((1, 1, 40, 64), (0, 0, row, 1))
+        for _ in "qo"
+    )
+    assert q_far.stride(2) * 39 > 2**31 and out_far.stride(2) * 39 > 2**31
+    q_far.copy_(q)
+    got = run(spec, q_far, k, v, out=out_far)
+    assert got[0] is out_far
+    assert torch.equal(expected[0], out_far) and torch.equal(expected[1], got[1])
     print("far offsets ok")
 
 

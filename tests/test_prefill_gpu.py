@@ -162,6 +162,32 @@ def test_offsets_do_not_wrap_past_2_31_elements():
     assert torch.equal(out, expected)
 
 
+def test_query_and_output_offsets_do_not_wrap_past_2_31_elements():
+    # Q read from, and the output written into, views of [1, 16, 2**21, 128] tensors (2**32
+    # elements each): the last head's rows sit past 2**31 elements from the base, as in a
+    # context-parallel rank's q and out at long N.
+    spec = make_spec(
+        dtype="bf16",
+        head_dim=128,
+        num_q_heads=16,
+        num_kv_heads=16,
+        mask="causal",
+        causal_align="bottom_right",
+    )
+    kernel = load_kernel(spec)
+    big_q = torch.empty(1, 16, 2**21, 128, device="cuda", dtype=torch.bfloat16)
+    big_out = torch.full_like(big_q, float("nan"))
+    q = big_q[:, :, -256:]
+    q.normal_()
+    k, v = (torch.randn(1, 16, 256, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    assert 15 * q.stride(1) > 2**31  # the last head's offset, computed in the kernel
+    out, lse = kernel.attention(q, k, v, return_lse=True, out=big_out[:, :, -256:])
+    expected, expected_lse = kernel.attention(q.clone(), k, v, return_lse=True)
+    assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
+    assert torch.equal(big_out[:, :, -256:], expected)  # written where out= says
+    assert big_out[:, :, :-256].isnan().all()  # and nowhere else
+
+
 @pytest.mark.parametrize(
     "batch, seqlen_q, seqlen_k", [(0, 128, 128), (2, 0, 128), (0, 0, 0), (2, 64, 0)]
 )

@@ -6,8 +6,8 @@
 #
 # Usage on a CUDA machine, from the repository root:
 #   bash tools/gpu_session.sh OUT SECTION[:SECONDS] ...        (default 300 s a section)
-# Sections: `tools/gpu_session.sh OUT list` prints each one and its command (cp_bwd_bench
-#   needs two GPUs; cp_bwd_tests skips its two-GPU test with one).
+# Sections: `tools/gpu_session.sh OUT list` prints each one and its command (cp_bwd_bench,
+#   cp_long and cp_long_proxy need two GPUs; cp_bwd_tests skips its two-GPU test with one).
 set -u -o pipefail
 out=${1:?usage: tools/gpu_session.sh OUT SECTION[:SECONDS] ...}
 shift
@@ -71,6 +71,11 @@ section_command() {
     cp_bwd_tests) echo "NCCL_NVLS_ENABLE=0 $pytest_gpu tests/test_context_parallel_gpu.py -k gradients" ;;
     cp_bwd_steps) echo "python3 tools/bench_context_parallel_backward.py --out $work" ;;
     cp_bwd_bench) echo "$torchrun2 tools/bench_context_parallel_backward.py --out $work" ;;
+    # A causal forward whose q, k, v and out exceed one H200 (OPT-175B heads, N = 1.64M), on
+    # two: about 80 s of forward, 2-3 minutes in all (give it 420 s); cp_long_proxy caps each
+    # process at a quarter of its GPU and sizes N against that (N = 410k, about 1 minute).
+    cp_long) echo "$torchrun2 tools/cp_long_sequence.py --out $work" ;;
+    cp_long_proxy) echo "$torchrun2 tools/cp_long_sequence.py --memory-fraction 0.25 --out $work" ;;
     *) return 1 ;;
   esac
 }

@@ -5,7 +5,9 @@ Two strategies compute it (docs/context_parallel.md has the arithmetic behind th
 
     ring       K/V shards travel around the ring (batch_isend_irecv), one step per rank,
                overlapped with the kernels on the shard of the current step; the partial
-               results are merged through their LSE. Holds two K/V shards at a time. Runs
+               results are merged through their LSE. Holds two K/V shards at a time; a
+               long sequence goes around once per group of KV heads (ring_head_groups),
+               so that the shards in flight and the fp32 accumulator are one group's. Runs
                causal and unmasked attention; windows and ALiBi only where no pair of chunks
                needs positions a single shard cannot provide (the planner says which).
     allgather  K/V of every rank gathered once, then one call per query chunk over every key
@@ -33,6 +35,9 @@ from attngen.spec import CausalAlign, KernelKind, Mask
 
 STRATEGIES = ("auto", "ring", "allgather")
 SHORT_KV_BYTES = 64 * 2**20  # gathered K/V below this is "a short sequence": gather it
+# The ring's fp32 accumulator of one head group may take this much; past it (long sequences)
+# the ring goes around once per group of KV heads (docs/context_parallel.md, "Memory").
+RING_ACCUMULATOR_BYTES = 2**30
 
 
 @dataclass(frozen=True)
@@ -47,11 +52,13 @@ class ContextParallelPlan:
     seq_len: int
     rule: MaskRule
     steps: tuple[tuple[KernelCall, ...], ...]  # ring: one per step; allgather: one
+    head_groups: int = 1  # ring: trips around the ring, one per group of KV heads
 
     def describe(self) -> str:
+        groups = f", {self.head_groups} head groups" if self.head_groups > 1 else ""
         lines = [
             f"{self.strategy} ({self.reason}); rank {self.rank} of {self.world_size}, "
-            f"{self.layout}, N = {self.seq_len}, mask {self.rule.describe()}"
+            f"{self.layout}, N = {self.seq_len}, mask {self.rule.describe()}{groups}"
         ]
         for i, calls in enumerate(self.steps):
             text = "; ".join(c.describe() for c in calls) or "nothing"
@@ -83,6 +90,7 @@ def context_parallel_attention(
     strategy="auto",
     seq_len=None,
     return_lse=False,
+    ring_head_groups=None,
 ):
     """This rank's shard of attention over the whole sequence (docs/context_parallel.md).
 
@@ -96,10 +104,11 @@ def context_parallel_attention(
     dtype, and with return_lse the LSE [B, Hq, n] fp32 (-inf where a row sees no key).
     Differentiable in q, k and v (and through the LSE) when modules built with `backward: true`
     serve every call (backward.py); alibi_slopes get no gradient. Under torch.compile the
-    call runs eagerly.
+    call runs eagerly. ring_head_groups: how many groups of KV heads the ring computes one
+    after another (`_head_groups`); the result is the same bit for bit.
     """
-    global _last
     scale = _check_inputs(q, k, v, causal, window, softcap, alibi_slopes, sm_scale, strategy)
+    _check_head_groups(ring_head_groups, k.shape[1])  # before any communication, as the rest
     rule = _mask_rule(causal, window, alibi_slopes)
     world, rank = _world_and_rank(group)
     seq_len = _check_length(q, world, rank, check_layout(layout), seq_len)
@@ -111,9 +120,9 @@ def context_parallel_attention(
         strategy, rule, seq_len, world, layout, aligns, rank, q, k, v
     )
     execute.check_served(all_calls, q, v, options)
-    plan_steps = tuple(tuple(s) for s in steps)
-    _last = ContextParallelPlan(chosen, reason, layout, world, rank, seq_len, rule, plan_steps)
-    run = _forward(chosen, q, k, v, steps, chunks, seq_len, group, options)
+    groups = _head_groups(ring_head_groups, q, v, chunks) if chosen == "ring" else 1
+    plan_steps = _record(chosen, reason, layout, world, rank, seq_len, rule, steps, groups)
+    run = _forward(chosen, q, k, v, steps, chunks, seq_len, group, options, groups)
     if trains:
         # Before any communication, as the forward's check: every rank refuses together.
         execute.check_served(all_calls, q, v, options, backward=True)
@@ -138,7 +147,39 @@ def _world_and_rank(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _forward(chosen, q, k, v, steps, chunks, seq_len, group, options):
+def _record(chosen, reason, layout, world, rank, seq_len, rule, steps, groups):
+    """The steps as tuples, after recording the plan for last_plan()."""
+    global _last
+    plan_steps = tuple(tuple(s) for s in steps)
+    _last = ContextParallelPlan(
+        chosen, reason, layout, world, rank, seq_len, rule, plan_steps, groups
+    )
+    return plan_steps
+
+
+def _head_groups(asked, q, v, chunks) -> int:
+    """How many groups of KV heads the ring computes one after another, each going around the
+    ring once with its own fp32 accumulator and K/V in flight: `asked` (an int from 1 to Hkv,
+    checked), or for None the fewest groups whose accumulator fits RING_ACCUMULATOR_BYTES (one
+    for short sequences), the same on every rank (from the longest shard). More groups hold
+    less memory and exchange more, smaller messages (docs/context_parallel.md, "Memory")."""
+    if asked is None:
+        longest = max(sum(c.length for c in rank) for rank in chunks)
+        return execute.auto_head_groups(q, v, longest, RING_ACCUMULATOR_BYTES)
+    return asked
+
+
+def _check_head_groups(asked, num_kv_heads: int) -> None:
+    if asked is not None and (
+        isinstance(asked, bool) or not isinstance(asked, int) or not 1 <= asked <= num_kv_heads
+    ):
+        raise ValueError(
+            f"ring_head_groups: got {asked!r}; allowed: None or an int from 1 to the "
+            f"{num_kv_heads} KV heads"
+        )
+
+
+def _forward(chosen, q, k, v, steps, chunks, seq_len, group, options, head_groups=1):
     """The forward of the chosen strategy as a function of no arguments, returning (out, lse):
     what the autograd function runs (and records around) when the call trains."""
 
@@ -148,7 +189,7 @@ def _forward(chosen, q, k, v, steps, chunks, seq_len, group, options):
             return out, torch.full(q.shape[:3], float("-inf"), device=q.device)
         if chosen == "ring":
             lengths = [sum(c.length for c in r) for r in chunks]
-            return execute.ring_attention(q, k, v, steps, lengths, group, options)
+            return execute.ring_attention(q, k, v, steps, lengths, group, options, head_groups)
         return execute.gather_attention(q, k, v, steps[0], chunks, group, options)
 
     return run
@@ -210,8 +251,8 @@ def _flat(ring_plan) -> list[KernelCall]:
 
 
 def _memory(q, k, v, chunks, seq_len) -> tuple[int, int]:
-    """(bytes of the gathered K/V, bytes the ring holds: two K/V shards and the fp32
-    accumulator), from the longest shard."""
+    """(bytes of the gathered K/V, bytes the ring holds in one head group: two K/V shards and
+    the fp32 accumulator), from the longest shard."""
     batch, heads_q, heads_kv = q.shape[0], q.shape[1], k.shape[1]
     per_token = batch * heads_kv * (k.shape[-1] + v.shape[-1]) * k.element_size()
     longest = max(sum(c.length for c in rank) for rank in chunks)

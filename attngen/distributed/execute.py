@@ -10,7 +10,7 @@ waiting in a send.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -37,15 +37,18 @@ class KernelOptions:
 
 
 class Accumulator:
-    """The shard's output and LSE. When each query row is computed by one call only, the
-    results are copied in place (no merge); otherwise an fp32 accumulator merges them."""
+    """One head group's output and LSE, written into views of the shard's (out, lse). When each
+    query row is computed by one call only, the results are copied into the output in place (no
+    merge); otherwise an fp32 accumulator of the group's heads merges them and `finish` casts
+    it into the output once (one rounding to the output dtype, as with a single call)."""
 
-    def __init__(self, q: torch.Tensor, dim_v: int, single: bool):
-        batch, heads, rows, _ = q.shape
-        self.single = single
-        dtype = q.dtype if single else torch.float32
-        self.out = q.new_zeros((batch, heads, rows, dim_v), dtype=dtype)
-        self.lse = torch.full((batch, heads, rows), float("-inf"), device=q.device)
+    def __init__(self, out: torch.Tensor, lse: torch.Tensor, single: bool):
+        self.single, self.dest, self.lse = single, out, lse
+        if single or out.dtype == torch.float32:
+            self.out = out.zero_()  # rows no call computes (no key visible) stay output 0
+        else:
+            self.out = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+        lse.fill_(float("-inf"))
 
     def add(self, rows: tuple[int, int], out: torch.Tensor, lse: torch.Tensor) -> None:
         acc, acc_lse = self.out[:, :, rows[0] : rows[1]], self.lse[:, :, rows[0] : rows[1]]
@@ -55,8 +58,30 @@ class Accumulator:
         else:
             merge_partial(acc, acc_lse, out, lse)
 
-    def result(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.out.to(dtype), self.lse
+    def finish(self) -> None:
+        if self.out is not self.dest:
+            self.dest.copy_(self.out)
+
+
+def head_ranges(num_kv_heads: int, groups: int) -> list[tuple[int, int]]:
+    """`groups` contiguous ranges of KV heads, as even as they can be (the first ones longer)."""
+    size, longer = divmod(num_kv_heads, groups)
+    bounds = [0]
+    for g in range(groups):
+        bounds.append(bounds[-1] + size + (g < longer))
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def auto_head_groups(q: torch.Tensor, v: torch.Tensor, rows: int, budget: int) -> int:
+    """The fewest KV-head groups whose fp32 accumulator ([B, group's Hq, rows, Dv]) takes at
+    most `budget` bytes, one KV head per group at most. `rows` is the longest shard's length,
+    so that every rank chooses the same (their trips around the ring must pair up)."""
+    batch, heads_q, dim_v, heads_kv = q.shape[0], q.shape[1], v.shape[-1], v.shape[1]
+    per_kv_head = batch * (heads_q // heads_kv) * rows * dim_v * 4
+    for groups in range(1, heads_kv + 1):
+        if -(-heads_kv // groups) * per_kv_head <= budget:
+            return groups
+    return heads_kv
 
 
 def call_need(
@@ -190,14 +215,36 @@ def ring_attention(
     lengths: list[int],
     group: dist.ProcessGroup | None,
     options: KernelOptions,
+    head_groups: int = 1,
 ):
-    """This rank's (out, lse): step s runs its calls on the K/V shard of rank (rank - s) mod W
-    while the shard for step s + 1 arrives from rank - 1 (and this one leaves for rank + 1)."""
+    """This rank's (out, lse), one group of KV heads (and their query heads) at a time: each
+    group goes once around the ring (`ring_pass`). The output is written in q's dtype straight
+    into its place; only the group's fp32 accumulator, its K/V shard in flight and one call's
+    partial result exist besides q, k, v, out and lse (docs/context_parallel.md, "Memory")."""
+    every_call = [c for step in steps for c in step]
+    single = rows_covered_once(every_call, q.shape[2])
+    out = q.new_empty(*q.shape[:3], v.shape[-1])
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    ratio = q.shape[1] // k.shape[1]
+    comm_stream = torch.cuda.Stream(q.device) if q.is_cuda else None
+    for lo, hi in head_ranges(k.shape[1], head_groups):
+        heads = slice(lo * ratio, hi * ratio)
+        slopes = options.alibi_slopes
+        group_options = replace(options, alibi_slopes=None if slopes is None else slopes[heads])
+        acc = Accumulator(out[:, heads], lse[:, heads], single)
+        kv = (k[:, lo:hi], v[:, lo:hi])
+        ring_pass(q[:, heads], *kv, steps, lengths, group, group_options, acc, comm_stream)
+        acc.finish()
+    return out, lse
+
+
+def ring_pass(q, k, v, steps, lengths, group, options, acc: Accumulator, comm_stream) -> None:
+    """One trip around the ring: step s runs its calls on the K/V shard of rank (rank - s) mod W
+    while the shard for step s + 1 arrives from rank - 1 (and this one leaves for rank + 1).
+    The shard received at step s is dropped after step s + 1 sent it on, so the allocator
+    reuses its memory for the next receive."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     send_to, recv_from = ring_peers(group)
-    every_call = [c for step in steps for c in step]
-    acc = Accumulator(q, v.shape[-1], rows_covered_once(every_call, q.shape[2]))
-    comm_stream = torch.cuda.Stream(q.device) if q.is_cuda else None
     k_cur, v_cur = k.contiguous(), v.contiguous()
     for step in range(world):
         pending, incoming = [], None
@@ -213,7 +260,6 @@ def ring_attention(
             work.wait()  # on CUDA: the compute stream waits for the transfer, the host does not
         if incoming is not None:
             k_cur, v_cur = incoming
-    return acc.result(q.dtype)
 
 
 def ring_peers(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -255,9 +301,12 @@ def gather_attention(
 ):
     """This rank's (out, lse) from the calls against the whole gathered K/V sequence."""
     k_all, v_all = gather_sequences((k, v), chunks, group)
-    acc = Accumulator(q, v.shape[-1], rows_covered_once(calls, q.shape[2]))
+    out = q.new_empty(*q.shape[:3], v.shape[-1])
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    acc = Accumulator(out, lse, rows_covered_once(calls, q.shape[2]))
     run_calls(calls, q, k_all, v_all, options, acc)
-    return acc.result(q.dtype)
+    acc.finish()
+    return out, lse
 
 
 def gather_sequences(
