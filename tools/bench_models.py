@@ -309,16 +309,23 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON")
     parser.add_argument("--quick", action="store_true", help="one size per model")
     parser.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention")
+    parser.add_argument(
+        "--only", choices=("gpt_oss", "llama4", "mla"), action="append", help="these rows only"
+    )
     args = parser.parse_args()
+    wanted = set(args.only or ("gpt_oss", "llama4", "mla"))
     use_flex = not args.no_flex
     pick = (lambda xs: xs[:1]) if args.quick else (lambda xs: xs)
     rows = []
-    _, gpt_oss = module_for("gpt_oss_20b", "local", KernelKind.prefill)
-    rows += [gpt_oss_case(gpt_oss, n, use_flex) for n in pick(GPT_OSS_LENGTHS)]
-    _, llama4 = module_for("llama4_scout", "chunked", KernelKind.prefill)
-    rows += [llama4_case(llama4, n, use_flex) for n in pick(LLAMA4_LENGTHS)]
-    _, mla = module_for("deepseek_v3", "absorbed", KernelKind.decode)
-    rows += [mla_case(mla, b, n) for b in pick(MLA_BATCHES) for n in pick(MLA_LENGTHS)]
+    if "gpt_oss" in wanted:
+        _, gpt_oss = module_for("gpt_oss_20b", "local", KernelKind.prefill)
+        rows += [gpt_oss_case(gpt_oss, n, use_flex) for n in pick(GPT_OSS_LENGTHS)]
+    if "llama4" in wanted:
+        _, llama4 = module_for("llama4_scout", "chunked", KernelKind.prefill)
+        rows += [llama4_case(llama4, n, use_flex) for n in pick(LLAMA4_LENGTHS)]
+    if "mla" in wanted:
+        _, mla = module_for("deepseek_v3", "absorbed", KernelKind.decode)
+        rows += [mla_case(mla, b, n) for b in pick(MLA_BATCHES) for n in pick(MLA_LENGTHS)]
     meta = {
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name(),

@@ -36,6 +36,12 @@ section_command() {
     plans_alibi) echo "$pytest_gpu tests/test_plans_gpu.py tests/test_alibi_per_batch_gpu.py" ;;
     flash_entry_tests) echo "$pytest_gpu tests/test_plans_gpu.py -k attention_flash" ;;
     models_bench) echo "python3 tools/bench_models.py --out $work" ;;
+    mla_bench) echo "python3 tools/bench_models.py --only mla --out $work" ;;
+    # The decode kernels after fused rotary and the absorbed MLA kernel, and the prefill
+    # modules' flash-layout entry points and the call plans.
+    decode_rotary) echo "$pytest_gpu tests/test_rotary_gpu.py tests/test_decode_gpu.py" ;;
+    plans_gpu) echo "$pytest_gpu tests/test_plans_gpu.py tests/test_alibi_per_batch_gpu.py \
+      && $pytest_gpu tests/test_model_fields_gpu.py -k latent" ;;
     decode_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_decode_gpu.py" ;;
     prefill_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_prefill_gpu.py" ;;
     integration_tests) echo "$pytest_gpu tests/test_integration_gpu.py" ;;
