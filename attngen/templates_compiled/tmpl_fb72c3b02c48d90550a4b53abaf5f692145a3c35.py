@@ -216,11 +216,11 @@ def root(context, missing=missing):
     if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
         pass
         yield ', stride_slopes_b'
-    yield ', *rotary_ints,\n         rotary_q_step),\n        (qk_scale,),\n        {"DIRECT": splits == 1, "STORE_LSE": return_lse, "BLOCK_ROWS": block_rows,\n         "BLOCK_N": block_n, **rotary'
+    yield ', *rotary_ints,\n         rotary_q_step),\n        (qk_scale,),\n        {"DIRECT": splits == 1, "STORE_LSE": return_lse, "BLOCK_ROWS": block_rows,\n         "BLOCK_N": block_n'
     if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim):
         pass
         yield ', "V_FROM_K": v_from_k'
-    yield '},\n        '
+    yield ', **rotary},\n        '
     yield str(('options' if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim) else '_OPTIONS'))
     yield ',\n    )\n    _run_step(split, device, (q, k_cache, v_cache, out, lse_arg, part_out, part_lse,\n                              cache_seqlens, table, cos, sin, slopes_arg'
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
