@@ -39,8 +39,17 @@ that this function never sees applied: a layer type other than full_attention,
 sliding_attention and chunked_attention, a config with attention_chunk_size and no layer
 type, and kwargs that change the scores (sinks under another name, position_bias, sparse key
 indices).
-A decode step is a prefill/varlen call with Nq = 1 against transformers' own cache; the decode
-kind (split-KV, for serving caches) is reached through flash_attn_with_kvcache.
+Decode steps:
+- transformers' static cache (StaticCache, generate(cache_implementation="static")) hands
+  over the whole cache [B, HKV, max_cache_len, D]; with no padded position the mask function
+  passes the written keys' counts computed on the device (`CacheLengths`, hf_cache.py), and a
+  step of at most the decode module's query tokens runs on a generated decode module
+  (contiguous cache, nothing appended) with those as cache_seqlens: no device value read on
+  the host, so generate()'s compiled forward (mode "reduce-overhead") replays it in a CUDA
+  graph. Other such calls (the prefill, no decode module for the spec) take the varlen route
+  over the written keys; a padded static cache is unpadded over its first n positions (the
+  mask's length). `last_dispatch()` says which kernel ran (kind decode or varlen).
+- a DynamicCache's step is a prefill/varlen call with Nq = 1 against transformers' own cache.
 """
 
 from __future__ import annotations
