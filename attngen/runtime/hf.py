@@ -221,8 +221,7 @@ def attngen_attention(
         chunk_size=chunk,
         dropout_p=dropout,
     )
-    batch, _, seqlen_q, _ = query.shape
-    seqlen_k = key.shape[2]
+    seqlen_q, seqlen_k = query.shape[2], key.shape[2]
     if kwargs.get("cu_seq_lens_q") is not None and attention_mask is None:
         return _packed(query, key, value, kwargs, common), None
     if isinstance(attention_mask, CacheLengths):
@@ -230,21 +229,25 @@ def attngen_attention(
     if attention_mask is None:
         _refuse_packed_positions(kwargs.get("position_ids"), seqlen_q, seqlen_k)
         return _dense(query, key, value, common), None
-    written = attention_mask.shape[-1]
-    if (
-        attention_mask.dim() != 2
-        or attention_mask.shape[0] != batch
-        or not seqlen_q <= written <= seqlen_k
-    ):
+    return _padded(query, key, value, attention_mask, common), None
+
+
+def _padded(query, key, value, padding, common):
+    """A 2D padding mask [B, n]: n = Nk, or a static cache's first n written positions (the
+    keys past them dropped); unpadded through the varlen kind."""
+    batch, _, seqlen_q, _ = query.shape
+    seqlen_k = key.shape[2]
+    written = padding.shape[1] if padding.dim() == 2 else -1
+    if padding.dim() != 2 or padding.shape[0] != batch or not seqlen_q <= written <= seqlen_k:
         raise NoKernelError(
-            f"attngen: attention_mask: got shape {tuple(attention_mask.shape)}; the 'attngen' "
+            f"attngen: attention_mask: got shape {tuple(padding.shape)}; the 'attngen' "
             f"implementation takes the 2D padding mask [{batch}, {seqlen_k}] (call "
             f"attngen.register_transformers() so transformers builds that one; [{batch}, n], "
             f"{seqlen_q} <= n <= {seqlen_k}, for a static cache's first n positions) or None"
         )
     if written < seqlen_k:  # a static cache: its first n positions are the written ones
         key, value = key[:, :, :written], value[:, :, :written]
-    return _unpadded(query, key, value, attention_mask.bool(), common), None
+    return _unpadded(query, key, value, padding.bool(), common)
 
 
 def _static_cache_call(query, key, value, lengths: CacheLengths, common):
