@@ -167,3 +167,18 @@ def test_static_cache_padded_mask_of_written_positions(llama):
     torch.testing.assert_close(out, ref.transpose(1, 2), rtol=0, atol=1e-5)
     with pytest.raises(attngen.NoKernelError, match="attention_mask: got shape"):
         attngen.runtime.hf.attngen_attention(layer, q, k, v, torch.ones(2, 10, dtype=torch.bool))
+
+
+def test_static_cache_without_decode_module_takes_varlen(llama, monkeypatch):
+    """With no decode module for the spec, a static cache's steps run through the varlen kind
+    over the written keys (the dispatch says so) and still give eager's tokens and logits."""
+    monkeypatch.setattr(attngen.runtime.hf, "decode_module", lambda *args: None)
+    ids, mask = _prompts(False)
+    expected = _generate(llama, "eager", ids, mask)
+    with attngen.dispatch_log() as log:
+        got = _generate(llama, "attngen", ids, mask)
+    assert torch.equal(got.sequences, expected.sequences)
+    # Note: as in test_static_cache_generate_matches_eager (fp32, summation order only).
+    for step, (a, b) in enumerate(zip(got.logits, expected.logits, strict=True)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=f"logits of step {step}")
+    assert [d.module for d in log] == [VARLEN] * (LAYERS * NEW_TOKENS)
