@@ -4,7 +4,10 @@
   generated/sm90 llama3_8b modules, prefill and decode, padded and unpadded, and agrees
   with SDPA;
 - torch.compile(fullgraph=True) with Inductor traces through the attngen ops;
-- a CUDA graph captures an attngen call (prefill, and a KV-cache decode step) and replays it.
+- a CUDA graph captures an attngen call (prefill, and a KV-cache decode step) and replays it;
+- with transformers' static cache the decode steps run on a contiguous decode module, eager
+  and as generate()'s compiled CUDA-graph replays (mode "reduce-overhead", no cudagraph
+  skip), and agree with SDPA.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ def llama32(llama):
     return copy.deepcopy(llama).float()
 
 
-def _generate(model, impl, ids, mask, new_tokens=16):
+def _generate(model, impl, ids, mask, new_tokens=16, **options):
     model.set_attn_implementation(impl)
     with torch.no_grad():
         return model.generate(
@@ -87,6 +90,7 @@ def _generate(model, impl, ids, mask, new_tokens=16):
             pad_token_id=0,
             output_logits=True,
             return_dict_in_generate=True,
+            **options,
         )
 
 
@@ -113,7 +117,13 @@ def test_llama_generate_agrees_with_sdpa(llama, llama32, padded):
     # steps up to the first token on which the three runs differ (the first step, the
     # prefill's logits, always counts).
     reference = _generate(llama32, "sdpa", ids, mask)
-    runs = [r.sequences[:, 300:] for r in (got, expected, reference)]
+    _judge(got, expected, reference, ids.shape[1])
+
+
+def _judge(got, expected, reference, prompt):
+    """attngen's logits (got) against SDPA's (expected), both bf16, with a float32 copy of the
+    model (reference) as the yardstick; see test_llama_generate_agrees_with_sdpa."""
+    runs = [r.sequences[:, prompt:] for r in (got, expected, reference)]
     same = ((runs[0] == runs[1]) & (runs[1] == runs[2])).all(0).int().cumprod(0)
     steps = max(1, int(same.sum()))
     for a, b, exact in zip(
@@ -161,3 +171,47 @@ def test_cuda_graph_capture_of_attngen_calls():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager) and not torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_llama_static_cache_decode_module(llama, llama32, tmp_path, compiled):
+    """generate(cache_implementation="static"): the decode steps run on a contiguous decode
+    module (built from the config here: the committed llama3_8b one is paged), eager or in
+    generate()'s compiled forward (CUDA graphs, none skipped), and agree with SDPA."""
+    import transformers
+    from torch._dynamo.utils import counters
+
+    from attngen.build import plan_build, write_build
+    from attngen.hf_spec import spec_data_from_config
+    from attngen.spec import specs_from_data
+
+    data = spec_data_from_config(llama.config, archs=["sm90"], name="llama_static")
+    data.update(kernels=["decode"], kv_layout="contiguous")
+    write_build(plan_build(specs_from_data(data)), tmp_path)
+    load_kernels(tmp_path)
+    if compiled:
+        options = {"compile_config": transformers.CompileConfig(mode="reduce-overhead")}
+    else:
+        options = {"disable_compile": True}
+    options["cache_implementation"] = "static"
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        ids = torch.randint(1, 128256, (4, 300), device="cuda", generator=gen)
+        mask = torch.ones_like(ids)
+        expected = _generate(llama, "sdpa", ids, mask, **options)
+        torch._dynamo.reset()
+        counters.clear()
+        with attngen.dispatch_log() as log:
+            got = _generate(llama, "attngen", ids, mask, **options)
+        decode = "sm90/llama_static_decode_bf16_d128_causal_br_contig"
+        assert log and all(d.need.kind.value == "varlen" for d in log[:2])  # the prefill
+        assert {d.module for d in log[2:]} == {decode}  # 2 layers: the prefill's 2 calls
+        if compiled:
+            assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+        else:
+            assert len(log) == 2 * 16
+        reference = _generate(llama32, "sdpa", ids, mask)
+        _judge(got, expected, reference, ids.shape[1])
+    finally:
+        load_kernels()
+        torch._dynamo.reset()

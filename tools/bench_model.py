@@ -8,13 +8,24 @@ with layers, so per-layer figures transfer). For each attention implementation, 
 - prefill latency at --prefill prompt lengths (batch 1, logits of the last token only) and
   the peak memory of that forward above what was allocated before it;
 - decode throughput: greedy generate() of --new tokens after a --prompt-token prompt at batch
-  sizes --batches (static lengths, no padding): new tokens per second, prefill included.
+  sizes --batches (static lengths, no padding): new tokens per second, prefill included, for
+  each --decode-modes mode: "dynamic" (transformers' DynamicCache; attngen runs the steps
+  unpadded on the varlen kind), "static" (cache_implementation="static", eager: attngen runs
+  the steps on a contiguous-cache decode module with device-side cache_seqlens) and "graph"
+  (the static cache with generate()'s torch.compile of the forward, mode "reduce-overhead":
+  the decode steps are CUDA-graph replays).
+
+The contiguous decode module the static modes need is built from the config into
+--out/kernels first (the committed llama3_8b decode module is paged) and loaded before
+generated/. A graph row's modules are those dispatched by its first, compiling call (replays
+run no Python, so they count nothing).
 
 Every attngen measurement records which generated modules ran (the ops' run counts) and
 whether anything fell back (the dispatch log): a figure is only attngen's if its kernels ran.
 Writes bench_model.json under --out and prints a short table last. Usage, on the H200:
 
     PYTHONPATH=. python tools/bench_model.py --out results/ [--layers 8] [--quick]
+        [--decode-modes dynamic,static,graph]
 """
 
 from __future__ import annotations
@@ -98,8 +109,24 @@ def bench_prefill(model, impl, seqlen, repeats):
     return row
 
 
-def bench_decode(model, impl, batch, prompt, new, repeats):
+DECODE_MODES = ("dynamic", "static", "graph")
+
+
+def decode_options(mode: str) -> dict:
+    """generate()'s cache options of a decode mode (see the module docstring)."""
+    if mode == "dynamic":
+        return {}
+    if mode == "static":
+        return {"cache_implementation": "static", "disable_compile": True}
+    if mode == "graph":
+        compiled = transformers.CompileConfig(mode="reduce-overhead", fullgraph=False)
+        return {"cache_implementation": "static", "compile_config": compiled}
+    raise ValueError(f"--decode-modes: got {mode!r}; allowed: {', '.join(DECODE_MODES)}")
+
+
+def bench_decode(model, impl, batch, prompt, new, repeats, mode="dynamic"):
     ids = torch.randint(1, model.config.vocab_size, (batch, prompt), device="cuda")
+    options = decode_options(mode)
 
     def generate():
         with torch.no_grad():
@@ -110,13 +137,15 @@ def bench_decode(model, impl, batch, prompt, new, repeats):
                 min_new_tokens=new,
                 do_sample=False,
                 pad_token_id=0,
+                **options,
             )
 
+    ran = kernels_that_ran(generate) if impl == "attngen" and mode == "graph" else None
     times = timed(generate, repeats)
     median = statistics.median(times)
     row = {
         "impl": impl,
-        "phase": "decode",
+        "phase": f"decode-{mode}",
         "batch": batch,
         "prompt": prompt,
         "new": new,
@@ -125,8 +154,22 @@ def bench_decode(model, impl, batch, prompt, new, repeats):
         "tokens_per_s": batch * new / median * 1e3,
     }
     if impl == "attngen":
-        row["ran"] = kernels_that_ran(generate)
+        row["ran"] = ran if ran is not None else kernels_that_ran(generate)
     return row
+
+
+def build_decode_module(config, out: Path) -> Path:
+    """The config's attention as a contiguous-cache decode module (what a transformers static
+    cache step runs on), built into out/kernels; returns that folder."""
+    from attngen.build import plan_build, write_build
+    from attngen.hf_spec import spec_data_from_config
+    from attngen.spec import specs_from_data
+
+    data = spec_data_from_config(config, archs=["sm90"], name="bench_llama")
+    data.update(kernels=["decode"], kv_layout="contiguous")
+    folder = out / "kernels"
+    write_build(plan_build(specs_from_data(data)), folder)
+    return folder
 
 
 def parse_args() -> argparse.Namespace:
@@ -139,6 +182,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--decode-modes", default=",".join(DECODE_MODES))
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     return parser.parse_args()
 
@@ -152,9 +196,15 @@ def main() -> None:
     # FlexAttention recompiles per shape; past dynamo's cache limit it silently runs eager.
     torch._dynamo.config.cache_size_limit = 256
     torch._dynamo.config.accumulated_cache_size_limit = 4096
-    attngen.load_kernels()
-    attngen.register_transformers()
     config = llama_config(args.layers)
+    modes = args.decode_modes.split(",")
+    for mode in modes:
+        decode_options(mode)  # refused by name before anything runs
+    if {"static", "graph"} & set(modes):
+        attngen.load_kernels(build_decode_module(config, args.out))
+    else:
+        attngen.load_kernels()
+    attngen.register_transformers()
     spec = attngen.spec_from_config(config, archs=["sm90"])[0]
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -162,14 +212,16 @@ def main() -> None:
     rows, errors = [], []
     for impl in args.impls.split(","):
         model.set_attn_implementation(impl)
-        cases = [("prefill", n) for n in prefill] + [("decode", b) for b in batches]
+        cases = [("prefill", n) for n in prefill]
+        cases += [(f"decode-{mode}", b) for mode in modes for b in batches]
         for phase, size in cases:
             try:
                 if phase == "prefill":
                     rows.append(bench_prefill(model, impl, size, args.repeats))
                 else:
+                    mode = phase.removeprefix("decode-")
                     rows.append(
-                        bench_decode(model, impl, size, args.prompt, args.new, args.repeats)
+                        bench_decode(model, impl, size, args.prompt, args.new, args.repeats, mode)
                     )
             except Exception as exc:  # one failing case must not lose the others' figures
                 errors.append(
@@ -199,7 +251,7 @@ def main() -> None:
 
 def print_table(rows, errors) -> None:
     print(
-        f"\n{'impl':<15}{'phase':<9}{'size':>7}{'median ms':>11}{'tok/s':>10}{'peak GiB':>10}"
+        f"\n{'impl':<15}{'phase':<15}{'size':>7}{'median ms':>11}{'tok/s':>10}{'peak GiB':>10}"
         "  attngen modules (runs)"
     )
     for row in rows:
@@ -213,7 +265,7 @@ def print_table(rows, errors) -> None:
         tps = f"{row['tokens_per_s']:.0f}" if "tokens_per_s" in row else ""
         peak = f"{row['peak_mem_gib']:.2f}" if "peak_mem_gib" in row else ""
         print(
-            f"{row['impl']:<15}{row['phase']:<9}{size:>7}{row['median_ms']:>11.2f}{tps:>10}"
+            f"{row['impl']:<15}{row['phase']:<15}{size:>7}{row['median_ms']:>11.2f}{tps:>10}"
             f"{peak:>10}  {ran_text}"
         )
     for error in errors:

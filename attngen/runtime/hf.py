@@ -39,8 +39,17 @@ that this function never sees applied: a layer type other than full_attention,
 sliding_attention and chunked_attention, a config with attention_chunk_size and no layer
 type, and kwargs that change the scores (sinks under another name, position_bias, sparse key
 indices).
-A decode step is a prefill/varlen call with Nq = 1 against transformers' own cache; the decode
-kind (split-KV, for serving caches) is reached through flash_attn_with_kvcache.
+Decode steps:
+- transformers' static cache (StaticCache, generate(cache_implementation="static")) hands
+  over the whole cache [B, HKV, max_cache_len, D]; with no padded position the mask function
+  passes the written keys' counts computed on the device (`CacheLengths`, hf_cache.py), and a
+  step of at most the decode module's query tokens runs on a generated decode module
+  (contiguous cache, nothing appended) with those as cache_seqlens: no device value read on
+  the host, so generate()'s compiled forward (mode "reduce-overhead") replays it in a CUDA
+  graph. Other such calls (the prefill, no decode module for the spec) take the varlen route
+  over the written keys; a padded static cache is unpadded over its first n positions (the
+  mask's length). `last_dispatch()` says which kernel ran (kind decode or varlen).
+- a DynamicCache's step is a prefill/varlen call with Nq = 1 against transformers' own cache.
 """
 
 from __future__ import annotations
@@ -51,6 +60,13 @@ import torch
 import torch.nn.functional as F
 
 from attngen.runtime import plans
+from attngen.runtime.hf_cache import (
+    CacheLengths,
+    decode_module,
+    run_decode_module,
+    static_cache_lengths,
+    valid_keys,
+)
 from attngen.runtime.launch import run_dense, run_varlen
 from attngen.runtime.selection import NoKernelError
 from attngen.spec import CausalAlign, Mask
@@ -66,7 +82,11 @@ def register_transformers() -> str:
 
     def attngen_mask(*args, **kwargs):
         """flash-attention's mask function (the 2D padding mask, or None when nothing is
-        padded); for a chunked layer whose keys start past position 0, with that offset."""
+        padded); for a chunked layer whose keys start past position 0, with that offset; for
+        a static cache with no padded position, its written keys' counts (hf_cache.py)."""
+        lengths = None if args else static_cache_lengths(kwargs)
+        if lengths is not None:
+            return lengths
         padding = flash_attention_mask(*args, **kwargs)
         offset, config = kwargs.get("kv_offset", 0), kwargs.get("config")
         chunk = getattr(config, "attention_chunk_size", None)
@@ -128,13 +148,13 @@ def _layer_type(module) -> str | None:
 
 def _refuse_unexpressed(module, kwargs) -> None:
     """NoKernelError naming what this layer's attention has that no spec expresses."""
-    if not _SCORE_KWARGS.keys().isdisjoint(kwargs):
-        for name, what in _SCORE_KWARGS.items():
-            if kwargs.get(name) is not None:
-                raise NoKernelError(
-                    f"attngen: {name}: {what} is not in any spec; use another "
-                    "attn_implementation for this model"
-                )
+    # a loop over the names, not dict_keys.isdisjoint: Dynamo traces this one (fullgraph)
+    for name, what in _SCORE_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise NoKernelError(
+                f"attngen: {name}: {what} is not in any spec; use another "
+                "attn_implementation for this model"
+            )
     config = getattr(module, "config", None)
     layer_type, layer_idx = _layer_type(module), getattr(module, "layer_idx", None)
     if layer_type is not None and layer_type not in _LAYERS:
@@ -201,20 +221,45 @@ def attngen_attention(
         chunk_size=chunk,
         dropout_p=dropout,
     )
-    batch, _, seqlen_q, _ = query.shape
-    seqlen_k = key.shape[2]
+    seqlen_q, seqlen_k = query.shape[2], key.shape[2]
     if kwargs.get("cu_seq_lens_q") is not None and attention_mask is None:
         return _packed(query, key, value, kwargs, common), None
+    if isinstance(attention_mask, CacheLengths):
+        return _static_cache_call(query, key, value, attention_mask, common), None
     if attention_mask is None:
         _refuse_packed_positions(kwargs.get("position_ids"), seqlen_q, seqlen_k)
         return _dense(query, key, value, common), None
-    if attention_mask.dim() != 2 or attention_mask.shape != (batch, seqlen_k):
+    return _padded(query, key, value, attention_mask, common), None
+
+
+def _padded(query, key, value, padding, common):
+    """A 2D padding mask [B, n]: n = Nk, or a static cache's first n written positions (the
+    keys past them dropped); unpadded through the varlen kind."""
+    batch, _, seqlen_q, _ = query.shape
+    seqlen_k = key.shape[2]
+    written = padding.shape[1] if padding.dim() == 2 else -1
+    if padding.dim() != 2 or padding.shape[0] != batch or not seqlen_q <= written <= seqlen_k:
         raise NoKernelError(
-            f"attngen: attention_mask: got shape {tuple(attention_mask.shape)}; the 'attngen' "
+            f"attngen: attention_mask: got shape {tuple(padding.shape)}; the 'attngen' "
             f"implementation takes the 2D padding mask [{batch}, {seqlen_k}] (call "
-            "attngen.register_transformers() so transformers builds that one) or None"
+            f"attngen.register_transformers() so transformers builds that one; [{batch}, n], "
+            f"{seqlen_q} <= n <= {seqlen_k}, for a static cache's first n positions) or None"
         )
-    return _unpadded(query, key, value, attention_mask.bool(), common), None
+    if written < seqlen_k:  # a static cache: its first n positions are the written ones
+        key, value = key[:, :, :written], value[:, :, :written]
+    return _unpadded(query, key, value, padding.bool(), common)
+
+
+def _static_cache_call(query, key, value, lengths: CacheLengths, common):
+    """A static cache's layer with no padded position (hf_cache.py): a step a decode module
+    serves runs there, reading no device value on the host; any other (the prefill, a step
+    past the module's query tokens, no module) takes the varlen route over the written keys."""
+    decode = decode_module(query, key, value, common)
+    if decode is not None:
+        return run_decode_module(decode, query, key, value, lengths, common)
+    # the queries are the last Nq written keys (not the last of the cache): all kept
+    every_query = torch.ones(query.shape[0], query.shape[2], dtype=torch.bool, device=query.device)
+    return _unpadded(query, key, value, valid_keys(lengths, key.shape[2]), common, every_query)
 
 
 def _sinks(s_aux, query):
@@ -288,14 +333,17 @@ def _dense(query, key, value, common):
     return out
 
 
-def _unpadded(query, key, value, keep, common):
-    """Padded [B, H, N, D] -> packed varlen call -> padded [B, Nq, HQ, DV] (0 in padding)."""
+def _unpadded(query, key, value, keep, common, keep_q=None):
+    """Padded [B, H, N, D] -> packed varlen call -> padded [B, Nq, HQ, DV] (0 in padding).
+    keep_q: which queries are kept, [B, Nq]; by default those of the last Nq positions."""
     batch, num_q_heads, seqlen_q, _ = query.shape
     seqlen_k = key.shape[2]
-    keep_q = keep[:, seqlen_k - seqlen_q :]  # the queries are the last Nq positions
+    same_rows = keep_q is None and seqlen_q == seqlen_k
+    if keep_q is None:
+        keep_q = keep[:, seqlen_k - seqlen_q :]  # the queries are the last Nq positions
     rows_k = keep.flatten().nonzero().squeeze(1)
     cu_k = F.pad(keep.sum(-1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
-    if seqlen_q == seqlen_k:  # same lengths per sequence: one tensor (the alignments agree)
+    if same_rows:  # same lengths per sequence: one tensor (the alignments agree)
         rows_q, cu_q = rows_k, cu_k
     else:
         rows_q = keep_q.flatten().nonzero().squeeze(1)
