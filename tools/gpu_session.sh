@@ -46,6 +46,7 @@ section_command() {
     decode_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_decode_gpu.py" ;;
     prefill_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_prefill_gpu.py" ;;
     integration_tests) echo "$pytest_gpu tests/test_integration_gpu.py" ;;
+    hf_static) echo "$pytest_gpu tests/test_integration_gpu.py -k static_cache" ;;
     cp_tests) echo "$pytest_gpu tests/test_context_parallel_gpu.py" ;;
     host) echo "python3 tools/exp_host_overhead.py --out $work" ;;
     bench_decode) echo "python3 tools/bench_decode.py --out $work" ;;
