@@ -154,7 +154,7 @@ def test_bf16_under_the_interpreter_is_refused_unless_its_math_is_correct():
     result = _run_python(code, "1")
     lines = result.stdout.splitlines()
     assert lines[0] == "PROBE False", result.stdout + result.stderr
-    assert lines[1].startswith("ERROR") and "Triton issue 11584" in lines[1]
+    assert lines[1].startswith("ERROR") and "triton-lang/triton#11584" in lines[1]
     assert lines[2] == "PROBE True"
 
 
@@ -171,7 +171,7 @@ def test_bf16_runs_under_the_interpreter_with_the_tests_shim(monkeypatch):
         assert out.isfinite().all()
         monkeypatch.setattr(devices, "_bf16_ok", False)
         monkeypatch.setattr("attngen.runtime.interpreter_probe.bf16_math_is_correct", lambda: False)
-        with pytest.raises(attngen.NoKernelError, match="Triton issue 11584"):
+        with pytest.raises(attngen.NoKernelError, match="triton-lang/triton#11584"):
             attngen.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True)
     finally:
         use_registry(saved)

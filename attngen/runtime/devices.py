@@ -6,7 +6,7 @@ under Triton's interpreter, which triton enables when it is imported with TRITON
 variable later leaves a half-interpreted triton that fails inside the first kernel).
 
 bf16 under the interpreter: Triton 3.6's interpreter computes bf16 dots and arithmetic on the
-raw uint16 bit patterns (Triton issue 11584), so every kernel returns garbage for bf16. The
+raw uint16 bit patterns (triton-lang/triton#11584), so every kernel returns garbage for bf16. The
 runtime does not patch triton (a library must not change how other people's kernels run);
 it refuses bf16 on the interpreter with an error saying why, unless bf16 math has been made
 correct there: a tiny probe kernel (interpreter_probe.py) is run once and must give torch's
@@ -73,7 +73,7 @@ def device_problem(api: str, arch: str, dtype: Dtype | None) -> str | None:
     if arch == INTERPRETER and dtype is Dtype.bf16 and not bf16_interpreter_ok():
         return (
             "dtype bf16 on CPU tensors: Triton's interpreter computes bfloat16 dots and "
-            "arithmetic on the raw bit patterns (Triton issue 11584) and returns garbage; "
+            "arithmetic on the raw bit patterns (triton-lang/triton#11584) and returns garbage; "
             "use fp16 or fp32 on the CPU, or CUDA for bf16"
         )
     return None

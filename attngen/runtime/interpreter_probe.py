@@ -3,7 +3,7 @@
 One 16 x 16 tile exercises what attention kernels do with bf16: a dot with an fp32
 accumulator, elementwise bf16 arithmetic, a row sum, and the fp32 -> bf16 cast (round to
 nearest even). The results must equal torch's bit for bit; Triton 3.6's interpreter fails
-all four (Triton issue 11584), a correct one (or the tests' shim) passes.
+all four (triton-lang/triton#11584), a correct one (or the tests' shim) passes.
 """
 
 from __future__ import annotations
