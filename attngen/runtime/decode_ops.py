@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attngen.runtime.kvcache_rotary import rotary_keywords
 from attngen.runtime.ops import _direct, _heads_last, _no_lse, _ran, _sinks
 from attngen.runtime.registry import current_registry
 
@@ -88,24 +89,12 @@ def call_decode(
     _ran(key)
     extra = {**_sinks(sinks), **_splits(module, key, num_splits)}
     if rotary_cos is not None or rotary_sin is not None:  # (modules with ACCEPTS_ROTARY)
-        extra.update(_rotary(rotary_cos, rotary_sin, rotary_interleaved, rotary_q_per_token))
-    if heads_last:
-        out = _heads_last(q, v_cache.shape[-1])
-        result = module.decode(
-            q,
-            k_cache,
-            v_cache,
-            cache_seqlens,
-            block_table=block_table,
-            k_new=k_new,
-            v_new=v_new,
-            sm_scale=sm_scale,
-            alibi_slopes=alibi_slopes,
-            return_lse=return_lse,
-            out=out.transpose(1, 2),
-            **extra,
+        extra.update(
+            rotary_keywords(rotary_cos, rotary_sin, rotary_interleaved, rotary_q_per_token)
         )
-        return out, (result[1] if return_lse else None)
+    out = _heads_last(q, v_cache.shape[-1]) if heads_last else None
+    if out is not None:  # written in place through its [B, HQ, Nq, DV] view
+        extra["out"] = out.transpose(1, 2)
     result = module.decode(
         q,
         k_cache,
@@ -119,17 +108,9 @@ def call_decode(
         return_lse=return_lse,
         **extra,
     )
+    if out is not None:
+        return out, (result[1] if return_lse else None)
     return result if return_lse else (result, None)
-
-
-def _rotary(cos, sin, interleaved: bool, per_token: bool) -> dict:
-    """decode's rotary keywords (passed only with rotary: older modules do not take them)."""
-    return {
-        "rotary_cos": cos,
-        "rotary_sin": sin,
-        "rotary_interleaved": interleaved,
-        "rotary_q_per_token": per_token,
-    }
 
 
 def _splits(module, key: str, num_splits: int) -> dict[str, int]:

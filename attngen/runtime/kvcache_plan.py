@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attngen.runtime.kvcache_rotary import rotary_keywords
+
 
 def plain_step(k, v, block_table, num_splits, rotary_cos, rotary_sin, batch_idx, leftpad) -> bool:
     """Whether a step may run from a plan: new keys none or plain tensors that need no
@@ -47,12 +49,8 @@ def planned_rotary(rotary_cos, rotary_sin, rotary_interleaved, causal, window_si
     from the call's own options: query tokens at their own positions when causal or local)."""
     if rotary_cos is None:
         return None
-    return {
-        "rotary_cos": rotary_cos,
-        "rotary_sin": rotary_sin,
-        "rotary_interleaved": bool(rotary_interleaved),
-        "rotary_q_per_token": causal or window_size != (-1, -1),
-    }
+    per_token = causal or window_size != (-1, -1)
+    return rotary_keywords(rotary_cos, rotary_sin, bool(rotary_interleaved), per_token)
 
 
 def same_kinds(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary) -> bool:

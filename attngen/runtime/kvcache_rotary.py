@@ -38,6 +38,12 @@ def fused_rotary(options: CacheOptions, decode: Dispatch | None, per_token: bool
     if not getattr(current_registry().module(decode.key), "ACCEPTS_ROTARY", False):
         return None
     cos, sin, interleaved = options.rotary
+    return rotary_keywords(cos, sin, interleaved, per_token)
+
+
+def rotary_keywords(cos, sin, interleaved: bool, per_token: bool) -> dict:
+    """A decode module's rotary keywords (passed only with rotary: older modules do not take
+    them)."""
     return {
         "rotary_cos": cos,
         "rotary_sin": sin,
