@@ -30,6 +30,7 @@ import argparse
 import datetime
 import importlib.util
 import json
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -71,10 +72,16 @@ def bench(fn) -> float:
 
 
 def agree(name: str, got: torch.Tensor, want: torch.Tensor, problems: list[str]) -> bool:
-    """bf16 outputs of two exact implementations differ by a few bf16 ulps."""
+    """bf16 outputs of two exact implementations differ by a few bf16 ulps of the largest
+    output: each rounds its probabilities to bf16 at a different point (attngen before
+    normalising, the PyTorch MLA anchor after) and the outputs themselves to bf16, so over
+    millions of outputs (MLA at B 128: 8.4M) the largest difference reaches 4 ulps. A wrong
+    anchor differs by O(max |out|)."""
     err = (got.float() - want.float()).abs().max().item()
-    if not err <= 2e-2:
-        problems.append(f"{name}: max |diff| to attngen {err:.3e} > 2e-2; not timed")
+    top = max(want.float().abs().max().item(), 1.0)
+    bound = 8 * 2.0 ** (math.floor(math.log2(top)) - 7)  # 8 bf16 ulps at the largest output
+    if not err <= bound:
+        problems.append(f"{name}: max |diff| to attngen {err:.3e} > {bound:.3e}; not timed")
         return False
     return True
 
@@ -204,6 +211,8 @@ def mla_case(module, batch: int, length: int) -> dict:
         "case": f"mla decode B={batch} L={length}",
         "attngen_ms": ms,
         "attngen_fraction": bytes_moved / (ms * 1e-3) / H200_BANDWIDTH,
+        # 128 heads make the absorbed decode compute-bound (about 240 FLOP per cache byte)
+        "attngen_tflops": 2 * batch * hq * length * (latent + rope + latent) / (ms * 1e-3) / 1e12,
         # the kernel that ran: V the latent key tile (values = cache[..., :512]), its tile
         # (64 head rows, the 512 + 64 split dot: attngen/tiling/decode_latent.py) and splits
         "v_from_k": module._values_are_latent_keys(cache, values),
@@ -225,6 +234,7 @@ def mla_case(module, batch: int, length: int) -> dict:
             anchor_ms = bench(fn)
             row[f"{name}_ms"] = anchor_ms
             row[f"{name}_fraction"] = bytes_moved / (anchor_ms * 1e-3) / H200_BANDWIDTH
+            row[f"{name}_tflops"] = row["attngen_tflops"] * ms / anchor_ms
     return row
 
 
@@ -362,8 +372,15 @@ def print_table(rows: list[dict]) -> None:
             if isinstance(row.get(f"{name}_fraction"), float)
         ]
         if len(fractions) > 1:  # the MLA rows: every kernel's share of the bandwidth
+            tflops = ", ".join(
+                f"{name} {row[f'{name}_tflops']:.0f}"
+                for name in ("attngen", "torch", "flashmla", "flashinfer")
+                if isinstance(row.get(f"{name}_tflops"), float)
+            )
             print(
-                "    BW " + ", ".join(fractions) + f"; config {row.get('config')}, "
+                "    BW "
+                + ", ".join(fractions)
+                + f"; TFLOP/s {tflops}; config {row.get('config')}, "
                 f"{row.get('num_splits')} split(s), V from K {row.get('v_from_k')}"
             )
         for problem in row["problems"]:

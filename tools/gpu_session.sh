@@ -47,6 +47,9 @@ section_command() {
     prefill_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_prefill_gpu.py" ;;
     integration_tests) echo "$pytest_gpu tests/test_integration_gpu.py" ;;
     hf_static) echo "$pytest_gpu tests/test_integration_gpu.py -k static_cache" ;;
+    decode_property) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_decode_gpu.py -k property_cases" ;;
+    model_decode) echo "python3 tools/bench_model.py --out $work --prefill 1024 --impls attngen,sdpa \
+      --decode-modes dynamic,static,graph" ;;
     cp_tests) echo "$pytest_gpu tests/test_context_parallel_gpu.py" ;;
     host) echo "python3 tools/exp_host_overhead.py --out $work" ;;
     bench_decode) echo "python3 tools/bench_decode.py --out $work" ;;
