@@ -53,6 +53,7 @@ section_command() {
     cp_tests) echo "$pytest_gpu tests/test_context_parallel_gpu.py" ;;
     host) echo "python3 tools/exp_host_overhead.py --out $work" ;;
     bench_decode) echo "python3 tools/bench_decode.py --out $work" ;;
+    profile_decode) echo "python3 tools/profile_decode_graph.py --out $work" ;;
     bench_prefill) echo "python3 tools/bench_prefill.py --out $work" ;;
     bench_model) echo "python3 tools/bench_model.py --out $work" ;;
     cp_bench) echo "python3 tools/bench_context_parallel.py --out $work" ;;
