@@ -104,24 +104,60 @@ def test_dropout_keeps_one_minus_p():
     assert abs(kept.mean().item() - 0.7) < 5 * (0.7 * 0.3 / kept.numel() / 512) ** 0.5
 
 
-def test_committed_llama3_8b_module_trains():
+def _committed_training_modules() -> list[dict]:
+    """generated/index.json's sm90 prefill modules whose spec asks for backward."""
     index = json.loads((ROOT / "generated" / "index.json").read_text())
-    entry = next(
+    return [
         e
         for e in index["modules"]
-        if e["arch"] == "sm90" and e["kind"] == "prefill" and e["module"].startswith("llama3_8b")
-    )
+        if e["arch"] == "sm90" and e["kind"] == "prefill" and e["spec"].get("backward")
+    ]
+
+
+@pytest.mark.parametrize("entry", _committed_training_modules(), ids=lambda e: e["module"])
+def test_committed_modules_train(entry):
+    """Each committed training module (the examples with `backward: true`) at its own heads,
+    its derived or tuned tiles, 600 queries on 600 keys, gradients by the rule."""
     import importlib.util
 
     module_spec = importlib.util.spec_from_file_location(
-        "llama3_8b_bwd", ROOT / "generated" / entry["path"]
+        entry["module"] + "_bwd", ROOT / "generated" / entry["path"]
     )
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    spec = backward_spec(dtype="bf16", head_dim=128, num_q_heads=32, num_kv_heads=8)
-    q, k, v, dout, _ = padded_inputs(spec, 1, 32, 8, 600, 600, seed=3)
-    grads = _grads(module, *(t.cuda() for t in (q, k, v, dout)), None)
-    problems = compare_gradients(spec, [g.cpu() for g in grads], q, k, v, dout)
+    fields = {
+        name: entry["spec"][name]
+        for name in (
+            "dtype",
+            "head_dim",
+            "head_dim_v",
+            "num_q_heads",
+            "num_kv_heads",
+            "mask",
+            "causal_align",
+            "window_left",
+            "window_right",
+            "softcap",
+            "alibi",
+            "sinks",
+            "chunk_size",
+            "sink_tokens",
+        )
+        if entry["spec"].get(name) is not None
+    }
+    spec = backward_spec(**fields)
+    hq, hkv = spec.num_q_heads, spec.num_kv_heads
+    q, k, v, dout, slopes = padded_inputs(spec, 1, hq, hkv, 600, 600, seed=3)
+    cuda = [t.cuda() for t in (q, k, v, dout)]
+    if spec.sinks:
+        sinks = _sink_logits(hq)
+        grads = _grads_with_sinks(module, *cuda, sinks.cuda())
+    else:
+        sinks = None
+        grads = _grads(module, *cuda, None if slopes is None else slopes.cuda())
+    problems = compare_gradients(
+        spec, [g.cpu() for g in grads], q, k, v, dout, alibi_slopes=slopes, sinks=sinks
+    )
     assert not problems, "; ".join(problems)
 
 
