@@ -109,3 +109,26 @@ def test_refusals_name_the_feature(llama):
     packed = torch.tensor([[0, 1, 0]])
     with pytest.raises(attngen.NoKernelError, match="position_ids restart"):
         attngen.runtime.hf.attngen_attention(layer, q, k, v, None, position_ids=packed)
+
+
+def test_position_ids_are_read_once_per_tensor_version(llama, monkeypatch):
+    """Every layer of a forward gets the same position_ids: the monotone check reads the
+    device once for it (a host read per layer stalls eager prefill), and again after an
+    in-place write."""
+    layer = llama.model.layers[0].self_attn
+    q = torch.randn(1, 4, 3, 16)
+    k = v = torch.randn(1, 2, 3, 16)
+    positions = torch.tensor([[0, 1, 2]])
+    reads = []
+    check = attngen.runtime.hf._CheckedPositions.remember
+    monkeypatch.setattr(
+        attngen.runtime.hf._CheckedPositions,
+        "remember",
+        classmethod(lambda cls, p: (reads.append(1), check.__func__(cls, p))),
+    )
+    for _ in range(3):
+        attngen.runtime.hf.attngen_attention(layer, q, k, v, None, position_ids=positions)
+    assert len(reads) == 1
+    positions[0, 2] = 0  # the same tensor, now packed: its version moved, so it is read again
+    with pytest.raises(attngen.NoKernelError, match="position_ids restart"):
+        attngen.runtime.hf.attngen_attention(layer, q, k, v, None, position_ids=positions)

@@ -197,7 +197,7 @@ def main() -> None:
     torch._dynamo.config.cache_size_limit = 256
     torch._dynamo.config.accumulated_cache_size_limit = 4096
     config = llama_config(args.layers)
-    modes = args.decode_modes.split(",")
+    modes = [mode for mode in args.decode_modes.split(",") if mode]  # "": prefill rows only
     for mode in modes:
         decode_options(mode)  # refused by name before anything runs
     if {"static", "graph"} & set(modes):
