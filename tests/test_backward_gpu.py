@@ -3,8 +3,9 @@
 The derived tile configs (not the CPU suite's 16-row blocks), compiled kernels (bf16 numerics,
 FMA contraction, Triton's integer specialization), against the float64 golden (computed on the
 CPU from the same inputs) by the rule of shared/RELIABILITY.md; bitwise determinism; dropout's
-keep rate; the committed llama3_8b module; and the newer models' fields (sinks and d sinks,
-chunked masks, sink tokens). tools/gpu_backward.sh runs this file.
+keep rate; the committed example modules with backward (llama3_8b, gpt-oss-20b, Llama-4-Scout);
+and the newer models' fields (sinks and d sinks, chunked masks, sink tokens).
+tools/gpu_backward.sh runs this file.
 """
 
 from __future__ import annotations
@@ -104,24 +105,46 @@ def test_dropout_keeps_one_minus_p():
     assert abs(kept.mean().item() - 0.7) < 5 * (0.7 * 0.3 / kept.numel() / 512) ** 0.5
 
 
-def test_committed_llama3_8b_module_trains():
+# The example specs with `backward: true` whose committed sm90 prefill module trains here.
+COMMITTED = (
+    "llama3_8b",
+    "gpt_oss_20b_local",
+    "gpt_oss_20b_global",
+    "llama4_scout_chunked",
+    "llama4_scout_global",
+)
+
+
+@pytest.mark.parametrize("name", COMMITTED)
+def test_committed_example_module_trains(name):
+    """The committed module (generated/sm90, its derived or tuned backward tiles) at the
+    example's head counts: dQ, dK, dV (and d sinks for gpt-oss) by the rule."""
+    from attngen.build import load_specs
+
+    spec = next(s for s in load_specs(sorted((ROOT / "examples").glob("*.yaml"))) if s.name == name)
     index = json.loads((ROOT / "generated" / "index.json").read_text())
     entry = next(
         e
         for e in index["modules"]
-        if e["arch"] == "sm90" and e["kind"] == "prefill" and e["module"].startswith("llama3_8b")
+        if e["arch"] == "sm90" and e["kind"] == "prefill" and e["spec"]["name"] == name
     )
+    assert spec.backward and entry["module"].endswith("_bwd")
     import importlib.util
 
     module_spec = importlib.util.spec_from_file_location(
-        "llama3_8b_bwd", ROOT / "generated" / entry["path"]
+        f"{name}_bwd", ROOT / "generated" / entry["path"]
     )
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    spec = backward_spec(dtype="bf16", head_dim=128, num_q_heads=32, num_kv_heads=8)
-    q, k, v, dout, _ = padded_inputs(spec, 1, 32, 8, 600, 600, seed=3)
-    grads = _grads(module, *(t.cuda() for t in (q, k, v, dout)), None)
-    problems = compare_gradients(spec, [g.cpu() for g in grads], q, k, v, dout)
+    hq, hkv = spec.num_q_heads, spec.num_kv_heads
+    q, k, v, dout, _ = padded_inputs(spec, 1, hq, hkv, 600, 600, seed=3)
+    sinks = _sink_logits(hq) if spec.sinks else None
+    cuda = [t.cuda() for t in (q, k, v, dout)]
+    if sinks is None:
+        grads = _grads(module, *cuda, None)
+    else:
+        grads = _grads_with_sinks(module, *cuda, sinks.cuda())
+    problems = compare_gradients(spec, [g.cpu() for g in grads], q, k, v, dout, sinks=sinks)
     assert not problems, "; ".join(problems)
 
 
