@@ -3,8 +3,9 @@
 The derived tile configs (not the CPU suite's 16-row blocks), compiled kernels (bf16 numerics,
 FMA contraction, Triton's integer specialization), against the float64 golden (computed on the
 CPU from the same inputs) by the rule of shared/RELIABILITY.md; bitwise determinism; dropout's
-keep rate; the committed llama3_8b module; and the newer models' fields (sinks and d sinks,
-chunked masks, sink tokens). tools/gpu_backward.sh runs this file.
+keep rate; the committed example modules with backward (llama3_8b, gpt-oss-20b, Llama-4-Scout);
+and the newer models' fields (sinks and d sinks, chunked masks, sink tokens).
+tools/gpu_backward.sh runs this file.
 """
 
 from __future__ import annotations
@@ -104,60 +105,46 @@ def test_dropout_keeps_one_minus_p():
     assert abs(kept.mean().item() - 0.7) < 5 * (0.7 * 0.3 / kept.numel() / 512) ** 0.5
 
 
-def _committed_training_modules() -> list[dict]:
-    """generated/index.json's sm90 prefill modules whose spec asks for backward."""
+# The example specs with `backward: true` whose committed sm90 prefill module trains here.
+COMMITTED = (
+    "llama3_8b",
+    "gpt_oss_20b_local",
+    "gpt_oss_20b_global",
+    "llama4_scout_chunked",
+    "llama4_scout_global",
+)
+
+
+@pytest.mark.parametrize("name", COMMITTED)
+def test_committed_example_module_trains(name):
+    """The committed module (generated/sm90, its derived or tuned backward tiles) at the
+    example's head counts: dQ, dK, dV (and d sinks for gpt-oss) by the rule."""
+    from attngen.build import load_specs
+
+    spec = next(s for s in load_specs(sorted((ROOT / "examples").glob("*.yaml"))) if s.name == name)
     index = json.loads((ROOT / "generated" / "index.json").read_text())
-    return [
+    entry = next(
         e
         for e in index["modules"]
-        if e["arch"] == "sm90" and e["kind"] == "prefill" and e["spec"].get("backward")
-    ]
-
-
-@pytest.mark.parametrize("entry", _committed_training_modules(), ids=lambda e: e["module"])
-def test_committed_modules_train(entry):
-    """Each committed training module (the examples with `backward: true`) at its own heads,
-    its derived or tuned tiles, 600 queries on 600 keys, gradients by the rule."""
+        if e["arch"] == "sm90" and e["kind"] == "prefill" and e["spec"]["name"] == name
+    )
+    assert spec.backward and entry["module"].endswith("_bwd")
     import importlib.util
 
     module_spec = importlib.util.spec_from_file_location(
-        entry["module"] + "_bwd", ROOT / "generated" / entry["path"]
+        f"{name}_bwd", ROOT / "generated" / entry["path"]
     )
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    fields = {
-        name: entry["spec"][name]
-        for name in (
-            "dtype",
-            "head_dim",
-            "head_dim_v",
-            "num_q_heads",
-            "num_kv_heads",
-            "mask",
-            "causal_align",
-            "window_left",
-            "window_right",
-            "softcap",
-            "alibi",
-            "sinks",
-            "chunk_size",
-            "sink_tokens",
-        )
-        if entry["spec"].get(name) is not None
-    }
-    spec = backward_spec(**fields)
     hq, hkv = spec.num_q_heads, spec.num_kv_heads
-    q, k, v, dout, slopes = padded_inputs(spec, 1, hq, hkv, 600, 600, seed=3)
+    q, k, v, dout, _ = padded_inputs(spec, 1, hq, hkv, 600, 600, seed=3)
+    sinks = _sink_logits(hq) if spec.sinks else None
     cuda = [t.cuda() for t in (q, k, v, dout)]
-    if spec.sinks:
-        sinks = _sink_logits(hq)
-        grads = _grads_with_sinks(module, *cuda, sinks.cuda())
+    if sinks is None:
+        grads = _grads(module, *cuda, None)
     else:
-        sinks = None
-        grads = _grads(module, *cuda, None if slopes is None else slopes.cuda())
-    problems = compare_gradients(
-        spec, [g.cpu() for g in grads], q, k, v, dout, alibi_slopes=slopes, sinks=sinks
-    )
+        grads = _grads_with_sinks(module, *cuda, sinks.cuda())
+    problems = compare_gradients(spec, [g.cpu() for g in grads], q, k, v, dout, sinks=sinks)
     assert not problems, "; ".join(problems)
 
 

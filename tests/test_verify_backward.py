@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,14 @@ from typer.testing import CliRunner
 from attngen.arch import ARCHS
 from attngen.build import load_specs
 from attngen.cli import app
-from attngen.tiling.backward import MODEL_SYMBOLS, derive_backward_tiles, smem_expression
+from attngen.tiling.backward import (
+    MODEL_SYMBOLS,
+    derive_backward_tiles,
+    regs_expression,
+    smem_expression,
+)
 from attngen.tiling.evaluate import compiled
+from attngen.tuning.database import tuned_backward_tiles
 from attngen.verify.backward import plan_backward_rows
 from attngen.verify.check import summarize, verify_tiling
 from attngen.verify.measurements import (
@@ -30,7 +37,7 @@ from attngen.verify.measurements import (
     load_measurements,
     triton_version,
 )
-from attngen.verify.policy import judge
+from attngen.verify.policy import SAFE_SPILL_BYTES, judge
 from tests.kernel_harness import make_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -201,3 +208,57 @@ def test_dropout_shared_memory_equals_every_allocator_record():
             key = BackwardKey(**{f: r[f] for f in BackwardKey._fields})
             wrong.append((key.label(), predicted, r["shared"]))
     assert not wrong, wrong[:5]
+
+
+def _predicted_regs(record: dict) -> int:
+    model = compiled(regs_expression(ARCHS[record["arch"]], record["kernel"]), MODEL_SYMBOLS)
+    e = 4 if record["dtype"] == "fp32" else 2
+    dims = (record["BLOCK_M"], record["BLOCK_N"], record["num_stages"], record["num_warps"])
+    return math.ceil(model(*dims, record["D"], record["DV"], e))
+
+
+@needs_data
+def test_no_config_the_register_model_calls_safe_spills_in_the_data():
+    """Every 16-bit record of every arch (not only the examples' candidates: the whole D 64 and
+    D 128 grids, the branch-covering shapes): a config predicted at or below the register
+    limit spills at most the allowance. fp32 is never called safe (FMA dots)."""
+    records = json.loads(DATA.read_text())["records"]
+    checked, unsafe = 0, []
+    for r in records:
+        if r["error"] or r["dtype"] == "fp32":
+            continue
+        predicted = _predicted_regs(r)
+        if predicted <= ARCHS[r["arch"]].max_regs_per_thread:
+            checked += 1
+            if (r["spill_stores"] or 0) > SAFE_SPILL_BYTES:
+                key = BackwardKey(**{f: r[f] for f in BackwardKey._fields})
+                unsafe.append((key.label(), predicted, r["spill_stores"]))
+    assert {r["arch"] for r in records} >= set(COMPLETE_ARCHS)
+    assert checked >= 900
+    assert not unsafe, unsafe
+
+
+@needs_data
+def test_tuned_backward_configs_stay_accepted():
+    """Every backward entry of tuning/ (llama3_8b and tools/bench_specs/backward_grid.yaml)
+    is a feasible candidate of the current model (the build refuses it otherwise), and those
+    the data holds without a spill are called safe."""
+    paths = sorted((ROOT / "examples").glob("*.yaml")) + [
+        ROOT / "tools/bench_specs/backward_grid.yaml"
+    ]
+    data = load_measurements(DATA, BackwardKey)
+    tuned = 0
+    for spec in (s for s in load_specs(paths) if s.backward):
+        for arch in spec.archs:
+            derivation = tuned_backward_tiles(ROOT / "tuning", spec, arch)
+            for kernel in ("dq", "dkdv"):
+                kernel_derivation = getattr(derivation, kernel)
+                if kernel_derivation.source == "heuristic":
+                    continue
+                tuned += 1
+                config = kernel_derivation.chosen
+                candidate = next(c for c in kernel_derivation.candidates if c.config == config)
+                record = data.get(backward_key(spec, arch, kernel, config))
+                if record is not None and not record["spill_stores"]:
+                    assert not candidate.may_spill(ARCHS[arch]), (spec.name, kernel, config)
+    assert tuned >= 11  # every backward entry of tuning/sm90.json

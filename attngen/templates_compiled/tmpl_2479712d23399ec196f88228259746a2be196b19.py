@@ -115,9 +115,12 @@ def root(context, missing=missing):
         if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
             pass
             yield ',\n            dropout=dropout'
-        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+                pass
+                yield ', sinks=sinks'
+        elif (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
-            yield ', sinks=sinks'
+            yield ',\n            sinks=sinks'
         yield ')\n    _refuse_out_with_grad(out)\n    if seqused_k is not None:\n        raise ValueError("seqused_k: no backward for a KV cache read in place; pass None when "\n                         "q, k or v requires grad")\n    sm_scale = _resolved_sm_scale(sm_scale)\n    if os.environ.get("ATTNGEN_CHECKS") == "1" and isinstance(cu_seqlens_k, torch.Tensor):\n        _check_key_lengths(cu_seqlens_k, max_seqlen_k)\n    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)\n    out, lse = _AttentionFunction.apply(q, k, v, sm_scale, alibi_slopes, dropout, lengths'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
@@ -176,11 +179,14 @@ def root(context, missing=missing):
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield ', sinks=None'
-        yield '):\n    """(dq, dk, dv'
+        yield '):\n'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
-            yield ', dsinks'
-        yield ") of attention for the output gradient dout (and dlse, the LSE's), given its\n    out and lse [B, HQ, M]; dropout_p and rng_state as the forward had them"
+            yield '    """(dq, dk, dv, dsinks) of attention for the output gradient dout (and dlse, the LSE\'s),\n    given its\n'
+        else:
+            pass
+            yield '    """(dq, dk, dv) of attention for the output gradient dout (and dlse, the LSE\'s), given its\n'
+        yield '    out and lse [B, HQ, M]; dropout_p and rng_state as the forward had them'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield '; sinks [HQ]\n    fp32 (required) as well, dsinks [HQ] fp32 their gradient'
@@ -195,4 +201,4 @@ def root(context, missing=missing):
         yield ')\n'
 
 blocks = {}
-debug_info = '4=22&5=24&6=27&10=31&14=33&30=37&48=43&61=47&67=54&71=58&72=62&76=65&80=75&83=82&94=89&119=96&133=99&141=103&144=107&149=111&152=115&153=118&162=122&169=126&170=130&171=134&174=138&179=142&184=149&190=153&192=157&197=161&199=165&200=168&203=172&209=176&210=180&211=184&214=188&218=192'
+debug_info = '4=22&5=24&6=27&10=31&14=33&30=37&48=43&61=47&67=54&71=58&72=62&76=65&80=75&83=82&94=89&119=96&133=99&141=103&144=107&149=111&152=115&153=118&163=125&170=129&171=133&172=137&175=141&180=145&185=152&191=156&193=160&198=164&200=168&201=171&204=175&210=179&211=183&217=190&220=194&224=198'

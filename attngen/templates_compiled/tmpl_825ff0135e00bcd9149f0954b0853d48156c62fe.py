@@ -27,9 +27,16 @@ def root(context, missing=missing):
     if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
         pass
         yield '_FLASH_PLANS = ({}, {})  # [q, k, v in [B, N, H, D]]: _call_key(...) -> a heads-last _CallPlan\n\n\ndef _keep_flash_plan(plans, key, views_key, flash, out_shape):\n    """Keep under `key` the plan attention() left for the call\'s views (none: nothing kept),\n    as one that allocates a [B, M, HQ, DV] output (_CallPlan.heads_last)."""\n    plan = _CALL_PLANS.get(views_key)\n    if plan is not None:\n        if len(plans) >= _LAUNCH_CACHE_SIZE:\n            plans.clear()\n        plans[key] = plan.heads_last(flash, out_shape)\n'
-    yield '\n\ndef _check_rank4(q, k, v, layout):\n    for name, t in (("q", q), ("k", k), ("v", v)):\n        if not isinstance(t, torch.Tensor):\n            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")\n        if t.dim() != 4:\n            raise ValueError(f"{name}: expected rank 4 {layout}, got {tuple(t.shape)}")\n\n\ndef _heads_last_out(q, k, v, flash, sm_scale, alibi_slopes, return_lse, out'
-    yield str((undefined(name='options') if l_0_options is missing else l_0_options))
-    yield '):\n    """attention_flash (flash: q, k, v in [B, N, H, D]) or attention_flash_out (in\n    [B, H, N, D]): out [B, M, HQ, DV], and the LSE with return_lse."""\n'
+    yield '\n\ndef _check_rank4(q, k, v, layout):\n    for name, t in (("q", q), ("k", k), ("v", v)):\n        if not isinstance(t, torch.Tensor):\n            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")\n        if t.dim() != 4:\n            raise ValueError(f"{name}: expected rank 4 {layout}, got {tuple(t.shape)}")\n\n\n'
+    if ((undefined(name='backward') if l_0_backward is missing else l_0_backward) and (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks)):
+        pass
+        yield 'def _heads_last_out(q, k, v, flash, sm_scale, alibi_slopes, return_lse, out, dropout_p, rng_state,\n                    sinks):\n'
+    else:
+        pass
+        yield 'def _heads_last_out(q, k, v, flash, sm_scale, alibi_slopes, return_lse, out'
+        yield str((undefined(name='options') if l_0_options is missing else l_0_options))
+        yield '):\n'
+    yield '    """attention_flash (flash: q, k, v in [B, N, H, D]) or attention_flash_out (in\n    [B, H, N, D]): out [B, M, HQ, DV], and the LSE with return_lse."""\n'
     if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
         pass
         if (undefined(name='backward') if l_0_backward is missing else l_0_backward):
@@ -46,8 +53,10 @@ def root(context, missing=missing):
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield ', sinks'
-        yield '):\n        _refuse_out_with_grad(out)\n        result = attention(*views, sm_scale=sm_scale, alibi_slopes=alibi_slopes,\n                           return_lse=return_lse'
-        yield str((undefined(name='extra_args') if l_0_extra_args is missing else l_0_extra_args))
+        yield '):\n        _refuse_out_with_grad(out)\n        result = attention(*views, sm_scale=sm_scale, alibi_slopes=alibi_slopes,\n                           return_lse=return_lse, dropout_p=dropout_p, rng_state=rng_state'
+        if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
+            pass
+            yield ',\n                           sinks=sinks'
         yield ')\n        return (result[0].transpose(1, 2), result[1]) if return_lse else result.transpose(1, 2)\n'
     yield '    batch, num_q_heads, seqlen_q = views[0].shape[:3]\n    out_shape = (batch, seqlen_q, num_q_heads, HEAD_DIM_V)\n    if out is None:\n        out = q.new_empty(out_shape)\n    else:\n        _check_out(out, out_shape, q, (("q", q), ("k", k), ("v", v)))\n    out_view = out.transpose(1, 2)\n    result = attention(*views, sm_scale=sm_scale, alibi_slopes=alibi_slopes,\n                       return_lse=return_lse,\n                       out=out_view'
     yield str((undefined(name='extra_args') if l_0_extra_args is missing else l_0_extra_args))
@@ -82,4 +91,4 @@ def root(context, missing=missing):
     yield ')\n'
 
 blocks = {}
-debug_info = '6=17&7=20&8=23&18=27&41=31&44=33&45=35&61=43&62=46&65=50&77=53&78=55&88=59&89=61&90=65&94=67&96=69&98=72&103=75&107=77&109=79&112=81'
+debug_info = '6=17&7=20&8=23&18=27&41=31&45=37&49=40&50=42&66=50&67=53&70=57&83=62&84=64&94=68&95=70&96=74&100=76&102=78&104=81&109=84&113=86&115=88&118=90'

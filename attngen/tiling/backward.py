@@ -19,9 +19,10 @@ candidate: it pipelines nothing and was never the fast config) is a bound: its u
 and dO go through a transposition scratch that follows the layout's repetitions.
 
 Registers: the forward's linear program (tools/fit_backward_registers.py) on the 16-bit
-compiles: least absolute error (rms about 30 on configs that do not spill), with every config
-that spills more than 64 B predicted above the limit, so no config the model calls safe spills
-more than verify-tiling allows.
+compiles (both kernels' whole bf16 D 64 and D 128 grids on all five archs): least absolute
+error (rms 23 to 27 on configs that do not spill, 42 for wgmma dK/dV), with every config that
+spills more than 64 B predicted above the limit, so no config the model calls safe spills more
+than verify-tiling allows, and every tuned winner feasible.
 """
 
 from __future__ import annotations
@@ -122,46 +123,64 @@ def dkdv_smem_expression(arch: GpuArch, dropout: bool = False) -> sympy.Expr:
     return sympy.Piecewise((wgmma, sympy.And(BN >= 64, sympy.Ne(E, 4))), (mma, True))
 
 
+# Coefficients (intercept, acc, tile, stream, repeat) of regs_expression per (kernel, code
+# path): the linear program of tools/fit_backward_registers.py on the 16-bit compiles, rounded
+# (the fit gives repeat 0 on mma.sync and 0.01 on wgmma dK/dV, whose rows never exceed 16).
+REGS_FIT = {
+    ("dq", "mma.sync"): ("73.6", "1.24", "2.38", "0.12", "0"),
+    ("dq", "wgmma"): ("58", "0.94", "1.92", "0.16", "0.26"),
+    ("dkdv", "mma.sync"): ("106.5", "0.85", "2.47", "0.31", "0"),
+    ("dkdv", "wgmma"): ("155.5", "0.41", "2.44", "0", "0"),
+}
+
+
 @cache
 def regs_expression(arch: GpuArch, kernel: str) -> sympy.Expr:
-    """Registers per thread, over 32 W threads: acc = fp32 accumulator elements (dQ: BM * D;
-    dK/dV: BN * (D + DV)), tile = one score tile (BM * BN), stream = the streamed dot operands
-    in 32-bit registers (dQ: K and V, BN * (D + DV) * E / 4; dK/dV: Q and dO, BM * (D + DV) *
-    E / 4). The coefficients solve the forward's linear program (tools/fit_backward_registers.py)
-    on the 16-bit compiles in verify/data: least absolute error, with every config that spills
-    more than 64 B predicted at 260 or more (never safe). fp32 (FMA dots) uses the mma.sync
-    formula and is never promised not to spill."""
-    threads = 32 * W
-    tile = BM * BN / threads
-    if kernel == "dq":
-        acc = BM * D / threads
-        stream = BN * (D + DV) * E / (4 * threads)
-        mma = 94 + sympy.Rational(69, 100) * acc + sympy.Rational(484, 100) * tile
-        wgmma = (
-            70
-            + sympy.Rational(112, 100) * acc
-            + sympy.Rational(71, 100) * tile
-            + sympy.Rational(75, 100) * stream
+    """Registers per thread. The owned side (dQ: BLOCK_M queries; dK/dV: BLOCK_N keys) is split
+    over the warps, `rows` a warp; with width = dQ's D or dK/dV's D + DV and `streamed` the
+    other side: acc = rows * width / 32 fp32 accumulator elements a thread holds, tile =
+    rows * streamed / 32 (one score tile), stream = the streamed dot operands in 32-bit
+    registers (dQ: K and V; dK/dV: Q and dO), streamed * (D + DV) * E / 4 over 32 W threads,
+    and repeat = acc once more where a warp holds more than 16 rows (on wgmma a warpgroup then
+    covers more than one M slice of 64: dQ with 4 warps on 128 queries, which spills at
+    D 64 from BLOCK_N 64 while 8 warps on 128 queries and 128 keys at D 128, the same acc
+    and tile a thread, compile to 232 registers; the tuned llama3_8b dQ config).
+
+    rows is owned / W, except where the score tile stays in registers as the left operand of
+    the next dot (dS @ K; P^T @ dO and dS^T @ Q): a warp then holds whole rows of it, at least
+    an MMA instruction's M of 16 (a warpgroup's 64 on wgmma), so `rows` is max(16, owned / W).
+    That is always so on wgmma, and on mma.sync when the tile is not staged through shared
+    memory (owned >= D: see the smem models). 8 warps on 64 owned rows cost what 4 do; the
+    nominal owned / W had called sm80 dK/dV 128x64 with 8 warps at D 64 (spilling 1 KiB) and
+    sm90 dQ 128x64 with 4 warps at D 64 safe.
+
+    The coefficients (REGS_FIT) solve the forward's linear program on the 16-bit compiles in
+    verify/data: least absolute error, every config that spills more than 64 B predicted at
+    260 or more (never safe), every tuned winner at 275 or less (feasible) and at 251 or less
+    (safe) when it compiles without spilling. fp32 (FMA dots,
+    its tile always staged) uses the mma.sync formula and is never promised not to spill."""
+    owned, streamed = (BM, BN) if kernel == "dq" else (BN, BM)
+    width = D if kernel == "dq" else D + DV
+    stream = streamed * (D + DV) * E / (4 * 32 * W)
+
+    def fitted(path: str, rows: sympy.Expr) -> sympy.Expr:
+        one, acc, tile, streamed_coef, repeat = (sympy.Rational(c) for c in REGS_FIT[kernel, path])
+        held = rows * width / 32
+        return (
+            one
+            + (acc + repeat * sympy.Piecewise((1, rows > 16), (0, True))) * held
+            + tile * rows * streamed / 32
+            + streamed_coef * stream
         )
-        on_wgmma = BM >= 64
-    else:
-        acc = BN * (D + DV) / threads
-        stream = BM * (D + DV) * E / (4 * threads)
-        mma = (
-            115
-            + sympy.Rational(81, 100) * acc
-            + sympy.Rational(207, 100) * tile
-            + sympy.Rational(39, 100) * stream
-        )
-        wgmma = (
-            199
-            + sympy.Rational(37, 100) * acc
-            + sympy.Rational(93, 100) * tile
-            + sympy.Rational(59, 100) * stream
-        )
-        on_wgmma = BN >= 64
+
+    whole_rows = sympy.Max(16, owned / W)
+    mma = sympy.Piecewise(
+        (fitted("mma.sync", whole_rows), sympy.And(owned >= D, sympy.Ne(E, 4))),
+        (fitted("mma.sync", owned / W), True),
+    )
     if arch.has_wgmma:
-        return sympy.Piecewise((wgmma, sympy.And(on_wgmma, sympy.Ne(E, 4))), (mma, True))
+        on_wgmma = sympy.And(owned >= 64, sympy.Ne(E, 4))
+        return sympy.Piecewise((fitted("wgmma", whole_rows), on_wgmma), (mma, True))
     return mma
 
 
