@@ -63,6 +63,7 @@ section_command() {
     # The open models' gradients (sinks, chunked, sink tokens) at real sizes.
     backward_models) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_backward_gpu.py \
       -k 'model_field or sinks_backward or varlen_model_fields'" ;;
+    backward_committed) echo "$pytest_gpu tests/test_backward_gpu.py -k committed" ;;
     bench_backward) echo "python3 tools/bench_backward.py --out $work" ;;
     # Tunes llama3_8b's dQ and dK/dV kernels (150 s of measurements, then at most one
     # candidate's overrun and the builds: give it 260 s, so that `autotune_backward:260
