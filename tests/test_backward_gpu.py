@@ -138,13 +138,7 @@ def test_committed_example_module_trains(name):
     module_spec.loader.exec_module(module)
     hq, hkv = spec.num_q_heads, spec.num_kv_heads
     q, k, v, dout, _ = padded_inputs(spec, 1, hq, hkv, 600, 600, seed=3)
-    sinks = _sink_logits(hq) if spec.sinks else None
-    cuda = [t.cuda() for t in (q, k, v, dout)]
-    if sinks is None:
-        grads = _grads(module, *cuda, None)
-    else:
-        grads = _grads_with_sinks(module, *cuda, sinks.cuda())
-    problems = compare_gradients(spec, [g.cpu() for g in grads], q, k, v, dout, sinks=sinks)
+    problems = _gradient_problems(module, spec, hq, q, k, v, dout)
     assert not problems, "; ".join(problems)
 
 
@@ -252,6 +246,18 @@ def _grads_with_sinks(module, q, k, v, dout, sinks):
     return [t.grad for t in leaves]
 
 
+def _gradient_problems(module, spec, hq, q, k, v, dout) -> list[str]:
+    """The module's dQ, dK, dV (and d sinks with the spec's sinks) on the GPU against the
+    rule, from CPU inputs."""
+    sinks = _sink_logits(hq) if spec.sinks else None
+    cuda = [t.cuda() for t in (q, k, v, dout)]
+    if sinks is None:
+        grads = _grads(module, *cuda, None)
+    else:
+        grads = _grads_with_sinks(module, *cuda, sinks.cuda())
+    return compare_gradients(spec, [g.cpu() for g in grads], q, k, v, dout, sinks=sinks)
+
+
 @pytest.mark.parametrize("name", sorted(MODEL_CASES))
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1000, 1000), (257, 700), (700, 257)])
 def test_model_field_gradients_at_real_sizes(name, seqlen_q, seqlen_k):
@@ -262,13 +268,7 @@ def test_model_field_gradients_at_real_sizes(name, seqlen_q, seqlen_k):
     module = load_kernel(spec)
     hq, hkv = fields["num_q_heads"], fields["num_kv_heads"]
     q, k, v, dout, _ = padded_inputs(spec, 2, hq, hkv, seqlen_q, seqlen_k, seed=5)
-    sinks = _sink_logits(hq) if spec.sinks else None
-    cuda = [t.cuda() for t in (q, k, v, dout)]
-    if sinks is None:
-        grads = _grads(module, *cuda, None)
-    else:
-        grads = _grads_with_sinks(module, *cuda, sinks.cuda())
-    problems = compare_gradients(spec, [g.cpu() for g in grads], q, k, v, dout, sinks=sinks)
+    problems = _gradient_problems(module, spec, hq, q, k, v, dout)
     assert not problems, "; ".join(problems)
 
 
