@@ -33,6 +33,8 @@ from tests.safety_harness import (
     check_bad_varlen,
     decode_problem,
 )
+from tests.test_fast_launch import VARLEN
+from tests.test_varlen_plans import EVERY_ROW_CASES, check_every_row_written
 from tests.test_varlen_properties import assert_each_sequence_matches, cu_seqlens, packed_inputs
 
 pytestmark = [
@@ -110,6 +112,12 @@ def test_bad_varlen_indices(case):
     kernel = load_kernel(spec, kind="varlen")
     check_bad_varlen(kernel, spec, [700, 1500, 300], [900, 1600, 300], case, seed=23, device="cuda")
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("cu", EVERY_ROW_CASES)
+def test_varlen_writes_every_row_without_a_host_fill(cu):
+    """Fresh CUDA memory is not zero: the rows no sequence covers are the kernel's writes."""
+    check_every_row_written(load_kernel(VARLEN, kind="varlen"), cu, "cuda")
 
 
 def test_varlen_sequence_longer_than_max_seqlen_q():

@@ -89,6 +89,43 @@ def test_planned_outputs_equal_the_full_paths_and_out_is_zeroed(monkeypatch):
     assert torch.equal(out[40:], torch.zeros_like(out[40:]))
 
 
+EVERY_ROW_CASES = [
+    [5, 17, 40],  # rows before the first sequence and after the last
+    [0, 30, 12, 40],  # a sequence that ends before it starts (NaN, its rows none)
+    [20, 3, 9],  # the first sequence backwards, the last one before the first's start
+    [-4, 10, 60],  # bounds outside q: both sequences NaN where they lie inside q
+    [12, 12],  # one empty sequence
+]
+
+
+def check_every_row_written(module, cu: list[int], device: str) -> None:
+    """The output and LSE are allocated unfilled: the kernel writes every row of q (rows no
+    sequence covers 0 and LSE -inf, a sequence that does not fit NaN). A sentinel in out= never
+    survives. (With cu_seqlens not ascending two sequences' rows may overlap; which one's
+    values land there is not defined.)"""
+    q, k = (fp16(48, heads, 64).to(device) for heads in (4, 2))
+    cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=device)
+    out = torch.full((48, 4, 64), 7.0, dtype=torch.float16, device=device)
+    _, lse = module.attention_varlen(
+        q, k, k, cu_seqlens, cu_seqlens, 64, 64, return_lse=True, out=out
+    )
+    out, lse = out.cpu(), lse.cpu()
+    assert not (out == 7.0).any()
+    covered = torch.zeros(48, dtype=torch.bool)
+    for first, end in zip(cu[:-1], cu[1:], strict=True):
+        covered[max(first, 0) : max(min(end, 48), 0)] = True
+    assert torch.equal(out[~covered], torch.zeros_like(out[~covered]))
+    assert bool((lse[:, ~covered] == float("-inf")).all())
+    if cu == EVERY_ROW_CASES[0]:  # valid sequences: the output is the sequences' attention
+        expected = module.attention_varlen(q, k, k, cu_seqlens, cu_seqlens, 23, 23).cpu()
+        assert torch.equal(out[5:40], expected[5:40])
+
+
+@pytest.mark.parametrize("cu", EVERY_ROW_CASES)
+def test_the_kernel_writes_every_row_whatever_cu_seqlens_holds(cu):
+    check_every_row_written(load_kernel(VARLEN, kind="varlen"), cu, "cpu")
+
+
 def test_a_changed_config_leaves_the_plan(monkeypatch):
     """Autotune replaces CONFIG: the next call of a planned layout takes the full path and
     launches with the new BLOCK_N (and plans again)."""

@@ -165,13 +165,13 @@ def root(context, missing=missing):
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield '    _check_sinks(sinks, num_q_heads, q)\n'
-        yield '    qk_scale = _kernel_scale(sm_scale)\n    batch = cu_seqlens_q.numel() - 1\n    # Note: zero-filled, so that rows no sequence covers (packed padding, or rows a bad\n    # sequence leaves out) hold 0, not garbage: the kernel writes only its sequences\' rows,\n    # which the host cannot see (cu_seqlens stays on the device), so it cannot skip the fill.\n    if out is None:\n        out = q.new_zeros((total_q, num_q_heads, HEAD_DIM_V))\n    else:\n        _check_out(out, (total_q, num_q_heads, HEAD_DIM_V), q, (("q", q), ("k", k), ("v", v)))\n        out.zero_()\n    lse = None\n    if return_lse:\n        lse = torch.full((num_q_heads, total_q), float("-inf"), dtype=torch.float32,\n                         device=q.device)\n'
+        yield '    qk_scale = _kernel_scale(sm_scale)\n    batch = cu_seqlens_q.numel() - 1\n    # Note: not filled here. The kernel writes every row of q (the rows no sequence covers 0\n    # and LSE -inf, a sequence that does not fit NaN; _fill_rows), so a launch needs no fill.\n    if out is None:\n        out = q.new_empty((total_q, num_q_heads, HEAD_DIM_V))\n    else:\n        _check_out(out, (total_q, num_q_heads, HEAD_DIM_V), q, (("q", q), ("k", k), ("v", v)))\n    lse = None\n    if return_lse:\n        lse = torch.empty((num_q_heads, total_q), dtype=torch.float32, device=q.device)\n'
         if (undefined(name='shorter_configs') if l_0_shorter_configs is missing else l_0_shorter_configs):
             pass
             yield '    config = config_for(max(max_seqlen_q, max_seqlen_k))\n'
         yield '    num_m_blocks = -(-max_seqlen_q // '
         yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
-        yield '["BLOCK_M"])\n    num_programs = num_m_blocks * batch * num_q_heads\n    if out.numel() == 0 or num_programs == 0:\n        return (out, lse) if return_lse else out\n    _check_grid(num_programs)\n    lse_arg = out if lse is None else lse\n    slopes_arg = out if alibi_slopes is None else alibi_slopes\n    used_arg = cu_seqlens_k if seqused_k is None else seqused_k\n'
+        yield '["BLOCK_M"])\n    num_programs = num_m_blocks * batch * num_q_heads\n    if out.numel() == 0 or num_programs == 0:  # no launch: no sequence has a query row\n        out.zero_()\n        if lse is not None:\n            lse.fill_(float("-inf"))\n        return (out, lse) if return_lse else out\n    _check_grid(num_programs)\n    lse_arg = out if lse is None else lse\n    slopes_arg = out if alibi_slopes is None else alibi_slopes\n    used_arg = cu_seqlens_k if seqused_k is None else seqused_k\n'
         if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
             pass
             yield '    drop = _dropout_launch(dropout, q)\n'
@@ -359,4 +359,4 @@ def root(context, missing=missing):
         yield '    return (out, lse) if return_lse else out\n'
 
 blocks = {}
-debug_info = '4=40&5=42&6=44&9=46&12=49&13=52&14=55&17=62&21=69&22=71&26=74&32=77&33=79&43=81&49=87&60=90&63=93&66=95&67=101&70=104&74=111&75=113&76=115&77=122&79=132&88=140&89=145&92=153&97=157&110=159&129=163&130=165&147=169&150=173&158=175&165=179&166=182&168=186&169=190&171=194&172=198&174=200&175=204&176=208&178=211&185=216&188=219&190=225&193=228&197=235&198=237&199=244&201=254&202=262&203=267&206=275&211=279&214=281&217=283&234=287&235=289&249=293&252=297&258=299&259=302&264=304&265=306&267=308&271=312&272=315&274=319&275=325&276=331&279=333&280=340&283=347&286=350&290=352'
+debug_info = '4=40&5=42&6=44&9=46&12=49&13=52&14=55&17=62&21=69&22=71&26=74&32=77&33=79&43=81&49=87&60=90&63=93&66=95&67=101&70=104&74=111&75=113&76=115&77=122&79=132&88=140&89=145&92=153&97=157&110=159&129=163&130=165&144=169&147=173&158=175&165=179&166=182&168=186&169=190&171=194&172=198&174=200&175=204&176=208&178=211&185=216&188=219&190=225&193=228&197=235&198=237&199=244&201=254&202=262&203=267&206=275&211=279&214=281&217=283&234=287&235=289&249=293&252=297&258=299&259=302&264=304&265=306&267=308&271=312&272=315&274=319&275=325&276=331&279=333&280=340&283=347&286=350&290=352'

@@ -134,24 +134,26 @@ def _attn_fwd_inner(
 
 
 @triton.jit
-def _store_nan_rows(Out, Lse, q_first, q_end, total_q, off_h, m_block, num_m_blocks,
-                    stride_om, stride_oh, stride_od, stride_lse_h,
-                    STORE_LSE: tl.constexpr, BLOCK_M: tl.constexpr):
-    """A sequence that does not fit: NaN output and LSE in its rows that lie inside q (the
-    sequence's programs take every num_m_blocks-th block of BLOCK_M rows); nothing is read."""
-    q_lo = tl.minimum(tl.maximum(q_first, 0), total_q)
-    q_hi = tl.minimum(tl.maximum(q_end, q_lo), total_q)
+def _fill_rows(Out, Lse, first, end, total_q, off_h, m_block, num_m_blocks,
+               stride_om, stride_oh, stride_od, stride_lse_h,
+               NAN: tl.constexpr, STORE_LSE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Rows [first, end) that lie inside q, output and LSE: NaN (NAN, a sequence that does not
+    fit) or 0 with LSE -inf (rows no sequence covers). A sequence's programs each take every
+    num_m_blocks-th block of BLOCK_M rows; nothing is read."""
+    q_lo = tl.minimum(tl.maximum(first, 0), total_q)
+    q_hi = tl.minimum(tl.maximum(end, q_lo), total_q)
     offs_dv = tl.arange(0, _BLOCK_DV)
-    nan_out = tl.full([BLOCK_M, _BLOCK_DV], float("nan"), dtype=Out.dtype.element_ty)
-    nan_lse = tl.full([BLOCK_M], float("nan"), dtype=tl.float32)
+    fill_out = tl.full([BLOCK_M, _BLOCK_DV], float("nan") if NAN else 0.0,
+                       dtype=Out.dtype.element_ty)
+    fill_lse = tl.full([BLOCK_M], float("nan") if NAN else float("-inf"), dtype=tl.float32)
     for start in tl.range(q_lo + m_block * BLOCK_M, q_hi, num_m_blocks * BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         row_ok = rows < q_hi
         rows = rows.to(tl.int64)
         o_ptrs = Out + rows[:, None] * stride_om + off_h * stride_oh + offs_dv[None, :] * stride_od
-        tl.store(o_ptrs, nan_out, mask=row_ok[:, None])
+        tl.store(o_ptrs, fill_out, mask=row_ok[:, None])
         if STORE_LSE:
-            tl.store(Lse + off_h * stride_lse_h + rows, nan_lse, mask=row_ok)
+            tl.store(Lse + off_h * stride_lse_h + rows, fill_lse, mask=row_ok)
 
 
 @triton.jit
@@ -199,9 +201,20 @@ def _attn_fwd_kernel(
         seq_ok = seq_ok & (seqlen_k >= 0) & (seqlen_k <= k_end - k_first)
     else:
         seqlen_k = k_end - k_first
+    # Rows no sequence covers read 0 (LSE -inf) without a fill on the host: the first
+    # sequence's programs write the rows before cu_seqlens_q[0], the last sequence's those from
+    # cu_seqlens_q[B] on. With each sequence's own rows (its output, or NaN) that is every row
+    # of q whatever cu_seqlens holds: from cu_seqlens_q[0] to cu_seqlens_q[B] each row lies in
+    # some step upwards [cu_seqlens_q[b], cu_seqlens_q[b + 1]).
+    if off_b == 0:
+        _fill_rows(Out, Lse, 0, q_first, total_q, off_h, m_block, num_m_blocks,
+                   stride_om, stride_oh, stride_od, stride_lse_h, False, STORE_LSE, BLOCK_M)
+    if off_b == tl.num_programs(0) // (num_m_blocks * num_q_heads) - 1:
+        _fill_rows(Out, Lse, q_end, total_q, total_q, off_h, m_block, num_m_blocks,
+                   stride_om, stride_oh, stride_od, stride_lse_h, False, STORE_LSE, BLOCK_M)
     if not seq_ok:
-        _store_nan_rows(Out, Lse, q_first, q_end, total_q, off_h, m_block, num_m_blocks,
-                        stride_om, stride_oh, stride_od, stride_lse_h, STORE_LSE, BLOCK_M)
+        _fill_rows(Out, Lse, q_first, q_end, total_q, off_h, m_block, num_m_blocks,
+                   stride_om, stride_oh, stride_od, stride_lse_h, True, STORE_LSE, BLOCK_M)
         return
     q_offset = q_first.to(tl.int64)
     k_offset = k_first.to(tl.int64)
@@ -615,8 +628,8 @@ def _layout(t):
 # strides, dtypes and devices of q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k and out=,
 # max_seqlen_q and max_seqlen_k, sm_scale, return_lse): the grid is sized from max_seqlen_q,
 # never from the index tensors' values. Read at every call: ATTNGEN_CHECKS (the host
-# validation of the index tensors' contents), whether out= shares memory with the inputs (and
-# its zero fill), the base addresses' alignment and the config. So after a call has passed the
+# validation of the index tensors' contents), whether out= shares memory with the inputs, the
+# base addresses' alignment and the config. So after a call has passed the
 # checks and launched, a call of the same layout skips the checks and the derivations.
 _CALL_PLANS = {}  # _call_key(...) -> _CallPlan
 
@@ -663,16 +676,15 @@ def _run_plan(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k
     if os.environ.get("ATTNGEN_CHECKS") == "1":
         _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k)
     if out is None:
-        out = q.new_zeros(plan.out_shape)
+        out = q.new_empty(plan.out_shape)
     else:
         storage = out.untyped_storage().data_ptr()
         if storage in (q.untyped_storage().data_ptr(), k.untyped_storage().data_ptr(),
                        v.untyped_storage().data_ptr()):
             _check_out(out, plan.out_shape, q, (("q", q), ("k", k), ("v", v)))  # raises
-        out.zero_()
-    lse = None
+    lse = None  # neither is filled: the kernel writes every row (_fill_rows)
     if plan.lse_shape is not None:
-        lse = torch.full(plan.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
     lse_arg = out if lse is None else lse
     used_arg = cu_seqlens_k if seqused_k is None else seqused_k
     _run_step(plan.step, q.get_device(), (q, k, v, out, lse_arg, out, cu_seqlens_q,
@@ -729,21 +741,21 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     _ = _check_alibi(alibi_slopes, num_q_heads, q, cu_seqlens_q.numel() - 1)
     qk_scale = _kernel_scale(sm_scale)
     batch = cu_seqlens_q.numel() - 1
-    # Note: zero-filled, so that rows no sequence covers (packed padding, or rows a bad
-    # sequence leaves out) hold 0, not garbage: the kernel writes only its sequences' rows,
-    # which the host cannot see (cu_seqlens stays on the device), so it cannot skip the fill.
+    # Note: not filled here. The kernel writes every row of q (the rows no sequence covers 0
+    # and LSE -inf, a sequence that does not fit NaN; _fill_rows), so a launch needs no fill.
     if out is None:
-        out = q.new_zeros((total_q, num_q_heads, HEAD_DIM_V))
+        out = q.new_empty((total_q, num_q_heads, HEAD_DIM_V))
     else:
         _check_out(out, (total_q, num_q_heads, HEAD_DIM_V), q, (("q", q), ("k", k), ("v", v)))
-        out.zero_()
     lse = None
     if return_lse:
-        lse = torch.full((num_q_heads, total_q), float("-inf"), dtype=torch.float32,
-                         device=q.device)
+        lse = torch.empty((num_q_heads, total_q), dtype=torch.float32, device=q.device)
     num_m_blocks = -(-max_seqlen_q // CONFIG["BLOCK_M"])
     num_programs = num_m_blocks * batch * num_q_heads
-    if out.numel() == 0 or num_programs == 0:
+    if out.numel() == 0 or num_programs == 0:  # no launch: no sequence has a query row
+        out.zero_()
+        if lse is not None:
+            lse.fill_(float("-inf"))
         return (out, lse) if return_lse else out
     _check_grid(num_programs)
     lse_arg = out if lse is None else lse
