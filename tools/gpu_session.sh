@@ -56,6 +56,7 @@ section_command() {
     host) echo "python3 tools/exp_host_overhead.py --out $work" ;;
     bench_decode) echo "python3 tools/bench_decode.py --out $work" ;;
     profile_decode) echo "python3 tools/profile_decode_graph.py --out $work" ;;
+    public_prefill) echo "python3 tools/bench_public_prefill.py --out $work" ;;
     bench_prefill) echo "python3 tools/bench_prefill.py --out $work" ;;
     bench_model) echo "python3 tools/bench_model.py --out $work" ;;
     cp_bench) echo "python3 tools/bench_context_parallel.py --out $work" ;;
