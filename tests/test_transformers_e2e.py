@@ -132,3 +132,17 @@ def test_position_ids_are_read_once_per_tensor_version(llama, monkeypatch):
     positions[0, 2] = 0  # the same tensor, now packed: its version moved, so it is read again
     with pytest.raises(attngen.NoKernelError, match="position_ids restart"):
         attngen.runtime.hf.attngen_attention(layer, q, k, v, None, position_ids=positions)
+
+
+def test_inference_mode_position_ids_are_read_on_every_call(llama):
+    """An inference tensor has no version counter: its in-place writes cannot be seen, so the
+    check reads it on every call (and does not fail on the missing counter)."""
+    layer = llama.model.layers[0].self_attn
+    q = torch.randn(1, 4, 3, 16)
+    k = v = torch.randn(1, 2, 3, 16)
+    with torch.inference_mode():
+        positions = torch.tensor([[0, 1, 2]])
+        attngen.runtime.hf.attngen_attention(layer, q, k, v, None, position_ids=positions)
+        positions[0, 2] = 0
+        with pytest.raises(attngen.NoKernelError, match="position_ids restart"):
+            attngen.runtime.hf.attngen_attention(layer, q, k, v, None, position_ids=positions)

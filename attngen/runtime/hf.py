@@ -412,12 +412,16 @@ class _CheckedPositions:
         return (
             cls.ref is not None
             and cls.ref() is position_ids
+            and not position_ids.is_inference()
             and position_ids._version == cls.version
         )
 
     @classmethod
     def remember(cls, position_ids: torch.Tensor) -> None:
-        cls.ref, cls.version = weakref.ref(position_ids), position_ids._version
+        # An inference-mode tensor has no version counter, so an in-place write would go
+        # unseen: such position_ids are read on every call.
+        if not position_ids.is_inference():
+            cls.ref, cls.version = weakref.ref(position_ids), position_ids._version
 
 
 def _refuse_packed_positions(position_ids, seqlen_q, seqlen_k) -> None:
