@@ -712,8 +712,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     and with return_lse also the log-sum-exp [HQ, total_q] in float32 (flash-attn's varlen
     LSE layout; natural log; -inf for a row that sees no key, whose output is 0). With out=
     (that shape, dtype and device, any strides whose elements do not overlap, no memory
-    shared with q, k, v) every row of it is written (0 where no sequence covers it) and out is
-    returned.
+    shared with q, k, v) the kernel writes every row of it and out is returned.
 
     The kernel never reads or writes outside the packed tensors, whatever the device index
     tensors hold: a sequence that does not lie inside them (or is longer than max_seqlen_q
