@@ -404,16 +404,16 @@ class _CheckedPositions:
     prefill of 1k tokens a fifth of its time). An in-place write bumps the version: checked
     again."""
 
-    ref: weakref.ref | None = None
-    version = -1
+    last: tuple[weakref.ref, int] | None = None  # one attribute: threads see both or neither
 
     @classmethod
     def seen(cls, position_ids: torch.Tensor) -> bool:
+        last = cls.last
         return (
-            cls.ref is not None
-            and cls.ref() is position_ids
+            last is not None
+            and last[0]() is position_ids
             and not position_ids.is_inference()
-            and position_ids._version == cls.version
+            and position_ids._version == last[1]
         )
 
     @classmethod
@@ -421,7 +421,7 @@ class _CheckedPositions:
         # An inference-mode tensor has no version counter, so an in-place write would go
         # unseen: such position_ids are read on every call.
         if not position_ids.is_inference():
-            cls.ref, cls.version = weakref.ref(position_ids), position_ids._version
+            cls.last = (weakref.ref(position_ids), position_ids._version)
 
 
 def _refuse_packed_positions(position_ids, seqlen_q, seqlen_k) -> None:
