@@ -411,8 +411,7 @@ class _CheckedPositions:
         last = cls.last
         return (
             last is not None
-            and last[0]() is position_ids
-            and not position_ids.is_inference()
+            and last[0]() is position_ids  # never an inference tensor: remember skips those
             and position_ids._version == last[1]
         )
 
