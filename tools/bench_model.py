@@ -6,7 +6,7 @@ heads, head dim 128, MLP 14336, vocab 128256) and random bf16 weights, with --la
 with layers, so per-layer figures transfer). For each attention implementation, in one process:
 
 - prefill latency at --prefill prompt lengths (batch 1, logits of the last token only) and
-  the peak memory of that forward above what was allocated before it;
+  the peak memory of a warmed-up forward above what was allocated before it;
 - decode throughput: greedy generate() of --new tokens after a --prompt-token prompt at batch
   sizes --batches (static lengths, no padding): new tokens per second, prefill included, for
   each --decode-modes mode: "dynamic" (transformers' DynamicCache; attngen runs the steps
@@ -20,6 +20,8 @@ The contiguous decode module the static modes need is built from the config into
 generated/. A graph row's modules are those dispatched by its first, compiling call (replays
 run no Python, so they count nothing).
 
+The implementations take turns within each repeat of a case (the graph mode excepted: each
+compiles once), so a drift in the host's speed reaches them alike; eager decode is host-bound.
 Every attngen measurement records which generated modules ran (the ops' run counts) and
 whether anything fell back (the dispatch log): a figure is only attngen's if its kernels ran.
 Writes bench_model.json under --out and prints a short table last. Usage, on the H200:
@@ -63,14 +65,30 @@ def llama_config(layers: int) -> transformers.LlamaConfig:
 def timed(fn, repeats: int) -> list[float]:
     """Milliseconds of each call after a warm-up call, measured with CUDA events."""
     fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    return [time_once(fn) for _ in range(repeats)]
+
+
+def time_once(fn) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def interleaved(model, impls, fn, repeats: int) -> dict[str, list[float]]:
+    """Milliseconds of each impl's calls of fn, the impls taking turns within every repeat
+    (after one warm-up call each), so that a drift in the host's speed (eager decode is
+    host-bound: 2x between runs minutes apart) reaches every impl alike."""
+    for impl in impls:
+        model.set_attn_implementation(impl)
         fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    times: dict[str, list[float]] = {impl: [] for impl in impls}
+    for _ in range(repeats):
+        for impl in impls:
+            model.set_attn_implementation(impl)
+            times[impl].append(time_once(fn))
     return times
 
 
@@ -84,29 +102,44 @@ def kernels_that_ran(run):
     return {"modules": counts, "dispatches": len(log), "fallbacks": fallbacks}
 
 
-def bench_prefill(model, impl, seqlen, repeats):
+def prefill_call(model, seqlen):
     ids = torch.randint(1, model.config.vocab_size, (1, seqlen), device="cuda")
 
     def forward():
         with torch.no_grad():
             model(input_ids=ids, use_cache=False, logits_to_keep=1)
 
+    return forward
+
+
+def steady_peak(fn) -> float:
+    """GiB a warmed-up call allocates at its peak above what was allocated before it."""
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    times = timed(forward, repeats)
-    peak = torch.cuda.max_memory_allocated() - before
-    row = {
-        "impl": impl,
-        "phase": "prefill",
-        "tokens": seqlen,
-        "median_ms": statistics.median(times),
-        "times_ms": times,
-        "peak_mem_gib": peak / 2**30,
-    }
-    if impl == "attngen":
-        row["ran"] = kernels_that_ran(forward)
-    return row
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**30
+
+
+def bench_prefill(model, impls, seqlen, repeats) -> list[dict]:
+    forward = prefill_call(model, seqlen)
+    times = interleaved(model, impls, forward, repeats)
+    rows = []
+    for impl in impls:
+        model.set_attn_implementation(impl)
+        row = {
+            "impl": impl,
+            "phase": "prefill",
+            "tokens": seqlen,
+            "median_ms": statistics.median(times[impl]),
+            "times_ms": times[impl],
+            "peak_mem_gib": steady_peak(forward),
+        }
+        if impl == "attngen":
+            row["ran"] = kernels_that_ran(forward)
+        rows.append(row)
+    return rows
 
 
 DECODE_MODES = ("dynamic", "static", "graph")
@@ -124,7 +157,7 @@ def decode_options(mode: str) -> dict:
     raise ValueError(f"--decode-modes: got {mode!r}; allowed: {', '.join(DECODE_MODES)}")
 
 
-def bench_decode(model, impl, batch, prompt, new, repeats, mode="dynamic"):
+def generate_call(model, batch, prompt, new, mode):
     ids = torch.randint(1, model.config.vocab_size, (batch, prompt), device="cuda")
     options = decode_options(mode)
 
@@ -140,22 +173,43 @@ def bench_decode(model, impl, batch, prompt, new, repeats, mode="dynamic"):
                 **options,
             )
 
-    ran = kernels_that_ran(generate) if impl == "attngen" and mode == "graph" else None
-    times = timed(generate, repeats)
-    median = statistics.median(times)
-    row = {
-        "impl": impl,
-        "phase": f"decode-{mode}",
-        "batch": batch,
-        "prompt": prompt,
-        "new": new,
-        "median_ms": median,
-        "times_ms": times,
-        "tokens_per_s": batch * new / median * 1e3,
-    }
-    if impl == "attngen":
-        row["ran"] = ran if ran is not None else kernels_that_ran(generate)
-    return row
+    return generate
+
+
+def bench_decode(model, impls, batch, prompt, new, repeats, mode="dynamic") -> list[dict]:
+    """Eager modes take turns (interleaved); the graph mode runs one impl after the other,
+    each compiled once (switching would re-enter torch.compile's guards at every turn)."""
+    generate = generate_call(model, batch, prompt, new, mode)
+    if mode == "graph":
+        times, ran = {}, {}
+        for impl in impls:
+            model.set_attn_implementation(impl)
+            if impl == "attngen":
+                ran[impl] = kernels_that_ran(generate)  # the compiling call
+            times[impl] = timed(generate, repeats)
+    else:
+        times = interleaved(model, impls, generate, repeats)
+        ran = {}
+        if "attngen" in impls:
+            model.set_attn_implementation("attngen")
+            ran["attngen"] = kernels_that_ran(generate)
+    rows = []
+    for impl in impls:
+        median = statistics.median(times[impl])
+        row = {
+            "impl": impl,
+            "phase": f"decode-{mode}",
+            "batch": batch,
+            "prompt": prompt,
+            "new": new,
+            "median_ms": median,
+            "times_ms": times[impl],
+            "tokens_per_s": batch * new / median * 1e3,
+        }
+        if impl in ran:
+            row["ran"] = ran[impl]
+        rows.append(row)
+    return rows
 
 
 def build_decode_module(config, out: Path) -> Path:
@@ -210,30 +264,27 @@ def main() -> None:
     with torch.device("cuda"):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
     rows, errors = [], []
-    for impl in args.impls.split(","):
-        model.set_attn_implementation(impl)
-        cases = [("prefill", n) for n in prefill]
-        cases += [(f"decode-{mode}", b) for mode in modes for b in batches]
-        for phase, size in cases:
-            try:
-                if phase == "prefill":
-                    rows.append(bench_prefill(model, impl, size, args.repeats))
-                else:
-                    mode = phase.removeprefix("decode-")
-                    rows.append(
-                        bench_decode(model, impl, size, args.prompt, args.new, args.repeats, mode)
-                    )
-            except Exception as exc:  # one failing case must not lose the others' figures
-                errors.append(
-                    {
-                        "impl": impl,
-                        "phase": phase,
-                        "size": size,
-                        "error": f"{type(exc).__name__}: {exc}"[:2000],
-                        "traceback": traceback.format_exc()[-4000:],
-                    }
-                )
-                torch.cuda.empty_cache()
+    impls = args.impls.split(",")
+    cases = [("prefill", n) for n in prefill]
+    cases += [(f"decode-{mode}", b) for mode in modes for b in batches]
+    for phase, size in cases:
+        try:
+            if phase == "prefill":
+                rows += bench_prefill(model, impls, size, args.repeats)
+            else:
+                mode = phase.removeprefix("decode-")
+                rows += bench_decode(model, impls, size, args.prompt, args.new, args.repeats, mode)
+        except Exception as exc:  # one failing case must not lose the others' figures
+            errors.append(
+                {
+                    "impls": impls,
+                    "phase": phase,
+                    "size": size,
+                    "error": f"{type(exc).__name__}: {exc}"[:2000],
+                    "traceback": traceback.format_exc()[-4000:],
+                }
+            )
+            torch.cuda.empty_cache()
     result = {
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name(),
@@ -269,7 +320,7 @@ def print_table(rows, errors) -> None:
             f"{peak:>10}  {ran_text}"
         )
     for error in errors:
-        print(f"ERROR {error['impl']} {error['phase']} {error['size']}: {error['error'][:200]}")
+        print(f"ERROR {error['impls']} {error['phase']} {error['size']}: {error['error'][:200]}")
 
 
 if __name__ == "__main__":
