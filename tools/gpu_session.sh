@@ -53,6 +53,9 @@ section_command() {
       --decode-modes ''" ;;
     model_decode) echo "python3 tools/bench_model.py --out $work --prefill 1024 --impls attngen,sdpa \
       --decode-modes dynamic,static,graph" ;;
+    # Eager modes with the implementations taking turns in every repeat (host drift hits both).
+    model_eager) echo "python3 tools/bench_model.py --out $work/model_eager --impls attngen,sdpa \
+      --decode-modes dynamic,static" ;;
     cp_tests) echo "$pytest_gpu tests/test_context_parallel_gpu.py" ;;
     host) echo "python3 tools/exp_host_overhead.py --out $work" ;;
     bench_decode) echo "python3 tools/bench_decode.py --out $work" ;;
