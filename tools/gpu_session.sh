@@ -48,6 +48,7 @@ section_command() {
     integration_tests) echo "$pytest_gpu tests/test_integration_gpu.py" ;;
     hf_static) echo "$pytest_gpu tests/test_integration_gpu.py -k static_cache" ;;
     decode_property) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_decode_gpu.py -k property_cases" ;;
+    profile_dynamic) echo "python3 tools/profile_dynamic_decode.py --out $work" ;;
     profile_model) echo "python3 tools/profile_model.py --out $work" ;;
     model_prefill) echo "python3 tools/bench_model.py --out $work --prefill 1024,8192 --impls attngen,sdpa \
       --decode-modes ''" ;;
