@@ -7,7 +7,7 @@
 - a CUDA graph captures an attngen call (prefill, and a KV-cache decode step) and replays it;
 - with transformers' static cache the decode steps run on a contiguous decode module, eager
   and as generate()'s compiled CUDA-graph replays (mode "reduce-overhead", no cudagraph
-  skip), and agree with SDPA.
+  skip), and so do a DynamicCache's, and agree with SDPA.
 """
 
 from __future__ import annotations
@@ -173,11 +173,12 @@ def test_cuda_graph_capture_of_attngen_calls():
     assert torch.equal(out, eager) and not torch.equal(out, expected)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_llama_static_cache_decode_module(llama, llama32, tmp_path, compiled):
-    """generate(cache_implementation="static"): the decode steps run on a contiguous decode
-    module (built from the config here: the committed llama3_8b one is paged), eager or in
-    generate()'s compiled forward (CUDA graphs, none skipped), and agree with SDPA."""
+@pytest.mark.parametrize("mode", ["static", "graph", "dynamic"])
+def test_llama_cache_decode_module(llama, llama32, tmp_path, mode):
+    """generate()'s decode steps run on a contiguous decode module (built from the config here:
+    the committed llama3_8b one is paged) with a static cache, eager or in generate()'s
+    compiled forward (CUDA graphs, none skipped), and with a DynamicCache, and agree with
+    SDPA."""
     import transformers
     from torch._dynamo.utils import counters
 
@@ -189,11 +190,13 @@ def test_llama_static_cache_decode_module(llama, llama32, tmp_path, compiled):
     data.update(kernels=["decode"], kv_layout="contiguous")
     write_build(plan_build(specs_from_data(data)), tmp_path)
     load_kernels(tmp_path)
+    compiled = mode == "graph"
     if compiled:
         options = {"compile_config": transformers.CompileConfig(mode="reduce-overhead")}
     else:
         options = {"disable_compile": True}
-    options["cache_implementation"] = "static"
+    if mode != "dynamic":
+        options["cache_implementation"] = "static"
     try:
         gen = torch.Generator(device="cuda").manual_seed(0)
         ids = torch.randint(1, 128256, (4, 300), device="cuda", generator=gen)
@@ -204,7 +207,10 @@ def test_llama_static_cache_decode_module(llama, llama32, tmp_path, compiled):
         with attngen.dispatch_log() as log:
             got = _generate(llama, "attngen", ids, mask, **options)
         decode = "sm90/llama_static_decode_bf16_d128_causal_br_contig"
-        assert log and all(d.need.kind.value == "varlen" for d in log[:2])  # the prefill
+        prefill_kind = (
+            "prefill" if mode == "dynamic" else "varlen"
+        )  # a static cache's: unwritten keys
+        assert log and all(d.need.kind.value == prefill_kind for d in log[:2])
         assert {d.module for d in log[2:]} == {decode}  # 2 layers: the prefill's 2 calls
         if compiled:
             assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])

@@ -1,11 +1,13 @@
-"""transformers' static cache through the "attngen" implementation (attngen/runtime/hf_cache.py).
+"""transformers' static and dynamic caches through the "attngen" implementation
+(attngen/runtime/hf_cache.py).
 
 A tiny random-weight Llama (fp32) with kernels built from its config plus a contiguous decode
 module generates greedily with cache_implementation="static": the tokens and logits are
 eager attention's, the decode steps run on the decode module (dispatch), a left-padded batch
 takes the varlen route and is exact too, and a decode step of a hand-driven StaticCache
 reads no device value on the host (the property a CUDA-graph capture needs) and traces with
-torch.compile(fullgraph=True).
+torch.compile(fullgraph=True). With transformers' DynamicCache the decode steps run on the
+same decode module (the prefill on the prefill kind), and on the prefill kind without one.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from attngen.spec import specs_from_data
 NEW_TOKENS = 4
 LAYERS = 2
 DECODE = "sm90/tiny_llama_decode_fp32_d16_causal_br_contig"
+PREFILL = "sm90/tiny_llama_prefill_fp32_d16_causal_br"
 VARLEN = "sm90/tiny_llama_varlen_fp32_d16_causal_br"
 
 
@@ -52,8 +55,10 @@ def llama(tmp_path_factory):
     use_registry(saved)
 
 
-def _generate(model, implementation, ids, mask):
+def _generate(model, implementation, ids, mask, cache="static"):
+    """Greedy tokens and logits; cache "static" or "dynamic" (transformers' default)."""
     model.set_attn_implementation(implementation)
+    options = {"cache_implementation": "static"} if cache == "static" else {}
     with torch.no_grad():
         return model.generate(
             input_ids=ids,
@@ -62,9 +67,9 @@ def _generate(model, implementation, ids, mask):
             min_new_tokens=NEW_TOKENS,
             do_sample=False,
             pad_token_id=0,
-            cache_implementation="static",
             output_logits=True,
             return_dict_in_generate=True,
+            **options,
         )
 
 
@@ -182,3 +187,41 @@ def test_static_cache_without_decode_module_takes_varlen(llama, monkeypatch):
     for step, (a, b) in enumerate(zip(got.logits, expected.logits, strict=True)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=f"logits of step {step}")
     assert [d.module for d in log] == [VARLEN] * (LAYERS * NEW_TOKENS)
+
+
+@pytest.mark.parametrize(
+    ("padded", "prefill_module", "step_module"),
+    [(False, PREFILL, DECODE), (True, VARLEN, VARLEN)],
+)
+def test_dynamic_cache_generate_matches_eager(llama, padded, prefill_module, step_module):
+    """A DynamicCache's decode steps with nothing padded run on the decode module (each KV
+    head read once) with every length the cache's; a padded batch's on the varlen kind."""
+    ids, mask = _prompts(padded)
+    expected = _generate(llama, "eager", ids, mask, cache="dynamic")
+    with attngen.dispatch_log() as log:
+        got = _generate(llama, "attngen", ids, mask, cache="dynamic")
+    assert torch.equal(got.sequences, expected.sequences)
+    # Note: as in test_static_cache_generate_matches_eager (fp32, summation order only).
+    for step, (a, b) in enumerate(zip(got.logits, expected.logits, strict=True)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=f"logits of step {step}")
+    assert len(log) == LAYERS * NEW_TOKENS and all(d.fallback is None for d in log)
+    prefill, steps = log[:LAYERS], log[LAYERS:]
+    assert all(d.module == prefill_module and d.need.seqlen_q == 7 for d in prefill)
+    assert all(d.module == step_module and d.need.seqlen_q == 1 for d in steps)
+    if not padded:  # the step's keys are the cache's, prompt + tokens so far
+        assert [d.need.seqlen_k for d in steps[::LAYERS]] == list(range(8, 8 + NEW_TOKENS - 1))
+
+
+def test_dynamic_cache_without_decode_module_takes_prefill(llama, monkeypatch):
+    """With no decode module for the spec, a DynamicCache's steps run on the prefill kind over
+    its keys as they are, and give eager's tokens and logits."""
+    monkeypatch.setattr(attngen.runtime.hf, "decode_module", lambda *args: None)
+    ids, mask = _prompts(False)
+    expected = _generate(llama, "eager", ids, mask, cache="dynamic")
+    with attngen.dispatch_log() as log:
+        got = _generate(llama, "attngen", ids, mask, cache="dynamic")
+    assert torch.equal(got.sequences, expected.sequences)
+    # Note: as in test_static_cache_generate_matches_eager (fp32, summation order only).
+    for step, (a, b) in enumerate(zip(got.logits, expected.logits, strict=True)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=f"logits of step {step}")
+    assert [d.module for d in log] == [PREFILL] * (LAYERS * NEW_TOKENS)

@@ -10,12 +10,13 @@ with layers, so per-layer figures transfer). For each attention implementation, 
 - decode throughput: greedy generate() of --new tokens after a --prompt-token prompt at batch
   sizes --batches (static lengths, no padding): new tokens per second, prefill included, for
   each --decode-modes mode: "dynamic" (transformers' DynamicCache; attngen runs the steps
-  unpadded on the varlen kind), "static" (cache_implementation="static", eager: attngen runs
-  the steps on a contiguous-cache decode module with device-side cache_seqlens) and "graph"
+  on a contiguous-cache decode module, cache_seqlens every sequence's key count), "static"
+  (cache_implementation="static", eager: attngen runs the steps on that decode module with
+  device-side cache_seqlens) and "graph"
   (the static cache with generate()'s torch.compile of the forward, mode "reduce-overhead":
   the decode steps are CUDA-graph replays).
 
-The contiguous decode module the static modes need is built from the config into
+The contiguous decode module the decode modes run on is built from the config into
 --out/kernels first (the committed llama3_8b decode module is paged) and loaded before
 generated/. A graph row's modules are those dispatched by its first, compiling call (replays
 run no Python, so they count nothing).
@@ -254,7 +255,7 @@ def main() -> None:
     modes = [mode for mode in args.decode_modes.split(",") if mode]  # "": prefill rows only
     for mode in modes:
         decode_options(mode)  # refused by name before anything runs
-    if {"static", "graph"} & set(modes):
+    if modes:
         attngen.load_kernels(build_decode_module(config, args.out))
     else:
         attngen.load_kernels()

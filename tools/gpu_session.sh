@@ -46,7 +46,7 @@ section_command() {
     decode_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_decode_gpu.py" ;;
     prefill_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_prefill_gpu.py" ;;
     integration_tests) echo "$pytest_gpu tests/test_integration_gpu.py" ;;
-    hf_static) echo "$pytest_gpu tests/test_integration_gpu.py -k static_cache" ;;
+    hf_static) echo "$pytest_gpu tests/test_integration_gpu.py -k cache_decode_module" ;;
     decode_property) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_decode_gpu.py -k property_cases" ;;
     profile_dynamic) echo "python3 tools/profile_dynamic_decode.py --out $work" ;;
     profile_model) echo "python3 tools/profile_model.py --out $work" ;;

@@ -4,11 +4,12 @@ time per call of back-to-back calls, at Llama-3-8B's attention (32 / 8 heads, D 
 with one query token against Nk cached keys at batch 1, 8 and 64.
 
 A DynamicCache hands the layer exactly the written keys [B, HKV, Nk, D], so Nk grows every
-step. attngen runs such a step on the prefill kind (one query row per program's tile, each
-query head's program reading its KV head: GQA's keys read once per query head). This says
-how much of the model benchmark's decode-dynamic gap at batch 64 is that kernel's device
-time and how much is host time; a third row runs the same step on a decode-kind module
-(flash_attn_with_kvcache, cache_seqlens = Nk), which reads each KV head once.
+step. The "attngen" row calls the function with no mask, the route such a step takes where
+no decode module serves it: the prefill kind (one query row per program's tile, each query
+head's program reading its KV head: GQA's keys read once per query head). The "attngen
+decode kind" row runs the same step on a decode-kind module (flash_attn_with_kvcache,
+cache_seqlens = Nk), which reads each KV head once: the route the "attngen" mask function
+gives a DynamicCache's steps (attngen/runtime/hf_cache.py).
 
     PYTHONPATH=. python tools/profile_dynamic_decode.py --out DIR
 """

@@ -1,5 +1,6 @@
 """transformers' static cache (StaticCache, generate(cache_implementation="static")): decode
-steps on a generated decode module, with no host read, so that a step can be captured.
+steps on a generated decode module, with no host read, so that a step can be captured; and a
+DynamicCache's decode steps on the same module.
 
 What transformers does with a static cache (5.x, read from its code):
 - each full-attention layer's StaticLayer keeps keys/values [B, HKV, max_cache_len, D] and
@@ -21,6 +22,13 @@ cache_seqlens; no device value is read on the host. The decode kernel attends to
 [0, cache_seqlens[b]), so a sequence's keys must start at 0: a padding mask with any padded
 position (left padding) is not a CacheLengths, and the step takes the varlen route (exact,
 unpadded with a host read, as transformers' flash-attention path does).
+
+A DynamicCache hands the layer exactly its written keys [B, HKV, Nk, D] and the mask
+function kv_length = q_offset + Nq with q_offset an int. A step after its prefill (q_offset
+> 0) with no padded position gets CacheLengths too, every length Nk and `all_written` set, so
+that it runs on a decode module when one serves it (each KV head read once, where the
+prefill kind reads it once per query head) and otherwise on the prefill kind as before; the
+lengths are one torch.full per mask-function call, shared by the layers.
 
 Whether a padding mask pads anything is device data. The mask function reads it on the host
 only where transformers' flash-attention mask function does (`attention_mask.all()`), and not
@@ -44,10 +52,13 @@ from attngen.spec import CausalAlign, KernelKind, KvLayout
 
 
 class CacheLengths(NamedTuple):
-    """What the mask function hands a layer of a static cache with no padded position: the
-    keys each sequence has written, int32 [B] on the device (the cache's first positions)."""
+    """What the mask function hands a layer of a static cache, or a dynamic cache's decode
+    step, with no padded position: the keys each sequence has written, int32 [B] on the device
+    (the cache's first positions). all_written: the layer's keys are exactly those (a dynamic
+    cache), so a step no decode module serves is plain attention over them."""
 
     seqlens: Tensor
+    all_written: bool = False
 
     @property
     def ndim(self) -> int:
@@ -57,8 +68,9 @@ class CacheLengths(NamedTuple):
 
 
 def static_cache_lengths(kwargs: dict) -> CacheLengths | None:
-    """CacheLengths for a mask-function call that sizes a static cache's full-attention mask
-    (see the module docstring) with no padded position; None for any other call."""
+    """CacheLengths for a mask-function call that sizes a static cache's full-attention mask,
+    or a dynamic cache's after its prefill (see the module docstring), with no padded
+    position; None for any other call."""
     q_offset, q_length = kwargs.get("q_offset", 0), kwargs.get("q_length")
     kv_length, padding = kwargs.get("kv_length"), kwargs.get("attention_mask")
     if not (isinstance(q_length, int) and isinstance(kv_length, int)):
@@ -72,8 +84,10 @@ def static_cache_lengths(kwargs: dict) -> CacheLengths | None:
     if isinstance(q_offset, Tensor):
         if q_offset.numel() != 1:
             return None
-    elif not (isinstance(q_offset, int) and kv_length > q_offset + q_length):
-        return None  # a dynamic cache: its keys are exactly the written ones
+    elif not isinstance(q_offset, int) or kv_length < q_offset + q_length:
+        return None
+    elif kv_length == q_offset + q_length and q_offset == 0:
+        return None  # a dynamic cache's prefill (nothing cached before it): plain attention
     if isinstance(padding, CacheLengths):
         padding = None  # generate()'s first call said no padding; recomputed from the cache
     if padding is not None and not _pads_nothing(padding):
@@ -82,11 +96,11 @@ def static_cache_lengths(kwargs: dict) -> CacheLengths | None:
     if not isinstance(batch, int):
         return None
     written = q_offset + q_length
-    if isinstance(written, Tensor):
+    if isinstance(written, Tensor):  # a static cache: how many are written is device data
         seqlens = written.reshape(1).to(torch.int32).expand(batch).contiguous()
-    else:
-        seqlens = torch.full((batch,), written, dtype=torch.int32, device=kwargs.get("device"))
-    return CacheLengths(seqlens)
+        return CacheLengths(seqlens)
+    seqlens = torch.full((batch,), written, dtype=torch.int32, device=kwargs.get("device"))
+    return CacheLengths(seqlens, all_written=written == kv_length)
 
 
 def _pads_nothing(padding) -> bool:
