@@ -9,7 +9,8 @@ no decode module serves it: the prefill kind (one query row per program's tile, 
 head's program reading its KV head: GQA's keys read once per query head). The "attngen
 decode kind" row runs the same step on a decode-kind module (flash_attn_with_kvcache,
 cache_seqlens = Nk), which reads each KV head once: the route the "attngen" mask function
-gives a DynamicCache's steps (attngen/runtime/hf_cache.py).
+gives a DynamicCache's steps (attngen/runtime/hf_cache.py). Last, the wall time per call
+of each route when the key count grows by one a call, as it does between decode steps.
 
     PYTHONPATH=. python tools/profile_dynamic_decode.py --out DIR
 """
@@ -67,6 +68,44 @@ def wall_us(call) -> float:
     return (time.perf_counter() - start) / CALLS * 1e6
 
 
+def growing_rows(module, batch: int) -> list[dict]:
+    """Wall time per call of CALLS calls whose key count grows by one each (Nk 128 onwards),
+    as a DynamicCache's steps do: every call is a new shape, so no plan keyed on shapes
+    serves it. Routes: the transformers function given no mask (the prefill kind), given the
+    mask function's CacheLengths (a decode module), and SDPA's."""
+    from attngen.runtime.hf_cache import CacheLengths
+
+    q = torch.randn(batch, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    buffer = torch.randn(2, batch, 8, 128 + CALLS, 128, device="cuda", dtype=torch.bfloat16)
+    keys = [buffer[:, :, :, : 128 + i] for i in range(CALLS)]
+    attngen_function, sdpa = ALL_ATTENTION_FUNCTIONS["attngen"], ALL_ATTENTION_FUNCTIONS["sdpa"]
+    lengths = [
+        CacheLengths(torch.full((batch,), 128 + i, device="cuda", dtype=torch.int32), True)
+        for i in range(CALLS)
+    ]
+    routes = {
+        "attngen, no mask (prefill kind)": lambda kv, n: attngen_function(
+            module, q, kv[0], kv[1], None, scaling=128**-0.5
+        ),
+        "attngen, CacheLengths (decode kind)": lambda kv, n: attngen_function(
+            module, q, kv[0], kv[1], lengths[n], scaling=128**-0.5
+        ),
+        "sdpa": lambda kv, n: sdpa(module, q, kv[0], kv[1], None, scaling=128**-0.5),
+    }
+    rows = []
+    for name, route in routes.items():
+        for n, kv in enumerate(keys[:8]):  # compiles both int classes, fills the caches
+            route(kv, n)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for n, kv in enumerate(keys):
+            route(kv, n)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / CALLS * 1e6
+        rows.append({"impl": name, "batch": batch, "keys": "128 + step", "wall_us": wall})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -106,12 +145,14 @@ def main() -> None:
                 if impl != "sdpa":
                     row["module"] = attngen.last_dispatch().module
                 rows.append(row)
+    growing = [row for batch in BATCHES for row in growing_rows(module, batch)]
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "rows": rows,
+        "growing": growing,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "profile_dynamic_decode.json").write_text(json.dumps(result, indent=1))
@@ -122,6 +163,9 @@ def main() -> None:
             f"{row['impl']:<21}{row['batch']:>4}{row['keys']:>6}{row['wall_us']:>9.1f}"
             f"{row['device_us']:>11.1f}  {names}"
         )
+    print("\nkeys growing by one a call (a DynamicCache's steps): wall us per call")
+    for row in growing:
+        print(f"{row['impl']:<38}{row['batch']:>4}{row['wall_us']:>9.1f}")
 
 
 if __name__ == "__main__":
