@@ -48,6 +48,9 @@ section_command() {
     integration_tests) echo "$pytest_gpu tests/test_integration_gpu.py" ;;
     hf_static) echo "$pytest_gpu tests/test_integration_gpu.py -k cache_decode_module" ;;
     decode_property) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_decode_gpu.py -k property_cases" ;;
+    # The D 256 backward's dK/dV split into a dV and a dK kernel (wgmma tiles), against the
+    # module's own gradient kernels.
+    exp_split_dkdv) echo "python3 tools/exp_backward_split_dkdv.py --out $work" ;;
     profile_dynamic) echo "python3 tools/profile_dynamic_decode.py --out $work" ;;
     profile_model) echo "python3 tools/profile_model.py --out $work" ;;
     model_prefill) echo "python3 tools/bench_model.py --out $work --prefill 1024,8192 --impls attngen,sdpa \
