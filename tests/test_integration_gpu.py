@@ -7,7 +7,9 @@
 - a CUDA graph captures an attngen call (prefill, and a KV-cache decode step) and replays it;
 - with transformers' static cache the decode steps run on a contiguous decode module, eager
   and as generate()'s compiled CUDA-graph replays (mode "reduce-overhead", no cudagraph
-  skip), and so do a DynamicCache's, and agree with SDPA.
+  skip), and so do a DynamicCache's, and agree with SDPA;
+- the model's loss.backward() through the module's gradient kernels gives every parameter's
+  gradient within the bf16 yardstick of SDPA's.
 """
 
 from __future__ import annotations
@@ -226,3 +228,41 @@ def test_llama_cache_decode_module(llama, llama32, tmp_path, mode):
     finally:
         load_kernels()
         torch._dynamo.reset()
+
+
+def parameter_gradients(model, implementation: str, ids) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of the causal-LM loss on ids (fp32 copies); the model's own
+    gradients are cleared before and after."""
+    model.set_attn_implementation(implementation)
+    model.zero_grad(set_to_none=True)
+    try:
+        model(input_ids=ids, labels=ids).loss.backward()
+        return {name: p.grad.float().clone() for name, p in model.named_parameters()}
+    finally:
+        model.zero_grad(set_to_none=True)
+
+
+def test_llama_training_gradients_agree_with_sdpa(llama, llama32):
+    """loss.backward() of a Llama-3-8B-shaped 2-layer model through the committed llama3_8b
+    module's gradient kernels (backward: true): every parameter's gradient against the float32
+    copy's (SDPA), with SDPA's own bf16 gradients as the yardstick (RELIABILITY.md's rule for
+    gradients: max error within 3x SDPA's plus a floor of two bf16 ulps at the gradient's
+    magnitude, mean error within 1.5x plus the same floor)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(1, 128256, (2, 1024), device="cuda", generator=gen)
+    ops.reset_run_counts()
+    with attngen.dispatch_log() as log:
+        ours = parameter_gradients(llama, "attngen", ids)
+    assert log and all(
+        d.module == "sm90/llama3_8b_prefill_bf16_d128_causal_br_bwd" and d.fallback is None
+        for d in log
+    )
+    assert sum(ops.run_counts().values()) >= 2  # the forward of both layers ran on the module
+    sdpa = parameter_gradients(llama, "sdpa", ids)
+    exact = parameter_gradients(llama32, "sdpa", ids)
+    assert ours.keys() == exact.keys()
+    for name, want in exact.items():
+        floor = 2 * 2.0 ** (torch.frexp(want.abs().max()).exponent.item() - 8)
+        error, yardstick = (ours[name] - want).abs(), (sdpa[name] - want).abs()
+        assert error.max() <= 3 * yardstick.max() + floor, (name, error.max(), yardstick.max())
+        assert error.mean() <= 1.5 * yardstick.mean() + floor, (name, error.mean())
