@@ -51,6 +51,9 @@ section_command() {
     # The D 256 backward's dK/dV split into a dV and a dK kernel (wgmma tiles), against the
     # module's own gradient kernels.
     exp_split_dkdv) echo "python3 tools/exp_backward_split_dkdv.py --out $work" ;;
+    train_step) echo "python3 tools/bench_train_step.py --out $work" ;;
+    # A Llama-3-8B-shaped 2-layer model's loss.backward() against SDPA's, and the cache routes.
+    training_tests) echo "$pytest_gpu tests/test_integration_gpu.py -k 'training or cache_decode'" ;;
     profile_dynamic) echo "python3 tools/profile_dynamic_decode.py --out $work" ;;
     profile_model) echo "python3 tools/profile_model.py --out $work" ;;
     model_prefill) echo "python3 tools/bench_model.py --out $work --prefill 1024,8192 --impls attngen,sdpa \
