@@ -134,6 +134,7 @@ def bench_prefill(model, impls, seqlen, repeats) -> list[dict]:
             "phase": "prefill",
             "tokens": seqlen,
             "median_ms": statistics.median(times[impl]),
+            "min_ms": min(times[impl]),
             "times_ms": times[impl],
             "peak_mem_gib": steady_peak(forward),
         }
@@ -204,6 +205,7 @@ def bench_decode(model, impls, batch, prompt, new, repeats, mode="dynamic") -> l
             "prompt": prompt,
             "new": new,
             "median_ms": median,
+            "min_ms": min(times[impl]),
             "times_ms": times[impl],
             "tokens_per_s": batch * new / median * 1e3,
         }
