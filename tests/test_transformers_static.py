@@ -82,12 +82,8 @@ def _prompts(padded: bool):
     return ids, mask
 
 
-@pytest.mark.parametrize(("padded", "step_module"), [(False, DECODE), (True, VARLEN)])
-def test_static_cache_generate_matches_eager(llama, padded, step_module):
-    ids, mask = _prompts(padded)
-    expected = _generate(llama, "eager", ids, mask)
-    with attngen.dispatch_log() as log:
-        got = _generate(llama, "attngen", ids, mask)
+def _assert_same_generation(got, expected):
+    """The same greedy tokens and, at every step, the same logits within 1e-4."""
     assert torch.equal(got.sequences, expected.sequences)
     # Note: fp32 both; the outputs differ in summation order only (split-KV or blocked online
     # softmax against eager's matmul-softmax-matmul), a few fp32 ulps, and two layers of a
@@ -95,6 +91,15 @@ def test_static_cache_generate_matches_eager(llama, padded, step_module):
     # (padding, or a cache position not written yet) moves them by far more than 1e-4.
     for step, (a, b) in enumerate(zip(got.logits, expected.logits, strict=True)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=f"logits of step {step}")
+
+
+@pytest.mark.parametrize(("padded", "step_module"), [(False, DECODE), (True, VARLEN)])
+def test_static_cache_generate_matches_eager(llama, padded, step_module):
+    ids, mask = _prompts(padded)
+    expected = _generate(llama, "eager", ids, mask)
+    with attngen.dispatch_log() as log:
+        got = _generate(llama, "attngen", ids, mask)
+    _assert_same_generation(got, expected)
     assert len(log) == LAYERS * NEW_TOKENS and all(d.fallback is None for d in log)
     prefill, steps = log[:LAYERS], log[LAYERS:]
     assert all(d.module == VARLEN and d.need.seqlen_q == 7 for d in prefill)
@@ -182,10 +187,7 @@ def test_static_cache_without_decode_module_takes_varlen(llama, monkeypatch):
     expected = _generate(llama, "eager", ids, mask)
     with attngen.dispatch_log() as log:
         got = _generate(llama, "attngen", ids, mask)
-    assert torch.equal(got.sequences, expected.sequences)
-    # Note: as in test_static_cache_generate_matches_eager (fp32, summation order only).
-    for step, (a, b) in enumerate(zip(got.logits, expected.logits, strict=True)):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=f"logits of step {step}")
+    _assert_same_generation(got, expected)
     assert [d.module for d in log] == [VARLEN] * (LAYERS * NEW_TOKENS)
 
 
@@ -200,10 +202,7 @@ def test_dynamic_cache_generate_matches_eager(llama, padded, prefill_module, ste
     expected = _generate(llama, "eager", ids, mask, cache="dynamic")
     with attngen.dispatch_log() as log:
         got = _generate(llama, "attngen", ids, mask, cache="dynamic")
-    assert torch.equal(got.sequences, expected.sequences)
-    # Note: as in test_static_cache_generate_matches_eager (fp32, summation order only).
-    for step, (a, b) in enumerate(zip(got.logits, expected.logits, strict=True)):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=f"logits of step {step}")
+    _assert_same_generation(got, expected)
     assert len(log) == LAYERS * NEW_TOKENS and all(d.fallback is None for d in log)
     prefill, steps = log[:LAYERS], log[LAYERS:]
     assert all(d.module == prefill_module and d.need.seqlen_q == 7 for d in prefill)
@@ -220,8 +219,5 @@ def test_dynamic_cache_without_decode_module_takes_prefill(llama, monkeypatch):
     expected = _generate(llama, "eager", ids, mask, cache="dynamic")
     with attngen.dispatch_log() as log:
         got = _generate(llama, "attngen", ids, mask, cache="dynamic")
-    assert torch.equal(got.sequences, expected.sequences)
-    # Note: as in test_static_cache_generate_matches_eager (fp32, summation order only).
-    for step, (a, b) in enumerate(zip(got.logits, expected.logits, strict=True)):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=f"logits of step {step}")
+    _assert_same_generation(got, expected)
     assert [d.module for d in log] == [PREFILL] * (LAYERS * NEW_TOKENS)

@@ -22,6 +22,7 @@ import argparse
 import datetime
 import json
 import statistics
+import sys
 import traceback
 from pathlib import Path
 
@@ -30,23 +31,16 @@ import transformers
 
 import attngen
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_model import llama_config, steady_peak, time_once  # noqa: E402
+
 IMPLS = ("attngen", "sdpa", "flex_attention")
 
 
 def llama(layers: int) -> transformers.LlamaForCausalLM:
-    config = transformers.LlamaConfig(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=layers,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=32768,
-        rope_theta=500000.0,
-    )
     torch.manual_seed(0)
     with torch.device("cuda"):
-        return transformers.LlamaForCausalLM(config).to(torch.bfloat16).train()
+        return transformers.LlamaForCausalLM(llama_config(layers)).to(torch.bfloat16).train()
 
 
 def step_call(model, seqlen: int):
@@ -57,25 +51,6 @@ def step_call(model, seqlen: int):
         model(input_ids=ids, labels=ids).loss.backward()
 
     return step
-
-
-def time_once(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end)
-
-
-def steady_peak(fn) -> float:
-    """GiB a warmed-up step allocates at its peak above what was allocated before it."""
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before) / 2**30
 
 
 def attngen_ran(model, step) -> dict:

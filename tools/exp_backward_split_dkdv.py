@@ -30,6 +30,8 @@ import argparse
 import functools
 import json
 import math
+import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -240,37 +242,19 @@ def on_gpu(out: Path) -> None:
 def compile_report() -> list[dict]:
     """Cross-compile both kernels at every config for sm90 (no GPU): registers, spills,
     shared memory and the matrix instructions (attngen.verify.compiler)."""
-    from triton.compiler import ASTSource
-
     from attngen.tiling.prefill import TileConfig
+    from attngen.verify.compiler import _ast_source as ast_source
     from attngen.verify.compiler import compile_source
 
     def source(kernel, block_m, block_n, causal):
-        def make():
-            types = {"Lse": "*fp32", "Delta": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32"}
-            constexprs = {"HEAD_DIM": 256, "BLOCK_M": block_m, "BLOCK_N": block_n,
-                          "CAUSAL": causal}  # fmt: skip
-            signature, attrs = {}, {}
-            for index, name in enumerate(kernel.arg_names):
-                if name in constexprs:
-                    signature[name] = "constexpr"
-                elif name in types:
-                    signature[name] = types[name]
-                elif name[0].isupper():
-                    signature[name] = "*bf16"
-                else:
-                    signature[name] = "i32"
-                if signature[name].startswith("*") or name.startswith(("stride", "seqlen")):
-                    attrs[(index,)] = [["tt.divisibility", 16]]
-            return ASTSource(
-                fn=kernel,
-                signature=signature,
-                attrs=attrs,
-                constexprs={(kernel.arg_names.index(n),): v for n, v in constexprs.items()},
-            )
+        types = {"Lse": "*fp32", "Delta": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32"}
+        types.update({name: "*bf16" for name in ("Q", "K", "V", "DO", "DK", "DV")})
+        constexprs = {"HEAD_DIM": 256, "BLOCK_M": block_m, "BLOCK_N": block_n, "CAUSAL": causal}
+        return lambda: ast_source(
+            kernel, constexprs, types, lambda name: name.startswith(("stride", "seqlen"))
+        )
 
-        return make
-
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # a cached kernel has no ptxas log
     records = []
     done = set()
     for pair in CONFIGS:
