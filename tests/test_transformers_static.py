@@ -221,3 +221,40 @@ def test_dynamic_cache_without_decode_module_takes_prefill(llama, monkeypatch):
         got = _generate(llama, "attngen", ids, mask, cache="dynamic")
     _assert_same_generation(got, expected)
     assert [d.module for d in log] == [PREFILL] * (LAYERS * NEW_TOKENS)
+
+
+@pytest.mark.parametrize(
+    ("q_offset", "q_length", "kv_length", "expected"),
+    [
+        (0, 7, 7, None),  # a dynamic cache's prefill: plain attention
+        (7, 1, 8, (8, True)),  # its decode step: every key written
+        (7, 2, 9, (9, True)),  # a step of two tokens
+        (0, 7, 12, (7, False)),  # a static cache's prefill: the written keys come first
+        (9, 1, 12, (10, False)),  # a static cache's step (an int offset)
+        (7, 1, 6, None),  # fewer keys than the step needs: not a cache this function knows
+    ],
+)
+def test_mask_function_hands_cache_lengths(q_offset, q_length, kv_length, expected):
+    """What the mask function hands the layers of a full-attention cache with nothing padded:
+    the written keys' counts, and whether the layer's keys are exactly those (a dynamic
+    cache), or nothing for a call that is plain attention."""
+    from attngen.runtime.hf_cache import static_cache_lengths
+
+    got = static_cache_lengths(
+        {
+            "batch_size": 2,
+            "q_offset": q_offset,
+            "q_length": q_length,
+            "kv_length": kv_length,
+            "attention_mask": torch.ones(2, q_offset + q_length, dtype=torch.bool),
+            "device": "cpu",
+        }
+    )
+    if expected is None:
+        assert got is None
+    else:
+        assert got.seqlens.tolist() == [expected[0]] * 2 and got.all_written is expected[1]
+    padded = torch.ones(2, q_offset + q_length, dtype=torch.bool)
+    padded[0, 0] = False  # a padded position: the varlen route decides, never lengths
+    sizes = {"batch_size": 2, "q_offset": q_offset, "q_length": q_length, "kv_length": kv_length}
+    assert static_cache_lengths({**sizes, "attention_mask": padded}) is None
