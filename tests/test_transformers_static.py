@@ -238,9 +238,9 @@ def test_mask_function_hands_cache_lengths(q_offset, q_length, kv_length, expect
     """What the mask function hands the layers of a full-attention cache with nothing padded:
     the written keys' counts, and whether the layer's keys are exactly those (a dynamic
     cache), or nothing for a call that is plain attention."""
-    from attngen.runtime.hf_cache import static_cache_lengths
+    from attngen.runtime.hf_cache import cache_lengths
 
-    got = static_cache_lengths(
+    got = cache_lengths(
         {
             "batch_size": 2,
             "q_offset": q_offset,
@@ -257,4 +257,4 @@ def test_mask_function_hands_cache_lengths(q_offset, q_length, kv_length, expect
     padded = torch.ones(2, q_offset + q_length, dtype=torch.bool)
     padded[0, 0] = False  # a padded position: the varlen route decides, never lengths
     sizes = {"batch_size": 2, "q_offset": q_offset, "q_length": q_length, "kv_length": kv_length}
-    assert static_cache_lengths({**sizes, "attention_mask": padded}) is None
+    assert cache_lengths({**sizes, "attention_mask": padded}) is None

@@ -67,9 +67,9 @@ import torch.nn.functional as F
 from attngen.runtime import plans
 from attngen.runtime.hf_cache import (
     CacheLengths,
+    cache_lengths,
     decode_module,
     run_decode_module,
-    static_cache_lengths,
     valid_keys,
 )
 from attngen.runtime.launch import run_dense, run_varlen
@@ -89,7 +89,7 @@ def register_transformers() -> str:
         """flash-attention's mask function (the 2D padding mask, or None when nothing is
         padded); for a chunked layer whose keys start past position 0, with that offset; for
         a static cache with no padded position, its written keys' counts (hf_cache.py)."""
-        lengths = None if args else static_cache_lengths(kwargs)
+        lengths = None if args else cache_lengths(kwargs)
         if lengths is not None:
             return lengths
         padding = flash_attention_mask(*args, **kwargs)
@@ -230,7 +230,7 @@ def attngen_attention(
     if kwargs.get("cu_seq_lens_q") is not None and attention_mask is None:
         return _packed(query, key, value, kwargs, common), None
     if isinstance(attention_mask, CacheLengths):
-        return _static_cache_call(query, key, value, attention_mask, common), None
+        return _cache_call(query, key, value, attention_mask, common), None
     if attention_mask is None:
         _refuse_packed_positions(kwargs.get("position_ids"), seqlen_q, seqlen_k)
         return _dense(query, key, value, common), None
@@ -255,7 +255,7 @@ def _padded(query, key, value, padding, common):
     return _unpadded(query, key, value, padding.bool(), common)
 
 
-def _static_cache_call(query, key, value, lengths: CacheLengths, common):
+def _cache_call(query, key, value, lengths: CacheLengths, common):
     """A cache's layer with no padded position (hf_cache.py): a step a decode module serves
     runs there, reading no device value on the host; any other (the prefill, a step past the
     module's query tokens, no module) is plain attention over a dynamic cache's keys (all

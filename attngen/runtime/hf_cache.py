@@ -67,7 +67,7 @@ class CacheLengths(NamedTuple):
         return 1
 
 
-def static_cache_lengths(kwargs: dict) -> CacheLengths | None:
+def cache_lengths(kwargs: dict) -> CacheLengths | None:
     """CacheLengths for a mask-function call that sizes a static cache's full-attention mask,
     or a dynamic cache's after its prefill (see the module docstring), with no padded
     position; None for any other call."""
