@@ -214,9 +214,8 @@ def test_llama_cache_decode_module(llama, llama32, tmp_path, mode):
         with attngen.dispatch_log() as log:
             got = _generate(llama, "attngen", ids, mask, **options)
         decode = "sm90/llama_static_decode_bf16_d128_causal_br_contig"
-        prefill_kind = (
-            "prefill" if mode == "dynamic" else "varlen"
-        )  # a static cache's: unwritten keys
+        # the prefill: a static cache's on the varlen kind (its unwritten keys dropped)
+        prefill_kind = "prefill" if mode == "dynamic" else "varlen"
         assert log and all(d.need.kind.value == prefill_kind for d in log[:2])
         assert {d.module for d in log[2:]} == {decode}  # 2 layers: the prefill's 2 calls
         if compiled:
