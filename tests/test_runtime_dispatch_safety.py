@@ -56,6 +56,56 @@ def test_a_low_max_seqlen_claim_never_selects_a_window_kernel(toy_kernels):
     )
 
 
+def _causal_need(seqlen_q: int, seqlen_k: int, **fields) -> Need:
+    base = dict(
+        kind=KernelKind.prefill,
+        dtype=Dtype.fp16,
+        head_dim=32,
+        head_dim_v=32,
+        mask=Mask.causal,
+        causal_align=CausalAlign.bottom_right,
+        window=None,
+        softcap=5.0,
+        alibi=False,
+        arch=INTERPRETER,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        same_lengths=seqlen_q == seqlen_k,
+    )
+    return Need(**{**base, **fields})
+
+
+def test_a_cached_choice_never_serves_a_length_its_module_does_not(toy_kernels):
+    """The dispatch cache keys a Need's key length by its class among the modules' windows:
+    toy_win (window (3, 0), equal to causal up to 4 tokens) chosen for a 4-token causal call
+    must not serve a 5-token one from the cache (refused, as without the cache), while every
+    key length up to 4 reuses the choice, recorded with the call's own lengths."""
+    chosen = dispatch.choose("test", _causal_need(1, 4))
+    assert chosen.module == "sm90/toy_win_prefill_fp16_d32_win3x0_br_cap5"
+    assert chosen.need.seqlen_k == 4
+    for seqlen_k in (3, 2, 4):
+        again = dispatch.choose("test", _causal_need(1, seqlen_k))
+        assert again.key == chosen.key and again.need.seqlen_k == seqlen_k
+    with pytest.raises(attngen.NoKernelError, match=r"mask: needs causal"):
+        dispatch.choose("test", _causal_need(1, 5))
+    with pytest.raises(attngen.NoKernelError, match=r"mask: needs causal"):
+        dispatch.choose("test", _causal_need(5, 5))
+
+
+def test_a_growing_key_length_selects_once_per_length_class(toy_kernels, monkeypatch):
+    """A decode loop's key count grows every step: the scan of the modules runs once for all
+    lengths of one class (here: past every window of the toy kernels), not once per step."""
+    scans = []
+    best_entry = dispatch.best_entry
+    monkeypatch.setattr(dispatch, "best_entry", lambda *a: scans.append(1) or best_entry(*a))
+    need = _causal_need(1, 64, dtype=Dtype.fp32, head_dim=16, head_dim_v=16, softcap=0.0)
+    first = dispatch.choose("test", need)
+    for seqlen_k in range(65, 129):
+        got = dispatch.choose("test", need._replace(seqlen_k=seqlen_k))
+        assert got.key == first.key and got.need.seqlen_k == seqlen_k
+    assert len(scans) == 1
+
+
 def test_one_query_token_without_causal_runs_on_the_causal_decode_kernel(toy_folder, tmp_path):
     """flash_attn_with_kvcache's default causal=False with one new token: that token sits at
     the end of the sequence, so causal (bottom-right) hides nothing from it."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import sys
@@ -251,6 +252,7 @@ def stubbed_generated_modules() -> dict[str, object]:
     for kind, name_part in (
         ("prefill", "bert_base"),
         ("prefill", "gpt2"),
+        ("prefill", "llama3_8b"),
         ("varlen", "llama3_8b"),
         ("decode", "qwen2_5_7b"),
         ("decode", "llama3_8b"),
@@ -333,6 +335,42 @@ def generated_module_calls() -> dict[str, object]:
             q_paged, pages, pages, cache_seqlens=lens, block_table=table, causal=True
         ),
         "transformers attention causal (gpt2)": lambda: attngen_attention(layer, q, k, v, None),
+        **dynamic_cache_steps(layer),
+    }
+
+
+def dynamic_cache_steps(layer) -> dict[str, object]:
+    """A DynamicCache's decode step through the transformers function (Llama-3-8B's heads,
+    bf16, one query token): on the decode module (the mask function's CacheLengths) and on
+    the prefill kind (no mask), with the key count the same on every call and growing by one
+    a call (4096 key counts in turn: every call a new shape, as between decode steps)."""
+    from attngen.runtime.hf_cache import CacheLengths
+
+    q = torch.randn(1, 32, 1, 128).bfloat16()
+    buffer = torch.randn(1, 8, 4096 + 128, 128).bfloat16()
+    steps = [
+        (buffer[:, :, : 128 + i], CacheLengths(torch.full((1,), 128 + i, dtype=torch.int32), True))
+        for i in range(4096)
+    ]
+    turn = itertools.cycle(range(len(steps)))
+
+    def growing(with_lengths: bool):
+        def step():
+            keys, lengths = steps[next(turn)]
+            attngen_attention(layer, q, keys, keys, lengths if with_lengths else None)
+
+        return step
+
+    keys, lengths = steps[0]
+    return {
+        "DynamicCache step, decode module, same Nk": lambda: attngen_attention(
+            layer, q, keys, keys, lengths
+        ),
+        "DynamicCache step, decode module, Nk growing": growing(True),
+        "DynamicCache step, prefill kind, same Nk": lambda: attngen_attention(
+            layer, q, keys, keys, None
+        ),
+        "DynamicCache step, prefill kind, Nk growing": growing(False),
     }
 
 

@@ -7,10 +7,13 @@ unless a fallback was asked for: then the Dispatch says "fallback" and a warning
 reason. Nothing falls back silently. Every Dispatch is recorded per thread (records.py).
 
 A repeated call costs one dictionary lookup: served Dispatches are cached on the registry
-that chose them, keyed by (api, Need). A registry replaced by load_kernels takes its cache
-with it, so a replaced registry never serves a later call, and lengths enter the key only as
-the Need has them (bounds the tensor shapes guarantee). Refusals and fallbacks are not
-cached: they warn or raise on every call.
+that chose them, keyed by (api, Need), and once more by the api and the Need with its key
+length replaced by its length class: the lengths change a selection only where max(Nq, Nk)
+crosses a module's window or chunk (selection.length_thresholds), so a decode loop whose
+key count grows every step selects once per class, not once per step (`cached_dispatch`);
+the Dispatch recorded carries the call's own Need. A registry replaced by load_kernels takes
+its cache with it, so a replaced registry never serves a later call. Refusals and fallbacks
+are not cached: they warn or raise on every call.
 
 When no loaded module serves a call and on-demand builds are on (kernel_cache.py), `select`
 has ondemand.py build the module the call needs into the cache and add it to the registry:
@@ -42,6 +45,7 @@ from attngen.runtime.selection import (
     NoKernelError,
     best_entry,
     check_fallback,
+    length_class,
     no_kernel_message,
 )
 from attngen.spec import CausalAlign, Dtype, KernelKind, KvLayout, Mask
@@ -51,6 +55,33 @@ from attngen.spec import CausalAlign, Dtype, KernelKind, KvLayout, Mask
 ACCEPTS_OUT = "ACCEPTS_OUT"
 DISPATCH_CACHE_SIZE = 4096  # per registry; a full cache starts over (lengths vary per call)
 _fallback = "error"
+
+
+def _class_key(api: str, need: Need, registry: Registry) -> tuple:
+    """The dispatch cache's second key of a call: every field of its Need but the key length,
+    which enters as its class among the registry's length thresholds
+    (selection.length_class); the thresholds themselves are in the key, so a module built on
+    demand with a new window never meets a choice made before it."""
+    thresholds = registry.length_thresholds()
+    return api, need._replace(seqlen_k=-1), thresholds, length_class(need, thresholds)
+
+
+def cached_dispatch(api: str, need: Need, registry: Registry) -> Dispatch | None:
+    """The cached Dispatch of a call: under (api, Need) for a Need seen before, else under
+    its length class (the record then gets the call's own Need and is kept under it too)."""
+    hit = registry.dispatches.get((api, need))
+    if hit is None:
+        hit = registry.dispatches.get(_class_key(api, need, registry))
+        if hit is not None:
+            hit = dataclasses.replace(hit, need=need)
+            _keep(registry, (api, need), hit)
+    return hit
+
+
+def _keep(registry: Registry, key: tuple, dispatch: Dispatch) -> None:
+    if len(registry.dispatches) >= DISPATCH_CACHE_SIZE:
+        registry.dispatches.clear()
+    registry.dispatches[key] = dispatch
 
 
 def set_fallback(mode: str) -> None:
@@ -205,7 +236,7 @@ def _choose(
     if refusal is not None:
         return refuse(api, need, refusal, fallback)
     registry = current_registry()
-    hit = registry.dispatches.get((api, need))
+    hit = cached_dispatch(api, need, registry)
     if hit is not None:
         return record(hit)
     return select(api, need, fallback, registry, heads)
@@ -261,12 +292,10 @@ def served(api: str, need: Need, registry: Registry, entry: KernelEntry, built: 
         source=entry.source,
         built=built,
     )
-    if len(registry.dispatches) >= DISPATCH_CACHE_SIZE:
-        registry.dispatches.clear()
     # Later calls reuse the module; they did not build it.
-    registry.dispatches[(api, need)] = (
-        dataclasses.replace(dispatch, built=False) if built else (dispatch)
-    )
+    kept = dataclasses.replace(dispatch, built=False) if built else dispatch
+    _keep(registry, (api, need), kept)
+    _keep(registry, _class_key(api, need, registry), kept)
     return record(dispatch)
 
 
@@ -311,7 +340,7 @@ def _probe(api: str, need: Need, heads: tuple[int, int] | None) -> Dispatch | No
     if device_problem(api, need.arch, need.dtype):
         return None  # the route that follows refuses the call, with the reason
     registry = current_registry()
-    hit = registry.dispatches.get((api, need))
+    hit = cached_dispatch(api, need, registry)
     if hit is not None:
         return record(hit)
     entry, built = best_entry(registry, need), False

@@ -34,7 +34,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # selection imports this module's types
-    from attngen.runtime.selection import Dispatch, Need
+    from attngen.runtime.selection import Dispatch
 
 ENV_KERNELS = "ATTNGEN_KERNELS"
 _REPO_GENERATED = Path(__file__).resolve().parent.parent.parent / "generated"
@@ -97,9 +97,12 @@ class Registry:
         self._matching: dict[tuple, list[KernelEntry]] = {}
         # dispatch.py's cache of served calls, (api, Need) -> Dispatch: it lives and dies with
         # this registry, so a replaced registry's choices never serve a later call.
-        self.dispatches: dict[tuple[str, Need], Dispatch] = {}
+        self.dispatches: dict[tuple, Dispatch] = {}
         # plans.py's cache of eager calls' routes, signature key -> Plan: the same lifetime.
         self.plans: dict[tuple, Any] = {}
+        # (the entries list, its modules' length thresholds: selection.length_thresholds),
+        # computed at the first selection
+        self.thresholds: tuple[list[KernelEntry] | None, tuple[int, ...]] = (None, ())
         self._lock = threading.Lock()
 
     def module(self, key: str) -> ModuleType:
@@ -132,6 +135,18 @@ class Registry:
                         module = import_verified(entry)
                     self._modules[key] = module
         return module
+
+    def length_thresholds(self) -> tuple[int, ...]:
+        """selection.length_thresholds of the entries now: computed once per entries list
+        (add() replaces the list, so a module built on demand is counted from then on)."""
+        entries = self.entries
+        cached_for, thresholds = self.thresholds
+        if cached_for is not entries:
+            from attngen.runtime.selection import length_thresholds  # it imports this module
+
+            thresholds = length_thresholds(entries)
+            self.thresholds = (entries, thresholds)  # one attribute: a whole pair
+        return thresholds
 
     def add(self, entry: KernelEntry, folder: Path) -> None:
         """Serve `entry` (a module just built on demand into `folder`) from now on. The lists

@@ -18,6 +18,7 @@ per registry and keeps torch.compile's trace free of this code.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -136,6 +137,34 @@ def effective_mask(spec_like: dict[str, Any], need: Need, *, at_lengths: bool = 
     if need.same_lengths or (mask == "none" and not top_left_bias):
         align = None
     return mask, align, window, chunk, sink_tokens
+
+
+def length_thresholds(entries: list[KernelEntry]) -> tuple[int, ...]:
+    """Every length t at which some module's mask changes what it means (sorted): effective_mask
+    compares m = max(Nq, Nk) with the entries' windows (m <= left + 1, m <= right + 1; with one
+    query token the right side counts as 0) and chunk sizes (m <= chunk) and with nothing else
+    of the key length. Needs whose m lies on the same side of every threshold, and equal in
+    every other field, select the same module (dispatch.py caches by that)."""
+    found = {1}
+    for entry in entries:
+        spec = entry.spec
+        if spec["mask"] == "sliding_window":
+            found.update((spec["window_left"] + 1, (spec.get("window_right") or 0) + 1))
+        elif spec["mask"] == "chunked" and spec.get("chunk_size"):
+            found.add(int(spec["chunk_size"]))
+    return tuple(sorted(found))
+
+
+def length_class(need: Need, thresholds: tuple[int, ...]) -> tuple[int, tuple[bool, ...]]:
+    """Where m = max(Nq, Nk) lies among `thresholds` (how many are >= m) and, for the need's
+    own window or chunk, whether m is within each of its thresholds."""
+    m = max(need.seqlen_q, need.seqlen_k)
+    own: tuple[int, ...] = ()
+    if need.window is not None:
+        own = (need.window[0] + 1, need.window[1] + 1, 1)
+    if need.chunk_size is not None:
+        own += (need.chunk_size,)
+    return len(thresholds) - bisect_left(thresholds, m), tuple(m <= t for t in own)
 
 
 def _mask_at_lengths(
