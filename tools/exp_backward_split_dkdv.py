@@ -31,6 +31,7 @@ import functools
 import json
 import math
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -190,27 +191,31 @@ def kernel_ms(run, repeats: int = 10) -> dict[str, float]:
     return totals
 
 
-def on_gpu(out: Path) -> None:
-    import attngen
+def on_gpu(out: Path, shape=(4, 8, 4096, 256), device="cuda", timer=None) -> None:
+    """shape (B, H, N, D): the backward grid's D 256 cell; device and timer (kernel_ms) are
+    parameters so that a CPU smoke run can take a small shape."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_backward import load_module  # the grid cell's module, with its tuned configs
 
+    kernel_ms_of = timer or kernel_ms
     rows = []
-    batch, heads, seqlen, head_dim = 4, 8, 4096, 256
+    head_dim = shape[-1]
     for causal in (False, True):
         torch.manual_seed(0)
-        shape = (batch, heads, seqlen, head_dim)
-        q, k, v, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        q, k, v, do = (torch.randn(shape, device=device, dtype=torch.bfloat16) for _ in range(4))
         lse, delta = forward_stats(q, k, v, do, causal)
         qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
 
-        def module_backward(qg=qg, kg=kg, vg=vg, do=do, causal=causal):
-            out = attngen.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
-            out.backward(do)
+        module = load_module(head_dim, causal)
+
+        def module_backward(qg=qg, kg=kg, vg=vg, do=do, module=module):
+            module.attention(qg, kg, vg).backward(do)
 
         module_backward()
         reference = (kg.grad.float(), vg.grad.float())
-        module = kernel_ms(module_backward)
-        rows.append({"causal": causal, "impl": "module", "kernels_ms": module})
-        print(f"causal={causal} module: " + ", ".join(f"{n} {t:.3f}" for n, t in module.items()))
+        kernels = kernel_ms_of(module_backward)
+        rows.append({"causal": causal, "impl": "module", "kernels_ms": kernels})
+        print(f"causal={causal} module: " + ", ".join(f"{n} {t:.3f}" for n, t in kernels.items()))
         for config_dv, config_dk in CONFIGS:
             try:
                 dk, dv = split_dkdv(q, k, v, do, lse, delta, causal, config_dv, config_dk)
@@ -218,7 +223,7 @@ def on_gpu(out: Path) -> None:
                     (got.float() - want).abs().max().item() / want.abs().max().item()
                     for got, want in ((dk, reference[0]), (dv, reference[1]))
                 ]
-                times = kernel_ms(
+                times = kernel_ms_of(
                     functools.partial(
                         split_dkdv, q, k, v, do, lse, delta, causal, config_dv, config_dk
                     )
@@ -230,7 +235,7 @@ def on_gpu(out: Path) -> None:
             rows.append(row)
             print(row)
     result = {
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else device,
         "torch": torch.__version__,
         "triton": triton.__version__,
         "rows": rows,
