@@ -57,6 +57,7 @@ def test_a_low_max_seqlen_claim_never_selects_a_window_kernel(toy_kernels):
 
 
 def _causal_need(seqlen_q: int, seqlen_k: int, **fields) -> Need:
+    """A causal (bottom-right) prefill Need on the interpreter: toy_win's fields unless given."""
     base = dict(
         kind=KernelKind.prefill,
         dtype=Dtype.fp16,
@@ -184,21 +185,7 @@ def test_a_thread_on_the_replaced_registry_never_fills_the_new_ones_cache(toy_fo
         ],
     )
     saved = registry_module._current
-    need = Need(
-        kind=KernelKind.prefill,
-        dtype=Dtype.fp32,
-        head_dim=16,
-        head_dim_v=16,
-        mask=Mask.causal,
-        causal_align=CausalAlign.bottom_right,
-        window=None,
-        softcap=0.0,
-        alibi=False,
-        arch=INTERPRETER,
-        seqlen_q=8,
-        seqlen_k=8,
-        same_lengths=True,
-    )
+    need = _causal_need(8, 8, dtype=Dtype.fp32, head_dim=16, head_dim_v=16, softcap=0.0)
     chosen = {}
 
     def thread_b():
