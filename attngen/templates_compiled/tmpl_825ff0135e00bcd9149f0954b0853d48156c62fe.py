@@ -27,16 +27,9 @@ def root(context, missing=missing):
     if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
         pass
         yield '_FLASH_PLANS = ({}, {})  # [q, k, v in [B, N, H, D]]: _call_key(...) -> a heads-last _CallPlan\n\n\ndef _keep_flash_plan(plans, key, views_key, flash, out_shape):\n    """Keep under `key` the plan attention() left for the call\'s views (none: nothing kept),\n    as one that allocates a [B, M, HQ, DV] output (_CallPlan.heads_last)."""\n    plan = _CALL_PLANS.get(views_key)\n    if plan is not None:\n        if len(plans) >= _LAUNCH_CACHE_SIZE:\n            plans.clear()\n        plans[key] = plan.heads_last(flash, out_shape)\n'
-    yield '\n\ndef _check_rank4(q, k, v, layout):\n    for name, t in (("q", q), ("k", k), ("v", v)):\n        if not isinstance(t, torch.Tensor):\n            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")\n        if t.dim() != 4:\n            raise ValueError(f"{name}: expected rank 4 {layout}, got {tuple(t.shape)}")\n\n\n'
-    if ((undefined(name='backward') if l_0_backward is missing else l_0_backward) and (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks)):
-        pass
-        yield 'def _heads_last_out(q, k, v, flash, sm_scale, alibi_slopes, return_lse, out, dropout_p, rng_state,\n                    sinks):\n'
-    else:
-        pass
-        yield 'def _heads_last_out(q, k, v, flash, sm_scale, alibi_slopes, return_lse, out'
-        yield str((undefined(name='options') if l_0_options is missing else l_0_options))
-        yield '):\n'
-    yield '    """attention_flash (flash: q, k, v in [B, N, H, D]) or attention_flash_out (in\n    [B, H, N, D]): out [B, M, HQ, DV], and the LSE with return_lse."""\n'
+    yield '\n\ndef _check_rank4(q, k, v, layout):\n    for name, t in (("q", q), ("k", k), ("v", v)):\n        if not isinstance(t, torch.Tensor):\n            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")\n        if t.dim() != 4:\n            raise ValueError(f"{name}: expected rank 4 {layout}, got {tuple(t.shape)}")\n\n\ndef _heads_last_out(q, k, v, flash, sm_scale, alibi_slopes, return_lse,\n                    out'
+    yield str((undefined(name='options') if l_0_options is missing else l_0_options))
+    yield '):\n    """attention_flash (flash: q, k, v in [B, N, H, D]) or attention_flash_out (in\n    [B, H, N, D]): out [B, M, HQ, DV], and the LSE with return_lse."""\n'
     if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
         pass
         if (undefined(name='backward') if l_0_backward is missing else l_0_backward):
@@ -91,4 +84,4 @@ def root(context, missing=missing):
     yield ')\n'
 
 blocks = {}
-debug_info = '6=17&7=20&8=23&18=27&41=31&45=37&49=40&50=42&66=50&67=53&70=57&83=62&84=64&94=68&95=70&96=74&100=76&102=78&104=81&109=84&113=86&115=88&118=90'
+debug_info = '6=17&7=20&8=23&18=27&42=31&45=33&46=35&62=43&63=46&66=50&79=55&80=57&90=61&91=63&92=67&96=69&98=71&100=74&105=77&109=79&111=81&114=83'

@@ -708,7 +708,8 @@ def _check_rank4(q, k, v, layout):
             raise ValueError(f"{name}: expected rank 4 {layout}, got {tuple(t.shape)}")
 
 
-def _heads_last_out(q, k, v, flash, sm_scale, alibi_slopes, return_lse, out):
+def _heads_last_out(q, k, v, flash, sm_scale, alibi_slopes, return_lse,
+                    out):
     """attention_flash (flash: q, k, v in [B, N, H, D]) or attention_flash_out (in
     [B, H, N, D]): out [B, M, HQ, DV], and the LSE with return_lse."""
     key = _call_key(q, k, v, sm_scale, alibi_slopes, return_lse, out)
