@@ -111,7 +111,7 @@ def test_without_backward_entries_the_module_is_unchanged(tmp_path):
         ]
 
     assert tuned != plain and backward_lines(tuned) == backward_lines(plain)
-    assert len(backward_lines(plain)) == 4
+    assert len(backward_lines(plain)) == 5  # with BWD_DKDV_SPLIT
 
 
 def test_backward_entry_keys_name_the_kernel():

@@ -150,7 +150,7 @@ def root(context, missing=missing):
         t_7.extend((
             '        MASKED=',
             str(l_1_masked),
-            ', BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,',
+            ', BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GRADS=GRADS,',
         ))
         if (undefined(name='alibi') if l_1_alibi is missing else l_1_alibi):
             pass

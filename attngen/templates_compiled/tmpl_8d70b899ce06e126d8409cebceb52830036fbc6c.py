@@ -30,14 +30,14 @@ def root(context, missing=missing):
     if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
         pass
         yield '    seed, philox_offset, drop_threshold, keep_scale,\n'
-    yield '    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,\n'
+    yield '    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GRADS: tl.constexpr,\n'
     if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
         pass
         yield '    GROUP_MAX: tl.constexpr,\n'
     if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
         pass
         yield '    DROPOUT_ON: tl.constexpr,\n'
-    yield "):\n    offs_m = tl.arange(0, BLOCK_M)\n    offs_d = tl.arange(0, _BLOCK_D)\n    offs_dv = tl.arange(0, _BLOCK_DV)\n    # Note: one flat loop over (query head of the KV group, query block) pairs, not a loop\n    # over heads around a loop over blocks: a runtime outer loop keeps the inner pipeline's\n    # state live across it (D = 128, 64x64, 8 warps on sm90: spills, 198 registers without).\n    num_blocks = tl.cdiv(end_m - start_m, BLOCK_M)\n    for step in tl.range(0, q_per_kv * num_blocks):\n        group_head = step // num_blocks\n        start = tl.multiple_of(start_m + (step - group_head * num_blocks) * BLOCK_M, BLOCK_M)\n        q_base = Q + q_base0 + group_head * stride_qh\n        do_base = DOut + do_base0 + group_head * stride_doh\n        lse_ptr = Lse + row_base0 + group_head * stride_lse_h\n        delta_ptr = Delta + row_base0 + group_head * stride_lse_h\n"
+    yield "):\n    # GRADS: 3 accumulates dK and dV, 1 dV alone, 2 dK alone (two launches, one accumulator\n    # each: the wider key tiles a large head dim needs to reach wgmma)\n    offs_m = tl.arange(0, BLOCK_M)\n    offs_d = tl.arange(0, _BLOCK_D)\n    offs_dv = tl.arange(0, _BLOCK_DV)\n    # Note: one flat loop over (query head of the KV group, query block) pairs, not a loop\n    # over heads around a loop over blocks: a runtime outer loop keeps the inner pipeline's\n    # state live across it (D = 128, 64x64, 8 warps on sm90: spills, 198 registers without).\n    num_blocks = tl.cdiv(end_m - start_m, BLOCK_M)\n    for step in tl.range(0, q_per_kv * num_blocks):\n        group_head = step // num_blocks\n        start = tl.multiple_of(start_m + (step - group_head * num_blocks) * BLOCK_M, BLOCK_M)\n        q_base = Q + q_base0 + group_head * stride_qh\n        do_base = DOut + do_base0 + group_head * stride_doh\n        lse_ptr = Lse + row_base0 + group_head * stride_lse_h\n        delta_ptr = Delta + row_base0 + group_head * stride_lse_h\n"
     if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
         pass
         yield '        batch_head = batch_head0 + group_head\n'
@@ -51,7 +51,7 @@ def root(context, missing=missing):
     yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'pad_d'), 'None, :'))
     yield ', other=0.0)\n            do = tl.load(do_ptrs, mask=live[:, None]'
     yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'pad_dv'), 'None, :'))
-    yield ', other=0.0)\n            lse = tl.load(lse_ptr + rows, mask=row_ok, other=float("-inf"))\n            delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)\n        else:\n'
+    yield ', other=0.0)\n            lse = tl.load(lse_ptr + rows, mask=row_ok, other=float("-inf"))\n            if GRADS & 2:\n                delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)\n        else:\n'
     if ((undefined(name='block_d') if l_0_block_d is missing else l_0_block_d) != (undefined(name='head_dim') if l_0_head_dim is missing else l_0_head_dim)):
         pass
         yield '            q = tl.load(q_ptrs, mask=(offs_d < _HEAD_DIM)[None, :], other=0.0)\n'
@@ -64,26 +64,26 @@ def root(context, missing=missing):
     else:
         pass
         yield '            do = tl.load(do_ptrs)\n'
-    yield '            lse = tl.load(lse_ptr + rows)\n            delta = tl.load(delta_ptr + rows)\n        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E_C)\n        # -- P^T, dP^T, dS^T [BLOCK_N, BLOCK_M] ---------------------------------------------\n        qkT = tl.dot(k, tl.trans(q)'
+    yield '            lse = tl.load(lse_ptr + rows)\n            if GRADS & 2:\n                delta = tl.load(delta_ptr + rows)\n        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E_C)\n        # -- P^T, dP^T, dS^T [BLOCK_N, BLOCK_M] ---------------------------------------------\n        qkT = tl.dot(k, tl.trans(q)'
     yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'dot_precision')))
-    yield ')\n        pT, tT = _bwd_probs(qkT, qk_scale, lse2[None, :], q_pos[None, :], key_pos[:, None],\n                            slope_log2)\n        if MASKED:\n            pT = tl.where(_bwd_visible(q_pos[None, :], key_pos[:, None], seqlen_k), pT, 0.0)\n        dpT = tl.dot(v, tl.trans(do)'
+    yield ')\n        pT, tT = _bwd_probs(qkT, qk_scale, lse2[None, :], q_pos[None, :], key_pos[:, None],\n                            slope_log2)\n        if MASKED:\n            pT = tl.where(_bwd_visible(q_pos[None, :], key_pos[:, None], seqlen_k), pT, 0.0)\n        if GRADS & 2:\n            dpT = tl.dot(v, tl.trans(do)'
     yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'dot_precision')))
     yield ')\n'
     if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
         pass
-        yield "        if DROPOUT_ON:  # the forward's mask, transposed\n            keepT = tl.trans(_dropout_keep(seed, philox_offset, batch_head, rows, first_k_pos,\n                                           drop_threshold, BLOCK_N))\n            pdT = tl.where(keepT, pT * keep_scale, 0.0)\n            dpT = tl.where(keepT, dpT * keep_scale, 0.0)\n        else:\n            pdT = pT\n        dv = tl.dot(pdT.to(k.dtype), do, dv"
+        yield "        if DROPOUT_ON:  # the forward's mask, transposed\n            keepT = tl.trans(_dropout_keep(seed, philox_offset, batch_head, rows, first_k_pos,\n                                           drop_threshold, BLOCK_N))\n            pdT = tl.where(keepT, pT * keep_scale, 0.0)\n            if GRADS & 2:\n                dpT = tl.where(keepT, dpT * keep_scale, 0.0)\n        else:\n            pdT = pT\n        if GRADS & 1:\n            dv = tl.dot(pdT.to(k.dtype), do, dv"
         yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'dot_precision')))
         yield ')\n'
     else:
         pass
-        yield '        dv = tl.dot(pT.to(k.dtype), do, dv'
+        yield '        if GRADS & 1:\n            dv = tl.dot(pT.to(k.dtype), do, dv'
         yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'dot_precision')))
         yield ')\n'
-    yield '        dsT = pT * (dpT - delta[None, :])\n'
+    yield '        if GRADS & 2:\n            dsT = pT * (dpT - delta[None, :])\n'
     if (undefined(name='softcap') if l_0_softcap is missing else l_0_softcap):
         pass
-        yield '        dsT = dsT * (1.0 - tT * tT)  # d(c tanh(x / c)) / dx = 1 - tanh^2\n'
-    yield '        dk = tl.dot(dsT.to(k.dtype), q, dk'
+        yield '            dsT = dsT * (1.0 - tT * tT)  # d(c tanh(x / c)) / dx = 1 - tanh^2\n'
+    yield '            dk = tl.dot(dsT.to(k.dtype), q, dk'
     yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'dot_precision')))
     yield ')\n    return dk, dv\n\n\n@triton.jit\ndef _attn_bwd_dkdv_kernel(\n    Q, K, V, DOut, DK, DV, Lse, Delta, Slopes,'
     if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
@@ -113,11 +113,11 @@ def root(context, missing=missing):
     if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
         pass
         yield '    DROPOUT_ON: tl.constexpr,\n'
-    yield '    BLOCK_M: tl.constexpr,\n    BLOCK_N: tl.constexpr,\n):\n    tl.static_assert(BLOCK_N % 16 == 0)\n    tl.static_assert(BLOCK_M % 16 == 0)\n    pid = tl.program_id(0)\n    # -- which tile: key blocks of one KV head are adjacent programs (they share Q and dO in\n    # L2); the first key block, under causal the one most queries see, goes first.\n    n_block = pid % num_n_blocks\n    batch_kv_head = pid // num_n_blocks\n    num_kv_heads = num_q_heads // q_per_kv\n    off_b = (batch_kv_head // num_kv_heads).to(tl.int64)\n    off_hkv = (batch_kv_head % num_kv_heads).to(tl.int64)\n'
+    yield '    BLOCK_M: tl.constexpr,\n    BLOCK_N: tl.constexpr,\n    GRADS: tl.constexpr,\n):\n    tl.static_assert(BLOCK_N % 16 == 0)\n    tl.static_assert(BLOCK_M % 16 == 0)\n    pid = tl.program_id(0)\n    # -- which tile: key blocks of one KV head are adjacent programs (they share Q and dO in\n    # L2); the first key block, under causal the one most queries see, goes first.\n    n_block = pid % num_n_blocks\n    batch_kv_head = pid // num_n_blocks\n    num_kv_heads = num_q_heads // q_per_kv\n    off_b = (batch_kv_head // num_kv_heads).to(tl.int64)\n    off_hkv = (batch_kv_head % num_kv_heads).to(tl.int64)\n'
     if (undefined(name='varlen') if l_0_varlen is missing else l_0_varlen):
         pass
         yield str(t_1(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'sequence')), '\n'))
-        yield '\n    if not seq_ok:\n        _store_nan_grad_rows(DK, k_first, k_end, total_k, off_hkv, n_block, num_n_blocks,\n                             stride_dkn, stride_dkh, stride_dkd, _HEAD_DIM, _BLOCK_D, BLOCK_N)\n        _store_nan_grad_rows(DV, k_first, k_end, total_k, off_hkv, n_block, num_n_blocks,\n                             stride_dvn, stride_dvh, stride_dvd, _HEAD_DIM_V, _BLOCK_DV,\n                             BLOCK_N)\n        return\n'
+        yield '\n    if not seq_ok:\n        if GRADS & 2:\n            _store_nan_grad_rows(DK, k_first, k_end, total_k, off_hkv, n_block, num_n_blocks,\n                                 stride_dkn, stride_dkh, stride_dkd, _HEAD_DIM, _BLOCK_D,\n                                 BLOCK_N)\n        if GRADS & 1:\n            _store_nan_grad_rows(DV, k_first, k_end, total_k, off_hkv, n_block, num_n_blocks,\n                                 stride_dvn, stride_dvh, stride_dvd, _HEAD_DIM_V, _BLOCK_DV,\n                                 BLOCK_N)\n        return\n'
     else:
         pass
         yield '    q_offset = off_b * 0\n    k_offset = off_b * 0\n'
@@ -125,9 +125,9 @@ def root(context, missing=missing):
     yield str(t_1(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'diagonal')), '\n'))
     yield '\n    first_k_pos = k_start\n    last_k_pos = tl.minimum(k_start + BLOCK_N, seqlen_k) - 1\n    lo, full_lo, full_hi, hi = _bwd_query_ranges(first_k_pos, last_k_pos, diagonal, seqlen_q,\n                                                 BLOCK_M)\n    # -- the resident tiles: K [BLOCK_N, D], V [BLOCK_N, DV]; keys no query of the sequence\n    # sees are zeroed (their gradients are 0, and a NaN stored there must not make them NaN)\n    seen = _bwd_key_live(diagonal, seqlen_q - 1 + diagonal, key_pos, seqlen_k)\n    key_rows = key_pos.to(tl.int64)\n    k = tl.load(k_base + key_rows[:, None] * stride_kn + offs_d[None, :] * stride_kd,\n                mask=seen[:, None]'
     yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'pad_d'), 'None, :'))
-    yield ', other=0.0)\n    v = tl.load(v_base + key_rows[:, None] * stride_vn + offs_dv[None, :] * stride_vd,\n                mask=seen[:, None]'
+    yield ', other=0.0)\n    if GRADS & 2:\n        v = tl.load(v_base + key_rows[:, None] * stride_vn + offs_dv[None, :] * stride_vd,\n                    mask=seen[:, None]'
     yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'pad_dv'), 'None, :'))
-    yield ', other=0.0)\n'
+    yield ', other=0.0)\n    else:\n        v = k  # not read: the dV kernel has no dP\n'
     yield str(t_1(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'rng_state')), '\n'))
     yield '\n    dk = tl.zeros([BLOCK_N, _BLOCK_D], dtype=tl.float32)\n    dv = tl.zeros([BLOCK_N, _BLOCK_DV], dtype=tl.float32)\n    # -- every query head of the KV group (GQA: their dK, dV summed here, no atomics) --------\n    first_head = off_hkv * q_per_kv\n    q_base0 = off_b * stride_qb + q_offset * stride_qm + first_head * stride_qh\n    do_base0 = off_b * stride_dob + q_offset * stride_dom + first_head * stride_doh\n    row_base0 = off_b * stride_lse_b + first_head * stride_lse_h + q_offset\n    batch_head0 = off_b * num_q_heads + first_head\n'
     if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
@@ -143,11 +143,11 @@ def root(context, missing=missing):
     yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'dkdv_phase'), 'rows that see every key of the block: no mask', 'full_lo, full_hi', False))
     yield '\n'
     yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'dkdv_phase'), "rows after it (the window's far edge, the sequence's end): masked", 'full_hi, hi', True))
-    yield '\n    dk = dk * sm_scale\n    key_ok = (key_pos < seqlen_k)[:, None]\n    tl.store(dk_base + key_rows[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,\n             dk.to(DK.dtype.element_ty), mask=key_ok'
+    yield '\n    key_ok = (key_pos < seqlen_k)[:, None]\n    if GRADS & 2:\n        dk = dk * sm_scale\n        tl.store(dk_base + key_rows[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,\n                 dk.to(DK.dtype.element_ty), mask=key_ok'
     yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'pad_d'), 'None, :'))
-    yield ')\n    tl.store(dv_base + key_rows[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd,\n             dv.to(DV.dtype.element_ty), mask=key_ok'
+    yield ')\n    if GRADS & 1:\n        tl.store(dv_base + key_rows[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd,\n                 dv.to(DV.dtype.element_ty), mask=key_ok'
     yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'pad_dv'), 'None, :'))
     yield ')\n\n\n'
 
 blocks = {}
-debug_info = '2=27&10=30&14=34&17=37&35=41&38=44&57=51&58=53&62=55&67=61&76=68&81=70&82=72&90=75&92=80&95=83&98=87&104=89&113=96&118=102&121=106&123=110&126=113&142=117&143=119&165=125&175=127&177=129&178=131&187=133&195=139&196=141&198=143&199=145&203=147&205=149'
+debug_info = '2=27&10=30&14=34&17=37&37=41&40=44&59=51&60=53&65=55&70=61&80=68&86=70&87=72&97=75&100=80&104=83&107=87&113=89&122=96&127=102&130=106&132=110&135=113&152=117&153=119&178=125&188=127&191=129&194=131&203=133&211=139&212=141&214=143&215=145&220=147&223=149'

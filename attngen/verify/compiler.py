@@ -16,7 +16,8 @@ strides constexpr 1, pointers and row strides 16-divisible). For prefill (and va
 same key loop) that is ``attention()``'s kernel; for decode, the split kernel as ``decode()``
 launches it with the config's row tile (BLOCK_M) and the path of several splits (DIRECT=False,
 LSE stored): its combine and append kernels are tiny and are not modelled. The backward kernels
-(spec `backward: true`; `kernel` "dq" or "dkdv", BACKWARD_KERNELS) are measured from the prefill
+(spec `backward: true`; `kernel` "dq", "dkdv", or "dv" / "dk" for the dK/dV kernel's
+one-gradient launches, BACKWARD_KERNELS) are measured from the prefill
 module as ``attention_backward()`` launches them (no LSE gradient; with `dropout: true`, the
 dropout path, DROPOUT_ON=True): varlen's gradient kernels have the same loops.
 
@@ -79,7 +80,13 @@ _ANY_CONFIG = {
     KernelKind.decode: TileConfig(16, 64, 4, 2),
 }
 # The gradient kernels of a prefill module, by the name the backward tiling model gives them.
-BACKWARD_KERNELS = {"dq": "_attn_bwd_dq_kernel", "dkdv": "_attn_bwd_dkdv_kernel"}
+BACKWARD_KERNELS = {
+    "dq": "_attn_bwd_dq_kernel",
+    "dkdv": "_attn_bwd_dkdv_kernel",
+    "dv": "_attn_bwd_dkdv_kernel",  # its dV-only launch (BWD_DKDV_SPLIT)
+    "dk": "_attn_bwd_dkdv_kernel",  # its dK-only launch
+}
+GRADS_OF = {"dkdv": 3, "dv": 1, "dk": 2}  # the dK/dV kernel's GRADS per measured kernel
 _BACKWARD_UNIT_STRIDES = (
     "stride_qd",
     "stride_kd",
@@ -145,13 +152,14 @@ def kernel_source(
     kind: KernelKind = KernelKind.prefill,
     backward: bool = False,
     v_from_k: bool = True,
+    grads: int = 3,
 ) -> Any:
     """The ASTSource of one launch: signature, constexprs and divisibility as at runtime
-    (`backward`: `kernel` is one of the module's gradient kernels; `v_from_k`: an absorbed MLA
-    decode's values are its latent keys, the path a latent cache takes, else a v_cache of its
-    own)."""
+    (`backward`: `kernel` is one of the module's gradient kernels, `grads` the dK/dV kernel's
+    GRADS; `v_from_k`: an absorbed MLA decode's values are its latent keys, the path a latent
+    cache takes, else a v_cache of its own)."""
     if backward:
-        return _backward_source(spec, kernel, config)
+        return _backward_source(spec, kernel, config, grads)
     if kind is KernelKind.decode:
         return _decode_source(spec, kernel, config, v_from_k)
     constexprs: dict[str, Any] = dict.fromkeys(_UNIT_STRIDES, 1)
@@ -200,7 +208,7 @@ def _decode_source(spec: AttnSpec, kernel: Any, config: TileConfig, v_from_k: bo
     return _ast_source(kernel, constexprs, types, divisible)
 
 
-def _backward_source(spec: AttnSpec, kernel: Any, config: TileConfig) -> Any:
+def _backward_source(spec: AttnSpec, kernel: Any, config: TileConfig, grads: int = 3) -> Any:
     """dQ or dK/dV as _backward launches them on contiguous [B, H, N, D] tensors: no dLSE,
     the dropout path when compiled in, ALiBi's GROUP_MAX from the spec's head ratio."""
     q_per_kv = spec.num_q_heads // spec.num_kv_heads
@@ -208,6 +216,7 @@ def _backward_source(spec: AttnSpec, kernel: Any, config: TileConfig) -> Any:
     constexprs.update(
         HAS_DLSE=False,
         DROPOUT_ON=True,
+        GRADS=grads,  # dK/dV: 3 both gradients in one launch, 1 dV, 2 dK
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         GROUP_MAX=1 << (q_per_kv - 1).bit_length(),
@@ -330,6 +339,7 @@ def compile_one(
             kind,
             backward=kernel is not None,
             v_from_k=v_from_k,
+            grads=GRADS_OF.get(kernel or "", 3),
         ),
         arch,
         config,
