@@ -19,8 +19,9 @@ it wins on the H200 is the question this answers:
 
 On the GPU: the backward grid's D 256 cells (B 4, H 8, N 4096, bf16, non-causal and causal;
 tools/bench_backward.py's modules with their tuned configs), each kernel's time by
-torch.profiler for the fused launch and for every split pair of CONFIGS, and the split
-gradients against the fused ones.
+torch.profiler for the fused launch and for each launch of the split at every config of
+SINGLES, the split gradients against the fused ones; then the best dV and dK launches' sum
+against the fused launch. The grid's D 128 cells run too.
 """
 
 from __future__ import annotations
@@ -36,14 +37,23 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 GRID = ROOT / "tools" / "bench_specs" / "backward_grid.yaml"
 
-CONFIGS = (  # (BLOCK_M, BLOCK_N, warps, stages) of the dV launch, then of the dK launch
-    ((64, 64, 8, 2), (64, 64, 8, 2)),
-    ((64, 128, 8, 2), (32, 64, 8, 2)),
-    ((32, 128, 8, 2), (32, 128, 8, 2)),
-    ((64, 64, 8, 2), (32, 64, 8, 2)),
-    ((32, 64, 4, 2), (32, 64, 4, 2)),
-    ((64, 128, 8, 2), (64, 64, 8, 2)),
+# One config for both launches, each launch timed on its own: the best dV and the best dK
+# need not share a config, and the launches are independent (each its own accumulator).
+SINGLES = (
+    (32, 64, 4, 2),
+    (32, 64, 8, 2),
+    (32, 128, 4, 2),
+    (32, 128, 8, 2),
+    (32, 128, 8, 3),
+    (16, 128, 8, 2),
+    (16, 128, 8, 3),
+    (64, 64, 8, 2),
+    (64, 128, 8, 2),
+    (64, 128, 8, 3),
+    (32, 256, 8, 2),
+    (64, 128, 4, 2),
 )
+SHAPES = {256: (4, 8, 4096, 256), 128: (4, 16, 4096, 128)}  # the grid's N 4k cells
 
 
 def as_config(config: tuple[int, int, int, int]) -> dict[str, int]:
@@ -59,7 +69,7 @@ def compile_report() -> list[dict]:
     from attngen.verify.compiler import compile_many
 
     spec = next(s for s in load_spec_file(GRID) if s.name == "backward_grid_d256_causal")
-    jobs = sorted({("dv", pair[0]) for pair in CONFIGS} | {("dk", pair[1]) for pair in CONFIGS})
+    jobs = sorted({(kernel, config) for kernel in ("dv", "dk") for config in SINGLES})
     records = compile_many(
         [(spec, "sm90", TileConfig(*config), kernel) for kernel, config in jobs],
         kind=KernelKind.prefill,
@@ -74,7 +84,9 @@ def compile_report() -> list[dict]:
     return records
 
 
-def kernel_ms(run, repeats: int = 10) -> dict[str, float]:
+def launch_ms(run, repeats: int = 10) -> list[float]:
+    """Milliseconds of each dK/dV launch of one run(), in launch order (torch.profiler): one
+    entry for the fused kernel, two (dV, then dK) for the split."""
     from torch.profiler import ProfilerActivity, profile
 
     run()
@@ -83,65 +95,84 @@ def kernel_ms(run, repeats: int = 10) -> dict[str, float]:
         for _ in range(repeats):
             run()
         torch.cuda.synchronize()
-    totals: dict[str, float] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            name = event.name[:40]
-            totals[name] = totals.get(name, 0.0) + event.device_time / repeats / 1e3
-    return totals
+    times = [
+        event.device_time / 1e3
+        for event in sorted(prof.events(), key=lambda event: event.time_range.start)
+        if event.device_type == torch.autograd.DeviceType.CUDA
+        and event.name.startswith("_attn_bwd_dkdv_kernel")
+    ]
+    per_run = len(times) // repeats
+    return [sum(times[i::per_run]) / repeats for i in range(per_run)]
 
 
-def on_gpu(out: Path, shape=(4, 8, 4096, 256), device="cuda", timer=None) -> None:
-    """shape (B, H, N, D): the backward grid's D 256 cell; device and timer (kernel_ms) are
-    parameters so that a CPU smoke run can take a small shape."""
+def on_gpu(out: Path, head_dims=(256, 128), device="cuda", timer=None) -> None:
+    """The grid's N 4k cells of each head dim, causal and not: the fused dK/dV launch, then
+    each of SINGLES as the split's dV and dK launch, each timed; device and timer
+    (launch_ms) are parameters so that a CPU smoke run can take a small shape."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_backward import load_module  # the grid cell's module, with its tuned configs
 
-    kernel_ms_of = timer or kernel_ms
-    rows = []
-    for causal in (False, True):
-        torch.manual_seed(0)
-        q, k, v, dout = (torch.randn(shape, device=device, dtype=torch.bfloat16) for _ in range(4))
-        module = load_module(shape[-1], causal)
+    timer = timer or launch_ms
+    rows, summary = [], []
+    for head_dim in head_dims:
+        shape = SHAPES[head_dim]
+        for causal in (False, True):
+            torch.manual_seed(0)
+            q, k, v, dout = (
+                torch.randn(shape, device=device, dtype=torch.bfloat16) for _ in range(4)
+            )
+            module = load_module(head_dim, causal)
 
-        def gradients(module=module, q=q, k=k, v=v, dout=dout):
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            module.attention(*leaves).backward(dout)
-            return leaves[1].grad.float(), leaves[2].grad.float()
+            def gradients(module=module, q=q, k=k, v=v, dout=dout):
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                module.attention(*leaves).backward(dout)
+                return leaves[1].grad, leaves[2].grad
 
-        fused = gradients()
-        rows.append(
-            {
-                "causal": causal,
-                "split": None,
-                "config": module.BWD_DKDV_CONFIG,
-                "kernels_ms": kernel_ms_of(gradients),
-            }  # fmt: skip
-        )
-        print(rows[-1], flush=True)
-        for pair in CONFIGS:
-            module.BWD_DKDV_SPLIT = tuple(as_config(config) for config in pair)
-            try:
-                split = gradients()
-                errors = [
-                    ((a - b).abs().max() / b.abs().max()).item()
-                    for a, b in zip(split, fused, strict=True)
-                ]
-                row = {"causal": causal, "split": pair, "kernels_ms": kernel_ms_of(gradients),
-                       "relative_difference_dk_dv": errors}  # fmt: skip
-            except Exception as exc:  # a pair that does not fit: reported, the others run
-                row = {"causal": causal, "split": pair, "error": str(exc)[:300]}
-            finally:
-                module.BWD_DKDV_SPLIT = None
-            rows.append(row)
-            print(row, flush=True)
+            fused = [g.float() for g in gradients()]
+            fused_ms = sum(timer(gradients))
+            cell = {"head_dim": head_dim, "causal": causal, "fused": module.BWD_DKDV_CONFIG,
+                    "fused_ms": fused_ms, "dv_ms": {}, "dk_ms": {}}  # fmt: skip
+            for config in SINGLES:
+                module.BWD_DKDV_SPLIT = (as_config(config), as_config(config))
+                key = "x".join(map(str, config))
+                try:
+                    split = gradients()
+                    errors = [
+                        ((a.float() - b).abs().max() / b.abs().max()).item()
+                        for a, b in zip(split, fused, strict=True)
+                    ]
+                    dv_ms, dk_ms = timer(gradients)
+                    cell["dv_ms"][key], cell["dk_ms"][key] = dv_ms, dk_ms
+                    row = {"config": key, "dv_ms": dv_ms, "dk_ms": dk_ms, "errors": errors}
+                except Exception as exc:  # a config that does not fit: reported, others run
+                    row = {"config": key, "error": str(exc)[:200]}
+                finally:
+                    module.BWD_DKDV_SPLIT = None
+                rows.append({"head_dim": head_dim, "causal": causal, **row})
+                print(rows[-1], flush=True)
+            best_dv = min(cell["dv_ms"], key=cell["dv_ms"].get, default=None)
+            best_dk = min(cell["dk_ms"], key=cell["dk_ms"].get, default=None)
+            split_ms = cell["dv_ms"].get(best_dv, float("nan")) + cell["dk_ms"].get(
+                best_dk, float("nan")
+            )
+            cell.update(best_dv=best_dv, best_dk=best_dk, split_ms=split_ms)
+            summary.append(cell)
     result = {
         "gpu": torch.cuda.get_device_name() if device == "cuda" else device,
         "torch": torch.__version__,
         "rows": rows,
+        "cells": summary,
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "exp_backward_split_dkdv.json").write_text(json.dumps(result, indent=1))
+    print(f"{'D':>4} {'causal':>6} {'fused ms':>9} {'best dV':>12} {'best dK':>12} "
+          f"{'split ms':>9} {'speedup':>7}")  # fmt: skip
+    for c in summary:
+        speedup = c["fused_ms"] / c["split_ms"]
+        print(
+            f"{c['head_dim']:>4} {c['causal']!s:>6} {c['fused_ms']:9.3f} {c['best_dv']!s:>12} "
+            f"{c['best_dk']!s:>12} {c['split_ms']:9.3f} {speedup:7.2f}"
+        )
 
 
 def main() -> None:
