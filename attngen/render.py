@@ -182,6 +182,11 @@ def _training_context(
                 f"{spec.name} on {derivation.arch}: no feasible {label} backward tile config"
             )
         context[f"bwd_{label}_config"] = _config_literal(kernel.chosen)
+    context["bwd_dkdv_split"] = (
+        f"({_config_literal(backward.dv.chosen)}, {_config_literal(backward.dk.chosen)})"  # type: ignore[arg-type]
+        if backward.split
+        else "None"
+    )
     context["derivation_lines"] = [*derivation.summary_lines(), *backward.summary_lines()]
     return context
 

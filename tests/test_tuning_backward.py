@@ -115,13 +115,18 @@ def test_without_backward_entries_the_module_is_unchanged(tmp_path):
 
 
 def test_backward_entry_keys_name_the_kernel():
-    keys = {backward_entry_key(SPEC, kernel) for kernel in ("dq", "dkdv")}
-    assert {key.split("/")[1] for key in keys} == {"backward_dq", "backward_dkdv"}
+    keys = {backward_entry_key(SPEC, kernel) for kernel in ("dq", "dkdv", "dv", "dk")}
+    assert {key.split("/")[1] for key in keys} == {
+        "backward_dq",
+        "backward_dkdv",
+        "backward_dv",
+        "backward_dk",
+    }
     assert {key.split("/")[0] for key in keys} == {
         entry_key(SPEC, KernelKind.prefill).split("/")[0]
     }
-    with pytest.raises(ValueError, match="kernel: 'dv'"):
-        backward_entry_key(SPEC, "dv")
+    with pytest.raises(ValueError, match="kernel: 'dkv'"):
+        backward_entry_key(SPEC, "dkv")
 
 
 @pytest.mark.parametrize(

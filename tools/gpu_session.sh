@@ -76,6 +76,8 @@ section_command() {
     backward_models) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_backward_gpu.py \
       -k 'model_field or sinks_backward or varlen_model_fields'" ;;
     backward_committed) echo "$pytest_gpu tests/test_backward_gpu.py -k committed" ;;
+    # The split dK/dV launches (D 256 on sm90), the fp32 cases, the tests after the real sizes.
+    backward_split) echo "$pytest_gpu -rf --tb=short tests/test_backward_gpu.py -k 'd256 or fp32 or committed or deterministic or dropout or empty_sequence'" ;;
     bench_backward) echo "python3 tools/bench_backward.py --out $work" ;;
     # Tunes llama3_8b's dQ and dK/dV kernels (150 s of measurements, then at most one
     # candidate's overrun and the builds: give it 260 s, so that `autotune_backward:260

@@ -9,6 +9,7 @@ def root(context, missing=missing):
     if 0: yield None
     l_0_bwd_dq_config = resolve('bwd_dq_config')
     l_0_bwd_dkdv_config = resolve('bwd_dkdv_config')
+    l_0_bwd_dkdv_split = resolve('bwd_dkdv_split')
     l_0_softcap = resolve('softcap')
     l_0_alibi = resolve('alibi')
     l_0_mask = resolve('mask')
@@ -22,7 +23,9 @@ def root(context, missing=missing):
     yield str((undefined(name='bwd_dq_config') if l_0_bwd_dq_config is missing else l_0_bwd_dq_config))
     yield '\nBWD_DKDV_CONFIG = '
     yield str((undefined(name='bwd_dkdv_config') if l_0_bwd_dkdv_config is missing else l_0_bwd_dkdv_config))
-    yield '\n# None, or (dV config, dK config): dK and dV by two launches of the dK/dV kernel, one\n# accumulator each (wider key tiles where both accumulators would not fit in registers).\nBWD_DKDV_SPLIT = None\n\n\n@triton.jit\ndef _bwd_probs(qk, qk_scale, lse2, q_pos2, key_pos2, slope_log2):\n    """P = exp(S - LSE) from the forward\'s LSE (lse2 = LSE * log2 e, broadcast to the tile;\n    +inf for a row that sees no key, so that its P is 0), in the forward\'s log2 domain, and\n'
+    yield '\n# None, or (dV config, dK config): dK and dV by two launches of the dK/dV kernel, one\n# accumulator each (wider key tiles where both accumulators would not fit in registers).\nBWD_DKDV_SPLIT = '
+    yield str((undefined(name='bwd_dkdv_split') if l_0_bwd_dkdv_split is missing else l_0_bwd_dkdv_split))
+    yield '\n\n\n@triton.jit\ndef _bwd_probs(qk, qk_scale, lse2, q_pos2, key_pos2, slope_log2):\n    """P = exp(S - LSE) from the forward\'s LSE (lse2 = LSE * log2 e, broadcast to the tile;\n    +inf for a row that sees no key, so that its P is 0), in the forward\'s log2 domain, and\n'
     if (undefined(name='softcap') if l_0_softcap is missing else l_0_softcap):
         pass
         yield 'tanh of the softcap (its derivative is 1 - tanh^2)'
@@ -134,4 +137,4 @@ def root(context, missing=missing):
     finally: gen.close()
 
 blocks = {}
-debug_info = '13=19&15=22&16=24&26=26&28=33&31=36&38=42&41=45&53=52&55=55&60=58&63=61&78=69&80=72&84=75&89=81&101=85&103=88&104=90&111=96&126=100&131=103&136=106&151=113&179=120&198=123&199=129'
+debug_info = '13=20&15=23&16=25&19=27&26=29&28=36&31=39&38=45&41=48&53=55&55=58&60=61&63=64&78=72&80=75&84=78&89=84&101=88&103=91&104=93&111=99&126=103&131=106&136=109&151=116&179=123&198=126&199=132'

@@ -50,7 +50,8 @@ from attngen.tiling.prefill import (
 )
 from attngen.tiling.prefill_model import BM, BN, DV, D, E, S, W
 
-KERNELS = ("dq", "dkdv")
+KERNELS = ("dq", "dkdv", "dv", "dk")  # dv, dk: the dK/dV kernel's one-gradient launches
+GRADS_OF = {"dkdv": 3, "dv": 1, "dk": 2}  # the dK/dV kernel's GRADS constexpr per launch
 BLOCK_CHOICES = (16, 32, 64, 128)
 NUM_WARPS_CHOICES = (4, 8)
 NUM_STAGES_CHOICES = (2, 3)
@@ -88,9 +89,13 @@ def dq_smem_expression(arch: GpuArch, dropout: bool = False) -> sympy.Expr:
 
 
 @cache
-def dkdv_smem_expression(arch: GpuArch, dropout: bool = False) -> sympy.Expr:
+def dkdv_smem_expression(arch: GpuArch, dropout: bool = False, grads: int = 3) -> sympy.Expr:
     """dK/dV kernel. Resident K and V; Q and dO stream, and with S >= 2 the LSE and delta rows
     too (S - 1 fp32 buffers of BLOCK_M each: 8 * BLOCK_M bytes a stage for both).
+
+    `grads` 3 is the fused launch; 2 (dK alone) needs every buffer of it (dP^T reads V and
+    delta); 1 (dV alone) holds no V tile and streams no delta: K resident, 4 * BLOCK_M bytes
+    of LSE rows a stage, and on wgmma the 1 KiB gap follows K alone.
 
     - mma.sync (16-bit): max(S - 1, 1) buffers of Q and dO; P^T and dS^T (left operands of the
       dots into dV and dK) share one buffer when warps split along D (BLOCK_N < D).
@@ -106,8 +111,9 @@ def dkdv_smem_expression(arch: GpuArch, dropout: bool = False) -> sympy.Expr:
       thread, BM * BN <= 64 W), where the allocator places it beside that buffer (fp32's
       staged buffer, twice the size, holds it there too).
     """
-    resident = BN * D + BN * DV
-    rows = 8 * BM * (S - 1)
+    resident = BN * D + BN * DV if grads & 2 else BN * D
+    smallest_resident = BN * sympy.Min(D, DV) if grads & 2 else BN * D
+    rows = (8 if grads & 2 else 4) * BM * (S - 1)
     staged = sympy.Piecewise((BM * BN, sympy.Or(BN < D, sympy.Eq(E, 4))), (0, True))
     scratch = sympy.Piecewise((E * BM * sympy.Max(D, DV), sympy.Eq(S, 1)), (0, True))
     mma = E * (resident + sympy.Max(S - 1, 1) * (BM * D + BM * DV) + staged) + rows + scratch
@@ -116,7 +122,7 @@ def dkdv_smem_expression(arch: GpuArch, dropout: bool = False) -> sympy.Expr:
     mma = mma + sympy.Piecewise((mask_scratch, beside), (0, True))
     if not arch.has_wgmma:
         return mma
-    streamed_first = BN * sympy.Min(D, DV) < S * BM * sympy.Max(D, DV)
+    streamed_first = smallest_resident < S * BM * sympy.Max(D, DV)
     gap = sympy.Piecewise((1024 * sympy.ceiling(rows / 1024) - rows, streamed_first), (0, True))
     row_scratch = sympy.Piecewise((1024 * sympy.ceiling(8 * BM / 1024), sympy.Eq(S, 1)), (0, True))
     wgmma = E * (resident + S * (BM * D + BM * DV)) + rows + gap + row_scratch + mask_scratch
@@ -160,11 +166,14 @@ def regs_expression(arch: GpuArch, kernel: str) -> sympy.Expr:
     (safe) when it compiles without spilling. fp32 (FMA dots,
     its tile always staged) uses the mma.sync formula and is never promised not to spill."""
     owned, streamed = (BM, BN) if kernel == "dq" else (BN, BM)
-    width = D if kernel == "dq" else D + DV
+    width = {"dq": D, "dkdv": D + DV, "dv": DV, "dk": D}[kernel]
+    fit_kernel = "dq" if kernel == "dq" else "dkdv"  # one-gradient launches: the fused fit
     stream = streamed * (D + DV) * E / (4 * 32 * W)
 
     def fitted(path: str, rows: sympy.Expr) -> sympy.Expr:
-        one, acc, tile, streamed_coef, repeat = (sympy.Rational(c) for c in REGS_FIT[kernel, path])
+        one, acc, tile, streamed_coef, repeat = (
+            sympy.Rational(c) for c in REGS_FIT[fit_kernel, path]
+        )
         held = rows * width / 32
         return (
             one
@@ -204,19 +213,51 @@ def _choice(
 def smem_expression(arch: GpuArch, kernel: str, dropout: bool) -> sympy.Expr:
     if kernel == "dq":
         return dq_smem_expression(arch, dropout)
-    return dkdv_smem_expression(arch, dropout)
+    return dkdv_smem_expression(arch, dropout, GRADS_OF[kernel])
+
+
+def split_dkdv(arch: GpuArch, e: int, dkdv: Derivation, dv: Derivation, dk: Derivation) -> bool:
+    """Whether dK and dV run as two launches, one accumulator each: on wgmma (16-bit), when
+    no feasible fused config reaches wgmma's 64 key rows (both fp32 accumulators leave no
+    registers for them: D 256) and both one-gradient launches' choices do. Their extra
+    product (dV recomputes P, dK recomputes P and dP: five products for four) is the price;
+    on the H200 (tools/exp_backward_split_dkdv.py, B 4, H 8, N 4096, D 256, bf16) the fused
+    32x32 launch on mma.sync took 5.03 / 2.62 ms (full / causal) and the split at 32x128,
+    8 warps, 3 stages for both launches 3.07 / 1.84 ms. At D 128, where the fused kernel
+    runs on wgmma (64x128), the best split took 1.3-1.5x the fused time. A property of the
+    candidates, not of the choice: a tuned small fused tile does not split the kernel."""
+    if not arch.has_wgmma or e == 4 or dv.chosen is None or dk.chosen is None:
+        return False
+    fused_reaches = any(c.feasible and c.config.block_n >= 64 for c in dkdv.candidates)
+    return not fused_reaches and min(dv.chosen.block_n, dk.chosen.block_n) >= 64
 
 
 @dataclass(frozen=True)
 class BackwardDerivation:
-    """The two kernels' derivations (each a prefill-style Derivation, candidates and all)."""
+    """The gradient kernels' derivations (each a prefill-style Derivation, candidates and
+    all): dQ, the fused dK/dV launch, and its one-gradient launches dV and dK, which run
+    instead of it where `split` (split_dkdv)."""
 
     dq: Derivation
     dkdv: Derivation
+    dv: Derivation
+    dk: Derivation
+    split: bool = False
+
+    def launches(self) -> tuple[tuple[str, Derivation], ...]:
+        """(label, derivation) of the launches the module makes."""
+        dkdv = (("dV launch", self.dv), ("dK launch", self.dk)) if self.split else (
+            ("dK/dV kernel", self.dkdv),)  # fmt: skip
+        return (("dQ kernel", self.dq), *dkdv)
 
     def summary_lines(self) -> tuple[str, ...]:
         lines: list[str] = []
-        for label, derivation in (("dQ kernel", self.dq), ("dK/dV kernel", self.dkdv)):
+        if self.split:
+            lines.append(
+                "dK/dV as two launches (dV, then dK; split_dkdv): no feasible fused config "
+                "reaches wgmma's 64 key rows"
+            )
+        for label, derivation in self.launches():
             chosen = derivation.chosen
             head = (
                 "no feasible config"
@@ -239,16 +280,18 @@ Tuned = tuple[tuple[str, TileConfig, str], ...]
 
 @cache
 def derive_backward_tiles(spec: AttnSpec, arch_name: str, tuned: Tuned = ()) -> BackwardDerivation:
-    """Both kernels' derivations; `tuned` replaces the heuristic's choice of the kernels it
+    """The kernels' derivations; `tuned` replaces the heuristic's choice of the kernels it
     names (attngen.tuning.database checks that each is a feasible candidate first)."""
     chosen = {kernel: (config, source) for kernel, config, source in tuned}
     unknown = set(chosen) - set(KERNELS)
     if unknown:
         raise ValueError(f"tuned: unknown backward kernel(s) {sorted(unknown)}; expected {KERNELS}")
-    return BackwardDerivation(
-        _derive(spec, arch_name, "dq", *chosen.get("dq", (None, ""))),
-        _derive(spec, arch_name, "dkdv", *chosen.get("dkdv", (None, ""))),
+    derived = {kernel: _derive(spec, arch_name, kernel, *chosen.get(kernel, (None, "")))
+               for kernel in KERNELS}  # fmt: skip
+    split = split_dkdv(
+        ARCHS[arch_name], spec.dtype.itemsize, derived["dkdv"], derived["dv"], derived["dk"]
     )
+    return BackwardDerivation(**derived, split=split)
 
 
 def _candidate(

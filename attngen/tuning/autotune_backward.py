@@ -1,5 +1,7 @@
 """`attngen autotune` for the gradient kernels of a spec with `backward: true`: the dQ kernel
-(with its fused delta) and the dK/dV kernel, each tuned on its own.
+(with its fused delta) and the dK/dV kernel, each tuned on its own; where the module runs
+dK/dV as two launches (tiling.backward.split_dkdv), its dV and its dK launch too, each timed
+alone, the fused launch still tuned beside them.
 
 Candidates, per kernel: feasible configs of the backward model (attngen/tiling/backward.py),
 never an infeasible one, at most `max_configs`: the heuristic's choice first (so that a run the
@@ -40,7 +42,7 @@ import torch
 from attngen.reference import random_inputs
 from attngen.reference_backward import compare_gradients
 from attngen.spec import AttnSpec, SpecError
-from attngen.tiling.backward import KERNELS, derive_backward_tiles
+from attngen.tiling.backward import GRADS_OF, KERNELS, derive_backward_tiles
 from attngen.tiling.prefill import Candidate, Derivation, TileConfig
 from attngen.tuning.database import BACKWARD_KINDS, backward_entry_key
 from attngen.tuning.measure import (
@@ -59,8 +61,14 @@ GATE_SHAPE = (1, 200, 333)  # batch, Nq, Nk
 # a compile at two shapes (the gate's lengths specialize differently), the gate and the timing:
 # about ten seconds on an H200 at D = 128.
 DEFAULT_BACKWARD_CONFIGS = 6
-# The module's kernel function and launch config of each gradient kernel.
-KERNEL_FUNCTIONS = {"dq": "_attn_bwd_dq_kernel", "dkdv": "_attn_bwd_dkdv_kernel"}
+# The module's kernel function of each gradient kernel; dv and dk are the dK/dV kernel's
+# one-gradient launches (BWD_DKDV_SPLIT), told apart by their GRADS.
+KERNEL_FUNCTIONS = {
+    "dq": "_attn_bwd_dq_kernel",
+    "dkdv": "_attn_bwd_dkdv_kernel",
+    "dv": "_attn_bwd_dkdv_kernel",
+    "dk": "_attn_bwd_dkdv_kernel",
+}
 MODULE_CONFIGS = {"dq": "BWD_DQ_CONFIG", "dkdv": "BWD_DKDV_CONFIG"}
 
 
@@ -82,7 +90,10 @@ def backward_candidates(
         raise SpecError(f"max backward configs: {max_configs}; expected at least 1")
     derivations = derive_backward_tiles(spec, arch)
     plans = {}
-    for kernel, derivation in (("dq", derivations.dq), ("dkdv", derivations.dkdv)):
+    # The one-gradient launches are tuned where the module runs them (split_dkdv); the fused
+    # launch always, so that its time stands beside theirs in the tuning file.
+    for kernel in KERNELS if derivations.split else ("dq", "dkdv"):
+        derivation = getattr(derivations, kernel)
         chosen = derivation.chosen_candidate
         if chosen is None:
             raise SpecError(f"{spec.name}: no feasible {kernel} backward config on {arch} to tune")
@@ -152,11 +163,16 @@ def _time_kernel(module, kernel: str, inputs, timer) -> float:
         module.attention_backward(dout, q, k, v, out, lse, alibi_slopes=slopes)
     finally:
         setattr(module, name, real)
-    if len(recorder.launches) != 1:
+    launches = [
+        launch
+        for launch in recorder.launches
+        if kernel not in GRADS_OF or launch[2].get("GRADS") == GRADS_OF[kernel]
+    ]
+    if len(launches) != 1:
         raise RuntimeError(
-            f"{name}: expected one launch per backward, got {len(recorder.launches)}"
+            f"{name}: expected one {kernel} launch per backward, got {len(launches)}"
         )
-    ((grid, args, kwargs),) = recorder.launches
+    ((grid, args, kwargs),) = launches
     return timer(lambda: real[grid](*args, **kwargs))
 
 
@@ -170,9 +186,19 @@ def _measure(
     run: TuneRun,
 ) -> dict:
     """Gate, then time one config of one kernel; failures are results too (recorded)."""
-    launch_config = getattr(module, MODULE_CONFIGS[kernel])
-    heuristic = dict(launch_config)
-    launch_config.update(config.as_dict())
+    split = module.BWD_DKDV_SPLIT
+    if kernel in ("dv", "dk"):  # the other launch keeps the module's config
+        module.BWD_DKDV_SPLIT = tuple(
+            config.as_dict() if launch == kernel else dict(other)
+            for launch, other in zip(("dv", "dk"), split, strict=True)
+        )
+        launch_config, heuristic = {}, {}
+    else:
+        if kernel == "dkdv":  # the fused launch, also in a module that splits
+            module.BWD_DKDV_SPLIT = None
+        launch_config = getattr(module, MODULE_CONFIGS[kernel])
+        heuristic = dict(launch_config)
+        launch_config.update(config.as_dict())
     try:
         problems = _gate(module, spec, options.gate_shape, run.device)
         if problems:
@@ -186,8 +212,10 @@ def _measure(
     except Exception as exc:  # a config that fails to compile or launch is a result
         return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     finally:
-        launch_config.clear()
-        launch_config.update(heuristic)
+        module.BWD_DKDV_SPLIT = split
+        if heuristic:
+            launch_config.clear()
+            launch_config.update(heuristic)
         if run.device == "cuda":
             torch.cuda.synchronize()
 
@@ -205,8 +233,7 @@ def tune_backward(
     digest = kernel_digest(module)
     inputs: dict = {}  # the buckets' tensors, made when the first measurement needs them
     outcomes = []
-    for kernel in KERNELS:
-        heuristic, cands = plans[kernel]
+    for kernel, (heuristic, cands) in plans.items():
         results = run.results(f"{backward_entry_key(spec, kernel)}/{digest}")
         for cand in cands:
             key = config_key(cand.config)

@@ -13,8 +13,9 @@ version; a file of another schema is refused, not guessed at.
                         "entries": {"<kernel fields hash>/prefill": {"config": {...}, ...}}}
 
 The gradient kernels of a spec with `backward: true` have entries of their own, kinds
-`backward_dq` and `backward_dkdv` (BACKWARD_KINDS), under the same fields hash: the module's
-BWD_DQ_CONFIG and BWD_DKDV_CONFIG come from them when present (tuned_backward_tiles).
+`backward_dq`, `backward_dkdv`, and `backward_dv` / `backward_dk` for the one-gradient
+launches (BACKWARD_KINDS), under the same fields hash: the module's BWD_DQ_CONFIG,
+BWD_DKDV_CONFIG and BWD_DKDV_SPLIT come from them when present (tuned_backward_tiles).
 """
 
 from __future__ import annotations
@@ -205,7 +206,8 @@ def tuned_backward_tiles(tuning_dir: Path | None, spec: AttnSpec, arch: str) -> 
         return heuristic
     entries = read_tuning_file(tuning_path(tuning_dir, arch))["entries"]
     tuned = []
-    for kernel, derivation in (("dq", heuristic.dq), ("dkdv", heuristic.dkdv)):
+    for kernel in KERNELS:
+        derivation = getattr(heuristic, kernel)
         key = backward_entry_key(spec, kernel)
         if key not in entries:
             continue
