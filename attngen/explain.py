@@ -62,7 +62,7 @@ def explain_lines(
 def explain_backward(spec: AttnSpec, backward: BackwardDerivation) -> list[str]:
     """The gradient kernels' models (attngen/tiling/backward.py) and their chosen configs."""
     lines = [f"-- {spec.name} on {backward.dq.arch}: backward (prefill and varlen modules)"]
-    for label, derivation in (("dQ kernel", backward.dq), ("dK/dV kernel", backward.dkdv)):
+    for label, derivation in backward.launches():
         feasible = sum(c.feasible for c in derivation.candidates)
         lines += [
             f"   {label}: shared memory = {derivation.expressions['smem']}",

@@ -1,6 +1,7 @@
-"""Tuning the gradient kernels: backward_dq / backward_dkdv entries in the database, the build
-and explain taking them, and the autotune loop's candidates, gate and per-kernel timing (driven
-on the CPU interpreter with a fake timer)."""
+"""Tuning the gradient kernels: backward_dq / backward_dkdv (and a split module's backward_dv /
+backward_dk) entries in the database, the build and explain taking them, and the autotune
+loop's candidates, gate and per-kernel timing (driven on the CPU interpreter with a fake
+timer)."""
 
 from __future__ import annotations
 
@@ -264,3 +265,57 @@ def test_autotune_backward_budget_and_arguments(tmp_path):
         autotune([SPEC], tmp_path, 1.0, 2, arch="sm90", device="cpu", kernels="sideways")
     with pytest.raises(Exception, match="none of the specs has backward"):
         autotune([make_spec()], tmp_path, 1.0, 2, arch="sm90", device="cpu", kernels="backward")
+
+
+# D 256 in 16 bits on sm90: no fused dK/dV config reaches 64 keys, so the module splits.
+SPLIT = make_spec(dtype="bf16", head_dim=256, archs=["sm90"], name="split", backward=True)
+
+
+def test_a_split_module_renders_both_launches_and_autotune_times_each(tmp_path):
+    from attngen.tuning import autotune_backward
+
+    derivations = derive_backward_tiles(SPLIT, "sm90")
+    assert derivations.split
+    assert not derive_backward_tiles(SPLIT, "sm80").split  # mma.sync only: fused
+    assert not derive_backward_tiles(SPEC, "sm90").split  # D 64: the fused kernel on wgmma
+    (artifact,) = plan_build([SPLIT], None)
+    module = _import(artifact.source, tmp_path / "split.py")
+    assert module.BWD_DKDV_SPLIT == (
+        derivations.dv.chosen.as_dict(),
+        derivations.dk.chosen.as_dict(),
+    )
+    assert "dK/dV as two launches" in artifact.source and "#   dV launch: " in artifact.source
+    plans = backward_candidates(SPLIT, "sm90", 1)
+    assert list(plans) == ["dq", "dkdv", "dv", "dk"]
+    timed = []
+
+    def timer(fn):  # the launch the timer gets: the kernel's GRADS and its BLOCK_N
+        cells = dict(zip(fn.__code__.co_freevars, fn.__closure__, strict=True))
+        kwargs = cells["kwargs"].cell_contents
+        timed.append((kwargs.get("GRADS"), kwargs["BLOCK_N"]))
+        return 1.0
+
+    outcomes = autotune(
+        [SPLIT],
+        tmp_path,
+        budget_s=600,
+        max_configs=1,
+        arch="sm90",
+        console=Console(file=open(tmp_path / "log.txt", "a"), width=200),
+        device="cpu",
+        timer=timer,
+        kernels="backward",
+        backward=BackwardOptions(
+            max_configs=1, buckets=(Bucket("tiny", 1, 40),), gate_shape=(1, 21, 37)
+        ),
+    )
+    assert [o.kernel for o in outcomes] == [f"backward_{k}" for k in ("dq", "dkdv", "dv", "dk")]
+    assert all(o.winner is not None for o in outcomes), [o.__dict__ for o in outcomes]
+    # dQ has no GRADS; the fused launch is timed as 3 at its own tile, then dV and dK alone.
+    assert timed == [
+        (None, derivations.dq.chosen.block_n),
+        (3, derivations.dkdv.chosen.block_n),
+        (1, derivations.dv.chosen.block_n),
+        (2, derivations.dk.chosen.block_n),
+    ]
+    assert autotune_backward.GRADS_OF == {"dkdv": 3, "dv": 1, "dk": 2}

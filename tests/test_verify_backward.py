@@ -21,6 +21,7 @@ from attngen.arch import ARCHS
 from attngen.build import load_specs
 from attngen.cli import app
 from attngen.tiling.backward import (
+    KERNELS,
     MODEL_SYMBOLS,
     derive_backward_tiles,
     regs_expression,
@@ -89,13 +90,14 @@ def test_every_backward_candidate_of_the_examples_matches_the_compiler_data(spec
     assert summary.compiled == summary.rows == len(plan.rows)
     assert summary.exact == summary.compiled  # shared memory exact on every candidate
     assert summary.mma_agree == summary.compiled  # the model's branch is the compiler's path
-    # both kernels' whole grid for each distinct (dtype, D, DV, dropout) of the examples
+    # every launch's whole grid (dQ, dK/dV, and its dV and dK launches) for each distinct
+    # (dtype, D, DV, dropout) of the examples
     trained = [s for s in specs if s.backward]
     shapes = {
         backward_key(s, arch, "dq", derive_backward_tiles(s, arch).dq.chosen)[2:6] for s in trained
     }
     grid = len(derive_backward_tiles(trained[0], arch).dq.candidates)
-    assert len(plan.rows) == 2 * grid * len(shapes)
+    assert len(plan.rows) == len(KERNELS) * grid * len(shapes)
 
 
 @needs_data
@@ -169,8 +171,8 @@ def test_cli_checks_the_backward_kernels(tmp_path):
     assert "result: PASS" in result.output and "0 compiled live" in result.output
     assert "llama3_8b dkdv" in result.output  # the chosen config of each kernel
     report = json.loads(out.read_text())
-    assert report["passed"] and len(report["rows"]) == 128
-    assert {row["kernel"] for row in report["rows"]} == {"dq", "dkdv"}
+    assert report["passed"] and len(report["rows"]) == 64 * len(KERNELS)  # one arch, one shape
+    assert {row["kernel"] for row in report["rows"]} == set(KERNELS)
     refused = CliRunner().invoke(
         app, ["verify-tiling", "--backward", str(ROOT / "examples/gpt2.yaml")]
     )

@@ -64,7 +64,8 @@ def load_module(head_dim: int, causal: bool, arch: str = "sm90"):
     module_spec.loader.exec_module(module)
     print(
         f"{spec.name}: forward {module.CONFIG}, dQ {module.BWD_DQ_CONFIG}, "
-        f"dK/dV {module.BWD_DKDV_CONFIG}",
+        f"dK/dV {module.BWD_DKDV_CONFIG if module.BWD_DKDV_SPLIT is None else 'unused'}, "
+        f"split (dV, dK) {module.BWD_DKDV_SPLIT}",
         flush=True,
     )
     return module

@@ -150,13 +150,7 @@ def on_gpu(out: Path, head_dims=(256, 128), device="cuda", timer=None) -> None:
                     module.BWD_DKDV_SPLIT = None
                 rows.append({"head_dim": head_dim, "causal": causal, **row})
                 print(rows[-1], flush=True)
-            best_dv = min(cell["dv_ms"], key=cell["dv_ms"].get, default=None)
-            best_dk = min(cell["dk_ms"], key=cell["dk_ms"].get, default=None)
-            split_ms = cell["dv_ms"].get(best_dv, float("nan")) + cell["dk_ms"].get(
-                best_dk, float("nan")
-            )
-            cell.update(best_dv=best_dv, best_dk=best_dk, split_ms=split_ms)
-            summary.append(cell)
+            summary.append(with_best(cell))
     result = {
         "gpu": torch.cuda.get_device_name() if device == "cuda" else device,
         "torch": torch.__version__,
@@ -165,6 +159,19 @@ def on_gpu(out: Path, head_dims=(256, 128), device="cuda", timer=None) -> None:
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "exp_backward_split_dkdv.json").write_text(json.dumps(result, indent=1))
+    print_table(summary)
+
+
+def with_best(cell: dict) -> dict:
+    """The cell with its fastest dV and dK configs and their sum, the split's time."""
+    best_dv = min(cell["dv_ms"], key=cell["dv_ms"].get, default=None)
+    best_dk = min(cell["dk_ms"], key=cell["dk_ms"].get, default=None)
+    nan = float("nan")
+    split_ms = cell["dv_ms"].get(best_dv, nan) + cell["dk_ms"].get(best_dk, nan)
+    return {**cell, "best_dv": best_dv, "best_dk": best_dk, "split_ms": split_ms}
+
+
+def print_table(summary: list[dict]) -> None:
     print(f"{'D':>4} {'causal':>6} {'fused ms':>9} {'best dV':>12} {'best dK':>12} "
           f"{'split ms':>9} {'speedup':>7}")  # fmt: skip
     for c in summary:

@@ -2,9 +2,10 @@
 regs_expression) from the compiler measurements.
 
 Reads attngen/verify/data/backward_compile_triton-<version>.json and solves, per kernel (dQ,
-dK/dV) and code path (mma.sync; wgmma on sm90 where the kernel's owned side has >= 64 rows),
-the linear program of tools/fit_registers.py (docs/tiling.md): minimise the absolute error
-against the registers a config needs (regs + spilled bytes / 4, capped at 400) subject to
+dK/dV, and the dK/dV kernel's one-gradient launches dV and dK) and code path (mma.sync;
+wgmma on sm90 where the kernel's owned side has >= 64 rows), the linear program of
+tools/fit_registers.py (docs/tiling.md): minimise the absolute error against the registers a
+config needs (regs + spilled bytes / 4, capped at 400) subject to
   * every config that spills more than 64 B is predicted at 256 + CUSHION or more (never
     "safe");
   * every tuned winner of tuning/*.json that the data holds is predicted at 279 - CUSHION or
@@ -13,7 +14,8 @@ against the registers a config needs (regs + spilled bytes / 4, capped at 400) s
 Features, with `rows` the score-tile rows a warp holds (owned / W; at least 16, an MMA
 instruction's M, where the score tile stays in registers as the next dot's left operand:
 always on wgmma, on mma.sync when the owned side >= D; see regs_expression):
-  acc    fp32 accumulator elements a thread holds, rows * width / 32 (width: dQ D, dK/dV D + DV);
+  acc    fp32 accumulator elements a thread holds, rows * width / 32 (width: dQ D, dK/dV
+         D + DV, the one-gradient launches dV DV and dK D);
   tile   one score tile, rows * streamed / 32;
   stream the streamed dot operands in 32-bit registers (dQ: K and V, BN * (D + DV) * E / 4;
          dK/dV: Q and dO, BM * (D + DV) * E / 4), over 32 W threads;
@@ -42,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from attngen.arch import ARCHS  # noqa: E402
 from attngen.build import load_specs  # noqa: E402
-from attngen.tiling.backward import MODEL_SYMBOLS, regs_expression  # noqa: E402
+from attngen.tiling.backward import KERNELS, MODEL_SYMBOLS, regs_expression  # noqa: E402
 from attngen.tiling.evaluate import compiled  # noqa: E402
 from attngen.tuning.database import backward_entry_key  # noqa: E402
 from attngen.verify.measurements import data_path, triton_version  # noqa: E402
@@ -61,7 +63,7 @@ def features(r: dict) -> list[float]:
     w, e = r["num_warps"], 4 if r["dtype"] == "fp32" else 2
     d, dv = r["D"], r["DV"]
     owned, streamed = (r["BLOCK_M"], r["BLOCK_N"])[:: 1 if r["kernel"] == "dq" else -1]
-    width = d if r["kernel"] == "dq" else d + dv
+    width = {"dq": d, "dkdv": d + dv, "dv": dv, "dk": d}[r["kernel"]]
     in_registers = on_wgmma(r) or (owned >= d and e == 2)
     rows = max(16, owned / w) if in_registers else owned / w
     acc = rows * width / 32
@@ -78,7 +80,7 @@ def tuned_keys() -> set[tuple]:
     for path in ROOT.glob("tuning/sm*.json"):
         table = json.loads(path.read_text())
         for spec in specs:
-            for kernel in ("dq", "dkdv"):
+            for kernel in KERNELS:
                 entry = table["entries"].get(backward_entry_key(spec, kernel))
                 if entry is not None:
                     c = entry["config"]
@@ -142,7 +144,7 @@ def main() -> int:
     rows = [r for r in records if not r["error"] and r["dtype"] != "fp32"]
     tuned = tuned_keys()
     violations = 0
-    for kernel in ("dq", "dkdv"):
+    for kernel in KERNELS:
         for name, wgmma in (("mma.sync", False), ("wgmma", True)):
             part = [r for r in rows if r["kernel"] == kernel and on_wgmma(r) == wgmma]
             coef = fit(part, tuned)

@@ -50,6 +50,7 @@ section_command() {
     decode_property) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_decode_gpu.py -k property_cases" ;;
     # The D 256 backward's dK/dV split into a dV and a dK kernel (wgmma tiles), against the
     # module's own gradient kernels.
+    exp_fp32_bwd) echo "python3 tools/exp_fp32_backward_error.py --out $work" ;;
     exp_split_dkdv) echo "python3 tools/exp_backward_split_dkdv.py --out $work" ;;
     train_step) echo "python3 tools/bench_train_step.py --out $work" ;;
     # A Llama-3-8B-shaped 2-layer model's loss.backward() against SDPA's, and the cache routes.
@@ -77,6 +78,8 @@ section_command() {
       -k 'model_field or sinks_backward or varlen_model_fields'" ;;
     backward_committed) echo "$pytest_gpu tests/test_backward_gpu.py -k committed" ;;
     # The split dK/dV launches (D 256 on sm90), the fp32 cases, the tests after the real sizes.
+    backward_fp32) echo "$pytest_gpu -x --tb=short tests/test_backward_gpu.py -k 'real_sizes and fp32-d80 and 1000'" ;;
+    backward_rest) echo "$pytest_gpu -rf --tb=short tests/test_backward_gpu.py -k 'committed and not llama3 or empty_sequence or model_field and fp32 or runtime_dropout or sinks_backward_is'" ;;
     backward_split) echo "$pytest_gpu -rf --tb=short tests/test_backward_gpu.py -k 'd256 or fp32 or committed or deterministic or dropout or empty_sequence'" ;;
     bench_backward) echo "python3 tools/bench_backward.py --out $work" ;;
     # Tunes llama3_8b's dQ and dK/dV kernels (150 s of measurements, then at most one

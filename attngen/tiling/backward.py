@@ -19,10 +19,13 @@ candidate: it pipelines nothing and was never the fast config) is a bound: its u
 and dO go through a transposition scratch that follows the layout's repetitions.
 
 Registers: the forward's linear program (tools/fit_backward_registers.py) on the 16-bit
-compiles (both kernels' whole bf16 D 64 and D 128 grids on all five archs): least absolute
-error (rms 23 to 27 on configs that do not spill, 42 for wgmma dK/dV), with every config that
-spills more than 64 B predicted above the limit, so no config the model calls safe spills more
-than verify-tiling allows, and every tuned winner feasible.
+compiles (every kernel's whole bf16 D 64 and D 128 grids on all five archs, D 256 on sm90):
+least absolute error (rms 23 to 28 on configs that do not spill, 34-46 on wgmma's dK/dV, dV
+and dK), with every config that spills more than 64 B predicted above the limit, so no config
+the model calls safe spills more than verify-tiling allows, and every tuned winner feasible.
+
+The dK/dV kernel also runs as two launches, dV alone and dK alone (`split_dkdv`: D 256 on
+sm90), each with its own candidates, models ("dv", "dk") and choice.
 """
 
 from __future__ import annotations
@@ -131,12 +134,16 @@ def dkdv_smem_expression(arch: GpuArch, dropout: bool = False, grads: int = 3) -
 
 # Coefficients (intercept, acc, tile, stream, repeat) of regs_expression per (kernel, code
 # path): the linear program of tools/fit_backward_registers.py on the 16-bit compiles, rounded
-# (the fit gives repeat 0 on mma.sync and 0.01 on wgmma dK/dV, whose rows never exceed 16).
+# up (the intercept to 0.5, the rest to 0.01; the rounded model keeps both of the fit's rules).
 REGS_FIT = {
-    ("dq", "mma.sync"): ("73.6", "1.24", "2.38", "0.12", "0"),
-    ("dq", "wgmma"): ("58", "0.94", "1.92", "0.16", "0.26"),
-    ("dkdv", "mma.sync"): ("106.5", "0.85", "2.47", "0.31", "0"),
-    ("dkdv", "wgmma"): ("155.5", "0.41", "2.44", "0", "0"),
+    ("dq", "mma.sync"): ("74", "1.24", "2.37", "0.13", "0"),
+    ("dq", "wgmma"): ("69", "0.8", "1.81", "0.25", "0.27"),
+    ("dkdv", "mma.sync"): ("105.5", "0.9", "2.04", "0.51", "0"),
+    ("dkdv", "wgmma"): ("169", "0.39", "2.09", "0", "0"),
+    ("dv", "mma.sync"): ("68.5", "1.8", "1.8", "0.6", "0"),
+    ("dv", "wgmma"): ("80", "1.04", "1.39", "0.4", "0"),
+    ("dk", "mma.sync"): ("96.5", "0.85", "4.1", "0.35", "0"),
+    ("dk", "wgmma"): ("114", "0.99", "1.7", "0.21", "0"),
 }
 
 
@@ -167,13 +174,10 @@ def regs_expression(arch: GpuArch, kernel: str) -> sympy.Expr:
     its tile always staged) uses the mma.sync formula and is never promised not to spill."""
     owned, streamed = (BM, BN) if kernel == "dq" else (BN, BM)
     width = {"dq": D, "dkdv": D + DV, "dv": DV, "dk": D}[kernel]
-    fit_kernel = "dq" if kernel == "dq" else "dkdv"  # one-gradient launches: the fused fit
     stream = streamed * (D + DV) * E / (4 * 32 * W)
 
     def fitted(path: str, rows: sympy.Expr) -> sympy.Expr:
-        one, acc, tile, streamed_coef, repeat = (
-            sympy.Rational(c) for c in REGS_FIT[fit_kernel, path]
-        )
+        one, acc, tile, streamed_coef, repeat = (sympy.Rational(c) for c in REGS_FIT[kernel, path])
         held = rows * width / 32
         return (
             one
@@ -197,12 +201,20 @@ def _choice(
     candidates: list[Candidate], arch: GpuArch, tuned: TileConfig | None, kernel: str
 ) -> TileConfig | None:
     """`tuned` (which must be feasible), else the heuristic's: the best score among configs
-    the register model does not call may-spill (then the smallest shared memory)."""
+    the register model does not call may-spill (then the smallest shared memory). The
+    one-gradient launches exist to reach wgmma (split_dkdv), so on wgmma their heuristic
+    picks among 64-key tiles only, may-spill or not: at D 256 the model puts every one of
+    them a little above the register limit (dK 32x128, 8 warps: 274 predicted, 252-255
+    compiled with 0-32 B of spill), and the H200 measured 32x128, 8 warps, 3 stages the
+    fastest for both launches (docs/performance.md, "D 256 as two dK/dV launches")."""
     feasible = [c for c in candidates if c.feasible]
     if tuned is not None:
         if tuned not in [c.config for c in feasible]:
             raise ValueError(f"{tuned} is not a feasible {kernel} candidate on {arch.name}")
         return tuned
+    if kernel in ("dv", "dk") and arch.has_wgmma:
+        wide = [c for c in feasible if c.config.block_n >= 64]
+        return max(wide, key=lambda c: (c.score, -c.smem_bytes, c.config)).config if wide else None
     if not feasible:
         return None
     return max(
@@ -254,8 +266,7 @@ class BackwardDerivation:
         lines: list[str] = []
         if self.split:
             lines.append(
-                "dK/dV as two launches (dV, then dK; split_dkdv): no feasible fused config "
-                "reaches wgmma's 64 key rows"
+                "dK/dV as two launches, dV then dK (split_dkdv): no fused config reaches 64 keys"
             )
         for label, derivation in self.launches():
             chosen = derivation.chosen

@@ -40,8 +40,8 @@
 #     shared memory = E*(BLOCK_M*D + BLOCK_M*DV + (S - 1)*(BLOCK_N*D + BLOCK_N*DV))
 #       with BLOCK_M=128, BLOCK_N=64, D=64, DV=64, E=2, S=3, W=8
 #       = 65536 B of 166912 B available per block
-#     registers/thread ~ 3*BLOCK_N*E*(D + DV)/(3200*W) + 119*BLOCK_N*Max(16, BLOCK_M/W)/1600 +
-#         31*D*Max(16, BLOCK_M/W)/800 + 368/5 = 192 of 255
+#     registers/thread ~ 13*BLOCK_N*E*(D + DV)/(12800*W) + 237*BLOCK_N*Max(16, BLOCK_M/W)/3200 +
+#         31*D*Max(16, BLOCK_M/W)/800 + 74 = 192 of 255
 #     programs/SM 1
 #     score 1.000, 60 of 64 candidates feasible
 #     binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 64->128: fits, not chosen
@@ -51,11 +51,11 @@
 #         BLOCK_M*DV)*Max(1, S - 1))
 #       with BLOCK_M=64, BLOCK_N=128, D=64, DV=64, E=2, S=3, W=8
 #       = 66560 B of 166912 B available per block
-#     registers/thread ~ 31*BLOCK_M*E*(D + DV)/(12800*W) + 247*BLOCK_M*Max(16, BLOCK_N/W)/3200 +
-#         17*(D + DV)*Max(16, BLOCK_N/W)/640 + 213/2 = 245 of 255
+#     registers/thread ~ 51*BLOCK_M*E*(D + DV)/(12800*W) + 51*BLOCK_M*Max(16, BLOCK_N/W)/800 +
+#         9*(D + DV)*Max(16, BLOCK_N/W)/320 + 211/2 = 237 of 255
 #     programs/SM 1
 #     score 1.000, 52 of 64 candidates feasible
-#     binding: BLOCK_M 64->128: regs 329 > 255 + 24; BLOCK_N 128->256: outside the candidate grid;
+#     binding: BLOCK_M 64->128: regs 310 > 255 + 24; BLOCK_N 128->256: outside the candidate grid;
 #         num_stages 3->4: outside the candidate grid
 """Prefill (forward) attention, FlashAttention-2 style and exact.
 

@@ -39,8 +39,8 @@
 #     shared memory = E*(BLOCK_M*D + BLOCK_M*DV + (S - 1)*(BLOCK_N*D + BLOCK_N*DV))
 #       with BLOCK_M=128, BLOCK_N=64, D=128, DV=128, E=2, S=3, W=8
 #       = 131072 B of 166912 B available per block
-#     registers/thread ~ 3*BLOCK_N*E*(D + DV)/(3200*W) + 119*BLOCK_N*Max(16, BLOCK_M/W)/1600 +
-#         31*D*Max(16, BLOCK_M/W)/800 + 368/5 = 233 of 255
+#     registers/thread ~ 13*BLOCK_N*E*(D + DV)/(12800*W) + 237*BLOCK_N*Max(16, BLOCK_M/W)/3200 +
+#         31*D*Max(16, BLOCK_M/W)/800 + 74 = 234 of 255
 #     programs/SM 1
 #     score 1.000, 53 of 64 candidates feasible
 #     binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 64->128: smem 196608 B >
@@ -50,8 +50,8 @@
 #         BLOCK_M*DV)*Max(1, S - 1))
 #       with BLOCK_M=16, BLOCK_N=128, D=128, DV=128, E=2, S=3, W=8
 #       = 82176 B of 166912 B available per block
-#     registers/thread ~ 31*BLOCK_M*E*(D + DV)/(12800*W) + 247*BLOCK_M*Max(16, BLOCK_N/W)/3200 +
-#         17*(D + DV)*Max(16, BLOCK_N/W)/640 + 213/2 = 238 of 255
+#     registers/thread ~ 51*BLOCK_M*E*(D + DV)/(12800*W) + 51*BLOCK_M*Max(16, BLOCK_N/W)/800 +
+#         9*(D + DV)*Max(16, BLOCK_N/W)/320 + 211/2 = 242 of 255
 #     programs/SM 1
 #     score 0.925, 45 of 64 candidates feasible
 #     binding: BLOCK_M 16->32: fits, not chosen (score 0.950); BLOCK_N 128->256: outside the

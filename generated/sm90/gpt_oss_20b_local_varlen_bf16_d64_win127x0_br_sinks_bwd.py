@@ -40,8 +40,8 @@
 #     shared memory = E*(BLOCK_M*D + BLOCK_M*DV + S*(BLOCK_N*D + BLOCK_N*DV))
 #       with BLOCK_M=128, BLOCK_N=64, D=64, DV=64, E=2, S=3, W=8
 #       = 81920 B of 231424 B available per block
-#     registers/thread ~ BLOCK_N*E*(D + DV)/(800*W) + 3*BLOCK_N*Max(16, BLOCK_M/W)/50 +
-#         47*D*Max(16, BLOCK_M/W)/1600 + 58 = 153 of 255
+#     registers/thread ~ BLOCK_N*E*(D + DV)/(512*W) + 181*BLOCK_N*Max(16, BLOCK_M/W)/3200 +
+#         D*Max(16, BLOCK_M/W)/40 + 69 = 157 of 255
 #     programs/SM 1
 #     score 1.000, 62 of 64 candidates feasible
 #     binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 64->128: fits, not chosen
@@ -50,8 +50,8 @@
 #     shared memory = 8*BLOCK_M*(S - 1) + E*(BLOCK_N*D + BLOCK_N*DV + S*(BLOCK_M*D + BLOCK_M*DV))
 #       with BLOCK_M=32, BLOCK_N=128, D=64, DV=64, E=2, S=3, W=8
 #       = 57856 B of 231424 B available per block
-#     registers/thread ~ 61*BLOCK_M*Max(16, BLOCK_N/W)/800 + 41*(D + DV)*Max(16, BLOCK_N/W)/3200 +
-#         311/2 = 221 of 255
+#     registers/thread ~ 209*BLOCK_M*Max(16, BLOCK_N/W)/3200 + 39*(D + DV)*Max(16, BLOCK_N/W)/3200
+#         + 169 = 228 of 255
 #     programs/SM 1
 #     score 0.950, 52 of 64 candidates feasible
 #     binding: BLOCK_M 32->64: fits, not chosen (score 1.000); BLOCK_N 128->256: outside the
