@@ -98,6 +98,13 @@ section_command() {
     autotune_backward_grid) echo "python3 -m attngen autotune tools/bench_specs/backward_grid.yaml \
       --arch sm90 --kernels backward --budget ${GRID_BUDGET:-420}; rc=\$?; \
       cp tuning/sm90.json tuning/.progress-sm90.json $work/; exit \$rc" ;;
+    # The grid's D 256 specs alone (the same fields, so the same tuning keys): the split dV and
+    # dK launches, the fused launch and dQ, each timed alone.
+    autotune_split) echo "python3 -c \"import yaml; g = yaml.safe_load(open('tools/bench_specs/backward_grid.yaml')); \
+      g['variants'] = {k: v for k, v in g['variants'].items() if k.startswith('d256')}; \
+      yaml.safe_dump(g, open('/tmp/backward_grid_d256.yaml', 'w'))\" && \
+      python3 -m attngen autotune /tmp/backward_grid_d256.yaml --arch sm90 --kernels backward \
+      --budget ${GRID_BUDGET:-420}; rc=\$?; cp tuning/sm90.json tuning/.progress-sm90.json $work/; exit \$rc" ;;
     ondemand_tests) echo "$pytest_gpu tests/test_ondemand_gpu.py" ;;
     cold_start) echo "python3 tools/ondemand_cold_start.py --json $work/cold_start.json" ;;
     cp_bwd_tests) echo "NCCL_NVLS_ENABLE=0 $pytest_gpu tests/test_context_parallel_gpu.py -k gradients" ;;
