@@ -27,17 +27,17 @@ SPLITS = (None, 1, 2, 4, 8, 16, 32)
 REPLAYS = 50
 
 
-def kernel_times(replay) -> dict[str, float]:
-    """Mean device time per replay of each kernel name, in us."""
+def kernel_times(replay, repeats: int = REPLAYS) -> dict[str, float]:
+    """Mean device time per replay (or call) of each kernel name, in us."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(REPLAYS):
+        for _ in range(repeats):
             replay()
         torch.cuda.synchronize()
     totals: dict[str, float] = defaultdict(float)
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name[:60]] += event.device_time / REPLAYS
+            totals[event.name[:60]] += event.device_time / repeats
     return dict(totals)
 
 

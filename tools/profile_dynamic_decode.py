@@ -20,17 +20,19 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 import transformers
-from torch.profiler import ProfilerActivity, profile
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 import attngen
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_decode_graph import kernel_times  # noqa: E402  (each kernel's device time)
 
 BATCHES = (1, 8, 64)
 KEYS = (160, 1024)
@@ -43,20 +45,6 @@ def layer() -> LlamaAttention:
     )
     config._attn_implementation = "sdpa"
     return LlamaAttention(config, layer_idx=0)
-
-
-def device_us(call) -> dict[str, float]:
-    """Each kernel's mean device time per call, in us."""
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
-            call()
-        torch.cuda.synchronize()
-    totals: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name[:60]] += event.device_time / CALLS
-    return dict(totals)
 
 
 def wall_us(call) -> float:
@@ -133,7 +121,7 @@ def main() -> None:
                         return function(module, q, k, v, None, scaling=128**-0.5)[0]
 
                 call()
-                kernels = device_us(call)
+                kernels = kernel_times(call, CALLS)
                 row = {
                     "impl": impl,
                     "batch": batch,
