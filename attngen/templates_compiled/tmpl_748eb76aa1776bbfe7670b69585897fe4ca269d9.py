@@ -14,6 +14,7 @@ def root(context, missing=missing):
     l_0_alibi = resolve('alibi')
     l_0_mask = resolve('mask')
     l_0_sink_tokens = resolve('sink_tokens')
+    l_0_dtype = resolve('dtype')
     l_0_varlen = resolve('varlen')
     l_0_bw = missing
     pass
@@ -120,6 +121,9 @@ def root(context, missing=missing):
         pass
         yield '    rows_lo = seqlen_q * 0\n    rows_hi = seqlen_q\n    full_rows_lo = rows_lo\n    full_rows_hi = seqlen_q\n'
     yield '    rows_lo = tl.minimum(tl.maximum(rows_lo, 0), seqlen_q)\n    lo = (rows_lo // BLOCK_M) * BLOCK_M\n    hi = tl.minimum(rows_hi, seqlen_q)\n    hi = tl.where(hi > rows_lo, hi, lo)  # no row sees the block: nothing to do\n    full_lo = tl.minimum(tl.cdiv(tl.maximum(full_rows_lo, lo), BLOCK_M) * BLOCK_M, hi)\n    full_hi = tl.maximum((tl.minimum(full_rows_hi, hi) // BLOCK_M) * BLOCK_M, full_lo)\n    return lo, full_lo, full_hi, hi\n\n\n'
+    if ((undefined(name='dtype') if l_0_dtype is missing else l_0_dtype) == 'fp32'):
+        pass
+        yield '@triton.jit\ndef _bwd_add_dot(acc, a, b):\n    """acc + a @ b, the block\'s product summed on its own first. Note: fp32 dots are FMA\n    loops that chain each product into the accumulator they are given: dot(a, b, acc) across\n    a loop would sum all its terms (every block; in the dK/dV kernel, every head of the KV\n    group) in one sequential chain. A product per block, then one add per block (a two-level\n    sum), keeps the chains, and the rounding error with them, to a block\'s length plus the\n    number of blocks. acc + dot(a, b) would not do: Triton folds it into dot(a, b, acc); an\n    FMA by 1.0 (acc + a @ b exactly, rounded once) is not folded."""\n    return tl.fma(tl.dot(a, b, input_precision="ieee"), 1.0, acc)\n\n\n'
     if (undefined(name='varlen') if l_0_varlen is missing else l_0_varlen):
         pass
         yield '@triton.jit\ndef _store_nan_grad_rows(Grad, first, end, total, off_h, block, num_blocks,\n                         stride_row, stride_h, stride_d, DIM: tl.constexpr,\n                         BLOCK_DIM: tl.constexpr, BLOCK: tl.constexpr):\n    """A sequence that does not fit: NaN gradients in its rows that lie inside the packed\n    tensor (the sequence\'s programs take every num_blocks-th block of BLOCK rows)."""\n    lo = tl.minimum(tl.maximum(first, 0), total)\n    hi = tl.minimum(tl.maximum(end, lo), total)\n    offs_d = tl.arange(0, BLOCK_DIM)\n    nan = tl.full([BLOCK, BLOCK_DIM], float("nan"), dtype=Grad.dtype.element_ty)\n    for start in tl.range(lo + block * BLOCK, hi, num_blocks * BLOCK):\n        rows = start + tl.arange(0, BLOCK)\n        ptrs = (Grad + rows.to(tl.int64)[:, None] * stride_row + off_h * stride_h\n                + offs_d[None, :] * stride_d)\n        tl.store(ptrs, nan, mask=(rows < hi)[:, None] & (offs_d < DIM)[None, :])\n\n\n'
@@ -137,4 +141,4 @@ def root(context, missing=missing):
     finally: gen.close()
 
 blocks = {}
-debug_info = '13=20&15=23&16=25&19=27&26=29&28=36&31=39&38=45&41=48&53=55&55=58&60=61&63=64&78=72&80=75&84=78&89=84&101=88&103=91&104=93&111=99&126=103&131=106&136=109&151=116&179=123&198=126&199=132'
+debug_info = '13=21&15=24&16=26&19=28&26=30&28=37&31=40&38=46&41=49&53=56&55=59&60=62&63=65&78=73&80=76&84=79&89=85&101=89&103=92&104=94&111=100&126=104&131=107&136=110&151=117&179=124&193=127&212=130&213=136'

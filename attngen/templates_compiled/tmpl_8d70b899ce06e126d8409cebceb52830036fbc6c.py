@@ -71,21 +71,21 @@ def root(context, missing=missing):
     yield ')\n'
     if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
         pass
-        yield "        if DROPOUT_ON:  # the forward's mask, transposed\n            keepT = tl.trans(_dropout_keep(seed, philox_offset, batch_head, rows, first_k_pos,\n                                           drop_threshold, BLOCK_N))\n            pdT = tl.where(keepT, pT * keep_scale, 0.0)\n            if GRADS & 2:\n                dpT = tl.where(keepT, dpT * keep_scale, 0.0)\n        else:\n            pdT = pT\n        if GRADS & 1:\n            dv = tl.dot(pdT.to(k.dtype), do, dv"
-        yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'dot_precision')))
-        yield ')\n'
+        yield "        if DROPOUT_ON:  # the forward's mask, transposed\n            keepT = tl.trans(_dropout_keep(seed, philox_offset, batch_head, rows, first_k_pos,\n                                           drop_threshold, BLOCK_N))\n            pdT = tl.where(keepT, pT * keep_scale, 0.0)\n            if GRADS & 2:\n                dpT = tl.where(keepT, dpT * keep_scale, 0.0)\n        else:\n            pdT = pT\n        if GRADS & 1:\n            "
+        yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'accumulate_dot'), 'dv', 'pdT.to(k.dtype)', 'do'))
+        yield '\n'
     else:
         pass
-        yield '        if GRADS & 1:\n            dv = tl.dot(pT.to(k.dtype), do, dv'
-        yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'dot_precision')))
-        yield ')\n'
+        yield '        if GRADS & 1:\n            '
+        yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'accumulate_dot'), 'dv', 'pT.to(k.dtype)', 'do'))
+        yield '\n'
     yield '        if GRADS & 2:\n            dsT = pT * (dpT - delta[None, :])\n'
     if (undefined(name='softcap') if l_0_softcap is missing else l_0_softcap):
         pass
         yield '            dsT = dsT * (1.0 - tT * tT)  # d(c tanh(x / c)) / dx = 1 - tanh^2\n'
-    yield '            dk = tl.dot(dsT.to(k.dtype), q, dk'
-    yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'dot_precision')))
-    yield ')\n    return dk, dv\n\n\n@triton.jit\ndef _attn_bwd_dkdv_kernel(\n    Q, K, V, DOut, DK, DV, Lse, Delta, Slopes,'
+    yield '            '
+    yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'accumulate_dot'), 'dk', 'dsT.to(k.dtype)', 'q'))
+    yield '\n    return dk, dv\n\n\n@triton.jit\ndef _attn_bwd_dkdv_kernel(\n    Q, K, V, DOut, DK, DV, Lse, Delta, Slopes,'
     if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
         pass
         yield ' RngState,'

@@ -67,9 +67,9 @@ def root(context, missing=missing):
     if (undefined(name='softcap') if l_0_softcap is missing else l_0_softcap):
         pass
         yield '        ds = ds * (1.0 - t * t)  # d(c tanh(x / c)) / dx = 1 - tanh^2\n'
-    yield '        dq = tl.dot(ds.to(k.dtype), k, dq'
-    yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'dot_precision')))
-    yield ')\n    return dq\n\n\n@triton.jit\ndef _attn_bwd_dq_kernel(\n    Q, K, V, Out, DOut, DQ, Lse, DLse, Delta, Slopes,'
+    yield '        '
+    yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'accumulate_dot'), 'dq', 'ds.to(k.dtype)', 'k'))
+    yield '\n    return dq\n\n\n@triton.jit\ndef _attn_bwd_dq_kernel(\n    Q, K, V, Out, DOut, DQ, Lse, DLse, Delta, Slopes,'
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
         yield ' Sinks, DSinkPartial,'
