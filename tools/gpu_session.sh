@@ -78,6 +78,11 @@ section_command() {
       -k 'model_field or sinks_backward or varlen_model_fields'" ;;
     backward_committed) echo "$pytest_gpu tests/test_backward_gpu.py -k committed" ;;
     # The split dK/dV launches (D 256 on sm90), the fp32 cases, the tests after the real sizes.
+    # backward_tests in two halves that each fit one device call.
+    backward_real) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu -rf --tb=short tests/test_backward_gpu.py \
+      -k 'test_gradients_at_real_sizes'" ;;
+    backward_others) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu -rf --tb=short tests/test_backward_gpu.py \
+      -k 'not test_gradients_at_real_sizes'" ;;
     backward_fp32) echo "$pytest_gpu -x --tb=short tests/test_backward_gpu.py -k 'real_sizes and fp32-d80 and 1000'" ;;
     backward_rest) echo "$pytest_gpu -rf --tb=short tests/test_backward_gpu.py -k 'committed and not llama3 or empty_sequence or model_field and fp32 or runtime_dropout or sinks_backward_is'" ;;
     backward_split) echo "$pytest_gpu -rf --tb=short tests/test_backward_gpu.py -k 'd256 or fp32 or committed or deterministic or dropout or empty_sequence'" ;;
