@@ -86,6 +86,8 @@ section_command() {
     backward_fp32) echo "$pytest_gpu -x --tb=short tests/test_backward_gpu.py -k 'real_sizes and fp32-d80 and 1000'" ;;
     backward_rest) echo "$pytest_gpu -rf --tb=short tests/test_backward_gpu.py -k 'committed and not llama3 or empty_sequence or model_field and fp32 or runtime_dropout or sinks_backward_is'" ;;
     backward_split) echo "$pytest_gpu -rf --tb=short tests/test_backward_gpu.py -k 'd256 or fp32 or committed or deterministic or dropout or empty_sequence'" ;;
+    # Each kernel's device time in one forward + backward, attngen and Flex, at a few grid cells.
+    profile_backward) echo "python3 tools/profile_backward_cells.py --out $work" ;;
     bench_backward) echo "python3 tools/bench_backward.py --out $work" ;;
     # Tunes llama3_8b's dQ and dK/dV kernels (150 s of measurements, then at most one
     # candidate's overrun and the builds: give it 260 s, so that `autotune_backward:260
