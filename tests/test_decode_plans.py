@@ -85,12 +85,13 @@ def test_decode_plans_launch_what_the_full_path_launches(monkeypatch, spec):
             assert log[start:] == expected, name
     # misaligned q is the base call's layout: one plan serves both alignments
     assert len(module._CALL_PLANS) == len(decode_calls(module, spec)) - 1
-    assert all(plan.split.compiled for plan in module._CALL_PLANS.values())
+    for plan in module._CALL_PLANS.values():
+        assert all(split.compiled for _, split, _ in plan.launches.values())
 
 
-def test_a_new_layout_gets_its_own_plan_and_split_count(monkeypatch):
-    """The split count is the layout's (the cache's capacity, not cache_seqlens' values): a
-    longer cache is a new layout, planned with its own count; LAST_NUM_SPLITS follows."""
+def test_a_longer_cache_is_the_same_plan_with_its_own_split_count(monkeypatch):
+    """The split count follows the cache's capacity, not cache_seqlens' values: a longer cache
+    is the same layout, whose plan derives the count at each call; LAST_NUM_SPLITS follows."""
     module = planned_module(monkeypatch, DECODE)
     counts = []
     for capacity in (64, 64, 2048, 2048, 64):
@@ -98,7 +99,8 @@ def test_a_new_layout_gets_its_own_plan_and_split_count(monkeypatch):
         cache = fp16(2, 2, capacity, 64)
         module.decode(q, cache, cache, torch.tensor([3, 60], dtype=torch.int32))
         counts.append(module.LAST_NUM_SPLITS)
-    assert len(module._CALL_PLANS) == 2
+    (plan,) = module._CALL_PLANS.values()
+    assert len(plan.launches) == 2  # one split count each
     assert counts[0] == counts[1] == counts[4] and counts[2] == counts[3] > counts[0]
 
 

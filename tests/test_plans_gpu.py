@@ -65,6 +65,100 @@ def test_planned_decode_equals_the_full_path(monkeypatch, layout, page_size, num
             assert torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
+# A DynamicCache's steps: one key more each step, across key blocks (64 keys) and split
+# counts (at B 3, HKV 2 the rule splits 8 blocks in 2 from 449 keys, 12 in 3 from 705), then
+# larger jumps, then a new, shorter cache.
+GROWING_POSITIONS = [
+    *range(1, 70),
+    *range(445, 452),
+    *range(700, 710),
+    *(1023, 1024, 1025, 2048, 2049, 5000, 16385, 300, 299, 1),
+]
+GROWING_PAGES = [*range(40, 52), 63, 64, 65, 41]  # paged: the pool grows (block_table fixed)
+
+
+def _count_plan_hits(monkeypatch, module):
+    """One bool per call that found a plan: whether the plan launched."""
+    hits, run_plan = [], module._run_plan
+
+    def counted(*args):
+        done = run_plan(*args)
+        hits.append(done is not None)
+        return done
+
+    monkeypatch.setattr(module, "_run_plan", counted)
+    return hits
+
+
+@pytest.mark.parametrize("layout, page_size", [("contiguous", None), ("paged", 16)])
+@pytest.mark.parametrize("num_new", [0, 1], ids=["read", "append"])
+def test_planned_decode_over_a_growing_cache_equals_the_full_path(
+    monkeypatch, layout, page_size, num_new
+):
+    """New caches at every step, as a DynamicCache's torch.cat makes them (contiguous: one
+    position more; paged: a pool of one page more): from the one plan of the layout, the
+    outputs, LSEs and appended caches equal the full path's bit for bit at every size, and
+    the full path runs only for each launch class's first call (split count, the size ints'
+    classes)."""
+    spec = make_decode_spec(
+        layout,
+        page_size,
+        name="gpugrow",
+        dtype="bf16",
+        head_dim=128,
+        num_q_heads=8,
+        num_kv_heads=2,
+        max_query_tokens=2,
+    )
+    module = load_decode(spec)
+    monkeypatch.setattr(module, "_CALL_PLANS", {})
+    hits = _count_plan_hits(monkeypatch, module)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(3, 8, 1, 128, generator=gen).bfloat16().cuda()
+    new = {}
+    if num_new:
+        new = {f"{n}_new": torch.randn(3, 2, num_new, 128).bfloat16().cuda() for n in "kv"}
+    if layout == "contiguous":
+        sizes, most = GROWING_POSITIONS, max(GROWING_POSITIONS)
+        all_k, all_v = (torch.randn(3, 2, most, 128).bfloat16().cuda() for _ in range(2))
+        table = None
+    else:
+        sizes, most = GROWING_PAGES, max(GROWING_PAGES)
+        all_k, all_v = (torch.randn(most, 16, 2, 128).bfloat16().cuda() for _ in range(2))
+        pages = torch.randperm(40, generator=gen).to(torch.int32)
+        table = pages[:39].view(3, 13).cuda()  # 208 positions a sequence
+    counts = []
+    for size in sizes:
+        length = (size if layout == "contiguous" else 208) - num_new
+        lengths = [length, length // 2, min(length, 5)]
+        seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        dim = 2 if layout == "contiguous" else 0
+        k, v = (t.narrow(dim, 0, size).clone(memory_format=torch.contiguous_format)
+                for t in (all_k, all_v))  # fmt: skip
+
+        def step(k=k, v=v, seqlens=seqlens):
+            k, v = k.clone(), v.clone()
+            out = torch.empty(3, 1, 8, 128, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+            _, lse = module.decode(
+                q, k, v, seqlens, block_table=table, **new, return_lse=True, out=out
+            )
+            return out, lse, k, v
+
+        with monkeypatch.context() as patch:
+            _unplanned(patch, module)
+            expected = step()
+        got = step()
+        counts.append(module.LAST_NUM_SPLITS)
+        torch.cuda.synchronize()
+        for a, b in zip(expected, got, strict=True):
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()), size
+    (plan,) = module._CALL_PLANS.values()
+    assert hits.count(False) == len(plan.launches) - 1
+    assert hits.count(True) >= len(sizes) - len(plan.launches)
+    if layout == "contiguous":
+        assert len(set(counts)) >= 4, counts  # the sizes crossed split counts
+
+
 def test_planned_varlen_equals_the_full_path(monkeypatch):
     spec = make_spec(
         name="gpuplanv",

@@ -8,7 +8,6 @@ def root(context, missing=missing):
     cond_expr_undefined = Undefined
     if 0: yield None
     l_0_dtype = resolve('dtype')
-    l_0_kv_layout = resolve('kv_layout')
     l_0_rope_dim = resolve('rope_dim')
     l_0_mask = resolve('mask')
     l_0_sinks = resolve('sinks')
@@ -16,10 +15,10 @@ def root(context, missing=missing):
     l_0_alibi = resolve('alibi')
     l_0_head_dim = resolve('head_dim')
     l_0_max_query_tokens = resolve('max_query_tokens')
+    l_0_kv_layout = resolve('kv_layout')
     l_0_page_size = resolve('page_size')
     l_0_head_dim_v = resolve('head_dim_v')
     l_0_call_plans = resolve('call_plans')
-    l_0_sink_tokens = resolve('sink_tokens')
     l_0_common = l_0_checks = l_0_step = l_0_config = missing
     try:
         t_1 = environment.filters['trim']
@@ -34,7 +33,7 @@ def root(context, missing=missing):
     context.exported_vars.discard('checks')
     l_0_step = context.vars['step'] = environment.get_template('_step.py.jinja', '_decode_launch.py.jinja').make_module(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'config': l_0_config, 'step': l_0_step})
     context.exported_vars.discard('step')
-    yield '_SM_COUNTS = {}\n_SPLITS = {}  # (programs, span, block_n, sm_count, requested) -> _num_splits(...)\n\n\ndef _sm_count(device):\n    """The device\'s SM count, read once per device (a property query: no sync, so a decode\n    launch can be captured in a CUDA graph); the interpreter assumes INTERPRETER_SM_COUNT."""\n    if device.type != "cuda":\n        return INTERPRETER_SM_COUNT\n    index = torch.cuda.current_device() if device.index is None else device.index\n    if index not in _SM_COUNTS:\n        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count\n    return _SM_COUNTS[index]\n\n\ndef _splits_for(programs, span, block_n, sm_count, requested):\n    """_num_splits(...), remembered: a decode loop asks the same question at every step."""\n    key = (programs, span, block_n, sm_count, requested)\n    answer = _SPLITS.get(key)\n    if answer is None:\n        if len(_SPLITS) >= _LAUNCH_CACHE_SIZE:\n            _SPLITS.clear()\n        answer = _SPLITS[key] = _num_splits(programs, span, block_n, sm_count, requested)\n    return answer\n\n\ndef _num_splits(programs, span, block_n, sm_count, requested=0):\n    """(splits, keys per split): attngen/tiling/decode.py\'s num_splits, integers only. A\n    requested count (decode\'s num_splits, else FORCE_NUM_SPLITS) replaces the rule\'s: the keys\n    in min(requested, MAX_SPLITS) splits of ceil(blocks / that) blocks, the empty ones\n    dropped, so at most one split per key block and MAX_SPLITS in all (the combine\'s bound)."""\n    blocks = max(1, -(-span // block_n))\n    if requested:\n        per_split = -(-blocks // min(requested, MAX_SPLITS))\n        return -(-blocks // per_split), per_split * block_n\n    most = max(1, min(blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))\n    wanted = min(-(-SPLIT_WAVES * sm_count // max(programs, 1)), most)\n    best, best_total, best_waves = wanted, 0, 1\n    for splits in range(wanted, min(2 * wanted, most) + 1):\n        total = programs * splits\n        waves = -(-total // sm_count)\n        if total * best_waves > best_total * waves:  # a fuller last wave\n            best, best_total, best_waves = splits, total, waves\n    per_split = -(-blocks // best)\n    return -(-blocks // per_split), per_split * block_n\n\n\n'
+    yield '_SM_COUNTS = {}\n_SPLITS = {}  # (programs, key blocks, block_n, sm_count, requested) -> _num_splits(...)\n\n\ndef _sm_count(device):\n    """The device\'s SM count, read once per device (a property query: no sync, so a decode\n    launch can be captured in a CUDA graph); the interpreter assumes INTERPRETER_SM_COUNT."""\n    if device.type != "cuda":\n        return INTERPRETER_SM_COUNT\n    index = torch.cuda.current_device() if device.index is None else device.index\n    if index not in _SM_COUNTS:\n        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count\n    return _SM_COUNTS[index]\n\n\ndef _splits_for(programs, span, block_n, sm_count, requested):\n    """_num_splits(...), remembered under the span\'s key blocks (all the rule reads of it): a\n    decode loop asks the same question at every step, and a growing cache at every step of a\n    block."""\n    key = (programs, -(-span // block_n), block_n, sm_count, requested)\n    answer = _SPLITS.get(key)\n    if answer is None:\n        if len(_SPLITS) >= _LAUNCH_CACHE_SIZE:\n            _SPLITS.clear()\n        answer = _SPLITS[key] = _num_splits(programs, span, block_n, sm_count, requested)\n    return answer\n\n\ndef _num_splits(programs, span, block_n, sm_count, requested=0):\n    """(splits, keys per split): attngen/tiling/decode.py\'s num_splits, integers only. A\n    requested count (decode\'s num_splits, else FORCE_NUM_SPLITS) replaces the rule\'s: the keys\n    in min(requested, MAX_SPLITS) splits of ceil(blocks / that) blocks, the empty ones\n    dropped, so at most one split per key block and MAX_SPLITS in all (the combine\'s bound)."""\n    blocks = max(1, -(-span // block_n))\n    if requested:\n        per_split = -(-blocks // min(requested, MAX_SPLITS))\n        return -(-blocks // per_split), per_split * block_n\n    most = max(1, min(blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))\n    wanted = min(-(-SPLIT_WAVES * sm_count // max(programs, 1)), most)\n    best, best_total, best_waves = wanted, 0, 1\n    for splits in range(wanted, min(2 * wanted, most) + 1):\n        total = programs * splits\n        waves = -(-total // sm_count)\n        if total * best_waves > best_total * waves:  # a fuller last wave\n            best, best_total, best_waves = splits, total, waves\n    per_split = -(-blocks // best)\n    return -(-blocks // per_split), per_split * block_n\n\n\n'
     template = environment.get_template('_fast_launch.py.jinja', '_decode_launch.py.jinja')
     gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'config': l_0_config, 'step': l_0_step}))
     try:
@@ -49,13 +48,7 @@ def root(context, missing=missing):
     if ((undefined(name='dtype') if l_0_dtype is missing else l_0_dtype) == 'fp32'):
         pass
         yield ',\n            "enable_fp_fusion": False'
-    yield '}\n\n\ndef _cache_strides(t):\n    """(outer, head, row, dim) strides of a cache: batch or page, KV head, position or slot."""\n'
-    if ((undefined(name='kv_layout') if l_0_kv_layout is missing else l_0_kv_layout) == 'paged'):
-        pass
-        yield '    return t.stride(0), t.stride(2), t.stride(1), t.stride(3)\n'
-    else:
-        pass
-        yield '    return t.stride(0), t.stride(1), t.stride(2), t.stride(3)\n'
+    yield '}\n'
     if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim):
         pass
         yield '\n\ndef _values_are_latent_keys(k_cache, v_cache):\n    """Whether v_cache is k_cache[..., :HEAD_DIM_V] (the absorbed MLA decode\'s latent cache:\n    the values are the keys\' first HEAD_DIM_V dims): the same first element and strides (the\n    shapes are checked), so the kernel may use its latent key tile as V (V_FROM_K). Any other\n    v_cache is read as a tensor of its own."""\n    return (type(v_cache) is torch.Tensor and v_cache.data_ptr() == k_cache.data_ptr()\n            and v_cache.stride() == k_cache.stride())\n'
@@ -175,18 +168,18 @@ def root(context, missing=missing):
         pass
         yield '    _check_sinks(sinks, num_q_heads, q)\n'
     yield str(t_1(context.call(environment.getattr((undefined(name='common') if l_0_common is missing else l_0_common), 'check_sm_scale')), '\n'))
-    yield '\n    num_new = 0 if k_new is None else k_new.shape[2]\n    if out is None:\n        out = q.new_empty((batch, num_q_heads, num_q_tokens, HEAD_DIM_V))\n    else:\n        _check_out(out, (batch, num_q_heads, num_q_tokens, HEAD_DIM_V), q,\n                   (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),\n                    ("v_new", v_new), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)))\n    lse = None\n    if return_lse:\n        lse = q.new_empty((batch, num_q_heads, num_q_tokens), dtype=torch.float32)\n'
+    yield '\n    num_new = 0 if k_new is None else k_new.shape[2]\n    if out is None:\n        out = q.new_empty((batch, num_q_heads, num_q_tokens, HEAD_DIM_V))\n    else:\n        _check_out(out, (batch, num_q_heads, num_q_tokens, HEAD_DIM_V), q,\n                   (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),\n                    ("v_new", v_new), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)))\n    lse = None\n    if return_lse:\n        lse = q.new_empty((batch, num_q_heads, num_q_tokens), dtype=torch.float32)\n    capacity, num_pages = _cache_size(k_cache, block_table)\n'
     if ((undefined(name='kv_layout') if l_0_kv_layout is missing else l_0_kv_layout) == 'paged'):
         pass
-        yield '    capacity, num_pages = block_table.shape[1] * PAGE_SIZE, k_cache.shape[0]\n    table, table_strides = block_table, block_table.stride()\n'
+        yield '    table, table_strides = block_table, block_table.stride()\n'
     else:
         pass
-        yield '    capacity, num_pages = k_cache.shape[2], 0\n    table, table_strides = cache_seqlens, (0, 0)  # unused by the contiguous layout\n'
+        yield '    table, table_strides = cache_seqlens, (0, 0)  # unused by the contiguous layout\n'
     yield '    if num_new > capacity:\n        raise ValueError(f"k_new: {num_new} new keys (dim 2) exceed the cache\'s capacity "\n                         f"{capacity}'
     if ((undefined(name='kv_layout') if l_0_kv_layout is missing else l_0_kv_layout) == 'paged'):
         pass
         yield ' (max_pages * PAGE_SIZE)'
-    yield '")\n    cos, sin, rotary_ints, rotary_q_step, rotary = _rotary_args(\n        rotary_cos, rotary_sin, rotary_interleaved, rotary_q_per_token, k_new, q, capacity)\n    if os.environ.get("ATTNGEN_CHECKS") == "1":\n        _validate_indices(cache_seqlens, block_table, num_new, num_q_tokens, capacity, num_pages)\n    k_strides, v_strides = _cache_strides(k_cache), _cache_strides(v_cache)\n    device = q.get_device()\n    append = split = combine = None\n    if batch and num_new:\n        append_blocks = -(-num_new // _APPEND_ROWS)\n        append = _Step(\n            _append_kernel, batch * num_kv_heads * append_blocks,\n            (*k_new.stride(), *v_new.stride(), *k_strides, *v_strides, *table_strides,\n             num_kv_heads, num_new, append_blocks, num_q_tokens, capacity - num_new, num_pages,\n             *rotary_ints[:4]),\n            # rotary: no FMA contraction, so the cache holds what torch\'s rotation rounds to\n            (), {"ROWS": _APPEND_ROWS, **rotary}, {"enable_fp_fusion": False} if cos is not q\n            else {},\n        )\n        _run_step(append, device, (k_new, v_new, k_cache, v_cache, cache_seqlens, table, cos, sin))\n    if out.numel() == 0:  # (not planned: nothing to launch but the append)\n        return (out, lse) if return_lse else out\n'
+    yield '")\n    cos, sin, rotary_ints, rotary_q_step, rotary = _rotary_args(\n        rotary_cos, rotary_sin, rotary_interleaved, rotary_q_per_token, k_new, q, capacity)\n    if os.environ.get("ATTNGEN_CHECKS") == "1":\n        _validate_indices(cache_seqlens, block_table, num_new, num_q_tokens, capacity, num_pages)\n    # The ints that follow the caches\' size: their strides, and `sizes` (split_len, max_cached,\n    # num_pages) below; a plan derives them again at each call (_decode_plan.py.jinja).\n    strides = (*_cache_strides(k_cache), *_cache_strides(v_cache))\n    device = q.get_device()\n    append = split = combine = append_parts = None\n    if batch and num_new:\n        append_blocks = -(-num_new // _APPEND_ROWS)\n        append_parts = ((*k_new.stride(), *v_new.stride()),\n                        (*table_strides, num_kv_heads, num_new, append_blocks, num_q_tokens),\n                        rotary_ints[:4])\n        append = _Step(\n            _append_kernel, batch * num_kv_heads * append_blocks,\n            _ints_around(append_parts, strides, (capacity - num_new, num_pages)),\n            # rotary: no FMA contraction, so the cache holds what torch\'s rotation rounds to\n            (), {"ROWS": _APPEND_ROWS, **rotary}, {"enable_fp_fusion": False} if cos is not q\n            else {},\n        )\n        _run_step(append, device, (k_new, v_new, k_cache, v_cache, cache_seqlens, table, cos, sin))\n    if out.numel() == 0:  # (not planned: nothing to launch but the append)\n        return (out, lse) if return_lse else out\n'
     if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim):
         pass
         yield '    v_from_k = _values_are_latent_keys(k_cache, v_cache)\n    config = CONFIG if v_from_k else SEPARATE_V_CONFIG\n    options = _OPTIONS if v_from_k else {**_OPTIONS, "num_warps": config["num_warps"],\n                                          "num_stages": config["num_stages"]}\n'
@@ -197,26 +190,13 @@ def root(context, missing=missing):
     yield str((undefined(name='config') if l_0_config is missing else l_0_config))
     yield '["BLOCK_N"]\n    q_per_kv = num_q_heads // num_kv_heads\n    rows = q_per_kv * num_q_tokens\n    block_rows = min('
     yield str((undefined(name='config') if l_0_config is missing else l_0_config))
-    yield '["BLOCK_M"], max(16, 1 << (rows - 1).bit_length()))\n    num_row_blocks = -(-rows // block_rows)\n    programs = batch * num_kv_heads * num_row_blocks\n'
-    if ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'sliding_window'):
-        pass
-        yield '    # No query sees further back than the window: splits cover only what can be seen.\n    span = min(capacity, WINDOW[0] + num_q_tokens + block_n)\n'
-    elif ((undefined(name='mask') if l_0_mask is missing else l_0_mask) == 'chunked'):
-        pass
-        yield "    # No query sees further back than its chunk's start.\n    span = min(capacity, CHUNK_SIZE + num_q_tokens + block_n)\n"
-    else:
-        pass
-        yield '    span = capacity\n'
-    if (undefined(name='sink_tokens') if l_0_sink_tokens is missing else l_0_sink_tokens):
-        pass
-        yield "    span += -(-min(SINK_TOKENS, capacity) // block_n) * block_n  # the sink tokens' blocks\n"
-    yield '    splits, split_len = _splits_for(programs, span, block_n, _sm_count(q.device),\n                                    num_splits or FORCE_NUM_SPLITS or 0)\n    global LAST_NUM_SPLITS\n    LAST_NUM_SPLITS = splits\n    if programs * splits >= 2**31:\n        raise ValueError(f"shape: {programs * splits} programs exceed the grid\'s 2**31 - 1")\n    qk_scale = '
+    yield '["BLOCK_M"], max(16, 1 << (rows - 1).bit_length()))\n    num_row_blocks = -(-rows // block_rows)\n    programs = batch * num_kv_heads * num_row_blocks\n    sm_count, requested = _sm_count(q.device), num_splits or FORCE_NUM_SPLITS or 0\n    splits, split_len = _split_count(programs, capacity, block_n, num_q_tokens, sm_count,\n                                     requested)\n    global LAST_NUM_SPLITS\n    LAST_NUM_SPLITS = splits\n    if programs * splits >= 2**31:\n        raise ValueError(f"shape: {programs * splits} programs exceed the grid\'s 2**31 - 1")\n    qk_scale = '
     yield str(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'kernel_scale')))
-    yield '\n    lse_arg = out if lse is None else lse\n    slopes_arg = out if alibi_slopes is None else alibi_slopes\n    part_out = part_lse = out  # unused when one split writes the output directly\n    part_size = 0\n    if splits > 1:\n        # Partials [B, HQ, NQ, splits, DV] then their LSEs [B, HQ, NQ, splits], fp32, in one\n        # allocation (the kernels take pointers; the LSEs start 64-byte aligned).\n        part_size = batch * num_q_heads * num_q_tokens * splits * _BLOCK_DV.value\n        part_out = q.new_empty(part_size * (_BLOCK_DV.value + 1) // _BLOCK_DV.value,\n                               dtype=torch.float32)\n        part_lse = part_out[part_size:]\n    split = _Step(\n        _decode_split_kernel, programs * splits,\n        (*q.stride(), *k_strides, *v_strides, *out.stride(), *table_strides,\n         num_kv_heads, q_per_kv, num_q_tokens, num_new, num_row_blocks, splits, split_len,\n         capacity - num_new, num_pages'
+    yield '\n    lse_arg = out if lse is None else lse\n    slopes_arg = out if alibi_slopes is None else alibi_slopes\n    part_out = part_lse = out  # unused when one split writes the output directly\n    if splits > 1:\n        part_out, part_lse = _partials(q, batch * num_q_heads * num_q_tokens, splits)\n    sizes = (split_len, capacity - num_new, num_pages)\n    split_parts = (q.stride(), (*out.stride(), *table_strides, num_kv_heads, q_per_kv,\n                                num_q_tokens, num_new, num_row_blocks),\n                   ('
     if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
         pass
-        yield ', stride_slopes_b'
-    yield ', *rotary_ints,\n         rotary_q_step),\n        (qk_scale,),\n        {"DIRECT": splits == 1, "STORE_LSE": return_lse, "BLOCK_ROWS": block_rows,\n         "BLOCK_N": block_n'
+        yield 'stride_slopes_b, '
+    yield '*rotary_ints, rotary_q_step))\n    split = _Step(\n        _decode_split_kernel, programs * splits,\n        _ints_around(split_parts, strides, (splits, *sizes)), (qk_scale,),\n        {"DIRECT": splits == 1, "STORE_LSE": return_lse, "BLOCK_ROWS": block_rows,\n         "BLOCK_N": block_n'
     if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim):
         pass
         yield ', "V_FROM_K": v_from_k'
@@ -233,15 +213,15 @@ def root(context, missing=missing):
     yield '))\n'
     if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
         pass
-        yield '    if key is not None:  # the checks passed: the next call of this layout runs from its plan\n        _remember_plan(\n'
+        yield '    if key is not None:  # the checks passed: the next call of this layout runs from its plan\n        _remember_launches(\n            key, _launch_class(splits, strides, sizes), (append, split, combine),\n'
         if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim):
             pass
-            yield '            key, config=(dict(CONFIG), dict(SEPARATE_V_CONFIG)), out_shape=out.shape,\n'
+            yield '            config=(dict(CONFIG), dict(SEPARATE_V_CONFIG)), out_shape=out.shape,\n'
         else:
             pass
-            yield '            key, config=dict(CONFIG), out_shape=out.shape,\n'
-        yield '            lse_shape=None if lse is None else lse.shape, splits=splits,\n            part_size=part_size,\n            indices=(num_new, num_q_tokens, capacity, num_pages),\n            append=append, split=split, combine=combine,\n        )\n'
+            yield '            config=dict(CONFIG), out_shape=out.shape,\n'
+        yield '            lse_shape=None if lse is None else lse.shape, num_new=num_new,\n            num_q_tokens=num_q_tokens, programs=programs, block_n=block_n, sm_count=sm_count,\n            requested=requested, rows=batch * num_q_heads * num_q_tokens,\n            append_parts=append_parts, split_parts=split_parts,\n        )\n'
     yield '    return (out, lse) if return_lse else out\n'
 
 blocks = {}
-debug_info = '3=31&4=33&5=35&53=38&56=45&57=49&63=53&68=59&81=63&84=70&87=77&93=79&96=84&98=94&99=100&100=103&101=111&103=118&105=122&106=125&110=130&113=134&117=140&120=142&124=144&130=148&134=150&142=152&149=161&164=165&165=172&169=174&172=177&183=179&192=186&214=190&220=193&221=197&224=199&227=201&230=204&236=210&245=214&261=216&265=220&266=224&269=226&277=230&278=234&281=237'
+debug_info = '3=30&4=32&5=34&55=37&58=44&59=48&61=52&74=56&77=63&80=70&86=72&89=77&91=87&92=93&93=96&94=104&96=111&98=115&99=118&103=123&106=127&110=133&113=135&117=137&123=141&127=143&135=145&142=154&157=158&158=165&162=167&165=170&177=172&184=179&209=183&215=186&216=190&219=192&229=194&238=196&243=200&244=204&247=206&255=210&256=214&260=217'

@@ -593,21 +593,26 @@ class _Step:
         self.constexprs, self.options, self.compiled = constexprs, options, {}
 
 
-def _run_step(step, device, tensors):
+def _run_step(step, device, tensors, ints=None):
     """_launch(step's kernel, ...) with these tensors, or, once a compiled kernel is known for
-    their alignment and the launch may run directly, its launcher without a key to derive."""
+    their alignment and the launch may run directly, its launcher without a key to derive.
+    ints: the call's, in place of the step's (a decode plan's caches of another size); the
+    caller keeps a step for ints of its ints' classes only (_int_classes), so that the
+    compiled kernel is theirs."""
     kernel = step.kernel
+    if ints is None:
+        ints = step.ints
     slot = (tuple([t.data_ptr() & 15 == 0 for t in tensors]), _KNOBS.runtime.debug,
             _KNOBS.compilation.instrumentation_mode)
     compiled = step.compiled.get(slot)
     if compiled is None or not _runs_directly(kernel) or _DRIVER[0]() != device:
-        compiled = _launch(kernel, step.grid, device, tensors, step.ints, step.tail,
+        compiled = _launch(kernel, step.grid, device, tensors, ints, step.tail,
                            step.constexprs, step.options)
         if compiled is not None and _DRIVER[0]() == device:
             step.compiled[slot] = compiled
         return
     compiled.run(step.grid, 1, 1, _DRIVER[1](device), compiled.function,
-                 compiled.packed_metadata, None, None, None, *tensors, *step.ints, *step.tail,
+                 compiled.packed_metadata, None, None, None, *tensors, *ints, *step.tail,
                  *step.constexprs.values())
 
 
