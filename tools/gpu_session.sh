@@ -83,6 +83,9 @@ section_command() {
       -k 'test_gradients_at_real_sizes'" ;;
     backward_others) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu -rf --tb=short tests/test_backward_gpu.py \
       -k 'not test_gradients_at_real_sizes'" ;;
+    backward_empty) echo "$pytest_gpu -rf --tb=short tests/test_backward_gpu.py -k empty_sequence" ;;
+    # The decode module's full path and call plans against each other, and the runtime's plans.
+    decode_plans) echo "$pytest_gpu -rf --tb=short tests/test_decode_gpu.py tests/test_runtime_plans.py" ;;
     backward_fp32) echo "$pytest_gpu -x --tb=short tests/test_backward_gpu.py -k 'real_sizes and fp32-d80 and 1000'" ;;
     backward_rest) echo "$pytest_gpu -rf --tb=short tests/test_backward_gpu.py -k 'committed and not llama3 or empty_sequence or model_field and fp32 or runtime_dropout or sinks_backward_is'" ;;
     backward_split) echo "$pytest_gpu -rf --tb=short tests/test_backward_gpu.py -k 'd256 or fp32 or committed or deterministic or dropout or empty_sequence'" ;;
