@@ -203,3 +203,17 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
     return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
+
+
+def count_plan_hits(monkeypatch, module) -> list[bool]:
+    """One bool per decode() call that found its layout's plan: whether the plan launched
+    (False: the full path ran)."""
+    hits, run_plan = [], module._run_plan
+
+    def counted(*args):
+        done = run_plan(*args)
+        hits.append(done is not None)
+        return done
+
+    monkeypatch.setattr(module, "_run_plan", counted)
+    return hits

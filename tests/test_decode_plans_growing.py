@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.decode_harness import load_decode
+from tests.decode_harness import count_plan_hits, load_decode
 from tests.test_decode_plans import PAGED, log_runs, planned_module
 from tests.test_fast_launch import DECODE, fp16
 
@@ -48,20 +48,6 @@ def call_at(module, spec, size, num_new=0, **kwargs):
         return module.decode(q, k, v, seqlens, block_table=table, **new, **kwargs)
 
     return call
-
-
-def count_plan_hits(monkeypatch, module):
-    """One bool per call that found a plan: whether the plan launched (False: the full path
-    ran)."""
-    hits, run_plan = [], module._run_plan
-
-    def counted(*args):
-        done = run_plan(*args)
-        hits.append(done is not None)
-        return done
-
-    monkeypatch.setattr(module, "_run_plan", counted)
-    return hits
 
 
 @pytest.mark.parametrize("num_new", [0, 2], ids=["read", "append"])

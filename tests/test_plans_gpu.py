@@ -7,13 +7,33 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.decode_harness import load_decode, make_cache, make_decode_spec, make_queries
+from tests.decode_harness import (
+    count_plan_hits,
+    load_decode,
+    make_cache,
+    make_decode_spec,
+    make_queries,
+)
 from tests.kernel_harness import load_kernel, make_spec
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; run on the H200"),
 ]
+
+
+def _gqa_decode_spec(layout, page_size, name):
+    """bf16, D 128, GQA 8:2, up to two query tokens a call."""
+    return make_decode_spec(
+        layout,
+        page_size,
+        name=name,
+        dtype="bf16",
+        head_dim=128,
+        num_q_heads=8,
+        num_kv_heads=2,
+        max_query_tokens=2,
+    )
 
 
 def _unplanned(monkeypatch, module):
@@ -23,16 +43,7 @@ def _unplanned(monkeypatch, module):
 @pytest.mark.parametrize("layout, page_size", [("contiguous", None), ("paged", 16)])
 @pytest.mark.parametrize("num_splits", [1, 3, 0])
 def test_planned_decode_equals_the_full_path(monkeypatch, layout, page_size, num_splits):
-    spec = make_decode_spec(
-        layout,
-        page_size,
-        name="gpuplan",
-        dtype="bf16",
-        head_dim=128,
-        num_q_heads=8,
-        num_kv_heads=2,
-        max_query_tokens=2,
-    )
+    spec = _gqa_decode_spec(layout, page_size, "gpuplan")
     module = load_decode(spec)
     cache = make_cache(spec, [5, 300, 0], seed=1, room=2, extra_capacity=700).to("cuda")
     q, k_new, v_new, _ = (
@@ -77,19 +88,6 @@ GROWING_POSITIONS = [
 GROWING_PAGES = [*range(40, 52), 63, 64, 65, 41]  # paged: the pool grows (block_table fixed)
 
 
-def _count_plan_hits(monkeypatch, module):
-    """One bool per call that found a plan: whether the plan launched."""
-    hits, run_plan = [], module._run_plan
-
-    def counted(*args):
-        done = run_plan(*args)
-        hits.append(done is not None)
-        return done
-
-    monkeypatch.setattr(module, "_run_plan", counted)
-    return hits
-
-
 @pytest.mark.parametrize("layout, page_size", [("contiguous", None), ("paged", 16)])
 @pytest.mark.parametrize("num_new", [0, 1], ids=["read", "append"])
 def test_planned_decode_over_a_growing_cache_equals_the_full_path(
@@ -100,19 +98,10 @@ def test_planned_decode_over_a_growing_cache_equals_the_full_path(
     outputs, LSEs and appended caches equal the full path's bit for bit at every size, and
     the full path runs only for each launch class's first call (split count, the size ints'
     classes)."""
-    spec = make_decode_spec(
-        layout,
-        page_size,
-        name="gpugrow",
-        dtype="bf16",
-        head_dim=128,
-        num_q_heads=8,
-        num_kv_heads=2,
-        max_query_tokens=2,
-    )
+    spec = _gqa_decode_spec(layout, page_size, "gpugrow")
     module = load_decode(spec)
     monkeypatch.setattr(module, "_CALL_PLANS", {})
-    hits = _count_plan_hits(monkeypatch, module)
+    hits = count_plan_hits(monkeypatch, module)
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(3, 8, 1, 128, generator=gen).bfloat16().cuda()
     new = {}
