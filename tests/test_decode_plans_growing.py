@@ -152,3 +152,40 @@ def test_the_remembered_split_rule_answers_as_the_rule(monkeypatch):
             for span in spans:
                 got = module._splits_for(programs, span, 64, 132, requested)
                 assert got == module._num_splits(programs, span, 64, 132, requested), span
+
+
+@pytest.mark.parametrize("spec", [DECODE, PAGED], ids=["contiguous", "paged"])
+def test_a_repeated_size_reuses_its_derivation_and_new_strides_do_not(monkeypatch, spec):
+    """The plan keeps the latest size's derivation (split count, strides, ints, steps): caches
+    of the same size but other strides (a [B, L, HKV, D] or [pages, HKV, slot, D] storage)
+    launch with their own strides, as the full path does, and the size before them again
+    with its own."""
+    module = planned_module(monkeypatch, spec)
+    log = log_runs(monkeypatch)
+    size = 130 if spec is DECODE else 12
+    plain = call_at(module, spec, size, 2)
+    if spec is DECODE:
+        other = (fp16(2, size, 2, 64).transpose(1, 2) for _ in range(2))
+    else:
+        other = (fp16(size, 2, 16, 64).transpose(1, 2) for _ in range(2))
+    k_other, v_other = other
+    q = fp16(2, 4, 2, 64)
+    lengths = torch.tensor([5, 40], dtype=torch.int32)
+    new = {f"{n}_new": fp16(2, 2, 2, 64) for n in "kv"}
+    table = None if spec is DECODE else PAGED_TABLE
+
+    def strided():
+        return module.decode(q, k_other, v_other, lengths, block_table=table, **new)
+
+    for call in (plain, strided, plain, plain, strided):
+        with monkeypatch.context() as unplanned:
+            unplanned.setattr(module, "_call_key", lambda *args: None)
+            call()
+            start = len(log)
+            call()
+            expected = log[start:]
+        start = len(log)
+        call()
+        assert log[start:] == expected
+    (plan,) = module._CALL_PLANS.values()
+    assert plan.last is not None and plan.last[0][2] == k_other.stride()
