@@ -228,3 +228,113 @@ def test_cuda_graph_capture_of_decode_with_append(layout, page_size):
 @given(decode_case())
 def test_property_cases_on_the_gpu(case):
     check_case(*case, device="cuda")
+
+
+# -- the split kernel's merge: concurrent splits, streams and graphs -------------------------
+# With several splits, the last split program of a tile to finish merges the tile's partials
+# (_decode_merge.py.jinja), counting on per-stream counters that are zero between launches and
+# the capture's own in a CUDA graph. The interpreter runs one program at a time; these run
+# them all at once.
+MERGE_SPEC = make_decode_spec(
+    "paged",
+    16,
+    dtype="bf16",
+    head_dim=128,
+    num_q_heads=32,
+    num_kv_heads=8,
+    mask="causal",
+    causal_align="bottom_right",
+)
+
+
+def _counters_are_zero(kernel):
+    torch.cuda.synchronize()
+    return all(bool(torch.all(c == 0)) for c in kernel._COUNTERS.values())
+
+
+@pytest.mark.parametrize("lengths, splits", [([32768], 64), ([4096] * 16 + [17, 0], 16)])
+def test_many_concurrent_splits_merge_as_one(lengths, splits):
+    """B 1 at 32k keys in 64 splits (8 tiles of 64 programs), and 18 sequences in 16 splits
+    (144 tiles): against the float64 reference, bitwise the same on every run (the merge reads
+    the splits in order whichever program merges), within a bf16 ulp of one split, and every
+    counter back to 0."""
+    kernel = load_decode(MERGE_SPEC)
+    cache_cpu = make_cache(MERGE_SPEC, lengths, seed=11, fill=float("nan"))
+    cache = _to_cuda(cache_cpu)
+    q, *_ = _queries(MERGE_SPEC, len(lengths), 1, seed=11)
+    first = run_decode(kernel, cache, q, num_splits=splits)
+    assert kernel.LAST_NUM_SPLITS == splits
+    problems = _problems(MERGE_SPEC, cache_cpu, first[0], first[1], q)
+    assert not problems, "; ".join(problems)
+    for _ in range(20):
+        again = run_decode(kernel, cache, q, num_splits=splits)
+        assert same_bits(first[0], again[0]) and same_bits(first[1], again[1])
+    assert _counters_are_zero(kernel)
+    one = run_decode(kernel, cache, q, num_splits=1)
+    # one bf16 ulp of |out| < 4 (2**-6), as in the 32k forced-splits test above
+    assert (one[0].float() - first[0].float()).abs().max().item() < 2e-2
+    assert torch.allclose(one[1], first[1], rtol=1e-5, atol=1e-5)
+
+
+def test_two_streams_decode_concurrently():
+    """Two streams run split decodes of different caches at once, 30 steps each without a
+    sync between: each its own counters, every step equal to its stream's eager result."""
+    kernel = load_decode(MERGE_SPEC)
+    caches, queries, expected = [], [], []
+    for seed, lengths in ((21, [32768, 5000]), (22, [9000, 31, 20000])):
+        cache = _to_cuda(make_cache(MERGE_SPEC, lengths, seed=seed, fill=float("nan")))
+        q, *_ = _queries(MERGE_SPEC, len(lengths), 1, seed=seed)
+        caches.append(cache)
+        queries.append(q)
+        expected.append(run_decode(kernel, cache, q, num_splits=32))
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    results = [[], []]
+    for _ in range(30):
+        for i, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                results[i].append(run_decode(kernel, caches[i], queries[i], num_splits=32))
+    torch.cuda.synchronize()
+    keys = {(torch.cuda.current_device(), s.cuda_stream) for s in streams}
+    assert keys <= set(kernel._COUNTERS)
+    assert len({kernel._COUNTERS[k].data_ptr() for k in keys}) == 2
+    for i in range(2):
+        for out, lse in results[i]:
+            assert same_bits(out, expected[i][0]) and same_bits(lse, expected[i][1]), i
+    assert _counters_are_zero(kernel)
+
+
+def test_cuda_graph_replays_a_split_decode_with_new_cache_contents():
+    """A graph captures a 16-split decode (its counters allocated in the capture), replays it
+    on new cache contents and queries, with eager split decodes on the same stream between
+    replays: each replay equals an eager call on the same inputs, bit for bit."""
+    kernel = load_decode(MERGE_SPEC)
+    lengths = [6000, 1, 3000]
+    cache_cpu = make_cache(MERGE_SPEC, lengths, seed=31, fill=float("nan"))
+    cache = _to_cuda(cache_cpu.clone())
+    q, *_ = _queries(MERGE_SPEC, len(lengths), 1, seed=31)
+    static_q = q.clone()
+    run_decode(kernel, cache, static_q, num_splits=16)  # compile outside the capture
+    torch.cuda.synchronize()
+    stream_buffers = dict(kernel._COUNTERS)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = run_decode(kernel, cache, static_q, num_splits=16)
+    assert {k: v.data_ptr() for k, v in kernel._COUNTERS.items()} == {
+        k: v.data_ptr() for k, v in stream_buffers.items()
+    }  # the capture took zeros of its own
+    for seed in (32, 33, 34):
+        fresh = make_cache(MERGE_SPEC, lengths, seed=seed, fill=float("nan"))
+        cache.k.copy_(fresh.k)
+        cache.v.copy_(fresh.v)
+        cache.block_table.copy_(fresh.block_table)  # the pages are shuffled by the seed
+        q_new, *_ = _queries(MERGE_SPEC, len(lengths), 1, seed=seed)
+        static_q.copy_(q_new)
+        graph.replay()
+        eager = run_decode(kernel, cache, q_new, num_splits=16)
+        graph.replay()  # after an eager call on the stream's counters: still its own
+        torch.cuda.synchronize()
+        assert same_bits(static_out[0], eager[0]) and same_bits(static_out[1], eager[1]), seed
+        problems = _problems(MERGE_SPEC, fresh, eager[0], eager[1], q_new)
+        assert not problems, "; ".join(problems)
+    assert _counters_are_zero(kernel)

@@ -38,7 +38,9 @@ def combine_as_before(module, kept, sinks=None, num_q_tokens=1):
     m = lse.max(dim=1).values
     sink_log2 = None
     if sinks is not None:  # rows are (b, h, t): head h's sink for each
-        per_row = sinks.repeat_interleave(num_q_tokens).repeat(rows // (sinks.numel() * num_q_tokens))
+        per_row = sinks.repeat_interleave(num_q_tokens).repeat(
+            rows // (sinks.numel() * num_q_tokens)
+        )
         sink_log2 = per_row * LOG2E
         m = torch.maximum(m, sink_log2)
     m_ref = torch.where(m == float("-inf"), torch.zeros_like(m), m)

@@ -15,11 +15,11 @@ Each kernel is compiled as its entry point launches it on contiguous tensors (un
 strides constexpr 1, pointers and row strides 16-divisible). For prefill (and varlen, the
 same key loop) that is ``attention()``'s kernel; for decode, the split kernel as ``decode()``
 launches it with the config's row tile (BLOCK_M) and the path of several splits (DIRECT=False,
-LSE stored, the last split's merge included): its append kernel is tiny and is not modelled. The backward kernels
-(spec `backward: true`; `kernel` "dq", "dkdv", or "dv" / "dk" for the dK/dV kernel's
-one-gradient launches, BACKWARD_KERNELS) are measured from the prefill
-module as ``attention_backward()`` launches them (no LSE gradient; with `dropout: true`, the
-dropout path, DROPOUT_ON=True): varlen's gradient kernels have the same loops.
+LSE stored, the merge its calls included); its append kernel is tiny and is not modelled. The
+backward kernels (spec `backward: true`; `kernel` "dq", "dkdv", or "dv" / "dk" for the dK/dV
+kernel's one-gradient launches, BACKWARD_KERNELS) are measured from the prefill module as
+``attention_backward()`` launches them (no LSE gradient; with `dropout: true`, the dropout
+path, DROPOUT_ON=True): varlen's gradient kernels have the same loops.
 
 Triton is imported lazily, only here: the build path never loads this module. Triton's on-disk
 cache goes to a temporary folder, removed afterwards, so a run neither reads stale kernels nor
@@ -395,7 +395,14 @@ Job = tuple[AttnSpec, str, TileConfig] | tuple[AttnSpec, str, TileConfig, str]
 def _run_job(payload: tuple[dict[str, Any], str, TileConfig, str, str | None]) -> dict[str, Any]:
     data, arch, config, kind, kernel = payload
     (spec,) = specs_from_data(data)
-    return compile_one(spec, arch, config, KernelKind(kind), kernel)
+    # A cache per job: a hit (kernels alike, Llama 3's and 4's decode) has no ptxas log, no spills
+    shared_cache = os.environ["TRITON_CACHE_DIR"]
+    with tempfile.TemporaryDirectory(dir=shared_cache) as own_cache:
+        os.environ["TRITON_CACHE_DIR"] = own_cache
+        try:
+            return compile_one(spec, arch, config, KernelKind(kind), kernel)
+        finally:
+            os.environ["TRITON_CACHE_DIR"] = shared_cache
 
 
 def compile_iter(
