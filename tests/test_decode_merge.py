@@ -10,8 +10,14 @@ import pytest
 import torch
 
 from attngen.reference import random_sinks
-from tests.decode_harness import decode_problems, load_decode, make_cache, make_decode_spec
-from tests.decode_harness import make_queries, run_decode
+from tests.decode_harness import (
+    decode_problems,
+    load_decode,
+    make_cache,
+    make_decode_spec,
+    make_queries,
+    run_decode,
+)
 
 # fp32 throughout: the interpreter's fp32 math is exact, so the merge's rounding is all that
 # differs from the combine's.

@@ -3,8 +3,9 @@ tensors, ints, the tail, then the constexprs, which must be the kernel's last pa
 their order. A GPU checks that on a specialization's first launch and refuses ("its
 parameters are not the launch's groups in order"); the interpreter never gets there. Here
 every launch of a decode module (the plain step, the append, the split kernel with fused
-rotary, the absorbed MLA kernel with V_FROM_K and split, merging itself) is held to the same order on the
-CPU, so a template that names a constexpr out of place fails in CI rather than on the H200."""
+rotary, the absorbed MLA kernel with V_FROM_K, split and merging itself) is held to the same
+order on the CPU, so a template that names a constexpr out of place fails in CI rather than on
+the H200."""
 
 from __future__ import annotations
 
