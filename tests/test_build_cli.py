@@ -336,7 +336,7 @@ def test_explain_decode_works_the_split_rule_out() -> None:
     assert "B=1 L=4096: 8 programs, span 4096 keys = 64 blocks" in text
     assert "-> 16 split(s) of 256 keys: 128 programs" in text
     assert "B=8 L=32768: 64 programs" in text and "B=64 L=4096: 512 programs" in text
-    assert "(no merge: written directly)" in text
+    assert "(no combine: written directly)" in text
 
 
 def test_explain_all_archs() -> None:

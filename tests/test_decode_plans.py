@@ -21,7 +21,7 @@ PAGED = make_decode_spec(
     num_kv_heads=2,
     max_query_tokens=2,
 )
-KERNELS = ("_append_kernel", "_decode_split_kernel")
+KERNELS = ("_append_kernel", "_decode_split_kernel", "_decode_combine_kernel")
 
 
 def planned_module(monkeypatch, spec):
@@ -67,7 +67,7 @@ def decode_calls(module, spec):
 
 @pytest.mark.parametrize("spec", [DECODE, PAGED], ids=["contiguous", "paged"])
 def test_decode_plans_launch_what_the_full_path_launches(monkeypatch, spec):
-    """Append and split: the same compiled kernels, grids and arguments, in the same
+    """Append, split and combine: the same compiled kernels, grids and arguments, in the same
     order, from the plan as from the full path, for every option and alignment."""
     module = planned_module(monkeypatch, spec)
     log = log_runs(monkeypatch)
@@ -86,7 +86,7 @@ def test_decode_plans_launch_what_the_full_path_launches(monkeypatch, spec):
     # misaligned q is the base call's layout: one plan serves both alignments
     assert len(module._CALL_PLANS) == len(decode_calls(module, spec)) - 1
     for plan in module._CALL_PLANS.values():
-        assert all(split.compiled for _, split in plan.launches.values())
+        assert all(split.compiled for _, split, _ in plan.launches.values())
 
 
 def test_a_longer_cache_is_the_same_plan_with_its_own_split_count(monkeypatch):
@@ -142,7 +142,7 @@ def test_planned_outputs_and_appends_equal_the_full_paths(monkeypatch, spec):
     monkeypatch.setattr(module, "_FAST_LAUNCH", True)  # plans on
     monkeypatch.setattr(module, "_runs_directly", lambda kernel: False)  # launches bind
     monkeypatch.setattr(module, "_CALL_PLANS", {})
-    monkeypatch.setattr(module, "FORCE_NUM_SPLITS", 2)  # the merge runs too
+    monkeypatch.setattr(module, "FORCE_NUM_SPLITS", 2)  # the combine runs too
     cache = make_cache(spec, [5, 9], seed=1, room=2, extra_capacity=40)
     q, k_new, v_new, _ = make_queries(spec, 2, 2, seed=2, num_new=2)
 

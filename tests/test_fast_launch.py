@@ -278,12 +278,11 @@ def test_varlen_launch_runs_directly_with_the_bound_arguments(monkeypatch):
     assert len(fake.bound) == 2
 
 
-def test_decode_launches_append_and_split_directly(monkeypatch):
-    """Two splits: the split kernel merges them itself, so a call is two launches (append,
-    split) and each runs directly from its second call."""
+def test_decode_launches_append_split_and_combine_directly(monkeypatch):
     module = load_decode(DECODE)
-    fakes = fast(monkeypatch, module, "_append_kernel", "_decode_split_kernel")
-    assert not hasattr(module, "_decode_combine_kernel")
+    fakes = fast(
+        monkeypatch, module, "_append_kernel", "_decode_split_kernel", "_decode_combine_kernel"
+    )
     monkeypatch.setattr(module, "FORCE_NUM_SPLITS", 2)
     cache = make_cache(DECODE, [5, 9], seed=1, room=2, extra_capacity=300)
     q, k_new, v_new, _ = make_queries(DECODE, 2, 2, seed=2, num_new=2)

@@ -3,9 +3,8 @@ tensors, ints, the tail, then the constexprs, which must be the kernel's last pa
 their order. A GPU checks that on a specialization's first launch and refuses ("its
 parameters are not the launch's groups in order"); the interpreter never gets there. Here
 every launch of a decode module (the plain step, the append, the split kernel with fused
-rotary, the absorbed MLA kernel with V_FROM_K, split and merging itself) is held to the same
-order on the CPU, so a template that names a constexpr out of place fails in CI rather than on
-the H200."""
+rotary, the absorbed MLA kernel with V_FROM_K, the combine) is held to the same order on the
+CPU, so a template that names a constexpr out of place fails in CI rather than on the H200."""
 
 from __future__ import annotations
 
@@ -49,8 +48,8 @@ def test_the_absorbed_mla_launches_name_their_groups_in_order(launches, values):
         else make_cache(spec, [70, 9], seed=1)
     )
     q, _, _, _ = make_queries(spec, 2, 1, seed=2)
-    run(module, cache, q, 2)  # two splits: the split kernel merges them, no other launch
-    assert launches.seen == ["_decode_split_kernel"] and module.LAST_NUM_SPLITS == 2
+    run(module, cache, q, 2)
+    assert {"_decode_split_kernel", "_decode_combine_kernel"} <= set(launches.seen)
 
 
 @pytest.mark.parametrize("rotary", [False, True])

@@ -234,7 +234,7 @@ def _decode(
     device="cpu",
 ):
     """One decode step against a cache holding `lengths` on `device`, judged per sequence;
-    `splits` forces the split count (the merge then adds the sinks); block_n None:
+    `splits` forces the split count (the combine kernel then adds the sinks); block_n None:
     the derived key tile."""
     kernel = load_decode(spec, block_n=block_n if spec.head_dim <= 256 else None)
     kernel.FORCE_NUM_SPLITS = splits

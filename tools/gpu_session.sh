@@ -86,9 +86,6 @@ section_command() {
     backward_empty) echo "$pytest_gpu -rf --tb=short tests/test_backward_gpu.py -k empty_sequence" ;;
     # The decode module's full path and call plans against each other, and the runtime's plans.
     decode_plans) echo "$pytest_gpu -rf --tb=short tests/test_decode_gpu.py tests/test_runtime_plans.py" ;;
-    # The split kernel's merge: many splits at once, two streams at once, a captured graph.
-    decode_merge) echo "$pytest_gpu -rf --tb=short tests/test_decode_gpu.py \
-      -k 'many_concurrent_splits or two_streams or cuda_graph_replays_a_split'" ;;
     backward_fp32) echo "$pytest_gpu -x --tb=short tests/test_backward_gpu.py -k 'real_sizes and fp32-d80 and 1000'" ;;
     backward_rest) echo "$pytest_gpu -rf --tb=short tests/test_backward_gpu.py -k 'committed and not llama3 or empty_sequence or model_field and fp32 or runtime_dropout or sinks_backward_is'" ;;
     backward_split) echo "$pytest_gpu -rf --tb=short tests/test_backward_gpu.py -k 'd256 or fp32 or committed or deterministic or dropout or empty_sequence'" ;;

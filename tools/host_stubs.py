@@ -73,6 +73,7 @@ def stubbed_generated_modules() -> dict[str, object]:
             "_attn_fwd_kernel",
             "_append_kernel",
             "_decode_split_kernel",
+            "_decode_combine_kernel",
         ):
             if hasattr(module, name):
                 setattr(module, name, _StubKernel(getattr(module, name)))

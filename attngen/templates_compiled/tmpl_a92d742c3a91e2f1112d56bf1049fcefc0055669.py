@@ -26,7 +26,7 @@ def root(context, missing=missing):
     l_0_interpreter_sm_count = resolve('interpreter_sm_count')
     l_0_alibi = resolve('alibi')
     l_0_block_n = resolve('block_n')
-    l_0_score_code = l_0_common = l_0_step = l_0_latent = l_0_merge = missing
+    l_0_score_code = l_0_common = l_0_step = l_0_latent = missing
     try:
         t_1 = environment.filters['indent']
     except KeyError:
@@ -40,18 +40,16 @@ def root(context, missing=missing):
         def t_2(*unused):
             raise TemplateRuntimeError("No filter named 'trim' found.")
     pass
-    l_0_score_code = context.vars['score_code'] = environment.get_template('_scores.py.jinja', 'decode.py.jinja').make_module(context.get_all(), True, {'common': l_0_common, 'latent': l_0_latent, 'merge': l_0_merge, 'score_code': l_0_score_code, 'step': l_0_step})
+    l_0_score_code = context.vars['score_code'] = environment.get_template('_scores.py.jinja', 'decode.py.jinja').make_module(context.get_all(), True, {'common': l_0_common, 'latent': l_0_latent, 'score_code': l_0_score_code, 'step': l_0_step})
     context.exported_vars.discard('score_code')
-    l_0_common = context.vars['common'] = environment.get_template('_common.py.jinja', 'decode.py.jinja').make_module(context.get_all(), True, {'common': l_0_common, 'latent': l_0_latent, 'merge': l_0_merge, 'score_code': l_0_score_code, 'step': l_0_step})
+    l_0_common = context.vars['common'] = environment.get_template('_common.py.jinja', 'decode.py.jinja').make_module(context.get_all(), True, {'common': l_0_common, 'latent': l_0_latent, 'score_code': l_0_score_code, 'step': l_0_step})
     context.exported_vars.discard('common')
-    l_0_step = context.vars['step'] = environment.get_template('_step.py.jinja', 'decode.py.jinja').make_module(context.get_all(), True, {'common': l_0_common, 'latent': l_0_latent, 'merge': l_0_merge, 'score_code': l_0_score_code, 'step': l_0_step})
+    l_0_step = context.vars['step'] = environment.get_template('_step.py.jinja', 'decode.py.jinja').make_module(context.get_all(), True, {'common': l_0_common, 'latent': l_0_latent, 'score_code': l_0_score_code, 'step': l_0_step})
     context.exported_vars.discard('step')
-    l_0_latent = context.vars['latent'] = environment.get_template('_decode_latent.py.jinja', 'decode.py.jinja').make_module(context.get_all(), True, {'common': l_0_common, 'latent': l_0_latent, 'merge': l_0_merge, 'score_code': l_0_score_code, 'step': l_0_step})
+    l_0_latent = context.vars['latent'] = environment.get_template('_decode_latent.py.jinja', 'decode.py.jinja').make_module(context.get_all(), True, {'common': l_0_common, 'latent': l_0_latent, 'score_code': l_0_score_code, 'step': l_0_step})
     context.exported_vars.discard('latent')
-    l_0_merge = context.vars['merge'] = environment.get_template('_decode_merge.py.jinja', 'decode.py.jinja').make_module(context.get_all(), True, {'common': l_0_common, 'latent': l_0_latent, 'merge': l_0_merge, 'score_code': l_0_score_code, 'step': l_0_step})
-    context.exported_vars.discard('merge')
     template = environment.get_template('_header.py.jinja', 'decode.py.jinja')
-    gen = template.root_render_func(template.new_context(context.get_all(), True, {'common': l_0_common, 'latent': l_0_latent, 'merge': l_0_merge, 'score_code': l_0_score_code, 'step': l_0_step}))
+    gen = template.root_render_func(template.new_context(context.get_all(), True, {'common': l_0_common, 'latent': l_0_latent, 'score_code': l_0_score_code, 'step': l_0_step}))
     try:
         for event in gen:
             yield event
@@ -108,7 +106,7 @@ def root(context, missing=missing):
     else:
         pass
         yield 'The cache is contiguous: caches [B, HKV, Lmax, D], any strides.\n'
-    yield '\nA program owns one (sequence, KV head, split): its query tile packs every query head of\nthe KV head and every query token (q_per_kv * NQ rows, padded to BLOCK_ROWS >= 16), so\neach K/V byte is read from HBM once; it streams the split\'s keys in BLOCK_N tiles with an\nonline softmax in the log2 domain. CONFIG["BLOCK_M"] is the largest query tile (a larger\ngroup is split into row blocks that each read the KV again). With one split the program\nwrites the output; with several, each writes a normalized partial and its LSE, and the\nlast of a tile\'s split programs to finish merges them exactly (rescaled by the largest\nLSE): one launch either way. The split count comes from shapes (or the call\'s num_splits)\nonly, never from device data, so a launch can be captured in a CUDA graph.\n'
+    yield '\nA program owns one (sequence, KV head, split): its query tile packs every query head of\nthe KV head and every query token (q_per_kv * NQ rows, padded to BLOCK_ROWS >= 16), so\neach K/V byte is read from HBM once; it streams the split\'s keys in BLOCK_N tiles with an\nonline softmax in the log2 domain. CONFIG["BLOCK_M"] is the largest query tile (a larger\ngroup is split into row blocks that each read the KV again). With one split the program\nwrites the output; with several, each writes a normalized partial and its LSE and a\ncombine kernel merges them exactly (rescaled by the largest LSE). The split count comes\nfrom shapes (or the call\'s num_splits) only, never from device data, so a launch can be\ncaptured in a CUDA graph.\n'
     if (undefined(name='rope_dim') if l_0_rope_dim is missing else l_0_rope_dim):
         pass
         yield '\nMulti-head latent attention, absorbed: q.k is two dots over one key tile, the latent\n(the first DV = '
@@ -150,12 +148,12 @@ def root(context, missing=missing):
         yield '_PAGE_SIZE = tl.constexpr(PAGE_SIZE)\n_PAGE_CHUNK = tl.constexpr(128)  # block-table entries checked at once (_pages_ok)\n'
     yield '\n\n'
     template = environment.get_template('_cache.py.jinja', 'decode.py.jinja')
-    gen = template.root_render_func(template.new_context(context.get_all(), True, {'common': l_0_common, 'latent': l_0_latent, 'merge': l_0_merge, 'score_code': l_0_score_code, 'step': l_0_step}))
+    gen = template.root_render_func(template.new_context(context.get_all(), True, {'common': l_0_common, 'latent': l_0_latent, 'score_code': l_0_score_code, 'step': l_0_step}))
     try:
         for event in gen:
             yield event
     finally: gen.close()
-    yield '\n\n@triton.jit\ndef _decode_split_kernel(\n    Q, K, V, Out, Lse, PartOut, PartLse, Counters, SeqLens, BlockTable, Cos, Sin, Slopes,'
+    yield '\n\n@triton.jit\ndef _decode_split_kernel(\n    Q, K, V, Out, Lse, PartOut, PartLse, SeqLens, BlockTable, Cos, Sin, Slopes,'
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
         yield ' Sinks,'
@@ -272,25 +270,28 @@ def root(context, missing=missing):
     yield '\n    # -- epilogue -----------------------------------------------------------------------\n'
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
-        yield '    if DIRECT:  # with several splits, the merge adds the sink: one term per row\n'
+        yield '    if DIRECT:  # with several splits, the combine adds the sink: one term per row\n'
         yield str(t_1(t_2(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'fold_sink'), sink='tl.load(Sinks + offs_h, mask=row_ok, other=0.0)'), '\n'), 4, first=True))
         yield '\n'
     yield str(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'normalise')))
     yield '\n'
     yield str(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'row_lse'), 'lse2', log2=True))
-    yield '\n    # A request that does not fit gets NaN (as does one that needs a page that is not the\n    # cache\'s, through l_i or the scan); the merge keeps it: NaN weights give NaN.\n    out = tl.where(fits, out, float("nan"))\n    lse2 = tl.where(fits, lse2, float("nan"))\n    if ROTARY_HALF:  # and so does a query whose rotary position is past cos/sin\'s rows\n        out = tl.where(rotary_ok[:, None], out, float("nan"))\n        lse2 = tl.where(rotary_ok, lse2, float("nan"))\n    o_mask = row_ok[:, None]'
+    yield '\n    # A request that does not fit gets NaN (as does one that needs a page that is not the\n    # cache\'s, through l_i or the scan); the combine keeps it: NaN weights give NaN.\n    out = tl.where(fits, out, float("nan"))\n    lse2 = tl.where(fits, lse2, float("nan"))\n    if ROTARY_HALF:  # and so does a query whose rotary position is past cos/sin\'s rows\n        out = tl.where(rotary_ok[:, None], out, float("nan"))\n        lse2 = tl.where(rotary_ok, lse2, float("nan"))\n    o_mask = row_ok[:, None]'
     yield str(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'pad_dv'), 'None, :'))
-    yield '\n    rows = (off_b * num_kv_heads * q_per_kv + offs_h) * num_q_tokens + offs_t  # of [B, HQ, NQ]\n    if DIRECT:\n        o_ptrs = (Out + off_b * stride_ob + offs_h[:, None] * stride_oh\n                  + offs_t.to(tl.int64)[:, None] * stride_ot + offs_dv[None, :] * stride_od)\n        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)\n        if STORE_LSE:\n            tl.store(Lse + rows, lse2 / _LOG2E_C, mask=row_ok)\n    else:\n'
-    yield str(t_2(context.call(environment.getattr((undefined(name='merge') if l_0_merge is missing else l_0_merge), 'merge_splits')), '\n'))
-    yield '\n\n\n'
-    yield str(context.call(environment.getattr((undefined(name='merge') if l_0_merge is missing else l_0_merge), 'merge_tile_function')))
-    yield '\n\n\n'
+    yield '\n    if DIRECT:\n        o_ptrs = (Out + off_b * stride_ob + offs_h[:, None] * stride_oh\n                  + offs_t.to(tl.int64)[:, None] * stride_ot + offs_dv[None, :] * stride_od)\n        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)\n        if STORE_LSE:\n            lse_rows = (off_b * num_kv_heads * q_per_kv + offs_h) * num_q_tokens + offs_t\n            tl.store(Lse + lse_rows, lse2 / _LOG2E_C, mask=row_ok)\n    else:\n        # Partials [B, HQ, NQ, splits, DV] and [B, HQ, NQ, splits], fp32, log2-domain LSE.\n        rows = (off_b * num_kv_heads * q_per_kv + offs_h) * num_q_tokens + offs_t\n        part = rows * num_splits + split\n        tl.store(PartOut + part[:, None] * _BLOCK_DV + offs_dv[None, :], out, mask=o_mask)\n        tl.store(PartLse + part, lse2, mask=row_ok)\n\n\n'
+    template = environment.get_template('_decode_combine.py.jinja', 'decode.py.jinja')
+    gen = template.root_render_func(template.new_context(context.get_all(), True, {'common': l_0_common, 'latent': l_0_latent, 'score_code': l_0_score_code, 'step': l_0_step}))
+    try:
+        for event in gen:
+            yield event
+    finally: gen.close()
+    yield '\n\n'
     template = environment.get_template('_decode_launch.py.jinja', 'decode.py.jinja')
-    gen = template.root_render_func(template.new_context(context.get_all(), True, {'common': l_0_common, 'latent': l_0_latent, 'merge': l_0_merge, 'score_code': l_0_score_code, 'step': l_0_step}))
+    gen = template.root_render_func(template.new_context(context.get_all(), True, {'common': l_0_common, 'latent': l_0_latent, 'score_code': l_0_score_code, 'step': l_0_step}))
     try:
         for event in gen:
             yield event
     finally: gen.close()
 
 blocks = {}
-debug_info = '1=43&2=45&3=47&4=49&5=51&6=53&7=60&9=62&12=64&15=70&16=76&17=83&18=91&19=94&21=96&25=99&26=102&27=106&41=112&44=115&50=120&51=122&52=124&53=126&54=128&56=131&58=133&59=135&60=137&64=140&65=142&66=144&67=146&72=148&78=152&83=159&91=163&98=167&119=171&130=175&133=178&136=181&137=183&142=188&147=190&153=194&154=197&156=199&161=205&174=212&175=214&176=216&177=218&178=220&180=222&185=225&199=228&202=231&212=239&220=243&222=245&236=251&239=254&246=258&247=260&250=265&252=267&253=269&255=271&257=273&259=276&261=278&262=280&270=282&279=284&282=286&285=288'
+debug_info = '1=43&2=45&3=47&4=49&5=51&6=58&8=60&11=62&14=68&15=74&16=81&17=89&18=92&20=94&24=97&25=100&26=104&40=110&43=113&49=118&50=120&51=122&52=124&53=126&55=129&57=131&58=133&59=135&63=138&64=140&65=142&66=144&71=146&77=150&82=157&90=161&97=165&118=169&129=173&132=176&135=179&136=181&141=186&146=188&152=192&153=195&155=197&160=203&173=210&174=212&175=214&176=216&177=218&179=220&184=223&198=226&201=229&211=237&219=241&221=243&235=249&238=252&245=256&246=258&249=263&251=265&252=267&254=269&256=271&258=274&260=276&261=278&269=280&285=282&288=289'

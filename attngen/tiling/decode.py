@@ -37,8 +37,7 @@ covers keys no query can see; sink tokens add their blocks.
 
 A call's num_splits = s >= 1 (flash_attn_with_kvcache's hint) replaces the rule's count: the
 span's blocks in min(s, MAX_SPLITS) splits, evened out as above, so a call gets at most one
-split per key block and MAX_SPLITS in all (the most partials a tile's last split program
-merges).
+split per key block and MAX_SPLITS in all (the combine kernel's bound).
 """
 
 from __future__ import annotations
@@ -285,6 +284,6 @@ def split_lines(spec: AttnSpec, config: TileConfig, sm_count: int) -> list[str]:
             f"  B={batch} L={length}: {programs} programs, span {span} keys = {blocks} blocks, "
             f"wanted {min(wanted, most)}, at most {most} -> {splits} "
             f"split(s) of {keys} keys: {total} programs = {total / sm_count:.2f} per SM"
-            + ("" if splits > 1 else " (no merge: written directly)")
+            + ("" if splits > 1 else " (no combine: written directly)")
         )
     return lines

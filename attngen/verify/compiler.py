@@ -15,9 +15,9 @@ Each kernel is compiled as its entry point launches it on contiguous tensors (un
 strides constexpr 1, pointers and row strides 16-divisible). For prefill (and varlen, the
 same key loop) that is ``attention()``'s kernel; for decode, the split kernel as ``decode()``
 launches it with the config's row tile (BLOCK_M) and the path of several splits (DIRECT=False,
-LSE stored, the merge its calls included); its append kernel is tiny and is not modelled. The
-backward kernels (spec `backward: true`; `kernel` "dq", "dkdv", or "dv" / "dk" for the dK/dV
-kernel's one-gradient launches, BACKWARD_KERNELS) are measured from the prefill module as
+LSE stored): its combine and append kernels are tiny and are not modelled. The backward kernels
+(spec `backward: true`; `kernel` "dq", "dkdv", or "dv" / "dk" for the dK/dV kernel's
+one-gradient launches, BACKWARD_KERNELS) are measured from the prefill module as
 ``attention_backward()`` launches them (no LSE gradient; with `dropout: true`, the dropout
 path, DROPOUT_ON=True): varlen's gradient kernels have the same loops.
 
@@ -199,7 +199,7 @@ def _decode_source(spec: AttnSpec, kernel: Any, config: TileConfig, v_from_k: bo
     if "ROTARY_HALF" in kernel.arg_names:  # the launch without rotary (its code compiled out)
         constexprs.update(ROTARY_HALF=0, ROTARY_INTERLEAVED=False)
     types = dict.fromkeys(("Q", "K", "V", "Out", "Cos", "Sin"), spec.dtype.triton_pointer)
-    types.update(dict.fromkeys(("SeqLens", "BlockTable", "Counters"), "*i32"))
+    types.update(dict.fromkeys(("SeqLens", "BlockTable"), "*i32"))
     types.update(dict.fromkeys(("Lse", "PartOut", "PartLse", "Slopes", "Sinks"), "*fp32"))
 
     def divisible(name: str) -> bool:  # every stride but the block table's
