@@ -51,7 +51,7 @@ def flash_case(spec, seed=1, num_new=2):
     """decode_flash's tensors: q [2, 2, 4, 64] a slice of a wider tensor (not contiguous),
     caches [2, L, 2, 64] (paged: as decode() takes them) with NaN in unused slots, new keys
     [2, NNEW, 2, 64] halves of one packed tensor; and cache_seqlens, block_table."""
-    cache = make_cache(spec, [5, 9], seed=seed, room=num_new, extra_capacity=40)
+    cache = make_cache(spec, [5, 9], seed=seed, room=num_new, extra_capacity=300)
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(2, 2, 4, 128, generator=gen).half()[..., ::2]
     k_cache, v_cache = cache.k, cache.v
@@ -111,6 +111,7 @@ def test_decode_flash_is_decode_on_the_views_bit_for_bit(spec, options):
         assert same_bits(got, expected.transpose(1, 2)), name
         assert lse is None or same_bits(lse, expected_lse), name
         assert all(same_bits(a, b) for a, b in zip(caches, expected_caches, strict=True)), name
+        assert module.LAST_NUM_SPLITS == options.get("num_splits", 1), name  # (the combine ran)
 
 
 def test_decode_flash_rotates_as_decode_does():
@@ -138,7 +139,7 @@ def test_decode_flash_rotates_as_decode_does():
         ),
         (
             lambda c: dict(c, v_cache=c["v_cache"][:, :20]),
-            r"v_cache: expected shape \[2, 51, 2, 64\], got \[2, 20, 2, 64\]",
+            r"v_cache: expected shape \[2, 311, 2, 64\], got \[2, 20, 2, 64\]",
         ),
         (
             lambda c: dict(c, k_new=fp16(2, 2, 4, 64), v_new=fp16(2, 2, 4, 64)),
@@ -149,8 +150,8 @@ def test_decode_flash_rotates_as_decode_does():
             r"v_new: expected shape \[2, 2, 2, 64\], got \[2, 3, 2, 64\]",
         ),
         (
-            lambda c: dict(c, k_new=fp16(2, 60, 2, 64), v_new=fp16(2, 60, 2, 64)),
-            r"k_new: 60 new keys \(dim 1\) exceed the cache's capacity 51",
+            lambda c: dict(c, k_new=fp16(2, 320, 2, 64), v_new=fp16(2, 320, 2, 64)),
+            r"k_new: 320 new keys \(dim 1\) exceed the cache's capacity 311",
         ),
         (lambda c: dict(c, out=fp16(2, 4, 2, 64)), r"out: expected shape \(2, 2, 4, 64\)"),
         (  # the new keys' packed storage seen as an output
@@ -265,3 +266,165 @@ def test_decode_flash_plans_launch_what_decode_launches_for_the_views(monkeypatc
 
 def pointers_of(runs, inputs):
     return [(compiled, grid, pointers(args, inputs)) for compiled, grid, args in runs]
+
+
+def test_decode_flash_over_a_growing_cache_runs_from_one_plan(monkeypatch):
+    """Caches [B, L, HKV, D] one size after another (a cache that grows, as transformers'
+    DynamicCache hands them; across split counts and key-block boundaries): one plan serves
+    every size, and at each size decode_flash launches what decode() launches for the views."""
+    module = load_decode(DECODE)
+    fast(monkeypatch, module, *KERNELS)
+    monkeypatch.setattr(module, "_CALL_PLANS", {})
+    monkeypatch.setattr(module, "_FLASH_PLANS", ({}, {}))
+    log = log_raw_runs(monkeypatch)
+    hits = count_plan_hits(monkeypatch, module)
+    q = fp16(2, 2, 4, 64)
+    lengths = torch.tensor([3, 50], dtype=torch.int32)
+    sizes = (60, 61, 127, 128, 129, 256, 513, 2048, 700, 64)
+    caches = {size: (fp16(2, size, 2, 64), fp16(2, size, 2, 64)) for size in sizes}
+    with monkeypatch.context() as unplanned:  # every kernel compiled: each launch is logged
+        unplanned.setattr(module, "_call_key", lambda *args: None)
+        for k_cache, v_cache in caches.values():
+            module.decode(*heads_first(q, k_cache, v_cache), lengths)
+    for size, (k_cache, v_cache) in caches.items():
+        inputs = known(q, k_cache, v_cache, lengths)
+        runs = []
+        for _ in range(2):  # the full path at a new launch class, then the plan
+            start = len(log)
+            out = module.decode_flash(q, k_cache, v_cache, lengths)
+            runs.append(pointers_of(log[start:], inputs))
+        start = len(log)
+        module.decode(*heads_first(q, k_cache, v_cache), lengths, out=out.transpose(1, 2))
+        assert runs[0] == runs[1] == pointers_of(log[start:], inputs), size
+    assert len(module._FLASH_PLANS[True]) == 1 and len(module._CALL_PLANS) == 1
+    assert sum(hits) > len(hits) // 2  # most calls ran from a plan
+
+
+# ------------------------------------------------------------ the public functions
+
+
+def kvcache_step(seqlen_q=2, seed=0):
+    """flash_attn_with_kvcache's tensors (fp32, d16: a module built on demand): q [2, NQ, 4,
+    16], caches [2, 40, 2, 16] (NaN past the lengths), new keys [2, 2, 2, 16]."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, seqlen_q, 4, 16, generator=gen)
+    k_cache, v_cache = (torch.full((2, 40, 2, 16), float("nan")) for _ in range(2))
+    k_cache[:, :20], v_cache[:, :20] = torch.randn(2, 2, 20, 2, 16, generator=gen)
+    k_new, v_new = torch.randn(2, 2, 2, 2, 16, generator=gen)
+    lengths = torch.tensor([7, 20 - 2], dtype=torch.int32)
+    return q, k_cache, v_cache, k_new, v_new, lengths
+
+
+def count_calls(monkeypatch, module, entry):
+    calls = []
+    real = getattr(module, entry)
+
+    def counted(*args, **kwargs):
+        calls.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, entry, counted)
+    return calls
+
+
+def run_kvcache(case, **options):
+    q, k_cache, v_cache, k_new, v_new, lengths = case
+    return attngen.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, causal=True, **options
+    )
+
+
+@pytest.mark.parametrize("seqlen_q", [2, 1])
+def test_flash_attn_with_kvcache_hands_its_tensors_to_decode_flash(
+    on_demand, monkeypatch, seqlen_q  # noqa: F811
+):
+    """Full path and planned calls give the module's decode_flash the caller's tensors as
+    they are (no view) and no out=, and return the tensor it allocated, contiguous: bit for
+    bit what the route before it (decode() on views, a module without decode_flash) gives,
+    appended caches included; last_dispatch names the decode module at every call."""
+    results = []
+    for flash in (True, False):
+        with monkeypatch.context() as patch:
+            case = kvcache_step(seqlen_q)
+            run_kvcache(case, return_softmax_lse=True)  # the module built and chosen
+            module = current_registry().module(attngen.last_dispatch().key)
+            if not flash:  # as a module built before decode_flash
+                patch.delattr(module, "decode_flash")
+                patch.delattr(module, "decode_flash_out")
+            current_registry().plans.clear()
+            assert ops.takes_flash_layout(module) is flash
+            calls = count_calls(patch, module, "decode_flash") if flash else []
+            cases = [kvcache_step(seqlen_q) for _ in range(3)]
+            for case in cases:  # the full path (flash: only for the old route), then the plan
+                out, lse = run_kvcache(case, return_softmax_lse=True)
+                assert attngen.last_dispatch().need.kind.value == "decode"
+            results.append((out, lse, case[1], case[2]))
+            if flash:
+                assert len(calls) == 3
+                for (args, kwargs), case in zip(calls, cases, strict=True):
+                    assert all(a is b for a, b in zip(args, case[:3], strict=False))
+                    assert kwargs["k_new"] is case[3] and kwargs["v_new"] is case[4]
+                    assert "out" not in kwargs
+                assert out.shape == (2, seqlen_q, 4, 16) and out.is_contiguous()
+    (out, lse, k_cache, v_cache), expected = results
+    assert same_bits(out, expected[0].contiguous()) and same_bits(lse, expected[1])
+    assert same_bits(k_cache, expected[2]) and same_bits(v_cache, expected[3])
+
+
+def test_a_planned_kvcache_step_makes_no_view(on_demand, monkeypatch):  # noqa: F811
+    """With the cached launcher on (launches faked), a planned flash_attn_with_kvcache step
+    transposes nothing and calls neither decode() nor decode_flash's full path: decode_flash
+    launches from its own plan, from the caller's tensors."""
+    case = kvcache_step()
+    run_kvcache(case)
+    chosen = attngen.last_dispatch()
+    module = current_registry().module(chosen.key)
+    fast(monkeypatch, module, *KERNELS)
+    monkeypatch.setattr(module, "_CALL_PLANS", {})
+    monkeypatch.setattr(module, "_FLASH_PLANS", ({}, {}))
+    for _ in range(3):
+        run_kvcache(case)
+    decode_calls = count_calls(monkeypatch, module, "decode")
+    hits = count_plan_hits(monkeypatch, module)
+    transposes = []
+    real_transpose = torch.Tensor.transpose
+
+    def transpose(self, *dims):
+        transposes.append(dims)
+        return real_transpose(self, *dims)
+
+    monkeypatch.setattr(torch.Tensor, "transpose", transpose)
+    out = run_kvcache(case)
+    monkeypatch.setattr(torch.Tensor, "transpose", real_transpose)
+    assert hits == [True] and not decode_calls and not transposes
+    assert out.shape == (2, 2, 4, 16) and out.is_contiguous()
+    last = attngen.last_dispatch()
+    assert (last.api, last.key, last.need) == (chosen.api, chosen.key, chosen.need)
+
+
+def test_transformers_decode_step_reaches_decode_flash_out(on_demand, monkeypatch):  # noqa: F811
+    """A DynamicCache step (CacheLengths) on the decode module: transformers' [B, H, N, D]
+    tensors go as they are to decode_flash_out, whose [B, NQ, HQ, DV] output comes back
+    contiguous; bit for bit decode()'s output transposed, and what a module without it gives."""
+    from types import SimpleNamespace
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 1, 16, generator=gen)
+    k, v = (torch.randn(2, 2, 9, 16, generator=gen) for _ in range(2))
+    lengths = CacheLengths(torch.full((2,), 9, dtype=torch.int32), all_written=True)
+    layer = SimpleNamespace(is_causal=True)
+    attngen_attention(layer, q, k, v, lengths)
+    dispatch = attngen.last_dispatch()
+    assert dispatch.need.kind.value == "decode"
+    module = current_registry().module(dispatch.key)
+    calls = count_calls(monkeypatch, module, "decode_flash_out")
+    out, _ = attngen_attention(layer, q, k, v, lengths)
+    assert len(calls) == 1 and all(a is b for a, b in zip(calls[0][0], (q, k, v), strict=False))
+    assert "out" not in calls[0][1]
+    assert out.shape == (2, 1, 4, 16) and out.is_contiguous()
+    expected = module.decode(q, k, v, lengths.seqlens, sm_scale=0.25)
+    assert same_bits(out, expected.transpose(1, 2).contiguous())
+    monkeypatch.delattr(module, "decode_flash")
+    monkeypatch.delattr(module, "decode_flash_out")
+    old_route, _ = attngen_attention(layer, q, k, v, lengths)
+    assert same_bits(old_route, out)
