@@ -132,7 +132,10 @@ def test_decode_flash_rotates_as_decode_does():
 @pytest.mark.parametrize(
     "make_call, message",
     [
-        (lambda c: dict(c, q=c["q"][0]), r"q: expected a tensor \[B, NQ, HQ, 64\], got \[2, 4, 64\]"),
+        (
+            lambda c: dict(c, q=c["q"][0]),
+            r"q: expected a tensor \[B, NQ, HQ, 64\], got \[2, 4, 64\]",
+        ),
         (
             lambda c: dict(c, q=fp16(2, 3, 4, 64)),
             r"q: expected at most max_query_tokens=2 query tokens \(dim 1\), got 3",
@@ -336,7 +339,9 @@ def run_kvcache(case, **options):
 
 @pytest.mark.parametrize("seqlen_q", [2, 1])
 def test_flash_attn_with_kvcache_hands_its_tensors_to_decode_flash(
-    on_demand, monkeypatch, seqlen_q  # noqa: F811
+    on_demand,  # noqa: F811
+    monkeypatch,
+    seqlen_q,
 ):
     """Full path and planned calls give the module's decode_flash the caller's tensors as
     they are (no view) and no out=, and return the tensor it allocated, contiguous: bit for

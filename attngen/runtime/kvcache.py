@@ -36,8 +36,8 @@ import torch
 from torch import Tensor
 
 from attngen.runtime import arguments, decode_ops, ops, plans
-from attngen.runtime.decode_ops import heads_first
 from attngen.runtime.arguments import flash_mask
+from attngen.runtime.decode_ops import heads_first
 from attngen.runtime.dispatch import need_for, probe
 from attngen.runtime.entry_checks import check_alibi
 from attngen.runtime.kvcache_append import append_fitting, cache_seqlens_tensor
@@ -331,7 +331,7 @@ def _run_decode_module(
     arguments when its kernels rotate (fused_rotary)."""
     assert decode.key is not None  # probe() answers served dispatches only
     sm_scale = arguments.softmax_scale(softmax_scale, q)
-    in_place = _in_place(decode, q)
+    in_place = _in_place(decode, decode.key, q)
     out, lse = decode_ops.decode(
         decode.key,
         q,
@@ -353,12 +353,12 @@ def _run_decode_module(
     return (out if in_place else out.transpose(1, 2)), lse
 
 
-def _in_place(decode: Dispatch, q) -> bool:
+def _in_place(decode: Dispatch, key: str, q) -> bool:
     """Whether the decode module writes the caller's [B, Nq, HQ, DV] output: through its
     decode_flash, or its out= when it takes one and q has more than one token; with one, the
     module's own [B, HQ, 1, DV] output is that layout already (launch.py)."""
     return decode.writes_out and (
-        q.shape[1] != 1 or ops.takes_flash_layout(current_registry().module(decode.key))
+        q.shape[1] != 1 or ops.takes_flash_layout(current_registry().module(key))
     )
 
 

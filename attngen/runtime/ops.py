@@ -23,8 +23,9 @@ flash-attn's [B, N, H, D] tensors as they are: call_prefill's and call_decode's
 flash_layout), a module built before those through its `out=`, handed over as a
 [B, HQ, M, DV] view; callers ask for it only from a module that takes `out=`
 (Dispatch.writes_out). `prefill` and `decode` then return that [B, M, HQ, DV] tensor; the
-ops return the view (an op's output has the shape its fake implementation gives). The LSE is always an op output (an empty tensor when
-not asked for): an op's outputs cannot be optional; the functions here return None instead.
+ops return the view (an op's output has the shape its fake implementation gives). The LSE is
+always an op output (an empty tensor when not asked for): an op's outputs cannot be optional;
+the functions here return None instead.
 
 prefill and varlen have an autograd formula (backward_ops.py), so torch.compile(fullgraph=True)
 traces forward and backward; through the ops the forward always computes the LSE the backward
