@@ -129,6 +129,37 @@ def test_decode_flash_rotates_as_decode_does():
     assert same_bits(k_cache, expected_caches[0]) and same_bits(v_cache, expected_caches[1])
 
 
+def test_decode_flash_of_a_module_without_plans_is_decode_on_the_views():
+    """A module built with sinks keeps no call plans: its decode_flash (sinks passed on, the
+    combine's sink term too) is still decode() on the views, bit for bit."""
+    spec = make_decode_spec(
+        "contiguous",
+        None,
+        name="flds",
+        dtype="fp16",
+        head_dim=64,
+        num_q_heads=4,
+        num_kv_heads=2,
+        max_query_tokens=2,
+        mask="causal",
+        causal_align="bottom_right",
+        sinks=True,
+    )
+    module = load_decode(spec)
+    assert not hasattr(module, "_FLASH_PLANS")
+    q, k_cache, v_cache, lengths, _, k_new, v_new = flash_case(spec, seed=6)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(6))
+    options = {"sinks": sinks, "return_lse": True, "num_splits": 2}
+    expected_caches = [t.clone() for t in (k_cache, v_cache)]
+    views = as_decode_takes(spec, q, *expected_caches, k_new, v_new)
+    out, lse = module.decode(*views[:3], lengths, k_new=views[3], v_new=views[4], **options)
+    got, got_lse = module.decode_flash(
+        q, k_cache, v_cache, lengths, k_new=k_new, v_new=v_new, **options
+    )
+    assert same_bits(got, out.transpose(1, 2)) and same_bits(got_lse, lse)
+    assert same_bits(k_cache, expected_caches[0]) and same_bits(v_cache, expected_caches[1])
+
+
 @pytest.mark.parametrize(
     "make_call, message",
     [
