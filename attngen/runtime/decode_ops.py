@@ -96,8 +96,10 @@ def call_decode(
             rotary_keywords(rotary_cos, rotary_sin, rotary_interleaved, rotary_q_per_token)
         )
     entry, out = module.decode, None
-    if heads_last and takes_flash_layout(module):  # the tensors as they are; out [B, Nq, HQ, DV]
-        entry = module.decode_flash if flash_layout else module.decode_flash_out
+    if flash_layout:  # (its callers' promise: heads_last, a module that takes_flash_layout)
+        entry = module.decode_flash
+    elif heads_last and hasattr(module, "decode_flash_out"):  # out [B, Nq, HQ, DV]
+        entry = module.decode_flash_out  # (a decode module's takes_flash_layout, in one look-up)
     elif heads_last:  # a module built before decode_flash: decode() with out= a view
         out = _heads_last(q, v_cache.shape[-1])
         extra["out"] = out.transpose(1, 2)
