@@ -23,17 +23,13 @@ def root(context, missing=missing):
     yield str((0 if ((undefined(name='kv_layout') if l_0_kv_layout is missing else l_0_kv_layout) == 'paged') else 2))
     yield "  # the caches' dimension that varies: "
     yield str(('pages' if ((undefined(name='kv_layout') if l_0_kv_layout is missing else l_0_kv_layout) == 'paged') else 'positions'))
-    yield '\n\n\ndef _cache_size(k_cache, block_table, length_dim=_LENGTH_DIM):\n    """(capacity, num_pages): the positions a sequence may hold and the cache\'s pages (0 for a\n    contiguous cache'
-    if ((undefined(name='kv_layout') if l_0_kv_layout is missing else l_0_kv_layout) != 'paged'):
-        pass
-        yield ', whose positions are its dimension length_dim'
-    yield ')."""\n'
+    yield '\n\n\ndef _cache_size(k_cache, block_table, length_dim=_LENGTH_DIM):\n'
     if ((undefined(name='kv_layout') if l_0_kv_layout is missing else l_0_kv_layout) == 'paged'):
         pass
-        yield '    return block_table.shape[1] * PAGE_SIZE, k_cache.shape[0]\n'
+        yield '    """(capacity, num_pages): the positions a sequence may hold and the cache\'s pages."""\n    return block_table.shape[1] * PAGE_SIZE, k_cache.shape[0]\n'
     else:
         pass
-        yield '    return k_cache.shape[length_dim], 0\n'
+        yield '    """(capacity, 0): the positions a sequence may hold, the cache\'s dimension length_dim\n    (decode()\'s 2, decode_flash\'s 1), and no pages."""\n    return k_cache.shape[length_dim], 0\n'
     yield '\n\ndef _cache_strides(t):\n    """(outer, head, row, dim) strides of a cache: batch or page, KV head, position or slot."""\n'
     if ((undefined(name='kv_layout') if l_0_kv_layout is missing else l_0_kv_layout) == 'paged'):
         pass
@@ -85,4 +81,4 @@ def root(context, missing=missing):
         yield '    device = q.get_device()\n    cos, sin = (q, q) if rotary_cos is None else (rotary_cos, rotary_sin)\n    if append is not None:\n        _run_step(append, device, (k_new, v_new, k_cache, v_cache, cache_seqlens, table, cos,\n                                   sin), _ints_around(plan.append_parts, strides, sizes[1:]))\n    global LAST_NUM_SPLITS\n    LAST_NUM_SPLITS = splits\n    lse_arg = out if lse is None else lse\n    part_out = part_lse = out\n    if combine is not None:\n        part_out, part_lse = _partials(q, plan.rows, splits)\n    _run_step(split, device, (q, k_cache, v_cache, out, lse_arg, part_out, part_lse,\n                              cache_seqlens, table, cos, sin, out),\n              _ints_around(plan.split_parts, strides, (splits, *sizes)))\n    if combine is not None:\n        _run_step(combine, device, (part_out, part_lse, out, lse_arg))\n    return out, lse\n'
 
 blocks = {}
-debug_info = '5=16&14=23&19=27&20=31&29=38&39=45&42=48&48=54&67=58&138=61&174=65&199=72&223=79'
+debug_info = '5=16&14=23&18=27&30=34&40=41&43=44&49=50&68=54&139=57&175=61&200=68&224=75'
