@@ -205,3 +205,99 @@ def test_planned_attention_flash_equals_attention_on_the_views(monkeypatch, load
         assert torch.equal(out.transpose(1, 2), expected[0]) and torch.equal(lse, expected[1])
     assert all(w is given for w in written)
     assert torch.equal(given.transpose(1, 2), expected[0])
+
+
+def _flash_decode_case(layout, spec, seed):
+    """decode_flash's tensors on the GPU: q [3, 2, 8, 128] a slice of a wider tensor, caches
+    [3, L, 2, 128] (paged: as decode() takes them), new keys [3, 2, 2, 128] halves of one
+    packed tensor; cache_seqlens and block_table."""
+    cache = make_cache(spec, [5, 300, 0], seed=seed, room=2, extra_capacity=700).to("cuda")
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(3, 2, 8, 256, generator=gen).bfloat16().cuda()[..., ::2]
+    new = torch.randn(3, 2, 4, 128, generator=gen).bfloat16().cuda()
+    k_cache, v_cache = cache.k, cache.v
+    if layout == "contiguous":
+        k_cache, v_cache = (t.transpose(1, 2).contiguous() for t in (k_cache, v_cache))
+    return q, k_cache, v_cache, cache.lengths, cache.block_table, new[:, :, :2], new[:, :, 2:]
+
+
+def _heads_first(layout, q, k_cache, v_cache, k_new, v_new):
+    views = [t.transpose(1, 2) for t in (q, k_cache, v_cache, k_new, v_new)]
+    if layout == "paged":
+        views[1:3] = k_cache, v_cache
+    return views
+
+
+@pytest.mark.parametrize("layout, page_size", [("contiguous", None), ("paged", 16)])
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+def test_planned_decode_flash_equals_decode_on_the_views(monkeypatch, layout, page_size,
+                                                         num_splits):  # fmt: skip
+    """decode_flash (flash_attn_with_kvcache's entry point) from its plan, on [B, N, H, D]
+    tensors (q and the new keys not contiguous), equals decode() on their [B, H, N, D] views
+    bit for bit: output, LSE and appended caches; so does decode_flash_out (transformers'
+    decode step's) on the views; out [B, NQ, HQ, DV] contiguous."""
+    spec = _gqa_decode_spec(layout, page_size, "gpudflash")
+    module = load_decode(spec)
+    q, k_cache, v_cache, lengths, table, k_new, v_new = _flash_decode_case(layout, spec, 7)
+    options = {"block_table": table, "return_lse": True, "num_splits": num_splits}
+
+    def step(entry, flash):
+        k, v = k_cache.clone(), v_cache.clone()
+        tensors = (q, k, v, k_new, v_new) if flash else _heads_first(layout, q, k, v, k_new, v_new)
+        out, lse = entry(*tensors[:3], lengths, k_new=tensors[3], v_new=tensors[4], **options)
+        return out, lse, k, v
+
+    with monkeypatch.context() as patch:
+        _unplanned(patch, module)
+        expected = step(module.decode, False)
+    results = [step(module.decode_flash, True) for _ in range(3)]  # plans, then their runs
+    results += [step(module.decode_flash_out, False) for _ in range(3)]
+    for plans in module._FLASH_PLANS:  # decode_flash's and decode_flash_out's
+        assert plans and all(plan.launches for plan in plans.values())
+    torch.cuda.synchronize()
+    for out, lse, k, v in results:
+        assert out.is_contiguous() and out.shape == (3, 2, 8, 128)
+        assert torch.equal(out.transpose(1, 2).nan_to_num(), expected[0].nan_to_num())
+        assert torch.equal(lse.nan_to_num(), expected[1].nan_to_num())
+        assert torch.equal(k.nan_to_num(), expected[2].nan_to_num())
+        assert torch.equal(v.nan_to_num(), expected[3].nan_to_num())
+
+
+@pytest.mark.parametrize("layout, page_size", [("contiguous", None), ("paged", 16)])
+def test_decode_flash_captured_in_a_cuda_graph_replays_decode(layout, page_size):
+    """decode_flash from its plan captured in a CUDA graph (append included): a replay gives
+    decode()'s output and appended caches on the views bit for bit, and a second replay on
+    new inputs copied into the static tensors gives theirs."""
+    spec = _gqa_decode_spec(layout, page_size, "gpudflashg")
+    module = load_decode(spec)
+    q, k_cache, v_cache, lengths, table, k_new, v_new = _flash_decode_case(layout, spec, 8)
+    graph_k, graph_v = k_cache.clone(), v_cache.clone()
+
+    def flash_step(k, v):
+        return module.decode_flash(q, k, v, lengths, block_table=table, k_new=k_new, v_new=v_new)
+
+    def expected_step(q_, k_new_, v_new_):
+        k, v = k_cache.clone(), v_cache.clone()
+        views = _heads_first(layout, q_, k, v, k_new_, v_new_)
+        out = module.decode(*views[:3], lengths, block_table=table, k_new=views[3],
+                            v_new=views[4])  # fmt: skip
+        return out.transpose(1, 2), k, v
+
+    for _ in range(2):  # compiled, and the plan kept
+        flash_step(k_cache.clone(), v_cache.clone())
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = flash_step(graph_k, graph_v)
+    for step in range(2):
+        graph_k.copy_(k_cache)  # capture records, it does not run; each replay appends again
+        graph_v.copy_(v_cache)
+        graph.replay()
+        expected = expected_step(q, k_new, v_new)
+        torch.cuda.synchronize()
+        for a, b in zip((static_out, graph_k, graph_v), expected, strict=True):
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()), step
+        gen = torch.Generator().manual_seed(9 + step)
+        q.copy_(torch.randn(q.shape, generator=gen).bfloat16())
+        k_new.copy_(torch.randn(k_new.shape, generator=gen).bfloat16())
+        v_new.copy_(torch.randn(v_new.shape, generator=gen).bfloat16())

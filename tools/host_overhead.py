@@ -148,6 +148,10 @@ def decode_rows(rows: dict) -> None:
     lens = torch.full((1,), 64, dtype=torch.int32, device="cuda")
     heads_first = [t.transpose(1, 2) for t in (q, k_cache, v_cache)]
     rows["decode module decode() (B1, L64)"] = lambda: qwen.decode(*heads_first, lens)
+    if hasattr(qwen, "decode_flash"):  # flash_attn_with_kvcache's entry point: no views
+        rows["decode module decode_flash() (B1, L64)"] = lambda: qwen.decode_flash(
+            q, k_cache, v_cache, lens
+        )
 
 
 def main() -> None:

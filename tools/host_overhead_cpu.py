@@ -7,9 +7,9 @@ anything. What a public call costs beyond the module's own entry point is the ru
 of the host time (dispatch, argument checks, the op layer, layout handling, copies).
 
 Two registries are timed: stand-ins without `out=` (modules built by an older attngen), and
-stand-ins that advertise ACCEPTS_OUT, take `out=` and have the prefill entry points with
-flash-attn's output layout, `attention_flash` and `attention_flash_out` (as the templates
-render them now). Then
+stand-ins that advertise ACCEPTS_OUT, take `out=` and have the entry points with flash-attn's
+layout, prefill's `attention_flash` and `attention_flash_out` and decode's `decode_flash` and
+`decode_flash_out` (as the templates render them now). Then
 the generated modules' own entry points (generated/, sm90) with their cached launcher on, as
 on a GPU, and the launch itself stubbed out: the modules' share of the host time; and the
 public functions over those modules at tools/host_overhead.py's shapes, whose ratio to the
@@ -114,6 +114,20 @@ _FLASH_ENTRY = """
         return _heads_last(q, q.shape[0], q.shape[2], q.shape[1], return_lse, out)
 """
 
+# The decode entry points with flash-attn's layout, as the templates render them now.
+_DECODE_FLASH_ENTRY = """
+    def _decode_heads_last(q, batch, rows, heads, return_lse, out):
+        out = q.new_empty((batch, rows, heads, HEAD_DIM_V)) if out is None else out
+        return (out, q.new_empty((batch, heads, rows), dtype=torch.float32)) if return_lse else out
+
+    def decode_flash(q, k_cache, v_cache, cache_seqlens, *, return_lse=False, out=None, **options):
+        return _decode_heads_last(q, *q.shape[:3], return_lse, out)
+
+    def decode_flash_out(q, k_cache, v_cache, cache_seqlens, *, return_lse=False, out=None,
+                         **options):
+        return _decode_heads_last(q, q.shape[0], q.shape[2], q.shape[1], return_lse, out)
+"""
+
 # (module name, kind, mask, causal_align): what the timed calls ask for.
 _MODULES = [
     ("stub_none", "prefill", "none", "none"),
@@ -130,7 +144,8 @@ def stub_source(kind: str, mask: str, align: str, accepts_out: bool) -> str:
         .replace("if out is None:", "if out is None:" if accepts_out else "if True:")
     )
     constants = _CONSTANTS.format(mask=mask, align=align, accepts_out=accepts_out)
-    flash_entry = textwrap.dedent(_FLASH_ENTRY) if accepts_out and kind == "prefill" else ""
+    flash_entry = {"prefill": _FLASH_ENTRY, "decode": _DECODE_FLASH_ENTRY}.get(kind, "")
+    flash_entry = textwrap.dedent(flash_entry) if accepts_out else ""
     return textwrap.dedent(constants) + textwrap.dedent(entry) + flash_entry
 
 
@@ -251,6 +266,10 @@ def generated_module_calls() -> dict[str, object]:
             cache.transpose(1, 2),
             lens,
             out=out_d.transpose(1, 2),
+        ),
+        "generated decode_flash() (qwen, L 64)": lambda: qwen.decode_flash(qd, cache, cache, lens),
+        "generated decode_flash_out() (qwen, L 64)": lambda: qwen.decode_flash_out(
+            *heads_first, lens
         ),
         "scaled_dot_product_attention (bert)": lambda: attngen.scaled_dot_product_attention(
             q, k, v

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from attngen.runtime.kvcache_rotary import rotary_keywords
-from attngen.runtime.ops import _direct, _heads_last, _no_lse, _ran, _sinks
+from attngen.runtime.ops import _direct, _heads_last, _no_lse, _ran, _sinks, takes_flash_layout
 from attngen.runtime.registry import current_registry
 
 # --------------------------------------------------------------------------------- decode
@@ -84,18 +84,26 @@ def call_decode(
     rotary_sin: Tensor | None = None,
     rotary_interleaved: bool = True,
     rotary_q_per_token: bool = False,
+    flash_layout: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """run_decode with the module of `key` in hand."""
+    """run_decode with the module of `key` in hand; flash_layout (with heads_last, from a
+    module that takes_flash_layout): q, the caches (paged ones as always) and k_new/v_new in
+    flash-attn's [B, N, H, D] layout, handed to its decode_flash as they are."""
     _ran(key)
     extra = {**_sinks(sinks), **_splits(module, key, num_splits)}
     if rotary_cos is not None or rotary_sin is not None:  # (modules with ACCEPTS_ROTARY)
         extra.update(
             rotary_keywords(rotary_cos, rotary_sin, rotary_interleaved, rotary_q_per_token)
         )
-    out = _heads_last(q, v_cache.shape[-1]) if heads_last else None
-    if out is not None:  # written in place through its [B, HQ, Nq, DV] view
+    entry, out = module.decode, None
+    if flash_layout:  # (its callers' promise: heads_last, a module that takes_flash_layout)
+        entry = module.decode_flash
+    elif heads_last and hasattr(module, "decode_flash_out"):  # out [B, Nq, HQ, DV]
+        entry = module.decode_flash_out  # (a decode module's takes_flash_layout, in one look-up)
+    elif heads_last:  # a module built before decode_flash: decode() with out= a view
+        out = _heads_last(q, v_cache.shape[-1])
         extra["out"] = out.transpose(1, 2)
-    result = module.decode(
+    result = entry(
         q,
         k_cache,
         v_cache,
@@ -146,31 +154,15 @@ def decode(
     rotary_sin: Tensor | None = None,
     rotary_interleaved: bool = True,
     rotary_q_per_token: bool = False,
+    flash_layout: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """(out, lse or None) of the decode module `key`; see the module docstring. Directly,
-    the caches' version counters are bumped as the op's mutates_args would."""
-    args = (
-        key,
-        q,
-        k_cache,
-        v_cache,
-        cache_seqlens,
-        block_table,
-        k_new,
-        v_new,
-        sm_scale,
-        alibi_slopes,
-        return_lse,
-        heads_last,
-        sinks,
-        num_splits,
-        rotary_cos,
-        rotary_sin,
-        rotary_interleaved,
-        rotary_q_per_token,
-    )
+    the caches' version counters are bumped as the op's mutates_args would. flash_layout: q,
+    the caches and k_new/v_new come in flash-attn's layout (flash_attn_with_kvcache's: see
+    heads_first), handed as they are to the module's decode_flash on a direct call with
+    heads_last from a module that takes_flash_layout, else as [B, H, N, D] views."""
     news = (k_new, v_new) if k_new is not None and v_new is not None else None
-    if (
+    direct = (
         _direct(q, k_cache, v_cache, alibi_slopes)
         and (news is None or _direct(q, news[0], news[1], None))
         and (sinks is None or _direct(q, k_cache, v_cache, sinks))
@@ -178,13 +170,33 @@ def decode(
             rotary_cos is None
             or (rotary_sin is not None and _direct(q, rotary_cos, rotary_sin, None))
         )
-    ):
-        return direct_decode(current_registry().module(key), *args)
-    out, lse = decode_op(*args)
+    )
+    module = current_registry().module(key) if direct else None
+    if flash_layout and not (heads_last and direct and takes_flash_layout(module)):
+        q, k_cache, v_cache, k_new, v_new = heads_first(
+            q, k_cache, v_cache, k_new, v_new, block_table
+        )
+        flash_layout = False
+    tensors = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
+    options = (sm_scale, alibi_slopes, return_lse, heads_last, sinks, num_splits)
+    rotary = (rotary_cos, rotary_sin, rotary_interleaved, rotary_q_per_token)
+    if direct:
+        return direct_decode(module, key, *tensors, *options, *rotary, flash_layout)
+    out, lse = decode_op(key, *tensors, *options, *rotary)
     inputs = (q, k_cache, v_cache, k_new, v_new)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
         out, lse = _ForwardOnly.apply(out, lse)
     return (out.transpose(1, 2) if heads_last else out), (lse if return_lse else None)
+
+
+def heads_first(q, k_cache, v_cache, k_new, v_new, block_table):
+    """decode()'s [B, H, N, D] views of flash-attn's [B, N, H, D] q, caches and new keys
+    (paged caches, block_table given, as they are: their layout is decode()'s)."""
+    if block_table is None:
+        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    if k_new is not None:
+        k_new, v_new = k_new.transpose(1, 2), v_new.transpose(1, 2)
+    return q.transpose(1, 2), k_cache, v_cache, k_new, v_new
 
 
 def direct_decode(
@@ -207,6 +219,7 @@ def direct_decode(
     rotary_sin: Tensor | None = None,
     rotary_interleaved: bool = True,
     rotary_q_per_token: bool = False,
+    flash_layout: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """call_decode without the op: the caches' version counters are bumped after an append,
     as the op's mutates_args would."""
@@ -230,6 +243,7 @@ def direct_decode(
         rotary_sin,
         rotary_interleaved,
         rotary_q_per_token,
+        flash_layout,
     )
     if k_new is not None and v_new is not None:
         torch.autograd.graph.increment_version((k_cache, v_cache))

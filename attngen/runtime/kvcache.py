@@ -4,6 +4,9 @@ Routing, in order:
 1. A generated module of kind `decode` that serves the call: the `attngen::decode`
    op, which appends k/v into the caches in place and attends (its contract: q [B, HQ, Nq, D],
    contiguous caches [B, HKV, L, D] or paged [pages, page_size, HKV, D], cache_seqlens int32).
+   An eager call hands the caller's tensors as they are to the module's `decode_flash`
+   (flash-attn's layouts in and out), and the op or a module built before it gets
+   [B, H, N, D] views.
 2. Otherwise the varlen kind, reading the cache in place: the new k/v are appended with torch
    index writes, then each batch row b is one packed "sequence" whose keys start at row
    b * L of the flattened cache, and `seqused_k` = cache_seqlens + Nnew says how many are
@@ -32,8 +35,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attngen.runtime import arguments, decode_ops, plans
+from attngen.runtime import arguments, decode_ops, ops, plans
 from attngen.runtime.arguments import flash_mask
+from attngen.runtime.decode_ops import heads_first
 from attngen.runtime.dispatch import need_for, probe
 from attngen.runtime.entry_checks import check_alibi
 from attngen.runtime.kvcache_append import append_fitting, cache_seqlens_tensor
@@ -41,6 +45,7 @@ from attngen.runtime.kvcache_options import CacheOptions, cache_options, key_lay
 from attngen.runtime.kvcache_plan import plain_step, planned_rotary, rotary_key, same_kinds
 from attngen.runtime.kvcache_rotary import fused_rotary, rotate
 from attngen.runtime.launch import run_varlen, varlen_dispatch
+from attngen.runtime.registry import current_registry
 from attngen.runtime.selection import Dispatch
 from attngen.runtime.validate import check_kvcache_shapes
 from attngen.spec import CausalAlign, KernelKind, KvLayout, Mask
@@ -319,14 +324,14 @@ def _run_decode_module(
     rotary: dict | None,
 ):
     """(out [B, Nq, HQ, DV], lse or None) from the decode module, which appends k/v and
-    reads the caches in place: the flash layout's [B, N, H, D] tensors are handed over as
-    [B, H, N, D] views (paged caches as they are). The route is kept as the plan of
-    `plan_key` (plans.py); num_splits: the call's (checked by cache_options); rotary: the
-    module's rotary arguments when its kernels rotate (fused_rotary)."""
+    reads the caches in place: the flash layout's [B, N, H, D] tensors are handed as they are
+    to its decode_flash (a module built before it gets [B, H, N, D] views: paged caches as
+    they are; decode_ops.decode's flash_layout). The route is kept as the plan of `plan_key`
+    (plans.py); num_splits: the call's (checked by cache_options); rotary: the module's rotary
+    arguments when its kernels rotate (fused_rotary)."""
     assert decode.key is not None  # probe() answers served dispatches only
     sm_scale = arguments.softmax_scale(softmax_scale, q)
-    in_place = _in_place(decode, q)
-    q, k_cache, v_cache, k, v = _heads_first(q, k_cache, v_cache, k, v, block_table)
+    in_place = _in_place(decode, decode.key, q)
     out, lse = decode_ops.decode(
         decode.key,
         q,
@@ -342,16 +347,19 @@ def _run_decode_module(
         in_place,
         num_splits=num_splits,
         **(rotary or {}),
+        flash_layout=True,
     )
     plans.remember(plan_key, decode, sm_scale, return_lse, in_place)
     return (out if in_place else out.transpose(1, 2)), lse
 
 
-def _in_place(decode: Dispatch, q) -> bool:
-    """Whether the decode module is handed the caller's [B, Nq, HQ, DV] output (out=): when it
-    takes one, and q has more than one token; with one, the module's own [B, HQ, 1, DV] output
-    is that layout already (launch.py)."""
-    return decode.writes_out and q.shape[1] != 1
+def _in_place(decode: Dispatch, key: str, q) -> bool:
+    """Whether the decode module writes the caller's [B, Nq, HQ, DV] output: through its
+    decode_flash, or its out= when it takes one and q has more than one token; with one, the
+    module's own [B, HQ, 1, DV] output is that layout already (launch.py)."""
+    return decode.writes_out and (
+        q.shape[1] != 1 or ops.takes_flash_layout(current_registry().module(key))
+    )
 
 
 def _run_planned(
@@ -367,13 +375,16 @@ def _run_planned(
     num_splits: int,
     rotary: dict | None,
 ):
-    """_run_decode_module from the signature's plan (plans.py); None without one, when a check
-    its key leaves open fails (the full path then says what) or when the device refuses now."""
+    """_run_decode_module from the signature's plan (plans.py): the tensors as they are to
+    decode_flash when the plan writes through it, else [B, H, N, D] views; None without a
+    plan, when a check its key leaves open fails (the full path then says what) or when the
+    device refuses now."""
     if plan is None or not same_kinds(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary
     ):
         return None
-    q, k_cache, v_cache, k, v = _heads_first(q, k_cache, v_cache, k, v, block_table)
+    if not plan.flash_entry:
+        q, k_cache, v_cache, k, v = heads_first(q, k_cache, v_cache, k, v, block_table)
     ran = plans.run_decode(
         plan,
         q,
@@ -390,16 +401,6 @@ def _run_planned(
     if ran is None:
         return None
     return (ran[0] if plan.in_place else ran[0].transpose(1, 2)), ran[1]
-
-
-def _heads_first(q, k_cache, v_cache, k, v, block_table):
-    """The decode entry point's [B, H, N, D] views of flash-attn's [B, N, H, D] tensors (paged
-    caches as they are)."""
-    if block_table is None:
-        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-    if k is not None:
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
-    return q.transpose(1, 2), k_cache, v_cache, k, v
 
 
 def _decode_module(

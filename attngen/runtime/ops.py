@@ -17,14 +17,15 @@ torch.compile(fullgraph=True) traces through it without running a kernel. Either
                       place (mutates_args) -> out [B, HQ, Nq, DV], lse [B, HQ, Nq]
 
 `heads_last` (prefill, decode): the module writes a contiguous [B, M, HQ, DV] output
-(flash-attn's layout) in place: a prefill module through its `attention_flash_out` entry
-point, which allocates that output itself (or `attention_flash`, which takes flash-attn's
-[B, N, H, D] tensors as they are: call_prefill's flash_layout), a decode module or a prefill
-module built before those through its `out=`, handed over as a [B, HQ, M, DV] view; callers
-ask for it only from a module that takes `out=` (Dispatch.writes_out). `prefill` and
-`decode` then return that [B, M, HQ, DV] tensor; the ops return the view (an op's output has
-the shape its fake implementation gives). The LSE is always an op output (an empty tensor when
-not asked for): an op's outputs cannot be optional; the functions here return None instead.
+(flash-attn's layout) in place: through its `attention_flash_out` or `decode_flash_out` entry
+point, which allocates that output itself (or `attention_flash` / `decode_flash`, which take
+flash-attn's [B, N, H, D] tensors as they are: call_prefill's and call_decode's
+flash_layout), a module built before those through its `out=`, handed over as a
+[B, HQ, M, DV] view; callers ask for it only from a module that takes `out=`
+(Dispatch.writes_out). `prefill` and `decode` then return that [B, M, HQ, DV] tensor; the
+ops return the view (an op's output has the shape its fake implementation gives). The LSE is
+always an op output (an empty tensor when not asked for): an op's outputs cannot be optional;
+the functions here return None instead.
 
 prefill and varlen have an autograd formula (backward_ops.py), so torch.compile(fullgraph=True)
 traces forward and backward; through the ops the forward always computes the LSE the backward
@@ -177,10 +178,12 @@ def call_prefill(
 
 
 def takes_flash_layout(module) -> bool:
-    """Whether the module has `attention_flash` (q/k/v and out in [B, N, H, D]) and
-    `attention_flash_out` (q/k/v in [B, H, N, D], out in [B, N, H, D]); modules built by an
-    older attngen have only `attention`."""
-    return hasattr(module, "attention_flash_out")
+    """Whether the module has its kind's entry points in flash-attn's layout: a prefill
+    module's `attention_flash` (q/k/v and out in [B, N, H, D]) and `attention_flash_out`
+    (q/k/v in [B, H, N, D], out in [B, N, H, D]), a decode module's `decode_flash` and
+    `decode_flash_out` (the same layouts); modules built by an older attngen have only
+    `attention` or `decode`."""
+    return hasattr(module, "attention_flash_out") or hasattr(module, "decode_flash_out")
 
 
 def prefill(

@@ -56,7 +56,7 @@ class Plan:
     sm_scale: float
     return_lse: bool
     in_place: bool  # the module writes the caller's heads-last output (its out=)
-    flash_entry: bool  # in place through attention_flash ([B, N, H, D] in and out)
+    flash_entry: bool  # in place through attention_flash / decode_flash ([B, N, H, D] in, out)
     device_check: tuple[Any, ...] | None  # device_problem's arguments when asked at each run
 
 
@@ -143,7 +143,9 @@ def remember(
         float(sm_scale),
         bool(return_lse),
         in_place,
-        in_place and cached.need.kind is KernelKind.prefill and ops.takes_flash_layout(module),
+        in_place
+        and cached.need.kind in (KernelKind.prefill, KernelKind.decode)
+        and ops.takes_flash_layout(module),
         check,
     )
     plans = registry.plans
@@ -266,9 +268,11 @@ def run_decode(
     num_splits: int = 0,
     rotary: dict | None = None,
 ) -> tuple[Tensor, Tensor | None] | None:
-    """decode_ops.decode's direct call from a plan, [B, H, N, D] views in (heads-last output
-    when the plan writes in place), with the call's num_splits (which its key holds too) and
-    rotary keywords (kvcache_plan.planned_rotary); None when the device refuses now."""
+    """decode_ops.decode's direct call from a plan: flash-attn's [B, N, H, D] tensors as they
+    are to the module's decode_flash when the plan writes through it (flash_entry), else
+    [B, H, N, D] views (heads-last output when the plan writes in place), with the call's
+    num_splits (which its key holds too) and rotary keywords (kvcache_plan.planned_rotary);
+    None when the device refuses now."""
     if plan.device_check is not None and device_problem(*plan.device_check) is not None:
         return None  # the device refuses now what it served: the full path says why
     record(plan.dispatch)
@@ -289,4 +293,5 @@ def run_decode(
         None,
         num_splits,
         **(rotary or {}),
+        flash_layout=plan.flash_entry,
     )
