@@ -66,6 +66,9 @@ section_command() {
       --decode-modes dynamic,static" ;;
     cp_tests) echo "$pytest_gpu tests/test_context_parallel_gpu.py" ;;
     host) echo "python3 tools/exp_host_overhead.py --out $work" ;;
+    # One entry point's host time split into its Python and its launches, each launch timed
+    # through Triton's launcher with tensors, with addresses, and through the C launcher.
+    profile_launch) echo "python3 tools/profile_launch_host.py --out $work" ;;
     bench_decode) echo "python3 tools/bench_decode.py --out $work" ;;
     profile_decode) echo "python3 tools/profile_decode_graph.py --out $work" ;;
     public_prefill) echo "python3 tools/bench_public_prefill.py --out $work" ;;

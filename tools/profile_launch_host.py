@@ -1,0 +1,197 @@
+"""Where one entry point's host time goes on the GPU host: the Python around its launches,
+each launch's cost through Triton's compiled launcher, and what that launcher itself spends.
+
+For each entry point (tiny shapes, as tools/host_overhead.py) it records the launches one
+warm call makes (CudaLauncher.__call__, which a module's cached launcher reaches through
+`compiled.run(...)`), then times, in one process beside torch SDPA:
+
+- the call as users make it;
+- the call with every launch a no-op (the Python and allocations alone);
+- each recorded launch replayed four ways: `compiled.run(...)` with the tensors (what the
+  modules do: Triton's C launcher calls each tensor's data_ptr() and cuPointerGetAttribute
+  on it), `compiled.run(...)` with the tensors' addresses as ints (the launcher takes an int
+  as the pointer itself), the C launcher (`CudaLauncher.launch`) with ints (no Python frame
+  of CudaLauncher.__call__ and its scratch closures), and the addresses alone
+  (t.data_ptr() for each tensor);
+- a cProfile of the call (own time per function).
+
+Usage on the GPU machine:  PYTHONPATH=. python3 tools/profile_launch_host.py --out DIR
+Writes DIR/profile_launch_host.json and DIR/profile_launch_host_cprofile.txt; a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import io
+import json
+import pstats
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.backends.nvidia.driver import CudaLauncher
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_overhead import _noop, host_us, module_for  # noqa: E402
+
+import attngen  # noqa: E402
+
+_REAL_CALL = CudaLauncher.__call__
+_BASE = 9  # packed_metadata, launch_metadata, enter hook, exit hook follow grid..function
+
+
+def recorded_launches(call) -> list[tuple]:
+    """The launches one call makes: (launcher, grid x, y, z, stream, function, args)."""
+    seen: list[tuple] = []
+
+    def record(self, gx, gy, gz, stream, function, *args):
+        seen.append((self, gx, gy, gz, stream, function, args))
+        return _REAL_CALL(self, gx, gy, gz, stream, function, *args)
+
+    CudaLauncher.__call__ = record
+    try:
+        call()
+    finally:
+        CudaLauncher.__call__ = _REAL_CALL
+    return seen
+
+
+def without_launches(call):
+    """call() with every compiled launch a no-op: the entry point's own host time."""
+
+    def run():
+        CudaLauncher.__call__ = lambda self, *a: None
+        try:
+            call()
+        finally:
+            CudaLauncher.__call__ = _REAL_CALL
+
+    return run
+
+
+def launch_variants(record: tuple) -> dict[str, object]:
+    launcher, gx, gy, gz, stream, function, args = record
+    head, kernel_args = args[:4], args[4:]
+    tensors = [a for a in kernel_args if isinstance(a, torch.Tensor)]
+    as_ints = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in kernel_args)
+    rows: dict[str, object] = {"tensor args": len(tensors), "args": len(kernel_args)}
+    rows["compiled.run, tensors"] = round(
+        host_us(lambda: launcher(gx, gy, gz, stream, function, *args)), 2
+    )
+    rows["compiled.run, addresses as ints"] = round(
+        host_us(lambda: launcher(gx, gy, gz, stream, function, *head, *as_ints)), 2
+    )
+    scratch = launcher.global_scratch_size or launcher.profile_scratch_size
+    if not scratch:
+        coop, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
+        c_launch = launcher.launch
+        rows["C launcher, addresses as ints"] = round(
+            host_us(
+                lambda: c_launch(
+                    gx, gy, gz, stream, function, coop, pdl, None, None, *head, *as_ints
+                )
+            ),
+            2,
+        )
+    rows["data_ptr() of each tensor"] = round(host_us(lambda: [t.data_ptr() for t in tensors]), 2)
+    return rows
+
+
+def entry_points() -> dict[str, object]:
+    q = torch.randn(1, 12, 64, 64, device="cuda", dtype=torch.float16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    qf, kf, vf = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    bert = module_for("prefill", "bert_base")
+    qwen = module_for("decode", "qwen2_5_7b")
+    qd = torch.randn(1, 1, 28, 128, device="cuda", dtype=torch.bfloat16)
+    kc = torch.randn(1, 4096, 4, 128, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    lens = torch.full((1,), 64, dtype=torch.int32, device="cuda")
+    heads_first = [t.transpose(1, 2) for t in (qd, kc, vc)]
+    calls = {
+        "module attention()": lambda: bert.attention(q, k, v),
+        "attngen.flash_attn_func": lambda: attngen.flash_attn_func(qf, kf, vf),
+        "module decode() (B1, L64)": lambda: qwen.decode(*heads_first, lens),
+        "attngen.flash_attn_with_kvcache (B1, L64)": lambda: attngen.flash_attn_with_kvcache(
+            qd, kc, vc, cache_seqlens=lens, causal=True
+        ),
+    }
+    if hasattr(qwen, "decode_flash"):
+        calls["module decode_flash() (B1, L64)"] = lambda: qwen.decode_flash(qd, kc, vc, lens)
+    return calls
+
+
+def profile_text(call, calls: int = 2000) -> str:
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        call()
+    torch.cuda.synchronize()
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
+    return text.getvalue()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    q = torch.randn(1, 12, 64, 64, device="cuda", dtype=torch.float16)
+    x = torch.empty(16, device="cuda")
+    anchors = {
+        "torch sdpa (default dispatch)": round(
+            host_us(lambda: F.scaled_dot_product_attention(q, q, q)), 2
+        ),
+        "bare triton launch (1 arg)": round(host_us(lambda: _noop[(1,)](x)), 2),
+        "torch.empty (1, 28, 1, 128) bf16": round(
+            host_us(lambda: torch.empty(1, 28, 1, 128, device="cuda", dtype=torch.bfloat16)), 2
+        ),
+    }
+    results: dict[str, object] = {}
+    profiles = []
+    for name, call in entry_points().items():
+        try:
+            for _ in range(3):
+                call()  # compiles, fills the plans
+            row: dict[str, object] = {
+                "call": round(host_us(call), 2),
+                "launches no-op": round(host_us(without_launches(call)), 2),
+            }
+            row["launches"] = [launch_variants(r) for r in recorded_launches(call)]
+            results[name] = row
+            profiles.append(f"== {name}\n{profile_text(call)}")
+        except Exception as exc:  # one broken row must not hide the others
+            results[name] = f"error: {type(exc).__name__}: {exc}"
+            traceback.print_exc()
+    report = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "anchors_us": anchors,
+        "entry_points_us": results,
+    }
+    (args.out / "profile_launch_host.json").write_text(json.dumps(report, indent=1))
+    (args.out / "profile_launch_host_cprofile.txt").write_text("\n".join(profiles))
+    versions = f"torch {torch.__version__}, triton {triton.__version__}"
+    print(f"host us per call ({report['gpu']}, {versions})")
+    for name, value in anchors.items():
+        print(f"  {name:44s} {value}")
+    for name, row in results.items():
+        if not isinstance(row, dict):
+            print(f"  {name:44s} {row}")
+            continue
+        print(f"  {name:44s} call {row['call']}, launches no-op {row['launches no-op']}")
+        for i, launch in enumerate(row["launches"]):
+            print(f"      launch {i}: {launch}")
+
+
+if __name__ == "__main__":
+    main()
