@@ -27,7 +27,7 @@ from tests.decode_harness import (
 from tests.ondemand_harness import on_demand  # noqa: F401
 from tests.test_decode_plans import KERNELS, PAGED
 from tests.test_decode_rotary import rotary_tables
-from tests.test_fast_launch import DECODE, FakeCompiled, fast, fp16
+from tests.test_fast_launch import DECODE, Address, FakeCompiled, fast, fp16
 
 ROTARY = make_decode_spec(
     "contiguous",
@@ -230,7 +230,7 @@ def pointers(args, inputs):
     tensors at every call), a new tensor (output, LSE, partials) by its dtype and alignment."""
 
     def one(a):
-        if isinstance(a, torch.Tensor):
+        if isinstance(a, (torch.Tensor, Address)):  # (a direct launch passes addresses)
             ptr = a.data_ptr()
             return ("tensor", a.dtype, ptr if ptr in inputs else ("new", ptr % 16 == 0))
         return a
@@ -290,7 +290,7 @@ def test_decode_flash_plans_launch_what_decode_launches_for_the_views(monkeypatc
                 assert pointers_of(log[start:], inputs) == expected, f"{entry}: {name}"
                 out = result[0] if options.get("return_lse") else result
                 assert out.shape == (2, 2, 4, 64) and (given is None or out is given)
-                written = [a.data_ptr() for a in log[-1][2] if isinstance(a, torch.Tensor)]
+                written = [a.data_ptr() for a in log[-1][2] if isinstance(a, Address)]
                 assert out.data_ptr() in written, f"{entry}: {name}: out not the kernel's"
     for plans in module._FLASH_PLANS:
         assert plans and all(

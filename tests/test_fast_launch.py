@@ -13,8 +13,10 @@ launch a kernel compiled for other arguments, and fail there.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import itertools
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -76,9 +78,40 @@ class FakeCompiled:
     ):
         assert (function, metadata, stream) == (self.function, self.packed_metadata, "stream")
         assert (grid_1, grid_2, launch_metadata, enter_hook, exit_hook) == (1, 1, None, None, None)
-        spec, _ = triton_specialization(self.kernel.params, args, {})
-        assert spec == self.key[0], "launched a kernel compiled for another specialization"
-        self.runs.append((grid_0, list(args)))
+        bound = self.key[0]
+        # A direct launch passes each pointer as the tensor's address (an int): it specializes
+        # as the bound tensor did when its 16-byte alignment is the same.
+        assert all(
+            type(a) is int for a, b in zip(args, bound, strict=True) if b[0].startswith("*")
+        ), "a direct launch passes addresses, not tensors"
+        spec, _ = triton_specialization(
+            self.kernel.params,
+            [0 if b[0].startswith("*") else a for a, b in zip(args, bound, strict=True)],
+            {},
+        )
+        spec = tuple(
+            (b[0], "D" if a & 15 == 0 else "") if b[0].startswith("*") else s
+            for a, b, s in zip(args, bound, spec, strict=True)
+        )
+        assert spec == bound, "launched a kernel compiled for another specialization"
+        ran = [
+            Address(a, b[0]) if b[0].startswith("*") else a
+            for a, b in zip(args, bound, strict=True)
+        ]
+        self.runs.append((grid_0, ran))
+
+
+class Address:
+    """A pointer argument of a direct launch: the tensor's address, and the pointer type the
+    compiled kernel has there (its dtype, '*fp16'); data_ptr() as a tensor's."""
+
+    __slots__ = ("address", "dtype")
+
+    def __init__(self, address, dtype):
+        self.address, self.dtype = address, dtype
+
+    def data_ptr(self):
+        return self.address
 
 
 class FakeKernel:
@@ -134,11 +167,31 @@ def described(args):
     def one(a):
         if isinstance(a, torch.Tensor):
             return ("tensor", a.dtype, tuple(a.shape), a.stride())
+        if isinstance(a, Address):  # a direct launch's pointer: made anew at each call or not
+            return ("address", a.dtype, a.address & 15 == 0)
         if isinstance(a, TensorDescriptor):
             return ("desc", one(a.base), list(a.shape), list(a.strides), list(a.block_shape))
         return a
 
     return [one(a) for a in args]
+
+
+def same_launch(run_args, bound_args, inputs=()):
+    """A direct launch's arguments are what kernel[grid] was given: the tensors' addresses
+    where it had tensors (the very address for a tensor among `inputs`, the same in both
+    calls; the same 16-byte alignment for one made anew at each call, an output), the rest
+    described alike."""
+    assert len(run_args) == len(bound_args)
+    for ran, bound in zip(run_args, bound_args, strict=True):
+        if isinstance(bound, torch.Tensor):
+            assert isinstance(ran, Address), "a direct launch passes addresses"
+            if any(bound is t for t in inputs):
+                assert ran.address == bound.data_ptr()
+            else:
+                assert (ran.address & 15 == 0) == (bound.data_ptr() & 15 == 0)
+        else:
+            assert described([ran]) == described([bound])
+    return True
 
 
 def fp16(*shape, offset=0):
@@ -225,7 +278,7 @@ def test_prefill_launches_bind_once_per_specialization_then_run_directly(monkeyp
         call()
         assert len(fake.bound) == before + 1, f"{name}: second call runs directly"
         grid, args = compiled.runs[-1]
-        assert grid == fake.bound[-1][0] and described(args) == described(fake.bound[-1][1])
+        assert grid == fake.bound[-1][0] and same_launch(args, fake.bound[-1][1], (q, k, v))
     monkeypatch.setitem(module.CONFIG, "num_warps", module.CONFIG["num_warps"] * 2)
     before = len(fake.bound)
     calls["base"]()
@@ -273,7 +326,7 @@ def test_varlen_launch_runs_directly_with_the_bound_arguments(monkeypatch):
         module.attention_varlen(q, k, k, cu, cu, 23, 23)
     ((grid, bound, compiled),) = fake.bound
     ((run_grid, run_args),) = compiled.runs
-    assert run_grid == grid and described(run_args) == described(bound)
+    assert run_grid == grid and same_launch(run_args, bound, (q, k, cu))
     module.attention_varlen(q[:40], k[:40], k[:40], cu, cu, 23, 23)  # 40 rows: not % 16
     assert len(fake.bound) == 2
 
@@ -291,7 +344,64 @@ def test_decode_launches_append_split_and_combine_directly(monkeypatch):
     for fake in fakes:
         ((grid, bound, compiled),) = fake.bound
         ((run_grid, run_args),) = compiled.runs
-        assert run_grid == grid and described(run_args) == described(bound), fake.fn.__name__
+        inputs = (q, cache.k, cache.v, cache.lengths, k_new, v_new)
+        assert run_grid == grid and same_launch(run_args, bound, inputs), fake.fn.__name__
+
+
+def test_direct_launches_call_the_c_launcher_only_where_its_arguments_are_known(monkeypatch):
+    """A compiled kernel's _runner: Triton 3.6's C launcher with the fixed arguments its
+    CudaLauncher passes, where the kernel needs no scratch memory; otherwise (scratch, another
+    launcher, another Triton) the compiled kernel's launcher itself."""
+    module = load_kernel(PREFILL)
+
+    class CudaLauncher:  # Triton's launcher class, as _runner knows it by name
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid, launch_pdl = False, True
+
+        def launch(self, *args):
+            pass
+
+        def __call__(self, *args):
+            pass
+
+    compiled = SimpleNamespace(run=CudaLauncher(), function="fn", packed_metadata="meta")
+    monkeypatch.setattr(module, "_C_LAUNCHER", True)
+    launch, prefix = module._runner(compiled)
+    assert launch == compiled.run.launch
+    assert prefix == ("fn", False, True, None, None, "meta", None, None, None)
+    by_launcher = (compiled.run, ("fn", "meta", None, None, None))
+    compiled.run.profile_scratch_size = 64
+    assert module._runner(compiled) == by_launcher
+    compiled.run.profile_scratch_size = 0
+    monkeypatch.setattr(module, "_C_LAUNCHER", False)
+    assert module._runner(compiled) == by_launcher
+
+
+def test_the_c_launcher_takes_the_arguments_runner_passes():
+    """Where _C_LAUNCHER holds (this Triton), its C launcher parses grid, stream, function,
+    the cooperative and PDL flags, the two scratch buffers, the kernel's metadata, the launch
+    metadata and the two hooks, then the kernel's arguments, and CudaLauncher passes them so."""
+    from triton.backends.nvidia.driver import CudaLauncher, make_launcher
+
+    module = load_kernel(PREFILL)
+    assert module._C_LAUNCHER == (triton.__version__.split(".")[:2] == ["3", "6"])
+    if not module._C_LAUNCHER:
+        return  # another Triton: _runner takes the compiled kernel's launcher
+    source = make_launcher({}, {0: "*fp16", 1: "i32"}, None)
+    parsed = re.search(r'PyArg_ParseTuple\(args, "[^"]*",(.*?)\)\)', source, re.S)
+    assert [a.strip().lstrip("&") for a in parsed.group(1).split(",")] == [
+        "gridX", "gridY", "gridZ", "_stream", "_function", "launch_cooperative_grid",
+        "launch_pdl", "global_scratch_obj", "profile_scratch_obj", "kernel_metadata",
+        "launch_metadata", "launch_enter_hook", "launch_exit_hook", "_arg0", "_arg1",
+    ]  # fmt: skip
+    call = " ".join(inspect.getsource(CudaLauncher.__call__).split())
+    assert (
+        "self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, "
+        "self.launch_pdl, global_scratch, profile_scratch, *args)" in call
+    )
+    assert "return launcher(*final_args)" in inspect.getsource(
+        importlib.import_module("triton.backends.nvidia.driver").wrap_handle_tensordesc
+    )
 
 
 # ------------------------------------------------------------------- TMA descriptors
@@ -361,14 +471,19 @@ def test_call_plans_launch_what_the_full_path_launches(monkeypatch):
     fast(monkeypatch, module, "_attn_fwd_kernel")
     monkeypatch.setattr(module, "_CALL_PLANS", {})
     log, run = [], FakeCompiled.run
+    q, k, v = fp16(2, 4, 64, 64), fp16(2, 2, 64, 64), fp16(2, 2, 64, 64)
+    out = fp16(2, 64, 4, 64).transpose(1, 2)
+    stable = {t.data_ptr(): name for name, t in (("q", q), ("k", k), ("v", v), ("out", out))}
 
     def logged(self, *args):
         run(self, *args)
-        log.append((self, self.runs[-1][0], described(self.runs[-1][1])))
+        grid, ran = self.runs[-1]
+        # addresses: the tensors' own where they are the same in every call, else (outputs
+        # made anew) their alignment
+        ran = [stable.get(a.address, a) if isinstance(a, Address) else a for a in ran]
+        log.append((self, grid, described(ran)))
 
     monkeypatch.setattr(FakeCompiled, "run", logged)
-    q, k, v = fp16(2, 4, 64, 64), fp16(2, 2, 64, 64), fp16(2, 2, 64, 64)
-    out = fp16(2, 64, 4, 64).transpose(1, 2)
     calls = {
         "base": lambda: module.attention(q, k, v),
         "scale, lse": lambda: module.attention(q, k, v, sm_scale=0.5, return_lse=True),

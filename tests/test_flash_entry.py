@@ -18,7 +18,7 @@ from attngen.runtime.hf import attngen_attention
 from attngen.runtime.registry import current_registry
 from attngen.tiling.code_paths import POINTER_LOADS_UP_TO
 from tests.kernel_harness import load_kernel, make_spec
-from tests.test_fast_launch import FakeCompiled, fast, fp16
+from tests.test_fast_launch import Address, FakeCompiled, fast, fp16
 from tests.test_runtime_fast_path import flash_qkv
 
 PREFILL = make_spec(name="flash", dtype="fp16", head_dim=64, num_q_heads=4, num_kv_heads=2)
@@ -111,7 +111,7 @@ def launched(args, inputs):
     tensors at every call), a new output by its alignment, TMA descriptors by their fields."""
 
     def one(a):
-        if isinstance(a, torch.Tensor):
+        if isinstance(a, (torch.Tensor, Address)):  # (a direct launch passes addresses)
             ptr = a.data_ptr()
             return ("tensor", a.dtype, ptr if ptr in inputs else ("new", ptr % 16 == 0))
         if isinstance(a, TensorDescriptor):

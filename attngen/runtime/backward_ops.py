@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attngen.runtime.ops import _dropout_options, _no_lse, _ran, _sinks
+from attngen.runtime.ops import _dropout_options, _no_lse, _sinks, count_run
 from attngen.runtime.registry import current_registry
 
 
@@ -63,7 +63,7 @@ def prefill_backward(
     rng_state: the forward's, for a module built with dropout: true. With sinks (a module
     built with sinks: true), (dq, dk, dv, dsinks)."""
     backward = _backward_of(key, "attention_backward")
-    _ran(key)
+    count_run(key)
     return tuple(
         backward(
             dout,
@@ -185,7 +185,7 @@ def varlen_backward_op(
     sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     backward = _backward_of(key, "attention_varlen_backward")
-    _ran(key)
+    count_run(key)
     grads = backward(
         dout,
         q,

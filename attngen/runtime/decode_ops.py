@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from attngen.runtime.kvcache_rotary import rotary_keywords
-from attngen.runtime.ops import _direct, _heads_last, _no_lse, _ran, _sinks, takes_flash_layout
+from attngen.runtime.ops import _direct, _heads_last, _no_lse, _sinks, count_run, takes_flash_layout
 from attngen.runtime.registry import current_registry
 
 # --------------------------------------------------------------------------------- decode
@@ -89,7 +89,7 @@ def call_decode(
     """run_decode with the module of `key` in hand; flash_layout (with heads_last, from a
     module that takes_flash_layout): q, the caches (paged ones as always) and k_new/v_new in
     flash-attn's [B, N, H, D] layout, handed to its decode_flash as they are."""
-    _ran(key)
+    count_run(key)
     extra = {**_sinks(sinks), **_splits(module, key, num_splits)}
     if rotary_cos is not None or rotary_sin is not None:  # (modules with ACCEPTS_ROTARY)
         extra.update(

@@ -50,7 +50,8 @@ _counts: collections.Counter[str] = collections.Counter()
 _counts_lock = threading.Lock()
 
 
-def _ran(key: str) -> None:
+def count_run(key: str) -> None:
+    """Count one kernel call of the module `key` (run_counts)."""
     with _counts_lock:
         _counts[key] += 1
 
@@ -154,7 +155,7 @@ def call_prefill(
 ) -> tuple[Tensor, Tensor | None]:
     """run_prefill with the module of `key` in hand (a plan holds it: plans.py); flash_layout
     (with heads_last, from a module that takes_flash_layout): q, k, v in [B, N, H, D]."""
-    _ran(key)
+    count_run(key)
     options = _dropout_options(dropout_p, rng_state)  # a new dict: the keywords below join it
     entry, out = module.attention, None
     if heads_last and takes_flash_layout(module):  # q, k, v as they are; out [B, M, HQ, DV]
@@ -321,7 +322,7 @@ def call_varlen(
     rng_state: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """run_varlen with the module of `key` in hand."""
-    _ran(key)
+    count_run(key)
     result = module.attention_varlen(
         q,
         k,

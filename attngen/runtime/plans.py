@@ -42,6 +42,7 @@ from attngen.runtime.selection import Dispatch
 from attngen.spec import KernelKind
 
 _is_compiling = torch.compiler.is_compiling
+_NO_KEYWORDS: dict = {}  # (never written: a ** of no keywords)
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -201,26 +202,31 @@ def run_flash(
 ) -> tuple[Tensor, Tensor | None] | None:
     """run_dense for q, k, v in flash-attn's [B, N, H, D] layout: handed as they are to the
     module's attention_flash when the plan writes in place through it (no view, no output
-    allocation here), else as [B, H, N, D] views to run_dense."""
+    allocation here, and no layer between: this is ops.call_prefill's flash_layout call with
+    its arguments known), else as [B, H, N, D] views to run_dense."""
     if not plan.flash_entry:
         views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return run_dense(plan, *views, alibi_slopes, heads_last=True, sinks=sinks)
     if plan.device_check is not None and device_problem(*plan.device_check) is not None:
         return None  # the device refuses now what it served: the full path says why
     record(plan.dispatch)
-    return ops.call_prefill(
-        plan.module,
-        plan.key,
-        q,
-        k,
-        v,
-        plan.sm_scale,
-        alibi_slopes,
-        plan.return_lse,
-        True,
-        sinks,
-        flash_layout=True,
-    )
+    ops.count_run(plan.key)
+    entry = plan.module.attention_flash
+    if sinks is None:
+        result = entry(
+            q, k, v, sm_scale=plan.sm_scale, alibi_slopes=alibi_slopes, return_lse=plan.return_lse
+        )
+    else:
+        result = entry(
+            q,
+            k,
+            v,
+            sm_scale=plan.sm_scale,
+            alibi_slopes=alibi_slopes,
+            return_lse=plan.return_lse,
+            sinks=sinks,
+        )
+    return result if plan.return_lse else (result, None)
 
 
 def run_varlen(
@@ -269,29 +275,61 @@ def run_decode(
     rotary: dict | None = None,
 ) -> tuple[Tensor, Tensor | None] | None:
     """decode_ops.decode's direct call from a plan: flash-attn's [B, N, H, D] tensors as they
-    are to the module's decode_flash when the plan writes through it (flash_entry), else
+    are to the module's decode_flash when the plan writes through it (flash_entry: no layer
+    between, decode_ops.direct_decode's flash_layout call with its arguments known), else
     [B, H, N, D] views (heads-last output when the plan writes in place), with the call's
     num_splits (which its key holds too) and rotary keywords (kvcache_plan.planned_rotary);
     None when the device refuses now."""
     if plan.device_check is not None and device_problem(*plan.device_check) is not None:
         return None  # the device refuses now what it served: the full path says why
     record(plan.dispatch)
-    return decode_ops.direct_decode(
-        plan.module,
-        plan.key,
-        q,
-        k_cache,
-        v_cache,
-        cache_seqlens,
-        block_table,
-        k_new,
-        v_new,
-        plan.sm_scale,
-        alibi_slopes,
-        plan.return_lse,
-        plan.in_place,
-        None,
-        num_splits,
-        **(rotary or {}),
-        flash_layout=plan.flash_entry,
-    )
+    if not plan.flash_entry:
+        return decode_ops.direct_decode(
+            plan.module,
+            plan.key,
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens,
+            block_table,
+            k_new,
+            v_new,
+            plan.sm_scale,
+            alibi_slopes,
+            plan.return_lse,
+            plan.in_place,
+            None,
+            num_splits,
+            **(rotary or {}),
+        )
+    return _decode_flash(
+        plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, alibi_slopes,
+        num_splits, rotary,
+    )  # fmt: skip
+
+
+def _decode_flash(
+    plan: Plan,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens: Tensor,
+    block_table: Tensor | None,
+    k_new: Tensor | None,
+    v_new: Tensor | None,
+    alibi_slopes: Tensor | None,
+    num_splits: int,
+    rotary: dict | None,
+) -> tuple[Tensor, Tensor | None]:
+    """The module's decode_flash with the plan's scale and LSE flag (a module with it takes
+    num_splits and rotary_*); the caches' version counters bumped after an append, as the
+    op's mutates_args would."""
+    ops.count_run(plan.key)
+    result = plan.module.decode_flash(
+        q, k_cache, v_cache, cache_seqlens, block_table=block_table, k_new=k_new, v_new=v_new,
+        sm_scale=plan.sm_scale, alibi_slopes=alibi_slopes, return_lse=plan.return_lse,
+        num_splits=num_splits, **(rotary or _NO_KEYWORDS),
+    )  # fmt: skip
+    if k_new is not None and v_new is not None:
+        torch.autograd.graph.increment_version((k_cache, v_cache))
+    return result if plan.return_lse else (result, None)

@@ -121,7 +121,7 @@ def root(context, missing=missing):
         elif (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield ',\n            sinks=sinks'
-        yield ')\n    _refuse_out_with_grad(out)\n    if seqused_k is not None:\n        raise ValueError("seqused_k: no backward for a KV cache read in place; pass None when "\n                         "q, k or v requires grad")\n    sm_scale = _resolved_sm_scale(sm_scale)\n    if os.environ.get("ATTNGEN_CHECKS") == "1" and isinstance(cu_seqlens_k, torch.Tensor):\n        _check_key_lengths(cu_seqlens_k, max_seqlen_k)\n    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)\n    out, lse = _AttentionFunction.apply(q, k, v, sm_scale, alibi_slopes, dropout, lengths'
+        yield ')\n    _refuse_out_with_grad(out)\n    if seqused_k is not None:\n        raise ValueError("seqused_k: no backward for a KV cache read in place; pass None when "\n                         "q, k or v requires grad")\n    sm_scale = _resolved_sm_scale(sm_scale)\n    if _checked() and isinstance(cu_seqlens_k, torch.Tensor):\n        _check_key_lengths(cu_seqlens_k, max_seqlen_k)\n    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)\n    out, lse = _AttentionFunction.apply(q, k, v, sm_scale, alibi_slopes, dropout, lengths'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield ',\n                                        sinks'

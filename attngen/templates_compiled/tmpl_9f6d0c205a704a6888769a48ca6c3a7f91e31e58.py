@@ -134,7 +134,7 @@ def root(context, missing=missing):
         l_1_softcap = resolve('softcap')
         pass
         t_2.extend((
-            '_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"\n_LOG2E = 1.4426950408889634\n\n# Compile-time constants of the kernels (Triton reads globals only as tl.constexpr).\n# Head dims are padded to powers of two for tl.dot; loads and stores mask the padding.\n_HEAD_DIM = tl.constexpr(HEAD_DIM)\n_HEAD_DIM_V = tl.constexpr(HEAD_DIM_V)\n_BLOCK_D = tl.constexpr(',
+            '_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"\n_LOG2E = 1.4426950408889634\n# ATTNGEN_CHECKS is read at every call: os.environ.get encodes the name and the value (about\n# a microsecond), so on POSIX the launchers read the bytes mapping that os.environ keeps and\n# updates at every assignment and deletion.\n_ENVIRON = os.environ._data if os.name == "posix" else None\n\n\ndef _checked():\n    """Whether ATTNGEN_CHECKS=1 is set now (the host validation of the index tensors)."""\n    if _ENVIRON is None:\n        return os.environ.get("ATTNGEN_CHECKS") == "1"\n    return _ENVIRON.get(b"ATTNGEN_CHECKS") == b"1"\n\n\n# Compile-time constants of the kernels (Triton reads globals only as tl.constexpr).\n# Head dims are padded to powers of two for tl.dot; loads and stores mask the padding.\n_HEAD_DIM = tl.constexpr(HEAD_DIM)\n_HEAD_DIM_V = tl.constexpr(HEAD_DIM_V)\n_BLOCK_D = tl.constexpr(',
             str((undefined(name='block_d') if l_1_block_d is missing else l_1_block_d)),
             ')\n_BLOCK_DV = tl.constexpr(',
             str((undefined(name='block_dv') if l_1_block_dv is missing else l_1_block_dv)),
@@ -215,4 +215,4 @@ def root(context, missing=missing):
     context.vars['check_sm_scale'] = l_0_check_sm_scale = Macro(environment, macro, 'check_sm_scale', (), False, False, False, context.eval_ctx.autoescape)
 
 blocks = {}
-debug_info = '4=12&12=36&15=41&19=48&20=50&21=52&22=54&23=56&24=59&25=63&27=70&28=72&29=75&32=80&33=84&35=87&36=91&38=96&39=105&44=110&45=115&52=125&60=138&61=140&63=143&64=147&65=149&67=152&70=157&73=162&96=171&97=175&121=189&122=193&141=207'
+debug_info = '4=12&12=36&15=41&19=48&20=50&21=52&22=54&23=56&24=59&25=63&27=70&28=72&29=75&32=80&33=84&35=87&36=91&38=96&39=105&44=110&45=115&52=125&72=138&73=140&75=143&76=147&77=149&79=152&82=157&85=162&108=171&109=175&133=189&134=193&153=207'

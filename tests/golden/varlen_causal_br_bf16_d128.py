@@ -66,6 +66,18 @@ CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _LOG2E = 1.4426950408889634
+# ATTNGEN_CHECKS is read at every call: os.environ.get encodes the name and the value (about
+# a microsecond), so on POSIX the launchers read the bytes mapping that os.environ keeps and
+# updates at every assignment and deletion.
+_ENVIRON = os.environ._data if os.name == "posix" else None
+
+
+def _checked():
+    """Whether ATTNGEN_CHECKS=1 is set now (the host validation of the index tensors)."""
+    if _ENVIRON is None:
+        return os.environ.get("ATTNGEN_CHECKS") == "1"
+    return _ENVIRON.get(b"ATTNGEN_CHECKS") == b"1"
+
 
 # Compile-time constants of the kernels (Triton reads globals only as tl.constexpr).
 # Head dims are padded to powers of two for tl.dot; loads and stores mask the padding.
@@ -386,12 +398,20 @@ def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
 # kernel's own launcher, as Triton's JITFunction.run does once it has the kernel.
 ACCEPTS_OUT = True
 _FAST_LAUNCH = not _INTERPRET  # the interpreter runs `kernel[grid]` (it has no launcher)
-_LAUNCH_CACHE = {}  # _specialization(...) -> the compiled kernel
-_EXACT_LAUNCHES = {}  # (_launch_classes(...), the ints themselves) -> the compiled kernel
+_LAUNCH_CACHE = {}  # _specialization(...) -> the compiled kernel's _runner
+_EXACT_LAUNCHES = {}  # (_launch_classes(...), the ints themselves) -> the same
 _LAUNCH_CACHE_SIZE = 1024  # a full cache starts over (a miss only costs a `kernel[grid]` call)
 _DRIVER = []  # [get_current_device, get_current_stream], resolved at the first launch on a GPU
 _HOOKS = triton.knobs.HookChain  # launch hooks: None or an empty chain means no hook
 _KNOBS = triton.knobs
+# A compiled kernel's launcher (CudaLauncher.__call__) builds its scratch closures at each
+# call, and its C launcher calls each tensor's data_ptr() and cuPointerGetAttribute on it:
+# 1-6 us of a launch on the H200 host (tools/profile_launch_host.py). A direct launch passes
+# the tensors' addresses as ints (the C launcher takes an int as the address itself; the
+# caller has checked that the tensors are on the device) and, where that C launcher's
+# arguments are Triton 3.6's and the kernel needs no scratch memory, calls it without the
+# Python frame.
+_C_LAUNCHER = triton.__version__.split(".")[:2] == ["3", "6"]
 
 
 def _int_classes(ints):
@@ -401,13 +421,14 @@ def _int_classes(ints):
     return tuple([(n >> 31) * 4 + (n & 15 and (n == 1) + 1) for n in ints])
 
 
-def _launch_classes(kernel, device, tensors, tail, constexprs, options):
+def _launch_classes(kernel, device, tensors, addresses, tail, constexprs, options):
     """Everything the compiled kernel depends on besides the ints and the argument values:
-    the kernel, the device, each tensor's dtype and 16-byte alignment, the tail's classes (a
-    float scalar is never specialized, None is a constant, a TMA descriptor is its dtype,
-    block shape and padding), the constexprs and the compile options (with Triton's debug
-    and instrumentation knobs)."""
-    return (kernel, device, tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in tensors]),
+    the kernel, the device, each tensor's dtype and 16-byte alignment (of its address), the
+    tail's classes (a float scalar is never specialized, None is a constant, a TMA descriptor
+    is its dtype, block shape and padding), the constexprs and the compile options (with
+    Triton's debug and instrumentation knobs)."""
+    aligned = tuple([(t.dtype, a & 15 == 0) for t, a in zip(tensors, addresses)])
+    return (kernel, device, aligned,
             tuple([type(x) if x is None or type(x) is float
                    else (x.base.dtype, tuple(x.block_shape), x.padding) for x in tail]),
             tuple(constexprs.items()), tuple(options.items()), _KNOBS.runtime.debug,
@@ -417,7 +438,8 @@ def _launch_classes(kernel, device, tensors, tail, constexprs, options):
 def _specialization(kernel, device, tensors, ints, tail, constexprs, options):
     """_launch_classes and the ints' classes: equal keys give equal specializations; the
     converse may not hold (no harm: one more entry)."""
-    return (_launch_classes(kernel, device, tensors, tail, constexprs, options),
+    addresses = [t.data_ptr() for t in tensors]
+    return (_launch_classes(kernel, device, tensors, addresses, tail, constexprs, options),
             _int_classes(ints))
 
 
@@ -437,17 +459,41 @@ def _runs_directly(kernel):
     return True
 
 
+def _direct_on(device, kernels):
+    """Whether launches of these kernels may call their compiled launchers now: each
+    _runs_directly, and `device` the current device (the compiled kernels' handles are
+    loaded for it)."""
+    for kernel in kernels:
+        if not _runs_directly(kernel):
+            return False
+    return _DRIVER[0]() == device
+
+
+def _runner(compiled):
+    """(launch, prefix): launch(grid, 1, 1, stream, *prefix, *addresses, *ints, *tail,
+    *constexprs) runs the compiled kernel: its C launcher with the fixed arguments Triton
+    3.6's takes after the stream (_C_LAUNCHER, no scratch memory), else its launcher."""
+    launcher = compiled.run
+    if (_C_LAUNCHER and type(launcher).__name__ == "CudaLauncher"
+            and not getattr(launcher, "global_scratch_size", 1)
+            and not getattr(launcher, "profile_scratch_size", 1)):
+        return launcher.launch, (compiled.function, launcher.launch_cooperative_grid,
+                                 launcher.launch_pdl, None, None, compiled.packed_metadata,
+                                 None, None, None)
+    return launcher, (compiled.function, compiled.packed_metadata, None, None, None)
+
+
 def _launch(kernel, grid, device, tensors, ints, tail, constexprs, options):
     """kernel[(grid,)](*tensors, *ints, *tail, **constexprs, **options): the kernel's
     parameters are tensors (pointers), Python ints (a tuple), the tail (floats, TMA
     descriptors or None) and its constexprs, in that order; device is the tensors' CUDA
-    device index. Returns the compiled kernel when it ran directly, else None.
+    device index. Returns the compiled kernel's _runner when it ran directly, else None.
 
     The first call of a specialization goes through `kernel[grid]` (which compiles or finds the
-    kernel, checks Triton's globals, and launches); later ones call its launcher directly,
-    found first under the call's ints as they are (a repeated shape: no int classes to
-    derive), else under their classes, on `device` made current if it is not. Where
-    _runs_directly says no, every launch takes `kernel[grid]`."""
+    kernel, checks Triton's globals, and launches); later ones call its launcher directly with
+    the tensors' addresses, found first under the call's ints as they are (a repeated shape:
+    no int classes to derive), else under their classes, on `device` made current if it is
+    not. Where _runs_directly says no, every launch takes `kernel[grid]`."""
     if not _runs_directly(kernel):
         with torch.cuda.device(device) if device >= 0 else contextlib.nullcontext():
             kernel[(grid,)](*tensors, *ints, *tail, **constexprs, **options)
@@ -455,26 +501,28 @@ def _launch(kernel, grid, device, tensors, ints, tail, constexprs, options):
     if _DRIVER[0]() != device:
         with torch.cuda.device(device):
             return _launch(kernel, grid, device, tensors, ints, tail, constexprs, options)
-    classes = _launch_classes(kernel, device, tensors, tail, constexprs, options)
+    addresses = [t.data_ptr() for t in tensors]
+    classes = _launch_classes(kernel, device, tensors, addresses, tail, constexprs, options)
     exact = (classes, ints)
-    compiled = _EXACT_LAUNCHES.get(exact)
-    if compiled is None:
+    runner = _EXACT_LAUNCHES.get(exact)
+    if runner is None:
         key = (classes, _int_classes(ints))
-        compiled = _LAUNCH_CACHE.get(key)
-        if compiled is None:
+        runner = _LAUNCH_CACHE.get(key)
+        if runner is None:
             return _first_launch(kernel, grid, key, tensors, ints, tail, constexprs, options)
         if len(_EXACT_LAUNCHES) >= _LAUNCH_CACHE_SIZE:
             _EXACT_LAUNCHES.clear()
-        _EXACT_LAUNCHES[exact] = compiled
-    compiled.run(grid, 1, 1, _DRIVER[1](device), compiled.function, compiled.packed_metadata,
-                 None, None, None, *tensors, *ints, *tail, *constexprs.values())
-    return compiled
+        _EXACT_LAUNCHES[exact] = runner
+    launch, prefix = runner
+    launch(grid, 1, 1, _DRIVER[1](device), *prefix, *addresses, *ints, *tail,
+           *constexprs.values())
+    return runner
 
 
 def _first_launch(kernel, grid, key, tensors, ints, tail, constexprs, options):
-    """`kernel[grid]`, and its compiled kernel remembered under `key` once the kernel's
-    parameters are known to be the groups in order with the constexprs last (the launcher
-    takes them by position)."""
+    """`kernel[grid]`, and its compiled kernel's _runner remembered under `key` once the
+    kernel's parameters are known to be the groups in order with the constexprs last (the
+    launcher takes them by position)."""
     compiled = kernel[(grid,)](*tensors, *ints, *tail, **constexprs, **options)
     if hasattr(compiled, "result"):  # Triton's asynchronous compile mode
         compiled = compiled.result()
@@ -485,11 +533,11 @@ def _first_launch(kernel, grid, key, tensors, ints, tail, constexprs, options):
             or [p.name for p in params[positional:]] != list(constexprs)):
         raise RuntimeError(f"{kernel.fn.__name__}: its parameters are not the launch's groups "
                            "in order, constexprs last; rebuild the module")
-    compiled.run  # noqa: B018 (loads the kernel's handles on this device)
+    runner = _runner(compiled)  # (compiled.run loads the kernel's handles on this device)
     if len(_LAUNCH_CACHE) >= _LAUNCH_CACHE_SIZE:
         _LAUNCH_CACHE.clear()
-    _LAUNCH_CACHE[key] = compiled
-    return compiled
+    _LAUNCH_CACHE[key] = runner
+    return runner
 
 
 # -- out= -----------------------------------------------------------------------------------
@@ -583,8 +631,8 @@ def _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k):
 
 class _Step:
     """One launch: its kernel, grid, ints, tail, constexprs and compile options,
-    and the compiled kernels found for it, per (the tensors' 16-byte alignment, Triton's
-    knobs)."""
+    and the compiled kernels' _runner found for it, per (the tensors' 16-byte alignment,
+    Triton's knobs)."""
 
     __slots__ = ("kernel", "grid", "ints", "tail", "constexprs", "options", "compiled")
 
@@ -593,27 +641,30 @@ class _Step:
         self.constexprs, self.options, self.compiled = constexprs, options, {}
 
 
-def _run_step(step, device, tensors, ints=None):
+def _run_step(step, device, tensors, ints=None, direct=None):
     """_launch(step's kernel, ...) with these tensors, or, once a compiled kernel is known for
-    their alignment and the launch may run directly, its launcher without a key to derive.
-    ints: the call's, in place of the step's (a decode plan's caches of another size); the
-    caller keeps a step for ints of its ints' classes only (_int_classes), so that the
-    compiled kernel is theirs."""
-    kernel = step.kernel
+    their alignment and the launch may run directly, its launcher with their addresses and no
+    key to derive. ints: the call's, in place of the step's (a decode plan's caches of another
+    size); the caller keeps a step for ints of its ints' classes only (_int_classes), so that
+    the compiled kernel is theirs. direct: _direct_on(device, the step's kernel), when the
+    caller has asked it once for all its steps (None: asked here)."""
     if ints is None:
         ints = step.ints
-    slot = (tuple([t.data_ptr() & 15 == 0 for t in tensors]), _KNOBS.runtime.debug,
+    addresses = [t.data_ptr() for t in tensors]
+    slot = (tuple([a & 15 == 0 for a in addresses]), _KNOBS.runtime.debug,
             _KNOBS.compilation.instrumentation_mode)
-    compiled = step.compiled.get(slot)
-    if compiled is None or not _runs_directly(kernel) or _DRIVER[0]() != device:
-        compiled = _launch(kernel, step.grid, device, tensors, ints, step.tail,
-                           step.constexprs, step.options)
-        if compiled is not None and _DRIVER[0]() == device:
-            step.compiled[slot] = compiled
+    runner = step.compiled.get(slot)
+    if direct is None:
+        direct = _direct_on(device, (step.kernel,))
+    if runner is None or not direct:
+        runner = _launch(step.kernel, step.grid, device, tensors, ints, step.tail,
+                         step.constexprs, step.options)
+        if runner is not None and _DRIVER[0]() == device:
+            step.compiled[slot] = runner
         return
-    compiled.run(step.grid, 1, 1, _DRIVER[1](device), compiled.function,
-                 compiled.packed_metadata, None, None, None, *tensors, *ints, *step.tail,
-                 *step.constexprs.values())
+    launch, prefix = runner
+    launch(step.grid, 1, 1, _DRIVER[1](device), *prefix, *addresses, *ints, *step.tail,
+           *step.constexprs.values())
 
 
 _TENSOR = torch.Tensor
@@ -678,7 +729,7 @@ def _run_plan(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k
     when the full path must run (the config changed)."""
     if CONFIG != plan.config:
         return None
-    if os.environ.get("ATTNGEN_CHECKS") == "1":
+    if _checked():
         _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k)
     if out is None:
         out = q.new_empty(plan.out_shape)
@@ -739,7 +790,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         _check_tensors(q, k, v, "[T, H, D]")
     if not _varlen_ok(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):
         _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
-    if os.environ.get("ATTNGEN_CHECKS") == "1":
+    if _checked():
         _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k)
     total_q, num_q_heads, _ = q.shape
     num_kv_heads = k.shape[1]
