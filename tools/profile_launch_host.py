@@ -1,18 +1,21 @@
 """Where one entry point's host time goes on the GPU host: the Python around its launches,
-each launch's cost through Triton's compiled launcher, and what that launcher itself spends.
+each launch's cost, and what Triton's launcher itself spends.
 
 For each entry point (tiny shapes, as tools/host_overhead.py) it records the launches one
-warm call makes (CudaLauncher.__call__, which a module's cached launcher reaches through
-`compiled.run(...)`), then times, in one process beside torch SDPA:
+warm call makes, then times, in one process beside torch SDPA:
 
 - the call as users make it;
 - the call with every launch a no-op (the Python and allocations alone);
-- each recorded launch replayed four ways: `compiled.run(...)` with the tensors (what the
-  modules do: Triton's C launcher calls each tensor's data_ptr() and cuPointerGetAttribute
-  on it), `compiled.run(...)` with the tensors' addresses as ints (the launcher takes an int
-  as the pointer itself), the C launcher (`CudaLauncher.launch`) with ints (no Python frame
-  of CudaLauncher.__call__ and its scratch closures), and the addresses alone
-  (t.data_ptr() for each tensor);
+- each recorded launch replayed as the module makes it. A module whose direct launches go
+  through `_runner` (the tensors' addresses, Triton 3.6's C launcher) is seen through a
+  proxy around what `_runner` returns (installed before the first call: a Python frame per
+  launch in every row of that module); a launch through `compiled.run(...)` with tensors
+  (modules built before `_runner`) is seen at CudaLauncher.__call__ and replayed four ways:
+  `compiled.run(...)` with the tensors (Triton's C launcher calls each tensor's data_ptr()
+  and cuPointerGetAttribute on it), `compiled.run(...)` with the tensors' addresses as ints
+  (the launcher takes an int as the pointer itself), the C launcher (`CudaLauncher.launch`)
+  with ints (no Python frame of CudaLauncher.__call__ and its scratch closures), and the
+  addresses alone (t.data_ptr() for each tensor);
 - a cProfile of the call (own time per function).
 
 Usage on the GPU machine:  PYTHONPATH=. python3 tools/profile_launch_host.py --out DIR
@@ -42,36 +45,80 @@ from host_overhead import _noop, host_us, module_for  # noqa: E402
 import attngen  # noqa: E402
 
 _REAL_CALL = CudaLauncher.__call__
-_BASE = 9  # packed_metadata, launch_metadata, enter hook, exit hook follow grid..function
+_MODE = [None]  # None: launch; "record": launch and record; "noop": skip every launch
+_SEEN: list[tuple] = []  # ("runner", launch, args) or ("launcher", launcher, grid..., args)
+
+
+def proxy_runners(module) -> None:
+    """Route the launches of `module`'s direct path (its `_runner`'s launch functions)
+    through _MODE, from the module's first launch on."""
+    real_runner = getattr(module, "_runner", None)
+    if real_runner is None:
+        return  # a module built before _runner: its launches reach CudaLauncher.__call__
+
+    def runner(compiled):
+        launch, prefix = real_runner(compiled)
+
+        def proxied(*args):
+            mode = _MODE[0]
+            if mode is None:
+                return launch(*args)
+            if mode == "noop":
+                return None
+            _SEEN.append(("runner", launch, args))
+            return launch(*args)
+
+        return proxied, prefix
+
+    module._runner = runner
+
+
+def _hooked_call(self, gx, gy, gz, stream, function, *args):
+    mode = _MODE[0]
+    if mode == "noop":
+        return None
+    if mode == "record":
+        _SEEN.append(("launcher", self, gx, gy, gz, stream, function, args))
+    return _REAL_CALL(self, gx, gy, gz, stream, function, *args)
+
+
+CudaLauncher.__call__ = _hooked_call
 
 
 def recorded_launches(call) -> list[tuple]:
-    """The launches one call makes: (launcher, grid x, y, z, stream, function, args)."""
-    seen: list[tuple] = []
-
-    def record(self, gx, gy, gz, stream, function, *args):
-        seen.append((self, gx, gy, gz, stream, function, args))
-        return _REAL_CALL(self, gx, gy, gz, stream, function, *args)
-
-    CudaLauncher.__call__ = record
+    """The launches one call makes."""
+    _SEEN.clear()
+    _MODE[0] = "record"
     try:
         call()
     finally:
-        CudaLauncher.__call__ = _REAL_CALL
-    return seen
+        _MODE[0] = None
+    return list(_SEEN)
 
 
 def without_launches(call):
     """call() with every compiled launch a no-op: the entry point's own host time."""
 
     def run():
-        CudaLauncher.__call__ = lambda self, *a: None
+        _MODE[0] = "noop"
         try:
             call()
         finally:
-            CudaLauncher.__call__ = _REAL_CALL
+            _MODE[0] = None
 
     return run
+
+
+def replayed(record: tuple) -> dict[str, object]:
+    if record[0] == "runner":
+        _, launch, args = record
+        name = getattr(launch, "__qualname__", type(launch).__name__)
+        return {
+            "launch": name,
+            "args": len(args),
+            "as the module launches it": round(host_us(lambda: launch(*args)), 2),
+        }
+    return launch_variants(record[1:])
 
 
 def launch_variants(record: tuple) -> dict[str, object]:
@@ -108,6 +155,8 @@ def entry_points() -> dict[str, object]:
     qf, kf, vf = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     bert = module_for("prefill", "bert_base")
     qwen = module_for("decode", "qwen2_5_7b")
+    for module in (bert, qwen):
+        proxy_runners(module)
     qd = torch.randn(1, 1, 28, 128, device="cuda", dtype=torch.bfloat16)
     kc = torch.randn(1, 4096, 4, 128, device="cuda", dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
@@ -164,7 +213,7 @@ def main() -> None:
                 "call": round(host_us(call), 2),
                 "launches no-op": round(host_us(without_launches(call)), 2),
             }
-            row["launches"] = [launch_variants(r) for r in recorded_launches(call)]
+            row["launches"] = [replayed(r) for r in recorded_launches(call)]
             results[name] = row
             profiles.append(f"== {name}\n{profile_text(call)}")
         except Exception as exc:  # one broken row must not hide the others
