@@ -427,7 +427,7 @@ def _launch_classes(kernel, device, tensors, addresses, tail, constexprs, option
     tail's classes (a float scalar is never specialized, None is a constant, a TMA descriptor
     is its dtype, block shape and padding), the constexprs and the compile options (with
     Triton's debug and instrumentation knobs)."""
-    aligned = tuple([(t.dtype, a & 15 == 0) for t, a in zip(tensors, addresses)])
+    aligned = tuple([(t.dtype, a & 15 == 0) for t, a in zip(tensors, addresses, strict=True)])
     return (kernel, device, aligned,
             tuple([type(x) if x is None or type(x) is float
                    else (x.base.dtype, tuple(x.block_shape), x.padding) for x in tail]),
