@@ -37,6 +37,7 @@ section_command() {
     flash_entry_tests) echo "$pytest_gpu tests/test_plans_gpu.py -k attention_flash" ;;
     models_bench) echo "python3 tools/bench_models.py --out $work" ;;
     mla_bench) echo "python3 tools/bench_models.py --only mla --out $work" ;;
+    rotary_tests) echo "$pytest_gpu tests/test_rotary_gpu.py" ;;
     mla_tests) echo "$pytest_gpu tests/test_decode_gpu.py tests/test_rotary_gpu.py -k deepseek" ;;
     # The decode kernels after fused rotary and the absorbed MLA kernel, and the prefill
     # modules' flash-layout entry points and the call plans.
