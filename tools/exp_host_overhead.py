@@ -20,11 +20,9 @@ Writes DIR/host_overhead.json and prints a table last.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import datetime
-import io
 import json
-import pstats
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -36,6 +34,9 @@ import triton
 import attngen
 from attngen.runtime import ops
 from attngen.runtime.registry import current_registry
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_overhead import profile_text  # noqa: E402
 
 
 @triton.jit
@@ -242,15 +243,7 @@ def measure_decode(rows: dict) -> None:
 
 def profile_flash_attn(q, k, v) -> str:
     qf, kf, vf = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-    profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(2000):
-        attngen.flash_attn_func(qf, kf, vf)
-    torch.cuda.synchronize()
-    profile.disable()
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
-    return text.getvalue()
+    return profile_text(lambda: attngen.flash_attn_func(qf, kf, vf), lines=30)
 
 
 def main() -> None:

@@ -25,11 +25,8 @@ Writes DIR/profile_launch_host.json and DIR/profile_launch_host_cprofile.txt; a 
 from __future__ import annotations
 
 import argparse
-import cProfile
 import datetime
-import io
 import json
-import pstats
 import sys
 import traceback
 from pathlib import Path
@@ -40,7 +37,7 @@ import triton
 from triton.backends.nvidia.driver import CudaLauncher
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_overhead import _noop, host_us, module_for  # noqa: E402
+from host_overhead import _noop, host_us, module_for, profile_text  # noqa: E402
 
 import attngen  # noqa: E402
 
@@ -173,18 +170,6 @@ def entry_points() -> dict[str, object]:
     if hasattr(qwen, "decode_flash"):
         calls["module decode_flash() (B1, L64)"] = lambda: qwen.decode_flash(qd, kc, vc, lens)
     return calls
-
-
-def profile_text(call, calls: int = 2000) -> str:
-    profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(calls):
-        call()
-    torch.cuda.synchronize()
-    profile.disable()
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
-    return text.getvalue()
 
 
 def main() -> None:
