@@ -151,15 +151,14 @@ def call_prefill(
     sinks: Tensor | None = None,
     dropout_p: float = 0.0,
     rng_state: Tensor | None = None,
-    flash_layout: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """run_prefill with the module of `key` in hand (a plan holds it: plans.py); flash_layout
-    (with heads_last, from a module that takes_flash_layout): q, k, v in [B, N, H, D]."""
+    """run_prefill with the module of `key` in hand (a plan holds it: plans.py). A plan's
+    q, k, v in [B, N, H, D] go to the module's attention_flash from plans.run_flash."""
     count_run(key)
     options = _dropout_options(dropout_p, rng_state)  # a new dict: the keywords below join it
     entry, out = module.attention, None
     if heads_last and takes_flash_layout(module):  # q, k, v as they are; out [B, M, HQ, DV]
-        entry = module.attention_flash if flash_layout else module.attention_flash_out
+        entry = module.attention_flash_out
     elif heads_last:  # a module built before attention_flash: its attention() with out= a view
         out = _heads_last(q, v.shape[-1])
         options["out"] = out.transpose(1, 2)

@@ -42,8 +42,8 @@ from attngen.runtime.selection import Dispatch
 from attngen.spec import KernelKind
 
 _is_compiling = torch.compiler.is_compiling
-_NO_KEYWORDS: dict = {}  # (never written: a ** of no keywords)
 _grad_enabled = torch.is_grad_enabled
+_NO_KEYWORDS: dict = {}  # (never written: a ** of no keywords)
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,8 +202,8 @@ def run_flash(
 ) -> tuple[Tensor, Tensor | None] | None:
     """run_dense for q, k, v in flash-attn's [B, N, H, D] layout: handed as they are to the
     module's attention_flash when the plan writes in place through it (no view, no output
-    allocation here, and no layer between: this is ops.call_prefill's flash_layout call with
-    its arguments known), else as [B, H, N, D] views to run_dense."""
+    allocation here, and no layer between: the run counted and the module called here), else
+    as [B, H, N, D] views to run_dense."""
     if not plan.flash_entry:
         views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return run_dense(plan, *views, alibi_slopes, heads_last=True, sinks=sinks)
@@ -300,7 +300,7 @@ def run_decode(
             plan.in_place,
             None,
             num_splits,
-            **(rotary or {}),
+            **(rotary or _NO_KEYWORDS),
         )
     return _decode_flash(
         plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, alibi_slopes,
