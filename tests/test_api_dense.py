@@ -396,8 +396,9 @@ def test_dense_entry_points_more(api_kernels, drawn):  # noqa: F811
 
 
 def test_backward_says_the_kernels_are_forward_only(api_kernels):  # noqa: F811
-    """A kernel's output has no gradient yet: the error must say so, not torch's generic
-    "no autograd formula"."""
+    """Only forward-only modules are loaded (and no on-demand builds): a call whose inputs
+    require grad is refused, and the error says the modules are forward-only, not torch's
+    generic "no autograd formula"."""
     q = torch.randn(1, 5, 4, 16, requires_grad=True)
     k, v = torch.randn(1, 5, 2, 16), torch.randn(1, 5, 2, 16)
     try:

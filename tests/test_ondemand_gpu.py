@@ -171,3 +171,33 @@ def test_cold_start_phases(tmp_path):
         runs,
     )
     assert result["first_call_new_process_same_caches"]["renders"] == 0
+
+
+@pytest.mark.parametrize("dim,dtype", [(128, torch.bfloat16), (59, torch.float16)])
+def test_training_from_an_empty_cache_on_the_gpu(dim, dtype, on_demand):  # noqa: F811
+    """flash_attn_func with inputs that require grad and nothing built: the module is built
+    with gradient kernels and its gradients pass the rule against float64."""
+    from attngen.reference_backward import compare_gradients
+
+    gen = torch.Generator(device="cuda").manual_seed(dim)
+    q, k, v, dout = (
+        torch.randn(2, n, h, dim, device="cuda", dtype=dtype, generator=gen)
+        for n, h in ((1000, 6), (1100, 2), (1100, 2), (1000, 6))
+    )
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    attngen.flash_attn_func(*leaves, causal=True).backward(dout)
+    served = attngen.last_dispatch()
+    assert served.built and served.module.endswith("_bwd"), served.reason
+    spec = make_spec(
+        dtype={torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype],
+        head_dim=dim,
+        num_q_heads=6,
+        num_kv_heads=2,
+        mask="causal",
+        causal_align="bottom_right",
+        backward=True,
+    )
+    heads_first = [t.transpose(1, 2) for t in (q, k, v, dout)]
+    grads = [t.grad.transpose(1, 2) for t in leaves]
+    problems = compare_gradients(spec, grads, *heads_first)
+    assert not problems, "; ".join(problems)

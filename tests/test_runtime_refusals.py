@@ -180,19 +180,23 @@ def test_bf16_runs_under_the_interpreter_with_the_tests_shim(monkeypatch):
 # ------------------------------------------------------------------------------- backward
 
 
-def test_backward_says_the_kernels_are_forward_only(toy_folder, tmp_path):
+def test_forward_only_modules_refuse_a_call_that_needs_gradients(toy_folder, tmp_path):
+    """Inputs that require grad need gradient kernels from the forward on: a forward-only
+    module never serves such a call (on-demand builds are off here), and the refusal names
+    the field; the same call under no_grad runs."""
     saved = current_registry()
+    forward_only = r"toy_prefill.*backward: needs true .*module has false \(forward-only\)"
     try:
         load_kernels(toy_folder, build_fake_decode(tmp_path / "decode"), replace=True)
         q, k, v = (t.requires_grad_() for t in qkv(1, 4, 4))
-        out = attngen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        with pytest.raises(NotImplementedError, match="toy.*forward-only.*backward: true"):
-            out.sum().backward()
+        with pytest.raises(attngen.NoKernelError, match=forward_only):
+            attngen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        with torch.no_grad():
+            attngen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         packed = [t.detach()[0].transpose(0, 1).requires_grad_() for t in (q, k, v)]
         cu = torch.tensor([0, 4], dtype=torch.int32)
-        out = attngen.flash_attn_varlen_func(*packed, cu, cu, 4, 4, causal=True)
-        with pytest.raises(NotImplementedError, match="toy.*forward-only.*backward: true"):
-            out.sum().backward()
+        with pytest.raises(attngen.NoKernelError, match=forward_only.replace("prefill", "varlen")):
+            attngen.flash_attn_varlen_func(*packed, cu, cu, 4, 4, causal=True)
         q, k_cache, v_cache, k_new, v_new, seqlens = _cache_case()
         out = attngen.flash_attn_with_kvcache(
             q.requires_grad_(), k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True

@@ -18,6 +18,15 @@ INFINITE = 2**31 - 1  # flash-attn's -1 window side, as the spec's largest windo
 _UNBOUNDED = (-1, -1)
 
 
+def needs_gradients(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will ask this call for gradients: grad mode is on and a tensor the
+    kernels differentiate (q, k, v, sinks) requires grad. Such a call needs a module with
+    gradient kernels (spec `backward: true`) from its forward on."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(t is not None and t.requires_grad for t in tensors)
+
+
 def softmax_scale(scale: object, q: torch.Tensor) -> float:
     """The scale q.k is multiplied by: 1/sqrt(D) for None, else a finite float > 0."""
     if scale is None:

@@ -276,27 +276,30 @@ def served(api: str, need: Need, registry: Registry, entry: KernelEntry, built: 
         else "; its entry point takes no out=, so an output in another layout than the kernel's "
         "is copied"
     )
-    if entry.source == "cache":
-        reason += (
-            f"; built on demand now into {entry.key}"
-            if built
-            else f"; built on demand earlier, from the cache: {entry.key}"
-        )
     dispatch = Dispatch(
         api,
         need,
         entry.describe(),
         entry.key,
-        reason,
+        reason + _cache_words(entry, built),
         writes_out=writes_out,
         source=entry.source,
         built=built,
     )
-    # Later calls reuse the module; they did not build it.
-    kept = dataclasses.replace(dispatch, built=False) if built else dispatch
+    # Later calls reuse the module: they did not build it, and their reason says so.
+    kept = dataclasses.replace(dispatch, built=False, reason=reason + _cache_words(entry, False))
     _keep(registry, (api, need), kept)
     _keep(registry, _class_key(api, need, registry), kept)
     return record(dispatch)
+
+
+def _cache_words(entry: KernelEntry, built: bool) -> str:
+    """How a cache module came to serve the call: rendered by this call, or found built."""
+    if entry.source != "cache":
+        return ""
+    if built:
+        return f"; built on demand now into {entry.key}"
+    return f"; built on demand earlier, from the cache: {entry.key}"
 
 
 def build_on_demand(

@@ -24,6 +24,7 @@ from attngen.runtime import backward_ops, ops, plans
 from attngen.runtime.arguments import (
     dropout_probability,
     dropout_rng_state,
+    needs_gradients,
     seqlen_bound,
     softmax_scale,
 )
@@ -80,6 +81,7 @@ def run_dense(
         chunk_size=chunk_size,
         sink_tokens=sink_tokens,
         dropout=dropout_p > 0,
+        backward=needs_gradients(q, k, v, sinks),
     )
     if need.dtype is None:
         refusal = refusal or unsupported_dtype(q)
@@ -231,6 +233,7 @@ def run_varlen(
             chunk_size=chunk_size,
             sink_tokens=sink_tokens,
             dropout=dropout_p > 0,
+            backward=needs_gradients(q, k, v, sinks),
         )
     max_seqlen_q = seqlen_bound(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = seqlen_bound(max_seqlen_k, "max_seqlen_k")
@@ -302,10 +305,11 @@ def varlen_dispatch(
     chunk_size: int | None = None,
     sink_tokens: int | None = None,
     dropout: bool = False,
+    backward: bool = False,
 ) -> Dispatch:
     """The varlen module (or the warned fallback) that serves packed q [T, HQ, D] and values
-    of v's head dim at lengths up to `length_bounds` (with learned sinks when `sinks`);
-    NoKernelError when none does."""
+    of v's head dim at lengths up to `length_bounds` (with learned sinks when `sinks`; with
+    gradient kernels when `backward`); NoKernelError when none does."""
     need = need_for(
         KernelKind.varlen,
         q,
@@ -322,6 +326,7 @@ def varlen_dispatch(
         chunk_size=chunk_size,
         sink_tokens=sink_tokens,
         dropout=dropout,
+        backward=backward,
     )
     if need.dtype is None:
         refusal = refusal or unsupported_dtype(q)

@@ -27,7 +27,10 @@ from attngen.spec import CausalAlign, Dtype, KernelKind, KvLayout, Mask
 
 INTERPRETER = "interpreter"  # CPU tensors under TRITON_INTERPRET=1: any arch's module runs
 FALLBACKS = ("error", "sdpa")
-NO_BACKWARD = "backward: needs true (gradient kernels), module has false"
+NO_BACKWARD = (
+    "backward: needs true (the inputs require grad: gradient kernels), module has false "
+    "(forward-only)"
+)
 
 
 class NoKernelError(RuntimeError):
@@ -345,8 +348,13 @@ def no_kernel_message(need: Need, registry: Registry, not_built: str = "") -> st
         or "none: the registry is empty"
     )
     folders = ", ".join(str(f) for f in registry.folders)
-    # No fallback computes gradients from a given LSE (need.backward): none is offered.
-    fallback = "" if need.backward else ", or ask for fallback='sdpa'"
+    # No fallback computes gradients from a given LSE (need.backward): none is offered; a
+    # forward whose inputs require grad needs none when run under torch.no_grad().
+    fallback = (
+        "; a call that needs no gradient runs on forward-only modules under torch.no_grad()"
+        if need.backward
+        else ", or ask for fallback='sdpa'"
+    )
     return (
         f"no generated kernel serves {need.describe()} (kernels from {folders}); "
         f"nearest: {nearest}. {not_built or 'Not built on demand.'} Build a spec for it "
