@@ -197,7 +197,7 @@ def test_training_from_an_empty_cache_on_the_gpu(dim, dtype, on_demand):  # noqa
         causal_align="bottom_right",
         backward=True,
     )
-    heads_first = [t.transpose(1, 2) for t in (q, k, v, dout)]
-    grads = [t.grad.transpose(1, 2) for t in leaves]
+    heads_first = [t.transpose(1, 2).cpu() for t in (q, k, v, dout)]  # float64 on the CPU
+    grads = [t.grad.transpose(1, 2).cpu() for t in leaves]
     problems = compare_gradients(spec, grads, *heads_first)
     assert not problems, "; ".join(problems)
