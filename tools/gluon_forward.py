@@ -114,15 +114,17 @@ def _consumer_block(
     s = j % STAGES
     sp = (j - 1) % STAGES
     mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+    NC: gl.constexpr = turn.type.shape[0]
+    FIRST: gl.constexpr = 1 if CID == 0 else 0
     if PINGPONG:
-        mbarrier.wait(turn.index(CID), (j & 1) ^ (1 - CID))
+        mbarrier.wait(turn.index(CID), (j & 1) ^ FIRST)
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     k_t = k_bufs.index(s).reshape([BLOCK_N, HEAD_D]).permute((1, 0))
     s_tok = warpgroup_mma(q, k_t, zero, use_acc=False, is_async=True)
     mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
     o_tok = warpgroup_mma(p, v_bufs.index(sp).reshape([BLOCK_N, HEAD_D]), o, is_async=True)
     if PINGPONG:
-        mbarrier.arrive(turn.index(1 - CID), count=1)
+        mbarrier.arrive(turn.index((CID + 1) % NC), count=1)
     sc = warpgroup_mma_wait(1, deps=(s_tok,))
     mbarrier.arrive(k_empty.index(s), count=1)
     cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -173,13 +175,15 @@ def _consumer(
     if n_blocks > 0:
         # Block 0: QK^T alone (nothing to overlap with yet); always masked.
         mbarrier.wait(k_ready.index(0), 0)
+        NC: gl.constexpr = turn.type.shape[0]
+        FIRST: gl.constexpr = 1 if CID == 0 else 0
         if PINGPONG:
-            mbarrier.wait(turn.index(CID), 1 - CID)
+            mbarrier.wait(turn.index(CID), FIRST)
         zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         k_t = k_bufs.index(0).reshape([BLOCK_N, HEAD_D]).permute((1, 0))
         s_tok = warpgroup_mma(q, k_t, zero, use_acc=False, is_async=True)
         if PINGPONG:
-            mbarrier.arrive(turn.index(1 - CID), count=1)
+            mbarrier.arrive(turn.index((CID + 1) % NC), count=1)
         sc = warpgroup_mma_wait(0, deps=(s_tok,))
         mbarrier.arrive(k_empty.index(0), count=1)
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -253,14 +257,15 @@ def attn_fwd_kernel(
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # turn[c]: consumer c may issue its GEMMs (ping-pong, handed round in consumer order).
+    turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(q_bars.index(c), count=1)
-    for c in gl.static_range(2):
+    for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(turn.index(c), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
@@ -272,12 +277,24 @@ def attn_fwd_kernel(
     bars = (q_bars, k_ready, k_empty, v_ready, v_empty, turn)
     coords = (batch, q_head, kv_head, m0)
     scalars = (n_q, n_keys, diag, n_blocks, mask_from, qk_scale, lse_off)
-    if NUM_CONSUMERS == 2:
+    descs = (q_desc, k_desc, v_desc)
+    if NUM_CONSUMERS == 3:
         gl.warp_specialize(
             [
                 (_consumer, (0, o_desc, lse_ptr, smem, bars, coords, scalars, CAUSAL, PINGPONG)),
                 (_consumer, (1, o_desc, lse_ptr, smem, bars, coords, scalars, CAUSAL, PINGPONG)),
-                (_producer, ((q_desc, k_desc, v_desc), smem, bars, coords, n_blocks, NUM_CONSUMERS)),
+                (_consumer, (2, o_desc, lse_ptr, smem, bars, coords, scalars, CAUSAL, PINGPONG)),
+                (_producer, (descs, smem, bars, coords, n_blocks, NUM_CONSUMERS)),
+            ],
+            [4, 4, 1],
+            [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
+        )
+    elif NUM_CONSUMERS == 2:
+        gl.warp_specialize(
+            [
+                (_consumer, (0, o_desc, lse_ptr, smem, bars, coords, scalars, CAUSAL, PINGPONG)),
+                (_consumer, (1, o_desc, lse_ptr, smem, bars, coords, scalars, CAUSAL, PINGPONG)),
+                (_producer, (descs, smem, bars, coords, n_blocks, NUM_CONSUMERS)),
             ],
             [4, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -286,7 +303,7 @@ def attn_fwd_kernel(
         gl.warp_specialize(
             [
                 (_consumer, (0, o_desc, lse_ptr, smem, bars, coords, scalars, CAUSAL, False)),
-                (_producer, ((q_desc, k_desc, v_desc), smem, bars, coords, n_blocks, NUM_CONSUMERS)),
+                (_producer, (descs, smem, bars, coords, n_blocks, NUM_CONSUMERS)),
             ],
             [1],
             [PRODUCER_REGS],
@@ -303,7 +320,12 @@ CONFIGS = {
     128: dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, NUM_CONSUMERS=2, CONSUMER_REGS=240, PRODUCER_REGS=24),
     256: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, NUM_CONSUMERS=2, CONSUMER_REGS=240, PRODUCER_REGS=24),
 }
-MAXNREG = 168  # 65536 registers / (3 warpgroups * 128 threads), rounded down to 8
+
+
+def maxnreg(cfg):
+    """The register cap at entry: 65536 registers over (consumers + producer) warpgroups of
+    128 threads, rounded down to 8; setmaxnreg then moves them to the consumers."""
+    return 65536 // ((cfg["NUM_CONSUMERS"] + 1) * 128) // 8 * 8
 
 
 def _gl_dtype(torch_dtype):
@@ -363,9 +385,9 @@ def prepare(q, k, v, causal=False, scale=None, top_left=False, cfg=None, pingpon
     args = (q_desc, k_desc, v_desc, o_desc, lse, n_q, n_k, hq, hq // hkv, scale * LOG2E, diag)
     kwargs = dict(
         CAUSAL=bool(causal), STAGES=cfg["STAGES"], NUM_CONSUMERS=cfg["NUM_CONSUMERS"],
-        PINGPONG=bool(pingpong) and cfg["NUM_CONSUMERS"] == 2,
+        PINGPONG=bool(pingpong) and cfg["NUM_CONSUMERS"] > 1,
         CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
-        num_warps=4, maxnreg=MAXNREG,
+        num_warps=4, maxnreg=maxnreg(cfg),
     )
 
     def launch():
@@ -408,7 +430,7 @@ def compile_sm90(d, causal, dtype="bf16", cfg=None, pingpong=True):
     }
     consts = dict(
         CAUSAL=bool(causal), STAGES=cfg["STAGES"], NUM_CONSUMERS=cfg["NUM_CONSUMERS"],
-        PINGPONG=bool(pingpong) and cfg["NUM_CONSUMERS"] == 2,
+        PINGPONG=bool(pingpong) and cfg["NUM_CONSUMERS"] > 1,
         CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
     )
     for name, value in consts.items():
@@ -418,7 +440,7 @@ def compile_sm90(d, causal, dtype="bf16", cfg=None, pingpong=True):
         fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()}
     )
     t0 = time.time()
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAXNREG})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": maxnreg(cfg)})
     secs = time.time() - t0
     return compiled, secs
 
@@ -466,6 +488,7 @@ def main(argv=None):
     ap.add_argument("--gpu", action="store_true", help="correctness and benchmark on the GPU")
     ap.add_argument("--check", action="store_true", help="GPU correctness only")
     ap.add_argument("--bench", action="store_true", help="GPU benchmark only")
+    ap.add_argument("--nc3", action="store_true", help="GPU: three-consumer variants, D 64/128")
     ap.add_argument("--out", default=None, help="folder for the JSON results")
     args = ap.parse_args(argv)
     if args.compile:
@@ -473,6 +496,9 @@ def main(argv=None):
     if args.gpu or args.check or args.bench:
         import gluon_forward_check as check
 
+        if args.nc3:
+            check.run_checks(args.out, nc3=True)
+            check.run_bench(args.out, dims=(64, 128), variants_at=(1024, 4096, 16384))
         if args.gpu or args.check:
             check.run_checks(args.out)
         if args.gpu or args.bench:

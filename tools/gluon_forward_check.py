@@ -72,7 +72,7 @@ def reference(q, k, v, causal, top_left, scale, dtype64, lowp_dtype=None):
     return out.transpose(1, 2), lse
 
 
-def check_case(case, seed=0):
+def check_case(case, seed=0, cfg=None):
     import torch
 
     b, n_q, n_k, hq, hkv, d, causal, top_left, dname = case
@@ -82,8 +82,8 @@ def check_case(case, seed=0):
     k = torch.randn(b, n_k, hkv, d, device="cuda", dtype=dt, generator=gen)
     v = torch.randn(b, n_k, hkv, d, device="cuda", dtype=dt, generator=gen)
     scale = 1.0 / math.sqrt(d)
-    out, lse = gf.gluon_attention(q, k, v, causal=causal, scale=scale, top_left=top_left)
-    out2, lse2 = gf.gluon_attention(q, k, v, causal=causal, scale=scale, top_left=top_left)
+    out, lse = gf.gluon_attention(q, k, v, causal, scale, top_left, cfg=cfg)
+    out2, lse2 = gf.gluon_attention(q, k, v, causal, scale, top_left, cfg=cfg)
     torch.cuda.synchronize()
     gold, gold_lse = reference(q, k, v, causal, top_left, scale, torch.float64)
     lowp, _ = reference(q, k, v, causal, top_left, scale, torch.float32, lowp_dtype=dt)
@@ -157,14 +157,24 @@ def bench_cell(d, n, causal, attngen_fn, variants=None):
     return row
 
 
+# Three consumer warpgroups of 64 rows (FlashAttention-3's choice for D 64), 160 registers.
+NC3 = {
+    64: dict(gf.CONFIGS[64], NUM_CONSUMERS=3, CONSUMER_REGS=160, STAGES=2),
+    128: dict(gf.CONFIGS[128], NUM_CONSUMERS=3, CONSUMER_REGS=160, BLOCK_N=64, STAGES=2),
+}
+CASES_NC3 = [c for c in CASES if c[5] in NC3]
+
+
 # Variants timed beside the default (what limits the kernel): ping-pong off, other tiles.
 def _variants(d):
     base = gf.CONFIGS[d]
     out = {"no_pingpong": dict(pingpong=False)}
     if d == 64:
-        out["bn64_s4"] = dict(cfg=dict(base, BLOCK_N=64, STAGES=4))
+        out["nc3_s2"] = dict(cfg=NC3[64])
+        out["nc3_s3"] = dict(cfg=dict(NC3[64], STAGES=3))
+        out["nc3_s3_nopp"] = dict(cfg=dict(NC3[64], STAGES=3), pingpong=False)
     if d == 128:
-        out["s3_bn64"] = dict(cfg=dict(base, BLOCK_N=64, STAGES=3))
+        out["nc3_bn64"] = dict(cfg=NC3[128])
     return out
 
 
@@ -188,14 +198,16 @@ def _dump(out_dir, name, obj):
             json.dump(obj, f, indent=1)
 
 
-def run_checks(out_dir):
+def run_checks(out_dir, nc3=False):
     t0 = time.time()
     meta = _meta()
     print(json.dumps(meta), flush=True)
     checks = []
-    for case in CASES:
+    for case in CASES_NC3 if nc3 else CASES:
+        cfg = NC3[case[5]] if nc3 else None
         try:
-            res = check_case(case)
+            res = check_case(case, cfg=cfg)
+            res["cfg"] = cfg
         except Exception as exc:
             res = dict(case=case, ok=False, error=repr(exc)[:400])
         checks.append(res)
@@ -206,7 +218,7 @@ def run_checks(out_dir):
     return checks
 
 
-def run_bench(out_dir, budget_s=200.0, dims=(64, 128, 256)):
+def run_bench(out_dir, budget_s=170.0, dims=(64, 128, 256), variants_at=(4096,)):
     t0 = time.time()
     meta = _meta()
     attngen_fn = _attngen_fn()
@@ -217,7 +229,7 @@ def run_bench(out_dir, budget_s=200.0, dims=(64, 128, 256)):
                 if time.time() - t0 > budget_s:
                     print("benchmark stopped: time budget", flush=True)
                     break
-                variants = _variants(d) if n == 4096 else None
+                variants = _variants(d) if n in variants_at else None
                 try:
                     row = bench_cell(d, n, causal, attngen_fn, variants)
                 except Exception as exc:
