@@ -8,9 +8,8 @@ One CTA takes NUM_CONSUMERS query tiles of BLOCK_M rows of one (batch, query hea
   S = Q K^T (both operands in shared memory), online softmax in registers (exp2, the
   scale times log2(e) folded into one FMA), wgmma O += P V with P in registers.
   Intra-warpgroup overlap: block j's QK^T and block j-1's PV are issued together, the
-  softmax of block j runs while PV(j-1) is still in flight. Ping-pong between consumers:
-  a pair of mbarriers hands the tensor cores from one warpgroup to the other, so one
-  warpgroup's softmax runs under the other's GEMMs.
+  softmax of block j runs while PV(j-1) is in flight. Ping-pong: turn mbarriers hand the
+  tensor cores round the consumers, so one's softmax runs under the others' GEMMs.
 - Masks: key blocks past the causal diagonal are never loaded; only the blocks that
   straddle the diagonal or the end of the keys apply a mask. Loads past N are zero-filled
   by TMA (4-D descriptors over [B, N, H, D], so a tile never reads the next sequence),
@@ -18,22 +17,15 @@ One CTA takes NUM_CONSUMERS query tiles of BLOCK_M rows of one (batch, query hea
 - Outputs: O [B, Nq, HQ, D] (flash-attn layout) and LSE [B, HQ, Nq] in float32, natural
   log (flash-attn's softmax_lse); a row with no key gets O = 0 and LSE = -inf.
 
-Modes: `--compile` cross-compiles every configuration for sm90 here (no GPU) and reports
-shared memory, registers and spills; `--gpu --out DIR` checks correctness against a
-float64 reference and benchmarks against SDPA cuDNN and attngen's flash_attn_func.
+Modes: `--compile` cross-compiles for sm90 without a GPU (gluon_forward_compile.py);
+`--gpu --out DIR` runs gluon_forward_check.py (float64 golden, benchmark vs cuDNN).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import re
-import subprocess
 import sys
-import tempfile
-import time
 
 import triton
 from triton.experimental import gluon
@@ -56,7 +48,10 @@ LN2 = 0.6931471805599453
 
 
 @gluon.jit
-def _producer(descs, smem, bars, coords, n_blocks, NUM_CONSUMERS: gl.constexpr):
+def _producer(worker, NUM_CONSUMERS: gl.constexpr):
+    """One warp: each consumer's Q tile, then K_j and V_j for j in [0, n_blocks) through the
+    ring (a slot is refilled once every consumer released it)."""
+    descs, smem, bars, coords, n_blocks = worker
     q_desc, k_desc, v_desc = descs
     q_smem, k_bufs, v_bufs = smem
     q_bars, k_ready, k_empty, v_ready, v_empty, turn = bars
@@ -85,7 +80,9 @@ def _producer(descs, smem, bars, coords, n_blocks, NUM_CONSUMERS: gl.constexpr):
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, cols, rows, n_keys, diag, qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+def _softmax(
+    s, m_i, l_i, cols, rows, n_keys, diag, qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr
+):
     # s: raw scores; m_i: running max of raw scores (scale > 0 so the max commutes).
     if MASK:
         valid = cols[None, :] < n_keys
@@ -101,63 +98,107 @@ def _softmax(s, m_i, l_i, cols, rows, n_keys, diag, qk_scale, MASK: gl.constexpr
 
 
 @gluon.jit
-def _consumer_block(
-    j, state, q, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn, rows, n_keys, diag,
-    qk_scale, CID: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-):
-    o, p, m_i, l_i = state
+def _qk_issue(j, q, ring, CID: gl.constexpr, PINGPONG: gl.constexpr, s_layout: gl.constexpr):
+    """Waits for K_j and this consumer's turn, issues S = Q K_j^T (async)."""
+    k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn = ring
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.type.shape[2]
     HEAD_D: gl.constexpr = k_bufs.type.shape[4]
     BLOCK_M: gl.constexpr = q.type.shape[0]
-    s_layout: gl.constexpr = m_i.type.layout.parent
-    s = j % STAGES
-    sp = (j - 1) % STAGES
-    mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
-    NC: gl.constexpr = turn.type.shape[0]
     FIRST: gl.constexpr = 1 if CID == 0 else 0
+    s = j % STAGES
+    mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
     if PINGPONG:
         mbarrier.wait(turn.index(CID), (j & 1) ^ FIRST)
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     k_t = k_bufs.index(s).reshape([BLOCK_N, HEAD_D]).permute((1, 0))
-    s_tok = warpgroup_mma(q, k_t, zero, use_acc=False, is_async=True)
-    mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
-    o_tok = warpgroup_mma(p, v_bufs.index(sp).reshape([BLOCK_N, HEAD_D]), o, is_async=True)
+    return warpgroup_mma(q, k_t, zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _pv_issue(j, p, o, ring):
+    """Waits for V_j, issues O += P V_j (async)."""
+    k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn = ring
+    STAGES: gl.constexpr = v_bufs.type.shape[0]
+    BLOCK_N: gl.constexpr = v_bufs.type.shape[2]
+    HEAD_D: gl.constexpr = v_bufs.type.shape[4]
+    s = j % STAGES
+    mbarrier.wait(v_ready.index(s), (j // STAGES) & 1)
+    return warpgroup_mma(p, v_bufs.index(s).reshape([BLOCK_N, HEAD_D]), o, is_async=True)
+
+
+@gluon.jit
+def _consumer_block(
+    j, state, q, ring, mask, CID: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+    PINGPONG: gl.constexpr,
+):  # fmt: skip
+    """Block j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued together, the softmax of S_j
+    while the PV runs, then O rescaled."""
+    o, p, m_i, l_i = state
+    k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn = ring
+    rows, n_keys, diag, qk_scale = mask
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    BLOCK_N: gl.constexpr = k_bufs.type.shape[2]
+    NC: gl.constexpr = turn.type.shape[0]
+    s_layout: gl.constexpr = m_i.type.layout.parent
+    s_tok = _qk_issue(j, q, ring, CID, PINGPONG, s_layout)
+    o_tok = _pv_issue(j - 1, p, o, ring)
     if PINGPONG:
         mbarrier.arrive(turn.index((CID + 1) % NC), count=1)
     sc = warpgroup_mma_wait(1, deps=(s_tok,))
-    mbarrier.arrive(k_empty.index(s), count=1)
+    mbarrier.arrive(k_empty.index(j % STAGES), count=1)
     cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     pf, alpha, m_i, l_i = _softmax(sc, m_i, l_i, cols, rows, n_keys, diag, qk_scale, MASK, CAUSAL)
     o = warpgroup_mma_wait(0, deps=(o_tok,))
-    mbarrier.arrive(v_empty.index(sp), count=1)
-    o_layout: gl.constexpr = o.type.layout
-    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    mbarrier.arrive(v_empty.index((j - 1) % STAGES), count=1)
+    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o.type.layout))[:, None]
     p = gl.convert_layout(pf.to(q.dtype), p.type.layout)
     return o, p, m_i, l_i
 
 
 @gluon.jit
-def _consumer(
-    CID: gl.constexpr, o_desc, lse_ptr, smem, bars, coords, scalars,
-    CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-):
+def _mainloop(q, ring, mask, n_blocks, mask_from, state, CID: gl.constexpr, CAUSAL: gl.constexpr,
+              PINGPONG: gl.constexpr):  # fmt: skip
+    """All key blocks of the CTA; returns (o, m_i, l_i) with O not yet normalised."""
+    o, p, m_i, l_i = state
+    k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn = ring
+    rows, n_keys, diag, qk_scale = mask
+    BLOCK_N: gl.constexpr = k_bufs.type.shape[2]
+    NC: gl.constexpr = turn.type.shape[0]
+    s_layout: gl.constexpr = m_i.type.layout.parent
+    # Block 0: QK^T alone (nothing to overlap with yet); always masked.
+    s_tok = _qk_issue(0, q, ring, CID, PINGPONG, s_layout)
+    if PINGPONG:
+        mbarrier.arrive(turn.index((CID + 1) % NC), count=1)
+    sc = warpgroup_mma_wait(0, deps=(s_tok,))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    pf, alpha, m_i, l_i = _softmax(sc, m_i, l_i, cols, rows, n_keys, diag, qk_scale, True, CAUSAL)
+    state = (o, gl.convert_layout(pf.to(q.dtype), p.type.layout), m_i, l_i)
+    for j in range(1, mask_from):
+        state = _consumer_block(j, state, q, ring, mask, CID, False, CAUSAL, PINGPONG)
+    for j in range(gl.maximum(mask_from, 1), n_blocks):
+        state = _consumer_block(j, state, q, ring, mask, CID, True, CAUSAL, PINGPONG)
+    o, p, m_i, l_i = state
+    o = warpgroup_mma_wait(0, deps=(_pv_issue(n_blocks - 1, p, o, ring),))
+    mbarrier.arrive(v_empty.index((n_blocks - 1) % k_bufs.type.shape[0]), count=1)
+    return o, m_i, l_i
+
+
+@gluon.jit
+def _consumer(CID: gl.constexpr, args, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    """One warpgroup: rows [m0 + CID * BLOCK_M, + BLOCK_M) of the CTA's query tile."""
+    o_desc, lse_ptr, smem, bars, coords, scalars = args
     q_smem, k_bufs, v_bufs = smem
     q_bars, k_ready, k_empty, v_ready, v_empty, turn = bars
     batch, q_head, kv_head, m0 = coords
     n_q, n_keys, diag, n_blocks, mask_from, qk_scale, lse_off = scalars
-    STAGES: gl.constexpr = k_bufs.type.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.type.shape[2]
     HEAD_D: gl.constexpr = k_bufs.type.shape[4]
     BLOCK_M: gl.constexpr = q_smem.type.shape[2]
     dtype: gl.constexpr = k_bufs.dtype
-
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_D, 16]
-    )
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 1], [16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 1], [16, HEAD_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
@@ -165,54 +206,20 @@ def _consumer(
     q = q4.reshape([BLOCK_M, HEAD_D])
     row0 = m0 + CID * BLOCK_M
     rows = row0 + gl.arange(0, BLOCK_M, layout=row_layout)
-
     m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, row_layout)
     l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
     o = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
-    p = gl.zeros([BLOCK_M, BLOCK_N], dtype, p_layout)
-
     mbarrier.wait(q_bars.index(CID), 0)
     if n_blocks > 0:
-        # Block 0: QK^T alone (nothing to overlap with yet); always masked.
-        mbarrier.wait(k_ready.index(0), 0)
-        NC: gl.constexpr = turn.type.shape[0]
-        FIRST: gl.constexpr = 1 if CID == 0 else 0
-        if PINGPONG:
-            mbarrier.wait(turn.index(CID), FIRST)
-        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        k_t = k_bufs.index(0).reshape([BLOCK_N, HEAD_D]).permute((1, 0))
-        s_tok = warpgroup_mma(q, k_t, zero, use_acc=False, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index((CID + 1) % NC), count=1)
-        sc = warpgroup_mma_wait(0, deps=(s_tok,))
-        mbarrier.arrive(k_empty.index(0), count=1)
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        pf, alpha, m_i, l_i = _softmax(sc, m_i, l_i, cols, rows, n_keys, diag, qk_scale, True, CAUSAL)
-        p = gl.convert_layout(pf.to(dtype), p_layout)
-        state = (o, p, m_i, l_i)
-        for j in range(1, mask_from):
-            state = _consumer_block(
-                j, state, q, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn, rows, n_keys,
-                diag, qk_scale, CID, False, CAUSAL, PINGPONG,
-            )
-        for j in range(gl.maximum(mask_from, 1), n_blocks):
-            state = _consumer_block(
-                j, state, q, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn, rows, n_keys,
-                diag, qk_scale, CID, True, CAUSAL, PINGPONG,
-            )
-        o, p, m_i, l_i = state
-        # Last PV.
-        jl = n_blocks - 1
-        sl = jl % STAGES
-        mbarrier.wait(v_ready.index(sl), (jl // STAGES) & 1)
-        o_tok = warpgroup_mma(p, v_bufs.index(sl).reshape([BLOCK_N, HEAD_D]), o, is_async=True)
-        o = warpgroup_mma_wait(0, deps=(o_tok,))
-        mbarrier.arrive(v_empty.index(sl), count=1)
+        ring = (k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn)
+        state = (o, gl.zeros([BLOCK_M, BLOCK_N], dtype, p_layout), m_i, l_i)
+        mask = (rows, n_keys, diag, qk_scale)
+        o, m_i, l_i = _mainloop(q, ring, mask, n_blocks, mask_from, state, CID, CAUSAL, PINGPONG)
 
-    # Epilogue: normalise, O through shared memory (the Q tile's slot) and TMA.
+    # Epilogue: normalise, O through shared memory (the Q tile's slot) and TMA; a row with
+    # no key (l = 0) keeps O = 0 and gets LSE = -inf.
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    empty = l_o == 0.0
-    o = o / gl.where(empty, 1.0, l_o)[:, None]
+    o = o / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
     q.store(o.to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [batch, row0, q_head, 0], q4)
@@ -223,91 +230,80 @@ def _consumer(
 
 
 @gluon.jit
-def attn_fwd_kernel(
-    q_desc, k_desc, v_desc, o_desc, lse_ptr, n_q, n_keys, n_heads, group, qk_scale, diag,
-    CAUSAL: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-    PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-):
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
-    dtype: gl.constexpr = q_desc.dtype
-    CTA_M: gl.constexpr = BLOCK_M * NUM_CONSUMERS
-
-    num_m = gl.cdiv(n_q, CTA_M)
-    pid_m = gl.program_id(0)
-    if CAUSAL:
-        pid_m = num_m - 1 - pid_m  # longest rows first
-    bh = gl.program_id(1)
-    batch = bh // n_heads
-    q_head = bh % n_heads
-    kv_head = q_head // group
-    m0 = pid_m * CTA_M
-
-    # Key blocks this CTA reads ([0, n_blocks)) and the first one that needs a mask.
+def _key_range(n_keys, m0, diag, CTA_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Key blocks the CTA reads ([0, n_blocks)) and the first one that needs a mask (the
+    end of the keys, or the first block some row of the CTA may not see)."""
     n_blocks = gl.cdiv(n_keys, BLOCK_N)
     mask_from = n_keys // BLOCK_N
     if CAUSAL:
         last_key = m0 + CTA_M - 1 + diag  # the largest key any row of the CTA may see
         n_blocks = gl.minimum(n_blocks, gl.maximum(last_key + BLOCK_N, 0) // BLOCK_N)
         mask_from = gl.minimum(mask_from, gl.maximum(m0 + diag + 1, 0) // BLOCK_N)
-    mask_from = gl.minimum(mask_from, n_blocks)
-    lse_off = bh.to(gl.int64) * n_q
+    return n_blocks, gl.minimum(mask_from, n_blocks)
 
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    # turn[c]: consumer c may issue its GEMMs (ping-pong, handed round in consumer order).
-    turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+
+@gluon.jit
+def _barriers(NUM_CONSUMERS: gl.constexpr, STAGES: gl.constexpr):
+    """q_bars[c]: Q tile c landed; k/v ready[s]: slot s landed; k/v empty[s]: every consumer
+    is done with slot s; turn[c]: consumer c may issue its GEMMs (ping-pong, handed round)."""
+    layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], layout)
+    turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], layout)
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], layout)
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], layout)
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], layout)
     for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(q_bars.index(c), count=1)
-    for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(turn.index(c), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(k_empty.index(s), count=NUM_CONSUMERS)
         mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(v_empty.index(s), count=NUM_CONSUMERS)
+    return q_bars, k_ready, k_empty, v_ready, v_empty, turn
 
+
+@gluon.jit
+def attn_fwd_kernel(
+    q_desc, k_desc, v_desc, o_desc, lse_ptr, n_q, n_keys, n_heads, group, qk_scale, diag,
+    CAUSAL: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+    PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):  # fmt: skip
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    CTA_M: gl.constexpr = BLOCK_M * NUM_CONSUMERS
+    pid_m = gl.program_id(0)
+    if CAUSAL:
+        pid_m = gl.cdiv(n_q, CTA_M) - 1 - pid_m  # longest rows first
+    bh = gl.program_id(1)
+    q_head = bh % n_heads
+    m0 = pid_m * CTA_M
+    coords = (bh // n_heads, q_head, q_head // group, m0)
+    n_blocks, mask_from = _key_range(n_keys, m0, diag, CTA_M, k_desc.block_type.shape[1], CAUSAL)
+    scalars = (n_q, n_keys, diag, n_blocks, mask_from, qk_scale, bh.to(gl.int64) * n_q)
+    q_shape: gl.constexpr = [NUM_CONSUMERS] + q_desc.block_type.shape
+    kv_shape: gl.constexpr = [STAGES] + k_desc.block_type.shape
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(q_desc.dtype, kv_shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(q_desc.dtype, kv_shape, v_desc.layout)
     smem = (q_smem, k_bufs, v_bufs)
-    bars = (q_bars, k_ready, k_empty, v_ready, v_empty, turn)
-    coords = (batch, q_head, kv_head, m0)
-    scalars = (n_q, n_keys, diag, n_blocks, mask_from, qk_scale, lse_off)
+    bars = _barriers(NUM_CONSUMERS, STAGES)
     descs = (q_desc, k_desc, v_desc)
+    args = (o_desc, lse_ptr, smem, bars, coords, scalars)
+    worker = (descs, smem, bars, coords, n_blocks)
     if NUM_CONSUMERS == 3:
         gl.warp_specialize(
-            [
-                (_consumer, (0, o_desc, lse_ptr, smem, bars, coords, scalars, CAUSAL, PINGPONG)),
-                (_consumer, (1, o_desc, lse_ptr, smem, bars, coords, scalars, CAUSAL, PINGPONG)),
-                (_consumer, (2, o_desc, lse_ptr, smem, bars, coords, scalars, CAUSAL, PINGPONG)),
-                (_producer, (descs, smem, bars, coords, n_blocks, NUM_CONSUMERS)),
-            ],
-            [4, 4, 1],
-            [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
-        )
-    elif NUM_CONSUMERS == 2:
-        gl.warp_specialize(
-            [
-                (_consumer, (0, o_desc, lse_ptr, smem, bars, coords, scalars, CAUSAL, PINGPONG)),
-                (_consumer, (1, o_desc, lse_ptr, smem, bars, coords, scalars, CAUSAL, PINGPONG)),
-                (_producer, (descs, smem, bars, coords, n_blocks, NUM_CONSUMERS)),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, PRODUCER_REGS],
-        )
+            [(_consumer, (0, args, CAUSAL, PINGPONG)), (_consumer, (1, args, CAUSAL, PINGPONG)),
+             (_consumer, (2, args, CAUSAL, PINGPONG)), (_producer, (worker, NUM_CONSUMERS))],
+            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
     else:
+        gl.static_assert(NUM_CONSUMERS == 2, "NUM_CONSUMERS must be 2 or 3")
         gl.warp_specialize(
-            [
-                (_consumer, (0, o_desc, lse_ptr, smem, bars, coords, scalars, CAUSAL, False)),
-                (_producer, (descs, smem, bars, coords, n_blocks, NUM_CONSUMERS)),
-            ],
-            [1],
-            [PRODUCER_REGS],
-        )
+            [(_consumer, (0, args, CAUSAL, PINGPONG)), (_consumer, (1, args, CAUSAL, PINGPONG)),
+             (_producer, (worker, NUM_CONSUMERS))],
+            [4, 1], [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
@@ -315,10 +311,11 @@ def attn_fwd_kernel(
 # ---------------------------------------------------------------------------------------
 
 # Per head dim: rows per consumer warpgroup, key block, ring depth, consumers, registers.
+_WG2 = dict(NUM_CONSUMERS=2, CONSUMER_REGS=240, PRODUCER_REGS=24)
 CONFIGS = {
-    64: dict(BLOCK_M=64, BLOCK_N=128, STAGES=3, NUM_CONSUMERS=2, CONSUMER_REGS=240, PRODUCER_REGS=24),
-    128: dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, NUM_CONSUMERS=2, CONSUMER_REGS=240, PRODUCER_REGS=24),
-    256: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, NUM_CONSUMERS=2, CONSUMER_REGS=240, PRODUCER_REGS=24),
+    64: dict(BLOCK_M=64, BLOCK_N=128, STAGES=3, **_WG2),
+    128: dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, **_WG2),
+    256: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, **_WG2),
 }
 
 
@@ -338,12 +335,9 @@ def _blocks(cfg, d):
     return [1, cfg["BLOCK_M"], 1, d], [1, cfg["BLOCK_N"], 1, d]
 
 
-def prepare(q, k, v, causal=False, scale=None, top_left=False, cfg=None, pingpong=True):
-    """Checks the arguments, allocates out/lse, builds the TMA descriptors; returns
-    (launch, out, lse) where launch() runs the kernel (so a benchmark times the kernel, not
-    the descriptor set-up)."""
+def _check_args(q, k, v, scale):
+    """Raises ValueError naming what is wrong; returns the scale (default 1/sqrt(D))."""
     import torch
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q/k/v must be 4-D [B, N, H, D], got {q.dim()}/{k.dim()}/{v.dim()} dims")
@@ -354,14 +348,31 @@ def prepare(q, k, v, causal=False, scale=None, top_left=False, cfg=None, pingpon
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"k/v dtype {k.dtype}/{v.dtype} must equal q.dtype {q.dtype}")
     if d not in CONFIGS or dk != d or v.shape != k.shape or bk != b:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected equal batch, "
-                         f"k.shape == v.shape and head dim one of {sorted(CONFIGS)}")
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected equal batch, "
+            f"k.shape == v.shape and head dim one of {sorted(CONFIGS)}"
+        )
     if hkv == 0 or hq % hkv:
         raise ValueError(f"HQ={hq} is not a multiple of HKV={hkv}")
+    if b * hq > 65535:
+        raise ValueError(f"B * HQ = {b * hq}: at most 65535 (the grid's second dimension)")
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale={scale}: expected finite and > 0")
+    return scale
+
+
+def prepare(q, k, v, causal=False, scale=None, top_left=False, cfg=None, pingpong=True):
+    """Checks the arguments, allocates out/lse, builds the TMA descriptors; returns
+    (launch, out, lse) where launch() runs the kernel (so a benchmark times the kernel, not
+    the descriptor set-up)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    scale = _check_args(q, k, v, scale)
+    b, n_q, hq, d = q.shape
+    n_k, hkv = k.shape[1], k.shape[2]
     cfg = dict(CONFIGS[d] if cfg is None else cfg)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((b, hq, n_q), device=q.device, dtype=torch.float32)
@@ -384,10 +395,14 @@ def prepare(q, k, v, causal=False, scale=None, top_left=False, cfg=None, pingpon
     diag = 0 if top_left else n_k - n_q
     args = (q_desc, k_desc, v_desc, o_desc, lse, n_q, n_k, hq, hq // hkv, scale * LOG2E, diag)
     kwargs = dict(
-        CAUSAL=bool(causal), STAGES=cfg["STAGES"], NUM_CONSUMERS=cfg["NUM_CONSUMERS"],
+        CAUSAL=bool(causal),
+        STAGES=cfg["STAGES"],
+        NUM_CONSUMERS=cfg["NUM_CONSUMERS"],
         PINGPONG=bool(pingpong) and cfg["NUM_CONSUMERS"] > 1,
-        CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
-        num_warps=4, maxnreg=maxnreg(cfg),
+        CONSUMER_REGS=cfg["CONSUMER_REGS"],
+        PRODUCER_REGS=cfg["PRODUCER_REGS"],
+        num_warps=4,
+        maxnreg=maxnreg(cfg),
     )
 
     def launch():
@@ -405,86 +420,11 @@ def gluon_attention(q, k, v, causal=False, scale=None, top_left=False, cfg=None,
     return out, lse
 
 
-# ---------------------------------------------------------------------------------------
-# Cross-compilation for sm90 (no GPU)
-# ---------------------------------------------------------------------------------------
-
-
-def compile_sm90(d, causal, dtype="bf16", cfg=None, pingpong=True):
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    cfg = dict(CONFIGS[d] if cfg is None else cfg)
-    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
-    qb, kb = _blocks(cfg, d)
-    ql = gl.NVMMASharedLayout.get_default_for(qb, gdt)
-    kl = gl.NVMMASharedLayout.get_default_for(kb, gdt)
-
-    def desc(block, layout):
-        return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
-
-    sig = {
-        "q_desc": desc(qb, ql), "k_desc": desc(kb, kl), "v_desc": desc(kb, kl), "o_desc": desc(qb, ql),
-        "lse_ptr": "*fp32", "n_q": "i32", "n_keys": "i32", "n_heads": "i32", "group": "i32",
-        "qk_scale": "fp32", "diag": "i32",
-    }
-    consts = dict(
-        CAUSAL=bool(causal), STAGES=cfg["STAGES"], NUM_CONSUMERS=cfg["NUM_CONSUMERS"],
-        PINGPONG=bool(pingpong) and cfg["NUM_CONSUMERS"] > 1,
-        CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
-    )
-    for name, value in consts.items():
-        sig[name] = "constexpr"
-    fn = attn_fwd_kernel
-    src = GluonASTSource(
-        fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()}
-    )
-    t0 = time.time()
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": maxnreg(cfg)})
-    secs = time.time() - t0
-    return compiled, secs
-
-
-def resource_usage(compiled):
-    """Registers, spills and stack per kernel from cuobjdump on the cubin."""
-    binpath = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
-        name = f.name
-    try:
-        res = subprocess.run([binpath, "--dump-resource-usage", name], capture_output=True, text=True)
-        text = res.stdout + res.stderr
-        sass = subprocess.run([binpath, "--dump-sass", name], capture_output=True, text=True).stdout
-    finally:
-        os.unlink(name)
-    info = {}
-    for key, pat in (("registers", r"REG:(\d+)"), ("stack", r"STACK:(\d+)"), ("local", r"LOCAL:(\d+)")):
-        m = re.search(pat, text)
-        info[key] = int(m.group(1)) if m else None
-    ptx = compiled.asm["ptx"]
-    info["setmaxnreg"] = sorted(set(int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))
-    info["hgmma"] = sass.count("HGMMA")
-    info["ldl_stl"] = sass.count("LDL") + sass.count("STL")
-    info["shared"] = compiled.metadata.shared
-    info["threads"] = int(re.search(r"\.reqntid (\d+)", ptx).group(1))
-    return info
-
-
-def run_compile():
-    rows = []
-    for d in (64, 128, 256):
-        for causal in (False, True):
-            compiled, secs = compile_sm90(d, causal)
-            info = resource_usage(compiled)
-            info.update(d=d, causal=causal, secs=round(secs, 1))
-            rows.append(info)
-            print(json.dumps(info), flush=True)
-    return rows
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--compile", action="store_true", help="cross-compile for sm90 and report resources")
+    ap.add_argument(
+        "--compile", action="store_true", help="cross-compile for sm90 and report resources"
+    )
     ap.add_argument("--gpu", action="store_true", help="correctness and benchmark on the GPU")
     ap.add_argument("--check", action="store_true", help="GPU correctness only")
     ap.add_argument("--bench", action="store_true", help="GPU benchmark only")
@@ -492,17 +432,13 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="folder for the JSON results")
     args = ap.parse_args(argv)
     if args.compile:
-        run_compile()
-    if args.gpu or args.check or args.bench:
-        import gluon_forward_check as check
+        import gluon_forward_compile
 
-        if args.nc3:
-            check.run_checks(args.out, nc3=True)
-            check.run_bench(args.out, dims=(64, 128), variants_at=(1024, 4096, 16384))
-        if args.gpu or args.check:
-            check.run_checks(args.out)
-        if args.gpu or args.bench:
-            check.run_bench(args.out)
+        gluon_forward_compile.run_compile()
+    if args.gpu or args.check or args.bench or args.nc3:
+        import gluon_forward_check
+
+        gluon_forward_check.run(args)
     return 0
 
 

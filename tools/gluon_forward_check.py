@@ -90,15 +90,22 @@ def check_case(case, seed=0, cfg=None):
     lowp = lowp.to(dt).double()
     err = (out.double() - gold).abs()
     lerr = (lowp - gold).abs()
-    ulp = 2.0 ** -7 if dt == torch.bfloat16 else 2.0 ** -10
+    ulp = 2.0**-7 if dt == torch.bfloat16 else 2.0**-10
     floor = 2 * ulp * max(gold.abs().max().item(), 1e-6)
     finite = torch.isfinite(gold_lse)
     lse_err = (lse.double() - gold_lse)[finite].abs().max().item() if finite.any() else 0.0
     res = dict(
-        case=dict(B=b, Nq=n_q, Nk=n_k, HQ=hq, HKV=hkv, D=d, causal=causal, top_left=top_left, dtype=dname),
-        max_err=err.max().item(), lowp_max_err=lerr.max().item(), floor=floor,
-        mean_err=err.mean().item(), lowp_mean_err=lerr.mean().item(), lse_max_err=lse_err,
-        nan_out=bool(torch.isnan(out).any()), nan_lse=bool(torch.isnan(lse).any()),
+        case=dict(
+            B=b, Nq=n_q, Nk=n_k, HQ=hq, HKV=hkv, D=d, causal=causal, top_left=top_left, dtype=dname
+        ),
+        max_err=err.max().item(),
+        lowp_max_err=lerr.max().item(),
+        floor=floor,
+        mean_err=err.mean().item(),
+        lowp_mean_err=lerr.mean().item(),
+        lse_max_err=lse_err,
+        nan_out=bool(torch.isnan(out).any()),
+        nan_lse=bool(torch.isnan(lse).any()),
         inf_lse_match=bool(torch.equal(torch.isinf(lse), ~finite)),
         deterministic=bool(torch.equal(out, out2) and torch.equal(lse, lse2)),
         empty_rows=int((~finite).sum().item()),
@@ -107,7 +114,10 @@ def check_case(case, seed=0, cfg=None):
         res["max_err"] <= 2 * res["lowp_max_err"] + floor
         and res["mean_err"] <= 1.5 * res["lowp_mean_err"] + floor
         and lse_err <= 1e-3
-        and not res["nan_out"] and not res["nan_lse"] and res["inf_lse_match"] and res["deterministic"]
+        and not res["nan_out"]
+        and not res["nan_lse"]
+        and res["inf_lse_match"]
+        and res["deterministic"]
     )
     return res
 
@@ -167,7 +177,6 @@ CASES_NC3 = [c for c in CASES if c[5] in NC3]
 
 # Variants timed beside the default (what limits the kernel): ping-pong off, other tiles.
 def _variants(d):
-    base = gf.CONFIGS[d]
     out = {"no_pingpong": dict(pingpong=False)}
     if d == 64:
         out["nc3_s2"] = dict(cfg=NC3[64])
@@ -245,3 +254,14 @@ def run_bench(out_dir, budget_s=170.0, dims=(64, 128, 256), variants_at=(4096,))
             vals = (r["D"], r["N"], r["causal"], r["gluon"], r["cudnn"], r.get("attngen", "-"))
             print("".join(f"{str(x):>9}" for x in vals + (r["gluon/cudnn"],)))
     return rows
+
+
+def run(args):
+    """The GPU modes of tools/gluon_forward.py (--gpu, --check, --bench, --nc3)."""
+    if args.nc3:
+        run_checks(args.out, nc3=True)
+        run_bench(args.out, dims=(64, 128), variants_at=(1024, 4096, 16384))
+    if args.gpu or args.check:
+        run_checks(args.out)
+    if args.gpu or args.bench:
+        run_bench(args.out)
