@@ -61,6 +61,50 @@ def hypothesis_profile(environ) -> str:
 
 settings.load_profile(hypothesis_profile(os.environ))
 
+# The quick subset (`python -m pytest -m quick`, tests/README.md): the files a contributor runs
+# while editing, about 1-2 minutes on 2 cores where the whole CPU suite takes 9-10. Spec,
+# tiling, render and templates, registry, dispatch and the public functions' arguments; not the
+# kernels' property suites, the CLI's subprocess builds or the compiled-tiling comparison.
+QUICK_FILES = frozenset(
+    {
+        "test_spec.py",
+        "test_hostile_specs.py",
+        "test_hf_spec.py",
+        "test_tiling.py",
+        "test_decode_tiling.py",
+        "test_render.py",
+        "test_template_env.py",
+        "test_explain.py",
+        "test_reference.py",
+        "test_registry_integrity.py",
+        "test_registry_layers.py",
+        "test_runtime.py",
+        "test_runtime_plans.py",
+        "test_softcap_arguments.py",
+        "test_line_budget.py",
+        "test_hypothesis_profiles.py",
+    }
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    missing = sorted(f for f in QUICK_FILES if not os.path.exists(os.path.join(here, f)))
+    if missing:  # a renamed file would drop out of the quick subset unnoticed
+        raise pytest.UsageError(f"tests/conftest.py QUICK_FILES names missing files: {missing}")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests of QUICK_FILES `quick`, but not their gpu or slow ones (`-m quick`
+    replaces the default `-m "not gpu and not slow"`)."""
+    for item in items:
+        if (
+            item.path.name in QUICK_FILES
+            and item.get_closest_marker("gpu") is None
+            and item.get_closest_marker("slow") is None
+        ):
+            item.add_marker(pytest.mark.quick)
+
 
 @pytest.fixture(scope="session")
 def device() -> str:

@@ -89,12 +89,12 @@ def toy_kernels(toy_folder: Path):
     registry_module._current = saved
 
 
-# Stand-in modules honouring the README's entry-point contracts, in torch (test only), for
-# routes no toy kernel exercises: the decode kind with its in-place append, and entry points
-# that take `out=` (ACCEPTS_OUT), which today's templates do not have yet. Each records the
-# data_ptr of every out= it is given (None when none was) in WROTE.
+# Stand-in modules honouring the entry-point contracts (docs/generated_modules.md), in torch
+# (test only), for routes no toy kernel exercises: the decode kind with its in-place append,
+# and entry points that take `out=` (ACCEPTS_OUT), which today's templates do not have yet.
+# Each records the data_ptr of every out= it is given (None when none was) in WROTE.
 _STAND_IN = textwrap.dedent('''\
-    """A stand-in {kind} module honouring the README's {kind} contract, in torch (test only)."""
+    """A stand-in {kind} module honouring the {kind} contract, in torch (test only)."""
     import math
 
     import torch

@@ -2,9 +2,10 @@
 
 Under Triton's interpreter a real kernel call is dominated by the interpreter, so this tool
 loads a registry of stand-in modules instead: each honours its kind's entry-point contract
-(the README's) and returns an output it allocates (or the `out=` it is given) without running
-anything. What a public call costs beyond the module's own entry point is the runtime's share
-of the host time (dispatch, argument checks, the op layer, layout handling, copies).
+(docs/generated_modules.md) and returns an output it allocates (or the `out=` it is given)
+without running anything. What a public call costs beyond the module's own entry point is the
+runtime's share of the host time (dispatch, argument checks, the op layer, layout handling,
+copies).
 
 Two registries are timed: stand-ins without `out=` (modules built by an older attngen), and
 stand-ins that advertise ACCEPTS_OUT, take `out=` and have the entry points with flash-attn's

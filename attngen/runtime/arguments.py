@@ -1,13 +1,14 @@
 """Argument conventions the public functions share, each checked once per call.
 
-The softmax scale, flash-attn's (causal, window_size) as a spec mask, SDPA's causal_align,
-rank checks, and the refusals of features no generated kernel has. A check that passes
-builds no string: messages are formatted only when a check fails.
+The softmax scale, the softcap, flash-attn's (causal, window_size) as a spec mask, SDPA's
+causal_align, rank checks, and the refusals of features no generated kernel has. A check that
+passes builds no string: messages are formatted only when a check fails.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 
 import torch
@@ -40,6 +41,27 @@ def softmax_scale(scale: object, q: torch.Tensor) -> float:
     ):
         return float(scale)  # a subclass (numpy float64)
     raise ValueError(f"scale: expected a finite float > 0 or None, got {scale!r}")
+
+
+def softcap_value(softcap: object) -> float:
+    """The call's softcap as the float a module is built with: > 0 caps the scores at
+    softcap * tanh(s / softcap); None, 0 and negative values are off (0.0), as in flash-attn,
+    where only softcap > 0 activates it. NaN, inf and non-numbers raise a ValueError."""
+    if type(softcap) is float and softcap > 0 and softcap != math.inf:
+        return softcap
+    if softcap is None:
+        return 0.0
+    if (
+        isinstance(softcap, numbers.Real)
+        and not isinstance(softcap, bool)
+        and math.isfinite(softcap)
+    ):
+        cap = float(softcap)
+        return cap if cap > 0 else 0.0  # 0, negative, an int, a numpy float
+    raise ValueError(
+        f"softcap: expected a finite float or None, got {softcap!r} (> 0 caps the scores; "
+        "None, 0 or a negative value is off, as in flash-attn)"
+    )
 
 
 def seqlen_bound(value: object, name: str) -> int:

@@ -36,7 +36,7 @@ def run_decode(
     rotary_interleaved: bool = True,
     rotary_q_per_token: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """The decode kind's `decode` entry point (the README's decode contract); appends
+    """The decode kind's `decode` entry point (docs/generated_modules.md); appends
     k_new/v_new into the caches at cache_seqlens, in place, before attending. (out, lse or
     None); out [B, Nq, HQ, DV] with heads_last, else [B, HQ, Nq, DV]. num_splits: the
     module's (0: its split rule; s >= 1: s splits of the keys, clamped by the module). rotary_*:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from attngen.runtime import kernel_cache
+from attngen.runtime.arguments import softcap_value
 from attngen.runtime.devices import device_arch, device_problem
 from attngen.runtime.records import record
 from attngen.runtime.registry import KernelEntry, Registry, current_registry
@@ -159,7 +160,8 @@ def need_for(
 ) -> Need:
     """The Need of a call with these tensors: dtype and head dims from q and v, the arch from
     q's device. seqlen_q/seqlen_k must be lengths the tensors' shapes guarantee; backward:
-    the call runs the module's gradient kernels; dropout: the call has dropout_p > 0."""
+    the call runs the module's gradient kernels; dropout: the call has dropout_p > 0; softcap
+    as arguments.softcap_value takes it (<= 0 or None: off; NaN, inf: ValueError)."""
     if mask is Mask.none:
         align, window = None, None
     if mask is not Mask.chunked:
@@ -175,7 +177,7 @@ def need_for(
         mask=mask,
         causal_align=align,
         window=None if window is None else (int(window[0]), int(window[1])),
-        softcap=float(softcap or 0.0),
+        softcap=softcap_value(softcap),
         alibi=alibi,
         arch=arch_of(device.type, device.index),
         seqlen_q=int(seqlen_q),

@@ -85,7 +85,7 @@ def flash_attn_with_kvcache(
     sequence whose cache_seqlens, cache_batch_idx, cache_leftpad or block-table entries do
     not fit its cache gets NaN output and LSE and nothing appended; no other memory is
     touched (an int cache_seqlens is checked on the host; ATTNGEN_CHECKS=1 checks the tensors
-    on the host, see README)."""
+    on the host, see docs/generated_modules.md, "Bad index tensors")."""
     key = None
     if (
         type(cache_seqlens) is Tensor

@@ -26,6 +26,7 @@ from attngen.runtime.arguments import (
     dropout_rng_state,
     needs_gradients,
     seqlen_bound,
+    softcap_value,
     softmax_scale,
 )
 from attngen.runtime.dispatch import choose, need_for, unsupported_dtype
@@ -65,6 +66,7 @@ def run_dense(
     mask chunked, sink_tokens with mask sliding_window."""
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     dropout_p = dropout_probability(dropout_p)
+    softcap = softcap_value(softcap)  # <= 0 is off for the fallback too, as in flash-attn
     need = need_for(
         KernelKind.prefill,
         q,
@@ -213,6 +215,7 @@ def run_varlen(
     the `dispatch` varlen_dispatch gave it. plan_key: as run_dense's (a call without
     seqused_k)."""
     dropout_p = dropout_probability(dropout_p)
+    softcap = softcap_value(softcap)
     if dispatch is None:
         same = cu_seqlens_q is cu_seqlens_k and seqused_k is None
         dispatch = varlen_dispatch(
