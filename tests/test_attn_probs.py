@@ -314,3 +314,27 @@ def test_without_dropout_s_dmask_is_flash_attns_empty_tensor(kernels):
                 assert isinstance(dmask, torch.Tensor), name
                 assert dmask.shape == (0,) and dmask.dtype == q.dtype, name
                 assert dmask.device == q.device, name
+
+
+def test_under_torch_compile_s_dmask_runs_in_a_graph_break(kernels):
+    """S_dmask is formed eagerly: torch.compile breaks the graph there and gives the eager
+    bytes under one seed; fullgraph=True refuses the call, naming return_attn_probs."""
+    spec = kernels["probs_causal"]
+    q, k, v, _, _ = padded_inputs(spec, 1, 4, 2, 16, 20, seed=10)
+    flash = [t.transpose(1, 2) for t in (q, k, v)]
+
+    def call(q, k, v):
+        return attngen.flash_attn_func(q, k, v, 0.2, causal=True, return_attn_probs=True)
+
+    results = []
+    for step in (call, torch.compile(call, backend="aot_eager")):
+        torch.manual_seed(11)
+        results.append(step(*flash))
+    for eager, compiled in zip(*results, strict=True):
+        assert torch.equal(eager, compiled)
+
+    def whole(q, k, v):  # a function of its own: dynamo caches compiled code per function
+        return attngen.flash_attn_func(q, k, v, 0.2, causal=True, return_attn_probs=True)
+
+    with pytest.raises(Exception, match="return_attn_probs: True with dropout_p > 0"):
+        torch.compile(whole, backend="aot_eager", fullgraph=True)(*flash)

@@ -141,7 +141,14 @@ def attn_probs_rng_state(return_attn_probs: object, dropout_p: object, q: torch.
     """The call's Philox state when it returns S_dmask (return_attn_probs with dropout_p > 0),
     drawn here so that S_dmask reads the mask of this very state (the same draw the launch
     makes otherwise); None for every other call, whose launch draws its own (and for a q
-    that is no tensor, which the launch's checks refuse)."""
-    if return_attn_probs and dropout_p and dropout_probability(dropout_p):
-        return dropout_rng_state(q) if isinstance(q, torch.Tensor) else None
-    return None
+    that is no tensor, which the launch's checks refuse). S_dmask is a testing path formed
+    eagerly after the launch (attn_probs.py): refused while torch.compile traces."""
+    if not (return_attn_probs and dropout_p and dropout_probability(dropout_p)):
+        return None
+    if torch.compiler.is_compiling():
+        raise ValueError(
+            "return_attn_probs: True with dropout_p > 0 forms flash-attn's S_dmask, a "
+            "testing path torch.compile does not trace; call it eagerly, or pass "
+            "return_attn_probs=False"
+        )
+    return dropout_rng_state(q) if isinstance(q, torch.Tensor) else None

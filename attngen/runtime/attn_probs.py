@@ -52,10 +52,13 @@ def flash_block_n(head_dim: int) -> int:
     return 64
 
 
+_EAGER = "flash-attn's S_dmask is a testing path formed eagerly"
+
+
+@torch.compiler.disable(reason=_EAGER)
 def dense_dmask(q, k, rng_state, dropout_p, *, mask, window, softcap, alibi_slopes, scale):
     """S_dmask [B, HQ, round128(Nq), round128(Nk)] of flash_attn_func's call: q [B, Nq, HQ, D],
     k [B, Nk, HKV, D] as given, rng_state the call's Philox state, scale its softmax_scale."""
-    _refuse_tracing()
     scale = softmax_scale(scale, q)
     batch, seqlen_q, heads = q.shape[:3]
     seqlen_k = k.shape[1]
@@ -71,6 +74,7 @@ def dense_dmask(q, k, rng_state, dropout_p, *, mask, window, softcap, alibi_slop
     return dmask
 
 
+@torch.compiler.disable(reason=_EAGER)
 def varlen_dmask(
     q,
     k,
@@ -92,7 +96,6 @@ def varlen_dmask(
     width cut off), drawn as batch b; a sequence the kernel gives NaN (it leaves the packed
     tensors, or is longer than max_seqlen_q) is NaN here too. shape: (max_seqlen_q,
     max_seqlen_k) as the caller gave them. Reads the index tensors on the host."""
-    _refuse_tracing()
     scale = softmax_scale(scale, q)
     shape = (seqlen_bound(shape[0], "max_seqlen_q"), seqlen_bound(shape[1], "max_seqlen_k"))
     batch, heads = cu_seqlens_q.shape[0] - 1, q.shape[1]
@@ -131,15 +134,6 @@ def varlen_dmask(
             width = min(k1 - k0, dmask.shape[-1])
             dmask[b, :, : q1 - q0, :width] = torch.where(kept, probs, -probs)[..., :width]
     return dmask
-
-
-def _refuse_tracing() -> None:
-    if torch.compiler.is_compiling():
-        raise ValueError(
-            "return_attn_probs: True with dropout_p > 0 forms flash-attn's S_dmask, a testing "
-            "path torch.compile does not trace; call it eagerly, or pass "
-            "return_attn_probs=False"
-        )
 
 
 def _zeros(q, batch, heads, seqlen_q, seqlen_k):
@@ -190,13 +184,13 @@ def _keep_mask(rng_state, dropout_p, batch_heads, seqlen_q, seqlen_k, device):
     batch * HQ + head in [0, batch_heads), rows and keys from 0 (varlen: within a sequence)."""
     dispatch = last_dispatch()
     module = current_registry().module(dispatch.key) if dispatch and dispatch.key else None
-    helper = getattr(module, "_dropout_keep", None)
-    if helper is None:
+    if module is None or not hasattr(module, "_dropout_keep"):
+        served = dispatch.module if dispatch and dispatch.module else "the torch fallback"
         raise ValueError(
-            "return_attn_probs: True with dropout_p > 0 needs the call served by a module "
-            f"built with dropout: true, whose mask can be read back; it ran on {dispatch!r}"
+            "return_attn_probs: True with dropout_p > 0 reads the mask of a module built with "
+            f"dropout: true; the call ran on {served}"
         )
-    threshold = round(dropout_p * 2**module._DROP_BITS)
+    helper, threshold = module._dropout_keep, round(dropout_p * 2**module._DROP_BITS)
     keep = torch.empty((batch_heads, seqlen_q, seqlen_k), dtype=torch.int8, device=device)
     if keep.numel():
         grid = (batch_heads, triton.cdiv(seqlen_q, _KEEP_BLOCK), triton.cdiv(seqlen_k, _KEEP_BLOCK))
