@@ -338,3 +338,96 @@ def test_under_torch_compile_s_dmask_runs_in_a_graph_break(kernels):
 
     with pytest.raises(Exception, match="return_attn_probs: True with dropout_p > 0"):
         torch.compile(whole, backend="aot_eager", fullgraph=True)(*flash)
+
+
+def test_the_torch_fallback_refuses_s_dmask_naming_why(toy_kernels):
+    """With fallback "sdpa" and no dropout module, a dropout call with return_attn_probs is
+    refused (torch's mask cannot be read back), naming dropout_p and return_attn_probs."""
+    mode = attngen.runtime.get_fallback()
+    flash = [torch.randn(1, 8, heads, 16) for heads in (4, 2, 2)]
+    try:
+        attngen.runtime.set_fallback("sdpa")
+        with pytest.warns(UserWarning), pytest.raises(ValueError, match="return_attn_probs"):
+            attngen.flash_attn_func(*flash, 0.2, causal=True, return_attn_probs=True)
+    finally:
+        attngen.runtime.set_fallback(mode)
+
+
+# -- on the GPU -----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; run on the H200")
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_s_dmask_on_the_gpu(tmp_path, dtype):
+    """flash-attn's test_flash_attn_output and test_flash_attn_varlen_output with dropout, at
+    their sizes (d 64, p 0.17, GQA 3): S_dmask read as they read it gives the golden
+    probabilities, a dropped fraction within 0.01 of p, and out and dQ, dK, dV by the rule
+    under its mask, for the compiled kernels."""
+    fields = dict(CAUSAL32, name="probs_gpu", dtype=dtype, head_dim=64, num_q_heads=6)
+    spec = specs_from_data(fields)[0]
+    write_build(plan_build([spec]), tmp_path)
+    saved = current_registry()
+    try:
+        load_kernels(tmp_path, replace=True)
+        _check_gpu_dense(spec, 0.17)
+        _check_gpu_varlen(spec, 0.17)
+    finally:
+        use_registry(saved)
+
+
+def _check_gpu_dense(spec, p):
+    """The kernels on the GPU, judged on the CPU."""
+    q, k, v, dout, _ = padded_inputs(spec, 4, 6, 2, 239, 300, seed=13)
+    inputs = leaves(*(t.transpose(1, 2).cuda() for t in (q, k, v)))
+    out, _, dmask = attngen.flash_attn_func(
+        *inputs, dropout_p=p, causal=True, return_attn_probs=True
+    )
+    out.backward(dout.transpose(1, 2).cuda())
+    assert dmask.shape == (4, 6, 256, 384) and dmask.dtype == q.dtype
+    dmask, scores = dmask.cpu(), attention_scores(spec, q, k)
+    probs, golden = normalized(dmask, scores, 64)
+    assert torch.allclose(probs, golden, rtol=2**-7, atol=2**-20)
+    seen, keep = torch.isfinite(scores), kept(dmask, 239, 300)
+    assert abs((~keep[seen]).float().mean().item() - p) <= 0.01
+    dropout = (keep, keep_scale(p))
+    gold = golden_backward(spec, q, k, v, dout, dropout=dropout)[0]
+    lowp = lowp_backward(spec, q, k, v, dout, dropout=dropout)[0]
+    got = out.detach().transpose(1, 2).cpu()
+    assert not gradient_problems("out", got, gold, lowp, factor=2.0)
+    grads = [t.grad.transpose(1, 2).cpu() for t in inputs]
+    problems = compare_gradients(spec, grads, q, k, v, dout, dropout=dropout)
+    assert not problems, "; ".join(problems)
+
+
+def _check_gpu_varlen(spec, p):
+    lengths_q, lengths_k = [200, 17, 0, 128], [300, 17, 5, 128]
+    q, k, v, dout, _ = padded_inputs(spec, 1, 6, 2, sum(lengths_q), sum(lengths_k), seed=14)
+    packed = leaves(*(t[0].transpose(0, 1).cuda() for t in (q, k, v)))
+    cu_q, cu_k = cu_seqlens(lengths_q), cu_seqlens(lengths_k)
+    out, _, dmask = attngen.flash_attn_varlen_func(
+        *packed,
+        cu_q.cuda(),
+        cu_k.cuda(),
+        200,
+        300,
+        dropout_p=p,
+        causal=True,
+        return_attn_probs=True,
+    )
+    out.backward(dout[0].transpose(0, 1).cuda())
+    dmask = dmask.cpu()
+    assert dmask.shape == (4, 6, 256, 384) and not dmask[2].any()
+    grads = [t.grad.cpu() for t in packed]
+    starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
+    for b in (0, 1, 3):
+        rows_q, rows_k = slice(starts_q[b], starts_q[b + 1]), slice(starts_k[b], starts_k[b + 1])
+        seq = [t[:, :, r] for t, r in ((q, rows_q), (k, rows_k), (v, rows_k), (dout, rows_q))]
+        scores = attention_scores(spec, *seq[:2])
+        probs, golden = normalized(dmask[b : b + 1], scores, 64)
+        assert torch.allclose(probs, golden, rtol=2**-7, atol=2**-20), f"sequence {b}"
+        dropout = (kept(dmask[b : b + 1], lengths_q[b], lengths_k[b]), keep_scale(p))
+        rows = (rows_q, rows_k, rows_k)
+        seq_grads = [t[r].transpose(0, 1)[None] for t, r in zip(grads, rows, strict=True)]
+        problems = compare_gradients(spec, seq_grads, *seq, dropout=dropout)
+        assert not problems, f"sequence {b}: " + "; ".join(problems)
