@@ -255,6 +255,15 @@ def test_varlen_s_dmask_per_sequence(kernels):
         revealed = dv_as_probs(packed[2].grad[None, rows_k], 4, n_q)
         assert torch.equal((revealed == 0)[seen], ~keep[seen]), f"sequence {b}"
         assert torch.allclose(revealed.double(), probs * keep * keep_scale(p), atol=1e-6)
+    # sequence 2's keys past the packed k: the kernel gives it NaN, and so does S_dmask
+    torch.manual_seed(6)
+    outside = torch.tensor([*starts_k[:3], starts_k[3] + 1], dtype=torch.int32)
+    with torch.no_grad():
+        bad = attngen.flash_attn_varlen_func(
+            *packed, cu_q, outside, 16, 141, dropout_p=p, causal=True, return_attn_probs=True
+        )
+    assert bad[0][starts_q[2] :].isnan().all() and bad[2][2].isnan().all()
+    assert torch.equal(bad[2][:2], dmask[:2])
 
 
 def test_window_softcap_alibi_scores(kernels):

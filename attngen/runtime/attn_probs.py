@@ -92,24 +92,23 @@ def varlen_dmask(
     scale,
 ):
     """S_dmask [B, HQ, round128(max_seqlen_q), round128(max_seqlen_k)] of
-    flash_attn_varlen_func's call: sequence b at [b, :, :len_q, :len_k] (keys past the rounded
-    width cut off), drawn as batch b; a sequence the kernel gives NaN (it leaves the packed
-    tensors, or is longer than max_seqlen_q) is NaN here too. shape: (max_seqlen_q,
-    max_seqlen_k) as the caller gave them. Reads the index tensors on the host."""
+    flash_attn_varlen_func's call: sequence b at [b, :, :len_q, :len_k], drawn as batch b (a
+    sequence longer than max_seqlen_q/k, which the kernel may give NaN, cut to the shape); a
+    sequence that leaves the packed tensors (NaN from the kernel) is NaN. shape:
+    (max_seqlen_q, max_seqlen_k) as the caller gave them. Reads the index tensors on the
+    host."""
     scale = softmax_scale(scale, q)
     shape = (seqlen_bound(shape[0], "max_seqlen_q"), seqlen_bound(shape[1], "max_seqlen_k"))
     batch, heads = cu_seqlens_q.shape[0] - 1, q.shape[1]
-    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    used = seqused_k.tolist() if seqused_k is not None else None
-    spans = {}
-    for b in range(batch):
-        if sequence_fits(b, q.shape[0], k.shape[0], starts_q, starts_k, shape[0], used):
-            length_k = used[b] if used is not None else starts_k[b + 1] - starts_k[b]
-            spans[b] = (starts_q[b], starts_q[b + 1], starts_k[b], starts_k[b] + length_k)
-    longest_q = max((q1 - q0 for q0, q1, _, _ in spans.values()), default=0)
-    longest_k = max((k1 - k0 for _, _, k0, k1 in spans.values()), default=0)
+    spans = _spans(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k)
     with torch.no_grad():
         dmask = _zeros(q, batch, heads, *shape)
+        longest_q = min(
+            max((q1 - q0 for q0, q1, _, _ in spans.values()), default=0), dmask.shape[2]
+        )
+        longest_k = min(
+            max((k1 - k0 for _, _, k0, k1 in spans.values()), default=0), dmask.shape[3]
+        )
         keep = _keep_mask(rng_state, dropout_p, batch * heads, longest_q, longest_k, q.device)
         keep = keep.view(batch, heads, longest_q, longest_k)
         for b in range(batch):
@@ -130,10 +129,23 @@ def varlen_dmask(
                 scale=scale,
             )
             probs = _block_probs(scores[0], flash_block_n(q.shape[-1]))
-            kept = keep[b, :, : q1 - q0, : k1 - k0]
-            width = min(k1 - k0, dmask.shape[-1])
-            dmask[b, :, : q1 - q0, :width] = torch.where(kept, probs, -probs)[..., :width]
+            rows, width = min(q1 - q0, dmask.shape[-2]), min(k1 - k0, dmask.shape[-1])
+            probs = probs[:, :rows, :width]
+            dmask[b, :, :rows, :width] = torch.where(keep[b, :, :rows, :width], probs, -probs)
     return dmask
+
+
+def _spans(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k) -> dict[int, tuple[int, ...]]:
+    """{b: (first query row, end, first key row, end)} of the sequences inside the packed
+    tensors (the others the kernel gives NaN), read on the host."""
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    used = seqused_k.tolist() if seqused_k is not None else None
+    spans: dict[int, tuple[int, ...]] = {}
+    for b in range(len(starts_q) - 1):
+        if sequence_fits(b, q.shape[0], k.shape[0], starts_q, starts_k, q.shape[0], used):
+            length_k = used[b] if used is not None else starts_k[b + 1] - starts_k[b]
+            spans[b] = (starts_q[b], starts_q[b + 1], starts_k[b], starts_k[b] + length_k)
+    return spans
 
 
 def _zeros(q, batch, heads, seqlen_q, seqlen_k):
