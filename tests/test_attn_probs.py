@@ -440,3 +440,43 @@ def _check_gpu_varlen(spec, p):
         seq_grads = [t[r].transpose(0, 1)[None] for t, r in zip(grads, rows, strict=True)]
         problems = compare_gradients(spec, seq_grads, *seq, dropout=dropout)
         assert not problems, f"sequence {b}: " + "; ".join(problems)
+
+
+def test_paged_varlen_s_dmask_is_the_unpaged_ones(kernels):
+    """flash_attn_varlen_func over paged K/V (block_table) draws each sequence's mask as the
+    packed call does: the same out and S_dmask under one seed, its shape from max_seqlen_k."""
+    spec, p = kernels["probs_causal"], 0.3
+    lengths_q, lengths_k = [5, 8], [21, 9]
+    q, k, v, _, _ = padded_inputs(spec, 1, 4, 2, sum(lengths_q), sum(lengths_k), seed=15)
+    packed = [t[0].transpose(0, 1) for t in (q, k, v)]
+    cu_q, cu_k = cu_seqlens(lengths_q), cu_seqlens(lengths_k)
+    pages = torch.zeros(6, 8, 2, 32), torch.zeros(6, 8, 2, 32)
+    block_table = torch.tensor([[4, 0, 2], [5, 1, 3]], dtype=torch.int32)
+    for b, (start, length) in enumerate(zip(cu_k[:-1].tolist(), lengths_k, strict=True)):
+        for i in range(length):
+            page = block_table[b, i // 8]
+            pages[0][page, i % 8], pages[1][page, i % 8] = (
+                packed[1][start + i],
+                packed[2][start + i],
+            )
+    results = []
+    with torch.no_grad():
+        for keys, table in ((packed[1:], None), (pages, block_table)):
+            torch.manual_seed(16)
+            results.append(
+                attngen.flash_attn_varlen_func(
+                    packed[0],
+                    *keys,
+                    cu_q,
+                    cu_k,
+                    8,
+                    21,
+                    p,
+                    causal=True,
+                    return_attn_probs=True,
+                    block_table=table,
+                )
+            )
+    assert results[1][2].shape == (2, 4, 128, 128)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][2], results[1][2])
+    assert torch.signbit(results[1][2]).any()
