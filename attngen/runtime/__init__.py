@@ -18,6 +18,7 @@
     arguments.py  argument conventions the public functions share (scale, flash masks)
     api.py        scaled_dot_product_attention, flash_attn_func, flash_attn_varlen_func
     packed.py     flash-attn's qkv/kv-packed forms of both, as views
+    attn_probs.py flash-attn's S_dmask for return_attn_probs with dropout (a testing path)
     kvcache.py    flash_attn_with_kvcache (decode kind when built, else varlen over the cache)
     kvcache_append.py  which sequences fit their cache, and the append of new keys (varlen route)
     validate.py   shape checks in the caller's layout

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 from attngen.runtime import plans
 from attngen.runtime.arguments import (
-    check_attn_probs,
+    attn_probs_rng_state,
     check_causal_align,
     check_rank4,
     flash_mask,
+    no_attn_probs,
     rank4,
     window_pair,
 )
@@ -169,9 +170,12 @@ def flash_attn_func(
 ):
     """flash-attn 2.x `flash_attn_func`: q [B, Nq, HQ, D], k/v [B, Nk, HKV, D] -> out
     [B, Nq, HQ, DV]; causal is bottom-right aligned (flash-attn >= 2.1). With
-    return_attn_probs, returns (out, lse [B, HQ, Nq], None): the probabilities are never formed
-    (so return_attn_probs with dropout_p > 0 is refused: flash-attn returns the dropout pattern
-    there). dropout_p > 0 needs a module built with dropout: true (the module docstring).
+    return_attn_probs, returns (out, lse [B, HQ, Nq], S_dmask) as flash-attn 2 does: without
+    dropout S_dmask is an empty tensor; with dropout_p > 0 it is flash-attn's testing output,
+    [B, HQ, round128(Nq), round128(Nk)] in q's dtype, the unnormalized probabilities with the
+    dropped ones negated, read from the mask the kernels drew (attn_probs.py). That is a
+    testing path: slow, memory O(B * HQ * Nq * Nk), eager only. dropout_p > 0 needs a module
+    built with dropout: true (the module docstring).
     `deterministic` is accepted: the kernels have no atomics, so the forward and backward are
     always deterministic. The output is one
     contiguous tensor, which a module's `attention_flash` entry point allocates and writes
@@ -203,10 +207,10 @@ def flash_attn_func(
         if plan is not None:
             ran = plans.run_flash(plan, q, k, v, alibi_slopes)
             if ran is not None:
-                return (ran[0], ran[1], None) if return_attn_probs else ran[0]
+                return (ran[0], ran[1], no_attn_probs(q)) if return_attn_probs else ran[0]
     if not rank4(q, k, v):
         check_rank4(q, k, v)
-    check_attn_probs(return_attn_probs, dropout_p)
+    rng_state = attn_probs_rng_state(return_attn_probs, dropout_p, q)
     mask, window = flash_mask(causal, window_size)
     out, lse = run_dense(
         FLASH,
@@ -222,10 +226,18 @@ def flash_attn_func(
         return_lse=return_attn_probs,
         fallback=None,
         dropout_p=dropout_p,
+        rng_state=rng_state,
         heads_last=True,
         plan_key=key,
     )
-    return (out, lse, None) if return_attn_probs else out
+    if not return_attn_probs:
+        return out
+    if rng_state is None:
+        return out, lse, no_attn_probs(q)
+    from attngen.runtime import attn_probs  # its Triton kernel is defined on first use
+
+    options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, scale=softmax_scale)
+    return out, lse, attn_probs.dense_dmask(q, k, rng_state, dropout_p, mask=mask, **options)
 
 
 def flash_attn_varlen_func(
@@ -247,8 +259,11 @@ def flash_attn_varlen_func(
     block_table=None,
 ):
     """flash-attn 2.x `flash_attn_varlen_func`: packed q [Tq, HQ, D], k/v [Tk, HKV, D],
-    cu_seqlens int32 [B + 1]; with return_attn_probs, (out, lse [HQ, Tq], None). dropout_p
-    and return_attn_probs as in flash_attn_func; sequence b draws its dropout mask as batch b.
+    cu_seqlens int32 [B + 1]; with return_attn_probs, (out, lse [HQ, Tq], S_dmask). dropout_p
+    and return_attn_probs as in flash_attn_func; sequence b draws its dropout mask as batch b,
+    and with dropout S_dmask is [B, HQ, round128(max_seqlen_q), round128(max_seqlen_k)],
+    sequence b at [b, :, :len_q, :len_k] (the same testing path: it reads cu_seqlens on the
+    host).
 
     With block_table int32 [B, max_pages], k/v are paged caches [pages, page_size, HKV, D] and
     sequence b's keys are the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions of its
@@ -287,9 +302,10 @@ def flash_attn_varlen_func(
                 plan, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes
             )
             if ran is not None:
-                return (ran[0], ran[1], None) if return_attn_probs else ran[0]
-    check_attn_probs(return_attn_probs, dropout_p)
+                return (ran[0], ran[1], no_attn_probs(q)) if return_attn_probs else ran[0]
+    rng_state = attn_probs_rng_state(return_attn_probs, dropout_p, q)
     mask, window = flash_mask(causal, window_size)
+    shape = (max_seqlen_q, max_seqlen_k)  # S_dmask's, as given (paged: not the capacity)
     seqused_k, bounds = None, None
     if block_table is not None:
         k, v, cu_seqlens_k, seqused_k, max_seqlen_k = paged_keys(k, v, block_table, cu_seqlens_k, q)
@@ -312,8 +328,20 @@ def flash_attn_varlen_func(
         return_lse=return_attn_probs,
         fallback=None,
         dropout_p=dropout_p,
+        rng_state=rng_state,
         seqused_k=seqused_k,
         length_bounds=bounds,
         plan_key=key,
     )
-    return (out, lse, None) if return_attn_probs else out
+    if not return_attn_probs:
+        return out
+    if rng_state is None:
+        return out, lse, no_attn_probs(q)
+    from attngen.runtime import attn_probs  # its Triton kernel is defined on first use
+
+    options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, scale=softmax_scale)
+    cu_seqlens = (cu_seqlens_q, cu_seqlens_k, seqused_k)
+    dmask = attn_probs.varlen_dmask(
+        q, k, *cu_seqlens, shape, rng_state, dropout_p, mask=mask, **options
+    )
+    return out, lse, dmask

@@ -162,13 +162,24 @@ def dropout_rng_state(q: torch.Tensor) -> torch.Tensor:
     return torch.cat((seed, torch.zeros_like(seed)))
 
 
-def check_attn_probs(return_attn_probs: bool, dropout_p: float) -> None:
-    """flash-attn's return_attn_probs with dropout returns the dropout pattern (S_dmask),
-    which the kernels never form: refused rather than answered with None."""
-    if return_attn_probs and dropout_p:
+def no_attn_probs(q: torch.Tensor) -> torch.Tensor:
+    """flash-attn 2's S_dmask for return_attn_probs=True without dropout: an empty tensor of
+    q's dtype on q's device (its forward forms the probabilities only with dropout)."""
+    return q.new_empty(0)
+
+
+def attn_probs_rng_state(return_attn_probs: object, dropout_p: object, q: torch.Tensor):
+    """The call's Philox state when it returns S_dmask (return_attn_probs with dropout_p > 0),
+    drawn here so that S_dmask reads the mask of this very state (the same draw the launch
+    makes otherwise); None for every other call, whose launch draws its own (and for a q
+    that is no tensor, which the launch's checks refuse). S_dmask is a testing path formed
+    eagerly after the launch (attn_probs.py): refused while torch.compile traces."""
+    if not (return_attn_probs and dropout_p and dropout_probability(dropout_p)):
+        return None
+    if torch.compiler.is_compiling():
         raise ValueError(
-            f"return_attn_probs: not served with dropout_p={dropout_p} (flash-attn "
-            "then returns the dropout pattern, S_dmask, which generated kernels "
-            "never form); pass return_attn_probs=False, or dropout_p=0.0 for "
-            "(out, lse, None)"
+            "return_attn_probs: True with dropout_p > 0 forms flash-attn's S_dmask, a "
+            "testing path torch.compile does not trace; call it eagerly, or pass "
+            "return_attn_probs=False"
         )
+    return dropout_rng_state(q) if isinstance(q, torch.Tensor) else None

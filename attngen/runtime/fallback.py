@@ -120,7 +120,11 @@ def torch_attention(
     if not softcap and not return_lse and sinks is None:
         return _through_sdpa(q, k, v, seen, bias, scale, dropout_p)
     if dropout_p:
-        raise ValueError("dropout_p: the fallback supports dropout only without softcap and LSE")
+        raise ValueError(
+            "dropout_p: the torch fallback supports dropout only without softcap and LSE "
+            "(return_attn_probs asks for the LSE, and for S_dmask, which only a module built "
+            "with dropout: true can give)"
+        )
     out, lse = _explicit_softmax(q, k, v, seen, bias, scale, softcap, sinks)
     return (out, lse) if return_lse else out
 

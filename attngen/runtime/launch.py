@@ -53,6 +53,7 @@ def run_dense(
     refusal: str | None = None,
     attn_mask=None,
     dropout_p=0.0,
+    rng_state=None,
     heads_last: bool = False,
     plan_key: tuple | None = None,
     sinks=None,
@@ -63,7 +64,8 @@ def run_dense(
     out is [B, N, H, DV], contiguous. plan_key: the caller's signature key, under which a call
     a module served leaves its plan (plans.py; the key must tell calls with sinks, chunk_size
     and sink_tokens apart). sinks [HQ] fp32: learned sink logits (gpt-oss); chunk_size with
-    mask chunked, sink_tokens with mask sliding_window."""
+    mask chunked, sink_tokens with mask sliding_window. rng_state: the call's Philox state when
+    the caller drew it (arguments.attn_probs_rng_state), else drawn here."""
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     dropout_p = dropout_probability(dropout_p)
     softcap = softcap_value(softcap)  # <= 0 is off for the fallback too, as in flash-attn
@@ -124,7 +126,7 @@ def run_dense(
         return_lse,
         in_place,
         sinks,
-        *_dropout(dropout_p, q),
+        *_dropout(dropout_p, q, rng_state),
     )
     if heads_last and not in_place:  # the module wrote [B, H, N, D]: copied (it has no out=)
         out = out.transpose(1, 2).contiguous()  # one query row: already contiguous, no copy
@@ -199,6 +201,7 @@ def run_varlen(
     seqused_k=None,
     refusal: str | None = None,
     dropout_p=0.0,
+    rng_state=None,
     length_bounds=None,
     dispatch: Dispatch | None = None,
     plan_key: tuple | None = None,
@@ -212,8 +215,8 @@ def run_varlen(
     caller's claim, which only sizes the grid): `length_bounds` (Nq, Nk) when the caller
     knows tighter ones from shapes (a cache's capacity), else the packed totals. A caller
     that must know the choice before it changes anything (the KV-cache route appends) passes
-    the `dispatch` varlen_dispatch gave it. plan_key: as run_dense's (a call without
-    seqused_k)."""
+    the `dispatch` varlen_dispatch gave it. plan_key and rng_state: as run_dense's (a plan
+    only for a call without seqused_k)."""
     dropout_p = dropout_probability(dropout_p)
     softcap = softcap_value(softcap)
     if dispatch is None:
@@ -277,16 +280,19 @@ def run_varlen(
         seqused_k,
         return_lse,
         sinks,
-        *_dropout(dropout_p, q),
+        *_dropout(dropout_p, q, rng_state),
     )
     if seqused_k is None and not dropout_p:  # dropout: no plan (it would skip the seed's draw)
         plans.remember(plan_key, dispatch, sm_scale, return_lse, False)
     return result
 
 
-def _dropout(dropout_p: float, q):
-    """(dropout_p, the call's Philox state or None) for the ops: a fresh seed per call."""
-    return dropout_p, (dropout_rng_state(q) if dropout_p else None)
+def _dropout(dropout_p: float, q, rng_state=None):
+    """(dropout_p, the call's Philox state or None) for the ops: a fresh seed per call (the
+    caller's, when it drew it)."""
+    if not dropout_p:
+        return dropout_p, None
+    return dropout_p, (dropout_rng_state(q) if rng_state is None else rng_state)
 
 
 def varlen_dispatch(

@@ -2,8 +2,9 @@
 
 Each function takes views of the packed tensor (no copy: the kernels read any strides) and
 calls flash_attn_func or flash_attn_varlen_func with the same arguments, so masks, softcap,
-ALiBi, GQA (kvpacked), return_attn_probs and the errors are theirs. A packed tensor of the
-wrong rank or with the wrong stack size is refused, naming it and flash-attn's layout.
+ALiBi, GQA (kvpacked), dropout, return_attn_probs (flash-attn's S_dmask) and the errors are
+theirs. A packed tensor of the wrong rank or with the wrong stack size is refused, naming it
+and flash-attn's layout.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def flash_attn_qkvpacked_func(
     return_attn_probs=False,
 ):
     """flash-attn 2.x `flash_attn_qkvpacked_func`: qkv [B, N, 3, H, D] -> out [B, N, H, D]
-    (with return_attn_probs: (out, lse [B, H, N], None))."""
+    (with return_attn_probs: (out, lse [B, H, N], S_dmask), S_dmask as flash_attn_func's)."""
     q, k, v = _unstack("qkv", qkv, 5, 3, "[batch, seqlen, 3, nheads, headdim]")
     return flash_attn_func(
         q,
