@@ -187,6 +187,8 @@ def _training_context(
         if backward.split
         else "None"
     )
+    atomic = backward.dk if backward.split else backward.dkdv
+    context["bwd_dkdv_atomic_config"] = _config_literal(atomic.chosen)  # type: ignore[arg-type]
     context["derivation_lines"] = [*derivation.summary_lines(), *backward.summary_lines()]
     return context
 

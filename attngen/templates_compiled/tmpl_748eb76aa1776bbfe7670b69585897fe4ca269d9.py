@@ -10,6 +10,7 @@ def root(context, missing=missing):
     l_0_bwd_dq_config = resolve('bwd_dq_config')
     l_0_bwd_dkdv_config = resolve('bwd_dkdv_config')
     l_0_bwd_dkdv_split = resolve('bwd_dkdv_split')
+    l_0_bwd_dkdv_atomic_config = resolve('bwd_dkdv_atomic_config')
     l_0_softcap = resolve('softcap')
     l_0_alibi = resolve('alibi')
     l_0_mask = resolve('mask')
@@ -26,6 +27,8 @@ def root(context, missing=missing):
     yield str((undefined(name='bwd_dkdv_config') if l_0_bwd_dkdv_config is missing else l_0_bwd_dkdv_config))
     yield '\n# None, or (dV config, dK config): dK and dV by two launches of the dK/dV kernel, one\n# accumulator each (wider key tiles where both accumulators would not fit in registers).\nBWD_DKDV_SPLIT = '
     yield str((undefined(name='bwd_dkdv_split') if l_0_bwd_dkdv_split is missing else l_0_bwd_dkdv_split))
+    yield '\n# deterministic=False: the dK/dV launch that also adds dQ by atomics (with the split, the dK\n# launch does).\nBWD_DKDV_ATOMIC_CONFIG = '
+    yield str((undefined(name='bwd_dkdv_atomic_config') if l_0_bwd_dkdv_atomic_config is missing else l_0_bwd_dkdv_atomic_config))
     yield '\n\n\n@triton.jit\ndef _bwd_probs(qk, qk_scale, lse2, q_pos2, key_pos2, slope_log2):\n    """P = exp(S - LSE) from the forward\'s LSE (lse2 = LSE * log2 e, broadcast to the tile;\n    +inf for a row that sees no key, so that its P is 0), in the forward\'s log2 domain, and\n'
     if (undefined(name='softcap') if l_0_softcap is missing else l_0_softcap):
         pass
@@ -141,4 +144,4 @@ def root(context, missing=missing):
     finally: gen.close()
 
 blocks = {}
-debug_info = '13=21&15=24&16=26&19=28&26=30&28=37&31=40&38=46&41=49&53=56&55=59&60=62&63=65&78=73&80=76&84=79&89=85&101=89&103=92&104=94&111=100&126=104&131=107&136=110&151=117&179=124&193=127&212=130&213=136'
+debug_info = '13=22&15=25&16=27&19=29&22=31&29=33&31=40&34=43&41=49&44=52&56=59&58=62&63=65&66=68&81=76&83=79&87=82&92=88&104=92&106=95&107=97&114=103&129=107&134=110&139=113&154=120&182=127&196=130&215=133&216=139'
