@@ -33,16 +33,16 @@ The public names are imported here; importing the package registers the torch.li
 """
 
 from attngen.runtime import backward_ops  # noqa: F401  (registers the ops' autograd formulas)
+from attngen.runtime.api import (
+    flash_attn_func,
+    flash_attn_varlen_func,
+    scaled_dot_product_attention,
+)
 from attngen.runtime.backward_ops import (
     BackwardRun,
     backward_runs,
     last_backward,
     reset_backward_runs,
-)
-from attngen.runtime.api import (
-    flash_attn_func,
-    flash_attn_varlen_func,
-    scaled_dot_product_attention,
 )
 from attngen.runtime.dispatch import get_fallback, set_fallback
 from attngen.runtime.hf import register_transformers

@@ -31,8 +31,7 @@ prefill and varlen have an autograd formula (backward_ops.py), so torch.compile(
 traces forward and backward; through the ops the forward always computes the LSE the backward
 needs. With dropout_p > 0 (a module built with dropout: true) the call's Philox state,
 rng_state, is an input of the op, saved for its backward, which so regenerates the forward's
-mask. `deterministic` (the backward's path: True, the module's atomics-free kernels; False,
-dQ added by fp32 atomics, backward_ops.py) is an input of the op too, saved for its backward.
+mask; so is `deterministic` (the backward's path: False adds dQ by atomics, backward_ops.py).
 Decode mutates its caches, which torch allows no formula for, so `decode()`
 (decode_ops.py, the decode kind's calls and op) wraps its outputs in a function whose backward
 raises that it is forward-only.

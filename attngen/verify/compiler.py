@@ -85,23 +85,12 @@ BACKWARD_KERNELS = {
     "dkdv": "_attn_bwd_dkdv_kernel",
     "dv": "_attn_bwd_dkdv_kernel",  # its dV-only launch (BWD_DKDV_SPLIT)
     "dk": "_attn_bwd_dkdv_kernel",  # its dK-only launch
-    # deterministic=False: the launch with dK also adds dQ by atomics (ATOMIC_DQ)
-    "dkdv_atomic": "_attn_bwd_dkdv_kernel",
-    "dk_atomic": "_attn_bwd_dkdv_kernel",
+    "dkdv_atomic": "_attn_bwd_dkdv_kernel",  # deterministic=False: adds dQ too (ATOMIC_DQ)
+    "dk_atomic": "_attn_bwd_dkdv_kernel",  # the same in the dK-only launch
 }
-# the dK/dV kernel's GRADS per measured kernel
-GRADS_OF = {"dkdv": 3, "dv": 1, "dk": 2, "dkdv_atomic": 3, "dk_atomic": 2}
-ATOMIC_KERNELS = ("dkdv_atomic", "dk_atomic")
-_BACKWARD_UNIT_STRIDES = (
-    "stride_qd",
-    "stride_kd",
-    "stride_vd",
-    "stride_od",
-    "stride_dod",
-    "stride_dqd",
-    "stride_dkd",
-    "stride_dvd",
-)
+# the dK/dV kernel's GRADS per measured kernel, + 4 for ATOMIC_DQ
+GRADS_OF = {"dkdv": 3, "dv": 1, "dk": 2, "dkdv_atomic": 7, "dk_atomic": 6}
+_BACKWARD_UNIT_STRIDES = (*_UNIT_STRIDES, "stride_dod", "stride_dqd", "stride_dkd", "stride_dvd")
 _kernels: dict[str, Any] = {}  # per process: module source hash -> module (memory only)
 
 
@@ -158,14 +147,13 @@ def kernel_source(
     backward: bool = False,
     v_from_k: bool = True,
     grads: int = 3,
-    atomic: bool = False,
 ) -> Any:
     """The ASTSource of one launch: signature, constexprs and divisibility as at runtime
     (`backward`: `kernel` is one of the module's gradient kernels, `grads` the dK/dV kernel's
-    GRADS and `atomic` its ATOMIC_DQ; `v_from_k`: an absorbed MLA decode's values are its
-    latent keys, the path a latent cache takes, else a v_cache of its own)."""
+    GRADS; `v_from_k`: an absorbed MLA decode's values are its latent keys, the path a latent
+    cache takes, else a v_cache of its own)."""
     if backward:
-        return _backward_source(spec, kernel, config, grads, atomic)
+        return _backward_source(spec, kernel, config, grads)
     if kind is KernelKind.decode:
         return _decode_source(spec, kernel, config, v_from_k)
     constexprs: dict[str, Any] = dict.fromkeys(_UNIT_STRIDES, 1)
@@ -214,20 +202,17 @@ def _decode_source(spec: AttnSpec, kernel: Any, config: TileConfig, v_from_k: bo
     return _ast_source(kernel, constexprs, types, divisible)
 
 
-def _backward_source(
-    spec: AttnSpec, kernel: Any, config: TileConfig, grads: int = 3, atomic: bool = False
-) -> Any:
+def _backward_source(spec: AttnSpec, kernel: Any, config: TileConfig, grads: int = 3) -> Any:
     """dQ or dK/dV as _backward launches them on contiguous [B, H, N, D] tensors: no dLSE,
-    the dropout path when compiled in, ALiBi's GROUP_MAX from the spec's head ratio; `atomic`,
-    the dK/dV kernel of deterministic=False (ATOMIC_DQ, dQ an fp32 tensor); the dQ kernel as
-    the deterministic path launches it (DELTA_ONLY off)."""
+    the dropout path when compiled in, ALiBi's GROUP_MAX from the spec's head ratio; grads + 4:
+    ATOMIC_DQ (deterministic=False's dK/dV kernel, dQ an fp32 tensor). DELTA_ONLY is off."""
     q_per_kv = spec.num_q_heads // spec.num_kv_heads
     constexprs: dict[str, Any] = dict.fromkeys(_BACKWARD_UNIT_STRIDES, 1)
     constexprs.update(
         HAS_DLSE=False,
         DROPOUT_ON=True,
-        GRADS=grads,  # dK/dV: 3 both gradients in one launch, 1 dV, 2 dK
-        ATOMIC_DQ=atomic,
+        GRADS=grads & 3,  # dK/dV: 3 both gradients in one launch, 1 dV, 2 dK
+        ATOMIC_DQ=grads > 3,
         DELTA_ONLY=False,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
@@ -243,8 +228,7 @@ def _backward_source(
         dict.fromkeys(("Lse", "DLse", "Delta", "Slopes", "Sinks", "DSinkPartial"), "*fp32")
     )  # Sinks, DSinkPartial: with `sinks: true`
     types.update(RngState="*i64", sm_scale="fp32", keep_scale="fp32")
-    if atomic:
-        types["DQ"] = "*fp32"
+    types.update({"DQ": "*fp32"} if grads > 3 else {})
     aligned = rows_aligned(spec)
 
     def divisible(name: str) -> bool:  # as the forward's: batch, head and aligned row strides
@@ -354,7 +338,6 @@ def compile_one(
             backward=kernel is not None,
             v_from_k=v_from_k,
             grads=GRADS_OF.get(kernel or "", 3),
-            atomic=kernel in ATOMIC_KERNELS,
         ),
         arch,
         config,
