@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attngen.tiling.backward import atomic_dkdv_config, derive_backward_tiles
 from tests.backward_harness import (
     Blocks,
     backward_spec,
@@ -174,3 +175,34 @@ def test_the_module_refuses_a_flag_that_is_not_a_bool(bad):
     q, k, v, _, _ = padded_inputs(spec, 1, 2, 2, 8, 8, seed=1)
     with pytest.raises(ValueError, match="deterministic: expected True or False"):
         module.attention(q, k, v, deterministic=bad)
+
+
+def test_without_an_atomic_config_the_flag_runs_the_deterministic_kernels(monkeypatch):
+    """BWD_DKDV_ATOMIC_CONFIG None (no atomic config fits the shared memory): deterministic=False
+    launches the deterministic kernels (the runtime records why: test_backward_atomic_runtime)."""
+    spec = backward_spec(dtype="fp16", **CAUSAL)
+    module = module_for(spec, Blocks())
+    monkeypatch.setattr(module, "BWD_DKDV_ATOMIC_CONFIG", None)
+    launches: list[dict] = []
+    monkeypatch.setattr(
+        module, "_attn_bwd_dq_kernel", _Spy(module._attn_bwd_dq_kernel, ["DELTA_ONLY"], launches)
+    )
+    q, k, v, dout, slopes = padded_inputs(spec, 1, 2, 2, 16, 16, seed=1)
+    run_padded(module, q, k, v, dout, slopes, deterministic=False)
+    assert launches == [{"DELTA_ONLY": False}]
+
+
+@pytest.mark.parametrize(
+    "head_dim, arch, fits",
+    [(64, "sm90", True), (128, "sm90", True), (256, "sm90", False), (128, "sm80", True)],
+)
+def test_the_atomic_config_is_the_launch_config_where_it_fits(head_dim, arch, fits):
+    """The atomic launch runs at the deterministic launch's config (dK's with the split) when
+    that config's shared memory plus dS and K's operand tiles fit; at D 256 on sm90 (the
+    split's dK launch, 229888 B of 232448 already) it does not."""
+    spec = backward_spec(dtype="bf16", head_dim=head_dim, num_q_heads=8, num_kv_heads=2, **CAUSAL)
+    derivation = derive_backward_tiles(spec, arch)
+    launch = derivation.dk if derivation.split else derivation.dkdv
+    expected = launch.chosen if fits else None
+    assert atomic_dkdv_config(spec, arch, derivation) == expected
+    assert derivation.split == (head_dim == 256 and arch == "sm90")

@@ -184,3 +184,11 @@ def test_deterministic_must_be_a_bool(trained, bad):
         attngen.flash_attn_func(
             *(t.transpose(1, 2) for t in (q, k, v)), causal=True, deterministic=bad
         )
+
+
+def test_a_module_with_no_atomic_config_says_why(trained, monkeypatch):
+    key = _prefill_key(trained)
+    monkeypatch.setattr(current_registry().module(key), "BWD_DKDV_ATOMIC_CONFIG", None)
+    with pytest.warns(UserWarning, match="no atomic-dQ config fits"):
+        _flash_grads(trained, False)
+    assert last_backward().path == DETERMINISTIC

@@ -10,7 +10,8 @@ without sinks: an op's outputs cannot be optional).
 `deterministic` (saved from the forward op, as flash-attn's argument): True runs the module's
 atomics-free kernels (seven products, bitwise reproducible); False its atomic-dQ path (five
 products: the dK/dV kernel adds dQ by fp32 atomics, whose order varies on a GPU). A module
-built before that path (no BWD_DKDV_ATOMIC_CONFIG) runs its deterministic kernels with a
+built before that path (no BWD_DKDV_ATOMIC_CONFIG), or one where no atomic config fits
+(BWD_DKDV_ATOMIC_CONFIG None: D 256 on sm90), runs its deterministic kernels with a
 warning. `last_backward()` and `backward_runs()` say which path each backward call took.
 
 Importing this module registers the formulas (attngen.runtime does, at import).
@@ -80,13 +81,16 @@ def _path_options(key: str, module, deterministic: bool) -> dict:
     if deterministic:
         run = BackwardRun(key, True, DETERMINISTIC, "deterministic=True: no atomics")
         options: dict = {}  # the modules' default (and all an older module takes)
-    elif hasattr(module, "BWD_DKDV_ATOMIC_CONFIG"):
+    elif getattr(module, "BWD_DKDV_ATOMIC_CONFIG", None) is not None:
         run = BackwardRun(key, False, ATOMIC, "deterministic=False: dQ by fp32 atomics")
         options = {"deterministic": False}
     else:
         reason = (
             "deterministic=False, but the module was built before the atomic-dQ backward: "
             "its deterministic kernels ran (rebuild it for the faster path)"
+            if not hasattr(module, "BWD_DKDV_ATOMIC_CONFIG")
+            else "deterministic=False, but no atomic-dQ config fits this module's shared "
+            "memory (BWD_DKDV_ATOMIC_CONFIG None): its deterministic kernels ran"
         )
         warnings.warn(f"{key}: {reason}", stacklevel=3)
         run, options = BackwardRun(key, False, DETERMINISTIC, reason), {}
