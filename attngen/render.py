@@ -20,7 +20,7 @@ from attngen import __version__
 from attngen.spec import AttnSpec, KernelKind, module_name
 from attngen.template_env import environment, template_sources
 from attngen.tiling import decode as decode_tiling
-from attngen.tiling.backward import BackwardDerivation, derive_backward_tiles
+from attngen.tiling.backward import BackwardDerivation, atomic_dkdv_config, derive_backward_tiles
 from attngen.tiling.code_paths import POINTER_LOADS_UP_TO, code_paths
 from attngen.tiling.decode_latent import derive_latent_tiles
 from attngen.tiling.prefill import Derivation, TileConfig, padded_head_dim
@@ -187,6 +187,8 @@ def _training_context(
         if backward.split
         else "None"
     )
+    atomic = atomic_dkdv_config(spec, derivation.arch, backward)
+    context["bwd_dkdv_atomic_config"] = "None" if atomic is None else _config_literal(atomic)
     context["derivation_lines"] = [*derivation.summary_lines(), *backward.summary_lines()]
     return context
 

@@ -44,6 +44,7 @@ def module_for(spec: AttnSpec, blocks: Blocks = Blocks(), kind: str = "prefill")
         (module.CONFIG, blocks.fwd),
         (module.BWD_DQ_CONFIG, blocks.dq),
         (module.BWD_DKDV_CONFIG, blocks.dkdv),
+        (module.BWD_DKDV_ATOMIC_CONFIG, blocks.dkdv),
     ):
         config.update(BLOCK_M=block_m, BLOCK_N=block_n, num_stages=1)
     return module
@@ -81,12 +82,25 @@ def dropout_of(rng_state, dropout_p, batch, hq, seqlen_q, seqlen_k, batch_head0=
 
 
 def check_padded(
-    spec, blocks, q, k, v, dout, slopes, *, dropout_p=0.0, rng_state=None, dlse=None, sinks=None
+    spec,
+    blocks,
+    q,
+    k,
+    v,
+    dout,
+    slopes,
+    *,
+    dropout_p=0.0,
+    rng_state=None,
+    dlse=None,
+    sinks=None,
+    deterministic=True,
 ):
     """Run and judge out and every gradient (d sinks too, given sinks) by the rule; the list
-    of problems."""
+    of problems. deterministic=False: the atomic-dQ backward."""
     module = module_for(spec, blocks)
     options = {"dropout_p": dropout_p, "rng_state": rng_state} if dropout_p else {}
+    options["deterministic"] = deterministic
     out, lse, *grads = run_padded(module, q, k, v, dout, slopes, dlse=dlse, sinks=sinks, **options)
     dropout = dropout_of(rng_state, dropout_p, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     problems = compare_gradients(
@@ -170,12 +184,14 @@ def check_per_sequence(
     dropout_p=0.0,
     rng_state=None,
     sinks=None,
+    deterministic=True,
 ):
     """Each packed sequence's gradients by the rule, and d sinks (a sum over every sequence)
     against the sums of the sequences' golden and yardstick; rows no sequence covers
-    exactly 0."""
+    exactly 0. deterministic=False: the atomic-dQ backward."""
     module = module_for(spec, blocks, "varlen")
     options = {"dropout_p": dropout_p, "rng_state": rng_state} if dropout_p else {}
+    options["deterministic"] = deterministic
     out, dq, dk, dv, *dsinks = run_varlen(
         module, q, k, v, dout, slopes, lengths_q, lengths_k, sinks=sinks, **options
     )

@@ -5,7 +5,8 @@ A kernel may touch only the memory of its tensor arguments, as the caller passed
 into a larger buffer covers the span of its own elements, not the buffer. Triton's interpreter
 (triton/runtime/interpreter.py) checks no bounds; inside `watching()` each launch records the
 byte spans of its tensor arguments (GridExecutor.__call__) and every masked load and store
-(InterpreterBuilder.create_masked_load/store) checks its live addresses first. A stray one
+(InterpreterBuilder.create_masked_load/store) and atomic (create_atomic_rmw: the atomic-dQ
+backward's adds) checks its live addresses first. A stray one
 raises OutOfBounds before the memory is touched, so a wild index fails the test instead of
 crashing the process. GPU runs cannot do this; there the guard regions (tests/safety_harness.py)
 and compute-sanitizer stand in.
@@ -63,6 +64,7 @@ def watching():
     """Every kernel launched inside touches only its tensor arguments, or OutOfBounds."""
     launch, load = GridExecutor.__call__, InterpreterBuilder.create_masked_load
     store = InterpreterBuilder.create_masked_store
+    atomic = InterpreterBuilder.create_atomic_rmw
 
     def watched_launch(self, *args, **kwargs):
         saved = list(_spans)
@@ -84,12 +86,18 @@ def watching():
         _check(ptrs, mask, "store")
         return store(self, ptrs, value, mask, *args, **kwargs)
 
+    def watched_atomic(self, rmw_op, ptr, val, mask, *args, **kwargs):
+        _check(ptr, mask, "atomic")
+        return atomic(self, rmw_op, ptr, val, mask, *args, **kwargs)
+
     GridExecutor.__call__ = watched_launch
     InterpreterBuilder.create_masked_load = watched_load
     InterpreterBuilder.create_masked_store = watched_store
+    InterpreterBuilder.create_atomic_rmw = watched_atomic
     try:
         yield
     finally:
         GridExecutor.__call__ = launch
         InterpreterBuilder.create_masked_load = load
         InterpreterBuilder.create_masked_store = store
+        InterpreterBuilder.create_atomic_rmw = atomic

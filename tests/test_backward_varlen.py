@@ -120,17 +120,19 @@ def test_all_query_sequences_empty():
     assert torch.all(dk == 0) and torch.all(dv == 0)
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("bad", ["past_the_end", "decreasing", "longer_than_max_k"])
-def test_sequence_that_does_not_fit_gets_nan(bad):
+def test_sequence_that_does_not_fit_gets_nan(bad, deterministic):
     """cu_seqlens the caller got wrong: that sequence's gradients are NaN in its rows inside the
-    tensors, the other sequences' are those of a correct call, and no load or store leaves the
-    tensors (memory_watch)."""
+    tensors, the other sequences' are those of a correct call, and no load, store or atomic
+    leaves the tensors (memory_watch); on both backward paths (deterministic=False: the dQ
+    kernel writes the NaN rows into the fp32 dQ the atomics add to)."""
     spec = backward_spec(dtype="fp32", num_kv_heads=1, num_q_heads=2)
     module = module_for(spec, kind="varlen")
     lengths = [9, 40]
     q, k, v, dout, _ = packed_inputs(spec, lengths, lengths, 2, 1, seed=1, pad=0)
     cu = cu_seqlens(lengths)
-    good = run_varlen(module, q, k, v, dout, None, lengths, lengths)
+    good = run_varlen(module, q, k, v, dout, None, lengths, lengths, deterministic=deterministic)
     cu_k, max_k = cu.clone(), 40
     if bad == "past_the_end":
         cu_k[2] = 60  # sequence 1 ends past the 49 rows of k
@@ -140,7 +142,7 @@ def test_sequence_that_does_not_fit_gets_nan(bad):
         max_k = 9  # sequence 1 has 40 keys: more than the backward's grid covers (16)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     with memory_watch.watching():
-        out = module.attention_varlen(*leaves, cu, cu_k, 40, max_k)
+        out = module.attention_varlen(*leaves, cu, cu_k, 40, max_k, deterministic=deterministic)
         out.backward(dout)
     grads = [t.grad for t in leaves]
     assert torch.isnan(grads[0][9:]).all()  # sequence 1's query rows

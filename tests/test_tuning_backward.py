@@ -112,7 +112,7 @@ def test_without_backward_entries_the_module_is_unchanged(tmp_path):
         ]
 
     assert tuned != plain and backward_lines(tuned) == backward_lines(plain)
-    assert len(backward_lines(plain)) == 5  # with BWD_DKDV_SPLIT
+    assert len(backward_lines(plain)) == 6  # with BWD_DKDV_SPLIT and BWD_DKDV_ATOMIC_CONFIG
 
 
 def test_backward_entry_keys_name_the_kernel():

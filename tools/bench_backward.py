@@ -8,8 +8,11 @@ forward + backward peak above the inputs. An anchor that errors (a backend missi
 dim, out of memory) is skipped with its reason in the JSON. Usage on a CUDA machine, from the
 repository root:
 
-    PYTHONPATH=. python tools/bench_backward.py --out OUT_DIR [--quick] [--no-flex]
+    PYTHONPATH=. python tools/bench_backward.py --out OUT_DIR [--quick] [--no-flex] [--atomic]
 
+--atomic times the module's two backward paths side by side against cuDNN alone (no flash,
+efficient or Flex anchors): `attngen` deterministic=True (the atomics-free kernels, seven
+products) and `attngen_atomic` deterministic=False (dQ by fp32 atomics, five products).
 Writes OUT_DIR/bench_backward.json and prints a short table last.
 """
 
@@ -65,7 +68,8 @@ def load_module(head_dim: int, causal: bool, arch: str = "sm90"):
     print(
         f"{spec.name}: forward {module.CONFIG}, dQ {module.BWD_DQ_CONFIG}, "
         f"dK/dV {module.BWD_DKDV_CONFIG if module.BWD_DKDV_SPLIT is None else 'unused'}, "
-        f"split (dV, dK) {module.BWD_DKDV_SPLIT}",
+        f"split (dV, dK) {module.BWD_DKDV_SPLIT}, "
+        f"atomic dK/dV {getattr(module, 'BWD_DKDV_ATOMIC_CONFIG', 'absent')}",
         flush=True,
     )
     return module
@@ -104,22 +108,29 @@ def measure(forward, q, k, v, dout, reps: int) -> dict:
     }
 
 
-def implementations(head_dim: int, causal: bool, use_flex: bool):
-    """name -> forward(q, k, v) or the reason it cannot run."""
+def implementations(head_dim: int, causal: bool, use_flex: bool, atomic: bool = False):
+    """name -> forward(q, k, v) or the reason it cannot run. `atomic`: both of attngen's
+    backward paths and cuDNN only."""
     impls: dict = {}
     try:
         module = load_module(head_dim, causal)
-        impls["attngen"] = lambda q, k, v: module.attention(q, k, v)
+        impls["attngen"] = lambda q, k, v: module.attention(q, k, v, deterministic=True)
+        if atomic and getattr(module, "BWD_DKDV_ATOMIC_CONFIG", None) is None:
+            impls["attngen_atomic"] = "no atomic config (BWD_DKDV_ATOMIC_CONFIG None)"
+        elif atomic:
+            impls["attngen_atomic"] = lambda q, k, v: module.attention(q, k, v, deterministic=False)
     except Exception as exc:  # noqa: BLE001 - recorded, the other anchors still run
         impls["attngen"] = f"build failed: {exc!r}"
     for name, backend in SDPA_BACKENDS.items():
+        if atomic and name != "cudnn":
+            continue
 
         def sdpa(q, k, v, backend=backend):
             with sdpa_kernel(backend):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
         impls[f"sdpa_{name}"] = sdpa
-    if use_flex:
+    if use_flex and not atomic:
         try:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -163,7 +174,8 @@ def run(args) -> dict:
                     "heads": heads,
                     "results": {},
                 }
-                for name, impl in implementations(head_dim, causal, not args.no_flex).items():
+                anchors = implementations(head_dim, causal, not args.no_flex, args.atomic)
+                for name, impl in anchors.items():
                     if isinstance(impl, str):
                         cell["results"][name] = {"skipped": impl}
                         continue
@@ -189,7 +201,7 @@ def run(args) -> dict:
     }
 
 
-NAMES = ("attngen", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flex")
+NAMES = ("attngen", "attngen_atomic", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flex")
 
 
 def _row(cell: dict) -> str:
@@ -207,7 +219,7 @@ def summary(report: dict) -> str:
         "backward TFLOP/s (2.5x forward FLOPs), bf16; peak MiB attngen / cudnn",
         "cell               " + " ".join(f"{n[:7]:>7}" for n in NAMES),
     ]
-    ratios = []
+    ratios, atomic_ratios, atomic_gain = [], [], []
     for cell in report["cells"]:
         res = cell["results"]
         peaks = " / ".join(
@@ -217,9 +229,19 @@ def summary(report: dict) -> str:
         ours, cudnn = (res.get(n, {}).get("backward_tflops") for n in ("attngen", "sdpa_cudnn"))
         if ours and cudnn:
             ratios.append(ours / cudnn)
-    if ratios:
-        geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-        lines.append(f"geomean attngen / cuDNN backward: {geomean:.2f} over {len(ratios)} cells")
+        atomic = res.get("attngen_atomic", {}).get("backward_tflops")
+        if atomic and cudnn:
+            atomic_ratios.append(atomic / cudnn)
+        if atomic and ours:
+            atomic_gain.append(atomic / ours)
+    for label, values in (
+        ("attngen / cuDNN", ratios),
+        ("attngen_atomic / cuDNN", atomic_ratios),
+        ("attngen_atomic / attngen", atomic_gain),
+    ):
+        if values:
+            geomean = math.exp(sum(math.log(r) for r in values) / len(values))
+            lines.append(f"geomean {label} backward: {geomean:.2f} over {len(values)} cells")
     return "\n".join(lines)
 
 
@@ -228,6 +250,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--quick", action="store_true", help="N 1k and 4k only")
     parser.add_argument("--no-flex", action="store_true")
+    parser.add_argument(
+        "--atomic", action="store_true", help="deterministic=False and True vs cuDNN only"
+    )
     parser.add_argument("--reps", type=int, default=100, help="do_bench rep (ms)")
     args = parser.parse_args()
     # Each cell compiles Flex anew; past dynamo's default limit (8) it would run the eager

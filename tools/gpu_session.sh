@@ -96,6 +96,9 @@ section_command() {
     # Each kernel's device time in one forward + backward, attngen and Flex, at a few grid cells.
     profile_backward) echo "python3 tools/profile_backward_cells.py --out $work" ;;
     bench_backward) echo "python3 tools/bench_backward.py --out $work" ;;
+    # The atomic-dQ backward (deterministic=False): its GPU tests, and both paths against cuDNN.
+    backward_atomic) echo "$pytest_gpu -rf --tb=short tests/test_backward_atomic_gpu.py" ;;
+    bench_atomic) echo "python3 tools/bench_backward.py --atomic --out $work" ;;
     # Tunes llama3_8b's dQ and dK/dV kernels (150 s of measurements, then at most one
     # candidate's overrun and the builds: give it 260 s, so that `autotune_backward:260
     # bench_backward:280` fits one call), rebuilds generated/ from tuning/sm90.json and lists

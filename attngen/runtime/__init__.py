@@ -11,7 +11,8 @@
     dispatch.py   a call's Need from its tensors; the choice, cached per registry, recorded
     ops.py        the modules' entry points: direct in eager mode, torch.library ops under
                   torch.compile or autograd
-    backward_ops.py  the prefill and varlen ops' autograd formulas (registered at import)
+    backward_ops.py  the prefill and varlen ops' autograd formulas (registered at import);
+                     last_backward(), backward_runs(): which backward path ran (atomic dQ or not)
     launch.py     run_dense / run_varlen: Need, dispatch, then the module or the fallback
     plans.py      an eager call's route kept per call signature: a repeated signature runs
                   the module without the layers above (its own checks run on every call)
@@ -37,6 +38,12 @@ from attngen.runtime.api import (
     flash_attn_func,
     flash_attn_varlen_func,
     scaled_dot_product_attention,
+)
+from attngen.runtime.backward_ops import (
+    BackwardRun,
+    backward_runs,
+    last_backward,
+    reset_backward_runs,
 )
 from attngen.runtime.dispatch import get_fallback, set_fallback
 from attngen.runtime.hf import register_transformers
@@ -64,6 +71,10 @@ from attngen.runtime.selection import Dispatch, Need, NoKernelError
 from attngen.runtime.warmup import Warmed, warmup
 
 __all__ = [
+    "BackwardRun",
+    "backward_runs",
+    "last_backward",
+    "reset_backward_runs",
     "Dispatch",
     "KernelEntry",
     "LoadedKernel",

@@ -23,6 +23,8 @@ A call with dropout_p != 0 is never planned (plans.plain): its seed is drawn on 
 
 from __future__ import annotations
 
+import torch
+
 from attngen.runtime import plans
 from attngen.runtime.arguments import (
     attn_probs_rng_state,
@@ -66,7 +68,8 @@ def scaled_dot_product_attention(
     alibi_slopes ([HQ] or [B, HQ] fp32) as in the spec. dropout_p > 0 needs a module built
     with dropout: true (the module docstring). attn_mask tensors are refused (no generated
     kernel has them) unless fallback="sdpa". fallback=None uses attngen.runtime.set_fallback's
-    mode ("error" unless changed).
+    mode ("error" unless changed). The backward is bitwise reproducible (no atomics) when
+    torch.are_deterministic_algorithms_enabled(), else it adds dQ by fp32 atomics (faster).
     """
     key = None
     if (
@@ -126,6 +129,7 @@ def scaled_dot_product_attention(
         attn_mask=attn_mask,
         dropout_p=dropout_p,
         plan_key=key,
+        deterministic=torch.are_deterministic_algorithms_enabled(),
     )
     return out
 
@@ -176,8 +180,9 @@ def flash_attn_func(
     dropped ones negated, read from the mask the kernels drew (attn_probs.py). That is a
     testing path: slow, memory O(B * HQ * Nq * Nk), eager only. dropout_p > 0 needs a module
     built with dropout: true (the module docstring).
-    `deterministic` is accepted: the kernels have no atomics, so the forward and backward are
-    always deterministic. The output is one
+    deterministic=False (flash-attn's default) adds dQ by fp32 atomics in the backward (five
+    products, not seven; the order of the additions, and so dQ's last bits, vary on a GPU);
+    True runs the atomics-free kernels (bitwise reproducible). The output is one
     contiguous tensor, which a module's `attention_flash` entry point allocates and writes
     from q, k, v as they are (a module built before it writes it in place through `out=`,
     Dispatch.writes_out; one with neither is copied from its [B, H, N, D] output)."""
@@ -188,6 +193,7 @@ def flash_attn_func(
         and type(causal) is bool
         and plans.pair(window_size)
         and type(return_attn_probs) is bool
+        and type(deterministic) is bool
     ):
         key = (
             FLASH,
@@ -229,6 +235,7 @@ def flash_attn_func(
         rng_state=rng_state,
         heads_last=True,
         plan_key=key,
+        deterministic=deterministic,
     )
     if not return_attn_probs:
         return out
@@ -259,11 +266,11 @@ def flash_attn_varlen_func(
     block_table=None,
 ):
     """flash-attn 2.x `flash_attn_varlen_func`: packed q [Tq, HQ, D], k/v [Tk, HKV, D],
-    cu_seqlens int32 [B + 1]; with return_attn_probs, (out, lse [HQ, Tq], S_dmask). dropout_p
-    and return_attn_probs as in flash_attn_func; sequence b draws its dropout mask as batch b,
-    and with dropout S_dmask is [B, HQ, round128(max_seqlen_q), round128(max_seqlen_k)],
-    sequence b at [b, :, :len_q, :len_k] (the same testing path: it reads cu_seqlens on the
-    host).
+    cu_seqlens int32 [B + 1]; with return_attn_probs, (out, lse [HQ, Tq], S_dmask). dropout_p,
+    deterministic and return_attn_probs as in flash_attn_func; sequence b draws its dropout
+    mask as batch b, and with dropout S_dmask is [B, HQ, round128(max_seqlen_q),
+    round128(max_seqlen_k)], sequence b at [b, :, :len_q, :len_k] (the same testing path: it
+    reads cu_seqlens on the host).
 
     With block_table int32 [B, max_pages], k/v are paged caches [pages, page_size, HKV, D] and
     sequence b's keys are the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions of its
@@ -278,6 +285,7 @@ def flash_attn_varlen_func(
         and type(causal) is bool
         and plans.pair(window_size)
         and type(return_attn_probs) is bool
+        and type(deterministic) is bool
         and type(max_seqlen_q) is int
         and type(max_seqlen_k) is int
     ):
@@ -332,6 +340,7 @@ def flash_attn_varlen_func(
         seqused_k=seqused_k,
         length_bounds=bounds,
         plan_key=key,
+        deterministic=deterministic,
     )
     if not return_attn_probs:
         return out

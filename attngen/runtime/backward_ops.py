@@ -7,16 +7,97 @@ saved for the backward, which so regenerates the forward's mask. Learned sinks t
 grad get theirs from the same backward (the ops return d sinks as a fourth tensor, empty
 without sinks: an op's outputs cannot be optional).
 
+`deterministic` (saved from the forward op, as flash-attn's argument): True runs the module's
+atomics-free kernels (seven products, bitwise reproducible); False its atomic-dQ path (five
+products: the dK/dV kernel adds dQ by fp32 atomics, whose order varies on a GPU). A module
+built before that path (no BWD_DKDV_ATOMIC_CONFIG), or one where no atomic config fits
+(BWD_DKDV_ATOMIC_CONFIG None: D 256 on sm90), runs its deterministic kernels with a
+warning. `last_backward()` and `backward_runs()` say which path each backward call took.
+
 Importing this module registers the formulas (attngen.runtime does, at import).
 """
 
 from __future__ import annotations
+
+import collections
+import threading
+import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from attngen.runtime.ops import _dropout_options, _no_lse, _sinks, count_run
 from attngen.runtime.registry import current_registry
+
+ATOMIC, DETERMINISTIC = "atomic", "deterministic"
+
+
+@dataclass(frozen=True)
+class BackwardRun:
+    """Which gradient kernels one backward call of the module `key` ran: `path` ATOMIC (dQ
+    added by fp32 atomics in the dK/dV kernel) or DETERMINISTIC (the dQ kernel, no atomics),
+    for a call that asked `deterministic`; `reason` says why."""
+
+    key: str
+    deterministic: bool
+    path: str
+    reason: str
+
+
+_runs: collections.Counter[tuple[str, str]] = collections.Counter()
+_last: list[BackwardRun] = []
+_runs_lock = threading.Lock()
+
+
+def last_backward() -> BackwardRun | None:
+    """The latest backward call's BackwardRun, in any thread (autograd runs a GPU backward
+    on its own device thread, so a per-thread record would miss it)."""
+    with _runs_lock:
+        return _last[-1] if _last else None
+
+
+def backward_runs() -> dict[tuple[str, str], int]:
+    """{(module key, path): backward calls} since the last reset_backward_runs()."""
+    with _runs_lock:
+        return dict(_runs)
+
+
+def reset_backward_runs() -> None:
+    with _runs_lock:
+        _runs.clear()
+        _last.clear()
+
+
+def check_deterministic(deterministic: object) -> bool:
+    """The public functions' `deterministic` argument, a bool (never a truthy stand-in)."""
+    if type(deterministic) is not bool:
+        raise ValueError(f"deterministic: expected True or False, got {deterministic!r}")
+    return deterministic
+
+
+def _path_options(key: str, module, deterministic: bool) -> dict:
+    """The entry point's `deterministic=` keyword, recording which path runs."""
+    if deterministic:
+        run = BackwardRun(key, True, DETERMINISTIC, "deterministic=True: no atomics")
+        options: dict = {}  # the modules' default (and all an older module takes)
+    elif getattr(module, "BWD_DKDV_ATOMIC_CONFIG", None) is not None:
+        run = BackwardRun(key, False, ATOMIC, "deterministic=False: dQ by fp32 atomics")
+        options = {"deterministic": False}
+    else:
+        reason = (
+            "deterministic=False, but the module was built before the atomic-dQ backward: "
+            "its deterministic kernels ran (rebuild it for the faster path)"
+            if not hasattr(module, "BWD_DKDV_ATOMIC_CONFIG")
+            else "deterministic=False, but no atomic-dQ config fits this module's shared "
+            "memory (BWD_DKDV_ATOMIC_CONFIG None): its deterministic kernels ran"
+        )
+        warnings.warn(f"{key}: {reason}", stacklevel=3)
+        run, options = BackwardRun(key, False, DETERMINISTIC, reason), {}
+    with _runs_lock:
+        _runs[key, run.path] += 1
+        _last[:] = [run]
+    return options
 
 
 def _backward_of(key: str, name: str):
@@ -56,13 +137,15 @@ def prefill_backward(
     dropout_p: float = 0.0,
     rng_state: Tensor | None = None,
     sinks: Tensor | None = None,
+    deterministic: bool = True,
 ) -> tuple:
     """(dq, dk, dv) from the gradient kernels of the prefill module `key`, called directly:
     eager callers that hold the output and LSE themselves (context parallelism runs them per
     chunk pair with the whole sequence's LSE) and record no autograd graph. dropout_p and
     rng_state: the forward's, for a module built with dropout: true. With sinks (a module
-    built with sinks: true), (dq, dk, dv, dsinks)."""
+    built with sinks: true), (dq, dk, dv, dsinks). deterministic: the module docstring."""
     backward = _backward_of(key, "attention_backward")
+    path = _path_options(key, current_registry().module(key), deterministic)
     count_run(key)
     return tuple(
         backward(
@@ -77,6 +160,7 @@ def prefill_backward(
             dlse=dlse,
             **_dropout_options(dropout_p, rng_state),
             **_sinks(sinks),
+            **path,
         )
     )
 
@@ -96,9 +180,23 @@ def prefill_backward_op(
     dropout_p: float = 0.0,
     rng_state: Tensor | None = None,
     sinks: Tensor | None = None,
+    deterministic: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     grads = prefill_backward(
-        key, dout, q, k, v, out, lse, dlse, sm_scale, alibi_slopes, dropout_p, rng_state, sinks
+        key,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dlse,
+        sm_scale,
+        alibi_slopes,
+        dropout_p,
+        rng_state,
+        sinks,
+        deterministic,
     )
     return grads[0], grads[1], grads[2], _sink_gradient(q, grads, sinks)
 
@@ -118,14 +216,18 @@ def _(
     dropout_p=0.0,
     rng_state=None,
     sinks=None,
+    deterministic=True,
 ):
     dsinks = _no_lse(q) if sinks is None else torch.empty_like(sinks)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
 def _prefill_setup(ctx, inputs, output):
-    key, q, k, v, sm_scale, alibi_slopes, _, _, sinks, dropout_p, rng_state = inputs
+    (key, q, k, v, sm_scale, alibi_slopes, _, _, sinks, dropout_p, rng_state, deterministic) = (
+        inputs
+    )
     ctx.key, ctx.sm_scale, ctx.dropout_p = key, sm_scale, dropout_p
+    ctx.deterministic = deterministic
     ctx.has_sinks = sinks is not None
     ctx.save_for_backward(q, k, v, alibi_slopes, rng_state, sinks, *output)
 
@@ -148,6 +250,7 @@ def _prefill_backward(ctx, dout, dlse):
         ctx.dropout_p,
         rng_state,
         sinks,
+        ctx.deterministic,
     )
     return (
         None,
@@ -159,6 +262,7 @@ def _prefill_backward(ctx, dout, dlse):
         None,
         None,
         _sink_grad_or_none(ctx, dsinks, 8),
+        None,
         None,
         None,
     )
@@ -183,8 +287,10 @@ def varlen_backward_op(
     dropout_p: float = 0.0,
     rng_state: Tensor | None = None,
     sinks: Tensor | None = None,
+    deterministic: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     backward = _backward_of(key, "attention_varlen_backward")
+    path = _path_options(key, current_registry().module(key), deterministic)
     count_run(key)
     grads = backward(
         dout,
@@ -202,6 +308,7 @@ def varlen_backward_op(
         dlse=dlse,
         **_dropout_options(dropout_p, rng_state),
         **_sinks(sinks),
+        **path,
     )
     return grads[0], grads[1], grads[2], _sink_gradient(q, grads, sinks)
 
@@ -225,6 +332,7 @@ def _(
     dropout_p=0.0,
     rng_state=None,
     sinks=None,
+    deterministic=True,
 ):
     dsinks = _no_lse(q) if sinks is None else torch.empty_like(sinks)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
@@ -247,6 +355,7 @@ def _varlen_setup(ctx, inputs, output):
         sinks,
         dropout_p,
         rng_state,
+        deterministic,
     ) = inputs
     if seqused_k is not None:
         ctx.refusal = (
@@ -256,6 +365,7 @@ def _varlen_setup(ctx, inputs, output):
     else:
         ctx.refusal = None
     ctx.key, ctx.sm_scale, ctx.dropout_p = key, sm_scale, dropout_p
+    ctx.deterministic = deterministic
     ctx.lengths = (max_seqlen_q, max_seqlen_k)
     ctx.has_sinks = sinks is not None
     ctx.save_for_backward(
@@ -288,6 +398,7 @@ def _varlen_backward(ctx, dout, dlse):
         ctx.dropout_p,
         rng_state,
         sinks,
+        ctx.deterministic,
     )
     return (
         None,
@@ -303,6 +414,7 @@ def _varlen_backward(ctx, dout, dlse):
         None,
         None,
         _sink_grad_or_none(ctx, dsinks, 12),
+        None,
         None,
         None,
     )

@@ -33,6 +33,7 @@ Newer models' attention, as transformers hands it over:
   v_head_dim, and dispatch matches those dims (the spec's `mla` variant).
 Dropout in training (the layer's attention_dropout) runs on a module built with dropout: true,
 as flash_attn_func's dropout_p does, and is refused naming dropout_p when none is loaded.
+Backward: dQ by fp32 atomics unless torch.are_deterministic_algorithms_enabled() (as SDPA).
 What no generated kernel can do (a 4D mask, output_attentions) is refused by name,
 and so is a layer whose attention transformers defines through the mask or extra arguments
 that this function never sees applied: a layer type other than full_attention,
@@ -225,6 +226,7 @@ def attngen_attention(
         sinks=_sinks(kwargs.get("s_aux"), query),
         chunk_size=chunk,
         dropout_p=dropout,
+        deterministic=torch.are_deterministic_algorithms_enabled(),  # the backward's path
     )
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]
     if kwargs.get("cu_seq_lens_q") is not None and attention_mask is None:

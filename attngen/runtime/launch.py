@@ -15,10 +15,13 @@ is contiguous), so no out= is passed: it would only add its checks and a view.
 dropout_p > 0 asks for a module built with dropout: true (Need.dropout); the call's Philox
 state is drawn here (arguments.dropout_rng_state) and handed to the module's forward and,
 through the op's autograd formula, to its backward. Such a call leaves no plan (plans.py):
-a planned call would skip this draw.
+a planned call would skip this draw. `deterministic` goes the same way to the backward
+(backward_ops.py: False, dQ by atomics); a call that needs no gradient ignores it.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from attngen.runtime import backward_ops, ops, plans
 from attngen.runtime.arguments import (
@@ -29,6 +32,7 @@ from attngen.runtime.arguments import (
     softcap_value,
     softmax_scale,
 )
+from attngen.runtime.backward_ops import check_deterministic
 from attngen.runtime.dispatch import choose, need_for, unsupported_dtype
 from attngen.runtime.fallback import fallback_dense, fallback_varlen
 from attngen.runtime.registry import current_registry
@@ -59,6 +63,7 @@ def run_dense(
     sinks=None,
     chunk_size: int | None = None,
     sink_tokens: int | None = None,
+    deterministic: bool = True,
 ):
     """[B, H, N, D] attention through the prefill kind; (out, lse or None). With heads_last,
     out is [B, N, H, DV], contiguous. plan_key: the caller's signature key, under which a call
@@ -69,6 +74,7 @@ def run_dense(
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     dropout_p = dropout_probability(dropout_p)
     softcap = softcap_value(softcap)  # <= 0 is off for the fallback too, as in flash-attn
+    check_deterministic(deterministic)
     need = need_for(
         KernelKind.prefill,
         q,
@@ -127,6 +133,7 @@ def run_dense(
         in_place,
         sinks,
         *_dropout(dropout_p, q, rng_state),
+        deterministic=deterministic,
     )
     if heads_last and not in_place:  # the module wrote [B, H, N, D]: copied (it has no out=)
         out = out.transpose(1, 2).contiguous()  # one query row: already contiguous, no copy
@@ -208,6 +215,7 @@ def run_varlen(
     sinks=None,
     chunk_size: int | None = None,
     sink_tokens: int | None = None,
+    deterministic: bool = True,
 ):
     """Packed [T, H, D] attention through the varlen kind; (out, lse [H, Tq] or None).
 
@@ -219,6 +227,7 @@ def run_varlen(
     only for a call without seqused_k)."""
     dropout_p = dropout_probability(dropout_p)
     softcap = softcap_value(softcap)
+    check_deterministic(deterministic)
     if dispatch is None:
         same = cu_seqlens_q is cu_seqlens_k and seqused_k is None
         dispatch = varlen_dispatch(
@@ -281,6 +290,7 @@ def run_varlen(
         return_lse,
         sinks,
         *_dropout(dropout_p, q, rng_state),
+        deterministic=deterministic,
     )
     if seqused_k is None and not dropout_p:  # dropout: no plan (it would skip the seed's draw)
         plans.remember(plan_key, dispatch, sm_scale, return_lse, False)
@@ -293,6 +303,9 @@ def _dropout(dropout_p: float, q, rng_state=None):
     if not dropout_p:
         return dropout_p, None
     return dropout_p, (dropout_rng_state(q) if rng_state is None else rng_state)
+def _dropout(dropout_p: float, q) -> tuple[float, Any]:
+    """(dropout_p, the call's Philox state or None) for the ops: a fresh seed per call."""
+    return dropout_p, (dropout_rng_state(q) if dropout_p else None)
 
 
 def varlen_dispatch(

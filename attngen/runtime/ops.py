@@ -31,7 +31,8 @@ prefill and varlen have an autograd formula (backward_ops.py), so torch.compile(
 traces forward and backward; through the ops the forward always computes the LSE the backward
 needs. With dropout_p > 0 (a module built with dropout: true) the call's Philox state,
 rng_state, is an input of the op, saved for its backward, which so regenerates the forward's
-mask. Decode mutates its caches, which torch allows no formula for, so `decode()`
+mask; so is `deterministic` (the backward's path: False adds dQ by atomics, backward_ops.py).
+Decode mutates its caches, which torch allows no formula for, so `decode()`
 (decode_ops.py, the decode kind's calls and op) wraps its outputs in a function whose backward
 raises that it is forward-only.
 """
@@ -198,13 +199,16 @@ def prefill(
     sinks: Tensor | None = None,
     dropout_p: float = 0.0,
     rng_state: Tensor | None = None,
+    deterministic: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """(out, lse or None) of the prefill module `key`; see the module docstring."""
     args = (sinks, dropout_p, rng_state)
     if _direct(q, k, v, alibi_slopes) and (sinks is None or _direct(q, k, v, sinks)):
         return run_prefill(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last, *args)
     # The LSE is always computed here: the backward needs it.
-    out, lse = prefill_op(key, q, k, v, sm_scale, alibi_slopes, True, heads_last, *args)
+    out, lse = prefill_op(
+        key, q, k, v, sm_scale, alibi_slopes, True, heads_last, *args, deterministic
+    )
     return (out.transpose(1, 2) if heads_last else out), (lse if return_lse else None)
 
 
@@ -221,6 +225,7 @@ def prefill_op(
     sinks: Tensor | None = None,
     dropout_p: float = 0.0,
     rng_state: Tensor | None = None,
+    deterministic: bool = True,
 ) -> tuple[Tensor, Tensor]:
     with torch.no_grad():  # the op's autograd formula records the backward, not the module
         out, lse = run_prefill(
@@ -252,6 +257,7 @@ def _(
     sinks=None,
     dropout_p=0.0,
     rng_state=None,
+    deterministic=True,
 ):
     batch, heads, seqlen_q, _ = q.shape
     if heads_last:
@@ -356,6 +362,7 @@ def varlen(
     sinks: Tensor | None = None,
     dropout_p: float = 0.0,
     rng_state: Tensor | None = None,
+    deterministic: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """(out, lse or None) of the varlen module `key`; see the module docstring."""
     args = (
@@ -374,7 +381,7 @@ def varlen(
     if _direct(q, k, v, alibi_slopes) and (sinks is None or _direct(q, k, v, sinks)):
         return run_varlen(*args, return_lse, sinks, dropout_p, rng_state)
     # the LSE is always computed: the backward needs it
-    out, lse = varlen_op(*args, True, sinks, dropout_p, rng_state)
+    out, lse = varlen_op(*args, True, sinks, dropout_p, rng_state, deterministic)
     return out, (lse if return_lse else None)
 
 
@@ -395,6 +402,7 @@ def varlen_op(
     sinks: Tensor | None = None,
     dropout_p: float = 0.0,
     rng_state: Tensor | None = None,
+    deterministic: bool = True,
 ) -> tuple[Tensor, Tensor]:
     with torch.no_grad():  # the op's autograd formula records the backward, not the module
         out, lse = run_varlen(
@@ -434,6 +442,7 @@ def _(
     sinks=None,
     dropout_p=0.0,
     rng_state=None,
+    deterministic=True,
 ):
     total_q, heads, _ = q.shape
     out = q.new_empty((total_q, heads, v.shape[-1]))

@@ -175,9 +175,9 @@ def root(context, missing=missing):
         t_8.extend((
             '    # ',
             str(l_1_comment),
-            '\n    dk, dv = _attn_bwd_dkdv_inner(\n        dk, dv, k, v, Q, DOut, Lse, Delta, group_slopes_log2,\n        q_base0, do_base0, row_base0, batch_head0, stride_qh, stride_doh, stride_lse_h,\n        stride_qm, stride_qd, stride_dom, stride_dod, q_per_kv,\n        key_pos, first_k_pos, last_k_pos, diagonal,\n        ',
+            '\n    dk, dv = _attn_bwd_dkdv_inner(\n        dk, dv, k, v, Q, DOut, Lse, Delta, DQ, group_slopes_log2,\n        q_base0, do_base0, row_base0, dq_base0, batch_head0, stride_qh, stride_doh, stride_lse_h,\n        stride_qm, stride_qd, stride_dom, stride_dod, stride_dqh, stride_dqm, stride_dqd, q_per_kv,\n        key_pos, first_k_pos, last_k_pos, diagonal,\n        ',
             str(l_1_bounds),
-            ', seqlen_q, seqlen_k, qk_scale,\n',
+            ', seqlen_q, seqlen_k, qk_scale, sm_scale,\n',
         ))
         if (undefined(name='dropout') if l_1_dropout is missing else l_1_dropout):
             pass
@@ -187,7 +187,7 @@ def root(context, missing=missing):
         t_8.extend((
             '        MASKED=',
             str(l_1_masked),
-            ', BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GRADS=GRADS,',
+            ', BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GRADS=GRADS, ATOMIC_DQ=ATOMIC_DQ,',
         ))
         if (undefined(name='alibi') if l_1_alibi is missing else l_1_alibi):
             pass

@@ -50,15 +50,15 @@ def root(context, missing=missing):
         for event in gen:
             yield event
     finally: gen.close()
-    yield '\n\nclass _AttentionFunction(torch.autograd.Function):\n    """(out, lse) = the forward kernel; backward = the two gradient kernels. Deterministic:\n    no atomics, so gradients are bitwise reproducible (flash-attn\'s deterministic=True costs\n    nothing extra here). ALiBi slopes get no gradient (as in flash-attn)'
+    yield '\n\nclass _AttentionFunction(torch.autograd.Function):\n    """(out, lse) = the forward kernel; backward = the gradient kernels (_backward):\n    deterministic=True, no atomics, so gradients are bitwise reproducible; False, dQ added by\n    fp32 atomics (five products, not seven). ALiBi slopes get no gradient (as in\n    flash-attn)'
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
-        yield '; the sinks\n    do, when they require it'
+        yield '; the sinks do, when they require it'
     yield '."""\n\n    @staticmethod\n    def forward(ctx, q, k, v, sm_scale, alibi_slopes, dropout, lengths'
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
         yield ', sinks'
-    yield '):\n'
+    yield ',\n                deterministic=True):\n'
     if (undefined(name='varlen') if l_0_varlen is missing else l_0_varlen):
         pass
         yield '        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = lengths\n        out, lse = _forward_attention_varlen(\n            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale=sm_scale,\n            alibi_slopes=alibi_slopes, return_lse=True'
@@ -85,21 +85,21 @@ def root(context, missing=missing):
     else:
         pass
         yield '        ctx.save_for_backward(q, k, v, out, lse)\n'
-    yield '        ctx.options = (sm_scale, alibi_slopes, dropout, lengths)\n        ctx.set_materialize_grads(False)\n        return out, lse\n\n    @staticmethod\n    def backward(ctx, dout, dlse):\n'
+    yield '        ctx.options = (sm_scale, alibi_slopes, dropout, lengths)\n        ctx.deterministic = deterministic\n        ctx.set_materialize_grads(False)\n        return out, lse\n\n    @staticmethod\n    def backward(ctx, dout, dlse):\n'
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
-        yield '        q, k, v, out, lse, sinks = ctx.saved_tensors\n        if dout is None:\n            dout = torch.zeros_like(out)\n        dq, dk, dv, dsinks = _backward(dout, q, k, v, out, lse, dlse, *ctx.options, sinks)\n        return (dq, dk, dv, None, None, None, None,\n                dsinks if ctx.needs_input_grad[7] else None)\n'
+        yield '        q, k, v, out, lse, sinks = ctx.saved_tensors\n        if dout is None:\n            dout = torch.zeros_like(out)\n        dq, dk, dv, dsinks = _backward(dout, q, k, v, out, lse, dlse, *ctx.options, sinks,\n                                       deterministic=ctx.deterministic)\n        return (dq, dk, dv, None, None, None, None,\n                dsinks if ctx.needs_input_grad[7] else None, None)\n'
     else:
         pass
-        yield '        q, k, v, out, lse = ctx.saved_tensors\n        if dout is None:\n            dout = torch.zeros_like(out)\n        dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, *ctx.options)\n        return dq, dk, dv, None, None, None, None\n'
-    yield '\n\ndef _needs_grad(*tensors):\n    return torch.is_grad_enabled() and any(\n        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)\n\n\ndef _refuse_out_with_grad(out):\n    if out is not None:\n        raise ValueError("out: not supported when q, k or v requires grad (the output is a new "\n                         "tensor of the autograd graph); pass out=None")\n'
+        yield '        q, k, v, out, lse = ctx.saved_tensors\n        if dout is None:\n            dout = torch.zeros_like(out)\n        dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, *ctx.options,\n                               deterministic=ctx.deterministic)\n        return dq, dk, dv, None, None, None, None, None\n'
+    yield '\n\ndef _check_deterministic(deterministic):\n    if not isinstance(deterministic, bool):\n        raise ValueError(f"deterministic: expected True or False, got {deterministic!r}")\n\n\ndef _needs_grad(*tensors):\n    return torch.is_grad_enabled() and any(\n        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)\n\n\ndef _refuse_out_with_grad(out):\n    if out is not None:\n        raise ValueError("out: not supported when q, k or v requires grad (the output is a new "\n                         "tensor of the autograd graph); pass out=None")\n'
     if (undefined(name='varlen') if l_0_varlen is missing else l_0_varlen):
         pass
         yield '\n\ndef _check_key_lengths(cu_seqlens_k, max_seqlen_k):\n    """ATTNGEN_CHECKS=1: the backward\'s grid covers max_seqlen_k keys per sequence."""\n    bounds = cu_seqlens_k.tolist()\n    for b in range(len(bounds) - 1):\n        if bounds[b + 1] - bounds[b] > max_seqlen_k:\n            raise ValueError(f"cu_seqlens_k: sequence {b} has {bounds[b + 1] - bounds[b]} keys, "\n                             f"more than max_seqlen_k = {max_seqlen_k} (the backward\'s bound)")\n\n\ndef attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,\n                     sm_scale=None, alibi_slopes=None, return_lse=False, seqused_k=None,\n                     out=None, dropout_p=0.0, rng_state=None'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield ', sinks=None'
-        yield '):\n    """The packed-sequence attention of _forward_attention_varlen (same arguments, layout and\n    results), differentiable in q, k, v (and through the LSE) when one of them requires grad\n    (then without out=: the output is a new tensor of the autograd graph).\n\n    For the backward, max_seqlen_k must also bound every key length (a sequence with more\n    keys gets NaN gradients; ATTNGEN_CHECKS=1 raises instead); seqused_k (a KV cache read in\n    place) has no backward. dropout_p in [0, 1) (training; rounded to steps of 1/65536,\n    kept values scaled exactly by 1 / (1 - rounded p))'
+        yield ',\n                     deterministic=True):\n    """The packed-sequence attention of _forward_attention_varlen (same arguments, layout and\n    results), differentiable in q, k, v (and through the LSE) when one of them requires grad\n    (then without out=: the output is a new tensor of the autograd graph).\n\n    For the backward, max_seqlen_k must also bound every key length (a sequence with more\n    keys gets NaN gradients; ATTNGEN_CHECKS=1 raises instead); seqused_k (a KV cache read in\n    place) has no backward. dropout_p in [0, 1) (training; rounded to steps of 1/65536,\n    kept values scaled exactly by 1 / (1 - rounded p))'
         if (not (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout)):
             pass
             yield '; it needs a module\n    built with dropout: true'
@@ -107,7 +107,7 @@ def root(context, missing=missing):
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield '    sinks [HQ] fp32 (required) get a gradient when they require one.'
-        yield '\n    """\n    dropout = _dropout_option(q, dropout_p, rng_state)\n    if not _needs_grad(q, k, v'
+        yield '    deterministic: the backward\'s path (_backward): True (the default) bitwise reproducible,\n    False dQ by fp32 atomics (flash-attn\'s default; faster).\n\n    """\n    dropout = _dropout_option(q, dropout_p, rng_state)\n    _check_deterministic(deterministic)\n    if not _needs_grad(q, k, v'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield ', sinks'
@@ -121,15 +121,15 @@ def root(context, missing=missing):
         elif (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield ',\n            sinks=sinks'
-        yield ')\n    _refuse_out_with_grad(out)\n    if seqused_k is not None:\n        raise ValueError("seqused_k: no backward for a KV cache read in place; pass None when "\n                         "q, k or v requires grad")\n    sm_scale = _resolved_sm_scale(sm_scale)\n    if _checked() and isinstance(cu_seqlens_k, torch.Tensor):\n        _check_key_lengths(cu_seqlens_k, max_seqlen_k)\n    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)\n    out, lse = _AttentionFunction.apply(q, k, v, sm_scale, alibi_slopes, dropout, lengths'
+        yield ')\n    _refuse_out_with_grad(out)\n    if seqused_k is not None:\n        raise ValueError("seqused_k: no backward for a KV cache read in place; pass None when "\n                         "q, k or v requires grad")\n    sm_scale = _resolved_sm_scale(sm_scale)\n    if _checked() and isinstance(cu_seqlens_k, torch.Tensor):\n        _check_key_lengths(cu_seqlens_k, max_seqlen_k)\n    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)\n    out, lse = _AttentionFunction.apply(q, k, v, sm_scale, alibi_slopes, dropout, lengths,\n'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
-            yield ',\n                                        sinks'
-        yield ')\n    return (out, lse) if return_lse else out\n\n\ndef attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,\n                              max_seqlen_k, *, sm_scale=None, alibi_slopes=None, dropout_p=0.0,\n                              rng_state=None, dlse=None'
+            yield 'sinks, '
+        yield 'deterministic)\n    return (out, lse) if return_lse else out\n\n\ndef attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,\n                              max_seqlen_k, *, sm_scale=None, alibi_slopes=None, dropout_p=0.0,\n                              rng_state=None, dlse=None'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield ', sinks=None'
-        yield '):\n    """(dq, dk, dv'
+        yield ',\n                              deterministic=True):\n    """(dq, dk, dv'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield ', dsinks'
@@ -137,7 +137,7 @@ def root(context, missing=missing):
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield ';\n    sinks [HQ] fp32 (required) as well, dsinks [HQ] fp32 their gradient'
-        yield '."""\n    dropout = _dropout_option(q, dropout_p, rng_state)\n'
+        yield '; deterministic as\n    attention_varlen\'s."""\n    dropout = _dropout_option(q, dropout_p, rng_state)\n    _check_deterministic(deterministic)\n'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield '    _check_sinks(sinks, q.shape[1], q)\n'
@@ -145,14 +145,14 @@ def root(context, missing=missing):
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield ', sinks'
-        yield ')\n'
+        yield ',\n                     deterministic=deterministic)\n'
     else:
         pass
         yield '\n\ndef attention(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False, out=None,\n              dropout_p=0.0, rng_state=None'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield ', sinks=None'
-        yield '):\n    """The attention of _forward_attention (same arguments, layout and results),\n    differentiable in q, k, v (and through the LSE) when one of them requires grad (then\n    without out=: the output is a new tensor of the autograd graph).\n\n    dropout_p in [0, 1) (training; rounded to steps of 1/65536, kept values scaled exactly by\n    1 / (1 - rounded p))'
+        yield ', deterministic=True):\n    """The attention of _forward_attention (same arguments, layout and results),\n    differentiable in q, k, v (and through the LSE) when one of them requires grad (then\n    without out=: the output is a new tensor of the autograd graph).\n\n    dropout_p in [0, 1) (training; rounded to steps of 1/65536, kept values scaled exactly by\n    1 / (1 - rounded p))'
         if (not (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout)):
             pass
             yield '; it needs a module built with dropout: true'
@@ -160,7 +160,7 @@ def root(context, missing=missing):
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield '    sinks [HQ] fp32 (required) get a gradient when they require one.'
-        yield '\n    """\n    dropout = _dropout_option(q, dropout_p, rng_state)\n    if not _needs_grad(q, k, v'
+        yield '    deterministic: the backward\'s path (_backward): True (the default) bitwise reproducible,\n    False dQ by fp32 atomics (flash-attn\'s default; faster).\n\n    """\n    dropout = _dropout_option(q, dropout_p, rng_state)\n    _check_deterministic(deterministic)\n    if not _needs_grad(q, k, v'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield ', sinks'
@@ -171,15 +171,15 @@ def root(context, missing=missing):
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield ', sinks=sinks'
-        yield ')\n    _refuse_out_with_grad(out)\n    sm_scale = _resolved_sm_scale(sm_scale)\n    out, lse = _AttentionFunction.apply(q, k, v, sm_scale, alibi_slopes, dropout, None'
+        yield ')\n    _refuse_out_with_grad(out)\n    sm_scale = _resolved_sm_scale(sm_scale)\n    out, lse = _AttentionFunction.apply(q, k, v, sm_scale, alibi_slopes, dropout, None,\n'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
-            yield ',\n                                        sinks'
-        yield ')\n    return (out, lse) if return_lse else out\n\n\ndef attention_backward(dout, q, k, v, out, lse, *, sm_scale=None, alibi_slopes=None,\n                       dropout_p=0.0, rng_state=None, dlse=None'
+            yield 'sinks, '
+        yield 'deterministic)\n    return (out, lse) if return_lse else out\n\n\ndef attention_backward(dout, q, k, v, out, lse, *, sm_scale=None, alibi_slopes=None,\n                       dropout_p=0.0, rng_state=None, dlse=None'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield ', sinks=None'
-        yield '):\n'
+        yield ',\n                       deterministic=True):\n'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield '    """(dq, dk, dv, dsinks) of attention for the output gradient dout (and dlse, the LSE\'s),\n    given its\n'
@@ -190,7 +190,7 @@ def root(context, missing=missing):
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield '; sinks [HQ]\n    fp32 (required) as well, dsinks [HQ] fp32 their gradient'
-        yield '."""\n    dropout = _dropout_option(q, dropout_p, rng_state)\n'
+        yield '; deterministic as attention\'s."""\n    dropout = _dropout_option(q, dropout_p, rng_state)\n    _check_deterministic(deterministic)\n'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield '    _check_sinks(sinks, q.shape[1], q)\n'
@@ -198,7 +198,7 @@ def root(context, missing=missing):
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield ', sinks'
-        yield ')\n'
+        yield ',\n                     deterministic=deterministic)\n'
 
 blocks = {}
-debug_info = '4=22&5=24&6=27&10=31&14=33&30=37&48=43&61=47&67=54&71=58&72=62&76=65&80=75&83=82&94=89&119=96&133=99&141=103&144=107&149=111&152=115&153=118&163=125&170=129&171=133&172=137&175=141&180=145&185=152&191=156&193=160&198=164&200=168&201=171&204=175&210=179&211=183&217=190&220=194&224=198'
+debug_info = '4=22&5=24&6=27&10=31&14=33&30=37&48=43&61=47&68=54&71=58&73=62&77=65&81=75&84=82&96=89&128=96&142=99&151=103&154=107&162=111&165=115&166=118&177=125&183=129&185=133&186=137&191=141&196=145&202=152&208=156&210=160&218=164&220=168&221=171&225=175&230=179&232=183&238=190&242=194&246=198'

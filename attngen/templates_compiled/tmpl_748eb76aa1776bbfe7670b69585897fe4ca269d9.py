@@ -10,6 +10,7 @@ def root(context, missing=missing):
     l_0_bwd_dq_config = resolve('bwd_dq_config')
     l_0_bwd_dkdv_config = resolve('bwd_dkdv_config')
     l_0_bwd_dkdv_split = resolve('bwd_dkdv_split')
+    l_0_bwd_dkdv_atomic_config = resolve('bwd_dkdv_atomic_config')
     l_0_softcap = resolve('softcap')
     l_0_alibi = resolve('alibi')
     l_0_mask = resolve('mask')
@@ -26,6 +27,8 @@ def root(context, missing=missing):
     yield str((undefined(name='bwd_dkdv_config') if l_0_bwd_dkdv_config is missing else l_0_bwd_dkdv_config))
     yield '\n# None, or (dV config, dK config): dK and dV by two launches of the dK/dV kernel, one\n# accumulator each (wider key tiles where both accumulators would not fit in registers).\nBWD_DKDV_SPLIT = '
     yield str((undefined(name='bwd_dkdv_split') if l_0_bwd_dkdv_split is missing else l_0_bwd_dkdv_split))
+    yield '\n# deterministic=False: the config of the dK/dV launch that also adds dQ by atomics (with the\n# split, the dK launch), or None where its shared memory would not fit: deterministic=False\n# then runs the deterministic kernels (attngen/tiling/backward.py, atomic_dkdv_config).\nBWD_DKDV_ATOMIC_CONFIG = '
+    yield str((undefined(name='bwd_dkdv_atomic_config') if l_0_bwd_dkdv_atomic_config is missing else l_0_bwd_dkdv_atomic_config))
     yield '\n\n\n@triton.jit\ndef _bwd_probs(qk, qk_scale, lse2, q_pos2, key_pos2, slope_log2):\n    """P = exp(S - LSE) from the forward\'s LSE (lse2 = LSE * log2 e, broadcast to the tile;\n    +inf for a row that sees no key, so that its P is 0), in the forward\'s log2 domain, and\n'
     if (undefined(name='softcap') if l_0_softcap is missing else l_0_softcap):
         pass
@@ -141,4 +144,4 @@ def root(context, missing=missing):
     finally: gen.close()
 
 blocks = {}
-debug_info = '13=21&15=24&16=26&19=28&26=30&28=37&31=40&38=46&41=49&53=56&55=59&60=62&63=65&78=73&80=76&84=79&89=85&101=89&103=92&104=94&111=100&126=104&131=107&136=110&151=117&179=124&193=127&212=130&213=136'
+debug_info = '13=22&15=25&16=27&19=29&23=31&30=33&32=40&35=43&42=49&45=52&57=59&59=62&64=65&67=68&82=76&84=79&88=82&93=88&105=92&107=95&108=97&115=103&130=107&135=110&140=113&155=120&183=127&197=130&216=133&217=139'

@@ -26,18 +26,18 @@ def root(context, missing=missing):
     pass
     l_0_bw = context.vars['bw'] = environment.get_template('_backward_macros.py.jinja', '_backward_dkdv.py.jinja').make_module(context.get_all(), True, {'bw': l_0_bw})
     context.exported_vars.discard('bw')
-    yield '@triton.jit\ndef _attn_bwd_dkdv_inner(\n    dk, dv, k, v, Q, DOut, Lse, Delta, group_slopes_log2,\n    q_base0, do_base0, row_base0, batch_head0, stride_qh, stride_doh, stride_lse_h,\n    stride_qm, stride_qd, stride_dom, stride_dod, q_per_kv,\n    key_pos, first_k_pos, last_k_pos, diagonal,\n    start_m, end_m, seqlen_q, seqlen_k, qk_scale,\n'
+    yield '@triton.jit\ndef _attn_bwd_dkdv_inner(\n    dk, dv, k, v, Q, DOut, Lse, Delta, DQ, group_slopes_log2,\n    q_base0, do_base0, row_base0, dq_base0, batch_head0, stride_qh, stride_doh, stride_lse_h,\n    stride_qm, stride_qd, stride_dom, stride_dod, stride_dqh, stride_dqm, stride_dqd, q_per_kv,\n    key_pos, first_k_pos, last_k_pos, diagonal,\n    start_m, end_m, seqlen_q, seqlen_k, qk_scale, sm_scale,\n'
     if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
         pass
         yield '    seed, philox_offset, drop_threshold, keep_scale,\n'
-    yield '    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GRADS: tl.constexpr,\n'
+    yield '    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GRADS: tl.constexpr,\n    ATOMIC_DQ: tl.constexpr,\n'
     if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
         pass
         yield '    GROUP_MAX: tl.constexpr,\n'
     if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
         pass
         yield '    DROPOUT_ON: tl.constexpr,\n'
-    yield "):\n    # GRADS: 3 accumulates dK and dV, 1 dV alone, 2 dK alone (two launches, one accumulator\n    # each: the wider key tiles a large head dim needs to reach wgmma)\n    offs_m = tl.arange(0, BLOCK_M)\n    offs_d = tl.arange(0, _BLOCK_D)\n    offs_dv = tl.arange(0, _BLOCK_DV)\n    # Note: one flat loop over (query head of the KV group, query block) pairs, not a loop\n    # over heads around a loop over blocks: a runtime outer loop keeps the inner pipeline's\n    # state live across it (D = 128, 64x64, 8 warps on sm90: spills, 198 registers without).\n    num_blocks = tl.cdiv(end_m - start_m, BLOCK_M)\n    for step in tl.range(0, q_per_kv * num_blocks):\n        group_head = step // num_blocks\n        start = tl.multiple_of(start_m + (step - group_head * num_blocks) * BLOCK_M, BLOCK_M)\n        q_base = Q + q_base0 + group_head * stride_qh\n        do_base = DOut + do_base0 + group_head * stride_doh\n        lse_ptr = Lse + row_base0 + group_head * stride_lse_h\n        delta_ptr = Delta + row_base0 + group_head * stride_lse_h\n"
+    yield "):\n    # GRADS: 3 accumulates dK and dV, 1 dV alone, 2 dK alone (two launches, one accumulator\n    # each: the wider key tiles a large head dim needs to reach wgmma). ATOMIC_DQ (with\n    # GRADS & 2): also dQ's share of this key block, dS @ K, added to DQ (fp32) by atomics.\n    offs_m = tl.arange(0, BLOCK_M)\n    offs_d = tl.arange(0, _BLOCK_D)\n    offs_dv = tl.arange(0, _BLOCK_DV)\n    # Note: one flat loop over (query head of the KV group, query block) pairs, not a loop\n    # over heads around a loop over blocks: a runtime outer loop keeps the inner pipeline's\n    # state live across it (D = 128, 64x64, 8 warps on sm90: spills, 198 registers without).\n    num_blocks = tl.cdiv(end_m - start_m, BLOCK_M)\n    for step in tl.range(0, q_per_kv * num_blocks):\n        group_head = step // num_blocks\n        start = tl.multiple_of(start_m + (step - group_head * num_blocks) * BLOCK_M, BLOCK_M)\n        q_base = Q + q_base0 + group_head * stride_qh\n        do_base = DOut + do_base0 + group_head * stride_doh\n        lse_ptr = Lse + row_base0 + group_head * stride_lse_h\n        delta_ptr = Delta + row_base0 + group_head * stride_lse_h\n"
     if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
         pass
         yield '        batch_head = batch_head0 + group_head\n'
@@ -85,14 +85,25 @@ def root(context, missing=missing):
         yield '            dsT = dsT * (1.0 - tT * tT)  # d(c tanh(x / c)) / dx = 1 - tanh^2\n'
     yield '            '
     yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'accumulate_dot'), 'dk', 'dsT.to(k.dtype)', 'q'))
-    yield '\n    return dk, dv\n\n\n@triton.jit\ndef _attn_bwd_dkdv_kernel(\n    Q, K, V, DOut, DK, DV, Lse, Delta, Slopes,'
+    yield "\n            if ATOMIC_DQ:\n                # dQ's share (dS @ K) [BLOCK_M, D], scaled here: DQ holds the finished sum\n                dq = tl.dot(tl.trans(dsT.to(k.dtype)), k"
+    yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'dot_precision')))
+    yield ') * sm_scale\n                dq_ptrs = (DQ + dq_base0 + group_head * stride_dqh + q_rows[:, None] * stride_dqm\n                           + offs_d[None, :] * stride_dqd)\n                if MASKED:\n                    dq_mask = (rows < seqlen_q)[:, None]'
+    yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'pad_d'), 'None, :'))
+    yield '\n                    tl.atomic_add(dq_ptrs, dq, mask=dq_mask, sem="relaxed")\n                else:\n'
+    if ((undefined(name='block_d') if l_0_block_d is missing else l_0_block_d) != (undefined(name='head_dim') if l_0_head_dim is missing else l_0_head_dim)):
+        pass
+        yield '                    tl.atomic_add(dq_ptrs, dq, mask=(offs_d < _HEAD_DIM)[None, :], sem="relaxed")\n'
+    else:
+        pass
+        yield '                    tl.atomic_add(dq_ptrs, dq, sem="relaxed")\n'
+    yield '    return dk, dv\n\n\n@triton.jit\ndef _attn_bwd_dkdv_kernel(\n    Q, K, V, DOut, DK, DV, Lse, Delta, DQ, Slopes,'
     if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
         pass
         yield ' RngState,'
     if (undefined(name='varlen') if l_0_varlen is missing else l_0_varlen):
         pass
         yield ' CuSeqlensQ, CuSeqlensK,'
-    yield '\n    stride_qb, stride_qh, stride_qm, stride_qd,\n    stride_kb, stride_kh, stride_kn, stride_kd,\n    stride_vb, stride_vh, stride_vn, stride_vd,\n    stride_dob, stride_doh, stride_dom, stride_dod,\n    stride_dkb, stride_dkh, stride_dkn, stride_dkd,\n    stride_dvb, stride_dvh, stride_dvn, stride_dvd,\n    stride_lse_b, stride_lse_h,\n'
+    yield '\n    stride_qb, stride_qh, stride_qm, stride_qd,\n    stride_kb, stride_kh, stride_kn, stride_kd,\n    stride_vb, stride_vh, stride_vn, stride_vd,\n    stride_dob, stride_doh, stride_dom, stride_dod,\n    stride_dkb, stride_dkh, stride_dkn, stride_dkd,\n    stride_dvb, stride_dvh, stride_dvn, stride_dvd,\n    stride_dqb, stride_dqh, stride_dqm, stride_dqd,\n    stride_lse_b, stride_lse_h,\n'
     if (undefined(name='varlen') if l_0_varlen is missing else l_0_varlen):
         pass
         yield '    num_q_heads, q_per_kv, total_q, total_k, max_rows_q, max_rows_k, num_n_blocks,\n'
@@ -113,7 +124,7 @@ def root(context, missing=missing):
     if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
         pass
         yield '    DROPOUT_ON: tl.constexpr,\n'
-    yield '    BLOCK_M: tl.constexpr,\n    BLOCK_N: tl.constexpr,\n    GRADS: tl.constexpr,\n):\n    tl.static_assert(BLOCK_N % 16 == 0)\n    tl.static_assert(BLOCK_M % 16 == 0)\n    pid = tl.program_id(0)\n    # -- which tile: key blocks of one KV head are adjacent programs (they share Q and dO in\n    # L2); the first key block, under causal the one most queries see, goes first.\n    n_block = pid % num_n_blocks\n    batch_kv_head = pid // num_n_blocks\n    num_kv_heads = num_q_heads // q_per_kv\n    off_b = (batch_kv_head // num_kv_heads).to(tl.int64)\n    off_hkv = (batch_kv_head % num_kv_heads).to(tl.int64)\n'
+    yield '    BLOCK_M: tl.constexpr,\n    BLOCK_N: tl.constexpr,\n    GRADS: tl.constexpr,\n    ATOMIC_DQ: tl.constexpr,\n):\n    tl.static_assert(BLOCK_N % 16 == 0)\n    tl.static_assert(BLOCK_M % 16 == 0)\n    pid = tl.program_id(0)\n    # -- which tile: key blocks of one KV head are adjacent programs (they share Q and dO in\n    # L2); the first key block, under causal the one most queries see, goes first.\n    n_block = pid % num_n_blocks\n    batch_kv_head = pid // num_n_blocks\n    num_kv_heads = num_q_heads // q_per_kv\n    off_b = (batch_kv_head // num_kv_heads).to(tl.int64)\n    off_hkv = (batch_kv_head % num_kv_heads).to(tl.int64)\n'
     if (undefined(name='varlen') if l_0_varlen is missing else l_0_varlen):
         pass
         yield str(t_1(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'sequence')), '\n'))
@@ -129,7 +140,7 @@ def root(context, missing=missing):
     yield str(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'pad_dv'), 'None, :'))
     yield ', other=0.0)\n    else:\n        v = k  # not read: the dV kernel has no dP\n'
     yield str(t_1(context.call(environment.getattr((undefined(name='bw') if l_0_bw is missing else l_0_bw), 'rng_state')), '\n'))
-    yield '\n    dk = tl.zeros([BLOCK_N, _BLOCK_D], dtype=tl.float32)\n    dv = tl.zeros([BLOCK_N, _BLOCK_DV], dtype=tl.float32)\n    # -- every query head of the KV group (GQA: their dK, dV summed here, no atomics) --------\n    first_head = off_hkv * q_per_kv\n    q_base0 = off_b * stride_qb + q_offset * stride_qm + first_head * stride_qh\n    do_base0 = off_b * stride_dob + q_offset * stride_dom + first_head * stride_doh\n    row_base0 = off_b * stride_lse_b + first_head * stride_lse_h + q_offset\n    batch_head0 = off_b * num_q_heads + first_head\n'
+    yield '\n    dk = tl.zeros([BLOCK_N, _BLOCK_D], dtype=tl.float32)\n    dv = tl.zeros([BLOCK_N, _BLOCK_DV], dtype=tl.float32)\n    # -- every query head of the KV group (GQA: their dK, dV summed here, no atomics) --------\n    first_head = off_hkv * q_per_kv\n    q_base0 = off_b * stride_qb + q_offset * stride_qm + first_head * stride_qh\n    do_base0 = off_b * stride_dob + q_offset * stride_dom + first_head * stride_doh\n    row_base0 = off_b * stride_lse_b + first_head * stride_lse_h + q_offset\n    dq_base0 = off_b * stride_dqb + q_offset * stride_dqm + first_head * stride_dqh\n    batch_head0 = off_b * num_q_heads + first_head\n'
     if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi):
         pass
         yield "    # The group's slopes, once (GROUP_MAX: q_per_kv rounded up to a power of two).\n    group = tl.arange(0, GROUP_MAX)\n    group_slopes_log2 = tl.load(Slopes + off_b * stride_slopes_b + first_head + group,\n                                mask=group < q_per_kv, other=0.0) * _LOG2E_C\n"
@@ -150,4 +161,4 @@ def root(context, missing=missing):
     yield ')\n\n\n'
 
 blocks = {}
-debug_info = '2=27&10=30&14=34&17=37&37=41&40=44&59=51&60=53&65=55&70=61&80=68&86=70&87=72&97=75&100=80&104=83&107=87&113=89&122=96&127=102&130=106&132=110&135=113&152=117&153=119&178=125&188=127&191=129&194=131&203=133&211=139&212=141&214=143&215=145&220=147&223=149'
+debug_info = '2=27&10=30&15=34&18=37&39=41&42=44&61=51&62=53&67=55&72=61&82=68&88=70&89=72&99=75&102=80&106=83&109=87&112=89&116=91&119=93&129=100&139=107&144=113&147=117&149=121&152=124&170=128&171=130&196=136&206=138&209=140&212=142&222=144&230=150&231=152&233=154&234=156&239=158&242=160'

@@ -244,6 +244,33 @@ def split_dkdv(arch: GpuArch, e: int, dkdv: Derivation, dv: Derivation, dk: Deri
     return not fused_reaches and min(dv.chosen.block_n, dk.chosen.block_n) >= 64
 
 
+def atomic_extra_smem(config: TileConfig, d: int, e: int) -> int:
+    """Shared memory the ATOMIC_DQ variant of a dK/dV launch (deterministic=False) adds to
+    its launch's: dQ's share dS @ K takes dS (a [BM, BN] tile) and K ([BN, D]) as operands
+    in shared memory. Exact on wgmma where measured (Triton 3.6, sm90, bf16 32x128, 8 warps,
+    3 stages: D 64 57856 -> 82432 B, D 128 115200 -> 156160 B; D 256's dK launch 229888 ->
+    311808 B, 8 KiB more than this term); on mma.sync a bound (sm80: 8-16 KiB measured
+    where this says 33-37 KiB). Not yet a verified kernel of the model (KERNELS)."""
+    return e * (config.block_m * config.block_n + config.block_n * d)
+
+
+def atomic_dkdv_config(
+    spec: AttnSpec, arch_name: str, derivation: BackwardDerivation
+) -> TileConfig | None:
+    """The config of the dK/dV launch that adds dQ by atomics (the dK launch with the split),
+    the deterministic path's own, or None where its shared memory with the atomic term would
+    not fit (D 256 on sm90: 303616 B of 232448): the module then runs deterministic=False on
+    the deterministic kernels (BWD_DKDV_ATOMIC_CONFIG None)."""
+    launch = derivation.dk if derivation.split else derivation.dkdv
+    config = launch.chosen
+    if config is None:
+        return None
+    arch = ARCHS[arch_name]
+    smem = next(c.smem_bytes for c in launch.candidates if c.config == config)
+    d, e = padded_head_dim(spec.head_dim), spec.dtype.itemsize
+    return config if smem + atomic_extra_smem(config, d, e) <= arch.smem_budget else None
+
+
 @dataclass(frozen=True)
 class BackwardDerivation:
     """The gradient kernels' derivations (each a prefill-style Derivation, candidates and

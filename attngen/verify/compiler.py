@@ -85,18 +85,12 @@ BACKWARD_KERNELS = {
     "dkdv": "_attn_bwd_dkdv_kernel",
     "dv": "_attn_bwd_dkdv_kernel",  # its dV-only launch (BWD_DKDV_SPLIT)
     "dk": "_attn_bwd_dkdv_kernel",  # its dK-only launch
+    "dkdv_atomic": "_attn_bwd_dkdv_kernel",  # deterministic=False: adds dQ too (ATOMIC_DQ)
+    "dk_atomic": "_attn_bwd_dkdv_kernel",  # the same in the dK-only launch
 }
-GRADS_OF = {"dkdv": 3, "dv": 1, "dk": 2}  # the dK/dV kernel's GRADS per measured kernel
-_BACKWARD_UNIT_STRIDES = (
-    "stride_qd",
-    "stride_kd",
-    "stride_vd",
-    "stride_od",
-    "stride_dod",
-    "stride_dqd",
-    "stride_dkd",
-    "stride_dvd",
-)
+# the dK/dV kernel's GRADS per measured kernel, + 4 for ATOMIC_DQ
+GRADS_OF = {"dkdv": 3, "dv": 1, "dk": 2, "dkdv_atomic": 7, "dk_atomic": 6}
+_BACKWARD_UNIT_STRIDES = (*_UNIT_STRIDES, "stride_dod", "stride_dqd", "stride_dkd", "stride_dvd")
 _kernels: dict[str, Any] = {}  # per process: module source hash -> module (memory only)
 
 
@@ -210,13 +204,16 @@ def _decode_source(spec: AttnSpec, kernel: Any, config: TileConfig, v_from_k: bo
 
 def _backward_source(spec: AttnSpec, kernel: Any, config: TileConfig, grads: int = 3) -> Any:
     """dQ or dK/dV as _backward launches them on contiguous [B, H, N, D] tensors: no dLSE,
-    the dropout path when compiled in, ALiBi's GROUP_MAX from the spec's head ratio."""
+    the dropout path when compiled in, ALiBi's GROUP_MAX from the spec's head ratio; grads + 4:
+    ATOMIC_DQ (deterministic=False's dK/dV kernel, dQ an fp32 tensor). DELTA_ONLY is off."""
     q_per_kv = spec.num_q_heads // spec.num_kv_heads
     constexprs: dict[str, Any] = dict.fromkeys(_BACKWARD_UNIT_STRIDES, 1)
     constexprs.update(
         HAS_DLSE=False,
         DROPOUT_ON=True,
-        GRADS=grads,  # dK/dV: 3 both gradients in one launch, 1 dV, 2 dK
+        GRADS=grads & 3,  # dK/dV: 3 both gradients in one launch, 1 dV, 2 dK
+        ATOMIC_DQ=grads > 3,
+        DELTA_ONLY=False,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         GROUP_MAX=1 << (q_per_kv - 1).bit_length(),
@@ -231,6 +228,7 @@ def _backward_source(spec: AttnSpec, kernel: Any, config: TileConfig, grads: int
         dict.fromkeys(("Lse", "DLse", "Delta", "Slopes", "Sinks", "DSinkPartial"), "*fp32")
     )  # Sinks, DSinkPartial: with `sinks: true`
     types.update(RngState="*i64", sm_scale="fp32", keep_scale="fp32")
+    types.update({"DQ": "*fp32"} if grads > 3 else {})
     aligned = rows_aligned(spec)
 
     def divisible(name: str) -> bool:  # as the forward's: batch, head and aligned row strides
