@@ -291,7 +291,8 @@ def served(api: str, need: Need, registry: Registry, entry: KernelEntry, built: 
     # Later calls reuse the module: they did not build it, and their reason says so.
     kept = dispatch
     if built:
-        kept = dataclasses.replace(dispatch, built=False, reason=reason + _cache_words(entry, False))
+        found = reason + _cache_words(entry, False)
+        kept = dataclasses.replace(dispatch, built=False, reason=found)
     _keep(registry, (api, need), kept)
     _keep(registry, _class_key(api, need, registry), kept)
     return record(dispatch)

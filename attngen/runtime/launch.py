@@ -303,6 +303,8 @@ def _dropout(dropout_p: float, q, rng_state=None):
     if not dropout_p:
         return dropout_p, None
     return dropout_p, (dropout_rng_state(q) if rng_state is None else rng_state)
+
+
 def _dropout(dropout_p: float, q) -> tuple[float, Any]:
     """(dropout_p, the call's Philox state or None) for the ops: a fresh seed per call."""
     return dropout_p, (dropout_rng_state(q) if dropout_p else None)
