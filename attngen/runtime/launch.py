@@ -297,17 +297,12 @@ def run_varlen(
     return result
 
 
-def _dropout(dropout_p: float, q, rng_state=None):
+def _dropout(dropout_p: float, q, rng_state=None) -> tuple[float, Any]:
     """(dropout_p, the call's Philox state or None) for the ops: a fresh seed per call (the
     caller's, when it drew it)."""
     if not dropout_p:
         return dropout_p, None
     return dropout_p, (dropout_rng_state(q) if rng_state is None else rng_state)
-
-
-def _dropout(dropout_p: float, q) -> tuple[float, Any]:
-    """(dropout_p, the call's Philox state or None) for the ops: a fresh seed per call."""
-    return dropout_p, (dropout_rng_state(q) if dropout_p else None)
 
 
 def varlen_dispatch(
