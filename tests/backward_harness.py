@@ -46,7 +46,8 @@ def module_for(spec: AttnSpec, blocks: Blocks = Blocks(), kind: str = "prefill")
         (module.BWD_DKDV_CONFIG, blocks.dkdv),
         (module.BWD_DKDV_ATOMIC_CONFIG, blocks.dkdv),
     ):
-        config.update(BLOCK_M=block_m, BLOCK_N=block_n, num_stages=1)
+        if config is not None:  # no atomic config fits some shared memories (None)
+            config.update(BLOCK_M=block_m, BLOCK_N=block_n, num_stages=1)
     return module
 
 

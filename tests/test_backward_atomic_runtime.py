@@ -14,7 +14,7 @@ import attngen
 from attngen.build import plan_build, write_build
 from attngen.reference_backward import compare_gradients
 from attngen.runtime import backward_runs, last_backward, reset_backward_runs
-from attngen.runtime.backward_ops import ATOMIC, DETERMINISTIC
+from attngen.runtime.backward_ops import ATOMIC, DETERMINISTIC, ENV_ATOMIC_DQ
 from attngen.runtime.launch import run_dense_backward
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
 from attngen.spec import CausalAlign, Mask, specs_from_data
@@ -32,6 +32,12 @@ SPEC = dict(
     kernels=["prefill", "varlen"],
     backward=True,
 )
+
+
+@pytest.fixture(autouse=True)
+def atomic_dq_on(monkeypatch):
+    """The atomic path is opt-in (backward_ops.atomic_dq_enabled): these tests route to it."""
+    monkeypatch.setenv(ENV_ATOMIC_DQ, "1")
 
 
 @pytest.fixture(scope="module")
@@ -192,3 +198,15 @@ def test_a_module_with_no_atomic_config_says_why(trained, monkeypatch):
     with pytest.warns(UserWarning, match="no atomic-dQ config fits"):
         _flash_grads(trained, False)
     assert last_backward().path == DETERMINISTIC
+
+
+def test_without_the_opt_in_deterministic_false_runs_the_two_kernels(trained, monkeypatch):
+    """The atomic path measured slower on the H200: by default deterministic=False runs the
+    two-kernel backward, and last_backward() says why."""
+    monkeypatch.delenv(ENV_ATOMIC_DQ)
+    grads, inputs = _flash_grads(trained, False)
+    run = last_backward()
+    assert run.path == DETERMINISTIC and not run.deterministic
+    assert ENV_ATOMIC_DQ in run.reason
+    problems = compare_gradients(trained, grads, *inputs)
+    assert not problems, "; ".join(problems)

@@ -8,8 +8,10 @@ grad get theirs from the same backward (the ops return d sinks as a fourth tenso
 without sinks: an op's outputs cannot be optional).
 
 `deterministic` (saved from the forward op, as flash-attn's argument): True runs the module's
-atomics-free kernels (seven products, bitwise reproducible); False its atomic-dQ path (five
-products: the dK/dV kernel adds dQ by fp32 atomics, whose order varies on a GPU). A module
+atomics-free kernels (seven products, bitwise reproducible); False the same kernels unless
+ATTNGEN_ATOMIC_DQ=1 (atomic_dq_enabled: the atomic path measured slower), which runs the
+atomic-dQ path (five products: the dK/dV kernel adds dQ by fp32 atomics, whose order varies
+on a GPU). There a module
 built before that path (no BWD_DKDV_ATOMIC_CONFIG), or one where no atomic config fits
 (BWD_DKDV_ATOMIC_CONFIG None: D 256 on sm90), runs its deterministic kernels with a
 warning. `last_backward()` and `backward_runs()` say which path each backward call took.
@@ -20,6 +22,7 @@ Importing this module registers the formulas (attngen.runtime does, at import).
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -69,6 +72,23 @@ def reset_backward_runs() -> None:
         _last.clear()
 
 
+# The atomic-dQ path measured slower than the two-kernel backward on the H200 (0.81x over the
+# grid at N 1k/4k, docs/performance.md "The atomic-dQ backward"): the five products do not pay
+# for the fp32 atomics' traffic in these tile-level kernels. Until a kernel makes it pay,
+# deterministic=False runs the two kernels (deterministic too, which it allows), and
+# ATTNGEN_ATOMIC_DQ=1 turns the atomic path on (to measure it, or where it wins).
+ENV_ATOMIC_DQ = "ATTNGEN_ATOMIC_DQ"
+ATOMIC_DQ_OFF = (
+    "deterministic=False: the two-kernel backward ran (the atomic-dQ path measured 0.81x of "
+    f"it on the H200; {ENV_ATOMIC_DQ}=1 runs the atomic path)"
+)
+
+
+def atomic_dq_enabled() -> bool:
+    """Whether deterministic=False may run the atomic-dQ path (ATTNGEN_ATOMIC_DQ=1)."""
+    return os.environ.get(ENV_ATOMIC_DQ) == "1"
+
+
 def check_deterministic(deterministic: object) -> bool:
     """The public functions' `deterministic` argument, a bool (never a truthy stand-in)."""
     if type(deterministic) is not bool:
@@ -81,6 +101,9 @@ def _path_options(key: str, module, deterministic: bool) -> dict:
     if deterministic:
         run = BackwardRun(key, True, DETERMINISTIC, "deterministic=True: no atomics")
         options: dict = {}  # the modules' default (and all an older module takes)
+    elif not atomic_dq_enabled():
+        run = BackwardRun(key, False, DETERMINISTIC, ATOMIC_DQ_OFF)
+        options = {}
     elif getattr(module, "BWD_DKDV_ATOMIC_CONFIG", None) is not None:
         run = BackwardRun(key, False, ATOMIC, "deterministic=False: dQ by fp32 atomics")
         options = {"deterministic": False}
