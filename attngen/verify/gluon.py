@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import multiprocessing
 import os
 import re
 import tempfile
@@ -22,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from attngen.spec import AttnSpec, KernelKind
+from attngen.spec import AttnSpec, KernelKind, specs_from_data
 from attngen.tiling.gluon import GLUON_ARCH, GluonCandidate, derive_gluon_tiles
 from attngen.verify.compiler import (
     _compiled_not_interpreted,
@@ -158,17 +159,36 @@ def judge_gluon(row: GluonRow) -> None:
         row.problems.append("no wgmma in the PTX")
 
 
-def verify_gluon(specs: Iterable[AttnSpec]) -> list[GluonRow]:
-    """One row per spec whose sm90 prefill module has the Gluon forward, compiled and judged."""
-    rows = []
+def _compile_job(payload: tuple[dict[str, Any], GluonCandidate]) -> dict[str, Any]:
+    data, chosen = payload
+    (spec,) = specs_from_data(data)
+    return compile_gluon(spec, chosen)
+
+
+def verify_gluon(specs: Iterable[AttnSpec], processes: int = 2) -> list[GluonRow]:
+    """One row per spec whose sm90 prefill module has the Gluon forward, compiled and judged.
+    As compiler.compile_iter, the compiles run in spawned workers without TRITON_INTERPRET
+    (a process that imported triton under the interpreter cannot compile)."""
+    rows, jobs = [], []
     for spec in specs:
         if GLUON_ARCH not in spec.archs or KernelKind.prefill not in spec.kernels:
             continue
         derivation = derive_gluon_tiles(spec, GLUON_ARCH)
         if derivation is None or derivation.chosen is None:
             continue
-        row = GluonRow(spec.name, derivation.chosen)
-        row.record = compile_gluon(spec, derivation.chosen)
+        rows.append(GluonRow(spec.name, derivation.chosen))
+        jobs.append((spec.model_dump(mode="json"), derivation.chosen))
+    if not jobs:
+        return rows
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        context = multiprocessing.get_context("spawn")
+        with context.Pool(max(1, min(processes, len(jobs)))) as pool:
+            records = pool.map(_compile_job, jobs, chunksize=1)
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+    for row, record in zip(rows, records, strict=True):
+        row.record = record
         judge_gluon(row)
-        rows.append(row)
     return rows
