@@ -113,19 +113,15 @@ def build_context(
         "window_right": window[1],
         "softcap": float(spec.softcap),
         "alibi": spec.alibi,
-        # Newer models' fields: 0 / False when absent (a module without them renders as
-        # before; templates emit their code only when set).
+        # Newer models' fields: 0 / False when absent (templates emit code only when set).
         "sinks": spec.sinks,
         "chunk_size": spec.chunk_size or 0,
         "sink_tokens": spec.sink_tokens or 0,
         "varlen": kind is KernelKind.varlen,
     }
     context.update(_host_paths_context(spec, kind, derivation.arch))
-    context.update(gluon_context(spec, kind, derivation.arch))
     context.update(_training_context(spec, kind, derivation, backward))
-    gluon = derive_gluon_tiles(spec, derivation.arch) if context["gluon"] else None
-    if gluon is not None:  # the header's derivation ends with the Gluon forward's
-        context["derivation_lines"] = [*context["derivation_lines"], *gluon.summary_lines()]
+    _add_gluon(context, spec, kind, derivation.arch)
     if kind is KernelKind.decode:
         context.update(
             {
@@ -221,6 +217,14 @@ def gluon_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str, Any]
         "gluon_producer_regs": config.producer_regs,
         "gluon_maxnreg": config.maxnreg,
     }
+
+
+def _add_gluon(context: dict[str, Any], spec: AttnSpec, kind: KernelKind, arch: str) -> None:
+    """gluon_context into `context`; the header's derivation ends with the Gluon forward's."""
+    context.update(gluon_context(spec, kind, arch))
+    gluon = derive_gluon_tiles(spec, arch) if context["gluon"] else None
+    if gluon is not None:
+        context["derivation_lines"] = [*context["derivation_lines"], *gluon.summary_lines()]
 
 
 def _training_context(

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import attngen
+from attngen.reference import visible_mask
 from attngen.reference_backward import compare_gradients
 from tests.kernel_harness import assert_matches_reference, load_kernel, make_inputs, make_spec
 from tests.safety_harness import GUARD, guarded
@@ -49,6 +50,14 @@ def _spec(dtype, d, mask, align, hq, hkv, backward=False):
     return make_spec(**fields, backward=backward)
 
 
+def _gluon_module(spec):
+    """The spec's module with the Gluon kernel on every launch: small launches (at most
+    POINTER_LOADS_UP_TO pairs) otherwise take the tile-level kernel for host time."""
+    module = load_kernel(spec)
+    module.POINTER_LOADS_UP_TO = 0
+    return module
+
+
 def _ids(case):
     dtype, d, mask, align, hq, hkv, b, nq, nk = case
     return f"{dtype}-d{d}-{mask}{'-' + align if align else ''}-{hq}:{hkv}-b{b}-{nq}x{nk}"
@@ -58,7 +67,7 @@ def _ids(case):
 def test_the_gluon_forward_matches_the_float64_reference(case):
     dtype, d, mask, align, hq, hkv, b, nq, nk = case
     spec = _spec(dtype, d, mask, align, hq, hkv)
-    module = load_kernel(spec)
+    module = _gluon_module(spec)
     q, k, v, _ = make_inputs(spec, b, nq, nk, seed=31, device="cuda")
     out, lse = module.attention(q, k, v, return_lse=True)
     assert module.forward_path() == module.GLUON_PATH
@@ -72,7 +81,7 @@ def test_the_gluon_forward_matches_the_float64_reference(case):
 
 def test_a_misaligned_base_takes_the_tile_level_kernel_and_says_why():
     spec = _spec("bf16", 128, "causal", "bottom_right", 4, 2)
-    module = load_kernel(spec)
+    module = _gluon_module(spec)
     q, k, v, _ = make_inputs(spec, 1, 300, 300, seed=32, device="cuda")
     shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")[1:].view(q.shape)
     shifted.copy_(q)
@@ -83,10 +92,36 @@ def test_a_misaligned_base_takes_the_tile_level_kernel_and_says_why():
     assert module.forward_path() == module.GLUON_PATH
 
 
+def test_a_small_launch_takes_the_tile_level_kernel_and_says_why():
+    spec = _spec("fp16", 64, "causal", "bottom_right", 4, 2)
+    module = load_kernel(spec)
+    q, k, v, _ = make_inputs(spec, 1, 64, 64, seed=36, device="cuda")
+    out, lse = module.attention(q, k, v, return_lse=True)
+    assert module.forward_path().startswith("tile-level: a launch of at most 512 ")
+    assert_matches_reference(spec, out.cpu(), lse.cpu(), q.cpu(), k.cpu(), v.cpu())
+
+
+@pytest.mark.parametrize("nq, nk", [(1000, 1100), (300, 1000)])
+@pytest.mark.parametrize("d", [64, 256])
+def test_nan_and_inf_in_keys_no_row_sees_leave_the_output_bitwise(nq, nk, d):
+    """Top-left causal with more keys than queries: the last CTA's last key block holds keys
+    no query sees; K NaN and V inf there must not reach the output (V's rows are zeroed)."""
+    spec = _spec("bf16", d, "causal", "top_left", 4, 1)
+    module = _gluon_module(spec)
+    q, k, v, _ = make_inputs(spec, 2, nq, nk, seed=37, device="cuda")
+    clean = module.attention(q, k, v, return_lse=True)
+    unseen = ~visible_mask(spec, nq, nk, "cuda").any(dim=0)
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[:, :, unseen], v_bad[:, :, unseen] = float("nan"), float("inf")
+    padded = module.attention(q, k_bad, v_bad, return_lse=True)
+    assert module.forward_path() == module.GLUON_PATH
+    assert torch.equal(clean[0], padded[0]) and torch.equal(clean[1], padded[1])
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_the_backward_after_a_gluon_forward(d):
     spec = _spec("bf16", d, "causal", "bottom_right", 4, 2, backward=True)
-    module = load_kernel(spec)
+    module = _gluon_module(spec)
     q, k, v, _ = make_inputs(spec, 1, 129, 129, seed=33, device="cuda")
     dout = torch.randn(q.shape[:3] + (d,), generator=torch.Generator().manual_seed(34))
     dout = dout.to(q.dtype)
@@ -120,7 +155,7 @@ def test_outputs_are_written_inside_their_guard_regions(flash, nq):
     """out= and the LSE poisoned with NaN, inside buffers of GUARD: every element written,
     not one guard element touched (the TMA store clips the last CTA's rows)."""
     spec = _spec("bf16", 128, "causal", "bottom_right", 4, 2)
-    module = load_kernel(spec)
+    module = _gluon_module(spec)
     q, k, v, _ = make_inputs(spec, 2, nq, nq, seed=35, device="cuda")
     tile = 128 * 4 * 128  # a whole CTA tile of rows past the end, either layout
     shape = (2, nq, 4, 128) if flash else (2, 4, nq, 128)

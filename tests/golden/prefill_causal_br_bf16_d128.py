@@ -279,8 +279,8 @@ def _gluon_consumer_block(
 
 
 @gluon.jit
-def _gluon_mainloop(q, ring, mask, n_blocks, mask_from, state, CID: gl.constexpr, CAUSAL: gl.constexpr,
-              PINGPONG: gl.constexpr):
+def _gluon_mainloop(q, ring, mask, n_blocks, mask_from, key_end, state, CID: gl.constexpr,
+                    CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
     """All key blocks of the CTA; returns (o, m_i, l_i) with O not yet normalised."""
     o, p, m_i, l_i = state
     k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn = ring
@@ -302,6 +302,8 @@ def _gluon_mainloop(q, ring, mask, n_blocks, mask_from, state, CID: gl.constexpr
     for j in range(gl.maximum(mask_from, 1), n_blocks):
         state = _gluon_consumer_block(j, state, q, ring, mask, CID, True, CAUSAL, PINGPONG)
     o, p, m_i, l_i = state
+    if CAUSAL:
+        _gluon_zero_unseen(n_blocks - 1, ring, key_end)
     o = warpgroup_mma_wait(0, deps=(_gluon_pv_issue(n_blocks - 1, p, o, ring),))
     mbarrier.arrive(v_empty.index((n_blocks - 1) % k_bufs.type.shape[0]), count=1)
     return o, m_i, l_i
@@ -319,6 +321,7 @@ def _gluon_consumer(CID: gl.constexpr, args, CAUSAL: gl.constexpr, PINGPONG: gl.
     BLOCK_N: gl.constexpr = k_bufs.type.shape[2]
     HEAD_D: gl.constexpr = k_bufs.type.shape[4]
     BLOCK_M: gl.constexpr = q_smem.type.shape[2]
+    NC: gl.constexpr = turn.type.shape[0]
     dtype: gl.constexpr = k_bufs.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 1], [16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 1], [16, HEAD_D, 16])
@@ -337,7 +340,9 @@ def _gluon_consumer(CID: gl.constexpr, args, CAUSAL: gl.constexpr, PINGPONG: gl.
         ring = (k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn)
         state = (o, gl.zeros([BLOCK_M, BLOCK_N], dtype, p_layout), m_i, l_i)
         mask = (rows, n_keys, diag, qk_scale)
-        o, m_i, l_i = _gluon_mainloop(q, ring, mask, n_blocks, mask_from, state, CID, CAUSAL, PINGPONG)
+        key_end = gl.minimum(gl.minimum(m0 + NC * BLOCK_M, n_q) + diag, n_keys)
+        o, m_i, l_i = _gluon_mainloop(q, ring, mask, n_blocks, mask_from, key_end, state, CID,
+                                      CAUSAL, PINGPONG)
 
     # Epilogue: normalise, O through shared memory (the Q tile's slot) and TMA; a row with
     # no key (l = 0) keeps O = 0 and gets LSE = -inf.
@@ -354,16 +359,42 @@ def _gluon_consumer(CID: gl.constexpr, args, CAUSAL: gl.constexpr, PINGPONG: gl.
 
 
 @gluon.jit
-def _gluon_key_range(n_keys, m0, diag, CTA_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+def _gluon_key_range(n_q, n_keys, m0, diag, CTA_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     CAUSAL: gl.constexpr):
     """Key blocks the CTA reads ([0, n_blocks)) and the first one that needs a mask (the
     end of the keys, or the first block some row of the CTA may not see)."""
     n_blocks = gl.cdiv(n_keys, BLOCK_N)
     mask_from = n_keys // BLOCK_N
     if CAUSAL:
-        last_key = m0 + CTA_M - 1 + diag  # the largest key any row of the CTA may see
+        last_key = gl.minimum(m0 + CTA_M, n_q) - 1 + diag  # the last key a row of the CTA sees
         n_blocks = gl.minimum(n_blocks, gl.maximum(last_key + BLOCK_N, 0) // BLOCK_N)
         mask_from = gl.minimum(mask_from, gl.maximum(m0 + diag + 1, 0) // BLOCK_N)
     return n_blocks, gl.minimum(mask_from, n_blocks)
+
+
+@gluon.jit
+def _gluon_zero_unseen(j, ring, key_end):
+    """Zeroes the rows of V_j for keys from key_end on, which no row of the CTA sees (the causal
+    tail of its last block): their P is 0, but 0 * inf or NaN stored there is not. Every
+    consumer writes the same values (zeros, or what the row holds) before its PV reads them."""
+    k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn = ring
+    STAGES: gl.constexpr = v_bufs.type.shape[0]
+    BLOCK_N: gl.constexpr = v_bufs.type.shape[2]
+    HEAD_D: gl.constexpr = v_bufs.type.shape[4]
+    CHUNK: gl.constexpr = 16
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    first = key_end - j * BLOCK_N  # the block's first row no row of the CTA sees
+    if first < BLOCK_N:
+        s = j % STAGES
+        mbarrier.wait(v_ready.index(s), (j // STAGES) & 1)
+        tile = v_bufs.index(s).reshape([BLOCK_N, HEAD_D])
+        for c in gl.static_range(BLOCK_N // CHUNK):
+            chunk = tile.slice(c * CHUNK, CHUNK)
+            rows = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+            v = chunk.load(layout)
+            chunk.store(gl.where((rows < first)[:, None], v, 0.0).to(v.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
 
 
 @gluon.jit
@@ -409,7 +440,8 @@ def _gluon_attn_fwd_kernel(
     q_head = bh % n_heads
     m0 = pid_m * CTA_M
     coords = (bh // n_heads, q_head, q_head // group, m0)
-    n_blocks, mask_from = _gluon_key_range(n_keys, m0, diag, CTA_M, k_desc.block_type.shape[1], CAUSAL)
+    n_blocks, mask_from = _gluon_key_range(n_q, n_keys, m0, diag, CTA_M, k_desc.block_type.shape[1],
+                                           CAUSAL)
     scalars = (n_q, n_keys, diag, n_blocks, mask_from, qk_scale, bh.to(gl.int64) * n_q)
     q_shape: gl.constexpr = [NUM_CONSUMERS] + q_desc.block_type.shape
     kv_shape: gl.constexpr = [STAGES] + k_desc.block_type.shape
@@ -917,12 +949,15 @@ def _gluon_layout(q, k, v, out, return_lse):
         why = _INTERPRETED
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         why = why or _tma_layout_problem(name, t.shape, t.stride())
+    batch, heads, seqlen_q, _ = q.shape
+    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    num_m_blocks = -(-seqlen_q // (GLUON_CONFIG["BLOCK_M"] * GLUON_CONFIG["NUM_CONSUMERS"]))
+    grid = num_m_blocks * batch * heads
+    if why is None and grid * -(-seqlen_k // GLUON_CONFIG["BLOCK_N"]) <= POINTER_LOADS_UP_TO:
+        why = (f"a launch of at most {POINTER_LOADS_UP_TO} (CTA, key block) pairs, whose four "
+               "TMA descriptors would cost more host time than the kernel saves")
     known = (None, why)
     if why is None:
-        batch, heads, seqlen_q, _ = q.shape
-        kv_heads, seqlen_k = k.shape[1], k.shape[2]
-        num_m_blocks = -(-seqlen_q // (GLUON_CONFIG["BLOCK_M"] * GLUON_CONFIG["NUM_CONSUMERS"]))
-        grid = num_m_blocks * batch * heads
         _check_grid(grid)
         diag = seqlen_k - seqlen_q
         ints = (seqlen_q, seqlen_k, heads, heads // kv_heads, diag, num_m_blocks)
