@@ -15,7 +15,7 @@ import typer
 from attngen.arch import arch_names
 from attngen.build import build, check_folder, load_specs
 from attngen.explain import explain_lines
-from attngen.spec import SpecError, specs_from_data
+from attngen.spec import SpecError, load_spec_file, specs_from_data
 from attngen.tuning.database import DEFAULT_TUNING_DIR
 
 if TYPE_CHECKING:  # the verify modules are imported by the commands that need them
@@ -60,6 +60,13 @@ _MeasurementsOption = Annotated[
     typer.Option(
         help="Compiler measurements file; default "
         "attngen/verify/data/prefill_compile_triton-<installed version>.json."
+    ),
+]
+_GluonOption = Annotated[
+    bool,
+    typer.Option(
+        help="Instead: compile each sm90 prefill module's warp-specialized (Gluon) forward "
+        "live and compare it with attngen/tiling/gluon.py (shared memory, spills, registers)."
     ),
 ]
 _BackwardOption = Annotated[
@@ -262,6 +269,7 @@ def verify_tiling_command(
     jobs: Annotated[int, typer.Option(help="Compile processes.")] = 2,
     seed: Annotated[int, typer.Option(help="Seed of --sample.")] = 0,
     backward: _BackwardOption = False,
+    gluon: _GluonOption = False,
 ) -> None:
     """Compare the tiling model with Triton's compiler on every candidate config; exit 1 on a
     feasible config that does not fit or spills more than allowed (docs/tiling.md)."""
@@ -269,6 +277,9 @@ def verify_tiling_command(
     from attngen.verify.check import verify_tiling
     from attngen.verify.report import dump_json, report_lines
 
+    if gluon:
+        _verify_gluon(specs)
+        return
     arches = _checked_arches(arch)
     loaded, measurements, path, planner = _tiling_inputs(specs, backward, data)
     report = verify_tiling(
@@ -290,6 +301,25 @@ def verify_tiling_command(
     if save_data and report.live:
         typer.echo(f"attngen: {report.live} record(s) written to {path}")
     if report.failed:
+        raise typer.Exit(code=1)
+
+
+def _verify_gluon(specs: list[Path] | None) -> None:
+    """verify-tiling --gluon: each sm90 Gluon forward compiled live and judged (exit 1 on a
+    mismatch)."""
+    from attngen.verify.gluon import verify_gluon
+
+    paths = specs or sorted(Path("examples").glob("*.yaml"))
+    try:
+        loaded = [spec for path in paths for spec in load_spec_file(path)]
+    except SpecError as exc:
+        raise _fail(str(exc)) from None
+    rows = verify_gluon(loaded)
+    failed = [row for row in rows if row.problems]
+    typer.echo(f"Gluon forward (sm90), {len(rows)} module(s) compiled live:")
+    typer.echo("\n".join(row.line() for row in rows))
+    typer.echo(f"result: {'FAILED: ' + str(len(failed)) + ' module(s)' if failed else 'PASS'}")
+    if failed:
         raise typer.Exit(code=1)
 
 

@@ -12,6 +12,7 @@ from attngen.tiling.backward import BackwardDerivation
 from attngen.tiling.code_paths import code_paths
 from attngen.tiling.decode import derive_decode_tiles, latent_rope_split, split_lines
 from attngen.tiling.decode_latent import derive_latent_tiles
+from attngen.tiling.gluon import derive_gluon_tiles, gluon_gap
 from attngen.tiling.prefill import Candidate, Derivation, derive_tiles, padded_head_dim
 from attngen.tiling.prefill_model import REFERENCE_TOKENS
 from attngen.tuning.database import apply_tuning, lookup, tuned_backward_tiles
@@ -44,10 +45,16 @@ def explain_lines(
                         f"{code_paths(spec, arch, KernelKind(kind)).describe()}"
                         for kind in kinds
                     ]
+                    forward = [
+                        line
+                        for kind in kinds
+                        for line in forward_lines(spec, arch, KernelKind(kind))
+                    ]
                     lines += [
                         section[0],
                         f"   kernels: {', '.join(kinds)}",
                         *paths,
+                        *forward,
                         *section[1:],
                         "",
                     ]
@@ -57,6 +64,22 @@ def explain_lines(
                 if KernelKind.decode in spec.kernels:
                     lines += [*explain_decode(spec, derive_decode_tiles(spec, arch)), ""]
     return lines
+
+
+def forward_lines(spec: AttnSpec, arch: str, kind: KernelKind) -> list[str]:
+    """Which template the `kind` module's forward renders from, and why; with the Gluon
+    forward, its derivation (attngen/tiling/gluon.py)."""
+    gap = gluon_gap(spec, arch, kind)
+    derivation = None if gap else derive_gluon_tiles(spec, arch)
+    if derivation is None or derivation.chosen is None:
+        why = gap or "no Gluon config fits"
+        return [f"   forward ({kind.value}): tile-level (prefill.py.jinja) only: {why}"]
+    return [
+        f"   forward ({kind.value}): warp-specialized Gluon (_gluon_kernel.py.jinja) on CUDA "
+        "where a call's layout fits TMA; tile-level (prefill.py.jinja) otherwise and under "
+        "the interpreter",
+        *(f"     {line}" for line in derivation.summary_lines()),
+    ]
 
 
 def explain_backward(spec: AttnSpec, backward: BackwardDerivation) -> list[str]:

@@ -23,12 +23,33 @@ from attngen.tiling import decode as decode_tiling
 from attngen.tiling.backward import BackwardDerivation, atomic_dkdv_config, derive_backward_tiles
 from attngen.tiling.code_paths import POINTER_LOADS_UP_TO, code_paths
 from attngen.tiling.decode_latent import derive_latent_tiles
+from attngen.tiling.gluon import derive_gluon_tiles, gluon_gap
 from attngen.tiling.prefill import Derivation, TileConfig, padded_head_dim
 
 # A generated module may import these and nothing else.
-ALLOWED_IMPORTS = frozenset({"contextlib", "math", "os", "torch", "triton", "triton.language"})
+ALLOWED_IMPORTS = frozenset(
+    {"contextlib", "math", "os", "threading", "torch", "triton", "triton.language"}
+)
+_GLUON_HOPPER = "triton.experimental.gluon.language.nvidia.hopper"
 ALLOWED_FROM_IMPORTS = frozenset(
-    {("triton.language.extra", "libdevice"), ("triton.tools.tensor_descriptor", "TensorDescriptor")}
+    {
+        ("triton.language.extra", "libdevice"),
+        ("triton.tools.tensor_descriptor", "TensorDescriptor"),
+        # The warp-specialized forward of sm90 prefill modules (_gluon_kernel.py.jinja).
+        ("triton.experimental", "gluon"),
+        ("triton.experimental.gluon", "language"),
+        ("triton.experimental.gluon.nvidia.hopper", "TensorDescriptor"),
+        *(
+            (_GLUON_HOPPER, name)
+            for name in (
+                "fence_async_shared",
+                "mbarrier",
+                "tma",
+                "warpgroup_mma",
+                "warpgroup_mma_wait",
+            )
+        ),
+    }
 )
 # varlen is the prefill template with its `varlen` flag set: one kernel, two ways to find a
 # sequence. Each kind's public entry point is what the runtime calls and the ast gate requires.
@@ -92,8 +113,7 @@ def build_context(
         "window_right": window[1],
         "softcap": float(spec.softcap),
         "alibi": spec.alibi,
-        # Newer models' fields: 0 / False when absent (a module without them renders as
-        # before; templates emit their code only when set).
+        # Newer models' fields: 0 / False when absent (templates emit code only when set).
         "sinks": spec.sinks,
         "chunk_size": spec.chunk_size or 0,
         "sink_tokens": spec.sink_tokens or 0,
@@ -101,6 +121,7 @@ def build_context(
     }
     context.update(_host_paths_context(spec, kind, derivation.arch))
     context.update(_training_context(spec, kind, derivation, backward))
+    _add_gluon(context, spec, kind, derivation.arch)
     if kind is KernelKind.decode:
         context.update(
             {
@@ -163,6 +184,47 @@ def _host_paths_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str
             )
         ),
     }
+
+
+_GLUON_INTS = (
+    "gluon_consumers",
+    "gluon_block_m",
+    "gluon_block_n",
+    "gluon_stages",
+    "gluon_consumer_regs",
+    "gluon_producer_regs",
+    "gluon_maxnreg",
+)
+
+
+def gluon_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str, Any]:
+    """The warp-specialized forward's flag and config (attngen/tiling/gluon.py), or, for a
+    module without it, why not (`gluon_gap`: a line attngen writes, for forward_path())."""
+    gap = gluon_gap(spec, arch, kind) if kind is not KernelKind.decode else "decode"
+    gluon = derive_gluon_tiles(spec, arch) if not gap else None
+    if gluon is None or gluon.chosen is None:
+        off = dict.fromkeys(_GLUON_INTS, 0)
+        return {"gluon": False, "gluon_gap": gap or "no Gluon config fits", **off}
+    config = gluon.chosen.config
+    return {
+        "gluon": True,
+        "gluon_gap": "",
+        "gluon_consumers": config.consumers,
+        "gluon_block_m": config.block_m,
+        "gluon_block_n": config.block_n,
+        "gluon_stages": config.stages,
+        "gluon_consumer_regs": config.consumer_regs,
+        "gluon_producer_regs": config.producer_regs,
+        "gluon_maxnreg": config.maxnreg,
+    }
+
+
+def _add_gluon(context: dict[str, Any], spec: AttnSpec, kind: KernelKind, arch: str) -> None:
+    """gluon_context into `context`; the header's derivation ends with the Gluon forward's."""
+    context.update(gluon_context(spec, kind, arch))
+    gluon = derive_gluon_tiles(spec, arch) if context["gluon"] else None
+    if gluon is not None:
+        context["derivation_lines"] = [*context["derivation_lines"], *gluon.summary_lines()]
 
 
 def _training_context(

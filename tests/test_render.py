@@ -106,6 +106,16 @@ CAUSAL_BR_BF16_D128 = {
     "lpt_group_heads": 0,
     "pointer_loads_up_to": 512,
     "call_plans": True,
+    # The warp-specialized forward (attngen/tiling/gluon.py's choice for D 128).
+    "gluon": True,
+    "gluon_gap": "",
+    "gluon_consumers": 2,
+    "gluon_block_m": 64,
+    "gluon_block_n": 128,
+    "gluon_stages": 2,
+    "gluon_consumer_regs": 240,
+    "gluon_producer_regs": 24,
+    "gluon_maxnreg": 168,
 }
 
 # Sliding window (top-left), softcap 30, ALiBi, fp32, D = DV = 80 padded to 128, on sm80.
@@ -170,6 +180,15 @@ WINDOW_SOFTCAP_ALIBI_FP32_D80 = {
     "lpt_group_heads": 0,
     "pointer_loads_up_to": 512,
     "call_plans": True,
+    "gluon": False,
+    "gluon_gap": "sm80 has no warp-specialized kernel (wgmma, TMA and setmaxnreg are sm90's)",
+    "gluon_consumers": 0,
+    "gluon_block_m": 0,
+    "gluon_block_n": 0,
+    "gluon_stages": 0,
+    "gluon_consumer_regs": 0,
+    "gluon_producer_regs": 0,
+    "gluon_maxnreg": 0,
 }
 
 # The same causal bf16 kernel as varlen: packed sequences, cu_seqlens, LSE [HQ, total_q].
@@ -183,6 +202,8 @@ CAUSAL_BR_BF16_D128_VARLEN = {
     "lpt_group_heads": 0,
     "pointer_loads_up_to": 512,
     "call_plans": True,
+    "gluon": False,
+    "gluon_gap": "varlen: packed sequences need per-sequence descriptors (not written yet)",
 }
 
 GOLDEN = {

@@ -271,7 +271,8 @@ def select(
 
 def served(api: str, need: Need, registry: Registry, entry: KernelEntry, built: bool) -> Dispatch:
     """The Dispatch of `entry` serving `need`, recorded and cached on `registry`."""
-    writes_out = getattr(registry.module(entry.key), ACCEPTS_OUT, False) is True
+    module = registry.module(entry.key)
+    writes_out = getattr(module, ACCEPTS_OUT, False) is True
     reason = f"{entry.describe()} serves {need.describe()}" + (
         "; it writes the caller's output layout in place (out=)"
         if writes_out
@@ -287,6 +288,7 @@ def served(api: str, need: Need, registry: Registry, entry: KernelEntry, built: 
         writes_out=writes_out,
         source=entry.source,
         built=built,
+        forward=expected_forward(module),
     )
     # Later calls reuse the module: they did not build it, and their reason says so.
     kept = dispatch
@@ -296,6 +298,16 @@ def served(api: str, need: Need, registry: Registry, entry: KernelEntry, built: 
     _keep(registry, (api, need), kept)
     _keep(registry, _class_key(api, need, registry), kept)
     return record(dispatch)
+
+
+def expected_forward(module: Any) -> str | None:
+    """The forward kernel a prefill or varlen module runs a call with: its
+    expected_forward_path() (a module with the Gluon forward: the path a call that fits takes
+    here), else its forward_path() (tile-level, with why); None for other modules."""
+    expected = getattr(module, "expected_forward_path", None) or getattr(
+        module, "forward_path", None
+    )
+    return None if expected is None else str(expected())
 
 
 def _cache_words(entry: KernelEntry, built: bool) -> str:

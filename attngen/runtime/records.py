@@ -10,6 +10,7 @@ themselves are counted by attngen.runtime.ops.run_counts.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Iterator
 
@@ -38,8 +39,38 @@ def record(dispatch: Dispatch) -> Dispatch:
 
 def last_dispatch() -> Dispatch | None:
     """This thread's most recent Dispatch: which module served its last call and why (or the
-    fallback). Per thread, so a server's other threads never show up here."""
-    return _records.last
+    fallback). Per thread, so a server's other threads never show up here. Its `forward` is
+    the forward kernel the module ran for that call ("gluon warp-specialized", or
+    "tile-level: <why>"), as the module's forward_path() reports it."""
+    last = _records.last
+    if last is None or last.forward is None or last.key is None:
+        return last
+    return _with_forward(last)
+
+
+_FORWARD_VARIANTS: dict[tuple[Dispatch, str], Dispatch] = {}
+
+
+def _with_forward(dispatch: Dispatch) -> Dispatch:
+    """`dispatch` itself when its module's last forward on this thread is the one the
+    Dispatch expects, else (remembered) a copy whose `forward` is the one that ran."""
+    from attngen.runtime.registry import current_registry
+
+    try:
+        module = current_registry().module(dispatch.key)  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - a replaced registry: the record as it was made
+        return dispatch
+    taken = getattr(module, "forward_path", None)
+    path = None if taken is None else str(taken())
+    if path is None or path == dispatch.forward or path.endswith("no call yet"):
+        return dispatch
+    variant = _FORWARD_VARIANTS.get((dispatch, path))
+    if variant is None:
+        if len(_FORWARD_VARIANTS) >= 1024:
+            _FORWARD_VARIANTS.clear()
+        variant = dataclasses.replace(dispatch, forward=path)
+        _FORWARD_VARIANTS[(dispatch, path)] = variant
+    return variant
 
 
 @contextlib.contextmanager

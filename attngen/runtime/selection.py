@@ -107,6 +107,9 @@ class Dispatch:
     writes_out: bool = False  # the module writes a given output in place (its `out=`)
     source: str | None = None  # the module's layer: "folder", "cache" (on demand), "bundled"
     built: bool = False  # this call rendered the module on demand (key: where it lives)
+    # A prefill or varlen module's forward kernel: "gluon warp-specialized" or "tile-level:
+    # <why not>"; what the module expects when selected, what it ran in last_dispatch().
+    forward: str | None = None
 
 
 def check_fallback(mode: object, name: str) -> str:

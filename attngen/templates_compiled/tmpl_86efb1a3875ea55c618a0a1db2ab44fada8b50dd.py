@@ -18,6 +18,7 @@ def root(context, missing=missing):
     l_0_sink_tokens = resolve('sink_tokens')
     l_0_sinks = resolve('sinks')
     l_0_dropout = resolve('dropout')
+    l_0_gluon = resolve('gluon')
     l_0_tma = resolve('tma')
     l_0_lpt_group_heads = resolve('lpt_group_heads')
     l_0_backward = resolve('backward')
@@ -159,6 +160,15 @@ def root(context, missing=missing):
             yield event
     finally: gen.close()
     yield '\n\n'
+    if (undefined(name='gluon') if l_0_gluon is missing else l_0_gluon):
+        pass
+        template = environment.get_template('_gluon_kernel.py.jinja', 'prefill.py.jinja')
+        gen = template.root_render_func(template.new_context(context.get_all(), True, {'common': l_0_common, 'key_phase': l_0_key_phase, 'score_code': l_0_score_code, 'step': l_0_step, 'varlen_code': l_0_varlen_code}))
+        try:
+            for event in gen:
+                yield event
+        finally: gen.close()
+        yield '\n\n'
     if (undefined(name='varlen') if l_0_varlen is missing else l_0_varlen):
         pass
         yield str(context.call(environment.getattr((undefined(name='varlen_code') if l_0_varlen_code is missing else l_0_varlen_code), 'store_nan_rows_kernel')))
@@ -323,4 +333,4 @@ def root(context, missing=missing):
         finally: gen.close()
 
 blocks = {}
-debug_info = '1=32&2=34&3=36&4=38&5=40&6=51&9=54&11=61&12=64&15=71&23=90&24=96&30=103&34=105&38=109&47=113&48=116&50=120&55=126&56=129&58=133&59=136&61=138&67=142&69=144&70=146&71=148&74=155&77=162&78=164&86=167&88=171&91=174&94=177&101=180&110=186&114=189&118=193&121=196&124=199&127=202&133=206&140=210&142=213&144=215&145=217&146=219&156=224&157=226&166=231&178=236&180=239&188=246&192=248&193=250&200=256&209=259&210=261&211=263&213=265&214=267&215=269&216=271&218=273&219=275&221=277&222=279&224=281&226=283&229=285&230=287&238=294&239=296&241=302&242=308&243=310&245=316&246=318'
+debug_info = '1=33&2=35&3=37&4=39&5=41&6=52&9=55&11=62&12=65&15=72&23=91&24=97&30=104&34=106&38=110&47=114&48=117&50=121&55=127&56=130&58=134&59=137&61=139&67=143&69=145&70=147&71=149&74=156&77=163&78=165&82=172&83=174&91=177&93=181&96=184&99=187&106=190&115=196&119=199&123=203&126=206&129=209&132=212&138=216&145=220&147=223&149=225&150=227&151=229&161=234&162=236&171=241&183=246&185=249&193=256&197=258&198=260&205=266&214=269&215=271&216=273&218=275&219=277&220=279&221=281&223=283&224=285&226=287&227=289&229=291&231=293&234=295&235=297&243=304&244=306&246=312&247=318&248=320&250=326&251=328'

@@ -10,38 +10,46 @@ def root(context, missing=missing):
     l_0_shorter_configs = resolve('shorter_configs')
     l_0_backward = resolve('backward')
     l_0_dropout = resolve('dropout')
-    l_0_sinks = resolve('sinks')
-    l_0_dtype = resolve('dtype')
     l_0_varlen = resolve('varlen')
     l_0_call_plans = resolve('call_plans')
+    l_0_sinks = resolve('sinks')
     l_0_softcap = resolve('softcap')
     l_0_alibi = resolve('alibi')
     l_0_mask = resolve('mask')
     l_0_head_dim = resolve('head_dim')
     l_0_head_dim_v = resolve('head_dim_v')
+    l_0_dtype = resolve('dtype')
     l_0_bottom_right = resolve('bottom_right')
     l_0_tma = resolve('tma')
+    l_0_gluon = resolve('gluon')
     l_0_block_d = resolve('block_d')
     l_0_block_dv = resolve('block_dv')
+    l_0_tile_launch = resolve('tile_launch')
     l_0_common = l_0_checks = l_0_step = l_0_launch_config = l_0_entry_prefix = l_0_dropout_param = missing
     try:
-        t_1 = environment.filters['length']
+        t_1 = environment.filters['indent']
     except KeyError:
         @internalcode
         def t_1(*unused):
-            raise TemplateRuntimeError("No filter named 'length' found.")
+            raise TemplateRuntimeError("No filter named 'indent' found.")
     try:
-        t_2 = environment.filters['trim']
+        t_2 = environment.filters['length']
     except KeyError:
         @internalcode
         def t_2(*unused):
+            raise TemplateRuntimeError("No filter named 'length' found.")
+    try:
+        t_3 = environment.filters['trim']
+    except KeyError:
+        @internalcode
+        def t_3(*unused):
             raise TemplateRuntimeError("No filter named 'trim' found.")
     pass
-    l_0_common = context.vars['common'] = environment.get_template('_common.py.jinja', '_launch.py.jinja').make_module(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step})
+    l_0_common = context.vars['common'] = environment.get_template('_common.py.jinja', '_launch.py.jinja').make_module(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step, 'tile_launch': l_0_tile_launch})
     context.exported_vars.discard('common')
-    l_0_checks = context.vars['checks'] = environment.get_template('_checks.py.jinja', '_launch.py.jinja').make_module(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step})
+    l_0_checks = context.vars['checks'] = environment.get_template('_checks.py.jinja', '_launch.py.jinja').make_module(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step, 'tile_launch': l_0_tile_launch})
     context.exported_vars.discard('checks')
-    l_0_step = context.vars['step'] = environment.get_template('_step.py.jinja', '_launch.py.jinja').make_module(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step})
+    l_0_step = context.vars['step'] = environment.get_template('_step.py.jinja', '_launch.py.jinja').make_module(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step, 'tile_launch': l_0_tile_launch})
     context.exported_vars.discard('step')
     l_0_launch_config = ('config' if (undefined(name='shorter_configs') if l_0_shorter_configs is missing else l_0_shorter_configs) else 'CONFIG')
     context.vars['launch_config'] = l_0_launch_config
@@ -53,47 +61,32 @@ def root(context, missing=missing):
     context.vars['dropout_param'] = l_0_dropout_param
     context.exported_vars.add('dropout_param')
     template = environment.get_template('_tensor_checks.py.jinja', '_launch.py.jinja')
-    gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step}))
+    gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step, 'tile_launch': l_0_tile_launch}))
     try:
         for event in gen:
             yield event
     finally: gen.close()
     yield '\n\n'
     template = environment.get_template('_fast_launch.py.jinja', '_launch.py.jinja')
-    gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step}))
+    gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step, 'tile_launch': l_0_tile_launch}))
     try:
         for event in gen:
             yield event
     finally: gen.close()
-    yield '\n\ndef _check_alibi(alibi_slopes, num_q_heads, q, batch=None):\n'
-    yield str(t_2(context.call(environment.getattr((undefined(name='common') if l_0_common is missing else l_0_common), 'check_alibi')), '\n'))
-    yield '\n'
-    if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
-        pass
-        yield '\n\ndef _check_sinks(sinks, num_q_heads, q):\n'
-        yield str(t_2(context.call(environment.getattr((undefined(name='common') if l_0_common is missing else l_0_common), 'check_sinks')), '\n'))
-        yield '\n'
-    yield '\n\ndef _kernel_scale(sm_scale):\n    """The scale the kernel multiplies q.k by: log2 e folded in, or 1/softcap before tanh."""\n'
-    yield str(t_2(context.call(environment.getattr((undefined(name='common') if l_0_common is missing else l_0_common), 'check_sm_scale')), '\n'))
-    yield '\n    return '
-    yield str(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'kernel_scale')))
-    yield '\n\n\ndef _check_grid(num_programs):\n    if num_programs >= 2**31:\n        raise ValueError(f"shape: {num_programs} programs exceed the grid\'s 2**31 - 1")\n\n\ndef _options(config):\n    """The compile options of a launch with `config`."""\n'
-    if ((undefined(name='dtype') if l_0_dtype is missing else l_0_dtype) == 'fp32'):
-        pass
-        yield '    return {"num_warps": config["num_warps"], "num_stages": config["num_stages"],\n            "enable_fp_fusion": False}  # see the Note on fp32 scores\n'
-    else:
-        pass
-        yield '    return {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}\n'
-    if (undefined(name='shorter_configs') if l_0_shorter_configs is missing else l_0_shorter_configs):
-        pass
-        yield '\n\ndef config_for(seqlen):\n    """The launch config for sequences of `seqlen` (queries or keys, the longer): the first\n    entry of CONFIGS_BY_SEQLEN that reaches it, else CONFIG."""\n    for up_to, config in CONFIGS_BY_SEQLEN:\n        if seqlen <= up_to:\n            return config\n    return CONFIG\n'
+    yield '\n\n'
+    template = environment.get_template('_launch_helpers.py.jinja', '_launch.py.jinja')
+    gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step, 'tile_launch': l_0_tile_launch}))
+    try:
+        for event in gen:
+            yield event
+    finally: gen.close()
     if (undefined(name='varlen') if l_0_varlen is missing else l_0_varlen):
         pass
         yield '\n\n'
-        yield str(t_2(context.call(environment.getattr((undefined(name='checks') if l_0_checks is missing else l_0_checks), 'varlen_validation')), '\n'))
+        yield str(t_3(context.call(environment.getattr((undefined(name='checks') if l_0_checks is missing else l_0_checks), 'varlen_validation')), '\n'))
         yield '\n\n\n'
         template = environment.get_template('_steps.py.jinja', '_launch.py.jinja')
-        gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step}))
+        gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step, 'tile_launch': l_0_tile_launch}))
         try:
             for event in gen:
                 yield event
@@ -102,7 +95,7 @@ def root(context, missing=missing):
             pass
             yield '\n\n'
             template = environment.get_template('_varlen_plan.py.jinja', '_launch.py.jinja')
-            gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step}))
+            gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step, 'tile_launch': l_0_tile_launch}))
             try:
                 for event in gen:
                     yield event
@@ -110,9 +103,9 @@ def root(context, missing=missing):
         yield '\n\ndef '
         yield str((undefined(name='entry_prefix') if l_0_entry_prefix is missing else l_0_entry_prefix))
         yield 'attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,\n'
-        yield str((' ' * t_1((undefined(name='entry_prefix') if l_0_entry_prefix is missing else l_0_entry_prefix))))
+        yield str((' ' * t_2((undefined(name='entry_prefix') if l_0_entry_prefix is missing else l_0_entry_prefix))))
         yield '                     max_seqlen_k, *, sm_scale=None, alibi_slopes=None, return_lse=False,\n'
-        yield str((' ' * t_1((undefined(name='entry_prefix') if l_0_entry_prefix is missing else l_0_entry_prefix))))
+        yield str((' ' * t_2((undefined(name='entry_prefix') if l_0_entry_prefix is missing else l_0_entry_prefix))))
         yield '                     seqused_k=None, out=None'
         yield str((undefined(name='dropout_param') if l_0_dropout_param is missing else l_0_dropout_param))
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
@@ -217,7 +210,16 @@ def root(context, missing=missing):
             pass
             yield '\n\n'
             template = environment.get_template('_tma_load.py.jinja', '_launch.py.jinja')
-            gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step}))
+            gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step, 'tile_launch': l_0_tile_launch}))
+            try:
+                for event in gen:
+                    yield event
+            finally: gen.close()
+        if (undefined(name='gluon') if l_0_gluon is missing else l_0_gluon):
+            pass
+            yield '\n\n'
+            template = environment.get_template('_gluon_launch.py.jinja', '_launch.py.jinja')
+            gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step, 'tile_launch': l_0_tile_launch}))
             try:
                 for event in gen:
                     yield event
@@ -226,7 +228,7 @@ def root(context, missing=missing):
             pass
             yield '\n\n'
             template = environment.get_template('_call_plan.py.jinja', '_launch.py.jinja')
-            gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step}))
+            gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step, 'tile_launch': l_0_tile_launch}))
             try:
                 for event in gen:
                     yield event
@@ -234,7 +236,7 @@ def root(context, missing=missing):
         yield '\n\ndef '
         yield str((undefined(name='entry_prefix') if l_0_entry_prefix is missing else l_0_entry_prefix))
         yield 'attention(q, k, v, *, sm_scale=None, alibi_slopes=None,\n'
-        yield str((' ' * t_1((undefined(name='entry_prefix') if l_0_entry_prefix is missing else l_0_entry_prefix))))
+        yield str((' ' * t_2((undefined(name='entry_prefix') if l_0_entry_prefix is missing else l_0_entry_prefix))))
         yield '              return_lse=False, out=None'
         yield str((undefined(name='dropout_param') if l_0_dropout_param is missing else l_0_dropout_param))
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
@@ -296,11 +298,18 @@ def root(context, missing=missing):
         yield '    num_m_blocks = -(-seqlen_q // '
         yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
         yield '["BLOCK_M"])\n    num_programs = num_m_blocks * batch * num_q_heads\n    _check_grid(num_programs)\n    # Unused pointer arguments (LSE without return_lse, slopes without ALiBi) get `out`.\n    lse_arg = out if lse is None else lse\n    slopes_arg = out if alibi_slopes is None else alibi_slopes\n'
+        if (undefined(name='gluon') if l_0_gluon is missing else l_0_gluon):
+            pass
+            yield '    gluon_plan = _gluon_layout(q, k, v, out, return_lse)\n    gluon_why = _gluon_why(gluon_plan, q, k, v, out)  # None: the Gluon kernel runs the call\n'
         if (undefined(name='tma') if l_0_tma is missing else l_0_tma):
             pass
             yield '    block_n = '
             yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
-            yield '["BLOCK_N"]\n    pairs = num_programs * -(-seqlen_k // block_n)\n    use_tma = pairs > POINTER_LOADS_UP_TO and _uses_tma(k, v)\n    k_desc = v_desc = None\n    if use_tma:\n        k_desc = _descriptor(k, (1, 1, block_n, '
+            yield '["BLOCK_N"]\n    pairs = num_programs * -(-seqlen_k // block_n)\n    use_tma = '
+            if (undefined(name='gluon') if l_0_gluon is missing else l_0_gluon):
+                pass
+                yield 'gluon_why is not None and '
+            yield 'pairs > POINTER_LOADS_UP_TO and _uses_tma(k, v)\n    k_desc = v_desc = None\n    if use_tma:\n        k_desc = _descriptor(k, (1, 1, block_n, '
             yield str((undefined(name='block_d') if l_0_block_d is missing else l_0_block_d))
             yield '))\n        v_desc = _descriptor(v, (1, 1, block_n, '
             yield str((undefined(name='block_dv') if l_0_block_dv is missing else l_0_block_dv))
@@ -329,21 +338,48 @@ def root(context, missing=missing):
             yield ', "USE_TMA": use_tma'
         yield '}\n    options = _options('
         yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
-        yield ')\n    _launch(\n        _attn_fwd_kernel, num_programs, q.get_device(),\n        (q, k, v, out, lse_arg, slopes_arg'
+        yield ')\n'
+        t_4 = []
+        pass
+        t_4.append(
+            '    _launch(\n        _attn_fwd_kernel, num_programs, q.get_device(),\n        (q, k, v, out, lse_arg, slopes_arg',
+        )
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
-            yield ', sinks'
+            t_4.append(
+                ', sinks',
+            )
         if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
             pass
-            yield ', drop["RngState"]'
-        yield '),\n        ints, (qk_scale,'
+            t_4.append(
+                ', drop["RngState"]',
+            )
+        t_4.append(
+            '),\n        ints, (qk_scale,',
+        )
         if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
             pass
-            yield ' drop["keep_scale"],'
+            t_4.append(
+                ' drop["keep_scale"],',
+            )
         if (undefined(name='tma') if l_0_tma is missing else l_0_tma):
             pass
-            yield ' k_desc, v_desc'
-        yield '),\n        constexprs, options,\n    )\n'
+            t_4.append(
+                ' k_desc, v_desc',
+            )
+        t_4.append(
+            '),\n        constexprs, options,\n    )\n',
+        )
+        l_0_tile_launch = (Markup if context.eval_ctx.autoescape else identity)(concat(t_4))
+        context.vars['tile_launch'] = l_0_tile_launch
+        context.exported_vars.add('tile_launch')
+        if (undefined(name='gluon') if l_0_gluon is missing else l_0_gluon):
+            pass
+            yield '    if gluon_why is None:\n        _gluon_run(gluon_plan[0], q, k, v, out, lse_arg, qk_scale)\n    else:\n'
+            yield str(t_1((undefined(name='tile_launch') if l_0_tile_launch is missing else l_0_tile_launch), 4, first=True))
+        else:
+            pass
+            yield str((undefined(name='tile_launch') if l_0_tile_launch is missing else l_0_tile_launch))
         if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
             pass
             yield '    if key is not None:  # the checks passed: the next call of this layout runs from its plan\n        _remember_plan(\n            key, config=dict('
@@ -355,8 +391,11 @@ def root(context, missing=missing):
             else:
                 pass
                 yield '            constexprs={False: constexprs}, pairs=0, tma_layout=False,\n'
+            if (undefined(name='gluon') if l_0_gluon is missing else l_0_gluon):
+                pass
+                yield '            gluon=gluon_plan,\n'
             yield '        )\n'
         yield '    return (out, lse) if return_lse else out\n'
 
 blocks = {}
-debug_info = '4=40&5=42&6=44&9=46&12=49&13=52&14=55&17=62&21=69&22=71&26=74&32=77&33=79&43=81&49=87&60=90&63=93&66=95&67=101&70=104&74=111&75=113&76=115&77=122&79=132&88=140&89=145&92=153&97=157&110=159&129=163&130=165&144=169&147=173&158=175&165=179&166=182&168=186&169=190&171=194&172=198&174=200&175=204&176=208&178=211&185=216&188=219&190=225&193=228&197=235&198=237&199=244&201=254&202=262&203=267&206=275&211=279&214=281&217=283&234=287&235=289&249=293&252=297&258=299&259=302&264=304&265=306&267=308&271=312&272=315&274=319&275=325&276=331&279=333&280=340&283=347&286=350&290=352'
+debug_info = '4=48&5=50&6=52&9=54&12=57&13=60&14=63&17=70&20=77&21=83&24=86&27=88&28=94&31=97&35=104&36=106&37=108&38=115&40=125&49=133&50=138&53=146&58=150&71=152&90=156&91=158&105=162&108=166&119=168&126=172&127=175&129=179&130=183&132=187&133=191&135=193&136=197&137=201&139=204&146=209&149=212&151=218&154=221&156=227&159=230&163=237&164=239&165=246&167=256&168=264&169=269&172=277&177=281&180=283&183=285&200=289&201=291&215=295&218=299&224=301&228=304&229=307&231=309&234=313&235=315&237=317&241=321&242=324&244=328&245=334&246=340&250=347&251=360&247=373&255=376&259=379&261=382&263=383&266=386&270=388&277=394'

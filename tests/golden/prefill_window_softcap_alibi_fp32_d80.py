@@ -562,6 +562,12 @@ def _options(config):
             "enable_fp_fusion": False}  # see the Note on fp32 scores
 
 
+def forward_path():
+    """Which forward kernel runs this module's calls: the tile-level one, since the module has
+    no warp-specialized (Gluon) forward."""
+    return "tile-level: sm80 has no warp-specialized kernel (wgmma, TMA and setmaxnreg are sm90's)"
+
+
 # -- call plans ------------------------------------------------------------------------------
 # Everything attention() checks and derives depends on the call's layout alone (the shapes,
 # strides, dtypes and devices of q, k, v and out=, sm_scale, return_lse), except where out=

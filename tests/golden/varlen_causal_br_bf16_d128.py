@@ -606,6 +606,12 @@ def _options(config):
     return {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
 
 
+def forward_path():
+    """Which forward kernel runs this module's calls: the tile-level one, since the module has
+    no warp-specialized (Gluon) forward."""
+    return "tile-level: varlen: packed sequences need per-sequence descriptors (not written yet)"
+
+
 def _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k):
     """ATTNGEN_CHECKS=1: every sequence lies inside the packed tensors (a device sync)."""
     bounds = {}

@@ -1,0 +1,218 @@
+"""The warp-specialized Gluon forward on Hopper: which specs it serves, and its derived config.
+
+A CTA of the Gluon kernel (attngen/templates/_gluon_kernel.py.jinja) has one producer warp
+that streams K/V blocks of BLOCK_N rows through a STAGES-deep shared-memory ring with TMA,
+and NUM_CONSUMERS consumer warpgroups (128 threads each) that own BLOCK_M query rows apiece
+(wgmma's M is 64 per warpgroup) and run QK^T, the online softmax and PV. Registers are moved
+from the producer to the consumers with setmaxnreg: the CTA starts with MAXNREG registers per
+thread (the register file over every warpgroup, the producer's included), the producer drops
+to PRODUCER_REGS and each consumer rises to CONSUMER_REGS.
+
+The model (sympy, like prefill_model.py) in BM = BLOCK_M, BN = BLOCK_N, D, DV, E (element
+bytes), S (stages) and NC (consumers):
+- shared memory: the NC Q tiles (O is stored back through them), S stages of K and V, the
+  mbarrier arrays (two of NC, four of S: 8 B each, every array padded to 16 B) and
+  warp_specialize's fixed buffer (WS_FIXED_BYTES, the compiler's count); exact against the
+  compiler (`attngen verify-tiling`, attngen/verify/gluon.py);
+- registers per consumer thread: the fp32 O accumulator (BM x DV over 128 threads), the fp32
+  score tile, P packed two 16-bit values a register, and CONSUMER_OVERHEAD for addresses,
+  row statistics and loop state: a bound checked by the compiler's "no spills" at the chosen
+  config (ptxas allocates up to the setmaxnreg cap whatever the kernel needs, so the count
+  itself cannot be read back).
+
+The choice: two consumers (the kernel measured on the H200, docs/performance.md; three fit
+only with 160 registers each and were not measured faster), the widest key block whose
+registers and shared memory fit, then the fewest stages (at least two: one loading while one
+is read) whose ring holds RING_BYTES of K/V. That rule reproduces the tiles measured best
+(D 64: 64x128, 3 stages; D 128: 64x128, 2; D 256: 64x64, 2).
+
+Pure Python and sympy: nothing here imports torch or triton.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import sympy
+
+from attngen.arch import ARCHS
+from attngen.spec import AttnSpec, KernelKind
+from attngen.tiling.evaluate import compiled
+
+NC, BM, BN, D, DV, E, S = sympy.symbols("NC BLOCK_M BLOCK_N D DV E S", positive=True, integer=True)
+
+GLUON_ARCH = "sm90"
+# Head dims the kernel serves (D == DV). O's wgmma takes N = D, the K/V TMA boxes are
+# [BLOCK_N, D] and the kernel has no head-dim padding or masks, so a dim needs its own
+# layouts, register budget and a GPU check; these three are the ones checked on the H200
+# (tools/gluon_forward_check.py). D != DV stays tile-level: O is stored through Q's slot
+# and K and V share one block shape.
+GLUON_HEAD_DIMS = (64, 128, 256)
+WARPGROUP = 128  # threads
+REGISTER_FILE = 65536  # 32-bit registers per SM, one CTA per SM
+PRODUCER_REGS = 24  # setmaxnreg's minimum: the producer only issues TMA copies
+MAX_SETMAXNREG = 256
+CONSUMER_OVERHEAD = 40  # registers beyond the tiles: addresses, row statistics, loop state
+WS_FIXED_BYTES = 280  # warp_specialize's own shared memory (the compiler's, every config)
+RING_BYTES = 96 * 1024  # K/V bytes the ring holds at least (covers the load latency)
+BLOCK_M_CHOICES = (64,)  # one warpgroup's wgmma M
+BLOCK_N_CHOICES = (64, 128)
+STAGES_CHOICES = (2, 3, 4)
+CONSUMER_CHOICES = (2, 3)
+
+
+def gluon_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
+    """Why the `kind` module of `spec` on `arch` has no Gluon forward ("" when it has one).
+    Each reason is a feature the kernel does not implement yet; those calls stay on the
+    tile-level kernel, which serves every spec."""
+    if arch != GLUON_ARCH:
+        return f"{arch} has no warp-specialized kernel (wgmma, TMA and setmaxnreg are sm90's)"
+    if kind is not KernelKind.prefill:
+        return f"{kind.value}: packed sequences need per-sequence descriptors (not written yet)"
+    if spec.dtype.itemsize != 2:
+        return f"{spec.dtype.value}: wgmma takes 16-bit operands"
+    if spec.head_dim != spec.value_head_dim:
+        return "head_dim != head_dim_v: O is stored through Q's shared-memory slot"
+    if spec.head_dim not in GLUON_HEAD_DIMS:
+        dims = ", ".join(map(str, GLUON_HEAD_DIMS))
+        return f"head dim {spec.head_dim}: the kernel is laid out and checked for {dims} only"
+    for present, feature in (
+        (spec.mask.value not in ("none", "causal"), f"mask {spec.mask.value}"),
+        (spec.softcap, "softcap"),
+        (spec.alibi, "ALiBi"),
+        (spec.sinks, "sinks"),
+        (spec.dropout, "dropout"),
+    ):
+        if present:
+            return f"{feature}: not in the warp-specialized kernel yet"
+    return ""
+
+
+@dataclass(frozen=True)
+class GluonConfig:
+    consumers: int
+    block_m: int  # rows per consumer warpgroup
+    block_n: int
+    stages: int
+    consumer_regs: int
+    producer_regs: int
+    maxnreg: int  # registers per thread at entry (the launch's maxnreg)
+
+    def describe(self) -> str:
+        return (
+            f"{self.consumers} consumer warpgroups x {self.block_m} rows, BLOCK_N "
+            f"{self.block_n}, {self.stages} stages, setmaxnreg {self.consumer_regs}/"
+            f"{self.producer_regs} (entry {self.maxnreg})"
+        )
+
+
+@dataclass(frozen=True)
+class GluonCandidate:
+    config: GluonConfig
+    smem_bytes: int
+    consumer_regs_needed: int
+    rejected: tuple[str, ...]
+
+    @property
+    def feasible(self) -> bool:
+        return not self.rejected
+
+
+@dataclass(frozen=True)
+class GluonDerivation:
+    arch: str
+    candidates: tuple[GluonCandidate, ...]
+    chosen: GluonCandidate | None
+
+    def summary_lines(self) -> tuple[str, ...]:
+        """The header's and explain's lines: the model and the chosen config's numbers."""
+        budget = ARCHS[self.arch].smem_budget
+        feasible = sum(c.feasible for c in self.candidates)
+        lines = [
+            "Gluon forward (warp-specialized, sm90):",
+            f"  shared memory = {smem_expression()}",
+            f"  consumer registers ~ {consumer_regs_expression()}",
+        ]
+        best = self.chosen
+        if best is None:
+            return (*lines, f"  no config fits ({len(self.candidates)} candidates)")
+        return (
+            *lines,
+            f"  {best.config.describe()}",
+            f"  = {best.smem_bytes} B of {budget} B, consumer registers ~"
+            f"{best.consumer_regs_needed} of {best.config.consumer_regs}",
+            f"  {feasible} of {len(self.candidates)} candidates feasible; rule: two consumers, "
+            f"the widest BLOCK_N, the fewest stages holding {RING_BYTES // 1024} KiB of K/V",
+        )
+
+
+@cache
+def smem_expression() -> sympy.Expr:
+    """Dynamic shared memory of one CTA in bytes (exact against the compiler)."""
+
+    def barriers(n: sympy.Expr) -> sympy.Expr:  # an [n, 1] int64 array, padded to 16 B
+        return 16 * sympy.ceiling(n / sympy.Integer(2))
+
+    tiles = E * (NC * BM * D + S * BN * (D + DV))
+    return tiles + 2 * barriers(NC) + 4 * barriers(S) + WS_FIXED_BYTES
+
+
+@cache
+def consumer_regs_expression() -> sympy.Expr:
+    """Registers per consumer thread: O (fp32), S (fp32) and P (two 16-bit values a register)
+    of one warpgroup's tiles, plus CONSUMER_OVERHEAD."""
+    return (BM * DV + BM * BN + BM * BN / 2) / WARPGROUP + CONSUMER_OVERHEAD
+
+
+def register_split(consumers: int) -> tuple[int, int, int]:
+    """(consumer, producer, entry) registers per thread: the register file over every
+    warpgroup at entry, rounded down to 8; the producer keeps PRODUCER_REGS and the consumers
+    share the rest (setmaxnreg takes multiples of 8 up to 256)."""
+    per_thread = REGISTER_FILE // WARPGROUP
+    entry = per_thread // (consumers + 1) // 8 * 8
+    consumer = min(MAX_SETMAXNREG, (per_thread - PRODUCER_REGS) // consumers // 8 * 8)
+    return consumer, PRODUCER_REGS, entry
+
+
+def _candidate(d: int, dv: int, itemsize: int, consumers: int, block_m: int, block_n: int,
+               stages: int, budget: int) -> GluonCandidate:  # fmt: skip
+    values = (consumers, block_m, block_n, d, dv, itemsize, stages)
+    smem = int(compiled(smem_expression(), (NC, BM, BN, D, DV, E, S))(*values))
+    regs = compiled(consumer_regs_expression(), (NC, BM, BN, D, DV, E, S))(*values)
+    consumer_regs, producer_regs, entry = register_split(consumers)
+    rejected = []
+    if smem > budget:
+        rejected.append(f"smem {smem} B > {budget} B")
+    if regs > consumer_regs:
+        rejected.append(f"consumer regs ~{int(regs)} > {consumer_regs}")
+    config = GluonConfig(consumers, block_m, block_n, stages, consumer_regs, producer_regs, entry)
+    return GluonCandidate(config, smem, int(regs), tuple(rejected))
+
+
+def _preference(candidate: GluonCandidate, itemsize: int, d: int, dv: int) -> tuple[int, ...]:
+    config = candidate.config
+    ring = config.stages * config.block_n * (d + dv) * itemsize
+    enough = ring >= RING_BYTES
+    stages = -config.stages if enough else config.stages  # the fewest that hold RING_BYTES
+    return (config.consumers == 2, config.block_n, enough, stages)
+
+
+@cache
+def derive_gluon_tiles(spec: AttnSpec, arch: str) -> GluonDerivation | None:
+    """The Gluon forward's derivation for a prefill module of `spec` on `arch`, or None when
+    gluon_gap says the module has no Gluon forward."""
+    if gluon_gap(spec, arch, KernelKind.prefill):
+        return None
+    d, dv, itemsize = spec.head_dim, spec.value_head_dim, spec.dtype.itemsize
+    budget = ARCHS[arch].smem_budget
+    candidates = tuple(
+        _candidate(d, dv, itemsize, consumers, block_m, block_n, stages, budget)
+        for consumers in CONSUMER_CHOICES
+        for block_m in BLOCK_M_CHOICES
+        for block_n in BLOCK_N_CHOICES
+        for stages in STAGES_CHOICES
+    )
+    feasible = [c for c in candidates if c.feasible]
+    chosen = max(feasible, key=lambda c: _preference(c, itemsize, d, dv), default=None)
+    return GluonDerivation(arch, candidates, chosen)

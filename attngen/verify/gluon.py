@@ -1,0 +1,194 @@
+"""The Gluon forward against the compiler: every sm90 prefill module with a warp-specialized
+forward (attngen/tiling/gluon.py) is rendered, its `_gluon_attn_fwd_kernel` cross-compiled for
+sm90 as attention() launches it (contiguous [B, N, H, D] descriptors, the LSE stored), and the
+cubin's numbers compared with the model's:
+
+- shared memory: the compiler's request equals smem_expression at the chosen config (exact);
+- spills: none (no local-memory stack, no spill stores);
+- setmaxnreg: the partitions are set to the derived consumer and producer registers.
+
+`attngen verify-tiling --gluon` runs it; triton is imported lazily, as in compiler.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import multiprocessing
+import os
+import re
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from attngen.spec import AttnSpec, KernelKind, specs_from_data
+from attngen.tiling.gluon import GLUON_ARCH, GluonCandidate, derive_gluon_tiles
+from attngen.verify.compiler import (
+    _compiled_not_interpreted,
+    _parse_ptxas_log,
+    _resource_usage,
+    load_kernel,
+)
+
+_KERNEL = "_gluon_attn_fwd_kernel"
+_INTS = ("n_q", "n_keys", "n_heads", "group", "diag", "num_m_blocks")
+
+
+@dataclass
+class GluonRow:
+    spec: str
+    chosen: GluonCandidate
+    record: dict[str, Any] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        config = self.chosen.config
+        verdict = "ok" if not self.problems else "FAIL: " + "; ".join(self.problems)
+        return (
+            f"  {self.spec}: {config.describe()}: shared {self.record.get('shared')} B "
+            f"(model {self.chosen.smem_bytes} B), spills {self.record.get('spill_stores')} B, "
+            f"setmaxnreg {self.record.get('setmaxnreg')}: {verdict}"
+        )
+
+
+def gluon_kernel(spec: AttnSpec) -> Any:
+    """The `_gluon_attn_fwd_kernel` of the spec's sm90 prefill module (rendered, imported)."""
+    tile_kernel = load_kernel(spec, GLUON_ARCH, KernelKind.prefill)
+    return tile_kernel.fn.__globals__[_KERNEL]
+
+
+def gluon_source(spec: AttnSpec, kernel: Any, chosen: GluonCandidate, causal: bool) -> Any:
+    """The GluonASTSource of attention()'s launch on contiguous tensors, LSE stored."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    config = chosen.config
+    dtype = getattr(gl, spec.dtype.torch_name)
+    signature: dict[str, str] = {"Lse": "*fp32", "qk_scale": "fp32"}
+    signature.update(dict.fromkeys(_INTS, "i32"))
+    for name, rows, width in (
+        ("q_desc", config.block_m, spec.head_dim),
+        ("k_desc", config.block_n, spec.head_dim),
+        ("v_desc", config.block_n, spec.value_head_dim),
+        ("o_desc", config.block_m, spec.value_head_dim),
+    ):
+        block = [1, rows, 1, width]
+        layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+        signature[name] = f"tensordesc<{spec.dtype.value}{block},{layout!r}>".replace(" ", "")
+    constexprs = {
+        "STORE_LSE": True,
+        "CAUSAL": causal,
+        "STAGES": config.stages,
+        "NUM_CONSUMERS": config.consumers,
+        "CONSUMER_REGS": config.consumer_regs,
+        "PRODUCER_REGS": config.producer_regs,
+    }
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    ordered = {name: signature[name] for name in kernel.arg_names}
+    return GluonASTSource(
+        fn=kernel,
+        signature=ordered,
+        constexprs={(kernel.arg_names.index(n),): v for n, v in constexprs.items()},
+    )
+
+
+def compile_gluon(spec: AttnSpec, chosen: GluonCandidate) -> dict[str, Any]:
+    """Cross-compile the spec's Gluon kernel for sm90 with `chosen`; the cubin's numbers, or
+    the failure in ``error``."""
+    record: dict[str, Any] = {"error": None}
+    start = time.perf_counter()
+    log = io.StringIO()
+    saved = os.environ.get("TRITON_CACHE_DIR")
+    # A cache of its own: a hit (two specs with the same kernel) has no ptxas log, no spills.
+    with tempfile.TemporaryDirectory(prefix="attngen-gluon-") as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache
+        try:
+            _compile_into(record, spec, chosen, log)
+        finally:
+            if saved is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = saved
+    record["compile_s"] = round(time.perf_counter() - start, 1)
+    return record
+
+
+def _compile_into(
+    record: dict[str, Any], spec: AttnSpec, chosen: GluonCandidate, log: io.StringIO
+) -> None:
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+
+    try:
+        with _compiled_not_interpreted():
+            source = gluon_source(spec, gluon_kernel(spec), chosen, spec.mask.value == "causal")
+        options = {"num_warps": 4, "maxnreg": chosen.config.maxnreg}
+        with _compiled_not_interpreted(), knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+            knobs.nvidia.dump_ptxas_log = True
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        record.update(_parse_ptxas_log(log.getvalue()))
+        record.update(_resource_usage(compiled.asm["cubin"]))
+        record["shared"] = compiled.metadata.shared
+        ptx = compiled.asm["ptx"]
+        record["setmaxnreg"] = sorted(
+            {int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}
+        )
+        record["wgmma"] = bool(re.search(r"\bwgmma\.mma_async", ptx))
+    except Exception as exc:  # noqa: BLE001 - recorded, the check goes on
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        record["error"] = f"{type(exc).__name__}: {first_line[:300]}"
+
+
+def judge_gluon(row: GluonRow) -> None:
+    """The model against the record: exact shared memory, no spills, the derived registers."""
+    record, config = row.record, row.chosen.config
+    if record.get("error"):
+        row.problems.append(record["error"])
+        return
+    if record["shared"] != row.chosen.smem_bytes:
+        row.problems.append(f"shared {record['shared']} B != model {row.chosen.smem_bytes} B")
+    if record.get("spill_stores") or record.get("stack"):
+        row.problems.append(f"spills {record.get('spill_stores')} B, stack {record.get('stack')} B")
+    wanted = {config.consumer_regs, config.producer_regs}
+    if not wanted <= set(record["setmaxnreg"]):
+        row.problems.append(f"setmaxnreg {record['setmaxnreg']} lacks {sorted(wanted)}")
+    if not record["wgmma"]:
+        row.problems.append("no wgmma in the PTX")
+
+
+def _compile_job(payload: tuple[dict[str, Any], GluonCandidate]) -> dict[str, Any]:
+    data, chosen = payload
+    (spec,) = specs_from_data(data)
+    return compile_gluon(spec, chosen)
+
+
+def verify_gluon(specs: Iterable[AttnSpec], processes: int = 2) -> list[GluonRow]:
+    """One row per spec whose sm90 prefill module has the Gluon forward, compiled and judged.
+    As compiler.compile_iter, the compiles run in spawned workers without TRITON_INTERPRET
+    (a process that imported triton under the interpreter cannot compile)."""
+    rows, jobs = [], []
+    for spec in specs:
+        if GLUON_ARCH not in spec.archs or KernelKind.prefill not in spec.kernels:
+            continue
+        derivation = derive_gluon_tiles(spec, GLUON_ARCH)
+        if derivation is None or derivation.chosen is None:
+            continue
+        rows.append(GluonRow(spec.name, derivation.chosen))
+        jobs.append((spec.model_dump(mode="json"), derivation.chosen))
+    if not jobs:
+        return rows
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        context = multiprocessing.get_context("spawn")
+        with context.Pool(max(1, min(processes, len(jobs)))) as pool:
+            records = pool.map(_compile_job, jobs, chunksize=1)
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+    for row, record in zip(rows, records, strict=True):
+        row.record = record
+        judge_gluon(row)
+    return rows

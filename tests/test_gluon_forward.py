@@ -1,0 +1,127 @@
+"""The warp-specialized (Gluon) forward on the CPU: which modules render it, its derived config
+against the compiler (cross-compiled for sm90), and the routing (under the interpreter the
+tile-level kernel runs, and forward_path() / last_dispatch() say why).
+tests/test_gluon_gpu.py runs it on the H200."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+import attngen
+from attngen.arch import ARCHS
+from attngen.render import render_module
+from attngen.spec import KernelKind, load_spec_file
+from attngen.tiling.gluon import derive_gluon_tiles, gluon_gap
+from attngen.tiling.prefill import derive_tiles
+from attngen.verify.gluon import verify_gluon
+from tests.kernel_harness import assert_matches_reference, load_kernel, make_inputs, make_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = [s for path in sorted(ROOT.glob("examples/*.yaml")) for s in load_spec_file(path)]
+COVERED = {"bert_base", "gpt2", "llama3_8b", "llama4_scout_global", "qwen2_5_7b"}
+
+NOT_COVERED = {
+    "softcap": dict(softcap=30.0),
+    "alibi": dict(alibi=True),
+    "window": dict(mask="sliding_window", window_left=127, window_right=0),
+    "chunked": dict(mask="chunked", chunk_size=256),
+    "sinks": dict(sinks=True, dtype="bf16"),
+    "dropout": dict(backward=True, dropout=True),
+    "fp32": dict(dtype="fp32"),
+    "d96": dict(head_dim=96, head_dim_v=96),
+    "d192_dv128": dict(head_dim=192, head_dim_v=128, dtype="bf16"),
+}
+
+
+def _render(spec, kind=KernelKind.prefill, arch="sm90"):
+    return render_module(spec, kind, derive_tiles(spec, arch))
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_covered_specs_render_the_gluon_kernel(d, mask):
+    spec = make_spec(dtype="bf16", head_dim=d, mask=mask)
+    assert gluon_gap(spec, "sm90", KernelKind.prefill) == ""
+    source = _render(spec)
+    assert "def _gluon_attn_fwd_kernel(" in source and "GLUON_PATH" in source
+    imports = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Import | ast.ImportFrom)]
+    assert not any("attngen" in (getattr(n, "module", None) or "") for n in imports)
+    assert all(not a.name.startswith("attngen") for n in imports for a in n.names)
+
+
+@pytest.mark.parametrize("name", sorted(NOT_COVERED))
+def test_other_specs_stay_tile_level_and_say_why(name):
+    spec = make_spec(**NOT_COVERED[name])
+    gap = gluon_gap(spec, "sm90", KernelKind.prefill)
+    assert gap
+    source = _render(spec)
+    assert "_gluon_attn_fwd_kernel" not in source
+    assert f'return "tile-level: {gap}"' in source
+
+
+def test_other_archs_and_varlen_stay_tile_level():
+    spec = make_spec(dtype="bf16", head_dim=128, kernels=["prefill", "varlen"], archs=["sm80"])
+    assert "_gluon" not in _render(spec, arch="sm80")
+    assert gluon_gap(spec, "sm80", KernelKind.prefill).startswith("sm80 has no")
+    assert "_gluon" not in _render(spec, KernelKind.varlen)
+    assert gluon_gap(spec, "sm90", KernelKind.varlen).startswith("varlen:")
+
+
+def test_the_derived_configs_are_the_measured_ones():
+    """D 64: 64x128, 3 stages; D 128: 64x128, 2; D 256: 64x64, 2 (docs/performance.md),
+    two consumers with 240 registers each and 24 for the producer, within the budget."""
+    expected = {64: (128, 3), 128: (128, 2), 256: (64, 2)}
+    for d, (block_n, stages) in expected.items():
+        chosen = derive_gluon_tiles(make_spec(dtype="bf16", head_dim=d), "sm90").chosen
+        config = chosen.config
+        assert (config.consumers, config.block_m, config.block_n, config.stages) == (
+            2,
+            64,
+            block_n,
+            stages,
+        )
+        assert (config.consumer_regs, config.producer_regs, config.maxnreg) == (240, 24, 168)
+        assert chosen.smem_bytes <= ARCHS["sm90"].smem_budget
+
+
+def test_every_covered_example_compiles_for_sm90_as_the_model_predicts():
+    """The sm90 Gluon kernel of every covered example: the shared memory the model predicts,
+    no spills, the derived setmaxnreg values, wgmma (attngen verify-tiling --gluon)."""
+    rows = verify_gluon(EXAMPLES)
+    assert {row.spec for row in rows} == COVERED
+    for row in rows:
+        assert not row.problems, row.line()
+        assert row.record["shared"] == row.chosen.smem_bytes
+
+
+def test_d256_compiles_as_the_model_predicts():
+    rows = verify_gluon([make_spec(dtype="fp16", head_dim=256, mask="none")])
+    assert len(rows) == 1 and not rows[0].problems, rows[0].line()
+
+
+def test_under_the_interpreter_the_tile_level_kernel_runs_and_says_why():
+    spec = make_spec(dtype="fp16", head_dim=64, num_q_heads=4, num_kv_heads=2)
+    module = load_kernel(spec)
+    q, k, v, _ = make_inputs(spec, 1, 70, 70, seed=41)
+    out, lse = module.attention(q, k, v, return_lse=True)
+    path = "tile-level: Triton's interpreter runs no Gluon kernel"
+    assert module.forward_path() == path == module.expected_forward_path()
+    assert_matches_reference(spec, out, lse, q, k, v)
+
+
+def test_last_dispatch_says_which_forward_ran():
+    q = torch.randn(1, 70, 4, 64, dtype=torch.float16)
+    k = torch.randn(1, 70, 2, 64, dtype=torch.float16)
+    attngen.flash_attn_func(q, k, k, causal=True)  # the sm90 GPT-2 module, interpreted
+    chosen = attngen.last_dispatch()
+    assert chosen.module == "sm90/gpt2_prefill_fp16_d64_causal_br"
+    assert chosen.forward == "tile-level: Triton's interpreter runs no Gluon kernel"
+    window = torch.randn(1, 70, 32, 128, dtype=torch.bfloat16)
+    kv = torch.randn(1, 70, 8, 128, dtype=torch.bfloat16)
+    attngen.flash_attn_func(window, kv, kv, causal=True, window_size=(4095, 0))
+    forward = attngen.last_dispatch().forward
+    assert forward.startswith("tile-level: ") and "sliding_window" in forward
