@@ -162,6 +162,10 @@ def test_compiled_calls_keep_the_in_place_layouts(out_modules):
 # ----------------------------------------------------------- the op layer, compiled only
 
 
+class _Subclass(torch.Tensor):
+    pass
+
+
 def test_eager_calls_skip_the_op_layer_and_compiled_calls_use_it(toy_kernels, monkeypatch):
     q, k, v = qkv(1, 6, 6)
     through_op = []
@@ -179,8 +183,12 @@ def test_eager_calls_skip_the_op_layer_and_compiled_calls_use_it(toy_kernels, mo
     layer(q, k, v)  # grad mode on, but no input needs a gradient
     key = attngen.last_dispatch().key
     assert through_op == [] and ops.run_counts() == {key: 2}
-    # An input that needs a gradient goes through the op (its formula refuses backward).
-    layer(q.clone().requires_grad_(), k, v)
+    # An input that needs a gradient needs gradient kernels: these forward-only modules
+    # refuse it before any run (its op layer runs on them: test_backward_runtime.py).
+    with pytest.raises(attngen.NoKernelError, match="backward: needs true"):
+        layer(q.clone().requires_grad_(), k, v)
+    assert through_op == [] and ops.run_counts() == {key: 2}
+    layer(q.as_subclass(_Subclass), k, v)  # a tensor subclass goes through the op
     assert through_op == [key] and ops.run_counts() == {key: 3}
     monkeypatch.undo()
 
