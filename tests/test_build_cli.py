@@ -39,6 +39,13 @@ ALLOWED_IMPORTS = {
     "triton.language",
     "triton.language.extra",
     "triton.tools.tensor_descriptor",
+    # sm90 modules whose forward is the warp-specialized Gluon kernel (Triton's own package),
+    # and the per-thread record of which forward ran
+    "threading",
+    "triton.experimental",
+    "triton.experimental.gluon",
+    "triton.experimental.gluon.language.nvidia.hopper",
+    "triton.experimental.gluon.nvidia.hopper",
 }
 BAD_SPEC = """\
 name: bad

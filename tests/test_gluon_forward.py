@@ -14,6 +14,7 @@ import torch
 import attngen
 from attngen.arch import ARCHS
 from attngen.render import render_module
+from attngen.runtime.registry import current_registry, load_kernels, use_registry
 from attngen.spec import KernelKind, load_spec_file
 from attngen.tiling.gluon import derive_gluon_tiles, gluon_gap
 from attngen.tiling.prefill import derive_tiles
@@ -114,6 +115,15 @@ def test_under_the_interpreter_the_tile_level_kernel_runs_and_says_why():
 
 
 def test_last_dispatch_says_which_forward_ran():
+    saved = current_registry()
+    load_kernels()  # the default layers (the bundled generated/), whatever a test loaded before
+    try:
+        _check_last_dispatch_says_which_forward_ran()
+    finally:
+        use_registry(saved)
+
+
+def _check_last_dispatch_says_which_forward_ran():
     q = torch.randn(1, 70, 4, 64, dtype=torch.float16)
     k = torch.randn(1, 70, 2, 64, dtype=torch.float16)
     attngen.flash_attn_func(q, k, k, causal=True)  # the sm90 GPT-2 module, interpreted

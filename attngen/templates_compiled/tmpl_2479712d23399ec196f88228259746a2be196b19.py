@@ -103,11 +103,11 @@ def root(context, missing=missing):
         if (not (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout)):
             pass
             yield '; it needs a module\n    built with dropout: true'
-        yield ".\n    rng_state (int64 [2]: seed, Philox offset, on q's device) defaults to a draw from torch's\n    default generator."
+        yield ".\n    rng_state (int64 [2]: seed, Philox offset, on q's device) defaults to a draw from torch's\n    default generator. deterministic: the backward's path (_backward): True (the default)\n    bitwise reproducible, False dQ by fp32 atomics (five products).\n"
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
-            yield '    sinks [HQ] fp32 (required) get a gradient when they require one.'
-        yield '    deterministic: the backward\'s path (_backward): True (the default) bitwise reproducible,\n    False dQ by fp32 atomics (flash-attn\'s default; faster).\n\n    """\n    dropout = _dropout_option(q, dropout_p, rng_state)\n    _check_deterministic(deterministic)\n    if not _needs_grad(q, k, v'
+            yield '    sinks [HQ] fp32 (required) get a gradient when they require one.\n'
+        yield '\n    """\n    dropout = _dropout_option(q, dropout_p, rng_state)\n    _check_deterministic(deterministic)\n    if not _needs_grad(q, k, v'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield ', sinks'
@@ -137,7 +137,7 @@ def root(context, missing=missing):
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield ';\n    sinks [HQ] fp32 (required) as well, dsinks [HQ] fp32 their gradient'
-        yield '; deterministic as\n    attention_varlen\'s."""\n    dropout = _dropout_option(q, dropout_p, rng_state)\n    _check_deterministic(deterministic)\n'
+        yield ';\n    deterministic as attention_varlen\'s."""\n    dropout = _dropout_option(q, dropout_p, rng_state)\n    _check_deterministic(deterministic)\n'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield '    _check_sinks(sinks, q.shape[1], q)\n'
@@ -156,11 +156,11 @@ def root(context, missing=missing):
         if (not (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout)):
             pass
             yield '; it needs a module built with dropout: true'
-        yield ".\n    rng_state (int64 [2]: seed, Philox offset, on q's device) defaults to a draw from torch's\n    default generator."
+        yield ".\n    rng_state (int64 [2]: seed, Philox offset, on q's device) defaults to a draw from torch's\n    default generator. deterministic: the backward's path (_backward): True (the default)\n    bitwise reproducible, False dQ by fp32 atomics (five products).\n"
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
-            yield '    sinks [HQ] fp32 (required) get a gradient when they require one.'
-        yield '    deterministic: the backward\'s path (_backward): True (the default) bitwise reproducible,\n    False dQ by fp32 atomics (flash-attn\'s default; faster).\n\n    """\n    dropout = _dropout_option(q, dropout_p, rng_state)\n    _check_deterministic(deterministic)\n    if not _needs_grad(q, k, v'
+            yield '    sinks [HQ] fp32 (required) get a gradient when they require one.\n'
+        yield '\n    """\n    dropout = _dropout_option(q, dropout_p, rng_state)\n    _check_deterministic(deterministic)\n    if not _needs_grad(q, k, v'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield ', sinks'
@@ -190,7 +190,7 @@ def root(context, missing=missing):
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield '; sinks [HQ]\n    fp32 (required) as well, dsinks [HQ] fp32 their gradient'
-        yield '; deterministic as attention\'s."""\n    dropout = _dropout_option(q, dropout_p, rng_state)\n    _check_deterministic(deterministic)\n'
+        yield ';\n    deterministic as attention\'s."""\n    dropout = _dropout_option(q, dropout_p, rng_state)\n    _check_deterministic(deterministic)\n'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
             yield '    _check_sinks(sinks, q.shape[1], q)\n'
@@ -201,4 +201,4 @@ def root(context, missing=missing):
         yield ',\n                     deterministic=deterministic)\n'
 
 blocks = {}
-debug_info = '4=22&5=24&6=27&10=31&14=33&30=37&48=43&61=47&68=54&71=58&73=62&77=65&81=75&84=82&96=89&128=96&142=99&151=103&154=107&162=111&165=115&166=118&177=125&183=129&185=133&186=137&191=141&196=145&202=152&208=156&210=160&218=164&220=168&221=171&225=175&230=179&232=183&238=190&242=194&246=198'
+debug_info = '4=22&5=24&6=27&10=31&14=33&30=37&48=43&61=47&68=54&71=58&73=62&77=65&81=75&84=82&96=89&128=96&142=99&151=103&156=107&163=111&166=115&167=118&178=125&184=129&186=133&187=137&192=141&197=145&203=152&209=156&213=160&220=164&222=168&223=171&227=175&232=179&234=183&240=190&245=194&249=198'

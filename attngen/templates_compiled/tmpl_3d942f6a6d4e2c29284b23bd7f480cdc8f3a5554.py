@@ -13,11 +13,11 @@ def root(context, missing=missing):
     l_0_dtype = resolve('dtype')
     l_0_alibi = resolve('alibi')
     pass
-    yield 'def _strides4(t):\n    """(batch, head, row, dim) strides; packed [T, H, D] tensors have batch stride 0."""\n    return (0, t.stride(1), t.stride(0), t.stride(2)) if t.dim() == 3 else tuple(t.stride())\n\n\ndef _backward(dout, q, k, v, out, lse, dlse, sm_scale, alibi_slopes, dropout, lengths'
+    yield 'def _strides4(t):\n    """(batch, head, row, dim) strides; packed [T, H, D] tensors have batch stride 0."""\n    return (0, t.stride(1), t.stride(0), t.stride(2)) if t.dim() == 3 else tuple(t.stride())\n\n\ndef _backward(\n    dout, q, k, v, out, lse, dlse, sm_scale, alibi_slopes, dropout, lengths'
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
-        yield ',\n              sinks'
-    yield ', *, deterministic=True):\n    """dq, dk, dv'
+        yield ', sinks'
+    yield ',\n    *, deterministic=True\n):\n    """dq, dk, dv'
     if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
         pass
         yield ', dsinks'
@@ -62,4 +62,4 @@ def root(context, missing=missing):
         yield '    return dq, dk, dv\n'
 
 blocks = {}
-debug_info = '11=17&13=21&18=29&44=33&63=35&73=42&78=46&114=53&125=57'
+debug_info = '12=17&15=21&20=29&46=33&65=35&75=42&80=46&116=53&127=57'

@@ -42,6 +42,11 @@ def root(context, missing=missing):
         t_1.append(
             '\nimport torch\nimport triton\nimport triton.language as tl\n',
         )
+        if (undefined(name='gluon') if l_1_gluon is missing else l_1_gluon):
+            pass
+            t_1.append(
+                'from triton.experimental import gluon\nfrom triton.experimental.gluon import language as gl\nfrom triton.experimental.gluon.language.nvidia.hopper import (\n    fence_async_shared,\n    mbarrier,\n    tma,\n    warpgroup_mma,\n    warpgroup_mma_wait,\n)\nfrom triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor\n',
+            )
         if (undefined(name='softcap') if l_1_softcap is missing else l_1_softcap):
             pass
             t_1.append(
@@ -51,11 +56,6 @@ def root(context, missing=missing):
             pass
             t_1.append(
                 'from triton.tools.tensor_descriptor import TensorDescriptor\n',
-            )
-        if (undefined(name='gluon') if l_1_gluon is missing else l_1_gluon):
-            pass
-            t_1.append(
-                'from triton.experimental import gluon\nfrom triton.experimental.gluon import language as gl\nfrom triton.experimental.gluon.language.nvidia.hopper import (\n    fence_async_shared,\n    mbarrier,\n    tma,\n    warpgroup_mma,\n    warpgroup_mma_wait,\n)\nfrom triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor\n',
             )
         t_1.extend((
             '\nHEAD_DIM = ',
@@ -229,4 +229,4 @@ def root(context, missing=missing):
     context.vars['check_sm_scale'] = l_0_check_sm_scale = Macro(environment, macro, 'check_sm_scale', (), False, False, False, context.eval_ctx.autoescape)
 
 blocks = {}
-debug_info = '4=12&8=37&15=45&18=50&21=55&34=62&35=64&36=66&37=68&38=70&39=73&40=77&42=84&43=86&44=89&47=94&48=98&50=101&51=105&53=110&54=119&59=124&60=129&67=139&87=152&88=154&90=157&91=161&92=163&94=166&97=171&100=176&123=185&124=189&148=203&149=207&168=221'
+debug_info = '4=12&8=37&15=45&27=50&30=55&34=62&35=64&36=66&37=68&38=70&39=73&40=77&42=84&43=86&44=89&47=94&48=98&50=101&51=105&53=110&54=119&59=124&60=129&67=139&87=152&88=154&90=157&91=161&92=163&94=166&97=171&100=176&123=185&124=189&148=203&149=207&168=221'

@@ -131,7 +131,8 @@ class GluonDerivation:
         feasible = sum(c.feasible for c in self.candidates)
         lines = [
             "Gluon forward (warp-specialized, sm90):",
-            f"  shared memory = {smem_expression()}",
+            "  shared memory =",
+            f"    {smem_expression()}",
             f"  consumer registers ~ {consumer_regs_expression()}",
         ]
         best = self.chosen
@@ -142,8 +143,8 @@ class GluonDerivation:
             f"  {best.config.describe()}",
             f"  = {best.smem_bytes} B of {budget} B, consumer registers ~"
             f"{best.consumer_regs_needed} of {best.config.consumer_regs}",
-            f"  {feasible} of {len(self.candidates)} candidates feasible; rule: two consumers, "
-            f"the widest BLOCK_N, the fewest stages holding {RING_BYTES // 1024} KiB of K/V",
+            f"  {feasible} of {len(self.candidates)} candidates feasible; rule: two consumers,",
+            f"  the widest BLOCK_N, the fewest stages holding {RING_BYTES // 1024} KiB of K/V",
         )
 
 

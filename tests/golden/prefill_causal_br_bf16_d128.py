@@ -49,7 +49,6 @@ import threading
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -60,6 +59,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 HEAD_DIM = 128
 HEAD_DIM_V = 128
@@ -270,7 +270,9 @@ def _gluon_consumer_block(
     sc = warpgroup_mma_wait(1, deps=(s_tok,))
     mbarrier.arrive(k_empty.index(j % STAGES), count=1)
     cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    pf, alpha, m_i, l_i = _gluon_softmax(sc, m_i, l_i, cols, rows, n_keys, diag, qk_scale, MASK, CAUSAL)
+    pf, alpha, m_i, l_i = _gluon_softmax(
+        sc, m_i, l_i, cols, rows, n_keys, diag, qk_scale, MASK, CAUSAL
+    )
     o = warpgroup_mma_wait(0, deps=(o_tok,))
     mbarrier.arrive(v_empty.index((j - 1) % STAGES), count=1)
     o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o.type.layout))[:, None]
@@ -295,7 +297,9 @@ def _gluon_mainloop(q, ring, mask, n_blocks, mask_from, key_end, state, CID: gl.
     sc = warpgroup_mma_wait(0, deps=(s_tok,))
     mbarrier.arrive(k_empty.index(0), count=1)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    pf, alpha, m_i, l_i = _gluon_softmax(sc, m_i, l_i, cols, rows, n_keys, diag, qk_scale, True, CAUSAL)
+    pf, alpha, m_i, l_i = _gluon_softmax(
+        sc, m_i, l_i, cols, rows, n_keys, diag, qk_scale, True, CAUSAL
+    )
     state = (o, gl.convert_layout(pf.to(q.dtype), p.type.layout), m_i, l_i)
     for j in range(1, mask_from):
         state = _gluon_consumer_block(j, state, q, ring, mask, CID, False, CAUSAL, PINGPONG)
