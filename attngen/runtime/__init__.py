@@ -1,10 +1,11 @@
 """The runtime: generated kernels in real models (torch; never imported by the build path).
 
+    kernel_cache.py  the on-demand settings, the cache's folders, building a module into
+                  the cache (plain Python)
     registry.py   which generated modules exist (index.json; folders, the on-demand cache,
-                  the bundled generated/), imported by file path; configure()
-    kernel_cache.py  the on-demand settings and the cache's folders (plain Python)
-    ondemand.py   the module a call needs: its spec, rendered and cached (plain Python)
-    integrity.py  a module runs only if its bytes and constants match its index entry
+                  the bundled generated/), imported by file path only if its bytes and
+                  constants match its index entry; configure()
+    ondemand.py   the module a call needs: its spec, built into the cache (plain Python)
     devices.py    the device's arch; CPU needs Triton's interpreter, bf16 correct math there
     selection.py  Need, Dispatch, and which module serves a Need (plain Python, no torch)
     records.py    last_dispatch() and dispatch_log(), per thread

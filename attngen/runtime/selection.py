@@ -161,6 +161,17 @@ def length_thresholds(entries: list[KernelEntry]) -> tuple[int, ...]:
     return tuple(sorted(found))
 
 
+def registry_thresholds(registry: Registry) -> tuple[int, ...]:
+    """length_thresholds of the registry's entries now: computed once per entries list (add()
+    replaces the list, so a module built on demand is counted from then on)."""
+    entries = registry.entries
+    cached_for, thresholds = registry.thresholds
+    if cached_for is not entries:
+        thresholds = length_thresholds(entries)
+        registry.thresholds = (entries, thresholds)  # one attribute: a whole pair
+    return thresholds
+
+
 def length_class(need: Need, thresholds: tuple[int, ...]) -> tuple[int, tuple[bool, ...]]:
     """Where m = max(Nq, Nk) lies among `thresholds` (how many are >= m) and, for the need's
     own window or chunk, whether m is within each of its thresholds."""
