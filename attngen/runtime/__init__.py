@@ -56,7 +56,6 @@ from attngen.runtime.packed import (
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
 )
-from attngen.runtime.records import dispatch_log, last_dispatch
 from attngen.runtime.registry import (
     KernelEntry,
     LoadedKernel,
@@ -68,7 +67,7 @@ from attngen.runtime.registry import (
     loaded_kernels,
     use_registry,
 )
-from attngen.runtime.selection import Dispatch, Need, NoKernelError
+from attngen.runtime.selection import Dispatch, Need, NoKernelError, dispatch_log, last_dispatch
 from attngen.runtime.warmup import Warmed, warmup
 
 __all__ = [

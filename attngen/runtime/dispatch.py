@@ -37,7 +37,6 @@ import torch
 from attngen.runtime import kernel_cache
 from attngen.runtime.arguments import softcap_value
 from attngen.runtime.devices import device_arch, device_problem
-from attngen.runtime.records import record
 from attngen.runtime.registry import KernelEntry, Registry, current_registry
 from attngen.runtime.selection import (
     INTERPRETER,
@@ -48,6 +47,7 @@ from attngen.runtime.selection import (
     check_fallback,
     length_class,
     no_kernel_message,
+    record,
     registry_thresholds,
 )
 from attngen.spec import CausalAlign, Dtype, KernelKind, KvLayout, Mask
