@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from attngen.runtime import arguments, decode_ops, ops, plans
-from attngen.runtime.arguments import flash_mask
+from attngen.runtime.arguments import check_kvcache_shapes, flash_mask
 from attngen.runtime.decode_ops import heads_first
 from attngen.runtime.dispatch import need_for, probe
 from attngen.runtime.entry_checks import check_alibi
@@ -55,7 +55,6 @@ from attngen.runtime.kvcache_options import (
 from attngen.runtime.launch import run_varlen, varlen_dispatch
 from attngen.runtime.registry import current_registry
 from attngen.runtime.selection import Dispatch
-from attngen.runtime.validate import check_kvcache_shapes
 from attngen.spec import CausalAlign, KernelKind, KvLayout, Mask
 
 API = "flash_attn_with_kvcache"
