@@ -39,7 +39,7 @@ from attngen.runtime import arguments, decode_ops, ops, plans
 from attngen.runtime.arguments import check_kvcache_shapes, flash_mask
 from attngen.runtime.decode_ops import heads_first
 from attngen.runtime.dispatch import need_for, probe
-from attngen.runtime.entry_checks import check_alibi
+from attngen.runtime.fallback import check_alibi
 from attngen.runtime.kvcache_append import append_fitting, cache_seqlens_tensor
 from attngen.runtime.kvcache_options import (
     CacheOptions,
