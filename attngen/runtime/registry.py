@@ -37,7 +37,13 @@ from types import ModuleType
 from typing import Any
 
 from attngen.arch import arch_names
-from attngen.runtime import kernel_cache
+from attngen.runtime.kernel_cache import (
+    ENV_ON_DEMAND,
+    existing_cache_folders,
+    rebuild_item,
+    set_overrides,
+    settings,
+)
 from attngen.spec import Dtype
 
 ENV_KERNELS = "ATTNGEN_KERNELS"
@@ -100,10 +106,9 @@ class Registry:
         self._by_key = {entry.key: entry for entry in entries}
         self._modules: dict[str, ModuleType] = {}
         self._matching: dict[tuple, list[KernelEntry]] = {}
-        # dispatch.py's cache of served calls, (api, Need) -> Dispatch: it lives and dies with
-        # this registry, so a replaced registry's choices never serve a later call.
+        # dispatch.py's (api, Need) -> Dispatch and plans.py's signature key -> Plan: they
+        # live and die with this registry, so its choices never serve a later registry's call.
         self.dispatches: dict[tuple, Any] = {}
-        # plans.py's cache of eager calls' routes, signature key -> Plan: the same lifetime.
         self.plans: dict[tuple, Any] = {}
         # (the entries list, its modules' length thresholds): selection.registry_thresholds
         self.thresholds: tuple[list[KernelEntry] | None, tuple[int, ...]] = (None, ())
@@ -226,8 +231,7 @@ def load_kernels(*folders: str | Path, replace: bool = False) -> Registry:
 
 
 def reload_kernels() -> Registry:
-    """Read the current layers' folders again into a new registry (configure() calls it when
-    the cache's settings change)."""
+    """Read the current layers' folders again into a new registry (configure() calls it)."""
     with _current_lock:
         explicit = _env_folders() if _explicit is None else _explicit
         registry = _assemble(explicit, _bundled)
@@ -243,9 +247,9 @@ def configure(
     modules only; ATTNGEN_ON_DEMAND=0 does the same), cache_dir replaces $ATTNGEN_CACHE.
     Returns the settings now in force. The registry is read again when the cache's settings
     change it."""
-    before = kernel_cache.settings()
-    kernel_cache.set_overrides(on_demand, cache_dir)
-    now = kernel_cache.settings()
+    before = settings()
+    set_overrides(on_demand, cache_dir)
+    now = settings()
     if now != before and _current is not None:
         reload_kernels()
     return {"on_demand": now.on_demand, "cache_dir": str(now.cache_root)}
@@ -290,18 +294,16 @@ def loaded_kernels() -> list[LoadedKernel]:
 def _assemble(explicit: list[Path], bundled: bool) -> Registry:
     """The registry of these explicit folders, the cache (while on) and generated/."""
     layers = [(folder, "folder") for folder in explicit]
-    on_demand = kernel_cache.settings().on_demand
+    on_demand = settings().on_demand
     if on_demand:
-        layers += [
-            (folder, "cache") for folder in kernel_cache.existing_cache_folders(arch_names())
-        ]
+        layers += [(folder, "cache") for folder in existing_cache_folders(arch_names())]
     if bundled and (_REPO_GENERATED / "index.json").is_file() and _REPO_GENERATED not in explicit:
         layers.append((_REPO_GENERATED, "bundled"))
     if not layers and not on_demand:
         raise RegistryError(
             f"no generated kernels: set {ENV_KERNELS} to a folder written by `attngen build "
             "--out FOLDER`, call attngen.load_kernels(FOLDER), or turn on-demand builds on "
-            f"(attngen.configure(on_demand=True), {kernel_cache.ENV_ON_DEMAND}=1)"
+            f"(attngen.configure(on_demand=True), {ENV_ON_DEMAND}=1)"
         )
     entries = []
     for place, (folder, source) in enumerate(layers):
@@ -329,14 +331,14 @@ def _entry(folder: Path, item: dict[str, Any], source: str, rank: int) -> Kernel
 
 
 def cache_entry(folder: Path, item: dict[str, Any]) -> KernelEntry:
-    """The entry of an index item of the on-demand cache's `folder` (kernel_cache.py)."""
+    """The entry of an index item of the on-demand cache's `folder`."""
     return _entry(folder, item, "cache", SOURCES.index("cache") * RANK_STRIDE)
 
 
 def _rebuild(entry: KernelEntry) -> KernelEntry:
     """A cache module that failed its checks, built again from its entry's spec, in its place."""
     try:
-        folder, item = kernel_cache.rebuild_item(entry.spec, entry.kind, entry.arch)
+        folder, item = rebuild_item(entry.spec, entry.kind, entry.arch)
     except ValueError as exc:
         raise RegistryError(
             f"{entry.key}: a cached module whose index entry is not a spec ({exc}); not run"
@@ -374,13 +376,9 @@ def import_verified(entry: KernelEntry) -> ModuleType:
     return module
 
 
-def _torch_dtype(name: object) -> Any:
-    """The torch dtype of a spec's dtype name (None for a name attngen does not know)."""
-    import torch  # the runtime's: the registry itself runs without it
-
-    if name not in {d.value for d in Dtype}:
-        return None
-    return getattr(torch, Dtype(name).torch_name)
+def _torch_dtype(name: object) -> str | None:
+    """str() of a spec dtype's torch dtype, or None: DTYPE is compared by name (no torch)."""
+    return f"torch.{Dtype(name).torch_name}" if name in {d.value for d in Dtype} else None
 
 
 def expected_constants(entry: KernelEntry) -> dict[str, object]:
@@ -420,6 +418,8 @@ def constant_mismatches(module: ModuleType, entry: KernelEntry) -> list[str]:
             problems.append(f"{name}: not defined by the module, index says {want!r}")
             continue
         got = getattr(module, name)
+        if name == "DTYPE":
+            got = str(got)
         if isinstance(want, tuple) and isinstance(got, list):
             got = tuple(got)
         if got != want:
