@@ -16,7 +16,7 @@ paying this module's __getattr__ (an import statement) on every call.
 
 from typing import Any
 
-__version__ = "0.1.0"
+from attngen.names import __version__ as __version__
 
 _RUNTIME = frozenset(
     {

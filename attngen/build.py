@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from attngen import __version__
 from attngen.files import locked, write_if_different
+from attngen.names import __version__
 from attngen.render import render_module
 from attngen.spec import AttnSpec, KernelKind, SpecError, load_spec_file, module_name
 from attngen.tiling.alternatives import nearest_alternative
@@ -97,7 +97,7 @@ def _plan_one(spec: AttnSpec, kind: KernelKind, arch: str, tuning_dir: Path | No
         "spec": spec.canonical(),
         "config": derivation.chosen.as_dict(),
         "config_source": derivation.source,
-        # The runtime imports a module only if its bytes hash to this (runtime/integrity.py).
+        # The runtime imports a module only if its bytes hash to this (runtime/registry.py).
         "sha256": hashlib.sha256(source.encode("utf-8")).hexdigest(),
     }
     return Artifact(relative_path, source, entry)

@@ -1,4 +1,5 @@
-"""The name of a generated module: one function, so that every path agrees on it."""
+"""The name of a generated module (one function, so that every path agrees on it) and the
+attngen version a module and a build index record."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from attngen.spec import AttnSpec, KernelKind
+
+__version__ = "0.1.0"  # attngen's, re-exported by the package (pyproject.toml says the same)
 
 
 def module_name(spec: AttnSpec, kernel: KernelKind) -> str:

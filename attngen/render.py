@@ -16,7 +16,7 @@ import hashlib
 from functools import cache
 from typing import Any
 
-from attngen import __version__
+from attngen.names import __version__
 from attngen.spec import AttnSpec, KernelKind, module_name
 from attngen.template_env import environment, template_sources
 from attngen.tiling import decode as decode_tiling

@@ -4,7 +4,7 @@ into the cache, the split kernel rotates q as it loads it (flash-attn's rotary_c
 Against flash-attn's apply_rotary_emb in float64 (interleaved GPT-J pairs and GPT-NeoX halves,
 rotary_dim below and equal to the head dim, causal and not, contiguous and paged caches, GQA,
 cache_seqlens varying per sequence), and against the torch rotation of route 2
-(attngen.runtime.kvcache_rotary.rotate): under the interpreter (no FMA contraction) the fused
+(attngen.runtime.kvcache_options.rotate): under the interpreter (no FMA contraction) the fused
 rotation rounds exactly as torch's, so caches and outputs are bitwise those of the decode
 module run on q and k rotated in torch.
 """
@@ -16,8 +16,7 @@ import torch
 
 import attngen
 import attngen.runtime.kvcache as kvcache_module
-from attngen.runtime.kvcache_options import CacheOptions
-from attngen.runtime.kvcache_rotary import rotate
+from attngen.runtime.kvcache_options import CacheOptions, rotate
 from tests.api_harness import api_kernels  # noqa: F401  (the module-scoped registry fixture)
 from tests.decode_harness import (
     decode_problems,

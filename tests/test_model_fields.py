@@ -80,7 +80,7 @@ def test_sinks_are_required_and_checked():
     "sinks", [torch.zeros(3), torch.zeros(4, dtype=torch.float16), torch.zeros(4, 2)[:, 0]]
 )
 def test_the_fallback_checks_sinks_as_a_module_does(sinks):
-    """The torch fallback (entry_checks) refuses a sinks tensor with the module's message."""
+    """The torch fallback (its entry checks) refuses a sinks tensor with the module's message."""
     spec = make_spec(head_dim=32, sinks=True)
     kernel = load_kernel(spec, TILE, TILE)
     q, k, v, _ = make_inputs(spec, 1, 8, 8, seed=0)

@@ -17,8 +17,7 @@ import pytest
 import torch
 
 import attngen
-from attngen.runtime.kvcache_options import CacheOptions
-from attngen.runtime.kvcache_rotary import rotate
+from attngen.runtime.kvcache_options import CacheOptions, rotate
 from tests.decode_harness import (
     decode_problems,
     expected_cache_after_append,

@@ -316,9 +316,10 @@ def test_visibility_is_defined_once_by_aligned_position():
     ]
 
 
-@pytest.mark.parametrize("module", ["selection", "records", "registry"])
+@pytest.mark.parametrize("module", ["selection", "registry", "kernel_cache"])
 def test_selection_imports_no_torch(module):
-    """Selection, recording and the registry are plain Python: no torch or triton import."""
+    """Selection (with the dispatch record), the registry and the cache are plain Python: no
+    torch or triton import."""
     tree = ast.parse((ROOT / "attngen" / "runtime" / f"{module}.py").read_text())
     imported = {
         alias.name
@@ -334,6 +335,15 @@ def test_selection_imports_no_torch(module):
     assert not {name for name in imported if name.split(".")[0] in ("torch", "triton")}
     assert all(
         name.split(".")[0] != "attngen"
-        or name in ("attngen.spec", "attngen.runtime.registry", "attngen.runtime.selection")
+        or name
+        in (
+            "attngen.spec",
+            "attngen.arch",
+            "attngen.files",
+            "attngen.names",
+            "attngen.runtime.kernel_cache",
+            "attngen.runtime.registry",
+            "attngen.runtime.selection",
+        )
         for name in imported
     )

@@ -1,13 +1,15 @@
 """The runtime: generated kernels in real models (torch; never imported by the build path).
 
+    kernel_cache.py  the on-demand settings, the cache's folders, building a module into
+                  the cache (plain Python)
     registry.py   which generated modules exist (index.json; folders, the on-demand cache,
-                  the bundled generated/), imported by file path; configure()
-    kernel_cache.py  the on-demand settings and the cache's folders (plain Python)
-    ondemand.py   the module a call needs: its spec, rendered and cached (plain Python)
-    integrity.py  a module runs only if its bytes and constants match its index entry
+                  the bundled generated/), imported by file path only if its bytes and
+                  constants match its index entry; configure()
+    selection.py  Need, Dispatch, which module serves a Need; last_dispatch() and
+                  dispatch_log(), per thread (plain Python, no torch)
+    ondemand.py   the module a call needs: its spec, built into the cache (plain Python)
     devices.py    the device's arch; CPU needs Triton's interpreter, bf16 correct math there
-    selection.py  Need, Dispatch, and which module serves a Need (plain Python, no torch)
-    records.py    last_dispatch() and dispatch_log(), per thread
+                  (a probe kernel)
     dispatch.py   a call's Need from its tensors; the choice, cached per registry, recorded
     ops.py        the modules' entry points: direct in eager mode, torch.library ops under
                   torch.compile or autograd
@@ -16,19 +18,23 @@
     launch.py     run_dense / run_varlen: Need, dispatch, then the module or the fallback
     plans.py      an eager call's route kept per call signature: a repeated signature runs
                   the module without the layers above (its own checks run on every call)
-    arguments.py  argument conventions the public functions share (scale, flash masks)
+    arguments.py  argument conventions the public functions share (scale, flash masks);
+                  shape checks in the caller's layout
     api.py        scaled_dot_product_attention, flash_attn_func, flash_attn_varlen_func
     packed.py     flash-attn's qkv/kv-packed forms of both, as views
     attn_probs.py flash-attn's S_dmask for return_attn_probs with dropout (a testing path)
     kvcache.py    flash_attn_with_kvcache (decode kind when built, else varlen over the cache)
-    kvcache_append.py  which sequences fit their cache, and the append of new keys (varlen route)
-    validate.py   shape checks in the caller's layout
-    hf.py         the transformers attention function ("attngen")
+    kvcache_options.py  its options and checks, rotary, what its plans need
+    kvcache_append.py  which sequences fit their cache, the append of new keys (varlen
+                  route); paged K/V for flash_attn_varlen_func
+    decode_ops.py the decode kind's calls and op
+    hf.py, hf_cache.py  the transformers attention function ("attngen"); static-cache decode
     warmup.py     warmup(): build and compile what a spec or model needs, before its first call
     fallback.py   the torch implementation behind fallback="sdpa" (masks: attngen/masks.py,
-                  the oracle's definition too)
-    entry_checks.py  the generated modules' argument checks, for the fallback's calls
-    interpreter_probe.py  a bf16 probe kernel for Triton's interpreter
+                  the oracle's definition too), with the generated modules' argument checks
+
+Imports go one way (tests/test_import_graph.py): kernel_cache <- registry <- selection <-
+ondemand, devices <- dispatch <- ... <- the public functions.
 
 The public names are imported here; importing the package registers the torch.library ops.
 """
@@ -55,7 +61,6 @@ from attngen.runtime.packed import (
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
 )
-from attngen.runtime.records import dispatch_log, last_dispatch
 from attngen.runtime.registry import (
     KernelEntry,
     LoadedKernel,
@@ -67,7 +72,7 @@ from attngen.runtime.registry import (
     loaded_kernels,
     use_registry,
 )
-from attngen.runtime.selection import Dispatch, Need, NoKernelError
+from attngen.runtime.selection import Dispatch, Need, NoKernelError, dispatch_log, last_dispatch
 from attngen.runtime.warmup import Warmed, warmup
 
 __all__ = [

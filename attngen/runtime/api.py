@@ -35,8 +35,8 @@ from attngen.runtime.arguments import (
     rank4,
     window_pair,
 )
+from attngen.runtime.kvcache_append import paged_keys
 from attngen.runtime.launch import run_dense, run_varlen
-from attngen.runtime.paged import paged_keys
 from attngen.spec import CausalAlign, Mask
 
 SDPA, FLASH, VARLEN = "scaled_dot_product_attention", "flash_attn_func", "flash_attn_varlen_func"

@@ -29,9 +29,9 @@ import triton.language as tl
 
 from attngen.masks import alibi_distance, visible
 from attngen.runtime.arguments import seqlen_bound, softmax_scale
-from attngen.runtime.entry_checks import sequence_fits
-from attngen.runtime.records import last_dispatch
+from attngen.runtime.fallback import sequence_fits
 from attngen.runtime.registry import current_registry
+from attngen.runtime.selection import last_dispatch
 from attngen.spec import CausalAlign
 
 _ROUND = 128  # flash-attn 2 rounds S_dmask's sequence dims up to a multiple of 128

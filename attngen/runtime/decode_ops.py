@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attngen.runtime.kvcache_rotary import rotary_keywords
+from attngen.runtime.kvcache_options import rotary_keywords
 from attngen.runtime.ops import _direct, _heads_last, _no_lse, _sinks, count_run, takes_flash_layout
 from attngen.runtime.registry import current_registry
 

@@ -9,9 +9,14 @@ bf16 under the interpreter: Triton 3.6's interpreter computes bf16 dots and arit
 raw uint16 bit patterns (triton-lang/triton#11584), so every kernel returns garbage for bf16. The
 runtime does not patch triton (a library must not change how other people's kernels run);
 it refuses bf16 on the interpreter with an error saying why, unless bf16 math has been made
-correct there: a tiny probe kernel (interpreter_probe.py) is run once and must give torch's
+correct there: a tiny probe kernel (below) is run once and must give torch's
 bits. The test suite's shim (tests/interpreter_bf16.py) passes the probe, and so will a Triton
 release that fixes the issue.
+
+The probe: one 16 x 16 tile exercises what attention kernels do with bf16: a dot with an fp32
+accumulator, elementwise bf16 arithmetic, a row sum, and the fp32 -> bf16 cast (round to
+nearest even). The results must equal torch's bit for bit; Triton 3.6's interpreter fails
+all four, a correct one (or the tests' shim) passes.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 from attngen.runtime.selection import INTERPRETER
 from attngen.spec import Dtype
@@ -91,7 +98,37 @@ def bf16_interpreter_ok() -> bool:
     passes)."""
     global _bf16_ok
     if not _bf16_ok:
-        from attngen.runtime.interpreter_probe import bf16_math_is_correct
-
         _bf16_ok = bf16_math_is_correct()
     return _bf16_ok
+
+
+@triton.jit
+def _bf16_probe_kernel(A, B, Dot, Prod, RowSum, Cast, N: tl.constexpr):
+    rows = tl.arange(0, N)[:, None] * N + tl.arange(0, N)[None, :]
+    a = tl.load(A + rows)
+    b = tl.load(B + rows)
+    tl.store(Dot + rows, tl.dot(a, b, input_precision="ieee"))
+    tl.store(Prod + rows, a * b)
+    tl.store(RowSum + tl.arange(0, N), tl.sum(a.to(tl.float32), 1))
+    tl.store(Cast + rows, (a.to(tl.float32) / 3.0).to(tl.bfloat16))
+
+
+def bf16_math_is_correct() -> bool:
+    n = 16
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, n, generator=gen).to(torch.bfloat16)
+    dot = torch.empty(n, n)
+    prod = torch.empty(n, n, dtype=torch.bfloat16)
+    row_sum = torch.empty(n)
+    cast = torch.empty(n, n, dtype=torch.bfloat16)
+    _bf16_probe_kernel[(1,)](a, b, dot, prod, row_sum, cast, N=n)
+    # The dot's summation order may differ from torch's: a relative 1e-5 separates that from
+    # bit-pattern garbage (wrong by orders of magnitude). The rest is exact in any order.
+    expected_dot = a.float() @ b.float()
+    return bool(
+        torch.allclose(dot, expected_dot, rtol=1e-5, atol=1e-5)
+        and torch.equal(prod, a * b)
+        and torch.allclose(row_sum, a.float().sum(1), rtol=1e-6, atol=1e-6)
+        and torch.equal(cast, (a.float() / 3.0).to(torch.bfloat16))
+    )

@@ -37,7 +37,6 @@ import torch
 from attngen.runtime import kernel_cache
 from attngen.runtime.arguments import softcap_value
 from attngen.runtime.devices import device_arch, device_problem
-from attngen.runtime.records import record
 from attngen.runtime.registry import KernelEntry, Registry, current_registry
 from attngen.runtime.selection import (
     INTERPRETER,
@@ -48,6 +47,8 @@ from attngen.runtime.selection import (
     check_fallback,
     length_class,
     no_kernel_message,
+    record,
+    registry_thresholds,
 )
 from attngen.spec import CausalAlign, Dtype, KernelKind, KvLayout, Mask
 
@@ -63,7 +64,7 @@ def _class_key(api: str, need: Need, registry: Registry) -> tuple:
     which enters as its class among the registry's length thresholds
     (selection.length_class); the thresholds themselves are in the key, so a module built on
     demand with a new window never meets a choice made before it."""
-    thresholds = registry.length_thresholds()
+    thresholds = registry_thresholds(registry)
     return api, need._replace(seqlen_k=-1), thresholds, length_class(need, thresholds)
 
 

@@ -36,18 +36,25 @@ import torch
 from torch import Tensor
 
 from attngen.runtime import arguments, decode_ops, ops, plans
-from attngen.runtime.arguments import flash_mask
+from attngen.runtime.arguments import check_kvcache_shapes, flash_mask
 from attngen.runtime.decode_ops import heads_first
 from attngen.runtime.dispatch import need_for, probe
-from attngen.runtime.entry_checks import check_alibi
+from attngen.runtime.fallback import check_alibi
 from attngen.runtime.kvcache_append import append_fitting, cache_seqlens_tensor
-from attngen.runtime.kvcache_options import CacheOptions, cache_options, key_layout
-from attngen.runtime.kvcache_plan import plain_step, planned_rotary, rotary_key, same_kinds
-from attngen.runtime.kvcache_rotary import fused_rotary, rotate
+from attngen.runtime.kvcache_options import (
+    CacheOptions,
+    cache_options,
+    fused_rotary,
+    key_layout,
+    plain_step,
+    planned_rotary,
+    rotary_key,
+    rotate,
+    same_kinds,
+)
 from attngen.runtime.launch import run_varlen, varlen_dispatch
 from attngen.runtime.registry import current_registry
 from attngen.runtime.selection import Dispatch
-from attngen.runtime.validate import check_kvcache_shapes
 from attngen.spec import CausalAlign, KernelKind, KvLayout, Mask
 
 API = "flash_attn_with_kvcache"

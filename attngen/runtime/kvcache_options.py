@@ -1,7 +1,8 @@
-"""flash_attn_with_kvcache's options: their meaning and checks, and route 2's key layout.
+"""flash_attn_with_kvcache's options: their meaning and checks, route 2's key layout, the
+rotary embedding, and what the call's plans need beyond the signature key.
 
 - rotary_cos/rotary_sin: checked here; applied by the decode module's kernels or in torch
-  (kvcache_rotary.py).
+  (below).
 - cache_batch_idx / cache_leftpad: which cache row holds sequence b, and where its keys
   start. The varlen route reads the cache in place with sequence b's keys from
   cache_batch_idx[b] * L + cache_leftpad[b] (its cu_seqlens_k start) and
@@ -13,9 +14,31 @@
   kind's modules take it per call: the span's key blocks in min(s, MAX_SPLITS = 64) splits
   of ceil(blocks / that) blocks (the empty ones dropped), so at most one split per key
   block (attngen/tiling/decode.py); the module's LAST_NUM_SPLITS is the count its latest
-  launch used. The varlen route has no split of
-  the keys (one program per query block attends to all of them): there s is a hint, as
-  flash-attn's is, and the call runs unsplit (`last_dispatch().kind` is "varlen").
+  launch used. The varlen route has no split of the keys (one program per query block
+  attends to all of them): there s is a hint, as flash-attn's is, and the call runs unsplit
+  (`last_dispatch().kind` is "varlen").
+
+Rotary embedding (rotary_cos/rotary_sin), as flash-attn defines it: the new keys are rotated
+at positions cache_seqlens[b] + t; the query tokens at cache_seqlens[b] + t when the call is
+causal or local (a window other than (-1, -1)), else all at cache_seqlens[b]; cache_leftpad
+does not move a position (flash-attn adds it back to the cache's length). Dims
+[0, 2 * rotary_cos.shape[1]) rotate: interleaved pairs (2i, 2i + 1) (GPT-J), or the halves
+(i, i + rotary_dim / 2) (GPT-NeoX); the rest are kept. Computed in float32 and rounded to the
+dtype, as flash-attn's kernels do before they use the result.
+
+Two ways, chosen per call (kvcache.py):
+- fused: a decode module whose kernels take rotary (ACCEPTS_ROTARY) rotates the keys as its
+  append kernel writes them into the cache and q as its split kernel loads it: no pass in
+  torch, no extra tensor; fused_rotary gives its arguments.
+- in torch (route 2, and decode modules built before the kernels took rotary): `rotate` makes
+  a new q and k (small), never a copy of the cache; the positions stay on the device.
+
+A query token whose position has no row of cos/sin (more query tokens than new keys, near the
+end of the cache: flash-attn reads past the table there) gets NaN, both ways. The keys of a
+sequence that fits its cache always have one (cache_options asks for seqlen_ro >= capacity).
+
+Plans (plans.py; kvcache.py's docstring says when one is kept): whether a step may run from
+one, the checks its key leaves open, and rotary's part of the key and of the planned call.
 """
 
 from __future__ import annotations
@@ -23,6 +46,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
+
+from attngen.runtime.registry import current_registry
+from attngen.runtime.selection import Dispatch
 
 
 @dataclass(frozen=True)
@@ -119,3 +146,132 @@ def _describe(t) -> str:
     if isinstance(t, torch.Tensor):
         return f"{list(t.shape)} {t.dtype} on {t.device}"
     return type(t).__name__
+
+
+def fused_rotary(options: CacheOptions, decode: Dispatch | None, per_token: bool) -> dict | None:
+    """The decode module's rotary keywords when its kernels apply the call's rotary, else None
+    (no rotary, no decode module, or one built before its kernels took rotary: `rotate` then).
+    per_token: the call is causal or local."""
+    if options.rotary is None or decode is None or decode.key is None:
+        return None
+    if not getattr(current_registry().module(decode.key), "ACCEPTS_ROTARY", False):
+        return None
+    cos, sin, interleaved = options.rotary
+    return rotary_keywords(cos, sin, interleaved, per_token)
+
+
+def rotary_keywords(cos, sin, interleaved: bool, per_token: bool) -> dict:
+    """A decode module's rotary keywords (passed only with rotary: older modules do not take
+    them)."""
+    return {
+        "rotary_cos": cos,
+        "rotary_sin": sin,
+        "rotary_interleaved": interleaved,
+        "rotary_q_per_token": per_token,
+    }
+
+
+def rotate(q, k, options: CacheOptions, cache_seqlens, per_token: bool):
+    """(q, k) [B, N, H, D] with the rotary embedding applied in torch (unchanged without
+    rotary). per_token: the call is causal or local."""
+    if options.rotary is None:
+        return q, k
+    cos, sin, interleaved = options.rotary
+    starts = cache_seqlens.long()[:, None]
+    positions_k = starts + torch.arange(k.shape[1], device=k.device)
+    positions_q = (
+        starts + torch.arange(q.shape[1], device=q.device)
+        if per_token
+        else starts.expand(-1, q.shape[1])
+    )
+    # Clamped for the gather: a cache_seqlens entry out of range must not index outside
+    # cos/sin (that sequence gets NaN from the kernels and nothing appended,
+    # kvcache_append._fits); a query past the table gets NaN (the module docstring).
+    last = cos.shape[0] - 1
+    q_past = (positions_q > last)[:, :, None, None]
+    positions_q, positions_k = positions_q.clamp(0, last), positions_k.clamp(0, last)
+    q = _apply_rotary(q, cos, sin, positions_q, interleaved)
+    return q.masked_fill(q_past, float("nan")), _apply_rotary(k, cos, sin, positions_k, interleaved)
+
+
+def _apply_rotary(x, cos, sin, positions, interleaved: bool):
+    """x [B, N, H, D] rotated at positions [B, N] on its first 2 * cos.shape[1] dims."""
+    half = cos.shape[1]
+    c = cos[positions].unsqueeze(2).float()  # [B, N, 1, half]
+    s = sin[positions].unsqueeze(2).float()
+    part = x[..., : 2 * half].float()
+    if interleaved:
+        x1, x2 = part[..., 0::2], part[..., 1::2]
+        rotated = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = part[..., :half], part[..., half:]
+        rotated = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., 2 * half :]), dim=-1)
+
+
+def plain_step(k, v, block_table, num_splits, rotary_cos, rotary_sin, batch_idx, leftpad) -> bool:
+    """Whether a step may run from a plan: new keys none or plain tensors that need no
+    gradient, block_table None or a plain tensor, num_splits an int >= 0 (the key holds it),
+    rotary none or both plain tensors, and none of the options that only route 2 serves
+    (cache_batch_idx, cache_leftpad)."""
+    if not (
+        type(num_splits) is int
+        and num_splits >= 0
+        and batch_idx is None
+        and leftpad is None
+        and (block_table is None or type(block_table) is Tensor)
+        and (
+            (rotary_cos is None and rotary_sin is None)
+            or (type(rotary_cos) is Tensor and type(rotary_sin) is Tensor)
+        )
+    ):
+        return False
+    if k is None and v is None:
+        return True
+    return (
+        type(k) is Tensor
+        and type(v) is Tensor
+        and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
+    )
+
+
+def rotary_key(rotary_cos, rotary_sin, rotary_interleaved) -> tuple | None:
+    """Rotary's part of a signature key: the shapes cache_options checks, and the flag as the
+    full path reads it (bool())."""
+    if rotary_cos is None:
+        return None
+    return rotary_cos.shape, rotary_sin.shape, bool(rotary_interleaved)
+
+
+def planned_rotary(rotary_cos, rotary_sin, rotary_interleaved, causal, window_size) -> dict | None:
+    """The decode module's rotary keywords for a planned call (kvcache_rotary.fused_rotary's,
+    from the call's own options: query tokens at their own positions when causal or local)."""
+    if rotary_cos is None:
+        return None
+    per_token = causal or window_size != (-1, -1)
+    return rotary_keywords(rotary_cos, rotary_sin, bool(rotary_interleaved), per_token)
+
+
+def same_kinds(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary) -> bool:
+    """The checks of check_kvcache_shapes, cache_seqlens_tensor and cache_options that a
+    signature key leaves open: the caches, the new keys and cos/sin have q's dtype and device,
+    the index tensors are int32."""
+    dtype, device = q.dtype, q.device
+    if not (
+        k_cache.dtype is dtype
+        and v_cache.dtype is dtype
+        and k_cache.device == device
+        and v_cache.device == device
+        and cache_seqlens.dtype is torch.int32
+    ):
+        return False
+    if block_table is not None and block_table.dtype is not torch.int32:
+        return False
+    if rotary is not None and not all(
+        t.dtype is dtype and t.device == device
+        for t in (rotary["rotary_cos"], rotary["rotary_sin"])
+    ):
+        return False
+    return k is None or (
+        k.dtype is dtype and v.dtype is dtype and k.device == device and v.device == device
+    )

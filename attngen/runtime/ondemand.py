@@ -26,38 +26,21 @@ The spec of a call:
   the portable code path (pointer loads, no Hopper-only TMA or wgmma), which every arch
   shares.
 
-Concurrency: one lock file per module (`<arch>/.<module>.lock`) held while it is looked up and
-built, so two processes (or threads) asking for one module render it once; every file is
-written atomically (attngen.files) and the index merged under its own lock (build.py). A
-module in the cache is used only if its bytes hash to its index entry's sha256 and the entry
-is the spec asked for; otherwise it is rendered again, replacing the file. The registry
-re-verifies the bytes when it imports them, and a cache module that fails there is rebuilt
-(`rebuild`), never run.
+The cache itself (its folders, locks, renders and writes) is kernel_cache.py's.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import threading
-import warnings
-from pathlib import Path
 from typing import Any
 
-from attngen.build import Artifact, BuildError, plan_build, read_index, write_build
-from attngen.files import locked
 from attngen.runtime import kernel_cache
-from attngen.runtime.registry import RANK_STRIDE, SOURCES, KernelEntry, Registry
+from attngen.runtime.registry import KernelEntry, Registry, cache_entry
 from attngen.runtime.selection import INTERPRETER, Need
-from attngen.spec import AttnSpec, KernelKind, Mask, SpecError, module_name, specs_from_data
-from attngen.tuning.database import TuningError
+from attngen.spec import AttnSpec, KernelKind, Mask, SpecError, specs_from_data
 
 INTERPRETER_ARCH = "sm80"
 UNBOUNDED = 2**31 - 1  # flash-attn's -1 window side, as arguments.INFINITE
 NAME_PREFIX = "auto"
-_CACHE_RANK = SOURCES.index("cache") * RANK_STRIDE
-_renders = 0
-_renders_lock = threading.Lock()
 
 
 class NotExpressible(ValueError):
@@ -66,7 +49,7 @@ class NotExpressible(ValueError):
 
 def render_count() -> int:
     """How many modules this process has rendered on demand (a cached one is not rendered)."""
-    return _renders
+    return kernel_cache.render_count()
 
 
 def build_for(
@@ -76,9 +59,9 @@ def build_for(
     `registry`; (entry, whether this call rendered it). NotExpressible or BuildError say why
     none can be built."""
     spec, kind, arch = spec_for(need, heads)
-    entry, built = cached_module(spec, kind, arch)
-    registry.add(entry, kernel_cache.cache_folder(arch).resolve())
-    return entry, built
+    folder, item, built = kernel_cache.cached_build(spec, kind, arch)
+    registry.add(cache_entry(folder, item), folder.resolve())
+    return cache_entry(folder, item), built
 
 
 def spec_for(need: Need, heads: tuple[int, int] | None) -> tuple[AttnSpec, KernelKind, str]:
@@ -157,113 +140,8 @@ def _mask_fields(need: Need) -> dict[str, Any]:
     return fields
 
 
-# ------------------------------------------------------------------------------ the cache
-
-
-_module_locks: dict[str, threading.Lock] = {}
-
-
 def cached_module(spec: AttnSpec, kind: KernelKind, arch: str) -> tuple[KernelEntry, bool]:
     """The cache's entry for (spec, kind, arch), rendered and written unless a valid one is
-    there; (entry, whether it was rendered now)."""
-    folder = kernel_cache.cache_folder(arch)
-    name = module_name(spec, kind)
-    relative = f"{arch}/{name}.py"
-    (folder / arch).mkdir(parents=True, exist_ok=True)
-    thread_lock = _module_locks.setdefault(relative, threading.Lock())
-    with thread_lock, locked(folder / arch / f".{name}.lock"):
-        item = _valid_item(folder, relative, spec, kind)
-        if item is not None:
-            return _entry(folder, item), False
-        artifact = _render(spec, kind, arch)
-        _write(artifact, folder)
-        return _entry(folder, artifact.entry), True
-
-
-def _valid_item(
-    folder: Path, relative: str, spec: AttnSpec, kind: KernelKind
-) -> dict[str, Any] | None:
-    """The index entry of `relative` if it is this spec's and the file's bytes hash to it."""
-    try:
-        items = read_index(folder)
-    except BuildError:
-        return None  # a corrupt index: _write sets it aside
-    item = next((i for i in items if isinstance(i, dict) and i.get("path") == relative), None)
-    if item is None or item.get("spec") != spec.canonical() or item.get("kind") != kind.value:
-        return None
-    try:
-        data = (folder / relative).read_bytes()
-    except OSError:
-        return None
-    return item if hashlib.sha256(data).hexdigest() == item.get("sha256") else None
-
-
-def _render(spec: AttnSpec, kind: KernelKind, arch: str) -> Artifact:
-    global _renders
-    try:
-        (artifact,) = plan_build([spec], kernel_cache.tuning_dir())
-    except TuningError as exc:
-        warnings.warn(
-            f"attngen: the tuning database cannot serve {module_name(spec, kind)} on "
-            f"{arch} ({exc}); built with the tiling model's config",
-            stacklevel=2,
-        )
-        (artifact,) = plan_build([spec], None)
-    with _renders_lock:
-        _renders += 1
-    return artifact
-
-
-def _write(artifact: Artifact, folder: Path) -> None:
-    try:
-        write_build([artifact], folder)
-    except BuildError:
-        # index.json does not parse: set it aside (under the index lock, so no writer is
-        # between reading and replacing it) and merge into a fresh one. Its other modules
-        # are rebuilt when next asked for.
-        with locked(folder / ".index.lock"), contextlib.suppress(FileNotFoundError):
-            (folder / "index.json").replace(folder / "index.json.corrupt")
-        write_build([artifact], folder)
-
-
-def _entry(folder: Path, item: dict[str, Any]) -> KernelEntry:
-    path = (folder / item["path"]).resolve()
-    return KernelEntry(
-        str(path),
-        item["module"],
-        item["arch"],
-        item["kind"],
-        dict(item["spec"]),
-        item["sha256"],
-        "cache",
-        _CACHE_RANK,
-    )
-
-
-def rebuild(entry: KernelEntry) -> KernelEntry:
-    """A cache module that failed its checks, rendered again from its entry's spec (which
-    the spec validation reads like any spec) and written over the bad file."""
-    from attngen.runtime.registry import RegistryError
-
-    try:
-        (spec,) = specs_from_data(entry.spec)
-        kind = KernelKind(entry.kind)
-    except (SpecError, ValueError) as exc:
-        raise RegistryError(
-            f"{entry.key}: a cached module whose index entry is not a spec ({exc}); not run"
-        ) from None
-    fresh, _ = cached_module(spec, kind, entry.arch)
-    if fresh.key != entry.key:
-        raise RegistryError(
-            f"{entry.key}: its index entry describes another module ({fresh.key}); not run"
-        )
-    return KernelEntry(
-        fresh.key,
-        fresh.module,
-        fresh.arch,
-        fresh.kind,
-        fresh.spec,
-        fresh.sha256,
-        entry.source,
-        entry.rank,
-    )
+    there (kernel_cache.cached_build); (entry, whether it was rendered now)."""
+    folder, item, built = kernel_cache.cached_build(spec, kind, arch)
+    return cache_entry(folder, item), built

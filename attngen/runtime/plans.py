@@ -36,9 +36,8 @@ from torch import Tensor
 from attngen.runtime import decode_ops, ops
 from attngen.runtime import dispatch as dispatch_cache
 from attngen.runtime.devices import device_problem, problem_may_change
-from attngen.runtime.records import record
 from attngen.runtime.registry import current_registry
-from attngen.runtime.selection import Dispatch
+from attngen.runtime.selection import Dispatch, record
 from attngen.spec import KernelKind
 
 _is_compiling = torch.compiler.is_compiling

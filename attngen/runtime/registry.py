@@ -1,46 +1,57 @@
-"""The kernel registry: which generated modules exist, and loading them by file path.
+"""The kernel registry: which generated modules exist, and importing them verified.
 
 A folder of generated kernels is what `attngen build` writes: `<arch>/<module>.py` files and
-an `index.json` describing each (kind, arch, spec, and the sha256 of the file's bytes). The
-registry reads the index only; a module is imported (from its file: Triton's JIT needs real
-source files) the first time a call is dispatched to it, after two checks (integrity.py): its
-bytes must hash to the index's sha256, and its own constants (HEAD_DIM, MASK, ...) must say
-what its index entry says. Modules are identified by a key string, the absolute path of their
-file, which is what the torch.library ops take: selection happens outside the ops.
+an `index.json` describing each (kind, arch, spec, sha256 of the file's bytes). The registry
+reads the index only; a module is imported (from its file: Triton's JIT needs real source
+files) the first time a call is dispatched to it, and only as the module its entry describes:
+its bytes hash to the entry's sha256, it is executed from exactly those bytes (linecache holds
+them, so Triton's JIT compiles what was verified), and its constants (HEAD_DIM, MASK, DTYPE,
+...) and entry point say what its entry says. A module's key is its file's absolute path.
 
 The registry holds three layers of folders; where several modules serve a call, the first
 layer's wins (selection.best_entry):
 1. explicit folders: `load_kernels(folder, ...)` adds them (the most recently loaded first),
    and `$ATTNGEN_KERNELS` (folders separated by os.pathsep) names the initial ones;
-2. the on-demand cache (kernel_cache.py), while on-demand builds are on: modules built for
-   calls nothing else served, by this process or an earlier one;
+2. the on-demand cache (kernel_cache.py), while on-demand builds are on;
 3. the bundled `generated/` of a source checkout.
 `load_kernels(folder, replace=True)` keeps only the given folders (and the cache, while
-on-demand builds are on): what `load_kernels(folder)` did before it added. Every load builds a
-new Registry: a key chosen from the registry it replaced is refused afterwards
-(RegistryError), never run. A module built on demand is added to the registry in use
-(`Registry.add`); `loaded_kernels()` lists every module and where it came from.
+on). Every load builds a new Registry: a key chosen from the registry it replaced is refused
+afterwards (RegistryError), never run. A module built on demand is added to the registry in
+use (`Registry.add`); `loaded_kernels()` lists every module and where it came from.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import importlib.util
 import json
+import linecache
 import os
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # selection imports this module's types
-    from attngen.runtime.selection import Dispatch
+from attngen.arch import arch_names
+from attngen.runtime.kernel_cache import (
+    ENV_ON_DEMAND,
+    existing_cache_folders,
+    rebuild_item,
+    set_overrides,
+    settings,
+)
+from attngen.spec import Dtype
 
 ENV_KERNELS = "ATTNGEN_KERNELS"
 _REPO_GENERATED = Path(__file__).resolve().parent.parent.parent / "generated"
 # Where an entry's folder sits among the layers (the module docstring), best first.
 SOURCES = ("folder", "cache", "bundled")
 RANK_STRIDE = 10_000  # KernelEntry.rank = layer * RANK_STRIDE + the folder's place in it
+ENTRY_POINTS = {"prefill": "attention", "varlen": "attention_varlen", "decode": "decode"}
 
 
 class RegistryError(RuntimeError):
@@ -95,13 +106,11 @@ class Registry:
         self._by_key = {entry.key: entry for entry in entries}
         self._modules: dict[str, ModuleType] = {}
         self._matching: dict[tuple, list[KernelEntry]] = {}
-        # dispatch.py's cache of served calls, (api, Need) -> Dispatch: it lives and dies with
-        # this registry, so a replaced registry's choices never serve a later call.
-        self.dispatches: dict[tuple, Dispatch] = {}
-        # plans.py's cache of eager calls' routes, signature key -> Plan: the same lifetime.
+        # dispatch.py's (api, Need) -> Dispatch and plans.py's signature key -> Plan: they
+        # live and die with this registry, so its choices never serve a later registry's call.
+        self.dispatches: dict[tuple, Any] = {}
         self.plans: dict[tuple, Any] = {}
-        # (the entries list, its modules' length thresholds: selection.length_thresholds),
-        # computed at the first selection
+        # (the entries list, its modules' length thresholds): selection.registry_thresholds
         self.thresholds: tuple[list[KernelEntry] | None, tuple[int, ...]] = (None, ())
         self._lock = threading.Lock()
 
@@ -114,12 +123,11 @@ class Registry:
             entry = self._by_key.get(key)
             if entry is None:
                 raise RegistryError(
-                    f"{key}: not among the kernels loaded now ({_folder_list(self.folders)}); "
+                    f"{key}: not among the kernels loaded now "
+                    f"({', '.join(map(str, self.folders)) or 'no folders'}); "
                     "load_kernels replaced the registry after this call chose it (a compiled "
                     "graph keeps its choice: recompile), so it is not run"
                 )
-            from attngen.runtime.integrity import import_verified  # torch: runtime only
-
             with self._lock:
                 module = self._modules.get(key)
                 if module is None:
@@ -128,25 +136,11 @@ class Registry:
                     except RegistryError:
                         if entry.source != "cache":
                             raise
-                        from attngen.runtime.ondemand import rebuild
-
-                        entry = rebuild(entry)
+                        entry = _rebuild(entry)
                         self._replace_entry(entry)
                         module = import_verified(entry)
                     self._modules[key] = module
         return module
-
-    def length_thresholds(self) -> tuple[int, ...]:
-        """selection.length_thresholds of the entries now: computed once per entries list
-        (add() replaces the list, so a module built on demand is counted from then on)."""
-        entries = self.entries
-        cached_for, thresholds = self.thresholds
-        if cached_for is not entries:
-            from attngen.runtime.selection import length_thresholds  # it imports this module
-
-            thresholds = length_thresholds(entries)
-            self.thresholds = (entries, thresholds)  # one attribute: a whole pair
-        return thresholds
 
     def add(self, entry: KernelEntry, folder: Path) -> None:
         """Serve `entry` (a module just built on demand into `folder`) from now on. The lists
@@ -199,18 +193,7 @@ def read_folder(folder: str | Path, source: str = "folder", rank: int = 0) -> li
                     f"{index}: {item['path']} has no sha256 of its bytes (an index written "
                     "before attngen recorded them); rebuild the folder with `attngen build`"
                 )
-            entries.append(
-                KernelEntry(
-                    str(path),
-                    item["module"],
-                    item["arch"],
-                    item["kind"],
-                    dict(item["spec"]),
-                    digest,
-                    source,
-                    rank,
-                )
-            )
+            entries.append(_entry(folder, item, source, rank))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise RegistryError(f"{index}: not an attngen index ({exc!r})") from None
     return entries
@@ -248,8 +231,7 @@ def load_kernels(*folders: str | Path, replace: bool = False) -> Registry:
 
 
 def reload_kernels() -> Registry:
-    """Read the current layers' folders again into a new registry (configure() calls it when
-    the cache's settings change)."""
+    """Read the current layers' folders again into a new registry (configure() calls it)."""
     with _current_lock:
         explicit = _env_folders() if _explicit is None else _explicit
         registry = _assemble(explicit, _bundled)
@@ -265,11 +247,9 @@ def configure(
     modules only; ATTNGEN_ON_DEMAND=0 does the same), cache_dir replaces $ATTNGEN_CACHE.
     Returns the settings now in force. The registry is read again when the cache's settings
     change it."""
-    from attngen.runtime import kernel_cache
-
-    before = kernel_cache.settings()
-    kernel_cache.set_overrides(on_demand, cache_dir)
-    now = kernel_cache.settings()
+    before = settings()
+    set_overrides(on_demand, cache_dir)
+    now = settings()
     if now != before and _current is not None:
         reload_kernels()
     return {"on_demand": now.on_demand, "cache_dir": str(now.cache_root)}
@@ -305,31 +285,25 @@ def loaded_kernels() -> list[LoadedKernel]:
     """Every module the registry in use may run, in the order selection prefers them (layer,
     then folder), with where each came from."""
     rows = sorted(current_registry().entries, key=lambda e: (e.rank, e.kind, e.arch, e.module))
-    # A module file is <folder>/<arch>/<module>.py.
     return [
-        LoadedKernel(e.module, e.arch, e.kind, e.source, e.key, str(Path(e.key).parent.parent))
-        for e in rows
+        LoadedKernel(e.module, e.arch, e.kind, e.source, e.key, str(Path(e.key).parents[1]))
+        for e in rows  # a module file is <folder>/<arch>/<module>.py
     ]
 
 
 def _assemble(explicit: list[Path], bundled: bool) -> Registry:
     """The registry of these explicit folders, the cache (while on) and generated/."""
-    from attngen.arch import arch_names
-    from attngen.runtime import kernel_cache
-
     layers = [(folder, "folder") for folder in explicit]
-    on_demand = kernel_cache.settings().on_demand
+    on_demand = settings().on_demand
     if on_demand:
-        layers += [
-            (folder, "cache") for folder in kernel_cache.existing_cache_folders(arch_names())
-        ]
+        layers += [(folder, "cache") for folder in existing_cache_folders(arch_names())]
     if bundled and (_REPO_GENERATED / "index.json").is_file() and _REPO_GENERATED not in explicit:
         layers.append((_REPO_GENERATED, "bundled"))
     if not layers and not on_demand:
         raise RegistryError(
             f"no generated kernels: set {ENV_KERNELS} to a folder written by `attngen build "
             "--out FOLDER`, call attngen.load_kernels(FOLDER), or turn on-demand builds on "
-            f"(attngen.configure(on_demand=True), {kernel_cache.ENV_ON_DEMAND}=1)"
+            f"(attngen.configure(on_demand=True), {ENV_ON_DEMAND}=1)"
         )
     entries = []
     for place, (folder, source) in enumerate(layers):
@@ -344,10 +318,133 @@ def _assemble(explicit: list[Path], bundled: bool) -> Registry:
     return Registry([folder.resolve() for folder, _ in layers], entries, (explicit, bundled))
 
 
-def _folder_list(folders: list[Path]) -> str:
-    return ", ".join(str(f) for f in folders) or "no folders"
-
-
 def _env_folders() -> list[Path]:
     env = os.environ.get(ENV_KERNELS)
     return [Path(p).resolve() for p in env.split(os.pathsep) if p] if env else []
+
+
+def _entry(folder: Path, item: dict[str, Any], source: str, rank: int) -> KernelEntry:
+    path, spec = str((folder / item["path"]).resolve()), dict(item["spec"])
+    return KernelEntry(
+        path, item["module"], item["arch"], item["kind"], spec, item["sha256"], source, rank
+    )
+
+
+def cache_entry(folder: Path, item: dict[str, Any]) -> KernelEntry:
+    """The entry of an index item of the on-demand cache's `folder`."""
+    return _entry(folder, item, "cache", SOURCES.index("cache") * RANK_STRIDE)
+
+
+def _rebuild(entry: KernelEntry) -> KernelEntry:
+    """A cache module that failed its checks, built again from its entry's spec, in its place."""
+    try:
+        folder, item = rebuild_item(entry.spec, entry.kind, entry.arch)
+    except ValueError as exc:
+        raise RegistryError(
+            f"{entry.key}: a cached module whose index entry is not a spec ({exc}); not run"
+        ) from None
+    fresh = cache_entry(folder, item)
+    if fresh.key != entry.key:
+        raise RegistryError(
+            f"{entry.key}: its index entry describes another module ({fresh.key}); not run"
+        )
+    return dataclasses.replace(fresh, source=entry.source, rank=entry.rank)
+
+
+def import_verified(entry: KernelEntry) -> ModuleType:
+    path = Path(entry.key)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise RegistryError(
+            f"{path}: listed in index.json but missing; rebuild the folder with `attngen build`"
+        ) from None
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != entry.sha256:
+        raise RegistryError(
+            f"{path}: its bytes do not match the sha256 in index.json (index {entry.sha256[:16]}, "
+            f"file {digest[:16]}): the file changed after `attngen build` wrote it; rebuild "
+            "the folder, or restore the file"
+        )
+    module = _execute(path, data, entry)
+    problems = constant_mismatches(module, entry)
+    if problems:
+        raise RegistryError(
+            f"{path}: the module disagrees with its index entry "
+            f"({'; '.join(problems)}); rebuild the folder with `attngen build`"
+        )
+    return module
+
+
+def _torch_dtype(name: object) -> str | None:
+    """str() of a spec dtype's torch dtype, or None: DTYPE is compared by name (no torch)."""
+    return f"torch.{Dtype(name).torch_name}" if name in {d.value for d in Dtype} else None
+
+
+def expected_constants(entry: KernelEntry) -> dict[str, object]:
+    """The module-level constants a generated module of this entry defines, and their values."""
+    spec = entry.spec
+    expected: dict[str, object] = {
+        "HEAD_DIM": spec.get("head_dim"),
+        "HEAD_DIM_V": spec.get("head_dim_v") or spec.get("head_dim"),
+        "DTYPE": _torch_dtype(spec.get("dtype")),
+        "MASK": spec.get("mask"),
+        "SOFTCAP": float(spec.get("softcap") or 0.0),
+        "ALIBI": bool(spec.get("alibi")),
+    }
+    if spec.get("causal_align"):
+        expected["CAUSAL_ALIGN"] = spec["causal_align"]
+    if spec.get("mask") == "sliding_window":
+        expected["WINDOW"] = (spec.get("window_left"), spec.get("window_right") or 0)
+    # Modules of specs with the newer models' fields say so; older modules lack the names.
+    if spec.get("sinks"):
+        expected["SINKS"] = True
+    if spec.get("chunk_size"):
+        expected["CHUNK_SIZE"] = spec["chunk_size"]
+    if spec.get("sink_tokens"):
+        expected["SINK_TOKENS"] = spec["sink_tokens"]
+    if entry.kind == "decode":
+        expected["KV_LAYOUT"] = spec.get("kv_layout")
+        expected["PAGE_SIZE"] = spec.get("page_size") or 0
+        expected["MAX_QUERY_TOKENS"] = spec.get("max_query_tokens") or 1
+    return expected
+
+
+def constant_mismatches(module: ModuleType, entry: KernelEntry) -> list[str]:
+    """'NAME: module has X, index says Y' for each constant (and the entry point) that differs."""
+    problems = []
+    for name, want in expected_constants(entry).items():
+        if not hasattr(module, name):
+            problems.append(f"{name}: not defined by the module, index says {want!r}")
+            continue
+        got = getattr(module, name)
+        if name == "DTYPE":
+            got = str(got)
+        if isinstance(want, tuple) and isinstance(got, list):
+            got = tuple(got)
+        if got != want:
+            problems.append(f"{name}: module has {got!r}, index says {want!r}")
+    entry_point = ENTRY_POINTS.get(entry.kind)
+    if entry_point is None or not callable(getattr(module, entry_point, None)):
+        problems.append(f"kind {entry.kind}: the module has no {entry_point}() entry point")
+    return problems
+
+
+def _execute(path: Path, data: bytes, entry: KernelEntry) -> ModuleType:
+    # A unique, stable name per file and content: two folders may hold modules of one name.
+    name = f"attngen_kernels_{hashlib.sha256(str(path).encode()).hexdigest()[:10]}_{path.stem}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None:  # pragma: no cover - a .py path always gives a spec
+        raise RegistryError(f"{path}: cannot be imported")
+    module = importlib.util.module_from_spec(module_spec)
+    text = data.decode("utf-8")
+    # mtime None: linecache.checkcache never replaces these lines with the file's current ones.
+    linecache.cache[str(path)] = (len(data), None, text.splitlines(keepends=True), str(path))
+    code = compile(data, str(path), "exec", dont_inherit=True)
+    sys.modules[name] = module  # Triton and inspect look modules up by name
+    try:
+        exec(code, module.__dict__)
+    except Exception:
+        sys.modules.pop(name, None)
+        raise
+    return module

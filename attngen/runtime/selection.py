@@ -1,28 +1,31 @@
-"""Selection: which generated module serves a request. Plain Python (no torch).
+"""Selection: which generated module serves a request, and the record of it. Plain Python.
 
 A call states what it needs as a `Need` (kernel kind, dtype, head dims, mask, alignment,
 window, softcap, ALiBi, the device's arch, and lengths its tensors guarantee); `best_entry`
 finds the module that serves it, and `mismatches` says why any other one does not.
 
-Masks are compared by meaning at the call's lengths, not only by name: when Nq == Nk the two
-causal alignments are the same mask; a sliding window whose reach covers every key is plain
-causal (or no mask); and one query token at the bottom-right end sees every key under causal
-(flash_attn_with_kvcache's default causal=False decode step runs on a causal decode kernel).
-The lengths used are bounds the call's tensor shapes guarantee (padded lengths, packed
-totals, cache capacity), never a caller's max_seqlen claim: a wrong claim must not turn a
-causal call into a window kernel's call.
+Masks are compared by meaning at the call's lengths: when Nq == Nk the two causal alignments
+are the same mask; a sliding window whose reach covers every key is plain causal (or no
+mask); one query token at the bottom-right end sees every key under causal. The lengths are
+bounds the call's tensor shapes guarantee (padded lengths, packed totals, cache capacity),
+never a caller's max_seqlen claim. dispatch.py is the torch side: it builds a Need from
+tensors, records the choice and caches it per registry.
 
-dispatch.py is the torch side: it builds a Need from tensors, records the choice, caches it
-per registry and keeps torch.compile's trace free of this code.
+The record, per thread: `last_dispatch()` is this thread's latest Dispatch, and `with
+dispatch_log() as log:` collects its dispatches inside the block (logs nest). Recording is
+one attribute store per call, so it is always on (under torch.compile, once per trace).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from bisect import bisect_left
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
-from attngen.runtime.registry import KernelEntry, Registry
+from attngen.runtime.registry import KernelEntry, Registry, current_registry
 from attngen.spec import CausalAlign, Dtype, KernelKind, KvLayout, Mask
 
 INTERPRETER = "interpreter"  # CPU tensors under TRITON_INTERPRET=1: any arch's module runs
@@ -159,6 +162,17 @@ def length_thresholds(entries: list[KernelEntry]) -> tuple[int, ...]:
         elif spec["mask"] == "chunked" and spec.get("chunk_size"):
             found.add(int(spec["chunk_size"]))
     return tuple(sorted(found))
+
+
+def registry_thresholds(registry: Registry) -> tuple[int, ...]:
+    """length_thresholds of the registry's entries now: computed once per entries list (add()
+    replaces the list, so a module built on demand is counted from then on)."""
+    entries = registry.entries
+    cached_for, thresholds = registry.thresholds
+    if cached_for is not entries:
+        thresholds = length_thresholds(entries)
+        registry.thresholds = (entries, thresholds)  # one attribute: a whole pair
+    return thresholds
 
 
 def length_class(need: Need, thresholds: tuple[int, ...]) -> tuple[int, tuple[bool, ...]]:
@@ -364,3 +378,71 @@ def no_kernel_message(need: Need, registry: Registry, not_built: str = "") -> st
         "(attngen spec-from-hf, attngen build) and load it (attngen.load_kernels or "
         f"ATTNGEN_KERNELS){fallback}"
     )
+
+
+class _ThreadRecords(threading.local):
+    """Per thread: the latest Dispatch and the open dispatch_log() lists, innermost last."""
+
+    def __init__(self) -> None:
+        self.last: Dispatch | None = None
+        self.logs: list[list[Dispatch]] = []
+
+
+_records = _ThreadRecords()
+
+
+def record(dispatch: Dispatch) -> Dispatch:
+    records = _records
+    records.last = dispatch
+    if records.logs:
+        for log in records.logs:
+            log.append(dispatch)
+    return dispatch
+
+
+def last_dispatch() -> Dispatch | None:
+    """This thread's most recent Dispatch: which module served its last call and why (or the
+    fallback). Per thread, so a server's other threads never show up here. Its `forward` is
+    the forward kernel the module ran for that call ("gluon warp-specialized", or
+    "tile-level: <why>"), as the module's forward_path() reports it."""
+    last = _records.last
+    if last is None or last.forward is None or last.key is None:
+        return last
+    return _with_forward(last)
+
+
+_FORWARD_VARIANTS: dict[tuple[Dispatch, str], Dispatch] = {}
+
+
+def _with_forward(dispatch: Dispatch) -> Dispatch:
+    """`dispatch` itself when its module's last forward on this thread is the one the
+    Dispatch expects, else (remembered) a copy whose `forward` is the one that ran."""
+    try:
+        module = current_registry().module(dispatch.key)  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - a replaced registry: the record as it was made
+        return dispatch
+    taken = getattr(module, "forward_path", None)
+    path = None if taken is None else str(taken())
+    if path is None or path == dispatch.forward or path.endswith("no call yet"):
+        return dispatch
+    variant = _FORWARD_VARIANTS.get((dispatch, path))
+    if variant is None:
+        if len(_FORWARD_VARIANTS) >= 1024:
+            _FORWARD_VARIANTS.clear()
+        variant = replace(dispatch, forward=path)
+        _FORWARD_VARIANTS[(dispatch, path)] = variant
+    return variant
+
+
+@contextlib.contextmanager
+def dispatch_log() -> Iterator[list[Dispatch]]:
+    """Collect every Dispatch this thread makes inside the block, in order. Logs nest: an
+    outer log also gets what an inner one collects."""
+    log: list[Dispatch] = []
+    logs = _records.logs
+    logs.append(log)
+    try:
+        yield log
+    finally:
+        # By identity: two logs with equal contents (both empty, say) are different logs.
+        del logs[next(i for i, open_log in enumerate(logs) if open_log is log)]

@@ -47,6 +47,13 @@ import math
 
 from attngen.arch import ARCHS, GpuArch
 from attngen.spec import AttnSpec
+from attngen.tiling.decode_latent import derive_latent_tiles
+from attngen.tiling.decode_rows import IN_FLIGHT_TARGET as IN_FLIGHT_TARGET
+from attngen.tiling.decode_rows import MAX_ROW_TILE as MAX_ROW_TILE
+from attngen.tiling.decode_rows import SPLIT_WAVES as SPLIT_WAVES
+from attngen.tiling.decode_rows import UNPIPELINED_SHARE as UNPIPELINED_SHARE
+from attngen.tiling.decode_rows import decode_score as decode_score
+from attngen.tiling.decode_rows import row_tile as row_tile
 from attngen.tiling.evaluate import LazyText
 from attngen.tiling.prefill import (
     REGISTER_MARGIN,
@@ -70,19 +77,12 @@ from attngen.tiling.prefill_model import (
 DECODE_BLOCK_N_CHOICES = (32, 64, 128)
 DECODE_WARPS_CHOICES = (4, 8)
 DECODE_STAGES_CHOICES = (1, 2, 3, 4)
-MAX_ROW_TILE = 64  # larger query groups are split into row blocks (registers: acc is rows x DV)
 # Narrow tiles, tried only when no candidate of the row tile fits (wide heads: multi-head
 # latent attention's absorbed decode, D 576 -> 1024 padded, DV 512): fewer query rows per
 # program (more row blocks, each reading the keys again, mostly from L2) and 16-key tiles.
 NARROW_ROW_TILES = (32, 16)
 NARROW_BLOCK_N_CHOICES = (16, 32, 64)
-# Bytes of outstanding loads per SM that saturate HBM (module docstring; measured on the H200,
-# docs/results/exp_decode_2026-11-30.json).
-IN_FLIGHT_TARGET = 64 * 1024
-UNPIPELINED_SHARE = 0.25  # S = 1: the tile pairs in flight, as a share of one
-
 # The split rule's constants (rendered into the generated module).
-SPLIT_WAVES = 2
 MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 64
 INTERPRETER_SM_COUNT = 132  # what the generated module assumes without a GPU (an H100/H200)
@@ -114,19 +114,6 @@ def latent_rope_split(spec: AttnSpec) -> tuple[int, int] | None:
     return dv, rope
 
 
-def row_tile(num_q_heads: int, num_kv_heads: int, query_tokens: int) -> int:
-    """The packed query tile: q_per_kv * Nq rows, a power of two in 16..MAX_ROW_TILE."""
-    rows = (num_q_heads // num_kv_heads) * query_tokens
-    return min(MAX_ROW_TILE, max(16, 1 << (rows - 1).bit_length()))
-
-
-def decode_score(per_sm: int, block_n: int, d: int, dv: int, e: int, stages: int) -> float:
-    in_flight = (
-        min(per_sm, SPLIT_WAVES) * block_n * (d + dv) * e * (stages - 1 or UNPIPELINED_SHARE)
-    )
-    return min(1.0, in_flight / IN_FLIGHT_TARGET)
-
-
 def derive_decode_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
     """Every decode candidate on `arch_name`, judged like prefill's, scored by bytes in flight.
 
@@ -136,8 +123,6 @@ def derive_decode_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
     row blocks) and 16-key tiles are judged instead. An absorbed MLA decode (latent_rope_split)
     has its own kernel loop and model: attngen/tiling/decode_latent.py."""
     if latent_rope_split(spec):
-        from attngen.tiling.decode_latent import derive_latent_tiles
-
         return derive_latent_tiles(spec, arch_name)
     arch = ARCHS[arch_name]
     rows = row_tile(spec.num_q_heads, spec.num_kv_heads, spec.query_tokens)

@@ -36,6 +36,7 @@ from functools import cache
 
 from attngen.arch import ARCHS, GpuArch
 from attngen.spec import AttnSpec
+from attngen.tiling.decode_rows import decode_score, row_tile
 from attngen.tiling.prefill import (
     REGISTER_MARGIN,
     Candidate,
@@ -82,8 +83,6 @@ def register_cap(arch: GpuArch, warps: int) -> int:
 def latent_candidate(
     spec: AttnSpec, arch: GpuArch, config: TileConfig, v_from_k: bool
 ) -> Candidate:
-    from attngen.tiling.decode import decode_score  # (decode imports this module)
-
     rows, bn, w = config.block_m, config.block_n, config.num_warps
     d, dv, e = spec.head_dim, spec.value_head_dim, spec.dtype.itemsize
     smem_b = latent_smem(arch, rows, bn, d, dv, e, v_from_k)
@@ -126,8 +125,6 @@ def _preference(cand: Candidate, arch: GpuArch) -> tuple[bool, int, float, int, 
 def derive_latent_tiles(spec: AttnSpec, arch_name: str, v_from_k: bool = True) -> Derivation:
     """The latent decode's candidates on `arch_name` for V_FROM_K (the served path) or a
     v_cache of its own, and the preferred one; row tiles up to the spec's query group."""
-    from attngen.tiling.decode import row_tile
-
     arch = ARCHS[arch_name]
     group = row_tile(spec.num_q_heads, spec.num_kv_heads, spec.query_tokens)
     grid = itertools.product(
