@@ -24,16 +24,15 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import os
-import sys
 import threading
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 from attngen import __version__
+from attngen.files import ENV_CACHE, user_cache_dir
 
 ENV_ON_DEMAND = "ATTNGEN_ON_DEMAND"
-ENV_CACHE = "ATTNGEN_CACHE"
 ENV_TUNING = "ATTNGEN_TUNING"
 _PACKAGE = Path(__file__).resolve().parent.parent
 _REPO_TUNING = _PACKAGE.parent / "tuning"
@@ -99,17 +98,6 @@ def _env_flag(name: str, default: bool) -> bool:
     if value.lower() in _ON:
         return True
     raise ValueError(f"${name}: got {value!r}; allowed: 1 or 0 (true/false, yes/no, on/off)")
-
-
-def user_cache_dir() -> Path:
-    """The user's cache directory for attngen, by the platform's convention."""
-    if sys.platform == "darwin":
-        return Path.home() / "Library" / "Caches" / "attngen"
-    if os.name == "nt":
-        base = os.environ.get("LOCALAPPDATA") or str(Path.home() / "AppData" / "Local")
-        return Path(base) / "attngen" / "Cache"
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "attngen"
 
 
 def tuning_dir() -> Path | None:
