@@ -35,7 +35,7 @@ class GpuArch:
     # count against the per-block limit, only against the SM's capacity, i.e. occupancy.
     smem_block_reserve: int = 1024
     # The tensor-memory accelerator (cp.async.bulk.tensor), which the generated prefill uses
-    # for unmasked K/V blocks: measured on the H200, 5-12% faster (tools/exp_prefill.py).
+    # for unmasked K/V blocks: measured on the H200, 5-12% faster (exp_prefill.py@163a2b7).
     has_tma: bool = False
 
     @property

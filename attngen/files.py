@@ -4,7 +4,8 @@ A write goes to a temporary file in the target's folder, is flushed to disk, the
 target with os.replace, so a reader (or a crash) never sees half a file; a target that already
 holds exactly the new bytes is left alone, so rebuilding is idempotent and leaves timestamps
 as they were. `locked` holds an exclusive lock file while a block runs (the index merge, a
-module built on demand), across threads and processes alike.
+module built on demand), across threads and processes alike. `user_cache_dir` is where
+attngen's caches live by default (kernels built on demand, the templates' bytecode).
 """
 
 from __future__ import annotations
@@ -12,9 +13,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+# The cache root's setting: kernels built on demand (attngen/runtime/kernel_cache.py) and the
+# templates' bytecode (attngen/template_env.py) live under it.
+ENV_CACHE = "ATTNGEN_CACHE"
 
 
 def write_if_different(path: Path, text: str) -> bool:
@@ -51,3 +57,17 @@ def locked(lock_path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def user_cache_dir() -> Path:
+    """The user's cache directory for attngen, by the platform's convention
+    (`$XDG_CACHE_HOME/attngen`, else `~/.cache/attngen`; `~/Library/Caches/attngen` on macOS,
+    `%LOCALAPPDATA%\\attngen\\Cache` on Windows: what platformdirs does, without the
+    dependency)."""
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / "attngen"
+    if os.name == "nt":
+        base = os.environ.get("LOCALAPPDATA") or str(Path.home() / "AppData" / "Local")
+        return Path(base) / "attngen" / "Cache"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "attngen"

@@ -1,7 +1,7 @@
 """Rendering: a validated spec plus a derived tile config -> the text of a standalone module.
 
-Templates are package resources (`*.py.jinja`, partials prefixed `_`), loaded in their
-compiled form when current (attngen/template_env.py), rendered with StrictUndefined from a
+Templates are package resources (`*.py.jinja`, partials prefixed `_`), loaded through
+Jinja's bytecode cache (attngen/template_env.py), rendered with StrictUndefined from a
 flat context of validated ints, bools and enum names. No user-provided text reaches a
 template: the only strings in the context are enum values, the validated identifier `name`
 (for the module name and docstring) and lines attngen writes itself. Every rendered module is

@@ -23,26 +23,46 @@ def test_the_repository_is_within_its_line_budget(capsys: pytest.CaptureFixture[
     assert _tool().main([]) == 0, capsys.readouterr().out
 
 
-def test_over_budget_files_functions_and_stale_exceptions_fail(tmp_path: Path) -> None:
+def test_the_total_counts_modules_and_templates_only(tmp_path: Path) -> None:
     tool = _tool()
     (tmp_path / "attngen" / "templates").mkdir(parents=True)
+    (tmp_path / "attngen" / "verify" / "data").mkdir(parents=True)
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "attngen" / "a.py").write_text("x = 1\n" * 7, encoding="utf-8")
+    (tmp_path / "attngen" / "templates" / "t.py.jinja").write_text("{# t #}\n" * 5, "utf-8")
+    (tmp_path / "attngen" / "verify" / "data" / "d.json").write_text("{}\n" * 100, "utf-8")
+    (tmp_path / "tools" / "big.py").write_text("y = 2\n" * 1000, encoding="utf-8")
+    files = tool.package_files(tmp_path)
+    assert {m.name: m.lines for m in files} == {
+        "attngen/a.py": 7,
+        "attngen/templates/t.py.jinja": 5,
+    }
+    assert tool.violations(files, [], total_budget=12) == []
+    over = tool.violations(files, [], total_budget=11)
+    assert over == [
+        "attngen/: 12 lines, budget 11 (1 over); remove as many lines as the change adds"
+    ]
+    assert tool.main([], root=tmp_path, total_budget=12) == 0
+    assert tool.main([], root=tmp_path, total_budget=11) == 1
+
+
+def test_long_functions_fail_in_the_package_and_in_tools(tmp_path: Path) -> None:
+    tool = _tool()
+    (tmp_path / "attngen").mkdir()
     (tmp_path / "tools").mkdir()
     body = "\n".join(f"        x{i} = {i}" for i in range(tool.FUNCTION_LINES))
     (tmp_path / "attngen" / "long.py").write_text(
-        "class Holder:\n    def method(self):\n" + body + "\n" + "# filler\n" * tool.MODULE_LINES,
-        encoding="utf-8",
+        "class Holder:\n    def method(self):\n" + body + "\n", encoding="utf-8"
     )
-    (tmp_path / "attngen" / "fine.py").write_text("def f():\n    return 1\n", encoding="utf-8")
-    (tmp_path / "attngen" / "templates" / "big.py.jinja").write_text(
-        "{# line #}\n" * (tool.TEMPLATE_LINES + 1), encoding="utf-8"
+    fits = "\n".join(f"    x{i} = {i}" for i in range(tool.FUNCTION_LINES - 1))
+    (tmp_path / "tools" / "t.py").write_text(
+        "def fits():\n" + fits + "\n\n\ndef over():\n" + fits + "\n    y = 1\n", encoding="utf-8"
     )
-    excepted = {"attngen/templates/big.py.jinja": "a reason", "attngen/fine.py": "no longer needed"}
-    problems = tool.violations(tool.measure(tmp_path), excepted)
-    assert len(problems) == 3
-    assert problems[0].startswith(f"attngen/long.py: {tool.MODULE_LINES + 2 + tool.FUNCTION_LINES}")
-    assert problems[1].startswith(f"attngen/long.py::Holder.method: {tool.FUNCTION_LINES + 1} ")
-    assert problems[2].startswith("attngen/fine.py: listed in EXCEPTIONS (no longer needed)")
-    assert tool.main([], root=tmp_path, exceptions=excepted) == 1
-    within = {"attngen/templates/big.py.jinja": "a reason"}
-    (tmp_path / "attngen" / "long.py").write_text("x = 1\n", encoding="utf-8")
-    assert tool.violations(tool.measure(tmp_path), within) == []
+    problems = tool.violations([], tool.functions(tmp_path), total_budget=0)
+    assert problems == [
+        f"attngen/long.py::Holder.method: {tool.FUNCTION_LINES + 1} lines, budget "
+        f"{tool.FUNCTION_LINES}; split it",
+        f"tools/t.py::over: {tool.FUNCTION_LINES + 1} lines, budget {tool.FUNCTION_LINES}; "
+        "split it",
+    ]
+    assert tool.main([], root=tmp_path, total_budget=10_000) == 1

@@ -163,10 +163,12 @@ def test_cold_start_phases(tmp_path):
     # 100 ms. The derivation is not held to it: the first spec of each code path (pointer
     # loads, TMA) compiles that path's model functions once per process (about 0.1-0.2 s on
     # the H200 host, seen for the first TMA head dim after two pointer-path ones).
-    # The first render of the process loads the templates' compiled form (when it is not
-    # used, `templates` says why, and the first render compiles them: about 0.1 s).
+    # The first render of the process compiles the templates into Jinja's bytecode cache of
+    # the run's empty cache root (`templates` says where; 0.1-0.3 s on a 2-core CPU), once per
+    # template change on a user's machine; the later renders load them from memory.
     runs = result["phases"]["runs"]
-    assert all(run["render_s"] + run["write_s"] < 0.1 for run in runs), (
+    assert runs[0]["render_s"] + runs[0]["write_s"] < 0.5, (result["phases"]["templates"], runs)
+    assert all(run["render_s"] + run["write_s"] < 0.1 for run in runs[1:]), (
         result["phases"]["templates"],
         runs,
     )

@@ -1,10 +1,11 @@
-"""The templates' compiled form (attngen/template_env.py): shipped current, used, equal to the
-sources' renders, and set aside (the sources compiled instead) when it is not theirs."""
+"""The renders' Jinja environment (attngen/template_env.py): Jinja's bytecode cache under the
+cache root, filled by a first process and used by the next, rendering the sources' bytes."""
 
 from __future__ import annotations
 
-import json
-import shutil
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jinja2
@@ -12,6 +13,7 @@ import pytest
 
 from attngen import template_env
 from attngen.build import plan_build
+from attngen.files import user_cache_dir
 from attngen.render import TEMPLATE_FOR_KIND, build_context
 from attngen.spec import KernelKind, load_spec_file
 from attngen.tiling.decode import derive_decode_tiles
@@ -19,7 +21,6 @@ from attngen.tiling.prefill import derive_tiles
 from attngen.tuning.database import DEFAULT_TUNING_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
-REGENERATE = "python -m attngen.template_env"
 # (example, kind): every template's branches that the examples reach between them: a causal
 # GQA prefill with backward, sliding window with softcap, a varlen, sinks and a paged decode.
 RENDERED = [
@@ -31,102 +32,122 @@ RENDERED = [
 ]
 
 
-def test_the_shipped_compiled_templates_are_current() -> None:
-    assert template_env.stale_files() == [], f"run `{REGENERATE}`"
-    assert template_env.main(["--check"]) == 0
+@pytest.fixture
+def cache_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty cache root for this test ($ATTNGEN_CACHE, which the runtime's settings read
+    too while configure() has not set a cache_dir)."""
+    monkeypatch.setenv("ATTNGEN_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
 
 
-def test_renders_use_the_compiled_templates(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A fresh environment renders every kind without compiling a template (what a process's
-    first render paid: lexing, parsing and code generation of every template it includes)."""
-    assert template_env.template_loading().startswith("compiled"), template_env.template_loading()
+def test_the_bytecode_folder_is_under_the_cache_root(cache_root: Path) -> None:
+    assert template_env.cache_root() == cache_root
+    assert template_env.bytecode_folder() == cache_root / (f"templates_jinja2-{jinja2.__version__}")
+
+
+def test_the_cache_root_without_settings_is_the_users(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ATTNGEN_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere/cache")
+    assert template_env.cache_root() == user_cache_dir()
+    if sys.platform == "linux":
+        assert user_cache_dir() == Path("/somewhere/cache/attngen")
+
+
+def test_the_runtimes_cache_dir_decides_when_it_is_loaded(cache_root: Path, tmp_path: Path) -> None:
+    from attngen.runtime import kernel_cache
+
+    kernel_cache.set_overrides(None, tmp_path / "configured")
+    try:
+        assert template_env.cache_root() == tmp_path / "configured"
+    finally:
+        kernel_cache.reset_overrides()
+    assert template_env.cache_root() == cache_root
+
+
+def test_a_filled_cache_renders_the_same_bytes_without_compiling(
+    cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first environment compiles each template and writes its bytecode; a second one
+    (a later process) loads it, compiles nothing, and renders what the sources render."""
+    contexts = [(_context(example, kind), TEMPLATE_FOR_KIND[kind]) for example, kind in RENDERED]
+    plain = template_env.source_environment()
+    expected = [plain.get_template(name).render(**context) for context, name in contexts]
+
+    first = template_env.TemplateBytecodeCache()
+    cold = template_env.source_environment(first)
+    assert [cold.get_template(n).render(**c) for c, n in contexts] == expected
+    assert first.error is None
+    written = sorted(template_env.bytecode_folder().glob("*.cache"))
+    # Each top-level template and the partials it includes: one file each.
+    assert len(written) >= len({name for _, name in contexts}) + 1, written
 
     def no_compile(*args: object, **kwargs: object) -> None:
         raise AssertionError("a template was compiled from its source")
 
     monkeypatch.setattr(jinja2.Environment, "compile", no_compile)
-    env, loading = template_env._environment_and_loading.__wrapped__()
-    assert loading.startswith("compiled")
-    for example, kind in RENDERED:
-        context = _context(example, kind)
-        assert env.get_template(TEMPLATE_FOR_KIND[kind]).render(**context)
+    warm = template_env.source_environment(template_env.TemplateBytecodeCache())
+    assert [warm.get_template(n).render(**c) for c, n in contexts] == expected
 
 
-@pytest.mark.parametrize(("example", "kind"), RENDERED, ids=lambda x: getattr(x, "value", x))
-def test_compiled_and_source_templates_render_the_same_bytes(
-    example: str, kind: KernelKind
-) -> None:
-    context = _context(example, kind)
-    compiled = template_env.environment().get_template(TEMPLATE_FOR_KIND[kind])
-    sources = template_env._source_environment().get_template(TEMPLATE_FOR_KIND[kind])
-    assert compiled.render(**context) == sources.render(**context)
+def test_an_edited_template_is_compiled_again(cache_root: Path) -> None:
+    """An entry is used only for the source it was compiled from (Jinja's sha1 check)."""
+    loader = jinja2.DictLoader({"t.py.jinja": "x = {{ value }}\n"})
+    env = jinja2.Environment(loader=loader, bytecode_cache=template_env.TemplateBytecodeCache())
+    assert env.get_template("t.py.jinja").render(value=1) == "x = 1"
+    loader.mapping["t.py.jinja"] = "y = {{ value }}\n"
+    env = jinja2.Environment(loader=loader, bytecode_cache=template_env.TemplateBytecodeCache())
+    assert env.get_template("t.py.jinja").render(value=1) == "y = 1"
+
+
+def test_an_unwritable_cache_renders_and_says_why(tmp_path: Path, cache_root: Path) -> None:
+    cache_root.parent.mkdir(parents=True, exist_ok=True)
+    cache_root.write_text("a file where the folder would be\n", encoding="utf-8")
+    bytecode = template_env.TemplateBytecodeCache()
+    env = template_env.source_environment(bytecode)
+    context = _context("llama3_8b", KernelKind.prefill)
+    name = TEMPLATE_FOR_KIND[KernelKind.prefill]
+    expected = template_env.source_environment().get_template(name).render(**context)
+    assert env.get_template(name).render(**context) == expected
+    assert bytecode.error is not None and "Error" in bytecode.error
+
+
+def test_template_loading_names_the_folder() -> None:
+    loading = template_env.template_loading()
+    assert loading.startswith(f"sources, Jinja2 {jinja2.__version__}, bytecode cache ")
+    assert "templates_jinja2-" in loading
+
+
+def test_a_second_process_loads_the_bytecode(tmp_path: Path) -> None:
+    """Two processes on one cache root: the first writes the bytecode, the second compiles no
+    template (its Environment.compile is never called)."""
+    script = (
+        "import jinja2, sys\n"
+        "from attngen import render, template_env\n"
+        "calls = []\n"
+        "original = jinja2.Environment.compile\n"
+        "jinja2.Environment.compile = lambda *a, **k: calls.append(1) or original(*a, **k)\n"
+        "template_env.environment().get_template('decode.py.jinja')\n"
+        "print(len(calls))\n"
+    )
+    env = {**os.environ, "ATTNGEN_CACHE": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    counts = [
+        subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for _ in range(2)
+    ]
+    assert int(counts[0]) > 0 and counts[1] == "0", counts
 
 
 def test_the_built_module_is_the_committed_one() -> None:
-    """plan_build through the compiled templates gives generated/'s bytes (which the sources
-    rendered when they were built)."""
+    """plan_build through the environment (the bytecode cache as this process found it) gives
+    generated/'s bytes."""
     for artifact in plan_build(
         load_spec_file(ROOT / "examples" / "mistral_7b.yaml"), DEFAULT_TUNING_DIR
     ):
         assert (ROOT / "generated" / artifact.relative_path).read_text(
             encoding="utf-8"
         ) == artifact.source, artifact.relative_path
-
-
-@pytest.mark.parametrize(
-    ("change", "reason"),
-    [
-        (lambda m: m.update(jinja2="3.0.0"), "the installed Jinja2 3.1.6 is not 3.0.0"),
-        (lambda m: m.update(sources_sha256="0" * 64), "their sources_sha256 differ"),
-        (lambda m: m["options"].update(trim_blocks=False), "their options differ"),
-        (lambda m: m["modules"].pop("prefill.py.jinja"), "their modules differ"),
-    ],
-)
-def test_compiled_templates_that_are_not_the_sources_are_not_used(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change, reason: str
-) -> None:
-    monkeypatch.setattr(jinja2, "__version__", "3.1.6")
-    folder = _copy(tmp_path)
-    assert template_env._why_not_compiled(folder) is None
-    manifest = json.loads((folder / template_env.MANIFEST).read_text(encoding="utf-8"))
-    change(manifest)
-    (folder / template_env.MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
-    assert reason in template_env._why_not_compiled(folder)
-    monkeypatch.setattr(template_env, "COMPILED_DIR", folder)
-    env, loading = template_env._environment_and_loading.__wrapped__()
-    assert loading.startswith("sources (the compiled templates are not used: ")
-    assert isinstance(env.loader, jinja2.PackageLoader)
-
-
-def test_a_missing_module_or_manifest_is_named(tmp_path: Path) -> None:
-    folder = _copy(tmp_path)
-    module = template_env.manifest()["modules"]["decode.py.jinja"]
-    (folder / module).unlink()
-    assert template_env._why_not_compiled(folder) == f"{module} is missing"
-    (folder / template_env.MANIFEST).unlink()
-    assert "no readable manifest.json" in template_env._why_not_compiled(folder)
-
-
-def test_write_compiled_writes_what_changed_and_removes_stale_modules(tmp_path: Path) -> None:
-    folder = tmp_path / "compiled"
-    written = template_env.write_compiled(folder)
-    assert sorted(written) == sorted(template_env.compiled_files())
-    assert template_env.write_compiled(folder) == []  # idempotent
-    (folder / "tmpl_0000.py").write_text("x = 1\n", encoding="utf-8")
-    assert template_env.write_compiled(folder) == ["tmpl_0000.py"]
-    assert not (folder / "tmpl_0000.py").exists()
-    assert template_env._why_not_compiled(folder) is None
-    assert template_env.stale_files(folder) == []
-    (folder / "tmpl_0000.py").write_text("x = 1\n", encoding="utf-8")
-    module = template_env.manifest()["modules"]["prefill.py.jinja"]
-    (folder / module).write_text("# edited\n", encoding="utf-8")
-    assert template_env.stale_files(folder) == [module, "tmpl_0000.py"]
-
-
-def _copy(tmp_path: Path) -> Path:
-    folder = tmp_path / "compiled"
-    shutil.copytree(template_env.COMPILED_DIR, folder, ignore=shutil.ignore_patterns("__pycache__"))
-    return folder
 
 
 def _context(example: str, kind: KernelKind) -> dict:

@@ -2,8 +2,8 @@
 # Two lists of single-GPU sections at once on a two-GPU machine, one per GPU, so that a device
 # call does twice the work. The second list runs in a copy of the tree (a section may rebuild
 # generated/, as autotune_backward does, under the other list's tests) with its own package
-# folder. Host-time sections (host_public, host) do not belong here: the other process shares
-# the CPUs.
+# folder. Host-time sections (host_public, profile_launch) do not belong here: the other
+# process shares the CPUs.
 #
 # Usage: bash tools/gpu_parallel.sh OUT "SECTION[:SECONDS] ..." "SECTION[:SECONDS] ..."
 # Results: OUT/gpu0.tgz and OUT/gpu1.tgz (each list's logs and JSON) and OUT/gpu*.txt; each

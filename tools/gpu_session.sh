@@ -49,10 +49,6 @@ section_command() {
     integration_tests) echo "$pytest_gpu tests/test_integration_gpu.py" ;;
     hf_static) echo "$pytest_gpu tests/test_integration_gpu.py -k cache_decode_module" ;;
     decode_property) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_decode_gpu.py -k property_cases" ;;
-    # The D 256 backward's dK/dV split into a dV and a dK kernel (wgmma tiles), against the
-    # module's own gradient kernels.
-    exp_fp32_bwd) echo "python3 tools/exp_fp32_backward_error.py --out $work" ;;
-    exp_split_dkdv) echo "python3 tools/exp_backward_split_dkdv.py --out $work" ;;
     train_step) echo "python3 tools/bench_train_step.py --out $work" ;;
     # A Llama-3-8B-shaped 2-layer model's loss.backward() against SDPA's, and the cache routes.
     training_tests) echo "$pytest_gpu tests/test_integration_gpu.py -k 'training or cache_decode'" ;;
@@ -66,7 +62,6 @@ section_command() {
     model_eager) echo "python3 tools/bench_model.py --out $work/model_eager --impls attngen,sdpa \
       --decode-modes dynamic,static" ;;
     cp_tests) echo "$pytest_gpu tests/test_context_parallel_gpu.py" ;;
-    host) echo "python3 tools/exp_host_overhead.py --out $work" ;;
     # One entry point's host time split into its Python and its launches, each launch timed
     # through Triton's launcher with tensors, with addresses, and through the C launcher.
     profile_launch) echo "python3 tools/profile_launch_host.py --out $work" ;;

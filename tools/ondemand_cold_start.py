@@ -8,8 +8,9 @@ the phases of the first call's path:
     spec       the call's Need stated as a spec (ondemand.spec_for)
     derive     the tiling model's choice (the first derivation also imports sympy and
                compiles the model's expressions: `derive_first`; a second spec: `derive`)
-    render     the module's text (plan_build: tuning lookup and Jinja, from the templates'
-               compiled form: `templates` says whether it was used, attngen/template_env.py)
+    render     the module's text (plan_build: tuning lookup and Jinja, through its bytecode
+               cache in the fresh cache, so compiled: `templates` says where it was kept,
+               attngen/template_env.py)
     write      the module and the index written into the cache (atomic writes, locks)
     load       the module imported after its sha256 check
     first      the first kernel call: Triton's compile on a GPU, the interpreter's run on CPU

@@ -35,7 +35,6 @@ import contextlib
 import hashlib
 import importlib.metadata
 import os
-import sys
 import threading
 import warnings
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from attngen.files import locked
+from attngen.files import ENV_CACHE, locked, user_cache_dir
 from attngen.names import __version__, module_name
 from attngen.spec import AttnSpec, KernelKind, SpecError, specs_from_data
 
@@ -51,7 +50,6 @@ if TYPE_CHECKING:
     from attngen.build import Artifact
 
 ENV_ON_DEMAND = "ATTNGEN_ON_DEMAND"
-ENV_CACHE = "ATTNGEN_CACHE"
 ENV_TUNING = "ATTNGEN_TUNING"
 _PACKAGE = Path(__file__).resolve().parent.parent
 _REPO_TUNING = _PACKAGE.parent / "tuning"
@@ -120,17 +118,6 @@ def _env_flag(name: str, default: bool) -> bool:
     if value.lower() in _ON:
         return True
     raise ValueError(f"${name}: got {value!r}; allowed: 1 or 0 (true/false, yes/no, on/off)")
-
-
-def user_cache_dir() -> Path:
-    """The user's cache directory for attngen, by the platform's convention."""
-    if sys.platform == "darwin":
-        return Path.home() / "Library" / "Caches" / "attngen"
-    if os.name == "nt":
-        base = os.environ.get("LOCALAPPDATA") or str(Path.home() / "AppData" / "Local")
-        return Path(base) / "attngen" / "Cache"
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "attngen"
 
 
 def tuning_dir() -> Path | None:

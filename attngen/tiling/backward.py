@@ -233,7 +233,7 @@ def split_dkdv(arch: GpuArch, e: int, dkdv: Derivation, dv: Derivation, dk: Deri
     no feasible fused config reaches wgmma's 64 key rows (both fp32 accumulators leave no
     registers for them: D 256) and both one-gradient launches' choices do. Their extra
     product (dV recomputes P, dK recomputes P and dP: five products for four) is the price;
-    on the H200 (tools/exp_backward_split_dkdv.py, B 4, H 8, N 4096, D 256, bf16) the fused
+    on the H200 (exp_backward_split_dkdv.py@8a07bfd, B 4, H 8, N 4096, D 256, bf16) the fused
     32x32 launch on mma.sync took 5.03 / 2.62 ms (full / causal) and the split at 32x128,
     8 warps, 3 stages for both launches 3.07 / 1.84 ms. At D 128, where the fused kernel
     runs on wgmma (64x128), the best split took 1.3-1.5x the fused time. A property of the

@@ -1,7 +1,7 @@
 """The code paths a prefill or varlen module takes besides its tile config: how K/V blocks are
 loaded and in which order programs start. render puts them in the template context and
 `attngen explain` prints them. Each threshold is a measurement on the H200
-(tools/exp_prefill.py; docs/performance.md), so every path beyond the portable one is chosen
+(exp_prefill.py@163a2b7; docs/performance.md), so every path beyond the portable one is chosen
 only on Hopper.
 
 TMA needs 16-byte aligned strides: a head dim whose rows are not a multiple of 16 bytes
@@ -23,7 +23,7 @@ from attngen.tiling.rows import tma_strides_aligned
 # Causal prefill modules on Hopper with a head dim above LPT_ABOVE_HEAD_DIM schedule
 # LPT_GROUP_HEADS heads at a time longest-processing-time first: the heaviest query block of
 # each head in the group first, then the next heaviest. Measured on the H200 with
-# tools/exp_prefill.py, "lpt_group16":
+# exp_prefill.py@163a2b7, "lpt_group16":
 # - D = 256 causal: +6.9% at N = 1024 and +6.4% at N = 4096;
 # - D = 64 and 128: the committed configs moved between -1.6% and +1.4%, so those stay
 #   head by head;
@@ -34,11 +34,11 @@ LPT_ABOVE_HEAD_DIM = 128
 
 # A launch of at most POINTER_LOADS_UP_TO (program, key block) pairs reads K/V by pointer loads
 # even where TMA could: building its two tensor descriptors costs more host time than TMA can
-# save on so small a kernel. On the H200's host (tools/exp_host_overhead.py,
+# save on so small a kernel. On the H200's host (exp_host_overhead.py@edd285e,
 # docs/results/host_overhead_2026-11-30_before_launcher.json) the compiled launcher took
 # 23.3 us with TMA descriptors and 14.1 us with pointers at B 1, H 12, N 64, D 64: about 9 us
 # of descriptor encoding per launch, on every launch. TMA saves 5-12% of the kernel's time
-# (tools/exp_prefill.py: pointers -> tma). 512 pairs are about four key blocks per SM of an
+# (exp_prefill.py@163a2b7: pointers -> tma). 512 pairs are about four key blocks per SM of an
 # H100/H200's 132: a kernel of a few microseconds, of which 5-12% is well under the 9 us the
 # descriptors cost, and whose launch the host is the bottleneck of anyway. Under Triton's
 # interpreter (the CPU tests) the threshold is 0: no launcher encodes anything there, and

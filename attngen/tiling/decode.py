@@ -12,7 +12,7 @@ the model to that.
 What differs is the goal. Decode does almost no arithmetic per byte, so a config is worth
 what it keeps in flight: by Little's law an SM needs about 72 KiB of outstanding loads to draw
 its share of HBM bandwidth (an H200's 4.8 TB/s x ~2 us loaded latency / 132 SMs). Measured on
-the H200 (tools/exp_decode.py), 64 KiB is enough: two stages read B=64 x 4096 keys at 0.99
+the H200 (exp_decode.py@163a2b7), 64 KiB is enough: two stages read B=64 x 4096 keys at 0.99
 of the copy rate, where three stages (fewer programs per SM) fell to 0.87. A pipelined
 program (S >= 2) has S - 1 K/V tile pairs in flight; without pipelining (S = 1) loads and math
 alternate, counted as a quarter of a tile pair (one stage read a paged cache at 0.54 of the

@@ -72,7 +72,7 @@ def smem_expression(
 # Prefill modules on Hopper read the masked (diagonal, window edge, tail) K/V blocks through
 # TMA as well when both head dims are at most this and the tile is on the wgmma path: 2-17%
 # faster with the tiles it makes best; at D = 256 the extra branch spills (68 B at 128x64 with
-# 8 warps) and cost 2-3% (tools/exp_prefill.py, docs/performance.md).
+# 8 warps) and cost 2-3% (exp_prefill.py@163a2b7, docs/performance.md).
 TMA_MASKED_MAX_HEAD_DIM = 128
 
 

@@ -6,7 +6,7 @@ among them: the best-scoring config of each tile shape (BLOCK_M x BLOCK_N x warp
 the order of their best score, each followed by its 3-stage config when the best has fewer
 (DEEP_STAGES). One per shape, because the score ranks stage counts within a shape well but not
 shapes against each other on Hopper: on the H200, 64x64 tiles with 4 warps beat the predicted
-128x128 with 8 warps by 5-17% on causal D = 128 (tools/exp_prefill.py), a shape the first
+128x128 with 8 warps by 5-17% on causal D = 128 (exp_prefill.py@163a2b7), a shape the first
 four by score never reached.
 
 Each candidate must first pass the correctness gate (`compare_to_reference` on fresh inputs,

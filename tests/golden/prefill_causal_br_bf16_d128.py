@@ -128,7 +128,7 @@ def _attn_fwd_inner(
                 # The copy engine zero-fills rows past the sequence; keys inside it that no
                 # row sees get V zeroed here and K masked in the scores. Reading these
                 # blocks through TMA too lets both key loops share one pipeline: it made
-                # 64x64 tiles the fastest at causal D = 128 (tools/exp_prefill.py).
+                # 64x64 tiles the fastest at causal D = 128 (exp_prefill.py@163a2b7).
                 k = tl.trans(k_desc.load([desc_b, desc_h, start, 0]).reshape(BLOCK_N, _BLOCK_D))
                 v = v_desc.load([desc_b, desc_h, start, 0]).reshape(BLOCK_N, _BLOCK_DV)
                 v = tl.where(key_live[:, None], v, 0.0)
@@ -147,7 +147,7 @@ def _attn_fwd_inner(
         qk = tl.dot(q, k)
         # Note: plain scores stay unscaled; the scale is applied in the row max and in the
         # exponent's FMA (sm_scale > 0, so max(s x qk) = s x max(qk)): one multiply per
-        # score fewer, 3-6% faster at D = 64 on the H200 (tools/exp_prefill.py, then "fma").
+        # score fewer, 3-6% faster at D = 64 on the H200 (exp_prefill.py@163a2b7, then "fma").
         scores = qk
         if MASKED:
             visible = key_pos[None, :] <= q_pos[:, None]

@@ -123,7 +123,7 @@ def _attn_fwd_inner(
         qk = tl.dot(q, k)
         # Note: plain scores stay unscaled; the scale is applied in the row max and in the
         # exponent's FMA (sm_scale > 0, so max(s x qk) = s x max(qk)): one multiply per
-        # score fewer, 3-6% faster at D = 64 on the H200 (tools/exp_prefill.py, then "fma").
+        # score fewer, 3-6% faster at D = 64 on the H200 (exp_prefill.py@163a2b7, then "fma").
         scores = qk
         if MASKED:
             visible = key_pos[None, :] <= q_pos[:, None]
