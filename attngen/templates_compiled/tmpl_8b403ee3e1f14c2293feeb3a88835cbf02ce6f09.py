@@ -13,13 +13,7 @@ def root(context, missing=missing):
     l_0_call_plans = resolve('call_plans')
     l_0_rope_dim = resolve('rope_dim')
     pass
-    template = environment.get_template('_steps.py.jinja', '_decode_plan.py.jinja')
-    gen = template.root_render_func(template.new_context(context.get_all(), True, {}))
-    try:
-        for event in gen:
-            yield event
-    finally: gen.close()
-    yield "\n\n# -- what follows the caches' size -----------------------------------------------------------\n# A cache that grows by a key a step (transformers' DynamicCache hands decode() new tensors\n# [B, HKV, L + 1, D] each step) changes the capacity, the caches' strides, the split count and\n# the partials' size, and nothing else a launch derives. The full path and the call plans\n# derive those from the caches with the functions below, so that a plan launches what the full\n# path would for caches of any length.\n_LENGTH_DIM = "
+    yield "# -- what follows the caches' size -----------------------------------------------------------\n# A cache that grows by a key a step (transformers' DynamicCache hands decode() new tensors\n# [B, HKV, L + 1, D] each step) changes the capacity, the caches' strides, the split count and\n# the partials' size, and nothing else a launch derives. The full path and the call plans\n# derive those from the caches with the functions below, so that a plan launches what the full\n# path would for caches of any length.\n_LENGTH_DIM = "
     yield str((0 if ((undefined(name='kv_layout') if l_0_kv_layout is missing else l_0_kv_layout) == 'paged') else 2))
     yield "  # the caches' dimension that varies: "
     yield str(('pages' if ((undefined(name='kv_layout') if l_0_kv_layout is missing else l_0_kv_layout) == 'paged') else 'positions'))
@@ -81,4 +75,4 @@ def root(context, missing=missing):
         yield '    device = q.get_device()\n    direct = _direct_on(device, [step.kernel for step in steps if step is not None])\n    cos, sin = (q, q) if rotary_cos is None else (rotary_cos, rotary_sin)\n    if append is not None:\n        _run_step(append, device, (k_new, v_new, k_cache, v_cache, cache_seqlens, table, cos,\n                                   sin), append_ints, direct)\n    global LAST_NUM_SPLITS\n    LAST_NUM_SPLITS = splits\n    lse_arg = out if lse is None else lse\n    part_out = part_lse = out\n    if combine is not None:\n        part_out, part_lse = _partials(q, plan.rows, splits)\n    _run_step(split, device, (q, k_cache, v_cache, out, lse_arg, part_out, part_lse,\n                              cache_seqlens, table, cos, sin, out),\n              split_ints, direct)\n    if combine is not None:\n        _run_step(combine, device, (part_out, part_lse, out, lse_arg), None, direct)\n    return out, lse\n'
 
 blocks = {}
-debug_info = '5=16&14=23&18=27&30=34&40=41&43=44&49=50&68=54&142=57&179=61&208=68&233=75'
+debug_info = '11=17&15=21&27=28&37=35&40=38&46=44&65=48&139=51&176=55&205=62&230=69'

@@ -38,12 +38,6 @@ def root(context, missing=missing):
         @internalcode
         def t_2(*unused):
             raise TemplateRuntimeError("No filter named 'length' found.")
-    try:
-        t_3 = environment.filters['trim']
-    except KeyError:
-        @internalcode
-        def t_3(*unused):
-            raise TemplateRuntimeError("No filter named 'trim' found.")
     pass
     l_0_common = context.vars['common'] = environment.get_template('_common.py.jinja', '_launch.py.jinja').make_module(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step, 'tile_launch': l_0_tile_launch})
     context.exported_vars.discard('common')
@@ -60,20 +54,6 @@ def root(context, missing=missing):
     l_0_dropout_param = (', dropout=None' if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout) else '')
     context.vars['dropout_param'] = l_0_dropout_param
     context.exported_vars.add('dropout_param')
-    template = environment.get_template('_tensor_checks.py.jinja', '_launch.py.jinja')
-    gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step, 'tile_launch': l_0_tile_launch}))
-    try:
-        for event in gen:
-            yield event
-    finally: gen.close()
-    yield '\n\n'
-    template = environment.get_template('_fast_launch.py.jinja', '_launch.py.jinja')
-    gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step, 'tile_launch': l_0_tile_launch}))
-    try:
-        for event in gen:
-            yield event
-    finally: gen.close()
-    yield '\n\n'
     template = environment.get_template('_launch_helpers.py.jinja', '_launch.py.jinja')
     gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step, 'tile_launch': l_0_tile_launch}))
     try:
@@ -82,15 +62,6 @@ def root(context, missing=missing):
     finally: gen.close()
     if (undefined(name='varlen') if l_0_varlen is missing else l_0_varlen):
         pass
-        yield '\n\n'
-        yield str(t_3(context.call(environment.getattr((undefined(name='checks') if l_0_checks is missing else l_0_checks), 'varlen_validation')), '\n'))
-        yield '\n\n\n'
-        template = environment.get_template('_steps.py.jinja', '_launch.py.jinja')
-        gen = template.root_render_func(template.new_context(context.get_all(), True, {'checks': l_0_checks, 'common': l_0_common, 'dropout_param': l_0_dropout_param, 'entry_prefix': l_0_entry_prefix, 'launch_config': l_0_launch_config, 'step': l_0_step, 'tile_launch': l_0_tile_launch}))
-        try:
-            for event in gen:
-                yield event
-        finally: gen.close()
         if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
             pass
             yield '\n\n'
@@ -152,7 +123,7 @@ def root(context, missing=missing):
         if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
             pass
             yield '    key = _call_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,\n                    alibi_slopes, return_lse, seqused_k, out)\n    if key is not None:\n        plan = _CALL_PLANS.get(key)\n        if plan is not None:\n            done = _run_plan(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k,\n                             out)\n            if done is not None:\n                return done if return_lse else done[0]\n'
-        yield '    if not _tensors_ok(q, k, v, 3, 0):\n        _check_tensors(q, k, v, "[T, H, D]")\n    if not _varlen_ok(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):\n        _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)\n    if _checked():\n        _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k)\n    total_q, num_q_heads, _ = q.shape\n    num_kv_heads = k.shape[1]\n    '
+        yield '    if not _tensors_ok(q, k, v, 3, 0, DTYPE, HEAD_DIM, HEAD_DIM_V):\n        _check_tensors(q, k, v, "[T, H, D]", DTYPE, HEAD_DIM, HEAD_DIM_V)\n    if not _varlen_ok(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):\n        _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)\n    if _checked():\n        _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k)\n    total_q, num_q_heads, _ = q.shape\n    num_kv_heads = k.shape[1]\n    '
         yield str(('stride_slopes_b' if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi) else '_'))
         yield ' = _check_alibi(alibi_slopes, num_q_heads, q, cu_seqlens_q.numel() - 1)\n'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
@@ -285,7 +256,7 @@ def root(context, missing=missing):
         if (undefined(name='call_plans') if l_0_call_plans is missing else l_0_call_plans):
             pass
             yield '    key = _call_key(q, k, v, sm_scale, alibi_slopes, return_lse, out)\n    if key is not None:\n        plan = _CALL_PLANS.get(key)\n        if plan is not None:\n            done = _run_plan(plan, q, k, v, out)\n            if done is not None:\n                return done if return_lse else done[0]\n'
-        yield '    if not _tensors_ok(q, k, v, 4, 2):\n        _check_tensors(q, k, v, "[B, H, N, D]")\n    if not (q.shape[0] == k.shape[0] == v.shape[0]):\n        raise ValueError(\n            f"batch: expected equal sizes, got q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}"\n        )\n    batch, num_q_heads, seqlen_q, _ = q.shape\n    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]\n    '
+        yield '    if not _tensors_ok(q, k, v, 4, 2, DTYPE, HEAD_DIM, HEAD_DIM_V):\n        _check_tensors(q, k, v, "[B, H, N, D]", DTYPE, HEAD_DIM, HEAD_DIM_V)\n    if not (q.shape[0] == k.shape[0] == v.shape[0]):\n        raise ValueError(\n            f"batch: expected equal sizes, got q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}"\n        )\n    batch, num_q_heads, seqlen_q, _ = q.shape\n    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]\n    '
         yield str(('stride_slopes_b' if (undefined(name='alibi') if l_0_alibi is missing else l_0_alibi) else '_'))
         yield ' = _check_alibi(alibi_slopes, num_q_heads, q, batch)\n'
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
@@ -339,38 +310,38 @@ def root(context, missing=missing):
         yield '}\n    options = _options('
         yield str((undefined(name='launch_config') if l_0_launch_config is missing else l_0_launch_config))
         yield ')\n'
-        t_4 = []
+        t_3 = []
         pass
-        t_4.append(
+        t_3.append(
             '    _launch(\n        _attn_fwd_kernel, num_programs, q.get_device(),\n        (q, k, v, out, lse_arg, slopes_arg',
         )
         if (undefined(name='sinks') if l_0_sinks is missing else l_0_sinks):
             pass
-            t_4.append(
+            t_3.append(
                 ', sinks',
             )
         if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
             pass
-            t_4.append(
+            t_3.append(
                 ', drop["RngState"]',
             )
-        t_4.append(
+        t_3.append(
             '),\n        ints, (qk_scale,',
         )
         if (undefined(name='dropout') if l_0_dropout is missing else l_0_dropout):
             pass
-            t_4.append(
+            t_3.append(
                 ' drop["keep_scale"],',
             )
         if (undefined(name='tma') if l_0_tma is missing else l_0_tma):
             pass
-            t_4.append(
+            t_3.append(
                 ' k_desc, v_desc',
             )
-        t_4.append(
+        t_3.append(
             '),\n        constexprs, options,\n    )\n',
         )
-        l_0_tile_launch = (Markup if context.eval_ctx.autoescape else identity)(concat(t_4))
+        l_0_tile_launch = (Markup if context.eval_ctx.autoescape else identity)(concat(t_3))
         context.vars['tile_launch'] = l_0_tile_launch
         context.exported_vars.add('tile_launch')
         if (undefined(name='gluon') if l_0_gluon is missing else l_0_gluon):
@@ -398,4 +369,4 @@ def root(context, missing=missing):
         yield '    return (out, lse) if return_lse else out\n'
 
 blocks = {}
-debug_info = '4=48&5=50&6=52&9=54&12=57&13=60&14=63&17=70&20=77&21=83&24=86&27=88&28=94&31=97&35=104&36=106&37=108&38=115&40=125&49=133&50=138&53=146&58=150&71=152&90=156&91=158&105=162&108=166&119=168&126=172&127=175&129=179&130=183&132=187&133=191&135=193&136=197&137=201&139=204&146=209&149=212&151=218&154=221&156=227&159=230&163=237&164=239&165=246&167=256&168=264&169=269&172=277&177=281&180=283&183=285&200=289&201=291&215=295&218=299&224=301&228=304&229=307&231=309&234=313&235=315&237=317&241=321&242=324&244=328&245=334&246=340&250=347&251=360&247=373&255=376&259=379&261=382&263=383&266=386&270=388&277=394'
+debug_info = '4=42&5=44&6=46&9=48&12=51&13=54&14=57&15=63&16=65&19=68&23=75&24=77&25=79&26=86&28=96&37=104&38=109&41=117&46=121&59=123&78=127&79=129&93=133&96=137&107=139&114=143&115=146&117=150&118=154&120=158&121=162&123=164&124=168&125=172&127=175&134=180&137=183&139=189&142=192&144=198&147=201&151=208&152=210&153=217&155=227&156=235&157=240&160=248&165=252&168=254&171=256&188=260&189=262&203=266&206=270&212=272&216=275&217=278&219=280&222=284&223=286&225=288&229=292&230=295&232=299&233=305&234=311&238=318&239=331&235=344&243=347&247=350&249=353&251=354&254=357&258=359&265=365'

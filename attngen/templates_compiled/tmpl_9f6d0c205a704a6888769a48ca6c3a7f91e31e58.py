@@ -148,7 +148,7 @@ def root(context, missing=missing):
         l_1_softcap = resolve('softcap')
         pass
         t_2.extend((
-            '_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"\n_LOG2E = 1.4426950408889634\n# ATTNGEN_CHECKS is read at every call: os.environ.get encodes the name and the value (about\n# a microsecond), so on POSIX the launchers read the bytes mapping that os.environ keeps and\n# updates at every assignment and deletion.\n_ENVIRON = os.environ._data if os.name == "posix" else None\n\n\ndef _checked():\n    """Whether ATTNGEN_CHECKS=1 is set now (the host validation of the index tensors)."""\n    if _ENVIRON is None:\n        return os.environ.get("ATTNGEN_CHECKS") == "1"\n    return _ENVIRON.get(b"ATTNGEN_CHECKS") == b"1"\n\n\n# Compile-time constants of the kernels (Triton reads globals only as tl.constexpr).\n# Head dims are padded to powers of two for tl.dot; loads and stores mask the padding.\n_HEAD_DIM = tl.constexpr(HEAD_DIM)\n_HEAD_DIM_V = tl.constexpr(HEAD_DIM_V)\n_BLOCK_D = tl.constexpr(',
+            '_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"\n_LOG2E = 1.4426950408889634\n\n# Compile-time constants of the kernels (Triton reads globals only as tl.constexpr).\n# Head dims are padded to powers of two for tl.dot; loads and stores mask the padding.\n_HEAD_DIM = tl.constexpr(HEAD_DIM)\n_HEAD_DIM_V = tl.constexpr(HEAD_DIM_V)\n_BLOCK_D = tl.constexpr(',
             str((undefined(name='block_d') if l_1_block_d is missing else l_1_block_d)),
             ')\n_BLOCK_DV = tl.constexpr(',
             str((undefined(name='block_dv') if l_1_block_dv is missing else l_1_block_dv)),
@@ -229,4 +229,4 @@ def root(context, missing=missing):
     context.vars['check_sm_scale'] = l_0_check_sm_scale = Macro(environment, macro, 'check_sm_scale', (), False, False, False, context.eval_ctx.autoescape)
 
 blocks = {}
-debug_info = '4=12&8=37&15=45&18=50&21=55&34=62&35=64&36=66&37=68&38=70&39=73&40=77&42=84&43=86&44=89&47=94&48=98&50=101&51=105&53=110&54=119&59=124&60=129&67=139&87=152&88=154&90=157&91=161&92=163&94=166&97=171&100=176&123=185&124=189&148=203&149=207&168=221'
+debug_info = '4=12&8=37&15=45&18=50&21=55&34=62&35=64&36=66&37=68&38=70&39=73&40=77&42=84&43=86&44=89&47=94&48=98&50=101&51=105&53=110&54=119&59=124&60=129&67=139&75=152&76=154&78=157&79=161&80=163&82=166&85=171&88=176&111=185&112=189&136=203&137=207&156=221'

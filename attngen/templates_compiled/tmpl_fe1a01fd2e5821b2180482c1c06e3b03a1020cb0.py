@@ -36,7 +36,7 @@ def root(context, missing=missing):
     yield str(t_1(context.call(environment.getattr((undefined(name='common') if l_0_common is missing else l_0_common), 'check_sm_scale')), '\n'))
     yield '\n    return '
     yield str(context.call(environment.getattr((undefined(name='step') if l_0_step is missing else l_0_step), 'kernel_scale')))
-    yield '\n\n\ndef _check_grid(num_programs):\n    if num_programs >= 2**31:\n        raise ValueError(f"shape: {num_programs} programs exceed the grid\'s 2**31 - 1")\n\n\ndef _options(config):\n    """The compile options of a launch with `config`."""\n'
+    yield '\n\n\ndef _options(config):\n    """The compile options of a launch with `config`."""\n'
     if ((undefined(name='dtype') if l_0_dtype is missing else l_0_dtype) == 'fp32'):
         pass
         yield '    return {"num_warps": config["num_warps"], "num_stages": config["num_stages"],\n            "enable_fp_fusion": False}  # see the Note on fp32 scores\n'
@@ -53,4 +53,4 @@ def root(context, missing=missing):
         yield '"\n'
 
 blocks = {}
-debug_info = '4=23&5=25&7=28&8=30&12=33&18=36&19=38&29=40&35=46&46=49&52=52'
+debug_info = '4=23&5=25&7=28&8=30&12=33&18=36&19=38&24=40&30=46&41=49&47=52'
