@@ -14,8 +14,11 @@ from __future__ import annotations
 import ast
 import hashlib
 from functools import cache
+from importlib import resources
 from typing import Any
 
+from attngen.host import MARKER as HOST_MARKER
+from attngen.host import PARTS as HOST_PARTS
 from attngen.names import __version__
 from attngen.spec import AttnSpec, KernelKind, module_name
 from attngen.template_env import environment, template_sources
@@ -71,12 +74,33 @@ class RenderError(RuntimeError):
 
 @cache
 def template_hash(template_name: str) -> str:
-    """Hash of a template and every partial: a change to any of them shows in the header."""
+    """Hash of a template, every partial and the host code: a change to any of them shows in
+    the header."""
     digest = hashlib.sha256()
     for name, data in template_sources().items():
         if name == template_name or name.startswith("_"):
             digest.update(name.encode() + b"\0" + data)
+    for part, text in host_parts().items():
+        digest.update(f"host/{part}.py".encode() + b"\0" + text.encode())
     return digest.hexdigest()[:16]
+
+
+@cache
+def host_parts() -> dict[str, str]:
+    """part -> the text attngen/host/<part>.py gives a generated module: from its HOST_MARKER
+    line to its end, verbatim (without the final newline)."""
+    folder = resources.files("attngen").joinpath("host")
+    parts = {}
+    for part in HOST_PARTS:
+        text = folder.joinpath(f"{part}.py").read_text(encoding="utf-8")
+        parts[part] = text[text.index("\n" + HOST_MARKER) + 1 :].rstrip("\n")
+    return parts
+
+
+def host_code(kind: KernelKind) -> str:
+    """The host code at the end of a module of this kind: its parts, in order."""
+    texts = [text for part, text in host_parts().items() if kind.value in HOST_PARTS[part]]
+    return "\n\n\n".join(texts)
 
 
 def build_context(
@@ -171,6 +195,8 @@ def _host_paths_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str
     (_decode_plan.py.jinja) do without them."""
     paths = code_paths(spec, arch, kind)
     return {
+        # attngen/host's parts for this kind, verbatim: the module's last lines
+        "host_code": host_code(kind),
         "tma": paths.tma,
         "tma_masked_blocks": paths.tma_masked_blocks,
         "lpt_group_heads": paths.lpt_group_heads,
@@ -279,15 +305,15 @@ def render_module(
     backward: BackwardDerivation | None = None,
 ) -> str:
     context = build_context(spec, kind, derivation, backward)
-    source = environment().get_template(TEMPLATE_FOR_KIND[kind]).render(**context)
+    source = render_template(TEMPLATE_FOR_KIND[kind], context)
     check_module_source(source, context["module_name"], ENTRY_POINTS[kind])
     return source
 
 
 def kernels_text(source: str) -> str:
-    """The JIT functions of a rendered prefill module (from the first @triton.jit to the host
-    checks): the part a template change alters, without the header and CONFIG."""
-    return source[source.index("@triton.jit") : source.index("\ndef _check")]
+    """The JIT functions of a rendered prefill module (from the first @triton.jit to the
+    launcher's helpers): the part a template change alters, without the header and CONFIG."""
+    return source[source.index("@triton.jit") : source.index("\ndef _check_alibi")]
 
 
 def render_template(template_name: str, context: dict[str, Any]) -> str:

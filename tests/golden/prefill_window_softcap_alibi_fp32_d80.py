@@ -62,18 +62,6 @@ CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _LOG2E = 1.4426950408889634
-# ATTNGEN_CHECKS is read at every call: os.environ.get encodes the name and the value (about
-# a microsecond), so on POSIX the launchers read the bytes mapping that os.environ keeps and
-# updates at every assignment and deletion.
-_ENVIRON = os.environ._data if os.name == "posix" else None
-
-
-def _checked():
-    """Whether ATTNGEN_CHECKS=1 is set now (the host validation of the index tensors)."""
-    if _ENVIRON is None:
-        return os.environ.get("ATTNGEN_CHECKS") == "1"
-    return _ENVIRON.get(b"ATTNGEN_CHECKS") == b"1"
-
 
 # Compile-time constants of the kernels (Triton reads globals only as tl.constexpr).
 # Head dims are padded to powers of two for tl.dot; loads and stores mask the padding.
@@ -275,250 +263,6 @@ def _attn_fwd_kernel(
         tl.store(lse_ptrs, lse, mask=row_ok)
 
 
-def _check_tensors(q, k, v, layout):
-    """Type, rank, dtype, device, head dims and head counts of q, k, v laid out as `layout`
-    ("[B, H, N, D]" or "[T, H, D]": heads on axis 1, head dim last, length on axis -2 / 0)."""
-    rank = layout.count(",") + 1
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != rank:
-            raise ValueError(f"{name}: expected rank {rank} {layout}, got {tuple(t.shape)}")
-        if t.dtype != DTYPE:
-            raise ValueError(f"{name}: expected dtype {DTYPE}, got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name}: expected device {q.device} (as q), got {t.device}")
-    if q.device.type != "cuda" and not (_INTERPRET and q.device.type == "cpu"):
-        raise ValueError(
-            f"q: expected CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), got {q.device}"
-        )
-    if q.shape[-1] != HEAD_DIM or k.shape[-1] != HEAD_DIM:
-        raise ValueError(
-            f"head dim: expected q and k with D={HEAD_DIM}, got {q.shape[-1]} and {k.shape[-1]}"
-        )
-    if v.shape[-1] != HEAD_DIM_V:
-        raise ValueError(f"v: expected head dim {HEAD_DIM_V}, got {v.shape[-1]}")
-    length = 0 if rank == 3 else 2
-    if k.shape[1] != v.shape[1] or k.shape[length] != v.shape[length]:
-        raise ValueError(
-            f"k and v: expected the same heads and length, got {k.shape[1]}, {k.shape[length]} "
-            f"and {v.shape[1]}, {v.shape[length]}"
-        )
-    num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
-        raise ValueError(
-            "heads: expected q heads a multiple of k/v heads, "
-            f"got {num_q_heads} and {num_kv_heads}"
-        )
-
-
-def _tensors_ok(q, k, v, rank, length):
-    """The success path of _check_tensors (axis `length` of k and v their length), by
-    comparisons only: no loop, no message. False sends the call to _check_tensors, which
-    names what is wrong (or passes)."""
-    tensor = torch.Tensor
-    if not (type(q) is tensor and type(k) is tensor and type(v) is tensor):
-        return False
-    cuda = q.is_cuda
-    if not (cuda or (_INTERPRET and q.is_cpu)):
-        return False
-    q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
-    return (len(q_shape) == rank and len(k_shape) == rank and len(v_shape) == rank
-            and q.dtype == DTYPE and k.dtype == DTYPE and v.dtype == DTYPE
-            and (k.is_cuda if cuda else k.is_cpu) and (v.is_cuda if cuda else v.is_cpu)
-            and k.get_device() == q.get_device() == v.get_device()
-            and q_shape[-1] == HEAD_DIM and k_shape[-1] == HEAD_DIM and v_shape[-1] == HEAD_DIM_V
-            and k_shape[1] == v_shape[1] and k_shape[length] == v_shape[length]
-            and k_shape[1] != 0 and q_shape[1] % k_shape[1] == 0)
-
-
-# -- launches -------------------------------------------------------------------------------
-# `kernel[grid](...)` binds every argument, derives what Triton specializes on and formats a
-# cache key on each call: tens of microseconds of host time, more than a small launch's GPU
-# time. `_launch` derives the same specialization from the arguments' groups (cheaper: the
-# groups are known here), and after the first call for a specialization calls the compiled
-# kernel's own launcher, as Triton's JITFunction.run does once it has the kernel.
-ACCEPTS_OUT = True
-_FAST_LAUNCH = not _INTERPRET  # the interpreter runs `kernel[grid]` (it has no launcher)
-_LAUNCH_CACHE = {}  # _specialization(...) -> the compiled kernel's _runner
-_EXACT_LAUNCHES = {}  # (_launch_classes(...), the ints themselves) -> the same
-_LAUNCH_CACHE_SIZE = 1024  # a full cache starts over (a miss only costs a `kernel[grid]` call)
-_DRIVER = []  # [get_current_device, get_current_stream], resolved at the first launch on a GPU
-_HOOKS = triton.knobs.HookChain  # launch hooks: None or an empty chain means no hook
-_KNOBS = triton.knobs
-# A compiled kernel's launcher (CudaLauncher.__call__) builds its scratch closures at each
-# call, and its C launcher calls each tensor's data_ptr() and cuPointerGetAttribute on it:
-# 1-6 us of a launch on the H200 host (tools/profile_launch_host.py). A direct launch passes
-# the tensors' addresses as ints (the C launcher takes an int as the address itself; the
-# caller has checked that the tensors are on the device) and, where that C launcher's
-# arguments are Triton 3.6's and the kernel needs no scratch memory, calls it without the
-# Python frame.
-_C_LAUNCHER = triton.__version__.split(".")[:2] == ["3", "6"]
-
-
-def _int_classes(ints):
-    """Each int's class: (n >> 31) * 4 for its range (Triton's i32 is n >> 31 in {-1, 0};
-    every other value is its own class, at least as fine as i64/u64), plus 0 when
-    n % 16 == 0, 2 when n == 1 (a constant to Triton), else 1."""
-    return tuple([(n >> 31) * 4 + (n & 15 and (n == 1) + 1) for n in ints])
-
-
-def _launch_classes(kernel, device, tensors, addresses, tail, constexprs, options):
-    """Everything the compiled kernel depends on besides the ints and the argument values:
-    the kernel, the device, each tensor's dtype and 16-byte alignment (of its address), the
-    tail's classes (a float scalar is never specialized, None is a constant, a TMA descriptor
-    is its dtype, block shape and padding), the constexprs and the compile options (with
-    Triton's debug and instrumentation knobs)."""
-    aligned = tuple([(t.dtype, a & 15 == 0) for t, a in zip(tensors, addresses, strict=True)])
-    return (kernel, device, aligned,
-            tuple([type(x) if x is None or type(x) is float
-                   else (x.base.dtype, tuple(x.block_shape), x.padding) for x in tail]),
-            tuple(constexprs.items()), tuple(options.items()), _KNOBS.runtime.debug,
-            _KNOBS.compilation.instrumentation_mode)
-
-
-def _specialization(kernel, device, tensors, ints, tail, constexprs, options):
-    """_launch_classes and the ints' classes: equal keys give equal specializations; the
-    converse may not hold (no harm: one more entry)."""
-    addresses = [t.data_ptr() for t in tensors]
-    return (_launch_classes(kernel, device, tensors, addresses, tail, constexprs, options),
-            _int_classes(ints))
-
-
-def _runs_directly(kernel):
-    """Whether a launch may call a compiled kernel's launcher: the cached launcher on (not the
-    interpreter), no pre-run hook and no launch hook (a profiler: it receives the launch's
-    metadata, which only `kernel[grid]` builds). Resolves _DRIVER on the first call."""
-    runtime = _KNOBS.runtime
-    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
-    if (not _FAST_LAUNCH or kernel.pre_run_hooks
-            or (enter is not None and not (type(enter) is _HOOKS and not enter.calls))
-            or (leave is not None and not (type(leave) is _HOOKS and not leave.calls))):
-        return False
-    if not _DRIVER:
-        active = triton.runtime.driver.active
-        _DRIVER[:] = [active.get_current_device, active.get_current_stream]
-    return True
-
-
-def _direct_on(device, kernels):
-    """Whether launches of these kernels may call their compiled launchers now: each
-    _runs_directly, and `device` the current device (the compiled kernels' handles are
-    loaded for it)."""
-    for kernel in kernels:
-        if not _runs_directly(kernel):
-            return False
-    return _DRIVER[0]() == device
-
-
-def _runner(compiled):
-    """(launch, prefix): launch(grid, 1, 1, stream, *prefix, *addresses, *ints, *tail,
-    *constexprs) runs the compiled kernel: its C launcher with the fixed arguments Triton
-    3.6's takes after the stream (_C_LAUNCHER, no scratch memory), else its launcher."""
-    launcher = compiled.run
-    if (_C_LAUNCHER and type(launcher).__name__ == "CudaLauncher"
-            and not getattr(launcher, "global_scratch_size", 1)
-            and not getattr(launcher, "profile_scratch_size", 1)):
-        return launcher.launch, (compiled.function, launcher.launch_cooperative_grid,
-                                 launcher.launch_pdl, None, None, compiled.packed_metadata,
-                                 None, None, None)
-    return launcher, (compiled.function, compiled.packed_metadata, None, None, None)
-
-
-def _launch(kernel, grid, device, tensors, ints, tail, constexprs, options):
-    """kernel[(grid,)](*tensors, *ints, *tail, **constexprs, **options): the kernel's
-    parameters are tensors (pointers), Python ints (a tuple), the tail (floats, TMA
-    descriptors or None) and its constexprs, in that order; device is the tensors' CUDA
-    device index. Returns the compiled kernel's _runner when it ran directly, else None.
-
-    The first call of a specialization goes through `kernel[grid]` (which compiles or finds the
-    kernel, checks Triton's globals, and launches); later ones call its launcher directly with
-    the tensors' addresses, found first under the call's ints as they are (a repeated shape:
-    no int classes to derive), else under their classes, on `device` made current if it is
-    not. Where _runs_directly says no, every launch takes `kernel[grid]`."""
-    if not _runs_directly(kernel):
-        with torch.cuda.device(device) if device >= 0 else contextlib.nullcontext():
-            kernel[(grid,)](*tensors, *ints, *tail, **constexprs, **options)
-        return None
-    if _DRIVER[0]() != device:
-        with torch.cuda.device(device):
-            return _launch(kernel, grid, device, tensors, ints, tail, constexprs, options)
-    addresses = [t.data_ptr() for t in tensors]
-    classes = _launch_classes(kernel, device, tensors, addresses, tail, constexprs, options)
-    exact = (classes, ints)
-    runner = _EXACT_LAUNCHES.get(exact)
-    if runner is None:
-        key = (classes, _int_classes(ints))
-        runner = _LAUNCH_CACHE.get(key)
-        if runner is None:
-            return _first_launch(kernel, grid, key, tensors, ints, tail, constexprs, options)
-        if len(_EXACT_LAUNCHES) >= _LAUNCH_CACHE_SIZE:
-            _EXACT_LAUNCHES.clear()
-        _EXACT_LAUNCHES[exact] = runner
-    launch, prefix = runner
-    launch(grid, 1, 1, _DRIVER[1](device), *prefix, *addresses, *ints, *tail,
-           *constexprs.values())
-    return runner
-
-
-def _first_launch(kernel, grid, key, tensors, ints, tail, constexprs, options):
-    """`kernel[grid]`, and its compiled kernel's _runner remembered under `key` once the
-    kernel's parameters are known to be the groups in order with the constexprs last (the
-    launcher takes them by position)."""
-    compiled = kernel[(grid,)](*tensors, *ints, *tail, **constexprs, **options)
-    if hasattr(compiled, "result"):  # Triton's asynchronous compile mode
-        compiled = compiled.result()
-    positional = len(tensors) + len(ints) + len(tail)
-    params = kernel.params
-    if (len(params) != positional + len(constexprs)
-            or any(p.is_constexpr for p in params[:positional])
-            or [p.name for p in params[positional:]] != list(constexprs)):
-        raise RuntimeError(f"{kernel.fn.__name__}: its parameters are not the launch's groups "
-                           "in order, constexprs last; rebuild the module")
-    runner = _runner(compiled)  # (compiled.run loads the kernel's handles on this device)
-    if len(_LAUNCH_CACHE) >= _LAUNCH_CACHE_SIZE:
-        _LAUNCH_CACHE.clear()
-    _LAUNCH_CACHE[key] = runner
-    return runner
-
-
-# -- out= -----------------------------------------------------------------------------------
-_DENSE_LAYOUTS = {}  # (shape, strides) -> whether no two elements share memory
-
-
-def _no_self_overlap(shape, strides):
-    """No two elements of a tensor of this shape and these strides share an address: sorted by
-    stride, each dimension steps past everything the smaller ones span (remembered)."""
-    known = _DENSE_LAYOUTS.get((shape, strides))
-    if known is None:
-        span, known = 1, True
-        for size, stride in sorted(zip(shape, strides, strict=True), key=lambda d: d[1]):
-            if size > 1:
-                known = known and stride >= span
-                span = stride * (size - 1) + 1
-        if len(_DENSE_LAYOUTS) >= _LAUNCH_CACHE_SIZE:
-            _DENSE_LAYOUTS.clear()
-        _DENSE_LAYOUTS[(shape, strides)] = known
-    return known
-
-
-def _check_out(out, shape, q, inputs):
-    """out: a tensor of `shape`, q's dtype and device, any strides whose elements do not
-    overlap, sharing no storage with the inputs (the kernel reads them while it writes)."""
-    if not isinstance(out, torch.Tensor):
-        raise ValueError(f"out: expected a torch.Tensor or None, got {type(out).__name__}")
-    if out.shape != shape or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(f"out: expected shape {tuple(shape)} {q.dtype} on {q.device}, got "
-                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
-    if not _no_self_overlap(out.shape, out.stride()):
-        raise ValueError(f"out: strides {out.stride()} make elements share memory (an expanded "
-                         "or overlapping view); pass a tensor each element of which is its own")
-    storage = out.untyped_storage().data_ptr()
-    for name, t in inputs:
-        if t is not None and t.untyped_storage().data_ptr() == storage and out.numel():
-            raise ValueError(f"out: shares memory with {name}; pass a separate tensor")
-
-
 def _check_alibi(alibi_slopes, num_q_heads, q, batch=None):
     shapes = [(num_q_heads,)] if batch is None else [(num_q_heads,), (batch, num_q_heads)]
     allowed = " or ".join(str(shape) for shape in shapes)
@@ -551,11 +295,6 @@ def _kernel_scale(sm_scale):
     return sm_scale / SOFTCAP
 
 
-def _check_grid(num_programs):
-    if num_programs >= 2**31:
-        raise ValueError(f"shape: {num_programs} programs exceed the grid's 2**31 - 1")
-
-
 def _options(config):
     """The compile options of a launch with `config`."""
     return {"num_warps": config["num_warps"], "num_stages": config["num_stages"],
@@ -578,7 +317,6 @@ def forward_path():
 # Triton's knobs select. The plan is left when the config it used has changed (autotune
 # updates CONFIG) or the launch cannot run directly (a hook, another current device).
 _CALL_PLANS = {}  # _call_key(...) -> _CallPlan
-_TENSOR = torch.Tensor
 
 
 class _CallPlan:
@@ -687,8 +425,8 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
             done = _run_plan(plan, q, k, v, out)
             if done is not None:
                 return done if return_lse else done[0]
-    if not _tensors_ok(q, k, v, 4, 2):
-        _check_tensors(q, k, v, "[B, H, N, D]")
+    if not _tensors_ok(q, k, v, 4, 2, DTYPE, HEAD_DIM, HEAD_DIM_V):
+        _check_tensors(q, k, v, "[B, H, N, D]", DTYPE, HEAD_DIM, HEAD_DIM_V)
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(
             f"batch: expected equal sizes, got q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}"
@@ -816,3 +554,399 @@ def attention_flash_out(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse
     contract): bit for bit attention()'s output transposed, written where it belongs."""
     return _heads_last_out(q, k, v, False, sm_scale, alibi_slopes, return_lse,
                            out)
+
+
+# -- host code: attngen/host/launch.py, copied verbatim ----------------------------------------
+# The entry points take `out=` (the runtime reads this); the rest is the modules' own.
+ACCEPTS_OUT = True
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# ATTNGEN_CHECKS is read at every call: os.environ.get encodes the name and the value (about
+# a microsecond), so on POSIX the launchers read the bytes mapping that os.environ keeps and
+# updates at every assignment and deletion.
+_ENVIRON = os.environ._data if os.name == "posix" else None  # type: ignore[attr-defined]
+_TENSOR = torch.Tensor
+
+
+def _checked() -> bool:
+    """Whether ATTNGEN_CHECKS=1 is set now (the host validation of the index tensors)."""
+    if _ENVIRON is None:
+        return os.environ.get("ATTNGEN_CHECKS") == "1"
+    return _ENVIRON.get(b"ATTNGEN_CHECKS") == b"1"
+
+
+# -- launches -------------------------------------------------------------------------------
+# `kernel[grid](...)` binds every argument, derives what Triton specializes on and formats a
+# cache key on each call: tens of microseconds of host time, more than a small launch's GPU
+# time. `_launch` derives the same specialization from the arguments' groups (cheaper: the
+# groups are known here), and after the first call for a specialization calls the compiled
+# kernel's own launcher, as Triton's JITFunction.run does once it has the kernel.
+_FAST_LAUNCH = not _INTERPRET  # the interpreter runs `kernel[grid]` (it has no launcher)
+_LAUNCH_CACHE: dict[tuple, tuple] = {}  # _specialization(...) -> the compiled kernel's _runner
+_EXACT_LAUNCHES: dict[tuple, tuple] = {}  # (_launch_classes(...), the ints themselves) -> the same
+_LAUNCH_CACHE_SIZE = 1024  # a full cache starts over (a miss only costs a `kernel[grid]` call)
+_DRIVER: list = []  # [get_current_device, get_current_stream], set at the first launch on a GPU
+_HOOKS = triton.knobs.HookChain  # launch hooks: None or an empty chain means no hook
+_KNOBS = triton.knobs
+# A compiled kernel's launcher (CudaLauncher.__call__) builds its scratch closures at each
+# call, and its C launcher calls each tensor's data_ptr() and cuPointerGetAttribute on it:
+# 1-6 us of a launch on the H200 host (tools/profile_launch_host.py). A direct launch passes
+# the tensors' addresses as ints (the C launcher takes an int as the address itself; the
+# caller has checked that the tensors are on the device) and, where that C launcher's
+# arguments are Triton 3.6's and the kernel needs no scratch memory, calls it without the
+# Python frame.
+_C_LAUNCHER = triton.__version__.split(".")[:2] == ["3", "6"]
+
+
+def _int_classes(ints: tuple[int, ...]) -> tuple[int, ...]:
+    """Each int's class: (n >> 31) * 4 for its range (Triton's i32 is n >> 31 in {-1, 0};
+    every other value is its own class, at least as fine as i64/u64), plus 0 when
+    n % 16 == 0, 2 when n == 1 (a constant to Triton), else 1."""
+    return tuple([(n >> 31) * 4 + (n & 15 and (n == 1) + 1) for n in ints])
+
+
+def _launch_classes(kernel, device, tensors, addresses, tail, constexprs, options):
+    """Everything the compiled kernel depends on besides the ints and the argument values:
+    the kernel, the device, each tensor's dtype and 16-byte alignment (of its address), the
+    tail's classes (a float scalar is never specialized, None is a constant, a TMA descriptor
+    is its dtype, block shape and padding), the constexprs and the compile options (with
+    Triton's debug and instrumentation knobs)."""
+    aligned = tuple([(t.dtype, a & 15 == 0) for t, a in zip(tensors, addresses, strict=True)])
+    return (
+        kernel,
+        device,
+        aligned,
+        tuple(
+            [
+                type(x)
+                if x is None or type(x) is float
+                else (x.base.dtype, tuple(x.block_shape), x.padding)
+                for x in tail
+            ]
+        ),
+        tuple(constexprs.items()),
+        tuple(options.items()),
+        _KNOBS.runtime.debug,
+        _KNOBS.compilation.instrumentation_mode,
+    )
+
+
+def _specialization(kernel, device, tensors, ints, tail, constexprs, options):
+    """_launch_classes and the ints' classes: equal keys give equal specializations; the
+    converse may not hold (no harm: one more entry)."""
+    addresses = [t.data_ptr() for t in tensors]
+    return (
+        _launch_classes(kernel, device, tensors, addresses, tail, constexprs, options),
+        _int_classes(ints),
+    )
+
+
+def _runs_directly(kernel: triton.JITFunction) -> bool:
+    """Whether a launch may call a compiled kernel's launcher: the cached launcher on (not the
+    interpreter), no pre-run hook and no launch hook (a profiler: it receives the launch's
+    metadata, which only `kernel[grid]` builds). Resolves _DRIVER on the first call."""
+    runtime = _KNOBS.runtime
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    if (
+        not _FAST_LAUNCH
+        or kernel.pre_run_hooks
+        or (enter is not None and not (type(enter) is _HOOKS and not enter.calls))
+        or (leave is not None and not (type(leave) is _HOOKS and not leave.calls))
+    ):
+        return False
+    if not _DRIVER:
+        active = triton.runtime.driver.active
+        _DRIVER[:] = [active.get_current_device, active.get_current_stream]
+    return True
+
+
+def _direct_on(device: int, kernels: tuple[triton.JITFunction, ...]) -> bool:
+    """Whether launches of these kernels may call their compiled launchers now: each
+    _runs_directly, and `device` the current device (the compiled kernels' handles are
+    loaded for it)."""
+    for kernel in kernels:
+        if not _runs_directly(kernel):
+            return False
+    return _DRIVER[0]() == device
+
+
+def _runner(compiled):
+    """(launch, prefix): launch(grid, 1, 1, stream, *prefix, *addresses, *ints, *tail,
+    *constexprs) runs the compiled kernel: its C launcher with the fixed arguments Triton
+    3.6's takes after the stream (_C_LAUNCHER, no scratch memory), else its launcher."""
+    launcher = compiled.run
+    if (
+        _C_LAUNCHER
+        and type(launcher).__name__ == "CudaLauncher"
+        and not getattr(launcher, "global_scratch_size", 1)
+        and not getattr(launcher, "profile_scratch_size", 1)
+    ):
+        return launcher.launch, (
+            compiled.function,
+            launcher.launch_cooperative_grid,
+            launcher.launch_pdl,
+            None,
+            None,
+            compiled.packed_metadata,
+            None,
+            None,
+            None,
+        )
+    return launcher, (compiled.function, compiled.packed_metadata, None, None, None)
+
+
+def _launch(kernel, grid, device, tensors, ints, tail, constexprs, options):
+    """kernel[(grid,)](*tensors, *ints, *tail, **constexprs, **options): the kernel's
+    parameters are tensors (pointers), Python ints (a tuple), the tail (floats, TMA
+    descriptors or None) and its constexprs, in that order; device is the tensors' CUDA
+    device index. Returns the compiled kernel's _runner when it ran directly, else None.
+
+    The first call of a specialization goes through `kernel[grid]` (which compiles or finds the
+    kernel, checks Triton's globals, and launches); later ones call its launcher directly with
+    the tensors' addresses, found first under the call's ints as they are (a repeated shape:
+    no int classes to derive), else under their classes, on `device` made current if it is
+    not. Where _runs_directly says no, every launch takes `kernel[grid]`."""
+    if not _runs_directly(kernel):
+        with torch.cuda.device(device) if device >= 0 else contextlib.nullcontext():
+            kernel[(grid,)](*tensors, *ints, *tail, **constexprs, **options)
+        return None
+    if _DRIVER[0]() != device:
+        with torch.cuda.device(device):
+            return _launch(kernel, grid, device, tensors, ints, tail, constexprs, options)
+    addresses = [t.data_ptr() for t in tensors]
+    classes = _launch_classes(kernel, device, tensors, addresses, tail, constexprs, options)
+    exact = (classes, ints)
+    runner = _EXACT_LAUNCHES.get(exact)
+    if runner is None:
+        key = (classes, _int_classes(ints))
+        runner = _LAUNCH_CACHE.get(key)
+        if runner is None:
+            return _first_launch(kernel, grid, key, tensors, ints, tail, constexprs, options)
+        if len(_EXACT_LAUNCHES) >= _LAUNCH_CACHE_SIZE:
+            _EXACT_LAUNCHES.clear()
+        _EXACT_LAUNCHES[exact] = runner
+    launch, prefix = runner
+    launch(grid, 1, 1, _DRIVER[1](device), *prefix, *addresses, *ints, *tail, *constexprs.values())
+    return runner
+
+
+def _first_launch(kernel, grid, key, tensors, ints, tail, constexprs, options):
+    """`kernel[grid]`, and its compiled kernel's _runner remembered under `key` once the
+    kernel's parameters are known to be the groups in order with the constexprs last (the
+    launcher takes them by position)."""
+    compiled = kernel[(grid,)](*tensors, *ints, *tail, **constexprs, **options)
+    if hasattr(compiled, "result"):  # Triton's asynchronous compile mode
+        compiled = compiled.result()
+    positional = len(tensors) + len(ints) + len(tail)
+    params = kernel.params
+    if (
+        len(params) != positional + len(constexprs)
+        or any(p.is_constexpr for p in params[:positional])
+        or [p.name for p in params[positional:]] != list(constexprs)
+    ):
+        raise RuntimeError(
+            f"{kernel.fn.__name__}: its parameters are not the launch's groups "
+            "in order, constexprs last; rebuild the module"
+        )
+    runner = _runner(compiled)  # (compiled.run loads the kernel's handles on this device)
+    if len(_LAUNCH_CACHE) >= _LAUNCH_CACHE_SIZE:
+        _LAUNCH_CACHE.clear()
+    _LAUNCH_CACHE[key] = runner
+    return runner
+
+
+# -- out= -----------------------------------------------------------------------------------
+_DENSE_LAYOUTS: dict[tuple, bool] = {}  # (shape, strides) -> whether no two elements share memory
+
+
+def _no_self_overlap(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """No two elements of a tensor of this shape and these strides share an address: sorted by
+    stride, each dimension steps past everything the smaller ones span (remembered)."""
+    known = _DENSE_LAYOUTS.get((shape, strides))
+    if known is None:
+        span, known = 1, True
+        for size, stride in sorted(zip(shape, strides, strict=True), key=lambda d: d[1]):
+            if size > 1:
+                known = known and stride >= span
+                span = stride * (size - 1) + 1
+        if len(_DENSE_LAYOUTS) >= _LAUNCH_CACHE_SIZE:
+            _DENSE_LAYOUTS.clear()
+        _DENSE_LAYOUTS[(shape, strides)] = known
+    return known
+
+
+def _check_out(
+    out: object,
+    shape: tuple[int, ...],
+    q: torch.Tensor,
+    inputs: tuple[tuple[str, torch.Tensor | None], ...],
+) -> None:
+    """out: a tensor of `shape`, q's dtype and device, any strides whose elements do not
+    overlap, sharing no storage with the inputs (the kernel reads them while it writes)."""
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"out: expected a torch.Tensor or None, got {type(out).__name__}")
+    if out.shape != shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(
+            f"out: expected shape {tuple(shape)} {q.dtype} on {q.device}, got "
+            f"{tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    if not _no_self_overlap(out.shape, out.stride()):
+        raise ValueError(
+            f"out: strides {out.stride()} make elements share memory (an expanded "
+            "or overlapping view); pass a tensor each element of which is its own"
+        )
+    storage = out.untyped_storage().data_ptr()
+    for name, t in inputs:
+        if t is not None and t.untyped_storage().data_ptr() == storage and out.numel():
+            raise ValueError(f"out: shares memory with {name}; pass a separate tensor")
+
+
+def _check_grid(num_programs: int) -> None:
+    if num_programs >= 2**31:
+        raise ValueError(f"shape: {num_programs} programs exceed the grid's 2**31 - 1")
+
+
+# -- launches kept with their arguments --------------------------------------------------------
+class _Step:
+    """One launch: its kernel, grid, ints, tail, constexprs and compile options,
+    and the compiled kernels' _runner found for it, per (the tensors' 16-byte alignment,
+    Triton's knobs)."""
+
+    __slots__ = ("kernel", "grid", "ints", "tail", "constexprs", "options", "compiled")
+
+    def __init__(self, kernel, grid, ints, tail, constexprs, options):
+        self.kernel, self.grid, self.ints, self.tail = kernel, grid, ints, tail
+        self.constexprs, self.options, self.compiled = constexprs, options, {}
+
+
+def _run_step(step, device, tensors, ints=None, direct=None):
+    """_launch(step's kernel, ...) with these tensors, or, once a compiled kernel is known for
+    their alignment and the launch may run directly, its launcher with their addresses and no
+    key to derive. ints: the call's, in place of the step's (a decode plan's caches of another
+    size); the caller keeps a step for ints of its ints' classes only (_int_classes), so that
+    the compiled kernel is theirs. direct: _direct_on(device, the step's kernel), when the
+    caller has asked it once for all its steps (None: asked here)."""
+    if ints is None:
+        ints = step.ints
+    addresses = [t.data_ptr() for t in tensors]
+    slot = (
+        tuple([a & 15 == 0 for a in addresses]),
+        _KNOBS.runtime.debug,
+        _KNOBS.compilation.instrumentation_mode,
+    )
+    runner = step.compiled.get(slot)
+    if direct is None:
+        direct = _direct_on(device, (step.kernel,))
+    if runner is None or not direct:
+        runner = _launch(
+            step.kernel, step.grid, device, tensors, ints, step.tail, step.constexprs, step.options
+        )
+        if runner is not None and _DRIVER[0]() == device:
+            step.compiled[slot] = runner
+        return
+    launch, prefix = runner
+    launch(
+        step.grid,
+        1,
+        1,
+        _DRIVER[1](device),
+        *prefix,
+        *addresses,
+        *ints,
+        *step.tail,
+        *step.constexprs.values(),
+    )
+
+
+def _layout(t: torch.Tensor | None) -> tuple | None:
+    """A tensor's layout in a plan's key: shape, strides, dtype, device; None stays None."""
+    if t is None:
+        return None
+    if type(t) is not _TENSOR:
+        raise TypeError  # not a plain tensor: the full path decides
+    return t.shape, t.stride(), t.dtype, t.is_cuda, t.get_device()
+
+
+# -- host code: attngen/host/checks.py, copied verbatim ----------------------------------------
+# _tensors_ok is the launchers' success path, by comparisons only: no loop, no message. False
+# sends the call to _check_tensors, which names what is wrong (or passes). The module's dtype
+# and head dims come as arguments (DTYPE, HEAD_DIM, HEAD_DIM_V of the module).
+def _check_tensors(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    head_dim_v: int,
+) -> None:
+    """Type, rank, dtype, device, head dims and head counts of q, k, v laid out as `layout`
+    ("[B, H, N, D]" or "[T, H, D]": heads on axis 1, head dim last, length on axis -2 / 0)."""
+    rank = layout.count(",") + 1
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != rank:
+            raise ValueError(f"{name}: expected rank {rank} {layout}, got {tuple(t.shape)}")
+        if t.dtype != dtype:
+            raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (as q), got {t.device}")
+    if q.device.type != "cuda" and not (_INTERPRET and q.device.type == "cpu"):
+        raise ValueError(
+            f"q: expected CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), got {q.device}"
+        )
+    if q.shape[-1] != head_dim or k.shape[-1] != head_dim:
+        raise ValueError(
+            f"head dim: expected q and k with D={head_dim}, got {q.shape[-1]} and {k.shape[-1]}"
+        )
+    if v.shape[-1] != head_dim_v:
+        raise ValueError(f"v: expected head dim {head_dim_v}, got {v.shape[-1]}")
+    length = 0 if rank == 3 else 2
+    if k.shape[1] != v.shape[1] or k.shape[length] != v.shape[length]:
+        raise ValueError(
+            f"k and v: expected the same heads and length, got {k.shape[1]}, {k.shape[length]} "
+            f"and {v.shape[1]}, {v.shape[length]}"
+        )
+    num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"heads: expected q heads a multiple of k/v heads, got {num_q_heads} and {num_kv_heads}"
+        )
+
+
+def _tensors_ok(
+    q: object,
+    k: object,
+    v: object,
+    rank: int,
+    length: int,
+    dtype: torch.dtype,
+    head_dim: int,
+    head_dim_v: int,
+) -> bool:
+    """The success path of _check_tensors (axis `length` of k and v their length)."""
+    tensor = torch.Tensor
+    if not (type(q) is tensor and type(k) is tensor and type(v) is tensor):
+        return False
+    cuda = q.is_cuda
+    if not (cuda or (_INTERPRET and q.is_cpu)):
+        return False
+    q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
+    return (
+        len(q_shape) == rank
+        and len(k_shape) == rank
+        and len(v_shape) == rank
+        and q.dtype == dtype
+        and k.dtype == dtype
+        and v.dtype == dtype
+        and (k.is_cuda if cuda else k.is_cpu)
+        and (v.is_cuda if cuda else v.is_cpu)
+        and k.get_device() == q.get_device() == v.get_device()
+        and q_shape[-1] == head_dim
+        and k_shape[-1] == head_dim
+        and v_shape[-1] == head_dim_v
+        and k_shape[1] == v_shape[1]
+        and k_shape[length] == v_shape[length]
+        and k_shape[1] != 0
+        and q_shape[1] % k_shape[1] == 0
+    )
