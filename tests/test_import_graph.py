@@ -39,7 +39,8 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("tiling", ("attngen.tiling", "attngen.tuning.database")),
-    ("render", ("attngen.render", "attngen.template_env")),
+    # attngen.host: the modules' shared host code, which render copies into them as text
+    ("render", ("attngen.render", "attngen.template_env", "attngen.host")),
     ("build", ("attngen.build",)),
     ("runtime", ("attngen.runtime", "attngen.distributed")),
     (
