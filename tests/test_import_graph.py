@@ -29,6 +29,8 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
             "attngen.spec",
             "attngen.spec_checks",
             "attngen.spec_errors",
+            "attngen.expressions",
+            "attngen.expression_grad",
             "attngen.strict_yaml",
             "attngen.names",
             "attngen.masks",
@@ -39,7 +41,7 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("tiling", ("attngen.tiling", "attngen.tuning.database")),
-    ("render", ("attngen.render", "attngen.template_env")),
+    ("render", ("attngen.render", "attngen.template_env", "attngen.host")),
     ("build", ("attngen.build",)),
     ("runtime", ("attngen.runtime", "attngen.distributed")),
     (
