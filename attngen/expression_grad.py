@@ -3,9 +3,10 @@
 Each maximal subtree that depends neither on `score` nor on a trainable tensor's read (index
 arithmetic, a mask-like condition, a frozen table's read) becomes one opaque sympy symbol, so
 sympy sees only what it differentiates; `where`, `min`, `max` and `abs` become Piecewise.
-The derivative is simplified (sympy.simplify, kept where it has fewer operations and uses only
-the language's functions) and converted back into the same tree type, which the kernels'
-renderer and the float64 evaluator read like any spec expression. sympy is imported on use.
+The derivative is simplified (sympy.simplify, for derivatives of at most MAX_SIMPLIFY_OPS
+operations; kept where it has fewer operations and uses only the language's functions) and
+converted back into the same tree type, which the kernels' renderer and the float64 evaluator
+read like any spec expression. sympy is imported on use.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from attngen.expressions import Expr, ExprError, Tensor, make
 
 _FIELD = "score_mod gradient"
+MAX_SIMPLIFY_OPS = 64
 
 
 def gradients(node: Expr, tensors: tuple[Tensor, ...]) -> dict[str, Expr]:
@@ -109,10 +111,11 @@ class _ToSympy:
 def _back(derivative: Any, converter: _ToSympy, sp: Any) -> Expr:
     """The simplest of the derivative and its simplification that converts back."""
     candidates = [derivative]
-    try:
-        candidates.insert(0, sp.simplify(derivative))
-    except (TypeError, ValueError, NotImplementedError):
-        pass
+    if sp.count_ops(derivative) <= MAX_SIMPLIFY_OPS:  # simplify's time grows fast with size
+        try:
+            candidates.insert(0, sp.simplify(derivative))
+        except (TypeError, ValueError, NotImplementedError):
+            pass
     candidates.sort(key=sp.count_ops)
     for candidate in candidates:
         try:
@@ -137,11 +140,15 @@ def _from_sympy(e: Any, opaque: dict[Any, Expr], sp: Any) -> Expr:
         return Expr("num", (), bool(e), "bool")
     if e.is_Number:
         return _num(float(e))
+    if isinstance(e, sp.Mul) and e.args[0] == -1:
+        return make(_FIELD, "neg", (back(sp.Mul(*e.args[1:])),))
     if isinstance(e, sp.Add | sp.Mul):
         op = "add" if isinstance(e, sp.Add) else "mul"
         out = back(e.args[0])
         for arg in e.args[1:]:
-            out = make(_FIELD, op, (out, back(arg)))
+            negative = op == "add" and arg.could_extract_minus_sign()
+            term = back(-arg if negative else arg)
+            out = make(_FIELD, "sub" if negative else op, (out, term))
         return out
     if isinstance(e, sp.Pow):
         return _power(back(e.base), e.exp, back)

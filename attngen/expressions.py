@@ -444,13 +444,18 @@ def check_expressions(spec: AttnSpec) -> None:
                 "tensors", name, "unique names other than " + ", ".join(sorted(_RESERVED))
             )
     trees = [tree for f in ("score_mod", "mask_mod") if (tree := parsed(spec, f)) is not None]
-    read = {str(n.value) for tree in trees for n in tree.nodes() if n.op == "load"}
+    read = [{str(n.value) for n in tree.nodes() if n.op == "load"} for tree in trees]
     for tensor in spec.tensors:
-        if tensor.name not in read:
+        if not any(tensor.name in names for names in read):
             raise field_error("tensors", tensor.name, "tensors that score_mod or mask_mod reads")
-        if tensor.trainable and not (spec.backward and TENSOR_DTYPES[tensor.dtype] == "float"):
+        scored = spec.score_mod is not None and tensor.name in read[0]
+        if tensor.trainable and not (
+            spec.backward and TENSOR_DTYPES[tensor.dtype] == "float" and scored
+        ):
             raise field_error(
-                "tensors", tensor.name, "trainable only for a float tensor with backward: true"
+                "tensors",
+                tensor.name,
+                "trainable only for a float tensor that score_mod reads, with backward: true",
             )
     if spec.score_mod is not None and (spec.softcap or spec.alibi):
         raise field_error(

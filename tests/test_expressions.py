@@ -328,7 +328,7 @@ def test_spec_fields_round_trip_and_name_the_module_by_the_tree() -> None:
                 "score_mod": "score + w[h]",
                 "tensors": [{"name": "w", "dtype": "float32", "shape": ["H"], "trainable": True}],
             },
-            "trainable only for a float tensor with backward: true",
+            "trainable only for a float tensor that score_mod reads, with backward: true",
         ),
         (
             {"score_mod": "score", "softcap": 30},
@@ -361,3 +361,15 @@ def test_explain_shows_the_tree_its_kernel_text_and_gradients() -> None:
         "   d score_mod / d score = 1.0  (multiplies dS)",
         "   d score_mod / d bias[h, ((q_idx - kv_idx) + 2047)] = 1.0  (multiplies dS)",
     ]
+
+
+def test_the_build_refuses_expressions_until_kernels_compile_them() -> None:
+    from attngen.build import plan_build
+    from attngen.render import RenderError, render_module
+    from attngen.tiling.prefill import derive_tiles
+
+    (spec,) = specs_from_data({**BASE, **DOC_FIELDS})
+    with pytest.raises(SpecError, match="^flex: score_mod and mask_mod are checked"):
+        plan_build([spec])
+    with pytest.raises(RenderError, match="not compiled into kernels yet"):
+        render_module(spec, KernelKind.prefill, derive_tiles(spec, "sm90"))
