@@ -371,17 +371,27 @@ KERNEL_NAMES |= {"q_idx": "offs_m[:, None]", "kv_idx": "offs_n[None, :]"}
 _TRITON = {"min": "tl.minimum", "max": "tl.maximum", "abs": "tl.abs", "exp": "tl.exp"}
 _TRITON |= {"log": "tl.log", "sqrt": "tl.sqrt", "tanh": "_tanh", "where": "tl.where"}
 _INFIX = {**_SYMBOL, "and": "&", "or": "|"}
+_FLOAT_OPS = ("div", "exp", "log", "tanh", "sqrt")
 _OTHER = {"int": "0", "float": "0.0", "bool": "False"}
 
 
-def render(node: Expr, tensors: tuple[Tensor, ...]) -> str:
-    """Triton source of `node` (deterministic; `tanh` is the kernels' `_tanh` helper)."""
+def render(node: Expr, tensors: tuple[Tensor, ...], as_float: bool = False) -> str:
+    """Triton source of `node` (deterministic; `tanh` is the kernels' `_tanh` helper); an int
+    operand of a float operation (and the whole, with `as_float`) is cast to fp32."""
     declared = {t.name: t for t in tensors}
-    return _render(node, declared)
+    return _cast(node, _render(node, declared)) if as_float else _render(node, declared)
+
+
+def _cast(node: Expr, text: str) -> str:
+    if node.type != "int":
+        return text
+    return repr(float(str(node.value))) if node.op == "num" else f"{text}.to(tl.float32)"
 
 
 def _render(node: Expr, tensors: dict[str, Tensor]) -> str:
     r = [_render(a, tensors) for a in node.args]
+    if node.op != "load" and (node.type == "float" or node.op in _FLOAT_OPS):
+        r = [_cast(a, text) for a, text in zip(node.args, r, strict=True)]
     if node.op == "num":
         return repr(float(node.value)) if isinstance(node.value, float) else repr(node.value)
     if node.op == "var":
@@ -411,7 +421,7 @@ def render_mod(field: str, node: Expr, tensors: tuple[Tensor, ...]) -> str:
     """The kernel's value of the field: False (mask_mod) or -inf (score_mod) where a read is
     out of range (module docstring), else the expression."""
     valid = validity(node, {t.name: t for t in tensors})
-    text = render(node, tensors)
+    text = render(node, tensors, as_float=field == "score_mod")
     if valid is None:
         return text
     guard = render(valid, tensors)

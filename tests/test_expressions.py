@@ -119,7 +119,15 @@ def test_mask_mod_has_no_score_and_must_be_a_bool() -> None:
 
 def test_rendering_is_exact_and_parses() -> None:
     softcap = parse("score_mod", "30 * tanh(score / 30)")
-    assert render_mod("score_mod", softcap, ()) == "(30 * _tanh((qk / 30)))"
+    assert render_mod("score_mod", softcap, ()) == "(30.0 * _tanh((qk / 30.0)))"
+    alibi = parse("score_mod", "score - 0.5 * abs(q_idx - kv_idx)")
+    assert render_mod("score_mod", alibi, ()) == (
+        "(qk - (0.5 * tl.abs((offs_m[:, None] - offs_n[None, :])).to(tl.float32)))"
+    )
+    distance = parse("score_mod", "q_idx - kv_idx")  # an int score_mod is widened
+    assert render_mod("score_mod", distance, ()) == (
+        "(offs_m[:, None] - offs_n[None, :]).to(tl.float32)"
+    )
     chunk = parse("mask_mod", "q_idx // 64 == kv_idx // 64 and not q_idx < kv_idx")
     assert render_mod("mask_mod", chunk, ()) == (
         "((((offs_m[:, None] - ((offs_m[:, None] % 64) + 64) % 64) // 64) == "
@@ -373,3 +381,78 @@ def test_the_build_refuses_expressions_until_kernels_compile_them() -> None:
         plan_build([spec])
     with pytest.raises(RenderError, match="not compiled into kernels yet"):
         render_module(spec, KernelKind.prefill, derive_tiles(spec, "sm90"))
+
+
+class _Tile(np.ndarray):
+    """A numpy array with Triton's `.to(dtype)`, to run rendered kernel text on a tile."""
+
+    def to(self, _dtype: object) -> _Tile:
+        return self.astype(np.float64).view(_Tile)
+
+
+class _FakeTl:
+    """The triton.language calls the renderer emits, in float64 numpy; a pointer is an offset
+    into the flattened tensor, and a masked-off lane reads nothing (index 0 stands in)."""
+
+    float32 = "float32"
+    where, minimum, maximum = (
+        staticmethod(np.where),
+        staticmethod(np.minimum),
+        staticmethod(np.maximum),
+    )
+    abs, exp, log, sqrt = (
+        staticmethod(np.abs),
+        staticmethod(np.exp),
+        staticmethod(np.log),
+        staticmethod(np.sqrt),
+    )
+
+    def __init__(self, flat: np.ndarray):
+        self.flat = flat
+
+    def load(self, offsets: np.ndarray, mask: np.ndarray, other: float) -> np.ndarray:
+        safe = np.where(mask, offsets, 0)
+        return np.where(mask, self.flat[safe], other).view(_Tile)
+
+
+@pytest.mark.parametrize(
+    ("field", "text"),
+    [
+        ("score_mod", "score + bias[h, q_idx - kv_idx + 3]"),
+        (
+            "score_mod",
+            "where(q_idx >= kv_idx, 30 * tanh(score / 30), min(score, -1.0) - abs(q_idx - kv_idx))",
+        ),
+        ("score_mod", "log(1.0 + exp(score)) * bias[h, kv_idx] + sqrt(q_idx + 1) / 2"),
+        ("mask_mod", "bias[h, q_idx] > bias[h, kv_idx] or (q_idx % 3 == 1 and not kv_idx > 4)"),
+    ],
+)
+def test_rendered_text_computes_what_the_evaluator_does(field: str, text: str) -> None:
+    """The kernel text, run on a [rows, cols] tile with numpy standing in for Triton, equals
+    the float64 evaluator position by position, out-of-range reads included."""
+    table = Tensor("bias", "float32", ("H", 7))
+    tree = parse(field, text, (table,))
+    rng = np.random.default_rng(1)
+    bias = rng.standard_normal((2, 7))
+    rows, cols = np.arange(6), np.arange(9)
+    score = rng.standard_normal((6, 9)) * 40
+    scope = {
+        "tl": _FakeTl(bias.ravel()),
+        "_tanh": np.tanh,
+        "qk": score.view(_Tile),
+        "off_b": np.array(0).view(_Tile),
+        "off_h": np.array(1).view(_Tile),
+        "offs_m": rows.view(_Tile),
+        "offs_n": cols.view(_Tile),
+        "dim_H": 2,
+        "bias_ptr": 0,
+        "bias_stride0": 7,
+        "bias_stride1": 1,
+    }
+    with np.errstate(all="ignore"):
+        kernel = np.broadcast_to(eval(render_mod(field, tree, (table,)), scope), score.shape)  # noqa: S307
+    for i in rows:
+        for j in cols:
+            env = {"score": float(score[i, j]), "b": 0, "h": 1, "q_idx": int(i), "kv_idx": int(j)}
+            expected = evaluate_mod(field, tree, {**env, "H": 2, "bias": bias}, (table,))
+            assert kernel[i, j] == pytest.approx(expected, rel=1e-12), (i, j)
