@@ -43,6 +43,10 @@ MAX_INT, MAX_FLOAT = 2**31 - 1, 1e30
 _BINARY = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div"}
 _BINARY |= {ast.FloorDiv: "floordiv", ast.Mod: "mod"}
 _COMPARE = {ast.Lt: "lt", ast.LtE: "le", ast.Gt: "gt", ast.GtE: "ge", ast.Eq: "eq", ast.NotEq: "ne"}
+_REFUSED_OPS: dict[type[ast.AST], str] = {ast.Pow: "**", ast.MatMult: "@", ast.LShift: "<<"}
+_REFUSED_OPS |= {ast.RShift: ">>"}
+_REFUSED_OPS |= {ast.BitAnd: "&", ast.BitOr: "|", ast.BitXor: "^", ast.Invert: "~"}
+_REFUSED_OPS |= {ast.In: "in", ast.NotIn: "not in", ast.Is: "is", ast.IsNot: "is not"}
 _SYMBOL = {"add": "+", "sub": "-", "mul": "*", "div": "/", "floordiv": "//", "mod": "%"}
 _SYMBOL |= {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!=", "and": "and"}
 _SYMBOL |= {"or": "or"}
@@ -223,6 +227,8 @@ class _Walker:
             return self.load(node, d)
         if isinstance(node, ast.Attribute):
             raise self.refuse("." + node.attr)
+        if isinstance(node, ast.BinOp | ast.UnaryOp):
+            raise self.refuse(_REFUSED_OPS.get(type(node.op), type(node.op).__name__))
         raise self.refuse(
             ast.unparse(node)[:40] if hasattr(node, "lineno") else type(node).__name__
         )
@@ -244,7 +250,7 @@ class _Walker:
         left, out = self.walk(node.left, d), None
         for op, right_node in zip(node.ops, node.comparators, strict=True):
             if type(op) not in _COMPARE:
-                raise self.refuse(type(op).__name__)
+                raise self.refuse(_REFUSED_OPS.get(type(op), type(op).__name__))
             right = self.walk(right_node, d)
             link = make(self.field, _COMPARE[type(op)], (left, right))
             out = link if out is None else make(self.field, "and", (out, link))
