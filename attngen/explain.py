@@ -6,6 +6,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from attngen.arch import ARCHS
+from attngen.expression_grad import gradients
+from attngen.expressions import declared, parsed, render_mod
 from attngen.spec import AttnSpec, KernelKind
 from attngen.tiling.alternatives import nearest_alternative
 from attngen.tiling.backward import BackwardDerivation
@@ -27,6 +29,7 @@ def explain_lines(
     wanted = None if archs is None else set(archs)
     lines: list[str] = []
     for spec in specs:
+        lines += expression_lines(spec)
         for arch in spec.archs:
             if wanted is None or arch in wanted:
                 # Kinds that end with the same config (varlen shares prefill's key loop and,
@@ -64,6 +67,29 @@ def explain_lines(
                 if KernelKind.decode in spec.kernels:
                     lines += [*explain_decode(spec, derive_decode_tiles(spec, arch)), ""]
     return lines
+
+
+def expression_lines(spec: AttnSpec) -> list[str]:
+    """score_mod and mask_mod (attngen.expressions): the parsed tree, its type, the kernel
+    text, and score_mod's gradients derived with sympy (attngen.expression_grad)."""
+    tensors = declared(spec)
+    lines = [
+        f"{spec.name}: tensor {t.name}: {t.dtype} [{', '.join(map(str, t.shape))}]"
+        + (" (trainable)" if t.trainable else "")
+        for t in tensors
+    ]
+    for field in ("score_mod", "mask_mod"):
+        tree = parsed(spec, field)
+        if tree is None:
+            continue
+        lines += [
+            f"{spec.name}: {field} = {tree}  ({tree.type})",
+            f"   kernel: {render_mod(field, tree, tensors)}",
+        ]
+        if field == "score_mod":
+            for name, grad in gradients(tree, tensors).items():
+                lines.append(f"   d {field} / d {name} = {grad}  (multiplies dS)")
+    return lines + ([""] if lines else [])
 
 
 def forward_lines(spec: AttnSpec, arch: str, kind: KernelKind) -> list[str]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from attngen.expressions import declared, digest, parsed
+
 if TYPE_CHECKING:
     from attngen.spec import AttnSpec, KernelKind
 
@@ -15,9 +17,9 @@ def module_name(spec: AttnSpec, kernel: KernelKind) -> str:
     """The one function that names a generated module; no tile sizes, so re-tuning keeps it.
 
     Fixed field order: spec name, kernel, dtype, head dims, mask (window and sink tokens, or
-    chunk size; then alignment), softcap, alibi, sinks, for prefill and varlen `bwd` (and
-    `drop`) when the module trains, and for decode the KV layout (page size) and
-    max_query_tokens when > 1.
+    chunk size; then alignment), softcap, alibi, sinks, score_mod and mask_mod digests, for
+    prefill and varlen `bwd` (and `drop`) when the module trains, and for decode the KV layout
+    (page size) and max_query_tokens when > 1.
     Head counts are runtime arguments of the kernel, so they are not in it.
     """
     parts = [spec.name, kernel.value, spec.dtype.value, f"d{spec.head_dim}"]
@@ -43,6 +45,10 @@ def module_name(spec: AttnSpec, kernel: KernelKind) -> str:
         parts.append("alibi")
     if spec.sinks:
         parts.append("sinks")
+    for field, tag in (("score_mod", "sm"), ("mask_mod", "mm")):
+        tree = parsed(spec, field)
+        if tree is not None:  # the normalized tree's digest: spacing does not rename it
+            parts.append(tag + digest(tree, declared(spec)))
     if kernel.value != "decode" and spec.backward:
         parts.append("bwd_drop" if spec.dropout else "bwd")
     if kernel.value == "decode":

@@ -176,6 +176,8 @@ def _separate_v_config(spec: AttnSpec, arch: str) -> str:
 def _provenance_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str, Any]:
     """What the generated header records about where the module came from: attngen's
     version, the template and its hash, the module name, the spec, its hash and the arch."""
+    if spec.score_mod is not None or spec.mask_mod is not None:
+        raise RenderError(f"{spec.name}: score_mod and mask_mod are not compiled into kernels yet")
     return {
         "attngen_version": __version__,
         "template_name": TEMPLATE_FOR_KIND[kind],

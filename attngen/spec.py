@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from pydantic import ValidationError as PydanticValidationError
 
 from attngen.arch import arch_names
+from attngen.expressions import check_expressions, parsed
 from attngen.spec_checks import MAX_DECODE_HEAD_DIM as MAX_DECODE_HEAD_DIM
 from attngen.spec_checks import MAX_HEAD_DIM as MAX_HEAD_DIM
 from attngen.spec_checks import check_head_dims, check_model_fields, check_training
@@ -130,10 +131,16 @@ TRAINING_FIELDS = ("backward", "dropout")
 # Newer models' fields: absent from canonical() at their defaults, so the hashes (and tuning
 # keys) of specs without them stay what they were.
 MODEL_FIELDS = ("sinks", "chunk_size", "sink_tokens")
+# Programmable attention (attngen.expressions): absent from canonical() while unset; when set,
+# the expressions enter it in their normalized form (one spelling per parsed tree).
+EXPRESSION_FIELDS = ("score_mod", "mask_mod", "tensors")
 MAX_PAGE_SIZE = 1024
 MAX_QUERY_TOKENS = 16
 
 
+TENSOR_NAME = r"^[a-z][a-z0-9_]{0,31}$"
+DimName = Annotated[StrictStr, Field(pattern=r"^[A-Z][A-Z0-9_]{0,15}$")]
+DimSize = Annotated[StrictInt, Field(ge=1, le=2**31 - 1)]
 ArchName = Annotated[StrictStr, Field(pattern=r"^sm[0-9]+$")]
 # Head dims: MAX_HEAD_DIM for every kind, up to MAX_DECODE_HEAD_DIM for decode only
 # (attngen.spec_checks says why).
@@ -144,6 +151,17 @@ ChunkSize = Annotated[StrictInt, Field(ge=1, le=2**31 - 1)]
 SinkTokens = Annotated[StrictInt, Field(ge=1, le=2**31 - 1)]
 PageSize = Annotated[StrictInt, Field(ge=1, le=MAX_PAGE_SIZE)]
 QueryTokens = Annotated[StrictInt, Field(ge=1, le=MAX_QUERY_TOKENS)]
+
+
+class TensorSpec(BaseModel):
+    """A tensor an expression reads: `bias[h, q_idx - kv_idx + 2047]` (attngen.expressions)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: Annotated[StrictStr, Field(pattern=TENSOR_NAME)]
+    dtype: Annotated[StrictStr, Field(pattern="^(int32|int64|float32|bf16|fp16|bool)$")]
+    shape: Annotated[tuple[DimName | DimSize, ...], Field(min_length=1, max_length=4)]
+    trainable: StrictBool = False
 
 
 class AttnSpec(BaseModel):
@@ -173,6 +191,9 @@ class AttnSpec(BaseModel):
     max_query_tokens: QueryTokens | None = None
     backward: StrictBool = False
     dropout: StrictBool = False
+    score_mod: StrictStr | None = None
+    mask_mod: StrictStr | None = None
+    tensors: tuple[TensorSpec, ...] = ()
 
     @model_validator(mode="before")
     @classmethod
@@ -218,6 +239,7 @@ class AttnSpec(BaseModel):
         check_head_dims(self)
         self._check_decode()
         check_training(self)
+        check_expressions(self)
         return self
 
     def _check_decode(self) -> None:
@@ -286,9 +308,12 @@ class AttnSpec(BaseModel):
         else:
             for field in DECODE_FIELDS:
                 del data[field]
-        for field in TRAINING_FIELDS + MODEL_FIELDS:
-            if data[field] in (None, False):
+        for field in TRAINING_FIELDS + MODEL_FIELDS + EXPRESSION_FIELDS:
+            if data[field] in (None, False, []):
                 del data[field]
+        for field in ("score_mod", "mask_mod"):
+            if field in data:
+                data[field] = str(parsed(self, field))
         return data
 
     def spec_hash(self) -> str:
@@ -391,6 +416,10 @@ _ALLOWED = {
     "max_query_tokens": f"an int in 1..{MAX_QUERY_TOKENS} (query tokens per decode step)",
     "backward": "true or false (gradient kernels in the prefill and varlen modules)",
     "dropout": "true or false (flash-attn's dropout_p compiled in; needs backward: true)",
+    "score_mod": "an expression string over score, b, h, q_idx, kv_idx and the tensors",
+    "mask_mod": "a bool expression string over b, h, q_idx, kv_idx and the tensors",
+    "tensors": "a list of {name, dtype, shape, trainable}: name [a-z][a-z0-9_]*, dtype one of "
+    "int32, int64, float32, bf16, fp16, bool, shape 1-4 dim names [A-Z][A-Z0-9_]* or ints >= 1",
 }
 
 

@@ -29,6 +29,8 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
             "attngen.spec",
             "attngen.spec_checks",
             "attngen.spec_errors",
+            "attngen.expressions",
+            "attngen.expression_grad",
             "attngen.strict_yaml",
             "attngen.names",
             "attngen.masks",

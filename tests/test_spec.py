@@ -15,6 +15,7 @@ import pytest
 
 from attngen.spec import (
     DECODE_FIELDS,
+    EXPRESSION_FIELDS,
     MAX_SPEC_BYTES,
     MODEL_FIELDS,
     TRAINING_FIELDS,
@@ -602,6 +603,12 @@ FIELD_CHANGES = {
     "sinks": {"sinks": True},
     "sink_tokens": {"sink_tokens": 4},
     "chunk_size": {"mask": "chunked", "chunk_size": 64, "window_left": None, "window_right": None},
+    "score_mod": {"score_mod": "score * 2"},
+    "mask_mod": {"mask_mod": "q_idx >= kv_idx"},
+    "tensors": {
+        "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]",
+        "tensors": [{"name": "doc", "dtype": "int32", "shape": ["B", "N"]}],
+    },
 }
 
 
@@ -645,7 +652,9 @@ def test_canonical_resolves_defaults() -> None:
     # Decode's fields appear only in specs with decode (prefill-only hashes stay as they were).
     # So do the training fields while false, and the newer models' fields while unset.
     assert list(canonical) == [
-        f for f in AttnSpec.model_fields if f not in DECODE_FIELDS + TRAINING_FIELDS + MODEL_FIELDS
+        f
+        for f in AttnSpec.model_fields
+        if f not in DECODE_FIELDS + TRAINING_FIELDS + MODEL_FIELDS + EXPRESSION_FIELDS
     ]
     assert canonical["head_dim_v"] == 128 and canonical["window_right"] == 0
     assert canonical["window_left"] == 64 and canonical["softcap"] == 0.0

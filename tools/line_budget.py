@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TOTAL_LINES = 22184
+TOTAL_LINES = 22919
 FUNCTION_LINES = 60
 # Debt, not an excuse: the public drop-ins and the two launches that relay their options by
 # keyword are over FUNCTION_LINES until a frozen Call value carries the options whole. Each may
