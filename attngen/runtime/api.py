@@ -35,6 +35,7 @@ from attngen.runtime.arguments import (
     rank4,
     window_pair,
 )
+from attngen.runtime.dispatch import Call
 from attngen.runtime.kvcache_append import paged_keys
 from attngen.runtime.launch import run_dense, run_varlen
 from attngen.spec import CausalAlign, Mask
@@ -112,24 +113,12 @@ def scaled_dot_product_attention(
             "enable_gqa=True for grouped-query attention (as torch does)"
         )
     mask, win = _sdpa_mask(is_causal, window)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    call = Call(
+        mask, align, win, softcap, alibi_slopes, scale, False, fallback, dropout_p, deterministic
+    )
     out, _ = run_dense(
-        SDPA,
-        q,
-        k,
-        v,
-        mask=mask,
-        align=align,
-        window=win,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        scale=scale,
-        return_lse=False,
-        fallback=fallback,
-        refusal=_sdpa_refusal(attn_mask),
-        attn_mask=attn_mask,
-        dropout_p=dropout_p,
-        plan_key=key,
-        deterministic=torch.are_deterministic_algorithms_enabled(),
+        SDPA, q, k, v, call, refusal=_sdpa_refusal(attn_mask), attn_mask=attn_mask, plan_key=key
     )
     return out
 
@@ -217,34 +206,36 @@ def flash_attn_func(
     if not rank4(q, k, v):
         check_rank4(q, k, v)
     rng_state = attn_probs_rng_state(return_attn_probs, dropout_p, q)
-    mask, window = flash_mask(causal, window_size)
-    out, lse = run_dense(
-        FLASH,
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        mask=mask,
-        align=CausalAlign.bottom_right,
-        window=window,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        scale=softmax_scale,
-        return_lse=return_attn_probs,
-        fallback=None,
-        dropout_p=dropout_p,
-        rng_state=rng_state,
-        heads_last=True,
-        plan_key=key,
-        deterministic=deterministic,
-    )
+    flash = (causal, window_size, softcap, alibi_slopes, softmax_scale, return_attn_probs)
+    call = _flash_call(*flash, dropout_p, deterministic, heads_last=True)
+    qkv = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    out, lse = run_dense(FLASH, *qkv, call, rng_state=rng_state, plan_key=key)
     if not return_attn_probs:
         return out
     if rng_state is None:
         return out, lse, no_attn_probs(q)
     from attngen.runtime import attn_probs  # its Triton kernel is defined on first use
 
-    options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, scale=softmax_scale)
-    return out, lse, attn_probs.dense_dmask(q, k, rng_state, dropout_p, mask=mask, **options)
+    return out, lse, attn_probs.dense_dmask(q, k, rng_state, call)
+
+
+def _flash_call(causal, window_size, softcap, alibi_slopes, scale, return_lse, *rest, heads_last):
+    """The Call of a flash-attn call (causal bottom-right aligned); rest: dropout_p and
+    deterministic."""
+    mask, window = flash_mask(causal, window_size)
+    dropout_p, deterministic = rest
+    return Call(
+        mask,
+        CausalAlign.bottom_right,
+        window,
+        softcap,
+        alibi_slopes,
+        scale,
+        return_lse=return_lse,
+        dropout_p=dropout_p,
+        deterministic=deterministic,
+        heads_last=heads_last,
+    )
 
 
 def flash_attn_varlen_func(
@@ -312,35 +303,25 @@ def flash_attn_varlen_func(
             if ran is not None:
                 return (ran[0], ran[1], no_attn_probs(q)) if return_attn_probs else ran[0]
     rng_state = attn_probs_rng_state(return_attn_probs, dropout_p, q)
-    mask, window = flash_mask(causal, window_size)
+    flash = (causal, window_size, softcap, alibi_slopes, softmax_scale, return_attn_probs)
+    call = _flash_call(*flash, dropout_p, deterministic, heads_last=False)
     shape = (max_seqlen_q, max_seqlen_k)  # S_dmask's, as given (paged: not the capacity)
     seqused_k, bounds = None, None
     if block_table is not None:
         k, v, cu_seqlens_k, seqused_k, max_seqlen_k = paged_keys(k, v, block_table, cu_seqlens_k, q)
         bounds = (q.shape[0], max_seqlen_k)
+    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     out, lse = run_varlen(
         VARLEN,
         q,
         k,
         v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        mask=mask,
-        align=CausalAlign.bottom_right,
-        window=window,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        scale=softmax_scale,
-        return_lse=return_attn_probs,
-        fallback=None,
-        dropout_p=dropout_p,
-        rng_state=rng_state,
+        *lengths,
+        call,
         seqused_k=seqused_k,
+        rng_state=rng_state,
         length_bounds=bounds,
         plan_key=key,
-        deterministic=deterministic,
     )
     if not return_attn_probs:
         return out
@@ -348,9 +329,5 @@ def flash_attn_varlen_func(
         return out, lse, no_attn_probs(q)
     from attngen.runtime import attn_probs  # its Triton kernel is defined on first use
 
-    options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, scale=softmax_scale)
     cu_seqlens = (cu_seqlens_q, cu_seqlens_k, seqused_k)
-    dmask = attn_probs.varlen_dmask(
-        q, k, *cu_seqlens, shape, rng_state, dropout_p, mask=mask, **options
-    )
-    return out, lse, dmask
+    return out, lse, attn_probs.varlen_dmask(q, k, *cu_seqlens, shape, rng_state, call)
