@@ -142,6 +142,21 @@ def flash_attn_with_kvcache(
         )
         if ran is not None:
             return ran if return_softmax_lse else ran[0]
+    cache = (k_cache, v_cache, k, v, cache_seqlens, block_table)
+    step = (rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, rotary_interleaved, num_splits)
+    flash = (softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax_lse)
+    return _unplanned(q, cache, step, flash, key)
+
+
+def _unplanned(q, cache: tuple, step: tuple, flash: tuple, key: tuple | None):
+    """flash_attn_with_kvcache's full path: its checks, its Call, then the decode module
+    (route 1) or the varlen route (route 2). cache: (k_cache, v_cache, k, v, cache_seqlens,
+    block_table); step: (rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
+    rotary_interleaved, num_splits); flash: (softmax_scale, causal, window_size, softcap,
+    alibi_slopes, return_softmax_lse), as the caller gave them."""
+    k_cache, v_cache, k, v, cache_seqlens, block_table = cache
+    rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, rotary_interleaved, num_splits = step
+    softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax_lse = flash
     # in the caller's layout
     check_kvcache_shapes(
         q, k_cache, v_cache, k, v, block_table, any_cache_batch=cache_batch_idx is not None
