@@ -333,13 +333,15 @@ def _varlen(q, k, v, lengths, block_table, key, dropout_p, scale, causal, window
     if block_table is not None:
         k, v, cu_seqlens_k, seqused_k, max_seqlen_k = paged_keys(k, v, block_table, cu_seqlens_k, q)
         bounds = (q.shape[0], max_seqlen_k)
-    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     out, lse = run_varlen(
         VARLEN,
         q,
         k,
         v,
-        *lengths,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
         call,
         seqused_k=seqused_k,
         rng_state=rng_state,
