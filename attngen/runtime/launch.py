@@ -4,7 +4,7 @@ torch fallback. The public functions (api.py, kvcache.py, hf.py) and context par
 parallelism's backward runs the gradient kernels of each chunk pair through
 `run_dense_backward`.
 
-A caller that wants flash-attn's [B, N, H, D] output asks `run_dense(..., heads_last=True)`:
+A caller that wants flash-attn's [B, N, H, D] output sets the Call's heads_last (dispatch.py):
 a module with `attention_flash` allocates and writes that layout itself (ops.py); one built
 before it but with `out=` (Dispatch.writes_out) writes it in place; from a module with
 neither, its [B, H, N, D] output is copied into that layout (the one copy left, which
