@@ -438,6 +438,7 @@ def one_process_gradients(case, q, k, v, slopes, dout, dlse):
     """(dq, dk, dv) of the whole sequence in this process, through the runtime."""
     import torch
 
+    from attngen.runtime.dispatch import Call
     from attngen.runtime.launch import run_dense
     from attngen.spec import CausalAlign, Mask
 
@@ -447,14 +448,16 @@ def one_process_gradients(case, q, k, v, slopes, dout, dlse):
     out, lse = run_dense(
         "one_process",
         *leaves,
-        mask=mask,
-        align=None if mask is Mask.none else CausalAlign.bottom_right,
-        window=window,
-        softcap=case.get("softcap", 0.0),
-        alibi_slopes=slopes,
-        scale=None,
-        return_lse=True,
-        fallback=None,
+        Call(
+            mask=mask,
+            align=None if mask is Mask.none else CausalAlign.bottom_right,
+            window=window,
+            softcap=case.get("softcap", 0.0),
+            alibi_slopes=slopes,
+            scale=None,
+            return_lse=True,
+            fallback=None,
+        ),
     )
     outputs, grads = ([out, lse], [dout, dlse]) if dlse is not None else ([out], [dout])
     return torch.autograd.grad(outputs, leaves, grads)

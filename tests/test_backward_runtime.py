@@ -5,6 +5,8 @@ backward. A module built without backward refuses at the backward (test_runtime_
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import transformers
@@ -12,6 +14,7 @@ import transformers
 import attngen
 from attngen.build import plan_build, write_build
 from attngen.reference_backward import compare_gradients, golden_backward
+from attngen.runtime.dispatch import Call
 from attngen.runtime.launch import run_dense, run_varlen
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
 from attngen.spec import CausalAlign, Mask, specs_from_data
@@ -169,7 +172,7 @@ def test_ops_return_the_sinks_gradient(trained_sinks):
     """The prefill op's autograd formula returns d sinks to sinks that require grad (a chunked
     module with sinks); torch.compile(fullgraph=True) traces it, bitwise the eager gradients."""
     q, k, v, dout, _ = padded_inputs(trained_sinks, 2, 4, 2, 20, 20, seed=4)
-    options = dict(
+    options = Call(
         mask=Mask.chunked,
         align=CausalAlign.bottom_right,
         window=None,
@@ -182,7 +185,7 @@ def test_ops_return_the_sinks_gradient(trained_sinks):
     )
 
     def loss(q, k, v, sinks):
-        return (run_dense("test", q, k, v, sinks=sinks, **options)[0] * dout).sum()
+        return (run_dense("test", q, k, v, replace(options, sinks=sinks))[0] * dout).sum()
 
     eager = _leaves(q, k, v, _sink_logits())
     loss(*eager).backward()
@@ -211,16 +214,7 @@ def test_varlen_op_returns_the_sinks_gradient(trained_sinks):
         cu,
         17,
         17,
-        mask=Mask.chunked,
-        align=CausalAlign.bottom_right,
-        window=None,
-        softcap=None,
-        alibi_slopes=None,
-        scale=None,
-        return_lse=False,
-        fallback=None,
-        sinks=leaves[3],
-        chunk_size=8,
+        Call(mask=Mask.chunked, align=CausalAlign.bottom_right, sinks=leaves[3], chunk_size=8),
     )
     out.backward(packed[3])
     starts = cu.tolist()

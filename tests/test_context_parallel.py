@@ -421,6 +421,7 @@ def test_one_rank_gradients_are_the_plain_kernels_bitwise(single_group, strategy
     """One rank runs the whole causal attention in one call per query chunk; its gradients,
     through the output, the LSE or both, are the plain module's (contiguous: one call, so
     bitwise)."""
+    from attngen.runtime.dispatch import Call
     from attngen.runtime.launch import run_dense
     from attngen.spec import CausalAlign, Mask
 
@@ -438,14 +439,7 @@ def test_one_rank_gradients_are_the_plain_kernels_bitwise(single_group, strategy
         q,
         k,
         v,
-        mask=Mask.causal,
-        align=CausalAlign.bottom_right,
-        window=None,
-        softcap=0.0,
-        alibi_slopes=None,
-        scale=None,
-        return_lse=True,
-        fallback=None,
+        Call(mask=Mask.causal, align=CausalAlign.bottom_right, softcap=0.0, return_lse=True),
     )
     picked = {"out": [0], "lse": [1], "both": [0, 1]}[through]
     grads = [

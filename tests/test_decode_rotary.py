@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import attngen
+import attngen.runtime.dispatch as dispatch_module
 import attngen.runtime.kvcache as kvcache_module
 from attngen.runtime.kvcache_options import CacheOptions, rotate
 from tests.api_harness import api_kernels  # noqa: F401  (the module-scoped registry fixture)
@@ -301,9 +302,9 @@ def _rotary_step(seed=13):
 
 def test_a_fused_rotary_step_runs_from_its_plan(api_kernels, monkeypatch):  # noqa: F811
     needs = []
-    need_for = kvcache_module.need_for
+    need_for = dispatch_module.need_for  # the Call's Need (dispatch.Call.need)
     monkeypatch.setattr(
-        kvcache_module, "need_for", lambda *a, **kw: needs.append(a) or need_for(*a, **kw)
+        dispatch_module, "need_for", lambda *a, **kw: needs.append(a) or need_for(*a, **kw)
     )
     monkeypatch.setattr(kvcache_module, "rotate", _no_torch_rotation)
     q, k_cache, v_cache, k, v, cos, sin, lengths = _rotary_step()

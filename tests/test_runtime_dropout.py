@@ -18,7 +18,7 @@ from attngen.reference_backward import (
     gradient_problems,
     lowp_backward,
 )
-from attngen.runtime import launch
+from attngen.runtime import dispatch, launch
 from attngen.runtime.arguments import dropout_rng_state
 from attngen.runtime.hf import attngen_attention
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
@@ -318,9 +318,9 @@ def test_dropout_calls_are_never_planned(dropout_kernels, monkeypatch, name):
     fresh seed on every dropout call: each one takes the full path, two calls drop differently,
     and no plan is left for them (a plan would run the module without drawing a seed)."""
     seeds, full_path = [], []
-    real_need, real_draw = launch.need_for, launch.dropout_rng_state
-    monkeypatch.setattr(
-        launch, "need_for", lambda *a, **kw: full_path.append(1) or real_need(*a, **kw)
+    real_need, real_draw = dispatch.need_for, launch.dropout_rng_state
+    monkeypatch.setattr(  # the Call's Need (dispatch.Call.need)
+        dispatch, "need_for", lambda *a, **kw: full_path.append(1) or real_need(*a, **kw)
     )
     monkeypatch.setattr(
         launch, "dropout_rng_state", lambda q: seeds.append(real_draw(q)) or seeds[-1]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import attngen
-from attngen.runtime import dispatch, kvcache, launch, ops, plans
+from attngen.runtime import dispatch, ops, plans
 from attngen.runtime.hf import attngen_attention
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
 from tests.runtime_harness import build_stand_ins
@@ -36,8 +36,7 @@ def full_path(monkeypatch):
     def counted(real):
         return lambda *args, **kwargs: needs.append(args[0]) or real(*args, **kwargs)
 
-    monkeypatch.setattr(launch, "need_for", counted(launch.need_for))
-    monkeypatch.setattr(kvcache, "need_for", counted(kvcache.need_for))
+    monkeypatch.setattr(dispatch, "need_for", counted(dispatch.need_for))  # through Call.need
     return needs
 
 

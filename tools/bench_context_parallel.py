@@ -79,6 +79,7 @@ def bench_steps(setup: Setup, worlds, budget: float) -> list[dict]:
 def step_row(setup: Setup, seq_len: int, world: int, budget: float) -> dict:
     """bench_steps' row of N = seq_len tokens over W = world ranks."""
     from attngen.distributed.merge import merge_torch, merge_triton
+    from attngen.runtime.dispatch import Call
     from attngen.runtime.launch import run_dense
     from attngen.spec import CausalAlign, Mask
 
@@ -88,7 +89,12 @@ def step_row(setup: Setup, seq_len: int, world: int, budget: float) -> dict:
         softcap=0.0, alibi_slopes=None, scale=None, return_lse=True, fallback=None, window=None
     )
     step0 = partial(
-        run_dense, "bench", q, k, v, mask=Mask.causal, align=CausalAlign.bottom_right, **kwargs
+        run_dense,
+        "bench",
+        q,
+        k,
+        v,
+        Call(mask=Mask.causal, align=CausalAlign.bottom_right, **kwargs),
     )
     later = partial(
         run_dense,
@@ -96,9 +102,7 @@ def step_row(setup: Setup, seq_len: int, world: int, budget: float) -> dict:
         q,
         k[:, :, : local // 2],
         v[:, :, : local // 2],
-        mask=Mask.none,
-        align=None,
-        **kwargs,
+        Call(mask=Mask.none, align=None, **kwargs),
     )
     row = {
         "N": seq_len,

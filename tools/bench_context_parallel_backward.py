@@ -94,6 +94,7 @@ def bench_steps(setup, worlds, budget: float) -> list[dict]:
 
 def step_row(setup, seq_len: int, world: int, budget: float) -> dict:
     """bench_steps' row of N = seq_len tokens over W = world ranks."""
+    from attngen.runtime.dispatch import Call
     from attngen.runtime.launch import run_dense, run_dense_backward
     from attngen.spec import CausalAlign, Mask
 
@@ -114,9 +115,8 @@ def step_row(setup, seq_len: int, world: int, budget: float) -> dict:
     ):
         align = CausalAlign.bottom_right if mask is Mask.causal else None
         kk, vv = k[:, :, :keys], v[:, :, :keys]
-        out, lse = run_dense(
-            "bench", q, kk, vv, mask=mask, align=align, return_lse=True, fallback=None, **options
-        )
+        call = Call(mask=mask, align=align, return_lse=True, fallback=None, **options)
+        out, lse = run_dense("bench", q, kk, vv, call)
         row[name] = harness.time_ms(
             setup,
             partial(

@@ -26,18 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TOTAL_LINES = 22919
+TOTAL_LINES = 22796
 FUNCTION_LINES = 60
-# Debt, not an excuse: the public drop-ins and the two launches that relay their options by
-# keyword are over FUNCTION_LINES until a frozen Call value carries the options whole. Each may
-# only shrink (its entry is its ceiling) and leaves this table once within FUNCTION_LINES.
+# Debt, not an excuse: two drop-ins whose signature, docstring and planned fast path (its
+# signature key, built inline: host time) alone reach about FUNCTION_LINES. Each may only
+# shrink (its entry is its ceiling) and leaves this table once within FUNCTION_LINES.
 OVER_FUNCTION_LINES: dict[str, int] = {
-    "attngen/runtime/api.py::scaled_dot_product_attention": 88,
-    "attngen/runtime/api.py::flash_attn_func": 86,
-    "attngen/runtime/api.py::flash_attn_varlen_func": 107,
-    "attngen/runtime/kvcache.py::flash_attn_with_kvcache": 145,
-    "attngen/runtime/launch.py::run_dense": 100,
-    "attngen/runtime/launch.py::run_varlen": 108,
+    "attngen/runtime/api.py::flash_attn_varlen_func": 65,
+    "attngen/runtime/kvcache.py::flash_attn_with_kvcache": 84,
 }
 PACKAGE = "attngen"
 FUNCTION_DIRS = ("attngen", "tools")
@@ -104,12 +100,13 @@ def violations(
         if m.lines > OVER_FUNCTION_LINES.get(m.name, FUNCTION_LINES)
     ]
     sizes = {m.name: m.lines for m in measured_functions}
-    files = {name.split("::")[0] for name in sizes}
+    measured = {m.name.split("::")[0] for m in measured_functions}
     found += [
         f"{name}: listed in OVER_FUNCTION_LINES but {sizes.get(name, 0)} lines now; "
         "lower or remove its entry"
         for name, ceiling in OVER_FUNCTION_LINES.items()
-        if name.split("::")[0] in files and sizes.get(name, 0) < ceiling
+        if name.split("::")[0] in measured  # a file measured (a test's tree may lack it)
+        and (sizes.get(name, 0) <= FUNCTION_LINES or sizes.get(name, 0) < ceiling)
     ]
     return found
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from attngen.distributed.layout import Chunk
 from attngen.distributed.merge import merge_partial
 from attngen.distributed.plan import KernelCall, rows_covered_once
-from attngen.runtime.dispatch import choose, get_fallback, need_for
+from attngen.runtime.dispatch import Call, choose, get_fallback, need_for
 from attngen.runtime.launch import run_dense
 from attngen.runtime.registry import current_registry
 from attngen.runtime.selection import NO_BACKWARD, Need, NoKernelError, mismatches
@@ -189,14 +189,15 @@ def run_call(
         call_rows(q, call),
         k[:, :, call.keys[0] : call.keys[1]],
         v[:, :, call.keys[0] : call.keys[1]],
-        mask=Mask(call.mask),
-        align=call_align(call),
-        window=call.window,
-        softcap=options.softcap,
-        alibi_slopes=options.alibi_slopes,
-        scale=options.sm_scale,
-        return_lse=True,
-        fallback=None,
+        Call(
+            Mask(call.mask),
+            call_align(call),
+            call.window,
+            options.softcap,
+            options.alibi_slopes,
+            options.sm_scale,
+            return_lse=True,
+        ),
     )
     return real_rows(out, call), real_rows(lse, call)
 

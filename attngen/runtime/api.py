@@ -35,6 +35,7 @@ from attngen.runtime.arguments import (
     rank4,
     window_pair,
 )
+from attngen.runtime.dispatch import Call
 from attngen.runtime.kvcache_append import paged_keys
 from attngen.runtime.launch import run_dense, run_varlen
 from attngen.spec import CausalAlign, Mask
@@ -69,8 +70,7 @@ def scaled_dot_product_attention(
     with dropout: true (the module docstring). attn_mask tensors are refused (no generated
     kernel has them) unless fallback="sdpa". fallback=None uses attngen.runtime.set_fallback's
     mode ("error" unless changed). The backward is bitwise reproducible (no atomics) when
-    torch.are_deterministic_algorithms_enabled(), else it adds dQ by fp32 atomics (faster).
-    """
+    torch.are_deterministic_algorithms_enabled(), else it adds dQ by fp32 atomics (faster)."""
     key = None
     if (
         attn_mask is None
@@ -103,6 +103,14 @@ def scaled_dot_product_attention(
             ran = plans.run_dense(plan, q, k, v, alibi_slopes, heads_last=False)
             if ran is not None:
                 return ran[0]
+    options = (is_causal, window, softcap, alibi_slopes, scale, dropout_p, fallback)
+    return _sdpa(q, k, v, attn_mask, enable_gqa, causal_align, options, key)
+
+
+def _sdpa(q, k, v, attn_mask, enable_gqa, causal_align, options, key):
+    """scaled_dot_product_attention's full path: its checks, its Call, run_dense. options:
+    (is_causal, window, softcap, alibi_slopes, scale, dropout_p, fallback)."""
+    is_causal, window, softcap, alibi_slopes, scale, dropout_p, fallback = options
     if not rank4(q, k, v):
         check_rank4(q, k, v)
     align = check_causal_align(causal_align)
@@ -112,24 +120,12 @@ def scaled_dot_product_attention(
             "enable_gqa=True for grouped-query attention (as torch does)"
         )
     mask, win = _sdpa_mask(is_causal, window)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    call = Call(
+        mask, align, win, softcap, alibi_slopes, scale, False, fallback, dropout_p, deterministic
+    )
     out, _ = run_dense(
-        SDPA,
-        q,
-        k,
-        v,
-        mask=mask,
-        align=align,
-        window=win,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        scale=scale,
-        return_lse=False,
-        fallback=fallback,
-        refusal=_sdpa_refusal(attn_mask),
-        attn_mask=attn_mask,
-        dropout_p=dropout_p,
-        plan_key=key,
-        deterministic=torch.are_deterministic_algorithms_enabled(),
+        SDPA, q, k, v, call, refusal=_sdpa_refusal(attn_mask), attn_mask=attn_mask, plan_key=key
     )
     return out
 
@@ -214,37 +210,47 @@ def flash_attn_func(
             ran = plans.run_flash(plan, q, k, v, alibi_slopes)
             if ran is not None:
                 return (ran[0], ran[1], no_attn_probs(q)) if return_attn_probs else ran[0]
+    options = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    return _flash(q, k, v, key, *options, deterministic, return_attn_probs)
+
+
+def _flash(q, k, v, key, dropout_p, scale, causal, window_size, softcap, alibi_slopes, *rest):
+    """flash_attn_func's full path: its checks, its Call, run_dense, S_dmask; rest:
+    deterministic and return_attn_probs."""
+    deterministic, return_attn_probs = rest
     if not rank4(q, k, v):
         check_rank4(q, k, v)
     rng_state = attn_probs_rng_state(return_attn_probs, dropout_p, q)
-    mask, window = flash_mask(causal, window_size)
-    out, lse = run_dense(
-        FLASH,
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        mask=mask,
-        align=CausalAlign.bottom_right,
-        window=window,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        scale=softmax_scale,
-        return_lse=return_attn_probs,
-        fallback=None,
-        dropout_p=dropout_p,
-        rng_state=rng_state,
-        heads_last=True,
-        plan_key=key,
-        deterministic=deterministic,
-    )
+    flash = (causal, window_size, softcap, alibi_slopes, scale, return_attn_probs)
+    call = _flash_call(*flash, dropout_p, deterministic, heads_last=True)
+    qkv = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    out, lse = run_dense(FLASH, *qkv, call, rng_state=rng_state, plan_key=key)
     if not return_attn_probs:
         return out
     if rng_state is None:
         return out, lse, no_attn_probs(q)
     from attngen.runtime import attn_probs  # its Triton kernel is defined on first use
 
-    options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, scale=softmax_scale)
-    return out, lse, attn_probs.dense_dmask(q, k, rng_state, dropout_p, mask=mask, **options)
+    return out, lse, attn_probs.dense_dmask(q, k, rng_state, call)
+
+
+def _flash_call(causal, window_size, softcap, alibi_slopes, scale, return_lse, *rest, heads_last):
+    """The Call of a flash-attn call (causal bottom-right aligned); rest: dropout_p and
+    deterministic."""
+    mask, window = flash_mask(causal, window_size)
+    dropout_p, deterministic = rest
+    return Call(
+        mask,
+        CausalAlign.bottom_right,
+        window,
+        softcap,
+        alibi_slopes,
+        scale,
+        return_lse=return_lse,
+        dropout_p=dropout_p,
+        deterministic=deterministic,
+        heads_last=heads_last,
+    )
 
 
 def flash_attn_varlen_func(
@@ -265,18 +271,16 @@ def flash_attn_varlen_func(
     return_attn_probs=False,
     block_table=None,
 ):
-    """flash-attn 2.x `flash_attn_varlen_func`: packed q [Tq, HQ, D], k/v [Tk, HKV, D],
-    cu_seqlens int32 [B + 1]; with return_attn_probs, (out, lse [HQ, Tq], S_dmask). dropout_p,
-    deterministic and return_attn_probs as in flash_attn_func; sequence b draws its dropout
-    mask as batch b, and with dropout S_dmask is [B, HQ, round128(max_seqlen_q),
-    round128(max_seqlen_k)], sequence b at [b, :, :len_q, :len_k] (the same testing path: it
-    reads cu_seqlens on the host).
-
-    With block_table int32 [B, max_pages], k/v are paged caches [pages, page_size, HKV, D] and
-    sequence b's keys are the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions of its
-    pages (flash-attn's paged varlen). They are gathered into [B * max_pages * page_size]
-    rows first (a copy of every listed page; flash_attn_with_kvcache reads pages in place); a
-    sequence whose length or pages do not fit gets NaN, as in the kernels."""
+    """flash-attn 2.x `flash_attn_varlen_func`: packed q [Tq, HQ, D], k/v [Tk, HKV, D], cu_seqlens
+    int32 [B + 1]; with return_attn_probs, (out, lse [HQ, Tq], S_dmask). dropout_p, deterministic
+    and return_attn_probs as in flash_attn_func; sequence b draws its dropout mask as batch b, and
+    with dropout S_dmask is [B, HQ, round128(max_seqlen_q), round128(max_seqlen_k)], sequence b at
+    [b, :, :len_q, :len_k] (the same testing path: it reads cu_seqlens on the host). With
+    block_table int32 [B, max_pages], k/v are paged caches [pages, page_size, HKV, D] and sequence
+    b's keys are the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions of its pages
+    (flash-attn's paged varlen). They are gathered into [B * max_pages * page_size] rows first (a
+    copy of every listed page; flash_attn_with_kvcache reads pages in place); a sequence whose
+    length or pages do not fit gets NaN, as in the kernels."""
     key = None
     if (
         block_table is None
@@ -311,8 +315,19 @@ def flash_attn_varlen_func(
             )
             if ran is not None:
                 return (ran[0], ran[1], no_attn_probs(q)) if return_attn_probs else ran[0]
+    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    options = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    return _varlen(q, k, v, lengths, block_table, key, *options, deterministic, return_attn_probs)
+
+
+def _varlen(q, k, v, lengths, block_table, key, dropout_p, scale, causal, window, softcap, *rest):
+    """flash_attn_varlen_func's full path: its Call, the paged keys, run_varlen, S_dmask; rest:
+    alibi_slopes, deterministic and return_attn_probs."""
+    alibi_slopes, deterministic, return_attn_probs = rest
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = lengths
     rng_state = attn_probs_rng_state(return_attn_probs, dropout_p, q)
-    mask, window = flash_mask(causal, window_size)
+    flash = (causal, window, softcap, alibi_slopes, scale, return_attn_probs)
+    call = _flash_call(*flash, dropout_p, deterministic, heads_last=False)
     shape = (max_seqlen_q, max_seqlen_k)  # S_dmask's, as given (paged: not the capacity)
     seqused_k, bounds = None, None
     if block_table is not None:
@@ -327,20 +342,11 @@ def flash_attn_varlen_func(
         cu_seqlens_k,
         max_seqlen_q,
         max_seqlen_k,
-        mask=mask,
-        align=CausalAlign.bottom_right,
-        window=window,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        scale=softmax_scale,
-        return_lse=return_attn_probs,
-        fallback=None,
-        dropout_p=dropout_p,
-        rng_state=rng_state,
+        call,
         seqused_k=seqused_k,
+        rng_state=rng_state,
         length_bounds=bounds,
         plan_key=key,
-        deterministic=deterministic,
     )
     if not return_attn_probs:
         return out
@@ -348,9 +354,5 @@ def flash_attn_varlen_func(
         return out, lse, no_attn_probs(q)
     from attngen.runtime import attn_probs  # its Triton kernel is defined on first use
 
-    options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, scale=softmax_scale)
     cu_seqlens = (cu_seqlens_q, cu_seqlens_k, seqused_k)
-    dmask = attn_probs.varlen_dmask(
-        q, k, *cu_seqlens, shape, rng_state, dropout_p, mask=mask, **options
-    )
-    return out, lse, dmask
+    return out, lse, attn_probs.varlen_dmask(q, k, *cu_seqlens, shape, rng_state, call)

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from attngen.masks import alibi_distance, visible
 from attngen.runtime.arguments import seqlen_bound, softmax_scale
+from attngen.runtime.dispatch import Call
 from attngen.runtime.fallback import sequence_fits
 from attngen.runtime.registry import current_registry
 from attngen.runtime.selection import last_dispatch
@@ -55,11 +56,16 @@ def flash_block_n(head_dim: int) -> int:
 _EAGER = "flash-attn's S_dmask is a testing path formed eagerly"
 
 
+def _options(call: Call) -> tuple:
+    return call.mask, call.window, call.softcap, call.alibi_slopes, call.dropout_p
+
+
 @torch.compiler.disable(reason=_EAGER)
-def dense_dmask(q, k, rng_state, dropout_p, *, mask, window, softcap, alibi_slopes, scale):
+def dense_dmask(q, k, rng_state, call: Call):
     """S_dmask [B, HQ, round128(Nq), round128(Nk)] of flash_attn_func's call: q [B, Nq, HQ, D],
-    k [B, Nk, HKV, D] as given, rng_state the call's Philox state, scale its softmax_scale."""
-    scale = softmax_scale(scale, q)
+    k [B, Nk, HKV, D] as given, rng_state the call's Philox state, call its options (launch.py)."""
+    mask, window, softcap, alibi_slopes, dropout_p = _options(call)
+    scale = softmax_scale(call.scale, q)
     batch, seqlen_q, heads = q.shape[:3]
     seqlen_k = k.shape[1]
     with torch.no_grad():
@@ -83,13 +89,7 @@ def varlen_dmask(
     seqused_k,
     shape,
     rng_state,
-    dropout_p,
-    *,
-    mask,
-    window,
-    softcap,
-    alibi_slopes,
-    scale,
+    call: Call,
 ):
     """S_dmask [B, HQ, round128(max_seqlen_q), round128(max_seqlen_k)] of
     flash_attn_varlen_func's call: sequence b at [b, :, :len_q, :len_k], drawn as batch b (a
@@ -97,7 +97,8 @@ def varlen_dmask(
     sequence that leaves the packed tensors (NaN from the kernel) is NaN. shape:
     (max_seqlen_q, max_seqlen_k) as the caller gave them. Reads the index tensors on the
     host."""
-    scale = softmax_scale(scale, q)
+    mask, window, softcap, alibi_slopes, dropout_p = _options(call)
+    scale = softmax_scale(call.scale, q)
     shape = (seqlen_bound(shape[0], "max_seqlen_q"), seqlen_bound(shape[1], "max_seqlen_k"))
     batch, heads = cu_seqlens_q.shape[0] - 1, q.shape[1]
     spans = _spans(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k)

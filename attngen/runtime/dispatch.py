@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -136,6 +137,56 @@ def _device(device_type: str, device_index: int | None) -> torch.device:
         if device_index is None
         else torch.device(device_type, device_index)
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """A call's options, built once by each public function after its checks and handed whole
+    to the launch (launch.py): they give the dispatch's Need (`need`) and the fallback's
+    arguments (`torch_options`). alibi_slopes and sinks are the call's tensors (their presence
+    picks the module); heads_last asks flash-attn's [B, N, H, D] output."""
+
+    mask: Mask = Mask.none
+    align: CausalAlign | None = None
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    alibi_slopes: torch.Tensor | None = None
+    scale: float | None = None
+    return_lse: bool = False
+    fallback: str | None = None
+    dropout_p: float = 0.0
+    deterministic: bool = True
+    heads_last: bool = False
+    sinks: torch.Tensor | None = None
+    chunk_size: int | None = None
+    sink_tokens: int | None = None
+
+    def need(self, kind, q, v, lengths: tuple[int, int], same_lengths: bool, **layout) -> Need:
+        """need_for with this call's options; lengths (seqlen_q, seqlen_k) as need_for's."""
+        return need_for(
+            kind,
+            q,
+            v,
+            mask=self.mask,
+            align=self.align,
+            window=self.window,
+            softcap=self.softcap,
+            alibi=self.alibi_slopes is not None,
+            seqlen_q=lengths[0],
+            seqlen_k=lengths[1],
+            same_lengths=same_lengths,
+            sinks=self.sinks is not None,
+            chunk_size=self.chunk_size,
+            sink_tokens=self.sink_tokens,
+            dropout=self.dropout_p > 0,
+            **layout,
+        )
+
+    def torch_options(self, scale: float) -> dict[str, Any]:
+        """The fallback's (torch_attention's) options of this call, at the softmax scale."""
+        names = ("mask", "align", "window", "softcap", "alibi_slopes", "dropout_p", "sinks")
+        options = {name: getattr(self, name) for name in names}
+        return options | dict(chunk_size=self.chunk_size, sink_tokens=self.sink_tokens, scale=scale)
 
 
 def need_for(

@@ -66,6 +66,7 @@ import torch
 import torch.nn.functional as F
 
 from attngen.runtime import plans
+from attngen.runtime.dispatch import Call
 from attngen.runtime.hf_cache import (
     CacheLengths,
     cache_lengths,
@@ -214,19 +215,17 @@ def attngen_attention(
         attention_mask = attention_mask.padding
     # dropout (the layer's attention_dropout in training) needs a module built with dropout:
     # true; without one the call is refused naming dropout_p (launch.py).
-    common = dict(
+    common = Call(
         mask=mask,
         align=CausalAlign.bottom_right,
         window=window,
         softcap=softcap,
-        alibi_slopes=None,
         scale=scaling,
-        return_lse=False,
-        fallback=None,
         sinks=_sinks(kwargs.get("s_aux"), query),
         chunk_size=chunk,
         dropout_p=dropout,
         deterministic=torch.are_deterministic_algorithms_enabled(),  # the backward's path
+        heads_last=True,  # transformers' [B, N, H, D] (the dense route's; the others ignore it)
     )
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]
     if kwargs.get("cu_seq_lens_q") is not None and attention_mask is None:
@@ -315,9 +314,9 @@ def _dense(query, key, value, common):
     copy. Its route is planned per signature (plans.py): the layer's own checks above run on
     every call."""
     plan_key = None
-    sinks = common["sinks"]
+    sinks = common.sinks
     if plans.eager(query, key, value, sinks) and plans.plain(
-        common["scale"], common["softcap"], common["dropout_p"]
+        common.scale, common.softcap, common.dropout_p
     ):
         # sinks: a tensor or None (their presence picks the module); chunk_size: an int
         plan_key = (
@@ -327,19 +326,19 @@ def _dense(query, key, value, common):
             value.shape,
             query.dtype,
             query.device,
-            common["mask"],
-            common["window"],
-            common["softcap"],
-            common["scale"],
+            common.mask,
+            common.window,
+            common.softcap,
+            common.scale,
             sinks is None,
-            common["chunk_size"],
+            common.chunk_size,
         )
         plan = plans.find(plan_key)
         if plan is not None:
             ran = plans.run_dense(plan, query, key, value, None, heads_last=True, sinks=sinks)
             if ran is not None:
                 return ran[0]
-    out, _ = run_dense(API, query, key, value, heads_last=True, plan_key=plan_key, **common)
+    out, _ = run_dense(API, query, key, value, common, plan_key=plan_key)
     return out
 
 
@@ -372,8 +371,8 @@ def _unpadded(query, key, value, keep, common, keep_q=None):
         cu_k,
         seqlen_q,
         seqlen_k,
+        common,
         length_bounds=(seqlen_q, seqlen_k),
-        **common,
     )
     full = out.new_zeros((batch * seqlen_q, num_q_heads, out.shape[-1]))
     full.index_copy_(0, rows_q, out)
@@ -400,7 +399,7 @@ def _packed(query, key, value, kwargs, common):
         kwargs["cu_seq_lens_k"],
         int(kwargs["max_length_q"]),
         int(kwargs["max_length_k"]),
-        **common,
+        common,
     )
     return out[None]
 

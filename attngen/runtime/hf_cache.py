@@ -46,9 +46,9 @@ import torch
 from torch import Tensor
 
 from attngen.runtime import arguments, decode_ops
-from attngen.runtime.dispatch import need_for, probe
+from attngen.runtime.dispatch import Call, probe
 from attngen.runtime.selection import Dispatch
-from attngen.spec import CausalAlign, KernelKind, KvLayout
+from attngen.spec import KernelKind, KvLayout
 
 
 class CacheLengths(NamedTuple):
@@ -115,31 +115,18 @@ def _pads_nothing(padding) -> bool:
     return bool(padding.all())
 
 
-def decode_module(query, key, value, common) -> Dispatch | None:
+def decode_module(query, key, value, common: Call) -> Dispatch | None:
     """The decode-kind module (contiguous cache) that serves a static-cache step of these
     tensors and options, recorded (last_dispatch), or None: then the varlen route serves it.
     Decode is forward-only: dropout and inputs that need a gradient take the varlen route."""
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (query, key, value) if t is not None
     )
-    if common["dropout_p"] or needs_grad:
+    if common.dropout_p or needs_grad:
         return None
-    sinks = common["sinks"]
-    need = need_for(
-        KernelKind.decode,
-        query,
-        value,
-        mask=common["mask"],
-        align=CausalAlign.bottom_right,
-        window=common["window"],
-        softcap=common["softcap"],
-        alibi=False,
-        seqlen_q=query.shape[2],
-        seqlen_k=key.shape[2],
-        same_lengths=False,
-        kv_layout=KvLayout.contiguous,
-        sinks=sinks is not None,
-        chunk_size=common["chunk_size"],
+    lengths = (query.shape[2], key.shape[2])
+    need = common.need(
+        KernelKind.decode, query, value, lengths, False, kv_layout=KvLayout.contiguous
     )
     return probe("transformers", need, (query.shape[1], key.shape[1]))
 
@@ -157,11 +144,11 @@ def run_decode_module(decode: Dispatch, query, key, value, lengths: CacheLengths
         None,
         None,
         None,
-        arguments.softmax_scale(common["scale"], query),
+        arguments.softmax_scale(common.scale, query),
         None,
         False,
         heads_last=True,
-        sinks=common["sinks"],
+        sinks=common.sinks,
     )
     return out
 

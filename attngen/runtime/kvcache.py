@@ -32,13 +32,15 @@ when the module's kernels rotated (the plan passes cos/sin on).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
 from attngen.runtime import arguments, decode_ops, ops, plans
 from attngen.runtime.arguments import check_kvcache_shapes, flash_mask
 from attngen.runtime.decode_ops import heads_first
-from attngen.runtime.dispatch import need_for, probe
+from attngen.runtime.dispatch import Call, probe
 from attngen.runtime.fallback import check_alibi
 from attngen.runtime.kvcache_append import append_fitting, cache_seqlens_tensor
 from attngen.runtime.kvcache_options import (
@@ -140,6 +142,21 @@ def flash_attn_with_kvcache(
         )
         if ran is not None:
             return ran if return_softmax_lse else ran[0]
+    cache = (k_cache, v_cache, k, v, cache_seqlens, block_table)
+    step = (rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, rotary_interleaved, num_splits)
+    flash = (softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax_lse)
+    return _unplanned(q, cache, step, flash, key)
+
+
+def _unplanned(q, cache: tuple, step: tuple, flash: tuple, key: tuple | None):
+    """flash_attn_with_kvcache's full path: its checks, its Call, then the decode module
+    (route 1) or the varlen route (route 2). cache: (k_cache, v_cache, k, v, cache_seqlens,
+    block_table); step: (rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
+    rotary_interleaved, num_splits); flash: (softmax_scale, causal, window_size, softcap,
+    alibi_slopes, return_softmax_lse), as the caller gave them."""
+    k_cache, v_cache, k, v, cache_seqlens, block_table = cache
+    rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, rotary_interleaved, num_splits = step
+    softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax_lse = flash
     # in the caller's layout
     check_kvcache_shapes(
         q, k_cache, v_cache, k, v, block_table, any_cache_batch=cache_batch_idx is not None
@@ -160,50 +177,22 @@ def flash_attn_with_kvcache(
     new = 0 if k is None else k.shape[1]
     cache_seqlens = cache_seqlens_tensor(cache_seqlens, q.shape[0], capacity, new, q.device)
     mask, window = flash_mask(causal, window_size)
-    decode = None
-    if options.decode_route:
-        decode = _decode_module(
-            q, k_cache, v_cache, block_table, mask, window, softcap, alibi_slopes, capacity
-        )
+    align = CausalAlign.bottom_right
+    call = Call(mask, align, window, softcap, alibi_slopes, softmax_scale, return_softmax_lse)
+    decode = (
+        _decode_module(q, k_cache, v_cache, block_table, call, capacity)
+        if options.decode_route
+        else None
+    )
     rotary = fused_rotary(options, decode, mask is not Mask.none)
     if rotary is None and options.rotary is not None:  # rotated in torch: no plan for the call
         q, k = rotate(q, k, options, cache_seqlens, mask is not Mask.none)
         key = None
+    cache = (k_cache, v_cache, k, v, cache_seqlens, block_table)
     if decode is not None:
-        out, lse = _run_decode_module(
-            decode,
-            q,
-            k_cache,
-            v_cache,
-            k,
-            v,
-            cache_seqlens,
-            block_table,
-            softmax_scale,
-            alibi_slopes,
-            return_softmax_lse,
-            key,
-            num_splits,
-            rotary,
-        )
-        return (out, lse) if return_softmax_lse else out
-    out, lse = _run_varlen_route(
-        q,
-        k_cache,
-        v_cache,
-        k,
-        v,
-        cache_seqlens,
-        block_table,
-        options,
-        capacity,
-        mask,
-        window,
-        softcap,
-        alibi_slopes,
-        softmax_scale,
-        return_softmax_lse,
-    )
+        out, lse = _run_decode_module(decode, q, *cache, call, key, num_splits, rotary)
+    else:
+        out, lse = _run_varlen_route(q, *cache, options, capacity, call)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -229,24 +218,17 @@ def _run_varlen_route(
     block_table,
     options: CacheOptions,
     capacity: int,
-    mask,
-    window,
-    softcap,
-    alibi_slopes,
-    softmax_scale,
-    return_lse: bool,
+    call: Call,
 ):
     """Route 2: append with torch (only the sequences that fit), then the varlen kind over
     the cache rows in place (paged or cache_batch_idx rows gathered first: a copy)."""
     batch, seqlen_q = q.shape[0], q.shape[1]
     new = 0 if k is None else k.shape[1]
     packed_q = q.reshape(batch * seqlen_q, *q.shape[2:])
-    dispatch = _varlen_module(
-        packed_q, q, k_cache, v_cache, mask, window, softcap, alibi_slopes, capacity
-    )
-    sm_scale = arguments.softmax_scale(softmax_scale, q)
+    dispatch = _varlen_module(packed_q, q, k_cache, v_cache, call, capacity)
+    call = replace(call, scale=arguments.softmax_scale(call.scale, q))  # checked before the append
     fits = append_fitting(
-        k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_q, window, options
+        k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_q, call.window, options
     )
     keys, values = _cache_rows(k_cache, v_cache, block_table, options)
     steps = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
@@ -260,14 +242,7 @@ def _run_varlen_route(
         starts_k,
         seqlen_q,
         capacity,
-        mask=mask,
-        align=CausalAlign.bottom_right,
-        window=window,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        scale=sm_scale,
-        return_lse=return_lse,
-        fallback=None,
+        call,
         seqused_k=torch.where(fits, used_k, -1).to(torch.int32),
         dispatch=dispatch,
     )
@@ -275,29 +250,16 @@ def _run_varlen_route(
     return out, (None if lse is None else lse.view(lse.shape[0], batch, seqlen_q).transpose(0, 1))
 
 
-def _varlen_module(
-    packed_q, q, k_cache, v_cache, mask, window, softcap, alibi_slopes, capacity: int
-) -> Dispatch:
+def _varlen_module(packed_q, q, k_cache, v_cache, call: Call, capacity: int) -> Dispatch:
     """Route 2's varlen module (or fallback), chosen or refused before the append, and the
     alibi slopes checked then too: a refused call leaves the caches as they were."""
     batch, seqlen_q = q.shape[0], q.shape[1]
+    heads = (q.shape[2], k_cache.shape[2])
     dispatch = varlen_dispatch(
-        API,
-        packed_q,
-        v_cache,
-        mask=mask,
-        align=CausalAlign.bottom_right,
-        window=window,
-        softcap=softcap,
-        alibi=alibi_slopes is not None,
-        length_bounds=(seqlen_q, capacity),
-        same_lengths=False,
-        fallback=None,
-        refusal=None,
-        heads=(q.shape[2], k_cache.shape[2]),
+        API, packed_q, v_cache, call, (seqlen_q, capacity), False, None, heads
     )
     # What the module (or the fallback) would refuse after the append, refused before it.
-    check_alibi(alibi_slopes, packed_q, batch=batch)
+    check_alibi(call.alibi_slopes, packed_q, batch=batch)
     return dispatch
 
 
@@ -323,9 +285,7 @@ def _run_decode_module(
     v,
     cache_seqlens,
     block_table,
-    softmax_scale,
-    alibi_slopes,
-    return_lse: bool,
+    call: Call,
     plan_key: tuple | None,
     num_splits: int,
     rotary: dict | None,
@@ -337,7 +297,7 @@ def _run_decode_module(
     (plans.py); num_splits: the call's (checked by cache_options); rotary: the module's rotary
     arguments when its kernels rotate (fused_rotary)."""
     assert decode.key is not None  # probe() answers served dispatches only
-    sm_scale = arguments.softmax_scale(softmax_scale, q)
+    sm_scale = arguments.softmax_scale(call.scale, q)
     in_place = _in_place(decode, decode.key, q)
     out, lse = decode_ops.decode(
         decode.key,
@@ -349,14 +309,14 @@ def _run_decode_module(
         k,
         v,
         sm_scale,
-        alibi_slopes,
-        return_lse,
+        call.alibi_slopes,
+        call.return_lse,
         in_place,
         num_splits=num_splits,
         **(rotary or {}),
         flash_layout=True,
     )
-    plans.remember(plan_key, decode, sm_scale, return_lse, in_place)
+    plans.remember(plan_key, decode, sm_scale, call.return_lse, in_place)
     return (out if in_place else out.transpose(1, 2)), lse
 
 
@@ -410,24 +370,13 @@ def _run_planned(
     return (ran[0] if plan.in_place else ran[0].transpose(1, 2)), ran[1]
 
 
-def _decode_module(
-    q, k_cache, v_cache, block_table, mask, window, softcap, alibi_slopes, capacity: int
-) -> Dispatch | None:
+def _decode_module(q, k_cache, v_cache, block_table, call: Call, capacity: int) -> Dispatch | None:
     """The decode-kind module that serves the call, recorded, or None (then step 2)."""
     paged = block_table is not None
-    need = need_for(
-        KernelKind.decode,
-        q,
-        v_cache,
-        mask=mask,
-        align=CausalAlign.bottom_right,
-        window=window,
-        softcap=softcap,
-        alibi=alibi_slopes is not None,
-        seqlen_q=q.shape[1],
-        seqlen_k=capacity,
-        same_lengths=False,
-        kv_layout=KvLayout.paged if paged else KvLayout.contiguous,
-        page_size=k_cache.shape[1] if paged else None,
+    layout = KvLayout.paged if paged else KvLayout.contiguous
+    page_size = k_cache.shape[1] if paged else None
+    lengths = (q.shape[1], capacity)
+    need = call.need(
+        KernelKind.decode, q, v_cache, lengths, False, kv_layout=layout, page_size=page_size
     )
     return probe(API, need, (q.shape[2], v_cache.shape[2]))

@@ -4,7 +4,7 @@ torch fallback. The public functions (api.py, kvcache.py, hf.py) and context par
 parallelism's backward runs the gradient kernels of each chunk pair through
 `run_dense_backward`.
 
-A caller that wants flash-attn's [B, N, H, D] output asks `run_dense(..., heads_last=True)`:
+A caller that wants flash-attn's [B, N, H, D] output sets the Call's heads_last (dispatch.py):
 a module with `attention_flash` allocates and writes that layout itself (ops.py); one built
 before it but with `out=` (Dispatch.writes_out) writes it in place; from a module with
 neither, its [B, H, N, D] output is copied into that layout (the one copy left, which
@@ -21,6 +21,7 @@ a planned call would skip this draw. `deterministic` goes the same way to the ba
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from attngen.runtime import backward_ops, ops, plans
@@ -33,7 +34,7 @@ from attngen.runtime.arguments import (
     softmax_scale,
 )
 from attngen.runtime.backward_ops import check_deterministic
-from attngen.runtime.dispatch import choose, need_for, unsupported_dtype
+from attngen.runtime.dispatch import Call, choose, need_for, unsupported_dtype
 from attngen.runtime.fallback import fallback_dense, fallback_varlen
 from attngen.runtime.registry import current_registry
 from attngen.runtime.selection import Dispatch
@@ -45,101 +46,65 @@ def run_dense(
     q,
     k,
     v,
+    call: Call,
     *,
-    mask: Mask,
-    align: CausalAlign | None,
-    window,
-    softcap,
-    alibi_slopes,
-    scale,
-    return_lse: bool,
-    fallback: str | None,
     refusal: str | None = None,
     attn_mask=None,
-    dropout_p=0.0,
     rng_state=None,
-    heads_last: bool = False,
     plan_key: tuple | None = None,
-    sinks=None,
-    chunk_size: int | None = None,
-    sink_tokens: int | None = None,
-    deterministic: bool = True,
 ):
-    """[B, H, N, D] attention through the prefill kind; (out, lse or None). With heads_last,
-    out is [B, N, H, DV], contiguous. plan_key: the caller's signature key, under which a call
-    a module served leaves its plan (plans.py; the key must tell calls with sinks, chunk_size
-    and sink_tokens apart). sinks [HQ] fp32: learned sink logits (gpt-oss); chunk_size with
-    mask chunked, sink_tokens with mask sliding_window. rng_state: the call's Philox state when
-    the caller drew it (arguments.attn_probs_rng_state), else drawn here."""
+    """[B, H, N, D] attention through the prefill kind; (out, lse or None). With
+    call.heads_last, out is [B, N, H, DV], contiguous. plan_key: the caller's signature key,
+    under which a call a module served leaves its plan (plans.py; the key must tell calls with
+    sinks, chunk_size and sink_tokens apart). rng_state: the call's Philox state when the
+    caller drew it (arguments.attn_probs_rng_state), else drawn here."""
+    call = _checked(call)
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
-    dropout_p = dropout_probability(dropout_p)
-    softcap = softcap_value(softcap)  # <= 0 is off for the fallback too, as in flash-attn
-    check_deterministic(deterministic)
-    need = need_for(
-        KernelKind.prefill,
-        q,
-        v,
-        mask=mask,
-        align=align,
-        window=window,
-        softcap=softcap,
-        alibi=alibi_slopes is not None,
-        seqlen_q=seqlen_q,
-        seqlen_k=seqlen_k,
-        same_lengths=seqlen_q == seqlen_k,
-        sinks=sinks is not None,
-        chunk_size=chunk_size,
-        sink_tokens=sink_tokens,
-        dropout=dropout_p > 0,
-        backward=needs_gradients(q, k, v, sinks),
+    backward = needs_gradients(q, k, v, call.sinks)
+    need = call.need(
+        KernelKind.prefill, q, v, (seqlen_q, seqlen_k), seqlen_q == seqlen_k, backward=backward
     )
     if need.dtype is None:
         refusal = refusal or unsupported_dtype(q)
-    dispatch = choose(api, need, fallback, refusal, (q.shape[1], k.shape[1]))
+    dispatch = choose(api, need, call.fallback, refusal, (q.shape[1], k.shape[1]))
+    sm_scale = softmax_scale(call.scale, q)
     if dispatch.key is None:
-        result = fallback_dense(
-            q,
-            k,
-            v,
-            mask=mask,
-            align=align,
-            window=window,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            scale=softmax_scale(scale, q),
-            attn_mask=attn_mask,
-            dropout_p=dropout_p,
-            return_lse=return_lse,
-            sinks=sinks,
-            chunk_size=chunk_size,
-            sink_tokens=sink_tokens,
-        )
-        out, lse = result if return_lse else (result, None)
-        return (out.transpose(1, 2).contiguous() if heads_last else out), lse
+        options = call.torch_options(sm_scale)
+        result = fallback_dense(q, k, v, attn_mask=attn_mask, return_lse=call.return_lse, **options)
+        out, lse = result if call.return_lse else (result, None)
+        return (out.transpose(1, 2).contiguous() if call.heads_last else out), lse
     in_place = (
-        heads_last
+        call.heads_last
         and dispatch.writes_out
         and (seqlen_q != 1 or ops.takes_flash_layout(current_registry().module(dispatch.key)))
     )
-    sm_scale = softmax_scale(scale, q)
     out, lse = ops.prefill(
         dispatch.key,
         q,
         k,
         v,
         sm_scale,
-        alibi_slopes,
-        return_lse,
+        call.alibi_slopes,
+        call.return_lse,
         in_place,
-        sinks,
-        *_dropout(dropout_p, q, rng_state),
-        deterministic=deterministic,
+        call.sinks,
+        *_dropout(call.dropout_p, q, rng_state),
+        deterministic=call.deterministic,
     )
-    if heads_last and not in_place:  # the module wrote [B, H, N, D]: copied (it has no out=)
+    if call.heads_last and not in_place:  # the module wrote [B, H, N, D]: copied (no out=)
         out = out.transpose(1, 2).contiguous()  # one query row: already contiguous, no copy
-    if not dropout_p:  # dropout: no plan (a planned call would skip the seed's draw)
-        plans.remember(plan_key, dispatch, sm_scale, return_lse, in_place)
+    if not call.dropout_p:  # dropout: no plan (a planned call would skip the seed's draw)
+        plans.remember(plan_key, dispatch, sm_scale, call.return_lse, in_place)
     return out, lse
+
+
+def _checked(call: Call) -> Call:
+    """The call with dropout_p and softcap checked (softcap <= 0: off, for the fallback too, as
+    in flash-attn) and `deterministic` a bool."""
+    dropout_p = dropout_probability(call.dropout_p)
+    softcap = softcap_value(call.softcap)
+    check_deterministic(call.deterministic)
+    return replace(call, dropout_p=dropout_p, softcap=softcap)
 
 
 def run_dense_backward(
@@ -196,26 +161,14 @@ def run_varlen(
     cu_seqlens_k,
     max_seqlen_q,
     max_seqlen_k,
+    call: Call,
     *,
-    mask: Mask,
-    align: CausalAlign | None,
-    window,
-    softcap,
-    alibi_slopes,
-    scale,
-    return_lse: bool,
-    fallback: str | None,
     seqused_k=None,
     refusal: str | None = None,
-    dropout_p=0.0,
     rng_state=None,
     length_bounds=None,
     dispatch: Dispatch | None = None,
     plan_key: tuple | None = None,
-    sinks=None,
-    chunk_size: int | None = None,
-    sink_tokens: int | None = None,
-    deterministic: bool = True,
 ):
     """Packed [T, H, D] attention through the varlen kind; (out, lse [H, Tq] or None).
 
@@ -225,75 +178,36 @@ def run_varlen(
     that must know the choice before it changes anything (the KV-cache route appends) passes
     the `dispatch` varlen_dispatch gave it. plan_key and rng_state: as run_dense's (a plan
     only for a call without seqused_k)."""
-    dropout_p = dropout_probability(dropout_p)
-    softcap = softcap_value(softcap)
-    check_deterministic(deterministic)
+    call = _checked(call)
     if dispatch is None:
         same = cu_seqlens_q is cu_seqlens_k and seqused_k is None
-        dispatch = varlen_dispatch(
-            api,
-            q,
-            v,
-            mask=mask,
-            align=align,
-            window=window,
-            softcap=softcap,
-            alibi=alibi_slopes is not None,
-            length_bounds=length_bounds or (q.shape[0], k.shape[0]),
-            same_lengths=same,
-            fallback=fallback,
-            refusal=refusal,
-            heads=(q.shape[1], k.shape[1]),
-            sinks=sinks is not None,
-            chunk_size=chunk_size,
-            sink_tokens=sink_tokens,
-            dropout=dropout_p > 0,
-            backward=needs_gradients(q, k, v, sinks),
-        )
+        bounds = length_bounds or (q.shape[0], k.shape[0])
+        backward = needs_gradients(q, k, v, call.sinks)
+        heads = (q.shape[1], k.shape[1])
+        dispatch = varlen_dispatch(api, q, v, call, bounds, same, refusal, heads, backward)
     max_seqlen_q = seqlen_bound(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = seqlen_bound(max_seqlen_k, "max_seqlen_k")
+    sm_scale = softmax_scale(call.scale, q)
+    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if dispatch.key is None:
-        return fallback_varlen(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            seqused_k,
-            mask=mask,
-            align=align,
-            window=window,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            scale=softmax_scale(scale, q),
-            return_lse=return_lse,
-            dropout_p=dropout_p,
-            sinks=sinks,
-            chunk_size=chunk_size,
-            sink_tokens=sink_tokens,
-        )
-    sm_scale = softmax_scale(scale, q)
+        options = call.torch_options(sm_scale)
+        return fallback_varlen(q, k, v, *lengths, seqused_k, return_lse=call.return_lse, **options)
     result = ops.varlen(
         dispatch.key,
         q,
         k,
         v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
+        *lengths,
         sm_scale,
-        alibi_slopes,
+        call.alibi_slopes,
         seqused_k,
-        return_lse,
-        sinks,
-        *_dropout(dropout_p, q, rng_state),
-        deterministic=deterministic,
+        call.return_lse,
+        call.sinks,
+        *_dropout(call.dropout_p, q, rng_state),
+        deterministic=call.deterministic,
     )
-    if seqused_k is None and not dropout_p:  # dropout: no plan (it would skip the seed's draw)
-        plans.remember(plan_key, dispatch, sm_scale, return_lse, False)
+    if seqused_k is None and not call.dropout_p:  # dropout: no plan (it would skip the draw)
+        plans.remember(plan_key, dispatch, sm_scale, call.return_lse, False)
     return result
 
 
@@ -309,44 +223,17 @@ def varlen_dispatch(
     api: str,
     q,
     v,
-    *,
-    mask: Mask,
-    align: CausalAlign | None,
-    window,
-    softcap,
-    alibi: bool,
+    call: Call,
     length_bounds: tuple[int, int],
     same_lengths: bool,
-    fallback: str | None,
     refusal: str | None,
     heads: tuple[int, int],
-    sinks: bool = False,
-    chunk_size: int | None = None,
-    sink_tokens: int | None = None,
-    dropout: bool = False,
     backward: bool = False,
 ) -> Dispatch:
     """The varlen module (or the warned fallback) that serves packed q [T, HQ, D] and values
-    of v's head dim at lengths up to `length_bounds` (with learned sinks when `sinks`; with
+    of v's head dim at lengths up to `length_bounds` (with learned sinks when call.sinks; with
     gradient kernels when `backward`); NoKernelError when none does."""
-    need = need_for(
-        KernelKind.varlen,
-        q,
-        v,
-        mask=mask,
-        align=align,
-        window=window,
-        softcap=softcap,
-        alibi=alibi,
-        seqlen_q=length_bounds[0],
-        seqlen_k=length_bounds[1],
-        same_lengths=same_lengths,
-        sinks=sinks,
-        chunk_size=chunk_size,
-        sink_tokens=sink_tokens,
-        dropout=dropout,
-        backward=backward,
-    )
+    need = call.need(KernelKind.varlen, q, v, length_bounds, same_lengths, backward=backward)
     if need.dtype is None:
         refusal = refusal or unsupported_dtype(q)
-    return choose(api, need, fallback, refusal, heads)
+    return choose(api, need, call.fallback, refusal, heads)
