@@ -1,8 +1,8 @@
 """Which backward path the runtime takes: flash_attn_func's and flash_attn_varlen_func's
 `deterministic` (False, flash-attn's default: the atomic-dQ kernels), SDPA's and the
 transformers function's torch.are_deterministic_algorithms_enabled(), the eager backward
-entry (context parallelism's) deterministic, and a module built before the atomic path
-running its deterministic kernels with a warning; last_backward() and backward_runs() record
+entry (context parallelism's) deterministic, and a module with no atomic-dQ config running
+its deterministic kernels with a warning; last_backward() and backward_runs() record
 each, and the gradients of both paths match the float64 reference."""
 
 from __future__ import annotations
@@ -168,19 +168,6 @@ def test_the_eager_backward_entry_is_deterministic(trained):
         scale=None,
     )
     assert last_backward().path == DETERMINISTIC
-
-
-def test_a_module_without_the_atomic_path_runs_deterministic_with_a_warning(trained, monkeypatch):
-    key = _prefill_key(trained)
-    module = current_registry().module(key)
-    monkeypatch.delattr(module, "BWD_DKDV_ATOMIC_CONFIG")
-    with pytest.warns(UserWarning, match="built before the atomic-dQ backward"):
-        grads, inputs = _flash_grads(trained, False)
-    run = last_backward()
-    assert run.path == DETERMINISTIC and run.deterministic is False
-    assert "rebuild" in run.reason
-    problems = compare_gradients(trained, grads, *inputs)
-    assert not problems, "; ".join(problems)
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, None])

@@ -4,8 +4,7 @@ contiguous caches [B, L, HKV, D], new keys [B, NNEW, HKV, D]; out [B, NQ, HQ, DV
 on the [B, H, N, D] views (output, LSE and appended caches, with the real kernels under the
 interpreter), the same launches from their plans (growing caches too), their errors named in
 the caller's layout; and the public functions that reach them (flash_attn_with_kvcache, the
-transformers decode step) with no view of their own, modules built before them keeping
-their route."""
+transformers decode step) with no view of their own."""
 
 from __future__ import annotations
 
@@ -376,35 +375,32 @@ def test_flash_attn_with_kvcache_hands_its_tensors_to_decode_flash(
 ):
     """Full path and planned calls give the module's decode_flash the caller's tensors as
     they are (no view) and no out=, and return the tensor it allocated, contiguous: bit for
-    bit what the route before it (decode() on views, a module without decode_flash) gives,
-    appended caches included; last_dispatch names the decode module at every call."""
-    results = []
-    for flash in (True, False):
-        with monkeypatch.context() as patch:
-            case = kvcache_step(seqlen_q)
-            run_kvcache(case, return_softmax_lse=True)  # the module built and chosen
-            module = current_registry().module(attngen.last_dispatch().key)
-            if not flash:  # as a module built before decode_flash
-                patch.delattr(module, "decode_flash")
-                patch.delattr(module, "decode_flash_out")
-            current_registry().plans.clear()
-            assert ops.takes_flash_layout(module) is flash
-            calls = count_calls(patch, module, "decode_flash") if flash else []
-            cases = [kvcache_step(seqlen_q) for _ in range(3)]
-            for case in cases:  # the full path (flash: only for the old route), then the plan
-                out, lse = run_kvcache(case, return_softmax_lse=True)
-                assert attngen.last_dispatch().need.kind.value == "decode"
-            results.append((out, lse, case[1], case[2]))
-            if flash:
-                assert len(calls) == 3
-                for (args, kwargs), case in zip(calls, cases, strict=True):
-                    assert all(a is b for a, b in zip(args, case[:3], strict=False))
-                    assert kwargs["k_new"] is case[3] and kwargs["v_new"] is case[4]
-                    assert "out" not in kwargs
-                assert out.shape == (2, seqlen_q, 4, 16) and out.is_contiguous()
-    (out, lse, k_cache, v_cache), expected = results
-    assert same_bits(out, expected[0].contiguous()) and same_bits(lse, expected[1])
-    assert same_bits(k_cache, expected[2]) and same_bits(v_cache, expected[3])
+    bit what decode() gives on [B, H, N, D] views, appended caches included; last_dispatch
+    names the decode module at every call."""
+    run_kvcache(kvcache_step(seqlen_q), return_softmax_lse=True)  # the module built and chosen
+    module = current_registry().module(attngen.last_dispatch().key)
+    current_registry().plans.clear()
+    assert ops.takes_flash_layout(module)
+    calls = count_calls(monkeypatch, module, "decode_flash")
+    cases = [kvcache_step(seqlen_q) for _ in range(3)]
+    for case in cases:  # the full path, then the plan
+        out, lse = run_kvcache(case, return_softmax_lse=True)
+        assert attngen.last_dispatch().need.kind.value == "decode"
+    assert len(calls) == 3
+    for (args, kwargs), case in zip(calls, cases, strict=True):
+        assert all(a is b for a, b in zip(args, case[:3], strict=False))
+        assert kwargs["k_new"] is case[3] and kwargs["v_new"] is case[4]
+        assert "out" not in kwargs
+    assert out.shape == (2, seqlen_q, 4, 16) and out.is_contiguous()
+    q, k_cache, v_cache, k_new, v_new, lengths = (
+        t.transpose(1, 2) if t.dim() == 4 else t for t in kvcache_step(seqlen_q)
+    )
+    expected, expected_lse = module.decode(
+        q, k_cache, v_cache, lengths, k_new=k_new, v_new=v_new, return_lse=True
+    )
+    assert same_bits(out, expected.transpose(1, 2).contiguous()) and same_bits(lse, expected_lse)
+    assert same_bits(cases[-1][1], k_cache.transpose(1, 2))
+    assert same_bits(cases[-1][2], v_cache.transpose(1, 2))
 
 
 def test_a_planned_kvcache_step_makes_no_view(on_demand, monkeypatch):  # noqa: F811
@@ -460,7 +456,3 @@ def test_transformers_decode_step_reaches_decode_flash_out(on_demand, monkeypatc
     assert out.shape == (2, 1, 4, 16) and out.is_contiguous()
     expected = module.decode(q, k, v, lengths.seqlens, sm_scale=0.25)
     assert same_bits(out, expected.transpose(1, 2).contiguous())
-    monkeypatch.delattr(module, "decode_flash")
-    monkeypatch.delattr(module, "decode_flash_out")
-    old_route, _ = attngen_attention(layer, q, k, v, lengths)
-    assert same_bits(old_route, out)

@@ -327,11 +327,11 @@ def test_a_fused_rotary_step_runs_from_its_plan(api_kernels, monkeypatch):  # no
 
 
 def test_a_step_rotated_in_torch_keeps_no_plan(api_kernels, monkeypatch):  # noqa: F811
-    """A decode module whose kernels do not rotate (one built before they did): q and k are
+    """A decode module whose kernels do not rotate (ACCEPTS_ROTARY False): q and k are
     rotated in torch, on every call, and such a step never runs from a plan (which would not
     rotate)."""
     module = api_kernels.module_for("api", "decode")
-    monkeypatch.delattr(module, "ACCEPTS_ROTARY")
+    monkeypatch.setattr(module, "ACCEPTS_ROTARY", False)
     api_kernels.registry.plans.clear()  # (the plans earlier tests left, of kernels that rotate)
     rotations = []
     monkeypatch.setattr(kvcache_module, "rotate", lambda *a: rotations.append(a) or rotate(*a))

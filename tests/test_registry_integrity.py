@@ -1,6 +1,7 @@
 """The registry runs only the module its index entry describes: sha256 of the bytes recorded at
-build time, verified before import; the module's own constants compared with the entry; and
-`attngen check` names modules in the folder that no given spec produces."""
+build time, verified before import; its header's attngen and template hash compared with the
+running ones; the module's own constants compared with the entry; and `attngen check` names
+modules in the folder that no given spec produces."""
 
 from __future__ import annotations
 
@@ -9,12 +10,17 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
+import attngen
 from attngen.build import INDEX_NAME, plan_build, read_index, write_build
 from attngen.cli import app
+from attngen.names import __version__
+from attngen.runtime import ondemand
 from attngen.runtime.registry import RegistryError, current_registry, load_kernels, use_registry
 from attngen.spec import specs_from_data
+from tests.ondemand_harness import on_demand  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 TOY = dict(
@@ -86,6 +92,57 @@ def test_an_index_without_hashes_is_refused_at_load(tmp_path, restore_registry):
     (folder / INDEX_NAME).write_text(json.dumps(index))
     with pytest.raises(RegistryError, match=r"has no sha256 .* rebuild the folder"):
         load_kernels(folder, replace=True)
+
+
+def _rewrite(folder: Path, path: Path, header: str) -> bytes:
+    """The module at `path` with its first line replaced, and its index entry's sha256 with it
+    (as a build by that attngen would have written both)."""
+    data = (header + "\n" + path.read_text().split("\n", 1)[1]).encode()
+    path.write_bytes(data)
+    index = json.loads((folder / INDEX_NAME).read_text())
+    for entry in index["modules"]:
+        if folder / entry["path"] == path:
+            entry["sha256"] = hashlib.sha256(data).hexdigest()
+    (folder / INDEX_NAME).write_text(json.dumps(index))
+    return data
+
+
+def test_a_module_another_attngen_built_is_refused_by_name(tmp_path, restore_registry):
+    """A folder module whose header records another attngen version or template hash (or no
+    header at all) is refused before it runs, in one line naming the file and both builds."""
+    folder = _build(tmp_path / "k", TOY)
+    first = (folder / MODULE).read_text().split("\n", 1)[0]
+    digest = first.rsplit("(", 1)[1][:-2]
+    cases = [
+        (first.replace(__version__, "0.0.0-old"), "built by attngen 0.0.0-old (prefill.py.jinja "),
+        (first.replace(digest, "0123456789abcdef"), "(prefill.py.jinja 0123456789abcdef), not "),
+        ("# written by hand", "has no attngen header"),
+    ]
+    for header, expected in cases:
+        _rewrite(folder, folder / MODULE, header)
+        with pytest.raises(RegistryError) as refused:
+            _module_of(folder)
+        message = str(refused.value)
+        assert "\n" not in message and MODULE in message and expected in message, message
+        assert "rebuild the folder with `attngen build`" in message
+    _rewrite(folder, folder / MODULE, first)
+    assert _module_of(folder).MASK == "causal"  # the header it was built with: served
+
+
+def test_a_cached_module_with_a_stale_header_is_rebuilt(on_demand):  # noqa: F811
+    """A module of the on-demand cache that another attngen built is rendered again by this
+    one and the rebuilt module serves the call."""
+    q, k, v = torch.randn(3, 1, 5, 2, 59, generator=torch.Generator().manual_seed(0))
+    out = attngen.flash_attn_func(q, k, v, causal=True)
+    path = Path(attngen.last_dispatch().key)
+    original = path.read_bytes()
+    first = original.decode().split("\n", 1)[0]
+    _rewrite(path.parent.parent, path, first.replace(__version__, "0.0.0-old"))
+    load_kernels()  # a new registry (as a new process would have) reads the cache's index
+    renders = ondemand.render_count()
+    again = attngen.flash_attn_func(q, k, v, causal=True)
+    assert path.read_bytes() == original and torch.equal(again, out)
+    assert attngen.last_dispatch().key == str(path) and ondemand.render_count() == renders + 1
 
 
 def test_check_reports_modules_no_given_spec_produces(tmp_path):

@@ -197,7 +197,7 @@ def _keep_mask(rng_state, dropout_p, batch_heads, seqlen_q, seqlen_k, device):
     batch * HQ + head in [0, batch_heads), rows and keys from 0 (varlen: within a sequence)."""
     dispatch = last_dispatch()
     module = current_registry().module(dispatch.key) if dispatch and dispatch.key else None
-    if module is None or not hasattr(module, "_dropout_keep"):
+    if module is None or not hasattr(module, "_dropout_keep"):  # dropout: true specs only
         served = dispatch.module if dispatch and dispatch.module else "the torch fallback"
         raise ValueError(
             "return_attn_probs: True with dropout_p > 0 reads the mask of a module built with "

@@ -100,19 +100,16 @@ def _path_options(key: str, module, deterministic: bool) -> dict:
     """The entry point's `deterministic=` keyword, recording which path runs."""
     if deterministic:
         run = BackwardRun(key, True, DETERMINISTIC, "deterministic=True: no atomics")
-        options: dict = {}  # the modules' default (and all an older module takes)
+        options: dict = {}  # the modules' default
     elif not atomic_dq_enabled():
         run = BackwardRun(key, False, DETERMINISTIC, ATOMIC_DQ_OFF)
         options = {}
-    elif getattr(module, "BWD_DKDV_ATOMIC_CONFIG", None) is not None:
+    elif module.BWD_DKDV_ATOMIC_CONFIG is not None:
         run = BackwardRun(key, False, ATOMIC, "deterministic=False: dQ by fp32 atomics")
         options = {"deterministic": False}
     else:
         reason = (
-            "deterministic=False, but the module was built before the atomic-dQ backward: "
-            "its deterministic kernels ran (rebuild it for the faster path)"
-            if not hasattr(module, "BWD_DKDV_ATOMIC_CONFIG")
-            else "deterministic=False, but no atomic-dQ config fits this module's shared "
+            "deterministic=False, but no atomic-dQ config fits this module's shared "
             "memory (BWD_DKDV_ATOMIC_CONFIG None): its deterministic kernels ran"
         )
         warnings.warn(f"{key}: {reason}", stacklevel=3)

@@ -90,19 +90,14 @@ def call_decode(
     module that takes_flash_layout): q, the caches (paged ones as always) and k_new/v_new in
     flash-attn's [B, N, H, D] layout, handed to its decode_flash as they are."""
     count_run(key)
-    extra = {**_sinks(sinks), **_splits(module, key, num_splits)}
+    extra = {**_sinks(sinks), **_splits(num_splits)}
     if rotary_cos is not None or rotary_sin is not None:  # (modules with ACCEPTS_ROTARY)
         extra.update(
             rotary_keywords(rotary_cos, rotary_sin, rotary_interleaved, rotary_q_per_token)
         )
-    entry, out = module.decode, None
-    if flash_layout:  # (its callers' promise: heads_last, a module that takes_flash_layout)
-        entry = module.decode_flash
-    elif heads_last and hasattr(module, "decode_flash_out"):  # out [B, Nq, HQ, DV]
-        entry = module.decode_flash_out  # (a decode module's takes_flash_layout, in one look-up)
-    elif heads_last:  # a module built before decode_flash: decode() with out= a view
-        out = _heads_last(q, v_cache.shape[-1])
-        extra["out"] = out.transpose(1, 2)
+    # flash_layout: its callers' promise (heads_last, a module that takes_flash_layout)
+    entry = module.decode_flash_out if heads_last else module.decode  # out [B, Nq, HQ, DV]
+    entry = module.decode_flash if flash_layout else entry
     result = entry(
         q,
         k_cache,
@@ -116,23 +111,12 @@ def call_decode(
         return_lse=return_lse,
         **extra,
     )
-    if out is not None:
-        return out, (result[1] if return_lse else None)
     return result if return_lse else (result, None)
 
 
-def _splits(module, key: str, num_splits: int) -> dict[str, int]:
-    """decode's num_splits keyword, only when one is asked for: 0 is every module's default,
-    so a module built before decode took the argument (it has no LAST_NUM_SPLITS) serves
-    calls without it, and refuses by name the calls with it."""
-    if not num_splits:
-        return {}
-    if not hasattr(module, "LAST_NUM_SPLITS"):
-        raise ValueError(
-            f"num_splits: got {num_splits}; the decode module {key} was built "
-            "before decode took a split count: rebuild it, or pass 0"
-        )
-    return {"num_splits": num_splits}
+def _splits(num_splits: int) -> dict[str, int]:
+    """decode's num_splits keyword, only when one is asked for (0 is every module's default)."""
+    return {"num_splits": num_splits} if num_splits else {}
 
 
 def decode(

@@ -324,7 +324,7 @@ def select(
 def served(api: str, need: Need, registry: Registry, entry: KernelEntry, built: bool) -> Dispatch:
     """The Dispatch of `entry` serving `need`, recorded and cached on `registry`."""
     module = registry.module(entry.key)
-    writes_out = getattr(module, ACCEPTS_OUT, False) is True
+    writes_out = getattr(module, ACCEPTS_OUT) is True
     reason = f"{entry.describe()} serves {need.describe()}" + (
         "; it writes the caller's output layout in place (out=)"
         if writes_out
@@ -355,7 +355,7 @@ def served(api: str, need: Need, registry: Registry, entry: KernelEntry, built: 
 def expected_forward(module: Any) -> str | None:
     """The forward kernel a prefill or varlen module runs a call with: its
     expected_forward_path() (a module with the Gluon forward: the path a call that fits takes
-    here), else its forward_path() (tile-level, with why); None for other modules."""
+    here), else its forward_path() (tile-level, with why); None for decode modules (by kind)."""
     expected = getattr(module, "expected_forward_path", None) or getattr(
         module, "forward_path", None
     )

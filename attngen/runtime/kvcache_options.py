@@ -154,7 +154,7 @@ def fused_rotary(options: CacheOptions, decode: Dispatch | None, per_token: bool
     per_token: the call is causal or local."""
     if options.rotary is None or decode is None or decode.key is None:
         return None
-    if not getattr(current_registry().module(decode.key), "ACCEPTS_ROTARY", False):
+    if not current_registry().module(decode.key).ACCEPTS_ROTARY:
         return None
     cos, sin, interleaved = options.rotary
     return rotary_keywords(cos, sin, interleaved, per_token)

@@ -182,8 +182,7 @@ def takes_flash_layout(module) -> bool:
     """Whether the module has its kind's entry points in flash-attn's layout: a prefill
     module's `attention_flash` (q/k/v and out in [B, N, H, D]) and `attention_flash_out`
     (q/k/v in [B, H, N, D], out in [B, N, H, D]), a decode module's `decode_flash` and
-    `decode_flash_out` (the same layouts); modules built by an older attngen have only
-    `attention` or `decode`."""
+    `decode_flash_out` (the same layouts); varlen modules have neither (by kind)."""
     return hasattr(module, "attention_flash_out") or hasattr(module, "decode_flash_out")
 
 

@@ -39,6 +39,7 @@ from typing import Any
 from attngen.arch import arch_names
 from attngen.runtime.kernel_cache import (
     ENV_ON_DEMAND,
+    built_elsewhere,
     existing_cache_folders,
     rebuild_item,
     set_overrides,
@@ -116,7 +117,7 @@ class Registry:
 
     def module(self, key: str) -> ModuleType:
         """The imported, verified module for a key (imported once, then cached). A module of
-        the on-demand cache that fails its checks (changed or foreign bytes) is rebuilt and
+        the on-demand cache that fails its checks (bytes, header) is rebuilt and
         the rebuilt one imported; one from any other folder is refused (RegistryError)."""
         module = self._modules.get(key)
         if module is None:
@@ -366,6 +367,9 @@ def import_verified(entry: KernelEntry) -> ModuleType:
             f"file {digest[:16]}): the file changed after `attngen build` wrote it; rebuild "
             "the folder, or restore the file"
         )
+    stale = built_elsewhere(data)
+    if stale:
+        raise RegistryError(f"{path}: {stale}; rebuild the folder with `attngen build`")
     module = _execute(path, data, entry)
     problems = constant_mismatches(module, entry)
     if problems:

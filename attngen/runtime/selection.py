@@ -421,7 +421,7 @@ def _with_forward(dispatch: Dispatch) -> Dispatch:
         module = current_registry().module(dispatch.key)  # type: ignore[arg-type]
     except Exception:  # noqa: BLE001 - a replaced registry: the record as it was made
         return dispatch
-    taken = getattr(module, "forward_path", None)
+    taken = getattr(module, "forward_path", None)  # prefill and varlen modules only (kind)
     path = None if taken is None else str(taken())
     if path is None or path == dispatch.forward or path.endswith("no call yet"):
         return dispatch

@@ -168,7 +168,7 @@ def _run(module: Any, spec: AttnSpec, kind: KernelKind, device: torch.device) ->
             # place (the runtime passes out= then): other strides, another specialization.
             flash_out = (
                 {"out": rand(1, n, heads_q, dv).transpose(1, 2)}
-                if getattr(module, "ACCEPTS_OUT", False) is True
+                if module.ACCEPTS_OUT is True
                 else {}
             )
             module.attention(
