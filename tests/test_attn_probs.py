@@ -176,6 +176,10 @@ def test_flash_attn_func_s_dmask_reads_as_flash_attns_tests_read_it(kernels):
     assert lse.shape == (2, 4, 24) and not dmask.requires_grad
     assert not dmask[:, :, 24:].any() and not dmask[:, :, :, 150:].any()
     probs, golden = normalized(dmask, attention_scores(spec, q, k), 32)
+    # Note: S_dmask is stored in fp16: each exp(s - m) is rounded to half an fp16 ulp
+    # (2**-11 relative) after fp32 scores a few fp32 ulps off float64's, so one fp16 ulp
+    # (2**-10) bounds it; entries in fp16's subnormal range round to its step, 2**-24 (the
+    # rescale factor exp(m - lse) <= 1 only shrinks that).
     assert torch.allclose(probs, golden, rtol=2**-10, atol=2**-24)
     keep = kept(dmask, 24, 150)
     assert within_binomial((~keep).sum().item(), keep.numel(), p)
@@ -216,6 +220,9 @@ def test_dropout_pattern_is_the_one_the_backward_regenerates(kernels):
     assert torch.equal(dropped_by_backward[seen], ~keep[seen])
     assert 0.2 < (~keep[seen]).float().mean().item() < 0.4
     revealed = dv_as_probs(inputs[2].grad.double(), 4, 16)
+    # fp32 kernels: dV's entries and S_dmask's are fp32 values of O(1) from fp32 scores over
+    # D 32 (a few fp32 ulps, ~1e-6 relative at most); 1e-5 leaves room, while a wrong keep
+    # bit or block maximum moves an entry by O(1).
     assert torch.allclose(revealed, probs * keep * keep_scale(p), rtol=1e-5, atol=1e-7)
     grads = [t.grad.transpose(1, 2) for t in inputs]
     problems = compare_gradients(
@@ -250,10 +257,12 @@ def test_varlen_s_dmask_per_sequence(kernels):
         seq = dmask[b : b + 1]
         scores = attention_scores(spec, *(t[:, :, r] for t, r in ((q, rows_q), (k, rows_k))))
         probs, golden = normalized(seq, scores, 32)
+        # fp32 S_dmask against float64: a few fp32 ulps of O(1) probabilities (as above)
         assert torch.allclose(probs, golden, rtol=1e-5, atol=1e-7)
         keep, seen = kept(seq, n_q, n_k), torch.isfinite(scores)
         revealed = dv_as_probs(packed[2].grad[None, rows_k], 4, n_q)
         assert torch.equal((revealed == 0)[seen], ~keep[seen]), f"sequence {b}"
+        # fp32 dV entries of O(1): 1e-6 is about 8 fp32 ulps at 1
         assert torch.allclose(revealed.double(), probs * keep * keep_scale(p), atol=1e-6)
     # sequence 2's keys past the packed k: the kernel gives it NaN, and so does S_dmask
     torch.manual_seed(6)
@@ -396,6 +405,10 @@ def _check_gpu_dense(spec, p):
     assert dmask.shape == (4, 6, 256, 384) and dmask.dtype == q.dtype
     dmask, scores = dmask.cpu(), attention_scores(spec, q, k)
     probs, golden = normalized(dmask, scores, 64)
+    # Note: bf16 (and fp16) S_dmask from the GPU's fp32-accumulated dots: rounding to q's dtype
+    # is half a bf16 ulp (2**-8 relative) and the scores' fp32 error carries through exp as
+    # ~1e-6 relative; one bf16 ulp (2**-7) bounds both. 2**-20 absolute: 16 of fp16's
+    # subnormal steps, for entries the rescale factor exp(m - lse) <= 1 makes tiny.
     assert torch.allclose(probs, golden, rtol=2**-7, atol=2**-20)
     seen, keep = torch.isfinite(scores), kept(dmask, 239, 300)
     assert abs((~keep[seen]).float().mean().item() - p) <= 0.01
@@ -434,6 +447,7 @@ def _check_gpu_varlen(spec, p):
         seq = [t[:, :, r] for t, r in ((q, rows_q), (k, rows_k), (v, rows_k), (dout, rows_q))]
         scores = attention_scores(spec, *seq[:2])
         probs, golden = normalized(dmask[b : b + 1], scores, 64)
+        # the dense GPU case's bound: one bf16 ulp relative, fp16 subnormals absolute
         assert torch.allclose(probs, golden, rtol=2**-7, atol=2**-20), f"sequence {b}"
         dropout = (kept(dmask[b : b + 1], lengths_q[b], lengths_k[b]), keep_scale(p))
         rows = (rows_q, rows_k, rows_k)
