@@ -319,3 +319,160 @@ def attn_bwd_dkdv_kernel(
          (_bwd_producer, (worker,))],
         [4, 1], [CONSUMER_REGS, PRODUCER_REGS],
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------
+
+
+def config_for(d, stages=None):
+    """The derived config for head dim d (gluon_backward_tiling.derive); `stages` overrides
+    the ring depth (a benchmark variant; it must still fit)."""
+    import gluon_backward_tiling as tiling
+
+    cfg = tiling.derive(d)
+    if stages is not None:
+        cfg = tiling.candidate(d, cfg.block_m, stages)
+        if cfg.rejected:
+            raise ValueError(f"stages={stages} at D {d}: {'; '.join(cfg.rejected)}")
+    return cfg
+
+
+def _check_args(q, k, v, out, lse, dout, scale):
+    """Raises ValueError naming what is wrong; returns the scale (default 1/sqrt(D))."""
+    import torch
+
+    import gluon_backward_tiling as tiling
+
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [B, N, H, D], got {t.dim()} dims")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous ([B, N, H, D], flash-attn's layout)")
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}.dtype={t.dtype} must equal q.dtype={q.dtype}")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"q.dtype={q.dtype}: expected torch.bfloat16 or torch.float16")
+    b, n_q, hq, d = q.shape
+    if d not in tiling.HEAD_DIMS or k.shape[-1] != d or v.shape != k.shape or k.shape[0] != b:
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected equal batch, "
+            f"k.shape == v.shape and head dim one of {tiling.HEAD_DIMS}"
+        )
+    if out.shape != q.shape or dout.shape != q.shape:
+        raise ValueError(f"out {tuple(out.shape)} and dout {tuple(dout.shape)} must be q's shape")
+    if tuple(lse.shape) != (b, hq, n_q) or lse.dtype != torch.float32:
+        raise ValueError(f"lse {tuple(lse.shape)} {lse.dtype}: expected ({b}, {hq}, {n_q}) fp32")
+    if k.shape[2] == 0 or hq % k.shape[2]:
+        raise ValueError(f"HQ={hq} is not a multiple of HKV={k.shape[2]}")
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale={scale}: expected finite and > 0")
+    return scale
+
+
+def _row_stats(out, lse, dout, n_pad):
+    """LSE log2 e (+inf for rows without keys and past Nq) and delta = rowsum(dO O) (0 past
+    Nq), [B * HQ * n_pad] fp32: what the producer streams with each query block."""
+    import torch
+
+    b, n_q, hq, _ = out.shape
+    lse2 = torch.full((b, hq, n_pad), math.inf, device=out.device, dtype=torch.float32)
+    lse2[..., :n_q] = torch.where(lse == -math.inf, math.inf, lse * LOG2E)
+    delta = torch.zeros((b, hq, n_pad), device=out.device, dtype=torch.float32)
+    delta[..., :n_q] = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+    return lse2.view(-1), delta.view(-1)
+
+
+def prepare_backward(q, k, v, out, lse, dout, causal=False, scale=None, top_left=False,
+                     stages=None):  # fmt: skip
+    """Checks the arguments, computes the row statistics, allocates dQ (fp32 accumulator),
+    dK, dV and builds the TMA descriptors; returns (launch, finish, dk, dv): launch() runs
+    the kernel (a benchmark times it alone), finish() returns dQ [B, Nq, HQ, D] in q's dtype
+    from the accumulator. The accumulator is zeroed here, once: call launch() once per
+    prepare, or zero it again (prepare does, `launch(rezero=True)`)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    scale = _check_args(q, k, v, out, lse, dout, scale)
+    b, n_q, hq, d = q.shape
+    n_k, hkv = k.shape[1], k.shape[2]
+    cfg = config_for(d, stages)
+    n_pad = triton.cdiv(max(n_q, 1), cfg.block_m) * cfg.block_m
+    dq_acc = torch.zeros((b, hq, n_pad, d), device=q.device, dtype=torch.float32)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+
+    def finish():
+        return dq_acc[:, :, :n_q].transpose(1, 2).to(q.dtype)
+
+    if b * hq * n_k == 0 or n_q == 0:
+        dk.zero_()
+        dv.zero_()
+        return (lambda rezero=False: None), finish, dk, dv
+    lse2, delta = _row_stats(out, lse, dout, n_pad)
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
+    qb, kb = [1, cfg.block_m, 1, d], [1, cfg.block_n, 1, d]
+    q_layout = gl.NVMMASharedLayout.get_default_for(qb, gdt)
+    k_layout = gl.NVMMASharedLayout.get_default_for(kb, gdt)
+    row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+
+    def desc(t, block, layout):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+    descs = (desc(q, qb, q_layout), desc(dout, qb, q_layout), desc(lse2, [cfg.block_m], row_layout),
+             desc(delta, [cfg.block_m], row_layout), desc(k, kb, k_layout), desc(v, kb, k_layout))  # fmt: skip
+    num_n_blocks = triton.cdiv(n_k, cfg.block_n)
+    diag = 0 if top_left else n_k - n_q
+    args = (*descs, dq_acc, dk, dv, n_q, n_k, hq, hq // hkv, n_pad, diag, num_n_blocks,
+            k.stride(1), k.stride(2), scale * LOG2E, scale)  # fmt: skip
+    kwargs = dict(CAUSAL=bool(causal), STAGES=cfg.stages, DQ_SPLIT=cfg.dq_split,
+                  CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+                  num_warps=4, maxnreg=cfg.maxnreg)  # fmt: skip
+    grid = (num_n_blocks * b * hkv,)
+
+    def launch(rezero=False):
+        if rezero:
+            dq_acc.zero_()
+        attn_bwd_dkdv_kernel[grid](*args, **kwargs)
+
+    return launch, finish, dk, dv
+
+
+def gluon_backward(q, k, v, out, lse, dout, causal=False, scale=None, top_left=False,
+                   stages=None):  # fmt: skip
+    """Gradients of attention from the forward's out and lse: q, out, dout [B, Nq, HQ, D],
+    k, v [B, Nk, HKV, D] (bf16/fp16, contiguous), lse [B, HQ, Nq] fp32 natural log ->
+    (dq, dk, dv) in the inputs' layouts and dtype. Causal is bottom-right aligned
+    (flash-attn) unless top_left (SDPA's is_causal)."""
+    launch, finish, dk, dv = prepare_backward(q, k, v, out, lse, dout, causal, scale, top_left,
+                                              stages)  # fmt: skip
+    launch()
+    return finish(), dk, dv
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--compile", action="store_true",
+                    help="cross-compile every proposed config for sm90, check the model")  # fmt: skip
+    ap.add_argument("--gpu", action="store_true", help="correctness and benchmark on the GPU")
+    ap.add_argument("--check", action="store_true", help="GPU correctness only")
+    ap.add_argument("--bench", action="store_true", help="GPU benchmark only")
+    ap.add_argument("--out", default=None, help="folder for the JSON results")
+    args = ap.parse_args(argv)
+    status = 0
+    if args.compile:
+        import gluon_backward_tiling as tiling
+
+        rows = tiling.verify(tiling.proposed(), dtypes=("bf16", "fp16"), out_dir=args.out)
+        print(tiling.table(rows))
+        status = int(any(r["problems"] for r in rows))
+    if args.gpu or args.check or args.bench:
+        import gluon_backward_check
+
+        status |= gluon_backward_check.run(args)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -22,9 +22,10 @@ with two consumers (and 64 + 64 KiB of K and V resident at BLOCK_N 128 leave no 
 stages of 32 KiB Q and dO tiles); it needs dK/dV split along D across the consumers (S^T and
 dP^T computed by both), another kernel.
 
-The choice: the widest BLOCK_M whose registers fit (each query block costs five wgmma
-issues and a barrier round; wider blocks amortise them), then the fewest stages (at least
-two) whose ring holds RING_BYTES of Q and dO.
+The choice: the widest BLOCK_M whose registers and shared memory fit (each query block costs
+five wgmma issues and a barrier round; wider blocks amortise them), then two stages (FA3's
+Q and dO depth: a step's five GEMMs cover the next block's load; a third is a benchmark
+variant where it fits).
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ import sympy
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from attngen.tiling.evaluate import compiled  # noqa: E402
-from attngen.tiling.gluon import REGISTER_FILE, WS_FIXED_BYTES, register_split  # noqa: E402
+from attngen.tiling.gluon import register_split  # noqa: E402
 
-NC, BM, BN, D, E, S = sympy.symbols("NC BLOCK_M BLOCK_N D E S", positive=True, integer=True)
-SYMBOLS = (NC, BM, BN, D, E, S)
+NC, BM, BN, D, E, S, C = sympy.symbols("NC BLOCK_M BLOCK_N D E S C", positive=True, integer=True)
+SYMBOLS = (NC, BM, BN, D, E, S, C)  # C: dQ columns a consumer computes
 SMEM_BUDGET = 232448  # sm90: 227 KiB of dynamic shared memory a CTA
 WARPGROUP = 128
 CONSUMERS = 2
@@ -56,25 +57,36 @@ BLOCK_N = 128  # two consumers x 64 key rows (wgmma's M)
 BLOCK_M_CHOICES = (64, 128)
 STAGES_CHOICES = (2, 3)
 HEAD_DIMS = (64, 128)
-CONSUMER_OVERHEAD = 40
-RING_BYTES = 32 * 1024
-DIVISIBLE = ("n_pad", "stride_kn", "stride_kh")  # multiples of BLOCK_M and of D  # Q + dO bytes in flight at least
-assert REGISTER_FILE == 65536
+# Registers beyond the tiles (addresses, barrier phases, loop state): fitted to the
+# compiler at the boundary (D 128 x BLOCK_M 64 compiles without spills without a mask and
+# spills 72 B of scalars under causal; D 64 x BLOCK_M 128, 16 above, spills 136 B).
+CONSUMER_OVERHEAD = 32
+CVT_ROUND_BYTES = 16384  # the compiler's layout conversion goes through 16 KiB rounds
+DIVISIBLE = ("n_pad", "stride_kn", "stride_kh")  # multiples of BLOCK_M and of D
 
 
 def _pad16(n: sympy.Expr) -> sympy.Expr:  # an [n, 1] int64 barrier array, padded to 16 B
     return 16 * sympy.ceiling(n / sympy.Integer(2))
 
 
+# K, V resident; S slots of Q and dO; dS (two slots) and P [BM, BN]; LSE and delta rows;
+# per consumer, the compiler's scratch for dQ's layout change before the 16-byte atomics
+# (at most CVT_ROUND_BYTES; it also holds warp_specialize's arguments); the barriers.
 SMEM = (
-    E * (2 * BN * D + S * 2 * BM * D + 2 * BN * BM)
+    E * (2 * BN * D + S * 2 * BM * D + 3 * BM * BN)
     + S * 2 * BM * 4
+    + NC * sympy.Min(BM * C * 4, CVT_ROUND_BYTES)
     + 16
     + 4 * _pad16(S)
     + 2 * _pad16(sympy.Integer(2))
-    + WS_FIXED_BYTES
 )
-REGS = (2 * BN / NC * D + 2 * BN / NC * BM + BN / NC * BM + BM * D) / WARPGROUP + CONSUMER_OVERHEAD
+# dK_c, dV_c for the whole loop, plus the larger of the score phase (S and dP in fp32, P or
+# dS in 16 bits) and the dQ phase (dQ and its converted copy, fp32).
+REGS = (
+    2 * BN / NC * D / WARPGROUP
+    + sympy.Max(2 * BM * BN / NC + BM * BN / NC / 2, 2 * BM * C) / WARPGROUP
+    + CONSUMER_OVERHEAD
+)
 
 
 @dataclass(frozen=True)
@@ -95,9 +107,8 @@ class BwdConfig:
 
     @property
     def dq_split(self) -> bool:
-        """dQ's columns split across the consumers (K's columns sliced at a 128-byte swizzle
-        atom: D >= 128 in 16 bits), else dQ whole on alternate consumers."""
-        return self.head_dim >= 128
+        """dQ's columns split across the consumers, else dQ whole on alternate consumers."""
+        return dq_columns(self.head_dim) < self.head_dim
 
     def describe(self) -> str:
         return (
@@ -107,8 +118,14 @@ class BwdConfig:
         )
 
 
+def dq_columns(d: int) -> int:
+    """dQ columns one consumer computes: half of them from D 128 (K's columns sliced at a
+    128-byte swizzle atom), all of them below (on alternate steps)."""
+    return d // 2 if d >= 128 else d
+
+
 def candidate(d: int, block_m: int, stages: int, itemsize: int = 2) -> BwdConfig:
-    values = (CONSUMERS, block_m, BLOCK_N, d, itemsize, stages)
+    values = (CONSUMERS, block_m, BLOCK_N, d, itemsize, stages, dq_columns(d))
     smem = int(compiled(SMEM, SYMBOLS)(*values))
     regs = int(compiled(REGS, SYMBOLS)(*values))
     consumer, producer, entry = register_split(CONSUMERS)
@@ -131,8 +148,7 @@ def derive(d: int) -> BwdConfig | None:
     feasible = [c for c in candidates(d) if not c.rejected]
 
     def preference(c: BwdConfig) -> tuple[int, ...]:
-        enough = c.stages * 2 * c.block_m * d * 2 >= RING_BYTES
-        return (c.block_m, enough, -c.stages if enough else c.stages)
+        return (c.block_m, -c.stages)
 
     return max(feasible, key=preference, default=None)
 
@@ -263,3 +279,24 @@ def _verify_one(cfg: BwdConfig, causal: bool, dtype: str) -> dict:
         record["problems"] = [f"{type(exc).__name__}: {first[:400]}"]
     record["compile_s"] = round(time.perf_counter() - start, 1)
     return record
+
+
+def proposed() -> list[BwdConfig]:
+    """The configs the next GPU session runs: the derived one per head dim, and three stages
+    at D 64 (the benchmark's variant)."""
+    chosen = [c for c in (derive(d) for d in HEAD_DIMS) if c is not None]
+    return [*chosen, candidate(64, derive(64).block_m, 3)]  # type: ignore[union-attr]
+
+
+def table(rows: list[dict]) -> str:
+    """One line per compile: config, shared memory (compiler / model), spills, verdict."""
+    lines = [f"{'D':>4} {'BM':>4} {'S':>2} {'causal':>6} {'dtype':>5} {'shared':>7} {'model':>7} "
+             f"{'spill':>5} {'setmaxnreg':>16} {'wgmma':>5}  verdict"]  # fmt: skip
+    for r in rows:
+        verdict = "ok" if not r["problems"] else "; ".join(r["problems"])
+        lines.append(
+            f"{r['D']:>4} {r['BLOCK_M']:>4} {r['stages']:>2} {r['causal']!s:>6} {r['dtype']:>5} "
+            f"{r.get('shared', '-')!s:>7} {r['model_smem']:>7} {r.get('spill_stores')!s:>5} "
+            f"{str(r.get('setmaxnreg', '-')):>16} {r.get('wgmma', '-')!s:>5}  {verdict}"
+        )
+    return "\n".join(lines)
