@@ -80,14 +80,15 @@ def _bwd_producer(worker):
         ph = (it // STAGES) & 1
         mbarrier.wait(q_empty.index(s), ph ^ 1)
         mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, m, q_head, 0], q_ready.index(s),
-                                        q_bufs.index(s))  # fmt: skip
+        tma.async_copy_global_to_shared(
+            q_desc, [batch, m, q_head, 0], q_ready.index(s), q_bufs.index(s)
+        )
         tma.async_copy_global_to_shared(lse_desc, [row], q_ready.index(s), lse_bufs.index(s))
         mbarrier.wait(do_empty.index(s), ph ^ 1)
-        mbarrier.expect(do_ready.index(s),
-                        do_desc.block_type.nbytes + delta_desc.block_type.nbytes)  # fmt: skip
-        tma.async_copy_global_to_shared(do_desc, [batch, m, q_head, 0], do_ready.index(s),
-                                        do_bufs.index(s))  # fmt: skip
+        mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            do_desc, [batch, m, q_head, 0], do_ready.index(s), do_bufs.index(s)
+        )
         tma.async_copy_global_to_shared(delta_desc, [row], do_ready.index(s), delta_bufs.index(s))
 
 
@@ -158,8 +159,18 @@ def _bwd_dq(it, dq_row, ring, consts, CID: gl.constexpr, DQ_SPLIT: gl.constexpr)
 
 
 @gluon.jit
-def _bwd_step(it, dq_row, m, dk, dv, ring, consts, CID: gl.constexpr, MASK: gl.constexpr,
-              DQ_SPLIT: gl.constexpr):  # fmt: skip
+def _bwd_step(
+    it,
+    dq_row,
+    m,
+    dk,
+    dv,
+    ring,
+    consts,
+    CID: gl.constexpr,
+    MASK: gl.constexpr,
+    DQ_SPLIT: gl.constexpr,
+):
     """One query block: P and dS to shared memory (this consumer's key columns), then
     dV_c += P^T dO and dK_c += dS^T Q (A read transposed from shared memory), dQ."""
     q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, p_smem, k_c, v_c, k2, bars = ring
@@ -207,12 +218,21 @@ def _bwd_consumer(CID: gl.constexpr, args, CAUSAL: gl.constexpr, DQ_SPLIT: gl.co
     HEAD_D: gl.constexpr = k_smem.type.shape[3]
     NC: gl.constexpr = ds_ready_count(BLOCK_N)
     ROWS: gl.constexpr = BLOCK_N // NC
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 1], [16, ROWS, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 1], [16, HEAD_D, 16])
     k2 = k_smem.reshape([BLOCK_N, HEAD_D])
     v2 = v_smem.reshape([BLOCK_N, HEAD_D])
-    ring = (q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, p_smem, k2.slice(CID * ROWS, ROWS),
-            v2.slice(CID * ROWS, ROWS), k2, bars)  # fmt: skip
+    ring = (
+        q_bufs,
+        do_bufs,
+        lse_bufs,
+        delta_bufs,
+        ds_bufs,
+        p_smem,
+        k2.slice(CID * ROWS, ROWS),
+        v2.slice(CID * ROWS, ROWS),
+        k2,
+        bars,
+    )
     dq_row0 = (batch * n_heads + kv_head * group).to(gl.int64) * n_pad
     dk = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
     dv = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
@@ -275,10 +295,30 @@ def _bwd_barriers(STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, DQ_SPLIT: g
 
 
 @gluon.jit
+def _bwd_smem(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, STAGES: gl.constexpr):
+    """K, V (resident); STAGES slots of Q, dO, LSE, delta; two dS slots and P [BM, BN]."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+    q_shape: gl.constexpr = [STAGES] + q_desc.block_type.shape
+    row_shape: gl.constexpr = [STAGES] + lse_desc.block_type.shape
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, q_shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, q_shape, do_desc.layout)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, row_shape, lse_desc.layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, row_shape, delta_desc.layout)
+    ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], ds_layout)
+    return k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, p_smem
+
+
+@gluon.jit
 def attn_bwd_dkdv_kernel(
-    q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, dq_ptr, dk_ptr, dv_ptr,
-    n_q, n_keys, n_heads, group, n_pad, diag, num_n_blocks, stride_kn, stride_kh, qk_scale,
-    sm_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, DQ_SPLIT: gl.constexpr,
+    q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, dq_ptr, dk_ptr, dv_ptr, n_q, n_keys,
+    n_heads, group, n_pad, diag, num_n_blocks, stride_kn, stride_kh, qk_scale, sm_scale,
+    CAUSAL: gl.constexpr, STAGES: gl.constexpr, DQ_SPLIT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):  # fmt: skip
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
@@ -295,30 +335,28 @@ def attn_bwd_dkdv_kernel(
     kv_head = bh % n_kv_heads
     n0 = n_block * BLOCK_N
     m_first, n_m = _bwd_query_range(n_q, n0, diag, BLOCK_M, CAUSAL)
-    q_shape: gl.constexpr = [STAGES] + q_desc.block_type.shape
-    row_shape: gl.constexpr = [STAGES] + lse_desc.block_type.shape
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N],
-                                                                     q_desc.dtype)  # fmt: skip
-    k_smem = gl.allocate_shared_memory(q_desc.dtype, k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(q_desc.dtype, v_desc.block_type.shape, v_desc.layout)
-    q_bufs = gl.allocate_shared_memory(q_desc.dtype, q_shape, q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(q_desc.dtype, q_shape, do_desc.layout)
-    lse_bufs = gl.allocate_shared_memory(gl.float32, row_shape, lse_desc.layout)
-    delta_bufs = gl.allocate_shared_memory(gl.float32, row_shape, delta_desc.layout)
-    ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
-    p_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, BLOCK_N], ds_layout)
-    smem = (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, p_smem)
+    smem = _bwd_smem(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, STAGES)
     bars = _bwd_barriers(STAGES, NUM_CONSUMERS, DQ_SPLIT)
     coords = (batch, kv_head, n0, n_heads)
     sched = (group, m_first, n_m, n_pad)
-    args = (smem, bars, coords, sched, (n_keys, diag, qk_scale, sm_scale),
-            (dq_ptr, dk_ptr, dv_ptr, stride_kn, stride_kh))  # fmt: skip
+    args = (
+        smem,
+        bars,
+        coords,
+        sched,
+        (n_keys, diag, qk_scale, sm_scale),
+        (dq_ptr, dk_ptr, dv_ptr, stride_kn, stride_kh),
+    )
     worker = ((q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc), smem, bars, coords, sched)
     gl.warp_specialize(
-        [(_bwd_consumer, (0, args, CAUSAL, DQ_SPLIT)), (_bwd_consumer, (1, args, CAUSAL, DQ_SPLIT)),
-         (_bwd_producer, (worker,))],
-        [4, 1], [CONSUMER_REGS, PRODUCER_REGS],
-    )  # fmt: skip
+        [
+            (_bwd_consumer, (0, args, CAUSAL, DQ_SPLIT)),
+            (_bwd_consumer, (1, args, CAUSAL, DQ_SPLIT)),
+            (_bwd_producer, (worker,)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -341,9 +379,8 @@ def config_for(d, stages=None):
 
 def _check_args(q, k, v, out, lse, dout, scale):
     """Raises ValueError naming what is wrong; returns the scale (default 1/sqrt(D))."""
-    import torch
-
     import gluon_backward_tiling as tiling
+    import torch
 
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)):
         if t.dim() != 4:
@@ -385,15 +422,38 @@ def _row_stats(out, lse, dout, n_pad):
     return lse2.view(-1), delta.view(-1)
 
 
-def prepare_backward(q, k, v, out, lse, dout, causal=False, scale=None, top_left=False,
-                     stages=None):  # fmt: skip
-    """Checks the arguments, computes the row statistics, allocates dQ (fp32 accumulator),
-    dK, dV and builds the TMA descriptors; returns (launch, finish, dk, dv): launch() runs
-    the kernel (a benchmark times it alone), finish() returns dQ [B, Nq, HQ, D] in q's dtype
-    from the accumulator. The accumulator is zeroed here, once: call launch() once per
-    prepare, or zero it again (prepare does, `launch(rezero=True)`)."""
+def _descriptors(q, k, v, dout, lse2, delta, cfg):
+    """The TMA descriptors: Q and dO [1, BM, 1, D] boxes over [B, N, H, D], K and V
+    [1, BN, 1, D], the padded row statistics [BM] boxes over their flat arrays."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    d = q.shape[-1]
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
+    qb, kb = [1, cfg.block_m, 1, d], [1, cfg.block_n, 1, d]
+    q_layout = gl.NVMMASharedLayout.get_default_for(qb, gdt)
+    k_layout = gl.NVMMASharedLayout.get_default_for(kb, gdt)
+    row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+
+    def desc(t, block, layout):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+    return (
+        desc(q, qb, q_layout),
+        desc(dout, qb, q_layout),
+        desc(lse2, [cfg.block_m], row_layout),
+        desc(delta, [cfg.block_m], row_layout),
+        desc(k, kb, k_layout),
+        desc(v, kb, k_layout),
+    )
+
+
+def prepare_backward(
+    q, k, v, out, lse, dout, causal=False, scale=None, top_left=False, stages=None
+):
+    """Checks, row statistics, a zeroed fp32 dQ accumulator (launch(rezero=True) zeroes it
+    again), dK, dV, descriptors -> (launch, finish, dk, dv); finish() returns dQ."""
+    import torch
 
     scale = _check_args(q, k, v, out, lse, dout, scale)
     b, n_q, hq, d = q.shape
@@ -411,24 +471,35 @@ def prepare_backward(q, k, v, out, lse, dout, causal=False, scale=None, top_left
         dv.zero_()
         return (lambda rezero=False: None), finish, dk, dv
     lse2, delta = _row_stats(out, lse, dout, n_pad)
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
-    qb, kb = [1, cfg.block_m, 1, d], [1, cfg.block_n, 1, d]
-    q_layout = gl.NVMMASharedLayout.get_default_for(qb, gdt)
-    k_layout = gl.NVMMASharedLayout.get_default_for(kb, gdt)
-    row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-
-    def desc(t, block, layout):
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
-    descs = (desc(q, qb, q_layout), desc(dout, qb, q_layout), desc(lse2, [cfg.block_m], row_layout),
-             desc(delta, [cfg.block_m], row_layout), desc(k, kb, k_layout), desc(v, kb, k_layout))  # fmt: skip
+    descs = _descriptors(q, k, v, dout, lse2, delta, cfg)
     num_n_blocks = triton.cdiv(n_k, cfg.block_n)
     diag = 0 if top_left else n_k - n_q
-    args = (*descs, dq_acc, dk, dv, n_q, n_k, hq, hq // hkv, n_pad, diag, num_n_blocks,
-            k.stride(1), k.stride(2), scale * LOG2E, scale)  # fmt: skip
-    kwargs = dict(CAUSAL=bool(causal), STAGES=cfg.stages, DQ_SPLIT=cfg.dq_split,
-                  CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
-                  num_warps=4, maxnreg=cfg.maxnreg)  # fmt: skip
+    args = (
+        *descs,
+        dq_acc,
+        dk,
+        dv,
+        n_q,
+        n_k,
+        hq,
+        hq // hkv,
+        n_pad,
+        diag,
+        num_n_blocks,
+        k.stride(1),
+        k.stride(2),
+        scale * LOG2E,
+        scale,
+    )
+    kwargs = dict(
+        CAUSAL=bool(causal),
+        STAGES=cfg.stages,
+        DQ_SPLIT=cfg.dq_split,
+        CONSUMER_REGS=cfg.consumer_regs,
+        PRODUCER_REGS=cfg.producer_regs,
+        num_warps=4,
+        maxnreg=cfg.maxnreg,
+    )
     grid = (num_n_blocks * b * hkv,)
 
     def launch(rezero=False):
@@ -439,22 +510,25 @@ def prepare_backward(q, k, v, out, lse, dout, causal=False, scale=None, top_left
     return launch, finish, dk, dv
 
 
-def gluon_backward(q, k, v, out, lse, dout, causal=False, scale=None, top_left=False,
-                   stages=None):  # fmt: skip
+def gluon_backward(q, k, v, out, lse, dout, causal=False, scale=None, top_left=False, stages=None):
     """Gradients of attention from the forward's out and lse: q, out, dout [B, Nq, HQ, D],
     k, v [B, Nk, HKV, D] (bf16/fp16, contiguous), lse [B, HQ, Nq] fp32 natural log ->
     (dq, dk, dv) in the inputs' layouts and dtype. Causal is bottom-right aligned
     (flash-attn) unless top_left (SDPA's is_causal)."""
-    launch, finish, dk, dv = prepare_backward(q, k, v, out, lse, dout, causal, scale, top_left,
-                                              stages)  # fmt: skip
+    launch, finish, dk, dv = prepare_backward(
+        q, k, v, out, lse, dout, causal, scale, top_left, stages
+    )
     launch()
     return finish(), dk, dv
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--compile", action="store_true",
-                    help="cross-compile every proposed config for sm90, check the model")  # fmt: skip
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="cross-compile every proposed config for sm90, check the model",
+    )
     ap.add_argument("--gpu", action="store_true", help="correctness and benchmark on the GPU")
     ap.add_argument("--check", action="store_true", help="GPU correctness only")
     ap.add_argument("--bench", action="store_true", help="GPU benchmark only")

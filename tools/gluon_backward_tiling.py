@@ -163,8 +163,12 @@ def _signature(cfg: BwdConfig, dtype: str) -> dict[str, str]:
 
     gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
     sig: dict[str, str] = {}
-    for name, rows in (("q_desc", cfg.block_m), ("do_desc", cfg.block_m), ("k_desc", BLOCK_N),
-                       ("v_desc", BLOCK_N)):  # fmt: skip
+    for name, rows in (
+        ("q_desc", cfg.block_m),
+        ("do_desc", cfg.block_m),
+        ("k_desc", BLOCK_N),
+        ("v_desc", BLOCK_N),
+    ):
         block = [1, rows, 1, cfg.head_dim]
         layout = gl.NVMMASharedLayout.get_default_for(block, gdt)
         sig[name] = f"tensordesc<{dtype}{block},{layout!r}>".replace(" ", "")
@@ -172,8 +176,17 @@ def _signature(cfg: BwdConfig, dtype: str) -> dict[str, str]:
     for name in ("lse_desc", "delta_desc"):
         sig[name] = f"tensordesc<fp32[{cfg.block_m}],{row_layout!r}>".replace(" ", "")
     sig.update(dq_ptr="*fp32", dk_ptr=f"*{dtype}", dv_ptr=f"*{dtype}")
-    ints = ("n_q", "n_keys", "n_heads", "group", "n_pad", "diag", "num_n_blocks", "stride_kn",
-            "stride_kh")  # fmt: skip
+    ints = (
+        "n_q",
+        "n_keys",
+        "n_heads",
+        "group",
+        "n_pad",
+        "diag",
+        "num_n_blocks",
+        "stride_kn",
+        "stride_kh",
+    )
     sig.update(dict.fromkeys(ints, "i32"))
     sig.update(qk_scale="fp32", sm_scale="fp32")
     return sig
@@ -189,21 +202,34 @@ def compile_sm90(cfg: BwdConfig, causal: bool, dtype: str = "bf16"):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = gb.attn_bwd_dkdv_kernel
-    consts = dict(CAUSAL=bool(causal), STAGES=cfg.stages, DQ_SPLIT=cfg.dq_split,
-                  CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)  # fmt: skip
+    consts = dict(
+        CAUSAL=bool(causal),
+        STAGES=cfg.stages,
+        DQ_SPLIT=cfg.dq_split,
+        CONSUMER_REGS=cfg.consumer_regs,
+        PRODUCER_REGS=cfg.producer_regs,
+    )
     sig = _signature(cfg, dtype)
     sig.update(dict.fromkeys(consts, "constexpr"))
     sig = {name: sig[name] for name in fn.arg_names}
     # As a launch specialises them: pointers, and the ints that are multiples of 16.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if sig[name].startswith("*") or name in DIVISIBLE}  # fmt: skip
-    src = GluonASTSource(fn=fn, signature=sig, attrs=attrs,
-                         constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})  # fmt: skip
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if sig[name].startswith("*") or name in DIVISIBLE
+    }
+    src = GluonASTSource(
+        fn=fn,
+        signature=sig,
+        attrs=attrs,
+        constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()},
+    )
     log = io.StringIO()
     with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
         knobs.nvidia.dump_ptxas_log = True
-        out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": 4, "maxnreg": cfg.maxnreg})  # fmt: skip
+        out = triton.compile(
+            src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": cfg.maxnreg}
+        )
     return out, log.getvalue()
 
 
@@ -220,8 +246,9 @@ def resources(compiled_kernel, ptxas_log: str) -> dict:
         {int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}
     )
     info["wgmma"] = len(re.findall(r"wgmma\.mma_async", ptx))
-    info["atomics"] = {op: len(re.findall(re.escape(op) + r"\b", ptx))
-                       for op in ("red.global", "atom.global")}  # fmt: skip
+    info["atomics"] = {
+        op: len(re.findall(re.escape(op) + r"\b", ptx)) for op in ("red.global", "atom.global")
+    }
     info["atomic_forms"] = sorted(set(re.findall(r"\b(?:red|atom)\.global[\w.]*", ptx)))
     return info
 
@@ -267,8 +294,16 @@ def verify(configs: list[BwdConfig], dtypes=("bf16",), out_dir: str | None = Non
 
 
 def _verify_one(cfg: BwdConfig, causal: bool, dtype: str) -> dict:
-    record = dict(D=cfg.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=BLOCK_N, stages=cfg.stages,
-                  causal=causal, dtype=dtype, model_smem=cfg.smem, model_regs=cfg.regs)  # fmt: skip
+    record = dict(
+        D=cfg.head_dim,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=BLOCK_N,
+        stages=cfg.stages,
+        causal=causal,
+        dtype=dtype,
+        model_smem=cfg.smem,
+        model_regs=cfg.regs,
+    )
     start = time.perf_counter()
     try:
         kernel, log = compile_sm90(cfg, causal, dtype)
@@ -290,8 +325,10 @@ def proposed() -> list[BwdConfig]:
 
 def table(rows: list[dict]) -> str:
     """One line per compile: config, shared memory (compiler / model), spills, verdict."""
-    lines = [f"{'D':>4} {'BM':>4} {'S':>2} {'causal':>6} {'dtype':>5} {'shared':>7} {'model':>7} "
-             f"{'spill':>5} {'setmaxnreg':>16} {'wgmma':>5}  verdict"]  # fmt: skip
+    lines = [
+        f"{'D':>4} {'BM':>4} {'S':>2} {'causal':>6} {'dtype':>5} {'shared':>7} {'model':>7} "
+        f"{'spill':>5} {'setmaxnreg':>16} {'wgmma':>5}  verdict"
+    ]
     for r in rows:
         verdict = "ok" if not r["problems"] else "; ".join(r["problems"])
         lines.append(
