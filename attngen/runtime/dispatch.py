@@ -6,14 +6,14 @@ raises `NoKernelError` naming what the call needs and the nearest modules with w
 unless a fallback was asked for: then the Dispatch says "fallback" and a warning names the
 reason. Nothing falls back silently. Every Dispatch is recorded per thread (records.py).
 
-A repeated call costs one dictionary lookup: served Dispatches are cached on the registry
-that chose them, keyed by (api, Need), and once more by the api and the Need with its key
-length replaced by its length class: the lengths change a selection only where max(Nq, Nk)
-crosses a module's window or chunk (selection.length_thresholds), so a decode loop whose
-key count grows every step selects once per class, not once per step (`cached_dispatch`);
-the Dispatch recorded carries the call's own Need. A registry replaced by load_kernels takes
-its cache with it, so a replaced registry never serves a later call. Refusals and fallbacks
-are not cached: they warn or raise on every call.
+A repeated call costs one dictionary lookup: served Dispatches are kept in the route cache
+(selection.routes, bound to the registry that chose them), keyed by (api, Need), and once more
+by the api and the Need with its key length replaced by its length class: the lengths change
+a selection only where max(Nq, Nk) crosses a module's window or chunk
+(selection.length_thresholds), so a decode loop whose key count grows every step selects once
+per class, not once per step (`cached_dispatch`); the Dispatch recorded carries the call's own
+Need. Loading another registry starts the route cache over, so a replaced registry never
+serves a later call. Refusals and fallbacks are not cached: they warn or raise on every call.
 
 When no loaded module serves a call and on-demand builds are on (kernel_cache.py), `select`
 has ondemand.py build the module the call needs into the cache and add it to the registry:
@@ -46,22 +46,23 @@ from attngen.runtime.selection import (
     NoKernelError,
     best_entry,
     check_fallback,
+    keep,
     length_class,
     no_kernel_message,
     record,
     registry_thresholds,
+    routes,
 )
 from attngen.spec import CausalAlign, Dtype, KernelKind, KvLayout, Mask
 
 # A module whose entry point takes `out=` (an output of the call's shape, dtype and device,
 # any strides, written in place and returned) says so with this constant set to True.
 ACCEPTS_OUT = "ACCEPTS_OUT"
-DISPATCH_CACHE_SIZE = 4096  # per registry; a full cache starts over (lengths vary per call)
 _fallback = "error"
 
 
 def _class_key(api: str, need: Need, registry: Registry) -> tuple:
-    """The dispatch cache's second key of a call: every field of its Need but the key length,
+    """The route cache's second dispatch key of a call: every field of its Need but the key length,
     which enters as its class among the registry's length thresholds
     (selection.length_class); the thresholds themselves are in the key, so a module built on
     demand with a new window never meets a choice made before it."""
@@ -72,19 +73,14 @@ def _class_key(api: str, need: Need, registry: Registry) -> tuple:
 def cached_dispatch(api: str, need: Need, registry: Registry) -> Dispatch | None:
     """The cached Dispatch of a call: under (api, Need) for a Need seen before, else under
     its length class (the record then gets the call's own Need and is kept under it too)."""
-    hit = registry.dispatches.get((api, need))
+    table = routes(registry)
+    hit = table.get((api, need))
     if hit is None:
-        hit = registry.dispatches.get(_class_key(api, need, registry))
+        hit = table.get(_class_key(api, need, registry))
         if hit is not None:
             hit = dataclasses.replace(hit, need=need)
-            _keep(registry, (api, need), hit)
+            keep(registry, (api, need), hit)
     return hit
-
-
-def _keep(registry: Registry, key: tuple, dispatch: Dispatch) -> None:
-    if len(registry.dispatches) >= DISPATCH_CACHE_SIZE:
-        registry.dispatches.clear()
-    registry.dispatches[key] = dispatch
 
 
 def set_fallback(mode: str) -> None:
@@ -304,7 +300,7 @@ def select(
     heads: tuple[int, int] | None = None,
 ) -> Dispatch:
     """The module that serves `need` (built on demand when none does and that is on),
-    recorded and cached on the registry that chose it; or a fallback (warned), or
+    recorded and kept in the route cache of the registry that chose it; or a fallback (warned), or
     NoKernelError. One registry (the current one unless given) answers every question of
     one selection."""
     mode = _fallback if fallback is None else check_fallback(fallback, "fallback")
@@ -322,7 +318,7 @@ def select(
 
 
 def served(api: str, need: Need, registry: Registry, entry: KernelEntry, built: bool) -> Dispatch:
-    """The Dispatch of `entry` serving `need`, recorded and cached on `registry`."""
+    """The Dispatch of `entry` serving `need`, recorded and kept in `registry`'s routes."""
     module = registry.module(entry.key)
     writes_out = getattr(module, ACCEPTS_OUT) is True
     reason = f"{entry.describe()} serves {need.describe()}" + (
@@ -347,8 +343,8 @@ def served(api: str, need: Need, registry: Registry, entry: KernelEntry, built: 
     if built:
         found = reason + _cache_words(entry, False)
         kept = dataclasses.replace(dispatch, built=False, reason=found)
-    _keep(registry, (api, need), kept)
-    _keep(registry, _class_key(api, need, registry), kept)
+    keep(registry, (api, need), kept)
+    keep(registry, _class_key(api, need, registry), kept)
     return record(dispatch)
 
 

@@ -5,12 +5,9 @@ parallelism's backward runs the gradient kernels of each chunk pair through
 `run_dense_backward`.
 
 A caller that wants flash-attn's [B, N, H, D] output sets the Call's heads_last (dispatch.py):
-a module with `attention_flash` allocates and writes that layout itself (ops.py); one built
-before it but with `out=` (Dispatch.writes_out) writes it in place; from a module with
-neither, its [B, H, N, D] output is copied into that layout (the one copy left, which
-disappears when the module is rebuilt). With one query row (N = 1, a decode step) and no
-attention_flash, the module's own [B, H, 1, D] output is that layout already (its transpose
-is contiguous), so no out= is passed: it would only add its checks and a view.
+a module that takes `out=` (Dispatch.writes_out; every module the templates render) allocates
+and writes that layout itself through its `attention_flash_out` (ops.py); from one that does
+not (a hand-written stand-in), its [B, H, N, D] output is copied into that layout.
 
 dropout_p > 0 asks for a module built with dropout: true (Need.dropout); the call's Philox
 state is drawn here (arguments.dropout_rng_state) and handed to the module's forward and,
@@ -36,7 +33,6 @@ from attngen.runtime.arguments import (
 from attngen.runtime.backward_ops import check_deterministic
 from attngen.runtime.dispatch import Call, choose, need_for, unsupported_dtype
 from attngen.runtime.fallback import fallback_dense, fallback_varlen
-from attngen.runtime.registry import current_registry
 from attngen.runtime.selection import Dispatch
 from attngen.spec import CausalAlign, KernelKind, Mask
 
@@ -73,11 +69,7 @@ def run_dense(
         result = fallback_dense(q, k, v, attn_mask=attn_mask, return_lse=call.return_lse, **options)
         out, lse = result if call.return_lse else (result, None)
         return (out.transpose(1, 2).contiguous() if call.heads_last else out), lse
-    in_place = (
-        call.heads_last
-        and dispatch.writes_out
-        and (seqlen_q != 1 or ops.takes_flash_layout(current_registry().module(dispatch.key)))
-    )
+    in_place = call.heads_last and dispatch.writes_out
     out, lse = ops.prefill(
         dispatch.key,
         q,
@@ -92,7 +84,7 @@ def run_dense(
         deterministic=call.deterministic,
     )
     if call.heads_last and not in_place:  # the module wrote [B, H, N, D]: copied (no out=)
-        out = out.transpose(1, 2).contiguous()  # one query row: already contiguous, no copy
+        out = out.transpose(1, 2).contiguous()
     if not call.dropout_p:  # dropout: no plan (a planned call would skip the seed's draw)
         plans.remember(plan_key, dispatch, sm_scale, call.return_lse, in_place)
     return out, lse

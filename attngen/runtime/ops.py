@@ -19,13 +19,12 @@ torch.compile(fullgraph=True) traces through it without running a kernel. Either
 `heads_last` (prefill, decode): the module writes a contiguous [B, M, HQ, DV] output
 (flash-attn's layout) in place: through its `attention_flash_out` or `decode_flash_out` entry
 point, which allocates that output itself (or `attention_flash` / `decode_flash`, which take
-flash-attn's [B, N, H, D] tensors as they are: call_prefill's and call_decode's
-flash_layout), a module built before those through its `out=`, handed over as a
-[B, HQ, M, DV] view; callers ask for it only from a module that takes `out=`
-(Dispatch.writes_out). `prefill` and `decode` then return that [B, M, HQ, DV] tensor; the
-ops return the view (an op's output has the shape its fake implementation gives). The LSE is
-always an op output (an empty tensor when not asked for): an op's outputs cannot be optional;
-the functions here return None instead.
+flash-attn's [B, N, H, D] tensors as they are: plans.run_flash and decode_ops' flash_layout);
+every module of the running attngen has them (the registry's header check). Callers ask for
+it only from a module that takes `out=` (Dispatch.writes_out). `prefill` and `decode` then
+return that [B, M, HQ, DV] tensor; the ops return the view (an op's output has the shape its
+fake implementation gives). The LSE is always an op output (an empty tensor when not asked
+for): an op's outputs cannot be optional; the functions here return None instead.
 
 prefill and varlen have an autograd formula (backward_ops.py), so torch.compile(fullgraph=True)
 traces forward and backward; through the ops the forward always computes the LSE the backward
@@ -122,47 +121,11 @@ def run_prefill(
     dropout_p: float = 0.0,
     rng_state: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """(out, lse or None); out [B, M, HQ, DV] with heads_last, else [B, HQ, M, DV]."""
-    return call_prefill(
-        current_registry().module(key),
-        key,
-        q,
-        k,
-        v,
-        sm_scale,
-        alibi_slopes,
-        return_lse,
-        heads_last,
-        sinks,
-        dropout_p,
-        rng_state,
-    )
-
-
-def call_prefill(
-    module,
-    key: str,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    sm_scale: float,
-    alibi_slopes: Tensor | None,
-    return_lse: bool,
-    heads_last: bool,
-    sinks: Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """run_prefill with the module of `key` in hand (a plan holds it: plans.py). A plan's
-    q, k, v in [B, N, H, D] go to the module's attention_flash from plans.run_flash."""
+    """(out, lse or None); out [B, M, HQ, DV] with heads_last (the module's
+    attention_flash_out), else [B, HQ, M, DV] (its attention)."""
+    module = current_registry().module(key)
     count_run(key)
-    options = _dropout_options(dropout_p, rng_state)  # a new dict: the keywords below join it
-    entry, out = module.attention, None
-    if heads_last and takes_flash_layout(module):  # q, k, v as they are; out [B, M, HQ, DV]
-        entry = module.attention_flash_out
-    elif heads_last:  # a module built before attention_flash: its attention() with out= a view
-        out = _heads_last(q, v.shape[-1])
-        options["out"] = out.transpose(1, 2)
+    entry = module.attention_flash_out if heads_last else module.attention
     result = entry(
         q,
         k,
@@ -171,19 +134,18 @@ def call_prefill(
         alibi_slopes=alibi_slopes,
         return_lse=return_lse,
         **_sinks(sinks),
-        **options,
+        **_dropout_options(dropout_p, rng_state),
     )
-    if out is not None:
-        return out, (result[1] if return_lse else None)
     return result if return_lse else (result, None)
 
 
 def takes_flash_layout(module) -> bool:
-    """Whether the module has its kind's entry points in flash-attn's layout: a prefill
-    module's `attention_flash` (q/k/v and out in [B, N, H, D]) and `attention_flash_out`
-    (q/k/v in [B, H, N, D], out in [B, N, H, D]), a decode module's `decode_flash` and
-    `decode_flash_out` (the same layouts); varlen modules have neither (by kind)."""
-    return hasattr(module, "attention_flash_out") or hasattr(module, "decode_flash_out")
+    """Whether a prefill or decode module has its kind's entry points in flash-attn's layout
+    (attention_flash and attention_flash_out, decode_flash and decode_flash_out): always,
+    since the registry imports only modules of the running attngen's templates (its header
+    check), which render them. Kept for decode_ops and kvcache, which still ask."""
+    del module
+    return True
 
 
 def prefill(
@@ -287,45 +249,7 @@ def run_varlen(
     dropout_p: float = 0.0,
     rng_state: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    return call_varlen(
-        current_registry().module(key),
-        key,
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        sm_scale,
-        alibi_slopes,
-        seqused_k,
-        return_lse,
-        sinks,
-        dropout_p,
-        rng_state,
-    )
-
-
-def call_varlen(
-    module,
-    key: str,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    sm_scale: float,
-    alibi_slopes: Tensor | None,
-    seqused_k: Tensor | None,
-    return_lse: bool,
-    sinks: Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """run_varlen with the module of `key` in hand."""
+    module = current_registry().module(key)
     count_run(key)
     result = module.attention_varlen(
         q,

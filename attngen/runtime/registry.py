@@ -30,7 +30,6 @@ import linecache
 import os
 import sys
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -89,9 +88,10 @@ class LoadedKernel:
 
 
 class Registry:
-    """The modules of some folders. Everything derived from the entries (the imported modules,
-    the dispatcher's prefiltered lists) is cached on the Registry itself, so a thread still
-    holding a replaced registry can only ever fill that registry's caches."""
+    """The modules of some folders: their entries and their verified imports. What the
+    runtime derives from the entries for its calls (selection's prefiltered lists, the
+    dispatch records, the plans) is in the route cache (selection.routes), bound to the
+    registry in use."""
 
     def __init__(
         self,
@@ -106,13 +106,6 @@ class Registry:
         self.layers = layers if layers is not None else (list(folders), False)
         self._by_key = {entry.key: entry for entry in entries}
         self._modules: dict[str, ModuleType] = {}
-        self._matching: dict[tuple, list[KernelEntry]] = {}
-        # dispatch.py's (api, Need) -> Dispatch and plans.py's signature key -> Plan: they
-        # live and die with this registry, so its choices never serve a later registry's call.
-        self.dispatches: dict[tuple, Any] = {}
-        self.plans: dict[tuple, Any] = {}
-        # (the entries list, its modules' length thresholds): selection.registry_thresholds
-        self.thresholds: tuple[list[KernelEntry] | None, tuple[int, ...]] = (None, ())
         self._lock = threading.Lock()
 
     def module(self, key: str) -> ModuleType:
@@ -144,9 +137,10 @@ class Registry:
         return module
 
     def add(self, entry: KernelEntry, folder: Path) -> None:
-        """Serve `entry` (a module just built on demand into `folder`) from now on. The lists
-        derived from the entries start over, so every later selection sees it; the choices
-        already made stay valid (they were served before it existed)."""
+        """Serve `entry` (a module just built on demand into `folder`) from now on. The entries
+        list is replaced, so the lists derived from it start over (selection.same_kernel_fields)
+        and every later selection sees it; the choices already made stay valid (they were
+        served before it existed)."""
         with self._lock:
             if entry.key in self._by_key:
                 self._replace_entry(entry)
@@ -155,23 +149,10 @@ class Registry:
                 self.folders = [*self.folders, folder]
             self._by_key[entry.key] = entry
             self.entries = [*self.entries, entry]  # a new list: readers keep a whole one
-            self._matching = {}
 
     def _replace_entry(self, entry: KernelEntry) -> None:
         self._by_key[entry.key] = entry
         self.entries = [entry if e.key == entry.key else e for e in self.entries]
-        self._matching = {}
-
-    def matching(self, key: tuple, agrees: Callable[[KernelEntry], bool]) -> list[KernelEntry]:
-        """The entries for which `agrees` holds, computed once per `key` for this registry."""
-        # The cache is read before the entries: add() replaces the entries first, so a list
-        # computed from old entries can only land in a cache add() has already dropped.
-        cache = self._matching
-        hit = cache.get(key)
-        if hit is None:
-            hit = [entry for entry in self.entries if agrees(entry)]
-            cache[key] = hit  # a racing thread stores an equal list: harmless
-        return hit
 
 
 def read_folder(folder: str | Path, source: str = "folder", rank: int = 0) -> list[KernelEntry]:

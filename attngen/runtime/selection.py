@@ -9,7 +9,17 @@ are the same mask; a sliding window whose reach covers every key is plain causal
 mask); one query token at the bottom-right end sees every key under causal. The lengths are
 bounds the call's tensor shapes guarantee (padded lengths, packed totals, cache capacity),
 never a caller's max_seqlen claim. dispatch.py is the torch side: it builds a Need from
-tensors, records the choice and caches it per registry.
+tensors and records the choice.
+
+The route cache (`routes`): everything the runtime derives from a registry's entries for the
+calls it serves lives in one dictionary held here, bound to the registry in use; the registry
+keeps its entries and verified imports only. Its keys: a public function's call signature
+(plans.py: the bound launch, a `Plan`), (api, Need) and (api, Need with its key length as a
+length class) (dispatch.py: the served Dispatch), the entries that agree with a Need on all
+but the mask and the entries' length thresholds (here: stored with the entries list they were
+computed from, so a module built on demand, which replaces the list, is counted from then on).
+Loading another registry starts it over, so a replaced registry's choices never serve a later
+call; it is bounded (ROUTE_CACHE_SIZE: a full cache drops its older half).
 
 The record, per thread: `last_dispatch()` is this thread's latest Dispatch, and `with
 dispatch_log() as log:` collects its dispatches inside the block (logs nest). Recording is
@@ -23,6 +33,7 @@ import threading
 from bisect import bisect_left
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from itertools import islice
 from typing import Any, NamedTuple
 
 from attngen.runtime.registry import KernelEntry, Registry, current_registry
@@ -30,6 +41,7 @@ from attngen.spec import CausalAlign, Dtype, KernelKind, KvLayout, Mask
 
 INTERPRETER = "interpreter"  # CPU tensors under TRITON_INTERPRET=1: any arch's module runs
 FALLBACKS = ("error", "sdpa")
+ROUTE_CACHE_SIZE = 4096  # a full route cache drops its older half (lengths vary per call)
 NO_BACKWARD = (
     "backward: needs true (the inputs require grad: gradient kernels), module has false "
     "(forward-only)"
@@ -168,10 +180,11 @@ def registry_thresholds(registry: Registry) -> tuple[int, ...]:
     """length_thresholds of the registry's entries now: computed once per entries list (add()
     replaces the list, so a module built on demand is counted from then on)."""
     entries = registry.entries
-    cached_for, thresholds = registry.thresholds
-    if cached_for is not entries:
-        thresholds = length_thresholds(entries)
-        registry.thresholds = (entries, thresholds)  # one attribute: a whole pair
+    cached = routes(registry).get(_THRESHOLDS)
+    if cached is not None and cached[0] is entries:
+        return cached[1]
+    thresholds = length_thresholds(entries)
+    keep(registry, _THRESHOLDS, (entries, thresholds))  # one value: a whole pair
     return thresholds
 
 
@@ -315,10 +328,11 @@ def best_entry(registry: Registry, need: Need) -> KernelEntry | None:
 
 
 def same_kernel_fields(registry: Registry, need: Need) -> list[KernelEntry]:
-    """The entries that agree with `need` on everything but the mask, cached on the registry:
-    a decode loop asks with a new key length at each step, so the scan of every module is
-    done once per kind of call instead."""
+    """The entries that agree with `need` on everything but the mask, in the route cache: a
+    decode loop asks with a new key length at each step, so the scan of every module is done
+    once per kind of call instead."""
     key = (
+        _SAME_FIELDS,
         need.kind,
         need.arch,
         need.dtype,
@@ -348,7 +362,15 @@ def same_kernel_fields(registry: Registry, need: Need) -> list[KernelEntry]:
             and float(spec.get("softcap") or 0.0) == float(need.softcap)
         )
 
-    return registry.matching(key, agrees)
+    # The entries are read once: add() replaces the list, so a list computed from old entries
+    # is stored with them and never served after it.
+    entries = registry.entries
+    cached = routes(registry).get(key)
+    if cached is not None and cached[0] is entries:
+        return cached[1]
+    hit = [entry for entry in entries if agrees(entry)]
+    keep(registry, key, (entries, hit))  # a racing thread stores an equal list: harmless
+    return hit
 
 
 def no_kernel_message(need: Need, registry: Registry, not_built: str = "") -> str:
@@ -378,6 +400,51 @@ def no_kernel_message(need: Need, registry: Registry, not_built: str = "") -> st
         "(attngen spec-from-hf, attngen build) and load it (attngen.load_kernels or "
         f"ATTNGEN_KERNELS){fallback}"
     )
+
+
+# ------------------------------------------------------------------------ the route cache
+
+_THRESHOLDS = ("length thresholds",)  # route keys of selection's own (no api is named so)
+_SAME_FIELDS = "same kernel fields"
+
+
+class _Routes:
+    """The route cache and the registry it belongs to: replaced whole (one attribute store),
+    so a reader holds one consistent pair."""
+
+    __slots__ = ("registry", "table")
+
+    def __init__(self, registry: Registry | None, table: dict[tuple, Any]) -> None:
+        self.registry = registry
+        self.table = table
+
+
+_routes = _Routes(None, {})
+
+
+def routes(registry: Registry) -> dict[tuple, Any]:
+    """The route cache of `registry` (the module docstring): the one held when it belongs to
+    it, a new one when `registry` is the one in use, else an empty dictionary no one keeps (a
+    thread still holding a replaced registry: its choices serve no later call)."""
+    global _routes
+    held = _routes
+    if held.registry is registry:
+        return held.table
+    if registry is not current_registry():
+        return {}
+    held = _routes = _Routes(registry, {})
+    return held.table
+
+
+def keep(registry: Registry, key: tuple, value: Any) -> None:
+    """Keep `value` under `key` in `registry`'s route cache. Bounded (ROUTE_CACHE_SIZE): a
+    full cache drops its older half, so what one call keeps in turn (its Need's Dispatch,
+    then its plan, which looks that Dispatch up) survives the call."""
+    table = routes(registry)
+    if len(table) >= ROUTE_CACHE_SIZE:
+        for old in list(islice(table, max(1, len(table) // 2))):
+            table.pop(old, None)
+    table[key] = value
 
 
 class _ThreadRecords(threading.local):
@@ -411,26 +478,22 @@ def last_dispatch() -> Dispatch | None:
     return _with_forward(last)
 
 
-_FORWARD_VARIANTS: dict[tuple[Dispatch, str], Dispatch] = {}
-
-
 def _with_forward(dispatch: Dispatch) -> Dispatch:
     """`dispatch` itself when its module's last forward on this thread is the one the
-    Dispatch expects, else (remembered) a copy whose `forward` is the one that ran."""
+    Dispatch expects, else (in the route cache) a copy whose `forward` is the one that ran."""
+    registry = current_registry()
     try:
-        module = current_registry().module(dispatch.key)  # type: ignore[arg-type]
+        module = registry.module(dispatch.key)  # type: ignore[arg-type]
     except Exception:  # noqa: BLE001 - a replaced registry: the record as it was made
         return dispatch
     taken = getattr(module, "forward_path", None)  # prefill and varlen modules only (kind)
     path = None if taken is None else str(taken())
     if path is None or path == dispatch.forward or path.endswith("no call yet"):
         return dispatch
-    variant = _FORWARD_VARIANTS.get((dispatch, path))
+    variant = routes(registry).get((dispatch, path))
     if variant is None:
-        if len(_FORWARD_VARIANTS) >= 1024:
-            _FORWARD_VARIANTS.clear()
         variant = replace(dispatch, forward=path)
-        _FORWARD_VARIANTS[(dispatch, path)] = variant
+        keep(registry, (dispatch, path), variant)
     return variant
 
 
