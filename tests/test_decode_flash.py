@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import attngen
-from attngen.runtime.hf import attngen_attention
-from attngen.runtime.hf_cache import CacheLengths
+from attngen.runtime.hf import CacheLengths, attngen_attention
 from attngen.runtime.registry import current_registry
 from attngen.runtime.selection import routes
 from tests.decode_harness import (

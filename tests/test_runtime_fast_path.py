@@ -316,7 +316,7 @@ def test_visibility_is_defined_once_by_aligned_position():
     ]
 
 
-@pytest.mark.parametrize("module", ["selection", "registry", "kernel_cache"])
+@pytest.mark.parametrize("module", ["selection", "registry"])
 def test_selection_imports_no_torch(module):
     """Selection (with the dispatch record), the registry and the cache are plain Python: no
     torch or triton import."""
@@ -341,7 +341,6 @@ def test_selection_imports_no_torch(module):
             "attngen.arch",
             "attngen.files",
             "attngen.names",
-            "attngen.runtime.kernel_cache",
             "attngen.runtime.registry",
             "attngen.runtime.selection",
         )

@@ -300,7 +300,7 @@ def dynamic_cache_steps(layer) -> dict[str, object]:
     bf16, one query token): on the decode module (the mask function's CacheLengths) and on
     the prefill kind (no mask), with the key count the same on every call and growing by one
     a call (4096 key counts in turn: every call a new shape, as between decode steps)."""
-    from attngen.runtime.hf_cache import CacheLengths
+    from attngen.runtime.hf import CacheLengths
 
     q = torch.randn(1, 32, 1, 128).bfloat16()
     buffer = torch.randn(1, 8, 4096 + 128, 128).bfloat16()

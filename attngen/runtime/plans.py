@@ -22,7 +22,7 @@ on every call here too, or send the call to the full path (an int cache_seqlens)
 Never planned: fallbacks and refusals (they warn or raise on every call). Never run from a
 plan: calls under torch.compile (traced through the full path and the torch.library ops),
 tensor subclasses and inputs that need a gradient (the op layer), and a call whose device's
-answer may change (bf16 under Triton's interpreter: asked again, devices.problem_may_change).
+answer may change (bf16 under Triton's interpreter: asked again, dispatch.problem_may_change).
 Loading another registry starts the route cache over, plans with it.
 """
 
@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from attngen.runtime import decode_ops
-from attngen.runtime.devices import device_problem, problem_may_change
+from attngen.runtime.dispatch import device_problem, problem_may_change
 from attngen.runtime.ops import count_run
 from attngen.runtime.registry import current_registry
 from attngen.runtime.selection import Dispatch, keep, record, routes
@@ -67,7 +67,7 @@ class Plan:
     device_check: tuple[Any, ...] | None  # device_problem's arguments when asked at each run
 
 
-# --------------------------------------------------------------------- the signature
+# -------------------------------------------------------------------------- the signature
 
 
 def eager(q: Any, k: Any, v: Any, alibi_slopes: Any) -> bool:
@@ -173,7 +173,7 @@ def _entries(module: ModuleType, kind: KernelKind, in_place: bool) -> tuple[Any,
     return module.attention, None
 
 
-# ----------------------------------------------------------------------------- runs
+# ----------------------------------------------------------------------------------- runs
 
 
 def run_dense(
