@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-# The cache root's setting: kernels built on demand (attngen/runtime/kernel_cache.py) and the
+# The cache root's setting: kernels built on demand (attngen/runtime/registry.py) and the
 # templates' bytecode (attngen/template_env.py) live under it.
 ENV_CACHE = "ATTNGEN_CACHE"
 

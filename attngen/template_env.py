@@ -11,7 +11,7 @@ written by the same Python (Jinja's header records it); the folder's name carrie
 version. The cache changes only how fast a template loads: a render's bytes are the sources'.
 
 The folder: `<cache root>/templates_jinja2-<version>/`, where the cache root is the one kernels
-built on demand use (attngen/runtime/kernel_cache.py): `attngen.configure(cache_dir=...)` when
+built on demand use (attngen/runtime/registry.py): `attngen.configure(cache_dir=...)` when
 the runtime is loaded and set it, else `$ATTNGEN_CACHE`, else the user's cache directory
 (attngen/files.py). It is found without importing the runtime: the build path (spec, tiling,
 render, build) imports neither torch nor Triton. Where the folder cannot be made or written,
@@ -53,7 +53,7 @@ def template_sources() -> dict[str, bytes]:
 def cache_root() -> Path:
     """The cache root of attngen's caches in force: the runtime's settings when it is loaded
     (configure(cache_dir=...) included), else `$ATTNGEN_CACHE`, else the user's cache folder."""
-    runtime = sys.modules.get("attngen.runtime.kernel_cache")
+    runtime = sys.modules.get("attngen.runtime.registry")
     if runtime is not None:
         return Path(runtime.settings().cache_root)
     return Path(os.environ.get(ENV_CACHE) or user_cache_dir()).expanduser()

@@ -19,7 +19,7 @@ try:  # torch is a test dependency; the build-path tests would run without it
 except ImportError:  # pragma: no cover
     HAS_CUDA = False
 
-# On-demand builds (attngen/runtime/ondemand.py) are off for the suite: the runtime tests
+# On-demand builds (attngen/runtime/selection.py) are off for the suite: the runtime tests
 # assert which loaded module serves a call, or that none does. The tests of on-demand builds
 # (tests/ondemand_harness.py) turn them on for themselves, with a cache in a temporary folder;
 # nothing is written to the user's cache.

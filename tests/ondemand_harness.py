@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from attngen.runtime import kernel_cache
+from attngen.runtime import registry
 from attngen.runtime.registry import configure, current_registry, load_kernels, use_registry
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +33,7 @@ def on_demand(tmp_path: Path):
     try:
         yield cache
     finally:
-        kernel_cache.reset_overrides()
+        registry.reset_overrides()
         use_registry(saved)
 
 

@@ -14,8 +14,8 @@ import attngen
 from attngen.build import plan_build, write_build
 from attngen.reference_backward import compare_gradients
 from attngen.runtime import backward_runs, last_backward, reset_backward_runs
-from attngen.runtime.backward_ops import ATOMIC, DETERMINISTIC, ENV_ATOMIC_DQ
 from attngen.runtime.launch import run_dense_backward
+from attngen.runtime.ops import ATOMIC, DETERMINISTIC, ENV_ATOMIC_DQ
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
 from attngen.spec import CausalAlign, Mask, specs_from_data
 from tests.backward_harness import cu_seqlens, padded_inputs
@@ -36,7 +36,7 @@ SPEC = dict(
 
 @pytest.fixture(autouse=True)
 def atomic_dq_on(monkeypatch):
-    """The atomic path is opt-in (backward_ops.atomic_dq_enabled): these tests route to it."""
+    """The atomic path is opt-in (ops.atomic_dq_enabled): these tests route to it."""
     monkeypatch.setenv(ENV_ATOMIC_DQ, "1")
 
 

@@ -12,10 +12,9 @@ import pytest
 import torch
 
 import attngen
-from attngen.runtime import ops
-from attngen.runtime.hf import attngen_attention
-from attngen.runtime.hf_cache import CacheLengths
+from attngen.runtime.hf import CacheLengths, attngen_attention
 from attngen.runtime.registry import current_registry
+from attngen.runtime.selection import routes
 from tests.decode_harness import (
     count_plan_hits,
     load_decode,
@@ -379,8 +378,7 @@ def test_flash_attn_with_kvcache_hands_its_tensors_to_decode_flash(
     names the decode module at every call."""
     run_kvcache(kvcache_step(seqlen_q), return_softmax_lse=True)  # the module built and chosen
     module = current_registry().module(attngen.last_dispatch().key)
-    current_registry().plans.clear()
-    assert ops.takes_flash_layout(module)
+    routes(current_registry()).clear()
     calls = count_calls(monkeypatch, module, "decode_flash")
     cases = [kvcache_step(seqlen_q) for _ in range(3)]
     for case in cases:  # the full path, then the plan

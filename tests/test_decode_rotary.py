@@ -18,6 +18,7 @@ import attngen
 import attngen.runtime.dispatch as dispatch_module
 import attngen.runtime.kvcache as kvcache_module
 from attngen.runtime.kvcache_options import CacheOptions, rotate
+from attngen.runtime.selection import routes
 from tests.api_harness import api_kernels  # noqa: F401  (the module-scoped registry fixture)
 from tests.decode_harness import (
     decode_problems,
@@ -332,7 +333,7 @@ def test_a_step_rotated_in_torch_keeps_no_plan(api_kernels, monkeypatch):  # noq
     rotate)."""
     module = api_kernels.module_for("api", "decode")
     monkeypatch.setattr(module, "ACCEPTS_ROTARY", False)
-    api_kernels.registry.plans.clear()  # (the plans earlier tests left, of kernels that rotate)
+    routes(api_kernels.registry).clear()  # (the plans earlier tests left, of kernels that rotate)
     rotations = []
     monkeypatch.setattr(kvcache_module, "rotate", lambda *a: rotations.append(a) or rotate(*a))
     q, k_cache, v_cache, k, v, cos, sin, lengths = _rotary_step()

@@ -6,6 +6,9 @@ their own on a planned call."""
 
 from __future__ import annotations
 
+import ast
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,15 +16,16 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 import attngen
-from attngen.runtime import ops
 from attngen.runtime.hf import attngen_attention
 from attngen.runtime.registry import current_registry
+from attngen.runtime.selection import routes
 from attngen.tiling.code_paths import POINTER_LOADS_UP_TO
 from tests.kernel_harness import load_kernel, make_spec
 from tests.test_fast_launch import Address, FakeCompiled, fast, fp16
 from tests.test_runtime_fast_path import flash_qkv
 
 PREFILL = make_spec(name="flash", dtype="fp16", head_dim=64, num_q_heads=4, num_kv_heads=2)
+ROOT = Path(__file__).resolve().parent.parent
 BACKWARD = make_spec(
     name="flashb", dtype="fp16", head_dim=64, num_q_heads=4, num_kv_heads=2, backward=True
 )
@@ -213,10 +217,13 @@ def test_flash_attn_func_hands_its_tensors_to_attention_flash(toy_kernels, monke
     attention() on the views, for several query lengths (one row among them)."""
     for seqlen_q in (5, 1):
         q, k, v = flash_qkv(2, seqlen_q, 9, seed=seqlen_q)
-        first = attngen.flash_attn_func(q, k, v, causal=True)  # each signature's plan
-        attngen.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        first = attngen.flash_attn_func(q, k, v, causal=True)
         module = current_registry().module(attngen.last_dispatch().key)
         calls = count_flash_calls(monkeypatch, module)
+        routes(current_registry()).clear()  # plans bind the entry point: made after the count
+        first = attngen.flash_attn_func(q, k, v, causal=True)  # each signature's plan
+        attngen.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        assert calls == []  # the full path calls attention_flash_out on [B, H, N, D] views
         out, lse, _ = attngen.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
         again = attngen.flash_attn_func(q, k, v, causal=True)
         assert len(calls) == 2 and all(a[0] is q and a[1] is k and a[2] is v for a, _ in calls)
@@ -234,22 +241,31 @@ def test_transformers_function_reaches_attention_flash(toy_kernels, monkeypatch)
     attngen_attention(layer, q, k, v, None)
     module = current_registry().module(attngen.last_dispatch().key)
     calls = count_flash_calls(monkeypatch, module, "attention_flash_out")
+    routes(current_registry()).clear()  # plans bind the entry point: made after the count
+    attngen_attention(layer, q, k, v, None)  # the full path, which leaves the plan
     out, _ = attngen_attention(layer, q, k, v, None)
-    assert len(calls) == 1 and out.shape == (2, 6, 4, 16) and out.is_contiguous()
-    assert all(a is b for a, b in zip(calls[0][0], (q, k, v), strict=True))  # no view
+    assert len(calls) == 2 and out.shape == (2, 6, 4, 16) and out.is_contiguous()
+    assert all(a is b for call in calls for a, b in zip(call[0], (q, k, v), strict=True))
     expected = module.attention(q, k, v)
     assert torch.equal(out, expected.transpose(1, 2))
 
 
-def test_modules_without_attention_flash_keep_their_route(toy_kernels, monkeypatch):
-    """A module built before attention_flash (its attention() takes out=): flash_attn_func
-    writes through an out= view, as before, with the same bits."""
-    q, k, v = flash_qkv(2, 5, 9)
-    expected = attngen.flash_attn_func(q, k, v, causal=True)
-    module = current_registry().module(attngen.last_dispatch().key)
-    monkeypatch.delattr(module, "attention_flash")
-    monkeypatch.delattr(module, "attention_flash_out")
-    current_registry().plans.clear()
-    assert not ops.takes_flash_layout(module)
-    for _ in range(2):
-        assert torch.equal(attngen.flash_attn_func(q, k, v, causal=True), expected)
+def test_every_module_the_templates_render_has_the_flash_entry_points():
+    """The runtime calls attention_flash / attention_flash_out and decode_flash /
+    decode_flash_out without asking whether a module has them: every prefill and decode module
+    of the running attngen's templates defines them (generated/ holds one per example spec;
+    the registry's header check refuses modules of any other attngen), and varlen modules
+    have none (by kind)."""
+    want = {
+        "prefill": {"attention", "attention_flash", "attention_flash_out"},
+        "decode": {"decode", "decode_flash", "decode_flash_out"},
+        "varlen": {"attention_varlen"},
+    }
+    index = json.loads((ROOT / "generated" / "index.json").read_text())["modules"]
+    assert {item["kind"] for item in index} == set(want)
+    for item in index:
+        tree = ast.parse((ROOT / "generated" / item["path"]).read_text())
+        defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+        assert want[item["kind"]] <= defined, item["path"]
+        if item["kind"] == "varlen":
+            assert not {"attention_flash", "attention_flash_out"} & defined, item["path"]

@@ -1,4 +1,4 @@
-"""Kernels on demand (attngen/runtime/ondemand.py): calls no loaded module serves are built
+"""Kernels on demand (attngen/runtime/selection.py): calls no loaded module serves are built
 into the cache, match the float64 reference, and are reused; the cache survives racing
 processes and refuses tampered files; on_demand=False refuses as before."""
 
@@ -13,7 +13,7 @@ import torch
 
 import attngen
 from attngen.reference import compare_to_reference
-from attngen.runtime import ondemand
+from attngen.runtime import registry, selection
 from attngen.runtime.registry import configure, load_kernels
 from tests.kernel_harness import make_spec
 from tests.ondemand_harness import child, module_files, on_demand  # noqa: F401
@@ -66,7 +66,7 @@ def _reference_spec(case):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"d{c['head_dim']}_{c['dtype']}_{c['mask']}")
 def test_calls_no_module_serves_are_built_matched_and_reused(case, on_demand):  # noqa: F811
     q, k, v, slopes = _flash_inputs(case)
-    renders = ondemand.render_count()
+    renders = registry.render_count()
     kwargs = dict(
         causal=case["mask"] == "causal",
         window_size=_window_size(case),
@@ -79,7 +79,7 @@ def test_calls_no_module_serves_are_built_matched_and_reused(case, on_demand):  
     assert first.source == "cache" and first.built, first
     assert first.key.startswith(str(on_demand)) and first.module.startswith("sm80/auto_h")
     assert f"_d{case['head_dim']}" in first.module
-    assert ondemand.render_count() == renders + 1
+    assert registry.render_count() == renders + 1
     problems = compare_to_reference(
         _reference_spec(case),
         out.transpose(1, 2),
@@ -93,7 +93,7 @@ def test_calls_no_module_serves_are_built_matched_and_reused(case, on_demand):  
     again = attngen.flash_attn_func(q, k, v, **kwargs)[0]
     second = attngen.last_dispatch()
     assert second.key == first.key and not second.built
-    assert ondemand.render_count() == renders + 1  # served by the cached module, not rendered
+    assert registry.render_count() == renders + 1  # served by the cached module, not rendered
     assert torch.equal(again, out)
 
 
@@ -124,11 +124,11 @@ def test_second_process_reuses_the_cached_module(on_demand):  # noqa: F811
     proc = child(
         f"""
         import torch, attngen
-        from attngen.runtime import ondemand
+        from attngen.runtime import registry, selection
         q, k, v = (torch.randn(2, n, h, 59).half() for n, h in ((5, 6), (9, 2), (9, 2)))
         attngen.flash_attn_func(q, k, v, causal=True)
         d = attngen.last_dispatch()
-        print(d.key == {key!r}, d.source, d.built, ondemand.render_count())
+        print(d.key == {key!r}, d.source, d.built, registry.render_count())
         """,
         on_demand,
     )
@@ -139,13 +139,13 @@ def test_second_process_reuses_the_cached_module(on_demand):  # noqa: F811
 
 RACER = """
     import pathlib, time, torch, attngen
-    from attngen.runtime import ondemand
+    from attngen.runtime import registry, selection
     start = pathlib.Path({start!r})
     while not start.exists():
         time.sleep(0.01)
     q, k, v = (torch.randn(1, n, h, 111).half() for n, h in ((3, 4), (6, 4), (6, 4)))
     out = attngen.flash_attn_func(q, k, v, window_size=(2, 1))
-    print(ondemand.render_count(), attngen.last_dispatch().key, bool(torch.isfinite(out).all()))
+    print(registry.render_count(), attngen.last_dispatch().key, bool(torch.isfinite(out).all()))
 """
 
 
@@ -181,11 +181,11 @@ def test_a_tampered_cached_module_is_rebuilt_not_run(on_demand, tmp_path):  # no
     marker = tmp_path / "ran"
     _tamper(path, marker)
     load_kernels()  # a new registry (as a new process would have) reads the cache's index
-    renders = ondemand.render_count()
+    renders = registry.render_count()
     again = attngen.flash_attn_func(q, k, v, causal=True, softcap=50.0)
     assert not marker.exists()
     assert path.read_bytes() == original and torch.equal(again, out)
-    assert attngen.last_dispatch().key == str(path) and ondemand.render_count() == renders + 1
+    assert attngen.last_dispatch().key == str(path) and registry.render_count() == renders + 1
 
 
 def test_a_foreign_file_or_corrupt_index_in_the_cache_is_replaced(on_demand, tmp_path):  # noqa: F811
@@ -240,11 +240,11 @@ def test_warmup_builds_what_a_config_needs_so_the_first_call_renders_nothing(on_
         ("prefill", "cache", True, True),
         ("varlen", "cache", True, True),
     ]
-    renders = ondemand.render_count()
+    renders = registry.render_count()
     q, k, v = (torch.randn(1, 9, h, 59).half() for h in (6, 2, 2))
     attngen.flash_attn_func(q, k, v, causal=True)
     assert attngen.last_dispatch().module == warmed[0].module
-    assert ondemand.render_count() == renders
+    assert registry.render_count() == renders
 
 
 def test_a_call_that_needs_gradient_kernels_is_built_with_them():
@@ -269,5 +269,5 @@ def test_a_call_that_needs_gradient_kernels_is_built_with_them():
         same_lengths=False,
         backward=True,
     )
-    assert ondemand.spec_for(need, (6, 2))[0].backward
-    assert not ondemand.spec_for(need._replace(backward=False), (6, 2))[0].backward
+    assert selection.spec_for(need, (6, 2))[0].backward
+    assert not selection.spec_for(need._replace(backward=False), (6, 2))[0].backward

@@ -17,7 +17,7 @@ import torch
 
 import attngen
 from attngen.reference import compare_to_reference
-from attngen.runtime import ondemand
+from attngen.runtime import registry
 from tests.kernel_harness import make_spec
 from tests.ondemand_harness import on_demand  # noqa: F401
 
@@ -51,7 +51,7 @@ def test_calls_build_on_demand_and_match_on_the_gpu(case, seqlen, on_demand):  #
         softcap=softcap,
         return_attn_probs=True,
     )
-    renders = ondemand.render_count()
+    renders = registry.render_count()
     out, lse, _ = attngen.flash_attn_func(q, k, v, **kwargs)
     assert attngen.last_dispatch().source == "cache"
     fields = dict(
@@ -74,7 +74,7 @@ def test_calls_build_on_demand_and_match_on_the_gpu(case, seqlen, on_demand):  #
     )
     assert not problems, problems
     attngen.flash_attn_func(q, k, v, **kwargs)
-    assert not attngen.last_dispatch().built and ondemand.render_count() <= renders + 1
+    assert not attngen.last_dispatch().built and registry.render_count() <= renders + 1
 
 
 def test_decode_with_odd_head_dims_on_the_gpu(on_demand):  # noqa: F811

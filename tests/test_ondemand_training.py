@@ -12,7 +12,7 @@ import transformers
 import attngen
 from attngen.build import plan_build, write_build
 from attngen.reference_backward import compare_gradients
-from attngen.runtime import ondemand
+from attngen.runtime import registry
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
 from attngen.spec import specs_from_data
 from tests.backward_harness import cu_seqlens, padded_inputs
@@ -187,13 +187,13 @@ def test_a_cache_hit_says_the_module_was_built_earlier(on_demand):  # noqa: F811
     with torch.no_grad():
         _flash(*args)
         first = attngen.last_dispatch()
-        renders = ondemand.render_count()
+        renders = registry.render_count()
         _flash(*(t.clone() for t in args))  # a new call: the plan's and dispatch's caches
         again = attngen.last_dispatch()
         _flash(args[0][:, :10], *args[1:])  # another shape: the same module, from the cache
         other = attngen.last_dispatch()
     assert "built on demand now into" in first.reason and first.built
-    assert ondemand.render_count() == renders
+    assert registry.render_count() == renders
     for later in (again, other):
         if later is first:
             continue  # a planned call records nothing new

@@ -17,7 +17,7 @@ import attngen
 from attngen.build import INDEX_NAME, plan_build, read_index, write_build
 from attngen.cli import app
 from attngen.names import __version__
-from attngen.runtime import ondemand
+from attngen.runtime import registry
 from attngen.runtime.registry import RegistryError, current_registry, load_kernels, use_registry
 from attngen.spec import specs_from_data
 from tests.ondemand_harness import on_demand  # noqa: F401
@@ -139,10 +139,10 @@ def test_a_cached_module_with_a_stale_header_is_rebuilt(on_demand):  # noqa: F81
     first = original.decode().split("\n", 1)[0]
     _rewrite(path.parent.parent, path, first.replace(__version__, "0.0.0-old"))
     load_kernels()  # a new registry (as a new process would have) reads the cache's index
-    renders = ondemand.render_count()
+    renders = registry.render_count()
     again = attngen.flash_attn_func(q, k, v, causal=True)
     assert path.read_bytes() == original and torch.equal(again, out)
-    assert attngen.last_dispatch().key == str(path) and ondemand.render_count() == renders + 1
+    assert attngen.last_dispatch().key == str(path) and registry.render_count() == renders + 1
 
 
 def test_check_reports_modules_no_given_spec_produces(tmp_path):

@@ -15,7 +15,7 @@ import torch
 import attngen
 from attngen.masks import visible
 from attngen.reference import compare_to_reference
-from attngen.runtime import dispatch, ops
+from attngen.runtime import dispatch, ops, selection
 from attngen.runtime.arguments import flash_mask
 from attngen.runtime.hf import attngen_attention
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
@@ -268,12 +268,12 @@ def test_a_replaced_registry_never_serves_from_its_cache(toy_folder, tmp_path):
 
 
 def test_the_dispatch_cache_is_bounded(toy_kernels, monkeypatch):
-    monkeypatch.setattr(dispatch, "DISPATCH_CACHE_SIZE", 2)
+    monkeypatch.setattr(selection, "ROUTE_CACHE_SIZE", 2)
     for n in (3, 4, 5, 6, 7):
         q, k, v = qkv(1, n, n)
         attngen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         assert attngen.last_dispatch().module == "sm90/toy_prefill_fp32_d16_causal_br"
-        assert len(toy_kernels.dispatches) <= 2
+        assert len(selection.routes(toy_kernels)) <= 2
 
 
 # ---------------------------------------------------------------- vocabulary and purity
@@ -316,7 +316,7 @@ def test_visibility_is_defined_once_by_aligned_position():
     ]
 
 
-@pytest.mark.parametrize("module", ["selection", "registry", "kernel_cache"])
+@pytest.mark.parametrize("module", ["selection", "registry"])
 def test_selection_imports_no_torch(module):
     """Selection (with the dispatch record), the registry and the cache are plain Python: no
     torch or triton import."""
@@ -341,7 +341,6 @@ def test_selection_imports_no_torch(module):
             "attngen.arch",
             "attngen.files",
             "attngen.names",
-            "attngen.runtime.kernel_cache",
             "attngen.runtime.registry",
             "attngen.runtime.selection",
         )

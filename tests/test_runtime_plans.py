@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import attngen
-from attngen.runtime import dispatch, ops, plans
+from attngen.runtime import dispatch, ops, plans, selection
 from attngen.runtime.hf import attngen_attention
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
 from tests.runtime_harness import build_stand_ins
@@ -117,7 +117,7 @@ def test_a_planned_call_is_the_full_path_s_call(planned_kernels, full_path, case
     call = all_cases()[case]
     first = call()
     chosen = attngen.last_dispatch()
-    assert len(full_path) == 1 and len(planned_kernels.plans) == 1
+    assert len(full_path) == 1 and len(plans.planned(planned_kernels)) == 1
     with attngen.dispatch_log() as log:
         again = call()
     assert len(full_path) == 1, "the planned call took the full path"
@@ -146,12 +146,12 @@ def test_a_changed_signature_misses_the_plans(planned_kernels, full_path):
     for number, variant in enumerate(variants, start=2):
         variant()
         assert len(full_path) == number
-    assert len(planned_kernels.plans) == len(variants) + 1
+    assert len(plans.planned(planned_kernels)) == len(variants) + 1
     with pytest.raises(attngen.NoKernelError, match="dtype=fp16"):  # another dtype: its own Need
         sdpa(q.half(), k.half(), v.half(), is_causal=True, enable_gqa=True)
     with pytest.raises(attngen.NoKernelError, match="mask: needs none"):  # another option
         sdpa(q, k, v, enable_gqa=True)
-    assert len(planned_kernels.plans) == len(variants) + 1
+    assert len(plans.planned(planned_kernels)) == len(variants) + 1
 
 
 def test_an_option_of_another_type_takes_the_full_path(planned_kernels, full_path):
@@ -264,17 +264,19 @@ def test_one_query_row_is_written_in_the_caller_s_layout_without_out(tmp_path):
         use_registry(saved)
 
 
-def test_plans_are_bounded_and_kept_only_by_the_registry_that_chose(
+def test_routes_are_bounded_and_kept_only_by_the_registry_that_chose(
     planned_kernels, monkeypatch, tmp_path
 ):
-    monkeypatch.setattr(dispatch, "DISPATCH_CACHE_SIZE", 2)
-    for n in (3, 4, 5, 6, 7):
-        attngen.flash_attn_func(*flash(*qkv(1, n, n)), causal=True)
-        assert 0 < len(planned_kernels.plans) <= 2
+    monkeypatch.setattr(selection, "ROUTE_CACHE_SIZE", 8)
+    for n in (3, 4, 5, 6, 7, 8, 9, 10):
+        q, k, v = flash(*qkv(1, n, n))
+        attngen.flash_attn_func(q, k, v, causal=True)
+        assert len(selection.routes(planned_kernels)) <= 8
+        assert any(key[1] == q.shape for key in plans.planned(planned_kernels))  # this call's
     chosen = attngen.last_dispatch()
     other = load_kernels(build_stand_ins(tmp_path / "other", ("prefill",)), replace=True)
     plans.remember(("a key",), chosen, 0.25, False, True)  # chosen by the replaced registry
-    assert other.plans == {}
+    assert plans.planned(other) == {}
 
 
 @pytest.mark.gpu

@@ -138,7 +138,7 @@ def test_bf16_under_the_interpreter_is_refused_unless_its_math_is_correct():
     code = """
         import torch
         import attngen
-        from attngen.runtime.devices import bf16_math_is_correct
+        from attngen.runtime.dispatch import bf16_math_is_correct
         print("PROBE", bf16_math_is_correct())
         q = torch.randn(1, 32, 4, 128, dtype=torch.bfloat16)
         k = torch.randn(1, 8, 4, 128, dtype=torch.bfloat16)
@@ -159,9 +159,9 @@ def test_bf16_under_the_interpreter_is_refused_unless_its_math_is_correct():
 
 
 def test_bf16_runs_under_the_interpreter_with_the_tests_shim(monkeypatch):
-    from attngen.runtime import devices
+    from attngen.runtime import dispatch
 
-    assert devices.bf16_interpreter_ok()  # conftest installed the shim
+    assert dispatch.bf16_interpreter_ok()  # conftest installed the shim
     q, k, v = (t.to(torch.bfloat16) for t in qkv(1, 4, 4, hq=32, hkv=8, dim=128))
     saved = current_registry()
     try:
@@ -169,8 +169,8 @@ def test_bf16_runs_under_the_interpreter_with_the_tests_shim(monkeypatch):
         out = attngen.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True)
         assert "llama3_8b_prefill_bf16_d128_causal_br" in attngen.last_dispatch().module
         assert out.isfinite().all()
-        monkeypatch.setattr(devices, "_bf16_ok", False)
-        monkeypatch.setattr("attngen.runtime.devices.bf16_math_is_correct", lambda: False)
+        monkeypatch.setattr(dispatch, "_bf16_ok", False)
+        monkeypatch.setattr("attngen.runtime.dispatch.bf16_math_is_correct", lambda: False)
         with pytest.raises(attngen.NoKernelError, match="triton-lang/triton#11584"):
             attngen.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True)
     finally:

@@ -54,13 +54,13 @@ def test_the_cache_root_without_settings_is_the_users(monkeypatch: pytest.Monkey
 
 
 def test_the_runtimes_cache_dir_decides_when_it_is_loaded(cache_root: Path, tmp_path: Path) -> None:
-    from attngen.runtime import kernel_cache
+    from attngen.runtime import registry
 
-    kernel_cache.set_overrides(None, tmp_path / "configured")
+    registry.set_overrides(None, tmp_path / "configured")
     try:
         assert template_env.cache_root() == tmp_path / "configured"
     finally:
-        kernel_cache.reset_overrides()
+        registry.reset_overrides()
     assert template_env.cache_root() == cache_root
 
 

@@ -1,5 +1,5 @@
 """transformers' static and dynamic caches through the "attngen" implementation
-(attngen/runtime/hf_cache.py).
+(attngen/runtime/hf.py).
 
 A tiny random-weight Llama (fp32) with kernels built from its config plus a contiguous decode
 module generates greedily with cache_implementation="static": the tokens and logits are
@@ -238,7 +238,7 @@ def test_mask_function_hands_cache_lengths(q_offset, q_length, kv_length, expect
     """What the mask function hands the layers of a full-attention cache with nothing padded:
     the written keys' counts, and whether the layer's keys are exactly those (a dynamic
     cache), or nothing for a call that is plain attention."""
-    from attngen.runtime.hf_cache import cache_lengths
+    from attngen.runtime.hf import cache_lengths
 
     got = cache_lengths(
         {

@@ -44,9 +44,9 @@ def stubbed_generated_modules() -> dict[str, object]:
     """The repository's generated modules (sm90) as the registry, each module the calls below
     reach with its cached launcher on (as on a GPU) and its launches stubbed out; bf16 is let
     through on the interpreter (no kernel computes anything here)."""
-    from attngen.runtime import devices
+    from attngen.runtime import dispatch
 
-    devices._bf16_ok = True
+    dispatch._bf16_ok = True
     registry = load_kernels(ROOT / "generated", replace=True)
     found = {}
     for kind, name_part in (

@@ -5,7 +5,7 @@ an empty Triton cache, so the compile is paid), for head dims no example serves,
 the phases of the first call's path:
 
     import     import torch, triton and attngen's runtime
-    spec       the call's Need stated as a spec (ondemand.spec_for)
+    spec       the call's Need stated as a spec (selection.spec_for)
     derive     the tiling model's choice (the first derivation also imports sympy and
                compiles the model's expressions: `derive_first`; a second spec: `derive`)
     render     the module's text (plan_build: tuning lookup and Jinja, through its bytecode
@@ -45,7 +45,7 @@ def child(dims: list[int], dtype: str) -> dict:
     import torch
 
     from attngen.build import plan_build, write_build
-    from attngen.runtime import kernel_cache, ondemand
+    from attngen.runtime import registry, selection
     from attngen.runtime.registry import current_registry
     from attngen.template_env import template_loading
     from attngen.tiling.prefill import derive_tiles
@@ -60,20 +60,20 @@ def child(dims: list[int], dtype: str) -> dict:
         q = torch.randn(1, 256, 6, dim, device=device, dtype=torch_dtype)
         k = torch.randn(1, 256, 2, dim, device=device, dtype=torch_dtype)
         t = time.perf_counter()
-        spec, kind, arch = ondemand.spec_for(prefill_need(q, k), (6, 2))
+        spec, kind, arch = selection.spec_for(prefill_need(q, k), (6, 2))
         run["spec_s"] = time.perf_counter() - t
         t = time.perf_counter()
         derive_tiles(spec, arch)
         run["derive_first_s" if index == 0 else "derive_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        (artifact,) = plan_build([spec], kernel_cache.tuning_dir())
+        (artifact,) = plan_build([spec], registry.tuning_dir())
         run["render_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        folder = kernel_cache.cache_folder(arch)
+        folder = registry.cache_folder(arch)
         write_build([artifact], folder)
         run["write_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        entry, built = ondemand.cached_module(spec, kind, arch)  # found: no second render
+        entry, built = selection.cached_module(spec, kind, arch)  # found: no second render
         registry = current_registry()
         registry.add(entry, folder.resolve())
         registry.module(entry.key)
@@ -85,7 +85,7 @@ def child(dims: list[int], dtype: str) -> dict:
             run.get(k, 0.0) for k in ("spec_s", "derive_first_s", "derive_s", "render_s", "write_s")
         )
         timings["runs"].append(run)
-    timings.update(renders=ondemand.render_count(), templates=template_loading())
+    timings.update(renders=registry.render_count(), templates=template_loading())
     return timings
 
 
@@ -131,7 +131,7 @@ def call_child(dim: int, dtype: str) -> dict:
     import torch
 
     import attngen
-    from attngen.runtime import ondemand
+    from attngen.runtime import registry
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch_dtype = getattr(torch, TORCH_DTYPES[dtype])
@@ -145,7 +145,7 @@ def call_child(dim: int, dtype: str) -> dict:
             torch.cuda.synchronize()
         result[f"{phase}_s"] = time.perf_counter() - t
     result["source"] = attngen.last_dispatch().source
-    result["renders"] = ondemand.render_count()
+    result["renders"] = registry.render_count()
     return result
 
 

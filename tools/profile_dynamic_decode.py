@@ -9,7 +9,7 @@ no decode module serves it: the prefill kind (one query row per program's tile, 
 head's program reading its KV head: GQA's keys read once per query head). The "attngen
 decode kind" row runs the same step on a decode-kind module (flash_attn_with_kvcache,
 cache_seqlens = Nk), which reads each KV head once: the route the "attngen" mask function
-gives a DynamicCache's steps (attngen/runtime/hf_cache.py). Last, the wall time per call
+gives a DynamicCache's steps (attngen/runtime/hf.py). Last, the wall time per call
 of each route when the key count grows by one a call, as it does between decode steps.
 
     PYTHONPATH=. python tools/profile_dynamic_decode.py --out DIR
@@ -61,7 +61,7 @@ def growing_rows(module, batch: int) -> list[dict]:
     as a DynamicCache's steps do: every call is a new shape, so no plan keyed on shapes
     serves it. Routes: the transformers function given no mask (the prefill kind), given the
     mask function's CacheLengths (a decode module), and SDPA's."""
-    from attngen.runtime.hf_cache import CacheLengths
+    from attngen.runtime.hf import CacheLengths
 
     q = torch.randn(batch, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
     buffer = torch.randn(2, batch, 8, 128 + CALLS, 128, device="cuda", dtype=torch.bfloat16)

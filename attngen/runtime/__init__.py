@@ -1,65 +1,66 @@
 """The runtime: generated kernels in real models (torch; never imported by the build path).
 
-    kernel_cache.py  the on-demand settings, the cache's folders, building a module into
-                  the cache (plain Python)
     registry.py   which generated modules exist (index.json; folders, the on-demand cache,
                   the bundled generated/), imported by file path only if its bytes and
-                  constants match its index entry; configure()
-    selection.py  Need, Dispatch, which module serves a Need; last_dispatch() and
-                  dispatch_log(), per thread (plain Python, no torch)
-    ondemand.py   the module a call needs: its spec, built into the cache (plain Python)
-    devices.py    the device's arch; CPU needs Triton's interpreter, bf16 correct math there
-                  (a probe kernel)
-    dispatch.py   a call's Need from its tensors; the choice, cached per registry, recorded
+                  constants match its index entry; configure(); the on-demand settings, the
+                  cache's folders, building a module into the cache (plain Python)
+    selection.py  Need, Dispatch, which module serves a Need; the route cache (one per
+                  registry in use); last_dispatch() and dispatch_log(), per thread; the
+                  module a call needs: its spec, built into the cache (plain Python, no torch)
+    dispatch.py   a call's Need from its tensors (the Call); the choice, kept in the route
+                  cache, recorded; the device's arch (CPU needs Triton's interpreter, bf16
+                  correct math there: a probe kernel)
     ops.py        the modules' entry points: direct in eager mode, torch.library ops under
-                  torch.compile or autograd
-    backward_ops.py  the prefill and varlen ops' autograd formulas (registered at import);
-                     last_backward(), backward_runs(): which backward path ran (atomic dQ or not)
-    launch.py     run_dense / run_varlen: Need, dispatch, then the module or the fallback
-    plans.py      an eager call's route kept per call signature: a repeated signature runs
-                  the module without the layers above (its own checks run on every call)
+                  torch.compile or autograd, with the prefill and varlen ops' autograd
+                  formulas (registered at import); last_backward(), backward_runs()
+    launch.py     run_dense / run_varlen: Need, dispatch, then the module or the fallback;
+                  warmup(): build and compile what a spec or model needs, before its first call
+    plans.py      an eager call's route kept per call signature, bound to its launch: a
+                  repeated signature runs the module's entry point without the layers above
+                  (its own checks run on every call)
     arguments.py  argument conventions the public functions share (scale, flash masks);
                   shape checks in the caller's layout
-    api.py        scaled_dot_product_attention, flash_attn_func, flash_attn_varlen_func
-    packed.py     flash-attn's qkv/kv-packed forms of both, as views
+    api.py        scaled_dot_product_attention, flash_attn_func, flash_attn_varlen_func (and
+                  here: flash-attn's qkv/kv-packed forms of both, as views)
     attn_probs.py flash-attn's S_dmask for return_attn_probs with dropout (a testing path)
     kvcache.py    flash_attn_with_kvcache (decode kind when built, else varlen over the cache)
     kvcache_options.py  its options and checks, rotary, what its plans need
     kvcache_append.py  which sequences fit their cache, the append of new keys (varlen
                   route); paged K/V for flash_attn_varlen_func
     decode_ops.py the decode kind's calls and op
-    hf.py, hf_cache.py  the transformers attention function ("attngen"); static-cache decode
-    warmup.py     warmup(): build and compile what a spec or model needs, before its first call
+    hf.py         the transformers attention function ("attngen"); static-cache decode
     fallback.py   the torch implementation behind fallback="sdpa" (masks: attngen/masks.py,
                   the oracle's definition too), with the generated modules' argument checks
 
-Imports go one way (tests/test_import_graph.py): kernel_cache <- registry <- selection <-
-ondemand, devices <- dispatch <- ... <- the public functions.
+Imports go one way (tests/test_import_graph.py): registry <- selection <- dispatch <- ... <-
+the public functions.
 
 The public names are imported here; importing the package registers the torch.library ops.
+flash-attn 2.x's packed forms are defined here: each takes views of the packed tensor (no
+copy: the kernels read any strides) and calls flash_attn_func or flash_attn_varlen_func with
+the same arguments, so masks, softcap, ALiBi, GQA (kvpacked), dropout, return_attn_probs
+(flash-attn's S_dmask) and the errors are theirs. A packed tensor of the wrong rank or with
+the wrong stack size is refused, naming it and flash-attn's layout.
 """
 
-from attngen.runtime import backward_ops  # noqa: F401  (registers the ops' autograd formulas)
+import torch
+
 from attngen.runtime.api import (
     flash_attn_func,
     flash_attn_varlen_func,
     scaled_dot_product_attention,
 )
-from attngen.runtime.backward_ops import (
+from attngen.runtime.dispatch import get_fallback, set_fallback
+from attngen.runtime.hf import register_transformers
+from attngen.runtime.kvcache import flash_attn_with_kvcache
+from attngen.runtime.launch import Warmed, warmup
+from attngen.runtime.ops import (
     BackwardRun,
     backward_runs,
     last_backward,
     reset_backward_runs,
-)
-from attngen.runtime.dispatch import get_fallback, set_fallback
-from attngen.runtime.hf import register_transformers
-from attngen.runtime.kvcache import flash_attn_with_kvcache
-from attngen.runtime.ops import reset_run_counts, run_counts
-from attngen.runtime.packed import (
-    flash_attn_kvpacked_func,
-    flash_attn_qkvpacked_func,
-    flash_attn_varlen_kvpacked_func,
-    flash_attn_varlen_qkvpacked_func,
+    reset_run_counts,
+    run_counts,
 )
 from attngen.runtime.registry import (
     KernelEntry,
@@ -73,7 +74,6 @@ from attngen.runtime.registry import (
     use_registry,
 )
 from attngen.runtime.selection import Dispatch, Need, NoKernelError, dispatch_log, last_dispatch
-from attngen.runtime.warmup import Warmed, warmup
 
 __all__ = [
     "BackwardRun",
@@ -110,3 +110,147 @@ __all__ = [
     "scaled_dot_product_attention",
     "set_fallback",
 ]
+
+
+def flash_attn_qkvpacked_func(
+    qkv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """flash-attn 2.x `flash_attn_qkvpacked_func`: qkv [B, N, 3, H, D] -> out [B, N, H, D]
+    (with return_attn_probs: (out, lse [B, H, N], S_dmask), S_dmask as flash_attn_func's)."""
+    q, k, v = _unstack("qkv", qkv, 5, 3, "[batch, seqlen, 3, nheads, headdim]")
+    return flash_attn_func(
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
+
+
+def flash_attn_kvpacked_func(
+    q,
+    kv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """flash-attn 2.x `flash_attn_kvpacked_func`: q [B, Nq, HQ, D], kv [B, Nk, 2, HKV, D]
+    -> out [B, Nq, HQ, D]; HQ a multiple of HKV (GQA)."""
+    k, v = _unstack("kv", kv, 5, 2, "[batch, seqlen_k, 2, nheads_k, headdim]")
+    return flash_attn_func(
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """flash-attn 2.x `flash_attn_varlen_qkvpacked_func`: qkv [T, 3, H, D], cu_seqlens int32
+    [B + 1] for queries and keys alike -> out [T, H, D] (lse [H, T])."""
+    q, k, v = _unstack("qkv", qkv, 4, 3, "[total, 3, nheads, headdim]")
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
+
+
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """flash-attn 2.x `flash_attn_varlen_kvpacked_func`: q [Tq, HQ, D], kv [Tk, 2, HKV, D]
+    -> out [Tq, HQ, D] (lse [HQ, Tq])."""
+    k, v = _unstack("kv", kv, 4, 2, "[total_k, 2, nheads_k, headdim]")
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
+
+
+def _unstack(
+    name: str, packed: object, rank: int, count: int, layout: str
+) -> tuple[torch.Tensor, ...]:
+    """The `count` tensors stacked at dim rank - 3 of `packed`, as views."""
+    if (type(packed) is torch.Tensor or isinstance(packed, torch.Tensor)) and (
+        packed.dim() == rank and packed.shape[rank - 3] == count
+    ):
+        return packed.unbind(rank - 3)
+    got = list(packed.shape) if isinstance(packed, torch.Tensor) else type(packed).__name__
+    raise ValueError(f"{name}: expected a rank-{rank} tensor {layout}, got {got}")

@@ -6,17 +6,17 @@ raises `NoKernelError` naming what the call needs and the nearest modules with w
 unless a fallback was asked for: then the Dispatch says "fallback" and a warning names the
 reason. Nothing falls back silently. Every Dispatch is recorded per thread (records.py).
 
-A repeated call costs one dictionary lookup: served Dispatches are cached on the registry
-that chose them, keyed by (api, Need), and once more by the api and the Need with its key
-length replaced by its length class: the lengths change a selection only where max(Nq, Nk)
-crosses a module's window or chunk (selection.length_thresholds), so a decode loop whose
-key count grows every step selects once per class, not once per step (`cached_dispatch`);
-the Dispatch recorded carries the call's own Need. A registry replaced by load_kernels takes
-its cache with it, so a replaced registry never serves a later call. Refusals and fallbacks
-are not cached: they warn or raise on every call.
+A repeated call costs one dictionary lookup: served Dispatches are kept in the route cache
+(selection.routes, bound to the registry that chose them), keyed by (api, Need), and once more
+by the api and the Need with its key length replaced by its length class: the lengths change
+a selection only where max(Nq, Nk) crosses a module's window or chunk
+(selection.length_thresholds), so a decode loop whose key count grows every step selects once
+per class, not once per step (`cached_dispatch`); the Dispatch recorded carries the call's own
+Need. Loading another registry starts the route cache over, so a replaced registry never
+serves a later call. Refusals and fallbacks are not cached: they warn or raise on every call.
 
-When no loaded module serves a call and on-demand builds are on (kernel_cache.py), `select`
-has ondemand.py build the module the call needs into the cache and add it to the registry:
+When no loaded module serves a call and on-demand builds are on (registry.settings), `select`
+has selection.build_for build the module the call needs into the cache and add it to the registry:
 the Dispatch says so (source "cache", built=True, its key the file), and later calls find it
 like any loaded module. A call no spec can state, or a build that fails (no tile fits), is
 refused as before, with the reason added.
@@ -29,39 +29,49 @@ graph holds the chosen module's key as a constant.
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 
-from attngen.runtime import kernel_cache
 from attngen.runtime.arguments import softcap_value
-from attngen.runtime.devices import device_arch, device_problem
-from attngen.runtime.registry import KernelEntry, Registry, current_registry
+from attngen.runtime.registry import (
+    ENV_ON_DEMAND,
+    KernelEntry,
+    Registry,
+    current_registry,
+    settings,
+)
 from attngen.runtime.selection import (
     INTERPRETER,
     Dispatch,
     Need,
     NoKernelError,
+    NotExpressible,
     best_entry,
+    build_for,
     check_fallback,
+    keep,
     length_class,
     no_kernel_message,
     record,
     registry_thresholds,
+    routes,
 )
 from attngen.spec import CausalAlign, Dtype, KernelKind, KvLayout, Mask
 
 # A module whose entry point takes `out=` (an output of the call's shape, dtype and device,
 # any strides, written in place and returned) says so with this constant set to True.
 ACCEPTS_OUT = "ACCEPTS_OUT"
-DISPATCH_CACHE_SIZE = 4096  # per registry; a full cache starts over (lengths vary per call)
 _fallback = "error"
 
 
 def _class_key(api: str, need: Need, registry: Registry) -> tuple:
-    """The dispatch cache's second key of a call: every field of its Need but the key length,
+    """The route cache's second dispatch key of a call: every field of its Need but the key length,
     which enters as its class among the registry's length thresholds
     (selection.length_class); the thresholds themselves are in the key, so a module built on
     demand with a new window never meets a choice made before it."""
@@ -72,19 +82,14 @@ def _class_key(api: str, need: Need, registry: Registry) -> tuple:
 def cached_dispatch(api: str, need: Need, registry: Registry) -> Dispatch | None:
     """The cached Dispatch of a call: under (api, Need) for a Need seen before, else under
     its length class (the record then gets the call's own Need and is kept under it too)."""
-    hit = registry.dispatches.get((api, need))
+    table = routes(registry)
+    hit = table.get((api, need))
     if hit is None:
-        hit = registry.dispatches.get(_class_key(api, need, registry))
+        hit = table.get(_class_key(api, need, registry))
         if hit is not None:
             hit = dataclasses.replace(hit, need=need)
-            _keep(registry, (api, need), hit)
+            keep(registry, (api, need), hit)
     return hit
-
-
-def _keep(registry: Registry, key: tuple, dispatch: Dispatch) -> None:
-    if len(registry.dispatches) >= DISPATCH_CACHE_SIZE:
-        registry.dispatches.clear()
-    registry.dispatches[key] = dispatch
 
 
 def set_fallback(mode: str) -> None:
@@ -97,7 +102,7 @@ def get_fallback() -> str:
     return _fallback
 
 
-# ------------------------------------------------------------------------ the request
+# ---------------------------------------------------------------------------- the request
 
 
 # The torch dtype of each Dtype, derived from the one vocabulary once at import: a plain dict
@@ -114,7 +119,7 @@ def kernel_dtype(dtype: torch.dtype) -> Dtype | None:
 
 @torch.compiler.assume_constant_result
 def arch_of(device_type: str, device_index: int | None) -> str:
-    """devices.device_arch of a device, remembered: a CUDA device's arch is fixed, and once
+    """device_arch of a device, remembered: a CUDA device's arch is fixed, and once
     CPU tensors are served by Triton's interpreter they stay so (triton decides at import
     whether it interprets); until then the CPU's answer is asked each time."""
     global _interpreting
@@ -250,7 +255,7 @@ def unsupported_dtype(q: torch.Tensor) -> str:
     return f"q: dtype {q.dtype} has no generated kernels; allowed: {allowed}"
 
 
-# ------------------------------------------------------------------------ choosing
+# ------------------------------------------------------------------------------- choosing
 
 
 def choose(
@@ -262,7 +267,7 @@ def choose(
 ) -> Dispatch:
     """The Dispatch for a call (recorded); refusal names a feature no kernel has (a dense
     mask tensor, dropout): then NoKernelError, or a warned fallback. heads (query, KV) are
-    the call's, for a module built on demand (ondemand.py)."""
+    the call's, for a module built on demand (selection.spec_for)."""
     if torch.compiler.is_compiling():
         return _choose_constant(api, fallback, refusal, heads, **need._asdict())
     return _choose(api, need, fallback, refusal, heads)
@@ -304,7 +309,7 @@ def select(
     heads: tuple[int, int] | None = None,
 ) -> Dispatch:
     """The module that serves `need` (built on demand when none does and that is on),
-    recorded and cached on the registry that chose it; or a fallback (warned), or
+    recorded and kept in the route cache of the registry that chose it; or a fallback (warned), or
     NoKernelError. One registry (the current one unless given) answers every question of
     one selection."""
     mode = _fallback if fallback is None else check_fallback(fallback, "fallback")
@@ -322,7 +327,7 @@ def select(
 
 
 def served(api: str, need: Need, registry: Registry, entry: KernelEntry, built: bool) -> Dispatch:
-    """The Dispatch of `entry` serving `need`, recorded and cached on `registry`."""
+    """The Dispatch of `entry` serving `need`, recorded and kept in `registry`'s routes."""
     module = registry.module(entry.key)
     writes_out = getattr(module, ACCEPTS_OUT) is True
     reason = f"{entry.describe()} serves {need.describe()}" + (
@@ -347,8 +352,8 @@ def served(api: str, need: Need, registry: Registry, entry: KernelEntry, built: 
     if built:
         found = reason + _cache_words(entry, False)
         kept = dataclasses.replace(dispatch, built=False, reason=found)
-    _keep(registry, (api, need), kept)
-    _keep(registry, _class_key(api, need, registry), kept)
+    keep(registry, (api, need), kept)
+    keep(registry, _class_key(api, need, registry), kept)
     return record(dispatch)
 
 
@@ -374,23 +379,22 @@ def _cache_words(entry: KernelEntry, built: bool) -> str:
 def build_on_demand(
     need: Need, heads: tuple[int, int] | None, registry: Registry
 ) -> tuple[KernelEntry | None, bool, str]:
-    """(entry, rendered now, "") for the module ondemand.py builds for `need`, or
+    """(entry, rendered now, "") for the module selection.build_for builds for `need`, or
     (None, False, why not)."""
-    if not kernel_cache.settings().on_demand:
+    if not settings().on_demand:
         return (
             None,
             False,
             (
                 "On-demand builds are off (attngen.configure(on_demand=False) "
-                f"or {kernel_cache.ENV_ON_DEMAND}=0)."
+                f"or {ENV_ON_DEMAND}=0)."
             ),
         )
     from attngen.build import BuildError  # the build path (sympy, jinja): on first build only
-    from attngen.runtime import ondemand
 
     try:
-        entry, built = ondemand.build_for(need, heads, registry)
-    except (ondemand.NotExpressible, BuildError) as exc:
+        entry, built = build_for(need, heads, registry)
+    except (NotExpressible, BuildError) as exc:
         return None, False, f"Not built on demand: {exc}."
     return entry, built, ""
 
@@ -432,3 +436,129 @@ def refuse(api: str, need: Need, why: str, fallback: str | None) -> Dispatch:
         raise NoKernelError(f"attngen.{api}: {why}; pass fallback='sdpa' to run torch instead")
     warnings.warn(f"attngen: falling back to torch SDPA: {why}", stacklevel=6)
     return record(Dispatch(api, need, None, None, why, fallback=mode))
+
+
+# -------------------------------------------------------------------------------- devices
+#
+# Which device a call's tensors are on, and whether generated kernels can run there.
+#
+# CUDA tensors run on the module built for the device's arch (sm<major><minor>). CPU tensors run
+# under Triton's interpreter, which triton enables when it is imported with TRITON_INTERPRET=1
+# (its own @triton.jit helpers are made interpreted or compiled at that moment, so setting the
+# variable later leaves a half-interpreted triton that fails inside the first kernel).
+#
+# bf16 under the interpreter: Triton 3.6's interpreter computes bf16 dots and arithmetic on the
+# raw uint16 bit patterns (triton-lang/triton#11584), so every kernel returns garbage for bf16. The
+# runtime does not patch triton (a library must not change how other people's kernels run);
+# it refuses bf16 on the interpreter with an error saying why, unless bf16 math has been made
+# correct there: a tiny probe kernel (below) is run once and must give torch's
+# bits. The test suite's shim (tests/interpreter_bf16.py) passes the probe, and so will a Triton
+# release that fixes the issue.
+#
+# The probe: one 16 x 16 tile exercises what attention kernels do with bf16: a dot with an fp32
+# accumulator, elementwise bf16 arithmetic, a row sum, and the fp32 -> bf16 cast (round to
+# nearest even). The results must equal torch's bit for bit; Triton 3.6's interpreter fails
+# all four, a correct one (or the tests' shim) passes.
+
+_bf16_ok = False  # only a passed probe is remembered: a shim may be installed later
+
+
+def interpreter_wanted() -> bool:
+    """TRITON_INTERPRET=1, as the generated modules read it."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_interprets() -> bool:
+    """Whether the imported triton runs kernels in its interpreter (importing it if needed:
+    then the variable's value now decides)."""
+    import triton.language.standard as standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(standard.cdiv, InterpretedFunction)
+
+
+def device_arch(device) -> str:
+    """sm<major><minor> of a CUDA device; INTERPRETER for CPU tensors when Triton's interpreter
+    is on; otherwise the device type (device_problem says why nothing runs there)."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"sm{major}{minor}"
+    if device.type == "cpu" and interpreter_wanted() and triton_interprets():
+        return INTERPRETER
+    return device.type
+
+
+def device_problem(api: str, arch: str, dtype: Dtype | None) -> str | None:
+    """Why no generated kernel can run a call on this device (arch from device_arch), or
+    None."""
+    if arch == "cpu":
+        if not interpreter_wanted():
+            return (
+                "q is a CPU tensor: generated kernels run on CUDA tensors, or on CPU "
+                "tensors under Triton's interpreter: set TRITON_INTERPRET=1 in the "
+                "environment before triton is imported (before importing attngen, torch "
+                "libraries that import triton, or the generated modules)"
+            )
+        return (
+            "q is a CPU tensor and TRITON_INTERPRET=1 is set, but triton was imported "
+            "before it was set, so triton is not in interpreter mode (it decides at "
+            "import) and its kernels would fail; set TRITON_INTERPRET=1 before anything "
+            "imports triton (in the shell, or first thing in the script)"
+        )
+    if arch != INTERPRETER and not arch.startswith("sm"):
+        return f"q is on device type {arch!r}: generated kernels run on CUDA tensors"
+    if arch == INTERPRETER and dtype is Dtype.bf16 and not bf16_interpreter_ok():
+        return (
+            "dtype bf16 on CPU tensors: Triton's interpreter computes bfloat16 dots and "
+            "arithmetic on the raw bit patterns (triton-lang/triton#11584) and returns garbage; "
+            "use fp16 or fp32 on the CPU, or CUDA for bf16"
+        )
+    return None
+
+
+def problem_may_change(arch: str, dtype: Dtype | None) -> bool:
+    """Whether device_problem's answer for (arch, dtype) may change in this process: bf16
+    under the interpreter, which a shim (or a probe that passes later) makes correct, and a
+    test may make incorrect again. Every other answer is fixed by the arch and the dtype."""
+    return arch == INTERPRETER and dtype is Dtype.bf16
+
+
+def bf16_interpreter_ok() -> bool:
+    """Whether the interpreter computes bf16 correctly now (a probe kernel, cached once it
+    passes)."""
+    global _bf16_ok
+    if not _bf16_ok:
+        _bf16_ok = bf16_math_is_correct()
+    return _bf16_ok
+
+
+@triton.jit
+def _bf16_probe_kernel(A, B, Dot, Prod, RowSum, Cast, N: tl.constexpr):
+    rows = tl.arange(0, N)[:, None] * N + tl.arange(0, N)[None, :]
+    a = tl.load(A + rows)
+    b = tl.load(B + rows)
+    tl.store(Dot + rows, tl.dot(a, b, input_precision="ieee"))
+    tl.store(Prod + rows, a * b)
+    tl.store(RowSum + tl.arange(0, N), tl.sum(a.to(tl.float32), 1))
+    tl.store(Cast + rows, (a.to(tl.float32) / 3.0).to(tl.bfloat16))
+
+
+def bf16_math_is_correct() -> bool:
+    n = 16
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, n, generator=gen).to(torch.bfloat16)
+    dot = torch.empty(n, n)
+    prod = torch.empty(n, n, dtype=torch.bfloat16)
+    row_sum = torch.empty(n)
+    cast = torch.empty(n, n, dtype=torch.bfloat16)
+    _bf16_probe_kernel[(1,)](a, b, dot, prod, row_sum, cast, N=n)
+    # The dot's summation order may differ from torch's: a relative 1e-5 separates that from
+    # bit-pattern garbage (wrong by orders of magnitude). The rest is exact in any order.
+    expected_dot = a.float() @ b.float()
+    return bool(
+        torch.allclose(dot, expected_dot, rtol=1e-5, atol=1e-5)
+        and torch.equal(prod, a * b)
+        and torch.allclose(row_sum, a.float().sum(1), rtol=1e-6, atol=1e-6)
+        and torch.equal(cast, (a.float() / 3.0).to(torch.bfloat16))
+    )

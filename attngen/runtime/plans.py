@@ -1,15 +1,17 @@
-"""Plans: an eager call's route, decided once per call signature.
+"""Plans: an eager call's route, decided once per call signature and bound to its launch.
 
 Between a public function's arguments and the generated module's entry point, everything the
 runtime decides depends only on the call's signature: the tensors' shapes, q's dtype and
 device, and the scalar options. That is the Need, the module that serves it and its Dispatch,
-the softmax scale, and whether the module writes the caller's layout in place. The first eager
-call of a signature takes the full path (every check, the Need, selection, recorded), and when
-a module served it, leaves a `Plan` under the signature's key on the registry that chose the
-module (`Registry.plans`). A later call with an equal key runs the plan: the checks its key
-does not decide (the other tensors' dtypes and devices, compared), the Dispatch recorded (a
-reference, as the full path records the Dispatch it cached), the run counted, and the
-module's entry point called, which makes its own checks on every call as always.
+the softmax scale, whether the module writes the caller's layout in place, and so the entry
+point the call ends in. The first eager call of a signature takes the full path (every check,
+the Need, selection, recorded), and when a module served it, leaves a `Plan` under the
+signature's key in the route cache (selection.routes; FA4's compile_key -> compile_cache[key]):
+the bound launch, the module with its entry point resolved and the static arguments checked.
+A later call with an equal key runs the plan: the checks its key does not decide (the other
+tensors' dtypes and devices, compared), the Dispatch recorded (a reference, as the full path
+records the Dispatch it cached), the run counted, and the entry point called, which makes its
+own checks on every call as always.
 
 An equal key must mean that the full path would decide the same. So options enter a key with
 their values, and only in their plain types (None, bool, float, str, a pair of ints): a call
@@ -20,12 +22,13 @@ on every call here too, or send the call to the full path (an int cache_seqlens)
 Never planned: fallbacks and refusals (they warn or raise on every call). Never run from a
 plan: calls under torch.compile (traced through the full path and the torch.library ops),
 tensor subclasses and inputs that need a gradient (the op layer), and a call whose device's
-answer may change (bf16 under Triton's interpreter: asked again, devices.problem_may_change).
-A replaced registry takes its plans with it; they are bounded like the dispatch cache.
+answer may change (bf16 under Triton's interpreter: asked again, dispatch.problem_may_change).
+Loading another registry starts the route cache over, plans with it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -33,11 +36,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attngen.runtime import decode_ops, ops
-from attngen.runtime import dispatch as dispatch_cache
-from attngen.runtime.devices import device_problem, problem_may_change
+from attngen.runtime import decode_ops
+from attngen.runtime.dispatch import device_problem, problem_may_change
+from attngen.runtime.ops import count_run
 from attngen.runtime.registry import current_registry
-from attngen.runtime.selection import Dispatch, record
+from attngen.runtime.selection import Dispatch, keep, record, routes
 from attngen.spec import KernelKind
 
 _is_compiling = torch.compiler.is_compiling
@@ -47,12 +50,16 @@ _NO_KEYWORDS: dict = {}  # (never written: a ** of no keywords)
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """What eager calls of one signature run: the module and the Dispatch recorded for it, and
-    what the full path computed for the signature."""
+    """What eager calls of one signature run (a bound launch): the module, its entry point, the
+    Dispatch recorded for it, and what the full path computed for the signature."""
 
-    dispatch: Dispatch  # the registry's cached Dispatch (what the full path records)
+    dispatch: Dispatch  # the route cache's Dispatch (what the full path records)
     key: str  # the module's key (dispatch.key)
     module: ModuleType
+    # The entry point of a [B, H, N, D] call: prefill's attention_flash_out in place, else
+    # attention; varlen's attention_varlen; decode's (unused: decode_ops.direct_decode's)
+    entry: Callable[..., Any] | None
+    flash: Callable[..., Any] | None  # attention_flash or decode_flash, with flash_entry
     sm_scale: float
     return_lse: bool
     in_place: bool  # the module writes the caller's heads-last output (its out=)
@@ -60,7 +67,7 @@ class Plan:
     device_check: tuple[Any, ...] | None  # device_problem's arguments when asked at each run
 
 
-# --------------------------------------------------------------------- the signature
+# -------------------------------------------------------------------------- the signature
 
 
 def eager(q: Any, k: Any, v: Any, alibi_slopes: Any) -> bool:
@@ -109,26 +116,31 @@ def slopes_rank(alibi_slopes: Tensor | None) -> int:
 
 
 def find(key: tuple | None) -> Plan | None:
-    """The plan of a signature key on the registry in use, or None."""
+    """The plan of a signature key in the route cache of the registry in use, or None."""
     if key is None:
         return None
     try:
-        return current_registry().plans.get(key)
+        return routes(current_registry()).get(key)
     except TypeError:  # an unhashable value inside an option: the full path decides
         return None
+
+
+def planned(registry) -> dict[tuple, Plan]:
+    """The plans in `registry`'s route cache, by signature key (what tests and tools count)."""
+    return {key: plan for key, plan in routes(registry).items() if isinstance(plan, Plan)}
 
 
 def remember(
     key: tuple | None, dispatch: Dispatch, sm_scale: float, return_lse: bool, in_place: bool
 ) -> None:
     """Keep the route the full path just took for `key`'s signature (in_place: it passed the
-    module out=, the caller's heads-last output), from the Dispatch the registry in use cached
-    for the call's Need: when another registry chose (load_kernels replaced it meanwhile),
+    module out=, the caller's heads-last output), from the Dispatch the route cache holds for
+    the call's Need: when another registry chose (load_kernels replaced it meanwhile),
     nothing is kept."""
     if key is None or dispatch.key is None or _is_compiling():
         return
     registry = current_registry()
-    cached = registry.dispatches.get((dispatch.api, dispatch.need))
+    cached = routes(registry).get((dispatch.api, dispatch.need))
     if cached is None or cached.key != dispatch.key:
         return
     need = cached.need
@@ -136,28 +148,32 @@ def remember(
         (cached.api, need.arch, need.dtype) if problem_may_change(need.arch, need.dtype) else None
     )
     module = registry.module(dispatch.key)
+    flash_entry = in_place and need.kind in (KernelKind.prefill, KernelKind.decode)
+    entry, flash = _entries(module, need.kind, in_place)
     plan = Plan(
-        cached,
-        dispatch.key,
-        module,
-        float(sm_scale),
-        bool(return_lse),
-        in_place,
-        in_place
-        and cached.need.kind in (KernelKind.prefill, KernelKind.decode)
-        and ops.takes_flash_layout(module),
-        check,
-    )
-    plans = registry.plans
-    if len(plans) >= dispatch_cache.DISPATCH_CACHE_SIZE:
-        plans.clear()
+        cached, dispatch.key, module, entry, flash, float(sm_scale), bool(return_lse), in_place,
+        flash_entry, check,
+    )  # fmt: skip
     try:
-        plans[key] = plan
-    except TypeError:
+        keep(registry, key, plan)
+    except TypeError:  # an unhashable value inside an option
         pass
 
 
-# ----------------------------------------------------------------------------- runs
+def _entries(module: ModuleType, kind: KernelKind, in_place: bool) -> tuple[Any, Any]:
+    """(the entry point of [B, H, N, D] tensors, the flash-layout one or None) of a module of
+    `kind`: every prefill and decode module has its flash-layout entry points (the header
+    check refuses modules of another attngen)."""
+    if kind is KernelKind.varlen:
+        return module.attention_varlen, None
+    if kind is KernelKind.decode:
+        return None, (module.decode_flash if in_place else None)
+    if in_place:
+        return module.attention_flash_out, module.attention_flash
+    return module.attention, None
+
+
+# ----------------------------------------------------------------------------------- runs
 
 
 def run_dense(
@@ -170,22 +186,29 @@ def run_dense(
     sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None] | None:
     """launch.run_dense's module call from a plan (sinks: the call's, whose presence its key
-    holds); None when the device refuses now."""
+    holds): the plan's entry point, attention_flash_out when it writes in place (out
+    [B, N, H, D]); None when the device refuses now."""
     if plan.device_check is not None and device_problem(*plan.device_check) is not None:
         return None  # the device refuses now what it served: the full path says why
     record(plan.dispatch)
-    out, lse = ops.call_prefill(
-        plan.module,
-        plan.key,
-        q,
-        k,
-        v,
-        plan.sm_scale,
-        alibi_slopes,
-        plan.return_lse,
-        plan.in_place,
-        sinks,
-    )
+    count_run(plan.key)
+    entry = plan.entry
+    assert entry is not None  # a prefill plan's
+    if sinks is None:
+        result = entry(
+            q, k, v, sm_scale=plan.sm_scale, alibi_slopes=alibi_slopes, return_lse=plan.return_lse
+        )
+    else:
+        result = entry(
+            q,
+            k,
+            v,
+            sm_scale=plan.sm_scale,
+            alibi_slopes=alibi_slopes,
+            return_lse=plan.return_lse,
+            sinks=sinks,
+        )
+    out, lse = result if plan.return_lse else (result, None)
     if heads_last and not plan.in_place:  # the module wrote [B, H, N, D]: copied
         out = out.transpose(1, 2).contiguous()
     return out, lse
@@ -209,8 +232,9 @@ def run_flash(
     if plan.device_check is not None and device_problem(*plan.device_check) is not None:
         return None  # the device refuses now what it served: the full path says why
     record(plan.dispatch)
-    ops.count_run(plan.key)
-    entry = plan.module.attention_flash
+    count_run(plan.key)
+    entry = plan.flash
+    assert entry is not None  # flash_entry's
     if sinks is None:
         result = entry(
             q, k, v, sm_scale=plan.sm_scale, alibi_slopes=alibi_slopes, return_lse=plan.return_lse
@@ -243,9 +267,10 @@ def run_varlen(
     if plan.device_check is not None and device_problem(*plan.device_check) is not None:
         return None  # the device refuses now what it served: the full path says why
     record(plan.dispatch)
-    return ops.call_varlen(
-        plan.module,
-        plan.key,
+    count_run(plan.key)
+    entry = plan.entry
+    assert entry is not None  # a varlen plan's attention_varlen
+    result = entry(
         q,
         k,
         v,
@@ -253,11 +278,12 @@ def run_varlen(
         cu_seqlens_k,
         max_seqlen_q,
         max_seqlen_k,
-        plan.sm_scale,
-        alibi_slopes,
-        None,
-        plan.return_lse,
+        sm_scale=plan.sm_scale,
+        alibi_slopes=alibi_slopes,
+        return_lse=plan.return_lse,
+        seqused_k=None,
     )
+    return result if plan.return_lse else (result, None)
 
 
 def run_decode(
@@ -323,8 +349,10 @@ def _decode_flash(
     """The module's decode_flash with the plan's scale and LSE flag (a module with it takes
     num_splits and rotary_*); the caches' version counters bumped after an append, as the
     op's mutates_args would."""
-    ops.count_run(plan.key)
-    result = plan.module.decode_flash(
+    count_run(plan.key)
+    entry = plan.flash
+    assert entry is not None  # flash_entry's decode_flash
+    result = entry(
         q, k_cache, v_cache, cache_seqlens, block_table=block_table, k_new=k_new, v_new=v_new,
         sm_scale=plan.sm_scale, alibi_slopes=alibi_slopes, return_lse=plan.return_lse,
         num_splits=num_splits, **(rotary or _NO_KEYWORDS),

@@ -9,7 +9,17 @@ are the same mask; a sliding window whose reach covers every key is plain causal
 mask); one query token at the bottom-right end sees every key under causal. The lengths are
 bounds the call's tensor shapes guarantee (padded lengths, packed totals, cache capacity),
 never a caller's max_seqlen claim. dispatch.py is the torch side: it builds a Need from
-tensors, records the choice and caches it per registry.
+tensors and records the choice.
+
+The route cache (`routes`): everything the runtime derives from a registry's entries for the
+calls it serves lives in one dictionary held here, bound to the registry in use; the registry
+keeps its entries and verified imports only. Its keys: a public function's call signature
+(plans.py: the bound launch, a `Plan`), (api, Need) and (api, Need with its key length as a
+length class) (dispatch.py: the served Dispatch), the entries that agree with a Need on all
+but the mask and the entries' length thresholds (here: stored with the entries list they were
+computed from, so a module built on demand, which replaces the list, is counted from then on).
+Loading another registry starts it over, so a replaced registry's choices never serve a later
+call; it is bounded (ROUTE_CACHE_SIZE: a full cache drops its older half).
 
 The record, per thread: `last_dispatch()` is this thread's latest Dispatch, and `with
 dispatch_log() as log:` collects its dispatches inside the block (logs nest). Recording is
@@ -23,13 +33,30 @@ import threading
 from bisect import bisect_left
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from itertools import islice
 from typing import Any, NamedTuple
 
-from attngen.runtime.registry import KernelEntry, Registry, current_registry
-from attngen.spec import CausalAlign, Dtype, KernelKind, KvLayout, Mask
+from attngen.runtime.registry import (
+    KernelEntry,
+    Registry,
+    cache_entry,
+    cached_build,
+    current_registry,
+)
+from attngen.spec import (
+    AttnSpec,
+    CausalAlign,
+    Dtype,
+    KernelKind,
+    KvLayout,
+    Mask,
+    SpecError,
+    specs_from_data,
+)
 
 INTERPRETER = "interpreter"  # CPU tensors under TRITON_INTERPRET=1: any arch's module runs
 FALLBACKS = ("error", "sdpa")
+ROUTE_CACHE_SIZE = 4096  # a full route cache drops its older half (lengths vary per call)
 NO_BACKWARD = (
     "backward: needs true (the inputs require grad: gradient kernels), module has false "
     "(forward-only)"
@@ -121,7 +148,7 @@ def check_fallback(mode: object, name: str) -> str:
     return str(mode)
 
 
-# ------------------------------------------------------------------- masks by meaning
+# ----------------------------------------------------------------------- masks by meaning
 
 
 def effective_mask(spec_like: dict[str, Any], need: Need, *, at_lengths: bool = True) -> tuple:
@@ -168,10 +195,11 @@ def registry_thresholds(registry: Registry) -> tuple[int, ...]:
     """length_thresholds of the registry's entries now: computed once per entries list (add()
     replaces the list, so a module built on demand is counted from then on)."""
     entries = registry.entries
-    cached_for, thresholds = registry.thresholds
-    if cached_for is not entries:
-        thresholds = length_thresholds(entries)
-        registry.thresholds = (entries, thresholds)  # one attribute: a whole pair
+    cached = routes(registry).get(_THRESHOLDS)
+    if cached is not None and cached[0] is entries:
+        return cached[1]
+    thresholds = length_thresholds(entries)
+    keep(registry, _THRESHOLDS, (entries, thresholds))  # one value: a whole pair
     return thresholds
 
 
@@ -231,7 +259,7 @@ def _asked(need: Need) -> dict[str, Any]:
     }
 
 
-# ------------------------------------------------------------------------- selection
+# ------------------------------------------------------------------------------ selection
 
 
 def mismatches(entry: KernelEntry, need: Need) -> list[str]:
@@ -315,10 +343,11 @@ def best_entry(registry: Registry, need: Need) -> KernelEntry | None:
 
 
 def same_kernel_fields(registry: Registry, need: Need) -> list[KernelEntry]:
-    """The entries that agree with `need` on everything but the mask, cached on the registry:
-    a decode loop asks with a new key length at each step, so the scan of every module is
-    done once per kind of call instead."""
+    """The entries that agree with `need` on everything but the mask, in the route cache: a
+    decode loop asks with a new key length at each step, so the scan of every module is done
+    once per kind of call instead."""
     key = (
+        _SAME_FIELDS,
         need.kind,
         need.arch,
         need.dtype,
@@ -348,7 +377,15 @@ def same_kernel_fields(registry: Registry, need: Need) -> list[KernelEntry]:
             and float(spec.get("softcap") or 0.0) == float(need.softcap)
         )
 
-    return registry.matching(key, agrees)
+    # The entries are read once: add() replaces the list, so a list computed from old entries
+    # is stored with them and never served after it.
+    entries = registry.entries
+    cached = routes(registry).get(key)
+    if cached is not None and cached[0] is entries:
+        return cached[1]
+    hit = [entry for entry in entries if agrees(entry)]
+    keep(registry, key, (entries, hit))  # a racing thread stores an equal list: harmless
+    return hit
 
 
 def no_kernel_message(need: Need, registry: Registry, not_built: str = "") -> str:
@@ -378,6 +415,51 @@ def no_kernel_message(need: Need, registry: Registry, not_built: str = "") -> st
         "(attngen spec-from-hf, attngen build) and load it (attngen.load_kernels or "
         f"ATTNGEN_KERNELS){fallback}"
     )
+
+
+# ------------------------------------------------------------------------ the route cache
+
+_THRESHOLDS = ("length thresholds",)  # route keys of selection's own (no api is named so)
+_SAME_FIELDS = "same kernel fields"
+
+
+class _Routes:
+    """The route cache and the registry it belongs to: replaced whole (one attribute store),
+    so a reader holds one consistent pair."""
+
+    __slots__ = ("registry", "table")
+
+    def __init__(self, registry: Registry | None, table: dict[tuple, Any]) -> None:
+        self.registry = registry
+        self.table = table
+
+
+_routes = _Routes(None, {})
+
+
+def routes(registry: Registry) -> dict[tuple, Any]:
+    """The route cache of `registry` (the module docstring): the one held when it belongs to
+    it, a new one when `registry` is the one in use, else an empty dictionary no one keeps (a
+    thread still holding a replaced registry: its choices serve no later call)."""
+    global _routes
+    held = _routes
+    if held.registry is registry:
+        return held.table
+    if registry is not current_registry():
+        return {}
+    held = _routes = _Routes(registry, {})
+    return held.table
+
+
+def keep(registry: Registry, key: tuple, value: Any) -> None:
+    """Keep `value` under `key` in `registry`'s route cache. Bounded (ROUTE_CACHE_SIZE): a
+    full cache drops its older half, so what one call keeps in turn (its Need's Dispatch,
+    then its plan, which looks that Dispatch up) survives the call."""
+    table = routes(registry)
+    if len(table) >= ROUTE_CACHE_SIZE:
+        for old in list(islice(table, max(1, len(table) // 2))):
+            table.pop(old, None)
+    table[key] = value
 
 
 class _ThreadRecords(threading.local):
@@ -411,26 +493,22 @@ def last_dispatch() -> Dispatch | None:
     return _with_forward(last)
 
 
-_FORWARD_VARIANTS: dict[tuple[Dispatch, str], Dispatch] = {}
-
-
 def _with_forward(dispatch: Dispatch) -> Dispatch:
     """`dispatch` itself when its module's last forward on this thread is the one the
-    Dispatch expects, else (remembered) a copy whose `forward` is the one that ran."""
+    Dispatch expects, else (in the route cache) a copy whose `forward` is the one that ran."""
+    registry = current_registry()
     try:
-        module = current_registry().module(dispatch.key)  # type: ignore[arg-type]
+        module = registry.module(dispatch.key)  # type: ignore[arg-type]
     except Exception:  # noqa: BLE001 - a replaced registry: the record as it was made
         return dispatch
     taken = getattr(module, "forward_path", None)  # prefill and varlen modules only (kind)
     path = None if taken is None else str(taken())
     if path is None or path == dispatch.forward or path.endswith("no call yet"):
         return dispatch
-    variant = _FORWARD_VARIANTS.get((dispatch, path))
+    variant = routes(registry).get((dispatch, path))
     if variant is None:
-        if len(_FORWARD_VARIANTS) >= 1024:
-            _FORWARD_VARIANTS.clear()
         variant = replace(dispatch, forward=path)
-        _FORWARD_VARIANTS[(dispatch, path)] = variant
+        keep(registry, (dispatch, path), variant)
     return variant
 
 
@@ -446,3 +524,139 @@ def dispatch_log() -> Iterator[list[Dispatch]]:
     finally:
         # By identity: two logs with equal contents (both empty, say) are different logs.
         del logs[next(i for i, open_log in enumerate(logs) if open_log is log)]
+
+
+# ---------------------------------------------------------------------- kernels on demand
+#
+# Kernels on demand: the module a call needs, derived, rendered, cached and loaded.
+#
+# When no loaded module serves a call (dispatch.py asks, with the call's Need and head counts),
+# `build_for` states the call as a spec, renders it through the build path (plan_build: the
+# tiling model's choice, or the tuning database's config when it has one for this spec and
+# arch), writes it into the on-demand cache (registry.py) as an ordinary build folder, and
+# adds it to the registry in use. No torch here: the build path stays torch-free, and this is
+# its glue.
+#
+# The spec of a call:
+# - every field a kernel depends on comes from the Need (kind, dtype, head dims, mask and
+#   alignment, window, sink tokens, chunk size, softcap, ALiBi, sinks; for decode the KV
+#   layout, page size and the step's query tokens as max_query_tokens; `backward: true` when
+#   the call runs gradient kernels). A window side of 2**31 - 1 (flash-attn's -1) is
+#   unbounded: a window unbounded on both sides is no mask, and one unbounded left and closed
+#   right is causal.
+# - head counts are runtime arguments of every module, but the tiling model uses them (prefill
+#   estimates waves from the query heads; decode's row tile is query heads per KV head times
+#   query tokens) and so does the tuning database's key. The spec takes the call's own counts,
+#   and so does its name, `auto_h<HQ>kv<HKV>`: a module is a function of its name, and any
+#   module serves any head counts, so a later call with other counts uses it rather than
+#   building again.
+# - dropout_p > 0 (Need.dropout): `backward: true, dropout: true` (the only modules that take
+#   dropout_p; they serve calls without dropout as well).
+# - arch: the device's. Under Triton's interpreter (CPU tensors) it is INTERPRETER_ARCH, sm80:
+#   the portable code path (pointer loads, no Hopper-only TMA or wgmma), which every arch
+#   shares.
+#
+# The cache itself (its folders, locks, renders and writes) is registry.py's.
+
+INTERPRETER_ARCH = "sm80"
+UNBOUNDED = 2**31 - 1  # flash-attn's -1 window side, as arguments.INFINITE
+NAME_PREFIX = "auto"
+
+
+class NotExpressible(ValueError):
+    """A call no spec can state (its message says which field, and why)."""
+
+
+def build_for(
+    need: Need, heads: tuple[int, int] | None, registry: Registry
+) -> tuple[KernelEntry, bool]:
+    """The cache's module for `need` (built now unless a valid one is there), added to
+    `registry`; (entry, whether this call rendered it). NotExpressible or BuildError say why
+    none can be built."""
+    spec, kind, arch = spec_for(need, heads)
+    folder, item, built = cached_build(spec, kind, arch)
+    registry.add(cache_entry(folder, item), folder.resolve())
+    return cache_entry(folder, item), built
+
+
+def spec_for(need: Need, heads: tuple[int, int] | None) -> tuple[AttnSpec, KernelKind, str]:
+    """The spec, kind and arch that serve `need` (the module docstring), or NotExpressible."""
+    from attngen.arch import ARCHS
+
+    arch = INTERPRETER_ARCH if need.arch == INTERPRETER else need.arch
+    if arch not in ARCHS:
+        raise NotExpressible(
+            f"arch: {need.arch} has no row in attngen/arch.py (known: {', '.join(ARCHS)})"
+        )
+    if need.dtype is None:
+        raise NotExpressible("dtype: no generated kernels for q's dtype")
+    num_q, num_kv = _head_counts(heads)
+    fields: dict[str, Any] = {
+        "name": f"{NAME_PREFIX}_h{num_q}kv{num_kv}",
+        "archs": [arch],
+        "dtype": need.dtype.value,
+        "head_dim": need.head_dim,
+        "head_dim_v": need.head_dim_v,
+        "num_q_heads": num_q,
+        "num_kv_heads": num_kv,
+        "softcap": float(need.softcap),
+        "alibi": need.alibi,
+        "kernels": [need.kind.value],
+        **_mask_fields(need),
+    }
+    if need.sinks:
+        fields["sinks"] = True
+    if need.dropout:
+        fields.update(backward=True, dropout=True)
+    if need.kind is KernelKind.decode:
+        fields["kv_layout"] = need.kv_layout.value if need.kv_layout else None
+        if need.page_size is not None:
+            fields["page_size"] = need.page_size
+        fields["max_query_tokens"] = max(1, need.seqlen_q)
+    if need.backward:
+        fields["backward"] = True
+    try:
+        (spec,) = specs_from_data(fields)
+    except SpecError as exc:
+        raise NotExpressible(str(exc)) from None
+    return spec, need.kind, arch
+
+
+def _head_counts(heads: tuple[int, int] | None) -> tuple[int, int]:
+    """The call's (query heads, KV heads) as valid spec fields: 1..1024 and a divisor."""
+    if heads is None:
+        return 1, 1
+    num_q, num_kv = heads
+    if num_kv < 1 or num_q < num_kv or num_q % num_kv:
+        return 1, 1  # the module itself refuses such a call, naming the head counts
+    ratio = num_q // num_kv
+    num_kv = max(1, min(num_kv, 1024 // min(ratio, 1024)))
+    return min(ratio, 1024) * num_kv, num_kv
+
+
+def _mask_fields(need: Need) -> dict[str, Any]:
+    mask, window = need.mask, need.window
+    if mask is Mask.sliding_window and window is not None:
+        left, right = window
+        if left >= UNBOUNDED and right >= UNBOUNDED:
+            mask = Mask.none
+        elif left >= UNBOUNDED and right == 0:
+            mask = Mask.causal
+    if mask is Mask.none:
+        return {"mask": "none"}
+    align = need.causal_align.value if need.causal_align else None
+    fields: dict[str, Any] = {"mask": mask.value, "causal_align": align}
+    if mask is Mask.sliding_window and window is not None:
+        fields.update(window_left=window[0], window_right=window[1])
+        if need.sink_tokens:
+            fields["sink_tokens"] = need.sink_tokens
+    if mask is Mask.chunked:
+        fields["chunk_size"] = need.chunk_size
+    return fields
+
+
+def cached_module(spec: AttnSpec, kind: KernelKind, arch: str) -> tuple[KernelEntry, bool]:
+    """The cache's entry for (spec, kind, arch), rendered and written unless a valid one is
+    there (cached_build); (entry, whether it was rendered now)."""
+    folder, item, built = cached_build(spec, kind, arch)
+    return cache_entry(folder, item), built
