@@ -369,11 +369,12 @@ def digest(node: Expr, tensors: tuple[Tensor, ...]) -> str:
     return hashlib.sha256(f"{node}|{used}".encode()).hexdigest()[:8]
 
 
-# The kernel's names: the score tile, the program's batch and head, the rows' and columns'
-# positions (broadcast to the [BLOCK_M, BLOCK_N] tile); a tensor T is read through T_ptr with
-# strides T_stride0.., and a named dim D is the kernel argument dim_D.
+# The kernel's names (the prefill key loop's, _key_loop.py.jinja): the scaled score tile, the
+# program's batch and query head, the rows' and keys' positions in their sequence (broadcast to
+# the [BLOCK_M, BLOCK_N] tile); a tensor T is read through T_ptr with strides T_stride0.., and
+# a named dim D is the kernel argument dim_D.
 KERNEL_NAMES = {"score": "qk", "b": "off_b", "h": "off_h"}
-KERNEL_NAMES |= {"q_idx": "offs_m[:, None]", "kv_idx": "offs_n[None, :]"}
+KERNEL_NAMES |= {"q_idx": "offs_m[:, None]", "kv_idx": "key_pos[None, :]"}
 _TRITON = {"min": "tl.minimum", "max": "tl.maximum", "abs": "tl.abs", "exp": "tl.exp"}
 _TRITON |= {"log": "tl.log", "sqrt": "tl.sqrt", "tanh": "_tanh", "where": "tl.where"}
 _INFIX = {**_SYMBOL, "and": "&", "or": "|"}
@@ -409,7 +410,8 @@ def _render(node: Expr, tensors: dict[str, Tensor]) -> str:
         offset = " + ".join(f"({i}) * {tensor.name}_stride{k}" for k, i in enumerate(r))
         bounds = validity(Expr("load", node.args, node.value, node.type), tensors)
         mask = _render(bounds, tensors) if bounds is not None else "None"
-        return f"tl.load({tensor.name}_ptr + {offset}, mask={mask}, other={_OTHER[node.type]})"
+        load = f"tl.load({tensor.name}_ptr + {offset}, mask={mask}, other={_OTHER[node.type]})"
+        return f"{load}.to(tl.float32)" if node.type == "float" else load
     if node.op == "floordiv":  # floor semantics from Triton's truncating // and %
         return f"(({r[0]} - (({r[0]} % {r[1]}) + {r[1]}) % {r[1]}) // {r[1]})"
     if node.op == "mod":
