@@ -381,18 +381,6 @@ def test_explain_shows_the_tree_its_kernel_text_and_gradients() -> None:
     ]
 
 
-def test_the_build_refuses_expressions_until_kernels_compile_them() -> None:
-    from attngen.build import plan_build
-    from attngen.render import RenderError, render_module
-    from attngen.tiling.prefill import derive_tiles
-
-    (spec,) = specs_from_data({**BASE, **DOC_FIELDS})
-    with pytest.raises(SpecError, match="^flex: score_mod and mask_mod are checked"):
-        plan_build([spec])
-    with pytest.raises(RenderError, match="not compiled into kernels yet"):
-        render_module(spec, KernelKind.prefill, derive_tiles(spec, "sm90"))
-
-
 class _Tile(np.ndarray):
     """A numpy array with Triton's `.to(dtype)`, to run rendered kernel text on a tile."""
 
