@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import math
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -367,6 +369,16 @@ def digest(node: Expr, tensors: tuple[Tensor, ...]) -> str:
     read = sorted({str(n.value) for n in node.nodes() if n.op == "load"})
     used = [t for t in tensors if t.name in read]
     return hashlib.sha256(f"{node}|{used}".encode()).hexdigest()[:8]
+
+
+def expression_key(spec: Mapping[str, Any]) -> str:
+    """What an expression module serves and a call asks for (the runtime's Need.expressions):
+    "" for a canonical spec (AttnSpec.canonical(), a registry entry's) without score_mod and
+    mask_mod, else 16 hex digits of their normalized texts and the tensor declarations."""
+    parts = [spec.get("score_mod"), spec.get("mask_mod"), list(spec.get("tensors") or [])]
+    if parts[0] is None and parts[1] is None:
+        return ""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # The kernel's names (the prefill key loop's, _key_loop.py.jinja): the scaled score tile, the

@@ -155,28 +155,10 @@ def _read(array: torch.Tensor, index: list[torch.Tensor]) -> torch.Tensor:
 
 
 _FLOAT_ARGS = ("div", "exp", "log", "tanh", "sqrt")
-_GRID_OPS: dict[str, Any] = {
-    "add": torch.add,
-    "sub": torch.sub,
-    "mul": torch.mul,
-    "div": torch.div,
-    "floordiv": lambda a, b: torch.div(a, b, rounding_mode="floor"),
-    "mod": torch.remainder,
-    "neg": torch.neg,
-    "abs": torch.abs,
-    "exp": torch.exp,
-    "log": torch.log,
-    "tanh": torch.tanh,
-    "sqrt": torch.sqrt,
-    "min": torch.minimum,
-    "max": torch.maximum,
-    "lt": torch.lt,
-    "le": torch.le,
-    "gt": torch.gt,
-    "ge": torch.ge,
-    "eq": torch.eq,
-    "ne": torch.ne,
-    "and": torch.logical_and,
-    "or": torch.logical_or,
-    "not": torch.logical_not,
-}
+_GRID_OPS: dict[str, Any] = {"add": torch.add, "sub": torch.sub, "mul": torch.mul}
+_GRID_OPS |= {"div": torch.div, "mod": torch.remainder, "neg": torch.neg, "abs": torch.abs}
+_GRID_OPS |= {"floordiv": lambda a, b: torch.div(a, b, rounding_mode="floor")}
+_GRID_OPS |= {"exp": torch.exp, "log": torch.log, "tanh": torch.tanh, "sqrt": torch.sqrt}
+_GRID_OPS |= {"min": torch.minimum, "max": torch.maximum, "lt": torch.lt, "le": torch.le}
+_GRID_OPS |= {"gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne}
+_GRID_OPS |= {"and": torch.logical_and, "or": torch.logical_or, "not": torch.logical_not}

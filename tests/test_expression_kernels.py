@@ -253,3 +253,34 @@ def test_the_build_renders_prefill_and_varlen() -> None:
     spec = make_spec(name="flex", kernels=["prefill", "varlen"], **CASES["document"])
     paths = [a.relative_path for a in plan_build([spec])]
     assert len(paths) == 2 and all("flex" in p for p in paths)
+
+
+def test_the_runtime_never_routes_a_plain_call_to_an_expression_module(tmp_path) -> None:
+    """A module with score_mod / mask_mod serves only calls that ask for its expression key
+    (attngen.expressions.expression_key); a call without expressions takes the plain one."""
+    import attngen
+    from attngen.expressions import expression_key
+    from attngen.runtime.registry import load_kernels, use_registry
+    from attngen.runtime.selection import Need, best_entry, mismatches
+    from attngen.spec import Dtype, Mask
+    from tests.runtime_harness import build_folder
+
+    fields = dict(dtype="fp32", head_dim=16, num_q_heads=2, num_kv_heads=2, mask="none")
+    flex = dict(name="flex", kernels=["prefill"], mask_mod="q_idx >= kv_idx", **fields)
+    registry = load_kernels(build_folder(tmp_path / "flex", [flex]), replace=True)
+    (entry,) = registry.entries
+    key = expression_key(entry.spec)
+    assert len(key) == 16 and key == expression_key(make_spec(**flex).canonical())
+    need = Need(KernelKind.prefill, Dtype.fp32, 16, 16, Mask.none, None, None, 0.0, False,
+                "interpreter", 8, 8, True)  # fmt: skip
+    assert mismatches(entry, need) == [f"score_mod/mask_mod: needs none, module has {key}"]
+    assert best_entry(registry, need) is None
+    assert best_entry(registry, need._replace(expressions=key)) is entry
+    plain = dict(name="plain", kernels=["prefill"], **fields)
+    saved = use_registry(load_kernels(build_folder(tmp_path / "both", [flex, plain]), replace=True))
+    try:
+        q = torch.randn(1, 2, 8, 16)
+        attngen.scaled_dot_product_attention(q, q, q)
+        assert attngen.last_dispatch().module == "sm90/plain_prefill_fp32_d16"
+    finally:
+        use_registry(saved)
