@@ -880,14 +880,8 @@ def _tensors_ok(
 
 
 # -- host code: attngen/host/expressions.py, copied verbatim -----------------------------------
-_EXPRESSION_DTYPES = {
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "bool": torch.bool,
-}
+_EXPRESSION_DTYPES = {"int32": torch.int32, "int64": torch.int64, "float32": torch.float32}
+_EXPRESSION_DTYPES |= {"bf16": torch.bfloat16, "fp16": torch.float16, "bool": torch.bool}
 
 
 def _expression_tensors(tensors, declared, device):
