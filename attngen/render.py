@@ -152,6 +152,7 @@ def build_context(
                 "kv_layout": spec.cache_layout.value,
                 "page_size": spec.page_size or 0,
                 "max_query_tokens": spec.query_tokens,
+                "kv_fp8": spec.kv_dtype is not None,  # fp8 e4m3 caches with descales
                 "split_waves": decode_tiling.SPLIT_WAVES,
                 "min_blocks_per_split": decode_tiling.MIN_BLOCKS_PER_SPLIT,
                 "max_splits": decode_tiling.MAX_SPLITS,
