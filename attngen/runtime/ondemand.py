@@ -98,6 +98,8 @@ def spec_for(need: Need, heads: tuple[int, int] | None) -> tuple[AttnSpec, Kerne
         if need.page_size is not None:
             fields["page_size"] = need.page_size
         fields["max_query_tokens"] = max(1, need.seqlen_q)
+        if need.kv_dtype is not None:
+            fields["kv_dtype"] = need.kv_dtype.value
     if need.backward:
         fields["backward"] = True
     try:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from attngen.runtime.registry import KernelEntry, Registry, current_registry
-from attngen.spec import CausalAlign, Dtype, KernelKind, KvLayout, Mask
+from attngen.spec import CausalAlign, Dtype, KernelKind, KvDtype, KvLayout, Mask
 
 INTERPRETER = "interpreter"  # CPU tensors under TRITON_INTERPRET=1: any arch's module runs
 FALLBACKS = ("error", "sdpa")
@@ -69,6 +69,7 @@ class Need(NamedTuple):
     chunk_size: int | None = None  # with mask chunked
     sink_tokens: int | None = None  # with mask sliding_window: the first keys always seen
     dropout: bool = False  # dropout_p > 0: a module built with dropout: true (name *_bwd_drop)
+    kv_dtype: KvDtype | None = None  # decode only: an fp8 cache (kv_dtype: fp8_e4m3)
 
     def describe(self) -> str:
         mask = self.mask.value
@@ -90,6 +91,8 @@ class Need(NamedTuple):
             text += " sinks=True"
         if self.kv_layout:
             text += f" kv_layout={self.kv_layout.value}"
+        if self.kv_dtype:
+            text += f" kv_dtype={self.kv_dtype.value}"
         if self.backward:
             text += " backward=True"
         if self.dropout:
@@ -276,6 +279,9 @@ def _decode_mismatches(spec: dict[str, Any], need: Need) -> list[str]:
         problems.append(f"kv_layout: needs {layout}, module has {spec.get('kv_layout')}")
     if need.kv_layout is KvLayout.paged and spec.get("page_size") != need.page_size:
         problems.append(f"page_size: needs {need.page_size}, module has {spec.get('page_size')}")
+    kv_dtype = need.kv_dtype.value if need.kv_dtype else None
+    if spec.get("kv_dtype") != kv_dtype:
+        problems.append(f"kv_dtype: needs {kv_dtype}, module has {spec.get('kv_dtype')}")
     if need.seqlen_q > int(spec.get("max_query_tokens") or 1):
         problems.append(
             f"max_query_tokens: needs {need.seqlen_q}, module has {spec.get('max_query_tokens')}"
