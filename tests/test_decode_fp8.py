@@ -171,6 +171,12 @@ def fp8_case(draw):
     )  # fmt: skip
 )
 def test_fp8_decode_matches_the_dequantized_float64_reference(case):
+    check_fp8_case(case)
+
+
+def check_fp8_case(case, device="cpu"):
+    """One fp8_case on `device`: the output against the dequantized float64 reference, the
+    caches after the append bit for bit against torch's quantization."""
     layout, page_size, fields, block_n, lengths, steps, splits, descales, seed = case
     (num_q_tokens, num_new), (k_kind, v_kind) = steps, descales
     spec = make_decode_spec(layout, page_size, kv_dtype="fp8_e4m3", **fields)
@@ -183,8 +189,15 @@ def test_fp8_decode_matches_the_dequantized_float64_reference(case):
     vd = draw_descale(v_kind, len(lengths), spec.num_kv_heads, seed + 1)
     before = cache.clone()
     kernel.FORCE_NUM_SPLITS = splits
+
+    def on(t):
+        return None if t is None else t.to(device)
+
     try:
-        out, lse = run_decode(kernel, cache, q, k_new, v_new, slopes, k_descale=kd, v_descale=vd)
+        ran = cache.to(device)
+        out, lse = run_decode(kernel, ran, on(q), on(k_new), on(v_new), on(slopes),
+                              k_descale=on(kd), v_descale=on(vd))  # fmt: skip
+        out, lse, cache.k, cache.v = out.cpu(), lse.cpu(), ran.k.cpu(), ran.v.cpu()
     finally:
         kernel.FORCE_NUM_SPLITS = None
     k_new8 = v_new8 = None
