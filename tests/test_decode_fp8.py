@@ -146,8 +146,15 @@ def fp8_case(draw):
     (
         "paged",
         4,
-        dict(dtype="bf16", head_dim=40, mask="causal", causal_align="bottom_right",
-             num_kv_heads=2, num_q_heads=8, max_query_tokens=8),
+        dict(
+            dtype="bf16",
+            head_dim=40,
+            mask="causal",
+            causal_align="bottom_right",
+            num_kv_heads=2,
+            num_q_heads=8,
+            max_query_tokens=8,
+        ),
         16,
         [5, 0, 37],
         (8, 3),
@@ -160,8 +167,16 @@ def fp8_case(draw):
     (
         "contiguous",
         None,
-        dict(dtype="fp16", head_dim=16, mask="sliding_window", causal_align="bottom_right",
-             window_left=5, num_kv_heads=1, num_q_heads=2, max_query_tokens=4),
+        dict(
+            dtype="fp16",
+            head_dim=16,
+            mask="sliding_window",
+            causal_align="bottom_right",
+            window_left=5,
+            num_kv_heads=1,
+            num_q_heads=2,
+            max_query_tokens=4,
+        ),
         16,
         [33, 16],
         (2, 1),
@@ -262,7 +277,9 @@ def test_fused_rotary_quantizes_the_rotated_keys():
     lengths = [6, 1]
     cache = fp8_cache(spec, lengths, seed=7, room=2)
     q, k_new, v_new, _ = make_queries(spec, 2, 2, seed=7, num_new=2)
-    angles = torch.rand(cache.block_table.shape[1] * 4, 4, generator=torch.Generator().manual_seed(8))
+    angles = torch.rand(
+        cache.block_table.shape[1] * 4, 4, generator=torch.Generator().manual_seed(8)
+    )
     cos, sin = (angles * 6.3).cos().bfloat16(), (angles * 6.3).sin().bfloat16()
     kd, vd = draw_descale("random", 2, 2, 9), draw_descale("random", 2, 2, 10)
     before = cache.clone()
@@ -392,9 +409,14 @@ def _flash_step(paged: bool, seed: int = 3):
         k_cache[b, n:], v_cache[b, n:] = float("nan"), float("nan")
     table = None
     if paged:  # pages of 4 in reverse order
-        k_cache, v_cache = k_cache.reshape(-1, 4, 2, 16).flip(0), v_cache.reshape(-1, 4, 2, 16).flip(0)
+        k_cache, v_cache = (
+            k_cache.reshape(-1, 4, 2, 16).flip(0),
+            v_cache.reshape(-1, 4, 2, 16).flip(0),
+        )
         table = torch.arange(5, -1, -1, dtype=torch.int32).reshape(2, 3)
-    q, k, v = (torch.randn(2, n, h, 16, generator=gen).bfloat16() for n, h in ((3, 4), (2, 2), (2, 2)))
+    q, k, v = (
+        torch.randn(2, n, h, 16, generator=gen).bfloat16() for n, h in ((3, 4), (2, 2), (2, 2))
+    )
     kd, vd = torch.rand(2, 2, generator=gen) + 0.05, torch.rand(2, 2, generator=gen) + 0.05
     return q, k_cache, v_cache, k, v, lengths, table, kd, vd
 

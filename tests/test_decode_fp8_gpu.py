@@ -17,6 +17,7 @@ from hypothesis import given
 from attngen.runtime import registry as registry_module
 from attngen.runtime.registry import load_kernels
 from tests.decode_harness import expected_cache_after_append, load_decode, make_queries
+from tests.runtime_harness import build_folder
 from tests.test_decode_fp8 import (
     bits,
     check_fp8_case,
@@ -27,7 +28,6 @@ from tests.test_decode_fp8 import (
     fp8_spec,
     quantize,
 )
-from tests.runtime_harness import build_folder
 
 pytestmark = [
     pytest.mark.gpu,
@@ -64,7 +64,10 @@ def test_llama3_fp8_steps_against_float64(layout, page_size, length, tokens, new
                              k_descale=kd.cuda(), v_descale=vd.cuda())  # fmt: skip
     k_new8 = v_new8 = None
     if new:
-        k_new8, v_new8 = quantize(k_new, kd[:, :, None, None]), quantize(v_new, vd[:, :, None, None])
+        k_new8, v_new8 = (
+            quantize(k_new, kd[:, :, None, None]),
+            quantize(v_new, vd[:, :, None, None]),
+        )
         k_expected, v_expected = expected_cache_after_append(before, k_new8, v_new8)
         assert torch.equal(bits(on.k.cpu()), bits(k_expected))
         assert torch.equal(bits(on.v.cpu()), bits(v_expected))
@@ -92,7 +95,9 @@ def test_an_fp8_step_with_an_append_replays_from_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, expected)
-    assert torch.equal(bits(replayed.k), bits(eager.k)) and torch.equal(bits(replayed.v), bits(eager.v))
+    assert torch.equal(bits(replayed.k), bits(eager.k)) and torch.equal(
+        bits(replayed.v), bits(eager.v)
+    )
 
 
 def test_flash_attn_with_kvcache_routes_fp8_caches_on_the_gpu(tmp_path):
@@ -119,6 +124,8 @@ def test_flash_attn_with_kvcache_routes_fp8_caches_on_the_gpu(tmp_path):
                                  block_table=direct.block_table, k_new=k_new, v_new=v_new,
                                  k_descale=kd, v_descale=vd)  # fmt: skip
         assert torch.equal(out, expected.transpose(1, 2))
-        assert torch.equal(bits(cache.k), bits(direct.k)) and torch.equal(bits(cache.v), bits(direct.v))
+        assert torch.equal(bits(cache.k), bits(direct.k)) and torch.equal(
+            bits(cache.v), bits(direct.v)
+        )
     finally:
         registry_module._current = saved
