@@ -130,6 +130,8 @@ def fp8_case(draw):
         fields["softcap"] = 30.0
     if draw(st.integers(0, 4)) == 0:
         fields["alibi"] = True
+    if draw(st.integers(0, 4)) == 0:
+        fields["sinks"] = True
     block_n = draw(st.sampled_from([16, 32]))
     boundary = page_size or block_n
     length = st.sampled_from(sorted({0, 1, boundary - 1, boundary, boundary + 1, 37}))
@@ -200,6 +202,8 @@ def check_fp8_case(case, device="cpu"):
     q, k_new, v_new, slopes = make_queries(
         spec, len(lengths), num_q_tokens, seed=seed, num_new=num_new
     )
+    sinks = torch.randn(spec.num_q_heads) if spec.sinks else None
+    extra = {"sinks": sinks.to(device)} if spec.sinks else {}
     kd = draw_descale(k_kind, len(lengths), spec.num_kv_heads, seed)
     vd = draw_descale(v_kind, len(lengths), spec.num_kv_heads, seed + 1)
     before = cache.clone()
@@ -211,7 +215,7 @@ def check_fp8_case(case, device="cpu"):
     try:
         ran = cache.to(device)
         out, lse = run_decode(kernel, ran, on(q), on(k_new), on(v_new), on(slopes),
-                              k_descale=on(kd), v_descale=on(vd))  # fmt: skip
+                              k_descale=on(kd), v_descale=on(vd), **extra)  # fmt: skip
         out, lse, cache.k, cache.v = out.cpu(), lse.cpu(), ran.k.cpu(), ran.v.cpu()
     finally:
         kernel.FORCE_NUM_SPLITS = None
@@ -225,7 +229,9 @@ def check_fp8_case(case, device="cpu"):
     # the append wrote the quantized keys bit for bit, and nothing else
     assert torch.equal(bits(cache.k), bits(k_expected))
     assert torch.equal(bits(cache.v), bits(v_expected))
-    problems = fp8_problems(spec, before, out, lse, q, k_new8, v_new8, kd, vd, slopes=slopes)
+    problems = fp8_problems(
+        spec, before, out, lse, q, k_new8, v_new8, kd, vd, slopes=slopes, sinks=sinks
+    )
     assert not problems, "; ".join(problems)
 
 

@@ -69,6 +69,8 @@ def spec_for(need: Need, heads: tuple[int, int] | None) -> tuple[AttnSpec, Kerne
     from attngen.arch import ARCHS
 
     arch = INTERPRETER_ARCH if need.arch == INTERPRETER else need.arch
+    if need.kv_dtype is not None and need.arch == INTERPRETER:
+        arch = "sm89"  # fp8 caches need sm89+ (the same pointer-load path as sm80)
     if arch not in ARCHS:
         raise NotExpressible(
             f"arch: {need.arch} has no row in attngen/arch.py (known: {', '.join(ARCHS)})"
