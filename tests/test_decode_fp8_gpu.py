@@ -75,12 +75,13 @@ def test_llama3_fp8_steps_against_float64(layout, page_size, length, tokens, new
     assert not problems, "; ".join(problems)
 
 
-def test_an_fp8_step_with_an_append_replays_from_a_cuda_graph():
+@pytest.mark.parametrize("kinds", [("random", "random"), ("none", "none")])
+def test_an_fp8_step_with_an_append_replays_from_a_cuda_graph(kinds):
     spec = fp8_spec("paged", 16, **LLAMA)
     kernel = load_decode(spec)
     cache = fp8_cache(spec, [5000, 300, 8191], seed=3, room=1).to("cuda")
     q, k_new, v_new, _ = _cuda(*make_queries(spec, 3, 1, seed=3, num_new=1))
-    kd, vd = (d.cuda() for d in (draw_descale("random", 3, 8, 4), draw_descale("random", 3, 8, 5)))
+    kd, vd = _cuda(draw_descale(kinds[0], 3, 8, 4), draw_descale(kinds[1], 3, 8, 5))
     eager = cache.clone()
 
     def step(c):
@@ -89,6 +90,7 @@ def test_an_fp8_step_with_an_append_replays_from_a_cuda_graph():
 
     expected = step(eager)
     step(cache.clone())  # compiled and planned before the capture
+    kernel._UNIT_DESCALES.clear()  # None descales: the capture makes its own 1.0
     graph, replayed = torch.cuda.CUDAGraph(), cache.clone()
     with torch.cuda.graph(graph):
         out = step(replayed)
