@@ -19,7 +19,7 @@ def module_name(spec: AttnSpec, kernel: KernelKind) -> str:
     Fixed field order: spec name, kernel, dtype, head dims, mask (window and sink tokens, or
     chunk size; then alignment), softcap, alibi, sinks, score_mod and mask_mod digests, for
     prefill and varlen `bwd` (and `drop`) when the module trains, and for decode the KV layout
-    (page size) and max_query_tokens when > 1.
+    (page size), max_query_tokens when > 1 and `kvfp8` for an fp8 cache.
     Head counts are runtime arguments of the kernel, so they are not in it.
     """
     parts = [spec.name, kernel.value, spec.dtype.value, f"d{spec.head_dim}"]
@@ -56,4 +56,6 @@ def module_name(spec: AttnSpec, kernel: KernelKind) -> str:
         parts.append(f"paged{spec.page_size}" if paged else "contig")
         if spec.query_tokens > 1:
             parts.append(f"q{spec.query_tokens}")
+        if spec.kv_dtype is not None:
+            parts.append("kvfp8")
     return "_".join(parts)

@@ -182,22 +182,26 @@ def build_context(
     context.update(_training_context(spec, kind, derivation, backward))
     _add_gluon(context, spec, kind, derivation.arch)
     if kind is KernelKind.decode:
-        context.update(
-            {
-                "kv_layout": spec.cache_layout.value,
-                "page_size": spec.page_size or 0,
-                "max_query_tokens": spec.query_tokens,
-                "split_waves": decode_tiling.SPLIT_WAVES,
-                "min_blocks_per_split": decode_tiling.MIN_BLOCKS_PER_SPLIT,
-                "max_splits": decode_tiling.MAX_SPLITS,
-                "interpreter_sm_count": decode_tiling.INTERPRETER_SM_COUNT,
-                # (latent, rope) dims of an absorbed MLA decode, else 0: q.k in two dots
-                "rope_dim": (decode_tiling.latent_rope_split(spec) or (0, 0))[1],
-            }
-        )
-        if context["rope_dim"]:
-            context["separate_v_config"] = _separate_v_config(spec, derivation.arch)
+        context.update(_decode_context(spec, derivation.arch))
     return context
+
+
+def _decode_context(spec: AttnSpec, arch: str) -> dict[str, Any]:
+    """A decode module's own names: its cache, query tokens and split rule."""
+    # (latent, rope) dims of an absorbed MLA decode, else 0: q.k in two dots
+    rope_dim = (decode_tiling.latent_rope_split(spec) or (0, 0))[1]
+    return {
+        "kv_layout": spec.cache_layout.value,
+        "page_size": spec.page_size or 0,
+        "max_query_tokens": spec.query_tokens,
+        "kv_fp8": spec.kv_dtype is not None,  # fp8 e4m3 caches with descales
+        "split_waves": decode_tiling.SPLIT_WAVES,
+        "min_blocks_per_split": decode_tiling.MIN_BLOCKS_PER_SPLIT,
+        "max_splits": decode_tiling.MAX_SPLITS,
+        "interpreter_sm_count": decode_tiling.INTERPRETER_SM_COUNT,
+        "rope_dim": rope_dim,
+        **({"separate_v_config": _separate_v_config(spec, arch)} if rope_dim else {}),
+    }
 
 
 def _separate_v_config(spec: AttnSpec, arch: str) -> str:

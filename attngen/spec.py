@@ -35,7 +35,7 @@ from attngen.arch import arch_names
 from attngen.expressions import check_expressions, parsed
 from attngen.spec_checks import MAX_DECODE_HEAD_DIM as MAX_DECODE_HEAD_DIM
 from attngen.spec_checks import MAX_HEAD_DIM as MAX_HEAD_DIM
-from attngen.spec_checks import check_head_dims, check_model_fields, check_training
+from attngen.spec_checks import check_head_dims, check_kv_dtype, check_model_fields, check_training
 from attngen.spec_errors import SpecError as SpecError
 from attngen.spec_errors import describe
 from attngen.spec_errors import field_error as _field_error
@@ -120,9 +120,16 @@ class KvLayout(str, Enum):
     paged = "paged"  # [num_pages, page_size, HKV, D] and a block table (vLLM/FlashInfer)
 
 
+class KvDtype(str, Enum):
+    """Decode's KV cache element when it is not the spec's dtype: fp8 e4m3 (torch.float8_e4m3fn)
+    with per-(sequence, KV head) descales, FA3's `k_descale` / `v_descale`."""
+
+    fp8_e4m3 = "fp8_e4m3"
+
+
 # Decode-only fields: validated only with `decode` in kernels, absent from canonical() (and so
 # from the hash) otherwise, which keeps the hashes of prefill-only specs what they were.
-DECODE_FIELDS = ("kv_layout", "page_size", "max_query_tokens")
+DECODE_FIELDS = ("kv_layout", "page_size", "max_query_tokens", "kv_dtype")
 # Training fields: the prefill and varlen modules of a spec with `backward: true` also carry
 # the gradient kernels and an autograd Function; `dropout: true` compiles flash-attn's
 # dropout_p in (forward and backward). Absent from canonical() (and so from the hash) while
@@ -189,6 +196,7 @@ class AttnSpec(BaseModel):
     kv_layout: KvLayout | None = None
     page_size: PageSize | None = None
     max_query_tokens: QueryTokens | None = None
+    kv_dtype: KvDtype | None = None
     backward: StrictBool = False
     dropout: StrictBool = False
     score_mod: StrictStr | None = None
@@ -271,6 +279,7 @@ class AttnSpec(BaseModel):
                 "bottom_right with decode (the "
                 "step's queries are the last tokens of each sequence)",
             )
+        check_kv_dtype(self)
 
     # Resolved views: templates and the tiler read these, never the optional raw fields.
     @property
@@ -305,6 +314,8 @@ class AttnSpec(BaseModel):
             data["max_query_tokens"] = self.query_tokens
             if self.kv_layout is not KvLayout.paged:
                 del data["page_size"]
+            if self.kv_dtype is None:  # the caches in the spec's dtype: the hash as before
+                del data["kv_dtype"]
         else:
             for field in DECODE_FIELDS:
                 del data[field]
@@ -414,6 +425,7 @@ _ALLOWED = {
     "kv_layout": "contiguous or paged",
     "page_size": f"a power of two in 1..{MAX_PAGE_SIZE}",
     "max_query_tokens": f"an int in 1..{MAX_QUERY_TOKENS} (query tokens per decode step)",
+    "kv_dtype": "fp8_e4m3 (an fp8 KV cache with k_descale / v_descale), or absent",
     "backward": "true or false (gradient kernels in the prefill and varlen modules)",
     "dropout": "true or false (flash-attn's dropout_p compiled in; needs backward: true)",
     "score_mod": "an expression string over score, b, h, q_idx, kv_idx and the tensors",

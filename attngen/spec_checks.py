@@ -67,3 +67,23 @@ def check_head_dims(spec: AttnSpec) -> None:
                 f"{MAX_DECODE_HEAD_DIM} with kernels: [decode] only)",
                 typed=True,
             )
+
+
+# Triton's fp8 e4m3 (float8e4nv) loads, stores and conversions need sm89 or newer.
+FP8_ARCHS = ("sm89", "sm90", "sm120")
+
+
+def check_kv_dtype(spec: AttnSpec) -> None:
+    """kv_dtype fp8_e4m3: 16-bit queries (the cache is dequantized to their dtype for the
+    dots), archs with fp8 conversions, and no absorbed MLA decode (head dims over 256)."""
+    if spec.kv_dtype is None:
+        return
+    if spec.dtype.value not in ("bf16", "fp16"):
+        raise field_error("dtype", spec.dtype.value, "bf16 or fp16 with kv_dtype fp8_e4m3")
+    for arch in spec.archs:
+        if arch not in FP8_ARCHS:
+            raise field_error("archs", arch, f"{', '.join(FP8_ARCHS)} with kv_dtype fp8_e4m3")
+    if max(spec.head_dim, spec.head_dim_v or 0) > MAX_HEAD_DIM:
+        raise field_error(
+            "kv_dtype", "fp8_e4m3", f"absent with head dims over {MAX_HEAD_DIM} (MLA decode)"
+        )

@@ -11,7 +11,8 @@ tensors as raw uint16 bit patterns (`_get_np_dtype`), which is right for memory 
   * `get_bf16` is missing, so `tl.full(shape, 1.5, tl.bfloat16)` raises.
 We keep the bit representation (so loads/stores stay untouched and bit-exact) and
 decode bf16 -> fp32 at each compute seam, rounding results back to bf16 with the same
-round-to-nearest-even bit trick torch uses.  Call `install()` before launching kernels.
+round-to-nearest-even bit trick torch uses. fp8 e4m3 casts go through torch (_e4m3_cast).
+Call `install()` before launching kernels.
 """
 
 import functools
@@ -77,10 +78,12 @@ def _make_cast_impl(orig):
 
 
 def _make_fp_to_fp(orig):
-    # Reached for `.to(tl.bfloat16, fp_downcast_rounding="rtz"/"rtne")`;
-    # fp8 stays on the original path.
+    # Reached for `.to(tl.bfloat16, fp_downcast_rounding="rtz"/"rtne")` and fp8 e4m3 casts;
+    # other fp8 types stay on the original path.
     def create_fp_to_fp(self, src, dst_type, rounding_mode):
         s, d = src.dtype.scalar, dst_type.scalar
+        if _E4M3 in (s, d):
+            return _e4m3_cast(src, dst_type)
         if s.is_fp8() or d.is_fp8() or _BF16 not in (s, d):
             return orig(self, src, dst_type, rounding_mode)
         if d == _BF16:
@@ -90,6 +93,31 @@ def _make_fp_to_fp(orig):
         return orig(self, TensorHandle(bf16_to_f32(src.data), tl.float32), dst_type, rounding_mode)
 
     return create_fp_to_fp
+
+
+_E4M3 = tl.float8e4nv
+
+
+def _e4m3_cast(src, dst_type):
+    """fp8 e4m3 (torch.float8_e4m3fn) <-> fp32/fp16/bf16 through torch's conversions: the
+    interpreter's bit arithmetic (_convert_float) rounds half up without carrying into the
+    exponent, flushes subnormals and reads NaN (0x7f) as 480. Downcasts round to nearest even
+    and saturate to +-448 (torch on CPU and sm89+'s cvt.rn.satfinite agree); the kernels clamp
+    first anyway."""
+    import torch
+
+    s, d = src.dtype.scalar, dst_type.scalar
+    data = np.asarray(src.data)
+    if s == _E4M3:
+        values = torch.from_numpy(data.astype(np.uint8)).view(torch.float8_e4m3fn).float().numpy()
+    else:
+        values = bf16_to_f32(data) if s == _BF16 else data.astype(np.float32)
+    if d == _E4M3:
+        bits = torch.from_numpy(np.ascontiguousarray(values, np.float32)).to(torch.float8_e4m3fn)
+        return TensorHandle(bits.view(torch.uint8).numpy(), _E4M3)
+    if d == _BF16:
+        return TensorHandle(f32_to_bf16(values), _BF16)
+    return TensorHandle(values.astype(np.float16 if d == tl.float16 else np.float32), d)
 
 
 def _retype(ty, elt):

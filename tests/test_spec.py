@@ -620,6 +620,8 @@ DECODE_CHANGES = {
     "kv_layout": {"kv_layout": "contiguous", "page_size": None},
     "page_size": {"page_size": 32},
     "max_query_tokens": {"max_query_tokens": 2},
+    # (fp8 needs sm89+; kv_dtype alone changing the hash: tests/test_decode_fp8.py)
+    "kv_dtype": {"kv_dtype": "fp8_e4m3", "archs": ["sm90"]},
 }
 
 

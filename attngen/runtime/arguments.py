@@ -193,17 +193,19 @@ def attn_probs_rng_state(return_attn_probs: object, dropout_p: object, q: torch.
 
 
 def check_kvcache_shapes(
-    q, k_cache, v_cache, k, v, block_table, any_cache_batch: bool = False
+    q, k_cache, v_cache, k, v, block_table, any_cache_batch: bool = False, cache_dtype=None
 ) -> None:
     """flash_attn_with_kvcache's tensors: q [B, Nq, HQ, D]; caches [B, L, HKV, D] (any
     number of rows with any_cache_batch: cache_batch_idx picks them; or pages
     [num_pages, page_size, HKV, D] with block_table int32 [B, max_pages]); k/v
-    [B, Nnew, HKV, D/DV]; one dtype and device; HQ a multiple of HKV."""
-    if not _kvcache_shapes_ok(q, k_cache, v_cache, k, v, block_table, any_cache_batch):
-        _name_kvcache_problem(q, k_cache, v_cache, k, v, block_table, any_cache_batch)
+    [B, Nnew, HKV, D/DV]; one dtype (the caches': cache_dtype, when not falsy: fp8) and
+    device; HQ a multiple of HKV."""
+    args = (q, k_cache, v_cache, k, v, block_table, any_cache_batch, cache_dtype)
+    if not _kvcache_shapes_ok(*args):
+        _name_kvcache_problem(*args)
 
 
-def _kvcache_shapes_ok(q, k_cache, v_cache, k, v, block_table, any_cache_batch) -> bool:
+def _kvcache_shapes_ok(q, k_cache, v_cache, k, v, block_table, any_cache_batch, cache_dtype):
     """The success path of check_kvcache_shapes: True only when every check of
     _name_kvcache_problem passes."""
     tensor = torch.Tensor
@@ -234,8 +236,8 @@ def _kvcache_shapes_ok(q, k_cache, v_cache, k, v, block_table, any_cache_batch) 
         and v_cache.shape[:3] == k_cache.shape[:3]
         and heads_kv != 0
         and heads_q % heads_kv == 0
-        and k_cache.dtype == dtype
-        and v_cache.dtype == dtype
+        and k_cache.dtype == (cache_dtype or dtype)
+        and v_cache.dtype == (cache_dtype or dtype)
         and k_cache.device == device
         and v_cache.device == device
     ):
@@ -259,20 +261,19 @@ def _kvcache_shapes_ok(q, k_cache, v_cache, k, v, block_table, any_cache_batch) 
     )
 
 
-def _name_kvcache_problem(q, k_cache, v_cache, k, v, block_table, any_cache_batch) -> None:
+def _name_kvcache_problem(
+    q, k_cache, v_cache, k, v, block_table, any_cache_batch, cache_dtype
+) -> None:
     """Raise the error naming the first tensor check_kvcache_shapes refuses."""
     _rank4("q", q, "[batch, seqlen_q, nheads, headdim]")
     batch, _, heads_q, dim = q.shape
-    paged = block_table is not None
-    cache_layout = (
-        "[num_blocks, page_block_size, nheads_k, headdim]"
-        if paged
-        else "[batch, seqlen_cache, nheads_k, headdim]"
-    )
+    cache_layout = "[batch, seqlen_cache, nheads_k, headdim]"
+    if block_table is not None:
+        cache_layout = "[num_blocks, page_block_size, nheads_k, headdim]"
     _rank4("k_cache", k_cache, cache_layout)
     _rank4("v_cache", v_cache, cache_layout.replace("headdim]", "headdim_v]"))
     outer, rows, heads_kv, _ = k_cache.shape
-    if paged:
+    if block_table is not None:
         if (
             not isinstance(block_table, torch.Tensor)
             or block_table.dim() != 2
@@ -313,9 +314,10 @@ def _name_kvcache_problem(q, k_cache, v_cache, k, v, block_table, any_cache_batc
             "[batch, seqlen_new, nheads_k, headdim_v]",
         )
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
-        if t is not None and (t.dtype != q.dtype or t.device != q.device):
+        dtype = (cache_dtype or q.dtype) if name.endswith("cache") else q.dtype
+        if t is not None and (t.dtype != dtype or t.device != q.device):
             raise ValueError(
-                f"{name}: expected dtype {q.dtype} on device {q.device} (as q), got "
+                f"{name}: expected dtype {dtype} on device {q.device} (as q), got "
                 f"dtype {t.dtype} on device {t.device}"
             )
 

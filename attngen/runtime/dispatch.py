@@ -62,7 +62,7 @@ from attngen.runtime.selection import (
     registry_thresholds,
     routes,
 )
-from attngen.spec import CausalAlign, Dtype, KernelKind, KvLayout, Mask
+from attngen.spec import CausalAlign, Dtype, KernelKind, KvDtype, KvLayout, Mask
 
 # A module whose entry point takes `out=` (an output of the call's shape, dtype and device,
 # any strides, written in place and returned) says so with this constant set to True.
@@ -210,6 +210,7 @@ def need_for(
     kv_layout: KvLayout | None = None,
     page_size: int | None = None,
     backward: bool = False,
+    kv_dtype: KvDtype | None = None,
     sinks: bool = False,
     chunk_size: int | None = None,
     sink_tokens: int | None = None,
@@ -247,6 +248,7 @@ def need_for(
         chunk_size=None if chunk_size is None else int(chunk_size),
         sink_tokens=None if sink_tokens is None else int(sink_tokens),
         dropout=dropout,
+        kv_dtype=kv_dtype,
     )
 
 

@@ -37,7 +37,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from attngen.runtime import arguments, decode_ops, ops, plans
+from attngen.runtime import arguments, decode_ops, plans
 from attngen.runtime.arguments import check_kvcache_shapes, flash_mask
 from attngen.runtime.decode_ops import heads_first
 from attngen.runtime.dispatch import Call, probe
@@ -46,18 +46,20 @@ from attngen.runtime.kvcache_append import append_fitting, cache_seqlens_tensor
 from attngen.runtime.kvcache_options import (
     CacheOptions,
     cache_options,
+    descale_keywords,
+    fp8_cache,
     fused_rotary,
     key_layout,
     plain_step,
     planned_rotary,
+    refuse_fp8_without_module,
     rotary_key,
     rotate,
     same_kinds,
 )
 from attngen.runtime.launch import run_varlen, varlen_dispatch
-from attngen.runtime.registry import current_registry
 from attngen.runtime.selection import Dispatch
-from attngen.spec import CausalAlign, KernelKind, KvLayout, Mask
+from attngen.spec import CausalAlign, KernelKind, KvDtype, KvLayout, Mask
 
 API = "flash_attn_with_kvcache"
 
@@ -82,19 +84,19 @@ def flash_attn_with_kvcache(
     alibi_slopes=None,
     num_splits=0,
     return_softmax_lse=False,
+    k_descale=None,
+    v_descale=None,
 ):
     """flash-attn 2.x `flash_attn_with_kvcache`: q [B, Nq, HQ, D]; k_cache/v_cache [B, L, HKV, D]
     or, with block_table int32 [B, max_pages], paged [pages, page_size, HKV, D]; new keys k/v
     [B, Nnew, HKV, D] are written into the caches at cache_seqlens (int32 [B] or int; None: full
     caches, so not with k/v) before attending. Causal is bottom-right aligned. Returns out
-    [B, Nq, HQ, DV] (and lse [B, HQ, Nq] with return_softmax_lse). rotary_cos/rotary_sin,
-    cache_batch_idx, cache_leftpad and num_splits as flash-attn's (kvcache_options.py). The
-    output is contiguous when the decode module writes it in place (Dispatch.writes_out) or
-    Nq is 1, else a [B, Nq, HQ, DV] view of the kernel's [B, HQ, Nq, DV] output (no copy). A
-    sequence whose cache_seqlens, cache_batch_idx, cache_leftpad or block-table entries do
-    not fit its cache gets NaN output and LSE and nothing appended; no other memory is
-    touched (an int cache_seqlens is checked on the host; ATTNGEN_CHECKS=1 checks the tensors
-    on the host, see docs/generated_modules.md, "Bad index tensors")."""
+    [B, Nq, HQ, DV] (and lse [B, HQ, Nq] with return_softmax_lse): contiguous, or a view of the
+    kernel's [B, HQ, Nq, DV] output (no copy). rotary_*, cache_batch_idx, cache_leftpad and
+    num_splits as flash-attn's, k_descale/v_descale (fp8 caches) as FA3's: kvcache_options.py.
+    A sequence whose cache_seqlens, cache_batch_idx, cache_leftpad or block-table entries do
+    not fit its cache gets NaN output and LSE and nothing appended, no other memory touched
+    (docs/generated_modules.md, "Bad index tensors")."""
     key = None
     if (
         type(cache_seqlens) is Tensor
@@ -108,41 +110,20 @@ def flash_attn_with_kvcache(
         and type(return_softmax_lse) is bool
     ):
         key = (
-            API,
-            q.shape,
-            k_cache.shape,
-            v_cache.shape,
-            None if k is None else k.shape,
-            None if v is None else v.shape,
-            cache_seqlens.shape,
-            None if block_table is None else block_table.shape,
-            q.dtype,
-            q.device,
-            causal,
-            window_size,
-            softcap,
-            softmax_scale,
-            plans.slopes_rank(alibi_slopes),
-            return_softmax_lse,
-            rotary_key(rotary_cos, rotary_sin, rotary_interleaved),
-            num_splits,
-        )
+            API, q.shape, k_cache.shape, v_cache.shape, None if k is None else k.shape,
+            None if v is None else v.shape, cache_seqlens.shape,
+            None if block_table is None else block_table.shape, q.dtype, q.device, causal,
+            window_size, softcap, softmax_scale, plans.slopes_rank(alibi_slopes),
+            return_softmax_lse, rotary_key(rotary_cos, rotary_sin, rotary_interleaved), num_splits,
+        )  # fmt: skip
         ran = _run_planned(
-            plans.find(key),
-            q,
-            k_cache,
-            v_cache,
-            k,
-            v,
-            cache_seqlens,
-            block_table,
-            alibi_slopes,
-            num_splits,
-            planned_rotary(rotary_cos, rotary_sin, rotary_interleaved, causal, window_size),
-        )
+            plans.find(key), q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes,
+            num_splits, planned_rotary(rotary_cos, rotary_sin, rotary_interleaved, causal,
+                                       window_size),
+        )  # fmt: skip
         if ran is not None:
             return ran if return_softmax_lse else ran[0]
-    cache = (k_cache, v_cache, k, v, cache_seqlens, block_table)
+    cache = (k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
     step = (rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, rotary_interleaved, num_splits)
     flash = (softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax_lse)
     return _unplanned(q, cache, step, flash, key)
@@ -150,16 +131,17 @@ def flash_attn_with_kvcache(
 
 def _unplanned(q, cache: tuple, step: tuple, flash: tuple, key: tuple | None):
     """flash_attn_with_kvcache's full path: its checks, its Call, then the decode module
-    (route 1) or the varlen route (route 2). cache: (k_cache, v_cache, k, v, cache_seqlens,
-    block_table); step: (rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
-    rotary_interleaved, num_splits); flash: (softmax_scale, causal, window_size, softcap,
-    alibi_slopes, return_softmax_lse), as the caller gave them."""
-    k_cache, v_cache, k, v, cache_seqlens, block_table = cache
+    (route 1) or the varlen route (route 2; not for fp8 caches). cache: (k_cache, v_cache, k,
+    v, cache_seqlens, block_table, k_descale, v_descale); step: (rotary_cos, rotary_sin,
+    cache_batch_idx, cache_leftpad, rotary_interleaved, num_splits); flash: (softmax_scale,
+    causal, window_size, softcap, alibi_slopes, return_softmax_lse), as the caller gave them."""
+    k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale = cache
+    fp8 = fp8_cache(k_cache, k_descale, v_descale)
     rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, rotary_interleaved, num_splits = step
     softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax_lse = flash
     # in the caller's layout
     check_kvcache_shapes(
-        q, k_cache, v_cache, k, v, block_table, any_cache_batch=cache_batch_idx is not None
+        q, k_cache, v_cache, k, v, block_table, cache_batch_idx is not None, fp8 and k_cache.dtype
     )
     capacity = _capacity(k_cache, block_table)
     options = cache_options(
@@ -184,13 +166,17 @@ def _unplanned(q, cache: tuple, step: tuple, flash: tuple, key: tuple | None):
         if options.decode_route
         else None
     )
+    if fp8:  # no plan of its own (plans.py's step takes no descales; the module's plans serve)
+        refuse_fp8_without_module(decode, q, k_cache, block_table)
+        key = None
     rotary = fused_rotary(options, decode, mask is not Mask.none)
     if rotary is None and options.rotary is not None:  # rotated in torch: no plan for the call
         q, k = rotate(q, k, options, cache_seqlens, mask is not Mask.none)
         key = None
     cache = (k_cache, v_cache, k, v, cache_seqlens, block_table)
     if decode is not None:
-        out, lse = _run_decode_module(decode, q, *cache, call, key, num_splits, rotary)
+        extra = {**(rotary or {}), **descale_keywords(k_descale, v_descale)}
+        out, lse = _run_decode_module(decode, q, *cache, call, key, num_splits, extra)
     else:
         out, lse = _run_varlen_route(q, *cache, options, capacity, call)
     return (out, lse) if return_softmax_lse else out
@@ -209,17 +195,9 @@ def _capacity(k_cache, block_table) -> int:
 
 
 def _run_varlen_route(
-    q,
-    k_cache,
-    v_cache,
-    k,
-    v,
-    cache_seqlens,
-    block_table,
-    options: CacheOptions,
-    capacity: int,
+    q, k_cache, v_cache, k, v, cache_seqlens, block_table, options: CacheOptions, capacity: int,
     call: Call,
-):
+):  # fmt: skip
     """Route 2: append with torch (only the sequences that fit), then the varlen kind over
     the cache rows in place (paged or cache_batch_idx rows gathered first: a copy)."""
     batch, seqlen_q = q.shape[0], q.shape[1]
@@ -277,71 +255,33 @@ def _cache_rows(k_cache, v_cache, block_table, options: CacheOptions) -> tuple[T
 
 
 def _run_decode_module(
-    decode: Dispatch,
-    q,
-    k_cache,
-    v_cache,
-    k,
-    v,
-    cache_seqlens,
-    block_table,
-    call: Call,
-    plan_key: tuple | None,
-    num_splits: int,
-    rotary: dict | None,
-):
+    decode: Dispatch, q, k_cache, v_cache, k, v, cache_seqlens, block_table, call: Call,
+    plan_key: tuple | None, num_splits: int, keywords: dict | None,
+):  # fmt: skip
     """(out [B, Nq, HQ, DV], lse or None) from the decode module, which appends k/v and
     reads the caches in place: the flash layout's [B, N, H, D] tensors are handed as they are
     to its decode_flash (a module built before it gets [B, H, N, D] views: paged caches as
     they are; decode_ops.decode's flash_layout). The route is kept as the plan of `plan_key`
-    (plans.py); num_splits: the call's (checked by cache_options); rotary: the module's rotary
-    arguments when its kernels rotate (fused_rotary)."""
+    (plans.py); num_splits: the call's (checked by cache_options); keywords: the module's rotary
+    arguments when its kernels rotate (fused_rotary), and an fp8 cache's descales."""
     assert decode.key is not None  # probe() answers served dispatches only
     sm_scale = arguments.softmax_scale(call.scale, q)
-    in_place = _in_place(decode, decode.key, q)
+    # the caller's [B, Nq, HQ, DV] output is written in place through the module's
+    # decode_flash (every decode module has it: the registry's header check)
+    in_place = decode.writes_out
     out, lse = decode_ops.decode(
-        decode.key,
-        q,
-        k_cache,
-        v_cache,
-        cache_seqlens,
-        block_table,
-        k,
-        v,
-        sm_scale,
-        call.alibi_slopes,
-        call.return_lse,
-        in_place,
-        num_splits=num_splits,
-        **(rotary or {}),
-        flash_layout=True,
-    )
+        decode.key, q, k_cache, v_cache, cache_seqlens, block_table, k, v, sm_scale,
+        call.alibi_slopes, call.return_lse, in_place, num_splits=num_splits,
+        **(keywords or {}), flash_layout=True,
+    )  # fmt: skip
     plans.remember(plan_key, decode, sm_scale, call.return_lse, in_place)
     return (out if in_place else out.transpose(1, 2)), lse
 
 
-def _in_place(decode: Dispatch, key: str, q) -> bool:
-    """Whether the decode module writes the caller's [B, Nq, HQ, DV] output: through its
-    decode_flash, or its out= when it takes one and q has more than one token; with one, the
-    module's own [B, HQ, 1, DV] output is that layout already (launch.py)."""
-    return decode.writes_out and (
-        q.shape[1] != 1 or ops.takes_flash_layout(current_registry().module(key))
-    )
-
-
 def _run_planned(
-    plan: plans.Plan | None,
-    q,
-    k_cache,
-    v_cache,
-    k,
-    v,
-    cache_seqlens,
-    block_table,
-    alibi_slopes,
-    num_splits: int,
-    rotary: dict | None,
-):
+    plan: plans.Plan | None, q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes,
+    num_splits: int, rotary: dict | None,
+):  # fmt: skip
     """_run_decode_module from the signature's plan (plans.py): the tensors as they are to
     decode_flash when the plan writes through it, else [B, H, N, D] views; None without a
     plan, when a check its key leaves open fails (the full path then says what) or when the
@@ -353,18 +293,9 @@ def _run_planned(
     if not plan.flash_entry:
         q, k_cache, v_cache, k, v = heads_first(q, k_cache, v_cache, k, v, block_table)
     ran = plans.run_decode(
-        plan,
-        q,
-        k_cache,
-        v_cache,
-        cache_seqlens,
-        block_table,
-        k,
-        v,
-        alibi_slopes,
-        num_splits,
+        plan, q, k_cache, v_cache, cache_seqlens, block_table, k, v, alibi_slopes, num_splits,
         rotary,
-    )
+    )  # fmt: skip
     if ran is None:
         return None
     return (ran[0] if plan.in_place else ran[0].transpose(1, 2)), ran[1]
@@ -376,7 +307,9 @@ def _decode_module(q, k_cache, v_cache, block_table, call: Call, capacity: int) 
     layout = KvLayout.paged if paged else KvLayout.contiguous
     page_size = k_cache.shape[1] if paged else None
     lengths = (q.shape[1], capacity)
+    kv_dtype = KvDtype.fp8_e4m3 if k_cache.dtype is torch.float8_e4m3fn else None
     need = call.need(
-        KernelKind.decode, q, v_cache, lengths, False, kv_layout=layout, page_size=page_size
-    )
+        KernelKind.decode, q, v_cache, lengths, False, kv_layout=layout, page_size=page_size,
+        kv_dtype=kv_dtype,
+    )  # fmt: skip
     return probe(API, need, (q.shape[2], v_cache.shape[2]))

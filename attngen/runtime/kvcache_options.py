@@ -275,3 +275,36 @@ def same_kinds(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary) ->
     return k is None or (
         k.dtype is dtype and v.dtype is dtype and k.device == device and v.device == device
     )
+
+
+def fp8_cache(k_cache, k_descale, v_descale) -> bool:
+    """Whether the call's caches are fp8 (torch.float8_e4m3fn: a decode module with kv_dtype
+    fp8_e4m3 dequantizes them with k_descale / v_descale, checked there); descales with any
+    other cache are refused, naming the argument."""
+    fp8 = getattr(k_cache, "dtype", None) is torch.float8_e4m3fn
+    for name, descale in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if descale is not None and not fp8:
+            raise ValueError(
+                f"{name}: dequantizes an fp8 cache (torch.float8_e4m3fn), got one with a "
+                f"{getattr(k_cache, 'dtype', type(k_cache).__name__)} k_cache; pass None"
+            )
+    return fp8
+
+
+def descale_keywords(k_descale, v_descale) -> dict:
+    """The decode module's descale keywords, only those given (other modules take none)."""
+    pairs = (("k_descale", k_descale), ("v_descale", v_descale))
+    return {name: descale for name, descale in pairs if descale is not None}
+
+
+def refuse_fp8_without_module(decode: Dispatch | None, q, k_cache, block_table) -> None:
+    """An fp8 cache has only route 1 (a decode module with kv_dtype: fp8_e4m3 reads it in
+    place; the varlen route would need a dequantized copy): the error when none serves."""
+    if decode is not None:
+        return
+    layout = "contiguous" if block_table is None else f"paged{k_cache.shape[1]}"
+    raise ValueError(
+        f"k_cache: an fp8 cache ({k_cache.dtype}) needs a decode module built with kv_dtype: "
+        f"fp8_e4m3 for {q.dtype} q, head_dim {q.shape[-1]}, {layout}, {q.shape[1]} query "
+        "tokens (max_query_tokens), without cache_batch_idx / cache_leftpad; none serves the call"
+    )

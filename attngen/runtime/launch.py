@@ -375,6 +375,7 @@ def need_of(spec: AttnSpec, kind: KernelKind, arch: str) -> Need:
         same_lengths=False,
         kv_layout=spec.kv_layout if decode else None,
         page_size=spec.page_size if decode else None,
+        kv_dtype=spec.kv_dtype if decode else None,
         sinks=spec.sinks,
         chunk_size=spec.chunk_size,
         sink_tokens=spec.sink_tokens,
@@ -461,6 +462,8 @@ def _run_decode(
             rand(1, heads_kv, DECODE_CACHE, spec.value_head_dim),
         )
         table = None
+    if spec.kv_dtype is not None:  # an fp8 cache (descales default to 1.0)
+        caches = tuple(cache.to(torch.float8_e4m3fn) for cache in caches)
     module.decode(
         q,
         *caches,

@@ -142,15 +142,6 @@ def run_prefill(
     return result if return_lse else (result, None)
 
 
-def takes_flash_layout(module) -> bool:
-    """Whether a prefill or decode module has its kind's entry points in flash-attn's layout
-    (attention_flash and attention_flash_out, decode_flash and decode_flash_out): always,
-    since the registry imports only modules of the running attngen's templates (its header
-    check), which render them. Kept for decode_ops and kvcache, which still ask."""
-    del module
-    return True
-
-
 def prefill(
     key: str,
     q: Tensor,

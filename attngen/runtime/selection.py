@@ -49,6 +49,7 @@ from attngen.spec import (
     CausalAlign,
     Dtype,
     KernelKind,
+    KvDtype,
     KvLayout,
     Mask,
     SpecError,
@@ -100,6 +101,7 @@ class Need(NamedTuple):
     # score_mod / mask_mod: attngen.expressions.expression_key of the spec the call asks for
     # ("": none). A module with expressions serves only calls that ask for its own.
     expressions: str = ""
+    kv_dtype: KvDtype | None = None  # decode only: an fp8 cache (kv_dtype: fp8_e4m3)
 
     def describe(self) -> str:
         mask = self.mask.value
@@ -121,6 +123,8 @@ class Need(NamedTuple):
             text += " sinks=True"
         if self.kv_layout:
             text += f" kv_layout={self.kv_layout.value}"
+        if self.kv_dtype:
+            text += f" kv_dtype={self.kv_dtype.value}"
         if self.backward:
             text += " backward=True"
         if self.dropout:
@@ -313,6 +317,9 @@ def _decode_mismatches(spec: dict[str, Any], need: Need) -> list[str]:
         problems.append(f"kv_layout: needs {layout}, module has {spec.get('kv_layout')}")
     if need.kv_layout is KvLayout.paged and spec.get("page_size") != need.page_size:
         problems.append(f"page_size: needs {need.page_size}, module has {spec.get('page_size')}")
+    kv_dtype = need.kv_dtype.value if need.kv_dtype else None
+    if spec.get("kv_dtype") != kv_dtype:
+        problems.append(f"kv_dtype: needs {kv_dtype}, module has {spec.get('kv_dtype')}")
     if need.seqlen_q > int(spec.get("max_query_tokens") or 1):
         problems.append(
             f"max_query_tokens: needs {need.seqlen_q}, module has {spec.get('max_query_tokens')}"
@@ -593,6 +600,8 @@ def spec_for(need: Need, heads: tuple[int, int] | None) -> tuple[AttnSpec, Kerne
     from attngen.arch import ARCHS
 
     arch = INTERPRETER_ARCH if need.arch == INTERPRETER else need.arch
+    if need.kv_dtype is not None and need.arch == INTERPRETER:
+        arch = "sm89"  # fp8 caches need sm89+ (the same pointer-load path as sm80)
     if arch not in ARCHS:
         raise NotExpressible(
             f"arch: {need.arch} has no row in attngen/arch.py (known: {', '.join(ARCHS)})"
@@ -622,6 +631,8 @@ def spec_for(need: Need, heads: tuple[int, int] | None) -> tuple[AttnSpec, Kerne
         if need.page_size is not None:
             fields["page_size"] = need.page_size
         fields["max_query_tokens"] = max(1, need.seqlen_q)
+        if need.kv_dtype is not None:
+            fields["kv_dtype"] = need.kv_dtype.value
     if need.backward:
         fields["backward"] = True
     try:
