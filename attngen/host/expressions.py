@@ -1,11 +1,14 @@
 """The `tensors=` check of modules whose spec declares tensors for score_mod / mask_mod: the
-caller's mapping against the declarations, and the kernel arguments it gives.
+caller's mapping against the declarations, and the kernel arguments it gives; the prefill
+launcher's `block_mask=` check (block sparsity) and its kernel arguments.
 
 Copied verbatim into the prefill and varlen modules of specs with score_mod or mask_mod,
 after checks.py (attngen/host/__init__.py); the declarations come from the module (_TENSORS).
 """
 
 import torch
+
+from attngen.host.launch import _checked  # defined above this part in a generated module
 
 # -- host code: attngen/host/expressions.py, copied verbatim -----------------------------------
 _EXPRESSION_DTYPES = {"int32": torch.int32, "int64": torch.int64, "float32": torch.float32}
@@ -64,3 +67,101 @@ def _check_declared(name, t, dtype, shape, device):
         )
     if t.device != device:
         raise ValueError(f"tensors[{name!r}]: device {t.device}; allowed: {device} (q's)")
+
+
+# -- block_mask= (prefill): torch's BlockMask fields as a tuple ------------------------------
+_BLOCK_MASK = (
+    "None or a tuple (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, "
+    "q_block, kv_block)"
+)
+_NO_BLOCK_MASK = (0,) * 14 + (1, 1, 0)  # the kernel's block-mask ints when it has none
+
+
+def _block_mask_args(block_mask, q, k, config):
+    """(tensors, ints) of the kernel's block sparsity: the four lists (absent full lists: the
+    partial ones, with max count 0), then their strides (0 on a broadcast axis), q_block,
+    kv_block and whether there are full lists. None: q four times and _NO_BLOCK_MASK."""
+    if block_mask is None:
+        return (q, q, q, q), _NO_BLOCK_MASK
+    if not isinstance(block_mask, tuple | list) or len(block_mask) != 6:
+        raise ValueError(f"block_mask: got {type(block_mask).__name__}; allowed: {_BLOCK_MASK}")
+    num, indices, full_num, full_indices, q_block, kv_block = block_mask
+    for name, size, tile in (("q_block", q_block, "BLOCK_M"), ("kv_block", kv_block, "BLOCK_N")):
+        if type(size) is not int or size <= 0 or size % config[tile]:
+            raise ValueError(
+                f"block_mask: {name} {size!r}; allowed: a positive multiple of this module's "
+                f"{tile} {config[tile]} (its launch config)"
+            )
+    batch, heads, seqlen_q = q.shape[:3]
+    rows, cols = -(-seqlen_q // q_block), -(-k.shape[2] // kv_block)
+    lists = [("kv_num_blocks", num, 3), ("kv_indices", indices, 4)]
+    if (full_num is None) != (full_indices is None):
+        raise ValueError(
+            "block_mask: full_kv_num_blocks and full_kv_indices: got one None; allowed: both "
+            "tensors or both None"
+        )
+    if full_num is not None:
+        lists += [("full_kv_num_blocks", full_num, 3), ("full_kv_indices", full_indices, 4)]
+    for name, t, rank in lists:
+        _check_block_list(name, t, (batch, heads, rows, cols)[:rank], q.device)
+    if _checked():
+        _validate_block_mask([t for _, t, _ in lists], cols)
+    tensors = [t for _, t, _ in lists] * (2 if full_num is None else 1)
+    strides = [
+        0 if n == 1 else st for t in tensors for n, st in zip(t.shape, t.stride(), strict=True)
+    ]
+    return tuple(tensors), (*strides, q_block, kv_block, int(full_num is not None))
+
+
+def _check_block_list(name, t, shape, device):
+    """One list of a block mask: an int32/int64 tensor of `shape` (axes 0 and 1 may be 1, a
+    broadcast batch or head) on `device`."""
+    allowed = f"({shape[0]} or 1, {shape[1]} or 1, {', '.join(map(str, shape[2:]))})"
+    where = "B, HQ, ceil(Nq / q_block)" + (", ceil(Nk / kv_block)" if len(shape) == 4 else "")
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"block_mask: {name}: got {type(t).__name__}; allowed: a torch.Tensor")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_mask: {name}: dtype {t.dtype}; allowed: torch.int32, torch.int64")
+    if t.dim() != len(shape) or any(
+        n != want and (axis > 1 or n != 1)
+        for axis, (n, want) in enumerate(zip(t.shape, shape, strict=True))
+    ):
+        raise ValueError(
+            f"block_mask: {name}: shape {tuple(t.shape)}; allowed: {allowed} ({where})"
+        )
+    if t.device != device:
+        raise ValueError(f"block_mask: {name}: device {t.device}; allowed: {device} (q's)")
+
+
+def _validate_block_mask(lists, cols):
+    """ATTNGEN_CHECKS=1: every count in [0, cols], every listed index in [0, cols), and no
+    block listed twice in a row (in one list or in both). A device sync; raises ValueError."""
+    names = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"]
+    shape = torch.broadcast_shapes(
+        *(t.shape for t in lists[1::2]), *(t.shape + (cols,) for t in lists[::2])
+    )
+    slots = torch.arange(cols, device=lists[0].device)
+    listed = []
+    for at in range(0, len(lists), 2):
+        counts, indices = lists[at].long(), lists[at + 1].long().expand(shape)
+        bad = (counts < 0) | (counts > cols)
+        used = (slots < counts[..., None]).expand(shape)
+        wrong = used & ((indices < 0) | (indices >= cols))
+        for name, t, found, allowed in (
+            (names[at], counts, bad, cols),
+            (names[at + 1], indices, wrong, cols - 1),
+        ):
+            if found.any():
+                where = found.nonzero()[0].tolist()
+                raise ValueError(
+                    f"block_mask: {name}{where} is {int(t[tuple(where)])}; allowed: 0 to "
+                    f"{allowed} (ATTNGEN_CHECKS=1)"
+                )
+        listed.append(torch.where(used, indices, -1 - slots - at * cols))  # unused: distinct
+    both = torch.cat(listed, -1).sort(-1).values
+    repeated = (both[..., 1:] == both[..., :-1]).any(-1)
+    if repeated.any():
+        raise ValueError(
+            f"block_mask: the row {repeated.nonzero()[0].tolist()} (b, h, q-block) lists a key "
+            "block twice (in one list or in both); allowed: distinct blocks (ATTNGEN_CHECKS=1)"
+        )

@@ -150,6 +150,92 @@ def _attn_fwd_inner(
         acc = tl.dot(p.to(tl.bfloat16), v, acc)
         m_i = m_new
     return acc, l_i, m_i
+@triton.jit
+def _attn_fwd_listed(
+    acc, l_i, m_i, q, q_pos, first_q_pos, last_q_pos,
+    k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, k_desc, v_desc, desc_b, desc_h,
+    count_ptr, index_ptr, stride_index, max_count, kv_block, seqlen_k, qk_scale, slope_log2,
+    off_b, off_h, offs_m, doc_ptr, bias_ptr, doc_stride0, doc_stride1, bias_stride0, bias_stride1, dim_B, dim_N, dim_H,
+    MASKED: tl.constexpr,
+    MASK_MOD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, _BLOCK_D)
+    offs_dv = tl.arange(0, _BLOCK_DV)
+    # Note: whatever the lists hold, nothing outside them or K/V is read: the count is
+    # clamped to [0, max_count] (the list's length, 0 for an absent list), and an index
+    # outside [0, kv_blocks) names the block past the keys, whose tiles the masks hide.
+    # A block listed twice is visited twice (the lists must be unique, as torch's).
+    kv_blocks = tl.cdiv(seqlen_k, kv_block)
+    count = tl.minimum(tl.maximum(tl.load(count_ptr), 0), max_count).to(tl.int32)
+    tiles = kv_block // BLOCK_N
+    for listed in tl.range(0, count * tiles):
+        index = tl.load(index_ptr + (listed // tiles).to(tl.int64) * stride_index)
+        index = tl.where((index >= 0) & (index < kv_blocks), index, kv_blocks).to(tl.int32)
+        start = tl.multiple_of(index * kv_block + (listed % tiles) * BLOCK_N, BLOCK_N)
+        key_pos = start + offs_n
+        key_rows = key_pos.to(tl.int64)
+        k_ptrs = k_base + key_rows[None, :] * stride_kn + offs_d[:, None] * stride_kd
+        v_ptrs = v_base + key_rows[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+        # -- load K^T [D, BLOCK_N] and V [BLOCK_N, DV] ---------------------------------
+        if MASKED:
+            # Note: keys no row of this tile may see are zeroed on load, not only masked
+            # in the scores: a NaN stored there (padding, cache tails) would survive
+            # 0 * NaN in P @ V.
+            key_live = (key_pos <= last_q_pos) & (key_pos < seqlen_k)
+            k_mask = key_live[None, :]
+            v_mask = key_live[:, None]
+            # Note: BLOCK_M >= 64 is Hopper's wgmma path. On mma.sync (smaller tiles) V
+            # zeroed in registers goes back to shared memory for the dot: a whole extra
+            # [BLOCK_N, DV] buffer (the compiler's count), so there these stay pointer loads.
+            if USE_TMA and BLOCK_M >= 64:
+                # The copy engine zero-fills rows past the sequence; keys inside it that no
+                # row sees get V zeroed here and K masked in the scores. Reading these
+                # blocks through TMA too lets both key loops share one pipeline: it made
+                # 64x64 tiles the fastest at causal D = 128 (exp_prefill.py@163a2b7).
+                k = tl.trans(k_desc.load([desc_b, desc_h, start, 0]).reshape(BLOCK_N, _BLOCK_D))
+                v = v_desc.load([desc_b, desc_h, start, 0]).reshape(BLOCK_N, _BLOCK_DV)
+                v = tl.where(key_live[:, None], v, 0.0)
+            else:
+                k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+                v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+        elif USE_TMA:
+            # Every key of the block is visible: the tensor-memory accelerator copies the
+            # whole [BLOCK_N, D] tiles (head-dim padding beyond D comes back as zeros).
+            k = tl.trans(k_desc.load([desc_b, desc_h, start, 0]).reshape(BLOCK_N, _BLOCK_D))
+            v = v_desc.load([desc_b, desc_h, start, 0]).reshape(BLOCK_N, _BLOCK_DV)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        # -- scores in the log2 domain (plain ones scaled in the exponent) ----------
+        qk = tl.dot(q, k)
+        # score_mod (the spec's expression, rendered from its checked tree) takes the scaled
+        # score in natural-log units, as FlexAttention's does; then the log2 domain for exp2.
+        qk = qk * qk_scale
+        scores = tl.where(((((off_h >= 0) & (off_h < dim_H)) & (((offs_m[:, None] - key_pos[None, :]) + 8) >= 0)) & (((offs_m[:, None] - key_pos[None, :]) + 8) < 17)), (qk + tl.load(bias_ptr + (off_h) * bias_stride0 + (((offs_m[:, None] - key_pos[None, :]) + 8)) * bias_stride1, mask=((((off_h >= 0) & (off_h < dim_H)) & (((offs_m[:, None] - key_pos[None, :]) + 8) >= 0)) & (((offs_m[:, None] - key_pos[None, :]) + 8) < 17)), other=0.0).to(tl.float32)), float('-inf')) * _LOG2E_C
+        if MASKED:
+            visible = key_pos[None, :] <= q_pos[:, None]
+            visible = visible & (key_pos < seqlen_k)[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+        if MASK_MOD:  # mask_mod (the spec's expression, from its checked tree)
+            scores = tl.where(((((((off_b >= 0) & (off_b < dim_B)) & (offs_m[:, None] >= 0)) & (offs_m[:, None] < dim_N)) & ((((off_b >= 0) & (off_b < dim_B)) & (key_pos[None, :] >= 0)) & (key_pos[None, :] < dim_N))) & (tl.load(doc_ptr + (off_b) * doc_stride0 + (offs_m[:, None]) * doc_stride1, mask=((((off_b >= 0) & (off_b < dim_B)) & (offs_m[:, None] >= 0)) & (offs_m[:, None] < dim_N)), other=0) == tl.load(doc_ptr + (off_b) * doc_stride0 + (key_pos[None, :]) * doc_stride1, mask=((((off_b >= 0) & (off_b < dim_B)) & (key_pos[None, :] >= 0)) & (key_pos[None, :] < dim_N)), other=0))), scores, float("-inf"))
+        # -- online softmax -------------------------------------------------------------
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # Note: a row with no finite score so far has m_new == -inf; subtracting 0 instead
+        # keeps p = exp2(-inf) = 0 and alpha = 0 rather than NaN (-inf + inf). Unmasked
+        # blocks need it too: a key block can be all -inf for a row (a -inf in k, an ALiBi
+        # bias that overflows), and the guard costs one select per row and block.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(scores - m_ref[:, None])
+        alpha = tl.math.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(tl.bfloat16), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -157,18 +243,23 @@ def _attn_fwd_kernel(
     Q, K, V, Out, Lse, Slopes,
     doc_ptr,
     bias_ptr,
+    KvNum, KvIdx, FullNum, FullIdx,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     num_q_heads, q_per_kv, seqlen_q, seqlen_k, num_m_blocks,
     doc_stride0, doc_stride1, bias_stride0, bias_stride1, dim_B, dim_N, dim_H,
+    Kv_num_b, Kv_num_h, Kv_num_q, Kv_idx_b, Kv_idx_h, Kv_idx_q, Kv_idx_k,
+    Full_num_b, Full_num_h, Full_num_q, Full_idx_b, Full_idx_h, Full_idx_q, Full_idx_k,
+    sparse_q_block, sparse_kv_block, sparse_has_full,
     qk_scale,
     k_desc, v_desc,
     STORE_LSE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_TMA: tl.constexpr,
+    BLOCK_SPARSE: tl.constexpr,
 ):
     tl.static_assert(BLOCK_N % 16 == 0)
     tl.static_assert(BLOCK_M % 16 == 0)
@@ -212,22 +303,48 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, _BLOCK_DV], dtype=tl.float32)
-    # keys every row of the tile sees: no mask
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, q_pos, first_q_pos, last_q_pos,
-        k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, k_desc, v_desc, desc_b, desc_h,
-        full_lo, full_hi, seqlen_k, qk_scale, slope_log2,
-        off_b, off_h, offs_m, doc_ptr, bias_ptr, doc_stride0, doc_stride1, bias_stride0, bias_stride1, dim_B, dim_N, dim_H,
-        MASKED=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_TMA=USE_TMA,
-    )
-    # keys at the diagonal
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, q_pos, first_q_pos, last_q_pos,
-        k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, k_desc, v_desc, desc_b, desc_h,
-        full_hi, hi, seqlen_k, qk_scale, slope_log2,
-        off_b, off_h, offs_m, doc_ptr, bias_ptr, doc_stride0, doc_stride1, bias_stride0, bias_stride1, dim_B, dim_N, dim_H,
-        MASKED=True, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_TMA=USE_TMA,
-    )
+    if BLOCK_SPARSE:
+        # -- block_mask: only the key blocks that the lists of this tile's q-block name (a
+        # q-block holds whole tiles); the built-in mask holds on every one of them
+        mask_row = (q_start // sparse_q_block).to(tl.int64)
+        kv_blocks = tl.cdiv(seqlen_k, sparse_kv_block)
+        # its partial blocks: mask_mod evaluated
+        acc, l_i, m_i = _attn_fwd_listed(
+            acc, l_i, m_i, q, q_pos, first_q_pos, last_q_pos,
+            k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, k_desc, v_desc, desc_b, desc_h,
+            KvNum + off_b * Kv_num_b + off_h * Kv_num_h + mask_row * Kv_num_q,
+            KvIdx + off_b * Kv_idx_b + off_h * Kv_idx_h + mask_row * Kv_idx_q,
+            Kv_idx_k, kv_blocks, sparse_kv_block, seqlen_k, qk_scale, slope_log2,
+            off_b, off_h, offs_m, doc_ptr, bias_ptr, doc_stride0, doc_stride1, bias_stride0, bias_stride1, dim_B, dim_N, dim_H,
+            MASKED=True, MASK_MOD=True, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_TMA=USE_TMA,
+        )
+        # its full blocks: mask_mod holds on every element, so it is not evaluated
+        acc, l_i, m_i = _attn_fwd_listed(
+            acc, l_i, m_i, q, q_pos, first_q_pos, last_q_pos,
+            k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, k_desc, v_desc, desc_b, desc_h,
+            FullNum + off_b * Full_num_b + off_h * Full_num_h + mask_row * Full_num_q,
+            FullIdx + off_b * Full_idx_b + off_h * Full_idx_h + mask_row * Full_idx_q,
+            Full_idx_k, kv_blocks * sparse_has_full, sparse_kv_block, seqlen_k, qk_scale, slope_log2,
+            off_b, off_h, offs_m, doc_ptr, bias_ptr, doc_stride0, doc_stride1, bias_stride0, bias_stride1, dim_B, dim_N, dim_H,
+            MASKED=True, MASK_MOD=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_TMA=USE_TMA,
+        )
+    else:
+        # keys every row of the tile sees: no mask
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, q_pos, first_q_pos, last_q_pos,
+            k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, k_desc, v_desc, desc_b, desc_h,
+            full_lo, full_hi, seqlen_k, qk_scale, slope_log2,
+            off_b, off_h, offs_m, doc_ptr, bias_ptr, doc_stride0, doc_stride1, bias_stride0, bias_stride1, dim_B, dim_N, dim_H,
+            MASKED=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_TMA=USE_TMA,
+        )
+        # keys at the diagonal
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, q_pos, first_q_pos, last_q_pos,
+            k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, k_desc, v_desc, desc_b, desc_h,
+            full_hi, hi, seqlen_k, qk_scale, slope_log2,
+            off_b, off_h, offs_m, doc_ptr, bias_ptr, doc_stride0, doc_stride1, bias_stride0, bias_stride1, dim_B, dim_N, dim_H,
+            MASKED=True, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_TMA=USE_TMA,
+        )
     # -- epilogue -----------------------------------------------------------------------
     # Note: a fully masked row (no visible key) has l_i == 0 and m_i == -inf: it stores
     # output 0 and LSE -inf, never NaN.
@@ -358,7 +475,8 @@ def _descriptor(t, block):
 
 
 def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
-              return_lse=False, out=None, tensors=None):
+              return_lse=False, out=None, tensors=None,
+              block_mask=None):
     """softmax(q @ k^T * sm_scale, masked) @ v.
 
     q [B, HQ, M, 128], k [B, HKV, N, 128], v [B, HKV, N, 128] in bf16, any strides.
@@ -367,6 +485,19 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
     tensors: the tensors score_mod and mask_mod read, by name (keyword; required when the
     spec declares any: doc, bias), each of its declared dtype, rank and shape, on q's
     device; a named dim takes the size of the tensors it appears in, which must agree.
+    block_mask: None (every key block the built-in mask keeps), or a block mask as torch's
+    BlockMask holds it (keyword): a tuple (kv_num_blocks, kv_indices, full_kv_num_blocks,
+    full_kv_indices, q_block, kv_block) over blocks of q_block queries and kv_block keys,
+    kv_num_blocks [B or 1, HQ or 1, ceil(M / q_block)] and kv_indices [B or 1, HQ or 1,
+    ceil(M / q_block), ceil(N / kv_block)] int32 or int64 on q's device (full_*: the same
+    shapes, or both None). Query block r visits only the kv_num_blocks[b, h, r] partial blocks
+    kv_indices[b, h, r, :kv_num_blocks[b, h, r]], mask_mod evaluated there, and the full ones
+    likewise, mask_mod not evaluated (FlexAttention's meaning: a block not listed contributes
+    nothing); the built-in mask holds everywhere. q_block a multiple of BLOCK_M and kv_block
+    of BLOCK_N (CONFIG). Each row's lists name distinct blocks, none in both (as torch's):
+    the kernel reads nothing outside the tensors whatever they hold (counts clamped, an index
+    outside [0, ceil(N / kv_block)) skipped), but a block named twice counts twice. With
+    ATTNGEN_CHECKS=1 the host validates the lists (a device sync) and names a bad entry.
 
     Returns out [B, HQ, M, 128] in q's dtype, and with return_lse also the
     log-sum-exp of the scores [B, HQ, M] in float32 (natural log; -inf for a row that sees
@@ -384,6 +515,7 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     _ = _check_alibi(alibi_slopes, num_q_heads, q, batch)
     expr_tensors, expr_ints = _expression_tensors(tensors, _TENSORS, q.device)
+    sparse_tensors, sparse_ints = _block_mask_args(block_mask, q, k, CONFIG)
     qk_scale = _kernel_scale(sm_scale)
     if out is None:
         out = q.new_empty((batch, num_q_heads, seqlen_q, HEAD_DIM_V))
@@ -409,13 +541,15 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
         k_desc = _descriptor(k, (1, 1, block_n, 128))
         v_desc = _descriptor(v, (1, 1, block_n, 128))
     ints = (*q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, num_m_blocks, *expr_ints)
+            num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, num_m_blocks, *expr_ints, *sparse_ints)
     constexprs = {"STORE_LSE": return_lse, "BLOCK_M": CONFIG["BLOCK_M"],
-                  "BLOCK_N": CONFIG["BLOCK_N"], "USE_TMA": use_tma}
+                  "BLOCK_N": CONFIG["BLOCK_N"], "USE_TMA": use_tma,
+                  "BLOCK_SPARSE": block_mask is not None}
     options = _options(CONFIG)
     _launch(
         _attn_fwd_kernel, num_programs, q.get_device(),
-        (q, k, v, out, lse_arg, slopes_arg, *expr_tensors),
+        (q, k, v, out, lse_arg, slopes_arg, *expr_tensors,
+         *sparse_tensors),
         ints, (qk_scale, k_desc, v_desc),
         constexprs, options,
     )
@@ -440,7 +574,7 @@ def _check_rank4(q, k, v, layout):
 
 
 def _heads_last_out(q, k, v, flash, sm_scale, alibi_slopes, return_lse,
-                    out, tensors):
+                    out, tensors, block_mask):
     """attention_flash (flash: q, k, v in [B, N, H, D]) or attention_flash_out (in
     [B, H, N, D]): out [B, M, HQ, DV], and the LSE with return_lse."""
     _check_rank4(q, k, v, "[B, N, H, D]" if flash else "[B, H, N, D]")
@@ -454,12 +588,12 @@ def _heads_last_out(q, k, v, flash, sm_scale, alibi_slopes, return_lse,
     out_view = out.transpose(1, 2)
     result = attention(*views, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
                        return_lse=return_lse,
-                       out=out_view, tensors=tensors)
+                       out=out_view, tensors=tensors, block_mask=block_mask)
     return (out, result[1]) if return_lse else out
 
 
 def attention_flash(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False,
-                    out=None, tensors=None):
+                    out=None, tensors=None, block_mask=None):
     """attention() in flash-attn's layout: q [B, M, HQ, 128], k [B, N, HKV, 128],
     v [B, N, HKV, 128], any strides; the same arguments and checks otherwise, and bit for
     bit the output attention() gives for their [B, H, N, D] transposes (the same kernel
@@ -470,16 +604,16 @@ def attention_flash(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=Fal
     in place and returned), and with return_lse also the LSE [B, HQ, M] as attention() does.
     """
     return _heads_last_out(q, k, v, True, sm_scale, alibi_slopes, return_lse,
-                           out, tensors)
+                           out, tensors, block_mask)
 
 
 def attention_flash_out(q, k, v, *, sm_scale=None, alibi_slopes=None, return_lse=False,
-                        out=None, tensors=None):
+                        out=None, tensors=None, block_mask=None):
     """attention() (q, k, v [B, H, N, D] as there) with its output in flash-attn's layout,
     out [B, M, HQ, 128] as attention_flash returns it (transformers' attention-function
     contract): bit for bit attention()'s output transposed, written where it belongs."""
     return _heads_last_out(q, k, v, False, sm_scale, alibi_slopes, return_lse,
-                           out, tensors)
+                           out, tensors, block_mask)
 
 
 # -- host code: attngen/host/launch.py, copied verbatim ----------------------------------------
@@ -935,3 +1069,101 @@ def _check_declared(name, t, dtype, shape, device):
         )
     if t.device != device:
         raise ValueError(f"tensors[{name!r}]: device {t.device}; allowed: {device} (q's)")
+
+
+# -- block_mask= (prefill): torch's BlockMask fields as a tuple ------------------------------
+_BLOCK_MASK = (
+    "None or a tuple (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, "
+    "q_block, kv_block)"
+)
+_NO_BLOCK_MASK = (0,) * 14 + (1, 1, 0)  # the kernel's block-mask ints when it has none
+
+
+def _block_mask_args(block_mask, q, k, config):
+    """(tensors, ints) of the kernel's block sparsity: the four lists (absent full lists: the
+    partial ones, with max count 0), then their strides (0 on a broadcast axis), q_block,
+    kv_block and whether there are full lists. None: q four times and _NO_BLOCK_MASK."""
+    if block_mask is None:
+        return (q, q, q, q), _NO_BLOCK_MASK
+    if not isinstance(block_mask, tuple | list) or len(block_mask) != 6:
+        raise ValueError(f"block_mask: got {type(block_mask).__name__}; allowed: {_BLOCK_MASK}")
+    num, indices, full_num, full_indices, q_block, kv_block = block_mask
+    for name, size, tile in (("q_block", q_block, "BLOCK_M"), ("kv_block", kv_block, "BLOCK_N")):
+        if type(size) is not int or size <= 0 or size % config[tile]:
+            raise ValueError(
+                f"block_mask: {name} {size!r}; allowed: a positive multiple of this module's "
+                f"{tile} {config[tile]} (its launch config)"
+            )
+    batch, heads, seqlen_q = q.shape[:3]
+    rows, cols = -(-seqlen_q // q_block), -(-k.shape[2] // kv_block)
+    lists = [("kv_num_blocks", num, 3), ("kv_indices", indices, 4)]
+    if (full_num is None) != (full_indices is None):
+        raise ValueError(
+            "block_mask: full_kv_num_blocks and full_kv_indices: got one None; allowed: both "
+            "tensors or both None"
+        )
+    if full_num is not None:
+        lists += [("full_kv_num_blocks", full_num, 3), ("full_kv_indices", full_indices, 4)]
+    for name, t, rank in lists:
+        _check_block_list(name, t, (batch, heads, rows, cols)[:rank], q.device)
+    if _checked():
+        _validate_block_mask([t for _, t, _ in lists], cols)
+    tensors = [t for _, t, _ in lists] * (2 if full_num is None else 1)
+    strides = [
+        0 if n == 1 else st for t in tensors for n, st in zip(t.shape, t.stride(), strict=True)
+    ]
+    return tuple(tensors), (*strides, q_block, kv_block, int(full_num is not None))
+
+
+def _check_block_list(name, t, shape, device):
+    """One list of a block mask: an int32/int64 tensor of `shape` (axes 0 and 1 may be 1, a
+    broadcast batch or head) on `device`."""
+    allowed = f"({shape[0]} or 1, {shape[1]} or 1, {', '.join(map(str, shape[2:]))})"
+    where = "B, HQ, ceil(Nq / q_block)" + (", ceil(Nk / kv_block)" if len(shape) == 4 else "")
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"block_mask: {name}: got {type(t).__name__}; allowed: a torch.Tensor")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_mask: {name}: dtype {t.dtype}; allowed: torch.int32, torch.int64")
+    if t.dim() != len(shape) or any(
+        n != want and (axis > 1 or n != 1)
+        for axis, (n, want) in enumerate(zip(t.shape, shape, strict=True))
+    ):
+        raise ValueError(
+            f"block_mask: {name}: shape {tuple(t.shape)}; allowed: {allowed} ({where})"
+        )
+    if t.device != device:
+        raise ValueError(f"block_mask: {name}: device {t.device}; allowed: {device} (q's)")
+
+
+def _validate_block_mask(lists, cols):
+    """ATTNGEN_CHECKS=1: every count in [0, cols], every listed index in [0, cols), and no
+    block listed twice in a row (in one list or in both). A device sync; raises ValueError."""
+    names = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"]
+    shape = torch.broadcast_shapes(
+        *(t.shape for t in lists[1::2]), *(t.shape + (cols,) for t in lists[::2])
+    )
+    slots = torch.arange(cols, device=lists[0].device)
+    listed = []
+    for at in range(0, len(lists), 2):
+        counts, indices = lists[at].long(), lists[at + 1].long().expand(shape)
+        bad = (counts < 0) | (counts > cols)
+        used = (slots < counts[..., None]).expand(shape)
+        wrong = used & ((indices < 0) | (indices >= cols))
+        for name, t, found, allowed in (
+            (names[at], counts, bad, cols),
+            (names[at + 1], indices, wrong, cols - 1),
+        ):
+            if found.any():
+                where = found.nonzero()[0].tolist()
+                raise ValueError(
+                    f"block_mask: {name}{where} is {int(t[tuple(where)])}; allowed: 0 to "
+                    f"{allowed} (ATTNGEN_CHECKS=1)"
+                )
+        listed.append(torch.where(used, indices, -1 - slots - at * cols))  # unused: distinct
+    both = torch.cat(listed, -1).sort(-1).values
+    repeated = (both[..., 1:] == both[..., :-1]).any(-1)
+    if repeated.any():
+        raise ValueError(
+            f"block_mask: the row {repeated.nonzero()[0].tolist()} (b, h, q-block) lists a key "
+            "block twice (in one list or in both); allowed: distinct blocks (ATTNGEN_CHECKS=1)"
+        )
