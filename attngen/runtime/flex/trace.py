@@ -128,7 +128,7 @@ class _Context:
 
     def node(self, value: Any, op: str) -> tuple[Expr, Expr | None]:
         """(tree, keep) of an operand: a traced value, a Python number, a captured 0-d tensor."""
-        if isinstance(value, _Sym):
+        if isinstance(value, _Sym) and not isinstance(value, _Partial):
             return value.expr, value.keep
         if isinstance(value, bool):
             return Expr("num", (), value, "bool"), None
@@ -234,19 +234,6 @@ def _all(parts: list[Expr | None]) -> Expr | None:
     return out
 
 
-class _Partial:
-    """A captured tensor indexed in fewer dims than it has (`doc[b]` of `doc[b][q_idx]`)."""
-
-    def __init__(self, tensor: torch.Tensor, index: tuple[Expr, ...], ctx: _Context):
-        self.tensor, self.index, self.ctx = tensor, index, ctx
-
-    def __getitem__(self, index: Any) -> _Sym | _Partial:
-        return self.ctx.load(self, index)
-
-    def __repr__(self) -> str:
-        return f"tensor[{', '.join(map(str, self.index))}]"
-
-
 def _refuse(what: str):
     def method(self: _Sym, *args: Any, **kwargs: Any) -> Any:
         raise self.ctx.error(what)
@@ -333,6 +320,21 @@ class _Sym:
                 f"allowed: {', '.join(sorted(m for m in _TORCH if m[0] != '_'))}"
             )
         return method(ctx, *args, **(kwargs or {}))
+
+
+class _Partial(_Sym):
+    """A captured tensor indexed in fewer dims than it has (`doc[b]` of `doc[b][q_idx]`):
+    indexing it again is all it allows (an operator on it is refused by _Context.node)."""
+
+    def __init__(self, tensor: torch.Tensor, index: tuple[Expr, ...], ctx: _Context):
+        super().__init__(Expr("num", (), 0, "int"), ctx)
+        self.tensor, self.index = tensor, index
+
+    def __getitem__(self, index: Any) -> _Sym | _Partial:
+        return self.ctx.load(self, index)
+
+    def __repr__(self) -> str:
+        return f"tensor[{', '.join(map(str, self.index))}]"
 
 
 def _op(op: str, swap: bool = False):
