@@ -28,6 +28,8 @@
     kvcache_append.py  which sequences fit their cache, the append of new keys (varlen
                   route); paged K/V for flash_attn_varlen_func
     decode_ops.py the decode kind's calls and op
+    flex/         flex_attention and create_block_mask (torch's FlexAttention calls): Python
+                  score_mod / mask_mod traced into expressions, modules built on demand
     hf.py, hf_cache.py  the transformers attention function ("attngen"); static-cache decode
     warmup.py     warmup(): build and compile what a spec or model needs, before its first call
     fallback.py   the torch implementation behind fallback="sdpa" (masks: attngen/masks.py,
@@ -52,6 +54,7 @@ from attngen.runtime.backward_ops import (
     reset_backward_runs,
 )
 from attngen.runtime.dispatch import get_fallback, set_fallback
+from attngen.runtime.flex import BlockMask, TraceError, create_block_mask, flex_attention
 from attngen.runtime.hf import register_transformers
 from attngen.runtime.kvcache import flash_attn_with_kvcache
 from attngen.runtime.ops import reset_run_counts, run_counts
@@ -76,6 +79,10 @@ from attngen.runtime.selection import Dispatch, Need, NoKernelError, dispatch_lo
 from attngen.runtime.warmup import Warmed, warmup
 
 __all__ = [
+    "BlockMask",
+    "TraceError",
+    "create_block_mask",
+    "flex_attention",
     "BackwardRun",
     "backward_runs",
     "last_backward",
