@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import math
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -369,11 +371,22 @@ def digest(node: Expr, tensors: tuple[Tensor, ...]) -> str:
     return hashlib.sha256(f"{node}|{used}".encode()).hexdigest()[:8]
 
 
-# The kernel's names: the score tile, the program's batch and head, the rows' and columns'
-# positions (broadcast to the [BLOCK_M, BLOCK_N] tile); a tensor T is read through T_ptr with
-# strides T_stride0.., and a named dim D is the kernel argument dim_D.
+def expression_key(spec: Mapping[str, Any]) -> str:
+    """What an expression module serves and a call asks for (the runtime's Need.expressions):
+    "" for a canonical spec (AttnSpec.canonical(), a registry entry's) without score_mod and
+    mask_mod, else 16 hex digits of their normalized texts and the tensor declarations."""
+    parts = [spec.get("score_mod"), spec.get("mask_mod"), list(spec.get("tensors") or [])]
+    if parts[0] is None and parts[1] is None:
+        return ""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# The kernel's names (the prefill key loop's, _key_loop.py.jinja): the scaled score tile, the
+# program's batch and query head, the rows' and keys' positions in their sequence (broadcast to
+# the [BLOCK_M, BLOCK_N] tile); a tensor T is read through T_ptr with strides T_stride0.., and
+# a named dim D is the kernel argument dim_D.
 KERNEL_NAMES = {"score": "qk", "b": "off_b", "h": "off_h"}
-KERNEL_NAMES |= {"q_idx": "offs_m[:, None]", "kv_idx": "offs_n[None, :]"}
+KERNEL_NAMES |= {"q_idx": "offs_m[:, None]", "kv_idx": "key_pos[None, :]"}
 _TRITON = {"min": "tl.minimum", "max": "tl.maximum", "abs": "tl.abs", "exp": "tl.exp"}
 _TRITON |= {"log": "tl.log", "sqrt": "tl.sqrt", "tanh": "_tanh", "where": "tl.where"}
 _INFIX = {**_SYMBOL, "and": "&", "or": "|"}
@@ -409,7 +422,8 @@ def _render(node: Expr, tensors: dict[str, Tensor]) -> str:
         offset = " + ".join(f"({i}) * {tensor.name}_stride{k}" for k, i in enumerate(r))
         bounds = validity(Expr("load", node.args, node.value, node.type), tensors)
         mask = _render(bounds, tensors) if bounds is not None else "None"
-        return f"tl.load({tensor.name}_ptr + {offset}, mask={mask}, other={_OTHER[node.type]})"
+        load = f"tl.load({tensor.name}_ptr + {offset}, mask={mask}, other={_OTHER[node.type]})"
+        return f"{load}.to(tl.float32)" if node.type == "float" else load
     if node.op == "floordiv":  # floor semantics from Triton's truncating // and %
         return f"(({r[0]} - (({r[0]} % {r[1]}) + {r[1]}) % {r[1]}) // {r[1]})"
     if node.op == "mod":

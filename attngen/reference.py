@@ -10,10 +10,12 @@ This module imports torch; the build path never imports it.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 
-from attngen.masks import alibi_distance, visible
+from attngen.expressions import declared, parsed
+from attngen.masks import alibi_distance, expression_values, visible
 from attngen.spec import AttnSpec
 
 
@@ -43,8 +45,12 @@ def attention_scores(
     sm_scale: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float64,
+    tensors: Mapping[str, torch.Tensor] | None = None,
+    first_b: int = 0,
 ) -> torch.Tensor:
-    """[B, Hq, Nq, Nk] scores after scale, softcap, ALiBi and mask (-inf where masked)."""
+    """[B, Hq, Nq, Nk] scores after scale, softcap, ALiBi, score_mod and the masks (the spec's
+    and mask_mod; -inf where masked). `tensors`: what the expressions read; `first_b`: the
+    batch index of q's first row (a varlen sequence compared on its own)."""
     sequential = compute_dtype == torch.float32 and q.dtype == torch.float32
     q, k = q.to(compute_dtype), k.to(compute_dtype)
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # query head h reads h // group
@@ -61,7 +67,30 @@ def attention_scores(
         )
         scores = scores - alibi_slopes.to(compute_dtype)[None, :, None, None] * distance
     visible = visible_mask(spec, seqlen_q, seqlen_k, q.device)
+    if spec.score_mod is not None or spec.mask_mod is not None:
+        scores, visible = _expressions(spec, scores, visible, tensors, first_b)
     return scores.masked_fill(~visible, float("-inf"))
+
+
+def _expressions(spec, scores, visible, tensors, first_b):
+    """score_mod on the scaled scores and mask_mod ANDed into `visible`, on index grids
+    (attngen.masks.expression_values: the kernel's meaning)."""
+    names = [t.name for t in spec.tensors]
+    if sorted(tensors or {}) != sorted(names):
+        raise ValueError(f"tensors: got {sorted(tensors or {})}; allowed: exactly {names}")
+    shape = tuple(scores.shape)
+    for field in ("score_mod", "mask_mod"):
+        tree = parsed(spec, field)
+        if tree is None:
+            continue
+        values = expression_values(
+            field, tree, declared(spec), tensors or {}, shape, scores, scores.dtype, first_b
+        )
+        if field == "score_mod":
+            scores = values
+        else:
+            visible = visible & values
+    return scores, visible
 
 
 def reference_attention(
@@ -74,6 +103,8 @@ def reference_attention(
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float64,
+    tensors: Mapping[str, torch.Tensor] | None = None,
+    first_b: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Hq, Nq, Dv], lse [B, Hq, Nq]) in float64 by default.
 
@@ -85,7 +116,14 @@ def reference_attention(
     a fully masked row gives output 0 and LSE sink_h.
     """
     scores = attention_scores(
-        spec, q, k, sm_scale=sm_scale, alibi_slopes=alibi_slopes, compute_dtype=compute_dtype
+        spec,
+        q,
+        k,
+        sm_scale=sm_scale,
+        alibi_slopes=alibi_slopes,
+        compute_dtype=compute_dtype,
+        tensors=tensors,
+        first_b=first_b,
     )
     v_full = v.to(compute_dtype).repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     lse = torch.logsumexp(scores, dim=-1)
@@ -148,20 +186,21 @@ FP32_OUTPUT_FLOOR_ULPS = 4
 
 
 def compare_to_reference(
-    spec: AttnSpec, out, lse, q, k, v, *, sm_scale=None, alibi_slopes=None, sinks=None
+    spec: AttnSpec, out, lse, q, k, v, *, sm_scale=None, alibi_slopes=None, sinks=None, **exprs
 ) -> list[str]:
     """What is wrong with a kernel's (out, lse), by the rule of shared/RELIABILITY.md; [] if
     nothing. The error against the float64 golden may be at most 2x (3x with softcap) the error
     of the same math in the kernel's dtype plus a floor of two ulps at the output's magnitude
     (four for fp32 outputs, FP32_OUTPUT_FLOOR_ULPS explains why); the mean error the same with
     factor 1.5; NaN and inf exactly where the golden has them; rows that see no key exactly
-    0. References are computed where the inputs live."""
+    0. References are computed where the inputs live. `exprs`: tensors= and first_b= of a spec
+    with score_mod / mask_mod (attention_scores)."""
     floor_ulps = FP32_OUTPUT_FLOOR_ULPS if out.dtype == torch.float32 else 2
     golden, golden_lse = reference_attention(
-        spec, q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes, sinks=sinks
+        spec, q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes, sinks=sinks, **exprs
     )
     lowp, lowp_lse = lowp_reference(
-        spec, q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes, sinks=sinks
+        spec, q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes, sinks=sinks, **exprs
     )
     if out.shape != golden.shape or out.dtype != q.dtype:
         return [
@@ -170,7 +209,8 @@ def compare_to_reference(
     problems = []
     if out.isnan().any():
         problems.append("out: NaN where the golden has none")
-    factor = 3.0 if spec.softcap else 2.0
+    # score_mod's own roundings (a softcap's tanh, a bias read in fp32) count as softcap's do
+    factor = 3.0 if spec.softcap or spec.score_mod is not None else 2.0
     problems += _error_problems(
         "out", out.double(), golden, lowp.double(), factor, out.dtype, floor_ulps=floor_ulps
     )
@@ -178,7 +218,7 @@ def compare_to_reference(
         problems.append("lse: the -inf (or NaN) pattern differs from the golden's")
         return problems
     finite = torch.isfinite(golden_lse)
-    scores = attention_scores(spec, q, k, sm_scale=sm_scale, alibi_slopes=alibi_slopes)
+    scores = attention_scores(spec, q, k, sm_scale=sm_scale, alibi_slopes=alibi_slopes, **exprs)
     visible = torch.isfinite(scores)
     if finite.any():
         largest = _lse_floor_magnitude(spec, q, k, scores, visible, sm_scale, sinks)

@@ -17,7 +17,9 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+from attngen.expressions import Expr, declared, parsed, render_mod
 from attngen.host import MARKER as HOST_MARKER
+from attngen.host import OPTIONAL_PARTS
 from attngen.host import PARTS as HOST_PARTS
 from attngen.names import __version__
 from attngen.spec import AttnSpec, KernelKind, module_name
@@ -97,10 +99,43 @@ def host_parts() -> dict[str, str]:
     return parts
 
 
-def host_code(kind: KernelKind) -> str:
-    """The host code at the end of a module of this kind: its parts, in order."""
-    texts = [text for part, text in host_parts().items() if kind.value in HOST_PARTS[part]]
+def host_code(kind: KernelKind, expressions: bool = False) -> str:
+    """The host code at the end of a module of this kind: its parts, in order (the optional
+    ones only with `expressions`: a spec with score_mod or mask_mod)."""
+    texts = [
+        text
+        for part, text in host_parts().items()
+        if kind.value in HOST_PARTS[part] and (expressions or part not in OPTIONAL_PARTS)
+    ]
     return "\n\n\n".join(texts)
+
+
+def expression_context(spec: AttnSpec) -> dict[str, Any]:
+    """score_mod and mask_mod as kernel text rendered from their checked trees ("" where
+    unset), and the declared tensors' kernel arguments: a pointer each (expr_pointers), then
+    as ints each one's strides and each named dim's size (expr_ints), in the order the host's
+    _expression_tensors gives them; expr_declared is the declarations as a Python literal."""
+    tensors = declared(spec)
+    texts = {}
+    for field in ("score_mod", "mask_mod"):
+        tree = parsed(spec, field)
+        texts[field] = "" if tree is None else render_mod(field, tree, tensors)
+        if field == "score_mod" and tree is not None and not _reads_score(tree):
+            texts[field] = f"tl.zeros_like(qk) + {texts[field]}"  # a [BLOCK_M, BLOCK_N] tile
+    dims = list(dict.fromkeys(d for t in tensors for d in t.shape if isinstance(d, str)))
+    strides = [f"{t.name}_stride{axis}" for t in tensors for axis in range(len(t.shape))]
+    return {
+        **texts,
+        "expr_pointers": [f"{t.name}_ptr" for t in tensors],
+        "expr_ints": strides + [f"dim_{d}" for d in dims],
+        "expr_strides": strides,
+        "expr_declared": repr(tuple((t.name, t.dtype, t.shape) for t in tensors)),
+        "expr_tanh": any("_tanh(" in text for text in texts.values()),  # the module's _tanh
+    }
+
+
+def _reads_score(tree: Expr) -> bool:
+    return any(n.op == "var" and n.value == "score" for n in tree.nodes())
 
 
 def build_context(
@@ -143,7 +178,7 @@ def build_context(
         "sink_tokens": spec.sink_tokens or 0,
         "varlen": kind is KernelKind.varlen,
     }
-    context.update(_host_paths_context(spec, kind, derivation.arch))
+    context.update(_host_paths_context(spec, kind, derivation.arch) | expression_context(spec))
     context.update(_training_context(spec, kind, derivation, backward))
     _add_gluon(context, spec, kind, derivation.arch)
     if kind is KernelKind.decode:
@@ -173,11 +208,27 @@ def _separate_v_config(spec: AttnSpec, arch: str) -> str:
     return _config_literal(separate)
 
 
+def expression_gap(spec: AttnSpec, kind: KernelKind | None = None) -> str:
+    """Why the spec's score_mod / mask_mod are not compiled for `kind` (None: any kind of the
+    spec), one line naming the field; "" where they are (or the spec has none)."""
+    if spec.score_mod is None and spec.mask_mod is None:
+        return ""
+    if KernelKind.decode in ((kind,) if kind is not None else spec.kernels):
+        return (
+            "kernels: decode is not compiled with score_mod/mask_mod yet; allowed with them: "
+            "prefill, varlen"
+        )
+    if spec.backward:
+        return "backward: true is not compiled with score_mod/mask_mod yet; allowed: false"
+    return ""
+
+
 def _provenance_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str, Any]:
     """What the generated header records about where the module came from: attngen's
     version, the template and its hash, the module name, the spec, its hash and the arch."""
-    if spec.score_mod is not None or spec.mask_mod is not None:
-        raise RenderError(f"{spec.name}: score_mod and mask_mod are not compiled into kernels yet")
+    gap = expression_gap(spec, kind)
+    if gap:
+        raise RenderError(f"{spec.name}: {gap}")
     return {
         "attngen_version": __version__,
         "template_name": TEMPLATE_FOR_KIND[kind],
@@ -193,17 +244,20 @@ def _host_paths_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str
     """Hopper's tensor-memory accelerator for K/V blocks and the causal schedule (the choices
     and their measurements are in code_paths.py), and whether attention() keeps call plans
     (_call_plan.py.jinja: prefill launchers whose calls bring no tensors beyond q, k, v and
-    out; sinks and dropout do), as attention_varlen() (_varlen_plan.py.jinja) and decode()
-    (_decode_plan.py.jinja) do without them."""
+    out; sinks, dropout and expression tensors do), as attention_varlen()
+    (_varlen_plan.py.jinja) and decode() (_decode_plan.py.jinja) do without them."""
     paths = code_paths(spec, arch, kind)
     return {
         # attngen/host's parts for this kind, verbatim: the module's last lines
-        "host_code": host_code(kind),
+        "host_code": host_code(
+            kind, expressions=spec.score_mod is not None or spec.mask_mod is not None
+        ),
         "tma": paths.tma,
         "tma_masked_blocks": paths.tma_masked_blocks,
         "lpt_group_heads": paths.lpt_group_heads,
         "pointer_loads_up_to": POINTER_LOADS_UP_TO,
         "call_plans": not spec.sinks
+        and not spec.tensors
         and (
             kind is KernelKind.decode
             or (

@@ -132,26 +132,26 @@ def test_rendering_is_exact_and_parses() -> None:
     assert render_mod("score_mod", softcap, ()) == "(30.0 * _tanh((qk / 30.0)))"
     alibi = parse("score_mod", "score - 0.5 * abs(q_idx - kv_idx)")
     assert render_mod("score_mod", alibi, ()) == (
-        "(qk - (0.5 * tl.abs((offs_m[:, None] - offs_n[None, :])).to(tl.float32)))"
+        "(qk - (0.5 * tl.abs((offs_m[:, None] - key_pos[None, :])).to(tl.float32)))"
     )
     distance = parse("score_mod", "q_idx - kv_idx")  # an int score_mod is widened
     assert render_mod("score_mod", distance, ()) == (
-        "(offs_m[:, None] - offs_n[None, :]).to(tl.float32)"
+        "(offs_m[:, None] - key_pos[None, :]).to(tl.float32)"
     )
     chunk = parse("mask_mod", "q_idx // 64 == kv_idx // 64 and not q_idx < kv_idx")
     assert render_mod("mask_mod", chunk, ()) == (
         "((((offs_m[:, None] - ((offs_m[:, None] % 64) + 64) % 64) // 64) == "
-        "((offs_n[None, :] - ((offs_n[None, :] % 64) + 64) % 64) // 64)) & "
-        "((offs_m[:, None] < offs_n[None, :]) == 0))"
+        "((key_pos[None, :] - ((key_pos[None, :] % 64) + 64) % 64) // 64)) & "
+        "((offs_m[:, None] < key_pos[None, :]) == 0))"
     )
     table = Tensor("t", "bf16", (8,))
     rel = parse("score_mod", "score + t[q_idx - kv_idx]", (table,))
     inside = (
-        "(((offs_m[:, None] - offs_n[None, :]) >= 0) & ((offs_m[:, None] - offs_n[None, :]) < 8))"
+        "(((offs_m[:, None] - key_pos[None, :]) >= 0) & ((offs_m[:, None] - key_pos[None, :]) < 8))"
     )
     assert render_mod("score_mod", rel, (table,)) == (
-        f"tl.where({inside}, (qk + tl.load(t_ptr + ((offs_m[:, None] - offs_n[None, :])) * "
-        f"t_stride0, mask={inside}, other=0.0)), float('-inf'))"
+        f"tl.where({inside}, (qk + tl.load(t_ptr + ((offs_m[:, None] - key_pos[None, :])) * "
+        f"t_stride0, mask={inside}, other=0.0).to(tl.float32)), float('-inf'))"
     )
     for field, text in (("mask_mod", HOSTILE_FREE_MASK), ("score_mod", HOSTILE_FREE_SCORE)):
         source = render_mod(field, parse(field, text, TENSORS), TENSORS)
@@ -212,7 +212,7 @@ def test_floor_division_and_modulo_follow_python() -> None:
     for q, k in [(0, 3), (5, 0), (0, 0), (2, 9), (0, 8)]:
         expected = (q - k) // 4 * 10 + (q - k) % 4
         assert evaluate(tree, {"q_idx": q, "kv_idx": k}) == expected
-        kernel = eval(text, {"offs_m": _CInt(q), "offs_n": _CInt(k)})  # noqa: S307 (our own render)
+        kernel = eval(text, {"offs_m": _CInt(q), "key_pos": _CInt(k)})  # noqa: S307 (our own render)
         assert kernel == expected, (q, k, text)
     assert _CInt(-3) // 4 == 0 and _CInt(-3) % 4 == -3  # the helper truncates, as Triton does
 
@@ -265,7 +265,7 @@ def test_gradients_render_from_the_tree() -> None:
     assert "_tanh(" in source and "qk" in source
     causal_scale = parse("score_mod", "where(q_idx >= kv_idx, score, score*2)")
     assert render(gradients(causal_scale, ())["score"], ()) == (
-        "tl.where((offs_m[:, None] >= offs_n[None, :]), 1.0, 2.0)"
+        "tl.where((offs_m[:, None] >= key_pos[None, :]), 1.0, 2.0)"
     )
 
 
@@ -381,18 +381,6 @@ def test_explain_shows_the_tree_its_kernel_text_and_gradients() -> None:
     ]
 
 
-def test_the_build_refuses_expressions_until_kernels_compile_them() -> None:
-    from attngen.build import plan_build
-    from attngen.render import RenderError, render_module
-    from attngen.tiling.prefill import derive_tiles
-
-    (spec,) = specs_from_data({**BASE, **DOC_FIELDS})
-    with pytest.raises(SpecError, match="^flex: score_mod and mask_mod are checked"):
-        plan_build([spec])
-    with pytest.raises(RenderError, match="not compiled into kernels yet"):
-        render_module(spec, KernelKind.prefill, derive_tiles(spec, "sm90"))
-
-
 class _Tile(np.ndarray):
     """A numpy array with Triton's `.to(dtype)`, to run rendered kernel text on a tile."""
 
@@ -453,7 +441,7 @@ def test_rendered_text_computes_what_the_evaluator_does(field: str, text: str) -
         "off_b": np.array(0).view(_Tile),
         "off_h": np.array(1).view(_Tile),
         "offs_m": rows.view(_Tile),
-        "offs_n": cols.view(_Tile),
+        "key_pos": cols.view(_Tile),
         "dim_H": 2,
         "bias_ptr": 0,
         "bias_stride0": 7,

@@ -22,10 +22,12 @@ import pytest
 from attngen import __version__, render, template_env
 from attngen.arch import ARCHS
 from attngen.render import (
+    _GLUON_INTS,
     ENTRY_POINTS,
     RenderError,
     build_context,
     check_module_source,
+    expression_context,
     host_code,
     render_module,
     render_template,
@@ -44,6 +46,25 @@ _SMEM_PRE_HOPPER = (
     "shared memory = BLOCK_M*BLOCK_N*E + BLOCK_M*D*E + BLOCK_N*E*(D + DV)*Max(1, S - 1)"
 )
 _REGS = "registers/thread ~ 40 + (BLOCK_M*BLOCK_N + BLOCK_M*D*E/4 + BLOCK_M*DV)/(32*W)"
+
+
+def _spec_from_lines(lines: list[str]) -> dict:
+    from attngen.spec import parse_yaml
+
+    data = parse_yaml("\n".join(lines))
+    return {k: v for k, v in data.items() if v is not None}
+
+
+# A spec without score_mod / mask_mod (render.expression_context's keys).
+NO_EXPRESSIONS = {
+    "score_mod": "",
+    "mask_mod": "",
+    "expr_pointers": [],
+    "expr_ints": [],
+    "expr_strides": [],
+    "expr_declared": "()",
+    "expr_tanh": False,
+}
 
 # Causal, bottom-right aligned, bf16, D = DV = 128, on sm90.
 CAUSAL_BR_BF16_D128 = {
@@ -108,6 +129,7 @@ CAUSAL_BR_BF16_D128 = {
     "lpt_group_heads": 0,
     "pointer_loads_up_to": 512,
     "call_plans": True,
+    **NO_EXPRESSIONS,
     # The warp-specialized forward (attngen/tiling/gluon.py's choice for D 128).
     "gluon": True,
     "gluon_gap": "",
@@ -183,6 +205,7 @@ WINDOW_SOFTCAP_ALIBI_FP32_D80 = {
     "lpt_group_heads": 0,
     "pointer_loads_up_to": 512,
     "call_plans": True,
+    **NO_EXPRESSIONS,
     "gluon": False,
     "gluon_gap": "sm80 has no warp-specialized kernel (wgmma, TMA and setmaxnreg are sm90's)",
     "gluon_consumers": 0,
@@ -210,7 +233,30 @@ CAUSAL_BR_BF16_D128_VARLEN = {
     "gluon_gap": "varlen: packed sequences need per-sequence descriptors (not written yet)",
 }
 
+# The causal bf16 kernel with a document mask and a relative bias table as expressions
+# (their kernel text from render.expression_context; tile-level forward, no call plans).
+EXPRESSION_FIELDS = [
+    "mask_mod: (doc[b, q_idx] == doc[b, kv_idx])",
+    "score_mod: (score + bias[h, ((q_idx - kv_idx) + 8)])",
+    "tensors: [{name: doc, dtype: int32, shape: [B, N]},"
+    " {name: bias, dtype: bf16, shape: [H, 17]}]",
+]
+CAUSAL_BR_BF16_D128_EXPRESSIONS = {
+    **CAUSAL_BR_BF16_D128,
+    "module_name": "golden_causal_prefill_bf16_d128_causal_br_sm6fdba56b_mm6d5921dd",
+    "spec_lines": [*CAUSAL_BR_BF16_D128["spec_lines"], *EXPRESSION_FIELDS],
+    "host_code": host_code(PREFILL, expressions=True),
+    "call_plans": False,
+    "gluon": False,
+    "gluon_gap": "score_mod/mask_mod: not in the warp-specialized kernel yet",
+    **dict.fromkeys(_GLUON_INTS, 0),
+    **expression_context(
+        specs_from_data(_spec_from_lines(CAUSAL_BR_BF16_D128["spec_lines"] + EXPRESSION_FIELDS))[0]
+    ),
+}
+
 GOLDEN = {
+    "prefill_causal_br_bf16_d128_expressions": CAUSAL_BR_BF16_D128_EXPRESSIONS,
     "varlen_causal_br_bf16_d128": CAUSAL_BR_BF16_D128_VARLEN,
     "prefill_causal_br_bf16_d128": CAUSAL_BR_BF16_D128,
     "prefill_window_softcap_alibi_fp32_d80": WINDOW_SOFTCAP_ALIBI_FP32_D80,
@@ -272,13 +318,6 @@ def test_golden_contexts_mirror_build_context() -> None:
             assert context["module_name"] == module_name(
                 specs_from_data(_spec_from_lines(context["spec_lines"]))[0], kind
             )
-
-
-def _spec_from_lines(lines: list[str]) -> dict:
-    from attngen.spec import parse_yaml
-
-    data = parse_yaml("\n".join(lines))
-    return {k: v for k, v in data.items() if v is not None}
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN))

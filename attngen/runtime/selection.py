@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
+from attngen.expressions import expression_key
 from attngen.runtime.registry import KernelEntry, Registry, current_registry
 from attngen.spec import CausalAlign, Dtype, KernelKind, KvLayout, Mask
 
@@ -69,6 +70,9 @@ class Need(NamedTuple):
     chunk_size: int | None = None  # with mask chunked
     sink_tokens: int | None = None  # with mask sliding_window: the first keys always seen
     dropout: bool = False  # dropout_p > 0: a module built with dropout: true (name *_bwd_drop)
+    # score_mod / mask_mod: attngen.expressions.expression_key of the spec the call asks for
+    # ("": none). A module with expressions serves only calls that ask for its own.
+    expressions: str = ""
 
     def describe(self) -> str:
         mask = self.mask.value
@@ -261,6 +265,11 @@ def mismatches(entry: KernelEntry, need: Need) -> list[str]:
         problems.append(
             "dropout_p: needs a module built with dropout: true (and backward: "
             "true; its name ends _bwd_drop), module has dropout: false"
+        )
+    served = expression_key(spec)
+    if served != need.expressions:
+        problems.append(
+            f"score_mod/mask_mod: needs {need.expressions or 'none'}, module has {served or 'none'}"
         )
     if need.kind is KernelKind.decode:
         problems += _decode_mismatches(spec, need)

@@ -83,6 +83,7 @@ def gluon_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
         (spec.alibi, "ALiBi"),
         (spec.sinks, "sinks"),
         (spec.dropout, "dropout"),
+        (spec.score_mod is not None or spec.mask_mod is not None, "score_mod/mask_mod"),
     ):
         if present:
             return f"{feature}: not in the warp-specialized kernel yet"
