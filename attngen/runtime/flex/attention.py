@@ -88,10 +88,9 @@ def flex_attention(
 
 def _check_options(scale, enable_gqa, return_lse, kernel_options, return_aux) -> bool:
     """Whether the call returns the LSE; ValueError naming an argument outside torch's."""
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, int | float)):
-        raise ValueError(f"{API}: scale: got {scale!r}; allowed: None or a float")
-    if scale is not None and not math.isfinite(scale):
-        raise ValueError(f"{API}: scale: got {scale!r}; allowed: None or a finite float")
+    number = isinstance(scale, int | float) and not isinstance(scale, bool)
+    if scale is not None and not (number and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{API}: scale: got {scale!r}; allowed: None or a finite float > 0")
     for name, flag in (("enable_gqa", enable_gqa), ("return_lse", return_lse)):
         if not isinstance(flag, bool):
             raise ValueError(f"{API}: {name}: got {flag!r}; allowed: True or False")

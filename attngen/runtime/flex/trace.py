@@ -73,7 +73,8 @@ class Capture:
         if any(d.shape[0].startswith(prefix + "_") for d, _ in self.found.values()):
             prefix = f"T{len(taken)}"
         shape = tuple(f"{prefix}_{k}" for k in range(max(tensor.dim(), 1)))
-        decl = Tensor(name, _DTYPES[tensor.dtype], shape, tensor.requires_grad)
+        trainable = tensor.requires_grad and torch.is_grad_enabled()
+        decl = Tensor(name, _DTYPES[tensor.dtype], shape, trainable)
         self.found[id(tensor)] = (decl, tensor)
         return decl
 
