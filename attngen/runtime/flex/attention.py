@@ -18,13 +18,13 @@ kv_num_blocks / kv_indices is the next step (docs/status.md).
 
 from __future__ import annotations
 
-import dataclasses
 import math
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
 
-from attngen.expressions import Expr, make
+from attngen.expressions import Expr, expression_key, make
 from attngen.runtime import kernel_cache, ondemand
 from attngen.runtime.devices import device_problem
 from attngen.runtime.dispatch import expected_forward, need_for, unsupported_dtype
@@ -35,6 +35,7 @@ from attngen.runtime.selection import Dispatch, NoKernelError, record
 from attngen.spec import KernelKind, Mask
 
 API = "flex_attention"
+_PLAIN: dict[str, Any] = dict(mask=Mask.none, align=None, window=None, softcap=None, alibi=False)
 _modules: dict[tuple, tuple[Any, Dispatch]] = {}
 
 
@@ -205,54 +206,35 @@ def _bitmap(block_mask: Any, batch: int, heads: int, capture: Capture) -> Expr:
 
 def _module(query, key, value, score: Expr | None, mask: Expr | None, capture: Capture):
     """(module, Dispatch) of the call: kept per call key, built on demand on a first call."""
+    lq, lk = query.shape[2], key.shape[2]
     need = need_for(
-        KernelKind.prefill,
-        query,
-        value,
-        mask=Mask.none,
-        align=None,
-        window=None,
-        softcap=None,
-        alibi=False,
-        seqlen_q=query.shape[2],
-        seqlen_k=key.shape[2],
-        same_lengths=query.shape[2] == key.shape[2],
+        KernelKind.prefill, query, value, **_PLAIN, seqlen_q=lq, seqlen_k=lk, same_lengths=lq == lk
     )
-    if need.dtype is None:
-        raise NoKernelError(f"attngen.{API}: {unsupported_dtype(query)}")
-    why = device_problem(API, need.arch, need.dtype)
+    why = unsupported_dtype(query) if need.dtype is None else None
+    why = why or device_problem(API, need.arch, need.dtype)
+    settings = kernel_cache.settings()
+    if why is None and not settings.on_demand:
+        why = "its modules are built on demand, and on-demand builds are off "
+        why += f"(attngen.configure(on_demand=False) or {kernel_cache.ENV_ON_DEMAND}=0)"
     if why is not None:
         raise NoKernelError(f"attngen.{API}: {why}")
-    settings = kernel_cache.settings()
-    if not settings.on_demand:
-        raise NoKernelError(
-            f"attngen.{API}: its modules are built on demand, and on-demand builds are off "
-            f"(attngen.configure(on_demand=False) or {kernel_cache.ENV_ON_DEMAND}=0)"
-        )
-    decls = capture.declarations()
-    heads = (query.shape[1], key.shape[1])
-    call_key = (
-        str(score),
-        str(mask),
-        decls,
-        heads,
-        settings.cache_root,
-        need._replace(seqlen_q=0, seqlen_k=0, same_lengths=False),
-    )
-    hit = _modules.get(call_key)
-    if hit is None:
-        hit = _modules[call_key] = _build(need, heads, score, mask, decls)
-        module, dispatch = hit
-        _modules[call_key] = (module, _reused(dispatch))
-    return hit[0], dataclasses.replace(hit[1], need=need)
-
-
-def _build(need, heads, score, mask, decls) -> tuple[Any, Dispatch]:
-    from attngen.build import BuildError
-
     fields: dict[str, Any] = {"score_mod": None if score is None else str(score)}
     fields |= {"mask_mod": None if mask is None else str(mask)}
-    fields |= {"tensors": [dataclasses.asdict(d) | {"shape": list(d.shape)} for d in decls]}
+    fields |= {"tensors": [asdict(d) | {"shape": list(d.shape)} for d in capture.declarations()]}
+    need = need._replace(expressions=expression_key(fields))
+    heads = (query.shape[1], key.shape[1])
+    call_key = (need._replace(seqlen_q=0, seqlen_k=0, same_lengths=False), heads, settings)
+    hit = _modules.get(call_key)
+    if hit is None:
+        module, dispatch = _build(need, heads, fields)
+        _modules[call_key] = (module, _reused(dispatch))
+        return module, dispatch
+    return hit[0], replace(hit[1], need=need)
+
+
+def _build(need, heads, fields: dict[str, Any]) -> tuple[Any, Dispatch]:
+    from attngen.build import BuildError
+
     try:
         spec, kind, arch = ondemand.spec_for(need, heads, fields)
         entry, built = ondemand.cached_module(spec, kind, arch)
@@ -260,7 +242,8 @@ def _build(need, heads, score, mask, decls) -> tuple[Any, Dispatch]:
         raise NoKernelError(f"attngen.{API}: no module can be built: {exc}") from None
     module = import_verified(entry)
     how = "built on demand now" if built else "found in the on-demand cache"
-    reason = f"{entry.describe()} {how} ({entry.key}) for score_mod {score}, mask_mod {mask}"
+    reason = f"{entry.describe()} {how} ({entry.key}) for score_mod {fields['score_mod']}, "
+    reason += f"mask_mod {fields['mask_mod']}"
     dispatch = Dispatch(
         API,
         need,
@@ -277,4 +260,4 @@ def _build(need, heads, score, mask, decls) -> tuple[Any, Dispatch]:
 def _reused(dispatch: Dispatch) -> Dispatch:
     """The record later calls of a key leave: they did not build the module."""
     reason = dispatch.reason.replace("built on demand now", "built on demand earlier")
-    return dataclasses.replace(dispatch, built=False, reason=reason)
+    return replace(dispatch, built=False, reason=reason)

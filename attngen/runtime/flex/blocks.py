@@ -72,7 +72,7 @@ def tensor_env(tensors: tuple[Tensor, ...], values: dict[str, torch.Tensor]) -> 
     """The env entries of captured tensors: each tensor and its named dims' sizes."""
     env: dict[str, Any] = dict(values)
     for decl in tensors:
-        env |= dict(zip(decl.shape, values[decl.name].shape, strict=True))
+        env |= {str(n): size for n, size in zip(decl.shape, values[decl.name].shape, strict=True)}
     return env
 
 

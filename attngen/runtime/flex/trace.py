@@ -70,7 +70,7 @@ class Capture:
         if name is None or name in taken or name in _RESERVED:
             name = next(f"t{i}" for i in range(len(taken) + 1) if f"t{i}" not in taken)
         prefix = name.upper()[:13]  # dim names: [A-Z][A-Z0-9_]{0,15}, unique to the tensor
-        if any(d.shape[0].startswith(prefix + "_") for d, _ in self.found.values()):
+        if any(str(d.shape[0]).startswith(prefix + "_") for d, _ in self.found.values()):
             prefix = f"T{len(taken)}"
         shape = tuple(f"{prefix}_{k}" for k in range(max(tensor.dim(), 1)))
         trainable = tensor.requires_grad and torch.is_grad_enabled()
@@ -87,30 +87,26 @@ class Capture:
 
 
 def _variable_names(fn: Any, depth: int = 0) -> dict[int, str]:
-    """id(tensor) -> the name of a closure cell, global or default argument holding it (also
-    in the functions those hold, as and_masks' closures do), where a valid tensor name."""
-    found: dict[int, str] = {}
+    """id(tensor) -> the name of a closure cell, global, default or partial keyword argument
+    holding it (also in the functions those hold, as and_masks' closures do)."""
     fn = getattr(fn, "fn", fn)  # torch's _MaskModWrapper
-    if isinstance(fn, functools.partial):
-        pairs = [*enumerate(fn.args), *fn.keywords.items()]
-        return {id(v): str(k) for k, v in pairs if isinstance(v, torch.Tensor)} | _variable_names(
-            fn.func, depth + 1
-        )
+    pairs: list[tuple[str, Any]] = []
     code = getattr(fn, "__code__", None)
-    if code is None or depth > 3:
-        return found
-    cells = [getattr(c, "cell_contents", None) for c in fn.__closure__ or ()]  # None: empty
-    pairs = list(zip(code.co_freevars, cells, strict=True))
-    pairs += [(n, fn.__globals__[n]) for n in code.co_names if n in fn.__globals__]
-    defaults = fn.__defaults__ or ()
-    params = code.co_varnames[: code.co_argcount]
-    pairs += list(zip(params[len(params) - len(defaults) :], defaults, strict=True))
+    if isinstance(fn, functools.partial):
+        pairs = [*fn.keywords.items(), ("", fn.args), ("", fn.func)]
+    elif code is not None:
+        cells = [getattr(c, "cell_contents", None) for c in fn.__closure__ or ()]  # None: empty
+        pairs = list(zip(code.co_freevars, cells, strict=True))
+        pairs += [(n, fn.__globals__[n]) for n in code.co_names if n in fn.__globals__]
+        defaults, params = fn.__defaults__ or (), code.co_varnames[: code.co_argcount]
+        pairs += list(zip(params[len(params) - len(defaults) :], defaults, strict=True))
+    found: dict[int, str] = {}
     for name, value in pairs:
         if isinstance(value, torch.Tensor):
             clean = re.sub(r"[^a-z0-9_]", "_", name.lower()).lstrip("_0123456789")[:32]
-            if clean and id(value) not in found:
-                found[id(value)] = clean
-        else:  # a function it calls (and_masks keeps a tuple of them)
+            if clean:
+                found.setdefault(id(value), clean)
+        elif depth < 3:  # a function it calls (and_masks keeps a tuple of them)
             for inner in value if isinstance(value, tuple | list) else (value,):
                 if callable(inner) and not isinstance(inner, type):
                     found = _variable_names(inner, depth + 1) | found
@@ -269,7 +265,7 @@ class _Sym:
     __and__, __rand__ = _binary("and"), _binary("and", True)
     __or__, __ror__ = _binary("or"), _binary("or", True)
     __lt__, __le__, __gt__ = _binary("lt"), _binary("le"), _binary("gt")
-    __ge__, __eq__, __ne__ = _binary("ge"), _binary("eq"), _binary("ne")  # type: ignore[assignment]
+    __ge__, __eq__, __ne__ = _binary("ge"), _binary("eq"), _binary("ne")
     __bool__ = _refuse(
         "a traced value used as a Python bool (if, and, or, not, min, max, "
         "assert: data-dependent control flow); use &, |, ~, torch.where, "
