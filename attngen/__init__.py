@@ -31,6 +31,7 @@ _RUNTIME = frozenset(
         "flex_attention",
         "create_block_mask",
         "BlockMask",
+        "TraceError",
         "register_transformers",
         "last_dispatch",
         "dispatch_log",

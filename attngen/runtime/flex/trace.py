@@ -297,10 +297,7 @@ class _Sym:
             raise AttributeError(name)
         method = _TORCH.get(name)
         if method is None:
-            raise self.ctx.error(
-                f"the method .{name}() is not in the language; allowed: "
-                f"{', '.join(sorted(m for m in _TORCH if m[0] != '_'))}"
-            )
+            raise self.ctx.error(f"the method .{name}() is not in the language; {_ALLOWED}")
         return functools.partial(method, self.ctx, self)
 
     @classmethod
@@ -312,10 +309,7 @@ class _Sym:
             return ctx.load(args[0], args[1])
         method = _TORCH.get(name)
         if method is None or (kwargs and name not in ("new_ones", "new_zeros")):
-            raise ctx.error(
-                f"torch.{name} is not in the language (or not with keywords); "
-                f"allowed: {', '.join(sorted(m for m in _TORCH if m[0] != '_'))}"
-            )
+            raise ctx.error(f"torch.{name} is not in the language (or not so); {_ALLOWED}")
         return method(ctx, *args, **(kwargs or {}))
 
 
@@ -368,6 +362,7 @@ _TORCH |= {"exp2": lambda ctx, x: ctx.apply("exp", ctx.apply("mul", x, LN2))}
 _TORCH |= {"float": lambda ctx, x: ctx.apply("mul", x, 1.0)}
 _TORCH |= {"new_ones": _constant(1), "new_zeros": _constant(0)}
 _TORCH |= {"ones_like": _constant(1), "zeros_like": _constant(0)}
+_ALLOWED = f"allowed: {', '.join(sorted(name for name in _TORCH if name[0] != '_'))}"
 
 
 def trace(fn: Any, field: str, capture: Capture) -> tuple[Expr | None, Expr | None]:
