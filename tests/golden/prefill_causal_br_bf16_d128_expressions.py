@@ -364,7 +364,6 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
     q [B, HQ, M, 128], k [B, HKV, N, 128], v [B, HKV, N, 128] in bf16, any strides.
     sm_scale defaults to 1/sqrt(128).
 
-
     tensors: the tensors score_mod and mask_mod read, by name (keyword; required when the
     spec declares any: doc, bias), each of its declared dtype, rank and shape, on q's
     device; a named dim takes the size of the tensors it appears in, which must agree.
