@@ -254,3 +254,13 @@ def test_flex_attention_on_the_gpu_equals_torchs(on_demand, score_mod, mask_mod)
         assert (out.float() - want.float()).abs().max() < 2e-2  # bf16 outputs of ~1
     finally:
         prefix, docs, slopes, bias = saved
+
+
+def test_an_identity_score_mod_and_a_keep_all_mask_are_the_plain_module(on_demand) -> None:  # noqa: F811
+    q, k, v = _inputs()
+    plain = attngen.flex_attention(q, k, v, enable_gqa=True)
+    key = last_dispatch().key
+    block = attngen.create_block_mask(lambda b, h, i, j: True, None, None, L, S, "cpu")
+    same = attngen.flex_attention(q, k, v, lambda s, b, h, i, j: s, block, enable_gqa=True)
+    assert last_dispatch().key == key and last_dispatch().need.expressions == ""
+    assert torch.equal(plain, same)

@@ -64,6 +64,8 @@ def flex_attention(
     score, keep = (None, None) if score_mod is None else trace(score_mod, "score_mod", capture)
     mask = _mask_tree(block_mask, query, key, capture)
     mask = keep if mask is None else mask if keep is None else make("mask_mod", "and", (mask, keep))
+    score = None if score is not None and str(score) == "score" else score  # torch's _identity
+    mask = None if mask is not None and mask.op == "num" and mask.value is True else mask
     values = capture.values()
     _check_grad(query, key, value, values)
     for name, tensor in values.items():

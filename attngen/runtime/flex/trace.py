@@ -283,9 +283,6 @@ class _Sym:
     def __neg__(self) -> _Sym:
         return self.ctx.apply("neg", self)
 
-    def __pos__(self) -> _Sym:
-        return self
-
     def __abs__(self) -> _Sym:
         return self.ctx.apply("abs", self)
 
