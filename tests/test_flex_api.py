@@ -85,7 +85,7 @@ def _inputs(dtype=torch.float32, kv_batch=B):
 def _torch(q, k, v, score_mod, mask_mod, **options):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        block = None if mask_mod is None else torch_block_mask(mask_mod, B, None, L, S, "cpu")
+        block = None if mask_mod is None else torch_block_mask(mask_mod, B, None, L, S, q.device)
         return torch_flex(q, k, v, score_mod, block, enable_gqa=True, return_lse=True, **options)
 
 
@@ -241,17 +241,13 @@ def test_flex_attention_on_the_gpu_equals_torchs(on_demand, score_mod, mask_mod)
     saved = prefix, docs, slopes, bias
     prefix, docs, slopes, bias = (t.cuda() for t in saved)
     try:
-        q, k, v = (t.cuda().to(torch.bfloat16) for t in _inputs())
+        q, k, v = (t.cuda() for t in _inputs(torch.bfloat16))
         block = None if mask_mod is None else attngen.create_block_mask(mask_mod, B, None, L, S)
         out, lse = attngen.flex_attention(
             q, k, v, score_mod, block, enable_gqa=True, return_lse=True
         )
-        tblock = None if mask_mod is None else torch_block_mask(mask_mod, B, None, L, S)
-        want, want_lse = torch.compile(torch_flex)(
-            q, k, v, score_mod, tblock, enable_gqa=True, return_lse=True
-        )
-        assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
-        assert (out.float() - want.float()).abs().max() < 2e-2  # bf16 outputs of ~1
+        _check(out, lse, q, k, v, score_mod, mask_mod, 3.0 if score_mod is softcap else 2.0)
+        assert last_dispatch().module.startswith("sm")
     finally:
         prefix, docs, slopes, bias = saved
 
