@@ -31,6 +31,7 @@ from attngen.distributed.plan import (
     ring_plan,
 )
 from tests import context_parallel_harness as harness
+from tests import cp_head_groups_harness as head_groups
 from tests.runtime_harness import build_folder
 
 SPAWN_DEADLINE_S = 300
@@ -42,23 +43,23 @@ def cp_folder(tmp_path_factory):
     return build_folder(tmp_path_factory.mktemp("cp_kernels"), specs)
 
 
-@pytest.fixture(scope="module")
-def group_results(cp_folder, tmp_path_factory) -> dict[int, dict]:
-    """{world size: {case name: result}}: every case of the harness, run by one spawned gloo
-    group of three processes and by two of them as a subgroup."""
-    out_dir = tmp_path_factory.mktemp("cp_groups")
-    context = mp.spawn(
-        harness.worker,
-        args=(3, harness.free_port(), str(cp_folder), str(out_dir)),
-        nprocs=3,
-        join=False,
-    )
+def spawn_group(worker, nprocs: int, args: tuple) -> None:
+    """worker(rank, *args) in `nprocs` spawned processes, killed past SPAWN_DEADLINE_S."""
+    context = mp.spawn(worker, args=args, nprocs=nprocs, join=False)
     deadline = time.monotonic() + SPAWN_DEADLINE_S
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
             pytest.fail(f"the process group did not finish in {SPAWN_DEADLINE_S} s")
+
+
+@pytest.fixture(scope="module")
+def group_results(cp_folder, tmp_path_factory) -> dict[int, dict]:
+    """{world size: {case name: result}}: every case of the harness, run by one spawned gloo
+    group of three processes and by two of them as a subgroup."""
+    out_dir = tmp_path_factory.mktemp("cp_groups")
+    spawn_group(harness.worker, 3, (3, harness.free_port(), str(cp_folder), str(out_dir)))
     return {
         world: {r["name"]: r for r in json.loads((out_dir / f"world{world}.json").read_text())}
         for world in (2, 3)
@@ -87,10 +88,49 @@ def test_matches_reference_across_processes(group_results, world, case):
     if "ring_head_groups" in case:
         assert result["head_groups"] == case["ring_head_groups"], result["plan"]
         assert result["groups_bitwise"], result["plan"]
+        heads_kv = case["heads"][1]  # the backward in 1, 2 and all-heads groups: same bytes
+        groups = {str(g): True for g in (1, min(2, heads_kv), heads_kv)}
+        assert result["backward_groups_bitwise"] == groups, result["plan"]
     if case["strategy"] != "auto":
         assert result["strategy"] == case["strategy"]
     elif "expect" in case:
         assert result["strategy"] == case["expect"], result["plan"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_backward_head_groups_are_bitwise_and_divide_its_memory(cp_folder, tmp_path, world):
+    """The gloo twin of the two-GPU test (tests/test_context_parallel_gpu.py, the same worker):
+    the ring's backward in 1, 2 and 4 groups of KV heads (GQA 8 / 4), its gradients the same
+    bytes for every count, and the memory it allocates beyond its gradients, measured on each
+    rank, is tools/cp_bench_setup.py's model byte for byte: 1 / groups of one group's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from cp_bench_setup import ring_backward_peak
+
+    config = dict(
+        backend="gloo",
+        seq_len=2 * world * 8 + 1,  # uneven shards: the model follows each rank's lengths
+        heads=(8, 4),
+        head_dim=harness.HEAD_DIM,
+        dtype="float32",
+        groups=[1, 2, 4],
+    )
+    args = (world, harness.free_port(), str(cp_folder), str(tmp_path), config)
+    spawn_group(head_groups.worker, world, args)
+    report = json.loads((tmp_path / f"head_groups_w{world}.json").read_text())
+    assert report["bitwise"] and report["planned"] == [1, 2, 4], report
+    shards = [sum(c.length for c in r) for r in rank_chunks(config["seq_len"], world, "zigzag")]
+    for rank, peaks in enumerate(report["peaks"]):
+        gradients = (8 + 4 + 4) * shards[rank] * harness.HEAD_DIM * 4
+        extra = [peak - gradients for peak in peaks]
+        model = [
+            ring_backward_peak(config["seq_len"], world, rank, (8, 4), harness.HEAD_DIM, 4, g)
+            for g in (1, 2, 4)
+        ]
+        assert extra == model, (rank, peaks, model)
+        assert extra[1] * 2 == extra[0] and extra[2] * 4 == extra[0], (rank, extra)
 
 
 # ------------------------------------------------------------------------------- layout

@@ -53,9 +53,12 @@ class ContextParallelPlan:
     rule: MaskRule
     steps: tuple[tuple[KernelCall, ...], ...]  # ring: one per step; allgather: one
     head_groups: int = 1  # ring: trips around the ring, one per group of KV heads
+    backward_head_groups: int = 1  # the ring's backward: the same, for its accumulators
 
     def describe(self) -> str:
         groups = f", {self.head_groups} head groups" if self.head_groups > 1 else ""
+        if self.backward_head_groups > 1:
+            groups += f", backward in {self.backward_head_groups}"
         lines = [
             f"{self.strategy} ({self.reason}); rank {self.rank} of {self.world_size}, "
             f"{self.layout}, N = {self.seq_len}, mask {self.rule.describe()}{groups}"
@@ -120,14 +123,17 @@ def context_parallel_attention(
         strategy, rule, seq_len, world, layout, aligns, rank, q, k, v
     )
     execute.check_served(all_calls, q, v, options)
-    groups = _head_groups(ring_head_groups, q, v, chunks) if chosen == "ring" else 1
+    groups = [  # the forward's, the backward's
+        _head_groups(ring_head_groups, q, v, chunks, b) if chosen == "ring" else 1
+        for b in (False, True)
+    ]
     plan_steps = _record(chosen, reason, layout, world, rank, seq_len, rule, steps, groups)
-    run = _forward(chosen, q, k, v, steps, chunks, seq_len, group, options, groups)
+    run = _forward(chosen, q, k, v, steps, chunks, seq_len, group, options, groups[0])
     if trains:
         # Before any communication, as the forward's check: every rank refuses together.
         execute.check_served(all_calls, q, v, options, backward=True)
         problem = backward.Problem(
-            chosen, plan_steps, tuple(all_calls), tuple(chunks), seq_len, group, options
+            chosen, plan_steps, tuple(all_calls), tuple(chunks), seq_len, group, options, groups[1]
         )
         out, lse = backward.ContextParallelAttention.apply(run, problem, q, k, v)
     else:
@@ -152,20 +158,21 @@ def _record(chosen, reason, layout, world, rank, seq_len, rule, steps, groups):
     global _last
     plan_steps = tuple(tuple(s) for s in steps)
     _last = ContextParallelPlan(
-        chosen, reason, layout, world, rank, seq_len, rule, plan_steps, groups
+        chosen, reason, layout, world, rank, seq_len, rule, plan_steps, *groups
     )
     return plan_steps
 
 
-def _head_groups(asked, q, v, chunks) -> int:
-    """How many groups of KV heads the ring computes one after another, each going around the
-    ring once with its own fp32 accumulator and K/V in flight: `asked` (an int from 1 to Hkv,
-    checked), or for None the fewest groups whose accumulator fits RING_ACCUMULATOR_BYTES (one
-    for short sequences), the same on every rank (from the longest shard). More groups hold
-    less memory and exchange more, smaller messages (docs/context_parallel.md, "Memory")."""
+def _head_groups(asked, q, v, chunks, backward: bool = False) -> int:
+    """How many groups of KV heads the ring computes one after another (with backward: in its
+    backward), each going around the ring once with its own fp32 accumulators and K/V in
+    flight: `asked` (an int from 1 to Hkv, checked), or for None the fewest groups whose
+    accumulators fit RING_ACCUMULATOR_BYTES (one for short sequences), the same on every rank
+    (from the longest shard). More groups hold less memory and exchange more, smaller
+    messages (docs/context_parallel.md, "Memory")."""
     if asked is None:
         longest = max(sum(c.length for c in rank) for rank in chunks)
-        return execute.auto_head_groups(q, v, longest, RING_ACCUMULATOR_BYTES)
+        return execute.auto_head_groups(q, v, longest, RING_ACCUMULATOR_BYTES, backward)
     return asked
 
 
