@@ -14,6 +14,7 @@ recorded them.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import weakref
@@ -116,7 +117,9 @@ def worker(rank: int, world: int, port: int, folder: str, out_dir: str, config: 
             ring_head_groups=groups,
         )
         planned.append(last_plan().backward_head_groups)
-        grads, peak = measured(lambda: torch.autograd.grad(out, leaves, shards[3]), device)
+        backward = functools.partial(torch.autograd.grad, out, leaves, shards[3])
+        grads, peak = measured(backward, device)
+        del backward
         peaks.append(peak)
         if first is None:
             first = grads

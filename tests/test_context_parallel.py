@@ -401,24 +401,65 @@ def test_auto_head_groups_keep_the_accumulator_within_the_budget(heads, rows, bu
 
 @pytest.mark.parametrize("alibi", [False, True])
 def test_ring_head_groups_are_bitwise_one_group_in_one_process(single_group, alibi):
-    """One group per KV head against one group, with the automatic choice forced to split;
-    with ALiBi each group takes its own heads' slopes."""
+    """One group per KV head against one group, forward and backward (through the output and
+    the LSE), with the automatic choice forced to split; with ALiBi each group takes its own
+    heads' slopes."""
     from attngen.distributed import context
 
-    q, k, v = toy_inputs(seq_len=12, heads=(4, 2))
+    q, k, v = toy_inputs(seq_len=12, heads=(4, 2), requires_grad=True)
+    gen = torch.Generator().manual_seed(3)
+    out_grads = (torch.randn(1, 4, 12, harness.HEAD_DIM, generator=gen), torch.randn(1, 4, 12))
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]) if alibi else None
     kwargs = dict(causal=True, strategy="ring", return_lse=True, alibi_slopes=slopes)
     kwargs["layout"] = "contiguous"  # one rank: one call, ALiBi placed by its alignment
-    expected = context_parallel_attention(q, k, v, **kwargs)
-    assert last_plan().head_groups == 1
+
+    def run():
+        results = context_parallel_attention(q, k, v, **kwargs)
+        return [*results, *torch.autograd.grad(results, (q, k, v), out_grads)]
+
+    expected = run()
+    assert (last_plan().head_groups, last_plan().backward_head_groups) == (1, 1)
     saved = context.RING_ACCUMULATOR_BYTES
     context.RING_ACCUMULATOR_BYTES = 1
     try:
-        got = context_parallel_attention(q, k, v, **kwargs)
+        got = run()
     finally:
         context.RING_ACCUMULATOR_BYTES = saved
-    assert last_plan().head_groups == 2 and "2 head groups" in last_plan().describe()
-    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert (last_plan().head_groups, last_plan().backward_head_groups) == (2, 2)
+    assert "2 head groups, backward in 2" in last_plan().describe()
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], got, expected, strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize(
+    "heads, rows, budget, groups",
+    [
+        # per KV head: dQ of 2 query heads and three fp32 dK/dV: 8 x 4 x (2 x 16 + 3 x 32)
+        ((4, 2), 8, 2 * 8 * 4 * (2 * 16 + 3 * 32), 1),
+        ((4, 2), 8, 2 * 8 * 4 * (2 * 16 + 3 * 32) - 1, 2),
+        ((8, 8), 8, 3 * 8 * 4 * (16 + 3 * 32), 3),  # groups of ceil(8 / 3) = 3 KV heads
+    ],
+)
+def test_backward_head_groups_keep_its_accumulators_within_the_budget(heads, rows, budget, groups):
+    from attngen.distributed.execute import auto_head_groups
+
+    q = torch.empty(1, heads[0], rows, harness.HEAD_DIM, device="meta")
+    v = torch.empty(1, heads[1], rows, harness.HEAD_DIM, device="meta")
+    assert auto_head_groups(q, v, rows, budget, backward=True) == groups
+
+
+def test_long_sequences_train_in_groups_of_kv_heads():
+    """The automatic choice at Llama-3-8B's heads on two ranks: the forward splits from 256k
+    tokens (its 1 GiB accumulator at 128k rows a rank), the backward, with its dQ and three
+    dK/dV (40 KiB a row), earlier."""
+    from attngen.distributed.context import _head_groups
+
+    for seq_len, forward, backward in ((32768, 1, 1), (65536, 1, 2), (262144, 2, 8)):
+        q = torch.empty(1, 32, seq_len // 2, 128, dtype=torch.bfloat16, device="meta")
+        v = torch.empty(1, 8, seq_len // 2, 128, dtype=torch.bfloat16, device="meta")
+        chunks = rank_chunks(seq_len, 2, "zigzag")
+        assert _head_groups(None, q, v, chunks) == forward, seq_len
+        assert _head_groups(None, q, v, chunks, backward=True) == backward, seq_len
 
 
 def test_strided_inputs_give_the_same_bytes(single_group):
