@@ -719,7 +719,6 @@ def test_backward_benchmark_runs_on_the_cpu(single_group, tmp_path):
             "--master-port",
             str(harness.free_port()),
             str(script),
-            "--no-torch-cp",
             "--smoke",
             "--seqlens",
             "32",
@@ -733,12 +732,20 @@ def test_backward_benchmark_runs_on_the_cpu(single_group, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     (multi,) = tmp_path.glob("bench_context_parallel_backward_2gpu_*.json")
-    row = json.loads(multi.read_text())["multi"][0]
-    for strategy in ("ring", "allgather"):  # fp32 gradients of two ranks against one process's
-        for diff, magnitude in row[f"attngen_{strategy}_max_diff"].values():
-            # fp32 sums over 32 tokens split in other places, each partial rounded once
-            # before the fp32 sum: a few ulps of the largest gradient (measured <= 6 at N 64).
-            assert diff <= 16 * 2**-23 * magnitude, (strategy, row)
+    rows = json.loads(multi.read_text())["multi"]
+    assert [(r["heads"], r["N"]) for r in rows] == [("4/4", 32), ("4/2", 32)]
+    for row in rows:
+        for strategy in ("ring", "allgather"):  # fp32 gradients of two ranks against one's
+            assert row[f"attngen_{strategy}_bytes"] == row["one_gpu_bytes"] // 2  # the inputs
+            for diff, magnitude in row[f"attngen_{strategy}_max_diff"].values():
+                # fp32 sums over 32 tokens split in other places, each partial rounded once
+                # before the fp32 sum: a few ulps of the largest gradient (<= 6 at N 64).
+                assert diff <= 16 * 2**-23 * magnitude, (strategy, row)
+        for backend in ("cudnn", "flash"):  # PyTorch's runs up to its backend on the CPU
+            assert f"torch_{backend}_ms" in row or f"torch_{backend}_error" in row, row
+        assert row["ring_backward_head_groups"] == 1
+    last = done.stdout.strip().splitlines()
+    assert last[-4].startswith("| heads | N | 1 GPU ms |") and last[-1].startswith("| 4/2 | 32 |")
 
 
 def test_long_sequence_script_runs_on_the_cpu(tmp_path):
