@@ -785,3 +785,48 @@ def test_long_sequence_script_runs_on_the_cpu(tmp_path):
     assert data["check"]["rows"] == 32 and data["check"]["problems"] == []
     assert data["check"]["out"]["max_err"] <= data["check"]["out"]["max_bound"]
     assert "check (32 sampled rows)" in done.stdout.splitlines()[-1]
+
+
+def test_training_step_script_runs_on_the_cpu(tmp_path):
+    """tools/cp_train_step.py under torchrun with gloo at toy sizes (--smoke: fp32, the
+    interpreter): forward + backward of the two-rank ring in two head groups, the sampled
+    rows of dq and keys of dk, dv against their references joined across ranks, the memory
+    model, the JSON and the table (the sizes that matter need two H200s)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(harness.free_port()),
+            str(root / "tools" / "cp_train_step.py"),
+            "--smoke",
+            "--head-groups",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,) = tmp_path.glob("cp_train_step_smoke_smoke_*.json")
+    data = json.loads(result.read_text())
+    assert data["seq_len"] == 64 and data["head_groups"] == [2, 2] and data["world_size"] == 2
+    check = data["check"]
+    assert check["rows"] == 32 and check["problems"] == [], check
+    for name in ("dq", "dk", "dv"):
+        assert 0 < check[name]["max_err"] <= check[name]["max_bound"], (name, check)
+    # 32 tokens a rank: q, k, v, out, dO, dq, dk, dv, LSE and delta, and the backward's peak
+    per_token = 4 * (4 + 2) * 16 * 4 + 2 * 4 * 4
+    assert data["rank_model_bytes"][0] > 32 * per_token and data["one_gpu_bytes"] == 64 * per_token
+    assert "check (32 rows, 32 keys)" in done.stdout.splitlines()[-1]
