@@ -458,8 +458,8 @@ def test_long_sequences_train_in_groups_of_kv_heads():
         q = torch.empty(1, 32, seq_len // 2, 128, dtype=torch.bfloat16, device="meta")
         v = torch.empty(1, 8, seq_len // 2, 128, dtype=torch.bfloat16, device="meta")
         chunks = rank_chunks(seq_len, 2, "zigzag")
-        assert _head_groups(None, q, v, chunks) == forward, seq_len
-        assert _head_groups(None, q, v, chunks, backward=True) == backward, seq_len
+        assert _head_groups(None, q, v, chunks) == (forward, backward), seq_len
+    assert _head_groups(3, q, v, chunks) == (3, 3)  # asked: for both
 
 
 def test_strided_inputs_give_the_same_bytes(single_group):

@@ -261,30 +261,16 @@ def main() -> int:
     count = min(SAMPLES, *(sum(c.length for c in r) for r in every))  # as many on every rank
     tensors = (q, k, v, dout, out, lse)
     checked = check(tensors, (dq, dk, dv), chunks, world, rank, count, dtype)
-    flops = 2.0 * seq_len * seq_len * heads[0] * heads[2]
-    result = {
-        "proxy": args.memory_fraction is not None,
-        "smoke": args.smoke,
-        "model": args.model if not args.smoke else "smoke",
-        "shape": dict(zip(("heads_q", "heads_kv", "head_dim"), heads, strict=True)),
-        "dtype": str(dtype),
-        "seq_len": seq_len,
-        "world_size": world,
-        "memory_measured_against_bytes": cap,
-        "one_gpu_bytes": seq_len * per_token,
-        "one_gpu_attempt": attempt,
-        "rank_model_bytes": long.per_rank(model, device),
-        "peak_bytes": long.per_rank(peak, device),
-        "head_groups": [plan.head_groups, plan.backward_head_groups],
-        "forward_seconds": forward,
-        "backward_seconds": backward,
-        "forward_tflops_per_gpu": flops / forward / 1e12 / world,
-        "backward_tflops_per_gpu": 2.5 * flops / backward / 1e12 / world,
-        "check": checked,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "date": datetime.date.today().isoformat(),
-    }
+    result = report(args, heads, dtype, seq_len, cap, per_token, attempt, plan, device)
+    result.update(
+        rank_model_bytes=long.per_rank(model, device),
+        peak_bytes=long.per_rank(peak, device),
+        forward_seconds=forward,
+        backward_seconds=backward,
+        forward_tflops_per_gpu=result["flops"] / forward / 1e12 / world,
+        backward_tflops_per_gpu=2.5 * result["flops"] / backward / 1e12 / world,
+        check=checked,
+    )
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         kind = "smoke" if args.smoke else ("proxy" if result["proxy"] else "full")
@@ -293,6 +279,30 @@ def main() -> int:
         print(table(result))
     dist.destroy_process_group()
     return 0 if not checked["problems"] else 1
+
+
+def report(args, heads, dtype, seq_len, cap, per_token, attempt, plan, device) -> dict:
+    """The run's description: shapes, sizes, the one-GPU attempt, the plan's groups."""
+    import torch
+    import torch.distributed as dist
+
+    return {
+        "proxy": args.memory_fraction is not None,
+        "smoke": args.smoke,
+        "model": args.model if not args.smoke else "smoke",
+        "shape": dict(zip(("heads_q", "heads_kv", "head_dim"), heads, strict=True)),
+        "dtype": str(dtype),
+        "seq_len": seq_len,
+        "world_size": dist.get_world_size(),
+        "memory_measured_against_bytes": cap,
+        "one_gpu_bytes": seq_len * per_token,
+        "one_gpu_attempt": attempt,
+        "head_groups": [plan.head_groups, plan.backward_head_groups],
+        "flops": 2.0 * seq_len * seq_len * heads[0] * heads[2],
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+    }
 
 
 def table(r: dict) -> str:

@@ -1,29 +1,17 @@
-"""The backward of context_parallel_attention: dQ, dK, dV across ranks, from the same plan as
-the forward.
+"""The backward of context_parallel_attention: dQ, dK, dV across ranks, from the forward's plan.
 
-Attention's gradient splits over key ranges exactly when every partial uses the whole row's
-softmax: with P = exp(S - LSE) (LSE of the whole sequence) and delta = rowsum(dO * O) (O the
-whole sequence's output),
+Given the whole sequence's out and LSE, a generated gradient kernel computes the exact share
+of dQ, dK and dV that one chunk pair contributes (docs/context_parallel.md, "Backward", has
+the algebra): each kernel call of the forward's plan (rows, keys, mask, alignment and fake
+rows, so every pair's visibility and offset are the forward's) runs once more through the
+gradient kernels (run_dense_backward, recorded by dispatch); fake rows get LSE -inf, output 0
+and dO 0. The shares are summed in fp32:
 
-    dV_j = sum_i P_ij dO_i,   dS_ij = P_ij (dO_i . V_j - delta_i),
-    dQ_i = scale sum_j dS_ij K_j,   dK_j = scale sum_i dS_ij Q_i,
-
-so a generated gradient kernel given the forward's global out and LSE (it computes delta from
-out itself) computes the exact share of dQ, dK and dV that one chunk pair contributes. Each
-kernel call of the forward's plan (the same rows, keys, mask, alignment and fake rows: every
-pair's visibility and offset exactly what the forward used) runs once more through the
-gradient kernels (attngen.runtime.launch.run_dense_backward, recorded by dispatch); fake rows
-get LSE -inf, output 0 and dO 0, so they contribute nothing. The shares are summed in fp32:
-
-    ring       dQ stays on its rank. dK/dV of a K/V shard travel with it: at step s this rank
-               adds its share to the fp32 dK/dV of the shard it holds (received from rank - 1)
-               and sends the sum on to rank + 1, overlapped with the next step's kernels; one
-               more send brings each shard's dK/dV to its owner. One group of KV heads (and
-               their query heads) goes around at a time (`head_groups`), so that the fp32
-               accumulators and the shards in flight are one group's; each group's result is
-               cast into its place in dq, dk, dv (allocated once, in the inputs' dtype).
-    allgather  K/V gathered again, dK/dV of the whole sequence accumulated in fp32, then one
-               reduce-scatter gives each rank the sum over ranks of its own chunks.
+    ring       dQ stays on its rank; a shard's dK/dV travel with it around the ring, each rank
+               adding its share (overlapped with the next step's kernels), and one more send
+               brings them to their owner. One group of KV heads at a time (`head_groups`),
+               each group's result cast into its place in dq, dk, dv.
+    allgather  K/V gathered again, dK/dV of the whole sequence in fp32, reduce-scattered.
 
 ALiBi slopes get no gradient (as in flash-attn). Every rank checks, before any communication,
 that a module with gradient kernels serves every rank's calls (`check_served(backward=True)`).
@@ -133,16 +121,7 @@ def call_gradients(
     return execute.real_rows(dq, call), dk, dv
 
 
-def add_gradients(
-    calls,
-    saved: Saved,
-    k,
-    v,
-    options: KernelOptions,
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-) -> None:
+def add_gradients(calls, saved: Saved, k, v, options: KernelOptions, dq, dk, dv) -> None:
     """Each call's share added into the fp32 dq (this rank's rows) and dk, dv (rows of k, v)."""
     for call in calls:
         dq_part, dk_part, dv_part = call_gradients(call, saved, k, v, options)
@@ -232,13 +211,7 @@ def _wait(works: list) -> None:
         work.wait()
 
 
-def gather_backward(
-    saved: Saved,
-    calls,
-    chunks: list[tuple[Chunk, ...]],
-    group: dist.ProcessGroup | None,
-    options: KernelOptions,
-):
+def gather_backward(saved: Saved, calls, chunks, group, options: KernelOptions):
     """(dq, dk, dv) in fp32 from the calls against the whole K/V sequence, gathered again; the
     whole sequence's dK/dV reduce-scattered to the ranks holding each chunk."""
     k_all, v_all = execute.gather_sequences((saved.k, saved.v), chunks, group)
