@@ -1,6 +1,8 @@
 """What the context-parallel benchmarks share (bench_context_parallel.py and
 bench_context_parallel_backward.py): their options, the shapes, device and process group of a
-run, the modules they load, the timing rule and the environment record."""
+run, the modules they load, the timing rule and the environment record; and the training
+step's memory model (training_bytes_per_token, ring_backward_peak: docs/context_parallel.md,
+"Memory: training")."""
 
 from __future__ import annotations
 
