@@ -702,6 +702,10 @@ def test_backward_benchmark_runs_on_the_cpu(single_group, tmp_path):
     loader = importlib.util.spec_from_file_location("bench_cp_backward", script)
     bench = importlib.util.module_from_spec(loader)
     loader.loader.exec_module(bench)
+    assert bench.parse_heads("32/32,32/8") == [(32, 32), (32, 8)]
+    for bad in ("32/5", "32", "a/b", "8/0"):
+        with pytest.raises(argparse.ArgumentTypeError, match=bad):
+            bench.parse_heads(bad)
     setup = bench.fwd.Setup(argparse.Namespace(smoke=True, seqlens=[32]))
     results = {
         "single": bench.bench_single(setup, 0.0),
