@@ -85,6 +85,9 @@ def worker(rank: int, world: int, port: int, folder: str, out_dir: str, config: 
         os.environ["TRITON_INTERPRET"] = "1"
         device = torch.device("cpu")
         torch.set_num_threads(1)
+        from tests import interpreter_bf16
+
+        interpreter_bf16.install()  # bf16 math under the interpreter, as conftest does
     else:
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)

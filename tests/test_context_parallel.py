@@ -97,12 +97,23 @@ def test_matches_reference_across_processes(group_results, world, case):
         assert result["strategy"] == case["expect"], result["plan"]
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ring_backward_head_groups_are_bitwise_and_divide_its_memory(cp_folder, tmp_path, world):
+@pytest.fixture(scope="module")
+def cp_bf16_folder(tmp_path_factory):
+    """bf16 causal and mask-none modules with gradient kernels: the ring's bf16 path (an fp32
+    dQ accumulator, each group's gradients cast into place)."""
+    specs = [harness.spec_data(**s, dtype="bf16") for s in harness.TOY_SPECS[:2]]
+    return build_folder(tmp_path_factory.mktemp("cp_bf16_kernels"), specs)
+
+
+@pytest.mark.parametrize("world, dtype", [(2, "float32"), (3, "float32"), (2, "bfloat16")])
+def test_ring_backward_head_groups_are_bitwise_and_divide_its_memory(
+    cp_folder, cp_bf16_folder, tmp_path, world, dtype
+):
     """The gloo twin of the two-GPU test (tests/test_context_parallel_gpu.py, the same worker):
     the ring's backward in 1, 2 and 4 groups of KV heads (GQA 8 / 4), its gradients the same
     bytes for every count, and the memory it allocates beyond its gradients, measured on each
-    rank, is tools/cp_bench_setup.py's model byte for byte: 1 / groups of one group's."""
+    rank, is tools/cp_bench_setup.py's model byte for byte: 1 / groups of one group's (in
+    bf16 with the fp32 dQ accumulator that fp32 inputs do without)."""
     import sys
     from pathlib import Path
 
@@ -114,19 +125,21 @@ def test_ring_backward_head_groups_are_bitwise_and_divide_its_memory(cp_folder, 
         seq_len=2 * world * 8 + 1,  # uneven shards: the model follows each rank's lengths
         heads=(8, 4),
         head_dim=harness.HEAD_DIM,
-        dtype="float32",
+        dtype=dtype,
         groups=[1, 2, 4],
     )
-    args = (world, harness.free_port(), str(cp_folder), str(tmp_path), config)
+    folder = cp_folder if dtype == "float32" else cp_bf16_folder
+    args = (world, harness.free_port(), str(folder), str(tmp_path), config)
     spawn_group(head_groups.worker, world, args)
     report = json.loads((tmp_path / f"head_groups_w{world}.json").read_text())
     assert report["bitwise"] and report["planned"] == [1, 2, 4], report
     shards = [sum(c.length for c in r) for r in rank_chunks(config["seq_len"], world, "zigzag")]
     for rank, peaks in enumerate(report["peaks"]):
-        gradients = (8 + 4 + 4) * shards[rank] * harness.HEAD_DIM * 4
+        size = 4 if dtype == "float32" else 2
+        gradients = (8 + 4 + 4) * shards[rank] * harness.HEAD_DIM * size
         extra = [peak - gradients for peak in peaks]
         model = [
-            ring_backward_peak(config["seq_len"], world, rank, (8, 4), harness.HEAD_DIM, 4, g)
+            ring_backward_peak(config["seq_len"], world, rank, (8, 4), harness.HEAD_DIM, size, g)
             for g in (1, 2, 4)
         ]
         assert extra == model, (rank, peaks, model)

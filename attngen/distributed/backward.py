@@ -188,7 +188,7 @@ def ring_pass(saved: Saved, problem: Problem, lengths, options, comm_stream, dq=
             _wait(grads_works)
             dk += grads_in[0]
             dv += grads_in[1]
-            grads_in = None
+            grads_in, grads_works, grads_sent = None, [], ()  # freed before the next arrive
         _wait(kv_works)
         if kv_in is not None:
             k_cur, v_cur = kv_in
