@@ -11,8 +11,8 @@ sequence, causal) 8 x 96 x 128 x 2 + 2 x 96 x 4 = 197,376 B. N is the smallest m
 8192 whose need exceeds the GPU's memory (mem_get_info's total) by 7%: on an H200 (139.8
 GiB) N = 819,200 and 150.6 GiB. A rank of two holds the same for its 409,600 tokens, 75.3
 GiB, plus the backward's peak (`ring_backward_peak`): with one KV head a group (automatic:
-one head's fp32 dQ and three dK/dV take 1.4 GiB at 409,600 rows, past the 1 GiB bound) 2.1
-GiB, 77.4 GiB in all: 0.51 of one GPU's need. The work: a causal forward is 2 N^2 Hq D =
+one head's fp32 dQ and three dK/dV take 1.4 GiB at 409,600 rows, past the 1 GiB bound) 1.8
+GiB, 77.1 GiB in all: 0.51 of one GPU's need. The work: a causal forward is 2 N^2 Hq D =
 1.65e16 FLOP (about 17 s on two H200s at the forward's 489 TFLOP/s each), the backward 2.5
 times that at about 240 TFLOP/s a GPU (about 86 s). --memory-fraction F caps each process at
 F of its GPU and sizes N against the cap (a cheaper proxy, labelled PROXY).
