@@ -74,6 +74,8 @@ section_command() {
     bench_prefill) echo "python3 tools/bench_prefill.py --out $work" ;;
     bench_model) echo "python3 tools/bench_model.py --out $work" ;;
     cp_bench) echo "python3 tools/bench_context_parallel.py --out $work" ;;
+    # The forward table's 262144-token row on two GPUs, the ring now in two head groups.
+    cp_fwd_256k) echo "$torchrun2 tools/bench_context_parallel.py --seqlens 262144 --out $work" ;;
     backward_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_backward_gpu.py" ;;
     # The open models' gradients (sinks, chunked, sink tokens) at real sizes.
     backward_models) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_backward_gpu.py \
