@@ -5,9 +5,9 @@ with q's dtype, the head dims, the head counts and the device's arch they state 
 (`score_mod`, `mask_mod` and `tensors` fields: attngen.expressions), whose module is built on
 demand (selection.py's on-demand part, the cache of registry.py) and kept here under the
 call's key (the trees' text, the tensors' declarations, the Need), then called with the
-captured tensors by name (`tensors=`). Nothing falls back: without on-demand builds, on a device no kernel runs
-on, or for a function the tracer cannot express, the call is refused, saying why;
-`attngen.last_dispatch()` names the module that ran.
+captured tensors by name (`tensors=`). Nothing falls back: without on-demand builds, on a
+device no kernel runs on, or for a function the tracer cannot express, the call is refused,
+saying why; `attngen.last_dispatch()` names the module that ran.
 
 The block mask: attngen's (create_block_mask here) is derived from its mask_mod, which the
 kernel evaluates per element, so its block tensors add nothing yet. torch's BlockMask is taken
