@@ -88,12 +88,12 @@ class Expr:
             return repr(self.value)
         if self.op in ("var", "dim"):
             return str(self.value)
-        parts = ", ".join(str(a) for a in self.args)
+        args = [str(a) for a in self.args]  # once each: the text is linear in the tree
         if self.op == "load":
-            return f"{self.value}[{parts}]"
+            return f"{self.value}[{', '.join(args)}]"
         if self.op in _SYMBOL:
-            return f"({self.args[0]} {_SYMBOL[self.op]} {self.args[1]})"
-        return f"(-{self.args[0]})" if self.op == "neg" else f"{self.op}({parts})"
+            return f"({args[0]} {_SYMBOL[self.op]} {args[1]})"
+        return f"(-{args[0]})" if self.op == "neg" else f"{self.op}({', '.join(args)})"
 
     def nodes(self) -> list[Expr]:
         return [self, *(n for a in self.args for n in a.nodes())]

@@ -326,12 +326,36 @@ def run_case(case: dict, rank: int, world: int, group=None) -> dict:
     if case.get("return_lse"):  # the LSE in the loss too: its gradient enters delta
         outputs.append(lse)
         out_grads.append(shard_sequence(dlse[..., None], world, rank, layout=layout)[..., 0])
-    full = [gather(g) for g in torch.autograd.grad(outputs, shards, out_grads)]
+    grads = torch.autograd.grad(outputs, shards, out_grads)
+    if "ring_head_groups" in case:  # the backward's groups: the same bytes for 1, 2 and all
+        result["backward_groups_bitwise"] = backward_groups_bitwise(
+            shards, kwargs, out_grads, grads, case["heads"][1]
+        )
+    full = [gather(g) for g in grads]
     if rank == 0:
         result["grad_problems"] = compare_gradients(
             case, full, q, k, v, slopes, dout, dlse if case.get("return_lse") else None
         )
     return result
+
+
+def backward_groups_bitwise(shards, kwargs, out_grads, expected, num_kv_heads) -> dict:
+    """{group count: whether the ring's gradients in that many groups of KV heads (the plan
+    saying so) are `expected` bit for bit}, for 1, 2 and one KV head a group."""
+    import torch
+
+    from attngen.distributed import context_parallel_attention, last_plan
+
+    same = {}
+    for groups in sorted({1, min(2, num_kv_heads), num_kv_heads}):
+        leaves = [t.detach().requires_grad_() for t in shards]
+        out, lse = context_parallel_attention(*leaves, **kwargs, ring_head_groups=groups)
+        outputs = [out, lse][: len(out_grads)]
+        got = torch.autograd.grad(outputs, leaves, out_grads)
+        same[groups] = last_plan().backward_head_groups == groups and all(
+            torch.equal(a, b) for a, b in zip(got, expected, strict=True)
+        )
+    return same
 
 
 def case_inputs(case: dict, seq_len: int):

@@ -31,6 +31,7 @@ from attngen.distributed.plan import (
     ring_plan,
 )
 from tests import context_parallel_harness as harness
+from tests import cp_head_groups_harness as head_groups
 from tests.runtime_harness import build_folder
 
 SPAWN_DEADLINE_S = 300
@@ -42,23 +43,23 @@ def cp_folder(tmp_path_factory):
     return build_folder(tmp_path_factory.mktemp("cp_kernels"), specs)
 
 
-@pytest.fixture(scope="module")
-def group_results(cp_folder, tmp_path_factory) -> dict[int, dict]:
-    """{world size: {case name: result}}: every case of the harness, run by one spawned gloo
-    group of three processes and by two of them as a subgroup."""
-    out_dir = tmp_path_factory.mktemp("cp_groups")
-    context = mp.spawn(
-        harness.worker,
-        args=(3, harness.free_port(), str(cp_folder), str(out_dir)),
-        nprocs=3,
-        join=False,
-    )
+def spawn_group(worker, nprocs: int, args: tuple) -> None:
+    """worker(rank, *args) in `nprocs` spawned processes, killed past SPAWN_DEADLINE_S."""
+    context = mp.spawn(worker, args=args, nprocs=nprocs, join=False)
     deadline = time.monotonic() + SPAWN_DEADLINE_S
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
             pytest.fail(f"the process group did not finish in {SPAWN_DEADLINE_S} s")
+
+
+@pytest.fixture(scope="module")
+def group_results(cp_folder, tmp_path_factory) -> dict[int, dict]:
+    """{world size: {case name: result}}: every case of the harness, run by one spawned gloo
+    group of three processes and by two of them as a subgroup."""
+    out_dir = tmp_path_factory.mktemp("cp_groups")
+    spawn_group(harness.worker, 3, (3, harness.free_port(), str(cp_folder), str(out_dir)))
     return {
         world: {r["name"]: r for r in json.loads((out_dir / f"world{world}.json").read_text())}
         for world in (2, 3)
@@ -87,10 +88,62 @@ def test_matches_reference_across_processes(group_results, world, case):
     if "ring_head_groups" in case:
         assert result["head_groups"] == case["ring_head_groups"], result["plan"]
         assert result["groups_bitwise"], result["plan"]
+        heads_kv = case["heads"][1]  # the backward in 1, 2 and all-heads groups: same bytes
+        groups = {str(g): True for g in (1, min(2, heads_kv), heads_kv)}
+        assert result["backward_groups_bitwise"] == groups, result["plan"]
     if case["strategy"] != "auto":
         assert result["strategy"] == case["strategy"]
     elif "expect" in case:
         assert result["strategy"] == case["expect"], result["plan"]
+
+
+@pytest.fixture(scope="module")
+def cp_bf16_folder(tmp_path_factory):
+    """bf16 causal and mask-none modules with gradient kernels: the ring's bf16 path (an fp32
+    dQ accumulator, each group's gradients cast into place)."""
+    specs = [harness.spec_data(**s, dtype="bf16") for s in harness.TOY_SPECS[:2]]
+    return build_folder(tmp_path_factory.mktemp("cp_bf16_kernels"), specs)
+
+
+@pytest.mark.parametrize("world, dtype", [(2, "float32"), (3, "float32"), (2, "bfloat16")])
+def test_ring_backward_head_groups_are_bitwise_and_divide_its_memory(
+    cp_folder, cp_bf16_folder, tmp_path, world, dtype
+):
+    """The gloo twin of the two-GPU test (tests/test_context_parallel_gpu.py, the same worker):
+    the ring's backward in 1, 2 and 4 groups of KV heads (GQA 8 / 4), its gradients the same
+    bytes for every count, and the memory it allocates beyond its gradients, measured on each
+    rank, is tools/cp_bench_setup.py's model byte for byte: 1 / groups of one group's (in
+    bf16 with the fp32 dQ accumulator that fp32 inputs do without)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from cp_bench_setup import ring_backward_peak
+
+    config = dict(
+        backend="gloo",
+        seq_len=2 * world * 8 + 1,  # uneven shards: the model follows each rank's lengths
+        heads=(8, 4),
+        head_dim=harness.HEAD_DIM,
+        dtype=dtype,
+        groups=[1, 2, 4],
+    )
+    folder = cp_folder if dtype == "float32" else cp_bf16_folder
+    args = (world, harness.free_port(), str(folder), str(tmp_path), config)
+    spawn_group(head_groups.worker, world, args)
+    report = json.loads((tmp_path / f"head_groups_w{world}.json").read_text())
+    assert report["bitwise"] and report["planned"] == [1, 2, 4], report
+    shards = [sum(c.length for c in r) for r in rank_chunks(config["seq_len"], world, "zigzag")]
+    for rank, peaks in enumerate(report["peaks"]):
+        size = 4 if dtype == "float32" else 2
+        gradients = (8 + 4 + 4) * shards[rank] * harness.HEAD_DIM * size
+        extra = [peak - gradients for peak in peaks]
+        model = [
+            ring_backward_peak(config["seq_len"], world, rank, (8, 4), harness.HEAD_DIM, size, g)
+            for g in (1, 2, 4)
+        ]
+        assert extra == model, (rank, peaks, model)
+        assert extra[1] * 2 == extra[0] and extra[2] * 4 == extra[0], (rank, extra)
 
 
 # ------------------------------------------------------------------------------- layout
@@ -361,24 +414,65 @@ def test_auto_head_groups_keep_the_accumulator_within_the_budget(heads, rows, bu
 
 @pytest.mark.parametrize("alibi", [False, True])
 def test_ring_head_groups_are_bitwise_one_group_in_one_process(single_group, alibi):
-    """One group per KV head against one group, with the automatic choice forced to split;
-    with ALiBi each group takes its own heads' slopes."""
+    """One group per KV head against one group, forward and backward (through the output and
+    the LSE), with the automatic choice forced to split; with ALiBi each group takes its own
+    heads' slopes."""
     from attngen.distributed import context
 
-    q, k, v = toy_inputs(seq_len=12, heads=(4, 2))
+    q, k, v = toy_inputs(seq_len=12, heads=(4, 2), requires_grad=True)
+    gen = torch.Generator().manual_seed(3)
+    out_grads = (torch.randn(1, 4, 12, harness.HEAD_DIM, generator=gen), torch.randn(1, 4, 12))
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]) if alibi else None
     kwargs = dict(causal=True, strategy="ring", return_lse=True, alibi_slopes=slopes)
     kwargs["layout"] = "contiguous"  # one rank: one call, ALiBi placed by its alignment
-    expected = context_parallel_attention(q, k, v, **kwargs)
-    assert last_plan().head_groups == 1
+
+    def run():
+        results = context_parallel_attention(q, k, v, **kwargs)
+        return [*results, *torch.autograd.grad(results, (q, k, v), out_grads)]
+
+    expected = run()
+    assert (last_plan().head_groups, last_plan().backward_head_groups) == (1, 1)
     saved = context.RING_ACCUMULATOR_BYTES
     context.RING_ACCUMULATOR_BYTES = 1
     try:
-        got = context_parallel_attention(q, k, v, **kwargs)
+        got = run()
     finally:
         context.RING_ACCUMULATOR_BYTES = saved
-    assert last_plan().head_groups == 2 and "2 head groups" in last_plan().describe()
-    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert (last_plan().head_groups, last_plan().backward_head_groups) == (2, 2)
+    assert "2 head groups, backward in 2" in last_plan().describe()
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], got, expected, strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize(
+    "heads, rows, budget, groups",
+    [
+        # per KV head: dQ of 2 query heads and three fp32 dK/dV: 8 x 4 x (2 x 16 + 3 x 32)
+        ((4, 2), 8, 2 * 8 * 4 * (2 * 16 + 3 * 32), 1),
+        ((4, 2), 8, 2 * 8 * 4 * (2 * 16 + 3 * 32) - 1, 2),
+        ((8, 8), 8, 3 * 8 * 4 * (16 + 3 * 32), 3),  # groups of ceil(8 / 3) = 3 KV heads
+    ],
+)
+def test_backward_head_groups_keep_its_accumulators_within_the_budget(heads, rows, budget, groups):
+    from attngen.distributed.execute import auto_head_groups
+
+    q = torch.empty(1, heads[0], rows, harness.HEAD_DIM, device="meta")
+    v = torch.empty(1, heads[1], rows, harness.HEAD_DIM, device="meta")
+    assert auto_head_groups(q, v, rows, budget, backward=True) == groups
+
+
+def test_long_sequences_train_in_groups_of_kv_heads():
+    """The automatic choice at Llama-3-8B's heads on two ranks: the forward splits from 256k
+    tokens (its 1 GiB accumulator at 128k rows a rank), the backward, with its dQ and three
+    dK/dV (40 KiB a row), earlier."""
+    from attngen.distributed.context import _head_groups
+
+    for seq_len, forward, backward in ((32768, 1, 1), (65536, 1, 2), (262144, 2, 8)):
+        q = torch.empty(1, 32, seq_len // 2, 128, dtype=torch.bfloat16, device="meta")
+        v = torch.empty(1, 8, seq_len // 2, 128, dtype=torch.bfloat16, device="meta")
+        chunks = rank_chunks(seq_len, 2, "zigzag")
+        assert _head_groups(None, q, v, chunks) == (forward, backward), seq_len
+    assert _head_groups(3, q, v, chunks) == (3, 3)  # asked: for both
 
 
 def test_strided_inputs_give_the_same_bytes(single_group):
@@ -621,6 +715,10 @@ def test_backward_benchmark_runs_on_the_cpu(single_group, tmp_path):
     loader = importlib.util.spec_from_file_location("bench_cp_backward", script)
     bench = importlib.util.module_from_spec(loader)
     loader.loader.exec_module(bench)
+    assert bench.parse_heads("32/32,32/8") == [(32, 32), (32, 8)]
+    for bad in ("32/5", "32", "a/b", "8/0"):
+        with pytest.raises(argparse.ArgumentTypeError, match=bad):
+            bench.parse_heads(bad)
     setup = bench.fwd.Setup(argparse.Namespace(smoke=True, seqlens=[32]))
     results = {
         "single": bench.bench_single(setup, 0.0),
@@ -638,7 +736,6 @@ def test_backward_benchmark_runs_on_the_cpu(single_group, tmp_path):
             "--master-port",
             str(harness.free_port()),
             str(script),
-            "--no-torch-cp",
             "--smoke",
             "--seqlens",
             "32",
@@ -652,12 +749,20 @@ def test_backward_benchmark_runs_on_the_cpu(single_group, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     (multi,) = tmp_path.glob("bench_context_parallel_backward_2gpu_*.json")
-    row = json.loads(multi.read_text())["multi"][0]
-    for strategy in ("ring", "allgather"):  # fp32 gradients of two ranks against one process's
-        for diff, magnitude in row[f"attngen_{strategy}_max_diff"].values():
-            # fp32 sums over 32 tokens split in other places, each partial rounded once
-            # before the fp32 sum: a few ulps of the largest gradient (measured <= 6 at N 64).
-            assert diff <= 16 * 2**-23 * magnitude, (strategy, row)
+    rows = json.loads(multi.read_text())["multi"]
+    assert [(r["heads"], r["N"]) for r in rows] == [("4/4", 32), ("4/2", 32)]
+    for row in rows:
+        for strategy in ("ring", "allgather"):  # fp32 gradients of two ranks against one's
+            assert row[f"attngen_{strategy}_bytes"] == row["one_gpu_bytes"] // 2  # the inputs
+            for diff, magnitude in row[f"attngen_{strategy}_max_diff"].values():
+                # fp32 sums over 32 tokens split in other places, each partial rounded once
+                # before the fp32 sum: a few ulps of the largest gradient (<= 6 at N 64).
+                assert diff <= 16 * 2**-23 * magnitude, (strategy, row)
+        for backend in ("cudnn", "flash"):  # PyTorch's runs up to its backend on the CPU
+            assert f"torch_{backend}_ms" in row or f"torch_{backend}_error" in row, row
+        assert row["ring_backward_head_groups"] == 1
+    last = done.stdout.strip().splitlines()
+    assert last[-4].startswith("| heads | N | 1 GPU ms |") and last[-1].startswith("| 4/2 | 32 |")
 
 
 def test_long_sequence_script_runs_on_the_cpu(tmp_path):
@@ -697,3 +802,48 @@ def test_long_sequence_script_runs_on_the_cpu(tmp_path):
     assert data["check"]["rows"] == 32 and data["check"]["problems"] == []
     assert data["check"]["out"]["max_err"] <= data["check"]["out"]["max_bound"]
     assert "check (32 sampled rows)" in done.stdout.splitlines()[-1]
+
+
+def test_training_step_script_runs_on_the_cpu(tmp_path):
+    """tools/cp_train_step.py under torchrun with gloo at toy sizes (--smoke: fp32, the
+    interpreter): forward + backward of the two-rank ring in two head groups, the sampled
+    rows of dq and keys of dk, dv against their references joined across ranks, the memory
+    model, the JSON and the table (the sizes that matter need two H200s)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(harness.free_port()),
+            str(root / "tools" / "cp_train_step.py"),
+            "--smoke",
+            "--head-groups",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,) = tmp_path.glob("cp_train_step_smoke_smoke_*.json")
+    data = json.loads(result.read_text())
+    assert data["seq_len"] == 64 and data["head_groups"] == [2, 2] and data["world_size"] == 2
+    check = data["check"]
+    assert check["rows"] == 32 and check["problems"] == [], check
+    for name in ("dq", "dk", "dv"):
+        assert 0 < check[name]["max_err"] <= check[name]["max_bound"], (name, check)
+    # 32 tokens a rank: q, k, v, out, dO, dq, dk, dv, LSE and delta, and the backward's peak
+    per_token = 4 * (4 + 2) * 16 * 4 + 2 * 4 * 4
+    assert data["rank_model_bytes"][0] > 32 * per_token and data["one_gpu_bytes"] == 64 * per_token
+    assert "check (32 rows, 32 keys)" in done.stdout.splitlines()[-1]

@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 
 from attngen.reference import compare_to_reference
 from attngen.spec import specs_from_data
+from tests import cp_head_groups_harness as head_groups
 from tests.context_parallel_harness import free_port
 from tests.runtime_harness import build_folder
 
@@ -343,3 +344,46 @@ def test_two_gpus_gradients_match_one_gpu_and_the_reference(llama_backward_folde
             # GPU: at most about three bf16 roundings (2**-9 relative each) of the partials'
             # magnitude, which is the gradient's here (random inputs, no cancellation).
             assert diff <= 4 * 2**-8 * magnitude, (run, name, diff, magnitude)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
+def test_two_gpus_backward_head_groups_are_bitwise_and_divide_its_memory(
+    llama_backward_folder, tmp_path
+):
+    """The ring's backward on two GPUs (NCCL) at N = 131072 in 1, 2 and 8 groups of KV heads
+    (tests/cp_head_groups_harness.py, the worker the gloo test runs on the CPU): the same
+    gradients bit for bit, and each rank's peak beyond its gradients within the memory
+    model (tools/cp_bench_setup.py, exact on the CPU) and shrinking as 1 / groups."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from cp_bench_setup import ring_backward_peak
+
+    seq_len, groups = 131072, [1, 2, 8]
+    config = dict(
+        backend="nccl",
+        seq_len=seq_len,
+        heads=(32, 8),
+        head_dim=128,
+        dtype="bfloat16",
+        groups=groups,
+    )
+    context = mp.spawn(
+        head_groups.worker,
+        args=(2, free_port(), str(llama_backward_folder), str(tmp_path), config),
+        nprocs=2,
+        join=False,
+    )
+    deadline = time.monotonic() + 600
+    while not context.join(timeout=1):
+        assert time.monotonic() < deadline, "the two-GPU group did not finish in 600 s"
+    report = json.loads((tmp_path / "head_groups_w2.json").read_text())
+    assert report["bitwise"] and report["planned"] == groups, report
+    for rank, peaks in enumerate(report["peaks"]):
+        extra = [peak - report["gradient_bytes"] for peak in peaks]
+        model = [ring_backward_peak(seq_len, 2, rank, (32, 8), 128, 2, g) for g in groups]
+        # The caching allocator rounds each block up (512 B, 2 MiB for large ones' segments
+        # do not count: allocated bytes): within 5% and 8 MiB of the model.
+        for got, expected in zip(extra, model, strict=True):
+            assert abs(got - expected) <= 0.05 * expected + 2**23, (rank, extra, model)
+        assert extra[2] <= extra[0] / 8 * 1.1 + 2**23, (rank, extra)

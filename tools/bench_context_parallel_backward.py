@@ -1,5 +1,6 @@
 """Context-parallel training benchmark: forward + backward of attngen.distributed against one
-GPU and PyTorch's own context parallelism, Llama-3-8B heads (32/8, D 128, bf16, causal).
+GPU and PyTorch's own context parallelism, D 128, bf16, causal, zigzag, MHA (32 heads) and
+GQA (Llama-3-8B's 32 / 8; --heads picks, default both).
 
 One process (python tools/bench_context_parallel_backward.py --out DIR):
     single  forward + backward of the full-sequence module (through the runtime's autograd)
@@ -10,15 +11,21 @@ One process (python tools/bench_context_parallel_backward.py --out DIR):
             step (L queries, L / 2 keys), and the bytes a step sends (K/V in the input dtype,
             dK/dV in fp32): the numbers a scaling note for training needs.
 Two processes (torchrun --nproc-per-node 2 tools/bench_context_parallel_backward.py --out DIR):
-    multi   per N: forward + backward of attngen on one GPU, attngen ring and all-gather on
-            both (zigzag), and torch.distributed.tensor.experimental.context_parallel over
-            SDPA's cuDNN and FlashAttention-2 backends (K/V expanded to 32 heads), each rank's
-            gradients checked against the one-GPU gradients.
+    multi   per heads and N: forward + backward of attngen on one GPU, attngen ring and
+            all-gather on both (zigzag; the ring's backward in the plan's groups of KV heads),
+            and torch.distributed.tensor.experimental.context_parallel over SDPA's cuDNN and
+            FlashAttention-2 backends (K/V expanded to Hq heads), each rank's gradients
+            checked against the one-GPU gradients; and each run's memory: the inputs it needs
+            (one GPU: q, k, v, dO of the sequence; a rank: its shards) plus the most it
+            allocated beyond them (max_memory_allocated), the slowest rank's.
 Times are medians of forward + backward (tools/cp_bench_setup.py's time_ms: after a
-barrier, the slowest rank). Prints a table last, writes JSON to --out. `--smoke` runs on the
-CPU under Triton's interpreter at toy sizes (fp32, D 16; gloo under torchrun) to check the
-script. Modules are built with `backward: true` (the tuning database's forward configs apply:
-its key ignores that field).
+barrier, the slowest rank). The JSON under --out is rewritten after every row (a run cut by
+its time limit keeps what it finished); the table is printed last. `--smoke` runs on the CPU
+under Triton's interpreter at toy sizes (fp32, D 16, heads 4/4 and 4/2; gloo under torchrun)
+to check the script. Modules are built with `backward: true` (the tuning database's forward
+configs apply: its key ignores that field).
+
+    bash tools/gpu_session.sh OUT cp_bwd_bench:590      (two GPUs, both head shapes)
 """
 
 from __future__ import annotations
@@ -36,7 +43,29 @@ import cp_bench_setup as harness  # noqa: E402
 
 def parse_args():
     parser = harness.argument_parser(__doc__.split("\n")[0])
+    parser.add_argument(
+        "--heads",
+        type=parse_heads,
+        default=None,
+        help="comma-separated Hq/Hkv (default 32/32,32/8; --smoke: 4/4,4/2)",
+    )
     return parser.parse_args()
+
+
+def parse_heads(text: str) -> list[tuple[int, int]]:
+    """ "32/32,32/8" -> [(32, 32), (32, 8)]; Hq a multiple of Hkv."""
+    import argparse
+
+    shapes = []
+    for item in text.split(","):
+        try:
+            heads_q, heads_kv = (int(x) for x in item.split("/"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected Hq/Hkv, e.g. 32/8") from None
+        if heads_kv < 1 or heads_q % heads_kv:
+            raise argparse.ArgumentTypeError(f"{item!r}: Hq must be a multiple of Hkv >= 1")
+        shapes.append((heads_q, heads_kv))
+    return shapes
 
 
 def causal_grads(q, k, v, dout):
@@ -145,36 +174,79 @@ def step_row(setup, seq_len: int, world: int, budget: float) -> dict:
     return row
 
 
-def bench_multi(setup, budget: float, torch_cp: bool) -> list[dict]:
-    from attngen.distributed import gather_sequence, shard_sequence
-
-    rows = []
-    for seq_len in setup.seqlens:
-        q, k, v = setup.inputs(seq_len)  # the same seed on every rank: the same tensors
-        dout = setup.inputs(seq_len, seed=1)[0]
-        single = causal_grads(q, k, v, dout)
-        row = {
-            "N": seq_len,
-            "one_gpu_ms": harness.time_ms(setup, partial(causal_grads, q, k, v, dout), budget),
-        }
-        shards = [
-            shard_sequence(t, setup.world, setup.rank, layout="zigzag") for t in (q, k, v, dout)
-        ]
-        for strategy in ("ring", "allgather"):
-            run = partial(cp_grads, shards[:3], shards[3], strategy)
-            row[f"attngen_{strategy}_ms"] = harness.time_ms(setup, run, budget)
-            grads = [gather_sequence(g) for g in run()]
-            row[f"attngen_{strategy}_max_diff"] = max_diffs(grads, single)
-            grads = None
-        shards = None
-        if torch_cp:
-            for backend in ("cudnn", "flash"):
-                row.update(bench_torch_cp(setup, q, k, v, dout, single, backend, budget))
-        rows.append(row)
-        if setup.rank == 0:  # a run cut by its time limit still shows the lengths it finished
-            print(json.dumps(row), flush=True)
-        q = k = v = dout = single = None  # freed before the next, larger inputs
+def bench_multi(setup, budget: float, torch_cp: bool, heads, save) -> list[dict]:
+    """One row per (heads, N), each saved (`save(rows)`) as soon as it is measured."""
+    rows: list[dict] = []
+    for heads_q, heads_kv in heads:
+        setup.heads_q, setup.heads_kv = heads_q, heads_kv
+        harness.load_kernels_for(setup, backward=True)  # the modules of these heads
+        for seq_len in setup.seqlens:
+            rows.append(multi_row(setup, seq_len, budget, torch_cp))
+            save(rows)
+            if setup.rank == 0:  # a run cut by its time limit still shows the rows it finished
+                print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def multi_row(setup, seq_len: int, budget: float, torch_cp: bool) -> dict:
+    from attngen.distributed import gather_sequence, last_plan, shard_sequence
+
+    q, k, v = setup.inputs(seq_len)  # the same seed on every rank: the same tensors
+    dout = setup.inputs(seq_len, seed=1)[0]
+    row = {"heads": f"{setup.heads_q}/{setup.heads_kv}", "N": seq_len}
+    single, row["one_gpu_ms"], peak = measure(setup, partial(causal_grads, q, k, v, dout), budget)
+    row["one_gpu_bytes"] = nbytes(q, k, v, dout) + peak
+    shards = [shard_sequence(t, setup.world, setup.rank, layout="zigzag") for t in (q, k, v, dout)]
+    for strategy in ("ring", "allgather"):
+        run = partial(cp_grads, shards[:3], shards[3], strategy)
+        grads, row[f"attngen_{strategy}_ms"], peak = measure(setup, run, budget)
+        row[f"attngen_{strategy}_bytes"] = slowest(setup, nbytes(*shards) + peak)
+        if strategy == "ring":
+            row["ring_backward_head_groups"] = last_plan().backward_head_groups
+        full = [gather_sequence(g) for g in grads]
+        row[f"attngen_{strategy}_max_diff"] = max_diffs(full, single)
+        grads = full = None
+    shards = None
+    if torch_cp:
+        for backend in ("cudnn", "flash"):
+            row.update(bench_torch_cp(setup, q, k, v, dout, single, backend, budget))
+    return row
+
+
+def measure(setup, fn, budget: float):
+    """(fn()'s result of the last repeat, its median ms, the most it allocated on this device
+    beyond what existed before: on the CPU 0)."""
+    import torch
+
+    kept: list = []
+
+    def run():
+        kept.clear()  # the previous repeat's result is freed before the next runs
+        kept.append(fn())
+
+    cuda = setup.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(setup.device)
+        before = torch.cuda.memory_allocated(setup.device)
+        torch.cuda.reset_peak_memory_stats(setup.device)
+    ms = harness.time_ms(setup, run, budget)
+    peak = torch.cuda.max_memory_allocated(setup.device) - before if cuda else 0
+    return kept[0], ms, peak
+
+
+def nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def slowest(setup, value: int) -> int:
+    """The largest value over the ranks."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor([value], dtype=torch.int64, device=setup.device)
+    if setup.world > 1:
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return int(mine.item())
 
 
 def max_diffs(grads, single) -> dict:
@@ -225,8 +297,9 @@ def bench_torch_cp(setup, q, k, v, dout, single, backend: str, budget: float) ->
                 out = F.scaled_dot_product_attention(*leaves, is_causal=True)
                 return torch.autograd.grad(out, leaves, dt)
 
-            result[f"torch_{backend}_ms"] = harness.time_ms(setup, step, budget)
-            grads = context_parallel_unshard(setup.mesh, list(step()), [2, 2, 2])
+            grads, result[f"torch_{backend}_ms"], peak = measure(setup, step, budget)
+            result[f"torch_{backend}_bytes"] = slowest(setup, nbytes(qt, kt, vt, dt) + peak)
+            grads = context_parallel_unshard(setup.mesh, list(grads), [2, 2, 2])
         grads = [grads[0]] + [
             g.reshape(g.shape[0], -1, group, *g.shape[2:]).sum(2) for g in grads[1:]
         ]
@@ -271,13 +344,25 @@ def table(results: dict) -> str:
         lines += [
             "",
             f"forward + backward, {world} GPUs, zigzag; (x): speed-up over one GPU; "
-            "best / X: PyTorch's time over attngen's better strategy",
-            "| N | 1 GPU ms | ring ms (x) | all-gather ms (x) | torch cuDNN ms | "
-            "torch FA2 ms | best / cuDNN | best / FA2 |",
-            "|---" * 8 + "|",
+            "best / X: PyTorch's time over attngen's better strategy; memory: a rank's "
+            "inputs and peak over one GPU's (G: the ring's backward head groups)",
+            "| heads | N | 1 GPU ms | ring ms (x) | all-gather ms (x) | torch cuDNN ms | "
+            "torch FA2 ms | best / cuDNN | best / FA2 | ring mem (G) | all-gather mem |",
+            "|---" * 11 + "|",
         ]
-        lines += [fwd.multi_line(r) for r in results["multi"]]
+        lines += [memory_line(r) for r in results["multi"]]
     return "\n".join(lines)
+
+
+def memory_line(r: dict) -> str:
+    """forward's multi_line with the heads before it and the memory ratios after it."""
+    one = r["one_gpu_bytes"]
+    ratios = [
+        f"{r[f'attngen_{s}_bytes'] / one:.2f}" if one and r.get(f"attngen_{s}_bytes") else "-"
+        for s in ("ring", "allgather")
+    ]
+    ratios[0] += f" ({r.get('ring_backward_head_groups', '?')})"
+    return f"| {r['heads']} " + fwd.multi_line(r) + f" {ratios[0]} | {ratios[1]} |"
 
 
 def main() -> None:
@@ -289,16 +374,24 @@ def main() -> None:
     setup = harness.Setup(args)
     arch = harness.load_kernels_for(setup, backward=True)
     results = {"env": {**harness.environment(setup, arch), "pass": "forward + backward"}}
+    kind = "single" if setup.world == 1 else f"{setup.world}gpu"
+    path = args.out / (f"bench_context_parallel_backward_{kind}_{results['env']['date']}.json")
+
+    def save(rows=None) -> None:
+        if rows is not None:
+            results["multi"] = rows
+        if setup.rank == 0:
+            args.out.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(results, indent=1))
+
     if setup.world == 1:
         results["single"] = bench_single(setup, args.budget)
         results["steps"] = bench_steps(setup, args.worlds, args.budget)
     else:
-        results["multi"] = bench_multi(setup, args.budget, not args.no_torch_cp)
+        heads = args.heads or ([(4, 4), (4, 2)] if args.smoke else [(32, 32), (32, 8)])
+        bench_multi(setup, args.budget, not args.no_torch_cp, heads, save)
+    save()
     if setup.rank == 0:
-        args.out.mkdir(parents=True, exist_ok=True)
-        kind = "single" if setup.world == 1 else f"{setup.world}gpu"
-        path = args.out / (f"bench_context_parallel_backward_{kind}_{results['env']['date']}.json")
-        path.write_text(json.dumps(results, indent=1))
         print(f"wrote {path}")
         print(table(results))
     if setup.world > 1:

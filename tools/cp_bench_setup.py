@@ -1,6 +1,8 @@
 """What the context-parallel benchmarks share (bench_context_parallel.py and
 bench_context_parallel_backward.py): their options, the shapes, device and process group of a
-run, the modules they load, the timing rule and the environment record."""
+run, the modules they load, the timing rule and the environment record; and the training
+step's memory model (training_bytes_per_token, ring_backward_peak: docs/context_parallel.md,
+"Memory: training")."""
 
 from __future__ import annotations
 
@@ -187,3 +189,60 @@ def environment(setup: Setup, arch: str) -> dict:
         },
         "smoke": setup.smoke,
     }
+
+
+# ------------------------------------------------------------------ the training step's memory
+
+
+def training_bytes_per_token(heads_q, heads_kv, head_dim, element_size) -> int:
+    """What one GPU's attention forward + backward holds per token of the sequence (B = 1):
+    q, k, v and out, the output's gradient dO and dq, dk, dv in the input dtype, the fp32 LSE
+    and the backward's fp32 delta = rowsum(dO * out). A ring rank holds the same for each of
+    its own tokens, plus `ring_backward_peak`."""
+    return 4 * (heads_q + heads_kv) * head_dim * element_size + 2 * heads_q * 4
+
+
+def ring_backward_peak(
+    seq_len, world, rank, heads, head_dim, element_size, groups, layout="zigzag"
+) -> int:
+    """The bytes the causal ring's backward (attngen/distributed/backward.py, B = 1) allocates
+    on `rank` at its peak besides dq, dk, dv and what the forward left: for the largest group
+    of KV heads, at each ring step, its fp32 dQ accumulator (none for fp32 inputs: dq itself),
+    its fp32 dK/dV (the shard's being computed; from step 1 also the one arriving and the one
+    leaving), its K/V shards (the one arriving and, from step 1, the one received before) and
+    one kernel call's partial gradients with the kernel's delta (and a copy of the call's LSE
+    rows when they are not the whole shard). tests/test_context_parallel.py checks it byte
+    for byte against what the code allocates on the CPU."""
+    from attngen.distributed import rank_chunks
+    from attngen.distributed.plan import ALIGNS, MaskRule, ring_plan
+
+    heads_q, heads_kv = heads
+    chunks = rank_chunks(seq_len, world, layout)
+    lengths = [sum(c.length for c in r) for r in chunks]
+    group_kv = -(-heads_kv // groups)
+    group_q = group_kv * (heads_q // heads_kv)
+    mine = lengths[rank]
+
+    def kv(step: int) -> int:  # elements of the group's K and V (or dK, dV) of step's shard
+        return group_kv * lengths[(rank - step) % world] * 2 * head_dim
+
+    def call(c) -> int:
+        lse_copy = c.num_rows if c.num_rows != mine else 0
+        rows_q = group_q * c.num_rows
+        return (
+            rows_q * head_dim * element_size
+            + rows_q * 4
+            + group_q * lse_copy * 4
+            + (group_kv * c.num_keys * 2 * head_dim * element_size)
+        )
+
+    accumulator = 0 if element_size == 4 else group_q * mine * head_dim * 4
+    peak = 0
+    for step, calls in enumerate(ring_plan(MaskRule("causal"), chunks, ALIGNS)[rank]):
+        grads = 4 * (kv(step) * (1 if step == 0 else 2) + (kv(step - 1) if step else 0))
+        shards = element_size * (
+            (kv(step + 1) if step + 1 < world else 0) + (kv(step) if step else 0)
+        )
+        partial = max((call(c) for c in calls), default=0)
+        peak = max(peak, accumulator + grads + shards + partial)
+    return peak

@@ -6,8 +6,9 @@
 #
 # Usage on a CUDA machine, from the repository root:
 #   bash tools/gpu_session.sh OUT SECTION[:SECONDS] ...        (default 300 s a section)
-# Sections: `tools/gpu_session.sh OUT list` prints each one and its command (cp_bwd_bench,
-#   cp_long and cp_long_proxy need two GPUs; cp_bwd_tests skips its two-GPU test with one).
+# Sections: `tools/gpu_session.sh OUT list` prints each one and its command (cp_bwd_bench*,
+#   cp_train*, cp_long and cp_long_proxy need two GPUs; cp_tests and cp_bwd_tests skip their
+#   two-GPU tests with one).
 set -u -o pipefail
 out=${1:?usage: tools/gpu_session.sh OUT SECTION[:SECONDS] ...}
 shift
@@ -61,7 +62,9 @@ section_command() {
     # Eager modes with the implementations taking turns in every repeat (host drift hits both).
     model_eager) echo "python3 tools/bench_model.py --out $work/model_eager --impls attngen,sdpa \
       --decode-modes dynamic,static" ;;
-    cp_tests) echo "$pytest_gpu tests/test_context_parallel_gpu.py" ;;
+    # Every context-parallel GPU test: one GPU's, and with two GPUs the NCCL pairs (forward at
+    # 128k, gradients at 4096 and 128k, the backward's head groups: bitwise and memory).
+    cp_tests) echo "NCCL_NVLS_ENABLE=0 $pytest_gpu -rs tests/test_context_parallel_gpu.py" ;;
     # One entry point's host time split into its Python and its launches, each launch timed
     # through Triton's launcher with tensors, with addresses, and through the C launcher.
     profile_launch) echo "python3 tools/profile_launch_host.py --out $work" ;;
@@ -71,6 +74,8 @@ section_command() {
     bench_prefill) echo "python3 tools/bench_prefill.py --out $work" ;;
     bench_model) echo "python3 tools/bench_model.py --out $work" ;;
     cp_bench) echo "python3 tools/bench_context_parallel.py --out $work" ;;
+    # The forward table's 262144-token row on two GPUs, the ring now in two head groups.
+    cp_fwd_256k) echo "$torchrun2 tools/bench_context_parallel.py --seqlens 262144 --out $work" ;;
     backward_tests) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_backward_gpu.py" ;;
     # The open models' gradients (sinks, chunked, sink tokens) at real sizes.
     backward_models) echo "ATTNGEN_HYPOTHESIS_PROFILE=gpu $pytest_gpu tests/test_backward_gpu.py \
@@ -121,7 +126,17 @@ section_command() {
     cold_start) echo "python3 tools/ondemand_cold_start.py --json $work/cold_start.json" ;;
     cp_bwd_tests) echo "NCCL_NVLS_ENABLE=0 $pytest_gpu tests/test_context_parallel_gpu.py -k gradients" ;;
     cp_bwd_steps) echo "python3 tools/bench_context_parallel_backward.py --out $work" ;;
-    cp_bwd_bench) echo "$torchrun2 tools/bench_context_parallel_backward.py --out $work" ;;
+    # Forward + backward on two GPUs against one and PyTorch's CP (cuDNN, FA2), 32k-256k, MHA
+    # 32/32 and GQA 32/8: about 8 minutes (give it a call of its own); the _mha and _gqa
+    # halves fit 300 s each. The JSON is rewritten after every row.
+    cp_bwd_bench) echo "$torchrun2 tools/bench_context_parallel_backward.py --budget 1 --out $work" ;;
+    cp_bwd_bench_mha) echo "$torchrun2 tools/bench_context_parallel_backward.py --budget 1 --heads 32/32 --out $work" ;;
+    cp_bwd_bench_gqa) echo "$torchrun2 tools/bench_context_parallel_backward.py --budget 1 --heads 32/8 --out $work" ;;
+    # A training step (forward + backward) past one H200 on two: OPT-175B heads, N = 819,200,
+    # about 17 s of forward and 90 s of backward, 3-4 minutes in all (give it 420 s);
+    # cp_train_proxy caps each process at a quarter of its GPU (N = 204,800, about 1 minute).
+    cp_train) echo "$torchrun2 tools/cp_train_step.py --out $work" ;;
+    cp_train_proxy) echo "$torchrun2 tools/cp_train_step.py --memory-fraction 0.25 --out $work" ;;
     # A causal forward whose q, k, v and out exceed one H200 (OPT-175B heads, N = 1.64M), on
     # two: about 80 s of forward, 2-3 minutes in all (give it 420 s); cp_long_proxy caps each
     # process at a quarter of its GPU and sizes N against that (N = 410k, about 1 minute).

@@ -1,28 +1,17 @@
-"""The backward of context_parallel_attention: dQ, dK, dV across ranks, from the same plan as
-the forward.
+"""The backward of context_parallel_attention: dQ, dK, dV across ranks, from the forward's plan.
 
-Attention's gradient splits over key ranges exactly when every partial uses the whole row's
-softmax: with P = exp(S - LSE) (LSE of the whole sequence) and delta = rowsum(dO * O) (O the
-whole sequence's output),
+Given the whole sequence's out and LSE, a generated gradient kernel computes the exact share
+of dQ, dK and dV that one chunk pair contributes (docs/context_parallel.md, "Backward", has
+the algebra): each kernel call of the forward's plan (rows, keys, mask, alignment and fake
+rows, so every pair's visibility and offset are the forward's) runs once more through the
+gradient kernels (run_dense_backward, recorded by dispatch); fake rows get LSE -inf, output 0
+and dO 0. The shares are summed in fp32:
 
-    dV_j = sum_i P_ij dO_i,   dS_ij = P_ij (dO_i . V_j - delta_i),
-    dQ_i = scale sum_j dS_ij K_j,   dK_j = scale sum_i dS_ij Q_i,
-
-so a generated gradient kernel given the forward's global out and LSE (it computes delta from
-out itself) computes the exact share of dQ, dK and dV that one chunk pair contributes. Each
-kernel call of the forward's plan (the same rows, keys, mask, alignment and fake rows: every
-pair's visibility and offset exactly what the forward used) runs once more through the
-gradient kernels (attngen.runtime.launch.run_dense_backward, recorded by dispatch); fake rows
-get LSE -inf, output 0 and dO 0, so they contribute nothing. The shares are summed in fp32:
-
-    ring       dQ stays on its rank. dK/dV of a K/V shard travel with it: at step s this rank
-               adds its share to the fp32 dK/dV of the shard it holds (received from rank - 1,
-               which held it at step s - 1) and sends the sum on to rank + 1, overlapped with
-               the next step's kernels. After the last step one more send brings each shard's
-               dK/dV to its owner. K/V travel as in the forward (W - 1 sends), dK/dV W times.
-    allgather  K/V gathered again (the forward keeps only the shards), dK/dV of the whole
-               sequence accumulated locally in fp32, then one reduce-scatter gives each rank
-               the sum over ranks of its own chunks.
+    ring       dQ stays on its rank; a shard's dK/dV travel with it around the ring, each rank
+               adding its share (overlapped with the next step's kernels), and one more send
+               brings them to their owner. One group of KV heads at a time (`head_groups`),
+               each group's result cast into its place in dq, dk, dv.
+    allgather  K/V gathered again, dK/dV of the whole sequence in fp32, reduce-scattered.
 
 ALiBi slopes get no gradient (as in flash-attn). Every rank checks, before any communication,
 that a module with gradient kernels serves every rank's calls (`check_served(backward=True)`).
@@ -54,6 +43,7 @@ class Problem:
     seq_len: int
     group: dist.ProcessGroup | None
     options: KernelOptions
+    head_groups: int = 1  # ring: trips around the ring, one per group of KV heads
 
 
 class ContextParallelAttention(torch.autograd.Function):
@@ -79,13 +69,11 @@ class ContextParallelAttention(torch.autograd.Function):
         saved = Saved(q, k, v, out, lse, dout, dlse)
         if problem.strategy == "ring":
             lengths = [sum(c.length for c in rank) for rank in problem.chunks]
-            dq, dk, dv = ring_backward(
-                saved, problem.steps, lengths, problem.group, problem.options
-            )
-        else:
-            dq, dk, dv = gather_backward(
-                saved, problem.steps[0], list(problem.chunks), problem.group, problem.options
-            )
+            grads = ring_backward(saved, problem, lengths)
+            return None, None, *grads
+        dq, dk, dv = gather_backward(
+            saved, problem.steps[0], list(problem.chunks), problem.group, problem.options
+        )
         return None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -100,6 +88,12 @@ class Saved:
     lse: torch.Tensor
     dout: torch.Tensor
     dlse: torch.Tensor | None
+
+    def heads(self, q_heads: slice, kv_heads: slice) -> Saved:
+        """The tensors of some query heads and of their KV heads."""
+        dlse = None if self.dlse is None else self.dlse[:, q_heads]
+        q, out, lse, dout = (t[:, q_heads] for t in (self.q, self.out, self.lse, self.dout))
+        return Saved(q, self.k[:, kv_heads], self.v[:, kv_heads], out, lse, dout, dlse)
 
 
 def call_gradients(
@@ -127,43 +121,52 @@ def call_gradients(
     return execute.real_rows(dq, call), dk, dv
 
 
-def add_gradients(
-    calls,
-    saved: Saved,
-    k,
-    v,
-    options: KernelOptions,
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-) -> None:
+def add_gradients(calls, saved: Saved, k, v, options: KernelOptions, dq, dk, dv) -> None:
     """Each call's share added into the fp32 dq (this rank's rows) and dk, dv (rows of k, v)."""
     for call in calls:
         dq_part, dk_part, dv_part = call_gradients(call, saved, k, v, options)
         dq[:, :, call.rows[0] : call.rows[1]] += dq_part
         dk[:, :, call.keys[0] : call.keys[1]] += dk_part
         dv[:, :, call.keys[0] : call.keys[1]] += dv_part
+        del dq_part, dk_part, dv_part  # before the next call's are allocated
 
 
-def _fp32_zeros(x: torch.Tensor, length: int) -> torch.Tensor:
-    return torch.zeros(*x.shape[:2], length, x.shape[3], dtype=torch.float32, device=x.device)
+def _fp32(x: torch.Tensor, length: int, zero: bool = True) -> torch.Tensor:
+    make = torch.zeros if zero else torch.empty
+    return make(*x.shape[:2], length, x.shape[3], dtype=torch.float32, device=x.device)
 
 
-def _fp32_empty(x: torch.Tensor, length: int) -> torch.Tensor:
-    return torch.empty(*x.shape[:2], length, x.shape[3], dtype=torch.float32, device=x.device)
+def ring_backward(saved: Saved, problem: Problem, lengths: list[int]):
+    """(dq, dk, dv) in the inputs' dtypes, one group of KV heads (and their query heads) at a
+    time: each group goes once around the ring (`ring_pass`) with fp32 accumulators of its
+    own heads, then is cast into its place (fp32 inputs: dq accumulates in place)."""
+    q, k, v = saved.q, saved.k, saved.v
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    comm_stream = torch.cuda.Stream(q.device) if q.is_cuda else None
+    for lo, hi, heads, options in execute.head_group_slices(
+        problem.options, q, k, problem.head_groups
+    ):
+        into = dq[:, heads].zero_() if dq.dtype == torch.float32 else None
+        grads = ring_pass(
+            saved.heads(heads, slice(lo, hi)), problem, lengths, options, comm_stream, into
+        )
+        for dest, grad in zip((dq[:, heads], dk[:, lo:hi], dv[:, lo:hi]), grads, strict=True):
+            if grad is not into:
+                dest.copy_(grad)
+        del grads, grad  # before the next group's accumulators are allocated
+    return dq, dk, dv
 
 
-def ring_backward(
-    saved: Saved, steps, lengths: list[int], group: dist.ProcessGroup | None, options: KernelOptions
-):
-    """(dq, dk, dv) in fp32: step s runs the forward's calls of step s on the K/V shard of
-    rank (rank - s) mod W while the next shard arrives; the shard's dK/dV, summed over the
-    ranks that held it before, arrive from rank - 1 and leave, with this rank's share added,
-    for rank + 1; the last send delivers each rank its own."""
+def ring_pass(saved: Saved, problem: Problem, lengths, options, comm_stream, dq=None):
+    """One group's (dq, dk, dv) in fp32: step s runs the forward's calls of step s on the K/V
+    shard of rank (rank - s) mod W while the next shard arrives; the shard's dK/dV, summed
+    over the ranks that held it before, arrive from rank - 1 and leave, with this rank's share
+    added, for rank + 1; the last send delivers each rank its own. Holds at most two of the
+    group's K/V shards and three of its fp32 dK/dV (being computed, arriving, leaving)."""
+    group, steps = problem.group, problem.steps
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     send_to, recv_from = execute.ring_peers(group)
-    comm_stream = torch.cuda.Stream(saved.q.device) if saved.q.is_cuda else None
-    dq = _fp32_zeros(saved.q, saved.q.shape[2])
+    dq = _fp32(saved.q, saved.q.shape[2]) if dq is None else dq
     k_cur, v_cur = saved.k.contiguous(), saved.v.contiguous()
     grads_in: tuple[torch.Tensor, torch.Tensor] | None = None
     grads_works: list = []
@@ -179,20 +182,20 @@ def ring_backward(
             kv_works = execute.exchange(
                 (k_cur, v_cur), kv_in, send_to, recv_from, group, comm_stream
             )
-        dk = _fp32_zeros(k_cur, k_cur.shape[2])
-        dv = _fp32_zeros(v_cur, v_cur.shape[2])
+        dk, dv = _fp32(k_cur, k_cur.shape[2]), _fp32(v_cur, v_cur.shape[2])
         add_gradients(steps[step], saved, k_cur, v_cur, options, dq, dk, dv)
         if grads_in is not None:  # the shard's dK/dV from the ranks that held it before
             _wait(grads_works)
             dk += grads_in[0]
             dv += grads_in[1]
+            grads_in, grads_works, grads_sent = None, [], ()  # freed before the next arrive
         _wait(kv_works)
         if kv_in is not None:
             k_cur, v_cur = kv_in
         if world == 1:
             return dq, dk, dv
         length = lengths[(rank - step - 1) % world]  # the shard rank - 1 held at this step
-        grads_in = (_fp32_empty(dk, length), _fp32_empty(dv, length))
+        grads_in = (_fp32(dk, length, zero=False), _fp32(dv, length, zero=False))
         # The sent tensors stay referenced until their wait: on CUDA their memory must not
         # return to the allocator while the second stream may still read it.
         grads_sent = (dk, dv)
@@ -208,18 +211,12 @@ def _wait(works: list) -> None:
         work.wait()
 
 
-def gather_backward(
-    saved: Saved,
-    calls,
-    chunks: list[tuple[Chunk, ...]],
-    group: dist.ProcessGroup | None,
-    options: KernelOptions,
-):
+def gather_backward(saved: Saved, calls, chunks, group, options: KernelOptions):
     """(dq, dk, dv) in fp32 from the calls against the whole K/V sequence, gathered again; the
     whole sequence's dK/dV reduce-scattered to the ranks holding each chunk."""
     k_all, v_all = execute.gather_sequences((saved.k, saved.v), chunks, group)
-    dq = _fp32_zeros(saved.q, saved.q.shape[2])
-    dk_all, dv_all = _fp32_zeros(k_all, k_all.shape[2]), _fp32_zeros(v_all, v_all.shape[2])
+    dq = _fp32(saved.q, saved.q.shape[2])
+    dk_all, dv_all = _fp32(k_all, k_all.shape[2]), _fp32(v_all, v_all.shape[2])
     add_gradients(calls, saved, k_all, v_all, options, dq, dk_all, dv_all)
     dk, dv = reduce_scatter_sequences((dk_all, dv_all), chunks, group)
     return dq, dk, dv

@@ -1,19 +1,11 @@
 """context_parallel_attention: each rank's shard of exact attention over a sequence split
-across the ranks of a torch.distributed group (NCCL on GPUs, gloo on CPUs).
-
-Two strategies compute it (docs/context_parallel.md has the arithmetic behind the choice):
-
-    ring       K/V shards travel around the ring (batch_isend_irecv), one step per rank,
-               overlapped with the kernels on the shard of the current step; the partial
-               results are merged through their LSE. Holds two K/V shards at a time; a
-               long sequence goes around once per group of KV heads (ring_head_groups),
-               so that the shards in flight and the fp32 accumulator are one group's. Runs
-               causal and unmasked attention; windows and ALiBi only where no pair of chunks
-               needs positions a single shard cannot provide (the planner says which).
-    allgather  K/V of every rank gathered once, then one call per query chunk over every key
-               it can see, its positions aligned with the global ones: any mask, ALiBi too.
+across the ranks of a torch.distributed group (NCCL on GPUs, gloo on CPUs), by one of
+    ring       K/V shards around the ring, overlapped with the kernels, partials merged through
+               their LSE; once per group of KV heads (ring_head_groups) for long sequences;
+    allgather  K/V gathered once, one call per query chunk over every key it sees: any mask;
     auto       allgather when the ring cannot express the mask, or when the gathered K/V
                takes no more memory than the ring's buffers (or <= 64 MiB); else ring.
+docs/context_parallel.md has the arithmetic behind the choice.
 """
 
 from __future__ import annotations
@@ -53,9 +45,12 @@ class ContextParallelPlan:
     rule: MaskRule
     steps: tuple[tuple[KernelCall, ...], ...]  # ring: one per step; allgather: one
     head_groups: int = 1  # ring: trips around the ring, one per group of KV heads
+    backward_head_groups: int = 1  # the ring's backward: the same, for its accumulators
 
     def describe(self) -> str:
         groups = f", {self.head_groups} head groups" if self.head_groups > 1 else ""
+        if self.backward_head_groups > 1:
+            groups += f", backward in {self.backward_head_groups}"
         lines = [
             f"{self.strategy} ({self.reason}); rank {self.rank} of {self.world_size}, "
             f"{self.layout}, N = {self.seq_len}, mask {self.rule.describe()}{groups}"
@@ -120,14 +115,14 @@ def context_parallel_attention(
         strategy, rule, seq_len, world, layout, aligns, rank, q, k, v
     )
     execute.check_served(all_calls, q, v, options)
-    groups = _head_groups(ring_head_groups, q, v, chunks) if chosen == "ring" else 1
+    groups = _head_groups(ring_head_groups, q, v, chunks) if chosen == "ring" else (1, 1)
     plan_steps = _record(chosen, reason, layout, world, rank, seq_len, rule, steps, groups)
-    run = _forward(chosen, q, k, v, steps, chunks, seq_len, group, options, groups)
+    run = _forward(chosen, q, k, v, steps, chunks, seq_len, group, options, groups[0])
     if trains:
         # Before any communication, as the forward's check: every rank refuses together.
         execute.check_served(all_calls, q, v, options, backward=True)
         problem = backward.Problem(
-            chosen, plan_steps, tuple(all_calls), tuple(chunks), seq_len, group, options
+            chosen, plan_steps, tuple(all_calls), tuple(chunks), seq_len, group, options, groups[1]
         )
         out, lse = backward.ContextParallelAttention.apply(run, problem, q, k, v)
     else:
@@ -152,21 +147,23 @@ def _record(chosen, reason, layout, world, rank, seq_len, rule, steps, groups):
     global _last
     plan_steps = tuple(tuple(s) for s in steps)
     _last = ContextParallelPlan(
-        chosen, reason, layout, world, rank, seq_len, rule, plan_steps, groups
+        chosen, reason, layout, world, rank, seq_len, rule, plan_steps, *groups
     )
     return plan_steps
 
 
-def _head_groups(asked, q, v, chunks) -> int:
-    """How many groups of KV heads the ring computes one after another, each going around the
-    ring once with its own fp32 accumulator and K/V in flight: `asked` (an int from 1 to Hkv,
-    checked), or for None the fewest groups whose accumulator fits RING_ACCUMULATOR_BYTES (one
-    for short sequences), the same on every rank (from the longest shard). More groups hold
-    less memory and exchange more, smaller messages (docs/context_parallel.md, "Memory")."""
-    if asked is None:
-        longest = max(sum(c.length for c in rank) for rank in chunks)
-        return execute.auto_head_groups(q, v, longest, RING_ACCUMULATOR_BYTES)
-    return asked
+def _head_groups(asked, q, v, chunks) -> tuple[int, int]:
+    """How many groups of KV heads the ring's forward and its backward compute one after
+    another, each going around the ring once with its own fp32 accumulators and K/V in
+    flight: `asked` (an int from 1 to Hkv, checked) for both, or for None the fewest groups
+    whose accumulators fit RING_ACCUMULATOR_BYTES (one for short sequences), the same on every
+    rank (from the longest shard). More groups hold less memory and exchange more, smaller
+    messages (docs/context_parallel.md, "Memory")."""
+    if asked is not None:
+        return asked, asked
+    longest = max(sum(c.length for c in rank) for rank in chunks)
+    auto = functools.partial(execute.auto_head_groups, q, v, longest, RING_ACCUMULATOR_BYTES)
+    return auto(False), auto(True)
 
 
 def _check_head_groups(asked, num_kv_heads: int) -> None:

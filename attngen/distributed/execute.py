@@ -72,12 +72,31 @@ def head_ranges(num_kv_heads: int, groups: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
-def auto_head_groups(q: torch.Tensor, v: torch.Tensor, rows: int, budget: int) -> int:
-    """The fewest KV-head groups whose fp32 accumulator ([B, group's Hq, rows, Dv]) takes at
-    most `budget` bytes, one KV head per group at most. `rows` is the longest shard's length,
-    so that every rank chooses the same (their trips around the ring must pair up)."""
+def head_group_slices(options: KernelOptions, q: torch.Tensor, k: torch.Tensor, groups: int):
+    """(first KV head, last + 1, slice of their query heads, options with their ALiBi slopes)
+    of each group of `head_ranges`."""
+    ratio, slopes = q.shape[1] // k.shape[1], options.alibi_slopes
+    for lo, hi in head_ranges(k.shape[1], groups):
+        heads = slice(lo * ratio, hi * ratio)
+        yield (
+            lo,
+            hi,
+            heads,
+            replace(options, alibi_slopes=None if slopes is None else slopes[heads]),
+        )
+
+
+def auto_head_groups(q, v, rows: int, budget: int, backward: bool = False) -> int:
+    """The fewest KV-head groups whose fp32 accumulators take at most `budget` bytes, one KV
+    head per group at most: the forward's output [B, group's Hq, rows, Dv]; with backward,
+    its dQ and three of the shard's dK/dV (being computed, arriving, leaving). `rows` is the
+    longest shard's length, so that every rank chooses the same (their trips must pair up)."""
     batch, heads_q, dim_v, heads_kv = q.shape[0], q.shape[1], v.shape[-1], v.shape[1]
     per_kv_head = batch * (heads_q // heads_kv) * rows * dim_v * 4
+    if backward:
+        per_kv_head = (
+            batch * rows * 4 * (heads_q // heads_kv * q.shape[-1] + 3 * (q.shape[-1] + dim_v))
+        )
     for groups in range(1, heads_kv + 1):
         if -(-heads_kv // groups) * per_kv_head <= budget:
             return groups
@@ -226,12 +245,8 @@ def ring_attention(
     single = rows_covered_once(every_call, q.shape[2])
     out = q.new_empty(*q.shape[:3], v.shape[-1])
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    ratio = q.shape[1] // k.shape[1]
     comm_stream = torch.cuda.Stream(q.device) if q.is_cuda else None
-    for lo, hi in head_ranges(k.shape[1], head_groups):
-        heads = slice(lo * ratio, hi * ratio)
-        slopes = options.alibi_slopes
-        group_options = replace(options, alibi_slopes=None if slopes is None else slopes[heads])
+    for lo, hi, heads, group_options in head_group_slices(options, q, k, head_groups):
         acc = Accumulator(out[:, heads], lse[:, heads], single)
         kv = (k[:, lo:hi], v[:, lo:hi])
         ring_pass(q[:, heads], *kv, steps, lengths, group, group_options, acc, comm_stream)

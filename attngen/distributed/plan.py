@@ -1,28 +1,18 @@
 """Which generated-kernel calls compute a rank's shard of attention over the whole sequence.
 
 Pure Python over global positions (no torch), so every rank plans every rank's work and all
-of them refuse the same call before any communication starts.
-
-Notation: a query chunk holds global positions [qs, qe), a key range [ks, ke). The whole
-sequence is one self-attention (Nq = Nk = N), so its mask needs no alignment: key j is visible
-to query i when j <= i (causal) or i - left <= j <= i + right (window), and ALiBi's bias is
--slope * |i - j|.
+of them refuse the same call before any communication starts. A query chunk holds global
+positions [qs, qe), a key range [ks, ke); key j is visible to query i when j <= i (causal) or
+i - left <= j <= i + right (window), and ALiBi's bias is -slope * |i - j|.
 
 A generated kernel sees positions only through its alignment: row i of a call sits at
-i' = i + (Nk - Nq) (bottom_right, and every mask-none kernel: flash-attn's ALiBi distance
-|i + Nk - Nq - j|) or i' = i (top_left). A call
-is exact when the kernel's i' - j equals the global i - j, which needs the key range to end
-where the query chunk ends (bottom_right: D = qs - ks = Nk - Nq) or to start where it starts
-(top_left: D = 0). Two ways make that hold:
-
-- take a longer key range, e.g. keys [0, qe) for a causal chunk [qs, qe) (the all-gather
-  strategy does this: one call per chunk, any mask, ALiBi included);
-- add fake query rows (zeros; their output is dropped) after the chunk (bottom_right:
-  ke - qe rows) or before it (top_left: qs - ks rows). They cost work, so a call may add at
-  most as many fake rows as it has real ones; beyond that the pair is refused.
-
-When positions do not matter (every key of the range visible to every query, no ALiBi), the
-call runs a mask-none kernel, and such calls over adjacent rows or keys are fused into one.
+i' = i + (Nk - Nq) (bottom_right, and every mask-none kernel: flash-attn's ALiBi distance) or
+i' = i (top_left), so a call is exact when its keys end where its queries end (bottom_right)
+or start where they start (top_left): by a longer key range (the all-gather's keys [0, qe) for
+a causal chunk) or by fake query rows (zeros, output dropped) after the chunk (bottom_right)
+or before it (top_left), at most as many as it has real ones, else the pair is refused. When
+positions do not matter (every key visible to every query, no ALiBi) a mask-none call runs,
+and such calls over adjacent rows or keys are fused (docs/context_parallel.md).
 """
 
 from __future__ import annotations

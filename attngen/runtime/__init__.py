@@ -28,6 +28,8 @@
     kvcache_append.py  which sequences fit their cache, the append of new keys (varlen
                   route); paged K/V for flash_attn_varlen_func
     decode_ops.py the decode kind's calls and op
+    flex/         flex_attention and create_block_mask (torch's FlexAttention calls): Python
+                  score_mod / mask_mod traced into expressions, modules built on demand
     hf.py         the transformers attention function ("attngen"); static-cache decode
     fallback.py   the torch implementation behind fallback="sdpa" (masks: attngen/masks.py,
                   the oracle's definition too), with the generated modules' argument checks
@@ -51,6 +53,7 @@ from attngen.runtime.api import (
     scaled_dot_product_attention,
 )
 from attngen.runtime.dispatch import get_fallback, set_fallback
+from attngen.runtime.flex import BlockMask, TraceError, create_block_mask, flex_attention
 from attngen.runtime.hf import register_transformers
 from attngen.runtime.kvcache import flash_attn_with_kvcache
 from attngen.runtime.launch import Warmed, warmup
@@ -76,6 +79,10 @@ from attngen.runtime.registry import (
 from attngen.runtime.selection import Dispatch, Need, NoKernelError, dispatch_log, last_dispatch
 
 __all__ = [
+    "BlockMask",
+    "TraceError",
+    "create_block_mask",
+    "flex_attention",
     "BackwardRun",
     "backward_runs",
     "last_backward",

@@ -595,8 +595,11 @@ def build_for(
     return cache_entry(folder, item), built
 
 
-def spec_for(need: Need, heads: tuple[int, int] | None) -> tuple[AttnSpec, KernelKind, str]:
-    """The spec, kind and arch that serve `need` (the module docstring), or NotExpressible."""
+def spec_for(
+    need: Need, heads: tuple[int, int] | None, expressions: dict[str, Any] | None = None
+) -> tuple[AttnSpec, KernelKind, str]:
+    """The spec, kind and arch that serve `need` (the module docstring), with `expressions`'
+    fields (score_mod, mask_mod, tensors: flex_attention's), or NotExpressible."""
     from attngen.arch import ARCHS
 
     arch = INTERPRETER_ARCH if need.arch == INTERPRETER else need.arch
@@ -635,6 +638,7 @@ def spec_for(need: Need, heads: tuple[int, int] | None) -> tuple[AttnSpec, Kerne
             fields["kv_dtype"] = need.kv_dtype.value
     if need.backward:
         fields["backward"] = True
+    fields.update(expressions or {})
     try:
         (spec,) = specs_from_data(fields)
     except SpecError as exc:

@@ -1,0 +1,270 @@
+"""attngen.flex_attention: torch's FlexAttention call, run by a module built on demand.
+
+A call's score_mod and its block mask's mask_mod are traced (trace.py) into expression trees;
+with q's dtype, the head dims, the head counts and the device's arch they state a spec
+(`score_mod`, `mask_mod` and `tensors` fields: attngen.expressions), whose module is built on
+demand (selection.py's on-demand part, the cache of registry.py) and kept here under the
+call's key (the trees' text, the tensors' declarations, the Need), then called with the
+captured tensors by name (`tensors=`). Nothing falls back: without on-demand builds, on a
+device no kernel runs on, or for a function the tracer cannot express, the call is refused,
+saying why; `attngen.last_dispatch()` names the module that ran.
+
+The block mask: attngen's (create_block_mask here) is derived from its mask_mod, which the
+kernel evaluates per element, so its block tensors add nothing yet. torch's BlockMask is taken
+the same way (as torch's eager flex_attention does); one without a mask_mod (block sparsity
+alone) becomes a mask reading its dense block bitmap. Skipping the empty blocks from
+kv_num_blocks / kv_indices is the next step (docs/status.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, replace
+from typing import Any
+
+import torch
+
+from attngen.expressions import Expr, expression_key, make
+from attngen.runtime import registry as kernel_cache
+from attngen.runtime import selection as ondemand
+from attngen.runtime.dispatch import (
+    device_problem,
+    expected_forward,
+    need_for,
+    unsupported_dtype,
+)
+from attngen.runtime.flex.blocks import BlockMask
+from attngen.runtime.flex.trace import Capture, trace
+from attngen.runtime.registry import import_verified
+from attngen.runtime.selection import Dispatch, NoKernelError, record
+from attngen.spec import KernelKind, Mask
+
+API = "flex_attention"
+_PLAIN: dict[str, Any] = dict(mask=Mask.none, align=None, window=None, softcap=None, alibi=False)
+_modules: dict[tuple, tuple[Any, Dispatch]] = {}
+
+
+def flex_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    score_mod: Any = None,
+    block_mask: Any = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    kernel_options: Any = None,
+    *,
+    return_aux: Any = None,
+) -> Any:
+    """torch.nn.attention.flex_attention.flex_attention's call and results: query [B, HQ, L,
+    E], key [B or 1, HKV, S, E], value [B or 1, HKV, S, EV] (HQ == HKV unless enable_gqa);
+    out [B, HQ, L, EV] in query's dtype, and with return_lse the log-sum-exp [B, HQ, L]
+    (float32, natural log; a row that sees no key: out 0, lse -inf); return_aux
+    AuxRequest(lse=True) gives (out, AuxOutput(lse=...)). kernel_options is refused (the
+    module's tiling is derived), as is max_scores."""
+    want_lse = _check_options(scale, enable_gqa, return_lse, kernel_options, return_aux)
+    _check_tensors(query, key, value, enable_gqa)
+    capture = Capture()
+    score, keep = (None, None) if score_mod is None else trace(score_mod, "score_mod", capture)
+    mask = _mask_tree(block_mask, query, key, capture)
+    mask = keep if mask is None else mask if keep is None else make("mask_mod", "and", (mask, keep))
+    score = None if score is not None and str(score) == "score" else score  # torch's _identity
+    mask = None if mask is not None and mask.op == "num" and mask.value is True else mask
+    values = capture.values()
+    _check_grad(query, key, value, values)
+    for name, tensor in values.items():
+        if tensor.device != query.device:
+            raise ValueError(
+                f"{API}: the captured tensor {name} is on {tensor.device}; "
+                f"allowed: query's device, {query.device}"
+            )
+    module, dispatch = _module(query, key, value, score, mask, capture)
+    if key.shape[0] != query.shape[0]:  # batch 1 broadcast, as torch's (a view: stride 0)
+        key = key.expand(query.shape[0], *key.shape[1:])
+        value = value.expand(query.shape[0], *value.shape[1:])
+    sm_scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    options = {"tensors": values} if values else {}
+    result = module.attention(query, key, value, sm_scale=sm_scale, return_lse=want_lse, **options)
+    record(dispatch)
+    if return_aux is not None:
+        from torch.nn.attention.flex_attention import AuxOutput
+
+        return result[0], AuxOutput(lse=result[1], max_scores=None)
+    return result
+
+
+def _check_options(scale, enable_gqa, return_lse, kernel_options, return_aux) -> bool:
+    """Whether the call returns the LSE; ValueError naming an argument outside torch's."""
+    number = isinstance(scale, int | float) and not isinstance(scale, bool)
+    if scale is not None and not (number and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{API}: scale: got {scale!r}; allowed: None or a finite float > 0")
+    for name, flag in (("enable_gqa", enable_gqa), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{API}: {name}: got {flag!r}; allowed: True or False")
+    if kernel_options is not None:
+        raise ValueError(
+            f"{API}: kernel_options: got {kernel_options!r}; allowed: None (the "
+            "module's tiling is derived from its spec)"
+        )
+    if return_aux is None:
+        return return_lse
+    if return_lse or getattr(return_aux, "max_scores", True) or not return_aux.lse:
+        raise ValueError(
+            f"{API}: return_aux: got {return_aux!r} (return_lse={return_lse}); "
+            "allowed: None or AuxRequest(lse=True) without return_lse"
+        )
+    return True
+
+
+def _check_tensors(query, key, value, enable_gqa: bool) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shown = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{API}: {name}: got {shown}; allowed: a 4-D tensor [B, H, N, D]")
+        if t.dtype != query.dtype or t.device != query.device:
+            raise ValueError(
+                f"{API}: {name}: {t.dtype} on {t.device}; allowed: query's dtype "
+                f"and device, {query.dtype} on {query.device}"
+            )
+    (batch, heads, _, dim), (kv_batch, kv_heads, _, kdim) = query.shape, key.shape
+    if kdim != dim or tuple(value.shape[:3]) != tuple(key.shape[:3]):
+        raise ValueError(
+            f"{API}: key {tuple(key.shape)} and value {tuple(value.shape)} with "
+            f"query {tuple(query.shape)}; allowed: key [B, HKV, S, {dim}], value "
+            "[B, HKV, S, EV] of the same B, HKV and S"
+        )
+    if kv_batch not in (1, batch):
+        raise ValueError(f"{API}: key's batch {kv_batch}; allowed: query's, {batch}, or 1")
+    allowed = f"a divisor of query's {heads} with enable_gqa" if enable_gqa else f"{heads}"
+    if heads % kv_heads or (not enable_gqa and kv_heads != heads):
+        raise ValueError(f"{API}: key's heads {kv_heads}; allowed: {allowed}")
+
+
+def _check_grad(query, key, value, values: dict[str, torch.Tensor]) -> None:
+    tensors = {"query": query, "key": key, "value": value, **values}
+    needing = [name for name, t in tensors.items() if t.requires_grad]
+    if needing and torch.is_grad_enabled():
+        raise NotImplementedError(
+            f"{API}: {', '.join(needing)} require grad, but flex_attention's backward is not "
+            "built yet (forward only: run it under torch.no_grad() or pass detached tensors)"
+        )
+
+
+def _mask_tree(block_mask: Any, query, key, capture: Capture) -> Expr | None:
+    """The mask_mod tree of the call's block mask (its blocks checked against the call)."""
+    from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+    from torch.nn.attention.flex_attention import _sliced_mask_mod_error, noop_mask
+
+    if block_mask is None:
+        return None
+    if not isinstance(block_mask, BlockMask | TorchBlockMask):
+        raise ValueError(
+            f"{API}: block_mask: got {type(block_mask).__name__}; allowed: None, "
+            "attngen.create_block_mask's or torch's BlockMask"
+        )
+    blocks = block_mask.kv_num_blocks
+    lengths = tuple(query.shape[2:3]) + tuple(key.shape[2:3])
+    batch, heads = blocks.shape[0], blocks.shape[1]
+    if tuple(block_mask.seq_lengths) != lengths or batch not in (1, query.shape[0]):
+        raise ValueError(
+            f"{API}: block_mask: made for shape {tuple(block_mask.shape)}; allowed: "
+            f"B 1 or {query.shape[0]}, (Q_LEN, KV_LEN) = {lengths}"
+        )
+    if heads not in (1, query.shape[1]) or blocks.device != query.device:
+        raise ValueError(
+            f"{API}: block_mask: {heads} heads on {blocks.device}; allowed: 1 or "
+            f"{query.shape[1]} heads, on {query.device}"
+        )
+    if block_mask.mask_mod is _sliced_mask_mod_error:
+        raise ValueError(f"{API}: block_mask: a sliced BlockMask has no mask_mod to apply")
+    if block_mask.mask_mod is noop_mask and isinstance(block_mask, TorchBlockMask):
+        return _bitmap(block_mask, query.shape[0], query.shape[1], capture)
+    return trace(block_mask.mask_mod, "mask_mod", capture)[0]
+
+
+def _bitmap(block_mask: Any, batch: int, heads: int, capture: Capture) -> Expr:
+    """A block mask without a mask_mod: blocks[b, h, q_idx // QB, kv_idx // KB], its listed
+    (partial and full) blocks as a dense bool tensor built on the device."""
+    rows, cols = block_mask.kv_indices.shape[-2:]
+    dense = None
+    for num, indices in (
+        (block_mask.kv_num_blocks, block_mask.kv_indices),
+        (block_mask.full_kv_num_blocks, block_mask.full_kv_indices),
+    ):
+        if num is None:
+            continue
+        listed = torch.arange(indices.shape[-1], device=indices.device) < num[..., None]
+        where = torch.where(listed, indices.long(), cols)
+        part = torch.zeros(*indices.shape[:-1], cols + 1, dtype=torch.bool, device=num.device)
+        part = part.scatter(-1, where, True)[..., :cols]
+        dense = part if dense is None else dense | part
+    assert dense is not None  # kv_num_blocks is required
+    blocks = dense.expand(batch, heads, rows, cols)
+    decl = capture.declare(blocks, None, "block_mask")
+    qb, kb = block_mask.BLOCK_SIZE
+    index = [Expr("var", (), n, "int") for n in ("b", "h", "q_idx", "kv_idx")]
+    index[2:] = [
+        make("mask_mod", "floordiv", (i, Expr("num", (), s, "int")))
+        for i, s in zip(index[2:], (qb, kb), strict=True)
+    ]
+    return Expr("load", tuple(index), decl.name, "bool")
+
+
+def _module(query, key, value, score: Expr | None, mask: Expr | None, capture: Capture):
+    """(module, Dispatch) of the call: kept per call key, built on demand on a first call."""
+    lq, lk = query.shape[2], key.shape[2]
+    need = need_for(
+        KernelKind.prefill, query, value, **_PLAIN, seqlen_q=lq, seqlen_k=lk, same_lengths=lq == lk
+    )
+    why = unsupported_dtype(query) if need.dtype is None else None
+    why = why or device_problem(API, need.arch, need.dtype)
+    settings = kernel_cache.settings()
+    if why is None and not settings.on_demand:
+        why = "its modules are built on demand, and on-demand builds are off "
+        why += f"(attngen.configure(on_demand=False) or {kernel_cache.ENV_ON_DEMAND}=0)"
+    if why is not None:
+        raise NoKernelError(f"attngen.{API}: {why}")
+    fields: dict[str, Any] = {"score_mod": None if score is None else str(score)}
+    fields |= {"mask_mod": None if mask is None else str(mask)}
+    fields |= {"tensors": [asdict(d) | {"shape": list(d.shape)} for d in capture.declarations()]}
+    need = need._replace(expressions=expression_key(fields))
+    heads = (query.shape[1], key.shape[1])
+    call_key = (need._replace(seqlen_q=0, seqlen_k=0, same_lengths=False), heads, settings)
+    hit = _modules.get(call_key)
+    if hit is None:
+        module, dispatch = _build(need, heads, fields)
+        _modules[call_key] = (module, _reused(dispatch))
+        return module, dispatch
+    return hit[0], replace(hit[1], need=need)
+
+
+def _build(need, heads, fields: dict[str, Any]) -> tuple[Any, Dispatch]:
+    from attngen.build import BuildError
+
+    try:
+        spec, kind, arch = ondemand.spec_for(need, heads, fields)
+        entry, built = ondemand.cached_module(spec, kind, arch)
+    except (ondemand.NotExpressible, BuildError) as exc:
+        raise NoKernelError(f"attngen.{API}: no module can be built: {exc}") from None
+    module = import_verified(entry)
+    how = "built on demand now" if built else "found in the on-demand cache"
+    reason = f"{entry.describe()} {how} ({entry.key}) for score_mod {fields['score_mod']}, "
+    reason += f"mask_mod {fields['mask_mod']}"
+    dispatch = Dispatch(
+        API,
+        need,
+        entry.describe(),
+        entry.key,
+        reason,
+        source="cache",
+        built=built,
+        forward=expected_forward(module),
+    )
+    return module, dispatch
+
+
+def _reused(dispatch: Dispatch) -> Dispatch:
+    """The record later calls of a key leave: they did not build the module."""
+    reason = dispatch.reason.replace("built on demand now", "built on demand earlier")
+    return replace(dispatch, built=False, reason=reason)
