@@ -120,21 +120,27 @@ def score_mod_tensors(case: str) -> list[dict]:
     return [t for t in CASES[case].get("tensors", []) if t["name"] + "[" in score_mod]
 
 
-def check_against_flex_meaning(case, dtype, causal, kernel, q, k, v, tensors, block_mask):
-    """Run the kernel with block_mask under the memory watch and compare to the reference of
-    the block mask's meaning; returns (out, lse)."""
+def flex_meaning_problems(case, dtype, causal, out, lse, q, k, v, tensors, block_mask):
+    """What is wrong with (out, lse) against the reference of the block mask's meaning (the
+    inputs on the CPU); [] if nothing."""
     batch, _, seqlen_q, _ = q.shape
     seqlen_k = k.shape[2]
     spec = expression_spec(case, dtype, causal)
-    with watching():
-        out, lse = kernel.attention(
-            q, k, v, return_lse=True, tensors=tensors or None, block_mask=block_mask
-        )
     values = mask_mod_values(spec, tensors, batch, seqlen_q, seqlen_k)
     keep = dense_keep(block_mask, values, seqlen_q, seqlen_k)
     ref = reference_spec(case, dtype, causal, keep)
     read = {t["name"]: tensors[t["name"]] for t in score_mod_tensors(case)}
-    problems = compare_to_reference(ref, out, lse, q, k, v, tensors={**read, "keep": keep})
+    return compare_to_reference(ref, out, lse, q, k, v, tensors={**read, "keep": keep})
+
+
+def check_against_flex_meaning(case, dtype, causal, kernel, q, k, v, tensors, block_mask):
+    """Run the kernel with block_mask under the memory watch and compare to the reference of
+    the block mask's meaning; returns (out, lse)."""
+    with watching():
+        out, lse = kernel.attention(
+            q, k, v, return_lse=True, tensors=tensors or None, block_mask=block_mask
+        )
+    problems = flex_meaning_problems(case, dtype, causal, out, lse, q, k, v, tensors, block_mask)
     assert not problems, "; ".join(problems)
     return out, lse
 
