@@ -597,3 +597,31 @@ def test_q_block_below_block_m_is_refused_not_unioned() -> None:
         r"of this module's BLOCK_M 32",
     ):
         kernel.attention(q, k, v, tensors=tensors, block_mask=block_mask)
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        dict(mask="sliding_window", window_left=9, window_right=4),
+        dict(mask="sliding_window", window_left=5, window_right=0, sink_tokens=3),
+        dict(mask="chunked", chunk_size=12),
+        dict(mask="causal", causal_align="bottom_right"),
+    ],
+)
+def test_the_built_in_mask_holds_on_full_blocks(mask) -> None:
+    """Full blocks skip mask_mod, never the spec's own mask: an exact block mask of the
+    document mask_mod (blocks inside one document are full) with a window, chunks or
+    bottom-right causal gives the element mask's result."""
+    spec = make_spec(name="flex", dtype="fp32", **mask, **CASES["document"])
+    batch, seqlen_q, seqlen_k = 2, 40, 56
+    q, k, v, _ = make_inputs(spec, batch, seqlen_q, seqlen_k, seed=17)
+    tensors = {"doc": (torch.arange(seqlen_k) // 30).repeat(batch, 1).to(torch.int32)}
+    values = mask_mod_values(spec, tensors, batch, seqlen_q, seqlen_k)
+    block_mask = exact_block_mask(values, 16, 16)
+    assert int(block_mask[2].sum()) > 0  # full blocks occur
+    with watching():
+        out, lse = load_kernel(spec, 16, 16).attention(
+            q, k, v, return_lse=True, tensors=tensors, block_mask=block_mask
+        )
+    problems = compare_to_reference(spec, out, lse, q, k, v, tensors=tensors)
+    assert not problems, "; ".join(problems)
