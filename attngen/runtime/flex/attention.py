@@ -47,6 +47,12 @@ _derived: dict[tuple, tuple] = {}  # _fields'
 _BITMAP = object()  # a block mask without a mask_mod: its block bitmap is the mask
 
 
+# torch.compile: the tracer reads the functions' code and closures and runs them on its own
+# symbolic values, which Dynamo cannot trace; the call is a graph break (fullgraph=True raises).
+_EAGER = "attngen.flex_attention traces its score_mod and mask_mod in Python"
+
+
+@torch.compiler.disable(reason=_EAGER)
 def flex_attention(
     query: torch.Tensor,
     key: torch.Tensor,
