@@ -109,8 +109,8 @@ def attngen_mask(*args, **kwargs):
     return padding
 
 
-_MASK_ARGUMENTS = ("batch_size", "q_length", "kv_length", "q_offset", "kv_offset")
-_MASK_ARGUMENTS += ("mask_function", "attention_mask")
+_MASK_ARGUMENTS: tuple[str, ...] = ("batch_size", "q_length", "kv_length", "q_offset")
+_MASK_ARGUMENTS += ("kv_offset", "mask_function", "attention_mask")
 
 
 @functools.cache
@@ -120,7 +120,7 @@ def _built_in_codes() -> tuple[frozenset, object]:
     from transformers import masking_utils as mu
 
     codes = {mu.causal_mask_function.__code__, mu.bidirectional_mask_function.__code__}
-    codes |= {mu.sliding_window_overlay(1).__code__, mu.chunked_overlay(1, None).__code__}
+    codes |= {mu.sliding_window_overlay(1).__code__, mu.chunked_overlay(1, torch.zeros(1)).__code__}
     codes |= {mu.sliding_window_bidirectional_overlay(1).__code__}
     return frozenset(codes), mu.and_masks().__code__
 
@@ -161,20 +161,16 @@ def mask_mod_of(mask_function, attention_mask=None, q_offset=0, kv_offset=0, **k
     mask_mod: the padding mask ANDed in (prepared to kv_length + kv_offset keys), the offsets
     added to the indices; the offsets as 0-d tensors, read at run time (a decode step's new
     offset needs no new trace or module)."""
-    from transformers.masking_utils import (
-        and_masks,
-        padding_mask_function,
-        prepare_padding_mask,
-    )
+    from transformers import masking_utils as mu
 
     padding = attention_mask
     if isinstance(padding, MaskMod | ChunkedKeys):
         padding = padding.padding
     elif isinstance(padding, CacheLengths):
         padding = None  # no padded position
-    if padding is not None:
-        padded = prepare_padding_mask(padding, kwargs["kv_length"], kv_offset)
-        mask_function = and_masks(mask_function, padding_mask_function(padded))
+    padded = mu.prepare_padding_mask(padding, kwargs["kv_length"], kv_offset)
+    if padded is not None:
+        mask_function = mu.and_masks(mask_function, mu.padding_mask_function(padded))
     device = kwargs.get("device") or (padding.device if padding is not None else "cpu")
     offsets = [
         torch.as_tensor(o, dtype=torch.int64, device=device).reshape(())

@@ -89,7 +89,7 @@ def flex_attention(
 def attend(api: str, query, key, value, trees, capture: Capture, scale, want_lse: bool) -> Any:
     """Run the (score, keep, mask) trees of a call (keep: where the score_mod is not -inf)
     with the captured tensors on the module built for them; record the dispatch as `api`."""
-    fields, expressions = _fields(*trees, capture.declarations())
+    fields, expressions = _fields(trees, capture.declarations())
     values = capture.values()
     _check_grad(api, query, key, value, values)
     for name, tensor in values.items():
@@ -227,10 +227,10 @@ def _bitmap(block_mask: Any, batch: int, heads: int, capture: Capture) -> Expr:
     return Expr("load", tuple(index), decl.name, "bool")
 
 
-def _fields(score, keep, mask, decls: tuple[Tensor, ...]) -> tuple[dict[str, Any], str]:
+def _fields(trees: tuple, decls: tuple[Tensor, ...]) -> tuple[dict[str, Any], str]:
     """The spec's score_mod, mask_mod and tensors fields of a call's trees, and their
     expression_key; kept for the trees of the trace cache (the same objects on every hit)."""
-    parts = (score, keep, mask, *decls)
+    (score, keep, mask), parts = trees, (*trees, *decls)
     ids = tuple(map(id, parts))
     kept = _derived.get(ids)
     if kept is not None and all(a is b for a, b in zip(kept[0], parts, strict=True)):

@@ -46,9 +46,12 @@ def traced(score_mod: Any, mask_mod: Any) -> tuple[Expr | None, Expr | None, Exp
     """(score, keep, mask, capture) of a call's score_mod and mask_mod (trace.trace's trees;
     None for an absent function), from the cache when the snapshot matches."""
     slots: list[torch.Tensor] = []
-    try:
-        key: tuple | None = (torch.is_grad_enabled(), _guard(score_mod, slots, 0))
-        key = (*key, _guard(mask_mod, slots, 0))
+    try:  # left to right: the slots' order is the functions'
+        key: tuple | None = (
+            torch.is_grad_enabled(),
+            _guard(score_mod, slots, 0),
+            _guard(mask_mod, slots, 0),
+        )
     except _Unguarded:
         key = None
     hit = None if key is None else _traces.get(key)
