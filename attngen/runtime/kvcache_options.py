@@ -17,6 +17,12 @@ rotary embedding, and what the call's plans need beyond the signature key.
   launch used. The varlen route has no split of the keys (one program per query block
   attends to all of them): there s is a hint, as flash-attn's is, and the call runs unsplit
   (`last_dispatch().kind` is "varlen").
+- tree_mask (an attngen extension: speculative decoding's draft trees, as EAGLE / Medusa
+  verify them): torch.bool [B, Nq, Nq] or [Nq, Nq]; draft token i sees the step's own keys (the
+  last Nq, which k/v of the Nq drafts append) only where tree_mask[b, i, j] is True (its
+  ancestors and itself), ANDed with causal / the window; every earlier key as without it. Read
+  by the decode module's kernel only (no host sync). Decode modules only; not with rotary or
+  ALiBi (they place the drafts at their cache slots; rotate q and k at the tree's positions).
 
 Rotary embedding (rotary_cos/rotary_sin), as flash-attn defines it: the new keys are rotated
 at positions cache_seqlens[b] + t; the query tokens at cache_seqlens[b] + t when the call is
@@ -291,10 +297,31 @@ def fp8_cache(k_cache, k_descale, v_descale) -> bool:
     return fp8
 
 
-def descale_keywords(k_descale, v_descale) -> dict:
-    """The decode module's descale keywords, only those given (other modules take none)."""
-    pairs = (("k_descale", k_descale), ("v_descale", v_descale))
-    return {name: descale for name, descale in pairs if descale is not None}
+def given_keywords(k_descale, v_descale, tree_mask) -> dict:
+    """The decode module's descale and tree_mask keywords, only those given (other modules
+    take none)."""
+    pairs = (("k_descale", k_descale), ("v_descale", v_descale), ("tree_mask", tree_mask))
+    return {name: t for name, t in pairs if t is not None}
+
+
+def check_tree(tree_mask, decode: Dispatch | None, rotary, alibi_slopes) -> None:
+    """tree_mask is the decode module's (its decode() checks the tensor; the varlen route has
+    no tree): refused without one, and with rotary or ALiBi, which would place the draft
+    tokens at their cache slots where the model means their tree depths."""
+    if tree_mask is None:
+        return
+    for name, given in (("rotary_cos", rotary), ("alibi_slopes", alibi_slopes)):
+        if given is not None:
+            raise ValueError(
+                f"tree_mask: not with {name}: a draft token's position is its tree depth, not "
+                "its cache slot; rotate q and k at the tree's positions before the call"
+            )
+    if decode is None or not hasattr(current_registry().module(decode.key), "_tree_args"):
+        raise ValueError(
+            "tree_mask: needs a decode module that takes it (kind decode, max_query_tokens >= "
+            "the draft tokens, built by this attngen), without cache_batch_idx / cache_leftpad; "
+            "none serves the call"
+        )
 
 
 def refuse_fp8_without_module(decode: Dispatch | None, q, k_cache, block_table) -> None:
