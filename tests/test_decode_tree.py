@@ -125,8 +125,15 @@ def run_tree_case(case, device="cpu"):
     (
         "paged",
         4,
-        dict(dtype="bf16", head_dim=40, mask="causal", causal_align="bottom_right",
-             num_kv_heads=2, num_q_heads=8, max_query_tokens=16),
+        dict(
+            dtype="bf16",
+            head_dim=40,
+            mask="causal",
+            causal_align="bottom_right",
+            num_kv_heads=2,
+            num_q_heads=8,
+            max_query_tokens=16,
+        ),
         16,
         [5, 0, 37],
         (16, 16),
@@ -139,8 +146,15 @@ def run_tree_case(case, device="cpu"):
     (
         "contiguous",
         None,
-        dict(dtype="fp16", head_dim=16, mask="none", num_kv_heads=1, num_q_heads=2,
-             max_query_tokens=8, sinks=True),
+        dict(
+            dtype="fp16",
+            head_dim=16,
+            mask="none",
+            num_kv_heads=1,
+            num_q_heads=2,
+            max_query_tokens=8,
+            sinks=True,
+        ),
         16,
         [33, 16],
         (8, 8),
@@ -153,8 +167,17 @@ def run_tree_case(case, device="cpu"):
     (
         "paged",
         1,
-        dict(dtype="fp32", head_dim=16, mask="sliding_window", causal_align="bottom_right",
-             window_left=3, sink_tokens=2, num_kv_heads=1, num_q_heads=2, max_query_tokens=8),
+        dict(
+            dtype="fp32",
+            head_dim=16,
+            mask="sliding_window",
+            causal_align="bottom_right",
+            window_left=3,
+            sink_tokens=2,
+            num_kv_heads=1,
+            num_q_heads=2,
+            max_query_tokens=8,
+        ),
         16,
         [20, 1],
         (6, 0),
@@ -339,8 +362,14 @@ def tree_kernels(tmp_path_factory):
     common = dict(dtype="bf16", num_q_heads=4, num_kv_heads=2, mask="causal",
                   causal_align="bottom_right")  # fmt: skip
     specs = [
-        dict(name="treec", kv_layout="contiguous", kernels=["decode"], head_dim=16,
-             max_query_tokens=4, **common),
+        dict(
+            name="treec",
+            kv_layout="contiguous",
+            kernels=["decode"],
+            head_dim=16,
+            max_query_tokens=4,
+            **common,
+        ),
         dict(name="treev", kernels=["varlen"], head_dim=32, **common),
     ]
     folder = build_folder(tmp_path_factory.mktemp("tree_kernels"), specs)
