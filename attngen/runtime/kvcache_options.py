@@ -17,12 +17,10 @@ rotary embedding, and what the call's plans need beyond the signature key.
   launch used. The varlen route has no split of the keys (one program per query block
   attends to all of them): there s is a hint, as flash-attn's is, and the call runs unsplit
   (`last_dispatch().kind` is "varlen").
-- tree_mask (an attngen extension: speculative decoding's draft trees, as EAGLE / Medusa
-  verify them): torch.bool [B, Nq, Nq] or [Nq, Nq]; draft token i sees the step's own keys (the
-  last Nq, which k/v of the Nq drafts append) only where tree_mask[b, i, j] is True (its
-  ancestors and itself), ANDed with causal / the window; every earlier key as without it. Read
-  by the decode module's kernel only (no host sync). Decode modules only; not with rotary or
-  ALiBi (they place the drafts at their cache slots; rotate q and k at the tree's positions).
+- tree_mask (an attngen extension: speculative decoding's draft trees): torch.bool [B, Nq, Nq]
+  or [Nq, Nq]; draft i sees the last Nq keys (the drafts' k/v) only where tree_mask[b, i, j],
+  ANDed with causal / the window. Decode modules only (their kernel reads it: no host sync);
+  not with rotary or ALiBi (docs/generated_modules.md, "Tree drafts").
 
 Rotary embedding (rotary_cos/rotary_sin), as flash-attn defines it: the new keys are rotated
 at positions cache_seqlens[b] + t; the query tokens at cache_seqlens[b] + t when the call is
@@ -310,13 +308,13 @@ def check_tree(tree_mask, decode: Dispatch | None, rotary, alibi_slopes) -> None
     tokens at their cache slots where the model means their tree depths."""
     if tree_mask is None:
         return
-    for name, given in (("rotary_cos", rotary), ("alibi_slopes", alibi_slopes)):
-        if given is not None:
-            raise ValueError(
-                f"tree_mask: not with {name}: a draft token's position is its tree depth, not "
-                "its cache slot; rotate q and k at the tree's positions before the call"
-            )
-    if decode is None or not hasattr(current_registry().module(decode.key), "_tree_args"):
+    if rotary is not None or alibi_slopes is not None:
+        raise ValueError(
+            f"tree_mask: not with {'rotary_cos' if rotary else 'alibi_slopes'}: a draft token's "
+            "position is its tree depth, not its cache slot; rotate q and k at it before the call"
+        )
+    module = None if decode is None or decode.key is None else current_registry().module(decode.key)
+    if not hasattr(module, "_tree_args"):
         raise ValueError(
             "tree_mask: needs a decode module that takes it (kind decode, max_query_tokens >= "
             "the draft tokens, built by this attngen), without cache_batch_idx / cache_leftpad; "
