@@ -426,3 +426,38 @@ def test_flash_attn_with_kvcache_refuses_trees_it_cannot_serve(tree_kernels):
         attngen.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
                                         causal=True, tree_mask=tree)  # fmt: skip
     assert torch.equal(k_cache, before)  # refused before route 2's append
+
+
+def test_the_absorbed_mla_decode_takes_a_tree():
+    """DeepSeek-V3's latent + rope decode (values its keys' first 512 dims), 4 drafts already in
+    the cache as a tree, two splits: against the float64 reference."""
+    from tests.test_mla_decode import LATENT, ROPE, latent_cache
+
+    spec = make_decode_spec("paged", 64, dtype="bf16", head_dim=LATENT + ROPE, head_dim_v=LATENT,
+                            num_q_heads=16, num_kv_heads=1, kernels=["decode"], mask="causal",
+                            causal_align="bottom_right", max_query_tokens=4)  # fmt: skip
+    kernel = load_decode(spec, 32)
+    cache = latent_cache(spec, [70, 5], seed=8)
+    q, _, _, _ = make_queries(spec, 2, 4, seed=8)
+    tree = torch.stack([random_tree(4, torch.Generator().manual_seed(s)) for s in (7, 8)])
+    kernel.FORCE_NUM_SPLITS = 2
+    try:
+        out, lse = run_decode(kernel, cache, q, tree_mask=tree)
+    finally:
+        kernel.FORCE_NUM_SPLITS = None
+    problems = decode_problems(spec, cache, out, lse, q, tree=tree)
+    assert not problems, "; ".join(problems)
+
+
+def test_the_op_path_passes_the_tree(tree_kernels):
+    """Inputs that need a gradient take the attngen::decode op (as torch.compile does): the
+    tree reaches the module there too."""
+    import attngen
+
+    q, k_cache, v_cache, k, v, lengths = _flash_tensors()
+    tree = torch.stack([random_tree(4, torch.Generator().manual_seed(s)) for s in (5, 6)])
+    options = dict(cache_seqlens=lengths, causal=True, tree_mask=tree)
+    direct = attngen.flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, **options)
+    q.requires_grad_()
+    op = attngen.flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, **options)
+    assert op.requires_grad and same_bits(op.detach(), direct)
