@@ -47,10 +47,12 @@ def attention_scores(
     compute_dtype: torch.dtype = torch.float64,
     tensors: Mapping[str, torch.Tensor] | None = None,
     first_b: int = 0,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[B, Hq, Nq, Nk] scores after scale, softcap, ALiBi, score_mod and the masks (the spec's
-    and mask_mod; -inf where masked). `tensors`: what the expressions read; `first_b`: the
-    batch index of q's first row (a varlen sequence compared on its own)."""
+    """[B, Hq, Nq, Nk] scores after scale, softcap, ALiBi, score_mod and the masks (the spec's,
+    mask_mod's and key_mask's, [B or 1, Nq, Nk] bool: decode's tree_mask over a step's own
+    keys; -inf where masked). `tensors`: what the expressions read; `first_b`: the batch index
+    of q's first row (a varlen sequence compared on its own)."""
     sequential = compute_dtype == torch.float32 and q.dtype == torch.float32
     q, k = q.to(compute_dtype), k.to(compute_dtype)
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # query head h reads h // group
@@ -69,6 +71,8 @@ def attention_scores(
     visible = visible_mask(spec, seqlen_q, seqlen_k, q.device)
     if spec.score_mod is not None or spec.mask_mod is not None:
         scores, visible = _expressions(spec, scores, visible, tensors, first_b)
+    if key_mask is not None:
+        visible = visible & key_mask.to(q.device)[:, None]
     return scores.masked_fill(~visible, float("-inf"))
 
 
@@ -105,6 +109,7 @@ def reference_attention(
     compute_dtype: torch.dtype = torch.float64,
     tensors: Mapping[str, torch.Tensor] | None = None,
     first_b: int = 0,
+    key_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Hq, Nq, Dv], lse [B, Hq, Nq]) in float64 by default.
 
@@ -124,6 +129,7 @@ def reference_attention(
         compute_dtype=compute_dtype,
         tensors=tensors,
         first_b=first_b,
+        key_mask=key_mask,
     )
     v_full = v.to(compute_dtype).repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     lse = torch.logsumexp(scores, dim=-1)
@@ -194,7 +200,7 @@ def compare_to_reference(
     (four for fp32 outputs, FP32_OUTPUT_FLOOR_ULPS explains why); the mean error the same with
     factor 1.5; NaN and inf exactly where the golden has them; rows that see no key exactly
     0. References are computed where the inputs live. `exprs`: tensors= and first_b= of a spec
-    with score_mod / mask_mod (attention_scores)."""
+    with score_mod / mask_mod, key_mask= (attention_scores)."""
     floor_ulps = FP32_OUTPUT_FLOOR_ULPS if out.dtype == torch.float32 else 2
     golden, golden_lse = reference_attention(
         spec, q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes, sinks=sinks, **exprs

@@ -159,10 +159,12 @@ def decode_problems(
     slopes=None,
     sm_scale=None,
     sinks=None,
+    tree=None,
 ) -> list[str]:
     """Per sequence: the kernel's rows against the dense float64 reference (decode's queries
     are the last tokens: the spec's bottom-right mask, and ALiBi without a mask is aligned
-    bottom-right too)."""
+    bottom-right too). tree: decode's tree_mask [B, NQ, NQ] (or [NQ, NQ]), ANDed into what
+    the queries see of the sequence's last NQ keys."""
     problems = []
     for b in range(q.shape[0]):
         k, v = cache.dense_k[b], cache.dense_v[b]
@@ -178,9 +180,22 @@ def decode_problems(
             sm_scale=sm_scale,
             alibi_slopes=slopes,
             sinks=sinks,
+            key_mask=None if tree is None else tree_key_mask(tree, b, k.shape[1]),
         )
         problems += [f"sequence {b} (L={k.shape[1]}): {p}" for p in found]
     return problems
+
+
+def tree_key_mask(tree, b: int, seqlen_k: int) -> torch.Tensor:
+    """[1, NQ, L] bool: sequence b's view of decode's tree_mask over its keys, every key
+    before the last NQ visible, draft key j (at L - NQ + j, when that is >= 0) where
+    tree[b, i, j]."""
+    tree = tree.cpu() if tree.dim() == 3 else tree.cpu()[None].expand(b + 1, -1, -1)
+    num_q = tree.shape[1]
+    mask = torch.ones(1, num_q, seqlen_k, dtype=torch.bool)
+    drafts = min(num_q, seqlen_k)
+    mask[0, :, seqlen_k - drafts :] = tree[b, :, num_q - drafts :]
+    return mask
 
 
 def expected_cache_after_append(cache: Cache, k_new, v_new) -> tuple[torch.Tensor, torch.Tensor]:

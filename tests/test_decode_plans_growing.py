@@ -66,7 +66,7 @@ def test_a_growing_cache_runs_from_one_plan_with_the_full_paths_launches(
     for size in sizes(spec):
         call = call_at(module, spec, size, num_new)
         with monkeypatch.context() as unplanned:
-            unplanned.setattr(module, "_call_key", lambda *args: None)
+            unplanned.setattr(module, "_call_key", lambda *args, **keywords: None)
             call()  # compiles what this size needs; the second call launches directly
             start = len(log)
             call()
@@ -95,7 +95,7 @@ def test_planned_outputs_over_a_growing_cache_equal_the_full_paths(monkeypatch, 
     for size in steps:
         call = call_at(module, spec, size, 2, return_lse=True, num_splits=3)
         with monkeypatch.context() as unplanned:
-            unplanned.setattr(module, "_call_key", lambda *args: None)
+            unplanned.setattr(module, "_call_key", lambda *args, **keywords: None)
             expected = call()
         got = call()
         for a, b in zip(expected, got, strict=True):
@@ -179,7 +179,7 @@ def test_a_repeated_size_reuses_its_derivation_and_new_strides_do_not(monkeypatc
 
     for call in (plain, strided, plain, plain, strided):
         with monkeypatch.context() as unplanned:
-            unplanned.setattr(module, "_call_key", lambda *args: None)
+            unplanned.setattr(module, "_call_key", lambda *args, **keywords: None)
             call()
             start = len(log)
             call()

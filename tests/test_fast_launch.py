@@ -498,7 +498,7 @@ def test_call_plans_launch_what_the_full_path_launches(monkeypatch):
         monkeypatch.setattr(module, "POINTER_LOADS_UP_TO", threshold)
         for name, call in calls.items():
             with monkeypatch.context() as unplanned:
-                unplanned.setattr(module, "_call_key", lambda *args: None)
+                unplanned.setattr(module, "_call_key", lambda *args, **keywords: None)
                 call(), call()
             expected = log[-1]
             for _ in range(3):  # the plan's first launch through _launch, then its own

@@ -24,13 +24,15 @@ def call_decode(
     rotary_sin: Tensor | None = None, rotary_interleaved: bool = True,
     rotary_q_per_token: bool = False, flash_layout: bool = False,
     k_descale: Tensor | None = None, v_descale: Tensor | None = None,
+    tree_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """The decode kind's `decode` entry point of `module` (docs/generated_modules.md), which
     appends k_new/v_new into the caches at cache_seqlens, in place, before attending: (out,
     lse or None); out [B, Nq, HQ, DV] with heads_last, else [B, HQ, Nq, DV]. num_splits: the
     module's (0: its split rule). rotary_*: the module's rotary embedding of q and the new keys
-    (ACCEPTS_ROTARY modules); k_descale/v_descale: an fp8 cache's (kv_dtype modules; each
-    keyword passed only when given, as sinks, since other modules do not take them).
+    (ACCEPTS_ROTARY modules); k_descale/v_descale: an fp8 cache's (kv_dtype modules);
+    tree_mask: the draft tree's (each keyword passed only when given, as sinks, since other
+    modules do not take them).
     flash_layout (with heads_last): q, the caches
     (paged ones as always) and k_new/v_new in flash-attn's [B, N, H, D] layout, handed to its
     decode_flash as they are."""
@@ -40,9 +42,9 @@ def call_decode(
         extra.update(
             rotary_keywords(rotary_cos, rotary_sin, rotary_interleaved, rotary_q_per_token)
         )
-    for name, descale in (("k_descale", k_descale), ("v_descale", v_descale)):
-        if descale is not None:
-            extra[name] = descale
+    for name, t in (("k_descale", k_descale), ("v_descale", v_descale), ("tree_mask", tree_mask)):
+        if t is not None:
+            extra[name] = t
     # flash_layout: its callers' promise (heads_last)
     entry = module.decode_flash_out if heads_last else module.decode  # out [B, Nq, HQ, DV]
     entry = module.decode_flash if flash_layout else entry
@@ -66,6 +68,7 @@ def decode(
     rotary_sin: Tensor | None = None, rotary_interleaved: bool = True,
     rotary_q_per_token: bool = False, flash_layout: bool = False,
     k_descale: Tensor | None = None, v_descale: Tensor | None = None,
+    tree_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """(out, lse or None) of the decode module `key`; see the module docstring. Directly,
     the caches' version counters are bumped as the op's mutates_args would. flash_layout: q,
@@ -81,7 +84,7 @@ def decode(
             rotary_cos is None
             or (rotary_sin is not None and _direct(q, rotary_cos, rotary_sin, None))
         )
-        and all(t is None or type(t) is Tensor for t in (k_descale, v_descale))
+        and all(t is None or type(t) is Tensor for t in (k_descale, v_descale, tree_mask))
     )
     module = current_registry().module(key) if direct else None
     if flash_layout and not (heads_last and direct):
@@ -92,7 +95,7 @@ def decode(
     tensors = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
     options = (sm_scale, alibi_slopes, return_lse, heads_last, sinks, num_splits)
     rotary = (rotary_cos, rotary_sin, rotary_interleaved, rotary_q_per_token)
-    descales = (k_descale, v_descale)
+    descales = (k_descale, v_descale, tree_mask)
     if direct:
         return direct_decode(module, key, *tensors, *options, *rotary, flash_layout, *descales)
     out, lse = decode_op(key, *tensors, *options, *rotary, *descales)
@@ -130,13 +133,14 @@ def decode_op(
     sinks: Tensor | None = None, num_splits: int = 0, rotary_cos: Tensor | None = None,
     rotary_sin: Tensor | None = None, rotary_interleaved: bool = True,
     rotary_q_per_token: bool = False, k_descale: Tensor | None = None,
-    v_descale: Tensor | None = None,
+    v_descale: Tensor | None = None, tree_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     tensors = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
     options = (sm_scale, alibi_slopes, return_lse, heads_last, sinks, num_splits)
     rotary = (rotary_cos, rotary_sin, rotary_interleaved, rotary_q_per_token)
     module = current_registry().module(key)
-    out, lse = call_decode(module, key, *tensors, *options, *rotary, False, k_descale, v_descale)
+    descales = (k_descale, v_descale, tree_mask)
+    out, lse = call_decode(module, key, *tensors, *options, *rotary, False, *descales)
     return (out.transpose(1, 2) if heads_last else out), (_no_lse(q) if lse is None else lse)
 
 

@@ -59,7 +59,9 @@ Decode steps:
 
 from __future__ import annotations
 
+import functools
 import weakref
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -79,25 +81,137 @@ API = "transformers"
 def register_transformers() -> str:
     """Register the attention function and its mask function under "attngen"; returns it."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
-
-    def attngen_mask(*args, **kwargs):
-        """flash-attention's mask function (the 2D padding mask, or None when nothing is
-        padded); for a chunked layer whose keys start past position 0, with that offset; for
-        a static cache with no padded position, its written keys' counts (CacheLengths)."""
-        lengths = None if args else cache_lengths(kwargs)
-        if lengths is not None:
-            return lengths
-        padding = flash_attention_mask(*args, **kwargs)
-        offset, config = kwargs.get("kv_offset", 0), kwargs.get("config")
-        chunk = getattr(config, "attention_chunk_size", None)
-        if offset and chunk and kwargs.get("local_size") == chunk:
-            return ChunkedKeys(padding, int(offset))
-        return padding
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, attngen_attention)
     AttentionMaskInterface.register(NAME, attngen_mask)
     return NAME
+
+
+def attngen_mask(*args, **kwargs):
+    """The mask function: a model's mask function with no built-in equivalent as a MaskMod;
+    else flash-attention's answer (the 2D padding mask, or None when nothing is padded); for
+    a chunked layer whose keys start past position 0, with that offset; for a static cache
+    with no padded position, its written keys' counts (CacheLengths)."""
+    from transformers.masking_utils import flash_attention_mask
+
+    named = dict(zip(_MASK_ARGUMENTS, args, strict=False)) | kwargs
+    if not _built_in(named.get("mask_function")):
+        return mask_mod_of(**named)
+    lengths = None if args else cache_lengths(kwargs)
+    if lengths is not None:
+        return lengths
+    padding = flash_attention_mask(*args, **kwargs)
+    offset, config = kwargs.get("kv_offset", 0), kwargs.get("config")
+    chunk = getattr(config, "attention_chunk_size", None)
+    if offset and chunk and kwargs.get("local_size") == chunk:
+        return ChunkedKeys(padding, int(offset))
+    return padding
+
+
+_MASK_ARGUMENTS: tuple[str, ...] = ("batch_size", "q_length", "kv_length", "q_offset")
+_MASK_ARGUMENTS += ("kv_offset", "mask_function", "attention_mask")
+
+
+@functools.cache
+def _built_in_codes() -> tuple[frozenset, object]:
+    """The code objects of transformers' mask functions that the layer's own mask (its type,
+    window, chunk and causality) applies, and and_masks' code."""
+    from transformers import masking_utils as mu
+
+    codes = {mu.causal_mask_function.__code__, mu.bidirectional_mask_function.__code__}
+    codes |= {mu.sliding_window_overlay(1).__code__, mu.chunked_overlay(1, torch.zeros(1)).__code__}
+    codes |= {mu.sliding_window_bidirectional_overlay(1).__code__}
+    return frozenset(codes), mu.and_masks().__code__
+
+
+def _built_in(mask_function, depth: int = 0) -> bool:
+    """Whether a model's mask function is causality, a window, chunks (and_masks of those):
+    what the built-in modules apply; None (no mask function: causal) too."""
+    if mask_function is None:
+        return True
+    codes, and_code = _built_in_codes()
+    code = getattr(mask_function, "__code__", None)
+    if code in codes:
+        return True
+    if code is not and_code or depth > 3:
+        return False
+    inner = mask_function.__closure__[0].cell_contents  # and_masks' mask_functions
+    return all(_built_in(fn, depth + 1) for fn in inner)
+
+
+class MaskMod(NamedTuple):
+    """What the mask function hands a layer whose mask function has no built-in equivalent
+    (packed sequences, prefix-LM, image tokens, a user's): the mask_mod(b, h, q_idx, kv_idx)
+    over the layer's query and key indices (padding and offsets included), which the
+    attention function traces and runs on an expression module; and the padding mask it
+    was made with (for a later call of the mask function that is handed this one)."""
+
+    mask_mod: Callable
+    padding: Tensor | None
+
+    @property
+    def ndim(self) -> int:
+        """1, as CacheLengths' (transformers reads ndim of a mask it is handed back)."""
+        return 1
+
+
+def mask_mod_of(mask_function, attention_mask=None, q_offset=0, kv_offset=0, **kwargs) -> MaskMod:
+    """The MaskMod of a mask-function call, as transformers' flex_attention_mask builds its
+    mask_mod: the padding mask ANDed in (prepared to kv_length + kv_offset keys), the offsets
+    added to the indices; the offsets as 0-d tensors, read at run time (a decode step's new
+    offset needs no new trace or module)."""
+    from transformers import masking_utils as mu
+
+    padding = attention_mask
+    if isinstance(padding, MaskMod | ChunkedKeys):
+        padding = padding.padding
+    elif isinstance(padding, CacheLengths):
+        padding = None  # no padded position
+    padded = mu.prepare_padding_mask(padding, kwargs["kv_length"], kv_offset)
+    if padded is not None:
+        mask_function = mu.and_masks(mask_function, mu.padding_mask_function(padded))
+    device = kwargs.get("device") or (padding.device if padding is not None else "cpu")
+    offsets = [
+        torch.as_tensor(o, dtype=torch.int64, device=device).reshape(())
+        for o in (q_offset, kv_offset)
+    ]
+    return MaskMod(_shifted(mask_function, *offsets), padding)
+
+
+def _shifted(mask_function, q_offset: Tensor, kv_offset: Tensor) -> Callable:
+    def shifted(batch_idx, head_idx, q_idx, kv_idx):
+        return mask_function(batch_idx, head_idx, q_idx + q_offset, kv_idx + kv_offset)
+
+    return shifted
+
+
+def _softcapped(cap: float) -> Callable:
+    def softcap(score, batch_idx, head_idx, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    return softcap
+
+
+@torch.compiler.disable(reason="a mask function's mask_mod is traced in Python")
+def _expressed(query, key, value, mask: MaskMod, dropout, scaling, softcap, kwargs):
+    """A layer whose mask is a MaskMod: the traced mask_mod (and softcap as a score_mod) on an
+    expression module built on demand (attngen.flex_attention's), out [B, Nq, HQ, DV]."""
+    from attngen.runtime.flex.attention import attend
+    from attngen.runtime.flex.cache import traced
+
+    refused = "dropout_p" if dropout else "s_aux" if kwargs.get("s_aux") is not None else None
+    if refused is not None:
+        raise NoKernelError(
+            f"attngen: {refused}: the layer's mask function has no built-in equivalent, so "
+            "its expression module applies it, and those have no dropout or sinks (dropout_p "
+            "is the layer's attention_dropout in training: use eval mode, or another "
+            "attn_implementation)"
+        )
+    score_mod = _softcapped(float(softcap)) if softcap else None
+    score, keep, mask_tree, capture = traced(score_mod, mask.mask_mod)
+    out = attend(API, query, key, value, (score, keep, mask_tree), capture, scaling, False)
+    return out.transpose(1, 2)
 
 
 class ChunkedKeys(NamedTuple):
@@ -147,8 +261,9 @@ def _layer_type(module) -> str | None:
     return None
 
 
-def _refuse_unexpressed(module, kwargs) -> None:
-    """NoKernelError naming what this layer's attention has that no spec expresses."""
+def _refuse_unexpressed(module, kwargs, expressed: bool = False) -> None:
+    """NoKernelError naming what this layer's attention has that no spec expresses; with a
+    MaskMod (`expressed`) the mask function states the layer's mask, whatever its type."""
     # a loop over the names, not dict_keys.isdisjoint: Dynamo traces this one (fullgraph)
     for name, what in _SCORE_KWARGS.items():
         if kwargs.get(name) is not None:
@@ -156,6 +271,8 @@ def _refuse_unexpressed(module, kwargs) -> None:
                 f"attngen: {name}: {what} is not in any spec; use another "
                 "attn_implementation for this model"
             )
+    if expressed:
+        return
     config = getattr(module, "config", None)
     layer_type, layer_idx = _layer_type(module), getattr(module, "layer_idx", None)
     if layer_type is not None and layer_type not in _LAYERS:
@@ -192,12 +309,16 @@ def attngen_attention(
     **kwargs,
 ):
     """transformers' attention-function contract: returns (out [B, Nq, HQ, DV], None)."""
-    _refuse_unexpressed(module, kwargs)
+    expressed = isinstance(attention_mask, MaskMod)
+    _refuse_unexpressed(module, kwargs, expressed)
     if kwargs.get("output_attentions"):
         raise NoKernelError(
             "attngen: output_attentions=True: the kernels never form the "
             "attention probabilities; use attn_implementation='eager'"
         )
+    if expressed:
+        out = _expressed(query, key, value, attention_mask, dropout, scaling, softcap, kwargs)
+        return out, None
     mask, window = _mask_of(module, query, key, sliding_window, is_causal)
     chunk = None
     if mask is Mask.chunked:

@@ -46,9 +46,10 @@ from attngen.runtime.kvcache_append import append_fitting, cache_seqlens_tensor
 from attngen.runtime.kvcache_options import (
     CacheOptions,
     cache_options,
-    descale_keywords,
+    check_tree,
     fp8_cache,
     fused_rotary,
+    given_keywords,
     key_layout,
     plain_step,
     planned_rotary,
@@ -86,17 +87,16 @@ def flash_attn_with_kvcache(
     return_softmax_lse=False,
     k_descale=None,
     v_descale=None,
+    tree_mask=None,
 ):
     """flash-attn 2.x `flash_attn_with_kvcache`: q [B, Nq, HQ, D]; k_cache/v_cache [B, L, HKV, D]
     or, with block_table int32 [B, max_pages], paged [pages, page_size, HKV, D]; new keys k/v
     [B, Nnew, HKV, D] are written into the caches at cache_seqlens (int32 [B] or int; None: full
     caches, so not with k/v) before attending. Causal is bottom-right aligned. Returns out
     [B, Nq, HQ, DV] (and lse [B, HQ, Nq] with return_softmax_lse): contiguous, or a view of the
-    kernel's [B, HQ, Nq, DV] output (no copy). rotary_*, cache_batch_idx, cache_leftpad and
-    num_splits as flash-attn's, k_descale/v_descale (fp8 caches) as FA3's: kvcache_options.py.
-    A sequence whose cache_seqlens, cache_batch_idx, cache_leftpad or block-table entries do
-    not fit its cache gets NaN output and LSE and nothing appended, no other memory touched
-    (docs/generated_modules.md, "Bad index tensors")."""
+    kernel's [B, HQ, Nq, DV] output (no copy). rotary_*, cache_batch_idx, cache_leftpad,
+    num_splits (flash-attn's), k_descale/v_descale (FA3's), tree_mask (attngen's draft trees):
+    kvcache_options.py. Bad index tensors: NaN for their sequence (generated_modules.md)."""
     key = None
     if (
         type(cache_seqlens) is Tensor
@@ -108,6 +108,7 @@ def flash_attn_with_kvcache(
         and type(causal) is bool
         and plans.pair(window_size)
         and type(return_softmax_lse) is bool
+        and tree_mask is None
     ):
         key = (
             API, q.shape, k_cache.shape, v_cache.shape, None if k is None else k.shape,
@@ -123,7 +124,7 @@ def flash_attn_with_kvcache(
         )  # fmt: skip
         if ran is not None:
             return ran if return_softmax_lse else ran[0]
-    cache = (k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
+    cache = (k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, tree_mask)
     step = (rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, rotary_interleaved, num_splits)
     flash = (softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax_lse)
     return _unplanned(q, cache, step, flash, key)
@@ -132,10 +133,10 @@ def flash_attn_with_kvcache(
 def _unplanned(q, cache: tuple, step: tuple, flash: tuple, key: tuple | None):
     """flash_attn_with_kvcache's full path: its checks, its Call, then the decode module
     (route 1) or the varlen route (route 2; not for fp8 caches). cache: (k_cache, v_cache, k,
-    v, cache_seqlens, block_table, k_descale, v_descale); step: (rotary_cos, rotary_sin,
+    v, cache_seqlens, block_table, k_descale, v_descale, tree_mask); step: (rotary_cos, rotary_sin,
     cache_batch_idx, cache_leftpad, rotary_interleaved, num_splits); flash: (softmax_scale,
     causal, window_size, softcap, alibi_slopes, return_softmax_lse), as the caller gave them."""
-    k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale = cache
+    k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, tree_mask = cache
     fp8 = fp8_cache(k_cache, k_descale, v_descale)
     rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, rotary_interleaved, num_splits = step
     softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax_lse = flash
@@ -166,6 +167,7 @@ def _unplanned(q, cache: tuple, step: tuple, flash: tuple, key: tuple | None):
         if options.decode_route
         else None
     )
+    check_tree(tree_mask, decode, options.rotary, alibi_slopes)
     if fp8:  # no plan of its own (plans.py's step takes no descales; the module's plans serve)
         refuse_fp8_without_module(decode, q, k_cache, block_table)
         key = None
@@ -175,7 +177,7 @@ def _unplanned(q, cache: tuple, step: tuple, flash: tuple, key: tuple | None):
         key = None
     cache = (k_cache, v_cache, k, v, cache_seqlens, block_table)
     if decode is not None:
-        extra = {**(rotary or {}), **descale_keywords(k_descale, v_descale)}
+        extra = {**(rotary or {}), **given_keywords(k_descale, v_descale, tree_mask)}
         out, lse = _run_decode_module(decode, q, *cache, call, key, num_splits, extra)
     else:
         out, lse = _run_varlen_route(q, *cache, options, capacity, call)

@@ -17,6 +17,10 @@ rotary embedding, and what the call's plans need beyond the signature key.
   launch used. The varlen route has no split of the keys (one program per query block
   attends to all of them): there s is a hint, as flash-attn's is, and the call runs unsplit
   (`last_dispatch().kind` is "varlen").
+- tree_mask (an attngen extension: speculative decoding's draft trees): torch.bool [B, Nq, Nq]
+  or [Nq, Nq]; draft i sees the last Nq keys (the drafts' k/v) only where tree_mask[b, i, j],
+  ANDed with causal / the window. Decode modules only (their kernel reads it: no host sync);
+  not with rotary or ALiBi (docs/generated_modules.md, "Tree drafts").
 
 Rotary embedding (rotary_cos/rotary_sin), as flash-attn defines it: the new keys are rotated
 at positions cache_seqlens[b] + t; the query tokens at cache_seqlens[b] + t when the call is
@@ -291,10 +295,31 @@ def fp8_cache(k_cache, k_descale, v_descale) -> bool:
     return fp8
 
 
-def descale_keywords(k_descale, v_descale) -> dict:
-    """The decode module's descale keywords, only those given (other modules take none)."""
-    pairs = (("k_descale", k_descale), ("v_descale", v_descale))
-    return {name: descale for name, descale in pairs if descale is not None}
+def given_keywords(k_descale, v_descale, tree_mask) -> dict:
+    """The decode module's descale and tree_mask keywords, only those given (other modules
+    take none)."""
+    pairs = (("k_descale", k_descale), ("v_descale", v_descale), ("tree_mask", tree_mask))
+    return {name: t for name, t in pairs if t is not None}
+
+
+def check_tree(tree_mask, decode: Dispatch | None, rotary, alibi_slopes) -> None:
+    """tree_mask is the decode module's (its decode() checks the tensor; the varlen route has
+    no tree): refused without one, and with rotary or ALiBi, which would place the draft
+    tokens at their cache slots where the model means their tree depths."""
+    if tree_mask is None:
+        return
+    if rotary is not None or alibi_slopes is not None:
+        raise ValueError(
+            f"tree_mask: not with {'rotary_cos' if rotary else 'alibi_slopes'}: a draft token's "
+            "position is its tree depth, not its cache slot; rotate q and k at it before the call"
+        )
+    module = None if decode is None or decode.key is None else current_registry().module(decode.key)
+    if not hasattr(module, "_tree_args"):
+        raise ValueError(
+            "tree_mask: needs a decode module that takes it (kind decode, max_query_tokens >= "
+            "the draft tokens, built by this attngen), without cache_batch_idx / cache_leftpad; "
+            "none serves the call"
+        )
 
 
 def refuse_fp8_without_module(decode: Dispatch | None, q, k_cache, block_table) -> None:

@@ -192,7 +192,10 @@ def _decode_source(spec: AttnSpec, kernel: Any, config: TileConfig, v_from_k: bo
         constexprs["V_FROM_K"] = v_from_k
     if "ROTARY_HALF" in kernel.arg_names:  # the launch without rotary (its code compiled out)
         constexprs.update(ROTARY_HALF=0, ROTARY_INTERLEAVED=False)
+    if "TREE" in kernel.arg_names:  # the launch without tree_mask (its code compiled out)
+        constexprs["TREE"] = False
     types = dict.fromkeys(("Q", "K", "V", "Out", "Cos", "Sin"), spec.dtype.triton_pointer)
+    types["TreeMask"] = "*u8"
     types.update(dict.fromkeys(("SeqLens", "BlockTable"), "*i32"))
     types.update(dict.fromkeys(("Lse", "PartOut", "PartLse", "Slopes", "Sinks"), "*fp32"))
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from attngen.expressions import Expr, expression_key, make
+from attngen.expressions import Expr, Tensor, expression_key, make
 from attngen.runtime import registry as kernel_cache
 from attngen.runtime import selection as ondemand
 from attngen.runtime.dispatch import (
@@ -34,7 +34,8 @@ from attngen.runtime.dispatch import (
     unsupported_dtype,
 )
 from attngen.runtime.flex.blocks import BlockMask
-from attngen.runtime.flex.trace import Capture, trace
+from attngen.runtime.flex.cache import traced
+from attngen.runtime.flex.trace import Capture
 from attngen.runtime.registry import import_verified
 from attngen.runtime.selection import Dispatch, NoKernelError, record
 from attngen.spec import KernelKind, Mask
@@ -42,8 +43,16 @@ from attngen.spec import KernelKind, Mask
 API = "flex_attention"
 _PLAIN: dict[str, Any] = dict(mask=Mask.none, align=None, window=None, softcap=None, alibi=False)
 _modules: dict[tuple, tuple[Any, Dispatch]] = {}
+_derived: dict[tuple, tuple] = {}  # _fields'
+_BITMAP = object()  # a block mask without a mask_mod: its block bitmap is the mask
 
 
+# torch.compile: the tracer reads the functions' code and closures and runs them on its own
+# symbolic values, which Dynamo cannot trace; the call is a graph break (fullgraph=True raises).
+_EAGER = "attngen.flex_attention traces its score_mod and mask_mod in Python"
+
+
+@torch.compiler.disable(reason=_EAGER)
 def flex_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -65,21 +74,31 @@ def flex_attention(
     module's tiling is derived), as is max_scores."""
     want_lse = _check_options(scale, enable_gqa, return_lse, kernel_options, return_aux)
     _check_tensors(query, key, value, enable_gqa)
-    capture = Capture()
-    score, keep = (None, None) if score_mod is None else trace(score_mod, "score_mod", capture)
-    mask = _mask_tree(block_mask, query, key, capture)
-    mask = keep if mask is None else mask if keep is None else make("mask_mod", "and", (mask, keep))
-    score = None if score is not None and str(score) == "score" else score  # torch's _identity
-    mask = None if mask is not None and mask.op == "num" and mask.value is True else mask
+    mask_mod = _mask_mod(block_mask, query, key)
+    score, keep, mask, capture = traced(score_mod, None if mask_mod is _BITMAP else mask_mod)
+    if mask_mod is _BITMAP:
+        mask = _bitmap(block_mask, query.shape[0], query.shape[1], capture)
+    result = attend(API, query, key, value, (score, keep, mask), capture, scale, want_lse)
+    if return_aux is not None:
+        from torch.nn.attention.flex_attention import AuxOutput
+
+        return result[0], AuxOutput(lse=result[1], max_scores=None)
+    return result
+
+
+def attend(api: str, query, key, value, trees, capture: Capture, scale, want_lse: bool) -> Any:
+    """Run the (score, keep, mask) trees of a call (keep: where the score_mod is not -inf)
+    with the captured tensors on the module built for them; record the dispatch as `api`."""
+    fields, expressions = _fields(trees, capture.declarations())
     values = capture.values()
-    _check_grad(query, key, value, values)
+    _check_grad(api, query, key, value, values)
     for name, tensor in values.items():
         if tensor.device != query.device:
             raise ValueError(
-                f"{API}: the captured tensor {name} is on {tensor.device}; "
+                f"{api}: the captured tensor {name} is on {tensor.device}; "
                 f"allowed: query's device, {query.device}"
             )
-    module, dispatch = _module(query, key, value, score, mask, capture)
+    module, dispatch = _module(api, query, key, value, fields, expressions)
     if key.shape[0] != query.shape[0]:  # batch 1 broadcast, as torch's (a view: stride 0)
         key = key.expand(query.shape[0], *key.shape[1:])
         value = value.expand(query.shape[0], *value.shape[1:])
@@ -87,10 +106,6 @@ def flex_attention(
     options = {"tensors": values} if values else {}
     result = module.attention(query, key, value, sm_scale=sm_scale, return_lse=want_lse, **options)
     record(dispatch)
-    if return_aux is not None:
-        from torch.nn.attention.flex_attention import AuxOutput
-
-        return result[0], AuxOutput(lse=result[1], max_scores=None)
     return result
 
 
@@ -141,18 +156,19 @@ def _check_tensors(query, key, value, enable_gqa: bool) -> None:
         raise ValueError(f"{API}: key's heads {kv_heads}; allowed: {allowed}")
 
 
-def _check_grad(query, key, value, values: dict[str, torch.Tensor]) -> None:
+def _check_grad(api: str, query, key, value, values: dict[str, torch.Tensor]) -> None:
     tensors = {"query": query, "key": key, "value": value, **values}
     needing = [name for name, t in tensors.items() if t.requires_grad]
     if needing and torch.is_grad_enabled():
         raise NotImplementedError(
-            f"{API}: {', '.join(needing)} require grad, but flex_attention's backward is not "
+            f"{api}: {', '.join(needing)} require grad, but flex_attention's backward is not "
             "built yet (forward only: run it under torch.no_grad() or pass detached tensors)"
         )
 
 
-def _mask_tree(block_mask: Any, query, key, capture: Capture) -> Expr | None:
-    """The mask_mod tree of the call's block mask (its blocks checked against the call)."""
+def _mask_mod(block_mask: Any, query, key) -> Any:
+    """The mask_mod of the call's block mask (its blocks checked against the call); _BITMAP
+    for torch's BlockMask without one."""
     from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
     from torch.nn.attention.flex_attention import _sliced_mask_mod_error, noop_mask
 
@@ -179,8 +195,8 @@ def _mask_tree(block_mask: Any, query, key, capture: Capture) -> Expr | None:
     if block_mask.mask_mod is _sliced_mask_mod_error:
         raise ValueError(f"{API}: block_mask: a sliced BlockMask has no mask_mod to apply")
     if block_mask.mask_mod is noop_mask and isinstance(block_mask, TorchBlockMask):
-        return _bitmap(block_mask, query.shape[0], query.shape[1], capture)
-    return trace(block_mask.mask_mod, "mask_mod", capture)[0]
+        return _BITMAP
+    return block_mask.mask_mod
 
 
 def _bitmap(block_mask: Any, batch: int, heads: int, capture: Capture) -> Expr:
@@ -211,7 +227,27 @@ def _bitmap(block_mask: Any, batch: int, heads: int, capture: Capture) -> Expr:
     return Expr("load", tuple(index), decl.name, "bool")
 
 
-def _module(query, key, value, score: Expr | None, mask: Expr | None, capture: Capture):
+def _fields(trees: tuple, decls: tuple[Tensor, ...]) -> tuple[dict[str, Any], str]:
+    """The spec's score_mod, mask_mod and tensors fields of a call's trees, and their
+    expression_key; kept for the trees of the trace cache (the same objects on every hit)."""
+    (score, keep, mask), parts = trees, (*trees, *decls)
+    ids = tuple(map(id, parts))
+    kept = _derived.get(ids)
+    if kept is not None and all(a is b for a, b in zip(kept[0], parts, strict=True)):
+        return kept[1], kept[2]
+    mask = keep if mask is None else mask if keep is None else make("mask_mod", "and", (mask, keep))
+    score = None if score is not None and str(score) == "score" else score  # torch's _identity
+    mask = None if mask is not None and mask.op == "num" and mask.value is True else mask
+    fields: dict[str, Any] = {"score_mod": None if score is None else str(score)}
+    fields |= {"mask_mod": None if mask is None else str(mask)}
+    fields |= {"tensors": [asdict(d) | {"shape": list(d.shape)} for d in decls]}
+    if len(_derived) >= 256:
+        _derived.clear()
+    _derived[ids] = (parts, fields, expression_key(fields))  # parts kept: ids not reused
+    return fields, _derived[ids][2]
+
+
+def _module(api: str, query, key, value, fields: dict[str, Any], expressions: str):
     """(module, Dispatch) of the call: kept per call key, built on demand on a first call."""
     lq, lk = query.shape[2], key.shape[2]
     need = need_for(
@@ -224,19 +260,17 @@ def _module(query, key, value, score: Expr | None, mask: Expr | None, capture: C
         why = "its modules are built on demand, and on-demand builds are off "
         why += f"(attngen.configure(on_demand=False) or {kernel_cache.ENV_ON_DEMAND}=0)"
     if why is not None:
-        raise NoKernelError(f"attngen.{API}: {why}")
-    fields: dict[str, Any] = {"score_mod": None if score is None else str(score)}
-    fields |= {"mask_mod": None if mask is None else str(mask)}
-    fields |= {"tensors": [asdict(d) | {"shape": list(d.shape)} for d in capture.declarations()]}
-    need = need._replace(expressions=expression_key(fields))
+        who = f"attngen.{API}" if api == API else f"attngen ({api}: the model's mask function)"
+        raise NoKernelError(f"{who}: {why}")
+    need = need._replace(expressions=expressions)
     heads = (query.shape[1], key.shape[1])
     call_key = (need._replace(seqlen_q=0, seqlen_k=0, same_lengths=False), heads, settings)
     hit = _modules.get(call_key)
     if hit is None:
         module, dispatch = _build(need, heads, fields)
         _modules[call_key] = (module, _reused(dispatch))
-        return module, dispatch
-    return hit[0], replace(hit[1], need=need)
+        return module, replace(dispatch, api=api)
+    return hit[0], replace(hit[1], need=need, api=api)
 
 
 def _build(need, heads, fields: dict[str, Any]) -> tuple[Any, Dispatch]:

@@ -292,6 +292,8 @@ class _Sym:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
+        if name == "device":  # for .to(x.device): devices are the call's
+            return None
         method = _TORCH.get(name)
         if method is None:
             raise self.ctx.error(f"the method .{name}() is not in the language; {_ALLOWED}")
@@ -305,7 +307,7 @@ class _Sym:
         if name == "__getitem__":
             return ctx.load(args[0], args[1])
         method = _TORCH.get(name)
-        if method is None or (kwargs and name not in ("new_ones", "new_zeros")):
+        if method is None or (kwargs and name not in ("new_ones", "new_zeros", "to")):
             raise ctx.error(f"torch.{name} is not in the language (or not so); {_ALLOWED}")
         return method(ctx, *args, **(kwargs or {}))
 
@@ -335,9 +337,25 @@ def _constant(value: float):
             raise ctx.error(f"new_ones/new_zeros of size {size}; allowed: () (a scalar)")
         node = ctx.node(x, "constant")[0]
         kind = "bool" if dtype is torch.bool else node.type if dtype is None else "float"
-        return {"bool": bool(value), "int": int(value)}.get(kind, float(value))
+        number = {"bool": bool(value), "int": int(value)}.get(kind, float(value))
+        return _Sym(ctx.node(number, "constant")[0], ctx)  # traced: .to() and .device work
 
     return method
+
+
+def _to(ctx: _Context, x: Any, *args: Any, **kwargs: Any) -> Any:
+    """Tensor.to: a device (and_masks' `.to(result.device)`) or the value's own type changes
+    nothing; a floating dtype makes it a float; anything else is refused."""
+    node = ctx.node(x, "to")[0]
+    for arg in (*args, *kwargs.values()):
+        same = {torch.bool: "bool", torch.int32: "int", torch.int64: "int"}.get(arg) == node.type
+        if arg is None or same or isinstance(arg, str | torch.device | bool):
+            continue
+        if isinstance(arg, torch.dtype) and arg.is_floating_point:
+            x = ctx.apply("mul", x, 1.0) if node.type != "float" else x
+            continue
+        raise ctx.error(f".to({arg!r}) of {node}, a {node.type}; allowed: a device, a float dtype")
+    return x
 
 
 _TORCH: dict[str, Any] = {name: _op(name) for name in ("abs", "exp", "log", "sqrt", "tanh")}
@@ -358,7 +376,7 @@ _TORCH |= {"where": lambda ctx, c, a, b: ctx.where(c, a, b)}
 _TORCH |= {"exp2": lambda ctx, x: ctx.apply("exp", ctx.apply("mul", x, LN2))}
 _TORCH |= {"float": lambda ctx, x: ctx.apply("mul", x, 1.0)}
 _TORCH |= {"new_ones": _constant(1), "new_zeros": _constant(0)}
-_TORCH |= {"ones_like": _constant(1), "zeros_like": _constant(0)}
+_TORCH |= {"ones_like": _constant(1), "zeros_like": _constant(0), "to": _to}
 _ALLOWED = f"allowed: {', '.join(sorted(name for name in _TORCH if name[0] != '_'))}"
 
 
