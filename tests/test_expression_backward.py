@@ -93,6 +93,8 @@ def dense_case(draw):
                      seqlen_q=17, seqlen_k=31, batch=1, seed=3, deterministic=True))  # fmt: skip
 @example(params=dict(case="relative_bias", dtype="fp32", causal=False, blocks=Blocks(),
                      seqlen_q=17, seqlen_k=33, batch=1, seed=4, deterministic=False))  # fmt: skip
+@example(params=dict(case="relative_bias", dtype="fp16", causal=False, blocks=Blocks(),
+                     seqlen_q=33, seqlen_k=17, batch=1, seed=5, deterministic=True))  # fmt: skip
 def test_expression_gradients_match_the_reference(params) -> None:
     case = params["case"]
     spec = expression_backward_spec(case, params["dtype"], params["causal"])
