@@ -178,13 +178,13 @@ def backward_expression_context(spec: AttnSpec) -> dict[str, Any]:
             "score_mod": _mod_text(spec, "score_mod", names),
             "mask_mod": _mod_text(spec, "mask_mod", names),
             "dscore": render(derived["score"], tensors, True, names) if derived else "",
-            "tensor_grads": [
-                (str(reads[key].value), render(grad, tensors, True, names))
-                + _gradient_target(reads[key], tensors, names)
-                for key, grad in derived.items()
-                if key != "score"
-            ],
         }
+    context["bwd_dkdv"]["tensor_grads"] = [  # the dK/dV kernel adds them
+        (str(reads[key].value), render(grad, tensors, True, BACKWARD_NAMES["dkdv"]))
+        + _gradient_target(reads[key], tensors, BACKWARD_NAMES["dkdv"])
+        for key, grad in derived.items()
+        if key != "score"
+    ]
     trainable = [t for t in tensors if t.trainable]
     texts = [v for kernel in BACKWARD_NAMES for v in context[f"bwd_{kernel}"].values()]
     return context | {

@@ -26,7 +26,7 @@ from attngen.reference_backward import (
     tensor_problems,
 )
 from tests.backward_harness import Blocks, cu_seqlens, module_for, packed_inputs
-from tests.kernel_harness import make_inputs, make_spec
+from tests.kernel_harness import load_kernel, make_inputs, make_spec
 from tests.memory_watch import watching
 from tests.test_backward_properties import EXAMPLES
 from tests.test_expression_kernels import CASES, case_tensors
@@ -111,6 +111,20 @@ def test_expression_gradients_match_the_reference(params) -> None:
     problems = compare_gradients(spec, grads, q, k, v, dout.to(q.dtype), tensors=tensors)
     assert not problems, "; ".join(problems)
     assert all(torch.isfinite(g).all() for g in grads[:3])
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_the_derived_backward_configs_run(deterministic: bool) -> None:
+    """The tiling model counts no registers for an expression: the configs it derives (here
+    sm80's, unchanged by the test) run the expressions and pass the rule."""
+    spec = expression_backward_spec("relative_bias", "fp16", causal=True)
+    module = load_kernel(spec, arch="sm80")
+    q, k, v, _ = make_inputs(spec, 1, 70, 130, seed=9)
+    dout = torch.randn(1, 4, 70, 64).to(q.dtype)
+    tensors = case_tensors("relative_bias", 1, 130, 9)
+    _, grads = run(module, q, k, v, dout, leaves_of("relative_bias", tensors),
+                   deterministic=deterministic)  # fmt: skip
+    assert not compare_gradients(spec, grads, q, k, v, dout, tensors=tensors)
 
 
 def test_a_row_that_sees_no_key_gets_zero_gradients() -> None:
