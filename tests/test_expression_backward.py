@@ -25,6 +25,7 @@ from attngen.reference_backward import (
     tensor_gradient_sigmas,
     tensor_problems,
 )
+from attngen.spec import SpecError
 from tests.backward_harness import Blocks, cu_seqlens, module_for, packed_inputs
 from tests.kernel_harness import load_kernel, make_inputs, make_spec
 from tests.memory_watch import watching
@@ -254,3 +255,13 @@ def test_the_build_renders_backward_expression_modules() -> None:
     spec = expression_backward_spec("relative_bias", "bf16", True, kernels=("prefill", "varlen"))
     paths = [a.relative_path for a in plan_build([spec])]
     assert len(paths) == 2 and all(p.endswith("_bwd.py") for p in paths)
+
+
+@pytest.mark.parametrize("name", ["lse", "delta"])
+def test_the_gradient_kernels_own_names_are_reserved(name: str) -> None:
+    """A tensor named lse or delta would shadow the dK/dV kernel's lse_ptr / delta_ptr."""
+    with pytest.raises(SpecError, match=f"^tensors: got '{name}'; allowed: unique names other"):
+        make_spec(
+            name="flexbwd", backward=True, score_mod=f"score + {name}[h]",
+            tensors=[{"name": name, "dtype": "float32", "shape": ["H"]}],
+        )  # fmt: skip
