@@ -394,11 +394,17 @@ _FLOAT_OPS = ("div", "exp", "log", "tanh", "sqrt")
 _OTHER = {"int": "0", "float": "0.0", "bool": "False"}
 
 
-def render(node: Expr, tensors: tuple[Tensor, ...], as_float: bool = False) -> str:
+def render(
+    node: Expr,
+    tensors: tuple[Tensor, ...],
+    as_float: bool = False,
+    names: Mapping[str, str] = KERNEL_NAMES,
+) -> str:
     """Triton source of `node` (deterministic; `tanh` is the kernels' `_tanh` helper); an int
-    operand of a float operation (and the whole, with `as_float`) is cast to fp32."""
-    declared = {t.name: t for t in tensors}
-    return _cast(node, _render(node, declared)) if as_float else _render(node, declared)
+    operand of a float operation (and the whole, with `as_float`) is cast to fp32. `names`:
+    the kernel's text of each variable (KERNEL_NAMES: the forward's key loop)."""
+    text = _render(node, {t.name: t for t in tensors}, names)
+    return _cast(node, text) if as_float else text
 
 
 def _cast(node: Expr, text: str) -> str:
@@ -407,21 +413,21 @@ def _cast(node: Expr, text: str) -> str:
     return repr(float(str(node.value))) if node.op == "num" else f"{text}.to(tl.float32)"
 
 
-def _render(node: Expr, tensors: dict[str, Tensor]) -> str:
-    r = [_render(a, tensors) for a in node.args]
+def _render(node: Expr, tensors: dict[str, Tensor], names: Mapping[str, str]) -> str:
+    r = [_render(a, tensors, names) for a in node.args]
     if node.op != "load" and (node.type == "float" or node.op in _FLOAT_OPS):
         r = [_cast(a, text) for a, text in zip(node.args, r, strict=True)]
     if node.op == "num":
         return repr(float(node.value)) if isinstance(node.value, float) else repr(node.value)
     if node.op == "var":
-        return KERNEL_NAMES[str(node.value)]
+        return names[str(node.value)]
     if node.op == "dim":
         return f"dim_{node.value}"
     if node.op == "load":
         tensor = tensors[str(node.value)]
         offset = " + ".join(f"({i}) * {tensor.name}_stride{k}" for k, i in enumerate(r))
         bounds = validity(Expr("load", node.args, node.value, node.type), tensors)
-        mask = _render(bounds, tensors) if bounds is not None else "None"
+        mask = _render(bounds, tensors, names) if bounds is not None else "None"
         load = f"tl.load({tensor.name}_ptr + {offset}, mask={mask}, other={_OTHER[node.type]})"
         return f"{load}.to(tl.float32)" if node.type == "float" else load
     if node.op == "floordiv":  # floor semantics from Triton's truncating // and %
@@ -437,14 +443,16 @@ def _render(node: Expr, tensors: dict[str, Tensor]) -> str:
     return f"{_TRITON[node.op]}({', '.join(r)})"
 
 
-def render_mod(field: str, node: Expr, tensors: tuple[Tensor, ...]) -> str:
+def render_mod(
+    field: str, node: Expr, tensors: tuple[Tensor, ...], names: Mapping[str, str] = KERNEL_NAMES
+) -> str:
     """The kernel's value of the field: False (mask_mod) or -inf (score_mod) where a read is
     out of range (module docstring), else the expression."""
     valid = validity(node, {t.name: t for t in tensors})
-    text = render(node, tensors, as_float=field == "score_mod")
+    text = render(node, tensors, as_float=field == "score_mod", names=names)
     if valid is None:
         return text
-    guard = render(valid, tensors)
+    guard = render(valid, tensors, names=names)
     return (
         f"({guard} & {text})"
         if field == "mask_mod"
@@ -453,6 +461,7 @@ def render_mod(field: str, node: Expr, tensors: tuple[Tensor, ...]) -> str:
 
 
 _RESERVED = {*VARIABLES, *FUNCTIONS, "and", "or", "not", "if", "else", "in", "is", "lambda"}
+_RESERVED |= {"lse", "delta"}  # lse_ptr, delta_ptr: the dK/dV kernel's own names
 
 
 def declared(spec: AttnSpec) -> tuple[Tensor, ...]:

@@ -96,12 +96,14 @@ def expression_values(
     score: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float64,
     first_b: int = 0,
+    guarded: bool = True,
 ) -> torch.Tensor:
     """score_mod's ([B, H, Nq, Nk] in `dtype`, from the scaled `score`) or mask_mod's (bool)
     values over every (b, h, q_idx, kv_idx) of `shape`: the checked tree evaluated on index
     grids, meaning what attngen.expressions.evaluate_mod means (and the kernel computes): where
     a read it uses is out of its tensor, False (mask_mod) or -inf (score_mod). b counts from
-    `first_b` (a varlen sequence compared on its own)."""
+    `first_b` (a varlen sequence compared on its own). guarded=False: a read out of range
+    gives 0 and nothing else (a derivative's tree, as the kernels load it)."""
     batch, heads, seqlen_q, seqlen_k = shape
     device = score.device if score is not None else None
     env: dict[str, Any] = {
@@ -115,7 +117,7 @@ def expression_values(
         for want, size in zip(tensor.shape, tensors[tensor.name].shape, strict=True):
             if isinstance(want, str):
                 env[want] = torch.tensor(size, device=device)
-    valid = validity(node, {t.name: t for t in declared})
+    valid = validity(node, {t.name: t for t in declared}) if guarded else None
     values = _grid(node, env, dtype).expand(batch, heads, seqlen_q, seqlen_k)
     if valid is None:
         return values

@@ -17,7 +17,17 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from attngen.expressions import Expr, declared, parsed, render_mod
+from attngen.expression_grad import gradients
+from attngen.expressions import (
+    KERNEL_NAMES,
+    Expr,
+    Tensor,
+    declared,
+    parsed,
+    render,
+    render_mod,
+    validity,
+)
 from attngen.host import MARKER as HOST_MARKER
 from attngen.host import OPTIONAL_PARTS
 from attngen.host import PARTS as HOST_PARTS
@@ -116,12 +126,7 @@ def expression_context(spec: AttnSpec) -> dict[str, Any]:
     as ints each one's strides and each named dim's size (expr_ints), in the order the host's
     _expression_tensors gives them; expr_declared is the declarations as a Python literal."""
     tensors = declared(spec)
-    texts = {}
-    for field in ("score_mod", "mask_mod"):
-        tree = parsed(spec, field)
-        texts[field] = "" if tree is None else render_mod(field, tree, tensors)
-        if field == "score_mod" and tree is not None and not _reads_score(tree):
-            texts[field] = f"tl.zeros_like(qk) + {texts[field]}"  # a [BLOCK_M, BLOCK_N] tile
+    texts = {field: _mod_text(spec, field, KERNEL_NAMES) for field in ("score_mod", "mask_mod")}
     dims = list(dict.fromkeys(d for t in tensors for d in t.shape if isinstance(d, str)))
     strides = [f"{t.name}_stride{axis}" for t in tensors for axis in range(len(t.shape))]
     return {
@@ -134,8 +139,74 @@ def expression_context(spec: AttnSpec) -> dict[str, Any]:
     }
 
 
-def _reads_score(tree: Expr) -> bool:
-    return any(n.op == "var" and n.value == "score" for n in tree.nodes())
+def _mod_text(spec: AttnSpec, field: str, names: dict[str, str]) -> str:
+    """The field's kernel text under `names` ("" where unset); a score_mod that does not
+    read the score is still a tile (of the score's shape)."""
+    tree = parsed(spec, field)
+    if tree is None:
+        return ""
+    text = render_mod(field, tree, declared(spec), names)
+    if field == "score_mod" and not any(n.op == "var" and n.value == "score" for n in tree.nodes()):
+        text = f"tl.zeros_like({names['score']}) + {text}"
+    return text
+
+
+# The gradient kernels' names for the expressions' variables (_backward_dq.py.jinja,
+# _backward_dkdv.py.jinja): the dQ kernel's tile is [BLOCK_M, BLOCK_N] as the forward's, the
+# dK/dV kernel's transposed, [BLOCK_N, BLOCK_M], its query head first_head + group_head; the
+# score is the pre-mod scaled score, as the forward's score_mod reads it.
+BACKWARD_NAMES = {
+    "dq": {"score": "qk", "b": "off_b", "h": "off_h"}
+    | {"q_idx": "q_rows32[:, None]", "kv_idx": "key_pos[None, :]"},
+    "dkdv": {"score": "qkT", "b": "off_b", "h": "(first_head + group_head)"}
+    | {"q_idx": "rows[None, :]", "kv_idx": "key_pos[:, None]"},
+}
+
+
+def backward_expression_context(spec: AttnSpec) -> dict[str, Any]:
+    """score_mod and mask_mod in each gradient kernel's names (bwd_dq, bwd_dkdv), score_mod's
+    derivative by the score there (`dscore`, attngen.expression_grad), and in the dK/dV
+    kernel each trainable read's (tensor, derivative, offset into its fp32 gradient, bounds):
+    `tensor_grads`; the trainable tensors' gradient pointers and strides (kernel arguments)."""
+    tensors = declared(spec)
+    tree = parsed(spec, "score_mod")
+    derived = gradients(tree, tensors) if tree is not None else {}
+    reads = {str(n): n for n in tree.nodes() if n.op == "load"} if tree is not None else {}
+    context: dict[str, Any] = {}
+    for kernel, names in BACKWARD_NAMES.items():
+        context[f"bwd_{kernel}"] = {
+            "score_mod": _mod_text(spec, "score_mod", names),
+            "mask_mod": _mod_text(spec, "mask_mod", names),
+            "dscore": render(derived["score"], tensors, True, names) if derived else "",
+        }
+    context["bwd_dkdv"]["tensor_grads"] = [  # the dK/dV kernel adds them
+        (str(reads[key].value), render(grad, tensors, True, BACKWARD_NAMES["dkdv"]))
+        + _gradient_target(reads[key], tensors, BACKWARD_NAMES["dkdv"])
+        for key, grad in derived.items()
+        if key != "score"
+    ]
+    trainable = [t for t in tensors if t.trainable]
+    texts = [v for kernel in BACKWARD_NAMES for v in context[f"bwd_{kernel}"].values()]
+    return context | {
+        "expr_trainable": [t.name for t in trainable],
+        "expr_trained": repr(tuple(t.name for t in trainable)),  # a Python literal
+        "expr_grad_pointers": [f"{t.name}_grad_ptr" for t in trainable],
+        "expr_grad_strides": [
+            f"{t.name}_grad_stride{a}" for t in trainable for a in range(len(t.shape))
+        ],
+        "expr_tanh": "_tanh(" in repr(texts),
+    }
+
+
+def _gradient_target(
+    read: Expr, tensors: tuple[Tensor, ...], names: dict[str, str]
+) -> tuple[str, str]:
+    """(offset, bounds) of a trainable read in its fp32 gradient buffer: the read's index at
+    the buffer's strides, and where the index is inside the tensor ("True": always)."""
+    index = [render(i, tensors, names=names) for i in read.args]
+    offset = " + ".join(f"({i}) * {read.value}_grad_stride{a}" for a, i in enumerate(index))
+    bounds = validity(read, {t.name: t for t in tensors})
+    return offset, "True" if bounds is None else render(bounds, tensors, names=names)
 
 
 def build_context(
@@ -222,8 +293,6 @@ def expression_gap(spec: AttnSpec, kind: KernelKind | None = None) -> str:
             "kernels: decode is not compiled with score_mod/mask_mod yet; allowed with them: "
             "prefill, varlen"
         )
-    if spec.backward:
-        return "backward: true is not compiled with score_mod/mask_mod yet; allowed: false"
     return ""
 
 
@@ -338,6 +407,7 @@ def _training_context(
     atomic = atomic_dkdv_config(spec, derivation.arch, backward)
     context["bwd_dkdv_atomic_config"] = "None" if atomic is None else _config_literal(atomic)
     context["derivation_lines"] = [*derivation.summary_lines(), *backward.summary_lines()]
+    context.update(backward_expression_context(spec))
     return context
 
 

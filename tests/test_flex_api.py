@@ -5,6 +5,7 @@ name; no silent fallback (on-demand builds off, a device without kernels, gradie
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 
@@ -85,7 +86,10 @@ def _inputs(dtype=torch.float32, kv_batch=B):
 def _torch(q, k, v, score_mod, mask_mod, **options):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        block = None if mask_mod is None else torch_block_mask(mask_mod, B, None, L, S, q.device)
+        lengths = (q.shape[-2], k.shape[-2])
+        block = (
+            None if mask_mod is None else torch_block_mask(mask_mod, B, None, *lengths, q.device)
+        )
         return torch_flex(q, k, v, score_mod, block, enable_gqa=True, return_lse=True, **options)
 
 
@@ -159,6 +163,44 @@ def test_a_torch_block_mask_without_mask_mod_keeps_its_blocks(on_demand) -> None
 
     out, lse = attngen.flex_attention(q, k, v, None, block, enable_gqa=True, return_lse=True)
     _check(out, lse, q, k, v, None, blocks_of)
+
+
+def test_the_kernel_skips_the_blocks_a_block_mask_leaves_out(on_demand) -> None:  # noqa: F811
+    """A block mask's lists reach the kernel: a block dropped from kv_indices contributes
+    nothing (compiled Flex's meaning: the lists win over mask_mod), the dispatch says so."""
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(B, h, 256, d) for h, d in ((HQ, D), (HKV, D), (HKV, DV)))
+
+    def banded(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx <= 160) & (kv_idx - q_idx <= 160)
+
+    block = attngen.create_block_mask(banded, B, None, 256, 256, "cpu")
+    assert int(block.kv_num_blocks[0, 0, 1]) + int(block.full_kv_num_blocks[0, 0, 1]) == 2
+    listed = torch.zeros(B, 1, 2, 2, dtype=torch.bool)
+    for num, idx in ((block.kv_num_blocks, block.kv_indices),
+                     (block.full_kv_num_blocks, block.full_kv_indices)):  # fmt: skip
+        for b, r in itertools.product(range(B), range(2)):
+            listed[b, 0, r, idx[b, 0, r, : num[b, 0, r]].long()] = True
+    row = (0, 0, 1)  # batch 0's second query block loses key block 0
+    for num, idx in ((block.kv_num_blocks, block.kv_indices),
+                     (block.full_kv_num_blocks, block.full_kv_indices)):  # fmt: skip
+        names = idx[row][: num[row]].tolist()
+        if 0 in names:
+            names.remove(0)
+            idx[row][: len(names)] = torch.tensor(names, dtype=idx.dtype)
+            num[row] -= 1
+    listed[0, 0, 1, 0] = False
+    out, lse = attngen.flex_attention(q, k, v, None, block, enable_gqa=True, return_lse=True)
+    assert "listed key blocks only" in last_dispatch().reason
+
+    def kept(b, h, q_idx, kv_idx):
+        return banded(b, h, q_idx, kv_idx) & listed[b, 0, q_idx // 128, kv_idx // 128]
+
+    _check(out, lse, q, k, v, None, kept)
+    fine = attngen.create_block_mask(banded, B, None, 256, 256, "cpu", BLOCK_SIZE=8)
+    dense, dense_lse = attngen.flex_attention(q, k, v, None, fine, enable_gqa=True, return_lse=True)
+    assert "not used to skip blocks" in last_dispatch().reason  # tiles of 16 or more
+    _check(dense, dense_lse, q, k, v, None, banded)
 
 
 def test_gradients_are_refused_until_the_backward_is_built(on_demand) -> None:  # noqa: F811

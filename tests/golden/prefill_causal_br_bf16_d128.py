@@ -564,6 +564,14 @@ def _options(config):
     return {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
 
 
+
+def config_for(seqlen):
+    """The launch config for sequences of `seqlen` (queries or keys, the longer): CONFIG at
+    every length (no shorter config was measured faster)."""
+    del seqlen
+    return CONFIG
+
+
 # A launch of at most this many (program, key block) pairs reads K/V by pointer loads: the two
 # tensor descriptors would cost more host time than TMA saves on so small a kernel (about
 # 9 us of encoding per launch on an H200's host; attngen/tiling/code_paths.py has the

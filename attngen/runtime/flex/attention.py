@@ -9,11 +9,12 @@ captured tensors by name (`tensors=`). Nothing falls back: without on-demand bui
 device no kernel runs on, or for a function the tracer cannot express, the call is refused,
 saying why; `attngen.last_dispatch()` names the module that ran.
 
-The block mask: attngen's (create_block_mask here) is derived from its mask_mod, which the
-kernel evaluates per element, so its block tensors add nothing yet. torch's BlockMask is taken
-the same way (as torch's eager flex_attention does); one without a mask_mod (block sparsity
-alone) becomes a mask reading its dense block bitmap. Skipping the empty blocks from
-kv_num_blocks / kv_indices is the next step (docs/status.md).
+The block mask (attngen's create_block_mask or torch's BlockMask): its mask_mod is traced
+into the spec (partial blocks evaluate it per element) and its block lists go to the kernel,
+which visits only the listed key blocks and skips the mask on the full ones (compiled Flex's
+meaning: the block lists win). One without a mask_mod (block sparsity alone) becomes a mask
+reading its dense block bitmap. Where the module's tiles do not divide the mask's blocks,
+every block runs with the mask per element, and the dispatch's reason says so.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def flex_attention(
     score, keep, mask, capture = traced(score_mod, None if mask_mod is _BITMAP else mask_mod)
     if mask_mod is _BITMAP:
         mask = _bitmap(block_mask, query.shape[0], query.shape[1], capture)
-    result = attend(API, query, key, value, (score, keep, mask), capture, scale, want_lse)
+    trees = (score, keep, mask)
+    result = attend(API, query, key, value, trees, capture, scale, want_lse, block_mask)
     if return_aux is not None:
         from torch.nn.attention.flex_attention import AuxOutput
 
@@ -86,9 +88,12 @@ def flex_attention(
     return result
 
 
-def attend(api: str, query, key, value, trees, capture: Capture, scale, want_lse: bool) -> Any:
+def attend(
+    api: str, query, key, value, trees, capture: Capture, scale, want_lse: bool, blocks=None
+) -> Any:
     """Run the (score, keep, mask) trees of a call (keep: where the score_mod is not -inf)
-    with the captured tensors on the module built for them; record the dispatch as `api`."""
+    with the captured tensors on the module built for them, skipping the key blocks that the
+    block mask `blocks` leaves out (see _sparsity); record the dispatch as `api`."""
     fields, expressions = _fields(trees, capture.declarations())
     values = capture.values()
     _check_grad(api, query, key, value, values)
@@ -103,10 +108,33 @@ def attend(api: str, query, key, value, trees, capture: Capture, scale, want_lse
         key = key.expand(query.shape[0], *key.shape[1:])
         value = value.expand(query.shape[0], *value.shape[1:])
     sm_scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    options = {"tensors": values} if values else {}
+    options: dict[str, Any] = {"tensors": values} if values else {}
+    sparsity, why = _sparsity(module, blocks, query, key)
+    if sparsity is not None:
+        options["block_mask"] = sparsity
     result = module.attention(query, key, value, sm_scale=sm_scale, return_lse=want_lse, **options)
-    record(dispatch)
+    record(replace(dispatch, reason=f"{dispatch.reason}; {why}") if why else dispatch)
     return result
+
+
+def _sparsity(module, blocks, query, key) -> tuple[tuple | None, str]:
+    """The module's `block_mask=` tuple of a BlockMask (attngen's or torch's: the same
+    fields), so the kernel visits only its listed key blocks and skips the mask on the full
+    ones; None with the reason where the module's tiles do not divide the mask's blocks: then
+    every key block runs with the mask per element (torch's eager meaning; the same result
+    for a block mask made from its mask_mod, as create_block_mask's are)."""
+    if blocks is None:
+        return None, ""
+    q_block, kv_block = (int(size) for size in blocks.BLOCK_SIZE)
+    config = module.config_for(max(query.shape[2], key.shape[2]))
+    if q_block % config["BLOCK_M"] or kv_block % config["BLOCK_N"]:
+        return None, (
+            f"block mask not used to skip blocks: its BLOCK_SIZE ({q_block}, {kv_block}) is not "
+            f"a multiple of the module's tile ({config['BLOCK_M']}, {config['BLOCK_N']})"
+        )
+    lists = (blocks.kv_num_blocks, blocks.kv_indices)
+    full = (blocks.full_kv_num_blocks, blocks.full_kv_indices)
+    return (*lists, *full, q_block, kv_block), "block mask: listed key blocks only"
 
 
 def _check_options(scale, enable_gqa, return_lse, kernel_options, return_aux) -> bool:
