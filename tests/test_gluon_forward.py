@@ -235,3 +235,18 @@ def test_every_variant_compiles_for_sm90_as_the_model_predicts(monkeypatch):
     for row in rows:
         assert not row.problems, row.line()
         assert row.record["shared"] == row.chosen.smem_bytes
+
+
+def test_a_module_built_with_the_switch_serves_calls_under_the_interpreter(monkeypatch):
+    """Window, ALiBi, softcap and sinks together: the module imports and its tile-level kernel
+    serves the call (Gluon does not run here), as forward_path() says."""
+    monkeypatch.setenv(VARIANTS_ENV, "1")
+    spec = make_spec(dtype="bf16", head_dim=64, mask="sliding_window", window_left=20,
+                     window_right=5, alibi=True, softcap=20.0, sinks=True)  # fmt: skip
+    module = load_kernel.__wrapped__(spec)
+    assert "def _gluon_attn_fwd_kernel(" in Path(module.__file__).read_text()
+    q, k, v, slopes = make_inputs(spec, 1, 70, 90, seed=42)
+    sinks = torch.linspace(-1.0, 1.0, spec.num_q_heads)
+    out, lse = module.attention(q, k, v, alibi_slopes=slopes, sinks=sinks, return_lse=True)
+    assert module.forward_path() == "tile-level: Triton's interpreter runs no Gluon kernel"
+    assert_matches_reference(spec, out, lse, q, k, v, slopes=slopes, sinks=sinks)
