@@ -14,9 +14,9 @@ import torch
 import attngen
 from attngen.arch import ARCHS
 from attngen.render import render_module
-from attngen.runtime.registry import current_registry, load_kernels, use_registry
+from attngen.runtime.registry import cache_folder, current_registry, load_kernels, use_registry
 from attngen.spec import KernelKind, load_spec_file
-from attngen.tiling.gluon import derive_gluon_tiles, gluon_gap
+from attngen.tiling.gluon import GLUON_UNVERIFIED, VARIANTS_ENV, derive_gluon_tiles, gluon_gap
 from attngen.tiling.prefill import derive_tiles
 from attngen.verify.gluon import verify_gluon
 from tests.kernel_harness import assert_matches_reference, load_kernel, make_inputs, make_spec
@@ -135,3 +135,117 @@ def _check_last_dispatch_says_which_forward_ran():
     attngen.flash_attn_func(window, kv, kv, causal=True, window_size=(4095, 0))
     forward = attngen.last_dispatch().forward
     assert forward.startswith("tile-level: ") and "sliding_window" in forward
+
+
+# The variants behind ATTNGEN_GLUON_VARIANTS=1 (GLUON_UNVERIFIED): (spec fields, a line only
+# that variant's kernel has). tests/test_gluon_variants_gpu.py runs them on the H200.
+_WIN = dict(mask="sliding_window", window_left=127, window_right=0)
+VARIANTS = {
+    "window-sinks-d64": (
+        dict(dtype="bf16", head_dim=64, sinks=True, **_WIN),
+        "sink_log2 = gl.load(",
+    ),
+    "window-d128-top-left": (
+        dict(dtype="fp16", head_dim=128, causal_align="top_left", **_WIN),
+        "def _gluon_window_range(",
+    ),
+    "softcap-window-d256": (
+        dict(dtype="bf16", head_dim=256, softcap=50.0, **_WIN),
+        "libdevice.tanh(s * qk_scale)",
+    ),
+    "softcap-d256": (
+        dict(dtype="bf16", head_dim=256, softcap=50.0),
+        "libdevice.tanh(s * qk_scale)",
+    ),
+    "alibi-none-d128": (
+        dict(dtype="fp16", head_dim=128, mask="none", alibi=True),
+        "gl.load(Slopes +",
+    ),
+    "alibi-d256": (dict(dtype="bf16", head_dim=256, alibi=True), "slope_log2 * gl.abs("),
+    "sinks-d128": (dict(dtype="fp16", head_dim=128, sinks=True), "m_sink = gl.maximum("),
+    "window-alibi-d64": (
+        dict(
+            dtype="bf16",
+            head_dim=64,
+            mask="sliding_window",
+            window_left=100,
+            window_right=20,
+            alibi=True,
+        ),
+        "slope_log2 * gl.abs(",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_the_variants_are_built_only_with_the_switch(name, monkeypatch):
+    fields, marker = VARIANTS[name]
+    spec = make_spec(**fields)
+    monkeypatch.delenv(VARIANTS_ENV, raising=False)
+    gap = gluon_gap(spec, "sm90", KernelKind.prefill)
+    assert gap.endswith(": not in the warp-specialized kernel yet")
+    assert gap.split(":")[0] in GLUON_UNVERIFIED and marker not in _render(spec)
+    assert derive_gluon_tiles(spec, "sm90") is None
+    monkeypatch.setenv(VARIANTS_ENV, "1")
+    assert gluon_gap(spec, "sm90", KernelKind.prefill) == ""
+    source = _render(spec)
+    assert "def _gluon_attn_fwd_kernel(" in source and marker in source
+    assert derive_gluon_tiles(spec, "sm90").chosen is not None
+
+
+@pytest.mark.parametrize(
+    "fields, gap",
+    [
+        (dict(sink_tokens=4, **_WIN), "sink tokens"),
+        (dict(mask="chunked", chunk_size=256), "mask chunked"),
+        (dict(dtype="fp32", softcap=30.0), "fp32"),
+    ],
+)
+def test_the_switch_builds_only_what_the_kernel_implements(fields, gap, monkeypatch):
+    monkeypatch.setenv(VARIANTS_ENV, "1")
+    assert gluon_gap(make_spec(**fields), "sm90", KernelKind.prefill).startswith(gap + ":")
+
+
+def test_window_and_alibi_take_narrower_key_blocks(monkeypatch):
+    """Their extra live tiles (extra_tiles): BLOCK_N 64 at D 64 and 128, no config at D 256."""
+    monkeypatch.setenv(VARIANTS_ENV, "1")
+    fields = dict(mask="sliding_window", window_left=100, window_right=20, alibi=True)
+    for d, block_n in ((64, 64), (128, 64), (256, None)):
+        chosen = derive_gluon_tiles(make_spec(dtype="bf16", head_dim=d, **fields), "sm90").chosen
+        assert (chosen and chosen.config.block_n) == block_n
+
+
+def test_modules_built_with_the_switch_are_cached_apart(monkeypatch):
+    monkeypatch.delenv(VARIANTS_ENV, raising=False)
+    plain = cache_folder("sm90")
+    monkeypatch.setenv(VARIANTS_ENV, "1")
+    assert cache_folder("sm90") == plain.with_name(plain.name + "_gluon-unverified")
+
+
+@pytest.mark.slow
+def test_every_variant_compiles_for_sm90_as_the_model_predicts(monkeypatch):
+    """The Gluon kernel of each variant, cross-compiled for sm90 in a spawned worker (which
+    inherits the switch): shared memory equal to the model's, no spills, the derived
+    setmaxnreg values, wgmma (attngen verify-tiling --gluon's judgement)."""
+    monkeypatch.setenv(VARIANTS_ENV, "1")
+    specs = [make_spec(**fields) for fields, _ in VARIANTS.values()]
+    rows = verify_gluon(specs, processes=1)
+    assert len(rows) == len(VARIANTS)
+    for row in rows:
+        assert not row.problems, row.line()
+        assert row.record["shared"] == row.chosen.smem_bytes
+
+
+def test_a_module_built_with_the_switch_serves_calls_under_the_interpreter(monkeypatch):
+    """Window, ALiBi, softcap and sinks together: the module imports and its tile-level kernel
+    serves the call (Gluon does not run here), as forward_path() says."""
+    monkeypatch.setenv(VARIANTS_ENV, "1")
+    spec = make_spec(dtype="bf16", head_dim=64, mask="sliding_window", window_left=20,
+                     window_right=5, alibi=True, softcap=20.0, sinks=True)  # fmt: skip
+    module = load_kernel.__wrapped__(spec)
+    assert "def _gluon_attn_fwd_kernel(" in Path(module.__file__).read_text()
+    q, k, v, slopes = make_inputs(spec, 1, 70, 90, seed=42)
+    sinks = torch.linspace(-1.0, 1.0, spec.num_q_heads)
+    out, lse = module.attention(q, k, v, alibi_slopes=slopes, sinks=sinks, return_lse=True)
+    assert module.forward_path() == "tile-level: Triton's interpreter runs no Gluon kernel"
+    assert_matches_reference(spec, out, lse, q, k, v, slopes=slopes, sinks=sinks)

@@ -44,6 +44,7 @@ from attngen.arch import arch_names
 from attngen.files import ENV_CACHE, locked, user_cache_dir
 from attngen.names import __version__, module_name
 from attngen.spec import AttnSpec, Dtype, KernelKind, SpecError, specs_from_data
+from attngen.tiling.gluon import unverified_variants_on
 
 if TYPE_CHECKING:
     from attngen.build import Artifact
@@ -586,9 +587,11 @@ def _fingerprint(arch: str, tuning: Path | None) -> str:
 
 
 def cache_folder(arch: str, root: Path | None = None) -> Path:
-    """The cache folder of `arch` for this attngen, Triton and build code."""
+    """The cache folder of `arch` for this attngen, Triton and build code (and another one
+    for the Gluon variants not yet verified on a GPU, built under ATTNGEN_GLUON_VARIANTS=1)."""
     root = settings().cache_root if root is None else root
-    return root / (f"attngen-{__version__}_triton-{triton_version()}_{arch}_{fingerprint(arch)}")
+    name = f"attngen-{__version__}_triton-{triton_version()}_{arch}_{fingerprint(arch)}"
+    return root / (name + ("_gluon-unverified" if unverified_variants_on() else ""))
 
 
 def existing_cache_folders(archs: tuple[str, ...]) -> list[Path]:

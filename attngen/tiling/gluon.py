@@ -12,13 +12,17 @@ The model (sympy, like prefill_model.py) in BM = BLOCK_M, BN = BLOCK_N, D, DV, E
 bytes), S (stages) and NC (consumers):
 - shared memory: the NC Q tiles (O is stored back through them), S stages of K and V, the
   mbarrier arrays (two of NC, four of S: 8 B each, every array padded to 16 B) and
-  warp_specialize's fixed buffer (WS_FIXED_BYTES, the compiler's count); exact against the
-  compiler (`attngen verify-tiling`, attngen/verify/gluon.py);
+  warp_specialize's buffer of the values the partitions take (WS_FIXED_BYTES, the compiler's
+  count; a variant's extra 32-bit scalars, capture_words, grow it in 16-byte steps past its
+  first 4 free bytes); exact against the compiler (`attngen verify-tiling`,
+  attngen/verify/gluon.py);
 - registers per consumer thread: the fp32 O accumulator (BM x DV over 128 threads), the fp32
   score tile, P packed two 16-bit values a register, and CONSUMER_OVERHEAD for addresses,
   row statistics and loop state: a bound checked by the compiler's "no spills" at the chosen
   config (ptxas allocates up to the setmaxnreg cap whatever the kernel needs, so the count
-  itself cannot be read back).
+  itself cannot be read back). With both a window and ALiBi the compiler keeps about two more
+  [BM, BN] 32-bit tiles live (extra_tiles: at BLOCK_N 128 D 64 spilled 492 B, D 128 876 B;
+  both compile clean at BLOCK_N 64, which the term then selects; D 256 has no config).
 
 The choice: two consumers (the kernel measured on the H200, docs/performance.md; three fit
 only with 160 registers each and were not measured faster), the widest key block whose
@@ -31,6 +35,7 @@ Pure Python and sympy: nothing here imports torch or triton.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import cache
 
@@ -60,6 +65,19 @@ BLOCK_M_CHOICES = (64,)  # one warpgroup's wgmma M
 BLOCK_N_CHOICES = (64, 128)
 STAGES_CHOICES = (2, 3, 4)
 CONSUMER_CHOICES = (2, 3)
+# Variants the kernel implements (_gluon_kernel.py.jinja), named as gluon_gap names them.
+# Those in GLUON_UNVERIFIED have not run on the H200 yet: gluon_gap refuses them (their calls
+# stay tile-level) unless ATTNGEN_GLUON_VARIANTS=1 is set where the module is built (tests,
+# tools, `attngen verify-tiling --gluon`; such on-demand builds get a cache folder of their
+# own). A variant opens to users when its GPU tests pass and its name leaves the set.
+GLUON_VARIANTS = frozenset({"mask sliding_window", "softcap", "ALiBi", "sinks"})
+GLUON_UNVERIFIED = frozenset({"mask sliding_window", "softcap", "ALiBi", "sinks"})
+VARIANTS_ENV = "ATTNGEN_GLUON_VARIANTS"
+
+
+def unverified_variants_on() -> bool:
+    """Whether this process builds the GLUON_UNVERIFIED variants (ATTNGEN_GLUON_VARIANTS=1)."""
+    return os.environ.get(VARIANTS_ENV) == "1"
 
 
 def gluon_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
@@ -77,6 +95,7 @@ def gluon_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
     if spec.head_dim not in GLUON_HEAD_DIMS:
         dims = ", ".join(map(str, GLUON_HEAD_DIMS))
         return f"head dim {spec.head_dim}: the kernel is laid out and checked for {dims} only"
+    served = GLUON_VARIANTS - (frozenset() if unverified_variants_on() else GLUON_UNVERIFIED)
     for present, feature in (
         (spec.mask.value not in ("none", "causal"), f"mask {spec.mask.value}"),
         (spec.softcap, "softcap"),
@@ -84,8 +103,9 @@ def gluon_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
         (spec.sinks, "sinks"),
         (spec.dropout, "dropout"),
         (spec.score_mod is not None or spec.mask_mod is not None, "score_mod/mask_mod"),
+        (spec.sink_tokens, "sink tokens"),
     ):
-        if present:
+        if present and feature not in served:
             return f"{feature}: not in the warp-specialized kernel yet"
     return ""
 
@@ -125,6 +145,8 @@ class GluonDerivation:
     arch: str
     candidates: tuple[GluonCandidate, ...]
     chosen: GluonCandidate | None
+    words: int = 0  # capture_words of the spec
+    tiles: int = 0  # extra_tiles of the spec
 
     def summary_lines(self) -> tuple[str, ...]:
         """The header's and explain's lines: the model and the chosen config's numbers."""
@@ -133,8 +155,8 @@ class GluonDerivation:
         lines = [
             "Gluon forward (warp-specialized, sm90):",
             "  shared memory =",
-            f"    {smem_expression()}",
-            f"  consumer registers ~ {consumer_regs_expression()}",
+            f"    {smem_expression(self.words)}",
+            f"  consumer registers ~ {consumer_regs_expression(self.tiles)}",
         ]
         best = self.chosen
         if best is None:
@@ -149,22 +171,35 @@ class GluonDerivation:
         )
 
 
+def capture_words(spec: AttnSpec) -> int:
+    """The 32-bit scalars the variant's kernel hands its partitions beyond the plain one's:
+    the window's first key, first seen key and first unmasked block; the ALiBi slope; the sink."""
+    return 3 * (spec.mask.value == "sliding_window") + spec.alibi + spec.sinks
+
+
 @cache
-def smem_expression() -> sympy.Expr:
-    """Dynamic shared memory of one CTA in bytes (exact against the compiler)."""
+def smem_expression(words: int = 0) -> sympy.Expr:
+    """Dynamic shared memory of one CTA in bytes (exact against the compiler), for a kernel
+    whose partitions take `words` more 32-bit scalars than the plain one (capture_words)."""
 
     def barriers(n: sympy.Expr) -> sympy.Expr:  # an [n, 1] int64 array, padded to 16 B
         return 16 * sympy.ceiling(n / sympy.Integer(2))
 
     tiles = E * (NC * BM * D + S * BN * (D + DV))
-    return tiles + 2 * barriers(NC) + 4 * barriers(S) + WS_FIXED_BYTES
+    captures = 16 * sympy.ceiling(sympy.Rational(words - 1, 4))
+    return tiles + 2 * barriers(NC) + 4 * barriers(S) + WS_FIXED_BYTES + captures
+
+
+def extra_tiles(spec: AttnSpec) -> int:
+    """[BM, BN] 32-bit tiles a consumer keeps beyond S and P: two with a window and ALiBi."""
+    return 2 * (spec.mask.value == "sliding_window" and spec.alibi)
 
 
 @cache
-def consumer_regs_expression() -> sympy.Expr:
+def consumer_regs_expression(tiles: int = 0) -> sympy.Expr:
     """Registers per consumer thread: O (fp32), S (fp32) and P (two 16-bit values a register)
-    of one warpgroup's tiles, plus CONSUMER_OVERHEAD."""
-    return (BM * DV + BM * BN + BM * BN / 2) / WARPGROUP + CONSUMER_OVERHEAD
+    of one warpgroup's tiles, `tiles` more [BM, BN] 32-bit tiles, plus CONSUMER_OVERHEAD."""
+    return (BM * DV + (1 + tiles) * BM * BN + BM * BN / 2) / WARPGROUP + CONSUMER_OVERHEAD
 
 
 def register_split(consumers: int) -> tuple[int, int, int]:
@@ -178,10 +213,10 @@ def register_split(consumers: int) -> tuple[int, int, int]:
 
 
 def _candidate(d: int, dv: int, itemsize: int, consumers: int, block_m: int, block_n: int,
-               stages: int, budget: int) -> GluonCandidate:  # fmt: skip
+               stages: int, budget: int, words: int, tiles: int) -> GluonCandidate:  # fmt: skip
     values = (consumers, block_m, block_n, d, dv, itemsize, stages)
-    smem = int(compiled(smem_expression(), (NC, BM, BN, D, DV, E, S))(*values))
-    regs = compiled(consumer_regs_expression(), (NC, BM, BN, D, DV, E, S))(*values)
+    smem = int(compiled(smem_expression(words), (NC, BM, BN, D, DV, E, S))(*values))
+    regs = compiled(consumer_regs_expression(tiles), (NC, BM, BN, D, DV, E, S))(*values)
     consumer_regs, producer_regs, entry = register_split(consumers)
     rejected = []
     if smem > budget:
@@ -200,16 +235,21 @@ def _preference(candidate: GluonCandidate, itemsize: int, d: int, dv: int) -> tu
     return (config.consumers == 2, config.block_n, enough, stages)
 
 
-@cache
 def derive_gluon_tiles(spec: AttnSpec, arch: str) -> GluonDerivation | None:
     """The Gluon forward's derivation for a prefill module of `spec` on `arch`, or None when
     gluon_gap says the module has no Gluon forward."""
+    return _derive_gluon_tiles(spec, arch, unverified_variants_on())
+
+
+@cache
+def _derive_gluon_tiles(spec: AttnSpec, arch: str, unverified: bool) -> GluonDerivation | None:
     if gluon_gap(spec, arch, KernelKind.prefill):
         return None
     d, dv, itemsize = spec.head_dim, spec.value_head_dim, spec.dtype.itemsize
     budget = ARCHS[arch].smem_budget
+    words, tiles = capture_words(spec), extra_tiles(spec)
     candidates = tuple(
-        _candidate(d, dv, itemsize, consumers, block_m, block_n, stages, budget)
+        _candidate(d, dv, itemsize, consumers, block_m, block_n, stages, budget, words, tiles)
         for consumers in CONSUMER_CHOICES
         for block_m in BLOCK_M_CHOICES
         for block_n in BLOCK_N_CHOICES
@@ -217,4 +257,4 @@ def derive_gluon_tiles(spec: AttnSpec, arch: str) -> GluonDerivation | None:
     )
     feasible = [c for c in candidates if c.feasible]
     chosen = max(feasible, key=lambda c: _preference(c, itemsize, d, dv), default=None)
-    return GluonDerivation(arch, candidates, chosen)
+    return GluonDerivation(arch, candidates, chosen, words, tiles)

@@ -33,7 +33,7 @@ from attngen.verify.compiler import (
 )
 
 _KERNEL = "_gluon_attn_fwd_kernel"
-_INTS = ("n_q", "n_keys", "n_heads", "group", "diag", "num_m_blocks")
+_INTS = ("n_q", "n_keys", "n_heads", "group", "diag", "num_m_blocks", "stride_slopes_b")
 
 
 @dataclass
@@ -66,8 +66,8 @@ def gluon_source(spec: AttnSpec, kernel: Any, chosen: GluonCandidate, causal: bo
 
     config = chosen.config
     dtype = getattr(gl, spec.dtype.torch_name)
-    signature: dict[str, str] = {"Lse": "*fp32", "qk_scale": "fp32"}
-    signature.update(dict.fromkeys(_INTS, "i32"))
+    signature = {"Lse": "*fp32", "Slopes": "*fp32", "Sinks": "*fp32", "qk_scale": "fp32"}
+    signature.update(dict.fromkeys(_INTS, "i32"))  # the variants' params, where the kernel has them
     for name, rows, width in (
         ("q_desc", config.block_m, spec.head_dim),
         ("k_desc", config.block_n, spec.head_dim),
