@@ -19,8 +19,9 @@ from torch.nn.attention.flex_attention import and_masks
 
 import attngen
 from attngen.runtime import last_dispatch
+from tests import test_flex_api as api
 from tests.ondemand_harness import on_demand  # noqa: F401 - a fixture
-from tests.test_flex_api import B, D, DV, HKV, HQ, L, S, causal, document, late_keys, prefix_lm
+from tests.test_flex_api import DV, HKV, HQ, B, D, L, S, causal, document, late_keys, prefix_lm
 
 torch.manual_seed(1)
 table = torch.randn(HQ, L + S) * 0.5  # a relative bias, trainable in the calls below
@@ -77,7 +78,9 @@ def _gradients(call, inputs, trained, dtype, douts):
     try:
         out, lse = call(*leaves)
         finite = torch.isfinite(lse)
-        loss = (out * douts[0].to(dtype)).sum() + (lse[finite] * douts[1][finite].to(lse.dtype)).sum()
+        loss = (out * douts[0].to(dtype)).sum() + (
+            lse[finite] * douts[1][finite].to(lse.dtype)
+        ).sum()
         loss.backward()
     finally:
         globals().update(saved)
@@ -127,7 +130,7 @@ def _compare(score_mod, mask_mod, dtype=torch.float32, trained=(), kv_batch=B, b
     inputs = [torch.randn(B, HQ, L, D), torch.randn(kv_batch, HKV, S, D)]
     inputs.append(torch.randn(kv_batch, HKV, S, DV))
     douts = (torch.randn(B, HQ, L, DV), torch.randn(B, HQ, L))
-    blocks = attngen.create_block_mask(mask_mod, B, None, L, S, "cpu") if block else None
+    blocks = _blocks(mask_mod) if block else None
 
     def ours(q, k, v):
         return attngen.flex_attention(
@@ -154,7 +157,8 @@ def _compare(score_mod, mask_mod, dtype=torch.float32, trained=(), kv_batch=B, b
 
 
 def _blocks(mask_mod):
-    return None if mask_mod is None else attngen.create_block_mask(mask_mod, B, None, L, S, "cpu")
+    device = torch.get_default_device()  # the GPU test's torch.device("cuda") context
+    return None if mask_mod is None else attngen.create_block_mask(mask_mod, B, None, L, S, device)
 
 
 CASES = [
@@ -195,7 +199,7 @@ def test_batch_one_keys_sum_over_the_batch(on_demand) -> None:  # noqa: F811
 
 def test_a_block_mask_runs_dense_with_gradients(on_demand) -> None:  # noqa: F811
     _compare(None, prefix_lm, block=True)
-    assert "with gradients the block mask is not used to skip blocks" in last_dispatch().reason
+    assert "the block mask is not used to skip blocks" in last_dispatch().reason
     q, k, v = (torch.randn(B, h, 256, D) for h in (HQ, HKV, HKV))
     blocks = attngen.create_block_mask(causal, B, None, 256, 256, "cpu")
     with torch.no_grad():
@@ -237,3 +241,22 @@ def test_the_trace_cache_keys_on_requires_grad(on_demand) -> None:  # noqa: F811
     with torch.no_grad():  # grad mode off: the forward module again, nothing declared trainable
         attngen.flex_attention(q, k, v, biased, enable_gqa=True)
     assert not last_dispatch().module.endswith("_bwd")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    ("score_mod", "mask_mod", "trained"), CASES, ids=lambda f: getattr(f, "__name__", str(f))
+)
+def test_gradients_on_the_gpu(on_demand, score_mod, mask_mod, trained) -> None:  # noqa: F811
+    """bf16 on the GPU: the compiled backward kernels (the trainable tensors' atomics) against
+    float64 autograd through the dense evaluation, by the same rule."""
+    global table, slopes
+    saved = api.prefix, api.docs, table, slopes
+    api.prefix, api.docs, table, slopes = (t.cuda() for t in saved)
+    try:
+        with torch.device("cuda"):
+            _compare(score_mod, mask_mod, torch.bfloat16, trained=trained)
+        assert last_dispatch().module.startswith("sm")
+    finally:
+        api.prefix, api.docs, table, slopes = saved

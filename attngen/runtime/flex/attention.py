@@ -14,7 +14,8 @@ into the spec (partial blocks evaluate it per element) and its block lists go to
 which visits only the listed key blocks and skips the mask on the full ones (compiled Flex's
 meaning: the block lists win). One without a mask_mod (block sparsity alone) becomes a mask
 reading its dense block bitmap. Where the module's tiles do not divide the mask's blocks,
-every block runs with the mask per element, and the dispatch's reason says so.
+every block runs with the mask per element, and the dispatch's reason says so; so does a
+call that needs gradients (its module built with `backward: true`, trainable: _fields).
 """
 
 from __future__ import annotations
@@ -112,12 +113,9 @@ def attend(
     sm_scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     options: dict[str, Any] = {"tensors": values} if values else {}
     sparsity, why = _sparsity(module, None if backward else blocks, query, key)
-    if backward and blocks is not None:
-        why = (
-            "with gradients the block mask is not used to skip blocks (the backward visits "
-            "every block): every block runs with the mask per element, exact for a block "
-            "mask made from its mask_mod"
-        )
+    if backward and blocks is not None:  # the backward visits every block
+        why = "with gradients every key block runs with the mask per element (exact for a "
+        why += "block mask made from its mask_mod: the block mask is not used to skip blocks)"
     if sparsity is not None:
         options["block_mask"] = sparsity
     result = module.attention(query, key, value, sm_scale=sm_scale, return_lse=want_lse, **options)
@@ -281,16 +279,8 @@ def _module(api: str, query, key, value, fields: dict[str, Any], expressions: st
     """(module, Dispatch) of the call: kept per call key, built on demand on a first call
     (with gradient kernels, `backward: true`, when the call needs gradients)."""
     lq, lk = query.shape[2], key.shape[2]
-    need = need_for(
-        KernelKind.prefill,
-        query,
-        value,
-        **_PLAIN,
-        seqlen_q=lq,
-        seqlen_k=lk,
-        same_lengths=lq == lk,
-        backward=backward,
-    )
+    sizes = dict(seqlen_q=lq, seqlen_k=lk, same_lengths=lq == lk, backward=backward)
+    need = need_for(KernelKind.prefill, query, value, **_PLAIN, **sizes)
     why = unsupported_dtype(query) if need.dtype is None else None
     why = why or device_problem(API, need.arch, need.dtype)
     settings = kernel_cache.settings()
