@@ -112,7 +112,7 @@ def attend(
         value = value.expand(query.shape[0], *value.shape[1:])
     sm_scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     options: dict[str, Any] = {"tensors": values} if values else {}
-    sparsity, why = _sparsity(module, None if backward else blocks, query, key)
+    sparsity, why = _sparsity(module, None if backward or not expressions else blocks, query, key)
     if backward and blocks is not None:  # the backward visits every block
         why = "with gradients every key block runs with the mask per element (exact for a "
         why += "block mask made from its mask_mod: the block mask is not used to skip blocks)"
@@ -128,7 +128,8 @@ def _sparsity(module, blocks, query, key) -> tuple[tuple | None, str]:
     fields), so the kernel visits only its listed key blocks and skips the mask on the full
     ones; None with the reason where the module's tiles do not divide the mask's blocks: then
     every key block runs with the mask per element (torch's eager meaning; the same result
-    for a block mask made from its mask_mod, as create_block_mask's are)."""
+    for a block mask made from its mask_mod, as create_block_mask's are). Plain modules (no
+    expressions: an identity score_mod, a keep-all mask_mod) take no block mask."""
     if blocks is None:
         return None, ""
     q_block, kv_block = (int(size) for size in blocks.BLOCK_SIZE)
@@ -254,8 +255,7 @@ def _bitmap(block_mask: Any, batch: int, heads: int, capture: Capture) -> Expr:
 def _fields(trees: tuple, decls: tuple[Tensor, ...]) -> tuple[dict[str, Any], str]:
     """The spec's score_mod, mask_mod and tensors fields of a call's trees, and their
     expression_key; kept for the trees of the trace cache (the same objects on every hit).
-    Trainable: a tensor that requires grad (trace.py) and that the score_mod reads; one read
-    only by a mask gets no gradient (none flows through a bool, as in torch's Flex)."""
+    Trainable: one that requires grad and that score_mod reads (none flows through a bool)."""
     (score, keep, mask), parts = trees, (*trees, *decls)
     ids = tuple(map(id, parts))
     kept = _derived.get(ids)
