@@ -89,10 +89,8 @@ def _expressions(spec, scores, visible, tensors, first_b, first_q):
         tree = parsed(spec, field)
         if tree is None:
             continue
-        values = expression_values(
-            field, tree, declared(spec), tensors or {}, shape, scores, scores.dtype, first_b,
-            first_q=first_q,
-        )
+        args = (tree, declared(spec), tensors or {}, shape, scores, scores.dtype, first_b)
+        values = expression_values(field, *args, first_q=first_q)
         if field == "score_mod":
             scores = values
         else:

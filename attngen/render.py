@@ -256,7 +256,8 @@ def build_context(
         "sink_tokens": spec.sink_tokens or 0,
         "varlen": kind is KernelKind.varlen,
     }
-    context.update(_host_paths_context(spec, kind, derivation.arch) | expression_context(spec, kind))
+    context.update(_host_paths_context(spec, kind, derivation.arch))
+    context.update(expression_context(spec, kind))
     context.update(_training_context(spec, kind, derivation, backward))
     _add_gluon(context, spec, kind, derivation.arch)
     if kind is KernelKind.decode:
