@@ -21,6 +21,14 @@ from pathlib import Path
 # The cache root's setting: kernels built on demand (attngen/runtime/registry.py) and the
 # templates' bytecode (attngen/template_env.py) live under it.
 ENV_CACHE = "ATTNGEN_CACHE"
+# Builds of the Gluon variants not yet verified on a GPU (attngen/tiling/gluon.py,
+# GLUON_UNVERIFIED) under ATTNGEN_GLUON_VARIANTS=1; their on-demand cache is a folder apart.
+VARIANTS_ENV = "ATTNGEN_GLUON_VARIANTS"
+
+
+def unverified_variants_on() -> bool:
+    """Whether this process builds the GLUON_UNVERIFIED variants (ATTNGEN_GLUON_VARIANTS=1)."""
+    return os.environ.get(VARIANTS_ENV) == "1"
 
 
 def write_if_different(path: Path, text: str) -> bool:

@@ -41,10 +41,9 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from attngen.arch import arch_names
-from attngen.files import ENV_CACHE, locked, user_cache_dir
+from attngen.files import ENV_CACHE, locked, unverified_variants_on, user_cache_dir
 from attngen.names import __version__, module_name
 from attngen.spec import AttnSpec, Dtype, KernelKind, SpecError, specs_from_data
-from attngen.tiling.gluon import unverified_variants_on
 
 if TYPE_CHECKING:
     from attngen.build import Artifact

@@ -35,13 +35,13 @@ Pure Python and sympy: nothing here imports torch or triton.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import cache
 
 import sympy
 
 from attngen.arch import ARCHS
+from attngen.files import unverified_variants_on
 from attngen.spec import AttnSpec, KernelKind
 from attngen.tiling.evaluate import compiled
 
@@ -72,12 +72,6 @@ CONSUMER_CHOICES = (2, 3)
 # own). A variant opens to users when its GPU tests pass and its name leaves the set.
 GLUON_VARIANTS = frozenset({"mask sliding_window", "softcap", "ALiBi", "sinks"})
 GLUON_UNVERIFIED = frozenset({"mask sliding_window", "softcap", "ALiBi", "sinks"})
-VARIANTS_ENV = "ATTNGEN_GLUON_VARIANTS"
-
-
-def unverified_variants_on() -> bool:
-    """Whether this process builds the GLUON_UNVERIFIED variants (ATTNGEN_GLUON_VARIANTS=1)."""
-    return os.environ.get(VARIANTS_ENV) == "1"
 
 
 def gluon_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
