@@ -13,10 +13,11 @@ import torch
 
 import attngen
 from attngen.arch import ARCHS
+from attngen.files import VARIANTS_ENV
 from attngen.render import render_module
 from attngen.runtime.registry import cache_folder, current_registry, load_kernels, use_registry
 from attngen.spec import KernelKind, load_spec_file
-from attngen.tiling.gluon import GLUON_UNVERIFIED, VARIANTS_ENV, derive_gluon_tiles, gluon_gap
+from attngen.tiling.gluon import GLUON_UNVERIFIED, derive_gluon_tiles, gluon_gap
 from attngen.tiling.prefill import derive_tiles
 from attngen.verify.gluon import verify_gluon
 from tests.kernel_harness import assert_matches_reference, load_kernel, make_inputs, make_spec

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import triton
 
-from attngen.tiling.gluon import VARIANTS_ENV
+from attngen.files import VARIANTS_ENV
 from tests.kernel_harness import load_kernel, make_spec
 
 TOKENS = 16384
