@@ -34,7 +34,6 @@ from tests.test_block_sparse import (
     score_mod_tensors,
 )
 from tests.test_expression_backward import (
-    TRAINABLE,
     backward_fields,
     expression_backward_spec,
     leaves_of,

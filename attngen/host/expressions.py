@@ -198,11 +198,9 @@ def _transposed_block_mask(block_mask, q, k):
     tensors = []
     for counts, listed in [(num, indices)] + [(full_num, full_indices)] * (full_num is not None):
         bits = _block_bitmap(counts, listed)  # [B or 1, HQ or 1, rows, cols]
-        batch, cols = bits.shape[0], bits.shape[3]
-        bits = bits.expand(batch, heads, rows, cols).reshape(
-            batch, heads // group, group, rows, cols
-        )
-        bits = bits.permute(0, 1, 4, 2, 3).reshape(batch, heads // group, cols, group * rows)
+        batch, kv_heads, cols = bits.shape[0], heads // group, bits.shape[3]
+        bits = bits.expand(batch, heads, rows, cols).view(batch, kv_heads, group, rows, cols)
+        bits = bits.permute(0, 1, 4, 2, 3).reshape(batch, kv_heads, cols, group * rows)
         order = bits.to(torch.int8).argsort(dim=-1, descending=True, stable=True)
         tensors += [bits.sum(-1, dtype=torch.int32), order.to(torch.int32)]
     tensors *= 2 if full_num is None else 1
