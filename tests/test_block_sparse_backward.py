@@ -57,17 +57,27 @@ def reference_backward_spec(case: str, dtype: str, causal: bool, keep: torch.Ten
     )  # fmt: skip
 
 
-def check_gradients(params, module, q, k, v, tensors, block_mask, keep=None):
-    """Run attention with block_mask and gradients under the memory watch; the gradients
-    against the reference of the block mask's meaning. Returns (out, grads)."""
+def check_gradients(params, module, q, k, v, tensors, block_mask, keep=None, device="cpu"):
+    """Run attention with block_mask and gradients (on `device`; under the memory watch on
+    the CPU); the gradients against the reference of the block mask's meaning (on the CPU).
+    Returns (out, grads)."""
     case, dtype, causal = params["case"], params["dtype"], params["causal"]
     batch, _, seqlen_q, _ = q.shape
     dout = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=torch.Generator().manual_seed(7))
     dout = dout.to(q.dtype)
+
+    def on(t):
+        return t.to(device) if isinstance(t, torch.Tensor) else t
+
     out, grads = run(
-        module, q, k, v, dout, leaves_of(case, tensors), block_mask=block_mask,
-        deterministic=params["deterministic"],
+        module, on(q), on(k), on(v), on(dout),
+        leaves_of(case, {n: on(t) for n, t in tensors.items()}),
+        block_mask=tuple(map(on, block_mask)), deterministic=params["deterministic"],
     )  # fmt: skip
+    out, grads = (
+        out.cpu(),
+        [g.cpu() for g in grads[:3]] + [{n: t.cpu() for n, t in d.items()} for d in grads[3:]],
+    )
     if keep is None:
         spec = expression_backward_spec(case, dtype, causal)
         values = mask_mod_values(spec, tensors, batch, seqlen_q, k.shape[2])
@@ -252,3 +262,34 @@ def test_tiles_that_do_not_divide_the_blocks_are_refused() -> None:
     )
     with pytest.raises(ValueError, match=message):
         module.attention(q, k, v, tensors=tensors, block_mask=exact_block_mask(values, 16, 16))
+
+
+def test_flex_passes_its_block_mask_only_where_the_backward_tiles_divide_it() -> None:
+    """flex_attention's _sparsity: in grad mode the backward's tiles must divide the blocks
+    too (else every key block runs with mask_mod per element, the reason recorded); under
+    no_grad only the forward's."""
+    from types import SimpleNamespace
+
+    from attngen.runtime.flex.attention import _sparsity
+
+    def tile(block_m: int, block_n: int) -> dict:
+        return {"BLOCK_M": block_m, "BLOCK_N": block_n}
+
+    module = SimpleNamespace(
+        config_for=lambda n: tile(64, 64), BWD_DQ_CONFIG=tile(64, 64),
+        BWD_DKDV_CONFIG=tile(64, 256), BWD_DKDV_SPLIT=None, BWD_DKDV_ATOMIC_CONFIG=None,
+    )  # fmt: skip
+    lists = torch.zeros(1, 1, 2, dtype=torch.int32), torch.zeros(1, 1, 2, 2, dtype=torch.int32)
+    blocks = SimpleNamespace(
+        BLOCK_SIZE=(128, 128), kv_num_blocks=lists[0], kv_indices=lists[1],
+        full_kv_num_blocks=None, full_kv_indices=None,
+    )  # fmt: skip
+    q = torch.zeros(1, 1, 256, 8)
+    with torch.no_grad():
+        sparsity, why = _sparsity(module, blocks, q, q)
+    assert sparsity == (*lists, None, None, 128, 128)
+    assert why == "block mask: listed key blocks only"
+    sparsity, why = _sparsity(module, blocks, q, q)
+    assert sparsity is None and why.endswith("is not a multiple of the module's tile (64, 256)")
+    module.BWD_DKDV_CONFIG = tile(64, 128)
+    assert _sparsity(module, blocks, q, q)[0] is not None
