@@ -1191,15 +1191,11 @@ _NO_TRANSPOSED = (0,) * 14 + (1, 1, 1, 0)  # the dK/dV kernel's block-mask ints 
 
 
 def _transposed_block_mask(block_mask, q, k):
-    """(tensors, ints) of the dK/dV kernel's block sparsity, for a block mask that
-    _block_mask_args accepted: per (batch, KV head, key block) and list (partial, full), the
-    (query head g of the KV group, q-block m) pairs whose lists name the block, as entries
-    g * ceil(Nq / q_block) + m in ascending order, and their count (torch's q_num_blocks and
-    q_indices, a KV group's heads merged), int32 on the device, no sync; then the strides (0
-    on an axis of 1), q_block, kv_block, ceil(Nq / q_block) and whether there are full lists.
-    The lists are read as the kernels read them: a count clamped to [0, ceil(Nk / kv_block)],
-    an index outside [0, ceil(Nk / kv_block)) names no block. None: q four times and
-    _NO_TRANSPOSED."""
+    """(tensors, ints) of the dK/dV kernel's block sparsity: per (batch, KV head, key block)
+    and list, the count and the ascending entries g * ceil(Nq / q_block) + m (query head g of
+    the group, q-block m) whose lists name the block (torch's q_num_blocks, q_indices), int32
+    on the device, no sync; then strides, q_block, kv_block, ceil(Nq / q_block), full lists
+    or not. Lists read as the kernels read them (_block_bitmap)."""
     if block_mask is None:
         return (q, q, q, q), _NO_TRANSPOSED
     num, indices, full_num, full_indices, q_block, kv_block = block_mask
@@ -1221,7 +1217,8 @@ def _transposed_block_mask(block_mask, q, k):
 
 
 def _block_bitmap(counts, indices):
-    """[B, H, rows, cols] bool (B, H as broadcast from the lists): the blocks a list names."""
+    """[B, H, rows, cols] bool (B, H as broadcast): the blocks a list names, its count clamped
+    to [0, cols], an index outside [0, cols) naming none."""
     cols = indices.shape[-1]
     shape = torch.broadcast_shapes(indices.shape, counts.shape + (cols,))
     indices = indices.long().expand(shape)
