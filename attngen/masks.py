@@ -97,12 +97,14 @@ def expression_values(
     dtype: torch.dtype = torch.float64,
     first_b: int = 0,
     guarded: bool = True,
+    first_q: int = 0,
 ) -> torch.Tensor:
     """score_mod's ([B, H, Nq, Nk] in `dtype`, from the scaled `score`) or mask_mod's (bool)
     values over every (b, h, q_idx, kv_idx) of `shape`: the checked tree evaluated on index
     grids, meaning what attngen.expressions.evaluate_mod means (and the kernel computes): where
     a read it uses is out of its tensor, False (mask_mod) or -inf (score_mod). b counts from
-    `first_b` (a varlen sequence compared on its own). guarded=False: a read out of range
+    `first_b` (a varlen sequence compared on its own), q_idx from `first_q` (a decode step's
+    queries, the last of their sequence). guarded=False: a read out of range
     gives 0 and nothing else (a derivative's tree, as the kernels load it)."""
     batch, heads, seqlen_q, seqlen_k = shape
     device = score.device if score is not None else None
@@ -111,6 +113,7 @@ def expression_values(
         for axis, (name, n) in enumerate(zip(("b", "h", "q_idx", "kv_idx"), shape, strict=True))
     }
     env["b"] = env["b"] + first_b
+    env["q_idx"] = env["q_idx"] + first_q
     env["score"] = score
     for tensor in declared:
         env[tensor.name] = tensors[tensor.name]

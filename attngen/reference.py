@@ -47,12 +47,14 @@ def attention_scores(
     compute_dtype: torch.dtype = torch.float64,
     tensors: Mapping[str, torch.Tensor] | None = None,
     first_b: int = 0,
+    first_q: int = 0,
     key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[B, Hq, Nq, Nk] scores after scale, softcap, ALiBi, score_mod and the masks (the spec's,
     mask_mod's and key_mask's, [B or 1, Nq, Nk] bool: decode's tree_mask over a step's own
     keys; -inf where masked). `tensors`: what the expressions read; `first_b`: the batch index
-    of q's first row (a varlen sequence compared on its own)."""
+    of q's first row (a varlen sequence compared on its own), `first_q` q_idx of its first
+    query (a decode step's: L_b - NQ)."""
     sequential = compute_dtype == torch.float32 and q.dtype == torch.float32
     q, k = q.to(compute_dtype), k.to(compute_dtype)
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # query head h reads h // group
@@ -70,13 +72,13 @@ def attention_scores(
         scores = scores - alibi_slopes.to(compute_dtype)[None, :, None, None] * distance
     visible = visible_mask(spec, seqlen_q, seqlen_k, q.device)
     if spec.score_mod is not None or spec.mask_mod is not None:
-        scores, visible = _expressions(spec, scores, visible, tensors, first_b)
+        scores, visible = _expressions(spec, scores, visible, tensors, first_b, first_q)
     if key_mask is not None:
         visible = visible & key_mask.to(q.device)[:, None]
     return scores.masked_fill(~visible, float("-inf"))
 
 
-def _expressions(spec, scores, visible, tensors, first_b):
+def _expressions(spec, scores, visible, tensors, first_b, first_q):
     """score_mod on the scaled scores and mask_mod ANDed into `visible`, on index grids
     (attngen.masks.expression_values: the kernel's meaning)."""
     names = [t.name for t in spec.tensors]
@@ -87,9 +89,8 @@ def _expressions(spec, scores, visible, tensors, first_b):
         tree = parsed(spec, field)
         if tree is None:
             continue
-        values = expression_values(
-            field, tree, declared(spec), tensors or {}, shape, scores, scores.dtype, first_b
-        )
+        args = (tree, declared(spec), tensors or {}, shape, scores, scores.dtype, first_b)
+        values = expression_values(field, *args, first_q=first_q)
         if field == "score_mod":
             scores = values
         else:
@@ -109,6 +110,7 @@ def reference_attention(
     compute_dtype: torch.dtype = torch.float64,
     tensors: Mapping[str, torch.Tensor] | None = None,
     first_b: int = 0,
+    first_q: int = 0,
     key_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Hq, Nq, Dv], lse [B, Hq, Nq]) in float64 by default.
@@ -129,6 +131,7 @@ def reference_attention(
         compute_dtype=compute_dtype,
         tensors=tensors,
         first_b=first_b,
+        first_q=first_q,
         key_mask=key_mask,
     )
     v_full = v.to(compute_dtype).repeat_interleave(q.shape[1] // v.shape[1], dim=1)

@@ -120,13 +120,20 @@ def host_code(kind: KernelKind, expressions: bool = False) -> str:
     return "\n\n\n".join(texts)
 
 
-def expression_context(spec: AttnSpec) -> dict[str, Any]:
+# decode's names (decode.py.jinja): its packed query tile's rows are (query head, token) pairs,
+# so h and q_idx are per row: offs_h, and q_pos, the token's position in its sequence.
+DECODE_NAMES = KERNEL_NAMES | {"h": "offs_h[:, None]", "q_idx": "q_pos[:, None]"}
+
+
+def expression_context(spec: AttnSpec, kind: KernelKind | None = None) -> dict[str, Any]:
     """score_mod and mask_mod as kernel text rendered from their checked trees ("" where
-    unset), and the declared tensors' kernel arguments: a pointer each (expr_pointers), then
-    as ints each one's strides and each named dim's size (expr_ints), in the order the host's
-    _expression_tensors gives them; expr_declared is the declarations as a Python literal."""
+    unset; in `kind`'s names: DECODE_NAMES for decode), and the declared tensors' kernel
+    arguments: a pointer each (expr_pointers), then as ints each one's strides and each named
+    dim's size (expr_ints), in the order the host's _expression_tensors gives them;
+    expr_declared is the declarations as a Python literal."""
     tensors = declared(spec)
-    texts = {field: _mod_text(spec, field, KERNEL_NAMES) for field in ("score_mod", "mask_mod")}
+    names = DECODE_NAMES if kind is KernelKind.decode else KERNEL_NAMES
+    texts = {field: _mod_text(spec, field, names) for field in ("score_mod", "mask_mod")}
     dims = list(dict.fromkeys(d for t in tensors for d in t.shape if isinstance(d, str)))
     strides = [f"{t.name}_stride{axis}" for t in tensors for axis in range(len(t.shape))]
     return {
@@ -249,7 +256,8 @@ def build_context(
         "sink_tokens": spec.sink_tokens or 0,
         "varlen": kind is KernelKind.varlen,
     }
-    context.update(_host_paths_context(spec, kind, derivation.arch) | expression_context(spec))
+    context.update(_host_paths_context(spec, kind, derivation.arch))
+    context.update(expression_context(spec, kind))
     context.update(_training_context(spec, kind, derivation, backward))
     _add_gluon(context, spec, kind, derivation.arch)
     if kind is KernelKind.decode:
@@ -283,25 +291,9 @@ def _separate_v_config(spec: AttnSpec, arch: str) -> str:
     return _config_literal(separate)
 
 
-def expression_gap(spec: AttnSpec, kind: KernelKind | None = None) -> str:
-    """Why the spec's score_mod / mask_mod are not compiled for `kind` (None: any kind of the
-    spec), one line naming the field; "" where they are (or the spec has none)."""
-    if spec.score_mod is None and spec.mask_mod is None:
-        return ""
-    if KernelKind.decode in ((kind,) if kind is not None else spec.kernels):
-        return (
-            "kernels: decode is not compiled with score_mod/mask_mod yet; allowed with them: "
-            "prefill, varlen"
-        )
-    return ""
-
-
 def _provenance_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str, Any]:
     """What the generated header records about where the module came from: attngen's
     version, the template and its hash, the module name, the spec, its hash and the arch."""
-    gap = expression_gap(spec, kind)
-    if gap:
-        raise RenderError(f"{spec.name}: {gap}")
     return {
         "attngen_version": __version__,
         "template_name": TEMPLATE_FOR_KIND[kind],

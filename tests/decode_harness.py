@@ -160,11 +160,13 @@ def decode_problems(
     sm_scale=None,
     sinks=None,
     tree=None,
+    tensors=None,
 ) -> list[str]:
     """Per sequence: the kernel's rows against the dense float64 reference (decode's queries
     are the last tokens: the spec's bottom-right mask, and ALiBi without a mask is aligned
     bottom-right too). tree: decode's tree_mask [B, NQ, NQ] (or [NQ, NQ]), ANDed into what
-    the queries see of the sequence's last NQ keys."""
+    the queries see of the sequence's last NQ keys. tensors: score_mod / mask_mod's, read with
+    b the sequence and q_idx the queries' positions (L_b - NQ + t)."""
     problems = []
     for b in range(q.shape[0]):
         k, v = cache.dense_k[b], cache.dense_v[b]
@@ -181,6 +183,9 @@ def decode_problems(
             alibi_slopes=slopes,
             sinks=sinks,
             key_mask=None if tree is None else tree_key_mask(tree, b, k.shape[1]),
+            tensors=tensors,
+            first_b=b,
+            first_q=k.shape[1] - q.shape[2],
         )
         problems += [f"sequence {b} (L={k.shape[1]}): {p}" for p in found]
     return problems

@@ -265,9 +265,9 @@ def test_tiles_that_do_not_divide_the_blocks_are_refused() -> None:
 
 
 def test_flex_passes_its_block_mask_only_where_the_backward_tiles_divide_it() -> None:
-    """flex_attention's _sparsity: in grad mode the backward's tiles must divide the blocks
-    too (else every key block runs with mask_mod per element, the reason recorded); under
-    no_grad only the forward's."""
+    """flex_attention's _sparsity: with gradients the backward's tiles must divide the blocks
+    too (else every key block runs with mask_mod per element, the reason recorded); without,
+    only the forward's."""
     from types import SimpleNamespace
 
     from attngen.runtime.flex.attention import _sparsity
@@ -285,11 +285,10 @@ def test_flex_passes_its_block_mask_only_where_the_backward_tiles_divide_it() ->
         full_kv_num_blocks=None, full_kv_indices=None,
     )  # fmt: skip
     q = torch.zeros(1, 1, 256, 8)
-    with torch.no_grad():
-        sparsity, why = _sparsity(module, blocks, q, q)
+    sparsity, why = _sparsity(module, blocks, q, q, False)
     assert sparsity == (*lists, None, None, 128, 128)
     assert why == "block mask: listed key blocks only"
-    sparsity, why = _sparsity(module, blocks, q, q)
+    sparsity, why = _sparsity(module, blocks, q, q, True)
     assert sparsity is None and why.endswith("is not a multiple of the module's tile (64, 256)")
     module.BWD_DKDV_CONFIG = tile(64, 128)
-    assert _sparsity(module, blocks, q, q)[0] is not None
+    assert _sparsity(module, blocks, q, q, True)[0] is not None

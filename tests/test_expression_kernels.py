@@ -19,9 +19,7 @@ from hypothesis import strategies as st
 
 from attngen.build import plan_build
 from attngen.reference import compare_to_reference
-from attngen.render import RenderError, render_module
-from attngen.spec import KernelKind, SpecError
-from attngen.tiling.prefill import derive_tiles
+from attngen.spec import KernelKind
 from tests.kernel_harness import load_kernel, make_inputs, make_spec
 from tests.memory_watch import watching
 from tests.test_varlen_properties import cu_seqlens, packed_inputs
@@ -228,19 +226,6 @@ def test_expression_modules_take_the_tile_level_forward() -> None:
         == "tile-level: score_mod/mask_mod: not in the warp-specialized kernel yet"
     )
     assert not hasattr(kernel, "_gluon_run")
-
-
-@pytest.mark.parametrize("backward", [False, True])
-def test_the_build_refuses_decode_with_expressions(backward: bool) -> None:
-    spec = make_spec(
-        name="flex", mask_mod="q_idx >= kv_idx", kernels=["prefill", "decode"],
-        kv_layout="contiguous", backward=backward,
-    )  # fmt: skip
-    message = "^flex: kernels: decode is not compiled with"
-    with pytest.raises(SpecError, match=message):
-        plan_build([spec])
-    with pytest.raises(RenderError, match=message):
-        render_module(spec, KernelKind.decode, derive_tiles(spec, "sm90"))
 
 
 def test_the_build_renders_prefill_and_varlen() -> None:

@@ -1,7 +1,8 @@
 """attngen.flex_attention against torch's flex_attention (eager, on the CPU; the kernels under
 Triton's interpreter): the attention-gym masks and score mods, GQA, Nq != Nk, head_dim !=
 head_dim_v, fully masked rows, batch-1 keys, both kinds of BlockMask; arguments refused by
-name; no silent fallback (on-demand builds off, a device without kernels, gradients)."""
+name; no silent fallback (on-demand builds off, a device without kernels). Gradients:
+tests/test_flex_grad.py."""
 
 from __future__ import annotations
 
@@ -201,21 +202,6 @@ def test_the_kernel_skips_the_blocks_a_block_mask_leaves_out(on_demand) -> None:
     dense, dense_lse = attngen.flex_attention(q, k, v, None, fine, enable_gqa=True, return_lse=True)
     assert "not used to skip blocks" in last_dispatch().reason  # tiles of 16 or more
     _check(dense, dense_lse, q, k, v, None, banded)
-
-
-def test_gradients_are_refused_until_the_backward_is_built(on_demand) -> None:  # noqa: F811
-    q, k, v = _inputs()
-    table = torch.randn(HQ, requires_grad=True)
-    with pytest.raises(
-        NotImplementedError, match="query require grad, but flex_attention's backward"
-    ):
-        attngen.flex_attention(q.requires_grad_(), k, v, enable_gqa=True)
-    with pytest.raises(NotImplementedError, match="table require grad"):
-        attngen.flex_attention(
-            q.detach(), k, v, lambda s, b, h, i, j: s + table[h], enable_gqa=True
-        )
-    with torch.no_grad():  # no gradient asked: the forward runs
-        attngen.flex_attention(q, k, v, lambda s, b, h, i, j: s + table[h], enable_gqa=True)
 
 
 def test_without_on_demand_builds_the_call_is_refused() -> None:

@@ -7,10 +7,13 @@ masks (causal, padding) keep the built-in modules.
 - packed sequences (position_ids restarting, no cache): transformers' own
   packed_sequence_mask_function over a captured tensor;
 - prefix-LM, a user's mask function registered around attngen's: or_masks of causality and
-  `kv_idx < prefix[b]` over a captured tensor whose values change between forwards.
+  `kv_idx < prefix[b]` over a captured tensor whose values change between forwards; a
+  training step under it (loss and every parameter's gradient against float64 sdpa).
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -157,5 +160,37 @@ def test_what_expression_modules_lack_is_refused(llama):
         hf.attngen_attention(layer, q, k, k, mask, dropout=0.1)
     with pytest.raises(attngen.NoKernelError, match="s_aux"):
         hf.attngen_attention(layer, q, k, k, mask, s_aux=torch.zeros(4))
-    with pytest.raises(NotImplementedError, match="transformers: query require grad"):
-        hf.attngen_attention(layer, q.requires_grad_(), k, k, mask)
+
+
+def _training_step(model, implementation, ids):
+    """The loss and every parameter's gradient of one training step, and the dispatches."""
+    model.set_attn_implementation(implementation)
+    model.train()
+    model.zero_grad()
+    with attngen.dispatch_log() as log:
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return loss.detach(), grads, list(log)
+
+
+def test_a_training_step_with_a_mask_function_equals_sdpa(llama):
+    """The loss and the gradients of a training step under the prefix-LM mask function (the
+    expression module's backward) against float64 sdpa by RELIABILITY.md's rule for
+    gradients: |attngen - float64| <= 3x |fp32 sdpa - float64| + two ulps."""
+    ids = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(4))
+    PREFIX.copy_(torch.tensor([6, 2]))
+    golden = copy.deepcopy(llama).double()
+    loss, grads, log = _training_step(llama, "prefix_attngen", ids)
+    _expressed(log, "< prefix[b]")
+    assert all(d.need.backward and d.module.endswith("_bwd") for d in log)
+    lowp_loss, lowp, _ = _training_step(llama, "prefix_sdpa", ids)
+    want_loss, want, _ = _training_step(golden, "prefix_sdpa", ids)
+    causal_loss, _, _ = _training_step(llama, "sdpa", ids)
+    assert abs(causal_loss - want_loss) > 1e-3  # the prefix is seen: the test can fail
+    for name, got in [("loss", loss), *grads.items()]:
+        ref, fp32 = (want_loss, lowp_loss) if name == "loss" else (want[name], lowp[name])
+        err, bound = (got.double() - ref).abs(), (fp32.double() - ref).abs()
+        floor = 2 * torch.finfo(torch.float32).eps * ref.abs().max().clamp_min(1)
+        assert err.max() <= 3 * bound.max() + floor, (name, err.max(), bound.max())
+        assert err.mean() <= 4.5 * bound.mean() + floor, (name, err.mean(), bound.mean())

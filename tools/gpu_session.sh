@@ -142,6 +142,27 @@ section_command() {
     # process at a quarter of its GPU and sizes N against that (N = 410k, about 1 minute).
     cp_long) echo "$torchrun2 tools/cp_long_sequence.py --out $work" ;;
     cp_long_proxy) echo "$torchrun2 tools/cp_long_sequence.py --memory-fraction 0.25 --out $work" ;;
+    # What landed without a GPU run (the runtime's restructure and route cache, the header
+    # check, the flash-layout entry points everywhere): the runtime's GPU tests.
+    runtime_tests) echo "$pytest_gpu -rf --tb=short tests/test_plans_gpu.py tests/test_api_gpu.py \
+      tests/test_ondemand_gpu.py tests/test_rotary_gpu.py tests/test_integration_gpu.py" ;;
+    # Programmable attention: the expression kernels (forward, backward, decode), block
+    # sparsity, flex_attention against compiled Flex; then the block-sparse benchmark.
+    expr_tests) echo "$pytest_gpu -rf --tb=short tests/test_expression_kernels_gpu.py \
+      tests/test_block_sparse_gpu.py tests/test_flex_api.py tests/test_flex_blocks.py \
+      tests/test_flex_grad.py tests/test_expression_decode_gpu.py" ;;
+    bench_sparse) echo "python3 tools/bench_block_sparse.py --out $work" ;;
+    # The Gluon forward's variants (with ATTNGEN_GLUON_VARIANTS=1 inside the tests) and the
+    # standalone Gluon dK/dV kernel (checks, then its grid table).
+    gluon_tests) echo "$pytest_gpu -rf --tb=short tests/test_gluon_gpu.py tests/test_gluon_variants_gpu.py \
+      tests/test_gluon_backward_gpu.py" ;;
+    gluon_bwd_bench) echo "cd tools && PYTHONPATH=.. python3 gluon_backward.py --gpu --out $work" ;;
+    # Decode: fp8 caches and tree drafts, tests then benchmarks.
+    decode_new) echo "$pytest_gpu -rf --tb=short tests/test_decode_gpu.py tests/test_decode_fp8_gpu.py \
+      tests/test_decode_tree_gpu.py" ;;
+    bench_decode_new) echo "python3 tools/bench_decode_fp8.py --out $work && \
+      python3 tools/bench_decode_fp8.py --tokens 8 --out $work/tokens8 && \
+      python3 tools/bench_decode_tree.py --out $work" ;;
     *) return 1 ;;
   esac
 }

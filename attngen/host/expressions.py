@@ -2,7 +2,7 @@
 caller's mapping against the declarations, and the kernel arguments it gives; the prefill
 launcher's `block_mask=` check (block sparsity) and its kernel arguments.
 
-Copied verbatim into the prefill and varlen modules of specs with score_mod or mask_mod,
+Copied verbatim into the prefill, varlen and decode modules of specs with score_mod or mask_mod,
 after checks.py (attngen/host/__init__.py); the declarations come from the module (_TENSORS).
 """
 

@@ -301,7 +301,6 @@ def _options(config):
             "enable_fp_fusion": False}  # see the Note on fp32 scores
 
 
-
 def config_for(seqlen):
     """The launch config for sequences of `seqlen` (queries or keys, the longer): CONFIG at
     every length (no shorter config was measured faster)."""

@@ -301,7 +301,6 @@ def _options(config):
     return {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
 
 
-
 def config_for(seqlen):
     """The launch config for sequences of `seqlen` (queries or keys, the longer): CONFIG at
     every length (no shorter config was measured faster)."""

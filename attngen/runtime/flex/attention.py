@@ -13,8 +13,10 @@ The block mask (attngen's create_block_mask or torch's BlockMask): its mask_mod 
 into the spec (partial blocks evaluate it per element) and its block lists go to the kernel,
 which visits only the listed key blocks and skips the mask on the full ones (compiled Flex's
 meaning: the block lists win). One without a mask_mod (block sparsity alone) becomes a mask
-reading its dense block bitmap. Where the module's tiles do not divide the mask's blocks,
-every block runs with the mask per element, and the dispatch's reason says so.
+reading its dense block bitmap; a call that needs gradients (its module built with
+`backward: true`, trainable: _fields) passes it to the gradient kernels too. Where the
+module's tiles (the backward's too) do not divide the mask's blocks, every block runs with
+the mask per element, and the dispatch's reason says so.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from attngen.expressions import Expr, Tensor, expression_key, make
 from attngen.runtime import registry as kernel_cache
 from attngen.runtime import selection as ondemand
+from attngen.runtime.arguments import needs_gradients
 from attngen.runtime.dispatch import (
     device_problem,
     expected_forward,
@@ -95,21 +98,22 @@ def attend(
     with the captured tensors on the module built for them, skipping the key blocks that the
     block mask `blocks` leaves out (see _sparsity); record the dispatch as `api`."""
     fields, expressions = _fields(trees, capture.declarations())
-    values = capture.values()
-    _check_grad(api, query, key, value, values)
+    trained = {t["name"] for t in fields["tensors"] if t["trainable"]}
+    values = {n: t if n in trained else t.detach() for n, t in capture.values().items()}
+    backward = bool(trained) or needs_gradients(query, key, value)
     for name, tensor in values.items():
         if tensor.device != query.device:
             raise ValueError(
                 f"{api}: the captured tensor {name} is on {tensor.device}; "
                 f"allowed: query's device, {query.device}"
             )
-    module, dispatch = _module(api, query, key, value, fields, expressions)
+    module, dispatch = _module(api, query, key, value, fields, expressions, backward)
     if key.shape[0] != query.shape[0]:  # batch 1 broadcast, as torch's (a view: stride 0)
         key = key.expand(query.shape[0], *key.shape[1:])
         value = value.expand(query.shape[0], *value.shape[1:])
     sm_scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     options: dict[str, Any] = {"tensors": values} if values else {}
-    sparsity, why = _sparsity(module, blocks, query, key)
+    sparsity, why = _sparsity(module, blocks if expressions else None, query, key, backward)
     if sparsity is not None:
         options["block_mask"] = sparsity
     result = module.attention(query, key, value, sm_scale=sm_scale, return_lse=want_lse, **options)
@@ -117,18 +121,19 @@ def attend(
     return result
 
 
-def _sparsity(module, blocks, query, key) -> tuple[tuple | None, str]:
+def _sparsity(module, blocks, query, key, backward: bool) -> tuple[tuple | None, str]:
     """The module's `block_mask=` tuple of a BlockMask (attngen's or torch's: the same
-    fields), so the kernels (the backward's too, where the module has one and grad mode is
-    on) visit only its listed key blocks and skip the mask on the full ones; None with the
-    reason where a tile of theirs does not divide the mask's blocks: then every key block
-    runs with the mask per element (torch's eager meaning; the same result for a block mask
-    made from its mask_mod, as create_block_mask's are)."""
+    fields), so the kernels (with `backward`, the gradient kernels too) visit only its listed
+    key blocks and skip the mask on the full ones; None with the reason where a tile of
+    theirs does not divide the mask's blocks: then every key block runs with the mask per
+    element (torch's eager meaning; the same result for a block mask made from its mask_mod,
+    as create_block_mask's are). Plain modules (no expressions: an identity score_mod, a
+    keep-all mask_mod) take no block mask."""
     if blocks is None:
         return None, ""
     q_block, kv_block = (int(size) for size in blocks.BLOCK_SIZE)
     configs = [module.config_for(max(query.shape[2], key.shape[2]))]
-    if torch.is_grad_enabled() and getattr(module, "BWD_DQ_CONFIG", None) is not None:
+    if backward:
         split = module.BWD_DKDV_SPLIT or (module.BWD_DKDV_CONFIG,)
         configs += [module.BWD_DQ_CONFIG, *split, module.BWD_DKDV_ATOMIC_CONFIG or {}]
     for config in configs:
@@ -188,16 +193,6 @@ def _check_tensors(query, key, value, enable_gqa: bool) -> None:
     allowed = f"a divisor of query's {heads} with enable_gqa" if enable_gqa else f"{heads}"
     if heads % kv_heads or (not enable_gqa and kv_heads != heads):
         raise ValueError(f"{API}: key's heads {kv_heads}; allowed: {allowed}")
-
-
-def _check_grad(api: str, query, key, value, values: dict[str, torch.Tensor]) -> None:
-    tensors = {"query": query, "key": key, "value": value, **values}
-    needing = [name for name, t in tensors.items() if t.requires_grad]
-    if needing and torch.is_grad_enabled():
-        raise NotImplementedError(
-            f"{api}: {', '.join(needing)} require grad, but flex_attention's backward is not "
-            "built yet (forward only: run it under torch.no_grad() or pass detached tensors)"
-        )
 
 
 def _mask_mod(block_mask: Any, query, key) -> Any:
@@ -263,7 +258,8 @@ def _bitmap(block_mask: Any, batch: int, heads: int, capture: Capture) -> Expr:
 
 def _fields(trees: tuple, decls: tuple[Tensor, ...]) -> tuple[dict[str, Any], str]:
     """The spec's score_mod, mask_mod and tensors fields of a call's trees, and their
-    expression_key; kept for the trees of the trace cache (the same objects on every hit)."""
+    expression_key; kept for the trees of the trace cache (the same objects on every hit).
+    Trainable: one that requires grad and that score_mod reads (none flows through a bool)."""
     (score, keep, mask), parts = trees, (*trees, *decls)
     ids = tuple(map(id, parts))
     kept = _derived.get(ids)
@@ -274,6 +270,8 @@ def _fields(trees: tuple, decls: tuple[Tensor, ...]) -> tuple[dict[str, Any], st
     mask = None if mask is not None and mask.op == "num" and mask.value is True else mask
     fields: dict[str, Any] = {"score_mod": None if score is None else str(score)}
     fields |= {"mask_mod": None if mask is None else str(mask)}
+    scored = set() if score is None else {n.value for n in score.nodes() if n.op == "load"}
+    decls = tuple(replace(d, trainable=d.trainable and d.name in scored) for d in decls)
     fields |= {"tensors": [asdict(d) | {"shape": list(d.shape)} for d in decls]}
     if len(_derived) >= 256:
         _derived.clear()
@@ -281,12 +279,12 @@ def _fields(trees: tuple, decls: tuple[Tensor, ...]) -> tuple[dict[str, Any], st
     return fields, _derived[ids][2]
 
 
-def _module(api: str, query, key, value, fields: dict[str, Any], expressions: str):
-    """(module, Dispatch) of the call: kept per call key, built on demand on a first call."""
+def _module(api: str, query, key, value, fields: dict[str, Any], expressions: str, backward):
+    """(module, Dispatch) of the call: kept per call key, built on demand on a first call
+    (with gradient kernels, `backward: true`, when the call needs gradients)."""
     lq, lk = query.shape[2], key.shape[2]
-    need = need_for(
-        KernelKind.prefill, query, value, **_PLAIN, seqlen_q=lq, seqlen_k=lk, same_lengths=lq == lk
-    )
+    sizes = dict(seqlen_q=lq, seqlen_k=lk, same_lengths=lq == lk, backward=backward)
+    need = need_for(KernelKind.prefill, query, value, **_PLAIN, **sizes)
     why = unsupported_dtype(query) if need.dtype is None else None
     why = why or device_problem(API, need.arch, need.dtype)
     settings = kernel_cache.settings()
