@@ -83,15 +83,8 @@ def _block_mask_args(block_mask, q, k, config):
     kv_block and whether there are full lists. None: q four times and _NO_BLOCK_MASK."""
     if block_mask is None:
         return (q, q, q, q), _NO_BLOCK_MASK
-    if not isinstance(block_mask, tuple | list) or len(block_mask) != 6:
-        raise ValueError(f"block_mask: got {type(block_mask).__name__}; allowed: {_BLOCK_MASK}")
+    _check_block_sizes(block_mask, config, "its launch config")
     num, indices, full_num, full_indices, q_block, kv_block = block_mask
-    for name, size, tile in (("q_block", q_block, "BLOCK_M"), ("kv_block", kv_block, "BLOCK_N")):
-        if type(size) is not int or size <= 0 or size % config[tile]:
-            raise ValueError(
-                f"block_mask: {name} {size!r}; allowed: a positive multiple of this module's "
-                f"{tile} {config[tile]} (its launch config)"
-            )
     batch, heads, seqlen_q = q.shape[:3]
     rows, cols = -(-seqlen_q // q_block), -(-k.shape[2] // kv_block)
     lists = [("kv_num_blocks", num, 3), ("kv_indices", indices, 4)]
@@ -111,6 +104,22 @@ def _block_mask_args(block_mask, q, k, config):
         0 if n == 1 else st for t in tensors for n, st in zip(t.shape, t.stride(), strict=True)
     ]
     return tuple(tensors), (*strides, q_block, kv_block, int(full_num is not None))
+
+
+def _check_block_sizes(block_mask, config, label):
+    """A 6-tuple whose q_block and kv_block are positive multiples of config's BLOCK_M and
+    BLOCK_N (`label` names the config)."""
+    if not isinstance(block_mask, tuple | list) or len(block_mask) != 6:
+        raise ValueError(f"block_mask: got {type(block_mask).__name__}; allowed: {_BLOCK_MASK}")
+    for name, size, tile in (
+        ("q_block", block_mask[4], "BLOCK_M"),
+        ("kv_block", block_mask[5], "BLOCK_N"),
+    ):
+        if type(size) is not int or size <= 0 or size % config[tile]:
+            raise ValueError(
+                f"block_mask: {name} {size!r}; allowed: a positive multiple of this module's "
+                f"{tile} {config[tile]} ({label})"
+            )
 
 
 def _check_block_list(name, t, shape, device):
@@ -165,3 +174,45 @@ def _validate_block_mask(lists, cols):
             f"block_mask: the row {repeated.nonzero()[0].tolist()} (b, h, q-block) lists a key "
             "block twice (in one list or in both); allowed: distinct blocks (ATTNGEN_CHECKS=1)"
         )
+
+
+# -- block_mask= in the backward: the dK/dV kernel's lists ----------------------------------
+_NO_TRANSPOSED = (0,) * 14 + (1, 1, 1, 0)  # the dK/dV kernel's block-mask ints when it has none
+
+
+def _transposed_block_mask(block_mask, q, k):
+    """(tensors, ints) of the dK/dV kernel's block sparsity: per (batch, KV head, key block)
+    and list, the count and the ascending entries g * ceil(Nq / q_block) + m (query head g of
+    the group, q-block m) whose lists name the block (torch's q_num_blocks, q_indices), int32
+    on the device, no sync; then strides, q_block, kv_block, ceil(Nq / q_block), full lists
+    or not. Lists read as the kernels read them (_block_bitmap)."""
+    if block_mask is None:
+        return (q, q, q, q), _NO_TRANSPOSED
+    num, indices, full_num, full_indices, q_block, kv_block = block_mask
+    heads, group = q.shape[1], q.shape[1] // k.shape[1]
+    rows = -(-q.shape[2] // q_block)
+    tensors = []
+    for counts, listed in [(num, indices)] + [(full_num, full_indices)] * (full_num is not None):
+        bits = _block_bitmap(counts, listed)  # [B or 1, HQ or 1, rows, cols]
+        batch, kv_heads, cols = bits.shape[0], heads // group, bits.shape[3]
+        bits = bits.expand(batch, heads, rows, cols).view(batch, kv_heads, group, rows, cols)
+        bits = bits.permute(0, 1, 4, 2, 3).reshape(batch, kv_heads, cols, group * rows)
+        order = bits.to(torch.int8).argsort(dim=-1, descending=True, stable=True)
+        tensors += [bits.sum(-1, dtype=torch.int32), order.to(torch.int32)]
+    tensors *= 2 if full_num is None else 1
+    strides = [
+        0 if n == 1 else st for t in tensors for n, st in zip(t.shape, t.stride(), strict=True)
+    ]
+    return tuple(tensors), (*strides, q_block, kv_block, rows, int(full_num is not None))
+
+
+def _block_bitmap(counts, indices):
+    """[B, H, rows, cols] bool (B, H as broadcast): the blocks a list names, its count clamped
+    to [0, cols], an index outside [0, cols) naming none."""
+    cols = indices.shape[-1]
+    shape = torch.broadcast_shapes(indices.shape, counts.shape + (cols,))
+    indices = indices.long().expand(shape)
+    slots = torch.arange(cols, device=indices.device)
+    used = (slots < counts.long().clamp(0, cols)[..., None]) & (indices >= 0) & (indices < cols)
+    bits = torch.zeros((*shape[:-1], cols + 1), dtype=torch.bool, device=indices.device)
+    return bits.scatter_(-1, torch.where(used, indices, cols), True)[..., :cols]

@@ -13,9 +13,10 @@ The block mask (attngen's create_block_mask or torch's BlockMask): its mask_mod 
 into the spec (partial blocks evaluate it per element) and its block lists go to the kernel,
 which visits only the listed key blocks and skips the mask on the full ones (compiled Flex's
 meaning: the block lists win). One without a mask_mod (block sparsity alone) becomes a mask
-reading its dense block bitmap. Where the module's tiles do not divide the mask's blocks,
-every block runs with the mask per element, and the dispatch's reason says so; so does a
-call that needs gradients (its module built with `backward: true`, trainable: _fields).
+reading its dense block bitmap; a call that needs gradients (its module built with
+`backward: true`, trainable: _fields) passes it to the gradient kernels too. Where the
+module's tiles (the backward's too) do not divide the mask's blocks, every block runs with
+the mask per element, and the dispatch's reason says so.
 """
 
 from __future__ import annotations
@@ -112,10 +113,7 @@ def attend(
         value = value.expand(query.shape[0], *value.shape[1:])
     sm_scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     options: dict[str, Any] = {"tensors": values} if values else {}
-    sparsity, why = _sparsity(module, None if backward or not expressions else blocks, query, key)
-    if backward and blocks is not None:  # the backward visits every block
-        why = "with gradients every key block runs with the mask per element (exact for a "
-        why += "block mask made from its mask_mod: the block mask is not used to skip blocks)"
+    sparsity, why = _sparsity(module, blocks if expressions else None, query, key, backward)
     if sparsity is not None:
         options["block_mask"] = sparsity
     result = module.attention(query, key, value, sm_scale=sm_scale, return_lse=want_lse, **options)
@@ -123,22 +121,28 @@ def attend(
     return result
 
 
-def _sparsity(module, blocks, query, key) -> tuple[tuple | None, str]:
+def _sparsity(module, blocks, query, key, backward: bool) -> tuple[tuple | None, str]:
     """The module's `block_mask=` tuple of a BlockMask (attngen's or torch's: the same
-    fields), so the kernel visits only its listed key blocks and skips the mask on the full
-    ones; None with the reason where the module's tiles do not divide the mask's blocks: then
-    every key block runs with the mask per element (torch's eager meaning; the same result
-    for a block mask made from its mask_mod, as create_block_mask's are). Plain modules (no
-    expressions: an identity score_mod, a keep-all mask_mod) take no block mask."""
+    fields), so the kernels (with `backward`, the gradient kernels too) visit only its listed
+    key blocks and skip the mask on the full ones; None with the reason where a tile of
+    theirs does not divide the mask's blocks: then every key block runs with the mask per
+    element (torch's eager meaning; the same result for a block mask made from its mask_mod,
+    as create_block_mask's are). Plain modules (no expressions: an identity score_mod, a
+    keep-all mask_mod) take no block mask."""
     if blocks is None:
         return None, ""
     q_block, kv_block = (int(size) for size in blocks.BLOCK_SIZE)
-    config = module.config_for(max(query.shape[2], key.shape[2]))
-    if q_block % config["BLOCK_M"] or kv_block % config["BLOCK_N"]:
-        return None, (
-            f"block mask not used to skip blocks: its BLOCK_SIZE ({q_block}, {kv_block}) is not "
-            f"a multiple of the module's tile ({config['BLOCK_M']}, {config['BLOCK_N']})"
-        )
+    configs = [module.config_for(max(query.shape[2], key.shape[2]))]
+    if backward:
+        split = module.BWD_DKDV_SPLIT or (module.BWD_DKDV_CONFIG,)
+        configs += [module.BWD_DQ_CONFIG, *split, module.BWD_DKDV_ATOMIC_CONFIG or {}]
+    for config in configs:
+        tile = (config.get("BLOCK_M", 1), config.get("BLOCK_N", 1))
+        if q_block % tile[0] or kv_block % tile[1]:
+            return None, (
+                f"block mask not used to skip blocks: its BLOCK_SIZE ({q_block}, {kv_block}) "
+                f"is not a multiple of the module's tile {tile}"
+            )
     lists = (blocks.kv_num_blocks, blocks.kv_indices)
     full = (blocks.full_kv_num_blocks, blocks.full_kv_indices)
     return (*lists, *full, q_block, kv_block), "block mask: listed key blocks only"
