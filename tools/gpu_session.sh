@@ -150,7 +150,7 @@ section_command() {
     # sparsity, flex_attention against compiled Flex; then the block-sparse benchmark.
     expr_tests) echo "$pytest_gpu -rf --tb=short tests/test_expression_kernels_gpu.py \
       tests/test_block_sparse_gpu.py tests/test_flex_api.py tests/test_flex_blocks.py \
-      tests/test_flex_grad.py tests/test_expression_decode_gpu.py" ;;
+      tests/test_flex_grad.py tests/test_expression_decode_gpu.py tests/test_block_sparse_backward_gpu.py" ;;
     bench_sparse) echo "python3 tools/bench_block_sparse.py --out $work" ;;
     # The Gluon forward's variants (with ATTNGEN_GLUON_VARIANTS=1 inside the tests) and the
     # standalone Gluon dK/dV kernel (checks, then its grid table).
