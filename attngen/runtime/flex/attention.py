@@ -28,8 +28,7 @@ from typing import Any
 import torch
 
 from attngen.expressions import Expr, Tensor, expression_key, make
-from attngen.runtime import registry as kernel_cache
-from attngen.runtime import selection as ondemand
+from attngen.runtime import registry, selection
 from attngen.runtime.arguments import needs_gradients
 from attngen.runtime.dispatch import (
     device_problem,
@@ -287,10 +286,10 @@ def _module(api: str, query, key, value, fields: dict[str, Any], expressions: st
     need = need_for(KernelKind.prefill, query, value, **_PLAIN, **sizes)
     why = unsupported_dtype(query) if need.dtype is None else None
     why = why or device_problem(API, need.arch, need.dtype)
-    settings = kernel_cache.settings()
+    settings = registry.settings()
     if why is None and not settings.on_demand:
         why = "its modules are built on demand, and on-demand builds are off "
-        why += f"(attngen.configure(on_demand=False) or {kernel_cache.ENV_ON_DEMAND}=0)"
+        why += f"(attngen.configure(on_demand=False) or {registry.ENV_ON_DEMAND}=0)"
     if why is not None:
         who = f"attngen.{API}" if api == API else f"attngen ({api}: the model's mask function)"
         raise NoKernelError(f"{who}: {why}")
@@ -309,9 +308,9 @@ def _build(need, heads, fields: dict[str, Any]) -> tuple[Any, Dispatch]:
     from attngen.build import BuildError
 
     try:
-        spec, kind, arch = ondemand.spec_for(need, heads, fields)
-        entry, built = ondemand.cached_module(spec, kind, arch)
-    except (ondemand.NotExpressible, BuildError) as exc:
+        spec, kind, arch = selection.spec_for(need, heads, fields)
+        entry, built = selection.cached_module(spec, kind, arch)
+    except (selection.NotExpressible, BuildError) as exc:
         raise NoKernelError(f"attngen.{API}: no module can be built: {exc}") from None
     module = import_verified(entry)
     how = "built on demand now" if built else "found in the on-demand cache"
