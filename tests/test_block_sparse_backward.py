@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from attngen.reference_backward import compare_gradients
 from tests.backward_harness import Blocks, module_for
 from tests.kernel_harness import make_inputs, make_spec
+from tests.memory_watch import watching
 from tests.test_backward_properties import EXAMPLES
 from tests.test_block_sparse import (
     HEADS,
@@ -265,30 +266,78 @@ def test_tiles_that_do_not_divide_the_blocks_are_refused() -> None:
 
 
 def test_flex_passes_its_block_mask_only_where_the_backward_tiles_divide_it() -> None:
-    """flex_attention's _sparsity: with gradients the backward's tiles must divide the blocks
-    too (else every key block runs with mask_mod per element, the reason recorded); without,
-    only the forward's."""
+    """flex_attention's _sparsity asks the module (block_mask_problem): with gradients the
+    backward's tiles must divide the blocks too (else every key block runs with mask_mod per
+    element, the reason recorded); without, only the forward's."""
     from types import SimpleNamespace
 
     from attngen.runtime.flex.attention import _sparsity
 
-    def tile(block_m: int, block_n: int) -> dict:
-        return {"BLOCK_M": block_m, "BLOCK_N": block_n}
-
-    module = SimpleNamespace(
-        config_for=lambda n: tile(64, 64), BWD_DQ_CONFIG=tile(64, 64),
-        BWD_DKDV_CONFIG=tile(64, 256), BWD_DKDV_SPLIT=None, BWD_DKDV_ATOMIC_CONFIG=None,
-    )  # fmt: skip
-    lists = torch.zeros(1, 1, 2, dtype=torch.int32), torch.zeros(1, 1, 2, 2, dtype=torch.int32)
+    spec = expression_backward_spec("document", "fp32", causal=False)
+    module = module_for(spec, Blocks((32, 32), (32, 32), (32, 64)))
+    lists = torch.zeros(1, 1, 8, dtype=torch.int32), torch.zeros(1, 1, 8, 8, dtype=torch.int32)
     blocks = SimpleNamespace(
-        BLOCK_SIZE=(128, 128), kv_num_blocks=lists[0], kv_indices=lists[1],
+        BLOCK_SIZE=(32, 32), kv_num_blocks=lists[0], kv_indices=lists[1],
         full_kv_num_blocks=None, full_kv_indices=None,
     )  # fmt: skip
     q = torch.zeros(1, 1, 256, 8)
     sparsity, why = _sparsity(module, blocks, q, q, False)
-    assert sparsity == (*lists, None, None, 128, 128)
+    assert sparsity == (*lists, None, None, 32, 32)
     assert why == "block mask: listed key blocks only"
     sparsity, why = _sparsity(module, blocks, q, q, True)
-    assert sparsity is None and why.endswith("is not a multiple of the module's tile (64, 256)")
-    module.BWD_DKDV_CONFIG = tile(64, 128)
+    assert sparsity is None
+    assert why == (
+        "block mask not used to skip blocks: its kv_block 32; allowed: a positive multiple of "
+        "this module's BLOCK_N 64 (the backward's BWD_DKDV_CONFIG)"
+    )
+    blocks.BLOCK_SIZE = (32, 64)
     assert _sparsity(module, blocks, q, q, True)[0] is not None
+
+
+def test_block_mask_problem_is_the_one_rule() -> None:
+    """The module's block_mask_problem: None where every launch's tiles divide the blocks,
+    else the reason the launchers raise; the forward alone, the backward alone, both, and the
+    atomic path's config only on deterministic=False."""
+    spec = expression_backward_spec("document", "fp32", causal=False)
+    module = module_for(spec, Blocks((16, 16), (32, 16), (16, 32)))
+    module.BWD_DKDV_ATOMIC_CONFIG.update(BLOCK_N=64)
+    problem = module.block_mask_problem
+    assert problem(16, 16, 48) is None
+    assert problem(16, 32, 48, forward=False, backward=True) == (
+        "q_block 16; allowed: a positive multiple of this module's BLOCK_M 32 (the backward's "
+        "BWD_DQ_CONFIG)"
+    )
+    assert problem(32, 32, 48, backward=True) is None
+    assert problem(32, 32, 48, backward=True, deterministic=False).endswith(
+        "BLOCK_N 64 (the backward's BWD_DKDV_ATOMIC_CONFIG)"
+    )
+    assert problem(0, 16, 48) == (
+        "q_block 0; allowed: a positive multiple of this module's BLOCK_M 16 (its launch config)"
+    )
+    assert problem(16.0, 16, 48).startswith("q_block 16.0; allowed")
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_the_functional_backward_takes_the_block_mask(deterministic: bool) -> None:
+    """attention_backward(..., block_mask=) under the memory watch: the gradients of the
+    block mask's meaning (the rule), and with deterministic=True the bits autograd through
+    attention(..., block_mask=) gives; its tile refusal names the backward's config."""
+    spec, q, k, v, tensors, values = _document()
+    gen = torch.Generator().manual_seed(3)
+    block_mask = disturb(exact_block_mask(values, 16, 16), gen, 0.3, 0.5)
+    module = module_for(spec)
+    dout = torch.randn(q.shape, generator=gen).to(q.dtype)
+    out, lse = module.attention(q, k, v, tensors=tensors, block_mask=block_mask, return_lse=True)
+    options = dict(tensors=tensors, block_mask=block_mask, deterministic=deterministic)
+    with watching():
+        got = module.attention_backward(dout, q, k, v, out, lse, **options)
+    keep = dense_keep(block_mask, values, 48, 48).expand(2, HEADS, -1, -1)
+    ref = reference_backward_spec("document", "fp32", False, keep)
+    assert not compare_gradients(ref, got, q, k, v, dout, tensors={"keep": keep})
+    if deterministic:
+        _, grads = run(module, q, k, v, dout, tensors, block_mask=block_mask)
+        assert all(torch.equal(a, b) for a, b in zip(got, grads, strict=True))
+    module = module_for(spec, Blocks((16, 16), (32, 16), (16, 16)))
+    message = r"^block_mask: q_block 16; allowed: .* BLOCK_M 32 \(the backward's BWD_DQ_CONFIG\)$"
+    with pytest.raises(ValueError, match=message):
+        module.attention_backward(dout, q, k, v, out, lse, **options)

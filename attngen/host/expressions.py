@@ -77,16 +77,17 @@ _BLOCK_MASK = (
 _NO_BLOCK_MASK = (0,) * 14 + (1, 1, 0)  # the kernel's block-mask ints when it has none
 
 
-def _block_mask_args(block_mask, q, k, config):
-    """(tensors, ints) of the kernel's block sparsity: the four lists (absent full lists: the
+def _block_mask_args(block_mask, q, sizes, varlen=False):
+    """(tensors, ints) of the kernel's block sparsity over `sizes` (B, HQ, Nq, Nk; varlen:
+    the sequences, HQ, max_seqlen_q, max_seqlen_k): the four lists (absent full lists: the
     partial ones, with max count 0), then their strides (0 on a broadcast axis), q_block,
-    kv_block and whether there are full lists. None: q four times and _NO_BLOCK_MASK."""
+    kv_block, whether there are full lists (varlen: and the lists' length). None: q four
+    times and _NO_BLOCK_MASK. The caller checked the block sizes (_check_block_sizes)."""
     if block_mask is None:
-        return (q, q, q, q), _NO_BLOCK_MASK
-    _check_block_sizes(block_mask, config, "its launch config")
+        return (q, q, q, q), _NO_BLOCK_MASK + (0,) * varlen
     num, indices, full_num, full_indices, q_block, kv_block = block_mask
-    batch, heads, seqlen_q = q.shape[:3]
-    rows, cols = -(-seqlen_q // q_block), -(-k.shape[2] // kv_block)
+    batch, heads, seqlen_q, seqlen_k = sizes
+    rows, cols = -(-seqlen_q // q_block), -(-seqlen_k // kv_block)
     lists = [("kv_num_blocks", num, 3), ("kv_indices", indices, 4)]
     if (full_num is None) != (full_indices is None):
         raise ValueError(
@@ -96,37 +97,48 @@ def _block_mask_args(block_mask, q, k, config):
     if full_num is not None:
         lists += [("full_kv_num_blocks", full_num, 3), ("full_kv_indices", full_indices, 4)]
     for name, t, rank in lists:
-        _check_block_list(name, t, (batch, heads, rows, cols)[:rank], q.device)
+        _check_block_list(name, t, (batch, heads, rows, cols)[:rank], q.device, varlen)
     if _checked():
         _validate_block_mask([t for _, t, _ in lists], cols)
     tensors = [t for _, t, _ in lists] * (2 if full_num is None else 1)
     strides = [
         0 if n == 1 else st for t in tensors for n, st in zip(t.shape, t.stride(), strict=True)
     ]
-    return tuple(tensors), (*strides, q_block, kv_block, int(full_num is not None))
+    ints = (*strides, q_block, kv_block, int(full_num is not None))
+    return tuple(tensors), ints + (cols,) * varlen
 
 
-def _check_block_sizes(block_mask, config, label):
-    """A 6-tuple whose q_block and kv_block are positive multiples of config's BLOCK_M and
-    BLOCK_N (`label` names the config)."""
+def _block_sizes(block_mask):
+    """(q_block, kv_block) of a block_mask 6-tuple; a ValueError for anything else."""
     if not isinstance(block_mask, tuple | list) or len(block_mask) != 6:
         raise ValueError(f"block_mask: got {type(block_mask).__name__}; allowed: {_BLOCK_MASK}")
-    for name, size, tile in (
-        ("q_block", block_mask[4], "BLOCK_M"),
-        ("kv_block", block_mask[5], "BLOCK_N"),
-    ):
-        if type(size) is not int or size <= 0 or size % config[tile]:
-            raise ValueError(
-                f"block_mask: {name} {size!r}; allowed: a positive multiple of this module's "
-                f"{tile} {config[tile]} ({label})"
-            )
+    return block_mask[4], block_mask[5]
 
 
-def _check_block_list(name, t, shape, device):
+def _block_size_problem(q_block, kv_block, configs):
+    """The one rule for a block mask's block sizes against the tiles of the launches that
+    visit its lists: None where q_block and kv_block are positive multiples of the BLOCK_M and
+    BLOCK_N of every (label, config) of `configs` (a q-block holds whole query tiles, a key
+    block whole key tiles); else why not, naming the size, the tile and the config."""
+    for label, config in configs:
+        for name, size, tile in (
+            ("q_block", q_block, "BLOCK_M"),
+            ("kv_block", kv_block, "BLOCK_N"),
+        ):
+            if type(size) is not int or size <= 0 or size % config[tile]:
+                return (
+                    f"{name} {size!r}; allowed: a positive multiple of this module's {tile} "
+                    f"{config[tile]} ({label})"
+                )
+    return None
+
+
+def _check_block_list(name, t, shape, device, varlen):
     """One list of a block mask: an int32/int64 tensor of `shape` (axes 0 and 1 may be 1, a
     broadcast batch or head) on `device`."""
     allowed = f"({shape[0]} or 1, {shape[1]} or 1, {', '.join(map(str, shape[2:]))})"
-    where = "B, HQ, ceil(Nq / q_block)" + (", ceil(Nk / kv_block)" if len(shape) == 4 else "")
+    b, m, n = ("sequences", "max_seqlen_q", "max_seqlen_k") if varlen else ("B", "Nq", "Nk")
+    where = f"{b}, HQ, ceil({m} / q_block)" + (f", ceil({n} / kv_block)" if len(shape) == 4 else "")
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"block_mask: {name}: got {type(t).__name__}; allowed: a torch.Tensor")
     if t.dtype not in (torch.int32, torch.int64):

@@ -123,25 +123,18 @@ def attend(
 def _sparsity(module, blocks, query, key, backward: bool) -> tuple[tuple | None, str]:
     """The module's `block_mask=` tuple of a BlockMask (attngen's or torch's: the same
     fields), so the kernels (with `backward`, the gradient kernels too) visit only its listed
-    key blocks and skip the mask on the full ones; None with the reason where a tile of
-    theirs does not divide the mask's blocks: then every key block runs with the mask per
+    key blocks and skip the mask on the full ones; None with the reason where the module's
+    block_mask_problem refuses the mask's block sizes: then every key block runs with the mask per
     element (torch's eager meaning; the same result for a block mask made from its mask_mod,
     as create_block_mask's are). Plain modules (no expressions: an identity score_mod, a
     keep-all mask_mod) take no block mask."""
     if blocks is None:
         return None, ""
     q_block, kv_block = (int(size) for size in blocks.BLOCK_SIZE)
-    configs = [module.config_for(max(query.shape[2], key.shape[2]))]
-    if backward:
-        split = module.BWD_DKDV_SPLIT or (module.BWD_DKDV_CONFIG,)
-        configs += [module.BWD_DQ_CONFIG, *split, module.BWD_DKDV_ATOMIC_CONFIG or {}]
-    for config in configs:
-        tile = (config.get("BLOCK_M", 1), config.get("BLOCK_N", 1))
-        if q_block % tile[0] or kv_block % tile[1]:
-            return None, (
-                f"block mask not used to skip blocks: its BLOCK_SIZE ({q_block}, {kv_block}) "
-                f"is not a multiple of the module's tile {tile}"
-            )
+    longest = max(query.shape[2], key.shape[2])
+    problem = module.block_mask_problem(q_block, kv_block, longest, backward=backward)
+    if problem is not None:
+        return None, f"block mask not used to skip blocks: its {problem}"
     lists = (blocks.kv_num_blocks, blocks.kv_indices)
     full = (blocks.full_kv_num_blocks, blocks.full_kv_indices)
     return (*lists, *full, q_block, kv_block), "block mask: listed key blocks only"
