@@ -306,8 +306,8 @@ def _attn_fwd_kernel(
     if BLOCK_SPARSE:
         # -- block_mask: only the key blocks that the lists of this tile's q-block name (a
         # q-block holds whole tiles); the built-in mask holds on every one of them
-        mask_row = (q_start // sparse_q_block).to(tl.int64)
         kv_blocks = tl.cdiv(seqlen_k, sparse_kv_block)
+        mask_row = (q_start // sparse_q_block).to(tl.int64)
         # its partial blocks: mask_mod evaluated
         acc, l_i, m_i = _attn_fwd_listed(
             acc, l_i, m_i, q, q_pos, first_q_pos, last_q_pos,
@@ -402,6 +402,26 @@ def forward_path():
 
 # score_mod / mask_mod's tensors as the spec declares them: (name, dtype, shape).
 _TENSORS = (('doc', 'int32', ('B', 'N')), ('bias', 'bf16', ('H', 17)))
+
+
+def block_mask_problem(q_block, kv_block, longest, *, forward=True, backward=False,
+                       deterministic=True):
+    """Why a block mask of q_block x kv_block blocks cannot serve this module's launches for
+    sequences of `longest` (max of Nq and Nk; varlen: of max_seqlen_q and max_seqlen_k): the
+    forward's;
+    None where it can. The rule (_block_size_problem): q_block a positive multiple of each
+    launch's BLOCK_M, kv_block of its BLOCK_N. The launchers refuse what this refuses."""
+    configs = [("its launch config", config_for(longest))] if forward else []
+    if backward:
+        raise ValueError("backward: True; allowed: False (the spec has backward: false)")
+    return _block_size_problem(q_block, kv_block, configs)
+
+
+def _check_block_sizes(block_mask, longest, **launches):
+    if block_mask is not None:
+        problem = block_mask_problem(*_block_sizes(block_mask), longest, **launches)
+        if problem is not None:
+            raise ValueError(f"block_mask: {problem}")
 
 
 # A launch of at most this many (program, key block) pairs reads K/V by pointer loads: the two
@@ -522,7 +542,9 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     _ = _check_alibi(alibi_slopes, num_q_heads, q, batch)
     expr_tensors, expr_ints = _expression_tensors(tensors, _TENSORS, q.device)
-    sparse_tensors, sparse_ints = _block_mask_args(block_mask, q, k, CONFIG)
+    _check_block_sizes(block_mask, max(seqlen_q, seqlen_k))
+    sparse_tensors, sparse_ints = _block_mask_args(
+        block_mask, q, (batch, num_q_heads, seqlen_q, seqlen_k))
     qk_scale = _kernel_scale(sm_scale)
     if out is None:
         out = q.new_empty((batch, num_q_heads, seqlen_q, HEAD_DIM_V))
@@ -1086,16 +1108,17 @@ _BLOCK_MASK = (
 _NO_BLOCK_MASK = (0,) * 14 + (1, 1, 0)  # the kernel's block-mask ints when it has none
 
 
-def _block_mask_args(block_mask, q, k, config):
-    """(tensors, ints) of the kernel's block sparsity: the four lists (absent full lists: the
+def _block_mask_args(block_mask, q, sizes, varlen=False):
+    """(tensors, ints) of the kernel's block sparsity over `sizes` (B, HQ, Nq, Nk; varlen:
+    the sequences, HQ, max_seqlen_q, max_seqlen_k): the four lists (absent full lists: the
     partial ones, with max count 0), then their strides (0 on a broadcast axis), q_block,
-    kv_block and whether there are full lists. None: q four times and _NO_BLOCK_MASK."""
+    kv_block, whether there are full lists (varlen: and the lists' length). None: q four
+    times and _NO_BLOCK_MASK. The caller checked the block sizes (_check_block_sizes)."""
     if block_mask is None:
-        return (q, q, q, q), _NO_BLOCK_MASK
-    _check_block_sizes(block_mask, config, "its launch config")
+        return (q, q, q, q), _NO_BLOCK_MASK + (0,) * varlen
     num, indices, full_num, full_indices, q_block, kv_block = block_mask
-    batch, heads, seqlen_q = q.shape[:3]
-    rows, cols = -(-seqlen_q // q_block), -(-k.shape[2] // kv_block)
+    batch, heads, seqlen_q, seqlen_k = sizes
+    rows, cols = -(-seqlen_q // q_block), -(-seqlen_k // kv_block)
     lists = [("kv_num_blocks", num, 3), ("kv_indices", indices, 4)]
     if (full_num is None) != (full_indices is None):
         raise ValueError(
@@ -1105,37 +1128,48 @@ def _block_mask_args(block_mask, q, k, config):
     if full_num is not None:
         lists += [("full_kv_num_blocks", full_num, 3), ("full_kv_indices", full_indices, 4)]
     for name, t, rank in lists:
-        _check_block_list(name, t, (batch, heads, rows, cols)[:rank], q.device)
+        _check_block_list(name, t, (batch, heads, rows, cols)[:rank], q.device, varlen)
     if _checked():
         _validate_block_mask([t for _, t, _ in lists], cols)
     tensors = [t for _, t, _ in lists] * (2 if full_num is None else 1)
     strides = [
         0 if n == 1 else st for t in tensors for n, st in zip(t.shape, t.stride(), strict=True)
     ]
-    return tuple(tensors), (*strides, q_block, kv_block, int(full_num is not None))
+    ints = (*strides, q_block, kv_block, int(full_num is not None))
+    return tuple(tensors), ints + (cols,) * varlen
 
 
-def _check_block_sizes(block_mask, config, label):
-    """A 6-tuple whose q_block and kv_block are positive multiples of config's BLOCK_M and
-    BLOCK_N (`label` names the config)."""
+def _block_sizes(block_mask):
+    """(q_block, kv_block) of a block_mask 6-tuple; a ValueError for anything else."""
     if not isinstance(block_mask, tuple | list) or len(block_mask) != 6:
         raise ValueError(f"block_mask: got {type(block_mask).__name__}; allowed: {_BLOCK_MASK}")
-    for name, size, tile in (
-        ("q_block", block_mask[4], "BLOCK_M"),
-        ("kv_block", block_mask[5], "BLOCK_N"),
-    ):
-        if type(size) is not int or size <= 0 or size % config[tile]:
-            raise ValueError(
-                f"block_mask: {name} {size!r}; allowed: a positive multiple of this module's "
-                f"{tile} {config[tile]} ({label})"
-            )
+    return block_mask[4], block_mask[5]
 
 
-def _check_block_list(name, t, shape, device):
+def _block_size_problem(q_block, kv_block, configs):
+    """The one rule for a block mask's block sizes against the tiles of the launches that
+    visit its lists: None where q_block and kv_block are positive multiples of the BLOCK_M and
+    BLOCK_N of every (label, config) of `configs` (a q-block holds whole query tiles, a key
+    block whole key tiles); else why not, naming the size, the tile and the config."""
+    for label, config in configs:
+        for name, size, tile in (
+            ("q_block", q_block, "BLOCK_M"),
+            ("kv_block", kv_block, "BLOCK_N"),
+        ):
+            if type(size) is not int or size <= 0 or size % config[tile]:
+                return (
+                    f"{name} {size!r}; allowed: a positive multiple of this module's {tile} "
+                    f"{config[tile]} ({label})"
+                )
+    return None
+
+
+def _check_block_list(name, t, shape, device, varlen):
     """One list of a block mask: an int32/int64 tensor of `shape` (axes 0 and 1 may be 1, a
     broadcast batch or head) on `device`."""
     allowed = f"({shape[0]} or 1, {shape[1]} or 1, {', '.join(map(str, shape[2:]))})"
-    where = "B, HQ, ceil(Nq / q_block)" + (", ceil(Nk / kv_block)" if len(shape) == 4 else "")
+    b, m, n = ("sequences", "max_seqlen_q", "max_seqlen_k") if varlen else ("B", "Nq", "Nk")
+    where = f"{b}, HQ, ceil({m} / q_block)" + (f", ceil({n} / kv_block)" if len(shape) == 4 else "")
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"block_mask: {name}: got {type(t).__name__}; allowed: a torch.Tensor")
     if t.dtype not in (torch.int32, torch.int64):
