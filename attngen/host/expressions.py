@@ -101,10 +101,7 @@ def _block_mask_args(block_mask, q, sizes, varlen=False):
     if _checked():
         _validate_block_mask([t for _, t, _ in lists], cols)
     tensors = [t for _, t, _ in lists] * (2 if full_num is None else 1)
-    strides = [
-        0 if n == 1 else st for t in tensors for n, st in zip(t.shape, t.stride(), strict=True)
-    ]
-    ints = (*strides, q_block, kv_block, int(full_num is not None))
+    ints = (*_list_strides(tensors), q_block, kv_block, int(full_num is not None))
     return tuple(tensors), ints + (cols,) * varlen
 
 
@@ -156,21 +153,16 @@ def _check_block_list(name, t, shape, device, varlen):
 
 def _validate_block_mask(lists, cols):
     """ATTNGEN_CHECKS=1: every count in [0, cols], every listed index in [0, cols), and no
-    block listed twice in a row (in one list or in both). A device sync; raises ValueError."""
+    block listed twice in a row (in one list or in both: the bitmaps count fewer blocks than
+    the lists). A device sync; raises ValueError."""
     names = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"]
-    shape = torch.broadcast_shapes(
-        *(t.shape for t in lists[1::2]), *(t.shape + (cols,) for t in lists[::2])
-    )
-    slots = torch.arange(cols, device=lists[0].device)
-    listed = []
+    listed, bits = 0, []
     for at in range(0, len(lists), 2):
-        counts, indices = lists[at].long(), lists[at + 1].long().expand(shape)
-        bad = (counts < 0) | (counts > cols)
-        used = (slots < counts[..., None]).expand(shape)
-        wrong = used & ((indices < 0) | (indices >= cols))
+        counts, indices = lists[at].long(), lists[at + 1].long()
+        used = torch.arange(cols, device=counts.device) < counts[..., None]
         for name, t, found, allowed in (
-            (names[at], counts, bad, cols),
-            (names[at + 1], indices, wrong, cols - 1),
+            (names[at], counts, (counts < 0) | (counts > cols), cols),
+            (names[at + 1], indices, used & ((indices < 0) | (indices >= cols)), cols - 1),
         ):
             if found.any():
                 where = found.nonzero()[0].tolist()
@@ -178,9 +170,8 @@ def _validate_block_mask(lists, cols):
                     f"block_mask: {name}{where} is {int(t[tuple(where)])}; allowed: 0 to "
                     f"{allowed} (ATTNGEN_CHECKS=1)"
                 )
-        listed.append(torch.where(used, indices, -1 - slots - at * cols))  # unused: distinct
-    both = torch.cat(listed, -1).sort(-1).values
-    repeated = (both[..., 1:] == both[..., :-1]).any(-1)
+        listed, bits = listed + counts, [*bits, _block_bitmap(counts, indices)]
+    repeated = listed != (bits[0] | bits[-1]).sum(-1)
     if repeated.any():
         raise ValueError(
             f"block_mask: the row {repeated.nonzero()[0].tolist()} (b, h, q-block) lists a key "
@@ -212,10 +203,13 @@ def _transposed_block_mask(block_mask, q, k):
         order = bits.to(torch.int8).argsort(dim=-1, descending=True, stable=True)
         tensors += [bits.sum(-1, dtype=torch.int32), order.to(torch.int32)]
     tensors *= 2 if full_num is None else 1
-    strides = [
-        0 if n == 1 else st for t in tensors for n, st in zip(t.shape, t.stride(), strict=True)
-    ]
-    return tuple(tensors), (*strides, q_block, kv_block, rows, int(full_num is not None))
+    ints = (q_block, kv_block, rows, int(full_num is not None))
+    return tuple(tensors), (*_list_strides(tensors), *ints)
+
+
+def _list_strides(tensors):
+    """Each list's strides, 0 on an axis of size 1 (a broadcast batch or head)."""
+    return [0 if n == 1 else st for t in tensors for n, st in zip(t.shape, t.stride(), strict=True)]
 
 
 def _block_bitmap(counts, indices):

@@ -306,8 +306,8 @@ def _attn_fwd_kernel(
     if BLOCK_SPARSE:
         # -- block_mask: only the key blocks that the lists of this tile's q-block name (a
         # q-block holds whole tiles); the built-in mask holds on every one of them
-        kv_blocks = tl.cdiv(seqlen_k, sparse_kv_block)
         mask_row = (q_start // sparse_q_block).to(tl.int64)
+        kv_blocks = tl.cdiv(seqlen_k, sparse_kv_block)
         # its partial blocks: mask_mod evaluated
         acc, l_i, m_i = _attn_fwd_listed(
             acc, l_i, m_i, q, q_pos, first_q_pos, last_q_pos,
@@ -406,11 +406,9 @@ _TENSORS = (('doc', 'int32', ('B', 'N')), ('bias', 'bf16', ('H', 17)))
 
 def block_mask_problem(q_block, kv_block, longest, *, forward=True, backward=False,
                        deterministic=True):
-    """Why a block mask of q_block x kv_block blocks cannot serve this module's launches for
-    sequences of `longest` (max of Nq and Nk; varlen: of max_seqlen_q and max_seqlen_k): the
-    forward's;
-    None where it can. The rule (_block_size_problem): q_block a positive multiple of each
-    launch's BLOCK_M, kv_block of its BLOCK_N. The launchers refuse what this refuses."""
+    """Why a block mask of q_block x kv_block blocks cannot serve the forward's launch at
+    `longest` = max(Nq, Nk) (varlen: of the max_seqlen_*), or None:
+    _block_size_problem's rule, the one the launchers refuse by."""
     configs = [("its launch config", config_for(longest))] if forward else []
     if backward:
         raise ValueError("backward: True; allowed: False (the spec has backward: false)")
@@ -512,19 +510,14 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
     tensors: the tensors score_mod and mask_mod read, by name (keyword; required when the
     spec declares any: doc, bias), each of its declared dtype, rank and shape, on q's
     device; a named dim takes the size of the tensors it appears in, which must agree.
-    block_mask: None (every key block the built-in mask keeps), or a block mask as torch's
-    BlockMask holds it (keyword): a tuple (kv_num_blocks, kv_indices, full_kv_num_blocks,
-    full_kv_indices, q_block, kv_block) over blocks of q_block queries and kv_block keys,
-    kv_num_blocks [B or 1, HQ or 1, ceil(M / q_block)] and kv_indices [B or 1, HQ or 1,
-    ceil(M / q_block), ceil(N / kv_block)] int32 or int64 on q's device (full_*: the same
-    shapes, or both None). Query block r visits only the kv_num_blocks[b, h, r] partial blocks
-    kv_indices[b, h, r, :kv_num_blocks[b, h, r]], mask_mod evaluated there, and the full ones
-    likewise, mask_mod not evaluated (FlexAttention's meaning: a block not listed contributes
-    nothing); the built-in mask holds everywhere. q_block a multiple of BLOCK_M and kv_block
-    of BLOCK_N (CONFIG). Each row's lists name distinct blocks, none in both (as torch's):
-    the kernel reads nothing outside the tensors whatever they hold (counts clamped, an index
-    outside [0, ceil(N / kv_block)) skipped), but a block named twice counts twice. With
-    ATTNGEN_CHECKS=1 the host validates the lists (a device sync) and names a bad entry.
+    block_mask: None, or torch's BlockMask fields (keyword): (kv_num_blocks, kv_indices,
+    full_kv_num_blocks, full_kv_indices, q_block, kv_block), int32/int64 [B or 1, HQ or 1,
+    ceil(M / q_block)] and [.., ceil(N / kv_block)] on q's device (full_*: both None or the
+    same shapes). Query block r visits only the blocks its lists name, mask_mod evaluated on
+    the partial ones only (FlexAttention's meaning: an unlisted block counts nothing); the
+    built-in mask holds everywhere; block sizes as block_mask_problem allows. Nothing outside
+    the tensors is read whatever the lists hold (counts clamped, an index outside [0, ceil(N /
+    kv_block)) skipped); lists name distinct blocks as torch's (ATTNGEN_CHECKS=1 checks).
 
     Returns out [B, HQ, M, 128] in q's dtype, and with return_lse also the
     log-sum-exp of the scores [B, HQ, M] in float32 (natural log; -inf for a row that sees
@@ -543,8 +536,7 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
     _ = _check_alibi(alibi_slopes, num_q_heads, q, batch)
     expr_tensors, expr_ints = _expression_tensors(tensors, _TENSORS, q.device)
     _check_block_sizes(block_mask, max(seqlen_q, seqlen_k))
-    sparse_tensors, sparse_ints = _block_mask_args(
-        block_mask, q, (batch, num_q_heads, seqlen_q, seqlen_k))
+    sparse_tensors, sparse_ints = _block_mask_args(block_mask, q, (batch, num_q_heads, seqlen_q, seqlen_k))
     qk_scale = _kernel_scale(sm_scale)
     if out is None:
         out = q.new_empty((batch, num_q_heads, seqlen_q, HEAD_DIM_V))
@@ -1132,10 +1124,7 @@ def _block_mask_args(block_mask, q, sizes, varlen=False):
     if _checked():
         _validate_block_mask([t for _, t, _ in lists], cols)
     tensors = [t for _, t, _ in lists] * (2 if full_num is None else 1)
-    strides = [
-        0 if n == 1 else st for t in tensors for n, st in zip(t.shape, t.stride(), strict=True)
-    ]
-    ints = (*strides, q_block, kv_block, int(full_num is not None))
+    ints = (*_list_strides(tensors), q_block, kv_block, int(full_num is not None))
     return tuple(tensors), ints + (cols,) * varlen
 
 
@@ -1187,21 +1176,16 @@ def _check_block_list(name, t, shape, device, varlen):
 
 def _validate_block_mask(lists, cols):
     """ATTNGEN_CHECKS=1: every count in [0, cols], every listed index in [0, cols), and no
-    block listed twice in a row (in one list or in both). A device sync; raises ValueError."""
+    block listed twice in a row (in one list or in both: the bitmaps count fewer blocks than
+    the lists). A device sync; raises ValueError."""
     names = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"]
-    shape = torch.broadcast_shapes(
-        *(t.shape for t in lists[1::2]), *(t.shape + (cols,) for t in lists[::2])
-    )
-    slots = torch.arange(cols, device=lists[0].device)
-    listed = []
+    listed, bits = 0, []
     for at in range(0, len(lists), 2):
-        counts, indices = lists[at].long(), lists[at + 1].long().expand(shape)
-        bad = (counts < 0) | (counts > cols)
-        used = (slots < counts[..., None]).expand(shape)
-        wrong = used & ((indices < 0) | (indices >= cols))
+        counts, indices = lists[at].long(), lists[at + 1].long()
+        used = torch.arange(cols, device=counts.device) < counts[..., None]
         for name, t, found, allowed in (
-            (names[at], counts, bad, cols),
-            (names[at + 1], indices, wrong, cols - 1),
+            (names[at], counts, (counts < 0) | (counts > cols), cols),
+            (names[at + 1], indices, used & ((indices < 0) | (indices >= cols)), cols - 1),
         ):
             if found.any():
                 where = found.nonzero()[0].tolist()
@@ -1209,9 +1193,8 @@ def _validate_block_mask(lists, cols):
                     f"block_mask: {name}{where} is {int(t[tuple(where)])}; allowed: 0 to "
                     f"{allowed} (ATTNGEN_CHECKS=1)"
                 )
-        listed.append(torch.where(used, indices, -1 - slots - at * cols))  # unused: distinct
-    both = torch.cat(listed, -1).sort(-1).values
-    repeated = (both[..., 1:] == both[..., :-1]).any(-1)
+        listed, bits = listed + counts, [*bits, _block_bitmap(counts, indices)]
+    repeated = listed != (bits[0] | bits[-1]).sum(-1)
     if repeated.any():
         raise ValueError(
             f"block_mask: the row {repeated.nonzero()[0].tolist()} (b, h, q-block) lists a key "
@@ -1243,10 +1226,13 @@ def _transposed_block_mask(block_mask, q, k):
         order = bits.to(torch.int8).argsort(dim=-1, descending=True, stable=True)
         tensors += [bits.sum(-1, dtype=torch.int32), order.to(torch.int32)]
     tensors *= 2 if full_num is None else 1
-    strides = [
-        0 if n == 1 else st for t in tensors for n, st in zip(t.shape, t.stride(), strict=True)
-    ]
-    return tuple(tensors), (*strides, q_block, kv_block, rows, int(full_num is not None))
+    ints = (q_block, kv_block, rows, int(full_num is not None))
+    return tuple(tensors), (*_list_strides(tensors), *ints)
+
+
+def _list_strides(tensors):
+    """Each list's strides, 0 on an axis of size 1 (a broadcast batch or head)."""
+    return [0 if n == 1 else st for t in tensors for n, st in zip(t.shape, t.stride(), strict=True)]
 
 
 def _block_bitmap(counts, indices):

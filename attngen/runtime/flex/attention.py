@@ -121,13 +121,10 @@ def attend(
 
 
 def _sparsity(module, blocks, query, key, backward: bool) -> tuple[tuple | None, str]:
-    """The module's `block_mask=` tuple of a BlockMask (attngen's or torch's: the same
-    fields), so the kernels (with `backward`, the gradient kernels too) visit only its listed
-    key blocks and skip the mask on the full ones; None with the reason where the module's
-    block_mask_problem refuses the mask's block sizes: then every key block runs with the mask per
-    element (torch's eager meaning; the same result for a block mask made from its mask_mod,
-    as create_block_mask's are). Plain modules (no expressions: an identity score_mod, a
-    keep-all mask_mod) take no block mask."""
+    """The module's `block_mask=` tuple of a BlockMask (attngen's or torch's), so the kernels
+    (with `backward`, the gradient kernels too) visit only its listed key blocks; None with
+    the reason where the module's block_mask_problem refuses its block sizes: then every key
+    block runs with the mask per element (torch's eager meaning)."""
     if blocks is None:
         return None, ""
     q_block, kv_block = (int(size) for size in blocks.BLOCK_SIZE)
