@@ -49,3 +49,23 @@ def test_hostile_lists_in_the_backward_on_the_gpu() -> None:
         params = dict(case="document", dtype="bf16", causal=False, deterministic=False)
         block_mask = (num, indices, *full, 128, 128)
         check_gradients(params, load_kernel(spec), q, k, v, tensors, block_mask, device="cuda")
+
+
+def test_the_functional_backward_with_a_block_mask_on_the_gpu() -> None:
+    """attention_backward(..., block_mask=) compiled: autograd's bits (deterministic=True)."""
+    spec = expression_backward_spec("document", "bf16", causal=False)
+    module = load_kernel(spec)
+    q, k, v, _ = make_inputs(spec, 2, 700, 1000, seed=33, device="cuda")
+    tensors = {n: t.cuda() for n, t in case_tensors("document", 2, 1000, 33).items()}
+    values = mask_mod_values(spec, {n: t.cpu() for n, t in tensors.items()}, 2, 700, 1000)
+    gen = torch.Generator().manual_seed(33)
+    block_mask = disturb(exact_block_mask(values, 128, 128, gen=gen), gen, 0.3, 0.3)
+    block_mask = tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in block_mask)
+    dout = torch.randn(q.shape, device="cuda").to(q.dtype)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = module.attention(*leaves, tensors=tensors, block_mask=block_mask, return_lse=True)
+    out.backward(dout)
+    got = module.attention_backward(
+        dout, q, k, v, out.detach(), lse.detach(), tensors=tensors, block_mask=block_mask
+    )
+    assert all(torch.equal(a, t.grad) for a, t in zip(got, leaves, strict=True))

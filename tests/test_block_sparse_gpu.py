@@ -126,3 +126,33 @@ def test_call_plans_and_block_masks_alternate() -> None:
             problems = compare_to_reference(spec, out, lse, q, k, v)
             assert not problems, (mask is not None, "; ".join(problems))
         assert kernel._CALL_PLANS  # the call without block_mask left (then took) a plan
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_block_masks_on_the_gpu(dtype: str, causal: bool) -> None:
+    """The varlen kernel's listed loop compiled for sm90 with the derived tiles: per-sequence
+    block masks at 128-blocks (dropped and promoted blocks, an empty sequence, sequences
+    shorter than the lists), each sequence against the float64 reference of its meaning."""
+    from tests.test_block_sparse_varlen import sequence_problems, varlen_spec
+    from tests.test_varlen_properties import cu_seqlens, packed_inputs
+
+    spec = varlen_spec("document", dtype, causal)
+    kernel = load_kernel(spec, kind="varlen")
+    lengths_q, lengths_k = [700, 0, 1000, 33], [1000, 200, 900, 513]
+    q, k, v, _ = packed_inputs(spec, lengths_q, lengths_k, seed=23)
+    tensors = case_tensors("document", 4, 1000, 23)
+    values = mask_mod_values(spec, tensors, 4, 1000, 1000)
+    gen = torch.Generator().manual_seed(23)
+    block_mask = disturb(exact_block_mask(values, 128, 128, gen=gen), gen, 0.3, 0.3)
+    cu_q, cu_k = cu_seqlens(lengths_q), cu_seqlens(lengths_k)
+    on_gpu = [t.cuda() if isinstance(t, torch.Tensor) else t for t in block_mask]
+    out, lse = kernel.attention_varlen(
+        *(t.cuda() for t in (q, k, v, cu_q, cu_k)), 1000, 1000, return_lse=True,
+        tensors=_cuda(tensors), block_mask=tuple(on_gpu),
+    )  # fmt: skip
+    params = dict(case="document", dtype=dtype, causal=causal)
+    problems = sequence_problems(
+        params, out.cpu(), lse.cpu(), q, k, v, cu_q, cu_k, lengths_k, tensors, block_mask
+    )
+    assert not problems, "; ".join(problems)

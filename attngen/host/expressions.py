@@ -156,7 +156,8 @@ def _validate_block_mask(lists, cols):
     block listed twice in a row (in one list or in both: the bitmaps count fewer blocks than
     the lists). A device sync; raises ValueError."""
     names = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"]
-    listed, bits = 0, []
+    listed = torch.zeros((), dtype=torch.long, device=lists[0].device)
+    bits: list[torch.Tensor] = []
     for at in range(0, len(lists), 2):
         counts, indices = lists[at].long(), lists[at + 1].long()
         used = torch.arange(cols, device=counts.device) < counts[..., None]
