@@ -492,17 +492,12 @@ def test_block_masks_are_checked_naming_the_field(block_mask, message: str) -> N
         _document_kernel().attention(q, k, v, tensors=tensors, block_mask=block_mask)
 
 
-def test_broadcast_masks_are_accepted_and_varlen_has_no_block_mask() -> None:
-    """B and H of the lists may be 1 (stride 0 in the kernel); the varlen entry point takes
-    no block_mask (FlexAttention has no varlen form)."""
+def test_broadcast_masks_are_accepted() -> None:
+    """B and H of the lists may be 1 (stride 0 in the kernel); varlen block masks:
+    tests/test_block_sparse_varlen.py."""
     spec, q, k, v, tensors, values = _document_inputs(batch=2)
     one = exact_block_mask(values[:1, :1], 16, 16)
     check_against_flex_meaning("document", "fp32", False, _document_kernel(), q, k, v, tensors, one)
-    varlen = load_kernel(
-        make_spec(name="flex", kernels=["varlen"], **CASES["document"]), 16, 16, kind="varlen"
-    )
-    with pytest.raises(TypeError, match="block_mask"):
-        varlen.attention_varlen(q, k, v, None, None, 1, 1, block_mask=one)
 
 
 def test_flash_layout_entries_take_block_mask() -> None:

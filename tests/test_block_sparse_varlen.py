@@ -244,6 +244,10 @@ def test_varlen_gradients_refuse_a_block_mask_and_forwards_take_it() -> None:
     out = kernel.attention_varlen(q, k, v, cu_q, cu_k, 20, 30, tensors=tensors,
                                   block_mask=block_mask)  # fmt: skip
     assert torch.all(out == 0)
-    with pytest.raises(ValueError, match=r"^block_mask: no varlen backward for a block mask"):
+    message = r"^block_mask: no varlen backward for it yet; allowed: None with grads$"
+    with pytest.raises(ValueError, match=message):
         kernel.attention_varlen(q.requires_grad_(), k, v, cu_q, cu_k, 20, 30, tensors=tensors,
                                 block_mask=block_mask)  # fmt: skip
+    assert kernel.block_mask_problem(16, 16, 30) is None
+    with pytest.raises(ValueError, match=r"^backward: True; allowed: False \(no varlen backward"):
+        kernel.block_mask_problem(16, 16, 30, backward=True)
