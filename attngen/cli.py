@@ -305,8 +305,8 @@ def verify_tiling_command(
 
 
 def _verify_gluon(specs: list[Path] | None) -> None:
-    """verify-tiling --gluon: each sm90 Gluon forward compiled live and judged (exit 1 on a
-    mismatch)."""
+    """verify-tiling --gluon: each sm90 Gluon forward (and dK/dV backward, in modules built
+    with ATTNGEN_GLUON_VARIANTS=1) compiled live and judged (exit 1 on a mismatch)."""
     from attngen.verify.gluon import verify_gluon
 
     paths = specs or sorted(Path("examples").glob("*.yaml"))
@@ -316,7 +316,7 @@ def _verify_gluon(specs: list[Path] | None) -> None:
         raise _fail(str(exc)) from None
     rows = verify_gluon(loaded)
     failed = [row for row in rows if row.problems]
-    typer.echo(f"Gluon forward (sm90), {len(rows)} module(s) compiled live:")
+    typer.echo(f"Gluon kernels (sm90), {len(rows)} kernel(s) compiled live:")
     typer.echo("\n".join(row.line() for row in rows))
     typer.echo(f"result: {'FAILED: ' + str(len(failed)) + ' module(s)' if failed else 'PASS'}")
     if failed:

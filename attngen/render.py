@@ -39,6 +39,7 @@ from attngen.tiling.backward import BackwardDerivation, atomic_dkdv_config, deri
 from attngen.tiling.code_paths import POINTER_LOADS_UP_TO, code_paths
 from attngen.tiling.decode_latent import derive_latent_tiles
 from attngen.tiling.gluon import derive_gluon_tiles, gluon_gap
+from attngen.tiling.gluon_backward import derive_gluon_backward
 from attngen.tiling.prefill import Derivation, TileConfig, padded_head_dim
 
 # A generated module may import these and nothing else.
@@ -367,11 +368,21 @@ def gluon_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str, Any]
 
 
 def _add_gluon(context: dict[str, Any], spec: AttnSpec, kind: KernelKind, arch: str) -> None:
-    """gluon_context into `context`; the header's derivation ends with the Gluon forward's."""
+    """gluon_context into `context`, and the Gluon backward's (gluon_bwd: its flag); the
+    header's derivation ends with the Gluon forward's and backward's."""
     context.update(gluon_context(spec, kind, arch))
     gluon = derive_gluon_tiles(spec, arch) if context["gluon"] else None
     if gluon is not None:
         context["derivation_lines"] = [*context["derivation_lines"], *gluon.summary_lines()]
+    backward = derive_gluon_backward(spec, arch) if context["gluon"] else None
+    chosen = backward.chosen if backward is not None else None
+    context["gluon_bwd"] = chosen is not None
+    if backward is not None and chosen is not None:
+        context["derivation_lines"] = [*context["derivation_lines"], *backward.summary_lines()]
+        config = chosen.config
+        context.update(gluon_bwd_block_m=config.block_m, gluon_bwd_block_n=config.block_n,
+                       gluon_bwd_stages=config.stages, gluon_bwd_dq_split=config.dq_split,
+                       gluon_bwd_describe=config.describe())  # fmt: skip
 
 
 def _training_context(

@@ -1,29 +1,36 @@
-"""The warp-specialized (Gluon) dK/dV backward of tools/gluon_backward.py on the H200:
-`pytest -m gpu`.
+"""The warp-specialized (Gluon) dK/dV backward of the sm90 prefill modules on the H200:
+`pytest -m gpu tests/test_gluon_backward_gpu.py`.
 
-dQ, dK, dV against the float64 reference (RELIABILITY.md's rule, attngen.reference_backward)
-at small sizes and at sizes spanning many key and query blocks, causal in both alignments
-(rows that see no key: dQ 0) and not, GQA (the group's query heads summed in the kernel), bf16
-and fp16, D 64 and 128; dK and dV bitwise repeatable; arguments refused by name.
+It is built only with ATTNGEN_GLUON_VARIANTS=1 until these pass ("backward" in GLUON_UNVERIFIED,
+attngen/tiling/gluon.py), so every module here is built with it set, into a folder of its own.
+Each case runs the public functions with grad and deterministic=False (flash_attn_func:
+bottom-right causal or none; the SDPA drop-in: top-left is_causal), dQ, dK, dV against the
+float64 reference (RELIABILITY.md's rule, attngen.reference_backward.compare_gradients), and
+the module's backward_path() must name the Gluon kernel (last_backward(): the atomic path).
+dK and dV are summed in registers in a fixed order: bitwise repeatable (dQ by atomics is not).
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+
+import attngen
+from attngen.build import plan_build, write_build
+from attngen.files import VARIANTS_ENV
+from attngen.reference_backward import compare_gradients
+from attngen.runtime import last_backward
+from attngen.runtime.ops import ATOMIC
+from attngen.runtime.registry import current_registry, load_kernels, use_registry
+from tests.kernel_harness import make_spec
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; run on the H200"),
 ]
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-
 # (B, Nq, Nk, HQ, HKV, D, mask, align, dtype)
-SMALL = [
+CASES = [
     (1, 1, 1, 2, 2, 64, "none", None, "bf16"),
     (1, 1, 1, 2, 2, 128, "causal", "bottom_right", "fp16"),
     (2, 63, 65, 4, 2, 64, "none", None, "bf16"),
@@ -33,8 +40,6 @@ SMALL = [
     (1, 100, 300, 2, 2, 128, "causal", "top_left", "fp16"),
     (1, 300, 100, 2, 2, 64, "causal", "bottom_right", "bf16"),
     (1, 300, 100, 2, 2, 64, "causal", "top_left", "fp16"),
-]
-GRID = [
     (1, 1000, 1000, 14, 2, 128, "causal", "bottom_right", "bf16"),
     (1, 1000, 1000, 7, 1, 128, "none", None, "fp16"),
     (2, 1024, 1024, 8, 8, 64, "causal", "bottom_right", "bf16"),
@@ -48,43 +53,85 @@ def _ids(case):
     return f"{dtype}-d{d}-{mask}{'-' + align if align else ''}-{hq}:{hkv}-b{b}-{nq}x{nk}"
 
 
-@pytest.mark.parametrize("case", SMALL + GRID, ids=_ids)
-def test_gradients_match_the_float64_reference(case):
-    import gluon_backward_check as check
-
-    result = check.check_case(case, seed=7)
-    assert result["ok"], result["problems"]
-    assert result["deterministic_dkdv"], "dK/dV are not bitwise repeatable"
+def spec_for(case):
+    _, _, _, hq, hkv, d, mask, align, dtype = case
+    fields = dict(name="gluon_bwd", dtype=dtype, head_dim=d, num_q_heads=hq, num_kv_heads=hkv,
+                  mask=mask, backward=True)  # fmt: skip
+    return make_spec(**fields, **({"causal_align": align} if align else {}))
 
 
-def test_dq_of_rows_that_see_no_key_is_zero():
-    import gluon_backward as gb
-    import gluon_backward_check as check
+@pytest.fixture
+def built(tmp_path, monkeypatch):
+    """Builds a case's module with the switch into a folder the registry alone serves."""
+    monkeypatch.setenv(VARIANTS_ENV, "1")
+    saved = current_registry()
 
-    case = (1, 300, 100, 2, 2, 128, "causal", "bottom_right", "bf16")  # rows < 200 see no key
-    q, k, v, dout, out, lse = check.inputs(case, seed=3)
-    dq, dk, dv = gb.gluon_backward(q, k, v, out, lse, dout, causal=True)
-    assert torch.isinf(lse[:, :, :200]).all()
-    assert torch.all(dq[:, :200] == 0)
-    assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
+    def build(spec):
+        folder = tmp_path / spec.spec_hash()
+        write_build(plan_build([spec]), folder)
+        load_kernels(folder, replace=True)
+
+    yield build
+    use_registry(saved)
 
 
-@pytest.mark.parametrize(
-    "change, name",
-    [
-        (dict(q=lambda t: t.float()), "q.dtype"),
-        (dict(q=lambda t: t.transpose(1, 2)), "q must be contiguous"),
-        (dict(lse=lambda t: t[..., :-1]), "lse"),
-        (dict(scale=lambda s: -1.0), "scale=-1.0"),
-    ],
-)
-def test_bad_arguments_are_refused_by_name(change, name):
-    import gluon_backward as gb
-    import gluon_backward_check as check
+def run_backward(case, seed=7):
+    """(grads, inputs, module): the public function's backward, deterministic=False;
+    inputs and gradients heads first ([B, H, N, D])."""
+    b, nq, nk, hq, hkv, d, mask, align, dtype = case
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, dout = (
+        torch.randn(b, n, h, d, device="cuda", dtype=dt, generator=gen)
+        for n, h in ((nq, hq), (nk, hkv), (nk, hkv), (nq, hq))
+    )
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    if align == "top_left":  # the SDPA drop-in: is_causal top-left, [B, H, N, D]
+        heads = [t.transpose(1, 2) for t in leaves]
+        out = attngen.scaled_dot_product_attention(*heads, is_causal=True, enable_gqa=hq != hkv)
+        out.backward(dout.transpose(1, 2))
+    else:
+        out = attngen.flash_attn_func(*leaves, causal=mask == "causal", deterministic=False)
+        out.backward(dout)
+    torch.cuda.synchronize()
+    module = current_registry().module(last_backward().key)
+    inputs = [t.transpose(1, 2).cpu() for t in (q, k, v, dout)]
+    grads = [t.grad.transpose(1, 2).cpu() for t in leaves]
+    return grads, inputs, module
 
-    q, k, v, dout, out, lse = check.inputs((1, 64, 64, 2, 2, 64, "none", None, "bf16"))
-    args = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, scale=0.125)
-    for key, fn in change.items():
-        args[key] = fn(args[key])
-    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
-        gb.gluon_backward(**args)
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_gradients_match_the_float64_reference(case, built):
+    spec = spec_for(case)
+    built(spec)
+    grads, inputs, module = run_backward(case)
+    assert module.backward_path() == module.GLUON_BACKWARD_PATH
+    assert last_backward().path == ATOMIC
+    problems = compare_gradients(spec, grads, *inputs)
+    assert not problems, "; ".join(problems)
+    again, _, _ = run_backward(case)
+    assert torch.equal(grads[1], again[1]) and torch.equal(grads[2], again[2])
+
+
+def test_dq_of_rows_that_see_no_key_is_zero(built):
+    case = (1, 300, 100, 2, 2, 128, "causal", "bottom_right", "bf16")  # rows < 200 see none
+    built(spec_for(case))
+    grads, _, module = run_backward(case, seed=3)
+    assert module.backward_path() == module.GLUON_BACKWARD_PATH
+    assert torch.all(grads[0][:, :, :200] == 0)
+    assert torch.isfinite(grads[1]).all() and torch.isfinite(grads[2]).all()
+
+
+def test_a_layout_tma_cannot_read_runs_the_tile_level_kernels_and_says_why(built):
+    """k with an odd row stride (a slice of a wider tensor): the tile-level atomic kernels."""
+    case = (1, 200, 200, 4, 2, 64, "causal", "bottom_right", "bf16")
+    spec = spec_for(case)
+    built(spec)
+    q = torch.randn(1, 200, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    wide = torch.randn(1, 200, 2, 65, device="cuda", dtype=torch.bfloat16)
+    k = wide[..., :64].detach().requires_grad_()
+    v = torch.randn(1, 200, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    attngen.flash_attn_func(q, k, v, causal=True).sum().backward()
+    module = current_registry().module(last_backward().key)
+    assert module.backward_path().startswith("tile-level: k strides")
+    assert torch.isfinite(k.grad).all()

@@ -140,6 +140,7 @@ CAUSAL_BR_BF16_D128 = {
     "gluon_consumer_regs": 240,
     "gluon_producer_regs": 24,
     "gluon_maxnreg": 168,
+    "gluon_bwd": False,  # the Gluon dK/dV backward: a backward spec built with the switch
 }
 
 # Sliding window (top-left), softcap 30, ALiBi, fp32, D = DV = 80 padded to 128, on sm80.
@@ -215,6 +216,7 @@ WINDOW_SOFTCAP_ALIBI_FP32_D80 = {
     "gluon_consumer_regs": 0,
     "gluon_producer_regs": 0,
     "gluon_maxnreg": 0,
+    "gluon_bwd": False,
 }
 
 # The same causal bf16 kernel as varlen: packed sequences, cu_seqlens, LSE [HQ, total_q].

@@ -152,11 +152,14 @@ section_command() {
       tests/test_block_sparse_gpu.py tests/test_flex_api.py tests/test_flex_blocks.py \
       tests/test_flex_grad.py tests/test_expression_decode_gpu.py tests/test_block_sparse_backward_gpu.py" ;;
     bench_sparse) echo "python3 tools/bench_block_sparse.py --out $work" ;;
-    # The Gluon forward's variants (with ATTNGEN_GLUON_VARIANTS=1 inside the tests) and the
-    # standalone Gluon dK/dV kernel (checks, then its grid table).
+    # The Gluon forward's variants and the modules' Gluon dK/dV backward (both built with
+    # ATTNGEN_GLUON_VARIANTS=1 inside the tests): float64 checks through the public functions.
     gluon_tests) echo "$pytest_gpu -rf --tb=short tests/test_gluon_gpu.py tests/test_gluon_variants_gpu.py \
       tests/test_gluon_backward_gpu.py" ;;
-    gluon_bwd_bench) echo "cd tools && PYTHONPATH=.. python3 gluon_backward.py --gpu --out $work" ;;
+    gluon_bwd_tests) echo "$pytest_gpu -rf --tb=short tests/test_gluon_backward_gpu.py" ;;
+    # The Gluon dK/dV backward through flash_attn_func against the tile-level backward, cuDNN
+    # and FA4 (FA4 where importable: `source tools/gpu_fa4.sh` in the same call first).
+    gluon_bwd_bench) echo "python3 tools/gluon_backward.py --out $work" ;;
     # Decode: fp8 caches and tree drafts, tests then benchmarks.
     decode_new) echo "$pytest_gpu -rf --tb=short tests/test_decode_gpu.py tests/test_decode_fp8_gpu.py \
       tests/test_decode_tree_gpu.py" ;;

@@ -70,8 +70,9 @@ CONSUMER_CHOICES = (2, 3)
 # stay tile-level) unless ATTNGEN_GLUON_VARIANTS=1 is set where the module is built (tests,
 # tools, `attngen verify-tiling --gluon`; such on-demand builds get a cache folder of their
 # own). A variant opens to users when its GPU tests pass and its name leaves the set.
-GLUON_VARIANTS = frozenset({"mask sliding_window", "softcap", "ALiBi", "sinks"})
-GLUON_UNVERIFIED = frozenset({"mask sliding_window", "softcap", "ALiBi", "sinks"})
+# "backward": the Gluon dK/dV kernel (gluon_backward.py), deterministic=False's backward.
+GLUON_VARIANTS = frozenset({"mask sliding_window", "softcap", "ALiBi", "sinks", "backward"})
+GLUON_UNVERIFIED = frozenset({"mask sliding_window", "softcap", "ALiBi", "sinks", "backward"})
 
 
 def gluon_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:

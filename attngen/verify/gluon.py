@@ -1,7 +1,8 @@
-"""The Gluon forward against the compiler: every sm90 prefill module with a warp-specialized
+"""The Gluon kernels against the compiler: every sm90 prefill module with a warp-specialized
 forward (attngen/tiling/gluon.py) is rendered, its `_gluon_attn_fwd_kernel` cross-compiled for
 sm90 as attention() launches it (contiguous [B, N, H, D] descriptors, the LSE stored), and the
-cubin's numbers compared with the model's:
+cubin's numbers compared with the model's; so is the `_gluon_attn_bwd_kernel` of a module with
+the Gluon dK/dV backward (attngen/tiling/gluon_backward.py), as _gluon_bwd_run launches it:
 
 - shared memory: the compiler's request equals smem_expression at the chosen config (exact);
 - spills: none (no local-memory stack, no spill stores);
@@ -25,6 +26,7 @@ from typing import Any
 
 from attngen.spec import AttnSpec, KernelKind, specs_from_data
 from attngen.tiling.gluon import GLUON_ARCH, GluonCandidate, derive_gluon_tiles
+from attngen.tiling.gluon_backward import BwdCandidate, derive_gluon_backward
 from attngen.verify.compiler import (
     _compiled_not_interpreted,
     _parse_ptxas_log,
@@ -34,29 +36,74 @@ from attngen.verify.compiler import (
 
 _KERNEL = "_gluon_attn_fwd_kernel"
 _INTS = ("n_q", "n_keys", "n_heads", "group", "diag", "num_m_blocks", "stride_slopes_b")
+_BWD_KERNEL = "_gluon_attn_bwd_kernel"
+_BWD_INTS = ("n_q", "n_keys", "n_heads", "group", "n_pad", "diag", "num_n_blocks", "stride_kn",
+             "stride_kh")  # fmt: skip
+_BWD_DIVISIBLE = ("n_pad", "stride_kn", "stride_kh")  # multiples of 16 at every launch
 
 
 @dataclass
 class GluonRow:
     spec: str
-    chosen: GluonCandidate
+    chosen: GluonCandidate | BwdCandidate
     record: dict[str, Any] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         config = self.chosen.config
         verdict = "ok" if not self.problems else "FAIL: " + "; ".join(self.problems)
+        kernel = "dK/dV" if isinstance(self.chosen, BwdCandidate) else "forward"
         return (
-            f"  {self.spec}: {config.describe()}: shared {self.record.get('shared')} B "
+            f"  {self.spec} {kernel}: {config.describe()}: shared {self.record.get('shared')} B "
             f"(model {self.chosen.smem_bytes} B), spills {self.record.get('spill_stores')} B, "
             f"setmaxnreg {self.record.get('setmaxnreg')}: {verdict}"
         )
 
 
-def gluon_kernel(spec: AttnSpec) -> Any:
-    """The `_gluon_attn_fwd_kernel` of the spec's sm90 prefill module (rendered, imported)."""
+def gluon_kernel(spec: AttnSpec, name: str = _KERNEL) -> Any:
+    """The kernel `name` of the spec's sm90 prefill module (rendered, imported)."""
     tile_kernel = load_kernel(spec, GLUON_ARCH, KernelKind.prefill)
-    return tile_kernel.fn.__globals__[_KERNEL]
+    return tile_kernel.fn.__globals__[name]
+
+
+def _descriptor_type(dtype: Any, name: str, block: list[int]) -> str:
+    from triton.experimental.gluon import language as gl
+
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return f"tensordesc<{name}{block},{layout!r}>".replace(" ", "")
+
+
+def gluon_bwd_source(spec: AttnSpec, kernel: Any, chosen: BwdCandidate, causal: bool) -> Any:
+    """The GluonASTSource of _gluon_bwd_run's launch (its ints that are multiples of 16
+    specialised as a launch specialises them)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    config, d, name = chosen.config, spec.head_dim, spec.dtype.value
+    dtype = getattr(gl, spec.dtype.torch_name)
+    signature = {"dq_ptr": "*fp32", "dk_ptr": f"*{name}", "dv_ptr": f"*{name}"}
+    signature.update(dict.fromkeys(_BWD_INTS, "i32"), qk_scale="fp32", sm_scale="fp32")
+    for desc, rows in (("q", config.block_m), ("do", config.block_m), ("k", config.block_n),
+                       ("v", config.block_n)):  # fmt: skip
+        signature[f"{desc}_desc"] = _descriptor_type(dtype, name, [1, rows, 1, d])
+    rows = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    for desc in ("lse_desc", "delta_desc"):
+        signature[desc] = f"tensordesc<fp32[{config.block_m}],{rows!r}>".replace(" ", "")
+    constexprs = {"CAUSAL": causal, "STAGES": config.stages, "DQ_SPLIT": config.dq_split,
+                  "CONSUMER_REGS": config.consumer_regs,
+                  "PRODUCER_REGS": config.producer_regs}  # fmt: skip
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    names = kernel.arg_names
+    return GluonASTSource(
+        fn=kernel,
+        signature={n: signature[n] for n in names},
+        attrs={
+            (i,): [["tt.divisibility", 16]]
+            for i, n in enumerate(names)
+            if signature[n].startswith("*") or n in _BWD_DIVISIBLE
+        },
+        constexprs={(names.index(n),): v for n, v in constexprs.items()},
+    )
 
 
 def gluon_source(spec: AttnSpec, kernel: Any, chosen: GluonCandidate, causal: bool) -> Any:
@@ -94,7 +141,7 @@ def gluon_source(spec: AttnSpec, kernel: Any, chosen: GluonCandidate, causal: bo
     )
 
 
-def compile_gluon(spec: AttnSpec, chosen: GluonCandidate) -> dict[str, Any]:
+def compile_gluon(spec: AttnSpec, chosen: GluonCandidate | BwdCandidate) -> dict[str, Any]:
     """Cross-compile the spec's Gluon kernel for sm90 with `chosen`; the cubin's numbers, or
     the failure in ``error``."""
     record: dict[str, Any] = {"error": None}
@@ -116,15 +163,19 @@ def compile_gluon(spec: AttnSpec, chosen: GluonCandidate) -> dict[str, Any]:
 
 
 def _compile_into(
-    record: dict[str, Any], spec: AttnSpec, chosen: GluonCandidate, log: io.StringIO
+    record: dict[str, Any], spec: AttnSpec, chosen: GluonCandidate | BwdCandidate, log: io.StringIO
 ) -> None:
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
 
     try:
+        causal = spec.mask.value == "causal"
         with _compiled_not_interpreted():
-            source = gluon_source(spec, gluon_kernel(spec), chosen, spec.mask.value == "causal")
+            if isinstance(chosen, BwdCandidate):
+                source = gluon_bwd_source(spec, gluon_kernel(spec, _BWD_KERNEL), chosen, causal)
+            else:
+                source = gluon_source(spec, gluon_kernel(spec), chosen, causal)
         options = {"num_warps": 4, "maxnreg": chosen.config.maxnreg}
         with _compiled_not_interpreted(), knobs.nvidia.scope(), contextlib.redirect_stdout(log):
             knobs.nvidia.dump_ptxas_log = True
@@ -137,6 +188,7 @@ def _compile_into(
             {int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}
         )
         record["wgmma"] = bool(re.search(r"\bwgmma\.mma_async", ptx))
+        record["atomics"] = sorted(set(re.findall(r"\b(?:red|atom)\.global[\w.]*", ptx)))
     except Exception as exc:  # noqa: BLE001 - recorded, the check goes on
         first_line = (str(exc).strip().splitlines() or [""])[0]
         record["error"] = f"{type(exc).__name__}: {first_line[:300]}"
@@ -159,25 +211,26 @@ def judge_gluon(row: GluonRow) -> None:
         row.problems.append("no wgmma in the PTX")
 
 
-def _compile_job(payload: tuple[dict[str, Any], GluonCandidate]) -> dict[str, Any]:
+def _compile_job(payload: tuple[dict[str, Any], GluonCandidate | BwdCandidate]) -> dict[str, Any]:
     data, chosen = payload
     (spec,) = specs_from_data(data)
     return compile_gluon(spec, chosen)
 
 
 def verify_gluon(specs: Iterable[AttnSpec], processes: int = 2) -> list[GluonRow]:
-    """One row per spec whose sm90 prefill module has the Gluon forward, compiled and judged.
+    """One row per spec whose sm90 prefill module has the Gluon forward, and one per spec whose
+    module has the Gluon backward, compiled and judged.
     As compiler.compile_iter, the compiles run in spawned workers without TRITON_INTERPRET
     (a process that imported triton under the interpreter cannot compile)."""
     rows, jobs = [], []
     for spec in specs:
         if GLUON_ARCH not in spec.archs or KernelKind.prefill not in spec.kernels:
             continue
-        derivation = derive_gluon_tiles(spec, GLUON_ARCH)
-        if derivation is None or derivation.chosen is None:
-            continue
-        rows.append(GluonRow(spec.name, derivation.chosen))
-        jobs.append((spec.model_dump(mode="json"), derivation.chosen))
+        for derivation in (derive_gluon_tiles(spec, GLUON_ARCH),
+                           derive_gluon_backward(spec, GLUON_ARCH)):  # fmt: skip
+            if derivation is not None and derivation.chosen is not None:
+                rows.append(GluonRow(spec.name, derivation.chosen))
+                jobs.append((spec.model_dump(mode="json"), derivation.chosen))
     if not jobs:
         return rows
     saved = os.environ.pop("TRITON_INTERPRET", None)

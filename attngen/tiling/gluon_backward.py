@@ -1,0 +1,194 @@
+"""The warp-specialized Gluon dK/dV backward on Hopper: which specs it serves, and its config.
+
+A CTA of the kernel (attngen/templates/_gluon_backward.py.jinja) owns BLOCK_N = 128 keys of one
+(batch, KV head): a producer warp loads K and V once and streams STAGES slots of (Q, LSE) and
+(dO, delta), BLOCK_M query rows apiece, of every query head of the group; two consumer
+warpgroups own 64 key rows each (wgmma's M) and keep dK and dV in fp32 registers for the loop;
+dQ = dS K goes to an fp32 accumulator by relaxed atomics (five products, not seven). The
+register split is the forward's (register_split: 240 a consumer, 24 the producer, 168 at entry).
+
+The model (sympy) in BM = BLOCK_M, BN = BLOCK_N, D, E (element bytes), S (stages), NC
+(consumers) and C (dQ columns a consumer computes):
+- shared memory: K and V [BN, D] resident, S slots of Q and dO [BM, D] and of LSE and delta
+  [BM] fp32, two dS slots and P [BM, BN], per consumer the compiler's scratch for dQ's layout
+  change before the 16-byte atomics (at most CVT_ROUND_BYTES; it also holds warp_specialize's
+  arguments), the barriers (kv one, padded to 16 B; four [S, 1] and two [2, 1] arrays of 8 B,
+  each padded to 16 B); exact against the compiler (`attngen verify-tiling --gluon`);
+- registers per consumer thread: dK_c and dV_c ([BN / NC, D] fp32 over 128 threads), plus the
+  larger of the score phase (S and dP fp32, P or dS in 16 bits) and the dQ phase (dQ and its
+  converted copy), plus OVERHEAD: a bound the compiler's spills check at the chosen config.
+
+The choice: the widest BLOCK_M that fits (each query block costs five wgmma issues and a
+barrier round), then the fewest stages (two: a step's five GEMMs cover the next block's load).
+D 256 does not fit (dK_c and dV_c [64, 256] fp32 alone are 256 registers a thread).
+
+Gate: the kernel has not run on a GPU yet, so "backward" is in GLUON_UNVERIFIED (gluon.py): a
+module gets it only when built with ATTNGEN_GLUON_VARIANTS=1. Pure Python and sympy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import sympy
+
+from attngen.arch import ARCHS
+from attngen.files import unverified_variants_on
+from attngen.spec import AttnSpec, KernelKind
+from attngen.tiling.evaluate import compiled
+from attngen.tiling.gluon import GLUON_UNVERIFIED, WARPGROUP, gluon_gap, register_split
+
+NC, BM, BN, D, E, S, C = sympy.symbols("NC BLOCK_M BLOCK_N D E S C", positive=True, integer=True)
+SYMBOLS = (NC, BM, BN, D, E, S, C)
+BACKWARD = "backward"  # its name in GLUON_VARIANTS / GLUON_UNVERIFIED
+HEAD_DIMS = (64, 128)
+CONSUMERS = 2
+BLOCK_N = 128  # two consumers x 64 key rows
+BLOCK_M_CHOICES = (64, 128)
+STAGES_CHOICES = (2, 3)
+# Registers beyond the tiles (addresses, barrier phases, loop state), fitted to the compiler
+# at the boundary: D 64 x BLOCK_M 128 (16 above the cap) spills 136 B.
+OVERHEAD = 32
+CVT_ROUND_BYTES = 16384  # the compiler's layout conversion goes through 16 KiB rounds
+
+
+def gluon_backward_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
+    """Why the `kind` module of `spec` on `arch` has no Gluon backward ("" when it has one):
+    it needs the Gluon forward's conditions, the plain masks and D 64 or 128."""
+    if not spec.backward:
+        return "backward: false"
+    gap = gluon_gap(spec, arch, kind)
+    if gap:
+        return gap
+    if BACKWARD in GLUON_UNVERIFIED and not unverified_variants_on():
+        return "not verified on a GPU yet (built with ATTNGEN_GLUON_VARIANTS=1)"
+    if spec.head_dim not in HEAD_DIMS:
+        return f"head dim {spec.head_dim}: the backward kernel is laid out for 64 and 128 only"
+    for present, feature in (
+        (spec.mask.value not in ("none", "causal"), f"mask {spec.mask.value}"),
+        (spec.softcap, "softcap"),
+        (spec.alibi, "ALiBi"),
+        (spec.sinks, "sinks"),
+    ):
+        if present:
+            return f"{feature}: not in the Gluon backward yet"
+    return ""
+
+
+def dq_columns(d: int) -> int:
+    """dQ columns one consumer computes: half of them from D 128 (K's columns sliced at a
+    128-byte swizzle atom), all of them below (the consumers take turns)."""
+    return d // 2 if d >= 128 else d
+
+
+def _pad16(n: sympy.Expr) -> sympy.Expr:  # an [n, 1] int64 barrier array, padded to 16 B
+    return 16 * sympy.ceiling(n / sympy.Integer(2))
+
+
+@cache
+def smem_expression() -> sympy.Expr:
+    """Dynamic shared memory of one CTA in bytes (exact against the compiler)."""
+    tiles = E * (2 * BN * D + S * 2 * BM * D + 3 * BM * BN) + S * 2 * BM * 4
+    scratch = NC * sympy.Min(BM * C * 4, CVT_ROUND_BYTES)
+    return tiles + scratch + 16 + 4 * _pad16(S) + 2 * _pad16(sympy.Integer(2))
+
+
+@cache
+def regs_expression() -> sympy.Expr:
+    """Registers per consumer thread (module docstring)."""
+    scores = 2 * BM * BN / NC + BM * BN / NC / 2
+    return (2 * BN / NC * D + sympy.Max(scores, 2 * BM * C)) / WARPGROUP + OVERHEAD
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    block_m: int
+    block_n: int
+    stages: int
+    dq_split: bool  # dQ's columns split across the consumers, else whole on alternate ones
+    consumer_regs: int
+    producer_regs: int
+    maxnreg: int
+
+    def describe(self) -> str:
+        return (
+            f"BLOCK_M {self.block_m}, BLOCK_N {self.block_n} (2 consumer warpgroups x 64 keys), "
+            f"{self.stages} stages, dQ {'split by columns' if self.dq_split else 'by turns'}, "
+            f"setmaxnreg {self.consumer_regs}/{self.producer_regs} (entry {self.maxnreg})"
+        )
+
+
+@dataclass(frozen=True)
+class BwdCandidate:
+    config: BwdConfig
+    smem_bytes: int
+    regs_needed: int
+    rejected: tuple[str, ...]
+
+    @property
+    def feasible(self) -> bool:
+        return not self.rejected
+
+
+def candidate(d: int, itemsize: int, block_m: int, stages: int, budget: int) -> BwdCandidate:
+    values = (CONSUMERS, block_m, BLOCK_N, d, itemsize, stages, dq_columns(d))
+    smem = int(compiled(smem_expression(), SYMBOLS)(*values))
+    regs = int(compiled(regs_expression(), SYMBOLS)(*values))
+    consumer, producer, entry = register_split(CONSUMERS)
+    rejected = [f"smem {smem} B > {budget} B"] if smem > budget else []
+    rejected += [f"consumer regs ~{regs} > {consumer}"] if regs > consumer else []
+    split = dq_columns(d) < d
+    config = BwdConfig(block_m, BLOCK_N, stages, split, consumer, producer, entry)
+    return BwdCandidate(config, smem, regs, tuple(rejected))
+
+
+@dataclass(frozen=True)
+class BwdDerivation:
+    arch: str
+    candidates: tuple[BwdCandidate, ...]
+    chosen: BwdCandidate | None
+
+    def summary_lines(self) -> tuple[str, ...]:
+        """The header's and explain's lines: the model and the chosen config's numbers."""
+        lines = [
+            "Gluon dK/dV backward (warp-specialized, sm90; deterministic=False):",
+            f"  shared memory = {smem_expression()}",
+            f"  consumer registers ~ {regs_expression()}",
+        ]
+        best = self.chosen
+        if best is None:
+            return (*lines, f"  no config fits ({len(self.candidates)} candidates)")
+        feasible = sum(c.feasible for c in self.candidates)
+        return (
+            *lines,
+            f"  {best.config.describe()}",
+            f"  = {best.smem_bytes} B of {ARCHS[self.arch].smem_budget} B, consumer registers "
+            f"~{best.regs_needed} of {best.config.consumer_regs}",
+            f"  {feasible} of {len(self.candidates)} candidates feasible; rule: the widest "
+            "BLOCK_M, the fewest stages",
+        )
+
+
+def derive_gluon_backward(spec: AttnSpec, arch: str) -> BwdDerivation | None:
+    """The Gluon backward's derivation for a prefill module of `spec` on `arch`, or None when
+    gluon_backward_gap says the module has none."""
+    if gluon_backward_gap(spec, arch, KernelKind.prefill):
+        return None
+    return _derive(spec.head_dim, spec.dtype.itemsize, arch)
+
+
+@cache
+def _derive(d: int, itemsize: int, arch: str) -> BwdDerivation:
+    budget = ARCHS[arch].smem_budget
+    candidates = tuple(
+        candidate(d, itemsize, block_m, stages, budget)
+        for block_m in BLOCK_M_CHOICES
+        for stages in STAGES_CHOICES
+    )
+    feasible = [c for c in candidates if c.feasible]
+
+    def preference(c: BwdCandidate) -> tuple[int, int]:
+        return (c.config.block_m, -c.config.stages)
+
+    return BwdDerivation(arch, candidates, max(feasible, key=preference, default=None))
