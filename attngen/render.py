@@ -29,7 +29,6 @@ from attngen.expressions import (
     validity,
 )
 from attngen.host import MARKER as HOST_MARKER
-from attngen.host import OPTIONAL_PARTS
 from attngen.host import PARTS as HOST_PARTS
 from attngen.names import __version__
 from attngen.spec import AttnSpec, KernelKind, module_name
@@ -110,13 +109,13 @@ def host_parts() -> dict[str, str]:
     return parts
 
 
-def host_code(kind: KernelKind, expressions: bool = False) -> str:
-    """The host code at the end of a module of this kind: its parts, in order (the optional
-    ones only with `expressions`: a spec with score_mod or mask_mod)."""
+def host_code(kind: KernelKind, **flags: bool) -> str:
+    """The host code at the end of a module of this kind: its parts, in order, those that need
+    a flag only where `flags` sets it (attngen/host/__init__.py, PARTS)."""
     texts = [
         text
         for part, text in host_parts().items()
-        if kind.value in HOST_PARTS[part] and (expressions or part not in OPTIONAL_PARTS)
+        if kind.value in HOST_PARTS[part][0] and flags.get(HOST_PARTS[part][1] or "", True)
     ]
     return "\n\n\n".join(texts)
 
@@ -261,6 +260,10 @@ def build_context(
     context.update(expression_context(spec, kind))
     context.update(_training_context(spec, kind, derivation, backward))
     _add_gluon(context, spec, kind, derivation.arch)
+    # attngen/host's parts for this kind and these paths, verbatim: the module's last lines
+    flags = {flag: bool(context[flag]) for flag in ("tma", "gluon", "call_plans")}
+    expressions = spec.score_mod is not None or spec.mask_mod is not None
+    context["host_code"] = host_code(kind, expressions=expressions, **flags)
     if kind is KernelKind.decode:
         context.update(_decode_context(spec, derivation.arch))
     return context
@@ -313,24 +316,19 @@ def _host_paths_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str
     out; sinks, dropout and expression tensors do), as attention_varlen()
     (_varlen_plan.py.jinja) and decode() (_decode_plan.py.jinja) do without them."""
     paths = code_paths(spec, arch, kind)
+    call_plans = not spec.sinks and not spec.tensors
+    call_plans = call_plans and (
+        kind is KernelKind.decode
+        or (
+            kind in (KernelKind.prefill, KernelKind.varlen) and not (spec.backward and spec.dropout)
+        )
+    )
     return {
-        # attngen/host's parts for this kind, verbatim: the module's last lines
-        "host_code": host_code(
-            kind, expressions=spec.score_mod is not None or spec.mask_mod is not None
-        ),
         "tma": paths.tma,
         "tma_masked_blocks": paths.tma_masked_blocks,
         "lpt_group_heads": paths.lpt_group_heads,
         "pointer_loads_up_to": POINTER_LOADS_UP_TO,
-        "call_plans": not spec.sinks
-        and not spec.tensors
-        and (
-            kind is KernelKind.decode
-            or (
-                kind in (KernelKind.prefill, KernelKind.varlen)
-                and not (spec.backward and spec.dropout)
-            )
-        ),
+        "call_plans": call_plans,
     }
 
 

@@ -575,180 +575,21 @@ def config_for(seqlen):
 # tensor descriptors would cost more host time than TMA saves on so small a kernel (about
 # 9 us of encoding per launch on an H200's host; attngen/tiling/code_paths.py has the
 # measurements). 0 under the interpreter, which encodes nothing (and the CPU tests' small
-# shapes keep exercising TMA).
+# shapes keep exercising TMA). kv_load_path(k, v) says how a larger launch reads K/V.
 POINTER_LOADS_UP_TO = 0 if _INTERPRET else 512
 
 
-def kv_load_path(k, v):
-    """How the kernel reads K/V blocks of a launch larger than POINTER_LOADS_UP_TO (program,
-    key block) pairs: "tma" (tensor descriptors, Hopper's copy engine) or "pointers: <why
-    not>"; smaller launches read by pointers. Both are exact; under TMA, keys of a block at
-    the causal diagonal, a window edge or the sequence end that a row must not see are
-    masked in registers. TMA needs a unit head-dim stride, the base and the other strides
-    16-byte aligned (no broadcast stride 0), and at least one key."""
-    for name, t in (("k", k), ("v", v)):
-        why = _tma_layout_problem(name, t.shape, t.stride())
-        if why is None and t.data_ptr() % 16:
-            why = f"{name} base address is not 16-byte aligned"
-        if why is not None:
-            return "pointers: " + why
-    return "tma"
-
-
-def _tma_layout_problem(name, shape, strides):
-    """Why a K or V tensor of this shape and these strides cannot be read through TMA (None:
-    it can, given a 16-byte aligned base)."""
-    if shape[2] == 0:
-        return f"{name} has no keys"
-    if strides[3] != 1:
-        return f"{name} head-dim stride is {strides[3]}, not 1"
-    for size, stride in zip(shape[:3], strides[:3], strict=True):
-        if (stride * _ELEMENT_SIZE) % 16 or (stride == 0 and size > 1):
-            return f"{name} strides {tuple(strides)} are not 16-byte multiples"
-    return None
-
-
-_ELEMENT_SIZE = DTYPE.itemsize
-_TMA_LAYOUTS = {}  # (k shape, k strides, v shape, v strides) -> TMA possible at aligned bases
-_CHECKED_BLOCKS = set()  # descriptor block shapes a real TensorDescriptor has validated
-
-
-def _tma_layout_fits(k, v):
-    """Whether K and V's shapes and strides let TMA read them at 16-byte aligned bases
-    (remembered per layout)."""
-    layout = (k.shape, k.stride(), v.shape, v.stride())
-    fits = _TMA_LAYOUTS.get(layout)
-    if fits is None:
-        fits = (_tma_layout_problem("k", *layout[:2]) is None
-                and _tma_layout_problem("v", *layout[2:]) is None)
-        if len(_TMA_LAYOUTS) >= _LAUNCH_CACHE_SIZE:
-            _TMA_LAYOUTS.clear()
-        _TMA_LAYOUTS[layout] = fits
-    return fits
-
-
-def _uses_tma(k, v):
-    """kv_load_path(k, v) == "tma": the layout's answer remembered, the base addresses read
-    at each call."""
-    return _tma_layout_fits(k, v) and (k.data_ptr() | v.data_ptr()) & 15 == 0
-
-
-def _descriptor(t, block):
-    """TensorDescriptor(t, shape, strides, block) for a tensor _uses_tma accepted. Its
-    constructor's checks (alignment and strides: those of _uses_tma; the block shape: fixed
-    per module) run the first time a block shape is seen and under the interpreter; later
-    descriptors are filled in directly."""
-    if block not in _CHECKED_BLOCKS or not _FAST_LAUNCH:
-        descriptor = TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
-        _CHECKED_BLOCKS.add(block)
-        return descriptor
-    descriptor = object.__new__(TensorDescriptor)
-    descriptor.base, descriptor.shape, descriptor.strides = t, list(t.shape), list(t.stride())
-    descriptor.block_shape, descriptor.padding = list(block), "zero"
-    return descriptor
-
-
 # -- the warp-specialized forward (Gluon, Hopper) -------------------------------------------
-# attention() runs _gluon_attn_fwd_kernel when a call fits it and the tile-level
-# _attn_fwd_kernel otherwise: under Triton's interpreter (Gluon does not run there), or when
-# a tensor's layout is not one TMA can read or write (a unit head-dim stride, the other
-# strides and the base 16-byte aligned). Both write the same layouts and the same LSE
-# (natural log, -inf for a row that sees no key), so the backward takes either forward's.
-# forward_path() says which ran this thread's last call. Config (attngen/tiling/gluon.py):
-# 2 consumer warpgroups x 64 rows, BLOCK_N 128, 2 stages, setmaxnreg 240/24.
+# Config (attngen/tiling/gluon.py): 2 consumer warpgroups x 64 rows, BLOCK_N 128,
+# 2 stages, setmaxnreg 240/24. _GLUON_DIAG: a row's diagonal counts from the keys' end.
 GLUON_CONFIG = {"NUM_CONSUMERS": 2, "BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2,
                 "CONSUMER_REGS": 240, "PRODUCER_REGS": 24}
-GLUON_PATH = "gluon warp-specialized"
 _GLUON_OPTIONS = {"num_warps": 4, "maxnreg": 168}
 _GLUON_CONSTEXPRS = ({"STORE_LSE": False, "CAUSAL": True, "STAGES": 2, "NUM_CONSUMERS": 2,
                       "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},)
 _GLUON_CONSTEXPRS += (dict(_GLUON_CONSTEXPRS[0], STORE_LSE=True),)  # [return_lse]
 _GLUON_DTYPE = gl.bfloat16
-_GLUON_LAYOUTS = {}  # (block rows, head dim) -> the NVMMA shared layout of that block
-_GLUON_PLANS = {}  # (q, k, v, out shapes and strides, return_lse) -> (launch or None, why)
-_GLUON_CHECKED = set()  # descriptor (shape, strides, block) a real TensorDescriptor validated
-_FORWARD = threading.local()  # .path: this thread's last forward (forward_path)
-
-
-_INTERPRETED = "Triton's interpreter runs no Gluon kernel"
-
-
-def forward_path():
-    """Which forward kernel ran this thread's last call of this module: GLUON_PATH, or
-    "tile-level: <why the Gluon kernel did not>"."""
-    return getattr(_FORWARD, "path", "tile-level: no call yet")
-
-
-def expected_forward_path():
-    """What forward_path() says after a call whose layout fits the Gluon kernel."""
-    return "tile-level: " + _INTERPRETED if _INTERPRET else GLUON_PATH
-
-
-def _gluon_layout(q, k, v, out, return_lse):
-    """(launch, None) when the Gluon kernel can run a call of this layout (q, k, v, out in
-    [B, H, N, D] order, any strides) at 16-byte aligned bases, else (None, why not); the
-    launch: (grid, ints, constexprs, each tensor's descriptor (shape, strides, block,
-    layout) as the kernel reads it, [B, N, H, D]). Remembered per layout."""
-    layout = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.shape,
-              out.stride(), return_lse)
-    known = _GLUON_PLANS.get(layout)
-    if known is not None:
-        return known
-    why = None
-    if _INTERPRET:
-        why = _INTERPRETED
-    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-        why = why or _tma_layout_problem(name, t.shape, t.stride())
-    batch, heads, seqlen_q, _ = q.shape
-    kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    num_m_blocks = -(-seqlen_q // (GLUON_CONFIG["BLOCK_M"] * GLUON_CONFIG["NUM_CONSUMERS"]))
-    grid = num_m_blocks * batch * heads
-    if why is None and grid * -(-seqlen_k // GLUON_CONFIG["BLOCK_N"]) <= POINTER_LOADS_UP_TO:
-        why = (f"a launch of at most {POINTER_LOADS_UP_TO} (CTA, key block) pairs, whose four "
-               "TMA descriptors would cost more host time than the kernel saves")
-    known = (None, why)
-    if why is None:
-        _check_grid(grid)
-        diag = seqlen_k - seqlen_q
-        ints = (seqlen_q, seqlen_k, heads, heads // kv_heads, diag, num_m_blocks)
-        descs = tuple([_gluon_meta(t, GLUON_CONFIG[rows])
-                       for t, rows in ((q, "BLOCK_M"), (k, "BLOCK_N"), (v, "BLOCK_N"),
-                                       (out, "BLOCK_M"))])
-        known = ((grid, ints, _GLUON_CONSTEXPRS[return_lse], descs), None)
-    if len(_GLUON_PLANS) >= _LAUNCH_CACHE_SIZE:
-        _GLUON_PLANS.clear()
-    _GLUON_PLANS[layout] = known
-    return known
-
-
-def _gluon_meta(t, rows):
-    """The descriptor of t ([B, H, N, D] order) the kernel reads: [B, N, H, D], blocks of
-    [1, rows, 1, D] rows of one head."""
-    block = [1, rows, 1, t.shape[3]]
-    layout = _GLUON_LAYOUTS.get((rows, t.shape[3]))
-    if layout is None:
-        layout = gl.NVMMASharedLayout.get_default_for(block, _GLUON_DTYPE)
-        _GLUON_LAYOUTS[(rows, t.shape[3])] = layout
-    shape, strides = t.shape, t.stride()
-    return ([shape[0], shape[2], shape[1], shape[3]],
-            [strides[0], strides[2], strides[1], strides[3]], block, layout)
-
-
-def _gluon_descriptor(t, meta):
-    """The TensorDescriptor of meta over t's memory; its constructor's checks (those of
-    _gluon_layout, and the block's) run the first time a meta is seen."""
-    shape, strides, block, layout = meta
-    seen = (tuple(shape), tuple(strides), tuple(block))
-    if seen not in _GLUON_CHECKED:
-        descriptor = _GluonDescriptor(t, shape, strides, block, layout)
-        if len(_GLUON_CHECKED) >= _LAUNCH_CACHE_SIZE:
-            _GLUON_CHECKED.clear()
-        _GLUON_CHECKED.add(seen)
-        return descriptor
-    descriptor = object.__new__(_GluonDescriptor)
-    descriptor.base, descriptor.shape, descriptor.strides = t, shape, strides
-    descriptor.block_shape, descriptor.layout, descriptor.padding = block, layout, "zero"
-    return descriptor
+_GLUON_DIAG = True
 
 
 def _gluon_run(launch, q, k, v, out, lse_arg, qk_scale):
@@ -759,124 +600,6 @@ def _gluon_run(launch, q, k, v, out, lse_arg, qk_scale):
             _gluon_descriptor(v, descs[2]), _gluon_descriptor(out, descs[3]))
     _launch(_gluon_attn_fwd_kernel, grid, q.get_device(), (lse_arg,), ints, tail, constexprs,
             _GLUON_OPTIONS)
-
-
-def _gluon_why(plan, q, k, v, out):
-    """None when the Gluon kernel runs a call with _gluon_layout's answer `plan`, else why
-    not (recorded for forward_path)."""
-    launch, why = plan
-    if why is None and (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15:
-        why = "a base address is not 16-byte aligned"
-    if why is not None:
-        _FORWARD.path = "tile-level: " + why
-    return why
-
-
-# -- call plans ------------------------------------------------------------------------------
-# Everything attention() checks and derives depends on the call's layout alone (the shapes,
-# strides, dtypes and devices of q, k, v and out=, sm_scale, return_lse), except where out=
-# shares memory with the inputs and the base addresses (TMA and the kernel's specialization
-# read their alignment): those are read at every call. So after a call has passed the checks
-# on the GPU (the cached launcher on) and launched, a call of the same layout skips the checks
-# and the launch's derivations, and launches the compiled kernel its alignment, load path and
-# Triton's knobs select. The plan is left when the config it used has changed (autotune
-# updates CONFIG) or the launch cannot run directly (a hook, another current device).
-_CALL_PLANS = {}  # _call_key(...) -> _CallPlan
-
-
-class _CallPlan:
-    """One call layout's launch: its config, grid, ints, constexprs, options and output
-    shapes; the launch-count pairs POINTER_LOADS_UP_TO compares; whether the layout allows
-    TMA; the compiled kernels' _runner found for it, per (kernel, alignment, TMA, Triton's
-    knobs)."""
-
-    __slots__ = ("config", "longest", "grid", "ints", "qk_scale", "out_shape", "lse_shape",
-                 "constexprs", "options", "pairs", "tma_layout", "gluon", "flash", "compiled")
-
-    def __init__(self, flash=False, **fields):
-        for name, value in fields.items():
-            setattr(self, name, value)
-        self.flash = flash  # q, k, v come in [B, N, H, D] (attention_flash)
-        self.compiled = {}
-
-    def heads_last(self, flash, out_shape):
-        """This plan with its own output shape ([B, M, HQ, DV]), for q, k, v as it was made for
-        them or (flash) for the [B, N, H, D] tensors whose [B, H, N, D] views they were: the
-        same pointers and ints, and TMA descriptors of the views."""
-        fields = {name: getattr(self, name) for name in self.__slots__[:-2]}
-        return _CallPlan(flash=flash, **dict(fields, out_shape=out_shape))
-
-
-def _call_key(q, k, v, sm_scale, alibi_slopes, return_lse, out):
-    """The layout of a call a plan may serve (None: the full path decides): plain tensors,
-    no slopes, sm_scale None or a float, return_lse a bool, the cached launcher on."""
-    if not (_FAST_LAUNCH and alibi_slopes is None and type(q) is _TENSOR and type(k) is _TENSOR
-            and type(v) is _TENSOR and (sm_scale is None or type(sm_scale) is float)
-            and type(return_lse) is bool):
-        return None
-    if out is None:
-        out_layout = None
-    elif type(out) is _TENSOR:
-        out_layout = (out.shape, out.stride(), out.dtype, out.is_cuda, out.get_device())
-    else:
-        return None
-    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
-            v.dtype, q.is_cuda, k.is_cuda, v.is_cuda, q.get_device(), k.get_device(),
-            v.get_device(), sm_scale, return_lse, out_layout)
-
-
-def _remember_plan(key, **fields):
-    if len(_CALL_PLANS) >= _LAUNCH_CACHE_SIZE:
-        _CALL_PLANS.clear()
-    _CALL_PLANS[key] = _CallPlan(**fields)
-
-
-def _run_plan(plan, q, k, v, out):
-    """attention()'s launch from the plan of its layout (attention_flash's: its tensors in
-    [B, N, H, D]): (out, lse or None), or None when the full path must run (the config
-    changed, or the launch cannot run directly)."""
-    if CONFIG != plan.config:
-        return None
-    if out is None:
-        out = q.new_empty(plan.out_shape)
-    else:
-        storage = out.untyped_storage().data_ptr()
-        if storage in (q.untyped_storage().data_ptr(), k.untyped_storage().data_ptr(),
-                       v.untyped_storage().data_ptr()):
-            _check_out(out, plan.out_shape, q, (("q", q), ("k", k), ("v", v)))  # raises
-    lse = None if plan.lse_shape is None else q.new_empty(plan.lse_shape, dtype=torch.float32)
-    lse_arg = out if lse is None else lse
-    if _gluon_why(plan.gluon, q, k, v, out) is None:  # the layout's descriptors, these bases
-        _gluon_run(plan.gluon[0], q, k, v, out, lse_arg, plan.qk_scale)
-        return out, lse
-    use_tma = (plan.pairs > POINTER_LOADS_UP_TO and plan.tma_layout
-               and (k.data_ptr() | v.data_ptr()) & 15 == 0)
-    if use_tma:
-        block_n = plan.config["BLOCK_N"]
-        k_heads, v_heads = (k.transpose(1, 2), v.transpose(1, 2)) if plan.flash else (k, v)
-        tail = (plan.qk_scale, _descriptor(k_heads, (1, 1, block_n, 128)),
-                _descriptor(v_heads, (1, 1, block_n, 128)))
-    else:
-        tail = (plan.qk_scale, None, None)
-    constexprs = plan.constexprs[use_tma]
-    tensors = (q, k, v, out, lse_arg, out)
-    device = q.get_device()
-    addresses = [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse_arg.data_ptr()]
-    slot = (_attn_fwd_kernel, addresses[0] & 15 == 0, addresses[1] & 15 == 0,
-            addresses[2] & 15 == 0, addresses[3] & 15 == 0, addresses[4] & 15 == 0,
-            use_tma, _KNOBS.runtime.debug, _KNOBS.compilation.instrumentation_mode)
-    runner = plan.compiled.get(slot)
-    if (runner is None or not _runs_directly(_attn_fwd_kernel)
-            or _DRIVER[0]() != device):
-        runner = _launch(_attn_fwd_kernel, plan.grid, device, tensors, plan.ints, tail,
-                         constexprs, plan.options)
-        if runner is not None and _DRIVER[0]() == device:
-            plan.compiled[slot] = runner
-        return out, lse
-    launch, prefix = runner
-    launch(plan.grid, 1, 1, _DRIVER[1](device), *prefix, *addresses, addresses[3], *plan.ints,
-           *tail, *constexprs.values())
-    return out, lse
 
 
 def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
@@ -949,16 +672,18 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
             constexprs, options,
         )
     if key is not None:  # the checks passed: the next call of this layout runs from its plan
-        _remember_plan(
-            key, config=dict(CONFIG), longest=max(seqlen_q, seqlen_k),
+        _remember_plan(key, _CallPlan(
+            config=dict(CONFIG), longest=max(seqlen_q, seqlen_k),
             grid=num_programs, ints=ints, qk_scale=qk_scale,
             out_shape=(batch, num_q_heads, seqlen_q, HEAD_DIM_V),
             lse_shape=None if lse is None else lse.shape, options=options,
             constexprs={False: dict(constexprs, USE_TMA=False),
                         True: dict(constexprs, USE_TMA=True)},
-            pairs=pairs, tma_layout=_tma_layout_fits(k, v),
+            tail=(qk_scale, None, None), tma_blocks=None
+            if pairs <= POINTER_LOADS_UP_TO or not _tma_layout_fits(k, v)
+            else ((1, 1, block_n, 128), (1, 1, block_n, 128)),
             gluon=gluon_plan,
-        )
+        ))
     return (out, lse) if return_lse else out
 
 
@@ -968,20 +693,7 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
 # calls attention() on views, writing a [B, M, HQ, DV] output it allocates (or the caller's
 # out=) in place; their plan (the one attention() left for the views, kept under the call's
 # own key) then launches from the caller's tensors themselves: no views, no output view, and
-# no out= layout or storage checks when the output is the plan's own.
-_FLASH_PLANS = ({}, {})  # [q, k, v in [B, N, H, D]]: _call_key(...) -> a heads-last _CallPlan
-
-
-def _keep_flash_plan(plans, key, views_key, flash, out_shape):
-    """Keep under `key` the plan attention() left for the call's views (none: nothing kept),
-    as one that allocates a [B, M, HQ, DV] output (_CallPlan.heads_last)."""
-    plan = _CALL_PLANS.get(views_key)
-    if plan is not None:
-        if len(plans) >= _LAUNCH_CACHE_SIZE:
-            plans.clear()
-        plans[key] = plan.heads_last(flash, out_shape)
-
-
+# no out= layout or storage checks when the output is the plan's own (_FLASH_PLANS).
 def _check_rank4(q, k, v, layout):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -1438,3 +1150,508 @@ def _tensors_ok(
         and k_shape[1] != 0
         and q_shape[1] % k_shape[1] == 0
     )
+
+
+# -- host code: attngen/host/tma.py, copied verbatim -------------------------------------------
+_ELEMENT_SIZE = DTYPE.itemsize
+_TMA_LAYOUTS: dict[tuple, bool] = {}  # (k shape, k strides, v shape, v strides) -> TMA fits
+_CHECKED_BLOCKS: set[tuple[int, ...]] = set()  # block shapes a real TensorDescriptor checked
+
+
+def kv_load_path(k: torch.Tensor, v: torch.Tensor) -> str:
+    """How the kernel reads K/V blocks of a launch larger than POINTER_LOADS_UP_TO (program,
+    key block) pairs: "tma" (tensor descriptors, Hopper's copy engine) or "pointers: <why
+    not>"; smaller launches read by pointers. Both are exact; under TMA, keys of a block at
+    the causal diagonal, a window edge or the sequence end that a row must not see are
+    masked in registers. TMA needs a unit head-dim stride, the base and the other strides
+    16-byte aligned (no broadcast stride 0), and at least one key."""
+    for name, t in (("k", k), ("v", v)):
+        why = _tma_layout_problem(name, t.shape, t.stride())
+        if why is None and t.data_ptr() % 16:
+            why = f"{name} base address is not 16-byte aligned"
+        if why is not None:
+            return "pointers: " + why
+    return "tma"
+
+
+def _tma_layout_problem(name: str, shape: tuple[int, ...], strides: tuple[int, ...]) -> str | None:
+    """Why a K or V tensor of this shape and these strides cannot be read through TMA (None:
+    it can, given a 16-byte aligned base)."""
+    if shape[2] == 0:
+        return f"{name} has no keys"
+    if strides[3] != 1:
+        return f"{name} head-dim stride is {strides[3]}, not 1"
+    for size, stride in zip(shape[:3], strides[:3], strict=True):
+        if (stride * _ELEMENT_SIZE) % 16 or (stride == 0 and size > 1):
+            return f"{name} strides {tuple(strides)} are not 16-byte multiples"
+    return None
+
+
+def _tma_layout_fits(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether K and V's shapes and strides let TMA read them at 16-byte aligned bases
+    (remembered per layout)."""
+    layout = (k.shape, k.stride(), v.shape, v.stride())
+    fits = _TMA_LAYOUTS.get(layout)
+    if fits is None:
+        fits = (_tma_layout_problem("k", *layout[:2]) is None
+                and _tma_layout_problem("v", *layout[2:]) is None)  # fmt: skip
+        if len(_TMA_LAYOUTS) >= _LAUNCH_CACHE_SIZE:
+            _TMA_LAYOUTS.clear()
+        _TMA_LAYOUTS[layout] = fits
+    return fits
+
+
+def _uses_tma(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """kv_load_path(k, v) == "tma": the layout's answer remembered, the base addresses read
+    at each call."""
+    return _tma_layout_fits(k, v) and (k.data_ptr() | v.data_ptr()) & 15 == 0
+
+
+def _descriptor(t: torch.Tensor, block: tuple[int, ...]) -> TensorDescriptor:
+    """TensorDescriptor(t, shape, strides, block) for a tensor _uses_tma accepted. Its
+    constructor's checks (alignment and strides: those of _uses_tma; the block shape: fixed
+    per module) run the first time a block shape is seen and under the interpreter; later
+    descriptors are filled in directly."""
+    if block not in _CHECKED_BLOCKS or not _FAST_LAUNCH:
+        descriptor = TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
+        _CHECKED_BLOCKS.add(block)
+        return descriptor
+    descriptor = object.__new__(TensorDescriptor)
+    descriptor.base, descriptor.shape, descriptor.strides = t, list(t.shape), list(t.stride())
+    descriptor.block_shape, descriptor.padding = list(block), "zero"
+    return descriptor
+
+
+# -- host code: attngen/host/gluon.py, copied verbatim -----------------------------------------
+# attention() runs _gluon_attn_fwd_kernel when a call fits it and the tile-level
+# _attn_fwd_kernel otherwise: under Triton's interpreter (Gluon does not run there), or when
+# a tensor's layout is not one TMA can read or write (a unit head-dim stride, the other
+# strides and the base 16-byte aligned). Both write the same layouts and the same LSE
+# (natural log, -inf for a row that sees no key), so the backward takes either forward's.
+# forward_path() says which ran this thread's last call.
+GLUON_PATH = "gluon warp-specialized"
+_GLUON_LAYOUTS: dict = {}  # (block rows, head dim) -> the NVMMA shared layout of that block
+_GLUON_PLANS: dict = {}  # (q, k, v, out shapes and strides, return_lse) -> (launch or None, why)
+_GLUON_CHECKED: set = set()  # descriptor (shape, strides, block) a TensorDescriptor validated
+_FORWARD = threading.local()  # .path: this thread's last forward (forward_path)
+_INTERPRETED = "Triton's interpreter runs no Gluon kernel"
+
+
+def forward_path() -> str:
+    """Which forward kernel ran this thread's last call of this module: GLUON_PATH, or
+    "tile-level: <why the Gluon kernel did not>"."""
+    return getattr(_FORWARD, "path", "tile-level: no call yet")
+
+
+def expected_forward_path() -> str:
+    """What forward_path() says after a call whose layout fits the Gluon kernel."""
+    return "tile-level: " + _INTERPRETED if _INTERPRET else GLUON_PATH
+
+
+def _gluon_layout(q, k, v, out, return_lse):
+    """(launch, None) when the Gluon kernel can run a call of this layout (q, k, v, out in
+    [B, H, N, D] order, any strides) at 16-byte aligned bases, else (None, why not); the
+    launch: (grid, ints, constexprs, each tensor's descriptor (shape, strides, block,
+    layout) as the kernel reads it, [B, N, H, D]). Remembered per layout."""
+    layout = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.shape,
+              out.stride(), return_lse)  # fmt: skip
+    known = _GLUON_PLANS.get(layout)
+    if known is not None:
+        return known
+    why = _INTERPRETED if _INTERPRET else None
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        why = why or _tma_layout_problem(name, t.shape, t.stride())
+    batch, heads, seqlen_q, _ = q.shape
+    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    num_m_blocks = -(-seqlen_q // (GLUON_CONFIG["BLOCK_M"] * GLUON_CONFIG["NUM_CONSUMERS"]))
+    grid = num_m_blocks * batch * heads
+    if why is None and grid * -(-seqlen_k // GLUON_CONFIG["BLOCK_N"]) <= POINTER_LOADS_UP_TO:
+        why = (f"a launch of at most {POINTER_LOADS_UP_TO} (CTA, key block) pairs, whose four "
+               "TMA descriptors would cost more host time than the kernel saves")  # fmt: skip
+    known = (None, why)
+    if why is None:
+        _check_grid(grid)
+        diag = seqlen_k - seqlen_q if _GLUON_DIAG else 0
+        ints = (seqlen_q, seqlen_k, heads, heads // kv_heads, diag, num_m_blocks)
+        descs = tuple([_gluon_meta(t, GLUON_CONFIG[rows])
+                       for t, rows in ((q, "BLOCK_M"), (k, "BLOCK_N"), (v, "BLOCK_N"),
+                                       (out, "BLOCK_M"))])  # fmt: skip
+        known = ((grid, ints, _GLUON_CONSTEXPRS[return_lse], descs), None)
+    if len(_GLUON_PLANS) >= _LAUNCH_CACHE_SIZE:
+        _GLUON_PLANS.clear()
+    _GLUON_PLANS[layout] = known
+    return known
+
+
+def _gluon_meta(t: torch.Tensor, rows: int) -> tuple:
+    """The descriptor of t ([B, H, N, D] order) the kernel reads: [B, N, H, D], blocks of
+    [1, rows, 1, D] rows of one head."""
+    block = [1, rows, 1, t.shape[3]]
+    layout = _GLUON_LAYOUTS.get((rows, t.shape[3]))
+    if layout is None:
+        layout = gl.NVMMASharedLayout.get_default_for(block, _GLUON_DTYPE)
+        _GLUON_LAYOUTS[(rows, t.shape[3])] = layout
+    shape, strides = t.shape, t.stride()
+    return ([shape[0], shape[2], shape[1], shape[3]],
+            [strides[0], strides[2], strides[1], strides[3]], block, layout)  # fmt: skip
+
+
+def _gluon_descriptor(t: torch.Tensor, meta: tuple) -> _GluonDescriptor:
+    """The TensorDescriptor of meta over t's memory; its constructor's checks (those of
+    _gluon_layout, and the block's) run the first time a meta is seen."""
+    shape, strides, block, layout = meta
+    seen = (tuple(shape), tuple(strides), tuple(block))
+    if seen not in _GLUON_CHECKED:
+        descriptor = _GluonDescriptor(t, shape, strides, block, layout)
+        if len(_GLUON_CHECKED) >= _LAUNCH_CACHE_SIZE:
+            _GLUON_CHECKED.clear()
+        _GLUON_CHECKED.add(seen)
+        return descriptor
+    descriptor = object.__new__(_GluonDescriptor)
+    descriptor.base, descriptor.shape, descriptor.strides = t, shape, strides
+    descriptor.block_shape, descriptor.layout, descriptor.padding = block, layout, "zero"
+    return descriptor
+
+
+def _gluon_why(plan: tuple, q, k, v, out) -> str | None:
+    """None when the Gluon kernel runs a call with _gluon_layout's answer `plan`, else why
+    not (recorded for forward_path)."""
+    launch, why = plan
+    if why is None and (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15:
+        why = "a base address is not 16-byte aligned"
+    if why is not None:
+        _FORWARD.path = "tile-level: " + why
+    return why
+
+
+# -- host code: attngen/host/plans.py, copied verbatim -----------------------------------------
+# A launcher's checks and derivations depend on the call's layout alone (shapes, strides,
+# dtypes and devices, the ints, sm_scale, return_lse; varlen's grid comes from max_seqlen_q,
+# never from the index tensors' values), except out='s storage, the bases' alignment and
+# ATTNGEN_CHECKS, read at every call. So once a call of a layout has passed the checks and
+# launched, the next skips them and the derivations, unless the config changed (autotune
+# updates CONFIG) or (prefill) the launch cannot run directly (a hook, another device).
+_CALL_PLANS: dict = {}  # _call_key(...) -> the kind's plan (_CallPlan; varlen: a tuple)
+
+
+def _remember_plan(key: tuple, plan: object) -> None:
+    if len(_CALL_PLANS) >= _LAUNCH_CACHE_SIZE:
+        _CALL_PLANS.clear()
+    _CALL_PLANS[key] = plan
+
+
+# -- host code: attngen/host/prefill_plans.py, copied verbatim ---------------------------------
+_FLASH_PLANS: tuple[dict, dict] = ({}, {})  # [q, k, v in [B, N, H, D]]: key -> heads-last plan
+
+
+class _CallPlan:
+    """One call layout's launch: its config, the length config_for picks it by (longest),
+    grid, ints, the kernel's scale, the pointer loads' tail, constexprs per TMA, options,
+    output shapes; the TMA descriptors' blocks (k, v; None: pointer loads), the Gluon
+    kernel's _gluon_layout answer (None: no Gluon forward), the pointers after the six
+    tensors (expression modules: 4); whether q, k, v come in [B, N, H, D] (attention_flash);
+    the compiled kernels' _runner found for it, per (kernel, alignment, TMA, Triton's knobs)."""
+
+    __slots__ = ("config", "longest", "grid", "ints", "qk_scale", "tail", "constexprs",
+                 "options", "out_shape", "lse_shape", "tma_blocks", "gluon", "pads", "flash",
+                 "compiled")  # fmt: skip
+
+    def __init__(self, flash=False, gluon=None, tma_blocks=None, pads=0, **fields):
+        for name, value in fields.items():
+            setattr(self, name, value)
+        self.gluon, self.tma_blocks, self.pads, self.flash = gluon, tma_blocks, pads, flash
+        self.compiled: dict[tuple, tuple] = {}
+
+    def heads_last(self, flash: bool, out_shape: tuple[int, ...]) -> "_CallPlan":
+        """This plan with its own output shape ([B, M, HQ, DV]), for q, k, v as it was made for
+        them or (flash) for the [B, N, H, D] tensors whose [B, H, N, D] views they were: the
+        same pointers and ints, and TMA descriptors of the views."""
+        fields = {name: getattr(self, name) for name in self.__slots__[:-2]}
+        return _CallPlan(flash=flash, **dict(fields, out_shape=out_shape))
+
+
+def _call_key(q, k, v, sm_scale, alibi_slopes, return_lse, out):
+    """The layout of a call a plan may serve (None: the full path decides): plain tensors,
+    no slopes, sm_scale None or a float, return_lse a bool, the cached launcher on."""
+    if not (_FAST_LAUNCH and alibi_slopes is None and type(q) is _TENSOR and type(k) is _TENSOR
+            and type(v) is _TENSOR and (sm_scale is None or type(sm_scale) is float)
+            and type(return_lse) is bool):  # fmt: skip
+        return None
+    if out is None:
+        out_layout = None
+    elif type(out) is _TENSOR:
+        out_layout = (out.shape, out.stride(), out.dtype, out.is_cuda, out.get_device())
+    else:
+        return None
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
+            v.dtype, q.is_cuda, k.is_cuda, v.is_cuda, q.get_device(), k.get_device(),
+            v.get_device(), sm_scale, return_lse, out_layout)  # fmt: skip
+
+
+def _run_plan(plan, q, k, v, out):
+    """attention()'s launch from the plan of its layout (attention_flash's: its tensors in
+    [B, N, H, D]): (out, lse or None), or None when the full path must run (the config
+    changed, or the launch cannot run directly)."""
+    if config_for(plan.longest) != plan.config:
+        return None
+    if out is None:
+        out = q.new_empty(plan.out_shape)
+    else:
+        storage = out.untyped_storage().data_ptr()
+        if storage in (q.untyped_storage().data_ptr(), k.untyped_storage().data_ptr(),
+                       v.untyped_storage().data_ptr()):  # fmt: skip
+            _check_out(out, plan.out_shape, q, (("q", q), ("k", k), ("v", v)))  # raises
+    lse = None if plan.lse_shape is None else q.new_empty(plan.lse_shape, dtype=torch.float32)
+    lse_arg = out if lse is None else lse
+    if plan.gluon is not None and _gluon_why(plan.gluon, q, k, v, out) is None:
+        _gluon_run(plan.gluon[0], q, k, v, out, lse_arg, plan.qk_scale)  # these bases fit it
+        return out, lse
+    tail = plan.tail
+    use_tma = plan.tma_blocks is not None and (k.data_ptr() | v.data_ptr()) & 15 == 0
+    if use_tma:
+        k_heads, v_heads = (k.transpose(1, 2), v.transpose(1, 2)) if plan.flash else (k, v)
+        k_block, v_block = plan.tma_blocks
+        tail = (plan.qk_scale, _descriptor(k_heads, k_block), _descriptor(v_heads, v_block))
+    constexprs = plan.constexprs[use_tma]
+    device = q.get_device()
+    addresses = [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse_arg.data_ptr()]
+    slot = (_attn_fwd_kernel, addresses[0] & 15 == 0, addresses[1] & 15 == 0,
+            addresses[2] & 15 == 0, addresses[3] & 15 == 0, addresses[4] & 15 == 0,
+            use_tma, _KNOBS.runtime.debug, _KNOBS.compilation.instrumentation_mode)  # fmt: skip
+    runner = plan.compiled.get(slot)
+    if runner is None or not _runs_directly(_attn_fwd_kernel) or _DRIVER[0]() != device:
+        tensors = (q, k, v, out, lse_arg, out, *[q] * plan.pads)  # out: the unused slopes
+        runner = _launch(_attn_fwd_kernel, plan.grid, device, tensors, plan.ints, tail,
+                         constexprs, plan.options)  # fmt: skip
+        if runner is not None and _DRIVER[0]() == device:
+            plan.compiled[slot] = runner
+        return out, lse
+    launch, prefix = runner
+    launch(plan.grid, 1, 1, _DRIVER[1](device), *prefix, *addresses, addresses[3],
+           *[addresses[0]] * plan.pads, *plan.ints, *tail, *constexprs.values())  # fmt: skip
+    return out, lse
+
+
+def _keep_flash_plan(plans, key, views_key, flash, out_shape):
+    """Keep under `key` the plan attention() left for the call's views (none: nothing kept),
+    as one that allocates a [B, M, HQ, DV] output (_CallPlan.heads_last)."""
+    plan = _CALL_PLANS.get(views_key)
+    if plan is not None:
+        if len(plans) >= _LAUNCH_CACHE_SIZE:
+            plans.clear()
+        plans[key] = plan.heads_last(flash, out_shape)
+
+
+# -- host code: attngen/host/expressions.py, copied verbatim -----------------------------------
+_EXPRESSION_DTYPES = {"int32": torch.int32, "int64": torch.int64, "float32": torch.float32}
+_EXPRESSION_DTYPES |= {"bf16": torch.bfloat16, "fp16": torch.float16, "bool": torch.bool}
+
+
+def _expression_tensors(tensors, declared, device):
+    """(tensors in declaration order, ints): each declared tensor of `tensors` checked against
+    its declaration (name, dtype, shape: ints and dim names) and `device`, and as ints each
+    one's strides, then each named dim's size in order of first appearance. A named dim takes
+    the size of the tensors it appears in, which must agree."""
+    names = [name for name, _, _ in declared]
+    if tensors is None and not names:
+        return (), ()
+    allowed = f"a mapping of exactly {names} to tensors (the spec declares them)"
+    if not names:
+        allowed = "None (the spec declares no tensors)"
+    if not hasattr(tensors, "keys") or not hasattr(tensors, "__getitem__"):
+        raise ValueError(f"tensors: got {type(tensors).__name__}; allowed: {allowed}")
+    if set(tensors.keys()) != set(names):
+        raise ValueError(
+            f"tensors: got the names {sorted(map(str, tensors.keys()))}; allowed: {allowed}"
+        )
+    dims: dict[str, tuple[int, str]] = {}
+    found, strides = [], []
+    for name, dtype, shape in declared:
+        t = tensors[name]
+        _check_declared(name, t, _EXPRESSION_DTYPES[dtype], shape, device)
+        for axis, (want, size) in enumerate(zip(shape, t.shape, strict=True)):
+            if isinstance(want, int) and size != want:
+                raise ValueError(
+                    f"tensors[{name!r}]: size {size} on axis {axis}; allowed: {want} (declared "
+                    f"shape {list(shape)})"
+                )
+            seen = dims.setdefault(str(want), (size, name)) if isinstance(want, str) else None
+            if seen is not None and seen[0] != size:
+                raise ValueError(
+                    f"tensors[{name!r}]: dim {want} is {size} on axis {axis}; allowed: "
+                    f"{seen[0]}, its size in tensors[{seen[1]!r}]"
+                )
+        found.append(t)
+        strides.extend(t.stride())
+    return tuple(found), (*strides, *(size for size, _ in dims.values()))
+
+
+def _check_declared(name, t, dtype, shape, device):
+    """One tensor's type, dtype, rank and device against its declaration."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"tensors[{name!r}]: got {type(t).__name__}; allowed: a torch.Tensor")
+    if t.dtype != dtype:
+        raise ValueError(f"tensors[{name!r}]: dtype {t.dtype}; allowed: {dtype} (declared)")
+    if t.dim() != len(shape):
+        raise ValueError(
+            f"tensors[{name!r}]: rank {t.dim()} (shape {tuple(t.shape)}); allowed: rank "
+            f"{len(shape)}, shape {list(shape)} (declared)"
+        )
+    if t.device != device:
+        raise ValueError(f"tensors[{name!r}]: device {t.device}; allowed: {device} (q's)")
+
+
+# -- block_mask= (prefill): torch's BlockMask fields as a tuple ------------------------------
+_BLOCK_MASK = (
+    "None or a tuple (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, "
+    "q_block, kv_block)"
+)
+_NO_BLOCK_MASK = (0,) * 14 + (1, 1, 0)  # the kernel's block-mask ints when it has none
+
+
+def _block_mask_args(block_mask, q, sizes, varlen=False):
+    """(tensors, ints) of the kernel's block sparsity over `sizes` (B, HQ, Nq, Nk; varlen:
+    the sequences, HQ, max_seqlen_q, max_seqlen_k): the four lists (absent full lists: the
+    partial ones, with max count 0), then their strides (0 on a broadcast axis), q_block,
+    kv_block, whether there are full lists (varlen: and the lists' length). None: q four
+    times and _NO_BLOCK_MASK. The caller checked the block sizes (_check_block_sizes)."""
+    if block_mask is None:
+        return (q, q, q, q), _NO_BLOCK_MASK + (0,) * varlen
+    num, indices, full_num, full_indices, q_block, kv_block = block_mask
+    batch, heads, seqlen_q, seqlen_k = sizes
+    rows, cols = -(-seqlen_q // q_block), -(-seqlen_k // kv_block)
+    lists = [("kv_num_blocks", num, 3), ("kv_indices", indices, 4)]
+    if (full_num is None) != (full_indices is None):
+        raise ValueError(
+            "block_mask: full_kv_num_blocks and full_kv_indices: got one None; allowed: both "
+            "tensors or both None"
+        )
+    if full_num is not None:
+        lists += [("full_kv_num_blocks", full_num, 3), ("full_kv_indices", full_indices, 4)]
+    for name, t, rank in lists:
+        _check_block_list(name, t, (batch, heads, rows, cols)[:rank], q.device, varlen)
+    if _checked():
+        _validate_block_mask([t for _, t, _ in lists], cols)
+    tensors = [t for _, t, _ in lists] * (2 if full_num is None else 1)
+    ints = (*_list_strides(tensors), q_block, kv_block, int(full_num is not None))
+    return tuple(tensors), ints + (cols,) * varlen
+
+
+def _block_sizes(block_mask):
+    """(q_block, kv_block) of a block_mask 6-tuple; a ValueError for anything else."""
+    if not isinstance(block_mask, tuple | list) or len(block_mask) != 6:
+        raise ValueError(f"block_mask: got {type(block_mask).__name__}; allowed: {_BLOCK_MASK}")
+    return block_mask[4], block_mask[5]
+
+
+def _block_size_problem(q_block, kv_block, configs):
+    """The one rule for a block mask's block sizes against the tiles of the launches that
+    visit its lists: None where q_block and kv_block are positive multiples of the BLOCK_M and
+    BLOCK_N of every (label, config) of `configs` (a q-block holds whole query tiles, a key
+    block whole key tiles); else why not, naming the size, the tile and the config."""
+    for label, config in configs:
+        for name, size, tile in (
+            ("q_block", q_block, "BLOCK_M"),
+            ("kv_block", kv_block, "BLOCK_N"),
+        ):
+            if type(size) is not int or size <= 0 or size % config[tile]:
+                return (
+                    f"{name} {size!r}; allowed: a positive multiple of this module's {tile} "
+                    f"{config[tile]} ({label})"
+                )
+    return None
+
+
+def _check_block_list(name, t, shape, device, varlen):
+    """One list of a block mask: an int32/int64 tensor of `shape` (axes 0 and 1 may be 1, a
+    broadcast batch or head) on `device`."""
+    allowed = f"({shape[0]} or 1, {shape[1]} or 1, {', '.join(map(str, shape[2:]))})"
+    b, m, n = ("sequences", "max_seqlen_q", "max_seqlen_k") if varlen else ("B", "Nq", "Nk")
+    where = f"{b}, HQ, ceil({m} / q_block)" + (f", ceil({n} / kv_block)" if len(shape) == 4 else "")
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"block_mask: {name}: got {type(t).__name__}; allowed: a torch.Tensor")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_mask: {name}: dtype {t.dtype}; allowed: torch.int32, torch.int64")
+    if t.dim() != len(shape) or any(
+        n != want and (axis > 1 or n != 1)
+        for axis, (n, want) in enumerate(zip(t.shape, shape, strict=True))
+    ):
+        raise ValueError(
+            f"block_mask: {name}: shape {tuple(t.shape)}; allowed: {allowed} ({where})"
+        )
+    if t.device != device:
+        raise ValueError(f"block_mask: {name}: device {t.device}; allowed: {device} (q's)")
+
+
+def _validate_block_mask(lists, cols):
+    """ATTNGEN_CHECKS=1: every count in [0, cols], every listed index in [0, cols), and no
+    block listed twice in a row (in one list or in both: the bitmaps count fewer blocks than
+    the lists). A device sync; raises ValueError."""
+    names = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"]
+    listed = torch.zeros((), dtype=torch.long, device=lists[0].device)
+    bits: list[torch.Tensor] = []
+    for at in range(0, len(lists), 2):
+        counts, indices = lists[at].long(), lists[at + 1].long()
+        used = torch.arange(cols, device=counts.device) < counts[..., None]
+        for name, t, found, allowed in (
+            (names[at], counts, (counts < 0) | (counts > cols), cols),
+            (names[at + 1], indices, used & ((indices < 0) | (indices >= cols)), cols - 1),
+        ):
+            if found.any():
+                where = found.nonzero()[0].tolist()
+                raise ValueError(
+                    f"block_mask: {name}{where} is {int(t[tuple(where)])}; allowed: 0 to "
+                    f"{allowed} (ATTNGEN_CHECKS=1)"
+                )
+        listed, bits = listed + counts, [*bits, _block_bitmap(counts, indices)]
+    repeated = listed != (bits[0] | bits[-1]).sum(-1)
+    if repeated.any():
+        raise ValueError(
+            f"block_mask: the row {repeated.nonzero()[0].tolist()} (b, h, q-block) lists a key "
+            "block twice (in one list or in both); allowed: distinct blocks (ATTNGEN_CHECKS=1)"
+        )
+
+
+# -- block_mask= in the backward: the dK/dV kernel's lists ----------------------------------
+_NO_TRANSPOSED = (0,) * 14 + (1, 1, 1, 0)  # the dK/dV kernel's block-mask ints when it has none
+
+
+def _transposed_block_mask(block_mask, q, k):
+    """(tensors, ints) of the dK/dV kernel's block sparsity: per (batch, KV head, key block)
+    and list, the count and the ascending entries g * ceil(Nq / q_block) + m (query head g of
+    the group, q-block m) whose lists name the block (torch's q_num_blocks, q_indices), int32
+    on the device, no sync; then strides, q_block, kv_block, ceil(Nq / q_block), full lists
+    or not. Lists read as the kernels read them (_block_bitmap)."""
+    if block_mask is None:
+        return (q, q, q, q), _NO_TRANSPOSED
+    num, indices, full_num, full_indices, q_block, kv_block = block_mask
+    heads, group = q.shape[1], q.shape[1] // k.shape[1]
+    rows = -(-q.shape[2] // q_block)
+    tensors = []
+    for counts, listed in [(num, indices)] + [(full_num, full_indices)] * (full_num is not None):
+        bits = _block_bitmap(counts, listed)  # [B or 1, HQ or 1, rows, cols]
+        batch, kv_heads, cols = bits.shape[0], heads // group, bits.shape[3]
+        bits = bits.expand(batch, heads, rows, cols).view(batch, kv_heads, group, rows, cols)
+        bits = bits.permute(0, 1, 4, 2, 3).reshape(batch, kv_heads, cols, group * rows)
+        order = bits.to(torch.int8).argsort(dim=-1, descending=True, stable=True)
+        tensors += [bits.sum(-1, dtype=torch.int32), order.to(torch.int32)]
+    tensors *= 2 if full_num is None else 1
+    ints = (q_block, kv_block, rows, int(full_num is not None))
+    return tuple(tensors), (*_list_strides(tensors), *ints)
+
+
+def _list_strides(tensors):
+    """Each list's strides, 0 on an axis of size 1 (a broadcast batch or head)."""
+    return [0 if n == 1 else st for t in tensors for n, st in zip(t.shape, t.stride(), strict=True)]
+
+
+def _block_bitmap(counts, indices):
+    """[B, H, rows, cols] bool (B, H as broadcast): the blocks a list names, its count clamped
+    to [0, cols], an index outside [0, cols) naming none."""
+    cols = indices.shape[-1]
+    shape = torch.broadcast_shapes(indices.shape, counts.shape + (cols,))
+    indices = indices.long().expand(shape)
+    slots = torch.arange(cols, device=indices.device)
+    used = (slots < counts.long().clamp(0, cols)[..., None]) & (indices >= 0) & (indices < cols)
+    bits = torch.zeros((*shape[:-1], cols + 1), dtype=torch.bool, device=indices.device)
+    return bits.scatter_(-1, torch.where(used, indices, cols), True)[..., :cols]

@@ -426,77 +426,8 @@ def _check_block_sizes(block_mask, longest, **launches):
 # tensor descriptors would cost more host time than TMA saves on so small a kernel (about
 # 9 us of encoding per launch on an H200's host; attngen/tiling/code_paths.py has the
 # measurements). 0 under the interpreter, which encodes nothing (and the CPU tests' small
-# shapes keep exercising TMA).
+# shapes keep exercising TMA). kv_load_path(k, v) says how a larger launch reads K/V.
 POINTER_LOADS_UP_TO = 0 if _INTERPRET else 512
-
-
-def kv_load_path(k, v):
-    """How the kernel reads K/V blocks of a launch larger than POINTER_LOADS_UP_TO (program,
-    key block) pairs: "tma" (tensor descriptors, Hopper's copy engine) or "pointers: <why
-    not>"; smaller launches read by pointers. Both are exact; under TMA, keys of a block at
-    the causal diagonal, a window edge or the sequence end that a row must not see are
-    masked in registers. TMA needs a unit head-dim stride, the base and the other strides
-    16-byte aligned (no broadcast stride 0), and at least one key."""
-    for name, t in (("k", k), ("v", v)):
-        why = _tma_layout_problem(name, t.shape, t.stride())
-        if why is None and t.data_ptr() % 16:
-            why = f"{name} base address is not 16-byte aligned"
-        if why is not None:
-            return "pointers: " + why
-    return "tma"
-
-
-def _tma_layout_problem(name, shape, strides):
-    """Why a K or V tensor of this shape and these strides cannot be read through TMA (None:
-    it can, given a 16-byte aligned base)."""
-    if shape[2] == 0:
-        return f"{name} has no keys"
-    if strides[3] != 1:
-        return f"{name} head-dim stride is {strides[3]}, not 1"
-    for size, stride in zip(shape[:3], strides[:3], strict=True):
-        if (stride * _ELEMENT_SIZE) % 16 or (stride == 0 and size > 1):
-            return f"{name} strides {tuple(strides)} are not 16-byte multiples"
-    return None
-
-
-_ELEMENT_SIZE = DTYPE.itemsize
-_TMA_LAYOUTS = {}  # (k shape, k strides, v shape, v strides) -> TMA possible at aligned bases
-_CHECKED_BLOCKS = set()  # descriptor block shapes a real TensorDescriptor has validated
-
-
-def _tma_layout_fits(k, v):
-    """Whether K and V's shapes and strides let TMA read them at 16-byte aligned bases
-    (remembered per layout)."""
-    layout = (k.shape, k.stride(), v.shape, v.stride())
-    fits = _TMA_LAYOUTS.get(layout)
-    if fits is None:
-        fits = (_tma_layout_problem("k", *layout[:2]) is None
-                and _tma_layout_problem("v", *layout[2:]) is None)
-        if len(_TMA_LAYOUTS) >= _LAUNCH_CACHE_SIZE:
-            _TMA_LAYOUTS.clear()
-        _TMA_LAYOUTS[layout] = fits
-    return fits
-
-
-def _uses_tma(k, v):
-    """kv_load_path(k, v) == "tma": the layout's answer remembered, the base addresses read
-    at each call."""
-    return _tma_layout_fits(k, v) and (k.data_ptr() | v.data_ptr()) & 15 == 0
-
-
-def _descriptor(t, block):
-    """TensorDescriptor(t, shape, strides, block) for a tensor _uses_tma accepted. Its
-    constructor's checks (alignment and strides: those of _uses_tma; the block shape: fixed
-    per module) run the first time a block shape is seen and under the interpreter; later
-    descriptors are filled in directly."""
-    if block not in _CHECKED_BLOCKS or not _FAST_LAUNCH:
-        descriptor = TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
-        _CHECKED_BLOCKS.add(block)
-        return descriptor
-    descriptor = object.__new__(TensorDescriptor)
-    descriptor.base, descriptor.shape, descriptor.strides = t, list(t.shape), list(t.stride())
-    descriptor.block_shape, descriptor.padding = list(block), "zero"
-    return descriptor
 
 
 def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
@@ -583,9 +514,7 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
 # calls attention() on views, writing a [B, M, HQ, DV] output it allocates (or the caller's
 # out=) in place; their plan (the one attention() left for the views, kept under the call's
 # own key) then launches from the caller's tensors themselves: no views, no output view, and
-# no out= layout or storage checks when the output is the plan's own.
-
-
+# no out= layout or storage checks when the output is the plan's own (_FLASH_PLANS).
 def _check_rank4(q, k, v, layout):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -1031,6 +960,296 @@ def _tensors_ok(
         and k_shape[1] != 0
         and q_shape[1] % k_shape[1] == 0
     )
+
+
+# -- host code: attngen/host/tma.py, copied verbatim -------------------------------------------
+_ELEMENT_SIZE = DTYPE.itemsize
+_TMA_LAYOUTS: dict[tuple, bool] = {}  # (k shape, k strides, v shape, v strides) -> TMA fits
+_CHECKED_BLOCKS: set[tuple[int, ...]] = set()  # block shapes a real TensorDescriptor checked
+
+
+def kv_load_path(k: torch.Tensor, v: torch.Tensor) -> str:
+    """How the kernel reads K/V blocks of a launch larger than POINTER_LOADS_UP_TO (program,
+    key block) pairs: "tma" (tensor descriptors, Hopper's copy engine) or "pointers: <why
+    not>"; smaller launches read by pointers. Both are exact; under TMA, keys of a block at
+    the causal diagonal, a window edge or the sequence end that a row must not see are
+    masked in registers. TMA needs a unit head-dim stride, the base and the other strides
+    16-byte aligned (no broadcast stride 0), and at least one key."""
+    for name, t in (("k", k), ("v", v)):
+        why = _tma_layout_problem(name, t.shape, t.stride())
+        if why is None and t.data_ptr() % 16:
+            why = f"{name} base address is not 16-byte aligned"
+        if why is not None:
+            return "pointers: " + why
+    return "tma"
+
+
+def _tma_layout_problem(name: str, shape: tuple[int, ...], strides: tuple[int, ...]) -> str | None:
+    """Why a K or V tensor of this shape and these strides cannot be read through TMA (None:
+    it can, given a 16-byte aligned base)."""
+    if shape[2] == 0:
+        return f"{name} has no keys"
+    if strides[3] != 1:
+        return f"{name} head-dim stride is {strides[3]}, not 1"
+    for size, stride in zip(shape[:3], strides[:3], strict=True):
+        if (stride * _ELEMENT_SIZE) % 16 or (stride == 0 and size > 1):
+            return f"{name} strides {tuple(strides)} are not 16-byte multiples"
+    return None
+
+
+def _tma_layout_fits(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether K and V's shapes and strides let TMA read them at 16-byte aligned bases
+    (remembered per layout)."""
+    layout = (k.shape, k.stride(), v.shape, v.stride())
+    fits = _TMA_LAYOUTS.get(layout)
+    if fits is None:
+        fits = (_tma_layout_problem("k", *layout[:2]) is None
+                and _tma_layout_problem("v", *layout[2:]) is None)  # fmt: skip
+        if len(_TMA_LAYOUTS) >= _LAUNCH_CACHE_SIZE:
+            _TMA_LAYOUTS.clear()
+        _TMA_LAYOUTS[layout] = fits
+    return fits
+
+
+def _uses_tma(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """kv_load_path(k, v) == "tma": the layout's answer remembered, the base addresses read
+    at each call."""
+    return _tma_layout_fits(k, v) and (k.data_ptr() | v.data_ptr()) & 15 == 0
+
+
+def _descriptor(t: torch.Tensor, block: tuple[int, ...]) -> TensorDescriptor:
+    """TensorDescriptor(t, shape, strides, block) for a tensor _uses_tma accepted. Its
+    constructor's checks (alignment and strides: those of _uses_tma; the block shape: fixed
+    per module) run the first time a block shape is seen and under the interpreter; later
+    descriptors are filled in directly."""
+    if block not in _CHECKED_BLOCKS or not _FAST_LAUNCH:
+        descriptor = TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
+        _CHECKED_BLOCKS.add(block)
+        return descriptor
+    descriptor = object.__new__(TensorDescriptor)
+    descriptor.base, descriptor.shape, descriptor.strides = t, list(t.shape), list(t.stride())
+    descriptor.block_shape, descriptor.padding = list(block), "zero"
+    return descriptor
+
+
+# -- host code: attngen/host/gluon.py, copied verbatim -----------------------------------------
+# attention() runs _gluon_attn_fwd_kernel when a call fits it and the tile-level
+# _attn_fwd_kernel otherwise: under Triton's interpreter (Gluon does not run there), or when
+# a tensor's layout is not one TMA can read or write (a unit head-dim stride, the other
+# strides and the base 16-byte aligned). Both write the same layouts and the same LSE
+# (natural log, -inf for a row that sees no key), so the backward takes either forward's.
+# forward_path() says which ran this thread's last call.
+GLUON_PATH = "gluon warp-specialized"
+_GLUON_LAYOUTS: dict = {}  # (block rows, head dim) -> the NVMMA shared layout of that block
+_GLUON_PLANS: dict = {}  # (q, k, v, out shapes and strides, return_lse) -> (launch or None, why)
+_GLUON_CHECKED: set = set()  # descriptor (shape, strides, block) a TensorDescriptor validated
+_FORWARD = threading.local()  # .path: this thread's last forward (forward_path)
+_INTERPRETED = "Triton's interpreter runs no Gluon kernel"
+
+
+def forward_path() -> str:
+    """Which forward kernel ran this thread's last call of this module: GLUON_PATH, or
+    "tile-level: <why the Gluon kernel did not>"."""
+    return getattr(_FORWARD, "path", "tile-level: no call yet")
+
+
+def expected_forward_path() -> str:
+    """What forward_path() says after a call whose layout fits the Gluon kernel."""
+    return "tile-level: " + _INTERPRETED if _INTERPRET else GLUON_PATH
+
+
+def _gluon_layout(q, k, v, out, return_lse):
+    """(launch, None) when the Gluon kernel can run a call of this layout (q, k, v, out in
+    [B, H, N, D] order, any strides) at 16-byte aligned bases, else (None, why not); the
+    launch: (grid, ints, constexprs, each tensor's descriptor (shape, strides, block,
+    layout) as the kernel reads it, [B, N, H, D]). Remembered per layout."""
+    layout = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.shape,
+              out.stride(), return_lse)  # fmt: skip
+    known = _GLUON_PLANS.get(layout)
+    if known is not None:
+        return known
+    why = _INTERPRETED if _INTERPRET else None
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        why = why or _tma_layout_problem(name, t.shape, t.stride())
+    batch, heads, seqlen_q, _ = q.shape
+    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    num_m_blocks = -(-seqlen_q // (GLUON_CONFIG["BLOCK_M"] * GLUON_CONFIG["NUM_CONSUMERS"]))
+    grid = num_m_blocks * batch * heads
+    if why is None and grid * -(-seqlen_k // GLUON_CONFIG["BLOCK_N"]) <= POINTER_LOADS_UP_TO:
+        why = (f"a launch of at most {POINTER_LOADS_UP_TO} (CTA, key block) pairs, whose four "
+               "TMA descriptors would cost more host time than the kernel saves")  # fmt: skip
+    known = (None, why)
+    if why is None:
+        _check_grid(grid)
+        diag = seqlen_k - seqlen_q if _GLUON_DIAG else 0
+        ints = (seqlen_q, seqlen_k, heads, heads // kv_heads, diag, num_m_blocks)
+        descs = tuple([_gluon_meta(t, GLUON_CONFIG[rows])
+                       for t, rows in ((q, "BLOCK_M"), (k, "BLOCK_N"), (v, "BLOCK_N"),
+                                       (out, "BLOCK_M"))])  # fmt: skip
+        known = ((grid, ints, _GLUON_CONSTEXPRS[return_lse], descs), None)
+    if len(_GLUON_PLANS) >= _LAUNCH_CACHE_SIZE:
+        _GLUON_PLANS.clear()
+    _GLUON_PLANS[layout] = known
+    return known
+
+
+def _gluon_meta(t: torch.Tensor, rows: int) -> tuple:
+    """The descriptor of t ([B, H, N, D] order) the kernel reads: [B, N, H, D], blocks of
+    [1, rows, 1, D] rows of one head."""
+    block = [1, rows, 1, t.shape[3]]
+    layout = _GLUON_LAYOUTS.get((rows, t.shape[3]))
+    if layout is None:
+        layout = gl.NVMMASharedLayout.get_default_for(block, _GLUON_DTYPE)
+        _GLUON_LAYOUTS[(rows, t.shape[3])] = layout
+    shape, strides = t.shape, t.stride()
+    return ([shape[0], shape[2], shape[1], shape[3]],
+            [strides[0], strides[2], strides[1], strides[3]], block, layout)  # fmt: skip
+
+
+def _gluon_descriptor(t: torch.Tensor, meta: tuple) -> _GluonDescriptor:
+    """The TensorDescriptor of meta over t's memory; its constructor's checks (those of
+    _gluon_layout, and the block's) run the first time a meta is seen."""
+    shape, strides, block, layout = meta
+    seen = (tuple(shape), tuple(strides), tuple(block))
+    if seen not in _GLUON_CHECKED:
+        descriptor = _GluonDescriptor(t, shape, strides, block, layout)
+        if len(_GLUON_CHECKED) >= _LAUNCH_CACHE_SIZE:
+            _GLUON_CHECKED.clear()
+        _GLUON_CHECKED.add(seen)
+        return descriptor
+    descriptor = object.__new__(_GluonDescriptor)
+    descriptor.base, descriptor.shape, descriptor.strides = t, shape, strides
+    descriptor.block_shape, descriptor.layout, descriptor.padding = block, layout, "zero"
+    return descriptor
+
+
+def _gluon_why(plan: tuple, q, k, v, out) -> str | None:
+    """None when the Gluon kernel runs a call with _gluon_layout's answer `plan`, else why
+    not (recorded for forward_path)."""
+    launch, why = plan
+    if why is None and (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15:
+        why = "a base address is not 16-byte aligned"
+    if why is not None:
+        _FORWARD.path = "tile-level: " + why
+    return why
+
+
+# -- host code: attngen/host/plans.py, copied verbatim -----------------------------------------
+# A launcher's checks and derivations depend on the call's layout alone (shapes, strides,
+# dtypes and devices, the ints, sm_scale, return_lse; varlen's grid comes from max_seqlen_q,
+# never from the index tensors' values), except out='s storage, the bases' alignment and
+# ATTNGEN_CHECKS, read at every call. So once a call of a layout has passed the checks and
+# launched, the next skips them and the derivations, unless the config changed (autotune
+# updates CONFIG) or (prefill) the launch cannot run directly (a hook, another device).
+_CALL_PLANS: dict = {}  # _call_key(...) -> the kind's plan (_CallPlan; varlen: a tuple)
+
+
+def _remember_plan(key: tuple, plan: object) -> None:
+    if len(_CALL_PLANS) >= _LAUNCH_CACHE_SIZE:
+        _CALL_PLANS.clear()
+    _CALL_PLANS[key] = plan
+
+
+# -- host code: attngen/host/prefill_plans.py, copied verbatim ---------------------------------
+_FLASH_PLANS: tuple[dict, dict] = ({}, {})  # [q, k, v in [B, N, H, D]]: key -> heads-last plan
+
+
+class _CallPlan:
+    """One call layout's launch: its config, the length config_for picks it by (longest),
+    grid, ints, the kernel's scale, the pointer loads' tail, constexprs per TMA, options,
+    output shapes; the TMA descriptors' blocks (k, v; None: pointer loads), the Gluon
+    kernel's _gluon_layout answer (None: no Gluon forward), the pointers after the six
+    tensors (expression modules: 4); whether q, k, v come in [B, N, H, D] (attention_flash);
+    the compiled kernels' _runner found for it, per (kernel, alignment, TMA, Triton's knobs)."""
+
+    __slots__ = ("config", "longest", "grid", "ints", "qk_scale", "tail", "constexprs",
+                 "options", "out_shape", "lse_shape", "tma_blocks", "gluon", "pads", "flash",
+                 "compiled")  # fmt: skip
+
+    def __init__(self, flash=False, gluon=None, tma_blocks=None, pads=0, **fields):
+        for name, value in fields.items():
+            setattr(self, name, value)
+        self.gluon, self.tma_blocks, self.pads, self.flash = gluon, tma_blocks, pads, flash
+        self.compiled: dict[tuple, tuple] = {}
+
+    def heads_last(self, flash: bool, out_shape: tuple[int, ...]) -> "_CallPlan":
+        """This plan with its own output shape ([B, M, HQ, DV]), for q, k, v as it was made for
+        them or (flash) for the [B, N, H, D] tensors whose [B, H, N, D] views they were: the
+        same pointers and ints, and TMA descriptors of the views."""
+        fields = {name: getattr(self, name) for name in self.__slots__[:-2]}
+        return _CallPlan(flash=flash, **dict(fields, out_shape=out_shape))
+
+
+def _call_key(q, k, v, sm_scale, alibi_slopes, return_lse, out):
+    """The layout of a call a plan may serve (None: the full path decides): plain tensors,
+    no slopes, sm_scale None or a float, return_lse a bool, the cached launcher on."""
+    if not (_FAST_LAUNCH and alibi_slopes is None and type(q) is _TENSOR and type(k) is _TENSOR
+            and type(v) is _TENSOR and (sm_scale is None or type(sm_scale) is float)
+            and type(return_lse) is bool):  # fmt: skip
+        return None
+    if out is None:
+        out_layout = None
+    elif type(out) is _TENSOR:
+        out_layout = (out.shape, out.stride(), out.dtype, out.is_cuda, out.get_device())
+    else:
+        return None
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
+            v.dtype, q.is_cuda, k.is_cuda, v.is_cuda, q.get_device(), k.get_device(),
+            v.get_device(), sm_scale, return_lse, out_layout)  # fmt: skip
+
+
+def _run_plan(plan, q, k, v, out):
+    """attention()'s launch from the plan of its layout (attention_flash's: its tensors in
+    [B, N, H, D]): (out, lse or None), or None when the full path must run (the config
+    changed, or the launch cannot run directly)."""
+    if config_for(plan.longest) != plan.config:
+        return None
+    if out is None:
+        out = q.new_empty(plan.out_shape)
+    else:
+        storage = out.untyped_storage().data_ptr()
+        if storage in (q.untyped_storage().data_ptr(), k.untyped_storage().data_ptr(),
+                       v.untyped_storage().data_ptr()):  # fmt: skip
+            _check_out(out, plan.out_shape, q, (("q", q), ("k", k), ("v", v)))  # raises
+    lse = None if plan.lse_shape is None else q.new_empty(plan.lse_shape, dtype=torch.float32)
+    lse_arg = out if lse is None else lse
+    if plan.gluon is not None and _gluon_why(plan.gluon, q, k, v, out) is None:
+        _gluon_run(plan.gluon[0], q, k, v, out, lse_arg, plan.qk_scale)  # these bases fit it
+        return out, lse
+    tail = plan.tail
+    use_tma = plan.tma_blocks is not None and (k.data_ptr() | v.data_ptr()) & 15 == 0
+    if use_tma:
+        k_heads, v_heads = (k.transpose(1, 2), v.transpose(1, 2)) if plan.flash else (k, v)
+        k_block, v_block = plan.tma_blocks
+        tail = (plan.qk_scale, _descriptor(k_heads, k_block), _descriptor(v_heads, v_block))
+    constexprs = plan.constexprs[use_tma]
+    device = q.get_device()
+    addresses = [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse_arg.data_ptr()]
+    slot = (_attn_fwd_kernel, addresses[0] & 15 == 0, addresses[1] & 15 == 0,
+            addresses[2] & 15 == 0, addresses[3] & 15 == 0, addresses[4] & 15 == 0,
+            use_tma, _KNOBS.runtime.debug, _KNOBS.compilation.instrumentation_mode)  # fmt: skip
+    runner = plan.compiled.get(slot)
+    if runner is None or not _runs_directly(_attn_fwd_kernel) or _DRIVER[0]() != device:
+        tensors = (q, k, v, out, lse_arg, out, *[q] * plan.pads)  # out: the unused slopes
+        runner = _launch(_attn_fwd_kernel, plan.grid, device, tensors, plan.ints, tail,
+                         constexprs, plan.options)  # fmt: skip
+        if runner is not None and _DRIVER[0]() == device:
+            plan.compiled[slot] = runner
+        return out, lse
+    launch, prefix = runner
+    launch(plan.grid, 1, 1, _DRIVER[1](device), *prefix, *addresses, addresses[3],
+           *[addresses[0]] * plan.pads, *plan.ints, *tail, *constexprs.values())  # fmt: skip
+    return out, lse
+
+
+def _keep_flash_plan(plans, key, views_key, flash, out_shape):
+    """Keep under `key` the plan attention() left for the call's views (none: nothing kept),
+    as one that allocates a [B, M, HQ, DV] output (_CallPlan.heads_last)."""
+    plan = _CALL_PLANS.get(views_key)
+    if plan is not None:
+        if len(plans) >= _LAUNCH_CACHE_SIZE:
+            plans.clear()
+        plans[key] = plan.heads_last(flash, out_shape)
 
 
 # -- host code: attngen/host/expressions.py, copied verbatim -----------------------------------

@@ -1,0 +1,140 @@
+"""The prefill launcher's call plans: the key of a call's layout, the launch from its plan,
+and the plans of the flash-layout entry points (attention_flash, attention_flash_out).
+
+Copied verbatim into prefill modules with call plans, after plans.py (attngen/host/__init__.py);
+the module defines config_for, _attn_fwd_kernel and, with a Gluon forward, _gluon_why and
+_gluon_run (stood in for here).
+"""
+
+import torch
+
+from attngen.host.launch import (
+    _DRIVER,
+    _FAST_LAUNCH,
+    _KNOBS,
+    _LAUNCH_CACHE_SIZE,
+    _TENSOR,
+    _check_out,
+    _launch,
+    _runs_directly,
+)
+from attngen.host.plans import _CALL_PLANS
+from attngen.host.tma import _descriptor
+
+
+# The module's own, above the host code: its configs, its forward kernel and, where it has a
+# Gluon forward, that forward's host side.
+def config_for(seqlen: int) -> dict:
+    raise NotImplementedError
+
+
+def _gluon_why(plan: tuple, q, k, v, out) -> str | None:
+    raise NotImplementedError
+
+
+def _gluon_run(launch: tuple, q, k, v, out, lse_arg, qk_scale: float) -> None:
+    raise NotImplementedError
+
+
+_attn_fwd_kernel = None
+
+# -- host code: attngen/host/prefill_plans.py, copied verbatim ---------------------------------
+_FLASH_PLANS: tuple[dict, dict] = ({}, {})  # [q, k, v in [B, N, H, D]]: key -> heads-last plan
+
+
+class _CallPlan:
+    """One call layout's launch: its config, the length config_for picks it by (longest),
+    grid, ints, the kernel's scale, the pointer loads' tail, constexprs per TMA, options,
+    output shapes; the TMA descriptors' blocks (k, v; None: pointer loads), the Gluon
+    kernel's _gluon_layout answer (None: no Gluon forward), the pointers after the six
+    tensors (expression modules: 4); whether q, k, v come in [B, N, H, D] (attention_flash);
+    the compiled kernels' _runner found for it, per (kernel, alignment, TMA, Triton's knobs)."""
+
+    __slots__ = ("config", "longest", "grid", "ints", "qk_scale", "tail", "constexprs",
+                 "options", "out_shape", "lse_shape", "tma_blocks", "gluon", "pads", "flash",
+                 "compiled")  # fmt: skip
+
+    def __init__(self, flash=False, gluon=None, tma_blocks=None, pads=0, **fields):
+        for name, value in fields.items():
+            setattr(self, name, value)
+        self.gluon, self.tma_blocks, self.pads, self.flash = gluon, tma_blocks, pads, flash
+        self.compiled: dict[tuple, tuple] = {}
+
+    def heads_last(self, flash: bool, out_shape: tuple[int, ...]) -> "_CallPlan":
+        """This plan with its own output shape ([B, M, HQ, DV]), for q, k, v as it was made for
+        them or (flash) for the [B, N, H, D] tensors whose [B, H, N, D] views they were: the
+        same pointers and ints, and TMA descriptors of the views."""
+        fields = {name: getattr(self, name) for name in self.__slots__[:-2]}
+        return _CallPlan(flash=flash, **dict(fields, out_shape=out_shape))
+
+
+def _call_key(q, k, v, sm_scale, alibi_slopes, return_lse, out):
+    """The layout of a call a plan may serve (None: the full path decides): plain tensors,
+    no slopes, sm_scale None or a float, return_lse a bool, the cached launcher on."""
+    if not (_FAST_LAUNCH and alibi_slopes is None and type(q) is _TENSOR and type(k) is _TENSOR
+            and type(v) is _TENSOR and (sm_scale is None or type(sm_scale) is float)
+            and type(return_lse) is bool):  # fmt: skip
+        return None
+    if out is None:
+        out_layout = None
+    elif type(out) is _TENSOR:
+        out_layout = (out.shape, out.stride(), out.dtype, out.is_cuda, out.get_device())
+    else:
+        return None
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
+            v.dtype, q.is_cuda, k.is_cuda, v.is_cuda, q.get_device(), k.get_device(),
+            v.get_device(), sm_scale, return_lse, out_layout)  # fmt: skip
+
+
+def _run_plan(plan, q, k, v, out):
+    """attention()'s launch from the plan of its layout (attention_flash's: its tensors in
+    [B, N, H, D]): (out, lse or None), or None when the full path must run (the config
+    changed, or the launch cannot run directly)."""
+    if config_for(plan.longest) != plan.config:
+        return None
+    if out is None:
+        out = q.new_empty(plan.out_shape)
+    else:
+        storage = out.untyped_storage().data_ptr()
+        if storage in (q.untyped_storage().data_ptr(), k.untyped_storage().data_ptr(),
+                       v.untyped_storage().data_ptr()):  # fmt: skip
+            _check_out(out, plan.out_shape, q, (("q", q), ("k", k), ("v", v)))  # raises
+    lse = None if plan.lse_shape is None else q.new_empty(plan.lse_shape, dtype=torch.float32)
+    lse_arg = out if lse is None else lse
+    if plan.gluon is not None and _gluon_why(plan.gluon, q, k, v, out) is None:
+        _gluon_run(plan.gluon[0], q, k, v, out, lse_arg, plan.qk_scale)  # these bases fit it
+        return out, lse
+    tail = plan.tail
+    use_tma = plan.tma_blocks is not None and (k.data_ptr() | v.data_ptr()) & 15 == 0
+    if use_tma:
+        k_heads, v_heads = (k.transpose(1, 2), v.transpose(1, 2)) if plan.flash else (k, v)
+        k_block, v_block = plan.tma_blocks
+        tail = (plan.qk_scale, _descriptor(k_heads, k_block), _descriptor(v_heads, v_block))
+    constexprs = plan.constexprs[use_tma]
+    device = q.get_device()
+    addresses = [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse_arg.data_ptr()]
+    slot = (_attn_fwd_kernel, addresses[0] & 15 == 0, addresses[1] & 15 == 0,
+            addresses[2] & 15 == 0, addresses[3] & 15 == 0, addresses[4] & 15 == 0,
+            use_tma, _KNOBS.runtime.debug, _KNOBS.compilation.instrumentation_mode)  # fmt: skip
+    runner = plan.compiled.get(slot)
+    if runner is None or not _runs_directly(_attn_fwd_kernel) or _DRIVER[0]() != device:
+        tensors = (q, k, v, out, lse_arg, out, *[q] * plan.pads)  # out: the unused slopes
+        runner = _launch(_attn_fwd_kernel, plan.grid, device, tensors, plan.ints, tail,
+                         constexprs, plan.options)  # fmt: skip
+        if runner is not None and _DRIVER[0]() == device:
+            plan.compiled[slot] = runner
+        return out, lse
+    launch, prefix = runner
+    launch(plan.grid, 1, 1, _DRIVER[1](device), *prefix, *addresses, addresses[3],
+           *[addresses[0]] * plan.pads, *plan.ints, *tail, *constexprs.values())  # fmt: skip
+    return out, lse
+
+
+def _keep_flash_plan(plans, key, views_key, flash, out_shape):
+    """Keep under `key` the plan attention() left for the call's views (none: nothing kept),
+    as one that allocates a [B, M, HQ, DV] output (_CallPlan.heads_last)."""
+    plan = _CALL_PLANS.get(views_key)
+    if plan is not None:
+        if len(plans) >= _LAUNCH_CACHE_SIZE:
+            plans.clear()
+        plans[key] = plan.heads_last(flash, out_shape)
