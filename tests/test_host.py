@@ -282,7 +282,7 @@ def test_prefill_plan_launches_as_the_full_path_did(monkeypatch) -> None:
     assert all(t is x for t, x in zip(tensors, (q, k, v, out, lse, out, q, q, q, q), strict=True))
     assert (constexprs, options) == ({"USE_TMA": False}, {"num_warps": 4})
     # TMA blocks: the descriptors of the [B, H, N, D] views of flash-layout k and v
-    flash = _prefill_plan(tma_blocks=((1, 1, 8, D), (1, 1, 8, D)), flash=True)
+    flash = _prefill_plan(tma=(1, (1, 1, 8, D), (1, 1, 8, D)), flash=True)
     kf, vf = k.transpose(1, 2), v.transpose(1, 2)
     prefill_plans._run_plan(flash, q, kf, vf, None)
     assert launches[-1][5] == (

@@ -50,7 +50,7 @@ def test_varlen_plans_launch_what_the_full_path_launches(monkeypatch):
             assert log[-1] == expected, name
     # misaligned q is the base call's layout: one plan serves both alignments
     assert len(module._CALL_PLANS) == len(calls) - 1
-    assert all(plan.step.compiled for plan in module._CALL_PLANS.values())
+    assert all(step.compiled for *_, step in module._CALL_PLANS.values())  # (.., its _Step)
 
 
 def test_a_planned_layout_still_validates_indices_and_refuses_shared_out(monkeypatch):
@@ -140,4 +140,4 @@ def test_a_changed_config_leaves_the_plan(monkeypatch):
     module.attention_varlen(q, k, k, CU, CU, 23, 23)
     assert kernel.bound[-1][1][block_n] == 16
     (plan,) = module._CALL_PLANS.values()
-    assert plan.config["BLOCK_N"] == 16
+    assert plan[0]["BLOCK_N"] == 16  # (config, ...)

@@ -37,6 +37,7 @@ def _gluon_run(launch: tuple, q, k, v, out, lse_arg, qk_scale: float) -> None:
 
 
 _attn_fwd_kernel = None
+POINTER_LOADS_UP_TO = 0
 
 # -- host code: attngen/host/prefill_plans.py, copied verbatim ---------------------------------
 _FLASH_PLANS: tuple[dict, dict] = ({}, {})  # [q, k, v in [B, N, H, D]]: key -> heads-last plan
@@ -45,19 +46,20 @@ _FLASH_PLANS: tuple[dict, dict] = ({}, {})  # [q, k, v in [B, N, H, D]]: key -> 
 class _CallPlan:
     """One call layout's launch: its config, the length config_for picks it by (longest),
     grid, ints, the kernel's scale, the pointer loads' tail, constexprs per TMA, options,
-    output shapes; the TMA descriptors' blocks (k, v; None: pointer loads), the Gluon
-    kernel's _gluon_layout answer (None: no Gluon forward), the pointers after the six
-    tensors (expression modules: 4); whether q, k, v come in [B, N, H, D] (attention_flash);
-    the compiled kernels' _runner found for it, per (kernel, alignment, TMA, Triton's knobs)."""
+    output shapes; where TMA can read the layout, (the launch's (program, key block) pairs,
+    k's and v's descriptor blocks), else None; the Gluon kernel's _gluon_layout answer (None:
+    no Gluon forward); the pointers after the six tensors (expression modules: 4); whether
+    q, k, v come in [B, N, H, D] (attention_flash); the compiled kernels' _runner found for
+    it, per (kernel, alignment, TMA, Triton's knobs)."""
 
     __slots__ = ("config", "longest", "grid", "ints", "qk_scale", "tail", "constexprs",
-                 "options", "out_shape", "lse_shape", "tma_blocks", "gluon", "pads", "flash",
+                 "options", "out_shape", "lse_shape", "tma", "gluon", "pads", "flash",
                  "compiled")  # fmt: skip
 
-    def __init__(self, flash=False, gluon=None, tma_blocks=None, pads=0, **fields):
+    def __init__(self, flash=False, gluon=None, tma=None, pads=0, **fields):
         for name, value in fields.items():
             setattr(self, name, value)
-        self.gluon, self.tma_blocks, self.pads, self.flash = gluon, tma_blocks, pads, flash
+        self.gluon, self.tma, self.pads, self.flash = gluon, tma, pads, flash
         self.compiled: dict[tuple, tuple] = {}
 
     def heads_last(self, flash: bool, out_shape: tuple[int, ...]) -> "_CallPlan":
@@ -105,10 +107,12 @@ def _run_plan(plan, q, k, v, out):
         _gluon_run(plan.gluon[0], q, k, v, out, lse_arg, plan.qk_scale)  # these bases fit it
         return out, lse
     tail = plan.tail
-    use_tma = plan.tma_blocks is not None and (k.data_ptr() | v.data_ptr()) & 15 == 0
+    tma = plan.tma  # (pairs, k block, v block); POINTER_LOADS_UP_TO: the module's
+    use_tma = tma is not None and tma[0] > POINTER_LOADS_UP_TO
+    use_tma = use_tma and (k.data_ptr() | v.data_ptr()) & 15 == 0
     if use_tma:
         k_heads, v_heads = (k.transpose(1, 2), v.transpose(1, 2)) if plan.flash else (k, v)
-        k_block, v_block = plan.tma_blocks
+        _, k_block, v_block = tma
         tail = (plan.qk_scale, _descriptor(k_heads, k_block), _descriptor(v_heads, v_block))
     constexprs = plan.constexprs[use_tma]
     device = q.get_device()
