@@ -262,8 +262,8 @@ def build_context(
     _add_gluon(context, spec, kind, derivation.arch)
     # attngen/host's parts for this kind and these paths, verbatim: the module's last lines
     flags = {flag: bool(context[flag]) for flag in ("tma", "gluon", "call_plans")}
-    expressions = spec.score_mod is not None or spec.mask_mod is not None
-    context["host_code"] = host_code(kind, expressions=expressions, **flags)
+    flags["expressions"] = spec.score_mod is not None or spec.mask_mod is not None
+    context["host_code"] = host_code(kind, **flags)
     if kind is KernelKind.decode:
         context.update(_decode_context(spec, derivation.arch))
     return context
@@ -312,23 +312,24 @@ def _provenance_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str
 def _host_paths_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str, Any]:
     """Hopper's tensor-memory accelerator for K/V blocks and the causal schedule (the choices
     and their measurements are in code_paths.py), and whether attention() keeps call plans
-    (_call_plan.py.jinja: prefill launchers whose calls bring no tensors beyond q, k, v and
-    out; sinks, dropout and expression tensors do), as attention_varlen()
-    (_varlen_plan.py.jinja) and decode() (_decode_plan.py.jinja) do without them."""
+    (attngen/host/prefill_plans.py: prefill launchers whose calls bring no tensors beyond q,
+    k, v and out; sinks, dropout and expression tensors do), as attention_varlen()
+    (host/varlen_plans.py) and decode() (_decode_plan.py.jinja) do without them."""
     paths = code_paths(spec, arch, kind)
-    call_plans = not spec.sinks and not spec.tensors
-    call_plans = call_plans and (
-        kind is KernelKind.decode
-        or (
-            kind in (KernelKind.prefill, KernelKind.varlen) and not (spec.backward and spec.dropout)
-        )
-    )
     return {
         "tma": paths.tma,
         "tma_masked_blocks": paths.tma_masked_blocks,
         "lpt_group_heads": paths.lpt_group_heads,
         "pointer_loads_up_to": POINTER_LOADS_UP_TO,
-        "call_plans": call_plans,
+        "call_plans": not spec.sinks
+        and not spec.tensors
+        and (
+            kind is KernelKind.decode
+            or (
+                kind in (KernelKind.prefill, KernelKind.varlen)
+                and not (spec.backward and spec.dropout)
+            )
+        ),
     }
 
 

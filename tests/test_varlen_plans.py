@@ -1,7 +1,8 @@
-"""attention_varlen()'s call plans (_varlen_plan.py.jinja), on the CPU: from a layout's second
-call the module launches from the layout's plan; its launch is the full path's, a new layout
-gets its own plan, and what depends on the call's data (out= sharing memory and its zero
-fill, ATTNGEN_CHECKS' validation of the index tensors) is still done at every call."""
+"""attention_varlen()'s call plans (attngen/host/varlen_plans.py), on the CPU: from a
+layout's second call the module launches from the layout's plan; its launch is the full
+path's, a new layout gets its own plan, and what depends on the call's data (out= sharing
+memory and its zero fill, ATTNGEN_CHECKS' validation of the index tensors) is still done at
+every call."""
 
 from __future__ import annotations
 

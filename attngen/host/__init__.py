@@ -1,15 +1,11 @@
 """The host half the generated modules share, as ordinary Python (linted, typed, tested on
 the CPU without a kernel: tests/test_host.py).
 
-Each part is copied, from its `# -- host code:` line to its end, verbatim to the end of the
-generated modules that use it (attngen/render.py, `host_code`), in the order of PARTS: its
-kernel kinds, and the render context's flag that must be set for it (None: always). A module
-stays standalone: the copied text uses only the standard library, torch and triton, which
-every generated module imports above it; a part may name what an earlier part or the module
-defines (it imports or stands it in above its `# -- host code:` line, which is not copied).
-What a spec decides (the dtype, the head dims, the configs, the kernels) stays in the
-templates, as the module's constants and functions, and reaches this code as arguments or by
-those names.
+Each part is copied, from its `# -- host code:` line on, verbatim to the end of the modules
+that use it (render.host_code), in the order of PARTS. The copied text uses only what every
+module imports (the standard library, torch, triton); what an earlier part or the module
+defines it imports or stands in above that line (not copied). What a spec decides (dtype,
+head dims, configs, kernels) stays in the templates, as module constants and functions.
 """
 
 # part -> (the kernel kinds whose modules hold it, the flag it needs), in the order copied.

@@ -1,11 +1,6 @@
-"""The host side of the warp-specialized forward (sm90 prefill modules with `gluon`): which
-calls it serves, its TMA descriptors, and forward_path().
-
-Copied verbatim into the prefill modules with a Gluon forward (the `gluon` flag), after tma.py
-(attngen/host/__init__.py), whose _tma_layout_problem it shares. The module defines the
-kernel's config and constants (GLUON_CONFIG, _GLUON_CONSTEXPRS, _GLUON_DTYPE, _GLUON_DIAG)
-and _gluon_run, whose arguments follow the spec.
-"""
+"""The host side of the warp-specialized forward (sm90 prefill modules with `gluon`, after
+tma.py): which calls it serves, its TMA descriptors, and forward_path(); the module keeps
+its config, constants and _gluon_run (whose arguments follow the spec)."""
 
 import threading
 
@@ -16,8 +11,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDe
 from attngen.host.launch import _INTERPRET, _LAUNCH_CACHE_SIZE, _check_grid
 from attngen.host.tma import _tma_layout_problem
 
-# The module's own, above the host code (stand-ins here): its Gluon config, constexprs per
-# return_lse, dtype, whether a row's diagonal counts from the keys' end, the pointer loads' bound.
+# The module's own (above the host code; stand-ins here): _launch.py.jinja's Gluon constants.
 GLUON_CONFIG = {"NUM_CONSUMERS": 2, "BLOCK_M": 64, "BLOCK_N": 128}
 _GLUON_CONSTEXPRS: tuple[dict, dict] = ({}, {})
 _GLUON_DTYPE = gl.float16
@@ -25,12 +19,10 @@ _GLUON_DIAG = True
 POINTER_LOADS_UP_TO = 0
 
 # -- host code: attngen/host/gluon.py, copied verbatim -----------------------------------------
-# attention() runs _gluon_attn_fwd_kernel when a call fits it and the tile-level
-# _attn_fwd_kernel otherwise: under Triton's interpreter (Gluon does not run there), or when
-# a tensor's layout is not one TMA can read or write (a unit head-dim stride, the other
-# strides and the base 16-byte aligned). Both write the same layouts and the same LSE
-# (natural log, -inf for a row that sees no key), so the backward takes either forward's.
-# forward_path() says which ran this thread's last call.
+# attention() runs _gluon_attn_fwd_kernel when a call fits it, else _attn_fwd_kernel: under
+# Triton's interpreter (no Gluon there), or a layout TMA cannot read or write (a unit head-dim
+# stride, the other strides and the base 16-byte aligned). Both write the same outputs and LSE
+# (so the backward takes either's); forward_path() says which ran this thread's last call.
 GLUON_PATH = "gluon warp-specialized"
 _GLUON_LAYOUTS: dict = {}  # (block rows, head dim) -> the NVMMA shared layout of that block
 _GLUON_PLANS: dict = {}  # (q, k, v, out shapes and strides, return_lse) -> (launch or None, why)

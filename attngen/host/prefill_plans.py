@@ -1,10 +1,7 @@
-"""The prefill launcher's call plans: the key of a call's layout, the launch from its plan,
-and the plans of the flash-layout entry points (attention_flash, attention_flash_out).
+"""The prefill launcher's call plans (after plans.py): a layout's key, the launch from its
+plan, and the flash-layout entry points' plans (attention_flash, attention_flash_out)."""
 
-Copied verbatim into prefill modules with call plans, after plans.py (attngen/host/__init__.py);
-the module defines config_for, _attn_fwd_kernel and, with a Gluon forward, _gluon_why and
-_gluon_run (stood in for here).
-"""
+from typing import Any
 
 import torch
 
@@ -21,22 +18,10 @@ from attngen.host.launch import (
 from attngen.host.plans import _CALL_PLANS
 from attngen.host.tma import _descriptor
 
-
-# The module's own, above the host code: its configs, its forward kernel and, where it has a
-# Gluon forward, that forward's host side.
-def config_for(seqlen: int) -> dict:
-    raise NotImplementedError
-
-
-def _gluon_why(plan: tuple, q, k, v, out) -> str | None:
-    raise NotImplementedError
-
-
-def _gluon_run(launch: tuple, q, k, v, out, lse_arg, qk_scale: float) -> None:
-    raise NotImplementedError
-
-
-_attn_fwd_kernel = None
+# The module's own (above the host code; stand-ins here): its configs, forward kernel, TMA
+# bound and, with a Gluon forward, that forward's host side (attngen/host/gluon.py).
+_STAND_IN: Any = None
+config_for = _attn_fwd_kernel = _gluon_why = _gluon_run = _STAND_IN
 POINTER_LOADS_UP_TO = 0
 
 # -- host code: attngen/host/prefill_plans.py, copied verbatim ---------------------------------
@@ -44,13 +29,11 @@ _FLASH_PLANS: tuple[dict, dict] = ({}, {})  # [q, k, v in [B, N, H, D]]: key -> 
 
 
 class _CallPlan:
-    """One call layout's launch: its config, the length config_for picks it by (longest),
-    grid, ints, the kernel's scale, the pointer loads' tail, constexprs per TMA, options,
-    output shapes; where TMA can read the layout, (the launch's (program, key block) pairs,
-    k's and v's descriptor blocks), else None; the Gluon kernel's _gluon_layout answer (None:
-    no Gluon forward); the pointers after the six tensors (expression modules: 4); whether
-    q, k, v come in [B, N, H, D] (attention_flash); the compiled kernels' _runner found for
-    it, per (kernel, alignment, TMA, Triton's knobs)."""
+    """One layout's launch: config, longest (config_for's length), grid, ints, kernel scale,
+    pointer loads' tail, constexprs per TMA, options, output shapes; tma: (pairs, k block,
+    v block) where TMA can read the layout; gluon: _gluon_layout's answer (None: no Gluon
+    forward); pads: pointers after the six tensors; flash: q, k, v in [B, N, H, D]; compiled:
+    the _runner found per (kernel, alignment, TMA, Triton's knobs)."""
 
     __slots__ = ("config", "longest", "grid", "ints", "qk_scale", "tail", "constexprs",
                  "options", "out_shape", "lse_shape", "tma", "gluon", "pads", "flash",

@@ -1,9 +1,5 @@
-"""The host side of TMA K/V loads (prefill modules of archs with TMA): whether a call's K and
-V can be read through tensor descriptors, and the descriptors.
-
-Copied verbatim into the prefill modules whose code paths take TMA (the `tma` flag), after
-checks.py (attngen/host/__init__.py); the module defines DTYPE and POINTER_LOADS_UP_TO.
-"""
+"""The host side of TMA K/V loads (prefill modules whose code paths take TMA): whether a
+call's K and V can be read through tensor descriptors, and the descriptors."""
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor

@@ -571,11 +571,9 @@ def config_for(seqlen):
     return CONFIG
 
 
-# A launch of at most this many (program, key block) pairs reads K/V by pointer loads: the two
-# tensor descriptors would cost more host time than TMA saves on so small a kernel (about
-# 9 us of encoding per launch on an H200's host; attngen/tiling/code_paths.py has the
-# measurements). 0 under the interpreter, which encodes nothing (and the CPU tests' small
-# shapes keep exercising TMA). kv_load_path(k, v) says how a larger launch reads K/V.
+# A launch of at most this many (program, key block) pairs reads K/V by pointer loads: two
+# tensor descriptors cost more host time than TMA saves on so small a kernel (code_paths.py
+# has the measurements). 0 under the interpreter, so the CPU tests' small shapes use TMA.
 POINTER_LOADS_UP_TO = 0 if _INTERPRET else 512
 
 
@@ -679,9 +677,8 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
             lse_shape=None if lse is None else lse.shape, options=options,
             constexprs={False: dict(constexprs, USE_TMA=False),
                         True: dict(constexprs, USE_TMA=True)},
-            tail=(qk_scale, None, None), tma_blocks=None
-            if pairs <= POINTER_LOADS_UP_TO or not _tma_layout_fits(k, v)
-            else ((1, 1, block_n, 128), (1, 1, block_n, 128)),
+            tail=(qk_scale, None, None), tma=(pairs, (1, 1, block_n, 128), (1, 1, block_n, 128))
+            if _tma_layout_fits(k, v) else None,
             gluon=gluon_plan,
         ))
     return (out, lse) if return_lse else out
@@ -1223,12 +1220,10 @@ def _descriptor(t: torch.Tensor, block: tuple[int, ...]) -> TensorDescriptor:
 
 
 # -- host code: attngen/host/gluon.py, copied verbatim -----------------------------------------
-# attention() runs _gluon_attn_fwd_kernel when a call fits it and the tile-level
-# _attn_fwd_kernel otherwise: under Triton's interpreter (Gluon does not run there), or when
-# a tensor's layout is not one TMA can read or write (a unit head-dim stride, the other
-# strides and the base 16-byte aligned). Both write the same layouts and the same LSE
-# (natural log, -inf for a row that sees no key), so the backward takes either forward's.
-# forward_path() says which ran this thread's last call.
+# attention() runs _gluon_attn_fwd_kernel when a call fits it, else _attn_fwd_kernel: under
+# Triton's interpreter (no Gluon there), or a layout TMA cannot read or write (a unit head-dim
+# stride, the other strides and the base 16-byte aligned). Both write the same outputs and LSE
+# (so the backward takes either's); forward_path() says which ran this thread's last call.
 GLUON_PATH = "gluon warp-specialized"
 _GLUON_LAYOUTS: dict = {}  # (block rows, head dim) -> the NVMMA shared layout of that block
 _GLUON_PLANS: dict = {}  # (q, k, v, out shapes and strides, return_lse) -> (launch or None, why)
@@ -1326,11 +1321,10 @@ def _gluon_why(plan: tuple, q, k, v, out) -> str | None:
 
 # -- host code: attngen/host/plans.py, copied verbatim -----------------------------------------
 # A launcher's checks and derivations depend on the call's layout alone (shapes, strides,
-# dtypes and devices, the ints, sm_scale, return_lse; varlen's grid comes from max_seqlen_q,
-# never from the index tensors' values), except out='s storage, the bases' alignment and
-# ATTNGEN_CHECKS, read at every call. So once a call of a layout has passed the checks and
-# launched, the next skips them and the derivations, unless the config changed (autotune
-# updates CONFIG) or (prefill) the launch cannot run directly (a hook, another device).
+# dtypes, devices, ints, sm_scale, return_lse; varlen's grid is max_seqlen_q's) but for out='s
+# storage, the bases' alignment and ATTNGEN_CHECKS, read at every call. So once a layout has
+# passed and launched, its next call skips them, unless the config changed (autotune) or
+# (prefill) the launch cannot run directly (a hook, another device).
 _CALL_PLANS: dict = {}  # _call_key(...) -> the kind's plan (_CallPlan; varlen: a tuple)
 
 
@@ -1345,21 +1339,20 @@ _FLASH_PLANS: tuple[dict, dict] = ({}, {})  # [q, k, v in [B, N, H, D]]: key -> 
 
 
 class _CallPlan:
-    """One call layout's launch: its config, the length config_for picks it by (longest),
-    grid, ints, the kernel's scale, the pointer loads' tail, constexprs per TMA, options,
-    output shapes; the TMA descriptors' blocks (k, v; None: pointer loads), the Gluon
-    kernel's _gluon_layout answer (None: no Gluon forward), the pointers after the six
-    tensors (expression modules: 4); whether q, k, v come in [B, N, H, D] (attention_flash);
-    the compiled kernels' _runner found for it, per (kernel, alignment, TMA, Triton's knobs)."""
+    """One layout's launch: config, longest (config_for's length), grid, ints, kernel scale,
+    pointer loads' tail, constexprs per TMA, options, output shapes; tma: (pairs, k block,
+    v block) where TMA can read the layout; gluon: _gluon_layout's answer (None: no Gluon
+    forward); pads: pointers after the six tensors; flash: q, k, v in [B, N, H, D]; compiled:
+    the _runner found per (kernel, alignment, TMA, Triton's knobs)."""
 
     __slots__ = ("config", "longest", "grid", "ints", "qk_scale", "tail", "constexprs",
-                 "options", "out_shape", "lse_shape", "tma_blocks", "gluon", "pads", "flash",
+                 "options", "out_shape", "lse_shape", "tma", "gluon", "pads", "flash",
                  "compiled")  # fmt: skip
 
-    def __init__(self, flash=False, gluon=None, tma_blocks=None, pads=0, **fields):
+    def __init__(self, flash=False, gluon=None, tma=None, pads=0, **fields):
         for name, value in fields.items():
             setattr(self, name, value)
-        self.gluon, self.tma_blocks, self.pads, self.flash = gluon, tma_blocks, pads, flash
+        self.gluon, self.tma, self.pads, self.flash = gluon, tma, pads, flash
         self.compiled: dict[tuple, tuple] = {}
 
     def heads_last(self, flash: bool, out_shape: tuple[int, ...]) -> "_CallPlan":
@@ -1407,10 +1400,12 @@ def _run_plan(plan, q, k, v, out):
         _gluon_run(plan.gluon[0], q, k, v, out, lse_arg, plan.qk_scale)  # these bases fit it
         return out, lse
     tail = plan.tail
-    use_tma = plan.tma_blocks is not None and (k.data_ptr() | v.data_ptr()) & 15 == 0
+    tma = plan.tma  # (pairs, k block, v block); POINTER_LOADS_UP_TO: the module's
+    use_tma = tma is not None and tma[0] > POINTER_LOADS_UP_TO
+    use_tma = use_tma and (k.data_ptr() | v.data_ptr()) & 15 == 0
     if use_tma:
         k_heads, v_heads = (k.transpose(1, 2), v.transpose(1, 2)) if plan.flash else (k, v)
-        k_block, v_block = plan.tma_blocks
+        _, k_block, v_block = tma
         tail = (plan.qk_scale, _descriptor(k_heads, k_block), _descriptor(v_heads, v_block))
     constexprs = plan.constexprs[use_tma]
     device = q.get_device()

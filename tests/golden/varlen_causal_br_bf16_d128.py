@@ -895,11 +895,10 @@ def _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k):
 
 # -- host code: attngen/host/plans.py, copied verbatim -----------------------------------------
 # A launcher's checks and derivations depend on the call's layout alone (shapes, strides,
-# dtypes and devices, the ints, sm_scale, return_lse; varlen's grid comes from max_seqlen_q,
-# never from the index tensors' values), except out='s storage, the bases' alignment and
-# ATTNGEN_CHECKS, read at every call. So once a call of a layout has passed the checks and
-# launched, the next skips them and the derivations, unless the config changed (autotune
-# updates CONFIG) or (prefill) the launch cannot run directly (a hook, another device).
+# dtypes, devices, ints, sm_scale, return_lse; varlen's grid is max_seqlen_q's) but for out='s
+# storage, the bases' alignment and ATTNGEN_CHECKS, read at every call. So once a layout has
+# passed and launched, its next call skips them, unless the config changed (autotune) or
+# (prefill) the launch cannot run directly (a hook, another device).
 _CALL_PLANS: dict = {}  # _call_key(...) -> the kind's plan (_CallPlan; varlen: a tuple)
 
 
