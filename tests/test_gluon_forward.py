@@ -256,3 +256,14 @@ def test_a_module_built_with_the_switch_serves_calls_under_the_interpreter(monke
     out, lse = module.attention(q, k, v, alibi_slopes=slopes, sinks=sinks, return_lse=True)
     assert module.forward_path() == "tile-level: Triton's interpreter runs no Gluon kernel"
     assert_matches_reference(spec, out, lse, q, k, v, slopes=slopes, sinks=sinks)
+
+
+def test_a_softcap_gluon_module_keeps_its_tanh_constexpr_apart(monkeypatch):
+    """The tile-level tanh's interpreter switch (a constexpr) and the Gluon forward's reason
+    string (attngen/host/gluon.py, at the module's end) are two names: one would replace the
+    other at import."""
+    monkeypatch.setenv(VARIANTS_ENV, "1")
+    source = _render(make_spec(dtype="bf16", head_dim=128, softcap=30.0))
+    assert "_gluon_attn_fwd_kernel" in source
+    assert source.count("\n_INTERPRETING = tl.constexpr(_INTERPRET)") == 1
+    assert source.count("\n_INTERPRETED = ") == 1 and "if _INTERPRETING:" in source

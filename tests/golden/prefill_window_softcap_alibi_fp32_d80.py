@@ -73,7 +73,7 @@ _LOG2E_C = tl.constexpr(_LOG2E)
 _WINDOW_LEFT = tl.constexpr(255)
 _WINDOW_RIGHT = tl.constexpr(16)
 _SOFTCAP_LOG2 = tl.constexpr(SOFTCAP * _LOG2E)
-_INTERPRETED = tl.constexpr(_INTERPRET)
+_INTERPRETING = tl.constexpr(_INTERPRET)  # (_INTERPRETED: the Gluon forward's reason)
 
 
 @triton.jit
@@ -82,7 +82,7 @@ def _tanh(x):
     # multiplied by softcap: it must be accurate to an fp32 ulp. On the GPU libdevice's tanh
     # is; the interpreter has no libdevice, so it evaluates (1 - e) / (1 + e), e = exp(-2|x|),
     # in float64 (no cancellation near 0, no overflow) and rounds once.
-    if _INTERPRETED:
+    if _INTERPRETING:
         x64 = x.to(tl.float64)
         e = tl.exp(-2.0 * tl.abs(x64))
         t = (1.0 - e) / (1.0 + e)
