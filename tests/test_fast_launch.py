@@ -463,11 +463,19 @@ def test_small_launches_read_kv_by_pointers_and_larger_ones_by_tma(monkeypatch):
 # ------------------------------------------------------------------- call plans
 
 
-def test_call_plans_launch_what_the_full_path_launches(monkeypatch):
+# A score_mod without tensors keeps call plans: its launches pass q as the four block-mask
+# pointers (the plan's pads).
+EXPRESSION = make_spec(
+    name="fle", dtype="fp16", head_dim=64, num_q_heads=4, num_kv_heads=2, score_mod="score * 2"
+)
+
+
+@pytest.mark.parametrize("spec", [PREFILL, EXPRESSION], ids=["prefill", "score_mod"])
+def test_call_plans_launch_what_the_full_path_launches(monkeypatch, spec):
     """From a layout's second call, attention() runs from the layout's plan: its launches are
     the full path's (the same compiled kernel, grid and arguments) for every option, out=,
     alignment, load path and TMA threshold."""
-    module = load_kernel(PREFILL)
+    module = load_kernel(spec)
     fast(monkeypatch, module, "_attn_fwd_kernel")
     monkeypatch.setattr(module, "_CALL_PLANS", {})
     log, run = [], FakeCompiled.run
@@ -505,6 +513,7 @@ def test_call_plans_launch_what_the_full_path_launches(monkeypatch):
                 call()
                 assert log[-1] == expected, f"{name}, threshold {threshold}"
     assert module._CALL_PLANS and all(plan.compiled for plan in module._CALL_PLANS.values())
+    assert {plan.pads for plan in module._CALL_PLANS.values()} == {4 if spec is EXPRESSION else 0}
 
 
 def test_a_planned_layout_still_refuses_out_sharing_memory(monkeypatch):
