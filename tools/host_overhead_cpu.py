@@ -292,6 +292,28 @@ def generated_module_calls() -> dict[str, object]:
         ),
         "transformers attention causal (gpt2)": lambda: attngen_attention(layer, q, k, v, None),
         **dynamic_cache_steps(layer),
+        **training_steps(modules),
+    }
+
+
+def training_steps(modules) -> dict[str, object]:
+    """A training step's forward and backward (llama3's prefill module, bf16, launches of
+    both stubbed): the module's own autograd, and the runtime's op and formula around it."""
+    llama = modules["prefill llama3_8b"]
+    q = torch.randn(1, 32, 64, 128).bfloat16()
+    kv = torch.randn(1, 8, 64, 128).bfloat16()
+    dout = torch.randn_like(q)
+
+    def step(attend, *tensors):
+        leaves = [t.detach().requires_grad_() for t in tensors]
+        attend(*leaves).backward(dout if leaves[0].shape == dout.shape else dout.transpose(1, 2))
+
+    flash = [t.transpose(1, 2) for t in (q, kv, kv)]
+    return {
+        "generated attention() fwd+bwd (llama3)": lambda: step(llama.attention, q, kv, kv),
+        "flash_attn_func causal fwd+bwd (llama3)": lambda: step(
+            lambda *qkv: attngen.flash_attn_func(*qkv, causal=True, deterministic=True), *flash
+        ),
     }
 
 
