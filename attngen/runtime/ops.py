@@ -491,8 +491,7 @@ def _save(ctx, key: str, backward_op, *args, **lengths) -> None:
     """A forward op's setup_context: the module `key`'s own save (`_save`), its formula
     (`_gradients`, kept as ctx.gradients) to call `backward_op` for the module."""
     ctx.gradients = _backward_of(key, "_gradients")
-    save = _backward_of(key, "_save")
-    save(ctx, *args, backward=functools.partial(backward_op, key), **lengths)
+    _backward_of(key, "_save")(ctx, *args, backward=functools.partial(backward_op, key), **lengths)
 
 
 def _wanted(ctx, grad: Tensor, index: int) -> Tensor | None:
