@@ -295,6 +295,27 @@ def generated_module_calls() -> dict[str, object]:
     }
 
 
+def training_steps() -> dict[str, object]:
+    """A training step's forward and backward (llama3's prefill module, bf16, launches of
+    both stubbed): the module's own autograd, and the runtime's op and formula around it."""
+    llama = stubbed_generated_modules()["prefill llama3_8b"]
+    q = torch.randn(1, 32, 64, 128).bfloat16()
+    kv = torch.randn(1, 8, 64, 128).bfloat16()
+    dout = torch.randn_like(q)
+
+    def step(attend, *tensors):
+        leaves = [t.detach().requires_grad_() for t in tensors]
+        attend(*leaves).backward(dout if leaves[0].shape == dout.shape else dout.transpose(1, 2))
+
+    flash = [t.transpose(1, 2) for t in (q, kv, kv)]
+    return {
+        "generated attention() fwd+bwd (llama3)": lambda: step(llama.attention, q, kv, kv),
+        "flash_attn_func causal fwd+bwd (llama3)": lambda: step(
+            lambda *qkv: attngen.flash_attn_func(*qkv, causal=True, deterministic=True), *flash
+        ),
+    }
+
+
 def dynamic_cache_steps(layer) -> dict[str, object]:
     """A DynamicCache's decode step through the transformers function (Llama-3-8B's heads,
     bf16, one query token): on the decode module (the mask function's CacheLengths) and on
@@ -422,7 +443,7 @@ def main() -> None:
                     print(f"{label}: {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
                     results[label][name] = float("nan")
     results["generated modules"] = {}
-    for name, call in generated_module_calls().items():
+    for name, call in {**generated_module_calls(), **training_steps()}.items():
         results["generated modules"][name] = time_us(call, args.calls, args.repeat)
     results["phases"] = {
         name: time_patched(call, module, patches, args.calls, args.repeat)

@@ -74,6 +74,8 @@ def stubbed_generated_modules() -> dict[str, object]:
             "_append_kernel",
             "_decode_split_kernel",
             "_decode_combine_kernel",
+            "_attn_bwd_dq_kernel",
+            "_attn_bwd_dkdv_kernel",
         ):
             if hasattr(module, name):
                 setattr(module, name, _StubKernel(getattr(module, name)))
