@@ -98,8 +98,8 @@ def flash_attn_with_kvcache(
             None if v is None else v.shape, cache_seqlens.shape,
             None if block_table is None else block_table.shape, q.dtype, q.device, causal,
             window_size, softcap, softmax_scale, plans.slopes_rank(alibi_slopes),
-            return_softmax_lse, rotary_key(rotary_cos, rotary_sin, rotary_interleaved), num_splits,
-            k_cache.dtype, k_descale is None, v_descale is None,
+            return_softmax_lse, rotary_key(rotary_cos, rotary_sin, rotary_interleaved),
+            k_cache.dtype, k_descale is None, v_descale is None, num_splits,
         )  # fmt: skip
         ran = _run_planned(
             plans.find(key), q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes,

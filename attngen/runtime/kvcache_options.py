@@ -70,17 +70,9 @@ class CacheOptions:
 
 
 def cache_options(
-    q,
-    k,
-    rotary_cos,
-    rotary_sin,
-    cache_batch_idx,
-    cache_leftpad,
-    block_table,
-    rotary_interleaved,
-    num_splits,
-    capacity,
-) -> CacheOptions:
+    q, k, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
+    rotary_interleaved, num_splits, capacity,
+) -> CacheOptions:  # fmt: skip
     """The options, checked; a ValueError names the argument and what is allowed."""
     batch = q.shape[0]
     if not (type(num_splits) is int and num_splits >= 0):

@@ -343,17 +343,9 @@ def _build(need, heads, fields: dict[str, Any]) -> tuple[Any, Dispatch]:
     how = "built on demand now" if built else "found in the on-demand cache"
     reason = f"{entry.describe()} {how} ({entry.key}) for score_mod {fields['score_mod']}, "
     reason += f"mask_mod {fields['mask_mod']}"
-    dispatch = Dispatch(
-        API,
-        need,
-        entry.describe(),
-        entry.key,
-        reason,
-        source="cache",
-        built=built,
-        forward=expected_forward(module),
-    )
-    return module, dispatch
+    forward = expected_forward(module)
+    dispatch = Dispatch(API, need, entry.describe(), entry.key, reason, source="cache")
+    return module, replace(dispatch, built=built, forward=forward)
 
 
 def _reused(dispatch: Dispatch) -> Dispatch:
