@@ -476,7 +476,7 @@ def main() -> None:
         print(f"  {name:42s}{value:20.1f}")
     print("Decode steps (Llama-3-8B heads, B 1, 64 of 4096 keys; fp16 stand-ins, launches stubbed)")
     for name, value in results["decode steps"].items():
-        print(f"  {name:58s}{value:>10.1f}" if isinstance(value, float) else f"  {name}: {value}")
+        print(f"  {name:64s}{value:>8.1f}" if isinstance(value, float) else f"  {name}: {value}")
     print("The prefill module's entry point (bert), phase by phase, us per call")
     for name, value in results["phases"].items():
         print(f"  {name:42s}{value:20.1f}")
