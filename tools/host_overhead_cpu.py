@@ -14,8 +14,11 @@ layout, prefill's `attention_flash` and `attention_flash_out` and decode's `deco
 the generated modules' own entry points (generated/, sm90) with their cached launcher on, as
 on a GPU, and the launch itself stubbed out: the modules' share of the host time; and the
 public functions over those modules at tools/host_overhead.py's shapes, whose ratio to the
-module's row is what the runtime adds; last, the prefill module's entry point phase by phase
-(its plan, its full path, TMA descriptors, and the pieces alone).
+module's row is what the runtime adds; then tools/host_overhead.py's decode steps (STEPS:
+contiguous and paged, 1 and 8 query tokens, appends, fp8 caches) over fp16 modules with
+max_query_tokens 8 built into a temporary folder, through flash_attn_with_kvcache and their
+decode_flash; last, the prefill module's entry point phase by phase (its plan, its full
+path, TMA descriptors, and the pieces alone).
 
 Shape: B 1, H 12, N 64, D 64, fp16 (the H200 host-time shape of docs/performance.md); decode:
 B 1, one query token, a 64-token cache.

@@ -16,6 +16,11 @@ Anything else (an object whose attributes the code reads, a dict, a bound method
 object) may change unseen, so such a function is traced on every call. So is a trace that
 ran a torch function on a real tensor outside the language (`.item()`, `int(t)`, `t.shape`, a
 tensor made inside the function: `_Watch`), whose tree may hold a value read at trace time.
+
+Before the snapshot, a repeated pair of functions is checked against its last snapshot by
+identity (`_same`: each function's code and defaults, each cell's and global's object, the
+captured tensors' kind, grad mode): what the snapshot holds by value is immutable, so equal
+objects give an equal snapshot, whose key then serves without being taken again.
 """
 
 from __future__ import annotations
@@ -124,8 +129,8 @@ def _remember(pair: tuple[int, int], score_mod: Any, mask_mod: Any, seen: tuple)
         refs = tuple(weakref.ref(fn, drop) for fn in (score_mod, mask_mod) if fn is not None)
     except TypeError:  # a callable without weak references: a snapshot every call
         return
-    if _seen and len(_seen) >= SIZE:
-        _seen.pop(next(iter(_seen)))
+    if len(_seen) >= SIZE:  # a full table starts over (no iteration: other threads write)
+        _seen.clear()
     _seen[pair] = (seen[0], refs, *seen[1:])
 
 
