@@ -33,7 +33,6 @@ FUNCTION_LINES = 60
 # shrink (its entry is its ceiling) and leaves this table once within FUNCTION_LINES.
 OVER_FUNCTION_LINES: dict[str, int] = {
     "attngen/runtime/api.py::flash_attn_varlen_func": 65,
-    "attngen/runtime/kvcache.py::flash_attn_with_kvcache": 63,
 }
 PACKAGE = "attngen"
 FUNCTION_DIRS = ("attngen", "tools")
