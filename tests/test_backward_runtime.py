@@ -14,6 +14,7 @@ import transformers
 import attngen
 from attngen.build import plan_build, write_build
 from attngen.reference_backward import compare_gradients, golden_backward
+from attngen.runtime import backward_runs, ops, reset_backward_runs
 from attngen.runtime.dispatch import Call
 from attngen.runtime.launch import run_dense, run_varlen
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
@@ -106,6 +107,31 @@ def test_sdpa_trains_and_compiles_forward_and_backward(trained):
     compiled = _leaves(q, k, v)
     torch.compile(loss, fullgraph=True, backend="aot_eager")(*compiled).backward()
     for a, b in zip(eager, compiled, strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_one_autograd_serves_the_module_and_the_runtime(trained, monkeypatch):
+    """The runtime's op and the module's own attention() restore and differentiate through
+    the module's one _gradients, bitwise alike; only the runtime's goes through its backward
+    op, which counts the run and records the path (the module's own records nothing)."""
+    q, k, v, dout, _ = padded_inputs(trained, 1, 4, 2, 20, 20, seed=4)
+    attngen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    key = attngen.last_dispatch().key
+    module = current_registry().module(key)
+    calls = []
+    real = module._gradients
+    monkeypatch.setattr(module, "_gradients", lambda *a: calls.append(a[0].backward) or real(*a))
+    reset_backward_runs()
+    leaves = _leaves(q, k, v)
+    module.attention(*leaves).backward(dout)
+    assert calls == [module.attention_backward] and backward_runs() == {}
+    through_runtime = _leaves(q, k, v)
+    out = attngen.scaled_dot_product_attention(*through_runtime, is_causal=True, enable_gqa=True)
+    out.backward(dout)
+    assert len(calls) == 2 and calls[1].func is ops.prefill_backward_op
+    assert calls[1].args == (key,)
+    assert backward_runs() == {(key, "deterministic"): 1}
+    for a, b in zip(leaves, through_runtime, strict=True):
         assert torch.equal(a.grad, b.grad)
 
 

@@ -196,6 +196,29 @@ def test_unlisted_rows_and_columns_get_zero_gradients(deterministic: bool) -> No
     assert bool(values[1, :, :, 32:48].any())  # mask_mod alone would keep some of them
 
 
+def test_the_functional_backward_zeroes_the_rows_an_empty_q_block_holds() -> None:
+    """attention_backward(..., block_mask=) gives the gradients autograd gives through
+    attention(..., block_mask=), bitwise (the autograd calls it with the same lists); batch
+    0's q-block 1 lists nothing, so its dq rows are 0 there, unlike without the lists."""
+    _, q, k, v, tensors, values = _document()
+    num, indices, full_num, full_indices, q_block, kv_block = exact_block_mask(values, 16, 16)
+    num[0, :, 1] = 0
+    full_num[0, :, 1] = 0
+    block_mask = (num, indices, full_num, full_indices, q_block, kv_block)
+    module = module_for(expression_backward_spec("document", "fp32", False))
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+    _, grads = run(module, q, k, v, dout, tensors, block_mask=block_mask)
+    out, lse = module.attention(q, k, v, tensors=tensors, block_mask=block_mask, return_lse=True)
+    direct = module.attention_backward(
+        dout, q, k, v, out, lse, tensors=tensors, block_mask=block_mask
+    )
+    assert all(torch.equal(a, b) for a, b in zip(direct, grads, strict=True))
+    assert torch.all(direct[0][0, :, 16:32] == 0)
+    out, lse = module.attention(q, k, v, tensors=tensors, return_lse=True)
+    dense = module.attention_backward(dout, q, k, v, out, lse, tensors=tensors)
+    assert bool(dense[0][0, :, 16:32].abs().sum() > 0)  # mask_mod alone keeps keys there
+
+
 @pytest.mark.parametrize("kind", ["negative", "huge", "counts_beyond_the_row", "negative_counts"])
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_hostile_lists_in_the_backward(kind: str, deterministic: bool) -> None:

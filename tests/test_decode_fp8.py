@@ -453,6 +453,40 @@ def test_flash_attn_with_kvcache_serves_fp8_caches_from_the_decode_module(fp8_ke
         assert torch.equal(result[2], expected[0]) and torch.equal(result[3], expected[1])
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_fp8_steps_run_from_the_runtime_plan(fp8_kernels, paged, monkeypatch):
+    """A repeated fp8 step runs from flash_attn_with_kvcache's plan (its key holds the caches'
+    dtype and which descales are given), with the call's descales: bit for bit the full
+    path's; a step that leaves a descale out is another signature (the full path)."""
+    import attngen
+    from attngen.runtime import kvcache, plans
+
+    q, k_cache, v_cache, k, v, lengths, table, kd, vd = _flash_step(paged)
+
+    def step(**descales):
+        caches = (k_cache.clone(), v_cache.clone())
+        out = attngen.flash_attn_with_kvcache(
+            q, *caches, k, v, cache_seqlens=lengths, block_table=table, causal=True, **descales
+        )
+        return out, bits(caches[0]), bits(caches[1])
+
+    kept = len(plans.planned(fp8_kernels))
+    first, halved = step(k_descale=kd, v_descale=vd), step(k_descale=kd, v_descale=vd * 0.5)
+    assert len(plans.planned(fp8_kernels)) == kept + 1  # the first step's full path kept it
+
+    def unplanned(*args):
+        raise AssertionError("the full path ran")
+
+    monkeypatch.setattr(kvcache, "_unplanned", unplanned)
+    for want, descales in ((first, dict(k_descale=kd, v_descale=vd)),
+                           (halved, dict(k_descale=kd, v_descale=vd * 0.5))):  # fmt: skip
+        got = step(**descales)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert not torch.equal(first[0], halved[0])  # the call's own descales reach the kernel
+    with pytest.raises(AssertionError, match="the full path ran"):
+        step(k_descale=kd)
+
+
 def test_flash_attn_with_kvcache_refuses_what_fp8_caches_cannot_take(fp8_kernels):
     import attngen
 

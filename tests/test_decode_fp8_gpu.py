@@ -104,6 +104,7 @@ def test_an_fp8_step_with_an_append_replays_from_a_cuda_graph(kinds):
 
 def test_flash_attn_with_kvcache_routes_fp8_caches_on_the_gpu(tmp_path):
     import attngen
+    from attngen.runtime import plans
 
     fields = dict(LLAMA, kernels=["decode"], kv_dtype="fp8_e4m3", archs=["sm90"])
     folder = build_folder(tmp_path, [dict(fields, name="fp8g", kv_layout="paged", page_size=16)])
@@ -114,7 +115,7 @@ def test_flash_attn_with_kvcache_routes_fp8_caches_on_the_gpu(tmp_path):
         cache = fp8_cache(spec, [1000, 77], seed=9, room=4).to("cuda")
         q, k_new, v_new, _ = _cuda(*make_queries(spec, 2, 4, seed=9, num_new=4))
         kd, vd = (d.cuda() for d in (draw_descale("random", 2, 8, 6), draw_descale("one", 2, 8, 7)))
-        direct = cache.clone()
+        direct, second, second_direct = cache.clone(), cache.clone(), cache.clone()
         out = attngen.flash_attn_with_kvcache(
             q.transpose(1, 2), cache.k, cache.v, k_new.transpose(1, 2), v_new.transpose(1, 2),
             cache_seqlens=cache.lengths, block_table=cache.block_table, causal=True,
@@ -129,5 +130,17 @@ def test_flash_attn_with_kvcache_routes_fp8_caches_on_the_gpu(tmp_path):
         assert torch.equal(bits(cache.k), bits(direct.k)) and torch.equal(
             bits(cache.v), bits(direct.v)
         )
+        # the same signature again: from the runtime's plan, with this call's descales
+        out = attngen.flash_attn_with_kvcache(
+            q.transpose(1, 2), second.k, second.v, k_new.transpose(1, 2), v_new.transpose(1, 2),
+            cache_seqlens=second.lengths, block_table=second.block_table, causal=True,
+            k_descale=vd, v_descale=kd,
+        )  # fmt: skip
+        assert len(plans.planned(registry)) == 1
+        expected = module.decode(q, second_direct.k, second_direct.v, second_direct.lengths,
+                                 block_table=second_direct.block_table, k_new=k_new,
+                                 v_new=v_new, k_descale=vd, v_descale=kd)  # fmt: skip
+        assert torch.equal(out, expected.transpose(1, 2))
+        assert torch.equal(bits(second.k), bits(second_direct.k))
     finally:
         registry_module._current = saved

@@ -179,6 +179,12 @@ def test_the_functional_backward_returns_the_trainable_gradients() -> None:
         assert torch.equal(got, expected)
     again = module.attention_backward(dout, q, k, v, out, lse, tensors=tensors)
     assert all(torch.equal(a, b) for a, b in zip(again[:3], (dq, dk, dv), strict=True))
+    # tensor_grads=False (what the autograd passes when no trainable tensor requires grad):
+    # no table gradient, the same dq, dk, dv bits
+    *skipped, none = module.attention_backward(
+        dout, q, k, v, out, lse, tensors=tensors, tensor_grads=False
+    )
+    assert none == {} and all(torch.equal(a, b) for a, b in zip(skipped, (dq, dk, dv), strict=True))
 
 
 def test_a_trainable_tensor_that_needs_no_grad_gets_none() -> None:

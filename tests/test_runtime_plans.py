@@ -213,6 +213,8 @@ def test_a_planned_kvcache_signature_still_checks_what_its_key_leaves_open(plann
         step(v=v_new.to("meta"))
     with pytest.raises(ValueError, match=r"cache_seqlens: got 11; allowed: 0..10"):
         step(cache_seqlens=11)  # an int is checked against the capacity on every call
+    with pytest.raises(ValueError, match="k_descale: dequantizes an fp8 cache"):
+        step(k_descale=torch.ones(2, 2))  # descales are in the key: refused, never ignored
 
 
 def test_calls_that_need_the_op_layer_never_run_from_a_plan(planned_kernels, monkeypatch):

@@ -9,7 +9,11 @@ Shapes: prefill B 1, H 12, N 64, D 64 fp16 (BERT-base's module; causal rows GPT-
 Hopper GPU the module reads K/V of so small a launch by pointers, and one row forces its TMA
 path for comparison); varlen one sequence of 64 tokens of Llama-3-8B (bf16, 32/8 heads,
 D 128, causal); decode B 1, one query token against 64 or 4096 cached keys, contiguous
-(Qwen2.5-7B's module, 28/4 heads) and paged (Llama-3-8B's, page 16).
+(Qwen2.5-7B's module, 28/4 heads) and paged (Llama-3-8B's, page 16); and the decode steps of
+STEPS (Llama-3-8B's heads, contiguous and paged, 1 and 8 query tokens, with and without an
+append, and fp8 caches), through flash_attn_with_kvcache and the serving module's
+decode_flash (modules that generated/ lacks are built on demand at the first call: seconds
+of compiles before the timing).
 
 Usage, from the repository root after `pip install -e .` and
 `python -m attngen build examples/*.yaml`, on a machine with a GPU:
@@ -171,18 +175,74 @@ def decode_rows(rows: dict) -> None:
         )
 
 
+# The decode steps both host-time tools time (this one on the GPU, host_overhead_cpu.py on CPU
+# stand-ins): Llama-3-8B's heads (32 query, 8 KV, D 128), B 1, 64 keys cached of 4096, a
+# contiguous and a paged (16) cache, one and 8 query tokens, with and without an append of as
+# many new keys; and fp8 caches (FA3's descales) with an append.
+STEPS = [
+    (layout, tokens, append)
+    for layout in ("contiguous", "paged")
+    for tokens in (1, 8)
+    for append in (False, True)
+]
+
+
+def step_arguments(device, dtype, layout: str, tokens: int, append: bool, fp8: bool = False):
+    """flash_attn_with_kvcache's (args, keywords) for one decode step of STEPS."""
+    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+    shape = (1, 4096, 8, 128) if layout == "contiguous" else (256, 16, 8, 128)
+    caches = [torch.randn(shape, device=device).to(cache_dtype) for _ in range(2)]
+    q = torch.randn(1, tokens, 32, 128, device=device, dtype=dtype)
+    new = [torch.randn(1, tokens, 8, 128, device=device, dtype=dtype) for _ in range(2)]
+    keywords = dict(cache_seqlens=torch.full((1,), 64, dtype=torch.int32, device=device))
+    if layout == "paged":
+        keywords["block_table"] = torch.arange(256, device=device, dtype=torch.int32)[None]
+    if fp8:
+        keywords |= {n: torch.ones(1, 8, device=device) for n in ("k_descale", "v_descale")}
+    return (q, *caches, *(new if append else (None, None))), dict(keywords, causal=True)
+
+
+def decode_step_rows(rows: dict, device="cuda", dtype=torch.bfloat16) -> None:
+    """STEPS (and fp8 caches) through flash_attn_with_kvcache, and through the decode_flash of
+    the module that served each (the module's own host time), as rows; a case that fails
+    (no module for it) leaves its error as its row."""
+    cases = [(*step, False) for step in STEPS]
+    cases += [(layout, 1, True, True) for layout in ("contiguous", "paged")]
+    for layout, tokens, append, fp8 in cases:
+        args, keywords = step_arguments(device, dtype, layout, tokens, append, fp8)
+        name = f"{'fp8 ' if fp8 else ''}{layout}, {tokens} token{'s' if tokens > 1 else ''}"
+        name += ", append" if append else ""
+        try:
+            attngen.flash_attn_with_kvcache(*args, **keywords)  # the module (built on demand)
+        except Exception as exc:
+            rows[f"attngen.flash_attn_with_kvcache {name}"] = f"error: {exc}"[:200]
+            continue
+        module = current_registry().module(attngen.last_dispatch().key)
+        rows[f"attngen.flash_attn_with_kvcache {name}"] = lambda a=args, kw=keywords: (
+            attngen.flash_attn_with_kvcache(*a, **kw)
+        )
+        flash = {k: v for k, v in keywords.items() if k not in ("causal", "cache_seqlens")}
+        flash |= dict(k_new=args[3], v_new=args[4], cache_seqlens=keywords["cache_seqlens"])
+        rows[f"decode module decode_flash() {name}"] = lambda m=module, a=args, kw=flash: (
+            m.decode_flash(*a[:3], **kw)
+        )
+
+
 def main() -> None:
     out_dir = Path(os.environ.get("OUT", "/tmp"))
     out_dir.mkdir(parents=True, exist_ok=True)
     calls: dict = {}
     results: dict[str, object] = {}
-    for add in (prefill_rows, varlen_rows, decode_rows):
+    for add in (prefill_rows, varlen_rows, decode_rows, decode_step_rows):
         try:
             add(calls)
         except Exception as exc:  # one missing module must not hide the other rows
             results[add.__name__] = f"error: {type(exc).__name__}: {exc}"
             traceback.print_exc()
     for name, call in calls.items():
+        if isinstance(call, str):  # the case's error (decode_step_rows)
+            results[name] = call
+            continue
         try:
             results[name] = round(host_us(call), 2)
         except Exception as exc:

@@ -14,8 +14,11 @@ layout, prefill's `attention_flash` and `attention_flash_out` and decode's `deco
 the generated modules' own entry points (generated/, sm90) with their cached launcher on, as
 on a GPU, and the launch itself stubbed out: the modules' share of the host time; and the
 public functions over those modules at tools/host_overhead.py's shapes, whose ratio to the
-module's row is what the runtime adds; last, the prefill module's entry point phase by phase
-(its plan, its full path, TMA descriptors, and the pieces alone).
+module's row is what the runtime adds; then tools/host_overhead.py's decode steps (STEPS:
+contiguous and paged, 1 and 8 query tokens, appends, fp8 caches) over fp16 modules with
+max_query_tokens 8 built into a temporary folder, through flash_attn_with_kvcache and their
+decode_flash; last, the prefill module's entry point phase by phase (its plan, its full
+path, TMA descriptors, and the pieces alone).
 
 Shape: B 1, H 12, N 64, D 64, fp16 (the H200 host-time shape of docs/performance.md); decode:
 B 1, one query token, a 64-token cache.
@@ -295,6 +298,27 @@ def generated_module_calls() -> dict[str, object]:
     }
 
 
+def training_steps() -> dict[str, object]:
+    """A training step's forward and backward (llama3's prefill module, bf16, launches of
+    both stubbed): the module's own autograd, and the runtime's op and formula around it."""
+    llama = stubbed_generated_modules()["prefill llama3_8b"]
+    q = torch.randn(1, 32, 64, 128).bfloat16()
+    kv = torch.randn(1, 8, 64, 128).bfloat16()
+    dout = torch.randn_like(q)
+
+    def step(attend, *tensors):
+        leaves = [t.detach().requires_grad_() for t in tensors]
+        attend(*leaves).backward(dout if leaves[0].shape == dout.shape else dout.transpose(1, 2))
+
+    flash = [t.transpose(1, 2) for t in (q, kv, kv)]
+    return {
+        "generated attention() fwd+bwd (llama3)": lambda: step(llama.attention, q, kv, kv),
+        "flash_attn_func causal fwd+bwd (llama3)": lambda: step(
+            lambda *qkv: attngen.flash_attn_func(*qkv, causal=True, deterministic=True), *flash
+        ),
+    }
+
+
 def dynamic_cache_steps(layer) -> dict[str, object]:
     """A DynamicCache's decode step through the transformers function (Llama-3-8B's heads,
     bf16, one query token): on the decode module (the mask function's CacheLengths) and on
@@ -328,6 +352,36 @@ def dynamic_cache_steps(layer) -> dict[str, object]:
         ),
         "DynamicCache step, prefill kind, Nk growing": growing(False),
     }
+
+
+# Decode modules for tools/host_overhead.py's STEPS on CPU tensors: Llama-3-8B's heads with
+# up to 8 query tokens (fp16: the interpreter's bf16 asks the device again at every planned
+# call, which a GPU does not), contiguous and paged 16, and the same with fp8 caches.
+_STEP_SPECS = [
+    {"name": f"steps{'_fp8' if fp8 else ''}", "kv_layout": layout, "page_size": page}
+    | ({"kv_dtype": "fp8_e4m3"} if fp8 else {})
+    for fp8 in (False, True)
+    for layout, page in (("contiguous", None), ("paged", 16))
+]
+
+
+def decode_step_calls(folder: Path) -> dict[str, object]:
+    """tools/host_overhead.py's decode steps (decode_step_rows) over modules built into
+    `folder` and stubbed: flash_attn_with_kvcache's host time and its module's share."""
+    from attngen.build import plan_build, write_build
+    from attngen.spec import specs_from_data
+    from tools.host_overhead import decode_step_rows
+    from tools.host_stubs import stubbed_registry
+
+    common = dict(archs=["sm90"], dtype="fp16", head_dim=128, num_q_heads=32, num_kv_heads=8)
+    common |= dict(mask="causal", causal_align="bottom_right", kernels=["decode"])
+    common |= dict(max_query_tokens=8)
+    specs = [s for data in _STEP_SPECS for s in specs_from_data({**common, **data})]
+    write_build(plan_build(specs), folder)
+    stubbed_registry(folder)
+    rows: dict[str, object] = {}
+    decode_step_rows(rows, "cpu", torch.float16)
+    return rows
 
 
 def phase_calls() -> dict[str, tuple[object, object, dict]]:
@@ -422,8 +476,13 @@ def main() -> None:
                     print(f"{label}: {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
                     results[label][name] = float("nan")
     results["generated modules"] = {}
-    for name, call in generated_module_calls().items():
+    for name, call in {**generated_module_calls(), **training_steps()}.items():
         results["generated modules"][name] = time_us(call, args.calls, args.repeat)
+    with tempfile.TemporaryDirectory() as tmp:
+        results["decode steps"] = {
+            name: call if isinstance(call, str) else time_us(call, args.calls, args.repeat)
+            for name, call in decode_step_calls(Path(tmp)).items()
+        }
     results["phases"] = {
         name: time_patched(call, module, patches, args.calls, args.repeat)
         for name, (call, module, patches) in phase_calls().items()
@@ -439,6 +498,9 @@ def main() -> None:
     )
     for name, value in results["generated modules"].items():
         print(f"  {name:42s}{value:20.1f}")
+    print("Decode steps (Llama-3-8B heads, B 1, 64 of 4096 keys; fp16 stand-ins, launches stubbed)")
+    for name, value in results["decode steps"].items():
+        print(f"  {name:64s}{value:>8.1f}" if isinstance(value, float) else f"  {name}: {value}")
     print("The prefill module's entry point (bert), phase by phase, us per call")
     for name, value in results["phases"].items():
         print(f"  {name:42s}{value:20.1f}")

@@ -40,10 +40,41 @@ class _StubKernel:
         return lambda *args, **kwargs: _StubCompiled()
 
 
+def stub_module(module) -> object:
+    """`module` with its cached launcher on (as on a GPU) and its launches stubbed out."""
+    if hasattr(module, "_FAST_LAUNCH"):
+        module._FAST_LAUNCH = True
+        module._DRIVER[:] = [lambda: -1, lambda device: 0]
+    if hasattr(module, "POINTER_LOADS_UP_TO"):  # 0 under the interpreter: as on a GPU
+        module.POINTER_LOADS_UP_TO = POINTER_LOADS_UP_TO
+    for name in (
+        "_attn_fwd_kernel",
+        "_append_kernel",
+        "_decode_split_kernel",
+        "_decode_combine_kernel",
+        "_attn_bwd_dq_kernel",
+        "_attn_bwd_dkdv_kernel",
+    ):
+        if hasattr(module, name):
+            setattr(module, name, _StubKernel(getattr(module, name)))
+    return module
+
+
+def stubbed_registry(folder: Path):
+    """The modules of `folder` as the registry in use, each stubbed (stub_module); bf16 is let
+    through on the interpreter (no kernel computes anything here)."""
+    from attngen.runtime import dispatch
+
+    dispatch._bf16_ok = True
+    registry = load_kernels(folder, replace=True)
+    for entry in registry.entries:
+        stub_module(registry.module(entry.key))
+    return registry
+
+
 def stubbed_generated_modules() -> dict[str, object]:
     """The repository's generated modules (sm90) as the registry, each module the calls below
-    reach with its cached launcher on (as on a GPU) and its launches stubbed out; bf16 is let
-    through on the interpreter (no kernel computes anything here)."""
+    reach stubbed (stub_module)."""
     from attngen.runtime import dispatch
 
     dispatch._bf16_ok = True
@@ -57,25 +88,10 @@ def stubbed_generated_modules() -> dict[str, object]:
         ("decode", "qwen2_5_7b"),
         ("decode", "llama3_8b"),
     ):
-        module = registry.module(
-            next(
-                e.key
-                for e in registry.entries
-                if e.arch == "sm90" and e.kind == kind and name_part in e.module
-            )
+        key = next(
+            e.key
+            for e in registry.entries
+            if e.arch == "sm90" and e.kind == kind and name_part in e.module
         )
-        if hasattr(module, "_FAST_LAUNCH"):
-            module._FAST_LAUNCH = True
-            module._DRIVER[:] = [lambda: -1, lambda device: 0]
-        if hasattr(module, "POINTER_LOADS_UP_TO"):  # 0 under the interpreter: as on a GPU
-            module.POINTER_LOADS_UP_TO = POINTER_LOADS_UP_TO
-        for name in (
-            "_attn_fwd_kernel",
-            "_append_kernel",
-            "_decode_split_kernel",
-            "_decode_combine_kernel",
-        ):
-            if hasattr(module, name):
-                setattr(module, name, _StubKernel(getattr(module, name)))
-        found[f"{kind} {name_part}"] = module
+        found[f"{kind} {name_part}"] = stub_module(registry.module(key))
     return found

@@ -26,14 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TOTAL_LINES = 26105
+TOTAL_LINES = 26006
 FUNCTION_LINES = 60
 # Debt, not an excuse: two drop-ins whose signature, docstring and planned fast path (its
 # signature key, built inline: host time) alone reach about FUNCTION_LINES. Each may only
 # shrink (its entry is its ceiling) and leaves this table once within FUNCTION_LINES.
 OVER_FUNCTION_LINES: dict[str, int] = {
     "attngen/runtime/api.py::flash_attn_varlen_func": 65,
-    "attngen/runtime/kvcache.py::flash_attn_with_kvcache": 63,
 }
 PACKAGE = "attngen"
 FUNCTION_DIRS = ("attngen", "tools")

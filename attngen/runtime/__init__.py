@@ -11,8 +11,8 @@
                   cache, recorded; the device's arch (CPU needs Triton's interpreter, bf16
                   correct math there: a probe kernel)
     ops.py        the modules' entry points: direct in eager mode, torch.library ops under
-                  torch.compile or autograd, with the prefill and varlen ops' autograd
-                  formulas (registered at import); last_backward(), backward_runs()
+                  torch.compile or autograd, the prefill and varlen ops' autograd the
+                  module's own (registered at import); last_backward(), backward_runs()
     launch.py     run_dense / run_varlen: Need, dispatch, then the module or the fallback;
                   warmup(): build and compile what a spec or model needs, before its first call
     plans.py      an eager call's route kept per call signature, bound to its launch: a

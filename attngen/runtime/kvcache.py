@@ -27,7 +27,8 @@ other tensors are compared on each call (kvcache_plan.same_kinds), and calls wit
 cache_batch_idx, cache_leftpad or an int cache_seqlens (value checks) always take the full
 path. num_splits is in the key (an int >= 0; another type takes the full path) and the plan
 passes the call's; so are rotary's shapes and flag, and a plan is kept for a rotary call only
-when the module's kernels rotated (the plan passes cos/sin on).
+when the module's kernels rotated (the plan passes cos/sin on); so are the caches' dtype and
+which of an fp8 cache's descales are given (the plan passes them on; the module checks them).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from attngen.runtime.kvcache_options import (
     given_keywords,
     key_layout,
     plain_step,
-    planned_rotary,
+    planned_keywords,
     refuse_fp8_without_module,
     rotary_key,
     rotate,
@@ -66,29 +67,11 @@ API = "flash_attn_with_kvcache"
 
 
 def flash_attn_with_kvcache(
-    q,
-    k_cache,
-    v_cache,
-    k=None,
-    v=None,
-    rotary_cos=None,
-    rotary_sin=None,
-    cache_seqlens=None,
-    cache_batch_idx=None,
-    cache_leftpad=None,
-    block_table=None,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    rotary_interleaved=True,
-    alibi_slopes=None,
-    num_splits=0,
-    return_softmax_lse=False,
-    k_descale=None,
-    v_descale=None,
-    tree_mask=None,
-):
+    q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+    cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+    window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+    return_softmax_lse=False, k_descale=None, v_descale=None, tree_mask=None,
+):  # fmt: skip
     """flash-attn 2.x `flash_attn_with_kvcache`: q [B, Nq, HQ, D]; k_cache/v_cache [B, L, HKV, D]
     or, with block_table int32 [B, max_pages], paged [pages, page_size, HKV, D]; new keys k/v
     [B, Nnew, HKV, D] are written into the caches at cache_seqlens (int32 [B] or int; None: full
@@ -115,12 +98,13 @@ def flash_attn_with_kvcache(
             None if v is None else v.shape, cache_seqlens.shape,
             None if block_table is None else block_table.shape, q.dtype, q.device, causal,
             window_size, softcap, softmax_scale, plans.slopes_rank(alibi_slopes),
-            return_softmax_lse, rotary_key(rotary_cos, rotary_sin, rotary_interleaved), num_splits,
+            return_softmax_lse, rotary_key(rotary_cos, rotary_sin, rotary_interleaved),
+            k_cache.dtype, k_descale is None, v_descale is None, num_splits,
         )  # fmt: skip
         ran = _run_planned(
             plans.find(key), q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes,
-            num_splits, planned_rotary(rotary_cos, rotary_sin, rotary_interleaved, causal,
-                                       window_size),
+            num_splits, planned_keywords(rotary_cos, rotary_sin, rotary_interleaved, causal,
+                                         window_size, k_descale, v_descale),
         )  # fmt: skip
         if ran is not None:
             return ran if return_softmax_lse else ran[0]
@@ -146,17 +130,9 @@ def _unplanned(q, cache: tuple, step: tuple, flash: tuple, key: tuple | None):
     )
     capacity = _capacity(k_cache, block_table)
     options = cache_options(
-        q,
-        k,
-        rotary_cos,
-        rotary_sin,
-        cache_batch_idx,
-        cache_leftpad,
-        block_table,
-        rotary_interleaved,
-        num_splits,
-        capacity,
-    )
+        q, k, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
+        rotary_interleaved, num_splits, capacity,
+    )  # fmt: skip
     new = 0 if k is None else k.shape[1]
     cache_seqlens = cache_seqlens_tensor(cache_seqlens, q.shape[0], capacity, new, q.device)
     mask, window = flash_mask(causal, window_size)
@@ -168,9 +144,8 @@ def _unplanned(q, cache: tuple, step: tuple, flash: tuple, key: tuple | None):
         else None
     )
     check_tree(tree_mask, decode, options.rotary, alibi_slopes)
-    if fp8:  # no plan of its own (plans.py's step takes no descales; the module's plans serve)
+    if fp8:  # planned as others: the key holds the caches' dtype and which descales are given
         refuse_fp8_without_module(decode, q, k_cache, block_table)
-        key = None
     rotary = fused_rotary(options, decode, mask is not Mask.none)
     if rotary is None and options.rotary is not None:  # rotated in torch: no plan for the call
         q, k = rotate(q, k, options, cache_seqlens, mask is not Mask.none)
@@ -214,18 +189,9 @@ def _run_varlen_route(
     steps = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
     starts_k, used_k = key_layout(options, steps, capacity, cache_seqlens + new)
     out, lse = run_varlen(
-        API,
-        packed_q,
-        keys,
-        values,
-        steps * seqlen_q,
-        starts_k,
-        seqlen_q,
-        capacity,
-        call,
-        seqused_k=torch.where(fits, used_k, -1).to(torch.int32),
-        dispatch=dispatch,
-    )
+        API, packed_q, keys, values, steps * seqlen_q, starts_k, seqlen_q, capacity, call,
+        seqused_k=torch.where(fits, used_k, -1).to(torch.int32), dispatch=dispatch,
+    )  # fmt: skip
     out = out.view(batch, seqlen_q, *out.shape[1:])
     return out, (None if lse is None else lse.view(lse.shape[0], batch, seqlen_q).transpose(0, 1))
 
@@ -287,7 +253,7 @@ def _run_planned(
     """_run_decode_module from the signature's plan (plans.py): the tensors as they are to
     decode_flash when the plan writes through it, else [B, H, N, D] views; None without a
     plan, when a check its key leaves open fails (the full path then says what) or when the
-    device refuses now."""
+    device refuses now. rotary: planned_keywords' (rotary's and the given descales)."""
     if plan is None or not same_kinds(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary
     ):

@@ -127,17 +127,9 @@ def cache_seqlens_tensor(cache_seqlens, batch, capacity, new, device) -> torch.T
 
 
 def append_fitting(
-    k_cache,
-    v_cache,
-    k,
-    v,
-    cache_seqlens,
-    block_table,
-    capacity: int,
-    seqlen_q: int,
-    window,
+    k_cache, v_cache, k, v, cache_seqlens, block_table, capacity: int, seqlen_q: int, window,
     options: CacheOptions,
-):
+):  # fmt: skip
     """[B] bool, which sequences fit (_fits), after appending k/v [B, Nnew, HKV, D] for those;
     ATTNGEN_CHECKS=1 refuses a sequence that does not fit first (_validate)."""
     new = 0 if k is None else k.shape[1]

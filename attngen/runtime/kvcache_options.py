@@ -70,17 +70,9 @@ class CacheOptions:
 
 
 def cache_options(
-    q,
-    k,
-    rotary_cos,
-    rotary_sin,
-    cache_batch_idx,
-    cache_leftpad,
-    block_table,
-    rotary_interleaved,
-    num_splits,
-    capacity,
-) -> CacheOptions:
+    q, k, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
+    rotary_interleaved, num_splits, capacity,
+) -> CacheOptions:  # fmt: skip
     """The options, checked; a ValueError names the argument and what is allowed."""
     batch = q.shape[0]
     if not (type(num_splits) is int and num_splits >= 0):
@@ -247,23 +239,29 @@ def rotary_key(rotary_cos, rotary_sin, rotary_interleaved) -> tuple | None:
     return rotary_cos.shape, rotary_sin.shape, bool(rotary_interleaved)
 
 
-def planned_rotary(rotary_cos, rotary_sin, rotary_interleaved, causal, window_size) -> dict | None:
-    """The decode module's rotary keywords for a planned call (kvcache_rotary.fused_rotary's,
-    from the call's own options: query tokens at their own positions when causal or local)."""
-    if rotary_cos is None:
-        return None
-    per_token = causal or window_size != (-1, -1)
-    return rotary_keywords(rotary_cos, rotary_sin, bool(rotary_interleaved), per_token)
+def planned_keywords(
+    rotary_cos, rotary_sin, rotary_interleaved, causal, window_size, k_descale, v_descale
+) -> dict | None:
+    """The decode module's keywords for a planned call: rotary's (fused_rotary's, from the
+    call's own options: query tokens at their own positions when causal or local), and an fp8
+    cache's descales where given (the module checks them, as on its full path)."""
+    keywords = None
+    if rotary_cos is not None:
+        per_token = causal or window_size != (-1, -1)
+        keywords = rotary_keywords(rotary_cos, rotary_sin, bool(rotary_interleaved), per_token)
+    if k_descale is not None or v_descale is not None:
+        keywords = {**(keywords or {}), **given_keywords(k_descale, v_descale, None)}
+    return keywords
 
 
-def same_kinds(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary) -> bool:
+def same_kinds(q, k_cache, v_cache, k, v, cache_seqlens, block_table, keywords) -> bool:
     """The checks of check_kvcache_shapes, cache_seqlens_tensor and cache_options that a
-    signature key leaves open: the caches, the new keys and cos/sin have q's dtype and device,
-    the index tensors are int32."""
+    signature key leaves open: v_cache has k_cache's dtype (which the key holds: q's, or fp8)
+    and the caches, the new keys and cos/sin (in keywords, planned_keywords') q's device, the
+    new keys and cos/sin q's dtype, the index tensors are int32."""
     dtype, device = q.dtype, q.device
     if not (
-        k_cache.dtype is dtype
-        and v_cache.dtype is dtype
+        v_cache.dtype is k_cache.dtype
         and k_cache.device == device
         and v_cache.device == device
         and cache_seqlens.dtype is torch.int32
@@ -271,9 +269,9 @@ def same_kinds(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary) ->
         return False
     if block_table is not None and block_table.dtype is not torch.int32:
         return False
-    if rotary is not None and not all(
-        t.dtype is dtype and t.device == device
-        for t in (rotary["rotary_cos"], rotary["rotary_sin"])
+    cos = None if keywords is None else keywords.get("rotary_cos")
+    if cos is not None and not all(
+        t.dtype is dtype and t.device == device for t in (cos, keywords["rotary_sin"])
     ):
         return False
     return k is None or (

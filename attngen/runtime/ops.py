@@ -26,11 +26,12 @@ return that [B, M, HQ, DV] tensor; the ops return the view (an op's output has t
 fake implementation gives). The LSE is always an op output (an empty tensor when not asked
 for): an op's outputs cannot be optional; the functions here return None instead.
 
-prefill and varlen have an autograd formula (below), so torch.compile(fullgraph=True)
-traces forward and backward; through the ops the forward always computes the LSE the backward
-needs. With dropout_p > 0 (a module built with dropout: true) the call's Philox state,
-rng_state, is an input of the op, saved for its backward, which so regenerates the forward's
-mask; so is `deterministic` (the backward's path: False adds dQ by atomics, below).
+prefill and varlen have an autograd formula, the module's own (below), so
+torch.compile(fullgraph=True) traces forward and backward; through the ops the forward always
+computes the LSE the backward needs. With dropout_p > 0 (a module built with dropout: true)
+the call's Philox state, rng_state, is an input of the op, saved for its backward, which so
+regenerates the forward's mask; so is `deterministic` (the backward's path: False adds dQ by
+atomics, below).
 Decode mutates its caches, which torch allows no formula for, so `decode()`
 (decode_ops.py, the decode kind's calls and op) wraps its outputs in a function whose backward
 raises that it is forward-only.
@@ -39,6 +40,7 @@ raises that it is forward-only.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import threading
 import warnings
@@ -369,14 +371,18 @@ def _(
 
 # ------------------------------------------------------------------ the autograd formulas
 #
-# The autograd formulas of the `attngen::prefill` and `attngen::varlen` ops (above): the
-# backward ops `attngen::prefill_backward` and `attngen::varlen_backward` call the module's
-# `attention_backward` / `attention_varlen_backward` (modules built from a spec with
-# `backward: true`). A module built without backward raises NotImplementedError at the
-# backward, naming the module and the spec field. The forward's dropout_p and rng_state are
-# saved for the backward, which so regenerates the forward's mask. Learned sinks that require
-# grad get theirs from the same backward (the ops return d sinks as a fourth tensor, empty
-# without sinks: an op's outputs cannot be optional).
+# The autograd of the `attngen::prefill` and `attngen::varlen` ops (above) is the module's
+# own (modules built from a spec with `backward: true`; docs/architecture.md "One autograd"):
+# setup_context hands the op's inputs and outputs to the module's `_save`, which its
+# autograd Function shares, and the formula is the module's `_gradients`, which calls the
+# backward op given to `_save`: `attngen::prefill_backward` / `attngen::varlen_backward`,
+# opaque to torch.compile, which run the module's `attention_backward` /
+# `attention_varlen_backward`. What is saved (the dropout state, so the backward regenerates
+# the forward's mask; sinks; ALiBi; the lengths) is decided there once. Each formula here
+# only gives the op's inputs their gradients: d sinks to learned sinks that require grad
+# (the backward ops return it as a fourth tensor, empty without sinks: an op's outputs
+# cannot be optional). A module without gradient kernels raises NotImplementedError at the
+# forward, naming the module and the spec field.
 #
 # `deterministic` (saved from the forward op, as flash-attn's argument): True runs the module's
 # atomics-free kernels (seven products, bitwise reproducible); False the same kernels unless
@@ -463,7 +469,7 @@ def _path_options(key: str, module, deterministic: bool) -> dict:
     if deterministic:
         run = BackwardRun(key, True, DETERMINISTIC, "deterministic=True: no atomics")
         options: dict = {}  # the modules' default
-    elif getattr(module, "GLUON_BACKWARD", False):  # built with ATTNGEN_GLUON_VARIANTS=1
+    elif module.GLUON_BACKWARD:  # built with ATTNGEN_GLUON_VARIANTS=1
         run = BackwardRun(key, False, ATOMIC, GLUON_DQ)
         options = {"deterministic": False}
     elif not atomic_dq_enabled():
@@ -477,12 +483,31 @@ def _path_options(key: str, module, deterministic: bool) -> dict:
             "deterministic=False, but no atomic-dQ config fits this module's shared "
             "memory (BWD_DKDV_ATOMIC_CONFIG None): its deterministic kernels ran"
         )
-        warnings.warn(f"{key}: {reason}", stacklevel=3)
+        warnings.warn(f"{key}: {reason}", stacklevel=4)
         run, options = BackwardRun(key, False, DETERMINISTIC, reason), {}
     with _runs_lock:
         _runs[key, run.path] += 1
         _last[:] = [run]
     return options
+
+
+SEQUSED_K_REFUSAL = (
+    "seqused_k: no backward for a KV cache read in place; pass None when q, k or v requires grad"
+)
+
+
+def _save(ctx, key: str, backward_op, *args, **lengths) -> None:
+    """A forward op's setup_context: the module `key`'s own save (`_save`), its formula
+    (`_gradients`, kept as ctx.gradients) to call `backward_op` for the module."""
+    ctx.gradients = _backward_of(key, "_gradients")
+    _backward_of(key, "_save")(ctx, *args, backward=functools.partial(backward_op, key), **lengths)
+
+
+def _wanted(ctx, grad: Tensor, index: int) -> Tensor | None:
+    """grad for the forward op's input `index` when it asked for one (inputs the call left
+    at their defaults are not among ctx.needs_input_grad)."""
+    needs = ctx.needs_input_grad
+    return grad if index < len(needs) and needs[index] else None
 
 
 def _backward_of(key: str, name: str):
@@ -501,11 +526,6 @@ def _backward_of(key: str, name: str):
 def _sink_gradient(q: Tensor, grads: tuple, sinks: Tensor | None) -> Tensor:
     """The backward ops' fourth output: the module's d sinks, or an empty tensor."""
     return _no_lse(q) if sinks is None else grads[3]
-
-
-def _sink_grad_or_none(ctx, dsinks: Tensor, index: int) -> Tensor | None:
-    """d sinks for the forward op's input `index` when it asked for one."""
-    return dsinks if ctx.has_sinks and ctx.needs_input_grad[index] else None
 
 
 def prefill_backward(
@@ -529,17 +549,21 @@ def prefill_backward(
     chunk pair with the whole sequence's LSE) and record no autograd graph. dropout_p and
     rng_state: the forward's, for a module built with dropout: true. With sinks (a module
     built with sinks: true), (dq, dk, dv, dsinks). deterministic: the module docstring."""
-    backward = _backward_of(key, "attention_backward")
-    path = _path_options(key, current_registry().module(key), deterministic)
+    args = (dout, q, k, v, out, lse)
+    options = (dlse, sm_scale, alibi_slopes, dropout_p, rng_state, sinks, deterministic)
+    return _run_backward(key, "attention_backward", args, *options)
+
+
+def _run_backward(
+    key: str, name: str, args: tuple, dlse, sm_scale, alibi_slopes, dropout_p, rng_state, sinks, det
+) -> tuple:
+    """The module `key`'s backward entry point `name` on args, counted and its path recorded."""
+    backward = _backward_of(key, name)
+    path = _path_options(key, current_registry().module(key), det)
     count_run(key)
     return tuple(
         backward(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
+            *args,
             sm_scale=sm_scale,
             alibi_slopes=alibi_slopes,
             dlse=dlse,
@@ -608,49 +632,14 @@ def _(
 
 
 def _prefill_setup(ctx, inputs, output):
-    (key, q, k, v, sm_scale, alibi_slopes, _, _, sinks, dropout_p, rng_state, deterministic) = (
-        inputs
-    )
-    ctx.key, ctx.sm_scale, ctx.dropout_p = key, sm_scale, dropout_p
-    ctx.deterministic = deterministic
-    ctx.has_sinks = sinks is not None
-    ctx.save_for_backward(q, k, v, alibi_slopes, rng_state, sinks, *output)
+    key, q, k, v, sm_scale, alibi_slopes, _, _, sinks, dropout_p, rng_state, deterministic = inputs
+    args = (sm_scale, alibi_slopes, dropout_p, rng_state, sinks, deterministic)
+    _save(ctx, key, prefill_backward_op, q, k, v, *output, *args)
 
 
 def _prefill_backward(ctx, dout, dlse):
-    q, k, v, alibi_slopes, rng_state, sinks, out, lse = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dq, dk, dv, dsinks = prefill_backward_op(
-        ctx.key,
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        dlse,
-        ctx.sm_scale,
-        alibi_slopes,
-        ctx.dropout_p,
-        rng_state,
-        sinks,
-        ctx.deterministic,
-    )
-    return (
-        None,
-        dq,
-        dk,
-        dv,
-        None,
-        None,
-        None,
-        None,
-        _sink_grad_or_none(ctx, dsinks, 8),
-        None,
-        None,
-        None,
-    )
+    dq, dk, dv, dsinks = ctx.gradients(ctx, dout, dlse)
+    return None, dq, dk, dv, None, None, None, None, _wanted(ctx, dsinks, 8), None, None, None
 
 
 @torch.library.custom_op("attngen::varlen_backward", mutates_args=())
@@ -662,11 +651,11 @@ def varlen_backward_op(
     v: Tensor,
     out: Tensor,
     lse: Tensor,
-    dlse: Tensor | None,
     cu_seqlens_q: Tensor,
     cu_seqlens_k: Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
+    dlse: Tensor | None,
     sm_scale: float,
     alibi_slopes: Tensor | None,
     dropout_p: float = 0.0,
@@ -674,27 +663,9 @@ def varlen_backward_op(
     sinks: Tensor | None = None,
     deterministic: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    backward = _backward_of(key, "attention_varlen_backward")
-    path = _path_options(key, current_registry().module(key), deterministic)
-    count_run(key)
-    grads = backward(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        sm_scale=sm_scale,
-        alibi_slopes=alibi_slopes,
-        dlse=dlse,
-        **_dropout_options(dropout_p, rng_state),
-        **_sinks(sinks),
-        **path,
-    )
+    args = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    options = (dlse, sm_scale, alibi_slopes, dropout_p, rng_state, sinks, deterministic)
+    grads = _run_backward(key, "attention_varlen_backward", args, *options)
     return grads[0], grads[1], grads[2], _sink_gradient(q, grads, sinks)
 
 
@@ -707,11 +678,11 @@ def _(
     v,
     out,
     lse,
-    dlse,
     cu_seqlens_q,
     cu_seqlens_k,
     max_seqlen_q,
     max_seqlen_k,
+    dlse,
     sm_scale,
     alibi_slopes,
     dropout_p=0.0,
@@ -724,85 +695,19 @@ def _(
 
 
 def _varlen_setup(ctx, inputs, output):
-    (
-        key,
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        sm_scale,
-        alibi_slopes,
-        seqused_k,
-        _,
-        sinks,
-        dropout_p,
-        rng_state,
-        deterministic,
-    ) = inputs
-    if seqused_k is not None:
-        ctx.refusal = (
-            "seqused_k: no backward for a KV cache read in place; pass None when "
-            "q, k or v requires grad"
-        )
-    else:
-        ctx.refusal = None
-    ctx.key, ctx.sm_scale, ctx.dropout_p = key, sm_scale, dropout_p
-    ctx.deterministic = deterministic
-    ctx.lengths = (max_seqlen_q, max_seqlen_k)
-    ctx.has_sinks = sinks is not None
-    ctx.save_for_backward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, sinks, *output
-    )
+    key, q, k, v, cu_q, cu_k, max_q, max_k, scale, slopes, seqused_k, _, sinks, *rest = inputs
+    ctx.refusal = None if seqused_k is None else SEQUSED_K_REFUSAL
+    dropout_p, rng_state, deterministic = rest
+    args = (scale, slopes, dropout_p, rng_state, sinks, deterministic)
+    lengths = (cu_q, cu_k, max_q, max_k)
+    _save(ctx, key, varlen_backward_op, q, k, v, *output, *args, lengths=lengths)
 
 
 def _varlen_backward(ctx, dout, dlse):
-    if ctx.refusal:
+    if ctx.refusal:  # at the backward: a forward with seqused_k may run in grad mode
         raise ValueError(ctx.refusal)
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, sinks, out, lse) = (
-        ctx.saved_tensors
-    )
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dq, dk, dv, dsinks = varlen_backward_op(
-        ctx.key,
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        dlse,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        *ctx.lengths,
-        ctx.sm_scale,
-        alibi_slopes,
-        ctx.dropout_p,
-        rng_state,
-        sinks,
-        ctx.deterministic,
-    )
-    return (
-        None,
-        dq,
-        dk,
-        dv,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        _sink_grad_or_none(ctx, dsinks, 12),
-        None,
-        None,
-        None,
-    )
+    dq, dk, dv, dsinks = ctx.gradients(ctx, dout, dlse)
+    return (None, dq, dk, dv, *[None] * 8, _wanted(ctx, dsinks, 12), None, None, None)
 
 
 torch.library.register_autograd("attngen::prefill", _prefill_backward, setup_context=_prefill_setup)

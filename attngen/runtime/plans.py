@@ -177,14 +177,9 @@ def _entries(module: ModuleType, kind: KernelKind, in_place: bool) -> tuple[Any,
 
 
 def run_dense(
-    plan: Plan,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    alibi_slopes: Tensor | None,
-    heads_last: bool,
+    plan: Plan, q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None, heads_last: bool,
     sinks: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None] | None:
+) -> tuple[Tensor, Tensor | None] | None:  # fmt: skip
     """launch.run_dense's module call from a plan (sinks: the call's, whose presence its key
     holds): the plan's entry point, attention_flash_out when it writes in place (out
     [B, N, H, D]); None when the device refuses now."""
@@ -194,20 +189,11 @@ def run_dense(
     count_run(plan.key)
     entry = plan.entry
     assert entry is not None  # a prefill plan's
-    if sinks is None:
-        result = entry(
-            q, k, v, sm_scale=plan.sm_scale, alibi_slopes=alibi_slopes, return_lse=plan.return_lse
-        )
-    else:
-        result = entry(
-            q,
-            k,
-            v,
-            sm_scale=plan.sm_scale,
-            alibi_slopes=alibi_slopes,
-            return_lse=plan.return_lse,
-            sinks=sinks,
-        )
+    extra = _NO_KEYWORDS if sinks is None else {"sinks": sinks}  # (older modules take none)
+    result = entry(
+        q, k, v, sm_scale=plan.sm_scale, alibi_slopes=alibi_slopes, return_lse=plan.return_lse,
+        **extra,
+    )  # fmt: skip
     out, lse = result if plan.return_lse else (result, None)
     if heads_last and not plan.in_place:  # the module wrote [B, H, N, D]: copied
         out = out.transpose(1, 2).contiguous()
@@ -215,13 +201,9 @@ def run_dense(
 
 
 def run_flash(
-    plan: Plan,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    alibi_slopes: Tensor | None,
+    plan: Plan, q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None,
     sinks: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None] | None:
+) -> tuple[Tensor, Tensor | None] | None:  # fmt: skip
     """run_dense for q, k, v in flash-attn's [B, N, H, D] layout: handed as they are to the
     module's attention_flash when the plan writes in place through it (no view, no output
     allocation here, and no layer between: the run counted and the module called here), else
@@ -235,34 +217,18 @@ def run_flash(
     count_run(plan.key)
     entry = plan.flash
     assert entry is not None  # flash_entry's
-    if sinks is None:
-        result = entry(
-            q, k, v, sm_scale=plan.sm_scale, alibi_slopes=alibi_slopes, return_lse=plan.return_lse
-        )
-    else:
-        result = entry(
-            q,
-            k,
-            v,
-            sm_scale=plan.sm_scale,
-            alibi_slopes=alibi_slopes,
-            return_lse=plan.return_lse,
-            sinks=sinks,
-        )
+    extra = _NO_KEYWORDS if sinks is None else {"sinks": sinks}
+    result = entry(
+        q, k, v, sm_scale=plan.sm_scale, alibi_slopes=alibi_slopes, return_lse=plan.return_lse,
+        **extra,
+    )  # fmt: skip
     return result if plan.return_lse else (result, None)
 
 
 def run_varlen(
-    plan: Plan,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    alibi_slopes: Tensor | None,
-) -> tuple[Tensor, Tensor | None] | None:
+    plan: Plan, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Tensor | None,
+) -> tuple[Tensor, Tensor | None] | None:  # fmt: skip
     """launch.run_varlen's module call from a plan; None when the device refuses now."""
     if plan.device_check is not None and device_problem(*plan.device_check) is not None:
         return None  # the device refuses now what it served: the full path says why
@@ -271,34 +237,17 @@ def run_varlen(
     entry = plan.entry
     assert entry is not None  # a varlen plan's attention_varlen
     result = entry(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        sm_scale=plan.sm_scale,
-        alibi_slopes=alibi_slopes,
-        return_lse=plan.return_lse,
-        seqused_k=None,
-    )
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale=plan.sm_scale,
+        alibi_slopes=alibi_slopes, return_lse=plan.return_lse, seqused_k=None,
+    )  # fmt: skip
     return result if plan.return_lse else (result, None)
 
 
 def run_decode(
-    plan: Plan,
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    cache_seqlens: Tensor,
-    block_table: Tensor | None,
-    k_new: Tensor | None,
-    v_new: Tensor | None,
-    alibi_slopes: Tensor | None,
-    num_splits: int = 0,
-    rotary: dict | None = None,
-) -> tuple[Tensor, Tensor | None] | None:
+    plan: Plan, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+    block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
+    alibi_slopes: Tensor | None, num_splits: int = 0, rotary: dict | None = None,
+) -> tuple[Tensor, Tensor | None] | None:  # fmt: skip
     """decode_ops.decode's direct call from a plan: flash-attn's [B, N, H, D] tensors as they
     are to the module's decode_flash when the plan writes through it (flash_entry: no layer
     between, decode_ops.direct_decode's flash_layout call with its arguments known), else
@@ -310,23 +259,10 @@ def run_decode(
     record(plan.dispatch)
     if not plan.flash_entry:
         return decode_ops.direct_decode(
-            plan.module,
-            plan.key,
-            q,
-            k_cache,
-            v_cache,
-            cache_seqlens,
-            block_table,
-            k_new,
-            v_new,
-            plan.sm_scale,
-            alibi_slopes,
-            plan.return_lse,
-            plan.in_place,
-            None,
-            num_splits,
+            plan.module, plan.key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+            plan.sm_scale, alibi_slopes, plan.return_lse, plan.in_place, None, num_splits,
             **(rotary or _NO_KEYWORDS),
-        )
+        )  # fmt: skip
     return _decode_flash(
         plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, alibi_slopes,
         num_splits, rotary,
@@ -334,18 +270,10 @@ def run_decode(
 
 
 def _decode_flash(
-    plan: Plan,
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    cache_seqlens: Tensor,
-    block_table: Tensor | None,
-    k_new: Tensor | None,
-    v_new: Tensor | None,
-    alibi_slopes: Tensor | None,
-    num_splits: int,
-    rotary: dict | None,
-) -> tuple[Tensor, Tensor | None]:
+    plan: Plan, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+    block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
+    alibi_slopes: Tensor | None, num_splits: int, rotary: dict | None,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """The module's decode_flash with the plan's scale and LSE flag (a module with it takes
     num_splits and rotary_*); the caches' version counters bumped after an append, as the
     op's mutates_args would."""

@@ -1004,24 +1004,27 @@ def _check_grid(num_programs: int) -> None:
 
 # -- launches kept with their arguments --------------------------------------------------------
 class _Step:
-    """One launch: its kernel, grid, ints, tail, constexprs and compile options,
-    and the compiled kernels' _runner found for it, per (the tensors' 16-byte alignment,
-    Triton's knobs)."""
+    """One launch: its kernel, grid, ints, tail, constexprs and compile options, what follows
+    the ints in the launcher's arguments (`after`: the tail, the constexprs' values), and the
+    compiled kernels' _runner found for it, per (the tensors' 16-byte alignment, Triton's
+    knobs)."""
 
-    __slots__ = ("kernel", "grid", "ints", "tail", "constexprs", "options", "compiled")
+    __slots__ = ("kernel", "grid", "ints", "tail", "constexprs", "options", "after", "compiled")
 
     def __init__(self, kernel, grid, ints, tail, constexprs, options):
         self.kernel, self.grid, self.ints, self.tail = kernel, grid, ints, tail
         self.constexprs, self.options, self.compiled = constexprs, options, {}
+        self.after = (*tail, *constexprs.values())
 
 
-def _run_step(step, device, tensors, ints=None, direct=None):
+def _run_step(step, device, tensors, ints=None, direct=None, stream=None):
     """_launch(step's kernel, ...) with these tensors, or, once a compiled kernel is known for
     their alignment and the launch may run directly, its launcher with their addresses and no
     key to derive. ints: the call's, in place of the step's (a decode plan's caches of another
     size); the caller keeps a step for ints of its ints' classes only (_int_classes), so that
-    the compiled kernel is theirs. direct: _direct_on(device, the step's kernel), when the
-    caller has asked it once for all its steps (None: asked here)."""
+    the compiled kernel is theirs. direct: _direct_on(device, the step's kernel), and stream:
+    the device's current stream, when the caller has asked them once for all its steps (None:
+    asked here)."""
     if ints is None:
         ints = step.ints
     addresses = [t.data_ptr() for t in tensors]
@@ -1041,17 +1044,9 @@ def _run_step(step, device, tensors, ints=None, direct=None):
             step.compiled[slot] = runner
         return
     launch, prefix = runner
-    launch(
-        step.grid,
-        1,
-        1,
-        _DRIVER[1](device),
-        *prefix,
-        *addresses,
-        *ints,
-        *step.tail,
-        *step.constexprs.values(),
-    )
+    if stream is None:
+        stream = _DRIVER[1](device)
+    launch(step.grid, 1, 1, stream, *prefix, *addresses, *ints, *step.after)
 
 
 def _layout(t: torch.Tensor | None) -> tuple | None:

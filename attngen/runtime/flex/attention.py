@@ -21,6 +21,7 @@ the mask per element, and the dispatch's reason says so.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, replace
 from typing import Any
@@ -34,6 +35,7 @@ from attngen.runtime.dispatch import (
     device_problem,
     expected_forward,
     need_for,
+    problem_may_change,
     unsupported_dtype,
 )
 from attngen.runtime.flex.blocks import BlockMask
@@ -96,17 +98,18 @@ def attend(
     """Run the (score, keep, mask) trees of a call (keep: where the score_mod is not -inf)
     with the captured tensors on the module built for them, skipping the key blocks that the
     block mask `blocks` leaves out (see _sparsity); record the dispatch as `api`."""
-    fields, expressions = _fields(trees, capture.declarations())
-    trained = {t["name"] for t in fields["tensors"] if t["trainable"]}
-    values = {n: t if n in trained else t.detach() for n, t in capture.values().items()}
-    backward = bool(trained) or needs_gradients(query, key, value)
-    for name, tensor in values.items():
-        if tensor.device != query.device:
+    fields, expressions, trained = _fields(trees, capture.declarations())
+    values, device = {}, query.device
+    for decl, tensor in capture.found.values():  # as the module reads them: Capture.values
+        if tensor.device != device:
             raise ValueError(
-                f"{api}: the captured tensor {name} is on {tensor.device}; "
-                f"allowed: query's device, {query.device}"
+                f"{api}: the captured tensor {decl.name} is on {tensor.device}; "
+                f"allowed: query's device, {device}"
             )
-    module, dispatch = _module(api, query, key, value, fields, expressions, backward)
+        tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
+        values[decl.name] = tensor if decl.name in trained else tensor.detach()
+    backward = bool(trained) or needs_gradients(query, key, value)
+    module, dispatch, reasons = _module(api, query, key, value, fields, expressions, backward)
     if key.shape[0] != query.shape[0]:  # batch 1 broadcast, as torch's (a view: stride 0)
         key = key.expand(query.shape[0], *key.shape[1:])
         value = value.expand(query.shape[0], *value.shape[1:])
@@ -116,7 +119,9 @@ def attend(
     if sparsity is not None:
         options["block_mask"] = sparsity
     result = module.attention(query, key, value, sm_scale=sm_scale, return_lse=want_lse, **options)
-    record(replace(dispatch, reason=f"{dispatch.reason}; {why}") if why else dispatch)
+    if why not in reasons:  # the Dispatch with the block mask's part of the reason, kept
+        reasons[why] = replace(dispatch, reason=f"{dispatch.reason}; {why}") if why else dispatch
+    record(reasons[why])
     return result
 
 
@@ -161,60 +166,68 @@ def _check_options(scale, enable_gqa, return_lse, kernel_options, return_aux) ->
 
 
 def _check_tensors(query, key, value, enable_gqa: bool) -> None:
+    dtype, device = getattr(query, "dtype", None), getattr(query, "device", None)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shown = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{API}: {name}: got {shown}; allowed: a 4-D tensor [B, H, N, D]")
-        if t.dtype != query.dtype or t.device != query.device:
+        if t.dtype != dtype or t.device != device:
             raise ValueError(
                 f"{API}: {name}: {t.dtype} on {t.device}; allowed: query's dtype "
-                f"and device, {query.dtype} on {query.device}"
+                f"and device, {dtype} on {device}"
             )
-    (batch, heads, _, dim), (kv_batch, kv_heads, _, kdim) = query.shape, key.shape
-    if kdim != dim or tuple(value.shape[:3]) != tuple(key.shape[:3]):
+    (batch, heads, _, dim), (kv_batch, kv_heads, seqlen, kdim) = query.shape, key.shape
+    v_batch, v_heads, v_seqlen, _ = value.shape
+    if kdim != dim or v_batch != kv_batch or v_heads != kv_heads or v_seqlen != seqlen:
         raise ValueError(
             f"{API}: key {tuple(key.shape)} and value {tuple(value.shape)} with "
             f"query {tuple(query.shape)}; allowed: key [B, HKV, S, {dim}], value "
             "[B, HKV, S, EV] of the same B, HKV and S"
         )
-    if kv_batch not in (1, batch):
+    if kv_batch != batch and kv_batch != 1:
         raise ValueError(f"{API}: key's batch {kv_batch}; allowed: query's, {batch}, or 1")
-    allowed = f"a divisor of query's {heads} with enable_gqa" if enable_gqa else f"{heads}"
-    if heads % kv_heads or (not enable_gqa and kv_heads != heads):
+    if kv_heads != heads and (not enable_gqa or not kv_heads or heads % kv_heads):
+        allowed = f"a divisor of query's {heads} with enable_gqa" if enable_gqa else f"{heads}"
         raise ValueError(f"{API}: key's heads {kv_heads}; allowed: {allowed}")
 
 
 def _mask_mod(block_mask: Any, query, key) -> Any:
     """The mask_mod of the call's block mask (its blocks checked against the call); _BITMAP
     for torch's BlockMask without one."""
-    from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
-    from torch.nn.attention.flex_attention import _sliced_mask_mod_error, noop_mask
-
     if block_mask is None:
         return None
-    if not isinstance(block_mask, BlockMask | TorchBlockMask):
+    torch_block_mask, sliced, noop_mask = _torch_flex()
+    if not isinstance(block_mask, (BlockMask, torch_block_mask)):
         raise ValueError(
             f"{API}: block_mask: got {type(block_mask).__name__}; allowed: None, "
             "attngen.create_block_mask's or torch's BlockMask"
         )
-    blocks = block_mask.kv_num_blocks
-    lengths = tuple(query.shape[2:3]) + tuple(key.shape[2:3])
-    batch, heads = blocks.shape[0], blocks.shape[1]
-    if tuple(block_mask.seq_lengths) != lengths or batch not in (1, query.shape[0]):
+    blocks, mask_mod, shape = block_mask.kv_num_blocks, block_mask.mask_mod, query.shape
+    lengths, batch, heads = block_mask.seq_lengths, blocks.shape[0], blocks.shape[1]
+    if (lengths[0], lengths[1]) != (shape[2], key.shape[2]) or (batch != 1 and batch != shape[0]):
         raise ValueError(
             f"{API}: block_mask: made for shape {tuple(block_mask.shape)}; allowed: "
-            f"B 1 or {query.shape[0]}, (Q_LEN, KV_LEN) = {lengths}"
+            f"B 1 or {shape[0]}, (Q_LEN, KV_LEN) = {(shape[2], key.shape[2])}"
         )
-    if heads not in (1, query.shape[1]) or blocks.device != query.device:
+    if (heads != 1 and heads != shape[1]) or blocks.device != query.device:
         raise ValueError(
             f"{API}: block_mask: {heads} heads on {blocks.device}; allowed: 1 or "
-            f"{query.shape[1]} heads, on {query.device}"
+            f"{shape[1]} heads, on {query.device}"
         )
-    if block_mask.mask_mod is _sliced_mask_mod_error:
+    if mask_mod is sliced:
         raise ValueError(f"{API}: block_mask: a sliced BlockMask has no mask_mod to apply")
-    if block_mask.mask_mod is noop_mask and isinstance(block_mask, TorchBlockMask):
+    if mask_mod is noop_mask and isinstance(block_mask, torch_block_mask):
         return _BITMAP
-    return block_mask.mask_mod
+    return mask_mod
+
+
+@functools.cache
+def _torch_flex() -> tuple[Any, Any, Any]:
+    """torch's BlockMask, its sliced mask's mask_mod and noop_mask (imported on first use)."""
+    from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+    from torch.nn.attention.flex_attention import _sliced_mask_mod_error, noop_mask
+
+    return TorchBlockMask, _sliced_mask_mod_error, noop_mask
 
 
 def _bitmap(block_mask: Any, batch: int, heads: int, capture: Capture) -> Expr:
@@ -245,15 +258,15 @@ def _bitmap(block_mask: Any, batch: int, heads: int, capture: Capture) -> Expr:
     return Expr("load", tuple(index), decl.name, "bool")
 
 
-def _fields(trees: tuple, decls: tuple[Tensor, ...]) -> tuple[dict[str, Any], str]:
-    """The spec's score_mod, mask_mod and tensors fields of a call's trees, and their
-    expression_key; kept for the trees of the trace cache (the same objects on every hit).
-    Trainable: one that requires grad and that score_mod reads (none flows through a bool)."""
+def _fields(trees: tuple, decls: tuple[Tensor, ...]) -> tuple[dict[str, Any], str, set[str]]:
+    """The spec's score_mod, mask_mod and tensors fields of a call's trees, their
+    expression_key and the trainable tensors' names; kept for the trees of the trace cache
+    (the same objects on every hit). Trainable: one that requires grad and that score_mod
+    reads (none flows through a bool)."""
     (score, keep, mask), parts = trees, (*trees, *decls)
-    ids = tuple(map(id, parts))
-    kept = _derived.get(ids)
-    if kept is not None and all(a is b for a, b in zip(kept[0], parts, strict=True)):
-        return kept[1], kept[2]
+    kept = _derived.get(tuple(map(id, parts)))  # parts kept alive there: the same objects
+    if kept is not None:
+        return kept[1]
     mask = keep if mask is None else mask if keep is None else make("mask_mod", "and", (mask, keep))
     score = None if score is not None and str(score) == "score" else score  # torch's _identity
     mask = None if mask is not None and mask.op == "num" and mask.value is True else mask
@@ -264,13 +277,24 @@ def _fields(trees: tuple, decls: tuple[Tensor, ...]) -> tuple[dict[str, Any], st
     fields |= {"tensors": [asdict(d) | {"shape": list(d.shape)} for d in decls]}
     if len(_derived) >= 256:
         _derived.clear()
-    _derived[ids] = (parts, fields, expression_key(fields))  # parts kept: ids not reused
-    return fields, _derived[ids][2]
+    derived = (fields, expression_key(fields), {d.name for d in decls if d.trainable})
+    _derived[tuple(map(id, parts))] = (parts, derived)
+    return derived
 
 
 def _module(api: str, query, key, value, fields: dict[str, Any], expressions: str, backward):
-    """(module, Dispatch) of the call: kept per call key, built on demand on a first call
-    (with gradient kernels, `backward: true`, when the call needs gradients)."""
+    """(module, Dispatch, the Dispatches recorded with each block-mask reason) of the call:
+    from the route cache of the registry in use (selection.routes: keyed by what decides the
+    Need, so a repeated call asks no Need, settings or device question, but bf16 under the
+    interpreter's, whose answer may change), else kept per call key and the settings, built
+    on demand on a first call (with gradient kernels, `backward: true`, when the call needs
+    gradients). configure() reloads the registry, so new settings start the routes over."""
+    route: tuple = (API, api, expressions, query.dtype, query.device, query.shape, key.shape)
+    route += (value.shape, backward)
+    table = selection.routes(registry.current_registry())
+    hit = table.get(route)
+    if hit is not None and (hit[3] is None or device_problem(*hit[3]) is None):
+        return hit[:3]
     lq, lk = query.shape[2], key.shape[2]
     sizes = dict(seqlen_q=lq, seqlen_k=lk, same_lengths=lq == lk, backward=backward)
     need = need_for(KernelKind.prefill, query, value, **_PLAIN, **sizes)
@@ -290,8 +314,11 @@ def _module(api: str, query, key, value, fields: dict[str, Any], expressions: st
     if hit is None:
         module, dispatch = _build(need, heads, fields)
         _modules[call_key] = (module, _reused(dispatch))
-        return module, replace(dispatch, api=api)
-    return hit[0], replace(hit[1], need=need, api=api)
+        return module, replace(dispatch, api=api), {}  # the first call's record: built now
+    check = (API, need.arch, need.dtype) if problem_may_change(need.arch, need.dtype) else None
+    planned: tuple = (hit[0], replace(hit[1], need=need, api=api), {}, check)
+    selection.keep(registry.current_registry(), route, planned)
+    return planned[:3]
 
 
 def _build(need, heads, fields: dict[str, Any]) -> tuple[Any, Dispatch]:
@@ -306,17 +333,9 @@ def _build(need, heads, fields: dict[str, Any]) -> tuple[Any, Dispatch]:
     how = "built on demand now" if built else "found in the on-demand cache"
     reason = f"{entry.describe()} {how} ({entry.key}) for score_mod {fields['score_mod']}, "
     reason += f"mask_mod {fields['mask_mod']}"
-    dispatch = Dispatch(
-        API,
-        need,
-        entry.describe(),
-        entry.key,
-        reason,
-        source="cache",
-        built=built,
-        forward=expected_forward(module),
-    )
-    return module, dispatch
+    forward = expected_forward(module)
+    dispatch = Dispatch(API, need, entry.describe(), entry.key, reason, source="cache")
+    return module, replace(dispatch, built=built, forward=forward)
 
 
 def _reused(dispatch: Dispatch) -> Dispatch:

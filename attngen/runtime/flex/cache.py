@@ -16,12 +16,19 @@ Anything else (an object whose attributes the code reads, a dict, a bound method
 object) may change unseen, so such a function is traced on every call. So is a trace that
 ran a torch function on a real tensor outside the language (`.item()`, `int(t)`, `t.shape`, a
 tensor made inside the function: `_Watch`), whose tree may hold a value read at trace time.
+
+Before the snapshot, a repeated pair of functions is checked against its last snapshot by
+identity (`_same`: each function's code and defaults, each cell's and global's object, the
+captured tensors' kind, grad mode): what the snapshot holds by value is immutable, so equal
+objects give an equal snapshot, whose key then serves without being taken again.
 """
 
 from __future__ import annotations
 
+import dis
 import functools
 import types
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -33,6 +40,10 @@ from attngen.runtime.flex.trace import Capture, _Sym, trace
 
 SIZE = 256  # entries kept, least recently used dropped first
 _traces: OrderedDict[tuple, tuple] = OrderedDict()
+_seen: dict[tuple[int, int], tuple] = {}  # (id(score_mod), id(mask_mod)) -> the last reads
+_EMPTY = object()  # an empty cell, an absent global
+_FUNCTION = "function"  # a function's code, defaults and keyword defaults (_same)
+_GLOBAL_LOADS = {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS"}
 _VALUES = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device)
 _MODULES = ("torch", "math", "operator", "numpy")
 _METADATA = {"dim", "dtype", "device", "ndim", "layout", "requires_grad", "is_sparse", "is_nested"}
@@ -45,18 +56,25 @@ class _Unguarded(Exception):
 def traced(score_mod: Any, mask_mod: Any) -> tuple[Expr | None, Expr | None, Expr | None, Capture]:
     """(score, keep, mask, capture) of a call's score_mod and mask_mod (trace.trace's trees;
     None for an absent function), from the cache when the snapshot matches."""
-    slots: list[torch.Tensor] = []
-    try:  # left to right: the slots' order is the functions'
-        key: tuple | None = (
-            torch.is_grad_enabled(),
-            _guard(score_mod, slots, 0),
-            _guard(mask_mod, slots, 0),
-        )
-    except _Unguarded:
-        key = None
+    grad, pair = torch.is_grad_enabled(), (id(score_mod), id(mask_mod))
+    seen = _seen.get(pair)
+    if seen is not None and seen[0] is grad and _same(seen[3], score_mod, mask_mod):
+        slots, reads, key = seen[2:]  # nothing it read changed: the last snapshot
+    else:
+        slots, reads, seen = [], ([], []), None
+        try:  # left to right: the slots' order is the functions'
+            key = (
+                grad,
+                _guard(score_mod, slots, 0, reads[0]),
+                _guard(mask_mod, slots, 0, reads[1]),
+            )
+        except _Unguarded:
+            key = None
     hit = None if key is None else _traces.get(key)
     if hit is not None and key is not None:
         _traces.move_to_end(key)
+        if seen is None:
+            _remember(pair, score_mod, mask_mod, (grad, slots, reads, key))
         capture = Capture()
         for decl, slot in hit[3]:
             capture.found[id(slots[slot])] = (decl, slots[slot])
@@ -74,37 +92,98 @@ def traced(score_mod: Any, mask_mod: Any) -> tuple[Expr | None, Expr | None, Exp
     return score, keep, mask, capture
 
 
-def _guard(value: Any, slots: list[torch.Tensor], depth: int) -> tuple:
-    """The snapshot of one value (the module docstring); captured tensors appended to slots."""
+def _same(reads: tuple[list, list], score_mod: Any, mask_mod: Any) -> bool:
+    """Whether everything the last snapshot of these functions read is as it was: the same
+    objects (functions' code and defaults, cells, globals) and captured tensors of the same
+    kind. Then the snapshot would be the same: what it holds by value is immutable."""
+    now: Any
+    for root, held in zip((score_mod, mask_mod), reads, strict=True):
+        for holder, name, was in held:
+            holder = root if holder is None else holder
+            if name is _FUNCTION:
+                now = holder.__code__, holder.__defaults__, holder.__kwdefaults__
+                if now[0] is not was[0] or now[1] is not was[1] or now[2] is not was[2]:
+                    return False
+                continue
+            if name is None:  # a tensor: its kind
+                now = (holder.dtype, holder.dim(), holder.requires_grad, holder.layout)
+                if now != was or holder.is_nested:
+                    return False
+                continue
+            if name == "":  # a list or a partial's keywords, changed in place unseen
+                return False
+            try:
+                now = holder.get(name, _EMPTY) if type(holder) is dict else getattr(holder, name)
+            except ValueError:  # an empty cell
+                now = _EMPTY
+            if now is not was:
+                return False
+    return True
+
+
+def _remember(pair: tuple[int, int], score_mod: Any, mask_mod: Any, seen: tuple) -> None:
+    """Keep a snapshot's reads for _same while both functions live (weak references to them;
+    the reads hold what they read, not the functions, and go with them), SIZE at most."""
+    try:
+        drop = functools.partial(_seen.pop, pair)  # drop(ref): _seen.pop(pair, ref)
+        refs = tuple(weakref.ref(fn, drop) for fn in (score_mod, mask_mod) if fn is not None)
+    except TypeError:  # a callable without weak references: a snapshot every call
+        return
+    if len(_seen) >= SIZE:  # a full table starts over (no iteration: other threads write)
+        _seen.clear()
+    _seen[pair] = (seen[0], refs, *seen[1:])
+
+
+def _guard(value: Any, slots: list[torch.Tensor], depth: int, reads: list) -> tuple:
+    """The snapshot of one value (the module docstring); captured tensors appended to slots,
+    and what it read to reads, as (holder, name, what it held), the holder None for the
+    function at depth 0 (_same)."""
     if depth > 8:
         raise _Unguarded
     kind = type(value)
     if kind in _VALUES:
-        return (kind, repr(value) if kind is float else value)  # repr: -0.0 is not 0.0
-    if isinstance(value, torch.Tensor):
-        place = next((i for i, t in enumerate(slots) if t is value), len(slots))
-        if place == len(slots):
-            slots.append(value)
-        meta = (value.dtype, value.dim(), value.requires_grad, value.layout, value.is_nested)
-        return ("tensor", place, kind, *meta)
-    if kind is tuple or kind is list:
-        return (kind, *(_guard(item, slots, depth + 1) for item in value))
+        return (kind, repr(value)) if kind is float else (kind, value)  # repr: -0.0 is not 0.0
     if kind is types.FunctionType:
-        cells = []
+        code, defaults, keywords = value.__code__, value.__defaults__, value.__kwdefaults__
+        reads.append((value if depth else None, _FUNCTION, (code, defaults, keywords)))
+        parts: list[Any] = ["fn", code]
         for cell in value.__closure__ or ():
             try:
-                cells.append(_guard(cell.cell_contents, slots, depth + 1))
+                contents = cell.cell_contents
             except ValueError:  # an empty cell (a name bound later)
-                cells.append(("empty",))
-        names = [n for n in _global_names(value.__code__) if n in value.__globals__]
-        named = [(n, _guard(value.__globals__[n], slots, depth + 1)) for n in names]
-        defaults = (value.__defaults__, sorted((value.__kwdefaults__ or {}).items()))
-        if defaults != (None, []):
-            named.append(("", _guard(defaults, slots, depth + 1)))
-        return ("fn", value.__code__, *cells, *named)
+                reads.append((cell, "cell_contents", _EMPTY))
+                parts.append(("empty",))
+                continue
+            reads.append((cell, "cell_contents", contents))
+            parts.append(_guard(contents, slots, depth + 1, reads))
+        names = value.__globals__
+        for name in _global_names(code):
+            reads.append((names, name, names.get(name, _EMPTY)))
+            if name in names:
+                parts.append((name, _guard(names[name], slots, depth + 1, reads)))
+        if defaults is not None or keywords:
+            defaults = (defaults, tuple(sorted((keywords or {}).items())))
+            parts.append(("", _guard(defaults, slots, depth + 1, reads)))
+        return tuple(parts)
+    if isinstance(value, torch.Tensor):
+        for place, held in enumerate(slots):  # noqa: B007 - the place of an earlier one
+            if held is value:
+                break
+        else:
+            place = len(slots)
+            slots.append(value)
+        meta = (value.dtype, value.dim(), value.requires_grad, value.layout)
+        reads.append((value, None, meta))
+        return ("tensor", place, kind, *meta, value.is_nested)
+    if kind is tuple or kind is list:
+        if kind is list:
+            reads.append((value, "", None))
+        return (kind, *[_guard(item, slots, depth + 1, reads) for item in value])
     if kind is functools.partial:
-        arguments = (value.func, value.args, sorted(value.keywords.items()))
-        return ("partial", _guard(arguments, slots, depth + 1))
+        if value.keywords:
+            reads.append((value, "", None))
+        arguments = (value.func, value.args, tuple(sorted(value.keywords.items())))
+        return ("partial", _guard(arguments, slots, depth + 1, reads))
     if kind is types.ModuleType and value.__name__.partition(".")[0] in _MODULES:
         return ("module", value.__name__)
     if kind is types.BuiltinFunctionType or (kind is type and value.__module__ == "builtins"):
@@ -114,9 +193,10 @@ def _guard(value: Any, slots: list[torch.Tensor], depth: int) -> tuple:
 
 @functools.lru_cache(maxsize=1024)
 def _global_names(code: types.CodeType) -> tuple[str, ...]:
-    """The names a code object (and the functions defined in it) may read as globals."""
+    """The names a code object (and the functions defined in it) reads as globals."""
     nested = [_global_names(c) for c in code.co_consts if isinstance(c, types.CodeType)]
-    return tuple(dict.fromkeys([*code.co_names, *(n for names in nested for n in names)]))
+    loads = [i.argval for i in dis.get_instructions(code) if i.opname in _GLOBAL_LOADS]
+    return tuple(dict.fromkeys([*loads, *(n for names in nested for n in names)]))
 
 
 class _Watch(TorchFunctionMode):

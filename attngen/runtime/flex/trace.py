@@ -79,7 +79,7 @@ class Capture:
         return decl
 
     def declarations(self) -> tuple[Tensor, ...]:
-        return tuple(decl for decl, _ in self.found.values())
+        return tuple([decl for decl, _ in self.found.values()])
 
     def values(self) -> dict[str, torch.Tensor]:
         """name -> the tensor the module reads (a 0-d tensor as one element)."""
