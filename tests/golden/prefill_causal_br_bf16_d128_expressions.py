@@ -1211,13 +1211,12 @@ def _transposed_block_mask(block_mask, q, k):
     """(tensors, ints) of the dK/dV kernel's block sparsity: per (batch, KV head, key block)
     and list, the count and the ascending entries g * ceil(Nq / q_block) + m (query head g of
     the group, q-block m) whose lists name the block (torch's q_num_blocks, q_indices), int32
-    on the device, no sync; then strides, q_block, kv_block, ceil(Nq / q_block), full lists
-    or not. Lists read as the kernels read them (_block_bitmap)."""
+    on the device, no sync; then strides, q_block, kv_block, the lists' q-blocks, full lists
+    or not. Checked lists read as the kernels read them (_block_bitmap); q may be packed."""
     if block_mask is None:
         return (q, q, q, q), _NO_TRANSPOSED
     num, indices, full_num, full_indices, q_block, kv_block = block_mask
-    heads, group = q.shape[1], q.shape[1] // k.shape[1]
-    rows = -(-q.shape[2] // q_block)
+    heads, group, rows = q.shape[1], q.shape[1] // k.shape[1], indices.shape[2]
     tensors = []
     for counts, listed in [(num, indices)] + [(full_num, full_indices)] * (full_num is not None):
         bits = _block_bitmap(counts, listed)  # [B or 1, HQ or 1, rows, cols]
