@@ -69,3 +69,29 @@ def test_the_functional_backward_with_a_block_mask_on_the_gpu() -> None:
         dout, q, k, v, out.detach(), lse.detach(), tensors=tensors, block_mask=block_mask
     )
     assert all(torch.equal(a, t.grad) for a, t in zip(got, leaves, strict=True))
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_varlen_block_sparse_gradients_on_the_gpu(deterministic: bool) -> None:
+    """attention_varlen(..., block_mask=) with gradients compiled (the derived tiles, 128-blocks,
+    GQA): each sequence against the float64 reference of its block mask's meaning."""
+    from tests.backward_harness import packed_inputs
+    from tests.test_block_sparse_varlen_backward import gradient_problems_of, run_varlen_backward
+
+    spec = expression_backward_spec("relative_bias", "bf16", False, kernels=("varlen",))
+    lengths = ([700, 300, 1], [1000, 257, 129])
+    q, k, v, dout, _ = packed_inputs(spec, *lengths, 4, 2, seed=34)
+    tensors = case_tensors("relative_bias", 3, 1000, 34)
+    values = mask_mod_values(spec, tensors, 3, 700, 1000)
+    gen = torch.Generator().manual_seed(34)
+    block_mask = disturb(exact_block_mask(values, 128, 128, gen=gen), gen, 0.3, 0.3)
+    params = dict(case="relative_bias", dtype="bf16", causal=False, deterministic=deterministic)
+    on_gpu = [t.cuda() if isinstance(t, torch.Tensor) else t for t in (q, k, v, dout, *block_mask)]
+    module = load_kernel(spec, kind="varlen")
+    gpu_tensors = {n: t.cuda() for n, t in tensors.items()}
+    _, grads = run_varlen_backward(
+        params, module, *on_gpu[:4], lengths, gpu_tensors, tuple(on_gpu[4:])
+    )
+    grads = [g.cpu() for g in grads[:3]] + [{n: t.cpu() for n, t in grads[3].items()}]
+    inputs = (q, k, v, dout, tensors, block_mask)
+    assert not gradient_problems_of(params, grads, inputs, lengths)

@@ -148,7 +148,6 @@ def test_varlen_block_masks_mean_what_flex_means_per_sequence(params) -> None:
 
 
 DOCUMENT = dict(case="document", dtype="fp32", causal=False)
-DOC_MASK = dict(mask="none", **CASES["document"])
 
 
 @pytest.mark.parametrize("kind", ["every_block", "negative", "huge", "counts_beyond_the_row"])
@@ -229,25 +228,3 @@ def test_a_sequence_whose_lists_are_empty_sees_no_key() -> None:
     assert torch.all(out[20:53] == 0) and torch.all(lse[:, 20:53] == float("-inf"))
     assert torch.equal(out[:20], dense[:20]) and torch.equal(out[53:58], dense[53:58])
     assert torch.equal(lse[:, :20], dense_lse[:, :20])
-
-
-def test_varlen_gradients_refuse_a_block_mask_and_forwards_take_it() -> None:
-    """A module with backward: true: without gradients attention_varlen runs the block mask
-    (the forward above); with them it refuses it, naming block_mask (no varlen backward for
-    it yet)."""
-    spec = make_spec(name="flex", dtype="fp32", kernels=["varlen"], backward=True, **DOC_MASK)
-    kernel = load_kernel(spec, 16, 16, kind="varlen")
-    q, k, v, _ = packed_inputs(spec, [20], [30], seed=5, pad=0)
-    cu_q, cu_k = cu_seqlens([20]), cu_seqlens([30])
-    tensors = case_tensors("document", 1, 30, 5)
-    block_mask = (*lists_of(torch.zeros(1, 1, 2, 2, dtype=torch.bool)), None, None, 16, 16)
-    out = kernel.attention_varlen(q, k, v, cu_q, cu_k, 20, 30, tensors=tensors,
-                                  block_mask=block_mask)  # fmt: skip
-    assert torch.all(out == 0)
-    message = r"^block_mask: no varlen backward for it yet; allowed: None with grads$"
-    with pytest.raises(ValueError, match=message):
-        kernel.attention_varlen(q.requires_grad_(), k, v, cu_q, cu_k, 20, 30, tensors=tensors,
-                                block_mask=block_mask)  # fmt: skip
-    assert kernel.block_mask_problem(16, 16, 30) is None
-    with pytest.raises(ValueError, match=r"^backward: True; allowed: False \(no varlen backward"):
-        kernel.block_mask_problem(16, 16, 30, backward=True)

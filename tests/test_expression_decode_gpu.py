@@ -59,3 +59,31 @@ def test_decode_without_tensors_runs_from_its_plans(monkeypatch) -> None:
     assert hits == [True] and all(same_bits(a, b) for a, b in zip(first, again, strict=True))
     out, lse = (t.cpu() for t in first)
     assert not decode_problems(spec, make_cache(spec, [70, 400], seed=14), out, lse, q)
+
+
+@pytest.mark.parametrize("case", ["document", "relative_bias"])
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("splits", [None, 5])
+def test_decode_block_masks_on_the_gpu(case: str, layout: str, splits) -> None:
+    """decode(..., block_mask=) compiled (the derived tiles, torch's 128-blocks, GQA 4:1, 4
+    tokens): blocks dropped and promoted, against the float64 reference of the meaning."""
+    from tests.test_block_sparse_decode import block_mask_problems, build_case
+
+    params = dict(
+        case=case, layout=layout, page_size=16 if layout == "paged" else None, block_n=None,
+        q_block=128, kv_block=128, lengths=[300, 0, 1000], num_q=4, num_new=4, splits=splits,
+        broadcast=(False, False), full=True, drop=0.3, promote=0.3, index_dtype=torch.int32,
+        seed=15, fields=dict(FIELDS, mask="causal", causal_align="bottom_right"),
+    )  # fmt: skip
+    kernel, spec, cache, q, k_new, v_new, tensors, block_mask = build_case(params)
+    moved = {n: t.cuda() for n, t in (tensors or {}).items()} or None
+    mask = tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in block_mask)
+    kernel.FORCE_NUM_SPLITS = splits
+    try:
+        out, lse = run_decode(kernel, cache.clone().to("cuda"), q.cuda(), k_new.cuda(),
+                              v_new.cuda(), tensors=moved, block_mask=mask)  # fmt: skip
+    finally:
+        kernel.FORCE_NUM_SPLITS = None
+    problems = block_mask_problems(params, spec, cache, out.cpu(), lse.cpu(), q, k_new, v_new,
+                                   tensors, block_mask)  # fmt: skip
+    assert not problems, "; ".join(problems)

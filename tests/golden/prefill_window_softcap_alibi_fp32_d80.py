@@ -1219,12 +1219,29 @@ def _block_mask_args(block_mask, q, sizes, varlen=False):
     if full_num is not None:
         lists += [("full_kv_num_blocks", full_num, 3), ("full_kv_indices", full_indices, 4)]
     for name, t, rank in lists:
-        _check_block_list(name, t, (batch, heads, rows, cols)[:rank], q.device, varlen)
+        _check_block_list(name, t, (batch, heads, rows, cols)[:rank], q.device, _AXES[varlen])
     if _checked():
         _validate_block_mask([t for _, t, _ in lists], cols)
     tensors = [t for _, t, _ in lists] * (2 if full_num is None else 1)
     ints = (*_list_strides(tensors), q_block, kv_block, int(full_num is not None))
-    return tuple(tensors), ints + (cols,) * varlen
+    return tuple(tensors), ints + (cols,) * (varlen is True)
+
+
+def _decode_block_state(block_mask, q, capacity, block_n):
+    """decode's block_mask: (state, ints). state: int8 [B or 1, HQ or 1, ceil(NQ / q_block),
+    ceil(capacity / kv_block)] on the device, no sync: 0 unlisted, 1 partial, 2 full (read as
+    the kernels read lists: _block_bitmap); ints: its strides (0 broadcast), q_block, kv_block."""
+    if block_mask is None:
+        return q, (0, 0, 0, 1, 1)
+    q_block, kv_block = _block_sizes(block_mask)  # any q_block: each row finds its own
+    tile = [("the decode split kernel's", {"BLOCK_M": 1, "BLOCK_N": block_n})]
+    if (problem := _block_size_problem(q_block, kv_block, tile)) is not None:
+        raise ValueError(f"block_mask: {problem}")
+    lists, _ = _block_mask_args(block_mask, q, (*q.shape[:3], capacity), "decode")
+    state = _block_bitmap(*lists[:2]).to(torch.int8)
+    if block_mask[2] is not None:  # a block in both lists is full (lists must be unique)
+        state = torch.where(_block_bitmap(*lists[2:]), 2, state).to(torch.int8)
+    return state, (*_list_strides([state])[:3], q_block, kv_block)
 
 
 def _block_sizes(block_mask):
@@ -1252,11 +1269,15 @@ def _block_size_problem(q_block, kv_block, configs):
     return None
 
 
-def _check_block_list(name, t, shape, device, varlen):
+_AXES: dict[object, tuple[str, ...]] = {False: ("B", "Nq", "Nk"), "decode": ("B", "NQ", "capacity")}
+_AXES[True] = ("sequences", "max_seqlen_q", "max_seqlen_k")  # the extents a list's shape names
+
+
+def _check_block_list(name, t, shape, device, axes):
     """One list of a block mask: an int32/int64 tensor of `shape` (axes 0 and 1 may be 1, a
-    broadcast batch or head) on `device`."""
+    broadcast batch or head) on `device`; `axes` name the batch, query and key extents."""
     allowed = f"({shape[0]} or 1, {shape[1]} or 1, {', '.join(map(str, shape[2:]))})"
-    b, m, n = ("sequences", "max_seqlen_q", "max_seqlen_k") if varlen else ("B", "Nq", "Nk")
+    b, m, n = axes
     where = f"{b}, HQ, ceil({m} / q_block)" + (f", ceil({n} / kv_block)" if len(shape) == 4 else "")
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"block_mask: {name}: got {type(t).__name__}; allowed: a torch.Tensor")
@@ -1310,13 +1331,12 @@ def _transposed_block_mask(block_mask, q, k):
     """(tensors, ints) of the dK/dV kernel's block sparsity: per (batch, KV head, key block)
     and list, the count and the ascending entries g * ceil(Nq / q_block) + m (query head g of
     the group, q-block m) whose lists name the block (torch's q_num_blocks, q_indices), int32
-    on the device, no sync; then strides, q_block, kv_block, ceil(Nq / q_block), full lists
-    or not. Lists read as the kernels read them (_block_bitmap)."""
+    on the device, no sync; then strides, q_block, kv_block, the lists' q-blocks, full lists
+    or not. Checked lists read as the kernels read them (_block_bitmap); q may be packed."""
     if block_mask is None:
         return (q, q, q, q), _NO_TRANSPOSED
     num, indices, full_num, full_indices, q_block, kv_block = block_mask
-    heads, group = q.shape[1], q.shape[1] // k.shape[1]
-    rows = -(-q.shape[2] // q_block)
+    heads, group, rows = q.shape[1], q.shape[1] // k.shape[1], indices.shape[2]
     tensors = []
     for counts, listed in [(num, indices)] + [(full_num, full_indices)] * (full_num is not None):
         bits = _block_bitmap(counts, listed)  # [B or 1, HQ or 1, rows, cols]
