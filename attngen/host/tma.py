@@ -44,8 +44,7 @@ def _tma_layout_problem(name: str, shape: tuple[int, ...], strides: tuple[int, .
 
 
 def _tma_layout_fits(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether K and V's shapes and strides let TMA read them at 16-byte aligned bases
-    (remembered per layout)."""
+    """Whether K and V's layouts let TMA read them at 16-byte aligned bases (remembered)."""
     layout = (k.shape, k.stride(), v.shape, v.stride())
     fits = _TMA_LAYOUTS.get(layout)
     if fits is None:
@@ -58,8 +57,7 @@ def _tma_layout_fits(k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def _uses_tma(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """kv_load_path(k, v) == "tma": the layout's answer remembered, the base addresses read
-    at each call."""
+    """kv_load_path(k, v) == "tma": the layout's answer remembered, the bases read per call."""
     return _tma_layout_fits(k, v) and (k.data_ptr() | v.data_ptr()) & 15 == 0
 
 

@@ -1,5 +1,5 @@
 """The varlen launcher's call plans (after plans.py): a layout's key, the launch from its
-plan (a tuple: config, longest, output shapes, _Step)."""
+plan (a tuple: config, longest (None: CONFIG alone), output shapes, _Step)."""
 
 from typing import Any
 
@@ -9,7 +9,7 @@ from attngen.host.launch import _FAST_LAUNCH, _TENSOR, _check_out, _checked, _la
 from attngen.host.varlen import _validate_varlen
 
 _STAND_IN: Any = None
-config_for = _STAND_IN  # the module's own (above the host code)
+CONFIG = config_for = _STAND_IN  # the module's own (above the host code)
 
 
 # -- host code: attngen/host/varlen_plans.py, copied verbatim ----------------------------------
@@ -36,7 +36,7 @@ def _run_plan(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k
     picks it by, output shapes, _Step): (out, lse or None), or None when the full path must
     run (the config changed)."""
     config, longest, out_shape, lse_shape, step = plan
-    if config_for(longest) != config:
+    if (CONFIG if longest is None else config_for(longest)) != config:  # None: CONFIG alone
         return None
     if _checked():
         _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k)

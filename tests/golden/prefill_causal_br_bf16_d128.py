@@ -671,7 +671,7 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
         )
     if key is not None:  # the checks passed: the next call of this layout runs from its plan
         _remember_plan(key, _CallPlan(
-            config=dict(CONFIG), longest=max(seqlen_q, seqlen_k),
+            config=dict(CONFIG), longest=None,
             grid=num_programs, ints=ints, qk_scale=qk_scale,
             out_shape=(batch, num_q_heads, seqlen_q, HEAD_DIM_V),
             lse_shape=None if lse is None else lse.shape, options=options,
@@ -1180,8 +1180,7 @@ def _tma_layout_problem(name: str, shape: tuple[int, ...], strides: tuple[int, .
 
 
 def _tma_layout_fits(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether K and V's shapes and strides let TMA read them at 16-byte aligned bases
-    (remembered per layout)."""
+    """Whether K and V's layouts let TMA read them at 16-byte aligned bases (remembered)."""
     layout = (k.shape, k.stride(), v.shape, v.stride())
     fits = _TMA_LAYOUTS.get(layout)
     if fits is None:
@@ -1194,8 +1193,7 @@ def _tma_layout_fits(k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def _uses_tma(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """kv_load_path(k, v) == "tma": the layout's answer remembered, the base addresses read
-    at each call."""
+    """kv_load_path(k, v) == "tma": the layout's answer remembered, the bases read per call."""
     return _tma_layout_fits(k, v) and (k.data_ptr() | v.data_ptr()) & 15 == 0
 
 
@@ -1380,7 +1378,8 @@ def _run_plan(plan, q, k, v, out):
     """attention()'s launch from the plan of its layout (attention_flash's: its tensors in
     [B, N, H, D]): (out, lse or None), or None when the full path must run (the config
     changed, or the launch cannot run directly)."""
-    if config_for(plan.longest) != plan.config:
+    longest = plan.longest  # None: the module has CONFIG alone (no shorter configs)
+    if (CONFIG if longest is None else config_for(longest)) != plan.config:
         return None
     if out is None:
         out = q.new_empty(plan.out_shape)
@@ -1404,21 +1403,24 @@ def _run_plan(plan, q, k, v, out):
         tail = (plan.qk_scale, _descriptor(k_heads, k_block), _descriptor(v_heads, v_block))
     constexprs = plan.constexprs[use_tma]
     device = q.get_device()
-    addresses = [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse_arg.data_ptr()]
+    o = out.data_ptr()  # also the unused slopes' pointer
+    addresses = [q.data_ptr(), k.data_ptr(), v.data_ptr(), o, lse_arg.data_ptr(), o]
+    if plan.pads:
+        addresses += [addresses[0]] * plan.pads
     slot = (_attn_fwd_kernel, addresses[0] & 15 == 0, addresses[1] & 15 == 0,
             addresses[2] & 15 == 0, addresses[3] & 15 == 0, addresses[4] & 15 == 0,
             use_tma, _KNOBS.runtime.debug, _KNOBS.compilation.instrumentation_mode)  # fmt: skip
     runner = plan.compiled.get(slot)
     if runner is None or not _runs_directly(_attn_fwd_kernel) or _DRIVER[0]() != device:
-        tensors = (q, k, v, out, lse_arg, out, *[q] * plan.pads)  # out: the unused slopes
+        tensors = (q, k, v, out, lse_arg, out, *[q] * plan.pads)
         runner = _launch(_attn_fwd_kernel, plan.grid, device, tensors, plan.ints, tail,
                          constexprs, plan.options)  # fmt: skip
         if runner is not None and _DRIVER[0]() == device:
             plan.compiled[slot] = runner
         return out, lse
     launch, prefix = runner
-    launch(plan.grid, 1, 1, _DRIVER[1](device), *prefix, *addresses, addresses[3],
-           *[addresses[0]] * plan.pads, *plan.ints, *tail, *constexprs.values())  # fmt: skip
+    launch(plan.grid, 1, 1, _DRIVER[1](device), *prefix, *addresses, *plan.ints, *tail,
+           *constexprs.values())  # fmt: skip
     return out, lse
 
 

@@ -396,7 +396,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     _run_step(step, q.get_device(), (q, k, v, out, lse_arg, slopes_arg, cu_seqlens_q,
                                      cu_seqlens_k, used_arg))
     if key is not None:  # the checks passed: the next call of this layout runs from its plan
-        _remember_plan(key, (dict(CONFIG), max(max_seqlen_q, max_seqlen_k), out.shape,
+        _remember_plan(key, (dict(CONFIG), None, out.shape,
                              None if lse is None else lse.shape, step))
     return (out, lse) if return_lse else out
 
@@ -927,7 +927,7 @@ def _run_plan(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k
     picks it by, output shapes, _Step): (out, lse or None), or None when the full path must
     run (the config changed)."""
     config, longest, out_shape, lse_shape, step = plan
-    if config_for(longest) != config:
+    if (CONFIG if longest is None else config_for(longest)) != config:  # None: CONFIG alone
         return None
     if _checked():
         _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k)
