@@ -314,6 +314,11 @@ def forward_path():
     return "tile-level: sm80 has no warp-specialized kernel (wgmma, TMA and setmaxnreg are sm90's)"
 
 
+# The call plans' names for what this module has not (their tma / gluon is None): never run.
+POINTER_LOADS_UP_TO, _descriptor = 0, None
+_gluon_why = _gluon_run = None
+
+
 def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
               return_lse=False, out=None):
     """softmax(q @ k^T * sm_scale, softcapped, ALiBi, masked) @ v.
