@@ -49,6 +49,7 @@ from attngen.tuning.autotune_backward import (
     backward_candidates,
     tune_backward,
 )
+from attngen.tuning.autotune_gluon import gluon_candidates, tune_gluon
 from attngen.tuning.database import entry_key, read_tuning_file, tuning_path
 from attngen.tuning.measure import (
     Bucket,
@@ -174,11 +175,22 @@ def autotune(
         if kernels == "backward"
         else [(spec, *_candidates(spec, arch, max_configs)) for spec in specs]
     )
+    gluon_plans = (
+        []
+        if kernels == "backward"
+        else [
+            (spec, found) for spec in specs if (found := gluon_candidates(spec, arch, max_configs))
+        ]
+    )
     backward_plans = [
         (spec, backward_candidates(spec, arch, backward.max_configs)) for spec in trained
     ]
-    total = sum(len(cands) for _, _, cands in plans) + sum(
-        len(cands) for _, kernel_plans in backward_plans for _, cands in kernel_plans.values()
+    total = (
+        sum(len(cands) for _, _, cands in plans)
+        + sum(len(c) for _, c in gluon_plans)
+        + sum(
+            len(cands) for _, kernel_plans in backward_plans for _, cands in kernel_plans.values()
+        )
     )
     outcomes = []
     with Progress(console=console, transient=False) as bar:
@@ -187,6 +199,8 @@ def autotune(
             outcomes.append(
                 _tune_forward(run, spec, heuristic, cands, buckets, lambda: bar.advance(task))
             )
+        for spec, found in gluon_plans:
+            outcomes.append(tune_gluon(run, spec, found, buckets, lambda: bar.advance(task)))
         for spec, kernel_plans in backward_plans:
             outcomes += tune_backward(run, spec, kernel_plans, backward, lambda: bar.advance(task))
     _print_summary(console, outcomes, arch, gpu, buckets, backward.buckets)
@@ -266,13 +280,15 @@ def _record(db, spec, heuristic, cands, results, gpu, version, buckets) -> Outco
     # winner lose one (a few bytes of shared memory can, at an occupancy edge) makes the build
     # refuse the entry instead of using a config whose timing no longer holds.
     programs = {config_key(c.config): c.programs_per_sm for c in cands}
+    gluon = db["entries"].get(entry_key(spec, KernelKind.prefill), {}).get("gluon")
     db["entries"][entry_key(spec, KernelKind.prefill)] = {
+        **({"gluon": gluon} if gluon else {}),  # the Gluon forward's (autotune_gluon.py)
         "shorter": [
             {"up_to": up_to, "config": by_key[key].as_dict(), "programs_per_sm": programs[key]}
             for up_to, key in shorter
         ],
         "spec_name": spec.name,
-        "config": outcome.winner.as_dict(),
+        "config": by_key[best].as_dict(),
         "programs_per_sm": programs[best],
         "gpu": gpu,
         "triton": version,
@@ -330,7 +346,8 @@ def _print_summary(
 ) -> None:
     """One table for the prefill kernels and one for the gradient kernels (their own buckets:
     the time of that kernel's launch alone)."""
-    for kernels, kind_buckets in (("prefill", buckets), ("backward", backward_buckets)):
+    tables = (("prefill", buckets), ("gluon", buckets), ("backward", backward_buckets))
+    for kernels, kind_buckets in tables:
         rows = [o for o in outcomes if o.kernel.startswith(kernels)]
         if not rows:
             continue

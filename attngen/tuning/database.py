@@ -28,6 +28,8 @@ from typing import Any
 
 from attngen.spec import AttnSpec, KernelKind, SpecError
 from attngen.tiling.backward import KERNELS, BackwardDerivation, derive_backward_tiles
+from attngen.tiling.gluon import GluonConfig, GluonDerivation, derive_gluon_tiles
+from attngen.tiling.gluon_backward import derive_gluon_backward
 from attngen.tiling.prefill import Derivation, TileConfig, choose
 
 TUNING_SCHEMA = 2  # 2: entries keyed by the kernel fields' hash (1: the whole spec's)
@@ -128,7 +130,7 @@ def lookup(
         # same key loop, registers and shared memory. Until it is tuned on its own, it takes
         # prefill's measured config, and its header says so.
         entry, borrowed = entries.get(entry_key(spec, KernelKind.prefill)), "prefill"
-    if entry is None:
+    if entry is None or "config" not in entry:  # none, or only the Gluon forward's (tuned_gluon)
         return None
     return _parse_record(
         entry, borrowed, f"{tuning_path(tuning_dir, arch)}: entry {entry_key(spec, kind)}"
@@ -235,3 +237,52 @@ def tuned_backward_tiles(tuning_dir: Path | None, spec: AttnSpec, arch: str) -> 
             )
         tuned.append((kernel, record.config, record.describe()))
     return derive_backward_tiles(spec, arch, tuple(tuned)) if tuned else heuristic
+
+
+def gluon_knobs(config: GluonConfig) -> dict[str, int]:
+    """The Gluon forward's tuned knobs, named as the module's GLUON_CONFIG names them (the
+    register split follows from the consumers: tiling.gluon.register_split)."""
+    return {
+        "NUM_CONSUMERS": config.consumers,
+        "BLOCK_M": config.block_m,
+        "BLOCK_N": config.block_n,
+        "STAGES": config.stages,
+    }
+
+
+def tuned_gluon(tuning_dir: Path | None, spec: AttnSpec, arch: str) -> GluonDerivation | None:
+    """The prefill module's Gluon forward derivation (None without one), its config the tuned
+    one from the "gluon" field of the spec's prefill entry when that is still a feasible
+    candidate of the current model; else the derived one, its source saying why the tuned one
+    is ignored (a template or model change can make it infeasible; re-tuning fixes it)."""
+    derivation = derive_gluon_tiles(spec, arch)
+    if derivation is None or derivation.chosen is None or tuning_dir is None:
+        return derivation
+    key, path = entry_key(spec, KernelKind.prefill), tuning_path(tuning_dir, arch)
+    record = read_tuning_file(path)["entries"].get(key, {}).get("gluon")
+    if record is None:
+        return derivation
+    try:
+        knobs = {
+            name: int(record["config"][name]) for name in gluon_knobs(derivation.chosen.config)
+        }
+        measured = f"{record['gpu']}, {record['date']}"
+        partial = "" if bool(record["complete"]) else ", partial search"
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise TuningError(f"{path}: entry {key}: 'gluon' is malformed ({exc!r})") from None
+    candidate = next((c for c in derivation.candidates if gluon_knobs(c.config) == knobs), None)
+    why = "not a candidate" if candidate is None else "; ".join(candidate.rejected)
+    backward = derive_gluon_backward(spec, arch)
+    if candidate is not None and not why and backward is not None and backward.chosen:
+        # The Gluon backward's launch takes the forward's setmaxnreg split (one pair of names
+        # in the module), so a forward with another consumer count would change it.
+        split = (backward.chosen.config.consumer_regs, backward.chosen.config.maxnreg)
+        if (candidate.config.consumer_regs, candidate.config.maxnreg) != split:
+            why = (
+                f"the module's Gluon backward needs the register split {split[0]}/entry {split[1]}"
+            )
+    if why:
+        return dataclasses.replace(
+            derivation, source=f"derived; the tuned {knobs} ({measured}) is ignored: {why}"
+        )
+    return dataclasses.replace(derivation, chosen=candidate, source=f"tuned on {measured}{partial}")
