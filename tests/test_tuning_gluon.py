@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
 
 from attngen.build import plan_build
 from attngen.explain import explain_lines
+from attngen.reference import random_inputs, reference_attention
 from attngen.spec import KernelKind
 from attngen.tiling.gluon import derive_gluon_tiles
 from attngen.tuning import autotune_gluon
@@ -141,25 +143,65 @@ def test_a_failing_candidate_never_wins(tmp_path, monkeypatch, stubbed):
     assert record["candidates"][config_key(FASTEST)] == {"error": "incorrect: out differs"}
 
 
-def test_the_measurement_refuses_a_call_that_ran_the_tile_level_kernel(tmp_path, monkeypatch):
-    """Under the interpreter every call runs the tile-level kernel: the real measurement
-    records that as an error, not as the Gluon kernel's time."""
-    monkeypatch.setattr(autotune_gluon, "GATE_LENGTHS", (40, 57))
+def test_under_the_interpreter_the_measurement_refuses_at_once(tmp_path):
+    """Triton's interpreter runs no Gluon kernel: the real measurement says so, no time."""
     console = Console(file=open(tmp_path / "log.txt", "w"), width=200)
     outcomes = autotune([SPEC], tmp_path, budget_s=120, max_configs=1, arch="sm90",
                         console=console, device="cpu", buckets=TINY[:1],
                         timer=lambda fn: (fn(), 1.0)[1], kernels="forward")  # fmt: skip
     tile, gluon = outcomes
-    assert tile.winner is not None, tile
-    assert gluon.winner is None and gluon.tried == 1
+    assert tile.winner is not None and gluon.winner is None and gluon.tried == 1
     progress = json.loads((tmp_path / ".progress-sm90.json").read_text())["results"]
     (result,) = [r for key, r in progress.items() if "/gluon/" in key]
     assert result[config_key(DERIVED)]["error"] == (
-        "RuntimeError: the gate: the call ran \"tile-level: Triton's interpreter runs no Gluon "
-        'kernel", not the Gluon kernel'
+        "RuntimeError: here the module runs \"tile-level: Triton's interpreter runs no Gluon "
+        'kernel"'
     )
     entry = read_tuning_file(tmp_path / "sm90.json")["entries"][entry_key(SPEC, KernelKind.prefill)]
     assert "gluon" not in entry
+
+
+class _FakeModule:
+    """A module whose forward ran the tile-level kernel on `tile_level_from` calls on: the
+    gate's (call 0) or a bucket's; its outputs are the float64 golden's, so the gate passes."""
+
+    GLUON_PATH, POINTER_LOADS_UP_TO = "gluon warp-specialized", 512
+
+    def __init__(self, tile_level_from: int):
+        self.calls, self.tile_level_from, self.path = 0, tile_level_from, ""
+
+    def expected_forward_path(self):
+        return self.GLUON_PATH
+
+    def forward_path(self):
+        return self.path
+
+    def attention(self, q, k, v, alibi_slopes=None, return_lse=False):
+        tile = self.calls >= self.tile_level_from
+        self.path = "tile-level: a base address is not 16-byte aligned" if tile else self.GLUON_PATH
+        self.calls += 1
+        out, lse = reference_attention(SPEC, q, k, v, alibi_slopes=alibi_slopes)
+        return (out.to(q.dtype), lse.float()) if return_lse else out.to(q.dtype)
+
+
+@pytest.mark.parametrize("tile_level_from, where", [(0, "the gate"), (1, "tiny")])
+def test_a_call_that_ran_the_tile_level_kernel_is_an_error_not_a_time(tile_level_from, where):
+    module = _FakeModule(tile_level_from)
+    run = SimpleNamespace(device="cpu", timer=lambda fn: (fn(), 1.0)[1])
+    candidate = derive_gluon_tiles(SPEC, "sm90").chosen
+    inputs = {"tiny": random_inputs(SPEC, 1, 40, 40, seed=1)}
+    result = autotune_gluon._measure(module, SPEC, candidate, inputs, run)
+    assert result == {
+        "error": f"RuntimeError: {where}: the call ran 'tile-level: a base address is not "
+        "16-byte aligned', not the Gluon kernel"
+    }
+    # The gate's batch takes the launch past POINTER_LOADS_UP_TO: 8 row blocks x 4 heads x
+    # 11 key blocks = 352 a sequence, so 2 sequences.
+    assert autotune_gluon._gate_batch(module, SPEC, candidate) == 2
+    fine = _FakeModule(99)
+    assert autotune_gluon._measure(fine, SPEC, candidate, inputs, run) == {
+        "median_ms": {"tiny": 1.0}
+    }
 
 
 @pytest.mark.parametrize(

@@ -170,31 +170,18 @@ def autotune(
     arch = arch or detect_arch()
     run = _tune_run(tuning_dir, arch, device, timer, budget_s)
     gpu = run.gpu
-    plans = (
-        []
-        if kernels == "backward"
-        else [(spec, *_candidates(spec, arch, max_configs)) for spec in specs]
-    )
-    gluon_plans = (
-        []
-        if kernels == "backward"
-        else [
-            (spec, found) for spec in specs if (found := gluon_candidates(spec, arch, max_configs))
-        ]
-    )
+    forward = [] if kernels == "backward" else specs
+    plans = [(spec, *_candidates(spec, arch, max_configs)) for spec in forward]
+    gluon_plans = [(s, c) for s in forward if (c := gluon_candidates(s, arch, max_configs))]
     backward_plans = [
         (spec, backward_candidates(spec, arch, backward.max_configs)) for spec in trained
     ]
-    total = (
-        sum(len(cands) for _, _, cands in plans)
-        + sum(len(c) for _, c in gluon_plans)
-        + sum(
-            len(cands) for _, kernel_plans in backward_plans for _, cands in kernel_plans.values()
-        )
-    )
+    lists = [c for *_, c in plans + gluon_plans] + [
+        c for _, kernel_plans in backward_plans for _, c in kernel_plans.values()
+    ]
     outcomes = []
     with Progress(console=console, transient=False) as bar:
-        task = bar.add_task(f"autotune on {gpu} ({arch})", total=total)
+        task = bar.add_task(f"autotune on {gpu} ({arch})", total=sum(map(len, lists)))
         for spec, heuristic, cands in plans:
             outcomes.append(
                 _tune_forward(run, spec, heuristic, cands, buckets, lambda: bar.advance(task))
@@ -258,16 +245,8 @@ def _record(db, spec, heuristic, cands, results, gpu, version, buckets) -> Outco
     timed = {key: r["median_ms"] for key, r in results.items() if "median_ms" in r}
     by_key = {config_key(c.config): c.config for c in cands}
     tried = sum(1 for c in cands if config_key(c.config) in results)
-    outcome = Outcome(
-        spec,
-        heuristic,
-        None,
-        {},
-        timed.get(config_key(heuristic)),
-        tried,
-        len(cands),
-        tried == len(cands),
-    )
+    outcome = Outcome(spec, heuristic, None, {}, timed.get(config_key(heuristic)), tried,
+                      len(cands), tried == len(cands))  # fmt: skip
     usable = {
         key: t for key, t in timed.items() if key in by_key and all(b.name in t for b in buckets)
     }

@@ -32,7 +32,7 @@ import torch
 
 from attngen.reference import compare_to_reference, random_inputs
 from attngen.spec import AttnSpec, KernelKind
-from attngen.tiling.gluon import GluonCandidate, GluonDerivation, derive_gluon_tiles
+from attngen.tiling.gluon import GluonCandidate, derive_gluon_tiles
 from attngen.tuning.database import entry_key, gluon_knobs
 from attngen.tuning.measure import (
     Bucket,
@@ -75,6 +75,8 @@ def _ran_gluon(module, where: str) -> None:
 def _measure(module, spec: AttnSpec, candidate: GluonCandidate, inputs: dict, run: TuneRun) -> dict:
     """Gate, then time one candidate's module; failures are results too (recorded)."""
     try:
+        if module.expected_forward_path() != module.GLUON_PATH:  # Triton's interpreter
+            raise RuntimeError(f"here the module runs {module.expected_forward_path()!r}")
         batch = _gate_batch(module, spec, candidate)
         q, k, v, slopes = random_inputs(spec, batch, *GATE_LENGTHS, seed=7, device=run.device)
         out, lse = module.attention(q, k, v, alibi_slopes=slopes, return_lse=True)
@@ -100,8 +102,11 @@ def tune_gluon(
     """Measure the candidates (until the deadline) and record the winner in the spec's entry."""
     derivation = derive_gluon_tiles(spec, run.arch)
     assert derivation is not None  # gluon_candidates gave candidates
-    modules = {c: load_module(spec, run.arch, run.folder, _choosing(derivation, c)) for c in cands}
-    digest = kernel_digest(modules[cands[0]])  # the derived module's (cands[0])
+
+    def module(cand: GluonCandidate):  # rendered as the build renders a tuned config
+        return load_module(spec, run.arch, run.folder, dataclasses.replace(derivation, chosen=cand))
+
+    digest = kernel_digest(module(cands[0]))  # the derived module's kernel text
     results = run.results(f"{entry_key(spec, KernelKind.prefill)}/gluon/{digest}")
     inputs: dict = {}
     for cand in cands:
@@ -113,17 +118,13 @@ def tune_gluon(
                 b.name: random_inputs(spec, b.batch, b.seqlen, b.seqlen, seed=1, device=run.device)
                 for b in buckets
             }
-            results[key] = _measure(modules[cand], spec, cand, inputs, run)
+            results[key] = _measure(module(cand), spec, cand, inputs, run)
             run.save_progress()
         advance()
     inputs.clear()
     outcome = _record(run, spec, cands, results, buckets, digest)
     run.save_db()
     return outcome
-
-
-def _choosing(derivation: GluonDerivation, candidate: GluonCandidate) -> GluonDerivation:
-    return dataclasses.replace(derivation, chosen=candidate)
 
 
 def _record(run: TuneRun, spec, cands, results, buckets, digest: str) -> Outcome:
@@ -142,10 +143,8 @@ def _record(run: TuneRun, spec, cands, results, buckets, digest: str) -> Outcome
         usable, key=lambda key: (geomean({b.name: usable[key][b.name] for b in buckets}), key)
     )
     outcome.winner, outcome.winner_ms = by_key[best], usable[best]
-    entry = run.db["entries"].setdefault(
-        entry_key(spec, KernelKind.prefill), {"spec_name": spec.name}
-    )
-    entry["gluon"] = {
+    key = entry_key(spec, KernelKind.prefill)
+    run.db["entries"].setdefault(key, {"spec_name": spec.name})["gluon"] = {
         "config": gluon_knobs(by_key[best]),
         "gpu": run.gpu,
         "triton": run.triton,

@@ -177,26 +177,31 @@ def apply_tuning(derivation: Derivation, record: TuningRecord | None) -> Derivat
     if record is None:
         return derivation
     for config in (record.config, *(c for _, c in record.shorter)):
-        candidate = next((c for c in derivation.candidates if c.config == config), None)
-        if candidate is None or not candidate.feasible:
-            why = "not a candidate" if candidate is None else "; ".join(candidate.rejected)
-            raise TuningError(
-                f"tuned config {config.as_dict()} for {derivation.arch} is "
-                f"infeasible under the current model ({why}); re-run attngen "
-                "autotune"
-            )
-        measured_at = record.programs_per_sm.get(config)
-        if measured_at is not None and candidate.programs_per_sm < measured_at:
-            raise TuningError(
-                f"tuned config {config.as_dict()} for {derivation.arch} was "
-                f"measured at {measured_at} programs per SM; the current "
-                f"template fits {candidate.programs_per_sm} (it needs "
-                f"{candidate.smem_bytes} B of shared memory, "
-                f"{candidate.regs_per_thread} registers per thread), so its "
-                "timing no longer holds; re-run attngen autotune"
-            )
+        _check_tuned("", config, derivation, record)
     chosen = choose(derivation, record.config, record.describe())
     return dataclasses.replace(chosen, shorter=record.shorter)
+
+
+def _check_tuned(
+    what: str, config: TileConfig, derivation: Derivation, record: TuningRecord
+) -> None:
+    """Refuse a tuned config the current model rejects or fits at fewer programs per SM than
+    it was measured at (its timing no longer holds)."""
+    candidate = next((c for c in derivation.candidates if c.config == config), None)
+    if candidate is None or not candidate.feasible:
+        why = "not a candidate" if candidate is None else "; ".join(candidate.rejected)
+        raise TuningError(
+            f"tuned {what}config {config.as_dict()} for {derivation.arch} is infeasible under "
+            f"the current model ({why}); re-run attngen autotune"
+        )
+    measured_at = record.programs_per_sm.get(config)
+    if measured_at is not None and candidate.programs_per_sm < measured_at:
+        raise TuningError(
+            f"tuned {what}config {config.as_dict()} for {derivation.arch} was measured at "
+            f"{measured_at} programs per SM; the current model fits {candidate.programs_per_sm} "
+            f"(it needs {candidate.smem_bytes} B of shared memory, {candidate.regs_per_thread} "
+            "registers per thread), so its timing no longer holds; re-run attngen autotune"
+        )
 
 
 def tuned_backward_tiles(tuning_dir: Path | None, spec: AttnSpec, arch: str) -> BackwardDerivation:
@@ -219,22 +224,7 @@ def tuned_backward_tiles(tuning_dir: Path | None, spec: AttnSpec, arch: str) -> 
                 f"{tuning_path(tuning_dir, arch)}: entry {key} has 'shorter' "
                 "configs; the backward kernels have one config for every length"
             )
-        candidate = next((c for c in derivation.candidates if c.config == record.config), None)
-        if candidate is None or not candidate.feasible:
-            why = "not a candidate" if candidate is None else "; ".join(candidate.rejected)
-            raise TuningError(
-                f"tuned {kernel} backward config {record.config.as_dict()} for "
-                f"{arch} is infeasible under the current model ({why}); re-run "
-                "attngen autotune"
-            )
-        measured_at = record.programs_per_sm.get(record.config)
-        if measured_at is not None and candidate.programs_per_sm < measured_at:
-            raise TuningError(
-                f"tuned {kernel} backward config {record.config.as_dict()} for "
-                f"{arch} was measured at {measured_at} programs per SM; the "
-                f"current model fits {candidate.programs_per_sm}, so its timing "
-                "no longer holds; re-run attngen autotune"
-            )
+        _check_tuned(f"{kernel} backward ", record.config, derivation, record)
         tuned.append((kernel, record.config, record.describe()))
     return derive_backward_tiles(spec, arch, tuple(tuned)) if tuned else heuristic
 
@@ -242,12 +232,8 @@ def tuned_backward_tiles(tuning_dir: Path | None, spec: AttnSpec, arch: str) -> 
 def gluon_knobs(config: GluonConfig) -> dict[str, int]:
     """The Gluon forward's tuned knobs, named as the module's GLUON_CONFIG names them (the
     register split follows from the consumers: tiling.gluon.register_split)."""
-    return {
-        "NUM_CONSUMERS": config.consumers,
-        "BLOCK_M": config.block_m,
-        "BLOCK_N": config.block_n,
-        "STAGES": config.stages,
-    }
+    return {"NUM_CONSUMERS": config.consumers, "BLOCK_M": config.block_m,
+            "BLOCK_N": config.block_n, "STAGES": config.stages}  # fmt: skip
 
 
 def tuned_gluon(tuning_dir: Path | None, spec: AttnSpec, arch: str) -> GluonDerivation | None:
