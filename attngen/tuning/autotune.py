@@ -19,7 +19,8 @@ module picks by sequence length). Results go into tuning/<arch>.json
 keyed by spec and by the kernel's text (a changed template is measured afresh), so an
 interrupted run resumes where it stopped, and the budget bounds the whole run. The gradient
 kernels of specs with `backward: true` are tuned after the prefill kernels (or alone:
-`kernels="backward"`) by attngen/tuning/autotune_backward.py, under the same budget.
+`kernels="backward"`) by attngen/tuning/autotune_backward.py, under the same budget; the
+Gluon forward's knobs of sm90 prefill modules after the tile-level forward (autotune_gluon.py).
 
 This module imports torch and triton; the build path never imports it.
 """

@@ -15,7 +15,8 @@ version; a file of another schema is refused, not guessed at.
 The gradient kernels of a spec with `backward: true` have entries of their own, kinds
 `backward_dq`, `backward_dkdv`, and `backward_dv` / `backward_dk` for the one-gradient
 launches (BACKWARD_KINDS), under the same fields hash: the module's BWD_DQ_CONFIG,
-BWD_DKDV_CONFIG and BWD_DKDV_SPLIT come from them when present (tuned_backward_tiles).
+BWD_DKDV_CONFIG and BWD_DKDV_SPLIT come from them when present (tuned_backward_tiles). An sm90
+prefill entry may hold "gluon", the Gluon forward's knobs (tuned_gluon; an entry may hold only it).
 """
 
 from __future__ import annotations
