@@ -23,7 +23,7 @@ from attngen.spec import AttnSpec, KernelKind, SpecError, load_spec_file, module
 from attngen.tiling.alternatives import nearest_alternative
 from attngen.tiling.decode import derive_decode_tiles
 from attngen.tiling.prefill import derive_tiles
-from attngen.tuning.database import apply_tuning, lookup, tuned_backward_tiles
+from attngen.tuning.database import apply_tuning, lookup, tuned_backward_tiles, tuned_gluon
 
 INDEX_NAME = "index.json"
 INDEX_SCHEMA = 1
@@ -87,7 +87,8 @@ def _plan_one(spec: AttnSpec, kind: KernelKind, arch: str, tuning_dir: Path | No
     backward = None
     if spec.backward and kind is not KernelKind.decode:
         backward = tuned_backward_tiles(tuning_dir, spec, arch)
-    source = render_module(spec, kind, derivation, backward)
+    gluon = tuned_gluon(tuning_dir, spec, arch) if kind is KernelKind.prefill else None
+    source = render_module(spec, kind, derivation, backward, gluon)
     entry = {
         "module": name,
         "path": relative_path,

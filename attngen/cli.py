@@ -186,14 +186,14 @@ def autotune_command(
     ] = "auto",
     budget: Annotated[float, typer.Option(help="Seconds for the whole run; resumable.")] = 600.0,
     max_configs: Annotated[
-        int, typer.Option(help="Candidates per spec: the best config of each tile shape.")
+        int, typer.Option(help="Candidates per spec (each tile shape's best; the Gluon forward's).")
     ] = 16,
     tuning: TuningDir = DEFAULT_TUNING_DIR,
     kernels: Annotated[
         str,
         typer.Option(
-            help="all, forward or backward: backward tunes the dQ and dK/dV kernels of the specs "
-            "with backward: true (all does both)."
+            help="all, forward (sm90: the Gluon forward too) or backward: the dQ and dK/dV "
+            "kernels of the specs with backward: true (all does both)."
         ),
     ] = "all",
     max_backward_configs: Annotated[

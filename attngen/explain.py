@@ -18,7 +18,7 @@ from attngen.tiling.gluon import derive_gluon_tiles, gluon_gap
 from attngen.tiling.gluon_backward import derive_gluon_backward, gluon_backward_gap
 from attngen.tiling.prefill import Candidate, Derivation, derive_tiles, padded_head_dim
 from attngen.tiling.prefill_model import REFERENCE_TOKENS
-from attngen.tuning.database import apply_tuning, lookup, tuned_backward_tiles
+from attngen.tuning.database import apply_tuning, lookup, tuned_backward_tiles, tuned_gluon
 
 TOP_FEASIBLE = 6
 REJECTED_SAMPLE = 4
@@ -52,7 +52,7 @@ def explain_lines(
                     forward = [
                         line
                         for kind in kinds
-                        for line in forward_lines(spec, arch, KernelKind(kind))
+                        for line in forward_lines(spec, arch, KernelKind(kind), tuning_dir)
                     ]
                     lines += [
                         section[0],
@@ -93,11 +93,15 @@ def expression_lines(spec: AttnSpec) -> list[str]:
     return lines + ([""] if lines else [])
 
 
-def forward_lines(spec: AttnSpec, arch: str, kind: KernelKind) -> list[str]:
+def forward_lines(
+    spec: AttnSpec, arch: str, kind: KernelKind, tuning_dir: Path | None = None
+) -> list[str]:
     """Which template the `kind` module's forward renders from, and why; with the Gluon
-    forward, its derivation (attngen/tiling/gluon.py)."""
+    forward, its derivation (attngen/tiling/gluon.py) and its config's source: tuned (a
+    prefill module with a usable "gluon" tuning field), else derived and why."""
     gap = gluon_gap(spec, arch, kind)
-    derivation = None if gap else derive_gluon_tiles(spec, arch)
+    derive = tuned_gluon if kind is KernelKind.prefill else lambda _, s, a: derive_gluon_tiles(s, a)
+    derivation = None if gap else derive(tuning_dir, spec, arch)
     if derivation is None or derivation.chosen is None:
         why = gap or "no Gluon config fits"
         return [f"   forward ({kind.value}): tile-level (prefill.py.jinja) only: {why}"]
@@ -106,6 +110,7 @@ def forward_lines(spec: AttnSpec, arch: str, kind: KernelKind) -> list[str]:
         "where a call's layout fits TMA; tile-level (prefill.py.jinja) otherwise and under "
         "the interpreter",
         *(f"     {line}" for line in derivation.summary_lines()),
+        *(["       config: derived"] if derivation.source == "derived" else []),
     ]
 
 

@@ -37,7 +37,7 @@ from attngen.tiling import decode as decode_tiling
 from attngen.tiling.backward import BackwardDerivation, atomic_dkdv_config, derive_backward_tiles
 from attngen.tiling.code_paths import POINTER_LOADS_UP_TO, code_paths
 from attngen.tiling.decode_latent import derive_latent_tiles
-from attngen.tiling.gluon import derive_gluon_tiles, gluon_gap
+from attngen.tiling.gluon import GluonDerivation, derive_gluon_tiles, gluon_gap
 from attngen.tiling.gluon_backward import derive_gluon_backward
 from attngen.tiling.prefill import Derivation, TileConfig, padded_head_dim
 
@@ -221,8 +221,10 @@ def build_context(
     kind: KernelKind,
     derivation: Derivation,
     backward: BackwardDerivation | None = None,
+    gluon: GluonDerivation | None = None,
 ) -> dict[str, Any]:
-    """The flat context of one render; `backward`: the gradient kernels' (else heuristic)."""
+    """The flat context of one render; `backward`: the gradient kernels' (else heuristic);
+    `gluon`: the Gluon forward's of a prefill module (tuned_gluon; else derived)."""
     config = derivation.chosen
     if config is None:
         raise RenderError(f"{spec.name} on {derivation.arch}: no feasible tile config to render")
@@ -259,7 +261,7 @@ def build_context(
     context.update(_host_paths_context(spec, kind, derivation.arch))
     context.update(expression_context(spec, kind))
     context.update(_training_context(spec, kind, derivation, backward))
-    _add_gluon(context, spec, kind, derivation.arch)
+    _add_gluon(context, spec, kind, derivation.arch, gluon)
     # attngen/host's parts for this kind and these paths, verbatim: the module's last lines
     flags = {flag: bool(context[flag]) for flag in ("tma", "gluon", "call_plans")}
     flags["expressions"] = spec.score_mod is not None or spec.mask_mod is not None
@@ -344,11 +346,14 @@ _GLUON_INTS = (
 )
 
 
-def gluon_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str, Any]:
-    """The warp-specialized forward's flag and config (attngen/tiling/gluon.py), or, for a
-    module without it, why not (`gluon_gap`: a line attngen writes, for forward_path())."""
+def gluon_context(
+    spec: AttnSpec, kind: KernelKind, arch: str, gluon: GluonDerivation | None = None
+) -> dict[str, Any]:
+    """The warp-specialized forward's flag and config (`gluon`, else attngen/tiling/gluon.py's
+    derivation), or, for a module without it, why not (`gluon_gap`: a line attngen writes, for
+    forward_path())."""
     gap = gluon_gap(spec, arch, kind) if kind is not KernelKind.decode else "decode"
-    gluon = derive_gluon_tiles(spec, arch) if not gap else None
+    gluon = (gluon or derive_gluon_tiles(spec, arch)) if not gap else None
     if gluon is None or gluon.chosen is None:
         off = dict.fromkeys(_GLUON_INTS, 0)
         return {"gluon": False, "gluon_gap": gap or "no Gluon config fits", **off}
@@ -366,11 +371,12 @@ def gluon_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str, Any]
     }
 
 
-def _add_gluon(context: dict[str, Any], spec: AttnSpec, kind: KernelKind, arch: str) -> None:
+def _add_gluon(context: dict[str, Any], spec: AttnSpec, kind: KernelKind, arch: str,
+               gluon: GluonDerivation | None) -> None:  # fmt: skip
     """gluon_context into `context`, and the Gluon backward's (gluon_bwd: its flag); the
     header's derivation ends with the Gluon forward's and backward's."""
-    context.update(gluon_context(spec, kind, arch))
-    gluon = derive_gluon_tiles(spec, arch) if context["gluon"] else None
+    context.update(gluon_context(spec, kind, arch, gluon))
+    gluon = (gluon or derive_gluon_tiles(spec, arch)) if context["gluon"] else None
     if gluon is not None:
         context["derivation_lines"] = [*context["derivation_lines"], *gluon.summary_lines()]
     backward = derive_gluon_backward(spec, arch) if context["gluon"] else None
@@ -435,8 +441,9 @@ def render_module(
     kind: KernelKind,
     derivation: Derivation,
     backward: BackwardDerivation | None = None,
+    gluon: GluonDerivation | None = None,
 ) -> str:
-    context = build_context(spec, kind, derivation, backward)
+    context = build_context(spec, kind, derivation, backward, gluon)
     source = render_template(TEMPLATE_FOR_KIND[kind], context)
     check_module_source(source, context["module_name"], ENTRY_POINTS[kind])
     return source

@@ -100,8 +100,9 @@ def test_autotune_loop_records_a_winner_and_resumes(tmp_path, monkeypatch):
         buckets=TINY,
         timer=_fake_timer,
     )
-    (outcome,) = outcomes
+    outcome, gluon = outcomes  # the tile-level forward, then the sm90 Gluon forward's knobs
     assert outcome.winner is not None and outcome.tried == 3 and outcome.complete
+    assert gluon.kernel == "gluon" and gluon.winner is None  # the interpreter runs no Gluon
     db = read_tuning_file(tmp_path / "sm90.json")
     entry = db["entries"][entry_key(SPEC, KernelKind.prefill)]
     assert entry["config"] == outcome.winner.as_dict() and len(entry["candidates"]) == 3
@@ -150,7 +151,7 @@ def test_autotune_loop_records_a_winner_and_resumes(tmp_path, monkeypatch):
 
 def test_autotune_budget_stops_early_and_marks_the_search_partial(tmp_path):
     console = Console(file=open(tmp_path / "log.txt", "w"), width=200)
-    (outcome,) = autotune(
+    outcome, gluon = autotune(
         [SPEC],
         tmp_path,
         budget_s=0.0,
@@ -161,7 +162,8 @@ def test_autotune_budget_stops_early_and_marks_the_search_partial(tmp_path):
         buckets=TINY,
         timer=_fake_timer,
     )
-    assert outcome.tried == 0 and not outcome.complete and outcome.winner is None
+    for kernel in (outcome, gluon):
+        assert kernel.tried == 0 and not kernel.complete and kernel.winner is None
 
 
 def test_entry_key_ignores_fields_that_do_not_change_the_kernel():

@@ -122,6 +122,15 @@ section_command() {
       yaml.safe_dump(g, open('/tmp/backward_grid_d256.yaml', 'w'))\" && \
       python3 -m attngen autotune /tmp/backward_grid_d256.yaml --arch sm90 --kernels backward \
       --budget ${GRID_BUDGET:-420}; rc=\$?; cp tuning/sm90.json tuning/.progress-sm90.json $work/; exit \$rc" ;;
+    # The Gluon forward's knobs: the CLI on examples/qwen2_5_7b.yaml into $work/tuning (the
+    # repository's tuning/ untouched), whose prefill entry must gain the "gluon" field with
+    # times (copied back); then the test that builds from such a file and runs the winner.
+    autotune_gluon) echo "python3 -m attngen autotune examples/qwen2_5_7b.yaml --arch sm90 \
+      --kernels forward --max-configs 2 --budget 150 --tuning $work/tuning; rc=\$?; \
+      python3 -c \"import json, sys; e = json.load(open('$work/tuning/sm90.json'))['entries']; \
+      g = [v['gluon'] for v in e.values() if 'gluon' in v]; print('gluon fields:', g); \
+      sys.exit(0 if g and g[0]['median_ms'] else 1)\" || rc=1; exit \$rc" ;;
+    autotune_gluon_test) echo "$pytest_gpu -rf --tb=short tests/test_tuning_gluon_gpu.py" ;;
     ondemand_tests) echo "$pytest_gpu tests/test_ondemand_gpu.py" ;;
     cold_start) echo "python3 tools/ondemand_cold_start.py --json $work/cold_start.json" ;;
     cp_bwd_tests) echo "NCCL_NVLS_ENABLE=0 $pytest_gpu tests/test_context_parallel_gpu.py -k gradients" ;;

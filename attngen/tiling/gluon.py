@@ -142,6 +142,7 @@ class GluonDerivation:
     chosen: GluonCandidate | None
     words: int = 0  # capture_words of the spec
     tiles: int = 0  # extra_tiles of the spec
+    source: str = "derived"  # or "tuned on <GPU>, <date>" (tuning.database.tuned_gluon), or why not
 
     def summary_lines(self) -> tuple[str, ...]:
         """The header's and explain's lines: the model and the chosen config's numbers."""
@@ -163,6 +164,7 @@ class GluonDerivation:
             f"{best.consumer_regs_needed} of {best.config.consumer_regs}",
             f"  {feasible} of {len(self.candidates)} candidates feasible; rule: two consumers,",
             f"  the widest BLOCK_N, the fewest stages holding {RING_BYTES // 1024} KiB of K/V",
+            *(() if self.source == "derived" else (f"  config: {self.source}",)),
         )
 
 

@@ -19,7 +19,8 @@ module picks by sequence length). Results go into tuning/<arch>.json
 keyed by spec and by the kernel's text (a changed template is measured afresh), so an
 interrupted run resumes where it stopped, and the budget bounds the whole run. The gradient
 kernels of specs with `backward: true` are tuned after the prefill kernels (or alone:
-`kernels="backward"`) by attngen/tuning/autotune_backward.py, under the same budget.
+`kernels="backward"`) by attngen/tuning/autotune_backward.py, under the same budget; the
+Gluon forward's knobs of sm90 prefill modules after the tile-level forward (autotune_gluon.py).
 
 This module imports torch and triton; the build path never imports it.
 """
@@ -49,6 +50,7 @@ from attngen.tuning.autotune_backward import (
     backward_candidates,
     tune_backward,
 )
+from attngen.tuning.autotune_gluon import gluon_candidates, tune_gluon
 from attngen.tuning.database import entry_key, read_tuning_file, tuning_path
 from attngen.tuning.measure import (
     Bucket,
@@ -169,24 +171,24 @@ def autotune(
     arch = arch or detect_arch()
     run = _tune_run(tuning_dir, arch, device, timer, budget_s)
     gpu = run.gpu
-    plans = (
-        []
-        if kernels == "backward"
-        else [(spec, *_candidates(spec, arch, max_configs)) for spec in specs]
-    )
+    forward = [] if kernels == "backward" else specs
+    plans = [(spec, *_candidates(spec, arch, max_configs)) for spec in forward]
+    gluon_plans = [(s, c) for s in forward if (c := gluon_candidates(s, arch, max_configs))]
     backward_plans = [
         (spec, backward_candidates(spec, arch, backward.max_configs)) for spec in trained
     ]
-    total = sum(len(cands) for _, _, cands in plans) + sum(
-        len(cands) for _, kernel_plans in backward_plans for _, cands in kernel_plans.values()
-    )
+    lists = [c for *_, c in plans + gluon_plans] + [
+        c for _, kernel_plans in backward_plans for _, c in kernel_plans.values()
+    ]
     outcomes = []
     with Progress(console=console, transient=False) as bar:
-        task = bar.add_task(f"autotune on {gpu} ({arch})", total=total)
+        task = bar.add_task(f"autotune on {gpu} ({arch})", total=sum(map(len, lists)))
         for spec, heuristic, cands in plans:
             outcomes.append(
                 _tune_forward(run, spec, heuristic, cands, buckets, lambda: bar.advance(task))
             )
+        for spec, found in gluon_plans:
+            outcomes.append(tune_gluon(run, spec, found, buckets, lambda: bar.advance(task)))
         for spec, kernel_plans in backward_plans:
             outcomes += tune_backward(run, spec, kernel_plans, backward, lambda: bar.advance(task))
     _print_summary(console, outcomes, arch, gpu, buckets, backward.buckets)
@@ -244,16 +246,8 @@ def _record(db, spec, heuristic, cands, results, gpu, version, buckets) -> Outco
     timed = {key: r["median_ms"] for key, r in results.items() if "median_ms" in r}
     by_key = {config_key(c.config): c.config for c in cands}
     tried = sum(1 for c in cands if config_key(c.config) in results)
-    outcome = Outcome(
-        spec,
-        heuristic,
-        None,
-        {},
-        timed.get(config_key(heuristic)),
-        tried,
-        len(cands),
-        tried == len(cands),
-    )
+    outcome = Outcome(spec, heuristic, None, {}, timed.get(config_key(heuristic)), tried,
+                      len(cands), tried == len(cands))  # fmt: skip
     usable = {
         key: t for key, t in timed.items() if key in by_key and all(b.name in t for b in buckets)
     }
@@ -266,13 +260,15 @@ def _record(db, spec, heuristic, cands, results, gpu, version, buckets) -> Outco
     # winner lose one (a few bytes of shared memory can, at an occupancy edge) makes the build
     # refuse the entry instead of using a config whose timing no longer holds.
     programs = {config_key(c.config): c.programs_per_sm for c in cands}
+    gluon = db["entries"].get(entry_key(spec, KernelKind.prefill), {}).get("gluon")
     db["entries"][entry_key(spec, KernelKind.prefill)] = {
+        **({"gluon": gluon} if gluon else {}),  # the Gluon forward's (autotune_gluon.py)
         "shorter": [
             {"up_to": up_to, "config": by_key[key].as_dict(), "programs_per_sm": programs[key]}
             for up_to, key in shorter
         ],
         "spec_name": spec.name,
-        "config": outcome.winner.as_dict(),
+        "config": by_key[best].as_dict(),
         "programs_per_sm": programs[best],
         "gpu": gpu,
         "triton": version,
@@ -330,7 +326,8 @@ def _print_summary(
 ) -> None:
     """One table for the prefill kernels and one for the gradient kernels (their own buckets:
     the time of that kernel's launch alone)."""
-    for kernels, kind_buckets in (("prefill", buckets), ("backward", backward_buckets)):
+    tables = (("prefill", buckets), ("gluon", buckets), ("backward", backward_buckets))
+    for kernels, kind_buckets in tables:
         rows = [o for o in outcomes if o.kernel.startswith(kernels)]
         if not rows:
             continue

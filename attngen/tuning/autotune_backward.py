@@ -265,17 +265,8 @@ def _record(
     timed = {key: r["median_ms"] for key, r in results.items() if "median_ms" in r}
     by_key = {config_key(c.config): c for c in cands}
     tried = sum(1 for key in by_key if key in results)
-    outcome = Outcome(
-        spec,
-        heuristic,
-        None,
-        {},
-        timed.get(config_key(heuristic)),
-        tried,
-        len(cands),
-        tried == len(cands),
-        kernel=BACKWARD_KINDS[kernel],
-    )
+    outcome = Outcome(spec, heuristic, None, {}, timed.get(config_key(heuristic)), tried,
+                      len(cands), tried == len(cands), kernel=BACKWARD_KINDS[kernel])  # fmt: skip
     usable = {
         key: t for key, t in timed.items() if key in by_key and all(b.name in t for b in buckets)
     }

@@ -15,7 +15,8 @@ version; a file of another schema is refused, not guessed at.
 The gradient kernels of a spec with `backward: true` have entries of their own, kinds
 `backward_dq`, `backward_dkdv`, and `backward_dv` / `backward_dk` for the one-gradient
 launches (BACKWARD_KINDS), under the same fields hash: the module's BWD_DQ_CONFIG,
-BWD_DKDV_CONFIG and BWD_DKDV_SPLIT come from them when present (tuned_backward_tiles).
+BWD_DKDV_CONFIG and BWD_DKDV_SPLIT come from them when present (tuned_backward_tiles). An sm90
+prefill entry may hold "gluon", the Gluon forward's knobs (tuned_gluon; an entry may hold only it).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from typing import Any
 
 from attngen.spec import AttnSpec, KernelKind, SpecError
 from attngen.tiling.backward import KERNELS, BackwardDerivation, derive_backward_tiles
+from attngen.tiling.gluon import GluonConfig, GluonDerivation, derive_gluon_tiles
+from attngen.tiling.gluon_backward import derive_gluon_backward
 from attngen.tiling.prefill import Derivation, TileConfig, choose
 
 TUNING_SCHEMA = 2  # 2: entries keyed by the kernel fields' hash (1: the whole spec's)
@@ -128,7 +131,7 @@ def lookup(
         # same key loop, registers and shared memory. Until it is tuned on its own, it takes
         # prefill's measured config, and its header says so.
         entry, borrowed = entries.get(entry_key(spec, KernelKind.prefill)), "prefill"
-    if entry is None:
+    if entry is None or "config" not in entry:  # none, or only the Gluon forward's (tuned_gluon)
         return None
     return _parse_record(
         entry, borrowed, f"{tuning_path(tuning_dir, arch)}: entry {entry_key(spec, kind)}"
@@ -175,26 +178,31 @@ def apply_tuning(derivation: Derivation, record: TuningRecord | None) -> Derivat
     if record is None:
         return derivation
     for config in (record.config, *(c for _, c in record.shorter)):
-        candidate = next((c for c in derivation.candidates if c.config == config), None)
-        if candidate is None or not candidate.feasible:
-            why = "not a candidate" if candidate is None else "; ".join(candidate.rejected)
-            raise TuningError(
-                f"tuned config {config.as_dict()} for {derivation.arch} is "
-                f"infeasible under the current model ({why}); re-run attngen "
-                "autotune"
-            )
-        measured_at = record.programs_per_sm.get(config)
-        if measured_at is not None and candidate.programs_per_sm < measured_at:
-            raise TuningError(
-                f"tuned config {config.as_dict()} for {derivation.arch} was "
-                f"measured at {measured_at} programs per SM; the current "
-                f"template fits {candidate.programs_per_sm} (it needs "
-                f"{candidate.smem_bytes} B of shared memory, "
-                f"{candidate.regs_per_thread} registers per thread), so its "
-                "timing no longer holds; re-run attngen autotune"
-            )
+        _check_tuned("", config, derivation, record)
     chosen = choose(derivation, record.config, record.describe())
     return dataclasses.replace(chosen, shorter=record.shorter)
+
+
+def _check_tuned(
+    what: str, config: TileConfig, derivation: Derivation, record: TuningRecord
+) -> None:
+    """Refuse a tuned config the current model rejects or fits at fewer programs per SM than
+    it was measured at (its timing no longer holds)."""
+    candidate = next((c for c in derivation.candidates if c.config == config), None)
+    if candidate is None or not candidate.feasible:
+        why = "not a candidate" if candidate is None else "; ".join(candidate.rejected)
+        raise TuningError(
+            f"tuned {what}config {config.as_dict()} for {derivation.arch} is infeasible under "
+            f"the current model ({why}); re-run attngen autotune"
+        )
+    measured_at = record.programs_per_sm.get(config)
+    if measured_at is not None and candidate.programs_per_sm < measured_at:
+        raise TuningError(
+            f"tuned {what}config {config.as_dict()} for {derivation.arch} was measured at "
+            f"{measured_at} programs per SM; the current model fits {candidate.programs_per_sm} "
+            f"(it needs {candidate.smem_bytes} B of shared memory, {candidate.regs_per_thread} "
+            "registers per thread), so its timing no longer holds; re-run attngen autotune"
+        )
 
 
 def tuned_backward_tiles(tuning_dir: Path | None, spec: AttnSpec, arch: str) -> BackwardDerivation:
@@ -217,21 +225,51 @@ def tuned_backward_tiles(tuning_dir: Path | None, spec: AttnSpec, arch: str) -> 
                 f"{tuning_path(tuning_dir, arch)}: entry {key} has 'shorter' "
                 "configs; the backward kernels have one config for every length"
             )
-        candidate = next((c for c in derivation.candidates if c.config == record.config), None)
-        if candidate is None or not candidate.feasible:
-            why = "not a candidate" if candidate is None else "; ".join(candidate.rejected)
-            raise TuningError(
-                f"tuned {kernel} backward config {record.config.as_dict()} for "
-                f"{arch} is infeasible under the current model ({why}); re-run "
-                "attngen autotune"
-            )
-        measured_at = record.programs_per_sm.get(record.config)
-        if measured_at is not None and candidate.programs_per_sm < measured_at:
-            raise TuningError(
-                f"tuned {kernel} backward config {record.config.as_dict()} for "
-                f"{arch} was measured at {measured_at} programs per SM; the "
-                f"current model fits {candidate.programs_per_sm}, so its timing "
-                "no longer holds; re-run attngen autotune"
-            )
+        _check_tuned(f"{kernel} backward ", record.config, derivation, record)
         tuned.append((kernel, record.config, record.describe()))
     return derive_backward_tiles(spec, arch, tuple(tuned)) if tuned else heuristic
+
+
+def gluon_knobs(config: GluonConfig) -> dict[str, int]:
+    """The Gluon forward's tuned knobs, named as the module's GLUON_CONFIG names them (the
+    register split follows from the consumers: tiling.gluon.register_split)."""
+    return {"NUM_CONSUMERS": config.consumers, "BLOCK_M": config.block_m,
+            "BLOCK_N": config.block_n, "STAGES": config.stages}  # fmt: skip
+
+
+def tuned_gluon(tuning_dir: Path | None, spec: AttnSpec, arch: str) -> GluonDerivation | None:
+    """The prefill module's Gluon forward derivation (None without one), its config the tuned
+    one from the "gluon" field of the spec's prefill entry when that is still a feasible
+    candidate of the current model; else the derived one, its source saying why the tuned one
+    is ignored (a template or model change can make it infeasible; re-tuning fixes it)."""
+    derivation = derive_gluon_tiles(spec, arch)
+    if derivation is None or derivation.chosen is None or tuning_dir is None:
+        return derivation
+    key, path = entry_key(spec, KernelKind.prefill), tuning_path(tuning_dir, arch)
+    record = read_tuning_file(path)["entries"].get(key, {}).get("gluon")
+    if record is None:
+        return derivation
+    try:
+        knobs = {
+            name: int(record["config"][name]) for name in gluon_knobs(derivation.chosen.config)
+        }
+        measured = f"{record['gpu']}, {record['date']}"
+        partial = "" if bool(record["complete"]) else ", partial search"
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise TuningError(f"{path}: entry {key}: 'gluon' is malformed ({exc!r})") from None
+    candidate = next((c for c in derivation.candidates if gluon_knobs(c.config) == knobs), None)
+    why = "not a candidate" if candidate is None else "; ".join(candidate.rejected)
+    backward = derive_gluon_backward(spec, arch)
+    if candidate is not None and not why and backward is not None and backward.chosen:
+        # The Gluon backward's launch takes the forward's setmaxnreg split (one pair of names
+        # in the module), so a forward with another consumer count would change it.
+        split = (backward.chosen.config.consumer_regs, backward.chosen.config.maxnreg)
+        if (candidate.config.consumer_regs, candidate.config.maxnreg) != split:
+            why = (
+                f"the module's Gluon backward needs the register split {split[0]}/entry {split[1]}"
+            )
+    if why:
+        return dataclasses.replace(
+            derivation, source=f"derived; the tuned {knobs} ({measured}) is ignored: {why}"
+        )
+    return dataclasses.replace(derivation, chosen=candidate, source=f"tuned on {measured}{partial}")

@@ -22,6 +22,7 @@ import triton
 from attngen.files import write_if_different
 from attngen.render import kernels_text, render_module
 from attngen.spec import AttnSpec, KernelKind, module_name
+from attngen.tiling.gluon import GluonConfig, GluonDerivation
 from attngen.tiling.prefill import TileConfig, derive_tiles
 from attngen.tuning.database import render_tuning_file
 
@@ -38,15 +39,15 @@ class Bucket:
 @dataclass
 class Outcome:
     spec: AttnSpec
-    heuristic: TileConfig
-    winner: TileConfig | None
+    heuristic: TileConfig | GluonConfig  # a Gluon config for kernel "gluon"
+    winner: TileConfig | GluonConfig | None
     winner_ms: dict[str, float]
     heuristic_ms: dict[str, float] | None
     tried: int
     candidates: int
     complete: bool
     shorter: tuple[tuple[int, TileConfig], ...] = ()
-    kernel: str = "prefill"  # or "backward_dq", "backward_dkdv"
+    kernel: str = "prefill"  # or "backward_dq", "backward_dkdv", "gluon"
 
 
 @dataclass
@@ -83,11 +84,14 @@ class TuneRun:
         write_if_different(self.db_path, render_tuning_file(self.db))
 
 
-def load_module(spec: AttnSpec, arch: str, folder: Path):
+def load_module(spec: AttnSpec, arch: str, folder: Path, gluon: GluonDerivation | None = None):
     """The spec's prefill module as the heuristic derives it (a backward spec's carries the
-    gradient kernels), written to `folder` and imported; configs are set on it per candidate."""
-    source = render_module(spec, KernelKind.prefill, derive_tiles(spec, arch))
+    gradient kernels), written to `folder` and imported; configs are set on it per candidate.
+    `gluon`: its Gluon forward rendered with that derivation's choice (a module of its own)."""
+    source = render_module(spec, KernelKind.prefill, derive_tiles(spec, arch), gluon=gluon)
     name = f"autotune_{module_name(spec, KernelKind.prefill)}"
+    if gluon is not None and gluon.chosen is not None:
+        name += "_gluon_" + config_key(gluon.chosen.config)
     path = folder / f"{name}.py"
     path.write_text(source)
     loader_spec = importlib.util.spec_from_file_location(name, path)
@@ -104,7 +108,10 @@ def kernel_digest(module) -> str:
     return hashlib.sha256(kernels_text(Path(module.__file__).read_text()).encode()).hexdigest()[:16]
 
 
-def config_key(config: TileConfig) -> str:
+def config_key(config: TileConfig | GluonConfig) -> str:
+    """A tile config's BLOCK_M x BLOCK_N x warps x stages; a Gluon config's consumers first."""
+    if isinstance(config, GluonConfig):
+        return f"{config.consumers}x{config.block_m}x{config.block_n}x{config.stages}"
     return f"{config.block_m}x{config.block_n}x{config.num_warps}x{config.num_stages}"
 
 
