@@ -97,7 +97,7 @@ def forward_lines(spec: AttnSpec, arch: str, kind: KernelKind) -> list[str]:
     """Which template the `kind` module's forward renders from, and why; with the Gluon
     forward, its derivation (attngen/tiling/gluon.py)."""
     gap = gluon_gap(spec, arch, kind)
-    derivation = None if gap else derive_gluon_tiles(spec, arch)
+    derivation = None if gap else derive_gluon_tiles(spec, arch, kind)
     if derivation is None or derivation.chosen is None:
         why = gap or "no Gluon config fits"
         return [f"   forward ({kind.value}): tile-level (prefill.py.jinja) only: {why}"]

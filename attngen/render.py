@@ -349,7 +349,7 @@ def gluon_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str, Any]
     """The warp-specialized forward's flag and config (attngen/tiling/gluon.py), or, for a
     module without it, why not (`gluon_gap`: a line attngen writes, for forward_path())."""
     gap = gluon_gap(spec, arch, kind) if kind is not KernelKind.decode else "decode"
-    gluon = derive_gluon_tiles(spec, arch) if not gap else None
+    gluon = derive_gluon_tiles(spec, arch, kind) if not gap else None
     if gluon is None or gluon.chosen is None:
         off = dict.fromkeys(_GLUON_INTS, 0)
         return {"gluon": False, "gluon_gap": gap or "no Gluon config fits", **off}
@@ -371,10 +371,11 @@ def _add_gluon(context: dict[str, Any], spec: AttnSpec, kind: KernelKind, arch: 
     """gluon_context into `context`, and the Gluon backward's (gluon_bwd: its flag); the
     header's derivation ends with the Gluon forward's and backward's."""
     context.update(gluon_context(spec, kind, arch))
-    gluon = derive_gluon_tiles(spec, arch) if context["gluon"] else None
+    gluon = derive_gluon_tiles(spec, arch, kind) if context["gluon"] else None
     if gluon is not None:
         context["derivation_lines"] = [*context["derivation_lines"], *gluon.summary_lines()]
-    backward = derive_gluon_backward(spec, arch) if context["gluon"] else None
+    prefill = context["gluon"] and kind is KernelKind.prefill  # no Gluon varlen backward
+    backward = derive_gluon_backward(spec, arch) if prefill else None
     chosen = backward.chosen if backward is not None else None
     context["gluon_bwd"] = chosen is not None
     if backward is not None and chosen is not None:
