@@ -252,12 +252,12 @@ def verify_gluon(specs: Iterable[AttnSpec], processes: int = 2) -> list[GluonRow
     (a process that imported triton under the interpreter cannot compile)."""
     rows, jobs = [], []
     for spec in specs:
-        if GLUON_ARCH not in spec.archs or KernelKind.prefill not in spec.kernels:
+        if GLUON_ARCH not in spec.archs:
             continue
-        varlen = KernelKind.varlen in spec.kernels
+        prefill, varlen = (kind in spec.kernels for kind in (KernelKind.prefill, KernelKind.varlen))
         for kind, derivation in (
-            (KernelKind.prefill, derive_gluon_tiles(spec, GLUON_ARCH)),
-            (KernelKind.prefill, derive_gluon_backward(spec, GLUON_ARCH)),
+            (KernelKind.prefill, derive_gluon_tiles(spec, GLUON_ARCH) if prefill else None),
+            (KernelKind.prefill, derive_gluon_backward(spec, GLUON_ARCH) if prefill else None),
             (
                 KernelKind.varlen,
                 derive_gluon_tiles(spec, GLUON_ARCH, KernelKind.varlen) if varlen else None,
