@@ -42,6 +42,8 @@ CASES = [
      [1000, 17, 400], [1000, 17, 900]),
     ("alibi-softcap", dict(dtype="fp16", head_dim=128, mask="none", alibi=True, softcap=30.0),
      [300, 129], [200, 400]),
+    ("chunked", dict(dtype="bf16", head_dim=128, mask="chunked", chunk_size=256),
+     [1000, 129, 0, 300], [1000, 200, 0, 300]),
 ]  # fmt: skip
 
 

@@ -65,6 +65,7 @@ BLOCK_M_CHOICES = (64,)  # one warpgroup's wgmma M
 BLOCK_N_CHOICES = (64, 128)
 STAGES_CHOICES = (2, 3, 4)
 CONSUMER_CHOICES = (2, 3)
+WINDOWED = ("sliding_window", "chunked")  # masks whose CTA reads a key range of its own
 VARLEN_WORDS = 5  # q_first and k_first for the batch, out (a 64-bit pointer) and two strides
 # Variants the kernel implements (_gluon_kernel.py.jinja), named as gluon_gap names them.
 # Those in GLUON_UNVERIFIED have not run on the H200 yet: gluon_gap refuses them (their calls
@@ -74,7 +75,7 @@ VARLEN_WORDS = 5  # q_first and k_first for the batch, out (a 64-bit pointer) an
 # "backward": the Gluon dK/dV kernel (gluon_backward.py), deterministic=False's backward;
 # "varlen": the forward of varlen modules (packed sequences, the same kernel per sequence).
 GLUON_VARIANTS = frozenset(
-    {"mask sliding_window", "softcap", "ALiBi", "sinks", "backward", "varlen"}
+    {"mask sliding_window", "mask chunked", "softcap", "ALiBi", "sinks", "backward", "varlen"}
 )
 GLUON_UNVERIFIED = GLUON_VARIANTS
 
@@ -172,9 +173,9 @@ class GluonDerivation:
 
 def capture_words(spec: AttnSpec, kind: KernelKind = KernelKind.prefill) -> int:
     """The 32-bit scalars the variant's kernel hands its partitions beyond the plain one's:
-    the window's first key, first seen key and first unmasked block; the ALiBi slope; the sink;
-    varlen's VARLEN_WORDS (the sequence's first key row, out's pointer and strides)."""
-    words = 3 * (spec.mask.value == "sliding_window") + spec.alibi + spec.sinks
+    the window's (or chunk's) first key, first seen key and first unmasked block; the ALiBi
+    slope; the sink; varlen's VARLEN_WORDS (the first key row, out's pointer and strides)."""
+    words = 3 * (spec.mask.value in WINDOWED) + spec.alibi + spec.sinks
     return words + VARLEN_WORDS * (kind is KernelKind.varlen)
 
 
@@ -192,8 +193,9 @@ def smem_expression(words: int = 0) -> sympy.Expr:
 
 
 def extra_tiles(spec: AttnSpec) -> int:
-    """[BM, BN] 32-bit tiles a consumer keeps beyond S and P: two with a window and ALiBi."""
-    return 2 * (spec.mask.value == "sliding_window" and spec.alibi)
+    """[BM, BN] 32-bit tiles a consumer keeps beyond S and P: two with a window (or chunks)
+    and ALiBi."""
+    return 2 * (spec.mask.value in WINDOWED and spec.alibi)
 
 
 @cache
