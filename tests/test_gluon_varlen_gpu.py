@@ -44,6 +44,8 @@ CASES = [
      [300, 129], [200, 400]),
     ("chunked", dict(dtype="bf16", head_dim=128, mask="chunked", chunk_size=256),
      [1000, 129, 0, 300], [1000, 200, 0, 300]),
+    ("sink-tokens", dict(dtype="bf16", head_dim=128, mask="sliding_window", window_left=127,
+                         window_right=0, sink_tokens=4), [1000, 5, 300], [1000, 300, 900]),
 ]  # fmt: skip
 
 

@@ -75,7 +75,16 @@ VARLEN_WORDS = 5  # q_first and k_first for the batch, out (a 64-bit pointer) an
 # "backward": the Gluon dK/dV kernel (gluon_backward.py), deterministic=False's backward;
 # "varlen": the forward of varlen modules (packed sequences, the same kernel per sequence).
 GLUON_VARIANTS = frozenset(
-    {"mask sliding_window", "mask chunked", "softcap", "ALiBi", "sinks", "backward", "varlen"}
+    {
+        "mask sliding_window",
+        "mask chunked",
+        "sink tokens",
+        "softcap",
+        "ALiBi",
+        "sinks",
+        "backward",
+        "varlen",
+    }
 )
 GLUON_UNVERIFIED = GLUON_VARIANTS
 
@@ -174,8 +183,9 @@ class GluonDerivation:
 def capture_words(spec: AttnSpec, kind: KernelKind = KernelKind.prefill) -> int:
     """The 32-bit scalars the variant's kernel hands its partitions beyond the plain one's:
     the window's (or chunk's) first key, first seen key and first unmasked block; the ALiBi
-    slope; the sink; varlen's VARLEN_WORDS (the first key row, out's pointer and strides)."""
-    words = 3 * (spec.mask.value in WINDOWED) + spec.alibi + spec.sinks
+    slope; the sink; the sink tokens' block count; varlen's VARLEN_WORDS (the first key row,
+    out's pointer and strides)."""
+    words = 3 * (spec.mask.value in WINDOWED) + spec.alibi + spec.sinks + bool(spec.sink_tokens)
     return words + VARLEN_WORDS * (kind is KernelKind.varlen)
 
 
