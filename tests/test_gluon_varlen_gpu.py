@@ -79,9 +79,9 @@ def _packed(spec, lens_q, lens_k, seed, gaps=(), tail=0):
         qs.append(q[0, :, :nq].transpose(0, 1))
         ks.append(k[0, :, :nk].transpose(0, 1))
         vs.append(v[0, :, :nk].transpose(0, 1))
-        ks.append(torch.full_like(k[0, :, :gap].transpose(0, 1), float("nan")))
-        vs.append(torch.full_like(v[0, :, :gap].transpose(0, 1), float("inf")))
-    qs.append(torch.full_like(qs[0][:1].expand(tail, -1, -1), float("nan")))
+        ks.append(k.new_full((gap, *k.shape[1:2], k.shape[3]), float("nan")))
+        vs.append(v.new_full((gap, *v.shape[1:2], v.shape[3]), float("inf")))
+    qs.append(qs[0].new_full((tail, *qs[0].shape[1:]), float("nan")))
     packed = [torch.cat(t).contiguous() for t in (qs, ks, vs)]
     return seqs, packed, seqs[0][3]
 

@@ -35,20 +35,8 @@ from attngen.verify.compiler import (
 )
 
 _KERNEL = "_gluon_attn_fwd_kernel"
-_INTS = (
-    "n_q",
-    "n_keys",
-    "n_heads",
-    "group",
-    "diag",
-    "num_m_blocks",
-    "stride_slopes_b",
-    "total_q",
-    "total_k",
-    "stride_om",
-    "stride_oh",
-    "stride_lse_h",
-)  # and varlen's
+_INTS = ("n_q", "n_keys", "n_heads", "group", "diag", "num_m_blocks", "stride_slopes_b",
+         "total_q", "total_k", "stride_om", "stride_oh", "stride_lse_h")  # fmt: skip
 _VARLEN_POINTERS = ("CuSeqlensQ", "CuSeqlensK", "SequsedK")
 _BWD_KERNEL = "_gluon_attn_bwd_kernel"
 _BWD_INTS = ("n_q", "n_keys", "n_heads", "group", "n_pad", "diag", "num_n_blocks", "stride_kn",
@@ -184,13 +172,8 @@ def compile_gluon(
     return record
 
 
-def _compile_into(
-    record: dict[str, Any],
-    spec: AttnSpec,
-    chosen: GluonCandidate | BwdCandidate,
-    log: io.StringIO,
-    kind: KernelKind = KernelKind.prefill,
-) -> None:
+def _compile_into(record: dict[str, Any], spec: AttnSpec, chosen: GluonCandidate | BwdCandidate,
+                  log: io.StringIO, kind: KernelKind = KernelKind.prefill) -> None:  # fmt: skip
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -237,17 +220,17 @@ def judge_gluon(row: GluonRow) -> None:
         row.problems.append("no wgmma in the PTX")
 
 
-def _compile_job(
-    payload: tuple[dict[str, Any], GluonCandidate | BwdCandidate, KernelKind],
-) -> dict[str, Any]:
+def _compile_job(payload: tuple[dict[str, Any], GluonCandidate | BwdCandidate, KernelKind],
+                 ) -> dict[str, Any]:  # fmt: skip
     data, chosen, kind = payload
     (spec,) = specs_from_data(data)
     return compile_gluon(spec, chosen, kind)
 
 
 def verify_gluon(specs: Iterable[AttnSpec], processes: int = 2) -> list[GluonRow]:
-    """One row per spec whose sm90 prefill module has the Gluon forward, and one per spec whose
-    module has the Gluon backward, compiled and judged.
+    """One row per spec whose sm90 prefill module has the Gluon forward, one per spec whose
+    module has the Gluon backward and one per varlen module with the forward, compiled and
+    judged.
     As compiler.compile_iter, the compiles run in spawned workers without TRITON_INTERPRET
     (a process that imported triton under the interpreter cannot compile)."""
     rows, jobs = [], []
