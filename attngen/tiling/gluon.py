@@ -66,7 +66,7 @@ BLOCK_N_CHOICES = (64, 128)
 STAGES_CHOICES = (2, 3, 4)
 CONSUMER_CHOICES = (2, 3)
 WINDOWED = ("sliding_window", "chunked")  # masks whose CTA reads a key range of its own
-VARLEN_WORDS = 5  # q_first and k_first for the batch, out (a 64-bit pointer) and two strides
+VARLEN_WORDS = 4  # q_first, k_first, out's row pointer and stride: one more 16-byte step
 # Variants the kernel implements (_gluon_kernel.py.jinja), named as gluon_gap names them.
 # Those in GLUON_UNVERIFIED have not run on the H200 yet: gluon_gap refuses them (their calls
 # stay tile-level) unless ATTNGEN_GLUON_VARIANTS=1 is set where the module is built (tests,
