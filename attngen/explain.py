@@ -100,8 +100,11 @@ def forward_lines(
     forward, its derivation (attngen/tiling/gluon.py) and its config's source: tuned (a
     prefill module with a usable "gluon" tuning field), else derived and why."""
     gap = gluon_gap(spec, arch, kind)
-    derive = tuned_gluon if kind is KernelKind.prefill else lambda _, s, a: derive_gluon_tiles(s, a)
-    derivation = None if gap else derive(tuning_dir, spec, arch)
+    derivation = None
+    if not gap and kind is KernelKind.prefill:
+        derivation = tuned_gluon(tuning_dir, spec, arch)
+    elif not gap:  # varlen modules keep the derived config
+        derivation = derive_gluon_tiles(spec, arch, kind)
     if derivation is None or derivation.chosen is None:
         why = gap or "no Gluon config fits"
         return [f"   forward ({kind.value}): tile-level (prefill.py.jinja) only: {why}"]

@@ -263,7 +263,11 @@ def build_context(
     context.update(_training_context(spec, kind, derivation, backward))
     _add_gluon(context, spec, kind, derivation.arch, gluon)
     # attngen/host's parts for this kind and these paths, verbatim: the module's last lines
+    if kind is KernelKind.varlen and context["gluon"]:  # a plan would replay the tile-level step
+        context["call_plans"] = False
     flags = {flag: bool(context[flag]) for flag in ("tma", "gluon", "call_plans")}
+    if kind is KernelKind.varlen:  # TMA's host part only for the Gluon forward's layout checks
+        flags["tma"] = flags["gluon"]
     flags["expressions"] = spec.score_mod is not None or spec.mask_mod is not None
     context["host_code"] = host_code(kind, **flags)
     if kind is KernelKind.decode:
@@ -353,7 +357,7 @@ def gluon_context(
     derivation), or, for a module without it, why not (`gluon_gap`: a line attngen writes, for
     forward_path())."""
     gap = gluon_gap(spec, arch, kind) if kind is not KernelKind.decode else "decode"
-    gluon = (gluon or derive_gluon_tiles(spec, arch)) if not gap else None
+    gluon = (gluon or derive_gluon_tiles(spec, arch, kind)) if not gap else None
     if gluon is None or gluon.chosen is None:
         off = dict.fromkeys(_GLUON_INTS, 0)
         return {"gluon": False, "gluon_gap": gap or "no Gluon config fits", **off}
@@ -376,10 +380,11 @@ def _add_gluon(context: dict[str, Any], spec: AttnSpec, kind: KernelKind, arch: 
     """gluon_context into `context`, and the Gluon backward's (gluon_bwd: its flag); the
     header's derivation ends with the Gluon forward's and backward's."""
     context.update(gluon_context(spec, kind, arch, gluon))
-    gluon = (gluon or derive_gluon_tiles(spec, arch)) if context["gluon"] else None
+    gluon = (gluon or derive_gluon_tiles(spec, arch, kind)) if context["gluon"] else None
     if gluon is not None:
         context["derivation_lines"] = [*context["derivation_lines"], *gluon.summary_lines()]
-    backward = derive_gluon_backward(spec, arch) if context["gluon"] else None
+    prefill = context["gluon"] and kind is KernelKind.prefill  # no Gluon varlen backward
+    backward = derive_gluon_backward(spec, arch) if prefill else None
     chosen = backward.chosen if backward is not None else None
     context["gluon_bwd"] = chosen is not None
     if backward is not None and chosen is not None:

@@ -169,6 +169,14 @@ VARIANTS = {
         "gl.load(Slopes +",
     ),
     "alibi-d256": (dict(dtype="bf16", head_dim=256, alibi=True), "slope_log2 * gl.abs("),
+    "sink-tokens-d128": (
+        dict(dtype="bf16", head_dim=128, sink_tokens=4, **_WIN),
+        "def _gluon_col0(",
+    ),
+    "chunked-d128": (
+        dict(dtype="bf16", head_dim=128, mask="chunked", chunk_size=256),
+        "// _CHUNK_SIZE * _CHUNK_SIZE",
+    ),
     "sinks-d128": (dict(dtype="fp16", head_dim=128, sinks=True), "m_sink = gl.maximum("),
     "window-alibi-d64": (
         dict(
@@ -203,8 +211,7 @@ def test_the_variants_are_built_only_with_the_switch(name, monkeypatch):
 @pytest.mark.parametrize(
     "fields, gap",
     [
-        (dict(sink_tokens=4, **_WIN), "sink tokens"),
-        (dict(mask="chunked", chunk_size=256), "mask chunked"),
+        (dict(dropout=True, backward=True), "dropout"),
         (dict(dtype="fp32", softcap=30.0), "fp32"),
     ],
 )

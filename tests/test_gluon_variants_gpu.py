@@ -1,4 +1,4 @@
-"""The Gluon forward's variants (sliding windows, softcap, ALiBi, sinks) on the H200:
+"""The Gluon forward's variants (windows, sink tokens, chunks, softcap, ALiBi, sinks) on the H200:
 `pytest -m gpu tests/test_gluon_variants_gpu.py`.
 
 They are built only with ATTNGEN_GLUON_VARIANTS=1 until these pass (GLUON_UNVERIFIED in
@@ -152,6 +152,78 @@ CASES = [
         (1, 300, 100),
     ),
     ("sinks-none-d256", dict(dtype="bf16", head_dim=256, mask="none", sinks=True), (1, 400, 400)),
+    # Llama 4's chunked layers (chunk 8192 there; 256 puts several chunks in a sequence)
+    (
+        "chunked-gqa",
+        dict(
+            dtype="bf16",
+            head_dim=128,
+            mask="chunked",
+            chunk_size=256,
+            num_q_heads=8,
+            num_kv_heads=1,
+        ),
+        (2, 1000, 1000),
+    ),
+    (
+        "chunked-odd-top-left",
+        dict(dtype="fp16", head_dim=64, mask="chunked", chunk_size=100, causal_align="top_left"),
+        (1, 700, 300),
+    ),
+    (
+        "chunked-prefix-d256",
+        dict(dtype="bf16", head_dim=256, mask="chunked", chunk_size=64),
+        (1, 300, 1000),
+    ),
+    ("chunked-small", dict(dtype="bf16", head_dim=64, mask="chunked", chunk_size=3), (1, 200, 200)),
+    # StreamingLLM: 4 sink tokens beside a 128 window; sinks far from, next to and inside it
+    (
+        "sink-tokens",
+        dict(
+            dtype="bf16",
+            head_dim=64,
+            mask=_WIN,
+            window_left=127,
+            window_right=0,
+            sink_tokens=4,
+            num_q_heads=8,
+            num_kv_heads=2,
+        ),
+        (2, 1000, 1000),
+    ),
+    (
+        "sink-tokens-wide-top-left",
+        dict(
+            dtype="fp16",
+            head_dim=128,
+            mask=_WIN,
+            window_left=300,
+            window_right=0,
+            sink_tokens=130,
+            causal_align="top_left",
+        ),
+        (1, 700, 900),
+    ),
+    (
+        "sink-tokens-both-sides",
+        dict(
+            dtype="bf16", head_dim=128, mask=_WIN, window_left=64, window_right=64, sink_tokens=64
+        ),
+        (1, 500, 500),
+    ),
+    (
+        "sink-tokens-d256-learned-sinks",
+        dict(
+            dtype="bf16",
+            head_dim=256,
+            mask=_WIN,
+            window_left=200,
+            window_right=0,
+            sink_tokens=1,
+            sinks=True,
+        ),
+        (1, 600, 600),
+    ),
 ]
 
 
@@ -213,13 +285,25 @@ def test_alibi_per_batch_slopes(monkeypatch):
         )
 
 
+_CHUNKS = dict(mask="chunked", chunk_size=200)
+
+
 @pytest.mark.parametrize("align", ["bottom_right", "top_left"])
-def test_nan_and_inf_in_keys_outside_every_window_leave_the_output_bitwise(align, monkeypatch):
-    """Keys left of every row's window (the first block's head) and right of it (the last
-    block's tail): K NaN and V inf there must not reach the output (V's rows are zeroed)."""
-    spec = make_spec(
-        dtype="bf16", head_dim=64, mask=_WIN, window_left=100, window_right=30, causal_align=align
-    )
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(mask=_WIN, window_left=100, window_right=30),
+        _CHUNKS,
+        dict(mask=_WIN, window_left=100, window_right=30, sink_tokens=70),
+    ],
+    ids=["window", "chunks", "sink-tokens"],
+)
+def test_nan_and_inf_in_keys_outside_every_window_leave_the_output_bitwise(
+    align, fields, monkeypatch
+):
+    """Keys left of every row's window or chunk (the first block's head) and right of it (the
+    last block's tail): K NaN and V inf there must not reach the output (V's rows zeroed)."""
+    spec = make_spec(dtype="bf16", head_dim=64, causal_align=align, **fields)
     module = variant_module(spec, monkeypatch)
     nq, nk = 300, 700
     q, k, v, _ = make_inputs(spec, 1, nq, nk, seed=53, device="cuda")

@@ -164,7 +164,8 @@ section_command() {
     # The Gluon forward's variants and the modules' Gluon dK/dV backward (both built with
     # ATTNGEN_GLUON_VARIANTS=1 inside the tests): float64 checks through the public functions.
     gluon_tests) echo "$pytest_gpu -rf --tb=short tests/test_gluon_gpu.py tests/test_gluon_variants_gpu.py \
-      tests/test_gluon_backward_gpu.py" ;;
+      tests/test_gluon_backward_gpu.py tests/test_gluon_varlen_gpu.py" ;;
+    gluon_varlen_tests) echo "$pytest_gpu -rf --tb=short tests/test_gluon_varlen_gpu.py" ;;
     gluon_bwd_tests) echo "$pytest_gpu -rf --tb=short tests/test_gluon_backward_gpu.py" ;;
     # The Gluon dK/dV backward through flash_attn_func against the tile-level backward, cuDNN
     # and FA4 (FA4 where importable: `source tools/gpu_fa4.sh` in the same call first).

@@ -13,8 +13,9 @@ PARTS = {
     "launch": (("prefill", "varlen", "decode"), None),
     "checks": (("prefill", "varlen"), None),
     "varlen": (("varlen",), None),
-    "tma": (("prefill",), "tma"),  # Hopper's TMA K/V loads (render: code_paths' tma)
-    "gluon": (("prefill",), "gluon"),  # the warp-specialized forward (render: gluon_context)
+    "tma": (("prefill", "varlen"), "tma"),  # Hopper's TMA K/V loads (render: code_paths' tma)
+    "gluon": (("prefill", "varlen"), "gluon"),  # the warp-specialized forward (gluon_context)
+    "gluon_varlen": (("varlen",), "gluon"),  # its packed-sequence layouts
     "plans": (("prefill", "varlen"), "call_plans"),  # call plans (render: call_plans)
     "prefill_plans": (("prefill",), "call_plans"),
     "varlen_plans": (("varlen",), "call_plans"),

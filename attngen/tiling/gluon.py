@@ -65,14 +65,28 @@ BLOCK_M_CHOICES = (64,)  # one warpgroup's wgmma M
 BLOCK_N_CHOICES = (64, 128)
 STAGES_CHOICES = (2, 3, 4)
 CONSUMER_CHOICES = (2, 3)
+WINDOWED = ("sliding_window", "chunked")  # masks whose CTA reads a key range of its own
+VARLEN_WORDS = 4  # q_first, k_first, out's row pointer and stride: one more 16-byte step
 # Variants the kernel implements (_gluon_kernel.py.jinja), named as gluon_gap names them.
 # Those in GLUON_UNVERIFIED have not run on the H200 yet: gluon_gap refuses them (their calls
 # stay tile-level) unless ATTNGEN_GLUON_VARIANTS=1 is set where the module is built (tests,
 # tools, `attngen verify-tiling --gluon`; such on-demand builds get a cache folder of their
 # own). A variant opens to users when its GPU tests pass and its name leaves the set.
-# "backward": the Gluon dK/dV kernel (gluon_backward.py), deterministic=False's backward.
-GLUON_VARIANTS = frozenset({"mask sliding_window", "softcap", "ALiBi", "sinks", "backward"})
-GLUON_UNVERIFIED = frozenset({"mask sliding_window", "softcap", "ALiBi", "sinks", "backward"})
+# "backward": the Gluon dK/dV kernel (gluon_backward.py), deterministic=False's backward;
+# "varlen": the forward of varlen modules (packed sequences, the same kernel per sequence).
+GLUON_VARIANTS = frozenset(
+    {
+        "mask sliding_window",
+        "mask chunked",
+        "sink tokens",
+        "softcap",
+        "ALiBi",
+        "sinks",
+        "backward",
+        "varlen",
+    }
+)
+GLUON_UNVERIFIED = GLUON_VARIANTS
 
 
 def gluon_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
@@ -81,7 +95,8 @@ def gluon_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
     tile-level kernel, which serves every spec."""
     if arch != GLUON_ARCH:
         return f"{arch} has no warp-specialized kernel (wgmma, TMA and setmaxnreg are sm90's)"
-    if kind is not KernelKind.prefill:
+    served = GLUON_VARIANTS - (frozenset() if unverified_variants_on() else GLUON_UNVERIFIED)
+    if kind is not KernelKind.prefill and (kind is not KernelKind.varlen or "varlen" not in served):
         return f"{kind.value}: packed sequences need per-sequence descriptors (not written yet)"
     if spec.dtype.itemsize != 2:
         return f"{spec.dtype.value}: wgmma takes 16-bit operands"
@@ -90,7 +105,6 @@ def gluon_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
     if spec.head_dim not in GLUON_HEAD_DIMS:
         dims = ", ".join(map(str, GLUON_HEAD_DIMS))
         return f"head dim {spec.head_dim}: the kernel is laid out and checked for {dims} only"
-    served = GLUON_VARIANTS - (frozenset() if unverified_variants_on() else GLUON_UNVERIFIED)
     for present, feature in (
         (spec.mask.value not in ("none", "causal"), f"mask {spec.mask.value}"),
         (spec.softcap, "softcap"),
@@ -168,10 +182,13 @@ class GluonDerivation:
         )
 
 
-def capture_words(spec: AttnSpec) -> int:
+def capture_words(spec: AttnSpec, kind: KernelKind = KernelKind.prefill) -> int:
     """The 32-bit scalars the variant's kernel hands its partitions beyond the plain one's:
-    the window's first key, first seen key and first unmasked block; the ALiBi slope; the sink."""
-    return 3 * (spec.mask.value == "sliding_window") + spec.alibi + spec.sinks
+    the window's (or chunk's) first key, first seen key and first unmasked block; the ALiBi
+    slope; the sink; the sink tokens' block count; varlen's VARLEN_WORDS (the first key row,
+    out's pointer and strides)."""
+    words = 3 * (spec.mask.value in WINDOWED) + spec.alibi + spec.sinks + bool(spec.sink_tokens)
+    return words + VARLEN_WORDS * (kind is KernelKind.varlen)
 
 
 @cache
@@ -188,8 +205,9 @@ def smem_expression(words: int = 0) -> sympy.Expr:
 
 
 def extra_tiles(spec: AttnSpec) -> int:
-    """[BM, BN] 32-bit tiles a consumer keeps beyond S and P: two with a window and ALiBi."""
-    return 2 * (spec.mask.value == "sliding_window" and spec.alibi)
+    """[BM, BN] 32-bit tiles a consumer keeps beyond S and P: two with a window (or chunks)
+    and ALiBi."""
+    return 2 * (spec.mask.value in WINDOWED and spec.alibi)
 
 
 @cache
@@ -232,19 +250,23 @@ def _preference(candidate: GluonCandidate, itemsize: int, d: int, dv: int) -> tu
     return (config.consumers == 2, config.block_n, enough, stages)
 
 
-def derive_gluon_tiles(spec: AttnSpec, arch: str) -> GluonDerivation | None:
-    """The Gluon forward's derivation for a prefill module of `spec` on `arch`, or None when
-    gluon_gap says the module has no Gluon forward."""
-    return _derive_gluon_tiles(spec, arch, unverified_variants_on())
+def derive_gluon_tiles(
+    spec: AttnSpec, arch: str, kind: KernelKind = KernelKind.prefill
+) -> GluonDerivation | None:
+    """The Gluon forward's derivation for the `kind` module (prefill or varlen) of `spec` on
+    `arch`, or None when gluon_gap says the module has no Gluon forward."""
+    return _derive_gluon_tiles(spec, arch, kind, unverified_variants_on())
 
 
 @cache
-def _derive_gluon_tiles(spec: AttnSpec, arch: str, unverified: bool) -> GluonDerivation | None:
-    if gluon_gap(spec, arch, KernelKind.prefill):
+def _derive_gluon_tiles(
+    spec: AttnSpec, arch: str, kind: KernelKind, unverified: bool
+) -> GluonDerivation | None:
+    if gluon_gap(spec, arch, kind):
         return None
     d, dv, itemsize = spec.head_dim, spec.value_head_dim, spec.dtype.itemsize
     budget = ARCHS[arch].smem_budget
-    words, tiles = capture_words(spec), extra_tiles(spec)
+    words, tiles = capture_words(spec, kind), extra_tiles(spec)
     candidates = tuple(
         _candidate(d, dv, itemsize, consumers, block_m, block_n, stages, budget, words, tiles)
         for consumers in CONSUMER_CHOICES

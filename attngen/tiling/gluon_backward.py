@@ -59,8 +59,8 @@ def gluon_backward_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
     if not spec.backward:
         return "backward: false"
     gap = gluon_gap(spec, arch, kind)
-    if gap:
-        return gap
+    if gap or kind is not KernelKind.prefill:
+        return gap or f"{kind.value}: the dK/dV kernel reads padded batches only"
     if BACKWARD in GLUON_UNVERIFIED and not unverified_variants_on():
         return "not verified on a GPU yet (built with ATTNGEN_GLUON_VARIANTS=1)"
     if spec.head_dim not in HEAD_DIMS:

@@ -35,7 +35,9 @@ from attngen.verify.compiler import (
 )
 
 _KERNEL = "_gluon_attn_fwd_kernel"
-_INTS = ("n_q", "n_keys", "n_heads", "group", "diag", "num_m_blocks", "stride_slopes_b")
+_INTS = ("n_q", "n_keys", "n_heads", "group", "diag", "num_m_blocks", "stride_slopes_b",
+         "total_q", "total_k", "stride_om", "stride_oh", "stride_lse_h")  # fmt: skip
+_VARLEN_POINTERS = ("CuSeqlensQ", "CuSeqlensK", "SequsedK")
 _BWD_KERNEL = "_gluon_attn_bwd_kernel"
 _BWD_INTS = ("n_q", "n_keys", "n_heads", "group", "n_pad", "diag", "num_n_blocks", "stride_kn",
              "stride_kh")  # fmt: skip
@@ -48,11 +50,13 @@ class GluonRow:
     chosen: GluonCandidate | BwdCandidate
     record: dict[str, Any] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    kind: KernelKind = KernelKind.prefill
 
     def line(self) -> str:
         config = self.chosen.config
         verdict = "ok" if not self.problems else "FAIL: " + "; ".join(self.problems)
         kernel = "dK/dV" if isinstance(self.chosen, BwdCandidate) else "forward"
+        kernel = f"{self.kind.value} {kernel}" if self.kind is KernelKind.varlen else kernel
         return (
             f"  {self.spec} {kernel}: {config.describe()}: shared {self.record.get('shared')} B "
             f"(model {self.chosen.smem_bytes} B), spills {self.record.get('spill_stores')} B, "
@@ -60,9 +64,9 @@ class GluonRow:
         )
 
 
-def gluon_kernel(spec: AttnSpec, name: str = _KERNEL) -> Any:
-    """The kernel `name` of the spec's sm90 prefill module (rendered, imported)."""
-    tile_kernel = load_kernel(spec, GLUON_ARCH, KernelKind.prefill)
+def gluon_kernel(spec: AttnSpec, name: str = _KERNEL, kind: KernelKind = KernelKind.prefill) -> Any:
+    """The kernel `name` of the spec's sm90 `kind` module (rendered, imported)."""
+    tile_kernel = load_kernel(spec, GLUON_ARCH, kind)
     return tile_kernel.fn.__globals__[name]
 
 
@@ -107,13 +111,15 @@ def gluon_bwd_source(spec: AttnSpec, kernel: Any, chosen: BwdCandidate, causal: 
 
 
 def gluon_source(spec: AttnSpec, kernel: Any, chosen: GluonCandidate, causal: bool) -> Any:
-    """The GluonASTSource of attention()'s launch on contiguous tensors, LSE stored."""
+    """The GluonASTSource of attention()'s (varlen: attention_varlen()'s, no seqused_k)
+    launch on contiguous tensors, LSE stored."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     config = chosen.config
     dtype = getattr(gl, spec.dtype.torch_name)
     signature = {"Lse": "*fp32", "Slopes": "*fp32", "Sinks": "*fp32", "qk_scale": "fp32"}
+    signature.update(dict.fromkeys(_VARLEN_POINTERS, "*i32"), Out=f"*{spec.dtype.value}")
     signature.update(dict.fromkeys(_INTS, "i32"))  # the variants' params, where the kernel has them
     for name, rows, width in (
         ("q_desc", config.block_m, spec.head_dim),
@@ -132,6 +138,8 @@ def gluon_source(spec: AttnSpec, kernel: Any, chosen: GluonCandidate, causal: bo
         "CONSUMER_REGS": config.consumer_regs,
         "PRODUCER_REGS": config.producer_regs,
     }
+    if "USE_SEQUSED_K" in kernel.arg_names:
+        constexprs["USE_SEQUSED_K"] = False
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     ordered = {name: signature[name] for name in kernel.arg_names}
     return GluonASTSource(
@@ -141,7 +149,9 @@ def gluon_source(spec: AttnSpec, kernel: Any, chosen: GluonCandidate, causal: bo
     )
 
 
-def compile_gluon(spec: AttnSpec, chosen: GluonCandidate | BwdCandidate) -> dict[str, Any]:
+def compile_gluon(
+    spec: AttnSpec, chosen: GluonCandidate | BwdCandidate, kind: KernelKind = KernelKind.prefill
+) -> dict[str, Any]:
     """Cross-compile the spec's Gluon kernel for sm90 with `chosen`; the cubin's numbers, or
     the failure in ``error``."""
     record: dict[str, Any] = {"error": None}
@@ -152,7 +162,7 @@ def compile_gluon(spec: AttnSpec, chosen: GluonCandidate | BwdCandidate) -> dict
     with tempfile.TemporaryDirectory(prefix="attngen-gluon-") as cache:
         os.environ["TRITON_CACHE_DIR"] = cache
         try:
-            _compile_into(record, spec, chosen, log)
+            _compile_into(record, spec, chosen, log, kind)
         finally:
             if saved is None:
                 os.environ.pop("TRITON_CACHE_DIR", None)
@@ -162,9 +172,8 @@ def compile_gluon(spec: AttnSpec, chosen: GluonCandidate | BwdCandidate) -> dict
     return record
 
 
-def _compile_into(
-    record: dict[str, Any], spec: AttnSpec, chosen: GluonCandidate | BwdCandidate, log: io.StringIO
-) -> None:
+def _compile_into(record: dict[str, Any], spec: AttnSpec, chosen: GluonCandidate | BwdCandidate,
+                  log: io.StringIO, kind: KernelKind = KernelKind.prefill) -> None:  # fmt: skip
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -175,7 +184,7 @@ def _compile_into(
             if isinstance(chosen, BwdCandidate):
                 source = gluon_bwd_source(spec, gluon_kernel(spec, _BWD_KERNEL), chosen, causal)
             else:
-                source = gluon_source(spec, gluon_kernel(spec), chosen, causal)
+                source = gluon_source(spec, gluon_kernel(spec, _KERNEL, kind), chosen, causal)
         options = {"num_warps": 4, "maxnreg": chosen.config.maxnreg}
         with _compiled_not_interpreted(), knobs.nvidia.scope(), contextlib.redirect_stdout(log):
             knobs.nvidia.dump_ptxas_log = True
@@ -211,26 +220,35 @@ def judge_gluon(row: GluonRow) -> None:
         row.problems.append("no wgmma in the PTX")
 
 
-def _compile_job(payload: tuple[dict[str, Any], GluonCandidate | BwdCandidate]) -> dict[str, Any]:
-    data, chosen = payload
+def _compile_job(payload: tuple[dict[str, Any], GluonCandidate | BwdCandidate, KernelKind],
+                 ) -> dict[str, Any]:  # fmt: skip
+    data, chosen, kind = payload
     (spec,) = specs_from_data(data)
-    return compile_gluon(spec, chosen)
+    return compile_gluon(spec, chosen, kind)
 
 
 def verify_gluon(specs: Iterable[AttnSpec], processes: int = 2) -> list[GluonRow]:
-    """One row per spec whose sm90 prefill module has the Gluon forward, and one per spec whose
-    module has the Gluon backward, compiled and judged.
+    """One row per spec whose sm90 prefill module has the Gluon forward, one per spec whose
+    module has the Gluon backward and one per varlen module with the forward, compiled and
+    judged.
     As compiler.compile_iter, the compiles run in spawned workers without TRITON_INTERPRET
     (a process that imported triton under the interpreter cannot compile)."""
     rows, jobs = [], []
     for spec in specs:
-        if GLUON_ARCH not in spec.archs or KernelKind.prefill not in spec.kernels:
+        if GLUON_ARCH not in spec.archs:
             continue
-        for derivation in (derive_gluon_tiles(spec, GLUON_ARCH),
-                           derive_gluon_backward(spec, GLUON_ARCH)):  # fmt: skip
+        prefill, varlen = (kind in spec.kernels for kind in (KernelKind.prefill, KernelKind.varlen))
+        for kind, derivation in (
+            (KernelKind.prefill, derive_gluon_tiles(spec, GLUON_ARCH) if prefill else None),
+            (KernelKind.prefill, derive_gluon_backward(spec, GLUON_ARCH) if prefill else None),
+            (
+                KernelKind.varlen,
+                derive_gluon_tiles(spec, GLUON_ARCH, KernelKind.varlen) if varlen else None,
+            ),
+        ):
             if derivation is not None and derivation.chosen is not None:
-                rows.append(GluonRow(spec.name, derivation.chosen))
-                jobs.append((spec.model_dump(mode="json"), derivation.chosen))
+                rows.append(GluonRow(spec.name, derivation.chosen, kind=kind))
+                jobs.append((spec.model_dump(mode="json"), derivation.chosen, kind))
     if not jobs:
         return rows
     saved = os.environ.pop("TRITON_INTERPRET", None)

@@ -571,12 +571,6 @@ def config_for(seqlen):
     return CONFIG
 
 
-# A launch of at most this many (program, key block) pairs reads K/V by pointer loads: two
-# tensor descriptors cost more host time than TMA saves on so small a kernel (code_paths.py
-# has the measurements). 0 under the interpreter, so the CPU tests' small shapes use TMA.
-POINTER_LOADS_UP_TO = 0 if _INTERPRET else 512
-
-
 # -- the warp-specialized forward (Gluon, Hopper) -------------------------------------------
 # Config (attngen/tiling/gluon.py): 2 consumer warpgroups x 64 rows, BLOCK_N 128,
 # 2 stages, setmaxnreg 240/24. _GLUON_DIAG: a row's diagonal counts from the keys' end.
@@ -588,6 +582,12 @@ _GLUON_CONSTEXPRS = ({"STORE_LSE": False, "CAUSAL": True, "STAGES": 2, "NUM_CONS
 _GLUON_CONSTEXPRS += (dict(_GLUON_CONSTEXPRS[0], STORE_LSE=True),)  # [return_lse]
 _GLUON_DTYPE = gl.bfloat16
 _GLUON_DIAG = True
+
+
+# A launch of at most this many (program, key block) pairs reads K/V by pointer loads: two
+# tensor descriptors cost more host time than TMA saves on so small a kernel (code_paths.py
+# has the measurements). 0 under the interpreter, so the CPU tests' small shapes use TMA.
+POINTER_LOADS_UP_TO = 0 if _INTERPRET else 512
 
 
 def _gluon_run(launch, q, k, v, out, lse_arg, qk_scale):

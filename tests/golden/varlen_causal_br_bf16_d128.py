@@ -888,6 +888,225 @@ def _validate_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k):
             )
 
 
+# -- host code: attngen/host/tma.py, copied verbatim -------------------------------------------
+_ELEMENT_SIZE = DTYPE.itemsize
+_TMA_LAYOUTS: dict[tuple, bool] = {}  # (k shape, k strides, v shape, v strides) -> TMA fits
+_CHECKED_BLOCKS: set[tuple[int, ...]] = set()  # block shapes a real TensorDescriptor checked
+
+
+def kv_load_path(k: torch.Tensor, v: torch.Tensor) -> str:
+    """How the kernel reads K/V blocks of a launch larger than POINTER_LOADS_UP_TO (program,
+    key block) pairs: "tma" (tensor descriptors, Hopper's copy engine) or "pointers: <why
+    not>"; smaller launches read by pointers. Both are exact; under TMA, keys of a block at
+    the causal diagonal, a window edge or the sequence end that a row must not see are
+    masked in registers. TMA needs a unit head-dim stride, the base and the other strides
+    16-byte aligned (no broadcast stride 0), and at least one key."""
+    for name, t in (("k", k), ("v", v)):
+        why = _tma_layout_problem(name, t.shape, t.stride())
+        if why is None and t.data_ptr() % 16:
+            why = f"{name} base address is not 16-byte aligned"
+        if why is not None:
+            return "pointers: " + why
+    return "tma"
+
+
+def _tma_layout_problem(name: str, shape: tuple[int, ...], strides: tuple[int, ...]) -> str | None:
+    """Why a K or V tensor of this shape and these strides cannot be read through TMA (None:
+    it can, given a 16-byte aligned base)."""
+    if shape[2] == 0:
+        return f"{name} has no keys"
+    if strides[3] != 1:
+        return f"{name} head-dim stride is {strides[3]}, not 1"
+    for size, stride in zip(shape[:3], strides[:3], strict=True):
+        if (stride * _ELEMENT_SIZE) % 16 or (stride == 0 and size > 1):
+            return f"{name} strides {tuple(strides)} are not 16-byte multiples"
+    return None
+
+
+def _tma_layout_fits(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether K and V's layouts let TMA read them at 16-byte aligned bases (remembered)."""
+    layout = (k.shape, k.stride(), v.shape, v.stride())
+    fits = _TMA_LAYOUTS.get(layout)
+    if fits is None:
+        fits = (_tma_layout_problem("k", *layout[:2]) is None
+                and _tma_layout_problem("v", *layout[2:]) is None)  # fmt: skip
+        if len(_TMA_LAYOUTS) >= _LAUNCH_CACHE_SIZE:
+            _TMA_LAYOUTS.clear()
+        _TMA_LAYOUTS[layout] = fits
+    return fits
+
+
+def _uses_tma(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """kv_load_path(k, v) == "tma": the layout's answer remembered, the bases read per call."""
+    return _tma_layout_fits(k, v) and (k.data_ptr() | v.data_ptr()) & 15 == 0
+
+
+def _descriptor(t: torch.Tensor, block: tuple[int, ...]) -> TensorDescriptor:
+    """TensorDescriptor(t, shape, strides, block) for a tensor _uses_tma accepted. Its
+    constructor's checks (alignment and strides: those of _uses_tma; the block shape: fixed
+    per module) run the first time a block shape is seen and under the interpreter; later
+    descriptors are filled in directly."""
+    if block not in _CHECKED_BLOCKS or not _FAST_LAUNCH:
+        descriptor = TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
+        _CHECKED_BLOCKS.add(block)
+        return descriptor
+    descriptor = object.__new__(TensorDescriptor)
+    descriptor.base, descriptor.shape, descriptor.strides = t, list(t.shape), list(t.stride())
+    descriptor.block_shape, descriptor.padding = list(block), "zero"
+    return descriptor
+
+
+# -- host code: attngen/host/gluon.py, copied verbatim -----------------------------------------
+# attention() runs _gluon_attn_fwd_kernel when a call fits it, else _attn_fwd_kernel: under
+# Triton's interpreter (no Gluon there), or a layout TMA cannot read or write (a unit head-dim
+# stride, the other strides and the base 16-byte aligned). Both write the same outputs and LSE
+# (so the backward takes either's); forward_path() says which ran this thread's last call.
+GLUON_PATH = "gluon warp-specialized"
+_GLUON_LAYOUTS: dict = {}  # (block rows, head dim) -> the NVMMA shared layout of that block
+_GLUON_PLANS: dict = {}  # (q, k, v, out shapes and strides, return_lse) -> (launch or None, why)
+_GLUON_CHECKED: set = set()  # descriptor (shape, strides, block) a TensorDescriptor validated
+_FORWARD = threading.local()  # .path: this thread's last forward (forward_path)
+_INTERPRETED = "Triton's interpreter runs no Gluon kernel"
+
+
+def forward_path() -> str:
+    """Which forward kernel ran this thread's last call of this module: GLUON_PATH, or
+    "tile-level: <why the Gluon kernel did not>"."""
+    return getattr(_FORWARD, "path", "tile-level: no call yet")
+
+
+def expected_forward_path() -> str:
+    """What forward_path() says after a call whose layout fits the Gluon kernel."""
+    return "tile-level: " + _INTERPRETED if _INTERPRET else GLUON_PATH
+
+
+def _gluon_layout(q, k, v, out, return_lse):
+    """(launch, None) when the Gluon kernel can run a call of this layout (q, k, v, out in
+    [B, H, N, D] order, any strides) at 16-byte aligned bases, else (None, why not); the
+    launch: (grid, ints, constexprs, each tensor's descriptor (shape, strides, block,
+    layout) as the kernel reads it, [B, N, H, D]). Remembered per layout."""
+    layout = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.shape,
+              out.stride(), return_lse)  # fmt: skip
+    known = _GLUON_PLANS.get(layout)
+    if known is not None:
+        return known
+    why = _INTERPRETED if _INTERPRET else None
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        why = why or _tma_layout_problem(name, t.shape, t.stride())
+    batch, heads, seqlen_q, _ = q.shape
+    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    num_m_blocks = -(-seqlen_q // (GLUON_CONFIG["BLOCK_M"] * GLUON_CONFIG["NUM_CONSUMERS"]))
+    grid = num_m_blocks * batch * heads
+    if why is None and grid * -(-seqlen_k // GLUON_CONFIG["BLOCK_N"]) <= POINTER_LOADS_UP_TO:
+        why = (f"a launch of at most {POINTER_LOADS_UP_TO} (CTA, key block) pairs, whose four "
+               "TMA descriptors would cost more host time than the kernel saves")  # fmt: skip
+    known = (None, why)
+    if why is None:
+        _check_grid(grid)
+        diag = seqlen_k - seqlen_q if _GLUON_DIAG else 0
+        ints = (seqlen_q, seqlen_k, heads, heads // kv_heads, diag, num_m_blocks)
+        descs = tuple([_gluon_meta(t, GLUON_CONFIG[rows])
+                       for t, rows in ((q, "BLOCK_M"), (k, "BLOCK_N"), (v, "BLOCK_N"),
+                                       (out, "BLOCK_M"))])  # fmt: skip
+        known = ((grid, ints, _GLUON_CONSTEXPRS[return_lse], descs), None)
+    if len(_GLUON_PLANS) >= _LAUNCH_CACHE_SIZE:
+        _GLUON_PLANS.clear()
+    _GLUON_PLANS[layout] = known
+    return known
+
+
+def _gluon_meta(t: torch.Tensor, rows: int) -> tuple:
+    """The descriptor of t ([B, H, N, D] order) the kernel reads: [B, N, H, D], blocks of
+    [1, rows, 1, D] rows of one head."""
+    block = [1, rows, 1, t.shape[3]]
+    layout = _GLUON_LAYOUTS.get((rows, t.shape[3]))
+    if layout is None:
+        layout = gl.NVMMASharedLayout.get_default_for(block, _GLUON_DTYPE)
+        _GLUON_LAYOUTS[(rows, t.shape[3])] = layout
+    shape, strides = t.shape, t.stride()
+    return ([shape[0], shape[2], shape[1], shape[3]],
+            [strides[0], strides[2], strides[1], strides[3]], block, layout)  # fmt: skip
+
+
+def _gluon_descriptor(t: torch.Tensor, meta: tuple) -> _GluonDescriptor:
+    """The TensorDescriptor of meta over t's memory; its constructor's checks (those of
+    _gluon_layout, and the block's) run the first time a meta is seen."""
+    shape, strides, block, layout = meta
+    seen = (tuple(shape), tuple(strides), tuple(block))
+    if seen not in _GLUON_CHECKED:
+        descriptor = _GluonDescriptor(t, shape, strides, block, layout)
+        if len(_GLUON_CHECKED) >= _LAUNCH_CACHE_SIZE:
+            _GLUON_CHECKED.clear()
+        _GLUON_CHECKED.add(seen)
+        return descriptor
+    descriptor = object.__new__(_GluonDescriptor)
+    descriptor.base, descriptor.shape, descriptor.strides = t, shape, strides
+    descriptor.block_shape, descriptor.layout, descriptor.padding = block, layout, "zero"
+    return descriptor
+
+
+def _gluon_why(plan: tuple, q, k, v, out) -> str | None:
+    """None when the Gluon kernel runs a call with _gluon_layout's answer `plan`, else why
+    not (recorded for forward_path)."""
+    launch, why = plan
+    if why is None and (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15:
+        why = "a base address is not 16-byte aligned"
+    if why is not None:
+        _FORWARD.path = "tile-level: " + why
+    return why
+
+
+# -- host code: attngen/host/gluon_varlen.py, copied verbatim ----------------------------------
+
+
+def _gluon_packed_problem(name: str, t: torch.Tensor) -> str | None:
+    """Why TMA cannot read or write the packed [total, H, D] tensor t (None: it can, given a
+    16-byte aligned base)."""
+    if t.shape[0] == 0:
+        return f"{name} has no rows"
+    if t.stride(2) != 1:
+        return f"{name} head-dim stride is {t.stride(2)}, not 1"
+    pairs = zip(t.shape[:2], t.stride()[:2], strict=True)
+    if any((s * DTYPE.itemsize) % 16 or (s == 0 and n > 1) for n, s in pairs):
+        return f"{name} strides {tuple(t.stride())} are not 16-byte multiples"
+    return None
+
+
+def _gluon_varlen_layout(q, k, v, out, return_lse, max_seqlen_q, max_seqlen_k, batch,
+                         use_seqused_k):  # fmt: skip
+    """_gluon_layout's answer for attention_varlen (q, k, v, out [total, H, D], any strides
+    TMA can read; the grid from max_seqlen_q): (launch, None) or (None, why not)."""
+    layout = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.shape,
+              out.stride(), return_lse, max_seqlen_q, max_seqlen_k, batch,
+              use_seqused_k)  # fmt: skip
+    known = _GLUON_PLANS.get(layout)
+    if known is not None:
+        return known
+    why = _INTERPRETED if _INTERPRET else None
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        why = why or _gluon_packed_problem(name, t)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    num_m_blocks = -(-max_seqlen_q // (GLUON_CONFIG["BLOCK_M"] * GLUON_CONFIG["NUM_CONSUMERS"]))
+    grid = num_m_blocks * batch * heads
+    if why is None and grid * -(-max_seqlen_k // GLUON_CONFIG["BLOCK_N"]) <= POINTER_LOADS_UP_TO:
+        why = (f"a launch of at most {POINTER_LOADS_UP_TO} (CTA, key block) pairs, whose four "
+               "TMA descriptors would cost more host time than the kernel saves")  # fmt: skip
+    known = (None, why)
+    if why is None:
+        _check_grid(grid)
+        ints = (heads, heads // kv_heads, num_m_blocks, q.shape[0], k.shape[0], out.stride(0),
+                out.stride(1))  # fmt: skip
+        constexprs = [dict(c, USE_SEQUSED_K=use_seqused_k) for c in _GLUON_CONSTEXPRS]
+        descs = tuple([_gluon_meta(t.unsqueeze(0).transpose(1, 2), GLUON_CONFIG[rows])
+                       for t, rows in ((q, "BLOCK_M"), (k, "BLOCK_N"), (v, "BLOCK_N"),
+                                       (out, "BLOCK_M"))])  # fmt: skip
+        known = ((grid, ints, constexprs[return_lse], descs), None)
+    if len(_GLUON_PLANS) >= _LAUNCH_CACHE_SIZE:
+        _GLUON_PLANS.clear()
+    _GLUON_PLANS[layout] = known
+    return known
+
+
 # -- host code: attngen/host/plans.py, copied verbatim -----------------------------------------
 # A launcher's checks and derivations depend on the call's layout alone (shapes, strides,
 # dtypes, devices, ints, sm_scale, return_lse; varlen's grid is max_seqlen_q's) but for out='s
