@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from attngen.arch import arch_names
-from attngen.build import INDEX_NAME, load_specs, stale_paths
+from attngen.build import INDEX_NAME, load_specs, plan_build, stale_paths, write_build
 from attngen.cli import app
 from attngen.spec import KernelKind, module_name
 from attngen.tiling.decode import derive_decode_tiles
@@ -383,8 +383,8 @@ def test_generated_is_up_to_date() -> None:
     assert [e["path"] for e in _index(GENERATED)["modules"]] == sorted(_expected_paths(EXAMPLES))
 
 
-def test_generated_is_ruff_clean() -> None:
-    result = subprocess.run(
+def _ruff_check(folder: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [
             sys.executable,
             "-m",
@@ -396,12 +396,30 @@ def test_generated_is_ruff_clean() -> None:
             "100",
             "--select",
             "E,F,W,I,B,UP",
-            str(GENERATED),
+            str(folder),
         ],
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_generated_is_ruff_clean() -> None:
+    result = _ruff_check(GENERATED)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_gated_gluon_variants_are_ruff_clean(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The examples built with ATTNGEN_GLUON_VARIANTS=1 (the Gluon varlen forward and dK/dV
+    backward in the sm90 modules) are as clean as generated/, so a variant opened is."""
+    monkeypatch.setenv("ATTNGEN_GLUON_VARIANTS", "1")
+    write_build(plan_build(load_specs(EXAMPLES), TUNING), tmp_path)
+    sources = [path.read_text() for path in (tmp_path / "sm90").glob("*.py")]
+    assert any("def _gluon_attn_bwd_kernel(" in text for text in sources)
+    assert any("def _gluon_attn_fwd_kernel(" in text and "CuSeqlensQ" in text for text in sources)
+    result = _ruff_check(tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

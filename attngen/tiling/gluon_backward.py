@@ -28,6 +28,7 @@ module gets it only when built with ATTNGEN_GLUON_VARIANTS=1. Pure Python and sy
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 from functools import cache
 
@@ -158,16 +159,18 @@ class BwdDerivation:
         ]
         best = self.chosen
         if best is None:
-            return (*lines, f"  no config fits ({len(self.candidates)} candidates)")
-        feasible = sum(c.feasible for c in self.candidates)
-        return (
-            *lines,
-            f"  {best.config.describe()}",
-            f"  = {best.smem_bytes} B of {ARCHS[self.arch].smem_budget} B, consumer registers "
-            f"~{best.regs_needed} of {best.config.consumer_regs}",
-            f"  {feasible} of {len(self.candidates)} candidates feasible; rule: the widest "
-            "BLOCK_M, the fewest stages",
-        )
+            lines.append(f"  no config fits ({len(self.candidates)} candidates)")
+        else:
+            feasible = sum(c.feasible for c in self.candidates)
+            lines += [
+                f"  {best.config.describe()}",
+                f"  = {best.smem_bytes} B of {ARCHS[self.arch].smem_budget} B, consumer "
+                f"registers ~{best.regs_needed} of {best.config.consumer_regs}",
+                f"  {feasible} of {len(self.candidates)} candidates feasible; rule: the widest "
+                "BLOCK_M, the fewest stages",
+            ]
+        # Wrapped to 88 columns (the header's lines stay within 100).
+        return tuple(w for line in lines for w in textwrap.wrap(line, 88, subsequent_indent="    "))
 
 
 def derive_gluon_backward(spec: AttnSpec, arch: str) -> BwdDerivation | None:

@@ -191,7 +191,8 @@ def _gluon_producer(worker, NUM_CONSUMERS: gl.constexpr):
 
 @gluon.jit
 def _gluon_softmax(
-    s, m_i, l_i, cols, rows, n_keys, diag, qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr
+    s, m_i, l_i, cols, rows, n_keys, diag, qk_scale, MASK: gl.constexpr,
+    CAUSAL: gl.constexpr,
 ):
     # s: raw scores; m_i: running max of raw scores (scale > 0 so the max commutes).
     if MASK:
@@ -269,8 +270,8 @@ def _gluon_consumer_block(
 
 
 @gluon.jit
-def _gluon_mainloop(q, ring, mask, n_blocks, mask_from, key_end, state, CID: gl.constexpr,
-                    CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+def _gluon_mainloop(q, ring, mask, n_blocks, mask_from, key_end,
+                    state, CID: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
     """All key blocks of the CTA; returns (o, m_i, l_i) with O not yet normalised."""
     o, p, m_i, l_i = state
     k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn = ring
@@ -309,7 +310,8 @@ def _gluon_consumer(CID: gl.constexpr, args, CAUSAL: gl.constexpr, PINGPONG: gl.
     q_smem, k_bufs, v_bufs = smem
     q_bars, k_ready, k_empty, v_ready, v_empty, turn = bars
     batch, q_head, kv_head, m0 = coords
-    n_q, n_keys, diag, n_blocks, mask_from, qk_scale, lse_off = scalars
+    (n_q, n_keys, diag, n_blocks, mask_from, qk_scale,
+     lse_off) = scalars
     BLOCK_N: gl.constexpr = k_bufs.type.shape[2]
     HEAD_D: gl.constexpr = k_bufs.type.shape[4]
     BLOCK_M: gl.constexpr = q_smem.type.shape[2]
@@ -367,8 +369,9 @@ def _gluon_key_range(n_q, n_keys, m0, diag, CTA_M: gl.constexpr, BLOCK_N: gl.con
 @gluon.jit
 def _gluon_zero_unseen(j, ring, key_end):
     """Zeroes the rows of V_j for keys from key_end on, which no row of the CTA sees (the causal
-    tail of its last block): their P is 0, but 0 * inf or NaN stored there is not. Every
-    consumer writes the same values (zeros, or what the row holds) before its PV reads them."""
+    tail of its last block):
+    their P is 0, but 0 * inf or NaN stored there is not. Every consumer writes the same
+    values (zeros, or what the row holds) before its PV reads them."""
     k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn = ring
     STAGES: gl.constexpr = v_bufs.type.shape[0]
     BLOCK_N: gl.constexpr = v_bufs.type.shape[2]
@@ -415,8 +418,9 @@ def _gluon_barriers(NUM_CONSUMERS: gl.constexpr, STAGES: gl.constexpr):
 # the tail (the scale and the four descriptors), then constexprs.
 @gluon.jit
 def _gluon_attn_fwd_kernel(
-    Lse, n_q, n_keys, n_heads, group, diag, num_m_blocks, qk_scale, q_desc, k_desc, v_desc,
-    o_desc, STORE_LSE: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+    Lse, n_q, n_keys, n_heads, group, diag, num_m_blocks,
+    qk_scale, q_desc,
+    k_desc, v_desc, o_desc, STORE_LSE: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
     NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
@@ -434,7 +438,8 @@ def _gluon_attn_fwd_kernel(
     coords = (bh // n_heads, q_head, q_head // group, m0)
     n_blocks, mask_from = _gluon_key_range(n_q, n_keys, m0, diag, CTA_M, k_desc.block_type.shape[1],
                                            CAUSAL)
-    scalars = (n_q, n_keys, diag, n_blocks, mask_from, qk_scale, bh.to(gl.int64) * n_q)
+    scalars = (n_q, n_keys, diag, n_blocks, mask_from, qk_scale,
+               bh.to(gl.int64) * n_q)
     q_shape: gl.constexpr = [NUM_CONSUMERS] + q_desc.block_type.shape
     kv_shape: gl.constexpr = [STAGES] + k_desc.block_type.shape
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_shape, q_desc.layout)
@@ -596,8 +601,8 @@ def _gluon_run(launch, q, k, v, out, lse_arg, qk_scale):
     _FORWARD.path = GLUON_PATH
     tail = (qk_scale, _gluon_descriptor(q, descs[0]), _gluon_descriptor(k, descs[1]),
             _gluon_descriptor(v, descs[2]), _gluon_descriptor(out, descs[3]))
-    _launch(_gluon_attn_fwd_kernel, grid, q.get_device(), (lse_arg,), ints, tail, constexprs,
-            _GLUON_OPTIONS)
+    _launch(_gluon_attn_fwd_kernel, grid, q.get_device(), (lse_arg,),
+            ints, tail, constexprs, _GLUON_OPTIONS)
 
 
 def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
