@@ -165,6 +165,24 @@ def disturb(block_mask, gen: torch.Generator, drop: float, promote: float):
     return (*lists_of(partial, gen, num.dtype), *lists_of(full, gen, num.dtype), q_block, kv_block)
 
 
+def sampled_block_mask(values: torch.Tensor, params: dict, heads: int):
+    """The block mask the property tests draw from mask_mod's `values` [B, H, M, N]: B and H
+    broadcast as params["broadcast"] says, exact for its blocks, then disturbed (blocks
+    dropped and promoted); with params["full"] False every chosen block in the partial
+    lists and no full lists."""
+    one_b, one_h = params["broadcast"]
+    values = values[: 1 if one_b else values.shape[0], : 1 if one_h else heads]
+    gen = torch.Generator().manual_seed(params["seed"])
+    qb, kb = params["q_block"], params["kv_block"]
+    block_mask = exact_block_mask(values, qb, kb, gen=gen, dtype=params["index_dtype"])
+    block_mask = disturb(block_mask, gen, params["drop"], params["promote"])
+    if not params["full"]:
+        num, indices, full_num, full_indices, _, _ = block_mask
+        both = chosen_of(num, indices) | chosen_of(full_num, full_indices)
+        block_mask = (*lists_of(both, gen, num.dtype), None, None, qb, kb)
+    return block_mask
+
+
 @st.composite
 def sparse_case(draw):
     block_m, block_n = draw(st.sampled_from([16, 32])), draw(st.sampled_from([16, 32]))

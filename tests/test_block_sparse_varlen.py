@@ -25,13 +25,11 @@ from tests.memory_watch import watching
 from tests.test_block_sparse import (
     HEADS,
     _hostile,
-    chosen_of,
     dense_keep,
-    disturb,
-    exact_block_mask,
     lists_of,
     mask_mod_values,
     reference_spec,
+    sampled_block_mask,
     score_mod_tensors,
 )
 from tests.test_expression_kernels import CASES, case_tensors
@@ -117,16 +115,7 @@ def build_varlen_case(params):
     values = mask_mod_values(spec, tensors, count, max_q, max_k)
     for b, (nq, nk) in enumerate(zip(lengths_q, lengths_k, strict=True)):
         values[b, :, nq:] = values[b, :, :, nk:] = False  # blocks past it: none (torch's)
-    one_b, one_h = params["broadcast"]
-    values = values[: 1 if one_b else count, : 1 if one_h else HEADS]
-    gen = torch.Generator().manual_seed(params["seed"])
-    qb, kb = params["q_block"], params["kv_block"]
-    block_mask = exact_block_mask(values, qb, kb, gen=gen, dtype=params["index_dtype"])
-    block_mask = disturb(block_mask, gen, params["drop"], params["promote"])
-    if not params["full"]:
-        num, indices, full_num, full_indices, _, _ = block_mask
-        both = chosen_of(num, indices) | chosen_of(full_num, full_indices)
-        block_mask = (*lists_of(both, gen, num.dtype), None, None, qb, kb)
+    block_mask = sampled_block_mask(values, params, HEADS)
     return kernel, q, k, v, cu_seqlens(lengths_q), cu_seqlens(lengths_k), tensors, block_mask
 
 
