@@ -225,7 +225,7 @@ def test_expression_modules_take_the_tile_level_forward() -> None:
         kernel.forward_path()
         == "tile-level: score_mod/mask_mod: not in the warp-specialized kernel yet"
     )
-    assert not hasattr(kernel, "_gluon_run")
+    assert kernel._gluon_run is None and not hasattr(kernel, "_gluon_attn_fwd_kernel")
 
 
 def test_the_build_renders_prefill_and_varlen() -> None:

@@ -37,7 +37,7 @@ def _gqa_decode_spec(layout, page_size, name):
 
 
 def _unplanned(monkeypatch, module):
-    monkeypatch.setattr(module, "_call_key", lambda *args: None)
+    monkeypatch.setattr(module, "_call_key", lambda *args, **kwargs: None)
 
 
 @pytest.mark.parametrize("layout, page_size", [("contiguous", None), ("paged", 16)])
