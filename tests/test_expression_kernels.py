@@ -263,3 +263,24 @@ def test_the_runtime_never_routes_a_plain_call_to_an_expression_module(tmp_path)
         assert attngen.last_dispatch().module == "sm90/plain_prefill_fp32_d16"
     finally:
         use_registry(saved)
+
+
+def test_the_tiling_counts_the_pipelined_tensor_reads() -> None:
+    """A read at (q_idx, kv_idx) adds a [BLOCK_M, BLOCK_N] tile per extra stage, one at kv_idx
+    alone a [BLOCK_N] row, reads of neither nothing (the H200's 245760 B for the relative
+    bias at 128 x 128 x 3 stages, where the model without them said 115712)."""
+    from attngen.arch import ARCHS
+    from attngen.tiling.prefill import derive_tiles, expression_read_bytes
+
+    reads = {c: expression_read_bytes(make_spec(name="t", **CASES[c])) for c in CASES}
+    assert reads["relative_bias"] == (4, 0) and reads["document"] == (0, 4)
+    assert reads["softcap"] == reads["alibi"] == (0, 0)
+    bias = derive_tiles(
+        make_spec(name="t", dtype="bf16", head_dim=64, **CASES["relative_bias"]), "sm90"
+    )
+    plain = derive_tiles(make_spec(name="t", dtype="bf16", head_dim=64), "sm90")
+    with_reads, without = ({c.config: c.smem_bytes for c in d.candidates} for d in (bias, plain))
+    for config, size in with_reads.items():
+        extra = (config.num_stages - 1) * config.block_m * config.block_n * 4
+        assert size == without[config] + extra
+    assert bias.chosen is not None and with_reads[bias.chosen] <= ARCHS["sm90"].smem_budget

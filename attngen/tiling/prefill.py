@@ -28,6 +28,7 @@ from functools import cache
 from typing import Any
 
 from attngen.arch import ARCHS, GpuArch
+from attngen.expressions import parsed
 from attngen.spec import AttnSpec
 from attngen.tiling.evaluate import LazyText, active_formula
 from attngen.tiling.evaluate import active_branch as active_branch
@@ -237,6 +238,29 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
     return choose(derivation, best.config, "heuristic")
 
 
+_READ_BYTES = {"int32": 4, "int64": 8, "float32": 4, "bf16": 2, "fp16": 2, "bool": 1}
+
+
+def expression_read_bytes(spec: AttnSpec) -> tuple[int, int]:
+    """Bytes per element of the score_mod / mask_mod tensor reads in the key loop that the
+    model adds per extra stage: (reads indexed by q_idx and kv_idx: a [BLOCK_M, BLOCK_N] tile
+    each, by kv_idx alone: a [BLOCK_N] row each). Triton's pipeliner buffers such a load as
+    it does K and V, num_stages - 1 copies in shared memory: on the H200 a relative-bias
+    table's read took a 128 x 128 x 3-stage bf16 D 64 forward to 245760 B where the model
+    without it said 115712."""
+    tile = row = 0
+    for field_name in ("score_mod", "mask_mod"):
+        tree = parsed(spec, field_name)
+        for node in tree.nodes() if tree is not None else ():
+            if node.op != "load":
+                continue
+            names = {n.value for a in node.args for n in a.nodes() if n.op == "var"}
+            size = _READ_BYTES[next(t.dtype for t in spec.tensors if t.name == node.value)]
+            if "kv_idx" in names:
+                tile, row = (tile + size, row) if "q_idx" in names else (tile, row + size)
+    return tile, row
+
+
 def _candidate(
     spec: AttnSpec,
     arch: GpuArch,
@@ -250,7 +274,8 @@ def _candidate(
     """One config measured by the model: its shared memory, registers and occupancy, why it
     is rejected (if it is), and its score on the reference problem."""
     bm, bn, w, s = config.block_m, config.block_n, config.num_warps, config.num_stages
-    smem = int(smem_f(bm, bn, s, w, d, dv, e))
+    tile, row = expression_read_bytes(spec)
+    smem = int(smem_f(bm, bn, s, w, d, dv, e)) + (s - 1) * (bm * bn * tile + bn * row)
     regs = int(math.ceil(regs_f(bm, bn, s, w, d, dv, e)))
     reasons = []
     if smem > arch.smem_budget:
