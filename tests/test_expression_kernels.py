@@ -270,11 +270,12 @@ def test_the_tiling_counts_the_pipelined_tensor_reads() -> None:
     alone a [BLOCK_N] row, reads of neither nothing (the H200's 245760 B for the relative
     bias at 128 x 128 x 3 stages, where the model without them said 115712)."""
     from attngen.arch import ARCHS
-    from attngen.tiling.prefill import derive_tiles, expression_read_bytes
+    from attngen.tiling.prefill import ExpressionReads, derive_tiles, expression_reads
 
-    reads = {c: expression_read_bytes(make_spec(name="t", **CASES[c])) for c in CASES}
-    assert reads["relative_bias"] == (4, 0) and reads["document"] == (0, 4)
-    assert reads["softcap"] == reads["alibi"] == (0, 0)
+    reads = {c: expression_reads(make_spec(name="t", **CASES[c])) for c in CASES}
+    assert reads["relative_bias"] == ExpressionReads(tile=4)
+    assert reads["document"] == ExpressionReads(kv_row=4, q_row=4)
+    assert reads["softcap"] == reads["alibi"] == ExpressionReads()
     bias = derive_tiles(
         make_spec(name="t", dtype="bf16", head_dim=64, **CASES["relative_bias"]), "sm90"
     )
@@ -284,3 +285,30 @@ def test_the_tiling_counts_the_pipelined_tensor_reads() -> None:
         extra = (config.num_stages - 1) * config.block_m * config.block_n * 4
         assert size == without[config] + extra
     assert bias.chosen is not None and with_reads[bias.chosen] <= ARCHS["sm90"].smem_budget
+
+
+def test_the_tiling_of_tensor_reads_against_the_compiler() -> None:
+    """The forward's term is exact and the gradient kernels' a bound, checked against Triton's
+    sm90 cross-compile: the relative-bias table (a trainable tile read) at the derived configs
+    and at the 3-stage forward the H200 refused, a document mask's rows in the backward."""
+    from attngen.tiling.backward import derive_backward_tiles
+    from attngen.tiling.prefill import TileConfig, derive_tiles
+    from attngen.verify.compiler import compile_one
+    from tests.test_expression_backward import expression_backward_spec
+
+    spec = expression_spec("relative_bias", "bf16", False)
+    derivation = derive_tiles(spec, "sm90")
+    modelled = {c.config: c.smem_bytes for c in derivation.candidates}
+    assert derivation.chosen is not None
+    for config in (derivation.chosen, TileConfig(128, 128, 8, 3)):
+        assert compile_one(spec, "sm90", config)["shared"] == modelled[config], config
+    for case in ("relative_bias", "document"):
+        spec = expression_backward_spec(case, "bf16", False)
+        backward = derive_backward_tiles(spec, "sm90")
+        for kernel in ("dq", "dkdv"):
+            chosen = getattr(backward, kernel).chosen_candidate
+            assert chosen is not None
+            shared = compile_one(spec, "sm90", chosen.config, kernel=kernel)["shared"]
+            # the bound's excess: the trainable tile's scratch is sm80's size (see
+            # attngen.tiling.backward.expression_smem), rows carry ROW_SLACK
+            assert chosen.smem_bytes - 12288 <= shared <= chosen.smem_bytes, (case, kernel)

@@ -47,8 +47,10 @@ from attngen.tiling.prefill import (
     REGISTER_MARGIN,
     Candidate,
     Derivation,
+    ExpressionReads,
     TileConfig,
     binding_constraint,
+    expression_reads,
     padded_head_dim,
 )
 from attngen.tiling.prefill_model import BM, BN, DV, D, E, S, W
@@ -332,10 +334,33 @@ def derive_backward_tiles(spec: AttnSpec, arch_name: str, tuned: Tuned = ()) -> 
     return BackwardDerivation(**derived, split=split)
 
 
+# The allocator's alignment of the pipelined row buffers and their layout conversions: at most
+# 2176 B beyond the rows themselves in the cross-compiles of sm80 and sm90 (document masks,
+# int32 rows, every feasible 4- and 8-warp config of both kernels).
+ROW_SLACK = 2304
+
+
+def expression_smem(reads: ExpressionReads, kernel: str, config: TileConfig) -> int:
+    """A bound on the shared memory the score_mod / mask_mod tensor reads add to a gradient
+    kernel. Its loop streams the other side (dQ: keys, dK/dV: queries) and the pipeliner
+    buffers each read that changes per step as the forward's key loop does: num_stages - 1
+    copies of a [BLOCK_M, BLOCK_N] tile per read at (q_idx, kv_idx) and of a row per read at
+    the streamed index alone (exact in the compiles), rows with ROW_SLACK. A trainable tile's
+    gradient, scattered by the dK/dV kernels, takes a min(BLOCK_M, 32) x BLOCK_N fp32
+    conversion scratch (exact on sm80, an upper bound on sm90)."""
+    bm, bn, s = config.block_m, config.block_n, config.num_stages
+    row = reads.kv_row * bn if kernel == "dq" else reads.q_row * bm
+    extra = (s - 1) * (bm * bn * reads.tile + row) + (ROW_SLACK if row else 0)
+    if reads.trainable and kernel != "dq":
+        extra += min(bm, 32) * bn * 4
+    return extra
+
+
 def _candidate(
     arch: GpuArch,
     kernel: str,
     config: TileConfig,
+    reads: ExpressionReads,
     smem_f: Callable[..., Any],
     regs_f: Callable[..., Any],
     d: int,
@@ -345,7 +370,7 @@ def _candidate(
     """One config of `kernel` measured by the model: its shared memory, registers and
     occupancy, why it is rejected (if it is), and its score."""
     bm, bn, w, s = config.block_m, config.block_n, config.num_warps, config.num_stages
-    smem = int(smem_f(bm, bn, s, w, d, dv, e))
+    smem = int(smem_f(bm, bn, s, w, d, dv, e)) + expression_smem(reads, kernel, config)
     regs = int(math.ceil(regs_f(bm, bn, s, w, d, dv, e)))
     reasons = []
     if smem > arch.smem_budget:
@@ -389,8 +414,9 @@ def _derive(
     smem_expr = smem_expression(arch, kernel, spec.dropout)
     regs_expr = regs_expression(arch, kernel)
     smem_f, regs_f = compiled(smem_expr, MODEL_SYMBOLS), compiled(regs_expr, MODEL_SYMBOLS)
+    reads = expression_reads(spec)
     candidates = [
-        _candidate(arch, kernel, TileConfig(bm, bn, w, s), smem_f, regs_f, d, dv, e)
+        _candidate(arch, kernel, TileConfig(bm, bn, w, s), reads, smem_f, regs_f, d, dv, e)
         for bm, bn, w, s in itertools.product(
             BLOCK_CHOICES, BLOCK_CHOICES, NUM_WARPS_CHOICES, NUM_STAGES_CHOICES
         )

@@ -62,6 +62,8 @@ from attngen.tiling.prefill import (
     TileConfig,
     choose,
     constraint_labels,
+    expression_reads,
+    key_loop_read_smem,
     padded_head_dim,
 )
 from attngen.tiling.prefill_model import (
@@ -163,12 +165,14 @@ def _candidates(
 ) -> list[Candidate]:
     d, dv = padded_head_dim(spec.head_dim), padded_head_dim(spec.value_head_dim)
     smem_f, regs_f = numeric_model(arch, tma=False)  # decode loads through pointers
+    reads = expression_reads(spec)
     candidates = []
     for rows, bn, w, s in itertools.product(
         row_tiles, block_ns, DECODE_WARPS_CHOICES, DECODE_STAGES_CHOICES
     ):
         at = (rows, bn, s, w, d, dv, spec.dtype.itemsize)  # MODEL_SYMBOLS' order
-        smem_b, regs_t = int(smem_f(*at)), int(math.ceil(regs_f(*at)))
+        reads_b = key_loop_read_smem(reads, TileConfig(rows, bn, w, s))
+        smem_b, regs_t = int(smem_f(*at)) + reads_b, int(math.ceil(regs_f(*at)))
         reasons = []
         if smem_b > arch.smem_budget:
             reasons.append(f"smem {smem_b} B > {arch.smem_budget} B")

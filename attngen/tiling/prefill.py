@@ -241,24 +241,50 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
 _READ_BYTES = {"int32": 4, "int64": 8, "float32": 4, "bf16": 2, "fp16": 2, "bool": 1}
 
 
-def expression_read_bytes(spec: AttnSpec) -> tuple[int, int]:
-    """Bytes per element of the score_mod / mask_mod tensor reads in the key loop that the
-    model adds per extra stage: (reads indexed by q_idx and kv_idx: a [BLOCK_M, BLOCK_N] tile
-    each, by kv_idx alone: a [BLOCK_N] row each). Triton's pipeliner buffers such a load as
-    it does K and V, num_stages - 1 copies in shared memory: on the H200 a relative-bias
-    table's read took a 128 x 128 x 3-stage bf16 D 64 forward to 245760 B where the model
-    without it said 115712."""
-    tile = row = 0
+@dataclass(frozen=True)
+class ExpressionReads:
+    """Bytes per element of the score_mod / mask_mod tensor reads, by what indexes them: a
+    read at (q_idx, kv_idx) is a [BLOCK_M, BLOCK_N] tile, one at kv_idx alone a [BLOCK_N] row,
+    one at q_idx alone a [BLOCK_M] row (reads of neither are scalars). `trainable`: a tensor
+    read at a tile gets a gradient (the dK/dV kernel scatters a [BLOCK_M, BLOCK_N] tile)."""
+
+    tile: int = 0
+    kv_row: int = 0
+    q_row: int = 0
+    trainable: bool = False
+
+
+def expression_reads(spec: AttnSpec) -> ExpressionReads:
+    """The score_mod / mask_mod tensor reads of `spec`. Triton's software pipeliner buffers
+    such a load in the key loop as it does K and V, num_stages - 1 copies in shared memory:
+    on the H200 a relative-bias table's read took a 128 x 128 x 3-stage bf16 D 64 forward to
+    245760 B where the model without it said 115712."""
+    tile = kv_row = q_row = 0
+    trainable = False
     for field_name in ("score_mod", "mask_mod"):
         tree = parsed(spec, field_name)
         for node in tree.nodes() if tree is not None else ():
             if node.op != "load":
                 continue
             names = {n.value for a in node.args for n in a.nodes() if n.op == "var"}
-            size = _READ_BYTES[next(t.dtype for t in spec.tensors if t.name == node.value)]
-            if "kv_idx" in names:
-                tile, row = (tile + size, row) if "q_idx" in names else (tile, row + size)
-    return tile, row
+            declared = next(t for t in spec.tensors if t.name == node.value)
+            size = _READ_BYTES[declared.dtype]
+            if {"q_idx", "kv_idx"} <= names:
+                tile += size
+                trainable |= declared.trainable
+            elif "kv_idx" in names:
+                kv_row += size
+            elif "q_idx" in names:
+                q_row += size
+    return ExpressionReads(tile, kv_row, q_row, trainable)
+
+
+def key_loop_read_smem(reads: ExpressionReads, config: TileConfig) -> int:
+    """The shared memory a key loop's pipelined tensor reads take (forward and decode, whose
+    row tile is BLOCK_M): num_stages - 1 copies of a tile per read at (q_idx, kv_idx) and of a
+    [BLOCK_N] row per read at kv_idx alone; exact in the sm90 cross-compiles."""
+    bm, bn, s = config.block_m, config.block_n, config.num_stages
+    return (s - 1) * bn * (bm * reads.tile + reads.kv_row)
 
 
 def _candidate(
@@ -274,8 +300,7 @@ def _candidate(
     """One config measured by the model: its shared memory, registers and occupancy, why it
     is rejected (if it is), and its score on the reference problem."""
     bm, bn, w, s = config.block_m, config.block_n, config.num_warps, config.num_stages
-    tile, row = expression_read_bytes(spec)
-    smem = int(smem_f(bm, bn, s, w, d, dv, e)) + (s - 1) * (bm * bn * tile + bn * row)
+    smem = int(smem_f(bm, bn, s, w, d, dv, e)) + key_loop_read_smem(expression_reads(spec), config)
     regs = int(math.ceil(regs_f(bm, bn, s, w, d, dv, e)))
     reasons = []
     if smem > arch.smem_budget:

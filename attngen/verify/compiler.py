@@ -139,6 +139,25 @@ def _compiled_not_interpreted() -> Iterator[None]:
             os.environ["TRITON_INTERPRET"] = saved
 
 
+# Triton's pointer type of each dtype a spec's declared tensors may have (spec.py's list).
+_TENSOR_POINTERS = {
+    "int32": "*i32", "int64": "*i64", "float32": "*fp32", "bf16": "*bf16", "fp16": "*fp16",
+    "bool": "*i1",
+}  # fmt: skip
+
+
+def _expression_arguments(spec: AttnSpec, kernel: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """(constexprs, types) of the score_mod / mask_mod arguments: each declared tensor's
+    pointer (its gradient's fp32, accumulated by atomics), the block lists as int32, and the
+    launch without a block mask and with the tensors' gradients (a training launch)."""
+    types = {f"{t.name}_ptr": _TENSOR_POINTERS[t.dtype] for t in spec.tensors}
+    types.update({f"{t.name}_grad_ptr": "*fp32" for t in spec.tensors})
+    lists = ("KvNum", "KvIdx", "FullNum", "FullIdx", "QNum", "QIdx", "FullQNum", "FullQIdx")
+    types.update(dict.fromkeys(lists, "*i32"))
+    constexprs = {"BLOCK_SPARSE": False, "TENSOR_GRADS": True}
+    return {n: v for n, v in constexprs.items() if n in kernel.arg_names}, types
+
+
 def kernel_source(
     spec: AttnSpec,
     kernel: Any,
@@ -171,6 +190,9 @@ def kernel_source(
     # Dropout's seed and offset (int64 words), its keep scale; drop_threshold is an i32.
     types.update(RngState="*i64", keep_scale="fp32")
     types.update(dict.fromkeys(("CuSeqlensQ", "CuSeqlensK", "SequsedK"), "*i32"))  # varlen
+    expression_constexprs, expression_types = _expression_arguments(spec, kernel)
+    constexprs.update(expression_constexprs)
+    types.update(expression_types)
     for name, width in (("k_desc", spec.head_dim), ("v_desc", spec.value_head_dim)):
         block = f"[1, 1, {config.block_n}, {padded_head_dim(width)}]"
         types[name] = f"tensordesc<{spec.dtype.value}{block}>"
@@ -196,6 +218,9 @@ def _decode_source(spec: AttnSpec, kernel: Any, config: TileConfig, v_from_k: bo
         constexprs["TREE"] = False
     types = dict.fromkeys(("Q", "K", "V", "Out", "Cos", "Sin"), spec.dtype.triton_pointer)
     types["TreeMask"] = "*u8"
+    expression_constexprs, expression_types = _expression_arguments(spec, kernel)
+    constexprs.update(expression_constexprs)
+    types.update(expression_types)
     types.update(dict.fromkeys(("SeqLens", "BlockTable"), "*i32"))
     types.update(dict.fromkeys(("Lse", "PartOut", "PartLse", "Slopes", "Sinks"), "*fp32"))
 
@@ -232,6 +257,9 @@ def _backward_source(spec: AttnSpec, kernel: Any, config: TileConfig, grads: int
     )  # Sinks, DSinkPartial: with `sinks: true`
     types.update(RngState="*i64", sm_scale="fp32", keep_scale="fp32")
     types.update({"DQ": "*fp32"} if grads > 3 else {})
+    expression_constexprs, expression_types = _expression_arguments(spec, kernel)
+    constexprs.update(expression_constexprs)
+    types.update(expression_types)
     aligned = rows_aligned(spec)
 
     def divisible(name: str) -> bool:  # as the forward's: batch, head and aligned row strides
