@@ -190,9 +190,6 @@ def kernel_source(
     # Dropout's seed and offset (int64 words), its keep scale; drop_threshold is an i32.
     types.update(RngState="*i64", keep_scale="fp32")
     types.update(dict.fromkeys(("CuSeqlensQ", "CuSeqlensK", "SequsedK"), "*i32"))  # varlen
-    expression_constexprs, expression_types = _expression_arguments(spec, kernel)
-    constexprs.update(expression_constexprs)
-    types.update(expression_types)
     for name, width in (("k_desc", spec.head_dim), ("v_desc", spec.value_head_dim)):
         block = f"[1, 1, {config.block_n}, {padded_head_dim(width)}]"
         types[name] = f"tensordesc<{spec.dtype.value}{block}>"
@@ -202,7 +199,7 @@ def kernel_source(
         stride = name.startswith("stride_")
         return stride and (name.endswith(("b", "h")) or (aligned and name.endswith(("m", "n"))))
 
-    return _ast_source(kernel, constexprs, types, divisible)
+    return _ast_source(spec, kernel, constexprs, types, divisible)
 
 
 def _decode_source(spec: AttnSpec, kernel: Any, config: TileConfig, v_from_k: bool) -> Any:
@@ -218,16 +215,13 @@ def _decode_source(spec: AttnSpec, kernel: Any, config: TileConfig, v_from_k: bo
         constexprs["TREE"] = False
     types = dict.fromkeys(("Q", "K", "V", "Out", "Cos", "Sin"), spec.dtype.triton_pointer)
     types["TreeMask"] = "*u8"
-    expression_constexprs, expression_types = _expression_arguments(spec, kernel)
-    constexprs.update(expression_constexprs)
-    types.update(expression_types)
     types.update(dict.fromkeys(("SeqLens", "BlockTable"), "*i32"))
     types.update(dict.fromkeys(("Lse", "PartOut", "PartLse", "Slopes", "Sinks"), "*fp32"))
 
     def divisible(name: str) -> bool:  # every stride but the block table's
         return name.startswith("stride_") and not name.startswith("stride_bt")
 
-    return _ast_source(kernel, constexprs, types, divisible)
+    return _ast_source(spec, kernel, constexprs, types, divisible)
 
 
 def _backward_source(spec: AttnSpec, kernel: Any, config: TileConfig, grads: int = 3) -> Any:
@@ -257,25 +251,29 @@ def _backward_source(spec: AttnSpec, kernel: Any, config: TileConfig, grads: int
     )  # Sinks, DSinkPartial: with `sinks: true`
     types.update(RngState="*i64", sm_scale="fp32", keep_scale="fp32")
     types.update({"DQ": "*fp32"} if grads > 3 else {})
-    expression_constexprs, expression_types = _expression_arguments(spec, kernel)
-    constexprs.update(expression_constexprs)
-    types.update(expression_types)
     aligned = rows_aligned(spec)
 
     def divisible(name: str) -> bool:  # as the forward's: batch, head and aligned row strides
         stride = name.startswith("stride_")
         return stride and (name.endswith(("b", "h")) or (aligned and name.endswith(("m", "n"))))
 
-    return _ast_source(kernel, constexprs, types, divisible)
+    return _ast_source(spec, kernel, constexprs, types, divisible)
 
 
 def _ast_source(
-    kernel: Any, constexprs: dict[str, Any], types: dict[str, str], divisible: Callable[[str], bool]
+    spec: AttnSpec,
+    kernel: Any,
+    constexprs: dict[str, Any],
+    types: dict[str, str],
+    divisible: Callable[[str], bool],
 ) -> Any:
     """The one signature builder: constexprs by name, `types` for the tensors (every other
-    argument is the fp32 qk_scale or an i32), and tt.divisibility 16 on every pointer and on
-    the arguments `divisible(name)` names."""
+    argument is the fp32 qk_scale or an i32; the expressions' from _expression_arguments),
+    and tt.divisibility 16 on every pointer and on the arguments `divisible(name)` names."""
     from triton.compiler import ASTSource
+
+    expression_constexprs, expression_types = _expression_arguments(spec, kernel)
+    constexprs, types = {**constexprs, **expression_constexprs}, {**types, **expression_types}
 
     signature, attrs = {}, {}
     for index, name in enumerate(kernel.arg_names):
