@@ -32,6 +32,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from attngen.host.varlen import _check_varlen
 from attngen.masks import alibi_distance, visible
 
 
@@ -328,36 +329,7 @@ def check_varlen(
 ) -> None:
     """What a varlen module's attention_varlen() checks on the host (no device value read)."""
     check_tensors(q, k, v, "[T, H, D]")
-    for name, t in (
-        ("cu_seqlens_q", cu_seqlens_q),
-        ("cu_seqlens_k", cu_seqlens_k),
-        ("seqused_k", seqused_k),
-    ):
-        if t is None and name == "seqused_k":
-            continue
-        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32:
-            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
-            raise ValueError(f"{name}: expected a 1-D int32 tensor, got {got}")
-        if t.device != q.device:
-            raise ValueError(f"{name}: expected device {q.device} (as q), got {t.device}")
-        if not t.is_contiguous():
-            raise ValueError(
-                f"{name}: expected a contiguous tensor (read with stride 1), got "
-                f"strides {t.stride()}"
-            )
-    if cu_seqlens_q.numel() < 1 or cu_seqlens_k.shape != cu_seqlens_q.shape:
-        raise ValueError(
-            "cu_seqlens_q, cu_seqlens_k: expected the same shape [B + 1], got "
-            f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}"
-        )
-    if seqused_k is not None and seqused_k.numel() != cu_seqlens_q.numel() - 1:
-        raise ValueError(
-            f"seqused_k: expected shape ({cu_seqlens_q.numel() - 1},) [B], "
-            f"got {tuple(seqused_k.shape)}"
-        )
-    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"{name}: expected a Python int >= 0, got {n!r}")
+    _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
     check_alibi(alibi_slopes, q, batch=cu_seqlens_q.numel() - 1)
 
 
