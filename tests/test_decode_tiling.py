@@ -103,6 +103,33 @@ def test_a_paged_decode_config_compiles_as_recorded():
     assert {f: record[f] for f in fields} == {f: row[f] for f in fields}
 
 
+def test_the_fp8_cache_model_against_the_compiler():
+    """fp8 caches (`kv_dtype`) against live sm90 cross-compiles: exact on contiguous caches
+    (16-row mma.sync tiles at 1-3 stages, a 64-row wgmma tile), a bound on paged ones; and the
+    choice on paged caches takes BLOCK_N 128 at 2 stages, the bytes in flight of a 16-bit
+    tile of 64 keys (a third stage buffers nothing there)."""
+    from attngen.verify.compiler import compile_many
+    from tests.test_decode_fp8 import fp8_spec
+
+    def spec(layout, hq=32, hkv=8, tokens=1):
+        return fp8_spec(layout, 16 if layout == "paged" else None, dtype="bf16", head_dim=128,
+                        num_q_heads=hq, num_kv_heads=hkv, max_query_tokens=tokens)  # fmt: skip
+
+    contiguous, wide, paged = spec("contiguous"), spec("contiguous", 32, 2, 4), spec("paged")
+    jobs = [(contiguous, "sm90", TileConfig(16, 128, 4, s)) for s in (1, 2, 3)]
+    jobs += [(wide, "sm90", TileConfig(64, 32, 4, 3)), (paged, "sm90", TileConfig(16, 64, 4, 3))]
+    records = compile_many(jobs, kind=KernelKind.decode)
+    for (job_spec, arch, config), record in zip(jobs, records, strict=True):
+        modelled = next(
+            c.smem_bytes for c in derive_decode_tiles(job_spec, arch).candidates
+            if c.config == config
+        )  # fmt: skip
+        exact = job_spec.kv_layout is KvLayout.contiguous
+        assert record["error"] is None and record["shared"] is not None, record
+        assert record["shared"] == modelled if exact else record["shared"] <= modelled, config
+    assert derive_decode_tiles(paged, "sm90").chosen == TileConfig(16, 128, 4, 2)
+
+
 @pytest.mark.slow
 def test_compile_data_is_current():
     # About 4 minutes on two cores: the examples' chosen configs compiled live.

@@ -160,19 +160,37 @@ def derive_decode_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
     return choose(derivation, best.config, "heuristic")
 
 
+def fp8_cache_smem(arch: GpuArch, config: TileConfig, d: int, dv: int, e: int) -> int:
+    """Shared memory of a decode program over fp8 caches (`kv_dtype`), where the 16-bit model
+    counts every K and V element at E bytes. Cross-compiled for sm90 (D 64/128/256, BLOCK_N
+    16-128, 1-4 stages): the fp8 tiles are buffered at a byte an element as the 16-bit ones
+    are, Q and a staged P at E; wgmma (BLOCK_M >= 64) also holds one [BLOCK_N, max(D, DV)]
+    tile converted to E bytes (its B operand). Exact on contiguous caches; paged ones at 3
+    stages buffer one fp8 stage (the block table's gather is not pipelined), so it bounds
+    them there."""
+    bm, bn, s = config.block_m, config.block_n, config.num_stages
+    stage = bn * (d + dv)  # one stage of fp8 K and V
+    if arch.has_wgmma and bm >= 64:
+        return e * (bm * d + bn * max(d, dv)) + s * stage
+    if s == 1:
+        return e * bm * d + max(bn * d, e * bm * bn)
+    return e * (bm * d + (bm * bn if bm < dv else 0)) + (s - 1) * stage
+
+
 def _candidates(
     spec: AttnSpec, arch: GpuArch, row_tiles: tuple[int, ...], block_ns: tuple[int, ...]
 ) -> list[Candidate]:
     d, dv = padded_head_dim(spec.head_dim), padded_head_dim(spec.value_head_dim)
     smem_f, regs_f = numeric_model(arch, tma=False)  # decode loads through pointers
-    reads = expression_reads(spec)
+    reads, e, paged = expression_reads(spec), spec.dtype.itemsize, spec.kv_layout == "paged"
     candidates = []
     for rows, bn, w, s in itertools.product(
         row_tiles, block_ns, DECODE_WARPS_CHOICES, DECODE_STAGES_CHOICES
     ):
-        at = (rows, bn, s, w, d, dv, spec.dtype.itemsize)  # MODEL_SYMBOLS' order
-        reads_b = key_loop_read_smem(reads, TileConfig(rows, bn, w, s))
-        smem_b, regs_t = int(smem_f(*at)) + reads_b, int(math.ceil(regs_f(*at)))
+        at = (rows, bn, s, w, d, dv, e)  # MODEL_SYMBOLS' order
+        config = TileConfig(rows, bn, w, s)
+        smem_b = fp8_cache_smem(arch, config, d, dv, e) if spec.kv_dtype else int(smem_f(*at))
+        smem_b, regs_t = smem_b + key_loop_read_smem(reads, config), int(math.ceil(regs_f(*at)))
         reasons = []
         if smem_b > arch.smem_budget:
             reasons.append(f"smem {smem_b} B > {arch.smem_budget} B")
@@ -185,10 +203,12 @@ def _candidates(
         )
         if not reasons and per_sm < 1:
             reasons.append("occupancy 0 programs/SM")
-        score = 0.0 if reasons else decode_score(per_sm, bn, d, dv, spec.dtype.itemsize, s)
+        # fp8: a byte an element in flight, and paged fp8 tiles buffered once (fp8_cache_smem)
+        kv_bytes, buffered = (1, min(s, 2) if paged else s) if spec.kv_dtype else (e, s)
+        score = 0.0 if reasons else decode_score(per_sm, bn, d, dv, kv_bytes, buffered)
         candidates.append(
             Candidate(
-                TileConfig(rows, bn, w, s),
+                config,
                 smem_b,
                 regs_t,
                 per_sm,

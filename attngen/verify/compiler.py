@@ -215,6 +215,8 @@ def _decode_source(spec: AttnSpec, kernel: Any, config: TileConfig, v_from_k: bo
         constexprs["TREE"] = False
     types = dict.fromkeys(("Q", "K", "V", "Out", "Cos", "Sin"), spec.dtype.triton_pointer)
     types["TreeMask"] = "*u8"
+    types.update(KDescale="*fp32", VDescale="*fp32")  # `kv_dtype: fp8_e4m3`: fp8 caches
+    types.update(dict.fromkeys(("K", "V"), "*fp8e4nv") if spec.kv_dtype is not None else {})
     types.update(dict.fromkeys(("SeqLens", "BlockTable"), "*i32"))
     types.update(dict.fromkeys(("Lse", "PartOut", "PartLse", "Slopes", "Sinks"), "*fp32"))
 
