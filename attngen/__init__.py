@@ -16,7 +16,7 @@ paying this module's __getattr__ (an import statement) on every call.
 
 from typing import Any
 
-from attngen.names import __version__ as __version__
+from attngen.spec.names import __version__ as __version__
 
 _RUNTIME = frozenset(
     {
@@ -53,7 +53,7 @@ def __getattr__(name: str) -> Any:
     elif name == "context_parallel_attention":
         from attngen.distributed import context_parallel_attention as value
     elif name == "spec_from_config":
-        from attngen.hf_spec import spec_from_config as value
+        from attngen.spec.hf import spec_from_config as value
     else:
         raise AttributeError(f"module 'attngen' has no attribute {name!r}")
     globals()[name] = value  # later lookups find it without this function

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from attngen.files import locked, write_if_different
-from attngen.names import __version__
 from attngen.render import render_module
 from attngen.spec import AttnSpec, KernelKind, SpecError, load_spec_file, module_name
+from attngen.spec.files import locked, write_if_different
+from attngen.spec.names import __version__
 from attngen.tiling.alternatives import nearest_alternative
 from attngen.tiling.decode import derive_decode_tiles
 from attngen.tiling.prefill import derive_tiles

@@ -1,6 +1,6 @@
 """Helpers for the backward tests: a backward module with the block sizes a test wants (forward,
 dQ and dK/dV independently), padded and packed runs through autograd, the dropout mask read
-back through the module's own RNG helper, and the judgement of attngen.reference_backward."""
+back through the module's own RNG helper, and the judgement of attngen.reference.backward."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from attngen.reference import random_inputs
-from attngen.reference_backward import (
+from attngen.reference.backward import (
     compare_gradients,
     golden_backward,
     gradient_problems,

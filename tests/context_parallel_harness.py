@@ -425,7 +425,7 @@ def compare_gradients(case, grads, q, k, v, slopes, dout, dlse) -> list[str]:
     """The gathered (dq, dk, dv) against the float64 reference (RELIABILITY.md's rule for
     gradients), and against one process's attngen gradients of the whole sequence (the same
     modules, through the runtime's autograd)."""
-    from attngen import reference_backward
+    from attngen.reference import backward as reference_backward
 
     spec = golden_spec(case, (q.shape[1], k.shape[1]))
     options = dict(alibi_slopes=slopes, dlse=dlse)

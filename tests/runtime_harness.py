@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from attngen.build import plan_build, write_build
-from attngen.names import __version__
 from attngen.render import template_hash
 from attngen.runtime import registry as registry_module
 from attngen.runtime.registry import load_kernels
 from attngen.spec import specs_from_data
+from attngen.spec.names import __version__
 
 TOY_SPECS = [
     # causal bottom-right fp32, prefill and varlen (Llama-like, GQA 2:1)

@@ -16,7 +16,7 @@ import torch
 import attngen
 from attngen.build import plan_build, write_build
 from attngen.reference import attention_scores
-from attngen.reference_backward import (
+from attngen.reference.backward import (
     compare_gradients,
     golden_backward,
     gradient_problems,

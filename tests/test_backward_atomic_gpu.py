@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attngen.reference_backward import compare_gradients
+from attngen.reference.backward import compare_gradients
 from tests.backward_harness import backward_spec, cu_seqlens, packed_inputs, padded_inputs
 from tests.kernel_harness import load_kernel
 from tests.test_backward_gpu import CASES

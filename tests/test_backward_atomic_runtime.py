@@ -12,7 +12,7 @@ import torch
 
 import attngen
 from attngen.build import plan_build, write_build
-from attngen.reference_backward import compare_gradients
+from attngen.reference.backward import compare_gradients
 from attngen.runtime import backward_runs, last_backward, reset_backward_runs
 from attngen.runtime.launch import run_dense_backward
 from attngen.runtime.ops import ATOMIC, DETERMINISTIC, ENV_ATOMIC_DQ

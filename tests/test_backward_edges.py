@@ -118,7 +118,7 @@ def test_spec_fields_are_strict():
 
 
 def test_explain_and_header_show_the_backward_derivation():
-    from attngen.explain import explain_lines
+    from attngen.cli.explain import explain_lines
     from attngen.tiling.backward import derive_backward_tiles
 
     spec = make_spec(backward=True, dtype="bf16", head_dim=128)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attngen.reference_backward import (
+from attngen.reference.backward import (
     compare_gradients,
     golden_backward,
     gradient_problems,

@@ -1,5 +1,5 @@
 """The backward of the newer models' fields against float64 autograd through the reference
-(attngen.reference_backward, RELIABILITY.md's rule for gradients):
+(attngen.reference.backward, RELIABILITY.md's rule for gradients):
 
 - learned sinks (gpt-oss): dQ, dK, dV through an LSE that includes the sink, and d sinks =
   -sum over a head's rows of exp(sink - LSE) * rowsum(dO * O), summed deterministically;
@@ -406,7 +406,7 @@ def test_the_sink_gradient_is_judged_per_head_against_its_rounding_spread():
     kernel's O was as accurate as the yardstick's, yet its d sinks mean error over the 4 heads
     was 2.2x the yardstick's, which the mean rule refused; the per-head rule (6 standard
     deviations of that sum) passes it and still refuses d sinks 1% off."""
-    from attngen.reference_backward import compare_gradients
+    from attngen.reference.backward import compare_gradients
     from tests.kernel_harness import load_kernel
 
     fields = dict(

@@ -1,5 +1,5 @@
 """dQ, dK, dV of the generated backward kernels against float64 autograd through the reference,
-by the rule of shared/RELIABILITY.md (attngen.reference_backward): within 3x the error of the
+by the rule of shared/RELIABILITY.md (attngen.reference.backward): within 3x the error of the
 same math in the kernel's dtype plus a floor of two ulps (four for fp32).
 
 Hypothesis draws the spec (dtype, head dims with padding, mask, alignment, window, softcap,

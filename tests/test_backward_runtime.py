@@ -13,7 +13,7 @@ import transformers
 
 import attngen
 from attngen.build import plan_build, write_build
-from attngen.reference_backward import compare_gradients, golden_backward
+from attngen.reference.backward import compare_gradients, golden_backward
 from attngen.runtime import backward_runs, ops, reset_backward_runs
 from attngen.runtime.dispatch import Call
 from attngen.runtime.launch import run_dense, run_varlen

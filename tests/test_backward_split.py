@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attngen.reference_backward import compare_gradients
+from attngen.reference.backward import compare_gradients
 from tests.backward_harness import (
     Blocks,
     backward_spec,

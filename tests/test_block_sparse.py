@@ -21,9 +21,9 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from attngen.expressions import declared, parsed
-from attngen.masks import expression_values
 from attngen.reference import compare_to_reference
+from attngen.spec.expressions import declared, parsed
+from attngen.spec.masks import expression_values
 from tests.kernel_harness import load_kernel, make_inputs, make_spec
 from tests.memory_watch import tensor_span, watching
 from tests.test_expression_kernels import CASES, case_tensors, expression_spec

@@ -5,7 +5,7 @@ kept where its block is listed as partial and mask_mod holds, or listed as full,
 built-in mask holds; an unlisted block adds to no gradient. The gradients (dq, dk, dv and the
 trainable bias table's) are judged against float64 autograd through the reference of that
 mask (the case's spec with mask_mod replaced by a `keep` tensor) by the rule of
-shared/RELIABILITY.md (attngen.reference_backward). Block masks are made as torch's
+shared/RELIABILITY.md (attngen.reference.backward). Block masks are made as torch's
 create_block_mask makes them (full: mask_mod all true there), then disturbed (blocks dropped,
 partial blocks promoted to full, order shuffled) and made hostile; both backward paths, GQA
 (4 query heads, 2 KV heads), broadcast B and H. Every launch runs under tests/memory_watch.py.
@@ -18,7 +18,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from attngen.reference_backward import compare_gradients
+from attngen.reference.backward import compare_gradients
 from tests.backward_harness import Blocks, module_for
 from tests.kernel_harness import make_inputs, make_spec
 from tests.memory_watch import watching

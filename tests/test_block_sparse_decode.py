@@ -20,8 +20,8 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from attngen.expressions import declared, parsed
-from attngen.masks import expression_values
+from attngen.spec.expressions import declared, parsed
+from attngen.spec.masks import expression_values
 from tests.decode_harness import (
     decode_problems,
     load_decode,

@@ -17,7 +17,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from attngen.reference import lowp_reference, reference_attention
-from attngen.reference_backward import (
+from attngen.reference.backward import (
     compare_gradients,
     golden_backward,
     lowp_backward,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from attngen.capabilities import HEAD_DIMS, MATRIX_MASKS, capability_cells, render_capabilities
+from attngen.cli.capabilities import HEAD_DIMS, MATRIX_MASKS, capability_cells, render_capabilities
 from attngen.spec import Dtype
 from attngen.verify.measurements import data_path, load_measurements, triton_version
 

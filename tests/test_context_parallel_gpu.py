@@ -274,7 +274,7 @@ def two_gpu_backward_worker(
     rank: int, port: int, folder: str, out_dir: str, seq_lens: list[int]
 ) -> None:
     from attngen.distributed import context_parallel_attention, gather_sequence, shard_sequence
-    from attngen.reference_backward import compare_gradients
+    from attngen.reference.backward import compare_gradients
     from attngen.runtime.registry import load_kernels
 
     torch.cuda.set_device(rank)

@@ -7,7 +7,7 @@ import pytest
 
 import attngen.tiling.prefill as tiling
 from attngen.build import BuildError, plan_build
-from attngen.explain import explain_lines, explain_one
+from attngen.cli.explain import explain_lines, explain_one
 from attngen.render import build_context
 from attngen.spec import KernelKind
 from attngen.tiling.alternatives import nearest_alternative

@@ -1,6 +1,6 @@
 """The backward of score_mod and mask_mod (CPU interpreter): dQ, dK, dV and a trainable
 tensor's gradient against float64 autograd through the reference that evaluates the same
-trees (attngen.reference_backward, by the rule of shared/RELIABILITY.md; the trainable
+trees (attngen.reference.backward, by the rule of shared/RELIABILITY.md; the trainable
 gradient by tensor_gradient_problems, a sum over many pairs like d sinks).
 
 The cases are tests/test_expression_kernels.py's (a document mask, prefix-LM, a relative bias
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from attngen.build import plan_build
 from attngen.reference import lowp_reference, reference_attention
-from attngen.reference_backward import (
+from attngen.reference.backward import (
     compare_gradients,
     golden_backward,
     lowp_backward,

@@ -4,7 +4,7 @@ Each case is a spec built here (no example file): FlexAttention's gym of express
 document mask over packed sequences, prefix-LM, a relative-position bias table, a softcap and
 ALiBi written as expressions, a read past its tensor that must mask), with and without the
 built-in causal mask, against the float64 reference that evaluates the same tree
-(attngen.masks.expression_values), by the rule of shared/RELIABILITY.md. Every launch runs
+(attngen.spec.masks.expression_values), by the rule of shared/RELIABILITY.md. Every launch runs
 under tests/memory_watch.py: a read outside a declared tensor fails the test.
 """
 
@@ -236,12 +236,12 @@ def test_the_build_renders_prefill_and_varlen() -> None:
 
 def test_the_runtime_never_routes_a_plain_call_to_an_expression_module(tmp_path) -> None:
     """A module with score_mod / mask_mod serves only calls that ask for its expression key
-    (attngen.expressions.expression_key); a call without expressions takes the plain one."""
+    (attngen.spec.expressions.expression_key); a call without expressions takes the plain one."""
     import attngen
-    from attngen.expressions import expression_key
     from attngen.runtime.registry import load_kernels, use_registry
     from attngen.runtime.selection import Need, best_entry, mismatches
     from attngen.spec import Dtype, Mask
+    from attngen.spec.expressions import expression_key
     from tests.runtime_harness import build_folder
 
     fields = dict(dtype="fp32", head_dim=16, num_q_heads=2, num_kv_heads=2, mask="none")

@@ -5,7 +5,7 @@ which does not compile: here each case's module is compiled by Triton for sm90, 
 derived tile configs, at lengths that cross several blocks, against the float64 reference
 computed on the GPU. bf16 takes wgmma and, for D 128 prefill, K/V through TMA. The backward
 cases build the same expressions with backward: true (tests/test_expression_backward.py's
-specs: the bias table trainable) and judge the gradients by attngen.reference_backward.
+specs: the bias table trainable) and judge the gradients by attngen.reference.backward.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from attngen.reference import compare_to_reference
-from attngen.reference_backward import compare_gradients
+from attngen.reference.backward import compare_gradients
 from tests.kernel_harness import load_kernel, make_inputs, make_spec
 from tests.test_expression_kernels import CASES, case_tensors, expression_spec
 from tests.test_varlen_properties import cu_seqlens, packed_inputs

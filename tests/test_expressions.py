@@ -8,8 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from attngen.expression_grad import gradients
-from attngen.expressions import (
+from attngen.spec import KernelKind, SpecError, specs_from_data
+from attngen.spec.expression_grad import gradients
+from attngen.spec.expressions import (
     ExprError,
     Tensor,
     evaluate,
@@ -18,8 +19,7 @@ from attngen.expressions import (
     render,
     render_mod,
 )
-from attngen.names import module_name
-from attngen.spec import KernelKind, SpecError, specs_from_data
+from attngen.spec.names import module_name
 
 DOC = Tensor("doc", "int32", ("B", "N"))
 BIAS = Tensor("bias", "float32", ("H", 4095), trainable=True)
@@ -362,7 +362,7 @@ def test_spec_refuses_bad_expression_fields(fields: dict, message: str) -> None:
 
 
 def test_explain_shows_the_tree_its_kernel_text_and_gradients() -> None:
-    from attngen.explain import explain_lines
+    from attngen.cli.explain import explain_lines
 
     fields = {
         "score_mod": "score + bias[h, q_idx - kv_idx + 2047]",

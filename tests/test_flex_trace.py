@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import _vmap_for_bhqkv, and_masks, create_mask, or_masks
 
-from attngen import expressions
 from attngen.runtime.flex import blocks
 from attngen.runtime.flex.trace import Capture, TraceError, trace
+from attngen.spec import expressions
 
 B, H, Q, K = 2, 3, 9, 11
 torch.manual_seed(0)

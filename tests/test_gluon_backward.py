@@ -12,14 +12,14 @@ import pytest
 
 import attngen
 from attngen.build import plan_build, write_build
-from attngen.explain import explain_lines
-from attngen.files import VARIANTS_ENV
-from attngen.reference_backward import compare_gradients
+from attngen.cli.explain import explain_lines
+from attngen.reference.backward import compare_gradients
 from attngen.render import render_module
 from attngen.runtime import last_backward, reset_backward_runs
 from attngen.runtime.ops import ATOMIC, ATOMIC_DQ_OFF, DETERMINISTIC, GLUON_DQ
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
 from attngen.spec import KernelKind
+from attngen.spec.files import VARIANTS_ENV
 from attngen.tiling.gluon import GLUON_UNVERIFIED
 from attngen.tiling.gluon_backward import BACKWARD, derive_gluon_backward, gluon_backward_gap
 from attngen.tiling.prefill import derive_tiles

@@ -5,7 +5,7 @@ It is built only with ATTNGEN_GLUON_VARIANTS=1 until these pass ("backward" in G
 attngen/tiling/gluon.py), so every module here is built with it set, into a folder of its own.
 Each case runs the public functions with grad and deterministic=False (flash_attn_func:
 bottom-right causal or none; the SDPA drop-in: top-left is_causal), dQ, dK, dV against the
-float64 reference (RELIABILITY.md's rule, attngen.reference_backward.compare_gradients), and
+float64 reference (RELIABILITY.md's rule, attngen.reference.backward.compare_gradients), and
 the module's backward_path() must name the Gluon kernel (last_backward(): the atomic path).
 dK and dV are summed in registers in a fixed order: bitwise repeatable (dQ by atomics is not).
 """
@@ -17,11 +17,11 @@ import torch
 
 import attngen
 from attngen.build import plan_build, write_build
-from attngen.files import VARIANTS_ENV
-from attngen.reference_backward import compare_gradients
+from attngen.reference.backward import compare_gradients
 from attngen.runtime import last_backward
 from attngen.runtime.ops import ATOMIC
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
+from attngen.spec.files import VARIANTS_ENV
 from tests.kernel_harness import make_spec
 
 pytestmark = [

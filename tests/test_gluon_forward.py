@@ -13,10 +13,10 @@ import torch
 
 import attngen
 from attngen.arch import ARCHS
-from attngen.files import VARIANTS_ENV
 from attngen.render import render_module
 from attngen.runtime.registry import cache_folder, current_registry, load_kernels, use_registry
 from attngen.spec import KernelKind, load_spec_file
+from attngen.spec.files import VARIANTS_ENV
 from attngen.tiling.gluon import GLUON_UNVERIFIED, derive_gluon_tiles, gluon_gap
 from attngen.tiling.prefill import derive_tiles
 from attngen.verify.gluon import verify_gluon

@@ -14,7 +14,7 @@ import torch
 
 import attngen
 from attngen.reference import visible_mask
-from attngen.reference_backward import compare_gradients
+from attngen.reference.backward import compare_gradients
 from tests.kernel_harness import assert_matches_reference, load_kernel, make_inputs, make_spec
 from tests.safety_harness import GUARD, guarded
 

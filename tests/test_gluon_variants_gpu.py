@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attngen.files import VARIANTS_ENV
 from attngen.reference import visible_mask
 from attngen.spec import KernelKind
+from attngen.spec.files import VARIANTS_ENV
 from attngen.tiling.gluon import gluon_gap
 from tests.kernel_harness import assert_matches_reference, load_kernel, make_inputs, make_spec
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from attngen.explain import forward_lines
-from attngen.files import VARIANTS_ENV
+from attngen.cli.explain import forward_lines
 from attngen.render import render_module
 from attngen.spec import KernelKind
+from attngen.spec.files import VARIANTS_ENV
 from attngen.tiling.gluon import GLUON_UNVERIFIED, derive_gluon_tiles, gluon_gap
 from attngen.tiling.prefill import derive_tiles
 from attngen.verify.gluon import verify_gluon

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import attngen
-from attngen.files import VARIANTS_ENV
 from attngen.spec import KernelKind
+from attngen.spec.files import VARIANTS_ENV
 from attngen.tiling.gluon import gluon_gap
 from tests.kernel_harness import assert_matches_reference, load_kernel, make_inputs, make_spec
 

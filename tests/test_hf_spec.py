@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 import attngen
 from attngen.cli import app
-from attngen.hf_spec import spec_data_from_config
 from attngen.spec import SpecError, load_spec_file, specs_from_data
+from attngen.spec.hf import spec_data_from_config
 from attngen.tuning.database import NOT_TUNED_ON
 
 ROOT = Path(__file__).resolve().parent.parent

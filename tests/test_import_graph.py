@@ -26,23 +26,13 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
         "spec",
         (
             "attngen.arch",
-            "attngen.spec",
-            "attngen.spec_checks",
-            "attngen.spec_errors",
-            "attngen.expressions",
-            "attngen.expression_grad",
-            "attngen.strict_yaml",
-            "attngen.names",
-            "attngen.masks",
-            "attngen.files",
-            "attngen.hf_spec",
+            "attngen.spec",  # the spec language, its expressions, masks, names and files
             "attngen.reference",
-            "attngen.reference_backward",
         ),
     ),
     ("tiling", ("attngen.tiling", "attngen.tuning.database")),
     # attngen.host: the modules' shared host code, which render copies into them as text
-    ("render", ("attngen.render", "attngen.template_env", "attngen.host")),
+    ("render", ("attngen.render", "attngen.host")),
     ("build", ("attngen.build",)),
     ("runtime", ("attngen.runtime", "attngen.distributed")),
     (
@@ -50,8 +40,6 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "attngen.tuning",
             "attngen.verify",
-            "attngen.capabilities",
-            "attngen.explain",
             "attngen.cli",
             "attngen.__main__",
             "attngen",
@@ -215,3 +203,12 @@ def test_the_graph_reads_every_import_that_runs(
     monkeypatch.setattr(f"{__name__}.PACKAGE", package)
     assert import_graph()["attngen.probe"] == expected
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+
+
+def test_the_package_has_few_rooms() -> None:
+    """attngen/ at most 15 top-level modules and packages (one per stage and its helpers),
+    attngen/runtime/ at most 16 files: a newcomer finds a stage by its folder."""
+    top = [p.name for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()]
+    top += [p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name == "templates"]
+    assert len(top) <= 15, sorted(top)
+    assert len(list((PACKAGE / "runtime").glob("*.py"))) <= 16

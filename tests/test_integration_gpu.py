@@ -190,8 +190,8 @@ def test_llama_cache_decode_module(llama, llama32, tmp_path, mode):
     from torch._dynamo.utils import counters
 
     from attngen.build import plan_build, write_build
-    from attngen.hf_spec import spec_data_from_config
     from attngen.spec import specs_from_data
+    from attngen.spec.hf import spec_data_from_config
 
     data = spec_data_from_config(llama.config, archs=["sm90"], name="llama_static")
     data.update(kernels=["decode"], kv_layout="contiguous")

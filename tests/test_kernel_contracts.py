@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attngen.masks import alibi_distance
 from attngen.reference import reference_attention
 from attngen.runtime.fallback import torch_attention
+from attngen.spec.masks import alibi_distance
 from tests.decode_harness import (
     decode_problems,
     load_decode,

@@ -179,7 +179,7 @@ def test_cold_start_phases(tmp_path):
 def test_training_from_an_empty_cache_on_the_gpu(dim, dtype, on_demand):  # noqa: F811
     """flash_attn_func with inputs that require grad and nothing built: the module is built
     with gradient kernels and its gradients pass the rule against float64."""
-    from attngen.reference_backward import compare_gradients
+    from attngen.reference.backward import compare_gradients
 
     gen = torch.Generator(device="cuda").manual_seed(dim)
     q, k, v, dout = (

@@ -11,7 +11,7 @@ import transformers
 
 import attngen
 from attngen.build import plan_build, write_build
-from attngen.reference_backward import compare_gradients
+from attngen.reference.backward import compare_gradients
 from attngen.runtime import registry
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
 from attngen.spec import specs_from_data

@@ -137,7 +137,7 @@ def test_the_lse_floor_follows_the_dot_products_partial_sums_and_still_catches_e
 
 
 def test_the_oracle_shares_the_runtime_masks_without_importing_the_runtime():
-    """reference.py and the torch fallback read one definition of the masks (attngen.masks);
+    """reference.py and the torch fallback read one definition of the masks (attngen.spec.masks);
     the oracle must not drag in the runtime package (its registry, Triton)."""
     code = (
         "import sys, attngen.reference; "
@@ -152,6 +152,6 @@ def test_the_oracle_shares_the_runtime_masks_without_importing_the_runtime():
     )
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
     from attngen import reference
-    from attngen.masks import visible
+    from attngen.spec.masks import visible
 
     assert reference.visible is visible

@@ -16,10 +16,10 @@ from typer.testing import CliRunner
 import attngen
 from attngen.build import INDEX_NAME, plan_build, read_index, write_build
 from attngen.cli import app
-from attngen.names import __version__
 from attngen.runtime import registry
 from attngen.runtime.registry import RegistryError, current_registry, load_kernels, use_registry
 from attngen.spec import specs_from_data
+from attngen.spec.names import __version__
 from tests.ondemand_harness import on_demand  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent

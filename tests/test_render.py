@@ -19,7 +19,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from attngen import __version__, render, template_env
+from attngen import __version__, render
 from attngen.arch import ARCHS
 from attngen.render import (
     _GLUON_INTS,
@@ -31,6 +31,7 @@ from attngen.render import (
     host_code,
     render_module,
     render_template,
+    template_env,
     template_hash,
 )
 from attngen.spec import AttnSpec, KernelKind, load_spec_file, module_name, specs_from_data

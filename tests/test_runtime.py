@@ -360,7 +360,7 @@ def test_ops_count_runs_and_compile_fullgraph(toy_kernels):
 
 def test_build_path_does_not_import_torch():
     code = (
-        "import sys, attngen, attngen.cli, attngen.build, attngen.hf_spec; "
+        "import sys, attngen, attngen.cli, attngen.build, attngen.spec.hf; "
         "assert 'torch' not in sys.modules and 'triton' not in sys.modules; "
         "attngen.spec_from_config; assert 'torch' not in sys.modules; "
         "attngen.flash_attn_func; assert 'torch' in sys.modules"

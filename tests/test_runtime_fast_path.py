@@ -13,13 +13,13 @@ import pytest
 import torch
 
 import attngen
-from attngen.masks import visible
 from attngen.reference import compare_to_reference
 from attngen.runtime import dispatch, ops, selection
 from attngen.runtime.arguments import flash_mask
 from attngen.runtime.hf import attngen_attention
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
 from attngen.spec import Mask
+from attngen.spec.masks import visible
 from tests.kernel_harness import make_spec
 from tests.runtime_harness import build_folder, build_stand_ins
 from tests.test_runtime import _cache_case, qkv, rand
@@ -319,7 +319,7 @@ def test_visibility_is_defined_once_by_aligned_position():
 @pytest.mark.parametrize("module", ["selection", "registry"])
 def test_selection_imports_no_torch(module):
     """Selection (with the dispatch record), the registry and the cache are plain Python: no
-    torch or triton import (attngen.expressions, for a call's expression key, is plain too)."""
+    torch or triton import (attngen.spec.expressions, for a call's expression key, is plain too)."""
     tree = ast.parse((ROOT / "attngen" / "runtime" / f"{module}.py").read_text())
     imported = {
         alias.name
@@ -338,10 +338,10 @@ def test_selection_imports_no_torch(module):
         or name
         in (
             "attngen.spec",
-            "attngen.expressions",
+            "attngen.spec.expressions",
             "attngen.arch",
-            "attngen.files",
-            "attngen.names",
+            "attngen.spec.files",
+            "attngen.spec.names",
             "attngen.runtime.registry",
             "attngen.runtime.selection",
         )

@@ -1,4 +1,4 @@
-"""The renders' Jinja environment (attngen/template_env.py): Jinja's bytecode cache under the
+"""The renders' Jinja environment (attngen/render/template_env.py): Jinja's bytecode cache under the
 cache root, filled by a first process and used by the next, rendering the sources' bytes."""
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from attngen import template_env
 from attngen.build import plan_build
-from attngen.files import user_cache_dir
-from attngen.render import TEMPLATE_FOR_KIND, build_context
+from attngen.render import TEMPLATE_FOR_KIND, build_context, template_env
 from attngen.spec import KernelKind, load_spec_file
+from attngen.spec.files import user_cache_dir
 from attngen.tiling.decode import derive_decode_tiles
 from attngen.tiling.prefill import derive_tiles
 from attngen.tuning.database import DEFAULT_TUNING_DIR
@@ -122,7 +121,7 @@ def test_a_second_process_loads_the_bytecode(tmp_path: Path) -> None:
     template (its Environment.compile is never called)."""
     script = (
         "import jinja2, sys\n"
-        "from attngen import render, template_env\n"
+        "from attngen import render\nfrom attngen.render import template_env\n"
         "calls = []\n"
         "original = jinja2.Environment.compile\n"
         "jinja2.Environment.compile = lambda *a, **k: calls.append(1) or original(*a, **k)\n"

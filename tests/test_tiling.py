@@ -8,7 +8,7 @@ import pytest
 
 from attngen.arch import ARCHS
 from attngen.build import BuildError, plan_build
-from attngen.explain import explain_one
+from attngen.cli.explain import explain_one
 from attngen.tiling.prefill import TileConfig, derive_tiles
 from attngen.tiling.prefill_model import BM, BN, DV, REFERENCE_TOKENS, D, E, S, smem_expression
 from tests.kernel_harness import make_spec

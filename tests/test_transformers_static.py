@@ -18,9 +18,9 @@ import transformers
 
 import attngen
 from attngen.build import plan_build, write_build
-from attngen.hf_spec import spec_data_from_config
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
 from attngen.spec import specs_from_data
+from attngen.spec.hf import spec_data_from_config
 
 NEW_TOKENS = 4
 LAYERS = 2

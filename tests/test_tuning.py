@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from attngen.build import plan_build
-from attngen.explain import explain_lines
+from attngen.cli.explain import explain_lines
 from attngen.spec import KernelKind
 from attngen.tiling.prefill import TileConfig, derive_tiles
 from attngen.tuning.autotune import Bucket, autotune

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from attngen.arch import ARCHS
 from attngen.build import plan_build
-from attngen.explain import explain_lines
+from attngen.cli.explain import explain_lines
 from attngen.spec import KernelKind, module_name
 from attngen.tiling.backward import derive_backward_tiles
 from attngen.tiling.prefill import derive_tiles

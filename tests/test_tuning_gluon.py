@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 
 from attngen.build import plan_build
-from attngen.explain import explain_lines
+from attngen.cli.explain import explain_lines
 from attngen.reference import random_inputs, reference_attention
 from attngen.spec import KernelKind
 from attngen.tiling.gluon import derive_gluon_tiles

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import triton
 
-from attngen.files import VARIANTS_ENV
+from attngen.spec.files import VARIANTS_ENV
 from tests.kernel_harness import load_kernel, make_spec
 
 TOKENS = 16384

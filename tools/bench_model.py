@@ -219,8 +219,8 @@ def build_decode_module(config, out: Path) -> Path:
     """The config's attention as a contiguous-cache decode module (what a transformers static
     cache step runs on), built into out/kernels; returns that folder."""
     from attngen.build import plan_build, write_build
-    from attngen.hf_spec import spec_data_from_config
     from attngen.spec import specs_from_data
+    from attngen.spec.hf import spec_data_from_config
 
     data = spec_data_from_config(config, archs=["sm90"], name="bench_llama")
     data.update(kernels=["decode"], kv_layout="contiguous")

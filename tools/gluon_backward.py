@@ -36,10 +36,10 @@ from bench_backward import measure  # noqa: E402
 
 import attngen  # noqa: E402
 from attngen.build import plan_build, write_build  # noqa: E402
-from attngen.files import VARIANTS_ENV  # noqa: E402
 from attngen.runtime import last_backward  # noqa: E402
 from attngen.runtime.registry import current_registry, load_kernels, use_registry  # noqa: E402
 from attngen.spec import specs_from_data  # noqa: E402
+from attngen.spec.files import VARIANTS_ENV  # noqa: E402
 
 TOKENS, WIDTH = 16384, 2048
 

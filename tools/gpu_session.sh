@@ -193,7 +193,7 @@ source tools/gpu_env.sh
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-  python3 -c 'from attngen.template_env import template_loading; print("templates:", template_loading())'
+  python3 -c 'from attngen.render.template_env import template_loading; print("templates:", template_loading())'
   date -u +%Y-%m-%dT%H:%M:%SZ
   git log -1 --format='commit %H' 2>/dev/null || true
 } > "$work/env.txt" 2>&1

@@ -10,7 +10,7 @@ the phases of the first call's path:
                compiles the model's expressions: `derive_first`; a second spec: `derive`)
     render     the module's text (plan_build: tuning lookup and Jinja, through its bytecode
                cache in the fresh cache, so compiled: `templates` says where it was kept,
-               attngen/template_env.py)
+               attngen/render/template_env.py)
     write      the module and the index written into the cache (atomic writes, locks)
     load       the module imported after its sha256 check
     first      the first kernel call: Triton's compile on a GPU, the interpreter's run on CPU
@@ -45,9 +45,9 @@ def child(dims: list[int], dtype: str) -> dict:
     import torch
 
     from attngen.build import plan_build, write_build
+    from attngen.render.template_env import template_loading
     from attngen.runtime import registry, selection
     from attngen.runtime.registry import current_registry
-    from attngen.template_env import template_loading
     from attngen.tiling.prefill import derive_tiles
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

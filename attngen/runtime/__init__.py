@@ -31,7 +31,7 @@
     flex/         flex_attention and create_block_mask (torch's FlexAttention calls): Python
                   score_mod / mask_mod traced into expressions, modules built on demand
     hf.py         the transformers attention function ("attngen"); static-cache decode
-    fallback.py   the torch implementation behind fallback="sdpa" (masks: attngen/masks.py,
+    fallback.py   the torch implementation behind fallback="sdpa" (masks: attngen/spec/masks.py,
                   the oracle's definition too), with the generated modules' argument checks
 
 Imports go one way (tests/test_import_graph.py): registry <- selection <- dispatch <- ... <-

@@ -27,13 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
-from attngen.masks import alibi_distance, visible
 from attngen.runtime.arguments import seqlen_bound, softmax_scale
 from attngen.runtime.dispatch import Call
 from attngen.runtime.fallback import sequence_fits
 from attngen.runtime.registry import current_registry
 from attngen.runtime.selection import last_dispatch
 from attngen.spec import CausalAlign
+from attngen.spec.masks import alibi_distance, visible
 
 _ROUND = 128  # flash-attn 2 rounds S_dmask's sequence dims up to a multiple of 128
 _KEEP_BLOCK = 64  # the keep kernel's tile (a multiple of the helper's 8 keys per Philox call)

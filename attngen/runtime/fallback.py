@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from attngen.host.varlen import _check_varlen
-from attngen.masks import alibi_distance, visible
+from attngen.spec.masks import alibi_distance, visible
 
 
 def fallback_dense(q, k, v, *, alibi_slopes, attn_mask=None, sinks=None, **kwargs):

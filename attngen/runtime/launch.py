@@ -335,7 +335,7 @@ def warmup(spec_or_model: Any, *, device: str | torch.device | None = None) -> l
 def specs_of(source: Any) -> tuple[AttnSpec, ...]:
     """The specs of a spec, specs, a spec file (.yaml), a transformers config (a dict, an
     object with to_dict(), a config.json or its folder) or a model with `.config`."""
-    from attngen.hf_spec import spec_from_config
+    from attngen.spec.hf import spec_from_config
 
     if isinstance(source, AttnSpec):
         return (source,)

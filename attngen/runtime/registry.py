@@ -41,9 +41,9 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from attngen.arch import arch_names
-from attngen.files import ENV_CACHE, locked, unverified_variants_on, user_cache_dir
-from attngen.names import __version__, module_name
 from attngen.spec import AttnSpec, Dtype, KernelKind, SpecError, specs_from_data
+from attngen.spec.files import ENV_CACHE, locked, unverified_variants_on, user_cache_dir
+from attngen.spec.names import __version__, module_name
 
 if TYPE_CHECKING:
     from attngen.build import Artifact
@@ -464,7 +464,7 @@ def _execute(path: Path, data: bytes, entry: KernelEntry) -> ModuleType:
 # `cached_build` gives the cache's index item of a (spec, kind, arch), rendering and writing
 # the module unless a valid one is there. Concurrency: one lock file per module
 # (`<arch>/.<module>.lock`) held while it is looked up and built, so two processes (or threads)
-# asking for one module render it once; every file is written atomically (attngen.files) and
+# asking for one module render it once; every file is written atomically (attngen.spec.files) and
 # the index merged under its own lock (build.py). A module in the cache is used only if its
 # bytes hash to its index entry's sha256 and the entry is the spec asked for; otherwise it is
 # rendered again, replacing the file. The registry re-verifies the bytes when it imports them,

@@ -36,7 +36,6 @@ from dataclasses import dataclass, replace
 from itertools import islice
 from typing import Any, NamedTuple
 
-from attngen.expressions import expression_key
 from attngen.runtime.registry import (
     KernelEntry,
     Registry,
@@ -55,6 +54,7 @@ from attngen.spec import (
     SpecError,
     specs_from_data,
 )
+from attngen.spec.expressions import expression_key
 
 INTERPRETER = "interpreter"  # CPU tensors under TRITON_INTERPRET=1: any arch's module runs
 FALLBACKS = ("error", "sdpa")
@@ -98,7 +98,7 @@ class Need(NamedTuple):
     chunk_size: int | None = None  # with mask chunked
     sink_tokens: int | None = None  # with mask sliding_window: the first keys always seen
     dropout: bool = False  # dropout_p > 0: a module built with dropout: true (name *_bwd_drop)
-    # score_mod / mask_mod: attngen.expressions.expression_key of the spec the call asks for
+    # score_mod / mask_mod: attngen.spec.expressions.expression_key of the spec the call asks for
     # ("": none). A module with expressions serves only calls that ask for its own.
     expressions: str = ""
     kv_dtype: KvDtype | None = None  # decode only: an fp8 cache (kv_dtype: fp8_e4m3)

@@ -41,8 +41,8 @@ from functools import cache
 import sympy
 
 from attngen.arch import ARCHS
-from attngen.files import unverified_variants_on
 from attngen.spec import AttnSpec, KernelKind
+from attngen.spec.files import unverified_variants_on
 from attngen.tiling.evaluate import compiled
 
 NC, BM, BN, D, DV, E, S = sympy.symbols("NC BLOCK_M BLOCK_N D DV E S", positive=True, integer=True)

@@ -35,8 +35,8 @@ from functools import cache
 import sympy
 
 from attngen.arch import ARCHS
-from attngen.files import unverified_variants_on
 from attngen.spec import AttnSpec, KernelKind
+from attngen.spec.files import unverified_variants_on
 from attngen.tiling.evaluate import compiled
 from attngen.tiling.gluon import GLUON_UNVERIFIED, WARPGROUP, gluon_gap, register_split
 

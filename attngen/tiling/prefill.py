@@ -28,8 +28,8 @@ from functools import cache
 from typing import Any
 
 from attngen.arch import ARCHS, GpuArch
-from attngen.expressions import parsed
 from attngen.spec import AttnSpec
+from attngen.spec.expressions import parsed
 from attngen.tiling.evaluate import LazyText, active_formula
 from attngen.tiling.evaluate import active_branch as active_branch
 from attngen.tiling.prefill_model import (

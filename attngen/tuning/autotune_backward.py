@@ -14,7 +14,7 @@ at 3, where the model says 257 for both), and the measurement decides.
 The gate: on fresh inputs (one sequence, Nq = 200 != Nk = 333, off the block grid, the spec's
 heads), the forward then `attention_backward` with this kernel's config (the other kernel at
 the heuristic's); dQ, dK and dV against the float64 golden by the yardstick of
-attngen.reference_backward (`compare_gradients`), on the CPU. A config that fails it, or fails
+attngen.reference.backward (`compare_gradients`), on the CPU. A config that fails it, or fails
 to compile or launch, is recorded with its error and never wins.
 
 The timing: only that kernel's launch. One `attention_backward` call on the bucket's inputs
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from attngen.reference import random_inputs
-from attngen.reference_backward import compare_gradients
+from attngen.reference.backward import compare_gradients
 from attngen.spec import AttnSpec, SpecError
 from attngen.tiling.backward import GRADS_OF, KERNELS, derive_backward_tiles
 from attngen.tiling.prefill import Candidate, Derivation, TileConfig

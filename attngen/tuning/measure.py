@@ -19,9 +19,9 @@ from typing import Any
 
 import triton
 
-from attngen.files import write_if_different
 from attngen.render import kernels_text, render_module
 from attngen.spec import AttnSpec, KernelKind, module_name
+from attngen.spec.files import write_if_different
 from attngen.tiling.gluon import GluonConfig, GluonDerivation
 from attngen.tiling.prefill import TileConfig, derive_tiles
 from attngen.tuning.database import render_tuning_file

@@ -13,5 +13,5 @@
 - report.py: that comparison in tables and JSON.
 
 "Compiler check" and "measurements" name this side; the float64 ground truth the kernels are
-tested against is the "reference" (attngen/reference.py).
+tested against is the "reference" (attngen/reference/__init__.py).
 """

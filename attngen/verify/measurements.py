@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from attngen.arch import ARCHS
-from attngen.files import write_if_different
 from attngen.render import TEMPLATE_FOR_KIND, template_hash
 from attngen.spec import AttnSpec, KernelKind, specs_from_data
+from attngen.spec.files import write_if_different
 from attngen.tiling.code_paths import code_paths
 from attngen.tiling.prefill import TileConfig, padded_head_dim
 from attngen.tiling.rows import rows_aligned

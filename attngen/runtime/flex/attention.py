@@ -2,7 +2,7 @@
 
 A call's score_mod and its block mask's mask_mod are traced (trace.py) into expression trees;
 with q's dtype, the head dims, the head counts and the device's arch they state a spec
-(`score_mod`, `mask_mod` and `tensors` fields: attngen.expressions), whose module is built on
+(`score_mod`, `mask_mod` and `tensors` fields: attngen.spec.expressions), whose module is built on
 demand (selection.py's on-demand part, the cache of registry.py) and kept here under the
 call's key (the trees' text, the tensors' declarations, the Need), then called with the
 captured tensors by name (`tensors=`). Nothing falls back: without on-demand builds, on a
@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from attngen.expressions import Expr, Tensor, expression_key, make
 from attngen.runtime import registry, selection
 from attngen.runtime.arguments import needs_gradients
 from attngen.runtime.dispatch import (
@@ -44,6 +43,7 @@ from attngen.runtime.flex.trace import Capture
 from attngen.runtime.registry import import_verified
 from attngen.runtime.selection import Dispatch, NoKernelError, record
 from attngen.spec import KernelKind, Mask
+from attngen.spec.expressions import Expr, Tensor, expression_key, make
 
 API = "flex_attention"
 _PLAIN: dict[str, Any] = dict(mask=Mask.none, align=None, window=None, softcap=None, alibi=False)

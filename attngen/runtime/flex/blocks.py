@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from attngen.expressions import Expr, Tensor, validity
 from attngen.runtime.flex.trace import Capture, trace
+from attngen.spec.expressions import Expr, Tensor, validity
 
 CHUNK_ELEMENTS = 1 << 22
 _FLOAT = torch.float32  # the kernels' and torch's eager working precision

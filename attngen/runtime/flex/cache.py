@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from attngen.expressions import Expr
 from attngen.runtime.flex.trace import Capture, _Sym, trace
+from attngen.spec.expressions import Expr
 
 SIZE = 256  # entries kept, least recently used dropped first
 _traces: OrderedDict[tuple, tuple] = OrderedDict()

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from attngen import expressions
-from attngen.expressions import TENSOR_DTYPES, Expr, ExprError, Tensor, make
+from attngen.spec import expressions
+from attngen.spec.expressions import TENSOR_DTYPES, Expr, ExprError, Tensor, make
 
 _DTYPES = {torch.int32: "int32", torch.int64: "int64", torch.float32: "float32"}
 _DTYPES |= {torch.bfloat16: "bf16", torch.float16: "fp16", torch.bool: "bool"}

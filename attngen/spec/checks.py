@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from attngen.spec_errors import field_error
+from attngen.spec.errors import field_error
 
 if TYPE_CHECKING:
     from attngen.spec import AttnSpec

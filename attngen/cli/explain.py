@@ -6,9 +6,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from attngen.arch import ARCHS
-from attngen.expression_grad import gradients
-from attngen.expressions import declared, parsed, render_mod
 from attngen.spec import AttnSpec, KernelKind
+from attngen.spec.expression_grad import gradients
+from attngen.spec.expressions import declared, parsed, render_mod
 from attngen.tiling.alternatives import nearest_alternative
 from attngen.tiling.backward import BackwardDerivation
 from attngen.tiling.code_paths import code_paths
@@ -71,8 +71,8 @@ def explain_lines(
 
 
 def expression_lines(spec: AttnSpec) -> list[str]:
-    """score_mod and mask_mod (attngen.expressions): the parsed tree, its type, the kernel
-    text, and score_mod's gradients derived with sympy (attngen.expression_grad)."""
+    """score_mod and mask_mod (attngen.spec.expressions): the parsed tree, its type, the kernel
+    text, and score_mod's gradients derived with sympy (attngen.spec.expression_grad)."""
     tensors = declared(spec)
     lines = [
         f"{spec.name}: tensor {t.name}: {t.dtype} [{', '.join(map(str, t.shape))}]"

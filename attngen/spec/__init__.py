@@ -1,7 +1,7 @@
 """The attention spec: the validated, frozen description of one attention flavour.
 
 A spec file is untrusted input that ends up as executed Python, so everything about it is
-strict: YAML is read by attngen.strict_yaml, which knows only YAML 1.2's plain scalars (no
+strict: YAML is read by attngen.spec.strict_yaml, which knows only YAML 1.2's plain scalars (no
 `no` -> False, `010` -> 8, `12:30` -> 750, dates) and refuses duplicate keys, anchors and
 aliases, and every field is checked by pydantic with exact types. An error names the file,
 the field, the value and what is allowed, as one line (`SpecError`).
@@ -32,14 +32,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from pydantic import ValidationError as PydanticValidationError
 
 from attngen.arch import arch_names
-from attngen.expressions import check_expressions, parsed
-from attngen.spec_checks import MAX_DECODE_HEAD_DIM as MAX_DECODE_HEAD_DIM
-from attngen.spec_checks import MAX_HEAD_DIM as MAX_HEAD_DIM
-from attngen.spec_checks import check_head_dims, check_kv_dtype, check_model_fields, check_training
-from attngen.spec_errors import SpecError as SpecError
-from attngen.spec_errors import describe
-from attngen.spec_errors import field_error as _field_error
-from attngen.strict_yaml import YamlError, load_yaml
+from attngen.spec.checks import MAX_DECODE_HEAD_DIM as MAX_DECODE_HEAD_DIM
+from attngen.spec.checks import MAX_HEAD_DIM as MAX_HEAD_DIM
+from attngen.spec.checks import check_head_dims, check_kv_dtype, check_model_fields, check_training
+from attngen.spec.errors import SpecError as SpecError
+from attngen.spec.errors import describe
+from attngen.spec.errors import field_error as _field_error
+from attngen.spec.expressions import check_expressions, parsed
+from attngen.spec.strict_yaml import YamlError, load_yaml
 
 MAX_SPEC_BYTES = 64 * 1024  # a spec is a few hundred bytes; anything larger is a mistake
 NAME_PATTERN = r"^[a-z][a-z0-9_]{0,47}$"
@@ -138,7 +138,7 @@ TRAINING_FIELDS = ("backward", "dropout")
 # Newer models' fields: absent from canonical() at their defaults, so the hashes (and tuning
 # keys) of specs without them stay what they were.
 MODEL_FIELDS = ("sinks", "chunk_size", "sink_tokens")
-# Programmable attention (attngen.expressions): absent from canonical() while unset; when set,
+# Programmable attention (attngen.spec.expressions): absent from canonical() while unset; when set,
 # the expressions enter it in their normalized form (one spelling per parsed tree).
 EXPRESSION_FIELDS = ("score_mod", "mask_mod", "tensors")
 MAX_PAGE_SIZE = 1024
@@ -150,7 +150,7 @@ DimName = Annotated[StrictStr, Field(pattern=r"^[A-Z][A-Z0-9_]{0,15}$")]
 DimSize = Annotated[StrictInt, Field(ge=1, le=2**31 - 1)]
 ArchName = Annotated[StrictStr, Field(pattern=r"^sm[0-9]+$")]
 # Head dims: MAX_HEAD_DIM for every kind, up to MAX_DECODE_HEAD_DIM for decode only
-# (attngen.spec_checks says why).
+# (attngen.spec.checks says why).
 HeadDim = Annotated[StrictInt, Field(ge=1, le=MAX_DECODE_HEAD_DIM)]
 HeadCount = Annotated[StrictInt, Field(ge=1, le=1024)]
 WindowSize = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
@@ -161,7 +161,7 @@ QueryTokens = Annotated[StrictInt, Field(ge=1, le=MAX_QUERY_TOKENS)]
 
 
 class TensorSpec(BaseModel):
-    """A tensor an expression reads: `bias[h, q_idx - kv_idx + 2047]` (attngen.expressions)."""
+    """A tensor an expression reads: `bias[h, q_idx - kv_idx + 2047]` (attngen.spec.expressions)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -346,8 +346,8 @@ class AttnSpec(BaseModel):
         return _hash(data)
 
 
-# module_name lives beside the spec (attngen/names.py) and is importable from here too.
-from attngen.names import module_name as module_name  # noqa: E402
+# module_name lives beside the spec (attngen/spec/names.py) and is importable from here too.
+from attngen.spec.names import module_name as module_name  # noqa: E402
 
 
 def _hash(canonical: dict[str, Any]) -> str:
@@ -364,7 +364,7 @@ def _check_unique(field: str, values: Any) -> None:
 
 
 def parse_yaml(text: str) -> Any:
-    """`text` read as strict YAML (attngen.strict_yaml); a SpecError says what is wrong."""
+    """`text` read as strict YAML (attngen.spec.strict_yaml); a SpecError says what is wrong."""
     try:
         return load_yaml(text)
     except YamlError as exc:

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from attngen.spec_errors import FieldError, field_error
+from attngen.spec.errors import FieldError, field_error
 
 if TYPE_CHECKING:
     from attngen.spec import AttnSpec

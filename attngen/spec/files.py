@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 # The cache root's setting: kernels built on demand (attngen/runtime/registry.py) and the
-# templates' bytecode (attngen/template_env.py) live under it.
+# templates' bytecode (attngen/render/template_env.py) live under it.
 ENV_CACHE = "ATTNGEN_CACHE"
 # Builds of the Gluon variants not yet verified on a GPU (attngen/tiling/gluon.py,
 # GLUON_UNVERIFIED) under ATTNGEN_GLUON_VARIANTS=1; their on-demand cache is a folder apart.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from attngen.expressions import declared, digest, parsed
+from attngen.spec.expressions import declared, digest, parsed
 
 if TYPE_CHECKING:
     from attngen.spec import AttnSpec, KernelKind

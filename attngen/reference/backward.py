@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from attngen.expression_grad import gradients
-from attngen.expressions import declared, parsed, validity
-from attngen.masks import expression_values
 from attngen.reference import LOG2E, alibi_distance, attention_scores, ulp, visible_mask
 from attngen.spec import AttnSpec
+from attngen.spec.expression_grad import gradients
+from attngen.spec.expressions import declared, parsed, validity
+from attngen.spec.masks import expression_values
 
 # A dropout mask is applied as keep * keep_scale to the probabilities (None: no dropout).
 Dropout = tuple[torch.Tensor, float] | None
@@ -129,7 +129,7 @@ def _log2_exponent(spec: AttnSpec, q, k, sm_scale, slopes, reverse: bool, exprs=
 def _expression(spec: AttnSpec, field: str, score, exprs, derivative: str = "") -> torch.Tensor:
     """The field's values on the [B, H, Nq, Nk] grid of `score` (fp32 for score_mod, the
     kernels' precision), or with `derivative` its derived gradient by that read (or "score")
-    as the kernels evaluate it (attngen.expression_grad; reads out of range give 0)."""
+    as the kernels evaluate it (attngen.spec.expression_grad; reads out of range give 0)."""
     tree = parsed(spec, field)
     assert tree is not None
     if derivative:

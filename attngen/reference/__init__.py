@@ -14,13 +14,13 @@ from collections.abc import Mapping
 
 import torch
 
-from attngen.expressions import declared, parsed
-from attngen.masks import alibi_distance, expression_values, visible
 from attngen.spec import AttnSpec
+from attngen.spec.expressions import declared, parsed
+from attngen.spec.masks import alibi_distance, expression_values, visible
 
 
 def visible_mask(spec: AttnSpec, seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
-    """[Nq, Nk] bool: which key j query row i may see (attngen.masks.visible, the runtime's
+    """[Nq, Nk] bool: which key j query row i may see (attngen.spec.masks.visible, the runtime's
     definition too; every key for mask none)."""
     seen = visible(
         spec.mask,
@@ -80,7 +80,7 @@ def attention_scores(
 
 def _expressions(spec, scores, visible, tensors, first_b, first_q):
     """score_mod on the scaled scores and mask_mod ANDed into `visible`, on index grids
-    (attngen.masks.expression_values: the kernel's meaning)."""
+    (attngen.spec.masks.expression_values: the kernel's meaning)."""
     names = [t.name for t in spec.tensors]
     if sorted(tensors or {}) != sorted(names):
         raise ValueError(f"tensors: got {sorted(tensors or {})}; allowed: exactly {names}")

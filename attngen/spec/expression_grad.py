@@ -1,4 +1,4 @@
-"""The gradient of a score_mod, derived with sympy from its checked tree (attngen.expressions).
+"""The gradient of a score_mod, derived with sympy from its checked tree (attngen.spec.expressions).
 
 Each maximal subtree that depends neither on `score` nor on a trainable tensor's read (index
 arithmetic, a mask-like condition, a frozen table's read) becomes one opaque sympy symbol, so
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from attngen.expressions import Expr, ExprError, Tensor, make
+from attngen.spec.expressions import Expr, ExprError, Tensor, make
 
 _FIELD = "score_mod gradient"
 MAX_SIMPLIFY_OPS = 64

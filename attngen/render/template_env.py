@@ -13,7 +13,7 @@ version. The cache changes only how fast a template loads: a render's bytes are 
 The folder: `<cache root>/templates_jinja2-<version>/`, where the cache root is the one kernels
 built on demand use (attngen/runtime/registry.py): `attngen.configure(cache_dir=...)` when
 the runtime is loaded and set it, else `$ATTNGEN_CACHE`, else the user's cache directory
-(attngen/files.py). It is found without importing the runtime: the build path (spec, tiling,
+(attngen/spec/files.py). It is found without importing the runtime: the build path (spec, tiling,
 render, build) imports neither torch nor Triton. Where the folder cannot be made or written,
 templates are compiled as without a cache and `template_loading()` says why.
 """
@@ -30,7 +30,7 @@ from typing import Any
 import jinja2
 from jinja2.bccache import Bucket
 
-from attngen.files import ENV_CACHE, user_cache_dir
+from attngen.spec.files import ENV_CACHE, user_cache_dir
 
 OPTIONS: dict[str, Any] = {
     "autoescape": False,  # Python source, not HTML; no user text

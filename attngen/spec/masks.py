@@ -2,7 +2,7 @@
 the spec's masks and of ALiBi's distance convention, in torch.
 
 Used by the torch fallback (attngen/runtime/fallback.py) and by the float64 oracle
-(attngen/reference.py), so that the kernels' tests and the runtime's fallback cannot disagree
+(attngen/reference/), so that the kernels' tests and the runtime's fallback cannot disagree
 on what a mask means, and evaluates score_mod / mask_mod on index grids (expression_values).
 It lives outside attngen.runtime because importing any runtime module
 runs the runtime package (the registry, the dispatcher, Triton): the oracle, which the tests,
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from attngen.expressions import Expr, validity
-from attngen.expressions import Tensor as ExprTensor
 from attngen.spec import CausalAlign, Mask
+from attngen.spec.expressions import Expr, validity
+from attngen.spec.expressions import Tensor as ExprTensor
 
 
 def visible(
@@ -101,7 +101,7 @@ def expression_values(
 ) -> torch.Tensor:
     """score_mod's ([B, H, Nq, Nk] in `dtype`, from the scaled `score`) or mask_mod's (bool)
     values over every (b, h, q_idx, kv_idx) of `shape`: the checked tree evaluated on index
-    grids, meaning what attngen.expressions.evaluate_mod means (and the kernel computes): where
+    grids, meaning what attngen.spec.expressions.evaluate_mod means (and the kernel computes): where
     a read it uses is out of its tensor, False (mask_mod) or -inf (score_mod). b counts from
     `first_b` (a varlen sequence compared on its own), q_idx from `first_q` (a decode step's
     queries, the last of their sequence). guarded=False: a read out of range

@@ -1,7 +1,7 @@
 """Rendering: a validated spec plus a derived tile config -> the text of a standalone module.
 
 Templates are package resources (`*.py.jinja`, partials prefixed `_`), loaded through
-Jinja's bytecode cache (attngen/template_env.py), rendered with StrictUndefined from a
+Jinja's bytecode cache (attngen/render/template_env.py), rendered with StrictUndefined from a
 flat context of validated ints, bools and enum names. No user-provided text reaches a
 template: the only strings in the context are enum values, the validated identifier `name`
 (for the module name and docstring) and lines attngen writes itself. Every rendered module is
@@ -17,8 +17,12 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from attngen.expression_grad import gradients
-from attngen.expressions import (
+from attngen.host import MARKER as HOST_MARKER
+from attngen.host import PARTS as HOST_PARTS
+from attngen.render.template_env import environment, template_sources
+from attngen.spec import AttnSpec, KernelKind, module_name
+from attngen.spec.expression_grad import gradients
+from attngen.spec.expressions import (
     KERNEL_NAMES,
     Expr,
     Tensor,
@@ -28,11 +32,7 @@ from attngen.expressions import (
     render_mod,
     validity,
 )
-from attngen.host import MARKER as HOST_MARKER
-from attngen.host import PARTS as HOST_PARTS
-from attngen.names import __version__
-from attngen.spec import AttnSpec, KernelKind, module_name
-from attngen.template_env import environment, template_sources
+from attngen.spec.names import __version__
 from attngen.tiling import decode as decode_tiling
 from attngen.tiling.backward import BackwardDerivation, atomic_dkdv_config, derive_backward_tiles
 from attngen.tiling.code_paths import POINTER_LOADS_UP_TO, code_paths
@@ -172,7 +172,7 @@ BACKWARD_NAMES = {
 
 def backward_expression_context(spec: AttnSpec) -> dict[str, Any]:
     """score_mod and mask_mod in each gradient kernel's names (bwd_dq, bwd_dkdv), score_mod's
-    derivative by the score there (`dscore`, attngen.expression_grad), and in the dK/dV
+    derivative by the score there (`dscore`, attngen.spec.expression_grad), and in the dK/dV
     kernel each trainable read's (tensor, derivative, offset into its fp32 gradient, bounds):
     `tensor_grads`; the trainable tensors' gradient pointers and strides (kernel arguments)."""
     tensors = declared(spec)

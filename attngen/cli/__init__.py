@@ -14,7 +14,7 @@ import typer
 
 from attngen.arch import arch_names
 from attngen.build import build, check_folder, load_specs
-from attngen.explain import explain_lines
+from attngen.cli.explain import explain_lines
 from attngen.spec import SpecError, load_spec_file, specs_from_data
 from attngen.tuning.database import DEFAULT_TUNING_DIR
 
@@ -141,8 +141,8 @@ def spec_from_hf_command(
     ] = None,
 ) -> None:
     """Write the spec of a transformers model's attention (read as JSON; no transformers)."""
-    from attngen.files import write_if_different
-    from attngen.hf_spec import spec_data_from_config, spec_yaml
+    from attngen.spec.files import write_if_different
+    from attngen.spec.hf import spec_data_from_config, spec_yaml
 
     try:
         data = spec_data_from_config(
@@ -366,8 +366,8 @@ def capabilities_command(
     ] = None,
 ) -> None:
     """The capability matrix: arch x dtype x head dim x mask -> config, or why none fits."""
-    from attngen.capabilities import capability_cells, render_capabilities
-    from attngen.files import write_if_different
+    from attngen.cli.capabilities import capability_cells, render_capabilities
+    from attngen.spec.files import write_if_different
     from attngen.verify.measurements import data_path, load_measurements, triton_version
 
     text = render_capabilities(
