@@ -36,9 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attngen.runtime import decode_ops
+from attngen.runtime import decode_ops, ops, registry, selection
 from attngen.runtime.dispatch import device_problem, problem_may_change
-from attngen.runtime.ops import count_run
 from attngen.runtime.registry import current_registry
 from attngen.runtime.selection import Dispatch, keep, record, routes
 from attngen.spec import KernelKind
@@ -116,13 +115,31 @@ def slopes_rank(alibi_slopes: Tensor | None) -> int:
 
 
 def find(key: tuple | None) -> Plan | None:
-    """The plan of a signature key in the route cache of the registry in use, or None."""
+    """The plan of a signature key in the route cache of the registry in use, or None. The
+    route cache's holder and the registry in use are read here, not asked (routes(),
+    current_registry()): a planned call stays in this file until its module's entry point."""
     if key is None:
         return None
+    held = selection._routes
     try:
+        if held.registry is not None and held.registry is registry._current:
+            return held.table.get(key)
         return routes(current_registry()).get(key)
     except TypeError:  # an unhashable value inside an option: the full path decides
         return None
+
+
+def _ran(plan: Plan) -> None:
+    """selection.record(plan.dispatch) and ops.count_run(plan.key) kept in this file: this
+    thread's last Dispatch (the logs of capture_dispatches through record) and the run count,
+    in the state those functions keep."""
+    records = selection._records
+    if records.logs:
+        record(plan.dispatch)
+    else:
+        records.last = plan.dispatch
+    with ops._counts_lock:
+        ops._counts[plan.key] += 1
 
 
 def planned(registry) -> dict[tuple, Plan]:
@@ -185,8 +202,7 @@ def run_dense(
     [B, N, H, D]); None when the device refuses now."""
     if plan.device_check is not None and device_problem(*plan.device_check) is not None:
         return None  # the device refuses now what it served: the full path says why
-    record(plan.dispatch)
-    count_run(plan.key)
+    _ran(plan)
     entry = plan.entry
     assert entry is not None  # a prefill plan's
     extra = _NO_KEYWORDS if sinks is None else {"sinks": sinks}  # (older modules take none)
@@ -213,8 +229,7 @@ def run_flash(
         return run_dense(plan, *views, alibi_slopes, heads_last=True, sinks=sinks)
     if plan.device_check is not None and device_problem(*plan.device_check) is not None:
         return None  # the device refuses now what it served: the full path says why
-    record(plan.dispatch)
-    count_run(plan.key)
+    _ran(plan)
     entry = plan.flash
     assert entry is not None  # flash_entry's
     extra = _NO_KEYWORDS if sinks is None else {"sinks": sinks}
@@ -232,8 +247,7 @@ def run_varlen(
     """launch.run_varlen's module call from a plan; None when the device refuses now."""
     if plan.device_check is not None and device_problem(*plan.device_check) is not None:
         return None  # the device refuses now what it served: the full path says why
-    record(plan.dispatch)
-    count_run(plan.key)
+    _ran(plan)
     entry = plan.entry
     assert entry is not None  # a varlen plan's attention_varlen
     result = entry(
@@ -256,8 +270,8 @@ def run_decode(
     None when the device refuses now."""
     if plan.device_check is not None and device_problem(*plan.device_check) is not None:
         return None  # the device refuses now what it served: the full path says why
-    record(plan.dispatch)
     if not plan.flash_entry:
+        record(plan.dispatch)
         return decode_ops.direct_decode(
             plan.module, plan.key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
             plan.sm_scale, alibi_slopes, plan.return_lse, plan.in_place, None, num_splits,
@@ -277,7 +291,7 @@ def _decode_flash(
     """The module's decode_flash with the plan's scale and LSE flag (a module with it takes
     num_splits and rotary_*); the caches' version counters bumped after an append, as the
     op's mutates_args would."""
-    count_run(plan.key)
+    _ran(plan)
     entry = plan.flash
     assert entry is not None  # flash_entry's decode_flash
     result = entry(
