@@ -236,6 +236,34 @@ def test_a_repeated_call_reuses_its_dispatch_and_still_records_it(toy_kernels, m
         )
 
 
+def test_a_planned_call_reaches_its_module_through_three_files(out_modules):
+    """flash_attn_func (public function), attngen/runtime/plans.py (the plan) and the module:
+    no other attngen frame is entered by a planned call (tools/call_path.py measures the
+    generated modules), and the call is still recorded and counted."""
+    import sys
+
+    q, k, v = flash_qkv(2, 5, 9)
+    attngen.flash_attn_func(q, k, v, causal=True)  # the full path leaves the plan
+    entered = set()
+
+    def profile(frame, event, arg):
+        name = frame.f_code.co_filename
+        if event == "call" and ("attngen" in name or str(out_modules.folders[0]) in name):
+            entered.add(Path(name).name)
+
+    planned = attngen.last_dispatch()
+    attngen.flash_attn_func(*flash_qkv(1, 3, 3), causal=True)  # another call recorded between
+    before = ops.run_counts()
+    sys.setprofile(profile)
+    try:
+        attngen.flash_attn_func(q, k, v, causal=True)
+    finally:
+        sys.setprofile(None)
+    assert attngen.last_dispatch() is planned
+    assert entered - {"api.py", "plans.py"} == {Path(module_of(planned).__file__).name}, entered
+    assert ops.run_counts()[planned.key] == before[planned.key] + 1
+
+
 def test_a_replaced_registry_never_serves_from_its_cache(toy_folder, tmp_path):
     other = build_folder(
         tmp_path / "other",
