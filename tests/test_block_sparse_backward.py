@@ -320,8 +320,9 @@ def test_flex_passes_its_block_mask_only_where_the_backward_tiles_divide_it() ->
 def test_block_mask_problem_is_the_one_rule() -> None:
     """The module's block_mask_problem: None where every launch's tiles divide the blocks,
     else the reason the launchers raise; the forward alone, the backward alone, both, and the
-    atomic path's config only on deterministic=False."""
-    spec = expression_backward_spec("document", "fp32", causal=False)
+    atomic path's config only on deterministic=False (a host rule: bf16, whose sm90 module
+    has an atomic config; fp32's atomic term, a loose bound off wgmma, leaves it none)."""
+    spec = expression_backward_spec("document", "bf16", causal=False)
     module = module_for(spec, Blocks((16, 16), (32, 16), (16, 32)))
     module.BWD_DKDV_ATOMIC_CONFIG.update(BLOCK_N=64)
     problem = module.block_mask_problem
