@@ -246,14 +246,21 @@ def split_dkdv(arch: GpuArch, e: int, dkdv: Derivation, dv: Derivation, dk: Deri
     return not fused_reaches and min(dv.chosen.block_n, dk.chosen.block_n) >= 64
 
 
-def atomic_extra_smem(config: TileConfig, d: int, e: int) -> int:
+def atomic_extra_smem(arch: GpuArch, config: TileConfig, d: int, e: int) -> int:
     """Shared memory the ATOMIC_DQ variant of a dK/dV launch (deterministic=False) adds to
-    its launch's: dQ's share dS @ K takes dS (a [BM, BN] tile) and K ([BN, D]) as operands
-    in shared memory. Exact on wgmma where measured (Triton 3.6, sm90, bf16 32x128, 8 warps,
-    3 stages: D 64 57856 -> 82432 B, D 128 115200 -> 156160 B; D 256's dK launch 229888 ->
-    311808 B, 8 KiB more than this term); on mma.sync a bound (sm80: 8-16 KiB measured
-    where this says 33-37 KiB). Not yet a verified kernel of the model (KERNELS)."""
-    return e * (config.block_m * config.block_n + config.block_n * d)
+    its launch's. wgmma (16-bit, BLOCK_N >= 64 on Hopper): dQ's share dS @ K takes dS (a
+    [BM, BN] tile) and K ([BN, D]) as operands in shared memory; exact where measured (Triton
+    3.6, sm90, bf16 32x128, 8 warps, 3 stages: D 64 57856 -> 82432 B, D 128 115200 -> 156160 B;
+    D 256's dK launch 229888 -> 311808 B, 8 KiB more than this term). mma.sync (16-bit): a
+    staged dS of max(BM, 32) rows, exact from 32 rows, a bound below (sm80 fp16 D 64/128, 16-64
+    x 128, 2-3 stages). fp32 (FMA): a staged dS where BLOCK_N < D, else none (sm80 and sm90,
+    D 64/128: 0 or BM x BN x 4 B measured)."""
+    bm, bn = config.block_m, config.block_n
+    if e == 4:
+        return 4 * bm * bn if bn < d else 0
+    if arch.has_wgmma and bn >= 64:
+        return e * (bm * bn + bn * d)
+    return e * max(bm, 32) * bn
 
 
 def atomic_dkdv_config(
@@ -270,7 +277,7 @@ def atomic_dkdv_config(
     arch = ARCHS[arch_name]
     smem = next(c.smem_bytes for c in launch.candidates if c.config == config)
     d, e = padded_head_dim(spec.head_dim), spec.dtype.itemsize
-    return config if smem + atomic_extra_smem(config, d, e) <= arch.smem_budget else None
+    return config if smem + atomic_extra_smem(arch, config, d, e) <= arch.smem_budget else None
 
 
 @dataclass(frozen=True)

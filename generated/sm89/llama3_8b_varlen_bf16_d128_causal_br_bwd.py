@@ -315,7 +315,7 @@ BWD_DKDV_SPLIT = None
 # deterministic=False: the config of the dK/dV launch that also adds dQ by atomics (with the
 # split, the dK launch), or None where its shared memory would not fit: deterministic=False
 # then runs the deterministic kernels (attngen/tiling/backward.py, atomic_dkdv_config).
-BWD_DKDV_ATOMIC_CONFIG = None
+BWD_DKDV_ATOMIC_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 GLUON_BACKWARD = False  # deterministic=False may run the Gluon dK/dV kernel below
 
 
