@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TOTAL_LINES = 26755
+TOTAL_LINES = 26773
 FUNCTION_LINES = 60
 # Debt, not an excuse: two drop-ins whose signature, docstring and planned fast path (its
 # signature key, built inline: host time) alone reach about FUNCTION_LINES. Each may only

@@ -129,17 +129,31 @@ def find(key: tuple | None) -> Plan | None:
         return None
 
 
-def _ran(plan: Plan) -> None:
-    """selection.record(plan.dispatch) and ops.count_run(plan.key) kept in this file: this
-    thread's last Dispatch (the logs of capture_dispatches through record) and the run count,
-    in the state those functions keep."""
+def _ran(plan: Plan, count: bool = True) -> bool:
+    """False when the device refuses now what it served (the full path says why); else True,
+    with selection.record(plan.dispatch) and ops.count_run(plan.key) (`count`) done in this
+    file, in the state those functions keep (the logs of dispatch_log through record)."""
+    if plan.device_check is not None and device_problem(*plan.device_check) is not None:
+        return False
     records = selection._records
     if records.logs:
         record(plan.dispatch)
     else:
         records.last = plan.dispatch
-    with ops._counts_lock:
-        ops._counts[plan.key] += 1
+    if count:
+        with ops._counts_lock:
+            ops._counts[plan.key] += 1
+    return True
+
+
+def _attend(plan: Plan, entry: Any, q: Tensor, k: Tensor, v: Tensor, alibi_slopes, sinks) -> Any:
+    """A prefill module's entry point with the plan's scale and LSE flag (and the call's sinks,
+    whose presence its key holds)."""
+    extra = _NO_KEYWORDS if sinks is None else {"sinks": sinks}
+    return entry(
+        q, k, v, sm_scale=plan.sm_scale, alibi_slopes=alibi_slopes, return_lse=plan.return_lse,
+        **extra,
+    )  # fmt: skip
 
 
 def planned(registry) -> dict[tuple, Plan]:
@@ -200,16 +214,9 @@ def run_dense(
     """launch.run_dense's module call from a plan (sinks: the call's, whose presence its key
     holds): the plan's entry point, attention_flash_out when it writes in place (out
     [B, N, H, D]); None when the device refuses now."""
-    if plan.device_check is not None and device_problem(*plan.device_check) is not None:
-        return None  # the device refuses now what it served: the full path says why
-    _ran(plan)
-    entry = plan.entry
-    assert entry is not None  # a prefill plan's
-    extra = _NO_KEYWORDS if sinks is None else {"sinks": sinks}  # (older modules take none)
-    result = entry(
-        q, k, v, sm_scale=plan.sm_scale, alibi_slopes=alibi_slopes, return_lse=plan.return_lse,
-        **extra,
-    )  # fmt: skip
+    if not _ran(plan):
+        return None  # the full path says why
+    result = _attend(plan, plan.entry, q, k, v, alibi_slopes, sinks)
     out, lse = result if plan.return_lse else (result, None)
     if heads_last and not plan.in_place:  # the module wrote [B, H, N, D]: copied
         out = out.transpose(1, 2).contiguous()
@@ -227,16 +234,9 @@ def run_flash(
     if not plan.flash_entry:
         views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return run_dense(plan, *views, alibi_slopes, heads_last=True, sinks=sinks)
-    if plan.device_check is not None and device_problem(*plan.device_check) is not None:
-        return None  # the device refuses now what it served: the full path says why
-    _ran(plan)
-    entry = plan.flash
-    assert entry is not None  # flash_entry's
-    extra = _NO_KEYWORDS if sinks is None else {"sinks": sinks}
-    result = entry(
-        q, k, v, sm_scale=plan.sm_scale, alibi_slopes=alibi_slopes, return_lse=plan.return_lse,
-        **extra,
-    )  # fmt: skip
+    if not _ran(plan):
+        return None  # the full path says why
+    result = _attend(plan, plan.flash, q, k, v, alibi_slopes, sinks)
     return result if plan.return_lse else (result, None)
 
 
@@ -245,9 +245,8 @@ def run_varlen(
     max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Tensor | None,
 ) -> tuple[Tensor, Tensor | None] | None:  # fmt: skip
     """launch.run_varlen's module call from a plan; None when the device refuses now."""
-    if plan.device_check is not None and device_problem(*plan.device_check) is not None:
-        return None  # the device refuses now what it served: the full path says why
-    _ran(plan)
+    if not _ran(plan):
+        return None  # the full path says why
     entry = plan.entry
     assert entry is not None  # a varlen plan's attention_varlen
     result = entry(
@@ -268,10 +267,9 @@ def run_decode(
     [B, H, N, D] views (heads-last output when the plan writes in place), with the call's
     num_splits (which its key holds too) and rotary keywords (kvcache_plan.planned_rotary);
     None when the device refuses now."""
-    if plan.device_check is not None and device_problem(*plan.device_check) is not None:
-        return None  # the device refuses now what it served: the full path says why
+    if not _ran(plan, count=plan.flash_entry):  # direct_decode counts its own run
+        return None  # the full path says why
     if not plan.flash_entry:
-        record(plan.dispatch)
         return decode_ops.direct_decode(
             plan.module, plan.key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
             plan.sm_scale, alibi_slopes, plan.return_lse, plan.in_place, None, num_splits,
@@ -291,7 +289,6 @@ def _decode_flash(
     """The module's decode_flash with the plan's scale and LSE flag (a module with it takes
     num_splits and rotary_*); the caches' version counters bumped after an append, as the
     op's mutates_args would."""
-    _ran(plan)
     entry = plan.flash
     assert entry is not None  # flash_entry's decode_flash
     result = entry(
