@@ -152,14 +152,28 @@ def test_generation_with_a_mask_function_equals_sdpa(llama):
     assert sum(d.built for d in log) <= 1
 
 
-def test_what_expression_modules_lack_is_refused(llama):
+def test_sinks_and_dropout_run_on_the_mask_function_path(llama):
+    """gpt-oss's s_aux and the layer's dropout go to an expression module built with them: a
+    MaskMod of the causal mask function gives what the built-in causal module gives for the
+    same sinks and the same generator state (one Philox keep mask: the same seed and offset
+    drawn), and the sinks get their gradient."""
     layer = llama.model.layers[0].self_attn
-    q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16)
-    mask = hf.mask_mod_of(causal_mask_function, kv_length=3)
-    with pytest.raises(attngen.NoKernelError, match="dropout_p"):
-        hf.attngen_attention(layer, q, k, k, mask, dropout=0.1)
-    with pytest.raises(attngen.NoKernelError, match="s_aux"):
-        hf.attngen_attention(layer, q, k, k, mask, s_aux=torch.zeros(4))
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, 9, 16, generator=gen) for h in (4, 2, 2))
+    mask = hf.mask_mod_of(causal_mask_function, kv_length=9)
+    results = []
+    for attention_mask in (mask, None):  # the expression module, then the built-in one
+        sinks = torch.randn(4, generator=torch.Generator().manual_seed(6)).requires_grad_()
+        torch.manual_seed(7)
+        with attngen.dispatch_log() as log:
+            out = hf.attngen_attention(layer, q, k, v, attention_mask, dropout=0.25, s_aux=sinks)[0]
+        out.sum().backward()
+        results.append((out.detach(), sinks.grad, log[0]))
+    (got, got_grad, expressed), (want, want_grad, built_in) = results
+    assert expressed.need.expressions and expressed.need.sinks and expressed.need.dropout
+    assert not built_in.need.expressions and built_in.need.dropout
+    assert (got == 0).any() and not (want - got).abs().max() > 1e-5  # dropped, and alike
+    torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=1e-5)
 
 
 def _training_step(model, implementation, ids):

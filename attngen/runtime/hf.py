@@ -195,22 +195,15 @@ def _softcapped(cap: float) -> Callable:
 
 @torch.compiler.disable(reason="a mask function's mask_mod is traced in Python")
 def _expressed(query, key, value, mask: MaskMod, dropout, scaling, softcap, kwargs):
-    """A layer whose mask is a MaskMod: the traced mask_mod (and softcap as a score_mod) on an
-    expression module built on demand (attngen.flex_attention's), out [B, Nq, HQ, DV]."""
+    """A layer whose mask is a MaskMod: the traced mask_mod (and softcap as a score_mod), sinks
+    (s_aux) and dropout on an expression module built on demand, out [B, Nq, HQ, DV]."""
     from attngen.runtime.flex.attention import attend
     from attngen.runtime.flex.cache import traced
 
-    refused = "dropout_p" if dropout else "s_aux" if kwargs.get("s_aux") is not None else None
-    if refused is not None:
-        raise NoKernelError(
-            f"attngen: {refused}: the layer's mask function has no built-in equivalent, so "
-            "its expression module applies it, and those have no dropout or sinks (dropout_p "
-            "is the layer's attention_dropout in training: use eval mode, or another "
-            "attn_implementation)"
-        )
     score_mod = _softcapped(float(softcap)) if softcap else None
     score, keep, mask_tree, capture = traced(score_mod, mask.mask_mod)
-    out = attend(API, query, key, value, (score, keep, mask_tree), capture, scaling, False)
+    trees, sinks = (score, keep, mask_tree), _sinks(kwargs.get("s_aux"), query)
+    out = attend(API, query, key, value, trees, capture, scaling, False, None, sinks, dropout)
     return out.transpose(1, 2)
 
 

@@ -115,9 +115,8 @@ def slopes_rank(alibi_slopes: Tensor | None) -> int:
 
 
 def find(key: tuple | None) -> Plan | None:
-    """The plan of a signature key in the route cache of the registry in use, or None. The
-    route cache's holder and the registry in use are read here, not asked (routes(),
-    current_registry()): a planned call stays in this file until its module's entry point."""
+    """The plan of a signature key in the registry in use's route cache, or None; both read,
+    not asked (routes()): a planned call stays in this file until its module's entry point."""
     if key is None:
         return None
     held = selection._routes
@@ -147,8 +146,7 @@ def _ran(plan: Plan, count: bool = True) -> bool:
 
 
 def _attend(plan: Plan, entry: Any, q: Tensor, k: Tensor, v: Tensor, alibi_slopes, sinks) -> Any:
-    """A prefill module's entry point with the plan's scale and LSE flag (and the call's sinks,
-    whose presence its key holds)."""
+    """A prefill module's entry point with the plan's scale, LSE flag and the call's sinks."""
     extra = _NO_KEYWORDS if sinks is None else {"sinks": sinks}
     return entry(
         q, k, v, sm_scale=plan.sm_scale, alibi_slopes=alibi_slopes, return_lse=plan.return_lse,

@@ -93,11 +93,13 @@ def flex_attention(
 
 
 def attend(
-    api: str, query, key, value, trees, capture: Capture, scale, want_lse: bool, blocks=None
-) -> Any:
+    api: str, query, key, value, trees, capture: Capture, scale, want_lse: bool, blocks=None,
+    sinks=None, dropout_p: float = 0.0,
+) -> Any:  # fmt: skip
     """Run the (score, keep, mask) trees of a call (keep: where the score_mod is not -inf)
     with the captured tensors on the module built for them, skipping the key blocks that the
-    block mask `blocks` leaves out (see _sparsity); record the dispatch as `api`."""
+    block mask `blocks` leaves out (see _sparsity); record the dispatch as `api`. sinks [HQ]
+    fp32 and dropout_p (the transformers path's) pick a module with them."""
     fields, expressions, trained = _fields(trees, capture.declarations())
     values, device = {}, query.device
     for decl, tensor in capture.found.values():  # as the module reads them: Capture.values
@@ -108,13 +110,19 @@ def attend(
             )
         tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
         values[decl.name] = tensor if decl.name in trained else tensor.detach()
-    backward = bool(trained) or needs_gradients(query, key, value)
-    module, dispatch, reasons = _module(api, query, key, value, fields, expressions, backward)
+    backward = bool(trained) or needs_gradients(query, key, value, sinks)
+    extras = (sinks is not None, dropout_p > 0)
+    module, dispatch, reasons = _module(
+        api, query, key, value, fields, expressions, backward, extras
+    )
     if key.shape[0] != query.shape[0]:  # batch 1 broadcast, as torch's (a view: stride 0)
         key = key.expand(query.shape[0], *key.shape[1:])
         value = value.expand(query.shape[0], *value.shape[1:])
     sm_scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     options: dict[str, Any] = {"tensors": values} if values else {}
+    options |= ({"sinks": sinks} if extras[0] else {}) | (
+        {"dropout_p": dropout_p} if extras[1] else {}
+    )
     sparsity, why = _sparsity(module, blocks if expressions else None, query, key, backward)
     if sparsity is not None:
         options["block_mask"] = sparsity
@@ -282,21 +290,22 @@ def _fields(trees: tuple, decls: tuple[Tensor, ...]) -> tuple[dict[str, Any], st
     return derived
 
 
-def _module(api: str, query, key, value, fields: dict[str, Any], expressions: str, backward):
+def _module(api: str, query, key, value, fields: dict, expressions: str, backward, extras):
     """(module, Dispatch, the Dispatches recorded with each block-mask reason) of the call:
     from the route cache of the registry in use (selection.routes: keyed by what decides the
     Need, so a repeated call asks no Need, settings or device question, but bf16 under the
     interpreter's, whose answer may change), else kept per call key and the settings, built
-    on demand on a first call (with gradient kernels, `backward: true`, when the call needs
-    gradients). configure() reloads the registry, so new settings start the routes over."""
+    on demand on a first call (with gradient kernels when the call needs gradients; extras:
+    whether it has sinks, dropout). configure() reloads the registry: routes start over."""
     route: tuple = (API, api, expressions, query.dtype, query.device, query.shape, key.shape)
-    route += (value.shape, backward)
+    route += (value.shape, backward, extras)
     table = selection.routes(registry.current_registry())
     hit = table.get(route)
     if hit is not None and (hit[3] is None or device_problem(*hit[3]) is None):
         return hit[:3]
     lq, lk = query.shape[2], key.shape[2]
     sizes = dict(seqlen_q=lq, seqlen_k=lk, same_lengths=lq == lk, backward=backward)
+    sizes |= dict(sinks=extras[0], dropout=extras[1])
     need = need_for(KernelKind.prefill, query, value, **_PLAIN, **sizes)
     why = unsupported_dtype(query) if need.dtype is None else None
     why = why or device_problem(API, need.arch, need.dtype)
