@@ -100,7 +100,7 @@ def _log2_exponent(spec: AttnSpec, q, k, sm_scale, slopes, reverse: bool, exprs=
     derived gradient), else None. `exprs`: tensors= and first_b= of the expressions."""
     f32 = torch.float32
     kf = k.to(f32).repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    qk = torch.zeros(*q.shape[:-1], kf.shape[2], dtype=f32)
+    qk = torch.zeros(*q.shape[:-1], kf.shape[2], dtype=f32, device=q.device)
     dims = range(q.shape[-1] - 1, -1, -1) if reverse else range(q.shape[-1])
     for d in dims:  # an fp32 FMA chain, in one order or the other
         qk = torch.addcmul(qk, q[..., d : d + 1].to(f32), kf[..., d][..., None, :])
@@ -150,7 +150,7 @@ def kernel_like_lse2(spec: AttnSpec, q, k, sm_scale, slopes, sinks=None, exprs=N
     if forward.shape[-1]:
         row_max = forward.amax(-1)
     else:
-        row_max = torch.full(forward.shape[:-1], float("-inf"))
+        row_max = torch.full(forward.shape[:-1], float("-inf"), device=forward.device)
     sink_log2 = None
     if spec.sinks:
         sink_log2 = (sinks.to(f32) * torch.tensor(LOG2E, dtype=f32))[None, :, None]

@@ -144,6 +144,8 @@ def create_block_mask(
     if device is None:
         device = torch.accelerator.current_accelerator() or "cpu"
     device = torch.device(device)
+    if device.index is None and device.type != "cpu":  # "cuda": the current one, as torch's
+        device = torch.empty(0, device=device).device
     capture = Capture()
     expr, _ = trace(mask_mod, "mask_mod", capture)
     values = capture.values()
