@@ -112,17 +112,15 @@ def attend(
         values[decl.name] = tensor if decl.name in trained else tensor.detach()
     backward = bool(trained) or needs_gradients(query, key, value, sinks)
     extras = (sinks is not None, dropout_p > 0)
-    module, dispatch, reasons = _module(
-        api, query, key, value, fields, expressions, backward, extras
-    )
+    found = _module(api, query, key, value, fields, expressions, backward, extras)
+    module, dispatch, reasons = found
     if key.shape[0] != query.shape[0]:  # batch 1 broadcast, as torch's (a view: stride 0)
         key = key.expand(query.shape[0], *key.shape[1:])
         value = value.expand(query.shape[0], *value.shape[1:])
     sm_scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     options: dict[str, Any] = {"tensors": values} if values else {}
-    options |= ({"sinks": sinks} if extras[0] else {}) | (
-        {"dropout_p": dropout_p} if extras[1] else {}
-    )
+    options |= {"sinks": sinks} if extras[0] else {}  # (a module without sinks takes none)
+    options |= {"dropout_p": dropout_p} if extras[1] else {}
     sparsity, why = _sparsity(module, blocks if expressions else None, query, key, backward)
     if sparsity is not None:
         options["block_mask"] = sparsity
