@@ -172,8 +172,13 @@ def test_sinks_and_dropout_run_on_the_mask_function_path(llama):
     (got, got_grad, expressed), (want, want_grad, built_in) = results
     assert expressed.need.expressions and expressed.need.sinks and expressed.need.dropout
     assert not built_in.need.expressions and built_in.need.dropout
-    assert (got == 0).any() and not (want - got).abs().max() > 1e-5  # dropped, and alike
-    torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=1e-5)
+    # Both modules run the same fp32 kernel step with the same keep mask; the expression
+    # module's masked keys add exact zeros, so they agree to the bit today (0.0 measured). The
+    # bound is RELIABILITY.md's floor, two fp32 ulps at the magnitude, for each of the two.
+    for a, b in ((got, want), (got_grad, want_grad)):
+        floor = 4 * torch.finfo(torch.float32).eps * b.abs().max()
+        assert (a - b).abs().max() <= floor, ((a - b).abs().max(), floor)
+    assert (got == 0).any()  # dropout dropped every key some rows see
 
 
 def _training_step(model, implementation, ids):
