@@ -144,7 +144,7 @@ def test_decode_flash_of_a_module_without_plans_is_decode_on_the_views():
         sinks=True,
     )
     module = load_decode(spec)
-    assert not hasattr(module, "_FLASH_PLANS")
+    assert not module._KEEPS_PLANS and not hasattr(module, "_CALL_PLANS")
     q, k_cache, v_cache, lengths, _, k_new, v_new = flash_case(spec, seed=6)
     sinks = torch.randn(4, generator=torch.Generator().manual_seed(6))
     options = {"sinks": sinks, "return_lse": True, "num_splits": 2}

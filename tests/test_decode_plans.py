@@ -1,7 +1,7 @@
-"""decode()'s call plans (_decode_plan.py.jinja), on the CPU: from a layout's second call the
-module launches from the layout's plan; its launches are the full path's, a new layout gets
-its own plan, and what depends on the call's data (out= sharing memory, ATTNGEN_CHECKS'
-validation of the index tensors) is still checked at every call."""
+"""decode()'s call plans (attngen/host/decode_plans.py), on the CPU: from a layout's second
+call the module launches from the layout's plan; its launches are the full path's, a new
+layout gets its own plan, and what depends on the call's data (out= sharing memory,
+ATTNGEN_CHECKS' validation of the index tensors) is still checked at every call."""
 
 from __future__ import annotations
 

@@ -320,7 +320,7 @@ def _host_paths_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str
     and their measurements are in code_paths.py), and whether attention() keeps call plans
     (attngen/host/prefill_plans.py: prefill launchers whose calls bring no tensors beyond q,
     k, v and out; sinks, dropout and expression tensors do), as attention_varlen()
-    (host/varlen_plans.py) and decode() (_decode_plan.py.jinja) do without them."""
+    (host/varlen_plans.py) and decode() (host/decode_plans.py) do without them."""
     paths = code_paths(spec, arch, kind)
     return {
         "tma": paths.tma,

@@ -237,10 +237,6 @@ def _preference(cand: Candidate, arch: GpuArch) -> tuple[bool, int, float, float
     )
 
 
-def decode_config(spec: AttnSpec, arch: str) -> TileConfig | None:
-    return derive_decode_tiles(spec, arch).chosen
-
-
 def split_span(spec: AttnSpec, capacity: int, block_n: int, query_tokens: int) -> int:
     """Keys a step can reach: the capacity, or with a window (a chunk) the window (the
     chunk) and the step; sink tokens add their blocks."""
