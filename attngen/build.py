@@ -9,6 +9,7 @@ index is merged under a file lock: entries of modules built from other specs sta
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 from collections.abc import Iterable
@@ -52,19 +53,25 @@ def plan_build(specs: Iterable[AttnSpec], tuning_dir: Path | None = None) -> lis
 
     With `tuning_dir`, configs measured by `attngen autotune` replace the heuristic's.
     """
+    # Derivations and renders make many short-lived objects that bring on full collections, 100-
+    # 150 ms each where torch is loaded (tools/flex_cold_start.py); paused, refcounts free them.
     artifacts: dict[str, Artifact] = {}
-    for spec in specs:
-        for kind in spec.kernels:
-            for arch in spec.archs:
-                artifact = _plan_one(spec, kind, arch, tuning_dir)
-                previous = artifacts.get(artifact.relative_path)
-                if previous is not None and previous.source != artifact.source:
-                    raise BuildError(
-                        f"{artifact.relative_path}: two specs give this module different contents "
-                        f"(spec hashes {previous.entry['spec_hash']} and "
-                        f"{artifact.entry['spec_hash']}); give the specs different names"
-                    )
-                artifacts[artifact.relative_path] = artifact
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for spec, kind, arch in ((s, k, a) for s in specs for k in s.kernels for a in s.archs):
+            artifact = _plan_one(spec, kind, arch, tuning_dir)
+            previous = artifacts.get(artifact.relative_path)
+            if previous is not None and previous.source != artifact.source:
+                raise BuildError(
+                    f"{artifact.relative_path}: two specs give this module different contents "
+                    f"(spec hashes {previous.entry['spec_hash']} and "
+                    f"{artifact.entry['spec_hash']}); give the specs different names"
+                )
+            artifacts[artifact.relative_path] = artifact
+    finally:
+        if collecting:
+            gc.enable()
     return [artifacts[path] for path in sorted(artifacts)]
 
 

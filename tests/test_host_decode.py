@@ -6,8 +6,6 @@ layouts, and the call plans' bookkeeping. The generated modules run the same tex
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import triton.language as tl
@@ -153,11 +151,3 @@ def test_plans_keep_launches_per_class_and_leave_a_changed_config(monkeypatch) -
     assert decode_plans._run_plan(plan, *[None] * 10) is None  # autotune changed the config
     flash = plan.heads_last(1, (1, 1, 4, D))
     assert flash.length_dim == 1 and flash.launches is plan.launches and flash.last is None
-
-
-def test_planned_out_checked_only_where_it_shares_memory(monkeypatch) -> None:
-    q = torch.zeros(4)
-    plan = SimpleNamespace(out_shape=(4,))
-    decode_plans._check_planned_out(torch.zeros(4), plan, q, (("q", q), ("k_new", None)))
-    with pytest.raises(ValueError, match="out: shares memory with q"):
-        decode_plans._check_planned_out(q, plan, q, (("q", q),))

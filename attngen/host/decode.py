@@ -225,9 +225,8 @@ def _tree_args(tree_mask, batch, num_q_tokens, q, rotary_cos):
     if tree_mask is None:
         return None, (0, 0, 0)
     if ALIBI:
-        raise ValueError("tree_mask: not in an ALiBi module (alibi: true): a draft token's "
-                         "position is its tree depth, not its cache slot, which the bias would "
-                         "read")  # fmt: skip
+        raise ValueError("tree_mask: not in an ALiBi module (alibi: true): a draft's position "
+                         "is its tree depth, not the cache slot the bias reads")  # fmt: skip
     if rotary_cos is not None:
         raise ValueError("tree_mask: not with rotary_cos: a draft token's position is its tree "
                          "depth, not its cache slot; rotate q and k_new at the tree's positions "

@@ -129,10 +129,12 @@ def _run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_ne
         out = q.new_empty(plan.out_shape)
     else:
         fp8 = () if descales is None else zip(("k_descale", "v_descale"), descales, strict=True)
-        _check_planned_out(out, plan, q, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
-                                          ("k_new", k_new), ("v_new", v_new),
-                                          ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-                                          *fp8, ("tree_mask", tree_mask)))  # fmt: skip
+        inputs = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
+                  ("v_new", v_new), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), *fp8,
+                  ("tree_mask", tree_mask))  # fmt: skip
+        storage = out.untyped_storage().data_ptr()
+        if any(t is not None and t.untyped_storage().data_ptr() == storage for _, t in inputs):
+            _check_out(out, plan.out_shape, q, inputs)  # raises when out has elements
     if _checked():
         _validate_indices(cache_seqlens, block_table, num_new, plan.num_q_tokens, capacity,
                           num_pages)  # fmt: skip
@@ -160,14 +162,6 @@ def _run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_ne
     if combine is not None:
         _run_step(combine, device, (part_out, part_lse, out, lse_arg), None, direct, stream)
     return out, lse
-
-
-def _check_planned_out(out, plan, q, inputs):
-    """_check_out where a planned call's out= shares memory with an input (the plan settled the
-    rest)."""
-    storage = out.untyped_storage().data_ptr()
-    if any(t is not None and t.untyped_storage().data_ptr() == storage for _, t in inputs):
-        _check_out(out, plan.out_shape, q, inputs)  # raises when out has elements
 
 
 # -- flash-attn's layouts: decode_flash's and decode_flash_out's plans ---------------------------
