@@ -182,3 +182,87 @@ def test_a_changed_config_leaves_the_plan(monkeypatch):
     assert split_kernel.bound[-1][1][block_n] == 16
     (plan,) = module._CALL_PLANS.values()
     assert plan.config["BLOCK_N"] == 16
+
+
+# Modules whose planned launch takes more than the plain one (attngen/host/decode_plans.py
+# `_run_plan`): fp8 caches (the descales' pointers, the unit descale for None), the absorbed
+# MLA decode (two configs in the plan's config), a score_mod (the block state's stand-in q),
+# and a tree mask (its uint8 view): each planned step against its full path, the kernels run
+# by the interpreter through `kernel[grid]` (a missing or misplaced argument fails to bind).
+FP8 = dict(kv_dtype="fp8_e4m3", dtype="fp16", head_dim=64, num_q_heads=4, num_kv_heads=2)
+VARIANTS = {
+    "fp8 contiguous": make_decode_spec("contiguous", None, name="fldq", **FP8),
+    "fp8 paged": make_decode_spec("paged", 16, name="fldr", max_query_tokens=2, **FP8),
+    "MLA paged": make_decode_spec(
+        "paged",
+        64,
+        name="fldm",
+        dtype="fp16",
+        head_dim=576,
+        head_dim_v=512,
+        num_q_heads=16,
+        num_kv_heads=1,
+        kernels=["decode"],
+    ),
+    "score_mod": make_decode_spec(
+        "paged",
+        16,
+        name="fldt",
+        dtype="fp16",
+        head_dim=64,
+        num_q_heads=4,
+        num_kv_heads=2,
+        score_mod="20 * tanh(score / 20)",
+        kernels=["decode"],
+    ),
+    "tree mask": PAGED,
+}
+
+
+def variant_step(spec, name):
+    """One step's call (append where the cache takes one) and its results, in fresh caches."""
+    cache = make_cache(spec, [5, 9], seed=1, room=2, extra_capacity=40)
+    tokens = 2 if name in ("fp8 paged", "tree mask") else 1
+    q, k_new, v_new, _ = make_queries(spec, 2, tokens, seed=2, num_new=tokens)
+    options = {"return_lse": True}
+    if name.startswith("fp8"):
+        descale = torch.rand(2, 2, generator=torch.Generator().manual_seed(3)) + 0.5
+        options |= {"k_descale": descale, "v_descale": None}
+    if name == "tree mask":
+        options["tree_mask"] = torch.tensor([[True, False], [True, True]])
+    if name == "MLA paged":
+        k_new = v_new = None  # the latent cache: values are the keys' first 512 dims
+
+    def step(module):
+        k = cache.k.clone()
+        if name.startswith("fp8"):
+            k = k.nan_to_num().to(torch.float8_e4m3fn)
+        v = k[..., :512] if name == "MLA paged" else k.clone()
+        new = {} if k_new is None else {"k_new": k_new, "v_new": v_new}
+        out, lse = module.decode(
+            q, k, v, cache.lengths, block_table=cache.block_table, **new, **options
+        )
+        return out, lse, k.float()
+
+    return step
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_planned_variants_equal_their_full_paths(monkeypatch, name):
+    spec = VARIANTS[name]
+    module = load_decode(spec)
+    monkeypatch.setattr(module, "_FAST_LAUNCH", True)  # plans on
+    monkeypatch.setattr(module, "_runs_directly", lambda kernel: False)  # launches bind
+    monkeypatch.setattr(module, "_CALL_PLANS", {})
+    monkeypatch.setattr(module, "FORCE_NUM_SPLITS", 2)  # the combine runs too
+    step = variant_step(spec, name)
+    full = step(module)
+    assert len(module._CALL_PLANS) == 1
+    (plan,) = module._CALL_PLANS.values()
+    planned_launches = []
+    run_plan = module._run_plan
+    monkeypatch.setattr(module, "_run_plan", lambda *a: planned_launches.append(1) or run_plan(*a))
+    planned = step(module)
+    assert planned_launches and plan.last is not None  # the plan ran, not the full path
+    for a, b in zip(full, planned, strict=True):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
