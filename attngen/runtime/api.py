@@ -293,21 +293,9 @@ def flash_attn_varlen_func(
         and type(max_seqlen_q) is int
         and type(max_seqlen_k) is int
     ):
-        key = (
-            VARLEN,
-            q.shape,
-            k.shape,
-            v.shape,
-            q.dtype,
-            q.device,
-            causal,
-            window_size,
-            softcap,
-            softmax_scale,
-            plans.slopes_rank(alibi_slopes),
-            return_attn_probs,
-            cu_seqlens_q is cu_seqlens_k,
-        )
+        key = (VARLEN, q.shape, k.shape, v.shape, q.dtype, q.device, causal, window_size, softcap)
+        key += (softmax_scale, plans.slopes_rank(alibi_slopes), return_attn_probs)
+        key += (cu_seqlens_q is cu_seqlens_k,)
         plan = plans.find(key)
         if plan is not None:
             ran = plans.run_varlen(
