@@ -178,6 +178,14 @@ VARIANTS = {
         "// _CHUNK_SIZE * _CHUNK_SIZE",
     ),
     "sinks-d128": (dict(dtype="fp16", head_dim=128, sinks=True), "m_sink = gl.maximum("),
+    "dv64-d128": (
+        dict(dtype="bf16", head_dim=128, head_dim_v=64),
+        "q4 = q_smem.index(CID)._reinterpret(",
+    ),
+    "dv256-d64": (
+        dict(dtype="fp16", head_dim=64, head_dim_v=256),
+        "q4 = q_smem.index(CID)._reinterpret(",
+    ),
     "window-alibi-d64": (
         dict(
             dtype="bf16",

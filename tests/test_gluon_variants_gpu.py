@@ -1,4 +1,5 @@
-"""The Gluon forward's variants (windows, sink tokens, chunks, softcap, ALiBi, sinks) on the H200:
+"""The Gluon forward's variants (windows, sink tokens, chunks, softcap, ALiBi, sinks, head_dim !=
+head_dim_v) on the H200:
 `pytest -m gpu tests/test_gluon_variants_gpu.py`.
 
 They are built only with ATTNGEN_GLUON_VARIANTS=1 until these pass (GLUON_UNVERIFIED in
@@ -224,6 +225,23 @@ CASES = [
         ),
         (1, 600, 600),
     ),
+    # head_dim != head_dim_v: O out through tiles of its own (Q's slot is [BLOCK_M, D])
+    ("dv64-d128-causal", dict(dtype="bf16", head_dim=128, head_dim_v=64), (2, 700, 700)),
+    ("dv128-d64-none", dict(dtype="fp16", head_dim=64, head_dim_v=128, mask="none"), (1, 300, 900)),
+    (
+        "dv256-d128-gqa-window",
+        dict(
+            dtype="bf16",
+            head_dim=128,
+            head_dim_v=256,
+            mask=_WIN,
+            window_left=100,
+            window_right=0,
+            num_q_heads=8,
+            num_kv_heads=2,
+        ),
+        (1, 640, 640),
+    ),  # fmt: skip
 ]
 
 

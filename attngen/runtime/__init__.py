@@ -133,19 +133,8 @@ def flash_attn_qkvpacked_func(
     """flash-attn 2.x `flash_attn_qkvpacked_func`: qkv [B, N, 3, H, D] -> out [B, N, H, D]
     (with return_attn_probs: (out, lse [B, H, N], S_dmask), S_dmask as flash_attn_func's)."""
     q, k, v = _unstack("qkv", qkv, 5, 3, "[batch, seqlen, 3, nheads, headdim]")
-    return flash_attn_func(
-        q,
-        k,
-        v,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
-    )
+    options = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    return flash_attn_func(q, k, v, *options, deterministic, return_attn_probs)
 
 
 def flash_attn_kvpacked_func(
@@ -163,19 +152,8 @@ def flash_attn_kvpacked_func(
     """flash-attn 2.x `flash_attn_kvpacked_func`: q [B, Nq, HQ, D], kv [B, Nk, 2, HKV, D]
     -> out [B, Nq, HQ, D]; HQ a multiple of HKV (GQA)."""
     k, v = _unstack("kv", kv, 5, 2, "[batch, seqlen_k, 2, nheads_k, headdim]")
-    return flash_attn_func(
-        q,
-        k,
-        v,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
-    )
+    options = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    return flash_attn_func(q, k, v, *options, deterministic, return_attn_probs)
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -194,23 +172,9 @@ def flash_attn_varlen_qkvpacked_func(
     """flash-attn 2.x `flash_attn_varlen_qkvpacked_func`: qkv [T, 3, H, D], cu_seqlens int32
     [B + 1] for queries and keys alike -> out [T, H, D] (lse [H, T])."""
     q, k, v = _unstack("qkv", qkv, 4, 3, "[total, 3, nheads, headdim]")
-    return flash_attn_varlen_func(
-        q,
-        k,
-        v,
-        cu_seqlens,
-        cu_seqlens,
-        max_seqlen,
-        max_seqlen,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
-    )
+    options = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    lengths = (cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    return flash_attn_varlen_func(q, k, v, *lengths, *options, deterministic, return_attn_probs)
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -232,23 +196,9 @@ def flash_attn_varlen_kvpacked_func(
     """flash-attn 2.x `flash_attn_varlen_kvpacked_func`: q [Tq, HQ, D], kv [Tk, 2, HKV, D]
     -> out [Tq, HQ, D] (lse [HQ, Tq])."""
     k, v = _unstack("kv", kv, 4, 2, "[total_k, 2, nheads_k, headdim]")
-    return flash_attn_varlen_func(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
-    )
+    options = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return flash_attn_varlen_func(q, k, v, *lengths, *options, deterministic, return_attn_probs)
 
 
 def _unstack(

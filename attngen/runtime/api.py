@@ -281,7 +281,7 @@ def flash_attn_varlen_func(
     (flash-attn's paged varlen). They are gathered into [B * max_pages * page_size] rows first (a
     copy of every listed page; flash_attn_with_kvcache reads pages in place); a sequence whose
     length or pages do not fit gets NaN, as in the kernels."""
-    key = None
+    key: tuple | None = None
     if (
         block_table is None
         and plans.eager(q, k, v, alibi_slopes)

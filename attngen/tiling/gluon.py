@@ -10,7 +10,8 @@ to PRODUCER_REGS and each consumer rises to CONSUMER_REGS.
 
 The model (sympy, like prefill_model.py) in BM = BLOCK_M, BN = BLOCK_N, D, DV, E (element
 bytes), S (stages) and NC (consumers):
-- shared memory: the NC Q tiles (O is stored back through them), S stages of K and V, the
+- shared memory: the NC Q tiles (O is stored back through them; with DV != D each slot
+  holds max(D, DV) columns, Q and O views of it: o_tile), S stages of K and V, the
   mbarrier arrays (two of NC, four of S: 8 B each, every array padded to 16 B) and
   warp_specialize's buffer of the values the partitions take (WS_FIXED_BYTES, the compiler's
   count; a variant's extra 32-bit scalars, capture_words, grow it in 16-byte steps past its
@@ -48,11 +49,11 @@ from attngen.tiling.evaluate import compiled
 NC, BM, BN, D, DV, E, S = sympy.symbols("NC BLOCK_M BLOCK_N D DV E S", positive=True, integer=True)
 
 GLUON_ARCH = "sm90"
-# Head dims the kernel serves (D == DV). O's wgmma takes N = D, the K/V TMA boxes are
-# [BLOCK_N, D] and the kernel has no head-dim padding or masks, so a dim needs its own
-# layouts, register budget and a GPU check; these three are the ones checked on the H200
-# (tools/gluon_forward_check.py). D != DV stays tile-level: O is stored through Q's slot
-# and K and V share one block shape.
+# Head dims the kernel serves (D and DV each). O's wgmma takes N = DV, the TMA boxes are
+# [BLOCK_N, D] and [BLOCK_N, DV] and the kernel has no head-dim padding or masks, so a dim
+# needs its own layouts, register budget and a GPU check; these three are the ones checked on
+# the H200 (tools/gluon_forward_check.py), D == DV. With D != DV ("head_dim != head_dim_v"),
+# Q's slot holds the wider of the two tiles and Q and O are views of it.
 GLUON_HEAD_DIMS = (64, 128, 256)
 WARPGROUP = 128  # threads
 REGISTER_FILE = 65536  # 32-bit registers per SM, one CTA per SM
@@ -84,6 +85,7 @@ GLUON_VARIANTS = frozenset(
         "sinks",
         "backward",
         "varlen",
+        "head_dim != head_dim_v",
     }
 )
 GLUON_UNVERIFIED = GLUON_VARIANTS
@@ -100,12 +102,12 @@ def gluon_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
         return f"{kind.value}: packed sequences need per-sequence descriptors (not written yet)"
     if spec.dtype.itemsize != 2:
         return f"{spec.dtype.value}: wgmma takes 16-bit operands"
-    if spec.head_dim != spec.value_head_dim:
-        return "head_dim != head_dim_v: O is stored through Q's shared-memory slot"
-    if spec.head_dim not in GLUON_HEAD_DIMS:
+    unserved = sorted({spec.head_dim, spec.value_head_dim} - set(GLUON_HEAD_DIMS))
+    if unserved:
         dims = ", ".join(map(str, GLUON_HEAD_DIMS))
-        return f"head dim {spec.head_dim}: the kernel is laid out and checked for {dims} only"
+        return f"head dim {unserved[0]}: the kernel is laid out and checked for {dims} only"
     for present, feature in (
+        (spec.head_dim != spec.value_head_dim, "head_dim != head_dim_v"),
         (spec.mask.value not in ("none", "causal"), f"mask {spec.mask.value}"),
         (spec.softcap, "softcap"),
         (spec.alibi, "ALiBi"),
@@ -156,6 +158,7 @@ class GluonDerivation:
     chosen: GluonCandidate | None
     words: int = 0  # capture_words of the spec
     tiles: int = 0  # extra_tiles of the spec
+    o_tile: bool = False  # Q's slots hold max(D, DV) columns, O a view (DV != D)
     source: str = "derived"  # or "tuned on <GPU>, <date>" (tuning.database.tuned_gluon), or why not
 
     def summary_lines(self) -> tuple[str, ...]:
@@ -165,7 +168,7 @@ class GluonDerivation:
         lines = [
             "Gluon forward (warp-specialized, sm90):",
             "  shared memory =",
-            f"    {smem_expression(self.words)}",
+            f"    {smem_expression(self.words, self.o_tile)}",
             f"  consumer registers ~ {consumer_regs_expression(self.tiles)}",
         ]
         best = self.chosen
@@ -192,14 +195,16 @@ def capture_words(spec: AttnSpec, kind: KernelKind = KernelKind.prefill) -> int:
 
 
 @cache
-def smem_expression(words: int = 0) -> sympy.Expr:
+def smem_expression(words: int = 0, o_tile: bool = False) -> sympy.Expr:
     """Dynamic shared memory of one CTA in bytes (exact against the compiler), for a kernel
-    whose partitions take `words` more 32-bit scalars than the plain one (capture_words)."""
+    whose partitions take `words` more 32-bit scalars than the plain one (capture_words); with
+    o_tile (DV != D) each Q slot holds max(D, DV) columns, O's tile a view of it."""
 
     def barriers(n: sympy.Expr) -> sympy.Expr:  # an [n, 1] int64 array, padded to 16 B
         return 16 * sympy.ceiling(n / sympy.Integer(2))
 
-    tiles = E * (NC * BM * D + S * BN * (D + DV))
+    slot = sympy.Max(D, DV) if o_tile else D
+    tiles = E * (NC * BM * slot + S * BN * (D + DV))
     captures = 16 * sympy.ceiling(sympy.Rational(words - 1, 4))
     return tiles + 2 * barriers(NC) + 4 * barriers(S) + WS_FIXED_BYTES + captures
 
@@ -230,7 +235,7 @@ def register_split(consumers: int) -> tuple[int, int, int]:
 def _candidate(d: int, dv: int, itemsize: int, consumers: int, block_m: int, block_n: int,
                stages: int, budget: int, words: int, tiles: int) -> GluonCandidate:  # fmt: skip
     values = (consumers, block_m, block_n, d, dv, itemsize, stages)
-    smem = int(compiled(smem_expression(words), (NC, BM, BN, D, DV, E, S))(*values))
+    smem = int(compiled(smem_expression(words, d != dv), (NC, BM, BN, D, DV, E, S))(*values))
     regs = compiled(consumer_regs_expression(tiles), (NC, BM, BN, D, DV, E, S))(*values)
     consumer_regs, producer_regs, entry = register_split(consumers)
     rejected = []
@@ -276,4 +281,4 @@ def _derive_gluon_tiles(
     )
     feasible = [c for c in candidates if c.feasible]
     chosen = max(feasible, key=lambda c: _preference(c, itemsize, d, dv), default=None)
-    return GluonDerivation(arch, candidates, chosen, words, tiles)
+    return GluonDerivation(arch, candidates, chosen, words, tiles, d != dv)

@@ -71,6 +71,7 @@ def gluon_backward_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
         (spec.softcap, "softcap"),
         (spec.alibi, "ALiBi"),
         (spec.sinks, "sinks"),
+        (spec.head_dim != spec.value_head_dim, "head_dim != head_dim_v"),
     ):
         if present:
             return f"{feature}: not in the Gluon backward yet"
