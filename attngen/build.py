@@ -53,8 +53,7 @@ def plan_build(specs: Iterable[AttnSpec], tuning_dir: Path | None = None) -> lis
 
     With `tuning_dir`, configs measured by `attngen autotune` replace the heuristic's.
     """
-    # Derivations and renders make many short-lived objects that bring on full collections, 100-
-    # 150 ms each where torch is loaded (tools/flex_cold_start.py); paused, refcounts free them.
+    # Paused: derive and render's short-lived objects set off 150 ms full collections (torch's).
     artifacts: dict[str, Artifact] = {}
     collecting = gc.isenabled()
     gc.disable()

@@ -10,13 +10,12 @@ to PRODUCER_REGS and each consumer rises to CONSUMER_REGS.
 
 The model (sympy, like prefill_model.py) in BM = BLOCK_M, BN = BLOCK_N, D, DV, E (element
 bytes), S (stages) and NC (consumers):
-- shared memory: the NC Q tiles (O is stored back through them; with DV != D each slot
-  holds max(D, DV) columns, Q and O views of it: o_tile), S stages of K and V, the
-  mbarrier arrays (two of NC, four of S: 8 B each, every array padded to 16 B) and
-  warp_specialize's buffer of the values the partitions take (WS_FIXED_BYTES, the compiler's
-  count; a variant's extra 32-bit scalars, capture_words, grow it in 16-byte steps past its
-  first 4 free bytes); exact against the compiler (`attngen verify-tiling`,
-  attngen/verify/gluon.py);
+- shared memory: the NC Q tiles (O goes back through them; with DV != D a slot of max(D, DV)
+  columns, o_tile), S stages of K and V, the mbarrier arrays (two of NC, four of S: 8 B each,
+  every array padded to 16 B) and warp_specialize's buffer of the values the partitions take
+  (WS_FIXED_BYTES, the compiler's count; a variant's extra 32-bit scalars, capture_words, grow
+  it in 16-byte steps past its first 4 free bytes); exact against the compiler (`attngen
+  verify-tiling`, attngen/verify/gluon.py);
 - registers per consumer thread: the fp32 O accumulator (BM x DV over 128 threads), the fp32
   score tile, P packed two 16-bit values a register, and CONSUMER_OVERHEAD for addresses,
   row statistics and loop state: a bound checked by the compiler's "no spills" at the chosen

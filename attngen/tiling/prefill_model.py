@@ -7,7 +7,7 @@ decode and backward models (decode.py, backward.py) reuse its symbols and parts.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 import sympy
@@ -46,22 +46,24 @@ def smem_expression(
     """
     q, k, v = BM * D, BN * D, BN * DV
     epilogue = BM * DV
+    # Unevaluated (its comparisons cost 30 ms of a first derivation); substituting evaluates.
+    Max = partial(sympy.Max, evaluate=False)  # noqa: N806 - sympy's name
 
     def loop(p: sympy.Expr, buffers: sympy.Expr) -> sympy.Expr:
         if dropout:
             return drop.forward_loop(q, k, v, p, buffers)
         return sympy.Piecewise(
-            (q + v + sympy.Max(k, p), sympy.Eq(S, 1)), (q + buffers * (k + v) + p, True)
+            (q + v + Max(k, p), sympy.Eq(S, 1)), (q + buffers * (k + v) + p, True)
         )
 
     staged_p = sympy.Piecewise((0, BM >= DV), (BM * BN, True))
-    sixteen_bit = E * sympy.Max(loop(staged_p, sympy.Max(S - 1, 1)), epilogue)
+    sixteen_bit = E * Max(loop(staged_p, Max(S - 1, 1)), epilogue)
     barrier = tma_barrier_expression() if arch.has_tma and tma else 0  # decode's tma=False
     if arch.has_wgmma:
-        wgmma = drop.forward_wgmma(barrier) if dropout else E * sympy.Max(q + S * (k + v), epilogue)
+        wgmma = drop.forward_wgmma(barrier) if dropout else E * Max(q + S * (k + v), epilogue)
         sixteen_bit = sympy.Piecewise((wgmma, BM >= 64), (sixteen_bit, True))
     sixteen_bit = sixteen_bit + barrier
-    fp32 = E * sympy.Max(loop(BM * BN, sympy.Max(S - 1, 1)), epilogue) + 4 * sympy.Max(BM, 32)
+    fp32 = E * Max(loop(BM * BN, Max(S - 1, 1)), epilogue) + 4 * Max(BM, 32)
     expr = sympy.Piecewise((fp32, sympy.Eq(E, 4)), (sixteen_bit, True))
     # Rows the compiler cannot prove 16-element aligned (rows_aligned) are loaded element by
     # element: nothing is copied asynchronously, so no stage is buffered and the program
