@@ -39,7 +39,7 @@ PHASES = ("trace", "fields", "spec", "render", "write", "load", "derive")
 
 
 def mods(device: str):
-    """name -> (score_mod, block_mask arguments or None): attention-gym's set, each new."""
+    """name -> (score_mod or None, mask_mod or None): attention-gym's set, each new."""
     import torch
 
     doc = torch.repeat_interleave(torch.arange(4, device=device), 64)[None]  # 4 documents
