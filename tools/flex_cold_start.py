@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 PHASES = ("trace", "fields", "spec", "render", "write", "load", "derive")
 
 
@@ -157,13 +155,9 @@ def main() -> None:
 
 def _spawn(tmp: str, device: str, dim: int) -> dict:
     """child(device, dim) in a fresh process whose attngen and Triton caches are under tmp."""
-    env = {
-        **os.environ,
-        "ATTNGEN_CACHE": f"{tmp}/attngen",
-        "ATTNGEN_ON_DEMAND": "1",
-        "TRITON_CACHE_DIR": f"{tmp}/triton",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
+    from ondemand_cold_start import _env  # tools/ is the script's sys.path[0]
+
+    env = _env(tmp)
     if device == "cpu":
         env["TRITON_INTERPRET"] = "1"
     command = [sys.executable, __file__, "--child", "--device", device, "--dim", str(dim)]
