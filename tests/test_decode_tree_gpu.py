@@ -20,7 +20,6 @@ from tests.decode_harness import (
     make_cache,
     make_decode_spec,
     make_queries,
-    same_bits,
 )
 from tests.test_decode_tree import chain, random_tree, run_tree_case, tree_case
 
@@ -62,11 +61,23 @@ def test_llama3_tree_steps_against_float64(layout, page_size, length, tokens):
     out, lse = _step(kernel, on, q.cuda(), k_new.cuda(), v_new.cuda(), tree.cuda())
     problems = decode_problems(spec, cache, out.cpu(), lse.cpu(), q, k_new, v_new, tree=tree)
     assert not problems, "; ".join(problems)
-    # the chain is the causal step, bit for bit
+    # A chain is the causal step: against float64 as a tree, and beside the causal step within
+    # two bf16 ulps (bf16's epsilon 2**-7; RELIABILITY's floor at the output's mean magnitude)
+    # and, for lse, the rounding of fp32 sums taken in another order. Not bit for bit as under
+    # the interpreter (tests/test_decode_tree.py): TREE is a constexpr, so the two are
+    # different compiled programs whose reduction layouts and contractions Triton chooses
+    # (seen on the H100: the outputs differ in their last bits).
     causal = _step(kernel, cache.to("cuda"), q.cuda(), k_new.cuda(), v_new.cuda(), None)
     chained = _step(kernel, cache.to("cuda"), q.cuda(), k_new.cuda(), v_new.cuda(),
                     chain(tokens).cuda())  # fmt: skip
-    assert same_bits(chained[0], causal[0]) and same_bits(chained[1], causal[1])
+    problems = decode_problems(spec, cache, chained[0].cpu(), chained[1].cpu(), q, k_new, v_new,
+                               tree=chain(tokens))  # fmt: skip
+    assert not problems, "; ".join(problems)
+    ulps = 2 * 2**-7
+    torch.testing.assert_close(
+        chained[0], causal[0], rtol=ulps, atol=ulps * causal[0].abs().mean().item()
+    )
+    torch.testing.assert_close(chained[1], causal[1], rtol=0, atol=1e-5)
 
 
 def test_a_tree_step_replays_from_a_cuda_graph_with_the_tree_changed_in_place():

@@ -117,10 +117,10 @@ def _log2_exponent(spec: AttnSpec, q, k, sm_scale, slopes, reverse: bool, exprs=
         exponent = qk * torch.tensor(sm_scale * LOG2E, dtype=f32)
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     if spec.alibi:
-        distance = alibi_distance(spec.mask, spec.causal_align, seqlen_q, seqlen_k).to(f32)
+        distance = alibi_distance(spec.mask, spec.causal_align, seqlen_q, seqlen_k, q.device)
         slope_log2 = slopes.to(f32) * torch.tensor(LOG2E, dtype=f32)
         exponent = exponent - slope_log2[None, :, None, None] * distance
-    visible = visible_mask(spec, seqlen_q, seqlen_k)
+    visible = visible_mask(spec, seqlen_q, seqlen_k, q.device)
     if spec.mask_mod is not None:
         visible = visible & _expression(spec, "mask_mod", qk, exprs)
     return exponent.masked_fill(~visible, float("-inf")), factor
@@ -392,7 +392,7 @@ def compare_gradients(
         else:
             problems += gradient_problems(name, got, gold, low)
     # Rows that see no key (with sinks their LSE is the sink's, finite, so read the mask)
-    visible = visible_mask(spec, q.shape[2], k.shape[2])
+    visible = visible_mask(spec, q.shape[2], k.shape[2], q.device)
     if spec.score_mod is not None or spec.mask_mod is not None:
         scores = attention_scores(spec, q, k, sm_scale=sm_scale, alibi_slopes=alibi_slopes, **exprs)
         visible = torch.isfinite(scores)
