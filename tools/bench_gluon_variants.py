@@ -66,6 +66,33 @@ CASES = {
         ),
         dict(causal=True, window_size=(4095, 0), softcap=50.0),
     ),
+    "mistral-w4096": (
+        dict(
+            dtype="bf16",
+            head_dim=128,
+            num_q_heads=32,
+            num_kv_heads=8,
+            mask="sliding_window",
+            window_left=4095,
+            window_right=0,
+        ),
+        dict(causal=True, window_size=(4095, 0)),
+    ),
+    "mpt-alibi": (  # FA4 has no ALiBi
+        dict(dtype="bf16", head_dim=128, num_q_heads=32, num_kv_heads=32, alibi=True),
+        dict(causal=True),
+    ),
+    "llama4-chunked-8192": (  # FA4 has no chunked mask
+        dict(
+            dtype="bf16",
+            head_dim=128,
+            num_q_heads=40,
+            num_kv_heads=8,
+            mask="chunked",
+            chunk_size=8192,
+        ),  # fmt: skip
+        dict(causal=True),
+    ),
 }
 
 
@@ -103,6 +130,8 @@ def run_cell(name, n, rep_ms) -> dict:
     q, k, v = randn(batch, n, hq, d), randn(batch, n, hkv, d), randn(batch, n, hkv, d)
     sinks = torch.randn(hq, generator=gen, device="cuda") if spec.sinks else None
     extra = {"sinks": sinks} if spec.sinks else {}
+    if spec.alibi:  # MPT's slopes, 2**(-8 i / H)
+        extra["alibi_slopes"] = torch.exp2(-8.0 * torch.arange(1, hq + 1, device="cuda") / hq)
     impls = {
         "gluon": lambda q, k, v: gluon.attention_flash(q, k, v, **extra),
         "tile": lambda q, k, v: tile.attention_flash(q, k, v, **extra),
