@@ -3,7 +3,7 @@ gpt-oss's local layers (window 128 = (127, 0) bottom-right with sinks, D 64, 64:
 Gemma-2's softcap 50 (D 256, 16:8 heads; global causal and local window (4095, 0)).
 
 Each case's module is built twice from one spec: with ATTNGEN_GLUON_VARIANTS=1 (the Gluon
-kernel, GLUON_UNVERIFIED in attngen/tiling/gluon.py) and without (the tile-level kernel), then
+kernel, gated or not) and with every variant gated (the tile-level kernel), then
 timed through its attention() on the same inputs with FA4 (`flash_attn.cute.flash_attn_func`
 with window_size, softcap and learnable_sink) where it takes the variant; forward only, bf16,
 [B, N, H, D] inputs, B = 16384 / N tokens, `do_bench` medians. Every output is compared with
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import triton
 
+import attngen.tiling.gluon as gluon_tiling
 from attngen.spec.files import VARIANTS_ENV
 from tests.kernel_harness import load_kernel, make_spec
 
@@ -97,14 +98,25 @@ CASES = {
 
 
 def modules(fields):
-    """(Gluon module, tile-level module) of one spec; the first must run the Gluon kernel."""
+    """(spec, Gluon module, tile-level module) of one spec; the first must run the Gluon kernel.
+    The tile-level one is rendered with every variant gated again (GLUON_UNVERIFIED widened in
+    this process), so the same spec compares the two forwards once its variant is open."""
     spec = make_spec(**fields)
     os.environ[VARIANTS_ENV] = "1"
     try:
         gluon = load_kernel.__wrapped__(spec)
     finally:
         del os.environ[VARIANTS_ENV]
-    return spec, gluon, load_kernel.__wrapped__(spec)
+    opened = gluon_tiling.GLUON_UNVERIFIED
+    gluon_tiling.GLUON_UNVERIFIED = gluon_tiling.GLUON_VARIANTS
+    gluon_tiling._derive_gluon_tiles.cache_clear()
+    try:
+        tile = load_kernel.__wrapped__(spec)
+    finally:
+        gluon_tiling.GLUON_UNVERIFIED = opened
+        gluon_tiling._derive_gluon_tiles.cache_clear()
+    assert not tile.forward_path().startswith("Gluon"), tile.forward_path()
+    return spec, gluon, tile
 
 
 def _fa4(fa4_kwargs, sinks):

@@ -68,12 +68,12 @@ CONSUMER_CHOICES = (2, 3)
 WINDOWED = ("sliding_window", "chunked")  # masks whose CTA reads a key range of its own
 VARLEN_WORDS = 4  # q_first, k_first, out's row pointer and stride: one more 16-byte step
 # Variants the kernel implements (_gluon_kernel.py.jinja), named as gluon_gap names them.
-# Those in GLUON_UNVERIFIED have not run on the H200 yet: gluon_gap refuses them (their calls
+# Those in GLUON_UNVERIFIED have not run on a GPU yet: gluon_gap refuses them (their calls
 # stay tile-level) unless ATTNGEN_GLUON_VARIANTS=1 is set where the module is built (tests,
 # tools, `attngen verify-tiling --gluon`; such on-demand builds get a cache folder of their
-# own). A variant opens to users when its GPU tests pass and its name leaves the set.
-# "backward": the Gluon dK/dV kernel (gluon_backward.py), deterministic=False's backward;
-# "varlen": the forward of varlen modules (packed sequences, the same kernel per sequence).
+# own). A variant opens when its GPU tests pass (the others: tests/test_gluon_variants_gpu.py)
+# and its name leaves the set. "backward": the Gluon dK/dV kernel (gluon_backward.py),
+# deterministic=False's; "varlen": varlen modules' forward (the same kernel per sequence).
 GLUON_VARIANTS = frozenset(
     {
         "mask sliding_window",
@@ -87,7 +87,7 @@ GLUON_VARIANTS = frozenset(
         "head_dim != head_dim_v",
     }
 )
-GLUON_UNVERIFIED = GLUON_VARIANTS
+GLUON_UNVERIFIED = frozenset({"backward", "varlen"})
 
 
 def gluon_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:

@@ -35,6 +35,14 @@
 #   binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 128->256: outside the
 #       candidate grid; num_stages 3->4: smem 295936 B > 231424 B
 #   sequences up to 2048: 64x64, 4 warps, 3 stages (measured faster there)
+#   Gluon forward (warp-specialized, sm90):
+#     shared memory =
+#       E*(BLOCK_M*D*NC + BLOCK_N*S*(D + DV)) + 32*ceiling(NC/2) + 64*ceiling(S/2) + 296
+#     consumer registers ~ 3*BLOCK_M*BLOCK_N/256 + BLOCK_M*DV/128 + 40
+#     2 consumer warpgroups x 64 rows, BLOCK_N 128, 2 stages, setmaxnreg 240/24 (entry 168)
+#     = 164232 B of 231424 B, consumer registers ~200 of 240
+#     8 of 12 candidates feasible; rule: two consumers,
+#     the widest BLOCK_N, the fewest stages holding 96 KiB of K/V
 """Prefill (forward) attention, FlashAttention-2 style and exact.
 
 Module mistral_7b_prefill_bf16_d128_win4095x0_br.
@@ -52,10 +60,21 @@ Query row i sees key j through i' = i + (N - M): the diagonal is aligned bottom-
 import contextlib
 import math
 import os
+import threading
 
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 HEAD_DIM = 128
@@ -169,6 +188,338 @@ def _attn_fwd_inner(
         acc = tl.dot(p.to(tl.bfloat16), v, acc)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@gluon.jit
+def _gluon_producer(worker, NUM_CONSUMERS: gl.constexpr):
+    """One warp: each consumer's Q tile, then K_j and V_j for j in [0, n_blocks) through the
+    ring (a slot is refilled once every consumer released it)."""
+    descs, smem, bars, coords, n_blocks = worker
+    q_desc, k_desc, v_desc = descs
+    q_smem, k_bufs, v_bufs = smem
+    q_bars, k_ready, k_empty, v_ready, v_empty, turn = bars
+    batch, q_head, kv_head, m0, key0 = coords
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    for c in gl.static_range(NUM_CONSUMERS):
+        mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            q_desc, [batch, m0 + c * BLOCK_M, q_head, 0], q_bars.index(c), q_smem.index(c)
+        )
+    for j in range(n_blocks):
+        s = j % STAGES
+        ph = (j // STAGES) & 1
+        mbarrier.wait(k_empty.index(s), ph ^ 1)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            k_desc, [batch, key0 + j * BLOCK_N, kv_head, 0], k_ready.index(s), k_bufs.index(s)
+        )
+        mbarrier.wait(v_empty.index(s), ph ^ 1)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            v_desc, [batch, key0 + j * BLOCK_N, kv_head, 0], v_ready.index(s), v_bufs.index(s)
+        )
+
+
+@gluon.jit
+def _gluon_softmax(
+    s, m_i, l_i, cols, rows, n_keys, diag, qk_scale, MASK: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
+    # s: raw scores; m_i: running max of raw scores (scale > 0 so the max commutes).
+    if MASK:
+        valid = cols[None, :] < n_keys
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= rows[:, None] + diag)
+        offset = rows[:, None] + diag - cols[None, :]  # i' - j, bounded by the lengths
+        valid = valid & (offset <= _WINDOW_LEFT) & (offset >= -_WINDOW_RIGHT)
+        s = gl.where(valid, s, -float("inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_use = gl.where(m_new == -float("inf"), 0.0, m_new) * qk_scale
+    alpha = gl.exp2(m_i * qk_scale - m_use)
+    p = gl.exp2(s * qk_scale - m_use[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _gluon_qk_issue(j, q, ring, CID: gl.constexpr, PINGPONG: gl.constexpr, s_layout: gl.constexpr):
+    """Waits for K_j and this consumer's turn, issues S = Q K_j^T (async)."""
+    k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn = ring
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    BLOCK_N: gl.constexpr = k_bufs.type.shape[2]
+    HEAD_D: gl.constexpr = k_bufs.type.shape[4]
+    BLOCK_M: gl.constexpr = q.type.shape[0]
+    FIRST: gl.constexpr = 1 if CID == 0 else 0
+    s = j % STAGES
+    mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+    if PINGPONG:
+        mbarrier.wait(turn.index(CID), (j & 1) ^ FIRST)
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    k_t = k_bufs.index(s).reshape([BLOCK_N, HEAD_D]).permute((1, 0))
+    return warpgroup_mma(q, k_t, zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _gluon_pv_issue(j, p, o, ring):
+    """Waits for V_j, issues O += P V_j (async)."""
+    k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn = ring
+    STAGES: gl.constexpr = v_bufs.type.shape[0]
+    BLOCK_N: gl.constexpr = v_bufs.type.shape[2]
+    HEAD_D: gl.constexpr = v_bufs.type.shape[4]
+    s = j % STAGES
+    mbarrier.wait(v_ready.index(s), (j // STAGES) & 1)
+    return warpgroup_mma(p, v_bufs.index(s).reshape([BLOCK_N, HEAD_D]), o, is_async=True)
+
+
+@gluon.jit
+def _gluon_consumer_block(
+    j, state, q, ring, mask, CID: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+    PINGPONG: gl.constexpr,
+):
+    """Block j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued together, the softmax of S_j
+    while the PV runs, then O rescaled."""
+    o, p, m_i, l_i = state
+    k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn = ring
+    rows, n_keys, diag, qk_scale = mask
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    BLOCK_N: gl.constexpr = k_bufs.type.shape[2]
+    NC: gl.constexpr = turn.type.shape[0]
+    s_layout: gl.constexpr = m_i.type.layout.parent
+    s_tok = _gluon_qk_issue(j, q, ring, CID, PINGPONG, s_layout)
+    o_tok = _gluon_pv_issue(j - 1, p, o, ring)
+    if PINGPONG:
+        mbarrier.arrive(turn.index((CID + 1) % NC), count=1)
+    sc = warpgroup_mma_wait(1, deps=(s_tok,))
+    mbarrier.arrive(k_empty.index(j % STAGES), count=1)
+    cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    pf, alpha, m_i, l_i = _gluon_softmax(
+        sc, m_i, l_i, cols, rows, n_keys, diag, qk_scale, MASK, CAUSAL
+    )
+    o = warpgroup_mma_wait(0, deps=(o_tok,))
+    mbarrier.arrive(v_empty.index((j - 1) % STAGES), count=1)
+    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o.type.layout))[:, None]
+    p = gl.convert_layout(pf.to(q.dtype), p.type.layout)
+    return o, p, m_i, l_i
+
+
+@gluon.jit
+def _gluon_mainloop(q, ring, mask, n_blocks, mask_from, unmask_from, key_start, key_end,
+                    state, CID: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    """All key blocks of the CTA; returns (o, m_i, l_i) with O not yet normalised."""
+    o, p, m_i, l_i = state
+    k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn = ring
+    rows, n_keys, diag, qk_scale = mask
+    BLOCK_N: gl.constexpr = k_bufs.type.shape[2]
+    NC: gl.constexpr = turn.type.shape[0]
+    s_layout: gl.constexpr = m_i.type.layout.parent
+    # Block 0: QK^T alone (nothing to overlap with yet); always masked.
+    s_tok = _gluon_qk_issue(0, q, ring, CID, PINGPONG, s_layout)
+    if PINGPONG:
+        mbarrier.arrive(turn.index((CID + 1) % NC), count=1)
+    sc = warpgroup_mma_wait(0, deps=(s_tok,))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    pf, alpha, m_i, l_i = _gluon_softmax(
+        sc, m_i, l_i, cols, rows, n_keys, diag, qk_scale, True, CAUSAL
+    )
+    state = (o, gl.convert_layout(pf.to(q.dtype), p.type.layout), m_i, l_i)
+    _gluon_zero_unseen(0, ring, key_start, key_end)  # before block 0's PV (the next issue)
+    for j in range(1, unmask_from):  # left of the part every row's window covers: masked
+        state = _gluon_consumer_block(j, state, q, ring, mask, CID, True, CAUSAL, PINGPONG)
+    for j in range(gl.maximum(unmask_from, 1), mask_from):
+        state = _gluon_consumer_block(j, state, q, ring, mask, CID, False, CAUSAL, PINGPONG)
+    for j in range(gl.maximum(mask_from, 1), n_blocks):
+        state = _gluon_consumer_block(j, state, q, ring, mask, CID, True, CAUSAL, PINGPONG)
+    o, p, m_i, l_i = state
+    _gluon_zero_unseen(n_blocks - 1, ring, key_start, key_end)
+    o = warpgroup_mma_wait(0, deps=(_gluon_pv_issue(n_blocks - 1, p, o, ring),))
+    mbarrier.arrive(v_empty.index((n_blocks - 1) % k_bufs.type.shape[0]), count=1)
+    return o, m_i, l_i
+
+
+@gluon.jit
+def _gluon_consumer(CID: gl.constexpr, args, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                    STORE_LSE: gl.constexpr):
+    """One warpgroup: rows [m0 + CID * BLOCK_M, + BLOCK_M) of the CTA's query tile."""
+    o_desc, lse_ptr, smem, bars, coords, scalars = args
+    q_smem, k_bufs, v_bufs = smem
+    q_bars, k_ready, k_empty, v_ready, v_empty, turn = bars
+    batch, q_head, kv_head, m0, key0 = coords
+    (n_q, n_keys, diag, n_blocks, mask_from, qk_scale,
+     lse_off, key_start, unmask_from) = scalars
+    BLOCK_N: gl.constexpr = k_bufs.type.shape[2]
+    HEAD_D: gl.constexpr = k_bufs.type.shape[4]
+    BLOCK_M: gl.constexpr = q_smem.type.shape[2]
+    dtype: gl.constexpr = k_bufs.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 1], [16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 1], [16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    q4 = q_smem.index(CID)
+    q = q4.reshape([BLOCK_M, HEAD_D])
+    row0 = m0 + CID * BLOCK_M
+    rows = row0 + gl.arange(0, BLOCK_M, layout=row_layout)
+    m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, row_layout)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
+    o = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+    mbarrier.wait(q_bars.index(CID), 0)
+    if n_blocks > 0:
+        ring = (k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn)
+        state = (o, gl.zeros([BLOCK_M, BLOCK_N], dtype, p_layout), m_i, l_i)
+        mask = (rows, n_keys, diag, qk_scale)
+        o, m_i, l_i = _gluon_mainloop(q, ring, mask, n_blocks, mask_from, unmask_from, key_start,
+                                      n_keys, state, CID, CAUSAL, PINGPONG)
+
+    # Epilogue: normalise, O through shared memory (the Q tile's slot) and TMA; a row with
+    # no key (l = 0) keeps O = 0 and gets LSE = -inf.
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    o = o / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+    q.store(o.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [batch, row0, q_head, 0], q4)
+    if STORE_LSE:  # natural log, as the tile-level kernel's (the backward reads it)
+        lse = (m_i * qk_scale + gl.log2(l_i)) / 1.4426950408889634
+        lse = gl.where(l_i == 0.0, -float("inf"), lse)
+        gl.store(lse_ptr + lse_off + rows, lse, mask=rows < n_q)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _gluon_key_range(n_q, n_keys, m0, diag, CTA_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     CAUSAL: gl.constexpr):
+    """Key blocks the CTA reads ([0, n_blocks)) and the first one that needs a mask (the
+    end of the keys, or the first block some row of the CTA may not see)."""
+    n_blocks = gl.cdiv(n_keys, BLOCK_N)
+    mask_from = n_keys // BLOCK_N
+    if CAUSAL:
+        last_key = gl.minimum(m0 + CTA_M, n_q) - 1 + diag  # the last key a row of the CTA sees
+        n_blocks = gl.minimum(n_blocks, gl.maximum(last_key + BLOCK_N, 0) // BLOCK_N)
+        mask_from = gl.minimum(mask_from, gl.maximum(m0 + diag + 1, 0) // BLOCK_N)
+    return n_blocks, gl.minimum(mask_from, n_blocks)
+
+
+@gluon.jit
+def _gluon_window_range(n_q, n_keys, m0, diag, CTA_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The CTA's keys under the window (key_ranges in _scores.py.jinja, per CTA), counted
+    from key0, the first key of the first block a row's window reaches: blocks [0, n_blocks)
+    are read, [unmask_from, mask_from) every row sees whole (no mask), keys [key_start,
+    key_end) some row sees. A side may be 2**31 - 1: the bounds in int64."""
+    first = (m0 + diag).to(gl.int64)  # i' of the CTA's first and last row
+    last = (gl.minimum(m0 + CTA_M, n_q) - 1 + diag).to(gl.int64)
+    live_first = gl.maximum(first - _WINDOW_LEFT, 0)
+    live_end = gl.minimum(gl.maximum(last + _WINDOW_RIGHT + 1, 0), n_keys)
+    seen_by_all = last - _WINDOW_LEFT
+    right_end = first + _WINDOW_RIGHT + 1
+    block0 = live_first // BLOCK_N
+    n_blocks = gl.maximum(gl.cdiv(live_end, BLOCK_N) - block0, 0)
+    unmask_from = gl.cdiv(gl.maximum(seen_by_all, live_first), BLOCK_N) - block0
+    unmask_from = gl.minimum(unmask_from, n_blocks)
+    mask_from = gl.minimum(gl.maximum(right_end, 0), n_keys) // BLOCK_N - block0
+    mask_from = gl.minimum(gl.maximum(mask_from, unmask_from), n_blocks)
+    key0 = block0 * BLOCK_N
+    return (key0.to(gl.int32), n_blocks.to(gl.int32), unmask_from.to(gl.int32),
+            mask_from.to(gl.int32), (live_first - key0).to(gl.int32),
+            gl.maximum(live_end - key0, 0).to(gl.int32))
+
+
+@gluon.jit
+def _gluon_zero_unseen(j, ring, key_start, key_end):
+    """Zeroes the rows of V_j for keys from key_end on, which no row of the CTA sees (the causal
+    tail of its last block; under the window also those before key_start):
+    their P is 0, but 0 * inf or NaN stored there is not. Every consumer writes the same
+    values (zeros, or what the row holds) before its PV reads them."""
+    k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn = ring
+    STAGES: gl.constexpr = v_bufs.type.shape[0]
+    BLOCK_N: gl.constexpr = v_bufs.type.shape[2]
+    HEAD_D: gl.constexpr = v_bufs.type.shape[4]
+    CHUNK: gl.constexpr = 16
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    first = key_end - j * BLOCK_N  # the block's first row no row of the CTA sees
+    start = key_start - j * BLOCK_N  # the block's first row some row of the CTA sees
+    if (first < BLOCK_N) | (start > 0):
+        s = j % STAGES
+        mbarrier.wait(v_ready.index(s), (j // STAGES) & 1)
+        tile = v_bufs.index(s).reshape([BLOCK_N, HEAD_D])
+        for c in gl.static_range(BLOCK_N // CHUNK):
+            chunk = tile.slice(c * CHUNK, CHUNK)
+            rows = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+            v = chunk.load(layout)
+            chunk.store(gl.where(((rows < first) & (rows >= start))[:, None], v, 0.0).to(v.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+
+
+@gluon.jit
+def _gluon_barriers(NUM_CONSUMERS: gl.constexpr, STAGES: gl.constexpr):
+    """q_bars[c]: Q tile c landed; k/v ready[s]: slot s landed; k/v empty[s]: every consumer
+    is done with slot s; turn[c]: consumer c may issue its GEMMs (ping-pong, handed round)."""
+    layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], layout)
+    turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], layout)
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], layout)
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], layout)
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], layout)
+    for c in gl.static_range(NUM_CONSUMERS):
+        mbarrier.init(q_bars.index(c), count=1)
+        mbarrier.init(turn.index(c), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(k_empty.index(s), count=NUM_CONSUMERS)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(v_empty.index(s), count=NUM_CONSUMERS)
+    return q_bars, k_ready, k_empty, v_ready, v_empty, turn
+
+
+# The parameters come in the launch's groups (_fast_launch.py.jinja): the LSE pointer, ints,
+# the tail (the scale and the four descriptors), then constexprs.
+@gluon.jit
+def _gluon_attn_fwd_kernel(
+    Lse, n_q, n_keys, n_heads, group, diag, num_m_blocks,
+    qk_scale, q_desc,
+    k_desc, v_desc, o_desc, STORE_LSE: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+    NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    CTA_M: gl.constexpr = BLOCK_M * NUM_CONSUMERS
+    PINGPONG: gl.constexpr = NUM_CONSUMERS > 1
+    # A 1-D grid, a head's query blocks adjacent (they share K/V in L2); under causal the
+    # longest rows first.
+    pid = gl.program_id(0)
+    pid_m = pid % num_m_blocks
+    if CAUSAL:
+        pid_m = num_m_blocks - 1 - pid_m
+    bh = pid // num_m_blocks
+    q_head = bh % n_heads
+    m0 = pid_m * CTA_M
+    key0, n_blocks, unmask_from, mask_from, key_start, key_end = _gluon_window_range(
+        n_q, n_keys, m0, diag, CTA_M, k_desc.block_type.shape[1])
+    coords = (bh // n_heads, q_head, q_head // group, m0, key0)
+    # The consumers count keys from key0: diag and n_keys shifted (key_end: the last seen + 1).
+    n_keys, diag = key_end, diag - key0
+    scalars = (n_q, n_keys, diag, n_blocks, mask_from, qk_scale,
+               bh.to(gl.int64) * n_q, key_start, unmask_from)
+    q_shape: gl.constexpr = [NUM_CONSUMERS] + q_desc.block_type.shape
+    kv_shape: gl.constexpr = [STAGES] + k_desc.block_type.shape
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(q_desc.dtype, kv_shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(q_desc.dtype, kv_shape, v_desc.layout)
+    smem = (q_smem, k_bufs, v_bufs)
+    bars = _gluon_barriers(NUM_CONSUMERS, STAGES)
+    args = (o_desc, Lse, smem, bars, coords, scalars)
+    worker = ((q_desc, k_desc, v_desc), smem, bars, coords, n_blocks)
+    gl.warp_specialize(
+        [
+            (_gluon_consumer, (0, args, CAUSAL, PINGPONG, STORE_LSE)),
+            (_gluon_consumer, (1, args, CAUSAL, PINGPONG, STORE_LSE)),
+            (_gluon_producer, (worker, NUM_CONSUMERS)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )
 
 
 @triton.jit
@@ -305,10 +656,17 @@ def config_for(seqlen):
     return CONFIG
 
 
-def forward_path():
-    """Which forward kernel runs this module's calls: the tile-level one, since the module has
-    no warp-specialized (Gluon) forward."""
-    return "tile-level: mask sliding_window: not in the warp-specialized kernel yet"
+# -- the warp-specialized forward (Gluon, Hopper) -------------------------------------------
+# Config (attngen/tiling/gluon.py): 2 consumer warpgroups x 64 rows, BLOCK_N 128,
+# 2 stages, setmaxnreg 240/24. _GLUON_DIAG: a row's diagonal counts from the keys' end.
+GLUON_CONFIG = {"NUM_CONSUMERS": 2, "BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2,
+                "CONSUMER_REGS": 240, "PRODUCER_REGS": 24}
+_GLUON_OPTIONS = {"num_warps": 4, "maxnreg": 168}
+_GLUON_CONSTEXPRS = ({"STORE_LSE": False, "CAUSAL": False, "STAGES": 2, "NUM_CONSUMERS": 2,
+                      "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},)
+_GLUON_CONSTEXPRS += (dict(_GLUON_CONSTEXPRS[0], STORE_LSE=True),)  # [return_lse]
+_GLUON_DTYPE = gl.bfloat16
+_GLUON_DIAG = True
 
 
 # A launch of at most this many (program, key block) pairs reads K/V by pointer loads: two
@@ -317,8 +675,14 @@ def forward_path():
 POINTER_LOADS_UP_TO = 0 if _INTERPRET else 512
 
 
-# The call plans' names for what this module has not (their tma / gluon is None): never run.
-_gluon_why = _gluon_run = None
+def _gluon_run(launch, q, k, v, out, lse_arg, qk_scale):
+    """The Gluon kernel's launch of a call _gluon_layout accepted, at aligned bases."""
+    grid, ints, constexprs, descs = launch
+    _FORWARD.path = GLUON_PATH
+    tail = (qk_scale, _gluon_descriptor(q, descs[0]), _gluon_descriptor(k, descs[1]),
+            _gluon_descriptor(v, descs[2]), _gluon_descriptor(out, descs[3]))
+    _launch(_gluon_attn_fwd_kernel, grid, q.get_device(), (lse_arg,),
+            ints, tail, constexprs, _GLUON_OPTIONS)
 
 
 def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
@@ -368,9 +732,11 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
     # Unused pointer arguments (LSE without return_lse, slopes without ALiBi) get `out`.
     lse_arg = out if lse is None else lse
     slopes_arg = out if alibi_slopes is None else alibi_slopes
+    gluon_plan = _gluon_layout(q, k, v, out, return_lse)
+    gluon_why = _gluon_why(gluon_plan, q, k, v, out)  # None: the Gluon kernel runs the call
     block_n = config["BLOCK_N"]
     pairs = num_programs * -(-seqlen_k // block_n)
-    use_tma = pairs > POINTER_LOADS_UP_TO and _uses_tma(k, v)
+    use_tma = gluon_why is not None and pairs > POINTER_LOADS_UP_TO and _uses_tma(k, v)
     k_desc = v_desc = None
     if use_tma:
         k_desc = _descriptor(k, (1, 1, block_n, 128))
@@ -380,12 +746,15 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
     constexprs = {"STORE_LSE": return_lse, "BLOCK_M": config["BLOCK_M"],
                   "BLOCK_N": config["BLOCK_N"], "USE_TMA": use_tma}
     options = _options(config)
-    _launch(
-        _attn_fwd_kernel, num_programs, q.get_device(),
-        (q, k, v, out, lse_arg, slopes_arg),
-        ints, (qk_scale, k_desc, v_desc),
-        constexprs, options,
-    )
+    if gluon_why is None:
+        _gluon_run(gluon_plan[0], q, k, v, out, lse_arg, qk_scale)
+    else:
+        _launch(
+            _attn_fwd_kernel, num_programs, q.get_device(),
+            (q, k, v, out, lse_arg, slopes_arg),
+            ints, (qk_scale, k_desc, v_desc),
+            constexprs, options,
+        )
     if key is not None:  # the checks passed: the next call of this layout runs from its plan
         _remember_plan(key, _CallPlan(
             config=dict(config), longest=max(seqlen_q, seqlen_k),
@@ -396,6 +765,7 @@ def attention(q, k, v, *, sm_scale=None, alibi_slopes=None,
                         True: dict(constexprs, USE_TMA=True)},
             tail=(qk_scale, None, None), tma=(pairs, (1, 1, block_n, 128), (1, 1, block_n, 128))
             if _tma_layout_fits(k, v) else None,
+            gluon=gluon_plan,
         ))
     return (out, lse) if return_lse else out
 
@@ -926,6 +1296,106 @@ def _descriptor(t: torch.Tensor, block: tuple[int, ...]) -> TensorDescriptor:
     descriptor.base, descriptor.shape, descriptor.strides = t, list(t.shape), list(t.stride())
     descriptor.block_shape, descriptor.padding = list(block), "zero"
     return descriptor
+
+
+# -- host code: attngen/host/gluon.py, copied verbatim -----------------------------------------
+# attention() runs _gluon_attn_fwd_kernel when a call fits it, else _attn_fwd_kernel: under
+# Triton's interpreter (no Gluon there), or a layout TMA cannot read or write (a unit head-dim
+# stride, the other strides and the base 16-byte aligned). Both write the same outputs and LSE
+# (so the backward takes either's); forward_path() says which ran this thread's last call.
+GLUON_PATH = "gluon warp-specialized"
+_GLUON_LAYOUTS: dict = {}  # (block rows, head dim) -> the NVMMA shared layout of that block
+_GLUON_PLANS: dict = {}  # (q, k, v, out shapes and strides, return_lse) -> (launch or None, why)
+_GLUON_CHECKED: set = set()  # descriptor (shape, strides, block) a TensorDescriptor validated
+_FORWARD = threading.local()  # .path: this thread's last forward (forward_path)
+_INTERPRETED = "Triton's interpreter runs no Gluon kernel"
+
+
+def forward_path() -> str:
+    """Which forward kernel ran this thread's last call of this module: GLUON_PATH, or
+    "tile-level: <why the Gluon kernel did not>"."""
+    return getattr(_FORWARD, "path", "tile-level: no call yet")
+
+
+def expected_forward_path() -> str:
+    """What forward_path() says after a call whose layout fits the Gluon kernel."""
+    return "tile-level: " + _INTERPRETED if _INTERPRET else GLUON_PATH
+
+
+def _gluon_layout(q, k, v, out, return_lse):
+    """(launch, None) when the Gluon kernel can run a call of this layout (q, k, v, out in
+    [B, H, N, D] order, any strides) at 16-byte aligned bases, else (None, why not); the
+    launch: (grid, ints, constexprs, each tensor's descriptor (shape, strides, block,
+    layout) as the kernel reads it, [B, N, H, D]). Remembered per layout."""
+    layout = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.shape,
+              out.stride(), return_lse)  # fmt: skip
+    known = _GLUON_PLANS.get(layout)
+    if known is not None:
+        return known
+    why = _INTERPRETED if _INTERPRET else None
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        why = why or _tma_layout_problem(name, t.shape, t.stride())
+    batch, heads, seqlen_q, _ = q.shape
+    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    num_m_blocks = -(-seqlen_q // (GLUON_CONFIG["BLOCK_M"] * GLUON_CONFIG["NUM_CONSUMERS"]))
+    grid = num_m_blocks * batch * heads
+    if why is None and grid * -(-seqlen_k // GLUON_CONFIG["BLOCK_N"]) <= POINTER_LOADS_UP_TO:
+        why = (f"a launch of at most {POINTER_LOADS_UP_TO} (CTA, key block) pairs, whose four "
+               "TMA descriptors would cost more host time than the kernel saves")  # fmt: skip
+    known = (None, why)
+    if why is None:
+        _check_grid(grid)
+        diag = seqlen_k - seqlen_q if _GLUON_DIAG else 0
+        ints = (seqlen_q, seqlen_k, heads, heads // kv_heads, diag, num_m_blocks)
+        descs = tuple([_gluon_meta(t, GLUON_CONFIG[rows])
+                       for t, rows in ((q, "BLOCK_M"), (k, "BLOCK_N"), (v, "BLOCK_N"),
+                                       (out, "BLOCK_M"))])  # fmt: skip
+        known = ((grid, ints, _GLUON_CONSTEXPRS[return_lse], descs), None)
+    if len(_GLUON_PLANS) >= _LAUNCH_CACHE_SIZE:
+        _GLUON_PLANS.clear()
+    _GLUON_PLANS[layout] = known
+    return known
+
+
+def _gluon_meta(t: torch.Tensor, rows: int) -> tuple:
+    """The descriptor of t ([B, H, N, D] order) the kernel reads: [B, N, H, D], blocks of
+    [1, rows, 1, D] rows of one head."""
+    block = [1, rows, 1, t.shape[3]]
+    layout = _GLUON_LAYOUTS.get((rows, t.shape[3]))
+    if layout is None:
+        layout = gl.NVMMASharedLayout.get_default_for(block, _GLUON_DTYPE)
+        _GLUON_LAYOUTS[(rows, t.shape[3])] = layout
+    shape, strides = t.shape, t.stride()
+    return ([shape[0], shape[2], shape[1], shape[3]],
+            [strides[0], strides[2], strides[1], strides[3]], block, layout)  # fmt: skip
+
+
+def _gluon_descriptor(t: torch.Tensor, meta: tuple) -> _GluonDescriptor:
+    """The TensorDescriptor of meta over t's memory; its constructor's checks (those of
+    _gluon_layout, and the block's) run the first time a meta is seen."""
+    shape, strides, block, layout = meta
+    seen = (tuple(shape), tuple(strides), tuple(block))
+    if seen not in _GLUON_CHECKED:
+        descriptor = _GluonDescriptor(t, shape, strides, block, layout)
+        if len(_GLUON_CHECKED) >= _LAUNCH_CACHE_SIZE:
+            _GLUON_CHECKED.clear()
+        _GLUON_CHECKED.add(seen)
+        return descriptor
+    descriptor = object.__new__(_GluonDescriptor)
+    descriptor.base, descriptor.shape, descriptor.strides = t, shape, strides
+    descriptor.block_shape, descriptor.layout, descriptor.padding = block, layout, "zero"
+    return descriptor
+
+
+def _gluon_why(plan: tuple, q, k, v, out) -> str | None:
+    """None when the Gluon kernel runs a call with _gluon_layout's answer `plan`, else why
+    not (recorded for forward_path)."""
+    launch, why = plan
+    if why is None and (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15:
+        why = "a base address is not 16-byte aligned"
+    if why is not None:
+        _FORWARD.path = "tile-level: " + why
+    return why
 
 
 # -- host code: attngen/host/plans.py, copied verbatim -----------------------------------------
