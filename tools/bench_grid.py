@@ -4,17 +4,19 @@ FlashAttention-4, cuDNN, FA2 and compiled Flex, in one process on the same input
 Columns: `attngen.flash_attn_func(q, k, v, causal=c)` ([B, N, H, D]; attngen_det passes
 deterministic=True, backward only), FA4 (`flash_attn.cute.flash_attn_func`, [B, N, H, D]), torch
 SDPA with the cuDNN and flash (FA2) backends and `torch.compile(flex_attention)` (causal block
-mask), these three on the transposed [B, H, N, D] views. bf16, D 64/128/256, N 1k/4k/16k,
-B = 16384 / N, H = 2048 / D, causal and not; FLOPs = 4*B*H*N*N*D (halved when causal), backward
-2.5x; `do_bench` medians. With the backward measured, the forward is timed as training runs it
-(grad enabled) and backward = (forward + backward) - forward; with --no-backward the forward runs
-under no_grad. In a cell every implementation is timed forward, then every one forward +
-backward, so host drift hits all alike. Before timing, each output is compared with cuDNN's (max
-abs diff; gradients: max abs diff over the reference's max abs); above 2e-2 it is flagged ("!")
-and left out of the ratios. Peak memory: the forward (+ backward) peak above what was allocated
-before. A missing or refusing implementation is recorded with its reason. The JSON is rewritten
-after every cell; --budget-s stops starting cells after that many seconds. On a CUDA machine,
-from the repository root (FA4 on the path: `source tools/gpu_fa4.sh`):
+mask), these three on the transposed [B, H, N, D] views. bf16, D 64/128/256, N 1k/4k/16k, B = 16384
+/ N, H = 2048 / D, causal and not; FLOPs = 4*B*H*N*N*D (halved when causal), backward 2.5x;
+`do_bench` medians. With the backward measured, the forward is timed as training runs it (grad
+enabled) and backward = (forward + backward) - forward; with --no-backward the forward runs under
+no_grad. In a cell every implementation is timed forward, then every one forward + backward, so
+host drift hits all alike. Before timing, each output is compared with cuDNN's (max abs diff;
+gradients: max abs diff over the reference's max abs); above 2e-2 it is flagged ("!") and left out
+of the ratios. Peak memory: the forward (+ backward) peak above what was allocated before.
+attngen's cells record `last_dispatch()` (module and forward kernel) and its forward timed once
+more after every other ("fwd_ms_again": a slow first timing that recovers is the neighbours' doing,
+not the kernel's). A missing or refusing implementation is recorded with its reason. The JSON is
+rewritten after every cell; --budget-s stops starting cells after that many seconds. On a CUDA
+machine, from the repository root (FA4 on the path: `source tools/gpu_fa4.sh`):
 
     PYTHONPATH=. python tools/bench_grid.py --out DIR [--d 128 --n 16384 --causal 1]
         [--impls attngen,fa4,cudnn] [--no-backward] [--rep-ms 100] [--budget-s 500]
@@ -220,6 +222,13 @@ def run_cell(impls, head_dim, seqlen, causal, args) -> dict:
                 res[f"{phase}_ms"] = median_ms(fwd if phase == "fwd" else fwd_bwd, args.rep_ms)
             except Exception as exc:  # noqa: BLE001 - recorded, the others still run
                 res["error"] = f"{phase}: {type(exc).__name__}: {exc}"[:300]
+    for name in ready:  # which kernels served the calls; the forward again, the others done
+        if name.startswith("attngen"):
+            chosen = attngen.last_dispatch()  # None only if no call went through the registry
+            if chosen is not None:
+                results[name]["dispatch"] = {"module": chosen.module, "forward": chosen.forward}
+            fwd, _ = closures(ready[name], q, k, v, dout, causal, backward)
+            results[name]["fwd_ms_again"] = median_ms(fwd, args.rep_ms)
     for res in results.values():
         if "fwd_ms" in res:
             res["fwd_tflops"] = work / res["fwd_ms"] / 1e9
