@@ -91,7 +91,7 @@ CASES = {
             num_kv_heads=8,
             mask="chunked",
             chunk_size=8192,
-        ),  # fmt: skip
+        ),
         dict(causal=True),
     ),
 }

@@ -4,12 +4,12 @@ FlashAttention-4, cuDNN, FA2 and compiled Flex, in one process on the same input
 Columns: `attngen.flash_attn_func(q, k, v, causal=c)` ([B, N, H, D]; attngen_det passes
 deterministic=True, backward only), FA4 (`flash_attn.cute.flash_attn_func`, [B, N, H, D]), torch
 SDPA with the cuDNN and flash (FA2) backends and `torch.compile(flex_attention)` (causal block
-mask), these three on the transposed [B, H, N, D] views. bf16, D 64/128/256, N 1k/4k/16k, B = 16384
-/ N, H = 2048 / D, causal and not; FLOPs = 4*B*H*N*N*D (halved when causal), backward 2.5x;
-`do_bench` medians. With the backward measured, the forward is timed as training runs it (grad
-enabled) and backward = (forward + backward) - forward; with --no-backward the forward runs under
-no_grad. In a cell every implementation is timed forward, then every one forward + backward, so
-host drift hits all alike. Before timing, each output is compared with cuDNN's (max abs diff;
+mask), these three on the transposed [B, H, N, D] views. bf16, D 64/128/256, N 1k/4k/16k,
+B = 16384 / N, H = 2048 / D, causal and not; FLOPs = 4*B*H*N*N*D (halved when causal), backward
+2.5x; `do_bench` medians. With the backward measured, the forward is timed as training runs it
+(grad enabled) and backward = (forward + backward) - forward; with --no-backward the forward runs
+under no_grad. In a cell every implementation is timed forward, then every one forward + backward,
+so host drift hits all alike. Before timing, each output is compared with cuDNN's (max abs diff;
 gradients: max abs diff over the reference's max abs); above 2e-2 it is flagged ("!") and left out
 of the ratios. Peak memory: the forward (+ backward) peak above what was allocated before.
 attngen's cells record `last_dispatch()` (module and forward kernel) and its forward timed once
