@@ -170,6 +170,10 @@ section_command() {
     # The Gluon dK/dV backward through flash_attn_func against the tile-level backward, cuDNN
     # and FA4 (FA4 where importable: `source tools/gpu_fa4.sh` in the same call first).
     gluon_bwd_bench) echo "python3 tools/gluon_backward.py --out $work" ;;
+    # The open Gluon variants against the same specs' tile-level forward (and FA4 if on the
+    # path); the grid's N 1k cells with the dispatch recorded.
+    variants_bench) echo "python3 tools/bench_gluon_variants.py --out $work" ;;
+    grid_n1k) echo "python3 tools/bench_grid.py --out $work --d 128,256 --n 1024 --impls attngen,cudnn" ;;
     # Decode: fp8 caches and tree drafts, tests then benchmarks.
     decode_new) echo "$pytest_gpu -rf --tb=short tests/test_decode_gpu.py tests/test_decode_fp8_gpu.py \
       tests/test_decode_tree_gpu.py" ;;
