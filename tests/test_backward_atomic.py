@@ -40,8 +40,31 @@ WINDOW = dict(mask="sliding_window", window_left=9, window_right=2, causal_align
             (1, 4, 2, 41, 41),
         ),
         (dict(dtype="fp32", **WINDOW, sink_tokens=4), Blocks(), (1, 2, 2, 38, 38)),
+        # ALiBi top-left, rows far past the keys: a key block's zeroed keys past seqlen_k
+        # are nearer those rows than its real keys, so their P, unmasked, passes fp16's range
+        # (up to 2**(0.65 x 44) at head 0) and dS @ K gave 0 * inf = NaN in dQ
+        (
+            dict(
+                dtype="fp16",
+                head_dim=96,
+                head_dim_v=64,
+                alibi=True,
+                mask="causal",
+                causal_align="top_left",
+            ),
+            Blocks(dkdv=(16, 64)),
+            (1, 7, 1, 150, 20),
+        ),  # fmt: skip
     ],
-    ids=["causal-gqa", "none-mqa", "window-softcap-alibi", "d40-dv24", "chunked-sinks", "sinktok"],
+    ids=[
+        "causal-gqa",
+        "none-mqa",
+        "window-softcap-alibi",
+        "d40-dv24",
+        "chunked-sinks",
+        "sinktok",
+        "alibi-past-the-keys",
+    ],
 )
 def test_atomic_gradients_match_the_reference(fields, blocks, shape):
     spec = backward_spec(**fields)

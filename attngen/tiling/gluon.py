@@ -74,19 +74,9 @@ VARLEN_WORDS = 4  # q_first, k_first, out's row pointer and stride: one more 16-
 # own). A variant opens when its GPU tests pass (the others: tests/test_gluon_variants_gpu.py)
 # and its name leaves the set. "backward": the Gluon dK/dV kernel (gluon_backward.py),
 # deterministic=False's; "varlen": varlen modules' forward (the same kernel per sequence).
-GLUON_VARIANTS = frozenset(
-    {
-        "mask sliding_window",
-        "mask chunked",
-        "sink tokens",
-        "softcap",
-        "ALiBi",
-        "sinks",
-        "backward",
-        "varlen",
-        "head_dim != head_dim_v",
-    }
-)
+GLUON_VARIANTS = frozenset({"mask sliding_window", "mask chunked", "sink tokens", "softcap",
+                            "ALiBi", "sinks", "backward", "varlen",
+                            "head_dim != head_dim_v"})  # fmt: skip
 GLUON_UNVERIFIED = frozenset({"backward", "varlen"})
 
 
