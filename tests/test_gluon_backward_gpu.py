@@ -75,9 +75,10 @@ def built(tmp_path, monkeypatch):
     use_registry(saved)
 
 
-def run_backward(case, seed=7):
+def run_backward(case, seed=7, apart=0.0):
     """(grads, inputs, module): the public function's backward, deterministic=False;
-    inputs and gradients heads first ([B, H, N, D])."""
+    inputs and gradients heads first ([B, H, N, D]). apart moves q by -apart and k by +apart
+    in every element: every score falls by about apart**2 * D * scale."""
     b, nq, nk, hq, hkv, d, mask, align, dtype = case
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -85,6 +86,7 @@ def run_backward(case, seed=7):
         torch.randn(b, n, h, d, device="cuda", dtype=dt, generator=gen)
         for n, h in ((nq, hq), (nk, hkv), (nk, hkv), (nq, hq))
     )
+    q, k = q - apart, k + apart
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     if align == "top_left":  # the SDPA drop-in: is_causal top-left, [B, H, N, D]
         heads = [t.transpose(1, 2) for t in leaves]
@@ -120,6 +122,20 @@ def test_dq_of_rows_that_see_no_key_is_zero(built):
     assert module.backward_path() == module.GLUON_BACKWARD_PATH
     assert torch.all(grads[0][:, :, :200] == 0)
     assert torch.isfinite(grads[1]).all() and torch.isfinite(grads[2]).all()
+
+
+def test_keys_past_the_end_leave_dq_finite_where_every_score_is_far_below_zero(built):
+    """fp16, 200 keys (the last block's 56 keys past Nk zeroed by TMA, scoring 0): every real
+    score near -26, so LSE is near -17 and an unclamped P of the zeroed keys, exp(17), would pass
+    fp16's 65504 and make dQ's dS K 0 * inf = NaN. Against the float64 reference."""
+    case = (1, 150, 200, 2, 2, 64, "none", None, "fp16")
+    spec = spec_for(case)
+    built(spec)
+    grads, inputs, module = run_backward(case, seed=5, apart=1.8)
+    assert module.backward_path() == module.GLUON_BACKWARD_PATH
+    assert torch.isfinite(grads[0]).all()
+    problems = compare_gradients(spec, grads, *inputs)
+    assert not problems, "; ".join(problems)
 
 
 def test_a_layout_tma_cannot_read_runs_the_tile_level_kernels_and_says_why(built):
