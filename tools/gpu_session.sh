@@ -174,6 +174,7 @@ section_command() {
     # path); the grid's N 1k cells with the dispatch recorded.
     variants_bench) echo "python3 tools/bench_gluon_variants.py --out $work" ;;
     grid_n1k) echo "python3 tools/bench_grid.py --out $work --d 128,256 --n 1024 --impls attngen,cudnn" ;;
+    probe_cells) echo "python3 tools/probe_cells.py --out $work" ;;
     # Decode: fp8 caches and tree drafts, tests then benchmarks.
     decode_new) echo "$pytest_gpu -rf --tb=short tests/test_decode_gpu.py tests/test_decode_fp8_gpu.py \
       tests/test_decode_tree_gpu.py" ;;

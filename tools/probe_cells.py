@@ -1,0 +1,82 @@
+"""Where a grid cell's forward time goes: the kernels one `attngen.flash_attn_func` call
+launches, with their GPU time, beside the call's do_bench median, with grad enabled (as
+tools/bench_grid.py times training's forward) and under no_grad; forward_path() and
+last_dispatch() say which module and kernel served it. The cells: the grid's slow N 1k ones
+(D 128 causal, D 256 both) and a control (D 128 not causal), then D 256 at N 2k and 4k.
+
+    PYTHONPATH=. python tools/probe_cells.py --out DIR
+
+Writes DIR/probe_cells.json and prints one line per cell and mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import triton
+from torch.profiler import ProfilerActivity, profile
+
+import attngen
+from attngen.runtime.registry import current_registry
+
+TOKENS, WIDTH = 16384, 2048
+CELLS = [(128, 1024, False), (128, 1024, True), (256, 1024, False), (256, 1024, True),
+         (256, 2048, False), (256, 4096, False)]  # fmt: skip
+
+
+def kernels_of(fn) -> list[tuple[str, float]]:
+    """(kernel name, GPU microseconds) of one call of fn, after a warm call."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [(e.name[:80], round(e.device_time, 1)) for e in prof.events()
+            if e.device_type.name == "CUDA" and e.device_time > 0]  # fmt: skip
+
+
+def probe(head_dim: int, seqlen: int, causal: bool, grad: bool) -> dict:
+    batch, heads = TOKENS // seqlen, WIDTH // head_dim
+    q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=grad) for _ in range(3))  # fmt: skip
+
+    def fwd():
+        with torch.set_grad_enabled(grad):
+            return attngen.flash_attn_func(q, k, v, causal=causal)
+
+    ms = triton.testing.do_bench(fwd, warmup=25, rep=100)
+    chosen = attngen.last_dispatch()
+    module = current_registry().module(chosen.key) if chosen and chosen.key else None
+    return {
+        "head_dim": head_dim, "seqlen": seqlen, "causal": causal, "grad": grad, "batch": batch,
+        "heads": heads, "ms": ms, "tflops": 4 * batch * heads * seqlen**2 * head_dim
+        * (0.5 if causal else 1.0) / ms / 1e9, "module": chosen.module if chosen else None,
+        "forward": chosen.forward if chosen else None, "reason": chosen.reason if chosen else None,
+        "forward_path": module.forward_path() if hasattr(module, "forward_path") else None,
+        "kernels": kernels_of(fwd),
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for cell in CELLS:
+        for grad in (True, False):
+            try:
+                row = probe(*cell, grad)
+            except Exception as exc:  # noqa: BLE001 - recorded, the other cells still run
+                row = {"cell": cell, "grad": grad, "error": f"{type(exc).__name__}: {exc}"[:300]}
+            rows.append(row)
+            (args.out / "probe_cells.json").write_text(json.dumps(rows, indent=1))
+            print(json.dumps({k: v for k, v in row.items() if k != "kernels"}))
+            print("   ", row.get("kernels"))
+
+
+if __name__ == "__main__":
+    main()
