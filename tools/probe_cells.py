@@ -1,6 +1,7 @@
 """Where a grid cell's forward time goes: the kernels one `attngen.flash_attn_func` call
-launches, with their GPU time, beside the call's do_bench median, with grad enabled (as
-tools/bench_grid.py times training's forward) and under no_grad; forward_path() and
+launches, with their GPU time, beside the call's do_bench median and its host time (20 calls
+enqueued back to back: near the GPU time when a call waits for the device), with grad enabled
+(as tools/bench_grid.py times training's forward) and under no_grad; forward_path() and
 last_dispatch() say which module and kernel served it. The cells: the grid's slow N 1k ones
 (D 128 causal, D 256 both) and a control (D 128 not causal), then D 256 at N 2k and 4k.
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -48,6 +50,12 @@ def probe(head_dim: int, seqlen: int, causal: bool, grad: bool) -> dict:
             return attngen.flash_attn_func(q, k, v, causal=causal)
 
     ms = triton.testing.do_bench(fwd, warmup=25, rep=100)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        fwd()
+    host_us = (time.perf_counter() - start) / 20 * 1e6
+    torch.cuda.synchronize()
     chosen = attngen.last_dispatch()
     module = current_registry().module(chosen.key) if chosen and chosen.key else None
     return {
@@ -56,7 +64,7 @@ def probe(head_dim: int, seqlen: int, causal: bool, grad: bool) -> dict:
         * (0.5 if causal else 1.0) / ms / 1e9, "module": chosen.module if chosen else None,
         "forward": chosen.forward if chosen else None, "reason": chosen.reason if chosen else None,
         "forward_path": module.forward_path() if hasattr(module, "forward_path") else None,
-        "kernels": kernels_of(fwd),
+        "host_us": host_us, "kernels": kernels_of(fwd),
     }  # fmt: skip
 
 
