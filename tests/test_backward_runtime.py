@@ -113,7 +113,8 @@ def test_sdpa_trains_and_compiles_forward_and_backward(trained):
 def test_one_autograd_serves_the_module_and_the_runtime(trained, monkeypatch):
     """The runtime's op and the module's own attention() restore and differentiate through
     the module's one _gradients, bitwise alike; only the runtime's goes through its backward
-    op, which counts the run and records the path (the module's own records nothing)."""
+    op's body (eager: without torch.library's dispatch), which counts the run and records the
+    path (the module's own records nothing)."""
     q, k, v, dout, _ = padded_inputs(trained, 1, 4, 2, 20, 20, seed=4)
     attngen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     key = attngen.last_dispatch().key
@@ -128,7 +129,7 @@ def test_one_autograd_serves_the_module_and_the_runtime(trained, monkeypatch):
     through_runtime = _leaves(q, k, v)
     out = attngen.scaled_dot_product_attention(*through_runtime, is_causal=True, enable_gqa=True)
     out.backward(dout)
-    assert len(calls) == 2 and calls[1].func is ops.prefill_backward_op
+    assert len(calls) == 2 and calls[1].func is ops._prefill_grads
     assert calls[1].args == (key,)
     assert backward_runs() == {(key, "deterministic"): 1}
     for a, b in zip(leaves, through_runtime, strict=True):

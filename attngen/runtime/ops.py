@@ -51,6 +51,7 @@ from torch import Tensor
 
 from attngen.runtime.registry import current_registry
 
+_custom_op = torch.library.custom_op  # each op's body stays a plain function (_eager)
 _counts: collections.Counter[str] = collections.Counter()
 _counts_lock = threading.Lock()
 
@@ -76,21 +77,17 @@ def _no_lse(q: Tensor) -> Tensor:
     return q.new_empty((0,), dtype=torch.float32)
 
 
+def _plain(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Eager mode and plain tensors: the module may be called without the op's dispatch."""
+    return not torch.compiler.is_compiling() and type(q) is type(k) is type(v) is Tensor
+
+
 def _direct(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None) -> bool:
-    """Whether the module can be called without the op layer: eager mode, plain tensors and
-    no autograd to record (the op's formula is what refuses backward)."""
-    if torch.compiler.is_compiling():
-        return False
-    if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
-        return False
-    if torch.is_grad_enabled() and (
-        q.requires_grad
-        or k.requires_grad
-        or v.requires_grad
-        or (alibi_slopes is not None and alibi_slopes.requires_grad)
-    ):
-        return False
-    return True
+    """Whether the module can be called without the op layer: _plain and no autograd to
+    record (the op's formula is what refuses backward)."""
+    grads = q.requires_grad or k.requires_grad or v.requires_grad
+    grads = grads or (alibi_slopes is not None and alibi_slopes.requires_grad)
+    return _plain(q, k, v) and not (grads and torch.is_grad_enabled())
 
 
 def _heads_last(q: Tensor, dim_v: int) -> Tensor:
@@ -163,14 +160,12 @@ def prefill(
     if _direct(q, k, v, alibi_slopes) and (sinks is None or _direct(q, k, v, sinks)):
         return run_prefill(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last, *args)
     # The LSE is always computed here: the backward needs it.
-    out, lse = prefill_op(
-        key, q, k, v, sm_scale, alibi_slopes, True, heads_last, *args, deterministic
-    )
+    run = _EagerPrefill.apply if _plain(q, k, v) else prefill_op
+    out, lse = run(key, q, k, v, sm_scale, alibi_slopes, True, heads_last, *args, deterministic)
     return (out.transpose(1, 2) if heads_last else out), (lse if return_lse else None)
 
 
-@torch.library.custom_op("attngen::prefill", mutates_args=())
-def prefill_op(
+def _prefill_forward(
     key: str,
     q: Tensor,
     k: Tensor,
@@ -201,21 +196,11 @@ def prefill_op(
     return (out.transpose(1, 2) if heads_last else out), (_no_lse(q) if lse is None else lse)
 
 
+prefill_op = _custom_op("attngen::prefill", mutates_args=())(_prefill_forward)
+
+
 @prefill_op.register_fake
-def _(
-    key,
-    q,
-    k,
-    v,
-    sm_scale,
-    alibi_slopes,
-    return_lse,
-    heads_last,
-    sinks=None,
-    dropout_p=0.0,
-    rng_state=None,
-    deterministic=True,
-):
+def _(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last, *_):
     batch, heads, seqlen_q, _ = q.shape
     if heads_last:
         out = _heads_last(q, v.shape[-1]).transpose(1, 2)
@@ -300,12 +285,12 @@ def varlen(
     if _direct(q, k, v, alibi_slopes) and (sinks is None or _direct(q, k, v, sinks)):
         return run_varlen(*args, return_lse, sinks, dropout_p, rng_state)
     # the LSE is always computed: the backward needs it
-    out, lse = varlen_op(*args, True, sinks, dropout_p, rng_state, deterministic)
+    run = _EagerVarlen.apply if _plain(q, k, v) else varlen_op
+    out, lse = run(*args, True, sinks, dropout_p, rng_state, deterministic)
     return out, (lse if return_lse else None)
 
 
-@torch.library.custom_op("attngen::varlen", mutates_args=())
-def varlen_op(
+def _varlen_forward(
     key: str,
     q: Tensor,
     k: Tensor,
@@ -344,25 +329,11 @@ def varlen_op(
     return out, (_no_lse(q) if lse is None else lse)
 
 
+varlen_op = _custom_op("attngen::varlen", mutates_args=())(_varlen_forward)
+
+
 @varlen_op.register_fake
-def _(
-    key,
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    sm_scale,
-    alibi_slopes,
-    seqused_k,
-    return_lse,
-    sinks=None,
-    dropout_p=0.0,
-    rng_state=None,
-    deterministic=True,
-):
+def _(key, q, k, v, cu_q, cu_k, max_q, max_k, scale, slopes, seqused_k, return_lse, *_):
     total_q, heads, _ = q.shape
     out = q.new_empty((total_q, heads, v.shape[-1]))
     lse = q.new_empty((heads, total_q), dtype=torch.float32) if return_lse else _no_lse(q)
@@ -574,8 +545,7 @@ def _run_backward(
     )
 
 
-@torch.library.custom_op("attngen::prefill_backward", mutates_args=())
-def prefill_backward_op(
+def _prefill_grads(
     key: str,
     dout: Tensor,
     q: Tensor,
@@ -610,6 +580,9 @@ def prefill_backward_op(
     return grads[0], grads[1], grads[2], _sink_gradient(q, grads, sinks)
 
 
+prefill_backward_op = _custom_op("attngen::prefill_backward", mutates_args=())(_prefill_grads)
+
+
 @prefill_backward_op.register_fake
 def _(
     key,
@@ -631,10 +604,10 @@ def _(
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
-def _prefill_setup(ctx, inputs, output):
+def _prefill_setup(ctx, inputs, output, backward=prefill_backward_op):
     key, q, k, v, sm_scale, alibi_slopes, _, _, sinks, dropout_p, rng_state, deterministic = inputs
     args = (sm_scale, alibi_slopes, dropout_p, rng_state, sinks, deterministic)
-    _save(ctx, key, prefill_backward_op, q, k, v, *output, *args)
+    _save(ctx, key, backward, q, k, v, *output, *args)
 
 
 def _prefill_backward(ctx, dout, dlse):
@@ -642,8 +615,7 @@ def _prefill_backward(ctx, dout, dlse):
     return None, dq, dk, dv, None, None, None, None, _wanted(ctx, dsinks, 8), None, None, None
 
 
-@torch.library.custom_op("attngen::varlen_backward", mutates_args=())
-def varlen_backward_op(
+def _varlen_grads(
     key: str,
     dout: Tensor,
     q: Tensor,
@@ -667,6 +639,9 @@ def varlen_backward_op(
     options = (dlse, sm_scale, alibi_slopes, dropout_p, rng_state, sinks, deterministic)
     grads = _run_backward(key, "attention_varlen_backward", args, *options)
     return grads[0], grads[1], grads[2], _sink_gradient(q, grads, sinks)
+
+
+varlen_backward_op = _custom_op("attngen::varlen_backward", mutates_args=())(_varlen_grads)
 
 
 @varlen_backward_op.register_fake
@@ -694,13 +669,13 @@ def _(
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
-def _varlen_setup(ctx, inputs, output):
+def _varlen_setup(ctx, inputs, output, backward=varlen_backward_op):
     key, q, k, v, cu_q, cu_k, max_q, max_k, scale, slopes, seqused_k, _, sinks, *rest = inputs
     ctx.refusal = None if seqused_k is None else SEQUSED_K_REFUSAL
     dropout_p, rng_state, deterministic = rest
     args = (scale, slopes, dropout_p, rng_state, sinks, deterministic)
     lengths = (cu_q, cu_k, max_q, max_k)
-    _save(ctx, key, varlen_backward_op, q, k, v, *output, *args, lengths=lengths)
+    _save(ctx, key, backward, q, k, v, *output, *args, lengths=lengths)
 
 
 def _varlen_backward(ctx, dout, dlse):
@@ -712,3 +687,25 @@ def _varlen_backward(ctx, dout, dlse):
 
 torch.library.register_autograd("attngen::prefill", _prefill_backward, setup_context=_prefill_setup)
 torch.library.register_autograd("attngen::varlen", _varlen_backward, setup_context=_varlen_setup)
+
+
+def _eager(name: str, forward, setup, formula, grads) -> type[torch.autograd.Function]:
+    """The op's forward, setup_context and formula as an autograd.Function whose backward
+    calls the backward op's body (grads): an eager call with grad runs the same code without
+    torch.library's dispatch (a forward of 159 -> 71 us on the CPU, 12 us without grad)."""
+
+    def run(ctx, *inputs):
+        output = forward(*inputs)
+        setup(ctx, inputs, output, backward=grads)
+        return output
+
+    methods = {"forward": staticmethod(run), "backward": staticmethod(formula)}
+    return type(name, (torch.autograd.Function,), methods)
+
+
+_EagerPrefill = _eager(
+    "_EagerPrefill", _prefill_forward, _prefill_setup, _prefill_backward, _prefill_grads
+)
+_EagerVarlen = _eager(
+    "_EagerVarlen", _varlen_forward, _varlen_setup, _varlen_backward, _varlen_grads
+)
