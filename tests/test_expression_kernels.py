@@ -109,6 +109,19 @@ def test_expressions_match_the_reference(params) -> None:
     assert not problems, "; ".join(problems)
 
 
+def test_a_constant_derivative_lands_on_the_scores_device() -> None:
+    """ALiBi as score_mod has d score_mod / d score = 1, a constant tree: the reference's
+    factor must be on the scores' device (the float64 yardstick multiplies it with CUDA dS;
+    on the CPU it was a CPU tensor; `meta` stands in for CUDA here)."""
+    from attngen.reference.backward import _expression
+
+    spec = expression_spec("alibi", "fp32", causal=False)
+    score = torch.zeros(1, 4, 3, 5, device="meta")
+    exprs = {"tensors": {"slopes": torch.ones(4, device="meta")}}
+    factor = _expression(spec, "score_mod", score, exprs, derivative="score")
+    assert factor.device.type == "meta" and factor.shape == score.shape
+
+
 def test_a_row_that_sees_no_key_gives_zero_and_minus_inf() -> None:
     """Rows past the table (q_idx >= 20) read nothing, so every key is masked for them."""
     spec = expression_spec("out_of_range", "bf16", causal=False)

@@ -121,7 +121,10 @@ def expression_values(
             if isinstance(want, str):
                 env[want] = torch.tensor(size, device=device)
     valid = validity(node, {t.name: t for t in declared}) if guarded else None
-    values = _grid(node, env, dtype).expand(batch, heads, seqlen_q, seqlen_k)
+    values = _grid(node, env, dtype)  # on the CPU where the tree is a constant (a derivative)
+    values = (values if device is None else values.to(device)).expand(
+        batch, heads, seqlen_q, seqlen_k
+    )
     if valid is None:
         return values
     other = torch.tensor(False if field == "mask_mod" else -math.inf, dtype=values.dtype)
