@@ -111,18 +111,10 @@ def _dropout_options(dropout_p: float, rng_state: Tensor | None) -> dict:
 
 
 def run_prefill(
-    key: str,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    sm_scale: float,
-    alibi_slopes: Tensor | None,
-    return_lse: bool,
-    heads_last: bool,
-    sinks: Tensor | None = None,
-    dropout_p: float = 0.0,
+    key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float, alibi_slopes: Tensor | None,
+    return_lse: bool, heads_last: bool, sinks: Tensor | None = None, dropout_p: float = 0.0,
     rng_state: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """(out, lse or None); out [B, M, HQ, DV] with heads_last (the module's
     attention_flash_out), else [B, HQ, M, DV] (its attention)."""
     module = current_registry().module(key)
@@ -214,22 +206,11 @@ def _(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last, *_):
 
 
 def run_varlen(
-    key: str,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    sm_scale: float,
-    alibi_slopes: Tensor | None,
-    seqused_k: Tensor | None,
-    return_lse: bool,
-    sinks: Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:
+    key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, sm_scale: float, alibi_slopes: Tensor | None,
+    seqused_k: Tensor | None, return_lse: bool, sinks: Tensor | None = None,
+    dropout_p: float = 0.0, rng_state: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     module = current_registry().module(key)
     count_run(key)
     result = module.attention_varlen(
