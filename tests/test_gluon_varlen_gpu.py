@@ -16,6 +16,8 @@ import pytest
 import torch
 
 import attngen
+from attngen.build import plan_build, write_build
+from attngen.runtime.registry import current_registry, load_kernels, use_registry
 from attngen.spec import KernelKind
 from attngen.spec.files import VARIANTS_ENV
 from attngen.tiling.gluon import gluon_gap
@@ -163,8 +165,22 @@ def test_a_sequence_longer_than_max_seqlen_q_gets_nan_as_the_tile_level_kernel(m
     assert torch.isfinite(out[:100]).all() and torch.isfinite(out[500:]).all()
 
 
-def test_flash_attn_varlen_func_runs_the_gluon_forward_and_says_so(monkeypatch):
+def test_flash_attn_varlen_func_runs_the_gluon_forward_and_says_so(monkeypatch, tmp_path):
+    """Through a registry of the spec's modules built with the switch alone (the bundled
+    Llama-3 varlen module, built without it, would serve the call otherwise)."""
     monkeypatch.setenv(VARIANTS_ENV, "1")
+    spec = make_spec(kernels=["prefill", "varlen"], dtype="bf16", head_dim=128, mask="causal",
+                     num_q_heads=16, num_kv_heads=4)  # fmt: skip
+    write_build(plan_build([spec]), tmp_path)
+    saved = current_registry()
+    load_kernels(tmp_path, replace=True)
+    try:
+        _through_flash_attn_varlen_func(spec)
+    finally:
+        use_registry(saved)
+
+
+def _through_flash_attn_varlen_func(spec):
     lens = [1000, 0, 129, 3, 700]
     cu = _cu(lens)
     total = int(cu[-1])
@@ -176,8 +192,6 @@ def test_flash_attn_varlen_func_runs_the_gluon_forward_and_says_so(monkeypatch):
                                                  return_attn_probs=True)  # fmt: skip
     chosen = attngen.last_dispatch()
     assert chosen.module.startswith("sm90/") and chosen.forward == "gluon warp-specialized"
-    spec = make_spec(kernels=["prefill", "varlen"], dtype="bf16", head_dim=128, mask="causal",
-                     num_q_heads=16, num_kv_heads=4)  # fmt: skip
     for b, n in enumerate(lens):
         if n == 0:
             continue
