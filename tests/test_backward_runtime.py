@@ -61,6 +61,35 @@ def test_flash_attn_func_trains(trained):
     assert not problems, "; ".join(problems)
 
 
+def test_a_call_with_grad_runs_from_its_plan_and_trains_alike(trained, monkeypatch):
+    """flash_attn_func with grad: the first call takes the full path and leaves a plan, the
+    second runs from it (the full path not entered) with bitwise the same gradients; the plan
+    keeps `deterministic` (its backward path is recorded per call)."""
+    from attngen.runtime import api, plans
+
+    q, k, v, dout, _ = padded_inputs(trained, 1, 4, 2, 13, 13, seed=6)
+    flash = [t.transpose(1, 2) for t in (q, k, v)]
+
+    def train(deterministic):
+        leaves = _leaves(*flash)
+        out = attngen.flash_attn_func(*leaves, causal=True, deterministic=deterministic)
+        out.backward(dout.transpose(1, 2))
+        return [t.grad for t in leaves]
+
+    first = train(True)
+    full_paths = []
+    real = api._flash
+    monkeypatch.setattr(api, "_flash", lambda *a: full_paths.append(1) or real(*a))
+    again = train(True)
+    assert full_paths == [] and all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert any(key[-1] is True for key in plans.planned(current_registry()))
+    reset_backward_runs()
+    train(False)  # another key: the full path, then its own plan
+    assert full_paths == [1] and backward_runs()
+    train(False)
+    assert full_paths == [1]
+
+
 def test_flash_attn_varlen_func_trains(trained):
     lengths_q, lengths_k = [9, 0, 17], [12, 3, 17]
     q, k, v, dout, _ = padded_inputs(trained, 1, 4, 2, sum(lengths_q), sum(lengths_k), seed=2)

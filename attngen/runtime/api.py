@@ -183,31 +183,26 @@ def flash_attn_func(
     from q, k, v as they are (a module built before it writes it in place through `out=`,
     Dispatch.writes_out; one with neither is copied from its [B, H, N, D] output)."""
     key = None
+    grad = plans.trains(q, k, v, alibi_slopes)
     if (
-        plans.eager(q, k, v, alibi_slopes)
+        (grad or plans.eager(q, k, v, alibi_slopes))
         and plans.plain(softmax_scale, softcap, dropout_p)
         and type(causal) is bool
         and plans.pair(window_size)
         and type(return_attn_probs) is bool
         and type(deterministic) is bool
     ):
-        key = (
-            FLASH,
-            q.shape,
-            k.shape,
-            v.shape,
-            q.dtype,
-            q.device,
-            causal,
-            window_size,
-            softcap,
-            softmax_scale,
-            plans.slopes_rank(alibi_slopes),
-            return_attn_probs,
-        )
+        # deterministic only with grad, whose calls run a module with gradient kernels
+        key = (FLASH, q.shape, k.shape, v.shape, q.dtype, q.device, causal, window_size, softcap,
+               softmax_scale, plans.slopes_rank(alibi_slopes), return_attn_probs,
+               deterministic if grad else None)  # fmt: skip
         plan = plans.find(key)
         if plan is not None:
-            ran = plans.run_flash(plan, q, k, v, alibi_slopes)
+            ran = (
+                plans.run_trained(plan, q, k, v, alibi_slopes, deterministic)
+                if grad
+                else plans.run_flash(plan, q, k, v, alibi_slopes)
+            )
             if ran is not None:
                 return (ran[0], ran[1], no_attn_probs(q)) if return_attn_probs else ran[0]
     options = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)

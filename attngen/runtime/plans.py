@@ -21,7 +21,8 @@ on every call here too, or send the call to the full path (an int cache_seqlens)
 
 Never planned: fallbacks and refusals (they warn or raise on every call). Never run from a
 plan: calls under torch.compile (traced through the full path and the torch.library ops),
-tensor subclasses and inputs that need a gradient (the op layer), and a call whose device's
+tensor subclasses, inputs that need a gradient but flash_attn_func's (run_trained: through
+ops.prefill's eager autograd, `deterministic` in the key), and a call whose device's
 answer may change (bf16 under Triton's interpreter: asked again, dispatch.problem_may_change).
 Loading another registry starts the route cache over, plans with it.
 """
@@ -87,6 +88,17 @@ def eager(q: Any, k: Any, v: Any, alibi_slopes: Any) -> bool:
             or (alibi_slopes is not None and alibi_slopes.requires_grad)
         )
     )
+
+
+def trains(q: Any, k: Any, v: Any, alibi_slopes: Any) -> bool:
+    """Whether a call needs gradients and may still run from a plan (through ops.prefill's
+    eager autograd): plain tensors, eager mode, grad on, q, k or v requiring it, slopes not."""
+    ok = type(q) is type(k) is type(v) is Tensor and not _is_compiling()
+    slopes = alibi_slopes is None or (
+        type(alibi_slopes) is Tensor and not alibi_slopes.requires_grad
+    )
+    grads = ok and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return slopes and grads and _grad_enabled()
 
 
 def plain(scale: Any, softcap: Any, dropout_p: Any = 0.0) -> bool:
@@ -236,6 +248,18 @@ def run_flash(
         return None  # the full path says why
     result = _attend(plan, plan.flash, q, k, v, alibi_slopes, sinks)
     return result if plan.return_lse else (result, None)
+
+
+def run_trained(
+    plan: Plan, q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None, deterministic: bool
+) -> tuple[Tensor, Tensor | None] | None:
+    """run_flash for a call that needs gradients (trains): ops.prefill as run_dense calls it."""
+    if not _ran(plan, count=False):
+        return None  # the full path says why
+    views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    out, lse = ops.prefill(plan.key, *views, plan.sm_scale, alibi_slopes, plan.return_lse,
+                           plan.in_place, deterministic=deterministic)  # fmt: skip
+    return (out if plan.in_place else out.transpose(1, 2).contiguous()), lse
 
 
 def run_varlen(
