@@ -64,7 +64,7 @@ def test_flash_attn_func_trains(trained):
 def test_a_call_with_grad_runs_from_its_plan_and_trains_alike(trained, monkeypatch):
     """flash_attn_func with grad: the first call takes the full path and leaves a plan, the
     second runs from it (the full path not entered) with bitwise the same gradients; the plan
-    keeps `deterministic` (its backward path is recorded per call)."""
+    keeps `deterministic` (its backward path is recorded per call). The SDPA drop-in too."""
     from attngen.runtime import api, plans
 
     q, k, v, dout, _ = padded_inputs(trained, 1, 4, 2, 13, 13, seed=6)
@@ -88,6 +88,17 @@ def test_a_call_with_grad_runs_from_its_plan_and_trains_alike(trained, monkeypat
     assert full_paths == [1] and backward_runs()
     train(False)
     assert full_paths == [1]
+    sdpa_full = []
+    real_sdpa = api._sdpa
+    monkeypatch.setattr(api, "_sdpa", lambda *a: sdpa_full.append(1) or real_sdpa(*a))
+    grads = []
+    for _ in range(2):  # the SDPA drop-in: the second call from its plan, alike
+        leaves = _leaves(q, k, v)
+        attngen.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True).backward(
+            dout
+        )
+        grads.append([t.grad for t in leaves])
+    assert sdpa_full == [1] and all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 
 def test_flash_attn_varlen_func_trains(trained):

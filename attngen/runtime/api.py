@@ -72,9 +72,10 @@ def scaled_dot_product_attention(
     mode ("error" unless changed). The backward is bitwise reproducible (no atomics) when
     torch.are_deterministic_algorithms_enabled(), else it adds dQ by fp32 atomics (faster)."""
     key = None
+    grad = plans.trains(q, k, v, alibi_slopes)
     if (
         attn_mask is None
-        and plans.eager(q, k, v, alibi_slopes)
+        and (grad or plans.eager(q, k, v, alibi_slopes))
         and plans.plain(scale, softcap, dropout_p)
         and type(is_causal) is bool
         and type(enable_gqa) is bool
@@ -82,25 +83,17 @@ def scaled_dot_product_attention(
         and type(causal_align) is str
         and (fallback is None or type(fallback) is str)
     ):
-        key = (
-            SDPA,
-            q.shape,
-            k.shape,
-            v.shape,
-            q.dtype,
-            q.device,
-            is_causal,
-            scale,
-            enable_gqa,
-            window,
-            softcap,
-            plans.slopes_rank(alibi_slopes),
-            causal_align,
-            fallback,
-        )
+        deterministic = torch.are_deterministic_algorithms_enabled() if grad else None
+        key = (SDPA, q.shape, k.shape, v.shape, q.dtype, q.device, is_causal, scale, enable_gqa,
+               window, softcap, plans.slopes_rank(alibi_slopes), causal_align, fallback,
+               deterministic)  # fmt: skip
         plan = plans.find(key)
         if plan is not None:
-            ran = plans.run_dense(plan, q, k, v, alibi_slopes, heads_last=False)
+            ran = (
+                plans.run_trained(plan, q, k, v, alibi_slopes, bool(deterministic), flash=False)
+                if grad
+                else plans.run_dense(plan, q, k, v, alibi_slopes, heads_last=False)
+            )
             if ran is not None:
                 return ran[0]
     options = (is_causal, window, softcap, alibi_slopes, scale, dropout_p, fallback)

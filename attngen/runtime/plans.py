@@ -21,8 +21,8 @@ on every call here too, or send the call to the full path (an int cache_seqlens)
 
 Never planned: fallbacks and refusals (they warn or raise on every call). Never run from a
 plan: calls under torch.compile (traced through the full path and the torch.library ops),
-tensor subclasses, inputs that need a gradient but flash_attn_func's (run_trained: through
-ops.prefill's eager autograd, `deterministic` in the key), and a call whose device's
+tensor subclasses, inputs that need a gradient but flash_attn_func's and SDPA's (run_trained:
+through ops.prefill's eager autograd, `deterministic` in the key), and a call whose device's
 answer may change (bf16 under Triton's interpreter: asked again, dispatch.problem_may_change).
 Loading another registry starts the route cache over, plans with it.
 """
@@ -251,15 +251,17 @@ def run_flash(
 
 
 def run_trained(
-    plan: Plan, q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None, deterministic: bool
-) -> tuple[Tensor, Tensor | None] | None:
-    """run_flash for a call that needs gradients (trains): ops.prefill as run_dense calls it."""
+    plan: Plan, q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None, deterministic: bool,
+    flash: bool = True,
+) -> tuple[Tensor, Tensor | None] | None:  # fmt: skip
+    """run_flash (or, not flash, run_dense) for a call that needs gradients (trains):
+    ops.prefill as launch.run_dense calls it."""
     if not _ran(plan, count=False):
         return None  # the full path says why
-    views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)) if flash else (q, k, v)
     out, lse = ops.prefill(plan.key, *views, plan.sm_scale, alibi_slopes, plan.return_lse,
                            plan.in_place, deterministic=deterministic)  # fmt: skip
-    return (out if plan.in_place else out.transpose(1, 2).contiguous()), lse
+    return (out if plan.in_place or not flash else out.transpose(1, 2).contiguous()), lse
 
 
 def run_varlen(
