@@ -64,7 +64,8 @@ def test_flash_attn_func_trains(trained):
 def test_a_call_with_grad_runs_from_its_plan_and_trains_alike(trained, monkeypatch):
     """flash_attn_func with grad: the first call takes the full path and leaves a plan, the
     second runs from it (the full path not entered) with bitwise the same gradients; the plan
-    keeps `deterministic` (its backward path is recorded per call). The SDPA drop-in too."""
+    keeps `deterministic` (its backward path is recorded per call). SDPA's and the transformers
+    function's too."""
     from attngen.runtime import api, plans
 
     q, k, v, dout, _ = padded_inputs(trained, 1, 4, 2, 13, 13, seed=6)
@@ -99,6 +100,20 @@ def test_a_call_with_grad_runs_from_its_plan_and_trains_alike(trained, monkeypat
         )
         grads.append([t.grad for t in leaves])
     assert sdpa_full == [1] and all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    from types import SimpleNamespace
+
+    from attngen.runtime import hf
+
+    hf_full = []
+    real_dense = hf.run_dense
+    monkeypatch.setattr(hf, "run_dense", lambda *a, **kw: hf_full.append(1) or real_dense(*a, **kw))
+    grads = []
+    for _ in range(2):  # the transformers function: the second call from its plan, alike
+        leaves = _leaves(q, k, v)
+        out, _ = hf.attngen_attention(SimpleNamespace(is_causal=True), *leaves, None)
+        out.backward(dout.transpose(1, 2))
+        grads.append([t.grad for t in leaves])
+    assert hf_full == [1] and all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 
 def test_flash_attn_varlen_func_trains(trained):

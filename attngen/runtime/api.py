@@ -90,7 +90,9 @@ def scaled_dot_product_attention(
         plan = plans.find(key)
         if plan is not None:
             ran = (
-                plans.run_trained(plan, q, k, v, alibi_slopes, bool(deterministic), flash=False)
+                plans.run_trained(
+                    plan, q, k, v, alibi_slopes, bool(deterministic), flash=False, heads_last=False
+                )
                 if grad
                 else plans.run_dense(plan, q, k, v, alibi_slopes, heads_last=False)
             )

@@ -423,27 +423,23 @@ def _dense(query, key, value, common):
     every call."""
     plan_key = None
     sinks = common.sinks
-    if plans.eager(query, key, value, sinks) and plans.plain(
+    grad = plans.trains(query, key, value, sinks)  # learned sinks that train: the full path
+    if (grad or plans.eager(query, key, value, sinks)) and plans.plain(
         common.scale, common.softcap, common.dropout_p
     ):
         # sinks: a tensor or None (their presence picks the module); chunk_size: an int
-        plan_key = (
-            API,
-            query.shape,
-            key.shape,
-            value.shape,
-            query.dtype,
-            query.device,
-            common.mask,
-            common.window,
-            common.softcap,
-            common.scale,
-            sinks is None,
-            common.chunk_size,
-        )
+        plan_key = (API, query.shape, key.shape, value.shape, query.dtype, query.device,
+                    common.mask, common.window, common.softcap, common.scale, sinks is None,
+                    common.chunk_size, common.deterministic if grad else None)  # fmt: skip
         plan = plans.find(plan_key)
         if plan is not None:
-            ran = plans.run_dense(plan, query, key, value, None, heads_last=True, sinks=sinks)
+            ran = (
+                plans.run_trained(
+                    plan, query, key, value, None, common.deterministic, flash=False, sinks=sinks
+                )
+                if grad
+                else plans.run_dense(plan, query, key, value, None, heads_last=True, sinks=sinks)
+            )
             if ran is not None:
                 return ran[0]
     out, _ = run_dense(API, query, key, value, common, plan_key=plan_key)

@@ -21,8 +21,9 @@ on every call here too, or send the call to the full path (an int cache_seqlens)
 
 Never planned: fallbacks and refusals (they warn or raise on every call). Never run from a
 plan: calls under torch.compile (traced through the full path and the torch.library ops),
-tensor subclasses, inputs that need a gradient but flash_attn_func's and SDPA's (run_trained:
-through ops.prefill's eager autograd, `deterministic` in the key), and a call whose device's
+tensor subclasses, inputs that need a gradient but those of flash_attn_func, SDPA and the
+transformers function (run_trained: ops.prefill's eager autograd, `deterministic` in the key),
+and a call whose device's
 answer may change (bf16 under Triton's interpreter: asked again, dispatch.problem_may_change).
 Loading another registry starts the route cache over, plans with it.
 """
@@ -252,16 +253,17 @@ def run_flash(
 
 def run_trained(
     plan: Plan, q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None, deterministic: bool,
-    flash: bool = True,
+    flash: bool = True, heads_last: bool = True, sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None] | None:  # fmt: skip
-    """run_flash (or, not flash, run_dense) for a call that needs gradients (trains):
-    ops.prefill as launch.run_dense calls it."""
+    """run_flash (not flash: run_dense) for a call that needs gradients (trains): ops.prefill
+    as launch.run_dense calls it, [B, N, H, D] out where heads_last."""
     if not _ran(plan, count=False):
         return None  # the full path says why
     views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)) if flash else (q, k, v)
     out, lse = ops.prefill(plan.key, *views, plan.sm_scale, alibi_slopes, plan.return_lse,
-                           plan.in_place, deterministic=deterministic)  # fmt: skip
-    return (out if plan.in_place or not flash else out.transpose(1, 2).contiguous()), lse
+                           plan.in_place, sinks, deterministic=deterministic)  # fmt: skip
+    copy = heads_last and not plan.in_place  # the module wrote [B, H, N, D]
+    return (out.transpose(1, 2).contiguous() if copy else out), lse
 
 
 def run_varlen(
