@@ -64,8 +64,8 @@ def test_flash_attn_func_trains(trained):
 def test_a_call_with_grad_runs_from_its_plan_and_trains_alike(trained, monkeypatch):
     """flash_attn_func with grad: the first call takes the full path and leaves a plan, the
     second runs from it (the full path not entered) with bitwise the same gradients; the plan
-    keeps `deterministic` (its backward path is recorded per call). SDPA's and the transformers
-    function's too."""
+    keeps `deterministic` (its backward path is recorded per call). SDPA's, the transformers
+    function's and flash_attn_varlen_func's too."""
     from attngen.runtime import api, plans
 
     q, k, v, dout, _ = padded_inputs(trained, 1, 4, 2, 13, 13, seed=6)
@@ -114,6 +114,17 @@ def test_a_call_with_grad_runs_from_its_plan_and_trains_alike(trained, monkeypat
         out.backward(dout.transpose(1, 2))
         grads.append([t.grad for t in leaves])
     assert hf_full == [1] and all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    varlen_full = []
+    real_varlen = api._varlen
+    monkeypatch.setattr(api, "_varlen", lambda *a: varlen_full.append(1) or real_varlen(*a))
+    packed, cu = [t[0].transpose(0, 1) for t in (q, k, v, dout)], cu_seqlens([13])
+    grads = []
+    for _ in range(2):  # flash_attn_varlen_func: the second call from its plan, alike
+        leaves = _leaves(*packed[:3])
+        out = attngen.flash_attn_varlen_func(*leaves, cu, cu, 13, 13, causal=True)
+        out.backward(packed[3])
+        grads.append([t.grad for t in leaves])
+    assert varlen_full == [1] and all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 
 def test_flash_attn_varlen_func_trains(trained):

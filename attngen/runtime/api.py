@@ -272,9 +272,10 @@ def flash_attn_varlen_func(
     copy of every listed page; flash_attn_with_kvcache reads pages in place); a sequence whose
     length or pages do not fit gets NaN, as in the kernels."""
     key: tuple | None = None
+    grad = plans.trains(q, k, v, alibi_slopes)
     if (
         block_table is None
-        and plans.eager(q, k, v, alibi_slopes)
+        and (grad or plans.eager(q, k, v, alibi_slopes))
         and plans.plain(softmax_scale, softcap, dropout_p)
         and type(causal) is bool
         and plans.pair(window_size)
@@ -285,12 +286,12 @@ def flash_attn_varlen_func(
     ):
         key = (VARLEN, q.shape, k.shape, v.shape, q.dtype, q.device, causal, window_size, softcap)
         key += (softmax_scale, plans.slopes_rank(alibi_slopes), return_attn_probs)
-        key += (cu_seqlens_q is cu_seqlens_k,)
+        trains = deterministic if grad else None  # with grad: a module with gradient kernels
+        key += (cu_seqlens_q is cu_seqlens_k, trains)
         plan = plans.find(key)
         if plan is not None:
-            ran = plans.run_varlen(
-                plan, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes
-            )
+            lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+            ran = plans.run_varlen(plan, q, k, v, *lengths, alibi_slopes, trains)
             if ran is not None:
                 return (ran[0], ran[1], no_attn_probs(q)) if return_attn_probs else ran[0]
     lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)

@@ -21,9 +21,9 @@ on every call here too, or send the call to the full path (an int cache_seqlens)
 
 Never planned: fallbacks and refusals (they warn or raise on every call). Never run from a
 plan: calls under torch.compile (traced through the full path and the torch.library ops),
-tensor subclasses, inputs that need a gradient but those of flash_attn_func, SDPA and the
-transformers function (run_trained: ops.prefill's eager autograd, `deterministic` in the key),
-and a call whose device's
+tensor subclasses, inputs that need a gradient but those of flash_attn_func, SDPA, varlen
+and the transformers function (run_trained, run_varlen: the ops' eager autograd,
+`deterministic` in the key), and a call whose device's
 answer may change (bf16 under Triton's interpreter: asked again, dispatch.problem_may_change).
 Loading another registry starts the route cache over, plans with it.
 """
@@ -95,9 +95,8 @@ def trains(q: Any, k: Any, v: Any, alibi_slopes: Any) -> bool:
     """Whether a call needs gradients and may still run from a plan (through ops.prefill's
     eager autograd): plain tensors, eager mode, grad on, q, k or v requiring it, slopes not."""
     ok = type(q) is type(k) is type(v) is Tensor and not _is_compiling()
-    slopes = alibi_slopes is None or (
-        type(alibi_slopes) is Tensor and not alibi_slopes.requires_grad
-    )
+    slopes = alibi_slopes is None or type(alibi_slopes) is Tensor
+    slopes = slopes and not (alibi_slopes is not None and alibi_slopes.requires_grad)
     grads = ok and (q.requires_grad or k.requires_grad or v.requires_grad)
     return slopes and grads and _grad_enabled()
 
@@ -255,8 +254,7 @@ def run_trained(
     plan: Plan, q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None, deterministic: bool,
     flash: bool = True, heads_last: bool = True, sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None] | None:  # fmt: skip
-    """run_flash (not flash: run_dense) for a call that needs gradients (trains): ops.prefill
-    as launch.run_dense calls it, [B, N, H, D] out where heads_last."""
+    """run_flash / run_dense for a call that trains: ops.prefill as launch.run_dense calls it."""
     if not _ran(plan, count=False):
         return None  # the full path says why
     views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)) if flash else (q, k, v)
@@ -269,10 +267,16 @@ def run_trained(
 def run_varlen(
     plan: Plan, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
     max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Tensor | None,
+    deterministic: bool | None = None,
 ) -> tuple[Tensor, Tensor | None] | None:  # fmt: skip
-    """launch.run_varlen's module call from a plan; None when the device refuses now."""
-    if not _ran(plan):
+    """launch.run_varlen's module call from a plan (trains: ops.varlen); None when refused."""
+    if not _ran(plan, count=deterministic is None):
         return None  # the full path says why
+    if deterministic is not None:
+        return ops.varlen(
+            plan.key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            plan.sm_scale, alibi_slopes, None, plan.return_lse, deterministic=deterministic,
+        )  # fmt: skip
     entry = plan.entry
     assert entry is not None  # a varlen plan's attention_varlen
     result = entry(
