@@ -92,8 +92,8 @@ def eager(q: Any, k: Any, v: Any, alibi_slopes: Any) -> bool:
 
 
 def trains(q: Any, k: Any, v: Any, alibi_slopes: Any) -> bool:
-    """Whether a call needs gradients and may still run from a plan (through ops.prefill's
-    eager autograd): plain tensors, eager mode, grad on, q, k or v requiring it, slopes not."""
+    """Whether a call needs gradients and may still run from a plan (through the ops' eager
+    autograd): plain tensors, eager mode, grad on, q, k or v requiring it, slopes not."""
     ok = type(q) is type(k) is type(v) is Tensor and not _is_compiling()
     slopes = alibi_slopes is None or type(alibi_slopes) is Tensor
     slopes = slopes and not (alibi_slopes is not None and alibi_slopes.requires_grad)
