@@ -72,10 +72,10 @@ def scaled_dot_product_attention(
     mode ("error" unless changed). The backward is bitwise reproducible (no atomics) when
     torch.are_deterministic_algorithms_enabled(), else it adds dQ by fp32 atomics (faster)."""
     key = None
-    grad = plans.trains(q, k, v, alibi_slopes)
+    grad = plans.grad_mode(q, k, v, alibi_slopes)
     if (
         attn_mask is None
-        and (grad or plans.eager(q, k, v, alibi_slopes))
+        and grad is not None
         and plans.plain(scale, softcap, dropout_p)
         and type(is_causal) is bool
         and type(enable_gqa) is bool
@@ -178,9 +178,9 @@ def flash_attn_func(
     from q, k, v as they are (a module built before it writes it in place through `out=`,
     Dispatch.writes_out; one with neither is copied from its [B, H, N, D] output)."""
     key = None
-    grad = plans.trains(q, k, v, alibi_slopes)
+    grad = plans.grad_mode(q, k, v, alibi_slopes)
     if (
-        (grad or plans.eager(q, k, v, alibi_slopes))
+        grad is not None
         and plans.plain(softmax_scale, softcap, dropout_p)
         and type(causal) is bool
         and plans.pair(window_size)
@@ -272,10 +272,10 @@ def flash_attn_varlen_func(
     copy of every listed page; flash_attn_with_kvcache reads pages in place); a sequence whose
     length or pages do not fit gets NaN, as in the kernels."""
     key: tuple | None = None
-    grad = plans.trains(q, k, v, alibi_slopes)
+    grad = plans.grad_mode(q, k, v, alibi_slopes)
     if (
         block_table is None
-        and (grad or plans.eager(q, k, v, alibi_slopes))
+        and grad is not None
         and plans.plain(softmax_scale, softcap, dropout_p)
         and type(causal) is bool
         and plans.pair(window_size)

@@ -423,10 +423,8 @@ def _dense(query, key, value, common):
     every call."""
     plan_key = None
     sinks = common.sinks
-    grad = plans.trains(query, key, value, sinks)  # learned sinks that train: the full path
-    if (grad or plans.eager(query, key, value, sinks)) and plans.plain(
-        common.scale, common.softcap, common.dropout_p
-    ):
+    grad = plans.grad_mode(query, key, value, sinks)  # learned sinks that train: None
+    if grad is not None and plans.plain(common.scale, common.softcap, common.dropout_p):
         # sinks: a tensor or None (their presence picks the module); chunk_size: an int
         plan_key = (API, query.shape, key.shape, value.shape, query.dtype, query.device,
                     common.mask, common.window, common.softcap, common.scale, sinks is None,

@@ -83,7 +83,7 @@ def flash_attn_with_kvcache(
     key = None
     if (
         type(cache_seqlens) is Tensor
-        and plans.eager(q, k_cache, v_cache, alibi_slopes)
+        and plans.grad_mode(q, k_cache, v_cache, alibi_slopes) is False
         and plain_step(
             k, v, block_table, num_splits, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad
         )

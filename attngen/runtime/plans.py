@@ -71,34 +71,19 @@ class Plan:
 # -------------------------------------------------------------------------- the signature
 
 
-def eager(q: Any, k: Any, v: Any, alibi_slopes: Any) -> bool:
-    """Whether a call with these tensors may run from a plan: plain tensors (slopes None or a
-    tensor), eager mode, none that needs a gradient."""
+def grad_mode(q: Any, k: Any, v: Any, alibi_slopes: Any) -> bool | None:
+    """How a call with these tensors may run from a plan: False without gradients, True with
+    them (through the ops' eager autograd), None not at all (not plain tensors, compiling, or
+    slopes that need a gradient: the full path)."""
     if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
+        return None
+    if (alibi_slopes is not None and type(alibi_slopes) is not Tensor) or _is_compiling():
+        return None
+    if not _grad_enabled():
         return False
-    if alibi_slopes is not None and type(alibi_slopes) is not Tensor:
-        return False
-    if _is_compiling():
-        return False
-    return not (
-        _grad_enabled()
-        and (
-            q.requires_grad
-            or k.requires_grad
-            or v.requires_grad
-            or (alibi_slopes is not None and alibi_slopes.requires_grad)
-        )
-    )
-
-
-def trains(q: Any, k: Any, v: Any, alibi_slopes: Any) -> bool:
-    """Whether a call needs gradients and may still run from a plan (through the ops' eager
-    autograd): plain tensors, eager mode, grad on, q, k or v requiring it, slopes not."""
-    ok = type(q) is type(k) is type(v) is Tensor and not _is_compiling()
-    slopes = alibi_slopes is None or type(alibi_slopes) is Tensor
-    slopes = slopes and not (alibi_slopes is not None and alibi_slopes.requires_grad)
-    grads = ok and (q.requires_grad or k.requires_grad or v.requires_grad)
-    return slopes and grads and _grad_enabled()
+    if alibi_slopes is not None and alibi_slopes.requires_grad:
+        return None
+    return q.requires_grad or k.requires_grad or v.requires_grad
 
 
 def plain(scale: Any, softcap: Any, dropout_p: Any = 0.0) -> bool:
