@@ -1,14 +1,15 @@
-"""The warp-specialized (Gluon) dK/dV backward on the CPU: its config model, the gate (off by
-default: the tile-level backward runs and is recorded; ATTNGEN_GLUON_VARIANTS=1: the module
-holds the Gluon kernel, and under the interpreter its tile-level atomic kernels serve the call,
-as backward_path() says), the specs it does not serve, explain, and the kernel cross-compiled
-for sm90 against the model. tests/test_gluon_backward_gpu.py runs it on the H200."""
+"""The warp-specialized (Gluon) dK/dV backward on the CPU: its config model, the modules that
+hold it (under the interpreter their deterministic tile-level kernels serve the call, as
+backward_path() says, and so do short causal calls on a GPU), the specs it does not serve,
+explain, and the kernel cross-compiled for sm90 against the model.
+tests/test_gluon_backward_gpu.py runs it on the H200."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 import attngen
 from attngen.build import plan_build, write_build
@@ -19,9 +20,13 @@ from attngen.runtime import last_backward, reset_backward_runs
 from attngen.runtime.ops import ATOMIC, ATOMIC_DQ_OFF, DETERMINISTIC, GLUON_DQ
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
 from attngen.spec import KernelKind
-from attngen.spec.files import VARIANTS_ENV
 from attngen.tiling.gluon import GLUON_UNVERIFIED
-from attngen.tiling.gluon_backward import BACKWARD, derive_gluon_backward, gluon_backward_gap
+from attngen.tiling.gluon_backward import (
+    BACKWARD,
+    SHORT_CAUSAL_KEYS,
+    derive_gluon_backward,
+    gluon_backward_gap,
+)
 from attngen.tiling.prefill import derive_tiles
 from attngen.verify.gluon import verify_gluon
 from tests.backward_harness import padded_inputs
@@ -29,6 +34,7 @@ from tests.kernel_harness import make_spec
 
 KERNEL = "def _gluon_attn_bwd_kernel("
 INTERPRETED = "tile-level: Triton's interpreter runs no Gluon kernel"
+GLUON_PATH = "gluon warp-specialized dK/dV"
 
 
 def _spec(**fields):
@@ -40,12 +46,7 @@ def _render(spec, kind=KernelKind.prefill, arch="sm90"):
     return render_module(spec, kind, derive_tiles(spec, arch))
 
 
-@pytest.fixture
-def switch_on(monkeypatch):
-    monkeypatch.setenv(VARIANTS_ENV, "1")
-
-
-def test_the_derived_configs_fit_and_match_the_compiler(switch_on):
+def test_the_derived_configs_fit_and_match_the_compiler():
     """D 64: BLOCK_M 64, 2 stages, dQ by turns, 148592 B; D 128: 64, 2, dQ split by
     columns, 214128 B (the compiler's numbers, docs/results/gluon_backward_compile.json);
     the wider and deeper candidates rejected by shared memory or registers."""
@@ -67,21 +68,22 @@ def test_the_derived_configs_fit_and_match_the_compiler(switch_on):
         assert wide and all(any("consumer regs" in r for r in c.rejected) for c in wide)
 
 
-def test_off_by_default(monkeypatch):
-    monkeypatch.delenv(VARIANTS_ENV, raising=False)
-    spec = _spec()
-    assert BACKWARD in GLUON_UNVERIFIED
-    assert gluon_backward_gap(spec, "sm90", KernelKind.prefill).startswith("not verified")
-    assert derive_gluon_backward(spec, "sm90") is None
-    source = _render(spec)
-    assert "def _gluon_attn_fwd_kernel(" in source and KERNEL not in source
-    assert "GLUON_BACKWARD = True" not in source and "_gluon_bwd_route(" not in source
+def test_served_by_default_with_the_short_causal_rule():
+    """Its GPU tests passed, so no switch builds it; causal modules carry the short-call rule."""
+    assert BACKWARD not in GLUON_UNVERIFIED
+    for mask, short in (("causal", SHORT_CAUSAL_KEYS), ("none", 0)):
+        spec = _spec(mask=mask)
+        assert gluon_backward_gap(spec, "sm90", KernelKind.prefill) == ""
+        assert derive_gluon_backward(spec, "sm90") is not None
+        source = _render(spec)
+        assert KERNEL in source and "GLUON_BACKWARD = True" in source
+        assert f"\nGLUON_BWD_SHORT_CAUSAL_KEYS = {short}\n" in source
 
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("mask, align", [("none", None), ("causal", "bottom_right"),
                                          ("causal", "top_left")])  # fmt: skip
-def test_the_switch_builds_it(d, mask, align, switch_on):
+def test_the_prefill_modules_hold_it(d, mask, align):
     fields = dict(head_dim=d, mask=mask, num_q_heads=8, num_kv_heads=2, dtype="fp16")
     spec = _spec(**fields, **({"causal_align": align} if align else {}))
     assert gluon_backward_gap(spec, "sm90", KernelKind.prefill) == ""
@@ -107,41 +109,39 @@ NOT_SERVED = {
 
 
 @pytest.mark.parametrize("name", sorted(NOT_SERVED))
-def test_what_it_does_not_serve_stays_tile_level_with_the_switch(name, switch_on):
+def test_what_it_does_not_serve_stays_tile_level(name):
     fields, reason = NOT_SERVED[name]
     spec = _spec(**fields)
     assert gluon_backward_gap(spec, "sm90", KernelKind.prefill).startswith(reason)
     assert KERNEL not in _render(spec)
 
 
-def test_other_archs_and_varlen_do_not_get_it(switch_on):
+def test_other_archs_and_varlen_do_not_get_it():
     spec = _spec(kernels=["prefill", "varlen"], archs=["sm80", "sm90"])
     assert gluon_backward_gap(spec, "sm80", KernelKind.prefill).startswith("sm80 has no")
     assert KERNEL not in _render(spec, arch="sm80")
     assert KERNEL not in _render(spec, KernelKind.varlen)
 
 
-def test_explain_says_which_dkdv_runs(monkeypatch):
-    spec = _spec(head_dim=64)
-    monkeypatch.delenv(VARIANTS_ENV, raising=False)
-    text = "\n".join(explain_lines([spec], archs=["sm90"]))
-    assert "dK/dV for deterministic=False (prefill): tile-level only: not verified" in text
-    monkeypatch.setenv(VARIANTS_ENV, "1")
-    text = "\n".join(explain_lines([spec], archs=["sm90"]))
+def test_explain_says_which_dkdv_runs():
+    text = "\n".join(explain_lines([_spec(head_dim=64)], archs=["sm90"]))
     assert "dK/dV for deterministic=False (prefill): warp-specialized Gluon" in text
     assert "= 148592 B of" in text
+    text = "\n".join(explain_lines([_spec(head_dim=64, alibi=True)], archs=["sm90"]))
+    assert "dK/dV for deterministic=False (prefill): tile-level only: ALiBi" in text
 
 
 def _flash_backward(spec, folder, deterministic):
     """flash_attn_func with grad through the module built into `folder` (bottom-right causal
-    as the spec); returns the gradients (heads first) and the inputs."""
+    or none, as the spec); returns the gradients (heads first) and the inputs."""
     write_build(plan_build([spec]), folder)
     saved = current_registry()
     load_kernels(folder, replace=True)
     try:
         q, k, v, dout, _ = padded_inputs(spec, 1, 4, 2, 70, 90, seed=5)
         leaves = [t.transpose(1, 2).detach().clone().requires_grad_() for t in (q, k, v)]
-        out = attngen.flash_attn_func(*leaves, causal=True, deterministic=deterministic)
+        causal = spec.mask.value == "causal"
+        out = attngen.flash_attn_func(*leaves, causal=causal, deterministic=deterministic)
         out.backward(dout.transpose(1, 2))
         module = current_registry().module(last_backward().key)
     finally:
@@ -149,9 +149,8 @@ def _flash_backward(spec, folder, deterministic):
     return [t.grad.transpose(1, 2) for t in leaves], (q, k, v, dout), module
 
 
-def test_default_build_runs_the_tile_level_backward_and_records_it(tmp_path, monkeypatch):
-    monkeypatch.delenv(VARIANTS_ENV, raising=False)
-    spec = _spec(dtype="fp16", head_dim=64, num_q_heads=4, num_kv_heads=2)
+def test_a_module_without_it_runs_the_two_kernels_and_records_it(tmp_path):
+    spec = _spec(dtype="fp16", head_dim=96, head_dim_v=96, num_q_heads=4, num_kv_heads=2)
     reset_backward_runs()
     grads, inputs, module = _flash_backward(spec, tmp_path, False)
     run = last_backward()
@@ -160,7 +159,7 @@ def test_default_build_runs_the_tile_level_backward_and_records_it(tmp_path, mon
     assert not compare_gradients(spec, grads, *inputs)
 
 
-def test_switch_on_module_holds_the_kernel_and_says_which_backward_ran(tmp_path, switch_on):
+def test_the_module_holds_the_kernel_and_says_which_backward_ran(tmp_path):
     """Under the interpreter the Gluon kernel cannot run: the module's tile-level atomic-dQ
     kernels serve deterministic=False, backward_path() says why, the gradients hold."""
     spec = _spec(dtype="fp16", head_dim=64, num_q_heads=4, num_kv_heads=2)
@@ -176,8 +175,29 @@ def test_switch_on_module_holds_the_kernel_and_says_which_backward_ran(tmp_path,
     assert module.backward_path().startswith("tile-level: deterministic=True")
 
 
+@pytest.mark.parametrize("mask", ["causal", "none"])
+def test_short_causal_calls_take_the_deterministic_kernels(tmp_path, monkeypatch, mask):
+    """The route as on a GPU (the interpreter's switch off): a causal call with fewer than
+    SHORT_CAUSAL_KEYS keys gets the short rule's reason, which the launch turns into the
+    deterministic kernels; a longer one, or one without the mask, fits the Gluon kernel."""
+    spec = _spec(dtype="fp16", head_dim=64, mask=mask)
+    write_build(plan_build([spec]), tmp_path)
+    module = load_kernels(tmp_path, replace=True).module(
+        next(str(p) for p in tmp_path.rglob("*_bwd.py") if "prefill" in p.name)
+    )
+    monkeypatch.setattr(module, "_INTERPRET", False)
+    for keys in (SHORT_CAUSAL_KEYS - 1, SHORT_CAUSAL_KEYS):
+        q, k, v = (torch.zeros(1, 2, keys, 64, dtype=torch.float16) for _ in range(3))
+        why, _ = module._gluon_bwd_route(False, q, k, v, q.clone(), None)
+        short = mask == "causal" and keys < SHORT_CAUSAL_KEYS
+        assert why == (module._GLUON_BWD_SHORT if short else None)
+        assert module.backward_path() == ("tile-level: " + why if short else GLUON_PATH)
+    launch = Path(module.__file__).read_text()
+    assert "deterministic = deterministic or gluon_why == _GLUON_BWD_SHORT  #" in launch
+
+
 @pytest.mark.slow
-def test_the_kernels_compile_for_sm90_as_the_model_predicts(switch_on):
+def test_the_kernels_compile_for_sm90_as_the_model_predicts():
     """The Gluon dK/dV kernel of D 64 and 128, causal and not, bf16 and fp16, cross-compiled
     for sm90: shared memory equal to the model's, setmaxnreg 240/24, wgmma and 16-byte fp32
     atomics; no spills but D 128 causal's 72 B (the consumer at the 240-register cap: the

@@ -1,16 +1,19 @@
 """The warp-specialized (Gluon) dK/dV backward of the sm90 prefill modules on the H200:
 `pytest -m gpu tests/test_gluon_backward_gpu.py`.
 
-It is built only with ATTNGEN_GLUON_VARIANTS=1 until these pass ("backward" in GLUON_UNVERIFIED,
-attngen/tiling/gluon.py), so every module here is built with it set, into a folder of its own.
-Each case runs the public functions with grad and deterministic=False (flash_attn_func:
-bottom-right causal or none; the SDPA drop-in: top-left is_causal), dQ, dK, dV against the
-float64 reference (RELIABILITY.md's rule, attngen.reference.backward.compare_gradients), and
-the module's backward_path() must name the Gluon kernel (last_backward(): the atomic path).
+Each case builds its module into a folder of its own and runs the public functions with grad
+and deterministic=False (flash_attn_func: bottom-right causal or none; the SDPA drop-in:
+top-left is_causal), dQ, dK, dV against the float64 reference (RELIABILITY.md's rule,
+attngen.reference.backward.compare_gradients), and the module's backward_path() must name the
+Gluon kernel (last_backward(): the atomic path). The modules send causal calls with fewer than
+GLUON_BWD_SHORT_CAUSAL_KEYS keys to their tile-level kernels (faster there); the cases turn
+that rule off so that short shapes test the Gluon kernel, and one case keeps it.
 dK and dV are summed in registers in a fixed order: bitwise repeatable (dQ by atomics is not).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +24,6 @@ from attngen.reference.backward import compare_gradients
 from attngen.runtime import last_backward
 from attngen.runtime.ops import ATOMIC
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
-from attngen.spec.files import VARIANTS_ENV
 from tests.kernel_harness import make_spec
 
 pytestmark = [
@@ -62,14 +64,20 @@ def spec_for(case):
 
 @pytest.fixture
 def built(tmp_path, monkeypatch):
-    """Builds a case's module with the switch into a folder the registry alone serves."""
-    monkeypatch.setenv(VARIANTS_ENV, "1")
+    """Builds a case's module into a folder the registry alone serves; short_rule=False turns
+    its short causal rule off (every call fits the Gluon kernel)."""
     saved = current_registry()
 
-    def build(spec):
+    def build(spec, short_rule=False):
         folder = tmp_path / spec.spec_hash()
         write_build(plan_build([spec]), folder)
-        load_kernels(folder, replace=True)
+        registry = load_kernels(folder, replace=True)
+        if not short_rule:
+            for entry in registry.entries:
+                if not Path(entry.key).is_relative_to(folder.resolve()):
+                    continue  # the on-demand cache's
+                module = registry.module(entry.key)
+                monkeypatch.setattr(module, "GLUON_BWD_SHORT_CAUSAL_KEYS", 0, raising=False)
 
     yield build
     use_registry(saved)
@@ -113,6 +121,19 @@ def test_gradients_match_the_float64_reference(case, built):
     assert not problems, "; ".join(problems)
     again, _, _ = run_backward(case)
     assert torch.equal(grads[1], again[1]) and torch.equal(grads[2], again[2])
+
+
+def test_short_causal_calls_run_the_tile_level_kernels_and_say_so(built):
+    case = (2, 1000, 1000, 4, 2, 128, "causal", "bottom_right", "bf16")
+    spec = spec_for(case)
+    built(spec, short_rule=True)
+    grads, inputs, module = run_backward(case)
+    assert module.GLUON_BWD_SHORT_CAUSAL_KEYS == 2048
+    assert module.backward_path() == "tile-level: " + module._GLUON_BWD_SHORT
+    problems = compare_gradients(spec, grads, *inputs)
+    assert not problems, "; ".join(problems)
+    again, _, _ = run_backward(case)  # the deterministic kernels: bitwise, dQ too
+    assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True))
 
 
 def test_dq_of_rows_that_see_no_key_is_zero(built):

@@ -102,13 +102,17 @@ def test_the_derived_configs_are_the_measured_ones():
 
 
 def test_every_covered_example_compiles_for_sm90_as_the_model_predicts():
-    """The sm90 Gluon kernel of every example with the plain kernel: the shared memory the
-    model predicts, no spills, the derived setmaxnreg values, wgmma (attngen verify-tiling
+    """The sm90 Gluon kernels of every example with the plain kernel (the forward, and the dK/dV
+    backward where the example trains): the shared memory the model predicts, no spills
+    but the known one, the derived setmaxnreg values, wgmma (attngen verify-tiling
     --gluon). The variants' examples compile in the slow test below (7-45 s each)."""
     rows = verify_gluon([s for s in EXAMPLES if s.name in PLAIN])
     assert {row.spec for row in rows} == PLAIN
     for row in rows:
-        assert not row.problems, row.line()
+        # the dK/dV kernel's one known spill (D 128 causal, its consumer at the 240-register
+        # cap; tests/test_gluon_backward.py holds it at exactly this)
+        known = ["spills 72 B, stack 48 B"] if " dK/dV: " in row.line() else []
+        assert row.problems == known, row.line()
         assert row.record["shared"] == row.chosen.smem_bytes
 
 
@@ -234,8 +238,8 @@ def test_the_variants_build_the_gluon_kernel_without_the_switch(name, monkeypatc
     assert derive_gluon_tiles(spec, "sm90").chosen is not None
 
 
-def test_only_the_backward_and_varlen_still_need_the_switch():
-    assert GLUON_UNVERIFIED == {"backward", "varlen"}
+def test_only_varlen_still_needs_the_switch():
+    assert GLUON_UNVERIFIED == {"varlen"}
 
 
 @pytest.mark.parametrize(

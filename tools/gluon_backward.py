@@ -1,29 +1,29 @@
 """The modules' Gluon dK/dV backward on the H200, through flash_attn_func, against the tile-level
 backward, cuDNN and FlashAttention-4.
 
-The kernel is in attngen/templates/_gluon_backward.py.jinja (config: attngen/tiling/
-gluon_backward.py) and is built only with ATTNGEN_GLUON_VARIANTS=1 ("backward" in
-GLUON_UNVERIFIED). Each cell's spec (bf16, D 64/128, N 1k/4k/16k, B = 16384 / N, H = 2048 / D,
-causal bottom-right or none, backward: true) is built twice into folders of its own: with the
-switch (deterministic=False runs the Gluon kernel) and without (the tile-level two-kernel
-backward flash_attn_func runs by default). Each implementation's backward time is (forward +
-backward) - forward (tools/bench_backward.py's measure), through attngen.flash_attn_func with
-deterministic=False for both modules, SDPA's cuDNN backend, and FA4's flash_attn.cute
-(`source tools/gpu_fa4.sh` first; skipped when not importable). The Gluon module's
-backward_path() is recorded, and its gradients are compared with the tile-level module's
-(max abs difference over dq, dk, dv). On a CUDA machine, from the repository root:
+The kernel is in attngen/templates/_gluon_backward.py.jinja (config and the short causal rule:
+attngen/tiling/gluon_backward.py). Each cell's spec (bf16, D 64/128, N 1k/4k/16k, B = 16384 /
+N, H = 2048 / D, causal bottom-right or none, backward: true) is built into a folder of its
+own, with the module's short causal rule turned off (GLUON_BWD_SHORT_CAUSAL_KEYS = 0) so that
+deterministic=False runs the Gluon kernel in every cell: the rule is decided from these
+numbers. "tile" is the same module with deterministic=True: the tile-level two-kernel backward
+that deterministic=False runs where the Gluon kernel does not. Each implementation's backward
+time is (forward + backward) - forward (tools/bench_backward.py's measure), through
+attngen.flash_attn_func, SDPA's cuDNN backend, and FA4's flash_attn.cute (`source
+tools/gpu_fa4.sh` first; skipped when not importable). The Gluon module's backward_path() is
+recorded, and its gradients are compared with the tile-level ones (max abs difference over
+dq, dk, dv). On a CUDA machine, from the repository root:
 
     PYTHONPATH=. python tools/gluon_backward.py --out DIR [--n 1024 4096] [--d 128]
 
 Writes DIR/gluon_backward_bench.json and prints one line per cell. `attngen verify-tiling
---gluon` (with ATTNGEN_GLUON_VARIANTS=1) cross-compiles the kernels without a GPU.
+--gluon` cross-compiles the kernels without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -37,36 +37,31 @@ from bench_backward import measure  # noqa: E402
 import attngen  # noqa: E402
 from attngen.build import plan_build, write_build  # noqa: E402
 from attngen.runtime import last_backward  # noqa: E402
-from attngen.runtime.registry import current_registry, load_kernels, use_registry  # noqa: E402
+from attngen.runtime.registry import current_registry, load_kernels  # noqa: E402
 from attngen.spec import specs_from_data  # noqa: E402
-from attngen.spec.files import VARIANTS_ENV  # noqa: E402
 
 TOKENS, WIDTH = 16384, 2048
 
 
-def build(d: int, heads: int, causal: bool, switch: bool) -> Path:
-    """The cell's module built with (switch) or without ATTNGEN_GLUON_VARIANTS=1."""
+def load(d: int, heads: int, causal: bool):
+    """The cell's module, built into a folder of its own and served alone, rule off."""
     fields = dict(name="gluon_bwd_bench", archs=["sm90"], dtype="bf16", head_dim=d,
                   num_q_heads=heads, num_kv_heads=heads, mask="causal" if causal else "none",
                   kernels=["prefill"], backward=True)  # fmt: skip
     if causal:
         fields["causal_align"] = "bottom_right"
-    folder = Path(tempfile.mkdtemp(prefix=f"gluon-bwd-{'on' if switch else 'off'}-"))
-    saved = os.environ.pop(VARIANTS_ENV, None)
-    try:
-        if switch:
-            os.environ[VARIANTS_ENV] = "1"
-        write_build(plan_build(specs_from_data(fields)), folder)
-    finally:
-        os.environ.pop(VARIANTS_ENV, None)
-        if saved is not None:
-            os.environ[VARIANTS_ENV] = saved
-    return folder
+    folder = Path(tempfile.mkdtemp(prefix="gluon-bwd-"))
+    write_build(plan_build(specs_from_data(fields)), folder)
+    registry = load_kernels(folder, replace=True)
+    for entry in registry.entries:
+        if Path(entry.key).is_relative_to(folder.resolve()):
+            registry.module(entry.key).GLUON_BWD_SHORT_CAUSAL_KEYS = 0
+    return registry
 
 
-def _attngen(causal: bool):
-    def run(q, k, v):  # whichever module the registry in use serves
-        return attngen.flash_attn_func(q, k, v, causal=causal, deterministic=False)
+def _attngen(causal: bool, deterministic: bool):
+    def run(q, k, v):
+        return attngen.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
 
     return run
 
@@ -109,14 +104,9 @@ def run_cell(d: int, n: int, causal: bool, reps: int) -> dict:
         torch.randn(batch, n, heads, d, generator=gen, device="cuda", dtype=torch.bfloat16)
         for _ in range(4)
     )
-    registries = {
-        name: load_kernels(build(d, heads, causal, switch), replace=True)
-        for name, switch in (("gluon", True), ("tile", False))
-    }
-    impls = {"gluon": _attngen(causal), "tile": _attngen(causal), **_others(causal)}
-    use_registry(registries["tile"])
+    load(d, heads, causal)
+    impls = {"gluon": _attngen(causal, False), "tile": _attngen(causal, True), **_others(causal)}
     reference = _grads(impls["tile"], q, k, v, dout)
-    use_registry(registries["gluon"])
     gluon = _grads(impls["gluon"], q, k, v, dout)
     cell["gluon_path"] = current_registry().module(last_backward().key).backward_path()
     cell["max_diff_vs_tile"] = max(
@@ -127,8 +117,6 @@ def run_cell(d: int, n: int, causal: bool, reps: int) -> dict:
         if isinstance(fn, str):
             cell["tflops"][name] = fn
             continue
-        if name in registries:
-            use_registry(registries[name])
         try:
             ms = measure(fn, *leaves, dout, reps)["backward_ms"]
             cell["tflops"][name] = round(flops / ms / 1e9, 1)

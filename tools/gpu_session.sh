@@ -161,8 +161,8 @@ section_command() {
       tests/test_block_sparse_gpu.py tests/test_flex_api.py tests/test_flex_blocks.py \
       tests/test_flex_grad.py tests/test_expression_decode_gpu.py tests/test_block_sparse_backward_gpu.py" ;;
     bench_sparse) echo "python3 tools/bench_block_sparse.py --out $work" ;;
-    # The Gluon forward's variants and the modules' Gluon dK/dV backward (both built with
-    # ATTNGEN_GLUON_VARIANTS=1 inside the tests): float64 checks through the public functions.
+    # The Gluon forward's variants and the modules' Gluon dK/dV backward (the varlen form built
+    # with ATTNGEN_GLUON_VARIANTS=1 inside its tests): float64 checks through the public functions.
     gluon_tests) echo "$pytest_gpu -rf --tb=short tests/test_gluon_gpu.py tests/test_gluon_variants_gpu.py \
       tests/test_gluon_backward_gpu.py tests/test_gluon_varlen_gpu.py" ;;
     gluon_varlen_tests) echo "$pytest_gpu -rf --tb=short tests/test_gluon_varlen_gpu.py" ;;

@@ -9,8 +9,8 @@ last_dispatch() say which module and kernel served it. The cells: the grid's slo
 
 Writes DIR/probe_cells.json and prints one line per cell and mode. --backward probes one
 backward per cell instead (deterministic=False; its median, host time, kernels and which
-dK/dV kernel ran; with ATTNGEN_GLUON_VARIANTS=1 the on-demand modules get the Gluon one) into
-DIR/probe_cells_backward.json.
+dK/dV kernel ran: the sm90 modules' Gluon one but for causal calls with fewer than 2048 keys)
+into DIR/probe_cells_backward.json.
 """
 
 from __future__ import annotations

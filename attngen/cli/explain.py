@@ -9,13 +9,13 @@ from attngen.arch import ARCHS
 from attngen.spec import AttnSpec, KernelKind
 from attngen.spec.expression_grad import gradients
 from attngen.spec.expressions import declared, parsed, render_mod
+from attngen.tiling import gluon_backward as gb
 from attngen.tiling.alternatives import nearest_alternative
 from attngen.tiling.backward import BackwardDerivation
 from attngen.tiling.code_paths import code_paths
 from attngen.tiling.decode import derive_decode_tiles, latent_rope_split, split_lines
 from attngen.tiling.decode_latent import derive_latent_tiles
 from attngen.tiling.gluon import derive_gluon_tiles, gluon_gap
-from attngen.tiling.gluon_backward import derive_gluon_backward, gluon_backward_gap
 from attngen.tiling.prefill import Candidate, Derivation, derive_tiles, padded_head_dim
 from attngen.tiling.prefill_model import REFERENCE_TOKENS
 from attngen.tuning.database import apply_tuning, lookup, tuned_backward_tiles, tuned_gluon
@@ -135,18 +135,20 @@ def gluon_backward_lines(spec: AttnSpec, arch: str) -> list[str]:
     """Whether deterministic=False's dK/dV runs the Gluon kernel of the prefill module, and
     its derivation (attngen/tiling/gluon_backward.py), or why not."""
     gap = (
-        gluon_backward_gap(spec, arch, KernelKind.prefill)
+        gb.gluon_backward_gap(spec, arch, KernelKind.prefill)
         if KernelKind.prefill in spec.kernels
         else "no prefill module"
     )
-    derivation = None if gap else derive_gluon_backward(spec, arch)
+    derivation = None if gap else gb.derive_gluon_backward(spec, arch)
     if derivation is None or derivation.chosen is None:
         why = gap or "no Gluon config fits"
         return [f"   dK/dV for deterministic=False (prefill): tile-level only: {why}"]
+    short = f", deterministic for causal calls under {gb.SHORT_CAUSAL_KEYS} keys (faster there)"
+    short = short if spec.mask.value == "causal" else ""
     return [
         "   dK/dV for deterministic=False (prefill): warp-specialized Gluon "
         "(_gluon_backward.py.jinja) on CUDA where a call's layout fits TMA; tile-level "
-        "otherwise and under the interpreter",
+        f"otherwise and under the interpreter{short}",
         *(f"     {line}" for line in derivation.summary_lines()),
     ]
 

@@ -396,8 +396,8 @@ ATOMIC_DQ_OFF = (
     "deterministic=False: the two-kernel backward ran (the atomic-dQ path measured 0.81x of "
     f"it on the H200; {ENV_ATOMIC_DQ}=1 runs the atomic path)"
 )
-# A module with the Gluon dK/dV backward (ATTNGEN_GLUON_VARIANTS=1 builds) runs it for
-# deterministic=False whatever ATTNGEN_ATOMIC_DQ says.
+# A module with the Gluon dK/dV backward (sm90 prefill, gluon_backward_gap) runs it for
+# deterministic=False whatever ATTNGEN_ATOMIC_DQ says (short causal calls: its two kernels).
 GLUON_DQ = (
     "deterministic=False: dQ by fp32 atomics in the module's Gluon dK/dV kernel where the call "
     "fits it, else in its tile-level kernels (the module's backward_path() says which)"
@@ -421,7 +421,7 @@ def _path_options(key: str, module, deterministic: bool) -> dict:
     if deterministic:
         run = BackwardRun(key, True, DETERMINISTIC, "deterministic=True: no atomics")
         options: dict = {}  # the modules' default
-    elif module.GLUON_BACKWARD:  # built with ATTNGEN_GLUON_VARIANTS=1
+    elif module.GLUON_BACKWARD:  # the sm90 Gluon dK/dV kernel
         run = BackwardRun(key, False, ATOMIC, GLUON_DQ)
         options = {"deterministic": False}
     elif not atomic_dq_enabled():

@@ -71,13 +71,12 @@ VARLEN_WORDS = 4  # q_first, k_first, out's row pointer and stride: one more 16-
 # Those in GLUON_UNVERIFIED have not run on a GPU yet: gluon_gap refuses them (their calls
 # stay tile-level) unless ATTNGEN_GLUON_VARIANTS=1 is set where the module is built (tests,
 # tools, `attngen verify-tiling --gluon`; such on-demand builds get a cache folder of their
-# own). A variant opens when its GPU tests pass (the others: tests/test_gluon_variants_gpu.py)
-# and its name leaves the set. "backward": the Gluon dK/dV kernel (gluon_backward.py),
-# deterministic=False's; "varlen": varlen modules' forward (the same kernel per sequence).
+# own). A variant opens when its GPU tests pass and its name leaves the set. "backward": the
+# Gluon dK/dV kernel (gluon_backward.py); "varlen": varlen modules' forward, per sequence.
 GLUON_VARIANTS = frozenset({"mask sliding_window", "mask chunked", "sink tokens", "softcap",
                             "ALiBi", "sinks", "backward", "varlen",
                             "head_dim != head_dim_v"})  # fmt: skip
-GLUON_UNVERIFIED = frozenset({"backward", "varlen"})
+GLUON_UNVERIFIED = frozenset({"varlen"})
 
 
 def gluon_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:

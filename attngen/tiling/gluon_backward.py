@@ -22,8 +22,9 @@ The choice: the widest BLOCK_M that fits (each query block costs five wgmma issu
 barrier round), then the fewest stages (two: a step's five GEMMs cover the next block's load).
 D 256 does not fit (dK_c and dV_c [64, 256] fp32 alone are 256 registers a thread).
 
-Gate: the kernel has not run on a GPU yet, so "backward" is in GLUON_UNVERIFIED (gluon.py): a
-module gets it only when built with ATTNGEN_GLUON_VARIANTS=1. Pure Python and sympy.
+Served since its GPU tests passed (tests/test_gluon_backward_gpu.py), but for causal calls with
+fewer than SHORT_CAUSAL_KEYS keys, which the module sends to its tile-level kernels. Pure
+Python and sympy.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ STAGES_CHOICES = (2, 3)
 # at the boundary: D 64 x BLOCK_M 128 (16 above the cap) spills 136 B.
 OVERHEAD = 32
 CVT_ROUND_BYTES = 16384  # the compiler's layout conversion goes through 16 KiB rounds
+# Measured through flash_attn_func (H100, tools/gluon_backward.py, docs/performance.md): causal
+# at N 1k the Gluon kernel ran 0.78x (D 64) and 0.87x (D 128) of the tile-level backward, at
+# N 4k 1.33x; not measured between, so the rule splits the difference.
+SHORT_CAUSAL_KEYS = 2048
 
 
 def gluon_backward_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
