@@ -173,6 +173,8 @@ section_command() {
     # The open Gluon variants against the same specs' tile-level forward (and FA4 if on the
     # path); the grid's N 1k cells with the dispatch recorded.
     variants_bench) echo "python3 tools/bench_gluon_variants.py --out $work" ;;
+    # The gated Gluon varlen forward against the tile-level one (and FA4's varlen if on the path).
+    varlen_bench) echo "python3 tools/bench_gluon_varlen.py --out $work" ;;
     grid_n1k) echo "python3 tools/bench_grid.py --out $work --d 128,256 --n 1024 --impls attngen,cudnn" ;;
     probe_cells) echo "python3 tools/probe_cells.py --out $work" ;;
     # Decode: fp8 caches and tree drafts, tests then benchmarks.
