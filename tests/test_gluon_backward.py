@@ -14,7 +14,7 @@ import torch
 import attngen
 from attngen.build import plan_build, write_build
 from attngen.cli.explain import explain_lines
-from attngen.reference.backward import compare_gradients
+from attngen.reference.backward import compare_gradients, golden_backward
 from attngen.render import render_module
 from attngen.runtime import last_backward, reset_backward_runs
 from attngen.runtime.ops import ATOMIC, ATOMIC_DQ_OFF, DETERMINISTIC, GLUON_DQ
@@ -131,6 +131,15 @@ def test_explain_says_which_dkdv_runs():
     assert "dK/dV for deterministic=False (prefill): tile-level only: ALiBi" in text
 
 
+def load_kernel_file(folder):
+    """The prefill module built into `folder`, imported by a registry of its own (the one in
+    use is left as it was)."""
+    saved = current_registry()
+    registry = load_kernels(folder, replace=True)
+    use_registry(saved)
+    return registry.module(next(str(p) for p in folder.rglob("*_bwd.py") if "prefill" in p.name))
+
+
 def _flash_backward(spec, folder, deterministic):
     """flash_attn_func with grad through the module built into `folder` (bottom-right causal
     or none, as the spec); returns the gradients (heads first) and the inputs."""
@@ -182,9 +191,7 @@ def test_short_causal_calls_take_the_deterministic_kernels(tmp_path, monkeypatch
     deterministic kernels; a longer one, or one without the mask, fits the Gluon kernel."""
     spec = _spec(dtype="fp16", head_dim=64, mask=mask)
     write_build(plan_build([spec]), tmp_path)
-    module = load_kernels(tmp_path, replace=True).module(
-        next(str(p) for p in tmp_path.rglob("*_bwd.py") if "prefill" in p.name)
-    )
+    module = load_kernel_file(tmp_path)
     monkeypatch.setattr(module, "_INTERPRET", False)
     for keys in (SHORT_CAUSAL_KEYS - 1, SHORT_CAUSAL_KEYS):
         q, k, v = (torch.zeros(1, 2, keys, 64, dtype=torch.float16) for _ in range(3))
@@ -194,6 +201,37 @@ def test_short_causal_calls_take_the_deterministic_kernels(tmp_path, monkeypatch
         assert module.backward_path() == ("tile-level: " + why if short else GLUON_PATH)
     launch = Path(module.__file__).read_text()
     assert "deterministic = deterministic or gluon_why == _GLUON_BWD_SHORT  #" in launch
+
+
+def test_the_host_side_around_the_kernel(tmp_path, monkeypatch):
+    """The Gluon path's host code on the CPU, the kernel stood in for by float64 gradients:
+    the padded row statistics it is given (LSE log2 e, +inf past Nq; delta from the DELTA_ONLY
+    pass), and dQ's padding rows dropped and cast into q's own layout (here flash_attn_func's
+    [B, N, H, D] memory, so autograd has no layout copy left to make)."""
+    spec = _spec(dtype="fp16", head_dim=64, num_q_heads=4, num_kv_heads=2)
+    write_build(plan_build([spec]), tmp_path)
+    module = load_kernel_file(tmp_path)
+    q, k, v, dout, _ = padded_inputs(spec, 2, 4, 2, 70, 90, seed=3)
+    q, k, v, dout = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, dout))
+    seen = {}
+
+    def kernel(q, k, v, dout, lse2, delta, dq, qk_scale, sm_scale):
+        _, _, gq, gk, gv = golden_backward(spec, q, k, v, dout, sm_scale=sm_scale)
+        seen.update(lse2=lse2.clone(), delta=delta.clone())
+        dq[:, :, : q.shape[2]] += gq.float()
+        return tuple(x.transpose(1, 2).contiguous().transpose(1, 2).to(k.dtype) for x in (gk, gv))
+
+    monkeypatch.setattr(module, "_gluon_bwd_route", lambda *args: (None, args[4]))
+    monkeypatch.setattr(module, "_gluon_bwd_run", kernel)
+    out, lse = module.attention(q, k, v, return_lse=True)
+    dq, dk, dv = module.attention_backward(dout, q, k, v, out, lse, deterministic=False)
+    assert dq.dtype == q.dtype and dq.stride() == q.stride()
+    assert not compare_gradients(spec, [dq, dk, dv], q, k, v, dout)
+    rows = 64 * 2  # 70 query rows padded to whole 64-row blocks
+    assert seen["lse2"].shape == (2, 4, rows) and torch.isinf(seen["lse2"][..., 70:]).all()
+    torch.testing.assert_close(seen["lse2"][..., :70], lse * 1.4426950408889634)
+    want = (out.float() * dout.float()).sum(-1)
+    torch.testing.assert_close(seen["delta"][..., :70], want, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.slow

@@ -8,10 +8,10 @@ tile-level kernel); both are timed through their attention_varlen() on the same 
 inputs, 16384 tokens in all, with FA4's `flash_attn.cute.flash_attn_varlen_func` beside them
 (`source tools/gpu_fa4.sh` first; recorded as refused when not importable). Two packings
 per N: "equal" (16384 / N sequences of N tokens) and "ragged" (lengths N, N/2, N/4, N/8,
-repeated while they fit in 16384 tokens). forward_path() of the Gluon module is recorded (short launches may
-take the tile-level kernel there, by the module's small-launch rule: what a user gets). Every
-output is compared with the tile-level one (max abs diff; above 2e-2 flagged "!" and left out
-of the ratios). On a CUDA machine, from the repository root:
+repeated while they fit in 16384 tokens). forward_path() of the Gluon module is recorded
+(short launches may take the tile-level kernel there, by the module's small-launch rule:
+what a user gets). Every output is compared with the tile-level one (max abs diff; above
+2e-2 flagged "!" and left out of the ratios). On a CUDA machine, from the repository root:
 
     PYTHONPATH=. python tools/bench_gluon_varlen.py --out DIR [--n 1024 4096 16384] [--d 128]
 
