@@ -1,7 +1,7 @@
-"""The Gluon forward of varlen modules on the CPU: the gate ("varlen" in GLUON_UNVERIFIED: off by
-default, built under ATTNGEN_GLUON_VARIANTS=1), its config model, explain, the launch's
-arguments against the kernel's parameters, the interpreter's tile-level path, and (slow) the
-kernel cross-compiled for sm90. tests/test_gluon_varlen_gpu.py runs it on the H200."""
+"""The Gluon forward of varlen modules on the CPU: built by default beside the tile-level
+kernel, its config model, explain, the launch's arguments against the kernel's parameters and
+the rules that keep a call tile-level, the interpreter's tile-level path, and (slow) the kernel
+cross-compiled for sm90. tests/test_gluon_varlen_gpu.py runs it on the H200."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from attngen.verify.gluon import verify_gluon
 from tests.kernel_harness import assert_matches_reference, load_kernel, make_inputs, make_spec
 
 VARLEN = KernelKind.varlen
-_GAP = "varlen: packed sequences need per-sequence descriptors (not written yet)"
 
 
 def _spec(**fields):
@@ -31,26 +30,16 @@ def _render(spec):
     return render_module(spec, VARLEN, derive_tiles(spec, "sm90"))
 
 
-def test_off_by_default_the_varlen_module_stays_tile_level_and_says_why(monkeypatch):
-    monkeypatch.delenv(VARIANTS_ENV, raising=False)
-    spec = _spec(head_dim=128)
-    assert "varlen" in GLUON_UNVERIFIED
-    assert gluon_gap(spec, "sm90", VARLEN) == _GAP
-    assert derive_gluon_tiles(spec, "sm90", VARLEN) is None
-    source = _render(spec)
-    assert "_gluon" not in source and f'return "tile-level: {_GAP}"' in source
-    assert "tile-level (prefill.py.jinja) only: " + _GAP in forward_lines(spec, "sm90", VARLEN)[0]
-
-
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("mask", ["none", "causal"])
-def test_the_switch_builds_the_gluon_varlen_forward(d, mask, monkeypatch):
-    monkeypatch.setenv(VARIANTS_ENV, "1")
+def test_the_varlen_module_holds_the_gluon_forward(d, mask, monkeypatch):
+    monkeypatch.delenv(VARIANTS_ENV, raising=False)
+    assert "varlen" not in GLUON_UNVERIFIED
     spec = _spec(head_dim=d, mask=mask)
     assert gluon_gap(spec, "sm90", VARLEN) == ""
     source = _render(spec)
     assert "def _gluon_attn_fwd_kernel(" in source and "def _gluon_varlen_layout(" in source
-    assert "USE_SEQUSED_K: gl.constexpr" in source and "_CALL_PLANS" not in source
+    assert "USE_SEQUSED_K: gl.constexpr" in source and "_FORWARD.path = plan[5]" in source
     assert "_gluon_attn_bwd_kernel" not in source  # no Gluon varlen backward
     assert "warp-specialized Gluon" in forward_lines(spec, "sm90", VARLEN)[0]
 
@@ -63,16 +52,14 @@ def test_the_switch_builds_the_gluon_varlen_forward(d, mask, monkeypatch):
         (dict(head_dim=192, head_dim_v=128), "head dim 192"),
     ],
 )  # fmt: skip
-def test_the_switch_builds_only_what_the_kernel_implements(fields, gap, monkeypatch):
-    monkeypatch.setenv(VARIANTS_ENV, "1")
+def test_only_what_the_kernel_implements_is_built(fields, gap):
     assert gluon_gap(_spec(**fields), "sm90", VARLEN).startswith(gap + ":")
 
 
-def test_the_varlen_config_is_the_prefill_one_with_one_more_capture_step(monkeypatch):
+def test_the_varlen_config_is_the_prefill_one_with_one_more_capture_step():
     """q_first/k_first for the batch, out's row pointer and stride: warp_specialize's buffer
     one 16-byte step larger (VARLEN_WORDS; exact against the compiler in the slow test and
     docs/results/gluon_varlen_compile.json's 38 kernels)."""
-    monkeypatch.setenv(VARIANTS_ENV, "1")
     for fields, extra in ((dict(head_dim=128), 16), (dict(head_dim=64, alibi=True), 16),
                           (dict(head_dim=64, mask="sliding_window", window_left=127,
                                 window_right=0, sinks=True), 16)):  # fmt: skip
@@ -86,11 +73,11 @@ def test_the_varlen_config_is_the_prefill_one_with_one_more_capture_step(monkeyp
 def test_the_launch_matches_the_kernels_parameters(seqused, monkeypatch):
     """_gluon_varlen_layout's plan (as on a GPU: no interpreter, no small-launch rule) and
     _gluon_varlen_run's arguments, group by group, against _gluon_attn_fwd_kernel's."""
-    monkeypatch.setenv(VARIANTS_ENV, "1")
     spec = _spec(head_dim=64, alibi=True, sinks=True, num_q_heads=4, num_kv_heads=2)
     module = load_kernel.__wrapped__(spec, kind=VARLEN)
     monkeypatch.setattr(module, "_INTERPRET", False)
     monkeypatch.setattr(module, "POINTER_LOADS_UP_TO", 0)
+    monkeypatch.setattr(module, "GLUON_VARLEN_D64_MEAN_QUERIES", 0)
     q = torch.zeros(300, 4, 64, dtype=torch.bfloat16)
     k = torch.zeros(500, 2, 64, dtype=torch.bfloat16)
     out = torch.empty_like(q)
@@ -118,8 +105,21 @@ def test_the_launch_matches_the_kernels_parameters(seqused, monkeypatch):
     )
 
 
-def test_a_module_built_with_the_switch_serves_varlen_calls_under_the_interpreter(monkeypatch):
-    monkeypatch.setenv(VARIANTS_ENV, "1")
+def test_short_sequences_at_head_dim_64_stay_tile_level_and_say_why(monkeypatch):
+    """At D 64, packed sequences averaging under GLUON_VARLEN_D64_MEAN_QUERIES queries take the
+    tile-level kernel (measured faster there); a mean of exactly that many take the Gluon one."""
+    spec = _spec(head_dim=64, num_q_heads=2, num_kv_heads=2)
+    module = load_kernel.__wrapped__(spec, kind=VARLEN)
+    monkeypatch.setattr(module, "_INTERPRET", False)
+    monkeypatch.setattr(module, "POINTER_LOADS_UP_TO", 0)
+    q = torch.zeros(1024, 2, 64, dtype=torch.bfloat16)
+    why = module._gluon_varlen_layout(q, q, q, torch.empty_like(q), False, 600, 600, 3, False)[1]
+    assert module.GLUON_VARLEN_D64_MEAN_QUERIES == 512
+    assert why == "head_dim 64, under 512 queries a sequence on average"
+    assert module._gluon_varlen_layout(q, q, q, q, False, 600, 600, 2, False)[1] is None
+
+
+def test_the_module_serves_varlen_calls_under_the_interpreter():
     spec = _spec(head_dim=64)
     module = load_kernel.__wrapped__(spec, kind=VARLEN)
     assert "def _gluon_attn_fwd_kernel(" in Path(module.__file__).read_text()
@@ -138,11 +138,10 @@ def test_a_module_built_with_the_switch_serves_varlen_calls_under_the_interprete
 
 
 @pytest.mark.slow
-def test_the_varlen_kernel_compiles_for_sm90_as_the_model_predicts(monkeypatch):
+def test_the_varlen_kernel_compiles_for_sm90_as_the_model_predicts():
     """Plain causal D 128, window + sinks D 64, chunked D 128 and sink tokens D 128 varlen
     kernels, cross-compiled in a spawned worker (attngen verify-tiling --gluon's judgement):
     shared memory equal to the model, no spills but the last two's."""
-    monkeypatch.setenv(VARIANTS_ENV, "1")
     specs = [_spec(head_dim=128, kernels=["varlen"]),
              _spec(head_dim=64, mask="sliding_window", window_left=127, window_right=0,
                    sinks=True, kernels=["varlen"]),

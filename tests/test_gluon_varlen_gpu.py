@@ -1,13 +1,13 @@
 """The Gluon forward of varlen modules on the H200: `pytest -m gpu tests/test_gluon_varlen_gpu.py`.
 
-Built only with ATTNGEN_GLUON_VARIANTS=1 until these pass ("varlen" in GLUON_UNVERIFIED,
-attngen/tiling/gluon.py). Packed sequences through the module's attention_varlen() and through
-flash_attn_varlen_func, against the float64 reference per sequence (RELIABILITY.md's
-criterion): ragged lengths, empty sequences, sequences shorter than a CTA's 128 rows, Nq != Nk
-in both causal alignments, GQA, D 64/128/256; NaN and inf in the packed rows no sequence reads
-(seqused_k's gaps, the rows past the last sequence) and an output poisoned with NaN, so a read
-or write outside a sequence shows; a sequence that does not fit gets NaN as the tile-level
-kernel gives it; forward_path() and last_dispatch() name the Gluon kernel.
+Every sm90 varlen module whose prefill twin has the Gluon forward holds it. Packed sequences
+through the module's attention_varlen() and through flash_attn_varlen_func, against the float64
+reference per sequence (RELIABILITY.md's criterion): ragged lengths, empty sequences, sequences
+shorter than a CTA's 128 rows, Nq != Nk in both causal alignments, GQA, D 64/128/256; NaN and
+inf in the packed rows no sequence reads (seqused_k's gaps, the rows past the last sequence)
+and an output poisoned with NaN, so a read or write outside a sequence shows; a sequence that
+does not fit gets NaN as the tile-level kernel gives it; forward_path() and last_dispatch()
+name the Gluon kernel.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import attngen
 from attngen.build import plan_build, write_build
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
 from attngen.spec import KernelKind
-from attngen.spec.files import VARIANTS_ENV
 from attngen.tiling.gluon import gluon_gap
 from tests.kernel_harness import assert_matches_reference, load_kernel, make_inputs, make_spec
 
@@ -51,13 +50,12 @@ CASES = [
 ]  # fmt: skip
 
 
-def varlen_module(spec, monkeypatch):
-    """The spec's varlen module built with the unverified variants, the Gluon kernel on every
-    launch (small launches otherwise take the tile-level kernel for host time)."""
-    monkeypatch.setenv(VARIANTS_ENV, "1")
+def varlen_module(spec):
+    """The spec's varlen module with the Gluon kernel on every launch (small launches and short
+    sequences at D 64 otherwise take the tile-level kernel, which is faster there)."""
     assert gluon_gap(spec, "sm90", KernelKind.varlen) == ""
     module = load_kernel.__wrapped__(spec, kind=KernelKind.varlen)
-    module.POINTER_LOADS_UP_TO = 0
+    module.POINTER_LOADS_UP_TO = module.GLUON_VARLEN_D64_MEAN_QUERIES = 0
     return module
 
 
@@ -114,9 +112,9 @@ def _check_sequences(spec, out, lse, seqs, lens_q, lens_k, cu_q, slopes=None, si
 
 
 @pytest.mark.parametrize("name, fields, lens_q, lens_k", CASES, ids=[c[0] for c in CASES])
-def test_varlen_matches_the_float64_reference(name, fields, lens_q, lens_k, monkeypatch):
+def test_varlen_matches_the_float64_reference(name, fields, lens_q, lens_k):
     spec = make_spec(kernels=["prefill", "varlen"], **fields)
-    module = varlen_module(spec, monkeypatch)
+    module = varlen_module(spec)
     seqs, (q, k, v), slopes = _packed(spec, lens_q, lens_k, seed=61)
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
     extra = _sinks(spec)
@@ -130,12 +128,12 @@ def test_varlen_matches_the_float64_reference(name, fields, lens_q, lens_k, monk
 
 
 @pytest.mark.parametrize("mask", ["none", "causal"])
-def test_nan_outside_every_sequence_is_never_read_or_written(mask, monkeypatch):
+def test_nan_outside_every_sequence_is_never_read_or_written(mask):
     """K NaN and V inf in seqused_k's gaps after each sequence's keys, Q NaN in the rows past
     the last sequence, out poisoned with NaN: each sequence as without the poison (bitwise),
     the rows no sequence covers 0 with LSE -inf."""
     spec = make_spec(kernels=["prefill", "varlen"], dtype="bf16", head_dim=128, mask=mask)
-    module = varlen_module(spec, monkeypatch)
+    module = varlen_module(spec)
     lens_q, lens_k, gaps = [300, 5, 0, 129], [200, 70, 0, 129], [64, 1, 130, 7]
     seqs, (q, k, v), _ = _packed(spec, lens_q, lens_k, seed=62, gaps=gaps, tail=100)
     cu_q, cu_k = _cu(lens_q), _cu(lens_k, gaps)
@@ -153,9 +151,9 @@ def test_nan_outside_every_sequence_is_never_read_or_written(mask, monkeypatch):
     assert torch.equal(clean[0][:end], out[:end]) and torch.equal(clean[1][:, :end], lse[:, :end])
 
 
-def test_a_sequence_longer_than_max_seqlen_q_gets_nan_as_the_tile_level_kernel(monkeypatch):
+def test_a_sequence_longer_than_max_seqlen_q_gets_nan_as_the_tile_level_kernel():
     spec = make_spec(kernels=["prefill", "varlen"], dtype="bf16", head_dim=64, mask="causal")
-    module = varlen_module(spec, monkeypatch)
+    module = varlen_module(spec)
     lens = [100, 400, 50]
     _, (q, k, v), _ = _packed(spec, lens, lens, seed=63)
     cu = _cu(lens)
@@ -165,10 +163,8 @@ def test_a_sequence_longer_than_max_seqlen_q_gets_nan_as_the_tile_level_kernel(m
     assert torch.isfinite(out[:100]).all() and torch.isfinite(out[500:]).all()
 
 
-def test_flash_attn_varlen_func_runs_the_gluon_forward_and_says_so(monkeypatch, tmp_path):
-    """Through a registry of the spec's modules built with the switch alone (the bundled
-    Llama-3 varlen module, built without it, would serve the call otherwise)."""
-    monkeypatch.setenv(VARIANTS_ENV, "1")
+def test_flash_attn_varlen_func_runs_the_gluon_forward_and_says_so(tmp_path):
+    """Through a registry of the spec's modules alone."""
     spec = make_spec(kernels=["prefill", "varlen"], dtype="bf16", head_dim=128, mask="causal",
                      num_q_heads=16, num_kv_heads=4)  # fmt: skip
     write_build(plan_build([spec]), tmp_path)

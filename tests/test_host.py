@@ -174,7 +174,7 @@ def test_parts_copy_only_standard_library_torch_and_triton() -> None:
 # its signs: decode's plans are kept by _remember_launches).
 FLAG_SIGNS = {
     "tma": ("\nPOINTER_LOADS_UP_TO = ",),
-    "gluon": ("\ndef _gluon_run(",),
+    "gluon": ("\ndef _gluon_run(", "\ndef _gluon_varlen_run("),
     "call_plans": ("_remember_plan(", "_remember_launches("),
     "expressions": ("\n_TENSORS = ",),
 }

@@ -51,7 +51,10 @@ def test_varlen_plans_launch_what_the_full_path_launches(monkeypatch):
             assert log[-1] == expected, name
     # misaligned q is the base call's layout: one plan serves both alignments
     assert len(module._CALL_PLANS) == len(calls) - 1
-    assert all(step.compiled for *_, step in module._CALL_PLANS.values())  # (.., its _Step)
+    assert all(plan[4].compiled for plan in module._CALL_PLANS.values())  # (.., its _Step, why)
+    monkeypatch.setattr(module._FORWARD, "path", "stale")  # a plan says why it is not Gluon's
+    calls["base"]()
+    assert module.forward_path() == "tile-level: " + module._INTERPRETED
 
 
 def test_a_planned_layout_still_validates_indices_and_refuses_shared_out(monkeypatch):

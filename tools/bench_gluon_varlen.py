@@ -1,16 +1,14 @@
 """The Gluon varlen forward on the H200 against the tile-level varlen forward and FA4's.
 
-The varlen form of the Gluon forward is built only with ATTNGEN_GLUON_VARIANTS=1 ("varlen" in
-GLUON_UNVERIFIED, attngen/tiling/gluon.py) until it is measured: this is that measurement.
-Each cell's spec (bf16, D 64/128/256, H = 2048 / D, causal bottom-right or none) is built as
-a varlen module twice: with the switch (the Gluon kernel per packed sequence) and without (the
-tile-level kernel); both are timed through their attention_varlen() on the same packed
-inputs, 16384 tokens in all, with FA4's `flash_attn.cute.flash_attn_varlen_func` beside them
-(`source tools/gpu_fa4.sh` first; recorded as refused when not importable). Two packings
-per N: "equal" (16384 / N sequences of N tokens) and "ragged" (lengths N, N/2, N/4, N/8,
-repeated while they fit in 16384 tokens). forward_path() of the Gluon module is recorded
-(short launches may take the tile-level kernel there, by the module's small-launch rule:
-what a user gets). Every output is compared with the tile-level one (max abs diff; above
+Each cell's spec (bf16, D 64/128/256, H = 2048 / D, causal bottom-right or none) is built as a
+varlen module twice: as a user gets it (the Gluon kernel per packed sequence) and with "varlen"
+gated again (the tile-level kernel); both are timed through their attention_varlen() on the
+same packed inputs, 16384 tokens in all, with FA4's `flash_attn.cute.flash_attn_varlen_func`
+beside them (`source tools/gpu_fa4.sh` first; recorded as refused when not importable). Two
+packings per N: "equal" (16384 / N sequences of N tokens) and "ragged" (lengths N, N/2, N/4,
+N/8, repeated while they fit in 16384 tokens). forward_path() of the Gluon module is recorded
+(short launches, and short sequences at D 64, take the tile-level kernel there by the module's
+rules: what a user gets). Every output is compared with the tile-level one (max abs diff; above
 2e-2 flagged "!" and left out of the ratios). On a CUDA machine, from the repository root:
 
     PYTHONPATH=. python tools/bench_gluon_varlen.py --out DIR [--n 1024 4096 16384] [--d 128]
@@ -22,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import traceback
 from pathlib import Path
 
@@ -30,7 +27,7 @@ import torch
 import triton
 
 from attngen.spec import KernelKind
-from attngen.spec.files import VARIANTS_ENV
+from attngen.tiling import gluon as gluon_tiling
 from tests.kernel_harness import load_kernel, make_spec
 
 TOKENS, WIDTH = 16384, 2048
@@ -38,22 +35,21 @@ FLAG = 2e-2
 
 
 def modules(d: int, causal: bool):
-    """(Gluon varlen module, tile-level varlen module) of the cell's spec."""
+    """(Gluon varlen module, tile-level varlen module) of the cell's spec: the second rendered
+    with "varlen" gated again (GLUON_UNVERIFIED widened in this process)."""
     heads, mask = WIDTH // d, "causal" if causal else "none"
     spec = make_spec(dtype="bf16", head_dim=d, num_q_heads=heads, num_kv_heads=heads, mask=mask,
                      kernels=["prefill", "varlen"])  # fmt: skip
-    built = {}
-    for name, switch in (("gluon", True), ("tile", False)):
-        saved = os.environ.pop(VARIANTS_ENV, None)
-        if switch:
-            os.environ[VARIANTS_ENV] = "1"
-        try:
-            built[name] = load_kernel.__wrapped__(spec, kind=KernelKind.varlen)
-        finally:
-            os.environ.pop(VARIANTS_ENV, None)
-            if saved is not None:
-                os.environ[VARIANTS_ENV] = saved
-    return built["gluon"], built["tile"]
+    gluon = load_kernel.__wrapped__(spec, kind=KernelKind.varlen)
+    opened = gluon_tiling.GLUON_UNVERIFIED
+    gluon_tiling.GLUON_UNVERIFIED = frozenset({"varlen"})
+    gluon_tiling._derive_gluon_tiles.cache_clear()
+    try:
+        tile = load_kernel.__wrapped__(spec, kind=KernelKind.varlen)
+    finally:
+        gluon_tiling.GLUON_UNVERIFIED = opened
+        gluon_tiling._derive_gluon_tiles.cache_clear()
+    return gluon, tile
 
 
 def lengths(n: int, packing: str) -> list[int]:

@@ -1,6 +1,5 @@
-"""The Gluon forward's host side for varlen modules (after gluon.py): which packed layouts
-TMA can read and write, and the launch of a call over them (_gluon_varlen_layout); the
-module keeps _gluon_varlen_run (whose arguments follow the spec)."""
+"""The Gluon forward's host side for varlen modules (after gluon.py): which calls it serves and
+their launch (_gluon_varlen_layout); the module keeps _gluon_varlen_run (its spec's arguments)."""
 
 import torch
 
@@ -17,6 +16,7 @@ from attngen.host.launch import _INTERPRET, _LAUNCH_CACHE_SIZE, _check_grid
 DTYPE = torch.float16  # the module's own (its constants, above the host code)
 
 # -- host code: attngen/host/gluon_varlen.py, copied verbatim ----------------------------------
+GLUON_VARLEN_D64_MEAN_QUERIES = 512  # fewer at D 64: the tile-level kernel is faster (measured)
 
 
 def _gluon_packed_problem(name: str, t: torch.Tensor) -> str | None:
@@ -51,6 +51,8 @@ def _gluon_varlen_layout(q, k, v, out, return_lse, max_seqlen_q, max_seqlen_k, b
     if why is None and grid * -(-max_seqlen_k // GLUON_CONFIG["BLOCK_N"]) <= POINTER_LOADS_UP_TO:
         why = (f"a launch of at most {POINTER_LOADS_UP_TO} (CTA, key block) pairs, whose four "
                "TMA descriptors would cost more host time than the kernel saves")  # fmt: skip
+    if why is None and q.shape[2] <= 64 and q.shape[0] < GLUON_VARLEN_D64_MEAN_QUERIES * batch:
+        why = f"head_dim 64, under {GLUON_VARLEN_D64_MEAN_QUERIES} queries a sequence on average"
     known = (None, why)
     if why is None:
         _check_grid(grid)

@@ -263,8 +263,6 @@ def build_context(
     context.update(_training_context(spec, kind, derivation, backward))
     _add_gluon(context, spec, kind, derivation.arch, gluon)
     # attngen/host's parts for this kind and these paths, verbatim: the module's last lines
-    if kind is KernelKind.varlen and context["gluon"]:  # a plan would replay the tile-level step
-        context["call_plans"] = False
     flags = {flag: bool(context[flag]) for flag in ("tma", "gluon", "call_plans")}
     if kind is KernelKind.varlen:  # TMA's host part only for the Gluon forward's layout checks
         flags["tma"] = flags["gluon"]

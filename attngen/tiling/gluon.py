@@ -67,16 +67,14 @@ STAGES_CHOICES = (2, 3, 4)
 CONSUMER_CHOICES = (2, 3)
 WINDOWED = ("sliding_window", "chunked")  # masks whose CTA reads a key range of its own
 VARLEN_WORDS = 4  # q_first, k_first, out's row pointer and stride: one more 16-byte step
-# Variants the kernel implements (_gluon_kernel.py.jinja), named as gluon_gap names them.
-# Those in GLUON_UNVERIFIED have not run on a GPU yet: gluon_gap refuses them (their calls
-# stay tile-level) unless ATTNGEN_GLUON_VARIANTS=1 is set where the module is built (tests,
-# tools, `attngen verify-tiling --gluon`; such on-demand builds get a cache folder of their
-# own). A variant opens when its GPU tests pass and its name leaves the set. "backward": the
-# Gluon dK/dV kernel (gluon_backward.py); "varlen": varlen modules' forward, per sequence.
+# Variants the kernel implements, named as gluon_gap names them ("backward": the dK/dV kernel
+# of gluon_backward.py). Those in GLUON_UNVERIFIED (none now) have not run on a GPU: gluon_gap
+# refuses them unless ATTNGEN_GLUON_VARIANTS=1 is set where the module is built (its on-demand
+# builds cached apart); a variant opens when its GPU tests pass and its name leaves the set.
 GLUON_VARIANTS = frozenset({"mask sliding_window", "mask chunked", "sink tokens", "softcap",
                             "ALiBi", "sinks", "backward", "varlen",
                             "head_dim != head_dim_v"})  # fmt: skip
-GLUON_UNVERIFIED = frozenset({"varlen"})
+GLUON_UNVERIFIED: frozenset[str] = frozenset()
 
 
 def gluon_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:

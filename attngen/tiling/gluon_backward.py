@@ -53,9 +53,8 @@ STAGES_CHOICES = (2, 3)
 # at the boundary: D 64 x BLOCK_M 128 (16 above the cap) spills 136 B.
 OVERHEAD = 32
 CVT_ROUND_BYTES = 16384  # the compiler's layout conversion goes through 16 KiB rounds
-# Measured through flash_attn_func (H100, tools/gluon_backward.py, docs/performance.md): causal
-# at N 1k the Gluon kernel ran 0.78x (D 64) and 0.87x (D 128) of the tile-level backward, at
-# N 4k 1.33x; not measured between, so the rule splits the difference.
+# Measured through flash_attn_func (H100, tools/gluon_backward.py, docs/performance.md): causal,
+# the Gluon kernel ran 0.78-0.87x of the tile-level backward at N 1k, 1.14-1.26x at N 2k.
 SHORT_CAUSAL_KEYS = 2048
 
 

@@ -363,8 +363,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     _ = _check_alibi(alibi_slopes, num_q_heads, q, cu_seqlens_q.numel() - 1)
     qk_scale = _kernel_scale(sm_scale)
     batch = cu_seqlens_q.numel() - 1
-    # Note: not filled here. The kernel writes every row of q (the rows no sequence covers 0
-    # and LSE -inf, a sequence that does not fit NaN; _fill_rows), so a launch needs no fill.
+    # Not filled: the kernel writes every row of q (0 / LSE -inf outside, NaN unfit; _fill_rows)
     if out is None:
         out = q.new_empty((total_q, num_q_heads, HEAD_DIM_V))
     else:
@@ -395,7 +394,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     )
     _run_step(step, q.get_device(), (q, k, v, out, lse_arg, slopes_arg, cu_seqlens_q,
                                      cu_seqlens_k, used_arg))
-    if key is not None:  # the checks passed: the next call of this layout runs from its plan
+    if key is not None:  # checked: plan it
         _remember_plan(key, (dict(CONFIG), None, out.shape,
                              None if lse is None else lse.shape, step))
     return (out, lse) if return_lse else out
@@ -1057,6 +1056,7 @@ def _gluon_why(plan: tuple, q, k, v, out) -> str | None:
 
 
 # -- host code: attngen/host/gluon_varlen.py, copied verbatim ----------------------------------
+GLUON_VARLEN_D64_MEAN_QUERIES = 512  # fewer at D 64: the tile-level kernel is faster (measured)
 
 
 def _gluon_packed_problem(name: str, t: torch.Tensor) -> str | None:
@@ -1091,6 +1091,8 @@ def _gluon_varlen_layout(q, k, v, out, return_lse, max_seqlen_q, max_seqlen_k, b
     if why is None and grid * -(-max_seqlen_k // GLUON_CONFIG["BLOCK_N"]) <= POINTER_LOADS_UP_TO:
         why = (f"a launch of at most {POINTER_LOADS_UP_TO} (CTA, key block) pairs, whose four "
                "TMA descriptors would cost more host time than the kernel saves")  # fmt: skip
+    if why is None and q.shape[2] <= 64 and q.shape[0] < GLUON_VARLEN_D64_MEAN_QUERIES * batch:
+        why = f"head_dim 64, under {GLUON_VARLEN_D64_MEAN_QUERIES} queries a sequence on average"
     known = (None, why)
     if why is None:
         _check_grid(grid)
@@ -1143,9 +1145,9 @@ def _call_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
 
 def _run_plan(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k, out):
     """attention_varlen()'s launch from the plan of its layout (config, the length config_for
-    picks it by, output shapes, _Step): (out, lse or None), or None when the full path must
-    run (the config changed)."""
-    config, longest, out_shape, lse_shape, step = plan
+    picks it by, output shapes, _Step; in a module with a Gluon forward, then forward_path's
+    answer): (out, lse or None), or None when the full path must run (the config changed)."""
+    config, longest, out_shape, lse_shape, step = plan[:5]
     if (CONFIG if longest is None else config_for(longest)) != config:  # None: CONFIG alone
         return None
     if _checked():
