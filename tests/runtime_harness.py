@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from attngen.build import plan_build, write_build
-from attngen.render import template_hash
+from attngen.host import template_hash
 from attngen.runtime import registry as registry_module
 from attngen.runtime.registry import load_kernels
 from attngen.spec import specs_from_data

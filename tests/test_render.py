@@ -19,8 +19,9 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from attngen import __version__, render
+from attngen import __version__, host, render
 from attngen.arch import ARCHS
+from attngen.host import template_hash
 from attngen.render import (
     _GLUON_INTS,
     ENTRY_POINTS,
@@ -31,8 +32,6 @@ from attngen.render import (
     host_code,
     render_module,
     render_template,
-    template_env,
-    template_hash,
 )
 from attngen.spec import AttnSpec, KernelKind, load_spec_file, module_name, specs_from_data
 from attngen.tiling.prefill import derive_tiles
@@ -534,8 +533,8 @@ def test_header_records_provenance(arch: str) -> None:
 def test_template_hash_covers_partials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     original = template_hash.__wrapped__(TEMPLATE)
     assert original == template_hash(TEMPLATE)
-    sources = dict(template_env.template_sources())
-    monkeypatch.setattr(render, "template_sources", lambda: sources)
+    sources = dict(host.template_sources())
+    monkeypatch.setattr(host, "template_sources", lambda: sources)
     assert template_hash.__wrapped__(TEMPLATE) == original
     sources["_scores.py.jinja"] += b"{# changed #}\n"
     assert template_hash.__wrapped__(TEMPLATE) != original

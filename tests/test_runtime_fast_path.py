@@ -6,6 +6,9 @@ and stand-in modules (tests/runtime_harness.py) under the CPU interpreter."""
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -375,3 +378,42 @@ def test_selection_imports_no_torch(module):
         )
         for name in imported
     )
+
+
+def test_a_first_call_imports_neither_dynamo_nor_sympy() -> None:
+    """A process that never compiles pays neither torch._dynamo's import (about 1 s: the
+    runtime's torch.compiler marks are set and its disabled functions made lazily) nor the
+    renderer's and sympy's (a loaded module's header is checked through attngen.host)."""
+    code = (
+        "import sys, torch, attngen\n"
+        "q = torch.randn(1, 64, 2, 64, dtype=torch.float16)\n"
+        "attngen.flash_attn_func(q, q, q, causal=True)\n"
+        "print([m for m in ('torch._dynamo', 'sympy', 'attngen.render') if m in sys.modules])"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1] == "[]"
+
+
+def test_the_lazy_compiler_marks_are_torch_compilers() -> None:
+    marked = torch.compiler.assume_constant_result(lambda: 0)
+    assert vars(marked) == vars(dispatch._constant_when_compiled(lambda: 0))
+    assert vars(marked) == {"_dynamo_marked_constant": True}
+
+
+def test_an_eager_only_function_runs_eagerly_when_first_called_compiled() -> None:
+    compiling = []
+
+    @dispatch.eager_only("a test of the lazy disable")
+    def doubled(x):
+        compiling.append(torch.compiler.is_compiling())
+        return x * 2
+
+    step = torch.compile(lambda x: doubled(x + 1) - 1, backend="eager")
+    assert torch.equal(step(torch.ones(3)), torch.full((3,), 3.0))
+    assert torch.equal(step(torch.ones(3)), torch.full((3,), 3.0)) and compiling == [False] * 2
+    whole = torch.compile(lambda x: doubled(x) + 1, backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match="disable"):
+        whole(torch.ones(2))

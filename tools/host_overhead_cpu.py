@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import attngen  # noqa: E402
-from attngen.render import template_hash  # noqa: E402
+from attngen.host import template_hash  # noqa: E402
 from attngen.runtime import ops  # noqa: E402
 from attngen.runtime.hf import attngen_attention  # noqa: E402
 from attngen.runtime.registry import load_kernels  # noqa: E402

@@ -12,14 +12,11 @@ returned (`check_module_source`).
 from __future__ import annotations
 
 import ast
-import hashlib
-from functools import cache
-from importlib import resources
 from typing import Any
 
-from attngen.host import MARKER as HOST_MARKER
 from attngen.host import PARTS as HOST_PARTS
-from attngen.render.template_env import environment, template_sources
+from attngen.host import host_parts, template_hash
+from attngen.render.template_env import environment
 from attngen.spec import AttnSpec, KernelKind, module_name
 from attngen.spec.expression_grad import gradients
 from attngen.spec.expressions import (
@@ -82,31 +79,6 @@ ENTRY_POINTS = {
 
 class RenderError(RuntimeError):
     """A rendered module failed its safety gate: a bug in attngen, never a user mistake."""
-
-
-@cache
-def template_hash(template_name: str) -> str:
-    """Hash of a template, every partial and the host code: a change to any of them shows in
-    the header."""
-    digest = hashlib.sha256()
-    for name, data in template_sources().items():
-        if name == template_name or name.startswith("_"):
-            digest.update(name.encode() + b"\0" + data)
-    for part, text in host_parts().items():
-        digest.update(f"host/{part}.py".encode() + b"\0" + text.encode())
-    return digest.hexdigest()[:16]
-
-
-@cache
-def host_parts() -> dict[str, str]:
-    """part -> the text attngen/host/<part>.py gives a generated module: from its HOST_MARKER
-    line to its end, verbatim (without the final newline)."""
-    folder = resources.files("attngen").joinpath("host")
-    parts = {}
-    for part in HOST_PARTS:
-        text = folder.joinpath(f"{part}.py").read_text(encoding="utf-8")
-        parts[part] = text[text.index("\n" + HOST_MARKER) + 1 :].rstrip("\n")
-    return parts
 
 
 def host_code(kind: KernelKind, **flags: bool) -> str:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import sys
 from functools import cache
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -38,16 +37,6 @@ OPTIONS: dict[str, Any] = {
     "lstrip_blocks": True,
     "keep_trailing_newline": True,
 }
-
-
-@cache
-def template_sources() -> dict[str, bytes]:
-    """Every template (`*.py.jinja` of attngen/templates), by name, sorted: read once."""
-    folder = resources.files("attngen").joinpath("templates")
-    paths = sorted(
-        (p for p in folder.iterdir() if p.name.endswith(".py.jinja")), key=lambda p: p.name
-    )
-    return {path.name: path.read_bytes() for path in paths}
 
 
 def cache_root() -> Path:

@@ -1,38 +1,28 @@
 """The runtime: generated kernels in real models (torch; never imported by the build path).
 
-    registry.py   which generated modules exist (index.json; folders, the on-demand cache,
-                  the bundled generated/), imported by file path only if its bytes and
-                  constants match its index entry; configure(); the on-demand settings, the
-                  cache's folders, building a module into the cache (plain Python)
-    selection.py  Need, Dispatch, which module serves a Need; the route cache (one per
-                  registry in use); last_dispatch() and dispatch_log(), per thread; the
-                  module a call needs: its spec, built into the cache (plain Python, no torch)
-    dispatch.py   a call's Need from its tensors (the Call); the choice, kept in the route
-                  cache, recorded; the device's arch (CPU needs Triton's interpreter, bf16
-                  correct math there: a probe kernel)
+    registry.py   which generated modules exist (index.json, the on-demand cache, generated/),
+                  imported only if their bytes and constants match; configure(), settings
+    selection.py  Need, Dispatch, which module serves a Need; the route cache; last_dispatch(),
+                  dispatch_log() per thread; the spec of the module a call needs, built
+    dispatch.py   a call's Need from its tensors; the choice, cached and recorded; the device's
+                  arch (CPU: Triton's interpreter, and a probe of its bf16 math)
     ops.py        the modules' entry points: direct in eager mode, torch.library ops under
-                  torch.compile or autograd, the prefill and varlen ops' autograd the
-                  module's own (registered at import); last_backward(), backward_runs()
+                  torch.compile or autograd; last_backward(), backward_runs()
     launch.py     run_dense / run_varlen: Need, dispatch, then the module or the fallback;
                   warmup(): build and compile what a spec or model needs, before its first call
-    plans.py      an eager call's route kept per call signature, bound to its launch: a
-                  repeated signature runs the module's entry point without the layers above
-                  (its own checks run on every call)
-    arguments.py  argument conventions the public functions share (scale, flash masks);
-                  shape checks in the caller's layout
-    api.py        scaled_dot_product_attention, flash_attn_func, flash_attn_varlen_func (and
-                  here: flash-attn's qkv/kv-packed forms of both, as views)
+    plans.py      an eager call's route kept per call signature, bound to its launch (the
+                  module's own checks run on every call)
+    arguments.py  argument conventions the public functions share; shape checks
+    api.py        scaled_dot_product_attention, flash_attn_func, flash_attn_varlen_func
     attn_probs.py flash-attn's S_dmask for return_attn_probs with dropout (a testing path)
     kvcache.py    flash_attn_with_kvcache (decode kind when built, else varlen over the cache)
     kvcache_options.py  its options and checks, rotary, what its plans need
     kvcache_append.py  which sequences fit their cache, the append of new keys (varlen
                   route); paged K/V for flash_attn_varlen_func
     decode_ops.py the decode kind's calls and op
-    flex/         flex_attention and create_block_mask (torch's FlexAttention calls): Python
-                  score_mod / mask_mod traced into expressions, modules built on demand
+    flex/         flex_attention and create_block_mask: Python mods traced into expressions
     hf.py         the transformers attention function ("attngen"); static-cache decode
-    fallback.py   the torch implementation behind fallback="sdpa" (masks: attngen/spec/masks.py,
-                  the oracle's definition too), with the generated modules' argument checks
+    fallback.py   the torch implementation behind fallback="sdpa", with the modules' checks
 
 Imports go one way (tests/test_import_graph.py): registry <- selection <- dispatch <- ... <-
 the public functions.

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from attngen.runtime.arguments import seqlen_bound, softmax_scale
-from attngen.runtime.dispatch import Call
+from attngen.runtime.dispatch import Call, eager_only
 from attngen.runtime.fallback import sequence_fits
 from attngen.runtime.registry import current_registry
 from attngen.runtime.selection import last_dispatch
@@ -60,7 +60,7 @@ def _options(call: Call) -> tuple:
     return call.mask, call.window, call.softcap, call.alibi_slopes, call.dropout_p
 
 
-@torch.compiler.disable(reason=_EAGER)
+@eager_only(_EAGER)
 def dense_dmask(q, k, rng_state, call: Call):
     """S_dmask [B, HQ, round128(Nq), round128(Nk)] of flash_attn_func's call: q [B, Nq, HQ, D],
     k [B, Nk, HKV, D] as given, rng_state the call's Philox state, call its options (launch.py)."""
@@ -80,7 +80,7 @@ def dense_dmask(q, k, rng_state, call: Call):
     return dmask
 
 
-@torch.compiler.disable(reason=_EAGER)
+@eager_only(_EAGER)
 def varlen_dmask(
     q,
     k,

@@ -7,28 +7,24 @@ unless a fallback was asked for: then the Dispatch says "fallback" and a warning
 reason. Nothing falls back silently. Every Dispatch is recorded per thread (records.py).
 
 A repeated call costs one dictionary lookup: served Dispatches are kept in the route cache
-(selection.routes, bound to the registry that chose them), keyed by (api, Need), and once more
-by the api and the Need with its key length replaced by its length class: the lengths change
-a selection only where max(Nq, Nk) crosses a module's window or chunk
-(selection.length_thresholds), so a decode loop whose key count grows every step selects once
-per class, not once per step (`cached_dispatch`); the Dispatch recorded carries the call's own
-Need. Loading another registry starts the route cache over, so a replaced registry never
-serves a later call. Refusals and fallbacks are not cached: they warn or raise on every call.
+(selection.routes, bound to the registry that chose them), keyed by (api, Need), and by the
+api and the Need with its key length replaced by its length class (selection.length_thresholds:
+where max(Nq, Nk) crosses a module's window or chunk), so a decode loop whose key count grows
+selects once per class (`cached_dispatch`). Another registry starts the route cache over.
+Refusals and fallbacks are not cached: they warn or raise on every call.
 
-When no loaded module serves a call and on-demand builds are on (registry.settings), `select`
-has selection.build_for build the module the call needs into the cache and add it to the registry:
-the Dispatch says so (source "cache", built=True, its key the file), and later calls find it
-like any loaded module. A call no spec can state, or a build that fails (no tile fits), is
-refused as before, with the reason added.
+With on-demand builds on (registry.settings), a call no loaded module serves has
+selection.build_for build its module into the cache (the Dispatch: source "cache",
+built=True); a call no spec can state, or a build that fails, is refused with the reason.
 
 Under torch.compile, `choose` hands the Need's fields to a function dynamo does not trace
-(`torch.compiler.assume_constant_result`): selection runs once while tracing and the compiled
-graph holds the chosen module's key as a constant.
+(assume_constant_result's mark): selection runs once while tracing, its key a constant.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import warnings
 from dataclasses import dataclass
@@ -112,12 +108,37 @@ _cuda_archs: dict[int | None, str] = {}
 _interpreting = False  # CPU tensors were found served by Triton's interpreter (see arch_of)
 
 
+def _constant_when_compiled(fn: Any) -> Any:
+    """torch.compiler.assume_constant_result, whose only work is this mark, without its import
+    of torch._dynamo (about 1 s, paid at a first attention call that may never compile)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+def eager_only(reason: str) -> Any:
+    """torch.compiler.disable(fn, reason=reason), made at fn's first call (under torch.compile
+    too: dynamo runs that call eagerly, as it runs the disabled function)."""
+
+    def decorate(fn: Any) -> Any:
+        disabled: list[Any] = []
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not disabled:
+                disabled.append(torch.compiler.disable(fn, reason=reason))
+            return disabled[0](*args, **kwargs)
+
+        return call
+
+    return decorate
+
+
 def kernel_dtype(dtype: torch.dtype) -> Dtype | None:
     """The Dtype of a torch dtype (None: no kernels for it)."""
     return _KERNEL_DTYPES.get(dtype)
 
 
-@torch.compiler.assume_constant_result
+@_constant_when_compiled
 def arch_of(device_type: str, device_index: int | None) -> str:
     """device_arch of a device, remembered: a CUDA device's arch is fixed, and once
     CPU tensors are served by Triton's interpreter they stay so (triton decides at import
@@ -275,7 +296,7 @@ def choose(
     return _choose(api, need, fallback, refusal, heads)
 
 
-@torch.compiler.assume_constant_result
+@_constant_when_compiled
 def _choose_constant(
     api: str,
     fallback: str | None,
@@ -409,7 +430,7 @@ def probe(api: str, need: Need, heads: tuple[int, int] | None = None) -> Dispatc
     return _probe(api, need, heads)
 
 
-@torch.compiler.assume_constant_result
+@_constant_when_compiled
 def _probe_constant(api: str, heads: tuple[int, int] | None, **fields: Any) -> Dispatch | None:
     return _probe(api, Need(**fields), heads)
 

@@ -43,18 +43,14 @@ indices).
 Decode steps:
 - transformers' static cache (StaticCache, generate(cache_implementation="static")) hands
   over the whole cache [B, HKV, max_cache_len, D]; with no padded position the mask function
-  passes the written keys' counts computed on the device (`CacheLengths`, below), and a
-  step of at most the decode module's query tokens runs on a generated decode module
-  (contiguous cache, nothing appended) with those as cache_seqlens: no device value read on
-  the host, so generate()'s compiled forward (mode "reduce-overhead") replays it in a CUDA
-  graph. Other such calls (the prefill, no decode module for the spec) take the varlen route
-  over the written keys; a padded static cache is unpadded over its first n positions (the
-  mask's length). `last_dispatch()` says which kernel ran (kind decode or varlen).
-- a DynamicCache's step (keys exactly the written ones, nothing padded) takes the same
-  route with every length Nk: a decode module when one serves it (it reads each KV head once,
-  where the prefill kind's programs read it once per query head: 2.2-4.6x less device time
-  at batch 64 in tools/profile_dynamic_decode.py), else the prefill kind on the tensors as
-  they are.
+  passes the written keys' counts computed on the device (`CacheLengths`, below), and a step
+  of at most the decode module's query tokens runs on a decode module (contiguous cache,
+  nothing appended) with those as cache_seqlens: no host read, so generate()'s compiled
+  forward replays it in a CUDA graph. Other such calls take the varlen route over the
+  written keys (a padded cache unpadded over the mask's length); `last_dispatch()` says which.
+- a DynamicCache's step (keys exactly the written ones) takes the same route: a decode module
+  when one serves it (each KV head read once: 2.2-4.6x less device time than the prefill kind
+  at batch 64, tools/profile_dynamic_decode.py), else the prefill kind.
 """
 
 from __future__ import annotations
@@ -69,7 +65,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attngen.runtime import arguments, decode_ops, plans
-from attngen.runtime.dispatch import Call, probe
+from attngen.runtime.dispatch import Call, eager_only, probe
 from attngen.runtime.launch import run_dense, run_varlen
 from attngen.runtime.selection import Dispatch, NoKernelError
 from attngen.spec import CausalAlign, KernelKind, KvLayout, Mask
@@ -193,7 +189,7 @@ def _softcapped(cap: float) -> Callable:
     return softcap
 
 
-@torch.compiler.disable(reason="a mask function's mask_mod is traced in Python")
+@eager_only("a mask function's mask_mod is traced in Python")
 def _expressed(query, key, value, mask: MaskMod, dropout, scaling, softcap, kwargs):
     """A layer whose mask is a MaskMod: the traced mask_mod (and softcap as a score_mod), sinks
     (s_aux) and dropout on an expression module built on demand, out [B, Nq, HQ, DV]."""

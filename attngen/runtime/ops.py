@@ -17,24 +17,19 @@ torch.compile(fullgraph=True) traces through it without running a kernel. Either
                       place (mutates_args) -> out [B, HQ, Nq, DV], lse [B, HQ, Nq]
 
 `heads_last` (prefill, decode): the module writes a contiguous [B, M, HQ, DV] output
-(flash-attn's layout) in place: through its `attention_flash_out` or `decode_flash_out` entry
-point, which allocates that output itself (or `attention_flash` / `decode_flash`, which take
-flash-attn's [B, N, H, D] tensors as they are: plans.run_flash and decode_ops' flash_layout);
-every module of the running attngen has them (the registry's header check). Callers ask for
-it only from a module that takes `out=` (Dispatch.writes_out). `prefill` and `decode` then
-return that [B, M, HQ, DV] tensor; the ops return the view (an op's output has the shape its
-fake implementation gives). The LSE is always an op output (an empty tensor when not asked
-for): an op's outputs cannot be optional; the functions here return None instead.
+(flash-attn's layout) through its `attention_flash_out` / `decode_flash_out` entry point (or
+`attention_flash` / `decode_flash` on flash-attn's [B, N, H, D] tensors: plans.run_flash,
+decode_ops' flash_layout), asked only of a module that takes `out=` (Dispatch.writes_out);
+the ops return its view. The LSE is always an op output (empty when not asked for: an op's
+outputs cannot be optional); the functions here return None instead.
 
 prefill and varlen have an autograd formula, the module's own (below), so
 torch.compile(fullgraph=True) traces forward and backward; through the ops the forward always
-computes the LSE the backward needs. With dropout_p > 0 (a module built with dropout: true)
-the call's Philox state, rng_state, is an input of the op, saved for its backward, which so
-regenerates the forward's mask; so is `deterministic` (the backward's path: False adds dQ by
-atomics, below).
-Decode mutates its caches, which torch allows no formula for, so `decode()`
-(decode_ops.py, the decode kind's calls and op) wraps its outputs in a function whose backward
-raises that it is forward-only.
+computes the LSE. With dropout_p > 0 the call's Philox state, rng_state, is an input of the
+op, saved for its backward, which so regenerates the mask; so is `deterministic` (False adds
+dQ by atomics). Decode mutates its caches, which torch allows no formula for: `decode()`
+(decode_ops.py) wraps its outputs in a function whose backward raises that it is
+forward-only.
 """
 
 from __future__ import annotations

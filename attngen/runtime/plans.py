@@ -20,11 +20,10 @@ path, whose checks are type-sensitive. Values the full path checks on every call
 on every call here too, or send the call to the full path (an int cache_seqlens).
 
 Never planned: fallbacks and refusals (they warn or raise on every call). Never run from a
-plan: calls under torch.compile (traced through the full path and the torch.library ops),
-tensor subclasses, inputs that need a gradient but those of flash_attn_func, SDPA, varlen
-and the transformers function (run_trained, run_varlen: the ops' eager autograd,
-`deterministic` in the key), and a call whose device's
-answer may change (bf16 under Triton's interpreter: asked again, dispatch.problem_may_change).
+plan: calls under torch.compile (the full path and the torch.library ops), tensor subclasses,
+inputs that need a gradient but those of flash_attn_func, SDPA, varlen and the transformers
+function (run_trained, run_varlen: the ops' eager autograd, `deterministic` in the key), and
+a call whose device's answer may change (bf16 under the interpreter: problem_may_change).
 Loading another registry starts the route cache over, plans with it.
 """
 

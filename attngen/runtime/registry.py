@@ -656,7 +656,7 @@ def _valid_item(
 
 def built_elsewhere(data: bytes) -> str | None:
     """How a module's header (attngen, template hash) differs from the running ones, or None."""
-    from attngen.render import template_hash  # the renderer: when a module is first read
+    from attngen.host import template_hash  # when a module is first read
 
     header = _HEADER.match(data)
     if header is None:

@@ -1,13 +1,11 @@
 """Decode tiles and the split-KV rule: what a decode program holds, and how many programs run.
 
-The decode kernel (attngen/templates/decode.py.jinja) is the prefill kernel's key loop with a packed
-query tile: one program takes ALL query heads of one KV head and all query tokens of the step
-(q_per_kv * Nq rows, padded to a power of two >= 16 for tl.dot), so every K/V byte crosses HBM
-once, and streams a range of the sequence's keys in BLOCK_N tiles. Its loop stages the same
-buffers as prefill's (a resident Q tile, K^T and V tiles, P where the compiler splits warps
-along N), so the shared-memory and register expressions of attngen.tiling.prefill apply with
-BLOCK_M = the row tile; tests/test_decode_tiling.py cross-compiles the chosen configs to hold
-the model to that.
+The decode kernel (decode.py.jinja) is the prefill kernel's key loop with a packed query tile:
+one program takes all query heads of one KV head and all query tokens of the step (q_per_kv *
+Nq rows, padded to a power of two >= 16), so every K/V byte crosses HBM once, and streams a
+range of the keys in BLOCK_N tiles. Its loop stages prefill's buffers, so the expressions of
+attngen.tiling.prefill apply with BLOCK_M = the row tile (tests/test_decode_tiling.py
+cross-compiles the chosen configs to hold the model to that).
 
 What differs is the goal. Decode does almost no arithmetic per byte, so a config is worth
 what it keeps in flight: by Little's law an SM needs about 72 KiB of outstanding loads to draw

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from attngen.arch import ARCHS
-from attngen.render import TEMPLATE_FOR_KIND, template_hash
+from attngen.host import template_hash
+from attngen.render import TEMPLATE_FOR_KIND
 from attngen.spec import AttnSpec, KernelKind, specs_from_data
 from attngen.spec.files import write_if_different
 from attngen.tiling.code_paths import code_paths

@@ -32,6 +32,7 @@ from attngen.runtime import registry, selection
 from attngen.runtime.arguments import needs_gradients
 from attngen.runtime.dispatch import (
     device_problem,
+    eager_only,
     expected_forward,
     need_for,
     problem_may_change,
@@ -57,7 +58,7 @@ _BITMAP = object()  # a block mask without a mask_mod: its block bitmap is the m
 _EAGER = "attngen.flex_attention traces its score_mod and mask_mod in Python"
 
 
-@torch.compiler.disable(reason=_EAGER)
+@eager_only(_EAGER)
 def flex_attention(
     query: torch.Tensor,
     key: torch.Tensor,
