@@ -253,6 +253,7 @@ def _decode_context(spec: AttnSpec, arch: str) -> dict[str, Any]:
         "kv_layout": spec.cache_layout.value,
         "page_size": spec.page_size or 0,
         "max_query_tokens": spec.query_tokens,
+        "max_query_tokens_pow2": 1 << (spec.query_tokens - 1).bit_length(),  # tl.arange's
         "kv_fp8": spec.kv_dtype is not None,  # fp8 e4m3 caches with descales
         "split_waves": decode_tiling.SPLIT_WAVES,
         "min_blocks_per_split": decode_tiling.MIN_BLOCKS_PER_SPLIT,

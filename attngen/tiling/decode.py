@@ -3,9 +3,8 @@
 The decode kernel (decode.py.jinja) is the prefill kernel's key loop with a packed query tile:
 one program takes all query heads of one KV head and all query tokens of the step (q_per_kv *
 Nq rows, padded to a power of two >= 16), so every K/V byte crosses HBM once, and streams a
-range of the keys in BLOCK_N tiles. Its loop stages prefill's buffers, so the expressions of
-attngen.tiling.prefill apply with BLOCK_M = the row tile (tests/test_decode_tiling.py
-cross-compiles the chosen configs to hold the model to that).
+range of the keys in BLOCK_N tiles. Its loop stages prefill's buffers, so attngen.tiling.prefill's
+expressions apply with BLOCK_M = the row tile (tests/test_decode_tiling.py holds them).
 
 What differs is the goal. Decode does almost no arithmetic per byte, so a config is worth
 what it keeps in flight: by Little's law an SM needs about 72 KiB of outstanding loads to draw
@@ -29,13 +28,11 @@ these constants (tests check both agree):
                evened out so that no split is empty: per split = ceil(blocks / splits) blocks,
                splits = ceil(blocks / per split)
 
-span is the cache capacity (Lmax, or max_pages * page_size) or, with a sliding window (a
-chunked mask), at most window_left (chunk_size) + query tokens + BLOCK_N keys: a split never
-covers keys no query can see; sink tokens add their blocks.
+span is the cache capacity (Lmax, or max_pages * page_size) or, with a window (chunks), at
+most window_left (chunk_size) + query tokens + BLOCK_N keys; sink tokens add their blocks.
 
 A call's num_splits = s >= 1 (flash_attn_with_kvcache's hint) replaces the rule's count: the
-span's blocks in min(s, MAX_SPLITS) splits, evened out as above, so a call gets at most one
-split per key block and MAX_SPLITS in all (the combine kernel's bound).
+span's blocks in min(s, MAX_SPLITS) splits (the combine kernel's bound), evened out as above.
 """
 
 from __future__ import annotations
