@@ -382,12 +382,14 @@ def test_selection_imports_no_torch(module):
 
 def test_a_first_call_imports_neither_dynamo_nor_sympy() -> None:
     """A process that never compiles pays neither torch._dynamo's import (about 1 s: the
-    runtime's torch.compiler marks are set and its disabled functions made lazily) nor the
-    renderer's and sympy's (a loaded module's header is checked through attngen.host)."""
+    runtime sets torch.compiler's marks itself, and its disabled functions run as they are
+    until dynamo is imported) nor the renderer's and sympy's (a loaded module's header is
+    checked through attngen.host)."""
     code = (
         "import sys, torch, attngen\n"
         "q = torch.randn(1, 64, 2, 64, dtype=torch.float16)\n"
         "attngen.flash_attn_func(q, q, q, causal=True)\n"
+        "attngen.runtime.dispatch.eager_only('a disabled function')(abs)(-1)\n"
         "print([m for m in ('torch._dynamo', 'sympy', 'attngen.render') if m in sys.modules])"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -116,8 +117,9 @@ def _constant_when_compiled(fn: Any) -> Any:
 
 
 def eager_only(reason: str) -> Any:
-    """torch.compiler.disable(fn, reason=reason), made at fn's first call (under torch.compile
-    too: dynamo runs that call eagerly, as it runs the disabled function)."""
+    """torch.compiler.disable(fn, reason=reason), made at the first call once torch._dynamo is
+    imported (under torch.compile too: dynamo runs that call eagerly, as the disabled function);
+    until then nothing can be tracing the call, and fn runs as it is."""
 
     def decorate(fn: Any) -> Any:
         disabled: list[Any] = []
@@ -125,6 +127,8 @@ def eager_only(reason: str) -> Any:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             if not disabled:
+                if "torch._dynamo" not in sys.modules:
+                    return fn(*args, **kwargs)
                 disabled.append(torch.compiler.disable(fn, reason=reason))
             return disabled[0](*args, **kwargs)
 

@@ -1,8 +1,7 @@
 """flash_attn_with_kvcache's options: their meaning and checks, route 2's key layout, the
 rotary embedding, and what the call's plans need beyond the signature key.
 
-- rotary_cos/rotary_sin: checked here; applied by the decode module's kernels or in torch
-  (below).
+- rotary_cos/rotary_sin: checked here; applied by the decode module's kernels or in torch.
 - cache_batch_idx / cache_leftpad: which cache row holds sequence b, and where its keys
   start. The varlen route reads the cache in place with sequence b's keys from
   cache_batch_idx[b] * L + cache_leftpad[b] (its cu_seqlens_k start) and
@@ -10,13 +9,10 @@ rotary embedding, and what the call's plans need beyond the signature key.
   cache_seqlens[b] of row cache_batch_idx[b]. Device arithmetic only. The decode kind's
   modules take neither, so such calls take the varlen route. Neither goes with block_table
   (flash-attn refuses both combinations too).
-- num_splits: 0 lets the kernels decide; s >= 1 asks for s splits of the keys. The decode
-  kind's modules take it per call: the span's key blocks in min(s, MAX_SPLITS = 64) splits
-  of ceil(blocks / that) blocks (the empty ones dropped), so at most one split per key
-  block (attngen/tiling/decode.py); the module's LAST_NUM_SPLITS is the count its latest
-  launch used. The varlen route has no split of the keys (one program per query block
-  attends to all of them): there s is a hint, as flash-attn's is, and the call runs unsplit
-  (`last_dispatch().kind` is "varlen").
+- num_splits: 0 lets the kernels decide; s >= 1 asks for s splits of the keys, which the
+  decode kind's modules take per call (attngen/tiling/decode.py; LAST_NUM_SPLITS is the count
+  the latest launch used). The varlen route has no split of the keys: there s is a hint, as
+  flash-attn's is, and the call runs unsplit (`last_dispatch().kind` is "varlen").
 - tree_mask (an attngen extension: speculative decoding's draft trees): torch.bool [B, Nq, Nq]
   or [Nq, Nq]; draft i sees the last Nq keys (the drafts' k/v) only where tree_mask[b, i, j],
   ANDed with causal / the window. Decode modules only (their kernel reads it: no host sync);
