@@ -349,7 +349,7 @@ def test_varlen_plan_key_and_launch(monkeypatch) -> None:
     args = (q, q, q, cu, cu, 3, 3, None, None, True, None, None)
     assert varlen_plans._call_key(*args) == varlen_plans._call_key(*args)
     assert varlen_plans._call_key(*args[:5], 3.0, *args[6:]) is None  # a float length
-    plan = ({"BLOCK_M": 16}, 3, (5, 2, D), (2, 5), "step")
+    plan = ({"BLOCK_M": 16}, 3, (5, 2, D), (2, 5), "step", None)  # no Gluon forward: None
     out, lse = varlen_plans._run_plan(plan, q, q, q, cu, cu, 3, None, None)
     assert out.shape == (5, 2, D) and lse.shape == (2, 5)
     ((step, device, tensors),) = steps

@@ -1,5 +1,5 @@
 """The varlen launcher's call plans (after plans.py): a layout's key, the launch from its
-plan (a tuple: config, longest (None: CONFIG alone), output shapes, _Step)."""
+plan (a tuple: config, longest (None: CONFIG alone), output shapes, _Step, forward_path's)."""
 
 from typing import Any
 
@@ -33,9 +33,9 @@ def _call_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
 
 def _run_plan(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k, out):
     """attention_varlen()'s launch from the plan of its layout (config, the length config_for
-    picks it by, output shapes, _Step; in a module with a Gluon forward, then forward_path's
-    answer): (out, lse or None), or None when the full path must run (the config changed)."""
-    config, longest, out_shape, lse_shape, step = plan[:5]
+    picks it by, output shapes, _Step, forward_path's answer or None without a Gluon forward):
+    (out, lse or None), or None when the full path must run (the config changed)."""
+    config, longest, out_shape, lse_shape, step, _ = plan
     if (CONFIG if longest is None else config_for(longest)) != config:  # None: CONFIG alone
         return None
     if _checked():
