@@ -240,7 +240,7 @@ def test_the_host_side_around_the_kernel(tmp_path, monkeypatch):
 def test_the_kernels_compile_for_sm90_as_the_model_predicts():
     """The Gluon dK/dV kernel of D 64 and 128, causal and not, bf16 and fp16, cross-compiled
     for sm90: shared memory equal to the model's, setmaxnreg 240/24, wgmma and 16-byte fp32
-    atomics; no spills but D 128 causal's 68 B (the consumer at the 240-register cap: the
+    atomics; no spills but D 128 causal's 80 B (the consumer at the 240-register cap: the
     open item in docs/status.md)."""
     specs = [
         _spec(dtype=dtype, head_dim=d, mask=mask, num_q_heads=8, num_kv_heads=2)
@@ -254,6 +254,6 @@ def test_the_kernels_compile_for_sm90_as_the_model_predicts():
         assert row.record["shared"] == row.chosen.smem_bytes, row.line()
         assert row.record["atomics"] == ["atom.global.gpu.relaxed.add.v4.f32"]
         spills = row.record["spill_stores"]
-        known = 68 if (spec.head_dim, spec.mask.value) == (128, "causal") else 0
+        known = 80 if (spec.head_dim, spec.mask.value) == (128, "causal") else 0
         assert spills == known, row.line()
-        assert row.problems == ([] if not known else [f"spills {known} B, stack 48 B"])
+        assert row.problems == ([] if not known else [f"spills {known} B, stack 56 B"])

@@ -35,7 +35,7 @@ from attngen.tiling.backward import BackwardDerivation, atomic_dkdv_config, deri
 from attngen.tiling.code_paths import POINTER_LOADS_UP_TO, code_paths
 from attngen.tiling.decode_latent import derive_latent_tiles
 from attngen.tiling.gluon import GluonDerivation, derive_gluon_tiles, gluon_gap
-from attngen.tiling.gluon_backward import SHORT_CAUSAL_KEYS, derive_gluon_backward
+from attngen.tiling.gluon_backward import HEAVY_FIRST, SHORT_CAUSAL_KEYS, derive_gluon_backward
 from attngen.tiling.prefill import Derivation, TileConfig, padded_head_dim
 
 # A generated module may import these and nothing else.
@@ -364,7 +364,8 @@ def _add_gluon(context: dict[str, Any], spec: AttnSpec, kind: KernelKind, arch: 
         context.update(gluon_bwd_block_m=config.block_m, gluon_bwd_block_n=config.block_n,
                        gluon_bwd_stages=config.stages, gluon_bwd_dq_split=config.dq_split,
                        gluon_bwd_describe=config.describe(),
-                       gluon_bwd_short_causal=SHORT_CAUSAL_KEYS)  # fmt: skip
+                       gluon_bwd_short_causal=SHORT_CAUSAL_KEYS,
+                       gluon_bwd_heavy_first=HEAVY_FIRST)  # fmt: skip
 
 
 def _training_context(

@@ -553,17 +553,7 @@ def _refuse_packed_positions(position_ids, seqlen_q, seqlen_k) -> None:
 # steps on a generated decode module, with no host read, so that a step can be captured; and a
 # DynamicCache's decode steps on the same module.
 #
-# What transformers does with a static cache (5.x, read from its code):
-# - each full-attention layer's StaticLayer keeps keys/values [B, HKV, max_cache_len, D] and
-#   writes a step's tokens at its `cumulative_length` (a device scalar, the same for every
-#   sequence), then hands the attention function the whole cache: k/v [B, HKV, L, D], of
-#   which only the first cumulative_length positions are written;
-# - the mask function is called with kv_length = L, kv_offset 0 and q_offset = the cache's
-#   cumulative_length before the step (a tensor, "to avoid graph breaks"; the int 0 before the
-#   cache's first write) and the 2D padding mask [B, seen + Nq] (or None);
-# - generate() calls the mask function once per step outside the model (prepare_inputs_for_
-#   generation, never compiled) and hands its result to the model, which calls it again; with a
-#   static cache on a GPU it compiles the model's forward (mode "reduce-overhead": CUDA graphs).
+# What transformers does with those caches: docs/architecture.md, "transformers' caches".
 #
 # The "attngen" mask function turns such a call into `CacheLengths`: the number of written keys
 # of each sequence, q_offset + Nq, computed on the device. The attention function then runs a

@@ -56,6 +56,9 @@ CVT_ROUND_BYTES = 16384  # the compiler's layout conversion goes through 16 KiB 
 # Measured through flash_attn_func (H100, tools/gluon_backward.py, docs/performance.md): causal,
 # the Gluon kernel ran 0.78-0.87x of the tile-level backward at N 1k, 1.14-1.26x at N 2k.
 SHORT_CAUSAL_KEYS = 2048
+# Causal key blocks of this many (batch, KV head)s interleaved, heavy first: greedy scheduling
+# on 132 SMs models a tail of 3-7% at N 2k-8k head by head, 0.2% for 4 (their Q, dO in L2).
+HEAVY_FIRST = 4
 
 
 def gluon_backward_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 
 from attngen.spec import AttnSpec, KernelKind, specs_from_data
 from attngen.tiling.gluon import GLUON_ARCH, GluonCandidate, derive_gluon_tiles
-from attngen.tiling.gluon_backward import BwdCandidate, derive_gluon_backward
+from attngen.tiling.gluon_backward import HEAVY_FIRST, BwdCandidate, derive_gluon_backward
 from attngen.verify.compiler import (
     _compiled_not_interpreted,
     _parse_ptxas_log,
@@ -95,7 +95,7 @@ def gluon_bwd_source(spec: AttnSpec, kernel: Any, chosen: BwdCandidate, causal: 
         signature[desc] = f"tensordesc<fp32[{config.block_m}],{rows!r}>".replace(" ", "")
     constexprs = {"CAUSAL": causal, "STAGES": config.stages, "DQ_SPLIT": config.dq_split,
                   "CONSUMER_REGS": config.consumer_regs,
-                  "PRODUCER_REGS": config.producer_regs}  # fmt: skip
+                  "PRODUCER_REGS": config.producer_regs, "HEAVY_FIRST": HEAVY_FIRST}  # fmt: skip
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     names = kernel.arg_names
     return GluonASTSource(
