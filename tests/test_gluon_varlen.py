@@ -141,7 +141,8 @@ def test_the_module_serves_varlen_calls_under_the_interpreter():
 def test_the_varlen_kernel_compiles_for_sm90_as_the_model_predicts():
     """Plain causal D 128, window + sinks D 64, chunked D 128 and sink tokens D 128 varlen
     kernels, cross-compiled in a spawned worker (attngen verify-tiling --gluon's judgement):
-    shared memory equal to the model, no spills but the last two's."""
+    shared memory equal to the model, no spills (chunks and sink tokens at D 128 spilled 12 B
+    and 4 B before P's packing for the PV wgmma lost its swaps)."""
     specs = [_spec(head_dim=128, kernels=["varlen"]),
              _spec(head_dim=64, mask="sliding_window", window_left=127, window_right=0,
                    sinks=True, kernels=["varlen"]),
@@ -150,13 +151,7 @@ def test_the_varlen_kernel_compiles_for_sm90_as_the_model_predicts():
                    sink_tokens=4, kernels=["varlen"])]  # fmt: skip
     rows = [row for row in verify_gluon(specs, processes=1) if row.kind is VARLEN]
     assert len(rows) == 4
-    for row in rows[:2]:
-        assert not row.problems, row.line()
-    # Chunks and sink tokens in varlen at D 128: the consumer at its 240-register cap spills
-    # 12 B and 4 B (8 B stack), held at exactly that until the loop's scalars shrink.
-    assert [(row.record["spill_stores"], row.record["stack"]) for row in rows[2:]] == [
-        (12, 8),
-        (4, 8),
-    ]
     for row in rows:
+        assert not row.problems, row.line()
+        assert (row.record["spill_stores"], row.record["stack"]) == (0, 0), row.line()
         assert row.record["shared"] == row.chosen.smem_bytes

@@ -564,19 +564,7 @@ def _refuse_packed_positions(position_ids, seqlen_q, seqlen_k) -> None:
 # position (left padding) is not a CacheLengths, and the step takes the varlen route (exact,
 # unpadded with a host read, as transformers' flash-attention path does).
 #
-# A DynamicCache hands the layer exactly its written keys [B, HKV, Nk, D] and the mask
-# function kv_length = q_offset + Nq with q_offset an int. A step after its prefill (q_offset
-# > 0) with no padded position gets CacheLengths too, every length Nk and `all_written` set, so
-# that it runs on a decode module when one serves it (each KV head read once, where the
-# prefill kind reads it once per query head) and otherwise on the prefill kind as before; the
-# lengths are one torch.full per mask-function call, shared by the layers.
-#
-# Whether a padding mask pads anything is device data. The mask function reads it on the host
-# only where transformers' flash-attention mask function does (`attention_mask.all()`), and not
-# while compiling or capturing a CUDA graph: there a padding mask is kept as one (varlen
-# route). generate()'s first call of each step runs eagerly, so its steps reach the decode
-# module compiled or not; a forward compiled or captured by hand reaches it when it is given
-# no attention_mask.
+# DynamicCache steps and padding masks read on the host: docs/architecture.md, as above.
 
 
 class CacheLengths(NamedTuple):

@@ -209,6 +209,15 @@ def _gluon_softmax(
 
 
 @gluon.jit
+def _gluon_p16(pf, p):
+    """P rounded into p's layout (PV's register operand), two values a cvt, the first in the
+    low half: `.to()` packs them the other way round, then swaps halves (a PRMT a register)."""
+    pk = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r",
+                                   [pf], dtype=gl.bfloat16, is_pure=True, pack=2)
+    return gl.convert_layout(pk, p.type.layout)
+
+
+@gluon.jit
 def _gluon_qk_issue(j, q, ring, CID: gl.constexpr, PINGPONG: gl.constexpr, s_layout: gl.constexpr):
     """Waits for K_j and this consumer's turn, issues S = Q K_j^T (async)."""
     k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn = ring
@@ -265,7 +274,7 @@ def _gluon_consumer_block(
     o = warpgroup_mma_wait(0, deps=(o_tok,))
     mbarrier.arrive(v_empty.index((j - 1) % STAGES), count=1)
     o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o.type.layout))[:, None]
-    p = gl.convert_layout(pf.to(q.dtype), p.type.layout)
+    p = _gluon_p16(pf, p)
     return o, p, m_i, l_i
 
 
@@ -289,7 +298,7 @@ def _gluon_mainloop(q, ring, mask, n_blocks, mask_from, key_end,
     pf, alpha, m_i, l_i = _gluon_softmax(
         sc, m_i, l_i, cols, rows, n_keys, diag, qk_scale, True, CAUSAL
     )
-    state = (o, gl.convert_layout(pf.to(q.dtype), p.type.layout), m_i, l_i)
+    state = (o, _gluon_p16(pf, p), m_i, l_i)
     for j in range(1, mask_from):
         state = _gluon_consumer_block(j, state, q, ring, mask, CID, False, CAUSAL, PINGPONG)
     for j in range(gl.maximum(mask_from, 1), n_blocks):
