@@ -1,0 +1,142 @@
+"""A kernel change measured against the kernel before it, in one process on one GPU.
+
+Builds each cell's sm90 prefill module twice, from the package's templates (A) and from the
+same templates with the files of `--alt DIR` in their place (B), imports both module files
+directly (no registry: B's header hash names templates the package does not have) and times
+the module's own entry points alternately, A then B, with triton's do_bench: the forward
+(`attention`) and, for a spec with backward: true, the backward alone (`attention_backward`,
+deterministic=False). Inputs are [B, H, N, D] contiguous bf16, B = 16384 / N, H = 2048 / D
+(the FlashAttention grid's shapes). Each cell also records the largest difference between
+A's and B's outputs and gradients, and each module's forward_path() / backward_path().
+
+    PYTHONPATH=. python tools/ab_templates.py --alt DIR --out OUT [--d 64 128] [--n 4096]
+        [--causal 0 1] [--backward]
+
+Writes OUT/ab_templates.json and prints one line per cell (B's time over A's: < 1 is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import jinja2
+import torch
+import triton
+
+import attngen.render.template_env as template_env
+from attngen.build import plan_build, write_build
+from tests.kernel_harness import make_spec
+
+
+def _alt_environment(alt: Path) -> jinja2.Environment:
+    loader = jinja2.ChoiceLoader(
+        [jinja2.FileSystemLoader(str(alt)), jinja2.PackageLoader("attngen", "templates")]
+    )
+    return jinja2.Environment(
+        loader=loader, undefined=jinja2.StrictUndefined, **template_env.OPTIONS
+    )
+
+
+def _build(spec, folder: Path, alt: Path | None):
+    saved = template_env._environment
+    if alt is not None:
+        template_env._environment = cache(lambda: _alt_environment(alt))
+    try:
+        write_build(plan_build([spec]), folder)
+    finally:
+        template_env._environment = saved
+    (path,) = [p for p in folder.rglob("sm90/*.py")]
+    module_spec = importlib.util.spec_from_file_location(f"ab_{folder.name}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def _cell(d: int, n: int, causal: bool, backward: bool, alt: Path, reps: int) -> dict:
+    batch, heads = max(1, 16384 // n), 2048 // d
+    mask = "causal" if causal else "none"
+    spec = make_spec(name=f"ab_d{d}", head_dim=d, num_q_heads=heads, num_kv_heads=heads,
+                     mask=mask, backward=backward, dtype="bf16")  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        modules = {"A": _build(spec, Path(tmp) / "a", None),
+                   "B": _build(spec, Path(tmp) / "b", alt)}  # fmt: skip
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, dout = (torch.randn(batch, heads, n, d, generator=gen, device="cuda",
+                                     dtype=torch.bfloat16) for _ in range(4))  # fmt: skip
+        cell: dict = {"D": d, "N": n, "B": batch, "H": heads, "causal": causal}
+        flops = 4 * batch * heads * n * n * d * (0.5 if causal else 1)
+        results = {}
+        for name, module in modules.items():
+            out, lse = module.attention(q, k, v, return_lse=True)
+            grads = (
+                module.attention_backward(dout, q, k, v, out, lse, deterministic=False)
+                if backward
+                else ()
+            )
+            results[name] = (out, *grads)
+            cell[f"{name}_paths"] = [module.forward_path()] + (
+                [module.backward_path()] if backward else []
+            )
+        pairs = zip(results["A"], results["B"], strict=True)
+        cell["max_diff"] = max((a.float() - b.float()).abs().max().item() for a, b in pairs)
+        del results
+        for phase in ("forward", "backward") if backward else ("forward",):
+            times = {}
+            for _ in range(2):  # A, B, A, B: the best of two each
+                for name, module in modules.items():
+                    if phase == "forward":
+                        fn = lambda m=module: m.attention(q, k, v, return_lse=True)  # noqa: E731
+                    else:
+                        out, lse = module.attention(q, k, v, return_lse=True)
+                        fn = lambda m=module, o=out, s=lse: m.attention_backward(  # noqa: E731
+                            dout, q, k, v, o, s, deterministic=False
+                        )
+                    ms = triton.testing.do_bench(fn, rep=reps)
+                    times[name] = min(times.get(name, ms), ms)
+            scale = 2.5 if phase == "backward" else 1.0
+            cell[phase] = {name: {"ms": round(ms, 4), "tflops": round(scale * flops / ms / 1e9, 1)}
+                           for name, ms in times.items()}  # fmt: skip
+            cell[phase]["B/A"] = round(times["B"] / times["A"], 4)
+        torch.cuda.empty_cache()
+    return cell
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--alt", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--d", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--n", type=int, nargs="+", default=[4096])
+    parser.add_argument("--causal", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--backward", action="store_true")
+    parser.add_argument("--reps", type=int, default=100, help="do_bench rep (ms)")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    cells = []
+    for d in args.d:
+        for n in args.n:
+            for causal in args.causal:
+                try:
+                    cell = _cell(d, n, bool(causal), args.backward, args.alt.resolve(), args.reps)
+                except Exception as exc:  # noqa: BLE001 - recorded, the sweep goes on
+                    cell = {
+                        "D": d,
+                        "N": n,
+                        "causal": bool(causal),
+                        "error": f"{type(exc).__name__}: {exc}"[:300],
+                    }
+                cells.append(cell)
+                (args.out / "ab_templates.json").write_text(json.dumps(cells, indent=1))
+                line = {k: v for k, v in cell.items() if k not in ("A_paths", "B_paths")}
+                print(json.dumps(line), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
