@@ -51,14 +51,15 @@ def test_autotune_records_the_gluon_forward_and_the_build_renders_it(tmp_path):
     assert gluon.winner is not None, (tmp_path / "log.txt").read_text()
     entry = read_tuning_file(tmp_path / "sm90.json")["entries"][entry_key(spec, KernelKind.prefill)]
     record = entry["gluon"]
-    assert record["config"] == gluon_knobs(gluon.winner) and "H200" in record["gpu"]
+    assert record["config"] == gluon_knobs(gluon.winner)
+    assert record["gpu"] == torch.cuda.get_device_name()  # the GPU it ran on, H100 or H200
     assert set(record["median_ms"]) == {b.name for b in BUCKETS}
     assert all(t > 0 for t in record["median_ms"].values())
     assert "median_ms" in record["candidates"][config_key(gluon.heuristic)], record
     # The build renders the winner; the module runs it and is right.
     (artifact,) = [a for a in plan_build([spec], tmp_path) if a.relative_path.startswith("sm90/")
                    and a.entry["kind"] == "prefill"]  # fmt: skip
-    assert "config: tuned on NVIDIA H200" in artifact.source
+    assert f"config: tuned on {torch.cuda.get_device_name()}" in artifact.source
     module = _import(tmp_path / "tuned_gluon_prefill.py", artifact.source)
     assert {k: module.GLUON_CONFIG[k] for k in record["config"]} == record["config"]
     q, k, v, _ = random_inputs(spec, 2, 1500, 1700, seed=3, device="cuda")
