@@ -25,10 +25,20 @@ from attngen.tiling.prefill import (
     NUM_WARPS_CHOICES,
 )
 from attngen.tiling.prefill_model import (
+    BM,
+    BN,
     MODEL_SYMBOLS,
+    SMS,
+    H,
+    R,
+    S,
+    exact_score,
+    exact_waves,
     numeric_model,
     regs_expression,
+    score_expression,
     smem_expression,
+    wave_expression,
 )
 
 PADDED_DIMS = (16, 32, 64, 128, 256)
@@ -66,6 +76,21 @@ def test_compiled_model_equals_the_exact_expressions(
                 assert math.ceil(regs_f(*at)) == int(sympy.ceiling(exact_regs)), values
                 checked += 1
     assert checked == 5 * 2 * 3 * len(tiles[::7])
+
+
+def test_fraction_scores_and_waves_equal_the_sympy_expressions() -> None:
+    """exact_score and exact_waves (Fractions) against score_expression and wave_expression
+    substituted: the same numbers, the same floats and the same text (the header's waves)."""
+    for bm, bn, s in itertools.product(BLOCK_M_CHOICES, BLOCK_N_CHOICES, (1, 2, 3, 4, 5)):
+        want = exact_value(score_expression(), {BM: bm, BN: bn, S: s})
+        got = exact_score(bm, bn, s)
+        assert (got == want, float(got) == float(want), str(got) == str(want)) == (True,) * 3
+    for heads, sms, bm, per_sm in itertools.product(
+        (1, 7, 32, 64), (58, 132), (16, 64, 128), (1, 3)
+    ):
+        want = exact_value(wave_expression(), {H: heads, SMS: sms, BM: bm, R: per_sm})
+        got = exact_waves(heads, sms, bm, per_sm)
+        assert (got, float(got), str(got)) == (want, float(want), str(want)), (heads, bm)
 
 
 def test_worked_formula_is_the_active_branch() -> None:

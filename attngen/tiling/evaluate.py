@@ -75,7 +75,7 @@ def active_branch(expr: sympy.Expr, values: dict[sympy.Symbol, int]) -> sympy.Ex
     holds there (the header shows this, not the whole case analysis)."""
 
     def pick(piecewise: sympy.Piecewise) -> sympy.Expr:
-        return next(arm for arm, cond in piecewise.args if bool(cond.subs(values)))
+        return next(arm for arm, cond in piecewise.args if bool(exact_value(cond, values)))
 
     return expr.replace(lambda e: isinstance(e, sympy.Piecewise), pick)
 

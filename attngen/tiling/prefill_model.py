@@ -6,7 +6,9 @@ decode and backward models (decode.py, backward.py) reuse its symbols and parts.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from fractions import Fraction
 from functools import cache, partial
 from typing import Any
 
@@ -14,7 +16,7 @@ import sympy
 
 from attngen.arch import GpuArch
 from attngen.tiling import dropout as drop
-from attngen.tiling.evaluate import compiled, exact_value
+from attngen.tiling.evaluate import compiled
 
 BM, BN, D, DV, E, S, W = sympy.symbols("BLOCK_M BLOCK_N D DV E S W", positive=True, integer=True)
 # Wave quantization: H query heads x REFERENCE_TOKENS rows in BLOCK_M tiles, R programs
@@ -185,13 +187,16 @@ def numeric_model(
     )
 
 
+# wave_expression and score_expression at integer values, exactly, in Fractions: the same
+# numbers and text as substituting into them (tests/test_tiling_fast.py) without sympy's
+# first evaluations, 20 of a process's first derivation's 86 ms.
 @cache
-def exact_waves(heads: int, sm_count: int, block_m: int, per_sm: int) -> sympy.Expr:
-    """wave_expression at these values, exactly."""
-    return exact_value(wave_expression(), {H: heads, SMS: sm_count, BM: block_m, R: per_sm})
+def exact_waves(heads: int, sm_count: int, block_m: int, per_sm: int) -> Fraction:
+    waves = Fraction(heads * -(-REFERENCE_TOKENS // block_m), sm_count * per_sm)
+    return waves / math.ceil(waves)
 
 
 @cache
-def exact_score(block_m: int, block_n: int, stages: int) -> sympy.Expr:
-    """score_expression at these values, exactly."""
-    return exact_value(score_expression(), {BM: block_m, BN: block_n, S: stages})
+def exact_score(block_m: int, block_n: int, stages: int) -> Fraction:
+    reuse = min(Fraction(block_m * block_n, (block_m + block_n) * 64), Fraction(1))
+    return reuse * {1: Fraction(6, 10), 2: Fraction(9, 10)}.get(stages, Fraction(1))
