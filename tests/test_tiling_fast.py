@@ -84,7 +84,7 @@ def test_fraction_scores_and_waves_equal_the_sympy_expressions() -> None:
     for bm, bn, s in itertools.product(BLOCK_M_CHOICES, BLOCK_N_CHOICES, (1, 2, 3, 4, 5)):
         want = exact_value(score_expression(), {BM: bm, BN: bn, S: s})
         got = exact_score(bm, bn, s)
-        assert (got == want, float(got) == float(want), str(got) == str(want)) == (True,) * 3
+        assert (got, float(got), str(got)) == (want, float(want), str(want)), (bm, bn, s)
     for heads, sms, bm, per_sm in itertools.product(
         (1, 7, 32, 64), (58, 132), (16, 64, 128), (1, 3)
     ):
