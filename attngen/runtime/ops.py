@@ -167,19 +167,8 @@ def _prefill_forward(
     deterministic: bool = True,
 ) -> tuple[Tensor, Tensor]:
     with torch.no_grad():  # the op's autograd formula records the backward, not the module
-        out, lse = run_prefill(
-            key,
-            q,
-            k,
-            v,
-            sm_scale,
-            alibi_slopes,
-            return_lse,
-            heads_last,
-            sinks,
-            dropout_p,
-            rng_state,
-        )
+        out, lse = run_prefill(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last,
+                               sinks, dropout_p, rng_state)  # fmt: skip
     return (out.transpose(1, 2) if heads_last else out), (_no_lse(q) if lse is None else lse)
 
 
@@ -245,19 +234,8 @@ def varlen(
     deterministic: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """(out, lse or None) of the varlen module `key`; see the module docstring."""
-    args = (
-        key,
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        sm_scale,
-        alibi_slopes,
-        seqused_k,
-    )
+    args = (key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,
+            alibi_slopes, seqused_k)  # fmt: skip
     if _direct(q, k, v, alibi_slopes) and (sinks is None or _direct(q, k, v, sinks)):
         return run_varlen(*args, return_lse, sinks, dropout_p, rng_state)
     # the LSE is always computed: the backward needs it
@@ -285,23 +263,9 @@ def _varlen_forward(
     deterministic: bool = True,
 ) -> tuple[Tensor, Tensor]:
     with torch.no_grad():  # the op's autograd formula records the backward, not the module
-        out, lse = run_varlen(
-            key,
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            sm_scale,
-            alibi_slopes,
-            seqused_k,
-            return_lse,
-            sinks,
-            dropout_p,
-            rng_state,
-        )
+        out, lse = run_varlen(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                              max_seqlen_k, sm_scale, alibi_slopes, seqused_k, return_lse, sinks,
+                              dropout_p, rng_state)  # fmt: skip
     return out, (_no_lse(q) if lse is None else lse)
 
 
