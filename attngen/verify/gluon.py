@@ -90,6 +90,8 @@ def gluon_bwd_source(spec: AttnSpec, kernel: Any, chosen: BwdCandidate, causal: 
     for desc, rows in (("q", config.block_m), ("do", config.block_m), ("k", config.block_n),
                        ("v", config.block_n)):  # fmt: skip
         signature[f"{desc}_desc"] = _descriptor_type(dtype, name, [1, rows, 1, d])
+    dq_block = [config.block_m, 32]  # the box of dQ's fp32 sum, reduced into by TMA
+    signature["dq_desc"] = _descriptor_type(gl.float32, "fp32", dq_block)
     rows = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     for desc in ("lse_desc", "delta_desc"):
         signature[desc] = f"tensordesc<fp32[{config.block_m}],{rows!r}>".replace(" ", "")
@@ -198,6 +200,7 @@ def _compile_into(record: dict[str, Any], spec: AttnSpec, chosen: GluonCandidate
         )
         record["wgmma"] = bool(re.search(r"\bwgmma\.mma_async", ptx))
         record["atomics"] = sorted(set(re.findall(r"\b(?:red|atom)\.global[\w.]*", ptx)))
+        record["tma_reduces"] = sorted(set(re.findall(r"\bcp\.reduce\.async\.bulk[\w.:]*", ptx)))
     except Exception as exc:  # noqa: BLE001 - recorded, the check goes on
         first_line = (str(exc).strip().splitlines() or [""])[0]
         record["error"] = f"{type(exc).__name__}: {first_line[:300]}"
