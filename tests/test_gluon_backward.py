@@ -47,8 +47,8 @@ def _render(spec, kind=KernelKind.prefill, arch="sm90"):
 
 
 def test_the_derived_configs_fit_and_match_the_compiler():
-    """D 64: BLOCK_M 64, 2 stages, dQ by turns, 149024 B; D 128: 64, 2, dQ split by
-    columns, 214560 B (the compiler's numbers, docs/results/gluon_backward_compile.json);
+    """D 64: BLOCK_M 64, 2 stages, dQ by turns, 149024 B; D 128: 64, 2, dQ split by columns,
+    214560 B (the compiler's, docs/results/gluon_backward_compile_2026-12-06.json);
     the wider and deeper candidates rejected by shared memory or registers."""
     expected = {64: (149024, False, 2), 128: (214560, True, 1)}
     for d, (smem, split, feasible) in expected.items():
