@@ -47,10 +47,10 @@ def _render(spec, kind=KernelKind.prefill, arch="sm90"):
 
 
 def test_the_derived_configs_fit_and_match_the_compiler():
-    """D 64: BLOCK_M 64, 2 stages, dQ by turns, 149024 B; D 128: 64, 2, dQ split by columns,
-    214560 B (the compiler's, docs/results/gluon_backward_compile_2026-12-06.json);
+    """D 64: BLOCK_M 64, 2 stages, dQ by turns, 132624 B; D 128: 64, 2, dQ split by columns,
+    198160 B (the compiler's, docs/results/gluon_backward_compile_2026-12-06.json);
     the wider and deeper candidates rejected by shared memory or registers."""
-    expected = {64: (149024, False, 2), 128: (214560, True, 1)}
+    expected = {64: (132624, False, 2), 128: (198160, True, 1)}
     for d, (smem, split, feasible) in expected.items():
         derivation = derive_gluon_backward(_spec(head_dim=d), "sm90")
         chosen = derivation.chosen
@@ -126,7 +126,7 @@ def test_other_archs_and_varlen_do_not_get_it():
 def test_explain_says_which_dkdv_runs():
     text = "\n".join(explain_lines([_spec(head_dim=64)], archs=["sm90"]))
     assert "dK/dV for deterministic=False (prefill): warp-specialized Gluon" in text
-    assert "= 149024 B of" in text
+    assert "= 132624 B of" in text
     text = "\n".join(explain_lines([_spec(head_dim=64, alibi=True)], archs=["sm90"]))
     assert "dK/dV for deterministic=False (prefill): tile-level only: ALiBi" in text
 
@@ -240,7 +240,7 @@ def test_the_host_side_around_the_kernel(tmp_path, monkeypatch):
 def test_the_kernels_compile_for_sm90_as_the_model_predicts():
     """The Gluon dK/dV kernel of D 64 and 128, causal and not, bf16 and fp16, cross-compiled
     for sm90: shared memory equal to the model's, setmaxnreg 240/24, wgmma and dQ's TMA
-    reduce-adds; no spills but D 128 causal's (the consumer at the 240-register cap: the open
+    reduce-adds; no spills but D 128's few (the consumer at the 240-register cap: the open
     item in docs/status.md)."""
     specs = [
         _spec(dtype=dtype, head_dim=d, mask=mask, num_q_heads=8, num_kv_heads=2)
@@ -256,7 +256,6 @@ def test_the_kernels_compile_for_sm90_as_the_model_predicts():
         assert row.record["tma_reduces"] == [
             "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.bulk_group"
         ]
-        spills = row.record["spill_stores"]
-        known = 40 if (spec.head_dim, spec.mask.value) == (128, "causal") else 0
-        assert spills == known, row.line()
-        assert row.problems == ([] if not known else [f"spills {known} B, stack 32 B"])
+        known = {"none": (4, 8), "causal": (36, 32)}[spec.mask.value] if spec.head_dim == 128 else 0
+        assert row.record["spill_stores"] == (known[0] if known else 0), row.line()
+        assert row.problems == ([] if not known else [f"spills {known[0]} B, stack {known[1]} B"])
