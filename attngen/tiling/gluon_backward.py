@@ -17,9 +17,8 @@ The model (sympy) in BM = BLOCK_M, BN = BLOCK_N, D, E (element bytes), S (stages
   padded to 16 B; four [S, 1] and two [2, 1] arrays of 8 B, each padded to 16 B); exact
   against the compiler (`attngen verify-tiling --gluon`);
 - registers per consumer thread: dK_c and dV_c ([BN / NC, D] fp32 over 128 threads), plus the
-  larger of the score phase (S^T and dP^T fp32 and delta, a query column's, BM / 4 a thread;
-  P^T and dS^T in 16 bits come after, as S^T and dP^T die) and the dQ phase (dQ's
-  accumulator), plus OVERHEAD: a bound the compiler's spills check at the chosen config.
+  larger of the score phase (S^T and dP^T fp32, delta by column: BM / 4 a thread) and the dQ
+  phase (its accumulator), plus OVERHEAD: a bound the compiler's spills check at the chosen config.
 
 The choice: the widest BLOCK_M that fits (each query block costs five wgmma issues and a
 barrier round), then the fewest stages (two: a step's five GEMMs cover the next block's load).
