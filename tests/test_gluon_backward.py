@@ -181,7 +181,7 @@ def test_the_module_holds_the_kernel_and_says_which_backward_ran(tmp_path):
     assert not compare_gradients(spec, grads, *inputs)
     _, _, module = _flash_backward(spec, tmp_path, True)
     assert last_backward().path == DETERMINISTIC
-    assert module.backward_path().startswith("tile-level: deterministic=True")
+    assert module.backward_path() == INTERPRETED
 
 
 @pytest.mark.parametrize("mask", ["causal", "none"])
@@ -195,10 +195,12 @@ def test_short_causal_calls_take_the_deterministic_kernels(tmp_path, monkeypatch
     monkeypatch.setattr(module, "_INTERPRET", False)
     for keys in (SHORT_CAUSAL_KEYS - 1, SHORT_CAUSAL_KEYS):
         q, k, v = (torch.zeros(1, 2, keys, 64, dtype=torch.float16) for _ in range(3))
-        why, _ = module._gluon_bwd_route(False, q, k, v, q.clone(), None)
-        short = mask == "causal" and keys < SHORT_CAUSAL_KEYS
-        assert why == (module._GLUON_BWD_SHORT if short else None)
-        assert module.backward_path() == ("tile-level: " + why if short else GLUON_PATH)
+        for deterministic in (False, True):
+            why, _ = module._gluon_bwd_route(deterministic, q, k, v, q.clone(), None)
+            short = mask == "causal" and keys < SHORT_CAUSAL_KEYS
+            assert why == (module._GLUON_BWD_SHORT if short else None)
+            path = GLUON_PATH + (module.GLUON_DETERMINISTIC if deterministic else "")
+            assert module.backward_path() == ("tile-level: " + why if short else path)
     launch = Path(module.__file__).read_text()
     assert "deterministic = deterministic or gluon_why == _GLUON_BWD_SHORT  #" in launch
 
@@ -207,7 +209,8 @@ def test_the_host_side_around_the_kernel(tmp_path, monkeypatch):
     """The Gluon path's host code on the CPU, the kernel stood in for by float64 gradients:
     the padded row statistics it is given (LSE log2 e, +inf past Nq; delta from the DELTA_ONLY
     pass), and dQ's padding rows dropped and cast into q's own layout (here flash_attn_func's
-    [B, N, H, D] memory, so autograd has no layout copy left to make)."""
+    [B, N, H, D] memory, so autograd has no layout copy left to make); deterministic=True: no
+    dQ sum given, the dQ kernel's dQ, delta the same, the gradients bitwise repeatable."""
     spec = _spec(dtype="fp16", head_dim=64, num_q_heads=4, num_kv_heads=2)
     write_build(plan_build([spec]), tmp_path)
     module = load_kernel_file(tmp_path)
@@ -217,8 +220,9 @@ def test_the_host_side_around_the_kernel(tmp_path, monkeypatch):
 
     def kernel(q, k, v, dout, lse2, delta, dq, qk_scale, sm_scale):
         _, _, gq, gk, gv = golden_backward(spec, q, k, v, dout, sm_scale=sm_scale)
-        seen.update(lse2=lse2.clone(), delta=delta.clone())
-        dq[:, :, : q.shape[2]] += gq.float()
+        seen.update(lse2=lse2.clone(), delta=delta.clone(), dq=dq)
+        if dq is not None:
+            dq[:, :, : q.shape[2]] += gq.float()
         return tuple(x.transpose(1, 2).contiguous().transpose(1, 2).to(k.dtype) for x in (gk, gv))
 
     monkeypatch.setattr(module, "_gluon_bwd_route", lambda *args: (None, args[4]))
@@ -234,6 +238,13 @@ def test_the_host_side_around_the_kernel(tmp_path, monkeypatch):
     # fp32 ulps apart (|delta| < 100 here); 1e-4 is that with a margin, far below any wrong row.
     want = (out.float() * dout.float()).sum(-1)
     torch.testing.assert_close(seen["delta"][..., :70], want, rtol=1e-4, atol=1e-4)
+    # deterministic=True: the kernel without dQ (dq None), dQ the dQ kernel's, bitwise again
+    once = module.attention_backward(dout, q, k, v, out, lse, deterministic=True)
+    assert seen["dq"] is None and once[0].stride() == q.stride()
+    torch.testing.assert_close(seen["delta"][..., :70], want, rtol=1e-4, atol=1e-4)
+    again = module.attention_backward(dout, q, k, v, out, lse, deterministic=True)
+    assert all(torch.equal(a, b) for a, b in zip(once, again, strict=True))
+    assert not compare_gradients(spec, list(once), q, k, v, dout)
 
 
 @pytest.mark.slow
