@@ -125,10 +125,10 @@ def test_other_archs_and_varlen_do_not_get_it():
 
 def test_explain_says_which_dkdv_runs():
     text = "\n".join(explain_lines([_spec(head_dim=64)], archs=["sm90"]))
-    assert "dK/dV for deterministic=False (prefill): warp-specialized Gluon" in text
+    assert "dK/dV (prefill): warp-specialized Gluon" in text
     assert "= 132624 B of" in text
     text = "\n".join(explain_lines([_spec(head_dim=64, alibi=True)], archs=["sm90"]))
-    assert "dK/dV for deterministic=False (prefill): tile-level only: ALiBi" in text
+    assert "dK/dV (prefill): tile-level only: ALiBi" in text
 
 
 def load_kernel_file(folder):
