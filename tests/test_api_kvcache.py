@@ -59,8 +59,8 @@ def kv_expectation(case: KvCase, cache: Cache):
     if case.api == "decode" and case.seqlen_q > case.flavor.query_tokens(case.paged):
         return Expect.REFUSE, ("max_query_tokens",)
     can_run = served_route(case)
-    if case.num_new > cache.capacity:  # every path refuses it, even for an empty batch
-        return Expect.REFUSE, ("capacity",)
+    if case.num_new > cache.capacity:  # every path refuses it, even for an empty batch (or
+        return Expect.REFUSE, ("capacity", *names)  # for the case's other mistake, found first)
     if expect is None:
         if any(bad_sequences(case, cache)):
             expect = Expect.REFUSE if case.checked else Expect.EITHER

@@ -22,7 +22,7 @@ import attngen
 from attngen.build import plan_build, write_build
 from attngen.reference.backward import compare_gradients
 from attngen.runtime import last_backward
-from attngen.runtime.ops import ATOMIC
+from attngen.runtime.ops import ATOMIC, DETERMINISTIC
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
 from tests.kernel_harness import make_spec
 
@@ -83,8 +83,8 @@ def built(tmp_path, monkeypatch):
     use_registry(saved)
 
 
-def run_backward(case, seed=7, apart=0.0):
-    """(grads, inputs, module): the public function's backward, deterministic=False;
+def run_backward(case, seed=7, apart=0.0, deterministic=False):
+    """(grads, inputs, module): the public function's backward (deterministic=False);
     inputs and gradients heads first ([B, H, N, D]). apart moves q by -apart and k by +apart
     in every element: every score falls by about apart**2 * D * scale."""
     b, nq, nk, hq, hkv, d, mask, align, dtype = case
@@ -101,7 +101,8 @@ def run_backward(case, seed=7, apart=0.0):
         out = attngen.scaled_dot_product_attention(*heads, is_causal=True, enable_gqa=hq != hkv)
         out.backward(dout.transpose(1, 2))
     else:
-        out = attngen.flash_attn_func(*leaves, causal=mask == "causal", deterministic=False)
+        causal = mask == "causal"
+        out = attngen.flash_attn_func(*leaves, causal=causal, deterministic=deterministic)
         out.backward(dout)
     torch.cuda.synchronize()
     module = current_registry().module(last_backward().key)
@@ -121,6 +122,21 @@ def test_gradients_match_the_float64_reference(case, built):
     assert not problems, "; ".join(problems)
     again, _, _ = run_backward(case)
     assert torch.equal(grads[1], again[1]) and torch.equal(grads[2], again[2])
+
+
+@pytest.mark.parametrize("case", [CASES[2], CASES[5], CASES[9], CASES[11]], ids=_ids)
+def test_deterministic_calls_run_it_without_dq_and_repeat_bitwise(case, built):
+    """deterministic=True: the Gluon kernel without dQ, dQ from the deterministic dQ kernel;
+    every gradient bitwise the same on a second run."""
+    spec = spec_for(case)
+    built(spec)
+    grads, inputs, module = run_backward(case, deterministic=True)
+    assert module.backward_path() == module.GLUON_BACKWARD_PATH + module.GLUON_DETERMINISTIC
+    assert last_backward().path == DETERMINISTIC
+    problems = compare_gradients(spec, grads, *inputs)
+    assert not problems, "; ".join(problems)
+    again, _, _ = run_backward(case, deterministic=True)
+    assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True))
 
 
 def test_short_causal_calls_run_the_tile_level_kernels_and_say_so(built):

@@ -5,9 +5,11 @@ same templates with the files of `--alt DIR` in their place (B), imports both mo
 directly (no registry: B's header hash names templates the package does not have) and times
 the module's own entry points alternately, A then B, with triton's do_bench: the forward
 (`attention`) and, for a spec with backward: true, the backward alone (`attention_backward`,
-deterministic=False). Inputs are [B, H, N, D] contiguous bf16, B = 16384 / N, H = 2048 / D
-(the FlashAttention grid's shapes). Each cell also records the largest difference between
-A's and B's outputs and gradients, and each module's forward_path() / backward_path().
+deterministic=False, or True with --deterministic). Inputs are [B, H, N, D] bf16 (contiguous,
+or with --heads-last views of [B, N, H, D] memory as flash_attn_func's), B = 16384 / N,
+H = 2048 / D (the FlashAttention grid's shapes). Each cell also records the largest
+difference between A's and B's outputs and gradients, and each module's forward_path() /
+backward_path().
 
     PYTHONPATH=. python tools/ab_templates.py --alt DIR --out OUT [--d 64 128] [--n 4096]
         [--causal 0 1] [--backward]
@@ -58,7 +60,8 @@ def _build(spec, folder: Path, alt: Path | None):
     return module
 
 
-def _cell(d: int, n: int, causal: bool, backward: bool, alt: Path, reps: int) -> dict:
+def _cell(d: int, n: int, causal: bool, backward: bool, alt: Path, reps: int,
+          deterministic: bool = False, heads_last: bool = False) -> dict:  # fmt: skip
     batch, heads = max(1, 16384 // n), 2048 // d
     mask = "causal" if causal else "none"
     spec = make_spec(name=f"ab_d{d}", head_dim=d, num_q_heads=heads, num_kv_heads=heads,
@@ -67,15 +70,18 @@ def _cell(d: int, n: int, causal: bool, backward: bool, alt: Path, reps: int) ->
         modules = {"A": _build(spec, Path(tmp) / "a", None),
                    "B": _build(spec, Path(tmp) / "b", alt)}  # fmt: skip
         gen = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v, dout = (torch.randn(batch, heads, n, d, generator=gen, device="cuda",
-                                     dtype=torch.bfloat16) for _ in range(4))  # fmt: skip
+        shape = (batch, n, heads, d) if heads_last else (batch, heads, n, d)
+        q, k, v, dout = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+                         for _ in range(4))  # fmt: skip
+        if heads_last:  # flash_attn_func's [B, N, H, D] memory, seen as [B, H, N, D]
+            q, k, v, dout = (t.transpose(1, 2) for t in (q, k, v, dout))
         cell: dict = {"D": d, "N": n, "B": batch, "H": heads, "causal": causal}
         flops = 4 * batch * heads * n * n * d * (0.5 if causal else 1)
         results = {}
         for name, module in modules.items():
             out, lse = module.attention(q, k, v, return_lse=True)
             grads = (
-                module.attention_backward(dout, q, k, v, out, lse, deterministic=False)
+                module.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic)
                 if backward
                 else ()
             )
@@ -95,7 +101,7 @@ def _cell(d: int, n: int, causal: bool, backward: bool, alt: Path, reps: int) ->
                     else:
                         out, lse = module.attention(q, k, v, return_lse=True)
                         fn = lambda m=module, o=out, s=lse: m.attention_backward(  # noqa: E731
-                            dout, q, k, v, o, s, deterministic=False
+                            dout, q, k, v, o, s, deterministic=deterministic
                         )
                     ms = triton.testing.do_bench(fn, rep=reps)
                     times[name] = min(times.get(name, ms), ms)
@@ -116,6 +122,8 @@ def main(argv=None) -> int:
     parser.add_argument("--causal", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--backward", action="store_true")
     parser.add_argument("--reps", type=int, default=100, help="do_bench rep (ms)")
+    parser.add_argument("--deterministic", action="store_true", help="the backward's")
+    parser.add_argument("--heads-last", action="store_true", help="[B, N, H, D] memory")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     cells = []
@@ -123,7 +131,16 @@ def main(argv=None) -> int:
         for n in args.n:
             for causal in args.causal:
                 try:
-                    cell = _cell(d, n, bool(causal), args.backward, args.alt.resolve(), args.reps)
+                    cell = _cell(
+                        d,
+                        n,
+                        bool(causal),
+                        args.backward,
+                        args.alt.resolve(),
+                        args.reps,
+                        args.deterministic,
+                        args.heads_last,
+                    )
                 except Exception as exc:  # noqa: BLE001 - recorded, the sweep goes on
                     cell = {
                         "D": d,

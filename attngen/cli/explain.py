@@ -132,8 +132,8 @@ def explain_backward(spec: AttnSpec, backward: BackwardDerivation) -> list[str]:
 
 
 def gluon_backward_lines(spec: AttnSpec, arch: str) -> list[str]:
-    """Whether deterministic=False's dK/dV runs the Gluon kernel of the prefill module, and
-    its derivation (attngen/tiling/gluon_backward.py), or why not."""
+    """Whether the prefill module's dK/dV runs the Gluon kernel, and its derivation
+    (attngen/tiling/gluon_backward.py), or why not."""
     gap = (
         gb.gluon_backward_gap(spec, arch, KernelKind.prefill)
         if KernelKind.prefill in spec.kernels
@@ -142,12 +142,12 @@ def gluon_backward_lines(spec: AttnSpec, arch: str) -> list[str]:
     derivation = None if gap else gb.derive_gluon_backward(spec, arch)
     if derivation is None or derivation.chosen is None:
         why = gap or "no Gluon config fits"
-        return [f"   dK/dV for deterministic=False (prefill): tile-level only: {why}"]
+        return [f"   dK/dV (prefill): tile-level only: {why}"]
     short = f", deterministic for causal calls under {gb.SHORT_CAUSAL_KEYS} keys (faster there)"
     short = short if spec.mask.value == "causal" else ""
     return [
-        "   dK/dV for deterministic=False (prefill): warp-specialized Gluon "
-        "(_gluon_backward.py.jinja) on CUDA where a call's layout fits TMA; tile-level "
+        "   dK/dV (prefill): warp-specialized Gluon (_gluon_backward.py.jinja; deterministic=True: "
+        "without dQ, the dQ kernel's) on CUDA where a call's layout fits TMA; tile-level "
         f"otherwise and under the interpreter{short}",
         *(f"     {line}" for line in derivation.summary_lines()),
     ]

@@ -173,9 +173,7 @@ def _scores(q, k, *, mask, window, softcap, slopes, scale):
         slopes = slopes[:, None, None] if slopes.dim() == 1 else slopes[:, :, None, None]
         scores = scores - slopes * distance
     seen = visible(mask, align, window, seqlen_q, seqlen_k, q.device)
-    if seen is not None:
-        scores = scores.masked_fill(~seen, float("-inf"))
-    return scores
+    return scores if seen is None else scores.masked_fill(~seen, float("-inf"))
 
 
 def _block_probs(scores, block_n: int):

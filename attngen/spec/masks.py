@@ -66,9 +66,7 @@ def visible(
         )
     left, right = window
     seen = (j >= i - left) & (j <= i + right)
-    if sink_tokens:
-        seen = seen | ((j < sink_tokens) & (j <= i + right))
-    return seen
+    return seen | ((j < sink_tokens) & (j <= i + right)) if sink_tokens else seen
 
 
 def alibi_distance(

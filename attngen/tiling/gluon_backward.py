@@ -4,19 +4,21 @@ A CTA of the kernel (attngen/templates/_gluon_backward.py.jinja) owns BLOCK_N = 
 (batch, KV head): a producer warp loads K and V once and streams STAGES slots of (Q, LSE) and
 (dO, delta), BLOCK_M query rows apiece, of every query head of the group; two consumer
 warpgroups own 64 key rows each (wgmma's M) and keep dK and dV in fp32 registers for the loop;
-dQ = dS K goes to an fp32 accumulator by relaxed atomics (five products, not seven). The
-register split is the forward's (register_split: 240 a consumer, 24 the producer, 168 at entry).
+they compute S^T = K Q^T and dP^T = V dO^T, so that P^T and dS^T are dV's and dK's register
+operands (only dS^T goes to shared memory, for dQ); dQ = dS K goes to an fp32 accumulator by
+TMA reduce-adds (five products, not seven). The register split is the forward's
+(register_split: 240 a consumer, 24 the producer, 168 at entry).
 
 The model (sympy) in BM = BLOCK_M, BN = BLOCK_N, D, E (element bytes), S (stages), NC
 (consumers) and C (dQ columns a consumer computes):
 - shared memory: K and V [BN, D] resident, S slots of Q and dO [BM, D] and of LSE and delta
-  [BM] fp32, two dS slots and P [BM, BN], per consumer the compiler's scratch for dQ's layout
-  change before the 16-byte atomics (at most CVT_ROUND_BYTES; it also holds warp_specialize's
-  arguments), the barriers (kv one, padded to 16 B; four [S, 1] and two [2, 1] arrays of 8 B,
-  each padded to 16 B); exact against the compiler (`attngen verify-tiling --gluon`);
+  [BM] fp32, two dS^T slots [BN, BM], per consumer dQ's fp32 staging [BM, C] that the TMA
+  reduce reads, the partitions' captured arguments (WS_CAPTURE_BYTES), the barriers (kv one,
+  padded to 16 B; four [S, 1] and two [2, 1] arrays of 8 B, each padded to 16 B); exact
+  against the compiler (`attngen verify-tiling --gluon`);
 - registers per consumer thread: dK_c and dV_c ([BN / NC, D] fp32 over 128 threads), plus the
-  larger of the score phase (S and dP fp32, P or dS in 16 bits) and the dQ phase (dQ and its
-  converted copy), plus OVERHEAD: a bound the compiler's spills check at the chosen config.
+  larger of the score phase (S^T and dP^T fp32, delta by column: BM / 4 a thread) and the dQ
+  phase (its accumulator), plus OVERHEAD: a bound the compiler's spills check at the chosen config.
 
 The choice: the widest BLOCK_M that fits (each query block costs five wgmma issues and a
 barrier round), then the fewest stages (two: a step's five GEMMs cover the next block's load).
@@ -52,7 +54,8 @@ STAGES_CHOICES = (2, 3)
 # Registers beyond the tiles (addresses, barrier phases, loop state), fitted to the compiler
 # at the boundary: D 64 x BLOCK_M 128 (16 above the cap) spills 136 B.
 OVERHEAD = 32
-CVT_ROUND_BYTES = 16384  # the compiler's layout conversion goes through 16 KiB rounds
+# warp_specialize's captured arguments, in the compiler's scratch (the same at every config)
+WS_CAPTURE_BYTES = 416
 # Measured through flash_attn_func (H100, tools/gluon_backward.py, docs/performance.md): causal,
 # the Gluon kernel ran 0.78-0.87x of the tile-level backward at N 1k, 1.14-1.26x at N 2k.
 SHORT_CAUSAL_KEYS = 2048
@@ -98,16 +101,16 @@ def _pad16(n: sympy.Expr) -> sympy.Expr:  # an [n, 1] int64 barrier array, padde
 @cache
 def smem_expression() -> sympy.Expr:
     """Dynamic shared memory of one CTA in bytes (exact against the compiler)."""
-    tiles = E * (2 * BN * D + S * 2 * BM * D + 3 * BM * BN) + S * 2 * BM * 4
-    scratch = NC * sympy.Min(BM * C * 4, CVT_ROUND_BYTES)
-    return tiles + scratch + 16 + 4 * _pad16(S) + 2 * _pad16(sympy.Integer(2))
+    tiles = E * (2 * BN * D + S * 2 * BM * D + 2 * BM * BN) + S * 2 * BM * 4
+    staging = NC * BM * C * 4 + WS_CAPTURE_BYTES
+    return tiles + staging + 16 + 4 * _pad16(S) + 2 * _pad16(sympy.Integer(2))
 
 
 @cache
 def regs_expression() -> sympy.Expr:
     """Registers per consumer thread (module docstring)."""
-    scores = 2 * BM * BN / NC + BM * BN / NC / 2
-    return (2 * BN / NC * D + sympy.Max(scores, 2 * BM * C)) / WARPGROUP + OVERHEAD
+    scores = 2 * BM * BN / NC + BM * WARPGROUP / 4  # S^T, dP^T fp32; delta by column
+    return (2 * BN / NC * D + sympy.Max(scores, BM * C)) / WARPGROUP + OVERHEAD
 
 
 @dataclass(frozen=True)

@@ -77,9 +77,10 @@ def _descriptor_type(dtype: Any, name: str, block: list[int]) -> str:
     return f"tensordesc<{name}{block},{layout!r}>".replace(" ", "")
 
 
-def gluon_bwd_source(spec: AttnSpec, kernel: Any, chosen: BwdCandidate, causal: bool) -> Any:
+def gluon_bwd_source(spec: AttnSpec, kernel: Any, chosen: BwdCandidate, causal: bool,
+                     with_dq: bool = True) -> Any:  # fmt: skip
     """The GluonASTSource of _gluon_bwd_run's launch (its ints that are multiples of 16
-    specialised as a launch specialises them)."""
+    specialised as a launch specialises them); with_dq=False: deterministic=True's."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -90,11 +91,13 @@ def gluon_bwd_source(spec: AttnSpec, kernel: Any, chosen: BwdCandidate, causal: 
     for desc, rows in (("q", config.block_m), ("do", config.block_m), ("k", config.block_n),
                        ("v", config.block_n)):  # fmt: skip
         signature[f"{desc}_desc"] = _descriptor_type(dtype, name, [1, rows, 1, d])
+    dq_block = [config.block_m, 32]  # the box of dQ's fp32 sum, reduced into by TMA
+    signature["dq_desc"] = _descriptor_type(gl.float32, "fp32", dq_block)
     rows = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     for desc in ("lse_desc", "delta_desc"):
         signature[desc] = f"tensordesc<fp32[{config.block_m}],{rows!r}>".replace(" ", "")
     constexprs = {"CAUSAL": causal, "STAGES": config.stages, "DQ_SPLIT": config.dq_split,
-                  "CONSUMER_REGS": config.consumer_regs,
+                  "WITH_DQ": with_dq, "CONSUMER_REGS": config.consumer_regs,
                   "PRODUCER_REGS": config.producer_regs, "HEAVY_FIRST": HEAVY_FIRST}  # fmt: skip
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     names = kernel.arg_names
@@ -198,6 +201,7 @@ def _compile_into(record: dict[str, Any], spec: AttnSpec, chosen: GluonCandidate
         )
         record["wgmma"] = bool(re.search(r"\bwgmma\.mma_async", ptx))
         record["atomics"] = sorted(set(re.findall(r"\b(?:red|atom)\.global[\w.]*", ptx)))
+        record["tma_reduces"] = sorted(set(re.findall(r"\bcp\.reduce\.async\.bulk[\w.:]*", ptx)))
     except Exception as exc:  # noqa: BLE001 - recorded, the check goes on
         first_line = (str(exc).strip().splitlines() or [""])[0]
         record["error"] = f"{type(exc).__name__}: {first_line[:300]}"
