@@ -12,7 +12,8 @@ under no_grad. In a cell every implementation is timed forward, then every one f
 so host drift hits all alike. Before timing, each output is compared with cuDNN's (max abs diff;
 gradients: max abs diff over the reference's max abs); above 2e-2 it is flagged ("!") and left out
 of the ratios. Peak memory: the forward (+ backward) peak above what was allocated before.
-attngen's cells record `last_dispatch()` (module and forward kernel) and its forward timed once
+attngen's cells record `last_dispatch()` (module and forward kernel), the backward's path
+(`backward_path()` below) and its forward timed once
 more after every other ("fwd_ms_again": a slow first timing that recovers is the neighbours' doing,
 not the kernel's). A missing or refusing implementation is recorded with its reason. The JSON is
 rewritten after every cell; --budget-s stops starting cells after that many seconds. On a CUDA
@@ -39,6 +40,8 @@ import torch
 import triton
 
 import attngen
+from attngen.runtime import last_backward
+from attngen.runtime.registry import current_registry
 
 HEAD_DIMS = (64, 128, 256)
 SEQLENS = (1024, 4096, 16384)
@@ -143,6 +146,17 @@ def closures(fn, q, k, v, dout, causal, backward: bool):
     return fwd, fwd_bwd
 
 
+def backward_path() -> str | None:
+    """The latest backward call's path (atomic or deterministic) and, where its module has
+    the Gluon dK/dV kernel, that module's backward_path()."""
+    run = last_backward()
+    if run is None:
+        return None
+    module = current_registry().module(run.key)
+    gluon = getattr(module, "backward_path", None)  # modules without the Gluon kernel lack it
+    return f"{run.path}: {gluon()}" if gluon else run.path
+
+
 def probe(fn, q, k, v, dout, causal, backward: bool):
     """After a warm-up call (JIT compile, autotune): one call's output, gradients (or None) and
     the peak MiB it allocated above what was allocated before it."""
@@ -224,6 +238,9 @@ def run_cell(impls, head_dim, seqlen, causal, args) -> dict:
                 res["error"] = f"{phase}: {type(exc).__name__}: {exc}"[:300]
     for name in ready:  # which kernels served the calls; the forward again, the others done
         if name.startswith("attngen"):
+            if backward and "fwd_bwd_ms" in results[name]:
+                closures(ready[name], q, k, v, dout, causal, backward)[1]()
+                results[name]["backward"] = backward_path()
             chosen = attngen.last_dispatch()  # None only if no call went through the registry
             if chosen is not None:
                 results[name]["dispatch"] = {"module": chosen.module, "forward": chosen.forward}
