@@ -51,8 +51,8 @@ GLUON_ARCH = "sm90"
 # Head dims the kernel serves (D and DV each). O's wgmma takes N = DV, the TMA boxes are
 # [BLOCK_N, D] and [BLOCK_N, DV] and the kernel has no head-dim padding or masks, so a dim
 # needs its own layouts, register budget and a GPU check; these three are the ones checked on
-# the H200 (tools/gluon_forward_check.py), D == DV. With D != DV ("head_dim != head_dim_v"),
-# Q's slot holds the wider of the two tiles and Q and O are views of it.
+# the H200 (tools/gluon_forward_check.py@31eda103), D == DV. With D != DV ("head_dim !=
+# head_dim_v"), Q's slot holds the wider of the two tiles and Q and O are views of it.
 GLUON_HEAD_DIMS = (64, 128, 256)
 WARPGROUP = 128  # threads
 REGISTER_FILE = 65536  # 32-bit registers per SM, one CTA per SM
