@@ -241,6 +241,7 @@ def test_the_host_side_around_the_kernel(tmp_path, monkeypatch):
     # deterministic=True: the kernel without dQ (dq None), dQ the dQ kernel's, bitwise again
     once = module.attention_backward(dout, q, k, v, out, lse, deterministic=True)
     assert seen["dq"] is None and once[0].stride() == q.stride()
+    # delta now from the dQ kernel's whole pass: the same sums, so the same tolerance as above
     torch.testing.assert_close(seen["delta"][..., :70], want, rtol=1e-4, atol=1e-4)
     again = module.attention_backward(dout, q, k, v, out, lse, deterministic=True)
     assert all(torch.equal(a, b) for a, b in zip(once, again, strict=True))
@@ -267,6 +268,7 @@ def test_the_kernels_compile_for_sm90_as_the_model_predicts():
         assert row.record["tma_reduces"] == [
             "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.bulk_group"
         ]
-        known = {"none": (4, 8), "causal": (36, 32)}[spec.mask.value] if spec.head_dim == 128 else 0
-        assert row.record["spill_stores"] == (known[0] if known else 0), row.line()
-        assert row.problems == ([] if not known else [f"spills {known[0]} B, stack {known[1]} B"])
+        known = {(128, "none"): (4, 8), (128, "causal"): (36, 32)}  # (spill stores, stack) B
+        spills, stack = known.get((spec.head_dim, spec.mask.value), (0, 0))
+        assert row.record["spill_stores"] == spills, row.line()
+        assert row.problems == ([f"spills {spills} B, stack {stack} B"] if spills else [])
