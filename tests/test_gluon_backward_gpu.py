@@ -144,7 +144,7 @@ def test_short_causal_calls_run_the_tile_level_kernels_and_say_so(built):
     spec = spec_for(case)
     built(spec, short_rule=True)
     grads, inputs, module = run_backward(case)
-    assert module.GLUON_BWD_SHORT_CAUSAL_KEYS == 2048
+    assert module.GLUON_BWD_SHORT_CAUSAL_KEYS == 1024
     assert module.backward_path() == "tile-level: " + module._GLUON_BWD_SHORT
     problems = compare_gradients(spec, grads, *inputs)
     assert not problems, "; ".join(problems)

@@ -12,7 +12,7 @@ difference between A's and B's outputs and gradients, and each module's forward_
 backward_path().
 
     PYTHONPATH=. python tools/ab_templates.py --alt DIR --out OUT [--d 64 128] [--n 4096]
-        [--causal 0 1] [--backward]
+        [--causal 0 1] [--backward] [--deterministic] [--heads-last] [--short-causal A B]
 
 Writes OUT/ab_templates.json and prints one line per cell (B's time over A's: < 1 is faster).
 """
@@ -60,15 +60,18 @@ def _build(spec, folder: Path, alt: Path | None):
     return module
 
 
-def _cell(d: int, n: int, causal: bool, backward: bool, alt: Path, reps: int,
-          deterministic: bool = False, heads_last: bool = False) -> dict:  # fmt: skip
+def _cell(d: int, n: int, causal: bool, args: argparse.Namespace) -> dict:
+    backward, reps, deterministic, heads_last = (args.backward, args.reps, args.deterministic,
+                                                 args.heads_last)  # fmt: skip
     batch, heads = max(1, 16384 // n), 2048 // d
     mask = "causal" if causal else "none"
     spec = make_spec(name=f"ab_d{d}", head_dim=d, num_q_heads=heads, num_kv_heads=heads,
                      mask=mask, backward=backward, dtype="bf16")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         modules = {"A": _build(spec, Path(tmp) / "a", None),
-                   "B": _build(spec, Path(tmp) / "b", alt)}  # fmt: skip
+                   "B": _build(spec, Path(tmp) / "b", args.alt.resolve())}  # fmt: skip
+        for module, keys in zip(modules.values(), args.short_causal or (), strict=False):
+            module.GLUON_BWD_SHORT_CAUSAL_KEYS = keys  # the Gluon kernel's causal threshold
         gen = torch.Generator(device="cuda").manual_seed(0)
         shape = (batch, n, heads, d) if heads_last else (batch, heads, n, d)
         q, k, v, dout = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
@@ -124,6 +127,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=100, help="do_bench rep (ms)")
     parser.add_argument("--deterministic", action="store_true", help="the backward's")
     parser.add_argument("--heads-last", action="store_true", help="[B, N, H, D] memory")
+    short_help = "each module's GLUON_BWD_SHORT_CAUSAL_KEYS (0: the Gluon kernel always)"
+    parser.add_argument("--short-causal", type=int, nargs=2, metavar=("A", "B"), help=short_help)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     cells = []
@@ -131,16 +136,7 @@ def main(argv=None) -> int:
         for n in args.n:
             for causal in args.causal:
                 try:
-                    cell = _cell(
-                        d,
-                        n,
-                        bool(causal),
-                        args.backward,
-                        args.alt.resolve(),
-                        args.reps,
-                        args.deterministic,
-                        args.heads_last,
-                    )
+                    cell = _cell(d, n, bool(causal), args)
                 except Exception as exc:  # noqa: BLE001 - recorded, the sweep goes on
                     cell = {
                         "D": d,

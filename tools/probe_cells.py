@@ -9,7 +9,7 @@ last_dispatch() say which module and kernel served it. The cells: the grid's slo
 
 Writes DIR/probe_cells.json and prints one line per cell and mode. --backward probes one
 backward per cell instead (deterministic=False; its median, host time, kernels and which
-dK/dV kernel ran: the sm90 modules' Gluon one but for causal calls with fewer than 2048 keys)
+dK/dV kernel ran: the sm90 modules' Gluon one but for causal calls with fewer than 1024 keys)
 into DIR/probe_cells_backward.json.
 """
 

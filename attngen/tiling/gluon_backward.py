@@ -56,9 +56,9 @@ STAGES_CHOICES = (2, 3)
 OVERHEAD = 32
 # warp_specialize's captured arguments, in the compiler's scratch (the same at every config)
 WS_CAPTURE_BYTES = 416
-# Measured through flash_attn_func (H100, tools/gluon_backward.py, docs/performance.md): causal,
-# the Gluon kernel ran 0.78-0.87x of the tile-level backward at N 1k, 1.14-1.26x at N 2k.
-SHORT_CAUSAL_KEYS = 2048
+# Against the tile-level backward in one process (H100, tools/ab_templates.py --short-causal):
+# causal, the Gluon kernel ran 1.11-1.16x its time at N 256, 0.99-1.02x N 512, 0.87-0.89x N 1k.
+SHORT_CAUSAL_KEYS = 1024
 # Causal key blocks of this many (batch, KV head)s interleaved, heavy first: greedy scheduling
 # on 132 SMs models a tail of 3-7% at N 2k-8k head by head, 0.2% for 4 (their Q, dO in L2).
 HEAVY_FIRST = 4

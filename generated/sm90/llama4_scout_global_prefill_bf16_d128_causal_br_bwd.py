@@ -1286,7 +1286,7 @@ def _gluon_attn_bwd_kernel(
 # BLOCK_M 64, BLOCK_N 128 (2 consumer warpgroups x 64 keys), 2 stages, dQ split by columns,
 # setmaxnreg 240/24 (entry 168).
 # Causal calls with fewer keys than this run the tile-level kernels, faster there (0 = none).
-GLUON_BWD_SHORT_CAUSAL_KEYS = 2048
+GLUON_BWD_SHORT_CAUSAL_KEYS = 1024
 _GLUON_BWD_SHORT = "causal with few keys (the deterministic tile-level kernels are faster)"
 GLUON_BWD_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "DQ_SPLIT": True}
 GLUON_BACKWARD_PATH = "gluon warp-specialized dK/dV"
