@@ -96,8 +96,8 @@ def run_backward(case, seed=7, apart=0.0, deterministic=False):
     )
     q, k = q - apart, k + apart
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    if align == "top_left":  # the SDPA drop-in: is_causal top-left, [B, H, N, D]
-        heads = [t.transpose(1, 2) for t in leaves]
+    if align == "top_left":  # the SDPA drop-in: is_causal top-left, [B, H, N, D] memory
+        heads = [t.transpose(1, 2).contiguous() for t in leaves]  # (dQ's sum in that order too)
         out = attngen.scaled_dot_product_attention(*heads, is_causal=True, enable_gqa=hq != hkv)
         out.backward(dout.transpose(1, 2))
     else:

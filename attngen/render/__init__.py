@@ -293,32 +293,18 @@ def _host_paths_context(spec: AttnSpec, kind: KernelKind, arch: str) -> dict[str
     k, v and out; sinks, dropout and expression tensors do), as attention_varlen()
     (host/varlen_plans.py) and decode() (host/decode_plans.py) do without them."""
     paths = code_paths(spec, arch, kind)
+    dense = kind in (KernelKind.prefill, KernelKind.varlen) and not (spec.backward and spec.dropout)
     return {
         "tma": paths.tma,
         "tma_masked_blocks": paths.tma_masked_blocks,
         "lpt_group_heads": paths.lpt_group_heads,
         "pointer_loads_up_to": POINTER_LOADS_UP_TO,
-        "call_plans": not spec.sinks
-        and not spec.tensors
-        and (
-            kind is KernelKind.decode
-            or (
-                kind in (KernelKind.prefill, KernelKind.varlen)
-                and not (spec.backward and spec.dropout)
-            )
-        ),
+        "call_plans": not spec.sinks and not spec.tensors and (kind is KernelKind.decode or dense),
     }
 
 
-_GLUON_INTS = (
-    "gluon_consumers",
-    "gluon_block_m",
-    "gluon_block_n",
-    "gluon_stages",
-    "gluon_consumer_regs",
-    "gluon_producer_regs",
-    "gluon_maxnreg",
-)
+_GLUON_INTS = ("gluon_consumers", "gluon_block_m", "gluon_block_n", "gluon_stages",
+               "gluon_consumer_regs", "gluon_producer_regs", "gluon_maxnreg")  # fmt: skip
 
 
 def gluon_context(

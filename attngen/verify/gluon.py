@@ -78,9 +78,10 @@ def _descriptor_type(dtype: Any, name: str, block: list[int]) -> str:
 
 
 def gluon_bwd_source(spec: AttnSpec, kernel: Any, chosen: BwdCandidate, causal: bool,
-                     with_dq: bool = True) -> Any:  # fmt: skip
+                     with_dq: bool = True, heads_last: bool = True) -> Any:  # fmt: skip
     """The GluonASTSource of _gluon_bwd_run's launch (its ints that are multiples of 16
-    specialised as a launch specialises them); with_dq=False: deterministic=True's."""
+    specialised as a launch specialises them); with_dq=False: deterministic=True's;
+    heads_last: dQ's sum in flash_attn_func's [B, N, H, D] order, else [B, H, N, D]."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -97,7 +98,8 @@ def gluon_bwd_source(spec: AttnSpec, kernel: Any, chosen: BwdCandidate, causal: 
     for desc in ("lse_desc", "delta_desc"):
         signature[desc] = f"tensordesc<fp32[{config.block_m}],{rows!r}>".replace(" ", "")
     constexprs = {"CAUSAL": causal, "STAGES": config.stages, "DQ_SPLIT": config.dq_split,
-                  "WITH_DQ": with_dq, "CONSUMER_REGS": config.consumer_regs,
+                  "WITH_DQ": with_dq, "DQ_HEADS_LAST": heads_last,
+                  "CONSUMER_REGS": config.consumer_regs,
                   "PRODUCER_REGS": config.producer_regs, "HEAVY_FIRST": HEAVY_FIRST}  # fmt: skip
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     names = kernel.arg_names
