@@ -13,6 +13,7 @@ backward_path().
 
     PYTHONPATH=. python tools/ab_templates.py --alt DIR --out OUT [--d 64 128] [--n 4096]
         [--causal 0 1] [--backward] [--deterministic] [--heads-last] [--short-causal A B]
+        [--b-gluon NAME=INT,...]  (B: the package's templates with these Gluon forward knobs)
 
 Writes OUT/ab_templates.json and prints one line per cell (B's time over A's: < 1 is faster).
 """
@@ -33,6 +34,8 @@ import triton
 
 import attngen.render.template_env as template_env
 from attngen.build import plan_build, write_build
+from attngen.spec import KernelKind
+from attngen.tuning.database import TUNING_SCHEMA, entry_key, render_tuning_file, tuning_path
 from tests.kernel_harness import make_spec
 
 
@@ -45,12 +48,26 @@ def _alt_environment(alt: Path) -> jinja2.Environment:
     )
 
 
-def _build(spec, folder: Path, alt: Path | None):
+def _gluon_tuning(spec, folder: Path, knobs: dict[str, int]) -> Path:
+    """A tuning folder whose sm90 file gives the spec's prefill module these Gluon forward
+    knobs (the build renders them where they are a feasible candidate)."""
+    key = entry_key(spec, KernelKind.prefill)
+    record = {"config": knobs, "gpu": "ab_templates --b-gluon", "date": "-", "complete": True}
+    data = {"schema": TUNING_SCHEMA, "arch": "sm90", "entries": {key: {"gluon": record}}}
+    folder.mkdir(parents=True, exist_ok=True)
+    tuning_path(folder, "sm90").write_text(render_tuning_file(data))
+    return folder
+
+
+def _build(spec, folder: Path, alt: Path | None, knobs: dict[str, int] | None = None):
     saved = template_env._environment
     if alt is not None:
         template_env._environment = cache(lambda: _alt_environment(alt))
     try:
-        write_build(plan_build([spec]), folder)
+        tuning = (
+            _gluon_tuning(spec, folder.with_name(folder.name + "_tuning"), knobs) if knobs else None
+        )
+        write_build(plan_build([spec], tuning), folder)
     finally:
         template_env._environment = saved
     (path,) = [p for p in folder.rglob("sm90/*.py")]
@@ -69,7 +86,8 @@ def _cell(d: int, n: int, causal: bool, args: argparse.Namespace) -> dict:
                      mask=mask, backward=backward, dtype="bf16")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         modules = {"A": _build(spec, Path(tmp) / "a", None),
-                   "B": _build(spec, Path(tmp) / "b", args.alt.resolve())}  # fmt: skip
+                   "B": _build(spec, Path(tmp) / "b", args.alt and args.alt.resolve(),
+                               args.b_gluon)}  # fmt: skip
         for module, keys in zip(modules.values(), args.short_causal or (), strict=False):
             module.GLUON_BWD_SHORT_CAUSAL_KEYS = keys  # the Gluon kernel's causal threshold
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -89,6 +107,7 @@ def _cell(d: int, n: int, causal: bool, args: argparse.Namespace) -> dict:
                 else ()
             )
             results[name] = (out, *grads)
+            cell[f"{name}_gluon"] = getattr(module, "GLUON_CONFIG", None)
             cell[f"{name}_paths"] = [module.forward_path()] + (
                 [module.backward_path()] if backward else []
             )
@@ -116,9 +135,20 @@ def _cell(d: int, n: int, causal: bool, args: argparse.Namespace) -> dict:
     return cell
 
 
+def _knobs(text: str) -> dict[str, int]:
+    try:
+        return {name: int(value) for name, value in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NAME=INT,... got {text!r}") from None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--alt", type=Path, required=True)
+    parser.add_argument("--alt", type=Path, help="B's templates: this folder's files first")
+    parser.add_argument("--b-gluon", type=_knobs, metavar="NAME=INT,...",
+                        help="B's Gluon forward knobs, e.g. NUM_CONSUMERS=3,BLOCK_M=64,"
+                        "BLOCK_N=128,STAGES=2 (a tuning record the build renders where it "
+                        "is a feasible candidate)")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--d", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--n", type=int, nargs="+", default=[4096])
@@ -130,6 +160,8 @@ def main(argv=None) -> int:
     short_help = "each module's GLUON_BWD_SHORT_CAUSAL_KEYS (0: the Gluon kernel always)"
     parser.add_argument("--short-causal", type=int, nargs=2, metavar=("A", "B"), help=short_help)
     args = parser.parse_args(argv)
+    if args.alt is None and args.b_gluon is None:
+        parser.error("B needs --alt or --b-gluon")
     args.out.mkdir(parents=True, exist_ok=True)
     cells = []
     for d in args.d:
