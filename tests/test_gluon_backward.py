@@ -210,8 +210,8 @@ def test_the_host_side_around_the_kernel(tmp_path, monkeypatch):
     the padded row statistics it is given (LSE log2 e, +inf past Nq; delta from the DELTA_ONLY
     pass), dQ's fp32 sum in q's order of heads and rows, its padding rows dropped and cast into
     q's own layout (here flash_attn_func's [B, N, H, D] memory, so autograd has no layout copy
-    left to make); deterministic=True: no
-    dQ sum given, the dQ kernel's dQ, delta the same, the gradients bitwise repeatable."""
+    left to make); deterministic=True: no dQ sum given, the dQ kernel's dQ, delta the same,
+    the gradients bitwise repeatable."""
     spec = _spec(dtype="fp16", head_dim=64, num_q_heads=4, num_kv_heads=2)
     write_build(plan_build([spec]), tmp_path)
     module = load_kernel_file(tmp_path)

@@ -178,7 +178,7 @@ def main(argv=None) -> int:
                     }
                 cells.append(cell)
                 (args.out / "ab_templates.json").write_text(json.dumps(cells, indent=1))
-                line = {k: v for k, v in cell.items() if k not in ("A_paths", "B_paths")}
+                line = {k: v for k, v in cell.items() if k[1:] not in ("_paths", "_gluon")}
                 print(json.dumps(line), flush=True)
     return 0
 
