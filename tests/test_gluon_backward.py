@@ -6,6 +6,8 @@ tests/test_gluon_backward_gpu.py runs it on the H200."""
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 
 import pytest
@@ -249,6 +251,27 @@ def test_the_host_side_around_the_kernel(tmp_path, monkeypatch):
     again = module.attention_backward(dout, q, k, v, out, lse, deterministic=True)
     assert all(torch.equal(a, b) for a, b in zip(once, again, strict=True))
     assert not compare_gradients(spec, list(once), q, k, v, dout)
+
+
+@pytest.mark.parametrize("seqlen_q", [70, 128])  # padded to 128 rows, and not
+def test_the_row_statistics_it_is_given(tmp_path, seqlen_q):
+    """_gluon_bwd_buffers: LSE log2 e with +inf for rows that see no key and past Nq, LSE,
+    dLSE and delta padded alike (delta zeroed only where there are padding rows: the dQ
+    kernel writes every row < Nq), dQ's fp32 sum zeroed."""
+    spec = _spec(dtype="fp16", head_dim=64, num_q_heads=4, num_kv_heads=2)
+    write_build(plan_build([spec]), tmp_path)
+    module = load_kernel_file(tmp_path)
+    q = torch.zeros(2, 4, seqlen_q, 64, dtype=torch.float16)
+    lse = torch.randn(2, 4, seqlen_q, generator=torch.Generator().manual_seed(0))
+    lse[0, 1, :5] = -math.inf
+    dq, lse_p, lse2, delta, dlse = module._gluon_bwd_buffers(q, lse, lse + 1, False)
+    want = torch.where(lse == -math.inf, math.inf, lse * 1.4426950408889634)
+    assert torch.equal(lse2[..., :seqlen_q], want) and (lse2[..., seqlen_q:] == math.inf).all()
+    assert torch.equal(lse_p[..., :seqlen_q], lse) and torch.equal(dlse[..., :seqlen_q], lse + 1)
+    for t in (lse_p, lse2, delta, dlse):
+        assert t.shape == (2, 4, 128) and t.is_contiguous()
+    assert (delta[..., seqlen_q:] == 0).all()
+    assert dq.shape == (2, 4, 128, 64) and dq.dtype == torch.float32 and not dq.any()
 
 
 @pytest.mark.slow
