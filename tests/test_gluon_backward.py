@@ -7,7 +7,6 @@ tests/test_gluon_backward_gpu.py runs it on the H200."""
 from __future__ import annotations
 
 import math
-
 from pathlib import Path
 
 import pytest
