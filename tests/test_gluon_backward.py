@@ -92,7 +92,7 @@ def test_the_prefill_modules_hold_it(d, mask, align):
     assert KERNEL in source and "GLUON_BACKWARD = True" in source
     assert f'"CAUSAL": {mask == "causal"}' in source
     diag = "seqlen_k - seqlen_q" if align == "bottom_right" else "0"
-    assert f"    diag = {diag}\n    _gluon_attn_bwd_kernel[" in source
+    assert f"lse2.shape[2],\n            {diag}, num_n_blocks," in source  # the kernel's diag
     assert "Gluon dK/dV backward (warp-specialized, sm90" in source  # the header's derivation
 
 
@@ -271,6 +271,39 @@ def test_the_row_statistics_it_is_given(tmp_path, seqlen_q):
         assert t.shape == (2, 4, 128) and t.is_contiguous()
     assert (delta[..., seqlen_q:] == 0).all()
     assert dq.shape == (2, 4, 128, 64) and dq.dtype == torch.float32 and not dq.any()
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_launch_passes_the_kernels_parameters_in_its_groups(
+    tmp_path, monkeypatch, deterministic
+):
+    """_gluon_bwd_run launches through the module's cached launcher (_launch), which calls the
+    compiled kernel positionally: tensors, ints, tail (floats, TMA descriptors), then the
+    constexprs by name in the kernel's order (what _first_launch checks on a GPU)."""
+    spec = _spec(dtype="fp16", head_dim=64, num_q_heads=4, num_kv_heads=2)
+    write_build(plan_build([spec]), tmp_path)
+    module = load_kernel_file(tmp_path)
+    seen = {}
+    monkeypatch.setattr(
+        module, "_launch", lambda kernel, *args: seen.update(kernel=kernel, args=args)
+    )
+    q, dout = (torch.zeros(2, 128, 4, 64, dtype=torch.float16).transpose(1, 2) for _ in range(2))
+    k, v = (torch.zeros(2, 2, 128, 64, dtype=torch.float16) for _ in range(2))
+    dq_sum, _, lse2, delta, _ = module._gluon_bwd_buffers(q, torch.zeros(2, 4, 128), None, False)
+    module._gluon_bwd_run(q, k, v, dout, lse2, delta, None if deterministic else dq_sum, 1.0, 0.5)
+    grid, device, tensors, ints, tail, constexprs, options = seen["args"]
+    params = seen["kernel"].params
+    positional = len(tensors) + len(ints) + len(tail)
+    assert [p.is_constexpr for p in params] == [False] * positional + [True] * len(constexprs)
+    assert [p.name for p in params[positional:]] == list(constexprs)
+    names = [p.name for p in params[:positional]]  # each group where the kernel declares it
+    assert names[: len(tensors)] == ["dk_ptr", "dv_ptr"]
+    assert names[len(tensors) + len(ints) :][:2] == ["qk_scale", "sm_scale"]
+    assert all(name.endswith("_desc") for name in names[positional - len(tail) + 2 :])
+    assert all(type(t) is torch.Tensor for t in tensors) and all(type(n) is int for n in ints)
+    assert type(tail[0]) is float and type(tail[1]) is float
+    assert (constexprs["WITH_DQ"], constexprs["DQ_HEADS_LAST"]) == (not deterministic,) * 2
+    assert grid == 2 * 2 and options == module._GLUON_OPTIONS
 
 
 @pytest.mark.slow
