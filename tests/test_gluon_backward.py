@@ -6,6 +6,7 @@ tests/test_gluon_backward_gpu.py runs it on the H200."""
 
 from __future__ import annotations
 
+import inspect
 import math
 from pathlib import Path
 
@@ -229,6 +230,14 @@ def test_the_host_side_around_the_kernel(tmp_path, monkeypatch):
 
     monkeypatch.setattr(module, "_gluon_bwd_route", lambda *args: (None, args[4]))
     monkeypatch.setattr(module, "_gluon_bwd_run", kernel)
+    launched, launch = [], module._launch  # the dQ kernel's pass goes through the cached launcher
+
+    def checked_launch(kernel, grid, device, *groups):
+        launched.append(kernel.fn.__name__)
+        _assert_launch_groups(kernel, *groups[:4])
+        return launch(kernel, grid, device, *groups)
+
+    monkeypatch.setattr(module, "_launch", checked_launch)
     out, lse = module.attention(q, k, v, return_lse=True)
     dq, dk, dv = module.attention_backward(dout, q, k, v, out, lse, deterministic=False)
     assert dq.dtype == q.dtype and dq.stride() == q.stride()
@@ -250,6 +259,7 @@ def test_the_host_side_around_the_kernel(tmp_path, monkeypatch):
     again = module.attention_backward(dout, q, k, v, out, lse, deterministic=True)
     assert all(torch.equal(a, b) for a, b in zip(once, again, strict=True))
     assert not compare_gradients(spec, list(once), q, k, v, dout)
+    assert launched.count("_attn_bwd_dq_kernel") == 3  # the three backward calls' dQ passes
 
 
 @pytest.mark.parametrize("seqlen_q", [70, 128])  # padded to 128 rows, and not
@@ -273,6 +283,20 @@ def test_the_row_statistics_it_is_given(tmp_path, seqlen_q):
     assert dq.shape == (2, 4, 128, 64) and dq.dtype == torch.float32 and not dq.any()
 
 
+def _assert_launch_groups(kernel, tensors, ints, tail, constexprs) -> list[str]:
+    """What _launch's direct path needs of a launch (_first_launch checks the first two on a
+    GPU): the kernel's parameters are the groups in order, constexprs last by name; tensors
+    are tensors, ints ints, the tail floats, None or TMA descriptors. Returns the names."""
+    params = list(inspect.signature(kernel.fn).parameters.values())  # jit or interpreted
+    constexpr = ["constexpr" in str(p.annotation) for p in params]
+    positional = len(tensors) + len(ints) + len(tail)
+    assert constexpr == [False] * positional + [True] * len(constexprs)
+    assert [p.name for p in params[positional:]] == list(constexprs)
+    assert all(type(t) is torch.Tensor for t in tensors) and all(type(n) is int for n in ints)
+    assert all(x is None or type(x) is float or hasattr(x, "block_shape") for x in tail)
+    return [p.name for p in params[:positional]]
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_the_launch_passes_the_kernels_parameters_in_its_groups(
     tmp_path, monkeypatch, deterministic
@@ -292,15 +316,10 @@ def test_the_launch_passes_the_kernels_parameters_in_its_groups(
     dq_sum, _, lse2, delta, _ = module._gluon_bwd_buffers(q, torch.zeros(2, 4, 128), None, False)
     module._gluon_bwd_run(q, k, v, dout, lse2, delta, None if deterministic else dq_sum, 1.0, 0.5)
     grid, device, tensors, ints, tail, constexprs, options = seen["args"]
-    params = seen["kernel"].params
-    positional = len(tensors) + len(ints) + len(tail)
-    assert [p.is_constexpr for p in params] == [False] * positional + [True] * len(constexprs)
-    assert [p.name for p in params[positional:]] == list(constexprs)
-    names = [p.name for p in params[:positional]]  # each group where the kernel declares it
+    names = _assert_launch_groups(seen["kernel"], tensors, ints, tail, constexprs)
     assert names[: len(tensors)] == ["dk_ptr", "dv_ptr"]
     assert names[len(tensors) + len(ints) :][:2] == ["qk_scale", "sm_scale"]
-    assert all(name.endswith("_desc") for name in names[positional - len(tail) + 2 :])
-    assert all(type(t) is torch.Tensor for t in tensors) and all(type(n) is int for n in ints)
+    assert all(name.endswith("_desc") for name in names[len(tensors) + len(ints) + 2 :])
     assert type(tail[0]) is float and type(tail[1]) is float
     assert (constexprs["WITH_DQ"], constexprs["DQ_HEADS_LAST"]) == (not deterministic,) * 2
     assert grid == 2 * 2 and options == module._GLUON_OPTIONS

@@ -619,23 +619,12 @@ def _launch_classes(kernel, device, tensors, addresses, tail, constexprs, option
     is its dtype, block shape and padding), the constexprs and the compile options (with
     Triton's debug and instrumentation knobs)."""
     aligned = tuple([(t.dtype, a & 15 == 0) for t, a in zip(tensors, addresses, strict=True)])
-    return (
-        kernel,
-        device,
-        aligned,
-        tuple(
-            [
-                type(x)
-                if x is None or type(x) is float
-                else (x.base.dtype, tuple(x.block_shape), x.padding)
-                for x in tail
-            ]
-        ),
-        tuple(constexprs.items()),
-        tuple(options.items()),
-        _KNOBS.runtime.debug,
-        _KNOBS.compilation.instrumentation_mode,
-    )
+    tail_classes = tuple([type(x) if x is None or type(x) is float
+                          else (x.base.dtype, tuple(x.block_shape), x.padding)
+                          for x in tail])  # fmt: skip
+    return (kernel, device, aligned, tail_classes, tuple(constexprs.items()),
+            tuple(options.items()), _KNOBS.runtime.debug,
+            _KNOBS.compilation.instrumentation_mode)  # fmt: skip
 
 
 def _specialization(kernel, device, tensors, ints, tail, constexprs, options):
