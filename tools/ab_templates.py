@@ -14,6 +14,7 @@ backward_path().
     PYTHONPATH=. python tools/ab_templates.py --alt DIR --out OUT [--d 64 128] [--n 4096]
         [--causal 0 1] [--backward] [--deterministic] [--heads-last] [--short-causal A B]
         [--b-gluon NAME=INT,...]  (B: the package's templates with these Gluon forward knobs)
+        [--enqueue]  (also each call's host time from a synchronised start, microseconds)
 
 Writes OUT/ab_templates.json and prints one line per cell (B's time over A's: < 1 is faster).
 """
@@ -25,6 +26,7 @@ import importlib.util
 import json
 import sys
 import tempfile
+import time
 from functools import cache
 from pathlib import Path
 
@@ -115,7 +117,7 @@ def _cell(d: int, n: int, causal: bool, args: argparse.Namespace) -> dict:
         cell["max_diff"] = max((a.float() - b.float()).abs().max().item() for a, b in pairs)
         del results
         for phase in ("forward", "backward") if backward else ("forward",):
-            times = {}
+            times, last_fns = {}, {}
             for _ in range(2):  # A, B, A, B: the best of two each
                 for name, module in modules.items():
                     if phase == "forward":
@@ -125,14 +127,32 @@ def _cell(d: int, n: int, causal: bool, args: argparse.Namespace) -> dict:
                         fn = lambda m=module, o=out, s=lse: m.attention_backward(  # noqa: E731
                             dout, q, k, v, o, s, deterministic=deterministic
                         )
+                    last_fns[name] = fn
                     ms = triton.testing.do_bench(fn, rep=reps)
                     times[name] = min(times.get(name, ms), ms)
             scale = 2.5 if phase == "backward" else 1.0
             cell[phase] = {name: {"ms": round(ms, 4), "tflops": round(scale * flops / ms / 1e9, 1)}
                            for name, ms in times.items()}  # fmt: skip
             cell[phase]["B/A"] = round(times["B"] / times["A"], 4)
+            if args.enqueue:
+                for name, fn in last_fns.items():
+                    cell[phase][name]["enqueue_us"] = _enqueue_us(fn)
         torch.cuda.empty_cache()
     return cell
+
+
+def _enqueue_us(fn, calls: int = 20) -> float:
+    """Host time a call from a synchronised start: the enqueue the GPU waits behind when its
+    work is shorter (the best of three runs of `calls` back-to-back calls)."""
+    best = float("inf")
+    for _ in range(3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return round(best / calls * 1e6, 1)
 
 
 def _knobs(text: str) -> dict[str, int]:
@@ -156,6 +176,7 @@ def main(argv=None) -> int:
     parser.add_argument("--backward", action="store_true")
     parser.add_argument("--reps", type=int, default=100, help="do_bench rep (ms)")
     parser.add_argument("--deterministic", action="store_true", help="the backward's")
+    parser.add_argument("--enqueue", action="store_true", help="also each call's host time")
     parser.add_argument("--heads-last", action="store_true", help="[B, N, H, D] memory")
     short_help = "each module's GLUON_BWD_SHORT_CAUSAL_KEYS (0: the Gluon kernel always)"
     parser.add_argument("--short-causal", type=int, nargs=2, metavar=("A", "B"), help=short_help)
