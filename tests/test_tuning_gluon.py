@@ -84,7 +84,7 @@ def test_candidates_are_the_feasible_gluon_configs_derived_first():
     cands = autotune_gluon.gluon_candidates(SPEC, "sm90", 16)
     assert cands[0] == derivation.chosen
     assert set(cands) == {c for c in derivation.candidates if c.feasible}
-    assert len(cands) == 9 and any(c.config.consumers == 3 for c in cands)  # D 64: 9 of 12
+    assert len(cands) == 12 and any(c.config.consumers == 3 for c in cands)  # D 64: all 12
     assert autotune_gluon.gluon_candidates(SPEC, "sm90", 2) == cands[:2]
     # Modules without the Gluon forward have nothing to tune.
     for spec, arch in ((make_spec(head_dim=96), "sm90"), (SPEC, "sm80")):
@@ -100,7 +100,7 @@ def test_autotune_records_the_gluon_winner_and_the_build_renders_it(tmp_path, st
     assert record["config"] == gluon_knobs(FASTEST) and record["derived"] == gluon_knobs(DERIVED)
     assert record["median_ms"] == {"tiny": 0.5, "small": 0.5}
     assert record["derived_ms"] == {"tiny": 1.3, "small": 1.3}  # 3 stages
-    assert len(record["candidates"]) == 9 and record["kernel_digest"]
+    assert len(record["candidates"]) == 12 and record["kernel_digest"]
     assert "config" in entry  # the tile-level winner beside it
     # A second tile-level record keeps the Gluon field; the build renders the winner.
     _autotune(tmp_path)
@@ -125,7 +125,7 @@ def test_gluon_progress_is_kept_per_kernel_text(tmp_path, stubbed, monkeypatch):
     assert calls == []  # every candidate found in the progress file
     monkeypatch.setattr(autotune_gluon, "kernel_digest", lambda module: "changed-kernel")
     _autotune(tmp_path)
-    assert len(calls) == 9
+    assert len(calls) == 12
 
 
 def test_a_failing_candidate_never_wins(tmp_path, monkeypatch, stubbed):
@@ -205,23 +205,29 @@ def test_a_call_that_ran_the_tile_level_kernel_is_an_error_not_a_time(tile_level
 
 
 @pytest.mark.parametrize(
-    "knobs, why",
+    "d, knobs, why",
     [
-        ({"NUM_CONSUMERS": 3, "BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2}, "consumer regs ~168"),
-        ({"NUM_CONSUMERS": 2, "BLOCK_M": 64, "BLOCK_N": 256, "STAGES": 2}, "not a candidate"),
+        (
+            128,
+            {"NUM_CONSUMERS": 3, "BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2},
+            "consumer regs ~192",
+        ),
+        (64, {"NUM_CONSUMERS": 2, "BLOCK_M": 64, "BLOCK_N": 256, "STAGES": 2}, "not a candidate"),
     ],
 )
-def test_an_infeasible_tuned_gluon_config_is_ignored_and_explained(tmp_path, knobs, why):
-    _write_gluon(tmp_path, knobs)
-    derivation = tuned_gluon(tmp_path, SPEC, "sm90")
-    assert derivation.chosen.config == DERIVED
+def test_an_infeasible_tuned_gluon_config_is_ignored_and_explained(tmp_path, d, knobs, why):
+    spec = make_spec(dtype="bf16", head_dim=d, name="gluon_tuned")
+    _write_gluon(tmp_path, knobs, spec)
+    derivation = tuned_gluon(tmp_path, spec, "sm90")
+    derived = derive_gluon_tiles(spec, "sm90").chosen.config
+    assert derivation.chosen.config == derived
     assert derivation.source.startswith(f"derived; the tuned {knobs} (NVIDIA H200, 2026-12-10)")
     assert why in derivation.source
-    (artifact,) = plan_build([SPEC], tmp_path)
-    (plain,) = plan_build([SPEC])
-    assert '"BLOCK_N": 128, "STAGES": 3,' in artifact.source  # the derived config
+    (artifact,) = plan_build([spec], tmp_path)
+    (plain,) = plan_build([spec])
+    assert f'"BLOCK_N": 128, "STAGES": {derived.stages},' in artifact.source  # the derived one
     assert artifact.source.replace(f"#     config: {derivation.source}\n", "") == plain.source
-    text = "\n".join(explain_lines([SPEC], ["sm90"], tmp_path))
+    text = "\n".join(explain_lines([spec], ["sm90"], tmp_path))
     assert f"config: {derivation.source}" in text
 
 
