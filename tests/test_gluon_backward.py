@@ -322,7 +322,7 @@ def test_the_launch_passes_the_kernels_parameters_in_its_groups(
     assert all(name.endswith("_desc") for name in names[len(tensors) + len(ints) + 2 :])
     assert type(tail[0]) is float and type(tail[1]) is float
     assert (constexprs["WITH_DQ"], constexprs["DQ_HEADS_LAST"]) == (not deterministic,) * 2
-    assert grid == 2 * 2 and options == module._GLUON_OPTIONS
+    assert grid == 2 * 2 and options == module._GLUON_BWD_OPTIONS
 
 
 @pytest.mark.slow

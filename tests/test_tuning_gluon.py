@@ -18,6 +18,7 @@ from attngen.cli.explain import explain_lines
 from attngen.reference import random_inputs, reference_attention
 from attngen.spec import KernelKind
 from attngen.tiling.gluon import derive_gluon_tiles
+from attngen.tiling.gluon_backward import derive_gluon_backward
 from attngen.tuning import autotune_gluon
 from attngen.tuning.autotune import Bucket, autotune
 from attngen.tuning.database import (
@@ -237,17 +238,19 @@ def test_a_malformed_gluon_field_is_refused(tmp_path):
         plan_build([SPEC], tmp_path)
 
 
-def test_a_tuned_forward_keeps_the_gluon_backward_register_split(tmp_path, monkeypatch):
-    monkeypatch.setenv("ATTNGEN_GLUON_VARIANTS", "1")
+def test_a_tuned_forward_and_the_gluon_backward_keep_their_own_register_splits(tmp_path):
+    """A module's Gluon forward and dK/dV kernels launch with their own setmaxnreg splits, so a
+    tuned forward of another consumer count leaves the backward's as derived."""
     spec = make_spec(dtype="bf16", head_dim=64, name="gluon_tuned", backward=True)
     _write_gluon(tmp_path, gluon_knobs(FASTEST), spec)
-    derivation = tuned_gluon(tmp_path, spec, "sm90")
-    assert derivation.chosen.config == DERIVED
-    assert "Gluon backward needs the register split 240/entry 168" in derivation.source
-    two = next(c.config for c in derivation.candidates if c.feasible and c.config != DERIVED
-               and c.config.consumers == 2)  # fmt: skip
-    _write_gluon(tmp_path, gluon_knobs(two), spec)
-    assert tuned_gluon(tmp_path, spec, "sm90").chosen.config == two
+    assert tuned_gluon(tmp_path, spec, "sm90").chosen.config == FASTEST  # three consumers
+    backward = derive_gluon_backward(spec, "sm90").chosen.config
+    assert (FASTEST.consumer_regs, FASTEST.maxnreg) != (backward.consumer_regs, backward.maxnreg)
+    (source,) = [a.source for a in plan_build([spec], tmp_path) if "sm90/" in a.relative_path
+                 and "_prefill_" in a.relative_path]  # fmt: skip
+    assert f'_GLUON_OPTIONS = {{"num_warps": 4, "maxnreg": {FASTEST.maxnreg}}}' in source
+    assert f'"CONSUMER_REGS": {backward.consumer_regs}, "PRODUCER_REGS": 24,' in source
+    assert f'"num_warps": 4, "maxnreg": {backward.maxnreg}}}' in source
 
 
 def test_modules_without_the_gluon_forward_are_unaffected(tmp_path, stubbed):

@@ -349,6 +349,7 @@ def _add_gluon(context: dict[str, Any], spec: AttnSpec, kind: KernelKind, arch: 
         config = chosen.config
         context.update(gluon_bwd_block_m=config.block_m, gluon_bwd_block_n=config.block_n,
                        gluon_bwd_stages=config.stages, gluon_bwd_dq_split=config.dq_split,
+                       gluon_bwd_regs=(config.consumer_regs, config.producer_regs, config.maxnreg),
                        gluon_bwd_describe=config.describe(),
                        gluon_bwd_short_causal=SHORT_CAUSAL_KEYS,
                        gluon_bwd_heavy_first=HEAVY_FIRST)  # fmt: skip

@@ -24,10 +24,10 @@ bytes), S (stages) and NC (consumers):
   [BM, BN] 32-bit tiles live (extra_tiles: at BLOCK_N 128 D 64 spilled 492 B, D 128 876 B;
   both compile clean at BLOCK_N 64, which the term then selects; D 256 has no config).
 
-The choice: two consumers (the kernel measured on the H200, docs/performance.md; three fit
-only with 160 registers each and were not measured faster), the widest key block whose
-registers and shared memory fit, then the fewest stages (at least two: one loading while one
-is read) whose ring holds RING_BYTES of K/V. That rule reproduces the tiles measured best
+The choice: two consumers, or three at D 64 without a mask (preferred_consumers: measured on
+an H100, three fit only with 160 registers each), the widest key block whose registers and
+shared memory fit, then the fewest stages (at least two: one loading while one is read) whose
+ring holds RING_BYTES of K/V. With two consumers that rule reproduces the tiles measured best
 (D 64: 64x128, 3 stages; D 128: 64x128, 2; D 256: 64x64, 2).
 
 Pure Python and sympy: nothing here imports torch or triton.
@@ -41,7 +41,7 @@ from functools import cache
 import sympy
 
 from attngen.arch import ARCHS
-from attngen.spec import AttnSpec, KernelKind
+from attngen.spec import AttnSpec, KernelKind, Mask
 from attngen.spec.files import unverified_variants_on
 from attngen.tiling.evaluate import compiled
 
@@ -168,7 +168,8 @@ class GluonDerivation:
             f"  {best.config.describe()}",
             f"  = {best.smem_bytes} B of {budget} B, consumer registers ~"
             f"{best.consumer_regs_needed} of {best.config.consumer_regs}",
-            f"  {feasible} of {len(self.candidates)} candidates feasible; rule: two consumers,",
+            f"  {feasible} of {len(self.candidates)} candidates feasible; rule: two consumers",
+            "  (three at D 64 without a mask),",
             f"  the widest BLOCK_N, the fewest stages holding {RING_BYTES // 1024} KiB of K/V",
             *(() if self.source == "derived" else (f"  config: {self.source}",)),
         )
@@ -236,12 +237,25 @@ def _candidate(d: int, dv: int, itemsize: int, consumers: int, block_m: int, blo
     return GluonCandidate(config, smem, int(regs), tuple(rejected))
 
 
-def _preference(candidate: GluonCandidate, itemsize: int, d: int, dv: int) -> tuple[int, ...]:
+def preferred_consumers(spec: AttnSpec, kind: KernelKind) -> int:
+    """Three consumers x 64 rows at D 64 without a mask (a prefill module), else two.
+
+    Measured on an H100 in one process (tools/ab_templates.py --b-gluon, docs/performance.md):
+    at D 64 without a mask, three consumers x BLOCK_N 128 ran 0.98x, 0.93x and 0.88x of two's
+    time at N 1k, 4k and 16k; causal 1.54x, 1.06x and 0.94x (the diagonal's partial blocks
+    are a larger share of a 192-row tile), so a mask keeps two; varlen is not measured."""
+    plain_d64 = spec.head_dim == spec.value_head_dim == 64 and spec.mask is Mask.none
+    return 3 if plain_d64 and kind is KernelKind.prefill else 2
+
+
+def _preference(
+    candidate: GluonCandidate, itemsize: int, d: int, dv: int, consumers: int
+) -> tuple[int, ...]:
     config = candidate.config
     ring = config.stages * config.block_n * (d + dv) * itemsize
     enough = ring >= RING_BYTES
     stages = -config.stages if enough else config.stages  # the fewest that hold RING_BYTES
-    return (config.consumers == 2, config.block_n, enough, stages)
+    return (config.consumers == consumers, config.block_n, enough, stages)
 
 
 def derive_gluon_tiles(
@@ -269,5 +283,6 @@ def _derive_gluon_tiles(
         for stages in STAGES_CHOICES
     )
     feasible = [c for c in candidates if c.feasible]
-    chosen = max(feasible, key=lambda c: _preference(c, itemsize, d, dv), default=None)
+    consumers = preferred_consumers(spec, kind)
+    chosen = max(feasible, key=lambda c: _preference(c, itemsize, d, dv, consumers), default=None)
     return GluonDerivation(arch, candidates, chosen, words, tiles, d != dv)

@@ -30,7 +30,6 @@ from typing import Any
 from attngen.spec import AttnSpec, KernelKind, SpecError
 from attngen.tiling.backward import KERNELS, BackwardDerivation, derive_backward_tiles
 from attngen.tiling.gluon import GluonConfig, GluonDerivation, derive_gluon_tiles
-from attngen.tiling.gluon_backward import derive_gluon_backward
 from attngen.tiling.prefill import Derivation, TileConfig, choose
 
 TUNING_SCHEMA = 2  # 2: entries keyed by the kernel fields' hash (1: the whole spec's)
@@ -259,15 +258,6 @@ def tuned_gluon(tuning_dir: Path | None, spec: AttnSpec, arch: str) -> GluonDeri
         raise TuningError(f"{path}: entry {key}: 'gluon' is malformed ({exc!r})") from None
     candidate = next((c for c in derivation.candidates if gluon_knobs(c.config) == knobs), None)
     why = "not a candidate" if candidate is None else "; ".join(candidate.rejected)
-    backward = derive_gluon_backward(spec, arch)
-    if candidate is not None and not why and backward is not None and backward.chosen:
-        # The Gluon backward's launch takes the forward's setmaxnreg split (one pair of names
-        # in the module), so a forward with another consumer count would change it.
-        split = (backward.chosen.config.consumer_regs, backward.chosen.config.maxnreg)
-        if (candidate.config.consumer_regs, candidate.config.maxnreg) != split:
-            why = (
-                f"the module's Gluon backward needs the register split {split[0]}/entry {split[1]}"
-            )
     if why:
         return dataclasses.replace(
             derivation, source=f"derived; the tuned {knobs} ({measured}) is ignored: {why}"
