@@ -12,9 +12,10 @@ The model (sympy, like prefill_model.py) in BM = BLOCK_M, BN = BLOCK_N, D, DV, E
 bytes), S (stages) and NC (consumers):
 - shared memory: the NC Q tiles (O goes back through them; with DV != D a slot of max(D, DV)
   columns, o_tile), S stages of K and V, the mbarrier arrays (two of NC, four of S: 8 B each,
-  every array padded to 16 B) and warp_specialize's buffer of the values the partitions take
-  (WS_FIXED_BYTES, the compiler's count; a variant's extra 32-bit scalars, capture_words, grow
-  it in 16-byte steps past its first 4 free bytes); exact against the compiler (`attngen
+  every array padded to 16 B but the smallest, placed last) and warp_specialize's buffer of
+  the values the partitions take (WS_FIXED_BYTES, the compiler's count, 4 B more with a third
+  consumer; a variant's extra 32-bit scalars, capture_words, grow it in 16-byte steps past
+  its first 4 free bytes); exact against the compiler (`attngen
   verify-tiling`, attngen/verify/gluon.py);
 - registers per consumer thread: the fp32 O accumulator (BM x DV over 128 threads), the fp32
   score tile, P packed two 16-bit values a register, and CONSUMER_OVERHEAD for addresses,
@@ -195,8 +196,11 @@ def smem_expression(words: int = 0, o_tile: bool = False) -> sympy.Expr:
 
     slot = sympy.Max(D, DV) if o_tile else D
     tiles = E * (NC * BM * slot + S * BN * (D + DV))
+    smallest = sympy.Min(NC, S)  # the last array placed: its padding is not allocated
+    arrays = 2 * barriers(NC) + 4 * barriers(S) - (barriers(smallest) - 8 * smallest)
     captures = 16 * sympy.ceiling(sympy.Rational(words - 1, 4))
-    return tiles + 2 * barriers(NC) + 4 * barriers(S) + WS_FIXED_BYTES + captures
+    partitions = 4 * (NC - 2)  # a third consumer partition: 4 B more of warp_specialize's
+    return tiles + arrays + WS_FIXED_BYTES + partitions + captures
 
 
 def extra_tiles(spec: AttnSpec) -> int:
@@ -238,14 +242,17 @@ def _candidate(d: int, dv: int, itemsize: int, consumers: int, block_m: int, blo
 
 
 def preferred_consumers(spec: AttnSpec, kind: KernelKind) -> int:
-    """Three consumers x 64 rows at D 64 without a mask (a prefill module), else two.
+    """Three consumers x 64 rows at D 64 without a mask or a variant (a prefill module), else
+    two.
 
     Measured on an H100 in one process (tools/ab_templates.py --b-gluon, docs/performance.md):
     at D 64 without a mask, three consumers x BLOCK_N 128 ran 0.98x, 0.93x and 0.88x of two's
     time at N 1k, 4k and 16k; causal 1.54x, 1.06x and 0.94x (the diagonal's partial blocks
-    are a larger share of a 192-row tile), so a mask keeps two; varlen is not measured."""
+    are a larger share of a 192-row tile), so a mask keeps two; varlen and the
+    variants are not measured."""
+    variant = spec.softcap or spec.alibi or spec.sinks or spec.score_mod or spec.mask_mod
     plain_d64 = spec.head_dim == spec.value_head_dim == 64 and spec.mask is Mask.none
-    return 3 if plain_d64 and kind is KernelKind.prefill else 2
+    return 3 if plain_d64 and not variant and kind is KernelKind.prefill else 2
 
 
 def _preference(

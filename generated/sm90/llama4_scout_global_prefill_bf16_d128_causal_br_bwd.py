@@ -57,7 +57,7 @@
 #         num_stages 3->4: outside the candidate grid
 #   Gluon forward (warp-specialized, sm90):
 #     shared memory =
-#       E*(BLOCK_M*D*NC + BLOCK_N*S*(D + DV)) + 32*ceiling(NC/2) + 64*ceiling(S/2) + 280
+#       E*(BLOCK_M*D*NC + BLOCK_N*S*(D + DV)) + 4*NC + 32*ceiling(NC/2) + 64*ceiling(S/2) - 16*ceiling(Min(NC, S)/2) + 8*Min(NC, S) + 272
 #     consumer registers ~ 3*BLOCK_M*BLOCK_N/256 + BLOCK_M*DV/128 + 32
 #     2 consumer warpgroups x 64 rows, BLOCK_N 128, 2 stages, setmaxnreg 240/24 (entry 168)
 #     = 164216 B of 231424 B, consumer registers ~192 of 240
