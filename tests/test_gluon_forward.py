@@ -85,7 +85,7 @@ def test_other_archs_stay_tile_level_and_varlen_holds_the_kernel():
 
 
 def test_the_derived_configs_are_the_measured_ones():
-    """D 64: 64x128, 3 stages; D 128: 64x128, 2; D 256: 64x64, 2 (docs/performance.md),
+    """Causal, D 64: 64x128, 3 stages; D 128: 64x128, 2; D 256: 64x64, 2 (docs/performance.md),
     two consumers with 240 registers each and 24 for the producer, within the budget."""
     expected = {64: (128, 3), 128: (128, 2), 256: (64, 2)}
     for d, (block_n, stages) in expected.items():
@@ -99,6 +99,23 @@ def test_the_derived_configs_are_the_measured_ones():
         )
         assert (config.consumer_regs, config.producer_regs, config.maxnreg) == (240, 24, 168)
         assert chosen.smem_bytes <= ARCHS["sm90"].smem_budget
+
+
+def test_d64_without_a_mask_takes_three_consumers():
+    """Measured faster there (tiling/gluon.py, preferred_consumers): three consumers x 64 rows
+    at 160 registers each; a causal mask, varlen, a variant or another head dim keeps two."""
+
+    def config(kind=KernelKind.prefill, head_dim=64, **fields):
+        spec = make_spec(dtype="bf16", head_dim=head_dim, **fields)
+        return derive_gluon_tiles(spec, "sm90", kind).chosen.config
+
+    plain = config(mask="none")
+    assert (plain.consumers, plain.block_m, plain.block_n, plain.stages) == (3, 64, 128, 3)
+    assert (plain.consumer_regs, plain.producer_regs, plain.maxnreg) == (160, 24, 128)
+    assert config(mask="causal").consumers == 2
+    assert config(KernelKind.varlen, mask="none").consumers == 2
+    assert config(mask="none", softcap=20.0).consumers == 2
+    assert config(head_dim=128, mask="none").consumers == 2
 
 
 def test_every_covered_example_compiles_for_sm90_as_the_model_predicts():
