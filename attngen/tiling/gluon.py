@@ -15,8 +15,7 @@ bytes), S (stages) and NC (consumers):
   every array padded to 16 B but the smallest, placed last) and warp_specialize's buffer of
   the values the partitions take (WS_FIXED_BYTES, the compiler's count, 4 B more with a third
   consumer; a variant's extra 32-bit scalars, capture_words, grow it in 16-byte steps past
-  its first 4 free bytes); exact against the compiler (`attngen
-  verify-tiling`, attngen/verify/gluon.py);
+  its first 4 free bytes); exact against the compiler (`attngen verify-tiling`);
 - registers per consumer thread: the fp32 O accumulator (BM x DV over 128 threads), the fp32
   score tile, P packed two 16-bit values a register, and CONSUMER_OVERHEAD for addresses,
   row statistics and loop state: a bound checked by the compiler's "no spills" at the chosen
@@ -36,8 +35,10 @@ Pure Python and sympy: nothing here imports torch or triton.
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 from functools import cache
+from itertools import product
 
 import sympy
 
@@ -59,9 +60,8 @@ WARPGROUP = 128  # threads
 REGISTER_FILE = 65536  # 32-bit registers per SM, one CTA per SM
 PRODUCER_REGS = 24  # setmaxnreg's minimum: the producer only issues TMA copies
 MAX_SETMAXNREG = 256
-# Registers beyond the tiles: addresses, row statistics, loop state. At the boundary, D 64
-# with three consumers x BLOCK_N 128 (the tiles 128 a thread, the cap 160) compiles for sm90
-# with no spill, either mask (cross-compiled 2026-12-06).
+# Registers beyond the tiles (addresses, row statistics, loop state); at the boundary D 64 x
+# three consumers x BLOCK_N 128 (tiles 128 a thread, the cap 160) compiles with no spill.
 CONSUMER_OVERHEAD = 32
 WS_FIXED_BYTES = 280  # warp_specialize's own shared memory (the compiler's, every config)
 RING_BYTES = 96 * 1024  # K/V bytes the ring holds at least (covers the load latency)
@@ -155,10 +155,10 @@ class GluonDerivation:
         """The header's and explain's lines: the model and the chosen config's numbers."""
         budget = ARCHS[self.arch].smem_budget
         feasible = sum(c.feasible for c in self.candidates)
+        smem = f"shared memory = {smem_expression(self.words, self.o_tile)}"
         lines = [
             "Gluon forward (warp-specialized, sm90):",
-            "  shared memory =",
-            f"    {smem_expression(self.words, self.o_tile)}",
+            *textwrap.wrap(smem, 88, initial_indent="  ", subsequent_indent="    "),
             f"  consumer registers ~ {consumer_regs_expression(self.tiles)}",
         ]
         best = self.chosen
@@ -169,9 +169,8 @@ class GluonDerivation:
             f"  {best.config.describe()}",
             f"  = {best.smem_bytes} B of {budget} B, consumer registers ~"
             f"{best.consumer_regs_needed} of {best.config.consumer_regs}",
-            f"  {feasible} of {len(self.candidates)} candidates feasible; rule: two consumers",
-            "  (three at D 64 without a mask),",
-            f"  the widest BLOCK_N, the fewest stages holding {RING_BYTES // 1024} KiB of K/V",
+            f"  {feasible} of {len(self.candidates)} feasible; rule: two consumers (three at D 64",
+            f"  unmasked), the widest BLOCK_N, the fewest stages holding {RING_BYTES // 1024} KiB",
             *(() if self.source == "derived" else (f"  config: {self.source}",)),
         )
 
@@ -232,37 +231,28 @@ def _candidate(d: int, dv: int, itemsize: int, consumers: int, block_m: int, blo
     smem = int(compiled(smem_expression(words, d != dv), (NC, BM, BN, D, DV, E, S))(*values))
     regs = compiled(consumer_regs_expression(tiles), (NC, BM, BN, D, DV, E, S))(*values)
     consumer_regs, producer_regs, entry = register_split(consumers)
-    rejected = []
-    if smem > budget:
-        rejected.append(f"smem {smem} B > {budget} B")
-    if regs > consumer_regs:
-        rejected.append(f"consumer regs ~{int(regs)} > {consumer_regs}")
+    rejected = [f"smem {smem} B > {budget} B"] if smem > budget else []
+    rejected += [f"consumer regs ~{int(regs)} > {consumer_regs}"] if regs > consumer_regs else []
     config = GluonConfig(consumers, block_m, block_n, stages, consumer_regs, producer_regs, entry)
     return GluonCandidate(config, smem, int(regs), tuple(rejected))
 
 
 def preferred_consumers(spec: AttnSpec, kind: KernelKind) -> int:
-    """Three consumers x 64 rows at D 64 without a mask or a variant (a prefill module), else
-    two.
-
-    Measured on an H100 in one process (tools/ab_templates.py --b-gluon, docs/performance.md):
-    at D 64 without a mask, three consumers x BLOCK_N 128 ran 0.98x, 0.93x and 0.88x of two's
-    time at N 1k, 4k and 16k; causal 1.54x, 1.06x and 0.94x (the diagonal's partial blocks
-    are a larger share of a 192-row tile), so a mask keeps two; varlen and the
-    variants are not measured."""
+    """Three consumers at D 64 without a mask or a variant (prefill), else two. Measured on an
+    H100 (ab_templates.py --b-gluon, docs/performance.md): three x BLOCK_N 128 ran 0.88-0.98x
+    of two's time at N 16k-1k; causal 0.94-1.54x (the diagonal's partial blocks are a larger
+    share of a 192-row tile), so a mask keeps two; varlen and variants are not measured."""
     variant = spec.softcap or spec.alibi or spec.sinks or spec.score_mod or spec.mask_mod
     plain_d64 = spec.head_dim == spec.value_head_dim == 64 and spec.mask is Mask.none
     return 3 if plain_d64 and not variant and kind is KernelKind.prefill else 2
 
 
-def _preference(
-    candidate: GluonCandidate, itemsize: int, d: int, dv: int, consumers: int
-) -> tuple[int, ...]:
+def _preference(candidate: GluonCandidate, itemsize: int, d: int, dv: int) -> tuple[int, ...]:
     config = candidate.config
     ring = config.stages * config.block_n * (d + dv) * itemsize
     enough = ring >= RING_BYTES
     stages = -config.stages if enough else config.stages  # the fewest that hold RING_BYTES
-    return (config.consumers == consumers, config.block_n, enough, stages)
+    return (config.block_n, enough, stages)
 
 
 def derive_gluon_tiles(
@@ -274,22 +264,16 @@ def derive_gluon_tiles(
 
 
 @cache
-def _derive_gluon_tiles(
-    spec: AttnSpec, arch: str, kind: KernelKind, unverified: bool
-) -> GluonDerivation | None:
+def _derive_gluon_tiles(spec: AttnSpec, arch: str, kind: KernelKind,
+                        unverified: bool) -> GluonDerivation | None:  # fmt: skip
     if gluon_gap(spec, arch, kind):
         return None
     d, dv, itemsize = spec.head_dim, spec.value_head_dim, spec.dtype.itemsize
-    budget = ARCHS[arch].smem_budget
-    words, tiles = capture_words(spec, kind), extra_tiles(spec)
-    candidates = tuple(
-        _candidate(d, dv, itemsize, consumers, block_m, block_n, stages, budget, words, tiles)
-        for consumers in CONSUMER_CHOICES
-        for block_m in BLOCK_M_CHOICES
-        for block_n in BLOCK_N_CHOICES
-        for stages in STAGES_CHOICES
-    )
+    words, tiles, budget = capture_words(spec, kind), extra_tiles(spec), ARCHS[arch].smem_budget
+    choices = product(CONSUMER_CHOICES, BLOCK_M_CHOICES, BLOCK_N_CHOICES, STAGES_CHOICES)
+    candidates = tuple(_candidate(d, dv, itemsize, *c, budget, words, tiles) for c in choices)
     feasible = [c for c in candidates if c.feasible]
     consumers = preferred_consumers(spec, kind)
-    chosen = max(feasible, key=lambda c: _preference(c, itemsize, d, dv, consumers), default=None)
+    rank = lambda c: (c.config.consumers == consumers, *_preference(c, itemsize, d, dv))  # noqa: E731
+    chosen = max(feasible, key=rank, default=None)
     return GluonDerivation(arch, candidates, chosen, words, tiles, d != dv)

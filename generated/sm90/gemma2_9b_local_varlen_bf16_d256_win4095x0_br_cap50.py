@@ -35,14 +35,13 @@
 #   binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 64->128: smem 328720 B >
 #       231424 B; num_stages 2->3: smem 263192 B > 231424 B
 #   Gluon forward (warp-specialized, sm90):
-#     shared memory =
-#       E*(BLOCK_M*D*NC + BLOCK_N*S*(D + DV)) + 4*NC + 32*ceiling(NC/2) + 64*ceiling(S/2) - 16*ceiling(Min(NC, S)/2) + 8*Min(NC, S) + 304
+#     shared memory = E*(BLOCK_M*D*NC + BLOCK_N*S*(D + DV)) + 4*NC + 32*ceiling(NC/2) +
+#       64*ceiling(S/2) - 16*ceiling(Min(NC, S)/2) + 8*Min(NC, S) + 304
 #     consumer registers ~ 3*BLOCK_M*BLOCK_N/256 + BLOCK_M*DV/128 + 32
 #     2 consumer warpgroups x 64 rows, BLOCK_N 64, 2 stages, setmaxnreg 240/24 (entry 168)
 #     = 197016 B of 231424 B, consumer registers ~208 of 240
-#     1 of 12 candidates feasible; rule: two consumers
-#     (three at D 64 without a mask),
-#     the widest BLOCK_N, the fewest stages holding 96 KiB of K/V
+#     1 of 12 feasible; rule: two consumers (three at D 64
+#     unmasked), the widest BLOCK_N, the fewest stages holding 96 KiB
 """Varlen prefill (forward) attention over packed sequences, FlashAttention-2 style and exact.
 
 Module gemma2_9b_local_varlen_bf16_d256_win4095x0_br_cap50.

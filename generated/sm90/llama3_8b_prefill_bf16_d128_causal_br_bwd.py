@@ -59,14 +59,13 @@
 #     binding: BLOCK_M 32->64: regs 286 > 255 + 24; BLOCK_N 128->256: outside the candidate grid;
 #         num_stages 3->4: outside the candidate grid
 #   Gluon forward (warp-specialized, sm90):
-#     shared memory =
-#       E*(BLOCK_M*D*NC + BLOCK_N*S*(D + DV)) + 4*NC + 32*ceiling(NC/2) + 64*ceiling(S/2) - 16*ceiling(Min(NC, S)/2) + 8*Min(NC, S) + 272
+#     shared memory = E*(BLOCK_M*D*NC + BLOCK_N*S*(D + DV)) + 4*NC + 32*ceiling(NC/2) +
+#       64*ceiling(S/2) - 16*ceiling(Min(NC, S)/2) + 8*Min(NC, S) + 272
 #     consumer registers ~ 3*BLOCK_M*BLOCK_N/256 + BLOCK_M*DV/128 + 32
 #     2 consumer warpgroups x 64 rows, BLOCK_N 128, 2 stages, setmaxnreg 240/24 (entry 168)
 #     = 164216 B of 231424 B, consumer registers ~192 of 240
-#     8 of 12 candidates feasible; rule: two consumers
-#     (three at D 64 without a mask),
-#     the widest BLOCK_N, the fewest stages holding 96 KiB of K/V
+#     8 of 12 feasible; rule: two consumers (three at D 64
+#     unmasked), the widest BLOCK_N, the fewest stages holding 96 KiB
 #   Gluon dK/dV backward (warp-specialized, sm90; deterministic=False):
 #     shared memory = 4*BLOCK_M*C*NC + 8*BLOCK_M*S + E*(2*BLOCK_M*BLOCK_N + 2*BLOCK_M*D*S +
 #       2*BLOCK_N*D) + 64*ceiling(S/2) + 464

@@ -32,14 +32,13 @@
 #   binding: BLOCK_M 128->256: outside the candidate grid; BLOCK_N 128->256: outside the
 #       candidate grid; num_stages 3->4: smem 295936 B > 231424 B
 #   Gluon forward (warp-specialized, sm90):
-#     shared memory =
-#       E*(BLOCK_M*D*NC + BLOCK_N*S*(D + DV)) + 4*NC + 32*ceiling(NC/2) + 64*ceiling(S/2) - 16*ceiling(Min(NC, S)/2) + 8*Min(NC, S) + 272
+#     shared memory = E*(BLOCK_M*D*NC + BLOCK_N*S*(D + DV)) + 4*NC + 32*ceiling(NC/2) +
+#       64*ceiling(S/2) - 16*ceiling(Min(NC, S)/2) + 8*Min(NC, S) + 272
 #     consumer registers ~ 3*BLOCK_M*BLOCK_N/256 + BLOCK_M*DV/128 + 32
 #     2 consumer warpgroups x 64 rows, BLOCK_N 128, 2 stages, setmaxnreg 240/24 (entry 168)
 #     = 164216 B of 231424 B, consumer registers ~192 of 240
-#     8 of 12 candidates feasible; rule: two consumers
-#     (three at D 64 without a mask),
-#     the widest BLOCK_N, the fewest stages holding 96 KiB of K/V
+#     8 of 12 feasible; rule: two consumers (three at D 64
+#     unmasked), the widest BLOCK_N, the fewest stages holding 96 KiB
 """Prefill (forward) attention, FlashAttention-2 style and exact.
 
 Module mpt_7b_prefill_bf16_d128_causal_br_alibi.
