@@ -136,12 +136,12 @@ def _cell(d: int, n: int, causal: bool, args: argparse.Namespace) -> dict:
             cell[phase]["B/A"] = round(times["B"] / times["A"], 4)
             if args.enqueue:
                 for name, fn in last_fns.items():
-                    cell[phase][name]["enqueue_us"] = _enqueue_us(fn)
+                    cell[phase][name]["enqueue_us"] = enqueue_us(fn)
         torch.cuda.empty_cache()
     return cell
 
 
-def _enqueue_us(fn, calls: int = 20) -> float:
+def enqueue_us(fn, calls: int = 20) -> float:
     """Host time a call from a synchronised start: the enqueue the GPU waits behind when its
     work is shorter (the best of three runs of `calls` back-to-back calls)."""
     best = float("inf")

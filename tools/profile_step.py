@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ import attngen
 from attngen.runtime import last_backward
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab_templates import enqueue_us  # noqa: E402
 from profile_decode_graph import kernel_times  # noqa: E402
 
 
@@ -45,19 +45,6 @@ def _step_closure(d: int, n: int, causal: bool, deterministic: bool):
     return step
 
 
-def _host_us(fn, calls: int = 10) -> float:
-    """Host time a call from a synchronised start (the best of three runs)."""
-    best = float("inf")
-    for _ in range(3):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, time.perf_counter() - start)
-    torch.cuda.synchronize()
-    return best / calls * 1e6
-
-
 def profile_cell(d: int, n: int, causal: bool, deterministic: bool) -> dict:
     step = _step_closure(d, n, causal, deterministic)
     step()
@@ -69,7 +56,7 @@ def profile_cell(d: int, n: int, causal: bool, deterministic: bool) -> dict:
         "deterministic": deterministic,
         "backward": str(last_backward()),
         "step_us": 1e3 * triton.testing.do_bench(step, rep=200, return_mode="median"),
-        "host_us": _host_us(step),
+        "host_us": enqueue_us(step, calls=10),
         "kernel_sum_us": sum(kernels.values()),
         "kernels_us": {name: round(us, 1) for name, us in sorted(kernels.items(),
                                                                   key=lambda kv: -kv[1])},
