@@ -240,8 +240,8 @@ def _candidate(d: int, dv: int, itemsize: int, consumers: int, block_m: int, blo
 def preferred_consumers(spec: AttnSpec, kind: KernelKind) -> int:
     """Three consumers at D 64 without a mask or a variant (prefill), else two. Measured on an
     H100 (ab_templates.py --b-gluon, docs/performance.md): three x BLOCK_N 128 ran 0.88-0.98x
-    of two's time at N 16k-1k; causal 0.94-1.54x (the diagonal's partial blocks are a larger
-    share of a 192-row tile), so a mask keeps two; varlen and variants are not measured."""
+    of two's time at N 16k-1k; causal 0.94-1.54x (each consumer runs all its CTA's key blocks:
+    96 consumer-blocks at N 1k to two's 72), so a mask keeps two; varlen, variants unmeasured."""
     variant = spec.softcap or spec.alibi or spec.sinks or spec.score_mod or spec.mask_mod
     plain_d64 = spec.head_dim == spec.value_head_dim == 64 and spec.mask is Mask.none
     return 3 if plain_d64 and not variant and kind is KernelKind.prefill else 2
