@@ -1,0 +1,154 @@
+"""Where a training step's host time goes, at FlashAttention-grid cells: the operations that
+synchronise with the GPU (torch's sync debug mode, with the stack that issued each), each
+half's enqueue time, and cProfile's most expensive functions over a few steps.
+
+A step whose wall time is near its kernels' sum plus its host time, rather than the larger of
+the two, waits on the GPU somewhere: the sync list says where. Shapes as the grid's
+(tools/bench_grid.py). Usage on a CUDA machine, from the repository root:
+
+    PYTHONPATH=. python tools/step_host.py --out OUT [--cells 128:1024:1] [--fa4]
+
+Writes OUT/step_host.json and prints one block per cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+import triton
+
+import attngen
+
+
+def _tensors(d: int, n: int):
+    batch, heads = max(1, 16384 // n), 2048 // d
+    shape = (batch, n, heads, d)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))  # fmt: skip
+    return q, k, v, torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+
+
+def _function(name: str):
+    if name == "fa4":
+        from flash_attn.cute import flash_attn_func
+
+        return lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal)[0]
+    return lambda q, k, v, causal: attngen.flash_attn_func(q, k, v, causal=causal)
+
+
+def syncs(step) -> list[str]:
+    """The stacks (attngen's and torch's frames) of every synchronising call in one step."""
+    found: list[str] = []
+
+    def record(message, *args, **kwargs):
+        frames = [f for f in traceback.format_stack(limit=14)[:-2] if "warnings" not in f]
+        found.append(f"{message}\n" + "".join(frames[-8:]))
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        previous, warnings.showwarning = warnings.showwarning, record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = previous
+    torch.cuda.synchronize()
+    return found
+
+
+def halves_us(fn, q, k, v, dout, causal, calls: int = 10) -> dict:
+    """Best-of-calls host time of the forward (grad on) and of the backward alone, each from
+    a synchronised start, so neither waits behind the other's kernels."""
+    forward, backward = float("inf"), float("inf")
+    for _ in range(calls):
+        q.grad = k.grad = v.grad = None
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = fn(q, k, v, causal)
+        forward = min(forward, time.perf_counter() - start)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out.backward(dout)
+        backward = min(backward, time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return {"forward_host_us": round(forward * 1e6, 1),
+            "backward_host_us": round(backward * 1e6, 1)}  # fmt: skip
+
+
+def profile_top(step, steps: int = 50, top: int = 25) -> str:
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(2 * top)
+    return text.getvalue()
+
+
+def measure(name: str, d: int, n: int, causal: bool) -> dict:
+    fn = _function(name)
+    q, k, v, dout = _tensors(d, n)
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        fn(q, k, v, causal).backward(dout)
+
+    step()
+    wall = 1e3 * triton.testing.do_bench(step, rep=200, return_mode="median")
+    return {"impl": name, "D": d, "N": n, "causal": causal, "step_us": round(wall, 1),
+            **halves_us(fn, q, k, v, dout, causal), "syncs": syncs(step),
+            "profile": profile_top(step) if name == "attngen" else ""}  # fmt: skip
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cells", nargs="+", default=["128:1024:1"], help="D:N:causal")
+    parser.add_argument("--fa4", action="store_true", help="FA4's step beside attngen's")
+    parser.add_argument("--dynamo", action="store_true", help="import torch._dynamo first")
+    parser.add_argument("--after-profiler", action="store_true",
+                        help="run torch.profiler over a few steps first")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.dynamo:
+        torch._dynamo.config.cache_size_limit = 1000  # as tools/bench_grid.py does
+    if args.after_profiler:
+        from torch.profiler import ProfilerActivity, profile
+
+        q, k, v, dout = _tensors(128, 1024)
+        with profile(activities=[ProfilerActivity.CUDA]):
+            attngen.flash_attn_func(q, k, v, causal=True).backward(dout)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = []
+    for cell in args.cells:
+        d, n, causal = (int(part) for part in cell.split(":"))
+        for name in ["attngen"] + ["fa4"] * args.fa4:
+            row = measure(name, d, n, bool(causal))
+            report.append(row)
+            print(f"== {name} D {d} N {n} causal {bool(causal)}: step {row['step_us']} us, "
+                  f"forward host {row['forward_host_us']} us, backward host "
+                  f"{row['backward_host_us']} us, {len(row['syncs'])} syncs")  # fmt: skip
+            for stack in row["syncs"][:4]:
+                print(stack)
+            print(row["profile"])
+    (args.out / "step_host.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
