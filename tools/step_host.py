@@ -101,7 +101,7 @@ def profile_top(step, steps: int = 50, top: int = 25) -> str:
     return text.getvalue()
 
 
-def measure(name: str, d: int, n: int, causal: bool) -> dict:
+def measure(name: str, d: int, n: int, causal: bool, profile: bool) -> dict:
     fn = _function(name)
     q, k, v, dout = _tensors(d, n)
 
@@ -113,7 +113,7 @@ def measure(name: str, d: int, n: int, causal: bool) -> dict:
     wall = 1e3 * triton.testing.do_bench(step, rep=200, return_mode="median")
     return {"impl": name, "D": d, "N": n, "causal": causal, "step_us": round(wall, 1),
             **halves_us(fn, q, k, v, dout, causal), "syncs": syncs(step),
-            "profile": profile_top(step) if name == "attngen" else ""}  # fmt: skip
+            "profile": profile_top(step) if profile else ""}  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -121,10 +121,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cells", nargs="+", default=["128:1024:1"], help="D:N:causal")
     parser.add_argument("--fa4", action="store_true", help="FA4's step beside attngen's")
+    parser.add_argument("--profile", action="store_true", help="cProfile attngen's steps")
     parser.add_argument("--dynamo", action="store_true", help="import torch._dynamo first")
     parser.add_argument("--after-profiler", action="store_true",
                         help="run torch.profiler over a few steps first")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.fa4:  # imported before any measurement: whether its import slows attngen's host
+        import flash_attn.cute  # noqa: F401
     if args.dynamo:
         torch._dynamo.config.cache_size_limit = 1000  # as tools/bench_grid.py does
     if args.after_profiler:
@@ -137,15 +140,16 @@ def main(argv=None) -> int:
     report = []
     for cell in args.cells:
         d, n, causal = (int(part) for part in cell.split(":"))
-        for name in ["attngen"] + ["fa4"] * args.fa4:
-            row = measure(name, d, n, bool(causal))
+        for name in ["attngen"] + ["fa4", "attngen"] * args.fa4:
+            row = measure(name, d, n, bool(causal), args.profile and name == "attngen")
             report.append(row)
             print(f"== {name} D {d} N {n} causal {bool(causal)}: step {row['step_us']} us, "
                   f"forward host {row['forward_host_us']} us, backward host "
                   f"{row['backward_host_us']} us, {len(row['syncs'])} syncs")  # fmt: skip
             for stack in row["syncs"][:4]:
                 print(stack)
-            print(row["profile"])
+            if row["profile"]:
+                print(row["profile"])
     (args.out / "step_host.json").write_text(json.dumps(report, indent=1))
     return 0
 
