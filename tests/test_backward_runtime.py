@@ -61,6 +61,20 @@ def test_flash_attn_func_trains(trained):
     assert not problems, "; ".join(problems)
 
 
+def test_a_planned_training_call_records_one_autograd_node(trained):
+    """flash_attn_func from its plan, training: one autograd node on q, k, v themselves (no
+    TransposeBackward for the module's [B, H, N, D] views: each costs a step host time)."""
+    q, k, v, dout, _ = padded_inputs(trained, 1, 4, 2, 11, 11, seed=7)
+    leaves = _leaves(*(t.transpose(1, 2) for t in (q, k, v)))
+    outs = [attngen.flash_attn_func(*leaves, causal=True) for _ in range(2)]  # then from a plan
+    node = outs[1].grad_fn
+    inputs = [type(fn).__name__ for fn, _ in node.next_functions if fn is not None]
+    assert type(node).__name__ == "_EagerPrefillFlashBackward"
+    assert inputs == ["AccumulateGrad"] * 3
+    assert outs[1].shape == leaves[0].shape and outs[1].is_contiguous()
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_a_call_with_grad_runs_from_its_plan_and_trains_alike(trained, monkeypatch):
     """flash_attn_func with grad: the first call takes the full path and leaves a plan, the
     second runs from it (the full path not entered) with bitwise the same gradients; the plan

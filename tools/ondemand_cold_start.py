@@ -74,9 +74,9 @@ def child(dims: list[int], dtype: str) -> dict:
         run["write_s"] = time.perf_counter() - t
         t = time.perf_counter()
         entry, built = selection.cached_module(spec, kind, arch)  # found: no second render
-        registry = current_registry()
-        registry.add(entry, folder.resolve())
-        registry.module(entry.key)
+        loaded = current_registry()  # not `registry`: the module's name, used above and below
+        loaded.add(entry, folder.resolve())
+        loaded.module(entry.key)
         run["load_s"] = time.perf_counter() - t
         assert not built, "the module just written was rendered again"
         time_calls(run, q, k, device)

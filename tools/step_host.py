@@ -1,12 +1,17 @@
 """Where a training step's host time goes, at FlashAttention-grid cells: the operations that
 synchronise with the GPU (torch's sync debug mode, with the stack that issued each), each
-half's enqueue time, and cProfile's most expensive functions over a few steps.
+half's enqueue time, the host time inside the module's and the ops layer's functions
+(WRAPPED, inclusive), and with --profile cProfile's and torch.profiler's tables.
 
 A step whose wall time is near its kernels' sum plus its host time, rather than the larger of
 the two, waits on the GPU somewhere: the sync list says where. Shapes as the grid's
 (tools/bench_grid.py). Usage on a CUDA machine, from the repository root:
 
-    PYTHONPATH=. python tools/step_host.py --out OUT [--cells 128:1024:1] [--fa4]
+    PYTHONPATH=. python tools/step_host.py --out OUT [--cells 128:1024:1] [--fa4] [--profile]
+        [--dynamo] [--after-profiler]
+
+The host times of one H100 machine moved by up to 150 us between runs of the same code
+(2026-12-06): compare trees in one call, several runs each.
 
 Writes OUT/step_host.json and prints one block per cell.
 """
@@ -101,6 +106,63 @@ def profile_top(step, steps: int = 50, top: int = 25) -> str:
     return text.getvalue()
 
 
+def op_table(step, steps: int = 20, rows: int = 30) -> str:
+    """torch.profiler's CPU table over `steps` steps: each operator's and autograd node's host
+    time (self time first), so the torch calls a step makes are counted and weighed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+WRAPPED = ("_gluon_bwd_route", "_gluon_bwd_buffers", "_gluon_bwd_run", "_launch", "_backward",
+           "attention_backward", "_gradients", "_save", "attention_flash_out", "_run_plan",
+           "_gluon_run", "_gluon_descriptor", "_kernel_scale")  # fmt: skip
+
+
+def wrapped_us(step, steps: int = 50) -> dict:
+    """Mean host microseconds a step spends in each of the module's WRAPPED functions and the
+    runtime's ops layer (inclusive, perf_counter around each call), and calls a step."""
+    import attngen.runtime.ops as ops
+    from attngen.runtime.registry import current_registry
+
+    module = current_registry().module(attngen.last_dispatch().key)
+    totals: dict = {}
+
+    def wrap(owner, name):
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                total = totals.setdefault(name, [0.0, 0])
+                total[0] += time.perf_counter() - start
+                total[1] += 1
+
+        setattr(owner, name, timed)
+        return inner
+
+    saved = [(owner, name, wrap(owner, name))
+             for owner, names in ((module, WRAPPED), (ops, ("prefill", "run_prefill",
+                                  "prefill_backward", "_prefill_grads")))
+             for name in names if hasattr(owner, name)]  # fmt: skip
+    try:
+        torch.cuda.synchronize()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    finally:
+        for owner, name, inner in saved:
+            setattr(owner, name, inner)
+    return {name: (round(t / steps * 1e6, 1), n / steps) for name, (t, n) in totals.items()}
+
+
 def measure(name: str, d: int, n: int, causal: bool, profile: bool) -> dict:
     fn = _function(name)
     q, k, v, dout = _tensors(d, n)
@@ -113,7 +175,8 @@ def measure(name: str, d: int, n: int, causal: bool, profile: bool) -> dict:
     wall = 1e3 * triton.testing.do_bench(step, rep=200, return_mode="median")
     return {"impl": name, "D": d, "N": n, "causal": causal, "step_us": round(wall, 1),
             **halves_us(fn, q, k, v, dout, causal), "syncs": syncs(step),
-            "profile": profile_top(step) if profile else ""}  # fmt: skip
+            "profile": (profile_top(step) + op_table(step)) if profile else "",
+            "wrapped_us": wrapped_us(step) if name == "attngen" else {}}  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -146,6 +209,7 @@ def main(argv=None) -> int:
             print(f"== {name} D {d} N {n} causal {bool(causal)}: step {row['step_us']} us, "
                   f"forward host {row['forward_host_us']} us, backward host "
                   f"{row['backward_host_us']} us, {len(row['syncs'])} syncs")  # fmt: skip
+            print("wrapped (us a step, calls a step):", row["wrapped_us"])
             for stack in row["syncs"][:4]:
                 print(stack)
             if row["profile"]:

@@ -152,6 +152,24 @@ def prefill(
     return (out.transpose(1, 2) if heads_last else out), (lse if return_lse else None)
 
 
+def prefill_flash(
+    key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float, alibi_slopes: Tensor | None,
+    return_lse: bool, sinks: Tensor | None = None, deterministic: bool = True,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """prefill(..., heads_last=True) for q, k, v in [B, N, H, D] themselves (not [B, H, N, D]
+    views of them): out [B, N, H, D]. An eager call that trains takes the views inside its
+    autograd node, so a step records that one node where views outside add a TransposeBackward
+    each (four, host time the GPU waits for at short sequences)."""
+    views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    direct = _direct(q, k, v, alibi_slopes) and (sinks is None or _direct(q, k, v, sinks))
+    if direct or not _plain(q, k, v):
+        return prefill(key, *views, sm_scale, alibi_slopes, return_lse, True, sinks,
+                       deterministic=deterministic)  # fmt: skip
+    out, lse = _EagerPrefillFlash.apply(key, q, k, v, sm_scale, alibi_slopes, True, True, sinks,
+                                        0.0, None, deterministic)  # fmt: skip
+    return out, (lse if return_lse else None)
+
+
 def _prefill_forward(
     key: str,
     q: Tensor,
@@ -501,22 +519,8 @@ def _prefill_grads(
     sinks: Tensor | None = None,
     deterministic: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    grads = prefill_backward(
-        key,
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        dlse,
-        sm_scale,
-        alibi_slopes,
-        dropout_p,
-        rng_state,
-        sinks,
-        deterministic,
-    )
+    grads = prefill_backward(key, dout, q, k, v, out, lse, dlse, sm_scale, alibi_slopes,
+                             dropout_p, rng_state, sinks, deterministic)  # fmt: skip
     return grads[0], grads[1], grads[2], _sink_gradient(q, grads, sinks)
 
 
@@ -524,22 +528,8 @@ prefill_backward_op = _custom_op("attngen::prefill_backward", mutates_args=())(_
 
 
 @prefill_backward_op.register_fake
-def _(
-    key,
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    dlse,
-    sm_scale,
-    alibi_slopes,
-    dropout_p=0.0,
-    rng_state=None,
-    sinks=None,
-    deterministic=True,
-):
+def _(key, dout, q, k, v, out, lse, dlse, sm_scale, alibi_slopes, dropout_p=0.0, rng_state=None,
+      sinks=None, deterministic=True):  # fmt: skip
     dsinks = _no_lse(q) if sinks is None else torch.empty_like(sinks)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
@@ -585,26 +575,9 @@ varlen_backward_op = _custom_op("attngen::varlen_backward", mutates_args=())(_va
 
 
 @varlen_backward_op.register_fake
-def _(
-    key,
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dlse,
-    sm_scale,
-    alibi_slopes,
-    dropout_p=0.0,
-    rng_state=None,
-    sinks=None,
-    deterministic=True,
-):
+def _(key, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      dlse, sm_scale, alibi_slopes, dropout_p=0.0, rng_state=None, sinks=None,
+      deterministic=True):  # fmt: skip
     dsinks = _no_lse(q) if sinks is None else torch.empty_like(sinks)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
@@ -649,3 +622,20 @@ _EagerPrefill = _eager(
 _EagerVarlen = _eager(
     "_EagerVarlen", _varlen_forward, _varlen_setup, _varlen_backward, _varlen_grads
 )
+
+
+class _EagerPrefillFlash(torch.autograd.Function):
+    """_EagerPrefill on q, k, v and out in [B, N, H, D]: the [B, H, N, D] views of its inputs,
+    dO and the gradients are taken here, where autograd records none of them."""
+
+    @staticmethod
+    def forward(ctx, key, q, k, v, *rest):
+        views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out, lse = _EagerPrefill.forward(ctx, key, *views, *rest)
+        return out.transpose(1, 2), lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        grads = _prefill_backward(ctx, None if dout is None else dout.transpose(1, 2), dlse)
+        return tuple(g if i not in (1, 2, 3) or g is None else g.transpose(1, 2)
+                     for i, g in enumerate(grads))  # fmt: skip

@@ -241,6 +241,9 @@ def run_trained(
     """run_flash / run_dense for a call that trains: ops.prefill as launch.run_dense calls it."""
     if not _ran(plan, count=False):
         return None  # the full path says why
+    if flash and plan.in_place:  # the module writes [B, N, H, D]
+        return ops.prefill_flash(plan.key, q, k, v, plan.sm_scale, alibi_slopes,
+                                 plan.return_lse, sinks, deterministic)  # fmt: skip
     views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)) if flash else (q, k, v)
     out, lse = ops.prefill(plan.key, *views, plan.sm_scale, alibi_slopes, plan.return_lse,
                            plan.in_place, sinks, deterministic=deterministic)  # fmt: skip
