@@ -160,9 +160,9 @@ def prefill_flash(
     views of them): out [B, N, H, D]. An eager call that trains takes the views inside its
     autograd node, so a step records that one node where views outside add a TransposeBackward
     each (four, host time the GPU waits for at short sequences)."""
-    views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     direct = _direct(q, k, v, alibi_slopes) and (sinks is None or _direct(q, k, v, sinks))
     if direct or not _plain(q, k, v):
+        views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return prefill(key, *views, sm_scale, alibi_slopes, return_lse, True, sinks,
                        deterministic=deterministic)  # fmt: skip
     out, lse = _EagerPrefillFlash.apply(key, q, k, v, sm_scale, alibi_slopes, True, True, sinks,
