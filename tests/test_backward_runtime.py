@@ -64,7 +64,7 @@ def test_flash_attn_func_trains(trained):
 def test_a_planned_training_call_records_one_autograd_node(trained):
     """flash_attn_func from its plan, training: one autograd node on q, k, v themselves (no
     TransposeBackward for the module's [B, H, N, D] views: each costs a step host time)."""
-    q, k, v, dout, _ = padded_inputs(trained, 1, 4, 2, 11, 11, seed=7)
+    q, k, v, _, _ = padded_inputs(trained, 1, 4, 2, 11, 11, seed=7)
     leaves = _leaves(*(t.transpose(1, 2) for t in (q, k, v)))
     outs = [attngen.flash_attn_func(*leaves, causal=True) for _ in range(2)]  # then from a plan
     node = outs[1].grad_fn
