@@ -55,6 +55,8 @@ def syncs(step) -> list[str]:
     found: list[str] = []
 
     def record(message, *args, **kwargs):
+        if "prototype feature" in str(message):  # the mode's own notice, not a sync
+            return
         frames = [f for f in traceback.format_stack(limit=14)[:-2] if "warnings" not in f]
         found.append(f"{message}\n" + "".join(frames[-8:]))
 

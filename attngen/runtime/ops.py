@@ -85,6 +85,11 @@ def _direct(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None) -> boo
     return _plain(q, k, v) and not (grads and torch.is_grad_enabled())
 
 
+def _untracked(q: Tensor, k: Tensor, v: Tensor, alibi_slopes, sinks) -> bool:
+    """_direct for a call with sinks (a tensor that may train too)."""
+    return _direct(q, k, v, alibi_slopes) and (sinks is None or _direct(q, k, v, sinks))
+
+
 def _heads_last(q: Tensor, dim_v: int) -> Tensor:
     """An uninitialized contiguous [B, M, HQ, DV] tensor for q [B, HQ, M, D]."""
     batch, heads, rows, _ = q.shape
@@ -144,7 +149,7 @@ def prefill(
 ) -> tuple[Tensor, Tensor | None]:
     """(out, lse or None) of the prefill module `key`; see the module docstring."""
     args = (sinks, dropout_p, rng_state)
-    if _direct(q, k, v, alibi_slopes) and (sinks is None or _direct(q, k, v, sinks)):
+    if _untracked(q, k, v, alibi_slopes, sinks):
         return run_prefill(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last, *args)
     # The LSE is always computed here: the backward needs it.
     run = _EagerPrefill.apply if _plain(q, k, v) else prefill_op
@@ -160,8 +165,7 @@ def prefill_flash(
     views of them): out [B, N, H, D]. An eager call that trains takes the views inside its
     autograd node, so a step records that one node where views outside add a TransposeBackward
     each (four, host time the GPU waits for at short sequences)."""
-    direct = _direct(q, k, v, alibi_slopes) and (sinks is None or _direct(q, k, v, sinks))
-    if direct or not _plain(q, k, v):
+    if _untracked(q, k, v, alibi_slopes, sinks) or not _plain(q, k, v):
         views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return prefill(key, *views, sm_scale, alibi_slopes, return_lse, True, sinks,
                        deterministic=deterministic)  # fmt: skip
@@ -254,7 +258,7 @@ def varlen(
     """(out, lse or None) of the varlen module `key`; see the module docstring."""
     args = (key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,
             alibi_slopes, seqused_k)  # fmt: skip
-    if _direct(q, k, v, alibi_slopes) and (sinks is None or _direct(q, k, v, sinks)):
+    if _untracked(q, k, v, alibi_slopes, sinks):
         return run_varlen(*args, return_lse, sinks, dropout_p, rng_state)
     # the LSE is always computed: the backward needs it
     run = _EagerVarlen.apply if _plain(q, k, v) else varlen_op
