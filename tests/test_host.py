@@ -70,6 +70,42 @@ def test_int_classes_follow_triton_specialization() -> None:
     assert launch._int_classes((2**31,))[0] != launch._int_classes((2**32,))[0]
 
 
+def test_a_direct_launch_encodes_each_tma_descriptor_once(monkeypatch) -> None:
+    """Triton 3.6's wrapper of the C launcher encodes every descriptor at every launch; the
+    direct launch passes the same arguments and encodes once per address, shape and strides."""
+    from triton.backends.nvidia import driver
+
+    made, seen = [], []
+    monkeypatch.setattr(launch, "_ENCODINGS", {})
+    monkeypatch.setattr(
+        driver,
+        "make_tensordesc_arg",
+        lambda d, m: made.append(d) or [f"map{m['swizzle']}", *d.shape, *d.strides],
+    )
+    signature = {
+        "X": "*bf16",
+        "K": "tensordesc<bf16[64, 64]>",
+        "n": "i32",
+        "V": "tensordesc<bf16[64, 64]>",
+    }
+    metas = [{"swizzle": s, "elem_size": 2, "elem_type": 5, "block_size": [64, 64]} for s in (1, 3)]
+    wrapper = driver.wrap_handle_tensordesc(lambda *a: seen.append(a), signature, metas)
+    direct = launch._encoded_launch(wrapper)
+    t = torch.zeros(8, 64, dtype=torch.bfloat16)
+    k, v, k_rows = (SimpleNamespace(base=b, shape=[b.shape[0], 64], strides=[64, 1], padding="zero")
+                    for b in (t, t, t[4:]))  # fmt: skip
+    base = tuple(range(driver._BASE_ARGS_FORMAT_LEN))
+    wrapper(*base, 11, k, 7, v)
+    direct(*base, 11, k, 7, v)
+    direct(*base, 11, k, 7, v)
+    expected = (*base, 11, "map1", 8, 64, 64, 1, 7, "map3", 8, 64, 64, 1)
+    assert seen == [expected] * 3
+    assert len(made) == 4  # the wrapper's two, then two for the direct launches together
+    direct(*base, 11, k_rows, 7, v)  # another address and shape: encoded again
+    assert seen[-1][len(base) + 1 : len(base) + 4] == ("map1", 4, 64) and len(made) == 5
+    assert launch._encoded_launch(print) is print  # a launcher without descriptors: itself
+
+
 def test_kept_step_remembers_its_compiled_kernel_per_alignment(monkeypatch) -> None:
     calls = []
     monkeypatch.setattr(launch, "_launch", lambda *a: calls.append(a) or ("run", ()))

@@ -8,7 +8,11 @@ the two, waits on the GPU somewhere: the sync list says where. Shapes as the gri
 (tools/bench_grid.py). Usage on a CUDA machine, from the repository root:
 
     PYTHONPATH=. python tools/step_host.py --out OUT [--cells 128:1024:1] [--fa4] [--profile]
-        [--dynamo] [--after-profiler]
+        [--dynamo] [--after-profiler] [--ab-encodings]
+
+--ab-encodings also runs attngen's step with its module encoding every TMA descriptor at
+every launch (as Triton's launcher does; the module keeps each encoding otherwise), the two
+alternating, twice each.
 
 The host times of one H100 machine moved by up to 150 us between runs of the same code
 (2026-12-06): compare trees in one call, several runs each.
@@ -165,6 +169,13 @@ def wrapped_us(step, steps: int = 50) -> dict:
     return {name: (round(t / steps * 1e6, 1), n / steps) for name, (t, n) in totals.items()}
 
 
+class _Forgetful(dict):
+    """A module's _ENCODINGS that keeps nothing: every launch encodes its descriptors."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
 def measure(name: str, d: int, n: int, causal: bool, profile: bool) -> dict:
     fn = _function(name)
     q, k, v, dout = _tensors(d, n)
@@ -174,11 +185,16 @@ def measure(name: str, d: int, n: int, causal: bool, profile: bool) -> dict:
         fn(q, k, v, causal).backward(dout)
 
     step()
+    if name.startswith("attngen"):
+        from attngen.runtime.registry import current_registry
+
+        module = current_registry().module(attngen.last_dispatch().key)
+        module._ENCODINGS = _Forgetful() if name == "attngen_encode_each" else {}
     wall = 1e3 * triton.testing.do_bench(step, rep=200, return_mode="median")
     return {"impl": name, "D": d, "N": n, "causal": causal, "step_us": round(wall, 1),
             **halves_us(fn, q, k, v, dout, causal), "syncs": syncs(step),
             "profile": (profile_top(step) + op_table(step)) if profile else "",
-            "wrapped_us": wrapped_us(step) if name == "attngen" else {}}  # fmt: skip
+            "wrapped_us": wrapped_us(step) if name.startswith("attngen") else {}}  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -188,6 +204,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fa4", action="store_true", help="FA4's step beside attngen's")
     parser.add_argument("--profile", action="store_true", help="cProfile attngen's steps")
     parser.add_argument("--dynamo", action="store_true", help="import torch._dynamo first")
+    parser.add_argument("--ab-encodings", action="store_true",
+                        help="attngen also encoding its TMA descriptors each launch")  # fmt: skip
     parser.add_argument("--after-profiler", action="store_true",
                         help="run torch.profiler over a few steps first")  # fmt: skip
     args = parser.parse_args(argv)
@@ -205,7 +223,9 @@ def main(argv=None) -> int:
     report = []
     for cell in args.cells:
         d, n, causal = (int(part) for part in cell.split(":"))
-        for name in ["attngen"] + ["fa4", "attngen"] * args.fa4:
+        names = ["attngen"] + ["fa4", "attngen"] * args.fa4
+        names += ["attngen_encode_each", "attngen", "attngen_encode_each"] * args.ab_encodings
+        for name in names:
             row = measure(name, d, n, bool(causal), args.profile and name == "attngen")
             report.append(row)
             print(f"== {name} D {d} N {n} causal {bool(causal)}: step {row['step_us']} us, "

@@ -134,19 +134,10 @@ def run_prefill(
 
 
 def prefill(
-    key: str,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    sm_scale: float,
-    alibi_slopes: Tensor | None,
-    return_lse: bool,
-    heads_last: bool = False,
-    sinks: Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: Tensor | None = None,
-    deterministic: bool = True,
-) -> tuple[Tensor, Tensor | None]:
+    key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float, alibi_slopes: Tensor | None,
+    return_lse: bool, heads_last: bool = False, sinks: Tensor | None = None,
+    dropout_p: float = 0.0, rng_state: Tensor | None = None, deterministic: bool = True,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """(out, lse or None) of the prefill module `key`; see the module docstring."""
     args = (sinks, dropout_p, rng_state)
     if _untracked(q, k, v, alibi_slopes, sinks):
@@ -175,19 +166,10 @@ def prefill_flash(
 
 
 def _prefill_forward(
-    key: str,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    sm_scale: float,
-    alibi_slopes: Tensor | None,
-    return_lse: bool,
-    heads_last: bool,
-    sinks: Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: Tensor | None = None,
-    deterministic: bool = True,
-) -> tuple[Tensor, Tensor]:
+    key: str, q: Tensor, k: Tensor, v: Tensor, sm_scale: float, alibi_slopes: Tensor | None,
+    return_lse: bool, heads_last: bool, sinks: Tensor | None = None, dropout_p: float = 0.0,
+    rng_state: Tensor | None = None, deterministic: bool = True,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     with torch.no_grad():  # the op's autograd formula records the backward, not the module
         out, lse = run_prefill(key, q, k, v, sm_scale, alibi_slopes, return_lse, heads_last,
                                sinks, dropout_p, rng_state)  # fmt: skip
@@ -238,23 +220,11 @@ def run_varlen(
 
 
 def varlen(
-    key: str,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    sm_scale: float,
-    alibi_slopes: Tensor | None,
-    seqused_k: Tensor | None,
-    return_lse: bool,
-    sinks: Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: Tensor | None = None,
-    deterministic: bool = True,
-) -> tuple[Tensor, Tensor | None]:
+    key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, sm_scale: float, alibi_slopes: Tensor | None,
+    seqused_k: Tensor | None, return_lse: bool, sinks: Tensor | None = None,
+    dropout_p: float = 0.0, rng_state: Tensor | None = None, deterministic: bool = True,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """(out, lse or None) of the varlen module `key`; see the module docstring."""
     args = (key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sm_scale,
             alibi_slopes, seqused_k)  # fmt: skip
@@ -267,23 +237,11 @@ def varlen(
 
 
 def _varlen_forward(
-    key: str,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    sm_scale: float,
-    alibi_slopes: Tensor | None,
-    seqused_k: Tensor | None,
-    return_lse: bool,
-    sinks: Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: Tensor | None = None,
-    deterministic: bool = True,
-) -> tuple[Tensor, Tensor]:
+    key: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, sm_scale: float, alibi_slopes: Tensor | None,
+    seqused_k: Tensor | None, return_lse: bool, sinks: Tensor | None = None,
+    dropout_p: float = 0.0, rng_state: Tensor | None = None, deterministic: bool = True,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     with torch.no_grad():  # the op's autograd formula records the backward, not the module
         out, lse = run_varlen(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                               max_seqlen_k, sm_scale, alibi_slopes, seqused_k, return_lse, sinks,

@@ -880,7 +880,7 @@ def _runner(compiled):
         and not getattr(launcher, "global_scratch_size", 1)
         and not getattr(launcher, "profile_scratch_size", 1)
     ):
-        return launcher.launch, (
+        return _encoded_launch(launcher.launch), (
             compiled.function,
             launcher.launch_cooperative_grid,
             launcher.launch_pdl,
@@ -892,6 +892,40 @@ def _runner(compiled):
             None,
         )
     return launcher, (compiled.function, compiled.packed_metadata, None, None, None)
+
+
+_ENCODINGS: dict = {}  # (a TMA descriptor's metadata, address, shape, strides) -> its arguments
+
+
+def _encoded_launch(launch):
+    """launch, or where it is Triton 3.6's wrapper that encodes every TMA descriptor argument
+    at every launch (cuTensorMapEncodeTiled and Python around it, microseconds each) the same
+    launch, each encoding made once per metadata, address, shape and strides (its inputs)."""
+    names = getattr(getattr(launch, "__code__", None), "co_freevars", ())  # the C launcher: ()
+    cells = dict(zip(names, [c.cell_contents for c in launch.__closure__], strict=True)
+                 ) if names else {}  # fmt: skip
+    metas, spots = cells.get("tensordesc_meta"), cells.get("tensordesc_indices")
+    if not metas or None in metas:
+        return launch
+    raw, encode = cells["launcher"], launch.__globals__["make_tensordesc_arg"]
+    base = launch.__globals__["_BASE_ARGS_FORMAT_LEN"]
+    spots = [(base + i, m, repr(sorted(m.items())))
+             for i, m in zip(sorted(spots), metas, strict=True)][::-1]  # fmt: skip
+
+    def encoded(*args):
+        args = list(args)
+        for at, meta, meta_key in spots:  # the last first: each becomes several arguments
+            desc = args[at]
+            key = (meta_key, desc.base.data_ptr(), *desc.shape, *desc.strides, desc.padding)
+            made = _ENCODINGS.get(key)
+            if made is None:
+                if len(_ENCODINGS) >= _LAUNCH_CACHE_SIZE:
+                    _ENCODINGS.clear()
+                made = _ENCODINGS[key] = encode(desc, meta)
+            args[at : at + 1] = made
+        return raw(*args)
+
+    return encoded
 
 
 def _launch(kernel, grid, device, tensors, ints, tail, constexprs, options):
