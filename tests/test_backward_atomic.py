@@ -75,6 +75,24 @@ def test_atomic_gradients_match_the_reference(fields, blocks, shape):
     assert not problems, "; ".join(problems)
 
 
+def test_the_delta_pass_zeroes_the_dq_sum(monkeypatch):
+    """The atomic path's fp32 dQ sum is allocated uninitialized and its rows zeroed by the dQ
+    kernel's DELTA_ONLY pass (no memset launch): with every fp32 allocation NaN-filled, the
+    gradients still match the reference."""
+    empty_like = torch.empty_like
+
+    def nan_filled(t, *args, **kwargs):
+        out = empty_like(t, *args, **kwargs)
+        return out.fill_(float("nan")) if out.dtype == torch.float32 else out
+
+    monkeypatch.setattr(torch, "empty_like", nan_filled)
+    spec = backward_spec(dtype="fp16", **CAUSAL)
+    q, k, v, dout, slopes = padded_inputs(spec, 1, 4, 2, 37, 37, seed=13)
+    blocks = Blocks((16, 16), (16, 16), (16, 32))
+    problems = check_padded(spec, blocks, q, k, v, dout, slopes, deterministic=False)
+    assert not problems, "; ".join(problems)
+
+
 def test_atomic_gradients_with_dropout_and_the_lse_gradient():
     spec = backward_spec(dtype="fp16", dropout=True, **CAUSAL)
     q, k, v, dout, slopes = padded_inputs(spec, 1, 4, 2, 35, 40, seed=11)

@@ -266,7 +266,7 @@ def test_the_host_side_around_the_kernel(tmp_path, monkeypatch):
 def test_the_row_statistics_it_is_given(tmp_path, seqlen_q):
     """_gluon_bwd_buffers: LSE log2 e with +inf for rows that see no key and past Nq, LSE,
     dLSE and delta padded alike (delta zeroed only where there are padding rows: the dQ
-    kernel writes every row < Nq), dQ's fp32 sum zeroed."""
+    kernel writes every row < Nq), dQ's fp32 sum allocated (its DELTA_ONLY pass zeroes it)."""
     spec = _spec(dtype="fp16", head_dim=64, num_q_heads=4, num_kv_heads=2)
     write_build(plan_build([spec]), tmp_path)
     module = load_kernel_file(tmp_path)
@@ -280,7 +280,7 @@ def test_the_row_statistics_it_is_given(tmp_path, seqlen_q):
     for t in (lse_p, lse2, delta, dlse):
         assert t.shape == (2, 4, 128) and t.is_contiguous()
     assert (delta[..., seqlen_q:] == 0).all()
-    assert dq.shape == (2, 4, 128, 64) and dq.dtype == torch.float32 and not dq.any()
+    assert dq.shape == (2, 4, 128, 64) and dq.dtype == torch.float32
 
 
 def _assert_launch_groups(kernel, tensors, ints, tail, constexprs) -> list[str]:
