@@ -238,6 +238,7 @@ def _backward_source(spec: AttnSpec, kernel: Any, config: TileConfig, grads: int
         GRADS=grads & 3,  # dK/dV: 3 both gradients in one launch, 1 dV, 2 dK
         ATOMIC_DQ=grads > 3,
         DELTA_ONLY=False,
+        STORE_LSE2=False,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         GROUP_MAX=1 << (q_per_kv - 1).bit_length(),
@@ -249,7 +250,7 @@ def _backward_source(spec: AttnSpec, kernel: Any, config: TileConfig, grads: int
         ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV"), spec.dtype.triton_pointer
     )
     types.update(
-        dict.fromkeys(("Lse", "DLse", "Delta", "Slopes", "Sinks", "DSinkPartial"), "*fp32")
+        dict.fromkeys(("Lse", "DLse", "Delta", "Lse2", "Slopes", "Sinks", "DSinkPartial"), "*fp32")
     )  # Sinks, DSinkPartial: with `sinks: true`
     types.update(RngState="*i64", sm_scale="fp32", keep_scale="fp32")
     types.update({"DQ": "*fp32"} if grads > 3 else {})

@@ -904,26 +904,26 @@ def _encoded_launch(launch):
     names = getattr(getattr(launch, "__code__", None), "co_freevars", ())  # the C launcher: ()
     cells = dict(zip(names, [c.cell_contents for c in launch.__closure__], strict=True)
                  ) if names else {}  # fmt: skip
-    metas, spots = cells.get("tensordesc_meta"), cells.get("tensordesc_indices")
-    if not metas or None in metas:
+    metas, indices = cells.get("tensordesc_meta"), cells.get("tensordesc_indices")
+    if not metas or not indices or None in metas:
         return launch
     raw, encode = cells["launcher"], launch.__globals__["make_tensordesc_arg"]
     base = launch.__globals__["_BASE_ARGS_FORMAT_LEN"]
     spots = [(base + i, m, repr(sorted(m.items())))
-             for i, m in zip(sorted(spots), metas, strict=True)][::-1]  # fmt: skip
+             for i, m in zip(sorted(indices), metas, strict=True)][::-1]  # fmt: skip
 
     def encoded(*args):
-        args = list(args)
+        values = list(args)
         for at, meta, meta_key in spots:  # the last first: each becomes several arguments
-            desc = args[at]
+            desc = values[at]
             key = (meta_key, desc.base.data_ptr(), *desc.shape, *desc.strides, desc.padding)
             made = _ENCODINGS.get(key)
             if made is None:
                 if len(_ENCODINGS) >= _LAUNCH_CACHE_SIZE:
                     _ENCODINGS.clear()
                 made = _ENCODINGS[key] = encode(desc, meta)
-            args[at : at + 1] = made
-        return raw(*args)
+            values[at : at + 1] = made
+        return raw(*values)
 
     return encoded
 
