@@ -137,13 +137,14 @@ def _runner(compiled):
     return launcher, (compiled.function, compiled.packed_metadata, None, None, None)
 
 
-_ENCODINGS: dict = {}  # (a TMA descriptor's metadata, address, shape, strides) -> its arguments
+_ENCODINGS: dict = {}  # (a descriptor's metadata, address, shape, strides, padding) -> arguments
 
 
 def _encoded_launch(launch):
     """launch, or where it is Triton 3.6's wrapper that encodes every TMA descriptor argument
     at every launch (cuTensorMapEncodeTiled and Python around it, microseconds each) the same
-    launch, each encoding made once per metadata, address, shape and strides (its inputs)."""
+    launch, each encoding made once per metadata, address, shape, strides and padding (all it
+    depends on)."""
     names = getattr(getattr(launch, "__code__", None), "co_freevars", ())  # the C launcher: ()
     cells = dict(zip(names, [c.cell_contents for c in launch.__closure__], strict=True)
                  ) if names else {}  # fmt: skip
