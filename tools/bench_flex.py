@@ -5,7 +5,9 @@ Each mod runs three ways in one process on the same bf16 inputs ([B, H, N, D], B
 H = 2048 / D, as the FlashAttention grid): `attngen.flex_attention` (its module built on
 demand at the first call), `torch.compile(flex_attention)` with the same torch BlockMask
 (BLOCK_SIZE 128), and where attngen has the mask built in, `attngen.flash_attn_func` on
-heads-last copies of the same tensors (causal, sliding window, ALiBi, softcap). The forward is
+heads-last copies of the same tensors (causal, sliding window, ALiBi, softcap); for the mods
+flex_attention recognises as built-in ones, also `attngen_expr`: the same call with that
+recognition patched off (the expression kernels and the block mask). The forward is
 timed alone; the backward as `torch.autograd.grad` of a kept graph (the forward not counted).
 The issue's targets: attngen.flex_attention >= 1.3x compiled Flex, and >= 0.9x the built-in.
 
@@ -26,6 +28,9 @@ import triton
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import attngen
+from attngen.runtime.flex import attention as flex_module
+from attngen.runtime.flex.builtin import builtin_mask
+from attngen.runtime.flex.cache import traced
 
 WINDOW, PREFIX, DOCUMENTS, SOFTCAP = 1024, 1024, 4, 30.0
 
@@ -81,6 +86,19 @@ def timed(forward, inputs) -> dict:
     return dict(fwd_ms=fwd, bwd_ms=bwd), out, grads
 
 
+def expression_path(call):
+    """call with flex_attention's built-in recognition off: the mods as expression kernels."""
+
+    def run(*inputs):
+        saved, flex_module.builtin_mask = flex_module.builtin_mask, lambda *args: None
+        try:
+            return call(*inputs)
+        finally:
+            flex_module.builtin_mask = saved
+
+    return run
+
+
 def bench_mod(name, mods, q, k, v) -> dict:
     score_mod, mask_mod, builtin = mods
     n = q.shape[2]
@@ -94,6 +112,8 @@ def bench_mod(name, mods, q, k, v) -> dict:
         runs["builtin"] = lambda a, b, c: attngen.flash_attn_func(
             *(t.transpose(1, 2) for t in (a, b, c)), **builtin
         ).transpose(1, 2)
+    if builtin_mask(traced(score_mod, mask_mod)[:3], n, n) is not None:
+        runs["attngen_expr"] = expression_path(runs["attngen"])
     result: dict = dict(mod=name, ms={}, max_diff={}, errors={})
     reference = None
     for impl, run in runs.items():
@@ -115,7 +135,7 @@ def bench_mod(name, mods, q, k, v) -> dict:
 def ratios(result: dict) -> dict:
     ms = result["ms"]
     found = {}
-    for other in ("flex", "builtin"):
+    for other in ("flex", "builtin", "attngen_expr"):
         if "attngen" in ms and other in ms:
             for half in ("fwd_ms", "bwd_ms"):
                 found[f"{half[:3]}_x_{other}"] = ms[other][half] / ms["attngen"][half]

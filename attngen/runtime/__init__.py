@@ -1,31 +1,6 @@
 """The runtime: generated kernels in real models (torch; never imported by the build path).
-
-    registry.py   which generated modules exist (index.json, the on-demand cache, generated/),
-                  imported only if their bytes and constants match; configure(), settings
-    selection.py  Need, Dispatch, which module serves a Need; the route cache; last_dispatch(),
-                  dispatch_log() per thread; the spec of the module a call needs, built
-    dispatch.py   a call's Need from its tensors; the choice, cached and recorded; the device's
-                  arch (CPU: Triton's interpreter, and a probe of its bf16 math)
-    ops.py        the modules' entry points: direct in eager mode, torch.library ops under
-                  torch.compile or autograd; last_backward(), backward_runs()
-    launch.py     run_dense / run_varlen: Need, dispatch, then the module or the fallback;
-                  warmup(): build and compile what a spec or model needs, before its first call
-    plans.py      an eager call's route kept per call signature, bound to its launch (the
-                  module's own checks run on every call)
-    arguments.py  argument conventions the public functions share; shape checks
-    api.py        scaled_dot_product_attention, flash_attn_func, flash_attn_varlen_func
-    attn_probs.py flash-attn's S_dmask for return_attn_probs with dropout (a testing path)
-    kvcache.py    flash_attn_with_kvcache (decode kind when built, else varlen over the cache)
-    kvcache_options.py  its options and checks, rotary, what its plans need
-    kvcache_append.py  which sequences fit their cache, the append of new keys (varlen
-                  route); paged K/V for flash_attn_varlen_func
-    decode_ops.py the decode kind's calls and op
-    flex/         flex_attention and create_block_mask: Python mods traced into expressions
-    hf.py         the transformers attention function ("attngen"); static-cache decode
-    fallback.py   the torch implementation behind fallback="sdpa", with the modules' checks
-
-Imports go one way (tests/test_import_graph.py): registry <- selection <- dispatch <- ... <-
-the public functions.
+docs/architecture.md ("Files") maps its files; imports go one way (registry <- selection
+<- dispatch <- ... <- the public functions; tests/test_import_graph.py).
 
 The public names are imported here; importing the package registers the torch.library ops.
 flash-attn 2.x's packed forms are defined here: each takes views of the packed tensor (no

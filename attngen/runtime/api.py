@@ -13,12 +13,9 @@ backward; with none loaded the call is refused, naming dropout_p and that spec f
 call draws a fresh Philox seed from the default generator of q's device, so two calls drop
 different probabilities and torch.manual_seed reproduces them (arguments.dropout_rng_state).
 
-Each function first looks up its call signature's plan (plans.py: the shapes, q's dtype and
-device, the options in their plain types): a signature a module served before, in eager
-mode, runs that module without the checks, Need and selection above, which depend on nothing
-else; any other call (a new signature, an option of another type, torch.compile, a tensor
-that needs a gradient) takes the full path, which leaves the plan when a module serves it.
-A call with dropout_p != 0 is never planned (plans.plain): its seed is drawn on the full path.
+Each function first looks up its call signature's plan (plans.py), which a signature a module
+served before runs without the checks, Need and selection above; a call with dropout_p != 0
+is never planned (plans.plain): its seed is drawn on the full path.
 """
 
 from __future__ import annotations

@@ -4,14 +4,12 @@
 `choose` returns the `Dispatch` naming the module that serves it and why, or, when none does,
 raises `NoKernelError` naming what the call needs and the nearest modules with what differs,
 unless a fallback was asked for: then the Dispatch says "fallback" and a warning names the
-reason. Nothing falls back silently. Every Dispatch is recorded per thread (records.py).
+reason. Nothing falls back silently. Every Dispatch is recorded per thread (selection.record).
 
 A repeated call costs one dictionary lookup: served Dispatches are kept in the route cache
-(selection.routes, bound to the registry that chose them), keyed by (api, Need), and by the
-api and the Need with its key length replaced by its length class (selection.length_thresholds:
-where max(Nq, Nk) crosses a module's window or chunk), so a decode loop whose key count grows
-selects once per class (`cached_dispatch`). Another registry starts the route cache over.
-Refusals and fallbacks are not cached: they warn or raise on every call.
+(selection.routes, whose docstring gives the keys), so a decode loop whose key count grows
+selects once per length class (`cached_dispatch`). Refusals and fallbacks are not cached:
+they warn or raise on every call.
 
 With on-demand builds on (registry.settings), a call no loaded module serves has
 selection.build_for build its module into the cache (the Dispatch: source "cache",

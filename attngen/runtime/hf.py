@@ -4,53 +4,14 @@
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="attngen")
 
 transformers calls `attngen_attention(module, q, k, v, attention_mask, ...)` in each layer
-with q [B, HQ, Nq, D] and k/v [B, HKV, Nk, D] (the KV cache already updated: the queries are
-the last Nq of the Nk positions, so the causal diagonal is bottom-right). The mask function
-registered with it (`attngen_mask`) hands over the 2D padding mask [B, Nk] (None without
-padding), as for flash-attention:
-- no padding: the prefill kind on the tensors as they are;
-- padding (batches of prompts of different lengths, and every decode step after them): the
-  tokens are unpadded into packed sequences and run through the varlen kind, as transformers'
-  own flash-attention path does; padded query rows get output 0.
-Packed-sequence kwargs (cu_seq_lens_q/k, max_length_q/k) go to the varlen kind directly.
-
-Newer models' attention, as transformers hands it over:
-- learned sinks (gpt-oss): the layer passes `s_aux=self.sinks` [HQ]; it goes to a module
-  built with `sinks: true` as its fp32 `sinks` (the eager function concatenates the sink
-  logit to the scaled, masked scores before the softmax: the same thing). In training (a
-  module built with `backward: true` too) the sinks parameter gets its gradient.
-- chunked attention (Llama 4): the layer's type is chunked_attention (config.layer_types)
-  and its chunks live only in the mask, built by create_chunked_causal_mask with the chunk
-  size config.attention_chunk_size; the mask function passes that call's kv_offset (the
-  position of the first key the layer's cache still holds, > 0 once its sliding cache has
-  dropped keys) to this function with the padding mask (`ChunkedKeys`). A chunk starts at a
-  multiple of the chunk size in the sequence's positions, so with offset o the first
-  (-o) mod C keys (the tail of a chunk no query is in) are dropped and the rest runs on a
-  chunked kernel whose chunks start at key 0. Refused by name: an offset with padding, and
-  queries inside that dropped chunk.
-- multi-head latent attention (DeepSeek-V2/V3, Kimi K2): transformers hands over the
-  decompressed q/k/v, plain attention with head_dim qk_nope + qk_rope and head_dim_v
-  v_head_dim, and dispatch matches those dims (the spec's `mla` variant).
-Dropout in training (the layer's attention_dropout) runs on a module built with dropout: true,
-as flash_attn_func's dropout_p does, and is refused naming dropout_p when none is loaded.
-Backward: dQ by fp32 atomics unless torch.are_deterministic_algorithms_enabled() (as SDPA).
-What no generated kernel can do (a 4D mask, output_attentions) is refused by name,
-and so is a layer whose attention transformers defines through the mask or extra arguments
-that this function never sees applied: a layer type other than full_attention,
-sliding_attention and chunked_attention, a config with attention_chunk_size and no layer
-type, and kwargs that change the scores (sinks under another name, position_bias, sparse key
-indices).
-Decode steps:
-- transformers' static cache (StaticCache, generate(cache_implementation="static")) hands
-  over the whole cache [B, HKV, max_cache_len, D]; with no padded position the mask function
-  passes the written keys' counts computed on the device (`CacheLengths`, below), and a step
-  of at most the decode module's query tokens runs on a decode module (contiguous cache,
-  nothing appended) with those as cache_seqlens: no host read, so generate()'s compiled
-  forward replays it in a CUDA graph. Other such calls take the varlen route over the
-  written keys (a padded cache unpadded over the mask's length); `last_dispatch()` says which.
-- a DynamicCache's step (keys exactly the written ones) takes the same route: a decode module
-  when one serves it (each KV head read once: 2.2-4.6x less device time than the prefill kind
-  at batch 64, tools/profile_dynamic_decode.py), else the prefill kind.
+with q [B, HQ, Nq, D] and k/v [B, HKV, Nk, D] (the cache already updated: the causal diagonal
+is bottom-right); the registered mask function (`attngen_mask`) hands over the 2D padding
+mask. Unpadded calls run on the prefill kind, padded ones unpadded on the varlen kind, decode
+steps of a static cache or a DynamicCache on a decode module with the key counts computed on
+the device (`CacheLengths`: no host read, capturable), chunked layers with their `kv_offset`
+(`ChunkedKeys`); gpt-oss's sinks (`s_aux`), dropout and latent attention's decompressed heads
+go to modules built for them. docs/integration.md ("Transformers") gives each route and what
+is refused by name (4D masks, output_attentions, unknown layer types, score-changing kwargs).
 """
 
 from __future__ import annotations

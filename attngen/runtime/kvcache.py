@@ -1,34 +1,22 @@
 """flash_attn_with_kvcache: attention of a few new query tokens against a KV cache.
 
-Routing, in order:
-1. A generated module of kind `decode` that serves the call: the `attngen::decode`
-   op, which appends k/v into the caches in place and attends (its contract: q [B, HQ, Nq, D],
-   contiguous caches [B, HKV, L, D] or paged [pages, page_size, HKV, D], cache_seqlens int32).
-   An eager call hands the caller's tensors as they are to the module's `decode_flash`
-   (flash-attn's layouts in and out), and the op or a module built before it gets
-   [B, H, N, D] views.
-2. Otherwise the varlen kind, reading the cache in place: the new k/v are appended with torch
-   index writes, then each batch row b is one packed "sequence" whose keys start at row
-   b * L of the flattened cache, and `seqused_k` = cache_seqlens + Nnew says how many are
-   used (-1 for a sequence that does not fit its cache: the kernel gives it NaN, and the append
-   wrote nothing for it). No host sync. Paged caches are gathered through block_table first
-   (a copy).
-   This is the route of specs built without the decode kind; split-KV decode (route 1) is
-   where small-batch speed comes from (docs/performance.md). Calls with cache_batch_idx or
-   cache_leftpad take it (kvcache_options.py: rotary, those, num_splits); it has no split of
-   the keys, so num_splits is a hint there, as in flash-attn.
-
-Rotary: route 1's module rotates q and the appended keys in its kernels; route 2 (and a
-decode module built before its kernels took rotary) gets them rotated in torch first.
+Routing, in order (docs/integration.md, "SDPA-shaped and flash-attn functions"):
+1. A generated module of kind `decode` that serves the call: the `attngen::decode` op, which
+   appends k/v into the caches in place and attends; an eager call hands the caller's
+   tensors as they are to the module's `decode_flash` (flash-attn's layouts in and out).
+   Its kernels rotate q and the appended keys (rotary).
+2. Otherwise the varlen kind, reading the cache in place: the new k/v appended with torch
+   index writes, each batch row one packed sequence starting at row b * L of the flattened
+   cache, with `seqused_k` = cache_seqlens + Nnew (-1 for a sequence that does not fit: NaN,
+   nothing written). No host sync; paged caches gathered through block_table first (a copy);
+   rotary applied in torch first. Calls with cache_batch_idx or cache_leftpad take it
+   (kvcache_options.py); num_splits is a hint there, as in flash-attn.
 
 A decode step whose signature route 1 served before runs from its plan (plans.py): the key
-holds every shape and option the checks above decide with, the dtypes and devices of the
-other tensors are compared on each call (kvcache_plan.same_kinds), and calls with
-cache_batch_idx, cache_leftpad or an int cache_seqlens (value checks) always take the full
-path. num_splits is in the key (an int >= 0; another type takes the full path) and the plan
-passes the call's; so are rotary's shapes and flag, and a plan is kept for a rotary call only
-when the module's kernels rotated (the plan passes cos/sin on); so are the caches' dtype and
-which of an fp8 cache's descales are given (the plan passes them on; the module checks them).
+holds every shape and option the checks decide with (num_splits, rotary's shapes and flag,
+the caches' dtype and which fp8 descales are given), the other tensors' dtypes and devices
+are compared on each call (kvcache_options.same_kinds), and calls with cache_batch_idx,
+cache_leftpad or an int cache_seqlens (value checks) always take the full path.
 """
 
 from __future__ import annotations

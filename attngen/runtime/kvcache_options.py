@@ -1,44 +1,17 @@
 """flash_attn_with_kvcache's options: their meaning and checks, route 2's key layout, the
-rotary embedding, and what the call's plans need beyond the signature key.
+rotary embedding, and what the call's plans need beyond the signature key. Their meaning,
+as flash-attn defines it, is docs/integration.md's ("SDPA-shaped and flash-attn functions").
 
-- rotary_cos/rotary_sin: checked here; applied by the decode module's kernels or in torch.
-- cache_batch_idx / cache_leftpad: which cache row holds sequence b, and where its keys
-  start. The varlen route reads the cache in place with sequence b's keys from
-  cache_batch_idx[b] * L + cache_leftpad[b] (its cu_seqlens_k start) and
-  cache_seqlens[b] + Nnew - cache_leftpad[b] of them (seqused_k); the new keys are written at
-  cache_seqlens[b] of row cache_batch_idx[b]. Device arithmetic only. The decode kind's
-  modules take neither, so such calls take the varlen route. Neither goes with block_table
-  (flash-attn refuses both combinations too).
-- num_splits: 0 lets the kernels decide; s >= 1 asks for s splits of the keys, which the
-  decode kind's modules take per call (attngen/tiling/decode.py; LAST_NUM_SPLITS is the count
-  the latest launch used). The varlen route has no split of the keys: there s is a hint, as
-  flash-attn's is, and the call runs unsplit (`last_dispatch().kind` is "varlen").
-- tree_mask (an attngen extension: speculative decoding's draft trees): torch.bool [B, Nq, Nq]
-  or [Nq, Nq]; draft i sees the last Nq keys (the drafts' k/v) only where tree_mask[b, i, j],
-  ANDed with causal / the window. Decode modules only (their kernel reads it: no host sync);
-  not with rotary or ALiBi (docs/generated_modules.md, "Tree drafts").
-
-Rotary embedding (rotary_cos/rotary_sin), as flash-attn defines it: the new keys are rotated
-at positions cache_seqlens[b] + t; the query tokens at cache_seqlens[b] + t when the call is
-causal or local (a window other than (-1, -1)), else all at cache_seqlens[b]; cache_leftpad
-does not move a position (flash-attn adds it back to the cache's length). Dims
-[0, 2 * rotary_cos.shape[1]) rotate: interleaved pairs (2i, 2i + 1) (GPT-J), or the halves
-(i, i + rotary_dim / 2) (GPT-NeoX); the rest are kept. Computed in float32 and rounded to the
-dtype, as flash-attn's kernels do before they use the result.
-
-Two ways, chosen per call (kvcache.py):
-- fused: a decode module whose kernels take rotary (ACCEPTS_ROTARY) rotates the keys as its
-  append kernel writes them into the cache and q as its split kernel loads it: no pass in
-  torch, no extra tensor; fused_rotary gives its arguments.
-- in torch (route 2, and decode modules built before the kernels took rotary): `rotate` makes
-  a new q and k (small), never a copy of the cache; the positions stay on the device.
-
-A query token whose position has no row of cos/sin (more query tokens than new keys, near the
-end of the cache: flash-attn reads past the table there) gets NaN, both ways. The keys of a
-sequence that fits its cache always have one (cache_options asks for seqlen_ro >= capacity).
-
-Plans (plans.py; kvcache.py's docstring says when one is kept): whether a step may run from
-one, the checks its key leaves open, and rotary's part of the key and of the planned call.
+- cache_batch_idx / cache_leftpad: the varlen route reads sequence b's keys in place from
+  cache_batch_idx[b] * L + cache_leftpad[b] (its cu_seqlens_k start), cache_seqlens[b] + Nnew
+  - cache_leftpad[b] of them (seqused_k), and appends at cache_seqlens[b] of that row: device
+  arithmetic only. Decode modules take neither, so such calls take the varlen route.
+- num_splits: s >= 1 splits per call on decode modules; a hint on the varlen route.
+- tree_mask (speculative decoding's draft trees): decode modules only, not with rotary or
+  ALiBi (docs/generated_modules.md, "Tree drafts").
+- rotary: fused where the decode module's kernels take it (ACCEPTS_ROTARY: `fused_rotary`
+  gives their arguments), else `rotate` in torch, on a new q and k (never a copy of the
+  cache), the positions kept on the device; a query token past cos/sin's rows gets NaN.
 """
 
 from __future__ import annotations

@@ -3,43 +3,15 @@
     attngen spec-from-hf path/to/config.json --out model.yaml
     attngen.spec_from_config(model.config)   # a dict, a config.json path or a PretrainedConfig
 
-Fields, with transformers' names:
-- head_dim: `head_dim`, else hidden_size / num_attention_heads;
-- num_q_heads, num_kv_heads: num_attention_heads, num_key_value_heads (default: MHA);
-- dtype: `dtype` (transformers >= 5) or `torch_dtype`;
-- softcap: attn_logit_softcapping (Gemma-2);
-- mask: causal, bottom_right (the KV-cache diagonal transformers uses); sliding_window W
-  keeps key j for query i when i - W < j <= i, so window_left = W - 1 (examples/mistral_7b.yaml);
-- models whose layers alternate (layer_types with sliding_attention and full_attention, or
-  Gemma-2's sliding_window_pattern, or Qwen's max_window_layers) get the variants `local` and
-  `global`;
-- use_bidirectional_attention (Gemma-2/3 encoders): mask none, and a symmetric window;
-- kernels: prefill and varlen (varlen serves padded batches).
-The softmax scale is not a spec field: it is a call argument (transformers passes the
-module's `scaling`, which carries query_pre_attn_scalar, attention_multiplier and the like).
-
-Newer models' attention:
-- learned attention sinks (gpt-oss: model_type gpt_oss, whose attention layers hand
-  `s_aux` = the layer's `sinks` to the attention function): `sinks: true`; its alternating
-  sliding (128) and full layers become the variants `local` and `global`;
-- chunked attention (Llama 4: attention_chunk_size on the layers whose layer type is
-  chunked_attention; transformers derives those from no_rope_layers): `mask: chunked` with
-  `chunk_size`, the variants `chunked` and `global` when some layers are full;
-- multi-head latent attention (DeepSeek-V2/V3, Kimi K2: kv_lora_rank, qk_nope_head_dim,
-  qk_rope_head_dim, v_head_dim): the variants `mla` (prefill and varlen on the decompressed
-  heads: head_dim qk_nope + qk_rope, head_dim_v v_head_dim, MHA, which transformers runs) and
-  `absorbed` (decode in the absorbed form: one latent KV head, head_dim kv_lora_rank +
-  qk_rope, head_dim_v kv_lora_rank, over a paged latent cache of 64-token pages, as FlashMLA).
-
-A config whose attention no spec can express yet is refused by name, never turned into a spec
-that computes something else: learned sinks of model types other than gpt_oss
-(_SINK_MODELS: their attention functions are not known to take them as gpt-oss's do), sparse
-indexers (index_topk: DeepSeek-V3.2), ALiBi (alibi, use_alibi, attn_config.alibi, Bloom),
-attention_chunk_size on a config whose layer types say nothing of chunks, and layer types
-other than full_attention, sliding_attention and chunked_attention (sparse, compressed ...;
-layers that are not attention, like linear_attention, are skipped). The result is validated
-like a spec file (attngen.spec), so a config attngen cannot serve fails with the field that
-is out of range.
+Reads transformers' names: head_dim (else hidden_size / num_attention_heads), the head
+counts, `dtype` or `torch_dtype`, attn_logit_softcapping, and the sliding window (transformers
+keeps key j for query i when i - W < j <= i, so window_left = W - 1); alternating layers
+become the variants `local` and `global`; gpt-oss's sinks, Llama 4's chunks and the latent
+attention dims (variants `mla` and `absorbed`) map to their spec fields. A config whose
+attention no spec expresses yet (sparse indexers, other models' sinks, ALiBi, unknown layer
+types) is refused by name, never turned into a spec that computes something else; the
+result is validated like a spec file. docs/integration.md ("From a model to kernels") lists
+every field and refusal.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ with q's dtype, the head dims, the head counts and the device's arch they state 
 (`score_mod`, `mask_mod` and `tensors` fields: attngen.spec.expressions), whose module is built on
 demand (selection.py's on-demand part, the cache of registry.py) and kept here under the
 call's key (the trees' text, the tensors' declarations, the Need), then called with the
-captured tensors by name (`tensors=`). Nothing falls back: without on-demand builds, on a
-device no kernel runs on, or for a function the tracer cannot express, the call is refused,
-saying why; `attngen.last_dispatch()` names the module that ran.
+captured tensors (`tensors=`); built-in masks run built-in kernels (builtin.py). Nothing
+falls back: without on-demand builds, on a device no kernel runs on, or for a function the
+tracer cannot express, the call is refused, saying why; `last_dispatch()` names the module.
 
 The block mask (attngen's create_block_mask or torch's BlockMask): its mask_mod is traced
 into the spec (partial blocks evaluate it per element) and its block lists go to the kernel,
@@ -39,6 +39,7 @@ from attngen.runtime.dispatch import (
     unsupported_dtype,
 )
 from attngen.runtime.flex.blocks import BlockMask
+from attngen.runtime.flex.builtin import builtin_mask, canonical, listed
 from attngen.runtime.flex.cache import traced
 from attngen.runtime.flex.trace import Capture
 from attngen.runtime.registry import import_verified
@@ -51,6 +52,7 @@ _PLAIN: dict[str, Any] = dict(mask=Mask.none, align=None, window=None, softcap=N
 _modules: dict[tuple, tuple[Any, Dispatch]] = {}
 _derived: dict[tuple, tuple] = {}  # _fields'
 _BITMAP = object()  # a block mask without a mask_mod: its block bitmap is the mask
+_BUILT_IN = "its mods are a built-in mask and softcap: the kernels skip blocks by themselves"
 
 
 # torch.compile: the tracer reads the functions' code and closures and runs them on its own
@@ -102,6 +104,8 @@ def attend(
     block mask `blocks` leaves out (see _sparsity); record the dispatch as `api`. sinks [HQ]
     fp32 and dropout_p (the transformers path's) pick a module with them."""
     fields, expressions, trained = _fields(trees, capture.declarations())
+    plain = None if capture.found else builtin_mask(trees, query.shape[2], key.shape[2])
+    plain = None if blocks is not None and plain and not canonical(blocks) else plain
     values, device = {}, query.device
     for decl, tensor in capture.found.values():  # as the module reads them: Capture.values
         if tensor.device != device:
@@ -113,7 +117,7 @@ def attend(
         values[decl.name] = tensor if decl.name in trained else tensor.detach()
     backward = bool(trained) or needs_gradients(query, key, value, sinks)
     extras = (sinks is not None, dropout_p > 0)
-    found = _module(api, query, key, value, fields, expressions, backward, extras)
+    found = _module(api, query, key, value, (fields, expressions, plain), backward, extras)
     module, dispatch, reasons = found
     if key.shape[0] != query.shape[0]:  # batch 1 broadcast, as torch's (a view: stride 0)
         key = key.expand(query.shape[0], *key.shape[1:])
@@ -122,7 +126,9 @@ def attend(
     options: dict[str, Any] = {"tensors": values} if values else {}
     options |= {"sinks": sinks} if extras[0] else {}  # (a module without sinks takes none)
     options |= {"dropout_p": dropout_p} if extras[1] else {}
-    sparsity, why = _sparsity(module, blocks if expressions else None, query, key, backward)
+    blocks = blocks if expressions and not plain else None
+    sparsity, why = _sparsity(module, blocks, query, key, backward)
+    why = _BUILT_IN if plain and expressions else why
     if sparsity is not None:
         options["block_mask"] = sparsity
     result = module.attention(query, key, value, sm_scale=sm_scale, return_lse=want_lse, **options)
@@ -241,20 +247,8 @@ def _bitmap(block_mask: Any, batch: int, heads: int, capture: Capture) -> Expr:
     """A block mask without a mask_mod: blocks[b, h, q_idx // QB, kv_idx // KB], its listed
     (partial and full) blocks as a dense bool tensor built on the device."""
     rows, cols = block_mask.kv_indices.shape[-2:]
-    dense = None
-    for num, indices in (
-        (block_mask.kv_num_blocks, block_mask.kv_indices),
-        (block_mask.full_kv_num_blocks, block_mask.full_kv_indices),
-    ):
-        if num is None:
-            continue
-        listed = torch.arange(indices.shape[-1], device=indices.device) < num[..., None]
-        where = torch.where(listed, indices.long(), cols)
-        part = torch.zeros(*indices.shape[:-1], cols + 1, dtype=torch.bool, device=num.device)
-        part = part.scatter(-1, where, True)[..., :cols]
-        dense = part if dense is None else dense | part
-    assert dense is not None  # kv_num_blocks is required
-    blocks = dense.expand(batch, heads, rows, cols)
+    partial, full = listed(block_mask)
+    blocks = (partial | full).expand(batch, heads, rows, cols)
     decl = capture.declare(blocks, None, "block_mask")
     qb, kb = block_mask.BLOCK_SIZE
     index = [Expr("var", (), n, "int") for n in ("b", "h", "q_idx", "kv_idx")]
@@ -289,15 +283,17 @@ def _fields(trees: tuple, decls: tuple[Tensor, ...]) -> tuple[dict[str, Any], st
     return derived
 
 
-def _module(api: str, query, key, value, fields: dict, expressions: str, backward, extras):
-    """(module, Dispatch, the Dispatches recorded with each block-mask reason) of the call:
+def _module(api: str, query, key, value, mods: tuple, backward, extras):
+    """(module, Dispatch, the Dispatches recorded with each block-mask reason) of the call
+    whose mods are (spec fields, their expression_key, builtin_mask's answer or None):
     from the route cache of the registry in use (selection.routes: keyed by what decides the
     Need, so a repeated call asks no Need, settings or device question, but bf16 under the
     interpreter's, whose answer may change), else kept per call key and the settings, built
     on demand on a first call (with gradient kernels when the call needs gradients; extras:
     whether it has sinks, dropout). configure() reloads the registry: routes start over."""
+    fields, expressions, plain = mods
     route: tuple = (API, api, expressions, query.dtype, query.device, query.shape, key.shape)
-    route += (value.shape, backward, extras)
+    route += (value.shape, backward, extras, plain is None)
     table = selection.routes(registry.current_registry())
     hit = table.get(route)
     if hit is not None and (hit[3] is None or device_problem(*hit[3]) is None):
@@ -305,7 +301,7 @@ def _module(api: str, query, key, value, fields: dict, expressions: str, backwar
     lq, lk = query.shape[2], key.shape[2]
     sizes = dict(seqlen_q=lq, seqlen_k=lk, same_lengths=lq == lk, backward=backward)
     sizes |= dict(sinks=extras[0], dropout=extras[1])
-    need = need_for(KernelKind.prefill, query, value, **_PLAIN, **sizes)
+    need = need_for(KernelKind.prefill, query, value, **(plain or _PLAIN), **sizes)
     why = unsupported_dtype(query) if need.dtype is None else None
     why = why or device_problem(API, need.arch, need.dtype)
     settings = registry.settings()
@@ -315,7 +311,7 @@ def _module(api: str, query, key, value, fields: dict, expressions: str, backwar
     if why is not None:
         who = f"attngen.{API}" if api == API else f"attngen ({api}: the model's mask function)"
         raise NoKernelError(f"{who}: {why}")
-    need = need._replace(expressions=expressions)
+    need = need._replace(expressions="" if plain else expressions)
     heads = (query.shape[1], key.shape[1])
     call_key = (need._replace(seqlen_q=0, seqlen_k=0, same_lengths=False), heads, settings)
     hit = _modules.get(call_key)
@@ -333,7 +329,7 @@ def _build(need, heads, fields: dict[str, Any]) -> tuple[Any, Dispatch]:
     from attngen.build import BuildError
 
     try:
-        spec, kind, arch = selection.spec_for(need, heads, fields)
+        spec, kind, arch = selection.spec_for(need, heads, fields if need.expressions else None)
         entry, built = selection.cached_module(spec, kind, arch)
     except (selection.NotExpressible, BuildError) as exc:
         raise NoKernelError(f"attngen.{API}: no module can be built: {exc}") from None
