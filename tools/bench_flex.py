@@ -65,11 +65,11 @@ def gym(heads: int, seqlen: int) -> dict:
     return {
         "causal": (None, causal, dict(causal=True)),
         "sliding window": (None, sliding, dict(causal=True, window_size=(WINDOW, 0))),
-        "prefix-LM": (None, prefix, None),
+        "softcap (causal)": (softcap, causal, dict(causal=True, softcap=SOFTCAP)),
         "document": (None, document, None),
         "ALiBi (causal)": (alibi, causal, dict(causal=True, alibi_slopes=slopes)),
-        "softcap (causal)": (softcap, causal, dict(causal=True, softcap=SOFTCAP)),
         "relative bias": (relative, None, None),
+        "prefix-LM": (None, prefix, None),
     }
 
 
