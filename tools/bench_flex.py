@@ -73,10 +73,10 @@ def gym(heads: int, seqlen: int) -> dict:
     }
 
 
-def timed(forward, inputs) -> dict:
-    """Forward and backward medians (ms) of forward(*inputs), and its output."""
+def timed(forward, inputs, grad) -> tuple:
+    """Forward and backward medians (ms) of forward(*inputs) (the backward of the output
+    gradient `grad`), its output and its gradients."""
     out = forward(*inputs)
-    grad = torch.randn_like(out)
     fwd = triton.testing.do_bench(lambda: forward(*inputs), warmup=25, rep=100)
     kept = forward(*inputs)
     bwd = triton.testing.do_bench(
@@ -115,20 +115,23 @@ def bench_mod(name, mods, q, k, v) -> dict:
     if builtin_mask(traced(score_mod, mask_mod)[:3], n, n) is not None:
         runs["attngen_expr"] = expression_path(runs["attngen"])
     result: dict = dict(mod=name, ms={}, max_diff={}, errors={})
-    reference = None
+    seeded = torch.Generator(q.device).manual_seed(0)
+    reference, grad = None, torch.randn(q.shape, generator=seeded, device=q.device, dtype=q.dtype)
     for impl, run in runs.items():
         try:
-            times, out, grads = timed(run, (q, k, v))
+            times, out, grads = timed(run, (q, k, v), grad)
         except Exception as exc:  # a failing run is recorded, not fatal
             result["errors"][impl] = f"{type(exc).__name__}: {str(exc)[:200]}"
             continue
         result["ms"][impl] = times
         if impl == "attngen":
-            result["dispatch"] = str(attngen.last_dispatch())[:300]
+            dispatch = attngen.last_dispatch()
+            result["dispatch"] = dict(module=dispatch.module, forward=dispatch.forward)
         if reference is None:
             reference = (out, *grads)
-        pairs = zip((out, *grads), reference, strict=True)
-        result["max_diff"][impl] = max((a.float() - b.float()).abs().max().item() for a, b in pairs)
+        pairs = zip(("out", "dq", "dk", "dv"), (out, *grads), reference, strict=True)
+        diffs = {n: (a.float() - b.float()).abs().max().item() for n, a, b in pairs}
+        result["max_diff"][impl] = diffs  # against attngen's own run: the first
     return result
 
 
