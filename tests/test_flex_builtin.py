@@ -113,3 +113,30 @@ def test_a_torch_causal_block_mask_runs_the_built_in_kernels(on_demand) -> None:
     out, lse = attngen.flex_attention(q, k, v, block_mask=blocks, return_lse=True)
     assert "a built-in mask" in last_dispatch().reason and "_causal" in last_dispatch().module
     _check(out, lse, q, k, v, None, causal)
+
+
+def test_the_backward_is_deterministic_as_torch_is_asked(on_demand, monkeypatch) -> None:  # noqa: F811
+    """As SDPA and the transformers function: dQ by atomics (deterministic=False, flash-attn's
+    default) unless torch.use_deterministic_algorithms(True)."""
+    from attngen.runtime.flex import attention as flex
+
+    q, k, v = (torch.randn(1, 2, 32, 16, requires_grad=True) for _ in range(3))
+    attngen.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s * 0.5)
+    module = next(m for m, d in flex._modules.values() if d.key == last_dispatch().key)
+    seen: list[dict] = []
+    attention = module.attention
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs)
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(module, "attention", recording)
+    attngen.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s * 0.5).sum().backward()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        attngen.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s * 0.5)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert [kw.get("deterministic") for kw in seen] == [False, True]
+    assert q.grad is not None and q.grad.abs().sum() > 0

@@ -126,6 +126,7 @@ def attend(
     options: dict[str, Any] = {"tensors": values} if values else {}
     options |= {"sinks": sinks} if extras[0] else {}  # (a module without sinks takes none)
     options |= {"dropout_p": dropout_p} if extras[1] else {}
+    options |= {"deterministic": torch.are_deterministic_algorithms_enabled()} if backward else {}
     blocks = blocks if expressions and not plain else None
     sparsity, why = _sparsity(module, blocks, query, key, backward)
     why = _BUILT_IN if plain and expressions else why

@@ -96,14 +96,13 @@ def _mapped(score: Expr | None, keep: Expr | None, mask: Expr | None) -> dict[st
     low, high = (-math.inf, math.inf) if mask is None else _bounds(mask) or (1, 0)
     if not low <= 0 <= high:
         return None
-    found = dict(mask=Mask.sliding_window, align=CausalAlign.top_left, softcap=softcap or None)
-    found["alibi"] = False
+    found: dict[str, Any] = dict(softcap=softcap or None, alibi=False)
     if low == -math.inf and high == math.inf:
         return found | dict(mask=Mask.none, align=None, window=None)
     if low == 0 and high == math.inf:
-        return found | dict(mask=Mask.causal, window=None)
+        return found | dict(mask=Mask.causal, align=CausalAlign.top_left, window=None)
     sides = (INFINITE if abs(s) == math.inf else int(abs(s)) for s in (high, low))
-    return found | dict(window=tuple(sides))
+    return found | dict(mask=Mask.sliding_window, align=CausalAlign.top_left, window=tuple(sides))
 
 
 def canonical(block_mask: Any) -> bool:
