@@ -12,7 +12,7 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_block_m
 import attngen
 from attngen.runtime import last_dispatch
 from attngen.runtime.arguments import INFINITE
-from attngen.runtime.flex.builtin import builtin_mask, canonical
+from attngen.runtime.flex.builtin import builtin_mask, canonical, mapped
 from attngen.runtime.flex.cache import traced
 from attngen.spec import CausalAlign, Mask
 from tests.ondemand_harness import on_demand  # noqa: F401 - a fixture
@@ -49,7 +49,7 @@ MASKS = [
 @pytest.mark.parametrize(("mask_mod", "expected"), MASKS)
 def test_masks_that_bound_the_diagonal_distance_are_built_in(mask_mod, expected) -> None:
     score, keep, mask, _ = traced(None, mask_mod)
-    found = builtin_mask((score, keep, mask), 256, 256)
+    found = builtin_mask(mapped((score, keep, mask)), 256, 256)
     if expected is None:
         assert found is None, str(mask)
         return
@@ -70,7 +70,7 @@ def test_masks_that_bound_the_diagonal_distance_are_built_in(mask_mod, expected)
 )
 def test_a_softcap_score_mod_is_the_built_in_softcap(score_mod, cap) -> None:
     score, keep, mask, _ = traced(score_mod, lambda b, h, q, kv: q >= kv)
-    found = builtin_mask((score, keep, mask), 64, 64)
+    found = builtin_mask(mapped((score, keep, mask)), 64, 64)
     assert (found is None) == (cap is None), str(score)
     assert found is None or found["softcap"] == (cap or None)
 
@@ -78,8 +78,8 @@ def test_a_softcap_score_mod_is_the_built_in_softcap(score_mod, cap) -> None:
 def test_a_window_with_rows_past_the_keys_stays_an_expression() -> None:
     """More queries than keys (top-left): a window leaves late rows without a key, where Flex
     and the built-in kernels answer differently; causal keeps key 0 for every row."""
-    window = traced(None, lambda b, h, q, kv: (q >= kv) & (q - kv <= 8))[:3]
-    causal = traced(None, lambda b, h, q, kv: q >= kv)[:3]
+    window = mapped(traced(None, lambda b, h, q, kv: (q >= kv) & (q - kv <= 8))[:3])
+    causal = mapped(traced(None, lambda b, h, q, kv: q >= kv)[:3])
     assert builtin_mask(window, 64, 32) is None and builtin_mask(window, 32, 64) is not None
     assert builtin_mask(causal, 64, 32) == dict(
         mask=Mask.causal, align=CausalAlign.top_left, alibi=False, softcap=None, window=None
@@ -140,3 +140,49 @@ def test_the_backward_is_deterministic_as_torch_is_asked(on_demand, monkeypatch)
         torch.use_deterministic_algorithms(deterministic)
     assert [kw.get("deterministic") for kw in seen] == [False, True]
     assert q.grad is not None and q.grad.abs().sum() > 0
+
+
+def _gym_alibi(heads: int):
+    def alibi(score, b, h, q_idx, kv_idx):  # attention-gym's: the slope a function of h
+        return score + (kv_idx - q_idx) * torch.exp2(-((h + 1) * 8.0 / heads))
+
+    return alibi
+
+
+@pytest.mark.parametrize("form", ["gym", "captured", "subtracted"])
+def test_alibi_score_mods_under_a_causal_mask_run_the_built_in_alibi(on_demand, form) -> None:  # noqa: F811
+    """The slope read per head (a function of h, or a captured tensor indexed by h) under a
+    causal mask at Nq == Nk is flash-attn's ALiBi; the same answer as torch's flex_attention."""
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(2, 4, 48, 16) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    score_mod = {
+        "gym": _gym_alibi(4),
+        "captured": lambda s, b, h, i, j: s + slopes[h] * (j - i),
+        "subtracted": lambda s, b, h, i, j: s - slopes[h] * (i - j),
+    }[form]
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    blocks = attngen.create_block_mask(causal, 2, None, 48, 48, "cpu", BLOCK_SIZE=16)
+    out, lse = attngen.flex_attention(q, k, v, score_mod, blocks, return_lse=True)
+    assert "a built-in mask" in last_dispatch().reason and "_alibi" in last_dispatch().module
+    _check(out, lse, q, k, v, score_mod, causal)
+
+
+def test_alibi_without_a_causal_mask_or_past_its_table_stays_an_expression(on_demand) -> None:  # noqa: F811
+    """flash-attn's ALiBi is -slope |i - j|: without the causal mask the score_mod's
+    slope (j - i) differs on later keys; a table shorter than the heads reads past its end
+    (a masked key in Flex's meaning): both keep the expression kernels."""
+    q, k, v = (torch.randn(1, 4, 32, 16) for _ in range(3))
+    attngen.flex_attention(q, k, v, _gym_alibi(4))
+    assert "a built-in mask" not in last_dispatch().reason
+    short = torch.tensor([0.5, 0.25])
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    blocks = attngen.create_block_mask(causal, 1, None, 32, 32, "cpu", BLOCK_SIZE=16)
+    attngen.flex_attention(q, k, v, lambda s, b, h, i, j: s + short[h] * (j - i), blocks)
+    assert "a built-in mask" not in last_dispatch().reason

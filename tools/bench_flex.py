@@ -29,7 +29,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import attngen
 from attngen.runtime.flex import attention as flex_module
-from attngen.runtime.flex.builtin import builtin_mask
+from attngen.runtime.flex.builtin import builtin_mask, mapped
 from attngen.runtime.flex.cache import traced
 
 WINDOW, PREFIX, DOCUMENTS, SOFTCAP = 1024, 1024, 4, 30.0
@@ -112,7 +112,7 @@ def bench_mod(name, mods, q, k, v) -> dict:
         runs["builtin"] = lambda a, b, c: attngen.flash_attn_func(
             *(t.transpose(1, 2) for t in (a, b, c)), **builtin
         ).transpose(1, 2)
-    if builtin_mask(traced(score_mod, mask_mod)[:3], n, n) is not None:
+    if builtin_mask(mapped(traced(score_mod, mask_mod)[:3]), n, n) is not None:
         runs["attngen_expr"] = expression_path(runs["attngen"])
     result: dict = dict(mod=name, ms={}, max_diff={}, errors={})
     seeded = torch.Generator(q.device).manual_seed(0)

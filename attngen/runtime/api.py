@@ -7,11 +7,9 @@ with fallback="sdpa" (the argument, or attngen.runtime.set_fallback) a call no m
 torch after a warning. Features no generated kernel has (a dense attn_mask tensor, rotary
 inside the call) are refused with an error that names them.
 
-dropout_p > 0 (training, as in flash-attn and SDPA: applied whenever it is given) is served by
-a module built with `backward: true, dropout: true` (its name ends `_bwd_drop`), forward and
-backward; with none loaded the call is refused, naming dropout_p and that spec field. Each
-call draws a fresh Philox seed from the default generator of q's device, so two calls drop
-different probabilities and torch.manual_seed reproduces them (arguments.dropout_rng_state).
+dropout_p > 0 (applied whenever given, as in flash-attn and SDPA) needs a module built with
+`backward: true, dropout: true`, else the call is refused naming dropout_p; each call draws a
+fresh Philox seed from q's device's default generator (arguments.dropout_rng_state).
 
 Each function first looks up its call signature's plan (plans.py), which a signature a module
 served before runs without the checks, Need and selection above; a call with dropout_p != 0

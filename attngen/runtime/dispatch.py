@@ -11,9 +11,8 @@ A repeated call costs one dictionary lookup: served Dispatches are kept in the r
 selects once per length class (`cached_dispatch`). Refusals and fallbacks are not cached:
 they warn or raise on every call.
 
-With on-demand builds on (registry.settings), a call no loaded module serves has
-selection.build_for build its module into the cache (the Dispatch: source "cache",
-built=True); a call no spec can state, or a build that fails, is refused with the reason.
+With on-demand builds on, a call no loaded module serves has its module built into the cache
+(Dispatch source "cache", built=True), or is refused with the reason.
 
 Under torch.compile, `choose` hands the Need's fields to a function dynamo does not trace
 (assume_constant_result's mark): selection runs once while tracing, its key a constant.

@@ -4,16 +4,11 @@ torch fallback. The public functions (api.py, kvcache.py, hf.py) and context par
 parallelism's backward runs the gradient kernels of each chunk pair through
 `run_dense_backward`.
 
-A caller that wants flash-attn's [B, N, H, D] output sets the Call's heads_last (dispatch.py):
-a module that takes `out=` (Dispatch.writes_out; every module the templates render) allocates
-and writes that layout itself through its `attention_flash_out` (ops.py); from one that does
-not (a hand-written stand-in), its [B, H, N, D] output is copied into that layout.
-
-dropout_p > 0 asks for a module built with dropout: true (Need.dropout); the call's Philox
-state is drawn here (arguments.dropout_rng_state) and handed to the module's forward and,
-through the op's autograd formula, to its backward. Such a call leaves no plan (plans.py):
-a planned call would skip this draw. `deterministic` goes the same way to the backward
-(ops.py: False, dQ by atomics); a call that needs no gradient ignores it.
+A caller that wants flash-attn's [B, N, H, D] output sets the Call's heads_last: a module
+that takes `out=` (every rendered one) writes that layout through `attention_flash_out`;
+a stand-in's [B, H, N, D] output is copied. With dropout_p > 0 the call's Philox state is
+drawn here (arguments.dropout_rng_state) for the module's forward and, through the op's
+formula, its backward (so such a call leaves no plan); `deterministic` goes the same way.
 """
 
 from __future__ import annotations

@@ -23,13 +23,10 @@ decode_ops' flash_layout), asked only of a module that takes `out=` (Dispatch.wr
 the ops return its view. The LSE is always an op output (empty when not asked for: an op's
 outputs cannot be optional); the functions here return None instead.
 
-prefill and varlen have an autograd formula, the module's own (below), so
-torch.compile(fullgraph=True) traces forward and backward; through the ops the forward always
-computes the LSE. With dropout_p > 0 the call's Philox state, rng_state, is an input of the
-op, saved for its backward, which so regenerates the mask; so is `deterministic` (False adds
-dQ by atomics). Decode mutates its caches, which torch allows no formula for: `decode()`
-(decode_ops.py) wraps its outputs in a function whose backward raises that it is
-forward-only.
+prefill and varlen have an autograd formula, the module's own (docs/architecture.md, "One
+autograd per kernel kind"), so torch.compile(fullgraph=True) traces forward and backward;
+rng_state and `deterministic` are op inputs saved for the backward. Decode mutates its
+caches, which torch allows no formula for: `decode()` (decode_ops.py) raises in backward.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """Plans: an eager call's route, decided once per call signature and bound to its launch.
 
-Between a public function's arguments and the generated module's entry point, everything the
-runtime decides depends only on the call's signature: the tensors' shapes, q's dtype and
-device, and the scalar options. That is the Need, the module that serves it and its Dispatch,
-the softmax scale, whether the module writes the caller's layout in place, and so the entry
-point the call ends in. The first eager call of a signature takes the full path (every check,
-the Need, selection, recorded), and when a module served it, leaves a `Plan` under the
-signature's key in the route cache (selection.routes; FA4's compile_key -> compile_cache[key]):
-the bound launch, the module with its entry point resolved and the static arguments checked.
-A later call with an equal key runs the plan: the checks its key does not decide (the other
-tensors' dtypes and devices, compared), the Dispatch recorded (a reference, as the full path
-records the Dispatch it cached), the run counted, and the entry point called, which makes its
-own checks on every call as always.
+Everything the runtime decides between a public function's arguments and the module's entry
+point (the Need, the module, its Dispatch, the softmax scale, the entry point) depends only on
+the call's signature: shapes, q's dtype and device, the scalar options. The first eager call
+of a signature takes the full path and, when a module served it, leaves a `Plan` (the bound
+launch) under its key in the route cache (docs/architecture.md, "The caches"); a later call
+with an equal key runs it: the checks its key does not decide (the other tensors' dtypes and
+devices), the Dispatch recorded, the run counted, and the entry point called, which makes
+its own checks on every call as always.
 
 An equal key must mean that the full path would decide the same. So options enter a key with
 their values, and only in their plain types (None, bool, float, str, a pair of ints): a call

@@ -8,16 +8,11 @@ its bytes hash to the entry's sha256, it is executed from exactly those bytes (l
 them, so Triton's JIT compiles what was verified), and its constants (HEAD_DIM, MASK, DTYPE,
 ...) and entry point say what its entry says. A module's key is its file's absolute path.
 
-The registry holds three layers of folders; where several modules serve a call, the first
-layer's wins (selection.best_entry):
-1. explicit folders: `load_kernels(folder, ...)` adds them (the most recently loaded first),
-   and `$ATTNGEN_KERNELS` (folders separated by os.pathsep) names the initial ones;
-2. the on-demand cache (below: its settings, folders and builds), while on-demand builds are on;
-3. the bundled `generated/` of a source checkout.
-`load_kernels(folder, replace=True)` keeps only the given folders (and the cache, while
-on). Every load builds a new Registry: a key chosen from the registry it replaced is refused
-afterwards (RegistryError), never run. A module built on demand is added to the registry in
-use (`Registry.add`); `loaded_kernels()` lists every module and where it came from.
+The registry holds three layers of folders (docs/integration.md, "Loading kernels"), the
+first layer's module winning (selection.best_entry): `load_kernels` folders and
+`$ATTNGEN_KERNELS`, the on-demand cache (below) while on, the bundled `generated/`. Every
+load builds a new Registry: a key chosen from the one it replaced is refused (RegistryError),
+never run. A module built on demand is added to the registry in use (`Registry.add`).
 """
 
 from __future__ import annotations

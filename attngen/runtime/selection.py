@@ -12,14 +12,9 @@ never a caller's max_seqlen claim. dispatch.py is the torch side: it builds a Ne
 tensors and records the choice.
 
 The route cache (`routes`): everything the runtime derives from a registry's entries for the
-calls it serves lives in one dictionary held here, bound to the registry in use; the registry
-keeps its entries and verified imports only. Its keys: a public function's call signature
-(plans.py: the bound launch, a `Plan`), (api, Need) and (api, Need with its key length as a
-length class) (dispatch.py: the served Dispatch), the entries that agree with a Need on all
-but the mask and the entries' length thresholds (here: stored with the entries list they were
-computed from, so a module built on demand, which replaces the list, is counted from then on).
-Loading another registry starts it over, so a replaced registry's choices never serve a later
-call; it is bounded (ROUTE_CACHE_SIZE: a full cache drops its older half).
+calls it serves, in one dictionary held here, bound to the registry in use and bounded
+(ROUTE_CACHE_SIZE: a full cache drops its older half); docs/architecture.md ("The caches")
+gives its keys.
 
 The record, per thread: `last_dispatch()` is this thread's latest Dispatch, and `with
 dispatch_log() as log:` collects its dispatches inside the block (logs nest). Recording is

@@ -9,14 +9,10 @@ captured tensors (`tensors=`); built-in masks run built-in kernels (builtin.py).
 falls back: without on-demand builds, on a device no kernel runs on, or for a function the
 tracer cannot express, the call is refused, saying why; `last_dispatch()` names the module.
 
-The block mask (attngen's create_block_mask or torch's BlockMask): its mask_mod is traced
-into the spec (partial blocks evaluate it per element) and its block lists go to the kernel,
-which visits only the listed key blocks and skips the mask on the full ones (compiled Flex's
-meaning: the block lists win). One without a mask_mod (block sparsity alone) becomes a mask
-reading its dense block bitmap; a call that needs gradients (its module built with
-`backward: true`, trainable: _fields) passes it to the gradient kernels too. Where the
-module's tiles (the backward's too) do not divide the mask's blocks, every block runs with
-the mask per element, and the dispatch's reason says so.
+The block mask (attngen's or torch's): its mask_mod is traced into the spec and its block
+lists go to the kernels (gradient kernels too), which visit only the listed key blocks and
+skip the mask on full ones where the module's tiles divide the blocks (docs/integration.md,
+"FlexAttention drop-in"); one without a mask_mod becomes a mask reading its block bitmap.
 """
 
 from __future__ import annotations
@@ -39,7 +35,7 @@ from attngen.runtime.dispatch import (
     unsupported_dtype,
 )
 from attngen.runtime.flex.blocks import BlockMask
-from attngen.runtime.flex.builtin import builtin_mask, canonical, listed
+from attngen.runtime.flex.builtin import alibi_slopes, builtin_mask, canonical, listed, mapped
 from attngen.runtime.flex.cache import traced
 from attngen.runtime.flex.trace import Capture
 from attngen.runtime.registry import import_verified
@@ -103,9 +99,7 @@ def attend(
     with the captured tensors on the module built for them, skipping the key blocks that the
     block mask `blocks` leaves out (see _sparsity); record the dispatch as `api`. sinks [HQ]
     fp32 and dropout_p (the transformers path's) pick a module with them."""
-    fields, expressions, trained = _fields(trees, capture.declarations())
-    plain = None if capture.found else builtin_mask(trees, query.shape[2], key.shape[2])
-    plain = None if blocks is not None and plain and not canonical(blocks) else plain
+    fields, expressions, trained, known = _fields(trees, capture.declarations())
     values, device = {}, query.device
     for decl, tensor in capture.found.values():  # as the module reads them: Capture.values
         if tensor.device != device:
@@ -115,6 +109,10 @@ def attend(
             )
         tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
         values[decl.name] = tensor if decl.name in trained else tensor.detach()
+    plain = None if trained else builtin_mask(known, query.shape[2], key.shape[2])
+    plain = None if blocks is not None and plain and not canonical(blocks) else plain
+    slopes = plain and alibi_slopes(known, capture.declarations(), values, query.shape[1], device)
+    plain = None if plain and plain["alibi"] and slopes is None else plain  # a read past its end
     backward = bool(trained) or needs_gradients(query, key, value, sinks)
     extras = (sinks is not None, dropout_p > 0)
     found = _module(api, query, key, value, (fields, expressions, plain), backward, extras)
@@ -123,7 +121,8 @@ def attend(
         key = key.expand(query.shape[0], *key.shape[1:])
         value = value.expand(query.shape[0], *value.shape[1:])
     sm_scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    options: dict[str, Any] = {"tensors": values} if values else {}
+    options: dict[str, Any] = {"tensors": values} if values and not plain else {}
+    options |= {"alibi_slopes": slopes} if plain and slopes is not None else {}
     options |= {"sinks": sinks} if extras[0] else {}  # (a module without sinks takes none)
     options |= {"dropout_p": dropout_p} if extras[1] else {}
     options |= {"deterministic": torch.are_deterministic_algorithms_enabled()} if backward else {}
@@ -260,11 +259,11 @@ def _bitmap(block_mask: Any, batch: int, heads: int, capture: Capture) -> Expr:
     return Expr("load", tuple(index), decl.name, "bool")
 
 
-def _fields(trees: tuple, decls: tuple[Tensor, ...]) -> tuple[dict[str, Any], str, set[str]]:
+def _fields(trees: tuple, decls: tuple[Tensor, ...]) -> tuple[dict[str, Any], str, set, tuple]:
     """The spec's score_mod, mask_mod and tensors fields of a call's trees, their
-    expression_key and the trainable tensors' names; kept for the trees of the trace cache
-    (the same objects on every hit). Trainable: one that requires grad and that score_mod
-    reads (none flows through a bool)."""
+    expression_key, the trainable tensors' names (those that require grad and that score_mod
+    reads: none flows through a bool) and builtin.mapped's answer; kept per trees (the trace
+    cache's objects on every hit)."""
     (score, keep, mask), parts = trees, (*trees, *decls)
     kept = _derived.get(tuple(map(id, parts)))  # parts kept alive there: the same objects
     if kept is not None:
@@ -279,7 +278,8 @@ def _fields(trees: tuple, decls: tuple[Tensor, ...]) -> tuple[dict[str, Any], st
     fields |= {"tensors": [asdict(d) | {"shape": list(d.shape)} for d in decls]}
     if len(_derived) >= 256:
         _derived.clear()
-    derived = (fields, expression_key(fields), {d.name for d in decls if d.trainable})
+    trained = {d.name for d in decls if d.trainable}
+    derived = (fields, expression_key(fields), trained, mapped(trees))
     _derived[tuple(map(id, parts))] = (parts, derived)
     return derived
 

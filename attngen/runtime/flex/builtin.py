@@ -11,17 +11,15 @@ from typing import Any
 import torch
 
 from attngen.runtime.arguments import INFINITE
-from attngen.runtime.flex.blocks import create_block_mask
+from attngen.runtime.flex.blocks import create_block_mask, evaluate, tensor_env
 from attngen.spec import CausalAlign, Mask
-from attngen.spec.expressions import Expr
+from attngen.spec.expressions import Expr, Tensor
 
-Linear = tuple[int, int, int] | None  # (q_idx's, kv_idx's coefficient, constant) of a sum
 _FLIP = {"ge": "le", "le": "ge", "gt": "lt", "lt": "gt"}
-_KNOWN: dict[tuple, tuple] = {}  # builtin_mask's answers by the trees' ids: (trees, answer)
 _CHECKED: dict[int, tuple] = {}  # canonical()'s answers by id: (weakref, versions, answer)
 
 
-def _linear(node: Expr) -> Linear:
+def _linear(node: Expr) -> tuple[int, int, int] | None:  # q_idx's, kv_idx's factor, constant
     if node.op == "num" and isinstance(node.value, int) and not isinstance(node.value, bool):
         return 0, 0, node.value
     if node.op == "var" and node.value in ("q_idx", "kv_idx"):
@@ -60,10 +58,8 @@ def _bounds(node: Expr) -> tuple[float, float] | None:
     return -math.inf, float(math.ceil(bound) - 1 if op == "lt" else math.floor(bound))
 
 
-def _softcap(score: Expr | None) -> float | None:
+def _softcap(score: Expr) -> float | None:
     """C of `C * tanh(score / C)` (either operand order, C > 0), 0.0 for no score_mod."""
-    if score is None:
-        return 0.0
     for cap in (a.value for a in score.args if a.op == "num" and isinstance(a.value, float)):
         forms = (f"({cap!r} * tanh((score / {cap!r})))", f"(tanh((score / {cap!r})) * {cap!r})")
         if str(score) in forms and 0 < cap < math.inf:  # the normalized text: one per tree
@@ -71,45 +67,74 @@ def _softcap(score: Expr | None) -> float | None:
     return None
 
 
-def builtin_mask(trees: tuple, lq: int, lk: int) -> dict[str, Any] | None:
-    """need_for's mask, align, window, softcap and alibi for the call's (score, keep, mask)
-    trees where they are built-in ones; None otherwise. Top-left alignment (torch's indices),
-    and only where every query row keeps a key (the diagonal, or key 0 when the window has no
-    left edge), so no row meets the built-in kernels' and Flex's different answers for a row
-    that sees nothing. Kept per trees (the trace cache's objects on every hit)."""
-    known = _KNOWN.get(tuple(map(id, trees)))
-    if known is None or any(a is not b for a, b in zip(known[0], trees, strict=True)):
-        if len(_KNOWN) >= 256:
-            _KNOWN.clear()
-        known = _KNOWN[tuple(map(id, trees))] = (trees, _mapped(*trees))
-    plain = known[1]
-    bounded = plain is not None and plain["window"] is not None and plain["window"][0] < INFINITE
-    return None if plain is None or (lq > lk and bounded) else plain
+def builtin_mask(known: tuple, lq: int, lk: int) -> dict[str, Any] | None:
+    """need_for's mask, align, window, softcap and alibi of a call whose trees `mapped` gave
+    `known`, where they are built-in ones, else None; top-left (torch's indices), only where
+    each query row keeps a key (Flex and the built-in kernels differ on a row that sees none),
+    ALiBi (flash-attn's: bottom-right) only at Nq == Nk."""
+    plain = known[0]
+    if plain is None or (plain["alibi"] and lq != lk):
+        return None
+    return None if lq > lk and plain["window"] and plain["window"][0] < INFINITE else plain
 
 
-def _mapped(score: Expr | None, keep: Expr | None, mask: Expr | None) -> dict[str, Any] | None:
+def mapped(trees: tuple) -> tuple:
+    """(need_for's fields or None, the ALiBi slope, slopes made of it) of a call's trees."""
+    return (*_mapped(*trees), {})
+
+
+def _mapped(score: Expr | None, keep: Expr | None, mask: Expr | None) -> tuple:
     score = None if score is not None and str(score) == "score" else score  # torch's _identity
     mask = None if mask is not None and str(mask) == "True" else mask
-    softcap = _softcap(score)
-    if keep is not None or softcap is None:
-        return None
+    softcap = 0.0 if score is None else _softcap(score)
+    slope = None if score is None or softcap is not None else _alibi(score)
     low, high = (-math.inf, math.inf) if mask is None else _bounds(mask) or (1, 0)
-    if not low <= 0 <= high:
-        return None
-    found: dict[str, Any] = dict(softcap=softcap or None, alibi=False)
+    refused = keep is not None or (softcap is None and slope is None) or not low <= 0 <= high
+    if refused or (slope is not None and low < 0):  # ALiBi's -slope |i - j|: keys <= query
+        return None, None
+    found: dict[str, Any] = dict(softcap=softcap or None, alibi=slope is not None)
     if low == -math.inf and high == math.inf:
-        return found | dict(mask=Mask.none, align=None, window=None)
+        return found | dict(mask=Mask.none, align=None, window=None), slope
     if low == 0 and high == math.inf:
-        return found | dict(mask=Mask.causal, align=CausalAlign.top_left, window=None)
-    sides = (INFINITE if abs(s) == math.inf else int(abs(s)) for s in (high, low))
-    return found | dict(mask=Mask.sliding_window, align=CausalAlign.top_left, window=tuple(sides))
+        return found | dict(mask=Mask.causal, align=CausalAlign.top_left, window=None), slope
+    window = tuple(INFINITE if abs(s) == math.inf else int(abs(s)) for s in (high, low))
+    return found | dict(mask=Mask.sliding_window, align=CausalAlign.top_left, window=window), slope
+
+
+def _alibi(score: Expr) -> Expr | None:
+    """X of `score + X * (kv_idx - q_idx)` or `score - X * (q_idx - kv_idx)` (either factor
+    first) where X reads nothing but h (constants, tensors indexed by h): the ALiBi slope."""
+    if score.op not in ("add", "sub") or str(score.args[0]) != "score":
+        return None
+    want = (-1, 1, 0) if score.op == "add" else (1, -1, 0)
+    product = score.args[1]
+    for slope, distance in (product.args, product.args[::-1]) if product.op == "mul" else ():
+        if _linear(distance) == want and {n.value for n in slope.nodes() if n.op == "var"} <= {"h"}:
+            return slope
+    return None
+
+
+def alibi_slopes(known: tuple, decls: tuple[Tensor, ...], values: dict, heads: int, device):
+    """The [heads] fp32 slopes of a call builtin_mask found ALiBi in (kept when they read no
+    tensor); None where a read is not T[h] of at least `heads` entries (Flex masks past it)."""
+    _, slope, made = known
+    loads = [] if slope is None else [n for n in slope.nodes() if n.op == "load"]
+    past = any([str(a) for a in n.args] != ["h"] or len(values[n.value]) < heads for n in loads)
+    if slope is None or past:
+        return None
+    if (heads, device) in made:
+        return made[(heads, device)]
+    env = tensor_env(decls, values) | {"h": torch.arange(heads, device=device)}
+    slopes = evaluate(slope, env, device).to(torch.float32).expand(heads).contiguous()
+    if not loads:  # a function of h alone: the same slopes at every call
+        made[(heads, device)] = slopes
+    return slopes
 
 
 def canonical(block_mask: Any) -> bool:
-    """Whether a BlockMask lists exactly the blocks create_block_mask makes of its mask_mod, so
-    that the built-in mask computes Flex's answer (where a block list was edited, Flex lets the
-    lists win over mask_mod: such calls keep the expression path). Checked once per BlockMask
-    and version of its tensors (a device sync then), kept while the tensors live."""
+    """Whether a BlockMask lists exactly the blocks create_block_mask makes of its mask_mod (an
+    edited list wins over mask_mod in Flex: the expression path keeps that), checked once per
+    BlockMask and version of its tensors (a device sync then)."""
     lists = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
              block_mask.full_kv_indices)  # fmt: skip
     counts, versions = lists[0], tuple(getattr(t, "_version", -1) for t in lists)
