@@ -174,7 +174,8 @@ def test_alibi_score_mods_under_a_causal_mask_run_the_built_in_alibi(on_demand, 
 def test_alibi_without_a_causal_mask_or_past_its_table_stays_an_expression(on_demand) -> None:  # noqa: F811
     """flash-attn's ALiBi is -slope |i - j|: without the causal mask the score_mod's
     slope (j - i) differs on later keys; a table shorter than the heads reads past its end
-    (a masked key in Flex's meaning): both keep the expression kernels."""
+    (a masked key in Flex's meaning); learned slopes need their gradient: all keep the
+    expression kernels."""
     q, k, v = (torch.randn(1, 4, 32, 16) for _ in range(3))
     attngen.flex_attention(q, k, v, _gym_alibi(4))
     assert "a built-in mask" not in last_dispatch().reason
@@ -185,4 +186,7 @@ def test_alibi_without_a_causal_mask_or_past_its_table_stays_an_expression(on_de
 
     blocks = attngen.create_block_mask(causal, 1, None, 32, 32, "cpu", BLOCK_SIZE=16)
     attngen.flex_attention(q, k, v, lambda s, b, h, i, j: s + short[h] * (j - i), blocks)
+    assert "a built-in mask" not in last_dispatch().reason
+    learned = torch.full((4,), 0.25, requires_grad=True)  # its gradient: the expression path's
+    attngen.flex_attention(q, k, v, lambda s, b, h, i, j: s + learned[h] * (j - i), blocks)
     assert "a built-in mask" not in last_dispatch().reason
