@@ -1,6 +1,6 @@
-"""Flex mods that are built-in masks: a mask_mod bounding q_idx - kv_idx by constants (causal,
-windows) and a score_mod `C * tanh(score / C)` run on the built-in kernels, which skip blocks
-by themselves (Hopper's warp-specialized ones included). Anything else stays an expression."""
+"""Flex mods that are built-in: a mask_mod bounding q_idx - kv_idx by constants (causal, windows),
+a score_mod `C * tanh(score / C)` or adding an ALiBi slope read per head run on the built-in
+kernels, which skip blocks by themselves (warp-specialized on Hopper); the rest, expressions."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def _bounds(node: Expr) -> tuple[float, float] | None:
 
 
 def _softcap(score: Expr) -> float | None:
-    """C of `C * tanh(score / C)` (either operand order, C > 0), 0.0 for no score_mod."""
+    """C of `C * tanh(score / C)` (either operand order, a float C > 0), else None."""
     for cap in (a.value for a in score.args if a.op == "num" and isinstance(a.value, float)):
         forms = (f"({cap!r} * tanh((score / {cap!r})))", f"(tanh((score / {cap!r})) * {cap!r})")
         if str(score) in forms and 0 < cap < math.inf:  # the normalized text: one per tree
