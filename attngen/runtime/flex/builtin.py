@@ -40,16 +40,13 @@ def _bounds(node: Expr) -> tuple[float, float] | None:
     comparisons of integer sums that bound that difference alone; else None."""
     if node.op == "and":
         sides = [side for side in map(_bounds, node.args) if side is not None]
-        if len(sides) != len(node.args):
-            return None
-        return max(low for low, _ in sides), min(high for _, high in sides)
+        every = len(sides) == len(node.args)
+        return (max(low for low, _ in sides), min(high for _, high in sides)) if every else None
     if node.op not in _FLIP:
         return None
     left, right = (_linear(a) for a in node.args)
-    if left is None or right is None:
-        return None
-    a, b, c = (x - y for x, y in zip(left, right, strict=True))  # a q + b kv + c op 0
-    if a == 0 or a != -b:
+    a, b, c = (x - y for x, y in zip(left, right, strict=True)) if left and right else (0, 0, 0)
+    if a == 0 or a != -b:  # a q + b kv + c op 0 bounds q_idx - kv_idx alone only where b == -a
         return None
     op = node.op if a > 0 else _FLIP[node.op]  # d op -c / a, d = q_idx - kv_idx
     bound = -c / a
@@ -122,6 +119,9 @@ def alibi_slopes(known: tuple, decls: tuple[Tensor, ...], values: dict, heads: i
     past = any([str(a) for a in n.args] != ["h"] or len(values[n.value]) < heads for n in loads)
     if slope is None or past:
         return None
+    table = values[slope.value] if loads == [slope] else None  # the captured slopes themselves
+    if table is not None and table.dtype == torch.float32 and table.stride(0) == 1:
+        return table[:heads]  # a view: no launch
     if (heads, device) in made:
         return made[(heads, device)]
     env = tensor_env(decls, values) | {"h": torch.arange(heads, device=device)}
