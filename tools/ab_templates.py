@@ -13,6 +13,7 @@ backward_path().
 
     PYTHONPATH=. python tools/ab_templates.py --alt DIR --out OUT [--d 64 128] [--n 4096]
         [--causal 0 1] [--backward] [--deterministic] [--heads-last] [--short-causal A B]
+        [--softcap C]
         [--b-gluon NAME=INT,...]  (B: the package's templates with these Gluon forward knobs)
         [--enqueue]  (also each call's host time from a synchronised start, microseconds)
 
@@ -85,7 +86,7 @@ def _cell(d: int, n: int, causal: bool, args: argparse.Namespace) -> dict:
     batch, heads = max(1, 16384 // n), 2048 // d
     mask = "causal" if causal else "none"
     spec = make_spec(name=f"ab_d{d}", head_dim=d, num_q_heads=heads, num_kv_heads=heads,
-                     mask=mask, backward=backward, dtype="bf16")  # fmt: skip
+                     mask=mask, backward=backward, dtype="bf16", softcap=args.softcap)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         modules = {"A": _build(spec, Path(tmp) / "a", None),
                    "B": _build(spec, Path(tmp) / "b", args.alt and args.alt.resolve(),
@@ -110,9 +111,8 @@ def _cell(d: int, n: int, causal: bool, args: argparse.Namespace) -> dict:
             )
             results[name] = (out, *grads)
             cell[f"{name}_gluon"] = getattr(module, "GLUON_CONFIG", None)
-            cell[f"{name}_paths"] = [module.forward_path()] + (
-                [module.backward_path()] if backward else []
-            )
+            backward_path = getattr(module, "backward_path", lambda: "tile-level")  # no Gluon's
+            cell[f"{name}_paths"] = [module.forward_path(), backward_path()][: 1 + backward]
         pairs = zip(results["A"], results["B"], strict=True)
         cell["max_diff"] = max((a.float() - b.float()).abs().max().item() for a, b in pairs)
         del results
@@ -176,6 +176,7 @@ def main(argv=None) -> int:
     parser.add_argument("--backward", action="store_true")
     parser.add_argument("--reps", type=int, default=100, help="do_bench rep (ms)")
     parser.add_argument("--deterministic", action="store_true", help="the backward's")
+    parser.add_argument("--softcap", type=float, default=0.0, help="the spec's softcap")
     parser.add_argument("--enqueue", action="store_true", help="also each call's host time")
     parser.add_argument("--heads-last", action="store_true", help="[B, N, H, D] memory")
     short_help = "each module's GLUON_BWD_SHORT_CAUSAL_KEYS (0: the Gluon kernel always)"
