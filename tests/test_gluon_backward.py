@@ -84,9 +84,12 @@ def test_served_by_default_with_the_short_causal_rule():
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("mask, align", [("none", None), ("causal", "bottom_right"),
-                                         ("causal", "top_left")])  # fmt: skip
+                                         ("causal", "top_left"), ("sliding_window", "top_left"),
+                                         ("sliding_window", "bottom_right")])  # fmt: skip
 def test_the_prefill_modules_hold_it(d, mask, align):
     fields = dict(head_dim=d, mask=mask, num_q_heads=8, num_kv_heads=2, dtype="fp16")
+    if mask == "sliding_window":
+        fields.update(window_left=2**31 - 1, window_right=5)
     spec = _spec(**fields, **({"causal_align": align} if align else {}))
     assert gluon_backward_gap(spec, "sm90", KernelKind.prefill) == ""
     source = _render(spec)
@@ -99,7 +102,11 @@ def test_the_prefill_modules_hold_it(d, mask, align):
 
 NOT_SERVED = {
     "d256": (dict(head_dim=256), "head dim 256"),
-    "window": (dict(mask="sliding_window", window_left=127, window_right=0), "mask sliding"),
+    "chunked": (dict(mask="chunked", chunk_size=256), "mask chunked"),
+    "sink tokens": (
+        dict(mask="sliding_window", window_left=127, window_right=0, sink_tokens=4),
+        "sink tokens",
+    ),
     "softcap": (dict(softcap=30.0), "softcap"),
     "alibi": (dict(alibi=True), "ALiBi"),
     "sinks": (dict(sinks=True), "sinks"),

@@ -47,6 +47,14 @@ CASES = [
     (2, 1024, 1024, 8, 8, 64, "causal", "bottom_right", "bf16"),
     (1, 2048, 2048, 4, 1, 64, "none", None, "bf16"),
     (1, 777, 2049, 4, 2, 128, "causal", "top_left", "bf16"),
+    # sliding windows (flash_attn_func's window_size, -1 a side without bound): left or right
+    # edges inside one query block, across several, both sides, Nq != Nk, rows that see no key
+    (2, 1000, 1000, 4, 2, 128, "window:100:0", "bottom_right", "bf16"),
+    (1, 1100, 1100, 4, 4, 64, "window:300:0", "bottom_right", "fp16"),
+    (1, 700, 900, 6, 2, 128, "window:64:64", "bottom_right", "bf16"),
+    (1, 900, 300, 2, 2, 64, "window:30:5", "bottom_right", "bf16"),
+    (1, 513, 1500, 2, 1, 128, "window:-1:3", "bottom_right", "fp16"),
+    (2, 2048, 2048, 4, 2, 128, "window:1024:0", "bottom_right", "bf16"),
 ]
 
 
@@ -55,10 +63,19 @@ def _ids(case):
     return f"{dtype}-d{d}-{mask}{'-' + align if align else ''}-{hq}:{hkv}-b{b}-{nq}x{nk}"
 
 
+def _window(mask):
+    """(left, right) of a "window:L:R" case (-1: no bound, the spec's 2**31 - 1), else None."""
+    return tuple(int(x) for x in mask.split(":")[1:]) if mask.startswith("window") else None
+
+
 def spec_for(case):
     _, _, _, hq, hkv, d, mask, align, dtype = case
+    window = _window(mask)
     fields = dict(name="gluon_bwd", dtype=dtype, head_dim=d, num_q_heads=hq, num_kv_heads=hkv,
                   mask=mask, backward=True)  # fmt: skip
+    if window:
+        left, right = (2**31 - 1 if x < 0 else x for x in window)
+        fields.update(mask="sliding_window", window_left=left, window_right=right)
     return make_spec(**fields, **({"causal_align": align} if align else {}))
 
 
@@ -101,8 +118,9 @@ def run_backward(case, seed=7, apart=0.0, deterministic=False):
         out = attngen.scaled_dot_product_attention(*heads, is_causal=True, enable_gqa=hq != hkv)
         out.backward(dout.transpose(1, 2))
     else:
-        causal = mask == "causal"
-        out = attngen.flash_attn_func(*leaves, causal=causal, deterministic=deterministic)
+        causal, window = mask == "causal", _window(mask) or (-1, -1)
+        out = attngen.flash_attn_func(*leaves, causal=causal, window_size=window,
+                                      deterministic=deterministic)  # fmt: skip
         out.backward(dout)
     torch.cuda.synchronize()
     module = current_registry().module(last_backward().key)
@@ -124,7 +142,7 @@ def test_gradients_match_the_float64_reference(case, built):
     assert torch.equal(grads[1], again[1]) and torch.equal(grads[2], again[2])
 
 
-@pytest.mark.parametrize("case", [CASES[2], CASES[5], CASES[9], CASES[11]], ids=_ids)
+@pytest.mark.parametrize("case", [CASES[2], CASES[5], CASES[9], CASES[11], CASES[16]], ids=_ids)
 def test_deterministic_calls_run_it_without_dq_and_repeat_bitwise(case, built):
     """deterministic=True: the Gluon kernel without dQ, dQ from the deterministic dQ kernel;
     every gradient bitwise the same on a second run."""

@@ -438,32 +438,15 @@ def _execute(path: Path, data: bytes, entry: KernelEntry) -> ModuleType:
 # Where kernels built on demand live, whether they are built at all, and building one into
 # the cache (plain Python; the build path is imported on the first build only).
 #
-# Settings: on-demand builds are on unless `attngen.configure(on_demand=False)` or
-# `ATTNGEN_ON_DEMAND=0` turns them off (then neither are modules built nor is the cache read:
-# only folders someone built and vetted run). The cache root is `configure(cache_dir=...)`,
-# else `$ATTNGEN_CACHE`, else the user's cache directory (`$XDG_CACHE_HOME/attngen`, else
-# `~/.cache/attngen`; `~/Library/Caches/attngen` on macOS, `%LOCALAPPDATA%\attngen\Cache` on
-# Windows: the conventions platformdirs follows, without the dependency).
-#
-# Under the root, one folder per key, each an ordinary `attngen build` folder (index.json,
-# <arch>/<module>.py, every module's sha256 in the index):
-#
-#     attngen-<version>_triton-<version>_<arch>_<fingerprint>/
-#
-# The fingerprint hashes what decides a rendered module's bytes besides its spec: the
-# templates, the tiling model, render, build and naming code, the on-demand rules, and the
-# arch's tuning file. A module is therefore never reused by an attngen, Triton or template
-# that would render it differently; stale folders are left alone (delete the root to reclaim
-# the space).
-#
-# `cached_build` gives the cache's index item of a (spec, kind, arch), rendering and writing
-# the module unless a valid one is there. Concurrency: one lock file per module
-# (`<arch>/.<module>.lock`) held while it is looked up and built, so two processes (or threads)
-# asking for one module render it once; every file is written atomically (attngen.spec.files) and
-# the index merged under its own lock (build.py). A module in the cache is used only if its
-# bytes hash to its index entry's sha256 and the entry is the spec asked for; otherwise it is
-# rendered again, replacing the file. The registry re-verifies the bytes when it imports them,
-# and a cache module that fails there is built again (`rebuild_item`), never run.
+# docs/integration.md ("Kernels on demand") has the settings, the cache's folders (one per
+# attngen and Triton version, arch and build-code fingerprint, so no module is reused by code
+# that would render it differently) and its locks. `cached_build` gives the index item of a
+# (spec, kind, arch), rendering and writing the module unless a valid one is there, under one
+# lock file per module (`<arch>/.<module>.lock`); files are written atomically and the index
+# merged under its own lock (build.py). A module is used only if its bytes hash to its index
+# entry's sha256 and the entry is the spec asked for; otherwise it is rendered again. The
+# registry re-verifies the bytes when it imports them and rebuilds one that fails
+# (`rebuild_item`), never runs it.
 
 ENV_ON_DEMAND = "ATTNGEN_ON_DEMAND"
 ENV_TUNING = "ATTNGEN_TUNING"

@@ -67,7 +67,7 @@ HEAVY_FIRST = 4
 
 def gluon_backward_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
     """Why the `kind` module of `spec` on `arch` has no Gluon backward ("" when it has one):
-    it needs the Gluon forward's conditions, the plain masks and D 64 or 128."""
+    it needs the Gluon forward's conditions, no mask, causal or a window, and D 64 or 128."""
     if not spec.backward:
         return "backward: false"
     gap = gluon_gap(spec, arch, kind)
@@ -78,7 +78,8 @@ def gluon_backward_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
     if spec.head_dim not in HEAD_DIMS:
         return f"head dim {spec.head_dim}: the backward kernel is laid out for 64 and 128 only"
     for present, feature in (
-        (spec.mask.value not in ("none", "causal"), f"mask {spec.mask.value}"),
+        (spec.mask.value not in ("none", "causal", "sliding_window"), f"mask {spec.mask.value}"),
+        (spec.sink_tokens, "sink tokens"),
         (spec.softcap, "softcap"),
         (spec.alibi, "ALiBi"),
         (spec.sinks, "sinks"),
