@@ -90,9 +90,11 @@ def test_the_prefill_modules_hold_it(d, mask, align):
     fields = dict(head_dim=d, mask=mask, num_q_heads=8, num_kv_heads=2, dtype="fp16")
     if mask == "sliding_window":
         fields.update(window_left=2**31 - 1, window_right=5)
-    spec = _spec(**fields, **({"causal_align": align} if align else {}))
+    alibi = mask != "none" and d == 128  # and ALiBi's slopes, read per query head
+    spec = _spec(**fields, alibi=alibi, **({"causal_align": align} if align else {}))
     assert gluon_backward_gap(spec, "sm90", KernelKind.prefill) == ""
     source = _render(spec)
+    assert ("slope_log2 = gl.load(Slopes" in source.split("_gluon_bwd_consumer")[1]) == alibi
     assert KERNEL in source and "GLUON_BACKWARD = True" in source
     assert f'"CAUSAL": {mask == "causal"}' in source
     diag = "seqlen_k - seqlen_q" if align == "bottom_right" else "0"
@@ -108,7 +110,6 @@ NOT_SERVED = {
         "sink tokens",
     ),
     "softcap": (dict(softcap=30.0), "softcap"),
-    "alibi": (dict(alibi=True), "ALiBi"),
     "sinks": (dict(sinks=True), "sinks"),
     "dropout": (dict(dropout=True), "dropout"),
     "fp32": (dict(dtype="fp32"), "fp32"),
@@ -137,7 +138,9 @@ def test_explain_says_which_dkdv_runs():
     assert "dK/dV (prefill): warp-specialized Gluon" in text
     assert "= 132592 B of" in text
     text = "\n".join(explain_lines([_spec(head_dim=64, alibi=True)], archs=["sm90"]))
-    assert "dK/dV (prefill): tile-level only: ALiBi" in text
+    assert "= 132608 B of" in text  # ALiBi's slopes pointer and stride: 16 B more captured
+    text = "\n".join(explain_lines([_spec(head_dim=64, softcap=30.0)], archs=["sm90"]))
+    assert "dK/dV (prefill): tile-level only: softcap" in text
 
 
 def load_kernel_file(folder):

@@ -55,6 +55,10 @@ CASES = [
     (1, 900, 300, 2, 2, 64, "window:30:5", "bottom_right", "bf16"),
     (1, 513, 1500, 2, 1, 128, "window:-1:3", "bottom_right", "fp16"),
     (2, 2048, 2048, 4, 2, 128, "window:1024:0", "bottom_right", "bf16"),
+    # ALiBi (per-head slopes: [HQ], or [B, HQ] with two batches), with a mask and without
+    (2, 1000, 1000, 8, 2, 128, "causal+alibi", "bottom_right", "bf16"),
+    (1, 700, 900, 4, 4, 64, "none+alibi", None, "fp16"),
+    (1, 1100, 1100, 4, 2, 128, "window:300:0+alibi", "bottom_right", "bf16"),
 ]
 
 
@@ -65,7 +69,17 @@ def _ids(case):
 
 def _window(mask):
     """(left, right) of a "window:L:R" case (-1: no bound, the spec's 2**31 - 1), else None."""
+    mask = mask.removesuffix("+alibi")
     return tuple(int(x) for x in mask.split(":")[1:]) if mask.startswith("window") else None
+
+
+def _slopes(case, device="cuda"):
+    """ALiBi slopes of a "+alibi" case ([B, HQ] with two batches, else [HQ]), else None."""
+    b, hq, mask = case[0], case[3], case[6]
+    if not mask.endswith("+alibi"):
+        return None
+    slopes = torch.exp2(-8.0 * torch.arange(1, hq + 1, device=device) / hq)
+    return torch.stack([slopes, slopes * 0.5]) if b == 2 else slopes
 
 
 def spec_for(case):
@@ -76,6 +90,8 @@ def spec_for(case):
     if window:
         left, right = (2**31 - 1 if x < 0 else x for x in window)
         fields.update(mask="sliding_window", window_left=left, window_right=right)
+    if mask.endswith("+alibi"):
+        fields.update(alibi=True, mask=fields["mask"].removesuffix("+alibi"))
     return make_spec(**fields, **({"causal_align": align} if align else {}))
 
 
@@ -118,8 +134,9 @@ def run_backward(case, seed=7, apart=0.0, deterministic=False):
         out = attngen.scaled_dot_product_attention(*heads, is_causal=True, enable_gqa=hq != hkv)
         out.backward(dout.transpose(1, 2))
     else:
-        causal, window = mask == "causal", _window(mask) or (-1, -1)
+        causal, window = mask.startswith("causal"), _window(mask) or (-1, -1)
         out = attngen.flash_attn_func(*leaves, causal=causal, window_size=window,
+                                      alibi_slopes=_slopes(case),
                                       deterministic=deterministic)  # fmt: skip
         out.backward(dout)
     torch.cuda.synchronize()
@@ -136,13 +153,13 @@ def test_gradients_match_the_float64_reference(case, built):
     grads, inputs, module = run_backward(case)
     assert module.backward_path() == module.GLUON_BACKWARD_PATH
     assert last_backward().path == ATOMIC
-    problems = compare_gradients(spec, grads, *inputs)
+    problems = compare_gradients(spec, grads, *inputs, alibi_slopes=_slopes(case, "cpu"))
     assert not problems, "; ".join(problems)
     again, _, _ = run_backward(case)
     assert torch.equal(grads[1], again[1]) and torch.equal(grads[2], again[2])
 
 
-@pytest.mark.parametrize("case", [CASES[2], CASES[5], CASES[9], CASES[11], CASES[16]], ids=_ids)
+@pytest.mark.parametrize("case", [CASES[i] for i in (2, 5, 9, 11, 16, 20)], ids=_ids)
 def test_deterministic_calls_run_it_without_dq_and_repeat_bitwise(case, built):
     """deterministic=True: the Gluon kernel without dQ, dQ from the deterministic dQ kernel;
     every gradient bitwise the same on a second run."""
@@ -151,7 +168,7 @@ def test_deterministic_calls_run_it_without_dq_and_repeat_bitwise(case, built):
     grads, inputs, module = run_backward(case, deterministic=True)
     assert module.backward_path() == module.GLUON_BACKWARD_PATH + module.GLUON_DETERMINISTIC
     assert last_backward().path == DETERMINISTIC
-    problems = compare_gradients(spec, grads, *inputs)
+    problems = compare_gradients(spec, grads, *inputs, alibi_slopes=_slopes(case, "cpu"))
     assert not problems, "; ".join(problems)
     again, _, _ = run_backward(case, deterministic=True)
     assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True))

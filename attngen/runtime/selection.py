@@ -539,35 +539,17 @@ def dispatch_log() -> Iterator[list[Dispatch]]:
 
 # ---------------------------------------------------------------------- kernels on demand
 #
-# Kernels on demand: the module a call needs, derived, rendered, cached and loaded.
-#
-# When no loaded module serves a call (dispatch.py asks, with the call's Need and head counts),
-# `build_for` states the call as a spec, renders it through the build path (plan_build: the
-# tiling model's choice, or the tuning database's config when it has one for this spec and
-# arch), writes it into the on-demand cache (registry.py) as an ordinary build folder, and
-# adds it to the registry in use. No torch here: the build path stays torch-free, and this is
-# its glue.
-#
-# The spec of a call:
-# - every field a kernel depends on comes from the Need (kind, dtype, head dims, mask and
-#   alignment, window, sink tokens, chunk size, softcap, ALiBi, sinks; for decode the KV
-#   layout, page size and the step's query tokens as max_query_tokens; `backward: true` when
-#   the call runs gradient kernels). A window side of 2**31 - 1 (flash-attn's -1) is
-#   unbounded: a window unbounded on both sides is no mask, and one unbounded left and closed
-#   right is causal.
-# - head counts are runtime arguments of every module, but the tiling model uses them (prefill
-#   estimates waves from the query heads; decode's row tile is query heads per KV head times
-#   query tokens) and so does the tuning database's key. The spec takes the call's own counts,
-#   and so does its name, `auto_h<HQ>kv<HKV>`: a module is a function of its name, and any
-#   module serves any head counts, so a later call with other counts uses it rather than
-#   building again.
-# - dropout_p > 0 (Need.dropout): `backward: true, dropout: true` (the only modules that take
-#   dropout_p; they serve calls without dropout as well).
-# - arch: the device's. Under Triton's interpreter (CPU tensors) it is INTERPRETER_ARCH, sm80:
-#   the portable code path (pointer loads, no Hopper-only TMA or wgmma), which every arch
-#   shares.
-#
-# The cache itself (its folders, locks, renders and writes) is registry.py's.
+# Kernels on demand (docs/integration.md says what a user sees): when no loaded module serves a
+# call (dispatch.py asks, with the call's Need and head counts), `build_for` states the call as
+# a spec, renders it through the build path (plan_build: the tiling model's config, or the
+# tuning database's), writes it into the on-demand cache (registry.py) and adds it to the
+# registry in use. No torch here: the build path stays torch-free, and this is its glue.
+# The spec takes every field a kernel depends on from the Need (`backward: true` when the call
+# runs gradient kernels; dropout_p > 0: `dropout: true` too) and the call's own head counts
+# (the tiling model and the tuning key use them): its name `auto_h<HQ>kv<HKV>...` serves any
+# counts later. A window side of 2**31 - 1 (flash-attn's -1) is unbounded: unbounded on both
+# sides is no mask, unbounded left and closed right is causal. The arch is the device's, or
+# INTERPRETER_ARCH under Triton's interpreter (the portable path every arch shares).
 
 INTERPRETER_ARCH = "sm80"
 UNBOUNDED = 2**31 - 1  # flash-attn's -1 window side, as arguments.INFINITE

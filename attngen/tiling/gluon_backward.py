@@ -57,6 +57,7 @@ STAGES_CHOICES = (2, 3)
 OVERHEAD = 32
 # warp_specialize's captured arguments, in the compiler's scratch (the same at every config)
 WS_CAPTURE_BYTES = 416
+ALIBI_CAPTURE_BYTES = 16  # ALiBi's slopes pointer and batch stride beside them (16 B padded)
 # Against the tile-level backward in one process (H100, tools/ab_templates.py --short-causal):
 # causal, the Gluon kernel ran 1.11-1.16x its time at N 256, 0.99-1.02x N 512, 0.87-0.89x N 1k.
 SHORT_CAUSAL_KEYS = 1024
@@ -81,7 +82,6 @@ def gluon_backward_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
         (spec.mask.value not in ("none", "causal", "sliding_window"), f"mask {spec.mask.value}"),
         (spec.sink_tokens, "sink tokens"),
         (spec.softcap, "softcap"),
-        (spec.alibi, "ALiBi"),
         (spec.sinks, "sinks"),
         (spec.head_dim != spec.value_head_dim, "head_dim != head_dim_v"),
     ):
@@ -145,9 +145,10 @@ class BwdCandidate:
         return not self.rejected
 
 
-def candidate(d: int, itemsize: int, block_m: int, stages: int, budget: int) -> BwdCandidate:
+def candidate(d: int, itemsize: int, block_m: int, stages: int, budget: int, captured: int = 0
+              ) -> BwdCandidate:  # fmt: skip
     values = (CONSUMERS, block_m, BLOCK_N, d, itemsize, stages, dq_columns(d))
-    smem = int(compiled(smem_expression(), SYMBOLS)(*values))
+    smem = int(compiled(smem_expression(), SYMBOLS)(*values)) + captured
     regs = int(compiled(regs_expression(), SYMBOLS)(*values))
     consumer, producer, entry = register_split(CONSUMERS)
     rejected = [f"smem {smem} B > {budget} B"] if smem > budget else []
@@ -191,14 +192,14 @@ def derive_gluon_backward(spec: AttnSpec, arch: str) -> BwdDerivation | None:
     gluon_backward_gap says the module has none."""
     if gluon_backward_gap(spec, arch, KernelKind.prefill):
         return None
-    return _derive(spec.head_dim, spec.dtype.itemsize, arch)
+    return _derive(spec.head_dim, spec.dtype.itemsize, arch, ALIBI_CAPTURE_BYTES * spec.alibi)
 
 
 @cache
-def _derive(d: int, itemsize: int, arch: str) -> BwdDerivation:
+def _derive(d: int, itemsize: int, arch: str, captured: int) -> BwdDerivation:
     budget = ARCHS[arch].smem_budget
     candidates = tuple(
-        candidate(d, itemsize, block_m, stages, budget)
+        candidate(d, itemsize, block_m, stages, budget, captured)
         for block_m in BLOCK_M_CHOICES
         for stages in STAGES_CHOICES
     )

@@ -40,7 +40,7 @@ _INTS = ("n_q", "n_keys", "n_heads", "group", "diag", "num_m_blocks", "stride_sl
 _VARLEN_POINTERS = ("CuSeqlensQ", "CuSeqlensK", "SequsedK")
 _BWD_KERNEL = "_gluon_attn_bwd_kernel"
 _BWD_INTS = ("n_q", "n_keys", "n_heads", "group", "n_pad", "diag", "num_n_blocks", "stride_kn",
-             "stride_kh")  # fmt: skip
+             "stride_kh", "stride_slopes_b")  # fmt: skip
 _BWD_DIVISIBLE = ("n_pad", "stride_kn", "stride_kh")  # multiples of 16 at every launch
 
 
@@ -87,7 +87,7 @@ def gluon_bwd_source(spec: AttnSpec, kernel: Any, chosen: BwdCandidate, causal: 
 
     config, d, name = chosen.config, spec.head_dim, spec.dtype.value
     dtype = getattr(gl, spec.dtype.torch_name)
-    signature = {"dq_ptr": "*fp32", "dk_ptr": f"*{name}", "dv_ptr": f"*{name}"}
+    signature = {"dq_ptr": "*fp32", "dk_ptr": f"*{name}", "dv_ptr": f"*{name}", "Slopes": "*fp32"}
     signature.update(dict.fromkeys(_BWD_INTS, "i32"), qk_scale="fp32", sm_scale="fp32")
     for desc, rows in (("q", config.block_m), ("do", config.block_m), ("k", config.block_n),
                        ("v", config.block_n)):  # fmt: skip
