@@ -90,14 +90,14 @@ def test_the_prefill_modules_hold_it(d, mask, align):
     fields = dict(head_dim=d, mask=mask, num_q_heads=8, num_kv_heads=2, dtype="fp16")
     if mask == "sliding_window":
         fields.update(window_left=2**31 - 1, window_right=5)
-    alibi = mask != "none" and d == 128  # and ALiBi's slopes, read per query head
+    alibi = d == 128  # and ALiBi's slopes, read per query head (flash-attn's bottom-right |i' - j|)
     spec = _spec(**fields, alibi=alibi, **({"causal_align": align} if align else {}))
     assert gluon_backward_gap(spec, "sm90", KernelKind.prefill) == ""
     source = _render(spec)
     assert ("slope_log2 = gl.load(Slopes" in source.split("_gluon_bwd_consumer")[1]) == alibi
     assert KERNEL in source and "GLUON_BACKWARD = True" in source
     assert f'"CAUSAL": {mask == "causal"}' in source
-    diag = "seqlen_k - seqlen_q" if align == "bottom_right" else "0"
+    diag = "seqlen_k - seqlen_q" if align == "bottom_right" or alibi and mask == "none" else "0"
     assert f"lse2.shape[2],\n            {diag}, num_n_blocks," in source  # the kernel's diag
     assert "Gluon dK/dV backward (warp-specialized, sm90" in source  # the header's derivation
 
