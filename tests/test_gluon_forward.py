@@ -20,6 +20,7 @@ from attngen.spec.files import VARIANTS_ENV
 from attngen.tiling.gluon import GLUON_UNVERIFIED, derive_gluon_tiles, gluon_gap
 from attngen.tiling.prefill import derive_tiles
 from attngen.verify.gluon import verify_gluon
+from tests.decode_harness import make_decode_spec
 from tests.kernel_harness import assert_matches_reference, load_kernel, make_inputs, make_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -202,11 +203,11 @@ VARIANTS = {
     ),
     "softcap-window-d256": (
         dict(dtype="bf16", head_dim=256, softcap=50.0, **_WIN),
-        "s = _tanh(s * qk_scale) * _SOFTCAP_LOG2",
+        "gl.exp2(s * (qk_scale * -2.8853900817779268))",
     ),
     "softcap-d256": (
         dict(dtype="bf16", head_dim=256, softcap=50.0),
-        "s = _tanh(s * qk_scale) * _SOFTCAP_LOG2",
+        "gl.exp2(s * (qk_scale * -2.8853900817779268))",
     ),
     "alibi-none-d128": (
         dict(dtype="fp16", head_dim=128, mask="none", alibi=True),
@@ -316,10 +317,14 @@ def test_a_variant_module_serves_calls_under_the_interpreter(monkeypatch):
     assert_matches_reference(spec, out, lse, q, k, v, slopes=slopes, sinks=sinks)
 
 
-def test_a_softcap_gluon_module_shares_the_tile_level_tanh(monkeypatch):
-    """The Gluon forward calls the module's one branch-free `_tanh` (no libdevice: its tanh
-    branches per element)."""
+def test_softcap_tanh_is_branch_free_and_exact_where_it_must_be(monkeypatch):
+    """No libdevice (its tanh branches per element); 16-bit prefill modules (the Gluon forward
+    inline too) take 2 / (1 + exp(-2x)) - 1, fp32 and decode modules add the polynomial."""
     monkeypatch.delenv(VARIANTS_ENV, raising=False)
+    exact = "x2 < 0.36"
     source = _render(make_spec(dtype="bf16", head_dim=128, softcap=30.0))
     assert "_gluon_attn_fwd_kernel" in source and "import libdevice" not in source
-    assert source.count("\ndef _tanh(x):") == 1 and "s = _tanh(s * qk_scale)" in source
+    assert "\ndef _tanh(x):" in source and exact not in source
+    assert exact in _render(make_spec(dtype="fp32", head_dim=64, softcap=30.0), arch="sm80")
+    decode = make_decode_spec("contiguous", None, dtype="bf16", head_dim=64, softcap=30.0)
+    assert exact in _render(decode, KernelKind.decode)

@@ -160,10 +160,6 @@ section_command() {
     expr_tests) echo "$pytest_gpu -rf --tb=short tests/test_expression_kernels_gpu.py \
       tests/test_block_sparse_gpu.py tests/test_flex_api.py tests/test_flex_blocks.py \
       tests/test_flex_grad.py tests/test_expression_decode_gpu.py tests/test_block_sparse_backward_gpu.py" ;;
-    # The softcap's tanh: the package's templates (A) against the ones in ab_old/ (B, carried
-    # uncommitted), forward and backward at D 128 and 256, N 4k; then the Flex mods' bench.
-    softcap_ab) echo "python3 tools/ab_templates.py --alt ab_old --softcap 30 --d 128 256 \
-      --causal 1 --backward --reps 50 --out $work/softcap_ab" ;;
     variants_softcap) echo "$pytest_gpu -rf --tb=short tests/test_gluon_variants_gpu.py -k 'softcap or gemma2'" ;;
     bench_flex) echo "python3 tools/bench_flex.py --out $work" ;;
     bench_sparse) echo "python3 tools/bench_block_sparse.py --out $work" ;;

@@ -45,7 +45,6 @@ ALLOWED_IMPORTS = frozenset(
 _GLUON_HOPPER = "triton.experimental.gluon.language.nvidia.hopper"
 ALLOWED_FROM_IMPORTS = frozenset(
     {
-        ("triton.language.extra", "libdevice"),
         ("triton.tools.tensor_descriptor", "TensorDescriptor"),
         # The warp-specialized forward of sm90 prefill modules (_gluon_kernel.py.jinja).
         ("triton.experimental", "gluon"),

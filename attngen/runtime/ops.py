@@ -259,29 +259,15 @@ def _(key, q, k, v, cu_q, cu_k, max_q, max_k, scale, slopes, seqused_k, return_l
 
 # ------------------------------------------------------------------ the autograd formulas
 #
-# The autograd of the `attngen::prefill` and `attngen::varlen` ops (above) is the module's
-# own (modules built from a spec with `backward: true`; docs/architecture.md "One autograd"):
-# setup_context hands the op's inputs and outputs to the module's `_save`, which its
-# autograd Function shares, and the formula is the module's `_gradients`, which calls the
-# backward op given to `_save`: `attngen::prefill_backward` / `attngen::varlen_backward`,
-# opaque to torch.compile, which run the module's `attention_backward` /
-# `attention_varlen_backward`. What is saved (the dropout state, so the backward regenerates
-# the forward's mask; sinks; ALiBi; the lengths) is decided there once. Each formula here
-# only gives the op's inputs their gradients: d sinks to learned sinks that require grad
-# (the backward ops return it as a fourth tensor, empty without sinks: an op's outputs
-# cannot be optional). A module without gradient kernels raises NotImplementedError at the
-# forward, naming the module and the spec field.
-#
-# `deterministic` (saved from the forward op, as flash-attn's argument): True runs the module's
-# atomics-free kernels (seven products, bitwise reproducible); False the same kernels unless
-# ATTNGEN_ATOMIC_DQ=1 (atomic_dq_enabled: the atomic path measured slower), which runs the
-# atomic-dQ path (five products: the dK/dV kernel adds dQ by fp32 atomics, whose order varies
-# on a GPU). There a module
-# built before that path (no BWD_DKDV_ATOMIC_CONFIG), or one where no atomic config fits
-# (BWD_DKDV_ATOMIC_CONFIG None: D 256 on sm90), runs its deterministic kernels with a
-# warning. `last_backward()` and `backward_runs()` say which path each backward call took.
-#
-# Importing ops.py registers the formulas (attngen.runtime does, at import).
+# The ops' autograd is the module's own (docs/architecture.md, "One autograd per kernel
+# kind"): setup_context hands the op's inputs and outputs to the module's `_save` and the
+# formula calls its `_gradients`, with the backward op (`attngen::prefill_backward` /
+# `attngen::varlen_backward`, opaque to torch.compile) as the entry point. Each formula here
+# only gives the op's inputs their gradients (d sinks as a fourth tensor, empty without sinks:
+# an op's outputs cannot be optional). `deterministic` picks the kernels (_path_options: the
+# Gluon dK/dV kernel's dQ by TMA reduce-adds where the module has it, the atomic-dQ path only
+# under ATTNGEN_ATOMIC_DQ=1); `last_backward()` and `backward_runs()` say which path each
+# backward call took. Importing ops.py registers the formulas (attngen.runtime does).
 
 ATOMIC, DETERMINISTIC = "atomic", "deterministic"
 

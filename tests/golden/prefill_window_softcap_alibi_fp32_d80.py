@@ -77,13 +77,14 @@ _SOFTCAP_LOG2 = tl.constexpr(SOFTCAP * _LOG2E)
 @triton.jit
 def _tanh(x):
     # Note: branch-free (libdevice's tanh branches on |x| per element, which serialises the
-    # softmax's warps), to about libdevice's accuracy: for |x| < 0.6 an odd polynomial (its
-    # relative error under an fp32 ulp), else 2 / (1 + e) - 1 with e = exp(-2x) (a few ulps;
-    # e = inf for x << 0 gives -1). The softcapped score is softcap * tanh.
+    # softmax's warps): 2 / (1 + e) - 1 with e = exp(-2x) (e = inf for x << 0 gives -1) is off
+    # by a few fp32 ulps of 1, far below a 16-bit P's rounding.
+    # For fp32 results and decode's LSE (memory-bound: ALU time is free there) an odd
+    # polynomial below |x| 0.6 keeps the error under an ulp of tanh.
+    big = tl.fdiv(2.0, 1.0 + tl.exp2(x * -2.8853900817779268)) - 1.0  # exp2(-2x log2 e)
     x2 = x * x
     poly = -0.005905933678 * x2 + 0.02080543898
     poly = ((poly * x2 - 0.05378669873) * x2 + 0.1333195865) * x2 - 0.3333329856
-    big = tl.fdiv(2.0, 1.0 + tl.exp2(x * -2.8853900817779268)) - 1.0  # exp2(-2x log2 e)
     return tl.where(x2 < 0.36, x + x * x2 * poly, big)
 
 
