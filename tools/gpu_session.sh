@@ -185,6 +185,8 @@ section_command() {
     bench_decode_new) echo "python3 tools/bench_decode_fp8.py --out $work && \
       python3 tools/bench_decode_fp8.py --tokens 8 --out $work/tokens8 && \
       python3 tools/bench_decode_tree.py --out $work" ;;
+    # Any GPU test file by its path, e.g. tests/test_decode_gpu.py:250.
+    tests/*.py) echo "$pytest_gpu -rf --tb=short $1" ;;
     *) return 1 ;;
   esac
 }
