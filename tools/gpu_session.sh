@@ -217,10 +217,11 @@ for item in "$@"; do
   [ "$limit" = "$item" ] && limit=300
   command=$(section_command "$name") || { echo "$name: unknown section" >> "$summary"; failed=1; continue; }
   start=$(date +%s)
-  timeout -k 10 "$limit" bash -c "$command" > "$work/$name.log" 2>&1
+  log="$work/${name//\//_}.log"
+  timeout -k 10 "$limit" bash -c "$command" > "$log" 2>&1
   rc=$?
   [ $rc -ne 0 ] && failed=1
-  last=$(grep -v '^\s*$' "$work/$name.log" | tail -n 1 | cut -c1-150)
+  last=$(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-150)
   echo "$name rc=$rc $(( $(date +%s) - start ))s | $last" >> "$summary"
 done
 cp "$summary" "$work/summary.txt"
