@@ -8,7 +8,8 @@
 #   bash tools/gpu_session.sh OUT SECTION[:SECONDS] ...        (default 300 s a section)
 # Sections: `tools/gpu_session.sh OUT list` prints each one and its command (cp_bwd_bench*,
 #   cp_train*, cp_long and cp_long_proxy need two GPUs; cp_tests and cp_bwd_tests skip their
-#   two-GPU tests with one).
+#   two-GPU tests with one). A GPU test file is a section by its path, tests/test_x_gpu.py[:SECONDS]
+#   (its log OUT/work/tests_test_x_gpu.py.log).
 set -u -o pipefail
 out=${1:?usage: tools/gpu_session.sh OUT SECTION[:SECONDS] ...}
 shift
