@@ -435,8 +435,9 @@ def _run_backward(
     backward = _backward_of(key, name)
     path = _path_options(key, current_registry().module(key), det)
     count_run(key)
-    options = dict(sm_scale=sm_scale, alibi_slopes=alibi_slopes, dlse=dlse, **path, **_sinks(sinks))
-    return tuple(backward(*args, **options, **_dropout_options(dropout_p, rng_state)))
+    return tuple(backward(*args, sm_scale=sm_scale, alibi_slopes=alibi_slopes, dlse=dlse,
+                          **_dropout_options(dropout_p, rng_state), **_sinks(sinks),
+                          **path))  # fmt: skip
 
 
 def _prefill_grads(
