@@ -109,7 +109,6 @@ NOT_SERVED = {
         dict(mask="sliding_window", window_left=127, window_right=0, sink_tokens=4),
         "sink tokens",
     ),
-    "softcap": (dict(softcap=30.0), "softcap"),
     "sinks": (dict(sinks=True), "sinks"),
     "dropout": (dict(dropout=True), "dropout"),
     "fp32": (dict(dtype="fp32"), "fp32"),
@@ -140,7 +139,42 @@ def test_explain_says_which_dkdv_runs():
     text = "\n".join(explain_lines([_spec(head_dim=64, alibi=True)], archs=["sm90"]))
     assert "= 132608 B of" in text  # ALiBi's slopes pointer and stride: 16 B more captured
     text = "\n".join(explain_lines([_spec(head_dim=64, softcap=30.0)], archs=["sm90"]))
-    assert "dK/dV (prefill): tile-level only: softcap" in text
+    assert "dK/dV (prefill): warp-specialized Gluon" in text
+
+
+def _scores(source):
+    return source.split("def _gluon_bwd_scores(")[1].split("@gluon.jit")[0]
+
+
+def test_softcap_modules_issue_dp_after_p_and_are_given_the_softcap_scale(tmp_path, monkeypatch):
+    """Softcap: t = tanh(S^T qk_scale) in the forward's 16-bit form, dS^T times 1 - t^2, and
+    dP^T = V dO^T issued once P^T is made (with S^T it spilled at D 128); the kernels without
+    softcap issue it with S^T. The host hands _gluon_bwd_run qk_scale = sm_scale / softcap."""
+    spec = _spec(dtype="fp16", head_dim=64, num_q_heads=4, num_kv_heads=2, softcap=5.0)
+    assert gluon_backward_gap(spec, "sm90", KernelKind.prefill) == ""
+    scores = _scores(_render(spec))
+    assert "t = gl.fdiv(2.0, 1.0 + gl.exp2(t)) - 1.0" in scores
+    assert "x = t * _SOFTCAP_LOG2 - lse2[None, :]" in scores
+    assert scores.index("p = p * (1.0 - t * t)") < scores.index("dp = warpgroup_mma(v_c, do")
+    assert scores.index("p16 = _gluon_p16(p,") < scores.index("p = p * (1.0 - t * t)")
+    assert "dp_tok" not in scores
+    plain = _scores(_render(_spec(dtype="fp16", head_dim=64, num_q_heads=4, num_kv_heads=2)))
+    assert plain.index("dp_tok = warpgroup_mma(v_c") < plain.index("p = gl.minimum(")
+    assert "tanh" not in plain and "_SOFTCAP_LOG2" not in plain
+    write_build(plan_build([spec]), tmp_path)
+    module = load_kernel_file(tmp_path)
+    seen = {}
+
+    def kernel(q, k, v, dout, lse2, delta, dq, qk_scale, sm_scale):
+        seen.update(qk_scale=qk_scale, sm_scale=sm_scale)
+        return torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(module, "_gluon_bwd_route", lambda *args: (None, args[4]))
+    monkeypatch.setattr(module, "_gluon_bwd_run", kernel)
+    q, k, v, dout, _ = padded_inputs(spec, 1, 4, 2, 70, 90, seed=3)
+    out, lse = module.attention(q, k, v, return_lse=True)
+    module.attention_backward(dout, q, k, v, out, lse, deterministic=False)
+    assert seen == {"qk_scale": 64**-0.5 / 5.0, "sm_scale": 64**-0.5}
 
 
 def load_kernel_file(folder):
@@ -366,3 +400,23 @@ def test_the_kernels_compile_for_sm90_as_the_model_predicts():
         spills, stack = known.get((spec.head_dim, spec.mask.value), (0, 0))
         assert row.record["spill_stores"] == spills, row.line()
         assert row.problems == ([f"spills {spills} B, stack {stack} B"] if spills else [])
+
+
+@pytest.mark.slow
+def test_the_softcap_kernels_compile_with_their_known_spills():
+    """Softcap's kernel (dP^T issued after P^T), bf16, cross-compiled for sm90: shared memory
+    as the model's; no spills at D 64, a few at D 128 (the consumer at the 240-register cap;
+    issued with S^T, dP^T's accumulator beside t and P^T spilled 132-256 B)."""
+    specs = [
+        _spec(head_dim=d, mask=mask, alibi=alibi, softcap=5.0, num_q_heads=8, num_kv_heads=2)
+        for d in (64, 128)
+        for mask, alibi in (("none", False), ("causal", False), ("causal", True))
+    ]
+    rows = [row for row in verify_gluon(specs) if "dK/dV" in row.line()]
+    assert len(rows) == len(specs)
+    known = {(128, "none", False): (8, 8), (128, "causal", False): (20, 24),
+             (128, "causal", True): (44, 48)}  # (spill stores, stack) B  # fmt: skip
+    for spec, row in zip(specs, rows, strict=True):
+        assert row.record["shared"] == row.chosen.smem_bytes, row.line()
+        spills, stack = known.get((spec.head_dim, spec.mask.value, spec.alibi), (0, 0))
+        assert (row.record["spill_stores"], row.record["stack"]) == (spills, stack), row.line()

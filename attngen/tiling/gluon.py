@@ -184,14 +184,15 @@ def capture_words(spec: AttnSpec, kind: KernelKind = KernelKind.prefill) -> int:
     return words + VARLEN_WORDS * (kind is KernelKind.varlen)
 
 
+def barriers(n: sympy.Expr) -> sympy.Expr:  # an [n, 1] int64 array, padded to 16 B
+    return 16 * sympy.ceiling(n / sympy.Integer(2))
+
+
 @cache
 def smem_expression(words: int = 0, o_tile: bool = False) -> sympy.Expr:
     """Dynamic shared memory of one CTA in bytes (exact against the compiler), for a kernel
     whose partitions take `words` more 32-bit scalars than the plain one (capture_words); with
     o_tile (DV != D) each Q slot holds max(D, DV) columns, O's tile a view of it."""
-
-    def barriers(n: sympy.Expr) -> sympy.Expr:  # an [n, 1] int64 array, padded to 16 B
-        return 16 * sympy.ceiling(n / sympy.Integer(2))
 
     slot = sympy.Max(D, DV) if o_tile else D
     tiles = E * (NC * BM * slot + S * BN * (D + DV))

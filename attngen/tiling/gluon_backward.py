@@ -35,6 +35,7 @@ from __future__ import annotations
 import textwrap
 from dataclasses import dataclass
 from functools import cache
+from itertools import product
 
 import sympy
 
@@ -42,7 +43,7 @@ from attngen.arch import ARCHS
 from attngen.spec import AttnSpec, KernelKind
 from attngen.spec.files import unverified_variants_on
 from attngen.tiling.evaluate import compiled
-from attngen.tiling.gluon import GLUON_UNVERIFIED, WARPGROUP, gluon_gap, register_split
+from attngen.tiling.gluon import GLUON_UNVERIFIED, WARPGROUP, barriers, gluon_gap, register_split
 
 NC, BM, BN, D, E, S, C = sympy.symbols("NC BLOCK_M BLOCK_N D E S C", positive=True, integer=True)
 SYMBOLS = (NC, BM, BN, D, E, S, C)
@@ -68,7 +69,8 @@ HEAVY_FIRST = 4
 
 def gluon_backward_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
     """Why the `kind` module of `spec` on `arch` has no Gluon backward ("" when it has one):
-    it needs the Gluon forward's conditions, no mask, causal or a window, and D 64 or 128."""
+    it needs the Gluon forward's conditions, no mask, causal or a window (ALiBi and softcap
+    served with each), D 64 or 128, no sinks or sink tokens."""
     if not spec.backward:
         return "backward: false"
     gap = gluon_gap(spec, arch, kind)
@@ -81,7 +83,6 @@ def gluon_backward_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
     for present, feature in (
         (spec.mask.value not in ("none", "causal", "sliding_window"), f"mask {spec.mask.value}"),
         (spec.sink_tokens, "sink tokens"),
-        (spec.softcap, "softcap"),
         (spec.sinks, "sinks"),
         (spec.head_dim != spec.value_head_dim, "head_dim != head_dim_v"),
     ):
@@ -96,16 +97,12 @@ def dq_columns(d: int) -> int:
     return d // 2 if d >= 128 else d
 
 
-def _pad16(n: sympy.Expr) -> sympy.Expr:  # an [n, 1] int64 barrier array, padded to 16 B
-    return 16 * sympy.ceiling(n / sympy.Integer(2))
-
-
 @cache
 def smem_expression() -> sympy.Expr:
     """Dynamic shared memory of one CTA in bytes (exact against the compiler)."""
     tiles = E * (2 * BN * D + S * 2 * BM * D + 2 * BM * BN) + S * 2 * BM * 4
     staging = NC * BM * C * 4 + WS_CAPTURE_BYTES
-    return tiles + staging + 3 * _pad16(S) + 2 * _pad16(sympy.Integer(2))
+    return tiles + staging + 3 * barriers(S) + 2 * barriers(sympy.Integer(2))
 
 
 @cache
@@ -153,8 +150,7 @@ def candidate(d: int, itemsize: int, block_m: int, stages: int, budget: int, cap
     consumer, producer, entry = register_split(CONSUMERS)
     rejected = [f"smem {smem} B > {budget} B"] if smem > budget else []
     rejected += [f"consumer regs ~{regs} > {consumer}"] if regs > consumer else []
-    split = dq_columns(d) < d
-    config = BwdConfig(block_m, BLOCK_N, stages, split, consumer, producer, entry)
+    config = BwdConfig(block_m, BLOCK_N, stages, dq_columns(d) < d, consumer, producer, entry)
     return BwdCandidate(config, smem, regs, tuple(rejected))
 
 
@@ -171,8 +167,7 @@ class BwdDerivation:
             f"  shared memory = {smem_expression()}",
             f"  consumer registers ~ {regs_expression()}",
         ]
-        best = self.chosen
-        if best is None:
+        if (best := self.chosen) is None:
             lines.append(f"  no config fits ({len(self.candidates)} candidates)")
         else:
             feasible = sum(c.feasible for c in self.candidates)
@@ -197,15 +192,8 @@ def derive_gluon_backward(spec: AttnSpec, arch: str) -> BwdDerivation | None:
 
 @cache
 def _derive(d: int, itemsize: int, arch: str, captured: int) -> BwdDerivation:
-    budget = ARCHS[arch].smem_budget
-    candidates = tuple(
-        candidate(d, itemsize, block_m, stages, budget, captured)
-        for block_m in BLOCK_M_CHOICES
-        for stages in STAGES_CHOICES
-    )
+    budget, choices = ARCHS[arch].smem_budget, product(BLOCK_M_CHOICES, STAGES_CHOICES)
+    candidates = tuple(candidate(d, itemsize, bm, s, budget, captured) for bm, s in choices)
     feasible = [c for c in candidates if c.feasible]
-
-    def preference(c: BwdCandidate) -> tuple[int, int]:
-        return (c.config.block_m, -c.config.stages)
-
-    return BwdDerivation(arch, candidates, max(feasible, key=preference, default=None))
+    best = max(feasible, key=lambda c: (c.config.block_m, -c.config.stages), default=None)
+    return BwdDerivation(arch, candidates, best)
