@@ -3,7 +3,7 @@
 
 Each case builds its module into a folder of its own and runs the public functions with grad
 and deterministic=False (flash_attn_func: bottom-right causal, none, sliding windows, ALiBi
-slopes [HQ] or [B, HQ]; the SDPA drop-in: top-left is_causal), dQ, dK, dV against the
+slopes [HQ] or [B, HQ], softcap; the SDPA drop-in: top-left is_causal), dQ, dK, dV against the
 float64 reference (RELIABILITY.md's rule, attngen.reference.backward.compare_gradients), and
 the module's backward_path() must name the
 Gluon kernel (last_backward(): the atomic path). The modules send causal calls with fewer than
@@ -60,7 +60,13 @@ CASES = [
     (2, 1000, 1000, 8, 2, 128, "causal+alibi", "bottom_right", "bf16"),
     (1, 700, 900, 4, 4, 64, "none+alibi", None, "fp16"),
     (1, 1100, 1100, 4, 2, 128, "window:300:0+alibi", "bottom_right", "bf16"),
+    # softcap (SOFTCAP: tanh far from linear at these scores), the top-left one through SDPA
+    (2, 1000, 1000, 8, 2, 128, "causal+softcap", "bottom_right", "bf16"),
+    (1, 700, 900, 4, 4, 64, "none+softcap", None, "fp16"),
+    (1, 777, 2049, 4, 2, 128, "causal+softcap", "top_left", "bf16"),
+    (1, 1100, 1100, 4, 2, 128, "window:300:0+softcap", "bottom_right", "bf16"),
 ]
+SOFTCAP = 5.0
 
 
 def _ids(case):
@@ -70,14 +76,14 @@ def _ids(case):
 
 def _window(mask):
     """(left, right) of a "window:L:R" case (-1: no bound, the spec's 2**31 - 1), else None."""
-    mask = mask.removesuffix("+alibi")
+    mask = mask.split("+")[0]
     return tuple(int(x) for x in mask.split(":")[1:]) if mask.startswith("window") else None
 
 
 def _slopes(case, device="cuda"):
     """ALiBi slopes of a "+alibi" case ([B, HQ] with two batches, else [HQ]), else None."""
     b, hq, mask = case[0], case[3], case[6]
-    if not mask.endswith("+alibi"):
+    if "+alibi" not in mask:
         return None
     slopes = torch.exp2(-8.0 * torch.arange(1, hq + 1, device=device) / hq)
     return torch.stack([slopes, slopes * 0.5]) if b == 2 else slopes
@@ -99,12 +105,11 @@ def spec_for(case):
     _, _, _, hq, hkv, d, mask, align, dtype = case
     window = _window(mask)
     fields = dict(name="gluon_bwd", dtype=dtype, head_dim=d, num_q_heads=hq, num_kv_heads=hkv,
-                  mask=mask, backward=True)  # fmt: skip
+                  mask=mask.split("+")[0], backward=True, alibi="+alibi" in mask,
+                  softcap=SOFTCAP if "+softcap" in mask else 0.0)  # fmt: skip
     if window:
         left, right = (2**31 - 1 if x < 0 else x for x in window)
         fields.update(mask="sliding_window", window_left=left, window_right=right)
-    if mask.endswith("+alibi"):
-        fields.update(alibi=True, mask=fields["mask"].removesuffix("+alibi"))
     return make_spec(**fields, **({"causal_align": align} if align else {}))
 
 
@@ -141,15 +146,17 @@ def run_backward(case, seed=7, apart=0.0, deterministic=False):
         for n, h in ((nq, hq), (nk, hkv), (nk, hkv), (nq, hq))
     )
     q, k = q - apart, k + apart
+    softcap = SOFTCAP if "+softcap" in mask else 0.0
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     if align == "top_left":  # the SDPA drop-in: is_causal top-left, [B, H, N, D] memory
         heads = [t.transpose(1, 2).contiguous() for t in leaves]  # (dQ's sum in that order too)
-        out = attngen.scaled_dot_product_attention(*heads, is_causal=True, enable_gqa=hq != hkv)
+        out = attngen.scaled_dot_product_attention(*heads, is_causal=True, enable_gqa=hq != hkv,
+                                                   softcap=softcap or None)  # fmt: skip
         out.backward(dout.transpose(1, 2))
     else:
         causal, window = mask.startswith("causal"), _window(mask) or (-1, -1)
         out = attngen.flash_attn_func(*leaves, causal=causal, window_size=window,
-                                      alibi_slopes=_slopes(case),
+                                      softcap=softcap, alibi_slopes=_slopes(case),
                                       deterministic=deterministic)  # fmt: skip
         out.backward(dout)
     torch.cuda.synchronize()
@@ -172,7 +179,7 @@ def test_gradients_match_the_float64_reference(case, built):
     assert torch.equal(grads[1], again[1]) and torch.equal(grads[2], again[2])
 
 
-@pytest.mark.parametrize("case", [CASES[i] for i in (2, 5, 9, 11, 16, 20)], ids=_ids)
+@pytest.mark.parametrize("case", [CASES[i] for i in (2, 5, 9, 11, 16, 20, 23)], ids=_ids)
 def test_deterministic_calls_run_it_without_dq_and_repeat_bitwise(case, built):
     """deterministic=True: the Gluon kernel without dQ, dQ from the deterministic dQ kernel;
     every gradient bitwise the same on a second run."""

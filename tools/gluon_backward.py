@@ -12,9 +12,10 @@ time is (forward + backward) - forward (tools/bench_backward.py's measure), thro
 attngen.flash_attn_func, SDPA's cuDNN backend, and FA4's flash_attn.cute (`source
 tools/gpu_fa4.sh` first; skipped when not importable). The Gluon module's backward_path() is
 recorded, and its gradients are compared with the tile-level ones (max abs difference over
-dq, dk, dv). On a CUDA machine, from the repository root:
+dq, dk, dv). --softcap C builds every spec with softcap C and passes it to flash_attn_func and
+FA4 (cuDNN is skipped: SDPA has no softcap). On a CUDA machine, from the repository root:
 
-    PYTHONPATH=. python tools/gluon_backward.py --out DIR [--n 1024 4096] [--d 128]
+    PYTHONPATH=. python tools/gluon_backward.py --out DIR [--n 1024 4096] [--d 128] [--softcap C]
 
 Writes DIR/gluon_backward_bench.json and prints one line per cell. `attngen verify-tiling
 --gluon` cross-compiles the kernels without a GPU.
@@ -43,11 +44,11 @@ from attngen.spec import specs_from_data  # noqa: E402
 TOKENS, WIDTH = 16384, 2048
 
 
-def load(d: int, heads: int, causal: bool):
+def load(d: int, heads: int, causal: bool, softcap: float = 0.0):
     """The cell's module, built into a folder of its own and served alone, rule off."""
     fields = dict(name="gluon_bwd_bench", archs=["sm90"], dtype="bf16", head_dim=d,
                   num_q_heads=heads, num_kv_heads=heads, mask="causal" if causal else "none",
-                  kernels=["prefill"], backward=True)  # fmt: skip
+                  kernels=["prefill"], backward=True, softcap=softcap)  # fmt: skip
     if causal:
         fields["causal_align"] = "bottom_right"
     folder = Path(tempfile.mkdtemp(prefix="gluon-bwd-"))
@@ -59,14 +60,15 @@ def load(d: int, heads: int, causal: bool):
     return registry
 
 
-def _attngen(causal: bool, deterministic: bool):
+def _attngen(causal: bool, deterministic: bool, softcap: float = 0.0):
     def run(q, k, v):
-        return attngen.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+        return attngen.flash_attn_func(q, k, v, causal=causal, softcap=softcap,
+                                       deterministic=deterministic)  # fmt: skip
 
     return run
 
 
-def _others(causal: bool) -> dict:
+def _others(causal: bool, softcap: float = 0.0) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def cudnn(q, k, v):
@@ -75,12 +77,14 @@ def _others(causal: bool) -> dict:
             out = torch.nn.functional.scaled_dot_product_attention(*heads, is_causal=causal)
             return out.transpose(1, 2)
 
-    impls: dict = {"cudnn": cudnn}
+    impls: dict = {"cudnn": "skipped: SDPA has no softcap" if softcap else cudnn}
     try:
         from flash_attn.cute import flash_attn_func
 
         def fa4(q, k, v):
-            out = flash_attn_func(q, k, v, causal=causal)
+            out = flash_attn_func(
+                q, k, v, causal=causal, **({"softcap": softcap} if softcap else {})
+            )
             return out[0] if isinstance(out, tuple) else out
 
         impls["fa4"] = fa4
@@ -95,17 +99,19 @@ def _grads(fn, q, k, v, dout):
     return [t.grad for t in leaves]
 
 
-def run_cell(d: int, n: int, causal: bool, reps: int) -> dict:
+def run_cell(d: int, n: int, causal: bool, reps: int, softcap: float = 0.0) -> dict:
     batch, heads = TOKENS // n, WIDTH // d
     flops = 2.5 * 4 * batch * heads * n * n * d * (0.5 if causal else 1)
-    cell: dict = {"D": d, "N": n, "B": batch, "H": heads, "causal": causal, "tflops": {}}
+    cell: dict = {"D": d, "N": n, "B": batch, "H": heads, "causal": causal, "softcap": softcap,
+                  "tflops": {}}  # fmt: skip
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, dout = (
         torch.randn(batch, n, heads, d, generator=gen, device="cuda", dtype=torch.bfloat16)
         for _ in range(4)
     )
-    load(d, heads, causal)
-    impls = {"gluon": _attngen(causal, False), "tile": _attngen(causal, True), **_others(causal)}
+    load(d, heads, causal, softcap)
+    impls = {"gluon": _attngen(causal, False, softcap), "tile": _attngen(causal, True, softcap),
+             **_others(causal, softcap)}  # fmt: skip
     reference = _grads(impls["tile"], q, k, v, dout)
     gluon = _grads(impls["gluon"], q, k, v, dout)
     cell["gluon_path"] = current_registry().module(last_backward().key).backward_path()
@@ -137,15 +143,20 @@ def main(argv=None) -> int:
     parser.add_argument("--d", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--reps", type=int, default=100, help="do_bench rep (ms)")
+    parser.add_argument("--softcap", type=float, default=0.0, help="the specs' softcap (0: none)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "softcap": args.softcap,
+    }
     cells = []
     for d in args.d:
         for n in args.n:
             for causal in (False, True):
                 try:
-                    cell = run_cell(d, n, causal, args.reps)
+                    cell = run_cell(d, n, causal, args.reps, args.softcap)
                 except Exception as exc:  # noqa: BLE001 - recorded, the grid goes on
                     cell = {"D": d, "N": n, "causal": causal, "error": repr(exc)[:400]}
                 cells.append(cell)
