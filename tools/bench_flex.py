@@ -11,7 +11,7 @@ recognition patched off (the expression kernels and the block mask). The forward
 timed alone; the backward as `torch.autograd.grad` of a kept graph (the forward not counted).
 The issue's targets: attngen.flex_attention >= 1.3x compiled Flex, and >= 0.9x the built-in.
 
-    PYTHONPATH=. python tools/bench_flex.py --out OUT [--d 128] [--n 4096]
+    PYTHONPATH=. python tools/bench_flex.py --out OUT [--d 128] [--n 4096] [--mods NAME ...]
 
 Prints one line per mod and writes OUT/bench_flex.json.
 """
@@ -150,6 +150,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--d", type=int, default=128)
     parser.add_argument("--n", type=int, nargs="+", default=[4096])
+    parser.add_argument("--mods", nargs="+", help="only these mods, e.g. causal 'softcap (causal)'")
     args = parser.parse_args()
     torch._dynamo.config.cache_size_limit = 1000
     args.out.mkdir(parents=True, exist_ok=True)
@@ -165,6 +166,8 @@ def main() -> None:
             for _ in range(3)
         )
         for name, mods in gym(heads, n).items():
+            if args.mods and name not in args.mods:
+                continue
             result = dict(n=n, d=args.d, **bench_mod(name, mods, q, k, v))
             result["ratios"] = ratios(result)
             results.append(result)
