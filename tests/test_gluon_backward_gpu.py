@@ -5,10 +5,10 @@ Each case builds its module into a folder of its own and runs the public functio
 and deterministic=False (flash_attn_func: bottom-right causal, none, sliding windows, ALiBi
 slopes [HQ] or [B, HQ], softcap; the SDPA drop-in: top-left is_causal), dQ, dK, dV against the
 float64 reference (RELIABILITY.md's rule, attngen.reference.backward.compare_gradients), and
-the module's backward_path() must name the
-Gluon kernel (last_backward(): the atomic path). The modules send causal calls with fewer than
-GLUON_BWD_SHORT_CAUSAL_KEYS keys to their tile-level kernels (faster there); the cases turn
-that rule off so that short shapes test the Gluon kernel, and one case keeps it.
+the module's backward_path() must name the Gluon kernel (last_backward(): the atomic path).
+The modules send causal calls with fewer than GLUON_BWD_SHORT_CAUSAL_KEYS keys to their
+tile-level kernels (faster there); the cases turn that rule off so that short shapes test the
+Gluon kernel, and one case keeps it.
 dK and dV are summed in registers in a fixed order: bitwise repeatable (dQ by atomics is not).
 """
 
