@@ -13,7 +13,8 @@ so host drift hits all alike. Before timing, each output is compared with cuDNN'
 gradients: max abs diff over the reference's max abs); above 2e-2 it is flagged ("!") and left out
 of the ratios. Peak memory: the forward (+ backward) peak above what was allocated before.
 attngen's cells record `last_dispatch()` (module and forward kernel), the backward's path
-(`backward_path()` below) and its forward timed once
+(`backward_path()` below), that module's backward timed alone ("module_bwd_ms",
+module_backward_ms) and its forward timed once
 more after every other ("fwd_ms_again": a slow first timing that recovers is the neighbours' doing,
 not the kernel's). A missing or refusing implementation is recorded with its reason. The JSON is
 rewritten after every cell; --budget-s stops starting cells after that many seconds. On a CUDA
@@ -157,6 +158,19 @@ def backward_path() -> str | None:
     return f"{run.path}: {gluon()}" if gluon else run.path
 
 
+def module_backward_ms(q, k, v, dout, causal, deterministic: bool, rep_ms: int) -> float:
+    """The backward of the module the last backward call ran, alone: its attention_backward on
+    the [B, H, N, D] views, with one forward's out and LSE (as tools/ab_templates.py times a
+    kernel change). Beside the cell's (forward + backward) - forward, it says whether a slow
+    backward is the module's kernels or what surrounds them in a training step."""
+    module = current_registry().module(last_backward().key)
+    with torch.no_grad():
+        out, lse, _ = attngen.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    views = [t.detach().transpose(1, 2) for t in (dout, q, k, v, out)]
+    return median_ms(lambda: module.attention_backward(*views, lse, deterministic=deterministic),
+                     rep_ms)  # fmt: skip
+
+
 def probe(fn, q, k, v, dout, causal, backward: bool):
     """After a warm-up call (JIT compile, autotune): one call's output, gradients (or None) and
     the peak MiB it allocated above what was allocated before it."""
@@ -241,6 +255,9 @@ def run_cell(impls, head_dim, seqlen, causal, args) -> dict:
             if backward and "fwd_bwd_ms" in results[name]:
                 closures(ready[name], q, k, v, dout, causal, backward)[1]()
                 results[name]["backward"] = backward_path()
+                results[name]["module_bwd_ms"] = module_backward_ms(
+                    q, k, v, dout, causal, name == "attngen_det", args.rep_ms
+                )
             chosen = attngen.last_dispatch()  # None only if no call went through the registry
             if chosen is not None:
                 results[name]["dispatch"] = {"module": chosen.module, "forward": chosen.forward}
@@ -299,6 +316,11 @@ def summary(report: dict) -> str:
         if values:
             mean = geomean(values)
             lines.append(f"geomean attngen/{other} {key[:3]}: {mean:.3f} over {len(values)} cells")
+    alone = [cell["results"]["fa4"]["bwd_ms"] / cell["results"]["attngen"]["module_bwd_ms"]
+             for cell in report["cells"] if _ratio(cell, "fa4", "bwd_tflops") is not None
+             and "module_bwd_ms" in cell["results"]["attngen"]]  # fmt: skip
+    if alone:
+        lines.append(f"geomean attngen's module backward alone/fa4: {geomean(alone):.3f}")
     return "\n".join(lines)
 
 
