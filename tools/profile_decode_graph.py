@@ -27,6 +27,13 @@ SPLITS = (None, 1, 2, 4, 8, 16, 32)
 REPLAYS = 50
 
 
+def _kernel_name(name: str) -> str:
+    """A kernel's name, short: torch's elementwise kernels keep their functor (a copy, a fill
+    or a cast tells which tensor operation launched it), others their first 60 characters."""
+    name = name.removeprefix("void ").replace("at::native::", "")
+    return name[:140] if "elementwise_kernel" in name else name[:60]
+
+
 def kernel_times(replay, repeats: int = REPLAYS) -> dict[str, float]:
     """Mean device time per replay (or call) of each kernel name, in us."""
     torch.cuda.synchronize()
@@ -37,7 +44,7 @@ def kernel_times(replay, repeats: int = REPLAYS) -> dict[str, float]:
     totals: dict[str, float] = defaultdict(float)
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name[:60]] += event.device_time / repeats
+            totals[_kernel_name(event.name)] += event.device_time / repeats
     return dict(totals)
 
 
