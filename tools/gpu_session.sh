@@ -70,6 +70,11 @@ section_command() {
     # through Triton's launcher with tensors, with addresses, and through the C launcher.
     profile_launch) echo "python3 tools/profile_launch_host.py --out $work" ;;
     bench_decode) echo "python3 tools/bench_decode.py --out $work" ;;
+    # The causal N 16k backward: each kernel's time in a flash_attn_func step (a process of
+    # its own), then the grid's cells with the module's backward alone beside cuDNN's.
+    bwd_causal_gap) echo "python3 tools/profile_step.py --out $work --cells 128:16384:1 \
+      64:16384:1 128:16384:0 && python3 tools/bench_grid.py --out $work/g16 --d 64,128 \
+      --n 16384 --causal 1 --impls attngen,cudnn" ;;
     profile_decode) echo "python3 tools/profile_decode_graph.py --out $work" ;;
     public_prefill) echo "python3 tools/bench_public_prefill.py --out $work" ;;
     bench_prefill) echo "python3 tools/bench_prefill.py --out $work" ;;
