@@ -119,6 +119,29 @@ def _dq_out(
 
 
 @gluon.jit
+def _store_keys(acc, ptr, n0, batch, kv_head, n_keys, stride_kn, stride_kh):
+    """acc [BLOCK_N, D] (dK or dV of the CTA's keys) into [B, N, HKV, D], rows past Nk dropped."""
+    BLOCK_N: gl.constexpr = acc.type.shape[0]
+    HEAD_D: gl.constexpr = acc.type.shape[1]
+    rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc.type.layout))
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc.type.layout))
+    offs = (batch.to(gl.int64) * n_keys + rows[:, None]) * stride_kn + kv_head * stride_kh
+    offs = offs + cols[None, :]
+    gl.store(ptr + offs, acc.to(ptr.dtype.element_ty), mask=(rows < n_keys)[:, None])
+
+
+@gluon.jit
+def _causal_mask(x, m, shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """x (S^T in the log2 domain) with key j of row i masked where j > i + diag; only the
+    blocks that meet the diagonal (a uniform branch)."""
+    if m + shift < BLOCK_N - 1:
+        last = m + shift + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, x.type.layout))
+        keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, x.type.layout))
+        x = gl.where(keys[:, None] <= last[None, :], x, -float("inf"))
+    return x
+
+
+@gluon.jit
 def _consumer_p(args, DQ_ATOMIC: gl.constexpr, CAUSAL: gl.constexpr):
     """CID 0: S^T, P^T, dV += P^T dO, dQ's first 128 columns."""
     smem, bars, coords, sched, scalars, out = args
@@ -155,11 +178,8 @@ def _consumer_p(args, DQ_ATOMIC: gl.constexpr, CAUSAL: gl.constexpr):
         st = warpgroup_mma(k2, q.permute((1, 0)), zero, use_acc=False)
         lse2 = lse_bufs.index(s).load(col_layout)
         x = st * qk_scale - lse2[None, :]
-        if CAUSAL:  # key j seen by row i iff j <= i + diag; only blocks meeting the diagonal
-            if m + shift < BLOCK_N - 1:
-                last = m + shift + gl.arange(0, BLOCK_M, layout=col_layout)
-                keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-                x = gl.where(keys[:, None] <= last[None, :], x, -float("inf"))
+        if CAUSAL:  # key j seen by row i iff j <= i + diag
+            x = _causal_mask(x, m, shift, BLOCK_M, BLOCK_N)
         p = gl.minimum(gl.exp2(x), 1.0)
         p16 = _p16(p, gl.zeros([BLOCK_N, BLOCK_M], gl.bfloat16, a_layout))
         mbarrier.wait(pds_empty.index(slot), sph ^ 1)  # both dQ GEMMs read the slot's old dS
@@ -181,11 +201,7 @@ def _consumer_p(args, DQ_ATOMIC: gl.constexpr, CAUSAL: gl.constexpr):
             dq, dq_ptr, dq_row, dq_col, dq_stride, dq_desc, dq_bufs.index(0), sm_scale, 0, DQ_ATOMIC
         )
     tma.store_wait(0)
-    rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
-    offs = (batch.to(gl.int64) * n_keys + rows[:, None]) * stride_kn + kv_head * stride_kh
-    offs = offs + cols[None, :]
-    gl.store(dv_ptr + offs, dv.to(dv_ptr.dtype.element_ty), mask=(rows < n_keys)[:, None])
+    _store_keys(dv, dv_ptr, n0, batch, kv_head, n_keys, stride_kn, stride_kh)
 
 
 @gluon.jit
@@ -243,26 +259,10 @@ def _consumer_ds(args, DQ_ATOMIC: gl.constexpr):
         mbarrier.arrive(empty.index(s), count=1)
         dq_row = batch * n_pad + m
         dq_col = (kv_head * group + g) * HEAD_D
-        _dq_out(
-            dq,
-            dq_ptr,
-            dq_row,
-            dq_col,
-            dq_stride,
-            dq_desc,
-            dq_bufs.index(1),
-            sm_scale,
-            HALF,
-            DQ_ATOMIC,
-        )
+        _dq_out(dq, dq_ptr, dq_row, dq_col, dq_stride, dq_desc, dq_bufs.index(1), sm_scale, HALF,
+                DQ_ATOMIC)  # fmt: skip
     tma.store_wait(0)
-    rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
-    offs = (batch.to(gl.int64) * n_keys + rows[:, None]) * stride_kn + kv_head * stride_kh
-    offs = offs + cols[None, :]
-    gl.store(
-        dk_ptr + offs, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=(rows < n_keys)[:, None]
-    )
+    _store_keys(dk * sm_scale, dk_ptr, n0, batch, kv_head, n_keys, stride_kn, stride_kh)
 
 
 @gluon.jit
@@ -285,6 +285,32 @@ def _barriers(STAGES: gl.constexpr):
         mbarrier.init(ds_ready.index(t), count=1)
         mbarrier.init(pds_empty.index(t), count=2)
     return kv_bar, q_ready, do_ready, empty, p_ready, ds_ready, pds_empty
+
+
+@gluon.jit
+def _smem(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, dq_desc, STAGES: gl.constexpr,
+          DQ_ATOMIC: gl.constexpr):  # fmt: skip
+    """K, V (resident); STAGES slots of Q, dO, LSE, delta; two P^T / dS^T slots [BN, BM]; the
+    two warpgroups' dQ staging (none with DQ_ATOMIC)."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+    q_shape: gl.constexpr = [STAGES] + q_desc.block_type.shape
+    row_shape: gl.constexpr = [STAGES] + lse_desc.block_type.shape
+    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, q_shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, q_shape, do_desc.layout)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, row_shape, lse_desc.layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, row_shape, delta_desc.layout)
+    pds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], pds_layout)
+    if DQ_ATOMIC:
+        dq_bufs = lse_bufs  # unused: dQ by atomics
+    else:
+        dq_shape: gl.constexpr = [2] + dq_desc.block_type.shape
+        dq_bufs = gl.allocate_shared_memory(gl.float32, dq_shape, dq_desc.layout)
+    return k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, pds_bufs, dq_bufs
 
 
 @gluon.jit
@@ -318,7 +344,6 @@ def gluon_bwd_d256_kernel(
 ):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
-    dtype: gl.constexpr = q_desc.dtype
     pid = gl.program_id(0)
     n_block, bh = pid % num_n_blocks, pid // num_n_blocks
     batch, kv_head = bh // (n_heads // group), bh % (n_heads // group)
@@ -328,34 +353,13 @@ def gluon_bwd_d256_kernel(
     if CAUSAL:
         m_first = gl.minimum(gl.maximum(n0 - diag, 0) // BLOCK_M, n_blocks_q)
     n_m = n_blocks_q - m_first
-    q_shape: gl.constexpr = [STAGES] + q_desc.block_type.shape
-    row_shape: gl.constexpr = [STAGES] + lse_desc.block_type.shape
-    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
-    q_bufs = gl.allocate_shared_memory(dtype, q_shape, q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(dtype, q_shape, do_desc.layout)
-    lse_bufs = gl.allocate_shared_memory(gl.float32, row_shape, lse_desc.layout)
-    delta_bufs = gl.allocate_shared_memory(gl.float32, row_shape, delta_desc.layout)
-    pds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], pds_layout)
-    if DQ_ATOMIC:
-        dq_bufs = lse_bufs  # unused: dQ by atomics
-    else:
-        dq_bufs = gl.allocate_shared_memory(
-            gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout
-        )
-    smem = (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, pds_bufs, dq_bufs)
+    smem = _smem(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, dq_desc, STAGES, DQ_ATOMIC)
     bars = _barriers(STAGES)
     coords = (batch, kv_head, n0, n_heads)
     sched = (group, n_m, n_pad, m_first)
-    args = (
-        smem,
-        bars,
-        coords,
-        sched,
-        (n_keys, qk_scale, sm_scale, diag, m_first),
-        (dq_ptr, dq_desc, dk_ptr, dv_ptr, stride_kn, stride_kh),
-    )
+    scalars = (n_keys, qk_scale, sm_scale, diag, m_first)
+    args = (smem, bars, coords, sched, scalars, (dq_ptr, dq_desc, dk_ptr, dv_ptr, stride_kn,
+                                                stride_kh))  # fmt: skip
     worker = ((q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc), smem, bars, coords, sched)
     gl.warp_specialize(
         [

@@ -112,19 +112,21 @@ def reference_forward(q, k, v, causal, sm_scale, heads_at_once=2):
     return out, lse
 
 
-def host_args(q, k, v, dout, out, lse, causal, dq_atomic, sm_scale):
-    """The prototype's launch: grid, positional args, constexprs, options, and the buffers it
-    writes (dq_sum, dk, dv). Mirrors _gluon_bwd_buffers / _gluon_bwd_run, with q, k, v, dout,
-    out in [B, N, H, D] memory and lse [B, HQ, N] natural log."""
-    b, nq, hq, d = q.shape
-    nk, hkv = k.shape[1], k.shape[2]
-    n_pad = cdiv(nq, BLOCK_M) * BLOCK_M
+def row_statistics(dout, out, lse, n_pad):
+    """LSE log2 e (+inf where no key is seen and past N: P = 0 there) and delta = rowsum(dO O)
+    (0 past N), both [B, HQ, N_pad] fp32, as _gluon_bwd_buffers pads them."""
+    b, nq, hq, _ = dout.shape
     lse2 = lse.new_full((b, hq, n_pad), math.inf)  # past N: P = exp2(s - inf) = 0
     lse2[:, :, :nq] = torch.where(lse == -math.inf, math.inf, lse * LOG2E)
     delta = lse.new_zeros((b, hq, n_pad))
     delta[:, :, :nq] = (dout.float() * out.float()).sum(-1).transpose(1, 2)
-    dq_sum = q.new_zeros((b, n_pad, hq, d), dtype=torch.float32)  # heads last, as the kernel
-    dk, dv = (k.new_empty((b, nk, hkv, d)) for _ in range(2))
+    return lse2, delta
+
+
+def descriptors(q, k, v, dout, lse2, delta, dq_sum) -> dict:
+    """The kernel's TMA descriptors: q, dO, k, v by one head's rows of [B, N, H, D] memory, the
+    row statistics by 64-row boxes, dQ's sum as [B * N_pad, HQ * D] in [64, 32] boxes."""
+    d = q.shape[3]
 
     def bnhd(t, rows):  # [B, N, H, D] memory, boxes of one head's `rows` rows
         block = [1, rows, 1, d]
@@ -134,54 +136,38 @@ def host_args(q, k, v, dout, out, lse, causal, dq_atomic, sm_scale):
     def rows(t):
         return TensorDescriptor(t.view(-1), [t.numel()], [1], [BLOCK_M], ROWS_LAYOUT)
 
-    dq2 = dq_sum.view(b * n_pad, hq * d)
+    dq2 = dq_sum.view(-1, dq_sum.shape[2] * d)
     dq_layout = gl.NVMMASharedLayout.get_default_for(DQ_BOX, gl.float32)
-    dq_desc = TensorDescriptor(dq2, list(dq2.shape), list(dq2.stride()), DQ_BOX, dq_layout)
+    return {"q_desc": bnhd(q, BLOCK_M), "do_desc": bnhd(dout, BLOCK_M), "lse_desc": rows(lse2),
+            "delta_desc": rows(delta), "k_desc": bnhd(k, BLOCK_N), "v_desc": bnhd(v, BLOCK_N),
+            "dq_desc": TensorDescriptor(dq2, list(dq2.shape), list(dq2.stride()), DQ_BOX,
+                                        dq_layout)}  # fmt: skip
+
+
+def host_args(q, k, v, dout, out, lse, causal, dq_atomic, sm_scale):
+    """The prototype's launch: grid, positional args, constexprs, options, and the buffers it
+    writes (dq_sum, dk, dv). Mirrors _gluon_bwd_buffers / _gluon_bwd_run, with q, k, v, dout,
+    out in [B, N, H, D] memory and lse [B, HQ, N] natural log."""
+    b, nq, hq, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    n_pad = cdiv(nq, BLOCK_M) * BLOCK_M
+    lse2, delta = row_statistics(dout, out, lse, n_pad)
+    dq_sum = q.new_zeros((b, n_pad, hq, d), dtype=torch.float32)  # heads last, as the kernel
+    dk, dv = (k.new_empty((b, nk, hkv, d)) for _ in range(2))
     num_n_blocks = cdiv(nk, BLOCK_N)
-    grid = (num_n_blocks * b * hkv,)
-    ints = {
-        "n_q": nq,
-        "n_keys": nk,
-        "n_heads": hq,
-        "group": hq // hkv,
-        "n_pad": n_pad,
-        "diag": nk - nq,  # bottom-right, as flash_attn_func
-        "num_n_blocks": num_n_blocks,
-        "stride_kn": dk.stride(1),
-        "stride_kh": dk.stride(2),
-    }
-    named = {
-        "dq_ptr": dq_sum,
-        "dk_ptr": dk,
-        "dv_ptr": dv,
-        **ints,
-        "qk_scale": sm_scale * LOG2E,
-        "sm_scale": sm_scale,
-        "q_desc": bnhd(q, BLOCK_M),
-        "do_desc": bnhd(dout, BLOCK_M),
-        "lse_desc": rows(lse2),
-        "delta_desc": rows(delta),
-        "k_desc": bnhd(k, BLOCK_N),
-        "v_desc": bnhd(v, BLOCK_N),
-        "dq_desc": dq_desc,
-    }
+    ints = {"n_q": nq, "n_keys": nk, "n_heads": hq, "group": hq // hkv, "n_pad": n_pad,
+            "diag": nk - nq,  # bottom-right, as flash_attn_func
+            "num_n_blocks": num_n_blocks, "stride_kn": dk.stride(1),
+            "stride_kh": dk.stride(2)}  # fmt: skip
+    named = {"dq_ptr": dq_sum, "dk_ptr": dk, "dv_ptr": dv, **ints, "qk_scale": sm_scale * LOG2E,
+             "sm_scale": sm_scale, **descriptors(q, k, v, dout, lse2, delta, dq_sum)}  # fmt: skip
     constexprs = {**CONSTEXPRS, "DQ_ATOMIC": dq_atomic, "CAUSAL": causal}
     names = kernel.arg_names
     assert set(named) | set(constexprs) == set(names), "the kernel's parameters changed"
     args = [named[n] for n in names if n in named]
-    return {
-        "grid": grid,
-        "args": args,
-        "named": named,
-        "constexprs": constexprs,
-        "options": dict(OPTIONS),
-        "dq_sum": dq_sum,
-        "dk": dk,
-        "dv": dv,
-        "lse2": lse2,
-        "delta": delta,
-        "n_pad": n_pad,
-    }
+    return {"grid": (num_n_blocks * b * hkv,), "args": args, "named": named,
+            "constexprs": constexprs, "options": dict(OPTIONS), "dq_sum": dq_sum, "dk": dk,
+            "dv": dv, "lse2": lse2, "delta": delta, "n_pad": n_pad}  # fmt: skip
 
 
 def launch(run):
