@@ -44,6 +44,13 @@ def _p16(pf, p):
 
 
 @gluon.jit
+def _step(it, n_m, m_first, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """Step it's query head g of the group, first query row m, ring slot and its phase."""
+    g = it // n_m
+    return g, (m_first + it - g * n_m) * BLOCK_M, it % STAGES, (it // STAGES) & 1
+
+
+@gluon.jit
 def _producer(worker):
     descs, smem, bars, coords, sched = worker
     q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc = descs
@@ -57,12 +64,9 @@ def _producer(worker):
     tma.async_copy_global_to_shared(k_desc, [batch, n0, kv_head, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [batch, n0, kv_head, 0], kv_bar, v_smem)
     for it in range(group * n_m):
-        g = it // n_m
-        m = (m_first + it - g * n_m) * BLOCK_M
+        g, m, s, ph = _step(it, n_m, m_first, BLOCK_M, STAGES)
         q_head = kv_head * group + g
         row = (batch * n_heads + q_head) * n_pad + m
-        s = it % STAGES
-        ph = (it // STAGES) & 1
         mbarrier.wait(empty.index(s), ph ^ 1)
         mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(
@@ -148,8 +152,8 @@ def _consumer_p(args, DQ_ATOMIC: gl.constexpr, CAUSAL: gl.constexpr):
     k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, pds_bufs, dq_bufs = smem
     kv_bar, q_ready, do_ready, empty, p_ready, ds_ready, pds_empty = bars
     batch, kv_head, n0, n_heads = coords
-    group, n_m, n_pad, m_first_ = sched
-    n_keys, qk_scale, sm_scale, diag, m_first = scalars
+    group, n_m, n_pad, m_first = sched
+    n_keys, qk_scale, sm_scale, diag = scalars
     dq_ptr, dq_desc, dk_ptr, dv_ptr, stride_kn, stride_kh = out
     STAGES: gl.constexpr = q_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.type.shape[2]
@@ -169,10 +173,8 @@ def _consumer_p(args, DQ_ATOMIC: gl.constexpr, CAUSAL: gl.constexpr):
     dq_stride = n_heads * HEAD_D
     mbarrier.wait(kv_bar, 0)
     for it in range(group * n_m):
-        g = it // n_m
-        m = (m_first + it - g * n_m) * BLOCK_M
-        s, slot = it % STAGES, it % 2
-        ph, sph = (it // STAGES) & 1, (it // 2) & 1
+        g, m, s, ph = _step(it, n_m, m_first, BLOCK_M, STAGES)
+        slot, sph = it % 2, (it // 2) & 1
         mbarrier.wait(q_ready.index(s), ph)
         q = q_bufs.index(s).reshape([BLOCK_M, HEAD_D])
         st = warpgroup_mma(k2, q.permute((1, 0)), zero, use_acc=False)
@@ -211,8 +213,8 @@ def _consumer_ds(args, DQ_ATOMIC: gl.constexpr):
     k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, pds_bufs, dq_bufs = smem
     kv_bar, q_ready, do_ready, empty, p_ready, ds_ready, pds_empty = bars
     batch, kv_head, n0, n_heads = coords
-    group, n_m, n_pad, m_first_ = sched
-    n_keys, qk_scale, sm_scale, diag, m_first = scalars
+    group, n_m, n_pad, m_first = sched
+    n_keys, qk_scale, sm_scale, diag = scalars
     dq_ptr, dq_desc, dk_ptr, dv_ptr, stride_kn, stride_kh = out
     STAGES: gl.constexpr = q_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.type.shape[2]
@@ -232,10 +234,8 @@ def _consumer_ds(args, DQ_ATOMIC: gl.constexpr):
     dq_stride = n_heads * HEAD_D
     mbarrier.wait(kv_bar, 0)
     for it in range(group * n_m):
-        g = it // n_m
-        m = (m_first + it - g * n_m) * BLOCK_M
-        s, slot = it % STAGES, it % 2
-        ph, sph = (it // STAGES) & 1, (it // 2) & 1
+        g, m, s, ph = _step(it, n_m, m_first, BLOCK_M, STAGES)
+        slot, sph = it % 2, (it // 2) & 1
         mbarrier.wait(do_ready.index(s), ph)
         do = do_bufs.index(s).reshape([BLOCK_M, HEAD_D])
         dpt = warpgroup_mma(v2, do.permute((1, 0)), zero, use_acc=False)
@@ -357,7 +357,7 @@ def gluon_bwd_d256_kernel(
     bars = _barriers(STAGES)
     coords = (batch, kv_head, n0, n_heads)
     sched = (group, n_m, n_pad, m_first)
-    scalars = (n_keys, qk_scale, sm_scale, diag, m_first)
+    scalars = (n_keys, qk_scale, sm_scale, diag)
     args = (smem, bars, coords, sched, scalars, (dq_ptr, dq_desc, dk_ptr, dv_ptr, stride_kn,
                                                 stride_kh))  # fmt: skip
     worker = ((q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc), smem, bars, coords, sched)

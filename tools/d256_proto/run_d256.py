@@ -12,8 +12,9 @@ key and for the padding rows past N: P = 0 there) and delta = rowsum(dO * O) (0 
 (b * HQ + h) * N_pad + m; dQ's fp32 sum [B, N_pad, HQ, D] (zeroed here: no DELTA_ONLY pass),
 which the kernel adds dS K sm_scale into, by per-thread atomics (DQ_ATOMIC) or by TMA
 reduce-adds of [64, 32] boxes of its [B * N_pad, HQ * D] view; dK, dV [B, N, HKV, D] bf16.
-The kernel runs after a torch reference forward (out, LSE) here; the module's timing includes its
-own delta pass and dQ cast, so the prototype is timed alone and with torch's host-side prep too.
+The checks take out and LSE from attngen's low-precision reference forward; the module's timing
+includes its own delta pass and dQ cast, so the prototype is timed alone and with torch's
+host-side prep too.
 
 --dry-run builds every case's host tensors and descriptors on CPU, prints each launch's argument
 list, cross-compiles the kernel for sm90 from those arguments through the JIT's own binder (the
@@ -27,7 +28,6 @@ Writes DIR/run_d256.json (--out; the dry run writes only where --out is given).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -39,15 +39,18 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
+from attngen.reference import lowp_reference  # noqa: E402
 from attngen.reference.backward import (  # noqa: E402
     golden_backward,
     gradient_problems,
     lowp_backward,
 )
 from tests.kernel_harness import make_spec  # noqa: E402
+from tools.ab_templates import _build as build  # noqa: E402
 from tools.d256_proto.gluon_bwd_d256 import gluon_bwd_d256_kernel as kernel  # noqa: E402
 
 LOG2E = math.log2(math.e)
@@ -71,10 +74,6 @@ CHECK_CASES = [
 BENCH_B, BENCH_H = 1, 8
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def make_inputs(b, n, hq, hkv, device, seed=7):
     """q, k, v, dout: [B, N, H, D] bf16 (flash-attn layout), contiguous."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -82,34 +81,6 @@ def make_inputs(b, n, hq, hkv, device, seed=7):
         torch.randn(b, n, h, D, device=device, dtype=torch.bfloat16, generator=gen)
         for h in (hq, hkv, hkv, hq)
     )
-
-
-def reference_forward(q, k, v, causal, sm_scale, heads_at_once=2):
-    """out [B, N, HQ, D] in q's dtype and LSE [B, HQ, N] fp32 (natural log), by fp32 torch;
-    causal bottom-right (key j seen by row i iff j <= i + Nk - Nq), a few heads at a time."""
-    b, nq, hq, _ = q.shape
-    nk, hkv = k.shape[1], k.shape[2]
-    group = hq // hkv
-    out = torch.empty_like(q)
-    lse = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32)
-    keep = None
-    if causal:
-        rows = torch.arange(nq, device=q.device)[:, None] + (nk - nq)
-        keep = torch.arange(nk, device=q.device)[None, :] <= rows
-    for h0 in range(0, hq, heads_at_once):
-        heads = range(h0, min(h0 + heads_at_once, hq))
-        qh = q[:, :, heads.start : heads.stop].transpose(1, 2).float()
-        kv = [heads.start // group + i // group for i in range(len(heads))]
-        kh = k[:, :, kv].transpose(1, 2).float()
-        vh = v[:, :, kv].transpose(1, 2).float()
-        s = (qh @ kh.transpose(-1, -2)) * sm_scale
-        if keep is not None:
-            s = s.masked_fill(~keep, -math.inf)
-        m = torch.logsumexp(s, -1)
-        p = torch.exp(s - torch.where(torch.isfinite(m), m, 0.0)[..., None])
-        out[:, :, heads.start : heads.stop] = (p @ vh).transpose(1, 2).to(q.dtype)
-        lse[:, heads.start : heads.stop] = m
-    return out, lse
 
 
 def row_statistics(dout, out, lse, n_pad):
@@ -150,11 +121,11 @@ def host_args(q, k, v, dout, out, lse, causal, dq_atomic, sm_scale):
     out in [B, N, H, D] memory and lse [B, HQ, N] natural log."""
     b, nq, hq, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
-    n_pad = cdiv(nq, BLOCK_M) * BLOCK_M
+    n_pad = triton.cdiv(nq, BLOCK_M) * BLOCK_M
     lse2, delta = row_statistics(dout, out, lse, n_pad)
     dq_sum = q.new_zeros((b, n_pad, hq, d), dtype=torch.float32)  # heads last, as the kernel
     dk, dv = (k.new_empty((b, nk, hkv, d)) for _ in range(2))
-    num_n_blocks = cdiv(nk, BLOCK_N)
+    num_n_blocks = triton.cdiv(nk, BLOCK_N)
     ints = {"n_q": nq, "n_keys": nk, "n_heads": hq, "group": hq // hkv, "n_pad": n_pad,
             "diag": nk - nq,  # bottom-right, as flash_attn_func
             "num_n_blocks": num_n_blocks, "stride_kn": dk.stride(1),
@@ -283,11 +254,12 @@ def check_case(case, device, dry, compile_check) -> list[dict]:
     b, n, hq, hkv, causal = case
     sm_scale = 1.0 / math.sqrt(D)
     q, k, v, dout = make_inputs(b, n, hq, hkv, device)
-    out, lse = reference_forward(q, k, v, causal, sm_scale)
     spec = make_spec(name="d256_proto", dtype="bf16", head_dim=D, num_q_heads=hq,
                      num_kv_heads=hkv, mask="causal" if causal else "none",
                      backward=True)  # fmt: skip
     heads_first = [t.transpose(1, 2) for t in (q, k, v, dout)]
+    out, lse = lowp_reference(spec, *heads_first[:3], sm_scale=sm_scale)  # the kernels' forward
+    out = out.transpose(1, 2)
     golden = golden_backward(spec, *heads_first, sm_scale=sm_scale)[2:5]
     lowp = lowp_backward(spec, *heads_first, sm_scale=sm_scale)[1:4]
     records = []
@@ -327,24 +299,16 @@ def check_case(case, device, dry, compile_check) -> list[dict]:
 
 
 def build_module(causal: bool, folder: Path):
-    """The attngen sm90 prefill module of a D 256 bf16 spec with backward (tile-level there)."""
-    from attngen.build import plan_build, write_build
-
+    """The attngen sm90 prefill module of a D 256 bf16 spec with backward (tile-level there),
+    built and imported as tools/ab_templates.py does."""
     spec = make_spec(name=f"d256_bench_c{int(causal)}", dtype="bf16", head_dim=D,
                      num_q_heads=BENCH_H, num_kv_heads=BENCH_H,
                      mask="causal" if causal else "none", backward=True)  # fmt: skip
-    write_build(plan_build([spec]), folder)
-    (path,) = list(folder.rglob("sm90/*.py"))
-    module_spec = importlib.util.spec_from_file_location(f"d256_bench_{folder.name}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
+    return build(spec, folder, None)
 
 
 def bench_case(n, causal, reps, dry) -> dict:
     """The prototype (both dQ paths) against the module's attention_backward, one shape."""
-    import triton
-
     b, h = BENCH_B, BENCH_H
     sm_scale = 1.0 / math.sqrt(D)
     flops = 2.5 * 4 * b * h * n * n * D * (0.5 if causal else 1.0)
