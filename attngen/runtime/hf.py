@@ -421,17 +421,9 @@ def _unpadded(query, key, value, keep, common, keep_q=None):
         return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]).index_select(0, rows)
 
     # max_seqlen: the padded lengths bound every sequence's, so the host reads nothing more.
+    qkv = (packed(query, rows_q), packed(key, rows_k), packed(value, rows_k))
     out, _ = run_varlen(
-        API,
-        packed(query, rows_q),
-        packed(key, rows_k),
-        packed(value, rows_k),
-        cu_q,
-        cu_k,
-        seqlen_q,
-        seqlen_k,
-        common,
-        length_bounds=(seqlen_q, seqlen_k),
+        API, *qkv, cu_q, cu_k, seqlen_q, seqlen_k, common, length_bounds=(seqlen_q, seqlen_k)
     )
     full = out.new_zeros((batch * seqlen_q, num_q_heads, out.shape[-1]))
     full.index_copy_(0, rows_q, out)
@@ -449,17 +441,9 @@ def _packed(query, key, value, kwargs, common):
     def flat(t):
         return t[0].transpose(0, 1)
 
-    out, _ = run_varlen(
-        API,
-        flat(query),
-        flat(key),
-        flat(value),
-        kwargs["cu_seq_lens_q"],
-        kwargs["cu_seq_lens_k"],
-        int(kwargs["max_length_q"]),
-        int(kwargs["max_length_k"]),
-        common,
-    )
+    cu_seqlens = (kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"])
+    max_seqlens = (int(kwargs["max_length_q"]), int(kwargs["max_length_k"]))
+    out, _ = run_varlen(API, flat(query), flat(key), flat(value), *cu_seqlens, *max_seqlens, common)
     return out[None]
 
 
@@ -510,22 +494,15 @@ def _refuse_packed_positions(position_ids, seqlen_q, seqlen_k) -> None:
 
 # -------------------------------------------------------------- static and dynamic caches
 #
-# transformers' static cache (StaticCache, generate(cache_implementation="static")): decode
-# steps on a generated decode module, with no host read, so that a step can be captured; and a
-# DynamicCache's decode steps on the same module.
-#
-# What transformers does with those caches: docs/architecture.md, "transformers' caches".
-#
-# The "attngen" mask function turns such a call into `CacheLengths`: the number of written keys
-# of each sequence, q_offset + Nq, computed on the device. The attention function then runs a
-# step of at most the decode module's query tokens on a generated decode module (contiguous
-# cache, nothing appended: the layer wrote the step's keys already) with those lengths as
-# cache_seqlens; no device value is read on the host. The decode kernel attends to keys
-# [0, cache_seqlens[b]), so a sequence's keys must start at 0: a padding mask with any padded
-# position (left padding) is not a CacheLengths, and the step takes the varlen route (exact,
-# unpadded with a host read, as transformers' flash-attention path does).
-#
-# DynamicCache steps and padding masks read on the host: docs/architecture.md, as above.
+# A StaticCache's decode steps (generate(cache_implementation="static")), and a DynamicCache's,
+# run on a generated decode module with no host read, so that a step can be captured: the
+# "attngen" mask function turns such a call into `CacheLengths`, each sequence's written keys
+# (q_offset + Nq) computed on the device, which the decode module takes as cache_seqlens
+# (contiguous cache, nothing appended: the layer wrote the step's keys already). The decode
+# kernel attends to keys [0, cache_seqlens[b]), so a padding mask with any padded position (left
+# padding) is not a CacheLengths: that step takes the varlen route (exact, unpadded with a host
+# read, as transformers' flash-attention path does). What transformers does with these caches,
+# and the host reads: docs/architecture.md, "transformers' caches".
 
 
 class CacheLengths(NamedTuple):
@@ -612,20 +589,10 @@ def run_decode_module(decode: Dispatch, query, key, value, lengths: CacheLengths
     """out [B, Nq, HQ, DV] contiguous from the decode module: q [B, HQ, Nq, D] and the whole
     static cache [B, HKV, L, D] read in place, cache_seqlens the written keys, no append."""
     assert decode.key is not None  # probe() answers served dispatches only
+    scale = arguments.softmax_scale(common.scale, query)
+    tensors = (query, key, value, lengths.seqlens, None, None, None)  # no block table, no append
     out, _ = decode_ops.decode(
-        decode.key,
-        query,
-        key,
-        value,
-        lengths.seqlens,
-        None,
-        None,
-        None,
-        arguments.softmax_scale(common.scale, query),
-        None,
-        False,
-        heads_last=True,
-        sinks=common.sinks,
+        decode.key, *tensors, scale, None, False, heads_last=True, sinks=common.sinks
     )
     return out
 

@@ -86,19 +86,9 @@ def run_dense(
         out, lse = result if call.return_lse else (result, None)
         return (out.transpose(1, 2).contiguous() if call.heads_last else out), lse
     in_place = call.heads_last and dispatch.writes_out
-    out, lse = ops.prefill(
-        dispatch.key,
-        q,
-        k,
-        v,
-        sm_scale,
-        call.alibi_slopes,
-        call.return_lse,
-        in_place,
-        call.sinks,
-        *_dropout(call.dropout_p, q, rng_state),
-        deterministic=call.deterministic,
-    )
+    args = (sm_scale, call.alibi_slopes, call.return_lse, in_place, call.sinks)
+    dropout = _dropout(call.dropout_p, q, rng_state)
+    out, lse = ops.prefill(dispatch.key, q, k, v, *args, *dropout, deterministic=call.deterministic)
     if call.heads_last and not in_place:  # the module wrote [B, H, N, D]: copied (no out=)
         out = out.transpose(1, 2).contiguous()
     if not call.dropout_p:  # dropout: no plan (a planned call would skip the seed's draw)
@@ -200,20 +190,9 @@ def run_varlen(
     if dispatch.key is None:
         options = call.torch_options(sm_scale)
         return fallback_varlen(q, k, v, *lengths, seqused_k, return_lse=call.return_lse, **options)
-    result = ops.varlen(
-        dispatch.key,
-        q,
-        k,
-        v,
-        *lengths,
-        sm_scale,
-        call.alibi_slopes,
-        seqused_k,
-        call.return_lse,
-        call.sinks,
-        *_dropout(call.dropout_p, q, rng_state),
-        deterministic=call.deterministic,
-    )
+    args = (*lengths, sm_scale, call.alibi_slopes, seqused_k, call.return_lse, call.sinks)
+    dropout = _dropout(call.dropout_p, q, rng_state)
+    result = ops.varlen(dispatch.key, q, k, v, *args, *dropout, deterministic=call.deterministic)
     if seqused_k is None and not call.dropout_p:  # dropout: no plan (it would skip the draw)
         plans.remember(plan_key, dispatch, sm_scale, call.return_lse, False)
     return result
@@ -313,17 +292,9 @@ def warmup(spec_or_model: Any, *, device: str | torch.device | None = None) -> l
                 _run(module, spec, kind, target)
             if target.type == "cuda":
                 torch.cuda.synchronize(target)
-            warmed.append(
-                Warmed(
-                    spec.name,
-                    kind.value,
-                    str(dispatch.module),
-                    dispatch.source,
-                    dispatch.built,
-                    time.perf_counter() - start,
-                    ran,
-                )
-            )
+            served = (str(dispatch.module), dispatch.source, dispatch.built)
+            seconds = time.perf_counter() - start
+            warmed.append(Warmed(spec.name, kind.value, *served, seconds, ran))
     return warmed
 
 
@@ -393,41 +364,19 @@ def _run(module: Any, spec: AttnSpec, kind: KernelKind, device: torch.device) ->
         return
     for n in LENGTHS if device.type == "cuda" else INTERPRETED_LENGTHS:
         if kind is KernelKind.prefill:
-            module.attention(
-                rand(1, heads_q, n, d),
-                rand(1, heads_kv, n, d),
-                rand(1, heads_kv, n, dv),
-                alibi_slopes=slopes,
-                **extra,
-            )
+            qkv = (rand(1, heads_q, n, d), rand(1, heads_kv, n, d), rand(1, heads_kv, n, dv))
+            module.attention(*qkv, alibi_slopes=slopes, **extra)
             # flash-attn's [B, N, H, D] layout, the output too when the module writes it in
             # place (the runtime passes out= then): other strides, another specialization.
-            flash_out = (
-                {"out": rand(1, n, heads_q, dv).transpose(1, 2)}
-                if module.ACCEPTS_OUT is True
-                else {}
-            )
-            module.attention(
-                rand(1, n, heads_q, d).transpose(1, 2),
-                rand(1, n, heads_kv, d).transpose(1, 2),
-                rand(1, n, heads_kv, dv).transpose(1, 2),
-                alibi_slopes=slopes,
-                **flash_out,
-                **extra,
-            )
+            out = rand(1, n, heads_q, dv).transpose(1, 2)
+            flash_out = {"out": out} if module.ACCEPTS_OUT is True else {}
+            qkv = (rand(1, n, heads_q, d), rand(1, n, heads_kv, d), rand(1, n, heads_kv, dv))
+            flash = (t.transpose(1, 2) for t in qkv)
+            module.attention(*flash, alibi_slopes=slopes, **flash_out, **extra)
         else:
             cu = torch.tensor([0, n], dtype=torch.int32, device=device)
-            module.attention_varlen(
-                rand(n, heads_q, d),
-                rand(n, heads_kv, d),
-                rand(n, heads_kv, dv),
-                cu,
-                cu,
-                n,
-                n,
-                alibi_slopes=slopes,
-                **extra,
-            )
+            qkv = (rand(n, heads_q, d), rand(n, heads_kv, d), rand(n, heads_kv, dv))
+            module.attention_varlen(*qkv, cu, cu, n, n, alibi_slopes=slopes, **extra)
 
 
 def _run_decode(
@@ -459,13 +408,5 @@ def _run_decode(
         table = None
     if spec.kv_dtype is not None:  # an fp8 cache (descales default to 1.0)
         caches = tuple(cache.to(torch.float8_e4m3fn) for cache in caches)
-    module.decode(
-        q,
-        *caches,
-        lengths,
-        block_table=table,
-        k_new=k_new,
-        v_new=v_new,
-        alibi_slopes=slopes,
-        **extra,
-    )
+    news = {"k_new": k_new, "v_new": v_new}
+    module.decode(q, *caches, lengths, block_table=table, alibi_slopes=slopes, **news, **extra)
