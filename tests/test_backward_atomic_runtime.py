@@ -14,6 +14,7 @@ import attngen
 from attngen.build import plan_build, write_build
 from attngen.reference.backward import compare_gradients
 from attngen.runtime import backward_runs, last_backward, reset_backward_runs
+from attngen.runtime.dispatch import Call
 from attngen.runtime.launch import run_dense_backward
 from attngen.runtime.ops import ATOMIC, DETERMINISTIC, ENV_ATOMIC_DQ
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
@@ -151,22 +152,8 @@ def test_the_eager_backward_entry_is_deterministic(trained):
     q, k, v, dout, _ = padded_inputs(trained, 1, 4, 2, 16, 16, seed=4)
     module = current_registry().module(_prefill_key(trained))
     out, lse = module.attention(q, k, v, return_lse=True)
-    run_dense_backward(
-        "test",
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        None,
-        mask=Mask.causal,
-        align=CausalAlign.bottom_right,
-        window=None,
-        softcap=None,
-        alibi_slopes=None,
-        scale=None,
-    )
+    call = Call(Mask.causal, CausalAlign.bottom_right)
+    run_dense_backward("test", dout, q, k, v, out, lse, None, call)
     assert last_backward().path == DETERMINISTIC
 
 

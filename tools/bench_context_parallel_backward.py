@@ -148,20 +148,7 @@ def step_row(setup, seq_len: int, world: int, budget: float) -> dict:
         out, lse = run_dense("bench", q, kk, vv, call)
         row[name] = harness.time_ms(
             setup,
-            partial(
-                run_dense_backward,
-                "bench",
-                dout,
-                q,
-                kk,
-                vv,
-                out,
-                lse,
-                None,
-                mask=mask,
-                align=align,
-                **options,
-            ),
+            partial(run_dense_backward, "bench", dout, q, kk, vv, out, lse, None, call),
             budget,
         )
     step_flops = 2.5 * 4.0 * setup.batch * setup.heads_q * local * (local // 2) * setup.head_dim

@@ -29,7 +29,6 @@ from attngen.distributed.execute import KernelOptions
 from attngen.distributed.layout import Chunk
 from attngen.distributed.plan import KernelCall
 from attngen.runtime.launch import run_dense_backward
-from attngen.spec import Mask
 
 
 @dataclass(frozen=True)
@@ -102,21 +101,11 @@ def call_gradients(
     """(dq of the call's real rows, dk, dv of its keys): one chunk pair's share, from the
     gradient kernels with the whole sequence's out and LSE of the call's rows."""
     dlse = None if saved.dlse is None else execute.call_rows(saved.dlse, call)
+    dout, q, out = (execute.call_rows(t, call) for t in (saved.dout, saved.q, saved.out))
+    lse, keys = execute.call_rows(saved.lse, call, float("-inf")), slice(*call.keys)
+    kernel_call = execute.runtime_call(call, options)
     dq, dk, dv = run_dense_backward(
-        execute.API_NAME,
-        execute.call_rows(saved.dout, call),
-        execute.call_rows(saved.q, call),
-        k[:, :, call.keys[0] : call.keys[1]],
-        v[:, :, call.keys[0] : call.keys[1]],
-        execute.call_rows(saved.out, call),
-        execute.call_rows(saved.lse, call, float("-inf")),
-        dlse,
-        mask=Mask(call.mask),
-        align=execute.call_align(call),
-        window=call.window,
-        softcap=options.softcap,
-        alibi_slopes=options.alibi_slopes,
-        scale=options.sm_scale,
+        execute.API_NAME, dout, q, k[:, :, keys], v[:, :, keys], out, lse, dlse, kernel_call
     )
     return execute.real_rows(dq, call), dk, dv
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from attngen.distributed import backward, execute, plan
 from attngen.distributed.layout import check_layout, rank_chunks
 from attngen.distributed.plan import ALIGNS, KernelCall, MaskRule, PlanError
-from attngen.runtime.dispatch import get_fallback, need_for
+from attngen.runtime.dispatch import Call, get_fallback
 from attngen.runtime.registry import current_registry
 from attngen.runtime.selection import mismatches
 from attngen.spec import CausalAlign, KernelKind, Mask
@@ -270,20 +270,10 @@ def _served_aligns(q, v, rule: MaskRule, options, trains: bool) -> tuple[str, ..
     def served(backward: bool) -> tuple[str, ...]:
         found = []
         for align in ALIGNS:
-            need = need_for(
-                KernelKind.prefill,
-                q,
-                v,
-                mask=Mask(rule.mask),
-                align=CausalAlign(align),
-                window=rule.window,
-                softcap=options.softcap,
-                alibi=options.alibi_slopes is not None,
-                seqlen_q=2**30,
-                seqlen_k=2**30 + 1,
-                same_lengths=False,
-                backward=backward,
-            )
+            mask = (Mask(rule.mask), CausalAlign(align), rule.window)
+            call = Call(*mask, options.softcap, options.alibi_slopes)
+            lengths = (2**30, 2**30 + 1)
+            need = call.need(KernelKind.prefill, q, v, lengths, False, backward=backward)
             if any(not mismatches(e, need) for e in entries):
                 found.append(align)
         return tuple(found)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from attngen.distributed.layout import Chunk
 from attngen.distributed.merge import merge_partial
 from attngen.distributed.plan import KernelCall, rows_covered_once
-from attngen.runtime.dispatch import Call, choose, get_fallback, need_for
+from attngen.runtime.dispatch import Call, choose, get_fallback
 from attngen.runtime.launch import run_dense
 from attngen.runtime.registry import current_registry
 from attngen.runtime.selection import NO_BACKWARD, Need, NoKernelError, mismatches
@@ -112,25 +112,18 @@ def call_need(
 ) -> Need:
     """The Need of the kernel call (as run_dense builds it; run_dense_backward with
     backward)."""
-    rows = call.num_rows + call.pad_front + call.pad_back
-    return need_for(
-        KernelKind.prefill,
-        q,
-        v,
-        mask=Mask(call.mask),
-        align=call_align(call),
-        window=call.window,
-        softcap=options.softcap,
-        alibi=options.alibi_slopes is not None,
-        seqlen_q=rows,
-        seqlen_k=call.num_keys,
-        same_lengths=rows == call.num_keys,
-        backward=backward,
+    rows, keys = call.num_rows + call.pad_front + call.pad_back, call.num_keys
+    lengths = (rows, keys)
+    return runtime_call(call, options).need(
+        KernelKind.prefill, q, v, lengths, rows == keys, backward=backward
     )
 
 
-def call_align(call: KernelCall) -> CausalAlign | None:
-    return None if call.align is None else CausalAlign(call.align)
+def runtime_call(call: KernelCall, options: KernelOptions, return_lse: bool = False) -> Call:
+    """The runtime's Call of the kernel call: its mask, alignment and window, and `options`."""
+    align = None if call.align is None else CausalAlign(call.align)
+    mask = (Mask(call.mask), align, call.window)
+    return Call(*mask, options.softcap, options.alibi_slopes, options.sm_scale, return_lse)
 
 
 def check_served(
@@ -203,21 +196,9 @@ def run_call(
     call: KernelCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: KernelOptions
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the call's real query rows."""
-    out, lse = run_dense(
-        API_NAME,
-        call_rows(q, call),
-        k[:, :, call.keys[0] : call.keys[1]],
-        v[:, :, call.keys[0] : call.keys[1]],
-        Call(
-            Mask(call.mask),
-            call_align(call),
-            call.window,
-            options.softcap,
-            options.alibi_slopes,
-            options.sm_scale,
-            return_lse=True,
-        ),
-    )
+    keys = slice(*call.keys)
+    kv = (k[:, :, keys], v[:, :, keys])
+    out, lse = run_dense(API_NAME, call_rows(q, call), *kv, runtime_call(call, options, True))
     return real_rows(out, call), real_rows(lse, call)
 
 

@@ -34,7 +34,6 @@ from attngen.runtime.dispatch import (
     arch_of,
     choose,
     device_problem,
-    need_for,
     select,
     unsupported_dtype,
 )
@@ -43,11 +42,9 @@ from attngen.runtime.registry import current_registry
 from attngen.runtime.selection import Dispatch, Need
 from attngen.spec import (
     AttnSpec,
-    CausalAlign,
     Dtype,
     KernelKind,
     KvLayout,
-    Mask,
     SpecError,
     load_spec_file,
 )
@@ -105,48 +102,22 @@ def _checked(call: Call) -> Call:
     return replace(call, dropout_p=dropout_p, softcap=softcap)
 
 
-def run_dense_backward(
-    api: str,
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    dlse,
-    *,
-    mask: Mask,
-    align: CausalAlign | None,
-    window,
-    softcap,
-    alibi_slopes,
-    scale,
-):
+def run_dense_backward(api: str, dout, q, k, v, out, lse, dlse, call: Call):
     """(dq, dk, dv) of [B, H, N, D] attention through a prefill module's gradient kernels,
     given the forward's out and LSE (any LSE: context parallelism passes the whole sequence's)
-    and the output's gradient dout (and the LSE's, dlse, or None). The Need asks for a module
-    built with `backward: true`, so dispatch picks and records one, or raises NoKernelError:
-    no torch fallback computes gradients from a given LSE."""
+    and the output's gradient dout (and the LSE's, dlse, or None); of `call`, the mask, its
+    alignment and window, softcap, ALiBi and scale count. The Need asks for a module built
+    with `backward: true`, so dispatch picks and records one, or raises NoKernelError: no
+    torch fallback computes gradients from a given LSE."""
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
-    need = need_for(
-        KernelKind.prefill,
-        q,
-        v,
-        mask=mask,
-        align=align,
-        window=window,
-        softcap=softcap,
-        alibi=alibi_slopes is not None,
-        seqlen_q=seqlen_q,
-        seqlen_k=seqlen_k,
-        same_lengths=seqlen_q == seqlen_k,
-        backward=True,
-    )
+    lengths = (seqlen_q, seqlen_k)
+    need = call.need(KernelKind.prefill, q, v, lengths, seqlen_q == seqlen_k, backward=True)
     refusal = unsupported_dtype(q) if need.dtype is None else None
     dispatch = choose(api, need, "error", refusal, (q.shape[1], k.shape[1]))
     assert dispatch.key is not None  # fallback "error": a Dispatch without a module raised
+    scale = softmax_scale(call.scale, q)
     return ops.prefill_backward(
-        dispatch.key, dout, q, k, v, out, lse, dlse, softmax_scale(scale, q), alibi_slopes
+        dispatch.key, dout, q, k, v, out, lse, dlse, scale, call.alibi_slopes
     )
 
 
