@@ -117,15 +117,9 @@ def run_prefill(
     module = current_registry().module(key)
     count_run(key)
     entry = module.attention_flash_out if heads_last else module.attention
+    extra = _sinks(sinks) | _dropout_options(dropout_p, rng_state)
     result = entry(
-        q,
-        k,
-        v,
-        sm_scale=sm_scale,
-        alibi_slopes=alibi_slopes,
-        return_lse=return_lse,
-        **_sinks(sinks),
-        **_dropout_options(dropout_p, rng_state),
+        q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes, return_lse=return_lse, **extra
     )
     return result if return_lse else (result, None)
 
@@ -198,21 +192,11 @@ def run_varlen(
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     module = current_registry().module(key)
     count_run(key)
-    result = module.attention_varlen(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        sm_scale=sm_scale,
-        alibi_slopes=alibi_slopes,
-        return_lse=return_lse,
-        seqused_k=seqused_k,
-        **_sinks(sinks),
-        **_dropout_options(dropout_p, rng_state),
-    )
+    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    extra = _sinks(sinks) | _dropout_options(dropout_p, rng_state)
+    result = module.attention_varlen(q, k, v, *lengths, sm_scale=sm_scale,
+                                     alibi_slopes=alibi_slopes, return_lse=return_lse,
+                                     seqused_k=seqused_k, **extra)  # fmt: skip
     return result if return_lse else (result, None)
 
 

@@ -357,19 +357,8 @@ def same_kernel_fields(registry: Registry, need: Need) -> list[KernelEntry]:
     """The entries that agree with `need` on everything but the mask, in the route cache: a
     decode loop asks with a new key length at each step, so the scan of every module is done
     once per kind of call instead."""
-    key = (
-        _SAME_FIELDS,
-        need.kind,
-        need.arch,
-        need.dtype,
-        need.head_dim,
-        need.head_dim_v,
-        need.alibi,
-        float(need.softcap),
-        need.kv_layout,
-        need.page_size,
-        need.sinks,
-    )
+    key = (_SAME_FIELDS, need.kind, need.arch, need.dtype, need.head_dim, need.head_dim_v,
+           need.alibi, float(need.softcap), need.kv_layout, need.page_size, need.sinks)  # fmt: skip
     dtype = need.dtype.value if need.dtype else None
 
     def agrees(entry: KernelEntry) -> bool:
