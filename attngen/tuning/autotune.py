@@ -199,19 +199,11 @@ def _tune_run(tuning_dir: Path, arch: str, device: str, timer, budget_s: float) 
     """The run's shared state: the GPU, its tuning file and progress file, the deadline."""
     gpu = torch.cuda.get_device_name() if device == "cuda" else f"{device} (interpreter)"
     version = triton.__version__
-    return TuneRun(
-        arch,
-        gpu,
-        version,
-        device,
-        timer,
-        time.monotonic() + budget_s,
-        read_tuning_file(tuning_path(tuning_dir, arch)),
-        tuning_path(tuning_dir, arch),
-        read_progress(tuning_dir / f".progress-{arch}.json", gpu, version),
-        tuning_dir / f".progress-{arch}.json",
-        Path(tempfile.mkdtemp(prefix="attngen-autotune-")),
-    )
+    deadline = time.monotonic() + budget_s
+    tuning, progress = tuning_path(tuning_dir, arch), tuning_dir / f".progress-{arch}.json"
+    files = (read_tuning_file(tuning), tuning, read_progress(progress, gpu, version), progress)
+    scratch = Path(tempfile.mkdtemp(prefix="attngen-autotune-"))
+    return TuneRun(arch, gpu, version, device, timer, deadline, *files, scratch)
 
 
 def _tune_forward(
