@@ -133,35 +133,26 @@ AnyKey = MeasurementKey | BackwardKey
 
 
 def measurement_key(spec: AttnSpec, arch: str, config: TileConfig) -> MeasurementKey:
+    tma = code_paths(spec, arch, KernelKind.prefill).tma
+    dims, tile = _padded_dims(spec), _tile(config)
     return MeasurementKey(
-        arch,
-        spec.dtype.value,
-        padded_head_dim(spec.head_dim),
-        padded_head_dim(spec.value_head_dim),
-        config.block_m,
-        config.block_n,
-        config.num_warps,
-        config.num_stages,
-        code_paths(spec, arch, KernelKind.prefill).tma,
-        rows_aligned(spec),
-        spec.dropout,
+        arch, spec.dtype.value, *dims, *tile, tma, rows_aligned(spec), spec.dropout
     )
 
 
 def backward_key(spec: AttnSpec, arch: str, kernel: str, config: TileConfig) -> BackwardKey:
+    dims, tile = _padded_dims(spec), _tile(config)
     return BackwardKey(
-        arch,
-        kernel,
-        spec.dtype.value,
-        padded_head_dim(spec.head_dim),
-        padded_head_dim(spec.value_head_dim),
-        spec.dropout,
-        config.block_m,
-        config.block_n,
-        config.num_warps,
-        config.num_stages,
-        rows_aligned(spec),
+        arch, kernel, spec.dtype.value, *dims, spec.dropout, *tile, rows_aligned(spec)
     )
+
+
+def _padded_dims(spec: AttnSpec) -> tuple[int, int]:
+    return padded_head_dim(spec.head_dim), padded_head_dim(spec.value_head_dim)
+
+
+def _tile(config: TileConfig) -> tuple[int, int, int, int]:
+    return config.block_m, config.block_n, config.num_warps, config.num_stages
 
 
 def usual_tma(arch: str, dtype: str) -> bool:
