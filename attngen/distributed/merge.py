@@ -53,21 +53,10 @@ def merge_triton(acc, acc_lse, part, part_lse, *, block_m: int = 64) -> None:
         return
     block_d = max(16, 1 << (dim_v - 1).bit_length())
     grid = (-(-rows // block_m), batch * heads)
+    tensors = (acc, acc_lse, part, part_lse)
+    strides = (*acc.stride(), *acc_lse.stride(), *part.stride(), *part_lse.stride())
     _merge_kernel()[grid](
-        acc,
-        acc_lse,
-        part,
-        part_lse,
-        heads,
-        rows,
-        dim_v,
-        *acc.stride(),
-        *acc_lse.stride(),
-        *part.stride(),
-        *part_lse.stride(),
-        BLOCK_M=block_m,
-        BLOCK_D=block_d,
-        num_warps=4,
+        *tensors, heads, rows, dim_v, *strides, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4
     )
 
 

@@ -123,17 +123,9 @@ def reference_attention(
     a fully masked row gives output 0 and LSE sink_h.
     """
     scores = attention_scores(
-        spec,
-        q,
-        k,
-        sm_scale=sm_scale,
-        alibi_slopes=alibi_slopes,
-        compute_dtype=compute_dtype,
-        tensors=tensors,
-        first_b=first_b,
-        first_q=first_q,
-        key_mask=key_mask,
-    )
+        spec, q, k, sm_scale=sm_scale, alibi_slopes=alibi_slopes, compute_dtype=compute_dtype,
+        tensors=tensors, first_b=first_b, first_q=first_q, key_mask=key_mask,
+    )  # fmt: skip
     v_full = v.to(compute_dtype).repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     lse = torch.logsumexp(scores, dim=-1)
     if spec.sinks:
