@@ -152,6 +152,17 @@ def chosen_of(counts: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return ((indices.long()[..., None] == torch.arange(cols)) & used[..., None]).any(-2)
 
 
+def hostile_block_mask() -> tuple:
+    """Lists over 4 x 4 blocks of 128 with negative, huge and duplicate indices and counts past
+    the row (no full blocks)."""
+    big = torch.iinfo(torch.int32).max
+    num = torch.tensor([[[big, 2, -3, 1]]], dtype=torch.int32)
+    indices = torch.tensor(
+        [[[[0, 3, -1, big], [1, 4, 0, 0], [2, 2, 2, 2], [3, 1, 0, 0]]]], dtype=torch.int32
+    )
+    return num, indices, torch.zeros_like(num), indices.clone(), 128, 128
+
+
 def disturb(block_mask, gen: torch.Generator, drop: float, promote: float):
     """Flex's meaning beyond mask_mod's: drop listed blocks (they contribute nothing) and
     promote partial blocks to full (mask_mod is then not evaluated on them)."""

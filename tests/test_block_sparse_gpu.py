@@ -19,6 +19,7 @@ from tests.test_block_sparse import (
     disturb,
     exact_block_mask,
     flex_meaning_problems,
+    hostile_block_mask,
     mask_mod_values,
 )
 from tests.test_expression_kernels import CASES, case_tensors, expression_spec
@@ -92,18 +93,12 @@ def test_hostile_lists_on_the_gpu() -> None:
     kernel = load_kernel(spec)
     q, k, v, _ = make_inputs(spec, 1, 512, 512, seed=23)
     tensors = case_tensors("document", 1, 512, 23)
-    big = torch.iinfo(torch.int32).max
-    num = torch.tensor([[[big, 2, -3, 1]]], dtype=torch.int32)
-    indices = torch.tensor(
-        [[[[0, 3, -1, big], [1, 4, 0, 0], [2, 2, 2, 2], [3, 1, 0, 0]]]], dtype=torch.int32
-    )
-    full = (torch.zeros_like(num), indices.clone())
-    block_mask = (num, indices, *full, 128, 128)
+    block_mask = hostile_block_mask()
     out, lse = _run(kernel, q, k, v, tensors, block_mask)
     problems = flex_meaning_problems("document", "bf16", False, out, lse, q, k, v, tensors,
                                      block_mask)  # fmt: skip
     assert not problems, "; ".join(problems)
-    duplicates = (torch.tensor([[[2, 2, 2, 2]]], dtype=torch.int32), indices, *full, 128, 128)
+    duplicates = (torch.tensor([[[2, 2, 2, 2]]], dtype=torch.int32), *block_mask[1:])
     out, _ = _run(kernel, q, k, v, tensors, duplicates)  # row 2 lists block 2 twice
     assert torch.isfinite(out).all()
 

@@ -13,6 +13,7 @@ import torch
 
 import attngen
 from attngen.arch import ARCHS
+from attngen.reference import compare_to_reference
 from attngen.render import render_module
 from attngen.runtime.registry import cache_folder, current_registry, load_kernels, use_registry
 from attngen.spec import KernelKind, load_spec_file
@@ -22,6 +23,8 @@ from attngen.tiling.prefill import derive_tiles
 from attngen.verify.gluon import verify_gluon
 from tests.decode_harness import make_decode_spec
 from tests.kernel_harness import assert_matches_reference, load_kernel, make_inputs, make_spec
+from tests.test_block_sparse import exact_block_mask, mask_mod_values
+from tests.test_expression_kernels import CASES, case_tensors
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = [s for path in sorted(ROOT.glob("examples/*.yaml")) for s in load_spec_file(path)]
@@ -257,7 +260,70 @@ def test_the_variants_build_the_gluon_kernel_without_the_switch(name, monkeypatc
 
 
 def test_every_variant_the_kernel_implements_has_passed_its_gpu_tests():
-    assert GLUON_UNVERIFIED == frozenset()
+    """But the expressions, whose GPU tests (tests/test_gluon_expressions_gpu.py) wait for a
+    GPU: they leave the set when those pass."""
+    assert GLUON_UNVERIFIED == frozenset({"score_mod/mask_mod"})
+
+
+# score_mod / mask_mod in the Gluon forward (behind the switch): (spec fields, cross-compiled
+# BLOCK_N at D 64 and 128: a relative bias table's [BM, BN] reads take the narrower blocks).
+EXPRESSIONS = {
+    "document": (dict(CASES["document"], mask="causal", causal_align="top_left"), 128),
+    "relative_bias": (dict(CASES["relative_bias"], mask="causal", causal_align="top_left"), 64),
+    "softcap": (dict(CASES["softcap"], mask="none"), 128),
+    "prefix_lm": (dict(CASES["prefix_lm"], mask="none"), 128),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPRESSIONS))
+def test_expressions_build_the_gluon_kernel_with_the_switch(name, monkeypatch):
+    fields, block_n = EXPRESSIONS[name]
+    spec = make_spec(dtype="bf16", head_dim=128, **fields)
+    monkeypatch.delenv(VARIANTS_ENV, raising=False)
+    assert gluon_gap(spec, "sm90", KernelKind.prefill).startswith("score_mod/mask_mod: not in")
+    monkeypatch.setenv(VARIANTS_ENV, "1")
+    assert gluon_gap(spec, "sm90", KernelKind.prefill) == ""
+    source = _render(spec)
+    assert "def _gluon_listing(" in source and "def _gluon_every_block(" in source
+    assert derive_gluon_tiles(spec, "sm90").chosen.config.block_n == block_n
+    for kind, more in ((KernelKind.varlen, {}), (KernelKind.prefill, _WIN)):
+        other = make_spec(dtype="bf16", head_dim=128, **dict(fields, **more))
+        assert gluon_gap(other, "sm90", kind).startswith("score_mod/mask_mod with varlen")
+
+
+def test_an_expression_module_with_the_switch_serves_calls_under_the_interpreter(monkeypatch):
+    """A document mask with a block mask: the tile-level kernel serves it here and says why."""
+    monkeypatch.setenv(VARIANTS_ENV, "1")
+    spec = make_spec(dtype="bf16", head_dim=64, **EXPRESSIONS["document"][0])
+    module = load_kernel(spec)
+    assert "def _gluon_listing(" in Path(module.__file__).read_text()
+    q, k, v, _ = make_inputs(spec, 1, 130, 130, seed=5)
+    tensors = case_tensors("document", 1, 130, 5)
+    block_mask = exact_block_mask(mask_mod_values(spec, tensors, 1, 130, 130), 128, 128)
+    out, lse = module.attention(q, k, v, return_lse=True, tensors=tensors, block_mask=block_mask)
+    assert module.forward_path() == "tile-level: Triton's interpreter runs no Gluon kernel"
+    assert not compare_to_reference(spec, out, lse, q, k, v, tensors=tensors)
+    assert module._gluon_blocks_why((None,) * 4 + (256, 128)) is None  # whole CTAs and tiles
+    every = module._gluon_every_block(q, k)[0]  # a call without a block mask: every block
+    assert every[0].flatten().tolist() == [1, 2] and every[1].shape == (1, 1, 2, 2)
+    again = module.attention(q, k, v, return_lse=True, tensors=tensors, block_mask=every)
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+    why = "blocks of 64 x 128, not multiples of the CTA's 128 x 128"
+    assert module._gluon_blocks_why((None,) * 4 + (64, 128)) == why
+    assert module.forward_path() == "tile-level: " + why
+
+
+@pytest.mark.slow
+def test_expressions_compile_for_sm90_as_the_model_predicts(monkeypatch):
+    """Shared memory exact, no spills (one kernel serves calls with and without a block mask:
+    without one, the host lists every block)."""
+    monkeypatch.setenv(VARIANTS_ENV, "1")
+    specs = [make_spec(name=f"{n}{d}", dtype="bf16", head_dim=d, **fields)
+             for n, (fields, _) in EXPRESSIONS.items() for d in (64, 128)]  # fmt: skip
+    rows = verify_gluon(specs, processes=1)
+    assert len(rows) == len(specs)
+    for row in rows:
+        assert not row.problems, row.line()
 
 
 @pytest.mark.parametrize(

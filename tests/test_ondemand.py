@@ -271,3 +271,14 @@ def test_a_call_that_needs_gradient_kernels_is_built_with_them():
     )
     assert selection.spec_for(need, (6, 2))[0].backward
     assert not selection.spec_for(need._replace(backward=False), (6, 2))[0].backward
+
+
+def test_the_cache_fingerprint_reads_every_build_source():
+    """Each pattern names files (a renamed package would leave its changes out of the key), and
+    the packages whose code reaches a module's text are among them."""
+    package = Path(attngen.__file__).parent
+    for pattern in registry._BUILD_SOURCES:
+        assert list(package.glob(pattern)), pattern
+    read = {p for pattern in registry._BUILD_SOURCES for p in package.glob(pattern)}
+    for needed in ("render/__init__.py", "spec/expressions.py", "host/launch.py"):
+        assert package / needed in read, needed

@@ -20,6 +20,7 @@ from attngen.render.template_env import environment
 from attngen.spec import AttnSpec, KernelKind, module_name
 from attngen.spec.expression_grad import gradients
 from attngen.spec.expressions import (
+    GLUON_NAMES,
     KERNEL_NAMES,
     Expr,
     Tensor,
@@ -105,10 +106,12 @@ def expression_context(spec: AttnSpec, kind: KernelKind | None = None) -> dict[s
     tensors = declared(spec)
     names = DECODE_NAMES if kind is KernelKind.decode else KERNEL_NAMES
     texts = {field: _mod_text(spec, field, names) for field in ("score_mod", "mask_mod")}
+    gluon = {f"gluon_{f}": _mod_text(spec, f, GLUON_NAMES) for f in ("score_mod", "mask_mod")}
     dims = list(dict.fromkeys(d for t in tensors for d in t.shape if isinstance(d, str)))
     strides = [f"{t.name}_stride{axis}" for t in tensors for axis in range(len(t.shape))]
     return {
         **texts,
+        **gluon,  # the warp-specialized forward's (_gluon_kernel.py.jinja)
         "expr_pointers": [f"{t.name}_ptr" for t in tensors],
         "expr_ints": strides + [f"dim_{d}" for d in dims],
         "expr_strides": strides,
@@ -125,7 +128,7 @@ def _mod_text(spec: AttnSpec, field: str, names: dict[str, str]) -> str:
         return ""
     text = render_mod(field, tree, declared(spec), names)
     if field == "score_mod" and not any(n.op == "var" and n.value == "score" for n in tree.nodes()):
-        text = f"tl.zeros_like({names['score']}) + {text}"
+        text = f"{names['tl']}.zeros_like({names['score']}) + {text}"
     return text
 
 
@@ -134,9 +137,9 @@ def _mod_text(spec: AttnSpec, field: str, names: dict[str, str]) -> str:
 # dK/dV kernel's transposed, [BLOCK_N, BLOCK_M], its query head first_head + group_head; the
 # score is the pre-mod scaled score, as the forward's score_mod reads it.
 BACKWARD_NAMES = {
-    "dq": {"score": "qk", "b": "off_b", "h": "off_h"}
-    | {"q_idx": "q_rows32[:, None]", "kv_idx": "key_pos[None, :]"},
-    "dkdv": {"score": "qkT", "b": "off_b", "h": "(first_head + group_head)"}
+    "dq": KERNEL_NAMES | {"q_idx": "q_rows32[:, None]"},
+    "dkdv": KERNEL_NAMES
+    | {"score": "qkT", "h": "(first_head + group_head)"}
     | {"q_idx": "rows[None, :]", "kv_idx": "key_pos[:, None]"},
 }
 

@@ -457,9 +457,10 @@ _REPO_TUNING = _PACKAGE.parent / "tuning"
 _BUILD_SOURCES = (
     "templates/*.jinja",
     "tiling/*.py",
-    "render.py",
+    "render/*.py",
     "build.py",
-    "spec.py",
+    "spec/*.py",
+    "host/*.py",  # copied into each module
     "arch.py",
     "tuning/database.py",
     "runtime/selection.py",  # the spec a call needs (on demand), with selection

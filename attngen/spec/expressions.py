@@ -384,11 +384,14 @@ def expression_key(spec: Mapping[str, Any]) -> str:
 # The kernel's names (the prefill key loop's, _key_loop.py.jinja): the scaled score tile, the
 # program's batch and query head, the rows' and keys' positions in their sequence (broadcast to
 # the [BLOCK_M, BLOCK_N] tile); a tensor T is read through T_ptr with strides T_stride0.., and
-# a named dim D is the kernel argument dim_D.
-KERNEL_NAMES = {"score": "qk", "b": "off_b", "h": "off_h"}
+# a named dim D is the kernel argument dim_D; "tl" and "tanh" name the language module and the
+# tanh helper (GLUON_NAMES: the warp-specialized forward's, gl and _gluon_tanh).
+KERNEL_NAMES = {"score": "qk", "b": "off_b", "h": "off_h", "tl": "tl", "tanh": "_tanh"}
 KERNEL_NAMES |= {"q_idx": "offs_m[:, None]", "kv_idx": "key_pos[None, :]"}
-_TRITON = {"min": "tl.minimum", "max": "tl.maximum", "abs": "tl.abs", "exp": "tl.exp"}
-_TRITON |= {"log": "tl.log", "sqrt": "tl.sqrt", "tanh": "_tanh", "where": "tl.where"}
+GLUON_NAMES = KERNEL_NAMES | {"score": "s", "tl": "gl", "tanh": "_gluon_tanh"}
+GLUON_NAMES |= {"q_idx": "rows[:, None]", "kv_idx": "cols[None, :]"}
+_TRITON = {"min": "minimum", "max": "maximum", "abs": "abs", "exp": "exp", "log": "log"}
+_TRITON |= {"sqrt": "sqrt", "where": "where"}
 _INFIX = {**_SYMBOL, "and": "&", "or": "|"}
 _FLOAT_OPS = ("div", "exp", "log", "tanh", "sqrt")
 _OTHER = {"int": "0", "float": "0.0", "bool": "False"}
@@ -404,19 +407,19 @@ def render(
     operand of a float operation (and the whole, with `as_float`) is cast to fp32. `names`:
     the kernel's text of each variable (KERNEL_NAMES: the forward's key loop)."""
     text = _render(node, {t.name: t for t in tensors}, names)
-    return _cast(node, text) if as_float else text
+    return _cast(node, text, names["tl"]) if as_float else text
 
 
-def _cast(node: Expr, text: str) -> str:
+def _cast(node: Expr, text: str, tl: str) -> str:
     if node.type != "int":
         return text
-    return repr(float(str(node.value))) if node.op == "num" else f"{text}.to(tl.float32)"
+    return repr(float(str(node.value))) if node.op == "num" else f"{text}.to({tl}.float32)"
 
 
 def _render(node: Expr, tensors: dict[str, Tensor], names: Mapping[str, str]) -> str:
-    r = [_render(a, tensors, names) for a in node.args]
+    r, tl = [_render(a, tensors, names) for a in node.args], names["tl"]
     if node.op != "load" and (node.type == "float" or node.op in _FLOAT_OPS):
-        r = [_cast(a, text) for a, text in zip(node.args, r, strict=True)]
+        r = [_cast(a, text, tl) for a, text in zip(node.args, r, strict=True)]
     if node.op == "num":
         return repr(float(node.value)) if isinstance(node.value, float) else repr(node.value)
     if node.op == "var":
@@ -428,8 +431,8 @@ def _render(node: Expr, tensors: dict[str, Tensor], names: Mapping[str, str]) ->
         offset = " + ".join(f"({i}) * {tensor.name}_stride{k}" for k, i in enumerate(r))
         bounds = validity(Expr("load", node.args, node.value, node.type), tensors)
         mask = _render(bounds, tensors, names) if bounds is not None else "None"
-        load = f"tl.load({tensor.name}_ptr + {offset}, mask={mask}, other={_OTHER[node.type]})"
-        return f"{load}.to(tl.float32)" if node.type == "float" else load
+        load = f"{tl}.load({tensor.name}_ptr + {offset}, mask={mask}, other={_OTHER[node.type]})"
+        return f"{load}.to({tl}.float32)" if node.type == "float" else load
     if node.op == "floordiv":  # floor semantics from Triton's truncating // and %
         return f"(({r[0]} - (({r[0]} % {r[1]}) + {r[1]}) % {r[1]}) // {r[1]})"
     if node.op == "mod":
@@ -440,7 +443,9 @@ def _render(node: Expr, tensors: dict[str, Tensor], names: Mapping[str, str]) ->
         return f"({r[0]} == 0)"
     if node.op in _INFIX:
         return f"({r[0]} {_INFIX[node.op]} {r[1]})"
-    return f"{_TRITON[node.op]}({', '.join(r)})"
+    if node.op == "tanh":
+        return f"{names['tanh']}({r[0]})"
+    return f"{tl}.{_TRITON[node.op]}({', '.join(r)})"
 
 
 def render_mod(
@@ -456,7 +461,7 @@ def render_mod(
     return (
         f"({guard} & {text})"
         if field == "mask_mod"
-        else f"tl.where({guard}, {text}, float('-inf'))"
+        else f"{names['tl']}.where({guard}, {text}, float('-inf'))"
     )
 
 

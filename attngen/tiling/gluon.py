@@ -44,6 +44,7 @@ import sympy
 
 from attngen.arch import ARCHS
 from attngen.spec import AttnSpec, KernelKind, Mask
+from attngen.spec.expressions import parsed
 from attngen.spec.files import unverified_variants_on
 from attngen.tiling.evaluate import compiled
 
@@ -71,14 +72,15 @@ STAGES_CHOICES = (2, 3, 4)
 CONSUMER_CHOICES = (2, 3)
 WINDOWED = ("sliding_window", "chunked")  # masks whose CTA reads a key range of its own
 VARLEN_WORDS = 4  # q_first, k_first, out's row pointer and stride: one more 16-byte step
+LISTING_WORDS = 9  # a block mask's: two list pointers, their strides, counts and block sizes
 # Variants the kernel implements, named as gluon_gap names them ("backward": the dK/dV kernel
 # of gluon_backward.py). Those in GLUON_UNVERIFIED (none now) have not run on a GPU: gluon_gap
 # refuses them unless ATTNGEN_GLUON_VARIANTS=1 is set where the module is built (its on-demand
 # builds cached apart); a variant opens when its GPU tests pass and its name leaves the set.
 GLUON_VARIANTS = frozenset({"mask sliding_window", "mask chunked", "sink tokens", "softcap",
                             "ALiBi", "sinks", "backward", "varlen",
-                            "head_dim != head_dim_v"})  # fmt: skip
-GLUON_UNVERIFIED: frozenset[str] = frozenset()
+                            "head_dim != head_dim_v", "score_mod/mask_mod"})  # fmt: skip
+GLUON_UNVERIFIED: frozenset[str] = frozenset({"score_mod/mask_mod"})
 
 
 def gluon_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
@@ -96,6 +98,10 @@ def gluon_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
     if unserved:
         dims = ", ".join(map(str, GLUON_HEAD_DIMS))
         return f"head dim {unserved[0]}: the kernel is laid out and checked for {dims} only"
+    expressions = spec.score_mod is not None or spec.mask_mod is not None
+    if expressions and (kind is KernelKind.varlen or spec.mask.value in WINDOWED
+                        or spec.sink_tokens):  # fmt: skip
+        return "score_mod/mask_mod with varlen, a window or sink tokens: not in the kernel yet"
     for present, feature in (
         (spec.head_dim != spec.value_head_dim, "head_dim != head_dim_v"),
         (spec.mask.value not in ("none", "causal"), f"mask {spec.mask.value}"),
@@ -103,7 +109,7 @@ def gluon_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
         (spec.alibi, "ALiBi"),
         (spec.sinks, "sinks"),
         (spec.dropout, "dropout"),
-        (spec.score_mod is not None or spec.mask_mod is not None, "score_mod/mask_mod"),
+        (expressions, "score_mod/mask_mod"),
         (spec.sink_tokens, "sink tokens"),
     ):
         if present and feature not in served:
@@ -179,8 +185,12 @@ def capture_words(spec: AttnSpec, kind: KernelKind = KernelKind.prefill) -> int:
     """The 32-bit scalars the variant's kernel hands its partitions beyond the plain one's:
     the window's (or chunk's) first key, first seen key and first unmasked block; the ALiBi
     slope; the sink; the sink tokens' block count; varlen's VARLEN_WORDS (the first key row,
-    out's pointer and strides)."""
+    out's pointer and strides); score_mod / mask_mod's tensors (a pointer, its strides, the
+    named dims) and a block mask's listing (LISTING_WORDS)."""
     words = 3 * (spec.mask.value in WINDOWED) + spec.alibi + spec.sinks + bool(spec.sink_tokens)
+    if spec.score_mod is not None or spec.mask_mod is not None:  # the tensors' and the listing's
+        dims = {d for t in spec.tensors for d in t.shape if isinstance(d, str)}
+        words += sum(2 + len(t.shape) for t in spec.tensors) + len(dims) + LISTING_WORDS
     return words + VARLEN_WORDS * (kind is KernelKind.varlen)
 
 
@@ -205,8 +215,15 @@ def smem_expression(words: int = 0, o_tile: bool = False) -> sympy.Expr:
 
 def extra_tiles(spec: AttnSpec) -> int:
     """[BM, BN] 32-bit tiles a consumer keeps beyond S and P: two with a window (or chunks)
-    and ALiBi."""
-    return 2 * (spec.mask.value in WINDOWED and spec.alibi)
+    and ALiBi; two for each tensor score_mod or mask_mod reads at both q_idx and kv_idx (a
+    gather: its 64-bit addresses; cross-compiled: a relative bias table spills 724 B at D 128
+    BLOCK_N 128 without them)."""
+    reads = 0
+    for tree in (parsed(spec, "score_mod"), parsed(spec, "mask_mod")):
+        for node in tree.nodes() if tree is not None else ():
+            used = {str(n.value) for n in node.nodes() if n.op == "var"}
+            reads += node.op == "load" and {"q_idx", "kv_idx"} <= used
+    return 2 * (spec.mask.value in WINDOWED and spec.alibi) + 2 * reads
 
 
 @cache

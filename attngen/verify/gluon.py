@@ -29,6 +29,7 @@ from attngen.tiling.gluon import GLUON_ARCH, GluonCandidate, derive_gluon_tiles
 from attngen.tiling.gluon_backward import HEAVY_FIRST, BwdCandidate, derive_gluon_backward
 from attngen.verify.compiler import (
     _compiled_not_interpreted,
+    _expression_arguments,
     _parse_ptxas_log,
     _resource_usage,
     load_kernel,
@@ -117,7 +118,7 @@ def gluon_bwd_source(spec: AttnSpec, kernel: Any, chosen: BwdCandidate, causal: 
 
 def gluon_source(spec: AttnSpec, kernel: Any, chosen: GluonCandidate, causal: bool) -> Any:
     """The GluonASTSource of attention()'s (varlen: attention_varlen()'s, no seqused_k)
-    launch on contiguous tensors, LSE stored."""
+    launch on contiguous tensors, LSE stored (an expression module's other ints 32-bit)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -145,8 +146,10 @@ def gluon_source(spec: AttnSpec, kernel: Any, chosen: GluonCandidate, causal: bo
     }
     if "USE_SEQUSED_K" in kernel.arg_names:
         constexprs["USE_SEQUSED_K"] = False
+    if "KvNum" in kernel.arg_names:  # score_mod / mask_mod's tensors and the block lists
+        signature.update(_expression_arguments(spec, kernel)[1])
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    ordered = {name: signature[name] for name in kernel.arg_names}
+    ordered = {name: signature.get(name, "i32") for name in kernel.arg_names}
     return GluonASTSource(
         fn=kernel,
         signature=ordered,

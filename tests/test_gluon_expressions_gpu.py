@@ -1,0 +1,105 @@
+"""score_mod / mask_mod in the warp-specialized forward on the H200: `pytest -m gpu`.
+
+Built with ATTNGEN_GLUON_VARIANTS=1 while "score_mod/mask_mod" is in GLUON_UNVERIFIED: each
+case of tests/test_expression_kernels.py through attention() at D 64 and 128, without a block
+mask and with one (exact, disturbed as Flex's meaning allows, hostile lists), against the
+float64 reference, and forward_path() saying the Gluon kernel ran. Run it once under
+compute-sanitizer too (the hostile lists must not fault).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attngen.reference import compare_to_reference
+from attngen.spec.files import VARIANTS_ENV
+from tests.kernel_harness import load_kernel, make_inputs, make_spec
+from tests.test_block_sparse import (
+    disturb,
+    exact_block_mask,
+    flex_meaning_problems,
+    hostile_block_mask,
+    mask_mod_values,
+)
+from tests.test_expression_kernels import CASES, case_tensors
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; run on the H200"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _variants(monkeypatch):
+    monkeypatch.setenv(VARIANTS_ENV, "1")
+
+
+def _spec(case: str, causal: bool, head_dim: int):
+    mask = dict(mask="causal", causal_align="top_left") if causal else dict(mask="none")
+    return make_spec(name="gflex", dtype="bf16", head_dim=head_dim, **mask, **CASES[case])
+
+
+def _run(kernel, q, k, v, tensors, block_mask=None):
+    """(out, lse) on the CPU from the module's Gluon kernel (asserted) on the GPU."""
+    if block_mask is not None:
+        block_mask = tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in block_mask)
+    out, lse = kernel.attention(
+        q.cuda(), k.cuda(), v.cuda(), return_lse=True,
+        tensors={n: t.cuda() for n, t in tensors.items()} or None, block_mask=block_mask,
+    )  # fmt: skip
+    assert kernel.forward_path() == kernel.GLUON_PATH, kernel.forward_path()
+    return out.cpu(), lse.cpu()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_expressions_without_a_block_mask(case: str, causal: bool, head_dim: int) -> None:
+    spec = _spec(case, causal, head_dim)
+    kernel = load_kernel(spec)
+    scale = 8.0 if case == "softcap" else 1.0
+    q, k, v, _ = make_inputs(spec, 2, 700, 1000, seed=31, scale=scale)
+    tensors = case_tensors(case, 2, 1000, 31)
+    out, lse = _run(kernel, q, k, v, tensors)
+    problems = compare_to_reference(spec, out, lse, q, k, v, tensors=tensors)
+    assert not problems, "; ".join(problems)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_expressions_with_a_block_mask(case: str, causal: bool, head_dim: int) -> None:
+    """The exact block mask of mask_mod (and the causal mask), then one with dropped and
+    promoted blocks (Flex's meaning: unlisted blocks are out, full ones skip mask_mod)."""
+    spec = _spec(case, causal, head_dim)
+    kernel = load_kernel(spec)
+    batch, seqlen_q, seqlen_k = 2, 700, 1000
+    scale = 8.0 if case == "softcap" else 1.0
+    q, k, v, _ = make_inputs(spec, batch, seqlen_q, seqlen_k, seed=32, scale=scale)
+    tensors = case_tensors(case, batch, seqlen_k, 32)
+    values = mask_mod_values(spec, tensors, batch, seqlen_q, seqlen_k)
+    out, lse = _run(kernel, q, k, v, tensors, exact_block_mask(values, 128, 128))
+    problems = compare_to_reference(spec, out, lse, q, k, v, tensors=tensors)
+    assert not problems, "exact: " + "; ".join(problems)
+    if not causal:  # flex_meaning_problems' reference has no built-in mask
+        gen = torch.Generator().manual_seed(32)
+        block_mask = disturb(exact_block_mask(values, 128, 128, gen=gen), gen, 0.3, 0.3)
+        out, lse = _run(kernel, q, k, v, tensors, block_mask)
+        problems = flex_meaning_problems(case, "bf16", False, out, lse, q, k, v, tensors,
+                                         block_mask)  # fmt: skip
+        assert not problems, "disturbed: " + "; ".join(problems)
+
+
+def test_hostile_lists() -> None:
+    """Negative, huge and duplicate indices and counts past the row: no fault, and without
+    duplicates the result the clamping rule gives."""
+    spec = _spec("document", False, 128)
+    kernel = load_kernel(spec)
+    q, k, v, _ = make_inputs(spec, 1, 512, 512, seed=33)
+    tensors = case_tensors("document", 1, 512, 33)
+    block_mask = hostile_block_mask()
+    out, lse = _run(kernel, q, k, v, tensors, block_mask)
+    problems = flex_meaning_problems("document", "bf16", False, out, lse, q, k, v, tensors,
+                                     block_mask)  # fmt: skip
+    assert not problems, "; ".join(problems)
