@@ -171,6 +171,16 @@ def module_backward_ms(q, k, v, dout, causal, deterministic: bool, rep_ms: int) 
                      rep_ms)  # fmt: skip
 
 
+def step_kernels(step) -> dict:
+    """The five longest GPU kernels of one training step (us, torch.profiler over three): which
+    kernels a cell's step ran, beside module_bwd_ms (a step slower than its module's backward
+    alone, with the same kernels, is the process; with others, the route)."""
+    from profile_decode_graph import kernel_times  # tools/, beside this script
+
+    kernels = sorted(kernel_times(step, repeats=3).items(), key=lambda kv: -kv[1])
+    return {name[:100]: round(us, 1) for name, us in kernels[:5]}
+
+
 def probe(fn, q, k, v, dout, causal, backward: bool):
     """After a warm-up call (JIT compile, autotune): one call's output, gradients (or None) and
     the peak MiB it allocated above what was allocated before it."""
@@ -255,6 +265,9 @@ def run_cell(impls, head_dim, seqlen, causal, args) -> dict:
             if backward and "fwd_bwd_ms" in results[name]:
                 closures(ready[name], q, k, v, dout, causal, backward)[1]()
                 results[name]["backward"] = backward_path()
+                results[name]["step_kernels_us"] = step_kernels(
+                    closures(ready[name], q, k, v, dout, causal, backward)[1]
+                )
                 try:
                     results[name]["module_bwd_ms"] = module_backward_ms(
                         q, k, v, dout, causal, name == "attngen_det", args.rep_ms
