@@ -81,16 +81,7 @@ def dense_dmask(q, k, rng_state, call: Call):
 
 
 @eager_only(_EAGER)
-def varlen_dmask(
-    q,
-    k,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    seqused_k,
-    shape,
-    rng_state,
-    call: Call,
-):
+def varlen_dmask(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, shape, rng_state, call: Call):
     """S_dmask [B, HQ, round128(max_seqlen_q), round128(max_seqlen_k)] of
     flash_attn_varlen_func's call: sequence b at [b, :, :len_q, :len_k], drawn as batch b (a
     sequence longer than max_seqlen_q/k, which the kernel may give NaN, cut to the shape); a

@@ -40,14 +40,7 @@ from attngen.runtime.dispatch import (
 from attngen.runtime.fallback import fallback_dense, fallback_varlen
 from attngen.runtime.registry import current_registry
 from attngen.runtime.selection import Dispatch, Need
-from attngen.spec import (
-    AttnSpec,
-    Dtype,
-    KernelKind,
-    KvLayout,
-    SpecError,
-    load_spec_file,
-)
+from attngen.spec import AttnSpec, Dtype, KernelKind, KvLayout, SpecError, load_spec_file
 
 
 def run_dense(
