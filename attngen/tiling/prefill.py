@@ -385,32 +385,19 @@ def binding_constraint(best: Candidate, candidates: list[Candidate]) -> str:
     by_config = {c.config: c for c in candidates}
     cfg = best.config
     steps = (
-        (
-            "BLOCK_M",
-            cfg.block_m,
-            TileConfig(cfg.block_m * 2, cfg.block_n, cfg.num_warps, cfg.num_stages),
-        ),
-        (
-            "BLOCK_N",
-            cfg.block_n,
-            TileConfig(cfg.block_m, cfg.block_n * 2, cfg.num_warps, cfg.num_stages),
-        ),
-        (
-            "num_stages",
-            cfg.num_stages,
-            TileConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages + 1),
-        ),
+        ("BLOCK_M", dataclasses.replace(cfg, block_m=cfg.block_m * 2)),
+        ("BLOCK_N", dataclasses.replace(cfg, block_n=cfg.block_n * 2)),
+        ("num_stages", dataclasses.replace(cfg, num_stages=cfg.num_stages + 1)),
     )
     parts = []
-    for label, value, bigger in steps:
-        grown = getattr(bigger, label.lower())
+    for label, bigger in steps:
+        value, grown = getattr(cfg, label.lower()), getattr(bigger, label.lower())
         neighbour = by_config.get(bigger)
         if neighbour is None:
             parts.append(f"{label} {value}->{grown}: outside the candidate grid")
         elif neighbour.rejected:
             parts.append(f"{label} {value}->{grown}: {neighbour.rejected[0]}")
         else:
-            parts.append(
-                f"{label} {value}->{grown}: fits, not chosen (score {neighbour.score:.3f})"
-            )
+            score = f"score {neighbour.score:.3f}"
+            parts.append(f"{label} {value}->{grown}: fits, not chosen ({score})")
     return "; ".join(parts)
