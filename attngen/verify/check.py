@@ -226,11 +226,6 @@ def _merge(
         others.setdefault(key, []).append((spec_ref(spec), record))
 
 
-def expected_mma(key: AnyKey) -> str:
-    """The instruction family the model's branch assumes (the key's kernel's smem model)."""
-    return key.expected_mma()
-
-
 @dataclass
 class Summary:
     """Counts over rows of one arch (or all): what the report table and the docs show."""
@@ -276,7 +271,7 @@ def summarize(rows: Iterable[Row]) -> Summary:
         s.exact += row.smem_class == "exact"
         s.over += row.smem_class == "over"
         s.under += row.smem_class == "UNDER"
-        s.mma_agree += m.get("mma") == expected_mma(row.key)
+        s.mma_agree += m.get("mma") == row.key.expected_mma()  # the family the model assumes
         spills = m["spill_stores"] or 0
         if not spills and m.get("regs"):
             s.regs_err.append(cand.regs_per_thread - m["regs"])
@@ -349,12 +344,5 @@ def verify_tiling(
 
     changed, others = measure(data, jobs, processes, after_chunk, replace_other=recompile)
     judge(plan, data, changed, stale_fails=save_to is None, others=others)
-    return Report(
-        plan,
-        skipped,
-        len(changed),
-        time.perf_counter() - start,
-        data.triton,
-        data.template_hash,
-        current_template_hash(),
-    )
+    hashes = (data.triton, data.template_hash, current_template_hash())
+    return Report(plan, skipped, len(changed), time.perf_counter() - start, *hashes)
