@@ -134,7 +134,7 @@ def _spans(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k) -> dict[int, tuple[int, 
     used = seqused_k.tolist() if seqused_k is not None else None
     spans: dict[int, tuple[int, ...]] = {}
     for b in range(len(starts_q) - 1):
-        if sequence_fits(b, q.shape[0], k.shape[0], starts_q, starts_k, q.shape[0], used):
+        if sequence_fits(b, (q.shape[0], k.shape[0], starts_q, starts_k, q.shape[0], used)):
             length_k = used[b] if used is not None else starts_k[b + 1] - starts_k[b]
             spans[b] = (starts_q[b], starts_q[b + 1], starts_k[b], starts_k[b] + length_k)
     return spans
