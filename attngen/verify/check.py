@@ -108,9 +108,8 @@ def plan_rows(specs: Iterable[AttnSpec], archs: Sequence[str] | None) -> Plan:
         for arch in archs or spec.archs:
             derivation = derive_tiles(spec, arch)
             best = derivation.chosen
-            plan.chosen.append(
-                (spec.name, arch, None if best is None else measurement_key(spec, arch, best))
-            )
+            key = None if best is None else measurement_key(spec, arch, best)
+            plan.chosen.append((spec.name, arch, key))
             for cand in derivation.candidates:
                 plan.add(measurement_key(spec, arch, cand.config), spec, cand)
     return plan
