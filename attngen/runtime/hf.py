@@ -129,10 +129,8 @@ def mask_mod_of(mask_function, attention_mask=None, q_offset=0, kv_offset=0, **k
     if padded is not None:
         mask_function = mu.and_masks(mask_function, mu.padding_mask_function(padded))
     device = kwargs.get("device") or (padding.device if padding is not None else "cpu")
-    offsets = [
-        torch.as_tensor(o, dtype=torch.int64, device=device).reshape(())
-        for o in (q_offset, kv_offset)
-    ]
+    index = functools.partial(torch.as_tensor, dtype=torch.int64, device=device)
+    offsets = [index(o).reshape(()) for o in (q_offset, kv_offset)]
     return MaskMod(_shifted(mask_function, *offsets), padding)
 
 
