@@ -339,10 +339,8 @@ def _sinks(s_aux, query):
     if s_aux is None:
         return None
     if s_aux.shape != (query.shape[1],):
-        raise NoKernelError(
-            f"attngen: s_aux: got shape {tuple(s_aux.shape)}; expected the "
-            f"sinks of the layer's {query.shape[1]} query heads [{query.shape[1]}]"
-        )
+        expected = f"the sinks of the layer's {query.shape[1]} query heads [{query.shape[1]}]"
+        raise NoKernelError(f"attngen: s_aux: got shape {tuple(s_aux.shape)}; expected {expected}")
     # Not detached: sinks that need a gradient (gpt-oss's are an nn.Parameter) take the op
     # layer, whose backward returns their gradient from a module built with backward: true.
     return s_aux.to(device=query.device, dtype=torch.float32).contiguous()
