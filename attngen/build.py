@@ -75,9 +75,8 @@ def plan_build(specs: Iterable[AttnSpec], tuning_dir: Path | None = None) -> lis
 
 
 def _plan_one(spec: AttnSpec, kind: KernelKind, arch: str, tuning_dir: Path | None) -> Artifact:
-    derivation = (
-        derive_decode_tiles(spec, arch) if kind is KernelKind.decode else (derive_tiles(spec, arch))
-    )
+    derive = derive_decode_tiles if kind is KernelKind.decode else derive_tiles
+    derivation = derive(spec, arch)
     if derivation.chosen is None:
         reasons = sorted({r for c in derivation.candidates for r in c.rejected})
         raise BuildError(
@@ -141,18 +140,12 @@ def stale_paths(
     return check_folder(spec_paths, out_dir, tuning_dir)[0]
 
 
-def unproduced_paths(
-    spec_paths: Iterable[str | Path], out_dir: str | Path, tuning_dir: Path | None = None
-) -> list[str]:
-    """Modules in out_dir (files `<arch>/*.py` or index entries) that none of the specs
-    produces: left over from another spec set or a renamed spec, or put there by hand."""
-    return check_folder(spec_paths, out_dir, tuning_dir)[1]
-
-
 def check_folder(
     spec_paths: Iterable[str | Path], out_dir: str | Path, tuning_dir: Path | None = None
 ) -> tuple[list[str], list[str]]:
-    """(stale_paths, unproduced_paths) from one render of the specs (`attngen check`)."""
+    """(stale_paths, unproduced) from one render of the specs (`attngen check`). Unproduced:
+    modules in out_dir (files `<arch>/*.py` or index entries) that none of the specs produces,
+    left over from another spec set or a renamed spec, or put there by hand."""
     out = Path(out_dir)
     artifacts = plan_build(load_specs(spec_paths), tuning_dir)
     stale = []

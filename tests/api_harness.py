@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 
 from attngen.build import plan_build, write_build
 from attngen.reference import (
-    _error_problems,
     attention_scores,
     compare_to_reference,
+    error_problems,
     reference_attention,
 )
 from attngen.runtime import dispatch as dispatch_module
@@ -340,7 +340,7 @@ def dense_mask_problems(
         return [f"out: {tuple(out.shape)} {out.dtype}, expected {tuple(golden.shape)} {q.dtype}"]
     problems = ["out: NaN where the golden has none"] if out.isnan().any() else []
     floor_ulps = 4 if out.dtype == torch.float32 else 2
-    problems += _error_problems(
+    problems += error_problems(
         "out",
         out.double(),
         golden,

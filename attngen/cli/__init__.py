@@ -204,24 +204,16 @@ def autotune_command(
 
     Then `attngen build` uses them (the module header says the config came from tuning)."""
     try:
-        from attngen.tuning.autotune import (  # torch/triton: not on the build path
-            BackwardOptions,
-            autotune,
-            detect_arch,
-        )
+        # torch/triton: not on the build path
+        from attngen.tuning.autotune import BackwardOptions, autotune, detect_arch
 
         loaded = load_specs(specs)
         target = detect_arch() if arch == "auto" else arch
         if arch != "auto" and target != detect_arch():
             raise SpecError(f"--arch {arch}: this machine's GPU is {detect_arch()}; tune there")
+        backward = BackwardOptions(max_configs=max_backward_configs)
         outcomes = autotune(
-            loaded,
-            tuning,
-            budget,
-            max_configs,
-            target,
-            kernels=kernels,
-            backward=BackwardOptions(max_configs=max_backward_configs),
+            loaded, tuning, budget, max_configs, target, kernels=kernels, backward=backward
         )
     except SpecError as exc:
         raise _fail(str(exc)) from None
@@ -370,9 +362,8 @@ def capabilities_command(
     from attngen.spec.files import write_if_different
     from attngen.verify.measurements import data_path, load_measurements, triton_version
 
-    text = render_capabilities(
-        capability_cells(), load_measurements(data or data_path(triton_version()))
-    )
+    measurements = load_measurements(data or data_path(triton_version()))
+    text = render_capabilities(capability_cells(), measurements)
     if out is None:
         typer.echo(text, nl=False)
     elif write_if_different(out, text):

@@ -9,6 +9,7 @@ fails when it is stale.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -49,16 +50,8 @@ class Cell:
 
 
 def matrix_spec(arch: str, dtype: Dtype, head_dim: int, mask: Mask) -> AttnSpec:
-    fields = {
-        "name": "capability",
-        "archs": [arch],
-        "dtype": dtype.value,
-        "head_dim": head_dim,
-        "num_q_heads": 8,
-        "num_kv_heads": 8,
-        "mask": mask.value,
-        "kernels": ["prefill"],
-    }
+    fields = {"name": "capability", "archs": [arch], "dtype": dtype.value, "head_dim": head_dim}
+    fields |= {"num_q_heads": 8, "num_kv_heads": 8, "mask": mask.value, "kernels": ["prefill"]}
     if mask is not Mask.none:
         fields["causal_align"] = "bottom_right"
     if mask is Mask.sliding_window:
@@ -68,42 +61,19 @@ def matrix_spec(arch: str, dtype: Dtype, head_dim: int, mask: Mask) -> AttnSpec:
 
 
 def capability_cells(archs: Iterable[str] = ARCHS) -> list[Cell]:
-    cells = []
-    for arch in archs:
-        for dtype in Dtype:
-            for head_dim in HEAD_DIMS:
-                for mask in MATRIX_MASKS:
-                    cells.append(_cell(matrix_spec(arch, dtype, head_dim, mask), arch))
-    return cells
+    grid = itertools.product(archs, Dtype, HEAD_DIMS, MATRIX_MASKS)
+    return [_cell(matrix_spec(*point), point[0]) for point in grid]
 
 
 def _cell(spec: AttnSpec, arch: str) -> Cell:
     derivation = derive_tiles(spec, arch)
     best = derivation.chosen_candidate
+    where = (arch, spec.dtype.value, spec.head_dim, spec.mask.value)
     if best is None:
         closest = min(derivation.candidates, key=lambda c: c.smem_bytes)
-        return Cell(
-            arch,
-            spec.dtype.value,
-            spec.head_dim,
-            spec.mask.value,
-            None,
-            closest.smem_bytes,
-            False,
-            "; ".join(closest.rejected),
-            None,
-        )
-    return Cell(
-        arch,
-        spec.dtype.value,
-        spec.head_dim,
-        spec.mask.value,
-        best.config,
-        best.smem_bytes,
-        best.may_spill(ARCHS[arch]),
-        "",
-        measurement_key(spec, arch, best.config),
-    )
+        return Cell(*where, None, closest.smem_bytes, False, "; ".join(closest.rejected), None)
+    key = measurement_key(spec, arch, best.config)
+    return Cell(*where, best.config, best.smem_bytes, best.may_spill(ARCHS[arch]), "", key)
 
 
 def _compiled(cell: Cell, data: Measurements | None) -> str:

@@ -134,11 +134,9 @@ def explain_backward(spec: AttnSpec, backward: BackwardDerivation) -> list[str]:
 def gluon_backward_lines(spec: AttnSpec, arch: str) -> list[str]:
     """Whether the prefill module's dK/dV runs the Gluon kernel, and its derivation
     (attngen/tiling/gluon_backward.py), or why not."""
-    gap = (
-        gb.gluon_backward_gap(spec, arch, KernelKind.prefill)
-        if KernelKind.prefill in spec.kernels
-        else "no prefill module"
-    )
+    gap = "no prefill module"
+    if KernelKind.prefill in spec.kernels:
+        gap = gb.gluon_backward_gap(spec, arch, KernelKind.prefill)
     derivation = None if gap else gb.derive_gluon_backward(spec, arch)
     if derivation is None or derivation.chosen is None:
         why = gap or "no Gluon config fits"
@@ -174,10 +172,8 @@ def explain_one(spec: AttnSpec, derivation: Derivation) -> list[str]:
         (c for c in derivation.candidates if c.feasible), key=lambda c: (-c.score, c.smem_bytes)
     )
     rejected = [c for c in derivation.candidates if not c.feasible]
-    lines.append(
-        f"   candidates: {len(derivation.candidates)} "
-        f"({len(feasible)} feasible, {len(rejected)} rejected)"
-    )
+    counts = f"({len(feasible)} feasible, {len(rejected)} rejected)"
+    lines.append(f"   candidates: {len(derivation.candidates)} {counts}")
     lines.append("     BLOCK_M BLOCK_N warps stages   smem B  regs  prog/SM  waves  score  verdict")
     for cand in feasible[:TOP_FEASIBLE]:
         verdict = "CHOSEN" if cand.config == derivation.chosen else "feasible"
@@ -242,11 +238,8 @@ def explain_decode(spec: AttnSpec, derivation: Derivation) -> list[str]:
     ]
     ranked = sorted(derivation.candidates, key=lambda c: (not c.feasible, -c.score, c.smem_bytes))
     for cand in ranked[:TOP_FEASIBLE]:
-        verdict = (
-            "CHOSEN"
-            if cand.config == derivation.chosen
-            else ("feasible" if cand.feasible else "rejected: " + "; ".join(cand.rejected))
-        )
+        verdict = "feasible" if cand.feasible else "rejected: " + "; ".join(cand.rejected)
+        verdict = "CHOSEN" if cand.config == derivation.chosen else verdict
         lines.append(_row(cand, verdict, waves=False))
     best = derivation.chosen_candidate
     if best is None:
@@ -314,9 +307,8 @@ def feasible_set_lines(feasible: list[Candidate]) -> list[str]:
     shapes: dict[tuple[int, int], dict[int, list[int]]] = {}
     for cand in feasible:
         c = cand.config
-        shapes.setdefault((c.block_m, c.block_n), {}).setdefault(c.num_warps, []).append(
-            c.num_stages
-        )
+        by_warps = shapes.setdefault((c.block_m, c.block_n), {})
+        by_warps.setdefault(c.num_warps, []).append(c.num_stages)
     parts = []
     for (bm, bn), by_warps in sorted(shapes.items(), reverse=True):
         warps = ", ".join(f"w{w} s{_span(sorted(st))}" for w, st in sorted(by_warps.items()))

@@ -132,13 +132,11 @@ def ring_backward(saved: Saved, problem: Problem, lengths: list[int]):
     q, k, v = saved.q, saved.k, saved.v
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     comm_stream = torch.cuda.Stream(q.device) if q.is_cuda else None
-    for lo, hi, heads, options in execute.head_group_slices(
-        problem.options, q, k, problem.head_groups
-    ):
+    groups = execute.head_group_slices(problem.options, q, k, problem.head_groups)
+    for lo, hi, heads, options in groups:
         into = dq[:, heads].zero_() if dq.dtype == torch.float32 else None
-        grads = ring_pass(
-            saved.heads(heads, slice(lo, hi)), problem, lengths, options, comm_stream, into
-        )
+        group = saved.heads(heads, slice(lo, hi))
+        grads = ring_pass(group, problem, lengths, options, comm_stream, into)
         for dest, grad in zip((dq[:, heads], dk[:, lo:hi], dv[:, lo:hi]), grads, strict=True):
             if grad is not into:
                 dest.copy_(grad)

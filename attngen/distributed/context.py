@@ -215,15 +215,8 @@ def _choose(strategy, rule, seq_len, world, layout, aligns, rank, q, k, v):
     else:
         gathered, ring_bytes = _memory(q, k, v, rank_chunks(seq_len, world, layout), seq_len)
         if gathered > max(ring_bytes, SHORT_KV_BYTES):
-            return (
-                "ring",
-                (
-                    f"gathered K/V ({gathered} B) would exceed the ring's buffers "
-                    f"({ring_bytes} B) and {SHORT_KV_BYTES} B"
-                ),
-                _flat(ring),
-                ring[rank],
-            )
+            why = f"({gathered} B) would exceed the ring's buffers ({ring_bytes} B) and"
+            return "ring", f"gathered K/V {why} {SHORT_KV_BYTES} B", _flat(ring), ring[rank]
         reason = (
             f"gathered K/V ({gathered} B) within max(ring buffers {ring_bytes} B, "
             f"{SHORT_KV_BYTES} B)"
@@ -305,11 +298,7 @@ def _check_inputs(q, k, v, causal, window, softcap, alibi_slopes, sm_scale, stra
             "causal: must be False with window=(left, right); the window says "
             "which keys each query sees (right=0 is causal)"
         )
-    if (
-        isinstance(softcap, bool)
-        or not isinstance(softcap, (int, float))
-        or not (math.isfinite(softcap) and softcap >= 0)
-    ):
+    if not (_finite(softcap) and softcap >= 0):
         raise ValueError(f"softcap: got {softcap!r}; allowed: a finite float >= 0")
     if alibi_slopes is not None and not (
         isinstance(alibi_slopes, torch.Tensor)
@@ -329,13 +318,14 @@ def _check_inputs(q, k, v, causal, window, softcap, alibi_slopes, sm_scale, stra
         raise ValueError(f"strategy: got {strategy!r}; allowed: {', '.join(map(repr, STRATEGIES))}")
     if sm_scale is None:
         return 1.0 / math.sqrt(q.shape[-1])
-    if (
-        isinstance(sm_scale, bool)
-        or not isinstance(sm_scale, (int, float))
-        or not (math.isfinite(sm_scale) and sm_scale > 0)
-    ):
+    if not (_finite(sm_scale) and sm_scale > 0):
         raise ValueError(f"sm_scale: got {sm_scale!r}; allowed: a finite float > 0 or None")
     return float(sm_scale)
+
+
+def _finite(x) -> bool:
+    """Whether x is a finite int or float (a bool is not)."""
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def _check_length(q, world, rank, layout, seq_len) -> int:

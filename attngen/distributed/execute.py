@@ -78,12 +78,8 @@ def head_group_slices(options: KernelOptions, q: torch.Tensor, k: torch.Tensor, 
     ratio, slopes = q.shape[1] // k.shape[1], options.alibi_slopes
     for lo, hi in head_ranges(k.shape[1], groups):
         heads = slice(lo * ratio, hi * ratio)
-        yield (
-            lo,
-            hi,
-            heads,
-            replace(options, alibi_slopes=None if slopes is None else slopes[heads]),
-        )
+        sliced = replace(options, alibi_slopes=None if slopes is None else slopes[heads])
+        yield lo, hi, heads, sliced
 
 
 def auto_head_groups(q, v, rows: int, budget: int, backward: bool = False) -> int:
@@ -150,12 +146,8 @@ def check_served(
                 forward_only = [
                     e.describe() for e in entries if mismatches(e, need) == [NO_BACKWARD]
                 ]
-                rebuild = (
-                    f"; {', '.join(forward_only)} serves it without them: rebuild its "
-                    "spec with backward: true"
-                    if forward_only
-                    else ""
-                )
+                rebuild = f"; {', '.join(forward_only)} serves it without them: rebuild its "
+                rebuild = rebuild + "spec with backward: true" if forward_only else ""
                 raise NoKernelError(
                     f"context_parallel_attention's backward needs a module with gradient "
                     f"kernels (spec `backward: true`) for {call.describe()} ({_why(call)})"
@@ -330,12 +322,9 @@ def gather_sequences(
         works.append(dist.all_gather(gathered[-1], padded, group=group, async_op=True))
     for work in works:
         work.wait()
-    result = []
-    for parts, x in zip(gathered, tensors, strict=True):
-        if not pieces:
-            result.append(x[:, :, :0])
-            continue
-        result.append(
-            torch.cat([parts[r][:, :, c.local : c.local + c.length] for _, r, c in pieces], dim=2)
-        )
-    return result
+    if not pieces:
+        return [x[:, :, :0] for x in tensors]
+    return [
+        torch.cat([parts[r][:, :, c.local : c.local + c.length] for _, r, c in pieces], dim=2)
+        for parts in gathered
+    ]

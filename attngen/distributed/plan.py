@@ -64,11 +64,8 @@ class KernelCall:
 
     def describe(self) -> str:
         mask = self.mask if self.mask == "none" else f"{self.mask}({self.align})"
-        pads = (
-            f", fake rows {self.pad_front}+{self.pad_back}"
-            if self.pad_front or self.pad_back
-            else ""
-        )
+        fake = self.pad_front or self.pad_back
+        pads = f", fake rows {self.pad_front}+{self.pad_back}" if fake else ""
         return f"rows {list(self.rows)} x keys {list(self.keys)} {mask}{pads}"
 
 
@@ -137,11 +134,8 @@ def express(
 
 def _refusal(rule: MaskRule, q_pos, k_pos, aligns) -> str:
     (qs, qe), (ks, ke) = q_pos, k_pos
-    why = (
-        "ALiBi's bias depends on the offset between them"
-        if rule.alibi
-        else f"the {rule.describe()} mask cuts through the key range"
-    )
+    why = f"the {rule.describe()} mask cuts through the key range"
+    why = "ALiBi's bias depends on the offset between them" if rule.alibi else why
     if rule.mask == "none":
         need = f"a mask-none kernel places rows bottom-right, so the keys must end by {qe}"
     else:
@@ -164,10 +158,8 @@ def fuse_unmasked(rule: MaskRule, calls: list[KernelCall]) -> list[KernelCall]:
         return calls
     plain = [c for c in calls if c.mask == "none" and not (c.pad_front or c.pad_back)]
     others = [c for c in calls if c not in plain]
-    for along, order in (
-        ("keys", lambda c: (c.rows, c.keys)),
-        ("rows", lambda c: (c.keys, c.rows)),
-    ):
+    orders = (("keys", lambda c: (c.rows, c.keys)), ("rows", lambda c: (c.keys, c.rows)))
+    for along, order in orders:
         fused: list[KernelCall] = []
         for call in sorted(plain, key=order):
             if fused and _adjacent(fused[-1], call, along):
@@ -208,14 +200,9 @@ def ring_step_calls(
         for kc in keys:
             if not (qc.length and kc.length):
                 continue
-            call = express(
-                rule,
-                (qc.start, qc.stop),
-                (kc.start, kc.stop),
-                (qc.local, qc.local + qc.length),
-                (kc.local, kc.local + kc.length),
-                aligns,
-            )
+            q_pos, rows = (qc.start, qc.stop), (qc.local, qc.local + qc.length)
+            k_pos, k_rows = (kc.start, kc.stop), (kc.local, kc.local + kc.length)
+            call = express(rule, q_pos, k_pos, rows, k_rows, aligns)
             if call is not None:
                 calls.append(call)
     return fuse_unmasked(rule, calls)
@@ -234,12 +221,11 @@ def ring_plan(
             source = (rank - step) % world
             try:
                 steps.append(
-                    ring_step_calls(rule, chunks[rank], chunks[source], source == rank, aligns)
+                    ring_step_calls(rule, chunks[rank], chunks[source], rank == source, aligns)
                 )
             except PlanError as err:
-                raise PlanError(
-                    f"ring step {step}, rank {rank} (keys of rank {source}): {err}"
-                ) from None
+                where = f"ring step {step}, rank {rank} (keys of rank {source})"
+                raise PlanError(f"{where}: {err}") from None
         plan.append(steps)
     return plan
 

@@ -22,16 +22,8 @@ from attngen.spec.masks import alibi_distance, expression_values, visible
 def visible_mask(spec: AttnSpec, seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     """[Nq, Nk] bool: which key j query row i may see (attngen.spec.masks.visible, the runtime's
     definition too; every key for mask none)."""
-    seen = visible(
-        spec.mask,
-        spec.causal_align,
-        spec.window,
-        seqlen_q,
-        seqlen_k,
-        device,
-        chunk_size=spec.chunk_size,
-        sink_tokens=spec.sink_tokens,
-    )
+    extra = {"chunk_size": spec.chunk_size, "sink_tokens": spec.sink_tokens}
+    seen = visible(spec.mask, spec.causal_align, spec.window, seqlen_q, seqlen_k, device, **extra)
     if seen is None:
         return torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
     return seen
@@ -197,12 +189,9 @@ def compare_to_reference(
     0. References are computed where the inputs live. `exprs`: tensors= and first_b= of a spec
     with score_mod / mask_mod, key_mask= (attention_scores)."""
     floor_ulps = FP32_OUTPUT_FLOOR_ULPS if out.dtype == torch.float32 else 2
-    golden, golden_lse = reference_attention(
-        spec, q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes, sinks=sinks, **exprs
-    )
-    lowp, lowp_lse = lowp_reference(
-        spec, q, k, v, sm_scale=sm_scale, alibi_slopes=alibi_slopes, sinks=sinks, **exprs
-    )
+    options = {"sm_scale": sm_scale, "alibi_slopes": alibi_slopes, "sinks": sinks, **exprs}
+    golden, golden_lse = reference_attention(spec, q, k, v, **options)
+    lowp, lowp_lse = lowp_reference(spec, q, k, v, **options)
     if out.shape != golden.shape or out.dtype != q.dtype:
         return [
             f"out: shape {tuple(out.shape)} {out.dtype}, expected {tuple(golden.shape)} {q.dtype}"
@@ -211,7 +200,7 @@ def compare_to_reference(
     if out.isnan().any():
         problems.append("out: NaN where the golden has none")
     factor = 3.0 if spec.softcap else 2.0
-    problems += _error_problems(
+    problems += error_problems(
         "out", out.double(), golden, lowp.double(), factor, out.dtype, floor_ulps=floor_ulps
     )
     if not torch.equal(torch.isinf(lse), torch.isinf(golden_lse)) or lse.isnan().any():
@@ -222,15 +211,9 @@ def compare_to_reference(
     visible = torch.isfinite(scores)
     if finite.any():
         largest = _lse_floor_magnitude(spec, q, k, scores, visible, sm_scale, sinks)
-        problems += _error_problems(
-            "lse",
-            lse.double()[finite],
-            golden_lse[finite],
-            lowp_lse.double()[finite],
-            factor,
-            torch.float32,
-            magnitude=largest,
-            floor_ulps=4,
+        got, want, low = (x.double()[finite] for x in (lse, golden_lse, lowp_lse))
+        problems += error_problems(
+            "lse", got, want, low, factor, torch.float32, magnitude=largest, floor_ulps=4
         )
     unseen = ~visible.any(-1)  # rows that see no key (with sinks their LSE is the sink's)
     if unseen.any() and not torch.all(out[unseen] == 0):
@@ -269,7 +252,10 @@ def _largest_partial_sum(q, k, sm_scale) -> float:
     return scale * torch.matmul(q_abs, k_abs.transpose(-1, -2)).max().item()
 
 
-def _error_problems(what, got, golden, lowp, factor, dtype, magnitude=0.0, floor_ulps=2):
+def error_problems(what, got, golden, lowp, factor, dtype, magnitude=0.0, floor_ulps=2):
+    """The rule's max and mean error bounds on float64 `got` against `golden`, `lowp` the same
+    math in the kernel's dtype; the floor counts ulps of `dtype` at the larger of golden's
+    magnitude and `magnitude`. [] if they hold."""
     if golden.numel() == 0:
         return []
     magnitude = max(golden.abs().max().item(), magnitude)

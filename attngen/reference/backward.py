@@ -20,7 +20,14 @@ from typing import Any
 
 import torch
 
-from attngen.reference import LOG2E, alibi_distance, attention_scores, ulp, visible_mask
+from attngen.reference import (
+    LOG2E,
+    alibi_distance,
+    attention_scores,
+    error_problems,
+    ulp,
+    visible_mask,
+)
 from attngen.spec import AttnSpec
 from attngen.spec.expression_grad import gradients
 from attngen.spec.expressions import declared, parsed, validity
@@ -292,23 +299,9 @@ def gradient_problems(name: str, got, golden, lowp, *, factor: float = 3.0) -> l
     if torch.isnan(got).any() and not torch.isnan(golden).any():
         return [f"{name}: NaN where the golden has none"]
     floor_ulps = 4 if got.dtype == torch.float32 else 2
-    floor = floor_ulps * ulp(got.dtype, golden.abs().max().item())
-    err = (got.double() - golden).abs()
-    lowp_err = (lowp.double() - golden).abs()
-    max_bound = factor * lowp_err.max().item() + floor
-    mean_bound = 1.5 * lowp_err.mean().item() + floor
-    problems = []
-    if not err.max().item() <= max_bound:
-        problems.append(
-            f"{name}: max error {err.max().item():.3e} > {max_bound:.3e} "
-            f"(lowp {lowp_err.max().item():.3e}, floor {floor:.1e})"
-        )
-    if not err.mean().item() <= mean_bound:
-        problems.append(
-            f"{name}: mean error {err.mean().item():.3e} > {mean_bound:.3e} "
-            f"(lowp {lowp_err.mean().item():.3e}, floor {floor:.1e})"
-        )
-    return problems
+    return error_problems(
+        name, got.double(), golden, lowp.double(), factor, got.dtype, 0.0, floor_ulps
+    )
 
 
 # Note: d sink_h = -sum over head h's rows of p_sink,r x (dO_r . O_r) sums the rounding errors

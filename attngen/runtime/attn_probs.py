@@ -81,16 +81,7 @@ def dense_dmask(q, k, rng_state, call: Call):
 
 
 @eager_only(_EAGER)
-def varlen_dmask(
-    q,
-    k,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    seqused_k,
-    shape,
-    rng_state,
-    call: Call,
-):
+def varlen_dmask(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, shape, rng_state, call: Call):
     """S_dmask [B, HQ, round128(max_seqlen_q), round128(max_seqlen_k)] of
     flash_attn_varlen_func's call: sequence b at [b, :, :len_q, :len_k], drawn as batch b (a
     sequence longer than max_seqlen_q/k, which the kernel may give NaN, cut to the shape); a
@@ -143,7 +134,7 @@ def _spans(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k) -> dict[int, tuple[int, 
     used = seqused_k.tolist() if seqused_k is not None else None
     spans: dict[int, tuple[int, ...]] = {}
     for b in range(len(starts_q) - 1):
-        if sequence_fits(b, q.shape[0], k.shape[0], starts_q, starts_k, q.shape[0], used):
+        if sequence_fits(b, (q.shape[0], k.shape[0], starts_q, starts_k, q.shape[0], used)):
             length_k = used[b] if used is not None else starts_k[b + 1] - starts_k[b]
             spans[b] = (starts_q[b], starts_q[b + 1], starts_k[b], starts_k[b] + length_k)
     return spans

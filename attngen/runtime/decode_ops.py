@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attngen.runtime.kvcache_options import rotary_keywords
+from attngen.runtime.kvcache_options import given_keywords, rotary_keywords
 from attngen.runtime.ops import _direct, _heads_last, _no_lse, _sinks, count_run
 from attngen.runtime.registry import current_registry
 
@@ -42,9 +42,7 @@ def call_decode(
         extra.update(
             rotary_keywords(rotary_cos, rotary_sin, rotary_interleaved, rotary_q_per_token)
         )
-    for name, t in (("k_descale", k_descale), ("v_descale", v_descale), ("tree_mask", tree_mask)):
-        if t is not None:
-            extra[name] = t
+    extra.update(given_keywords(k_descale, v_descale, tree_mask))
     # flash_layout: its callers' promise (heads_last)
     entry = module.decode_flash_out if heads_last else module.decode  # out [B, Nq, HQ, DV]
     entry = module.decode_flash if flash_layout else entry
@@ -159,17 +157,6 @@ def _(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sm_sca
 # ------------------------------------------------------------------------ forward only
 
 
-def _refuse_backward(op: str):
-    def backward(ctx, *grads):
-        raise NotImplementedError(
-            f"attngen::{op}: decode is forward-only (it appends to its caches in place): "
-            "gradients cannot flow through it; train through prefill or varlen modules built "
-            "with backward: true"
-        )
-
-    return backward
-
-
 class _ForwardOnly(torch.autograd.Function):
     """Identity on decode's outputs whose backward raises; marks them as needing grad."""
 
@@ -177,4 +164,10 @@ class _ForwardOnly(torch.autograd.Function):
     def forward(ctx, out, lse):
         return out.view_as(out), lse.view_as(lse)
 
-    backward = staticmethod(_refuse_backward("decode"))
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            "attngen::decode: decode is forward-only (it appends to its caches in place): "
+            "gradients cannot flow through it; train through prefill or varlen modules built "
+            "with backward: true"
+        )

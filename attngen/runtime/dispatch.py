@@ -385,9 +385,8 @@ def expected_forward(module: Any) -> str | None:
     """The forward kernel a prefill or varlen module runs a call with: its
     expected_forward_path() (a module with the Gluon forward: the path a call that fits takes
     here), else its forward_path() (tile-level, with why); None for decode modules (by kind)."""
-    expected = getattr(module, "expected_forward_path", None) or getattr(
-        module, "forward_path", None
-    )
+    expected = getattr(module, "expected_forward_path", None)
+    expected = expected or getattr(module, "forward_path", None)
     return None if expected is None else str(expected())
 
 
@@ -406,14 +405,8 @@ def build_on_demand(
     """(entry, rendered now, "") for the module selection.build_for builds for `need`, or
     (None, False, why not)."""
     if not settings().on_demand:
-        return (
-            None,
-            False,
-            (
-                "On-demand builds are off (attngen.configure(on_demand=False) "
-                f"or {ENV_ON_DEMAND}=0)."
-            ),
-        )
+        off = f"(attngen.configure(on_demand=False) or {ENV_ON_DEMAND}=0)"
+        return None, False, f"On-demand builds are off {off}."
     from attngen.build import BuildError  # the build path (sympy, jinja): on first build only
 
     try:

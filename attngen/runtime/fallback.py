@@ -68,13 +68,14 @@ def fallback_varlen(
     total_q, total_k = q.shape[0], k.shape[0]
     starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
     used = seqused_k.tolist() if seqused_k is not None else None
+    packed = (total_q, total_k, starts_q, starts_k, max_seqlen_q, used)
     if os.environ.get("ATTNGEN_CHECKS") == "1":
-        validate_varlen(total_q, total_k, starts_q, starts_k, max_seqlen_q, used)
+        validate_varlen(packed)
     out = q.new_zeros((total_q, q.shape[1], v.shape[-1]))
     lse = torch.full((q.shape[1], total_q), float("-inf"), device=q.device)
     for b in range(len(starts_q) - 1):
         q0, q1 = starts_q[b], starts_q[b + 1]
-        if not sequence_fits(b, total_q, total_k, starts_q, starts_k, max_seqlen_q, used):
+        if not sequence_fits(b, packed):
             lo = min(max(q0, 0), total_q)  # the rows of the sequence inside q, as the kernel
             out[lo : min(max(q1, lo), total_q)] = float("nan")
             lse[:, lo : min(max(q1, lo), total_q)] = float("nan")
@@ -136,16 +137,8 @@ def _seen_and_bias(q, k, mask, align, window, attn_mask, alibi_slopes, chunk_siz
     """(which keys each query sees, bool or None for all; the scores' additive bias or None):
     the mask kind's visibility and attn_mask's, attn_mask's float values and the ALiBi bias."""
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
-    seen = visible(
-        mask,
-        align,
-        window,
-        seqlen_q,
-        seqlen_k,
-        q.device,
-        chunk_size=chunk_size,
-        sink_tokens=sink_tokens,
-    )
+    extra = {"chunk_size": chunk_size, "sink_tokens": sink_tokens}
+    seen = visible(mask, align, window, seqlen_q, seqlen_k, q.device, **extra)
     bias = None
     if attn_mask is not None:
         # A float mask's -inf hides a key like a bool mask's False; its other values are bias.
@@ -164,21 +157,13 @@ def _seen_and_bias(q, k, mask, align, window, attn_mask, alibi_slopes, chunk_siz
 
 def _through_sdpa(q, k, v, seen, bias, scale, dropout_p):
     """torch's SDPA with visibility and bias as one float mask (no softcap, sinks or LSE)."""
-    full = (
-        None
-        if seen is None
-        else torch.zeros(seen.shape, device=q.device).masked_fill(~seen, float("-inf"))
-    )
+    full = None
+    if seen is not None:
+        full = torch.zeros(seen.shape, device=q.device).masked_fill(~seen, float("-inf"))
     if bias is not None:
         full = bias if full is None else full + bias
-    out = F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=None if full is None else full.to(q.dtype),
-        dropout_p=dropout_p,
-        scale=scale,
-    )
+    attn_mask = None if full is None else full.to(q.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, scale=scale)
     return _zero_unseen(out, seen)
 
 
@@ -333,15 +318,14 @@ def check_varlen(
     check_alibi(alibi_slopes, q, batch=cu_seqlens_q.numel() - 1)
 
 
-def validate_varlen(
-    total_q: int,
-    total_k: int,
-    cu_q: list[int],
-    cu_k: list[int],
-    max_seqlen_q: int,
-    used: list[int] | None,
-) -> None:
+# A packed call's lengths on the host: (total_q, total_k, cu_q, cu_k, max_seqlen_q, used), the
+# index tensors as lists (used: seqused_k's, or None).
+Packed = tuple[int, int, list[int], list[int], int, list[int] | None]
+
+
+def validate_varlen(packed: Packed) -> None:
     """ATTNGEN_CHECKS=1: the module's _validate_varlen, on host lists of the index tensors."""
+    total_q, total_k, cu_q, cu_k, max_seqlen_q, used = packed
     for name, values, rows, what in (
         ("cu_seqlens_q", cu_q, total_q, "q"),
         ("cu_seqlens_k", cu_k, total_k, "k"),
@@ -368,19 +352,12 @@ def validate_varlen(
             )
 
 
-def sequence_fits(
-    b: int,
-    total_q: int,
-    total_k: int,
-    cu_q: list[int],
-    cu_k: list[int],
-    max_seqlen_q: int,
-    used: list[int] | None,
-) -> bool:
+def sequence_fits(b: int, packed: Packed) -> bool:
     """Whether sequence b lies inside the packed tensors, as the varlen kernel decides it (it
     gives the others NaN). A sequence longer than max_seqlen_q is refused outright here: the
     kernel serves it only when its grid, sized by max_seqlen_q in whole query blocks, happens
     to cover it; below that it gives NaN too."""
+    total_q, total_k, cu_q, cu_k, max_seqlen_q, used = packed
     q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
     fits = 0 <= q0 <= q1 <= total_q and 0 <= k0 <= k1 <= total_k and q1 - q0 <= max_seqlen_q
     return fits and (used is None or 0 <= used[b] <= k1 - k0)

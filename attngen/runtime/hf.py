@@ -129,10 +129,8 @@ def mask_mod_of(mask_function, attention_mask=None, q_offset=0, kv_offset=0, **k
     if padded is not None:
         mask_function = mu.and_masks(mask_function, mu.padding_mask_function(padded))
     device = kwargs.get("device") or (padding.device if padding is not None else "cpu")
-    offsets = [
-        torch.as_tensor(o, dtype=torch.int64, device=device).reshape(())
-        for o in (q_offset, kv_offset)
-    ]
+    index = functools.partial(torch.as_tensor, dtype=torch.int64, device=device)
+    offsets = [index(o).reshape(()) for o in (q_offset, kv_offset)]
     return MaskMod(_shifted(mask_function, *offsets), padding)
 
 
@@ -341,10 +339,8 @@ def _sinks(s_aux, query):
     if s_aux is None:
         return None
     if s_aux.shape != (query.shape[1],):
-        raise NoKernelError(
-            f"attngen: s_aux: got shape {tuple(s_aux.shape)}; expected the "
-            f"sinks of the layer's {query.shape[1]} query heads [{query.shape[1]}]"
-        )
+        expected = f"the sinks of the layer's {query.shape[1]} query heads [{query.shape[1]}]"
+        raise NoKernelError(f"attngen: s_aux: got shape {tuple(s_aux.shape)}; expected {expected}")
     # Not detached: sinks that need a gradient (gpt-oss's are an nn.Parameter) take the op
     # layer, whose backward returns their gradient from a module built with backward: true.
     return s_aux.to(device=query.device, dtype=torch.float32).contiguous()

@@ -153,9 +153,8 @@ def _capacity(k_cache, block_table) -> int:
     if block_table is None:
         return k_cache.shape[1]
     if k_cache.shape[0] == 0:
-        raise ValueError(
-            f"k_cache: a paged cache needs at least one page, got shape {tuple(k_cache.shape)}"
-        )
+        shape = tuple(k_cache.shape)
+        raise ValueError(f"k_cache: a paged cache needs at least one page, got shape {shape}")
     return block_table.shape[1] * k_cache.shape[1]
 
 
@@ -188,10 +187,8 @@ def _varlen_module(packed_q, q, k_cache, v_cache, call: Call, capacity: int) -> 
     """Route 2's varlen module (or fallback), chosen or refused before the append, and the
     alibi slopes checked then too: a refused call leaves the caches as they were."""
     batch, seqlen_q = q.shape[0], q.shape[1]
-    heads = (q.shape[2], k_cache.shape[2])
-    dispatch = varlen_dispatch(
-        API, packed_q, v_cache, call, (seqlen_q, capacity), False, None, heads
-    )
+    bounds, heads = (seqlen_q, capacity), (q.shape[2], k_cache.shape[2])
+    dispatch = varlen_dispatch(API, packed_q, v_cache, call, bounds, False, None, heads)
     # What the module (or the fallback) would refuse after the append, refused before it.
     check_alibi(call.alibi_slopes, packed_q, batch=batch)
     return dispatch

@@ -44,10 +44,8 @@ def _check_paged_inputs(k_cache, v_cache, block_table, cu_seqlens_k, q) -> None:
     for name, cache in (("k", k_cache), ("v", v_cache)):
         if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
             got = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
-            raise ValueError(
-                f"{name}: with block_table, expected a paged cache [pages, "
-                f"page_size, HKV, D], got {got}"
-            )
+            layout = "a paged cache [pages, page_size, HKV, D]"
+            raise ValueError(f"{name}: with block_table, expected {layout}, got {got}")
     if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[0] == 0:
         raise ValueError(
             f"k, v: expected paged caches with the same (pages, page_size, HKV), "

@@ -128,12 +128,8 @@ def fused_rotary(options: CacheOptions, decode: Dispatch | None, per_token: bool
 def rotary_keywords(cos, sin, interleaved: bool, per_token: bool) -> dict:
     """A decode module's rotary keywords (passed only with rotary: older modules do not take
     them)."""
-    return {
-        "rotary_cos": cos,
-        "rotary_sin": sin,
-        "rotary_interleaved": interleaved,
-        "rotary_q_per_token": per_token,
-    }
+    keywords = {"rotary_cos": cos, "rotary_sin": sin, "rotary_interleaved": interleaved}
+    return keywords | {"rotary_q_per_token": per_token}
 
 
 def rotate(q, k, options: CacheOptions, cache_seqlens, per_token: bool):
@@ -144,11 +140,9 @@ def rotate(q, k, options: CacheOptions, cache_seqlens, per_token: bool):
     cos, sin, interleaved = options.rotary
     starts = cache_seqlens.long()[:, None]
     positions_k = starts + torch.arange(k.shape[1], device=k.device)
-    positions_q = (
-        starts + torch.arange(q.shape[1], device=q.device)
-        if per_token
-        else starts.expand(-1, q.shape[1])
-    )
+    positions_q = starts.expand(-1, q.shape[1])  # every query at the first new position
+    if per_token:
+        positions_q = starts + torch.arange(q.shape[1], device=q.device)
     # Clamped for the gather: a cache_seqlens entry out of range must not index outside
     # cos/sin (that sequence gets NaN from the kernels and nothing appended,
     # kvcache_append._fits); a query past the table gets NaN (the module docstring).

@@ -40,14 +40,7 @@ from attngen.runtime.dispatch import (
 from attngen.runtime.fallback import fallback_dense, fallback_varlen
 from attngen.runtime.registry import current_registry
 from attngen.runtime.selection import Dispatch, Need
-from attngen.spec import (
-    AttnSpec,
-    Dtype,
-    KernelKind,
-    KvLayout,
-    SpecError,
-    load_spec_file,
-)
+from attngen.spec import AttnSpec, Dtype, KernelKind, KvLayout, SpecError, load_spec_file
 
 
 def run_dense(
@@ -242,20 +235,16 @@ def warmup(spec_or_model: Any, *, device: str | torch.device | None = None) -> l
     needs on `device` (default: the current CUDA device, else the CPU under Triton's
     interpreter). Returns what was warmed; raises NoKernelError for a kernel no module
     serves and none can be built (its message says why)."""
-    target = (
-        torch.device(device)
-        if device is not None
-        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    )
+    default = "cuda" if torch.cuda.is_available() else "cpu"
+    target = torch.device(default if device is None else device)
     arch = arch_of(target.type, target.index)
     warmed = []
     for spec in specs_of(spec_or_model):
         for kind in spec.kernels:
             start = time.perf_counter()
             need = need_of(spec, kind, arch)
-            dispatch = select(
-                "warmup", need, fallback="error", heads=(spec.num_q_heads, spec.num_kv_heads)
-            )
+            heads = (spec.num_q_heads, spec.num_kv_heads)
+            dispatch = select("warmup", need, fallback="error", heads=heads)
             assert dispatch.key is not None  # fallback="error": served or raised
             module = current_registry().module(dispatch.key)
             ran = device_problem("warmup", arch, spec.dtype) is None
@@ -366,17 +355,11 @@ def _run_decode(
     if spec.cache_layout is KvLayout.paged:
         page = spec.page_size or 1
         pages = -(-DECODE_CACHE // page)
-        caches = (
-            rand(pages, page, heads_kv, spec.head_dim),
-            rand(pages, page, heads_kv, spec.value_head_dim),
-        )
+        lead: tuple[int, ...] = (pages, page, heads_kv)
         table = torch.arange(pages, dtype=torch.int32, device=device)[None]
     else:
-        caches = (
-            rand(1, heads_kv, DECODE_CACHE, spec.head_dim),
-            rand(1, heads_kv, DECODE_CACHE, spec.value_head_dim),
-        )
-        table = None
+        lead, table = (1, heads_kv, DECODE_CACHE), None
+    caches = (rand(*lead, spec.head_dim), rand(*lead, spec.value_head_dim))
     if spec.kv_dtype is not None:  # an fp8 cache (descales default to 1.0)
         caches = tuple(cache.to(torch.float8_e4m3fn) for cache in caches)
     news = {"k_new": k_new, "v_new": v_new}

@@ -107,24 +107,17 @@ class Need(NamedTuple):
             extra += f", sink_tokens={self.sink_tokens}" if self.sink_tokens else ""
             mask += f"({align}{extra})"
         dims = str(self.head_dim)
-        if self.head_dim_v != self.head_dim:
-            dims += f"/{self.head_dim_v}"
+        dims += f"/{self.head_dim_v}" if self.head_dim_v != self.head_dim else ""
         dtype = self.dtype.value if self.dtype else "unsupported"
         text = (
             f"kind={self.kind.value} dtype={dtype} head_dim={dims} mask={mask} "
             f"softcap={self.softcap:g} alibi={self.alibi} arch={self.arch}"
         )
-        if self.sinks:
-            text += " sinks=True"
-        if self.kv_layout:
-            text += f" kv_layout={self.kv_layout.value}"
-        if self.kv_dtype:
-            text += f" kv_dtype={self.kv_dtype.value}"
-        if self.backward:
-            text += " backward=True"
-        if self.dropout:
-            text += " dropout_p>0"
-        return text
+        text += " sinks=True" if self.sinks else ""
+        text += f" kv_layout={self.kv_layout.value}" if self.kv_layout else ""
+        text += f" kv_dtype={self.kv_dtype.value}" if self.kv_dtype else ""
+        text += " backward=True" if self.backward else ""
+        return text + (" dropout_p>0" if self.dropout else "")
 
 
 @dataclass(frozen=True)
@@ -274,12 +267,8 @@ def mismatches(entry: KernelEntry, need: Need) -> list[str]:
     if need.arch != INTERPRETER and entry.arch != need.arch:
         problems.append(f"arch: needs {need.arch}, module is for {entry.arch}")
     dtype = need.dtype.value if need.dtype else "unsupported"
-    for field, value in (
-        ("dtype", dtype),
-        ("head_dim", need.head_dim),
-        ("head_dim_v", need.head_dim_v),
-        ("alibi", need.alibi),
-    ):
+    dims = (("head_dim", need.head_dim), ("head_dim_v", need.head_dim_v))
+    for field, value in (("dtype", dtype), *dims, ("alibi", need.alibi)):
         if spec.get(field) != value:
             problems.append(f"{field}: needs {value}, module has {spec.get(field)}")
     if bool(spec.get("sinks")) != need.sinks:  # absent from specs without sinks
@@ -289,10 +278,8 @@ def mismatches(entry: KernelEntry, need: Need) -> list[str]:
     if effective_mask(spec, need) != effective_mask(_asked(need), need):
         problems.append(f"mask: needs {_mask_text(_asked(need))}, module has {_mask_text(spec)}")
     if need.dropout and not spec.get("dropout"):
-        problems.append(
-            "dropout_p: needs a module built with dropout: true (and backward: "
-            "true; its name ends _bwd_drop), module has dropout: false"
-        )
+        built = "built with dropout: true (and backward: true; its name ends _bwd_drop)"
+        problems.append(f"dropout_p: needs a module {built}, module has dropout: false")
     served = expression_key(spec)
     if served != need.expressions:
         problems.append(

@@ -222,19 +222,12 @@ class AttnSpec(BaseModel):
             if arch not in arch_names():
                 raise _field_error("archs", arch, f"one of {', '.join(arch_names())}")
         if self.num_q_heads % self.num_kv_heads:
-            raise _field_error(
-                "num_kv_heads",
-                self.num_kv_heads,
-                f"a divisor of num_q_heads={self.num_q_heads} (MHA, GQA or MQA)",
-            )
+            allowed = f"a divisor of num_q_heads={self.num_q_heads} (MHA, GQA or MQA)"
+            raise _field_error("num_kv_heads", self.num_kv_heads, allowed)
         masked = self.mask is not Mask.none
         if masked and self.causal_align is None:
-            raise _field_error(
-                "causal_align",
-                None,
-                "top_left or bottom_right (required with "
-                f"mask {self.mask.value}: the diagonal is never guessed)",
-            )
+            allowed = f"top_left or bottom_right (required with mask {self.mask.value}: the"
+            raise _field_error("causal_align", None, allowed + " diagonal is never guessed)")
         if not masked and self.causal_align is not None:
             raise _field_error("causal_align", self.causal_align.value, "absent with mask none")
         windowed = self.mask is Mask.sliding_window
@@ -263,9 +256,8 @@ class AttnSpec(BaseModel):
         paged = self.kv_layout is KvLayout.paged
         page_size = self.page_size
         if paged and page_size is None:
-            raise _field_error(
-                "page_size", None, _ALLOWED["page_size"] + " (required with kv_layout paged)"
-            )
+            allowed = _ALLOWED["page_size"] + " (required with kv_layout paged)"
+            raise _field_error("page_size", None, allowed)
         if paged and page_size is not None and page_size & (page_size - 1):
             raise _field_error("page_size", page_size, _ALLOWED["page_size"])
         if not paged and self.page_size is not None:
@@ -273,12 +265,8 @@ class AttnSpec(BaseModel):
         if self.causal_align is CausalAlign.top_left:
             # A decode step's queries are the newest tokens of their sequences: the diagonal
             # sits bottom-right by construction, so a top-left spec describes another kernel.
-            raise _field_error(
-                "causal_align",
-                "top_left",
-                "bottom_right with decode (the "
-                "step's queries are the last tokens of each sequence)",
-            )
+            allowed = "bottom_right with decode (the step's queries are the last tokens of each"
+            raise _field_error("causal_align", "top_left", allowed + " sequence)")
         check_kv_dtype(self)
 
     # Resolved views: templates and the tiler read these, never the optional raw fields.

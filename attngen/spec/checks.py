@@ -27,9 +27,8 @@ def check_training(spec: AttnSpec) -> None:
     kernels implement every mask, sinks and sink tokens.)"""
     kinds = {kind.value for kind in spec.kernels}
     if spec.backward and not kinds & {"prefill", "varlen"}:
-        raise field_error(
-            "backward", True, "true only with prefill or varlen in kernels (decode has no backward)"
-        )
+        allowed = "true only with prefill or varlen in kernels (decode has no backward)"
+        raise field_error("backward", True, allowed)
     if spec.dropout and not spec.backward:
         raise field_error(
             "dropout", True, "true only with backward: true (dropout is for training)"
@@ -46,11 +45,8 @@ def check_model_fields(spec: AttnSpec) -> None:
     if not chunked and spec.chunk_size is not None:
         raise field_error("chunk_size", spec.chunk_size, "absent unless mask is chunked")
     if spec.sink_tokens is not None and spec.mask.value != "sliding_window":
-        raise field_error(
-            "sink_tokens",
-            spec.sink_tokens,
-            "absent unless mask is sliding_window (the first keys a window would drop)",
-        )
+        allowed = "absent unless mask is sliding_window (the first keys a window would drop)"
+        raise field_error("sink_tokens", spec.sink_tokens, allowed)
 
 
 def check_head_dims(spec: AttnSpec) -> None:
@@ -60,13 +56,8 @@ def check_head_dims(spec: AttnSpec) -> None:
     for field in ("head_dim", "head_dim_v"):
         value = getattr(spec, field)
         if value is not None and value > MAX_HEAD_DIM:
-            raise field_error(
-                field,
-                value,
-                f"an int in 1..{MAX_HEAD_DIM} (up to "
-                f"{MAX_DECODE_HEAD_DIM} with kernels: [decode] only)",
-                typed=True,
-            )
+            allowed = f"an int in 1..{MAX_HEAD_DIM} (up to {MAX_DECODE_HEAD_DIM} with kernels:"
+            raise field_error(field, value, allowed + " [decode] only)", typed=True)
 
 
 # Triton's fp8 e4m3 (float8e4nv) loads, stores and conversions need sm89 or newer.
@@ -84,6 +75,5 @@ def check_kv_dtype(spec: AttnSpec) -> None:
         if arch not in FP8_ARCHS:
             raise field_error("archs", arch, f"{', '.join(FP8_ARCHS)} with kv_dtype fp8_e4m3")
     if max(spec.head_dim, spec.head_dim_v or 0) > MAX_HEAD_DIM:
-        raise field_error(
-            "kv_dtype", "fp8_e4m3", f"absent with head dims over {MAX_HEAD_DIM} (MLA decode)"
-        )
+        allowed = f"absent with head dims over {MAX_HEAD_DIM} (MLA decode)"
+        raise field_error("kv_dtype", "fp8_e4m3", allowed)

@@ -11,6 +11,7 @@ read like any spec expression. sympy is imported on use.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from attngen.spec.expressions import Expr, ExprError, Tensor, make
@@ -81,31 +82,20 @@ class _ToSympy:
 
     def combine(self, op: str, a: list[Any]) -> Any:
         sp = self.sympy
-        table = {
-            "add": lambda: a[0] + a[1],
-            "sub": lambda: a[0] - a[1],
-            "mul": lambda: a[0] * a[1],
-            "div": lambda: a[0] / a[1],
-            "neg": lambda: -a[0],
-            "exp": lambda: sp.exp(a[0]),
-            "log": lambda: sp.log(a[0]),
-            "tanh": lambda: sp.tanh(a[0]),
-            "sqrt": lambda: sp.sqrt(a[0]),
-            "abs": lambda: sp.Piecewise((a[0], a[0] >= 0), (-a[0], True)),
-            "min": lambda: sp.Piecewise((a[0], a[0] <= a[1]), (a[1], True)),
-            "max": lambda: sp.Piecewise((a[0], a[0] >= a[1]), (a[1], True)),
-            "where": lambda: sp.Piecewise((a[1], a[0]), (a[2], True)),
-            "lt": lambda: sp.Lt(a[0], a[1]),
-            "le": lambda: sp.Le(a[0], a[1]),
-            "gt": lambda: sp.Gt(a[0], a[1]),
-            "ge": lambda: sp.Ge(a[0], a[1]),
-            "eq": lambda: sp.Eq(a[0], a[1]),
-            "ne": lambda: sp.Ne(a[0], a[1]),
-            "and": lambda: sp.And(a[0], a[1]),
-            "or": lambda: sp.Or(a[0], a[1]),
-            "not": lambda: sp.Not(a[0]),
-        }
-        return table[op]()
+        if op in ("add", "sub", "mul", "neg"):
+            return getattr(operator, op)(*a)
+        if op == "div":
+            return a[0] / a[1]
+        if op in ("exp", "log", "tanh", "sqrt"):
+            return getattr(sp, op)(*a)
+        if op in ("lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not"):
+            return getattr(sp, op.capitalize())(*a)  # sp.Lt, ..., sp.And, sp.Not
+        if op == "where":
+            return sp.Piecewise((a[1], a[0]), (a[2], True))
+        if op == "abs":
+            return sp.Piecewise((a[0], a[0] >= 0), (-a[0], True))
+        keep_first = {"min": lambda: a[0] <= a[1], "max": lambda: a[0] >= a[1]}[op]()
+        return sp.Piecewise((a[0], keep_first), (a[1], True))
 
 
 def _back(derivative: Any, converter: _ToSympy, sp: Any) -> Expr:

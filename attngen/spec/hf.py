@@ -104,16 +104,12 @@ def spec_data_from_config(
     if _is_mla(cfg):
         return _mla_data(cfg, data, data["num_q_heads"])
     bidirectional = bool(cfg.get("use_bidirectional_attention"))
-    causal = (
-        {"mask": "none"} if bidirectional else {"mask": "causal", "causal_align": "bottom_right"}
-    )
+    bottom_right = {"mask": "causal", "causal_align": "bottom_right"}
+    causal = {"mask": "none"} if bidirectional else bottom_right
     kinds = _layer_kinds(cfg) - NON_ATTENTION_LAYERS
     if "chunked_attention" in kinds:
-        chunked = {
-            "mask": "chunked",
-            "causal_align": "bottom_right",
-            "chunk_size": _int(cfg, "attention_chunk_size"),
-        }
+        size = _int(cfg, "attention_chunk_size")
+        chunked = {**bottom_right, "mask": "chunked", "chunk_size": size}
         if kinds == {"chunked_attention"}:
             return {**data, **chunked}
         return {**data, "variants": {"chunked": chunked, "global": causal}}
@@ -121,12 +117,8 @@ def spec_data_from_config(
     if not window or cfg.get("use_sliding_window") is False or kinds == {"full_attention"}:
         return {**data, **causal}
     # Gemma's bidirectional window keeps |i - j| < W: W - 1 on both sides.
-    local = {
-        "mask": "sliding_window",
-        "causal_align": "bottom_right",
-        "window_left": int(window) - 1,
-        "window_right": int(window) - 1 if bidirectional else 0,
-    }
+    local = {**bottom_right, "mask": "sliding_window", "window_left": int(window) - 1}
+    local["window_right"] = int(window) - 1 if bidirectional else 0
     # Without layer_types (older config.json files), Gemma-2 alternates by architecture and
     # Gemma-3 and Cohere-2 say so with sliding_window_pattern.
     alternating = len(kinds) > 1 or (

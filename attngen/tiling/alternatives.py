@@ -4,11 +4,9 @@ arch cannot serve names it, and `attngen explain` prints it under a derivation w
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from attngen.spec import AttnSpec, Dtype, KernelKind
 from attngen.tiling.decode import derive_decode_tiles
-from attngen.tiling.prefill import Derivation, derive_tiles, padded_head_dim
+from attngen.tiling.prefill import derive_tiles, padded_head_dim
 
 
 def nearest_alternative(spec: AttnSpec, arch: str, kind: KernelKind = KernelKind.prefill) -> str:
@@ -21,19 +19,14 @@ def nearest_alternative(spec: AttnSpec, arch: str, kind: KernelKind = KernelKind
     padded = padded_head_dim(max(spec.head_dim, spec.value_head_dim))
     tier = padded // 2
     while tier >= 16:
-        update = {
-            "head_dim": min(spec.head_dim, tier),
-            "head_dim_v": min(spec.value_head_dim, tier),
-        }
-        trials.append((f"head_dim <= {tier}", spec.model_copy(update=update)))
+        dims = {"head_dim": min(spec.head_dim, tier), "head_dim_v": min(spec.value_head_dim, tier)}
+        trials.append((f"head_dim <= {tier}", spec.model_copy(update=dims)))
         tier //= 2
     if spec.dtype.itemsize == 4:
         trials.insert(0, ("dtype bf16", spec.model_copy(update={"dtype": Dtype.bf16})))
     if kind is KernelKind.decode and spec.query_tokens > 1:
         trials.insert(0, ("max_query_tokens 1", spec.model_copy(update={"max_query_tokens": 1})))
-    derive: Callable[[AttnSpec, str], Derivation] = (
-        derive_decode_tiles if kind is KernelKind.decode else derive_tiles
-    )
+    derive = derive_decode_tiles if kind is KernelKind.decode else derive_tiles
     for change, trial in trials:
         chosen = derive(trial, arch).chosen
         if chosen is not None:

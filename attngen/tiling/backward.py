@@ -52,6 +52,7 @@ from attngen.tiling.prefill import (
     binding_constraint,
     expression_reads,
     padded_head_dim,
+    resource_limits,
 )
 from attngen.tiling.prefill_model import BM, BN, DV, D, E, S, W
 
@@ -379,23 +380,9 @@ def _candidate(
     bm, bn, w, s = config.block_m, config.block_n, config.num_warps, config.num_stages
     smem = int(smem_f(bm, bn, s, w, d, dv, e)) + expression_smem(reads, kernel, config)
     regs = int(math.ceil(regs_f(bm, bn, s, w, d, dv, e)))
-    reasons = []
-    if smem > arch.smem_budget:
-        reasons.append(f"smem {smem} B > {arch.smem_budget} B")
-    if regs > arch.max_regs_per_thread + REGISTER_MARGIN:
-        reasons.append(f"regs {regs} > {arch.max_regs_per_thread} + {REGISTER_MARGIN}")
     owned = bm if kernel == "dq" else bn
-    if owned > 32 * w:
-        reasons.append(
-            f"tile: {'BLOCK_M' if kernel == 'dq' else 'BLOCK_N'} {owned} > 32 * num_warps"
-        )
-    per_sm = min(
-        arch.smem_per_sm // (smem + arch.smem_block_cost),
-        arch.regs_per_sm // (min(regs, arch.max_regs_per_thread) * 32 * w),
-        arch.max_threads_per_sm // (32 * w),
-    )
-    if not reasons and per_sm < 1:
-        reasons.append("occupancy 0 programs/SM")
+    tile = f"tile: {'BLOCK_M' if kernel == 'dq' else 'BLOCK_N'} {owned} > 32 * num_warps"
+    reasons, per_sm = resource_limits(arch, smem, regs, w, tile=tile if owned > 32 * w else "")
     score = 0.0
     if not reasons:
         # A program keeps its owned tile (dQ: BLOCK_M queries, dK/dV: BLOCK_N keys) in
@@ -407,9 +394,7 @@ def _candidate(
         streamed = bn if kernel == "dq" else bm
         reuse = min(owned / 128, 1.0) * (0.9 + 0.1 * min(streamed / 64, 1.0))
         score = reuse * (0.9 if s == 2 else 1.0) * min(1.0, per_sm * w / 8)
-    return Candidate(
-        config, smem, regs, per_sm, round(score, 6), tuple(reasons), regs_predictive=e != 4
-    )
+    return Candidate(config, smem, regs, per_sm, round(score, 6), tuple(reasons), e != 4)
 
 
 def _derive(

@@ -63,17 +63,12 @@ class CodePaths:
         elif self.tma_masked_blocks:
             loads = "K/V through TMA, masked blocks too"
         else:
-            loads = (
-                f"K/V through TMA, masked blocks by pointer loads (D > "
-                f"{TMA_MASKED_MAX_HEAD_DIM}: the extra branch spills)"
-            )
+            loads = "K/V through TMA, masked blocks by pointer loads (D > "
+            loads += f"{TMA_MASKED_MAX_HEAD_DIM}: the extra branch spills)"
+        order = "one head's query blocks after another's, the last block first"
         if self.lpt_group_heads:
-            order = (
-                f"heaviest causal query blocks first, in groups of {self.lpt_group_heads}"
-                f" heads (causal, D > {LPT_ABOVE_HEAD_DIM})"
-            )
-        else:
-            order = "one head's query blocks after another's, the last block first"
+            order = f"heaviest causal query blocks first, in groups of {self.lpt_group_heads}"
+            order += f" heads (causal, D > {LPT_ABOVE_HEAD_DIM})"
         return f"{loads}; {order}"
 
 
@@ -95,8 +90,5 @@ def code_paths(spec: AttnSpec, arch: str, kind: KernelKind) -> CodePaths:
         why_not = ""
     tma = not why_not
     lpt = tma and spec.mask.value == "causal" and widest > LPT_ABOVE_HEAD_DIM
-    return CodePaths(
-        why_not_tma=why_not,
-        tma_masked_blocks=tma and widest <= TMA_MASKED_MAX_HEAD_DIM,
-        lpt_group_heads=LPT_GROUP_HEADS if lpt else 0,
-    )
+    masked_blocks = tma and widest <= TMA_MASKED_MAX_HEAD_DIM
+    return CodePaths(why_not, masked_blocks, LPT_GROUP_HEADS if lpt else 0)

@@ -51,7 +51,6 @@ from attngen.tiling.decode_rows import decode_score as decode_score
 from attngen.tiling.decode_rows import row_tile as row_tile
 from attngen.tiling.evaluate import LazyText
 from attngen.tiling.prefill import (
-    REGISTER_MARGIN,
     Candidate,
     Derivation,
     TileConfig,
@@ -60,6 +59,7 @@ from attngen.tiling.prefill import (
     expression_reads,
     key_loop_read_smem,
     padded_head_dim,
+    resource_limits,
 )
 from attngen.tiling.prefill_model import (
     BM,
@@ -186,32 +186,12 @@ def _candidates(
         config = TileConfig(rows, bn, w, s)
         smem_b = fp8_cache_smem(arch, config, d, dv, e) if spec.kv_dtype else int(smem_f(*at))
         smem_b, regs_t = smem_b + key_loop_read_smem(reads, config), int(math.ceil(regs_f(*at)))
-        reasons = []
-        if smem_b > arch.smem_budget:
-            reasons.append(f"smem {smem_b} B > {arch.smem_budget} B")
-        if regs_t > arch.max_regs_per_thread + REGISTER_MARGIN:
-            reasons.append(f"regs {regs_t} > {arch.max_regs_per_thread} + {REGISTER_MARGIN}")
-        per_sm = min(
-            arch.smem_per_sm // (smem_b + arch.smem_block_cost),
-            arch.regs_per_sm // (min(regs_t, arch.max_regs_per_thread) * 32 * w),
-            arch.max_threads_per_sm // (32 * w),
-        )
-        if not reasons and per_sm < 1:
-            reasons.append("occupancy 0 programs/SM")
+        reasons, per_sm = resource_limits(arch, smem_b, regs_t, w)
         # fp8: a byte an element in flight, and paged fp8 tiles buffered once (fp8_cache_smem)
         kv_bytes, buffered = (1, min(s, 2) if paged else s) if spec.kv_dtype else (e, s)
         score = 0.0 if reasons else decode_score(per_sm, bn, d, dv, kv_bytes, buffered)
-        candidates.append(
-            Candidate(
-                config,
-                smem_b,
-                regs_t,
-                per_sm,
-                round(score, 6),
-                tuple(reasons),
-                regs_predictive=spec.dtype.itemsize != 4,
-            )
-        )
+        scored = (per_sm, round(score, 6), tuple(reasons), e != 4)
+        candidates.append(Candidate(config, smem_b, regs_t, *scored))
     return candidates
 
 

@@ -38,11 +38,11 @@ from attngen.arch import ARCHS, GpuArch
 from attngen.spec import AttnSpec
 from attngen.tiling.decode_rows import decode_score, row_tile
 from attngen.tiling.prefill import (
-    REGISTER_MARGIN,
     Candidate,
     Derivation,
     TileConfig,
     binding_constraint,
+    resource_limits,
 )
 
 LATENT_ROW_TILES = (64, 32, 16)
@@ -88,18 +88,7 @@ def latent_candidate(
     smem_b = latent_smem(arch, rows, bn, d, dv, e, v_from_k)
     regs_t = latent_regs(arch, rows, bn, w, dv)
     cap = register_cap(arch, w)
-    reasons = []
-    if smem_b > arch.smem_budget:
-        reasons.append(f"smem {smem_b} B > {arch.smem_budget} B")
-    if regs_t > cap + REGISTER_MARGIN:
-        reasons.append(f"regs {regs_t} > {cap} + {REGISTER_MARGIN}")
-    per_sm = min(
-        arch.smem_per_sm // (smem_b + arch.smem_block_cost),
-        arch.regs_per_sm // (min(regs_t, cap) * 32 * w),
-        arch.max_threads_per_sm // (32 * w),
-    )
-    if not reasons and per_sm < 1:
-        reasons.append("occupancy 0 programs/SM")
+    reasons, per_sm = resource_limits(arch, smem_b, regs_t, w, cap)
     score = 0.0
     if not reasons:  # one key tile in flight per program (num_stages 2)
         score = decode_score(per_sm, bn, d, 0 if v_from_k else dv, e, LATENT_STAGES)

@@ -302,18 +302,7 @@ def _candidate(
     bm, bn, w, s = config.block_m, config.block_n, config.num_warps, config.num_stages
     smem = int(smem_f(bm, bn, s, w, d, dv, e)) + key_loop_read_smem(expression_reads(spec), config)
     regs = int(math.ceil(regs_f(bm, bn, s, w, d, dv, e)))
-    reasons = []
-    if smem > arch.smem_budget:
-        reasons.append(f"smem {smem} B > {arch.smem_budget} B")
-    if regs > arch.max_regs_per_thread + REGISTER_MARGIN:
-        reasons.append(f"regs {regs} > {arch.max_regs_per_thread} + {REGISTER_MARGIN}")
-    by_smem = arch.smem_per_sm // (smem + arch.smem_block_cost)
-    # ptxas caps registers at the limit (spilling the rest), so occupancy uses the cap.
-    by_regs = arch.regs_per_sm // (min(regs, arch.max_regs_per_thread) * 32 * w)
-    by_threads = arch.max_threads_per_sm // (32 * w)
-    per_sm = min(by_smem, by_regs, by_threads)
-    if not reasons and per_sm < 1:
-        reasons.append("occupancy 0 programs/SM")
+    reasons, per_sm = resource_limits(arch, smem, regs, w)
     if bm > 32 * w:
         reasons.append(f"tile: BLOCK_M {bm} > 32 * num_warps (a row per thread at most)")
     occupancy = min(1.0, per_sm * w / 8)  # 8 resident warps hide most latency
@@ -321,16 +310,30 @@ def _candidate(
     if not reasons:
         waves = float(exact_waves(spec.num_q_heads, arch.sm_count, bm, per_sm))
         score = float(exact_score(bm, bn, s)) * occupancy * waves
-    return Candidate(
-        config,
-        smem,
-        regs,
-        per_sm,
-        round(score, 6),
-        tuple(reasons),
-        regs_predictive=spec.dtype.itemsize != 4,
-        wave_efficiency=round(waves, 4),
-    )
+    scored = (per_sm, round(score, 6), tuple(reasons), spec.dtype.itemsize != 4)
+    return Candidate(config, smem, regs, *scored, wave_efficiency=round(waves, 4))
+
+
+def resource_limits(
+    arch: GpuArch, smem: int, regs: int, warps: int, cap: int | None = None, tile: str = ""
+) -> tuple[list[str], int]:
+    """(why a program of `smem` bytes, `regs` registers a thread and `warps` warps is
+    rejected: shared memory, registers over `cap` (the arch's limit unless given) + the
+    margin, `tile` when given, else occupancy 0; its programs per SM). ptxas caps registers
+    at the limit (spilling the rest), so occupancy counts the cap."""
+    cap = arch.max_regs_per_thread if cap is None else cap
+    reasons = []
+    if smem > arch.smem_budget:
+        reasons.append(f"smem {smem} B > {arch.smem_budget} B")
+    if regs > cap + REGISTER_MARGIN:
+        reasons.append(f"regs {regs} > {cap} + {REGISTER_MARGIN}")
+    reasons += [tile] if tile else []
+    by_smem = arch.smem_per_sm // (smem + arch.smem_block_cost)
+    by_regs = arch.regs_per_sm // (min(regs, cap) * 32 * warps)
+    per_sm = min(by_smem, by_regs, arch.max_threads_per_sm // (32 * warps))
+    if not reasons and per_sm < 1:
+        reasons.append("occupancy 0 programs/SM")
+    return reasons, per_sm
 
 
 def choose(derivation: Derivation, config: TileConfig, source: str) -> Derivation:
@@ -385,32 +388,19 @@ def binding_constraint(best: Candidate, candidates: list[Candidate]) -> str:
     by_config = {c.config: c for c in candidates}
     cfg = best.config
     steps = (
-        (
-            "BLOCK_M",
-            cfg.block_m,
-            TileConfig(cfg.block_m * 2, cfg.block_n, cfg.num_warps, cfg.num_stages),
-        ),
-        (
-            "BLOCK_N",
-            cfg.block_n,
-            TileConfig(cfg.block_m, cfg.block_n * 2, cfg.num_warps, cfg.num_stages),
-        ),
-        (
-            "num_stages",
-            cfg.num_stages,
-            TileConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages + 1),
-        ),
+        ("BLOCK_M", dataclasses.replace(cfg, block_m=cfg.block_m * 2)),
+        ("BLOCK_N", dataclasses.replace(cfg, block_n=cfg.block_n * 2)),
+        ("num_stages", dataclasses.replace(cfg, num_stages=cfg.num_stages + 1)),
     )
     parts = []
-    for label, value, bigger in steps:
-        grown = getattr(bigger, label.lower())
+    for label, bigger in steps:
+        value, grown = getattr(cfg, label.lower()), getattr(bigger, label.lower())
         neighbour = by_config.get(bigger)
         if neighbour is None:
             parts.append(f"{label} {value}->{grown}: outside the candidate grid")
         elif neighbour.rejected:
             parts.append(f"{label} {value}->{grown}: {neighbour.rejected[0]}")
         else:
-            parts.append(
-                f"{label} {value}->{grown}: fits, not chosen (score {neighbour.score:.3f})"
-            )
+            score = f"score {neighbour.score:.3f}"
+            parts.append(f"{label} {value}->{grown}: fits, not chosen ({score})")
     return "; ".join(parts)

@@ -129,22 +129,15 @@ def regs_expression(arch: GpuArch, pipelined: bool = True, dropout: bool = False
     threads = 32 * W
     acc, scores = BM * DV / threads, BM * BN / threads
     kv = BN * (D + DV) * E / (4 * threads)
+
+    def fitted(one: int, *coefficients: str) -> sympy.Expr:  # one + a acc + b scores + c kv
+        a, b, c = map(sympy.Rational, coefficients)
+        return one + a * acc + b * scores + c * kv
+
     if pipelined:
-        sixteen_bit = (
-            69
-            + sympy.Rational(4, 3) * acc
-            + sympy.Rational(4, 3) * scores
-            + sympy.Rational(2, 3) * kv
-        )
-        wgmma = 66 + acc + sympy.Rational(3, 4) * scores + sympy.Rational(5, 6) * kv
+        sixteen_bit, wgmma = fitted(69, "4/3", "4/3", "2/3"), fitted(66, "1", "3/4", "5/6")
     else:
-        sixteen_bit = 116 + sympy.Rational(8, 5) * acc + sympy.Rational(11, 5) * kv
-        wgmma = (
-            136
-            + sympy.Rational(4, 3) * acc
-            + sympy.Rational(1, 4) * scores
-            + sympy.Rational(4, 3) * kv
-        )
+        sixteen_bit, wgmma = fitted(116, "8/5", "0", "11/5"), fitted(136, "4/3", "1/4", "4/3")
     if arch.has_wgmma:
         sixteen_bit = sympy.Piecewise((wgmma, BM >= 64), (sixteen_bit, True))
     sixteen_bit = sixteen_bit + (drop.forward_registers() if dropout else 0)

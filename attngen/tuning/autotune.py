@@ -27,7 +27,6 @@ This module imports torch and triton; the build path never imports it.
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import math
 import tempfile
@@ -57,10 +56,12 @@ from attngen.tuning.measure import (
     Outcome,
     TuneRun,
     config_key,
+    entry_fields,
     geomean,
     kernel_digest,
     load_module,
     median_ms,
+    outcome_of,
     read_progress,
 )
 
@@ -229,53 +230,41 @@ def _tune_forward(
             run.save_progress()
         advance()
     del inputs
-    outcome = _record(run.db, spec, heuristic, cands, results, run.gpu, run.triton, buckets)
+    outcome = _record(run, spec, heuristic, cands, results, buckets)
     run.save_db()
     return outcome
 
 
-def _record(db, spec, heuristic, cands, results, gpu, version, buckets) -> Outcome:
-    timed = {key: r["median_ms"] for key, r in results.items() if "median_ms" in r}
-    by_key = {config_key(c.config): c.config for c in cands}
-    tried = sum(1 for c in cands if config_key(c.config) in results)
-    outcome = Outcome(spec, heuristic, None, {}, timed.get(config_key(heuristic)), tried,
-                      len(cands), tried == len(cands))  # fmt: skip
-    usable = {
-        key: t for key, t in timed.items() if key in by_key and all(b.name in t for b in buckets)
-    }
+def _record(run: TuneRun, spec, heuristic, cands, results, buckets) -> Outcome:
+    by_key = {config_key(c.config): c for c in cands}
+    outcome, usable = outcome_of(spec, heuristic, by_key, results, buckets, "prefill")
     if not usable:
         return outcome
     best, shorter = per_length_winners(usable, buckets)
-    outcome.winner, outcome.winner_ms = by_key[best], usable[best]
-    outcome.shorter = tuple((up_to, by_key[key]) for up_to, key in shorter)
+    outcome.winner, outcome.winner_ms = by_key[best].config, usable[best]
+    outcome.shorter = tuple((up_to, by_key[key].config) for up_to, key in shorter)
     # The model's programs per SM for each winner, as measured: a later template that makes a
     # winner lose one (a few bytes of shared memory can, at an occupancy edge) makes the build
     # refuse the entry instead of using a config whose timing no longer holds.
-    programs = {config_key(c.config): c.programs_per_sm for c in cands}
-    gluon = db["entries"].get(entry_key(spec, KernelKind.prefill), {}).get("gluon")
-    db["entries"][entry_key(spec, KernelKind.prefill)] = {
+    heads = [spec.num_q_heads, spec.num_kv_heads]
+    gluon = run.db["entries"].get(entry_key(spec, KernelKind.prefill), {}).get("gluon")
+    run.db["entries"][entry_key(spec, KernelKind.prefill)] = {
         **({"gluon": gluon} if gluon else {}),  # the Gluon forward's (autotune_gluon.py)
+        **entry_fields(run, outcome, results),
         "shorter": [
-            {"up_to": up_to, "config": by_key[key].as_dict(), "programs_per_sm": programs[key]}
-            for up_to, key in shorter
-        ],
-        "spec_name": spec.name,
-        "config": by_key[best].as_dict(),
-        "programs_per_sm": programs[best],
-        "gpu": gpu,
-        "triton": version,
-        "date": datetime.date.today().isoformat(),
-        "complete": outcome.complete,
-        "median_ms": outcome.winner_ms,
-        "buckets": {
-            b.name: {
-                "batch": b.batch,
-                "seqlen": b.seqlen,
-                "heads": [spec.num_q_heads, spec.num_kv_heads],
+            {
+                "up_to": up_to,
+                "config": by_key[key].config.as_dict(),
+                "programs_per_sm": by_key[key].programs_per_sm,
             }
-            for b in buckets
+            for up_to, key in shorter
+        ],  # fmt: skip
+        "spec_name": spec.name,
+        "config": by_key[best].config.as_dict(),
+        "programs_per_sm": by_key[best].programs_per_sm,
+        "buckets": {
+            b.name: {"batch": b.batch, "seqlen": b.seqlen, "heads": heads} for b in buckets
         },
-        "candidates": {key: results[key] for key in sorted(results)},
     }
     return outcome
 

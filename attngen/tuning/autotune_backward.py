@@ -34,7 +34,6 @@ buckets' geometric mean) becomes the `backward_dq` / `backward_dkdv` entry.
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 
 import torch
@@ -50,9 +49,11 @@ from attngen.tuning.measure import (
     Outcome,
     TuneRun,
     config_key,
-    geomean,
+    entry_fields,
+    fastest_overall,
     kernel_digest,
     load_module,
+    outcome_of,
 )
 
 BACKWARD_BUCKETS = (Bucket("train_n4096", 4, 4096),)
@@ -253,50 +254,26 @@ def tune_backward(
     return outcomes
 
 
-def _record(
-    run: TuneRun,
-    spec: AttnSpec,
-    kernel: str,
-    heuristic: TileConfig,
-    cands: list[Candidate],
-    results: dict,
-    buckets: tuple[Bucket, ...],
-) -> Outcome:
-    timed = {key: r["median_ms"] for key, r in results.items() if "median_ms" in r}
+def _record(run: TuneRun, spec: AttnSpec, kernel: str, heuristic, cands, results, buckets):
     by_key = {config_key(c.config): c for c in cands}
-    tried = sum(1 for key in by_key if key in results)
-    outcome = Outcome(spec, heuristic, None, {}, timed.get(config_key(heuristic)), tried,
-                      len(cands), tried == len(cands), kernel=BACKWARD_KINDS[kernel])  # fmt: skip
-    usable = {
-        key: t for key, t in timed.items() if key in by_key and all(b.name in t for b in buckets)
-    }
+    kind = BACKWARD_KINDS[kernel]
+    outcome, usable = outcome_of(spec, heuristic, by_key, results, buckets, kind)
     if not usable:
         return outcome
-    best = min(
-        usable, key=lambda key: (geomean({b.name: usable[key][b.name] for b in buckets}), key)
-    )
+    best = fastest_overall(usable, buckets)
     outcome.winner, outcome.winner_ms = by_key[best].config, usable[best]
+    mask, heads = spec.mask.value, [spec.num_q_heads, spec.num_kv_heads]
     run.db["entries"][backward_entry_key(spec, kernel)] = {
+        **entry_fields(run, outcome, results),
         "spec_name": spec.name,
         "config": outcome.winner.as_dict(),
         # As for the forward: a later model that fits fewer programs per SM makes the build
         # refuse the entry rather than use a config whose timing no longer holds.
         "programs_per_sm": by_key[best].programs_per_sm,
-        "gpu": run.gpu,
-        "triton": run.triton,
-        "date": datetime.date.today().isoformat(),
-        "complete": outcome.complete,
-        "median_ms": outcome.winner_ms,
         "timed": f"the {kernel} kernel's launch alone",
         "buckets": {
-            b.name: {
-                "batch": b.batch,
-                "seqlen": b.seqlen,
-                "mask": spec.mask.value,
-                "heads": [spec.num_q_heads, spec.num_kv_heads],
-            }
+            b.name: {"batch": b.batch, "seqlen": b.seqlen, "mask": mask, "heads": heads}
             for b in buckets
         },
-        "candidates": {key: results[key] for key in sorted(results)},
     }
     return outcome

@@ -25,7 +25,6 @@ This module imports torch and triton; the build path never imports it.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 from functools import partial
 
 import torch
@@ -39,9 +38,11 @@ from attngen.tuning.measure import (
     Outcome,
     TuneRun,
     config_key,
-    geomean,
+    entry_fields,
+    fastest_overall,
     kernel_digest,
     load_module,
+    outcome_of,
 )
 
 GATE_LENGTHS = (1000, 1333)  # Nq, Nk
@@ -128,33 +129,20 @@ def tune_gluon(
 
 
 def _record(run: TuneRun, spec, cands, results, buckets, digest: str) -> Outcome:
-    timed = {key: r["median_ms"] for key, r in results.items() if "median_ms" in r}
     by_key = {config_key(c.config): c.config for c in cands}
-    tried = sum(1 for key in by_key if key in results)
     derived = cands[0].config
-    outcome = Outcome(spec, derived, None, {}, timed.get(config_key(derived)), tried,
-                      len(cands), tried == len(cands), kernel="gluon")  # fmt: skip
-    usable = {
-        key: t for key, t in timed.items() if key in by_key and all(b.name in t for b in buckets)
-    }
+    outcome, usable = outcome_of(spec, derived, by_key, results, buckets, "gluon")
     if not usable:
         return outcome
-    best = min(
-        usable, key=lambda key: (geomean({b.name: usable[key][b.name] for b in buckets}), key)
-    )
+    best = fastest_overall(usable, buckets)
     outcome.winner, outcome.winner_ms = by_key[best], usable[best]
     key = entry_key(spec, KernelKind.prefill)
     run.db["entries"].setdefault(key, {"spec_name": spec.name})["gluon"] = {
+        **entry_fields(run, outcome, results),
         "config": gluon_knobs(by_key[best]),
-        "gpu": run.gpu,
-        "triton": run.triton,
-        "date": datetime.date.today().isoformat(),
-        "complete": outcome.complete,
-        "median_ms": outcome.winner_ms,
         "derived": gluon_knobs(derived),
         "derived_ms": outcome.heuristic_ms,
         "timed": "attention() on the Gluon path (forward_path() checked after each bucket)",
         "kernel_digest": digest,
-        "candidates": {key: results[key] for key in sorted(results)},
     }
     return outcome

@@ -103,10 +103,8 @@ def read_tuning_file(path: Path) -> dict[str, Any]:
         raise TuningError(f"{path}: not JSON ({exc})") from None
     schema = data.get("schema") if isinstance(data, dict) else None
     if schema != TUNING_SCHEMA:
-        raise TuningError(
-            f"{path}: tuning schema {schema!r}; this attngen reads schema "
-            f"{TUNING_SCHEMA} (re-run attngen autotune)"
-        )
+        reads = f"this attngen reads schema {TUNING_SCHEMA} (re-run attngen autotune)"
+        raise TuningError(f"{path}: tuning schema {schema!r}; {reads}")
     if data.get("arch") != arch or not isinstance(data.get("entries"), dict):
         raise TuningError(f"{path}: expected arch {arch!r} and an 'entries' mapping")
     checked: dict[str, Any] = data
@@ -149,21 +147,12 @@ def _parse_record(entry: Any, borrowed: str | None, where: str) -> TuningRecord:
             for item in [entry, *entry.get("shorter", [])]
             if "programs_per_sm" in item
         }
-        if [up_to for up_to, _ in shorter] != sorted({up_to for up_to, _ in shorter}) or any(
-            up_to < 1 for up_to, _ in shorter
-        ):
+        lengths = [up_to for up_to, _ in shorter]
+        if lengths != sorted(set(lengths)) or any(up_to < 1 for up_to in lengths):
             raise ValueError("'shorter' lengths must be positive and strictly ascending")
-        return TuningRecord(
-            config,
-            str(entry["gpu"]),
-            str(entry["triton"]),
-            str(entry["date"]),
-            bool(entry["complete"]),
-            dict(entry["median_ms"]),
-            borrowed,
-            shorter,
-            programs,
-        )
+        where_when = (str(entry["gpu"]), str(entry["triton"]), str(entry["date"]))
+        timing = (bool(entry["complete"]), dict(entry["median_ms"]))
+        return TuningRecord(config, *where_when, *timing, borrowed, shorter, programs)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise TuningError(f"{where} is malformed ({exc!r})") from None
 
@@ -249,9 +238,8 @@ def tuned_gluon(tuning_dir: Path | None, spec: AttnSpec, arch: str) -> GluonDeri
     if record is None:
         return derivation
     try:
-        knobs = {
-            name: int(record["config"][name]) for name in gluon_knobs(derivation.chosen.config)
-        }
+        names = gluon_knobs(derivation.chosen.config)
+        knobs = {name: int(record["config"][name]) for name in names}
         measured = f"{record['gpu']}, {record['date']}"
         partial = "" if bool(record["complete"]) else ", partial search"
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -259,7 +247,6 @@ def tuned_gluon(tuning_dir: Path | None, spec: AttnSpec, arch: str) -> GluonDeri
     candidate = next((c for c in derivation.candidates if gluon_knobs(c.config) == knobs), None)
     why = "not a candidate" if candidate is None else "; ".join(candidate.rejected)
     if why:
-        return dataclasses.replace(
-            derivation, source=f"derived; the tuned {knobs} ({measured}) is ignored: {why}"
-        )
+        ignored = f"derived; the tuned {knobs} ({measured}) is ignored: {why}"
+        return dataclasses.replace(derivation, source=ignored)
     return dataclasses.replace(derivation, chosen=candidate, source=f"tuned on {measured}{partial}")

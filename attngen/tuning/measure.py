@@ -6,6 +6,7 @@ This module imports torch and triton; the build path never imports it.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import importlib.util
 import json
@@ -138,3 +139,33 @@ def read_progress(path: Path, gpu: str, version: str) -> dict:
         version,
     )
     return data if same and isinstance(data.get("results"), dict) else fresh
+
+
+def outcome_of(spec: AttnSpec, heuristic, configs: dict[str, Any], results, buckets, kernel: str):
+    """(the Outcome of measuring `configs` {config_key: config}, winner unset; the timings
+    {config_key: {bucket: ms}} of the configs timed on every bucket)."""
+    timed = {key: r["median_ms"] for key, r in results.items() if "median_ms" in r}
+    tried = sum(1 for key in configs if key in results)
+    outcome = Outcome(spec, heuristic, None, {}, timed.get(config_key(heuristic)), tried,
+                      len(configs), tried == len(configs), kernel=kernel)  # fmt: skip
+    usable = {
+        key: t for key, t in timed.items() if key in configs and all(b.name in t for b in buckets)
+    }
+    return outcome, usable
+
+
+def fastest_overall(usable: dict[str, dict[str, float]], buckets: tuple[Bucket, ...]) -> str:
+    """The config of the least geometric mean over the buckets (ties: the first key)."""
+    return min(usable, key=lambda k: (geomean({b.name: usable[k][b.name] for b in buckets}), k))
+
+
+def entry_fields(run: TuneRun, outcome: Outcome, results: dict[str, Any]) -> dict[str, Any]:
+    """What every tuning entry records of its measurement (the file sorts the keys)."""
+    return {
+        "gpu": run.gpu,
+        "triton": run.triton,
+        "date": datetime.date.today().isoformat(),
+        "complete": outcome.complete,
+        "median_ms": outcome.winner_ms,
+        "candidates": {key: results[key] for key in sorted(results)},
+    }

@@ -47,13 +47,8 @@ def plan_backward_rows(specs: Iterable[AttnSpec], archs: Sequence[str] | None) -
             for kernel in KERNELS:
                 kernel_derivation = getattr(derivation, kernel)
                 best = kernel_derivation.chosen
-                plan.chosen.append(
-                    (
-                        f"{spec.name} {kernel}",
-                        arch,
-                        None if best is None else backward_key(spec, arch, kernel, best),
-                    )
-                )
+                key = None if best is None else backward_key(spec, arch, kernel, best)
+                plan.chosen.append((f"{spec.name} {kernel}", arch, key))
                 for cand in kernel_derivation.candidates:
                     plan.add(backward_key(spec, arch, kernel, cand.config), spec, cand)
     return plan

@@ -108,9 +108,8 @@ def plan_rows(specs: Iterable[AttnSpec], archs: Sequence[str] | None) -> Plan:
         for arch in archs or spec.archs:
             derivation = derive_tiles(spec, arch)
             best = derivation.chosen
-            plan.chosen.append(
-                (spec.name, arch, None if best is None else measurement_key(spec, arch, best))
-            )
+            key = None if best is None else measurement_key(spec, arch, best)
+            plan.chosen.append((spec.name, arch, key))
             for cand in derivation.candidates:
                 plan.add(measurement_key(spec, arch, cand.config), spec, cand)
     return plan
@@ -226,11 +225,6 @@ def _merge(
         others.setdefault(key, []).append((spec_ref(spec), record))
 
 
-def expected_mma(key: AnyKey) -> str:
-    """The instruction family the model's branch assumes (the key's kernel's smem model)."""
-    return key.expected_mma()
-
-
 @dataclass
 class Summary:
     """Counts over rows of one arch (or all): what the report table and the docs show."""
@@ -276,7 +270,7 @@ def summarize(rows: Iterable[Row]) -> Summary:
         s.exact += row.smem_class == "exact"
         s.over += row.smem_class == "over"
         s.under += row.smem_class == "UNDER"
-        s.mma_agree += m.get("mma") == expected_mma(row.key)
+        s.mma_agree += m.get("mma") == row.key.expected_mma()  # the family the model assumes
         spills = m["spill_stores"] or 0
         if not spills and m.get("regs"):
             s.regs_err.append(cand.regs_per_thread - m["regs"])
@@ -349,12 +343,5 @@ def verify_tiling(
 
     changed, others = measure(data, jobs, processes, after_chunk, replace_other=recompile)
     judge(plan, data, changed, stale_fails=save_to is None, others=others)
-    return Report(
-        plan,
-        skipped,
-        len(changed),
-        time.perf_counter() - start,
-        data.triton,
-        data.template_hash,
-        current_template_hash(),
-    )
+    hashes = (data.triton, data.template_hash, current_template_hash())
+    return Report(plan, skipped, len(changed), time.perf_counter() - start, *hashes)

@@ -193,13 +193,19 @@ def kernel_source(
     for name, width in (("k_desc", spec.head_dim), ("v_desc", spec.value_head_dim)):
         block = f"[1, 1, {config.block_n}, {padded_head_dim(width)}]"
         types[name] = f"tensordesc<{spec.dtype.value}{block}>"
+    return _ast_source(spec, kernel, constexprs, types, _strides_divisible(spec))
+
+
+def _strides_divisible(spec: AttnSpec) -> Callable[[str], bool]:
+    """Which arguments a prefill module's kernels (forward and gradients) get 16-divisible:
+    batch and head strides, and the row strides of rows_aligned dims."""
     aligned = rows_aligned(spec)
 
-    def divisible(name: str) -> bool:  # batch and head strides; row strides of aligned dims
+    def divisible(name: str) -> bool:
         stride = name.startswith("stride_")
         return stride and (name.endswith(("b", "h")) or (aligned and name.endswith(("m", "n"))))
 
-    return _ast_source(spec, kernel, constexprs, types, divisible)
+    return divisible
 
 
 def _decode_source(spec: AttnSpec, kernel: Any, config: TileConfig, v_from_k: bool) -> Any:
@@ -232,17 +238,10 @@ def _backward_source(spec: AttnSpec, kernel: Any, config: TileConfig, grads: int
     ATOMIC_DQ (deterministic=False's dK/dV kernel, dQ an fp32 tensor). DELTA_ONLY is off."""
     q_per_kv = spec.num_q_heads // spec.num_kv_heads
     constexprs: dict[str, Any] = dict.fromkeys(_BACKWARD_UNIT_STRIDES, 1)
-    constexprs.update(
-        HAS_DLSE=False,
-        DROPOUT_ON=True,
-        GRADS=grads & 3,  # dK/dV: 3 both gradients in one launch, 1 dV, 2 dK
-        ATOMIC_DQ=grads > 3,
-        DELTA_ONLY=False,
-        STORE_LSE2=False,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        GROUP_MAX=1 << (q_per_kv - 1).bit_length(),
-    )
+    constexprs.update(HAS_DLSE=False, DROPOUT_ON=True, DELTA_ONLY=False, STORE_LSE2=False)
+    # GRADS (dK/dV): 3 both gradients in one launch, 1 dV, 2 dK
+    constexprs.update(GRADS=grads & 3, ATOMIC_DQ=grads > 3, BLOCK_M=config.block_m)
+    constexprs.update(BLOCK_N=config.block_n, GROUP_MAX=1 << (q_per_kv - 1).bit_length())
     if q_per_kv == 1:
         constexprs["q_per_kv"] = 1  # Triton specializes an int argument equal to 1
     constexprs = {name: value for name, value in constexprs.items() if name in kernel.arg_names}
@@ -254,13 +253,7 @@ def _backward_source(spec: AttnSpec, kernel: Any, config: TileConfig, grads: int
     )  # Sinks, DSinkPartial: with `sinks: true`
     types.update(RngState="*i64", sm_scale="fp32", keep_scale="fp32")
     types.update({"DQ": "*fp32"} if grads > 3 else {})
-    aligned = rows_aligned(spec)
-
-    def divisible(name: str) -> bool:  # as the forward's: batch, head and aligned row strides
-        stride = name.startswith("stride_")
-        return stride and (name.endswith(("b", "h")) or (aligned and name.endswith(("m", "n"))))
-
-    return _ast_source(spec, kernel, constexprs, types, divisible)
+    return _ast_source(spec, kernel, constexprs, types, _strides_divisible(spec))
 
 
 def _ast_source(
@@ -361,20 +354,13 @@ def compile_one(
         v_from_k, kernel = kernel != SEPARATE_V, None
     else:
         v_from_k = True
-    return compile_source(
-        lambda: kernel_source(
-            spec,
-            load_kernel(spec, arch, kind, kernel),
-            config,
-            kind,
-            backward=kernel is not None,
-            v_from_k=v_from_k,
-            grads=GRADS_OF.get(kernel or "", 3),
-        ),
-        arch,
-        config,
-        fp_fusion=fp_fusion(spec),
-    )
+    grads = GRADS_OF.get(kernel or "", 3)
+
+    def make_source() -> Any:
+        jit = load_kernel(spec, arch, kind, kernel)
+        return kernel_source(spec, jit, config, kind, kernel is not None, v_from_k, grads)
+
+    return compile_source(make_source, arch, config, fp_fusion=fp_fusion(spec))
 
 
 def fp_fusion(spec: AttnSpec) -> bool:
@@ -446,14 +432,8 @@ def compile_iter(
     because triton.language's own helpers are interpreter functions there. Each job carries
     its spec as data, so a worker renders and imports the kernel itself."""
     payload = [
-        (
-            job[0].model_dump(mode="json"),
-            job[1],
-            job[2],
-            kind.value,
-            job[3] if len(job) == 4 else None,
-        )
-        for job in jobs
+        (spec.model_dump(mode="json"), arch, config, kind.value, next(iter(kernel), None))
+        for spec, arch, config, *kernel in jobs
     ]
     if not payload:
         return

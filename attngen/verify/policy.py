@@ -94,16 +94,11 @@ def _judge_one(row: Row, m: dict[str, Any]) -> None:
             row.notes.append(f"may spill: spills {spills} B")
         return
     for reason in cand.rejected:
-        if reason.startswith("smem"):
-            ok = shared > arch.smem_budget
-            row.notes.append(
-                f"smem rejection {'confirmed' if ok else 'conservative'}: compiled {shared} B"
-            )
-        elif reason.startswith("regs"):
-            ok = spills > SAFE_SPILL_BYTES
-            row.notes.append(
-                f"regs rejection {'confirmed' if ok else 'conservative'}: spills {spills} B"
-            )
+        kind = reason[:4]  # the tile rule and occupancy have no resource to confirm
+        if kind in ("smem", "regs"):
+            ok = shared > arch.smem_budget if kind == "smem" else spills > SAFE_SPILL_BYTES
+            seen = f"compiled {shared} B" if kind == "smem" else f"spills {spills} B"
+            row.notes.append(f"{kind} rejection {'confirmed' if ok else 'conservative'}: {seen}")
 
 
 def margin_note() -> str:

@@ -68,20 +68,13 @@ def report_lines(report: Report, all_rows: bool = False) -> list[str]:
     lines.append(_summary_row("all", total))
     rates = rate_lines(total, report)
     if report.skipped:
-        rates.insert(
-            -1,
-            f"not compiled: {len(report.skipped)} fp32 configs predicted far over "
-            "the register file (ptxas takes minutes each; the model rejects them)",
-        )
+        skipped = f"not compiled: {len(report.skipped)} fp32 configs predicted far over the"
+        skipped += " register file (ptxas takes minutes each; the model rejects them)"
+        rates.insert(-1, skipped)
     lines += ["", *legend_lines(), "", *rates]
     failed = report.failed
     if failed:
-        lines += [
-            "",
-            f"FAILED: {len(failed)} config(s)",
-            ROW_HEADER,
-            *(_row_line(r) for r in failed),
-        ]
+        lines += ["", f"FAILED: {len(failed)} config(s)", ROW_HEADER, *map(_row_line, failed)]
     return lines
 
 
@@ -99,9 +92,8 @@ def chosen_lines(report: Report) -> list[str]:
         row = report.plan.rows[key]
         m, cand = row.measured or {}, row.candidate
         config = f"{key.BLOCK_M}x{key.BLOCK_N} {key.num_warps} {key.num_stages}"
-        verdict = (
-            "FAIL: " + "; ".join(row.problems) if row.problems else ("ok" if m else "not compiled")
-        )
+        verdict = "ok" if m else "not compiled"
+        verdict = "FAIL: " + "; ".join(row.problems) if row.problems else verdict
         lines.append(
             f"{spec:<18} {arch:<6} {config:<12} {cand.smem_bytes:>7} "
             f"{m.get('shared') or '-':>7} {ARCHS[arch].smem_budget:>7} "
