@@ -22,6 +22,7 @@ from attngen.runtime import last_backward, reset_backward_runs
 from attngen.runtime.ops import ATOMIC, ATOMIC_DQ_OFF, DETERMINISTIC, GLUON_DQ
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
 from attngen.spec import KernelKind
+from attngen.spec.files import VARIANTS_ENV
 from attngen.tiling.gluon import GLUON_UNVERIFIED
 from attngen.tiling.gluon_backward import (
     BACKWARD,
@@ -32,7 +33,7 @@ from attngen.tiling.gluon_backward import (
 from attngen.tiling.prefill import derive_tiles
 from attngen.verify.gluon import verify_gluon
 from tests.backward_harness import padded_inputs
-from tests.kernel_harness import make_spec
+from tests.kernel_harness import load_kernel, make_spec
 
 KERNEL = "def _gluon_attn_bwd_kernel("
 INTERPRETED = "tile-level: Triton's interpreter runs no Gluon kernel"
@@ -400,6 +401,42 @@ def test_the_kernels_compile_for_sm90_as_the_model_predicts():
         spills, stack = known.get((spec.head_dim, spec.mask.value), (0, 0))
         assert row.record["spill_stores"] == spills, row.line()
         assert row.problems == ([f"spills {spills} B, stack {stack} B"] if spills else [])
+
+
+def test_d256_has_a_form_of_its_own_behind_the_switch(monkeypatch):
+    """BLOCK_N 64, a P and a dS warpgroup at 232 registers, the model's 230,912 B (its
+    prototype's compile); not with a window, softcap or ALiBi; the module imports."""
+    monkeypatch.delenv(VARIANTS_ENV, raising=False)
+    spec = _spec(head_dim=256, num_q_heads=4, num_kv_heads=2)
+    assert gluon_backward_gap(spec, "sm90", KernelKind.prefill).startswith(
+        "head dim 256: not verified on a GPU yet"
+    )
+    monkeypatch.setenv(VARIANTS_ENV, "1")
+    chosen = derive_gluon_backward(spec, "sm90").chosen
+    config = chosen.config
+    assert (config.block_m, config.block_n, config.stages, config.consumer_regs) == (64, 64, 2, 232)
+    assert chosen.smem_bytes == 230912
+    source = _render(spec)
+    assert "def _gluon_bwd_p_role(" in source and "def _gluon_bwd_consumer(" not in source
+    assert load_kernel(spec).GLUON_BWD_CONFIG["BLOCK_N"] == 64
+    for more in (dict(softcap=5.0), dict(alibi=True),
+                 dict(mask="sliding_window", window_left=100, window_right=0)):  # fmt: skip
+        gap = gluon_backward_gap(_spec(head_dim=256, **more), "sm90", KernelKind.prefill)
+        assert gap.startswith("head dim 256 with a window, softcap or ALiBi"), gap
+
+
+@pytest.mark.slow
+def test_the_d256_kernel_compiles_for_sm90_as_the_model_predicts(monkeypatch):
+    """None and causal, bf16 and fp16: shared memory equal to the model's, no spills at 232
+    registers, dQ by TMA reduce-adds."""
+    monkeypatch.setenv(VARIANTS_ENV, "1")
+    specs = [_spec(head_dim=256, mask=mask, dtype=dtype, num_q_heads=4, num_kv_heads=2)
+             for mask in ("none", "causal") for dtype in ("bf16", "fp16")]  # fmt: skip
+    rows = [row for row in verify_gluon(specs, processes=1) if "dK/dV" in row.line()]
+    assert len(rows) == len(specs)
+    for row in rows:
+        assert not row.problems and row.record["atomics"] == [], row.line()
+        assert row.record["tma_reduces"] and row.record["setmaxnreg"][:3] == [24, 120, 232]
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ from attngen.reference.backward import compare_gradients
 from attngen.runtime import last_backward
 from attngen.runtime.ops import ATOMIC, DETERMINISTIC
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
+from attngen.spec.files import VARIANTS_ENV
 from tests.kernel_harness import make_spec
 
 pytestmark = [
@@ -192,6 +193,32 @@ def test_deterministic_calls_run_it_without_dq_and_repeat_bitwise(case, built):
     assert not problems, "; ".join(problems)
     again, _, _ = run_backward(case, deterministic=True)
     assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True))
+
+
+# D 256's form (BLOCK_N 64, a P and a dS warpgroup), built with ATTNGEN_GLUON_VARIANTS=1 while
+# "backward d256" is in GLUON_UNVERIFIED: none and causal (either alignment; top-left through
+# SDPA, dQ's sum in [B, H, N, D] order), GQA, Nq != Nk, partial blocks.
+D256_CASES = [
+    (1, 1, 1, 2, 2, 256, "none", None, "bf16"),
+    (2, 63, 65, 4, 2, 256, "none", None, "bf16"),
+    (2, 127, 127, 4, 2, 256, "causal", "bottom_right", "fp16"),
+    (1, 100, 300, 2, 2, 256, "causal", "bottom_right", "bf16"),
+    (1, 777, 2049, 4, 2, 256, "causal", "top_left", "bf16"),
+    (1, 1000, 1000, 8, 2, 256, "causal", "bottom_right", "bf16"),
+    (1, 1000, 1000, 7, 1, 256, "none", None, "fp16"),
+]
+
+
+@pytest.mark.parametrize("case", D256_CASES, ids=_ids)
+def test_d256_gradients_match_the_float64_reference(case, built, monkeypatch):
+    monkeypatch.setenv(VARIANTS_ENV, "1")
+    test_gradients_match_the_float64_reference(case, built)
+
+
+@pytest.mark.parametrize("case", [D256_CASES[i] for i in (1, 5)], ids=_ids)
+def test_d256_deterministic_calls_run_it_without_dq(case, built, monkeypatch):
+    monkeypatch.setenv(VARIANTS_ENV, "1")
+    test_deterministic_calls_run_it_without_dq_and_repeat_bitwise(case, built)
 
 
 def test_short_causal_calls_run_the_tile_level_kernels_and_say_so(built):

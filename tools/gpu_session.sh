@@ -181,6 +181,10 @@ section_command() {
       tests/test_gluon_backward_gpu.py tests/test_gluon_varlen_gpu.py" ;;
     gluon_varlen_tests) echo "$pytest_gpu -rf --tb=short tests/test_gluon_varlen_gpu.py" ;;
     gluon_bwd_tests) echo "$pytest_gpu -rf --tb=short tests/test_gluon_backward_gpu.py" ;;
+    # The D 256 form of the Gluon backward (behind ATTNGEN_GLUON_VARIANTS=1): its GPU cases,
+    # then the grid's D 256 cells with it (FA4 where it is on the path).
+    d256_bwd) echo "ATTNGEN_GLUON_VARIANTS=1 $pytest_gpu -rf --tb=short tests/test_gluon_backward_gpu.py -k d256 \
+      && ATTNGEN_GLUON_VARIANTS=1 python3 tools/bench_grid.py --out $work/d256 --d 256 --impls attngen,fa4,cudnn" ;;
     # The Gluon dK/dV backward through flash_attn_func against the tile-level backward, cuDNN
     # and FA4 (FA4 where importable: `source tools/gpu_fa4.sh` in the same call first).
     gluon_bwd_bench) echo "python3 tools/gluon_backward.py --out $work" ;;

@@ -23,7 +23,11 @@ The model (sympy) in BM = BLOCK_M, BN = BLOCK_N, D, E (element bytes), S (stages
 
 The choice: the widest BLOCK_M that fits (each query block costs five wgmma issues and a
 barrier round), then the fewest stages (two: a step's five GEMMs cover the next block's load).
-D 256 does not fit (dK_c and dV_c [64, 256] fp32 alone are 256 registers a thread).
+D 256 has a form of its own (_gluon_backward_d256.py.jinja; dK_c and dV_c [64, 256] fp32 would
+be 256 registers a thread): BLOCK_N 64, the warpgroups split by role (one keeps dV, the other
+dK: D x BN / 128 registers each), dQ staged in [BM, 32] pieces (C 32 in the model), three
+[2, 1] barrier arrays; BLOCK_M 64 (its prototype's, tools/d256_proto/). Behind
+ATTNGEN_GLUON_VARIANTS=1 until its GPU tests pass (D256 in GLUON_UNVERIFIED).
 
 Served since its GPU tests passed (tests/test_gluon_backward_gpu.py), but for causal calls with
 fewer than SHORT_CAUSAL_KEYS keys, which the module sends to its tile-level kernels. Pure
@@ -48,7 +52,9 @@ from attngen.tiling.gluon import GLUON_UNVERIFIED, WARPGROUP, barriers, gluon_ga
 NC, BM, BN, D, E, S, C = sympy.symbols("NC BLOCK_M BLOCK_N D E S C", positive=True, integer=True)
 SYMBOLS = (NC, BM, BN, D, E, S, C)
 BACKWARD = "backward"  # its name in GLUON_VARIANTS / GLUON_UNVERIFIED
-HEAD_DIMS = (64, 128)
+D256 = "backward d256"  # the D 256 form's
+D256_CONSUMER_REGS = 232
+HEAD_DIMS = (64, 128, 256)
 CONSUMERS = 2
 BLOCK_N = 128  # two consumers x 64 key rows
 BLOCK_M_CHOICES = (64, 128)
@@ -79,8 +85,15 @@ def gluon_backward_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
     if BACKWARD in GLUON_UNVERIFIED and not unverified_variants_on():
         return "not verified on a GPU yet (built with ATTNGEN_GLUON_VARIANTS=1)"
     if spec.head_dim not in HEAD_DIMS:
-        return f"head dim {spec.head_dim}: the backward kernel is laid out for 64 and 128 only"
+        return f"head dim {spec.head_dim}: the backward kernel is laid out for 64, 128 and 256"
+    d256 = spec.head_dim == 256
+    if d256 and D256 in GLUON_UNVERIFIED and not unverified_variants_on():
+        return "head dim 256: not verified on a GPU yet (built with ATTNGEN_GLUON_VARIANTS=1)"
     for present, feature in (
+        (
+            d256 and (spec.mask.value == "sliding_window" or spec.softcap or spec.alibi),
+            "head dim 256 with a window, softcap or ALiBi",
+        ),
         (spec.mask.value not in ("none", "causal", "sliding_window"), f"mask {spec.mask.value}"),
         (spec.sink_tokens, "sink tokens"),
         (spec.sinks, "sinks"),
@@ -105,9 +118,15 @@ def smem_expression() -> sympy.Expr:
     return tiles + staging + 3 * barriers(S) + 2 * barriers(sympy.Integer(2))
 
 
+D256_SMEM_EXTRA = barriers(sympy.Integer(2))  # D 256's third [2, 1] barrier array (P ready)
+
+
 @cache
-def regs_expression() -> sympy.Expr:
-    """Registers per consumer thread (module docstring)."""
+def regs_expression(d256: bool = False) -> sympy.Expr:
+    """Registers per consumer thread (module docstring); D 256's form keeps one [BN, D]
+    accumulator a warpgroup, its scores [BN, BM] and its half of dQ [BM, D / 2]."""
+    if d256:
+        return (BN * D + sympy.Max(BN * BM + BM * WARPGROUP / 4, BM * D / 2)) / WARPGROUP + OVERHEAD
     scores = 2 * BM * BN / NC + BM * WARPGROUP / 4  # S^T, dP^T fp32; delta by column
     return (2 * BN / NC * D + sympy.Max(scores, BM * C)) / WARPGROUP + OVERHEAD
 
@@ -123,8 +142,9 @@ class BwdConfig:
     maxnreg: int
 
     def describe(self) -> str:
+        roles = "2 consumer warpgroups x 64 keys" if self.block_n == 128 else "P and dS roles"
         return (
-            f"BLOCK_M {self.block_m}, BLOCK_N {self.block_n} (2 consumer warpgroups x 64 keys), "
+            f"BLOCK_M {self.block_m}, BLOCK_N {self.block_n} ({roles}), "
             f"{self.stages} stages, dQ {'split by columns' if self.dq_split else 'by turns'}, "
             f"setmaxnreg {self.consumer_regs}/{self.producer_regs} (entry {self.maxnreg})"
         )
@@ -144,13 +164,19 @@ class BwdCandidate:
 
 def candidate(d: int, itemsize: int, block_m: int, stages: int, budget: int, captured: int = 0
               ) -> BwdCandidate:  # fmt: skip
-    values = (CONSUMERS, block_m, BLOCK_N, d, itemsize, stages, dq_columns(d))
+    block_n, columns = (64, 32) if d == 256 else (BLOCK_N, dq_columns(d))
+    values = (CONSUMERS, block_m, block_n, d, itemsize, stages, columns)
     smem = int(compiled(smem_expression(), SYMBOLS)(*values)) + captured
-    regs = int(compiled(regs_expression(), SYMBOLS)(*values))
+    smem += int(D256_SMEM_EXTRA) * (d == 256)
+    regs = int(compiled(regs_expression(d == 256), SYMBOLS)(*values))
     consumer, producer, entry = register_split(CONSUMERS)
+    # D 256 at 232: causal spilled 20 B at 240, a ptxas heuristic that 232 does not trigger
+    # (docs/d256_backward_study.md, its compile table)
+    consumer = D256_CONSUMER_REGS if d == 256 else consumer
     rejected = [f"smem {smem} B > {budget} B"] if smem > budget else []
     rejected += [f"consumer regs ~{regs} > {consumer}"] if regs > consumer else []
-    config = BwdConfig(block_m, BLOCK_N, stages, dq_columns(d) < d, consumer, producer, entry)
+    rejected += ["D 256: BLOCK_M 64 only (its prototype's)"] if d == 256 and block_m != 64 else []
+    config = BwdConfig(block_m, block_n, stages, dq_columns(d) < d, consumer, producer, entry)
     return BwdCandidate(config, smem, regs, tuple(rejected))
 
 
