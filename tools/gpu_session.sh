@@ -75,8 +75,6 @@ section_command() {
     bwd_causal_gap) echo "python3 tools/profile_step.py --out $work --cells 128:16384:1 \
       64:16384:1 128:16384:0 && python3 tools/bench_grid.py --out $work/g16 --d 64,128 \
       --n 16384 --causal 1 --impls attngen,cudnn" ;;
-    # The D 256 Gluon backward prototype: gradients against float64, time against the module's.
-    d256_proto) echo "python3 tools/d256_proto/run_d256.py --out $work" ;;
     profile_decode) echo "python3 tools/profile_decode_graph.py --out $work" ;;
     public_prefill) echo "python3 tools/bench_public_prefill.py --out $work" ;;
     bench_prefill) echo "python3 tools/bench_prefill.py --out $work" ;;
