@@ -187,7 +187,7 @@ section_command() {
     # and FA4 (FA4 where importable: `source tools/gpu_fa4.sh` in the same call first).
     d256_tests) echo "ATTNGEN_GLUON_VARIANTS=1 $pytest_gpu -rf --tb=short tests/test_gluon_backward_gpu.py -k d256" ;;
     # The causal N 16k cells beside the deterministic backward only (no FA4 in the process).
-    grid_det) echo "python3 tools/bench_grid.py --out $work/det --d 64,128 --n 16384 --causal 1 \
+    grid_det) echo "python3 tools/bench_grid.py --out $work/det --d 128 --n 16384 --causal 1 \
       --impls attngen,attngen_det,cudnn" ;;
     # The whole grid beside FA4 and cuDNN (FA4 ready: `source tools/gpu_fa4.sh` first).
     grid_full) echo "python3 tools/bench_grid.py --out $work/grid --impls attngen,fa4,cudnn --budget-s 330" ;;
