@@ -34,6 +34,7 @@ from attngen.tiling.prefill import derive_tiles
 from attngen.verify.gluon import verify_gluon
 from tests.backward_harness import padded_inputs
 from tests.kernel_harness import load_kernel, make_spec
+from tests.test_expression_kernels import CASES
 
 KERNEL = "def _gluon_attn_bwd_kernel("
 INTERPRETED = "tile-level: Triton's interpreter runs no Gluon kernel"
@@ -124,6 +125,16 @@ def test_what_it_does_not_serve_stays_tile_level(name):
     spec = _spec(**fields)
     assert gluon_backward_gap(spec, "sm90", KernelKind.prefill).startswith(reason)
     assert KERNEL not in _render(spec)
+
+
+def test_expressions_stay_tile_level_with_the_switch(monkeypatch):
+    """The switch gives score_mod / mask_mod modules the Gluon forward, not this backward
+    (which evaluates neither): their gradients stay the tile-level kernels'."""
+    monkeypatch.setenv(VARIANTS_ENV, "1")
+    spec = _spec(**dict(CASES["document"], mask="causal", causal_align="top_left"))
+    assert gluon_backward_gap(spec, "sm90", KernelKind.prefill).startswith("score_mod/mask_mod")
+    source = _render(spec)
+    assert KERNEL not in source and "def _gluon_attn_fwd_kernel(" in source
 
 
 def test_other_archs_and_varlen_do_not_get_it():

@@ -97,6 +97,7 @@ def gluon_backward_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
         (spec.mask.value not in ("none", "causal", "sliding_window"), f"mask {spec.mask.value}"),
         (spec.sink_tokens, "sink tokens"),
         (spec.sinks, "sinks"),
+        (spec.score_mod is not None or spec.mask_mod is not None, "score_mod/mask_mod"),
         (spec.head_dim != spec.value_head_dim, "head_dim != head_dim_v"),
     ):
         if present:
