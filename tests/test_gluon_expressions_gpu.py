@@ -1,10 +1,12 @@
-"""score_mod / mask_mod in the warp-specialized forward on the H200: `pytest -m gpu`.
+"""score_mod / mask_mod in the warp-specialized forward and dK/dV backward on the H200:
+`pytest -m gpu`.
 
-Built with ATTNGEN_GLUON_VARIANTS=1 while "score_mod/mask_mod" is in GLUON_UNVERIFIED: each
-case of tests/test_expression_kernels.py through attention() at D 64 and 128, without a block
-mask and with one (exact, disturbed as Flex's meaning allows, hostile lists), against the
-float64 reference, and forward_path() saying the Gluon kernel ran. Run it once under
-compute-sanitizer too (the hostile lists must not fault).
+Built with ATTNGEN_GLUON_VARIANTS=1 while "score_mod/mask_mod" and "backward score_mod/
+mask_mod" are in GLUON_UNVERIFIED: each case of tests/test_expression_kernels.py through
+attention() at D 64 and 128, without a block mask and with one (exact, disturbed as Flex's
+meaning allows, hostile lists), against the float64 reference, forward_path() and
+backward_path() saying the Gluon kernels ran. Run it once under compute-sanitizer too (the
+hostile lists must not fault).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from attngen.reference import compare_to_reference
+from attngen.reference.backward import compare_gradients
 from attngen.spec.files import VARIANTS_ENV
 from tests.kernel_harness import load_kernel, make_inputs, make_spec
 from tests.test_block_sparse import (
@@ -35,9 +38,10 @@ def _variants(monkeypatch):
     monkeypatch.setenv(VARIANTS_ENV, "1")
 
 
-def _spec(case: str, causal: bool, head_dim: int):
+def _spec(case: str, causal: bool, head_dim: int, backward: bool = False):
     mask = dict(mask="causal", causal_align="top_left") if causal else dict(mask="none")
-    return make_spec(name="gflex", dtype="bf16", head_dim=head_dim, **mask, **CASES[case])
+    return make_spec(name="gflex", dtype="bf16", head_dim=head_dim, backward=backward, **mask,
+                     **CASES[case])  # fmt: skip
 
 
 def _run(kernel, q, k, v, tensors, block_mask=None):
@@ -103,3 +107,37 @@ def test_hostile_lists() -> None:
     problems = flex_meaning_problems("document", "bf16", False, out, lse, q, k, v, tensors,
                                      block_mask)  # fmt: skip
     assert not problems, "; ".join(problems)
+
+
+def _gradients(kernel, q, k, v, tensors, block_mask, deterministic):
+    """dq, dk, dv on the CPU from the module's Gluon dK/dV kernel (asserted) on the GPU, and
+    dO (a seeded draw)."""
+    leaves = [t.cuda().requires_grad_() for t in (q, k, v)]
+    dout = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=torch.Generator().manual_seed(5))
+    if block_mask is not None:
+        block_mask = tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in block_mask)
+    out = kernel.attention(*leaves, tensors={n: t.cuda() for n, t in tensors.items()} or None,
+                           block_mask=block_mask, deterministic=deterministic)  # fmt: skip
+    out.backward(dout.to(q.dtype).cuda())
+    assert kernel.backward_path().startswith(kernel.GLUON_BACKWARD_PATH), kernel.backward_path()
+    return [t.grad.cpu() for t in leaves], dout.to(q.dtype)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_expression_gradients(case: str, causal: bool, head_dim: int) -> None:
+    """Without a block mask (the every-block lists) and dQ by TMA reduce-adds, then with the
+    exact block mask and deterministic=True (the Gluon kernel without dQ)."""
+    spec = _spec(case, causal, head_dim, backward=True)
+    kernel = load_kernel(spec)
+    batch, seqlen_q, seqlen_k = 2, 700, 1000
+    scale = 8.0 if case == "softcap" else 1.0
+    q, k, v, _ = make_inputs(spec, batch, seqlen_q, seqlen_k, seed=34, scale=scale)
+    tensors = case_tensors(case, batch, seqlen_k, 34)
+    values = mask_mod_values(spec, tensors, batch, seqlen_q, seqlen_k)
+    for block_mask, deterministic in ((None, False),
+                                      (exact_block_mask(values, 128, 128), True)):  # fmt: skip
+        grads, dout = _gradients(kernel, q, k, v, tensors, block_mask, deterministic)
+        problems = compare_gradients(spec, grads, q, k, v, dout, tensors=tensors)
+        assert not problems, f"block mask {block_mask is not None}: " + "; ".join(problems)

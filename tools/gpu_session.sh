@@ -171,7 +171,9 @@ section_command() {
     # score_mod / mask_mod in the Gluon forward (behind ATTNGEN_GLUON_VARIANTS=1): its GPU
     # tests, then the Flex table with it (the forward column; attngen_expr against built-in).
     gluon_expr) echo "ATTNGEN_GLUON_VARIANTS=1 $pytest_gpu -rf --tb=short tests/test_gluon_expressions_gpu.py \
-      && ATTNGEN_GLUON_VARIANTS=1 python3 tools/bench_flex.py --out $work/gluon_expr" ;;
+      -k 'not gradients' && ATTNGEN_GLUON_VARIANTS=1 python3 tools/bench_flex.py --out $work/gluon_expr" ;;
+    gluon_expr_bwd) echo "ATTNGEN_GLUON_VARIANTS=1 $pytest_gpu -rf --tb=short tests/test_gluon_expressions_gpu.py \
+      -k gradients" ;;
     bench_sparse) echo "python3 tools/bench_block_sparse.py --out $work" ;;
     # The Gluon forward's variants and the modules' Gluon dK/dV backward (the varlen form built
     # with ATTNGEN_GLUON_VARIANTS=1 inside its tests): float64 checks through the public functions.
