@@ -194,6 +194,8 @@ section_command() {
     # The whole grid beside FA4 and cuDNN (FA4 ready: `source tools/gpu_fa4.sh` first).
     grid_full) echo "python3 tools/bench_grid.py --out $work/grid --impls attngen,fa4,cudnn --budget-s 330" ;;
     step_host) echo "python3 tools/step_host.py --out $work/step --cells 128:1024:1 --fa4" ;;
+    # Each kernel of a step at the grid's losing cells, attngen beside FA4 (`source tools/gpu_fa4.sh`).
+    ncu_versus) echo "python3 tools/ncu_versus.py --out $work/ncu" ;;
     gluon_bwd_bench) echo "python3 tools/gluon_backward.py --out $work" ;;
     # The open Gluon variants against the same specs' tile-level forward (and FA4 if on the
     # path); the grid's N 1k cells with the dispatch recorded.
