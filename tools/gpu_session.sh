@@ -194,6 +194,10 @@ section_command() {
     # The whole grid beside FA4 and cuDNN (FA4 ready: `source tools/gpu_fa4.sh` first).
     grid_full) echo "python3 tools/bench_grid.py --out $work/grid --impls attngen,fa4,cudnn --budget-s 330" ;;
     step_host) echo "python3 tools/step_host.py --out $work/step --cells 128:1024:1 --fa4" ;;
+    # The Gluon dK/dV kernel with and without dQ (deterministic=True runs it without), causal
+    # and not: what dQ's staging and reduce-adds cost where the unmasked backward trails FA4.
+    profile_dq) echo "python3 tools/profile_step.py --out $work/pdq --cells 128:16384:0 128:16384:1 \
+      64:16384:0 128:4096:0 --deterministic" ;;
     # Each kernel of a step at the grid's losing cells, attngen beside FA4 (`source tools/gpu_fa4.sh`).
     ncu_versus) echo "python3 tools/ncu_versus.py --out $work/ncu" ;;
     gluon_bwd_bench) echo "python3 tools/gluon_backward.py --out $work" ;;
