@@ -179,6 +179,17 @@ def test_expression_launches_fill_the_kernels_parameters(with_block_mask, monkey
                           if m * q_block + q_block - 1 >= n * 128}  # fmt: skip
 
 
+def test_block_masks_the_expression_kernel_cannot_take_go_tile_level(monkeypatch):
+    """Blocks that are not positive multiples of BLOCK_M x BLOCK_N, and a malformed mask (then
+    the tile-level kernels' checks name it), never reach the Gluon route's buffers."""
+    monkeypatch.setenv(VARIANTS_ENV, "1")
+    spec = _spec(head_dim=64, **dict(CASES["document"], mask="causal", causal_align="top_left"))
+    module = load_kernel(spec)
+    fits = module._gluon_bwd_blocks_fit
+    assert fits((128, 128)) and fits((64, 256))
+    assert not any(fits(s) for s in ((32, 128), (128, 64), (0, 128), (128.0, 128), (-64, 128)))
+
+
 def test_expressions_with_softcap_alibi_or_trainable_tensors_stay_tile_level(monkeypatch):
     monkeypatch.setenv(VARIANTS_ENV, "1")
     fields = dict(CASES["document"], mask="causal", causal_align="top_left")
