@@ -106,7 +106,7 @@ def test_the_prefill_modules_hold_it(d, mask, align):
 
 
 NOT_SERVED = {
-    "d256": (dict(head_dim=256), "head dim 256"),
+    "d256 softcap": (dict(head_dim=256, softcap=5.0), "head dim 256 with a window, softcap"),
     "chunked": (dict(mask="chunked", chunk_size=256), "mask chunked"),
     "sink tokens": (
         dict(mask="sliding_window", window_left=127, window_right=0, sink_tokens=4),
@@ -151,9 +151,7 @@ def test_expression_launches_fill_the_kernels_parameters(with_block_mask, monkey
     def caught(kernel, grid, device, tensors, ints, tail, constexprs, options):
         if kernel is not module._gluon_attn_bwd_kernel:
             return real(kernel, grid, device, tensors, ints, tail, constexprs, options)
-        names = [n for n in kernel.arg_names if n not in constexprs]
-        assert set(constexprs) < set(kernel.arg_names)
-        assert len(names) == len(tensors) + len(ints) + len(tail)
+        names = _assert_launch_groups(kernel, tensors, ints, tail, constexprs)
         launches.append(dict(zip(names, [*tensors, *ints, *tail], strict=True)))
 
     monkeypatch.setattr(module, "_launch", caught)
@@ -484,15 +482,11 @@ def test_the_kernels_compile_for_sm90_as_the_model_predicts():
         assert row.problems == ([f"spills {spills} B, stack {stack} B"] if spills else [])
 
 
-def test_d256_has_a_form_of_its_own_behind_the_switch(monkeypatch):
+def test_d256_has_a_form_of_its_own():
     """BLOCK_N 64, a P and a dS warpgroup at 232 registers, the model's 230,912 B (its
     prototype's compile); not with a window, softcap or ALiBi; the module imports."""
-    monkeypatch.delenv(VARIANTS_ENV, raising=False)
     spec = _spec(head_dim=256, num_q_heads=4, num_kv_heads=2)
-    assert gluon_backward_gap(spec, "sm90", KernelKind.prefill).startswith(
-        "head dim 256: not verified on a GPU yet"
-    )
-    monkeypatch.setenv(VARIANTS_ENV, "1")
+    assert gluon_backward_gap(spec, "sm90", KernelKind.prefill) == ""
     chosen = derive_gluon_backward(spec, "sm90").chosen
     config = chosen.config
     assert (config.block_m, config.block_n, config.stages, config.consumer_regs) == (64, 64, 2, 232)

@@ -26,8 +26,9 @@ barrier round), then the fewest stages (two: a step's five GEMMs cover the next 
 D 256 has a form of its own (_gluon_backward_d256.py.jinja; dK_c and dV_c [64, 256] fp32 would
 be 256 registers a thread): BLOCK_N 64, the warpgroups split by role (one keeps dV, the other
 dK: D x BN / 128 registers each), dQ staged in [BM, 32] pieces (C 32 in the model), three
-[2, 1] barrier arrays; BLOCK_M 64 (its prototype's, d256_proto@21f4bb68). Behind
-ATTNGEN_GLUON_VARIANTS=1 until its GPU tests pass (D256 in GLUON_UNVERIFIED).
+[2, 1] barrier arrays; BLOCK_M 64 (its prototype's, d256_proto@21f4bb68). Served since its
+GPU tests passed (tests/test_gluon_backward_gpu.py -k d256; D256 names it in GLUON_UNVERIFIED
+should it need the switch again).
 
 score_mod / mask_mod (EXPRESSIONS, behind the switch too): the steps come from the key block's
 lists, whose listing and the expressions' tensors add captured arguments
