@@ -172,6 +172,11 @@ section_command() {
     # tests, then the Flex table with it (the forward column; attngen_expr against built-in).
     gluon_expr) echo "ATTNGEN_GLUON_VARIANTS=1 $pytest_gpu -rf --tb=short tests/test_gluon_expressions_gpu.py \
       -k 'not gradients' && ATTNGEN_GLUON_VARIANTS=1 python3 tools/bench_flex.py --out $work/gluon_expr" ;;
+    gluon_expr_fwd) echo "ATTNGEN_GLUON_VARIANTS=1 $pytest_gpu -rf --tb=short tests/test_gluon_expressions_gpu.py \
+      -k 'not gradients'" ;;
+    # The gym's expression mods (the expression kernels, Gluon with the switch) against Flex.
+    flex_expr) echo "ATTNGEN_GLUON_VARIANTS=1 python3 tools/bench_flex.py --out $work/flex \
+      --mods document 'relative bias' prefix-LM" ;;
     gluon_expr_bwd) echo "ATTNGEN_GLUON_VARIANTS=1 $pytest_gpu -rf --tb=short tests/test_gluon_expressions_gpu.py \
       -k gradients" ;;
     bench_sparse) echo "python3 tools/bench_block_sparse.py --out $work" ;;
