@@ -33,7 +33,9 @@ from attngen.tiling.gluon_backward import (
 from attngen.tiling.prefill import derive_tiles
 from attngen.verify.gluon import verify_gluon
 from tests.backward_harness import padded_inputs
-from tests.kernel_harness import load_kernel, make_spec
+from tests.kernel_harness import load_kernel, make_inputs, make_spec
+from tests.test_block_sparse import exact_block_mask, mask_mod_values
+from tests.test_expression_kernels import CASES, case_tensors
 
 KERNEL = "def _gluon_attn_bwd_kernel("
 INTERPRETED = "tile-level: Triton's interpreter runs no Gluon kernel"
@@ -104,7 +106,7 @@ def test_the_prefill_modules_hold_it(d, mask, align):
 
 
 NOT_SERVED = {
-    "d256": (dict(head_dim=256), "head dim 256"),
+    "d256 softcap": (dict(head_dim=256, softcap=5.0), "head dim 256 with a window, softcap"),
     "chunked": (dict(mask="chunked", chunk_size=256), "mask chunked"),
     "sink tokens": (
         dict(mask="sliding_window", window_left=127, window_right=0, sink_tokens=4),
@@ -124,6 +126,83 @@ def test_what_it_does_not_serve_stays_tile_level(name):
     spec = _spec(**fields)
     assert gluon_backward_gap(spec, "sm90", KernelKind.prefill).startswith(reason)
     assert KERNEL not in _render(spec)
+
+
+def _listed(num, idx, rows):
+    """{(key block, g, q-block)} of _transposed_block_mask's lists (batch 0, KV head 0)."""
+    return {(n, int(e) // rows, int(e) % rows) for n in range(num.shape[2])
+            for e in idx[0, 0, n, : int(num[0, 0, n])]}  # fmt: skip
+
+
+@pytest.mark.parametrize("with_block_mask", [False, True])
+def test_expression_launches_fill_the_kernels_parameters(with_block_mask, monkeypatch):
+    """score_mod / mask_mod in the Gluon backward (with the switch), its route forced on the
+    CPU (Gluon does not run under the interpreter) and its launch caught: tensors, ints, tail
+    and constexprs fill the kernel's parameters in order; the lists are a block mask's
+    transposed ones, else every (query head, BLOCK_M q-block) a key block meets (causal:
+    from its diagonal); the row statistics are padded to the lists' whole q-blocks."""
+    monkeypatch.setenv(VARIANTS_ENV, "1")
+    fields = dict(CASES["document"], mask="causal", causal_align="top_left")
+    spec = _spec(head_dim=64, num_q_heads=4, num_kv_heads=2, **fields)
+    module, launches = load_kernel(spec), []
+    monkeypatch.setattr(module, "_gluon_bwd_route", lambda *args: (None, args[4].contiguous()))
+    real = module._launch
+
+    def caught(kernel, grid, device, tensors, ints, tail, constexprs, options):
+        if kernel is not module._gluon_attn_bwd_kernel:
+            return real(kernel, grid, device, tensors, ints, tail, constexprs, options)
+        names = _assert_launch_groups(kernel, tensors, ints, tail, constexprs)
+        launches.append(dict(zip(names, [*tensors, *ints, *tail], strict=True)))
+
+    monkeypatch.setattr(module, "_launch", caught)
+    q, k, v, _ = make_inputs(spec, 1, 300, 300, seed=3)
+    tensors = case_tensors("document", 1, 300, 3)
+    block_mask = exact_block_mask(mask_mod_values(spec, tensors, 1, 300, 300), 128, 128)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = module.attention(*leaves, tensors=tensors,
+                           block_mask=block_mask if with_block_mask else None)  # fmt: skip
+    out.sum().backward()
+    (args,) = launches
+    assert args["doc_ptr"] is tensors["doc"] and args["dim_N"] == 300
+    q_block = 128 if with_block_mask else module.GLUON_BWD_CONFIG["BLOCK_M"]
+    rows = -(-300 // q_block)
+    padding = (args["sparse_q_block"], args["sparse_rows"], args["n_pad"])
+    assert padding == (q_block, rows, rows * q_block)
+    listed = _listed(args["QNum"], args["QIdx"], rows)
+    if with_block_mask:
+        lists = module._transposed_block_mask(block_mask, q, k)[0]
+        assert listed == _listed(lists[0], lists[1], rows)
+    else:
+        assert listed == {(n, g, m) for n in range(3) for g in range(2) for m in range(rows)
+                          if m * q_block + q_block - 1 >= n * 128}  # fmt: skip
+
+
+def test_block_masks_the_expression_kernel_cannot_take_go_tile_level(monkeypatch):
+    """Blocks that are not positive multiples of BLOCK_M x BLOCK_N, and a malformed mask (then
+    the tile-level kernels' checks name it), never reach the Gluon route's buffers."""
+    monkeypatch.setenv(VARIANTS_ENV, "1")
+    spec = _spec(head_dim=64, **dict(CASES["document"], mask="causal", causal_align="top_left"))
+    module = load_kernel(spec)
+    fits = module._gluon_bwd_blocks_fit
+    assert fits((128, 128)) and fits((64, 256))
+    assert not any(fits(s) for s in ((32, 128), (128, 64), (0, 128), (128.0, 128), (-64, 128)))
+
+
+def test_expressions_with_softcap_alibi_or_trainable_tensors_stay_tile_level(monkeypatch):
+    monkeypatch.setenv(VARIANTS_ENV, "1")
+    fields = dict(CASES["document"], mask="causal", causal_align="top_left")
+    for more, reason in ((dict(softcap=5.0), "score_mod/mask_mod with softcap"),
+                         (dict(alibi=True), "score_mod/mask_mod with softcap"),
+                         (dict(head_dim=256), "score_mod/mask_mod with softcap, ALiBi or head"),
+                         ):  # fmt: skip
+        gap = gluon_backward_gap(_spec(**fields, **more), "sm90", KernelKind.prefill)
+        assert gap.startswith(reason), gap
+    table = [dict(t, trainable=True) for t in CASES["relative_bias"]["tensors"]]
+    spec = _spec(**dict(CASES["relative_bias"], tensors=table))
+    assert gluon_backward_gap(spec, "sm90", KernelKind.prefill).startswith("a trainable tensor")
+    monkeypatch.delenv(VARIANTS_ENV)
+    gap = gluon_backward_gap(_spec(**fields), "sm90", KernelKind.prefill)
+    assert gap.startswith("score_mod/mask_mod"), gap
 
 
 def test_other_archs_and_varlen_do_not_get_it():
@@ -170,7 +249,7 @@ def test_softcap_modules_issue_dp_after_p_and_are_given_the_softcap_scale(tmp_pa
         seen.update(qk_scale=qk_scale, sm_scale=sm_scale)
         return torch.zeros_like(k), torch.zeros_like(v)
 
-    monkeypatch.setattr(module, "_gluon_bwd_route", lambda *args: (None, args[4]))
+    monkeypatch.setattr(module, "_gluon_bwd_route", lambda *args: (None, args[4].contiguous()))
     monkeypatch.setattr(module, "_gluon_bwd_run", kernel)
     q, k, v, dout, _ = padded_inputs(spec, 1, 4, 2, 70, 90, seed=3)
     out, lse = module.attention(q, k, v, return_lse=True)
@@ -273,7 +352,7 @@ def test_the_host_side_around_the_kernel(tmp_path, monkeypatch):
             dq[:, :, : q.shape[2]] += gq.float()
         return tuple(x.transpose(1, 2).contiguous().transpose(1, 2).to(k.dtype) for x in (gk, gv))
 
-    monkeypatch.setattr(module, "_gluon_bwd_route", lambda *args: (None, args[4]))
+    monkeypatch.setattr(module, "_gluon_bwd_route", lambda *args: (None, args[4].contiguous()))
     monkeypatch.setattr(module, "_gluon_bwd_run", kernel)
     launched, launch = [], module._launch  # the dQ kernel's pass goes through the cached launcher
 
@@ -403,15 +482,11 @@ def test_the_kernels_compile_for_sm90_as_the_model_predicts():
         assert row.problems == ([f"spills {spills} B, stack {stack} B"] if spills else [])
 
 
-def test_d256_has_a_form_of_its_own_behind_the_switch(monkeypatch):
+def test_d256_has_a_form_of_its_own():
     """BLOCK_N 64, a P and a dS warpgroup at 232 registers, the model's 230,912 B (its
     prototype's compile); not with a window, softcap or ALiBi; the module imports."""
-    monkeypatch.delenv(VARIANTS_ENV, raising=False)
     spec = _spec(head_dim=256, num_q_heads=4, num_kv_heads=2)
-    assert gluon_backward_gap(spec, "sm90", KernelKind.prefill).startswith(
-        "head dim 256: not verified on a GPU yet"
-    )
-    monkeypatch.setenv(VARIANTS_ENV, "1")
+    assert gluon_backward_gap(spec, "sm90", KernelKind.prefill) == ""
     chosen = derive_gluon_backward(spec, "sm90").chosen
     config = chosen.config
     assert (config.block_m, config.block_n, config.stages, config.consumer_regs) == (64, 64, 2, 232)
@@ -457,3 +532,30 @@ def test_the_softcap_kernels_compile_with_their_known_spills():
         assert row.record["shared"] == row.chosen.smem_bytes, row.line()
         spills, stack = known.get((spec.head_dim, spec.mask.value, spec.alibi), (0, 0))
         assert (row.record["spill_stores"], row.record["stack"]) == (spills, stack), row.line()
+
+
+# Spill stores (B) of the expression kernels at D 128 (none, causal): the plain kernel's
+# consumers sit at the 240-register cap, and the expressions' tiles go past it (D 64: none).
+EXPRESSION_SPILLS = {"document": (56, 156), "prefix_lm": (44, 96), "relative_bias": (188, 228),
+                     "softcap": (20, 52), "alibi": (28, 68), "out_of_range": (92, 80)}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_expression_kernels_compile_as_the_model_predicts(monkeypatch):
+    """Each case of tests/test_expression_kernels.py, none and causal, D 64 and 128, bf16,
+    cross-compiled for sm90 with the switch: shared memory equal to the model's (the captured
+    arguments: expression_capture_bytes), dP^T issued after P^T, the known spills."""
+    monkeypatch.setenv(VARIANTS_ENV, "1")
+    specs = [_spec(head_dim=d, mask=mask, causal_align="top_left", num_q_heads=8,
+                   num_kv_heads=2, **CASES[case])
+             for case in sorted(EXPRESSION_SPILLS) for d in (64, 128)
+             for mask in ("none", "causal")]  # fmt: skip
+    rows = [row for row in verify_gluon(specs) if "dK/dV" in row.line()]
+    assert len(rows) == len(specs)
+    for spec, row in zip(specs, rows, strict=True):
+        assert row.record["shared"] == row.chosen.smem_bytes, row.line()
+        case = next(c for c in CASES if CASES[c].get("score_mod") == spec.score_mod
+                    and CASES[c].get("mask_mod") == spec.mask_mod)  # fmt: skip
+        causal = spec.mask.value == "causal"
+        spills = EXPRESSION_SPILLS[case][causal] if spec.head_dim == 128 else 0
+        assert row.record["spill_stores"] == spills, row.line()

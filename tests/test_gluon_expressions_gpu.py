@@ -1,10 +1,12 @@
-"""score_mod / mask_mod in the warp-specialized forward on the H200: `pytest -m gpu`.
+"""score_mod / mask_mod in the warp-specialized forward and dK/dV backward on the H200:
+`pytest -m gpu`.
 
-Built with ATTNGEN_GLUON_VARIANTS=1 while "score_mod/mask_mod" is in GLUON_UNVERIFIED: each
-case of tests/test_expression_kernels.py through attention() at D 64 and 128, without a block
-mask and with one (exact, disturbed as Flex's meaning allows, hostile lists), against the
-float64 reference, and forward_path() saying the Gluon kernel ran. Run it once under
-compute-sanitizer too (the hostile lists must not fault).
+Built with ATTNGEN_GLUON_VARIANTS=1 while "score_mod/mask_mod" and "backward score_mod/
+mask_mod" are in GLUON_UNVERIFIED: each case of tests/test_expression_kernels.py through
+attention() at D 64 and 128, without a block mask and with one (exact, disturbed as Flex's
+meaning allows, hostile lists), against the float64 reference, forward_path() and
+backward_path() saying the Gluon kernels ran. Run it once under compute-sanitizer too (the
+hostile lists must not fault).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from attngen.reference import compare_to_reference
+from attngen.reference.backward import compare_gradients
 from attngen.spec.files import VARIANTS_ENV
 from tests.kernel_harness import load_kernel, make_inputs, make_spec
 from tests.test_block_sparse import (
@@ -35,9 +38,20 @@ def _variants(monkeypatch):
     monkeypatch.setenv(VARIANTS_ENV, "1")
 
 
-def _spec(case: str, causal: bool, head_dim: int):
+def _spec(case: str, causal: bool, head_dim: int, backward: bool = False):
     mask = dict(mask="causal", causal_align="top_left") if causal else dict(mask="none")
-    return make_spec(name="gflex", dtype="bf16", head_dim=head_dim, **mask, **CASES[case])
+    return make_spec(name="gflex", dtype="bf16", head_dim=head_dim, backward=backward, **mask,
+                     **CASES[case])  # fmt: skip
+
+
+def _gluon_module(spec):
+    """The spec's module with the Gluon kernels on every launch: small launches (at most
+    POINTER_LOADS_UP_TO pairs) otherwise take the tile-level forward for host time (the first
+    GPU run of this file failed 41 of 49 cases on that, not on a result), and causal calls
+    with few keys the tile-level backward (GLUON_BWD_SHORT_CAUSAL_KEYS)."""
+    module = load_kernel(spec)
+    module.POINTER_LOADS_UP_TO = module.GLUON_BWD_SHORT_CAUSAL_KEYS = 0
+    return module
 
 
 def _run(kernel, q, k, v, tensors, block_mask=None):
@@ -57,7 +71,7 @@ def _run(kernel, q, k, v, tensors, block_mask=None):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_expressions_without_a_block_mask(case: str, causal: bool, head_dim: int) -> None:
     spec = _spec(case, causal, head_dim)
-    kernel = load_kernel(spec)
+    kernel = _gluon_module(spec)
     scale = 8.0 if case == "softcap" else 1.0
     q, k, v, _ = make_inputs(spec, 2, 700, 1000, seed=31, scale=scale)
     tensors = case_tensors(case, 2, 1000, 31)
@@ -73,7 +87,7 @@ def test_expressions_with_a_block_mask(case: str, causal: bool, head_dim: int) -
     """The exact block mask of mask_mod (and the causal mask), then one with dropped and
     promoted blocks (Flex's meaning: unlisted blocks are out, full ones skip mask_mod)."""
     spec = _spec(case, causal, head_dim)
-    kernel = load_kernel(spec)
+    kernel = _gluon_module(spec)
     batch, seqlen_q, seqlen_k = 2, 700, 1000
     scale = 8.0 if case == "softcap" else 1.0
     q, k, v, _ = make_inputs(spec, batch, seqlen_q, seqlen_k, seed=32, scale=scale)
@@ -95,7 +109,7 @@ def test_hostile_lists() -> None:
     """Negative, huge and duplicate indices and counts past the row: no fault, and without
     duplicates the result the clamping rule gives."""
     spec = _spec("document", False, 128)
-    kernel = load_kernel(spec)
+    kernel = _gluon_module(spec)
     q, k, v, _ = make_inputs(spec, 1, 512, 512, seed=33)
     tensors = case_tensors("document", 1, 512, 33)
     block_mask = hostile_block_mask()
@@ -103,3 +117,37 @@ def test_hostile_lists() -> None:
     problems = flex_meaning_problems("document", "bf16", False, out, lse, q, k, v, tensors,
                                      block_mask)  # fmt: skip
     assert not problems, "; ".join(problems)
+
+
+def _gradients(kernel, q, k, v, tensors, block_mask, deterministic):
+    """dq, dk, dv on the CPU from the module's Gluon dK/dV kernel (asserted) on the GPU, and
+    dO (a seeded draw)."""
+    leaves = [t.cuda().requires_grad_() for t in (q, k, v)]
+    dout = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=torch.Generator().manual_seed(5))
+    if block_mask is not None:
+        block_mask = tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in block_mask)
+    out = kernel.attention(*leaves, tensors={n: t.cuda() for n, t in tensors.items()} or None,
+                           block_mask=block_mask, deterministic=deterministic)  # fmt: skip
+    out.backward(dout.to(q.dtype).cuda())
+    assert kernel.backward_path().startswith(kernel.GLUON_BACKWARD_PATH), kernel.backward_path()
+    return [t.grad.cpu() for t in leaves], dout.to(q.dtype)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_expression_gradients(case: str, causal: bool, head_dim: int) -> None:
+    """Without a block mask (the every-block lists) and dQ by TMA reduce-adds, then with the
+    exact block mask and deterministic=True (the Gluon kernel without dQ)."""
+    spec = _spec(case, causal, head_dim, backward=True)
+    kernel = _gluon_module(spec)
+    batch, seqlen_q, seqlen_k = 2, 700, 1000
+    scale = 8.0 if case == "softcap" else 1.0
+    q, k, v, _ = make_inputs(spec, batch, seqlen_q, seqlen_k, seed=34, scale=scale)
+    tensors = case_tensors(case, batch, seqlen_k, 34)
+    values = mask_mod_values(spec, tensors, batch, seqlen_q, seqlen_k)
+    for block_mask, deterministic in ((None, False),
+                                      (exact_block_mask(values, 128, 128), True)):  # fmt: skip
+        grads, dout = _gradients(kernel, q, k, v, tensors, block_mask, deterministic)
+        problems = compare_gradients(spec, grads, q, k, v, dout, tensors=tensors)
+        assert not problems, f"block mask {block_mask is not None}: " + "; ".join(problems)

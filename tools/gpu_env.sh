@@ -5,6 +5,8 @@
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "${ATTNGEN_SITE:-/tmp/attngen-site}" .whl/*.whl || exit 1
-  export PYTHONPATH="${ATTNGEN_SITE:-/tmp/attngen-site}"
+  # kept after it: what the caller put there (tools/gpu_fa4.sh's FA4, sourced before a
+  # gpu_session.sh call, whose own sourcing of this file must not drop it)
+  export PYTHONPATH="${ATTNGEN_SITE:-/tmp/attngen-site}${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

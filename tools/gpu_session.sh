@@ -171,7 +171,14 @@ section_command() {
     # score_mod / mask_mod in the Gluon forward (behind ATTNGEN_GLUON_VARIANTS=1): its GPU
     # tests, then the Flex table with it (the forward column; attngen_expr against built-in).
     gluon_expr) echo "ATTNGEN_GLUON_VARIANTS=1 $pytest_gpu -rf --tb=short tests/test_gluon_expressions_gpu.py \
-      && ATTNGEN_GLUON_VARIANTS=1 python3 tools/bench_flex.py --out $work/gluon_expr" ;;
+      -k 'not gradients' && ATTNGEN_GLUON_VARIANTS=1 python3 tools/bench_flex.py --out $work/gluon_expr" ;;
+    gluon_expr_fwd) echo "ATTNGEN_GLUON_VARIANTS=1 $pytest_gpu -rf --tb=short tests/test_gluon_expressions_gpu.py \
+      -k 'not gradients'" ;;
+    # The gym's expression mods (the expression kernels, Gluon with the switch) against Flex.
+    flex_expr) echo "ATTNGEN_GLUON_VARIANTS=1 python3 tools/bench_flex.py --out $work/flex \
+      --mods document 'relative bias' prefix-LM" ;;
+    gluon_expr_bwd) echo "ATTNGEN_GLUON_VARIANTS=1 $pytest_gpu -rf --tb=short tests/test_gluon_expressions_gpu.py \
+      -k gradients" ;;
     bench_sparse) echo "python3 tools/bench_block_sparse.py --out $work" ;;
     # The Gluon forward's variants and the modules' Gluon dK/dV backward (the varlen form built
     # with ATTNGEN_GLUON_VARIANTS=1 inside its tests): float64 checks through the public functions.
@@ -192,6 +199,12 @@ section_command() {
     # The whole grid beside FA4 and cuDNN (FA4 ready: `source tools/gpu_fa4.sh` first).
     grid_full) echo "python3 tools/bench_grid.py --out $work/grid --impls attngen,fa4,cudnn --budget-s 330" ;;
     step_host) echo "python3 tools/step_host.py --out $work/step --cells 128:1024:1 --fa4" ;;
+    # The Gluon dK/dV kernel with and without dQ (deterministic=True runs it without), causal
+    # and not: what dQ's staging and reduce-adds cost where the unmasked backward trails FA4.
+    profile_dq) echo "python3 tools/profile_step.py --out $work/pdq --cells 128:16384:0 128:16384:1 \
+      64:16384:0 128:4096:0 --deterministic" ;;
+    # Each kernel of a step at the grid's losing cells, attngen beside FA4 (`source tools/gpu_fa4.sh`).
+    ncu_versus) echo "python3 tools/ncu_versus.py --out $work/ncu" ;;
     gluon_bwd_bench) echo "python3 tools/gluon_backward.py --out $work" ;;
     # The open Gluon variants against the same specs' tile-level forward (and FA4 if on the
     # path); the grid's N 1k cells with the dispatch recorded.

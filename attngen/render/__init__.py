@@ -141,13 +141,17 @@ BACKWARD_NAMES = {
     "dkdv": KERNEL_NAMES
     | {"score": "qkT", "h": "(first_head + group_head)"}
     | {"q_idx": "rows[None, :]", "kv_idx": "key_pos[:, None]"},
+    # the Gluon dK/dV kernel's [ROWS, BLOCK_M] tile (keys by row): _gluon_bwd_scores's names
+    "gluon": GLUON_NAMES
+    | {"score": "sc", "h": "q_head", "q_idx": "qpos[None, :]", "kv_idx": "kpos[:, None]"},
 }
 
 
 def backward_expression_context(spec: AttnSpec) -> dict[str, Any]:
-    """score_mod and mask_mod in each gradient kernel's names (bwd_dq, bwd_dkdv), score_mod's
-    derivative by the score there (`dscore`, attngen.spec.expression_grad), and in the dK/dV
-    kernel each trainable read's (tensor, derivative, offset into its fp32 gradient, bounds):
+    """score_mod and mask_mod in each gradient kernel's names (bwd_dq, bwd_dkdv, bwd_gluon),
+    score_mod's derivative by the score there (`dscore`, attngen.spec.expression_grad), and in
+    the dK/dV kernel each trainable read's (tensor, derivative, offset into its fp32 gradient,
+    bounds):
     `tensor_grads`; the trainable tensors' gradient pointers and strides (kernel arguments)."""
     tensors = declared(spec)
     tree = parsed(spec, "score_mod")

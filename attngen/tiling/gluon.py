@@ -80,8 +80,8 @@ LISTING_WORDS = 9  # a block mask's: two list pointers, their strides, counts an
 GLUON_VARIANTS = frozenset({"mask sliding_window", "mask chunked", "sink tokens", "softcap",
                             "ALiBi", "sinks", "backward", "varlen",
                             "head_dim != head_dim_v", "score_mod/mask_mod",
-                            "backward d256"})  # fmt: skip
-GLUON_UNVERIFIED: frozenset[str] = frozenset({"score_mod/mask_mod", "backward d256"})
+                            "backward d256", "backward score_mod/mask_mod"})  # fmt: skip
+GLUON_UNVERIFIED: frozenset[str] = frozenset({"score_mod/mask_mod", "backward score_mod/mask_mod"})
 
 
 def gluon_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:

@@ -26,8 +26,14 @@ barrier round), then the fewest stages (two: a step's five GEMMs cover the next 
 D 256 has a form of its own (_gluon_backward_d256.py.jinja; dK_c and dV_c [64, 256] fp32 would
 be 256 registers a thread): BLOCK_N 64, the warpgroups split by role (one keeps dV, the other
 dK: D x BN / 128 registers each), dQ staged in [BM, 32] pieces (C 32 in the model), three
-[2, 1] barrier arrays; BLOCK_M 64 (its prototype's, d256_proto@21f4bb68). Behind
-ATTNGEN_GLUON_VARIANTS=1 until its GPU tests pass (D256 in GLUON_UNVERIFIED).
+[2, 1] barrier arrays; BLOCK_M 64 (its prototype's, d256_proto@21f4bb68). Served since its
+GPU tests passed (tests/test_gluon_backward_gpu.py -k d256; D256 names it in GLUON_UNVERIFIED
+should it need the switch again).
+
+score_mod / mask_mod (EXPRESSIONS, behind the switch too): the steps come from the key block's
+lists, whose listing and the expressions' tensors add captured arguments
+(expression_capture_bytes, exact); at D 128 their tiles spill past the 240-register cap
+(20-228 B, tests/test_gluon_backward.py EXPRESSION_SPILLS), at D 64 nothing.
 
 Served since its GPU tests passed (tests/test_gluon_backward_gpu.py), but for causal calls with
 fewer than SHORT_CAUSAL_KEYS keys, which the module sends to its tile-level kernels. Pure
@@ -45,6 +51,7 @@ import sympy
 
 from attngen.arch import ARCHS
 from attngen.spec import AttnSpec, KernelKind
+from attngen.spec.expressions import parsed
 from attngen.spec.files import unverified_variants_on
 from attngen.tiling.evaluate import compiled
 from attngen.tiling.gluon import GLUON_UNVERIFIED, WARPGROUP, barriers, gluon_gap, register_split
@@ -53,6 +60,7 @@ NC, BM, BN, D, E, S, C = sympy.symbols("NC BLOCK_M BLOCK_N D E S C", positive=Tr
 SYMBOLS = (NC, BM, BN, D, E, S, C)
 BACKWARD = "backward"  # its name in GLUON_VARIANTS / GLUON_UNVERIFIED
 D256 = "backward d256"  # the D 256 form's
+EXPRESSIONS = "backward score_mod/mask_mod"  # score_mod / mask_mod and block masks
 D256_CONSUMER_REGS = 232
 HEAD_DIMS = (64, 128, 256)
 CONSUMERS = 2
@@ -65,6 +73,10 @@ OVERHEAD = 32
 # warp_specialize's captured arguments, in the compiler's scratch (the same at every config)
 WS_CAPTURE_BYTES = 416
 ALIBI_CAPTURE_BYTES = 16  # ALiBi's slopes pointer and batch stride beside them (16 B padded)
+# score_mod / mask_mod: the lists' listing (two pointers, six ints) and the step count replace
+# the query range's two ints, net LISTING_BYTES; the capture area, packed without gaps, ends
+# CAPTURE_PHASE bytes into a 16-byte granule (fitted: nine expression kernels, D 64 and 128).
+LISTING_BYTES, CAPTURE_PHASE = 40, 6
 # Against the tile-level backward in one process (H100, tools/ab_templates.py --short-causal):
 # causal, the Gluon kernel ran 1.11-1.16x its time at N 256, 0.99-1.02x N 512, 0.87-0.89x N 1k.
 SHORT_CAUSAL_KEYS = 1024
@@ -87,6 +99,9 @@ def gluon_backward_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
     if spec.head_dim not in HEAD_DIMS:
         return f"head dim {spec.head_dim}: the backward kernel is laid out for 64, 128 and 256"
     d256 = spec.head_dim == 256
+    expressions = spec.score_mod is not None or spec.mask_mod is not None
+    if expressions and EXPRESSIONS in GLUON_UNVERIFIED and not unverified_variants_on():
+        return "score_mod/mask_mod: not verified on a GPU yet (built with ATTNGEN_GLUON_VARIANTS=1)"
     if d256 and D256 in GLUON_UNVERIFIED and not unverified_variants_on():
         return "head dim 256: not verified on a GPU yet (built with ATTNGEN_GLUON_VARIANTS=1)"
     for present, feature in (
@@ -97,6 +112,11 @@ def gluon_backward_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
         (spec.mask.value not in ("none", "causal", "sliding_window"), f"mask {spec.mask.value}"),
         (spec.sink_tokens, "sink tokens"),
         (spec.sinks, "sinks"),
+        (
+            expressions and (spec.softcap or spec.alibi or d256),
+            "score_mod/mask_mod with softcap, ALiBi or head dim 256",
+        ),
+        (any(t.trainable for t in spec.tensors), "a trainable tensor"),
         (spec.head_dim != spec.value_head_dim, "head_dim != head_dim_v"),
     ):
         if present:
@@ -208,12 +228,32 @@ class BwdDerivation:
         return tuple(w for line in lines for w in textwrap.wrap(line, 88, subsequent_indent="    "))
 
 
+def expression_capture_bytes(spec: AttnSpec) -> int:
+    """Shared memory that score_mod / mask_mod add to the captured arguments: LISTING_BYTES,
+    less qk_scale (a score_mod reads sm_scale), plus the diagonal (causal or kv_idx read), the
+    group's first head (h read), and each read tensor's pointer (8 B), strides and named dims
+    (4 B each); the area grows in 16-byte granules from CAPTURE_PHASE."""
+    trees = [t for t in (parsed(spec, "score_mod"), parsed(spec, "mask_mod")) if t is not None]
+    if not trees:
+        return 0
+    nodes = [n for tree in trees for n in tree.nodes()]
+    names = {str(n.value) for n in nodes if n.op == "var"}
+    read = {str(n.value) for n in nodes if n.op == "load"}
+    tensors = [t for t in spec.tensors if t.name in read]
+    dims = {d for t in tensors for d in t.shape if isinstance(d, str)}
+    added = LISTING_BYTES - 4 * (spec.score_mod is not None) + 4 * ("h" in names)
+    added += 4 * (spec.mask.value == "causal" or "kv_idx" in names) + 4 * len(dims)
+    added += sum(8 + 4 * len(t.shape) for t in tensors)
+    return -(-(added + CAPTURE_PHASE) // 16) * 16 - 16
+
+
 def derive_gluon_backward(spec: AttnSpec, arch: str) -> BwdDerivation | None:
     """The Gluon backward's derivation for a prefill module of `spec` on `arch`, or None when
     gluon_backward_gap says the module has none."""
     if gluon_backward_gap(spec, arch, KernelKind.prefill):
         return None
-    return _derive(spec.head_dim, spec.dtype.itemsize, arch, ALIBI_CAPTURE_BYTES * spec.alibi)
+    captured = ALIBI_CAPTURE_BYTES * spec.alibi + expression_capture_bytes(spec)
+    return _derive(spec.head_dim, spec.dtype.itemsize, arch, captured)
 
 
 @cache

@@ -103,10 +103,13 @@ def gluon_bwd_source(spec: AttnSpec, kernel: Any, chosen: BwdCandidate, causal: 
                   "CONSUMER_REGS": config.consumer_regs,
                   "PRODUCER_REGS": config.producer_regs, "HEAVY_FIRST": HEAVY_FIRST}  # fmt: skip
     signature.update(dict.fromkeys(constexprs, "constexpr"))
+    if "QNum" in kernel.arg_names:  # score_mod / mask_mod's tensors and the lists; ints i32
+        signature.update(_expression_arguments(spec, kernel)[1])
     names = kernel.arg_names
+    signature = {n: signature.get(n, "i32") for n in names}
     return GluonASTSource(
         fn=kernel,
-        signature={n: signature[n] for n in names},
+        signature=signature,
         attrs={
             (i,): [["tt.divisibility", 16]]
             for i, n in enumerate(names)
