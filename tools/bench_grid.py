@@ -29,6 +29,7 @@ Writes DIR/bench_grid.json and prints a short table last.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import importlib.metadata
 import json
@@ -286,7 +287,23 @@ def run_cell(impls, head_dim, seqlen, causal, args) -> dict:
             res["bwd_ms"] = max(res["fwd_bwd_ms"] - res["fwd_ms"], 1e-6)
             res["bwd_tflops"] = 2.5 * work / res["bwd_ms"] / 1e9
     cell = {"head_dim": head_dim, "seqlen": seqlen, "causal": causal, "batch": batch}
+    cell["l2_persisting_bytes"] = l2_persisting_bytes()
     return {**cell, "heads": heads, "results": results}
+
+
+def l2_persisting_bytes() -> int | None:
+    """The device's persisting-L2 set-aside (cudaLimitPersistingL2CacheSize) after the cell:
+    a library in the process that sets it aside shrinks the L2 every other kernel sees (the
+    causal N 16k backward cells read slower with FA4 in the process; this says whether FA4
+    touched it). None where the CUDA runtime library cannot be loaded."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            runtime = ctypes.CDLL(name)
+        except OSError:
+            continue
+        value = ctypes.c_size_t(0)
+        return value.value if runtime.cudaDeviceGetLimit(ctypes.byref(value), 6) == 0 else None
+    return None
 
 
 def _ratio(cell: dict, other: str, key: str) -> float | None:
