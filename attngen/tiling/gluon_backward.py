@@ -33,7 +33,7 @@ should it need the switch again).
 score_mod / mask_mod (EXPRESSIONS, behind the switch too): the steps come from the key block's
 lists, whose listing and the expressions' tensors add captured arguments
 (expression_capture_bytes, exact); at D 128 their tiles spill past the 240-register cap
-(20-228 B, tests/test_gluon_backward.py EXPRESSION_SPILLS), at D 64 nothing.
+(28-256 B, tests/test_gluon_backward.py EXPRESSION_SPILLS), at D 64 nothing.
 
 Served since its GPU tests passed (tests/test_gluon_backward_gpu.py), but for causal calls with
 fewer than SHORT_CAUSAL_KEYS keys, which the module sends to its tile-level kernels. Pure
