@@ -25,7 +25,6 @@ from attngen.reference.backward import compare_gradients
 from attngen.runtime import last_backward
 from attngen.runtime.ops import ATOMIC, DETERMINISTIC
 from attngen.runtime.registry import current_registry, load_kernels, use_registry
-from attngen.spec.files import VARIANTS_ENV
 from tests.kernel_harness import make_spec
 
 pytestmark = [
@@ -195,9 +194,9 @@ def test_deterministic_calls_run_it_without_dq_and_repeat_bitwise(case, built):
     assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True))
 
 
-# D 256's form (BLOCK_N 64, a P and a dS warpgroup), built with ATTNGEN_GLUON_VARIANTS=1 while
-# "backward d256" is in GLUON_UNVERIFIED: none and causal (either alignment; top-left through
-# SDPA, dQ's sum in [B, H, N, D] order), GQA, Nq != Nk, partial blocks.
+# D 256's form (BLOCK_N 64, a P and a dS warpgroup; served since these cases passed): none and
+# causal (either alignment; top-left through SDPA, dQ's sum in [B, H, N, D] order), GQA,
+# Nq != Nk, partial blocks.
 D256_CASES = [
     (1, 1, 1, 2, 2, 256, "none", None, "bf16"),
     (2, 63, 65, 4, 2, 256, "none", None, "bf16"),
@@ -210,14 +209,12 @@ D256_CASES = [
 
 
 @pytest.mark.parametrize("case", D256_CASES, ids=_ids)
-def test_d256_gradients_match_the_float64_reference(case, built, monkeypatch):
-    monkeypatch.setenv(VARIANTS_ENV, "1")
+def test_d256_gradients_match_the_float64_reference(case, built):
     test_gradients_match_the_float64_reference(case, built)
 
 
 @pytest.mark.parametrize("case", [D256_CASES[i] for i in (1, 5)], ids=_ids)
-def test_d256_deterministic_calls_run_it_without_dq(case, built, monkeypatch):
-    monkeypatch.setenv(VARIANTS_ENV, "1")
+def test_d256_deterministic_calls_run_it_without_dq(case, built):
     test_deterministic_calls_run_it_without_dq_and_repeat_bitwise(case, built)
 
 

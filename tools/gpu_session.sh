@@ -188,11 +188,11 @@ section_command() {
     gluon_bwd_tests) echo "$pytest_gpu -rf --tb=short tests/test_gluon_backward_gpu.py" ;;
     # The D 256 form of the Gluon backward (behind ATTNGEN_GLUON_VARIANTS=1): its GPU cases,
     # then the grid's D 256 cells with it (FA4 where it is on the path).
-    d256_bwd) echo "ATTNGEN_GLUON_VARIANTS=1 $pytest_gpu -rf --tb=short tests/test_gluon_backward_gpu.py -k d256 \
-      && ATTNGEN_GLUON_VARIANTS=1 python3 tools/bench_grid.py --out $work/d256 --d 256 --impls attngen,fa4,cudnn" ;;
+    d256_bwd) echo "$pytest_gpu -rf --tb=short tests/test_gluon_backward_gpu.py -k d256 \
+      && python3 tools/bench_grid.py --out $work/d256 --d 256 --impls attngen,fa4,cudnn" ;;
     # The Gluon dK/dV backward through flash_attn_func against the tile-level backward, cuDNN
     # and FA4 (FA4 where importable: `source tools/gpu_fa4.sh` in the same call first).
-    d256_tests) echo "ATTNGEN_GLUON_VARIANTS=1 $pytest_gpu -rf --tb=short tests/test_gluon_backward_gpu.py -k d256" ;;
+    d256_tests) echo "$pytest_gpu -rf --tb=short tests/test_gluon_backward_gpu.py -k d256" ;;
     # The causal N 16k cells beside the deterministic backward only (no FA4 in the process).
     grid_det) echo "python3 tools/bench_grid.py --out $work/det --d 128 --n 16384 --causal 1 \
       --impls attngen,attngen_det,cudnn" ;;
