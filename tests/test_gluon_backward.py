@@ -178,8 +178,9 @@ def test_expression_launches_fill_the_kernels_parameters(with_block_mask, monkey
 
 
 def test_block_masks_the_expression_kernel_cannot_take_go_tile_level(monkeypatch):
-    """Blocks that are not positive multiples of BLOCK_M x BLOCK_N, and a malformed mask (then
-    the tile-level kernels' checks name it), never reach the Gluon route's buffers."""
+    """Blocks that are not positive multiples of BLOCK_M x BLOCK_N (a zero, a negative or a
+    float size too) never reach the Gluon route's buffers: they take the tile-level kernels,
+    whose checks name a bad size."""
     monkeypatch.setenv(VARIANTS_ENV, "1")
     spec = _spec(head_dim=64, **dict(CASES["document"], mask="causal", causal_align="top_left"))
     module = load_kernel(spec)
@@ -249,7 +250,7 @@ def test_softcap_modules_issue_dp_after_p_and_are_given_the_softcap_scale(tmp_pa
         seen.update(qk_scale=qk_scale, sm_scale=sm_scale)
         return torch.zeros_like(k), torch.zeros_like(v)
 
-    monkeypatch.setattr(module, "_gluon_bwd_route", lambda *args: (None, args[4].contiguous()))
+    monkeypatch.setattr(module, "_gluon_bwd_route", lambda *args: (None, args[4]))
     monkeypatch.setattr(module, "_gluon_bwd_run", kernel)
     q, k, v, dout, _ = padded_inputs(spec, 1, 4, 2, 70, 90, seed=3)
     out, lse = module.attention(q, k, v, return_lse=True)
@@ -352,7 +353,7 @@ def test_the_host_side_around_the_kernel(tmp_path, monkeypatch):
             dq[:, :, : q.shape[2]] += gq.float()
         return tuple(x.transpose(1, 2).contiguous().transpose(1, 2).to(k.dtype) for x in (gk, gv))
 
-    monkeypatch.setattr(module, "_gluon_bwd_route", lambda *args: (None, args[4].contiguous()))
+    monkeypatch.setattr(module, "_gluon_bwd_route", lambda *args: (None, args[4]))
     monkeypatch.setattr(module, "_gluon_bwd_run", kernel)
     launched, launch = [], module._launch  # the dQ kernel's pass goes through the cached launcher
 

@@ -151,8 +151,8 @@ def backward_expression_context(spec: AttnSpec) -> dict[str, Any]:
     """score_mod and mask_mod in each gradient kernel's names (bwd_dq, bwd_dkdv, bwd_gluon),
     score_mod's derivative by the score there (`dscore`, attngen.spec.expression_grad), and in
     the dK/dV kernel each trainable read's (tensor, derivative, offset into its fp32 gradient,
-    bounds):
-    `tensor_grads`; the trainable tensors' gradient pointers and strides (kernel arguments)."""
+    bounds): `tensor_grads`; the trainable tensors' gradient pointers and strides (kernel
+    arguments)."""
     tensors = declared(spec)
     tree = parsed(spec, "score_mod")
     derived = gradients(tree, tensors) if tree is not None else {}

@@ -75,7 +75,8 @@ WS_CAPTURE_BYTES = 416
 ALIBI_CAPTURE_BYTES = 16  # ALiBi's slopes pointer and batch stride beside them (16 B padded)
 # score_mod / mask_mod: the lists' listing (two pointers, six ints) and the step count replace
 # the query range's two ints, net LISTING_BYTES; the capture area, packed without gaps, ends
-# CAPTURE_PHASE bytes into a 16-byte granule (fitted: nine expression kernels, D 64 and 128).
+# CAPTURE_PHASE bytes into a 16-byte granule (fitted to the compiler; exact for the 24
+# expression kernels of tests/test_gluon_backward.py's compile test).
 LISTING_BYTES, CAPTURE_PHASE = 40, 6
 # Against the tile-level backward in one process (H100, tools/ab_templates.py --short-causal):
 # causal, the Gluon kernel ran 1.11-1.16x its time at N 256, 0.99-1.02x N 512, 0.87-0.89x N 1k.
