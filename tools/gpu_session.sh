@@ -168,8 +168,8 @@ section_command() {
       tests/test_flex_grad.py tests/test_expression_decode_gpu.py tests/test_block_sparse_backward_gpu.py" ;;
     variants_softcap) echo "$pytest_gpu -rf --tb=short tests/test_gluon_variants_gpu.py -k 'softcap or gemma2'" ;;
     bench_flex) echo "python3 tools/bench_flex.py --out $work" ;;
-    # score_mod / mask_mod in the Gluon forward (behind ATTNGEN_GLUON_VARIANTS=1): its GPU
-    # tests, then the Flex table with it (the forward column; attngen_expr against built-in).
+    # score_mod / mask_mod in the Gluon kernels (behind ATTNGEN_GLUON_VARIANTS=1): the forward's
+    # GPU tests, then the Flex table with them (attngen_expr against the built-in kernels).
     gluon_expr) echo "ATTNGEN_GLUON_VARIANTS=1 $pytest_gpu -rf --tb=short tests/test_gluon_expressions_gpu.py \
       -k 'not gradients' && ATTNGEN_GLUON_VARIANTS=1 python3 tools/bench_flex.py --out $work/gluon_expr" ;;
     gluon_expr_fwd) echo "ATTNGEN_GLUON_VARIANTS=1 $pytest_gpu -rf --tb=short tests/test_gluon_expressions_gpu.py \
@@ -186,14 +186,14 @@ section_command() {
       tests/test_gluon_backward_gpu.py tests/test_gluon_varlen_gpu.py" ;;
     gluon_varlen_tests) echo "$pytest_gpu -rf --tb=short tests/test_gluon_varlen_gpu.py" ;;
     gluon_bwd_tests) echo "$pytest_gpu -rf --tb=short tests/test_gluon_backward_gpu.py" ;;
-    # The D 256 form of the Gluon backward (behind ATTNGEN_GLUON_VARIANTS=1): its GPU cases,
-    # then the grid's D 256 cells with it (FA4 where it is on the path).
+    # The D 256 form of the Gluon backward: its GPU cases, then the grid's D 256 cells (FA4
+    # where it is on the path).
     d256_bwd) echo "$pytest_gpu -rf --tb=short tests/test_gluon_backward_gpu.py -k d256 \
       && python3 tools/bench_grid.py --out $work/d256 --d 256 --impls attngen,fa4,cudnn" ;;
     # The Gluon dK/dV backward through flash_attn_func against the tile-level backward, cuDNN
     # and FA4 (FA4 where importable: `source tools/gpu_fa4.sh` in the same call first).
     d256_tests) echo "$pytest_gpu -rf --tb=short tests/test_gluon_backward_gpu.py -k d256" ;;
-    # The causal N 16k cells beside the deterministic backward only (no FA4 in the process).
+    # The D 128 causal N 16k cell beside the deterministic backward only (no FA4 in the process).
     grid_det) echo "python3 tools/bench_grid.py --out $work/det --d 128 --n 16384 --causal 1 \
       --impls attngen,attngen_det,cudnn" ;;
     # The whole grid beside FA4 and cuDNN (FA4 ready: `source tools/gpu_fa4.sh` first).
