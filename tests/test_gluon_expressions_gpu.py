@@ -54,14 +54,28 @@ def _gluon_module(spec):
     return module
 
 
-def _run(kernel, q, k, v, tensors, block_mask=None):
-    """(out, lse) on the CPU from the module's Gluon kernel (asserted) on the GPU."""
+def _case(case: str, causal: bool, head_dim: int, seed: int, backward: bool = False):
+    """(spec, its Gluon module, q, k, v, tensors, mask_mod's values): B 2, Nq 700, Nk 1000;
+    softcap's scores past the cap."""
+    spec = _spec(case, causal, head_dim, backward)
+    scale = 8.0 if case == "softcap" else 1.0
+    q, k, v, _ = make_inputs(spec, 2, 700, 1000, seed=seed, scale=scale)
+    tensors = case_tensors(case, 2, 1000, seed)
+    values = mask_mod_values(spec, tensors, 2, 700, 1000)
+    return spec, _gluon_module(spec), q, k, v, tensors, values
+
+
+def _on_gpu(tensors, block_mask):
+    """The call's tensors= and block_mask= on the GPU (None stays None)."""
     if block_mask is not None:
         block_mask = tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in block_mask)
-    out, lse = kernel.attention(
-        q.cuda(), k.cuda(), v.cuda(), return_lse=True,
-        tensors={n: t.cuda() for n, t in tensors.items()} or None, block_mask=block_mask,
-    )  # fmt: skip
+    return {"tensors": {n: t.cuda() for n, t in tensors.items()} or None, "block_mask": block_mask}
+
+
+def _run(kernel, q, k, v, tensors, block_mask=None):
+    """(out, lse) on the CPU from the module's Gluon kernel (asserted) on the GPU."""
+    out, lse = kernel.attention(q.cuda(), k.cuda(), v.cuda(), return_lse=True,
+                                **_on_gpu(tensors, block_mask))  # fmt: skip
     assert kernel.forward_path() == kernel.GLUON_PATH, kernel.forward_path()
     return out.cpu(), lse.cpu()
 
@@ -70,11 +84,7 @@ def _run(kernel, q, k, v, tensors, block_mask=None):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_expressions_without_a_block_mask(case: str, causal: bool, head_dim: int) -> None:
-    spec = _spec(case, causal, head_dim)
-    kernel = _gluon_module(spec)
-    scale = 8.0 if case == "softcap" else 1.0
-    q, k, v, _ = make_inputs(spec, 2, 700, 1000, seed=31, scale=scale)
-    tensors = case_tensors(case, 2, 1000, 31)
+    spec, kernel, q, k, v, tensors, _ = _case(case, causal, head_dim, 31)
     out, lse = _run(kernel, q, k, v, tensors)
     problems = compare_to_reference(spec, out, lse, q, k, v, tensors=tensors)
     assert not problems, "; ".join(problems)
@@ -86,13 +96,7 @@ def test_expressions_without_a_block_mask(case: str, causal: bool, head_dim: int
 def test_expressions_with_a_block_mask(case: str, causal: bool, head_dim: int) -> None:
     """The exact block mask of mask_mod (and the causal mask), then one with dropped and
     promoted blocks (Flex's meaning: unlisted blocks are out, full ones skip mask_mod)."""
-    spec = _spec(case, causal, head_dim)
-    kernel = _gluon_module(spec)
-    batch, seqlen_q, seqlen_k = 2, 700, 1000
-    scale = 8.0 if case == "softcap" else 1.0
-    q, k, v, _ = make_inputs(spec, batch, seqlen_q, seqlen_k, seed=32, scale=scale)
-    tensors = case_tensors(case, batch, seqlen_k, 32)
-    values = mask_mod_values(spec, tensors, batch, seqlen_q, seqlen_k)
+    spec, kernel, q, k, v, tensors, values = _case(case, causal, head_dim, 32)
     out, lse = _run(kernel, q, k, v, tensors, exact_block_mask(values, 128, 128))
     problems = compare_to_reference(spec, out, lse, q, k, v, tensors=tensors)
     assert not problems, "exact: " + "; ".join(problems)
@@ -124,10 +128,7 @@ def _gradients(kernel, q, k, v, tensors, block_mask, deterministic):
     dO (a seeded draw)."""
     leaves = [t.cuda().requires_grad_() for t in (q, k, v)]
     dout = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=torch.Generator().manual_seed(5))
-    if block_mask is not None:
-        block_mask = tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in block_mask)
-    out = kernel.attention(*leaves, tensors={n: t.cuda() for n, t in tensors.items()} or None,
-                           block_mask=block_mask, deterministic=deterministic)  # fmt: skip
+    out = kernel.attention(*leaves, **_on_gpu(tensors, block_mask), deterministic=deterministic)
     out.backward(dout.to(q.dtype).cuda())
     assert kernel.backward_path().startswith(kernel.GLUON_BACKWARD_PATH), kernel.backward_path()
     return [t.grad.cpu() for t in leaves], dout.to(q.dtype)
@@ -139,13 +140,7 @@ def _gradients(kernel, q, k, v, tensors, block_mask, deterministic):
 def test_expression_gradients(case: str, causal: bool, head_dim: int) -> None:
     """Without a block mask (the every-block lists) and dQ by TMA reduce-adds, then with the
     exact block mask and deterministic=True (the Gluon kernel without dQ)."""
-    spec = _spec(case, causal, head_dim, backward=True)
-    kernel = _gluon_module(spec)
-    batch, seqlen_q, seqlen_k = 2, 700, 1000
-    scale = 8.0 if case == "softcap" else 1.0
-    q, k, v, _ = make_inputs(spec, batch, seqlen_q, seqlen_k, seed=34, scale=scale)
-    tensors = case_tensors(case, batch, seqlen_k, 34)
-    values = mask_mod_values(spec, tensors, batch, seqlen_q, seqlen_k)
+    spec, kernel, q, k, v, tensors, values = _case(case, causal, head_dim, 34, backward=True)
     for block_mask, deterministic in ((None, False),
                                       (exact_block_mask(values, 128, 128), True)):  # fmt: skip
         grads, dout = _gradients(kernel, q, k, v, tensors, block_mask, deterministic)
