@@ -179,6 +179,17 @@ section_command() {
       --mods document 'relative bias' prefix-LM" ;;
     gluon_expr_bwd) echo "ATTNGEN_GLUON_VARIANTS=1 $pytest_gpu -rf --tb=short tests/test_gluon_expressions_gpu.py \
       -k gradients" ;;
+    # The expression file whole in four processes at once (its time is mostly compiling):
+    # forward and backward, D 64 and D 128, one log each, then every log's last line.
+    gluon_expr_par) echo "for k in 'gradients and 64' 'gradients and not 64' 'not gradients and 64' \
+      'not gradients and not 64'; do ATTNGEN_GLUON_VARIANTS=1 $pytest_gpu -rf --tb=short \
+      tests/test_gluon_expressions_gpu.py -k \"\$k\" > \"$work/expr_\${k// /_}.log\" 2>&1 & done; \
+      wait; tail -qn1 $work/expr_*.log; ! grep -q 'failed\\|error' $work/expr_*.log" ;;
+    # Out-of-bounds accesses of the served D 256 backward and the hostile index lists.
+    memcheck) echo "compute-sanitizer --tool memcheck --error-exitcode 9 $pytest_gpu \
+      tests/test_gluon_backward_gpu.py -k d256 && ATTNGEN_GLUON_VARIANTS=1 compute-sanitizer \
+      --tool memcheck --error-exitcode 9 $pytest_gpu tests/test_gluon_expressions_gpu.py \
+      tests/test_block_sparse_gpu.py -k hostile" ;;
     bench_sparse) echo "python3 tools/bench_block_sparse.py --out $work" ;;
     # The Gluon forward's variants and the modules' Gluon dK/dV backward (the varlen form built
     # with ATTNGEN_GLUON_VARIANTS=1 inside its tests): float64 checks through the public functions.
