@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -31,6 +32,9 @@ import attngen
 from attngen.runtime.flex import attention as flex_module
 from attngen.runtime.flex.builtin import builtin_mask, mapped
 from attngen.runtime.flex.cache import traced
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_decode_graph import kernel_times  # noqa: E402
 
 WINDOW, PREFIX, DOCUMENTS, SOFTCAP = 1024, 1024, 4, 30.0
 
@@ -75,7 +79,7 @@ def gym(heads: int, seqlen: int) -> dict:
 
 def timed(forward, inputs, grad) -> tuple:
     """Forward and backward medians (ms) of forward(*inputs) (the backward of the output
-    gradient `grad`), its output and its gradients."""
+    gradient `grad`) and the backward's longest kernels (us), its output and its gradients."""
     out = forward(*inputs)
     fwd = triton.testing.do_bench(lambda: forward(*inputs), warmup=25, rep=100)
     kept = forward(*inputs)
@@ -83,7 +87,11 @@ def timed(forward, inputs, grad) -> tuple:
         lambda: torch.autograd.grad(kept, inputs, grad, retain_graph=True), warmup=25, rep=100
     )
     grads = torch.autograd.grad(forward(*inputs), inputs, grad)
-    return dict(fwd_ms=fwd, bwd_ms=bwd), out, grads
+    kernels = kernel_times(lambda: torch.autograd.grad(kept, inputs, grad, retain_graph=True), 3)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:6]  # the backward's longest kernels
+    times = dict(fwd_ms=fwd, bwd_ms=bwd, bwd_kernels_us={k[:80]: round(t, 1) for k, t in top})
+    times |= dict(bwd_kernel_names=len(kernels), bwd_kernel_sum_us=round(sum(kernels.values()), 1))
+    return times, out, grads
 
 
 def expression_path(call):
