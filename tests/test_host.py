@@ -437,3 +437,26 @@ def test_gluon_why_records_the_reason_for_forward_path() -> None:
     assert gluon._gluon_why(("launch", None), shifted, k, v, q) == (
         "a base address is not 16-byte aligned"
     )
+
+
+def test_transposed_lists_are_kept_while_the_block_mask_is_unchanged() -> None:
+    """The dK/dV kernel's lists of one block mask are computed once while its tensors stay
+    the same and unchanged (a model's layers share a mask); an in-place change or other heads
+    recompute them, and inference tensors (no version counter) are never kept."""
+    from attngen.host import expressions
+
+    counts = torch.tensor([[[2, 1]]], dtype=torch.int32)
+    indices = torch.tensor([[[[0, 1], [1, 0]]]], dtype=torch.int32)
+    mask = (counts, indices, None, None, 128, 128)
+    q, k = torch.zeros(1, 2, 256, D), torch.zeros(1, 1, 256, D)
+    first = expressions._transposed_block_mask(mask, q, k)
+    assert expressions._transposed_block_mask(mask, q, k) is first
+    indices[0, 0, 1, 0] = 0  # in place: the second q-block now lists key block 0
+    again = expressions._transposed_block_mask(mask, q, k)
+    assert again is not first and again[0][0].tolist() != first[0][0].tolist()
+    assert again[0][0].tolist() == expressions._transposed_lists(mask, q, k)[0][0].tolist()
+    assert expressions._transposed_block_mask(mask, q, q) is not again  # MHA: another group
+    with torch.inference_mode():
+        frozen = (counts.clone(), indices.clone(), None, None, 128, 128)
+    kept = expressions._transposed_block_mask(frozen, q, k)
+    assert expressions._transposed_block_mask(frozen, q, k) is not kept
