@@ -1,8 +1,8 @@
 """score_mod / mask_mod in the warp-specialized forward and dK/dV backward on the H200:
 `pytest -m gpu`.
 
-Built with ATTNGEN_GLUON_VARIANTS=1 while "score_mod/mask_mod" and "backward score_mod/
-mask_mod" are in GLUON_UNVERIFIED: each case of tests/test_expression_kernels.py through
+Served without ATTNGEN_GLUON_VARIANTS since this file passed whole on one tree: each case of
+tests/test_expression_kernels.py through
 attention() at D 64 and 128, without a block mask and with one (exact, disturbed as Flex's
 meaning allows, hostile lists), against the float64 reference, forward_path() and
 backward_path() saying the Gluon kernels ran. Run it once under compute-sanitizer too (the
@@ -16,7 +16,6 @@ import torch
 
 from attngen.reference import compare_to_reference
 from attngen.reference.backward import compare_gradients
-from attngen.spec.files import VARIANTS_ENV
 from tests.kernel_harness import load_kernel, make_inputs, make_spec
 from tests.test_block_sparse import (
     disturb,
@@ -31,11 +30,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; run on the H200"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def _variants(monkeypatch):
-    monkeypatch.setenv(VARIANTS_ENV, "1")
 
 
 def _spec(case: str, causal: bool, head_dim: int, backward: bool = False):

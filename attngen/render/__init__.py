@@ -51,18 +51,12 @@ ALLOWED_FROM_IMPORTS = frozenset(
         ("triton.experimental", "gluon"),
         ("triton.experimental.gluon", "language"),
         ("triton.experimental.gluon.nvidia.hopper", "TensorDescriptor"),
-        *(
-            (_GLUON_HOPPER, name)
-            for name in (
-                "fence_async_shared",
-                "mbarrier",
-                "tma",
-                "warpgroup_mma",
-                "warpgroup_mma_wait",
-            )
-        ),
+        *((_GLUON_HOPPER, name) for name in ("fence_async_shared", "mbarrier", "tma",
+                                             "warpgroup_mma", "warpgroup_mma_wait")),
+        # an arrive on an mbarrier from every thread (no warpgroup sync before one thread's)
+        ("triton.experimental.gluon.language.nvidia.ampere", "async_copy"),
     }
-)
+)  # fmt: skip
 # varlen is the prefill template with its `varlen` flag set: one kernel, two ways to find a
 # sequence. Each kind's public entry point is what the runtime calls and the ast gate requires.
 TEMPLATE_FOR_KIND = {

@@ -81,7 +81,7 @@ GLUON_VARIANTS = frozenset({"mask sliding_window", "mask chunked", "sink tokens"
                             "ALiBi", "sinks", "backward", "varlen",
                             "head_dim != head_dim_v", "score_mod/mask_mod",
                             "backward d256", "backward score_mod/mask_mod"})  # fmt: skip
-GLUON_UNVERIFIED: frozenset[str] = frozenset({"score_mod/mask_mod", "backward score_mod/mask_mod"})
+GLUON_UNVERIFIED: frozenset[str] = frozenset()
 
 
 def gluon_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:

@@ -30,8 +30,8 @@ dK: D x BN / 128 registers each), dQ staged in [BM, 32] pieces (C 32 in the mode
 GPU tests passed (tests/test_gluon_backward_gpu.py -k d256; D256 names it in GLUON_UNVERIFIED
 should it need the switch again).
 
-score_mod / mask_mod (EXPRESSIONS, behind the switch too): the steps come from the key block's
-lists, whose listing and the expressions' tensors add captured arguments
+score_mod / mask_mod (EXPRESSIONS, served since its GPU tests passed): the steps come from
+the key block's lists, whose listing and the expressions' tensors add captured arguments
 (expression_capture_bytes, exact); at D 128 their tiles spill past the 240-register cap
 (28-256 B, tests/test_gluon_backward.py EXPRESSION_SPILLS), at D 64 nothing.
 

@@ -1464,14 +1464,31 @@ def _validate_block_mask(lists, cols):
 _NO_TRANSPOSED = (0,) * 14 + (1, 1, 1, 0)  # the dK/dV kernel's block-mask ints when it has none
 
 
+_TRANSPOSED: dict = {}  # "last": (block mask, key, lists): a model's layers share one mask
+
+
 def _transposed_block_mask(block_mask, q, k):
     """(tensors, ints) of the dK/dV kernel's block sparsity: per (batch, KV head, key block)
     and list, the count and the ascending entries g * ceil(Nq / q_block) + m (query head g of
     the group, q-block m) whose lists name the block (torch's q_num_blocks, q_indices), int32
     on the device, no sync; then strides, q_block, kv_block, the lists' q-blocks, full lists
-    or not. Checked lists read as the kernels read them (_block_bitmap); q may be packed."""
+    or not. Checked lists read as the kernels read them (_block_bitmap); q may be packed.
+    The last block mask's are kept: the same tensors, unchanged (their version counters)."""
     if block_mask is None:
         return (q, q, q, q), _NO_TRANSPOSED
+    tracked = [t for t in block_mask[:4] if t is not None and not t.is_inference()]
+    key = (q.shape[1], k.shape[1], *block_mask[4:], *(t._version for t in tracked))
+    last = _TRANSPOSED.get("last", ((), None, None))
+    if last[1] == key and all(a is b for a, b in zip(last[0], block_mask[:4], strict=True)):
+        return last[2]
+    found = _transposed_lists(block_mask, q, k)
+    if len(tracked) == sum(t is not None for t in block_mask[:4]):  # versions say all
+        _TRANSPOSED["last"] = (block_mask[:4], key, found)
+    return found
+
+
+def _transposed_lists(block_mask, q, k):
+    """_transposed_block_mask's lists, computed."""
     num, indices, full_num, full_indices, q_block, kv_block = block_mask
     heads, group, rows = q.shape[1], q.shape[1] // k.shape[1], indices.shape[2]
     tensors = []
