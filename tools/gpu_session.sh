@@ -190,6 +190,8 @@ section_command() {
       tests/test_gluon_backward_gpu.py -k d256 && ATTNGEN_GLUON_VARIANTS=1 compute-sanitizer \
       --tool memcheck --error-exitcode 9 $pytest_gpu tests/test_gluon_expressions_gpu.py \
       tests/test_block_sparse_gpu.py -k hostile" ;;
+    # Candidate kernel changes against the kernels (tools/ab_alt/: patches of the templates).
+    ab_alt) echo "bash tools/ab_alt/run.sh $work" ;;
     bench_sparse) echo "python3 tools/bench_block_sparse.py --out $work" ;;
     # The Gluon forward's variants and the modules' Gluon dK/dV backward (the varlen form built
     # with ATTNGEN_GLUON_VARIANTS=1 inside its tests): float64 checks through the public functions.
