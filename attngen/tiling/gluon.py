@@ -78,9 +78,8 @@ LISTING_WORDS = 9  # a block mask's: two list pointers, their strides, counts an
 # refuses them unless ATTNGEN_GLUON_VARIANTS=1 is set where the module is built (its on-demand
 # builds cached apart); a variant opens when its GPU tests pass and its name leaves the set.
 GLUON_VARIANTS = frozenset({"mask sliding_window", "mask chunked", "sink tokens", "softcap",
-                            "ALiBi", "sinks", "backward", "varlen",
-                            "head_dim != head_dim_v", "score_mod/mask_mod",
-                            "backward d256", "backward score_mod/mask_mod"})  # fmt: skip
+    "ALiBi", "sinks", "backward", "varlen", "head_dim != head_dim_v", "backward d256",
+    "score_mod/mask_mod", "backward score_mod/mask_mod"})  # fmt: skip
 GLUON_UNVERIFIED: frozenset[str] = frozenset()
 
 

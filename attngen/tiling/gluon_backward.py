@@ -22,22 +22,20 @@ The model (sympy) in BM = BLOCK_M, BN = BLOCK_N, D, E (element bytes), S (stages
   phase (its accumulator), plus OVERHEAD: a bound the compiler's spills check at the chosen config.
 
 The choice: the widest BLOCK_M that fits (each query block costs five wgmma issues and a
-barrier round), then the fewest stages (two: a step's five GEMMs cover the next block's load).
-D 256 has a form of its own (_gluon_backward_d256.py.jinja; dK_c and dV_c [64, 256] fp32 would
-be 256 registers a thread): BLOCK_N 64, the warpgroups split by role (one keeps dV, the other
-dK: D x BN / 128 registers each), dQ staged in [BM, 32] pieces (C 32 in the model), three
-[2, 1] barrier arrays; BLOCK_M 64 (its prototype's, d256_proto@21f4bb68). Served since its
-GPU tests passed (tests/test_gluon_backward_gpu.py -k d256; D256 names it in GLUON_UNVERIFIED
-should it need the switch again).
+barrier round; FASTER_SPILLING past the register count where measured faster), then the fewest
+stages (two: a step's five GEMMs cover the next block's load). D 256 has a form of its own
+(_gluon_backward_d256.py.jinja; dK_c and dV_c [64, 256] fp32 would be 256 registers a thread):
+BLOCK_N 64, the warpgroups split by role (one keeps dV, the other dK: D x BN / 128 registers
+each), dQ staged in [BM, 32] pieces (C 32 in the model), three [2, 1] barrier arrays; BLOCK_M
+64 (its prototype's, d256_proto@21f4bb68).
 
 score_mod / mask_mod (EXPRESSIONS, served since its GPU tests passed): the steps come from
 the key block's lists, whose listing and the expressions' tensors add captured arguments
 (expression_capture_bytes, exact); at D 128 their tiles spill past the 240-register cap
 (28-256 B, tests/test_gluon_backward.py EXPRESSION_SPILLS), at D 64 nothing.
 
-Served since its GPU tests passed (tests/test_gluon_backward_gpu.py), but for causal calls with
-fewer than SHORT_CAUSAL_KEYS keys, which the module sends to its tile-level kernels. Pure
-Python and sympy.
+Served (GPU-tested: tests/test_gluon_backward_gpu.py) but for causal calls with fewer than
+SHORT_CAUSAL_KEYS keys, which take the tile-level kernels. Pure Python and sympy.
 """
 
 from __future__ import annotations
@@ -78,6 +76,10 @@ ALIBI_CAPTURE_BYTES = 16  # ALiBi's slopes pointer and batch stride beside them 
 # CAPTURE_PHASE bytes into a 16-byte granule (fitted to the compiler; exact for the 24
 # expression kernels of tests/test_gluon_backward.py's compile test).
 LISTING_BYTES, CAPTURE_PHASE = 40, 6
+# (D, BLOCK_M) past the model's registers for plain specs (none or causal; no softcap, ALiBi or
+# expressions): D 64 x 128 spills 60-68 B, ran 1.05-1.07x as fast as x 64 (H100, tools/ab_alt).
+FASTER_SPILLING = frozenset({(64, 128)})
+_DQ_FORMS = ("by turns", "split by columns", "split by rows")
 # Against the tile-level backward in one process (H100, tools/ab_templates.py --short-causal):
 # causal, the Gluon kernel ran 1.11-1.16x its time at N 256, 0.99-1.02x N 512, 0.87-0.89x N 1k.
 SHORT_CAUSAL_KEYS = 1024
@@ -125,10 +127,11 @@ def gluon_backward_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
     return ""
 
 
-def dq_columns(d: int) -> int:
+def dq_columns(d: int, block_m: int = 64) -> int:
     """dQ columns one consumer computes: half of them from D 128 (K's columns sliced at a
-    128-byte swizzle atom), all of them below (the consumers take turns)."""
-    return d // 2 if d >= 128 else d
+    128-byte swizzle atom), all of them below (the consumers take turns); at BLOCK_M 128 the
+    consumers split dQ's rows, as many elements as half of its columns."""
+    return d // 2 if d >= 128 or block_m == 128 else d
 
 
 @cache
@@ -157,7 +160,7 @@ class BwdConfig:
     block_m: int
     block_n: int
     stages: int
-    dq_split: bool  # dQ's columns split across the consumers, else whole on alternate ones
+    dq_split: bool  # dQ's columns (rows at BLOCK_M 128) split, else whole on alternate ones
     consumer_regs: int
     producer_regs: int
     maxnreg: int
@@ -166,7 +169,7 @@ class BwdConfig:
         roles = "2 consumer warpgroups x 64 keys" if self.block_n == 128 else "P and dS roles"
         return (
             f"BLOCK_M {self.block_m}, BLOCK_N {self.block_n} ({roles}), "
-            f"{self.stages} stages, dQ {'split by columns' if self.dq_split else 'by turns'}, "
+            f"{self.stages} stages, dQ {_DQ_FORMS[self.dq_split + (self.block_m == 128)]}, "
             f"setmaxnreg {self.consumer_regs}/{self.producer_regs} (entry {self.maxnreg})"
         )
 
@@ -183,21 +186,21 @@ class BwdCandidate:
         return not self.rejected
 
 
-def candidate(d: int, itemsize: int, block_m: int, stages: int, budget: int, captured: int = 0
-              ) -> BwdCandidate:  # fmt: skip
-    block_n, columns = (64, 32) if d == 256 else (BLOCK_N, dq_columns(d))
+def candidate(d: int, itemsize: int, block_m: int, stages: int, budget: int, captured: int = 0,
+              plain: bool = False) -> BwdCandidate:  # fmt: skip
+    block_n, columns = (64, 32) if d == 256 else (BLOCK_N, dq_columns(d, block_m))
     values = (CONSUMERS, block_m, block_n, d, itemsize, stages, columns)
     smem = int(compiled(smem_expression(), SYMBOLS)(*values)) + captured
     smem += int(D256_SMEM_EXTRA) * (d == 256)
     regs = int(compiled(regs_expression(d == 256), SYMBOLS)(*values))
     consumer, producer, entry = register_split(CONSUMERS)
-    # D 256 at 232: causal spilled 20 B at 240, a ptxas heuristic that 232 does not trigger
-    # (docs/d256_backward_study.md, its compile table)
+    # D 256 at 232: 20 B spilled at 240, not at 232 (docs/d256_backward_study.md's compile table)
     consumer = D256_CONSUMER_REGS if d == 256 else consumer
     rejected = [f"smem {smem} B > {budget} B"] if smem > budget else []
-    rejected += [f"consumer regs ~{regs} > {consumer}"] if regs > consumer else []
+    measured = plain and (d, block_m) in FASTER_SPILLING  # the model's count, but measured
+    rejected += [f"consumer regs ~{regs} > {consumer}"] if regs > consumer and not measured else []
     rejected += ["D 256: BLOCK_M 64 only (its prototype's)"] if d == 256 and block_m != 64 else []
-    config = BwdConfig(block_m, block_n, stages, dq_columns(d) < d, consumer, producer, entry)
+    config = BwdConfig(block_m, block_n, stages, columns < d, consumer, producer, entry)
     return BwdCandidate(config, smem, regs, tuple(rejected))
 
 
@@ -222,8 +225,8 @@ class BwdDerivation:
                 f"  {best.config.describe()}",
                 f"  = {best.smem_bytes} B of {ARCHS[self.arch].smem_budget} B, consumer "
                 f"registers ~{best.regs_needed} of {best.config.consumer_regs}",
-                f"  {feasible} of {len(self.candidates)} candidates feasible; rule: the widest "
-                "BLOCK_M, the fewest stages",
+                f"  {feasible} of {len(self.candidates)} feasible; rule: the widest BLOCK_M "
+                "(FASTER_SPILLING's past the registers: measured faster), the fewest stages",
             ]
         # Wrapped to 88 columns (the header's lines stay within 100).
         return tuple(w for line in lines for w in textwrap.wrap(line, 88, subsequent_indent="    "))
@@ -254,13 +257,14 @@ def derive_gluon_backward(spec: AttnSpec, arch: str) -> BwdDerivation | None:
     if gluon_backward_gap(spec, arch, KernelKind.prefill):
         return None
     captured = ALIBI_CAPTURE_BYTES * spec.alibi + expression_capture_bytes(spec)
-    return _derive(spec.head_dim, spec.dtype.itemsize, arch, captured)
+    plain = spec.mask.value in ("none", "causal") and not (spec.softcap or captured)
+    return _derive(spec.head_dim, spec.dtype.itemsize, arch, captured, plain)
 
 
 @cache
-def _derive(d: int, itemsize: int, arch: str, captured: int) -> BwdDerivation:
+def _derive(d: int, itemsize: int, arch: str, captured: int, plain: bool) -> BwdDerivation:
     budget, choices = ARCHS[arch].smem_budget, product(BLOCK_M_CHOICES, STAGES_CHOICES)
-    candidates = tuple(candidate(d, itemsize, bm, s, budget, captured) for bm, s in choices)
+    candidates = tuple(candidate(d, itemsize, bm, s, budget, captured, plain) for bm, s in choices)
     feasible = [c for c in candidates if c.feasible]
     best = max(feasible, key=lambda c: (c.config.block_m, -c.config.stages), default=None)
     return BwdDerivation(arch, candidates, best)

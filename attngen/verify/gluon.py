@@ -93,7 +93,7 @@ def gluon_bwd_source(spec: AttnSpec, kernel: Any, chosen: BwdCandidate, causal: 
     for desc, rows in (("q", config.block_m), ("do", config.block_m), ("k", config.block_n),
                        ("v", config.block_n)):  # fmt: skip
         signature[f"{desc}_desc"] = _descriptor_type(dtype, name, [1, rows, 1, d])
-    dq_block = [config.block_m, 32]  # the box of dQ's fp32 sum, reduced into by TMA
+    dq_block = [min(config.block_m, 64), 32]  # the box of dQ's fp32 sum (TMA reduce-adds)
     signature["dq_desc"] = _descriptor_type(gl.float32, "fp32", dq_block)
     rows = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     for desc in ("lse_desc", "delta_desc"):
