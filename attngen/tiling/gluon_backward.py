@@ -29,13 +29,12 @@ BLOCK_N 64, the warpgroups split by role (one keeps dV, the other dK: D x BN / 1
 each), dQ staged in [BM, 32] pieces (C 32 in the model), three [2, 1] barrier arrays; BLOCK_M
 64 (its prototype's, d256_proto@21f4bb68).
 
-score_mod / mask_mod (EXPRESSIONS, served since its GPU tests passed): the steps come from
-the key block's lists, whose listing and the expressions' tensors add captured arguments
-(expression_capture_bytes, exact); at D 128 their tiles spill past the 240-register cap
-(28-256 B, tests/test_gluon_backward.py EXPRESSION_SPILLS), at D 64 nothing.
-
-Served (GPU-tested: tests/test_gluon_backward_gpu.py) but for causal calls with fewer than
-SHORT_CAUSAL_KEYS keys, which take the tile-level kernels. Pure Python and sympy.
+score_mod / mask_mod (EXPRESSIONS): the steps come from the key block's lists, whose listing
+and the expressions' tensors add captured arguments (expression_capture_bytes, exact); at D 128
+their tiles spill past the 240-register cap (28-256 B, tests/test_gluon_backward.py
+EXPRESSION_SPILLS), at D 64 nothing. Served (GPU-tested: tests/test_gluon_backward_gpu.py)
+but for causal calls with fewer than SHORT_CAUSAL_KEYS keys, which take the tile-level
+kernels; D64_WIDE (plain D 64 at BLOCK_M 128) behind the switch. Pure Python and sympy.
 """
 
 from __future__ import annotations
@@ -58,6 +57,7 @@ NC, BM, BN, D, E, S, C = sympy.symbols("NC BLOCK_M BLOCK_N D E S C", positive=Tr
 SYMBOLS = (NC, BM, BN, D, E, S, C)
 BACKWARD = "backward"  # its name in GLUON_VARIANTS / GLUON_UNVERIFIED
 D256 = "backward d256"  # the D 256 form's
+D64_WIDE = "backward d64 block_m 128"  # FASTER_SPILLING's D 64 config
 EXPRESSIONS = "backward score_mod/mask_mod"  # score_mod / mask_mod and block masks
 D256_CONSUMER_REGS = 232
 HEAD_DIMS = (64, 128, 256)
@@ -258,6 +258,7 @@ def derive_gluon_backward(spec: AttnSpec, arch: str) -> BwdDerivation | None:
         return None
     captured = ALIBI_CAPTURE_BYTES * spec.alibi + expression_capture_bytes(spec)
     plain = spec.mask.value in ("none", "causal") and not (spec.softcap or captured)
+    plain = plain and (D64_WIDE not in GLUON_UNVERIFIED or unverified_variants_on())
     return _derive(spec.head_dim, spec.dtype.itemsize, arch, captured, plain)
 
 

@@ -7,9 +7,8 @@
 set -u
 out=${1:?usage: tools/ab_alt/run.sh OUT [NAME ...]}
 shift
-declare -A dims=([bwd_dq_double_staging]="64 128" [bwd_thread_arrives]="64 128"
-                 [bwd_d64_block_m128]="64" [fwd_thread_arrives]="64 128")
-order=(bwd_dq_double_staging bwd_thread_arrives bwd_d64_block_m128 fwd_thread_arrives)
+declare -A dims=([bwd_dq_double_staging]="64 128" [bwd_thread_arrives]="64 128")
+order=(bwd_dq_double_staging bwd_thread_arrives)
 failed=0
 for name in "${@:-${order[@]}}"; do
   alt="$out/alt_$name"
