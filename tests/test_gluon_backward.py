@@ -51,17 +51,16 @@ def _render(spec, kind=KernelKind.prefill, arch="sm90"):
     return render_module(spec, kind, derive_tiles(spec, arch))
 
 
-def test_the_derived_configs_fit_and_match_the_compiler(monkeypatch):
+def test_the_derived_configs_fit_and_match_the_compiler():
     """D 64: BLOCK_M 64, 2 stages, dQ by turns, 132592 B; D 128: 64, 2, dQ split by columns,
     198128 B (the compiler's, docs/results/gluon_backward_compile_one_empty_2026-12-06.json);
-    the wider and deeper candidates rejected by shared memory or registers; but with the
-    switch (D64_WIDE) a plain D 64 spec (none or causal, no variant) takes BLOCK_M 128, dQ
-    split by rows, 199152 B (FASTER_SPILLING: above the model's registers, measured faster)."""
-    monkeypatch.setenv(VARIANTS_ENV, "1")
+    the wider and deeper candidates rejected by shared memory or registers; but a plain D 64
+    spec (no mask or variant) takes BLOCK_M 128, dQ split by rows, 199152 B (FASTER_SPILLING:
+    above the model's registers, measured faster)."""
     expected = {(64, False): (64, 132592, False, 2), (128, False): (64, 198128, True, 1),
                 (64, True): (128, 199152, True, 3), (128, True): (64, 198128, True, 1)}  # fmt: skip
     for (d, plain), (block_m, smem, split, feasible) in expected.items():
-        more = {} if plain else dict(softcap=30.0)
+        more = dict(mask="none") if plain else dict(mask="causal")
         derivation = derive_gluon_backward(_spec(head_dim=d, **more), "sm90")
         config = (chosen := derivation.chosen).config
         assert (config.block_m, config.block_n, config.stages, config.dq_split) == (
@@ -218,9 +217,8 @@ def test_other_archs_and_varlen_do_not_get_it():
     assert KERNEL not in _render(spec, KernelKind.varlen)
 
 
-def test_explain_says_which_dkdv_runs(monkeypatch):
-    monkeypatch.setenv(VARIANTS_ENV, "1")  # D64_WIDE's config
-    text = "\n".join(explain_lines([_spec(head_dim=64)], archs=["sm90"]))
+def test_explain_says_which_dkdv_runs():
+    text = "\n".join(explain_lines([_spec(head_dim=64, mask="none")], archs=["sm90"]))
     assert "dK/dV (prefill): warp-specialized Gluon" in text
     flat = " ".join(text.split())
     assert "BLOCK_M 128, BLOCK_N 128" in flat and "dQ split by rows" in flat
@@ -466,14 +464,12 @@ def test_the_launch_passes_the_kernels_parameters_in_its_groups(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("switch", [False, True])
-def test_the_kernels_compile_for_sm90_as_the_model_predicts(switch, monkeypatch):
+def test_the_kernels_compile_for_sm90_as_the_model_predicts():
     """The Gluon dK/dV kernel of D 64 and 128, causal and not, bf16 and fp16, cross-compiled
     for sm90: shared memory equal to the model's, setmaxnreg 240/24, wgmma and dQ's TMA
     reduce-adds; no spills but D 128 causal's few (the consumer at the 240-register cap: the
-    open item in docs/status.md; 44 B with dQ's sum in [B, H, N, D] order) and, with the
-    switch, D 64's at BLOCK_M 128 (FASTER_SPILLING: past the model's registers, faster)."""
-    monkeypatch.setenv(VARIANTS_ENV, "1") if switch else monkeypatch.delenv(VARIANTS_ENV, False)
+    open item in docs/status.md; 44 B with dQ's sum in [B, H, N, D] order) and D 64's without
+    a mask at BLOCK_M 128 (FASTER_SPILLING: past the model's registers, measured faster)."""
     specs = [
         _spec(dtype=dtype, head_dim=d, mask=mask, num_q_heads=8, num_kv_heads=2)
         for d in (64, 128)
@@ -488,8 +484,7 @@ def test_the_kernels_compile_for_sm90_as_the_model_predicts(switch, monkeypatch)
         assert row.record["tma_reduces"] == [
             "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.bulk_group"
         ]
-        known = {(128, "causal"): (20, 16)}  # (spill stores, stack) B
-        known |= {(64, "none"): (60, 40), (64, "causal"): (68, 48)} if switch else {}
+        known = {(128, "causal"): (20, 16), (64, "none"): (60, 40)}  # (spill stores, stack) B
         spills, stack = known.get((spec.head_dim, spec.mask.value), (0, 0))
         assert row.record["spill_stores"] == spills, row.line()
         assert row.problems == ([f"spills {spills} B, stack {stack} B"] if spills else [])

@@ -190,10 +190,6 @@ section_command() {
       tests/test_gluon_backward_gpu.py -k d256 && ATTNGEN_GLUON_VARIANTS=1 compute-sanitizer \
       --tool memcheck --error-exitcode 9 $pytest_gpu tests/test_gluon_expressions_gpu.py \
       tests/test_block_sparse_gpu.py -k hostile" ;;
-    # D64_WIDE (the D 64 Gluon backward at BLOCK_M 128, behind the switch): the Gluon backward's
-    # GPU file with the switch, then the grid's D 64 cells (attngen and cuDNN).
-    d64_wide) echo "ATTNGEN_GLUON_VARIANTS=1 $pytest_gpu -rf --tb=short tests/test_gluon_backward_gpu.py \
-      && ATTNGEN_GLUON_VARIANTS=1 python3 tools/bench_grid.py --out $work/grid64 --d 64 --impls attngen,cudnn" ;;
     # Candidate kernel changes against the kernels (tools/ab_alt/: patches of the templates).
     ab_alt) echo "bash tools/ab_alt/run.sh $work" ;;
     bench_sparse) echo "python3 tools/bench_block_sparse.py --out $work" ;;

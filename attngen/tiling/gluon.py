@@ -78,8 +78,8 @@ LISTING_WORDS = 9  # a block mask's: two list pointers, their strides, counts an
 # ATTNGEN_GLUON_VARIANTS=1 (on-demand builds cached apart) until they pass and leave the set.
 GLUON_VARIANTS = frozenset({"mask sliding_window", "mask chunked", "sink tokens", "softcap",
     "ALiBi", "sinks", "backward", "varlen", "head_dim != head_dim_v", "backward d256",
-    "score_mod/mask_mod", "backward score_mod/mask_mod", "backward d64 block_m 128"})  # fmt: skip
-GLUON_UNVERIFIED: frozenset[str] = frozenset({"backward d64 block_m 128"})
+    "score_mod/mask_mod", "backward score_mod/mask_mod"})  # fmt: skip
+GLUON_UNVERIFIED: frozenset[str] = frozenset()
 
 
 def gluon_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:

@@ -34,7 +34,7 @@ and the expressions' tensors add captured arguments (expression_capture_bytes, e
 their tiles spill past the 240-register cap (28-256 B, tests/test_gluon_backward.py
 EXPRESSION_SPILLS), at D 64 nothing. Served (GPU-tested: tests/test_gluon_backward_gpu.py)
 but for causal calls with fewer than SHORT_CAUSAL_KEYS keys, which take the tile-level
-kernels; D64_WIDE (plain D 64 at BLOCK_M 128) behind the switch. Pure Python and sympy.
+kernels. Pure Python and sympy.
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ NC, BM, BN, D, E, S, C = sympy.symbols("NC BLOCK_M BLOCK_N D E S C", positive=Tr
 SYMBOLS = (NC, BM, BN, D, E, S, C)
 BACKWARD = "backward"  # its name in GLUON_VARIANTS / GLUON_UNVERIFIED
 D256 = "backward d256"  # the D 256 form's
-D64_WIDE = "backward d64 block_m 128"  # FASTER_SPILLING's D 64 config
 EXPRESSIONS = "backward score_mod/mask_mod"  # score_mod / mask_mod and block masks
 D256_CONSUMER_REGS = 232
 HEAD_DIMS = (64, 128, 256)
@@ -76,8 +75,9 @@ ALIBI_CAPTURE_BYTES = 16  # ALiBi's slopes pointer and batch stride beside them 
 # CAPTURE_PHASE bytes into a 16-byte granule (fitted to the compiler; exact for the 24
 # expression kernels of tests/test_gluon_backward.py's compile test).
 LISTING_BYTES, CAPTURE_PHASE = 40, 6
-# (D, BLOCK_M) past the model's registers for plain specs (none or causal; no softcap, ALiBi or
-# expressions): D 64 x 128 spills 60-68 B, ran 1.05-1.07x as fast as x 64 (H100, tools/ab_alt).
+# (D, BLOCK_M) past the model's registers for plain specs (no mask, softcap, ALiBi, expressions):
+# D 64 x 128 spills 60 B and ran 1.05-1.07x as fast as x 64 at N 4k-16k (H100, tools/ab_alt);
+# causal gained there too but lost 9% at N 1k (its steps half on the diagonal), so keeps 64.
 FASTER_SPILLING = frozenset({(64, 128)})
 _DQ_FORMS = ("by turns", "split by columns", "split by rows")
 # Against the tile-level backward in one process (H100, tools/ab_templates.py --short-causal):
@@ -257,8 +257,7 @@ def derive_gluon_backward(spec: AttnSpec, arch: str) -> BwdDerivation | None:
     if gluon_backward_gap(spec, arch, KernelKind.prefill):
         return None
     captured = ALIBI_CAPTURE_BYTES * spec.alibi + expression_capture_bytes(spec)
-    plain = spec.mask.value in ("none", "causal") and not (spec.softcap or captured)
-    plain = plain and (D64_WIDE not in GLUON_UNVERIFIED or unverified_variants_on())
+    plain = spec.mask.value == "none" and not (spec.softcap or captured)
     return _derive(spec.head_dim, spec.dtype.itemsize, arch, captured, plain)
 
 

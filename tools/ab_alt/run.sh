@@ -7,7 +7,7 @@
 set -u
 out=${1:?usage: tools/ab_alt/run.sh OUT [NAME ...]}
 shift
-declare -A dims=([bwd_dq_double_staging]="64 128" [bwd_thread_arrives]="64 128")
+declare -A dims=([bwd_dq_double_staging]="128" [bwd_thread_arrives]="64 128")  # D 64 (BLOCK_M 128 without a mask): no shared memory for a second staging
 order=(bwd_dq_double_staging bwd_thread_arrives)
 failed=0
 for name in "${@:-${order[@]}}"; do
