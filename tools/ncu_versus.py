@@ -4,8 +4,10 @@ memory throughputs, the leading warp-stall reasons).
 
 For each cell and implementation a worker process runs flash_attn_func's forward + backward
 (bench_grid.py's shapes: [B, N, H, D] bf16, B = 16384 / N, H = 2048 / D) twice to warm up,
-then once inside the NVTX range "profile", which ncu alone profiles (`--nvtx-include`), with
-the clocks left alone (`--clock-control none`, METHOD.md). On a CUDA machine, from the
+then once between cudaProfilerStart and Stop, which ncu alone profiles (`--profile-from-start
+off`: process-wide, so the backward's kernels, launched from autograd's thread, are in; an NVTX
+range is per thread and left them out), with the clocks left alone (`--clock-control none`,
+METHOD.md). On a CUDA machine, from the
 repository root (FA4 on the path: `source tools/gpu_fa4.sh`):
 
     python3 tools/ncu_versus.py --out OUT [--cells 128:16384:0 64:1024:1] [--impls attngen,fa4]
@@ -40,7 +42,7 @@ STALL = "smsp__average_warps_issue_stalled_"
 
 
 def worker(cell: str, impl: str) -> None:
-    """The profiled process: warm-up steps, then one step in the NVTX range "profile"."""
+    """The profiled process: warm-up steps, then one step between the profiler's start and stop."""
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -56,16 +58,16 @@ def worker(cell: str, impl: str) -> None:
     for step in range(3):
         if step == 2:
             torch.cuda.synchronize()
-            torch.cuda.nvtx.range_push("profile")
+            torch.cuda.cudart().cudaProfilerStart()
         torch.autograd.grad(fn(*leaves, bool(causal)), leaves, dout)
         if step == 2:
             torch.cuda.synchronize()
-            torch.cuda.nvtx.range_pop()
+            torch.cuda.cudart().cudaProfilerStop()
 
 
 def profile(cell: str, impl: str) -> list[dict]:
     """ncu's raw page of every kernel in the profiled step, one dict per kernel."""
-    command = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "profile/",
+    command = ["ncu", "--clock-control", "none", "--profile-from-start", "off",
                "--csv", "--page", "raw", "--metrics", ",".join(METRICS),
                sys.executable, __file__, "--worker", cell, impl]  # fmt: skip
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
