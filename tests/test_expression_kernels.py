@@ -230,15 +230,14 @@ def test_a_module_without_declared_tensors_refuses_them() -> None:
         plain.attention(q, k, v, tensors={})
 
 
-def test_expression_modules_take_the_tile_level_forward() -> None:
-    """sm90's warp-specialized forward does not serve expressions: forward_path says why."""
+def test_expression_modules_have_the_warp_specialized_forward() -> None:
+    """sm90's warp-specialized forward serves expressions (its GPU tests passed); under the
+    interpreter a call takes the tile-level kernel, and forward_path says why."""
     spec = make_spec(name="flex", dtype="bf16", head_dim=128, mask_mod="q_idx >= kv_idx")
     kernel = load_kernel(spec)
-    assert (
-        kernel.forward_path()
-        == "tile-level: score_mod/mask_mod: not in the warp-specialized kernel yet"
-    )
-    assert kernel._gluon_run is None and not hasattr(kernel, "_gluon_attn_fwd_kernel")
+    assert hasattr(kernel, "_gluon_attn_fwd_kernel")
+    kernel.attention(*make_inputs(spec, 1, 8, 8, seed=0)[:3])
+    assert kernel.forward_path() == "tile-level: " + kernel._INTERPRETED
 
 
 def test_the_build_renders_prefill_and_varlen() -> None:

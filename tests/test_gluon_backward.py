@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import inspect
 import math
+import multiprocessing
+import os
 from pathlib import Path
 
 import pytest
@@ -26,12 +28,13 @@ from attngen.spec.files import VARIANTS_ENV
 from attngen.tiling.gluon import GLUON_UNVERIFIED
 from attngen.tiling.gluon_backward import (
     BACKWARD,
+    LONG_CAUSAL_KEYS,
     SHORT_CAUSAL_KEYS,
     derive_gluon_backward,
     gluon_backward_gap,
 )
 from attngen.tiling.prefill import derive_tiles
-from attngen.verify.gluon import verify_gluon
+from attngen.verify.gluon import _compile_job, verify_gluon
 from tests.backward_harness import padded_inputs
 from tests.kernel_harness import load_kernel, make_inputs, make_spec
 from tests.test_block_sparse import exact_block_mask, mask_mod_values
@@ -59,6 +62,8 @@ def test_the_derived_configs_fit_and_match_the_compiler():
     above the model's registers, measured faster)."""
     expected = {(64, False): (64, 132592, False, 2), (128, False): (64, 198128, True, 1),
                 (64, True): (128, 199152, True, 3), (128, True): (64, 198128, True, 1)}  # fmt: skip
+    long = derive_gluon_backward(_spec(head_dim=64), "sm90").long_causal  # causal, plain
+    assert (long.config.block_m, long.smem_bytes) == (128, 199152)
     for (d, plain), (block_m, smem, split, feasible) in expected.items():
         more = dict(mask="none") if plain else dict(mask="causal")
         derivation = derive_gluon_backward(_spec(head_dim=d, **more), "sm90")
@@ -412,7 +417,7 @@ def test_the_row_statistics_it_is_given(tmp_path, seqlen_q):
     q = torch.zeros(2, 4, seqlen_q, 64, dtype=torch.float16)
     lse = torch.randn(2, 4, seqlen_q, generator=torch.Generator().manual_seed(0))
     lse[0, 1, :5] = -math.inf
-    dq, lse_p, lse2, delta, dlse = module._gluon_bwd_buffers(q, lse, lse + 1, False)
+    dq, lse_p, lse2, delta, dlse = module._gluon_bwd_buffers(q, lse, lse + 1, False, 64)
     assert (lse2[..., seqlen_q:] == math.inf).all()  # rows < Nq: the dQ kernel's (test above)
     assert torch.equal(lse_p[..., :seqlen_q], lse) and torch.equal(dlse[..., :seqlen_q], lse + 1)
     for t in (lse_p, lse2, delta, dlse):
@@ -451,7 +456,8 @@ def test_the_launch_passes_the_kernels_parameters_in_its_groups(
     )
     q, dout = (torch.zeros(2, 128, 4, 64, dtype=torch.float16).transpose(1, 2) for _ in range(2))
     k, v = (torch.zeros(2, 2, 128, 64, dtype=torch.float16) for _ in range(2))
-    dq_sum, _, lse2, delta, _ = module._gluon_bwd_buffers(q, torch.zeros(2, 4, 128), None, False)
+    dq_sum, _, lse2, delta, _ = module._gluon_bwd_buffers(q, torch.zeros(2, 4, 128), None, False,
+                                                          64)  # fmt: skip
     module._gluon_bwd_run(q, k, v, dout, lse2, delta, None if deterministic else dq_sum, 1.0, 0.5)
     grid, device, tensors, ints, tail, constexprs, options = seen["args"]
     names = _assert_launch_groups(seen["kernel"], tensors, ints, tail, constexprs)
@@ -461,6 +467,27 @@ def test_the_launch_passes_the_kernels_parameters_in_its_groups(
     assert type(tail[0]) is float and type(tail[1]) is float
     assert (constexprs["WITH_DQ"], constexprs["DQ_HEADS_LAST"]) == (not deterministic,) * 2
     assert grid == 2 * 2 and options == module._GLUON_BWD_OPTIONS
+
+
+def test_long_causal_calls_run_the_long_form(monkeypatch):
+    """A causal D 64 module carries the tiling model's long causal form (BLOCK_M 128, dQ split
+    by rows): a backward call with LONG_CAUSAL_KEYS keys or more launches it (its blocks,
+    constexprs, statistics padded to 128 rows), a shorter one the module's BLOCK_M 64."""
+    module = load_kernel(_spec(head_dim=64, num_q_heads=2, num_kv_heads=1))
+    keys, form = module.GLUON_BWD_LONG_CAUSAL
+    assert keys == LONG_CAUSAL_KEYS and (form["BLOCK_M"], form["DQ_SPLIT"]) == (128, True)
+    assert load_kernel(_spec(head_dim=128)).GLUON_BWD_LONG_CAUSAL is None  # D 128: one form
+    monkeypatch.setattr(module, "_gluon_bwd_route", lambda *args: (None, args[4].contiguous()))
+    launches: list = []
+    monkeypatch.setattr(module, "_launch", lambda kernel, *args: launches.append(args))
+    for n, block_m in ((keys - 64, 64), (keys, 128)):
+        q, k, v, dout = (torch.zeros(1, n, h, 64, dtype=torch.bfloat16).transpose(1, 2)
+                         for h in (2, 1, 1, 2))  # fmt: skip
+        module.attention_backward(dout, q, k, v, dout, torch.zeros(1, 2, n), deterministic=False)
+        grid, device, tensors, ints, tail, constexprs, options = launches[-1]  # the dK/dV kernel
+        q_desc = tail[2]  # qk_scale, sm_scale, then q_desc
+        assert q_desc.block_shape[1] == block_m and constexprs["DQ_SPLIT"] == (block_m == 128)
+        assert ints[4] == -(-n // block_m) * block_m  # the statistics' rows: whole blocks
 
 
 @pytest.mark.slow
@@ -488,6 +515,22 @@ def test_the_kernels_compile_for_sm90_as_the_model_predicts():
         spills, stack = known.get((spec.head_dim, spec.mask.value), (0, 0))
         assert row.record["spill_stores"] == spills, row.line()
         assert row.problems == ([f"spills {spills} B, stack {stack} B"] if spills else [])
+        if (long := derive_gluon_backward(spec, "sm90").long_causal) is not None:  # D 64 causal
+            record = _compiled_apart(spec, long)  # the long causal form: BLOCK_M 128
+            assert (record["shared"], record["spill_stores"], record["stack"]) == (199152, 68, 48)
+
+
+def _compiled_apart(spec, candidate) -> dict:
+    """compile_gluon's record of `candidate`, in a spawned worker without TRITON_INTERPRET (as
+    verify_gluon compiles: a process that imported triton under the interpreter cannot)."""
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            job = (spec.model_dump(mode="json"), candidate, KernelKind.prefill)
+            return pool.apply(_compile_job, (job,))
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
 
 
 def test_d256_has_a_form_of_its_own():

@@ -65,6 +65,9 @@ CASES = [
     (1, 700, 900, 4, 4, 64, "none+softcap", None, "fp16"),
     (1, 777, 2049, 4, 2, 128, "causal+softcap", "top_left", "bf16"),
     (1, 1100, 1100, 4, 2, 128, "window:300:0+softcap", "bottom_right", "bf16"),
+    # D 64 causal with LONG_CAUSAL_KEYS keys or more: the long form (BLOCK_M 128, dQ by rows)
+    (1, 4000, 4100, 2, 1, 64, "causal", "bottom_right", "bf16"),
+    (1, 4100, 4100, 2, 2, 64, "causal", "top_left", "fp16"),
 ]
 SOFTCAP = 5.0
 

@@ -252,7 +252,7 @@ CAUSAL_BR_BF16_D128_EXPRESSIONS = {
     "host_code": host_code(PREFILL, expressions=True, tma=True),
     "call_plans": False,
     "gluon": False,
-    "gluon_gap": "score_mod/mask_mod: not in the warp-specialized kernel yet",  # unverified
+    "gluon_gap": "score_mod/mask_mod: not in the warp-specialized kernel yet",  # a fixed gap
     **dict.fromkeys(_GLUON_INTS, 0),
     **expression_context(
         specs_from_data(_spec_from_lines(CAUSAL_BR_BF16_D128["spec_lines"] + EXPRESSION_FIELDS))[0]

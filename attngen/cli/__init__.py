@@ -32,50 +32,28 @@ app = typer.Typer(
 
 SpecPaths = Annotated[list[Path], typer.Argument(help="Spec files (YAML).", show_default=False)]
 OutDir = Annotated[Path, typer.Option("--out", help="Output folder.")]
-TuningDir = Annotated[
-    Path,
-    typer.Option(
-        "--tuning", help="Tuning database folder (attngen autotune); used when it exists."
-    ),
-]
+TuningDir = Annotated[Path, typer.Option(
+    "--tuning", help="Tuning database folder (attngen autotune); used when it "
+    "exists.")]  # fmt: skip
 
 # verify-tiling's options whose help takes several lines
-_SampleOption = Annotated[
-    int,
-    typer.Option(
-        help="Recompile N configs from the data file live (half rejected ones): the data must be "
-        "current for the installed Triton."
-    ),
-]
-_EverySpecOption = Annotated[
-    bool,
-    typer.Option(
-        help="Also compile every other spec of each feasible config and hold it to the spill "
-        "policy (slow: about 2900 compiles for the examples); the data keeps one record per "
-        "config."
-    ),
-]
-_MeasurementsOption = Annotated[
-    Path | None,
-    typer.Option(
-        help="Compiler measurements file; default "
-        "attngen/verify/data/prefill_compile_triton-<installed version>.json."
-    ),
-]
-_GluonOption = Annotated[
-    bool,
-    typer.Option(
-        help="Instead: compile each sm90 prefill module's warp-specialized (Gluon) forward "
-        "live and compare it with attngen/tiling/gluon.py (shared memory, spills, registers)."
-    ),
-]
-_BackwardOption = Annotated[
-    bool,
-    typer.Option(
-        help="Check the gradient kernels (dQ, dK/dV) of the specs with backward: true instead of "
-        "the forward, against attngen/verify/data/backward_compile_triton-<version>.json."
-    ),
-]
+_SampleOption = Annotated[int, typer.Option(
+    help="Recompile N configs from the data file live (half rejected ones): the data must be "
+    "current for the installed Triton.")]  # fmt: skip
+_EverySpecOption = Annotated[bool, typer.Option(
+    help="Also compile every other spec of each feasible config and hold it to the spill "
+    "policy (slow: about 2900 compiles for the examples); the data keeps one record per "
+    "config.")]  # fmt: skip
+_MeasurementsOption = Annotated[Path | None, typer.Option(
+    help="Compiler measurements file; default "
+    "attngen/verify/data/prefill_compile_triton-<installed version>.json.")]  # fmt: skip
+_GluonOption = Annotated[bool, typer.Option(
+    help="Instead: compile each sm90 prefill module's warp-specialized (Gluon) forward live "
+    "and compare it with attngen/tiling/gluon.py (shared memory, spills, registers).")]  # fmt: skip
+_BackwardOption = Annotated[bool, typer.Option(
+    help="Check the gradient kernels (dQ, dK/dV) of the specs with backward: true instead of "
+    "the forward, against attngen/verify/data/backward_compile_triton-<version>.json."
+    )]  # fmt: skip
 
 
 def _tuning(tuning: Path) -> Path | None:

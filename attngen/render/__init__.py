@@ -37,6 +37,7 @@ from attngen.tiling.code_paths import POINTER_LOADS_UP_TO, code_paths
 from attngen.tiling.decode_latent import derive_latent_tiles
 from attngen.tiling.gluon import GluonDerivation, derive_gluon_tiles, gluon_gap
 from attngen.tiling.gluon_backward import HEAVY_FIRST, SHORT_CAUSAL_KEYS, derive_gluon_backward
+from attngen.tiling.gluon_backward import LONG_CAUSAL_KEYS as LONG_KEYS
 from attngen.tiling.prefill import Derivation, TileConfig, padded_head_dim
 
 # A generated module may import these and nothing else.
@@ -346,11 +347,13 @@ def _add_gluon(context: dict[str, Any], spec: AttnSpec, kind: KernelKind, arch: 
     context["gluon_bwd"] = chosen is not None
     if backward is not None and chosen is not None:
         context["derivation_lines"] = [*context["derivation_lines"], *backward.summary_lines()]
-        config = chosen.config
+        config, wide = chosen.config, backward.long_causal and backward.long_causal.config
+        long = wide and (LONG_KEYS, wide.block_m, wide.stages, wide.dq_split)
         context.update(gluon_bwd_block_m=config.block_m, gluon_bwd_block_n=config.block_n,
                        gluon_bwd_stages=config.stages, gluon_bwd_dq_split=config.dq_split,
                        gluon_bwd_regs=(config.consumer_regs, config.producer_regs, config.maxnreg),
                        gluon_bwd_describe=config.describe(),
+                       gluon_bwd_long=long,
                        gluon_bwd_short_causal=SHORT_CAUSAL_KEYS,
                        gluon_bwd_heavy_first=HEAVY_FIRST)  # fmt: skip
 

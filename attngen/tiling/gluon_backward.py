@@ -75,10 +75,12 @@ ALIBI_CAPTURE_BYTES = 16  # ALiBi's slopes pointer and batch stride beside them 
 # CAPTURE_PHASE bytes into a 16-byte granule (fitted to the compiler; exact for the 24
 # expression kernels of tests/test_gluon_backward.py's compile test).
 LISTING_BYTES, CAPTURE_PHASE = 40, 6
-# (D, BLOCK_M) past the model's registers for plain specs (no mask, softcap, ALiBi, expressions):
-# D 64 x 128 spills 60 B and ran 1.05-1.07x as fast as x 64 at N 4k-16k (H100, tools/ab_alt);
-# causal gained there too but lost 9% at N 1k (its steps half on the diagonal), so keeps 64.
+# (D, BLOCK_M) past the model's registers for plain specs (no softcap, ALiBi or expressions):
+# D 64 x 128 spills 60-68 B and ran 1.05-1.07x as fast as x 64 at N 4k-16k (docs/performance.md),
+# causal too, but lost 9% at N 1k (half its steps meet the diagonal): causal calls take it from
+# LONG_CAUSAL_KEYS keys (the module's long causal form), BLOCK_M 64 below.
 FASTER_SPILLING = frozenset({(64, 128)})
+LONG_CAUSAL_KEYS = 4096
 _DQ_FORMS = ("by turns", "split by columns", "split by rows")
 # Against the tile-level backward in one process (H100, tools/ab_templates.py --short-causal):
 # causal, the Gluon kernel ran 1.11-1.16x its time at N 256, 0.99-1.02x N 512, 0.87-0.89x N 1k.
@@ -97,31 +99,25 @@ def gluon_backward_gap(spec: AttnSpec, arch: str, kind: KernelKind) -> str:
     gap = gluon_gap(spec, arch, kind)
     if gap or kind is not KernelKind.prefill:
         return gap or f"{kind.value}: the dK/dV kernel reads padded batches only"
-    if BACKWARD in GLUON_UNVERIFIED and not unverified_variants_on():
-        return "not verified on a GPU yet (built with ATTNGEN_GLUON_VARIANTS=1)"
     if spec.head_dim not in HEAD_DIMS:
         return f"head dim {spec.head_dim}: the backward kernel is laid out for 64, 128 and 256"
     d256 = spec.head_dim == 256
     expressions = spec.score_mod is not None or spec.mask_mod is not None
-    if expressions and EXPRESSIONS in GLUON_UNVERIFIED and not unverified_variants_on():
-        return "score_mod/mask_mod: not verified on a GPU yet (built with ATTNGEN_GLUON_VARIANTS=1)"
-    if d256 and D256 in GLUON_UNVERIFIED and not unverified_variants_on():
-        return "head dim 256: not verified on a GPU yet (built with ATTNGEN_GLUON_VARIANTS=1)"
-    for present, feature in (
-        (
-            d256 and (spec.mask.value == "sliding_window" or spec.softcap or spec.alibi),
-            "head dim 256 with a window, softcap or ALiBi",
-        ),
+    forms = {BACKWARD, D256 if d256 else BACKWARD, EXPRESSIONS if expressions else BACKWARD}
+    if (waiting := forms & GLUON_UNVERIFIED) and not unverified_variants_on():
+        return f"{min(waiting)}: not verified on a GPU yet (built with ATTNGEN_GLUON_VARIANTS=1)"
+    unserved = (
+        (d256 and (spec.mask.value == "sliding_window" or spec.softcap or spec.alibi),
+         "head dim 256 with a window, softcap or ALiBi"),
         (spec.mask.value not in ("none", "causal", "sliding_window"), f"mask {spec.mask.value}"),
         (spec.sink_tokens, "sink tokens"),
         (spec.sinks, "sinks"),
-        (
-            expressions and (spec.softcap or spec.alibi or d256),
-            "score_mod/mask_mod with softcap, ALiBi or head dim 256",
-        ),
+        (expressions and (spec.softcap or spec.alibi or d256),
+         "score_mod/mask_mod with softcap, ALiBi or head dim 256"),
         (any(t.trainable for t in spec.tensors), "a trainable tensor"),
         (spec.head_dim != spec.value_head_dim, "head_dim != head_dim_v"),
-    ):
+    )  # fmt: skip
+    for present, feature in unserved:
         if present:
             return f"{feature}: not in the Gluon backward yet"
     return ""
@@ -209,6 +205,7 @@ class BwdDerivation:
     arch: str
     candidates: tuple[BwdCandidate, ...]
     chosen: BwdCandidate | None
+    long_causal: BwdCandidate | None = None  # causal calls from LONG_CAUSAL_KEYS keys
 
     def summary_lines(self) -> tuple[str, ...]:
         """The header's and explain's lines: the model and the chosen config's numbers."""
@@ -228,6 +225,8 @@ class BwdDerivation:
                 f"  {feasible} of {len(self.candidates)} feasible; rule: the widest BLOCK_M "
                 "(FASTER_SPILLING's past the registers: measured faster), the fewest stages",
             ]
+        if (long := self.long_causal) is not None:
+            lines.append(f"  causal, {LONG_CAUSAL_KEYS} keys or more: {long.config.describe()}")
         # Wrapped to 88 columns (the header's lines stay within 100).
         return tuple(w for line in lines for w in textwrap.wrap(line, 88, subsequent_indent="    "))
 
@@ -257,8 +256,13 @@ def derive_gluon_backward(spec: AttnSpec, arch: str) -> BwdDerivation | None:
     if gluon_backward_gap(spec, arch, KernelKind.prefill):
         return None
     captured = ALIBI_CAPTURE_BYTES * spec.alibi + expression_capture_bytes(spec)
-    plain = spec.mask.value == "none" and not (spec.softcap or captured)
-    return _derive(spec.head_dim, spec.dtype.itemsize, arch, captured, plain)
+    plain = spec.mask.value in ("none", "causal") and not (spec.softcap or captured)
+    values = (spec.head_dim, spec.dtype.itemsize, arch, captured)
+    derivation = _derive(*values, plain and spec.mask.value == "none")
+    long = _derive(*values, True).chosen if plain and spec.mask.value == "causal" else None
+    if long is None or derivation.chosen is None or long.config == derivation.chosen.config:
+        return derivation
+    return BwdDerivation(derivation.arch, derivation.candidates, derivation.chosen, long)
 
 
 @cache
