@@ -192,6 +192,10 @@ section_command() {
       tests/test_block_sparse_gpu.py -k hostile" ;;
     # Candidate kernel changes against the kernels (tools/ab_alt/: patches of the templates).
     ab_alt) echo "bash tools/ab_alt/run.sh $work" ;;
+    # The D 64 causal backward's long form chosen per call (4096 keys or more): its two GPU
+    # cases, then the grid's D 64 cells beside cuDNN.
+    long_causal) echo "$pytest_gpu -rf --tb=short tests/test_gluon_backward_gpu.py -k 4100 \
+      && python3 tools/bench_grid.py --out $work/g64 --d 64 --impls attngen,cudnn" ;;
     bench_sparse) echo "python3 tools/bench_block_sparse.py --out $work" ;;
     # The Gluon forward's variants and the modules' Gluon dK/dV backward (the varlen form built
     # with ATTNGEN_GLUON_VARIANTS=1 inside its tests): float64 checks through the public functions.

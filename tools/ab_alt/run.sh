@@ -10,8 +10,9 @@ shift
 # double staging: no shared memory for it at D 64 (BLOCK_M 128 without a mask); one step late:
 # D 64 at BLOCK_M 128 spills 188 B with it
 declare -A dims=([bwd_dq_double_staging]="128" [bwd_thread_arrives]="64 128"
-                 [bwd_dq_one_step_late]="128")
-order=(bwd_dq_one_step_late bwd_dq_double_staging bwd_thread_arrives)
+                 [bwd_dq_one_step_late]="128" [bwd_dq_double_staging_thread_arrives]="128")
+order=(bwd_dq_double_staging_thread_arrives bwd_dq_double_staging bwd_dq_one_step_late
+       bwd_thread_arrives)
 failed=0
 for name in "${@:-${order[@]}}"; do
   alt="$out/alt_$name"
