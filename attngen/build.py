@@ -62,11 +62,10 @@ def plan_build(specs: Iterable[AttnSpec], tuning_dir: Path | None = None) -> lis
             artifact = _plan_one(spec, kind, arch, tuning_dir)
             previous = artifacts.get(artifact.relative_path)
             if previous is not None and previous.source != artifact.source:
-                raise BuildError(
-                    f"{artifact.relative_path}: two specs give this module different contents "
-                    f"(spec hashes {previous.entry['spec_hash']} and "
-                    f"{artifact.entry['spec_hash']}); give the specs different names"
-                )
+                hashes = previous.entry["spec_hash"], artifact.entry["spec_hash"]
+                raise BuildError(f"{artifact.relative_path}: two specs give this module different "
+                                 "contents (spec hashes %s and %s); give the specs different "
+                                 "names" % hashes)  # fmt: skip
             artifacts[artifact.relative_path] = artifact
     finally:
         if collecting:
@@ -79,12 +78,10 @@ def _plan_one(spec: AttnSpec, kind: KernelKind, arch: str, tuning_dir: Path | No
     derivation = derive(spec, arch)
     if derivation.chosen is None:
         reasons = sorted({r for c in derivation.candidates for r in c.rejected})
-        raise BuildError(
-            f"{spec.name}: no {kind.value} tile config fits {arch} "
-            f"(every candidate rejected: {'; '.join(reasons[:3])}); nearest feasible "
-            f"alternative: {nearest_alternative(spec, arch, kind)}; "
-            "drop this arch from `archs` or change the spec"
-        )
+        raise BuildError(f"{spec.name}: no {kind.value} tile config fits {arch} (every candidate "
+                         f"rejected: {'; '.join(reasons[:3])}); nearest feasible alternative: "
+                         f"{nearest_alternative(spec, arch, kind)}; drop this arch from `archs` "
+                         "or change the spec")  # fmt: skip
     derivation = apply_tuning(derivation, lookup(tuning_dir, spec, kind, arch))
     assert derivation.chosen is not None  # apply_tuning replaces the choice, never drops it
     name = module_name(spec, kind)
@@ -94,18 +91,11 @@ def _plan_one(spec: AttnSpec, kind: KernelKind, arch: str, tuning_dir: Path | No
         backward = tuned_backward_tiles(tuning_dir, spec, arch)
     gluon = tuned_gluon(tuning_dir, spec, arch) if kind is KernelKind.prefill else None
     source = render_module(spec, kind, derivation, backward, gluon)
-    entry = {
-        "module": name,
-        "path": relative_path,
-        "arch": arch,
-        "kind": kind.value,
-        "spec_hash": spec.spec_hash(),
-        "spec": spec.canonical(),
-        "config": derivation.chosen.as_dict(),
-        "config_source": derivation.source,
-        # The runtime imports a module only if its bytes hash to this (runtime/registry.py).
-        "sha256": hashlib.sha256(source.encode("utf-8")).hexdigest(),
-    }
+    # The runtime imports a module only if its bytes hash to sha256 (runtime/registry.py).
+    entry = {"module": name, "path": relative_path, "arch": arch, "kind": kind.value,
+             "spec_hash": spec.spec_hash(), "spec": spec.canonical(),
+             "config": derivation.chosen.as_dict(), "config_source": derivation.source,
+             "sha256": hashlib.sha256(source.encode("utf-8")).hexdigest()}  # fmt: skip
     return Artifact(relative_path, source, entry)
 
 

@@ -433,6 +433,23 @@ def _after_imports(source: str, line: str) -> str:
             lambda s: s + "\n\ndef _helper():\n    import subprocess\n    return subprocess\n",
             "imports 'subprocess'",
         ),
+        # the gate walks statements only: every kind of nested body is one
+        (lambda s: s + "\n\nclass _C:\n    def m(self):\n        import socket\n", "'socket'"),
+        (lambda s: s + "\n\ntry:\n    pass\nexcept Exception:\n    import shutil\n", "'shutil'"),
+        (
+            lambda s: (
+                s + "\n\nwhile False:\n    pass\nelse:\n    with open(0):\n        import ctypes\n"
+            ),
+            "'ctypes'",
+        ),
+        (lambda s: s + "\n\nmatch 0:\n    case 1:\n        from os import system\n", "'os'"),
+        (
+            lambda s: (
+                s
+                + "\n\nasync def _f():\n    try:\n        pass\n    finally:\n        import bz2\n"
+            ),
+            "'bz2'",
+        ),
         (lambda s: s.replace("def attention(", "def attend("), "defines no attention"),
         (lambda s: s.replace("def attention(", "def _attention("), "defines no attention"),
         (lambda s: s + "\ndef (:\n", "does not parse"),

@@ -86,7 +86,9 @@ def dq_smem_expression(arch: GpuArch, dropout: bool = False) -> sympy.Expr:
         )
 
     staged = sympy.Piecewise((BM * BN, BM < D), (0, True))
-    sixteen_bit = E * loop(staged) + sympy.Piecewise((mask, sympy.Eq(staged, 0)), (0, True))
+    sixteen_bit = E * loop(staged)
+    if dropout:  # where dS is not staged (staged's condition, not staged itself: no simplify)
+        sixteen_bit += sympy.Piecewise((mask, BM >= D), (0, True))
     if arch.has_wgmma:
         wgmma = E * (resident + S * (BN * D + BN * DV)) + mask
         sixteen_bit = sympy.Piecewise((wgmma, BM >= 64), (sixteen_bit, True))
@@ -124,8 +126,10 @@ def dkdv_smem_expression(arch: GpuArch, dropout: bool = False, grads: int = 3) -
     scratch = sympy.Piecewise((E * BM * sympy.Max(D, DV), sympy.Eq(S, 1)), (0, True))
     mma = E * (resident + sympy.Max(S - 1, 1) * (BM * D + BM * DV) + staged) + rows + scratch
     mask_scratch = keep_mask_scratch() if dropout else sympy.Integer(0)
-    beside = sympy.Or(sympy.Eq(staged, 0), sympy.And(BM * BN <= 64 * W, sympy.Ne(E, 4)))
-    mma = mma + sympy.Piecewise((mask_scratch, beside), (0, True))
+    if dropout:  # not staged: staged's condition (a Piecewise in one costs sympy a simplify)
+        beside = sympy.Or(sympy.Not(sympy.Or(BN < D, sympy.Eq(E, 4))),
+                          sympy.And(BM * BN <= 64 * W, sympy.Ne(E, 4)))  # fmt: skip
+        mma = mma + sympy.Piecewise((mask_scratch, beside), (0, True))
     if not arch.has_wgmma:
         return mma
     streamed_first = smallest_resident < S * BM * sympy.Max(D, DV)
