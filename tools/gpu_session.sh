@@ -196,6 +196,8 @@ section_command() {
     # cases, then the grid's D 64 cells beside cuDNN.
     long_causal) echo "$pytest_gpu -rf --tb=short tests/test_gluon_backward_gpu.py -k 4100 \
       && python3 tools/bench_grid.py --out $work/g64 --d 64 --impls attngen,cudnn" ;;
+    # A new flex_attention mod's first call, its phases timed (the issue's 100 ms).
+    flex_cold) echo "python3 tools/flex_cold_start.py --device cuda --json $work/flex_cold.json" ;;
     bench_sparse) echo "python3 tools/bench_block_sparse.py --out $work" ;;
     # The Gluon forward's variants and the modules' Gluon dK/dV backward (the varlen form built
     # with ATTNGEN_GLUON_VARIANTS=1 inside its tests): float64 checks through the public functions.
