@@ -9,7 +9,10 @@ B = 16384 / N, H = 2048 / D, causal and not; FLOPs = 4*B*H*N*N*D (halved when ca
 2.5x; `do_bench` medians. With the backward measured, the forward is timed as training runs it
 (grad enabled) and backward = (forward + backward) - forward; with --no-backward the forward runs
 under no_grad. In a cell every implementation is timed forward, then every one forward + backward,
-so host drift hits all alike. Before timing, each output is compared with cuDNN's (max abs diff;
+so host drift hits all alike, in --rounds rounds (3), each starting at the next implementation:
+a cell's figures are the medians over the rounds, whose values are kept (`*_ms_rounds`; one H100
+read the same backward 10.5 and 12.8 ms in one process, 2026-12-07) and whose spread the table
+reports last. Before timing, each output is compared with cuDNN's (max abs diff;
 gradients: max abs diff over the reference's max abs); above 2e-2 it is flagged ("!") and left out
 of the ratios. Peak memory: the forward (+ backward) peak above what was allocated before.
 attngen's cells record `last_dispatch()` (module and forward kernel), the backward's path
@@ -21,7 +24,7 @@ rewritten after every cell; --budget-s stops starting cells after that many seco
 machine, from the repository root (FA4 on the path: `source tools/gpu_fa4.sh`):
 
     PYTHONPATH=. python tools/bench_grid.py --out DIR [--d 128 --n 16384 --causal 1]
-        [--impls attngen,fa4,cudnn] [--no-backward] [--rep-ms 100] [--budget-s 500]
+        [--impls attngen,fa4,cudnn] [--no-backward] [--rep-ms 100] [--rounds 3] [--budget-s 500]
 
 Writes DIR/bench_grid.json and prints a short table last.
 """
@@ -34,6 +37,7 @@ import datetime
 import importlib.metadata
 import json
 import math
+import statistics
 import time
 import traceback
 from pathlib import Path
@@ -250,17 +254,9 @@ def run_cell(impls, head_dim, seqlen, causal, args) -> dict:
         t.requires_grad_(backward)
     results, ready = check_all(impls, q, k, v, dout, causal, backward)
     work = flops(head_dim, seqlen, causal)
-    phases = ("fwd", "fwd_bwd") if backward else ("fwd",)
-    for phase in phases:  # every implementation forward, then every one forward + backward
-        for name, fn in ready.items():
-            res = results[name]
-            if phase == "fwd_bwd" and "fwd_ms" not in res:
-                continue
-            fwd, fwd_bwd = closures(fn, q, k, v, dout, causal, backward)
-            try:
-                res[f"{phase}_ms"] = median_ms(fwd if phase == "fwd" else fwd_bwd, args.rep_ms)
-            except Exception as exc:  # noqa: BLE001 - recorded, the others still run
-                res["error"] = f"{phase}: {type(exc).__name__}: {exc}"[:300]
+    for turn in range(args.rounds):  # each round starts at the next implementation
+        names = list(ready)[turn % len(ready) :] + list(ready)[: turn % len(ready)]
+        time_round(ready, results, names, (q, k, v, dout, causal, backward), args.rep_ms)
     for name in ready:  # which kernels served the calls; the forward again, the others done
         if name.startswith("attngen"):
             if backward and "fwd_bwd_ms" in results[name]:
@@ -281,14 +277,35 @@ def run_cell(impls, head_dim, seqlen, causal, args) -> dict:
             fwd, _ = closures(ready[name], q, k, v, dout, causal, backward)
             results[name]["fwd_ms_again"] = median_ms(fwd, args.rep_ms)
     for res in results.values():
-        if "fwd_ms" in res:
+        rounds = {phase: res.pop(f"{phase}_rounds", []) for phase in ("fwd", "fwd_bwd")}
+        if rounds["fwd"]:
+            res["fwd_ms"], res["fwd_ms_rounds"] = statistics.median(rounds["fwd"]), rounds["fwd"]
             res["fwd_tflops"] = work / res["fwd_ms"] / 1e9
-        if "fwd_bwd_ms" in res:
-            res["bwd_ms"] = max(res["fwd_bwd_ms"] - res["fwd_ms"], 1e-6)
+        if rounds["fwd_bwd"] and len(rounds["fwd_bwd"]) == len(rounds["fwd"]):
+            res["fwd_bwd_ms"] = statistics.median(rounds["fwd_bwd"])
+            each = [max(b - f, 1e-6) for f, b in zip(rounds["fwd"], rounds["fwd_bwd"], strict=True)]
+            res["bwd_ms"], res["bwd_ms_rounds"] = statistics.median(each), each
             res["bwd_tflops"] = 2.5 * work / res["bwd_ms"] / 1e9
     cell = {"head_dim": head_dim, "seqlen": seqlen, "causal": causal, "batch": batch}
     cell["l2_persisting_bytes"] = l2_persisting_bytes()
     return {**cell, "heads": heads, "results": results}
+
+
+def time_round(ready, results, names, tensors, rep_ms: int) -> None:
+    """One round: every implementation forward, then every one forward + backward, in the
+    order of `names`; each median appended to its implementation's `<phase>_rounds`."""
+    q, k, v, dout, causal, backward = tensors
+    for phase in ("fwd", "fwd_bwd") if backward else ("fwd",):
+        for name in names:
+            res = results[name]
+            if "error" in res:
+                continue
+            fwd, fwd_bwd = closures(ready[name], q, k, v, dout, causal, backward)
+            try:
+                value = median_ms(fwd if phase == "fwd" else fwd_bwd, rep_ms)
+                res.setdefault(f"{phase}_rounds", []).append(value)
+            except Exception as exc:  # noqa: BLE001 - recorded, the others still run
+                res["error"] = f"{phase}: {type(exc).__name__}: {exc}"[:300]
 
 
 def l2_persisting_bytes() -> int | None:
@@ -349,7 +366,24 @@ def summary(report: dict) -> str:
         if values:
             mean = geomean(values)
             lines.append(f"geomean attngen/{other} {key[:3]}: {mean:.3f} over {len(values)} cells")
-    return "\n".join(lines + _module_lines(report["cells"]))
+    return "\n".join(lines + _module_lines(report["cells"]) + _spread_lines(report["cells"]))
+
+
+def _spread_lines(cells: list[dict]) -> list[str]:
+    """Per implementation, the median over cells of its rounds' spread ((max - min) / median):
+    a ratio closer to 1 than this is within the noise of one implementation's own timings."""
+    lines = []
+    for side in ("fwd", "bwd"):
+        spreads: dict = {}
+        for cell in cells:
+            for name, res in cell["results"].items():
+                rounds = res.get(f"{side}_ms_rounds") or []
+                if len(rounds) > 1:
+                    spread = (max(rounds) - min(rounds)) / statistics.median(rounds)
+                    spreads.setdefault(name, []).append(spread)
+        text = ", ".join(f"{n} {statistics.median(v):.1%}" for n, v in spreads.items())
+        lines += [f"median spread of the rounds, {side}: {text}"] if text else []
+    return lines
 
 
 def _module_lines(cells: list[dict]) -> list[str]:
@@ -404,6 +438,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--impls", type=_list(str), default=IMPLS, help=",".join(IMPLS))
     parser.add_argument("--no-backward", action="store_true")
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench rep (ms)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every timing")
     parser.add_argument("--budget-s", type=float, default=None, help="no new cell after this")
     args = parser.parse_args(argv)
     unknown = [name for name in args.impls if name not in IMPLS]
