@@ -479,12 +479,13 @@ def test_long_causal_calls_run_the_long_form(monkeypatch):
     assert load_kernel(_spec(head_dim=128)).GLUON_BWD_LONG_CAUSAL is None  # D 128: one form
     monkeypatch.setattr(module, "_gluon_bwd_route", lambda *args: (None, args[4].contiguous()))
     launches: list = []
-    monkeypatch.setattr(module, "_launch", lambda kernel, *args: launches.append(args))
+    monkeypatch.setattr(module, "_launch", lambda *args: launches.append(args))
     for n, block_m in ((keys - 64, 64), (keys, 128)):
         q, k, v, dout = (torch.zeros(1, n, h, 64, dtype=torch.bfloat16).transpose(1, 2)
                          for h in (2, 1, 1, 2))  # fmt: skip
         module.attention_backward(dout, q, k, v, dout, torch.zeros(1, 2, n), deterministic=False)
-        grid, device, tensors, ints, tail, constexprs, options = launches[-1]  # the dK/dV kernel
+        kernel, grid, device, tensors, ints, tail, constexprs, options = launches[-1]  # dK/dV's
+        _assert_launch_groups(kernel, tensors, ints, tail, constexprs)  # its constexprs by name
         q_desc = tail[2]  # qk_scale, sm_scale, then q_desc
         assert q_desc.block_shape[1] == block_m and constexprs["DQ_SPLIT"] == (block_m == 128)
         assert ints[4] == -(-n // block_m) * block_m  # the statistics' rows: whole blocks
