@@ -259,7 +259,7 @@ def run_cell(impls, head_dim, seqlen, causal, args) -> dict:
         time_round(ready, results, names, (q, k, v, dout, causal, backward), args.rep_ms)
     for name in ready:  # which kernels served the calls; the forward again, the others done
         if name.startswith("attngen"):
-            if backward and "fwd_bwd_ms" in results[name]:
+            if backward and results[name].get("fwd_bwd_rounds"):
                 closures(ready[name], q, k, v, dout, causal, backward)[1]()
                 results[name]["backward"] = backward_path()
                 results[name]["step_kernels_us"] = step_kernels(
