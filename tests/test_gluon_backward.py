@@ -495,9 +495,9 @@ def test_long_causal_calls_run_the_long_form(monkeypatch):
 def test_the_kernels_compile_for_sm90_as_the_model_predicts():
     """The Gluon dK/dV kernel of D 64 and 128, causal and not, bf16 and fp16, cross-compiled
     for sm90: shared memory equal to the model's, setmaxnreg 240/24, wgmma and dQ's TMA
-    reduce-adds; no spills but D 128 causal's few (the consumer at the 240-register cap: the
-    open item in docs/status.md; 44 B with dQ's sum in [B, H, N, D] order) and D 64's without
-    a mask at BLOCK_M 128 (FASTER_SPILLING: past the model's registers, measured faster)."""
+    reduce-adds; no spills but D 128's few (the consumer at the 240-register cap, more with dQ
+    a step late: DQ_LATE_HEAD_DIMS, measured faster) and D 64's without a mask at BLOCK_M 128
+    (FASTER_SPILLING: past the model's registers, measured faster)."""
     specs = [
         _spec(dtype=dtype, head_dim=d, mask=mask, num_q_heads=8, num_kv_heads=2)
         for d in (64, 128)
@@ -512,7 +512,8 @@ def test_the_kernels_compile_for_sm90_as_the_model_predicts():
         assert row.record["tma_reduces"] == [
             "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.bulk_group"
         ]
-        known = {(128, "causal"): (20, 16), (64, "none"): (60, 40)}  # (spill stores, stack) B
+        # (spill stores, stack) B; D 128's with dQ a step late (DQ_LATE_HEAD_DIMS)
+        known = {(128, "causal"): (48, 48), (128, "none"): (16, 16), (64, "none"): (60, 40)}
         spills, stack = known.get((spec.head_dim, spec.mask.value), (0, 0))
         assert row.record["spill_stores"] == spills, row.line()
         assert row.problems == ([f"spills {spills} B, stack {stack} B"] if spills else [])

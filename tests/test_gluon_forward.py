@@ -131,8 +131,8 @@ def test_every_covered_example_compiles_for_sm90_as_the_model_predicts():
     assert {row.spec for row in rows} == PLAIN
     for row in rows:
         # the dK/dV kernel's one known spill (D 128 causal, its consumer at the 240-register
-        # cap; tests/test_gluon_backward.py holds it at exactly this)
-        known = ["spills 20 B, stack 16 B"] if " dK/dV: " in row.line() else []
+        # cap, dQ a step late; tests/test_gluon_backward.py holds it at exactly this)
+        known = ["spills 48 B, stack 48 B"] if " dK/dV: " in row.line() else []
         assert row.problems == known, row.line()
         assert row.record["shared"] == row.chosen.smem_bytes
 

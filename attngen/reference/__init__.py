@@ -29,19 +29,12 @@ def visible_mask(spec: AttnSpec, seqlen_q: int, seqlen_k: int, device=None) -> t
     return seen
 
 
-def attention_scores(
-    spec: AttnSpec,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    *,
-    sm_scale: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    compute_dtype: torch.dtype = torch.float64,
-    tensors: Mapping[str, torch.Tensor] | None = None,
-    first_b: int = 0,
-    first_q: int = 0,
-    key_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
+def attention_scores(spec: AttnSpec, q: torch.Tensor, k: torch.Tensor, *,
+                     sm_scale: float | None = None, alibi_slopes: torch.Tensor | None = None,
+                     compute_dtype: torch.dtype = torch.float64,
+                     tensors: Mapping[str, torch.Tensor] | None = None, first_b: int = 0,
+                     first_q: int = 0,
+                     key_mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """[B, Hq, Nq, Nk] scores after scale, softcap, ALiBi, score_mod and the masks (the spec's,
     mask_mod's and key_mask's, [B or 1, Nq, Nk] bool: decode's tree_mask over a step's own
     keys; -inf where masked). `tensors`: what the expressions read; `first_b`: the batch index
@@ -90,21 +83,14 @@ def _expressions(spec, scores, visible, tensors, first_b, first_q):
     return scores, visible
 
 
-def reference_attention(
-    spec: AttnSpec,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    sm_scale: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    compute_dtype: torch.dtype = torch.float64,
-    tensors: Mapping[str, torch.Tensor] | None = None,
-    first_b: int = 0,
-    first_q: int = 0,
-    key_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_attention(spec: AttnSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                        sm_scale: float | None = None, alibi_slopes: torch.Tensor | None = None,
+                        sinks: torch.Tensor | None = None,
+                        compute_dtype: torch.dtype = torch.float64,
+                        tensors: Mapping[str, torch.Tensor] | None = None, first_b: int = 0,
+                        first_q: int = 0,
+                        key_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(out [B, Hq, Nq, Dv], lse [B, Hq, Nq]) in float64 by default.
 
     With compute_dtype=float32 and inputs in a 16-bit dtype, this is the low-precision
@@ -278,18 +264,9 @@ def error_problems(what, got, golden, lowp, factor, dtype, magnitude=0.0, floor_
     return problems
 
 
-def random_inputs(
-    spec: AttnSpec,
-    batch: int,
-    seqlen_q: int,
-    seqlen_k: int,
-    *,
-    seed: int,
-    num_q_heads: int | None = None,
-    num_kv_heads: int | None = None,
-    scale: float = 1.0,
-    device: str | torch.device = "cpu",
-):
+def random_inputs(spec: AttnSpec, batch: int, seqlen_q: int, seqlen_k: int, *, seed: int,
+                  num_q_heads: int | None = None, num_kv_heads: int | None = None,
+                  scale: float = 1.0, device: str | torch.device = "cpu"):  # fmt: skip
     """q, k, v in the spec's dtype (and ALiBi slopes when the spec has ALiBi) from a seed.
 
     Normal(0, 1) entries; `scale` multiplies q, so scores grow by it. Slopes are the

@@ -46,21 +46,10 @@ def _sink_leaf(spec: AttnSpec, sinks):
     return sinks.detach().double().requires_grad_()
 
 
-def golden_backward(
-    spec: AttnSpec,
-    q,
-    k,
-    v,
-    dout,
-    *,
-    sm_scale=None,
-    alibi_slopes=None,
-    dropout: Dropout = None,
-    dlse=None,
-    sinks=None,
-    tensors: Mapping[str, torch.Tensor] | None = None,
-    first_b: int = 0,
-):
+def golden_backward(spec: AttnSpec, q, k, v, dout, *, sm_scale=None, alibi_slopes=None,
+                    dropout: Dropout = None, dlse=None, sinks=None,
+                    tensors: Mapping[str, torch.Tensor] | None = None,
+                    first_b: int = 0):  # fmt: skip
     """(out, lse, dq, dk, dv) in float64, by autograd through the plain formula; with the
     spec's sinks [HQ] (their logit joins every row's normaliser), dsinks after dv; with
     trainable tensors, {name: float64 gradient} last."""
@@ -185,21 +174,9 @@ def kernel_like_probs(spec: AttnSpec, q, k, sm_scale, slopes, sinks=None, exprs=
     return torch.exp2(exponent - lse2[..., None]), factor
 
 
-def lowp_backward(
-    spec: AttnSpec,
-    q,
-    k,
-    v,
-    dout,
-    *,
-    sm_scale=None,
-    alibi_slopes=None,
-    dropout: Dropout = None,
-    dlse=None,
-    sinks=None,
-    tensors: Mapping[str, torch.Tensor] | None = None,
-    first_b: int = 0,
-):
+def lowp_backward(spec: AttnSpec, q, k, v, dout, *, sm_scale=None, alibi_slopes=None,
+                  dropout: Dropout = None, dlse=None, sinks=None,
+                  tensors: Mapping[str, torch.Tensor] | None = None, first_b: int = 0):  # fmt: skip
     """(out, dq, dk, dv) by the kernels' math in the kernels' precision: fp32 scores and
     softmax on inputs of the kernel's dtype, O rounded to it (delta reads it), P and dS rounded
     to it before the dots into dV, dQ and dK, fp32 accumulation, results rounded once. With
@@ -337,22 +314,10 @@ def sink_gradient_problems(got, golden, golden_out, golden_lse, lowp_out, dout, 
     ]
 
 
-def compare_gradients(
-    spec: AttnSpec,
-    grads,
-    q,
-    k,
-    v,
-    dout,
-    *,
-    sm_scale=None,
-    alibi_slopes=None,
-    dropout: Dropout = None,
-    dlse=None,
-    sinks=None,
-    tensors: Mapping[str, torch.Tensor] | None = None,
-    first_b: int = 0,
-) -> list[str]:
+def compare_gradients(spec: AttnSpec, grads, q, k, v, dout, *, sm_scale=None, alibi_slopes=None,
+                      dropout: Dropout = None, dlse=None, sinks=None,
+                      tensors: Mapping[str, torch.Tensor] | None = None,
+                      first_b: int = 0) -> list[str]:  # fmt: skip
     """What is wrong with a kernel's (dq, dk, dv), or (dq, dk, dv, dsinks) with the spec's
     sinks (then `sinks` is required; with three gradients, d sinks is the caller's to judge,
     as for packed sequences, whose sum it is), then with trainable tensors {name: gradient}

@@ -352,6 +352,7 @@ def _add_gluon(context: dict[str, Any], spec: AttnSpec, kind: KernelKind, arch: 
         long = wide and (LONG_KEYS, wide.block_m, wide.stages, wide.dq_split)
         context.update(gluon_bwd_block_m=config.block_m, gluon_bwd_block_n=config.block_n,
                        gluon_bwd_stages=config.stages, gluon_bwd_dq_split=config.dq_split,
+                       gluon_bwd_dq_late=config.dq_late,
                        gluon_bwd_regs=(config.consumer_regs, config.producer_regs, config.maxnreg),
                        gluon_bwd_describe=config.describe(),
                        gluon_bwd_long=long,

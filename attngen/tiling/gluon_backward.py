@@ -40,7 +40,7 @@ kernels. Pure Python and sympy.
 from __future__ import annotations
 
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from itertools import product
 
@@ -81,6 +81,11 @@ LISTING_BYTES, CAPTURE_PHASE = 40, 6
 # LONG_CAUSAL_KEYS keys (the module's long causal form), BLOCK_M 64 below.
 FASTER_SPILLING = frozenset({(64, 128)})
 LONG_CAUSAL_KEYS = 4096
+# Plain specs (none or causal, no softcap, ALiBi or expressions) at these head dims issue each
+# step's dQ GEMM a step late, so the consumers meet at dS^T a step apart: on an H100 (A/B of
+# tools/ab_alt/bwd_dq_one_step_late.patch, N 4k / 16k) 1.10 / 1.075x as fast without a mask,
+# 1.01 / 1.00x causal; at D 64 BLOCK_M 128 it spills 188 B (not measured there).
+DQ_LATE_HEAD_DIMS = (128,)
 _DQ_FORMS = ("by turns", "split by columns", "split by rows")
 # Against the tile-level backward in one process (H100, tools/ab_templates.py --short-causal):
 # causal, the Gluon kernel ran 1.11-1.16x its time at N 256, 0.99-1.02x N 512, 0.87-0.89x N 1k.
@@ -160,12 +165,14 @@ class BwdConfig:
     consumer_regs: int
     producer_regs: int
     maxnreg: int
+    dq_late: bool = False  # each step issues the step before's dQ (DQ_LATE_HEAD_DIMS)
 
     def describe(self) -> str:
         roles = "2 consumer warpgroups x 64 keys" if self.block_n == 128 else "P and dS roles"
         return (
             f"BLOCK_M {self.block_m}, BLOCK_N {self.block_n} ({roles}), "
-            f"{self.stages} stages, dQ {_DQ_FORMS[self.dq_split + (self.block_m == 128)]}, "
+            f"{self.stages} stages, dQ {_DQ_FORMS[self.dq_split + (self.block_m == 128)]}"
+            f"{' a step late' if self.dq_late else ''}, "
             f"setmaxnreg {self.consumer_regs}/{self.producer_regs} (entry {self.maxnreg})"
         )
 
@@ -260,9 +267,16 @@ def derive_gluon_backward(spec: AttnSpec, arch: str) -> BwdDerivation | None:
     values = (spec.head_dim, spec.dtype.itemsize, arch, captured)
     derivation = _derive(*values, plain and spec.mask.value == "none")
     long = _derive(*values, True).chosen if plain and spec.mask.value == "causal" else None
+    if plain and spec.head_dim in DQ_LATE_HEAD_DIMS:
+        derivation = replace(derivation, chosen=_late(derivation.chosen))
+        long = _late(long)
     if long is None or derivation.chosen is None or long.config == derivation.chosen.config:
         return derivation
     return BwdDerivation(derivation.arch, derivation.candidates, derivation.chosen, long)
+
+
+def _late(chosen: BwdCandidate | None) -> BwdCandidate | None:
+    return chosen and replace(chosen, config=replace(chosen.config, dq_late=True))
 
 
 @cache
