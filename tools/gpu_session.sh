@@ -196,6 +196,11 @@ section_command() {
     # cases, then the grid's D 64 cells beside cuDNN.
     long_causal) echo "$pytest_gpu -rf --tb=short tests/test_gluon_backward_gpu.py -k 4100 \
       && python3 tools/bench_grid.py --out $work/g64 --d 64 --impls attngen,cudnn" ;;
+    # The D 128 backward with dQ a step late and the long causal form: their GPU cases, the
+    # D 128 grid beside cuDNN (two rounds), a training step's host time (no FA4 needed).
+    dlate_tests) echo "$pytest_gpu -rf --tb=short tests/test_gluon_backward_gpu.py -k 'd128 or 4100'" ;;
+    grid128) echo "python3 tools/bench_grid.py --out $work/g128 --d 128 --impls attngen,cudnn --rounds 2" ;;
+    step_host_alone) echo "python3 tools/step_host.py --out $work/step --cells 128:1024:1" ;;
     # A new flex_attention mod's first call, its phases timed (the issue's 100 ms).
     flex_cold) echo "python3 tools/flex_cold_start.py --device cuda --json $work/flex_cold.json" ;;
     bench_sparse) echo "python3 tools/bench_block_sparse.py --out $work" ;;
