@@ -23,7 +23,8 @@ The model (sympy) in BM = BLOCK_M, BN = BLOCK_N, D, E (element bytes), S (stages
 
 The choice: the widest BLOCK_M that fits (each query block costs five wgmma issues and a
 barrier round; FASTER_SPILLING past the register count where measured faster), then the fewest
-stages (two: a step's five GEMMs cover the next block's load). D 256 has a form of its own
+stages (two: a step's five GEMMs cover the next block's load); plain specs at D 128 issue
+each step's dQ GEMM a step late (DQ_LATE_HEAD_DIMS). D 256 has a form of its own
 (_gluon_backward_d256.py.jinja; dK_c and dV_c [64, 256] fp32 would be 256 registers a thread):
 BLOCK_N 64, the warpgroups split by role (one keeps dV, the other dK: D x BN / 128 registers
 each), dQ staged in [BM, 32] pieces (C 32 in the model), three [2, 1] barrier arrays; BLOCK_M
@@ -83,7 +84,7 @@ FASTER_SPILLING = frozenset({(64, 128)})
 LONG_CAUSAL_KEYS = 4096
 # Plain specs (none or causal, no softcap, ALiBi or expressions) at these head dims issue each
 # step's dQ GEMM a step late, so the consumers meet at dS^T a step apart: on an H100 (A/B of
-# tools/ab_alt/bwd_dq_one_step_late.patch, N 4k / 16k) 1.10 / 1.075x as fast without a mask,
+# tools/ab_alt/bwd_dq_one_step_late.patch@83ac9e2d, N 4k / 16k) 1.10 / 1.075x without a mask,
 # 1.01 / 1.00x causal; at D 64 BLOCK_M 128 it spills 188 B (not measured there).
 DQ_LATE_HEAD_DIMS = (128,)
 _DQ_FORMS = ("by turns", "split by columns", "split by rows")

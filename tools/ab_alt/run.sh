@@ -4,15 +4,17 @@
 # there (`git apply`), then the A/B at the grid's N 4k and 16k, causal and not, at the head
 # dims the candidate is for. Usage on a CUDA machine, from the repository root:
 #   bash tools/ab_alt/run.sh OUT [NAME ...]        (default: every job below, in order)
+# The A/B's forward, which a backward candidate leaves alone, read 0.98-1.12x on an H100
+# (2026-12-07): a backward B/A within about 5% of 1 is noise. Measured and merged or dropped:
+# dQ a step late (served at D 128), double-buffered dQ staging (slower causal), both at
+# docs/results/ab_alt_h100_2026-12-07_83ac9e2d.log.
 set -u
 out=${1:?usage: tools/ab_alt/run.sh OUT [NAME ...]}
 shift
-# double staging: no shared memory for it at D 64 (BLOCK_M 128 without a mask); one step late:
-# D 64 at BLOCK_M 128 spills 188 B with it
-declare -A dims=([bwd_dq_double_staging]="128" [bwd_thread_arrives]="64 128"
-                 [bwd_dq_one_step_late]="128" [bwd_dq_double_staging_thread_arrives]="128")
-order=(bwd_dq_double_staging_thread_arrives bwd_dq_double_staging bwd_dq_one_step_late
-       bwd_thread_arrives)
+# per-thread releases: at D 128 on top of dQ a step late (cross-compiled: 16 B spilled as
+# without them), at D 64 the served BLOCK_M 128 / 64 forms
+declare -A dims=([bwd_thread_arrives]="128 64")
+order=(bwd_thread_arrives)
 failed=0
 for name in "${@:-${order[@]}}"; do
   alt="$out/alt_$name"
