@@ -426,7 +426,7 @@ def render_template(template_name: str, context: dict[str, Any]) -> str:
 
 def _statements(tree: ast.Module) -> Iterator[ast.AST]:
     """Every statement of tree, nested ones too, without the expressions (an import is a
-    statement, and no expression holds one: ast.walk's every node costs 50 ms a module)."""
+    statement, and no expression holds one; ast.walk's every node cost 15 ms a module)."""
     pending = list(tree.body)
     while pending:
         node = pending.pop()
