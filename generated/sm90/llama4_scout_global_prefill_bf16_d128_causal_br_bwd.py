@@ -73,8 +73,6 @@
 #     = 198128 B of 231424 B, consumer registers ~240 of 240
 #     1 of 4 feasible; rule: the widest BLOCK_M (FASTER_SPILLING's past the registers:
 #       measured faster), the fewest stages
-#     causal, 4096 keys or more: BLOCK_M 64, BLOCK_N 128 (2 consumer warpgroups x 64 keys),
-#       2 stages, dQ split by columns, setmaxnreg 240/24 (entry 168)
 """Prefill (forward) attention, FlashAttention-2 style and exact.
 
 Module llama4_scout_global_prefill_bf16_d128_causal_br_bwd.
@@ -1337,9 +1335,7 @@ _GLUON_DQ_BLOCK = [min(GLUON_BWD_CONFIG["BLOCK_M"], 64), 32]  # dQ's TMA box: a 
 _GLUON_DQ_BOX = (_GLUON_DQ_BLOCK, gl.NVMMASharedLayout.get_default_for(_GLUON_DQ_BLOCK, gl.float32))
 _GLUON_BWD_FORMS = {False: (GLUON_BWD_CONFIG, _GLUON_BWD_CONSTEXPRS)}  # True: the long form's
 # Causal calls with this many keys or more run the tiling model's long causal form, or None
-_GLUON_BWD_LONG = {"STAGES": 2, "DQ_SPLIT": True}  # constexprs (BLOCK_M: the descriptors')
-GLUON_BWD_LONG_CAUSAL = (4096, {**GLUON_BWD_CONFIG, "BLOCK_M": 64, **_GLUON_BWD_LONG})
-_GLUON_BWD_FORMS[True] = (GLUON_BWD_LONG_CAUSAL[1], {**_GLUON_BWD_CONSTEXPRS, **_GLUON_BWD_LONG})
+GLUON_BWD_LONG_CAUSAL = None
 _BACKWARD = {"path": "tile-level: no backward call yet"}  # any thread's (autograd has its own)
 
 
