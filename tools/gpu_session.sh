@@ -192,6 +192,8 @@ section_command() {
       tests/test_block_sparse_gpu.py -k hostile" ;;
     # Candidate kernel changes against the kernels (tools/ab_alt/: patches of the templates).
     ab_alt) echo "bash tools/ab_alt/run.sh $work" ;;
+    # The D 128 dK/dV kernel alone under Nsight Compute, dQ a step late against on time.
+    ncu_dq_late) echo "bash tools/ab_alt/ncu.sh $work" ;;
     # The D 64 causal backward's long form chosen per call (4096 keys or more): its two GPU
     # cases, then the grid's D 64 cells beside cuDNN.
     long_causal) echo "$pytest_gpu -rf --tb=short tests/test_gluon_backward_gpu.py -k 4100 \

@@ -11,10 +11,11 @@
 set -u
 out=${1:?usage: tools/ab_alt/run.sh OUT [NAME ...]}
 shift
+# dQ on time: the D 128 kernel before dQ a step late (B/A < 1 if the latter is faster);
 # per-thread releases: at D 128 on top of dQ a step late (cross-compiled: 16 B spilled as
 # without them), at D 64 the served BLOCK_M 128 / 64 forms
-declare -A dims=([bwd_thread_arrives]="128 64")
-order=(bwd_thread_arrives)
+declare -A dims=([bwd_thread_arrives]="128 64" [bwd_dq_on_time]="128")
+order=(bwd_dq_on_time bwd_thread_arrives)
 failed=0
 for name in "${@:-${order[@]}}"; do
   alt="$out/alt_$name"
