@@ -194,6 +194,11 @@ section_command() {
     ab_alt) echo "bash tools/ab_alt/run.sh $work" ;;
     # The D 128 dK/dV kernel alone under Nsight Compute, dQ a step late against on time.
     ncu_dq_late) echo "bash tools/ab_alt/ncu.sh $work" ;;
+    # The causal CTA orders under Nsight Compute (tools/ab_alt/run.sh says which): the forward
+    # kernel against 4 heads interleaved, the dK/dV kernel against head by head.
+    ncu_order) echo "for p in fwd_heavy_first:_gluon_attn_fwd bwd_head_by_head:_gluon_attn_bwd; do \
+      KERNELS=\${p#*:} DIMS='64 128' LENGTHS='1024 2048 4096 16384' MASKS=causal \
+      bash tools/ab_alt/ncu.sh $work \${p%%:*}; done" ;;
     # The D 64 causal backward's long form chosen per call (4096 keys or more): its two GPU
     # cases, then the grid's D 64 cells beside cuDNN.
     long_causal) echo "$pytest_gpu -rf --tb=short tests/test_gluon_backward_gpu.py -k 4100 \

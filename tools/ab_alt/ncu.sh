@@ -1,25 +1,33 @@
 #!/usr/bin/env bash
-# The Gluon dK/dV kernel alone under Nsight Compute (its duration; default clocks, as
+# Gluon kernels alone under Nsight Compute (their durations; default clocks, as
 # tools/ncu_versus.py), the package's templates (A) against a candidate patch of this folder
-# (B), at D 128 N 4k and 16k, unmasked and causal: the measurement a grid's spread cannot
-# give. Usage on a CUDA machine, from the repository root:
+# (B): the measurement a grid's spread cannot give. Each cell runs tools/ncu_cell.py (forward,
+# backward, three times) and profiles its second launch of each kernel KERNELS matches.
+# Usage on a CUDA machine, from the repository root:
 #   bash tools/ab_alt/ncu.sh OUT [NAME]        (default NAME: bwd_dq_on_time)
+# with, in the environment, KERNELS (default _gluon_attn_bwd; _gluon_attn_.. both), DIMS
+# (128), LENGTHS ("4096 16384"), MASKS ("unmasked causal").
 set -u
 out=${1:?usage: tools/ab_alt/ncu.sh OUT [NAME]}
 name=${2:-bwd_dq_on_time}
+kernels=${KERNELS:-_gluon_attn_bwd}
+count=$([ "$kernels" = _gluon_attn_.. ] && echo 2 || echo 1)
 alt="$out/alt_$name"
 mkdir -p "$alt" && cp attngen/templates/*.jinja "$alt"/
 (cd "$alt" && git apply -p1 "$OLDPWD/tools/ab_alt/$name.patch") || exit 1
-for n in 4096 16384; do
-  for causal in "" --causal; do
-    for side in A B; do
-      extra=$([ "$side" = B ] && echo "--alt $alt")
-      # shellcheck disable=SC2086  # the optional flags split into arguments
-      us=$(ncu --clock-control none -k regex:_gluon_attn_bwd -s 1 -c 1 \
-        --metrics gpu__time_duration.sum --csv python3 tools/ncu_cell.py --d 128 --n $n \
-        --backward $causal $extra 2>/dev/null | grep gpu__time_duration | tail -1 \
-        | awk -F'","' '{print $NF}' | tr -d '"')
-      echo "D 128 N $n ${causal:-unmasked} $side ($name as B): ${us:-?} (ncu's unit)"
+for d in ${DIMS:-128}; do
+  for n in ${LENGTHS:-4096 16384}; do
+    for mask in ${MASKS:-unmasked causal}; do
+      causal=$([ "$mask" = causal ] && echo --causal)
+      for side in A B; do
+        extra=$([ "$side" = B ] && echo "--alt $alt")
+        # shellcheck disable=SC2086  # the optional flags split into arguments
+        ncu --clock-control none -k "regex:$kernels" -s "$count" -c "$count" \
+          --metrics gpu__time_duration.sum --csv python3 tools/ncu_cell.py --d "$d" --n "$n" \
+          --backward $causal $extra 2>/dev/null | grep gpu__time_duration \
+          | awk -F'","' -v c="D $d N $n $mask $side ($name as B)" \
+            '{k = $5; sub(/\(.*/, "", k); print c ": " k " " $NF " " $(NF - 1)}' | tr -d '"'
+      done
     done
   done
 done

@@ -11,11 +11,16 @@
 set -u
 out=${1:?usage: tools/ab_alt/run.sh OUT [NAME ...]}
 shift
-# dQ on time: the D 128 kernel before dQ a step late (B/A < 1 if the latter is faster);
-# per-thread releases: at D 128 on top of dQ a step late (cross-compiled: 16 B spilled as
-# without them), at D 64 the served BLOCK_M 128 / 64 forms
-declare -A dims=([bwd_thread_arrives]="128 64" [bwd_dq_on_time]="128")
-order=(bwd_dq_on_time bwd_thread_arrives)
+# The causal CTA orders (causal only: the unmasked kernels do not change): the forward's last
+# query blocks of 4 heads first (head by head now), the backward's key blocks head by head (4
+# KV heads interleaved now); dQ on time: the D 128 kernel before dQ a step late (B/A < 1 if
+# the latter is faster); per-thread releases: at D 128 on top of dQ a step late
+# (cross-compiled: 16 B spilled as without them), at D 64 the served BLOCK_M 128 / 64 forms
+declare -A dims=([bwd_thread_arrives]="128 64" [bwd_dq_on_time]="128" [bwd_head_by_head]="64 128"
+  [fwd_heavy_first]="64 128")
+declare -A lengths=([bwd_head_by_head]="1024 2048 4096 16384" [fwd_heavy_first]="1024 2048 4096 16384")
+declare -A masks=([bwd_head_by_head]="1" [fwd_heavy_first]="1")
+order=(fwd_heavy_first bwd_head_by_head bwd_dq_on_time bwd_thread_arrives)
 failed=0
 for name in "${@:-${order[@]}}"; do
   alt="$out/alt_$name"
@@ -24,6 +29,6 @@ for name in "${@:-${order[@]}}"; do
   backward=$([ "${name%%_*}" = bwd ] && echo --backward)
   # shellcheck disable=SC2086  # the head dims and the flag split into arguments
   python3 tools/ab_templates.py --alt "$alt" --out "$out/ab_$name" $backward --heads-last \
-    --d ${dims[$name]} --n 4096 16384 --causal 0 1 || failed=1
+    --d ${dims[$name]} --n ${lengths[$name]:-4096 16384} --causal ${masks[$name]:-0 1} || failed=1
 done
 exit $failed
