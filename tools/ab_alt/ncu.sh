@@ -5,13 +5,14 @@
 # backward, three times) and profiles its second launch of each kernel KERNELS matches.
 # Usage on a CUDA machine, from the repository root:
 #   bash tools/ab_alt/ncu.sh OUT [NAME]        (default NAME: bwd_dq_on_time)
-# with, in the environment, KERNELS (default _gluon_attn_bwd; _gluon_attn_.. both), DIMS
-# (128), LENGTHS ("4096 16384"), MASKS ("unmasked causal").
+# with, in the environment, KERNELS (default _gluon_attn_bwd; _gluon_attn_.. both), COUNT
+# (the kernels KERNELS matches: 2 for _gluon_attn_.., else 1), DIMS (128), LENGTHS ("4096
+# 16384"), MASKS ("unmasked causal").
 set -u
 out=${1:?usage: tools/ab_alt/ncu.sh OUT [NAME]}
 name=${2:-bwd_dq_on_time}
 kernels=${KERNELS:-_gluon_attn_bwd}
-count=$([ "$kernels" = _gluon_attn_.. ] && echo 2 || echo 1)
+count=${COUNT:-$([ "$kernels" = _gluon_attn_.. ] && echo 2 || echo 1)}
 alt="$out/alt_$name"
 mkdir -p "$alt" && cp attngen/templates/*.jinja "$alt"/
 (cd "$alt" && git apply -p1 "$OLDPWD/tools/ab_alt/$name.patch") || exit 1
