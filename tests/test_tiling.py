@@ -9,8 +9,8 @@ import pytest
 from attngen.arch import ARCHS
 from attngen.build import BuildError, plan_build
 from attngen.cli.explain import explain_one
-from attngen.tiling.prefill import TileConfig, derive_tiles
-from attngen.tiling.prefill_model import BM, BN, DV, REFERENCE_TOKENS, D, E, S, smem_expression
+from attngen.tiling.prefill import REFERENCE_TOKENS, TileConfig, derive_tiles
+from attngen.tiling.prefill_model import BM, BN, DV, D, E, S, smem_expression
 from tests.kernel_harness import make_spec
 
 # (arch, dtype, D, BLOCK_M, BLOCK_N, stages) -> bytes Triton 3.6 reported for the compiled

@@ -17,12 +17,18 @@ import pytest
 import sympy
 
 from attngen.arch import ARCHS
-from attngen.tiling.evaluate import LazyText, active_branch, active_formula, exact_value
+from attngen.tiling.evaluate import LazyText, active_formula
 from attngen.tiling.prefill import (
     BLOCK_M_CHOICES,
     BLOCK_N_CHOICES,
+    MODEL_NAMES,
     NUM_STAGES_CHOICES,
     NUM_WARPS_CHOICES,
+    exact_score,
+    exact_waves,
+    numeric_model,
+    regs_model,
+    smem_model,
 )
 from attngen.tiling.prefill_model import (
     BM,
@@ -32,14 +38,12 @@ from attngen.tiling.prefill_model import (
     H,
     R,
     S,
-    exact_score,
-    exact_waves,
-    numeric_model,
     regs_expression,
     score_expression,
     smem_expression,
     wave_expression,
 )
+from attngen.tiling.symbolic import active_branch, exact_value
 
 PADDED_DIMS = (16, 32, 64, 128, 256)
 
@@ -98,9 +102,12 @@ def test_worked_formula_is_the_active_branch() -> None:
     for tma, bm, bn, s, d in itertools.product(
         (True, False), (16, 64, 128), (32, 128), (1, 3), (64, 256)
     ):
-        values = dict(zip(MODEL_SYMBOLS, (bm, bn, s, 4, d, d, 2), strict=True))
-        for expr in (smem_expression(gpu, tma), regs_expression(gpu)):
-            assert active_formula(expr, values) == str(active_branch(expr, values))
+        at = (bm, bn, s, 4, d, d, 2)
+        values = dict(zip(MODEL_SYMBOLS, at, strict=True))
+        named = dict(zip(MODEL_NAMES, at, strict=True))
+        for model in (smem_model(gpu, tma), regs_model(gpu)):
+            want = str(active_branch(model.expr(), values))
+            assert active_formula(model, named) == want, (model.key, named)
 
 
 def test_lazy_text_builds_once_when_read() -> None:

@@ -20,14 +20,9 @@ from typer.testing import CliRunner
 from attngen.arch import ARCHS
 from attngen.build import load_specs
 from attngen.cli import app
-from attngen.tiling.backward import (
-    KERNELS,
-    MODEL_SYMBOLS,
-    derive_backward_tiles,
-    regs_expression,
-    smem_expression,
-)
+from attngen.tiling.backward import KERNELS, derive_backward_tiles, regs_model, smem_model
 from attngen.tiling.evaluate import compiled
+from attngen.tiling.prefill import MODEL_NAMES
 from attngen.tuning.database import tuned_backward_tiles
 from attngen.verify.backward import plan_backward_rows
 from attngen.verify.check import summarize, verify_tiling
@@ -194,7 +189,7 @@ def test_dropout_shared_memory_equals_every_allocator_record():
     assert len(records) >= 700 and all(r["dropout"] for r in records)
     wrong = []
     for r in records:
-        model = compiled(smem_expression(ARCHS[r["arch"]], r["kernel"], True), MODEL_SYMBOLS)
+        model = compiled(smem_model(ARCHS[r["arch"]], r["kernel"], True), MODEL_NAMES)
         predicted = int(
             model(
                 r["BLOCK_M"],
@@ -213,7 +208,7 @@ def test_dropout_shared_memory_equals_every_allocator_record():
 
 
 def _predicted_regs(record: dict) -> int:
-    model = compiled(regs_expression(ARCHS[record["arch"]], record["kernel"]), MODEL_SYMBOLS)
+    model = compiled(regs_model(ARCHS[record["arch"]], record["kernel"]), MODEL_NAMES)
     e = 4 if record["dtype"] == "fp32" else 2
     dims = (record["BLOCK_M"], record["BLOCK_N"], record["num_stages"], record["num_warps"])
     return math.ceil(model(*dims, record["D"], record["DV"], e))

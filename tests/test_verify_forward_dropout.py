@@ -17,8 +17,7 @@ from attngen.arch import ARCHS
 from attngen.build import load_specs
 from attngen.spec import KernelKind
 from attngen.tiling.evaluate import compiled
-from attngen.tiling.prefill import TileConfig, derive_tiles
-from attngen.tiling.prefill_model import MODEL_SYMBOLS, smem_expression
+from attngen.tiling.prefill import MODEL_NAMES, TileConfig, derive_tiles, smem_model
 from attngen.verify.check import judge, plan_rows, summarize
 from attngen.verify.measurements import (
     MeasurementKey,
@@ -85,7 +84,7 @@ def test_forward_dropout_equals_the_allocator_sweep():
     for r in records:
         key = MeasurementKey(**{f: r[f] for f in MeasurementKey._fields})
         model = compiled(
-            smem_expression(ARCHS[key.arch], key.tma, key.aligned or key.tma, True), MODEL_SYMBOLS
+            smem_model(ARCHS[key.arch], key.tma, key.aligned or key.tma, True), MODEL_NAMES
         )
         e = 4 if key.dtype == "fp32" else 2
         predicted = int(

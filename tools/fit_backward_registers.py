@@ -44,8 +44,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from attngen.arch import ARCHS  # noqa: E402
 from attngen.build import load_specs  # noqa: E402
-from attngen.tiling.backward import KERNELS, MODEL_SYMBOLS, regs_expression  # noqa: E402
+from attngen.tiling.backward import KERNELS, regs_model  # noqa: E402
 from attngen.tiling.evaluate import compiled  # noqa: E402
+from attngen.tiling.prefill import MODEL_NAMES  # noqa: E402
 from attngen.tuning.database import backward_entry_key  # noqa: E402
 from attngen.verify.measurements import data_path, triton_version  # noqa: E402
 
@@ -129,7 +130,7 @@ def fit(rows: list[dict], tuned: set[tuple]) -> np.ndarray:
 
 def committed(r: dict) -> int:
     """The committed model's prediction (what the tiler and verify-tiling use)."""
-    model = compiled(regs_expression(ARCHS[r["arch"]], r["kernel"]), MODEL_SYMBOLS)
+    model = compiled(regs_model(ARCHS[r["arch"]], r["kernel"]), MODEL_NAMES)
     e = 4 if r["dtype"] == "fp32" else 2
     values = (r["BLOCK_M"], r["BLOCK_N"], r["num_stages"], r["num_warps"], r["D"], r["DV"], e)
     return math.ceil(model(*values))

@@ -16,8 +16,13 @@ from attngen.tiling.code_paths import code_paths
 from attngen.tiling.decode import derive_decode_tiles, latent_rope_split, split_lines
 from attngen.tiling.decode_latent import derive_latent_tiles
 from attngen.tiling.gluon import derive_gluon_tiles, gluon_gap
-from attngen.tiling.prefill import Candidate, Derivation, derive_tiles, padded_head_dim
-from attngen.tiling.prefill_model import REFERENCE_TOKENS
+from attngen.tiling.prefill import (
+    REFERENCE_TOKENS,
+    Candidate,
+    Derivation,
+    derive_tiles,
+    padded_head_dim,
+)
 from attngen.tuning.database import apply_tuning, lookup, tuned_backward_tiles, tuned_gluon
 
 TOP_FEASIBLE = 6

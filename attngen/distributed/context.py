@@ -70,23 +70,10 @@ def last_plan() -> ContextParallelPlan | None:
 
 
 @torch.compiler.disable
-def context_parallel_attention(
-    q,
-    k,
-    v,
-    *,
-    causal=False,
-    window=None,
-    softcap=0.0,
-    alibi_slopes=None,
-    sm_scale=None,
-    group=None,
-    layout="zigzag",
-    strategy="auto",
-    seq_len=None,
-    return_lse=False,
-    ring_head_groups=None,
-):
+def context_parallel_attention(q, k, v, *, causal=False, window=None, softcap=0.0,
+                               alibi_slopes=None, sm_scale=None, group=None,
+                               layout="zigzag", strategy="auto", seq_len=None,
+                               return_lse=False, ring_head_groups=None):  # fmt: skip
     """This rank's shard of attention over the whole sequence (docs/context_parallel.md).
 
     q [B, Hq, n, D], k [B, Hkv, n, D], v [B, Hkv, n, Dv]: this rank's n tokens of the sequence,

@@ -84,17 +84,9 @@ __all__ = [
 ]
 
 
-def flash_attn_qkvpacked_func(
-    qkv,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False):  # fmt: skip
     """flash-attn 2.x `flash_attn_qkvpacked_func`: qkv [B, N, 3, H, D] -> out [B, N, H, D]
     (with return_attn_probs: (out, lse [B, H, N], S_dmask), S_dmask as flash_attn_func's)."""
     q, k, v = _unstack("qkv", qkv, 5, 3, "[batch, seqlen, 3, nheads, headdim]")
@@ -102,18 +94,9 @@ def flash_attn_qkvpacked_func(
     return flash_attn_func(q, k, v, *options, deterministic, return_attn_probs)
 
 
-def flash_attn_kvpacked_func(
-    q,
-    kv,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False):  # fmt: skip
     """flash-attn 2.x `flash_attn_kvpacked_func`: q [B, Nq, HQ, D], kv [B, Nk, 2, HKV, D]
     -> out [B, Nq, HQ, D]; HQ a multiple of HKV (GQA)."""
     k, v = _unstack("kv", kv, 5, 2, "[batch, seqlen_k, 2, nheads_k, headdim]")
@@ -121,19 +104,11 @@ def flash_attn_kvpacked_func(
     return flash_attn_func(q, k, v, *options, deterministic, return_attn_probs)
 
 
-def flash_attn_varlen_qkvpacked_func(
-    qkv,
-    cu_seqlens,
-    max_seqlen,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0,
+                                     alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):  # fmt: skip
     """flash-attn 2.x `flash_attn_varlen_qkvpacked_func`: qkv [T, 3, H, D], cu_seqlens int32
     [B + 1] for queries and keys alike -> out [T, H, D] (lse [H, T])."""
     q, k, v = _unstack("qkv", qkv, 4, 3, "[total, 3, nheads, headdim]")
@@ -142,22 +117,11 @@ def flash_attn_varlen_qkvpacked_func(
     return flash_attn_varlen_func(q, k, v, *lengths, *options, deterministic, return_attn_probs)
 
 
-def flash_attn_varlen_kvpacked_func(
-    q,
-    kv,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                                    causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False):  # fmt: skip
     """flash-attn 2.x `flash_attn_varlen_kvpacked_func`: q [Tq, HQ, D], kv [Tk, 2, HKV, D]
     -> out [Tq, HQ, D] (lse [HQ, Tq])."""
     k, v = _unstack("kv", kv, 4, 2, "[total_k, 2, nheads_k, headdim]")

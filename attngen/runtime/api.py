@@ -40,22 +40,10 @@ SDPA, FLASH, VARLEN = "scaled_dot_product_attention", "flash_attn_func", "flash_
 # ---------------------------------------------------------------------------- SDPA-shaped
 
 
-def scaled_dot_product_attention(
-    q,
-    k,
-    v,
-    attn_mask=None,
-    dropout_p=0.0,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
-    *,
-    window=None,
-    softcap=None,
-    alibi_slopes=None,
-    causal_align="top_left",
-    fallback=None,
-):
+def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False, *,
+                                 window=None, softcap=None, alibi_slopes=None,
+                                 causal_align="top_left", fallback=None):  # fmt: skip
     """torch.nn.functional.scaled_dot_product_attention through generated kernels.
 
     q [B, HQ, Nq, D], k/v [B, HKV, Nk, D] (HQ != HKV needs enable_gqa=True, as in torch).
@@ -145,19 +133,9 @@ def _sdpa_refusal(attn_mask) -> str | None:
 # ---------------------------------------------------------------------- flash-attn 2.x
 
 
-def flash_attn_func(
-    q,
-    k,
-    v,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                    deterministic=False, return_attn_probs=False):  # fmt: skip
     """flash-attn 2.x `flash_attn_func`: q [B, Nq, HQ, D], k/v [B, Nk, HKV, D] -> out
     [B, Nq, HQ, DV]; causal is bottom-right aligned (flash-attn >= 2.1). With
     return_attn_probs, returns (out, lse [B, HQ, Nq], S_dmask) as flash-attn 2 does: without
@@ -238,24 +216,11 @@ def _flash_call(causal, window_size, softcap, alibi_slopes, scale, return_lse, *
     )
 
 
-def flash_attn_varlen_func(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-    block_table=None,
-):
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                           causal=False, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None):  # fmt: skip
     """flash-attn 2.x `flash_attn_varlen_func`: packed q [Tq, HQ, D], k/v [Tk, HKV, D], cu_seqlens
     int32 [B + 1]; with return_attn_probs, (out, lse [HQ, Tq], S_dmask). dropout_p, deterministic
     and return_attn_probs as in flash_attn_func; sequence b draws its dropout mask as batch b, and

@@ -216,28 +216,14 @@ class Call:
         return options | dict(chunk_size=self.chunk_size, sink_tokens=self.sink_tokens, scale=scale)
 
 
-def need_for(
-    kind: KernelKind,
-    q: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    mask: Mask,
-    align: CausalAlign | None,
-    window: tuple[int, int] | None,
-    softcap: float | None,
-    alibi: bool,
-    seqlen_q: int,
-    seqlen_k: int,
-    same_lengths: bool,
-    kv_layout: KvLayout | None = None,
-    page_size: int | None = None,
-    backward: bool = False,
-    kv_dtype: KvDtype | None = None,
-    sinks: bool = False,
-    chunk_size: int | None = None,
-    sink_tokens: int | None = None,
-    dropout: bool = False,
-) -> Need:
+def need_for(kind: KernelKind, q: torch.Tensor, v: torch.Tensor, *, mask: Mask,
+             align: CausalAlign | None, window: tuple[int, int] | None,
+             softcap: float | None, alibi: bool, seqlen_q: int, seqlen_k: int,
+             same_lengths: bool, kv_layout: KvLayout | None = None,
+             page_size: int | None = None, backward: bool = False,
+             kv_dtype: KvDtype | None = None, sinks: bool = False,
+             chunk_size: int | None = None, sink_tokens: int | None = None,
+             dropout: bool = False) -> Need:  # fmt: skip
     """The Need of a call with these tensors: dtype and head dims from q and v, the arch from
     q's device. seqlen_q/seqlen_k must be lengths the tensors' shapes guarantee; backward:
     the call runs the module's gradient kernels; dropout: the call has dropout_p > 0; softcap

@@ -47,20 +47,8 @@ def fallback_dense(q, k, v, *, alibi_slopes, attn_mask=None, sinks=None, **kwarg
     )
 
 
-def fallback_varlen(
-    q,
-    k,
-    v,
-    cu_q,
-    cu_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    seqused_k,
-    *,
-    return_lse: bool,
-    alibi_slopes,
-    **kwargs,
-):
+def fallback_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, seqused_k, *,
+                    return_lse: bool, alibi_slopes, **kwargs):  # fmt: skip
     """Packed [T, H, D] attention, one sequence at a time after a varlen module's checks;
     (out [Tq, HQ, DV], lse [HQ, Tq] or None). Rows no sequence covers: 0 and LSE -inf."""
     check_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, seqused_k, alibi_slopes)
@@ -94,24 +82,9 @@ def fallback_varlen(
     return out, (lse if return_lse else None)
 
 
-def torch_attention(
-    q,
-    k,
-    v,
-    *,
-    mask="none",
-    align=None,
-    window=None,
-    softcap=0.0,
-    alibi_slopes=None,
-    scale=None,
-    attn_mask=None,
-    dropout_p=0.0,
-    return_lse=False,
-    sinks=None,
-    chunk_size=None,
-    sink_tokens=None,
-):
+def torch_attention(q, k, v, *, mask="none", align=None, window=None, softcap=0.0,
+                    alibi_slopes=None, scale=None, attn_mask=None, dropout_p=0.0,
+                    return_lse=False, sinks=None, chunk_size=None, sink_tokens=None):  # fmt: skip
     """out [B, HQ, Nq, DV] (and lse [B, HQ, Nq] fp32) for q [B, HQ, Nq, D], k/v [B, HKV, Nk, D].
     sinks [HQ]: one more logit per head in each row's softmax (it takes no value)."""
     group = q.shape[1] // k.shape[1]

@@ -243,19 +243,9 @@ def _refuse_unexpressed(module, kwargs, expressed: bool = False) -> None:
         )
 
 
-def attngen_attention(
-    module,
-    query,
-    key,
-    value,
-    attention_mask,
-    dropout=0.0,
-    scaling=None,
-    sliding_window=None,
-    softcap=None,
-    is_causal=None,
-    **kwargs,
-):
+def attngen_attention(module, query, key, value, attention_mask, dropout=0.0,
+                      scaling=None, sliding_window=None, softcap=None, is_causal=None,
+                      **kwargs):  # fmt: skip
     """transformers' attention-function contract: returns (out [B, Nq, HQ, DV], None)."""
     expressed = isinstance(attention_mask, MaskMod)
     _refuse_unexpressed(module, kwargs, expressed)

@@ -43,18 +43,8 @@ from attngen.runtime.selection import Dispatch, Need
 from attngen.spec import AttnSpec, Dtype, KernelKind, KvLayout, SpecError, load_spec_file
 
 
-def run_dense(
-    api: str,
-    q,
-    k,
-    v,
-    call: Call,
-    *,
-    refusal: str | None = None,
-    attn_mask=None,
-    rng_state=None,
-    plan_key: tuple | None = None,
-):
+def run_dense(api: str, q, k, v, call: Call, *, refusal: str | None = None,
+              attn_mask=None, rng_state=None, plan_key: tuple | None = None):  # fmt: skip
     """[B, H, N, D] attention through the prefill kind; (out, lse or None). With
     call.heads_last, out is [B, N, H, DV], contiguous. plan_key: the caller's signature key,
     under which a call a module served leaves its plan (plans.py; the key must tell calls with
@@ -114,24 +104,10 @@ def run_dense_backward(api: str, dout, q, k, v, out, lse, dlse, call: Call):
     )
 
 
-def run_varlen(
-    api: str,
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    call: Call,
-    *,
-    seqused_k=None,
-    refusal: str | None = None,
-    rng_state=None,
-    length_bounds=None,
-    dispatch: Dispatch | None = None,
-    plan_key: tuple | None = None,
-):
+def run_varlen(api: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+               max_seqlen_k, call: Call, *, seqused_k=None, refusal: str | None = None,
+               rng_state=None, length_bounds=None, dispatch: Dispatch | None = None,
+               plan_key: tuple | None = None):  # fmt: skip
     """Packed [T, H, D] attention through the varlen kind; (out, lse [H, Tq] or None).
 
     The kernel is chosen with lengths the tensors guarantee, never max_seqlen_q/k (the
@@ -170,17 +146,9 @@ def _dropout(dropout_p: float, q, rng_state=None) -> tuple[float, Any]:
     return dropout_p, (dropout_rng_state(q) if rng_state is None else rng_state)
 
 
-def varlen_dispatch(
-    api: str,
-    q,
-    v,
-    call: Call,
-    length_bounds: tuple[int, int],
-    same_lengths: bool,
-    refusal: str | None,
-    heads: tuple[int, int],
-    backward: bool = False,
-) -> Dispatch:
+def varlen_dispatch(api: str, q, v, call: Call, length_bounds: tuple[int, int],
+                    same_lengths: bool, refusal: str | None, heads: tuple[int, int],
+                    backward: bool = False) -> Dispatch:  # fmt: skip
     """The varlen module (or the warned fallback) that serves packed q [T, HQ, D] and values
     of v's head dim at lengths up to `length_bounds` (with learned sinks when call.sinks; with
     gradient kernels when `backward`); NoKernelError when none does."""

@@ -386,22 +386,11 @@ def _sink_gradient(q: Tensor, grads: tuple, sinks: Tensor | None) -> Tensor:
     return _no_lse(q) if sinks is None else grads[3]
 
 
-def prefill_backward(
-    key: str,
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    dlse: Tensor | None,
-    sm_scale: float,
-    alibi_slopes: Tensor | None,
-    dropout_p: float = 0.0,
-    rng_state: Tensor | None = None,
-    sinks: Tensor | None = None,
-    deterministic: bool = True,
-) -> tuple:
+def prefill_backward(key: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                     out: Tensor, lse: Tensor, dlse: Tensor | None, sm_scale: float,
+                     alibi_slopes: Tensor | None, dropout_p: float = 0.0,
+                     rng_state: Tensor | None = None, sinks: Tensor | None = None,
+                     deterministic: bool = True) -> tuple:  # fmt: skip
     """(dq, dk, dv) from the gradient kernels of the prefill module `key`, called directly:
     eager callers that hold the output and LSE themselves (context parallelism runs them per
     chunk pair with the whole sequence's LSE) and record no autograd graph. dropout_p and
@@ -424,22 +413,12 @@ def _run_backward(
                           **path))  # fmt: skip
 
 
-def _prefill_grads(
-    key: str,
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    dlse: Tensor | None,
-    sm_scale: float,
-    alibi_slopes: Tensor | None,
-    dropout_p: float = 0.0,
-    rng_state: Tensor | None = None,
-    sinks: Tensor | None = None,
-    deterministic: bool = True,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _prefill_grads(key: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                   out: Tensor, lse: Tensor, dlse: Tensor | None, sm_scale: float,
+                   alibi_slopes: Tensor | None, dropout_p: float = 0.0,
+                   rng_state: Tensor | None = None, sinks: Tensor | None = None,
+                   deterministic: bool = True
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     grads = prefill_backward(key, dout, q, k, v, out, lse, dlse, sm_scale, alibi_slopes,
                              dropout_p, rng_state, sinks, deterministic)  # fmt: skip
     return grads[0], grads[1], grads[2], _sink_gradient(q, grads, sinks)
@@ -466,26 +445,12 @@ def _prefill_backward(ctx, dout, dlse):
     return None, dq, dk, dv, None, None, None, None, _wanted(ctx, dsinks, 8), None, None, None
 
 
-def _varlen_grads(
-    key: str,
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    dlse: Tensor | None,
-    sm_scale: float,
-    alibi_slopes: Tensor | None,
-    dropout_p: float = 0.0,
-    rng_state: Tensor | None = None,
-    sinks: Tensor | None = None,
-    deterministic: bool = True,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _varlen_grads(key: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                  lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                  max_seqlen_q: int, max_seqlen_k: int, dlse: Tensor | None,
+                  sm_scale: float, alibi_slopes: Tensor | None, dropout_p: float = 0.0,
+                  rng_state: Tensor | None = None, sinks: Tensor | None = None,
+                  deterministic: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     args = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     options = (dlse, sm_scale, alibi_slopes, dropout_p, rng_state, sinks, deterministic)
     grads = _run_backward(key, "attention_varlen_backward", args, *options)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from attngen.arch import ARCHS
 from attngen.spec import AttnSpec, KernelKind
-from attngen.tiling.prefill_model import TMA_MASKED_MAX_HEAD_DIM
+from attngen.tiling.prefill import TMA_MASKED_MAX_HEAD_DIM
 from attngen.tiling.rows import tma_strides_aligned
 
 # Causal prefill modules on Hopper with a head dim above LPT_ABOVE_HEAD_DIM schedule

@@ -49,7 +49,7 @@ from attngen.tiling.decode_rows import SPLIT_WAVES as SPLIT_WAVES
 from attngen.tiling.decode_rows import UNPIPELINED_SHARE as UNPIPELINED_SHARE
 from attngen.tiling.decode_rows import decode_score as decode_score
 from attngen.tiling.decode_rows import row_tile as row_tile
-from attngen.tiling.evaluate import LazyText
+from attngen.tiling.evaluate import LazyText, substituted
 from attngen.tiling.prefill import (
     Candidate,
     Derivation,
@@ -58,17 +58,11 @@ from attngen.tiling.prefill import (
     constraint_labels,
     expression_reads,
     key_loop_read_smem,
-    padded_head_dim,
-    resource_limits,
-)
-from attngen.tiling.prefill_model import (
-    BM,
-    DV,
-    D,
-    E,
     numeric_model,
-    regs_expression,
-    smem_expression,
+    padded_head_dim,
+    regs_model,
+    resource_limits,
+    smem_model,
 )
 
 DECODE_BLOCK_N_CHOICES = (32, 64, 128)
@@ -132,14 +126,14 @@ def derive_decode_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
     feasible = [c for c in candidates if c.feasible]
     best = max(feasible, key=lambda c: _preference(c, arch)) if feasible else None
     shown = best.config.block_m if best else rows
-    values = {D: d, DV: dv, E: spec.dtype.itemsize, BM: shown}
+    values = {"D": d, "DV": dv, "E": spec.dtype.itemsize, "BLOCK_M": shown}
     derivation = Derivation(
         arch=arch_name,
         source="heuristic",
         expressions=LazyText(
             lambda: {
-                "smem": str(smem_expression(arch, tma=False).subs(values)),
-                "regs": str(regs_expression(arch).subs(values)),
+                "smem": substituted(smem_model(arch, tma=False), values),
+                "regs": substituted(regs_model(arch), values),
                 "score": SCORE_TEXT,
             }
         ),
@@ -182,7 +176,7 @@ def _candidates(
     for rows, bn, w, s in itertools.product(
         row_tiles, block_ns, DECODE_WARPS_CHOICES, DECODE_STAGES_CHOICES
     ):
-        at = (rows, bn, s, w, d, dv, e)  # MODEL_SYMBOLS' order
+        at = (rows, bn, s, w, d, dv, e)  # MODEL_NAMES' order
         config = TileConfig(rows, bn, w, s)
         smem_b = fp8_cache_smem(arch, config, d, dv, e) if spec.kv_dtype else int(smem_f(*at))
         smem_b, regs_t = smem_b + key_loop_read_smem(reads, config), int(math.ceil(regs_f(*at)))

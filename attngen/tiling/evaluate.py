@@ -1,83 +1,124 @@
-"""Evaluating the tiling model quickly: its sympy expressions compiled once, read many times.
+"""Evaluating the tiling model quickly: its sympy expressions compiled ahead, read many times.
 
-The model (prefill_model.py) is a few symbolic expressions. Substituting a spec's dims into them and
-letting sympy simplify the result takes 50-200 ms per spec, too slow for a kernel built on
-demand at a model's first call. Here each expression is compiled once per process into a
-plain Python function of every symbol (`compiled`), so a derivation evaluates its candidates
-in about a millisecond; what needs sympy's text (the formula in force for the chosen config,
-the substituted expressions `attngen explain` prints) is worked out once per distinct case
-(`active_formula`) or only when read (`LazyText`). tests/test_tiling_fast.py holds the
-compiled functions to the exact sympy values on every padded head dim, dtype and arch.
+The model (prefill_model.py, backward_model.py, gluon_model.py) is a few symbolic
+expressions. Building them and compiling them with sympy costs a process 120-300 ms (sympy's
+import 180 ms of it), too slow for a kernel built on demand at a model's first call. So each
+expression is named by the call that builds it (`Model`) and what a derivation needs of it
+comes from the store, model_store.json: the expression compiled into a plain Python function
+of the symbols (`compiled`), the formula in force at a config (`active_formula`) and its
+text (`formula_text`), written from sympy by tools/model_store.py and held to sympy's values
+and texts by tests/test_model_store.py. A model the store lacks is built with sympy
+(symbolic.py) once per process, with the same results; `attngen explain`'s substituted
+expressions (`substituted`) always are.
 """
 
 from __future__ import annotations
 
+import importlib
+import json
+import math
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import Any
 
-import sympy
+STORE = Path(__file__).with_name("model_store.json")
+misses: list[str] = []  # the store's keys a derivation asked for and did not find (tests read it)
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model expression: `builder` (module.function under attngen.tiling) called with `args`."""
+
+    builder: str
+    args: tuple[Any, ...] = ()
+
+    @property
+    def key(self) -> str:
+        # Archs by name: the store is JSON, and an arch's name is its identity in ARCHS.
+        return f"{self.builder}({', '.join(getattr(a, 'name', repr(a)) for a in self.args)})"
+
+    def expr(self) -> Any:
+        """The sympy expression (imports sympy and the model's module)."""
+        module, function = self.builder.rsplit(".", 1)
+        return getattr(importlib.import_module(f"attngen.tiling.{module}"), function)(*self.args)
 
 
 @cache
-def compiled(expr: sympy.Expr, symbols: tuple[sympy.Symbol, ...]) -> Callable[..., Any]:
-    """`expr` as a Python function of `symbols`, in floats (the math module)."""
-    function: Callable[..., Any] = sympy.lambdify(symbols, expr, modules="math")
+def _store() -> dict[str, Any]:
+    models: dict[str, Any] = json.loads(STORE.read_text())["models"] if STORE.exists() else {}
+    return models
+
+
+def _entry(model: Model, part: str, name: str | None = None) -> Any:
+    found = _store().get(model.key, {}).get(part)
+    found = found.get(name) if name is not None and found is not None else found
+    if found is None:
+        misses.append(f"{model.key} {part} {name or ''}".strip())
+    return found
+
+
+def _function(source: str) -> Callable[..., Any]:
+    namespace: dict[str, Any] = dict(vars(math))  # lambdify's "math" module: ceil, floor, ...
+    exec(source, namespace)  # noqa: S102 - the store's text, written by tools/model_store.py
+    function: Callable[..., Any] = namespace["_lambdifygenerated"]
     return function
 
 
-def exact_value(expr: sympy.Expr, values: dict[sympy.Symbol, int]) -> sympy.Expr:
-    """`expr` with every symbol replaced by an integer: an exact sympy number (xreplace skips
-    the pattern matching of subs, so this takes a fraction of a millisecond)."""
-    value: sympy.Expr = expr.xreplace({s: sympy.Integer(v) for s, v in values.items()})
-    return value
+@cache
+def compiled(model: Model, symbols: tuple[str, ...]) -> Callable[..., Any]:
+    """`model` as a Python function of the symbols named `symbols`, in floats (math module)."""
+    source = _entry(model, "functions", ",".join(symbols))
+    if source is None:
+        from attngen.tiling import symbolic
 
-
-def _piecewise_nodes(expr: sympy.Expr) -> tuple[sympy.Piecewise, ...]:
-    return tuple(
-        node for node in sympy.preorder_traversal(expr) if isinstance(node, sympy.Piecewise)
-    )
+        source = symbolic.function_source(model.expr(), symbols)
+    return _function(source)
 
 
 @cache
-def _conditions(
-    expr: sympy.Expr, symbols: tuple[sympy.Symbol, ...]
-) -> tuple[tuple[Callable[..., Any], ...], ...]:
-    """Per Piecewise node of `expr`, its arms' conditions as functions of `symbols`."""
-    return tuple(
-        tuple(sympy.lambdify(symbols, cond, modules="math") for _, cond in node.args)
-        for node in _piecewise_nodes(expr)
-    )
-
-
-_formulas: dict[tuple[sympy.Expr, tuple[int, ...]], str] = {}
-
-
-def active_formula(expr: sympy.Expr, values: dict[sympy.Symbol, int]) -> str:
-    """str(active_branch(expr, values)): the formula in force at `values`, every Piecewise
-    replaced by its first arm whose condition holds. The text depends only on which arm each
-    Piecewise takes, so it is built once per such choice and then looked up."""
-    symbols = tuple(values)
-    arguments = tuple(values.values())
-    choice = tuple(
-        next(i for i, cond in enumerate(node) if bool(cond(*arguments)))
-        for node in _conditions(expr, symbols)
-    )
-    key = (expr, choice)
-    text = _formulas.get(key)
+def formula_text(model: Model) -> str:
+    """str() of the expression."""
+    text = _entry(model, "text")
     if text is None:
-        text = _formulas[key] = str(active_branch(expr, values))
-    return text
+        text = str(model.expr())
+    return str(text)
 
 
-def active_branch(expr: sympy.Expr, values: dict[sympy.Symbol, int]) -> sympy.Expr:
-    """The formula in force at `values`: every Piecewise replaced by its arm whose condition
-    holds there (the header shows this, not the whole case analysis)."""
+@cache
+def _conditions(model: Model, symbols: tuple[str, ...]) -> tuple[Any, ...]:
+    """Per Piecewise node of `model`, its arms' conditions as functions of `symbols`."""
+    sources = _entry(model, "conditions", ",".join(symbols))
+    if sources is None:
+        from attngen.tiling import symbolic
 
-    def pick(piecewise: sympy.Piecewise) -> sympy.Expr:
-        return next(arm for arm, cond in piecewise.args if bool(exact_value(cond, values)))
+        sources = symbolic.condition_sources(model.expr(), symbols)
+    return tuple(tuple(_function(source) for source in node) for node in sources)
 
-    return expr.replace(lambda e: isinstance(e, sympy.Piecewise), pick)
+
+def active_formula(model: Model, values: dict[str, int]) -> str:
+    """The formula in force at `values` (symbol name -> integer), every Piecewise replaced by
+    its first arm whose condition holds: what the module header shows. The text depends only
+    on which arm each Piecewise takes, so the store keeps one text per such choice."""
+    arguments = tuple(values.values())
+    choice = ",".join(
+        str(next(i for i, cond in enumerate(node) if bool(cond(*arguments))))
+        for node in _conditions(model, tuple(values))
+    )
+    text = _entry(model, "formulas", choice)
+    if text is None:
+        from attngen.tiling import symbolic
+
+        text = symbolic.active_text(model.expr(), values)
+    return str(text)
+
+
+def substituted(model: Model, values: Mapping[str, int]) -> str:
+    """The expression with some symbols replaced by integers, simplified (sympy; explain)."""
+    from attngen.tiling import symbolic
+
+    return symbolic.substituted_text(model.expr(), values)
 
 
 class LazyText(Mapping[str, str]):

@@ -40,16 +40,13 @@ from dataclasses import dataclass
 from functools import cache
 from itertools import product
 
-import sympy
-
 from attngen.arch import ARCHS
 from attngen.spec import AttnSpec, KernelKind, Mask
 from attngen.spec.expressions import parsed
 from attngen.spec.files import unverified_variants_on
-from attngen.tiling.evaluate import compiled
+from attngen.tiling.evaluate import Model, compiled, formula_text
 
-NC, BM, BN, D, DV, E, S = sympy.symbols("NC BLOCK_M BLOCK_N D DV E S", positive=True, integer=True)
-
+SYMBOL_NAMES = ("NC", "BLOCK_M", "BLOCK_N", "D", "DV", "E", "S")  # the compiled model's arguments
 GLUON_ARCH = "sm90"
 # Head dims the kernel serves (D and DV each). O's wgmma takes N = DV, the TMA boxes are
 # [BLOCK_N, D] and [BLOCK_N, DV] and the kernel has no head-dim padding or masks, so a dim
@@ -160,11 +157,11 @@ class GluonDerivation:
         """The header's and explain's lines: the model and the chosen config's numbers."""
         budget = ARCHS[self.arch].smem_budget
         feasible = sum(c.feasible for c in self.candidates)
-        smem = f"shared memory = {smem_expression(self.words, self.o_tile)}"
+        smem = f"shared memory = {formula_text(smem_model(self.words, self.o_tile))}"
         lines = [
             "Gluon forward (warp-specialized, sm90):",
             *textwrap.wrap(smem, 88, initial_indent="  ", subsequent_indent="    "),
-            f"  consumer registers ~ {consumer_regs_expression(self.tiles)}",
+            f"  consumer registers ~ {formula_text(regs_model(self.tiles))}",
         ]
         best = self.chosen
         if best is None:
@@ -193,25 +190,6 @@ def capture_words(spec: AttnSpec, kind: KernelKind = KernelKind.prefill) -> int:
     return words + VARLEN_WORDS * (kind is KernelKind.varlen)
 
 
-def barriers(n: sympy.Expr) -> sympy.Expr:  # an [n, 1] int64 array, padded to 16 B
-    return 16 * sympy.ceiling(n / sympy.Integer(2))
-
-
-@cache
-def smem_expression(words: int = 0, o_tile: bool = False) -> sympy.Expr:
-    """Dynamic shared memory of one CTA in bytes (exact against the compiler), for a kernel
-    whose partitions take `words` more 32-bit scalars than the plain one (capture_words); with
-    o_tile (DV != D) each Q slot holds max(D, DV) columns, O's tile a view of it."""
-
-    slot = sympy.Max(D, DV) if o_tile else D
-    tiles = E * (NC * BM * slot + S * BN * (D + DV))
-    smallest = sympy.Min(NC, S)  # the last array placed: its padding is not allocated
-    arrays = 2 * barriers(NC) + 4 * barriers(S) - (barriers(smallest) - 8 * smallest)
-    captures = 16 * sympy.ceiling(sympy.Rational(words - 1, 4))
-    partitions = 4 * (NC - 2)  # a third consumer partition: 4 B more of warp_specialize's
-    return tiles + arrays + WS_FIXED_BYTES + partitions + captures
-
-
 def extra_tiles(spec: AttnSpec) -> int:
     """[BM, BN] 32-bit tiles a consumer keeps beyond S and P: two with a window (or chunks)
     and ALiBi; two for each tensor score_mod or mask_mod reads at both q_idx and kv_idx (a
@@ -225,11 +203,12 @@ def extra_tiles(spec: AttnSpec) -> int:
     return 2 * (spec.mask.value in WINDOWED and spec.alibi) + 2 * reads
 
 
-@cache
-def consumer_regs_expression(tiles: int = 0) -> sympy.Expr:
-    """Registers per consumer thread: O (fp32), S (fp32) and P (two 16-bit values a register)
-    of one warpgroup's tiles, `tiles` more [BM, BN] 32-bit tiles, plus CONSUMER_OVERHEAD."""
-    return (BM * DV + (1 + tiles) * BM * BN + BM * BN / 2) / WARPGROUP + CONSUMER_OVERHEAD
+def smem_model(words: int = 0, o_tile: bool = False) -> Model:
+    return Model("gluon_model.smem_expression", (words, o_tile))
+
+
+def regs_model(tiles: int = 0) -> Model:
+    return Model("gluon_model.consumer_regs_expression", (tiles,))
 
 
 def register_split(consumers: int) -> tuple[int, int, int]:
@@ -245,8 +224,8 @@ def register_split(consumers: int) -> tuple[int, int, int]:
 def _candidate(d: int, dv: int, itemsize: int, consumers: int, block_m: int, block_n: int,
                stages: int, budget: int, words: int, tiles: int) -> GluonCandidate:  # fmt: skip
     values = (consumers, block_m, block_n, d, dv, itemsize, stages)
-    smem = int(compiled(smem_expression(words, d != dv), (NC, BM, BN, D, DV, E, S))(*values))
-    regs = compiled(consumer_regs_expression(tiles), (NC, BM, BN, D, DV, E, S))(*values)
+    smem = int(compiled(smem_model(words, d != dv), SYMBOL_NAMES)(*values))
+    regs = compiled(regs_model(tiles), SYMBOL_NAMES)(*values)
     consumer_regs, producer_regs, entry = register_split(consumers)
     rejected = [f"smem {smem} B > {budget} B"] if smem > budget else []
     rejected += [f"consumer regs ~{int(regs)} > {consumer_regs}"] if regs > consumer_regs else []

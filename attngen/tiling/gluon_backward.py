@@ -45,17 +45,14 @@ from dataclasses import dataclass, replace
 from functools import cache
 from itertools import product
 
-import sympy
-
 from attngen.arch import ARCHS
 from attngen.spec import AttnSpec, KernelKind
 from attngen.spec.expressions import parsed
 from attngen.spec.files import unverified_variants_on
-from attngen.tiling.evaluate import compiled
-from attngen.tiling.gluon import GLUON_UNVERIFIED, WARPGROUP, barriers, gluon_gap, register_split
+from attngen.tiling.evaluate import Model, compiled, formula_text
+from attngen.tiling.gluon import GLUON_UNVERIFIED, gluon_gap, register_split
 
-NC, BM, BN, D, E, S, C = sympy.symbols("NC BLOCK_M BLOCK_N D E S C", positive=True, integer=True)
-SYMBOLS = (NC, BM, BN, D, E, S, C)
+SYMBOL_NAMES = ("NC", "BLOCK_M", "BLOCK_N", "D", "E", "S", "C")  # the compiled model's arguments
 BACKWARD = "backward"  # its name in GLUON_VARIANTS / GLUON_UNVERIFIED
 D256 = "backward d256"  # the D 256 form's
 EXPRESSIONS = "backward score_mod/mask_mod"  # score_mod / mask_mod and block masks
@@ -136,25 +133,15 @@ def dq_columns(d: int, block_m: int = 64) -> int:
     return d // 2 if d >= 128 or block_m == 128 else d
 
 
-@cache
-def smem_expression() -> sympy.Expr:
-    """Dynamic shared memory of one CTA in bytes (exact against the compiler)."""
-    tiles = E * (2 * BN * D + S * 2 * BM * D + 2 * BM * BN) + S * 2 * BM * 4
-    staging = NC * BM * C * 4 + WS_CAPTURE_BYTES
-    return tiles + staging + 3 * barriers(S) + 2 * barriers(sympy.Integer(2))
+def smem_model() -> Model:
+    return Model("gluon_model.backward_smem_expression")
 
 
-D256_SMEM_EXTRA = barriers(sympy.Integer(2))  # D 256's third [2, 1] barrier array (P ready)
+def regs_model(d256: bool = False) -> Model:
+    return Model("gluon_model.backward_regs_expression", (d256,))
 
 
-@cache
-def regs_expression(d256: bool = False) -> sympy.Expr:
-    """Registers per consumer thread (module docstring); D 256's form keeps one [BN, D]
-    accumulator a warpgroup, its scores [BN, BM] and its half of dQ [BM, D / 2]."""
-    if d256:
-        return (BN * D + sympy.Max(BN * BM + BM * WARPGROUP / 4, BM * D / 2)) / WARPGROUP + OVERHEAD
-    scores = 2 * BM * BN / NC + BM * WARPGROUP / 4  # S^T, dP^T fp32; delta by column
-    return (2 * BN / NC * D + sympy.Max(scores, BM * C)) / WARPGROUP + OVERHEAD
+D256_SMEM_EXTRA = 16  # D 256's third [2, 1] barrier array (P ready), padded to 16 B
 
 
 @dataclass(frozen=True)
@@ -194,9 +181,9 @@ def candidate(d: int, itemsize: int, block_m: int, stages: int, budget: int, cap
               plain: bool = False) -> BwdCandidate:  # fmt: skip
     block_n, columns = (64, 32) if d == 256 else (BLOCK_N, dq_columns(d, block_m))
     values = (CONSUMERS, block_m, block_n, d, itemsize, stages, columns)
-    smem = int(compiled(smem_expression(), SYMBOLS)(*values)) + captured
-    smem += int(D256_SMEM_EXTRA) * (d == 256)
-    regs = int(compiled(regs_expression(d == 256), SYMBOLS)(*values))
+    smem = int(compiled(smem_model(), SYMBOL_NAMES)(*values)) + captured
+    smem += D256_SMEM_EXTRA * (d == 256)
+    regs = int(compiled(regs_model(d == 256), SYMBOL_NAMES)(*values))
     consumer, producer, entry = register_split(CONSUMERS)
     # D 256 at 232: 20 B spilled at 240, not at 232 (docs/d256_backward_study.md's compile table)
     consumer = D256_CONSUMER_REGS if d == 256 else consumer
@@ -219,8 +206,8 @@ class BwdDerivation:
         """The header's and explain's lines: the model and the chosen config's numbers."""
         lines = [
             "Gluon dK/dV backward (warp-specialized, sm90; deterministic=False):",
-            f"  shared memory = {smem_expression()}",
-            f"  consumer registers ~ {regs_expression()}",
+            f"  shared memory = {formula_text(smem_model())}",
+            f"  consumer registers ~ {formula_text(regs_model())}",
         ]
         if (best := self.chosen) is None:
             lines.append(f"  no config fits ({len(self.candidates)} candidates)")

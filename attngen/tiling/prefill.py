@@ -24,32 +24,20 @@ import math
 import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from functools import cache
 from typing import Any
 
 from attngen.arch import ARCHS, GpuArch
 from attngen.spec import AttnSpec
 from attngen.spec.expressions import parsed
-from attngen.tiling.evaluate import LazyText, active_formula
-from attngen.tiling.evaluate import active_branch as active_branch
-from attngen.tiling.prefill_model import (
-    BM,
-    BN,
-    DV,
-    REFERENCE_TOKENS,
-    SMS,
-    D,
-    E,
-    H,
-    S,
-    W,
-    exact_score,
-    exact_waves,
-    numeric_model,
-    regs_expression,
-    score_expression,
-    smem_expression,
-    wave_expression,
+from attngen.tiling.evaluate import (
+    LazyText,
+    Model,
+    active_formula,
+    compiled,
+    formula_text,
+    substituted,
 )
 from attngen.tiling.rows import rows_aligned, tma_strides_aligned
 
@@ -61,6 +49,47 @@ BLOCK_M_CHOICES = (16, 32, 64, 128)
 BLOCK_N_CHOICES = (16, 32, 64, 128)
 NUM_WARPS_CHOICES = (4, 8)
 NUM_STAGES_CHOICES = (1, 2, 3, 4)
+# The compiled model's arguments (prefill_model.MODEL_SYMBOLS' names), in this order.
+MODEL_NAMES = ("BLOCK_M", "BLOCK_N", "S", "W", "D", "DV", "E")
+REFERENCE_TOKENS = 4096  # the wave model's reference problem: H heads x this many rows
+# Prefill modules on Hopper read the masked (diagonal, window edge, tail) K/V blocks through
+# TMA as well when both head dims are at most this and the tile is on the wgmma path: 2-17%
+# faster with the tiles it makes best; at D = 256 the extra branch spills (68 B at 128x64 with
+# 8 warps) and cost 2-3% (exp_prefill.py@163a2b7, docs/performance.md).
+TMA_MASKED_MAX_HEAD_DIM = 128
+
+
+def smem_model(arch: GpuArch, tma: bool, pipelined: bool = True, dropout: bool = False) -> Model:
+    return Model("prefill_model.smem_expression", (arch, tma, pipelined, dropout))
+
+
+def regs_model(arch: GpuArch, pipelined: bool = True, dropout: bool = False) -> Model:
+    return Model("prefill_model.regs_expression", (arch, pipelined, dropout))
+
+
+def numeric_model(
+    arch: GpuArch, tma: bool, pipelined: bool = True, dropout: bool = False
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """(shared memory, registers per thread) as Python functions of MODEL_NAMES' values
+    (evaluate.py); the same numbers as substituting into the sympy expressions."""
+    return (
+        compiled(smem_model(arch, tma, pipelined, dropout), MODEL_NAMES),
+        compiled(regs_model(arch, pipelined, dropout), MODEL_NAMES),
+    )
+
+
+# prefill_model's wave_expression and score_expression at integer values, exactly, in
+# Fractions: the same numbers as substituting into them (tests/test_tiling_fast.py).
+@cache
+def exact_waves(heads: int, sm_count: int, block_m: int, per_sm: int) -> Fraction:
+    waves = Fraction(heads * -(-REFERENCE_TOKENS // block_m), sm_count * per_sm)
+    return waves / math.ceil(waves)
+
+
+@cache
+def exact_score(block_m: int, block_n: int, stages: int) -> Fraction:
+    reuse = min(Fraction(block_m * block_n, (block_m + block_n) * 64), Fraction(1))
+    return reuse * {1: Fraction(6, 10), 2: Fraction(9, 10)}.get(stages, Fraction(1))
 
 
 @dataclass(frozen=True, order=True)
@@ -200,9 +229,9 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
         padded_head_dim(spec.value_head_dim),
         (spec.dtype.itemsize),
     )
-    values = {D: d, DV: dv, E: e}
+    values = {"D": d, "DV": dv, "E": e}
     smem_f, regs_f = numeric_model(arch, tma, pipelined, spec.dropout)
-    waves_at = {H: spec.num_q_heads, SMS: arch.sm_count}
+    waves_at = {"H": spec.num_q_heads, "SMS": arch.sm_count}
     candidates = [
         _candidate(spec, arch, TileConfig(bm, bn, w, s), smem_f, regs_f, d, dv, e)
         for bm, bn, w, s in itertools.product(
@@ -216,17 +245,17 @@ def derive_tiles(spec: AttnSpec, arch_name: str) -> Derivation:
         # (sympy takes a while to simplify them, so only when read).
         expressions=LazyText(
             lambda: {
-                "smem": str(smem_expression(arch, tma, pipelined, spec.dropout).subs(values)),
-                "regs": str(regs_expression(arch, pipelined, spec.dropout).subs(values)),
-                "score": str(score_expression()),
-                "waves": str(wave_expression().subs(waves_at)),
+                "smem": substituted(smem_model(arch, tma, pipelined, spec.dropout), values),
+                "regs": substituted(regs_model(arch, pipelined, spec.dropout), values),
+                "score": formula_text(Model("prefill_model.score_expression")),
+                "waves": substituted(Model("prefill_model.wave_expression"), waves_at),
             }
         ),
         constraints=constraint_labels(arch),
         candidates=tuple(candidates),
         chosen=None,
         binding="nothing fits",
-        dims={str(symbol): value for symbol, value in {**values, **waves_at}.items()},
+        dims={**values, **waves_at},
         tma=tma,
         pipelined=pipelined,
         dropout=spec.dropout,
@@ -336,6 +365,9 @@ def resource_limits(
     return reasons, per_sm
 
 
+WORKED_ORDER = ("BLOCK_M", "BLOCK_N", "D", "DV", "E", "S", "W")  # the header's "with ..."
+
+
 def choose(derivation: Derivation, config: TileConfig, source: str) -> Derivation:
     """The derivation with `config` chosen (it must be a feasible candidate): the binding
     constraint and the worked formulas are those of that config."""
@@ -345,13 +377,11 @@ def choose(derivation: Derivation, config: TileConfig, source: str) -> Derivatio
     if candidate is None or not candidate.feasible:
         raise ValueError(f"{config} is not a feasible candidate on {arch.name}")
     at = {
-        D: derivation.dims["D"],
-        DV: derivation.dims["DV"],
-        E: derivation.dims["E"],
-        BM: config.block_m,
-        BN: config.block_n,
-        S: config.num_stages,
-        W: config.num_warps,
+        "BLOCK_M": config.block_m,
+        "BLOCK_N": config.block_n,
+        "S": config.num_stages,
+        "W": config.num_warps,
+        **{name: derivation.dims[name] for name in ("D", "DV", "E")},
     }
     worked = {}
     if "H" in derivation.dims:  # prefill's reference problem (decode has its own split rule)
@@ -366,9 +396,9 @@ def choose(derivation: Derivation, config: TileConfig, source: str) -> Derivatio
         )
     paths = (derivation.pipelined, derivation.dropout)
     worked |= {
-        "smem": active_formula(smem_expression(arch, derivation.tma, *paths), at),
-        "regs": active_formula(regs_expression(arch, *paths), at),
-        "values": ", ".join(f"{symbol}={at[symbol]}" for symbol in (BM, BN, D, DV, E, S, W)),
+        "smem": active_formula(smem_model(arch, derivation.tma, *paths), at),
+        "regs": active_formula(regs_model(arch, *paths), at),
+        "values": ", ".join(f"{name}={at[name]}" for name in WORKED_ORDER),
     }
     return dataclasses.replace(
         derivation,

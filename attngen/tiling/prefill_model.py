@@ -1,28 +1,24 @@
 """The sympy model of what a prefill tile config costs (prefill.py evaluates it on every
-candidate and chooses): shared memory per program, registers per thread, a predicted
-efficiency and the wave quantization on a reference problem, in the tile parameters BLOCK_M,
-BLOCK_N, the padded head dims D and DV, element bytes E, num_stages S and num_warps W. The
-decode and backward models (decode.py, backward.py) reuse its symbols and parts."""
+candidate through evaluate.py's store and chooses): shared memory per program, registers per
+thread, a predicted efficiency and the wave quantization on a reference problem, in the tile
+parameters BLOCK_M, BLOCK_N, the padded head dims D and DV, element bytes E, num_stages S and
+num_warps W. The decode and backward models (decode.py, backward_model.py) reuse its symbols
+and parts."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from fractions import Fraction
 from functools import cache, partial
-from typing import Any
 
 import sympy
 
 from attngen.arch import GpuArch
 from attngen.tiling import dropout as drop
-from attngen.tiling.evaluate import compiled
+from attngen.tiling.prefill import REFERENCE_TOKENS, TMA_MASKED_MAX_HEAD_DIM
 
 BM, BN, D, DV, E, S, W = sympy.symbols("BLOCK_M BLOCK_N D DV E S W", positive=True, integer=True)
 # Wave quantization: H query heads x REFERENCE_TOKENS rows in BLOCK_M tiles, R programs
 # resident per SM, SMS streaming multiprocessors.
 H, R, SMS = sympy.symbols("H R SMS", positive=True, integer=True)
-REFERENCE_TOKENS = 4096
 
 
 @cache  # sympy builds it slowly; one per arch serves every derivation
@@ -71,13 +67,6 @@ def smem_expression(
     # element: nothing is copied asynchronously, so no stage is buffered and the program
     # needs what one stage does at any num_stages (all 256 such sm90 configs measured).
     return expr if pipelined else expr.subs(S, 1)
-
-
-# Prefill modules on Hopper read the masked (diagonal, window edge, tail) K/V blocks through
-# TMA as well when both head dims are at most this and the tile is on the wgmma path: 2-17%
-# faster with the tiles it makes best; at D = 256 the extra branch spills (68 B at 128x64 with
-# 8 warps) and cost 2-3% (exp_prefill.py@163a2b7, docs/performance.md).
-TMA_MASKED_MAX_HEAD_DIM = 128
 
 
 def tma_barrier_expression() -> sympy.Expr:
@@ -164,32 +153,5 @@ def wave_expression() -> sympy.Expr:
     return waves / sympy.ceiling(waves)
 
 
-# The symbols the compiled model takes, in this order.
+# The symbols the compiled model takes, in this order (prefill.py MODEL_NAMES names them).
 MODEL_SYMBOLS = (BM, BN, S, W, D, DV, E)
-
-
-def numeric_model(
-    arch: GpuArch, tma: bool, pipelined: bool = True, dropout: bool = False
-) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """(shared memory, registers per thread) as Python functions of MODEL_SYMBOLS' values,
-    compiled once per arch (evaluate.py); the same numbers as substituting into the sympy
-    expressions."""
-    return (
-        compiled(smem_expression(arch, tma, pipelined, dropout), MODEL_SYMBOLS),
-        compiled(regs_expression(arch, pipelined, dropout), MODEL_SYMBOLS),
-    )
-
-
-# wave_expression and score_expression at integer values, exactly, in Fractions: the same
-# numbers and text as substituting into them (tests/test_tiling_fast.py) without sympy's
-# first evaluations, 20 of a process's first derivation's 86 ms.
-@cache
-def exact_waves(heads: int, sm_count: int, block_m: int, per_sm: int) -> Fraction:
-    waves = Fraction(heads * -(-REFERENCE_TOKENS // block_m), sm_count * per_sm)
-    return waves / math.ceil(waves)
-
-
-@cache
-def exact_score(block_m: int, block_n: int, stages: int) -> Fraction:
-    reuse = min(Fraction(block_m * block_n, (block_m + block_n) * 64), Fraction(1))
-    return reuse * {1: Fraction(6, 10), 2: Fraction(9, 10)}.get(stages, Fraction(1))

@@ -57,19 +57,11 @@ _EAGER = "attngen.flex_attention traces its score_mod and mask_mod in Python"
 
 
 @eager_only(_EAGER)
-def flex_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    score_mod: Any = None,
-    block_mask: Any = None,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    return_lse: bool = False,
-    kernel_options: Any = None,
-    *,
-    return_aux: Any = None,
-) -> Any:
+def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   score_mod: Any = None, block_mask: Any = None,
+                   scale: float | None = None, enable_gqa: bool = False,
+                   return_lse: bool = False, kernel_options: Any = None, *,
+                   return_aux: Any = None) -> Any:  # fmt: skip
     """torch.nn.attention.flex_attention.flex_attention's call and results: query [B, HQ, L,
     E], key [B or 1, HKV, S, E], value [B or 1, HKV, S, EV] (HQ == HKV unless enable_gqa);
     out [B, HQ, L, EV] in query's dtype, and with return_lse the log-sum-exp [B, HQ, L]

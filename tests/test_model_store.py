@@ -1,0 +1,110 @@
+"""The tiling models compiled ahead (attngen/tiling/model_store.json, evaluate.py) are sympy's.
+
+The store is written by tools/model_store.py; a derivation reads it instead of building the
+expressions with sympy (whose import alone costs a process 180 ms). These tests hold the store
+to sympy's texts, functions and conditions for every model the tool enumerates, its worked
+formulas on a sample of models, and check that a process deriving every example spec on every
+arch finds everything in the store and never imports sympy.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import sympy
+
+from attngen.tiling.evaluate import STORE
+
+ROOT = Path(__file__).resolve().parents[1]
+STALE = "the store is stale: run `python tools/model_store.py` (and commit model_store.json)"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("model_store", ROOT / "tools/model_store.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def stored() -> dict:
+    data = json.loads(STORE.read_text())
+    assert data["sympy"] == sympy.__version__, f"written with sympy {data['sympy']}; {STALE}"
+    return dict(data["models"])
+
+
+def test_every_model_is_stored_as_sympy_makes_it(stored: dict) -> None:
+    tool = _tool()
+    expected = {model.key: (model, names) for model, names, _ in tool.models()}
+    assert sorted(expected) == sorted(stored), STALE
+    for key, (model, names) in expected.items():
+        fresh = tool.entry(model, names, worked=False)
+        for part in ("text", "functions", "conditions"):
+            assert stored[key][part] == fresh[part], f"{key} {part}: {STALE}"
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "prefill_model.smem_expression(sm90, True, True, False)",
+        "prefill_model.regs_expression(sm80, True, False)",
+        "backward_model.dkdv_smem_expression(sm90, True, 3)",
+    ],
+)
+def test_worked_formulas_are_sympy_active_branches(stored: dict, key: str) -> None:
+    tool = _tool()
+    model, names, worked = next(m for m in tool.models() if m[0].key == key)
+    assert worked
+    conditions = stored[key]["conditions"][",".join(names)]
+    assert stored[key]["formulas"] == tool.formulas(model.expr(), names, conditions), STALE
+
+
+DERIVE_EVERY_EXAMPLE = """
+import glob, sys
+from attngen.arch import ARCHS
+from attngen.build import load_specs
+from attngen.spec import KernelKind
+from attngen.tiling import evaluate
+from attngen.tiling.backward import derive_backward_tiles
+from attngen.tiling.decode import derive_decode_tiles
+from attngen.tiling.gluon import derive_gluon_tiles
+from attngen.tiling.gluon_backward import derive_gluon_backward
+from attngen.tiling.prefill import derive_tiles
+
+count = 0
+for spec in load_specs(sorted(glob.glob("examples/*.yaml"))):
+    for arch in ARCHS:
+        derive_tiles(spec, arch).summary_lines()
+        derive_decode_tiles(spec, arch).summary_lines()
+        if spec.backward:
+            derive_backward_tiles(spec, arch)
+        count += 1
+    for kind in (KernelKind.prefill, KernelKind.varlen):
+        if (gluon := derive_gluon_tiles(spec, "sm90", kind)) is not None:
+            gluon.summary_lines()
+    if (backward := derive_gluon_backward(spec, "sm90")) is not None:
+        backward.summary_lines()
+print(count, "sympy" in sys.modules, evaluate.misses)
+"""
+
+
+def test_a_process_derives_every_example_from_the_store_without_sympy() -> None:
+    """A fresh process (nothing cached) derives every example spec on every arch, prefill,
+    decode, backward and the Gluon kernels, with their header lines: nothing is missing from
+    the store, and sympy is never imported."""
+    done = subprocess.run(
+        [sys.executable, "-c", DERIVE_EVERY_EXAMPLE],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    count, imported, misses = done.stdout.strip().split(" ", 2)
+    assert int(count) >= 50
+    assert (imported, misses) == ("False", "[]"), done.stdout
