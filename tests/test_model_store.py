@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +109,37 @@ def test_a_process_derives_every_example_from_the_store_without_sympy() -> None:
     count, imported, misses = done.stdout.strip().split(" ", 2)
     assert int(count) >= 50
     assert (imported, misses) == ("False", "[]"), done.stdout
+
+
+FLEX_MASK_CALL = """
+import os, sys, tempfile
+os.environ["ATTNGEN_CACHE"] = tempfile.mkdtemp()
+import torch
+import attngen
+
+doc = torch.repeat_interleave(torch.arange(2), 32)[None]
+
+
+def document(b, h, q_idx, kv_idx):
+    return doc[b, q_idx] == doc[b, kv_idx]
+
+
+q, k, v = (torch.randn(1, 2, 64, 64, requires_grad=True) for _ in range(3))
+block_mask = attngen.create_block_mask(document, 1, 1, 64, 64, device="cpu")
+attngen.flex_attention(q, k, v, block_mask=block_mask).sum().backward()
+print(q.grad.abs().sum().item() > 0, "sympy" in sys.modules)
+"""
+
+
+def test_a_new_flex_mask_module_and_its_backward_import_no_sympy() -> None:
+    """A process's first flex_attention call with a new mask_mod, in an empty cache, derives,
+    renders, writes and runs its module, and its backward, without sympy (a score_mod's
+    gradient is sympy's: only such calls import it)."""
+    done = subprocess.run(
+        [sys.executable, "-c", FLEX_MASK_CALL],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TRITON_INTERPRET": "1", "ATTNGEN_ON_DEMAND": "1"},
+    )
+    assert done.stdout.split() == ["True", "False"], done.stderr[-2000:]

@@ -1,7 +1,11 @@
 """Tiling: from a validated spec and a GPU target to a launch config, with the derivation.
 
 - prefill_model.py: the sympy model of what a prefill config costs (shared memory,
-  registers, a score, waves).
+  registers, a score, waves); backward_model.py and gluon_model.py those of the gradient and
+  the Gluon kernels.
+- evaluate.py: the models compiled ahead (model_store.json, written by tools/model_store.py),
+  so that a derivation neither builds an expression nor imports sympy; symbolic.py: sympy's
+  side of it (the store's entries, and any model the store lacks).
 - prefill.py: every candidate of the grid with its verdict under that model, and the
   choice. Its TileConfig, Candidate and
   Derivation are the stage's vocabulary: decode reuses them, because the decode kernel runs
@@ -11,5 +15,6 @@
   schedule), chosen per arch from measurements.
 - alternatives.py: when nothing fits, the nearest change to the spec that does.
 
-Pure Python and sympy: nothing here imports torch or triton.
+Pure Python and sympy (the *_model.py and symbolic.py only): nothing here imports torch or
+triton.
 """

@@ -8,7 +8,7 @@ from the producer to the consumers with setmaxnreg: the CTA starts with MAXNREG 
 thread (the register file over every warpgroup, the producer's included), the producer drops
 to PRODUCER_REGS and each consumer rises to CONSUMER_REGS.
 
-The model (sympy, like prefill_model.py) in BM = BLOCK_M, BN = BLOCK_N, D, DV, E (element
+The model (sympy, gluon_model.py) in BM = BLOCK_M, BN = BLOCK_N, D, DV, E (element
 bytes), S (stages) and NC (consumers):
 - shared memory: the NC Q tiles (O goes back through them; with DV != D a slot of max(D, DV)
   columns, o_tile), S stages of K and V, the mbarrier arrays (two of NC, four of S: 8 B each,
@@ -30,7 +30,7 @@ shared memory fit, then the fewest stages (at least two: one loading while one i
 ring holds RING_BYTES of K/V. With two consumers that rule reproduces the tiles measured best
 (D 64: 64x128, 3 stages; D 128: 64x128, 2; D 256: 64x64, 2).
 
-Pure Python and sympy: nothing here imports torch or triton.
+Pure Python: nothing here imports sympy, torch or triton (evaluate.py reads the model).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ operands (only dS^T goes to shared memory, for dQ); dQ = dS K goes to an fp32 ac
 TMA reduce-adds (five products, not seven). The register split is the forward's
 (register_split: 240 a consumer, 24 the producer, 168 at entry).
 
-The model (sympy) in BM = BLOCK_M, BN = BLOCK_N, D, E (element bytes), S (stages), NC
+The model (sympy, gluon_model.py) in BM = BLOCK_M, BN = BLOCK_N, D, E (element bytes), S (stages), NC
 (consumers) and C (dQ columns a consumer computes):
 - shared memory: K and V [BN, D] resident, S slots of Q and dO [BM, D] and of LSE and delta
   [BM] fp32, two dS^T slots [BN, BM], per consumer dQ's fp32 staging [BM, C] that the TMA
@@ -35,7 +35,7 @@ and the expressions' tensors add captured arguments (expression_capture_bytes, e
 their tiles spill past the 240-register cap (28-256 B, tests/test_gluon_backward.py
 EXPRESSION_SPILLS), at D 64 nothing. Served (GPU-tested: tests/test_gluon_backward_gpu.py)
 but for causal calls with fewer than SHORT_CAUSAL_KEYS keys, which take the tile-level
-kernels. Pure Python and sympy.
+kernels. Pure Python (evaluate.py reads the model).
 """
 
 from __future__ import annotations

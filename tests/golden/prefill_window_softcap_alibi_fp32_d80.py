@@ -1403,9 +1403,9 @@ def _list_strides(tensors):
 def _block_bitmap(counts, indices):
     """[B, H, rows, cols] bool (B, H as broadcast): the blocks a list names, its count clamped
     to [0, cols], an index outside [0, cols) naming none."""
-    cols = indices.shape[-1]
-    shape = torch.broadcast_shapes(indices.shape, counts.shape + (cols,))
-    indices = indices.long().expand(shape)
+    cols = indices.shape[-1]  # broadcast_tensors: broadcast_shapes imports sympy (300 ms)
+    indices = torch.broadcast_tensors(indices.long(), counts[..., None])[0]
+    shape = indices.shape
     slots = torch.arange(cols, device=indices.device)
     used = (slots < counts.long().clamp(0, cols)[..., None]) & (indices >= 0) & (indices < cols)
     bits = torch.zeros((*shape[:-1], cols + 1), dtype=torch.bool, device=indices.device)
