@@ -1,11 +1,11 @@
 """The compiled tiling model (attngen/tiling/evaluate.py) gives the sympy model's exact numbers.
 
 derive_tiles and derive_decode_tiles evaluate shared memory and registers through functions
-lambdified ahead (evaluate.py's store), in floats; the registers are rounded up, so a float a hair above an
-exact integer would cost a register and could flip a feasibility verdict. These tests compare
-the compiled functions with the exact rational value of the expressions on every padded head
-dim pair, both element sizes, every arch and both load paths, for every prefill tile and the
-decode row tiles; and the worked formulas (built once per Piecewise choice) with sympy's.
+lambdified ahead (evaluate.py's store), in floats; the registers are rounded up, so a float a
+hair above an exact integer would cost a register and could flip a feasibility verdict. These
+tests compare the compiled functions with the exact rational value of the expressions on every
+padded head dim pair, both element sizes, every arch and both load paths, for every prefill
+tile and the decode row tiles; and the worked formulas (one per Piecewise choice) with sympy's.
 """
 
 from __future__ import annotations

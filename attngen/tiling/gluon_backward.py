@@ -9,8 +9,8 @@ operands (only dS^T goes to shared memory, for dQ); dQ = dS K goes to an fp32 ac
 TMA reduce-adds (five products, not seven). The register split is the forward's
 (register_split: 240 a consumer, 24 the producer, 168 at entry).
 
-The model (sympy, gluon_model.py) in BM = BLOCK_M, BN = BLOCK_N, D, E (element bytes), S (stages), NC
-(consumers) and C (dQ columns a consumer computes):
+The model (sympy, gluon_model.py) in BM = BLOCK_M, BN = BLOCK_N, D, E (element bytes),
+S (stages), NC (consumers) and C (dQ columns a consumer computes):
 - shared memory: K and V [BN, D] resident, S slots of Q and dO [BM, D] and of LSE and delta
   [BM] fp32, two dS^T slots [BN, BM], per consumer dQ's fp32 staging [BM, C] that the TMA
   reduce reads, the partitions' captured arguments (WS_CAPTURE_BYTES), the barriers (three
