@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 STORE = Path(__file__).with_name("model_store.json")
-misses: list[str] = []  # the store's keys a derivation asked for and did not find (tests read it)
+misses: set[str] = set()  # what a derivation asked the store for and did not find (tests read it)
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def _entry(model: Model, part: str, name: str | None = None) -> Any:
     found = _store().get(model.key, {}).get(part)
     found = found.get(name) if name is not None and found is not None else found
     if found is None:
-        misses.append(f"{model.key} {part} {name or ''}".strip())
+        misses.add(f"{model.key} {part} {name or ''}".strip())
     return found
 
 
