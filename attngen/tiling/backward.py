@@ -1,7 +1,8 @@
 """Tile sizes of the backward kernels (spec `backward: true`), derived like the forward's.
 
-Two kernels, each with its own sympy model (symbols as in prefill_model.py: BLOCK_M query rows,
-BLOCK_N key rows, padded head dims D and DV, element bytes E, num_stages S, num_warps W):
+Two kernels, each with its own sympy model (backward_model.py; symbols as in prefill_model.py:
+BLOCK_M query rows, BLOCK_N key rows, padded head dims D and DV, element bytes E, num_stages
+S, num_warps W):
 
 - dQ kernel, a program per BLOCK_M query rows: Q [BM, D] and dO [BM, DV] resident, K and V
   streamed (the forward's shape, with dO added);

@@ -10,7 +10,6 @@ from functools import cache
 import sympy
 
 from attngen.arch import GpuArch
-from attngen.tiling.backward import GRADS_OF
 from attngen.tiling.dropout import keep_mask_scratch
 from attngen.tiling.prefill_model import BM, BN, DV, D, E, S, W
 
@@ -153,9 +152,3 @@ def regs_expression(arch: GpuArch, kernel: str) -> sympy.Expr:
         on_wgmma = sympy.And(owned >= 64, sympy.Ne(E, 4))
         return sympy.Piecewise((fitted("wgmma", whole_rows), on_wgmma), (mma, True))
     return mma
-
-
-def smem_expression(arch: GpuArch, kernel: str, dropout: bool) -> sympy.Expr:
-    if kernel == "dq":
-        return dq_smem_expression(arch, dropout)
-    return dkdv_smem_expression(arch, dropout, GRADS_OF[kernel])
