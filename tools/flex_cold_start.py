@@ -3,8 +3,9 @@ loaded, before the kernel runs (Triton's compile on a GPU, the interpreter on th
 
 A fresh Python process with an empty attngen cache calls flex_attention with each of the
 attention-gym mods below at D 64, one after another (the first pays what a process pays once:
-the tiling model's compile; in an empty cache, the templates' compile into Jinja's bytecode
-cache too; the others are new modules in a warm process); a second process on the same cache
+reading the tiling models compiled ahead (attngen/tiling/model_store.json); in an empty
+cache, the templates' compile into Jinja's bytecode cache too; the others are new modules in
+a warm process); a second process on the same cache
 does the same at D 128 (new modules, the templates' bytecode kept). Each first call's phases
 are timed by wrapping the functions that do them:
 

@@ -32,7 +32,7 @@ import sympy  # noqa: E402
 
 from attngen.arch import ARCHS  # noqa: E402
 from attngen.tiling import backward, gluon, gluon_backward, prefill, symbolic  # noqa: E402
-from attngen.tiling.evaluate import STORE, Model  # noqa: E402
+from attngen.tiling.evaluate import STORE, Model, function_from  # noqa: E402
 
 # The values a worked formula is looked up at: every tile of the prefill, decode and backward
 # grids (decode's row tiles are powers of 2 up to 64), every padded head dim, every dtype size.
@@ -76,7 +76,7 @@ def models() -> Iterator[tuple[Model, tuple[str, ...], bool]]:
 
 def formulas(expr: sympy.Expr, names: tuple[str, ...], conditions: list[list[str]]) -> dict:
     """choice ("i,j,..", an arm per Piecewise node) -> the formula in force, over GRID."""
-    functions = [[_function(source) for source in node] for node in conditions]
+    functions = [[function_from(source) for source in node] for node in conditions]
     texts: dict[str, str] = {}
     for at in itertools.product(*(GRID[name] for name in names)):
         choice = ",".join(
@@ -85,12 +85,6 @@ def formulas(expr: sympy.Expr, names: tuple[str, ...], conditions: list[list[str
         if choice not in texts:
             texts[choice] = symbolic.active_text(expr, dict(zip(names, at, strict=True)))
     return dict(sorted(texts.items()))
-
-
-def _function(source: str) -> Any:
-    from attngen.tiling.evaluate import _function
-
-    return _function(source)
 
 
 def entry(model: Model, names: tuple[str, ...], worked: bool) -> dict[str, Any]:

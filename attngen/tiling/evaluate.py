@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 STORE = Path(__file__).with_name("model_store.json")
 misses: set[str] = set()  # what a derivation asked the store for and did not find (tests read it)
@@ -59,11 +59,11 @@ def _entry(model: Model, part: str, name: str | None = None) -> Any:
     return found
 
 
-def _function(source: str) -> Callable[..., Any]:
+def function_from(source: str) -> Callable[..., Any]:
+    """The function a lambdified source defines (the store's functions and conditions)."""
     namespace: dict[str, Any] = dict(vars(math))  # lambdify's "math" module: ceil, floor, ...
     exec(source, namespace)  # noqa: S102 - the store's text, written by tools/model_store.py
-    function: Callable[..., Any] = namespace["_lambdifygenerated"]
-    return function
+    return cast(Callable[..., Any], namespace["_lambdifygenerated"])
 
 
 @cache
@@ -74,7 +74,7 @@ def compiled(model: Model, symbols: tuple[str, ...]) -> Callable[..., Any]:
         from attngen.tiling import symbolic
 
         source = symbolic.function_source(model.expr(), symbols)
-    return _function(source)
+    return function_from(source)
 
 
 @cache
@@ -94,7 +94,7 @@ def _conditions(model: Model, symbols: tuple[str, ...]) -> tuple[Any, ...]:
         from attngen.tiling import symbolic
 
         sources = symbolic.condition_sources(model.expr(), symbols)
-    return tuple(tuple(_function(source) for source in node) for node in sources)
+    return tuple(tuple(function_from(source) for source in node) for node in sources)
 
 
 def active_formula(model: Model, values: dict[str, int]) -> str:
