@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TOTAL_LINES = 26656
+TOTAL_LINES = 26647
 FUNCTION_LINES = 60
 PACKAGE = "attngen"
 FUNCTION_DIRS = ("attngen", "tools")

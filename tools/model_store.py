@@ -32,7 +32,7 @@ import sympy  # noqa: E402
 
 from attngen.arch import ARCHS  # noqa: E402
 from attngen.tiling import backward, gluon, gluon_backward, prefill, symbolic  # noqa: E402
-from attngen.tiling.evaluate import STORE, Model, function_from  # noqa: E402
+from attngen.tiling.evaluate import STORE, Model, arm_choice, function_from  # noqa: E402
 
 # The values a worked formula is looked up at: every tile of the prefill, decode and backward
 # grids (decode's row tiles are powers of 2 up to 64), every padded head dim, every dtype size.
@@ -79,9 +79,7 @@ def formulas(expr: sympy.Expr, names: tuple[str, ...], conditions: list[list[str
     functions = [[function_from(source) for source in node] for node in conditions]
     texts: dict[str, str] = {}
     for at in itertools.product(*(GRID[name] for name in names)):
-        choice = ",".join(
-            str(next(i for i, cond in enumerate(node) if cond(*at))) for node in functions
-        )
+        choice = arm_choice(functions, at)
         if choice not in texts:
             texts[choice] = symbolic.active_text(expr, dict(zip(names, at, strict=True)))
     return dict(sorted(texts.items()))

@@ -47,15 +47,19 @@ class Model:
 
 @cache
 def _store() -> dict[str, Any]:
-    models: dict[str, Any] = json.loads(STORE.read_text())["models"] if STORE.exists() else {}
-    return models
+    return cast(dict[str, Any], json.loads(STORE.read_text())["models"] if STORE.exists() else {})
 
 
-def _entry(model: Model, part: str, name: str | None = None) -> Any:
+def _stored(model: Model, part: str, name: str | None, build: Callable[[Any, Any], Any]) -> Any:
+    """The store's `part` of `model` (its `name` entry), else build(symbolic, the expression):
+    the same result from sympy, the miss recorded."""
     found = _store().get(model.key, {}).get(part)
     found = found.get(name) if name is not None and found is not None else found
     if found is None:
+        from attngen.tiling import symbolic
+
         misses.add(f"{model.key} {part} {name or ''}".strip())
+        found = build(symbolic, model.expr())
     return found
 
 
@@ -69,49 +73,36 @@ def function_from(source: str) -> Callable[..., Any]:
 @cache
 def compiled(model: Model, symbols: tuple[str, ...]) -> Callable[..., Any]:
     """`model` as a Python function of the symbols named `symbols`, in floats (math module)."""
-    source = _entry(model, "functions", ",".join(symbols))
-    if source is None:
-        from attngen.tiling import symbolic
-
-        source = symbolic.function_source(model.expr(), symbols)
-    return function_from(source)
+    build = lambda symbolic, expr: symbolic.function_source(expr, symbols)  # noqa: E731
+    return function_from(_stored(model, "functions", ",".join(symbols), build))
 
 
 @cache
 def formula_text(model: Model) -> str:
     """str() of the expression."""
-    text = _entry(model, "text")
-    if text is None:
-        text = str(model.expr())
-    return str(text)
+    return str(_stored(model, "text", None, lambda symbolic, expr: str(expr)))
 
 
 @cache
 def _conditions(model: Model, symbols: tuple[str, ...]) -> tuple[Any, ...]:
     """Per Piecewise node of `model`, its arms' conditions as functions of `symbols`."""
-    sources = _entry(model, "conditions", ",".join(symbols))
-    if sources is None:
-        from attngen.tiling import symbolic
-
-        sources = symbolic.condition_sources(model.expr(), symbols)
+    build = lambda symbolic, expr: symbolic.condition_sources(expr, symbols)  # noqa: E731
+    sources = _stored(model, "conditions", ",".join(symbols), build)
     return tuple(tuple(function_from(source) for source in node) for node in sources)
+
+
+def arm_choice(conditions: Any, arguments: tuple[int, ...]) -> str:
+    """The store's key of a worked formula: per Piecewise node, its first arm that holds."""
+    return ",".join(str(next(i for i, c in enumerate(n) if c(*arguments))) for n in conditions)
 
 
 def active_formula(model: Model, values: dict[str, int]) -> str:
     """The formula in force at `values` (symbol name -> integer), every Piecewise replaced by
     its first arm whose condition holds: what the module header shows. The text depends only
     on which arm each Piecewise takes, so the store keeps one text per such choice."""
-    arguments = tuple(values.values())
-    choice = ",".join(
-        str(next(i for i, cond in enumerate(node) if bool(cond(*arguments))))
-        for node in _conditions(model, tuple(values))
-    )
-    text = _entry(model, "formulas", choice)
-    if text is None:
-        from attngen.tiling import symbolic
-
-        text = symbolic.active_text(model.expr(), values)
-    return str(text)
+    choice = arm_choice(_conditions(model, tuple(values)), tuple(values.values()))
+    build = lambda symbolic, expr: symbolic.active_text(expr, values)  # noqa: E731
+    return str(_stored(model, "formulas", choice, build))
 
 
 def substituted(model: Model, values: Mapping[str, int]) -> str:
