@@ -182,6 +182,26 @@ def test_gradients_match_the_float64_reference(case, built):
     assert torch.equal(grads[1], again[1]) and torch.equal(grads[2], again[2])
 
 
+def test_causal_key_blocks_in_any_head_order_give_the_same_gradients(built, monkeypatch):
+    """The causal CTA order with 1, 2 and 4 (the module's) KV heads' key blocks interleaved
+    (HEAVY_FIRST; six (batch, KV head)s, so 4 leaves a group of 2 last): dK and dV bitwise the
+    module's order's (each CTA sums its own in a fixed order), dQ against the float64
+    reference (its atomics' order moves). tools/ab_alt/bwd_heads_in_l2.patch chooses 1 or 2
+    per call where the heads' rows pass L2."""
+    case = (2, 1000, 1000, 6, 3, 128, "causal", "bottom_right", "bf16")
+    spec = spec_for(case)
+    built(spec)
+    grads, inputs, module = run_backward(case)
+    assert module.backward_path() == module.GLUON_BACKWARD_PATH
+    assert module._GLUON_BWD_CONSTEXPRS["HEAVY_FIRST"] == 4
+    for heads in (2, 1):
+        monkeypatch.setitem(module._GLUON_BWD_CONSTEXPRS, "HEAVY_FIRST", heads)
+        again, _, _ = run_backward(case)
+        assert torch.equal(grads[1], again[1]) and torch.equal(grads[2], again[2]), heads
+        problems = _compare(spec, case, again, inputs)
+        assert not problems, "; ".join(problems)
+
+
 @pytest.mark.parametrize("case", [CASES[i] for i in (2, 5, 9, 11, 16, 20, 23)], ids=_ids)
 def test_deterministic_calls_run_it_without_dq_and_repeat_bitwise(case, built):
     """deterministic=True: the Gluon kernel without dQ, dQ from the deterministic dQ kernel;

@@ -192,13 +192,13 @@ section_command() {
       tests/test_block_sparse_gpu.py -k hostile" ;;
     # Candidate kernel changes against the kernels (tools/ab_alt/: patches of the templates).
     ab_alt) echo "bash tools/ab_alt/run.sh $work" ;;
-    # The D 128 dK/dV kernel alone under Nsight Compute, dQ a step late against on time.
-    ncu_dq_late) echo "bash tools/ab_alt/ncu.sh $work" ;;
-    # The causal CTA orders under Nsight Compute (tools/ab_alt/run.sh says which): the forward
-    # kernel against 4 heads interleaved, the dK/dV kernel against head by head.
-    ncu_order) echo "for p in fwd_heavy_first:_gluon_attn_fwd bwd_head_by_head:_gluon_attn_bwd; do \
-      KERNELS=\${p#*:} DIMS='64 128' LENGTHS='1024 2048 4096 16384' MASKS=causal \
-      bash tools/ab_alt/ncu.sh $work \${p%%:*}; done" ;;
+    # The causal dK/dV kernel alone under Nsight Compute against its heads interleaved as
+    # many as fit L2 (tools/ab_alt/bwd_heads_in_l2.patch: at N 16k D 128 / 256 one, D 64 two;
+    # D 128 N 4k four, the module's order: a control), then the new head-order GPU case.
+    ncu_heads) echo "KERNELS=_gluon_attn_bwd DIMS='128 64 256' LENGTHS=16384 MASKS=causal \
+      bash tools/ab_alt/ncu.sh $work bwd_heads_in_l2 && KERNELS=_gluon_attn_bwd DIMS=128 \
+      LENGTHS=4096 MASKS=causal bash tools/ab_alt/ncu.sh $work bwd_heads_in_l2 \
+      && $pytest_gpu -rf tests/test_gluon_backward_gpu.py -k any_head_order" ;;
     # The D 64 causal backward's long form chosen per call (4096 keys or more): its two GPU
     # cases, then the grid's D 64 cells beside cuDNN.
     long_causal) echo "$pytest_gpu -rf --tb=short tests/test_gluon_backward_gpu.py -k 4100 \

@@ -4,13 +4,13 @@
 # (B): the measurement a grid's spread cannot give. Each cell runs tools/ncu_cell.py (forward,
 # backward, three times) and profiles its second launch of each kernel KERNELS matches.
 # Usage on a CUDA machine, from the repository root:
-#   bash tools/ab_alt/ncu.sh OUT [NAME]        (default NAME: bwd_dq_on_time)
+#   bash tools/ab_alt/ncu.sh OUT [NAME]        (default NAME: bwd_heads_in_l2)
 # with, in the environment, KERNELS (default _gluon_attn_bwd; _gluon_attn_.. both), COUNT
 # (the kernels KERNELS matches: 2 for _gluon_attn_.., else 1), DIMS (128), LENGTHS ("4096
 # 16384"), MASKS ("unmasked causal").
 set -u
 out=${1:?usage: tools/ab_alt/ncu.sh OUT [NAME]}
-name=${2:-bwd_dq_on_time}
+name=${2:-bwd_heads_in_l2}
 kernels=${KERNELS:-_gluon_attn_bwd}
 count=${COUNT:-$([ "$kernels" = _gluon_attn_.. ] && echo 2 || echo 1)}
 alt="$out/alt_$name"

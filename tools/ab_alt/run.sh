@@ -7,20 +7,20 @@
 # The A/B's forward, which a backward candidate leaves alone, read 0.98-1.12x on an H100
 # (2026-12-07): a backward B/A within about 5% of 1 is noise. Measured and merged or dropped:
 # dQ a step late (served at D 128), double-buffered dQ staging (slower causal), both at
-# docs/results/ab_alt_h100_2026-12-07_83ac9e2d.log.
+# docs/results/ab_alt_h100_2026-12-07_83ac9e2d.log; the causal CTA orders (forward 4 heads
+# interleaved, backward head by head) and dQ on time, measured under Nsight Compute and
+# dropped (docs/results/ncu_order_h100_2026-12-07_48e6759a.log, their patches at bf87cf60).
 set -u
 out=${1:?usage: tools/ab_alt/run.sh OUT [NAME ...]}
 shift
-# The causal CTA orders (causal only: the unmasked kernels do not change): the forward's last
-# query blocks of 4 heads first (head by head now), the backward's key blocks head by head (4
-# KV heads interleaved now); dQ on time: the D 128 kernel before dQ a step late (B/A < 1 if
-# the latter is faster); per-thread releases: at D 128 on top of dQ a step late
-# (cross-compiled: 16 B spilled as without them), at D 64 the served BLOCK_M 128 / 64 forms
-declare -A dims=([bwd_thread_arrives]="128 64" [bwd_dq_on_time]="128" [bwd_head_by_head]="64 128"
-  [fwd_heavy_first]="64 128")
-declare -A lengths=([bwd_head_by_head]="1024 2048 4096 16384" [fwd_heavy_first]="1024 2048 4096 16384")
-declare -A masks=([bwd_head_by_head]="1" [fwd_heavy_first]="1")
-order=(fwd_heavy_first bwd_head_by_head bwd_dq_on_time bwd_thread_arrives)
+# Per-thread releases: at D 128 on top of dQ a step late (cross-compiled: 16 B spilled as
+# without them), at D 64 the served BLOCK_M 128 / 64 forms; heads in L2: the causal dK/dV
+# kernel with as many KV heads' key blocks interleaved as fit L2 (causal only: the unmasked
+# kernels do not change).
+declare -A dims=([bwd_thread_arrives]="128 64" [bwd_heads_in_l2]="128 64")
+declare -A lengths=()
+declare -A masks=([bwd_heads_in_l2]="1")
+order=(bwd_heads_in_l2 bwd_thread_arrives)
 failed=0
 for name in "${@:-${order[@]}}"; do
   alt="$out/alt_$name"
