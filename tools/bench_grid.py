@@ -258,6 +258,10 @@ def run_cell(impls, head_dim, seqlen, causal, args) -> dict:
         names = list(ready)[turn % len(ready) :] + list(ready)[: turn % len(ready)]
         time_round(ready, results, names, (q, k, v, dout, causal, backward), args.rep_ms)
     for name in ready:  # which kernels served the calls; the forward again, the others done
+        if name == "fa4" and backward and results[name].get("fwd_bwd_rounds"):
+            results[name]["step_kernels_us"] = step_kernels(
+                closures(ready[name], q, k, v, dout, causal, backward)[1]
+            )
         if name.startswith("attngen"):
             if backward and results[name].get("fwd_bwd_rounds"):
                 closures(ready[name], q, k, v, dout, causal, backward)[1]()
@@ -366,7 +370,46 @@ def summary(report: dict) -> str:
         if values:
             mean = geomean(values)
             lines.append(f"geomean attngen/{other} {key[:3]}: {mean:.3f} over {len(values)} cells")
-    return "\n".join(lines + _module_lines(report["cells"]) + _spread_lines(report["cells"]))
+    cells = report["cells"]
+    return "\n".join(lines + _module_lines(cells) + _kernel_lines(cells) + _spread_lines(cells))
+
+
+def main_kernels(kernels: dict) -> dict:
+    """A step's forward and backward main kernels' times (us), by name: the longest with
+    "fwd", and the longest with "bwd" that is not a pre- or postprocess (attngen's dQ pass,
+    FA4's flash_bwd_preprocess / postprocess)."""
+    found: dict = {}
+    for name, us in kernels.items():
+        low = name.lower()
+        side = "fwd" if "fwd" in low else "bwd" if "bwd" in low else None
+        if side == "bwd" and any(word in low for word in ("process", "_dq_", "dq_kernel")):
+            continue
+        if side is not None and us > found.get(side, 0.0):
+            found[side] = us
+    return found
+
+
+def _kernel_lines(cells: list[dict]) -> list[str]:
+    """Per cell, FA4's main kernel time over attngen's (> 1: attngen's faster), forward and
+    backward, from one profiled step each: the kernels apart from the small ones and the
+    host (the issue's per-kernel account)."""
+    lines, ratios = [], {"fwd": [], "bwd": []}
+    for cell in cells:
+        ours, theirs = (main_kernels(cell["results"].get(name, {}).get("step_kernels_us", {}))
+                        for name in ("attngen", "fa4"))  # fmt: skip
+        pair = {
+            side: theirs[side] / ours[side] for side in ratios if side in ours and side in theirs
+        }
+        for side, ratio in pair.items():
+            ratios[side].append(ratio)
+        if pair:
+            where = (
+                f"{cell['head_dim']:<4} {cell['seqlen']:<5} {'yes' if cell['causal'] else 'no':6}"
+            )
+            lines.append(f"{where} main kernels fa4/attngen: " + ", ".join(
+                f"{side} {ratio:.2f}" for side, ratio in pair.items()))  # fmt: skip
+    means = [f"{side} {geomean(v):.3f}" for side, v in ratios.items() if v]
+    return lines + ([f"geomean main kernels fa4/attngen: {', '.join(means)}"] if means else [])
 
 
 def _spread_lines(cells: list[dict]) -> list[str]:
