@@ -199,6 +199,11 @@ section_command() {
       bash tools/ab_alt/ncu.sh $work bwd_heads_in_l2 && KERNELS=_gluon_attn_bwd DIMS=128 \
       LENGTHS=4096 MASKS=causal bash tools/ab_alt/ncu.sh $work bwd_heads_in_l2 \
       && $pytest_gpu -rf tests/test_gluon_backward_gpu.py -k any_head_order" ;;
+    # The dK/dV kernel alone under Nsight Compute against dK and dV stored by TMA through the
+    # dQ staging (tools/ab_alt/bwd_tma_epilogue.patch: BLOCK_M 64 forms; D 64 unmasked runs
+    # BLOCK_M 128, unchanged: a control), at N 1k where a CTA's fixed cost weighs most.
+    ncu_epilogue) echo "KERNELS=_gluon_attn_bwd DIMS='128 64' LENGTHS=1024 \
+      MASKS='unmasked causal' bash tools/ab_alt/ncu.sh $work bwd_tma_epilogue" ;;
     # The D 64 causal backward's long form chosen per call (4096 keys or more): its two GPU
     # cases, then the grid's D 64 cells beside cuDNN.
     long_causal) echo "$pytest_gpu -rf --tb=short tests/test_gluon_backward_gpu.py -k 4100 \
