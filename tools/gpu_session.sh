@@ -9,7 +9,8 @@
 # Sections: `tools/gpu_session.sh OUT list` prints each one and its command (cp_bwd_bench*,
 #   cp_train*, cp_long and cp_long_proxy need two GPUs; cp_tests and cp_bwd_tests skip their
 #   two-GPU tests with one). A GPU test file is a section by its path, tests/test_x_gpu.py[:SECONDS]
-#   (its log OUT/work/tests_test_x_gpu.py.log).
+#   (its log OUT/work/tests_test_x_gpu.py.log), some of its tests by pytest's -k after an @:
+#   "tests/test_x_gpu.py@EXPR[:SECONDS]" (EXPR without a colon; one argument, quoted).
 set -u -o pipefail
 out=${1:?usage: tools/gpu_session.sh OUT SECTION[:SECONDS] ...}
 shift
@@ -257,6 +258,8 @@ section_command() {
       python3 tools/bench_decode_tree.py --out $work" ;;
     # Any GPU test file by its path, e.g. tests/test_decode_gpu.py:250.
     tests/*.py) echo "$pytest_gpu -rf --tb=short $1" ;;
+    # Some of its tests: tests/test_x_gpu.py@EXPR[:SECONDS], EXPR pytest's -k (no colon).
+    tests/*.py@*) echo "$pytest_gpu -rf --tb=short ${1%%@*} -k '${1#*@}'" ;;
     *) return 1 ;;
   esac
 }
@@ -287,7 +290,7 @@ for item in "$@"; do
   [ "$limit" = "$item" ] && limit=300
   command=$(section_command "$name") || { echo "$name: unknown section" >> "$summary"; failed=1; continue; }
   start=$(date +%s)
-  log="$work/${name//\//_}.log"
+  log="$work/$(printf '%s' "$name" | tr '/ @' '___').log"
   timeout -k 10 "$limit" bash -c "$command" > "$log" 2>&1
   rc=$?
   [ $rc -ne 0 ] && failed=1
