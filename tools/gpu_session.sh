@@ -205,6 +205,11 @@ section_command() {
     # BLOCK_M 128, unchanged: a control), at N 1k where a CTA's fixed cost weighs most.
     ncu_epilogue) echo "KERNELS=_gluon_attn_bwd DIMS='128 64' LENGTHS=1024 \
       MASKS='unmasked causal' bash tools/ab_alt/ncu.sh $work bwd_tma_epilogue" ;;
+    # The forward kernel alone under Nsight Compute against K_j and V_{j-1} behind one ready
+    # and one empty barrier a step (tools/ab_alt/fwd_kv_one_slot.patch: a key block's consumer
+    # loop one warpgroup bar.sync and two mbarrier operations fewer, cross-compiled).
+    ncu_fwd_slot) echo "KERNELS=_gluon_attn_fwd DIMS='128 64' LENGTHS=16384 \
+      MASKS='unmasked causal' bash tools/ab_alt/ncu.sh $work fwd_kv_one_slot" ;;
     # The D 64 causal backward's long form chosen per call (4096 keys or more): its two GPU
     # cases, then the grid's D 64 cells beside cuDNN.
     long_causal) echo "$pytest_gpu -rf --tb=short tests/test_gluon_backward_gpu.py -k 4100 \

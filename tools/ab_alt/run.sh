@@ -17,11 +17,13 @@ shift
 # without them), at D 64 the served BLOCK_M 128 / 64 forms; heads in L2: the causal dK/dV
 # kernel with as many KV heads' key blocks interleaved as fit L2 (causal only: the unmasked
 # kernels do not change); TMA epilogue: dK and dV stored by TMA from the dQ staging (BLOCK_M 64
-# forms), the per-CTA cost at short sequences.
-declare -A dims=([bwd_thread_arrives]="128 64" [bwd_heads_in_l2]="128 64" [bwd_tma_epilogue]="128 64")
+# forms), the per-CTA cost at short sequences; one slot: the forward's K_j and V_{j-1} behind
+# one ready and one empty barrier a step.
+declare -A dims=([bwd_thread_arrives]="128 64" [bwd_heads_in_l2]="128 64" [bwd_tma_epilogue]="128 64"
+  [fwd_kv_one_slot]="128 64")
 declare -A lengths=([bwd_tma_epilogue]="1024 4096")
 declare -A masks=([bwd_heads_in_l2]="1")
-order=(bwd_heads_in_l2 bwd_tma_epilogue bwd_thread_arrives)
+order=(bwd_heads_in_l2 bwd_tma_epilogue fwd_kv_one_slot bwd_thread_arrives)
 failed=0
 for name in "${@:-${order[@]}}"; do
   alt="$out/alt_$name"
