@@ -258,19 +258,18 @@ def run_cell(impls, head_dim, seqlen, causal, args) -> dict:
         names = list(ready)[turn % len(ready) :] + list(ready)[: turn % len(ready)]
         time_round(ready, results, names, (q, k, v, dout, causal, backward), args.rep_ms)
     for name in ready:  # which kernels served the calls; the forward again, the others done
-        if name == "fa4" and backward and results[name].get("fwd_bwd_rounds"):
+        fwd, step = closures(ready[name], q, k, v, dout, causal, backward)
+        profiled = backward and results[name].get("fwd_bwd_rounds")
+        if name == "fa4" and profiled:
             try:  # its main kernels beside attngen's (_kernel_lines)
-                step = closures(ready[name], q, k, v, dout, causal, backward)[1]
                 results[name]["step_kernels_us"] = step_kernels(step)
             except Exception as exc:  # noqa: BLE001 - recorded, the cell still completes
                 results[name]["error"] = f"step kernels: {type(exc).__name__}: {exc}"[:300]
         if name.startswith("attngen"):
-            if backward and results[name].get("fwd_bwd_rounds"):
-                closures(ready[name], q, k, v, dout, causal, backward)[1]()
+            if profiled:
+                step()
                 results[name]["backward"] = backward_path()
-                results[name]["step_kernels_us"] = step_kernels(
-                    closures(ready[name], q, k, v, dout, causal, backward)[1]
-                )
+                results[name]["step_kernels_us"] = step_kernels(step)
                 try:
                     results[name]["module_bwd_ms"] = module_backward_ms(
                         q, k, v, dout, causal, name == "attngen_det", args.rep_ms
@@ -280,7 +279,6 @@ def run_cell(impls, head_dim, seqlen, causal, args) -> dict:
             chosen = attngen.last_dispatch()  # None only if no call went through the registry
             if chosen is not None:
                 results[name]["dispatch"] = {"module": chosen.module, "forward": chosen.forward}
-            fwd, _ = closures(ready[name], q, k, v, dout, causal, backward)
             results[name]["fwd_ms_again"] = median_ms(fwd, args.rep_ms)
     for res in results.values():
         rounds = {phase: res.pop(f"{phase}_rounds", []) for phase in ("fwd", "fwd_bwd")}
@@ -384,7 +382,7 @@ def main_kernels(kernels: dict) -> dict:
     for name, us in kernels.items():
         low = name.lower()
         side = "fwd" if "fwd" in low else "bwd" if "bwd" in low else None
-        if side == "bwd" and any(word in low for word in ("process", "_dq_", "dq_kernel")):
+        if side == "bwd" and any(word in low for word in ("process", "_dq_")):
             continue
         if side is not None and us > found.get(side, 0.0):
             found[side] = us
