@@ -205,6 +205,18 @@ section_command() {
     # BLOCK_M 128, unchanged: a control), at N 1k where a CTA's fixed cost weighs most.
     ncu_epilogue) echo "KERNELS=_gluon_attn_bwd DIMS='128 64' LENGTHS=1024 \
       MASKS='unmasked causal' bash tools/ab_alt/ncu.sh $work bwd_tma_epilogue" ;;
+    # The dK/dV kernel alone under Nsight Compute against its persistent form
+    # (tools/ab_alt/bwd_persistent.patch: a CTA an SM runs tiles in turn, the producer loading
+    # the next tile's K, V and first blocks while the consumers store dK and dV), at N 1k where
+    # the per-CTA cost weighs most and N 16k where the steps do.
+    ncu_persistent) echo "KERNELS=_gluon_attn_bwd DIMS='128 64' LENGTHS='1024 16384' \
+      MASKS='unmasked causal' bash tools/ab_alt/ncu.sh $work bwd_persistent" ;;
+    # The GPU backward tests on the templates with a candidate patch applied (PATCH, default
+    # bwd_persistent; the tree's templates restored after).
+    patched_bwd_tests) echo "git apply -p1 --directory=attngen/templates \
+      tools/ab_alt/\${PATCH:-bwd_persistent}.patch && { $pytest_gpu -rf --tb=short \
+      tests/test_gluon_backward_gpu.py; rc=\$?; git apply -R -p1 --directory=attngen/templates \
+      tools/ab_alt/\${PATCH:-bwd_persistent}.patch; exit \$rc; }" ;;
     # The forward kernel alone under Nsight Compute against K_j and V_{j-1} behind one ready
     # and one empty barrier a step (tools/ab_alt/fwd_kv_one_slot.patch: a key block's consumer
     # loop one warpgroup bar.sync and two mbarrier operations fewer, cross-compiled).
