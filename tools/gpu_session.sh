@@ -210,7 +210,7 @@ section_command() {
     # the next tile's K, V and first blocks while the consumers store dK and dV), at N 1k where
     # the per-CTA cost weighs most and N 16k where the steps do.
     ncu_persistent) echo "KERNELS=_gluon_attn_bwd DIMS='128 64' LENGTHS='1024 16384' \
-      MASKS='unmasked causal' bash tools/ab_alt/ncu.sh $work bwd_persistent" ;;
+      MASKS='unmasked causal' bash tools/ab_alt/ncu.sh $work bwd_persistent,bwd_persistent_tma" ;;
     # The GPU backward tests on the templates with a candidate patch applied (PATCH, default
     # bwd_persistent; the tree's templates restored after).
     patched_bwd_tests) echo "git apply -p1 --directory=attngen/templates \
