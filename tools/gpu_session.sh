@@ -212,10 +212,10 @@ section_command() {
     ncu_persistent) echo "KERNELS=_gluon_attn_bwd DIMS='128 64' LENGTHS='1024 16384' \
       MASKS='unmasked causal' bash tools/ab_alt/ncu.sh $work bwd_persistent,bwd_persistent_tma" ;;
     # The GPU backward tests on the templates with a candidate patch applied (PATCH, default
-    # bwd_persistent; the tree's templates restored after).
+    # bwd_persistent; PATCH_K: pytest's -k; the tree's templates restored after).
     patched_bwd_tests) echo "git apply -p1 --directory=attngen/templates \
       tools/ab_alt/\${PATCH:-bwd_persistent}.patch && { $pytest_gpu -rf --tb=short \
-      tests/test_gluon_backward_gpu.py; rc=\$?; git apply -R -p1 --directory=attngen/templates \
+      tests/test_gluon_backward_gpu.py \${PATCH_K:+-k \"\$PATCH_K\"}; rc=\$?; git apply -R -p1 --directory=attngen/templates \
       tools/ab_alt/\${PATCH:-bwd_persistent}.patch; exit \$rc; }" ;;
     # The forward kernel alone under Nsight Compute against K_j and V_{j-1} behind one ready
     # and one empty barrier a step (tools/ab_alt/fwd_kv_one_slot.patch: a key block's consumer
