@@ -205,10 +205,11 @@ section_command() {
     # BLOCK_M 128, unchanged: a control), at N 1k where a CTA's fixed cost weighs most.
     ncu_epilogue) echo "KERNELS=_gluon_attn_bwd DIMS='128 64' LENGTHS=1024 \
       MASKS='unmasked causal' bash tools/ab_alt/ncu.sh $work bwd_tma_epilogue" ;;
-    # The dK/dV kernel alone under Nsight Compute against its persistent form
-    # (tools/ab_alt/bwd_persistent.patch: a CTA an SM runs tiles in turn, the producer loading
-    # the next tile's K, V and first blocks while the consumers store dK and dV), at N 1k where
-    # the per-CTA cost weighs most and N 16k where the steps do.
+    # The dK/dV kernel alone under Nsight Compute against its persistent forms
+    # (tools/ab_alt/bwd_persistent*.patch: without a mask a CTA an SM runs tiles in turn, the
+    # producer loading the next tile's K, V and first blocks while the consumers store dK and
+    # dV; _tma: dK, dV stored by TMA), at N 1k where the per-CTA cost weighs most and N 16k
+    # where the steps do; causal launches a CTA a tile there: its cells are the control.
     ncu_persistent) echo "KERNELS=_gluon_attn_bwd DIMS='128 64' LENGTHS='1024 16384' \
       MASKS='unmasked causal' bash tools/ab_alt/ncu.sh $work bwd_persistent,bwd_persistent_tma" ;;
     # The GPU backward tests on the templates with a candidate patch applied (PATCH, default
