@@ -209,9 +209,11 @@ section_command() {
     # (tools/ab_alt/bwd_persistent*.patch: without a mask a CTA an SM runs tiles in turn, the
     # producer loading the next tile's K, V and first blocks while the consumers store dK and
     # dV; _tma: dK, dV stored by TMA), at N 1k where the per-CTA cost weighs most and N 16k
-    # where the steps do; causal launches a CTA a tile there: its cells are the control.
+    # where the steps do; then D 128 N 1k causal, which launches a CTA a tile (a control).
     ncu_persistent) echo "KERNELS=_gluon_attn_bwd DIMS='128 64' LENGTHS='1024 16384' \
-      MASKS='unmasked causal' bash tools/ab_alt/ncu.sh $work bwd_persistent,bwd_persistent_tma" ;;
+      MASKS=unmasked bash tools/ab_alt/ncu.sh $work bwd_persistent,bwd_persistent_tma \
+      && KERNELS=_gluon_attn_bwd DIMS=128 LENGTHS=1024 MASKS=causal \
+      bash tools/ab_alt/ncu.sh $work bwd_persistent,bwd_persistent_tma" ;;
     # The GPU backward tests on the templates with a candidate patch applied (PATCH, default
     # bwd_persistent; PATCH_K: pytest's -k; the tree's templates restored after).
     patched_bwd_tests) echo "git apply -p1 --directory=attngen/templates \
