@@ -242,12 +242,13 @@ def test_d256_deterministic_calls_run_it_without_dq(case, built):
 
 
 # More (key block, batch, KV head) tiles than an H100 or H200 has SMs (132): several a CTA where
-# the kernel runs tiles in turn (tools/ab_alt/bwd_persistent.patch); query blocks a tile not a
-# multiple of the ring's stages, a partial last key block.
+# the kernel runs tiles in turn (tools/ab_alt/bwd_persistent*.patch); query blocks a tile not a
+# multiple of the ring's stages, a partial last key block; causal tiles of unequal work.
 MANY_TILES = [
     (4, 300, 300, 48, 48, 128, "none", None, "bf16"),
     (4, 300, 300, 64, 32, 64, "none", None, "fp16"),
     (4, 300, 300, 24, 24, 256, "none", None, "bf16"),
+    (4, 300, 300, 48, 24, 128, "causal", "bottom_right", "bf16"),
 ]
 
 

@@ -209,10 +209,13 @@ section_command() {
     # (tools/ab_alt/bwd_persistent*.patch: without a mask a CTA an SM runs tiles in turn, the
     # producer loading the next tile's K, V and first blocks while the consumers store dK and
     # dV; _tma: dK, dV stored by TMA), at N 1k where the per-CTA cost weighs most and N 16k
-    # where the steps do; then D 128 N 1k causal, which launches a CTA a tile (a control).
-    ncu_persistent) echo "KERNELS=_gluon_attn_bwd DIMS='128 64' LENGTHS='1024 16384' \
-      MASKS=unmasked bash tools/ab_alt/ncu.sh $work bwd_persistent,bwd_persistent_tma \
-      && KERNELS=_gluon_attn_bwd DIMS=128 LENGTHS=1024 MASKS=causal \
+    # where the steps do; _dynamic: causal too, tiles taken by an atomic counter (greedy, as
+    # the hardware dispatches), at D 128 and 64 N 1k causal.
+    ncu_persistent) echo "KERNELS=_gluon_attn_bwd DIMS=128 LENGTHS='1024 16384' MASKS=unmasked \
+      bash tools/ab_alt/ncu.sh $work bwd_persistent,bwd_persistent_tma,bwd_persistent_dynamic \
+      && KERNELS=_gluon_attn_bwd DIMS='128 64' LENGTHS=1024 MASKS=causal \
+      bash tools/ab_alt/ncu.sh $work bwd_persistent_dynamic \
+      && KERNELS=_gluon_attn_bwd DIMS=64 LENGTHS=1024 MASKS=unmasked \
       bash tools/ab_alt/ncu.sh $work bwd_persistent,bwd_persistent_tma" ;;
     # The GPU backward tests on the templates with a candidate patch applied (PATCH, default
     # bwd_persistent; PATCH_K: pytest's -k; the tree's templates restored after).
