@@ -221,8 +221,9 @@ section_command() {
     # bwd_persistent; PATCH_K: pytest's -k; the tree's templates restored after).
     patched_bwd_tests) echo "git apply -p1 --directory=attngen/templates \
       tools/ab_alt/\${PATCH:-bwd_persistent}.patch && { $pytest_gpu -rf --tb=short \
-      tests/test_gluon_backward_gpu.py \${PATCH_K:+-k \"\$PATCH_K\"}; rc=\$?; git apply -R -p1 --directory=attngen/templates \
-      tools/ab_alt/\${PATCH:-bwd_persistent}.patch; exit \$rc; }" ;;
+      tests/test_gluon_backward_gpu.py \${PATCH_K:+-k \"\$PATCH_K\"}; rc=\$?; \
+      git apply -R -p1 --directory=attngen/templates tools/ab_alt/\${PATCH:-bwd_persistent}.patch; \
+      exit \$rc; }" ;;
     # The forward kernel alone under Nsight Compute against K_j and V_{j-1} behind one ready
     # and one empty barrier a step (tools/ab_alt/fwd_kv_one_slot.patch: a key block's consumer
     # loop one warpgroup bar.sync and two mbarrier operations fewer, cross-compiled).
