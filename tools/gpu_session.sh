@@ -206,23 +206,18 @@ section_command() {
     ncu_epilogue) echo "KERNELS=_gluon_attn_bwd DIMS='128 64' LENGTHS=1024 \
       MASKS='unmasked causal' bash tools/ab_alt/ncu.sh $work bwd_tma_epilogue" ;;
     # The dK/dV kernel alone under Nsight Compute against its persistent forms
-    # (tools/ab_alt/bwd_persistent*.patch: without a mask a CTA an SM runs tiles in turn, the
-    # producer loading the next tile's K, V and first blocks while the consumers store dK and
-    # dV; _tma: dK, dV stored by TMA), at N 1k where the per-CTA cost weighs most and N 16k
-    # where the steps do; _dynamic: causal too, tiles taken by an atomic counter (greedy, as
-    # the hardware dispatches), at D 128 and 64 N 1k causal.
-    ncu_persistent) echo "KERNELS=_gluon_attn_bwd DIMS=128 LENGTHS='1024 16384' MASKS=unmasked \
-      bash tools/ab_alt/ncu.sh $work bwd_persistent,bwd_persistent_tma,bwd_persistent_dynamic \
-      && KERNELS=_gluon_attn_bwd DIMS='128 64' LENGTHS=1024 MASKS=causal \
-      bash tools/ab_alt/ncu.sh $work bwd_persistent_dynamic \
-      && KERNELS=_gluon_attn_bwd DIMS=64 LENGTHS=1024 MASKS=unmasked \
-      bash tools/ab_alt/ncu.sh $work bwd_persistent,bwd_persistent_tma" ;;
+    # (tools/ab_alt/bwd_persistent_dynamic*.patch: a CTA an SM takes the module's tiles in
+    # order by an atomic counter, the producer loading the next tile's K, V and first blocks
+    # while the consumers store dK and dV; _tma: dK, dV stored by TMA, BLOCK_M 64 forms).
+    ncu_persistent) echo "KERNELS=_gluon_attn_bwd DIMS='128 64 256' LENGTHS='1024 4096 16384' \
+      MASKS='unmasked causal' bash tools/ab_alt/ncu.sh $work \
+      bwd_persistent_dynamic_tma,bwd_persistent_dynamic" ;;
     # The GPU backward tests on the templates with a candidate patch applied (PATCH, default
-    # bwd_persistent; PATCH_K: pytest's -k; the tree's templates restored after).
+    # bwd_persistent_dynamic_tma; PATCH_K: pytest's -k; the tree's templates restored after).
     patched_bwd_tests) echo "git apply -p1 --directory=attngen/templates \
-      tools/ab_alt/\${PATCH:-bwd_persistent}.patch && { $pytest_gpu -rf --tb=short \
+      tools/ab_alt/\${PATCH:-bwd_persistent_dynamic_tma}.patch && { $pytest_gpu -rf --tb=short \
       tests/test_gluon_backward_gpu.py \${PATCH_K:+-k \"\$PATCH_K\"}; rc=\$?; \
-      git apply -R -p1 --directory=attngen/templates tools/ab_alt/\${PATCH:-bwd_persistent}.patch; \
+      git apply -R -p1 --directory=attngen/templates tools/ab_alt/\${PATCH:-bwd_persistent_dynamic_tma}.patch; \
       exit \$rc; }" ;;
     # The forward kernel alone under Nsight Compute against K_j and V_{j-1} behind one ready
     # and one empty barrier a step (tools/ab_alt/fwd_kv_one_slot.patch: a key block's consumer
